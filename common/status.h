@@ -1,0 +1,31 @@
+/* status.h: setting the thread-local error detail and carrying failures up.
+ * Internal to libmoe; the public side is moe_status and moe_last_error(). */
+#ifndef MOE_COMMON_STATUS_H
+#define MOE_COMMON_STATUS_H
+
+#include "moe.h"
+
+#if defined(__GNUC__)
+#define MOE_PRINTF(fmt, args) __attribute__((format(printf, fmt, args)))
+#else
+#define MOE_PRINTF(fmt, args)
+#endif
+
+/* Records the detail of a failure for moe_last_error() and returns status, so
+ * a caller writes: return moe_error(MOE_ERR_CONFIG, "top_k=%lld ...", k); */
+moe_status moe_error(moe_status status, const char *fmt, ...) MOE_PRINTF(2, 3);
+
+/* Prefixes the current detail with context ("model.safetensors: " + detail),
+ * as a failure travels up through a caller that knows more. */
+moe_status moe_error_prefix(moe_status status, const char *fmt, ...) MOE_PRINTF(2, 3);
+
+void moe_error_clear(void);
+
+/* Propagates a failing status from a call that has already set the detail. */
+#define MOE_TRY(call)                                                                              \
+    do {                                                                                           \
+        moe_status moe_try_status_ = (call);                                                       \
+        if (moe_try_status_ != MOE_OK) return moe_try_status_;                                     \
+    } while (0)
+
+#endif /* MOE_COMMON_STATUS_H */

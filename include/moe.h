@@ -1,0 +1,176 @@
+/* moe.h: the one public C API of libmoe, a Mixture-of-Experts training engine.
+ *
+ * Conventions
+ *  - Every function that can fail returns moe_status; MOE_OK is 0.
+ *  - On failure, moe_last_error() returns a message for the calling thread that
+ *    names the field, value or file at fault. It stays valid until the next
+ *    failing call on the same thread.
+ *  - Handles are opaque. Buffers are the caller's: the library never keeps a
+ *    pointer to one past the call that received it.
+ *  - Tensors are row-major fp32 unless said otherwise; shapes are written
+ *    [rows, cols] beside each pointer.
+ *  - Sizes and counts are int64_t.
+ */
+#ifndef MOE_H
+#define MOE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define MOE_VERSION_MAJOR 0
+#define MOE_VERSION_MINOR 1
+#define MOE_VERSION_PATCH 0
+
+typedef enum moe_status {
+    MOE_OK = 0,
+    MOE_ERR_INVALID_ARG,   /* a NULL pointer, a negative size, a bad enum */
+    MOE_ERR_CONFIG,        /* a configuration value that cannot work */
+    MOE_ERR_OUT_OF_MEMORY, /* an allocation failed */
+    MOE_ERR_IO,            /* a file could not be opened, read or written */
+    MOE_ERR_FORMAT,        /* a file's contents are malformed or inconsistent */
+    MOE_ERR_STATE,         /* calls made out of order (backward before forward) */
+    MOE_ERR_UNSUPPORTED,   /* not built in, or no device */
+    MOE_ERR_COMM,          /* a collective failed or a peer rank died */
+    MOE_ERR_INTERNAL,      /* a bug in libmoe: please report it */
+    MOE_STATUS_COUNT
+} moe_status;
+
+/* A short constant description of a status, e.g. "invalid configuration". */
+const char *moe_status_string(moe_status status);
+
+/* The detail of the last failure on this thread, or "" if none. */
+const char *moe_last_error(void);
+
+/* The library's version, as built: "0.1.0". */
+const char *moe_version_string(void);
+void moe_version(int *major, int *minor, int *patch);
+
+/* ---------------------------------------------------------------- MoE layer */
+
+typedef enum moe_gate_kind {
+    /* p = softmax(logits) over all experts, then the k largest (Mixtral). */
+    MOE_GATE_SOFTMAX_TOPK = 0,
+    /* the k largest logits, then softmax over those k only. */
+    MOE_GATE_TOPK_SOFTMAX = 1,
+    /* s = sigmoid(logits), the k largest, weights s / sum of the k chosen
+     * (DeepSeek-V3). The weights are always normalised over the chosen k. */
+    MOE_GATE_SIGMOID = 2,
+} moe_gate_kind;
+
+typedef struct moe_layer_config {
+    int64_t d_model;   /* hidden size d */
+    int64_t d_ff;      /* each routed expert's intermediate size */
+    int64_t n_experts; /* E */
+    int64_t top_k;     /* k, 1 <= k <= E */
+    moe_gate_kind gate;
+    /* Divide the k chosen probabilities by their sum (Mixtral: on). Ignored by
+     * MOE_GATE_TOPK_SOFTMAX and MOE_GATE_SIGMOID, which always normalise. */
+    int renormalize;
+    /* 0: dropless. > 0: each expert takes at most ceil(cf * T * k / E) of the
+     * (token, slot) pairs, first come in token order; the rest are dropped. */
+    double capacity_factor;
+    /* Switch/GShard balancing loss E * sum_e f_e * P_e, times this. */
+    double aux_loss_coef;
+    /* mean over tokens of logsumexp(logits)^2, times this. */
+    double z_loss_coef;
+    /* Auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias added to
+     * the scores for selection only, moved by this step size against the load
+     * error by moe_layer_update_bias(). 0 disables the bias. */
+    double bias_update_rate;
+    /* Shared experts every token passes (DeepSeek style): one SwiGLU MLP of
+     * width n_shared_experts * d_ff, added to the routed output. */
+    int64_t n_shared_experts;
+    /* Training-time router jitter: the router input is multiplied by
+     * U(1 - eps, 1 + eps), as in Mixtral. 0 disables it. */
+    double jitter_eps;
+    uint64_t seed; /* seeds the jitter noise */
+} moe_layer_config;
+
+/* Mixtral's defaults for everything but the sizes. */
+#define MOE_LAYER_CONFIG_INIT                                                    \
+    {                                                                            \
+        .d_model = 0, .d_ff = 0, .n_experts = 0, .top_k = 0,                     \
+        .gate = MOE_GATE_SOFTMAX_TOPK, .renormalize = 1, .capacity_factor = 0.0, \
+        .aux_loss_coef = 0.0, .z_loss_coef = 0.0, .bias_update_rate = 0.0,       \
+        .n_shared_experts = 0, .jitter_eps = 0.0, .seed = 0                      \
+    }
+
+/* Checks a config without creating anything; the error names the field. */
+moe_status moe_layer_config_validate(const moe_layer_config *cfg);
+
+typedef struct moe_layer moe_layer;
+
+moe_status moe_layer_create(moe_layer **layer, const moe_layer_config *cfg);
+void moe_layer_destroy(moe_layer *layer);
+
+/* Named tensors: parameters and their gradients share one name and shape.
+ * Names follow Hugging Face Mixtral's block_sparse_moe:
+ *   gate.weight [E, d], experts.{e}.w1.weight [ff, d],
+ *   experts.{e}.w3.weight [ff, d], experts.{e}.w2.weight [d, ff],
+ * and with shared experts (width S = n_shared_experts * ff):
+ *   shared_experts.gate_proj.weight [S, d], shared_experts.up_proj.weight
+ *   [S, d], shared_experts.down_proj.weight [d, S].
+ * Views point into one allocation each for parameters and gradients, valid
+ * until moe_layer_destroy. */
+typedef struct moe_tensor_view {
+    const char *name;
+    int64_t rows, cols; /* 2-D, row-major */
+    float *param;       /* [rows, cols] */
+    float *grad;        /* [rows, cols] */
+} moe_tensor_view;
+
+int64_t moe_layer_tensor_count(const moe_layer *layer);
+moe_status moe_layer_tensor(const moe_layer *layer, int64_t index, moe_tensor_view *view);
+moe_status moe_layer_tensor_by_name(const moe_layer *layer, const char *name, moe_tensor_view *view);
+
+/* All parameters (or gradients) as one flat array, in tensor order. */
+int64_t moe_layer_param_count(const moe_layer *layer);
+float *moe_layer_params(moe_layer *layer);
+float *moe_layer_grads(moe_layer *layer);
+
+/* The aux-loss-free selection bias [E], or NULL when bias_update_rate is 0. */
+float *moe_layer_selection_bias(moe_layer *layer);
+
+typedef struct moe_layer_stats {
+    int64_t *tokens_per_expert; /* [E], caller's array or NULL: pairs kept */
+    int64_t dropped;            /* (token, slot) pairs over capacity */
+    double aux_loss;            /* E * sum f_e P_e, before the coefficient */
+    double z_loss;              /* mean logsumexp^2, before the coefficient */
+    double load_imbalance;      /* max over experts of assigned pairs / mean */
+} moe_layer_stats;
+
+/* Training mode turns on jitter noise; the default is training. */
+moe_status moe_layer_set_training(moe_layer *layer, int training);
+
+/* y = MoE(x). x [T, d] and y [T, d] are the caller's. The layer keeps what
+ * backward needs (and a copy of nothing larger than its own activations) in a
+ * workspace that grows only when T exceeds every earlier T; the same or a
+ * smaller T allocates nothing. stats may be NULL. */
+moe_status moe_layer_forward(moe_layer *layer, float *y, const float *x, int64_t T,
+                             moe_layer_stats *stats);
+
+/* Backward of the most recent forward. dx [T, d] is written (not accumulated);
+ * parameter gradients are accumulated into moe_layer_grads(). The aux and z
+ * losses enter with their coefficients, as if added to the caller's loss. x
+ * must be the same buffer contents as given to forward. */
+moe_status moe_layer_backward(moe_layer *layer, float *dx, const float *dy, const float *x);
+
+moe_status moe_layer_zero_grad(moe_layer *layer);
+
+/* Nudges the selection bias against the load error of the most recent
+ * forward: b_e += rate * sign(mean load - load_e). */
+moe_status moe_layer_update_bias(moe_layer *layer);
+
+/* Floating-point operations of one forward at T, counting only the work done
+ * by the experts that were active (2 per multiply-add) plus the router. */
+double moe_layer_forward_flops(const moe_layer_config *cfg, int64_t T);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MOE_H */
