@@ -84,8 +84,9 @@ typedef struct moe_layer_config {
     /* Shared experts every token passes (DeepSeek style): one SwiGLU MLP of
      * width n_shared_experts * d_ff, added to the routed output. */
     int64_t n_shared_experts;
-    /* Training-time router jitter: the router input is multiplied by
-     * U(1 - eps, 1 + eps), as in Mixtral. 0 disables it. */
+    /* Training-time jitter: the layer's input is multiplied elementwise by
+     * U(1 - eps, 1 + eps) before the router and the experts see it, as in
+     * Hugging Face Mixtral. 0 disables it. */
     double jitter_eps;
     uint64_t seed; /* seeds the jitter noise */
 } moe_layer_config;

@@ -1,0 +1,488 @@
+/* moe_layer.c: one MoE layer, forward and backward (DESIGN.md 3, one rank).
+ *
+ * forward:  [jitter] -> router GEMM -> gating pass -> plan -> permute ->
+ *           grouped experts (+ shared experts) -> combine
+ * backward: combine -> grouped experts -> unpermute -> gating -> router GEMM
+ *           -> [jitter]
+ */
+#include "engine/moe_layer.h"
+
+#include <limits.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/rng.h"
+#include "common/status.h"
+#include "kernels/ops.h"
+#include "router/plan.h"
+
+#define MOE_NAME_BYTES 64
+#define MOE_ALIGN_BYTES 64
+#define MOE_JITTER_STREAM 0x6a6974746572ull /* "jitter" */
+
+struct moe_layer {
+    moe_layer_config cfg;
+    const moe_ops *ops;
+    int64_t shared_ff; /* S = n_shared_experts * d_ff, 0 without shared experts */
+
+    float *params, *grads; /* [n_params] each */
+    int64_t n_params;
+    float *owned;          /* params and grads when the layer allocated them */
+    int64_t n_tensors;
+    moe_tensor_view *views;           /* [n_tensors] */
+    char (*names)[MOE_NAME_BYTES];    /* [n_tensors] */
+    float *bias;                      /* [E] selection bias, or NULL */
+
+    /* Per-step arrays, sized for capacity_T tokens, carved from workspace. */
+    void *workspace;
+    int64_t capacity_T;
+    float *x_in;         /* [T, d] jittered input (jitter only) */
+    float *noise;        /* [T, d] jitter factors (jitter only) */
+    float *dx_in;        /* [T, d] gradient of x_in (jitter only) */
+    float *logits;       /* [T, E] */
+    float *prob;         /* [T, E] router probabilities */
+    float *dlogits;      /* [T, E] */
+    float *lse;          /* [T] */
+    int32_t *topk_idx;   /* [T, k] */
+    float *topk_w;       /* [T, k] */
+    float *dweights;     /* [T, k] */
+    double *gate_chunks; /* [ceil(T / chunk), 2E + 1] */
+    int64_t *pair_row;   /* [T*k] */
+    int64_t *row_token;  /* [T*k] */
+    float *xp;           /* [T*k, d] rows in expert order */
+    float *h;            /* [T*k, 2ff] */
+    float *g;            /* [T*k, ff] */
+    float *yp;           /* [T*k, d] */
+    float *dyp;          /* [T*k, d] */
+    float *dh;           /* [T*k, 2ff] */
+    float *dxp;          /* [T*k, d] */
+    float *sh_h;         /* [T, 2S] shared experts */
+    float *sh_g;         /* [T, S] */
+    float *sh_y;         /* [T, d] */
+    float *sh_dh;        /* [T, 2S] */
+
+    /* Per-expert arrays, independent of T. */
+    int64_t *assigned;       /* [E] */
+    double *prob_sum;        /* [E] */
+    int64_t *expert_offsets; /* [E+1] */
+    int64_t *cursor;         /* [E] */
+    float *aux_grad;         /* [E] */
+    moe_expert_group *groups; /* [E + 1]: routed experts, then the shared ones */
+
+    moe_plan plan;
+    int64_t last_T; /* T of the last forward; 0 before the first */
+    int training;
+    uint64_t jitter_calls; /* advances the noise stream each training forward */
+};
+
+/* ------------------------------------------------------------- validation */
+
+static moe_status check_size(const char *field, int64_t value, int64_t max) {
+    if (value <= 0) return moe_error(MOE_ERR_CONFIG, "moe layer config: %s=%lld must be positive", field, (long long)value);
+    if (value > max)
+        return moe_error(MOE_ERR_CONFIG, "moe layer config: %s=%lld exceeds the limit %lld", field,
+                         (long long)value, (long long)max);
+    return MOE_OK;
+}
+
+static moe_status check_coef(const char *field, double value, double max) {
+    if (!isfinite(value) || value < 0.0 || value > max)
+        return moe_error(MOE_ERR_CONFIG, "moe layer config: %s=%g must be finite and in [0, %g]", field, value, max);
+    return MOE_OK;
+}
+
+/* a * b into *out, or false when it overflows int64. */
+static bool mul_ok(int64_t a, int64_t b, int64_t *out) { return !__builtin_mul_overflow(a, b, out); }
+
+int64_t moe_layer_config_param_count(const moe_layer_config *cfg) {
+    int64_t d = cfg->d_model, ff = cfg->d_ff, E = cfg->n_experts;
+    int64_t S = cfg->n_shared_experts * ff;
+    return E * d + E * 3 * ff * d + 3 * S * d;
+}
+
+moe_status moe_layer_config_validate(const moe_layer_config *cfg) {
+    if (!cfg) return moe_error(MOE_ERR_INVALID_ARG, "moe layer config: NULL");
+    /* GEMM sizes reach OpenBLAS as int; so must every row and column count. */
+    MOE_TRY(check_size("d_model", cfg->d_model, INT_MAX / 2));
+    MOE_TRY(check_size("d_ff", cfg->d_ff, INT_MAX / 2));
+    MOE_TRY(check_size("n_experts", cfg->n_experts, MOE_EXPERTS_MAX));
+    MOE_TRY(check_size("top_k", cfg->top_k, INT_MAX));
+    if (cfg->top_k > cfg->n_experts)
+        return moe_error(MOE_ERR_CONFIG, "moe layer config: top_k=%lld exceeds n_experts=%lld",
+                         (long long)cfg->top_k, (long long)cfg->n_experts);
+    if (cfg->gate != MOE_GATE_SOFTMAX_TOPK && cfg->gate != MOE_GATE_TOPK_SOFTMAX && cfg->gate != MOE_GATE_SIGMOID)
+        return moe_error(MOE_ERR_CONFIG, "moe layer config: gate=%d is not a moe_gate_kind", (int)cfg->gate);
+    MOE_TRY(check_coef("capacity_factor", cfg->capacity_factor, 1e6));
+    MOE_TRY(check_coef("aux_loss_coef", cfg->aux_loss_coef, 1e6));
+    MOE_TRY(check_coef("z_loss_coef", cfg->z_loss_coef, 1e6));
+    MOE_TRY(check_coef("bias_update_rate", cfg->bias_update_rate, 1e6));
+    if (!isfinite(cfg->jitter_eps) || cfg->jitter_eps < 0.0 || cfg->jitter_eps >= 1.0)
+        return moe_error(MOE_ERR_CONFIG, "moe layer config: jitter_eps=%g must be in [0, 1)", cfg->jitter_eps);
+    if (cfg->n_shared_experts < 0)
+        return moe_error(MOE_ERR_CONFIG, "moe layer config: n_shared_experts=%lld must not be negative",
+                         (long long)cfg->n_shared_experts);
+    int64_t S, dff, n;
+    if (!mul_ok(cfg->n_shared_experts, cfg->d_ff, &S) || S > INT_MAX / 2 || !mul_ok(cfg->d_model, cfg->d_ff, &dff) ||
+        !mul_ok(dff, 3 * (cfg->n_experts + cfg->n_shared_experts) + 1, &n) || !mul_ok(n, 2 * (int64_t)sizeof(float), &n))
+        return moe_error(MOE_ERR_CONFIG, "moe layer config: d_model=%lld x d_ff=%lld x (n_experts + n_shared_experts) overflows",
+                         (long long)cfg->d_model, (long long)cfg->d_ff);
+    return MOE_OK;
+}
+
+/* ------------------------------------------------------------ construction */
+
+static void *alloc_aligned(size_t bytes) {
+    size_t rounded = (bytes + MOE_ALIGN_BYTES - 1) / MOE_ALIGN_BYTES * MOE_ALIGN_BYTES;
+    return aligned_alloc(MOE_ALIGN_BYTES, rounded ? rounded : MOE_ALIGN_BYTES);
+}
+
+static void add_view(moe_layer *L, int64_t *offset, int64_t rows, int64_t cols, const char *fmt, int64_t e) {
+    int64_t i = L->n_tensors++;
+    snprintf(L->names[i], MOE_NAME_BYTES, fmt, (long long)e);
+    L->views[i] = (moe_tensor_view){.name = L->names[i], .rows = rows, .cols = cols,
+                                    .param = L->params + *offset, .grad = L->grads + *offset};
+    *offset += rows * cols;
+}
+
+/* The order of views is the order in memory; w1 sits right before w3 so the
+ * two form the [2ff, d] matrix of one GEMM. */
+static void build_views(moe_layer *L) {
+    const int64_t d = L->cfg.d_model, ff = L->cfg.d_ff, E = L->cfg.n_experts, S = L->shared_ff;
+    int64_t off = 0;
+    L->n_tensors = 0;
+    add_view(L, &off, E, d, "gate.weight", 0);
+    for (int64_t e = 0; e < E; e++) {
+        add_view(L, &off, ff, d, "experts.%lld.w1.weight", e);
+        add_view(L, &off, ff, d, "experts.%lld.w3.weight", e);
+        add_view(L, &off, d, ff, "experts.%lld.w2.weight", e);
+    }
+    if (S > 0) {
+        add_view(L, &off, S, d, "shared_experts.gate_proj.weight", 0);
+        add_view(L, &off, S, d, "shared_experts.up_proj.weight", 0);
+        add_view(L, &off, d, S, "shared_experts.down_proj.weight", 0);
+    }
+}
+
+moe_status moe_layer_create_in(moe_layer **out, const moe_layer_config *cfg, float *params, float *grads) {
+    if (!out || !params || !grads) return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_create_in: NULL argument");
+    *out = NULL;
+    MOE_TRY(moe_layer_config_validate(cfg));
+    moe_layer *L = calloc(1, sizeof *L);
+    if (!L) return moe_error(MOE_ERR_OUT_OF_MEMORY, "moe_layer_create: layer struct");
+    L->cfg = *cfg;
+    L->ops = moe_cpu_ops();
+    L->shared_ff = cfg->n_shared_experts * cfg->d_ff;
+    L->params = params;
+    L->grads = grads;
+    L->n_params = moe_layer_config_param_count(cfg);
+    L->training = 1;
+    const int64_t E = cfg->n_experts, max_tensors = 1 + 3 * E + 3;
+    L->views = calloc((size_t)max_tensors, sizeof *L->views);
+    L->names = calloc((size_t)max_tensors, sizeof *L->names);
+    L->assigned = calloc((size_t)E, sizeof *L->assigned);
+    L->prob_sum = calloc((size_t)E, sizeof *L->prob_sum);
+    L->expert_offsets = calloc((size_t)E + 1, sizeof *L->expert_offsets);
+    L->cursor = calloc((size_t)E, sizeof *L->cursor);
+    L->aux_grad = calloc((size_t)E, sizeof *L->aux_grad);
+    L->groups = calloc((size_t)E + 1, sizeof *L->groups);
+    if (cfg->bias_update_rate > 0.0) L->bias = calloc((size_t)E, sizeof *L->bias);
+    if (!L->views || !L->names || !L->assigned || !L->prob_sum || !L->expert_offsets || !L->cursor ||
+        !L->aux_grad || !L->groups || (cfg->bias_update_rate > 0.0 && !L->bias)) {
+        moe_layer_destroy(L);
+        return moe_error(MOE_ERR_OUT_OF_MEMORY, "moe_layer_create: per-expert arrays for n_experts=%lld", (long long)E);
+    }
+    build_views(L);
+    *out = L;
+    return MOE_OK;
+}
+
+void moe_layer_init_params(moe_layer *L, float std, uint64_t seed, uint64_t stream) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < L->n_params; i++) L->params[i] = std * moe_rng_normal(seed, stream, (uint64_t)i);
+}
+
+moe_status moe_layer_create(moe_layer **out, const moe_layer_config *cfg) {
+    if (!out) return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_create: layer is NULL");
+    *out = NULL;
+    MOE_TRY(moe_layer_config_validate(cfg));
+    int64_t n = moe_layer_config_param_count(cfg);
+    /* Gradients start at an aligned offset so both arrays are 64-byte aligned. */
+    int64_t grad_off = (n + 15) / 16 * 16;
+    float *mem = alloc_aligned((size_t)(grad_off + n) * sizeof(float));
+    if (!mem)
+        return moe_error(MOE_ERR_OUT_OF_MEMORY, "moe_layer_create: %lld parameters and gradients", (long long)n);
+    moe_status st = moe_layer_create_in(out, cfg, mem, mem + grad_off);
+    if (st != MOE_OK) {
+        free(mem);
+        return st;
+    }
+    (*out)->owned = mem;
+    /* Hugging Face's initializer_range for Mixtral. */
+    moe_layer_init_params(*out, 0.02f, cfg->seed, 0);
+    memset((*out)->grads, 0, (size_t)n * sizeof(float));
+    return MOE_OK;
+}
+
+void moe_layer_destroy(moe_layer *L) {
+    if (!L) return;
+    free(L->owned);
+    free(L->views);
+    free(L->names);
+    free(L->bias);
+    free(L->workspace);
+    free(L->assigned);
+    free(L->prob_sum);
+    free(L->expert_offsets);
+    free(L->cursor);
+    free(L->aux_grad);
+    free(L->groups);
+    free(L);
+}
+
+/* ----------------------------------------------------------------- access */
+
+int64_t moe_layer_tensor_count(const moe_layer *L) { return L ? L->n_tensors : 0; }
+
+moe_status moe_layer_tensor(const moe_layer *L, int64_t index, moe_tensor_view *view) {
+    if (!L || !view) return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_tensor: NULL argument");
+    if (index < 0 || index >= L->n_tensors)
+        return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_tensor: index %lld outside [0, %lld)", (long long)index,
+                         (long long)L->n_tensors);
+    *view = L->views[index];
+    return MOE_OK;
+}
+
+moe_status moe_layer_tensor_by_name(const moe_layer *L, const char *name, moe_tensor_view *view) {
+    if (!L || !name || !view) return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_tensor_by_name: NULL argument");
+    for (int64_t i = 0; i < L->n_tensors; i++)
+        if (strcmp(L->views[i].name, name) == 0) {
+            *view = L->views[i];
+            return MOE_OK;
+        }
+    return moe_error(MOE_ERR_INVALID_ARG, "moe layer: no tensor named '%s'", name);
+}
+
+int64_t moe_layer_param_count(const moe_layer *L) { return L ? L->n_params : 0; }
+float *moe_layer_params(moe_layer *L) { return L ? L->params : NULL; }
+float *moe_layer_grads(moe_layer *L) { return L ? L->grads : NULL; }
+float *moe_layer_selection_bias(moe_layer *L) { return L ? L->bias : NULL; }
+
+moe_status moe_layer_set_training(moe_layer *L, int training) {
+    if (!L) return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_set_training: layer is NULL");
+    L->training = training != 0;
+    return MOE_OK;
+}
+
+moe_status moe_layer_zero_grad(moe_layer *L) {
+    if (!L) return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_zero_grad: layer is NULL");
+    memset(L->grads, 0, (size_t)L->n_params * sizeof(float));
+    return MOE_OK;
+}
+
+moe_status moe_layer_update_bias(moe_layer *L) {
+    if (!L) return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_update_bias: layer is NULL");
+    if (!L->bias) return moe_error(MOE_ERR_STATE, "moe_layer_update_bias: bias_update_rate is 0, there is no bias");
+    if (L->last_T == 0) return moe_error(MOE_ERR_STATE, "moe_layer_update_bias: no forward yet");
+    moe_bias_update(L->bias, L->assigned, L->cfg.n_experts, L->cfg.bias_update_rate);
+    return MOE_OK;
+}
+
+double moe_layer_forward_flops(const moe_layer_config *cfg, int64_t T) {
+    double d = (double)cfg->d_model, ff = (double)cfg->d_ff, E = (double)cfg->n_experts;
+    double k = (double)cfg->top_k, S = (double)cfg->n_shared_experts * ff;
+    return 2.0 * T * d * E + 6.0 * T * k * d * ff + 6.0 * T * d * S;
+}
+
+/* --------------------------------------------------------------- workspace */
+
+typedef struct ws_entry {
+    void **ptr;
+    int64_t count; /* elements */
+    size_t size;   /* bytes per element */
+} ws_entry;
+
+/* Sizes every per-step array for T tokens and carves them from one block;
+ * the block is replaced only when T exceeds every earlier T. */
+static moe_status reserve_workspace(moe_layer *L, int64_t T) {
+    if (T <= L->capacity_T) return MOE_OK;
+    const moe_layer_config *c = &L->cfg;
+    const int64_t d = c->d_model, ff = c->d_ff, E = c->n_experts, S = L->shared_ff;
+    int64_t Tk, rows_d, rows_2ff, td, t2s;
+    if (!mul_ok(T, c->top_k, &Tk) || Tk > INT_MAX || !mul_ok(Tk, d, &rows_d) || !mul_ok(Tk, 2 * ff, &rows_2ff) ||
+        !mul_ok(T, d, &td) || !mul_ok(T, 2 * S, &t2s) || T > INT_MAX)
+        return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_forward: T=%lld tokens x top_k=%lld x d_model=%lld is too large",
+                         (long long)T, (long long)c->top_k, (long long)d);
+    bool jitter = c->jitter_eps > 0.0;
+    const int64_t chunks = (T + MOE_GATE_CHUNK_TOKENS - 1) / MOE_GATE_CHUNK_TOKENS;
+    const ws_entry table[] = {
+        {(void **)&L->x_in, jitter ? td : 0, sizeof(float)},
+        {(void **)&L->noise, jitter ? td : 0, sizeof(float)},
+        {(void **)&L->dx_in, jitter ? td : 0, sizeof(float)},
+        {(void **)&L->logits, T * E, sizeof(float)},
+        {(void **)&L->prob, T * E, sizeof(float)},
+        {(void **)&L->dlogits, T * E, sizeof(float)},
+        {(void **)&L->lse, T, sizeof(float)},
+        {(void **)&L->topk_idx, Tk, sizeof(int32_t)},
+        {(void **)&L->topk_w, Tk, sizeof(float)},
+        {(void **)&L->dweights, Tk, sizeof(float)},
+        {(void **)&L->gate_chunks, chunks * (2 * E + 1), sizeof(double)},
+        {(void **)&L->pair_row, Tk, sizeof(int64_t)},
+        {(void **)&L->row_token, Tk, sizeof(int64_t)},
+        {(void **)&L->xp, rows_d, sizeof(float)},
+        {(void **)&L->h, rows_2ff, sizeof(float)},
+        {(void **)&L->g, rows_2ff / 2, sizeof(float)},
+        {(void **)&L->yp, rows_d, sizeof(float)},
+        {(void **)&L->dyp, rows_d, sizeof(float)},
+        {(void **)&L->dh, rows_2ff, sizeof(float)},
+        {(void **)&L->dxp, rows_d, sizeof(float)},
+        {(void **)&L->sh_h, t2s, sizeof(float)},
+        {(void **)&L->sh_g, t2s / 2, sizeof(float)},
+        {(void **)&L->sh_y, S > 0 ? td : 0, sizeof(float)},
+        {(void **)&L->sh_dh, t2s, sizeof(float)},
+    };
+    const int n = (int)(sizeof table / sizeof table[0]);
+    int64_t total = 0;
+    for (int i = 0; i < n; i++) {
+        int64_t bytes;
+        if (!mul_ok(table[i].count, (int64_t)table[i].size, &bytes) || bytes > INT64_MAX / 2 - total)
+            return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_forward: workspace for T=%lld overflows", (long long)T);
+        total += (bytes + MOE_ALIGN_BYTES - 1) / MOE_ALIGN_BYTES * MOE_ALIGN_BYTES;
+    }
+    if ((uint64_t)total > SIZE_MAX) return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_forward: workspace exceeds size_t");
+    char *block = alloc_aligned((size_t)total);
+    if (!block)
+        return moe_error(MOE_ERR_OUT_OF_MEMORY, "moe_layer_forward: %lld bytes of activations for T=%lld", (long long)total,
+                         (long long)T);
+    free(L->workspace);
+    L->workspace = block;
+    L->capacity_T = T;
+    int64_t off = 0;
+    for (int i = 0; i < n; i++) {
+        *table[i].ptr = table[i].count ? block + off : NULL;
+        off += ((int64_t)(table[i].count * (int64_t)table[i].size) + MOE_ALIGN_BYTES - 1) / MOE_ALIGN_BYTES * MOE_ALIGN_BYTES;
+    }
+    L->plan = (moe_plan){.pair_row = L->pair_row, .row_token = L->row_token, .expert_offsets = L->expert_offsets,
+                         .cursor = L->cursor};
+    return MOE_OK;
+}
+
+/* ----------------------------------------------------------------- forward */
+
+static const float *expert_w13(const moe_layer *L, int64_t e) { return L->views[1 + 3 * e].param; }
+
+/* Points the expert groups at this step's rows; the shared experts, when
+ * present, are one more group over all T tokens. */
+static int64_t setup_groups(moe_layer *L, int64_t T, const float *x_in, const float *dy) {
+    const moe_layer_config *c = &L->cfg;
+    const int64_t d = c->d_model, ff = c->d_ff, E = c->n_experts;
+    for (int64_t e = 0; e < E; e++) {
+        int64_t r0 = L->expert_offsets[e];
+        L->groups[e] = (moe_expert_group){
+            .rows = L->expert_offsets[e + 1] - r0, .d_ff = ff, .x = L->xp + r0 * d,
+            .w13 = expert_w13(L, e), .w2 = L->views[3 + 3 * e].param,
+            .h = L->h + r0 * 2 * ff, .g = L->g + r0 * ff, .y = L->yp + r0 * d,
+            .dy = L->dyp + r0 * d, .dh = L->dh + r0 * 2 * ff, .dx = L->dxp + r0 * d,
+            .dw13 = L->views[1 + 3 * e].grad, .dw2 = L->views[3 + 3 * e].grad};
+    }
+    if (L->shared_ff == 0) return E;
+    const moe_tensor_view *sv = &L->views[1 + 3 * E];
+    L->groups[E] = (moe_expert_group){
+        .rows = T, .d_ff = L->shared_ff, .x = x_in, .w13 = sv[0].param, .w2 = sv[2].param,
+        .h = L->sh_h, .g = L->sh_g, .y = L->sh_y, .dy = dy, .dh = L->sh_dh,
+        .dx = NULL, /* set by backward */
+        .dw13 = sv[0].grad, .dw2 = sv[2].grad};
+    return E + 1;
+}
+
+moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, moe_layer_stats *stats) {
+    if (!L || !y || !x) return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_forward: NULL argument");
+    if (T <= 0) return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_forward: T=%lld must be positive", (long long)T);
+    MOE_TRY(reserve_workspace(L, T));
+    const moe_layer_config *c = &L->cfg;
+    const moe_ops *ops = L->ops;
+    const int64_t d = c->d_model, E = c->n_experts, k = c->top_k;
+    L->last_T = 0;
+
+    const float *x_in = x;
+    if (c->jitter_eps > 0.0) {
+        /* Eval mode keeps the factors at 1 so backward needs no second path. */
+        const float eps = (float)c->jitter_eps;
+        const uint64_t call = L->jitter_calls;
+        const int on = L->training;
+#pragma omp parallel for schedule(static)
+        for (int64_t i = 0; i < T * d; i++) {
+            float u = on ? moe_rng_uniform(c->seed, MOE_JITTER_STREAM + call, (uint64_t)i) : 0.5f;
+            L->noise[i] = 1.0f - eps + 2.0f * eps * u;
+            L->x_in[i] = x[i] * L->noise[i];
+        }
+        if (on) L->jitter_calls++;
+        x_in = L->x_in;
+    }
+
+    const float *wg = L->views[0].param; /* [E, d] */
+    ops->gemm(L->logits, x_in, wg, T, E, d, d, d, E, false, true, 1.0f, 0.0f);
+    const moe_gate_params gp = {.n_experts = E, .top_k = k, .kind = c->gate, .renormalize = c->renormalize != 0};
+    moe_gate_totals totals = {.assigned = L->assigned, .prob_sum = L->prob_sum, .chunk_scratch = L->gate_chunks};
+    ops->gate_forward(L->topk_idx, L->topk_w, L->prob, L->lse, &totals, L->logits, L->bias, &gp, T);
+
+    moe_plan_build(&L->plan, L->topk_idx, L->assigned, T, k, E, moe_capacity(c->capacity_factor, T, k, E));
+    ops->permute(L->xp, x_in, L->row_token, L->plan.n_rows, d);
+    int64_t n_groups = setup_groups(L, T, x_in, NULL);
+    ops->experts_forward(L->groups, n_groups, d);
+    ops->combine(y, L->yp, L->topk_w, L->pair_row, L->shared_ff ? L->sh_y : NULL, T, k, d);
+
+    if (stats) {
+        double aux = 0.0, max_assigned = 0.0;
+        for (int64_t e = 0; e < E; e++) {
+            double f = (double)L->assigned[e] / (double)(T * k);
+            aux += f * (L->prob_sum[e] / (double)T);
+            if ((double)L->assigned[e] > max_assigned) max_assigned = (double)L->assigned[e];
+            if (stats->tokens_per_expert)
+                stats->tokens_per_expert[e] = L->expert_offsets[e + 1] - L->expert_offsets[e];
+        }
+        stats->dropped = L->plan.dropped;
+        stats->aux_loss = (double)E * aux;
+        stats->z_loss = totals.z_sum / (double)T;
+        stats->load_imbalance = max_assigned / ((double)(T * k) / (double)E);
+    }
+    L->last_T = T;
+    return MOE_OK;
+}
+
+/* ---------------------------------------------------------------- backward */
+
+moe_status moe_layer_backward(moe_layer *L, float *dx, const float *dy, const float *x) {
+    if (!L || !dx || !dy || !x) return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_backward: NULL argument");
+    if (L->last_T == 0) return moe_error(MOE_ERR_STATE, "moe_layer_backward: no forward to differentiate");
+    const moe_layer_config *c = &L->cfg;
+    const moe_ops *ops = L->ops;
+    const int64_t T = L->last_T, d = c->d_model, E = c->n_experts, k = c->top_k;
+    const bool jitter = c->jitter_eps > 0.0;
+    const float *x_in = jitter ? L->x_in : x;
+    float *dx_in = jitter ? L->dx_in : dx; /* [T, d] */
+
+    ops->combine_backward(L->dyp, L->dweights, dy, L->yp, L->topk_w, L->pair_row, T, k, d);
+    int64_t n_groups = setup_groups(L, T, x_in, dy);
+    if (L->shared_ff)
+        L->groups[E].dx = dx_in; /* written: the shared experts start the sum */
+    else
+        memset(dx_in, 0, (size_t)(T * d) * sizeof(float));
+    ops->experts_backward(L->groups, n_groups, d);
+    ops->unpermute_add(dx_in, L->dxp, L->pair_row, T, k, d);
+
+    moe_aux_grad(L->aux_grad, L->assigned, T, k, E, c->aux_loss_coef);
+    const moe_gate_params gp = {.n_experts = E, .top_k = k, .kind = c->gate, .renormalize = c->renormalize != 0};
+    ops->gate_backward(L->dlogits, L->dweights, L->topk_idx, L->topk_w, L->prob, L->lse, L->logits,
+                       c->aux_loss_coef > 0.0 ? L->aux_grad : NULL, (float)(c->z_loss_coef / (double)T), &gp, T);
+    const moe_tensor_view *gate = &L->views[0];
+    ops->gemm(gate->grad, L->dlogits, x_in, E, d, T, E, d, d, true, false, 1.0f, 1.0f);
+    ops->gemm(dx_in, L->dlogits, gate->param, T, d, E, E, d, d, false, false, 1.0f, 1.0f);
+
+    if (jitter) {
+#pragma omp parallel for schedule(static)
+        for (int64_t i = 0; i < T * d; i++) dx[i] = dx_in[i] * L->noise[i];
+    }
+    return MOE_OK;
+}

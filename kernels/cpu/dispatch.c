@@ -1,0 +1,70 @@
+/* dispatch.c: moving rows between token order and expert order. Every loop
+ * runs over destination rows, so no two threads write the same row and the
+ * slot order of each sum is fixed: results are deterministic. */
+#include <string.h>
+
+#include "kernels/cpu/cpu_ops.h"
+
+void moe_cpu_permute(float *xp, const float *x, const int64_t *row_token, int64_t n_rows,
+                     int64_t d) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < n_rows; r++)
+        memcpy(xp + r * d, x + row_token[r] * d, (size_t)d * sizeof(float));
+}
+
+void moe_cpu_combine(float *y, const float *yp, const float *topk_w, const int64_t *pair_row,
+                     const float *shared, int64_t T, int64_t k, int64_t d) {
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        float *out = y + t * d;
+        if (shared)
+            memcpy(out, shared + t * d, (size_t)d * sizeof(float));
+        else
+            memset(out, 0, (size_t)d * sizeof(float));
+        for (int64_t j = 0; j < k; j++) {
+            int64_t r = pair_row[t * k + j];
+            if (r < 0) continue;
+            const float *src = yp + r * d;
+            float w = topk_w[t * k + j];
+            for (int64_t i = 0; i < d; i++) out[i] += w * src[i];
+        }
+    }
+}
+
+void moe_cpu_combine_backward(float *dyp, float *dweights, const float *dy, const float *yp,
+                              const float *topk_w, const int64_t *pair_row, int64_t T, int64_t k,
+                              int64_t d) {
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = dy + t * d;
+        for (int64_t j = 0; j < k; j++) {
+            int64_t r = pair_row[t * k + j];
+            if (r < 0) {
+                dweights[t * k + j] = 0.0f;
+                continue;
+            }
+            const float *src = yp + r * d;
+            float *dst = dyp + r * d;
+            float w = topk_w[t * k + j], dot = 0.0f;
+            for (int64_t i = 0; i < d; i++) {
+                dot += g[i] * src[i];
+                dst[i] = w * g[i];
+            }
+            dweights[t * k + j] = dot;
+        }
+    }
+}
+
+void moe_cpu_unpermute_add(float *dx, const float *dxp, const int64_t *pair_row, int64_t T,
+                           int64_t k, int64_t d) {
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        float *out = dx + t * d;
+        for (int64_t j = 0; j < k; j++) {
+            int64_t r = pair_row[t * k + j];
+            if (r < 0) continue;
+            const float *src = dxp + r * d;
+            for (int64_t i = 0; i < d; i++) out[i] += src[i];
+        }
+    }
+}

@@ -1,0 +1,147 @@
+/* gate.c: the fused gating pass and its backward, one token at a time.
+ * Each token's row of logits is read once into cache and everything the
+ * router produces for it (probabilities, top-k, weights, logsumexp and the
+ * per-expert statistics) comes out of that one visit. */
+#include <math.h>
+#include <string.h>
+
+#include "kernels/cpu/cpu_ops.h"
+#include "kernels/moe_math.h"
+
+void moe_cpu_gate_forward(int32_t *topk_idx, float *topk_w, float *prob, float *lse,
+                          moe_gate_totals *totals, const float *logits, const float *bias,
+                          const moe_gate_params *p, int64_t T) {
+    const int64_t E = p->n_experts, k = p->top_k;
+    const int64_t n_chunks = (T + MOE_GATE_CHUNK_TOKENS - 1) / MOE_GATE_CHUNK_TOKENS;
+    double *scratch = totals->chunk_scratch; /* [n_chunks, 2E + 1] */
+
+#pragma omp parallel for schedule(static)
+    for (int64_t c = 0; c < n_chunks; c++) {
+        double *c_prob = scratch + c * (2 * E + 1); /* [E] */
+        double *c_assigned = c_prob + E;            /* [E] */
+        double *c_z = c_assigned + E;               /* [1] */
+        memset(c_prob, 0, (size_t)(2 * E + 1) * sizeof(double));
+        int64_t t_end = (c + 1) * MOE_GATE_CHUNK_TOKENS < T ? (c + 1) * MOE_GATE_CHUNK_TOKENS : T;
+        for (int64_t t = c * MOE_GATE_CHUNK_TOKENS; t < t_end; t++) {
+            const float *l = logits + t * E; /* [E] */
+            float *r = prob + t * E;         /* [E] */
+            int32_t *idx = topk_idx + t * k; /* [k] */
+            float *w = topk_w + t * k;       /* [k] */
+            float lmax = l[0];
+            for (int64_t e = 1; e < E; e++) lmax = l[e] > lmax ? l[e] : lmax;
+            double esum = 0.0, ssum = 0.0;
+            for (int64_t e = 0; e < E; e++) {
+                float ex = expf(l[e] - lmax);
+                esum += ex;
+                if (p->kind == MOE_GATE_SIGMOID) {
+                    r[e] = moe_sigmoidf(l[e]);
+                    ssum += r[e];
+                } else {
+                    r[e] = ex;
+                }
+            }
+            float log_z = lmax + (float)log(esum);
+            lse[t] = log_z;
+            float norm = (float)(1.0 / (p->kind == MOE_GATE_SIGMOID ? ssum : esum));
+
+            float score[MOE_TOPK_MAX];
+            int n = 0;
+            for (int64_t e = 0; e < E; e++) {
+                float base = p->kind == MOE_GATE_SIGMOID ? r[e]
+                             : p->kind == MOE_GATE_TOPK_SOFTMAX ? l[e]
+                                                                : r[e] * norm;
+                moe_topk_insert(idx, score, &n, (int)k, (int32_t)e, bias ? base + bias[e] : base);
+            }
+            /* Weights from the unbiased values: the bias steers selection only. */
+            double wsum = 0.0;
+            for (int64_t j = 0; j < k; j++) {
+                int32_t e = idx[j];
+                w[j] = p->kind == MOE_GATE_SIGMOID ? r[e]
+                       : p->kind == MOE_GATE_TOPK_SOFTMAX ? expf(l[e] - lmax)
+                                                          : r[e] * norm;
+                wsum += w[j];
+            }
+            if (p->kind != MOE_GATE_SOFTMAX_TOPK || p->renormalize) {
+                float inv = (float)(1.0 / wsum);
+                for (int64_t j = 0; j < k; j++) w[j] *= inv;
+            }
+            for (int64_t e = 0; e < E; e++) {
+                r[e] *= norm;
+                c_prob[e] += r[e];
+            }
+            for (int64_t j = 0; j < k; j++) c_assigned[idx[j]] += 1.0;
+            *c_z += (double)log_z * log_z;
+        }
+    }
+    /* Chunks are summed in order, so the totals do not depend on threads. */
+    for (int64_t e = 0; e < E; e++) {
+        totals->prob_sum[e] = 0.0;
+        totals->assigned[e] = 0;
+    }
+    totals->z_sum = 0.0;
+    for (int64_t c = 0; c < n_chunks; c++) {
+        const double *row = scratch + c * (2 * E + 1);
+        for (int64_t e = 0; e < E; e++) {
+            totals->prob_sum[e] += row[e];
+            totals->assigned[e] += (int64_t)row[E + e];
+        }
+        totals->z_sum += row[2 * E];
+    }
+}
+
+void moe_cpu_gate_backward(float *dlogits, const float *dweights, const int32_t *topk_idx,
+                           const float *topk_w, const float *prob, const float *lse,
+                           const float *logits, const float *aux_grad, float z_coef_over_T,
+                           const moe_gate_params *p, int64_t T) {
+    const int64_t E = p->n_experts, k = p->top_k;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        const float *l = logits + t * E, *r = prob + t * E, *dw = dweights + t * k;
+        const float *w = topk_w + t * k;
+        const int32_t *idx = topk_idx + t * k;
+        float *dl = dlogits + t * E;
+        /* dr: the gradient with respect to the router probabilities r (the
+         * aux loss sees r for every kind; SOFTMAX_TOPK's weights are r too). */
+        float dr[MOE_EXPERTS_MAX];
+        for (int64_t e = 0; e < E; e++) dr[e] = aux_grad ? aux_grad[e] : 0.0f;
+        for (int64_t e = 0; e < E; e++) dl[e] = 0.0f;
+
+        float dot = 0.0f; /* sum_j w_j dw_j: the normalisation's share */
+        for (int64_t j = 0; j < k; j++) dot += w[j] * dw[j];
+
+        if (p->kind == MOE_GATE_SOFTMAX_TOPK) {
+            float chosen = 0.0f;
+            for (int64_t j = 0; j < k; j++) chosen += r[idx[j]];
+            for (int64_t j = 0; j < k; j++)
+                dr[idx[j]] += p->renormalize ? (dw[j] - dot) / chosen : dw[j];
+        } else if (p->kind == MOE_GATE_TOPK_SOFTMAX) {
+            for (int64_t j = 0; j < k; j++) dl[idx[j]] += w[j] * (dw[j] - dot);
+        }
+
+        if (p->kind == MOE_GATE_SIGMOID) {
+            /* r = s / sum(s) over all experts and the weights are s / sum over
+             * the chosen k; both pass back through s, then s' = s (1 - s). */
+            float s_all = 0.0f, s_chosen = 0.0f, dr_r = 0.0f;
+            for (int64_t e = 0; e < E; e++) {
+                s_all += moe_sigmoidf(l[e]);
+                dr_r += dr[e] * r[e];
+            }
+            for (int64_t j = 0; j < k; j++) s_chosen += moe_sigmoidf(l[idx[j]]);
+            for (int64_t e = 0; e < E; e++) dr[e] = (dr[e] - dr_r) / s_all; /* now ds */
+            for (int64_t j = 0; j < k; j++) dr[idx[j]] += (dw[j] - dot) / s_chosen;
+            for (int64_t e = 0; e < E; e++) {
+                float s = moe_sigmoidf(l[e]);
+                dl[e] = dr[e] * s * (1.0f - s);
+            }
+        } else {
+            /* softmax backward: dl += r * (dr - <r, dr>) */
+            float dr_r = 0.0f;
+            for (int64_t e = 0; e < E; e++) dr_r += dr[e] * r[e];
+            for (int64_t e = 0; e < E; e++) dl[e] += r[e] * (dr[e] - dr_r);
+        }
+        if (z_coef_over_T != 0.0f) {
+            float zg = 2.0f * z_coef_over_T * lse[t];
+            for (int64_t e = 0; e < E; e++) dl[e] += zg * expf(l[e] - lse[t]);
+        }
+    }
+}

@@ -1,0 +1,78 @@
+/* moe_math.h: per-element math shared by the CPU and CUDA backends.
+ * Everything here is static inline and marked MOE_HD, so the CPU tests run
+ * the very formulas the GPU kernels compile. No state, no allocation. */
+#ifndef MOE_KERNELS_MATH_H
+#define MOE_KERNELS_MATH_H
+
+#include <math.h>
+#include <stdint.h>
+
+#if defined(__CUDACC__)
+#define MOE_HD __host__ __device__ static inline
+#else
+#define MOE_HD static inline
+#endif
+
+MOE_HD float moe_sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+/* silu(a) = a * sigmoid(a); silu'(a) = s * (1 + a * (1 - s)). */
+MOE_HD float moe_siluf(float a) { return a * moe_sigmoidf(a); }
+MOE_HD float moe_silu_gradf(float a) {
+    float s = moe_sigmoidf(a);
+    return s * (1.0f + a * (1.0f - s));
+}
+
+/* SwiGLU forward on one element pair: g = silu(a) * b. */
+MOE_HD float moe_swiglu(float a, float b) { return moe_siluf(a) * b; }
+
+/* SwiGLU backward: from dg, da = dg * b * silu'(a) and db = dg * silu(a). */
+MOE_HD void moe_swiglu_backward(float *da, float *db, float dg, float a, float b) {
+    float s = moe_sigmoidf(a);
+    *da = dg * b * s * (1.0f + a * (1.0f - s));
+    *db = dg * a * s;
+}
+
+/* Inserts (score, e) into the descending list idx/val of length *n <= k.
+ * Candidates arrive in increasing e, and a candidate must beat an entry
+ * strictly to pass it, so ties keep the lower expert index first. */
+MOE_HD void moe_topk_insert(int32_t *idx, float *val, int *n, int k, int32_t e, float score) {
+    int pos = *n < k ? *n : k;
+    while (pos > 0 && score > val[pos - 1]) pos--;
+    if (pos >= k) return;
+    int last = *n < k ? *n : k - 1;
+    for (int i = last; i > pos; i--) {
+        idx[i] = idx[i - 1];
+        val[i] = val[i - 1];
+    }
+    idx[pos] = e;
+    val[pos] = score;
+    if (*n < k) (*n)++;
+}
+
+/* RoPE angle of pair i < hd/2 at position pos, with every fp32 rounding of
+ * Hugging Face's rotary embedding: inv_freq = 1 / theta^(float(2i) / hd) in
+ * fp32, angle = float(pos) * inv_freq in fp32. Reproducing those roundings
+ * (rather than a more accurate angle in double) keeps a checkpoint trained
+ * here identical to what transformers computes from it; the angle error they
+ * carry grows with pos (about pos * 6e-8 rad). pow is taken in double, then
+ * rounded, which is what a correctly rounded powf gives. */
+MOE_HD float moe_rope_angle(int64_t pos, int64_t i, int64_t hd, float theta) {
+    float expo = (float)(2 * i) / (float)hd;
+    float inv_freq = 1.0f / (float)pow((double)theta, (double)expo);
+    return (float)pos * inv_freq;
+}
+
+/* One AdamW element update in PyTorch's order (torch.optim.AdamW): the
+ * decoupled decay first, then the moments, then the step. The scalars come
+ * from the host, computed in double as Python does: decay = 1 - lr * wd,
+ * step_size = lr / (1 - beta1^t), bc2_sqrt = sqrt(1 - beta2^t). */
+MOE_HD void moe_adamw_update(float *p, float *m, float *v, float g, float beta1, float beta2,
+                             float eps, float decay, float step_size, float bc2_sqrt) {
+    float mi = beta1 * *m + (1.0f - beta1) * g;
+    float vi = beta2 * *v + (1.0f - beta2) * g * g;
+    *m = mi;
+    *v = vi;
+    *p = *p * decay - step_size * (mi / (sqrtf(vi) / bc2_sqrt + eps));
+}
+
+#endif /* MOE_KERNELS_MATH_H */

@@ -1,0 +1,109 @@
+/* ops.h: the table of compute ops that every backend fills (DESIGN.md 2).
+ * The engine calls through the table and never asks which backend it has.
+ * Argument order: outputs, inputs, sizes. Pointers are the backend's memory
+ * (host for the CPU, device for CUDA). Ops that accumulate say so. */
+#ifndef MOE_KERNELS_OPS_H
+#define MOE_KERNELS_OPS_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "moe.h"
+
+/* What the gating pass needs to know about the router. */
+typedef struct moe_gate_params {
+    int64_t n_experts; /* E */
+    int64_t top_k;     /* k */
+    moe_gate_kind kind;
+    bool renormalize;
+} moe_gate_params;
+
+/* Per-token work arrays live on the stack, so the router has bounds. */
+#define MOE_EXPERTS_MAX 1024
+#define MOE_TOPK_MAX MOE_EXPERTS_MAX
+
+/* Tokens per chunk of the gating pass: statistics are summed per chunk, then
+ * the chunks in order, so they are the same for any thread count. */
+#define MOE_GATE_CHUNK_TOKENS 64
+
+/* Per-expert statistics of one gating pass, reduced over tokens. */
+typedef struct moe_gate_totals {
+    int64_t *assigned;     /* [E] (token, slot) pairs the router chose, pre-capacity */
+    double *prob_sum;      /* [E] sum over tokens of the router probability */
+    double z_sum;          /* sum over tokens of logsumexp(logits)^2 */
+    double *chunk_scratch; /* [ceil(T / MOE_GATE_CHUNK_TOKENS), 2E + 1] */
+} moe_gate_totals;
+
+/* One SwiGLU expert applied to a contiguous range of rows:
+ *   h = x w13^T, g = silu(h[:, :f]) * h[:, f:], y = g w2^T.
+ * w13 holds w1's f rows then w3's f rows, so one GEMM computes both. */
+typedef struct moe_expert_group {
+    int64_t rows;      /* n, may be 0 */
+    int64_t d_ff;      /* f */
+    const float *x;    /* [n, d] */
+    const float *w13;  /* [2f, d] */
+    const float *w2;   /* [d, f] */
+    float *h;          /* [n, 2f] saved for backward */
+    float *g;          /* [n, f] saved for backward */
+    float *y;          /* [n, d] */
+    /* backward only */
+    const float *dy;   /* [n, d] */
+    float *dh;         /* [n, 2f] scratch */
+    float *dx;         /* [n, d], written */
+    float *dw13;       /* [2f, d], accumulated */
+    float *dw2;        /* [d, f], accumulated */
+} moe_expert_group;
+
+typedef struct moe_ops {
+    const char *name;
+
+    /* c[m, n] = alpha * op(a) op(b) + beta * c, row-major, op(a) [m, k],
+     * op(b) [k, n]; lda/ldb/ldc are row strides of the stored matrices. */
+    void (*gemm)(float *c, const float *a, const float *b, int64_t m, int64_t n, int64_t k,
+                 int64_t lda, int64_t ldb, int64_t ldc, bool trans_a, bool trans_b, float alpha,
+                 float beta);
+
+    /* One pass per token over logits [T, E]: router probabilities prob
+     * [T, E] (softmax, or sigmoid normalised over all experts), the top-k
+     * chosen by score + bias (bias [E] or NULL; ties to the lower index),
+     * their weights topk_w [T, k], lse [T] (logsumexp of the logits), and
+     * the totals. totals are overwritten. */
+    void (*gate_forward)(int32_t *topk_idx, float *topk_w, float *prob, float *lse,
+                         moe_gate_totals *totals, const float *logits, const float *bias,
+                         const moe_gate_params *p, int64_t T);
+
+    /* dlogits [T, E] (written) from dweights [T, k], plus the balancing
+     * losses: aux_grad [E] = d(aux term)/d(prob[t, e]) (the same for every
+     * token), z_coef_over_T = z_loss_coef / T. */
+    void (*gate_backward)(float *dlogits, const float *dweights, const int32_t *topk_idx,
+                          const float *topk_w, const float *prob, const float *lse,
+                          const float *logits, const float *aux_grad, float z_coef_over_T,
+                          const moe_gate_params *p, int64_t T);
+
+    /* xp[r] = x[row_token[r]] for r < n_rows; xp [n_rows, d], x [T, d]. */
+    void (*permute)(float *xp, const float *x, const int64_t *row_token, int64_t n_rows,
+                    int64_t d);
+
+    /* y[t] = sum_j topk_w[t, j] * yp[pair_row[t*k + j]] (+ shared[t]), in
+     * slot order; pair_row -1 marks a dropped pair. shared may be NULL. */
+    void (*combine)(float *y, const float *yp, const float *topk_w, const int64_t *pair_row,
+                    const float *shared, int64_t T, int64_t k, int64_t d);
+
+    /* Backward of combine: dyp[r] = w * dy[t] for each kept pair and
+     * dweights [T, k] = <dy[t], yp[r]> (0 for dropped pairs). */
+    void (*combine_backward)(float *dyp, float *dweights, const float *dy, const float *yp,
+                             const float *topk_w, const int64_t *pair_row, int64_t T, int64_t k,
+                             int64_t d);
+
+    /* dx[t] += sum_j dxp[pair_row[t*k + j]] in slot order (kept pairs). */
+    void (*unpermute_add)(float *dx, const float *dxp, const int64_t *pair_row, int64_t T,
+                          int64_t k, int64_t d);
+
+    /* The grouped SwiGLU experts, forward and backward, over n_groups. */
+    void (*experts_forward)(moe_expert_group *groups, int64_t n_groups, int64_t d);
+    void (*experts_backward)(moe_expert_group *groups, int64_t n_groups, int64_t d);
+} moe_ops;
+
+const moe_ops *moe_cpu_ops(void);
+
+#endif /* MOE_KERNELS_OPS_H */

@@ -1,0 +1,50 @@
+#include "router/plan.h"
+
+#include <math.h>
+
+int64_t moe_capacity(double capacity_factor, int64_t T, int64_t k, int64_t E) {
+    if (capacity_factor <= 0.0) return -1;
+    return (int64_t)ceil(capacity_factor * (double)T * (double)k / (double)E);
+}
+
+void moe_plan_build(moe_plan *plan, const int32_t *topk_idx, const int64_t *assigned, int64_t T,
+                    int64_t k, int64_t E, int64_t capacity) {
+    int64_t *offsets = plan->expert_offsets;
+    offsets[0] = 0;
+    for (int64_t e = 0; e < E; e++) {
+        int64_t kept = capacity >= 0 && assigned[e] > capacity ? capacity : assigned[e];
+        offsets[e + 1] = offsets[e] + kept;
+    }
+    plan->n_rows = offsets[E];
+    plan->dropped = T * k - plan->n_rows;
+    /* The cursor of expert e runs through its rows and then past them: a pair
+     * that finds it at or beyond the next expert's first row is dropped. */
+    int64_t *cursor = plan->cursor;
+    for (int64_t e = 0; e < E; e++) cursor[e] = offsets[e];
+    for (int64_t p = 0; p < T * k; p++) {
+        int32_t e = topk_idx[p];
+        int64_t r = cursor[e]++;
+        if (r < offsets[e + 1]) {
+            plan->pair_row[p] = r;
+            plan->row_token[r] = p / k;
+        } else {
+            plan->pair_row[p] = -1;
+        }
+    }
+}
+
+void moe_aux_grad(float *aux_grad, const int64_t *assigned, int64_t T, int64_t k, int64_t E,
+                  double coef) {
+    for (int64_t e = 0; e < E; e++)
+        aux_grad[e] = (float)(coef * (double)E * ((double)assigned[e] / (double)(T * k)) / (double)T);
+}
+
+void moe_bias_update(float *bias, const int64_t *assigned, int64_t E, double rate) {
+    double mean = 0.0;
+    for (int64_t e = 0; e < E; e++) mean += (double)assigned[e];
+    mean /= (double)E;
+    for (int64_t e = 0; e < E; e++) {
+        double err = mean - (double)assigned[e];
+        bias[e] += (float)(rate * (err > 0.0 ? 1.0 : err < 0.0 ? -1.0 : 0.0));
+    }
+}

@@ -1,0 +1,37 @@
+/* plan.h: routing policy: capacity, the dispatch plan, and the balancing
+ * terms that act on whole-batch counts rather than on single tokens. */
+#ifndef MOE_ROUTER_PLAN_H
+#define MOE_ROUTER_PLAN_H
+
+#include <stdint.h>
+
+/* Where every (token, slot) pair goes: a stable counting sort by expert, so
+ * each expert's rows are contiguous and in token order. */
+typedef struct moe_plan {
+    int64_t *pair_row;       /* [T*k] row of pair t*k+j in expert order, -1 if dropped */
+    int64_t *row_token;      /* [T*k] token of each row; the first n_rows are valid */
+    int64_t *expert_offsets; /* [E+1] first row of each expert; [E] = n_rows */
+    int64_t *cursor;         /* [E] scratch */
+    int64_t n_rows;          /* pairs kept */
+    int64_t dropped;         /* pairs over capacity */
+} moe_plan;
+
+/* Rows each expert may take: ceil(cf * T * k / E), or -1 for dropless (cf = 0). */
+int64_t moe_capacity(double capacity_factor, int64_t T, int64_t k, int64_t E);
+
+/* Fills plan from the router's choices topk_idx [T, k] and the per-expert
+ * totals assigned [E]. Pairs are taken in token order, then slot order; an
+ * expert keeps its first `capacity` pairs (all of them when capacity < 0). */
+void moe_plan_build(moe_plan *plan, const int32_t *topk_idx, const int64_t *assigned, int64_t T,
+                    int64_t k, int64_t E, int64_t capacity);
+
+/* d(coef * aux)/d(prob[t, e]) for the Switch/GShard loss aux = E sum f_e P_e,
+ * f_e = assigned_e / (T k), P_e = mean_t prob[t, e]: coef * E * f_e / T. */
+void moe_aux_grad(float *aux_grad, const int64_t *assigned, int64_t T, int64_t k, int64_t E,
+                  double coef);
+
+/* Auxiliary-loss-free balancing (DeepSeek-V3): bias_e += rate * sign(mean
+ * load - load_e), so an overloaded expert becomes less attractive. */
+void moe_bias_update(float *bias, const int64_t *assigned, int64_t E, double rate);
+
+#endif /* MOE_ROUTER_PLAN_H */
