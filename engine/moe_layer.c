@@ -74,6 +74,7 @@ struct moe_layer {
     moe_plan plan;
     int64_t last_T; /* T of the last forward; 0 before the first */
     int training;
+    double loss_scale;     /* multiplies the aux and z gradients */
     uint64_t jitter_calls; /* advances the noise stream each training forward */
 };
 
@@ -178,6 +179,7 @@ moe_status moe_layer_create_in(moe_layer **out, const moe_layer_config *cfg, flo
     L->grads = grads;
     L->n_params = moe_layer_config_param_count(cfg);
     L->training = 1;
+    L->loss_scale = 1.0;
     const int64_t E = cfg->n_experts, max_tensors = 1 + 3 * E + 3;
     L->views = calloc((size_t)max_tensors, sizeof *L->views);
     L->names = calloc((size_t)max_tensors, sizeof *L->names);
@@ -274,6 +276,13 @@ moe_status moe_layer_set_training(moe_layer *L, int training) {
     L->training = training != 0;
     return MOE_OK;
 }
+
+void moe_layer_set_loss_scale(moe_layer *L, double scale) { L->loss_scale = scale; }
+
+const int64_t *moe_layer_last_assigned(const moe_layer *L) { return L->assigned; }
+const int32_t *moe_layer_last_topk(const moe_layer *L) { return L->topk_idx; }
+uint64_t moe_layer_jitter_counter(const moe_layer *L) { return L->jitter_calls; }
+void moe_layer_set_jitter_counter(moe_layer *L, uint64_t counter) { L->jitter_calls = counter; }
 
 moe_status moe_layer_zero_grad(moe_layer *L) {
     if (!L) return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_zero_grad: layer is NULL");
@@ -472,10 +481,10 @@ moe_status moe_layer_backward(moe_layer *L, float *dx, const float *dy, const fl
     ops->experts_backward(L->groups, n_groups, d);
     ops->unpermute_add(dx_in, L->dxp, L->pair_row, T, k, d);
 
-    moe_aux_grad(L->aux_grad, L->assigned, T, k, E, c->aux_loss_coef);
+    moe_aux_grad(L->aux_grad, L->assigned, T, k, E, c->aux_loss_coef * L->loss_scale);
     const moe_gate_params gp = {.n_experts = E, .top_k = k, .kind = c->gate, .renormalize = c->renormalize != 0};
     ops->gate_backward(L->dlogits, L->dweights, L->topk_idx, L->topk_w, L->prob, L->lse, L->logits,
-                       c->aux_loss_coef > 0.0 ? L->aux_grad : NULL, (float)(c->z_loss_coef / (double)T), &gp, T);
+                       c->aux_loss_coef > 0.0 ? L->aux_grad : NULL, (float)(c->z_loss_coef * L->loss_scale / (double)T), &gp, T);
     const moe_tensor_view *gate = &L->views[0];
     ops->gemm(gate->grad, L->dlogits, x_in, E, d, T, E, d, d, true, false, 1.0f, 1.0f);
     ops->gemm(dx_in, L->dlogits, gate->param, T, d, E, E, d, d, false, false, 1.0f, 1.0f);

@@ -102,6 +102,37 @@ typedef struct moe_ops {
     /* The grouped SwiGLU experts, forward and backward, over n_groups. */
     void (*experts_forward)(moe_expert_group *groups, int64_t n_groups, int64_t d);
     void (*experts_backward)(moe_expert_group *groups, int64_t n_groups, int64_t d);
+
+    /* The dense transformer ops; kernels/cpu/dense.h says what each does.
+     * Backward ops accumulate into their input gradients. */
+    void (*embedding_forward)(float *out, const int32_t *tokens, const float *wte, int64_t N, int64_t C);
+    void (*embedding_backward)(float *dwte, const float *dout, const int32_t *tokens, int64_t N, int64_t C);
+    void (*rmsnorm_forward)(float *out, float *rstd, const float *inp, const float *weight, float eps, int64_t N,
+                            int64_t C);
+    void (*rmsnorm_backward)(float *dinp, float *dweight, const float *dout, const float *inp, const float *weight,
+                             const float *rstd, int64_t N, int64_t C);
+    void (*matmul_forward)(float *out, const float *inp, const float *weight, int64_t N, int64_t C, int64_t OC);
+    void (*matmul_backward)(float *dinp, float *dweight, const float *dout, const float *inp, const float *weight,
+                            int64_t N, int64_t C, int64_t OC);
+    void (*rope_tables)(float *cos_t, float *sin_t, int64_t T, int64_t hd, float theta);
+    void (*rope_forward)(float *x, const float *cos_t, const float *sin_t, int64_t B, int64_t T, int64_t H,
+                         int64_t hd);
+    void (*rope_backward)(float *dx, const float *cos_t, const float *sin_t, int64_t B, int64_t T, int64_t H,
+                          int64_t hd);
+    void (*attention_forward)(float *out, float *att, const float *q, const float *k, const float *v, int64_t B,
+                              int64_t T, int64_t Hq, int64_t Hkv, int64_t hd);
+    void (*attention_backward)(float *dq, float *dk, float *dv, float *datt, const float *dout, const float *q,
+                               const float *k, const float *v, const float *att, int64_t B, int64_t T, int64_t Hq,
+                               int64_t Hkv, int64_t hd);
+    void (*crossentropy_forward)(float *losses, double *lse, const float *logits, const int32_t *targets, int64_t N,
+                                 int64_t V);
+    void (*crossentropy_backward)(float *dlogits, const float *logits, const double *lse, const int32_t *targets,
+                                  const float *dloss, int64_t N, int64_t V);
+    void (*residual_forward)(float *out, const float *a, const float *b, int64_t n);
+    void (*residual_backward)(float *da, float *db, const float *dout, int64_t n);
+    void (*adamw)(float *params, float *m, float *v, const float *grads, int64_t n, float lr, float beta1,
+                  float beta2, float eps, float weight_decay, int64_t t);
+    void (*sumsq)(double *out, const float *x, int64_t n);
 } moe_ops;
 
 const moe_ops *moe_cpu_ops(void);

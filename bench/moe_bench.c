@@ -1,0 +1,268 @@
+/* moe_bench.c: `moe-bench`, its subcommand dispatch and the shared harness. */
+#include "bench/moe_bench.h"
+
+#include <cblas.h>
+#include <errno.h>
+#include <math.h>
+#include <omp.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static const bench_command commands[] = {
+    {"layer", "one MoE layer forward/backward and its expert GEMMs vs plain sgemm",
+     bench_layer_run},
+};
+#define N_COMMANDS ((int)(sizeof commands / sizeof commands[0]))
+
+/* ------------------------------------------------------------ subcommands */
+
+bool bench_failed(const char *cmd, const char *what, moe_status status) {
+    if (status == MOE_OK) return false;
+    fprintf(stderr, "moe-bench %s: %s: %s: %s\n", cmd, what, moe_status_string(status),
+            moe_last_error());
+    return true;
+}
+
+static void print_usage(FILE *f) {
+    fprintf(f,
+            "usage: moe-bench <command> [options]\n"
+            "       moe-bench <command> --help\n"
+            "\n"
+            "Benchmarks of libmoe %s. Each figure is reported beside a baseline\n"
+            "measured in the same run, so the ratio survives a noisy machine.\n"
+            "\n"
+            "commands:\n",
+            moe_version_string());
+    for (int c = 0; c < N_COMMANDS; c++)
+        fprintf(f, "  %-8s %s\n", commands[c].name, commands[c].summary);
+    fprintf(f,
+            "\n"
+            "options:\n"
+            "  -h, --help     this list\n"
+            "  --version      the library version\n"
+            "\n"
+            "environment:\n"
+            "  OMP_NUM_THREADS, OPENBLAS_NUM_THREADS  thread counts when --threads is not given\n");
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) {
+        print_usage(stderr);
+        return BENCH_EXIT_USAGE;
+    }
+    const char *name = argv[1];
+    if (strcmp(name, "-h") == 0 || strcmp(name, "--help") == 0) {
+        print_usage(stdout);
+        return 0;
+    }
+    if (strcmp(name, "--version") == 0) {
+        printf("moe-bench %s\n", moe_version_string());
+        return 0;
+    }
+    for (int c = 0; c < N_COMMANDS; c++)
+        if (strcmp(name, commands[c].name) == 0) return commands[c].run(argc - 1, argv + 1);
+    fprintf(stderr, "moe-bench: unknown command '%s' (see moe-bench --help)\n", name);
+    return BENCH_EXIT_USAGE;
+}
+
+/* ---------------------------------------------------------------- options */
+
+int bench_option(int argc, char **argv, int *i, const char *cmd, const char *name,
+                 const char **value) {
+    const char *arg = argv[*i];
+    if (strncmp(arg, "--", 2) != 0) return 0;
+    size_t len = strlen(name);
+    if (strncmp(arg + 2, name, len) != 0) return 0;
+    if (arg[2 + len] == '=') {
+        *value = arg + 3 + len;
+        return 1;
+    }
+    if (arg[2 + len] != '\0') return 0;
+    if (*i + 1 >= argc) {
+        fprintf(stderr, "moe-bench %s: --%s needs a value\n", cmd, name);
+        return -1;
+    }
+    *i += 1;
+    *value = argv[*i];
+    return 1;
+}
+
+bool bench_parse_i64(int64_t *out, const char *cmd, const char *flag, const char *text, int64_t lo,
+                     int64_t hi) {
+    char *end = NULL;
+    errno = 0;
+    long long v = strtoll(text, &end, 10);
+    if (end == text || *end != '\0' || errno == ERANGE || v < lo || v > hi) {
+        fprintf(stderr, "moe-bench %s: %s=%s: expected an integer in [%lld, %lld]\n", cmd, flag,
+                text, (long long)lo, (long long)hi);
+        return false;
+    }
+    *out = (int64_t)v;
+    return true;
+}
+
+bool bench_parse_f64(double *out, const char *cmd, const char *flag, const char *text, double lo,
+                     double hi) {
+    char *end = NULL;
+    errno = 0;
+    double v = strtod(text, &end);
+    if (end == text || *end != '\0' || errno == ERANGE || !(v >= lo && v <= hi)) {
+        fprintf(stderr, "moe-bench %s: %s=%s: expected a number in [%g, %g]\n", cmd, flag, text, lo,
+                hi);
+        return false;
+    }
+    *out = v;
+    return true;
+}
+
+void bench_set_threads(int n) {
+    omp_set_num_threads(n);
+    openblas_set_num_threads(n);
+}
+
+int bench_omp_threads(void) { return omp_get_max_threads(); }
+
+int bench_blas_threads(void) { return openblas_get_num_threads(); }
+
+/* ----------------------------------------------------------------- timing */
+
+double bench_now_seconds(void) { return omp_get_wtime(); }
+
+static int compare_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+double bench_median(double *v, int n) {
+    qsort(v, (size_t)n, sizeof *v, compare_double);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/* ---------------------------------------------------------------- buffers */
+
+static size_t round_up_bytes(size_t bytes) {
+    return (bytes + BENCH_ALIGN_BYTES - 1) / BENCH_ALIGN_BYTES * BENCH_ALIGN_BYTES;
+}
+
+void *bench_alloc_buffers(bench_buffer *bufs, int n_bufs) {
+    size_t total = BENCH_ALIGN_BYTES; /* aligned_alloc rejects a size of 0 */
+    for (int b = 0; b < n_bufs; b++) {
+        if (bufs[b].count > (SIZE_MAX / 2) / sizeof(float)) return NULL;
+        total += round_up_bytes(bufs[b].count * sizeof(float));
+    }
+    char *base = aligned_alloc(BENCH_ALIGN_BYTES, total);
+    if (!base) return NULL;
+    /* Touching every page now keeps first-touch faults out of the timings. */
+    memset(base, 0, total);
+    size_t off = 0;
+    for (int b = 0; b < n_bufs; b++) {
+        *bufs[b].ptr = (float *)(base + off);
+        off += round_up_bytes(bufs[b].count * sizeof(float));
+    }
+    return base;
+}
+
+void bench_free(void *base) { free(base); }
+
+static uint64_t splitmix64(uint64_t *state) {
+    uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+double bench_rng_uniform(bench_rng *rng) {
+    /* 53 random bits, offset by half a step, lie strictly inside (0, 1). */
+    return ((double)(splitmix64(&rng->state) >> 11) + 0.5) * 0x1.0p-53;
+}
+
+void bench_fill_uniform(float *p, size_t n, float scale, bench_rng *rng) {
+    for (size_t i = 0; i < n; i++) p[i] = scale * (float)(2.0 * bench_rng_uniform(rng) - 1.0);
+}
+
+/* ----------------------------------------------------------- table / JSON */
+
+void bench_table_header(const bench_table *t) {
+    if (t->json) return;
+    for (int c = 0; c < t->n_cols; c++)
+        if (t->cols[c].header) printf("%*s ", t->cols[c].width, t->cols[c].header);
+    printf("\n");
+    fflush(stdout);
+}
+
+static void print_json_string(const char *s) {
+    putchar('"');
+    for (; *s; s++) {
+        unsigned char ch = (unsigned char)*s;
+        if (ch == '"' || ch == '\\')
+            printf("\\%c", ch);
+        else if (ch < 0x20)
+            printf("\\u%04x", ch);
+        else
+            putchar(ch);
+    }
+    putchar('"');
+}
+
+void bench_table_row(const bench_table *t, const bench_value *values) {
+    if (t->json) {
+        printf("{\"bench\":");
+        print_json_string(t->bench);
+        for (int c = 0; c < t->n_cols; c++) {
+            const bench_column *col = &t->cols[c];
+            printf(",");
+            print_json_string(col->key);
+            printf(":");
+            if (col->kind == BENCH_STR)
+                print_json_string(values[c].s);
+            else if (col->kind == BENCH_INT)
+                printf("%lld", (long long)values[c].i);
+            else if (isfinite(values[c].f))
+                printf("%.6g", values[c].f);
+            else
+                printf("null");
+        }
+        printf("}\n");
+    } else {
+        for (int c = 0; c < t->n_cols; c++) {
+            const bench_column *col = &t->cols[c];
+            if (!col->header) continue;
+            if (col->kind == BENCH_STR)
+                printf("%*s ", col->width, values[c].s);
+            else if (col->kind == BENCH_INT)
+                printf("%*lld ", col->width, (long long)values[c].i);
+            else if (isfinite(values[c].f))
+                printf("%*.*f ", col->width, col->precision, values[c].f);
+            else
+                printf("%*s ", col->width, "-");
+        }
+        printf("\n");
+    }
+    /* Rows appear as they are measured, also when piped. */
+    fflush(stdout);
+}
+
+void bench_table_note(const bench_table *t, const char *fmt, ...) {
+    if (t->json) return;
+    va_list ap;
+    va_start(ap, fmt);
+    printf("# ");
+    vprintf(fmt, ap);
+    printf("\n");
+    va_end(ap);
+    fflush(stdout);
+}
+
+/* ---------------------------------------------------------- sgemm baseline */
+
+double bench_sgemm_flops(const bench_sgemm *g) { return 2.0 * (double)g->m * g->n * g->k; }
+
+double bench_sgemm_run(const bench_sgemm *g) {
+    double t0 = bench_now_seconds();
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)g->m, (blasint)g->n,
+                (blasint)g->k, 1.0f, g->a, (blasint)g->k, g->b, (blasint)g->k, 0.0f, g->c,
+                (blasint)g->n);
+    return bench_now_seconds() - t0;
+}

@@ -1,0 +1,144 @@
+/* moe_bench.h: the harness shared by the moe-bench subcommands: the command
+ * table, option parsing, timing, aligned buffers, table/JSON rows and the
+ * plain sgemm baseline every GEMM-bound figure is divided by (DESIGN.md 8). */
+#ifndef MOE_BENCH_H
+#define MOE_BENCH_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "moe.h"
+
+/* ------------------------------------------------------------ subcommands */
+
+/* A subcommand gets argv from its own name on (argv[0] = "layer") and returns
+ * the process exit status. Adding one: a bench_<name>.c file with its run
+ * function, declared here and listed in moe_bench.c's table. */
+typedef struct bench_command {
+    const char *name;
+    const char *summary; /* one line for `moe-bench --help` */
+    int (*run)(int argc, char **argv);
+} bench_command;
+
+int bench_layer_run(int argc, char **argv);
+
+/* Exit statuses: 1 for a failure while running, 2 for a bad command line. */
+#define BENCH_EXIT_FAILURE 1
+#define BENCH_EXIT_USAGE 2
+
+/* Prints "moe-bench <cmd>: <what>: <status string>: <last error>" to stderr
+ * and returns true when status is not MOE_OK. */
+bool bench_failed(const char *cmd, const char *what, moe_status status);
+
+/* ---------------------------------------------------------------- options */
+
+/* Matches argv[*i] against "--name value" or "--name=value". Returns 1 and
+ * sets *value (advancing *i past a separate value) on a match, 0 when argv[*i]
+ * is another option, -1 after printing an error when the value is missing. */
+int bench_option(int argc, char **argv, int *i, const char *cmd, const char *name,
+                 const char **value);
+
+/* Whole-string parses within [lo, hi]; print an error naming the flag and
+ * return false on anything else. */
+bool bench_parse_i64(int64_t *out, const char *cmd, const char *flag, const char *text, int64_t lo,
+                     int64_t hi);
+bool bench_parse_f64(double *out, const char *cmd, const char *flag, const char *text, double lo,
+                     double hi);
+
+/* Sets the OpenMP and the OpenBLAS thread counts together, so the layer and
+ * the baseline GEMM run on the same number of cores. */
+void bench_set_threads(int n);
+int bench_omp_threads(void);
+int bench_blas_threads(void);
+
+/* ----------------------------------------------------------------- timing */
+
+double bench_now_seconds(void);
+
+/* Median of v[0..n) (n > 0); sorts v in place. */
+double bench_median(double *v, int n);
+
+/* ---------------------------------------------------------------- buffers */
+
+#define BENCH_ALIGN_BYTES 64
+
+/* One float buffer to carve out of a shared allocation. */
+typedef struct bench_buffer {
+    float **ptr;  /* where to store the buffer's address */
+    size_t count; /* floats */
+} bench_buffer;
+
+/* One zeroed, BENCH_ALIGN_BYTES-aligned allocation holding every buffer of
+ * bufs, each starting on an aligned boundary. Returns the allocation (free it
+ * with bench_free) or NULL when it cannot be had. */
+void *bench_alloc_buffers(bench_buffer *bufs, int n_bufs);
+void bench_free(void *base);
+
+/* Deterministic generator (splitmix64) so every run times the same data. */
+typedef struct bench_rng {
+    uint64_t state;
+} bench_rng;
+
+/* Uniform in the open interval (0, 1): never 0, so log(u) is finite. */
+double bench_rng_uniform(bench_rng *rng);
+
+/* p[i] uniform in [-scale, scale). */
+void bench_fill_uniform(float *p, size_t n, float scale, bench_rng *rng);
+
+/* ----------------------------------------------------------- table / JSON */
+
+typedef enum bench_kind { BENCH_STR, BENCH_INT, BENCH_F64 } bench_kind;
+
+typedef struct bench_column {
+    const char *key;    /* JSON key */
+    const char *header; /* table header; NULL: JSON only */
+    bench_kind kind;
+    int width;     /* table width; negative left-aligns */
+    int precision; /* BENCH_F64 digits after the point in the table */
+} bench_column;
+
+/* One cell; the member matching the column's kind is read. A NaN F64 prints
+ * as "-" in the table and null in JSON. */
+typedef struct bench_value {
+    const char *s;
+    int64_t i;
+    double f;
+} bench_value;
+
+typedef struct bench_table {
+    const char *bench; /* written as "bench" in every JSON object */
+    const bench_column *cols;
+    int n_cols;
+    bool json; /* one JSON object per row instead of aligned columns */
+} bench_table;
+
+/* The header line (table mode only). */
+void bench_table_header(const bench_table *t);
+/* values[n_cols], in column order. */
+void bench_table_row(const bench_table *t, const bench_value *values);
+/* A "# ..." line in table mode; nothing in JSON mode, which stays one
+ * object per line. */
+void bench_table_note(const bench_table *t, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+
+/* ---------------------------------------------------------- sgemm baseline */
+
+/* c = a b^T with a [m, k], b [n, k], c [m, n]: one plain cblas_sgemm in the
+ * layout the experts use (weights stored [out, in]). */
+typedef struct bench_sgemm {
+    int64_t m, n, k;
+    float *a; /* [m, k] */
+    float *b; /* [n, k] */
+    float *c; /* [m, n] */
+} bench_sgemm;
+
+double bench_sgemm_flops(const bench_sgemm *g);
+
+/* One call; returns its seconds. */
+double bench_sgemm_run(const bench_sgemm *g);
+
+#endif /* MOE_BENCH_H */

@@ -1,0 +1,46 @@
+/* fileio.h: whole-file reads with a size limit, directory creation, and the
+ * atomic replacement of a file (temp file, fsync, rename, fsync of the
+ * directory), so a crash or a failed write never leaves a half-written target
+ * and never damages the file that was there before (DESIGN.md 7). */
+#ifndef MOE_ENGINE_FILEIO_H
+#define MOE_ENGINE_FILEIO_H
+
+#include <stddef.h>
+#include <stdio.h>
+
+#include "moe.h"
+
+/* Writes the new contents to `file`. Returns MOE_OK, or a status with the
+ * detail set by moe_error(); the atomic writer adds the path in front. */
+typedef moe_status (*moe_file_writer)(void *ctx, FILE *file);
+
+/* Replaces `path` atomically with what `write` produces: the data goes to
+ * "<path>.tmp.<pid>", which is flushed, fsync'ed and renamed over `path`, and
+ * then the directory is fsync'ed so the rename itself is durable. If `write`
+ * or any step before the rename fails, the temp file is removed and `path` is
+ * left exactly as it was. */
+moe_status moe_file_write_atomic(const char *path, moe_file_writer write, void *ctx);
+
+/* The same for contents already in memory: data [size] bytes. */
+moe_status moe_file_write_atomic_buffer(const char *path, const void *data, size_t size);
+
+/* fwrite that reports a short write as MOE_ERR_IO with errno's reason; for
+ * use inside a moe_file_writer. */
+moe_status moe_file_write_bytes(FILE *file, const void *data, size_t size);
+
+/* Creates `path` and every missing parent, like `mkdir -p`, mode 0777 less
+ * the umask. An existing directory is fine; an existing non-directory is an
+ * error. */
+moe_status moe_mkdir_p(const char *path);
+
+/* fsync on a directory, which makes the entries created or renamed in it
+ * durable. */
+moe_status moe_fsync_dir(const char *path);
+
+/* Reads a whole regular file into a new buffer of *size + 1 bytes whose last
+ * byte is '\0' (so text can be handed to string functions); free() it. A
+ * file larger than max_bytes is refused with MOE_ERR_FORMAT before anything
+ * is allocated. */
+moe_status moe_file_read_all(char **data, size_t *size, const char *path, size_t max_bytes);
+
+#endif /* MOE_ENGINE_FILEIO_H */

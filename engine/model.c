@@ -1,0 +1,468 @@
+/* model.c: the Mixtral forward is a straight list of op calls and the
+ * backward is its mirror, layer by layer (llm.c's shape). */
+#include "engine/model.h"
+
+#include <limits.h>
+#include <stdarg.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/rng.h"
+#include "common/status.h"
+#include "engine/moe_layer.h"
+#include "kernels/ops.h"
+
+#define MOE_ALIGN_BYTES 64
+#define MOE_INIT_STD 0.02f /* Hugging Face's initializer_range */
+
+/* Where layer l's tensors sit in the tensor table. */
+enum { LN1, WQ, WK, WV, WO, LN2, MOE_FIRST, LAYER_DENSE_TENSORS = MOE_FIRST };
+
+typedef struct layer_acts {
+    float *x;      /* [N, C] input of the layer (residual stream) */
+    float *ln1;    /* [N, C] */
+    float *rstd1;  /* [N] */
+    float *q;      /* [N, Hq*hd], after RoPE */
+    float *k;      /* [N, Hkv*hd], after RoPE */
+    float *v;      /* [N, Hkv*hd] */
+    float *att;    /* [B, Hq, T, T] */
+    float *atty;   /* [N, Hq*hd] */
+    float *x_mid;  /* [N, C] x + attention */
+    float *ln2;    /* [N, C] */
+    float *rstd2;  /* [N] */
+    float *moe_y;  /* [N, C] */
+} layer_acts;
+
+struct moe_model {
+    moe_model_config cfg;
+    const moe_ops *ops;
+    int64_t B, T, N; /* N = B * T */
+    int64_t n_tensors;
+    moe_model_tensor *tensors; /* [n_tensors] */
+    int64_t *layer_first;      /* [L] first tensor of each layer */
+    int64_t n_params;
+    float *params, *grads;     /* one allocation */
+    moe_layer **moe;           /* [L] */
+
+    void *arena;
+    layer_acts *acts; /* [L] */
+    float *x_final;   /* [N, C] output of the last layer */
+    float *lnf;       /* [N, C] */
+    float *rstdf;     /* [N] */
+    float *logits;    /* [N, V], then dlogits */
+    double *lse;      /* [N] */
+    float *losses;    /* [N] */
+    float *dloss;     /* [N] */
+    float *cos_t, *sin_t; /* [T, hd/2] */
+    /* backward scratch */
+    float *dres;  /* [N, C] gradient of the residual stream */
+    float *dln;   /* [N, C] */
+    float *dmoe;  /* [N, C] */
+    float *dq, *dk, *dv, *datty; /* like q, k, v, atty */
+    float *datt;  /* [B, Hq, T, T] */
+    bool forward_done, has_targets;
+};
+
+/* ---------------------------------------------------------------- tensors */
+
+static void add_tensor(moe_model *m, int ndim, int64_t rows, int64_t cols, bool decay, const char *fmt, ...)
+    MOE_PRINTF(6, 7);
+
+static void add_tensor(moe_model *m, int ndim, int64_t rows, int64_t cols, bool decay, const char *fmt, ...) {
+    moe_model_tensor *t = &m->tensors[m->n_tensors++];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(t->name, sizeof t->name, fmt, ap);
+    va_end(ap);
+    t->ndim = ndim;
+    t->shape[0] = rows;
+    t->shape[1] = ndim == 2 ? cols : 1;
+    t->numel = rows * t->shape[1];
+    t->offset = m->n_params;
+    t->decay = decay;
+    m->n_params += t->numel;
+}
+
+/* Tensors in memory order. A layer's MoE block is one contiguous run laid
+ * out by moe_layer_create_in, whose view names follow the prefix. */
+static moe_status build_tensors(moe_model *m, const moe_layer_config *lc) {
+    const moe_model_config *c = &m->cfg;
+    const int64_t C = c->hidden_size, V = c->vocab_size, hd = c->head_dim;
+    const int64_t qdim = c->num_attention_heads * hd, kvdim = c->num_key_value_heads * hd;
+    const int64_t moe_tensors = 1 + 3 * lc->n_experts + (lc->n_shared_experts ? 3 : 0);
+    const int64_t L = c->num_hidden_layers;
+    m->tensors = calloc((size_t)(3 + L * (LAYER_DENSE_TENSORS + moe_tensors)), sizeof *m->tensors);
+    m->layer_first = calloc((size_t)L, sizeof *m->layer_first);
+    if (!m->tensors || !m->layer_first) return moe_error(MOE_ERR_OUT_OF_MEMORY, "model: tensor table");
+    add_tensor(m, 2, V, C, true, "model.embed_tokens.weight");
+    for (int64_t l = 0; l < L; l++) {
+        m->layer_first[l] = m->n_tensors;
+        add_tensor(m, 1, C, 1, false, "model.layers.%lld.input_layernorm.weight", (long long)l);
+        add_tensor(m, 2, qdim, C, true, "model.layers.%lld.self_attn.q_proj.weight", (long long)l);
+        add_tensor(m, 2, kvdim, C, true, "model.layers.%lld.self_attn.k_proj.weight", (long long)l);
+        add_tensor(m, 2, kvdim, C, true, "model.layers.%lld.self_attn.v_proj.weight", (long long)l);
+        add_tensor(m, 2, C, qdim, true, "model.layers.%lld.self_attn.o_proj.weight", (long long)l);
+        add_tensor(m, 1, C, 1, false, "model.layers.%lld.post_attention_layernorm.weight", (long long)l);
+        /* Placeholders for the MoE block's names; filled once the layer exists. */
+        int64_t start = m->n_params;
+        for (int64_t i = 0; i < moe_tensors; i++) add_tensor(m, 2, 0, 0, true, "%s", "");
+        m->n_params = start + moe_layer_config_param_count(lc);
+    }
+    add_tensor(m, 1, C, 1, false, "model.norm.weight");
+    add_tensor(m, 2, V, C, true, "lm_head.weight");
+    return MOE_OK;
+}
+
+/* Copies the MoE layer's own views into the table under the HF prefix. */
+static void name_moe_tensors(moe_model *m, int64_t l) {
+    moe_model_tensor *t = &m->tensors[m->layer_first[l] + MOE_FIRST];
+    for (int64_t i = 0; i < moe_layer_tensor_count(m->moe[l]); i++, t++) {
+        moe_tensor_view v;
+        moe_layer_tensor(m->moe[l], i, &v);
+        snprintf(t->name, sizeof t->name, "model.layers.%lld.block_sparse_moe.%s", (long long)l, v.name);
+        t->ndim = 2;
+        t->shape[0] = v.rows;
+        t->shape[1] = v.cols;
+        t->numel = v.rows * v.cols;
+        t->offset = v.param - m->params;
+        t->decay = true;
+    }
+}
+
+/* ----------------------------------------------------------------- arena */
+
+typedef struct arena_entry {
+    void **ptr;
+    int64_t bytes;
+} arena_entry;
+
+static moe_status carve_arena(moe_model *m, const arena_entry *table, int n) {
+    int64_t total = 0;
+    for (int i = 0; i < n; i++) total += (table[i].bytes + MOE_ALIGN_BYTES - 1) / MOE_ALIGN_BYTES * MOE_ALIGN_BYTES;
+    m->arena = aligned_alloc(MOE_ALIGN_BYTES, (size_t)(total ? total : MOE_ALIGN_BYTES));
+    if (!m->arena)
+        return moe_error(MOE_ERR_OUT_OF_MEMORY, "model: %lld bytes of activations for B=%lld T=%lld", (long long)total,
+                         (long long)m->B, (long long)m->T);
+    char *p = m->arena;
+    for (int i = 0; i < n; i++) {
+        *table[i].ptr = p;
+        p += (table[i].bytes + MOE_ALIGN_BYTES - 1) / MOE_ALIGN_BYTES * MOE_ALIGN_BYTES;
+    }
+    return MOE_OK;
+}
+
+static moe_status build_arena(moe_model *m) {
+    const moe_model_config *c = &m->cfg;
+    const int64_t N = m->N, C = c->hidden_size, V = c->vocab_size, hd = c->head_dim, L = c->num_hidden_layers;
+    const int64_t qdim = c->num_attention_heads * hd, kvdim = c->num_key_value_heads * hd;
+    const int64_t attn = m->B * c->num_attention_heads * m->T * m->T;
+    const int64_t f = sizeof(float);
+    m->acts = calloc((size_t)L, sizeof *m->acts);
+    int n_entries = 12 * (int)L + 17;
+    arena_entry *table = calloc((size_t)n_entries, sizeof *table);
+    if (!m->acts || !table) {
+        free(table);
+        return moe_error(MOE_ERR_OUT_OF_MEMORY, "model: activation table");
+    }
+    int n = 0;
+    for (int64_t l = 0; l < L; l++) {
+        layer_acts *a = &m->acts[l];
+        table[n++] = (arena_entry){(void **)&a->x, N * C * f};
+        table[n++] = (arena_entry){(void **)&a->ln1, N * C * f};
+        table[n++] = (arena_entry){(void **)&a->rstd1, N * f};
+        table[n++] = (arena_entry){(void **)&a->q, N * qdim * f};
+        table[n++] = (arena_entry){(void **)&a->k, N * kvdim * f};
+        table[n++] = (arena_entry){(void **)&a->v, N * kvdim * f};
+        table[n++] = (arena_entry){(void **)&a->att, attn * f};
+        table[n++] = (arena_entry){(void **)&a->atty, N * qdim * f};
+        table[n++] = (arena_entry){(void **)&a->x_mid, N * C * f};
+        table[n++] = (arena_entry){(void **)&a->ln2, N * C * f};
+        table[n++] = (arena_entry){(void **)&a->rstd2, N * f};
+        table[n++] = (arena_entry){(void **)&a->moe_y, N * C * f};
+    }
+    table[n++] = (arena_entry){(void **)&m->x_final, N * C * f};
+    table[n++] = (arena_entry){(void **)&m->lnf, N * C * f};
+    table[n++] = (arena_entry){(void **)&m->rstdf, N * f};
+    table[n++] = (arena_entry){(void **)&m->logits, N * V * f};
+    table[n++] = (arena_entry){(void **)&m->lse, N * (int64_t)sizeof(double)};
+    table[n++] = (arena_entry){(void **)&m->losses, N * f};
+    table[n++] = (arena_entry){(void **)&m->dloss, N * f};
+    table[n++] = (arena_entry){(void **)&m->cos_t, m->T * hd / 2 * f};
+    table[n++] = (arena_entry){(void **)&m->sin_t, m->T * hd / 2 * f};
+    table[n++] = (arena_entry){(void **)&m->dres, N * C * f};
+    table[n++] = (arena_entry){(void **)&m->dln, N * C * f};
+    table[n++] = (arena_entry){(void **)&m->dmoe, N * C * f};
+    table[n++] = (arena_entry){(void **)&m->dq, N * qdim * f};
+    table[n++] = (arena_entry){(void **)&m->dk, N * kvdim * f};
+    table[n++] = (arena_entry){(void **)&m->dv, N * kvdim * f};
+    table[n++] = (arena_entry){(void **)&m->datty, N * qdim * f};
+    table[n++] = (arena_entry){(void **)&m->datt, attn * f};
+    moe_status st = carve_arena(m, table, n);
+    free(table);
+    return st;
+}
+
+/* ------------------------------------------------------------ lifecycle */
+
+static moe_status check_shape(const moe_model_config *c, int64_t B, int64_t T) {
+    if (B <= 0 || T <= 0) return moe_error(MOE_ERR_CONFIG, "model: batch B=%lld and sequence T=%lld must be positive", (long long)B, (long long)T);
+    if (T > c->max_position_embeddings)
+        return moe_error(MOE_ERR_CONFIG, "model: sequence length %lld exceeds max_position_embeddings=%lld", (long long)T,
+                         (long long)c->max_position_embeddings);
+    int64_t N, NV, att;
+    if (__builtin_mul_overflow(B, T, &N) || N > INT_MAX || __builtin_mul_overflow(N, c->vocab_size, &NV) ||
+        __builtin_mul_overflow(N * c->num_attention_heads, T, &att))
+        return moe_error(MOE_ERR_CONFIG, "model: B=%lld x T=%lld is too large for this model", (long long)B, (long long)T);
+    return MOE_OK;
+}
+
+moe_status moe_model_create(moe_model **out, const moe_model_config *cfg, int64_t B, int64_t T, uint64_t seed) {
+    if (!out || !cfg) return moe_error(MOE_ERR_INVALID_ARG, "moe_model_create: NULL argument");
+    *out = NULL;
+    MOE_TRY(moe_model_config_validate(cfg, "model config"));
+    MOE_TRY(check_shape(cfg, B, T));
+    moe_model *m = calloc(1, sizeof *m);
+    if (!m) return moe_error(MOE_ERR_OUT_OF_MEMORY, "model: struct");
+    m->cfg = *cfg;
+    m->ops = moe_cpu_ops();
+    m->B = B;
+    m->T = T;
+    m->N = B * T;
+    const int64_t L = cfg->num_hidden_layers;
+    moe_layer_config lc;
+    moe_model_config_layer(&lc, cfg, seed);
+    moe_status st = build_tensors(m, &lc);
+    if (st == MOE_OK) {
+        m->params = aligned_alloc(MOE_ALIGN_BYTES, (size_t)((m->n_params + 15) / 16 * 16) * sizeof(float));
+        m->grads = aligned_alloc(MOE_ALIGN_BYTES, (size_t)((m->n_params + 15) / 16 * 16) * sizeof(float));
+        m->moe = calloc((size_t)L, sizeof *m->moe);
+        if (!m->params || !m->grads || !m->moe)
+            st = moe_error(MOE_ERR_OUT_OF_MEMORY, "model: %lld parameters", (long long)m->n_params);
+    }
+    for (int64_t l = 0; st == MOE_OK && l < L; l++) {
+        /* Each layer's jitter noise is its own stream. */
+        moe_layer_config layer_cfg = lc;
+        layer_cfg.seed = moe_splitmix64(seed + (uint64_t)l);
+        int64_t off = m->tensors[m->layer_first[l] + MOE_FIRST].offset;
+        st = moe_layer_create_in(&m->moe[l], &layer_cfg, m->params + off, m->grads + off);
+        if (st == MOE_OK) {
+            name_moe_tensors(m, l);
+            /* The total loss averages aux and z over layers. */
+            moe_layer_set_loss_scale(m->moe[l], 1.0 / (double)L);
+        }
+    }
+    if (st == MOE_OK) st = build_arena(m);
+    if (st != MOE_OK) {
+        moe_model_destroy(m);
+        return st;
+    }
+    for (int64_t i = 0; i < m->n_tensors; i++) {
+        const moe_model_tensor *t = &m->tensors[i];
+        float *p = m->params + t->offset;
+        if (t->ndim == 1) {
+            for (int64_t j = 0; j < t->numel; j++) p[j] = 1.0f;
+        } else {
+#pragma omp parallel for schedule(static)
+            for (int64_t j = 0; j < t->numel; j++) p[j] = MOE_INIT_STD * moe_rng_normal(seed, (uint64_t)i, (uint64_t)j);
+        }
+    }
+    moe_model_zero_grad(m);
+    m->ops->rope_tables(m->cos_t, m->sin_t, T, cfg->head_dim, (float)cfg->rope_theta);
+    *out = m;
+    return MOE_OK;
+}
+
+void moe_model_destroy(moe_model *m) {
+    if (!m) return;
+    for (int64_t l = 0; m->moe && l < m->cfg.num_hidden_layers; l++) moe_layer_destroy(m->moe[l]);
+    free(m->moe);
+    free(m->tensors);
+    free(m->layer_first);
+    free(m->params);
+    free(m->grads);
+    free(m->acts);
+    free(m->arena);
+    free(m);
+}
+
+const moe_model_config *moe_model_get_config(const moe_model *m) { return &m->cfg; }
+int64_t moe_model_batch_size(const moe_model *m) { return m->B; }
+int64_t moe_model_seq_len(const moe_model *m) { return m->T; }
+int64_t moe_model_tensor_count(const moe_model *m) { return m->n_tensors; }
+const moe_model_tensor *moe_model_tensor_at(const moe_model *m, int64_t i) {
+    return i >= 0 && i < m->n_tensors ? &m->tensors[i] : NULL;
+}
+const moe_model_tensor *moe_model_find_tensor(const moe_model *m, const char *name) {
+    for (int64_t i = 0; i < m->n_tensors; i++)
+        if (strcmp(m->tensors[i].name, name) == 0) return &m->tensors[i];
+    return NULL;
+}
+int64_t moe_model_param_count(const moe_model *m) { return m->n_params; }
+float *moe_model_params(moe_model *m) { return m->params; }
+float *moe_model_grads(moe_model *m) { return m->grads; }
+
+void moe_model_zero_grad(moe_model *m) { memset(m->grads, 0, (size_t)m->n_params * sizeof(float)); }
+
+void moe_model_set_training(moe_model *m, bool training) {
+    for (int64_t l = 0; l < m->cfg.num_hidden_layers; l++) moe_layer_set_training(m->moe[l], training);
+}
+
+void moe_model_update_router_bias(moe_model *m) {
+    for (int64_t l = 0; l < m->cfg.num_hidden_layers; l++)
+        if (moe_layer_selection_bias(m->moe[l])) moe_layer_update_bias(m->moe[l]);
+}
+
+float *moe_model_router_bias(moe_model *m, int64_t l) { return moe_layer_selection_bias(m->moe[l]); }
+
+uint64_t moe_model_jitter_counter(const moe_model *m) { return moe_layer_jitter_counter(m->moe[0]); }
+
+void moe_model_set_jitter_counter(moe_model *m, uint64_t counter) {
+    for (int64_t l = 0; l < m->cfg.num_hidden_layers; l++) moe_layer_set_jitter_counter(m->moe[l], counter);
+}
+
+const float *moe_model_last_losses(const moe_model *m) { return m->losses; }
+const int32_t *moe_model_last_topk(const moe_model *m, int64_t l) { return moe_layer_last_topk(m->moe[l]); }
+
+int64_t moe_model_active_param_count(const moe_model *m) {
+    const moe_model_config *c = &m->cfg;
+    int64_t per_expert = 3 * c->hidden_size * c->intermediate_size;
+    int64_t skipped = c->num_hidden_layers * (c->num_local_experts - c->num_experts_per_tok) * per_expert;
+    return m->n_params - skipped;
+}
+
+double moe_model_step_flops(const moe_model *m) {
+    const moe_model_config *c = &m->cfg;
+    /* 6 FLOPs per active parameter per token (2 forward, 4 backward), less
+     * the embedding, which is a lookup; plus attention's q k^T and att v:
+     * 2 * 2 * T * hd * Hq per token forward, halved by the causal mask, x3. */
+    double matmul_params = (double)(moe_model_active_param_count(m) - c->vocab_size * c->hidden_size);
+    double attention = 6.0 * (double)c->num_hidden_layers * (double)m->T * (double)(c->num_attention_heads * c->head_dim);
+    return (double)m->N * (6.0 * matmul_params + attention);
+}
+
+/* ----------------------------------------------------------------- forward */
+
+static float *param(moe_model *m, int64_t tensor) { return m->params + m->tensors[tensor].offset; }
+static float *grad(moe_model *m, int64_t tensor) { return m->grads + m->tensors[tensor].offset; }
+
+moe_status moe_model_forward(moe_model *m, const int32_t *inputs, const int32_t *targets, moe_model_stats *stats) {
+    if (!m || !inputs) return moe_error(MOE_ERR_INVALID_ARG, "moe_model_forward: NULL argument");
+    const moe_model_config *c = &m->cfg;
+    const moe_ops *ops = m->ops;
+    const int64_t B = m->B, T = m->T, N = m->N, C = c->hidden_size, V = c->vocab_size, hd = c->head_dim;
+    const int64_t Hq = c->num_attention_heads, Hkv = c->num_key_value_heads, L = c->num_hidden_layers;
+    const float eps = (float)c->rms_norm_eps;
+    for (int64_t i = 0; i < N; i++)
+        if (inputs[i] < 0 || inputs[i] >= V)
+            return moe_error(MOE_ERR_INVALID_ARG, "model: input token %d at position %lld outside the vocabulary [0, %lld)",
+                             inputs[i], (long long)i, (long long)V);
+    m->forward_done = false;
+    double aux = 0.0, z = 0.0, imbalance = 0.0, dropped = 0.0;
+
+    ops->embedding_forward(m->acts[0].x, inputs, param(m, 0), N, C);
+    for (int64_t l = 0; l < L; l++) {
+        layer_acts *a = &m->acts[l];
+        const int64_t t0 = m->layer_first[l];
+        float *x_out = l + 1 < L ? m->acts[l + 1].x : m->x_final;
+        ops->rmsnorm_forward(a->ln1, a->rstd1, a->x, param(m, t0 + LN1), eps, N, C);
+        ops->matmul_forward(a->q, a->ln1, param(m, t0 + WQ), N, C, Hq * hd);
+        ops->matmul_forward(a->k, a->ln1, param(m, t0 + WK), N, C, Hkv * hd);
+        ops->matmul_forward(a->v, a->ln1, param(m, t0 + WV), N, C, Hkv * hd);
+        ops->rope_forward(a->q, m->cos_t, m->sin_t, B, T, Hq, hd);
+        ops->rope_forward(a->k, m->cos_t, m->sin_t, B, T, Hkv, hd);
+        ops->attention_forward(a->atty, a->att, a->q, a->k, a->v, B, T, Hq, Hkv, hd);
+        ops->matmul_forward(a->x_mid, a->atty, param(m, t0 + WO), N, Hq * hd, C);
+        ops->residual_forward(a->x_mid, a->x_mid, a->x, N * C);
+        ops->rmsnorm_forward(a->ln2, a->rstd2, a->x_mid, param(m, t0 + LN2), eps, N, C);
+        moe_layer_stats ls = {0};
+        MOE_TRY(moe_layer_forward(m->moe[l], a->moe_y, a->ln2, N, &ls));
+        ops->residual_forward(x_out, a->x_mid, a->moe_y, N * C);
+        aux += ls.aux_loss;
+        z += ls.z_loss;
+        imbalance += ls.load_imbalance;
+        dropped += (double)ls.dropped;
+    }
+    const int64_t tf = m->n_tensors - 2;
+    ops->rmsnorm_forward(m->lnf, m->rstdf, m->x_final, param(m, tf), eps, N, C);
+    ops->matmul_forward(m->logits, m->lnf, param(m, tf + 1), N, C, V);
+
+    m->has_targets = targets != NULL;
+    if (targets) {
+        for (int64_t i = 0; i < N; i++)
+            if (targets[i] >= V)
+                return moe_error(MOE_ERR_INVALID_ARG, "model: target token %d at position %lld outside the vocabulary [0, %lld)",
+                                 targets[i], (long long)i, (long long)V);
+        ops->crossentropy_forward(m->losses, m->lse, m->logits, targets, N, V);
+    }
+    if (stats) {
+        double ce = 0.0;
+        int64_t counted = 0;
+        for (int64_t i = 0; targets && i < N; i++)
+            if (targets[i] >= 0) {
+                ce += m->losses[i];
+                counted++;
+            }
+        stats->ce_loss = counted ? ce / (double)counted : 0.0;
+        stats->aux_loss = aux / (double)L;
+        stats->z_loss = z / (double)L;
+        stats->loss = stats->ce_loss + c->router_aux_loss_coef * stats->aux_loss + c->moe_z_loss_coef * stats->z_loss;
+        stats->load_imbalance = imbalance / (double)L;
+        stats->dropped_frac = dropped / ((double)L * (double)N * (double)c->num_experts_per_tok);
+    }
+    m->forward_done = true;
+    return MOE_OK;
+}
+
+/* ---------------------------------------------------------------- backward */
+
+moe_status moe_model_backward(moe_model *m, const int32_t *inputs, const int32_t *targets, float grad_scale) {
+    if (!m || !inputs || !targets) return moe_error(MOE_ERR_INVALID_ARG, "moe_model_backward: NULL argument");
+    if (!m->forward_done || !m->has_targets)
+        return moe_error(MOE_ERR_STATE, "moe_model_backward: no forward with targets to differentiate");
+    const moe_model_config *c = &m->cfg;
+    const moe_ops *ops = m->ops;
+    const int64_t B = m->B, T = m->T, N = m->N, C = c->hidden_size, V = c->vocab_size, hd = c->head_dim;
+    const int64_t Hq = c->num_attention_heads, Hkv = c->num_key_value_heads, L = c->num_hidden_layers;
+
+    int64_t counted = 0;
+    for (int64_t i = 0; i < N; i++) counted += targets[i] >= 0;
+    const float w = counted ? grad_scale / (float)counted : 0.0f;
+    for (int64_t i = 0; i < N; i++) m->dloss[i] = w;
+    for (int64_t l = 0; l < L; l++) moe_layer_set_loss_scale(m->moe[l], (double)grad_scale / (double)L);
+
+    /* The logits' memory takes their gradient: nothing else reads them. */
+    const int64_t tf = m->n_tensors - 2;
+    float *dlogits = m->logits;
+    ops->crossentropy_backward(dlogits, m->logits, m->lse, targets, m->dloss, N, V);
+    memset(m->dln, 0, (size_t)(N * C) * sizeof(float));
+    ops->matmul_backward(m->dln, grad(m, tf + 1), dlogits, m->lnf, param(m, tf + 1), N, C, V);
+    memset(m->dres, 0, (size_t)(N * C) * sizeof(float));
+    ops->rmsnorm_backward(m->dres, grad(m, tf), m->dln, m->x_final, param(m, tf), m->rstdf, N, C);
+    m->forward_done = false; /* the logits are gone */
+
+    for (int64_t l = L - 1; l >= 0; l--) {
+        layer_acts *a = &m->acts[l];
+        const int64_t t0 = m->layer_first[l];
+        /* dres holds d(x_out); x_out = x_mid + moe(ln2(x_mid)). */
+        MOE_TRY(moe_layer_backward(m->moe[l], m->dmoe, m->dres, a->ln2));
+        ops->rmsnorm_backward(m->dres, grad(m, t0 + LN2), m->dmoe, a->x_mid, param(m, t0 + LN2), a->rstd2, N, C);
+        /* dres now holds d(x_mid); x_mid = x + o(attention(ln1(x))). */
+        memset(m->datty, 0, (size_t)(N * Hq * hd) * sizeof(float));
+        ops->matmul_backward(m->datty, grad(m, t0 + WO), m->dres, a->atty, param(m, t0 + WO), N, Hq * hd, C);
+        memset(m->dq, 0, (size_t)(N * Hq * hd) * sizeof(float));
+        memset(m->dk, 0, (size_t)(N * Hkv * hd) * sizeof(float));
+        memset(m->dv, 0, (size_t)(N * Hkv * hd) * sizeof(float));
+        ops->attention_backward(m->dq, m->dk, m->dv, m->datt, m->datty, a->q, a->k, a->v, a->att, B, T, Hq, Hkv, hd);
+        ops->rope_backward(m->dq, m->cos_t, m->sin_t, B, T, Hq, hd);
+        ops->rope_backward(m->dk, m->cos_t, m->sin_t, B, T, Hkv, hd);
+        memset(m->dln, 0, (size_t)(N * C) * sizeof(float));
+        ops->matmul_backward(m->dln, grad(m, t0 + WQ), m->dq, a->ln1, param(m, t0 + WQ), N, C, Hq * hd);
+        ops->matmul_backward(m->dln, grad(m, t0 + WK), m->dk, a->ln1, param(m, t0 + WK), N, C, Hkv * hd);
+        ops->matmul_backward(m->dln, grad(m, t0 + WV), m->dv, a->ln1, param(m, t0 + WV), N, C, Hkv * hd);
+        ops->rmsnorm_backward(m->dres, grad(m, t0 + LN1), m->dln, a->x, param(m, t0 + LN1), a->rstd1, N, C);
+    }
+    ops->embedding_backward(grad(m, 0), m->dres, inputs, N, C);
+    return MOE_OK;
+}

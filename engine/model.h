@@ -1,0 +1,93 @@
+/* model.h: a Mixtral-style MoE transformer (what Hugging Face's
+ * MixtralForCausalLM computes), forward and backward, on the CPU backend.
+ *
+ * Parameters and gradients each live in one allocation, carved into named
+ * views whose names are the Hugging Face tensor names; activations live in
+ * one arena sized at creation from (config, B, T). */
+#ifndef MOE_ENGINE_MODEL_H
+#define MOE_ENGINE_MODEL_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "engine/model_config.h"
+#include "moe.h"
+
+#define MOE_TENSOR_NAME_BYTES 96
+
+typedef struct moe_model_tensor {
+    char name[MOE_TENSOR_NAME_BYTES]; /* Hugging Face name */
+    int ndim;                         /* 1 or 2 */
+    int64_t shape[2];                 /* [rows, cols]; shape[1] = 1 when ndim = 1 */
+    int64_t offset;                   /* into the parameter (and gradient) array */
+    int64_t numel;
+    bool decay;                       /* AdamW weight decay: every matrix, no norm */
+} moe_model_tensor;
+
+typedef struct moe_model moe_model;
+
+/* Builds the model for batches of B sequences of T tokens and initialises
+ * the parameters as Hugging Face does: N(0, 0.02) for every matrix, 1 for
+ * every norm, from seed. */
+moe_status moe_model_create(moe_model **model, const moe_model_config *cfg, int64_t B, int64_t T, uint64_t seed);
+void moe_model_destroy(moe_model *model);
+
+const moe_model_config *moe_model_get_config(const moe_model *model);
+int64_t moe_model_batch_size(const moe_model *model); /* B */
+int64_t moe_model_seq_len(const moe_model *model);    /* T */
+int64_t moe_model_tensor_count(const moe_model *model);
+const moe_model_tensor *moe_model_tensor_at(const moe_model *model, int64_t index);
+const moe_model_tensor *moe_model_find_tensor(const moe_model *model, const char *name);
+int64_t moe_model_param_count(const moe_model *model);
+float *moe_model_params(moe_model *model); /* [param_count] */
+float *moe_model_grads(moe_model *model);  /* [param_count] */
+
+/* Parameters touched by one token: everything but the experts it skips. */
+int64_t moe_model_active_param_count(const moe_model *model);
+/* Training FLOPs of one forward + backward over B*T tokens (matmuls, the
+ * active experts and attention's two T x T products), for MFU. */
+double moe_model_step_flops(const moe_model *model);
+
+/* Per-expert statistics of the last forward, summed over layers. */
+typedef struct moe_model_stats {
+    double loss;           /* CE + aux_coef * mean aux + z_coef * mean z */
+    double ce_loss;        /* mean cross-entropy over the B*T positions */
+    double aux_loss;       /* mean over layers, before the coefficient */
+    double z_loss;         /* mean over layers, before the coefficient */
+    double load_imbalance; /* mean over layers of max/mean expert load */
+    double dropped_frac;   /* dropped (token, slot) pairs / all pairs */
+} moe_model_stats;
+
+/* Jitter noise on (training) or off. */
+void moe_model_set_training(moe_model *model, bool training);
+
+/* Forward over inputs [B, T]; with targets [B, T] (every one in [0, vocab),
+ * or negative to ignore a position) it computes the loss into stats. */
+moe_status moe_model_forward(moe_model *model, const int32_t *inputs, const int32_t *targets,
+                             moe_model_stats *stats);
+
+/* Backward of the last forward (which must have had targets), accumulating
+ * gradients of loss * grad_scale (1 / micro-batches under accumulation). */
+moe_status moe_model_backward(moe_model *model, const int32_t *inputs, const int32_t *targets,
+                              float grad_scale);
+
+void moe_model_zero_grad(moe_model *model);
+
+/* Per-token results of the last forward: the cross-entropy losses [B*T] and
+ * layer l's router choices [B*T, k]. */
+const float *moe_model_last_losses(const moe_model *model);
+const int32_t *moe_model_last_topk(const moe_model *model, int64_t layer);
+
+/* Layer l's auxiliary-loss-free selection bias [E], or NULL when off;
+ * checkpoints keep it under DeepSeek-V3's name
+ * model.layers.N.block_sparse_moe.gate.e_score_correction_bias. */
+float *moe_model_router_bias(moe_model *model, int64_t layer);
+
+/* Training forwards so far, which pick the jitter noise; restored on resume. */
+uint64_t moe_model_jitter_counter(const moe_model *model);
+void moe_model_set_jitter_counter(moe_model *model, uint64_t counter);
+
+/* The auxiliary-loss-free bias step of every layer (no-op when off). */
+void moe_model_update_router_bias(moe_model *model);
+
+#endif /* MOE_ENGINE_MODEL_H */

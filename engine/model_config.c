@@ -1,0 +1,414 @@
+#define _POSIX_C_SOURCE 200809L
+
+#include "engine/model_config.h"
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/status.h"
+#include "engine/fileio.h"
+#include "engine/json.h"
+
+/* Sizes above this would let products such as vocab x hidden approach
+ * int64 overflow in the engine's size arithmetic. */
+#define MAX_DIM INT32_MAX
+#define MAX_CONFIG_BYTES ((size_t)16 << 20)
+
+typedef enum field_kind { F_INT, F_REAL, F_BOOL, F_GATE } field_kind;
+
+/* Defaults that depend on other fields. */
+#define DERIVED (-1.0)
+
+/* One config.json key stored in the struct; this table drives parsing,
+ * defaults and writing, so the three cannot disagree. */
+typedef struct field {
+    const char *key;
+    field_kind kind;
+    size_t offset;
+    bool required;
+    double def; /* when absent and not required; DERIVED: computed */
+} field;
+
+#define FIELD(name, kind, required, def) {#name, kind, offsetof(moe_model_config, name), required, def}
+
+static const field fields[] = {
+    FIELD(vocab_size, F_INT, true, 0),
+    FIELD(hidden_size, F_INT, true, 0),
+    FIELD(intermediate_size, F_INT, true, 0),
+    FIELD(num_hidden_layers, F_INT, true, 0),
+    FIELD(num_attention_heads, F_INT, true, 0),
+    FIELD(num_key_value_heads, F_INT, false, DERIVED),
+    FIELD(head_dim, F_INT, false, DERIVED),
+    FIELD(num_local_experts, F_INT, true, 0),
+    FIELD(num_experts_per_tok, F_INT, true, 0),
+    FIELD(max_position_embeddings, F_INT, false, 4096 * 32),
+    FIELD(rope_theta, F_REAL, false, 1e6),
+    FIELD(rms_norm_eps, F_REAL, false, 1e-5),
+    FIELD(router_aux_loss_coef, F_REAL, false, 0.001),
+    FIELD(router_jitter_noise, F_REAL, false, 0.0),
+    FIELD(moe_gate, F_GATE, false, MOE_GATE_SOFTMAX_TOPK),
+    FIELD(moe_renormalize, F_BOOL, false, 1),
+    FIELD(moe_capacity_factor, F_REAL, false, 0.0),
+    FIELD(moe_z_loss_coef, F_REAL, false, 0.0),
+    FIELD(moe_n_shared_experts, F_INT, false, 0),
+    FIELD(moe_bias_update_rate, F_REAL, false, 0.0),
+};
+#define N_FIELDS (sizeof fields / sizeof *fields)
+
+/* Hugging Face keys that do not change the model we build. */
+static const char *const ignored_keys[] = {
+    "architectures", "bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype", "dtype",
+    "initializer_range", "output_router_logits", "use_cache", "transformers_version", "_name_or_path",
+    "return_dict", "output_attentions", "output_hidden_states",
+};
+
+static const char *const gate_names[] = {
+    [MOE_GATE_SOFTMAX_TOPK] = "softmax_topk",
+    [MOE_GATE_TOPK_SOFTMAX] = "topk_softmax",
+    [MOE_GATE_SIGMOID] = "sigmoid",
+};
+
+static void *field_ptr(moe_model_config *cfg, const field *f) { return (char *)cfg + f->offset; }
+static const void *field_cptr(const moe_model_config *cfg, const field *f) { return (const char *)cfg + f->offset; }
+
+/* A JSON value as it would appear in the file, shortened, for messages. */
+static const char *describe(char *buf, size_t size, const moe_json *v) {
+    switch (v->type) {
+    case MOE_JSON_NUMBER: snprintf(buf, size, "%.60s", v->number.text); break;
+    case MOE_JSON_STRING: snprintf(buf, size, "\"%.60s\"", v->string.data); break;
+    case MOE_JSON_BOOL: snprintf(buf, size, "%s", v->boolean ? "true" : "false"); break;
+    default: snprintf(buf, size, "%s", moe_json_type_name(v->type)); break;
+    }
+    return buf;
+}
+
+static moe_status wrong_type(const char *name, const char *key, const char *want, const moe_json *v) {
+    char got[80];
+    return moe_error(MOE_ERR_CONFIG, "%s: %s must be %s, got %s", name, key, want, describe(got, sizeof got, v));
+}
+
+static void warn(moe_warn_fn fn, void *ctx, const char *fmt, ...) MOE_PRINTF(3, 4);
+
+static void warn(moe_warn_fn fn, void *ctx, const char *fmt, ...) {
+    if (fn == NULL) return;
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    fn(ctx, msg);
+}
+
+static moe_status read_field(moe_model_config *cfg, const field *f, const moe_json *v, const char *name) {
+    switch (f->kind) {
+    case F_INT:
+        if (moe_json_int64(v, (int64_t *)field_ptr(cfg, f)) != MOE_OK) return wrong_type(name, f->key, "an integer", v);
+        return MOE_OK;
+    case F_REAL:
+        if (v->type != MOE_JSON_NUMBER) return wrong_type(name, f->key, "a number", v);
+        *(double *)field_ptr(cfg, f) = v->number.value;
+        return MOE_OK;
+    case F_BOOL:
+        if (v->type != MOE_JSON_BOOL) return wrong_type(name, f->key, "true or false", v);
+        *(bool *)field_ptr(cfg, f) = v->boolean;
+        return MOE_OK;
+    case F_GATE:
+        if (v->type == MOE_JSON_STRING)
+            for (int g = 0; g < (int)(sizeof gate_names / sizeof *gate_names); g++)
+                if (strcmp(v->string.data, gate_names[g]) == 0) {
+                    *(moe_gate_kind *)field_ptr(cfg, f) = (moe_gate_kind)g;
+                    return MOE_OK;
+                }
+        return wrong_type(name, f->key, "\"softmax_topk\", \"topk_softmax\" or \"sigmoid\"", v);
+    }
+    return moe_error(MOE_ERR_INTERNAL, "%s: field %s has no kind", name, f->key);
+}
+
+static moe_status require_string(const char *name, const char *key, const moe_json *v, const char *want) {
+    if (v->type == MOE_JSON_STRING && strcmp(v->string.data, want) == 0) return MOE_OK;
+    char got[80];
+    return moe_error(MOE_ERR_CONFIG, "%s: %s=%s is not supported (only \"%s\")", name, key,
+                     describe(got, sizeof got, v), want);
+}
+
+/* rope_parameters (transformers v5): {"rope_type": "default", "rope_theta": x}. */
+static moe_status read_rope_parameters(double *theta, const moe_json *v, const char *name, moe_warn_fn wfn,
+                                       void *wctx) {
+    if (v->type != MOE_JSON_OBJECT) return wrong_type(name, "rope_parameters", "an object", v);
+    for (size_t i = 0; i < v->object.count; i++) {
+        const moe_json_member *m = &v->object.members[i];
+        if (strcmp(m->key, "rope_type") == 0) {
+            MOE_TRY(require_string(name, "rope_parameters.rope_type", &m->value, "default"));
+        } else if (strcmp(m->key, "rope_theta") == 0) {
+            if (m->value.type != MOE_JSON_NUMBER)
+                return wrong_type(name, "rope_parameters.rope_theta", "a number", &m->value);
+            *theta = m->value.number.value;
+        } else {
+            warn(wfn, wctx, "%s: unknown key 'rope_parameters.%.100s' ignored", name, m->key);
+        }
+    }
+    return MOE_OK;
+}
+
+/* Keys outside the struct: checked, then dropped. */
+static moe_status read_other(const moe_json_member *m, double *rope_params_theta, const char *name,
+                             moe_warn_fn wfn, void *wctx) {
+    const char *key = m->key;
+    const moe_json *v = &m->value;
+    char got[80];
+    if (strcmp(key, "rope_parameters") == 0) {
+        if (v->type == MOE_JSON_NULL) return MOE_OK;
+        return read_rope_parameters(rope_params_theta, v, name, wfn, wctx);
+    }
+    if (strcmp(key, "tie_word_embeddings") == 0) {
+        if (v->type != MOE_JSON_BOOL) return wrong_type(name, key, "true or false", v);
+        if (v->boolean)
+            return moe_error(MOE_ERR_CONFIG, "%s: tie_word_embeddings=true is not supported (lm_head is separate)",
+                             name);
+        return MOE_OK;
+    }
+    if (strcmp(key, "hidden_act") == 0) return require_string(name, key, v, "silu");
+    if (strcmp(key, "model_type") == 0) return require_string(name, key, v, "mixtral");
+    if (strcmp(key, "rope_scaling") == 0) {
+        if (v->type == MOE_JSON_NULL) return MOE_OK;
+        return moe_error(MOE_ERR_CONFIG, "%s: rope_scaling is not supported (only plain RoPE); remove it or set null",
+                         name);
+    }
+    if (strcmp(key, "attention_dropout") == 0) {
+        if (v->type != MOE_JSON_NUMBER) return wrong_type(name, key, "a number", v);
+        if (v->number.value != 0.0)
+            warn(wfn, wctx, "%s: attention_dropout=%s ignored: attention has no dropout", name,
+                 describe(got, sizeof got, v));
+        return MOE_OK;
+    }
+    if (strcmp(key, "sliding_window") == 0) {
+        if (v->type == MOE_JSON_NULL) return MOE_OK;
+        if (v->type != MOE_JSON_NUMBER) return wrong_type(name, key, "an integer or null", v);
+        warn(wfn, wctx, "%s: sliding_window=%s ignored: attention spans the whole sequence", name,
+             describe(got, sizeof got, v));
+        return MOE_OK;
+    }
+    for (size_t i = 0; i < sizeof ignored_keys / sizeof *ignored_keys; i++)
+        if (strcmp(key, ignored_keys[i]) == 0) return MOE_OK;
+    warn(wfn, wctx, "%s: unknown key '%.100s' ignored", name, key);
+    return MOE_OK;
+}
+
+static size_t field_index(const char *key) {
+    size_t f = 0;
+    while (f < N_FIELDS && strcmp(fields[f].key, key) != 0) f++;
+    return f;
+}
+
+static void set_default(moe_model_config *cfg, const field *f) {
+    switch (f->kind) {
+    case F_INT: *(int64_t *)field_ptr(cfg, f) = (int64_t)f->def; break;
+    case F_REAL: *(double *)field_ptr(cfg, f) = f->def; break;
+    case F_BOOL: *(bool *)field_ptr(cfg, f) = f->def != 0.0; break;
+    case F_GATE: *(moe_gate_kind *)field_ptr(cfg, f) = (moe_gate_kind)f->def; break;
+    }
+}
+
+/* The root object's keys into cfg; seen [N_FIELDS] marks the fields given. */
+static moe_status read_keys(moe_model_config *cfg, bool *seen, double *rope_params_theta, const moe_json *root,
+                            const char *name, moe_warn_fn wfn, void *wctx) {
+    if (root->type != MOE_JSON_OBJECT)
+        return moe_error(MOE_ERR_CONFIG, "%s: top level is a JSON %s, not an object", name,
+                         moe_json_type_name(root->type));
+    for (size_t i = 0; i < root->object.count; i++) {
+        const moe_json_member *m = &root->object.members[i];
+        if (strlen(m->key) != m->key_len)
+            return moe_error(MOE_ERR_CONFIG, "%s: key \"%s...\" contains a NUL character", name, m->key);
+        size_t f = field_index(m->key);
+        if (f == N_FIELDS) {
+            MOE_TRY(read_other(m, rope_params_theta, name, wfn, wctx));
+        } else if (m->value.type != MOE_JSON_NULL || fields[f].required) {
+            MOE_TRY(read_field(cfg, &fields[f], &m->value, name));
+            seen[f] = true;
+        }
+    }
+    return MOE_OK;
+}
+
+/* Defaults for the fields not given, including those computed from others. */
+static moe_status fill_defaults(moe_model_config *cfg, const bool *seen, double rope_params_theta,
+                                const char *name) {
+    for (size_t f = 0; f < N_FIELDS; f++) {
+        if (seen[f]) continue;
+        if (fields[f].required) return moe_error(MOE_ERR_CONFIG, "%s: missing required key '%s'", name, fields[f].key);
+        if (fields[f].def != DERIVED) set_default(cfg, &fields[f]);
+    }
+    if (!isnan(rope_params_theta)) {
+        if (seen[field_index("rope_theta")] && cfg->rope_theta != rope_params_theta)
+            return moe_error(MOE_ERR_CONFIG, "%s: rope_theta=%g disagrees with rope_parameters.rope_theta=%g", name,
+                             cfg->rope_theta, rope_params_theta);
+        cfg->rope_theta = rope_params_theta;
+    }
+    if (!seen[field_index("num_key_value_heads")]) cfg->num_key_value_heads = cfg->num_attention_heads;
+    if (!seen[field_index("head_dim")] && cfg->num_attention_heads > 0) {
+        if (cfg->hidden_size % cfg->num_attention_heads != 0)
+            return moe_error(MOE_ERR_CONFIG,
+                             "%s: hidden_size=%lld is not divisible by num_attention_heads=%lld (and head_dim is "
+                             "not given)",
+                             name, (long long)cfg->hidden_size, (long long)cfg->num_attention_heads);
+        cfg->head_dim = cfg->hidden_size / cfg->num_attention_heads;
+    }
+    return MOE_OK;
+}
+
+moe_status moe_model_config_parse(moe_model_config *cfg, const char *text, size_t len, const char *name,
+                                  moe_warn_fn wfn, void *wctx) {
+    if (name == NULL) name = "config.json";
+    moe_json_doc *doc;
+    MOE_TRY(moe_json_parse(&doc, text, len, name));
+    memset(cfg, 0, sizeof *cfg);
+    bool seen[N_FIELDS] = {false};
+    double rope_params_theta = NAN;
+    moe_status st = read_keys(cfg, seen, &rope_params_theta, moe_json_root(doc), name, wfn, wctx);
+    moe_json_free(doc);
+    if (st == MOE_OK) st = fill_defaults(cfg, seen, rope_params_theta, name);
+    if (st == MOE_OK) st = moe_model_config_validate(cfg, name);
+    return st;
+}
+
+moe_status moe_model_config_load(moe_model_config *cfg, const char *path, moe_warn_fn wfn, void *wctx) {
+    char *text;
+    size_t len;
+    MOE_TRY(moe_file_read_all(&text, &len, path, MAX_CONFIG_BYTES));
+    moe_status st = moe_model_config_parse(cfg, text, len, path, wfn, wctx);
+    free(text);
+    return st;
+}
+
+static moe_status check_size(const char *name, const char *key, int64_t v) {
+    if (v <= 0) return moe_error(MOE_ERR_CONFIG, "%s: %s=%lld must be positive", name, key, (long long)v);
+    if (v > MAX_DIM)
+        return moe_error(MOE_ERR_CONFIG, "%s: %s=%lld exceeds %lld", name, key, (long long)v, (long long)MAX_DIM);
+    return MOE_OK;
+}
+
+/* lo <= v (or lo < v when open_lo) and v < hi, and not NaN. */
+static moe_status check_real(const char *name, const char *key, double v, double lo, bool open_lo, double hi) {
+    bool ok = isfinite(v) && (open_lo ? v > lo : v >= lo) && v < hi;
+    if (ok) return MOE_OK;
+    if (!isfinite(v)) return moe_error(MOE_ERR_CONFIG, "%s: %s=%g must be a finite number", name, key, v);
+    if (isinf(hi))
+        return moe_error(MOE_ERR_CONFIG, "%s: %s=%g must be %s %g", name, key, v, open_lo ? ">" : ">=", lo);
+    return moe_error(MOE_ERR_CONFIG, "%s: %s=%g must be in [%g, %g)", name, key, v, lo, hi);
+}
+
+moe_status moe_model_config_validate(const moe_model_config *c, const char *name) {
+    if (name == NULL) name = "config";
+    MOE_TRY(check_size(name, "vocab_size", c->vocab_size));
+    MOE_TRY(check_size(name, "hidden_size", c->hidden_size));
+    MOE_TRY(check_size(name, "intermediate_size", c->intermediate_size));
+    MOE_TRY(check_size(name, "num_hidden_layers", c->num_hidden_layers));
+    MOE_TRY(check_size(name, "num_attention_heads", c->num_attention_heads));
+    MOE_TRY(check_size(name, "num_key_value_heads", c->num_key_value_heads));
+    MOE_TRY(check_size(name, "head_dim", c->head_dim));
+    MOE_TRY(check_size(name, "num_local_experts", c->num_local_experts));
+    MOE_TRY(check_size(name, "num_experts_per_tok", c->num_experts_per_tok));
+    MOE_TRY(check_size(name, "max_position_embeddings", c->max_position_embeddings));
+    if (c->num_attention_heads % c->num_key_value_heads != 0)
+        return moe_error(MOE_ERR_CONFIG, "%s: num_attention_heads=%lld is not a multiple of num_key_value_heads=%lld",
+                         name, (long long)c->num_attention_heads, (long long)c->num_key_value_heads);
+    if (c->head_dim % 2 != 0)
+        return moe_error(MOE_ERR_CONFIG, "%s: head_dim=%lld must be even (RoPE rotates pairs)", name,
+                         (long long)c->head_dim);
+    if (c->num_experts_per_tok > c->num_local_experts)
+        return moe_error(MOE_ERR_CONFIG, "%s: num_experts_per_tok=%lld exceeds num_local_experts=%lld", name,
+                         (long long)c->num_experts_per_tok, (long long)c->num_local_experts);
+    if (c->moe_n_shared_experts < 0 || c->moe_n_shared_experts > MAX_DIM)
+        return moe_error(MOE_ERR_CONFIG, "%s: moe_n_shared_experts=%lld must be in [0, %lld]", name,
+                         (long long)c->moe_n_shared_experts, (long long)MAX_DIM);
+    if ((int)c->moe_gate < 0 || (size_t)c->moe_gate >= sizeof gate_names / sizeof *gate_names)
+        return moe_error(MOE_ERR_CONFIG, "%s: moe_gate=%d is not a gate kind", name, (int)c->moe_gate);
+    MOE_TRY(check_real(name, "rope_theta", c->rope_theta, 0.0, true, INFINITY));
+    MOE_TRY(check_real(name, "rms_norm_eps", c->rms_norm_eps, 0.0, true, INFINITY));
+    MOE_TRY(check_real(name, "router_aux_loss_coef", c->router_aux_loss_coef, 0.0, false, INFINITY));
+    MOE_TRY(check_real(name, "router_jitter_noise", c->router_jitter_noise, 0.0, false, 1.0));
+    MOE_TRY(check_real(name, "moe_capacity_factor", c->moe_capacity_factor, 0.0, false, INFINITY));
+    MOE_TRY(check_real(name, "moe_z_loss_coef", c->moe_z_loss_coef, 0.0, false, INFINITY));
+    MOE_TRY(check_real(name, "moe_bias_update_rate", c->moe_bias_update_rate, 0.0, false, INFINITY));
+    return MOE_OK;
+}
+
+static moe_status write_text_line(void *ctx, FILE *file) {
+    const moe_json_writer *w = ctx;
+    MOE_TRY(moe_file_write_bytes(file, w->buf, w->len));
+    return moe_file_write_bytes(file, "\n", 1);
+}
+
+moe_status moe_model_config_save(const moe_model_config *cfg, const char *path) {
+    MOE_TRY(moe_model_config_validate(cfg, path));
+    moe_json_writer w;
+    moe_json_writer_init(&w, 2);
+    moe_json_begin_object(&w);
+    moe_json_key(&w, "architectures");
+    moe_json_begin_array(&w);
+    moe_json_string(&w, "MixtralForCausalLM");
+    moe_json_end_array(&w);
+    moe_json_key(&w, "model_type");
+    moe_json_string(&w, "mixtral");
+    moe_json_key(&w, "hidden_act");
+    moe_json_string(&w, "silu");
+    moe_json_key(&w, "tie_word_embeddings");
+    moe_json_bool(&w, false);
+    moe_json_key(&w, "torch_dtype");
+    moe_json_string(&w, "float32");
+    for (size_t f = 0; f < N_FIELDS; f++) {
+        moe_json_key(&w, fields[f].key);
+        switch (fields[f].kind) {
+        case F_INT: moe_json_int(&w, *(const int64_t *)field_cptr(cfg, &fields[f])); break;
+        case F_REAL: moe_json_number(&w, *(const double *)field_cptr(cfg, &fields[f])); break;
+        case F_BOOL: moe_json_bool(&w, *(const bool *)field_cptr(cfg, &fields[f])); break;
+        case F_GATE: moe_json_string(&w, gate_names[*(const moe_gate_kind *)field_cptr(cfg, &fields[f])]); break;
+        }
+    }
+    moe_json_end_object(&w);
+    moe_status st = moe_json_writer_finish(&w);
+    if (st == MOE_OK)
+        st = moe_file_write_atomic(path, write_text_line, &w);
+    else
+        st = moe_error_prefix(st, "%s: ", path);
+    moe_json_writer_free(&w);
+    return st;
+}
+
+void moe_model_config_default_small(moe_model_config *cfg, int64_t vocab_size) {
+    memset(cfg, 0, sizeof *cfg);
+    for (size_t f = 0; f < N_FIELDS; f++)
+        if (!fields[f].required && fields[f].def != DERIVED) set_default(cfg, &fields[f]);
+    cfg->vocab_size = vocab_size;
+    cfg->hidden_size = 128;
+    cfg->intermediate_size = 256;
+    cfg->num_hidden_layers = 4;
+    cfg->num_attention_heads = 4;
+    cfg->num_key_value_heads = 2;
+    cfg->head_dim = 128 / 4;
+    cfg->num_local_experts = 8;
+    cfg->num_experts_per_tok = 2;
+    cfg->rope_theta = 10000.0;
+    cfg->rms_norm_eps = 1e-5;
+    cfg->router_aux_loss_coef = 0.01;
+}
+
+void moe_model_config_layer(moe_layer_config *layer, const moe_model_config *cfg, uint64_t seed) {
+    *layer = (moe_layer_config)MOE_LAYER_CONFIG_INIT;
+    layer->d_model = cfg->hidden_size;
+    layer->d_ff = cfg->intermediate_size;
+    layer->n_experts = cfg->num_local_experts;
+    layer->top_k = cfg->num_experts_per_tok;
+    layer->gate = cfg->moe_gate;
+    layer->renormalize = cfg->moe_renormalize;
+    layer->capacity_factor = cfg->moe_capacity_factor;
+    layer->aux_loss_coef = cfg->router_aux_loss_coef;
+    layer->z_loss_coef = cfg->moe_z_loss_coef;
+    layer->bias_update_rate = cfg->moe_bias_update_rate;
+    layer->n_shared_experts = cfg->moe_n_shared_experts;
+    layer->jitter_eps = cfg->router_jitter_noise;
+    layer->seed = seed;
+}

@@ -1,0 +1,79 @@
+/* model_config.h: the model's shape and routing policy, read from and written
+ * to a Hugging Face Mixtral config.json (DESIGN.md 6) plus our own "moe_*"
+ * keys for what Mixtral lacks.
+ *
+ * Reading: a key we know but do not use (architectures, bos_token_id,
+ * torch_dtype, initializer_range, use_cache, ...) is accepted silently; an
+ * unknown key is ignored with a warning passed to the caller's callback (the
+ * library never prints). Keys that would change the model in ways we do not
+ * implement are errors (tie_word_embeddings true, hidden_act other than
+ * "silu", model_type other than "mixtral", rope_scaling, a rope_type other
+ * than "default"). A wrong type or an impossible value is an error naming the
+ * file, the key and the value. JSON null counts as absent, as in
+ * transformers. */
+#ifndef MOE_ENGINE_MODEL_CONFIG_H
+#define MOE_ENGINE_MODEL_CONFIG_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "moe.h"
+
+typedef struct moe_model_config {
+    /* Hugging Face MixtralConfig fields. Required in config.json: the sizes
+     * down to num_experts_per_tok, except num_key_value_heads (default
+     * num_attention_heads) and head_dim (default hidden_size /
+     * num_attention_heads). */
+    int64_t vocab_size;
+    int64_t hidden_size;       /* d */
+    int64_t intermediate_size; /* each routed expert's ff width */
+    int64_t num_hidden_layers;
+    int64_t num_attention_heads;
+    int64_t num_key_value_heads; /* divides num_attention_heads (GQA) */
+    int64_t head_dim;            /* even, for RoPE's pairs */
+    int64_t num_local_experts;   /* E */
+    int64_t num_experts_per_tok; /* k */
+    int64_t max_position_embeddings; /* default 131072 */
+    double rope_theta;               /* default 1e6; also rope_parameters.rope_theta */
+    double rms_norm_eps;             /* default 1e-5 */
+    double router_aux_loss_coef;     /* default 0.001 */
+    double router_jitter_noise;      /* in [0, 1), default 0 */
+    /* Ours (moe_layer_config in moe.h says what each does). */
+    moe_gate_kind moe_gate;       /* "softmax_topk" (default), "topk_softmax", "sigmoid" */
+    bool moe_renormalize;         /* default true */
+    double moe_capacity_factor;   /* default 0: dropless */
+    double moe_z_loss_coef;       /* default 0 */
+    int64_t moe_n_shared_experts; /* default 0 */
+    double moe_bias_update_rate;  /* default 0 */
+} moe_model_config;
+
+/* Receives each warning, e.g. "config.json: unknown key 'foo' ignored". */
+typedef void (*moe_warn_fn)(void *ctx, const char *message);
+
+/* Reads and validates a config.json; warn may be NULL. On failure *cfg is
+ * unspecified. */
+moe_status moe_model_config_load(moe_model_config *cfg, const char *path, moe_warn_fn warn, void *warn_ctx);
+
+/* The same from text [len]; name (a file name) leads every message. */
+moe_status moe_model_config_parse(moe_model_config *cfg, const char *text, size_t len, const char *name,
+                                  moe_warn_fn warn, void *warn_ctx);
+
+/* Checks every field; the error names `name`, the field and its value:
+ * "config.json: num_experts_per_tok=9 exceeds num_local_experts=8". */
+moe_status moe_model_config_validate(const moe_model_config *cfg, const char *name);
+
+/* Writes the config atomically as Hugging Face Mixtral JSON (every field
+ * explicit, so the file means the same to any reader) plus the moe_* keys;
+ * loading it gives back an equal struct. */
+moe_status moe_model_config_save(const moe_model_config *cfg, const char *path);
+
+/* A small model for tests and first runs: d 128, ff 256, 4 layers, 4 heads
+ * (2 KV), 8 experts, top-2, rope_theta 1e4, eps 1e-5, aux coef 0.01, the
+ * rest Mixtral's defaults. */
+void moe_model_config_default_small(moe_model_config *cfg, int64_t vocab_size);
+
+/* The per-layer MoE settings of this model; seed seeds the router jitter. */
+void moe_model_config_layer(moe_layer_config *layer, const moe_model_config *cfg, uint64_t seed);
+
+#endif /* MOE_ENGINE_MODEL_CONFIG_H */

@@ -1,0 +1,126 @@
+/* safetensors.h: reading and writing safetensors files, the Hugging Face
+ * weight format (8-byte little-endian header length N, N bytes of JSON, then
+ * the packed tensor bytes), and checkpoint directories sharded with a
+ * model.safetensors.index.json.
+ *
+ * The reader trusts nothing in the file. It rejects, naming the file and the
+ * tensor: a header length over 100,000,000 bytes or past the end of the file,
+ * a header that is not a UTF-8 JSON object starting with '{', a __metadata__
+ * that is not a string -> string map, duplicate names, dtypes other than F32,
+ * BF16 and F16 (other safetensors dtypes are named as unsupported), shapes
+ * that are not non-negative integers or whose element count overflows,
+ * data_offsets whose length disagrees with shape x dtype, and a byte buffer
+ * that the tensors do not tile exactly (a gap, an overlap, or bytes after the
+ * last tensor). */
+#ifndef MOE_ENGINE_SAFETENSORS_H
+#define MOE_ENGINE_SAFETENSORS_H
+
+#include <stdint.h>
+
+#include "moe.h"
+
+/* Largest header accepted, as in the reference implementation. */
+#define MOE_ST_MAX_HEADER_BYTES ((uint64_t)100000000)
+
+typedef enum moe_st_dtype {
+    MOE_ST_F32,
+    MOE_ST_BF16,
+    MOE_ST_F16,
+} moe_st_dtype;
+
+/* "F32", "BF16", "F16". */
+const char *moe_st_dtype_name(moe_st_dtype dtype);
+int64_t moe_st_dtype_bytes(moe_st_dtype dtype);
+
+typedef struct moe_st_tensor {
+    const char *name;
+    moe_st_dtype dtype;
+    int64_t ndim;
+    const int64_t *shape; /* [ndim]; ndim 0 is a scalar of one element */
+    int64_t numel;
+    int64_t nbytes;
+    int64_t offset;   /* of the first byte, from the start of the file */
+    const void *data; /* [nbytes] in the file's read-only mapping; not aligned */
+} moe_st_tensor;
+
+typedef struct moe_st_file moe_st_file;
+
+/* Maps the file read-only and validates all of it; tensors then point into
+ * the mapping until moe_st_close(). The file must not be truncated in place
+ * while open (replacing it by rename, as moe_st_write does, is safe). */
+moe_status moe_st_open(moe_st_file **file, const char *path);
+void moe_st_close(moe_st_file *file);
+const char *moe_st_path(const moe_st_file *file);
+
+/* Tensors in the order the header lists them. */
+int64_t moe_st_tensor_count(const moe_st_file *file);
+const moe_st_tensor *moe_st_tensor_at(const moe_st_file *file, int64_t index);
+/* NULL when there is no tensor of that name. */
+const moe_st_tensor *moe_st_find(const moe_st_file *file, const char *name);
+
+/* The __metadata__ value for key, or NULL. */
+const char *moe_st_metadata(const moe_st_file *file, const char *key);
+int64_t moe_st_metadata_count(const moe_st_file *file);
+void moe_st_metadata_at(const moe_st_file *file, int64_t index, const char **key, const char **value);
+
+/* out [t->numel] = tensor t of file converted to fp32 (exact for all three
+ * dtypes, F16 subnormals, infinities and NaNs included). */
+void moe_st_read_f32(float *out, const moe_st_tensor *t);
+
+/* Finds `name`, checks that its shape is shape [ndim], and reads it as fp32
+ * into out [product of shape]; the error names the file, tensor and both
+ * shapes. */
+moe_status moe_st_load_f32(float *out, const moe_st_file *file, const char *name, int64_t ndim,
+                           const int64_t *shape);
+
+float moe_bf16_to_f32(uint16_t bits);
+float moe_f16_to_f32(uint16_t bits);
+
+/* ----------------------------------------------------------------- writer */
+
+typedef struct moe_st_entry {
+    const char *name;
+    const float *data; /* [product of shape] */
+    int64_t ndim;
+    const int64_t *shape; /* [ndim] */
+} moe_st_entry;
+
+typedef struct moe_st_meta {
+    const char *key;
+    const char *value;
+} moe_st_meta;
+
+/* Writes F32 tensors [count] to path atomically (fileio.h): __metadata__ is
+ * {"format": "pt"} followed by meta [meta_count] ("format" is reserved), the
+ * header is space-padded to a multiple of 8 bytes so the data starts 8-byte
+ * aligned, and the tensors are packed back to back in the order given. Names
+ * must be unique, non-empty UTF-8 and not "__metadata__". */
+moe_status moe_st_write(const char *path, const moe_st_entry *tensors, int64_t count,
+                        const moe_st_meta *meta, int64_t meta_count);
+
+/* ------------------------------------------------ checkpoint directories */
+
+/* A directory holding either model.safetensors.index.json
+ * ({"metadata": {...}, "weight_map": {tensor: shard file}}) and its shards,
+ * or a single model.safetensors. Each shard is opened once; every tensor the
+ * index names must be in the shard it names. Shard names must be plain file
+ * names in the directory. */
+typedef struct moe_st_dir moe_st_dir;
+
+moe_status moe_st_dir_open(moe_st_dir **dir, const char *path);
+void moe_st_dir_close(moe_st_dir *dir);
+
+/* The tensors of the checkpoint (those of the weight_map when there is an
+ * index), sorted by name. */
+int64_t moe_st_dir_tensor_count(const moe_st_dir *dir);
+const moe_st_tensor *moe_st_dir_tensor_at(const moe_st_dir *dir, int64_t index);
+/* NULL when absent; *file (may be NULL) receives the shard holding it. */
+const moe_st_tensor *moe_st_dir_find(const moe_st_dir *dir, const char *name, const moe_st_file **file);
+int64_t moe_st_dir_shard_count(const moe_st_dir *dir);
+const moe_st_file *moe_st_dir_shard(const moe_st_dir *dir, int64_t index);
+
+/* As moe_st_load_f32, looking in whichever shard holds name. */
+moe_status moe_st_dir_load_f32(float *out, const moe_st_dir *dir, const char *name, int64_t ndim,
+                               const int64_t *shape);
+
+#endif /* MOE_ENGINE_SAFETENSORS_H */

@@ -1,0 +1,79 @@
+/* trainer.h: AdamW, the learning-rate schedule, gradient accumulation and
+ * clipping, and evaluation, over a moe_model and moe_data sources. */
+#ifndef MOE_ENGINE_TRAINER_H
+#define MOE_ENGINE_TRAINER_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "engine/data.h"
+#include "engine/model.h"
+#include "moe.h"
+
+typedef enum moe_lr_schedule {
+    MOE_LR_COSINE = 0,
+    MOE_LR_LINEAR,
+    MOE_LR_CONSTANT,
+} moe_lr_schedule;
+
+typedef struct moe_optim_config {
+    double lr;          /* peak learning rate */
+    double min_lr;      /* reached at total_steps by cosine and linear */
+    int64_t warmup;     /* steps of linear warm-up from lr / warmup */
+    int64_t total_steps;
+    moe_lr_schedule schedule;
+    double weight_decay; /* decoupled, on every matrix, none on norms */
+    double beta1, beta2, eps;
+    double grad_clip;   /* global L2 norm; 0 = off */
+    int64_t grad_accum; /* micro-batches per step */
+} moe_optim_config;
+
+/* PyTorch AdamW defaults with beta2 = 0.95, as LLM training uses. */
+#define MOE_OPTIM_CONFIG_INIT                                                                       \
+    {                                                                                               \
+        .lr = 3e-4, .min_lr = 3e-5, .warmup = 0, .total_steps = 1, .schedule = MOE_LR_COSINE,      \
+        .weight_decay = 0.1, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .grad_clip = 1.0,            \
+        .grad_accum = 1                                                                             \
+    }
+
+moe_status moe_optim_config_validate(const moe_optim_config *cfg);
+
+/* The learning rate of step s (0-based). */
+double moe_lr_at(const moe_optim_config *cfg, int64_t step);
+
+typedef struct moe_trainer moe_trainer;
+
+/* The trainer uses (does not own) the model and reads its batches of the
+ * model's B x T shape. */
+moe_status moe_trainer_create(moe_trainer **trainer, moe_model *model, const moe_optim_config *cfg);
+void moe_trainer_destroy(moe_trainer *trainer);
+
+typedef struct moe_step_metrics {
+    int64_t step;          /* steps done after this one */
+    double loss, ce_loss, aux_loss, z_loss;
+    double lr;
+    double grad_norm;      /* before clipping */
+    double load_imbalance;
+    double dropped_frac;
+} moe_step_metrics;
+
+/* One optimizer step over grad_accum micro-batches of data. */
+moe_status moe_trainer_step(moe_trainer *trainer, moe_data *data, moe_step_metrics *metrics);
+
+/* Steps taken so far; AdamW's moments [param_count] each. */
+int64_t moe_trainer_steps_done(const moe_trainer *trainer);
+void moe_trainer_set_steps_done(moe_trainer *trainer, int64_t steps);
+float *moe_trainer_adam_m(moe_trainer *trainer);
+float *moe_trainer_adam_v(moe_trainer *trainer);
+
+/* Called after each evaluation batch with that batch's targets [B*T], the
+ * batch index, and the model (whose last per-token losses and router
+ * choices describe the batch). */
+typedef void (*moe_eval_fn)(void *ctx, const moe_model *model, const int32_t *targets, int64_t batch);
+
+/* Mean cross-entropy over n_batches batches of data read from its start, in
+ * eval mode (no jitter). data's position is restored afterwards. */
+moe_status moe_trainer_eval(moe_trainer *trainer, moe_data *data, int64_t n_batches, double *val_loss,
+                            moe_eval_fn on_batch, void *ctx);
+
+#endif /* MOE_ENGINE_TRAINER_H */

@@ -1,0 +1,242 @@
+/* dense.c: the dense ops of the transformer around the MoE layers:
+ * embedding, RMSNorm, bias-free linear layers, RoPE, cross-entropy,
+ * residual adds, AdamW and the gradient norm (attention is in attention.c).
+ * Reductions over rows run column-parallel or in fixed parts, never as
+ * per-thread partials, so the bits do not depend on the thread count. */
+#include <cblas.h>
+#include <math.h>
+
+#include "kernels/cpu/dense.h"
+#include "kernels/moe_math.h"
+
+/* Columns per task in the column-parallel reductions: 16 floats, one
+ * 64-byte cache line when the array is aligned, so threads do not write
+ * into each other's lines. */
+#define COL_BLOCK 16
+
+/* ---------------------------------------------------------------- embedding */
+
+void moe_cpu_embedding_forward(float *out, const int32_t *tokens, const float *wte, int64_t N,
+                               int64_t C) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const float *row = wte + (int64_t)tokens[n] * C; /* [C] */
+        float *o = out + n * C;                          /* [C] */
+        for (int64_t c = 0; c < C; c++) o[c] = row[c];
+    }
+}
+
+/* Tokens repeat, so rows of dwte collide: each thread owns a block of
+ * columns and walks all rows in order, which needs no atomics and fixes the
+ * summation order. */
+void moe_cpu_embedding_backward(float *dwte, const float *dout, const int32_t *tokens, int64_t N,
+                                int64_t C) {
+    const int64_t n_blocks = (C + COL_BLOCK - 1) / COL_BLOCK;
+#pragma omp parallel for schedule(static)
+    for (int64_t cb = 0; cb < n_blocks; cb++) {
+        const int64_t c0 = cb * COL_BLOCK;
+        const int64_t c1 = c0 + COL_BLOCK < C ? c0 + COL_BLOCK : C;
+        for (int64_t n = 0; n < N; n++) {
+            float *dw = dwte + (int64_t)tokens[n] * C; /* [C] */
+            const float *d = dout + n * C;             /* [C] */
+            for (int64_t c = c0; c < c1; c++) dw[c] += d[c];
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ RMSNorm */
+
+void moe_cpu_rmsnorm_forward(float *out, float *rstd, const float *inp, const float *weight,
+                             float eps, int64_t N, int64_t C) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const float *x = inp + n * C; /* [C] */
+        float *y = out + n * C;       /* [C] */
+        double ss = 0.0;
+        for (int64_t c = 0; c < C; c++) ss += (double)x[c] * x[c];
+        const float r = (float)(1.0 / sqrt(ss / (double)C + (double)eps));
+        rstd[n] = r;
+        for (int64_t c = 0; c < C; c++) y[c] = weight[c] * (x[c] * r);
+    }
+}
+
+/* With xhat = x * rstd and g = dout * weight:
+ *   dx = rstd * (g - xhat * mean(g * xhat)),  dweight += sum_n dout * xhat. */
+void moe_cpu_rmsnorm_backward(float *dinp, float *dweight, const float *dout, const float *inp,
+                              const float *weight, const float *rstd, int64_t N, int64_t C) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const float *x = inp + n * C;   /* [C] */
+        const float *dy = dout + n * C; /* [C] */
+        float *dx = dinp + n * C;       /* [C] */
+        const float r = rstd[n];
+        double dot = 0.0;
+        for (int64_t c = 0; c < C; c++) dot += (double)(dy[c] * weight[c]) * (x[c] * r);
+        const float mean_gx = (float)(dot / (double)C);
+        for (int64_t c = 0; c < C; c++)
+            dx[c] += r * (dy[c] * weight[c] - (x[c] * r) * mean_gx);
+    }
+    const int64_t n_blocks = (C + COL_BLOCK - 1) / COL_BLOCK;
+#pragma omp parallel for schedule(static)
+    for (int64_t cb = 0; cb < n_blocks; cb++) {
+        const int64_t c0 = cb * COL_BLOCK;
+        const int64_t c1 = c0 + COL_BLOCK < C ? c0 + COL_BLOCK : C;
+        double acc[COL_BLOCK] = {0};
+        for (int64_t n = 0; n < N; n++) {
+            const float r = rstd[n];
+            const float *x = inp + n * C, *dy = dout + n * C;
+            for (int64_t c = c0; c < c1; c++) acc[c - c0] += (double)(dy[c] * (x[c] * r));
+        }
+        for (int64_t c = c0; c < c1; c++) dweight[c] += (float)acc[c - c0];
+    }
+}
+
+/* ------------------------------------------------------------------- matmul */
+
+void moe_cpu_matmul_forward(float *out, const float *inp, const float *weight, int64_t N,
+                            int64_t C, int64_t OC) {
+    if (N == 0 || OC == 0) return;
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)N, (int)OC, (int)C, 1.0f, inp,
+                (int)C, weight, (int)C, 0.0f, out, (int)OC);
+}
+
+void moe_cpu_matmul_backward(float *dinp, float *dweight, const float *dout, const float *inp,
+                             const float *weight, int64_t N, int64_t C, int64_t OC) {
+    if (N == 0 || OC == 0 || C == 0) return; /* nothing to add */
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)N, (int)C, (int)OC, 1.0f, dout,
+                (int)OC, weight, (int)C, 1.0f, dinp, (int)C);
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)OC, (int)C, (int)N, 1.0f, dout,
+                (int)OC, inp, (int)C, 1.0f, dweight, (int)C);
+}
+
+/* --------------------------------------------------------------------- RoPE */
+
+void moe_cpu_rope_tables(float *cos_t, float *sin_t, int64_t T, int64_t hd, float theta) {
+    const int64_t half = hd / 2;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < half; i++) {
+            const double a = (double)moe_rope_angle(t, i, hd, theta);
+            cos_t[t * half + i] = (float)cos(a);
+            sin_t[t * half + i] = (float)sin(a);
+        }
+}
+
+/* Rotates every (i, i + hd/2) pair by +angle (sign = 1) or -angle (-1). */
+static void rope_rotate(float *x, const float *cos_t, const float *sin_t, int64_t B, int64_t T,
+                        int64_t H, int64_t hd, float sign) {
+    const int64_t half = hd / 2;
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t t = 0; t < T; t++) {
+            const float *cs = cos_t + t * half, *sn = sin_t + t * half; /* [hd/2] */
+            for (int64_t h = 0; h < H; h++) {
+                float *x1 = x + ((b * T + t) * H + h) * hd; /* [hd/2] */
+                float *x2 = x1 + half;                      /* [hd/2] */
+                for (int64_t i = 0; i < half; i++) {
+                    const float c = cs[i], s = sign * sn[i];
+                    const float a = x1[i], bb = x2[i];
+                    x1[i] = a * c - bb * s;
+                    x2[i] = bb * c + a * s;
+                }
+            }
+        }
+}
+
+void moe_cpu_rope_forward(float *x, const float *cos_t, const float *sin_t, int64_t B, int64_t T,
+                          int64_t H, int64_t hd) {
+    rope_rotate(x, cos_t, sin_t, B, T, H, hd, 1.0f);
+}
+
+void moe_cpu_rope_backward(float *dx, const float *cos_t, const float *sin_t, int64_t B,
+                           int64_t T, int64_t H, int64_t hd) {
+    rope_rotate(dx, cos_t, sin_t, B, T, H, hd, -1.0f);
+}
+
+/* ------------------------------------------------------------ cross-entropy */
+
+void moe_cpu_crossentropy_forward(float *losses, double *lse, const float *logits,
+                                  const int32_t *targets, int64_t N, int64_t V) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const float *z = logits + n * V; /* [V] */
+        float mx = -INFINITY;
+        /* Not fmaxf, which stays a libm call per element; a NaN logit makes
+         * the loss NaN through the sum either way. */
+#pragma omp simd reduction(max : mx)
+        for (int64_t j = 0; j < V; j++) mx = z[j] > mx ? z[j] : mx;
+        double sum = 0.0;
+        for (int64_t j = 0; j < V; j++) sum += expf(z[j] - mx);
+        const double l = (double)mx + log(sum);
+        lse[n] = l;
+        losses[n] = targets[n] < 0 ? 0.0f : (float)(l - (double)z[targets[n]]);
+    }
+}
+
+/* No restrict: dlogits may be logits, and each element is read once, just
+ * before it is overwritten. */
+void moe_cpu_crossentropy_backward(float *dlogits, const float *logits, const double *lse,
+                                   const int32_t *targets, const float *dloss, int64_t N,
+                                   int64_t V) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const float *z = logits + n * V; /* [V] */
+        float *dz = dlogits + n * V;     /* [V] */
+        const int32_t tgt = targets[n];
+        const float w = tgt < 0 ? 0.0f : dloss[n];
+        const double l = lse[n];
+        for (int64_t j = 0; j < V; j++) dz[j] = w * expf((float)((double)z[j] - l));
+        if (tgt >= 0) dz[tgt] -= w;
+    }
+}
+
+/* ----------------------------------------------------------------- residual */
+
+void moe_cpu_residual_forward(float *out, const float *a, const float *b, int64_t n) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; i++) out[i] = a[i] + b[i];
+}
+
+void moe_cpu_residual_backward(float *da, float *db, const float *dout, int64_t n) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        da[i] += dout[i];
+        db[i] += dout[i];
+    }
+}
+
+/* ---------------------------------------------------------------- optimizer */
+
+void moe_cpu_adamw(float *params, float *m, float *v, const float *grads, int64_t n, float lr,
+                   float beta1, float beta2, float eps, float weight_decay, int64_t t) {
+    /* The per-step scalars in double, as PyTorch computes them in Python. */
+    const float decay = (float)(1.0 - (double)lr * (double)weight_decay);
+    const float step_size = (float)((double)lr / (1.0 - pow((double)beta1, (double)t)));
+    const float bc2_sqrt = (float)sqrt(1.0 - pow((double)beta2, (double)t));
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; i++)
+        moe_adamw_update(&params[i], &m[i], &v[i], grads[i], beta1, beta2, eps, decay, step_size,
+                         bc2_sqrt);
+}
+
+/* ---------------------------------------------------------------- reduction */
+
+/* The array is cut into this many equal parts whatever the thread count;
+ * each part is summed alone and the parts are added in order. */
+#define SUMSQ_PARTS 256
+
+void moe_cpu_sumsq(double *out, const float *x, int64_t n) {
+    double part[SUMSQ_PARTS];
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < SUMSQ_PARTS; p++) {
+        const int64_t i0 = n * p / SUMSQ_PARTS, i1 = n * (p + 1) / SUMSQ_PARTS;
+        double s = 0.0;
+        /* simd reorders the sum into lanes, the same for every run of this
+         * binary: what matters here is independence from the thread count. */
+#pragma omp simd reduction(+ : s)
+        for (int64_t i = i0; i < i1; i++) s += (double)x[i] * x[i];
+        part[p] = s;
+    }
+    double total = 0.0;
+    for (int64_t p = 0; p < SUMSQ_PARTS; p++) total += part[p];
+    *out = total;
+}

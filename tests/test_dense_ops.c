@@ -1,0 +1,646 @@
+/* test_dense_ops.c: the dense ops of kernels/cpu/dense.h against naive
+ * double-precision references written here from the Hugging Face formulas,
+ * and every backward against central finite differences of those
+ * references.
+ *
+ * Tolerances
+ *  - Forward: elementwise |got - ref| <= atol + rtol |ref|, with the values
+ *    stated at each call (fp32 rounding of short sums: rtol 1e-5).
+ *  - Backward: norm-wise ||analytic - fd|| <= GRAD_RTOL ||fd||, GRAD_RTOL =
+ *    1e-4. The fp32 analytic gradient carries ~1e-6 of its norm in rounding;
+ *    the central difference in double with h = 1e-5 is exact to ~1e-9; a
+ *    wrong or missing term is O(1). Backwards accumulate, so each starts from
+ *    random gradients and the increment is what is compared.
+ *  - Shapes are small and odd (C = 13, hd = 6, T = 5, Hq = 4, Hkv = 2, B = 2,
+ *    V = 11) so that no size lines up with a vector width or a block. */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/cpu/dense.h"
+
+#define GRAD_RTOL 1e-4
+#define FD_STEP 1e-5
+
+/* ------------------------------------------------------------ helpers */
+
+typedef struct rng {
+    uint64_t s;
+} rng;
+
+/* splitmix64: a fixed stream per seed on every platform. */
+static double uniform(rng *r, double lo, double hi) {
+    uint64_t z = (r->s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    return lo + (hi - lo) * (double)(z >> 11) * 0x1.0p-53;
+}
+
+static void *xcalloc(size_t n, size_t size) {
+    void *p = calloc(n ? n : 1, size);
+    cr_assert(p != NULL, "test allocation of %zu x %zu bytes failed", n, size);
+    return p;
+}
+
+static float *rand_floats(int64_t n, rng *r, double lo, double hi) {
+    float *a = xcalloc((size_t)n, sizeof *a);
+    for (int64_t i = 0; i < n; i++) a[i] = (float)uniform(r, lo, hi);
+    return a;
+}
+
+static double *to_double(const float *a, int64_t n) {
+    double *d = xcalloc((size_t)n, sizeof *d);
+    for (int64_t i = 0; i < n; i++) d[i] = a[i];
+    return d;
+}
+
+static float *copy_floats(const float *a, int64_t n) {
+    float *c = xcalloc((size_t)n, sizeof *c);
+    memcpy(c, a, (size_t)n * sizeof *c);
+    return c;
+}
+
+/* Elementwise |got - ref| <= atol + rtol |ref|; NaN fails. */
+static void expect_close(const char *what, const float *got, const double *ref, int64_t n,
+                         double atol, double rtol) {
+    int64_t bad = 0, worst = 0;
+    double worst_ratio = -1.0;
+    for (int64_t i = 0; i < n; i++) {
+        const double err = fabs((double)got[i] - ref[i]), tol = atol + rtol * fabs(ref[i]);
+        const double ratio = isnan(err) ? INFINITY : err / tol;
+        if (!(err <= tol)) bad++;
+        if (ratio > worst_ratio) worst_ratio = ratio, worst = i;
+    }
+    cr_expect(bad == 0, "%s: %lld of %lld elements off; worst [%lld] got %.9g ref %.9g (atol %g rtol %g)",
+              what, (long long)bad, (long long)n, (long long)worst, (double)got[worst], ref[worst],
+              atol, rtol);
+}
+
+/* ||got - ref|| <= GRAD_RTOL ||ref||, reporting the worst element too. */
+static void expect_grad(const char *what, const double *got, const double *ref, int64_t n) {
+    double num = 0.0, den = 0.0, worst_err = -1.0;
+    int64_t worst = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const double e = got[i] - ref[i];
+        num += e * e;
+        den += ref[i] * ref[i];
+        if (!(fabs(e) <= worst_err)) worst_err = fabs(e), worst = i;
+    }
+    cr_assert(den > 0.0, "%s: the finite-difference gradient is zero; the test cannot fail", what);
+    const double rel = sqrt(num / den);
+    cr_expect(rel <= GRAD_RTOL,
+              "%s: ||analytic - fd|| / ||fd|| = %.3g > %g; worst [%lld] analytic %.9g fd %.9g", what,
+              rel, GRAD_RTOL, (long long)worst, got[worst], ref[worst]);
+}
+
+/* The increment a backward added: after - before, in double. */
+static double *increment(const float *after, const float *before, int64_t n) {
+    double *d = xcalloc((size_t)n, sizeof *d);
+    for (int64_t i = 0; i < n; i++) d[i] = (double)after[i] - (double)before[i];
+    return d;
+}
+
+/* Central differences of loss(ctx) in each x[i]; x is part of ctx's state. */
+typedef double (*loss_fn)(const void *ctx);
+
+static double *fd_grad(double *x, int64_t n, loss_fn loss, const void *ctx) {
+    double *g = xcalloc((size_t)n, sizeof *g);
+    for (int64_t i = 0; i < n; i++) {
+        const double x0 = x[i];
+        x[i] = x0 + FD_STEP;
+        const double lp = loss(ctx);
+        x[i] = x0 - FD_STEP;
+        const double lm = loss(ctx);
+        x[i] = x0;
+        g[i] = (lp - lm) / (2.0 * FD_STEP);
+    }
+    return g;
+}
+
+static double dot_d(const double *a, const double *b, int64_t n) {
+    double s = 0.0;
+    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* ------------------------------------------------- double references */
+
+static void ref_rmsnorm(double *y, const double *x, const double *w, double eps, int64_t N,
+                        int64_t C) {
+    for (int64_t n = 0; n < N; n++) {
+        double ms = 0.0;
+        for (int64_t c = 0; c < C; c++) ms += x[n * C + c] * x[n * C + c];
+        const double r = 1.0 / sqrt(ms / (double)C + eps);
+        for (int64_t c = 0; c < C; c++) y[n * C + c] = w[c] * x[n * C + c] * r;
+    }
+}
+
+static void ref_matmul(double *y, const double *x, const double *w, int64_t N, int64_t C,
+                       int64_t OC) {
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t o = 0; o < OC; o++) {
+            double s = 0.0;
+            for (int64_t c = 0; c < C; c++) s += x[n * C + c] * w[o * C + c];
+            y[n * OC + o] = s;
+        }
+}
+
+/* HF apply_rotary_pos_emb: q * cos + rotate_half(q) * sin, with the angle
+ * table given as cos/sin [T, hd/2] (the halves of HF's cat(freqs, freqs)). */
+static void ref_rope(double *y, const double *x, const double *cs, const double *sn, int64_t B,
+                     int64_t T, int64_t H, int64_t hd) {
+    const int64_t half = hd / 2;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t h = 0; h < H; h++) {
+                const int64_t o = ((b * T + t) * H + h) * hd;
+                for (int64_t i = 0; i < hd; i++) {
+                    const int64_t f = (i % half) + t * half;
+                    const double rot = i < half ? -x[o + i + half] : x[o + i - half];
+                    y[o + i] = x[o + i] * cs[f] + rot * sn[f];
+                }
+            }
+}
+
+static void ref_attention(double *out, double *att, const double *q, const double *k,
+                          const double *v, int64_t B, int64_t T, int64_t Hq, int64_t Hkv,
+                          int64_t hd) {
+    const double scale = 1.0 / sqrt((double)hd);
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < Hq; h++) {
+            const int64_t kvh = h / (Hq / Hkv);
+            for (int64_t t = 0; t < T; t++) {
+                double *p = att + ((b * Hq + h) * T + t) * T;
+                double mx = -INFINITY;
+                for (int64_t j = 0; j < T; j++) {
+                    if (j > t) {
+                        p[j] = 0.0;
+                        continue;
+                    }
+                    double s = 0.0;
+                    for (int64_t i = 0; i < hd; i++)
+                        s += q[((b * T + t) * Hq + h) * hd + i] * k[((b * T + j) * Hkv + kvh) * hd + i];
+                    p[j] = s * scale;
+                    mx = fmax(mx, p[j]);
+                }
+                double sum = 0.0;
+                for (int64_t j = 0; j <= t; j++) sum += (p[j] = exp(p[j] - mx));
+                for (int64_t j = 0; j <= t; j++) p[j] /= sum;
+                for (int64_t i = 0; i < hd; i++) {
+                    double o = 0.0;
+                    for (int64_t j = 0; j <= t; j++) o += p[j] * v[((b * T + j) * Hkv + kvh) * hd + i];
+                    out[((b * T + t) * Hq + h) * hd + i] = o;
+                }
+            }
+        }
+}
+
+static double ref_xent_row(const double *z, int64_t V, int32_t target, double *lse) {
+    double mx = -INFINITY, sum = 0.0;
+    for (int64_t j = 0; j < V; j++) mx = fmax(mx, z[j]);
+    for (int64_t j = 0; j < V; j++) sum += exp(z[j] - mx);
+    *lse = mx + log(sum);
+    return target < 0 ? 0.0 : *lse - z[target];
+}
+
+/* ---------------------------------------------------------- embedding */
+
+typedef struct emb_ctx {
+    const double *wte, *dout;
+    const int32_t *tokens;
+    int64_t N, C;
+} emb_ctx;
+
+static double emb_loss(const void *vctx) {
+    const emb_ctx *c = vctx;
+    double s = 0.0;
+    for (int64_t n = 0; n < c->N; n++)
+        s += dot_d(c->dout + n * c->C, c->wte + (int64_t)c->tokens[n] * c->C, c->C);
+    return s;
+}
+
+Test(dense, embedding) {
+    const int64_t N = 10, C = 13, V = 11;
+    rng r = {1};
+    int32_t tokens[10] = {3, 0, 10, 3, 7, 3, 1, 10, 5, 0}; /* repeats collide in dwte */
+    float *wte = rand_floats(V * C, &r, -1, 1), *out = xcalloc(N * C, sizeof(float));
+    moe_cpu_embedding_forward(out, tokens, wte, N, C);
+    for (int64_t n = 0; n < N; n++)
+        cr_expect(memcmp(out + n * C, wte + tokens[n] * C, C * sizeof(float)) == 0,
+                  "embedding row %lld is not wte[%d]", (long long)n, tokens[n]);
+
+    float *dout = rand_floats(N * C, &r, -1, 1), *dwte0 = rand_floats(V * C, &r, -1, 1);
+    float *dwte = copy_floats(dwte0, V * C);
+    moe_cpu_embedding_backward(dwte, dout, tokens, N, C);
+    double *wte_d = to_double(wte, V * C), *dout_d = to_double(dout, N * C);
+    emb_ctx ctx = {wte_d, dout_d, tokens, N, C};
+    double *fd = fd_grad(wte_d, V * C, emb_loss, &ctx), *got = increment(dwte, dwte0, V * C);
+    expect_grad("embedding dwte", got, fd, V * C);
+    free(wte), free(out), free(dout), free(dwte0), free(dwte), free(wte_d), free(dout_d), free(fd),
+        free(got);
+}
+
+/* ------------------------------------------------------------ RMSNorm */
+
+typedef struct rms_ctx {
+    const double *x, *w, *dout;
+    double *y;
+    int64_t N, C;
+} rms_ctx;
+
+static double rms_loss(const void *vctx) {
+    const rms_ctx *c = vctx;
+    ref_rmsnorm(c->y, c->x, c->w, 1e-5, c->N, c->C);
+    return dot_d(c->dout, c->y, c->N * c->C);
+}
+
+Test(dense, rmsnorm) {
+    const int64_t N = 10, C = 13;
+    const float eps = 1e-5f;
+    rng r = {2};
+    float *x = rand_floats(N * C, &r, -2, 2), *w = rand_floats(C, &r, 0.5, 1.5);
+    float *y = xcalloc(N * C, sizeof(float)), *rstd = xcalloc(N, sizeof(float));
+    moe_cpu_rmsnorm_forward(y, rstd, x, w, eps, N, C);
+    double *xd = to_double(x, N * C), *wd = to_double(w, C), *yd = xcalloc(N * C, sizeof(double));
+    ref_rmsnorm(yd, xd, wd, eps, N, C);
+    expect_close("rmsnorm out", y, yd, N * C, 1e-6, 1e-5);
+    double rstd_ref[10];
+    for (int64_t n = 0; n < N; n++) {
+        double ms = 0.0;
+        for (int64_t c = 0; c < C; c++) ms += xd[n * C + c] * xd[n * C + c];
+        rstd_ref[n] = 1.0 / sqrt(ms / (double)C + eps);
+    }
+    expect_close("rmsnorm rstd", rstd, rstd_ref, N, 0.0, 1e-6);
+
+    float *dout = rand_floats(N * C, &r, -1, 1);
+    float *dx0 = rand_floats(N * C, &r, -1, 1), *dw0 = rand_floats(C, &r, -1, 1);
+    float *dx = copy_floats(dx0, N * C), *dw = copy_floats(dw0, C);
+    moe_cpu_rmsnorm_backward(dx, dw, dout, x, w, rstd, N, C);
+    double *doutd = to_double(dout, N * C);
+    rms_ctx ctx = {xd, wd, doutd, yd, N, C};
+    double *fdx = fd_grad(xd, N * C, rms_loss, &ctx), *fdw = fd_grad(wd, C, rms_loss, &ctx);
+    double *gx = increment(dx, dx0, N * C), *gw = increment(dw, dw0, C);
+    expect_grad("rmsnorm dinp", gx, fdx, N * C);
+    expect_grad("rmsnorm dweight", gw, fdw, C);
+    free(x), free(w), free(y), free(rstd), free(xd), free(wd), free(yd), free(dout), free(dx0),
+        free(dw0), free(dx), free(dw), free(doutd), free(fdx), free(fdw), free(gx), free(gw);
+}
+
+/* ------------------------------------------------------------- matmul */
+
+typedef struct mm_ctx {
+    const double *x, *w, *dout;
+    double *y;
+    int64_t N, C, OC;
+} mm_ctx;
+
+static double mm_loss(const void *vctx) {
+    const mm_ctx *c = vctx;
+    ref_matmul(c->y, c->x, c->w, c->N, c->C, c->OC);
+    return dot_d(c->dout, c->y, c->N * c->OC);
+}
+
+Test(dense, matmul) {
+    const int64_t N = 10, C = 13, OC = 7;
+    rng r = {3};
+    float *x = rand_floats(N * C, &r, -1, 1), *w = rand_floats(OC * C, &r, -1, 1);
+    float *y = xcalloc(N * OC, sizeof(float));
+    moe_cpu_matmul_forward(y, x, w, N, C, OC);
+    double *xd = to_double(x, N * C), *wd = to_double(w, OC * C), *yd = xcalloc(N * OC, sizeof(double));
+    ref_matmul(yd, xd, wd, N, C, OC);
+    expect_close("matmul out", y, yd, N * OC, 1e-6, 1e-5);
+
+    float *dout = rand_floats(N * OC, &r, -1, 1);
+    float *dx0 = rand_floats(N * C, &r, -1, 1), *dw0 = rand_floats(OC * C, &r, -1, 1);
+    float *dx = copy_floats(dx0, N * C), *dw = copy_floats(dw0, OC * C);
+    moe_cpu_matmul_backward(dx, dw, dout, x, w, N, C, OC);
+    double *doutd = to_double(dout, N * OC);
+    mm_ctx ctx = {xd, wd, doutd, yd, N, C, OC};
+    double *fdx = fd_grad(xd, N * C, mm_loss, &ctx), *fdw = fd_grad(wd, OC * C, mm_loss, &ctx);
+    double *gx = increment(dx, dx0, N * C), *gw = increment(dw, dw0, OC * C);
+    expect_grad("matmul dinp", gx, fdx, N * C);
+    expect_grad("matmul dweight", gw, fdw, OC * C);
+    free(x), free(w), free(y), free(xd), free(wd), free(yd), free(dout), free(dx0), free(dw0),
+        free(dx), free(dw), free(doutd), free(fdx), free(fdw), free(gx), free(gw);
+}
+
+/* --------------------------------------------------------------- RoPE */
+
+/* The tables against the exact angle t * theta^(-2i/hd) in double. The
+ * tables keep HF's fp32 rounding of inv_freq and of the angle, an error
+ * below 3 * 2^-24 of the angle (<= t), hence the t-proportional tolerance.
+ * Pair 0 has inv_freq = 1 exactly, so its angle is t without rounding. */
+Test(dense, rope_tables) {
+    const int64_t T = 4096, hd = 64, half = hd / 2;
+    const float theta = 1e6f;
+    float *cs = xcalloc(T * half, sizeof(float)), *sn = xcalloc(T * half, sizeof(float));
+    moe_cpu_rope_tables(cs, sn, T, hd, theta);
+    int64_t bad = 0, worst = 0;
+    double worst_err = 0.0;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < half; i++) {
+            const double a = (double)t * pow((double)theta, -2.0 * (double)i / (double)hd);
+            const double tol = 1e-7 + 2e-7 * a;
+            const double err = fmax(fabs(cs[t * half + i] - cos(a)), fabs(sn[t * half + i] - sin(a)));
+            if (!(err <= tol)) bad++;
+            if (err > worst_err) worst_err = err, worst = t * half + i;
+        }
+    cr_expect(bad == 0, "rope tables: %lld entries off the exact angle; worst (t %lld, i %lld) err %.3g",
+              (long long)bad, (long long)(worst / half), (long long)(worst % half), worst_err);
+    for (int64_t t = 0; t < T; t++)
+        cr_expect(cs[t * half] == (float)cos((double)t) && sn[t * half] == (float)sin((double)t),
+                  "rope pair 0 at t=%lld: cos %.9g sin %.9g, want the rounded cos(t), sin(t)",
+                  (long long)t, (double)cs[t * half], (double)sn[t * half]);
+    free(cs), free(sn);
+}
+
+typedef struct rope_ctx {
+    const double *x, *cs, *sn, *dout;
+    double *y;
+    int64_t B, T, H, hd;
+} rope_ctx;
+
+static double rope_loss(const void *vctx) {
+    const rope_ctx *c = vctx;
+    ref_rope(c->y, c->x, c->cs, c->sn, c->B, c->T, c->H, c->hd);
+    return dot_d(c->dout, c->y, c->B * c->T * c->H * c->hd);
+}
+
+Test(dense, rope) {
+    const int64_t B = 2, T = 5, H = 3, hd = 6, half = hd / 2, n = B * T * H * hd;
+    const float theta = 10000.0f;
+    rng r = {4};
+    float *cs = xcalloc(T * half, sizeof(float)), *sn = xcalloc(T * half, sizeof(float));
+    moe_cpu_rope_tables(cs, sn, T, hd, theta);
+    float *x = rand_floats(n, &r, -1, 1), *y = copy_floats(x, n);
+    moe_cpu_rope_forward(y, cs, sn, B, T, H, hd);
+
+    /* Direct formula with exact angles: HF's fp32 angles differ by up to
+     * 4e-7 of the angle (hd = 6 rounds 2i/hd as well), times |x| <= 1.5. */
+    double *xd = to_double(x, n), *yd = xcalloc(n, sizeof(double));
+    double *csx = xcalloc(T * half, sizeof(double)), *snx = xcalloc(T * half, sizeof(double));
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < half; i++) {
+            const double a = (double)t * pow((double)theta, -2.0 * (double)i / (double)hd);
+            csx[t * half + i] = cos(a), snx[t * half + i] = sin(a);
+        }
+    ref_rope(yd, xd, csx, snx, B, T, H, hd);
+    expect_close("rope forward", y, yd, n, 5e-6, 1e-6);
+
+    /* Backward: the transpose of the very rotation the tables define. */
+    double *csd = to_double(cs, T * half), *snd = to_double(sn, T * half);
+    float *dout = rand_floats(n, &r, -1, 1), *dx = copy_floats(dout, n);
+    moe_cpu_rope_backward(dx, cs, sn, B, T, H, hd);
+    double *doutd = to_double(dout, n);
+    rope_ctx ctx = {xd, csd, snd, doutd, yd, B, T, H, hd};
+    double *fd = fd_grad(xd, n, rope_loss, &ctx), *got = to_double(dx, n);
+    expect_grad("rope dx", got, fd, n);
+
+    /* The rotation is orthogonal: backward undoes forward. */
+    moe_cpu_rope_backward(y, cs, sn, B, T, H, hd);
+    expect_close("rope backward(forward(x))", y, xd, n, 1e-6, 1e-6);
+    free(cs), free(sn), free(x), free(y), free(xd), free(yd), free(csx), free(snx), free(csd),
+        free(snd), free(dout), free(dx), free(doutd), free(fd), free(got);
+}
+
+/* ---------------------------------------------------------- attention */
+
+typedef struct att_ctx {
+    const double *q, *k, *v, *dout;
+    double *out, *att;
+    int64_t B, T, Hq, Hkv, hd;
+} att_ctx;
+
+static double att_loss(const void *vctx) {
+    const att_ctx *c = vctx;
+    ref_attention(c->out, c->att, c->q, c->k, c->v, c->B, c->T, c->Hq, c->Hkv, c->hd);
+    return dot_d(c->dout, c->out, c->B * c->T * c->Hq * c->hd);
+}
+
+static void check_attention(int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t hd,
+                            uint64_t seed) {
+    const int64_t nq = B * T * Hq * hd, nk = B * T * Hkv * hd, na = B * Hq * T * T;
+    char what[96];
+    rng r = {seed};
+    float *q = rand_floats(nq, &r, -1.5, 1.5), *k = rand_floats(nk, &r, -1.5, 1.5);
+    float *v = rand_floats(nk, &r, -1, 1);
+    float *out = xcalloc(nq, sizeof(float)), *att = xcalloc(na, sizeof(float));
+    moe_cpu_attention_forward(out, att, q, k, v, B, T, Hq, Hkv, hd);
+    double *qd = to_double(q, nq), *kd = to_double(k, nk), *vd = to_double(v, nk);
+    double *outd = xcalloc(nq, sizeof(double)), *attd = xcalloc(na, sizeof(double));
+    ref_attention(outd, attd, qd, kd, vd, B, T, Hq, Hkv, hd);
+    snprintf(what, sizeof what, "attention out (Hq %lld Hkv %lld T %lld)", (long long)Hq,
+             (long long)Hkv, (long long)T);
+    expect_close(what, out, outd, nq, 1e-6, 1e-5);
+    snprintf(what, sizeof what, "attention probs (Hq %lld Hkv %lld T %lld)", (long long)Hq,
+             (long long)Hkv, (long long)T);
+    expect_close(what, att, attd, na, 1e-7, 1e-5); /* zeros above the diagonal included */
+
+    float *dout = rand_floats(nq, &r, -1, 1), *datt = xcalloc(na, sizeof(float));
+    for (int64_t i = 0; i < na; i++) datt[i] = NAN; /* scratch: contents must not matter */
+    float *dq0 = rand_floats(nq, &r, -1, 1), *dk0 = rand_floats(nk, &r, -1, 1);
+    float *dv0 = rand_floats(nk, &r, -1, 1);
+    float *dq = copy_floats(dq0, nq), *dk = copy_floats(dk0, nk), *dv = copy_floats(dv0, nk);
+    moe_cpu_attention_backward(dq, dk, dv, datt, dout, q, k, v, att, B, T, Hq, Hkv, hd);
+    double *doutd = to_double(dout, nq);
+    att_ctx ctx = {qd, kd, vd, doutd, outd, attd, B, T, Hq, Hkv, hd};
+    double *fq = fd_grad(qd, nq, att_loss, &ctx), *fk = fd_grad(kd, nk, att_loss, &ctx);
+    double *fv = fd_grad(vd, nk, att_loss, &ctx);
+    double *gq = increment(dq, dq0, nq), *gk = increment(dk, dk0, nk), *gv = increment(dv, dv0, nk);
+    snprintf(what, sizeof what, "attention dq (Hq %lld Hkv %lld)", (long long)Hq, (long long)Hkv);
+    expect_grad(what, gq, fq, nq);
+    snprintf(what, sizeof what, "attention dk (Hq %lld Hkv %lld)", (long long)Hq, (long long)Hkv);
+    expect_grad(what, gk, fk, nk);
+    snprintf(what, sizeof what, "attention dv (Hq %lld Hkv %lld)", (long long)Hq, (long long)Hkv);
+    expect_grad(what, gv, fv, nk);
+    free(q), free(k), free(v), free(out), free(att), free(qd), free(kd), free(vd), free(outd),
+        free(attd), free(dout), free(datt), free(dq0), free(dk0), free(dv0), free(dq), free(dk),
+        free(dv), free(doutd), free(fq), free(fk), free(fv), free(gq), free(gk), free(gv);
+}
+
+Test(dense, attention_gqa) { check_attention(2, 5, 4, 2, 6, 5); }
+Test(dense, attention_one_kv_head) { check_attention(2, 5, 4, 1, 6, 6); }
+Test(dense, attention_kv_per_head) { check_attention(2, 5, 4, 4, 6, 7); }
+/* T = 11: several blocks of four keys and query rows, plus their tails. */
+Test(dense, attention_longer) { check_attention(1, 11, 3, 1, 5, 8); }
+
+/* ------------------------------------------------------ cross-entropy */
+
+typedef struct xent_ctx {
+    const double *z, *dloss;
+    const int32_t *targets;
+    int64_t N, V;
+} xent_ctx;
+
+static double xent_loss(const void *vctx) {
+    const xent_ctx *c = vctx;
+    double s = 0.0, lse;
+    for (int64_t n = 0; n < c->N; n++) s += c->dloss[n] * ref_xent_row(c->z + n * c->V, c->V, c->targets[n], &lse);
+    return s;
+}
+
+Test(dense, crossentropy) {
+    const int64_t N = 10, V = 11;
+    rng r = {9};
+    int32_t targets[10] = {0, 10, 3, -100, 5, 5, 1, 9, 2, 7}; /* row 3 ignored */
+    float *z = rand_floats(N * V, &r, -4, 4), *losses = xcalloc(N, sizeof(float));
+    double *lse = xcalloc(N, sizeof(double));
+    moe_cpu_crossentropy_forward(losses, lse, z, targets, N, V);
+    double *zd = to_double(z, N * V), loss_ref[10], lse_ref[10];
+    for (int64_t n = 0; n < N; n++) loss_ref[n] = ref_xent_row(zd + n * V, V, targets[n], &lse_ref[n]);
+    expect_close("crossentropy losses", losses, loss_ref, N, 1e-6, 1e-6);
+    for (int64_t n = 0; n < N; n++)
+        cr_expect(fabs(lse[n] - lse_ref[n]) <= 1e-6 * fabs(lse_ref[n]), "lse[%lld] %.12g ref %.12g",
+                  (long long)n, lse[n], lse_ref[n]);
+
+    float *dloss = rand_floats(N, &r, 0.05, 0.2), *dz = xcalloc(N * V, sizeof(float));
+    for (int64_t i = 0; i < N * V; i++) dz[i] = NAN; /* written, not accumulated */
+    moe_cpu_crossentropy_backward(dz, z, lse, targets, dloss, N, V);
+    double *dlossd = to_double(dloss, N);
+    xent_ctx ctx = {zd, dlossd, targets, N, V};
+    double *fd = fd_grad(zd, N * V, xent_loss, &ctx), *got = to_double(dz, N * V);
+    expect_grad("crossentropy dlogits", got, fd, N * V);
+    for (int64_t j = 0; j < V; j++)
+        cr_expect(dz[3 * V + j] == 0.0f, "ignored row 3 has dlogits[%lld] = %g", (long long)j,
+                  (double)dz[3 * V + j]);
+
+    /* In place over the logits: the same bits. */
+    float *zi = copy_floats(z, N * V);
+    moe_cpu_crossentropy_backward(zi, zi, lse, targets, dloss, N, V);
+    cr_expect(memcmp(zi, dz, (size_t)(N * V) * sizeof(float)) == 0,
+              "in-place crossentropy backward differs from out-of-place");
+    free(z), free(losses), free(lse), free(zd), free(dloss), free(dz), free(dlossd), free(fd),
+        free(got), free(zi);
+}
+
+/* Logits near 1e4 overflow a naive exp; max-subtraction keeps them finite,
+ * and the double lse keeps the probabilities accurate. */
+Test(dense, crossentropy_large_logits) {
+    const int64_t N = 3, V = 11;
+    rng r = {10};
+    int32_t targets[3] = {4, 0, 10};
+    float *z = xcalloc(N * V, sizeof(float));
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t j = 0; j < V; j++) z[n * V + j] = (float)((n == 1 ? -1e4 : 1e4) + uniform(&r, -8, 8));
+    float losses[3], dloss[3] = {1.0f, 1.0f, 1.0f}, *dz = xcalloc(N * V, sizeof(float));
+    double lse[3];
+    moe_cpu_crossentropy_forward(losses, lse, z, targets, N, V);
+    moe_cpu_crossentropy_backward(dz, z, lse, targets, dloss, N, V);
+    double *zd = to_double(z, N * V), loss_ref[3], dz_ref[33];
+    for (int64_t n = 0; n < N; n++) {
+        double l;
+        loss_ref[n] = ref_xent_row(zd + n * V, V, targets[n], &l);
+        for (int64_t j = 0; j < V; j++) dz_ref[n * V + j] = exp(zd[n * V + j] - l) - (j == targets[n]);
+    }
+    expect_close("crossentropy losses at |logits| ~ 1e4", losses, loss_ref, N, 1e-5, 1e-6);
+    expect_close("crossentropy dlogits at |logits| ~ 1e4", dz, dz_ref, N * V, 1e-6, 1e-5);
+    free(z), free(dz), free(zd);
+}
+
+/* ----------------------------------------------------------- residual */
+
+Test(dense, residual) {
+    const int64_t n = 37;
+    rng r = {11};
+    float *a = rand_floats(n, &r, -1, 1), *b = rand_floats(n, &r, -1, 1);
+    float *out = xcalloc(n, sizeof(float));
+    moe_cpu_residual_forward(out, a, b, n);
+    for (int64_t i = 0; i < n; i++)
+        cr_expect(out[i] == a[i] + b[i], "residual out[%lld] %.9g != %.9g", (long long)i,
+                  (double)out[i], (double)(a[i] + b[i]));
+    float *d = rand_floats(n, &r, -1, 1), *da = copy_floats(a, n), *db = copy_floats(b, n);
+    moe_cpu_residual_backward(da, db, d, n);
+    for (int64_t i = 0; i < n; i++)
+        cr_expect(da[i] == a[i] + d[i] && db[i] == b[i] + d[i],
+                  "residual backward [%lld]: da %.9g db %.9g, want %.9g %.9g", (long long)i,
+                  (double)da[i], (double)db[i], (double)(a[i] + d[i]), (double)(b[i] + d[i]));
+    moe_cpu_residual_forward(a, a, b, n); /* in place */
+    cr_expect(memcmp(a, out, (size_t)n * sizeof(float)) == 0, "in-place residual add differs");
+    free(a), free(b), free(out), free(d), free(da), free(db);
+}
+
+/* -------------------------------------------------------------- AdamW */
+
+/* torch.optim.AdamW, in double, three steps with fresh gradients. */
+Test(dense, adamw) {
+    const int64_t n = 29;
+    const float lr = 1e-2f, b1 = 0.9f, b2 = 0.95f, eps = 1e-8f, wd = 0.1f;
+    rng r = {12};
+    float *p = rand_floats(n, &r, -1, 1), *m = xcalloc(n, sizeof(float)), *v = xcalloc(n, sizeof(float));
+    double *pd = to_double(p, n), *md = xcalloc(n, sizeof(double)), *vd = xcalloc(n, sizeof(double));
+    for (int64_t t = 1; t <= 3; t++) {
+        float *g = rand_floats(n, &r, -2, 2);
+        if (t == 2) g[0] = 0.0f; /* a zero gradient still decays and moves by momentum */
+        moe_cpu_adamw(p, m, v, g, n, lr, b1, b2, eps, wd, t);
+        const double bc1 = 1.0 - pow(b1, (double)t), bc2 = 1.0 - pow(b2, (double)t);
+        for (int64_t i = 0; i < n; i++) {
+            pd[i] *= 1.0 - (double)lr * wd;
+            md[i] = b1 * md[i] + (1.0 - b1) * g[i];
+            vd[i] = b2 * vd[i] + (1.0 - b2) * (double)g[i] * g[i];
+            pd[i] -= lr * (md[i] / bc1) / (sqrt(vd[i] / bc2) + eps);
+        }
+        char what[32];
+        snprintf(what, sizeof what, "adamw step %lld params", (long long)t);
+        expect_close(what, p, pd, n, 1e-7, 1e-6);
+        snprintf(what, sizeof what, "adamw step %lld m", (long long)t);
+        expect_close(what, m, md, n, 1e-8, 1e-6);
+        snprintf(what, sizeof what, "adamw step %lld v", (long long)t);
+        expect_close(what, v, vd, n, 1e-9, 1e-6);
+        free(g);
+    }
+    free(p), free(m), free(v), free(pd), free(md), free(vd);
+}
+
+/* ------------------------------------------------- determinism, norms */
+
+Test(dense, sumsq_thread_independent) {
+    const int64_t sizes[3] = {5, 1000, 1000003};
+    rng r = {13};
+    for (int s = 0; s < 3; s++) {
+        const int64_t n = sizes[s];
+        float *x = rand_floats(n, &r, -1, 1);
+        double ref = 0.0, one, two;
+        for (int64_t i = 0; i < n; i++) ref += (double)x[i] * x[i];
+        omp_set_num_threads(1);
+        moe_cpu_sumsq(&one, x, n);
+        omp_set_num_threads(2);
+        moe_cpu_sumsq(&two, x, n);
+        cr_expect(memcmp(&one, &two, sizeof one) == 0,
+                  "sumsq n=%lld: 1 thread %.17g, 2 threads %.17g", (long long)n, one, two);
+        cr_expect(fabs(one - ref) <= 1e-12 * ref, "sumsq n=%lld: %.17g, reference %.17g",
+                  (long long)n, one, ref);
+        free(x);
+    }
+}
+
+/* The row reductions of the backwards (dwte, dweight) give the same bits on
+ * one thread and two, with many rows colliding on few tokens. */
+Test(dense, reductions_thread_independent) {
+    const int64_t N = 3000, C = 37, V = 5;
+    rng r = {14};
+    int32_t *tokens = xcalloc(N, sizeof *tokens);
+    for (int64_t n = 0; n < N; n++) tokens[n] = (int32_t)(uniform(&r, 0, 1) * V);
+    float *dout = rand_floats(N * C, &r, -1, 1), *x = rand_floats(N * C, &r, -1, 1);
+    float *w = rand_floats(C, &r, 0.5, 1.5), *y = xcalloc(N * C, sizeof(float));
+    float *rstd = xcalloc(N, sizeof(float)), *dx = xcalloc(N * C, sizeof(float));
+    float *dwte[2], *dw[2];
+    for (int th = 0; th < 2; th++) {
+        omp_set_num_threads(th + 1);
+        dwte[th] = xcalloc(V * C, sizeof(float));
+        dw[th] = xcalloc(C, sizeof(float));
+        moe_cpu_embedding_backward(dwte[th], dout, tokens, N, C);
+        moe_cpu_rmsnorm_forward(y, rstd, x, w, 1e-5f, N, C);
+        moe_cpu_rmsnorm_backward(dx, dw[th], dout, x, w, rstd, N, C);
+    }
+    cr_expect(memcmp(dwte[0], dwte[1], (size_t)(V * C) * sizeof(float)) == 0,
+              "embedding dwte differs between 1 and 2 threads");
+    cr_expect(memcmp(dw[0], dw[1], (size_t)C * sizeof(float)) == 0,
+              "rmsnorm dweight differs between 1 and 2 threads");
+    free(tokens), free(dout), free(x), free(w), free(y), free(rstd), free(dx);
+    for (int th = 0; th < 2; th++) free(dwte[th]), free(dw[th]);
+}

@@ -1,0 +1,394 @@
+/* config.json: the real Mixtral-8x7B file, defaults, every bad field, and
+ * save -> load round trips. */
+#define _XOPEN_SOURCE 700
+
+#include <criterion/criterion.h>
+#include <ftw.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/status.h"
+#include "engine/fileio.h"
+#include "engine/json.h"
+#include "engine/model_config.h"
+
+/* mistralai/Mixtral-8x7B-v0.1 config.json, verbatim. */
+static const char mixtral_8x7b[] = "{\n"
+                                   "  \"architectures\": [\n"
+                                   "    \"MixtralForCausalLM\"\n"
+                                   "  ],\n"
+                                   "  \"attention_dropout\": 0.0,\n"
+                                   "  \"bos_token_id\": 1,\n"
+                                   "  \"eos_token_id\": 2,\n"
+                                   "  \"hidden_act\": \"silu\",\n"
+                                   "  \"hidden_size\": 4096,\n"
+                                   "  \"initializer_range\": 0.02,\n"
+                                   "  \"intermediate_size\": 14336,\n"
+                                   "  \"max_position_embeddings\": 32768,\n"
+                                   "  \"model_type\": \"mixtral\",\n"
+                                   "  \"num_attention_heads\": 32,\n"
+                                   "  \"num_experts_per_tok\": 2,\n"
+                                   "  \"num_hidden_layers\": 32,\n"
+                                   "  \"num_key_value_heads\": 8,\n"
+                                   "  \"num_local_experts\": 8,\n"
+                                   "  \"output_router_logits\": false,\n"
+                                   "  \"rms_norm_eps\": 1e-05,\n"
+                                   "  \"rope_theta\": 1000000.0,\n"
+                                   "  \"router_aux_loss_coef\": 0.02,\n"
+                                   "  \"sliding_window\": null,\n"
+                                   "  \"tie_word_embeddings\": false,\n"
+                                   "  \"torch_dtype\": \"bfloat16\",\n"
+                                   "  \"transformers_version\": \"4.36.0.dev0\",\n"
+                                   "  \"use_cache\": true,\n"
+                                   "  \"vocab_size\": 32000\n"
+                                   "}\n";
+
+typedef struct warnings {
+    int count;
+    char text[8][512];
+} warnings;
+
+static void collect(void *ctx, const char *message) {
+    warnings *w = ctx;
+    if (w->count < 8) snprintf(w->text[w->count], sizeof w->text[0], "%s", message);
+    w->count++;
+}
+
+static bool warned(const warnings *w, const char *want) {
+    for (int i = 0; i < w->count && i < 8; i++)
+        if (strstr(w->text[i], want) != NULL) return true;
+    return false;
+}
+
+static moe_status parse(moe_model_config *cfg, const char *text, warnings *w) {
+    return moe_model_config_parse(cfg, text, strlen(text), "t/config.json", w != NULL ? collect : NULL, w);
+}
+
+Test(model_config, mixtral_8x7b) {
+    moe_model_config c;
+    warnings w = {0};
+    cr_assert_eq(parse(&c, mixtral_8x7b, &w), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(w.count, 0, "warned: %s", w.text[0]);
+    cr_expect_eq(c.vocab_size, 32000);
+    cr_expect_eq(c.hidden_size, 4096);
+    cr_expect_eq(c.intermediate_size, 14336);
+    cr_expect_eq(c.num_hidden_layers, 32);
+    cr_expect_eq(c.num_attention_heads, 32);
+    cr_expect_eq(c.num_key_value_heads, 8);
+    cr_expect_eq(c.head_dim, 128, "head_dim = hidden / heads");
+    cr_expect_eq(c.num_local_experts, 8);
+    cr_expect_eq(c.num_experts_per_tok, 2);
+    cr_expect_eq(c.max_position_embeddings, 32768);
+    cr_expect_eq(c.rope_theta, 1e6);
+    cr_expect_eq(c.rms_norm_eps, 1e-5);
+    cr_expect_eq(c.router_aux_loss_coef, 0.02);
+    cr_expect_eq(c.router_jitter_noise, 0.0);
+    cr_expect_eq(c.moe_gate, MOE_GATE_SOFTMAX_TOPK);
+    cr_expect(c.moe_renormalize);
+    cr_expect_eq(c.moe_capacity_factor, 0.0);
+    cr_expect_eq(c.moe_z_loss_coef, 0.0);
+    cr_expect_eq(c.moe_n_shared_experts, 0);
+    cr_expect_eq(c.moe_bias_update_rate, 0.0);
+
+    moe_layer_config l;
+    moe_model_config_layer(&l, &c, 77);
+    cr_expect_eq(l.d_model, 4096);
+    cr_expect_eq(l.d_ff, 14336);
+    cr_expect_eq(l.n_experts, 8);
+    cr_expect_eq(l.top_k, 2);
+    cr_expect_eq(l.gate, MOE_GATE_SOFTMAX_TOPK);
+    cr_expect_eq(l.renormalize, 1);
+    cr_expect_eq(l.aux_loss_coef, 0.02);
+    cr_expect_eq(l.jitter_eps, 0.0);
+    cr_expect_eq(l.seed, 77);
+}
+
+/* The keys every test config has; one case replaces, removes or adds one. */
+static const char *const base_keys[][2] = {
+    {"vocab_size", "100"},        {"hidden_size", "64"},      {"intermediate_size", "128"},
+    {"num_hidden_layers", "2"},   {"num_attention_heads", "4"}, {"num_local_experts", "8"},
+    {"num_experts_per_tok", "2"},
+};
+#define N_BASE (sizeof base_keys / sizeof *base_keys)
+
+/* The base config with key set to value (NULL: removed), in a static buffer. */
+static const char *config_with(const char *key, const char *value) {
+    static char buf[2048];
+    size_t n = (size_t)snprintf(buf, sizeof buf, "{");
+    bool replaced = false;
+    for (size_t i = 0; i < N_BASE; i++) {
+        const char *v = base_keys[i][1];
+        if (key != NULL && strcmp(key, base_keys[i][0]) == 0) {
+            replaced = true;
+            v = value;
+            if (v == NULL) continue;
+        }
+        n += (size_t)snprintf(buf + n, sizeof buf - n, "%s\"%s\": %s", n > 1 ? ", " : "", base_keys[i][0], v);
+    }
+    if (key != NULL && !replaced) n += (size_t)snprintf(buf + n, sizeof buf - n, ", \"%s\": %s", key, value);
+    snprintf(buf + n, sizeof buf - n, "}");
+    return buf;
+}
+
+Test(model_config, defaults) {
+    moe_model_config c;
+    warnings w = {0};
+    cr_assert_eq(parse(&c, config_with(NULL, NULL), &w), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(w.count, 0);
+    cr_expect_eq(c.num_key_value_heads, 4, "defaults to num_attention_heads");
+    cr_expect_eq(c.head_dim, 16);
+    cr_expect_eq(c.max_position_embeddings, 131072);
+    cr_expect_eq(c.rope_theta, 1e6);
+    cr_expect_eq(c.rms_norm_eps, 1e-5);
+    cr_expect_eq(c.router_aux_loss_coef, 0.001);
+    cr_expect(c.moe_renormalize);
+
+    /* null means absent, as in transformers */
+    cr_assert_eq(parse(&c, config_with("head_dim", "null"), &w), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(c.head_dim, 16);
+    /* an explicit head_dim frees hidden_size from divisibility */
+    cr_assert_eq(parse(&c, config_with("hidden_size", "66"), &w), MOE_ERR_CONFIG);
+    const char *text = "{\"vocab_size\": 100, \"hidden_size\": 66, \"head_dim\": 24, \"intermediate_size\": 128, "
+                       "\"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"num_local_experts\": 8, "
+                       "\"num_experts_per_tok\": 8, \"hidden_size_note\": 1}";
+    cr_assert_eq(parse(&c, text, &w), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(c.head_dim, 24);
+    cr_expect_eq(c.num_experts_per_tok, 8, "k = E is allowed");
+    cr_expect_eq(w.count, 1);
+    cr_expect(warned(&w, "t/config.json: unknown key 'hidden_size_note' ignored"), "%s", w.text[0]);
+}
+
+Test(model_config, rope_parameters_and_warnings) {
+    moe_model_config c;
+    warnings w = {0};
+    cr_assert_eq(parse(&c, config_with("rope_parameters", "{\"rope_type\": \"default\", \"rope_theta\": 500000.0, "
+                                                          "\"factor\": 2}"),
+                       &w),
+                 MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(c.rope_theta, 5e5);
+    cr_expect(warned(&w, "unknown key 'rope_parameters.factor' ignored"), "%s", w.text[0]);
+
+    w.count = 0;
+    const char *both = "{\"vocab_size\": 100, \"hidden_size\": 64, \"intermediate_size\": 128, "
+                       "\"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"num_local_experts\": 8, "
+                       "\"num_experts_per_tok\": 2, \"rope_theta\": 10000, \"rope_parameters\": {\"rope_theta\": %s}, "
+                       "\"attention_dropout\": 0.1, \"sliding_window\": 4096}";
+    char text[1024];
+    snprintf(text, sizeof text, both, "10000.0");
+    cr_assert_eq(parse(&c, text, &w), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(c.rope_theta, 1e4);
+    cr_expect_eq(w.count, 2);
+    cr_expect(warned(&w, "attention_dropout=0.1 ignored"));
+    cr_expect(warned(&w, "sliding_window=4096 ignored"));
+    snprintf(text, sizeof text, both, "20000");
+    cr_expect_eq(parse(&c, text, &w), MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "rope_theta=10000 disagrees with rope_parameters.rope_theta=20000") != NULL,
+              "%s", moe_last_error());
+
+    /* Without a callback the warnings go nowhere, and parsing still works. */
+    cr_expect_eq(moe_model_config_parse(&c, text, 0, NULL, NULL, NULL), MOE_ERR_FORMAT);
+    cr_expect(strstr(moe_last_error(), "config.json:1:1: unexpected end of input") != NULL, "%s", moe_last_error());
+    const char *unknown = config_with("zzz", "[1]");
+    cr_expect_eq(moe_model_config_parse(&c, unknown, strlen(unknown), NULL, NULL, NULL), MOE_OK);
+}
+
+Test(model_config, every_bad_field_is_named) {
+    const struct {
+        const char *key, *value; /* value NULL: key removed */
+        const char *want;
+    } cases[] = {
+        {"num_experts_per_tok", "9", "t/config.json: num_experts_per_tok=9 exceeds num_local_experts=8"},
+        {"num_experts_per_tok", "0", "t/config.json: num_experts_per_tok=0 must be positive"},
+        {"hidden_size", "66",
+         "t/config.json: hidden_size=66 is not divisible by num_attention_heads=4 (and head_dim is not given)"},
+        {"num_key_value_heads", "3", "num_attention_heads=4 is not a multiple of num_key_value_heads=3"},
+        {"hidden_size", "0", "t/config.json: hidden_size=0 must be positive"},
+        {"vocab_size", "-5", "t/config.json: vocab_size=-5 must be positive"},
+        {"vocab_size", "3000000000", "vocab_size=3000000000 exceeds 2147483647"},
+        {"vocab_size", "99999999999999999999", "vocab_size must be an integer, got 99999999999999999999"},
+        {"num_hidden_layers", "\"2\"", "t/config.json: num_hidden_layers must be an integer, got \"2\""},
+        {"intermediate_size", "128.5", "intermediate_size must be an integer, got 128.5"},
+        {"hidden_size", "null", "hidden_size must be an integer, got null"},
+        {"num_local_experts", NULL, "t/config.json: missing required key 'num_local_experts'"},
+        {"vocab_size", NULL, "missing required key 'vocab_size'"},
+        {"head_dim", "15", "head_dim=15 must be even"},
+        {"max_position_embeddings", "0", "max_position_embeddings=0 must be positive"},
+        {"rms_norm_eps", "0", "rms_norm_eps=0 must be > 0"},
+        {"rms_norm_eps", "-1e-05", "rms_norm_eps=-1e-05 must be > 0"},
+        {"rope_theta", "\"big\"", "rope_theta must be a number, got \"big\""},
+        {"rope_theta", "0", "rope_theta=0 must be > 0"},
+        {"router_aux_loss_coef", "-0.1", "router_aux_loss_coef=-0.1 must be >= 0"},
+        {"router_jitter_noise", "1.0", "router_jitter_noise=1 must be in [0, 1)"},
+        {"tie_word_embeddings", "true", "tie_word_embeddings=true is not supported"},
+        {"tie_word_embeddings", "\"no\"", "tie_word_embeddings must be true or false, got \"no\""},
+        {"hidden_act", "\"gelu\"", "hidden_act=\"gelu\" is not supported (only \"silu\")"},
+        {"model_type", "\"qwen2_moe\"", "model_type=\"qwen2_moe\" is not supported (only \"mixtral\")"},
+        {"rope_scaling", "{\"type\": \"linear\", \"factor\": 2}", "rope_scaling is not supported"},
+        {"rope_parameters", "{\"rope_type\": \"yarn\"}", "rope_parameters.rope_type=\"yarn\" is not supported"},
+        {"rope_parameters", "5", "rope_parameters must be an object, got 5"},
+        {"rope_parameters", "{\"rope_theta\": \"x\"}", "rope_parameters.rope_theta must be a number, got \"x\""},
+        {"attention_dropout", "\"x\"", "attention_dropout must be a number"},
+        {"sliding_window", "[]", "sliding_window must be an integer or null, got array"},
+        {"moe_gate", "\"softmax\"",
+         "moe_gate must be \"softmax_topk\", \"topk_softmax\" or \"sigmoid\", got \"softmax\""},
+        {"moe_renormalize", "1", "moe_renormalize must be true or false, got 1"},
+        {"moe_capacity_factor", "-1", "moe_capacity_factor=-1 must be >= 0"},
+        {"moe_z_loss_coef", "-1", "moe_z_loss_coef=-1 must be >= 0"},
+        {"moe_n_shared_experts", "-1", "moe_n_shared_experts=-1 must be in [0, 2147483647]"},
+        {"moe_bias_update_rate", "-0.5", "moe_bias_update_rate=-0.5 must be >= 0"},
+        {"rope_theta", "NaN", "t/config.json:1:"},
+        {"hidden_size", "1e999", "number 1e999 is out of range"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        moe_model_config c;
+        warnings w = {0};
+        const char *text = config_with(cases[i].key, cases[i].value);
+        moe_status st = parse(&c, text, &w);
+        cr_expect_neq(st, MOE_OK, "accepted %s", text);
+        cr_expect(strstr(moe_last_error(), cases[i].want) != NULL, "%s:\n  \"%s\"\n  lacks \"%s\"", text,
+                  moe_last_error(), cases[i].want);
+    }
+    moe_model_config c;
+    cr_expect_eq(parse(&c, "[]", NULL), MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "t/config.json: top level is a JSON array, not an object") != NULL, "%s",
+              moe_last_error());
+    cr_expect_eq(parse(&c, "{\"vocab_size\": 1, \"vocab_size\": 2}", NULL), MOE_ERR_FORMAT);
+    cr_expect(strstr(moe_last_error(), "t/config.json:1:19: duplicate key \"vocab_size\"") != NULL, "%s",
+              moe_last_error());
+}
+
+Test(model_config, validate_struct) {
+    moe_model_config c;
+    moe_model_config_default_small(&c, 256);
+    cr_assert_eq(moe_model_config_validate(&c, "small"), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(c.vocab_size, 256);
+    cr_expect_eq(c.hidden_size, 128);
+    cr_expect_eq(c.intermediate_size, 256);
+    cr_expect_eq(c.num_hidden_layers, 4);
+    cr_expect_eq(c.num_attention_heads, 4);
+    cr_expect_eq(c.num_key_value_heads, 2);
+    cr_expect_eq(c.head_dim, 32);
+    cr_expect_eq(c.num_local_experts, 8);
+    cr_expect_eq(c.num_experts_per_tok, 2);
+    cr_expect_eq(c.rope_theta, 1e4);
+    cr_expect_eq(c.rms_norm_eps, 1e-5);
+    cr_expect_eq(c.router_aux_loss_coef, 0.01);
+    cr_expect_eq(c.moe_gate, MOE_GATE_SOFTMAX_TOPK);
+    cr_expect(c.moe_renormalize);
+
+    moe_model_config bad = c;
+    bad.rope_theta = NAN;
+    cr_expect_eq(moe_model_config_validate(&bad, "small"), MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "small: rope_theta=nan must be a finite number") != NULL, "%s",
+              moe_last_error());
+    bad = c;
+    bad.moe_gate = (moe_gate_kind)7;
+    cr_expect_eq(moe_model_config_validate(&bad, "small"), MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "moe_gate=7 is not a gate kind") != NULL, "%s", moe_last_error());
+    bad = c;
+    bad.router_aux_loss_coef = INFINITY;
+    cr_expect_eq(moe_model_config_validate(&bad, "small"), MOE_ERR_CONFIG);
+}
+
+static char tmpdir[256];
+
+static void make_tmpdir(void) {
+    snprintf(tmpdir, sizeof tmpdir, "/tmp/moe_cfg_XXXXXX");
+    cr_assert_not_null(mkdtemp(tmpdir));
+}
+
+static int remove_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw) {
+    (void)sb, (void)flag, (void)ftw;
+    return remove(path);
+}
+
+static void remove_tmpdir(void) { nftw(tmpdir, remove_entry, 16, FTW_DEPTH | FTW_PHYS); }
+
+static void expect_same(const moe_model_config *a, const moe_model_config *b) {
+#define SAME(f) cr_expect(a->f == b->f, #f " changed in the round trip")
+    SAME(vocab_size);
+    SAME(hidden_size);
+    SAME(intermediate_size);
+    SAME(num_hidden_layers);
+    SAME(num_attention_heads);
+    SAME(num_key_value_heads);
+    SAME(head_dim);
+    SAME(num_local_experts);
+    SAME(num_experts_per_tok);
+    SAME(max_position_embeddings);
+    SAME(rope_theta);
+    SAME(rms_norm_eps);
+    SAME(router_aux_loss_coef);
+    SAME(router_jitter_noise);
+    SAME(moe_gate);
+    SAME(moe_renormalize);
+    SAME(moe_capacity_factor);
+    SAME(moe_z_loss_coef);
+    SAME(moe_n_shared_experts);
+    SAME(moe_bias_update_rate);
+#undef SAME
+}
+
+Test(model_config, save_then_load_is_identical, .init = make_tmpdir, .fini = remove_tmpdir) {
+    char path[512];
+    snprintf(path, sizeof path, "%s/config.json", tmpdir);
+    moe_model_config c;
+    moe_model_config_default_small(&c, 50257);
+    c.head_dim = 48; /* not hidden / heads: must survive */
+    c.rope_theta = 0.1 + 0.2;
+    c.rms_norm_eps = 1e-6;
+    c.router_aux_loss_coef = 1.0 / 3.0;
+    c.router_jitter_noise = 0.01;
+    c.moe_gate = MOE_GATE_SIGMOID;
+    c.moe_renormalize = false;
+    c.moe_capacity_factor = 1.25;
+    c.moe_z_loss_coef = 1e-3;
+    c.moe_n_shared_experts = 1;
+    c.moe_bias_update_rate = 1e-3;
+    cr_assert_eq(moe_model_config_save(&c, path), MOE_OK, "%s", moe_last_error());
+
+    moe_model_config back;
+    warnings w = {0};
+    cr_assert_eq(moe_model_config_load(&back, path, collect, &w), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(w.count, 0, "saved file warns: %s", w.text[0]);
+    expect_same(&c, &back);
+
+    /* The file reads as a Hugging Face Mixtral config. */
+    char *text;
+    size_t n;
+    cr_assert_eq(moe_file_read_all(&text, &n, path, 1 << 20), MOE_OK);
+    moe_json_doc *doc;
+    cr_assert_eq(moe_json_parse(&doc, text, n, path), MOE_OK, "%s", moe_last_error());
+    const moe_json *r = moe_json_root(doc);
+    cr_expect_str_eq(moe_json_get(r, "model_type")->string.data, "mixtral");
+    cr_expect_str_eq(moe_json_get(r, "architectures")->array.items[0].string.data, "MixtralForCausalLM");
+    cr_expect_str_eq(moe_json_get(r, "hidden_act")->string.data, "silu");
+    cr_expect_eq(moe_json_get(r, "tie_word_embeddings")->boolean, false);
+    cr_expect_str_eq(moe_json_get(r, "moe_gate")->string.data, "sigmoid");
+    cr_expect_eq(text[n - 1], '\n');
+    moe_json_free(doc);
+    free(text);
+
+    /* The Mixtral file survives the trip too. */
+    moe_model_config m, m2;
+    cr_assert_eq(parse(&m, mixtral_8x7b, NULL), MOE_OK);
+    cr_assert_eq(moe_model_config_save(&m, path), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(moe_model_config_load(&m2, path, NULL, NULL), MOE_OK, "%s", moe_last_error());
+    expect_same(&m, &m2);
+
+    /* An invalid config is refused before anything is written. */
+    moe_model_config bad = c;
+    bad.num_experts_per_tok = 9;
+    cr_expect_eq(moe_model_config_save(&bad, path), MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "config.json: num_experts_per_tok=9 exceeds num_local_experts=8") != NULL,
+              "%s", moe_last_error());
+    cr_assert_eq(moe_model_config_load(&m2, path, NULL, NULL), MOE_OK, "%s", moe_last_error());
+    expect_same(&m, &m2);
+
+    char missing[600];
+    snprintf(missing, sizeof missing, "%s/none.json", tmpdir);
+    cr_expect_eq(moe_model_config_load(&m2, missing, NULL, NULL), MOE_ERR_IO);
+    cr_expect(strstr(moe_last_error(), "none.json: cannot open") != NULL, "%s", moe_last_error());
+}

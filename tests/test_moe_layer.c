@@ -1,0 +1,760 @@
+/* test_moe_layer.c: the whole MoE layer through the public API, against the
+ * naive double-precision reference in ref_moe.h.
+ *
+ * Forward: y within |err| <= 2e-5 * max(1, max|y_ref|) + 1e-5 * |y_ref|;
+ * routing counts exact; aux and z losses within 1e-5 relative.
+ *
+ * Backward: the layer's analytic gradients (fp32) against central finite
+ * differences of L = sum(dy * y) + aux_coef * aux + z_coef * z evaluated by
+ * the DOUBLE reference at the same parameter values (step 1e-5: truncation
+ * and rounding error ~1e-10, far below fp32 error). A coordinate whose
+ * perturbation changes the reference's selection or kept pairs is skipped
+ * (the loss is not differentiable there); inputs are drawn so that the
+ * top-(k+1) scores are >= 1e-3 apart, and at least 95% of coordinates must
+ * be checked. Tolerance per tensor: |err| <= 5e-5 * max(max|fd|, 1e-3) +
+ * 2e-4 * |fd| (fp32 errors seen are ~1e-7 of the tensor's largest value; a
+ * 1% error in any term of the loss is caught). */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ref_moe.h"
+
+#define MAX_TENSORS 256
+#define FD_STEP 1e-5
+#define MIN_GAP 1e-3
+
+typedef struct fx_tensor {
+    char name[64];
+    int64_t rows, cols;
+    double *ref; /* the tensor inside the reference's arrays */
+} fx_tensor;
+
+typedef struct fx {
+    moe_layer_config cfg;
+    moe_layer *layer;
+    ref_layer ref;
+    double bias[64];
+    int64_t n_tensors;
+    fx_tensor t[MAX_TENSORS];
+} fx;
+
+static const char *kind_name(moe_gate_kind k) {
+    return k == MOE_GATE_SOFTMAX_TOPK   ? "softmax_topk"
+           : k == MOE_GATE_TOPK_SOFTMAX ? "topk_softmax"
+                                        : "sigmoid";
+}
+
+static void fx_add(fx *f, const char *name, int64_t rows, int64_t cols, double *ref) {
+    cr_assert(f->n_tensors < MAX_TENSORS);
+    fx_tensor *t = &f->t[f->n_tensors++];
+    snprintf(t->name, sizeof t->name, "%s", name);
+    t->rows = rows;
+    t->cols = cols;
+    t->ref = ref;
+}
+
+/* Copies the layer's parameters (and selection bias) into the reference. */
+static void fx_sync_ref(fx *f) {
+    for (int64_t i = 0; i < f->n_tensors; i++) {
+        moe_tensor_view v;
+        cr_assert(moe_layer_tensor_by_name(f->layer, f->t[i].name, &v) == MOE_OK,
+                  "moe_layer_tensor_by_name(\"%s\"): %s", f->t[i].name, moe_last_error());
+        cr_assert(v.rows == f->t[i].rows && v.cols == f->t[i].cols,
+                  "%s is [%lld, %lld], want [%lld, %lld]", f->t[i].name, (long long)v.rows,
+                  (long long)v.cols, (long long)f->t[i].rows, (long long)f->t[i].cols);
+        for (int64_t j = 0; j < v.rows * v.cols; j++) f->t[i].ref[j] = v.param[j];
+    }
+    float *b = moe_layer_selection_bias(f->layer);
+    f->ref.bias = NULL;
+    if (f->cfg.bias_update_rate > 0) {
+        cr_assert(b != NULL, "bias_update_rate > 0 but moe_layer_selection_bias is NULL");
+        for (int64_t e = 0; e < f->cfg.n_experts; e++) f->bias[e] = b[e];
+        f->ref.bias = f->bias;
+    }
+}
+
+/* A layer with seeded random parameters and its reference twin. */
+static void fx_create(fx *f, const moe_layer_config *cfg, uint64_t seed) {
+    memset(f, 0, sizeof *f);
+    f->cfg = *cfg;
+    cr_assert(moe_layer_create(&f->layer, cfg) == MOE_OK, "moe_layer_create: %s", moe_last_error());
+    const int64_t d = cfg->d_model, ff = cfg->d_ff, E = cfg->n_experts,
+                  S = cfg->n_shared_experts * cfg->d_ff;
+    cr_assert(E <= 64);
+    ref_layer *r = &f->ref;
+    *r = (ref_layer){.d = d,
+                     .ff = ff,
+                     .E = E,
+                     .k = cfg->top_k,
+                     .n_shared = cfg->n_shared_experts,
+                     .gate = cfg->gate,
+                     .renormalize = cfg->renormalize,
+                     .capacity_factor = cfg->capacity_factor,
+                     .aux_loss_coef = cfg->aux_loss_coef,
+                     .z_loss_coef = cfg->z_loss_coef};
+    r->wg = ref_alloc((size_t)(E * d) * sizeof(double));
+    r->w1 = ref_alloc((size_t)(E * ff * d) * sizeof(double));
+    r->w3 = ref_alloc((size_t)(E * ff * d) * sizeof(double));
+    r->w2 = ref_alloc((size_t)(E * d * ff) * sizeof(double));
+    r->sg = ref_alloc((size_t)(S * d) * sizeof(double));
+    r->su = ref_alloc((size_t)(S * d) * sizeof(double));
+    r->sd = ref_alloc((size_t)(d * S) * sizeof(double));
+    char name[64];
+    fx_add(f, "gate.weight", E, d, r->wg);
+    for (int64_t e = 0; e < E; e++) {
+        snprintf(name, sizeof name, "experts.%lld.w1.weight", (long long)e);
+        fx_add(f, name, ff, d, r->w1 + e * ff * d);
+        snprintf(name, sizeof name, "experts.%lld.w3.weight", (long long)e);
+        fx_add(f, name, ff, d, r->w3 + e * ff * d);
+        snprintf(name, sizeof name, "experts.%lld.w2.weight", (long long)e);
+        fx_add(f, name, d, ff, r->w2 + e * d * ff);
+    }
+    if (S > 0) {
+        fx_add(f, "shared_experts.gate_proj.weight", S, d, r->sg);
+        fx_add(f, "shared_experts.up_proj.weight", S, d, r->su);
+        fx_add(f, "shared_experts.down_proj.weight", d, S, r->sd);
+    }
+    ref_rng rng = {seed};
+    for (int64_t i = 0; i < f->n_tensors; i++) {
+        moe_tensor_view v;
+        cr_assert(moe_layer_tensor_by_name(f->layer, f->t[i].name, &v) == MOE_OK,
+                  "moe_layer_tensor_by_name(\"%s\"): %s", f->t[i].name, moe_last_error());
+        /* wide router weights spread the scores, so near-ties are rare */
+        double a = i == 0 ? 1.0 : 0.5;
+        ref_fill(v.param, v.rows * v.cols, &rng, -a, a);
+    }
+    fx_sync_ref(f);
+}
+
+static void fx_destroy(fx *f) {
+    moe_layer_destroy(f->layer);
+    free(f->ref.wg);
+    free(f->ref.w1);
+    free(f->ref.w3);
+    free(f->ref.w2);
+    free(f->ref.sg);
+    free(f->ref.su);
+    free(f->ref.sd);
+}
+
+/* Draws x [T, d] until the reference's routing is MIN_GAP away from a tie
+ * (and, if want_drops, drops some pairs). */
+static void draw_x(float *x, const fx *f, int64_t T, int want_drops, uint64_t seed) {
+    const int64_t d = f->cfg.d_model;
+    double *y = ref_alloc((size_t)(T * d) * sizeof *y);
+    ref_out o = ref_out_alloc(T, f->cfg.n_experts, f->cfg.top_k);
+    for (int tries = 0; tries < 500; tries++) {
+        ref_rng rng = {seed * 1000 + (uint64_t)tries};
+        ref_fill(x, T * d, &rng, -1, 1);
+        double *xd = ref_to_double(x, T * d);
+        ref_layer_forward(y, &o, &f->ref, xd, T);
+        free(xd);
+        if (o.min_gap > MIN_GAP && (!want_drops || o.dropped > 0)) {
+            free(y);
+            ref_out_free(&o);
+            return;
+        }
+    }
+    cr_assert_fail("no input without near-ties%s found", want_drops ? " and with drops" : "");
+}
+
+/* Runs the layer forward and checks y and the stats against the reference. */
+static void check_forward(fx *f, const float *x, int64_t T, const char *what) {
+    const int64_t d = f->cfg.d_model, E = f->cfg.n_experts, k = f->cfg.top_k;
+    float *y = ref_alloc((size_t)(T * d) * sizeof *y);
+    double *want = ref_alloc((size_t)(T * d) * sizeof *want);
+    double *xd = ref_to_double(x, T * d);
+    int64_t tpe[64];
+    moe_layer_stats st = {.tokens_per_expert = tpe};
+    cr_assert(moe_layer_forward(f->layer, y, x, T, &st) == MOE_OK, "%s: forward: %s", what,
+              moe_last_error());
+    ref_out o = ref_out_alloc(T, E, k);
+    ref_layer_forward(want, &o, &f->ref, xd, T);
+
+    char label[256];
+    snprintf(label, sizeof label, "%s: y", what);
+    REF_EXPECT_CLOSE(label, y, want, T * d, 2e-5 * fmax(1.0, ref_max_abs(want, T * d)), 1e-5);
+    for (int64_t e = 0; e < E; e++)
+        cr_expect(tpe[e] == o.kept_count[e], "%s: tokens_per_expert[%lld] = %lld, want %lld", what,
+                  (long long)e, (long long)tpe[e], (long long)o.kept_count[e]);
+    cr_expect(st.dropped == o.dropped, "%s: dropped = %lld, want %lld", what, (long long)st.dropped,
+              (long long)o.dropped);
+    cr_expect(fabs(st.aux_loss - o.aux) <= 1e-5 * (1.0 + fabs(o.aux)),
+              "%s: aux_loss = %.9g, want %.9g", what, st.aux_loss, o.aux);
+    cr_expect(fabs(st.z_loss - o.z) <= 1e-5 * (1.0 + fabs(o.z)), "%s: z_loss = %.9g, want %.9g",
+              what, st.z_loss, o.z);
+    cr_expect(fabs(st.load_imbalance - o.imbalance) <= 1e-9 * o.imbalance,
+              "%s: load_imbalance = %.9g, want %.9g", what, st.load_imbalance, o.imbalance);
+    ref_out_free(&o);
+    free(y);
+    free(want);
+    free(xd);
+}
+
+static moe_layer_config make_cfg(int64_t d, int64_t ff, int64_t E, int64_t k, moe_gate_kind g,
+                                 int renorm, double cf, int64_t n_shared) {
+    moe_layer_config c = MOE_LAYER_CONFIG_INIT;
+    c.d_model = d;
+    c.d_ff = ff;
+    c.n_experts = E;
+    c.top_k = k;
+    c.gate = g;
+    c.renormalize = renorm;
+    c.capacity_factor = cf;
+    c.n_shared_experts = n_shared;
+    c.aux_loss_coef = 0.3;
+    c.z_loss_coef = 0.1;
+    return c;
+}
+
+/* -------------------------------------------------------------- forward */
+
+Test(layer, forward_matches_reference) {
+    uint64_t seed = 1;
+    for (int kind = 0; kind < 3; kind++)
+        for (int renorm = 0; renorm < 2; renorm++)
+            for (int cap = 0; cap < 2; cap++)
+                for (int64_t shared = 0; shared <= 2; shared += 2) {
+                    /* cap: 0.75 * 9 * 2 / 5 = 2.7 -> 3 pairs per expert */
+                    moe_layer_config cfg = make_cfg(13, 7, 5, 2, (moe_gate_kind)kind, renorm,
+                                                    cap ? 0.75 : 0.0, shared);
+                    fx f;
+                    fx_create(&f, &cfg, seed);
+                    const int64_t T = 9;
+                    float x[9 * 13];
+                    draw_x(x, &f, T, cap, seed);
+                    char what[128];
+                    snprintf(what, sizeof what, "%s renorm=%d cf=%g shared=%lld",
+                             kind_name(cfg.gate), renorm, cfg.capacity_factor, (long long)shared);
+                    check_forward(&f, x, T, what);
+                    fx_destroy(&f);
+                    seed++;
+                }
+}
+
+/* T = 1, k = 1, k = E, E = 1: the edges of the routing. */
+Test(layer, forward_edge_shapes) {
+    static const int64_t shapes[][5] = {
+        /* d, ff, E, k, T */
+        {6, 5, 4, 1, 1}, {8, 3, 4, 4, 5}, {5, 9, 1, 1, 3}, {16, 8, 6, 2, 1}, {7, 6, 3, 3, 1},
+    };
+    uint64_t seed = 77;
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+        for (int kind = 0; kind < 3; kind++) {
+            moe_layer_config cfg = make_cfg(shapes[s][0], shapes[s][1], shapes[s][2], shapes[s][3],
+                                            (moe_gate_kind)kind, 1, 0.0, 1);
+            fx f;
+            fx_create(&f, &cfg, seed);
+            const int64_t T = shapes[s][4];
+            float *x = ref_alloc((size_t)(T * cfg.d_model) * sizeof *x);
+            draw_x(x, &f, T, 0, seed);
+            char what[128];
+            snprintf(what, sizeof what, "%s d=%lld ff=%lld E=%lld k=%lld T=%lld",
+                     kind_name(cfg.gate), (long long)cfg.d_model, (long long)cfg.d_ff,
+                     (long long)cfg.n_experts, (long long)cfg.top_k, (long long)T);
+            check_forward(&f, x, T, what);
+            free(x);
+            fx_destroy(&f);
+            seed++;
+        }
+}
+
+/* Routing every token to expert 0 (k = 1) by construction: with capacity
+ * ceil(1.0 * 8 * 1 / 4) = 2, tokens 0 and 1 are kept, tokens 2..7 dropped
+ * and their output is exactly zero (no shared expert). */
+Test(layer, capacity_drops_the_late_tokens) {
+    const int64_t d = 6, E = 4, T = 8;
+    moe_layer_config cfg = make_cfg(d, 5, E, 1, MOE_GATE_SOFTMAX_TOPK, 1, 1.0, 0);
+    fx f;
+    fx_create(&f, &cfg, 5);
+    moe_tensor_view g;
+    cr_assert(moe_layer_tensor_by_name(f.layer, "gate.weight", &g) == MOE_OK);
+    for (int64_t e = 0; e < E; e++)
+        for (int64_t c = 0; c < d; c++) g.param[e * d + c] = e == 0 ? 1.0f : -1.0f;
+    fx_sync_ref(&f);
+    float x[8 * 6], y[8 * 6];
+    ref_rng rng = {9};
+    ref_fill(x, T * d, &rng, 0.1, 1.0); /* positive: expert 0 has the top logit */
+    int64_t tpe[4];
+    moe_layer_stats st = {.tokens_per_expert = tpe};
+    cr_assert(moe_layer_forward(f.layer, y, x, T, &st) == MOE_OK, "%s", moe_last_error());
+    cr_expect(tpe[0] == 2 && tpe[1] == 0 && tpe[2] == 0 && tpe[3] == 0,
+              "tokens_per_expert = [%lld %lld %lld %lld], want [2 0 0 0]", (long long)tpe[0],
+              (long long)tpe[1], (long long)tpe[2], (long long)tpe[3]);
+    cr_expect(st.dropped == 6, "dropped = %lld, want 6", (long long)st.dropped);
+    cr_expect(fabs(st.load_imbalance - 4.0) < 1e-12, "load_imbalance = %g, want 4",
+              st.load_imbalance);
+    for (int64_t t = 0; t < T; t++) {
+        double norm = 0.0;
+        for (int64_t c = 0; c < d; c++) norm += fabs(y[t * d + c]);
+        if (t < 2)
+            cr_expect(norm > 0.0, "token %lld was kept but its output is zero", (long long)t);
+        else
+            cr_expect(norm == 0.0, "token %lld was dropped but its output is %g (L1)", (long long)t,
+                      norm);
+    }
+    check_forward(&f, x, T, "all on expert 0, cf=1");
+    fx_destroy(&f);
+}
+
+/* stats may be NULL; a bias set through moe_layer_selection_bias steers the
+ * selection but not the weights. */
+Test(layer, forward_with_selection_bias_and_null_stats) {
+    uint64_t seed = 300;
+    for (int kind = 0; kind < 3; kind++) {
+        moe_layer_config cfg = make_cfg(9, 6, 6, 2, (moe_gate_kind)kind, 1, 0.0, 0);
+        cfg.bias_update_rate = 0.01;
+        fx f;
+        fx_create(&f, &cfg, seed);
+        float *b = moe_layer_selection_bias(f.layer);
+        cr_assert(b != NULL);
+        for (int64_t e = 0; e < cfg.n_experts; e++)
+            cr_expect(b[e] == 0.0f, "a new layer's selection bias[%lld] = %g, want 0", (long long)e,
+                      b[e]);
+        ref_rng rng = {seed};
+        /* sigmoid/softmax scores live in (0, 1): a bias of that size matters */
+        ref_fill(b, cfg.n_experts, &rng, -0.5, 0.5);
+        fx_sync_ref(&f);
+        const int64_t T = 7;
+        float x[7 * 9], y[7 * 9];
+        draw_x(x, &f, T, 0, seed);
+        char what[64];
+        snprintf(what, sizeof what, "%s with selection bias", kind_name(cfg.gate));
+        check_forward(&f, x, T, what);
+        cr_expect(moe_layer_forward(f.layer, y, x, T, NULL) == MOE_OK, "stats NULL: %s",
+                  moe_last_error());
+        fx_destroy(&f);
+        seed++;
+    }
+    moe_layer_config cfg = make_cfg(9, 6, 6, 2, MOE_GATE_SOFTMAX_TOPK, 1, 0.0, 0);
+    moe_layer *l;
+    cr_assert(moe_layer_create(&l, &cfg) == MOE_OK);
+    cr_expect(moe_layer_selection_bias(l) == NULL, "bias_update_rate = 0 must give no bias");
+    moe_layer_destroy(l);
+}
+
+/* ------------------------------------------------------------- backward */
+
+typedef struct grad_case {
+    int64_t E, k, T;
+    moe_gate_kind kind;
+    int renormalize;
+    double cf;
+    int64_t n_shared;
+    int dy_zero;  /* only the balancing losses */
+    int set_bias; /* a selection bias from moe_layer_selection_bias */
+} grad_case;
+
+static double ref_loss_at(const fx *f, const double *xd, int64_t T, const double *dy, double *y,
+                          ref_out *o) {
+    ref_layer_forward(y, o, &f->ref, xd, T);
+    return ref_layer_loss(y, dy, o, &f->ref, T);
+}
+
+/* Fills want [n] with central differences of the reference loss in the
+ * coordinates p[0..n); where the routing moves, copies got instead and
+ * counts a skip. */
+static int64_t fd_fill(double *want, double *p, const float *got, int64_t n, const fx *f,
+                       const double *xd, int64_t T, const double *dy, const ref_out *base,
+                       double *y, ref_out *o) {
+    int64_t skipped = 0;
+    for (int64_t i = 0; i < n; i++) {
+        double save = p[i];
+        p[i] = save + FD_STEP;
+        double lp = ref_loss_at(f, xd, T, dy, y, o);
+        int same = ref_same_routing(o, base, T, f->cfg.top_k);
+        p[i] = save - FD_STEP;
+        double lm = ref_loss_at(f, xd, T, dy, y, o);
+        same = same && ref_same_routing(o, base, T, f->cfg.top_k);
+        p[i] = save;
+        if (same) {
+            want[i] = (lp - lm) / (2 * FD_STEP);
+        } else {
+            want[i] = got[i];
+            skipped++;
+        }
+    }
+    return skipped;
+}
+
+static void check_grad(const grad_case *gc, uint64_t seed) {
+    moe_layer_config cfg =
+        make_cfg(7, 5, gc->E, gc->k, gc->kind, gc->renormalize, gc->cf, gc->n_shared);
+    cfg.aux_loss_coef = 0.7;
+    cfg.z_loss_coef = 0.2;
+    if (gc->set_bias) cfg.bias_update_rate = 0.01;
+    fx f;
+    fx_create(&f, &cfg, seed);
+    if (gc->set_bias) {
+        ref_rng brng = {seed + 17};
+        ref_fill(moe_layer_selection_bias(f.layer), cfg.n_experts, &brng, -0.3, 0.3);
+        fx_sync_ref(&f);
+    }
+    const int64_t T = gc->T, d = cfg.d_model;
+    float *x = ref_alloc((size_t)(T * d) * sizeof *x), *y = ref_alloc((size_t)(T * d) * sizeof *y);
+    float *dy = ref_alloc((size_t)(T * d) * sizeof *dy),
+          *dx = ref_alloc((size_t)(T * d) * sizeof *dx);
+    draw_x(x, &f, T, gc->cf > 0, seed);
+    ref_rng rng = {seed + 99};
+    ref_fill(dy, T * d, &rng, gc->dy_zero ? 0 : -1, gc->dy_zero ? 0 : 1);
+    for (int64_t i = 0; i < T * d; i++) dx[i] = 1e30f; /* written, not accumulated */
+
+    cr_assert(moe_layer_zero_grad(f.layer) == MOE_OK);
+    cr_assert(moe_layer_set_training(f.layer, 1) == MOE_OK);
+    cr_assert(moe_layer_forward(f.layer, y, x, T, NULL) == MOE_OK, "%s", moe_last_error());
+    cr_assert(moe_layer_backward(f.layer, dx, dy, x) == MOE_OK, "%s", moe_last_error());
+
+    double *xd = ref_to_double(x, T * d), *dyd = ref_to_double(dy, T * d);
+    double *yr = ref_alloc((size_t)(T * d) * sizeof *yr);
+    ref_out base = ref_out_alloc(T, cfg.n_experts, cfg.top_k);
+    ref_out o = ref_out_alloc(T, cfg.n_experts, cfg.top_k);
+    ref_layer_forward(yr, &base, &f.ref, xd, T);
+    if (gc->cf > 0) cr_assert(base.dropped > 0, "the capacity case must drop pairs");
+
+    char what[256];
+    int n = snprintf(what, sizeof what,
+                     "grad %s E=%lld k=%lld T=%lld renorm=%d cf=%g shared=%lld dy_zero=%d bias=%d",
+                     kind_name(gc->kind), (long long)gc->E, (long long)gc->k, (long long)T,
+                     gc->renormalize, gc->cf, (long long)gc->n_shared, gc->dy_zero, gc->set_bias);
+    int64_t checked = 0, skipped = 0;
+    for (int64_t i = 0; i <= f.n_tensors; i++) {
+        /* i == n_tensors: the input x */
+        int is_x = i == f.n_tensors;
+        int64_t cnt = is_x ? T * d : f.t[i].rows * f.t[i].cols;
+        const float *got = dx;
+        double *p = xd;
+        if (!is_x) {
+            moe_tensor_view v;
+            cr_assert(moe_layer_tensor_by_name(f.layer, f.t[i].name, &v) == MOE_OK);
+            got = v.grad;
+            p = f.t[i].ref;
+        }
+        double *want = ref_alloc((size_t)cnt * sizeof *want);
+        int64_t s = fd_fill(want, p, got, cnt, &f, xd, T, dyd, &base, yr, &o);
+        skipped += s;
+        checked += cnt - s;
+        snprintf(what + n, sizeof what - (size_t)n, " d%s", is_x ? "x" : f.t[i].name);
+        REF_EXPECT_CLOSE(what, got, want, cnt, 5e-5 * fmax(ref_max_abs(want, cnt), 1e-3), 2e-4);
+        free(want);
+    }
+    what[n] = '\0';
+    cr_expect(skipped * 20 <= checked + skipped,
+              "%s: %lld of %lld coordinates skipped for routing changes (want <= 5%%)", what,
+              (long long)skipped, (long long)(checked + skipped));
+    ref_out_free(&base);
+    ref_out_free(&o);
+    free(xd);
+    free(dyd);
+    free(yr);
+    free(x);
+    free(y);
+    free(dy);
+    free(dx);
+    fx_destroy(&f);
+}
+
+Test(layer, backward_vs_finite_differences) {
+    uint64_t seed = 1000;
+    for (int kind = 0; kind < 3; kind++)
+        for (int renorm = 0; renorm < (kind == MOE_GATE_SOFTMAX_TOPK ? 2 : 1); renorm++)
+            for (int cap = 0; cap < 2; cap++)
+                for (int64_t shared = 0; shared < 2; shared++) {
+                    /* cap: ceil(0.75 * 8 * 2 / 5) = 3 of 3.2 pairs per expert on average */
+                    grad_case gc = {.E = 5,
+                                    .k = 2,
+                                    .T = 8,
+                                    .kind = (moe_gate_kind)kind,
+                                    .renormalize = renorm,
+                                    .cf = cap ? 0.75 : 0.0,
+                                    .n_shared = shared};
+                    check_grad(&gc, seed++);
+                }
+}
+
+/* dy = 0 leaves only the aux and z losses: their gradient alone reaches the
+ * router and x, and the experts get none. */
+Test(layer, backward_balancing_losses_alone) {
+    uint64_t seed = 2000;
+    for (int kind = 0; kind < 3; kind++)
+        for (int cap = 0; cap < 2; cap++) {
+            grad_case gc = {.E = 5,
+                            .k = 2,
+                            .T = 8,
+                            .kind = (moe_gate_kind)kind,
+                            .renormalize = 1,
+                            .cf = cap ? 0.75 : 0.0,
+                            .n_shared = 1,
+                            .dy_zero = 1};
+            check_grad(&gc, seed++);
+        }
+}
+
+Test(layer, backward_with_selection_bias) {
+    uint64_t seed = 3000;
+    for (int kind = 0; kind < 3; kind++) {
+        grad_case gc = {.E = 5,
+                        .k = 2,
+                        .T = 8,
+                        .kind = (moe_gate_kind)kind,
+                        .renormalize = 1,
+                        .cf = 0.75,
+                        .set_bias = 1};
+        check_grad(&gc, seed++);
+    }
+}
+
+/* k = E (every expert for every token; cf 0.5 keeps 2 of 3 per expert),
+ * k = 1 at T = 1, and E = 1. */
+Test(layer, backward_edge_shapes) {
+    uint64_t seed = 4000;
+    for (moe_gate_kind kind = 0; kind < 3; kind++) {
+        const grad_case cases[] = {
+            {.E = 4, .k = 4, .T = 3, .kind = kind, .renormalize = 1, .n_shared = 1},
+            {.E = 4, .k = 4, .T = 3, .kind = kind, .renormalize = 0, .cf = 0.5},
+            {.E = 4, .k = 1, .T = 1, .kind = kind, .renormalize = 1, .n_shared = 1},
+            {.E = 1, .k = 1, .T = 4, .kind = kind, .renormalize = 1},
+        };
+        for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) check_grad(&cases[i], seed++);
+    }
+}
+
+/* Two forward+backward passes accumulate twice the gradient. */
+Test(layer, gradients_accumulate) {
+    moe_layer_config cfg = make_cfg(8, 6, 4, 2, MOE_GATE_SOFTMAX_TOPK, 1, 0.0, 1);
+    fx f;
+    fx_create(&f, &cfg, 42);
+    const int64_t T = 6, d = 8;
+    float x[6 * 8], y[6 * 8], dy[6 * 8], dx[6 * 8];
+    draw_x(x, &f, T, 0, 42);
+    ref_rng rng = {43};
+    ref_fill(dy, T * d, &rng, -1, 1);
+    const int64_t np = moe_layer_param_count(f.layer);
+    cr_assert(moe_layer_zero_grad(f.layer) == MOE_OK);
+    for (int64_t i = 0; i < np; i++)
+        cr_assert(moe_layer_grads(f.layer)[i] == 0.0f, "zero_grad left grad[%lld] = %g",
+                  (long long)i, moe_layer_grads(f.layer)[i]);
+    cr_assert(moe_layer_forward(f.layer, y, x, T, NULL) == MOE_OK);
+    cr_assert(moe_layer_backward(f.layer, dx, dy, x) == MOE_OK);
+    double *once = ref_to_double(moe_layer_grads(f.layer), np);
+    cr_assert(moe_layer_forward(f.layer, y, x, T, NULL) == MOE_OK);
+    cr_assert(moe_layer_backward(f.layer, dx, dy, x) == MOE_OK);
+    for (int64_t i = 0; i < np; i++) once[i] *= 2.0;
+    REF_EXPECT_CLOSE("grads after two backward passes", moe_layer_grads(f.layer), once, np,
+                     1e-6 * fmax(1.0, ref_max_abs(once, np)), 1e-6);
+    free(once);
+    fx_destroy(&f);
+}
+
+/* -------------------------------------------------- tensors and layout */
+
+Test(layer, tensor_views_tile_params_and_grads) {
+    for (int64_t shared = 0; shared <= 2; shared++) {
+        moe_layer_config cfg = make_cfg(10, 6, 5, 2, MOE_GATE_SOFTMAX_TOPK, 1, 0.0, shared);
+        moe_layer *l;
+        cr_assert(moe_layer_create(&l, &cfg) == MOE_OK, "%s", moe_last_error());
+        const int64_t n = moe_layer_tensor_count(l);
+        cr_expect(n == 1 + 3 * cfg.n_experts + (shared ? 3 : 0), "tensor count %lld", (long long)n);
+        float *params = moe_layer_params(l), *grads = moe_layer_grads(l);
+        cr_assert(params != NULL && grads != NULL);
+        int64_t off = 0;
+        for (int64_t i = 0; i < n; i++) {
+            moe_tensor_view v, w;
+            cr_assert(moe_layer_tensor(l, i, &v) == MOE_OK, "%s", moe_last_error());
+            cr_expect(v.param == params + off && v.grad == grads + off,
+                      "tensor %lld (%s) is not at offset %lld of params/grads", (long long)i,
+                      v.name, (long long)off);
+            cr_assert(moe_layer_tensor_by_name(l, v.name, &w) == MOE_OK, "by name \"%s\": %s",
+                      v.name, moe_last_error());
+            cr_expect(w.param == v.param && w.rows == v.rows && w.cols == v.cols,
+                      "by name \"%s\" differs from by index", v.name);
+            off += v.rows * v.cols;
+        }
+        cr_expect(off == moe_layer_param_count(l), "tensors hold %lld values, param_count %lld",
+                  (long long)off, (long long)moe_layer_param_count(l));
+        const int64_t S = shared * cfg.d_ff;
+        moe_tensor_view v;
+        cr_expect(moe_layer_tensor_by_name(l, "shared_experts.down_proj.weight", &v) ==
+                      (shared ? MOE_OK : MOE_ERR_INVALID_ARG),
+                  "shared_experts.down_proj.weight with n_shared=%lld", (long long)shared);
+        if (shared) cr_expect(v.rows == cfg.d_model && v.cols == S);
+        moe_layer_destroy(l);
+    }
+}
+
+/* ------------------------------------------------------- determinism */
+
+static void run_step(float *y, float *dx, float *grads, moe_layer *l, const float *x,
+                     const float *dy, int64_t T) {
+    cr_assert(moe_layer_zero_grad(l) == MOE_OK);
+    cr_assert(moe_layer_forward(l, y, x, T, NULL) == MOE_OK, "%s", moe_last_error());
+    cr_assert(moe_layer_backward(l, dx, dy, x) == MOE_OK, "%s", moe_last_error());
+    memcpy(grads, moe_layer_grads(l), (size_t)moe_layer_param_count(l) * sizeof *grads);
+}
+
+static int64_t first_diff(const float *a, const float *b, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        if (memcmp(a + i, b + i, sizeof *a) != 0) return i;
+    return -1;
+}
+
+/* Large enough that every parallel loop splits across threads. */
+Test(layer, bitwise_deterministic_across_runs_and_threads) {
+    moe_layer_config cfg = make_cfg(48, 40, 8, 2, MOE_GATE_SOFTMAX_TOPK, 1, 1.25, 1);
+    fx f;
+    fx_create(&f, &cfg, 11);
+    const int64_t T = 96, d = cfg.d_model, np = moe_layer_param_count(f.layer);
+    float *x = ref_alloc((size_t)(T * d) * sizeof *x),
+          *dy = ref_alloc((size_t)(T * d) * sizeof *dy);
+    ref_rng rng = {12};
+    ref_fill(x, T * d, &rng, -1, 1);
+    ref_fill(dy, T * d, &rng, -1, 1);
+    float *y[3], *dx[3], *g[3];
+    for (int r = 0; r < 3; r++) {
+        y[r] = ref_alloc((size_t)(T * d) * sizeof(float));
+        dx[r] = ref_alloc((size_t)(T * d) * sizeof(float));
+        g[r] = ref_alloc((size_t)np * sizeof(float));
+    }
+    omp_set_num_threads(2);
+    run_step(y[0], dx[0], g[0], f.layer, x, dy, T);
+    run_step(y[1], dx[1], g[1], f.layer, x, dy, T);
+    omp_set_num_threads(1);
+    run_step(y[2], dx[2], g[2], f.layer, x, dy, T);
+    omp_set_num_threads(2);
+    static const char *runs[] = {"", "second run", "one thread"};
+    for (int r = 1; r < 3; r++) {
+        int64_t i;
+        cr_expect((i = first_diff(y[0], y[r], T * d)) < 0, "%s: y[%lld] %.9g vs %.9g", runs[r],
+                  (long long)i, i < 0 ? 0 : y[0][i], i < 0 ? 0 : y[r][i]);
+        cr_expect((i = first_diff(dx[0], dx[r], T * d)) < 0, "%s: dx[%lld] %.9g vs %.9g", runs[r],
+                  (long long)i, i < 0 ? 0 : dx[0][i], i < 0 ? 0 : dx[r][i]);
+        cr_expect((i = first_diff(g[0], g[r], np)) < 0, "%s: grad[%lld] %.9g vs %.9g", runs[r],
+                  (long long)i, i < 0 ? 0 : g[0][i], i < 0 ? 0 : g[r][i]);
+    }
+    for (int r = 0; r < 3; r++) {
+        free(y[r]);
+        free(dx[r]);
+        free(g[r]);
+    }
+    free(x);
+    free(dy);
+    fx_destroy(&f);
+}
+
+/* The workspace sized by the largest T serves smaller and equal T again;
+ * a backward after the smaller forward matches a fresh layer's. */
+Test(layer, repeated_forward_at_smaller_and_same_T) {
+    moe_layer_config cfg = make_cfg(11, 7, 5, 2, MOE_GATE_SIGMOID, 1, 1.0, 1);
+    fx f;
+    fx_create(&f, &cfg, 21);
+    const int64_t T = 9, Ts = 4, d = cfg.d_model;
+    float x[9 * 11], y[9 * 11], dy[9 * 11], dx[9 * 11], dx2[9 * 11];
+    draw_x(x, &f, T, 0, 21);
+    check_forward(&f, x, T, "T=9");
+    check_forward(&f, x, Ts, "T=4 after T=9");
+    check_forward(&f, x + 2 * d, Ts, "T=4 (other rows)");
+    ref_rng rng = {22};
+    ref_fill(dy, T * d, &rng, -1, 1);
+    cr_assert(moe_layer_zero_grad(f.layer) == MOE_OK);
+    cr_assert(moe_layer_backward(f.layer, dx, dy, x + 2 * d) == MOE_OK, "%s", moe_last_error());
+
+    moe_layer *fresh;
+    cr_assert(moe_layer_create(&fresh, &cfg) == MOE_OK);
+    const int64_t np = moe_layer_param_count(fresh);
+    memcpy(moe_layer_params(fresh), moe_layer_params(f.layer), (size_t)np * sizeof(float));
+    cr_assert(moe_layer_zero_grad(fresh) == MOE_OK);
+    cr_assert(moe_layer_forward(fresh, y, x + 2 * d, Ts, NULL) == MOE_OK);
+    cr_assert(moe_layer_backward(fresh, dx2, dy, x + 2 * d) == MOE_OK);
+    double *want_dx = ref_to_double(dx2, Ts * d),
+           *want_g = ref_to_double(moe_layer_grads(fresh), np);
+    REF_EXPECT_CLOSE("dx at T=4 after T=9 vs fresh layer", dx, want_dx, Ts * d,
+                     1e-6 * fmax(1.0, ref_max_abs(want_dx, Ts * d)), 1e-6);
+    REF_EXPECT_CLOSE("grads at T=4 after T=9 vs fresh layer", moe_layer_grads(f.layer), want_g, np,
+                     1e-6 * fmax(1.0, ref_max_abs(want_g, np)), 1e-6);
+    check_forward(&f, x, T, "T=9 again");
+    free(want_dx);
+    free(want_g);
+    moe_layer_destroy(fresh);
+    fx_destroy(&f);
+}
+
+/* ------------------------------------------------- balancing and noise */
+
+/* Routing by construction (gate = [I | 0], x_t = 3 * e_target + noise),
+ * loads [4, 2, 2, 0] for mean 2: the bias moves by -rate, 0, 0, +rate. */
+Test(layer, update_bias_moves_against_the_load) {
+    const int64_t d = 6, E = 4, T = 8;
+    static const int target[8] = {0, 1, 0, 2, 0, 1, 2, 0};
+    moe_layer_config cfg = make_cfg(d, 5, E, 1, MOE_GATE_SIGMOID, 1, 0.0, 0);
+    cfg.bias_update_rate = 0.01;
+    fx f;
+    fx_create(&f, &cfg, 31);
+    moe_tensor_view g;
+    cr_assert(moe_layer_tensor_by_name(f.layer, "gate.weight", &g) == MOE_OK);
+    for (int64_t e = 0; e < E; e++)
+        for (int64_t c = 0; c < d; c++) g.param[e * d + c] = c == e ? 1.0f : 0.0f;
+    float x[8 * 6], y[8 * 6];
+    ref_rng rng = {32};
+    ref_fill(x, T * d, &rng, -0.1, 0.1);
+    for (int64_t t = 0; t < T; t++) x[t * d + target[t]] += 3.0f;
+    const float *b = moe_layer_selection_bias(f.layer);
+    const double rate = (float)cfg.bias_update_rate;
+    static const double want_sign[4] = {-1, 0, 0, 1};
+    for (int step = 1; step <= 2; step++) {
+        int64_t tpe[4];
+        moe_layer_stats st = {.tokens_per_expert = tpe};
+        cr_assert(moe_layer_forward(f.layer, y, x, T, &st) == MOE_OK, "%s", moe_last_error());
+        cr_assert(tpe[0] == 4 && tpe[1] == 2 && tpe[2] == 2 && tpe[3] == 0,
+                  "routing by construction failed: [%lld %lld %lld %lld]", (long long)tpe[0],
+                  (long long)tpe[1], (long long)tpe[2], (long long)tpe[3]);
+        cr_assert(moe_layer_update_bias(f.layer) == MOE_OK, "%s", moe_last_error());
+        for (int64_t e = 0; e < E; e++)
+            cr_expect(fabs(b[e] - step * want_sign[e] * rate) <= 1e-6,
+                      "after %d updates bias[%lld] = %.9g, want %.9g", step, (long long)e, b[e],
+                      step * want_sign[e] * rate);
+    }
+    fx_destroy(&f);
+}
+
+/* Jitter perturbs the router input in training only; eval mode is exactly
+ * the layer without jitter. */
+Test(layer, jitter_only_in_training) {
+    moe_layer_config cfg = make_cfg(12, 6, 6, 2, MOE_GATE_SOFTMAX_TOPK, 1, 0.0, 0);
+    moe_layer_config jcfg = cfg;
+    jcfg.jitter_eps = 0.2;
+    jcfg.seed = 5;
+    fx plain;
+    fx_create(&plain, &cfg, 51);
+    moe_layer *jit;
+    cr_assert(moe_layer_create(&jit, &jcfg) == MOE_OK, "%s", moe_last_error());
+    const int64_t T = 16, d = cfg.d_model, np = moe_layer_param_count(jit);
+    cr_assert(np == moe_layer_param_count(plain.layer));
+    memcpy(moe_layer_params(jit), moe_layer_params(plain.layer), (size_t)np * sizeof(float));
+    float x[16 * 12], y_plain[16 * 12], y_train[16 * 12], y_eval[16 * 12];
+    draw_x(x, &plain, T, 0, 51);
+    check_forward(&plain, x, T, "no jitter");
+    cr_assert(moe_layer_forward(plain.layer, y_plain, x, T, NULL) == MOE_OK);
+    cr_assert(moe_layer_forward(jit, y_train, x, T, NULL) == MOE_OK, "%s", moe_last_error());
+    cr_assert(moe_layer_set_training(jit, 0) == MOE_OK);
+    cr_assert(moe_layer_forward(jit, y_eval, x, T, NULL) == MOE_OK);
+    int64_t i = first_diff(y_eval, y_plain, T * d);
+    cr_expect(i < 0, "eval mode with jitter_eps > 0: y[%lld] = %.9g, without jitter %.9g",
+              (long long)i, i < 0 ? 0 : y_eval[i], i < 0 ? 0 : y_plain[i]);
+    cr_expect(first_diff(y_train, y_plain, T * d) >= 0,
+              "training mode with jitter_eps = 0.2 gave exactly the un-jittered output");
+    moe_layer_destroy(jit);
+    fx_destroy(&plain);
+}
+
+/* 2 flops per multiply-add: router T*E*d, each of the T*k routed pairs and
+ * each token's shared expert three d x width GEMVs. */
+Test(layer, forward_flops) {
+    moe_layer_config cfg = make_cfg(64, 96, 8, 2, MOE_GATE_SOFTMAX_TOPK, 1, 0.0, 2);
+    const double T = 100, d = 64, ff = 96, E = 8, k = 2, S = 2 * 96;
+    double want = 2 * T * E * d + 2 * T * k * 3 * d * ff + 2 * T * 3 * d * S;
+    double got = moe_layer_forward_flops(&cfg, 100);
+    cr_expect(fabs(got - want) <= 1e-9 * want, "forward flops %.6g, want %.6g", got, want);
+}
