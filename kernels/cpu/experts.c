@@ -14,23 +14,54 @@
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/moe_math.h"
 
-/* Rows per task: large enough for OpenBLAS to reach its speed on one core,
- * small enough for a few tasks per core on a 4096-token batch. */
-#define MOE_EXPERT_ROW_BLOCK 256
-/* Weight rows per weight-gradient task. */
-#define MOE_EXPERT_WEIGHT_BLOCK 128
+/* Tasks are cut so that a batch makes about MOE_EXPERT_TASKS of each kind:
+ * enough for the cores to balance skewed experts, while each task is large
+ * enough that OpenBLAS's packing of the weights (redone per call) stays a
+ * small share. Block sizes depend on the row counts only, never on the
+ * thread count, so results are the same for any number of threads. */
+#define MOE_EXPERT_TASKS 16
+#define MOE_EXPERT_BLOCK_MIN 128
+#define MOE_EXPERT_BLOCK_MAX 2048
 
-static int64_t blocks(int64_t n, int64_t block) { return (n + block - 1) / block; }
+typedef struct task_sizes {
+    int64_t rows;    /* rows per row task */
+    int64_t weights; /* weight rows per weight-gradient task */
+} task_sizes;
 
-/* first[g] is the first task of group g; first[n_groups] the task count. */
-static void task_offsets(int64_t *first, const moe_expert_group *groups, int64_t n_groups,
-                         int64_t (*tasks_of)(const moe_expert_group *, int64_t), int64_t d) {
-    first[0] = 0;
-    for (int64_t g = 0; g < n_groups; g++) first[g + 1] = first[g] + tasks_of(&groups[g], d);
+static int64_t clamp_block(int64_t want) {
+    want = (want + 63) / 64 * 64;
+    return want < MOE_EXPERT_BLOCK_MIN ? MOE_EXPERT_BLOCK_MIN : want > MOE_EXPERT_BLOCK_MAX ? MOE_EXPERT_BLOCK_MAX : want;
 }
 
+static task_sizes plan_tasks(const moe_expert_group *groups, int64_t n_groups, int64_t d) {
+    int64_t rows = 0, weight_rows = 0;
+    for (int64_t g = 0; g < n_groups; g++) {
+        rows += groups[g].rows;
+        if (groups[g].rows) weight_rows += 2 * groups[g].d_ff + d;
+    }
+    return (task_sizes){clamp_block(rows / MOE_EXPERT_TASKS), clamp_block(weight_rows / MOE_EXPERT_TASKS)};
+}
+
+static int64_t blocks(int64_t n, int64_t block) { return (n + block - 1) / block; }
+static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* Tasks of group g: row blocks, or (weights) blocks of dw13's 2f rows then
+ * of dw2's d rows. */
+static int64_t tasks_of(const moe_expert_group *g, int64_t d, int64_t block, bool weights) {
+    if (!weights) return blocks(g->rows, block);
+    return g->rows ? blocks(2 * g->d_ff, block) + blocks(d, block) : 0;
+}
+
+/* first[g] is the first task of group g; first[n_groups] the task count. */
+static void task_offsets(int64_t *first, const moe_expert_group *groups, int64_t n_groups, int64_t d,
+                         int64_t block, bool weights) {
+    first[0] = 0;
+    for (int64_t g = 0; g < n_groups; g++) first[g + 1] = first[g] + tasks_of(&groups[g], d, block, weights);
+}
+
+/* The last g with first[g] <= task: groups without tasks are skipped. */
 static int64_t group_of(const int64_t *first, int64_t n_groups, int64_t task) {
-    int64_t lo = 0, hi = n_groups - 1; /* the last g with first[g] <= task */
+    int64_t lo = 0, hi = n_groups - 1;
     while (lo < hi) {
         int64_t mid = (lo + hi + 1) / 2;
         if (first[mid] <= task) lo = mid; else hi = mid - 1;
@@ -38,17 +69,8 @@ static int64_t group_of(const int64_t *first, int64_t n_groups, int64_t task) {
     return lo;
 }
 
-static int64_t row_tasks(const moe_expert_group *g, int64_t d) {
-    (void)d;
-    return blocks(g->rows, MOE_EXPERT_ROW_BLOCK);
-}
-
-static int64_t weight_tasks(const moe_expert_group *g, int64_t d) {
-    return g->rows ? blocks(2 * g->d_ff, MOE_EXPERT_WEIGHT_BLOCK) + blocks(d, MOE_EXPERT_WEIGHT_BLOCK) : 0;
-}
-
-static void forward_block(const moe_expert_group *g, int64_t r0, int64_t d) {
-    const int64_t f = g->d_ff, n = g->rows - r0 < MOE_EXPERT_ROW_BLOCK ? g->rows - r0 : MOE_EXPERT_ROW_BLOCK;
+static void forward_block(const moe_expert_group *g, int64_t r0, int64_t n, int64_t d) {
+    const int64_t f = g->d_ff;
     float *h = g->h + r0 * 2 * f, *act = g->g + r0 * f; /* [n, 2f], [n, f] */
     moe_cpu_gemm(h, g->x + r0 * d, g->w13, n, 2 * f, d, d, d, 2 * f, false, true, 1.0f, 0.0f);
     for (int64_t r = 0; r < n; r++)
@@ -58,8 +80,8 @@ static void forward_block(const moe_expert_group *g, int64_t r0, int64_t d) {
 
 /* dg = dy w2 lands in the first half of each dh row, the SwiGLU backward
  * turns [dg | .] into [da | db] in place, and dx = dh [w1; w3]. */
-static void backward_block(const moe_expert_group *g, int64_t r0, int64_t d) {
-    const int64_t f = g->d_ff, n = g->rows - r0 < MOE_EXPERT_ROW_BLOCK ? g->rows - r0 : MOE_EXPERT_ROW_BLOCK;
+static void backward_block(const moe_expert_group *g, int64_t r0, int64_t n, int64_t d) {
+    const int64_t f = g->d_ff;
     const float *h = g->h + r0 * 2 * f;
     float *dh = g->dh + r0 * 2 * f; /* [n, 2f] */
     moe_cpu_gemm(dh, g->dy + r0 * d, g->w2, n, f, d, d, f, 2 * f, false, false, 1.0f, 0.0f);
@@ -72,40 +94,43 @@ static void backward_block(const moe_expert_group *g, int64_t r0, int64_t d) {
 }
 
 /* Block b of the weight rows: first those of dw13 [2f, d] += dh^T x, then
- * those of dw2 [d, f] += dy^T g, each over all of the group's rows. */
-static void weight_block(const moe_expert_group *g, int64_t b, int64_t d) {
-    const int64_t f = g->d_ff, n = g->rows, b13 = blocks(2 * f, MOE_EXPERT_WEIGHT_BLOCK);
+ * those of dw2 [d, f] += dy^T g, each summed over all of the group's rows. */
+static void weight_block(const moe_expert_group *g, int64_t b, int64_t block, int64_t d) {
+    const int64_t f = g->d_ff, n = g->rows, b13 = blocks(2 * f, block);
     if (b < b13) {
-        int64_t a = b * MOE_EXPERT_WEIGHT_BLOCK, m = 2 * f - a < MOE_EXPERT_WEIGHT_BLOCK ? 2 * f - a : MOE_EXPERT_WEIGHT_BLOCK;
-        moe_cpu_gemm(g->dw13 + a * d, g->dh + a, g->x, m, d, n, 2 * f, d, d, true, false, 1.0f, 1.0f);
+        int64_t a = b * block;
+        moe_cpu_gemm(g->dw13 + a * d, g->dh + a, g->x, min64(block, 2 * f - a), d, n, 2 * f, d, d, true, false,
+                     1.0f, 1.0f);
     } else {
-        int64_t a = (b - b13) * MOE_EXPERT_WEIGHT_BLOCK, m = d - a < MOE_EXPERT_WEIGHT_BLOCK ? d - a : MOE_EXPERT_WEIGHT_BLOCK;
-        moe_cpu_gemm(g->dw2 + a * f, g->dy + a, g->g, m, f, n, d, f, f, true, false, 1.0f, 1.0f);
+        int64_t a = (b - b13) * block;
+        moe_cpu_gemm(g->dw2 + a * f, g->dy + a, g->g, min64(block, d - a), f, n, d, f, f, true, false, 1.0f, 1.0f);
     }
 }
 
 void moe_cpu_experts_forward(moe_expert_group *groups, int64_t n_groups, int64_t d) {
+    const task_sizes size = plan_tasks(groups, n_groups, d);
     int64_t first[MOE_EXPERTS_MAX + 2];
-    task_offsets(first, groups, n_groups, row_tasks, d);
+    task_offsets(first, groups, n_groups, d, size.rows, false);
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t t = 0; t < first[n_groups]; t++) {
-        int64_t g = group_of(first, n_groups, t);
-        forward_block(&groups[g], (t - first[g]) * MOE_EXPERT_ROW_BLOCK, d);
+        const int64_t g = group_of(first, n_groups, t), r0 = (t - first[g]) * size.rows;
+        forward_block(&groups[g], r0, min64(size.rows, groups[g].rows - r0), d);
     }
 }
 
 void moe_cpu_experts_backward(moe_expert_group *groups, int64_t n_groups, int64_t d) {
+    const task_sizes size = plan_tasks(groups, n_groups, d);
     int64_t first[MOE_EXPERTS_MAX + 2];
-    task_offsets(first, groups, n_groups, row_tasks, d);
+    task_offsets(first, groups, n_groups, d, size.rows, false);
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t t = 0; t < first[n_groups]; t++) {
-        int64_t g = group_of(first, n_groups, t);
-        backward_block(&groups[g], (t - first[g]) * MOE_EXPERT_ROW_BLOCK, d);
+        const int64_t g = group_of(first, n_groups, t), r0 = (t - first[g]) * size.rows;
+        backward_block(&groups[g], r0, min64(size.rows, groups[g].rows - r0), d);
     }
-    task_offsets(first, groups, n_groups, weight_tasks, d);
+    task_offsets(first, groups, n_groups, d, size.weights, true);
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t t = 0; t < first[n_groups]; t++) {
-        int64_t g = group_of(first, n_groups, t);
-        weight_block(&groups[g], t - first[g], d);
+        const int64_t g = group_of(first, n_groups, t);
+        weight_block(&groups[g], t - first[g], size.weights, d);
     }
 }
