@@ -1,0 +1,361 @@
+/* ref_model.h: a naive double-precision reference of the whole Mixtral model
+ * of engine/model.h (Hugging Face MixtralForCausalLM), written from that
+ * specification and sharing no code with the library. It reads the model's
+ * fp32 parameters by tensor name into one double array laid out like the
+ * model's (same offsets), so a test can perturb any parameter in double and
+ * evaluate the loss again. The MoE block is ref_moe.h's layer reference.
+ * Test-only: everything is static inline. */
+#ifndef MOE_TESTS_REF_MODEL_H
+#define MOE_TESTS_REF_MODEL_H
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/status.h"
+#include "engine/model.h"
+#include "ref_moe.h"
+
+/* ------------------------------------------------------------------ ops */
+
+/* out [N, C] = weight * x * rsqrt(mean(x^2) + eps), per row of x [N, C]. */
+static inline void ref_rmsnorm(double *out, const double *x, const double *weight, double eps, int64_t N,
+                               int64_t C) {
+    for (int64_t n = 0; n < N; n++) {
+        double ss = 0.0;
+        for (int64_t c = 0; c < C; c++) ss += x[n * C + c] * x[n * C + c];
+        const double r = 1.0 / sqrt(ss / (double)C + eps);
+        for (int64_t c = 0; c < C; c++) out[n * C + c] = weight[c] * (x[n * C + c] * r);
+    }
+}
+
+/* out [N, OC] = x [N, C] w^T, w [OC, C] (a bias-free nn.Linear). */
+static inline void ref_linear(double *out, const double *x, const double *w, int64_t N, int64_t C, int64_t OC) {
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t o = 0; o < OC; o++) {
+            double s = 0.0;
+            for (int64_t c = 0; c < C; c++) s += x[n * C + c] * w[o * C + c];
+            out[n * OC + o] = s;
+        }
+}
+
+/* Hugging Face's rotary angle, with its fp32 roundings: inv_freq = 1 /
+ * theta^(float(2i) / hd) rounded to fp32, angle = float(pos) * inv_freq in
+ * fp32. They are part of what a Mixtral checkpoint computes, so the
+ * reference keeps them; everything after the angle is double. */
+static inline double ref_rope_angle(int64_t pos, int64_t i, int64_t hd, double theta) {
+    const float expo = (float)(2 * i) / (float)hd;
+    const float inv_freq = 1.0f / (float)pow(theta, (double)expo);
+    return (double)((float)pos * inv_freq);
+}
+
+/* "rotate_half" RoPE in place on x [B, T, H, hd]: element i < hd/2 pairs
+ * with i + hd/2, x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin; position t. */
+static inline void ref_rope(double *x, int64_t B, int64_t T, int64_t H, int64_t hd, double theta) {
+    const int64_t half = hd / 2;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t h = 0; h < H; h++) {
+                double *v = x + ((b * T + t) * H + h) * hd;
+                for (int64_t i = 0; i < half; i++) {
+                    const double a = ref_rope_angle(t, i, hd, theta), c = cos(a), s = sin(a);
+                    const double x1 = v[i], x2 = v[i + half];
+                    v[i] = x1 * c - x2 * s;
+                    v[i + half] = x2 * c + x1 * s;
+                }
+            }
+}
+
+/* Causal grouped-query attention: out [B, T, Hq, hd] from q [B, T, Hq, hd]
+ * and k, v [B, T, Hkv, hd]; query head h reads kv head h / (Hq / Hkv);
+ * scores scaled by 1/sqrt(hd), softmax over positions s <= t. */
+static inline void ref_attention(double *out, const double *q, const double *k, const double *v, int64_t B,
+                                 int64_t T, int64_t Hq, int64_t Hkv, int64_t hd) {
+    const int64_t group = Hq / Hkv;
+    const double scale = 1.0 / sqrt((double)hd);
+    double *p = ref_alloc((size_t)T * sizeof *p);
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < Hq; h++) {
+            const int64_t g = h / group;
+            for (int64_t t = 0; t < T; t++) {
+                const double *qt = q + ((b * T + t) * Hq + h) * hd;
+                double mx = -INFINITY, sum = 0.0;
+                for (int64_t s = 0; s <= t; s++) {
+                    const double *ks = k + ((b * T + s) * Hkv + g) * hd;
+                    double dot = 0.0;
+                    for (int64_t i = 0; i < hd; i++) dot += qt[i] * ks[i];
+                    p[s] = dot * scale;
+                    mx = fmax(mx, p[s]);
+                }
+                for (int64_t s = 0; s <= t; s++) sum += (p[s] = exp(p[s] - mx));
+                double *o = out + ((b * T + t) * Hq + h) * hd;
+                for (int64_t i = 0; i < hd; i++) o[i] = 0.0;
+                for (int64_t s = 0; s <= t; s++) {
+                    const double *vs = v + ((b * T + s) * Hkv + g) * hd;
+                    for (int64_t i = 0; i < hd; i++) o[i] += p[s] / sum * vs[i];
+                }
+            }
+        }
+    free(p);
+}
+
+/* ---------------------------------------------------------------- model */
+
+/* Offsets (into ref_model.p) of one decoder layer's tensors. */
+typedef struct ref_model_layer {
+    int64_t ln1, wq, wk, wv, wo, ln2; /* attention half */
+    int64_t gate;                     /* [E, C] */
+    int64_t *w1, *w3, *w2;            /* [E] offsets of [ff, C], [ff, C], [C, ff] */
+    int64_t sg, su, sd;               /* shared experts, -1 when none */
+    /* The MoE block as ref_moe.h sees it: its weight arrays are copies
+     * gathered from p before every forward. */
+    ref_layer moe;
+    ref_out route;       /* routing of the latest forward */
+    ref_out saved_route; /* routing kept by ref_model_save_routing */
+} ref_model_layer;
+
+typedef struct ref_model {
+    moe_model_config cfg;
+    int64_t B, T, N;
+    int64_t n_params;
+    double *p;           /* [n_params], the model's parameter layout */
+    int64_t embed;       /* [V, C] */
+    int64_t final_norm;  /* [C] */
+    int64_t lm_head;     /* [V, C] */
+    ref_model_layer *layers; /* [L] */
+} ref_model;
+
+typedef struct ref_model_loss {
+    double loss; /* ce + aux_coef * aux + z_coef * z */
+    double ce;   /* mean over positions whose target is >= 0 */
+    double aux;  /* mean over layers of E * sum_e f_e P_e */
+    double z;    /* mean over layers of mean_t lse_t^2 */
+} ref_model_loss;
+
+/* The offset of the tensor named by fmt, asserting it exists with the
+ * expected shape (rows, cols; cols = 1 for a vector). */
+static inline int64_t ref_model_offset(const moe_model *m, int64_t rows, int64_t cols, const char *fmt, ...)
+    MOE_PRINTF(4, 5);
+
+static inline int64_t ref_model_offset(const moe_model *m, int64_t rows, int64_t cols, const char *fmt, ...) {
+    char name[MOE_TENSOR_NAME_BYTES];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(name, sizeof name, fmt, ap);
+    va_end(ap);
+    const moe_model_tensor *t = moe_model_find_tensor(m, name);
+    cr_assert(t != NULL, "the model has no tensor named %s", name);
+    cr_assert(t->shape[0] == rows && t->shape[1] == cols && t->numel == rows * cols,
+              "%s is [%lld, %lld] (%lld elements), the specification says [%lld, %lld]", name,
+              (long long)t->shape[0], (long long)t->shape[1], (long long)t->numel, (long long)rows,
+              (long long)cols);
+    return t->offset;
+}
+
+/* Copies the model's fp32 parameters into r->p. */
+static inline void ref_model_sync(ref_model *r, moe_model *m) {
+    const float *p = moe_model_params(m);
+    for (int64_t i = 0; i < r->n_params; i++) r->p[i] = p[i];
+}
+
+/* Builds the reference twin of m (shapes from its config, parameters read
+ * by Hugging Face name) for batches of B sequences of T tokens. */
+static inline void ref_model_init(ref_model *r, moe_model *m) {
+    memset(r, 0, sizeof *r);
+    const moe_model_config *c = moe_model_get_config(m);
+    r->cfg = *c;
+    r->B = moe_model_batch_size(m);
+    r->T = moe_model_seq_len(m);
+    r->N = r->B * r->T;
+    r->n_params = moe_model_param_count(m);
+    r->p = ref_alloc((size_t)r->n_params * sizeof *r->p);
+    const int64_t C = c->hidden_size, V = c->vocab_size, hd = c->head_dim, ff = c->intermediate_size;
+    const int64_t E = c->num_local_experts, k = c->num_experts_per_tok, L = c->num_hidden_layers;
+    const int64_t qdim = c->num_attention_heads * hd, kvdim = c->num_key_value_heads * hd;
+    const int64_t S = c->moe_n_shared_experts * ff;
+    cr_assert(E <= 64, "ref_moe.h supports E <= 64");
+    r->embed = ref_model_offset(m, V, C, "model.embed_tokens.weight");
+    r->final_norm = ref_model_offset(m, C, 1, "model.norm.weight");
+    r->lm_head = ref_model_offset(m, V, C, "lm_head.weight");
+    r->layers = ref_alloc((size_t)L * sizeof *r->layers);
+    for (int64_t l = 0; l < L; l++) {
+        ref_model_layer *y = &r->layers[l];
+        const long long ll = (long long)l;
+        y->ln1 = ref_model_offset(m, C, 1, "model.layers.%lld.input_layernorm.weight", ll);
+        y->wq = ref_model_offset(m, qdim, C, "model.layers.%lld.self_attn.q_proj.weight", ll);
+        y->wk = ref_model_offset(m, kvdim, C, "model.layers.%lld.self_attn.k_proj.weight", ll);
+        y->wv = ref_model_offset(m, kvdim, C, "model.layers.%lld.self_attn.v_proj.weight", ll);
+        y->wo = ref_model_offset(m, C, qdim, "model.layers.%lld.self_attn.o_proj.weight", ll);
+        y->ln2 = ref_model_offset(m, C, 1, "model.layers.%lld.post_attention_layernorm.weight", ll);
+        y->gate = ref_model_offset(m, E, C, "model.layers.%lld.block_sparse_moe.gate.weight", ll);
+        y->w1 = ref_alloc((size_t)E * sizeof *y->w1);
+        y->w3 = ref_alloc((size_t)E * sizeof *y->w3);
+        y->w2 = ref_alloc((size_t)E * sizeof *y->w2);
+        for (int64_t e = 0; e < E; e++) {
+            const long long ee = (long long)e;
+            y->w1[e] = ref_model_offset(m, ff, C, "model.layers.%lld.block_sparse_moe.experts.%lld.w1.weight", ll, ee);
+            y->w3[e] = ref_model_offset(m, ff, C, "model.layers.%lld.block_sparse_moe.experts.%lld.w3.weight", ll, ee);
+            y->w2[e] = ref_model_offset(m, C, ff, "model.layers.%lld.block_sparse_moe.experts.%lld.w2.weight", ll, ee);
+        }
+        y->sg = y->su = y->sd = -1;
+        if (S > 0) {
+            y->sg = ref_model_offset(m, S, C, "model.layers.%lld.block_sparse_moe.shared_experts.gate_proj.weight", ll);
+            y->su = ref_model_offset(m, S, C, "model.layers.%lld.block_sparse_moe.shared_experts.up_proj.weight", ll);
+            y->sd = ref_model_offset(m, C, S, "model.layers.%lld.block_sparse_moe.shared_experts.down_proj.weight", ll);
+        }
+        y->moe = (ref_layer){.d = C,
+                             .ff = ff,
+                             .E = E,
+                             .k = k,
+                             .n_shared = c->moe_n_shared_experts,
+                             .gate = c->moe_gate,
+                             .renormalize = c->moe_renormalize,
+                             .capacity_factor = c->moe_capacity_factor,
+                             .aux_loss_coef = c->router_aux_loss_coef,
+                             .z_loss_coef = c->moe_z_loss_coef,
+                             .bias = NULL};
+        y->moe.wg = ref_alloc((size_t)(E * C) * sizeof(double));
+        y->moe.w1 = ref_alloc((size_t)(E * ff * C) * sizeof(double));
+        y->moe.w3 = ref_alloc((size_t)(E * ff * C) * sizeof(double));
+        y->moe.w2 = ref_alloc((size_t)(E * C * ff) * sizeof(double));
+        y->moe.sg = ref_alloc((size_t)(S * C) * sizeof(double));
+        y->moe.su = ref_alloc((size_t)(S * C) * sizeof(double));
+        y->moe.sd = ref_alloc((size_t)(C * S) * sizeof(double));
+        y->route = ref_out_alloc(r->N, E, k);
+        y->saved_route = ref_out_alloc(r->N, E, k);
+    }
+    ref_model_sync(r, m);
+}
+
+static inline void ref_model_free(ref_model *r) {
+    for (int64_t l = 0; l < r->cfg.num_hidden_layers; l++) {
+        ref_model_layer *y = &r->layers[l];
+        free(y->w1);
+        free(y->w3);
+        free(y->w2);
+        free(y->moe.wg);
+        free(y->moe.w1);
+        free(y->moe.w3);
+        free(y->moe.w2);
+        free(y->moe.sg);
+        free(y->moe.su);
+        free(y->moe.sd);
+        ref_out_free(&y->route);
+        ref_out_free(&y->saved_route);
+    }
+    free(r->layers);
+    free(r->p);
+    memset(r, 0, sizeof *r);
+}
+
+/* Copies layer y's MoE weights from p into the contiguous arrays ref_layer
+ * expects. */
+static inline void ref_model_gather_moe(ref_model_layer *y, const double *p) {
+    const ref_layer *M = &y->moe;
+    const int64_t C = M->d, ff = M->ff, S = M->n_shared * M->ff;
+    memcpy(M->wg, p + y->gate, (size_t)(M->E * C) * sizeof(double));
+    for (int64_t e = 0; e < M->E; e++) {
+        memcpy(M->w1 + e * ff * C, p + y->w1[e], (size_t)(ff * C) * sizeof(double));
+        memcpy(M->w3 + e * ff * C, p + y->w3[e], (size_t)(ff * C) * sizeof(double));
+        memcpy(M->w2 + e * C * ff, p + y->w2[e], (size_t)(C * ff) * sizeof(double));
+    }
+    if (S > 0) {
+        memcpy(M->sg, p + y->sg, (size_t)(S * C) * sizeof(double));
+        memcpy(M->su, p + y->su, (size_t)(S * C) * sizeof(double));
+        memcpy(M->sd, p + y->sd, (size_t)(C * S) * sizeof(double));
+    }
+}
+
+/* The model's forward at the parameters in r->p, over inputs [B, T] with
+ * targets [B, T] (< 0: ignored). Returns the total loss and fills out (may
+ * be NULL) and losses [N] (per-position cross-entropy, 0 where ignored; may
+ * be NULL). Each layer's routing lands in layers[l].route. */
+static inline double ref_model_forward(ref_model *r, ref_model_loss *out, double *losses, const int32_t *inputs,
+                                       const int32_t *targets) {
+    const moe_model_config *c = &r->cfg;
+    const int64_t B = r->B, T = r->T, N = r->N, C = c->hidden_size, V = c->vocab_size, hd = c->head_dim;
+    const int64_t Hq = c->num_attention_heads, Hkv = c->num_key_value_heads, L = c->num_hidden_layers;
+    const int64_t qdim = Hq * hd, kvdim = Hkv * hd;
+    const double *p = r->p;
+    double *x = ref_alloc((size_t)(N * C) * sizeof *x);     /* residual stream */
+    double *h = ref_alloc((size_t)(N * C) * sizeof *h);     /* normed */
+    double *y = ref_alloc((size_t)(N * C) * sizeof *y);     /* block output */
+    double *q = ref_alloc((size_t)(N * qdim) * sizeof *q);
+    double *k = ref_alloc((size_t)(N * kvdim) * sizeof *k);
+    double *v = ref_alloc((size_t)(N * kvdim) * sizeof *v);
+    double *att = ref_alloc((size_t)(N * qdim) * sizeof *att);
+    double *logits = ref_alloc((size_t)V * sizeof *logits);
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t i = 0; i < C; i++) x[n * C + i] = p[r->embed + inputs[n] * C + i];
+    double aux = 0.0, z = 0.0;
+    for (int64_t l = 0; l < L; l++) {
+        ref_model_layer *ly = &r->layers[l];
+        ref_rmsnorm(h, x, p + ly->ln1, c->rms_norm_eps, N, C);
+        ref_linear(q, h, p + ly->wq, N, C, qdim);
+        ref_linear(k, h, p + ly->wk, N, C, kvdim);
+        ref_linear(v, h, p + ly->wv, N, C, kvdim);
+        ref_rope(q, B, T, Hq, hd, c->rope_theta);
+        ref_rope(k, B, T, Hkv, hd, c->rope_theta);
+        ref_attention(att, q, k, v, B, T, Hq, Hkv, hd);
+        ref_linear(y, att, p + ly->wo, N, qdim, C);
+        for (int64_t i = 0; i < N * C; i++) x[i] += y[i];
+        ref_rmsnorm(h, x, p + ly->ln2, c->rms_norm_eps, N, C);
+        ref_model_gather_moe(ly, p);
+        /* The MoE block routes all B*T tokens as one batch (capacity too). */
+        ref_layer_forward(y, &ly->route, &ly->moe, h, N);
+        for (int64_t i = 0; i < N * C; i++) x[i] += y[i];
+        aux += ly->route.aux / (double)L;
+        z += ly->route.z / (double)L;
+    }
+    ref_rmsnorm(h, x, p + r->final_norm, c->rms_norm_eps, N, C);
+    double ce = 0.0;
+    int64_t counted = 0;
+    for (int64_t n = 0; n < N; n++) {
+        if (losses) losses[n] = 0.0;
+        if (targets[n] < 0) continue;
+        ref_linear(logits, h + n * C, p + r->lm_head, 1, C, V);
+        double mx = -INFINITY, sum = 0.0;
+        for (int64_t j = 0; j < V; j++) mx = fmax(mx, logits[j]);
+        for (int64_t j = 0; j < V; j++) sum += exp(logits[j] - mx);
+        const double loss = mx + log(sum) - logits[targets[n]];
+        if (losses) losses[n] = loss;
+        ce += loss;
+        counted++;
+    }
+    ce = counted ? ce / (double)counted : 0.0;
+    free(x);
+    free(h);
+    free(y);
+    free(q);
+    free(k);
+    free(v);
+    free(att);
+    free(logits);
+    const double total = ce + c->router_aux_loss_coef * aux + c->moe_z_loss_coef * z;
+    if (out) *out = (ref_model_loss){.loss = total, .ce = ce, .aux = aux, .z = z};
+    return total;
+}
+
+/* Keeps the latest forward's routing (chosen experts and kept pairs). */
+static inline void ref_model_save_routing(ref_model *r) {
+    const int64_t k = r->cfg.num_experts_per_tok;
+    for (int64_t l = 0; l < r->cfg.num_hidden_layers; l++) {
+        ref_model_layer *y = &r->layers[l];
+        memcpy(y->saved_route.idx, y->route.idx, (size_t)(r->N * k) * sizeof *y->route.idx);
+        memcpy(y->saved_route.kept, y->route.kept, (size_t)(r->N * k) * sizeof *y->route.kept);
+    }
+}
+
+/* Whether the latest forward routed every layer as the saved one did: if
+ * not, the loss is not differentiable between the two parameter points. */
+static inline int ref_model_same_routing(const ref_model *r) {
+    for (int64_t l = 0; l < r->cfg.num_hidden_layers; l++)
+        if (!ref_same_routing(&r->layers[l].route, &r->layers[l].saved_route, r->N, r->cfg.num_experts_per_tok))
+            return 0;
+    return 1;
+}
+
+#endif /* MOE_TESTS_REF_MODEL_H */

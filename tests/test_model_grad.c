@@ -1,0 +1,354 @@
+/* test_model_grad.c: the whole model (engine/model.h) against the naive
+ * double-precision reference in ref_model.h, on a tiny config: vocab 11,
+ * hidden 8, ff 6, 2 layers, 4 query heads over 2 kv heads (GQA), head_dim 4,
+ * 4 experts top-2, B=2, T=5, aux coef 0.1, z coef 0.01. Every matrix is the
+ * model's own N(0, 0.02) init times WEIGHT_SCALE, so gradients are not tiny,
+ * and every norm weight is 1 + U(-0.25, 0.25), so the norms' gradients
+ * differ per channel.
+ *
+ * Forward: loss, ce, aux and z within 1e-5 relative of the reference,
+ * per-position losses within 1e-5 * max(1, |ref|), and the model's router
+ * choices equal the reference's (the cases are drawn with the top-(k+1)
+ * scores >= MIN_GAP apart, far beyond fp32 noise).
+ *
+ * Backward: the model's analytic fp32 gradient of the total loss against
+ * central differences (step FD_STEP) of the DOUBLE reference's loss at the
+ * same parameters, for every tensor: all elements of a tensor of up to
+ * FD_ALL_MAX elements, a seeded random FD_SUBSET of the larger ones. A
+ * coordinate whose +-step changes any layer's selection or kept pairs is
+ * skipped (the loss jumps there); at least 90% must be checked. Tolerance:
+ * |analytic - fd| <= GRAD_ATOL * scale + GRAD_RTOL * |fd|, where scale is
+ * the largest |fd| over all checked coordinates of the case (fp32 errors are
+ * relative to the loss's sensitivity, not to each element). The FD error
+ * itself is ~1e-10; the fp32 errors seen are below 3e-7 * scale, 30x under
+ * GRAD_ATOL, while a gradient of the aux or the z-loss that is 1% off (the
+ * smallest paths) already fails on several tensors.
+ *
+ * grad_scale: backward at 0.5 gives half the gradient at 1.0 (scaling by a
+ * power of two is exact in binary floating point, the tolerance only covers
+ * summation order); two backwards accumulate to twice one. */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine/model.h"
+#include "ref_model.h"
+
+#define VOCAB 11
+#define BATCH 2
+#define SEQ 5
+#define N_POS (BATCH * SEQ)
+#define WEIGHT_SCALE 4.0f
+#define FD_STEP 1e-5
+#define FD_ALL_MAX 64
+#define FD_SUBSET 30
+#define MIN_GAP 1e-4
+#define MIN_CHECKED_FRAC 0.9
+#define GRAD_ATOL 1e-5
+#define GRAD_RTOL 2e-4
+#define LOSS_RTOL 1e-5
+
+typedef struct grad_case {
+    const char *name;
+    moe_gate_kind gate;
+    double capacity_factor;
+    int64_t n_shared_experts;
+    int ignored_targets; /* positions whose target is -1 */
+    uint64_t seed;
+} grad_case;
+
+static const grad_case CASES[] = {
+    {"softmax_topk", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 0, 11},
+    {"topk_softmax", MOE_GATE_TOPK_SOFTMAX, 0.0, 0, 0, 12},
+    {"sigmoid", MOE_GATE_SIGMOID, 0.0, 0, 0, 13},
+    {"capacity_1", MOE_GATE_SOFTMAX_TOPK, 1.0, 0, 0, 14},
+    {"shared_experts", MOE_GATE_SOFTMAX_TOPK, 0.0, 1, 0, 15},
+    {"ignored_targets", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 2, 16},
+};
+#define N_CASES ((int)(sizeof CASES / sizeof *CASES))
+
+typedef struct fx {
+    const grad_case *gc;
+    moe_model *m;
+    ref_model ref;
+    int32_t inputs[N_POS];
+    int32_t targets[N_POS];
+} fx;
+
+static void fx_create(fx *f, const grad_case *gc) {
+    memset(f, 0, sizeof *f);
+    f->gc = gc;
+    moe_model_config cfg;
+    moe_model_config_default_small(&cfg, VOCAB);
+    cfg.hidden_size = 8;
+    cfg.intermediate_size = 6;
+    cfg.num_hidden_layers = 2;
+    cfg.num_attention_heads = 4;
+    cfg.num_key_value_heads = 2;
+    cfg.head_dim = 4;
+    cfg.num_local_experts = 4;
+    cfg.num_experts_per_tok = 2;
+    cfg.router_aux_loss_coef = 0.1;
+    cfg.moe_z_loss_coef = 0.01;
+    cfg.moe_gate = gc->gate;
+    cfg.moe_capacity_factor = gc->capacity_factor;
+    cfg.moe_n_shared_experts = gc->n_shared_experts;
+    cr_assert(moe_model_create(&f->m, &cfg, BATCH, SEQ, gc->seed) == MOE_OK, "%s: moe_model_create: %s", gc->name,
+              moe_last_error());
+    ref_rng rng = {gc->seed};
+    float *p = moe_model_params(f->m);
+    for (int64_t i = 0; i < moe_model_tensor_count(f->m); i++) {
+        const moe_model_tensor *t = moe_model_tensor_at(f->m, i);
+        for (int64_t j = 0; j < t->numel; j++)
+            p[t->offset + j] = t->ndim == 1 ? (float)ref_uniform(&rng, 0.75, 1.25) : WEIGHT_SCALE * p[t->offset + j];
+    }
+    for (int64_t n = 0; n < N_POS; n++) {
+        f->inputs[n] = (int32_t)(ref_next(&rng) % VOCAB);
+        f->targets[n] = (int32_t)(ref_next(&rng) % VOCAB);
+    }
+    /* Spread over both sequences, and never all of them. */
+    for (int i = 0; i < gc->ignored_targets; i++) f->targets[(3 + 4 * i) % N_POS] = -1;
+    ref_model_init(&f->ref, f->m);
+}
+
+static void fx_destroy(fx *f) {
+    ref_model_free(&f->ref);
+    moe_model_destroy(f->m);
+}
+
+static double rel_err(double got, double ref) { return fabs(got - ref) / fmax(fabs(ref), 1e-30); }
+
+/* The reference's routing must not sit within fp32 noise of a tie, or the
+ * model may legitimately choose otherwise. */
+static void expect_clear_routing(const fx *f) {
+    for (int64_t l = 0; l < f->ref.cfg.num_hidden_layers; l++)
+        cr_assert(f->ref.layers[l].route.min_gap >= MIN_GAP,
+                  "%s: layer %lld's top-(k+1) scores are %.3g apart, below %.1g: pick another seed", f->gc->name,
+                  (long long)l, f->ref.layers[l].route.min_gap, MIN_GAP);
+}
+
+/* ------------------------------------------------------------- forward */
+
+static void check_forward(const grad_case *gc) {
+    fx f;
+    fx_create(&f, gc);
+    moe_model_stats st;
+    cr_assert(moe_model_forward(f.m, f.inputs, f.targets, &st) == MOE_OK, "%s: forward: %s", gc->name,
+              moe_last_error());
+    ref_model_loss ref;
+    double ref_losses[N_POS];
+    ref_model_forward(&f.ref, &ref, ref_losses, f.inputs, f.targets);
+    expect_clear_routing(&f);
+    const struct {
+        const char *what;
+        double got, ref;
+    } terms[] = {{"loss", st.loss, ref.loss}, {"ce_loss", st.ce_loss, ref.ce},
+                 {"aux_loss", st.aux_loss, ref.aux}, {"z_loss", st.z_loss, ref.z}};
+    for (size_t i = 0; i < sizeof terms / sizeof *terms; i++)
+        cr_expect(rel_err(terms[i].got, terms[i].ref) <= LOSS_RTOL, "%s: %s %.9g, reference %.9g (rel err %.3g > %.1g)",
+                  gc->name, terms[i].what, terms[i].got, terms[i].ref, rel_err(terms[i].got, terms[i].ref), LOSS_RTOL);
+    const float *losses = moe_model_last_losses(f.m);
+    for (int64_t n = 0; n < N_POS; n++)
+        cr_expect(fabs(losses[n] - ref_losses[n]) <= LOSS_RTOL * fmax(1.0, fabs(ref_losses[n])),
+                  "%s: position %lld (target %d) loss %.9g, reference %.9g", gc->name, (long long)n, f.targets[n],
+                  losses[n], ref_losses[n]);
+    const int64_t k = f.ref.cfg.num_experts_per_tok;
+    int64_t dropped = 0;
+    for (int64_t l = 0; l < f.ref.cfg.num_hidden_layers; l++) {
+        const int32_t *got = moe_model_last_topk(f.m, l);
+        const ref_out *ro = &f.ref.layers[l].route;
+        for (int64_t i = 0; i < N_POS * k; i++)
+            cr_expect(got[i] == ro->idx[i], "%s: layer %lld token %lld slot %lld chose expert %d, reference %d",
+                      gc->name, (long long)l, (long long)(i / k), (long long)(i % k), got[i], ro->idx[i]);
+        dropped += ro->dropped;
+    }
+    const double ref_dropped_frac = (double)dropped / (double)(f.ref.cfg.num_hidden_layers * N_POS * k);
+    cr_expect(fabs(st.dropped_frac - ref_dropped_frac) < 1e-12, "%s: dropped fraction %.6g, reference %.6g", gc->name,
+              st.dropped_frac, ref_dropped_frac);
+    if (gc->capacity_factor > 0.0)
+        cr_expect(dropped > 0, "%s: capacity factor %g dropped nothing, so the case tests no drops", gc->name,
+                  gc->capacity_factor);
+    fx_destroy(&f);
+}
+
+Test(model_forward, parity_with_double_reference) {
+    for (int c = 0; c < N_CASES; c++) check_forward(&CASES[c]);
+}
+
+/* ------------------------------------------------------------ gradient */
+
+/* Up to FD_SUBSET distinct indices below n, or all of them when n <=
+ * FD_ALL_MAX; returns how many. */
+static int64_t pick_coords(int64_t *idx, int64_t n, ref_rng *rng) {
+    if (n <= FD_ALL_MAX) {
+        for (int64_t i = 0; i < n; i++) idx[i] = i;
+        return n;
+    }
+    int64_t *perm = ref_alloc((size_t)n * sizeof *perm);
+    for (int64_t i = 0; i < n; i++) perm[i] = i;
+    for (int64_t i = 0; i < FD_SUBSET; i++) {
+        int64_t j = i + (int64_t)(ref_next(rng) % (uint64_t)(n - i));
+        int64_t tmp = perm[i];
+        perm[i] = perm[j];
+        perm[j] = tmp;
+        idx[i] = perm[i];
+    }
+    free(perm);
+    return FD_SUBSET;
+}
+
+typedef struct fd_point {
+    int64_t tensor, index; /* element index inside the tensor */
+    double analytic, fd;
+} fd_point;
+
+static void check_gradients(const grad_case *gc) {
+    fx f;
+    fx_create(&f, gc);
+    moe_model_stats st;
+    moe_model_zero_grad(f.m);
+    cr_assert(moe_model_forward(f.m, f.inputs, f.targets, &st) == MOE_OK, "%s: forward: %s", gc->name,
+              moe_last_error());
+    cr_assert(moe_model_backward(f.m, f.inputs, f.targets, 1.0f) == MOE_OK, "%s: backward: %s", gc->name,
+              moe_last_error());
+    const float *grads = moe_model_grads(f.m);
+    ref_model *r = &f.ref;
+    ref_model_forward(r, NULL, NULL, f.inputs, f.targets);
+    expect_clear_routing(&f);
+    ref_model_save_routing(r);
+
+    const int64_t n_tensors = moe_model_tensor_count(f.m);
+    fd_point *pts = ref_alloc((size_t)moe_model_param_count(f.m) * sizeof *pts);
+    int64_t *idx = ref_alloc((size_t)(FD_ALL_MAX > FD_SUBSET ? FD_ALL_MAX : FD_SUBSET) * sizeof *idx);
+    int64_t n_pts = 0, attempted = 0;
+    ref_rng rng = {gc->seed ^ 0xF00Dull};
+    int64_t *checked_per_tensor = ref_alloc((size_t)n_tensors * sizeof *checked_per_tensor);
+    for (int64_t ti = 0; ti < n_tensors; ti++) {
+        const moe_model_tensor *t = moe_model_tensor_at(f.m, ti);
+        const int64_t n = pick_coords(idx, t->numel, &rng);
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t off = t->offset + idx[j];
+            const double keep = r->p[off];
+            attempted++;
+            r->p[off] = keep + FD_STEP;
+            const double lp = ref_model_forward(r, NULL, NULL, f.inputs, f.targets);
+            const int same_p = ref_model_same_routing(r);
+            r->p[off] = keep - FD_STEP;
+            const double lm = ref_model_forward(r, NULL, NULL, f.inputs, f.targets);
+            const int same_m = ref_model_same_routing(r);
+            r->p[off] = keep;
+            if (!same_p || !same_m) continue;
+            pts[n_pts++] = (fd_point){ti, idx[j], grads[off], (lp - lm) / (2.0 * FD_STEP)};
+            checked_per_tensor[ti]++;
+        }
+    }
+    cr_expect((double)n_pts >= MIN_CHECKED_FRAC * (double)attempted,
+              "%s: only %lld of %lld coordinates kept the routing under +-%g", gc->name, (long long)n_pts,
+              (long long)attempted, FD_STEP);
+    for (int64_t ti = 0; ti < n_tensors; ti++)
+        cr_expect(checked_per_tensor[ti] > 0, "%s: no coordinate of %s could be checked", gc->name,
+                  moe_model_tensor_at(f.m, ti)->name);
+
+    double scale = 0.0;
+    for (int64_t i = 0; i < n_pts; i++) scale = fmax(scale, fabs(pts[i].fd));
+    cr_assert(scale > 1e-3, "%s: the largest gradient is %.3g: the check would be vacuous", gc->name, scale);
+    /* Worst per tensor, so a failure names every tensor that is off. */
+    for (int64_t ti = 0; ti < n_tensors; ti++) {
+        const fd_point *worst = NULL;
+        double worst_ratio = -1.0;
+        int64_t bad = 0, count = 0;
+        for (int64_t i = 0; i < n_pts; i++) {
+            if (pts[i].tensor != ti) continue;
+            const double err = fabs(pts[i].analytic - pts[i].fd);
+            const double tol = GRAD_ATOL * scale + GRAD_RTOL * fabs(pts[i].fd);
+            const double ratio = isnan(err) ? INFINITY : err / tol;
+            bad += !(err <= tol);
+            count++;
+            if (ratio > worst_ratio) {
+                worst_ratio = ratio;
+                worst = &pts[i];
+            }
+        }
+        if (!worst) continue;
+        cr_expect(bad == 0,
+                  "%s: %s: %lld of %lld checked elements off; worst [%lld] analytic %.9g fd %.9g, |err| %.3g > tol "
+                  "%.3g (scale %.3g)",
+                  gc->name, moe_model_tensor_at(f.m, ti)->name, (long long)bad, (long long)count,
+                  (long long)worst->index, worst->analytic, worst->fd, fabs(worst->analytic - worst->fd),
+                  GRAD_ATOL * scale + GRAD_RTOL * fabs(worst->fd), scale);
+    }
+    free(checked_per_tensor);
+    free(idx);
+    free(pts);
+    fx_destroy(&f);
+}
+
+Test(model_grad, softmax_topk) { check_gradients(&CASES[0]); }
+Test(model_grad, topk_softmax) { check_gradients(&CASES[1]); }
+Test(model_grad, sigmoid) { check_gradients(&CASES[2]); }
+Test(model_grad, capacity_factor_1) { check_gradients(&CASES[3]); }
+Test(model_grad, shared_experts) { check_gradients(&CASES[4]); }
+Test(model_grad, ignored_targets) { check_gradients(&CASES[5]); }
+
+/* ---------------------------------------------------------- grad_scale */
+
+/* got vs want elementwise within tol = atol + rtol * |want|, naming the
+ * worst tensor element. */
+static void expect_grads(const moe_model *m, const float *got, const float *want, double atol, double rtol,
+                         const char *what) {
+    int64_t bad = 0, worst = -1;
+    double worst_ratio = -1.0;
+    const int64_t n = moe_model_param_count(m);
+    for (int64_t i = 0; i < n; i++) {
+        const double err = fabs((double)got[i] - (double)want[i]), tol = atol + rtol * fabs((double)want[i]);
+        const double ratio = isnan(err) ? INFINITY : err / tol;
+        bad += !(err <= tol);
+        if (ratio > worst_ratio) {
+            worst_ratio = ratio;
+            worst = i;
+        }
+    }
+    const moe_model_tensor *t = NULL;
+    for (int64_t ti = 0; ti < moe_model_tensor_count(m); ti++) {
+        const moe_model_tensor *c = moe_model_tensor_at(m, ti);
+        if (worst >= c->offset && worst < c->offset + c->numel) t = c;
+    }
+    cr_expect(bad == 0, "%s: %lld of %lld gradients off; worst %s[%lld] got %.9g want %.9g", what, (long long)bad,
+              (long long)n, t ? t->name : "?", (long long)(t ? worst - t->offset : worst), got[worst], want[worst]);
+}
+
+Test(model_grad, grad_scale_and_accumulation) {
+    fx f;
+    fx_create(&f, &CASES[3]); /* capacity: every loss term and drops */
+    const int64_t n = moe_model_param_count(f.m);
+    float *g1 = ref_alloc((size_t)n * sizeof *g1), *want = ref_alloc((size_t)n * sizeof *want);
+    moe_model_stats st;
+
+    moe_model_zero_grad(f.m);
+    cr_assert(moe_model_forward(f.m, f.inputs, f.targets, &st) == MOE_OK, "forward: %s", moe_last_error());
+    cr_assert(moe_model_backward(f.m, f.inputs, f.targets, 1.0f) == MOE_OK, "backward: %s", moe_last_error());
+    memcpy(g1, moe_model_grads(f.m), (size_t)n * sizeof *g1);
+    double gmax = 0.0;
+    for (int64_t i = 0; i < n; i++) gmax = fmax(gmax, fabs(g1[i]));
+    cr_assert(gmax > 1e-3, "the largest gradient is %.3g: the check would be vacuous", gmax);
+
+    moe_model_zero_grad(f.m);
+    cr_assert(moe_model_forward(f.m, f.inputs, f.targets, &st) == MOE_OK, "forward: %s", moe_last_error());
+    cr_assert(moe_model_backward(f.m, f.inputs, f.targets, 0.5f) == MOE_OK, "backward: %s", moe_last_error());
+    for (int64_t i = 0; i < n; i++) want[i] = 0.5f * g1[i];
+    expect_grads(f.m, moe_model_grads(f.m), want, 1e-7 * gmax, 1e-6, "grad_scale 0.5 vs half of 1.0");
+
+    /* Backward spends the forward's logits, so each backward gets its own. */
+    moe_model_zero_grad(f.m);
+    for (int rep = 0; rep < 2; rep++) {
+        cr_assert(moe_model_forward(f.m, f.inputs, f.targets, &st) == MOE_OK, "forward: %s", moe_last_error());
+        cr_assert(moe_model_backward(f.m, f.inputs, f.targets, 1.0f) == MOE_OK, "backward: %s", moe_last_error());
+    }
+    for (int64_t i = 0; i < n; i++) want[i] = 2.0f * g1[i];
+    expect_grads(f.m, moe_model_grads(f.m), want, 1e-7 * gmax, 1e-5, "two backwards vs twice one");
+    free(g1);
+    free(want);
+    fx_destroy(&f);
+}
