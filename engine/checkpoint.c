@@ -1,0 +1,510 @@
+#define _XOPEN_SOURCE 700
+
+#include "engine/checkpoint.h"
+
+#include <errno.h>
+#include <ftw.h>
+#include <inttypes.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "common/status.h"
+#include "engine/fileio.h"
+#include "engine/safetensors.h"
+
+#define MODEL_FILE "model.safetensors"
+#define INDEX_FILE "model.safetensors.index.json"
+#define CONFIG_FILE "config.json"
+#define STATE_FILE "train_state.safetensors"
+#define FORMAT_VERSION "1"
+#define EXP_AVG "optimizer.exp_avg."
+#define EXP_AVG_SQ "optimizer.exp_avg_sq."
+/* Optimizer tensors tolerated (and skipped) in a weights file. */
+#define OPTIMIZER_PREFIX "optimizer."
+#define BIAS_FMT "model.layers.%lld.block_sparse_moe.gate.e_score_correction_bias"
+#define ROUTER_FMT "model.layers.%lld.block_sparse_moe.gate.weight"
+#define EXPERT_FMT "model.layers.%lld.block_sparse_moe.experts.%lld.w%d.weight"
+#define FUSED_ROUTER_FMT "model.layers.%lld.mlp.gate.weight"
+#define FUSED_EXPERTS_FMT "model.layers.%lld.mlp.experts.%s"
+
+/* Room for any name built here: a model tensor's name behind the longest
+ * prefix, or a layer-numbered name. */
+#define NAME_BYTES (MOE_TENSOR_NAME_BYTES + sizeof EXP_AVG_SQ)
+#define PATH_BYTES 4096
+
+/* ------------------------------------------------------------------ paths */
+
+static moe_status path_format(char *out, const char *fmt, const char *dir, const char *name, long pid) {
+    int n = snprintf(out, PATH_BYTES, fmt, dir, name, pid);
+    if (n < 0 || n >= PATH_BYTES)
+        return moe_error(MOE_ERR_INVALID_ARG, "%s: path longer than %d bytes", dir, PATH_BYTES - 1);
+    return MOE_OK;
+}
+
+static moe_status path_join(char *out, const char *dir, const char *name) {
+    return path_format(out, "%s/%s", dir, name, 0);
+}
+
+static bool exists(const char *path) {
+    struct stat sb;
+    return lstat(path, &sb) == 0;
+}
+
+static int remove_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw) {
+    (void)sb, (void)flag, (void)ftw;
+    return remove(path);
+}
+
+/* rm -r, not following links. */
+static moe_status remove_tree(const char *path) {
+    if (nftw(path, remove_entry, 16, FTW_DEPTH | FTW_PHYS) != 0)
+        return moe_error(MOE_ERR_IO, "cannot remove %s: %s", path, strerror(errno));
+    return MOE_OK;
+}
+
+/* --------------------------------------------------------------- writing */
+
+static moe_status write_weights(const char *path, moe_model *model) {
+    const moe_model_config *c = moe_model_get_config(model);
+    const int64_t n = moe_model_tensor_count(model), L = c->num_hidden_layers;
+    const int64_t E = c->num_local_experts;
+    moe_st_entry *entries = malloc((size_t)(n + L) * sizeof *entries);
+    char(*bias_names)[NAME_BYTES] = malloc((size_t)L * sizeof *bias_names);
+    if (!entries || !bias_names) {
+        free(entries);
+        free(bias_names);
+        return moe_error(MOE_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
+    }
+    const float *params = moe_model_params(model);
+    for (int64_t i = 0; i < n; i++) {
+        const moe_model_tensor *t = moe_model_tensor_at(model, i);
+        entries[i] = (moe_st_entry){t->name, params + t->offset, t->ndim, t->shape};
+    }
+    int64_t count = n;
+    for (int64_t l = 0; l < L; l++) {
+        const float *bias = moe_model_router_bias(model, l); /* [E] */
+        if (bias == NULL) continue;
+        snprintf(bias_names[l], NAME_BYTES, BIAS_FMT, (long long)l);
+        entries[count++] = (moe_st_entry){bias_names[l], bias, 1, &E};
+    }
+    moe_status st = moe_st_write(path, entries, count, NULL, 0);
+    free(entries);
+    free(bias_names);
+    return st;
+}
+
+static moe_status write_state(const char *path, moe_model *model, moe_trainer *trainer, const moe_train_state *s) {
+    const int64_t n = moe_model_tensor_count(model);
+    moe_st_entry *entries = malloc((size_t)(2 * n) * sizeof *entries);
+    char(*names)[NAME_BYTES] = malloc((size_t)(2 * n) * sizeof *names);
+    if (!entries || !names) {
+        free(entries);
+        free(names);
+        return moe_error(MOE_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
+    }
+    const float *m = moe_trainer_adam_m(trainer), *v = moe_trainer_adam_v(trainer);
+    for (int64_t i = 0; i < n; i++) {
+        const moe_model_tensor *t = moe_model_tensor_at(model, i);
+        snprintf(names[i], NAME_BYTES, EXP_AVG "%s", t->name);
+        snprintf(names[n + i], NAME_BYTES, EXP_AVG_SQ "%s", t->name);
+        entries[i] = (moe_st_entry){names[i], m + t->offset, t->ndim, t->shape};
+        entries[n + i] = (moe_st_entry){names[n + i], v + t->offset, t->ndim, t->shape};
+    }
+    char step[24], seed[24], jitter[24], token[24], epoch[24];
+    snprintf(step, sizeof step, "%" PRId64, s->step);
+    snprintf(seed, sizeof seed, "%" PRIu64, s->seed);
+    snprintf(jitter, sizeof jitter, "%" PRIu64, s->jitter_counter);
+    snprintf(token, sizeof token, "%" PRId64, s->data.token);
+    snprintf(epoch, sizeof epoch, "%" PRId64, s->data.epoch);
+    const moe_st_meta meta[] = {
+        {"format_version", FORMAT_VERSION}, {"step", step},       {"seed", seed},
+        {"jitter_counter", jitter},         {"data_token", token}, {"data_epoch", epoch},
+    };
+    moe_status st = moe_st_write(path, entries, 2 * n, meta, (int64_t)(sizeof meta / sizeof meta[0]));
+    free(entries);
+    free(names);
+    return st;
+}
+
+/* Each file goes through the atomic writers, which fsync the file and then
+ * the directory holding it, so every entry of dir is durable when this
+ * returns. */
+static moe_status write_files(const char *dir, moe_model *model, moe_trainer *trainer, const moe_train_state *s) {
+    char path[PATH_BYTES];
+    MOE_TRY(path_join(path, dir, MODEL_FILE));
+    MOE_TRY(write_weights(path, model));
+    MOE_TRY(path_join(path, dir, CONFIG_FILE));
+    MOE_TRY(moe_model_config_save(moe_model_get_config(model), path));
+    MOE_TRY(path_join(path, dir, STATE_FILE));
+    return write_state(path, model, trainer, s);
+}
+
+/* Names with our pid can only be left over by a dead process that had the
+ * same pid (containers reuse small pids). A temp directory is a write that
+ * never finished. A set-aside one is the earlier copy of this step, moved
+ * out of the way for a replacement: if that replacement never arrived it is
+ * the only copy, so it goes back in place, to be replaced by this save. */
+static moe_status clear_leftovers(const char *final_dir, const char *tmp_dir, const char *old_dir) {
+    if (exists(tmp_dir)) MOE_TRY(remove_tree(tmp_dir));
+    if (!exists(old_dir)) return MOE_OK;
+    if (exists(final_dir)) return remove_tree(old_dir);
+    if (rename(old_dir, final_dir) != 0)
+        return moe_error(MOE_ERR_IO, "cannot move %s back to %s: %s", old_dir, final_dir, strerror(errno));
+    return MOE_OK;
+}
+
+/* Puts tmp_dir at final_dir, moving a checkpoint already there to old_dir
+ * (which the caller removes once the new one is durable). */
+static moe_status swap_in(const char *out_dir, const char *final_dir, const char *tmp_dir, const char *old_dir) {
+    bool replacing = exists(final_dir);
+    if (replacing && rename(final_dir, old_dir) != 0)
+        return moe_error(MOE_ERR_IO, "cannot move %s aside to %s: %s", final_dir, old_dir, strerror(errno));
+    if (rename(tmp_dir, final_dir) != 0) {
+        moe_status st = moe_error(MOE_ERR_IO, "cannot rename %s to %s: %s", tmp_dir, final_dir, strerror(errno));
+        if (replacing && rename(old_dir, final_dir) != 0)
+            st = moe_error(MOE_ERR_IO, "cannot rename %s to %s, and the earlier checkpoint is left at %s: %s",
+                           tmp_dir, final_dir, old_dir, strerror(errno));
+        return st;
+    }
+    /* Past the rename there is no undoing: if this fsync fails the new
+     * checkpoint stays, and the old copy at old_dir goes with the next save
+     * of this step. */
+    return moe_fsync_dir(out_dir);
+}
+
+/* Writes the checkpoint into tmp_dir and renames it to final_dir; on failure
+ * removes tmp_dir and leaves final_dir as it was. */
+static moe_status save_dir(const char *out_dir, const char *final_dir, const char *tmp_dir, const char *old_dir,
+                           moe_model *model, moe_trainer *trainer, const moe_train_state *state) {
+    MOE_TRY(clear_leftovers(final_dir, tmp_dir, old_dir));
+    struct stat sb;
+    if (stat(final_dir, &sb) == 0 && !S_ISDIR(sb.st_mode))
+        return moe_error(MOE_ERR_IO, "%s exists and is not a directory", final_dir);
+    if (mkdir(tmp_dir, 0777) != 0) return moe_error(MOE_ERR_IO, "cannot create %s: %s", tmp_dir, strerror(errno));
+    moe_status st = write_files(tmp_dir, model, trainer, state);
+    if (st == MOE_OK) st = swap_in(out_dir, final_dir, tmp_dir, old_dir);
+    /* The first failure is what the caller needs; a temp directory that
+     * cannot be removed is cleared by the next save of this step. */
+    if (st != MOE_OK && exists(tmp_dir)) remove_tree(tmp_dir);
+    return st;
+}
+
+moe_status moe_checkpoint_save(char *path, size_t path_bytes, const char *out_dir, moe_model *model,
+                               moe_trainer *trainer, const moe_train_state *state) {
+    if (!path || path_bytes == 0 || !out_dir || !model || !trainer || !state)
+        return moe_error(MOE_ERR_INVALID_ARG, "moe_checkpoint_save: NULL argument");
+    if (state->step < 0 || state->step != moe_trainer_steps_done(trainer))
+        return moe_error(MOE_ERR_INVALID_ARG, "moe_checkpoint_save: step %lld is not the trainer's %lld steps done",
+                         (long long)state->step, (long long)moe_trainer_steps_done(trainer));
+    char name[32], final_dir[PATH_BYTES], tmp_dir[PATH_BYTES], old_dir[PATH_BYTES];
+    snprintf(name, sizeof name, "step-%06lld", (long long)state->step);
+    const long pid = (long)getpid();
+    MOE_TRY(path_join(final_dir, out_dir, name));
+    MOE_TRY(path_format(tmp_dir, "%s/.%s.tmp-%ld", out_dir, name, pid));
+    MOE_TRY(path_format(old_dir, "%s/.%s.old-%ld", out_dir, name, pid));
+    if (strlen(final_dir) >= path_bytes)
+        return moe_error(MOE_ERR_INVALID_ARG, "%s: path does not fit in %zu bytes", final_dir, path_bytes);
+
+    MOE_TRY(moe_mkdir_p(out_dir));
+    moe_status st = save_dir(out_dir, final_dir, tmp_dir, old_dir, model, trainer, state);
+    if (st != MOE_OK) return moe_error_prefix(st, "checkpoint %s: ", final_dir);
+    snprintf(path, path_bytes, "%s", final_dir);
+    if (exists(old_dir) && remove_tree(old_dir) != MOE_OK)
+        return moe_error_prefix(MOE_ERR_IO, "checkpoint %s was written, but the copy it replaced remains: ", final_dir);
+    return MOE_OK;
+}
+
+/* --------------------------------------------------------------- reading */
+
+static const char *shape_text(char *buf, size_t size, int64_t ndim, const int64_t *shape) {
+    size_t n = (size_t)snprintf(buf, size, "[");
+    for (int64_t i = 0; i < ndim && n < size; i++)
+        n += (size_t)snprintf(buf + n, size - n, "%s%lld", i > 0 ? ", " : "", (long long)shape[i]);
+    if (n < size) snprintf(buf + n, size - n, "]");
+    return buf;
+}
+
+static moe_status check_shape(const char *file, const moe_st_tensor *t, int64_t ndim, const int64_t *shape) {
+    bool same = t->ndim == ndim;
+    for (int64_t i = 0; same && i < ndim; i++) same = t->shape[i] == shape[i];
+    if (same) return MOE_OK;
+    char got[128], want[128];
+    return moe_error(MOE_ERR_FORMAT, "%s: tensor '%s' has shape %s, expected %s", file, t->name,
+                     shape_text(got, sizeof got, t->ndim, t->shape), shape_text(want, sizeof want, ndim, shape));
+}
+
+/* Where one destination's values come from: numel elements from element
+ * `first` of src (a fused tensor holds several), or zeros when src is NULL. */
+typedef struct source {
+    float *dst; /* [numel] */
+    const moe_st_tensor *src;
+    int64_t first;
+    int64_t numel;
+} source;
+
+/* Converts every source; nothing is written before all were found valid, so
+ * a failed load leaves the destination as it was. */
+static void copy_sources(const source *s, int64_t n) {
+#pragma omp parallel for schedule(dynamic)
+    for (int64_t i = 0; i < n; i++) {
+        if (s[i].src == NULL) {
+            memset(s[i].dst, 0, (size_t)s[i].numel * sizeof(float));
+            continue;
+        }
+        moe_st_tensor part = *s[i].src;
+        int64_t bytes = moe_st_dtype_bytes(part.dtype);
+        part.data = (const unsigned char *)part.data + s[i].first * bytes;
+        part.numel = s[i].numel;
+        part.nbytes = s[i].numel * bytes;
+        moe_st_read_f32(s[i].dst, &part);
+    }
+}
+
+typedef struct weights_reader {
+    const moe_st_dir *dir;
+    const char *where; /* the file to name when a tensor is missing */
+    bool *used;        /* [tensor count of dir] */
+    int64_t E, d, ff;
+} weights_reader;
+
+/* Index of name among the dir's tensors (sorted by name), or -1. */
+static int64_t dir_index(const moe_st_dir *d, const char *name) {
+    int64_t lo = 0, hi = moe_st_dir_tensor_count(d);
+    while (lo < hi) {
+        int64_t mid = lo + (hi - lo) / 2;
+        int c = strcmp(moe_st_dir_tensor_at(d, mid)->name, name);
+        if (c == 0) return mid;
+        if (c < 0)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return -1;
+}
+
+static const char *file_of(const moe_st_dir *d, const char *name) {
+    const moe_st_file *f;
+    moe_st_dir_find(d, name, &f);
+    return moe_st_path(f);
+}
+
+/* Finds name with shape [ndim] and marks it used; *t is NULL when absent. */
+static moe_status take(const moe_st_tensor **t, weights_reader *r, const char *name, int64_t ndim,
+                       const int64_t *shape) {
+    int64_t i = dir_index(r->dir, name);
+    *t = NULL;
+    if (i < 0) return MOE_OK;
+    const moe_st_tensor *found = moe_st_dir_tensor_at(r->dir, i);
+    MOE_TRY(check_shape(file_of(r->dir, name), found, ndim, shape));
+    r->used[i] = true;
+    *t = found;
+    return MOE_OK;
+}
+
+/* The model tensor's own name, or else its place in transformers' fused
+ * layout: mlp.gate.weight for the router; for expert e, mlp.experts.
+ * gate_up_proj [E, 2ff, d] holding w1 in rows [0, ff) and w3 in [ff, 2ff) of
+ * e's slice, and mlp.experts.down_proj [E, d, ff] holding w2. */
+static moe_status resolve_weight(source *s, weights_reader *r, const moe_model_tensor *t) {
+    MOE_TRY(take(&s->src, r, t->name, t->ndim, t->shape));
+    if (s->src != NULL) return MOE_OK;
+    char alt[NAME_BYTES];
+    long long l, e;
+    int w, end = 0;
+    if (sscanf(t->name, EXPERT_FMT "%n", &l, &e, &w, &end) == 3 && end > 0 && t->name[end] == '\0') {
+        const bool down = w == 2;
+        const int64_t shape[3] = {r->E, down ? r->d : 2 * r->ff, down ? r->ff : r->d};
+        snprintf(alt, sizeof alt, FUSED_EXPERTS_FMT, l, down ? "down_proj" : "gate_up_proj");
+        MOE_TRY(take(&s->src, r, alt, 3, shape));
+        s->first = e * shape[1] * shape[2] + (w == 3 ? r->ff * r->d : 0);
+    } else if (sscanf(t->name, ROUTER_FMT "%n", &l, &end) == 1 && end > 0 && t->name[end] == '\0') {
+        snprintf(alt, sizeof alt, FUSED_ROUTER_FMT, l);
+        MOE_TRY(take(&s->src, r, alt, t->ndim, t->shape));
+    } else {
+        return moe_error(MOE_ERR_FORMAT, "%s: no tensor '%s'", r->where, t->name);
+    }
+    if (s->src == NULL) return moe_error(MOE_ERR_FORMAT, "%s: no tensor '%s' (nor '%s')", r->where, t->name, alt);
+    return MOE_OK;
+}
+
+/* A tensor the model does not use: an error, unless it is optimizer state
+ * or the selection bias of one of our layers (kept by a run with it on). */
+static moe_status check_unused(const weights_reader *r, int64_t layers) {
+    for (int64_t i = 0; i < moe_st_dir_tensor_count(r->dir); i++) {
+        if (r->used[i]) continue;
+        const char *name = moe_st_dir_tensor_at(r->dir, i)->name;
+        long long l;
+        int end = 0;
+        if (strncmp(name, OPTIMIZER_PREFIX, strlen(OPTIMIZER_PREFIX)) == 0) continue;
+        if (sscanf(name, BIAS_FMT "%n", &l, &end) == 1 && end > 0 && name[end] == '\0' && l >= 0 && l < layers)
+            continue;
+        return moe_error(MOE_ERR_FORMAT, "%s: tensor '%s' is not part of this model (a checkpoint of another model?)",
+                         file_of(r->dir, name), name);
+    }
+    return MOE_OK;
+}
+
+/* Fills s [*count]: the model's tensors, then the biases it has. */
+static moe_status resolve_weights(source *s, int64_t *count, weights_reader *r, moe_model *model) {
+    const int64_t L = moe_model_get_config(model)->num_hidden_layers;
+    float *params = moe_model_params(model);
+    int64_t n = 0;
+    for (int64_t i = 0; i < moe_model_tensor_count(model); i++, n++) {
+        const moe_model_tensor *t = moe_model_tensor_at(model, i);
+        s[n] = (source){params + t->offset, NULL, 0, t->numel};
+        MOE_TRY(resolve_weight(&s[n], r, t));
+    }
+    for (int64_t l = 0; l < L; l++) {
+        float *bias = moe_model_router_bias(model, l); /* [E] */
+        if (bias == NULL) continue;
+        char name[NAME_BYTES];
+        snprintf(name, sizeof name, BIAS_FMT, (long long)l);
+        s[n] = (source){bias, NULL, 0, r->E};
+        MOE_TRY(take(&s[n++].src, r, name, 1, &r->E));
+    }
+    *count = n;
+    return check_unused(r, L);
+}
+
+moe_status moe_checkpoint_load_weights(moe_model *model, const char *dir) {
+    if (!model || !dir) return moe_error(MOE_ERR_INVALID_ARG, "moe_checkpoint_load_weights: NULL argument");
+    moe_st_dir *d;
+    MOE_TRY(moe_st_dir_open(&d, dir));
+    const moe_model_config *c = moe_model_get_config(model);
+    const int64_t n = moe_model_tensor_count(model) + c->num_hidden_layers;
+    char index_path[PATH_BYTES];
+    moe_status st = path_join(index_path, dir, INDEX_FILE);
+    weights_reader r = {
+        .dir = d,
+        .where = moe_st_dir_shard_count(d) == 1 ? moe_st_path(moe_st_dir_shard(d, 0)) : index_path,
+        .used = calloc((size_t)moe_st_dir_tensor_count(d) + 1, sizeof(bool)),
+        .E = c->num_local_experts,
+        .d = c->hidden_size,
+        .ff = c->intermediate_size,
+    };
+    source *s = malloc((size_t)n * sizeof *s);
+    if (st == MOE_OK && (!r.used || !s)) st = moe_error(MOE_ERR_OUT_OF_MEMORY, "%s: out of memory", dir);
+    int64_t count = 0;
+    if (st == MOE_OK) st = resolve_weights(s, &count, &r, model);
+    if (st == MOE_OK) copy_sources(s, count);
+    free(s);
+    free(r.used);
+    moe_st_dir_close(d);
+    return st;
+}
+
+/* A __metadata__ value of digits only, at most max. */
+static moe_status meta_uint(uint64_t *out, const moe_st_file *f, const char *key, uint64_t max) {
+    const char *text = moe_st_metadata(f, key);
+    if (text == NULL) return moe_error(MOE_ERR_FORMAT, "%s: __metadata__ has no \"%s\"", moe_st_path(f), key);
+    uint64_t v = 0;
+    bool ok = text[0] != '\0';
+    for (const char *p = text; ok && *p != '\0'; p++) {
+        unsigned digit = (unsigned)(*p - '0');
+        ok = *p >= '0' && *p <= '9' && v <= (max - digit) / 10;
+        v = v * 10 + digit;
+    }
+    if (!ok)
+        return moe_error(MOE_ERR_FORMAT, "%s: __metadata__ \"%s\" is \"%.64s\", not an integer in [0, %" PRIu64 "]",
+                         moe_st_path(f), key, text, max);
+    *out = v;
+    return MOE_OK;
+}
+
+static moe_status read_meta(moe_train_state *s, const moe_st_file *f) {
+    const char *version = moe_st_metadata(f, "format_version");
+    if (version == NULL || strcmp(version, FORMAT_VERSION) != 0)
+        return moe_error(MOE_ERR_FORMAT, "%s: __metadata__ \"format_version\" is %s%.64s%s, expected \"" FORMAT_VERSION
+                                         "\"",
+                         moe_st_path(f), version ? "\"" : "", version ? version : "missing", version ? "\"" : "");
+    uint64_t step, token, epoch;
+    MOE_TRY(meta_uint(&step, f, "step", INT64_MAX));
+    MOE_TRY(meta_uint(&s->seed, f, "seed", UINT64_MAX));
+    MOE_TRY(meta_uint(&s->jitter_counter, f, "jitter_counter", UINT64_MAX));
+    MOE_TRY(meta_uint(&token, f, "data_token", INT64_MAX));
+    MOE_TRY(meta_uint(&epoch, f, "data_epoch", INT64_MAX));
+    s->step = (int64_t)step;
+    s->data = (moe_data_position){(int64_t)token, (int64_t)epoch};
+    return MOE_OK;
+}
+
+static int cmp_name_ptr(const void *a, const void *b) {
+    return strcmp(*(const char *const *)a, *(const char *const *)b);
+}
+
+/* Names the first tensor of f that is not an optimizer moment of a model
+ * tensor; called once f was found to hold more tensors than expected. */
+static moe_status name_unknown(const moe_st_file *f, moe_model *model) {
+    const int64_t n = moe_model_tensor_count(model);
+    const char **names = malloc((size_t)n * sizeof *names);
+    if (!names) return moe_error(MOE_ERR_OUT_OF_MEMORY, "%s: out of memory", moe_st_path(f));
+    for (int64_t i = 0; i < n; i++) names[i] = moe_model_tensor_at(model, i)->name;
+    qsort(names, (size_t)n, sizeof *names, cmp_name_ptr);
+    moe_status st = moe_error(MOE_ERR_FORMAT, "%s: holds %lld tensors, expected %lld", moe_st_path(f),
+                              (long long)moe_st_tensor_count(f), (long long)(2 * n));
+    for (int64_t i = 0; i < moe_st_tensor_count(f); i++) {
+        const char *name = moe_st_tensor_at(f, i)->name, *rest = NULL;
+        if (strncmp(name, EXP_AVG, strlen(EXP_AVG)) == 0) rest = name + strlen(EXP_AVG);
+        if (strncmp(name, EXP_AVG_SQ, strlen(EXP_AVG_SQ)) == 0) rest = name + strlen(EXP_AVG_SQ);
+        if (rest == NULL || !bsearch(&rest, names, (size_t)n, sizeof *names, cmp_name_ptr)) {
+            st = moe_error(MOE_ERR_FORMAT, "%s: tensor '%s' is not an optimizer moment of this model's tensors",
+                           moe_st_path(f), name);
+            break;
+        }
+    }
+    free(names);
+    return st;
+}
+
+static moe_status resolve_moments(source *s, const moe_st_file *f, moe_model *model, moe_trainer *trainer) {
+    const int64_t n = moe_model_tensor_count(model);
+    float *m = moe_trainer_adam_m(trainer), *v = moe_trainer_adam_v(trainer);
+    for (int64_t i = 0; i < 2 * n; i++) {
+        const moe_model_tensor *t = moe_model_tensor_at(model, i % n);
+        char name[NAME_BYTES];
+        snprintf(name, sizeof name, "%s%s", i < n ? EXP_AVG : EXP_AVG_SQ, t->name);
+        const moe_st_tensor *found = moe_st_find(f, name);
+        if (found == NULL) return moe_error(MOE_ERR_FORMAT, "%s: no tensor '%s'", moe_st_path(f), name);
+        MOE_TRY(check_shape(moe_st_path(f), found, t->ndim, t->shape));
+        s[i] = (source){(i < n ? m : v) + t->offset, found, 0, t->numel};
+    }
+    /* Names are unique, so every expected one found and a larger count
+     * means some tensor is not ours. */
+    if (moe_st_tensor_count(f) != 2 * n) return name_unknown(f, model);
+    return MOE_OK;
+}
+
+moe_status moe_checkpoint_load_state(moe_trainer *trainer, moe_model *model, moe_train_state *state,
+                                     const char *dir) {
+    if (!trainer || !model || !state || !dir)
+        return moe_error(MOE_ERR_INVALID_ARG, "moe_checkpoint_load_state: NULL argument");
+    char path[PATH_BYTES];
+    MOE_TRY(path_join(path, dir, STATE_FILE));
+    moe_st_file *f;
+    MOE_TRY(moe_st_open(&f, path));
+    const int64_t n = 2 * moe_model_tensor_count(model);
+    source *s = malloc((size_t)n * sizeof *s);
+    moe_train_state got;
+    moe_status st = s ? read_meta(&got, f) : moe_error(MOE_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
+    if (st == MOE_OK) st = resolve_moments(s, f, model, trainer);
+    if (st == MOE_OK) {
+        copy_sources(s, n);
+        moe_trainer_set_steps_done(trainer, got.step);
+        moe_model_set_jitter_counter(model, got.jitter_counter);
+        *state = got;
+    }
+    free(s);
+    moe_st_close(f);
+    return st;
+}
+
+moe_status moe_checkpoint_load_config(moe_model_config *cfg, const char *dir, moe_warn_fn warn, void *warn_ctx) {
+    if (!cfg || !dir) return moe_error(MOE_ERR_INVALID_ARG, "moe_checkpoint_load_config: NULL argument");
+    char path[PATH_BYTES];
+    MOE_TRY(path_join(path, dir, CONFIG_FILE));
+    return moe_model_config_load(cfg, path, warn, warn_ctx);
+}

@@ -1,0 +1,869 @@
+/* Checkpoints: bitwise save/load round trips, the files on disk, BF16/F16,
+ * fused and sharded files written by others, corrupt input, and atomic
+ * replacement when a save fails midway. */
+#define _XOPEN_SOURCE 700
+
+#include <criterion/criterion.h>
+#include <dirent.h>
+#include <ftw.h>
+#include <inttypes.h>
+#include <math.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "engine/checkpoint.h"
+#include "engine/fileio.h"
+#include "engine/safetensors.h"
+
+#define VOCAB 11
+#define D 16
+#define FF 8
+#define LAYERS 2
+#define EXPERTS 4
+#define MAX_TENSORS 128
+
+/* ------------------------------------------------------------ temp dirs */
+
+static char tmpdir[256];
+
+static void make_tmpdir(void) {
+    snprintf(tmpdir, sizeof tmpdir, "/tmp/moe_ckpt_XXXXXX");
+    cr_assert_not_null(mkdtemp(tmpdir), "mkdtemp failed");
+}
+
+static int remove_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw) {
+    (void)sb, (void)flag, (void)ftw;
+    return remove(path);
+}
+
+static void remove_tmpdir(void) { nftw(tmpdir, remove_entry, 16, FTW_DEPTH | FTW_PHYS); }
+
+static const char *in_tmp(const char *name) {
+    static char path[8][512]; /* a ring, so a few results can be live at once */
+    static int which;
+    which = (which + 1) % 8;
+    snprintf(path[which], sizeof path[which], "%s/%s", tmpdir, name);
+    return path[which];
+}
+
+static const char *in_dir(const char *dir, const char *name) {
+    static char path[8][768];
+    static int which;
+    which = (which + 1) % 8;
+    snprintf(path[which], sizeof path[which], "%s/%s", dir, name);
+    return path[which];
+}
+
+static unsigned char *read_bytes(const char *path, size_t *n) {
+    char *data;
+    cr_assert_eq(moe_file_read_all(&data, n, path, (size_t)1 << 30), MOE_OK, "%s", moe_last_error());
+    return (unsigned char *)data;
+}
+
+static void write_bytes(const char *path, const void *data, size_t n) {
+    FILE *f = fopen(path, "wb");
+    cr_assert_not_null(f, "cannot create %s", path);
+    cr_assert_eq(fwrite(data, 1, n, f), n);
+    cr_assert_eq(fclose(f), 0);
+}
+
+/* Entries of dir whose name starts with prefix. */
+static int count_entries(const char *dir, const char *prefix) {
+    DIR *d = opendir(dir);
+    cr_assert_not_null(d, "cannot open %s", dir);
+    int n = 0;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL)
+        n += strcmp(e->d_name, ".") != 0 && strcmp(e->d_name, "..") != 0 &&
+             strncmp(e->d_name, prefix, strlen(prefix)) == 0;
+    closedir(d);
+    return n;
+}
+
+/* ------------------------------------------------------------ the model */
+
+typedef struct run {
+    moe_model *model;
+    moe_trainer *trainer;
+} run;
+
+static run make_run(uint64_t seed, double bias_rate, int64_t shared) {
+    moe_model_config c;
+    moe_model_config_default_small(&c, VOCAB);
+    c.hidden_size = D;
+    c.intermediate_size = FF;
+    c.num_hidden_layers = LAYERS;
+    c.num_attention_heads = 2;
+    c.num_key_value_heads = 1;
+    c.head_dim = 8;
+    c.num_local_experts = EXPERTS;
+    c.num_experts_per_tok = 2;
+    c.moe_bias_update_rate = bias_rate;
+    c.moe_n_shared_experts = shared;
+    run r;
+    cr_assert_eq(moe_model_create(&r.model, &c, 1, 4, seed), MOE_OK, "%s", moe_last_error());
+    moe_optim_config oc = MOE_OPTIM_CONFIG_INIT;
+    cr_assert_eq(moe_trainer_create(&r.trainer, r.model, &oc), MOE_OK, "%s", moe_last_error());
+    return r;
+}
+
+static void free_run(run *r) {
+    moe_trainer_destroy(r->trainer);
+    moe_model_destroy(r->model);
+}
+
+static int64_t n_params(const run *r) { return moe_model_param_count(r->model); }
+
+static uint64_t splitmix(uint64_t *s) {
+    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+/* Any finite float from random bits: both signs, subnormals, zeros. */
+static float any_float(uint64_t *s) {
+    uint32_t b = (uint32_t)(splitmix(s) >> 32);
+    if (((b >> 23) & 0xFF) == 0xFF) b ^= 1u << 30;
+    float f;
+    memcpy(&f, &b, sizeof f);
+    return f;
+}
+
+/* Puts values no fresh run has into everything a checkpoint holds, with
+ * the trainer at `step`, and returns the matching state. */
+static moe_train_state scramble(run *r, uint64_t seed, int64_t step) {
+    uint64_t s = seed;
+    float *p = moe_model_params(r->model), *m = moe_trainer_adam_m(r->trainer), *v = moe_trainer_adam_v(r->trainer);
+    for (int64_t i = 0; i < n_params(r); i++) {
+        p[i] = any_float(&s);
+        m[i] = any_float(&s);
+        v[i] = fabsf(any_float(&s));
+    }
+    for (int64_t l = 0; l < LAYERS; l++) {
+        float *bias = moe_model_router_bias(r->model, l);
+        for (int64_t e = 0; bias != NULL && e < EXPERTS; e++) bias[e] = any_float(&s);
+    }
+    moe_trainer_set_steps_done(r->trainer, step);
+    moe_model_set_jitter_counter(r->model, 1000 + seed);
+    return (moe_train_state){.step = step, .seed = UINT64_MAX - seed, .jitter_counter = 1000 + seed,
+                             .data = {.token = 4096 + (int64_t)seed, .epoch = 3}};
+}
+
+static float *copy_floats(const float *a, int64_t n) {
+    float *c = malloc((size_t)n * sizeof *c);
+    cr_assert_not_null(c);
+    memcpy(c, a, (size_t)n * sizeof *c);
+    return c;
+}
+
+/* Bitwise equality; names the first element that differs. */
+static void expect_bits(const float *got, const float *want, int64_t n, const char *what) {
+    for (int64_t i = 0; i < n; i++)
+        if (memcmp(&got[i], &want[i], sizeof(float)) != 0)
+            cr_assert_fail("%s: element %lld is %a, expected %a", what, (long long)i, got[i], want[i]);
+}
+
+static void expect_error(moe_status st, const char *a, const char *b) {
+    cr_assert_neq(st, MOE_OK, "expected a failure naming '%s'", a);
+    const char *e = moe_last_error();
+    cr_assert(strstr(e, a) != NULL && (b == NULL || strstr(e, b) != NULL), "error \"%s\" should name '%s' and '%s'", e,
+              a, b ? b : "");
+}
+
+static const char *save(char *path, size_t n, const char *out, run *r, const moe_train_state *s) {
+    cr_assert_eq(moe_checkpoint_save(path, n, out, r->model, r->trainer, s), MOE_OK, "%s", moe_last_error());
+    return path;
+}
+
+static void load_weights(run *r, const char *dir) {
+    cr_assert_eq(moe_checkpoint_load_weights(r->model, dir), MOE_OK, "%s", moe_last_error());
+}
+
+/* ------------------------------------------- safetensors written by hand */
+
+typedef struct tt {
+    char name[160];
+    int64_t ndim;
+    int64_t shape[3];
+    const float *data; /* [product of shape] */
+} tt;
+
+static int64_t tt_numel(const tt *t) {
+    int64_t n = 1;
+    for (int64_t i = 0; i < t->ndim; i++) n *= t->shape[i];
+    return n;
+}
+
+static tt make_tt(const char *name, int64_t ndim, const int64_t *shape, const float *data) {
+    tt t = {.ndim = ndim, .data = data};
+    size_t len = strlen(name);
+    cr_assert_lt(len, sizeof t.name, "tensor name too long: %s", name);
+    memcpy(t.name, name, len + 1);
+    for (int64_t i = 0; i < ndim; i++) t.shape[i] = shape[i];
+    return t;
+}
+
+/* The model's tensors (1-D norms) and biases, in its order. */
+static int64_t model_tts(tt *out, run *r) {
+    int64_t n = 0;
+    const float *p = moe_model_params(r->model);
+    for (int64_t i = 0; i < moe_model_tensor_count(r->model); i++) {
+        const moe_model_tensor *t = moe_model_tensor_at(r->model, i);
+        out[n++] = make_tt(t->name, t->ndim, t->shape, p + t->offset);
+    }
+    for (int64_t l = 0; l < LAYERS; l++) {
+        const float *bias = moe_model_router_bias(r->model, l);
+        if (bias == NULL) continue;
+        char name[128];
+        snprintf(name, sizeof name, "model.layers.%lld.block_sparse_moe.gate.e_score_correction_bias", (long long)l);
+        out[n++] = make_tt(name, 1, (int64_t[]){EXPERTS}, bias);
+    }
+    return n;
+}
+
+static int64_t drop_tt(tt *ts, int64_t n, const char *name) {
+    for (int64_t i = 0; i < n; i++)
+        if (strcmp(ts[i].name, name) == 0) {
+            memmove(&ts[i], &ts[i + 1], (size_t)(n - i - 1) * sizeof *ts);
+            return n - 1;
+        }
+    cr_assert_fail("no tensor %s to drop", name);
+    return n;
+}
+
+static uint32_t f32_bits(float x) {
+    uint32_t b;
+    memcpy(&b, &x, sizeof b);
+    return b;
+}
+
+/* Exact encodings only: the test values are chosen to fit. */
+static uint16_t bf16_bits(float x) {
+    uint32_t b = f32_bits(x);
+    cr_assert_eq(b & 0xFFFF, 0, "%a is not exact in bf16", x);
+    return (uint16_t)(b >> 16);
+}
+
+static uint16_t f16_bits(float x) {
+    uint32_t b = f32_bits(x), sign = (b >> 16) & 0x8000, man = b & 0x7FFFFF;
+    int exp = (int)((b >> 23) & 0xFF);
+    if (exp == 0 && man == 0) return (uint16_t)sign;
+    cr_assert(exp - 127 + 15 >= 1 && exp - 127 + 15 <= 30 && (man & 0x1FFF) == 0, "%a is not a normal f16", x);
+    return (uint16_t)(sign | (uint32_t)(exp - 112) << 10 | man >> 13);
+}
+
+/* A safetensors file of ts [n] stored as dtype ("F32", "BF16", "F16"),
+ * header built by hand and space-padded to 8 bytes. */
+static void write_tts(const char *path, const tt *ts, int64_t n, const char *dtype) {
+    const size_t esize = strcmp(dtype, "F32") == 0 ? 4 : 2;
+    size_t cap = 256 + (size_t)n * 320, len = 0, data_len = 0;
+    char *h = malloc(cap);
+    cr_assert_not_null(h);
+    len += (size_t)snprintf(h + len, cap - len, "{\"__metadata__\":{\"format\":\"pt\"}");
+    for (int64_t i = 0; i < n; i++) {
+        len += (size_t)snprintf(h + len, cap - len, ",\"%s\":{\"dtype\":\"%s\",\"shape\":[", ts[i].name, dtype);
+        for (int64_t k = 0; k < ts[i].ndim; k++)
+            len += (size_t)snprintf(h + len, cap - len, "%s%lld", k ? "," : "", (long long)ts[i].shape[k]);
+        size_t bytes = (size_t)tt_numel(&ts[i]) * esize;
+        len += (size_t)snprintf(h + len, cap - len, "],\"data_offsets\":[%zu,%zu]}", data_len, data_len + bytes);
+        data_len += bytes;
+    }
+    len += (size_t)snprintf(h + len, cap - len, "}");
+    while (len % 8 != 0) h[len++] = ' ';
+    cr_assert_lt(len, cap);
+    unsigned char *buf = malloc(8 + len + data_len), *p = buf + 8 + len;
+    for (int i = 0; i < 8; i++) buf[i] = (unsigned char)((uint64_t)len >> (8 * i));
+    memcpy(buf + 8, h, len);
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t j = 0; j < tt_numel(&ts[i]); j++) {
+            float x = ts[i].data[j];
+            uint32_t bits = esize == 4 ? f32_bits(x) : strcmp(dtype, "BF16") == 0 ? bf16_bits(x) : f16_bits(x);
+            for (size_t k = 0; k < esize; k++) *p++ = (unsigned char)(bits >> (8 * k));
+        }
+    write_bytes(path, buf, 8 + len + data_len);
+    free(buf);
+    free(h);
+}
+
+static const char *fresh_dir(const char *name) {
+    const char *dir = in_tmp(name);
+    cr_assert_eq(moe_mkdir_p(dir), MOE_OK, "%s", moe_last_error());
+    return dir;
+}
+
+/* ------------------------------------------------------------ round trip */
+
+Test(checkpoint, save_then_load_is_bitwise, .init = make_tmpdir, .fini = remove_tmpdir) {
+    run a = make_run(1, 0.01, 1), b = make_run(2, 0.01, 1);
+    moe_train_state s = scramble(&a, 7, 7);
+    char path[512];
+    save(path, sizeof path, in_tmp("out/nested"), &a, &s);
+    cr_assert_str_eq(path, in_tmp("out/nested/step-000007"));
+
+    scramble(&b, 8, 1);
+    load_weights(&b, path);
+    moe_train_state got;
+    cr_assert_eq(moe_checkpoint_load_state(b.trainer, b.model, &got, path), MOE_OK, "%s", moe_last_error());
+    expect_bits(moe_model_params(b.model), moe_model_params(a.model), n_params(&a), "params");
+    expect_bits(moe_trainer_adam_m(b.trainer), moe_trainer_adam_m(a.trainer), n_params(&a), "exp_avg");
+    expect_bits(moe_trainer_adam_v(b.trainer), moe_trainer_adam_v(a.trainer), n_params(&a), "exp_avg_sq");
+    for (int64_t l = 0; l < LAYERS; l++)
+        expect_bits(moe_model_router_bias(b.model, l), moe_model_router_bias(a.model, l), EXPERTS, "bias");
+    cr_expect_eq(moe_trainer_steps_done(b.trainer), 7);
+    cr_expect_eq(got.step, 7);
+    cr_expect_eq(got.seed, UINT64_MAX - 7);
+    cr_expect_eq(got.jitter_counter, 1007);
+    cr_expect_eq(moe_model_jitter_counter(b.model), 1007);
+    cr_expect_eq(got.data.token, 4096 + 7);
+    cr_expect_eq(got.data.epoch, 3);
+
+    moe_model_config cfg;
+    cr_assert_eq(moe_checkpoint_load_config(&cfg, path, NULL, NULL), MOE_OK, "%s", moe_last_error());
+    const moe_model_config *want = moe_model_get_config(a.model);
+    cr_expect_eq(cfg.hidden_size, want->hidden_size);
+    cr_expect_eq(cfg.num_local_experts, want->num_local_experts);
+    cr_expect_eq(cfg.moe_n_shared_experts, 1);
+    cr_expect_eq(cfg.moe_bias_update_rate, want->moe_bias_update_rate);
+    free_run(&a);
+    free_run(&b);
+}
+
+Test(checkpoint, files_are_hf_safetensors, .init = make_tmpdir, .fini = remove_tmpdir) {
+    run a = make_run(1, 0.01, 0);
+    moe_train_state s = scramble(&a, 3, 12);
+    char path[512];
+    save(path, sizeof path, tmpdir, &a, &s);
+
+    /* The raw header: u64 length, '{' first, 8-byte aligned data. */
+    size_t size;
+    unsigned char *raw = read_bytes(in_dir(path, "model.safetensors"), &size);
+    uint64_t hlen = 0;
+    for (int i = 0; i < 8; i++) hlen |= (uint64_t)raw[i] << (8 * i);
+    cr_assert_lt(hlen + 8, size);
+    cr_expect_eq((hlen + 8) % 8, 0, "header length %llu leaves the data unaligned", (unsigned long long)hlen);
+    cr_expect_eq(raw[8], '{');
+    free(raw);
+
+    moe_st_file *f;
+    cr_assert_eq(moe_st_open(&f, in_dir(path, "model.safetensors")), MOE_OK, "%s", moe_last_error());
+    cr_assert_str_eq(moe_st_metadata(f, "format"), "pt");
+    tt want[MAX_TENSORS];
+    int64_t n = model_tts(want, &a);
+    cr_assert_eq(moe_st_tensor_count(f), n);
+    for (int64_t i = 0; i < n; i++) {
+        const moe_st_tensor *t = moe_st_tensor_at(f, i);
+        cr_assert_str_eq(t->name, want[i].name, "tensor %lld", (long long)i);
+        cr_assert_eq(t->dtype, MOE_ST_F32, "%s", t->name);
+        cr_assert_eq(t->ndim, want[i].ndim, "%s", t->name);
+        for (int64_t k = 0; k < t->ndim; k++) cr_assert_eq(t->shape[k], want[i].shape[k], "%s", t->name);
+        cr_assert_eq(memcmp(t->data, want[i].data, (size_t)t->nbytes), 0, "%s: bytes differ", t->name);
+    }
+    cr_expect_not_null(moe_st_find(f, "model.norm.weight"));
+    cr_expect_eq(moe_st_find(f, "model.layers.0.input_layernorm.weight")->ndim, 1);
+    moe_st_close(f);
+
+    cr_assert_eq(moe_st_open(&f, in_dir(path, "train_state.safetensors")), MOE_OK, "%s", moe_last_error());
+    cr_assert_str_eq(moe_st_metadata(f, "format"), "pt");
+    const int64_t nt = moe_model_tensor_count(a.model);
+    cr_assert_eq(moe_st_tensor_count(f), 2 * nt);
+    for (int64_t i = 0; i < nt; i++) {
+        const moe_model_tensor *t = moe_model_tensor_at(a.model, i);
+        char name[160];
+        snprintf(name, sizeof name, "optimizer.exp_avg_sq.%s", t->name);
+        const moe_st_tensor *st = moe_st_find(f, name);
+        cr_assert_not_null(st, "%s missing", name);
+        cr_assert_eq(memcmp(st->data, moe_trainer_adam_v(a.trainer) + t->offset, (size_t)st->nbytes), 0, "%s", name);
+    }
+    const char *meta[][2] = {{"format_version", "1"}, {"step", "12"}, {"seed", "18446744073709551612"},
+                             {"jitter_counter", "1003"}, {"data_token", "4099"}, {"data_epoch", "3"}};
+    for (size_t i = 0; i < sizeof meta / sizeof meta[0]; i++) {
+        const char *v = moe_st_metadata(f, meta[i][0]);
+        cr_assert_not_null(v, "metadata %s missing", meta[i][0]);
+        cr_expect_str_eq(v, meta[i][1], "metadata %s", meta[i][0]);
+    }
+    moe_st_close(f);
+    free_run(&a);
+}
+
+Test(checkpoint, step_names_and_bad_arguments, .init = make_tmpdir, .fini = remove_tmpdir) {
+    run a = make_run(1, 0, 0);
+    char path[512];
+    moe_train_state s = scramble(&a, 1, 1234567);
+    cr_expect_str_eq(save(path, sizeof path, tmpdir, &a, &s), in_tmp("step-1234567"));
+    s = scramble(&a, 1, 0);
+    cr_expect_str_eq(save(path, sizeof path, tmpdir, &a, &s), in_tmp("step-000000"));
+
+    s.step = 5; /* the trainer says 0 */
+    expect_error(moe_checkpoint_save(path, sizeof path, tmpdir, a.model, a.trainer, &s), "step 5", NULL);
+    s.step = 0;
+    char small[8];
+    expect_error(moe_checkpoint_save(small, sizeof small, in_tmp("other"), a.model, a.trainer, &s), "step-000000",
+                 NULL);
+    cr_expect_neq(access(in_tmp("other"), F_OK), 0, "nothing is written when the path does not fit");
+    cr_expect_eq(count_entries(tmpdir, "."), 0);
+    free_run(&a);
+}
+
+/* ------------------------------------------------- other writers' files */
+
+/* Values exact in both BF16 and F16 (k/64 for |k| <= 64: normal or 0). */
+static void set_exact_params(run *r) {
+    float *p = moe_model_params(r->model);
+    for (int64_t i = 0; i < n_params(r); i++) p[i] = (float)((i * 37) % 129 - 64) / 64.0f;
+}
+
+Test(checkpoint, bf16_and_f16_files_convert, .init = make_tmpdir, .fini = remove_tmpdir) {
+    run a = make_run(1, 0, 0), b = make_run(2, 0, 0);
+    set_exact_params(&a);
+    tt ts[MAX_TENSORS];
+    int64_t n = model_tts(ts, &a);
+    const char *dtypes[] = {"BF16", "F16"};
+    for (int k = 0; k < 2; k++) {
+        const char *dir = fresh_dir(dtypes[k]);
+        write_tts(in_dir(dir, "model.safetensors"), ts, n, dtypes[k]);
+        scramble(&b, 5, 0);
+        load_weights(&b, dir);
+        expect_bits(moe_model_params(b.model), moe_model_params(a.model), n_params(&a), dtypes[k]);
+    }
+    free_run(&a);
+    free_run(&b);
+}
+
+/* transformers' fused layout of a's experts, built here from its names. */
+static int64_t fused_tts(tt *ts, run *a, float *gate_up, float *down) {
+    int64_t n = 0;
+    const float *p = moe_model_params(a->model);
+    for (int64_t i = 0; i < moe_model_tensor_count(a->model); i++) {
+        const moe_model_tensor *t = moe_model_tensor_at(a->model, i);
+        if (strstr(t->name, ".block_sparse_moe.") == NULL) ts[n++] = make_tt(t->name, t->ndim, t->shape, p + t->offset);
+    }
+    for (int64_t l = 0; l < LAYERS; l++) {
+        char name[160];
+        float *gu = gate_up + l * EXPERTS * 2 * FF * D, *dn = down + l * EXPERTS * D * FF; /* [E, 2ff, d], [E, d, ff] */
+        for (int64_t e = 0; e < EXPERTS; e++) {
+            const char *w[3] = {"w1", "w3", "w2"};
+            float *dst[3] = {gu + e * 2 * FF * D, gu + e * 2 * FF * D + FF * D, dn + e * D * FF};
+            for (int k = 0; k < 3; k++) {
+                snprintf(name, sizeof name, "model.layers.%lld.block_sparse_moe.experts.%lld.%s.weight", (long long)l,
+                         (long long)e, w[k]);
+                const moe_model_tensor *t = moe_model_find_tensor(a->model, name);
+                cr_assert_not_null(t, "%s", name);
+                memcpy(dst[k], p + t->offset, (size_t)t->numel * sizeof(float));
+            }
+        }
+        snprintf(name, sizeof name, "model.layers.%lld.block_sparse_moe.gate.weight", (long long)l);
+        const moe_model_tensor *router = moe_model_find_tensor(a->model, name);
+        snprintf(name, sizeof name, "model.layers.%lld.mlp.gate.weight", (long long)l);
+        ts[n++] = make_tt(name, 2, (int64_t[]){EXPERTS, D}, p + router->offset);
+        snprintf(name, sizeof name, "model.layers.%lld.mlp.experts.gate_up_proj", (long long)l);
+        ts[n++] = make_tt(name, 3, (int64_t[]){EXPERTS, 2 * FF, D}, gu);
+        snprintf(name, sizeof name, "model.layers.%lld.mlp.experts.down_proj", (long long)l);
+        ts[n++] = make_tt(name, 3, (int64_t[]){EXPERTS, D, FF}, dn);
+    }
+    return n;
+}
+
+Test(checkpoint, fused_layout_loads_like_per_expert, .init = make_tmpdir, .fini = remove_tmpdir) {
+    run a = make_run(1, 0, 0), b = make_run(2, 0, 0), c = make_run(3, 0, 0);
+    moe_train_state s = scramble(&a, 11, 0);
+    char path[512];
+    save(path, sizeof path, tmpdir, &a, &s);
+    load_weights(&c, path);
+
+    float *gate_up = malloc(LAYERS * EXPERTS * 2 * FF * D * sizeof(float));
+    float *down = malloc(LAYERS * EXPERTS * D * FF * sizeof(float));
+    tt ts[MAX_TENSORS];
+    int64_t n = fused_tts(ts, &a, gate_up, down);
+    const char *dir = fresh_dir("fused");
+    write_tts(in_dir(dir, "model.safetensors"), ts, n, "F32");
+    load_weights(&b, dir);
+    expect_bits(moe_model_params(b.model), moe_model_params(c.model), n_params(&a), "fused vs per-expert");
+    expect_bits(moe_model_params(b.model), moe_model_params(a.model), n_params(&a), "fused vs saved");
+
+    /* A fused tensor of the wrong shape is named. */
+    for (int64_t i = 0; i < n; i++)
+        if (strcmp(ts[i].name, "model.layers.1.mlp.experts.down_proj") == 0) {
+            ts[i].shape[1] = 2 * D;
+            ts[i].shape[2] = FF / 2;
+        }
+    write_tts(in_dir(dir, "model.safetensors"), ts, n, "F32");
+    expect_error(moe_checkpoint_load_weights(b.model, dir), "model.layers.1.mlp.experts.down_proj", "[4, 32, 4]");
+    free(gate_up);
+    free(down);
+    free_run(&a);
+    free_run(&b);
+    free_run(&c);
+}
+
+Test(checkpoint, sharded_index_loads, .init = make_tmpdir, .fini = remove_tmpdir) {
+    run a = make_run(1, 0, 1), b = make_run(2, 0, 1);
+    scramble(&a, 4, 0);
+    tt ts[MAX_TENSORS];
+    int64_t n = model_tts(ts, &a), half = n / 2;
+    const char *dir = fresh_dir("sharded");
+    const char *shard[2] = {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"};
+    write_tts(in_dir(dir, shard[0]), ts, half, "F32");
+    write_tts(in_dir(dir, shard[1]), ts + half, n - half, "F32");
+    FILE *f = fopen(in_dir(dir, "model.safetensors.index.json"), "w");
+    cr_assert_not_null(f);
+    fprintf(f, "{\"metadata\": {\"total_size\": %lld}, \"weight_map\": {", (long long)(n_params(&a) * 4));
+    for (int64_t i = 0; i < n; i++) fprintf(f, "%s\"%s\": \"%s\"", i ? ", " : "", ts[i].name, shard[i >= half]);
+    fprintf(f, "}}\n");
+    fclose(f);
+    load_weights(&b, dir);
+    expect_bits(moe_model_params(b.model), moe_model_params(a.model), n_params(&a), "sharded");
+    free_run(&a);
+    free_run(&b);
+}
+
+Test(checkpoint, selection_bias_missing_or_unused, .init = make_tmpdir, .fini = remove_tmpdir) {
+    run off = make_run(1, 0, 0), on = make_run(2, 0.01, 0);
+    char path[512];
+
+    /* Saved without a bias, loaded with one on: the bias is zero. */
+    moe_train_state s = scramble(&off, 21, 0);
+    save(path, sizeof path, in_tmp("from_off"), &off, &s);
+    scramble(&on, 22, 0);
+    load_weights(&on, path);
+    expect_bits(moe_model_params(on.model), moe_model_params(off.model), n_params(&off), "params");
+    const float zeros[EXPERTS] = {0};
+    for (int64_t l = 0; l < LAYERS; l++) expect_bits(moe_model_router_bias(on.model, l), zeros, EXPERTS, "bias");
+
+    /* Saved with one, loaded without: ignored. */
+    s = scramble(&on, 23, 0);
+    save(path, sizeof path, in_tmp("from_on"), &on, &s);
+    load_weights(&off, path);
+    expect_bits(moe_model_params(off.model), moe_model_params(on.model), n_params(&off), "params");
+
+    /* A bias of the wrong shape, or of a layer the model lacks. */
+    tt ts[MAX_TENSORS];
+    int64_t n = model_tts(ts, &on);
+    const char *dir = fresh_dir("bad_bias");
+    float wide[EXPERTS + 1] = {0};
+    ts[n - 1] = make_tt(ts[n - 1].name, 1, (int64_t[]){EXPERTS + 1}, wide);
+    write_tts(in_dir(dir, "model.safetensors"), ts, n, "F32");
+    expect_error(moe_checkpoint_load_weights(on.model, dir),
+                 "model.layers.1.block_sparse_moe.gate.e_score_correction_bias", "[5]");
+    ts[n - 1] = make_tt("model.layers.2.block_sparse_moe.gate.e_score_correction_bias", 1, (int64_t[]){EXPERTS}, wide);
+    write_tts(in_dir(dir, "model.safetensors"), ts, n, "F32");
+    expect_error(moe_checkpoint_load_weights(off.model, dir),
+                 "model.layers.2.block_sparse_moe.gate.e_score_correction_bias", "not part of this model");
+    free_run(&off);
+    free_run(&on);
+}
+
+/* ---------------------------------------------------------- bad input */
+
+Test(checkpoint, corrupt_weights_are_refused, .init = make_tmpdir, .fini = remove_tmpdir) {
+    run a = make_run(1, 0, 0), b = make_run(2, 0, 0);
+    scramble(&a, 31, 0);
+    scramble(&b, 32, 0);
+    float *before = copy_floats(moe_model_params(b.model), n_params(&b));
+    tt base[MAX_TENSORS], ts[MAX_TENSORS];
+    const int64_t n = model_tts(base, &a);
+    const char *dir = fresh_dir("bad");
+    const char *file = in_dir(dir, "model.safetensors");
+    float big[64] = {0};
+
+    memcpy(ts, base, sizeof base);
+    write_tts(file, ts, drop_tt(ts, n, "lm_head.weight"), "F32");
+    expect_error(moe_checkpoint_load_weights(b.model, dir), "lm_head.weight", file);
+
+    memcpy(ts, base, sizeof base);
+    write_tts(file, ts, drop_tt(ts, n, "model.layers.1.block_sparse_moe.experts.2.w3.weight"), "F32");
+    expect_error(moe_checkpoint_load_weights(b.model, dir), "model.layers.1.block_sparse_moe.experts.2.w3.weight",
+                 file);
+
+    memcpy(ts, base, sizeof base);
+    for (int64_t i = 0; i < n; i++)
+        if (strcmp(ts[i].name, "model.norm.weight") == 0) ts[i] = make_tt(ts[i].name, 1, (int64_t[]){D + 1}, big);
+    write_tts(file, ts, n, "F32");
+    expect_error(moe_checkpoint_load_weights(b.model, dir), "model.norm.weight", "[17]");
+
+    memcpy(ts, base, sizeof base);
+    for (int64_t i = 0; i < n; i++) /* [d, 1]: the same elements, but 2-D */
+        if (strcmp(ts[i].name, "model.layers.0.input_layernorm.weight") == 0)
+            ts[i] = make_tt(ts[i].name, 2, (int64_t[]){D, 1}, big);
+    write_tts(file, ts, n, "F32");
+    expect_error(moe_checkpoint_load_weights(b.model, dir), "model.layers.0.input_layernorm.weight", "[16, 1]");
+
+    memcpy(ts, base, sizeof base);
+    ts[n] = make_tt("model.layers.7.self_attn.q_proj.weight", 2, (int64_t[]){2, 2}, big);
+    write_tts(file, ts, n + 1, "F32");
+    expect_error(moe_checkpoint_load_weights(b.model, dir), "model.layers.7.self_attn.q_proj.weight", file);
+
+    /* An optimizer tensor in the weights file is tolerated. */
+    ts[n] = make_tt("optimizer.exp_avg.model.norm.weight", 1, (int64_t[]){D}, big);
+    write_tts(file, ts, n + 1, "F32");
+    scramble(&b, 32, 0);
+    load_weights(&b, dir);
+    expect_bits(moe_model_params(b.model), moe_model_params(a.model), n_params(&a), "with optimizer tensor");
+    scramble(&b, 32, 0);
+
+    /* Truncated: the last 4 bytes cut off. */
+    size_t size;
+    unsigned char *bytes = read_bytes(file, &size);
+    write_bytes(file, bytes, size - 4);
+    free(bytes);
+    expect_error(moe_checkpoint_load_weights(b.model, dir), file, NULL);
+
+    cr_assert_eq(remove(file), 0);
+    expect_error(moe_checkpoint_load_weights(b.model, dir), dir, NULL);
+
+    expect_bits(moe_model_params(b.model), before, n_params(&b), "params after failed loads");
+    free(before);
+    free_run(&a);
+    free_run(&b);
+}
+
+typedef struct meta_case {
+    const char *key;
+    const char *value; /* NULL: the key is left out */
+    const char *expect;
+} meta_case;
+
+/* train_state.safetensors of r's moments with meta, one key replaced or
+ * dropped, and extra [n_extra] tensors; drop names a tensor to leave out. */
+static void write_state(const char *path, run *r, const meta_case *change, const char *drop, const tt *extra,
+                        int64_t n_extra) {
+    const moe_st_meta base[] = {{"format_version", "1"}, {"step", "9"},       {"seed", "18446744073709551615"},
+                                {"jitter_counter", "5"}, {"data_token", "64"}, {"data_epoch", "2"}};
+    moe_st_meta meta[6];
+    int64_t nm = 0;
+    for (int i = 0; i < 6; i++) {
+        if (change != NULL && strcmp(change->key, base[i].key) == 0) {
+            if (change->value != NULL) meta[nm++] = (moe_st_meta){base[i].key, change->value};
+        } else {
+            meta[nm++] = base[i];
+        }
+    }
+    const int64_t nt = moe_model_tensor_count(r->model);
+    static char names[2 * MAX_TENSORS][160];
+    moe_st_entry entries[2 * MAX_TENSORS + 4];
+    int64_t n = 0;
+    for (int64_t i = 0; i < 2 * nt; i++) {
+        const moe_model_tensor *t = moe_model_tensor_at(r->model, i % nt);
+        snprintf(names[i], sizeof names[i], "optimizer.%s.%s", i < nt ? "exp_avg" : "exp_avg_sq", t->name);
+        if (drop != NULL && strcmp(names[i], drop) == 0) continue;
+        const float *src = (i < nt ? moe_trainer_adam_m(r->trainer) : moe_trainer_adam_v(r->trainer)) + t->offset;
+        entries[n++] = (moe_st_entry){names[i], src, t->ndim, t->shape};
+    }
+    for (int64_t i = 0; i < n_extra; i++)
+        entries[n++] = (moe_st_entry){extra[i].name, extra[i].data, extra[i].ndim, extra[i].shape};
+    cr_assert_eq(moe_st_write(path, entries, n, meta, nm), MOE_OK, "%s", moe_last_error());
+}
+
+Test(checkpoint, corrupt_state_is_refused, .init = make_tmpdir, .fini = remove_tmpdir) {
+    run a = make_run(1, 0, 0), b = make_run(2, 0, 0);
+    scramble(&a, 41, 9);
+    scramble(&b, 42, 1);
+    float *m_before = copy_floats(moe_trainer_adam_m(b.trainer), n_params(&b));
+    const char *dir = fresh_dir("state");
+    const char *file = in_dir(dir, "train_state.safetensors");
+    moe_train_state got = {0};
+
+    /* The writer here gives a valid file first: the cases below differ from
+     * it by one thing each. */
+    write_state(file, &a, NULL, NULL, NULL, 0);
+    cr_assert_eq(moe_checkpoint_load_state(b.trainer, b.model, &got, dir), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(got.seed, UINT64_MAX);
+    cr_expect_eq(got.step, 9);
+    expect_bits(moe_trainer_adam_m(b.trainer), moe_trainer_adam_m(a.trainer), n_params(&a), "exp_avg");
+    memcpy(moe_trainer_adam_m(b.trainer), m_before, (size_t)n_params(&b) * sizeof(float));
+    moe_trainer_set_steps_done(b.trainer, 1);
+
+    const meta_case cases[] = {
+        {"step", "12x", "\"step\""},
+        {"step", "-1", "\"step\""},
+        {"step", "", "\"step\""},
+        {"step", "9223372036854775808", "\"step\""},
+        {"seed", "18446744073709551616", "\"seed\""},
+        {"data_epoch", " 3", "\"data_epoch\""},
+        {"data_token", "0x10", "\"data_token\""},
+        {"jitter_counter", NULL, "\"jitter_counter\""},
+        {"format_version", "2", "\"format_version\""},
+        {"format_version", NULL, "\"format_version\""},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        write_state(file, &a, &cases[i], NULL, NULL, 0);
+        expect_error(moe_checkpoint_load_state(b.trainer, b.model, &got, dir), cases[i].expect, file);
+    }
+
+    write_state(file, &a, NULL, "optimizer.exp_avg_sq.model.norm.weight", NULL, 0);
+    expect_error(moe_checkpoint_load_state(b.trainer, b.model, &got, dir), "optimizer.exp_avg_sq.model.norm.weight",
+                 file);
+
+    float junk[D * VOCAB] = {0};
+    const tt extra[] = {make_tt("optimizer.exp_avg.model.layers.5.self_attn.q_proj.weight", 1, (int64_t[]){4}, junk),
+                        make_tt("step_counter", 1, (int64_t[]){1}, junk)};
+    for (int i = 0; i < 2; i++) {
+        write_state(file, &a, NULL, NULL, &extra[i], 1);
+        expect_error(moe_checkpoint_load_state(b.trainer, b.model, &got, dir), extra[i].name, file);
+    }
+
+    /* lm_head's moments transposed: same size, wrong shape. */
+    const tt wrong = make_tt("optimizer.exp_avg.lm_head.weight", 2, (int64_t[]){D, VOCAB}, junk);
+    write_state(file, &a, NULL, "optimizer.exp_avg.lm_head.weight", &wrong, 1);
+    expect_error(moe_checkpoint_load_state(b.trainer, b.model, &got, dir), "optimizer.exp_avg.lm_head.weight",
+                 "[16, 11]");
+
+    write_state(file, &a, NULL, NULL, NULL, 0);
+    size_t size;
+    unsigned char *bytes = read_bytes(file, &size);
+    write_bytes(file, bytes, size - 1);
+    free(bytes);
+    expect_error(moe_checkpoint_load_state(b.trainer, b.model, &got, dir), file, NULL);
+
+    cr_expect_eq(moe_trainer_steps_done(b.trainer), 1, "steps changed by a failed load");
+    expect_bits(moe_trainer_adam_m(b.trainer), m_before, n_params(&b), "exp_avg after failed loads");
+    free(m_before);
+    free_run(&a);
+    free_run(&b);
+}
+
+/* ------------------------------------------------------------- atomicity */
+
+typedef struct snapshot {
+    unsigned char *bytes[3];
+    size_t size[3];
+} snapshot;
+
+static const char *const files[3] = {"model.safetensors", "config.json", "train_state.safetensors"};
+
+static snapshot take_snapshot(const char *dir) {
+    snapshot s;
+    for (int i = 0; i < 3; i++) s.bytes[i] = read_bytes(in_dir(dir, files[i]), &s.size[i]);
+    return s;
+}
+
+static void expect_snapshot(const char *dir, snapshot *want) {
+    for (int i = 0; i < 3; i++) {
+        size_t size;
+        unsigned char *got = read_bytes(in_dir(dir, files[i]), &size);
+        cr_expect(size == want->size[i] && memcmp(got, want->bytes[i], size) == 0, "%s/%s changed", dir, files[i]);
+        free(got);
+        free(want->bytes[i]);
+    }
+}
+
+/* Makes every write past `bytes` of a file fail with EFBIG, even for root
+ * (RLIMIT_FSIZE binds everyone; only raising it needs privilege, and the
+ * hard limit is untouched). */
+static void limit_file_size(rlim_t bytes) {
+    struct rlimit rl;
+    cr_assert_eq(getrlimit(RLIMIT_FSIZE, &rl), 0);
+    rl.rlim_cur = bytes;
+    signal(SIGXFSZ, SIG_IGN);
+    cr_assert_eq(setrlimit(RLIMIT_FSIZE, &rl), 0);
+}
+
+static void unlimit_file_size(void) {
+    struct rlimit rl;
+    cr_assert_eq(getrlimit(RLIMIT_FSIZE, &rl), 0);
+    rl.rlim_cur = rl.rlim_max;
+    cr_assert_eq(setrlimit(RLIMIT_FSIZE, &rl), 0);
+}
+
+/* The model and config files fit under the limit, train_state (twice the
+ * weights) does not: the save fails on its last file. */
+static void fail_after_weights(const char *ckpt) {
+    struct stat sb;
+    cr_assert_eq(stat(in_dir(ckpt, "model.safetensors"), &sb), 0);
+    limit_file_size((rlim_t)sb.st_size + 64);
+}
+
+Test(checkpoint, failed_save_keeps_previous, .init = make_tmpdir, .fini = remove_tmpdir) {
+    run a = make_run(1, 0, 0), b = make_run(2, 0, 0);
+    const char *out = in_tmp("out");
+    char path[512], p3[512];
+    moe_train_state s = scramble(&a, 51, 3);
+    save(p3, sizeof p3, out, &a, &s);
+    float *saved = copy_floats(moe_model_params(a.model), n_params(&a));
+    snapshot snap = take_snapshot(p3);
+
+    fail_after_weights(p3);
+    s = scramble(&a, 52, 3);
+    expect_error(moe_checkpoint_save(path, sizeof path, out, a.model, a.trainer, &s), "train_state.safetensors",
+                 "step-000003");
+    s = scramble(&a, 53, 4);
+    expect_error(moe_checkpoint_save(path, sizeof path, out, a.model, a.trainer, &s), "train_state.safetensors",
+                 "step-000004");
+    unlimit_file_size();
+
+    expect_snapshot(p3, &snap);
+    cr_expect_eq(count_entries(out, "."), 0, "a temp directory was left in %s", out);
+    cr_expect_eq(count_entries(out, "step-"), 1);
+    load_weights(&b, p3);
+    expect_bits(moe_model_params(b.model), saved, n_params(&a), "previous checkpoint");
+
+    /* A regular file where the step directory goes is refused, untouched. */
+    write_bytes(in_dir(out, "step-000004"), "keep", 4);
+    expect_error(moe_checkpoint_save(path, sizeof path, out, a.model, a.trainer, &s), "step-000004",
+                 "not a directory");
+    size_t size;
+    unsigned char *bytes = read_bytes(in_dir(out, "step-000004"), &size);
+    cr_expect(size == 4 && memcmp(bytes, "keep", 4) == 0);
+    free(bytes);
+    cr_expect_eq(count_entries(out, "."), 0);
+    free(saved);
+    free_run(&a);
+    free_run(&b);
+}
+
+Test(checkpoint, resave_replaces_and_clears_leftovers, .init = make_tmpdir, .fini = remove_tmpdir) {
+    run a = make_run(1, 0, 0), b = make_run(2, 0, 0);
+    const char *out = in_tmp("out");
+    char path[512], leftover[512];
+    const long pid = (long)getpid();
+
+    /* The same step saved twice: the second replaces the first. */
+    moe_train_state s = scramble(&a, 61, 2);
+    save(path, sizeof path, out, &a, &s);
+    s = scramble(&a, 62, 2);
+    save(path, sizeof path, out, &a, &s);
+    load_weights(&b, path);
+    expect_bits(moe_model_params(b.model), moe_model_params(a.model), n_params(&a), "re-saved step");
+    cr_expect_eq(count_entries(out, ""), 1);
+
+    /* A temp directory left by a dead process with our pid. */
+    snprintf(leftover, sizeof leftover, "%s/.step-000005.tmp-%ld", out, pid);
+    cr_assert_eq(moe_mkdir_p(leftover), MOE_OK);
+    write_bytes(in_dir(leftover, "model.safetensors"), "half", 4);
+    s = scramble(&a, 63, 5);
+    save(path, sizeof path, out, &a, &s);
+    cr_expect_eq(count_entries(out, "."), 0);
+
+    /* A copy set aside by a process that died before its replacement was in
+     * place is moved back, and survives a failed save. */
+    s = scramble(&a, 64, 6);
+    save(path, sizeof path, out, &a, &s);
+    float *saved = copy_floats(moe_model_params(a.model), n_params(&a));
+    snapshot snap = take_snapshot(path);
+    snprintf(leftover, sizeof leftover, "%s/.step-000006.old-%ld", out, pid);
+    cr_assert_eq(rename(path, leftover), 0);
+    fail_after_weights(leftover);
+    s = scramble(&a, 65, 6);
+    cr_expect_neq(moe_checkpoint_save(path, sizeof path, out, a.model, a.trainer, &s), MOE_OK);
+    unlimit_file_size();
+    const char *step6 = in_dir(out, "step-000006");
+    expect_snapshot(step6, &snap);
+    cr_expect_eq(count_entries(out, "."), 0);
+    load_weights(&b, step6);
+    expect_bits(moe_model_params(b.model), saved, n_params(&a), "restored step");
+
+    /* With the limit gone the save goes through and replaces it. */
+    save(path, sizeof path, out, &a, &s);
+    load_weights(&b, path);
+    expect_bits(moe_model_params(b.model), moe_model_params(a.model), n_params(&a), "replaced step");
+    cr_expect_eq(count_entries(out, "."), 0);
+    cr_expect_eq(count_entries(out, "step-"), 3);
+    free(saved);
+    free_run(&a);
+    free_run(&b);
+}
