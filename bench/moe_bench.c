@@ -11,6 +11,7 @@
 #include <string.h>
 
 static const bench_command commands[] = {
+    {"a2a", "expert-parallel all-to-all-v (run under mpirun) vs raw MPI_Alltoallv", bench_a2a_run},
     {"layer", "one MoE layer forward/backward and its expert GEMMs vs plain sgemm",
      bench_layer_run},
 };

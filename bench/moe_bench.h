@@ -21,6 +21,7 @@ typedef struct bench_command {
     int (*run)(int argc, char **argv);
 } bench_command;
 
+int bench_a2a_run(int argc, char **argv);
 int bench_layer_run(int argc, char **argv);
 
 /* Exit statuses: 1 for a failure while running, 2 for a bad command line. */

@@ -1,0 +1,536 @@
+/* comm_mpi.c: the MPI communicator, host memory. Every op is an MPI
+ * non-blocking call followed, when blocking, by a polled wait with a
+ * deadline, so a dead or stuck peer gives MOE_ERR_COMM with its name instead
+ * of a hang. MPI_ERRORS_RETURN is set on every communicator made here, and
+ * every MPI failure is reported with MPI_Error_string's text. */
+#ifdef MOE_HAVE_MPI
+
+#define _POSIX_C_SOURCE 200809L /* clock_gettime, nanosleep */
+
+#include <mpi.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "comm/comm.h"
+#include "common/status.h"
+
+/* ialltoallv calls in flight at once per communicator; MPI reads their int
+ * count arrays until completion, so each holds a slot of them. */
+#define MPI_VECTOR_SLOTS 8
+/* A wait first tests back to back, as MPI_Wait does: MPI progresses a
+ * transfer only inside its calls, so a rank asleep stalls its peers too.
+ * Yielding the core is left to MPI, which yields when idle once ranks
+ * outnumber cores; a sched_yield() of our own between tests made 4-8 MiB
+ * exchanges several times slower on a loaded 2-core machine. A step's
+ * exchanges end within this; the CPU it burns is MPI_Wait's. */
+#define POLL_SPIN_SECONDS 0.1
+/* Past it, a wait is long (a pipeline bubble, a dead peer) and sleeps
+ * between tests for 1/POLL_SLEEP_DIVISOR of the time waited so far, within
+ * [POLL_SLEEP_MIN_NS, POLL_SLEEP_MAX_NS]: little CPU burnt, and at most ~1%
+ * added to the wait. */
+#define POLL_SLEEP_DIVISOR 100
+#define POLL_SLEEP_MIN_NS 10000L
+#define POLL_SLEEP_MAX_NS 1000000L
+#define FAILURE_BYTES 512
+
+typedef struct mpi_comm {
+    moe_comm base;
+    MPI_Comm comm;
+    int *vectors;          /* [MPI_VECTOR_SLOTS][4][size]: counts and displs */
+    unsigned vectors_busy; /* bit s set: slot s belongs to an ialltoallv */
+    /* Non-empty once a wait on this communicator timed out: matching of later
+     * ops is no longer trustworthy, so every op refuses with this text. */
+    char failure[FAILURE_BYTES];
+} mpi_comm;
+
+/* Whether moe_comm_mpi_create() called MPI_Init_thread, so that
+ * moe_comm_mpi_finalize() finalises only what libmoe started. */
+static bool mpi_started_here;
+
+_Static_assert(sizeof(MPI_Request) <= sizeof(((moe_comm_request *)0)->handle),
+               "moe_comm_request.handle must hold an MPI_Request");
+
+static mpi_comm *as_mpi(moe_comm *comm) { return (mpi_comm *)comm; }
+
+static const moe_comm_backend mpi_backend;
+
+/* ----------------------------------------------------------------- messages */
+
+static void mpi_error_text(int code, char *text, size_t size) {
+    char buf[MPI_MAX_ERROR_STRING];
+    int len = 0;
+    if (MPI_Error_string(code, buf, &len) == MPI_SUCCESS)
+        snprintf(text, size, "%.*s", len, buf);
+    else
+        snprintf(text, size, "MPI error code %d", code);
+}
+
+/* peer's rank in MPI_COMM_WORLD, or -1 when MPI cannot say. */
+static int world_rank_of(const mpi_comm *c, int peer) {
+    MPI_Group group, world;
+    int out = -1;
+    if (MPI_Comm_group(c->comm, &group) != MPI_SUCCESS) return -1;
+    if (MPI_Comm_group(MPI_COMM_WORLD, &world) == MPI_SUCCESS) {
+        if (MPI_Group_translate_ranks(group, 1, &peer, world, &out) != MPI_SUCCESS ||
+            out == MPI_UNDEFINED)
+            out = -1;
+        MPI_Group_free(&world);
+    }
+    MPI_Group_free(&group);
+    return out;
+}
+
+/* "mpi alltoallv, rank 1 of 4 (world 1)" and ", peer 3 (world 3)". */
+static void describe(const mpi_comm *c, const char *op, int peer, char *text, size_t size) {
+    int n = snprintf(text, size, "mpi %s, rank %d of %d (world %d)", op, c->base.rank,
+                     c->base.size, c->base.world_rank);
+    if (peer >= 0 && n >= 0 && (size_t)n < size)
+        snprintf(text + n, size - (size_t)n, ", peer %d (world %d)", peer,
+                 world_rank_of(c, peer));
+}
+
+/* The failure of MPI function `call` with error code `code`. */
+static moe_status mpi_fail(const mpi_comm *c, const char *op, int peer, const char *call,
+                           int code) {
+    char where[256], text[MPI_MAX_ERROR_STRING + 32];
+    describe(c, op, peer, where, sizeof where);
+    mpi_error_text(code, text, sizeof text);
+    return moe_error(MOE_ERR_COMM, "%s: %s: %s", where, call, text);
+}
+
+static moe_status check_usable(const mpi_comm *c, const char *op, int peer) {
+    if (!c->failure[0]) return MOE_OK;
+    char where[256];
+    describe(c, op, peer, where, sizeof where);
+    return moe_error(MOE_ERR_COMM, "%s: refused: this communicator failed earlier: %s", where,
+                     c->failure);
+}
+
+/* ------------------------------------------------------------------ values */
+
+static MPI_Datatype mpi_type(moe_comm_dtype dtype) {
+    switch (dtype) {
+    case MOE_COMM_F32: return MPI_FLOAT;
+    case MOE_COMM_F64: return MPI_DOUBLE;
+    case MOE_COMM_I32: return MPI_INT32_T;
+    case MOE_COMM_I64: return MPI_INT64_T;
+    case MOE_COMM_BYTES:
+    case MOE_COMM_DTYPE_COUNT: break;
+    }
+    return MPI_BYTE;
+}
+
+/* MPI counts and displacements are int. */
+static moe_status fit_int(const mpi_comm *c, const char *op, const char *what, int index,
+                          int64_t v, int *out) {
+    if (v > INT_MAX) {
+        char where[256];
+        describe(c, op, -1, where, sizeof where);
+        if (index >= 0)
+            return moe_error(MOE_ERR_INVALID_ARG,
+                             "%s: %s[%d]=%lld exceeds MPI's int limit INT_MAX=%d", where, what,
+                             index, (long long)v, INT_MAX);
+        return moe_error(MOE_ERR_INVALID_ARG, "%s: %s=%lld exceeds MPI's int limit INT_MAX=%d",
+                         where, what, (long long)v, INT_MAX);
+    }
+    *out = (int)v;
+    return MOE_OK;
+}
+
+static MPI_Request get_request(const moe_comm_request *req) {
+    MPI_Request r;
+    memcpy(&r, &req->handle, sizeof r);
+    return r;
+}
+
+static void set_request(moe_comm_request *req, MPI_Request r) {
+    memcpy(&req->handle, &r, sizeof r);
+}
+
+/* Marks req in flight after MPI call `call` returned code with request r. */
+static moe_status started(mpi_comm *c, moe_comm_request *req, const char *call, int code,
+                          MPI_Request r) {
+    if (code != MPI_SUCCESS) return mpi_fail(c, req->op, req->peer, call, code);
+    set_request(req, r);
+    req->comm = &c->base;
+    return MOE_OK;
+}
+
+/* ------------------------------------------------------------------ waiting */
+
+static double now_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Tests r until it completes or timeout_seconds pass. Returns the MPI code of
+ * the last test; *done says whether r completed. */
+static int poll_request(MPI_Request *r, double timeout_seconds, bool *done) {
+    const double start = now_seconds();
+    for (;;) {
+        int flag = 0;
+        int code = MPI_Test(r, &flag, MPI_STATUS_IGNORE);
+        if (code != MPI_SUCCESS || flag) {
+            *done = flag != 0;
+            return code;
+        }
+        double elapsed = now_seconds() - start;
+        if (elapsed >= timeout_seconds) {
+            *done = false;
+            return MPI_SUCCESS;
+        }
+        if (elapsed >= POLL_SPIN_SECONDS) {
+            long ns = (long)(elapsed * 1e9 / POLL_SLEEP_DIVISOR);
+            ns = ns < POLL_SLEEP_MIN_NS ? POLL_SLEEP_MIN_NS : ns;
+            struct timespec ts = {0, ns < POLL_SLEEP_MAX_NS ? ns : POLL_SLEEP_MAX_NS};
+            nanosleep(&ts, NULL);
+        }
+    }
+}
+
+static void release(mpi_comm *c, moe_comm_request *req) {
+    if (req->slot >= 0) c->vectors_busy &= ~(1u << req->slot);
+    req->slot = -1;
+    req->comm = NULL;
+}
+
+/* Writes the timeout message, which also becomes the communicator's failure. */
+static moe_status timed_out(mpi_comm *c, const moe_comm_request *req) {
+    char where[256];
+    describe(c, req->op, req->peer, where, sizeof where);
+    if (req->peer >= 0)
+        snprintf(c->failure, sizeof c->failure,
+                 "%s: nothing heard from rank %d after %.1f s (dead, stuck, or in another "
+                 "operation)",
+                 where, req->peer, c->base.timeout_seconds);
+    else
+        snprintf(c->failure, sizeof c->failure,
+                 "%s: not complete after %.1f s: %s has not joined it (dead, stuck, or in "
+                 "another operation)",
+                 where, c->base.timeout_seconds,
+                 c->base.size == 2 ? "the other rank" : "at least one of the other ranks");
+    return moe_error(MOE_ERR_COMM, "%s", c->failure);
+}
+
+static moe_status mpi_wait(moe_comm_request *req) {
+    mpi_comm *c = as_mpi(req->comm);
+    moe_status st = check_usable(c, req->op, req->peer);
+    if (st != MOE_OK) {
+        release(c, req);
+        return st;
+    }
+    MPI_Request r = get_request(req);
+    bool done = false;
+    int code = poll_request(&r, c->base.timeout_seconds, &done);
+    set_request(req, r);
+    if (code != MPI_SUCCESS) {
+        st = mpi_fail(c, req->op, req->peer, "MPI_Test", code);
+        release(c, req);
+        return st;
+    }
+    if (done) {
+        release(c, req);
+        return MOE_OK;
+    }
+    /* MPI cannot cancel a collective, so the request stays with MPI and the
+     * slot stays busy; the communicator refuses every later op. */
+    st = timed_out(c, req);
+    req->comm = NULL;
+    return st;
+}
+
+static moe_status mpi_test(moe_comm_request *req, bool *done) {
+    mpi_comm *c = as_mpi(req->comm);
+    *done = false;
+    moe_status st = check_usable(c, req->op, req->peer);
+    if (st != MOE_OK) {
+        release(c, req);
+        return st;
+    }
+    MPI_Request r = get_request(req);
+    int flag = 0;
+    int code = MPI_Test(&r, &flag, MPI_STATUS_IGNORE);
+    set_request(req, r);
+    if (code != MPI_SUCCESS) {
+        st = mpi_fail(c, req->op, req->peer, "MPI_Test", code);
+        release(c, req);
+        return st;
+    }
+    *done = flag != 0;
+    if (flag) release(c, req);
+    return MOE_OK;
+}
+
+/* ---------------------------------------------------------------- creation */
+
+/* Takes ownership of handle (MPI_COMM_NULL is not one). */
+static moe_status wrap(moe_comm **out, MPI_Comm handle, double timeout_seconds, const char *op) {
+    int code = MPI_Comm_set_errhandler(handle, MPI_ERRORS_RETURN);
+    int rank = 0, size = 0, world_rank = 0;
+    if (code == MPI_SUCCESS) code = MPI_Comm_rank(handle, &rank);
+    if (code == MPI_SUCCESS) code = MPI_Comm_size(handle, &size);
+    if (code == MPI_SUCCESS) code = MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
+    if (code != MPI_SUCCESS) {
+        char text[MPI_MAX_ERROR_STRING + 32];
+        mpi_error_text(code, text, sizeof text);
+        MPI_Comm_free(&handle);
+        return moe_error(MOE_ERR_COMM, "mpi %s: setting up the new communicator: %s", op, text);
+    }
+    mpi_comm *c = calloc(1, sizeof *c);
+    int *vectors = calloc((size_t)MPI_VECTOR_SLOTS * 4 * (size_t)size, sizeof *vectors);
+    if (!c || !vectors) {
+        free(c);
+        free(vectors);
+        MPI_Comm_free(&handle);
+        return moe_error(MOE_ERR_OUT_OF_MEMORY, "mpi %s: communicator of %d ranks", op, size);
+    }
+    c->base = (moe_comm){.backend = &mpi_backend,
+                         .rank = rank,
+                         .size = size,
+                         .world_rank = world_rank,
+                         .timeout_seconds = timeout_seconds};
+    c->comm = handle;
+    c->vectors = vectors;
+    *out = &c->base;
+    return MOE_OK;
+}
+
+moe_status moe_comm_mpi_create(moe_comm **comm) {
+    if (!comm) return moe_error(MOE_ERR_INVALID_ARG, "mpi_create: comm is NULL");
+    *comm = NULL;
+    int initialised = 0, finalised = 0;
+    MPI_Initialized(&initialised);
+    MPI_Finalized(&finalised);
+    if (finalised)
+        return moe_error(MOE_ERR_STATE, "mpi_create: MPI has been finalised in this process");
+    if (!initialised) {
+        int provided = 0;
+        int code = MPI_Init_thread(NULL, NULL, MPI_THREAD_FUNNELED, &provided);
+        if (code != MPI_SUCCESS) {
+            char text[MPI_MAX_ERROR_STRING + 32];
+            mpi_error_text(code, text, sizeof text);
+            return moe_error(MOE_ERR_COMM, "mpi_create: MPI_Init_thread: %s", text);
+        }
+        mpi_started_here = true;
+    }
+    /* idup rather than dup: a rank that never arrives times out here too. */
+    MPI_Comm dup = MPI_COMM_NULL;
+    MPI_Request r = MPI_REQUEST_NULL;
+    int code = MPI_Comm_idup(MPI_COMM_WORLD, &dup, &r);
+    bool done = false;
+    if (code == MPI_SUCCESS) code = poll_request(&r, MOE_COMM_DEFAULT_TIMEOUT_SECONDS, &done);
+    if (code != MPI_SUCCESS || !done) {
+        char text[MPI_MAX_ERROR_STRING + 32];
+        if (code != MPI_SUCCESS)
+            mpi_error_text(code, text, sizeof text);
+        else
+            snprintf(text, sizeof text, "not every rank joined within %.0f s",
+                     MOE_COMM_DEFAULT_TIMEOUT_SECONDS);
+        return moe_error(MOE_ERR_COMM, "mpi_create: MPI_Comm_idup(MPI_COMM_WORLD): %s", text);
+    }
+    return wrap(comm, dup, MOE_COMM_DEFAULT_TIMEOUT_SECONDS, "mpi_create");
+}
+
+moe_status moe_comm_mpi_finalize(void) {
+    if (!mpi_started_here) return MOE_OK;
+    mpi_started_here = false;
+    int finalised = 0;
+    MPI_Finalized(&finalised);
+    if (finalised) return MOE_OK;
+    int code = MPI_Finalize();
+    if (code != MPI_SUCCESS) {
+        char text[MPI_MAX_ERROR_STRING + 32];
+        mpi_error_text(code, text, sizeof text);
+        return moe_error(MOE_ERR_COMM, "mpi_finalize: MPI_Finalize: %s", text);
+    }
+    return MOE_OK;
+}
+
+static moe_status mpi_ibarrier(moe_comm *comm, moe_comm_request *req);
+
+/* MPI_Comm_split has no non-blocking form: a polled barrier first makes a
+ * missing rank time out here rather than hang inside the split. */
+static moe_status mpi_split(moe_comm **out, moe_comm *comm, int color, int key) {
+    mpi_comm *c = as_mpi(comm);
+    moe_comm_request req = MOE_COMM_REQUEST_INIT;
+    req.op = "split";
+    MOE_TRY(mpi_ibarrier(comm, &req));
+    MOE_TRY(mpi_wait(&req));
+    MPI_Comm handle = MPI_COMM_NULL;
+    int code = MPI_Comm_split(c->comm, color, key, &handle);
+    if (code != MPI_SUCCESS) return mpi_fail(c, "split", -1, "MPI_Comm_split", code);
+    return wrap(out, handle, comm->timeout_seconds, "split");
+}
+
+static void mpi_free(moe_comm *comm) {
+    mpi_comm *c = as_mpi(comm);
+    int finalised = 0;
+    MPI_Finalized(&finalised);
+    if (!finalised) MPI_Comm_free(&c->comm);
+    free(c->vectors);
+    free(c);
+}
+
+static void mpi_abort(moe_comm *comm, int code) { MPI_Abort(as_mpi(comm)->comm, code); }
+
+/* ------------------------------------------------------------- collectives */
+
+static moe_status mpi_ialltoall(moe_comm *comm, moe_comm_request *req, void *recv,
+                                const void *send, int64_t count, moe_comm_dtype dtype) {
+    mpi_comm *c = as_mpi(comm);
+    MOE_TRY(check_usable(c, req->op, -1));
+    int n = 0;
+    MOE_TRY(fit_int(c, req->op, "count", -1, count, &n));
+    MPI_Request r;
+    int code = MPI_Ialltoall(send, n, mpi_type(dtype), recv, n, mpi_type(dtype), c->comm, &r);
+    return started(c, req, "MPI_Ialltoall", code, r);
+}
+
+static moe_status mpi_ialltoallv(moe_comm *comm, moe_comm_request *req, void *recv,
+                                 const int64_t *recv_counts, const int64_t *recv_displs,
+                                 const void *send, const int64_t *send_counts,
+                                 const int64_t *send_displs, moe_comm_dtype dtype) {
+    mpi_comm *c = as_mpi(comm);
+    MOE_TRY(check_usable(c, req->op, -1));
+    int slot = 0;
+    while (slot < MPI_VECTOR_SLOTS && (c->vectors_busy & (1u << slot))) slot++;
+    if (slot == MPI_VECTOR_SLOTS) {
+        char where[256];
+        describe(c, req->op, -1, where, sizeof where);
+        return moe_error(MOE_ERR_STATE,
+                         "%s: %d all-to-all-v already in flight on this communicator; wait for "
+                         "one first",
+                         where, MPI_VECTOR_SLOTS);
+    }
+    const int n = comm->size;
+    int *sc = c->vectors + (size_t)slot * 4 * (size_t)n, *sd = sc + n, *rc = sd + n, *rd = rc + n;
+    for (int j = 0; j < n; j++) {
+        MOE_TRY(fit_int(c, req->op, "send_counts", j, send_counts[j], &sc[j]));
+        MOE_TRY(fit_int(c, req->op, "send_displs", j, send_displs[j], &sd[j]));
+        MOE_TRY(fit_int(c, req->op, "recv_counts", j, recv_counts[j], &rc[j]));
+        MOE_TRY(fit_int(c, req->op, "recv_displs", j, recv_displs[j], &rd[j]));
+    }
+    MPI_Request r;
+    int code = MPI_Ialltoallv(send, sc, sd, mpi_type(dtype), recv, rc, rd, mpi_type(dtype),
+                              c->comm, &r);
+    MOE_TRY(started(c, req, "MPI_Ialltoallv", code, r));
+    c->vectors_busy |= 1u << slot;
+    req->slot = slot;
+    return MOE_OK;
+}
+
+static moe_status mpi_iallreduce_sum(moe_comm *comm, moe_comm_request *req, void *buf,
+                                     int64_t count, moe_comm_dtype dtype) {
+    mpi_comm *c = as_mpi(comm);
+    MOE_TRY(check_usable(c, req->op, -1));
+    int n = 0;
+    MOE_TRY(fit_int(c, req->op, "count", -1, count, &n));
+    MPI_Request r;
+    int code = MPI_Iallreduce(MPI_IN_PLACE, buf, n, mpi_type(dtype), MPI_SUM, c->comm, &r);
+    return started(c, req, "MPI_Iallreduce", code, r);
+}
+
+static moe_status mpi_ireduce_scatter_sum(moe_comm *comm, moe_comm_request *req, void *recv,
+                                          const void *send, int64_t recv_count,
+                                          moe_comm_dtype dtype) {
+    mpi_comm *c = as_mpi(comm);
+    MOE_TRY(check_usable(c, req->op, -1));
+    int n = 0;
+    MOE_TRY(fit_int(c, req->op, "recv_count", -1, recv_count, &n));
+    MPI_Request r;
+    int code =
+        MPI_Ireduce_scatter_block(send, recv, n, mpi_type(dtype), MPI_SUM, c->comm, &r);
+    return started(c, req, "MPI_Ireduce_scatter_block", code, r);
+}
+
+static moe_status mpi_iallgather(moe_comm *comm, moe_comm_request *req, void *recv,
+                                 const void *send, int64_t count, moe_comm_dtype dtype) {
+    mpi_comm *c = as_mpi(comm);
+    MOE_TRY(check_usable(c, req->op, -1));
+    int n = 0;
+    MOE_TRY(fit_int(c, req->op, "count", -1, count, &n));
+    MPI_Request r;
+    int code = MPI_Iallgather(send, n, mpi_type(dtype), recv, n, mpi_type(dtype), c->comm, &r);
+    return started(c, req, "MPI_Iallgather", code, r);
+}
+
+static moe_status mpi_ibroadcast(moe_comm *comm, moe_comm_request *req, void *buf, int64_t count,
+                                 moe_comm_dtype dtype, int root) {
+    mpi_comm *c = as_mpi(comm);
+    MOE_TRY(check_usable(c, req->op, -1));
+    int n = 0;
+    MOE_TRY(fit_int(c, req->op, "count", -1, count, &n));
+    MPI_Request r;
+    int code = MPI_Ibcast(buf, n, mpi_type(dtype), root, c->comm, &r);
+    return started(c, req, "MPI_Ibcast", code, r);
+}
+
+static moe_status mpi_ibarrier(moe_comm *comm, moe_comm_request *req) {
+    mpi_comm *c = as_mpi(comm);
+    MOE_TRY(check_usable(c, req->op, -1));
+    MPI_Request r;
+    int code = MPI_Ibarrier(c->comm, &r);
+    return started(c, req, "MPI_Ibarrier", code, r);
+}
+
+/* ---------------------------------------------------------- point to point */
+
+static moe_status mpi_isend(moe_comm *comm, moe_comm_request *req, const void *buf, int64_t count,
+                            moe_comm_dtype dtype, int peer, int tag) {
+    mpi_comm *c = as_mpi(comm);
+    MOE_TRY(check_usable(c, req->op, peer));
+    int n = 0;
+    MOE_TRY(fit_int(c, req->op, "count", -1, count, &n));
+    MPI_Request r;
+    int code = MPI_Isend(buf, n, mpi_type(dtype), peer, tag, c->comm, &r);
+    return started(c, req, "MPI_Isend", code, r);
+}
+
+static moe_status mpi_irecv(moe_comm *comm, moe_comm_request *req, void *buf, int64_t count,
+                            moe_comm_dtype dtype, int peer, int tag) {
+    mpi_comm *c = as_mpi(comm);
+    MOE_TRY(check_usable(c, req->op, peer));
+    int n = 0;
+    MOE_TRY(fit_int(c, req->op, "count", -1, count, &n));
+    MPI_Request r;
+    int code = MPI_Irecv(buf, n, mpi_type(dtype), peer, tag, c->comm, &r);
+    return started(c, req, "MPI_Irecv", code, r);
+}
+
+static const moe_comm_backend mpi_backend = {
+    .name = "mpi",
+    .split = mpi_split,
+    .ialltoall = mpi_ialltoall,
+    .ialltoallv = mpi_ialltoallv,
+    .iallreduce_sum = mpi_iallreduce_sum,
+    .ireduce_scatter_sum = mpi_ireduce_scatter_sum,
+    .iallgather = mpi_iallgather,
+    .ibroadcast = mpi_ibroadcast,
+    .ibarrier = mpi_ibarrier,
+    .isend = mpi_isend,
+    .irecv = mpi_irecv,
+    .wait = mpi_wait,
+    .test = mpi_test,
+    .abort = mpi_abort,
+    .free = mpi_free,
+};
+
+#else /* !MOE_HAVE_MPI */
+
+#include "comm/comm.h"
+#include "common/status.h"
+
+moe_status moe_comm_mpi_create(moe_comm **comm) {
+    if (comm) *comm = NULL;
+    return moe_error(MOE_ERR_UNSUPPORTED,
+                     "mpi_create: libmoe was built without MPI (configure with -DMOE_MPI=ON "
+                     "after apt-get install libopenmpi-dev openmpi-bin)");
+}
+
+moe_status moe_comm_mpi_finalize(void) { return MOE_OK; }
+
+#endif /* MOE_HAVE_MPI */
