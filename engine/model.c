@@ -108,7 +108,7 @@ static moe_status build_tensors(moe_model *m, const moe_layer_config *lc) {
         /* Placeholders for the MoE block's names; filled once the layer exists. */
         int64_t start = m->n_params;
         for (int64_t i = 0; i < moe_tensors; i++) add_tensor(m, 2, 0, 0, true, "%s", "");
-        m->n_params = start + moe_layer_config_param_count(lc);
+        m->n_params = start + moe_layer_config_param_count(lc, 1);
     }
     add_tensor(m, 1, C, 1, false, "model.norm.weight");
     add_tensor(m, 2, V, C, true, "lm_head.weight");
@@ -246,7 +246,7 @@ moe_status moe_model_create(moe_model **out, const moe_model_config *cfg, int64_
         moe_layer_config layer_cfg = lc;
         layer_cfg.seed = moe_splitmix64(seed + (uint64_t)l);
         int64_t off = m->tensors[m->layer_first[l] + MOE_FIRST].offset;
-        st = moe_layer_create_in(&m->moe[l], &layer_cfg, m->params + off, m->grads + off);
+        st = moe_layer_create_in(&m->moe[l], &layer_cfg, m->params + off, m->grads + off, NULL);
         if (st == MOE_OK) {
             name_moe_tensors(m, l);
             /* The total loss averages aux and z over layers. */

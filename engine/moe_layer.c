@@ -1,9 +1,17 @@
-/* moe_layer.c: one MoE layer, forward and backward (DESIGN.md 3, one rank).
+/* moe_layer.c: one MoE layer, forward and backward (DESIGN.md 3).
  *
- * forward:  [jitter] -> router GEMM -> gating pass -> plan -> permute ->
- *           grouped experts (+ shared experts) -> combine
- * backward: combine -> grouped experts -> unpermute -> gating -> router GEMM
- *           -> [jitter]
+ * forward:  [jitter] -> router GEMM -> gating pass -> gather the router's
+ *           per-rank totals -> plan -> permute -> [dispatch: all-to-all-v,
+ *           regroup by local expert] -> grouped experts (+ shared experts)
+ *           -> [return: ungroup, all-to-all-v] -> combine
+ * backward: combine -> [dispatch] -> grouped experts -> [return] ->
+ *           unpermute -> gating -> router GEMM -> [jitter]
+ *
+ * The bracketed steps exist only with an expert-parallel group of P > 1
+ * ranks; with P = 1 the same code runs and they vanish. Each expert sees its
+ * rows in the order of the global batch (rank 0's tokens first), capacity
+ * counts against that order, and the balancing statistics are those of the
+ * global batch, so P ranks compute what one rank computes on the whole batch.
  */
 #include "engine/moe_layer.h"
 
@@ -14,6 +22,7 @@
 #include <string.h>
 
 #include "common/rng.h"
+#include "comm/comm.h"
 #include "common/status.h"
 #include "kernels/ops.h"
 #include "router/plan.h"
@@ -27,6 +36,15 @@ struct moe_layer {
     const moe_ops *ops;
     int64_t shared_ff; /* S = n_shared_experts * d_ff, 0 without shared experts */
 
+    /* Expert parallelism: this rank holds experts first_local ..
+     * first_local + n_local - 1 of E. expert_rank is the placement; the
+     * plan's expert-ordered rows are contiguous per rank because each rank
+     * holds a contiguous run of expert ids (checked at creation). */
+    moe_comm *ep;     /* NULL: one rank */
+    int ep_rank, ep_size;
+    int64_t n_local, first_local;
+    int *expert_rank; /* [E] */
+
     float *params, *grads; /* [n_params] each */
     int64_t n_params;
     float *owned;          /* params and grads when the layer allocated them */
@@ -35,8 +53,8 @@ struct moe_layer {
     char (*names)[MOE_NAME_BYTES];    /* [n_tensors] */
     float *bias;                      /* [E] selection bias, or NULL */
 
-    /* Per-step arrays, sized for capacity_T tokens, carved from workspace. */
-    void *workspace;
+    /* Per-token arrays, sized for capacity_T tokens, in token_ws. */
+    void *token_ws;
     int64_t capacity_T;
     float *x_in;         /* [T, d] jittered input (jitter only) */
     float *noise;        /* [T, d] jitter factors (jitter only) */
@@ -51,28 +69,47 @@ struct moe_layer {
     double *gate_chunks; /* [ceil(T / chunk), 2E + 1] */
     int64_t *pair_row;   /* [T*k] */
     int64_t *row_token;  /* [T*k] */
-    float *xp;           /* [T*k, d] rows in expert order */
-    float *h;            /* [T*k, 2ff] */
-    float *g;            /* [T*k, ff] */
+    float *xp;           /* [T*k, d] rows in plan (expert) order */
     float *yp;           /* [T*k, d] */
     float *dyp;          /* [T*k, d] */
-    float *dh;           /* [T*k, 2ff] */
     float *dxp;          /* [T*k, d] */
     float *sh_h;         /* [T, 2S] shared experts */
     float *sh_g;         /* [T, S] */
     float *sh_y;         /* [T, d] */
     float *sh_dh;        /* [T, 2S] */
 
-    /* Per-expert arrays, independent of T. */
-    int64_t *assigned;       /* [E] */
+    /* Rows this rank's experts work on, sized for capacity_R rows, in
+     * row_ws. With one rank xe, ye, dye and dxe are xp, yp, dyp and dxp. */
+    void *row_ws;
+    int64_t capacity_R;
+    float *staging;      /* [R, d] rows in source-major order, in flight */
+    float *xe;           /* [R, d] received rows, expert-major */
+    float *ye;           /* [R, d] expert outputs; in backward their gradient */
+    float *dxe;          /* [R, d] */
+    float *h;            /* [R, 2ff] */
+    float *g;            /* [R, ff] */
+    float *dh;           /* [R, 2ff] */
+
+    /* Per-expert and per-rank arrays, independent of T. */
+    int64_t *assigned;       /* [E] this rank's pairs per expert, before capacity */
     double *prob_sum;        /* [E] */
-    int64_t *expert_offsets; /* [E+1] */
+    double *rank_totals;     /* [P, 2E + 2] every rank's assigned, prob_sum, z_sum, T */
+    int64_t *rank_assigned;  /* [P, E] */
+    int64_t *global_assigned; /* [E] */
+    int64_t *keep;           /* [E] this rank's kept pairs per expert */
+    int64_t *recv_rows;      /* [P, n_local] rows from each source for each local expert */
+    int64_t *a2a;            /* [4P] send counts, send displs, recv counts, recv displs (elements) */
+    int64_t *expert_offsets; /* [E+1] plan rows */
+    int64_t *local_offsets;  /* [n_local+1] expert-major rows */
     int64_t *cursor;         /* [E] */
     float *aux_grad;         /* [E] */
-    moe_expert_group *groups; /* [E + 1]: routed experts, then the shared ones */
+    moe_expert_group *groups; /* [n_local + 1]: local experts, then the shared ones */
 
     moe_plan plan;
-    int64_t last_T; /* T of the last forward; 0 before the first */
+    moe_layer_stats last;   /* global statistics of the last forward */
+    int64_t last_T;         /* T of the last forward; 0 before the first */
+    int64_t global_T;       /* tokens over the EP group in the last forward */
+    int64_t recv_total;     /* rows received in the last forward */
     int training;
     double loss_scale;     /* multiplies the aux and z gradients */
     uint64_t jitter_calls; /* advances the noise stream each training forward */
@@ -97,10 +134,10 @@ static moe_status check_coef(const char *field, double value, double max) {
 /* a * b into *out, or false when it overflows int64. */
 static bool mul_ok(int64_t a, int64_t b, int64_t *out) { return !__builtin_mul_overflow(a, b, out); }
 
-int64_t moe_layer_config_param_count(const moe_layer_config *cfg) {
+int64_t moe_layer_config_param_count(const moe_layer_config *cfg, int ep_size) {
     int64_t d = cfg->d_model, ff = cfg->d_ff, E = cfg->n_experts;
     int64_t S = cfg->n_shared_experts * ff;
-    return E * d + E * 3 * ff * d + 3 * S * d;
+    return E * d + E / ep_size * 3 * ff * d + 3 * S * d;
 }
 
 moe_status moe_layer_config_validate(const moe_layer_config *cfg) {
@@ -148,13 +185,13 @@ static void add_view(moe_layer *L, int64_t *offset, int64_t rows, int64_t cols, 
 }
 
 /* The order of views is the order in memory; w1 sits right before w3 so the
- * two form the [2ff, d] matrix of one GEMM. */
+ * two form the [2ff, d] matrix of one GEMM. Experts keep their global ids. */
 static void build_views(moe_layer *L) {
     const int64_t d = L->cfg.d_model, ff = L->cfg.d_ff, E = L->cfg.n_experts, S = L->shared_ff;
     int64_t off = 0;
     L->n_tensors = 0;
     add_view(L, &off, E, d, "gate.weight", 0);
-    for (int64_t e = 0; e < E; e++) {
+    for (int64_t e = L->first_local; e < L->first_local + L->n_local; e++) {
         add_view(L, &off, ff, d, "experts.%lld.w1.weight", e);
         add_view(L, &off, ff, d, "experts.%lld.w3.weight", e);
         add_view(L, &off, d, ff, "experts.%lld.w2.weight", e);
@@ -166,56 +203,89 @@ static void build_views(moe_layer *L) {
     }
 }
 
-moe_status moe_layer_create_in(moe_layer **out, const moe_layer_config *cfg, float *params, float *grads) {
+moe_status moe_layer_create_in(moe_layer **out, const moe_layer_config *cfg, float *params, float *grads,
+                               moe_comm *ep) {
     if (!out || !params || !grads) return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_create_in: NULL argument");
     *out = NULL;
     MOE_TRY(moe_layer_config_validate(cfg));
+    const int P = ep ? moe_comm_size(ep) : 1;
+    const int64_t E = cfg->n_experts;
+    if (E % P != 0)
+        return moe_error(MOE_ERR_CONFIG, "moe layer config: n_experts=%lld is not a multiple of the expert-parallel size %d",
+                         (long long)E, P);
     moe_layer *L = calloc(1, sizeof *L);
     if (!L) return moe_error(MOE_ERR_OUT_OF_MEMORY, "moe_layer_create: layer struct");
     L->cfg = *cfg;
     L->ops = moe_cpu_ops();
     L->shared_ff = cfg->n_shared_experts * cfg->d_ff;
+    L->ep = P > 1 ? ep : NULL;
+    L->ep_size = P;
+    L->ep_rank = ep ? moe_comm_rank(ep) : 0;
+    L->n_local = E / P;
+    L->first_local = L->ep_rank * L->n_local;
     L->params = params;
     L->grads = grads;
-    L->n_params = moe_layer_config_param_count(cfg);
+    L->n_params = moe_layer_config_param_count(cfg, P);
     L->training = 1;
     L->loss_scale = 1.0;
-    const int64_t E = cfg->n_experts, max_tensors = 1 + 3 * E + 3;
+    const int64_t max_tensors = 1 + 3 * L->n_local + 3;
     L->views = calloc((size_t)max_tensors, sizeof *L->views);
     L->names = calloc((size_t)max_tensors, sizeof *L->names);
+    L->expert_rank = calloc((size_t)E, sizeof *L->expert_rank);
     L->assigned = calloc((size_t)E, sizeof *L->assigned);
     L->prob_sum = calloc((size_t)E, sizeof *L->prob_sum);
+    L->rank_totals = calloc((size_t)P * (size_t)(2 * E + 2), sizeof *L->rank_totals);
+    L->rank_assigned = calloc((size_t)P * (size_t)E, sizeof *L->rank_assigned);
+    L->global_assigned = calloc((size_t)E, sizeof *L->global_assigned);
+    L->keep = calloc((size_t)E, sizeof *L->keep);
+    L->recv_rows = calloc((size_t)P * (size_t)L->n_local, sizeof *L->recv_rows);
+    L->a2a = calloc(4 * (size_t)P, sizeof *L->a2a);
     L->expert_offsets = calloc((size_t)E + 1, sizeof *L->expert_offsets);
+    L->local_offsets = calloc((size_t)L->n_local + 1, sizeof *L->local_offsets);
     L->cursor = calloc((size_t)E, sizeof *L->cursor);
     L->aux_grad = calloc((size_t)E, sizeof *L->aux_grad);
-    L->groups = calloc((size_t)E + 1, sizeof *L->groups);
+    L->groups = calloc((size_t)L->n_local + 1, sizeof *L->groups);
     if (cfg->bias_update_rate > 0.0) L->bias = calloc((size_t)E, sizeof *L->bias);
-    if (!L->views || !L->names || !L->assigned || !L->prob_sum || !L->expert_offsets || !L->cursor ||
-        !L->aux_grad || !L->groups || (cfg->bias_update_rate > 0.0 && !L->bias)) {
+    if (!L->views || !L->names || !L->expert_rank || !L->assigned || !L->prob_sum || !L->rank_totals ||
+        !L->rank_assigned || !L->global_assigned || !L->keep || !L->recv_rows || !L->a2a || !L->expert_offsets ||
+        !L->local_offsets || !L->cursor || !L->aux_grad || !L->groups || (cfg->bias_update_rate > 0.0 && !L->bias)) {
         moe_layer_destroy(L);
         return moe_error(MOE_ERR_OUT_OF_MEMORY, "moe_layer_create: per-expert arrays for n_experts=%lld", (long long)E);
     }
+    /* Contiguous runs of expert ids per rank, in rank order: the plan's
+     * expert-ordered rows then split into one contiguous range per rank. */
+    for (int64_t e = 0; e < E; e++) L->expert_rank[e] = (int)(e / L->n_local);
     build_views(L);
     *out = L;
     return MOE_OK;
 }
 
+/* Parameter i of this rank, as an index into the whole layer's parameters
+ * (all E experts), so every rank draws the values one rank would. */
+static int64_t global_param_index(const moe_layer *L, int64_t i) {
+    const int64_t d = L->cfg.d_model, E = L->cfg.n_experts, expert = 3 * L->cfg.d_ff * d;
+    if (i < E * d) return i;
+    if (i < E * d + L->n_local * expert) return i + L->first_local * expert;
+    return i + (E - L->n_local) * expert;
+}
+
 void moe_layer_init_params(moe_layer *L, float std, uint64_t seed, uint64_t stream) {
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < L->n_params; i++) L->params[i] = std * moe_rng_normal(seed, stream, (uint64_t)i);
+    for (int64_t i = 0; i < L->n_params; i++)
+        L->params[i] = std * moe_rng_normal(seed, stream, (uint64_t)global_param_index(L, i));
 }
 
 moe_status moe_layer_create(moe_layer **out, const moe_layer_config *cfg) {
     if (!out) return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_create: layer is NULL");
     *out = NULL;
     MOE_TRY(moe_layer_config_validate(cfg));
-    int64_t n = moe_layer_config_param_count(cfg);
+    int64_t n = moe_layer_config_param_count(cfg, 1);
     /* Gradients start at an aligned offset so both arrays are 64-byte aligned. */
     int64_t grad_off = (n + 15) / 16 * 16;
     float *mem = alloc_aligned((size_t)(grad_off + n) * sizeof(float));
     if (!mem)
         return moe_error(MOE_ERR_OUT_OF_MEMORY, "moe_layer_create: %lld parameters and gradients", (long long)n);
-    moe_status st = moe_layer_create_in(out, cfg, mem, mem + grad_off);
+    moe_status st = moe_layer_create_in(out, cfg, mem, mem + grad_off, NULL);
     if (st != MOE_OK) {
         free(mem);
         return st;
@@ -233,10 +303,19 @@ void moe_layer_destroy(moe_layer *L) {
     free(L->views);
     free(L->names);
     free(L->bias);
-    free(L->workspace);
+    free(L->token_ws);
+    free(L->row_ws);
+    free(L->expert_rank);
     free(L->assigned);
     free(L->prob_sum);
+    free(L->rank_totals);
+    free(L->rank_assigned);
+    free(L->global_assigned);
+    free(L->keep);
+    free(L->recv_rows);
+    free(L->a2a);
     free(L->expert_offsets);
+    free(L->local_offsets);
     free(L->cursor);
     free(L->aux_grad);
     free(L->groups);
@@ -279,7 +358,7 @@ moe_status moe_layer_set_training(moe_layer *L, int training) {
 
 void moe_layer_set_loss_scale(moe_layer *L, double scale) { L->loss_scale = scale; }
 
-const int64_t *moe_layer_last_assigned(const moe_layer *L) { return L->assigned; }
+const int64_t *moe_layer_last_assigned(const moe_layer *L) { return L->global_assigned; }
 const int32_t *moe_layer_last_topk(const moe_layer *L) { return L->topk_idx; }
 uint64_t moe_layer_jitter_counter(const moe_layer *L) { return L->jitter_calls; }
 void moe_layer_set_jitter_counter(moe_layer *L, uint64_t counter) { L->jitter_calls = counter; }
@@ -294,7 +373,7 @@ moe_status moe_layer_update_bias(moe_layer *L) {
     if (!L) return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_update_bias: layer is NULL");
     if (!L->bias) return moe_error(MOE_ERR_STATE, "moe_layer_update_bias: bias_update_rate is 0, there is no bias");
     if (L->last_T == 0) return moe_error(MOE_ERR_STATE, "moe_layer_update_bias: no forward yet");
-    moe_bias_update(L->bias, L->assigned, L->cfg.n_experts, L->cfg.bias_update_rate);
+    moe_bias_update(L->bias, L->global_assigned, L->cfg.n_experts, L->cfg.bias_update_rate);
     return MOE_OK;
 }
 
@@ -312,18 +391,44 @@ typedef struct ws_entry {
     size_t size;   /* bytes per element */
 } ws_entry;
 
-/* Sizes every per-step array for T tokens and carves them from one block;
- * the block is replaced only when T exceeds every earlier T. */
-static moe_status reserve_workspace(moe_layer *L, int64_t T) {
+static int64_t align_up(int64_t bytes) { return (bytes + MOE_ALIGN_BYTES - 1) / MOE_ALIGN_BYTES * MOE_ALIGN_BYTES; }
+
+/* Carves the entries of table from one new block that replaces *block. */
+static moe_status carve(void **block, const ws_entry *table, int n, const char *what, int64_t size) {
+    int64_t total = 0;
+    for (int i = 0; i < n; i++) {
+        int64_t bytes;
+        if (!mul_ok(table[i].count, (int64_t)table[i].size, &bytes) || bytes > INT64_MAX / 4 - total)
+            return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_forward: %s for %lld overflows", what, (long long)size);
+        total += align_up(bytes);
+    }
+    if ((uint64_t)total > SIZE_MAX) return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_forward: %s exceeds size_t", what);
+    char *mem = alloc_aligned((size_t)total);
+    if (!mem)
+        return moe_error(MOE_ERR_OUT_OF_MEMORY, "moe_layer_forward: %lld bytes of %s for %lld", (long long)total, what,
+                         (long long)size);
+    free(*block);
+    *block = mem;
+    int64_t off = 0;
+    for (int i = 0; i < n; i++) {
+        *table[i].ptr = table[i].count ? mem + off : NULL;
+        off += align_up(table[i].count * (int64_t)table[i].size);
+    }
+    return MOE_OK;
+}
+
+/* Sizes every per-token array for T tokens; the block is replaced only when T
+ * exceeds every earlier T. */
+static moe_status reserve_tokens(moe_layer *L, int64_t T) {
     if (T <= L->capacity_T) return MOE_OK;
     const moe_layer_config *c = &L->cfg;
-    const int64_t d = c->d_model, ff = c->d_ff, E = c->n_experts, S = L->shared_ff;
-    int64_t Tk, rows_d, rows_2ff, td, t2s;
-    if (!mul_ok(T, c->top_k, &Tk) || Tk > INT_MAX || !mul_ok(Tk, d, &rows_d) || !mul_ok(Tk, 2 * ff, &rows_2ff) ||
+    const int64_t d = c->d_model, E = c->n_experts, S = L->shared_ff;
+    int64_t Tk, rows_d, td, t2s;
+    if (!mul_ok(T, c->top_k, &Tk) || Tk > INT_MAX || !mul_ok(Tk, d, &rows_d) || !mul_ok(Tk, 2 * c->d_ff, &t2s) ||
         !mul_ok(T, d, &td) || !mul_ok(T, 2 * S, &t2s) || T > INT_MAX)
         return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_forward: T=%lld tokens x top_k=%lld x d_model=%lld is too large",
                          (long long)T, (long long)c->top_k, (long long)d);
-    bool jitter = c->jitter_eps > 0.0;
+    const bool jitter = c->jitter_eps > 0.0;
     const int64_t chunks = (T + MOE_GATE_CHUNK_TOKENS - 1) / MOE_GATE_CHUNK_TOKENS;
     const ws_entry table[] = {
         {(void **)&L->x_in, jitter ? td : 0, sizeof(float)},
@@ -340,75 +445,212 @@ static moe_status reserve_workspace(moe_layer *L, int64_t T) {
         {(void **)&L->pair_row, Tk, sizeof(int64_t)},
         {(void **)&L->row_token, Tk, sizeof(int64_t)},
         {(void **)&L->xp, rows_d, sizeof(float)},
-        {(void **)&L->h, rows_2ff, sizeof(float)},
-        {(void **)&L->g, rows_2ff / 2, sizeof(float)},
         {(void **)&L->yp, rows_d, sizeof(float)},
         {(void **)&L->dyp, rows_d, sizeof(float)},
-        {(void **)&L->dh, rows_2ff, sizeof(float)},
         {(void **)&L->dxp, rows_d, sizeof(float)},
         {(void **)&L->sh_h, t2s, sizeof(float)},
         {(void **)&L->sh_g, t2s / 2, sizeof(float)},
         {(void **)&L->sh_y, S > 0 ? td : 0, sizeof(float)},
         {(void **)&L->sh_dh, t2s, sizeof(float)},
     };
-    const int n = (int)(sizeof table / sizeof table[0]);
-    int64_t total = 0;
-    for (int i = 0; i < n; i++) {
-        int64_t bytes;
-        if (!mul_ok(table[i].count, (int64_t)table[i].size, &bytes) || bytes > INT64_MAX / 2 - total)
-            return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_forward: workspace for T=%lld overflows", (long long)T);
-        total += (bytes + MOE_ALIGN_BYTES - 1) / MOE_ALIGN_BYTES * MOE_ALIGN_BYTES;
-    }
-    if ((uint64_t)total > SIZE_MAX) return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_forward: workspace exceeds size_t");
-    char *block = alloc_aligned((size_t)total);
-    if (!block)
-        return moe_error(MOE_ERR_OUT_OF_MEMORY, "moe_layer_forward: %lld bytes of activations for T=%lld", (long long)total,
-                         (long long)T);
-    free(L->workspace);
-    L->workspace = block;
+    MOE_TRY(carve(&L->token_ws, table, (int)(sizeof table / sizeof table[0]), "activations for T", T));
     L->capacity_T = T;
-    int64_t off = 0;
-    for (int i = 0; i < n; i++) {
-        *table[i].ptr = table[i].count ? block + off : NULL;
-        off += ((int64_t)(table[i].count * (int64_t)table[i].size) + MOE_ALIGN_BYTES - 1) / MOE_ALIGN_BYTES * MOE_ALIGN_BYTES;
-    }
     L->plan = (moe_plan){.pair_row = L->pair_row, .row_token = L->row_token, .expert_offsets = L->expert_offsets,
                          .cursor = L->cursor};
     return MOE_OK;
 }
 
+/* Sizes the arrays of the rows this rank's experts work on for R rows. With
+ * one rank they are the plan's rows, sized with the tokens. */
+static moe_status reserve_rows(moe_layer *L, int64_t R) {
+    if (!L->ep) {
+        L->xe = L->xp;
+        L->ye = L->yp;
+        L->dxe = L->dxp;
+    }
+    if (R <= L->capacity_R) return MOE_OK;
+    const int64_t d = L->cfg.d_model, ff = L->cfg.d_ff, ep = L->ep ? R * d : 0;
+    int64_t r2ff;
+    if (R > INT_MAX || !mul_ok(R, 2 * ff, &r2ff) || !mul_ok(R, d, &r2ff))
+        return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_forward: %lld expert rows are too many", (long long)R);
+    const ws_entry table[] = {
+        {(void **)&L->staging, ep, sizeof(float)},
+        {(void **)&L->xe, ep, sizeof(float)},
+        {(void **)&L->ye, ep, sizeof(float)},
+        {(void **)&L->dxe, ep, sizeof(float)},
+        {(void **)&L->h, R * 2 * ff, sizeof(float)},
+        {(void **)&L->g, R * ff, sizeof(float)},
+        {(void **)&L->dh, R * 2 * ff, sizeof(float)},
+    };
+    MOE_TRY(carve(&L->row_ws, table, (int)(sizeof table / sizeof table[0]), "expert rows", R));
+    if (!L->ep) {
+        L->xe = L->xp;
+        L->ye = L->yp;
+        L->dxe = L->dxp;
+    }
+    L->capacity_R = R;
+    return MOE_OK;
+}
+
+/* ---------------------------------------------------------------- routing */
+
+/* Shares every rank's router totals (one all-gather of 2E + 2 doubles per
+ * rank), then derives, identically on every rank: the global pairs per
+ * expert, what this rank keeps under capacity, and what it receives. The
+ * sums run in rank order, so they do not depend on the collective's own
+ * reduction order. */
+static moe_status share_routing(moe_layer *L, int64_t T, double z_sum) {
+    const int64_t E = L->cfg.n_experts, k = L->cfg.top_k, W = 2 * E + 2, P = L->ep_size;
+    double *mine = L->rank_totals + (int64_t)L->ep_rank * W;
+    for (int64_t e = 0; e < E; e++) {
+        mine[e] = (double)L->assigned[e];
+        mine[E + e] = L->prob_sum[e];
+    }
+    mine[2 * E] = z_sum;
+    mine[2 * E + 1] = (double)T;
+    if (L->ep) {
+        moe_status st = moe_comm_allgather(L->ep, L->rank_totals, mine, W, MOE_COMM_F64);
+        if (st != MOE_OK) return moe_error_prefix(st, "moe layer dispatch (router totals): ");
+    }
+    double z = 0.0, aux = 0.0;
+    L->global_T = 0;
+    for (int64_t e = 0; e < E; e++) L->global_assigned[e] = 0;
+    for (int64_t r = 0; r < P; r++) {
+        const double *t = L->rank_totals + r * W;
+        for (int64_t e = 0; e < E; e++) {
+            L->rank_assigned[r * E + e] = (int64_t)t[e];
+            L->global_assigned[e] += (int64_t)t[e];
+        }
+        z += t[2 * E];
+        L->global_T += (int64_t)t[2 * E + 1];
+    }
+    const int64_t GT = L->global_T, cap = moe_capacity(L->cfg.capacity_factor, GT, k, E);
+    double max_assigned = 0.0;
+    int64_t kept_total = 0;
+    for (int64_t e = 0; e < E; e++) {
+        double P_e = 0.0;
+        for (int64_t r = 0; r < P; r++) P_e += L->rank_totals[r * W + E + e];
+        aux += ((double)L->global_assigned[e] / (double)(GT * k)) * (P_e / (double)GT);
+        if ((double)L->global_assigned[e] > max_assigned) max_assigned = (double)L->global_assigned[e];
+        L->keep[e] = moe_keep_count(L->rank_assigned, L->ep_rank, e, E, cap);
+        int64_t kept_e = 0;
+        for (int r = 0; r < P; r++) kept_e += moe_keep_count(L->rank_assigned, r, e, E, cap);
+        kept_total += kept_e;
+        if (L->last.tokens_per_expert) L->last.tokens_per_expert[e] = kept_e;
+    }
+    L->last.dropped = GT * k - kept_total;
+    L->last.aux_loss = (double)E * aux;
+    L->last.z_loss = z / (double)GT;
+    L->last.load_imbalance = max_assigned / ((double)(GT * k) / (double)E);
+
+    /* Rows from source s for local expert j, and where they land. */
+    L->recv_total = 0;
+    for (int s = 0; s < P; s++)
+        for (int64_t j = 0; j < L->n_local; j++) {
+            int64_t n = moe_keep_count(L->rank_assigned, s, L->first_local + j, E, cap);
+            L->recv_rows[s * L->n_local + j] = n;
+            L->recv_total += n;
+        }
+    L->local_offsets[0] = 0;
+    for (int64_t j = 0; j < L->n_local; j++) {
+        int64_t n = 0;
+        for (int s = 0; s < P; s++) n += L->recv_rows[s * L->n_local + j];
+        L->local_offsets[j + 1] = L->local_offsets[j] + n;
+    }
+    return MOE_OK;
+}
+
+/* The all-to-all-v counts and displacements, in floats of rows of d: what
+ * this rank sends to each rank (its plan rows for that rank's experts) and
+ * what it receives from each (source-major). */
+static void dispatch_counts(moe_layer *L) {
+    const int64_t P = L->ep_size, d = L->cfg.d_model;
+    int64_t *send_counts = L->a2a, *send_displs = L->a2a + P, *recv_counts = L->a2a + 2 * P,
+            *recv_displs = L->a2a + 3 * P;
+    for (int64_t r = 0; r < P; r++) {
+        send_counts[r] = 0;
+        recv_counts[r] = 0;
+    }
+    for (int64_t e = 0; e < L->cfg.n_experts; e++)
+        send_counts[L->expert_rank[e]] += (L->expert_offsets[e + 1] - L->expert_offsets[e]) * d;
+    for (int64_t r = 0; r < P; r++)
+        for (int64_t j = 0; j < L->n_local; j++) recv_counts[r] += L->recv_rows[r * L->n_local + j] * d;
+    send_displs[0] = recv_displs[0] = 0;
+    for (int64_t r = 1; r < P; r++) {
+        send_displs[r] = send_displs[r - 1] + send_counts[r - 1];
+        recv_displs[r] = recv_displs[r - 1] + recv_counts[r - 1];
+    }
+}
+
+/* Moves rows between source-major order (as they cross the network: from
+ * each source, its rows for local expert 0, 1, ...) and expert-major order
+ * (each local expert's rows from source 0, 1, ...: the global batch order). */
+static void regroup(moe_layer *L, float *dst, const float *src, bool to_expert_major) {
+    const int64_t P = L->ep_size, nl = L->n_local, d = L->cfg.d_model;
+    int64_t src_row = 0;
+    for (int64_t s = 0; s < P; s++)
+        for (int64_t j = 0; j < nl; j++) {
+            int64_t n = L->recv_rows[s * nl + j], exp_row = L->local_offsets[j];
+            for (int64_t s2 = 0; s2 < s; s2++) exp_row += L->recv_rows[s2 * nl + j];
+            const float *from = to_expert_major ? src + src_row * d : src + exp_row * d;
+            float *to = to_expert_major ? dst + exp_row * d : dst + src_row * d;
+            memcpy(to, from, (size_t)(n * d) * sizeof(float));
+            src_row += n;
+        }
+}
+
+/* Sends the plan's rows to the experts' ranks and regroups them there
+ * (rows: xp -> xe in forward, dyp -> ye in backward). */
+static moe_status dispatch(moe_layer *L, float *expert_rows, const float *plan_rows, const char *what) {
+    const int64_t P = L->ep_size;
+    moe_status st = moe_comm_alltoallv(L->ep, L->staging, L->a2a + 2 * P, L->a2a + 3 * P, plan_rows, L->a2a,
+                                       L->a2a + P, MOE_COMM_F32);
+    if (st != MOE_OK) return moe_error_prefix(st, "moe layer dispatch (%s): ", what);
+    regroup(L, expert_rows, L->staging, true);
+    return MOE_OK;
+}
+
+/* The reverse of dispatch: expert rows back to the ranks that own the tokens
+ * (ye -> yp in forward, dxe -> dxp in backward). */
+static moe_status undispatch(moe_layer *L, float *plan_rows, const float *expert_rows, const char *what) {
+    const int64_t P = L->ep_size;
+    regroup(L, L->staging, expert_rows, false);
+    moe_status st = moe_comm_alltoallv(L->ep, plan_rows, L->a2a, L->a2a + P, L->staging, L->a2a + 2 * P,
+                                       L->a2a + 3 * P, MOE_COMM_F32);
+    if (st != MOE_OK) return moe_error_prefix(st, "moe layer combine (%s): ", what);
+    return MOE_OK;
+}
+
 /* ----------------------------------------------------------------- forward */
 
-static const float *expert_w13(const moe_layer *L, int64_t e) { return L->views[1 + 3 * e].param; }
-
 /* Points the expert groups at this step's rows; the shared experts, when
- * present, are one more group over all T tokens. */
+ * present, are one more group over this rank's T tokens. */
 static int64_t setup_groups(moe_layer *L, int64_t T, const float *x_in, const float *dy) {
     const moe_layer_config *c = &L->cfg;
-    const int64_t d = c->d_model, ff = c->d_ff, E = c->n_experts;
-    for (int64_t e = 0; e < E; e++) {
-        int64_t r0 = L->expert_offsets[e];
-        L->groups[e] = (moe_expert_group){
-            .rows = L->expert_offsets[e + 1] - r0, .d_ff = ff, .x = L->xp + r0 * d,
-            .w13 = expert_w13(L, e), .w2 = L->views[3 + 3 * e].param,
-            .h = L->h + r0 * 2 * ff, .g = L->g + r0 * ff, .y = L->yp + r0 * d,
-            .dy = L->dyp + r0 * d, .dh = L->dh + r0 * 2 * ff, .dx = L->dxp + r0 * d,
-            .dw13 = L->views[1 + 3 * e].grad, .dw2 = L->views[3 + 3 * e].grad};
+    const int64_t d = c->d_model, ff = c->d_ff;
+    for (int64_t j = 0; j < L->n_local; j++) {
+        const int64_t r0 = L->local_offsets[j];
+        const moe_tensor_view *w = &L->views[1 + 3 * j]; /* w1, w3, w2 */
+        L->groups[j] = (moe_expert_group){
+            .rows = L->local_offsets[j + 1] - r0, .d_ff = ff, .x = L->xe + r0 * d, .w13 = w[0].param,
+            .w2 = w[2].param, .h = L->h + r0 * 2 * ff, .g = L->g + r0 * ff, .y = L->ye + r0 * d,
+            .dy = L->ye + r0 * d, .dh = L->dh + r0 * 2 * ff, .dx = L->dxe + r0 * d, .dw13 = w[0].grad,
+            .dw2 = w[2].grad};
     }
-    if (L->shared_ff == 0) return E;
-    const moe_tensor_view *sv = &L->views[1 + 3 * E];
-    L->groups[E] = (moe_expert_group){
+    if (L->shared_ff == 0) return L->n_local;
+    const moe_tensor_view *sv = &L->views[1 + 3 * L->n_local];
+    L->groups[L->n_local] = (moe_expert_group){
         .rows = T, .d_ff = L->shared_ff, .x = x_in, .w13 = sv[0].param, .w2 = sv[2].param,
         .h = L->sh_h, .g = L->sh_g, .y = L->sh_y, .dy = dy, .dh = L->sh_dh,
         .dx = NULL, /* set by backward */
         .dw13 = sv[0].grad, .dw2 = sv[2].grad};
-    return E + 1;
+    return L->n_local + 1;
 }
 
 moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, moe_layer_stats *stats) {
     if (!L || !y || !x) return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_forward: NULL argument");
     if (T <= 0) return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_forward: T=%lld must be positive", (long long)T);
-    MOE_TRY(reserve_workspace(L, T));
+    MOE_TRY(reserve_tokens(L, T));
     const moe_layer_config *c = &L->cfg;
     const moe_ops *ops = L->ops;
     const int64_t d = c->d_model, E = c->n_experts, k = c->top_k;
@@ -420,9 +662,11 @@ moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, 
         const float eps = (float)c->jitter_eps;
         const uint64_t call = L->jitter_calls;
         const int on = L->training;
+        /* Noise indexed by (rank, token) keeps ranks' streams apart. */
+        const uint64_t stream = MOE_JITTER_STREAM + call * (uint64_t)L->ep_size + (uint64_t)L->ep_rank;
 #pragma omp parallel for schedule(static)
         for (int64_t i = 0; i < T * d; i++) {
-            float u = on ? moe_rng_uniform(c->seed, MOE_JITTER_STREAM + call, (uint64_t)i) : 0.5f;
+            float u = on ? moe_rng_uniform(c->seed, stream, (uint64_t)i) : 0.5f;
             L->noise[i] = 1.0f - eps + 2.0f * eps * u;
             L->x_in[i] = x[i] * L->noise[i];
         }
@@ -436,25 +680,29 @@ moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, 
     moe_gate_totals totals = {.assigned = L->assigned, .prob_sum = L->prob_sum, .chunk_scratch = L->gate_chunks};
     ops->gate_forward(L->topk_idx, L->topk_w, L->prob, L->lse, &totals, L->logits, L->bias, &gp, T);
 
-    moe_plan_build(&L->plan, L->topk_idx, L->assigned, T, k, E, moe_capacity(c->capacity_factor, T, k, E));
+    L->last.tokens_per_expert = stats ? stats->tokens_per_expert : NULL;
+    MOE_TRY(share_routing(L, T, totals.z_sum));
+    moe_plan_build(&L->plan, L->topk_idx, L->keep, T, k, E);
     ops->permute(L->xp, x_in, L->row_token, L->plan.n_rows, d);
+    /* Rows an expert rank can receive: every source's pairs, or capacity. */
+    int64_t cap = moe_capacity(c->capacity_factor, L->global_T, k, E);
+    int64_t max_rows = L->ep ? L->global_T * k : T * k;
+    if (L->ep && cap >= 0 && L->n_local * cap < max_rows) max_rows = L->n_local * cap;
+    MOE_TRY(reserve_rows(L, max_rows));
+    if (L->ep) {
+        dispatch_counts(L);
+        MOE_TRY(dispatch(L, L->xe, L->xp, "rows"));
+    }
     int64_t n_groups = setup_groups(L, T, x_in, NULL);
     ops->experts_forward(L->groups, n_groups, d);
+    if (L->ep) MOE_TRY(undispatch(L, L->yp, L->ye, "expert outputs"));
     ops->combine(y, L->yp, L->topk_w, L->pair_row, L->shared_ff ? L->sh_y : NULL, T, k, d);
 
+    L->last.tokens_per_expert = NULL; /* the caller's array, filled above */
     if (stats) {
-        double aux = 0.0, max_assigned = 0.0;
-        for (int64_t e = 0; e < E; e++) {
-            double f = (double)L->assigned[e] / (double)(T * k);
-            aux += f * (L->prob_sum[e] / (double)T);
-            if ((double)L->assigned[e] > max_assigned) max_assigned = (double)L->assigned[e];
-            if (stats->tokens_per_expert)
-                stats->tokens_per_expert[e] = L->expert_offsets[e + 1] - L->expert_offsets[e];
-        }
-        stats->dropped = L->plan.dropped;
-        stats->aux_loss = (double)E * aux;
-        stats->z_loss = totals.z_sum / (double)T;
-        stats->load_imbalance = max_assigned / ((double)(T * k) / (double)E);
+        int64_t *tpe = stats->tokens_per_expert;
+        *stats = L->last;
+        stats->tokens_per_expert = tpe;
     }
     L->last_T = T;
     return MOE_OK;
@@ -473,18 +721,28 @@ moe_status moe_layer_backward(moe_layer *L, float *dx, const float *dy, const fl
     float *dx_in = jitter ? L->dx_in : dx; /* [T, d] */
 
     ops->combine_backward(L->dyp, L->dweights, dy, L->yp, L->topk_w, L->pair_row, T, k, d);
+    /* The expert outputs are spent: ye takes their gradient. */
+    if (L->ep)
+        MOE_TRY(dispatch(L, L->ye, L->dyp, "output gradients"));
+    else
+        L->ye = L->dyp;
     int64_t n_groups = setup_groups(L, T, x_in, dy);
     if (L->shared_ff)
-        L->groups[E].dx = dx_in; /* written: the shared experts start the sum */
+        L->groups[L->n_local].dx = dx_in; /* written: the shared experts start the sum */
     else
         memset(dx_in, 0, (size_t)(T * d) * sizeof(float));
     ops->experts_backward(L->groups, n_groups, d);
+    if (!L->ep) L->ye = L->yp;
+    if (L->ep) MOE_TRY(undispatch(L, L->dxp, L->dxe, "input gradients"));
     ops->unpermute_add(dx_in, L->dxp, L->pair_row, T, k, d);
 
-    moe_aux_grad(L->aux_grad, L->assigned, T, k, E, c->aux_loss_coef * L->loss_scale);
+    /* The balancing losses are over the global batch: its counts and size. */
+    const int64_t GT = L->global_T;
+    moe_aux_grad(L->aux_grad, L->global_assigned, GT, k, E, c->aux_loss_coef * L->loss_scale);
     const moe_gate_params gp = {.n_experts = E, .top_k = k, .kind = c->gate, .renormalize = c->renormalize != 0};
     ops->gate_backward(L->dlogits, L->dweights, L->topk_idx, L->topk_w, L->prob, L->lse, L->logits,
-                       c->aux_loss_coef > 0.0 ? L->aux_grad : NULL, (float)(c->z_loss_coef * L->loss_scale / (double)T), &gp, T);
+                       c->aux_loss_coef > 0.0 ? L->aux_grad : NULL, (float)(c->z_loss_coef * L->loss_scale / (double)GT),
+                       &gp, T);
     const moe_tensor_view *gate = &L->views[0];
     ops->gemm(gate->grad, L->dlogits, x_in, E, d, T, E, d, d, true, false, 1.0f, 1.0f);
     ops->gemm(dx_in, L->dlogits, gate->param, T, d, E, E, d, d, false, false, 1.0f, 1.0f);

@@ -3,16 +3,25 @@
 #ifndef MOE_ENGINE_MOE_LAYER_H
 #define MOE_ENGINE_MOE_LAYER_H
 
+#include "comm/comm.h"
 #include "moe.h"
 
-/* Floats of parameters one layer with this (valid) config holds. */
-int64_t moe_layer_config_param_count(const moe_layer_config *cfg);
+/* Floats of parameters one rank of an expert-parallel group of ep_size ranks
+ * holds of a layer with this (valid) config: the router, E / ep_size
+ * experts, and the shared experts. */
+int64_t moe_layer_config_param_count(const moe_layer_config *cfg, int ep_size);
 
 /* Like moe_layer_create, but the parameters and gradients live in the
- * caller's arrays of moe_layer_config_param_count(cfg) floats each, which
- * must outlive the layer. Parameters are left as they are (not initialised). */
+ * caller's arrays of moe_layer_config_param_count(cfg, P) floats each, which
+ * must outlive the layer; they are left as they are (not initialised).
+ *
+ * ep: the expert-parallel group of P ranks (NULL or P = 1: one rank). Rank r
+ * holds experts r E/P .. (r+1) E/P - 1, named by their global ids. Each rank
+ * passes its own tokens; forward and backward are collective over ep. The
+ * gradients of the router and the shared experts are this rank's share: the
+ * caller sums them over the ranks (the data-parallel all-reduce does). */
 moe_status moe_layer_create_in(moe_layer **layer, const moe_layer_config *cfg, float *params,
-                               float *grads);
+                               float *grads, moe_comm *ep);
 
 /* Fills the layer's parameters with N(0, std^2) draws from (seed, stream). */
 void moe_layer_init_params(moe_layer *layer, float std, uint64_t seed, uint64_t stream);
@@ -22,7 +31,8 @@ void moe_layer_init_params(moe_layer *layer, float std, uint64_t seed, uint64_t 
 void moe_layer_set_loss_scale(moe_layer *layer, double scale);
 
 /* Of the last forward: the (token, slot) pairs the router assigned to each
- * expert before capacity [E], and its choices topk_idx [T, k]. */
+ * expert before capacity over the whole EP group [E], and this rank's
+ * choices topk_idx [T, k]. */
 const int64_t *moe_layer_last_assigned(const moe_layer *layer);
 const int32_t *moe_layer_last_topk(const moe_layer *layer);
 

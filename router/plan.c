@@ -7,14 +7,11 @@ int64_t moe_capacity(double capacity_factor, int64_t T, int64_t k, int64_t E) {
     return (int64_t)ceil(capacity_factor * (double)T * (double)k / (double)E);
 }
 
-void moe_plan_build(moe_plan *plan, const int32_t *topk_idx, const int64_t *assigned, int64_t T,
-                    int64_t k, int64_t E, int64_t capacity) {
+void moe_plan_build(moe_plan *plan, const int32_t *topk_idx, const int64_t *keep, int64_t T, int64_t k,
+                    int64_t E) {
     int64_t *offsets = plan->expert_offsets;
     offsets[0] = 0;
-    for (int64_t e = 0; e < E; e++) {
-        int64_t kept = capacity >= 0 && assigned[e] > capacity ? capacity : assigned[e];
-        offsets[e + 1] = offsets[e] + kept;
-    }
+    for (int64_t e = 0; e < E; e++) offsets[e + 1] = offsets[e] + keep[e];
     plan->n_rows = offsets[E];
     plan->dropped = T * k - plan->n_rows;
     /* The cursor of expert e runs through its rows and then past them: a pair
@@ -31,6 +28,15 @@ void moe_plan_build(moe_plan *plan, const int32_t *topk_idx, const int64_t *assi
             plan->pair_row[p] = -1;
         }
     }
+}
+
+int64_t moe_keep_count(const int64_t *rank_assigned, int source, int64_t e, int64_t E, int64_t cap) {
+    int64_t mine = rank_assigned[(int64_t)source * E + e];
+    if (cap < 0) return mine;
+    int64_t before = 0;
+    for (int s = 0; s < source; s++) before += rank_assigned[(int64_t)s * E + e];
+    int64_t room = cap - before;
+    return room <= 0 ? 0 : room < mine ? room : mine;
 }
 
 void moe_aux_grad(float *aux_grad, const int64_t *assigned, int64_t T, int64_t k, int64_t E,

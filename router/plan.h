@@ -19,11 +19,18 @@ typedef struct moe_plan {
 /* Rows each expert may take: ceil(cf * T * k / E), or -1 for dropless (cf = 0). */
 int64_t moe_capacity(double capacity_factor, int64_t T, int64_t k, int64_t E);
 
-/* Fills plan from the router's choices topk_idx [T, k] and the per-expert
- * totals assigned [E]. Pairs are taken in token order, then slot order; an
- * expert keeps its first `capacity` pairs (all of them when capacity < 0). */
-void moe_plan_build(moe_plan *plan, const int32_t *topk_idx, const int64_t *assigned, int64_t T,
-                    int64_t k, int64_t E, int64_t capacity);
+/* Fills plan from the router's choices topk_idx [T, k]. Pairs are taken in
+ * token order, then slot order; expert e keeps its first keep[e] pairs and
+ * drops the rest (keep[e] = all its pairs when dropless). */
+void moe_plan_build(moe_plan *plan, const int32_t *topk_idx, const int64_t *keep, int64_t T, int64_t k,
+                    int64_t E);
+
+/* Pairs that source rank `source` keeps for expert e under capacity cap (< 0:
+ * dropless), when every rank's pairs count against one capacity in the order
+ * of the global batch (rank 0's tokens first): rank_assigned [P, E] holds
+ * each rank's pairs per expert before capacity. With one rank this is
+ * min(assigned, cap). */
+int64_t moe_keep_count(const int64_t *rank_assigned, int source, int64_t e, int64_t E, int64_t cap);
 
 /* d(coef * aux)/d(prob[t, e]) for the Switch/GShard loss aux = E sum f_e P_e,
  * f_e = assigned_e / (T k), P_e = mean_t prob[t, e]: coef * E * f_e / T. */
