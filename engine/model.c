@@ -246,7 +246,7 @@ moe_status moe_model_create(moe_model **out, const moe_model_config *cfg, int64_
         moe_layer_config layer_cfg = lc;
         layer_cfg.seed = moe_splitmix64(seed + (uint64_t)l);
         int64_t off = m->tensors[m->layer_first[l] + MOE_FIRST].offset;
-        st = moe_layer_create_in(&m->moe[l], &layer_cfg, m->params + off, m->grads + off, NULL);
+        st = moe_layer_create_in(&m->moe[l], &layer_cfg, m->params + off, m->grads + off, NULL, NULL);
         if (st == MOE_OK) {
             name_moe_tensors(m, l);
             /* The total loss averages aux and z over layers. */

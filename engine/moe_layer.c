@@ -42,6 +42,11 @@ struct moe_layer {
      * holds a contiguous run of expert ids (checked at creation). */
     moe_comm *ep;     /* NULL: one rank */
     int ep_rank, ep_size;
+    /* The ranks whose tokens form the global batch (the data-parallel world,
+     * of which the EP group is a consecutive run starting at group_base):
+     * routing totals and capacity are taken over it. NULL: the EP group. */
+    moe_comm *batch;
+    int batch_rank, batch_size, group_base;
     int64_t n_local, first_local;
     int *expert_rank; /* [E] */
 
@@ -93,8 +98,8 @@ struct moe_layer {
     /* Per-expert and per-rank arrays, independent of T. */
     int64_t *assigned;       /* [E] this rank's pairs per expert, before capacity */
     double *prob_sum;        /* [E] */
-    double *rank_totals;     /* [P, 2E + 2] every rank's assigned, prob_sum, z_sum, T */
-    int64_t *rank_assigned;  /* [P, E] */
+    double *rank_totals;     /* [N, 2E + 2] every batch rank's assigned, prob_sum, z_sum, T */
+    int64_t *rank_assigned;  /* [N, E] */
     int64_t *global_assigned; /* [E] */
     int64_t *keep;           /* [E] this rank's kept pairs per expert */
     int64_t *recv_rows;      /* [P, n_local] rows from each source for each local expert */
@@ -203,8 +208,31 @@ static void build_views(moe_layer *L) {
     }
 }
 
+/* Checks that the EP group is ranks group_base .. group_base + P - 1 of the
+ * batch communicator, in order: capacity and the order of each expert's rows
+ * follow batch ranks, and the dispatch maps EP source s to batch rank
+ * group_base + s. */
+static moe_status find_group_base(moe_layer *L) {
+    if (!L->ep) {
+        L->group_base = L->batch_rank;
+        return L->ep_size == 1 ? MOE_OK : moe_error(MOE_ERR_INTERNAL, "moe layer: EP group without a communicator");
+    }
+    int ranks[MOE_EXPERTS_MAX];
+    if (L->ep_size > MOE_EXPERTS_MAX)
+        return moe_error(MOE_ERR_CONFIG, "moe layer: expert-parallel size %d exceeds %d", L->ep_size, MOE_EXPERTS_MAX);
+    MOE_TRY(moe_comm_allgather(L->ep, ranks, &L->batch_rank, 1, MOE_COMM_I32));
+    L->group_base = ranks[0];
+    for (int s = 0; s < L->ep_size; s++)
+        if (ranks[s] != ranks[0] + s)
+            return moe_error(MOE_ERR_CONFIG,
+                             "moe layer: expert-parallel rank %d is data-parallel rank %d, not %d: EP groups must be "
+                             "consecutive ranks",
+                             s, ranks[s], ranks[0] + s);
+    return MOE_OK;
+}
+
 moe_status moe_layer_create_in(moe_layer **out, const moe_layer_config *cfg, float *params, float *grads,
-                               moe_comm *ep) {
+                               moe_comm *ep, moe_comm *batch) {
     if (!out || !params || !grads) return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_create_in: NULL argument");
     *out = NULL;
     MOE_TRY(moe_layer_config_validate(cfg));
@@ -221,6 +249,11 @@ moe_status moe_layer_create_in(moe_layer **out, const moe_layer_config *cfg, flo
     L->ep = P > 1 ? ep : NULL;
     L->ep_size = P;
     L->ep_rank = ep ? moe_comm_rank(ep) : 0;
+    if (!batch) batch = ep;
+    L->batch_size = batch ? moe_comm_size(batch) : 1;
+    L->batch = L->batch_size > 1 ? batch : NULL;
+    L->batch_rank = batch ? moe_comm_rank(batch) : 0;
+    const int64_t N = L->batch_size;
     L->n_local = E / P;
     L->first_local = L->ep_rank * L->n_local;
     L->params = params;
@@ -234,8 +267,8 @@ moe_status moe_layer_create_in(moe_layer **out, const moe_layer_config *cfg, flo
     L->expert_rank = calloc((size_t)E, sizeof *L->expert_rank);
     L->assigned = calloc((size_t)E, sizeof *L->assigned);
     L->prob_sum = calloc((size_t)E, sizeof *L->prob_sum);
-    L->rank_totals = calloc((size_t)P * (size_t)(2 * E + 2), sizeof *L->rank_totals);
-    L->rank_assigned = calloc((size_t)P * (size_t)E, sizeof *L->rank_assigned);
+    L->rank_totals = calloc((size_t)N * (size_t)(2 * E + 2), sizeof *L->rank_totals);
+    L->rank_assigned = calloc((size_t)N * (size_t)E, sizeof *L->rank_assigned);
     L->global_assigned = calloc((size_t)E, sizeof *L->global_assigned);
     L->keep = calloc((size_t)E, sizeof *L->keep);
     L->recv_rows = calloc((size_t)P * (size_t)L->n_local, sizeof *L->recv_rows);
@@ -255,6 +288,11 @@ moe_status moe_layer_create_in(moe_layer **out, const moe_layer_config *cfg, flo
     /* Contiguous runs of expert ids per rank, in rank order: the plan's
      * expert-ordered rows then split into one contiguous range per rank. */
     for (int64_t e = 0; e < E; e++) L->expert_rank[e] = (int)(e / L->n_local);
+    moe_status st = find_group_base(L);
+    if (st != MOE_OK) {
+        moe_layer_destroy(L);
+        return st;
+    }
     build_views(L);
     *out = L;
     return MOE_OK;
@@ -285,7 +323,7 @@ moe_status moe_layer_create(moe_layer **out, const moe_layer_config *cfg) {
     float *mem = alloc_aligned((size_t)(grad_off + n) * sizeof(float));
     if (!mem)
         return moe_error(MOE_ERR_OUT_OF_MEMORY, "moe_layer_create: %lld parameters and gradients", (long long)n);
-    moe_status st = moe_layer_create_in(out, cfg, mem, mem + grad_off, NULL);
+    moe_status st = moe_layer_create_in(out, cfg, mem, mem + grad_off, NULL, NULL);
     if (st != MOE_OK) {
         free(mem);
         return st;
@@ -494,28 +532,28 @@ static moe_status reserve_rows(moe_layer *L, int64_t R) {
 
 /* ---------------------------------------------------------------- routing */
 
-/* Shares every rank's router totals (one all-gather of 2E + 2 doubles per
- * rank), then derives, identically on every rank: the global pairs per
+/* Shares every batch rank's router totals (one all-gather of 2E + 2 doubles
+ * per rank), then derives, identically on every rank: the global pairs per
  * expert, what this rank keeps under capacity, and what it receives. The
  * sums run in rank order, so they do not depend on the collective's own
  * reduction order. */
 static moe_status share_routing(moe_layer *L, int64_t T, double z_sum) {
-    const int64_t E = L->cfg.n_experts, k = L->cfg.top_k, W = 2 * E + 2, P = L->ep_size;
-    double *mine = L->rank_totals + (int64_t)L->ep_rank * W;
+    const int64_t E = L->cfg.n_experts, k = L->cfg.top_k, W = 2 * E + 2, N = L->batch_size, P = L->ep_size;
+    double *mine = L->rank_totals + (int64_t)L->batch_rank * W;
     for (int64_t e = 0; e < E; e++) {
         mine[e] = (double)L->assigned[e];
         mine[E + e] = L->prob_sum[e];
     }
     mine[2 * E] = z_sum;
     mine[2 * E + 1] = (double)T;
-    if (L->ep) {
-        moe_status st = moe_comm_allgather(L->ep, L->rank_totals, mine, W, MOE_COMM_F64);
+    if (L->batch) {
+        moe_status st = moe_comm_allgather(L->batch, L->rank_totals, mine, W, MOE_COMM_F64);
         if (st != MOE_OK) return moe_error_prefix(st, "moe layer dispatch (router totals): ");
     }
     double z = 0.0, aux = 0.0;
     L->global_T = 0;
     for (int64_t e = 0; e < E; e++) L->global_assigned[e] = 0;
-    for (int64_t r = 0; r < P; r++) {
+    for (int64_t r = 0; r < N; r++) {
         const double *t = L->rank_totals + r * W;
         for (int64_t e = 0; e < E; e++) {
             L->rank_assigned[r * E + e] = (int64_t)t[e];
@@ -529,12 +567,12 @@ static moe_status share_routing(moe_layer *L, int64_t T, double z_sum) {
     int64_t kept_total = 0;
     for (int64_t e = 0; e < E; e++) {
         double P_e = 0.0;
-        for (int64_t r = 0; r < P; r++) P_e += L->rank_totals[r * W + E + e];
+        for (int64_t r = 0; r < N; r++) P_e += L->rank_totals[r * W + E + e];
         aux += ((double)L->global_assigned[e] / (double)(GT * k)) * (P_e / (double)GT);
         if ((double)L->global_assigned[e] > max_assigned) max_assigned = (double)L->global_assigned[e];
-        L->keep[e] = moe_keep_count(L->rank_assigned, L->ep_rank, e, E, cap);
+        L->keep[e] = moe_keep_count(L->rank_assigned, L->batch_rank, e, E, cap);
         int64_t kept_e = 0;
-        for (int r = 0; r < P; r++) kept_e += moe_keep_count(L->rank_assigned, r, e, E, cap);
+        for (int r = 0; r < N; r++) kept_e += moe_keep_count(L->rank_assigned, r, e, E, cap);
         kept_total += kept_e;
         if (L->last.tokens_per_expert) L->last.tokens_per_expert[e] = kept_e;
     }
@@ -547,7 +585,7 @@ static moe_status share_routing(moe_layer *L, int64_t T, double z_sum) {
     L->recv_total = 0;
     for (int s = 0; s < P; s++)
         for (int64_t j = 0; j < L->n_local; j++) {
-            int64_t n = moe_keep_count(L->rank_assigned, s, L->first_local + j, E, cap);
+            int64_t n = moe_keep_count(L->rank_assigned, L->group_base + s, L->first_local + j, E, cap);
             L->recv_rows[s * L->n_local + j] = n;
             L->recv_total += n;
         }
@@ -663,7 +701,7 @@ moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, 
         const uint64_t call = L->jitter_calls;
         const int on = L->training;
         /* Noise indexed by (rank, token) keeps ranks' streams apart. */
-        const uint64_t stream = MOE_JITTER_STREAM + call * (uint64_t)L->ep_size + (uint64_t)L->ep_rank;
+        const uint64_t stream = MOE_JITTER_STREAM + call * (uint64_t)L->batch_size + (uint64_t)L->batch_rank;
 #pragma omp parallel for schedule(static)
         for (int64_t i = 0; i < T * d; i++) {
             float u = on ? moe_rng_uniform(c->seed, stream, (uint64_t)i) : 0.5f;

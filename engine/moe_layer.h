@@ -17,11 +17,19 @@ int64_t moe_layer_config_param_count(const moe_layer_config *cfg, int ep_size);
  *
  * ep: the expert-parallel group of P ranks (NULL or P = 1: one rank). Rank r
  * holds experts r E/P .. (r+1) E/P - 1, named by their global ids. Each rank
- * passes its own tokens; forward and backward are collective over ep. The
- * gradients of the router and the shared experts are this rank's share: the
- * caller sums them over the ranks (the data-parallel all-reduce does). */
+ * passes its own tokens; forward and backward are collective over ep.
+ *
+ * batch: the ranks whose tokens make up the global batch, in batch order
+ * (NULL: ep). The router's statistics (aux and z losses, load) and capacity
+ * are those of the global batch, so any split of it computes what one rank
+ * computes on all of it. The EP group must be consecutive batch ranks.
+ *
+ * The gradients of the router and the shared experts are this rank's
+ * share, and each expert's gradient covers the EP group's tokens: the caller
+ * sums the former over the batch ranks and the latter over the expert's
+ * replicas (the data-parallel all-reduces do). */
 moe_status moe_layer_create_in(moe_layer **layer, const moe_layer_config *cfg, float *params,
-                               float *grads, moe_comm *ep);
+                               float *grads, moe_comm *ep, moe_comm *batch);
 
 /* Fills the layer's parameters with N(0, std^2) draws from (seed, stream). */
 void moe_layer_init_params(moe_layer *layer, float std, uint64_t seed, uint64_t stream);

@@ -1,6 +1,7 @@
 /* test_moe_ep.c: the MoE layer with expert parallelism over all ranks (run
- * under mpirun -np 2 and -np 4) against the same layer on one rank fed the
- * whole global batch. Every rank builds the one-rank reference itself, so no
+ * under mpirun -np 2 and -np 4; with 4 ranks also as 2 EP groups of 2, each
+ * expert held twice) against the same layer on one rank fed the whole global
+ * batch. Every rank builds the one-rank reference itself, so no
  * result crosses the network except through the code under test (and the
  * final agreement on pass/fail). Ranks hold different token counts (7 + 3r),
  * and the cases cover every gate kind, dropless and capacity, skewed routing,
@@ -26,6 +27,9 @@
 
 static moe_comm *world;
 static int rank, size;
+/* The EP group of the running pass (world, or consecutive pairs of ranks) and
+ * the ranks holding the same experts (one per EP group). */
+static moe_comm *ep_group, *replicas;
 static int failures; /* in the running case, on this rank */
 
 typedef struct ep_case {
@@ -97,14 +101,14 @@ static void run_case(const ep_case *c) {
     }
 
     moe_layer *ref = NULL, *ep = NULL;
-    int64_t n = moe_layer_config_param_count(&cfg, size);
+    int64_t n = moe_layer_config_param_count(&cfg, moe_comm_size(ep_group));
     float *params = calloc((size_t)n, sizeof(float)), *grads = calloc((size_t)n, sizeof(float));
     moe_layer_stats ref_stats = {0}, ep_stats = {0};
     int64_t ref_tpe[E], ep_tpe[E];
     ref_stats.tokens_per_expert = ref_tpe;
     ep_stats.tokens_per_expert = ep_tpe;
     if (check(moe_layer_create(&ref, &cfg), "reference create") &&
-        check(moe_layer_create_in(&ep, &cfg, params, grads, world), "ep create")) {
+        check(moe_layer_create_in(&ep, &cfg, params, grads, ep_group, world), "ep create")) {
         /* Larger weights than the default init, so gradients are not tiny. */
         moe_layer_init_params(ref, 0.3f, SEED, 0);
         moe_layer_init_params(ep, 0.3f, SEED, 0);
@@ -123,14 +127,15 @@ static void run_case(const ep_case *c) {
             const float want_stats[3] = {(float)ref_stats.aux_loss, (float)ref_stats.z_loss,
                                          (float)ref_stats.load_imbalance};
             compare("stats(aux, z, imbalance)", got_stats, want_stats, 3);
-            /* Replicated tensors: the ranks' shares add up to the gradient. */
+            /* The ranks' shares add up to the gradient: over all ranks for
+             * the router and shared experts, over the replicas for experts. */
             for (int64_t i = 0; i < moe_layer_tensor_count(ep); i++) {
                 moe_tensor_view v, r;
                 moe_layer_tensor(ep, i, &v);
                 moe_layer_tensor_by_name(ref, v.name, &r);
                 int64_t count = v.rows * v.cols;
-                if (strncmp(v.name, "experts.", 8) != 0)
-                    check(moe_comm_allreduce_sum(world, v.grad, count, MOE_COMM_F32), "grad all-reduce");
+                moe_comm *sum_over = strncmp(v.name, "experts.", 8) == 0 ? replicas : world;
+                check(moe_comm_allreduce_sum(sum_over, v.grad, count, MOE_COMM_F32), "grad all-reduce");
                 compare(v.name, v.grad, r.grad, count);
             }
         }
@@ -168,13 +173,26 @@ int main(void) {
         {"shared experts, k=E", MOE_GATE_SOFTMAX_TOPK, 1, 0.0, 1, 0.0f, E},
     };
     int passed = 0, failed = 0;
-    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-        run_case(&cases[i]);
-        int any = 0;
-        MPI_Allreduce(&failures, &any, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
-        if (rank == 0) printf("%s: %s (P=%d)\n", any ? "FAIL" : "PASS", cases[i].name, size);
-        fflush(stdout);
-        if (any) failed++; else passed++;
+    /* EP over all ranks; from 4 ranks on also EP = size/2 with 2 replicas. */
+    const int ep_sizes[2] = {size, size / 2};
+    const int passes = size >= 4 && size % 2 == 0 ? 2 : 1;
+    for (int pass = 0; pass < passes; pass++) {
+        const int P = ep_sizes[pass];
+        if (moe_comm_split(&ep_group, world, rank / P, rank) != MOE_OK ||
+            moe_comm_split(&replicas, world, rank % P, rank) != MOE_OK) {
+            fprintf(stderr, "split: %s\n", moe_last_error());
+            return 1;
+        }
+        for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+            run_case(&cases[i]);
+            int any = 0;
+            MPI_Allreduce(&failures, &any, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+            if (rank == 0) printf("%s: %s (%d ranks, EP=%d)\n", any ? "FAIL" : "PASS", cases[i].name, size, P);
+            fflush(stdout);
+            if (any) failed++; else passed++;
+        }
+        moe_comm_free(ep_group);
+        moe_comm_free(replicas);
     }
     if (rank == 0) printf("%d passed, %d failed\n", passed, failed);
     moe_comm_free(world);
