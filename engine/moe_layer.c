@@ -17,6 +17,7 @@
 
 #include <limits.h>
 #include <math.h>
+#include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -115,6 +116,7 @@ struct moe_layer {
     int64_t last_T;         /* T of the last forward; 0 before the first */
     int64_t global_T;       /* tokens over the EP group in the last forward */
     int64_t recv_total;     /* rows received in the last forward */
+    moe_layer_timing timing;
     int training;
     double loss_scale;     /* multiplies the aux and z gradients */
     uint64_t jitter_calls; /* advances the noise stream each training forward */
@@ -396,6 +398,9 @@ moe_status moe_layer_set_training(moe_layer *L, int training) {
 
 void moe_layer_set_loss_scale(moe_layer *L, double scale) { L->loss_scale = scale; }
 
+void moe_layer_get_timing(const moe_layer *L, moe_layer_timing *timing) { *timing = L->timing; }
+void moe_layer_reset_timing(moe_layer *L) { L->timing = (moe_layer_timing){0}; }
+
 const int64_t *moe_layer_last_assigned(const moe_layer *L) { return L->global_assigned; }
 const int32_t *moe_layer_last_topk(const moe_layer *L) { return L->topk_idx; }
 uint64_t moe_layer_jitter_counter(const moe_layer *L) { return L->jitter_calls; }
@@ -639,8 +644,14 @@ static void regroup(moe_layer *L, float *dst, const float *src, bool to_expert_m
 
 /* Sends the plan's rows to the experts' ranks and regroups them there
  * (rows: xp -> xe in forward, dyp -> ye in backward). */
+static void count_sent(moe_layer *L, const int64_t *send_counts) {
+    for (int64_t r = 0; r < L->ep_size; r++)
+        if (r != L->ep_rank) L->timing.exchange_bytes += send_counts[r] * (int64_t)sizeof(float);
+}
+
 static moe_status dispatch(moe_layer *L, float *expert_rows, const float *plan_rows, const char *what) {
     const int64_t P = L->ep_size;
+    count_sent(L, L->a2a);
     moe_status st = moe_comm_alltoallv(L->ep, L->staging, L->a2a + 2 * P, L->a2a + 3 * P, plan_rows, L->a2a,
                                        L->a2a + P, MOE_COMM_F32);
     if (st != MOE_OK) return moe_error_prefix(st, "moe layer dispatch (%s): ", what);
@@ -652,6 +663,7 @@ static moe_status dispatch(moe_layer *L, float *expert_rows, const float *plan_r
  * (ye -> yp in forward, dxe -> dxp in backward). */
 static moe_status undispatch(moe_layer *L, float *plan_rows, const float *expert_rows, const char *what) {
     const int64_t P = L->ep_size;
+    count_sent(L, L->a2a + 2 * P);
     regroup(L, L->staging, expert_rows, false);
     moe_status st = moe_comm_alltoallv(L->ep, plan_rows, L->a2a, L->a2a + P, L->staging, L->a2a + 2 * P,
                                        L->a2a + 3 * P, MOE_COMM_F32);
@@ -721,6 +733,7 @@ moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, 
     L->last.tokens_per_expert = stats ? stats->tokens_per_expert : NULL;
     MOE_TRY(share_routing(L, T, totals.z_sum));
     moe_plan_build(&L->plan, L->topk_idx, L->keep, T, k, E);
+    double t0 = omp_get_wtime();
     ops->permute(L->xp, x_in, L->row_token, L->plan.n_rows, d);
     /* Rows an expert rank can receive: every source's pairs, or capacity. */
     int64_t cap = moe_capacity(c->capacity_factor, L->global_T, k, E);
@@ -732,9 +745,14 @@ moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, 
         MOE_TRY(dispatch(L, L->xe, L->xp, "rows"));
     }
     int64_t n_groups = setup_groups(L, T, x_in, NULL);
+    double t1 = omp_get_wtime();
     ops->experts_forward(L->groups, n_groups, d);
+    double t2 = omp_get_wtime();
     if (L->ep) MOE_TRY(undispatch(L, L->yp, L->ye, "expert outputs"));
     ops->combine(y, L->yp, L->topk_w, L->pair_row, L->shared_ff ? L->sh_y : NULL, T, k, d);
+    L->timing.exchange_seconds += (t1 - t0) + (omp_get_wtime() - t2);
+    L->timing.experts_seconds += t2 - t1;
+    L->timing.calls++;
 
     L->last.tokens_per_expert = NULL; /* the caller's array, filled above */
     if (stats) {
@@ -758,6 +776,7 @@ moe_status moe_layer_backward(moe_layer *L, float *dx, const float *dy, const fl
     const float *x_in = jitter ? L->x_in : x;
     float *dx_in = jitter ? L->dx_in : dx; /* [T, d] */
 
+    double t0 = omp_get_wtime();
     ops->combine_backward(L->dyp, L->dweights, dy, L->yp, L->topk_w, L->pair_row, T, k, d);
     /* The expert outputs are spent: ye takes their gradient. */
     if (L->ep)
@@ -769,10 +788,15 @@ moe_status moe_layer_backward(moe_layer *L, float *dx, const float *dy, const fl
         L->groups[L->n_local].dx = dx_in; /* written: the shared experts start the sum */
     else
         memset(dx_in, 0, (size_t)(T * d) * sizeof(float));
+    double t1 = omp_get_wtime();
     ops->experts_backward(L->groups, n_groups, d);
+    double t2 = omp_get_wtime();
     if (!L->ep) L->ye = L->yp;
     if (L->ep) MOE_TRY(undispatch(L, L->dxp, L->dxe, "input gradients"));
     ops->unpermute_add(dx_in, L->dxp, L->pair_row, T, k, d);
+    L->timing.exchange_seconds += (t1 - t0) + (omp_get_wtime() - t2);
+    L->timing.experts_seconds += t2 - t1;
+    L->timing.calls++;
 
     /* The balancing losses are over the global batch: its counts and size. */
     const int64_t GT = L->global_T;
