@@ -69,8 +69,11 @@ static int64_t group_of(const int64_t *first, int64_t n_groups, int64_t task) {
     return lo;
 }
 
-static void forward_block(const moe_expert_group *g, int64_t r0, int64_t n, int64_t d) {
-    const int64_t f = g->d_ff;
+/* Each task runs one of these on block b of group g. */
+typedef void (*block_fn)(const moe_expert_group *g, int64_t b, int64_t block, int64_t d);
+
+static void forward_block(const moe_expert_group *g, int64_t b, int64_t block, int64_t d) {
+    const int64_t f = g->d_ff, r0 = b * block, n = min64(block, g->rows - r0);
     float *h = g->h + r0 * 2 * f, *act = g->g + r0 * f; /* [n, 2f], [n, f] */
     moe_cpu_gemm(h, g->x + r0 * d, g->w13, n, 2 * f, d, d, d, 2 * f, false, true, 1.0f, 0.0f);
     for (int64_t r = 0; r < n; r++)
@@ -80,8 +83,8 @@ static void forward_block(const moe_expert_group *g, int64_t r0, int64_t n, int6
 
 /* dg = dy w2 lands in the first half of each dh row, the SwiGLU backward
  * turns [dg | .] into [da | db] in place, and dx = dh [w1; w3]. */
-static void backward_block(const moe_expert_group *g, int64_t r0, int64_t n, int64_t d) {
-    const int64_t f = g->d_ff;
+static void backward_block(const moe_expert_group *g, int64_t b, int64_t block, int64_t d) {
+    const int64_t f = g->d_ff, r0 = b * block, n = min64(block, g->rows - r0);
     const float *h = g->h + r0 * 2 * f;
     float *dh = g->dh + r0 * 2 * f; /* [n, 2f] */
     moe_cpu_gemm(dh, g->dy + r0 * d, g->w2, n, f, d, d, f, 2 * f, false, false, 1.0f, 0.0f);
@@ -107,30 +110,26 @@ static void weight_block(const moe_expert_group *g, int64_t b, int64_t block, in
     }
 }
 
-void moe_cpu_experts_forward(moe_expert_group *groups, int64_t n_groups, int64_t d) {
-    const task_sizes size = plan_tasks(groups, n_groups, d);
+/* Runs fn over every block of every group, the cores taking tasks in turn. */
+static void run_tasks(const moe_expert_group *groups, int64_t n_groups, int64_t d, int64_t block, bool weights,
+                      block_fn fn) {
     int64_t first[MOE_EXPERTS_MAX + 2];
-    task_offsets(first, groups, n_groups, d, size.rows, false);
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t t = 0; t < first[n_groups]; t++) {
-        const int64_t g = group_of(first, n_groups, t), r0 = (t - first[g]) * size.rows;
-        forward_block(&groups[g], r0, min64(size.rows, groups[g].rows - r0), d);
-    }
-}
-
-void moe_cpu_experts_backward(moe_expert_group *groups, int64_t n_groups, int64_t d) {
-    const task_sizes size = plan_tasks(groups, n_groups, d);
-    int64_t first[MOE_EXPERTS_MAX + 2];
-    task_offsets(first, groups, n_groups, d, size.rows, false);
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t t = 0; t < first[n_groups]; t++) {
-        const int64_t g = group_of(first, n_groups, t), r0 = (t - first[g]) * size.rows;
-        backward_block(&groups[g], r0, min64(size.rows, groups[g].rows - r0), d);
-    }
-    task_offsets(first, groups, n_groups, d, size.weights, true);
+    task_offsets(first, groups, n_groups, d, block, weights);
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t t = 0; t < first[n_groups]; t++) {
         const int64_t g = group_of(first, n_groups, t);
-        weight_block(&groups[g], t - first[g], size.weights, d);
+        fn(&groups[g], t - first[g], block, d);
     }
+}
+
+void moe_cpu_experts_forward(moe_expert_group *groups, int64_t n_groups, int64_t d) {
+    const task_sizes size = plan_tasks(groups, n_groups, d);
+    run_tasks(groups, n_groups, d, size.rows, false, forward_block);
+}
+
+/* The weight gradients need every row's dh, so they wait for all row tasks. */
+void moe_cpu_experts_backward(moe_expert_group *groups, int64_t n_groups, int64_t d) {
+    const task_sizes size = plan_tasks(groups, n_groups, d);
+    run_tasks(groups, n_groups, d, size.rows, false, backward_block);
+    run_tasks(groups, n_groups, d, size.weights, true, weight_block);
 }
