@@ -17,6 +17,10 @@
 #define MOE_ALIGN_BYTES 64
 #define MOE_INIT_STD 0.02f /* Hugging Face's initializer_range */
 
+typedef struct moe_layer_offsets {
+    int64_t router, experts, shared; /* into the parameter (and gradient) arrays */
+} moe_layer_offsets;
+
 /* Where layer l's tensors sit in the tensor table. */
 enum { LN1, WQ, WK, WV, WO, LN2, MOE_FIRST, LAYER_DENSE_TENSORS = MOE_FIRST };
 
@@ -42,9 +46,14 @@ struct moe_model {
     int64_t n_tensors;
     moe_model_tensor *tensors; /* [n_tensors] */
     int64_t *layer_first;      /* [L] first tensor of each layer */
-    int64_t n_params;
-    float *params, *grads;     /* one allocation */
+    int64_t n_params;          /* all of them: the shared run, then this rank's experts */
+    int64_t n_dense;           /* the first run: what every rank holds */
+    int64_t n_init_streams;    /* tensors of the one-rank table so far */
+    float *params, *grads;     /* one allocation each */
     moe_layer **moe;           /* [L] */
+    moe_layer_offsets *moe_off; /* [L] where each layer's MoE parameters start */
+    moe_comm *world, *ep;      /* NULL: one rank */
+    int ep_size, ep_rank;
 
     void *arena;
     layer_acts *acts; /* [L] */
@@ -82,20 +91,26 @@ static void add_tensor(moe_model *m, int ndim, int64_t rows, int64_t cols, bool 
     t->numel = rows * t->shape[1];
     t->offset = m->n_params;
     t->decay = decay;
+    t->init_stream = m->n_init_streams++;
     m->n_params += t->numel;
 }
 
-/* Tensors in memory order. A layer's MoE block is one contiguous run laid
- * out by moe_layer_create_in, whose view names follow the prefix. */
+/* The tensor table, and where each tensor lives. Parameters (and gradients)
+ * are two runs: first everything every rank holds (embedding, attention,
+ * norms, routers, shared experts, head), then the experts this rank holds,
+ * so the data-parallel reduction is one call per run. A layer's MoE tensors
+ * are placeholders here; the layer names them once it exists. */
 static moe_status build_tensors(moe_model *m, const moe_layer_config *lc) {
     const moe_model_config *c = &m->cfg;
     const int64_t C = c->hidden_size, V = c->vocab_size, hd = c->head_dim;
     const int64_t qdim = c->num_attention_heads * hd, kvdim = c->num_key_value_heads * hd;
-    const int64_t moe_tensors = 1 + 3 * lc->n_experts + (lc->n_shared_experts ? 3 : 0);
+    const int64_t n_local = lc->n_experts / m->ep_size, S = lc->n_shared_experts * lc->d_ff;
+    const int64_t moe_tensors = 1 + 3 * n_local + (S ? 3 : 0);
     const int64_t L = c->num_hidden_layers;
     m->tensors = calloc((size_t)(3 + L * (LAYER_DENSE_TENSORS + moe_tensors)), sizeof *m->tensors);
     m->layer_first = calloc((size_t)L, sizeof *m->layer_first);
-    if (!m->tensors || !m->layer_first) return moe_error(MOE_ERR_OUT_OF_MEMORY, "model: tensor table");
+    m->moe_off = calloc((size_t)L, sizeof *m->moe_off);
+    if (!m->tensors || !m->layer_first || !m->moe_off) return moe_error(MOE_ERR_OUT_OF_MEMORY, "model: tensor table");
     add_tensor(m, 2, V, C, true, "model.embed_tokens.weight");
     for (int64_t l = 0; l < L; l++) {
         m->layer_first[l] = m->n_tensors;
@@ -105,14 +120,29 @@ static moe_status build_tensors(moe_model *m, const moe_layer_config *lc) {
         add_tensor(m, 2, kvdim, C, true, "model.layers.%lld.self_attn.v_proj.weight", (long long)l);
         add_tensor(m, 2, C, qdim, true, "model.layers.%lld.self_attn.o_proj.weight", (long long)l);
         add_tensor(m, 1, C, 1, false, "model.layers.%lld.post_attention_layernorm.weight", (long long)l);
-        /* Placeholders for the MoE block's names; filled once the layer exists. */
-        int64_t start = m->n_params;
+        m->moe_off[l].router = m->n_params;
+        m->n_params += lc->n_experts * C;
+        m->moe_off[l].shared = m->n_params;
+        m->n_params += 3 * S * C;
         for (int64_t i = 0; i < moe_tensors; i++) add_tensor(m, 2, 0, 0, true, "%s", "");
-        m->n_params = start + moe_layer_config_param_count(lc, 1);
+        /* The one-rank table has every expert here. */
+        m->n_init_streams += 3 * (lc->n_experts - n_local);
     }
     add_tensor(m, 1, C, 1, false, "model.norm.weight");
     add_tensor(m, 2, V, C, true, "lm_head.weight");
+    m->n_dense = m->n_params;
+    for (int64_t l = 0; l < L; l++) {
+        m->moe_off[l].experts = m->n_params;
+        m->n_params += n_local * 3 * lc->d_ff * C;
+    }
     return MOE_OK;
+}
+
+static moe_layer_memory moe_memory(moe_model *m, int64_t l) {
+    const moe_layer_offsets *o = &m->moe_off[l];
+    return (moe_layer_memory){.router = m->params + o->router, .router_grad = m->grads + o->router,
+                              .experts = m->params + o->experts, .experts_grad = m->grads + o->experts,
+                              .shared = m->params + o->shared, .shared_grad = m->grads + o->shared};
 }
 
 /* Copies the MoE layer's own views into the table under the HF prefix. */
@@ -128,6 +158,12 @@ static void name_moe_tensors(moe_model *m, int64_t l) {
         t->numel = v.rows * v.cols;
         t->offset = v.param - m->params;
         t->decay = true;
+        /* Router, then experts by global id, then shared, as in one rank's table. */
+        const int64_t base = m->tensors[m->layer_first[l] + MOE_FIRST - 1].init_stream + 1;
+        const int64_t n_local = m->cfg.num_local_experts / m->ep_size, E = m->cfg.num_local_experts;
+        t->init_stream = i == 0 ? base
+                         : i <= 3 * n_local ? base + 1 + 3 * (m->ep_rank * n_local) + (i - 1)
+                                            : base + 1 + 3 * E + (i - 1 - 3 * n_local);
     }
 }
 
@@ -219,12 +255,25 @@ static moe_status check_shape(const moe_model_config *c, int64_t B, int64_t T) {
 }
 
 moe_status moe_model_create(moe_model **out, const moe_model_config *cfg, int64_t B, int64_t T, uint64_t seed) {
+    return moe_model_create_parallel(out, cfg, B, T, seed, NULL);
+}
+
+moe_status moe_model_create_parallel(moe_model **out, const moe_model_config *cfg, int64_t B, int64_t T,
+                                     uint64_t seed, const moe_model_parallel *par) {
     if (!out || !cfg) return moe_error(MOE_ERR_INVALID_ARG, "moe_model_create: NULL argument");
     *out = NULL;
     MOE_TRY(moe_model_config_validate(cfg, "model config"));
     MOE_TRY(check_shape(cfg, B, T));
+    const int ep_size = par && par->ep ? moe_comm_size(par->ep) : 1;
+    if (cfg->num_local_experts % ep_size != 0)
+        return moe_error(MOE_ERR_CONFIG, "--ep %d does not divide num_local_experts=%lld", ep_size,
+                         (long long)cfg->num_local_experts);
     moe_model *m = calloc(1, sizeof *m);
     if (!m) return moe_error(MOE_ERR_OUT_OF_MEMORY, "model: struct");
+    m->world = par ? par->world : NULL;
+    m->ep = par ? par->ep : NULL;
+    m->ep_size = ep_size;
+    m->ep_rank = m->ep ? moe_comm_rank(m->ep) : 0;
     m->cfg = *cfg;
     m->ops = moe_cpu_ops();
     m->B = B;
@@ -245,8 +294,8 @@ moe_status moe_model_create(moe_model **out, const moe_model_config *cfg, int64_
         /* Each layer's jitter noise is its own stream. */
         moe_layer_config layer_cfg = lc;
         layer_cfg.seed = moe_splitmix64(seed + (uint64_t)l);
-        int64_t off = m->tensors[m->layer_first[l] + MOE_FIRST].offset;
-        st = moe_layer_create_in(&m->moe[l], &layer_cfg, m->params + off, m->grads + off, NULL, NULL);
+        const moe_layer_memory mem = moe_memory(m, l);
+        st = moe_layer_create_in(&m->moe[l], &layer_cfg, &mem, m->ep, m->world);
         if (st == MOE_OK) {
             name_moe_tensors(m, l);
             /* The total loss averages aux and z over layers. */
@@ -265,7 +314,7 @@ moe_status moe_model_create(moe_model **out, const moe_model_config *cfg, int64_
             for (int64_t j = 0; j < t->numel; j++) p[j] = 1.0f;
         } else {
 #pragma omp parallel for schedule(static)
-            for (int64_t j = 0; j < t->numel; j++) p[j] = MOE_INIT_STD * moe_rng_normal(seed, (uint64_t)i, (uint64_t)j);
+            for (int64_t j = 0; j < t->numel; j++) p[j] = MOE_INIT_STD * moe_rng_normal(seed, (uint64_t)t->init_stream, (uint64_t)j);
         }
     }
     moe_model_zero_grad(m);
@@ -278,6 +327,7 @@ void moe_model_destroy(moe_model *m) {
     if (!m) return;
     for (int64_t l = 0; m->moe && l < m->cfg.num_hidden_layers; l++) moe_layer_destroy(m->moe[l]);
     free(m->moe);
+    free(m->moe_off);
     free(m->tensors);
     free(m->layer_first);
     free(m->params);

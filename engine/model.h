@@ -10,6 +10,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "comm/comm.h"
 #include "engine/model_config.h"
 #include "moe.h"
 
@@ -22,6 +23,7 @@ typedef struct moe_model_tensor {
     int64_t offset;                   /* into the parameter (and gradient) array */
     int64_t numel;
     bool decay;                       /* AdamW weight decay: every matrix, no norm */
+    int64_t init_stream;              /* its index in the one-rank table: seeds its initial values */
 } moe_model_tensor;
 
 typedef struct moe_model moe_model;
@@ -30,6 +32,21 @@ typedef struct moe_model moe_model;
  * the parameters as Hugging Face does: N(0, 0.02) for every matrix, 1 for
  * every norm, from seed. */
 moe_status moe_model_create(moe_model **model, const moe_model_config *cfg, int64_t B, int64_t T, uint64_t seed);
+
+/* The ranks a model is spread over. world: the data-parallel ranks whose
+ * batches form the global batch (rank r reads rows r*B .. r*B + B - 1 of
+ * it). ep: this rank's expert-parallel group, consecutive world ranks, each
+ * holding E / |ep| experts of every layer. NULL members mean one rank. */
+typedef struct moe_model_parallel {
+    moe_comm *world;
+    moe_comm *ep;
+} moe_model_parallel;
+
+/* moe_model_create on a grid of ranks; collective over par->world. Every
+ * rank draws the initial values one rank would (by tensor), so the result
+ * does not depend on the grid. */
+moe_status moe_model_create_parallel(moe_model **model, const moe_model_config *cfg, int64_t B, int64_t T,
+                                     uint64_t seed, const moe_model_parallel *par);
 void moe_model_destroy(moe_model *model);
 
 const moe_model_config *moe_model_get_config(const moe_model *model);

@@ -51,7 +51,8 @@ struct moe_layer {
     int64_t n_local, first_local;
     int *expert_rank; /* [E] */
 
-    float *params, *grads; /* [n_params] each */
+    moe_layer_memory mem;  /* where the router, experts and shared experts live */
+    float *params, *grads; /* [n_params] each when mem is one contiguous run, else NULL */
     int64_t n_params;
     float *owned;          /* params and grads when the layer allocated them */
     int64_t n_tensors;
@@ -183,30 +184,37 @@ static void *alloc_aligned(size_t bytes) {
     return aligned_alloc(MOE_ALIGN_BYTES, rounded ? rounded : MOE_ALIGN_BYTES);
 }
 
-static void add_view(moe_layer *L, int64_t *offset, int64_t rows, int64_t cols, const char *fmt, int64_t e) {
+/* Appends a view of rows x cols at *param / *grad and advances both. */
+static void add_view(moe_layer *L, float **param, float **grad, int64_t rows, int64_t cols, const char *fmt,
+                     int64_t e) {
     int64_t i = L->n_tensors++;
     snprintf(L->names[i], MOE_NAME_BYTES, fmt, (long long)e);
-    L->views[i] = (moe_tensor_view){.name = L->names[i], .rows = rows, .cols = cols,
-                                    .param = L->params + *offset, .grad = L->grads + *offset};
-    *offset += rows * cols;
+    L->views[i] = (moe_tensor_view){.name = L->names[i], .rows = rows, .cols = cols, .param = *param, .grad = *grad};
+    *param += rows * cols;
+    *grad += rows * cols;
 }
 
-/* The order of views is the order in memory; w1 sits right before w3 so the
- * two form the [2ff, d] matrix of one GEMM. Experts keep their global ids. */
+/* Views in order: the router, the local experts (w1 right before w3, so the
+ * two form the [2ff, d] matrix of one GEMM), the shared experts. Experts keep
+ * their global ids. */
 static void build_views(moe_layer *L) {
     const int64_t d = L->cfg.d_model, ff = L->cfg.d_ff, E = L->cfg.n_experts, S = L->shared_ff;
-    int64_t off = 0;
+    float *p = L->mem.router, *g = L->mem.router_grad;
     L->n_tensors = 0;
-    add_view(L, &off, E, d, "gate.weight", 0);
+    add_view(L, &p, &g, E, d, "gate.weight", 0);
+    p = L->mem.experts;
+    g = L->mem.experts_grad;
     for (int64_t e = L->first_local; e < L->first_local + L->n_local; e++) {
-        add_view(L, &off, ff, d, "experts.%lld.w1.weight", e);
-        add_view(L, &off, ff, d, "experts.%lld.w3.weight", e);
-        add_view(L, &off, d, ff, "experts.%lld.w2.weight", e);
+        add_view(L, &p, &g, ff, d, "experts.%lld.w1.weight", e);
+        add_view(L, &p, &g, ff, d, "experts.%lld.w3.weight", e);
+        add_view(L, &p, &g, d, ff, "experts.%lld.w2.weight", e);
     }
     if (S > 0) {
-        add_view(L, &off, S, d, "shared_experts.gate_proj.weight", 0);
-        add_view(L, &off, S, d, "shared_experts.up_proj.weight", 0);
-        add_view(L, &off, d, S, "shared_experts.down_proj.weight", 0);
+        p = L->mem.shared;
+        g = L->mem.shared_grad;
+        add_view(L, &p, &g, S, d, "shared_experts.gate_proj.weight", 0);
+        add_view(L, &p, &g, S, d, "shared_experts.up_proj.weight", 0);
+        add_view(L, &p, &g, d, S, "shared_experts.down_proj.weight", 0);
     }
 }
 
@@ -233,9 +241,11 @@ static moe_status find_group_base(moe_layer *L) {
     return MOE_OK;
 }
 
-moe_status moe_layer_create_in(moe_layer **out, const moe_layer_config *cfg, float *params, float *grads,
+moe_status moe_layer_create_in(moe_layer **out, const moe_layer_config *cfg, const moe_layer_memory *mem,
                                moe_comm *ep, moe_comm *batch) {
-    if (!out || !params || !grads) return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_create_in: NULL argument");
+    if (!out || !mem || !mem->router || !mem->router_grad || !mem->experts || !mem->experts_grad ||
+        (cfg && cfg->n_shared_experts > 0 && (!mem->shared || !mem->shared_grad)))
+        return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_create_in: NULL argument");
     *out = NULL;
     MOE_TRY(moe_layer_config_validate(cfg));
     const int P = ep ? moe_comm_size(ep) : 1;
@@ -258,8 +268,7 @@ moe_status moe_layer_create_in(moe_layer **out, const moe_layer_config *cfg, flo
     const int64_t N = L->batch_size;
     L->n_local = E / P;
     L->first_local = L->ep_rank * L->n_local;
-    L->params = params;
-    L->grads = grads;
+    L->mem = *mem;
     L->n_params = moe_layer_config_param_count(cfg, P);
     L->training = 1;
     L->loss_scale = 1.0;
@@ -300,19 +309,26 @@ moe_status moe_layer_create_in(moe_layer **out, const moe_layer_config *cfg, flo
     return MOE_OK;
 }
 
-/* Parameter i of this rank, as an index into the whole layer's parameters
- * (all E experts), so every rank draws the values one rank would. */
-static int64_t global_param_index(const moe_layer *L, int64_t i) {
-    const int64_t d = L->cfg.d_model, E = L->cfg.n_experts, expert = 3 * L->cfg.d_ff * d;
-    if (i < E * d) return i;
-    if (i < E * d + L->n_local * expert) return i + L->first_local * expert;
-    return i + (E - L->n_local) * expert;
+/* Where view v starts among the whole layer's parameters (all E experts, in
+ * view order), so every rank draws the values one rank would. */
+static int64_t global_offset(const moe_layer *L, int64_t v) {
+    const int64_t d = L->cfg.d_model, ff = L->cfg.d_ff, E = L->cfg.n_experts, expert = 3 * ff * d;
+    if (v == 0) return 0;
+    if (v <= 3 * L->n_local) {
+        const int64_t j = (v - 1) / 3, t = (v - 1) % 3;
+        return E * d + (L->first_local + j) * expert + t * ff * d;
+    }
+    return E * d + E * expert + (v - 1 - 3 * L->n_local) * L->shared_ff * d;
 }
 
 void moe_layer_init_params(moe_layer *L, float std, uint64_t seed, uint64_t stream) {
+    for (int64_t v = 0; v < L->n_tensors; v++) {
+        const moe_tensor_view *view = &L->views[v];
+        const int64_t base = global_offset(L, v);
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < L->n_params; i++)
-        L->params[i] = std * moe_rng_normal(seed, stream, (uint64_t)global_param_index(L, i));
+        for (int64_t i = 0; i < view->rows * view->cols; i++)
+            view->param[i] = std * moe_rng_normal(seed, stream, (uint64_t)(base + i));
+    }
 }
 
 moe_status moe_layer_create(moe_layer **out, const moe_layer_config *cfg) {
@@ -325,12 +341,20 @@ moe_status moe_layer_create(moe_layer **out, const moe_layer_config *cfg) {
     float *mem = alloc_aligned((size_t)(grad_off + n) * sizeof(float));
     if (!mem)
         return moe_error(MOE_ERR_OUT_OF_MEMORY, "moe_layer_create: %lld parameters and gradients", (long long)n);
-    moe_status st = moe_layer_create_in(out, cfg, mem, mem + grad_off, NULL, NULL);
+    /* One contiguous run each for parameters and gradients, in view order. */
+    const int64_t router = cfg->n_experts * cfg->d_model, experts = n - router - 3 * cfg->n_shared_experts * cfg->d_ff * cfg->d_model;
+    const moe_layer_memory layout = {
+        .router = mem, .router_grad = mem + grad_off,
+        .experts = mem + router, .experts_grad = mem + grad_off + router,
+        .shared = mem + router + experts, .shared_grad = mem + grad_off + router + experts};
+    moe_status st = moe_layer_create_in(out, cfg, &layout, NULL, NULL);
     if (st != MOE_OK) {
         free(mem);
         return st;
     }
     (*out)->owned = mem;
+    (*out)->params = mem;
+    (*out)->grads = mem + grad_off;
     /* Hugging Face's initializer_range for Mixtral. */
     moe_layer_init_params(*out, 0.02f, cfg->seed, 0);
     memset((*out)->grads, 0, (size_t)n * sizeof(float));
@@ -408,7 +432,8 @@ void moe_layer_set_jitter_counter(moe_layer *L, uint64_t counter) { L->jitter_ca
 
 moe_status moe_layer_zero_grad(moe_layer *L) {
     if (!L) return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_zero_grad: layer is NULL");
-    memset(L->grads, 0, (size_t)L->n_params * sizeof(float));
+    for (int64_t v = 0; v < L->n_tensors; v++)
+        memset(L->views[v].grad, 0, (size_t)(L->views[v].rows * L->views[v].cols) * sizeof(float));
     return MOE_OK;
 }
 

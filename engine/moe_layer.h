@@ -11,9 +11,19 @@
  * experts, and the shared experts. */
 int64_t moe_layer_config_param_count(const moe_layer_config *cfg, int ep_size);
 
+/* Where a layer's parameters and gradients live: three runs, so that a model
+ * can keep what every rank holds (router, shared experts) apart from what
+ * each rank holds alone (its experts) and reduce each run with one call. */
+typedef struct moe_layer_memory {
+    float *router, *router_grad;   /* [E, d] */
+    float *experts, *experts_grad; /* [E/P, 3 ff d]: per expert w1, w3, w2 */
+    float *shared, *shared_grad;   /* [3 S d]: gate_proj, up_proj, down_proj; NULL without */
+} moe_layer_memory;
+
 /* Like moe_layer_create, but the parameters and gradients live in the
- * caller's arrays of moe_layer_config_param_count(cfg, P) floats each, which
- * must outlive the layer; they are left as they are (not initialised).
+ * caller's memory, which must outlive the layer; they are left as they are
+ * (not initialised). moe_layer_params() and moe_layer_grads() return NULL
+ * for such a layer: its views say where everything is.
  *
  * ep: the expert-parallel group of P ranks (NULL or P = 1: one rank). Rank r
  * holds experts r E/P .. (r+1) E/P - 1, named by their global ids. Each rank
@@ -28,8 +38,8 @@ int64_t moe_layer_config_param_count(const moe_layer_config *cfg, int ep_size);
  * share, and each expert's gradient covers the EP group's tokens: the caller
  * sums the former over the batch ranks and the latter over the expert's
  * replicas (the data-parallel all-reduces do). */
-moe_status moe_layer_create_in(moe_layer **layer, const moe_layer_config *cfg, float *params,
-                               float *grads, moe_comm *ep, moe_comm *batch);
+moe_status moe_layer_create_in(moe_layer **layer, const moe_layer_config *cfg, const moe_layer_memory *mem,
+                               moe_comm *ep, moe_comm *batch);
 
 /* Fills the layer's parameters with N(0, std^2) draws from (seed, stream). */
 void moe_layer_init_params(moe_layer *layer, float std, uint64_t seed, uint64_t stream);

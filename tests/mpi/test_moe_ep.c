@@ -108,7 +108,13 @@ static void run_case(const ep_case *c) {
     ref_stats.tokens_per_expert = ref_tpe;
     ep_stats.tokens_per_expert = ep_tpe;
     if (check(moe_layer_create(&ref, &cfg), "reference create") &&
-        check(moe_layer_create_in(&ep, &cfg, params, grads, ep_group, world), "ep create")) {
+        check(moe_layer_create_in(&ep, &cfg,
+                                  &(moe_layer_memory){.router = params, .router_grad = grads,
+                                                      .experts = params + E * D, .experts_grad = grads + E * D,
+                                                      .shared = params + n - 3 * c->n_shared * FF * D,
+                                                      .shared_grad = grads + n - 3 * c->n_shared * FF * D},
+                                  ep_group, world),
+                              "ep create")) {
         /* Larger weights than the default init, so gradients are not tiny. */
         moe_layer_init_params(ref, 0.3f, SEED, 0);
         moe_layer_init_params(ep, 0.3f, SEED, 0);
