@@ -53,7 +53,11 @@ struct moe_model {
     moe_layer **moe;           /* [L] */
     moe_layer_offsets *moe_off; /* [L] where each layer's MoE parameters start */
     moe_comm *world, *ep;      /* NULL: one rank */
-    int ep_size, ep_rank;
+    moe_comm *replicas;        /* the ranks holding this rank's experts (same EP rank); NULL: none */
+    int world_size, world_rank, ep_size, ep_rank;
+    bool sync_grads;           /* the next backward all-reduces the gradients */
+    moe_comm_request *sync_reqs; /* [2L + 2] in flight during and after that backward */
+    int n_sync_reqs;
 
     void *arena;
     layer_acts *acts; /* [L] */
@@ -270,10 +274,21 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_model_config *cf
                          (long long)cfg->num_local_experts);
     moe_model *m = calloc(1, sizeof *m);
     if (!m) return moe_error(MOE_ERR_OUT_OF_MEMORY, "model: struct");
-    m->world = par ? par->world : NULL;
+    m->world = par && par->world && moe_comm_size(par->world) > 1 ? par->world : NULL;
     m->ep = par ? par->ep : NULL;
     m->ep_size = ep_size;
     m->ep_rank = m->ep ? moe_comm_rank(m->ep) : 0;
+    m->world_size = m->world ? moe_comm_size(m->world) : 1;
+    m->world_rank = m->world ? moe_comm_rank(m->world) : 0;
+    m->sync_reqs = calloc((size_t)(2 * cfg->num_hidden_layers + 2), sizeof *m->sync_reqs);
+    moe_status split = m->sync_reqs ? MOE_OK : moe_error(MOE_ERR_OUT_OF_MEMORY, "model: requests");
+    /* Each expert is held once per EP group: its replicas share an EP rank. */
+    if (split == MOE_OK && m->world && m->world_size > ep_size)
+        split = moe_comm_split(&m->replicas, m->world, m->ep_rank, m->world_rank);
+    if (split != MOE_OK) {
+        moe_model_destroy(m);
+        return split;
+    }
     m->cfg = *cfg;
     m->ops = moe_cpu_ops();
     m->B = B;
@@ -328,6 +343,8 @@ void moe_model_destroy(moe_model *m) {
     for (int64_t l = 0; m->moe && l < m->cfg.num_hidden_layers; l++) moe_layer_destroy(m->moe[l]);
     free(m->moe);
     free(m->moe_off);
+    free(m->sync_reqs);
+    if (m->replicas) moe_comm_free(m->replicas);
     free(m->tensors);
     free(m->layer_first);
     free(m->params);
@@ -339,6 +356,9 @@ void moe_model_destroy(moe_model *m) {
 
 const moe_model_config *moe_model_get_config(const moe_model *m) { return &m->cfg; }
 int64_t moe_model_batch_size(const moe_model *m) { return m->B; }
+int moe_model_world_size(const moe_model *m) { return m->world_size; }
+int moe_model_world_rank(const moe_model *m) { return m->world_rank; }
+moe_comm *moe_model_world(const moe_model *m) { return m->world; }
 int64_t moe_model_seq_len(const moe_model *m) { return m->T; }
 int64_t moe_model_tensor_count(const moe_model *m) { return m->n_tensors; }
 const moe_model_tensor *moe_model_tensor_at(const moe_model *m, int64_t i) {
@@ -467,6 +487,18 @@ moe_status moe_model_forward(moe_model *m, const int32_t *inputs, const int32_t 
 
 /* ---------------------------------------------------------------- backward */
 
+void moe_model_set_grad_sync(moe_model *m, bool sync) { m->sync_grads = sync; }
+
+/* Starts the sum over comm of gradients [begin, end), when this backward
+ * synchronises and comm has other ranks; moe_model_finish_grad_sync waits. */
+static moe_status sync_range(moe_model *m, moe_comm *comm, int64_t begin, int64_t end) {
+    if (!m->sync_grads || !comm || end <= begin) return MOE_OK;
+    moe_comm_request *req = &m->sync_reqs[m->n_sync_reqs++];
+    *req = (moe_comm_request)MOE_COMM_REQUEST_INIT;
+    moe_status st = moe_comm_iallreduce_sum(comm, req, m->grads + begin, end - begin, MOE_COMM_F32);
+    return st == MOE_OK ? MOE_OK : moe_error_prefix(st, "gradient all-reduce: ");
+}
+
 moe_status moe_model_backward(moe_model *m, const int32_t *inputs, const int32_t *targets, float grad_scale) {
     if (!m || !inputs || !targets) return moe_error(MOE_ERR_INVALID_ARG, "moe_model_backward: NULL argument");
     if (!m->forward_done || !m->has_targets)
@@ -476,8 +508,12 @@ moe_status moe_model_backward(moe_model *m, const int32_t *inputs, const int32_t
     const int64_t B = m->B, T = m->T, N = m->N, C = c->hidden_size, V = c->vocab_size, hd = c->head_dim;
     const int64_t Hq = c->num_attention_heads, Hkv = c->num_key_value_heads, L = c->num_hidden_layers;
 
+    /* The loss is the mean over the global batch's counted targets, so each
+     * rank's share of the gradient is normalised by the global count and the
+     * shares simply add up. */
     int64_t counted = 0;
     for (int64_t i = 0; i < N; i++) counted += targets[i] >= 0;
+    if (m->world) MOE_TRY(moe_comm_allreduce_sum(m->world, &counted, 1, MOE_COMM_I64));
     const float w = counted ? grad_scale / (float)counted : 0.0f;
     for (int64_t i = 0; i < N; i++) m->dloss[i] = w;
     for (int64_t l = 0; l < L; l++) moe_layer_set_loss_scale(m->moe[l], (double)grad_scale / (double)L);
@@ -491,6 +527,7 @@ moe_status moe_model_backward(moe_model *m, const int32_t *inputs, const int32_t
     memset(m->dres, 0, (size_t)(N * C) * sizeof(float));
     ops->rmsnorm_backward(m->dres, grad(m, tf), m->dln, m->x_final, param(m, tf), m->rstdf, N, C);
     m->forward_done = false; /* the logits are gone */
+    MOE_TRY(sync_range(m, m->world, m->tensors[tf].offset, m->n_dense));
 
     for (int64_t l = L - 1; l >= 0; l--) {
         layer_acts *a = &m->acts[l];
@@ -512,7 +549,34 @@ moe_status moe_model_backward(moe_model *m, const int32_t *inputs, const int32_t
         ops->matmul_backward(m->dln, grad(m, t0 + WK), m->dk, a->ln1, param(m, t0 + WK), N, C, Hkv * hd);
         ops->matmul_backward(m->dln, grad(m, t0 + WV), m->dv, a->ln1, param(m, t0 + WV), N, C, Hkv * hd);
         ops->rmsnorm_backward(m->dres, grad(m, t0 + LN1), m->dln, a->x, param(m, t0 + LN1), a->rstd1, N, C);
+        /* Layer l's gradients are final: its replicated run and its experts. */
+        const int64_t next = l + 1 < L ? m->tensors[m->layer_first[l + 1]].offset : m->tensors[tf].offset;
+        const int64_t experts = m->moe_off[l].experts, n_experts = c->num_local_experts / m->ep_size * 3 * c->intermediate_size * C;
+        MOE_TRY(sync_range(m, m->world, m->tensors[t0].offset, next));
+        MOE_TRY(sync_range(m, m->replicas, experts, experts + n_experts));
     }
     ops->embedding_backward(grad(m, 0), m->dres, inputs, N, C);
+    MOE_TRY(sync_range(m, m->world, 0, m->tensors[m->layer_first[0]].offset));
+    return MOE_OK;
+}
+
+moe_status moe_model_finish_grad_sync(moe_model *m) {
+    moe_status st = MOE_OK;
+    for (int i = 0; i < m->n_sync_reqs; i++) {
+        moe_status w = moe_comm_wait(&m->sync_reqs[i]);
+        if (st == MOE_OK && w != MOE_OK) st = moe_error_prefix(w, "gradient all-reduce: ");
+    }
+    m->n_sync_reqs = 0;
+    m->sync_grads = false;
+    return st;
+}
+
+moe_status moe_model_grad_sumsq(moe_model *m, double *out) {
+    double dense, experts;
+    m->ops->sumsq(&dense, m->grads, m->n_dense);
+    m->ops->sumsq(&experts, m->grads + m->n_dense, m->n_params - m->n_dense);
+    /* Each EP rank holds different experts: their squares add up. */
+    if (m->ep && moe_comm_size(m->ep) > 1) MOE_TRY(moe_comm_allreduce_sum(m->ep, &experts, 1, MOE_COMM_F64));
+    *out = dense + experts;
     return MOE_OK;
 }

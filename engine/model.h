@@ -52,6 +52,10 @@ void moe_model_destroy(moe_model *model);
 const moe_model_config *moe_model_get_config(const moe_model *model);
 int64_t moe_model_batch_size(const moe_model *model); /* B */
 int64_t moe_model_seq_len(const moe_model *model);    /* T */
+/* The data-parallel world (1 and 0 on one rank; its communicator NULL). */
+int moe_model_world_size(const moe_model *model);
+int moe_model_world_rank(const moe_model *model);
+moe_comm *moe_model_world(const moe_model *model);
 int64_t moe_model_tensor_count(const moe_model *model);
 const moe_model_tensor *moe_model_tensor_at(const moe_model *model, int64_t index);
 const moe_model_tensor *moe_model_find_tensor(const moe_model *model, const char *name);
@@ -89,6 +93,18 @@ moe_status moe_model_backward(moe_model *model, const int32_t *inputs, const int
                               float grad_scale);
 
 void moe_model_zero_grad(moe_model *model);
+
+/* Data parallelism: set before the last micro-batch's backward of a step,
+ * which then sums every gradient over the ranks that share it (the
+ * replicated tensors over the world, each expert over its replicas), each
+ * layer's as soon as that layer's backward is done, overlapping the rest of
+ * the backward. finish waits for the sums. No-ops on one rank. */
+void moe_model_set_grad_sync(moe_model *model, bool sync);
+moe_status moe_model_finish_grad_sync(moe_model *model);
+
+/* The squared L2 norm of the whole model's gradient, every expert counted
+ * once however the experts are spread. Collective over the EP group. */
+moe_status moe_model_grad_sumsq(moe_model *model, double *out);
 
 /* Per-token results of the last forward: the cross-entropy losses [B*T] and
  * layer l's router choices [B*T, k]. */

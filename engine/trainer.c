@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "comm/comm.h"
 #include "common/status.h"
 #include "kernels/ops.h"
 
@@ -85,6 +86,18 @@ void moe_trainer_set_steps_done(moe_trainer *t, int64_t steps) { t->steps_done =
 float *moe_trainer_adam_m(moe_trainer *t) { return t->m; }
 float *moe_trainer_adam_v(moe_trainer *t) { return t->v; }
 
+/* Each rank's losses are means over its rows; the step's are over the world
+ * (every rank has the same number of rows). */
+static moe_status world_mean(moe_model *model, double *a, double *b) {
+    moe_comm *world = moe_model_world(model);
+    if (!world) return MOE_OK;
+    double v[2] = {*a, *b};
+    MOE_TRY(moe_comm_allreduce_sum(world, v, 2, MOE_COMM_F64));
+    *a = v[0] / moe_model_world_size(model);
+    *b = v[1] / moe_model_world_size(model);
+    return MOE_OK;
+}
+
 moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *metrics) {
     if (!t || !data) return moe_error(MOE_ERR_INVALID_ARG, "moe_trainer_step: NULL argument");
     moe_model *model = t->model;
@@ -93,12 +106,16 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
     const float micro_scale = 1.0f / (float)c->grad_accum;
     moe_model_stats sum = {0};
 
+    /* Data parallelism: the global batch is world x B rows, this rank's are
+     * rows rank*B .. rank*B + B - 1 of it. */
+    const int W = moe_model_world_size(model), rank = moe_model_world_rank(model);
     moe_model_set_training(model, true);
     moe_model_zero_grad(model);
     for (int64_t micro = 0; micro < c->grad_accum; micro++) {
-        MOE_TRY(moe_data_next_batch(data, t->inputs, t->targets, B, 0, B, T));
+        MOE_TRY(moe_data_next_batch(data, t->inputs, t->targets, (int64_t)W * B, (int64_t)rank * B, B, T));
         moe_model_stats s;
         MOE_TRY(moe_model_forward(model, t->inputs, t->targets, &s));
+        moe_model_set_grad_sync(model, micro + 1 == c->grad_accum);
         MOE_TRY(moe_model_backward(model, t->inputs, t->targets, micro_scale));
         sum.loss += s.loss;
         sum.ce_loss += s.ce_loss;
@@ -109,10 +126,13 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
         moe_model_update_router_bias(model);
     }
 
+    MOE_TRY(moe_model_finish_grad_sync(model));
+    MOE_TRY(world_mean(model, &sum.loss, &sum.ce_loss));
+
     const int64_t n = moe_model_param_count(model);
     float *params = moe_model_params(model), *grads = moe_model_grads(model);
     double sumsq;
-    t->ops->sumsq(&sumsq, grads, n);
+    MOE_TRY(moe_model_grad_sumsq(model, &sumsq));
     const double norm = sqrt(sumsq);
     if (!isfinite(norm))
         return moe_error(MOE_ERR_INTERNAL, "step %lld: gradient norm is %g (the loss diverged; lower --lr)",
@@ -149,6 +169,7 @@ moe_status moe_trainer_eval(moe_trainer *t, moe_data *data, int64_t n_batches, d
     if (n_batches <= 0) return moe_error(MOE_ERR_CONFIG, "--eval-batches %lld must be positive", (long long)n_batches);
     moe_model *model = t->model;
     const int64_t B = moe_model_batch_size(model), T = moe_model_seq_len(model);
+    const int W = moe_model_world_size(model), rank = moe_model_world_rank(model);
     const moe_data_position saved = moe_data_get_position(data);
     MOE_TRY(moe_data_set_position(data, (moe_data_position){0, 0}));
     moe_model_set_training(model, false);
@@ -156,7 +177,7 @@ moe_status moe_trainer_eval(moe_trainer *t, moe_data *data, int64_t n_batches, d
     moe_status st = MOE_OK;
     for (int64_t b = 0; b < n_batches && st == MOE_OK; b++) {
         moe_model_stats s;
-        st = moe_data_next_batch(data, t->inputs, t->targets, B, 0, B, T);
+        st = moe_data_next_batch(data, t->inputs, t->targets, (int64_t)W * B, (int64_t)rank * B, B, T);
         if (st == MOE_OK) st = moe_model_forward(model, t->inputs, t->targets, &s);
         if (st == MOE_OK) {
             total += s.ce_loss;
@@ -167,6 +188,8 @@ moe_status moe_trainer_eval(moe_trainer *t, moe_data *data, int64_t n_batches, d
     moe_status restore = moe_data_set_position(data, saved);
     if (st != MOE_OK) return st;
     MOE_TRY(restore);
+    double unused = 0.0;
+    MOE_TRY(world_mean(model, &total, &unused));
     *val_loss = total / (double)n_batches;
     return MOE_OK;
 }
