@@ -14,6 +14,8 @@ static const bench_command commands[] = {
     {"a2a", "expert-parallel all-to-all-v (run under mpirun) vs raw MPI_Alltoallv", bench_a2a_run},
     {"layer", "one MoE layer forward/backward and its expert GEMMs vs plain sgemm",
      bench_layer_run},
+    {"gemm", "grouped expert GEMMs (GPU: ours and cuBLAS; CPU: OpenBLAS) vs one dense GEMM",
+     bench_gemm_run},
 };
 #define N_COMMANDS ((int)(sizeof commands / sizeof commands[0]))
 

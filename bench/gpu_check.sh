@@ -1,0 +1,228 @@
+#!/usr/bin/env bash
+# gpu_check.sh: the GPU check of moe: every CUDA test, `moe-bench gemm` and
+# `moe-bench layer` on a machine with an NVIDIA GPU, ending with one summary
+# table (tests passed/failed/skipped, TFLOP/s and ratios). Under 8 minutes.
+#
+#   bench/gpu_check.sh pack   on the build machine (Debian, CUDA toolkit and
+#                             the project's dependencies): builds build-gpu/
+#                             and packs the GPU binaries with the shared
+#                             libraries they need into
+#                             build-gpu-carry/moe-gpu.tar.gz
+#   bench/gpu_check.sh run    on the GPU machine, from the repository root,
+#                             with build-gpu-carry/ beside it: unpacks, runs,
+#                             summarises
+#   bench/gpu_check.sh all    both, on one machine that has a GPU and every
+#                             dependency
+#
+# Why two steps: the GPU machine this project borrows (Ubuntu, nvcc, cmake,
+# ninja, the CUDA libraries as Python packages) has no OpenBLAS and no
+# Criterion, and the GPU tests need both: the CPU backend is their reference.
+# So the binaries are built where those libraries are, and travel with every
+# shared library they load except glibc's and CUDA's own (cudart, cuBLAS,
+# cuBLASLt), which `run` finds on the GPU machine at run time (python3's
+# site-packages nvidia/*/lib, then the CUDA toolkit's lib64), so that they
+# match its driver. A Debian 12 build (glibc 2.36) runs on a newer Ubuntu
+# glibc. MPI and hwloc are off in this build: one GPU, one rank.
+#
+# With the project's device tool: `bench/gpu_check.sh pack` here, then
+#   run(command="bash bench/gpu_check.sh run", carry=["build-gpu-carry"], timeout_s=540)
+# Logs and JSON go to $OUT when it is set (else build-gpu-carry/results).
+#
+# Environment:
+#   MOE_GPU_ARCHS   CUDA architectures to build for (default "80;90")
+#   MOE_GPU_BUILD   build directory of `pack` (default build-gpu)
+#   MOE_GPU_T       tokens for moe-bench gemm (default: its own, 4096)
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+BUILD=${MOE_GPU_BUILD:-$ROOT/build-gpu}
+CARRY=$ROOT/build-gpu-carry
+TARBALL=$CARRY/moe-gpu.tar.gz
+BINARIES=(test_cuda_ops moe-bench)
+START=$(date +%s)
+
+die() {
+    echo "gpu_check: $*" >&2
+    exit 2
+}
+
+# Shared libraries the binaries must not carry: glibc's, the loader's, and
+# CUDA's, which come from the GPU machine.
+is_system_lib() {
+    case "$(basename "$1")" in
+    linux-vdso* | ld-linux* | libc.so* | libm.so* | libdl.so* | libpthread.so* | librt.so* | \
+        libcuda.so* | libcudart.so* | libcublas.so* | libcublasLt.so* | libnvidia*) return 0 ;;
+    esac
+    return 1
+}
+
+pack() {
+    command -v cmake >/dev/null || die "cmake not found"
+    local gen=()
+    command -v ninja >/dev/null && gen=(-G Ninja)
+    cmake -S "$ROOT" -B "$BUILD" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DMOE_CUDA=ON \
+        -DMOE_MPI=OFF -DMOE_HWLOC=OFF "-DCMAKE_CUDA_ARCHITECTURES=${MOE_GPU_ARCHS:-80;90}" ||
+        die "configure failed"
+    cmake --build "$BUILD" -j "$(nproc)" --target "${BINARIES[@]}" || die "build failed"
+
+    local stage
+    stage=$(mktemp -d)
+    mkdir -p "$stage/moe-gpu/bin" "$stage/moe-gpu/lib"
+    for b in "${BINARIES[@]}"; do
+        cp "$BUILD/$b" "$stage/moe-gpu/bin/" || die "missing $BUILD/$b"
+        # Every library ldd resolves, minus the system's and CUDA's.
+        ldd "$BUILD/$b" | awk '/=> \//{print $3}' | while read -r lib; do
+            is_system_lib "$lib" || cp -L -n "$lib" "$stage/moe-gpu/lib/"
+        done
+    done
+    mkdir -p "$CARRY"
+    tar -C "$stage" -czf "$TARBALL" moe-gpu || die "tar failed"
+    rm -rf "$stage"
+    echo "gpu_check: packed $(du -h "$TARBALL" | cut -f1) into $TARBALL:"
+    tar -tzf "$TARBALL" | grep -v '/$' | sed 's|^moe-gpu/|  |'
+}
+
+# Prints the directories holding CUDA's runtime and cuBLAS libraries, one
+# per line: python3's nvidia packages first, then the toolkit's.
+cuda_lib_dirs() {
+    local roots=()
+    if command -v python3 >/dev/null; then
+        while IFS= read -r sp; do
+            [ -d "$sp/nvidia" ] && roots+=("$sp/nvidia")
+        done < <(python3 -c 'import site, sys; print("\n".join(site.getsitepackages() + [site.getusersitepackages()] + sys.path))' 2>/dev/null)
+    fi
+    roots+=("${CUDA_HOME:-/usr/local/cuda}/lib64" /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib)
+    local lib dir
+    for lib in libcudart.so.13 libcublas.so.13 libcublasLt.so.13; do
+        for r in "${roots[@]}"; do
+            [ -d "$r" ] || continue
+            dir=$(find -L "$r" -maxdepth 4 -name "$lib*" -print -quit 2>/dev/null)
+            if [ -n "$dir" ]; then
+                dirname "$dir"
+                break
+            fi
+        done
+    done | awk '!seen[$0]++'
+}
+
+run() {
+    local dir
+    if [ -f "$TARBALL" ]; then
+        dir=$(mktemp -d)/moe-gpu
+        tar -C "$(dirname "$dir")" -xzf "$TARBALL" || die "cannot unpack $TARBALL"
+        # A library this machine already has (by soname) is taken from the
+        # machine: it is newer and matches the machine's other libraries.
+        local have kept=()
+        have=$(ldconfig -p 2>/dev/null | awk 'NR > 1 {print $1}')
+        for f in "$dir"/lib/*; do
+            if grep -qxF "$(basename "$f")" <<<"$have"; then
+                rm -f "$f"
+            else
+                kept+=("$(basename "$f")")
+            fi
+        done
+        echo "gpu_check: carried libraries in use: ${kept[*]:-(none)}"
+        export LD_LIBRARY_PATH="$dir/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+        dir=$dir/bin
+    elif [ -x "$BUILD/test_cuda_ops" ]; then
+        dir=$BUILD
+    else
+        die "no $TARBALL and no $BUILD/test_cuda_ops: run 'bench/gpu_check.sh pack' on the build machine first"
+    fi
+    local cuda_dirs
+    cuda_dirs=$(cuda_lib_dirs | paste -sd: -)
+    [ -n "$cuda_dirs" ] && export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$cuda_dirs"
+
+    local results=${OUT:-$CARRY/results}
+    mkdir -p "$results"
+    echo "gpu_check: binaries from $dir"
+    echo "gpu_check: CUDA libraries from ${cuda_dirs:-(none found)}"
+    command -v nvidia-smi >/dev/null && nvidia-smi -L
+    local missing
+    missing=$(for b in "${BINARIES[@]}"; do ldd "$dir/$b" | grep "not found"; done | sort -u)
+    [ -z "$missing" ] || die "shared libraries not found:"$'\n'"$missing"
+
+    # 1. The CUDA tests, verbose so that every skip says why.
+    echo "== test_cuda_ops"
+    timeout 300 "$dir/test_cuda_ops" --verbose -j4 2>&1 | tee "$results/test_cuda_ops.log"
+    local test_rc=${PIPESTATUS[0]}
+
+    # 2. Grouped GEMMs on the GPU.
+    echo "== moe-bench gemm"
+    local t_args=()
+    [ -n "${MOE_GPU_T:-}" ] && t_args=(--T "$MOE_GPU_T")
+    timeout 240 "$dir/moe-bench" gemm --device cuda --json "${t_args[@]}" >"$results/gemm.jsonl" \
+        2>"$results/gemm.err"
+    local gemm_rc=$?
+    cat "$results/gemm.err"
+
+    # 3. The MoE layer (the CPU backend's: the layer has no CUDA path yet).
+    echo "== moe-bench layer"
+    timeout 150 "$dir/moe-bench" layer --json >"$results/layer.jsonl" 2>"$results/layer.err"
+    local layer_rc=$?
+    cat "$results/layer.err"
+
+    summary "$results" "$test_rc" "$gemm_rc" "$layer_rc"
+    [ "$test_rc" = 0 ] && [ "$gemm_rc" = 0 ] && [ "$layer_rc" = 0 ]
+}
+
+summary() {
+    local results=$1 test_rc=$2 gemm_rc=$3 layer_rc=$4
+    echo
+    echo "==================== gpu_check summary ($(($(date +%s) - START)) s) ===================="
+    local synth skipped
+    synth=$(grep -a "Synthesis" "$results/test_cuda_ops.log" | tail -1)
+    skipped=$(grep -ac "\[SKIP\]" "$results/test_cuda_ops.log")
+    printf "tests   exit %s | %s | skipped %s\n" "$test_rc" "${synth#*Synthesis: }" "$skipped"
+    printf "gemm    exit %s   layer exit %s\n" "$gemm_rc" "$layer_rc"
+    python3 - "$results/gemm.jsonl" "$results/layer.jsonl" <<'EOF'
+import json, sys
+def rows(path):
+    out = []
+    try:
+        for line in open(path):
+            line = line.strip()
+            if line.startswith("{"):
+                out.append(json.loads(line))
+    except OSError:
+        pass
+    return out
+gemm = rows(sys.argv[1])
+if gemm:
+    algos = ["mma", "cublaslt-loop", "cublas-grouped", "dense"]
+    print(f"{'shape':8} {'routing':9} {'gemm':5} " + " ".join(f"{a:>14}" for a in algos) +
+          f" {'mma/dense':>9} {'mma/cublas':>10} {'max_err':>8}")
+    keys = []
+    for r in gemm:
+        k = (r["shape"], r["routing"], r["gemm"])
+        if k not in keys:
+            keys.append(k)
+    for k in keys:
+        by = {r["algo"]: r for r in gemm if (r["shape"], r["routing"], r["gemm"]) == k}
+        cells = " ".join(f"{by[a]['rate']:14.1f}" if a in by else f"{'-':>14}" for a in algos)
+        m = by.get("mma", {})
+        f = lambda v, w, p: f"{v:{w}.{p}f}" if isinstance(v, (int, float)) else f"{'-':>{w}}"
+        errs = [r["max_err"] for r in by.values() if isinstance(r.get("max_err"), (int, float))]
+        print(f"{k[0]:8} {k[1]:9} {k[2]:5} {cells} {f(m.get('vs_dense'), 9, 3)} "
+              f"{f(m.get('vs_best_cublas'), 10, 3)} {f(max(errs) if errs else None, 8, 4)}")
+    print("(rates in TFLOP/s, bf16 storage, fp32 accumulation)")
+else:
+    print("gemm: no results")
+layer = rows(sys.argv[2])
+for r in layer:
+    if r.get("phase") in ("layer.fwd+bwd", "experts.fwd+bwd"):
+        print(f"layer   {r['shape']:8} {r['routing']:9} {r['phase']:16} {r['gflops']:8.1f} GFLOP/s "
+              f"= {r['ratio']:.3f} x sgemm (CPU backend)")
+EOF
+    echo "=================================================================================="
+}
+
+case "${1:-}" in
+pack) pack ;;
+run) run ;;
+all) pack && run ;;
+*)
+    sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d' | sed 's/^# \{0,1\}//'
+    exit 2
+    ;;
+esac

@@ -1,0 +1,167 @@
+/* common.cuh: what every .cu file of the CUDA backend shares: the one check
+ * macro for CUDA and cuBLAS statuses, the context's layout, and small
+ * device helpers (warp reductions, storage-type conversions). Internal to
+ * kernels/cuda. */
+#ifndef MOE_KERNELS_CUDA_COMMON_CUH
+#define MOE_KERNELS_CUDA_COMMON_CUH
+
+#include <cublasLt.h>
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/cuda_ops.h"
+
+extern "C" {
+#include "common/status.h"
+}
+
+/* ------------------------------------------------------------------ checks */
+
+/* Sets the error detail "<call> failed at <file>:<line>: <name>: <text>" and
+ * returns the status that fits the failure (out of memory, no device or
+ * unsupported, else internal). Overloaded so that one macro checks both. */
+moe_status moe_cuda_report(cudaError_t err, const char *call, const char *file, int line);
+moe_status moe_cuda_report(cublasStatus_t err, const char *call, const char *file, int line);
+
+static inline bool moe_cuda_failed(cudaError_t err) { return err != cudaSuccess; }
+static inline bool moe_cuda_failed(cublasStatus_t err) { return err != CUBLAS_STATUS_SUCCESS; }
+
+/* Evaluates a CUDA or cuBLAS call once; on failure records the call, file
+ * and line and returns the status from the enclosing function. After a
+ * kernel launch: MOE_CUDA_CHECK(cudaGetLastError()). */
+#define MOE_CUDA_CHECK(call)                                                                       \
+    do {                                                                                           \
+        auto moe_cuda_err_ = (call);                                                               \
+        if (moe_cuda_failed(moe_cuda_err_))                                                        \
+            return moe_cuda_report(moe_cuda_err_, #call, __FILE__, __LINE__);                      \
+    } while (0)
+
+/* ----------------------------------------------------------------- context */
+
+/* cuBLASLt's own recommendation for Hopper is 32 MiB; smaller cards take
+ * the same without harm. */
+#define MOE_CUDA_WORKSPACE_BYTES ((size_t)32 << 20)
+
+/* Device pointer arrays for batched cuBLAS calls: the grouped GEMM's three
+ * arrays of E pointers and attention's three of B * Hq. */
+#define MOE_CUDA_PTR_SLOTS (3 * 65536)
+
+/* cuBLASLt plans kept; the grouped loop makes one per distinct expert row
+ * count, so skewed routing fills this in a few steps, after which the
+ * oldest plan makes room. */
+#define MOE_CUDA_LT_PLANS 256
+
+/* Everything that decides which cuBLASLt algorithm fits a GEMM, the
+ * operand alignments included (cuBLASLt assumes 256 bytes unless told). */
+typedef struct moe_cuda_lt_key {
+    int64_t m, n, k, lda, ldb, ldc;
+    int32_t trans_a, trans_b, ab_type, c_type;
+    int32_t align_a, align_b, align_c;
+} moe_cuda_lt_key;
+
+typedef struct moe_cuda_lt_plan {
+    moe_cuda_lt_key key;
+    cublasLtMatmulDesc_t desc;
+    cublasLtMatrixLayout_t layout_a, layout_b, layout_c;
+    cublasLtMatmulAlgo_t algo;
+    bool used;
+} moe_cuda_lt_plan;
+
+struct moe_cuda_ctx {
+    int device;
+    int sm_count;
+    int cc_major, cc_minor;
+    size_t smem_optin_bytes; /* the most dynamic shared memory a block may ask for */
+    char name[320];
+    cudaStream_t stream;
+    cublasLtHandle_t lt;
+    cublasHandle_t blas;
+    void *workspace;       /* [MOE_CUDA_WORKSPACE_BYTES] */
+    void **ptrs;           /* [MOE_CUDA_PTR_SLOTS] device */
+    void **host_ptrs;      /* [MOE_CUDA_PTR_SLOTS] pinned host, staged for ptrs */
+    int64_t *host_counts;  /* [MOE_EXPERTS_MAX + 1] pinned host */
+    int32_t *tile_offsets; /* [MOE_EXPERTS_MAX + 1] device, the MMA grouped GEMM's tiles */
+    double *sumsq_parts;   /* [MOE_CUDA_SUMSQ_PARTS] device */
+    moe_cuda_lt_plan plans[MOE_CUDA_LT_PLANS];
+    int next_plan; /* round-robin victim once every slot is used */
+};
+
+/* ------------------------------------------------------------ launch shape */
+
+#define MOE_CUDA_THREADS 256
+
+/* Blocks for a grid-stride loop over n items: enough to fill the device a
+ * few times over, never more than the items need. */
+static inline unsigned moe_cuda_grid(int64_t n, int threads, const moe_cuda_ctx *ctx) {
+    int64_t want = (n + threads - 1) / threads, cap = (int64_t)ctx->sm_count * 32;
+    if (want > cap) want = cap;
+    return (unsigned)(want > 0 ? want : 1);
+}
+
+/* --------------------------------------------------------- device helpers */
+
+#define MOE_FULL_MASK 0xffffffffu
+
+template <typename T> __device__ __forceinline__ T moe_warp_sum(T v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(MOE_FULL_MASK, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float moe_warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(MOE_FULL_MASK, v, o));
+    return v;
+}
+
+/* Sum over a block whose size is a multiple of 32 (at most 1024), in a
+ * fixed tree order: the same bits on every run. Every thread gets the
+ * result. shared holds 32 values; the call ends with a barrier so shared can
+ * be reused at once. */
+template <typename T> __device__ T moe_block_sum(T v, T *shared) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    v = moe_warp_sum(v);
+    if (lane == 0) shared[warp] = v;
+    __syncthreads();
+    T total = lane < n_warps ? shared[lane] : T(0);
+    total = moe_warp_sum(total);
+    __syncthreads();
+    return total;
+}
+
+/* Exclusive prefix sum over a block (size a multiple of 32) of one value
+ * per thread, in thread order; *total gets the block's sum. Integers here,
+ * so the result is exact. Ends with a barrier. */
+template <typename T> __device__ T moe_block_exclusive_scan(T v, T *total) {
+    __shared__ T warp_sums[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    T incl = v;
+    for (int o = 1; o < 32; o <<= 1) {
+        const T up = __shfl_up_sync(MOE_FULL_MASK, incl, o);
+        if (lane >= o) incl += up;
+    }
+    if (lane == 31) warp_sums[warp] = incl;
+    __syncthreads();
+    T before = 0, all = 0;
+    for (int w = 0; w < n_warps; w++) {
+        if (w < warp) before += warp_sums[w];
+        all += warp_sums[w];
+    }
+    __syncthreads();
+    *total = all;
+    return before + incl - v;
+}
+
+__device__ __forceinline__ float moe_to_float(float v) { return v; }
+__device__ __forceinline__ float moe_to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T> __device__ __forceinline__ T moe_from_float(float v);
+template <> __device__ __forceinline__ float moe_from_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ __nv_bfloat16 moe_from_float<__nv_bfloat16>(float v) {
+    return __float2bfloat16_rn(v);
+}
+
+static inline cudaDataType_t moe_cuda_data_type(moe_cuda_dtype t) {
+    return t == MOE_CUDA_BF16 ? CUDA_R_16BF : CUDA_R_32F;
+}
+
+#endif /* MOE_KERNELS_CUDA_COMMON_CUH */

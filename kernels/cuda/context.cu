@@ -1,0 +1,290 @@
+/* context.cu: finding a device, the context (stream, cuBLAS handles,
+ * workspace, scratch), device arenas, copies and fills. */
+#include <stdio.h>
+#include <string.h>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/gemm.cuh"
+
+/* ------------------------------------------------------------------ checks */
+
+/* __FILE__ is the full path; from kernels/ on is what a reader needs. */
+static const char *short_path(const char *file) {
+    const char *s = strstr(file, "kernels/");
+    return s ? s : file;
+}
+
+moe_status moe_cuda_report(cudaError_t err, const char *call, const char *file, int line) {
+    moe_status st = MOE_ERR_INTERNAL;
+    if (err == cudaErrorMemoryAllocation)
+        st = MOE_ERR_OUT_OF_MEMORY;
+    else if (err == cudaErrorNoDevice || err == cudaErrorInsufficientDriver ||
+             err == cudaErrorNoKernelImageForDevice || err == cudaErrorUnsupportedPtxVersion)
+        st = MOE_ERR_UNSUPPORTED;
+    return moe_error(st, "%s failed at %s:%d: %s: %s", call, short_path(file), line,
+                     cudaGetErrorName(err), cudaGetErrorString(err));
+}
+
+moe_status moe_cuda_report(cublasStatus_t err, const char *call, const char *file, int line) {
+    moe_status st = MOE_ERR_INTERNAL;
+    if (err == CUBLAS_STATUS_ALLOC_FAILED)
+        st = MOE_ERR_OUT_OF_MEMORY;
+    else if (err == CUBLAS_STATUS_NOT_SUPPORTED || err == CUBLAS_STATUS_ARCH_MISMATCH)
+        st = MOE_ERR_UNSUPPORTED;
+    return moe_error(st, "%s failed at %s:%d: %s: %s", call, short_path(file), line,
+                     cublasGetStatusName(err), cublasGetStatusString(err));
+}
+
+/* ------------------------------------------------------------------ device */
+
+/* The mma.sync bf16 kernels and cuBLASLt's bf16 paths need sm_80. */
+#define MIN_CC_MAJOR 8
+
+extern "C" bool moe_cuda_available(char *why, size_t why_bytes) {
+    char scratch[8];
+    if (!why || why_bytes == 0) why = scratch, why_bytes = sizeof scratch;
+    int driver = 0, runtime = 0, n = 0;
+    if (cudaDriverGetVersion(&driver) != cudaSuccess || driver == 0) {
+        snprintf(why, why_bytes, "no NVIDIA driver (libcuda.so.1 not found)");
+        return false;
+    }
+    cudaRuntimeGetVersion(&runtime);
+    if (driver < runtime) {
+        snprintf(why, why_bytes,
+                 "the NVIDIA driver supports CUDA %d.%d, older than this build's runtime %d.%d",
+                 driver / 1000, driver % 1000 / 10, runtime / 1000, runtime % 1000 / 10);
+        return false;
+    }
+    cudaError_t err = cudaGetDeviceCount(&n);
+    if (err != cudaSuccess || n == 0) {
+        snprintf(why, why_bytes, "no CUDA device (%s)",
+                 err != cudaSuccess ? cudaGetErrorString(err) : "the driver reports none");
+        (void)cudaGetLastError(); /* not sticky: leave no error behind */
+        return false;
+    }
+    cudaDeviceProp prop;
+    if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) {
+        snprintf(why, why_bytes, "device 0 does not answer (%s)",
+                 cudaGetErrorString(cudaGetLastError()));
+        return false;
+    }
+    if (prop.major < MIN_CC_MAJOR) {
+        snprintf(why, why_bytes, "device 0 (%s) is sm_%d%d; these kernels need sm_%d0 or newer",
+                 prop.name, prop.major, prop.minor, MIN_CC_MAJOR);
+        return false;
+    }
+    snprintf(why, why_bytes, "%s", prop.name);
+    return true;
+}
+
+/* ----------------------------------------------------------------- context */
+
+static moe_status ctx_init(moe_cuda_ctx *c, int device) {
+    c->device = device < 0 ? 0 : device;
+    MOE_CUDA_CHECK(cudaSetDevice(c->device));
+    cudaDeviceProp prop;
+    MOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, c->device));
+    if (prop.major < MIN_CC_MAJOR)
+        return moe_error(MOE_ERR_UNSUPPORTED,
+                         "CUDA device %d (%s) is sm_%d%d; need sm_%d0 or newer", c->device,
+                         prop.name, prop.major, prop.minor, MIN_CC_MAJOR);
+    c->sm_count = prop.multiProcessorCount;
+    c->cc_major = prop.major;
+    c->cc_minor = prop.minor;
+    c->smem_optin_bytes = prop.sharedMemPerBlockOptin;
+    snprintf(c->name, sizeof c->name, "%s (sm_%d%d, %d SMs)", prop.name, prop.major, prop.minor,
+             prop.multiProcessorCount);
+
+    MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
+    MOE_CUDA_CHECK(cudaMalloc(&c->workspace, MOE_CUDA_WORKSPACE_BYTES));
+    MOE_CUDA_CHECK(cudaMalloc((void **)&c->ptrs, MOE_CUDA_PTR_SLOTS * sizeof(void *)));
+    MOE_CUDA_CHECK(cudaMallocHost((void **)&c->host_ptrs, MOE_CUDA_PTR_SLOTS * sizeof(void *)));
+    MOE_CUDA_CHECK(
+        cudaMallocHost((void **)&c->host_counts, (MOE_EXPERTS_MAX + 1) * sizeof(int64_t)));
+    MOE_CUDA_CHECK(cudaMalloc((void **)&c->tile_offsets, (MOE_EXPERTS_MAX + 1) * sizeof(int32_t)));
+    MOE_CUDA_CHECK(cudaMalloc((void **)&c->sumsq_parts, MOE_CUDA_SUMSQ_PARTS * sizeof(double)));
+
+    MOE_CUDA_CHECK(cublasLtCreate(&c->lt));
+    MOE_CUDA_CHECK(cublasCreate(&c->blas));
+    MOE_CUDA_CHECK(cublasSetStream(c->blas, c->stream));
+    /* Both libraries run on the one stream, so they can share the workspace. */
+    MOE_CUDA_CHECK(cublasSetWorkspace(c->blas, c->workspace, MOE_CUDA_WORKSPACE_BYTES));
+    return MOE_OK;
+}
+
+extern "C" moe_status moe_cuda_ctx_create(moe_cuda_ctx **ctx, int device) {
+    if (!ctx) return moe_error(MOE_ERR_INVALID_ARG, "moe_cuda_ctx_create: ctx is NULL");
+    *ctx = NULL;
+    char why[256];
+    if (!moe_cuda_available(why, sizeof why))
+        return moe_error(MOE_ERR_UNSUPPORTED, "no usable CUDA device: %s", why);
+    moe_cuda_ctx *c = (moe_cuda_ctx *)calloc(1, sizeof *c);
+    if (!c) return moe_error(MOE_ERR_OUT_OF_MEMORY, "moe_cuda_ctx_create: out of host memory");
+    moe_status st = ctx_init(c, device);
+    if (st != MOE_OK) {
+        moe_cuda_ctx_destroy(c);
+        return st;
+    }
+    *ctx = c;
+    return MOE_OK;
+}
+
+extern "C" void moe_cuda_ctx_destroy(moe_cuda_ctx *c) {
+    if (!c) return;
+    /* Statuses are ignored from here on: there is nobody left to tell. */
+    if (c->stream) cudaStreamSynchronize(c->stream);
+    moe_cuda_lt_plans_destroy(c);
+    if (c->blas) cublasDestroy(c->blas);
+    if (c->lt) cublasLtDestroy(c->lt);
+    cudaFree(c->sumsq_parts);
+    cudaFree(c->tile_offsets);
+    cudaFreeHost(c->host_counts);
+    cudaFreeHost(c->host_ptrs);
+    cudaFree(c->ptrs);
+    cudaFree(c->workspace);
+    if (c->stream) cudaStreamDestroy(c->stream);
+    free(c);
+}
+
+extern "C" const char *moe_cuda_device_name(const moe_cuda_ctx *ctx) { return ctx->name; }
+
+extern "C" moe_status moe_cuda_sync(moe_cuda_ctx *ctx) {
+    MOE_CUDA_CHECK(cudaStreamSynchronize(ctx->stream));
+    MOE_CUDA_CHECK(cudaGetLastError());
+    return MOE_OK;
+}
+
+/* ------------------------------------------------------------------ arenas */
+
+static size_t align_up(size_t bytes) {
+    return (bytes + MOE_CUDA_ARENA_ALIGN_BYTES - 1) / MOE_CUDA_ARENA_ALIGN_BYTES *
+           MOE_CUDA_ARENA_ALIGN_BYTES;
+}
+
+extern "C" size_t moe_cuda_arena_bytes(const size_t *piece_bytes, int n_pieces) {
+    size_t total = 0;
+    for (int i = 0; i < n_pieces; i++) total += align_up(piece_bytes[i]);
+    return total;
+}
+
+extern "C" moe_status moe_cuda_arena_create(moe_cuda_arena *arena, size_t capacity,
+                                            moe_cuda_ctx *ctx) {
+    *arena = (moe_cuda_arena){NULL, 0, 0};
+    MOE_CUDA_CHECK(cudaSetDevice(ctx->device));
+    cudaError_t err = cudaMalloc((void **)&arena->base, capacity ? capacity : 1);
+    if (err != cudaSuccess) {
+        (void)cudaGetLastError();
+        size_t free_bytes = 0, total_bytes = 0;
+        cudaMemGetInfo(&free_bytes, &total_bytes);
+        return moe_error(err == cudaErrorMemoryAllocation ? MOE_ERR_OUT_OF_MEMORY
+                                                          : MOE_ERR_INTERNAL,
+                         "device arena of %.3f GiB on %s: cudaMalloc: %s (%.3f of %.3f GiB free)",
+                         (double)capacity / (1 << 30), ctx->name, cudaGetErrorString(err),
+                         (double)free_bytes / (1 << 30), (double)total_bytes / (1 << 30));
+    }
+    arena->capacity = capacity;
+    return MOE_OK;
+}
+
+extern "C" moe_status moe_cuda_arena_alloc(moe_cuda_arena *arena, void **out, size_t bytes) {
+    *out = NULL;
+    size_t need = align_up(bytes);
+    if (need < bytes || need > arena->capacity - arena->used)
+        return moe_error(MOE_ERR_OUT_OF_MEMORY,
+                         "device arena: %zu bytes asked with %zu of %zu bytes left", bytes,
+                         arena->capacity - arena->used, arena->capacity);
+    *out = arena->base + arena->used;
+    arena->used += need;
+    return MOE_OK;
+}
+
+extern "C" void moe_cuda_arena_reset(moe_cuda_arena *arena) { arena->used = 0; }
+
+extern "C" void moe_cuda_arena_destroy(moe_cuda_arena *arena) {
+    cudaFree(arena->base);
+    *arena = (moe_cuda_arena){NULL, 0, 0};
+}
+
+/* ------------------------------------------------------------------ copies */
+
+extern "C" moe_status moe_cuda_upload(void *dst, const void *src, size_t bytes, moe_cuda_ctx *ctx) {
+    if (bytes == 0) return MOE_OK;
+    MOE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, ctx->stream));
+    MOE_CUDA_CHECK(cudaStreamSynchronize(ctx->stream));
+    return MOE_OK;
+}
+
+extern "C" moe_status moe_cuda_download(void *dst, const void *src, size_t bytes,
+                                        moe_cuda_ctx *ctx) {
+    if (bytes == 0) return MOE_OK;
+    MOE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, ctx->stream));
+    MOE_CUDA_CHECK(cudaStreamSynchronize(ctx->stream));
+    return MOE_OK;
+}
+
+extern "C" moe_status moe_cuda_memset(void *dst, int byte, size_t bytes, moe_cuda_ctx *ctx) {
+    if (bytes == 0) return MOE_OK;
+    MOE_CUDA_CHECK(cudaMemsetAsync(dst, byte, bytes, ctx->stream));
+    return MOE_OK;
+}
+
+extern "C" size_t moe_cuda_dtype_bytes(moe_cuda_dtype t) { return t == MOE_CUDA_BF16 ? 2 : 4; }
+
+/* ------------------------------------------------------------------- fills */
+
+/* splitmix64 of (seed, i): any element from its index alone, so the fill
+ * is the same for every grid shape. */
+static __device__ __forceinline__ uint64_t mix64(uint64_t x) {
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+
+template <typename T>
+static __global__ void fill_uniform_kernel(T *p, int64_t n, float scale, uint64_t seed) {
+    const uint64_t key = mix64(seed);
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        float u = (float)(mix64(key + (uint64_t)i) >> 40) * (1.0f / 16777216.0f); /* [0, 1) */
+        p[i] = moe_from_float<T>(scale * (2.0f * u - 1.0f));
+    }
+}
+
+extern "C" moe_status moe_cuda_fill_uniform(void *p, int64_t n, moe_cuda_dtype t, float scale,
+                                            uint64_t seed, moe_cuda_ctx *ctx) {
+    if (n <= 0) return MOE_OK;
+    unsigned grid = moe_cuda_grid(n, MOE_CUDA_THREADS, ctx);
+    if (t == MOE_CUDA_BF16)
+        fill_uniform_kernel<<<grid, MOE_CUDA_THREADS, 0, ctx->stream>>>((__nv_bfloat16 *)p, n,
+                                                                        scale, seed);
+    else
+        fill_uniform_kernel<<<grid, MOE_CUDA_THREADS, 0, ctx->stream>>>((float *)p, n, scale, seed);
+    MOE_CUDA_CHECK(cudaGetLastError());
+    return MOE_OK;
+}
+
+template <typename D, typename S>
+static __global__ void convert_kernel(D *dst, const S *src, int64_t n) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
+         i += (int64_t)gridDim.x * blockDim.x)
+        dst[i] = moe_from_float<D>(moe_to_float(src[i]));
+}
+
+extern "C" moe_status moe_cuda_f32_to_bf16(void *dst, const float *src, int64_t n,
+                                           moe_cuda_ctx *ctx) {
+    if (n <= 0) return MOE_OK;
+    convert_kernel<<<moe_cuda_grid(n, MOE_CUDA_THREADS, ctx), MOE_CUDA_THREADS, 0, ctx->stream>>>(
+        (__nv_bfloat16 *)dst, src, n);
+    MOE_CUDA_CHECK(cudaGetLastError());
+    return MOE_OK;
+}
+
+extern "C" moe_status moe_cuda_bf16_to_f32(float *dst, const void *src, int64_t n,
+                                           moe_cuda_ctx *ctx) {
+    if (n <= 0) return MOE_OK;
+    convert_kernel<<<moe_cuda_grid(n, MOE_CUDA_THREADS, ctx), MOE_CUDA_THREADS, 0, ctx->stream>>>(
+        dst, (const __nv_bfloat16 *)src, n);
+    MOE_CUDA_CHECK(cudaGetLastError());
+    return MOE_OK;
+}

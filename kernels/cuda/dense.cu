@@ -1,0 +1,376 @@
+/* dense.cu: the dense ops around the MoE layers (kernels/cpu/dense.c is
+ * the reference, kernels/cpu/dense.h the contract): embedding, RMSNorm,
+ * linear layers, RoPE, cross-entropy, residual adds, AdamW and the sum of
+ * squares. Every reduction has a fixed order (block trees, or parts summed
+ * in order), never atomics on floats: the same bits on every run. */
+#include "kernels/cuda/gemm.cuh"
+#include "kernels/moe_math.h"
+
+#define GRID_STRIDE(i, n)                                                                          \
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (n);                      \
+         i += (int64_t)gridDim.x * blockDim.x)
+
+static unsigned grid_for(int64_t n, const moe_cuda_ctx *ctx) {
+    return moe_cuda_grid(n, MOE_CUDA_THREADS, ctx);
+}
+
+/* ---------------------------------------------------------------- embedding */
+
+static __global__ void embedding_forward_kernel(float *out, const int32_t *tokens, const float *wte,
+                                                int64_t N, int64_t C) {
+    GRID_STRIDE(i, N * C) out[i] = wte[(int64_t)tokens[i / C] * C + i % C];
+}
+
+extern "C" moe_status moe_cuda_embedding_forward(float *out, const int32_t *tokens,
+                                                 const float *wte, int64_t N, int64_t C,
+                                                 moe_cuda_ctx *ctx) {
+    if (N * C <= 0) return MOE_OK;
+    embedding_forward_kernel<<<grid_for(N * C, ctx), MOE_CUDA_THREADS, 0, ctx->stream>>>(
+        out, tokens, wte, N, C);
+    MOE_CUDA_CHECK(cudaGetLastError());
+    return MOE_OK;
+}
+
+/* One thread per column walks the rows in order, as the CPU does: tokens
+ * repeat, and this fixes each element's summation order without atomics.
+ * Its parallelism is C, so it is slow for long batches; it runs once per
+ * step. */
+static __global__ void embedding_backward_kernel(float *dwte, const float *dout,
+                                                 const int32_t *tokens, int64_t N, int64_t C) {
+    GRID_STRIDE(c, C)
+    for (int64_t n = 0; n < N; n++) dwte[(int64_t)tokens[n] * C + c] += dout[n * C + c];
+}
+
+extern "C" moe_status moe_cuda_embedding_backward(float *dwte, const float *dout,
+                                                  const int32_t *tokens, int64_t N, int64_t C,
+                                                  moe_cuda_ctx *ctx) {
+    if (N <= 0 || C <= 0) return MOE_OK;
+    embedding_backward_kernel<<<grid_for(C, ctx), MOE_CUDA_THREADS, 0, ctx->stream>>>(dwte, dout,
+                                                                                      tokens, N, C);
+    MOE_CUDA_CHECK(cudaGetLastError());
+    return MOE_OK;
+}
+
+/* ------------------------------------------------------------------ RMSNorm */
+
+static __global__ void rmsnorm_forward_kernel(float *out, float *rstd, const float *inp,
+                                              const float *weight, float eps, int64_t N,
+                                              int64_t C) {
+    __shared__ double partial[32];
+    for (int64_t n = blockIdx.x; n < N; n += gridDim.x) {
+        const float *x = inp + n * C;
+        double ss = 0.0;
+        for (int64_t c = threadIdx.x; c < C; c += blockDim.x) ss += (double)x[c] * x[c];
+        ss = moe_block_sum(ss, partial);
+        const float r = (float)(1.0 / sqrt(ss / (double)C + (double)eps));
+        if (threadIdx.x == 0) rstd[n] = r;
+        for (int64_t c = threadIdx.x; c < C; c += blockDim.x)
+            out[n * C + c] = weight[c] * (x[c] * r);
+    }
+}
+
+extern "C" moe_status moe_cuda_rmsnorm_forward(float *out, float *rstd, const float *inp,
+                                               const float *weight, float eps, int64_t N, int64_t C,
+                                               moe_cuda_ctx *ctx) {
+    if (N <= 0) return MOE_OK;
+    rmsnorm_forward_kernel<<<moe_cuda_grid(N, 1, ctx), MOE_CUDA_THREADS, 0, ctx->stream>>>(
+        out, rstd, inp, weight, eps, N, C);
+    MOE_CUDA_CHECK(cudaGetLastError());
+    return MOE_OK;
+}
+
+/* dweight's sum over rows runs in parts of this many rows, each summed in
+ * row order, then the parts in order. */
+#define RMS_ROWS_PER_PART 256
+
+extern "C" size_t moe_cuda_rmsnorm_scratch_bytes(int64_t N, int64_t C) {
+    return (size_t)((N + RMS_ROWS_PER_PART - 1) / RMS_ROWS_PER_PART) * (size_t)C * sizeof(double);
+}
+
+static __global__ void rmsnorm_dx_kernel(float *dinp, const float *dout, const float *inp,
+                                         const float *weight, const float *rstd, int64_t N,
+                                         int64_t C) {
+    __shared__ double partial[32];
+    for (int64_t n = blockIdx.x; n < N; n += gridDim.x) {
+        const float *x = inp + n * C, *dy = dout + n * C;
+        const float r = rstd[n];
+        double dot = 0.0;
+        for (int64_t c = threadIdx.x; c < C; c += blockDim.x)
+            dot += (double)(dy[c] * weight[c]) * (x[c] * r);
+        dot = moe_block_sum(dot, partial);
+        const float mean_gx = (float)(dot / (double)C);
+        for (int64_t c = threadIdx.x; c < C; c += blockDim.x)
+            dinp[n * C + c] += r * (dy[c] * weight[c] - (x[c] * r) * mean_gx);
+    }
+}
+
+/* parts [n_parts, C]: part p of column c, rows in order. */
+static __global__ void rmsnorm_dw_parts_kernel(double *parts, const float *dout, const float *inp,
+                                               const float *rstd, int64_t N, int64_t C) {
+    const int64_t p = blockIdx.y;
+    const int64_t n0 = p * RMS_ROWS_PER_PART, n1 = min(n0 + RMS_ROWS_PER_PART, N);
+    for (int64_t c = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; c < C;
+         c += (int64_t)gridDim.x * blockDim.x) {
+        double acc = 0.0;
+        for (int64_t n = n0; n < n1; n++)
+            acc += (double)(dout[n * C + c] * (inp[n * C + c] * rstd[n]));
+        parts[p * C + c] = acc;
+    }
+}
+
+static __global__ void rmsnorm_dw_sum_kernel(float *dweight, const double *parts, int64_t n_parts,
+                                             int64_t C) {
+    GRID_STRIDE(c, C) {
+        double acc = 0.0;
+        for (int64_t p = 0; p < n_parts; p++) acc += parts[p * C + c];
+        dweight[c] += (float)acc;
+    }
+}
+
+extern "C" moe_status moe_cuda_rmsnorm_backward(float *dinp, float *dweight, const float *dout,
+                                                const float *inp, const float *weight,
+                                                const float *rstd, void *scratch, int64_t N,
+                                                int64_t C, moe_cuda_ctx *ctx) {
+    if (N <= 0 || C <= 0) return MOE_OK;
+    const int64_t n_parts = (N + RMS_ROWS_PER_PART - 1) / RMS_ROWS_PER_PART;
+    if (n_parts > 65535)
+        return moe_error(MOE_ERR_UNSUPPORTED, "moe_cuda_rmsnorm_backward: N=%lld rows is too many",
+                         (long long)N);
+    rmsnorm_dx_kernel<<<moe_cuda_grid(N, 1, ctx), MOE_CUDA_THREADS, 0, ctx->stream>>>(
+        dinp, dout, inp, weight, rstd, N, C);
+    MOE_CUDA_CHECK(cudaGetLastError());
+    const dim3 grid((unsigned)((C + MOE_CUDA_THREADS - 1) / MOE_CUDA_THREADS), (unsigned)n_parts);
+    rmsnorm_dw_parts_kernel<<<grid, MOE_CUDA_THREADS, 0, ctx->stream>>>((double *)scratch, dout,
+                                                                        inp, rstd, N, C);
+    MOE_CUDA_CHECK(cudaGetLastError());
+    rmsnorm_dw_sum_kernel<<<grid_for(C, ctx), MOE_CUDA_THREADS, 0, ctx->stream>>>(
+        dweight, (const double *)scratch, n_parts, C);
+    MOE_CUDA_CHECK(cudaGetLastError());
+    return MOE_OK;
+}
+
+/* ------------------------------------------------------------------- matmul */
+
+extern "C" moe_status moe_cuda_matmul_forward(float *out, const float *inp, const float *weight,
+                                              int64_t N, int64_t C, int64_t OC, moe_cuda_ctx *ctx) {
+    return moe_cuda_lt_gemm(ctx, out, MOE_CUDA_F32, inp, weight, MOE_CUDA_F32, N, OC, C, C, C, OC,
+                            false, true, 1.0f, 0.0f);
+}
+
+extern "C" moe_status moe_cuda_matmul_backward(float *dinp, float *dweight, const float *dout,
+                                               const float *inp, const float *weight, int64_t N,
+                                               int64_t C, int64_t OC, moe_cuda_ctx *ctx) {
+    if (N == 0 || OC == 0 || C == 0) return MOE_OK; /* nothing to add */
+    MOE_TRY(moe_cuda_lt_gemm(ctx, dinp, MOE_CUDA_F32, dout, weight, MOE_CUDA_F32, N, C, OC, OC, C,
+                             C, false, false, 1.0f, 1.0f));
+    return moe_cuda_lt_gemm(ctx, dweight, MOE_CUDA_F32, dout, inp, MOE_CUDA_F32, OC, C, N, OC, C, C,
+                            true, false, 1.0f, 1.0f);
+}
+
+/* --------------------------------------------------------------------- RoPE */
+
+static __global__ void rope_tables_kernel(float *cos_t, float *sin_t, int64_t T, int64_t hd,
+                                          float theta) {
+    const int64_t half = hd / 2;
+    GRID_STRIDE(i, T * half) {
+        const double a = (double)moe_rope_angle(i / half, i % half, hd, theta);
+        cos_t[i] = (float)cos(a);
+        sin_t[i] = (float)sin(a);
+    }
+}
+
+extern "C" moe_status moe_cuda_rope_tables(float *cos_t, float *sin_t, int64_t T, int64_t hd,
+                                           float theta, moe_cuda_ctx *ctx) {
+    if (T * (hd / 2) <= 0) return MOE_OK;
+    rope_tables_kernel<<<grid_for(T * (hd / 2), ctx), MOE_CUDA_THREADS, 0, ctx->stream>>>(
+        cos_t, sin_t, T, hd, theta);
+    MOE_CUDA_CHECK(cudaGetLastError());
+    return MOE_OK;
+}
+
+/* Rotates every (i, i + hd/2) pair of x [B, T, H, hd] by +angle (sign 1)
+ * or -angle (sign -1), in place. */
+static __global__ void rope_rotate_kernel(float *x, const float *cos_t, const float *sin_t,
+                                          int64_t B, int64_t T, int64_t H, int64_t hd, float sign) {
+    const int64_t half = hd / 2;
+    GRID_STRIDE(idx, B * T * H * half) {
+        const int64_t i = idx % half, bth = idx / half, t = (bth / H) % T;
+        float *x1 = x + bth * hd, *x2 = x1 + half;
+        const float c = cos_t[t * half + i], s = sign * sin_t[t * half + i];
+        const float a = x1[i], b = x2[i];
+        x1[i] = a * c - b * s;
+        x2[i] = b * c + a * s;
+    }
+}
+
+static moe_status rope(float *x, const float *cos_t, const float *sin_t, int64_t B, int64_t T,
+                       int64_t H, int64_t hd, float sign, moe_cuda_ctx *ctx) {
+    const int64_t n = B * T * H * (hd / 2);
+    if (n <= 0) return MOE_OK;
+    rope_rotate_kernel<<<grid_for(n, ctx), MOE_CUDA_THREADS, 0, ctx->stream>>>(x, cos_t, sin_t, B,
+                                                                               T, H, hd, sign);
+    MOE_CUDA_CHECK(cudaGetLastError());
+    return MOE_OK;
+}
+
+extern "C" moe_status moe_cuda_rope_forward(float *x, const float *cos_t, const float *sin_t,
+                                            int64_t B, int64_t T, int64_t H, int64_t hd,
+                                            moe_cuda_ctx *ctx) {
+    return rope(x, cos_t, sin_t, B, T, H, hd, 1.0f, ctx);
+}
+
+extern "C" moe_status moe_cuda_rope_backward(float *dx, const float *cos_t, const float *sin_t,
+                                             int64_t B, int64_t T, int64_t H, int64_t hd,
+                                             moe_cuda_ctx *ctx) {
+    return rope(dx, cos_t, sin_t, B, T, H, hd, -1.0f, ctx);
+}
+
+/* ------------------------------------------------------------ cross-entropy */
+
+/* One block per row: the max, then the sum of exponentials in double, each a
+ * fixed block tree. */
+static __global__ void crossentropy_forward_kernel(float *losses, double *lse, const float *logits,
+                                                   const int32_t *targets, int64_t N, int64_t V) {
+    __shared__ float max_part[32];
+    __shared__ double sum_part[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int64_t n = blockIdx.x; n < N; n += gridDim.x) {
+        const float *z = logits + n * V;
+        float mx = -INFINITY;
+        for (int64_t j = threadIdx.x; j < V; j += blockDim.x) mx = fmaxf(mx, z[j]);
+        mx = moe_warp_max(mx);
+        if (lane == 0) max_part[warp] = mx;
+        __syncthreads();
+        mx = lane < (int)(blockDim.x >> 5) ? max_part[lane] : -INFINITY;
+        mx = moe_warp_max(mx);
+        double sum = 0.0;
+        for (int64_t j = threadIdx.x; j < V; j += blockDim.x) sum += (double)expf(z[j] - mx);
+        sum = moe_block_sum(sum, sum_part); /* its barrier also frees max_part */
+        if (threadIdx.x == 0) {
+            const double l = (double)mx + log(sum);
+            lse[n] = l;
+            losses[n] = targets[n] < 0 ? 0.0f : (float)(l - (double)z[targets[n]]);
+        }
+    }
+}
+
+extern "C" moe_status moe_cuda_crossentropy_forward(float *losses, double *lse, const float *logits,
+                                                    const int32_t *targets, int64_t N, int64_t V,
+                                                    moe_cuda_ctx *ctx) {
+    if (N <= 0) return MOE_OK;
+    crossentropy_forward_kernel<<<moe_cuda_grid(N, 1, ctx), MOE_CUDA_THREADS, 0, ctx->stream>>>(
+        losses, lse, logits, targets, N, V);
+    MOE_CUDA_CHECK(cudaGetLastError());
+    return MOE_OK;
+}
+
+/* dlogits may be logits: each element is read, then written, by one thread. */
+static __global__ void crossentropy_backward_kernel(float *dlogits, const float *logits,
+                                                    const double *lse, const int32_t *targets,
+                                                    const float *dloss, int64_t N, int64_t V) {
+    GRID_STRIDE(i, N * V) {
+        const int64_t n = i / V, j = i % V;
+        const int32_t tgt = targets[n];
+        const float w = tgt < 0 ? 0.0f : dloss[n];
+        float g = w * expf((float)((double)logits[i] - lse[n]));
+        if (j == tgt) g -= w;
+        dlogits[i] = g;
+    }
+}
+
+extern "C" moe_status moe_cuda_crossentropy_backward(float *dlogits, const float *logits,
+                                                     const double *lse, const int32_t *targets,
+                                                     const float *dloss, int64_t N, int64_t V,
+                                                     moe_cuda_ctx *ctx) {
+    if (N * V <= 0) return MOE_OK;
+    crossentropy_backward_kernel<<<grid_for(N * V, ctx), MOE_CUDA_THREADS, 0, ctx->stream>>>(
+        dlogits, logits, lse, targets, dloss, N, V);
+    MOE_CUDA_CHECK(cudaGetLastError());
+    return MOE_OK;
+}
+
+/* ----------------------------------------------------------------- residual */
+
+static __global__ void residual_forward_kernel(float *out, const float *a, const float *b,
+                                               int64_t n) {
+    GRID_STRIDE(i, n) out[i] = a[i] + b[i];
+}
+
+static __global__ void residual_backward_kernel(float *da, float *db, const float *dout,
+                                                int64_t n) {
+    GRID_STRIDE(i, n) {
+        da[i] += dout[i];
+        db[i] += dout[i];
+    }
+}
+
+extern "C" moe_status moe_cuda_residual_forward(float *out, const float *a, const float *b,
+                                                int64_t n, moe_cuda_ctx *ctx) {
+    if (n <= 0) return MOE_OK;
+    residual_forward_kernel<<<grid_for(n, ctx), MOE_CUDA_THREADS, 0, ctx->stream>>>(out, a, b, n);
+    MOE_CUDA_CHECK(cudaGetLastError());
+    return MOE_OK;
+}
+
+extern "C" moe_status moe_cuda_residual_backward(float *da, float *db, const float *dout, int64_t n,
+                                                 moe_cuda_ctx *ctx) {
+    if (n <= 0) return MOE_OK;
+    residual_backward_kernel<<<grid_for(n, ctx), MOE_CUDA_THREADS, 0, ctx->stream>>>(da, db, dout,
+                                                                                     n);
+    MOE_CUDA_CHECK(cudaGetLastError());
+    return MOE_OK;
+}
+
+/* ---------------------------------------------------------------- optimizer */
+
+static __global__ void adamw_kernel(float *params, float *m, float *v, const float *grads,
+                                    int64_t n, float beta1, float beta2, float eps, float decay,
+                                    float step_size, float bc2_sqrt) {
+    GRID_STRIDE(i, n)
+    moe_adamw_update(&params[i], &m[i], &v[i], grads[i], beta1, beta2, eps, decay, step_size,
+                     bc2_sqrt);
+}
+
+extern "C" moe_status moe_cuda_adamw(float *params, float *m, float *v, const float *grads,
+                                     int64_t n, float lr, float beta1, float beta2, float eps,
+                                     float weight_decay, int64_t t, moe_cuda_ctx *ctx) {
+    if (n <= 0) return MOE_OK;
+    /* The per-step scalars in double on the host, exactly as the CPU does. */
+    const float decay = (float)(1.0 - (double)lr * (double)weight_decay);
+    const float step_size = (float)((double)lr / (1.0 - pow((double)beta1, (double)t)));
+    const float bc2_sqrt = (float)sqrt(1.0 - pow((double)beta2, (double)t));
+    adamw_kernel<<<grid_for(n, ctx), MOE_CUDA_THREADS, 0, ctx->stream>>>(
+        params, m, v, grads, n, beta1, beta2, eps, decay, step_size, bc2_sqrt);
+    MOE_CUDA_CHECK(cudaGetLastError());
+    return MOE_OK;
+}
+
+/* ---------------------------------------------------------------- reduction */
+
+/* One block per part [n p / PARTS, n (p + 1) / PARTS), the CPU's parts. */
+static __global__ void sumsq_parts_kernel(double *parts, const float *x, int64_t n) {
+    __shared__ double partial[32];
+    const int64_t p = blockIdx.x;
+    const int64_t i0 = n * p / MOE_CUDA_SUMSQ_PARTS, i1 = n * (p + 1) / MOE_CUDA_SUMSQ_PARTS;
+    double s = 0.0;
+    for (int64_t i = i0 + threadIdx.x; i < i1; i += blockDim.x) s += (double)x[i] * x[i];
+    s = moe_block_sum(s, partial);
+    if (threadIdx.x == 0) parts[p] = s;
+}
+
+static __global__ void sumsq_total_kernel(double *out, const double *parts) {
+    double total = 0.0;
+    for (int p = 0; p < MOE_CUDA_SUMSQ_PARTS; p++) total += parts[p];
+    *out = total;
+}
+
+extern "C" moe_status moe_cuda_sumsq(double *out, const float *x, int64_t n, moe_cuda_ctx *ctx) {
+    if (n > INT64_MAX / MOE_CUDA_SUMSQ_PARTS)
+        return moe_error(MOE_ERR_UNSUPPORTED, "moe_cuda_sumsq: n=%lld is too large", (long long)n);
+    sumsq_parts_kernel<<<MOE_CUDA_SUMSQ_PARTS, MOE_CUDA_THREADS, 0, ctx->stream>>>(ctx->sumsq_parts,
+                                                                                   x, n);
+    MOE_CUDA_CHECK(cudaGetLastError());
+    sumsq_total_kernel<<<1, 1, 0, ctx->stream>>>(out, ctx->sumsq_parts);
+    MOE_CUDA_CHECK(cudaGetLastError());
+    return MOE_OK;
+}

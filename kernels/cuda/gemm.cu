@@ -1,0 +1,218 @@
+/* gemm.cu: row-major GEMMs on cuBLASLt with cached plans, and batched
+ * GEMMs over pointer arrays built on the device.
+ *
+ * cuBLAS is column-major. A row-major c [m, n] read column-major is c^T
+ * [n, m], and c^T = op(b)^T op(a)^T, so every call swaps the operands and
+ * the m/n sizes and keeps the transpose flags with their operands. */
+#include <limits.h>
+#include <string.h>
+
+#include "kernels/cuda/gemm.cuh"
+
+/* ---------------------------------------------------------------- k == 0 */
+
+/* op(a) op(b) is empty: c = beta c, and BLAS libraries may skip even that. */
+static __global__ void scale_kernel(float *c, int64_t m, int64_t n, int64_t ldc, float beta) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < m * n;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        float *p = c + (i / n) * ldc + i % n;
+        *p = beta == 0.0f ? 0.0f : beta * *p;
+    }
+}
+
+/* ----------------------------------------------------------- plan cache */
+
+/* The largest power of two (at most 256) that divides the address. */
+static int32_t alignment(const void *p) {
+    uintptr_t a = (uintptr_t)p;
+    int32_t align = 1;
+    while (align < 256 && a % (uintptr_t)(2 * align) == 0) align *= 2;
+    return align;
+}
+
+static void plan_release(moe_cuda_lt_plan *p) {
+    if (p->layout_c) cublasLtMatrixLayoutDestroy(p->layout_c);
+    if (p->layout_b) cublasLtMatrixLayoutDestroy(p->layout_b);
+    if (p->layout_a) cublasLtMatrixLayoutDestroy(p->layout_a);
+    if (p->desc) cublasLtMatmulDescDestroy(p->desc);
+    memset(p, 0, sizeof *p);
+}
+
+void moe_cuda_lt_plans_destroy(moe_cuda_ctx *ctx) {
+    for (int i = 0; i < MOE_CUDA_LT_PLANS; i++)
+        if (ctx->plans[i].used) plan_release(&ctx->plans[i]);
+}
+
+/* Fills p for key in the swapped, column-major form described above. */
+static moe_status plan_make(moe_cuda_ctx *ctx, moe_cuda_lt_plan *p, const moe_cuda_lt_key *key) {
+    const cudaDataType_t ab = moe_cuda_data_type((moe_cuda_dtype)key->ab_type);
+    const cudaDataType_t cd = moe_cuda_data_type((moe_cuda_dtype)key->c_type);
+    const cublasOperation_t op_b = key->trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+    const cublasOperation_t op_a = key->trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+    const int64_t m = key->m, n = key->n, k = key->k;
+
+    p->key = *key;
+    p->used = true;
+    MOE_CUDA_CHECK(cublasLtMatmulDescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    MOE_CUDA_CHECK(
+        cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_b, sizeof op_b));
+    MOE_CUDA_CHECK(
+        cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_a, sizeof op_a));
+    /* cuBLAS's A is our b: [n, k] column-major, stored [k, n] when op is T. */
+    MOE_CUDA_CHECK(cublasLtMatrixLayoutCreate(&p->layout_a, ab, (uint64_t)(key->trans_b ? k : n),
+                                              (uint64_t)(key->trans_b ? n : k), key->ldb));
+    /* cuBLAS's B is our a: [k, m] column-major, stored [m, k] when op is T. */
+    MOE_CUDA_CHECK(cublasLtMatrixLayoutCreate(&p->layout_b, ab, (uint64_t)(key->trans_a ? m : k),
+                                              (uint64_t)(key->trans_a ? k : m), key->lda));
+    MOE_CUDA_CHECK(
+        cublasLtMatrixLayoutCreate(&p->layout_c, cd, (uint64_t)n, (uint64_t)m, key->ldc));
+
+    cublasLtMatmulPreference_t pref = NULL;
+    MOE_CUDA_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+    const uint64_t ws = MOE_CUDA_WORKSPACE_BYTES;
+    const uint32_t align_a = (uint32_t)key->align_b, align_b = (uint32_t)key->align_a,
+                   align_c = (uint32_t)key->align_c;
+    cublasLtMatmulHeuristicResult_t result;
+    int found = 0;
+    cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(
+        pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
+    if (st == CUBLAS_STATUS_SUCCESS)
+        st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                                                  &align_a, sizeof align_a);
+    if (st == CUBLAS_STATUS_SUCCESS)
+        st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                                                  &align_b, sizeof align_b);
+    if (st == CUBLAS_STATUS_SUCCESS)
+        st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                                                  &align_c, sizeof align_c);
+    if (st == CUBLAS_STATUS_SUCCESS)
+        st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+                                                  &align_c, sizeof align_c);
+    if (st == CUBLAS_STATUS_SUCCESS)
+        st = cublasLtMatmulAlgoGetHeuristic(ctx->lt, p->desc, p->layout_a, p->layout_b, p->layout_c,
+                                            p->layout_c, pref, 1, &result, &found);
+    cublasLtMatmulPreferenceDestroy(pref);
+    MOE_CUDA_CHECK(st);
+    if (found == 0)
+        return moe_error(MOE_ERR_UNSUPPORTED,
+                         "cuBLASLt has no algorithm for m=%lld n=%lld k=%lld lda=%lld ldb=%lld "
+                         "ldc=%lld trans_a=%d trans_b=%d (%s inputs, %s output) on %s",
+                         (long long)m, (long long)n, (long long)k, (long long)key->lda,
+                         (long long)key->ldb, (long long)key->ldc, key->trans_a, key->trans_b,
+                         key->ab_type == MOE_CUDA_BF16 ? "bf16" : "fp32",
+                         key->c_type == MOE_CUDA_BF16 ? "bf16" : "fp32", ctx->name);
+    p->algo = result.algo;
+    return MOE_OK;
+}
+
+static moe_status plan_get(moe_cuda_ctx *ctx, const moe_cuda_lt_key *key, moe_cuda_lt_plan **out) {
+    int free_slot = -1;
+    for (int i = 0; i < MOE_CUDA_LT_PLANS; i++) {
+        moe_cuda_lt_plan *p = &ctx->plans[i];
+        if (p->used && memcmp(&p->key, key, sizeof *key) == 0) {
+            *out = p;
+            return MOE_OK;
+        }
+        if (!p->used && free_slot < 0) free_slot = i;
+    }
+    if (free_slot < 0) {
+        free_slot = ctx->next_plan;
+        ctx->next_plan = (ctx->next_plan + 1) % MOE_CUDA_LT_PLANS;
+        plan_release(&ctx->plans[free_slot]);
+    }
+    moe_cuda_lt_plan *p = &ctx->plans[free_slot];
+    moe_status st = plan_make(ctx, p, key);
+    if (st != MOE_OK) {
+        plan_release(p);
+        return st;
+    }
+    *out = p;
+    return MOE_OK;
+}
+
+moe_status moe_cuda_lt_gemm(moe_cuda_ctx *ctx, void *c, moe_cuda_dtype c_type, const void *a,
+                            const void *b, moe_cuda_dtype ab_type, int64_t m, int64_t n, int64_t k,
+                            int64_t lda, int64_t ldb, int64_t ldc, bool trans_a, bool trans_b,
+                            float alpha, float beta) {
+    if (m == 0 || n == 0) return MOE_OK;
+    if (k == 0) {
+        if (c_type != MOE_CUDA_F32)
+            return moe_error(MOE_ERR_UNSUPPORTED, "GEMM with k=0 on a bf16 output");
+        scale_kernel<<<moe_cuda_grid(m * n, MOE_CUDA_THREADS, ctx), MOE_CUDA_THREADS, 0,
+                       ctx->stream>>>((float *)c, m, n, ldc, beta);
+        MOE_CUDA_CHECK(cudaGetLastError());
+        return MOE_OK;
+    }
+    moe_cuda_lt_key key;
+    memset(&key, 0, sizeof key); /* padding too: keys are compared bytewise */
+    key.m = m, key.n = n, key.k = k, key.lda = lda, key.ldb = ldb, key.ldc = ldc;
+    key.trans_a = trans_a, key.trans_b = trans_b, key.ab_type = ab_type, key.c_type = c_type;
+    key.align_a = alignment(a), key.align_b = alignment(b), key.align_c = alignment(c);
+    moe_cuda_lt_plan *p = NULL;
+    MOE_TRY(plan_get(ctx, &key, &p));
+    MOE_CUDA_CHECK(cublasLtMatmul(ctx->lt, p->desc, &alpha, b, p->layout_a, a, p->layout_b, &beta,
+                                  c, p->layout_c, c, p->layout_c, &p->algo, ctx->workspace,
+                                  MOE_CUDA_WORKSPACE_BYTES, ctx->stream));
+    return MOE_OK;
+}
+
+extern "C" moe_status moe_cuda_gemm(float *c, const float *a, const float *b, int64_t m, int64_t n,
+                                    int64_t k, int64_t lda, int64_t ldb, int64_t ldc, bool trans_a,
+                                    bool trans_b, float alpha, float beta, moe_cuda_ctx *ctx) {
+    return moe_cuda_lt_gemm(ctx, c, MOE_CUDA_F32, a, b, MOE_CUDA_F32, m, n, k, lda, ldb, ldc,
+                            trans_a, trans_b, alpha, beta);
+}
+
+extern "C" moe_status moe_cuda_gemm_ex(void *c, moe_cuda_dtype c_type, const void *a, const void *b,
+                                       moe_cuda_dtype ab_type, int64_t m, int64_t n, int64_t k,
+                                       int64_t lda, int64_t ldb, int64_t ldc, bool trans_a,
+                                       bool trans_b, float alpha, float beta, moe_cuda_ctx *ctx) {
+    return moe_cuda_lt_gemm(ctx, c, c_type, a, b, ab_type, m, n, k, lda, ldb, ldc, trans_a, trans_b,
+                            alpha, beta);
+}
+
+/* -------------------------------------------------------------- batched */
+
+typedef struct ptr_walks {
+    moe_cuda_ptr_walk w[3];
+} ptr_walks;
+
+/* ptrs[j * count + i] = pointer i of walk j. */
+static __global__ void fill_ptrs_kernel(void **ptrs, ptr_walks walks, int64_t count) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < 3 * count;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        const moe_cuda_ptr_walk w = walks.w[i / count];
+        const int64_t j = i % count;
+        ptrs[i] = (void *)(w.base + (j / w.inner) * w.outer_stride +
+                           ((j % w.inner) / w.div) * w.inner_stride);
+    }
+}
+
+moe_status moe_cuda_gemm_batched(moe_cuda_ctx *ctx, moe_cuda_ptr_walk c, moe_cuda_ptr_walk a,
+                                 moe_cuda_ptr_walk b, int64_t count, int64_t m, int64_t n,
+                                 int64_t k, int64_t lda, int64_t ldb, int64_t ldc, bool trans_a,
+                                 bool trans_b, float alpha, float beta) {
+    if (count == 0 || m == 0 || n == 0) return MOE_OK;
+    if (3 * count > MOE_CUDA_PTR_SLOTS)
+        return moe_error(MOE_ERR_UNSUPPORTED, "batched GEMM of %lld problems: at most %d",
+                         (long long)count, MOE_CUDA_PTR_SLOTS / 3);
+    const int64_t dims[] = {m, n, k, lda, ldb, ldc, count};
+    for (size_t i = 0; i < sizeof dims / sizeof dims[0]; i++)
+        if (dims[i] > INT_MAX)
+            return moe_error(MOE_ERR_UNSUPPORTED,
+                             "batched GEMM m=%lld n=%lld k=%lld: cuBLAS takes 32-bit sizes",
+                             (long long)m, (long long)n, (long long)k);
+    ptr_walks walks = {{c, a, b}};
+    fill_ptrs_kernel<<<moe_cuda_grid(3 * count, MOE_CUDA_THREADS, ctx), MOE_CUDA_THREADS, 0,
+                       ctx->stream>>>(ctx->ptrs, walks, count);
+    MOE_CUDA_CHECK(cudaGetLastError());
+    void *const *cp = ctx->ptrs;
+    const void *const *ap = (const void *const *)(ctx->ptrs + count);
+    const void *const *bp = (const void *const *)(ctx->ptrs + 2 * count);
+    /* Swapped as in the header comment: cuBLAS's A is our b. */
+    MOE_CUDA_CHECK(cublasGemmBatchedEx(
+        ctx->blas, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, (int)n,
+        (int)m, (int)k, &alpha, bp, CUDA_R_32F, (int)ldb, ap, CUDA_R_32F, (int)lda, &beta, cp,
+        CUDA_R_32F, (int)ldc, (int)count, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    return MOE_OK;
+}

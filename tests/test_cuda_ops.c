@@ -1,0 +1,974 @@
+/* test_cuda_ops.c: every CUDA op (kernels/cuda/cuda_ops.h) against the CPU
+ * op of the same name (moe_cpu_ops(), and moe_plan_build for the plan) on
+ * fresh random inputs. Every output buffer is poisoned before the op runs
+ * (0xFF bytes: NaN floats; 0x5A bytes for integers), so an element the
+ * kernel never wrote fails the comparison.
+ *
+ * Tolerances: fp32 outputs pass when |gpu - cpu| <= 1e-5 (|cpu| + max|cpu|)
+ * over the array: 1e-5 relative to the element or, for elements that sums
+ * cancelled down, to the array's scale, since the two backends add in
+ * different orders. bf16 storage: the same with 1e-2. Selections, counts,
+ * plans and copies must match exactly; the double sum of squares to 1e-10
+ * relative (1e5 terms added in another order) and run to run bitwise.
+ *
+ * Without a device every test skips and says why; built without CUDA, the
+ * same tests skip with "built without CUDA". */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/cuda/cuda_ops.h"
+#include "kernels/ops.h"
+#include "ref_moe.h"
+#include "router/plan.h"
+
+#define CUDA_TEST_NAMES(X)                                                                         \
+    X(gemm_transposes_strides_beta)                                                                \
+    X(gate_forward_all_kinds)                                                                      \
+    X(gate_backward_all_kinds)                                                                     \
+    X(plan_build_matches_cpu_plan)                                                                 \
+    X(permute_combine_unpermute)                                                                   \
+    X(experts_fp32_loop_and_batched)                                                               \
+    X(grouped_gemm_bf16_all_algos)                                                                 \
+    X(experts_bf16)                                                                                \
+    X(embedding_rmsnorm_matmul_residual)                                                           \
+    X(rope_attention)                                                                              \
+    X(crossentropy_adamw_sumsq)
+
+#if !defined(MOE_HAVE_CUDA)
+
+#define SKIP_TEST(name)                                                                            \
+    Test(cuda, name) { cr_skip_test("built without CUDA (no kernels/cuda/*.cu in this build)"); }
+CUDA_TEST_NAMES(SKIP_TEST)
+
+#else
+
+#define TOL_F32 1e-5
+#define TOL_BF16 1e-2
+#define POISON_FLOAT 0xFF /* NaN in every float */
+#define POISON_INT 0x5A   /* 0x5A5A5A5A: no valid index, count or row */
+#define ARENA_BYTES ((size_t)256 << 20)
+
+#define CHECK(call)                                                                                \
+    do {                                                                                           \
+        moe_status st_ = (call);                                                                   \
+        cr_assert(st_ == MOE_OK, "%s: %s: %s", #call, moe_status_string(st_), moe_last_error());   \
+    } while (0)
+
+/* ------------------------------------------------------------ device state */
+
+static moe_cuda_ctx *ctx;
+static moe_cuda_arena arena;
+
+/* Each test runs in its own process: the device state is made there. */
+static void gpu_begin(void) {
+    char why[256];
+    if (!moe_cuda_available(why, sizeof why)) cr_skip_test("no GPU: %s", why);
+    CHECK(moe_cuda_ctx_create(&ctx, -1));
+    CHECK(moe_cuda_arena_create(&arena, ARENA_BYTES, ctx));
+}
+
+static void gpu_end(void) {
+    CHECK(moe_cuda_sync(ctx));
+    moe_cuda_arena_destroy(&arena);
+    moe_cuda_ctx_destroy(ctx);
+}
+
+static void *dalloc(size_t bytes) {
+    void *p = NULL;
+    CHECK(moe_cuda_arena_alloc(&arena, &p, bytes));
+    return p;
+}
+
+static void *dput(const void *host, size_t bytes) {
+    void *p = dalloc(bytes);
+    CHECK(moe_cuda_upload(p, host, bytes, ctx));
+    return p;
+}
+
+static void *dpoison(size_t bytes, int byte) {
+    void *p = dalloc(bytes);
+    CHECK(moe_cuda_memset(p, byte, bytes, ctx));
+    return p;
+}
+
+/* Waits for the device (so a fault inside a kernel shows here) and copies. */
+static void dget(void *host, const void *dev, size_t bytes) {
+    CHECK(moe_cuda_sync(ctx));
+    CHECK(moe_cuda_download(host, dev, bytes, ctx));
+}
+
+/* ---------------------------------------------------------------- helpers */
+
+static float *rnd(int64_t n, ref_rng *r, double lo, double hi) {
+    float *a = ref_alloc((size_t)(n > 0 ? n : 1) * sizeof *a);
+    ref_fill(a, n, r, lo, hi);
+    return a;
+}
+
+static float *fdup(const float *a, int64_t n) {
+    float *b = ref_alloc((size_t)(n > 0 ? n : 1) * sizeof *b);
+    memcpy(b, a, (size_t)n * sizeof *b);
+    return b;
+}
+
+/* got (from the GPU) against want (from the CPU), see the file comment. */
+static void expect_close(const char *what, const float *got, const float *want, int64_t n,
+                         double tol) {
+    double *ref = ref_to_double(want, n);
+    REF_EXPECT_CLOSE(what, got, ref, n, tol * ref_max_abs(ref, n), tol);
+    free(ref);
+}
+
+/* Downloads a device float array of n and compares it. */
+static void expect_dev(const char *what, const float *dev, const float *want, int64_t n,
+                       double tol) {
+    float *got = ref_alloc((size_t)(n > 0 ? n : 1) * sizeof *got);
+    dget(got, dev, (size_t)n * sizeof *got);
+    expect_close(what, got, want, n, tol);
+    free(got);
+}
+
+static void expect_same_i64(const char *what, const int64_t *got, const int64_t *want, int64_t n) {
+    int64_t bad = 0, first = -1;
+    for (int64_t i = 0; i < n; i++)
+        if (got[i] != want[i] && bad++ == 0) first = i;
+    cr_expect(bad == 0, "%s: %lld of %lld differ; first [%lld] got %lld want %lld", what,
+              (long long)bad, (long long)n, (long long)first, (long long)(bad ? got[first] : 0),
+              (long long)(bad ? want[first] : 0));
+}
+
+static void expect_same_i32(const char *what, const int32_t *got, const int32_t *want, int64_t n) {
+    int64_t bad = 0, first = -1;
+    for (int64_t i = 0; i < n; i++)
+        if (got[i] != want[i] && bad++ == 0) first = i;
+    cr_expect(bad == 0, "%s: %lld of %lld differ; first [%lld] got %d want %d", what,
+              (long long)bad, (long long)n, (long long)first, bad ? got[first] : 0,
+              bad ? want[first] : 0);
+}
+
+/* bf16 round to nearest even (inputs are finite), and back. */
+static uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static float from_bf16(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* a [n] rounded to bf16 in place; bits [n] gets the bf16 values. */
+static uint16_t *round_bf16(float *a, int64_t n) {
+    uint16_t *bits = ref_alloc((size_t)(n > 0 ? n : 1) * sizeof *bits);
+    for (int64_t i = 0; i < n; i++) {
+        bits[i] = to_bf16(a[i]);
+        a[i] = from_bf16(bits[i]);
+    }
+    return bits;
+}
+
+static void expect_dev_bf16(const char *what, const void *dev, const float *want, int64_t n) {
+    uint16_t *bits = ref_alloc((size_t)(n > 0 ? n : 1) * sizeof *bits);
+    float *got = ref_alloc((size_t)(n > 0 ? n : 1) * sizeof *got);
+    dget(bits, dev, (size_t)n * sizeof *bits);
+    for (int64_t i = 0; i < n; i++) got[i] = from_bf16(bits[i]);
+    expect_close(what, got, want, n, TOL_BF16);
+    free(got);
+    free(bits);
+}
+
+static const char *kind_name(moe_gate_kind k) {
+    return k == MOE_GATE_SOFTMAX_TOPK   ? "softmax_topk"
+           : k == MOE_GATE_TOPK_SOFTMAX ? "topk_softmax"
+                                        : "sigmoid";
+}
+
+/* ------------------------------------------------------------------- gemm */
+
+static void check_gemm(int64_t m, int64_t n, int64_t k, bool ta, bool tb, int64_t pad, float alpha,
+                       float beta, ref_rng *rng) {
+    const int64_t a_rows = ta ? k : m, lda = (ta ? m : k) + pad;
+    const int64_t b_rows = tb ? n : k, ldb = (tb ? k : n) + pad, ldc = n + pad;
+    float *a = rnd(a_rows * lda, rng, -1, 1), *b = rnd(b_rows * ldb, rng, -1, 1);
+    float *c0 = rnd(m * ldc, rng, -1, 1), *want = fdup(c0, m * ldc);
+    moe_cpu_ops()->gemm(want, a, b, m, n, k, lda, ldb, ldc, ta, tb, alpha, beta);
+    /* With beta 0 the op must not read c: its m x n part is NaN; the
+     * padding must come back untouched either way. */
+    float *c_in = fdup(c0, m * ldc);
+    if (beta == 0.0f)
+        for (int64_t i = 0; i < m; i++)
+            for (int64_t j = 0; j < n; j++) c_in[i * ldc + j] = NAN;
+    float *da = dput(a, (size_t)(a_rows * lda) * sizeof *a),
+          *db = dput(b, (size_t)(b_rows * ldb) * sizeof *b);
+    float *dc = dput(c_in, (size_t)(m * ldc) * sizeof *c_in);
+    CHECK(moe_cuda_gemm(dc, da, db, m, n, k, lda, ldb, ldc, ta, tb, alpha, beta, ctx));
+    char what[160];
+    snprintf(what, sizeof what, "gemm m=%lld n=%lld k=%lld ta=%d tb=%d pad=%lld beta=%g",
+             (long long)m, (long long)n, (long long)k, ta, tb, (long long)pad, beta);
+    expect_dev(what, dc, want, m * ldc, TOL_F32);
+    free(a), free(b), free(c0), free(want), free(c_in);
+}
+
+Test(cuda, gemm_transposes_strides_beta) {
+    gpu_begin();
+    ref_rng rng = {101};
+    static const int64_t shapes[][3] = {
+        {5, 7, 3}, {1, 13, 9}, {33, 19, 40}, {64, 48, 96}, {6, 6, 0}};
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+        for (int ta = 0; ta < 2; ta++)
+            for (int tb = 0; tb < 2; tb++)
+                for (int64_t pad = 0; pad <= 3; pad += 3) {
+                    check_gemm(shapes[s][0], shapes[s][1], shapes[s][2], ta, tb, pad, 0.75f, 0.5f,
+                               &rng);
+                    check_gemm(shapes[s][0], shapes[s][1], shapes[s][2], ta, tb, pad, 1.0f, 0.0f,
+                               &rng);
+                }
+    gpu_end();
+}
+
+/* ------------------------------------------------------------------- gate */
+
+typedef struct gate_case {
+    int64_t E, k, T;
+    moe_gate_kind kind;
+    bool renormalize, with_bias;
+} gate_case;
+
+static const gate_case gate_cases[] = {
+    {8, 2, 300, MOE_GATE_SOFTMAX_TOPK, true, false},
+    {8, 2, 300, MOE_GATE_SOFTMAX_TOPK, false, true},
+    {64, 6, 200, MOE_GATE_SOFTMAX_TOPK, true, true},
+    {16, 4, 130, MOE_GATE_TOPK_SOFTMAX, true, true},
+    {40, 3, 65, MOE_GATE_SIGMOID, true, true},
+    {7, 7, 64, MOE_GATE_SOFTMAX_TOPK, true, false},
+    {300, 8, 100, MOE_GATE_SOFTMAX_TOPK, true, false},
+    {1000, 5, 70, MOE_GATE_SIGMOID, true, false},
+};
+#define N_GATE_CASES ((int)(sizeof gate_cases / sizeof gate_cases[0]))
+
+/* Logits whose selection is at least 1e-3 from changing, so the two
+ * backends' exponentials cannot pick differently. Up to 64 experts the
+ * reference ranks them (bias included); beyond, a shuffled grid of
+ * logits 0.01 apart orders every score by the logit (no bias there). */
+static float *gen_logits(const gate_case *gc, const float *bias, ref_rng *rng) {
+    const int64_t E = gc->E, T = gc->T;
+    float *logits = ref_alloc((size_t)(T * E) * sizeof *logits);
+    for (int64_t t = 0; t < T; t++) {
+        float *row = logits + t * E;
+        if (E > 64) {
+            for (int64_t e = 0; e < E; e++) row[e] = 0.01f * (float)e - 0.005f * (float)E;
+            for (int64_t e = E - 1; e > 0; e--) {
+                int64_t j = (int64_t)(ref_next(rng) % (uint64_t)(e + 1));
+                float tmp = row[e];
+                row[e] = row[j], row[j] = tmp;
+            }
+            continue;
+        }
+        double bias_d[64], gap = 0.0;
+        for (int64_t e = 0; e < E; e++) bias_d[e] = bias ? bias[e] : 0.0;
+        for (int tries = 0; tries < 1000 && gap <= 1e-3; tries++) {
+            double l[64];
+            int32_t idx[64];
+            for (int64_t e = 0; e < E; e++) l[e] = row[e] = (float)ref_uniform(rng, -2.5, 2.5);
+            ref_topk(idx, &gap, l, bias ? bias_d : NULL, E, gc->k, gc->kind);
+        }
+        cr_assert(gap > 1e-3, "could not draw logits without near-ties (E=%lld)", (long long)E);
+    }
+    return logits;
+}
+
+typedef struct gate_run {
+    int32_t *idx;
+    float *w, *prob, *lse, *logits, *bias;
+    int64_t *assigned;
+    double *prob_sum, z_sum;
+} gate_run;
+
+/* The CPU's gating pass, the reference for forward and the input of the
+ * backward tests. */
+static gate_run cpu_gate(const gate_case *gc, ref_rng *rng) {
+    const int64_t E = gc->E, k = gc->k, T = gc->T;
+    gate_run g = {0};
+    g.bias = gc->with_bias ? rnd(E, rng, -0.3, 0.3) : NULL;
+    g.logits = gen_logits(gc, g.bias, rng);
+    g.idx = ref_alloc((size_t)(T * k) * sizeof *g.idx);
+    g.w = ref_alloc((size_t)(T * k) * sizeof *g.w);
+    g.prob = ref_alloc((size_t)(T * E) * sizeof *g.prob);
+    g.lse = ref_alloc((size_t)T * sizeof *g.lse);
+    g.assigned = ref_alloc((size_t)E * sizeof *g.assigned);
+    g.prob_sum = ref_alloc((size_t)E * sizeof *g.prob_sum);
+    double *scratch =
+        ref_alloc((size_t)((T + MOE_GATE_CHUNK_TOKENS - 1) / MOE_GATE_CHUNK_TOKENS * (2 * E + 1)) *
+                  sizeof *scratch);
+    moe_gate_totals totals = {g.assigned, g.prob_sum, 0.0, scratch};
+    moe_gate_params p = {E, k, gc->kind, gc->renormalize};
+    moe_cpu_ops()->gate_forward(g.idx, g.w, g.prob, g.lse, &totals, g.logits, g.bias, &p, T);
+    g.z_sum = totals.z_sum;
+    free(scratch);
+    return g;
+}
+
+static void free_gate(gate_run *g) {
+    free(g->idx), free(g->w), free(g->prob), free(g->lse), free(g->logits), free(g->bias);
+    free(g->assigned), free(g->prob_sum);
+}
+
+Test(cuda, gate_forward_all_kinds) {
+    gpu_begin();
+    ref_rng rng = {202};
+    for (int c = 0; c < N_GATE_CASES; c++) {
+        const gate_case *gc = &gate_cases[c];
+        const int64_t E = gc->E, k = gc->k, T = gc->T;
+        const int64_t n_chunks = (T + MOE_CUDA_GATE_CHUNK_TOKENS - 1) / MOE_CUDA_GATE_CHUNK_TOKENS;
+        gate_run want = cpu_gate(gc, &rng);
+        float *d_logits = dput(want.logits, (size_t)(T * E) * sizeof(float));
+        float *d_bias = want.bias ? dput(want.bias, (size_t)E * sizeof(float)) : NULL;
+        int32_t *d_idx = dpoison((size_t)(T * k) * sizeof(int32_t), POISON_INT);
+        float *d_w = dpoison((size_t)(T * k) * sizeof(float), POISON_FLOAT);
+        float *d_prob = dpoison((size_t)(T * E) * sizeof(float), POISON_FLOAT);
+        float *d_lse = dpoison((size_t)T * sizeof(float), POISON_FLOAT);
+        moe_cuda_gate_totals totals = {
+            dpoison((size_t)E * sizeof(int64_t), POISON_INT),
+            dpoison((size_t)E * sizeof(double), POISON_FLOAT),
+            dpoison(sizeof(double), POISON_FLOAT),
+            dpoison((size_t)(n_chunks * (2 * E + 1)) * sizeof(double), POISON_FLOAT)};
+        moe_gate_params p = {E, k, gc->kind, gc->renormalize};
+        CHECK(moe_cuda_gate_forward(d_idx, d_w, d_prob, d_lse, &totals, d_logits, d_bias, &p, T,
+                                    ctx));
+
+        char what[160];
+        int n =
+            snprintf(what, sizeof what, "gate_forward %s renorm=%d bias=%d E=%lld k=%lld T=%lld",
+                     kind_name(gc->kind), gc->renormalize, gc->with_bias, (long long)E,
+                     (long long)k, (long long)T);
+        int32_t *idx = ref_alloc((size_t)(T * k) * sizeof *idx);
+        dget(idx, d_idx, (size_t)(T * k) * sizeof *idx);
+        expect_same_i32(what, idx, want.idx, T * k);
+        int64_t *assigned = ref_alloc((size_t)E * sizeof *assigned);
+        dget(assigned, totals.assigned, (size_t)E * sizeof *assigned);
+        expect_same_i64(what, assigned, want.assigned, E);
+        snprintf(what + n, sizeof what - (size_t)n, " topk_w");
+        expect_dev(what, d_w, want.w, T * k, TOL_F32);
+        snprintf(what + n, sizeof what - (size_t)n, " prob");
+        expect_dev(what, d_prob, want.prob, T * E, TOL_F32);
+        snprintf(what + n, sizeof what - (size_t)n, " lse");
+        expect_dev(what, d_lse, want.lse, T, TOL_F32);
+        double *prob_sum = ref_alloc((size_t)E * sizeof *prob_sum), z_sum = 0.0;
+        dget(prob_sum, totals.prob_sum, (size_t)E * sizeof *prob_sum);
+        dget(&z_sum, totals.z_sum, sizeof z_sum);
+        for (int64_t e = 0; e < E; e++)
+            cr_expect(fabs(prob_sum[e] - want.prob_sum[e]) <=
+                          TOL_F32 * (double)T / (double)E + 1e-9,
+                      "%s: prob_sum[%lld] = %.12g, cpu %.12g", what, (long long)e, prob_sum[e],
+                      want.prob_sum[e]);
+        cr_expect(fabs(z_sum - want.z_sum) <= TOL_F32 * fabs(want.z_sum) + 1e-9,
+                  "%s: z_sum = %.12g, cpu %.12g", what, z_sum, want.z_sum);
+        free(idx), free(assigned), free(prob_sum);
+        free_gate(&want);
+        moe_cuda_arena_reset(&arena);
+    }
+    gpu_end();
+}
+
+Test(cuda, gate_backward_all_kinds) {
+    gpu_begin();
+    ref_rng rng = {303};
+    for (int c = 0; c < N_GATE_CASES; c++) {
+        const gate_case *gc = &gate_cases[c];
+        const int64_t E = gc->E, k = gc->k, T = gc->T;
+        gate_run g = cpu_gate(gc, &rng);
+        float *dweights = rnd(T * k, &rng, -1, 1);
+        float *aux = c % 2 ? rnd(E, &rng, -0.01, 0.01) : NULL;
+        const float z_coef = c % 3 ? 1e-3f / (float)T : 0.0f;
+        moe_gate_params p = {E, k, gc->kind, gc->renormalize};
+        float *want = ref_alloc((size_t)(T * E) * sizeof *want);
+        moe_cpu_ops()->gate_backward(want, dweights, g.idx, g.w, g.prob, g.lse, g.logits, aux,
+                                     z_coef, &p, T);
+
+        float *d_dl = dpoison((size_t)(T * E) * sizeof(float), POISON_FLOAT);
+        CHECK(moe_cuda_gate_backward(
+            d_dl, dput(dweights, (size_t)(T * k) * sizeof(float)),
+            dput(g.idx, (size_t)(T * k) * sizeof(int32_t)),
+            dput(g.w, (size_t)(T * k) * sizeof(float)),
+            dput(g.prob, (size_t)(T * E) * sizeof(float)), dput(g.lse, (size_t)T * sizeof(float)),
+            dput(g.logits, (size_t)(T * E) * sizeof(float)),
+            aux ? dput(aux, (size_t)E * sizeof(float)) : NULL, z_coef, &p, T, ctx));
+        char what[160];
+        snprintf(what, sizeof what, "gate_backward %s renorm=%d aux=%d z=%g E=%lld k=%lld T=%lld",
+                 kind_name(gc->kind), gc->renormalize, aux != NULL, z_coef, (long long)E,
+                 (long long)k, (long long)T);
+        expect_dev(what, d_dl, want, T * E, TOL_F32);
+        free(dweights), free(aux), free(want);
+        free_gate(&g);
+        moe_cuda_arena_reset(&arena);
+    }
+    gpu_end();
+}
+
+/* ------------------------------------------------------------------- plan */
+
+typedef struct cpu_plan {
+    moe_plan plan;
+    int64_t *keep;
+} cpu_plan;
+
+static cpu_plan make_cpu_plan(const int32_t *idx, const int64_t *assigned, double cf, int64_t T,
+                              int64_t k, int64_t E) {
+    cpu_plan c;
+    c.keep = ref_alloc((size_t)E * sizeof *c.keep);
+    const int64_t cap = moe_capacity(cf, T, k, E);
+    for (int64_t e = 0; e < E; e++) c.keep[e] = cap < 0 || assigned[e] < cap ? assigned[e] : cap;
+    c.plan.pair_row = ref_alloc((size_t)(T * k) * sizeof(int64_t));
+    c.plan.row_token = ref_alloc((size_t)(T * k) * sizeof(int64_t));
+    c.plan.expert_offsets = ref_alloc((size_t)(E + 1) * sizeof(int64_t));
+    c.plan.cursor = ref_alloc((size_t)E * sizeof(int64_t));
+    moe_plan_build(&c.plan, idx, c.keep, T, k, E);
+    return c;
+}
+
+static void free_cpu_plan(cpu_plan *c) {
+    free(c->keep), free(c->plan.pair_row), free(c->plan.row_token), free(c->plan.expert_offsets);
+    free(c->plan.cursor);
+}
+
+Test(cuda, plan_build_matches_cpu_plan) {
+    gpu_begin();
+    ref_rng rng = {404};
+    static const gate_case cases[] = {
+        {8, 2, 300, MOE_GATE_SOFTMAX_TOPK, true, true},
+        {64, 8, 1000, MOE_GATE_SOFTMAX_TOPK, true, true},
+        {5, 1, 1, MOE_GATE_SOFTMAX_TOPK, true, false},
+        {300, 8, 100, MOE_GATE_SOFTMAX_TOPK, true, false},
+    };
+    static const double cfs[] = {0.0, 1.0, 0.5};
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++)
+        for (size_t f = 0; f < sizeof cfs / sizeof cfs[0]; f++) {
+            const gate_case *gc = &cases[c];
+            const int64_t E = gc->E, k = gc->k, T = gc->T;
+            gate_run g = cpu_gate(gc, &rng);
+            cpu_plan want = make_cpu_plan(g.idx, g.assigned, cfs[f], T, k, E);
+            const bool dropless = cfs[f] == 0.0;
+            int64_t *d_pair = dpoison((size_t)(T * k) * sizeof(int64_t), POISON_INT);
+            int64_t *d_rows = dpoison((size_t)(T * k) * sizeof(int64_t), POISON_INT);
+            int64_t *d_off = dpoison((size_t)(E + 1) * sizeof(int64_t), POISON_INT);
+            void *scratch = dpoison(moe_cuda_plan_scratch_bytes(T, k, E), POISON_INT);
+            CHECK(moe_cuda_plan_build(
+                d_pair, d_rows, d_off, dput(g.idx, (size_t)(T * k) * sizeof(int32_t)),
+                dropless ? NULL : dput(want.keep, (size_t)E * sizeof(int64_t)), scratch, T, k, E,
+                ctx));
+            char what[128];
+            snprintf(what, sizeof what, "plan E=%lld k=%lld T=%lld cf=%g", (long long)E,
+                     (long long)k, (long long)T, cfs[f]);
+            int64_t *got = ref_alloc((size_t)(T * k + E + 1) * sizeof *got);
+            dget(got, d_off, (size_t)(E + 1) * sizeof *got);
+            expect_same_i64(what, got, want.plan.expert_offsets, E + 1);
+            dget(got, d_pair, (size_t)(T * k) * sizeof *got);
+            expect_same_i64(what, got, want.plan.pair_row, T * k);
+            dget(got, d_rows, (size_t)want.plan.n_rows * sizeof *got);
+            expect_same_i64(what, got, want.plan.row_token, want.plan.n_rows);
+            free(got);
+            free_cpu_plan(&want);
+            free_gate(&g);
+            moe_cuda_arena_reset(&arena);
+        }
+    gpu_end();
+}
+
+/* ------------------------------------------------------------ row movers */
+
+Test(cuda, permute_combine_unpermute) {
+    gpu_begin();
+    ref_rng rng = {505};
+    static const gate_case gc = {8, 3, 150, MOE_GATE_SOFTMAX_TOPK, true, true};
+    static const int64_t dims[] = {64, 37};
+    for (size_t s = 0; s < sizeof dims / sizeof dims[0]; s++) {
+        const int64_t E = gc.E, k = gc.k, T = gc.T, d = dims[s], max_rows = T * k;
+        gate_run g = cpu_gate(&gc, &rng);
+        cpu_plan cp = make_cpu_plan(g.idx, g.assigned, 0.7, T, k, E); /* drops some pairs */
+        const int64_t n_rows = cp.plan.n_rows;
+        cr_assert(cp.plan.dropped > 0, "the case should drop pairs");
+        const moe_ops *cpu = moe_cpu_ops();
+        int64_t *d_pair = dput(cp.plan.pair_row, (size_t)(T * k) * sizeof(int64_t));
+        int64_t *d_rows = dput(cp.plan.row_token, (size_t)max_rows * sizeof(int64_t));
+        int64_t *d_off = dput(cp.plan.expert_offsets, (size_t)(E + 1) * sizeof(int64_t));
+        float *d_w = dput(g.w, (size_t)(T * k) * sizeof(float));
+        char what[96];
+
+        float *x = rnd(T * d, &rng, -1, 1), *xp = ref_alloc((size_t)(max_rows * d) * sizeof *xp);
+        cpu->permute(xp, x, cp.plan.row_token, n_rows, d);
+        float *d_xp = dpoison((size_t)(max_rows * d) * sizeof(float), POISON_FLOAT);
+        CHECK(moe_cuda_permute(d_xp, dput(x, (size_t)(T * d) * sizeof(float)), d_rows, d_off + E,
+                               max_rows, d, ctx));
+        snprintf(what, sizeof what, "permute d=%lld", (long long)d);
+        expect_dev(what, d_xp, xp, n_rows * d, 0.0);
+
+        float *yp = rnd(max_rows * d, &rng, -1, 1), *shared = rnd(T * d, &rng, -1, 1);
+        float *d_yp = dput(yp, (size_t)(max_rows * d) * sizeof(float));
+        float *y = ref_alloc((size_t)(T * d) * sizeof *y);
+        for (int with_shared = 0; with_shared < 2; with_shared++) {
+            cpu->combine(y, yp, g.w, cp.plan.pair_row, with_shared ? shared : NULL, T, k, d);
+            float *d_y = dpoison((size_t)(T * d) * sizeof(float), POISON_FLOAT);
+            CHECK(moe_cuda_combine(
+                d_y, d_yp, d_w, d_pair,
+                with_shared ? dput(shared, (size_t)(T * d) * sizeof(float)) : NULL, T, k, d, ctx));
+            snprintf(what, sizeof what, "combine d=%lld shared=%d", (long long)d, with_shared);
+            expect_dev(what, d_y, y, T * d, TOL_F32);
+        }
+
+        float *dy = rnd(T * d, &rng, -1, 1), *dyp = ref_alloc((size_t)(max_rows * d) * sizeof *dyp);
+        float *dweights = ref_alloc((size_t)(T * k) * sizeof *dweights);
+        cpu->combine_backward(dyp, dweights, dy, yp, g.w, cp.plan.pair_row, T, k, d);
+        float *d_dyp = dpoison((size_t)(max_rows * d) * sizeof(float), POISON_FLOAT);
+        float *d_dw = dpoison((size_t)(T * k) * sizeof(float), POISON_FLOAT);
+        CHECK(moe_cuda_combine_backward(d_dyp, d_dw, dput(dy, (size_t)(T * d) * sizeof(float)),
+                                        d_yp, d_w, d_pair, T, k, d, ctx));
+        snprintf(what, sizeof what, "combine_backward dyp d=%lld", (long long)d);
+        expect_dev(what, d_dyp, dyp, n_rows * d, TOL_F32);
+        snprintf(what, sizeof what, "combine_backward dweights d=%lld", (long long)d);
+        expect_dev(what, d_dw, dweights, T * k, TOL_F32);
+
+        float *dxp = rnd(max_rows * d, &rng, -1, 1), *dx = rnd(T * d, &rng, -1, 1);
+        float *d_dx = dput(dx, (size_t)(T * d) * sizeof(float)); /* accumulated into */
+        cpu->unpermute_add(dx, dxp, cp.plan.pair_row, T, k, d);
+        CHECK(moe_cuda_unpermute_add(d_dx, dput(dxp, (size_t)(max_rows * d) * sizeof(float)),
+                                     d_pair, T, k, d, ctx));
+        snprintf(what, sizeof what, "unpermute_add d=%lld", (long long)d);
+        expect_dev(what, d_dx, dx, T * d, TOL_F32);
+
+        free(x), free(xp), free(yp), free(shared), free(y), free(dy), free(dyp), free(dweights),
+            free(dxp), free(dx);
+        free_cpu_plan(&cp);
+        free_gate(&g);
+        moe_cuda_arena_reset(&arena);
+    }
+    gpu_end();
+}
+
+/* ---------------------------------------------------------------- experts */
+
+/* Host buffers of an expert-major batch, fp32 (bf16 cases round them). */
+typedef struct expert_case {
+    int64_t E, d, f, rows, max_rows;
+    int64_t off[16];
+    float *x, *w13, *w2, *dy, *dw13, *dw2; /* inputs; dw13, dw2 hold the starting gradients */
+    float *h, *g, *y, *dh, *dx;            /* CPU outputs */
+} expert_case;
+
+static expert_case make_experts(const int64_t *rows, int64_t E, int64_t d, int64_t f,
+                                ref_rng *rng) {
+    expert_case c = {.E = E, .d = d, .f = f};
+    c.off[0] = 0;
+    for (int64_t e = 0; e < E; e++) c.off[e + 1] = c.off[e] + rows[e];
+    c.rows = c.off[E];
+    c.max_rows = c.rows + 3; /* rows past offsets[E] must stay untouched */
+    c.x = rnd(c.max_rows * d, rng, -1, 1);
+    c.w13 = rnd(E * 2 * f * d, rng, -1.0 / sqrt((double)d), 1.0 / sqrt((double)d));
+    c.w2 = rnd(E * d * f, rng, -1.0 / sqrt((double)f), 1.0 / sqrt((double)f));
+    c.dy = rnd(c.max_rows * d, rng, -1, 1);
+    c.dw13 = rnd(E * 2 * f * d, rng, -1, 1);
+    c.dw2 = rnd(E * d * f, rng, -1, 1);
+    c.h = ref_alloc((size_t)(c.max_rows * 2 * f) * sizeof(float));
+    c.g = ref_alloc((size_t)(c.max_rows * f) * sizeof(float));
+    c.y = ref_alloc((size_t)(c.max_rows * d) * sizeof(float));
+    c.dh = ref_alloc((size_t)(c.max_rows * 2 * f) * sizeof(float));
+    c.dx = ref_alloc((size_t)(c.max_rows * d) * sizeof(float));
+    return c;
+}
+
+static void free_experts(expert_case *c) {
+    free(c->x), free(c->w13), free(c->w2), free(c->dy), free(c->dw13), free(c->dw2);
+    free(c->h), free(c->g), free(c->y), free(c->dh), free(c->dx);
+}
+
+/* The CPU experts on c; dw13_out/dw2_out start as copies of c's. */
+static void cpu_experts(expert_case *c, float *dw13_out, float *dw2_out) {
+    moe_expert_group groups[16];
+    const int64_t d = c->d, f = c->f;
+    for (int64_t e = 0; e < c->E; e++) {
+        const int64_t o = c->off[e];
+        groups[e] = (moe_expert_group){.rows = c->off[e + 1] - o,
+                                       .d_ff = f,
+                                       .x = c->x + o * d,
+                                       .w13 = c->w13 + e * 2 * f * d,
+                                       .w2 = c->w2 + e * d * f,
+                                       .h = c->h + o * 2 * f,
+                                       .g = c->g + o * f,
+                                       .y = c->y + o * d,
+                                       .dy = c->dy + o * d,
+                                       .dh = c->dh + o * 2 * f,
+                                       .dx = c->dx + o * d,
+                                       .dw13 = dw13_out + e * 2 * f * d,
+                                       .dw2 = dw2_out + e * d * f};
+    }
+    moe_cpu_ops()->experts_forward(groups, c->E, d);
+    moe_cpu_ops()->experts_backward(groups, c->E, d);
+}
+
+Test(cuda, experts_fp32_loop_and_batched) {
+    gpu_begin();
+    ref_rng rng = {606};
+    static const int64_t rows[] = {0, 5, 37, 1, 130, 12};
+    const int64_t E = 6, d = 24, f = 20;
+    static const moe_cuda_grouped_algo algos[] = {MOE_CUDA_GROUPED_LT_LOOP,
+                                                  MOE_CUDA_GROUPED_BATCHED};
+    for (size_t a = 0; a < sizeof algos / sizeof algos[0]; a++) {
+        expert_case c = make_experts(rows, E, d, f, &rng);
+        float *dw13 = fdup(c.dw13, E * 2 * f * d), *dw2 = fdup(c.dw2, E * d * f);
+        cpu_experts(&c, dw13, dw2);
+        const int64_t R = c.max_rows;
+        moe_cuda_experts b = {
+            .dtype = MOE_CUDA_F32,
+            .n_experts = E,
+            .d_model = d,
+            .d_ff = f,
+            .max_rows = R,
+            .offsets = dput(c.off, (size_t)(E + 1) * sizeof(int64_t)),
+            .x = dput(c.x, (size_t)(R * d) * sizeof(float)),
+            .w13 = dput(c.w13, (size_t)(E * 2 * f * d) * sizeof(float)),
+            .w2 = dput(c.w2, (size_t)(E * d * f) * sizeof(float)),
+            .h = dpoison((size_t)(R * 2 * f) * sizeof(float), POISON_FLOAT),
+            .g = dpoison((size_t)(R * f) * sizeof(float), POISON_FLOAT),
+            .y = dpoison((size_t)(R * d) * sizeof(float), POISON_FLOAT),
+            .dy = dput(c.dy, (size_t)(R * d) * sizeof(float)),
+            .dh = dpoison((size_t)(R * 2 * f) * sizeof(float), POISON_FLOAT),
+            .dx = dpoison((size_t)(R * d) * sizeof(float), POISON_FLOAT),
+            .dw13 = dput(c.dw13, (size_t)(E * 2 * f * d) * sizeof(float)),
+            .dw2 = dput(c.dw2, (size_t)(E * d * f) * sizeof(float)),
+        };
+        CHECK(moe_cuda_experts_forward(&b, algos[a], ctx));
+        CHECK(moe_cuda_experts_backward(&b, algos[a], ctx));
+        char what[96];
+        const char *name = moe_cuda_grouped_algo_name(algos[a]);
+#define EXPECT_OUT(field, want, n)                                                                 \
+    snprintf(what, sizeof what, "experts fp32 %s %s", name, #field);                               \
+    expect_dev(what, b.field, want, n, TOL_F32)
+        EXPECT_OUT(h, c.h, c.rows * 2 * f);
+        EXPECT_OUT(g, c.g, c.rows * f);
+        EXPECT_OUT(y, c.y, c.rows * d);
+        EXPECT_OUT(dh, c.dh, c.rows * 2 * f);
+        EXPECT_OUT(dx, c.dx, c.rows * d);
+        EXPECT_OUT(dw13, dw13, E * 2 * f * d);
+        EXPECT_OUT(dw2, dw2, E * d * f);
+#undef EXPECT_OUT
+        free(dw13), free(dw2);
+        free_experts(&c);
+        moe_cuda_arena_reset(&arena);
+    }
+    gpu_end();
+}
+
+Test(cuda, grouped_gemm_bf16_all_algos) {
+    gpu_begin();
+    ref_rng rng = {707};
+    /* Several 128-row tiles in one expert, a one-row expert, an idle one; n
+     * and k off the 128 and 32 tile sizes. */
+    static const int64_t rows[] = {0, 1, 130, 257, 40};
+    const int64_t E = 5, n = 200, k = 72;
+    int64_t off[6] = {0};
+    for (int64_t e = 0; e < E; e++) off[e + 1] = off[e] + rows[e];
+    const int64_t R = off[E] + 5;
+    float *a = rnd(R * k, &rng, -1, 1), *b = rnd(E * n * k, &rng, -1, 1);
+    uint16_t *a16 = round_bf16(a, R * k), *b16 = round_bf16(b, E * n * k);
+    float *want = ref_alloc((size_t)(R * n) * sizeof *want);
+    for (int64_t e = 0; e < E; e++)
+        moe_cpu_ops()->gemm(want + off[e] * n, a + off[e] * k, b + e * n * k, rows[e], n, k, k, k,
+                            n, false, true, 1.0f, 0.0f);
+    const int64_t *d_off = dput(off, sizeof off);
+    const void *da = dput(a16, (size_t)(R * k) * 2), *db = dput(b16, (size_t)(E * n * k) * 2);
+    static const struct {
+        moe_cuda_grouped_algo algo;
+        moe_cuda_dtype out;
+    } runs[] = {
+        {MOE_CUDA_GROUPED_MMA, MOE_CUDA_BF16},     {MOE_CUDA_GROUPED_MMA, MOE_CUDA_F32},
+        {MOE_CUDA_GROUPED_LT_LOOP, MOE_CUDA_BF16}, {MOE_CUDA_GROUPED_LT_LOOP, MOE_CUDA_F32},
+        {MOE_CUDA_GROUPED_BATCHED, MOE_CUDA_BF16},
+    };
+    for (size_t r = 0; r < sizeof runs / sizeof runs[0]; r++) {
+        void *dc = dpoison((size_t)(R * n) * moe_cuda_dtype_bytes(runs[r].out), POISON_FLOAT);
+        CHECK(moe_cuda_grouped_gemm(dc, runs[r].out, da, db, MOE_CUDA_BF16, d_off, E, R, n, k,
+                                    runs[r].algo, ctx));
+        char what[96];
+        snprintf(what, sizeof what, "grouped_gemm bf16 %s out=%s",
+                 moe_cuda_grouped_algo_name(runs[r].algo),
+                 runs[r].out == MOE_CUDA_BF16 ? "bf16" : "fp32");
+        if (runs[r].out == MOE_CUDA_BF16)
+            expect_dev_bf16(what, dc, want, off[E] * n);
+        else
+            expect_dev(what, dc, want, off[E] * n, TOL_BF16);
+    }
+    free(a), free(b), free(a16), free(b16), free(want);
+    gpu_end();
+}
+
+Test(cuda, experts_bf16) {
+    gpu_begin();
+    ref_rng rng = {808};
+    static const int64_t rows[] = {3, 0, 140, 17};
+    const int64_t E = 4, d = 64, f = 48;
+    static const moe_cuda_grouped_algo algos[] = {MOE_CUDA_GROUPED_MMA, MOE_CUDA_GROUPED_LT_LOOP,
+                                                  MOE_CUDA_GROUPED_BATCHED};
+    for (size_t a = 0; a < sizeof algos / sizeof algos[0]; a++) {
+        expert_case c = make_experts(rows, E, d, f, &rng);
+        const int64_t R = c.max_rows;
+        uint16_t *x16 = round_bf16(c.x, R * d), *w13_16 = round_bf16(c.w13, E * 2 * f * d);
+        uint16_t *w2_16 = round_bf16(c.w2, E * d * f), *dy16 = round_bf16(c.dy, R * d);
+        float *dw13 = fdup(c.dw13, E * 2 * f * d), *dw2 = fdup(c.dw2, E * d * f);
+        cpu_experts(&c, dw13, dw2);
+        moe_cuda_experts b = {
+            .dtype = MOE_CUDA_BF16,
+            .n_experts = E,
+            .d_model = d,
+            .d_ff = f,
+            .max_rows = R,
+            .offsets = dput(c.off, (size_t)(E + 1) * sizeof(int64_t)),
+            .x = dput(x16, (size_t)(R * d) * 2),
+            .w13 = dput(w13_16, (size_t)(E * 2 * f * d) * 2),
+            .w2 = dput(w2_16, (size_t)(E * d * f) * 2),
+            .h = dpoison((size_t)(R * 2 * f) * 2, POISON_FLOAT),
+            .g = dpoison((size_t)(R * f) * 2, POISON_FLOAT),
+            .y = dpoison((size_t)(R * d) * 2, POISON_FLOAT),
+            .dy = dput(dy16, (size_t)(R * d) * 2),
+            .dh = dpoison((size_t)(R * 2 * f) * 2, POISON_FLOAT),
+            .dx = dpoison((size_t)(R * d) * 2, POISON_FLOAT),
+            .dw13 = dput(c.dw13, (size_t)(E * 2 * f * d) * sizeof(float)),
+            .dw2 = dput(c.dw2, (size_t)(E * d * f) * sizeof(float)),
+        };
+        const char *name = moe_cuda_grouped_algo_name(algos[a]);
+        char what[96];
+        CHECK(moe_cuda_experts_forward(&b, algos[a], ctx));
+        snprintf(what, sizeof what, "experts bf16 %s h", name);
+        expect_dev_bf16(what, b.h, c.h, c.rows * 2 * f);
+        snprintf(what, sizeof what, "experts bf16 %s g", name);
+        expect_dev_bf16(what, b.g, c.g, c.rows * f);
+        snprintf(what, sizeof what, "experts bf16 %s y", name);
+        expect_dev_bf16(what, b.y, c.y, c.rows * d);
+        /* cuBLAS's grouped call has no bf16-in, fp32-out mode for the weight
+         * gradients, and the mma kernel serves the forward only: the
+         * backward runs on the loop. */
+        CHECK(moe_cuda_experts_backward(&b, MOE_CUDA_GROUPED_LT_LOOP, ctx));
+        snprintf(what, sizeof what, "experts bf16 backward after %s dx", name);
+        expect_dev_bf16(what, b.dx, c.dx, c.rows * d);
+        snprintf(what, sizeof what, "experts bf16 backward after %s dw13", name);
+        expect_dev(what, b.dw13, dw13, E * 2 * f * d, TOL_BF16);
+        snprintf(what, sizeof what, "experts bf16 backward after %s dw2", name);
+        expect_dev(what, b.dw2, dw2, E * d * f, TOL_BF16);
+        free(x16), free(w13_16), free(w2_16), free(dy16), free(dw13), free(dw2);
+        free_experts(&c);
+        moe_cuda_arena_reset(&arena);
+    }
+    gpu_end();
+}
+
+/* ------------------------------------------------------------------ dense */
+
+Test(cuda, embedding_rmsnorm_matmul_residual) {
+    gpu_begin();
+    ref_rng rng = {909};
+    const moe_ops *cpu = moe_cpu_ops();
+    const int64_t N = 45, C = 70, V = 11, OC = 33;
+    char what[64];
+
+    int32_t tokens[45];
+    for (int64_t n = 0; n < N; n++)
+        tokens[n] = (int32_t)(ref_next(&rng) % (uint64_t)V); /* repeats */
+    int32_t *d_tok = dput(tokens, sizeof tokens);
+    float *wte = rnd(V * C, &rng, -1, 1), *emb = ref_alloc((size_t)(N * C) * sizeof *emb);
+    cpu->embedding_forward(emb, tokens, wte, N, C);
+    float *d_emb = dpoison((size_t)(N * C) * sizeof(float), POISON_FLOAT);
+    CHECK(moe_cuda_embedding_forward(d_emb, d_tok, dput(wte, (size_t)(V * C) * sizeof(float)), N, C,
+                                     ctx));
+    expect_dev("embedding_forward", d_emb, emb, N * C, 0.0);
+    float *dout = rnd(N * C, &rng, -1, 1), *dwte = rnd(V * C, &rng, -1, 1);
+    float *d_dwte = dput(dwte, (size_t)(V * C) * sizeof(float));
+    cpu->embedding_backward(dwte, dout, tokens, N, C);
+    CHECK(moe_cuda_embedding_backward(d_dwte, dput(dout, (size_t)(N * C) * sizeof(float)), d_tok, N,
+                                      C, ctx));
+    expect_dev("embedding_backward", d_dwte, dwte, V * C, TOL_F32);
+
+    float *x = rnd(N * C, &rng, -2, 2), *w = rnd(C, &rng, 0.5, 1.5);
+    float *y = ref_alloc((size_t)(N * C) * sizeof *y), *rstd = ref_alloc((size_t)N * sizeof *rstd);
+    cpu->rmsnorm_forward(y, rstd, x, w, 1e-5f, N, C);
+    float *d_x = dput(x, (size_t)(N * C) * sizeof(float)),
+          *d_w = dput(w, (size_t)C * sizeof(float));
+    float *d_y = dpoison((size_t)(N * C) * sizeof(float), POISON_FLOAT);
+    float *d_rstd = dpoison((size_t)N * sizeof(float), POISON_FLOAT);
+    CHECK(moe_cuda_rmsnorm_forward(d_y, d_rstd, d_x, d_w, 1e-5f, N, C, ctx));
+    expect_dev("rmsnorm_forward out", d_y, y, N * C, TOL_F32);
+    expect_dev("rmsnorm_forward rstd", d_rstd, rstd, N, TOL_F32);
+    float *dx = rnd(N * C, &rng, -1, 1), *dw = rnd(C, &rng, -1, 1);
+    float *d_dx = dput(dx, (size_t)(N * C) * sizeof(float)),
+          *d_dw = dput(dw, (size_t)C * sizeof(float));
+    cpu->rmsnorm_backward(dx, dw, dout, x, w, rstd, N, C);
+    CHECK(moe_cuda_rmsnorm_backward(d_dx, d_dw, dput(dout, (size_t)(N * C) * sizeof(float)), d_x,
+                                    d_w, dput(rstd, (size_t)N * sizeof(float)),
+                                    dpoison(moe_cuda_rmsnorm_scratch_bytes(N, C), POISON_FLOAT), N,
+                                    C, ctx));
+    expect_dev("rmsnorm_backward dinp", d_dx, dx, N * C, TOL_F32);
+    expect_dev("rmsnorm_backward dweight", d_dw, dw, C, TOL_F32);
+
+    float *wm = rnd(OC * C, &rng, -1, 1), *out = ref_alloc((size_t)(N * OC) * sizeof *out);
+    cpu->matmul_forward(out, x, wm, N, C, OC);
+    float *d_wm = dput(wm, (size_t)(OC * C) * sizeof(float));
+    float *d_out = dpoison((size_t)(N * OC) * sizeof(float), POISON_FLOAT);
+    CHECK(moe_cuda_matmul_forward(d_out, d_x, d_wm, N, C, OC, ctx));
+    expect_dev("matmul_forward", d_out, out, N * OC, TOL_F32);
+    float *dmo = rnd(N * OC, &rng, -1, 1), *dwm = rnd(OC * C, &rng, -1, 1);
+    float *dinp = rnd(N * C, &rng, -1, 1);
+    float *d_dinp = dput(dinp, (size_t)(N * C) * sizeof(float)),
+          *d_dwm = dput(dwm, (size_t)(OC * C) * sizeof(float));
+    cpu->matmul_backward(dinp, dwm, dmo, x, wm, N, C, OC);
+    CHECK(moe_cuda_matmul_backward(d_dinp, d_dwm, dput(dmo, (size_t)(N * OC) * sizeof(float)), d_x,
+                                   d_wm, N, C, OC, ctx));
+    expect_dev("matmul_backward dinp", d_dinp, dinp, N * C, TOL_F32);
+    expect_dev("matmul_backward dweight", d_dwm, dwm, OC * C, TOL_F32);
+
+    const int64_t n = N * C;
+    float *ra = rnd(n, &rng, -1, 1), *rb = rnd(n, &rng, -1, 1),
+          *rs = ref_alloc((size_t)n * sizeof *rs);
+    cpu->residual_forward(rs, ra, rb, n);
+    float *d_ra = dput(ra, (size_t)n * sizeof(float)), *d_rb = dput(rb, (size_t)n * sizeof(float));
+    float *d_rs = dpoison((size_t)n * sizeof(float), POISON_FLOAT);
+    CHECK(moe_cuda_residual_forward(d_rs, d_ra, d_rb, n, ctx));
+    expect_dev("residual_forward", d_rs, rs, n, 0.0);
+    cpu->residual_backward(ra, rb, dout, n);
+    CHECK(moe_cuda_residual_backward(d_ra, d_rb, dput(dout, (size_t)n * sizeof(float)), n, ctx));
+    snprintf(what, sizeof what, "residual_backward da");
+    expect_dev(what, d_ra, ra, n, 0.0);
+    snprintf(what, sizeof what, "residual_backward db");
+    expect_dev(what, d_rb, rb, n, 0.0);
+
+    free(wte), free(emb), free(dout), free(dwte), free(x), free(w), free(y), free(rstd), free(dx),
+        free(dw);
+    free(wm), free(out), free(dmo), free(dwm), free(dinp), free(ra), free(rb), free(rs);
+    gpu_end();
+}
+
+Test(cuda, rope_attention) {
+    gpu_begin();
+    ref_rng rng = {1010};
+    const moe_ops *cpu = moe_cpu_ops();
+    const int64_t B = 2, T = 37, Hq = 4, Hkv = 2, hd = 16, half = hd / 2;
+    const float theta = 10000.0f;
+
+    float *cos_t = ref_alloc((size_t)(T * half) * sizeof *cos_t),
+          *sin_t = ref_alloc((size_t)(T * half) * sizeof *sin_t);
+    cpu->rope_tables(cos_t, sin_t, T, hd, theta);
+    float *d_cos = dpoison((size_t)(T * half) * sizeof(float), POISON_FLOAT);
+    float *d_sin = dpoison((size_t)(T * half) * sizeof(float), POISON_FLOAT);
+    CHECK(moe_cuda_rope_tables(d_cos, d_sin, T, hd, theta, ctx));
+    expect_dev("rope_tables cos", d_cos, cos_t, T * half, TOL_F32);
+    expect_dev("rope_tables sin", d_sin, sin_t, T * half, TOL_F32);
+    /* The rotations below use the CPU's tables on both sides. */
+    d_cos = dput(cos_t, (size_t)(T * half) * sizeof(float));
+    d_sin = dput(sin_t, (size_t)(T * half) * sizeof(float));
+    const int64_t nq = B * T * Hq * hd, nk = B * T * Hkv * hd;
+    float *q = rnd(nq, &rng, -1, 1);
+    float *d_q = dput(q, (size_t)nq * sizeof(float));
+    cpu->rope_forward(q, cos_t, sin_t, B, T, Hq, hd);
+    CHECK(moe_cuda_rope_forward(d_q, d_cos, d_sin, B, T, Hq, hd, ctx));
+    expect_dev("rope_forward", d_q, q, nq, TOL_F32);
+    float *g = rnd(nq, &rng, -1, 1);
+    float *d_g = dput(g, (size_t)nq * sizeof(float));
+    cpu->rope_backward(g, cos_t, sin_t, B, T, Hq, hd);
+    CHECK(moe_cuda_rope_backward(d_g, d_cos, d_sin, B, T, Hq, hd, ctx));
+    expect_dev("rope_backward", d_g, g, nq, TOL_F32);
+
+    float *k = rnd(nk, &rng, -1, 1), *v = rnd(nk, &rng, -1, 1);
+    const int64_t na = B * Hq * T * T;
+    float *out = ref_alloc((size_t)nq * sizeof *out), *att = ref_alloc((size_t)na * sizeof *att);
+    cpu->attention_forward(out, att, q, k, v, B, T, Hq, Hkv, hd);
+    float *d_k = dput(k, (size_t)nk * sizeof(float)), *d_v = dput(v, (size_t)nk * sizeof(float));
+    d_q = dput(q, (size_t)nq * sizeof(float));
+    float *d_out = dpoison((size_t)nq * sizeof(float), POISON_FLOAT);
+    float *d_att = dpoison((size_t)na * sizeof(float), POISON_FLOAT);
+    CHECK(moe_cuda_attention_forward(d_out, d_att, d_q, d_k, d_v, B, T, Hq, Hkv, hd, ctx));
+    expect_dev("attention_forward out", d_out, out, nq, TOL_F32);
+    expect_dev("attention_forward att", d_att, att, na, TOL_F32);
+
+    float *dout = rnd(nq, &rng, -1, 1);
+    float *dq = rnd(nq, &rng, -1, 1), *dk = rnd(nk, &rng, -1, 1), *dv = rnd(nk, &rng, -1, 1);
+    float *d_dq = dput(dq, (size_t)nq * sizeof(float)),
+          *d_dk = dput(dk, (size_t)nk * sizeof(float));
+    float *d_dv = dput(dv, (size_t)nk * sizeof(float));
+    float *datt = ref_alloc((size_t)na * sizeof *datt);
+    cpu->attention_backward(dq, dk, dv, datt, dout, q, k, v, att, B, T, Hq, Hkv, hd);
+    CHECK(moe_cuda_attention_backward(
+        d_dq, d_dk, d_dv, dpoison((size_t)na * sizeof(float), POISON_FLOAT),
+        dput(dout, (size_t)nq * sizeof(float)), d_q, d_k, d_v,
+        dput(att, (size_t)na * sizeof(float)), B, T, Hq, Hkv, hd, ctx));
+    expect_dev("attention_backward dq", d_dq, dq, nq, TOL_F32);
+    expect_dev("attention_backward dk", d_dk, dk, nk, TOL_F32);
+    expect_dev("attention_backward dv", d_dv, dv, nk, TOL_F32);
+
+    free(cos_t), free(sin_t), free(q), free(g), free(k), free(v), free(out), free(att);
+    free(dout), free(dq), free(dk), free(dv), free(datt);
+    gpu_end();
+}
+
+Test(cuda, crossentropy_adamw_sumsq) {
+    gpu_begin();
+    ref_rng rng = {1111};
+    const moe_ops *cpu = moe_cpu_ops();
+    const int64_t N = 13, V = 300;
+
+    float *logits = rnd(N * V, &rng, -8, 8);
+    int32_t targets[13];
+    for (int64_t n = 0; n < N; n++)
+        targets[n] = n == 4 ? -100 : (int32_t)(ref_next(&rng) % (uint64_t)V);
+    float *losses = ref_alloc((size_t)N * sizeof *losses);
+    double lse[13], got_lse[13];
+    cpu->crossentropy_forward(losses, lse, logits, targets, N, V);
+    float *d_logits = dput(logits, (size_t)(N * V) * sizeof(float));
+    int32_t *d_tgt = dput(targets, sizeof targets);
+    float *d_losses = dpoison((size_t)N * sizeof(float), POISON_FLOAT);
+    double *d_lse = dpoison(sizeof lse, POISON_FLOAT);
+    CHECK(moe_cuda_crossentropy_forward(d_losses, d_lse, d_logits, d_tgt, N, V, ctx));
+    expect_dev("crossentropy_forward losses", d_losses, losses, N, TOL_F32);
+    dget(got_lse, d_lse, sizeof got_lse);
+    for (int64_t n = 0; n < N; n++)
+        cr_expect(fabs(got_lse[n] - lse[n]) <= 1e-6 * fabs(lse[n]) + 1e-9,
+                  "crossentropy lse[%lld] = %.12g, cpu %.12g", (long long)n, got_lse[n], lse[n]);
+    float *dloss = rnd(N, &rng, 0.01, 0.1), *dlogits = ref_alloc((size_t)(N * V) * sizeof *dlogits);
+    cpu->crossentropy_backward(dlogits, logits, lse, targets, dloss, N, V);
+    /* In place, as the trainer calls it: dlogits is logits. */
+    CHECK(moe_cuda_crossentropy_backward(d_logits, d_logits, dput(lse, sizeof lse), d_tgt,
+                                         dput(dloss, (size_t)N * sizeof(float)), N, V, ctx));
+    expect_dev("crossentropy_backward (in place)", d_logits, dlogits, N * V, TOL_F32);
+
+    const int64_t n = 100003;
+    float *p = rnd(n, &rng, -1, 1), *m = rnd(n, &rng, -0.1, 0.1), *v = rnd(n, &rng, 0, 0.01);
+    float *grads = rnd(n, &rng, -1, 1);
+    float *d_p = dput(p, (size_t)n * sizeof(float)), *d_m = dput(m, (size_t)n * sizeof(float));
+    float *d_v = dput(v, (size_t)n * sizeof(float));
+    cpu->adamw(p, m, v, grads, n, 3e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 7);
+    CHECK(moe_cuda_adamw(d_p, d_m, d_v, dput(grads, (size_t)n * sizeof(float)), n, 3e-4f, 0.9f,
+                         0.95f, 1e-8f, 0.1f, 7, ctx));
+    expect_dev("adamw params", d_p, p, n, TOL_F32);
+    expect_dev("adamw m", d_m, m, n, TOL_F32);
+    expect_dev("adamw v", d_v, v, n, TOL_F32);
+
+    double want = 0.0, got = 0.0, again = 0.0;
+    cpu->sumsq(&want, grads, n);
+    double *d_out = dpoison(sizeof(double), POISON_FLOAT);
+    float *d_grads = dput(grads, (size_t)n * sizeof(float));
+    CHECK(moe_cuda_sumsq(d_out, d_grads, n, ctx));
+    dget(&got, d_out, sizeof got);
+    CHECK(moe_cuda_sumsq(d_out, d_grads, n, ctx));
+    dget(&again, d_out, sizeof again);
+    cr_expect(fabs(got - want) <= 1e-10 * want, "sumsq = %.17g, cpu %.17g", got, want);
+    cr_expect(memcmp(&got, &again, sizeof got) == 0, "sumsq is not deterministic: %.17g then %.17g",
+              got, again);
+
+    free(logits), free(losses), free(dloss), free(dlogits), free(p), free(m), free(v), free(grads);
+    gpu_end();
+}
+
+#endif /* MOE_HAVE_CUDA */
