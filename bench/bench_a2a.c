@@ -1,8 +1,13 @@
 /* bench_a2a.c: `moe-bench a2a`, the all-to-all-v of an expert-parallel
- * dispatch, in the manner of nccl-tests' alltoall_perf: for each size, the
- * communicator's all-to-all-v (moe_comm) beside a raw MPI_Alltoallv of the
- * same bytes, in interleaved iterations of one run, every received element
- * checked. Run under mpirun. */
+ * dispatch, in the manner of nccl-tests' alltoall_perf. Two modes, each
+ * beside a raw MPI_Alltoallv of the same per-peer bytes in interleaved
+ * iterations of one run, every received element checked:
+ *  - raw: the communicator's all-to-all-v (moe_comm) alone;
+ *  - dispatch: the MoE layer's whole dispatch + combine path (permute,
+ *    all-to-all-v, regroup, and back, forward and backward), timed by the
+ *    layer's own phase timers inside real forward/backward passes, its
+ *    outputs and input gradients checked against a one-rank layer.
+ * Run under mpirun. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -11,6 +16,8 @@
 #include "bench/moe_bench.h"
 #include "comm/comm.h"
 #include "common/rng.h"
+#include "engine/moe_layer.h"
+#include "kernels/ops.h"
 
 #ifdef MOE_HAVE_MPI
 #include <mpi.h>
@@ -26,6 +33,11 @@
 #define DEFAULT_WARMUP 5
 #define DEFAULT_ITERS 20
 #define DEFAULT_SEED 0x6d6f652d613261ull
+/* Dispatch mode: E = this many experts per rank unless --experts says;
+ * a narrow d_ff keeps the expert GEMMs cheap next to the rows they move. */
+#define DEFAULT_EXPERTS_PER_RANK 8
+#define DEFAULT_TOP_K 2
+#define DEFAULT_D_FF 16
 #define MAX_SIZES 64
 #define POISON (-1.0f) /* never a sent value, which are >= 0 */
 
@@ -34,6 +46,8 @@ typedef enum a2a_mode { MODE_RAW, MODE_DISPATCH } a2a_mode;
 
 typedef struct a2a_options {
     int64_t min_bytes, max_bytes, factor, warmup, iters, row_bytes;
+    int64_t experts; /* dispatch: E; 0 means DEFAULT_EXPERTS_PER_RANK per rank */
+    int64_t top_k, d_ff;
     uint64_t seed;
     a2a_dist dist;
     double dist_param; /* zipf exponent S, or the hot fraction */
@@ -49,15 +63,44 @@ static void print_help(FILE *f) {
             "The all-to-all-v of an expert-parallel MoE dispatch: each rank sends `size`\n"
             "bytes in whole rows, each row to a destination rank drawn from the routing\n"
             "distribution (deterministically from the seed and the rank), so per-peer\n"
-            "counts are as uneven as a real dispatch's. Receivers learn their counts by\n"
-            "an all-to-all of counts before the timed region. Each size is timed for the\n"
-            "communicator's all-to-all-v (moe_comm, the path the MoE layer uses) and for a\n"
-            "raw MPI_Alltoallv of the same bytes, in interleaved iterations, each started\n"
-            "after a barrier. time is the median over iterations of the slowest rank;\n"
-            "algbw = size / time; busbw = algbw * (n-1)/n (nccl-tests' definition);\n"
-            "ratio = algbw / mpi_algbw. Every received element is checked against the\n"
-            "value computed from (source rank, row, element); #wrong counts misses over\n"
-            "all ranks, and any miss gives exit status 1.\n"
+            "counts are as uneven as a real dispatch's. Each size is timed beside a raw\n"
+            "MPI_Alltoallv of the same per-peer bytes, in interleaved iterations, each\n"
+            "started after a barrier. time is the median over iterations of the slowest\n"
+            "rank; algbw = size / time, the rows a rank keeps for itself included as in\n"
+            "nccl-tests; busbw = algbw * (n-1)/n (nccl-tests' definition); ratio = algbw /\n"
+            "mpi_algbw. #wrong counts wrong elements over all ranks; any gives exit 1.\n"
+            "Run with OMP_NUM_THREADS=1 when ranks outnumber cores.\n"
+            "\n"
+            "--mode raw (default): the communicator's all-to-all-v (moe_comm, the call the\n"
+            "  MoE layer makes) alone. Receivers learn their counts by an all-to-all of\n"
+            "  counts before the timed region; every received element is checked against\n"
+            "  the value computed from (source rank, row, element).\n"
+            "\n"
+            "--mode dispatch: the MoE layer's dispatch + combine path inside real forward\n"
+            "  and backward passes, expert-parallel over all N ranks: d_model = row-bytes/4,\n"
+            "  E experts (E/N per rank), top-k, SwiGLU experts of width d-ff, dropless.\n"
+            "  Each rank holds T = size/row-bytes/k tokens (at least 1; a size giving the\n"
+            "  T of the one before is skipped), so a dispatch sends T*k rows = size bytes.\n"
+            "  The router is steered: gate.weight is the identity on the first E input\n"
+            "  columns, which hold log p_e + Gumbel noise, so each token's top-k is a draw\n"
+            "  without replacement from p, p_e being the weight of the expert's rank under\n"
+            "  -d spread over its E/N experts. A step (forward + backward) makes 4\n"
+            "  exchanges: rows out, outputs back, output gradients out, input gradients\n"
+            "  back. time = the layer's exchange_seconds of a step / 4 (permute,\n"
+            "  all-to-all-v, regroup by expert, ungroup, all-to-all-v, combine, unpermute;\n"
+            "  not the experts, not the all-gather of routing counts), in which a rank\n"
+            "  waiting for a slower one counts. mpi = the same 4 exchanges as\n"
+            "  MPI_Alltoallv's of the same per-peer counts (the returns send back what\n"
+            "  arrived), each after a barrier, / 4.\n"
+            "  xbw       the layer's exchange_bytes (sent to other ranks) / exchange time\n"
+            "  recv_imb  the busiest rank's received rows / T*k, as routed\n"
+            "  fast      time of the rank whose exchange took least (the least waiting)\n"
+            "  copy      one memcpy of size bytes on every rank at once: the unit of the\n"
+            "            memory-bound permute, regroup and combine passes mpi does not make\n"
+            "  exch%%     the exchange's share of a step; experts: the grouped GEMMs of a step\n"
+            "  #wrong    y and dx of every token on every rank against a one-rank layer with\n"
+            "            the same parameters on the same tokens (|got - want| > 1e-5\n"
+            "            max|want| + 1e-5 |want|); mpi: both directions against what was sent\n"
             "\n"
             "sizes (bytes sent per rank; K, M, G suffixes are powers of 1024):\n"
             "  -b, --minbytes N      smallest size (default 64K)\n"
@@ -76,18 +119,25 @@ static void print_help(FILE *f) {
             "                        over size.\n"
             "  --seed N              routing and data seed\n"
             "\n"
+            "layer (dispatch mode):\n"
+            "  --experts N           E, a multiple of the rank count, at most d_model\n"
+            "                        (default %d per rank)\n"
+            "  --top-k N             experts per token (default %d)\n"
+            "  --d-ff N              each expert's intermediate size (default %d)\n"
+            "\n"
             "timing:\n"
             "  -w, --warmup_iters N  untimed iterations first (default %d)\n"
             "  -n, --iters N         timed iterations (default %d)\n"
             "\n"
             "mode:\n"
             "  --mode raw            the exchange alone (default)\n"
-            "  --mode dispatch       the MoE layer's dispatch + combine path (not built yet)\n"
+            "  --mode dispatch       the MoE layer's dispatch + combine path\n"
             "\n"
             "output:\n"
             "  --json                one JSON object per size on stdout instead of the table\n"
             "  -h, --help            this text\n",
-            DEFAULT_FACTOR, DEFAULT_ROW_BYTES, DEFAULT_WARMUP, DEFAULT_ITERS);
+            DEFAULT_FACTOR, DEFAULT_ROW_BYTES, DEFAULT_EXPERTS_PER_RANK, DEFAULT_TOP_K,
+            DEFAULT_D_FF, DEFAULT_WARMUP, DEFAULT_ITERS);
 }
 
 static int usage_error(void) {
@@ -160,14 +210,18 @@ static int match_flag(int argc, char **argv, int *i, const a2a_flag *flag, const
     return bench_option(argc, argv, i, CMD, flag->long_name, value);
 }
 
-enum { F_MIN, F_MAX, F_FACTOR, F_WARMUP, F_ITERS, F_DIST, F_ROW, F_SEED, F_MODE, N_FLAGS };
+enum {
+    F_MIN, F_MAX, F_FACTOR, F_WARMUP, F_ITERS, F_DIST, F_ROW, F_SEED, F_MODE,
+    F_EXPERTS, F_TOPK, F_DFF, N_FLAGS
+};
 
 static const a2a_flag flags[N_FLAGS] = {
     [F_MIN] = {"-b", "minbytes"},   [F_MAX] = {"-e", "maxbytes"},
     [F_FACTOR] = {"-f", "stepfactor"}, [F_WARMUP] = {"-w", "warmup_iters"},
     [F_ITERS] = {"-n", "iters"},    [F_DIST] = {"-d", "dist"},
     [F_ROW] = {NULL, "row-bytes"},  [F_SEED] = {NULL, "seed"},
-    [F_MODE] = {NULL, "mode"},
+    [F_MODE] = {NULL, "mode"},      [F_EXPERTS] = {NULL, "experts"},
+    [F_TOPK] = {NULL, "top-k"},     [F_DFF] = {NULL, "d-ff"},
 };
 
 static bool apply_flag(a2a_options *o, int f, const char *value) {
@@ -204,6 +258,9 @@ static bool apply_flag(a2a_options *o, int f, const char *value) {
         }
         fprintf(stderr, "moe-bench %s: --mode=%s: expected raw or dispatch\n", CMD, value);
         return false;
+    case F_EXPERTS: return bench_parse_i64(&o->experts, CMD, name, value, 1, MOE_EXPERTS_MAX);
+    case F_TOPK: return bench_parse_i64(&o->top_k, CMD, name, value, 1, MOE_EXPERTS_MAX);
+    case F_DFF: return bench_parse_i64(&o->d_ff, CMD, name, value, 1, 1 << 20);
     }
     return false;
 }
@@ -216,6 +273,8 @@ static int parse_options(a2a_options *o, int argc, char **argv) {
                        .warmup = DEFAULT_WARMUP,
                        .iters = DEFAULT_ITERS,
                        .row_bytes = DEFAULT_ROW_BYTES,
+                       .top_k = DEFAULT_TOP_K,
+                       .d_ff = DEFAULT_D_FF,
                        .seed = DEFAULT_SEED,
                        .mode = MODE_RAW};
     parse_dist(o, "uniform");
@@ -251,7 +310,125 @@ static int parse_options(a2a_options *o, int argc, char **argv) {
 
 #ifdef MOE_HAVE_MPI
 
-static const bench_column columns[] = {
+/* ------------------------------------------------------------------ shared */
+
+/* The element a rank sends: exact in fp32 (24 bits) and never POISON. */
+static float sent_value(uint64_t seed, int src, int dst, int64_t index) {
+    uint64_t stream = ((uint64_t)src << 32) | (uint64_t)dst;
+    return (float)(moe_rng_bits(seed, stream, (uint64_t)index) >> 40);
+}
+
+/* The routing distribution's unnormalised weight of destination rank j. */
+static double rank_weight(const a2a_options *o, int j, int P) {
+    if (o->dist == DIST_ZIPF) return pow(j + 1.0, -o->dist_param);
+    if (o->dist == DIST_HOT) return (1.0 - o->dist_param) / P + (j == 0 ? o->dist_param : 0.0);
+    return 1.0 / P;
+}
+
+/* Aborts the job: the other ranks are inside a collective this rank left. */
+static _Noreturn void fail_job(moe_comm *comm, const char *what, moe_status st) {
+    bench_failed(CMD, what, st);
+    moe_comm_abort(comm, BENCH_EXIT_FAILURE);
+}
+
+static _Noreturn void fail_memory(moe_comm *comm, const char *what) {
+    fprintf(stderr, "moe-bench %s: rank %d: out of memory for %s\n", CMD, moe_comm_rank(comm),
+            what);
+    moe_comm_abort(comm, BENCH_EXIT_FAILURE);
+}
+
+/* One exchange's element counts and displacements [P] each, from the rows
+ * sent to and received from each rank, in moe_comm's int64 and MPI's int
+ * (the caller has checked that the totals fit int). */
+typedef struct a2a_counts {
+    int64_t *sc, *sd, *rc, *rd;
+    int *isc, *isd, *irc, *ird;
+} a2a_counts;
+
+static void set_counts(a2a_counts *c, const int64_t *send_rows, const int64_t *recv_rows, int P,
+                       int64_t row_floats) {
+    int64_t soff = 0, roff = 0;
+    for (int j = 0; j < P; j++) {
+        c->sc[j] = send_rows[j] * row_floats;
+        c->sd[j] = soff;
+        c->rc[j] = recv_rows[j] * row_floats;
+        c->rd[j] = roff;
+        soff += c->sc[j];
+        roff += c->rc[j];
+        c->isc[j] = (int)c->sc[j], c->isd[j] = (int)c->sd[j];
+        c->irc[j] = (int)c->rc[j], c->ird[j] = (int)c->rd[j];
+    }
+}
+
+/* Fills send with what this rank sends each rank under counts c. */
+static void fill_sent(float *send, const a2a_counts *c, uint64_t seed, int rank, int P) {
+    for (int j = 0; j < P; j++)
+        for (int64_t i = 0; i < c->sc[j]; i++) send[c->sd[j] + i] = sent_value(seed, rank, j, i);
+}
+
+/* Elements of recv (source-major, recv_rows[P] rows from each source) that
+ * differ from what fill_sent put there on the sources. */
+static int64_t count_wrong(const float *recv, const int64_t *recv_rows, uint64_t seed, int rank,
+                           int P, int64_t row_floats) {
+    int64_t wrong = 0, row = 0;
+    for (int s = 0; s < P; s++)
+        for (int64_t k = 0; k < recv_rows[s]; k++, row++) {
+            const float *x = recv + row * row_floats;
+            for (int64_t e = 0; e < row_floats; e++)
+                wrong += x[e] != sent_value(seed, s, rank, k * row_floats + e);
+        }
+    return wrong;
+}
+
+/* One raw MPI_Alltoallv over MPI_COMM_WORLD, started after a barrier;
+ * returns this rank's seconds. */
+static double time_mpi(moe_comm *comm, float *recv, const int *rc, const int *rd,
+                       const float *send, const int *sc, const int *sd) {
+    MPI_Barrier(MPI_COMM_WORLD);
+    double t0 = bench_now_seconds();
+    int code = MPI_Alltoallv(send, sc, sd, MPI_FLOAT, recv, rc, rd, MPI_FLOAT, MPI_COMM_WORLD);
+    double t1 = bench_now_seconds();
+    if (code != MPI_SUCCESS) {
+        fprintf(stderr, "moe-bench %s: rank %d: MPI_Alltoallv failed with code %d\n", CMD,
+                moe_comm_rank(comm), code);
+        moe_comm_abort(comm, BENCH_EXIT_FAILURE);
+    }
+    return t1 - t0;
+}
+
+/* Whether every rank's largest exchange fits MPI's int element counts;
+ * rank 0 says why not. Collective. */
+static bool fits_mpi_int(moe_comm *comm, int64_t max_send_floats, int64_t max_recv_floats) {
+    int64_t need[2] = {max_send_floats, max_recv_floats}, worst[2];
+    MPI_Allreduce(need, worst, 2, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD);
+    if (worst[0] <= INT32_MAX && worst[1] <= INT32_MAX) return true;
+    if (moe_comm_rank(comm) == 0)
+        fprintf(stderr,
+                "moe-bench %s: a rank would move %lld fp32 elements, past MPI's int counts; "
+                "lower --maxbytes\n",
+                CMD, (long long)(worst[0] > worst[1] ? worst[0] : worst[1]));
+    return false;
+}
+
+/* Ends a run: frees the communicator and finalises MPI, then reports the
+ * wrong elements found over all ranks. */
+static int finish(moe_comm *comm, int64_t wrong, int status) {
+    int rank = moe_comm_rank(comm);
+    moe_comm_free(comm);
+    if (bench_failed(CMD, "moe_comm_mpi_finalize", moe_comm_mpi_finalize()))
+        return BENCH_EXIT_FAILURE;
+    if (status != 0) return status;
+    if (wrong > 0) {
+        if (rank == 0)
+            fprintf(stderr, "moe-bench %s: %lld wrong elements\n", CMD, (long long)wrong);
+        return BENCH_EXIT_FAILURE;
+    }
+    return 0;
+}
+
+/* --------------------------------------------------------------- raw mode */
+
+static const bench_column raw_columns[] = {
     {"size_bytes", "size(B)", BENCH_INT, 11, 0},
     {"count", "count", BENCH_INT, 10, 0},
     {"rows", NULL, BENCH_INT, 0, 0},
@@ -271,13 +448,7 @@ static const bench_column columns[] = {
     {"iters", NULL, BENCH_INT, 0, 0},
     {"mode", NULL, BENCH_STR, 0, 0},
 };
-#define N_COLUMNS ((int)(sizeof columns / sizeof columns[0]))
-
-/* The element a rank sends: exact in fp32 (24 bits) and never POISON. */
-static float sent_value(uint64_t seed, int src, int dst, int64_t index) {
-    uint64_t stream = ((uint64_t)src << 32) | (uint64_t)dst;
-    return (float)(moe_rng_bits(seed, stream, (uint64_t)index) >> 40);
-}
+#define N_RAW_COLUMNS ((int)(sizeof raw_columns / sizeof raw_columns[0]))
 
 /* rows[P]: how many of this rank's R rows go to each rank, each row's
  * destination drawn from the distribution. cdf [P] is scratch. */
@@ -285,10 +456,7 @@ static void route_rows(int64_t *rows, double *cdf, int64_t R, int P, int rank,
                        const a2a_options *o) {
     double total = 0.0;
     for (int j = 0; j < P; j++) {
-        double p = 1.0 / P;
-        if (o->dist == DIST_ZIPF) p = pow(j + 1.0, -o->dist_param);
-        if (o->dist == DIST_HOT) p = (1.0 - o->dist_param) / P + (j == 0 ? o->dist_param : 0.0);
-        total += p;
+        total += rank_weight(o, j, P);
         cdf[j] = total;
         rows[j] = 0;
     }
@@ -301,12 +469,12 @@ static void route_rows(int64_t *rows, double *cdf, int64_t R, int P, int rank,
     }
 }
 
-/* One size's exchange, in rows (counts) and in elements (what MPI takes). */
+/* One size's exchange, in rows. */
 typedef struct a2a_plan {
-    int64_t R;                 /* rows this rank sends */
-    int64_t *send_rows;        /* [P] */
-    int64_t *recv_rows;        /* [P] */
-    int64_t recv_total;        /* rows this rank receives */
+    int64_t R;          /* rows this rank sends */
+    int64_t *send_rows; /* [P] */
+    int64_t *recv_rows; /* [P] */
+    int64_t recv_total; /* rows this rank receives */
 } a2a_plan;
 
 typedef struct a2a_run {
@@ -314,57 +482,24 @@ typedef struct a2a_run {
     moe_comm *comm;
     int rank, P;
     int64_t row_floats;
-    float *send, *recv_moe, *recv_mpi;  /* [max send rows, rf], [max recv rows, rf] x 2 */
-    int64_t *sc, *sd, *rc, *rd;         /* [P] element counts and displacements */
-    int *isc, *isd, *irc, *ird;         /* [P] the same as MPI's int */
-    double *times;                      /* [2, iters] */
+    float *send, *recv_moe, *recv_mpi; /* [max send rows, rf], [max recv rows, rf] x 2 */
+    a2a_counts c;
+    double *times; /* [2, iters] */
 } a2a_run;
-
-/* Aborts the job: the other ranks are inside a collective this rank left. */
-static _Noreturn void fail_job(a2a_run *r, const char *what, moe_status st) {
-    bench_failed(CMD, what, st);
-    moe_comm_abort(r->comm, BENCH_EXIT_FAILURE);
-}
-
-static _Noreturn void fail_memory(a2a_run *r, const char *what) {
-    fprintf(stderr, "moe-bench %s: rank %d: out of memory for %s\n", CMD, r->rank, what);
-    moe_comm_abort(r->comm, BENCH_EXIT_FAILURE);
-}
-
-static int64_t count_wrong(const a2a_run *r, const float *recv, const a2a_plan *plan) {
-    int64_t wrong = 0, row = 0;
-    for (int s = 0; s < r->P; s++)
-        for (int64_t k = 0; k < plan->recv_rows[s]; k++, row++) {
-            const float *x = recv + row * r->row_floats;
-            for (int64_t e = 0; e < r->row_floats; e++)
-                wrong += x[e] != sent_value(r->o->seed, s, r->rank, k * r->row_floats + e);
-        }
-    return wrong;
-}
 
 /* Times one exchange, started after a barrier; returns this rank's seconds. */
 static double time_moe(a2a_run *r) {
     MPI_Barrier(MPI_COMM_WORLD);
     double t0 = bench_now_seconds();
-    moe_status st = moe_comm_alltoallv(r->comm, r->recv_moe, r->rc, r->rd, r->send, r->sc, r->sd,
-                                       MOE_COMM_F32);
+    moe_status st = moe_comm_alltoallv(r->comm, r->recv_moe, r->c.rc, r->c.rd, r->send, r->c.sc,
+                                       r->c.sd, MOE_COMM_F32);
     double t1 = bench_now_seconds();
-    if (st != MOE_OK) fail_job(r, "moe_comm_alltoallv", st);
+    if (st != MOE_OK) fail_job(r->comm, "moe_comm_alltoallv", st);
     return t1 - t0;
 }
 
-static double time_mpi(a2a_run *r) {
-    MPI_Barrier(MPI_COMM_WORLD);
-    double t0 = bench_now_seconds();
-    int code = MPI_Alltoallv(r->send, r->isc, r->isd, MPI_FLOAT, r->recv_mpi, r->irc, r->ird,
-                             MPI_FLOAT, MPI_COMM_WORLD);
-    double t1 = bench_now_seconds();
-    if (code != MPI_SUCCESS) {
-        fprintf(stderr, "moe-bench %s: rank %d: MPI_Alltoallv failed with code %d\n", CMD, r->rank,
-                code);
-        moe_comm_abort(r->comm, BENCH_EXIT_FAILURE);
-    }
-    return t1 - t0;
+static double time_raw(a2a_run *r) {
+    return time_mpi(r->comm, r->recv_mpi, r->c.irc, r->c.ird, r->send, r->c.isc, r->c.isd);
 }
 
 /* Runs one size; returns the wrong elements over all ranks (both paths). */
@@ -372,38 +507,27 @@ static int64_t run_size(a2a_run *r, const a2a_plan *plan, const bench_table *tab
     const a2a_options *o = r->o;
     const int P = r->P, iters = (int)o->iters;
     const int64_t rf = r->row_floats;
-    int64_t soff = 0, roff = 0;
-    for (int j = 0; j < P; j++) {
-        r->sc[j] = plan->send_rows[j] * rf;
-        r->sd[j] = soff;
-        r->rc[j] = plan->recv_rows[j] * rf;
-        r->rd[j] = roff;
-        soff += r->sc[j];
-        roff += r->rc[j];
-        /* Totals fit int (checked when planning), so every entry does too. */
-        r->isc[j] = (int)r->sc[j], r->isd[j] = (int)r->sd[j];
-        r->irc[j] = (int)r->rc[j], r->ird[j] = (int)r->rd[j];
-        for (int64_t i = 0; i < r->sc[j]; i++)
-            r->send[r->sd[j] + i] = sent_value(o->seed, r->rank, j, i);
-    }
-    for (int64_t i = 0; i < roff; i++) r->recv_moe[i] = r->recv_mpi[i] = POISON;
+    set_counts(&r->c, plan->send_rows, plan->recv_rows, P, rf);
+    fill_sent(r->send, &r->c, o->seed, r->rank, P);
+    for (int64_t i = 0; i < plan->recv_total * rf; i++) r->recv_moe[i] = r->recv_mpi[i] = POISON;
 
     for (int it = 0; it < (int)o->warmup; it++) {
         time_moe(r);
-        time_mpi(r);
+        time_raw(r);
     }
     /* Alternating which goes first cancels any advantage of the order. */
     for (int it = 0; it < iters; it++) {
         if (it % 2 == 0) {
             r->times[it] = time_moe(r);
-            r->times[iters + it] = time_mpi(r);
+            r->times[iters + it] = time_raw(r);
         } else {
-            r->times[iters + it] = time_mpi(r);
+            r->times[iters + it] = time_raw(r);
             r->times[it] = time_moe(r);
         }
     }
 
-    int64_t local[2] = {count_wrong(r, r->recv_moe, plan), count_wrong(r, r->recv_mpi, plan)};
+    int64_t local[2] = {count_wrong(r->recv_moe, plan->recv_rows, o->seed, r->rank, P, rf),
+                        count_wrong(r->recv_mpi, plan->recv_rows, o->seed, r->rank, P, rf)};
     int64_t wrong[2] = {0, 0}, max_recv = 0;
     MPI_Allreduce(local, wrong, 2, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
     MPI_Allreduce(&plan->recv_total, &max_recv, 1, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD);
@@ -416,7 +540,7 @@ static int64_t run_size(a2a_run *r, const a2a_plan *plan, const bench_table *tab
         const double t_mpi = bench_median(r->times + iters, iters);
         const double bus = P > 1 ? (double)(P - 1) / P : 0.0;
         const double algbw = bytes / t * 1e-9, mpi_algbw = bytes / t_mpi * 1e-9;
-        bench_value v[N_COLUMNS] = {
+        bench_value v[N_RAW_COLUMNS] = {
             {.i = plan->R * o->row_bytes},
             {.i = plan->R * rf},
             {.i = plan->R},
@@ -441,12 +565,25 @@ static int64_t run_size(a2a_run *r, const a2a_plan *plan, const bench_table *tab
     return wrong[0] + wrong[1];
 }
 
-static int run_raw(const a2a_options *o) {
-    a2a_run r = {.o = o, .row_floats = o->row_bytes / 4};
-    bench_failed(CMD, "moe_comm_mpi_create", moe_comm_mpi_create(&r.comm));
-    if (!r.comm) return BENCH_EXIT_FAILURE;
-    r.rank = moe_comm_rank(r.comm);
-    r.P = moe_comm_size(r.comm);
+/* Room for counts and displacements of one exchange: [4P] int64 and int. */
+static void alloc_counts(a2a_counts *c, moe_comm *comm, int P) {
+    int64_t *counts = malloc((size_t)P * 4 * sizeof *counts);
+    int *icounts = malloc((size_t)P * 4 * sizeof *icounts);
+    if (!counts || !icounts) fail_memory(comm, "the exchange counts");
+    *c = (a2a_counts){.sc = counts, .sd = counts + P, .rc = counts + 2 * P, .rd = counts + 3 * P,
+                      .isc = icounts, .isd = icounts + P, .irc = icounts + 2 * P,
+                      .ird = icounts + 3 * P};
+}
+
+static void free_counts(a2a_counts *c) {
+    free(c->sc);
+    free(c->isc);
+}
+
+static int run_raw(const a2a_options *o, moe_comm *comm) {
+    a2a_run r = {.o = o, .comm = comm, .row_floats = o->row_bytes / 4};
+    r.rank = moe_comm_rank(comm);
+    r.P = moe_comm_size(comm);
     const int P = r.P;
 
     /* Every size's routing first, so the buffers are sized once. */
@@ -455,8 +592,7 @@ static int run_raw(const a2a_options *o) {
     int64_t max_send = 0, max_recv = 0;
     int64_t *rows = calloc((size_t)MAX_SIZES * 2 * (size_t)P, sizeof *rows);
     double *cdf = malloc((size_t)P * sizeof *cdf);
-    if (!rows || !cdf)
-        fail_memory(&r, "the routing tables");
+    if (!rows || !cdf) fail_memory(comm, "the routing tables");
     for (int64_t size = o->min_bytes; size <= o->max_bytes && n_sizes < MAX_SIZES;
          size *= o->factor) {
         int64_t R = size / o->row_bytes > 0 ? size / o->row_bytes : 1;
@@ -465,27 +601,17 @@ static int run_raw(const a2a_options *o) {
         *p = (a2a_plan){.R = R, .send_rows = rows + (size_t)n_sizes * 2 * P};
         p->recv_rows = p->send_rows + P;
         route_rows(p->send_rows, cdf, R, P, r.rank, o);
-        moe_status st = moe_comm_alltoall(r.comm, p->recv_rows, p->send_rows, 1, MOE_COMM_I64);
-        if (st != MOE_OK) fail_job(&r, "exchanging row counts", st);
+        moe_status st = moe_comm_alltoall(comm, p->recv_rows, p->send_rows, 1, MOE_COMM_I64);
+        if (st != MOE_OK) fail_job(comm, "exchanging row counts", st);
         for (int j = 0; j < P; j++) p->recv_total += p->recv_rows[j];
         max_send = R > max_send ? R : max_send;
         max_recv = p->recv_total > max_recv ? p->recv_total : max_recv;
         n_sizes++;
     }
     free(cdf);
-    /* MPI_Alltoallv's displacements are int elements. */
-    int64_t need[2] = {max_send * r.row_floats, max_recv * r.row_floats}, worst[2];
-    MPI_Allreduce(need, worst, 2, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD);
-    if (worst[0] > INT32_MAX || worst[1] > INT32_MAX) {
-        if (r.rank == 0)
-            fprintf(stderr,
-                    "moe-bench %s: a rank would move %lld fp32 elements, past MPI's int "
-                    "counts; lower --maxbytes\n",
-                    CMD, (long long)(worst[0] > worst[1] ? worst[0] : worst[1]));
+    if (!fits_mpi_int(comm, max_send * r.row_floats, max_recv * r.row_floats)) {
         free(rows);
-        moe_comm_free(r.comm);
-        moe_comm_mpi_finalize();
-        return BENCH_EXIT_USAGE;
+        return finish(comm, 0, BENCH_EXIT_USAGE);
     }
 
     bench_buffer bufs[] = {
@@ -494,15 +620,12 @@ static int run_raw(const a2a_options *o) {
         {&r.recv_mpi, (size_t)(max_recv * r.row_floats)},
     };
     void *arena = bench_alloc_buffers(bufs, 3);
-    int64_t *counts = malloc((size_t)P * 4 * sizeof *counts);
-    int *icounts = malloc((size_t)P * 4 * sizeof *icounts);
     r.times = malloc((size_t)o->iters * 2 * sizeof *r.times);
-    if (!arena || !counts || !icounts || !r.times)
-        fail_memory(&r, "the send and receive buffers");
-    r.sc = counts, r.sd = counts + P, r.rc = counts + 2 * P, r.rd = counts + 3 * P;
-    r.isc = icounts, r.isd = icounts + P, r.irc = icounts + 2 * P, r.ird = icounts + 3 * P;
+    if (!arena || !r.times) fail_memory(comm, "the send and receive buffers");
+    alloc_counts(&r.c, comm, P);
 
-    const bench_table table = {.bench = CMD, .cols = columns, .n_cols = N_COLUMNS, .json = o->json};
+    const bench_table table = {
+        .bench = CMD, .cols = raw_columns, .n_cols = N_RAW_COLUMNS, .json = o->json};
     if (r.rank == 0) {
         bench_table_note(&table,
                          "moe-bench a2a --mode raw, libmoe %s: %d ranks, dist %s, rows of %lld "
@@ -517,20 +640,420 @@ static int run_raw(const a2a_options *o) {
     int64_t wrong = 0;
     for (int s = 0; s < n_sizes; s++) wrong += run_size(&r, &plans[s], &table);
 
+    free_counts(&r.c);
     free(r.times);
-    free(icounts);
-    free(counts);
     bench_free(arena);
     free(rows);
-    moe_comm_free(r.comm);
-    if (bench_failed(CMD, "moe_comm_mpi_finalize", moe_comm_mpi_finalize()))
-        return BENCH_EXIT_FAILURE;
-    if (wrong > 0) {
-        if (r.rank == 0)
-            fprintf(stderr, "moe-bench %s: %lld wrong elements received\n", CMD, (long long)wrong);
-        return BENCH_EXIT_FAILURE;
+    return finish(comm, wrong, 0);
+}
+
+/* ---------------------------------------------------------- dispatch mode */
+
+/* A forward + backward moves rows four times: rows out, outputs back,
+ * output gradients out, input gradients back. */
+#define EXCHANGES_PER_STEP 4
+/* Hugging Face Mixtral's initializer_range. */
+#define INIT_STD 0.02f
+/* Stands in for log 0 (log 1e-30): a rank of weight 0 is never chosen while
+ * any other expert is left, and the inputs stay finite. */
+#define LOG_WEIGHT_FLOOR (-69.0)
+/* Output check: |got - want| <= CHECK_REL * (max|want| + |want|), room for
+ * the summation order of GEMMs over different row counts. */
+#define CHECK_REL 1e-5
+
+/* Per-step series: those before S_FAST are the slowest rank's (MAX over
+ * ranks), S_FAST the exchange time of the rank that waited least (MIN). */
+enum { S_EXCHANGE, S_EXPERTS, S_STEP, S_MPI, S_COPY, S_FAST, N_SERIES };
+
+static const bench_column dispatch_columns[] = {
+    {"size_bytes", "size(B)", BENCH_INT, 11, 0},
+    {"tokens", "tokens", BENCH_INT, 7, 0},
+    {"rows", NULL, BENCH_INT, 0, 0},
+    {"time_us", "time(us)", BENCH_F64, 10, 1},
+    {"algbw_gbps", "algbw", BENCH_F64, 7, 2},
+    {"busbw_gbps", "busbw", BENCH_F64, 7, 2},
+    {"xbw_gbps", "xbw", BENCH_F64, 7, 2},
+    {"wrong", "#wrong", BENCH_INT, 6, 0},
+    {"mpi_time_us", "mpi(us)", BENCH_F64, 10, 1},
+    {"mpi_algbw_gbps", "algbw", BENCH_F64, 7, 2},
+    {"mpi_busbw_gbps", "busbw", BENCH_F64, 7, 2},
+    {"mpi_wrong", "#wrong", BENCH_INT, 6, 0},
+    {"ratio", "ratio", BENCH_F64, 6, 3},
+    {"recv_imbalance", "recv_imb", BENCH_F64, 8, 2},
+    {"fast_time_us", "fast(us)", BENCH_F64, 10, 1},
+    {"copy_us", "copy(us)", BENCH_F64, 10, 1},
+    {"exchange_pct", "exch%", BENCH_F64, 6, 1},
+    {"experts_us", "experts(us)", BENCH_F64, 11, 1},
+    {"step_us", NULL, BENCH_F64, 0, 0},
+    {"exchange_bytes", NULL, BENCH_INT, 0, 0},
+    {"ranks", NULL, BENCH_INT, 0, 0},
+    {"dist", NULL, BENCH_STR, 0, 0},
+    {"row_bytes", NULL, BENCH_INT, 0, 0},
+    {"experts", NULL, BENCH_INT, 0, 0},
+    {"top_k", NULL, BENCH_INT, 0, 0},
+    {"d_ff", NULL, BENCH_INT, 0, 0},
+    {"iters", NULL, BENCH_INT, 0, 0},
+    {"mode", NULL, BENCH_STR, 0, 0},
+};
+#define N_DISPATCH_COLUMNS ((int)(sizeof dispatch_columns / sizeof dispatch_columns[0]))
+
+typedef struct dispatch_run {
+    const a2a_options *o;
+    moe_comm *comm;
+    int rank, P;
+    int64_t d, E, k, n_local;       /* d = d_model; n_local = E / P */
+    moe_layer *layer;               /* expert-parallel over all ranks */
+    moe_layer *ref;                 /* one rank, all E experts, the same parameters */
+    float *x, *dy;                  /* [max_T, d] this rank's tokens, output gradient */
+    float *y, *dx, *y_ref, *dx_ref; /* [max_T, d] */
+    float *send, *recv, *back;      /* baseline: [max_T k, d], [P max_T k, d], [max_T k, d] */
+    float *copy;                    /* [max_T k, d] where the memcpy baseline writes */
+    int64_t *send_rows, *recv_rows; /* [P] a dispatch's rows to and from each rank */
+    a2a_counts c;                   /* a dispatch's; a return swaps send and receive */
+    double *times;                  /* [N_SERIES, iters] */
+} dispatch_run;
+
+/* gate.weight [E, d] = [I_E | 0]: the router's logits are the first E input
+ * columns. */
+static void steer_router(moe_layer *layer, moe_comm *comm) {
+    moe_tensor_view gate;
+    moe_status st = moe_layer_tensor_by_name(layer, "gate.weight", &gate);
+    if (st != MOE_OK) fail_job(comm, "gate.weight", st);
+    memset(gate.param, 0, (size_t)(gate.rows * gate.cols) * sizeof(float));
+    for (int64_t e = 0; e < gate.rows; e++) gate.param[e * gate.cols + e] = 1.0f;
+}
+
+/* x [max_T, d]: columns 0 .. E-1 hold log p_e + Gumbel noise, so the k
+ * largest logits are a draw of k experts without replacement with
+ * probabilities p (the Gumbel top-k trick); p_e is the distribution's
+ * weight of the expert's rank spread evenly over its experts. The other
+ * columns, and dy, are uniform in [-1, 1]. Every size uses the first T
+ * tokens. */
+static void fill_tokens(dispatch_run *r, int64_t max_T) {
+    const int64_t d = r->d, E = r->E;
+    double log_p[MOE_EXPERTS_MAX];
+    for (int64_t e = 0; e < E; e++) {
+        double p = rank_weight(r->o, (int)(e / r->n_local), r->P) / (double)r->n_local;
+        log_p[e] = p > 0.0 ? fmax(log(p), LOG_WEIGHT_FLOOR) : LOG_WEIGHT_FLOOR;
     }
-    return 0;
+    bench_rng rng = {.state = r->o->seed ^ (0x746f6b656e73ull * (uint64_t)(r->rank + 1))};
+    for (int64_t t = 0; t < max_T; t++)
+        for (int64_t i = 0; i < d; i++) {
+            double u = bench_rng_uniform(&rng);
+            r->x[t * d + i] = (float)(i < E ? log_p[i] - log(-log(u)) : 2.0 * u - 1.0);
+        }
+    bench_fill_uniform(r->dy, (size_t)(max_T * d), 1.0f, &rng);
+}
+
+/* One forward + backward of the expert-parallel layer on T tokens, started
+ * after a barrier: the layer's phase timers and this rank's seconds. */
+static void layer_step(dispatch_run *r, int64_t T, moe_layer_timing *timing, double *seconds) {
+    MPI_Barrier(MPI_COMM_WORLD);
+    moe_layer_reset_timing(r->layer);
+    double t0 = bench_now_seconds();
+    moe_status st = moe_layer_forward(r->layer, r->y, r->x, T, NULL);
+    if (st != MOE_OK) fail_job(r->comm, "moe_layer_forward", st);
+    st = moe_layer_backward(r->layer, r->dx, r->dy, r->x);
+    if (st != MOE_OK) fail_job(r->comm, "moe_layer_backward", st);
+    *seconds = bench_now_seconds() - t0;
+    moe_layer_get_timing(r->layer, timing);
+}
+
+/* The baseline of one step: its four exchanges as raw MPI_Alltoallv's of
+ * the same per-peer counts, each after a barrier, the returns sending back
+ * what arrived. */
+static double raw_step(dispatch_run *r) {
+    const a2a_counts *c = &r->c;
+    double seconds = 0.0;
+    for (int pass = 0; pass < EXCHANGES_PER_STEP / 2; pass++) {
+        seconds += time_mpi(r->comm, r->recv, c->irc, c->ird, r->send, c->isc, c->isd);
+        seconds += time_mpi(r->comm, r->back, c->isc, c->isd, r->recv, c->irc, c->ird);
+    }
+    return seconds;
+}
+
+/* The unit of the memory-bound passes the layer makes and the raw exchange
+ * does not (permute, regroup, combine): one memcpy of the rows a dispatch
+ * sends, on every rank at once after a barrier. Returns this rank's
+ * seconds. */
+static double time_copy(dispatch_run *r, int64_t R) {
+    MPI_Barrier(MPI_COMM_WORLD);
+    double t0 = bench_now_seconds();
+    memcpy(r->copy, r->send, (size_t)(R * r->d) * sizeof(float));
+    return bench_now_seconds() - t0;
+}
+
+/* The rows the last forward sent each rank, from the router's choices
+ * (dropless: every pair travels; rank r holds experts r E/P .. (r+1) E/P - 1),
+ * and the rows every rank sent here. */
+static void learn_routing(dispatch_run *r, int64_t T) {
+    const int32_t *topk = moe_layer_last_topk(r->layer); /* [T, k] */
+    for (int j = 0; j < r->P; j++) r->send_rows[j] = 0;
+    for (int64_t i = 0; i < T * r->k; i++) r->send_rows[topk[i] / r->n_local]++;
+    moe_status st = moe_comm_alltoall(r->comm, r->recv_rows, r->send_rows, 1, MOE_COMM_I64);
+    if (st != MOE_OK) fail_job(r->comm, "exchanging row counts", st);
+}
+
+/* Elements of got [T, d] outside the tolerance around want [T, d]; prints
+ * the worst one when there are any. */
+static int64_t check_tensor(const dispatch_run *r, const char *name, const float *got,
+                            const float *want, int64_t T) {
+    const int64_t n = T * r->d;
+    double scale = 0.0;
+    for (int64_t i = 0; i < n; i++) scale = fmax(scale, fabs(want[i]));
+    int64_t wrong = 0, worst = 0;
+    double worst_excess = -INFINITY;
+    for (int64_t i = 0; i < n; i++) {
+        double err = fabs((double)got[i] - want[i]), tol = CHECK_REL * (scale + fabs(want[i]));
+        if (err <= tol) continue;
+        double excess = isnan(err) ? INFINITY : err - tol;
+        if (wrong++ == 0 || excess > worst_excess) worst = i, worst_excess = excess;
+    }
+    if (wrong > 0)
+        fprintf(stderr,
+                "moe-bench %s: rank %d, T=%lld: %lld of %lld elements of %s differ from the "
+                "one-rank layer; worst %s[%lld, %lld] = %.9g, want %.9g (tolerance %.3g)\n",
+                CMD, r->rank, (long long)T, (long long)wrong, (long long)n, name, name,
+                (long long)(worst / r->d), (long long)(worst % r->d), got[worst], want[worst],
+                CHECK_REL * (scale + fabs(want[worst])));
+    return wrong;
+}
+
+/* Runs one size of T tokens per rank; returns the failures over all ranks:
+ * wrong elements, and steps whose exchange_bytes disagree with the routing. */
+static int64_t dispatch_size(dispatch_run *r, int64_t T, const bench_table *table) {
+    const a2a_options *o = r->o;
+    const int P = r->P, iters = (int)o->iters;
+    const int64_t d = r->d, R = T * r->k;
+    moe_layer_timing tm;
+    double step;
+
+    /* An untimed step sizes the layer's buffers and shows the routing. */
+    layer_step(r, T, &tm, &step);
+    learn_routing(r, T);
+    set_counts(&r->c, r->send_rows, r->recv_rows, P, d);
+    fill_sent(r->send, &r->c, o->seed, r->rank, P);
+    int64_t recv_total = 0, off_rank_rows = 0;
+    for (int j = 0; j < P; j++) {
+        recv_total += r->recv_rows[j];
+        if (j != r->rank) off_rank_rows += r->send_rows[j] + r->recv_rows[j];
+    }
+    for (int64_t i = 0; i < recv_total * d; i++) r->recv[i] = POISON;
+    for (int64_t i = 0; i < R * d; i++) r->back[i] = POISON;
+    /* A step sends every row twice in each direction it travels. */
+    const int64_t step_bytes = 2 * off_rank_rows * d * (int64_t)sizeof(float);
+
+    int64_t bad_steps = 0;
+    for (int it = 0; it < (int)o->warmup; it++) {
+        layer_step(r, T, &tm, &step);
+        raw_step(r);
+        time_copy(r, R);
+    }
+    for (int it = 0; it < iters; it++) {
+        double raw, copy;
+        /* Alternating which goes first cancels any advantage of the order. */
+        if (it % 2 == 0) {
+            layer_step(r, T, &tm, &step);
+            raw = raw_step(r);
+            copy = time_copy(r, R);
+        } else {
+            copy = time_copy(r, R);
+            raw = raw_step(r);
+            layer_step(r, T, &tm, &step);
+        }
+        r->times[S_EXCHANGE * iters + it] = tm.exchange_seconds;
+        r->times[S_EXPERTS * iters + it] = tm.experts_seconds;
+        r->times[S_STEP * iters + it] = step;
+        r->times[S_MPI * iters + it] = raw;
+        r->times[S_COPY * iters + it] = copy;
+        r->times[S_FAST * iters + it] = tm.exchange_seconds;
+        if (tm.exchange_bytes != step_bytes || tm.calls != 2) {
+            if (bad_steps++ == 0)
+                fprintf(stderr,
+                        "moe-bench %s: rank %d, T=%lld: the layer counted %lld exchange bytes "
+                        "in %lld calls of a step; the routing gives %lld in 2\n",
+                        CMD, r->rank, (long long)T, (long long)tm.exchange_bytes,
+                        (long long)tm.calls, (long long)step_bytes);
+        }
+    }
+
+    /* The last step's y and dx against the one-rank layer on the same tokens:
+     * dropless routing without balancing losses makes each token's y and dx
+     * depend on that token alone. */
+    moe_status st = moe_layer_forward(r->ref, r->y_ref, r->x, T, NULL);
+    if (st != MOE_OK) fail_job(r->comm, "moe_layer_forward (one-rank reference)", st);
+    st = moe_layer_backward(r->ref, r->dx_ref, r->dy, r->x);
+    if (st != MOE_OK) fail_job(r->comm, "moe_layer_backward (one-rank reference)", st);
+    int64_t back_wrong = 0;
+    for (int64_t i = 0; i < R * d; i++) back_wrong += r->back[i] != r->send[i];
+    int64_t local[4] = {
+        check_tensor(r, "y", r->y, r->y_ref, T) + check_tensor(r, "dx", r->dx, r->dx_ref, T),
+        count_wrong(r->recv, r->recv_rows, o->seed, r->rank, P, d) + back_wrong, bad_steps,
+        step_bytes};
+    int64_t sums[4], max_recv = 0;
+    MPI_Allreduce(local, sums, 4, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
+    MPI_Allreduce(&recv_total, &max_recv, 1, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD);
+    /* A step ends when its slowest rank does. */
+    MPI_Allreduce(MPI_IN_PLACE, r->times, S_FAST * iters, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+    MPI_Allreduce(MPI_IN_PLACE, r->times + S_FAST * iters, (N_SERIES - S_FAST) * iters, MPI_DOUBLE,
+                  MPI_MIN, MPI_COMM_WORLD);
+
+    if (r->rank == 0) {
+        double med[N_SERIES];
+        for (int s = 0; s < N_SERIES; s++) med[s] = bench_median(r->times + s * iters, iters);
+        const double bytes = (double)(R * o->row_bytes);
+        const double t = med[S_EXCHANGE] / EXCHANGES_PER_STEP;
+        const double t_mpi = med[S_MPI] / EXCHANGES_PER_STEP;
+        const double bus = P > 1 ? (double)(P - 1) / P : 0.0;
+        const double algbw = bytes / t * 1e-9, mpi_algbw = bytes / t_mpi * 1e-9;
+        const int64_t mean_step_bytes = sums[3] / P;
+        bench_value v[N_DISPATCH_COLUMNS] = {
+            {.i = R * o->row_bytes},
+            {.i = T},
+            {.i = R},
+            {.f = t * 1e6},
+            {.f = algbw},
+            {.f = algbw * bus},
+            {.f = (double)mean_step_bytes / med[S_EXCHANGE] * 1e-9},
+            {.i = sums[0]},
+            {.f = t_mpi * 1e6},
+            {.f = mpi_algbw},
+            {.f = mpi_algbw * bus},
+            {.i = sums[1]},
+            {.f = algbw / mpi_algbw},
+            {.f = (double)max_recv / (double)R},
+            {.f = med[S_FAST] / EXCHANGES_PER_STEP * 1e6},
+            {.f = med[S_COPY] * 1e6},
+            {.f = 100.0 * med[S_EXCHANGE] / med[S_STEP]},
+            {.f = med[S_EXPERTS] * 1e6},
+            {.f = med[S_STEP] * 1e6},
+            {.i = mean_step_bytes},
+            {.i = P},
+            {.s = o->dist_label},
+            {.i = o->row_bytes},
+            {.i = r->E},
+            {.i = r->k},
+            {.i = o->d_ff},
+            {.i = o->iters},
+            {.s = "dispatch"},
+        };
+        bench_table_row(table, v);
+    }
+    return sums[0] + sums[1] + sums[2];
+}
+
+/* Rank 0 says what is wrong with the layer's shape for P ranks; false then. */
+static bool check_shape(const a2a_options *o, int rank, int P, int64_t d, int64_t E) {
+    char why[128] = "";
+    if (E % P != 0)
+        snprintf(why, sizeof why, "is not a multiple of the %d ranks", P);
+    else if (E > d)
+        snprintf(why, sizeof why,
+                 "exceeds d_model=%lld (row-bytes / 4): the router is steered through E input "
+                 "columns",
+                 (long long)d);
+    else if (o->top_k > E)
+        snprintf(why, sizeof why, "is fewer than --top-k=%lld", (long long)o->top_k);
+    if (why[0] && rank == 0)
+        fprintf(stderr, "moe-bench %s: --mode dispatch: E=%lld experts %s\n", CMD, (long long)E,
+                why);
+    return why[0] == '\0';
+}
+
+static int run_dispatch(const a2a_options *o, moe_comm *comm) {
+    dispatch_run r = {.o = o, .comm = comm, .d = o->row_bytes / 4, .k = o->top_k};
+    r.rank = moe_comm_rank(comm);
+    r.P = moe_comm_size(comm);
+    const int P = r.P;
+    r.E = o->experts > 0 ? o->experts : DEFAULT_EXPERTS_PER_RANK * (int64_t)P;
+    if (!check_shape(o, r.rank, P, r.d, r.E)) return finish(comm, 0, BENCH_EXIT_USAGE);
+    r.n_local = r.E / P;
+
+    /* T per size: one dispatch sends T*k rows of row-bytes. */
+    int64_t Ts[MAX_SIZES];
+    int n_sizes = 0;
+    for (int64_t size = o->min_bytes; size <= o->max_bytes && n_sizes < MAX_SIZES;
+         size *= o->factor) {
+        int64_t T = size / o->row_bytes / r.k > 0 ? size / o->row_bytes / r.k : 1;
+        if (n_sizes > 0 && Ts[n_sizes - 1] == T) continue;
+        Ts[n_sizes++] = T;
+    }
+    const int64_t max_T = Ts[n_sizes - 1], max_R = max_T * r.k;
+    /* A rank may receive every rank's rows. */
+    if (!fits_mpi_int(comm, max_R * r.d, P * max_R * r.d)) return finish(comm, 0, BENCH_EXIT_USAGE);
+
+    moe_layer_config cfg = MOE_LAYER_CONFIG_INIT;
+    cfg.d_model = r.d;
+    cfg.d_ff = o->d_ff;
+    cfg.n_experts = r.E;
+    cfg.top_k = r.k;
+    cfg.seed = o->seed;
+    const int64_t n_params = moe_layer_config_param_count(&cfg, P);
+    float *params = calloc((size_t)n_params, sizeof(float));
+    float *grads = calloc((size_t)n_params, sizeof(float));
+    if (!params || !grads) fail_memory(comm, "the layer's parameters");
+    /* Router first, then this rank's experts; no shared experts. */
+    const moe_layer_memory mem = {.router = params, .router_grad = grads,
+                                  .experts = params + r.E * r.d, .experts_grad = grads + r.E * r.d};
+    moe_status st = moe_layer_create_in(&r.layer, &cfg, &mem, comm, NULL);
+    if (st != MOE_OK) fail_job(comm, "moe_layer_create_in", st);
+    st = moe_layer_create(&r.ref, &cfg);
+    if (st != MOE_OK) fail_job(comm, "moe_layer_create (one-rank reference)", st);
+    /* Both draw every parameter by its index in the whole layer: the same
+     * experts on either side. */
+    moe_layer_init_params(r.layer, INIT_STD, o->seed, 0);
+    moe_layer_init_params(r.ref, INIT_STD, o->seed, 0);
+    steer_router(r.layer, comm);
+    steer_router(r.ref, comm);
+
+    bench_buffer bufs[] = {
+        {&r.x, (size_t)(max_T * r.d)},     {&r.dy, (size_t)(max_T * r.d)},
+        {&r.y, (size_t)(max_T * r.d)},     {&r.dx, (size_t)(max_T * r.d)},
+        {&r.y_ref, (size_t)(max_T * r.d)}, {&r.dx_ref, (size_t)(max_T * r.d)},
+        {&r.send, (size_t)(max_R * r.d)},  {&r.recv, (size_t)(P * max_R * r.d)},
+        {&r.back, (size_t)(max_R * r.d)},  {&r.copy, (size_t)(max_R * r.d)},
+    };
+    void *arena = bench_alloc_buffers(bufs, (int)(sizeof bufs / sizeof bufs[0]));
+    r.send_rows = calloc(2 * (size_t)P, sizeof *r.send_rows);
+    r.times = malloc((size_t)o->iters * N_SERIES * sizeof *r.times);
+    if (!arena || !r.send_rows || !r.times) fail_memory(comm, "the tokens and exchange buffers");
+    r.recv_rows = r.send_rows + P;
+    alloc_counts(&r.c, comm, P);
+    fill_tokens(&r, max_T);
+
+    const bench_table table = {.bench = CMD, .cols = dispatch_columns,
+                               .n_cols = N_DISPATCH_COLUMNS, .json = o->json};
+    if (r.rank == 0) {
+        bench_table_note(&table,
+                         "moe-bench a2a --mode dispatch, libmoe %s: %d ranks, dist %s, d_model "
+                         "%lld (rows of %lld B), %lld experts (%lld per rank), top-%lld, d_ff "
+                         "%lld, dropless, seed %llu, %lld warmup + %lld timed steps",
+                         moe_version_string(), P, o->dist_label, (long long)r.d,
+                         (long long)o->row_bytes, (long long)r.E, (long long)r.n_local,
+                         (long long)r.k, (long long)o->d_ff, (unsigned long long)o->seed,
+                         (long long)o->warmup, (long long)o->iters);
+        bench_table_note(&table,
+                         "left: the layer's dispatch + combine path (permute, all-to-all-v, "
+                         "regroup, and back), a forward + backward's exchange time / %d; right: "
+                         "the same %d exchanges as raw MPI_Alltoallv, / %d",
+                         EXCHANGES_PER_STEP, EXCHANGES_PER_STEP, EXCHANGES_PER_STEP);
+        bench_table_note(&table,
+                         "median of the slowest rank; GB/s; xbw: bytes sent to other ranks / "
+                         "exchange time; exch%%, experts(us), step(us): of a forward + backward");
+        bench_table_header(&table);
+    }
+    int64_t wrong = 0;
+    for (int s = 0; s < n_sizes; s++) wrong += dispatch_size(&r, Ts[s], &table);
+
+    free_counts(&r.c);
+    free(r.times);
+    free(r.send_rows);
+    bench_free(arena);
+    moe_layer_destroy(r.ref);
+    moe_layer_destroy(r.layer);
+    free(params);
+    free(grads);
+    return finish(comm, wrong, 0);
 }
 
 #endif /* MOE_HAVE_MPI */
@@ -539,15 +1062,11 @@ int bench_a2a_run(int argc, char **argv) {
     a2a_options o;
     int rc = parse_options(&o, argc, argv);
     if (rc >= 0) return rc;
-    if (o.mode == MODE_DISPATCH) {
-        fprintf(stderr,
-                "moe-bench %s: --mode dispatch: the MoE layer's expert-parallel dispatch + "
-                "combine path is not built yet; --mode raw measures the exchange alone\n",
-                CMD);
-        return BENCH_EXIT_FAILURE;
-    }
 #ifdef MOE_HAVE_MPI
-    return run_raw(&o);
+    moe_comm *comm = NULL;
+    if (bench_failed(CMD, "moe_comm_mpi_create", moe_comm_mpi_create(&comm)))
+        return BENCH_EXIT_FAILURE;
+    return o.mode == MODE_DISPATCH ? run_dispatch(&o, comm) : run_raw(&o, comm);
 #else
     fprintf(stderr,
             "moe-bench %s: this build has no MPI (configure with -DMOE_MPI=ON after apt-get "
