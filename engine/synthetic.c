@@ -11,8 +11,11 @@ moe_synth_params moe_synth_default_params(void) {
     return (moe_synth_params){
         .kind_weight = {0.2, 0.2, 0.2, 0.4},
         .arith_continue = 0.6,
-        .copy_stop = 0.25,
-        .copy_max_len = 16,
+        /* Copies of a fixed length: the copied letter sits a fixed distance
+         * back, which a small model learns in a minute; variable lengths need
+         * an induction circuit that forms only after millions of tokens. */
+        .copy_stop = 0.0,
+        .copy_max_len = 6,
         .dyck_open = 0.4,
         .dyck_end = 0.5,
         .dyck_max_depth = 4,

@@ -1,0 +1,401 @@
+#define _POSIX_C_SOURCE 200809L
+/* moe-train: trains a Mixtral-style MoE transformer (engine/run.h does the
+ * work); this file parses the flags and prints what the run reports.
+ * Exit status: 0 done, 1 the run failed, 2 bad flags. */
+#include <errno.h>
+#include <limits.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "engine/run.h"
+
+#define PROGRAM "moe-train"
+#define BAR_WIDTH 30
+#define COMMAND_LINE_BYTES 8192
+
+/* ------------------------------------------------------------------- help */
+
+static void print_help(void) {
+    moe_run_options d;
+    moe_run_options_init(&d);
+    moe_model_config m;
+    moe_run_default_config(&m, MOE_SYNTH_VOCAB_SIZE);
+    printf("Usage: " PROGRAM " [options]\n"
+           "Trains a Mixtral-style Mixture-of-Experts transformer on the CPU. With no options it\n"
+           "trains the default model on the built-in synthetic corpus until its validation loss\n"
+           "is near the corpus's entropy floor (the best loss any model can reach).\n\n");
+    printf("Model:\n"
+           "  --config FILE        Hugging Face Mixtral config.json (plus moe_* keys). Default:\n"
+           "                       --init-from's config.json, else the built-in model: d_model %lld,\n"
+           "                       %lld layers, %lld heads (%lld KV), %lld experts of width %lld, top-%lld\n"
+           "  --init-from DIR      start from DIR/model.safetensors (or its sharded index) and\n"
+           "                       DIR/config.json, e.g. a checkpoint out/step-000600\n\n",
+           (long long)m.hidden_size, (long long)m.num_hidden_layers, (long long)m.num_attention_heads,
+           (long long)m.num_key_value_heads, (long long)m.num_local_experts, (long long)m.intermediate_size,
+           (long long)m.num_experts_per_tok);
+    printf("Data:\n"
+           "  --data SRC           training data (default %s): 'synthetic' for the built-in corpus\n"
+           "                       (arithmetic, copying, brackets, Markov text, with a known floor);\n"
+           "                       a glob or a .bin name for llm.c uint16 token shards; any other\n"
+           "                       file is read at byte level (vocab 256)\n"
+           "  --val-data SRC       validation data, the same forms (default: a second synthetic\n"
+           "                       stream; for file data, --data itself read from its start)\n"
+           "  --batch-size B       sequences per micro-batch (default %lld)\n"
+           "  --seq-len T          tokens per sequence (default %lld)\n"
+           "  --shuffle            read training batches in a seeded random order (default: in order)\n\n",
+           d.data, (long long)d.batch_size, (long long)d.seq_len);
+    printf("Optimization (AdamW, betas 0.9/0.95, eps 1e-8):\n"
+           "  --steps N            optimizer steps (default %lld)\n"
+           "  --lr X               peak learning rate (default %g)\n"
+           "  --min-lr X           learning rate at the last step (default %g)\n"
+           "  --warmup N           steps of linear warm-up (default %lld)\n"
+           "  --lr-schedule S      cosine, linear or constant after warm-up (default %s)\n"
+           "  --weight-decay X     decoupled, on matrices only (default %g)\n"
+           "  --grad-clip X        clip the global gradient norm to X; 0 = off (default %g)\n"
+           "  --grad-accum N       micro-batches per step (default %lld)\n"
+           "  --seed N             initial weights, synthetic data, shuffle, jitter (default %llu)\n\n",
+           (long long)d.steps, d.lr, d.min_lr, (long long)d.warmup, moe_lr_schedule_name(d.lr_schedule),
+           d.weight_decay, d.grad_clip, (long long)d.grad_accum, (unsigned long long)d.seed);
+    printf("Evaluation and output:\n"
+           "  --eval-every N       evaluate every N steps and at the end; 0 = end only (default %lld)\n"
+           "  --eval-batches N     batches per evaluation, read from the start (default %lld)\n"
+           "  --eval-only          evaluate --init-from's model and print 'val_loss X' last\n"
+           "  --out DIR            run.json, config.json, metrics.jsonl, checkpoints (default %s)\n"
+           "  --save-every N       checkpoint DIR/step-NNNNNN every N steps; the last step is\n"
+           "                       always saved; 0 = last only (default %lld)\n"
+           "  --resume DIR         continue from checkpoint DIR with the same flags otherwise;\n"
+           "                       the result matches an uninterrupted run bit for bit\n\n",
+           (long long)d.eval_every, (long long)d.eval_batches, d.out_dir, (long long)d.save_every);
+    printf("Performance:\n"
+           "  --threads N          OpenMP (and OpenBLAS) threads; 0 = all cores (default)\n"
+           "  --peak-gflops X      the MFU denominator; 0 = measure sgemm at start-up (default)\n\n"
+           "  -h, --help           this text\n\n"
+           "Environment: OMP_NUM_THREADS sets the thread count when --threads is not given.\n");
+}
+
+/* ------------------------------------------------------------------ flags */
+
+/* Prints a bad-flag message and returns the exit status for it. */
+static int usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static int usage_error(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, PROGRAM ": ");
+    vfprintf(stderr, fmt, ap);
+    fprintf(stderr, " (see " PROGRAM " --help)\n");
+    va_end(ap);
+    return 2;
+}
+
+static int parse_int(int64_t *out, const char *flag, const char *s) {
+    char *end;
+    errno = 0;
+    long long v = strtoll(s, &end, 10);
+    if (errno || end == s || *end) return usage_error("%s '%s': expected an integer", flag, s);
+    *out = v;
+    return 0;
+}
+
+static int parse_real(double *out, const char *flag, const char *s) {
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno || end == s || *end || !isfinite(v)) return usage_error("%s '%s': expected a number", flag, s);
+    *out = v;
+    return 0;
+}
+
+static int parse_seed(uint64_t *out, const char *flag, const char *s) {
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (errno || end == s || *end || s[0] == '-') return usage_error("%s '%s': expected a non-negative integer", flag, s);
+    *out = v;
+    return 0;
+}
+
+typedef enum { F_STRING, F_INT, F_REAL, F_SEED, F_THREADS, F_SCHEDULE, F_SWITCH } flag_kind;
+
+typedef struct flag {
+    const char *name;
+    flag_kind kind;
+    size_t offset; /* into moe_run_options */
+} flag;
+
+#define OPT(field) offsetof(moe_run_options, field)
+static const flag flags[] = {
+    {"--config", F_STRING, OPT(config)},         {"--init-from", F_STRING, OPT(init_from)},
+    {"--data", F_STRING, OPT(data)},             {"--val-data", F_STRING, OPT(val_data)},
+    {"--batch-size", F_INT, OPT(batch_size)},    {"--seq-len", F_INT, OPT(seq_len)},
+    {"--steps", F_INT, OPT(steps)},              {"--lr", F_REAL, OPT(lr)},
+    {"--min-lr", F_REAL, OPT(min_lr)},           {"--warmup", F_INT, OPT(warmup)},
+    {"--lr-schedule", F_SCHEDULE, OPT(lr_schedule)}, {"--weight-decay", F_REAL, OPT(weight_decay)},
+    {"--grad-clip", F_REAL, OPT(grad_clip)},     {"--grad-accum", F_INT, OPT(grad_accum)},
+    {"--seed", F_SEED, OPT(seed)},               {"--threads", F_THREADS, OPT(threads)},
+    {"--out", F_STRING, OPT(out_dir)},           {"--save-every", F_INT, OPT(save_every)},
+    {"--resume", F_STRING, OPT(resume)},         {"--eval-every", F_INT, OPT(eval_every)},
+    {"--eval-batches", F_INT, OPT(eval_batches)}, {"--eval-only", F_SWITCH, OPT(eval_only)},
+    {"--shuffle", F_SWITCH, OPT(shuffle)},       {"--peak-gflops", F_REAL, OPT(peak_gflops)},
+};
+#undef OPT
+
+static int set_flag(moe_run_options *o, const flag *f, const char *value) {
+    void *field = (char *)o + f->offset;
+    int64_t i;
+    switch (f->kind) {
+    case F_STRING: *(const char **)field = value; return 0;
+    case F_INT: return parse_int(field, f->name, value);
+    case F_REAL: return parse_real(field, f->name, value);
+    case F_SEED: return parse_seed(field, f->name, value);
+    case F_THREADS:
+        if (parse_int(&i, f->name, value)) return 2;
+        if (i < 0 || i > INT_MAX) return usage_error("%s %s: expected 0 (all cores) or a thread count", f->name, value);
+        *(int *)field = (int)i;
+        return 0;
+    case F_SCHEDULE:
+        if (moe_lr_schedule_parse(field, value) != MOE_OK) return usage_error("%s", moe_last_error());
+        return 0;
+    case F_SWITCH: *(bool *)field = true; return 0;
+    }
+    return 2;
+}
+
+/* Fills o from argv; 0 on success, 2 on a bad flag, -1 after --help. */
+static int parse_args(moe_run_options *o, int argc, char **argv) {
+    for (int a = 1; a < argc; a++) {
+        const char *arg = argv[a];
+        if (strcmp(arg, "-h") == 0 || strcmp(arg, "--help") == 0) return -1;
+        const char *eq = strchr(arg, '=');
+        const size_t name_len = eq ? (size_t)(eq - arg) : strlen(arg);
+        const flag *f = NULL;
+        for (size_t i = 0; i < sizeof flags / sizeof *flags; i++)
+            if (strlen(flags[i].name) == name_len && strncmp(flags[i].name, arg, name_len) == 0) f = &flags[i];
+        if (!f) return usage_error("unknown option '%s'", arg);
+        const char *value;
+        if (f->kind == F_SWITCH) {
+            if (eq) return usage_error("%s takes no value (got '%s')", f->name, eq + 1);
+            value = NULL;
+        } else if (eq) {
+            value = eq + 1;
+        } else if (a + 1 < argc) {
+            value = argv[++a];
+        } else {
+            return usage_error("%s needs a value", f->name);
+        }
+        int rc = set_flag(o, f, value);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
+/* argv as one shell-quoted line, for run.json. */
+static void join_command_line(char *out, size_t size, int argc, char **argv) {
+    size_t n = 0;
+    out[0] = '\0';
+    for (int a = 0; a < argc && n + 1 < size; a++) {
+        const char *s = argv[a];
+        const bool plain = s[0] != '\0' && strspn(s, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                                                     "0123456789-_=./,:+@%") == strlen(s);
+        n += (size_t)snprintf(out + n, size - n, a ? " " : "");
+        if (n + 1 >= size) break;
+        if (plain) {
+            n += (size_t)snprintf(out + n, size - n, "%s", s);
+        } else {
+            n += (size_t)snprintf(out + n, size - n, "'");
+            for (; *s && n + 5 < size; s++) n += (size_t)snprintf(out + n, size - n, *s == '\'' ? "'\\''" : "%c", *s);
+            if (n + 1 < size) n += (size_t)snprintf(out + n, size - n, "'");
+        }
+    }
+}
+
+/* --------------------------------------------------------------- printing */
+
+typedef struct printer {
+    bool tty;     /* stdout is a terminal: keep a progress bar under the lines */
+    bool bar_on;  /* the bar is drawn on the current line */
+    bool eval_only;
+} printer;
+
+static void clear_bar(printer *p) {
+    if (p->bar_on) printf("\r\033[K");
+    p->bar_on = false;
+}
+
+static void format_duration(char *out, size_t size, double seconds) {
+    const long s = (long)(seconds + 0.5);
+    if (s >= 3600)
+        snprintf(out, size, "%ldh%02ldm", s / 3600, s / 60 % 60);
+    else if (s >= 60)
+        snprintf(out, size, "%ldm%02lds", s / 60, s % 60);
+    else
+        snprintf(out, size, "%lds", s);
+}
+
+static void on_start(void *ctx, const moe_run_summary *s) {
+    printer *p = ctx;
+    const moe_model_config *c = s->config;
+    const moe_run_options *o = s->options;
+    printf("model    d_model %lld, %lld layers, %lld heads (%lld KV), %lld experts of width %lld, top-%lld, "
+           "vocab %lld\n",
+           (long long)c->hidden_size, (long long)c->num_hidden_layers, (long long)c->num_attention_heads,
+           (long long)c->num_key_value_heads, (long long)c->num_local_experts, (long long)c->intermediate_size,
+           (long long)c->num_experts_per_tok, (long long)c->vocab_size);
+    printf("params   %.3fM total, %.3fM active per token\n", (double)s->params * 1e-6,
+           (double)s->active_params * 1e-6);
+    if (s->train_data) printf("train    %s\n", s->train_data);
+    printf("val      %s, %lld batches\n", s->val_data, (long long)o->eval_batches);
+    if (!isnan(s->entropy_floor)) printf("floor    %.4f nats per token (the best achievable val loss)\n", s->entropy_floor);
+    printf("machine  %d threads", s->threads);
+    if (!isnan(s->peak_gflops))
+        printf(", sgemm peak %.1f GFLOP/s (%s)", s->peak_gflops, s->peak_measured ? "measured" : "--peak-gflops");
+    printf("\n");
+    if (!p->eval_only) {
+        printf("run      steps %lld..%lld, B %lld x T %lld x accum %lld = %lld tokens per step, %.2f GFLOP per step, "
+               "out %s\n",
+               (long long)s->start_step + 1, (long long)o->steps, (long long)o->batch_size, (long long)o->seq_len,
+               (long long)o->grad_accum, (long long)s->tokens_per_step, s->step_flops * 1e-9, o->out_dir);
+    }
+}
+
+static void draw_bar(printer *p, const moe_run_step *s) {
+    const double done = (double)s->metrics.step / (double)s->total_steps;
+    const int filled = (int)(done * BAR_WIDTH);
+    char bar[BAR_WIDTH + 1];
+    for (int i = 0; i < BAR_WIDTH; i++) bar[i] = i < filled ? '#' : '.';
+    bar[BAR_WIDTH] = '\0';
+    char eta[32];
+    format_duration(eta, sizeof eta,
+                    s->elapsed_seconds / (double)s->steps_timed * (double)(s->total_steps - s->metrics.step));
+    printf("[%s] %5.1f%%  step %lld/%lld  loss %.4f  ETA %s", bar, 100.0 * done, (long long)s->metrics.step,
+           (long long)s->total_steps, s->metrics.loss, eta);
+    p->bar_on = true;
+}
+
+static void on_step(void *ctx, const moe_run_step *s) {
+    printer *p = ctx;
+    const moe_step_metrics *m = &s->metrics;
+    clear_bar(p);
+    printf("step %5lld/%lld | loss %.4f | aux %.4f | lr %.2e | norm %6.3f | %7.0f tok/s | MFU %5.1f%% | "
+           "imbalance %.2f | dropped %.1f%%\n",
+           (long long)m->step, (long long)s->total_steps, m->loss, m->aux_loss, m->lr, m->grad_norm,
+           s->tokens_per_s, 100.0 * s->mfu, m->load_imbalance, 100.0 * m->dropped_frac);
+    if (p->tty) draw_bar(p, s);
+    fflush(stdout);
+}
+
+static void on_eval(void *ctx, const moe_run_eval *e) {
+    printer *p = ctx;
+    clear_bar(p);
+    if (p->eval_only) return; /* the result line comes last, from on_end */
+    if (isnan(e->entropy_floor))
+        printf("eval step %lld | val_loss %.4f\n", (long long)e->step, e->val_loss);
+    else
+        printf("eval step %lld | val_loss %.4f | floor %.4f | ratio %.3f\n", (long long)e->step, e->val_loss,
+               e->entropy_floor, e->val_loss / e->entropy_floor);
+}
+
+static void on_checkpoint(void *ctx, int64_t step, const char *path) {
+    printer *p = ctx;
+    clear_bar(p);
+    printf("saved step %lld to %s\n", (long long)step, path);
+}
+
+static void on_warning(void *ctx, const char *message) {
+    printer *p = ctx;
+    clear_bar(p);
+    fflush(stdout);
+    fprintf(stderr, PROGRAM ": warning: %s\n", message);
+}
+
+/* A shade for a routing share relative to the uniform one (1/E). */
+static const char *shade(double share, int64_t n_experts) {
+    const double rel = share * (double)n_experts;
+    return rel < 0.5 ? " " : rel < 1.0 ? "\u2591" : rel < 2.0 ? "\u2592" : rel < 3.0 ? "\u2593" : "\u2588";
+}
+
+static void print_routing(const moe_run_kind_report *r, int64_t layer, const char *title) {
+    printf("\n%s: share of each kind's (token, slot) assignments per expert\n%-11s", title, "kind");
+    for (int64_t e = 0; e < r->n_experts; e++) {
+        char name[24];
+        snprintf(name, sizeof name, "e%lld", (long long)e);
+        printf(" %6s", name);
+    }
+    printf("\n");
+    for (int kind = 0; kind < MOE_SYNTH_KIND_COUNT; kind++) {
+        printf("%-11s", moe_synth_kind_name(kind));
+        for (int64_t e = 0; e < r->n_experts; e++) {
+            const double share = moe_run_routing_at(r, layer, kind, e);
+            printf(" %s%s%3.0f%%", shade(share, r->n_experts), shade(share, r->n_experts), 100.0 * share);
+        }
+        printf("\n");
+    }
+}
+
+static void print_kinds(const moe_run_kind_report *r) {
+    printf("\nper kind (validation):\n%-11s %8s %8s %8s %10s\n", "kind", "tokens", "loss", "floor", "loss/floor");
+    for (int kind = 0; kind < MOE_SYNTH_KIND_COUNT; kind++)
+        printf("%-11s %8lld %8.4f %8.4f %10.3f\n", moe_synth_kind_name(kind), (long long)r->tokens[kind],
+               r->loss[kind], r->floor[kind], r->floor[kind] > 0.0 ? r->loss[kind] / r->floor[kind] : NAN);
+    char title[64];
+    snprintf(title, sizeof title, "routing, layer %lld (the last)", (long long)r->n_layers - 1);
+    print_routing(r, r->n_layers - 1, title);
+    print_routing(r, r->n_layers, "routing, all layers");
+    printf("(shade: share against the uniform 1/E: ' ' < 0.5x, \u2591 < 1x, \u2592 < 2x, \u2593 < 3x, \u2588 >= 3x)\n");
+}
+
+static void on_end(void *ctx, const moe_run_end *e) {
+    printer *p = ctx;
+    clear_bar(p);
+    if (e->kinds) print_kinds(e->kinds);
+    if (!p->eval_only) {
+        char took[32];
+        format_duration(took, sizeof took, e->seconds);
+        printf("\n%lld steps in %s", (long long)e->steps_done, took);
+        if (e->last_checkpoint[0]) printf(", last checkpoint %s", e->last_checkpoint);
+        printf("\n");
+    }
+    if (!isnan(e->entropy_floor))
+        printf("val_loss %.4f vs floor %.4f: %.1f%% above the floor\n", e->val_loss, e->entropy_floor,
+               100.0 * (e->val_loss / e->entropy_floor - 1.0));
+    printf("val_loss %.9g\n", e->val_loss);
+}
+
+int main(int argc, char **argv) {
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    moe_run_options o;
+    moe_run_options_init(&o);
+    int rc = parse_args(&o, argc, argv);
+    if (rc < 0) {
+        print_help();
+        return 0;
+    }
+    if (rc) return rc;
+    if (moe_run_options_validate(&o) != MOE_OK) return usage_error("%s", moe_last_error());
+    static char command_line[COMMAND_LINE_BYTES];
+    join_command_line(command_line, sizeof command_line, argc, argv);
+    o.command_line = command_line;
+
+    printer p = {.tty = isatty(STDOUT_FILENO), .eval_only = o.eval_only};
+    const moe_run_callbacks cb = {
+        .ctx = &p,
+        .on_start = on_start,
+        .on_step = on_step,
+        .on_eval = on_eval,
+        .on_checkpoint = on_checkpoint,
+        .on_end = on_end,
+        .on_warning = on_warning,
+    };
+    moe_status st = moe_run(&o, &cb);
+    if (st != MOE_OK) {
+        clear_bar(&p);
+        fflush(stdout);
+        fprintf(stderr, PROGRAM ": %s: %s\n", moe_status_string(st), moe_last_error());
+        return 1;
+    }
+    return 0;
+}

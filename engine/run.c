@@ -1,0 +1,712 @@
+#define _POSIX_C_SOURCE 200809L
+/* run.c: a training or evaluation run (run.h): data, config, model,
+ * trainer, the step loop, evaluation with the per-kind report, checkpoints,
+ * run.json and metrics.jsonl. */
+#include "engine/run.h"
+
+#include <cblas.h>
+#include <math.h>
+#include <omp.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "common/rng.h"
+#include "common/status.h"
+#include "engine/checkpoint.h"
+#include "engine/data.h"
+#include "engine/fileio.h"
+#include "engine/json.h"
+#include "engine/model.h"
+
+#define RUN_PATH_BYTES 4096
+#define RUN_DESC_BYTES 512
+/* A synthetic training stream longer than this (144 MB with its kinds and
+ * logp) is not generated: the reader goes around it again instead. */
+#define RUN_SYNTH_MAX_TOKENS ((int64_t)1 << 24)
+/* Streams of moe_rng_bits that derive the two synthetic seeds from --seed,
+ * so no run's validation stream is another seed's training stream. */
+#define RUN_SYNTH_TRAIN_STREAM 0x747261696eull /* "train" */
+#define RUN_SYNTH_VAL_STREAM 0x76616c6964ull   /* "valid" */
+#define RUN_CONFIG_MAX_BYTES ((size_t)1 << 20)
+/* sgemm peak: square products of this size for about this long. */
+#define RUN_PEAK_N 1024
+#define RUN_PEAK_SECONDS 0.3
+
+#define N_KINDS MOE_SYNTH_KIND_COUNT
+
+/* Two layers of d_model 64 with eight heads of 8: at 16 x 64 tokens a step
+ * takes ~15-18 ms on two idle cores, and the synthetic corpus's kinds are
+ * learned to within a few percent of their floor in ~2000 steps. */
+void moe_run_default_config(moe_model_config *cfg, int64_t vocab_size) {
+    moe_model_config_default_small(cfg, vocab_size);
+    cfg->hidden_size = 64;
+    cfg->intermediate_size = 128;
+    cfg->num_hidden_layers = 2;
+    cfg->num_attention_heads = 8;
+    cfg->num_key_value_heads = 8;
+    cfg->head_dim = 8;
+}
+
+void moe_run_options_init(moe_run_options *o) {
+    *o = (moe_run_options){
+        .data = MOE_RUN_SYNTHETIC,
+        .batch_size = 16,
+        .seq_len = 64,
+        .steps = 2500,
+        .lr = 5e-3,
+        .min_lr = 5e-4,
+        .warmup = 100,
+        .lr_schedule = MOE_LR_COSINE,
+        .weight_decay = 0.1,
+        .grad_clip = 1.0,
+        .grad_accum = 1,
+        .seed = 1337,
+        .out_dir = "out",
+        .eval_every = 500,
+        .eval_batches = 16,
+    };
+}
+
+static const char *const schedule_names[] = {"cosine", "linear", "constant"};
+
+const char *moe_lr_schedule_name(moe_lr_schedule s) {
+    return (unsigned)s < sizeof schedule_names / sizeof *schedule_names ? schedule_names[s] : "?";
+}
+
+moe_status moe_lr_schedule_parse(moe_lr_schedule *s, const char *name) {
+    for (size_t i = 0; i < sizeof schedule_names / sizeof *schedule_names; i++)
+        if (name && strcmp(name, schedule_names[i]) == 0) {
+            *s = (moe_lr_schedule)i;
+            return MOE_OK;
+        }
+    return moe_error(MOE_ERR_CONFIG, "--lr-schedule '%s': expected cosine, linear or constant", name ? name : "");
+}
+
+static moe_optim_config optim_config_of(const moe_run_options *o) {
+    moe_optim_config c = MOE_OPTIM_CONFIG_INIT;
+    c.lr = o->lr;
+    c.min_lr = o->min_lr;
+    c.warmup = o->warmup;
+    c.total_steps = o->steps;
+    c.schedule = o->lr_schedule;
+    c.weight_decay = o->weight_decay;
+    c.grad_clip = o->grad_clip;
+    c.grad_accum = o->grad_accum;
+    return c;
+}
+
+static bool empty(const char *s) { return s == NULL || s[0] == '\0'; }
+
+moe_status moe_run_options_validate(const moe_run_options *o) {
+    if (!o) return moe_error(MOE_ERR_INVALID_ARG, "moe_run_options_validate: NULL options");
+    if (empty(o->data)) return moe_error(MOE_ERR_CONFIG, "--data must not be empty");
+    if (o->val_data && o->val_data[0] == '\0') return moe_error(MOE_ERR_CONFIG, "--val-data must not be empty");
+    if (o->config && o->config[0] == '\0') return moe_error(MOE_ERR_CONFIG, "--config must not be empty");
+    if (o->init_from && o->init_from[0] == '\0') return moe_error(MOE_ERR_CONFIG, "--init-from must not be empty");
+    if (o->resume && o->resume[0] == '\0') return moe_error(MOE_ERR_CONFIG, "--resume must not be empty");
+    if (empty(o->out_dir)) return moe_error(MOE_ERR_CONFIG, "--out must not be empty");
+    if (o->batch_size <= 0)
+        return moe_error(MOE_ERR_CONFIG, "--batch-size %lld must be positive", (long long)o->batch_size);
+    if (o->seq_len <= 0) return moe_error(MOE_ERR_CONFIG, "--seq-len %lld must be positive", (long long)o->seq_len);
+    if (o->threads < 0) return moe_error(MOE_ERR_CONFIG, "--threads %d must not be negative", o->threads);
+    if (o->save_every < 0)
+        return moe_error(MOE_ERR_CONFIG, "--save-every %lld must not be negative", (long long)o->save_every);
+    if (o->eval_every < 0)
+        return moe_error(MOE_ERR_CONFIG, "--eval-every %lld must not be negative", (long long)o->eval_every);
+    if (o->eval_batches <= 0)
+        return moe_error(MOE_ERR_CONFIG, "--eval-batches %lld must be positive", (long long)o->eval_batches);
+    if (!isfinite(o->peak_gflops) || o->peak_gflops < 0.0)
+        return moe_error(MOE_ERR_CONFIG, "--peak-gflops %g must be positive (or 0 to measure)", o->peak_gflops);
+    if (o->eval_only && !o->init_from)
+        return moe_error(MOE_ERR_CONFIG, "--eval-only needs --init-from DIR: the weights to evaluate");
+    if (o->eval_only && o->resume)
+        return moe_error(MOE_ERR_CONFIG, "--eval-only and --resume exclude each other; evaluate a checkpoint "
+                                         "with --eval-only --init-from DIR");
+    if (o->resume && o->init_from)
+        return moe_error(MOE_ERR_CONFIG, "--resume and --init-from exclude each other: --resume loads the "
+                                         "checkpoint's own weights");
+    if (o->resume && o->config)
+        return moe_error(MOE_ERR_CONFIG, "--config cannot be combined with --resume: the checkpoint's "
+                                         "config.json is used");
+    moe_optim_config c = optim_config_of(o);
+    if (o->eval_only) c.total_steps = 1; /* --steps does not matter */
+    return moe_optim_config_validate(&c);
+}
+
+static double now_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+moe_status moe_measure_sgemm_gflops(double *gflops) {
+    const int n = RUN_PEAK_N;
+    float *a = malloc((size_t)3 * n * n * sizeof(float));
+    if (!a) return moe_error(MOE_ERR_OUT_OF_MEMORY, "sgemm peak: %d x %d matrices", n, n);
+    float *b = a + (size_t)n * n, *c = b + (size_t)n * n;
+    for (size_t i = 0; i < (size_t)2 * n * n; i++) a[i] = (float)(i % 7) * 0.125f - 0.375f;
+    /* The first product pays for thread start-up and page faults. */
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, n, n, 1.0f, a, n, b, n, 0.0f, c, n);
+    double best = INFINITY;
+    const double start = now_seconds();
+    do {
+        const double t0 = now_seconds();
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, n, n, 1.0f, a, n, b, n, 0.0f, c, n);
+        const double dt = now_seconds() - t0;
+        if (dt < best) best = dt;
+    } while (now_seconds() - start < RUN_PEAK_SECONDS);
+    free(a);
+    /* The best product, not the mean: the machine may be shared, and the
+     * peak is what an uncontended core can do. */
+    *gflops = 2.0 * (double)n * n * n / best * 1e-9;
+    return MOE_OK;
+}
+
+/* ----------------------------------------------------------------- sources */
+
+typedef struct run_source {
+    moe_data *data;
+    moe_synth_stream synth; /* tokens = NULL unless synthetic */
+    char desc[RUN_DESC_BYTES];
+} run_source;
+
+static bool is_synthetic(const char *spec) { return strcmp(spec, MOE_RUN_SYNTHETIC) == 0; }
+
+static bool is_shard_glob(const char *spec) {
+    const size_t n = strlen(spec);
+    return strpbrk(spec, "*?[") != NULL || (n >= 4 && strcmp(spec + n - 4, ".bin") == 0);
+}
+
+/* Opens spec (run.h's rules) for the flag named in errors. A synthetic
+ * source is n_synth tokens from synth_seed; shards are checked against
+ * shard_vocab. */
+static moe_status open_source(run_source *s, const char *spec, const char *flag, uint64_t synth_seed,
+                              int64_t n_synth, int64_t shard_vocab) {
+    moe_status st;
+    if (is_synthetic(spec)) {
+        const moe_synth_params params = moe_synth_default_params();
+        st = moe_synth_generate(&s->synth, &params, synth_seed, n_synth);
+        if (st == MOE_OK)
+            st = moe_data_from_tokens(&s->data, s->synth.tokens, s->synth.n, MOE_SYNTH_VOCAB_SIZE, spec);
+        snprintf(s->desc, sizeof s->desc, "synthetic corpus");
+    } else if (is_shard_glob(spec)) {
+        st = moe_data_open_shards(&s->data, spec, shard_vocab);
+        snprintf(s->desc, sizeof s->desc, "llm.c shards %s", spec);
+    } else {
+        st = moe_data_open_bytes(&s->data, spec);
+        snprintf(s->desc, sizeof s->desc, "bytes of %s", spec);
+    }
+    if (st != MOE_OK) return moe_error_prefix(st, "%s: ", flag); /* the reader names the file */
+    const size_t len = strlen(s->desc);
+    snprintf(s->desc + len, sizeof s->desc - len, " (%lld tokens, vocab %lld)",
+             (long long)moe_data_token_count(s->data), (long long)moe_data_vocab_size(s->data));
+    return MOE_OK;
+}
+
+static void close_source(run_source *s) {
+    moe_data_close(s->data);
+    moe_synth_stream_free(&s->synth);
+}
+
+/* --------------------------------------------------------------------- run */
+
+typedef struct run {
+    const moe_run_options *o;
+    const moe_run_callbacks *cb;
+    moe_model_config cfg;
+    run_source train, val;
+    moe_synth_floor floor; /* of the validation targets, when synthetic */
+    double entropy_floor;  /* floor.nats or NAN */
+    moe_model *model;
+    moe_trainer *trainer;
+    double peak_gflops;
+    double step_flops;     /* of one optimizer step */
+    FILE *metrics;
+    char metrics_path[RUN_PATH_BYTES];
+    char last_checkpoint[RUN_PATH_BYTES];
+    /* The per-kind report of the last evaluation. */
+    double kind_loss_sum[N_KINDS];
+    int64_t kind_tokens[N_KINDS];
+    int64_t *route_counts; /* [L, N_KINDS, E] */
+    double *routing;       /* [L + 1, N_KINDS, E] */
+    moe_run_kind_report kinds;
+} run;
+
+static void warn(const run *r, const char *fmt, ...) MOE_PRINTF(2, 3);
+static void warn(const run *r, const char *fmt, ...) {
+    if (!r->cb->on_warning) return;
+    char msg[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    r->cb->on_warning(r->cb->ctx, msg);
+}
+
+static moe_status path_join(char *out, const char *dir, const char *name) {
+    int n = snprintf(out, RUN_PATH_BYTES, "%s/%s", dir, name);
+    if (n < 0 || n >= RUN_PATH_BYTES) return moe_error(MOE_ERR_CONFIG, "--out %s: path too long", dir);
+    return MOE_OK;
+}
+
+/* The model config: --config, else the checkpoint's, else the default one
+ * (whose vocabulary comes from the training data, so *known says whether
+ * cfg is final yet). */
+static moe_status load_config(run *r, bool *known) {
+    const moe_run_options *o = r->o;
+    moe_warn_fn on_warn = r->cb->on_warning;
+    *known = true;
+    if (o->config) {
+        moe_status st = moe_model_config_load(&r->cfg, o->config, on_warn, r->cb->ctx);
+        return st == MOE_OK ? MOE_OK : moe_error_prefix(st, "--config: ");
+    }
+    if (o->init_from || o->resume) {
+        const char *dir = o->init_from ? o->init_from : o->resume;
+        moe_status st = moe_checkpoint_load_config(&r->cfg, dir, on_warn, r->cb->ctx);
+        if (st != MOE_OK) return moe_error_prefix(st, "%s %s: ", o->init_from ? "--init-from" : "--resume", dir);
+        return MOE_OK;
+    }
+    *known = false;
+    return MOE_OK;
+}
+
+static moe_status check_vocab(const run *r, const run_source *s, const char *flag) {
+    const int64_t v = moe_data_vocab_size(s->data);
+    if (v > r->cfg.vocab_size)
+        return moe_error(MOE_ERR_CONFIG, "%s: the data has tokens up to %lld but the model's vocab_size is %lld",
+                         flag, (long long)(v - 1), (long long)r->cfg.vocab_size);
+    return MOE_OK;
+}
+
+static moe_status open_data(run *r) {
+    const moe_run_options *o = r->o;
+    bool known;
+    MOE_TRY(load_config(r, &known));
+    const int64_t BT = o->batch_size * o->seq_len;
+    if (!o->eval_only) {
+        int64_t n_synth = o->steps * o->grad_accum * BT + 1;
+        if (n_synth > RUN_SYNTH_MAX_TOKENS) n_synth = RUN_SYNTH_MAX_TOKENS;
+        MOE_TRY(open_source(&r->train, o->data, "--data", moe_rng_bits(o->seed, RUN_SYNTH_TRAIN_STREAM, 0),
+                            n_synth, known ? r->cfg.vocab_size : MOE_GPT2_VOCAB_SIZE));
+        if (!known) moe_run_default_config(&r->cfg, moe_data_vocab_size(r->train.data));
+        MOE_TRY(check_vocab(r, &r->train, "--data"));
+        if (o->shuffle) moe_data_set_shuffle(r->train.data, 1, o->seed);
+    }
+    /* A second handle even on the same file: evaluation reads from the
+     * start, unshuffled, whatever the training reader does. */
+    const char *val_spec = o->val_data ? o->val_data : o->data;
+    const char *val_flag = o->val_data ? "--val-data" : "--data";
+    MOE_TRY(open_source(&r->val, val_spec, val_flag, moe_rng_bits(o->seed, RUN_SYNTH_VAL_STREAM, 0),
+                        o->eval_batches * BT + 1, r->cfg.vocab_size));
+    MOE_TRY(check_vocab(r, &r->val, val_flag));
+    if (!o->val_data && !is_synthetic(o->data))
+        warn(r, "no --val-data: evaluating on --data %s from its start, which the model also trains on", o->data);
+    r->entropy_floor = NAN;
+    if (r->val.synth.tokens) {
+        MOE_TRY(moe_synth_floor_of(&r->floor, &r->val.synth, o->eval_batches, o->batch_size, o->seq_len));
+        r->entropy_floor = r->floor.nats;
+    }
+    return MOE_OK;
+}
+
+static moe_status build_model(run *r) {
+    const moe_run_options *o = r->o;
+    MOE_TRY(moe_model_create(&r->model, &r->cfg, o->batch_size, o->seq_len, o->seed));
+    const char *weights = o->init_from ? o->init_from : o->resume;
+    if (weights) {
+        moe_status st = moe_checkpoint_load_weights(r->model, weights);
+        if (st != MOE_OK) return moe_error_prefix(st, "%s %s: ", o->init_from ? "--init-from" : "--resume", weights);
+    }
+    moe_optim_config oc = optim_config_of(o);
+    if (o->eval_only) oc.total_steps = 1;
+    MOE_TRY(moe_trainer_create(&r->trainer, r->model, &oc));
+    r->step_flops = moe_model_step_flops(r->model) * (double)o->grad_accum;
+    if (!o->resume) return MOE_OK;
+
+    moe_train_state state;
+    moe_status st = moe_checkpoint_load_state(r->trainer, r->model, &state, o->resume);
+    if (st != MOE_OK) return moe_error_prefix(st, "--resume %s: ", o->resume);
+    /* The seed chose the synthetic streams, the shuffle order and the jitter
+     * noise already built above, so it must be the checkpoint's. */
+    if (state.seed != o->seed)
+        return moe_error(MOE_ERR_CONFIG, "--resume %s: the checkpoint was trained with --seed %llu; pass the same "
+                                         "--seed (got %llu)",
+                         o->resume, (unsigned long long)state.seed, (unsigned long long)o->seed);
+    if (state.step >= o->steps)
+        return moe_error(MOE_ERR_CONFIG, "--resume %s: the checkpoint is at step %lld, --steps %lld leaves nothing "
+                                         "to do",
+                         o->resume, (long long)state.step, (long long)o->steps);
+    /* The checkpoint restored the step count and the jitter counter; the
+     * data reader is the run's. */
+    st = moe_data_set_position(r->train.data, state.data);
+    if (st != MOE_OK) return moe_error_prefix(st, "--resume %s: data position: ", o->resume);
+    return MOE_OK;
+}
+
+/* ----------------------------------------------------------- files */
+
+/* Copies a parsed JSON value into a writer. */
+static void json_copy(moe_json_writer *w, const moe_json *v) {
+    int64_t i64;
+    switch (v->type) {
+    case MOE_JSON_NULL: moe_json_null(w); break;
+    case MOE_JSON_BOOL: moe_json_bool(w, v->boolean); break;
+    case MOE_JSON_NUMBER:
+        if (strpbrk(v->number.text, ".eE") == NULL && moe_json_int64(v, &i64) == MOE_OK)
+            moe_json_int(w, i64);
+        else
+            moe_json_number(w, v->number.value);
+        break;
+    case MOE_JSON_STRING: moe_json_string_n(w, v->string.data, v->string.len); break;
+    case MOE_JSON_ARRAY:
+        moe_json_begin_array(w);
+        for (size_t i = 0; i < v->array.count; i++) json_copy(w, &v->array.items[i]);
+        moe_json_end_array(w);
+        break;
+    case MOE_JSON_OBJECT:
+        moe_json_begin_object(w);
+        for (size_t i = 0; i < v->object.count; i++) {
+            moe_json_key(w, v->object.members[i].key);
+            json_copy(w, &v->object.members[i].value);
+        }
+        moe_json_end_object(w);
+        break;
+    }
+}
+
+static void json_opt_string(moe_json_writer *w, const char *key, const char *s) {
+    moe_json_key(w, key);
+    if (s)
+        moe_json_string(w, s);
+    else
+        moe_json_null(w);
+}
+
+static void write_options(moe_json_writer *w, const moe_run_options *o) {
+    moe_json_begin_object(w);
+    json_opt_string(w, "config", o->config);
+    json_opt_string(w, "init_from", o->init_from);
+    json_opt_string(w, "data", o->data);
+    json_opt_string(w, "val_data", o->val_data);
+    moe_json_key(w, "shuffle");
+    moe_json_bool(w, o->shuffle);
+    moe_json_key(w, "batch_size");
+    moe_json_int(w, o->batch_size);
+    moe_json_key(w, "seq_len");
+    moe_json_int(w, o->seq_len);
+    moe_json_key(w, "steps");
+    moe_json_int(w, o->steps);
+    moe_json_key(w, "lr");
+    moe_json_number(w, o->lr);
+    moe_json_key(w, "min_lr");
+    moe_json_number(w, o->min_lr);
+    moe_json_key(w, "warmup");
+    moe_json_int(w, o->warmup);
+    json_opt_string(w, "lr_schedule", moe_lr_schedule_name(o->lr_schedule));
+    moe_json_key(w, "weight_decay");
+    moe_json_number(w, o->weight_decay);
+    moe_json_key(w, "grad_clip");
+    moe_json_number(w, o->grad_clip);
+    moe_json_key(w, "grad_accum");
+    moe_json_int(w, o->grad_accum);
+    moe_json_key(w, "seed");
+    moe_json_uint(w, o->seed);
+    moe_json_key(w, "threads");
+    moe_json_int(w, o->threads);
+    json_opt_string(w, "out", o->out_dir);
+    moe_json_key(w, "save_every");
+    moe_json_int(w, o->save_every);
+    json_opt_string(w, "resume", o->resume);
+    moe_json_key(w, "eval_every");
+    moe_json_int(w, o->eval_every);
+    moe_json_key(w, "eval_batches");
+    moe_json_int(w, o->eval_batches);
+    moe_json_key(w, "peak_gflops");
+    moe_json_number(w, o->peak_gflops);
+    moe_json_end_object(w);
+}
+
+static moe_status write_run_json(run *r, const moe_run_summary *s, const moe_json *config) {
+    moe_json_writer w;
+    moe_json_writer_init(&w, 2);
+    moe_json_begin_object(&w);
+    moe_json_key(&w, "moe_version");
+    moe_json_string(&w, moe_version_string());
+    json_opt_string(&w, "command_line", r->o->command_line);
+    moe_json_key(&w, "options");
+    write_options(&w, r->o);
+    moe_json_key(&w, "config");
+    json_copy(&w, config);
+    moe_json_key(&w, "params");
+    moe_json_int(&w, s->params);
+    moe_json_key(&w, "active_params");
+    moe_json_int(&w, s->active_params);
+    moe_json_key(&w, "start_step");
+    moe_json_int(&w, s->start_step);
+    moe_json_key(&w, "tokens_per_step");
+    moe_json_int(&w, s->tokens_per_step);
+    moe_json_key(&w, "step_flops");
+    moe_json_number(&w, s->step_flops);
+    moe_json_key(&w, "peak_gflops");
+    moe_json_number(&w, s->peak_gflops);
+    moe_json_key(&w, "peak_measured");
+    moe_json_bool(&w, s->peak_measured);
+    moe_json_key(&w, "threads");
+    moe_json_int(&w, s->threads);
+    json_opt_string(&w, "train_data", s->train_data);
+    json_opt_string(&w, "val_data", s->val_data);
+    if (!isnan(s->entropy_floor)) {
+        moe_json_key(&w, "entropy_floor");
+        moe_json_number(&w, s->entropy_floor);
+    }
+    moe_json_end_object(&w);
+    moe_status st = moe_json_writer_finish(&w);
+    char path[RUN_PATH_BYTES];
+    if (st == MOE_OK) st = path_join(path, r->o->out_dir, "run.json");
+    if (st == MOE_OK) {
+        w.buf[w.len] = '\n'; /* the writer keeps room for its terminator */
+        st = moe_file_write_atomic_buffer(path, w.buf, w.len + 1);
+    }
+    moe_json_writer_free(&w);
+    return st;
+}
+
+/* OUT/config.json, then run.json with that file's contents as its config. */
+static moe_status write_run_files(run *r, const moe_run_summary *s) {
+    char path[RUN_PATH_BYTES];
+    MOE_TRY(moe_mkdir_p(r->o->out_dir));
+    MOE_TRY(path_join(path, r->o->out_dir, "config.json"));
+    MOE_TRY(moe_model_config_save(&r->cfg, path));
+    char *text;
+    size_t len;
+    MOE_TRY(moe_file_read_all(&text, &len, path, RUN_CONFIG_MAX_BYTES));
+    moe_json_doc *doc;
+    moe_status st = moe_json_parse(&doc, text, len, path);
+    free(text);
+    MOE_TRY(st);
+    st = write_run_json(r, s, moe_json_root(doc));
+    moe_json_free(doc);
+    MOE_TRY(st);
+    MOE_TRY(path_join(r->metrics_path, r->o->out_dir, "metrics.jsonl"));
+    r->metrics = fopen(r->metrics_path, r->o->resume ? "a" : "w");
+    if (!r->metrics) return moe_error(MOE_ERR_IO, "%s: cannot open for writing", r->metrics_path);
+    return MOE_OK;
+}
+
+static moe_status append_metrics(run *r, moe_json_writer *w) {
+    moe_status st = moe_json_writer_finish(w);
+    if (st == MOE_OK && (fprintf(r->metrics, "%s\n", w->buf) < 0 || fflush(r->metrics) != 0))
+        st = moe_error(MOE_ERR_IO, "%s: write failed", r->metrics_path);
+    moe_json_writer_free(w);
+    return st;
+}
+
+static moe_status log_step(run *r, const moe_run_step *s) {
+    const moe_step_metrics *m = &s->metrics;
+    moe_json_writer w;
+    moe_json_writer_init(&w, 0);
+    moe_json_begin_object(&w);
+    const struct {
+        const char *key;
+        double value;
+    } fields[] = {
+        {"loss", m->loss},         {"ce_loss", m->ce_loss},     {"aux_loss", m->aux_loss},
+        {"z_loss", m->z_loss},     {"lr", m->lr},               {"grad_norm", m->grad_norm},
+        {"tokens_per_s", s->tokens_per_s}, {"mfu", s->mfu},     {"load_imbalance", m->load_imbalance},
+        {"dropped_frac", m->dropped_frac},
+    };
+    moe_json_key(&w, "step");
+    moe_json_int(&w, m->step);
+    for (size_t i = 0; i < sizeof fields / sizeof *fields; i++) {
+        moe_json_key(&w, fields[i].key);
+        moe_json_number(&w, fields[i].value);
+    }
+    moe_json_end_object(&w);
+    return append_metrics(r, &w);
+}
+
+static moe_status log_eval(run *r, const moe_run_eval *e) {
+    moe_json_writer w;
+    moe_json_writer_init(&w, 0);
+    moe_json_begin_object(&w);
+    moe_json_key(&w, "step");
+    moe_json_int(&w, e->step);
+    moe_json_key(&w, "val_loss");
+    moe_json_number(&w, e->val_loss);
+    if (!isnan(e->entropy_floor)) {
+        moe_json_key(&w, "entropy_floor");
+        moe_json_number(&w, e->entropy_floor);
+    }
+    moe_json_end_object(&w);
+    return append_metrics(r, &w);
+}
+
+/* -------------------------------------------------------------- evaluation */
+
+/* Target i of batch b is stream token b*B*T + i + 1 (moe_synth_floor_of). */
+static void accumulate_kinds(void *ctx, const moe_model *model, const int32_t *targets, int64_t batch) {
+    run *r = ctx;
+    const int64_t BT = moe_model_batch_size(model) * moe_model_seq_len(model);
+    const int64_t L = r->kinds.n_layers, E = r->kinds.n_experts, k = r->kinds.top_k;
+    const uint8_t *kinds = r->val.synth.kinds + batch * BT + 1;
+    const float *losses = moe_model_last_losses(model);
+    for (int64_t i = 0; i < BT; i++) {
+        if (targets[i] < 0) continue;
+        r->kind_loss_sum[kinds[i]] += losses[i];
+        r->kind_tokens[kinds[i]]++;
+    }
+    for (int64_t l = 0; l < L; l++) {
+        const int32_t *topk = moe_model_last_topk(model, l); /* [BT, k] */
+        int64_t *counts = r->route_counts + l * N_KINDS * E;
+        for (int64_t i = 0; i < BT; i++) {
+            if (targets[i] < 0) continue;
+            for (int64_t j = 0; j < k; j++) counts[kinds[i] * E + topk[i * k + j]]++;
+        }
+    }
+}
+
+static void finish_kinds(run *r) {
+    const int64_t L = r->kinds.n_layers, E = r->kinds.n_experts;
+    for (int kind = 0; kind < N_KINDS; kind++) {
+        r->kinds.tokens[kind] = r->kind_tokens[kind];
+        r->kinds.loss[kind] = r->kind_tokens[kind] ? r->kind_loss_sum[kind] / (double)r->kind_tokens[kind] : 0.0;
+        r->kinds.floor[kind] = r->floor.kind_nats[kind];
+        for (int64_t l = 0; l <= L; l++) {
+            int64_t total = 0;
+            for (int64_t e = 0; e < E; e++) {
+                int64_t c = 0;
+                if (l < L)
+                    c = r->route_counts[(l * N_KINDS + kind) * E + e];
+                else
+                    for (int64_t m = 0; m < L; m++) c += r->route_counts[(m * N_KINDS + kind) * E + e];
+                r->routing[(l * N_KINDS + kind) * E + e] = (double)c;
+                total += c;
+            }
+            for (int64_t e = 0; e < E; e++) r->routing[(l * N_KINDS + kind) * E + e] /= total > 0 ? (double)total : 1.0;
+        }
+    }
+}
+
+static moe_status evaluate(run *r, int64_t step, double *val_loss) {
+    const bool synthetic = r->val.synth.tokens != NULL;
+    if (synthetic) {
+        memset(r->kind_loss_sum, 0, sizeof r->kind_loss_sum);
+        memset(r->kind_tokens, 0, sizeof r->kind_tokens);
+        memset(r->route_counts, 0, (size_t)(r->kinds.n_layers * N_KINDS * r->kinds.n_experts) * sizeof *r->route_counts);
+    }
+    MOE_TRY(moe_trainer_eval(r->trainer, r->val.data, r->o->eval_batches, val_loss,
+                             synthetic ? accumulate_kinds : NULL, r));
+    if (synthetic) finish_kinds(r);
+    const moe_run_eval e = {.step = step, .val_loss = *val_loss, .entropy_floor = r->entropy_floor};
+    if (r->metrics) MOE_TRY(log_eval(r, &e));
+    if (r->cb->on_eval) r->cb->on_eval(r->cb->ctx, &e);
+    return MOE_OK;
+}
+
+static moe_status save_checkpoint(run *r) {
+    const moe_train_state state = {
+        .step = moe_trainer_steps_done(r->trainer),
+        .seed = r->o->seed,
+        .jitter_counter = moe_model_jitter_counter(r->model),
+        .data = moe_data_get_position(r->train.data),
+    };
+    MOE_TRY(moe_checkpoint_save(r->last_checkpoint, sizeof r->last_checkpoint, r->o->out_dir, r->model, r->trainer,
+                                &state));
+    if (r->cb->on_checkpoint) r->cb->on_checkpoint(r->cb->ctx, state.step, r->last_checkpoint);
+    return MOE_OK;
+}
+
+static bool due(int64_t step, int64_t every, int64_t last) { return step == last || (every > 0 && step % every == 0); }
+
+static moe_status run_body(run *r, double start) {
+    const moe_run_options *o = r->o;
+    MOE_TRY(open_data(r));
+    MOE_TRY(build_model(r));
+    const int64_t L = r->cfg.num_hidden_layers, E = r->cfg.num_local_experts;
+    r->kinds = (moe_run_kind_report){.n_layers = L, .n_experts = E, .top_k = r->cfg.num_experts_per_tok};
+    r->route_counts = calloc((size_t)(L * N_KINDS * E), sizeof *r->route_counts);
+    r->routing = calloc((size_t)((L + 1) * N_KINDS * E), sizeof *r->routing);
+    if (!r->route_counts || !r->routing) return moe_error(MOE_ERR_OUT_OF_MEMORY, "run: routing histogram");
+    r->kinds.routing = r->routing;
+
+    /* Evaluation alone reports no MFU, so it does not pay for measuring. */
+    r->peak_gflops = o->peak_gflops;
+    if (o->peak_gflops == 0.0) {
+        if (o->eval_only)
+            r->peak_gflops = NAN;
+        else
+            MOE_TRY(moe_measure_sgemm_gflops(&r->peak_gflops));
+    }
+    const moe_run_summary summary = {
+        .config = &r->cfg,
+        .options = o,
+        .params = moe_model_param_count(r->model),
+        .active_params = moe_model_active_param_count(r->model),
+        .start_step = moe_trainer_steps_done(r->trainer),
+        .tokens_per_step = o->batch_size * o->seq_len * o->grad_accum,
+        .step_flops = r->step_flops,
+        .peak_gflops = r->peak_gflops,
+        .peak_measured = o->peak_gflops == 0.0 && !o->eval_only,
+        .entropy_floor = r->entropy_floor,
+        .threads = omp_get_max_threads(),
+        .train_data = o->eval_only ? NULL : r->train.desc,
+        .val_data = r->val.desc,
+    };
+    if (!o->eval_only) MOE_TRY(write_run_files(r, &summary));
+    if (r->cb->on_start) r->cb->on_start(r->cb->ctx, &summary);
+
+    double val_loss = NAN;
+    if (o->eval_only) {
+        MOE_TRY(evaluate(r, 0, &val_loss));
+    } else {
+        double elapsed = 0.0;
+        int64_t timed = 0;
+        for (int64_t step = summary.start_step + 1; step <= o->steps; step++) {
+            moe_run_step s = {.total_steps = o->steps};
+            const double t0 = now_seconds();
+            MOE_TRY(moe_trainer_step(r->trainer, r->train.data, &s.metrics));
+            s.seconds = now_seconds() - t0;
+            elapsed += s.seconds;
+            timed++;
+            s.tokens_per_s = (double)summary.tokens_per_step / s.seconds;
+            s.mfu = r->step_flops / s.seconds / (r->peak_gflops * 1e9);
+            s.elapsed_seconds = elapsed;
+            s.steps_timed = timed;
+            MOE_TRY(log_step(r, &s));
+            if (r->cb->on_step) r->cb->on_step(r->cb->ctx, &s);
+            if (due(step, o->eval_every, o->steps)) MOE_TRY(evaluate(r, step, &val_loss));
+            if (due(step, o->save_every, o->steps)) MOE_TRY(save_checkpoint(r));
+        }
+    }
+    const moe_run_end end = {
+        .steps_done = moe_trainer_steps_done(r->trainer),
+        .val_loss = val_loss,
+        .entropy_floor = r->entropy_floor,
+        .seconds = now_seconds() - start,
+        .kinds = r->val.synth.tokens ? &r->kinds : NULL,
+        .last_checkpoint = r->last_checkpoint,
+    };
+    if (r->cb->on_end) r->cb->on_end(r->cb->ctx, &end);
+    return MOE_OK;
+}
+
+moe_status moe_run(const moe_run_options *opts, const moe_run_callbacks *callbacks) {
+    const double start = now_seconds();
+    MOE_TRY(moe_run_options_validate(opts));
+    if (opts->threads > 0) omp_set_num_threads(opts->threads);
+    const moe_run_callbacks none = {0};
+    run r = {.o = opts, .cb = callbacks ? callbacks : &none};
+    moe_status st = run_body(&r, start);
+    if (r.metrics && fclose(r.metrics) != 0 && st == MOE_OK)
+        st = moe_error(MOE_ERR_IO, "%s: close failed", r.metrics_path);
+    free(r.route_counts);
+    free(r.routing);
+    moe_trainer_destroy(r.trainer);
+    moe_model_destroy(r.model);
+    close_source(&r.train);
+    close_source(&r.val);
+    return st;
+}

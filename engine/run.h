@@ -1,0 +1,170 @@
+/* run.h: one training or evaluation run, from options to checkpoints and
+ * metrics: what `moe-train` does, as a library call, so the driver only
+ * parses flags and prints.
+ *
+ * moe_run builds the data sources, the model config, the model (optionally
+ * its weights from a checkpoint), the trainer, and then steps, evaluates and
+ * saves. It never prints: everything a user sees arrives through the
+ * callbacks, and everything it keeps goes to files under out_dir:
+ *   OUT/run.json          the options, the command line, the full model
+ *                         config, parameter counts, the sgemm peak, and for
+ *                         the synthetic corpus the validation entropy floor
+ *   OUT/config.json       the model config (Hugging Face Mixtral)
+ *   OUT/metrics.jsonl     one JSON object per step (step, loss, ce_loss,
+ *                         aux_loss, z_loss, lr, grad_norm, tokens_per_s, mfu,
+ *                         load_imbalance, dropped_frac) and one per
+ *                         evaluation (step, val_loss, entropy_floor)
+ *   OUT/step-NNNNNN/      checkpoints (checkpoint.h)
+ * A resumed run appends to metrics.jsonl; a fresh one starts it over.
+ * --eval-only writes nothing.
+ *
+ * Data: "synthetic" (the default) trains on one seeded stream of the
+ * built-in corpus and validates on another (seeds derived from --seed);
+ * anything else is a file read at byte level, or, when it holds a glob
+ * character (* ? [) or ends in ".bin", a glob of llm.c token shards.
+ * Without val_data a non-synthetic run validates on the training data itself,
+ * read from its start, and says so through on_warning. */
+#ifndef MOE_ENGINE_RUN_H
+#define MOE_ENGINE_RUN_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "engine/model_config.h"
+#include "engine/synthetic.h"
+#include "engine/trainer.h"
+#include "moe.h"
+
+#define MOE_RUN_SYNTHETIC "synthetic"
+/* llm.c's shards hold GPT-2 tokens: the vocabulary of the default model
+ * when shards are read without a config. */
+#define MOE_GPT2_VOCAB_SIZE 50257
+
+typedef struct moe_run_options {
+    /* Model */
+    const char *config;    /* --config FILE; NULL: --init-from's or --resume's config.json, else the default */
+    const char *init_from; /* --init-from DIR: start from these weights */
+    /* Data */
+    const char *data;      /* --data: "synthetic", a file, or a shard glob */
+    const char *val_data;  /* --val-data; NULL: see the top of this file */
+    bool shuffle;          /* --shuffle the training batches (seeded by --seed) */
+    int64_t batch_size;    /* --batch-size B, sequences per micro-batch */
+    int64_t seq_len;       /* --seq-len T */
+    /* Optimization */
+    int64_t steps;         /* --steps: optimizer steps of the whole run */
+    double lr, min_lr;     /* --lr, --min-lr */
+    int64_t warmup;        /* --warmup steps */
+    moe_lr_schedule lr_schedule;
+    double weight_decay;   /* --weight-decay */
+    double grad_clip;      /* --grad-clip; 0 = off */
+    int64_t grad_accum;    /* --grad-accum micro-batches per step */
+    uint64_t seed;         /* --seed: initial weights, synthetic streams, shuffle, jitter */
+    int threads;           /* --threads; 0: OpenMP's default (all cores) */
+    /* Evaluation and output */
+    const char *out_dir;   /* --out */
+    int64_t save_every;    /* --save-every steps; 0: the last step only */
+    const char *resume;    /* --resume DIR: a checkpoint of this run to continue */
+    int64_t eval_every;    /* --eval-every steps; 0: at the end only */
+    int64_t eval_batches;  /* --eval-batches */
+    bool eval_only;        /* --eval-only: evaluate --init-from and stop */
+    double peak_gflops;    /* --peak-gflops for MFU; 0: measure sgemm at start-up */
+    const char *command_line; /* recorded in run.json; may be NULL */
+} moe_run_options;
+
+/* The built-in default run: moe_run_default_config's model on the synthetic
+ * corpus, 2500 steps of 16 x 64 tokens, ending a few percent above the
+ * entropy floor in well under three minutes on two cores. */
+void moe_run_options_init(moe_run_options *opts);
+
+/* The model a run builds when no config is given. */
+void moe_run_default_config(moe_model_config *cfg, int64_t vocab_size);
+
+/* Checks every option; the error names the flag: "--batch-size 0 must be
+ * positive". */
+moe_status moe_run_options_validate(const moe_run_options *opts);
+
+/* "cosine", "linear", "constant". */
+const char *moe_lr_schedule_name(moe_lr_schedule schedule);
+moe_status moe_lr_schedule_parse(moe_lr_schedule *schedule, const char *name);
+
+/* The sgemm rate of this machine in GFLOP/s: the best of ~0.3 s of square
+ * single-precision products on all OpenMP threads. */
+moe_status moe_measure_sgemm_gflops(double *gflops);
+
+/* ------------------------------------------------------------- reports */
+
+typedef struct moe_run_summary {
+    const moe_model_config *config;
+    const moe_run_options *options;
+    int64_t params, active_params;
+    int64_t start_step;      /* > 0 when resumed */
+    int64_t tokens_per_step; /* B * T * grad_accum */
+    double step_flops;       /* model FLOPs of one optimizer step */
+    double peak_gflops;      /* the MFU denominator; NAN for --eval-only without --peak-gflops */
+    bool peak_measured;      /* false when given by --peak-gflops or not needed */
+    double entropy_floor;    /* of the validation targets; NAN unless synthetic */
+    int threads;
+    const char *train_data;  /* what was opened */
+    const char *val_data;
+} moe_run_summary;
+
+typedef struct moe_run_step {
+    moe_step_metrics metrics; /* metrics.step counts steps done */
+    int64_t total_steps;
+    double seconds;           /* this step's wall time */
+    double tokens_per_s;
+    double mfu;               /* step FLOPs / seconds / peak */
+    double elapsed_seconds;   /* steps of this process so far */
+    int64_t steps_timed;      /* how many steps elapsed_seconds covers */
+} moe_run_step;
+
+typedef struct moe_run_eval {
+    int64_t step;
+    double val_loss;
+    double entropy_floor; /* NAN unless the validation data is synthetic */
+} moe_run_eval;
+
+/* Per kind of the synthetic corpus, over the validation targets of the last
+ * evaluation: mean loss, the floor over the same targets, and where the
+ * router sent that kind's tokens. */
+typedef struct moe_run_kind_report {
+    int64_t n_layers, n_experts, top_k;
+    int64_t tokens[MOE_SYNTH_KIND_COUNT];
+    double loss[MOE_SYNTH_KIND_COUNT];
+    double floor[MOE_SYNTH_KIND_COUNT];
+    /* [n_layers + 1, MOE_SYNTH_KIND_COUNT, n_experts]: block l < n_layers is
+     * layer l's share of the kind's (token, slot) assignments going to each
+     * expert (each row sums to 1); block n_layers is the same summed over
+     * all layers' assignments. */
+    const double *routing;
+} moe_run_kind_report;
+
+typedef struct moe_run_end {
+    int64_t steps_done;
+    double val_loss;
+    double entropy_floor;               /* NAN unless synthetic */
+    double seconds;                     /* the whole call */
+    const moe_run_kind_report *kinds;   /* NULL unless synthetic */
+    const char *last_checkpoint;        /* "" when none was written */
+} moe_run_end;
+
+/* Every callback may be NULL. Pointers passed are valid during the call. */
+typedef struct moe_run_callbacks {
+    void *ctx;
+    void (*on_start)(void *ctx, const moe_run_summary *summary);
+    void (*on_step)(void *ctx, const moe_run_step *step);
+    void (*on_eval)(void *ctx, const moe_run_eval *eval);
+    void (*on_checkpoint)(void *ctx, int64_t step, const char *path);
+    void (*on_end)(void *ctx, const moe_run_end *end);
+    void (*on_warning)(void *ctx, const char *message);
+} moe_run_callbacks;
+
+/* The whole run. callbacks may be NULL. */
+moe_status moe_run(const moe_run_options *opts, const moe_run_callbacks *callbacks);
+
+/* A moe_run_kind_report's routing entry. */
+static inline double moe_run_routing_at(const moe_run_kind_report *r, int64_t layer, int64_t kind, int64_t expert) {
+    return r->routing[(layer * MOE_SYNTH_KIND_COUNT + kind) * r->n_experts + expert];
+}
+
+#endif /* MOE_ENGINE_RUN_H */

@@ -1,0 +1,459 @@
+/* test_train_run.c: whole runs through moe_run (engine/run.h) on tiny
+ * models: the loss falls on the synthetic corpus and the per-kind report
+ * adds up; a resumed run matches an uninterrupted one bit for bit;
+ * --eval-only reproduces the training run's final evaluation exactly; llm.c
+ * shards and byte-level files train; bad options fail naming the flag.
+ *
+ * Every run uses 2 threads (bitwise results hold for a fixed count) and a
+ * given --peak-gflops, so no time goes to measuring sgemm. */
+#define _XOPEN_SOURCE 700
+#include <criterion/criterion.h>
+#include <ftw.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "engine/data.h"
+#include "engine/fileio.h"
+#include "engine/json.h"
+#include "engine/run.h"
+
+#define THREADS 2
+
+/* ------------------------------------------------------------ fixtures */
+
+static char tmp_dir[64];
+
+static void make_tmp(void) {
+    strcpy(tmp_dir, "/tmp/moe-run-XXXXXX");
+    cr_assert(mkdtemp(tmp_dir), "mkdtemp failed");
+}
+
+static int remove_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw) {
+    (void)sb, (void)flag, (void)ftw;
+    return remove(path);
+}
+
+static void remove_tmp(void) { nftw(tmp_dir, remove_entry, 16, FTW_DEPTH | FTW_PHYS); }
+
+static const char *tmp_path(char *buf, const char *name) {
+    snprintf(buf, 512, "%s/%s", tmp_dir, name);
+    return buf;
+}
+
+/* A model small enough for a step in milliseconds, with jitter noise on so
+ * that resuming must restore its counter too. */
+static const char *write_tiny_config(char *path, int64_t vocab) {
+    moe_model_config c;
+    moe_model_config_default_small(&c, vocab);
+    c.hidden_size = 32;
+    c.intermediate_size = 32;
+    c.num_hidden_layers = 2;
+    c.num_attention_heads = 4;
+    c.num_key_value_heads = 2;
+    c.head_dim = 8;
+    c.num_local_experts = 4;
+    c.num_experts_per_tok = 2;
+    c.router_jitter_noise = 0.01;
+    tmp_path(path, "tiny.json");
+    cr_assert_eq(moe_model_config_save(&c, path), MOE_OK, "%s", moe_last_error());
+    return path;
+}
+
+static moe_run_options tiny_options(const char *config, const char *out) {
+    moe_run_options o;
+    moe_run_options_init(&o);
+    o.config = config;
+    o.out_dir = out;
+    o.batch_size = 4;
+    o.seq_len = 32;
+    o.steps = 10;
+    o.lr = 1e-2;
+    o.min_lr = 1e-3;
+    o.warmup = 2;
+    o.eval_every = 0;
+    o.eval_batches = 2;
+    o.threads = THREADS;
+    o.peak_gflops = 10.0;
+    return o;
+}
+
+/* What the callbacks saw. */
+typedef struct seen {
+    int starts, steps, evals, checkpoints, ends, warnings;
+    double first_val, last_val, end_val, floor;
+    int64_t last_step;
+    char checkpoint[512];
+    char warning[1024];
+    bool kinds_ok;
+    moe_run_kind_report kinds;
+    double routing_sum_err; /* worst |row sum - 1| of the routing tables */
+} seen;
+
+static void on_start(void *ctx, const moe_run_summary *s) {
+    seen *v = ctx;
+    v->starts++;
+    v->floor = s->entropy_floor;
+    v->last_step = s->start_step;
+    cr_expect(s->params > s->active_params && s->active_params > 0, "params %lld, active %lld",
+              (long long)s->params, (long long)s->active_params);
+    cr_expect(s->step_flops > 0.0 && s->peak_gflops == 10.0, "step_flops %g, peak %g", s->step_flops,
+              s->peak_gflops);
+}
+
+static void on_step(void *ctx, const moe_run_step *s) {
+    seen *v = ctx;
+    v->steps++;
+    cr_expect_eq(s->metrics.step, v->last_step + 1, "steps out of order: %lld after %lld",
+                 (long long)s->metrics.step, (long long)v->last_step);
+    v->last_step = s->metrics.step;
+    cr_expect(isfinite(s->metrics.loss) && s->tokens_per_s > 0.0 && s->mfu > 0.0, "step %lld: loss %g, tok/s %g",
+              (long long)s->metrics.step, s->metrics.loss, s->tokens_per_s);
+}
+
+static void on_eval(void *ctx, const moe_run_eval *e) {
+    seen *v = ctx;
+    if (v->evals++ == 0) v->first_val = e->val_loss;
+    v->last_val = e->val_loss;
+}
+
+static void on_checkpoint(void *ctx, int64_t step, const char *path) {
+    seen *v = ctx;
+    (void)step;
+    v->checkpoints++;
+    snprintf(v->checkpoint, sizeof v->checkpoint, "%s", path);
+}
+
+static void on_end(void *ctx, const moe_run_end *e) {
+    seen *v = ctx;
+    v->ends++;
+    v->end_val = e->val_loss;
+    v->kinds_ok = e->kinds != NULL;
+    if (!e->kinds) return;
+    v->kinds = *e->kinds;
+    v->kinds.routing = NULL; /* valid only during the call */
+    const moe_run_kind_report *r = e->kinds;
+    for (int64_t l = 0; l <= r->n_layers; l++)
+        for (int k = 0; k < MOE_SYNTH_KIND_COUNT; k++) {
+            if (r->tokens[k] == 0) continue;
+            double sum = 0.0;
+            for (int64_t x = 0; x < r->n_experts; x++) sum += moe_run_routing_at(r, l, k, x);
+            v->routing_sum_err = fmax(v->routing_sum_err, fabs(sum - 1.0));
+        }
+}
+
+static void on_warning(void *ctx, const char *message) {
+    seen *v = ctx;
+    v->warnings++;
+    snprintf(v->warning, sizeof v->warning, "%s", message);
+}
+
+static moe_run_callbacks callbacks(seen *v) {
+    *v = (seen){.first_val = NAN, .last_val = NAN, .end_val = NAN};
+    return (moe_run_callbacks){.ctx = v, .on_start = on_start, .on_step = on_step, .on_eval = on_eval,
+                               .on_checkpoint = on_checkpoint, .on_end = on_end, .on_warning = on_warning};
+}
+
+static void run_ok(const moe_run_options *o, seen *v) {
+    moe_run_callbacks cb = callbacks(v);
+    cr_assert_eq(moe_run(o, &cb), MOE_OK, "moe_run: %s", moe_last_error());
+    cr_assert_eq(v->starts, 1);
+    cr_assert_eq(v->ends, 1);
+}
+
+static char *read_file(const char *path, size_t *size) {
+    char *data;
+    cr_assert_eq(moe_file_read_all(&data, size, path, (size_t)1 << 30), MOE_OK, "%s", moe_last_error());
+    return data;
+}
+
+/* ------------------------------------------------------------- training */
+
+Test(train_run, synthetic_loss_falls, .init = make_tmp, .fini = remove_tmp) {
+    char cfg[512], out[512];
+    moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE), tmp_path(out, "out"));
+    o.steps = 40;
+    o.eval_every = 1; /* the first evaluation sees the nearly untrained model */
+    seen v;
+    run_ok(&o, &v);
+    cr_assert_eq(v.steps, 40);
+    cr_assert_eq(v.evals, 40);
+    cr_assert_eq(v.checkpoints, 1, "only the last step is saved without --save-every");
+    cr_expect(v.last_val < 0.8 * v.first_val, "val loss %.4f -> %.4f: did not fall by 20%%", v.first_val, v.last_val);
+    cr_expect(v.end_val == v.last_val, "on_end val %.9g, last eval %.9g", v.end_val, v.last_val);
+    /* The floor is a true lower bound up to sampling noise on 256 targets. */
+    cr_expect(v.floor > 1.0 && v.last_val > 0.9 * v.floor, "floor %.4f, val %.4f", v.floor, v.last_val);
+
+    /* The per-kind report covers every validation target once, and its
+     * token-weighted means give back the overall loss and floor. */
+    cr_assert(v.kinds_ok, "no per-kind report for synthetic data");
+    int64_t tokens = 0;
+    double loss = 0.0, floor = 0.0;
+    for (int k = 0; k < MOE_SYNTH_KIND_COUNT; k++) {
+        tokens += v.kinds.tokens[k];
+        loss += v.kinds.loss[k] * (double)v.kinds.tokens[k];
+        floor += v.kinds.floor[k] * (double)v.kinds.tokens[k];
+    }
+    const int64_t want = o.eval_batches * o.batch_size * o.seq_len;
+    cr_expect_eq(tokens, want, "per-kind tokens %lld, want %lld", (long long)tokens, (long long)want);
+    cr_expect(fabs(loss / (double)want - v.end_val) <= 1e-6 * v.end_val, "per-kind loss mean %.9g, val %.9g",
+              loss / (double)want, v.end_val);
+    cr_expect(fabs(floor / (double)want - v.floor) <= 1e-9 * v.floor, "per-kind floor mean %.12g, floor %.12g",
+              floor / (double)want, v.floor);
+    cr_expect(v.kinds.n_layers == 2 && v.kinds.n_experts == 4 && v.kinds.top_k == 2);
+    cr_expect(v.routing_sum_err < 1e-12, "a routing row sums to 1 %+g", v.routing_sum_err);
+
+    /* metrics.jsonl: one line per step with every key, one per evaluation. */
+    char path[512];
+    size_t size;
+    char *text = read_file(tmp_path(path, "out/metrics.jsonl"), &size);
+    static const char *const step_keys[] = {"step", "loss", "aux_loss", "z_loss", "lr", "grad_norm",
+                                            "tokens_per_s", "mfu", "load_imbalance", "dropped_frac"};
+    int step_lines = 0, eval_lines = 0;
+    for (char *line = strtok(text, "\n"); line; line = strtok(NULL, "\n")) {
+        moe_json_doc *doc;
+        cr_assert_eq(moe_json_parse(&doc, line, strlen(line), "metrics.jsonl"), MOE_OK, "%s", moe_last_error());
+        const moe_json *root = moe_json_root(doc);
+        if (moe_json_get(root, "val_loss")) {
+            eval_lines++;
+            cr_expect(moe_json_get(root, "entropy_floor") != NULL, "eval line without entropy_floor: %s", line);
+        } else {
+            step_lines++;
+            for (size_t k = 0; k < sizeof step_keys / sizeof *step_keys; k++)
+                cr_expect(moe_json_get(root, step_keys[k]) != NULL, "no %s in %s", step_keys[k], line);
+        }
+        moe_json_free(doc);
+    }
+    free(text);
+    cr_expect_eq(step_lines, 40);
+    cr_expect_eq(eval_lines, 40);
+
+    /* run.json: the config, the options and the floor. */
+    text = read_file(tmp_path(path, "out/run.json"), &size);
+    moe_json_doc *doc;
+    cr_assert_eq(moe_json_parse(&doc, text, size, "run.json"), MOE_OK, "%s", moe_last_error());
+    const moe_json *root = moe_json_root(doc);
+    const moe_json *f = moe_json_get(root, "entropy_floor");
+    cr_expect(f && f->type == MOE_JSON_NUMBER && f->number.value == v.floor, "run.json entropy_floor");
+    const moe_json *hidden = moe_json_get(moe_json_get(root, "config"), "hidden_size");
+    cr_expect(hidden && hidden->type == MOE_JSON_NUMBER && hidden->number.value == 32, "run.json config");
+    const moe_json *steps = moe_json_get(moe_json_get(root, "options"), "steps");
+    cr_expect(steps && steps->type == MOE_JSON_NUMBER && steps->number.value == 40, "run.json options");
+    moe_json_free(doc);
+    free(text);
+}
+
+static bool same_file(const char *a, const char *b) {
+    size_t na, nb;
+    char *da = read_file(a, &na), *db = read_file(b, &nb);
+    bool same = na == nb && memcmp(da, db, na) == 0;
+    free(da);
+    free(db);
+    return same;
+}
+
+/* 10 straight steps against the same run's checkpoint at step 5 resumed for
+ * 5 more: the weights and the optimizer state must match bit for bit.
+ * Shuffled data and jitter noise make the data position and the jitter
+ * counter matter. */
+Test(train_run, resume_is_bitwise_identical, .init = make_tmp, .fini = remove_tmp) {
+    char cfg[512], out_a[512], out_b[512], out_c[512], path_a[512], path_c[512];
+    write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE);
+    moe_run_options o = tiny_options(cfg, tmp_path(out_a, "a"));
+    o.shuffle = true;
+    o.eval_every = 3; /* evaluations in between must not disturb training */
+    seen v;
+    run_ok(&o, &v);
+
+    o.out_dir = tmp_path(out_b, "b");
+    o.save_every = 5;
+    run_ok(&o, &v);
+    cr_assert_eq(v.checkpoints, 2);
+
+    char resume[512];
+    tmp_path(resume, "b/step-000005");
+    o.out_dir = tmp_path(out_c, "c");
+    o.save_every = 0;
+    o.config = NULL;
+    o.resume = resume;
+    run_ok(&o, &v);
+    cr_assert_eq(v.steps, 5, "resumed run took %d steps, want 5", v.steps);
+    cr_assert_eq(v.last_step, 10);
+
+    for (int i = 0; i < 2; i++) {
+        const char *name = i ? "train_state.safetensors" : "model.safetensors";
+        char name_a[64], name_c[64];
+        snprintf(name_a, sizeof name_a, "a/step-000010/%s", name);
+        snprintf(name_c, sizeof name_c, "c/step-000010/%s", name);
+        tmp_path(path_a, name_a);
+        tmp_path(path_c, name_c);
+        cr_expect(same_file(path_a, path_c), "%s differs between 10 steps and 5 + resume + 5", name);
+    }
+
+    /* The seed picked the data and the noise: another one cannot resume. */
+    o.seed += 1;
+    moe_run_callbacks cb = callbacks(&v);
+    cr_assert_neq(moe_run(&o, &cb), MOE_OK);
+    cr_expect(strstr(moe_last_error(), "--seed") != NULL, "message: %s", moe_last_error());
+}
+
+Test(train_run, eval_only_matches_final_eval, .init = make_tmp, .fini = remove_tmp) {
+    char cfg[512], out[512];
+    moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE), tmp_path(out, "out"));
+    seen train;
+    run_ok(&o, &train);
+    cr_assert(isfinite(train.end_val));
+
+    moe_run_options e = tiny_options(NULL, tmp_path(out, "unused"));
+    e.eval_only = true;
+    e.init_from = train.checkpoint;
+    seen eval;
+    run_ok(&e, &eval);
+    cr_expect_eq(eval.steps, 0);
+    cr_expect_eq(eval.evals, 1);
+    cr_expect(eval.end_val == train.end_val, "eval-only %.9g, training's final eval %.9g", eval.end_val,
+              train.end_val);
+    cr_expect(access(out, F_OK) != 0, "--eval-only wrote %s", out);
+}
+
+/* Tokens 0..vocab-1 in a fixed pseudo-random order. */
+static void fill_tokens(int32_t *tokens, int64_t n, int64_t vocab, uint32_t seed) {
+    for (int64_t i = 0; i < n; i++) {
+        seed = seed * 1664525u + 1013904223u;
+        tokens[i] = (int32_t)((seed >> 8) % (uint32_t)vocab);
+    }
+}
+
+Test(train_run, llmc_shards_train, .init = make_tmp, .fini = remove_tmp) {
+    char cfg[512], out[512], path[512], glob[512], val[512];
+    enum { VOCAB = 64, N = 3000 };
+    int32_t tokens[N];
+    for (int s = 0; s < 2; s++) {
+        char name[32];
+        snprintf(name, sizeof name, "train_%02d.bin", s);
+        fill_tokens(tokens, N, VOCAB, (uint32_t)s + 1);
+        cr_assert_eq(moe_data_write_shard(tmp_path(path, name), tokens, N), MOE_OK, "%s", moe_last_error());
+    }
+    fill_tokens(tokens, N, VOCAB, 99);
+    cr_assert_eq(moe_data_write_shard(tmp_path(val, "val_00.bin"), tokens, N), MOE_OK, "%s", moe_last_error());
+
+    moe_run_options o = tiny_options(write_tiny_config(cfg, VOCAB), tmp_path(out, "out"));
+    o.data = tmp_path(glob, "train_*.bin");
+    o.val_data = val;
+    o.steps = 5;
+    seen v;
+    run_ok(&o, &v);
+    cr_expect_eq(v.steps, 5);
+    cr_expect(isfinite(v.end_val) && !v.kinds_ok && isnan(v.floor), "val %g, floor %g", v.end_val, v.floor);
+    cr_expect_eq(v.warnings, 0, "warning: %s", v.warning);
+    cr_expect(access(v.checkpoint, F_OK) == 0, "no checkpoint at %s", v.checkpoint);
+
+    /* A token past the config's vocabulary is refused with the shard named. */
+    write_tiny_config(cfg, VOCAB / 2);
+    moe_run_callbacks cb = callbacks(&v);
+    cr_assert_neq(moe_run(&o, &cb), MOE_OK);
+    cr_expect(strstr(moe_last_error(), "train_00.bin") != NULL, "message: %s", moe_last_error());
+}
+
+Test(train_run, byte_file_trains, .init = make_tmp, .fini = remove_tmp) {
+    char cfg[512], out[512], text_path[512];
+    static const char line[] = "The quick brown fox jumps over the lazy dog; 0123456789.\n";
+    FILE *f = fopen(tmp_path(text_path, "text.txt"), "w");
+    cr_assert(f);
+    for (int i = 0; i < 100; i++) fputs(line, f);
+    fclose(f);
+
+    moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_BYTE_VOCAB_SIZE), tmp_path(out, "out"));
+    o.data = text_path;
+    o.steps = 5;
+    seen v;
+    run_ok(&o, &v);
+    cr_expect_eq(v.steps, 5);
+    cr_expect(isfinite(v.end_val), "val %g", v.end_val);
+    /* Without --val-data the run says it validates on its training data. */
+    cr_expect(v.warnings == 1 && strstr(v.warning, "--val-data"), "warnings %d: %s", v.warnings, v.warning);
+
+    /* Bytes need a vocabulary of 256. */
+    write_tiny_config(cfg, 100);
+    moe_run_callbacks cb = callbacks(&v);
+    cr_assert_eq(moe_run(&o, &cb), MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "--data") && strstr(moe_last_error(), "vocab_size"), "message: %s",
+              moe_last_error());
+}
+
+/* ------------------------------------------------------------- bad options */
+
+typedef struct bad_option {
+    const char *flag; /* must appear in the message */
+    void (*spoil)(moe_run_options *o);
+} bad_option;
+
+static void zero_batch(moe_run_options *o) { o->batch_size = 0; }
+static void negative_seq(moe_run_options *o) { o->seq_len = -3; }
+static void zero_steps(moe_run_options *o) { o->steps = 0; }
+static void negative_lr(moe_run_options *o) { o->lr = -1e-3; }
+static void min_above_lr(moe_run_options *o) { o->min_lr = 2.0 * o->lr; }
+static void negative_warmup(moe_run_options *o) { o->warmup = -1; }
+static void zero_accum(moe_run_options *o) { o->grad_accum = 0; }
+static void nan_clip(moe_run_options *o) { o->grad_clip = NAN; }
+static void negative_decay(moe_run_options *o) { o->weight_decay = -0.1; }
+static void zero_eval_batches(moe_run_options *o) { o->eval_batches = 0; }
+static void negative_eval_every(moe_run_options *o) { o->eval_every = -1; }
+static void negative_save_every(moe_run_options *o) { o->save_every = -5; }
+static void negative_threads(moe_run_options *o) { o->threads = -2; }
+static void negative_peak(moe_run_options *o) { o->peak_gflops = -1.0; }
+static void empty_out(moe_run_options *o) { o->out_dir = ""; }
+static void empty_data(moe_run_options *o) { o->data = ""; }
+static void eval_only_alone(moe_run_options *o) { o->eval_only = true; }
+static void resume_and_init(moe_run_options *o) { o->resume = o->init_from = "somewhere"; }
+static void resume_and_config(moe_run_options *o) { o->resume = "somewhere"; }
+
+Test(train_run, bad_options_name_the_flag) {
+    static const bad_option cases[] = {
+        {"--batch-size", zero_batch},     {"--seq-len", negative_seq},
+        {"--steps", zero_steps},          {"--lr", negative_lr},
+        {"--min-lr", min_above_lr},       {"--warmup", negative_warmup},
+        {"--grad-accum", zero_accum},     {"--grad-clip", nan_clip},
+        {"--weight-decay", negative_decay}, {"--eval-batches", zero_eval_batches},
+        {"--eval-every", negative_eval_every}, {"--save-every", negative_save_every},
+        {"--threads", negative_threads},  {"--peak-gflops", negative_peak},
+        {"--out", empty_out},             {"--data", empty_data},
+        {"--init-from", eval_only_alone}, {"--resume", resume_and_init},
+        {"--config", resume_and_config},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        moe_run_options o = tiny_options("tiny.json", "/nonexistent/out");
+        cr_assert_eq(moe_run_options_validate(&o), MOE_OK, "the base options: %s", moe_last_error());
+        cases[i].spoil(&o);
+        cr_expect_eq(moe_run_options_validate(&o), MOE_ERR_CONFIG, "case %zu (%s) accepted", i, cases[i].flag);
+        cr_expect(strstr(moe_last_error(), cases[i].flag) != NULL, "case %zu: '%s' does not name %s", i,
+                  moe_last_error(), cases[i].flag);
+        /* moe_run checks the same before touching anything. */
+        cr_expect_eq(moe_run(&o, NULL), MOE_ERR_CONFIG, "case %zu: moe_run accepted", i);
+    }
+    moe_lr_schedule s;
+    cr_expect_eq(moe_lr_schedule_parse(&s, "cosin"), MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "--lr-schedule") != NULL, "message: %s", moe_last_error());
+    cr_expect(moe_lr_schedule_parse(&s, "linear") == MOE_OK && s == MOE_LR_LINEAR);
+}
+
+Test(train_run, missing_data_names_flag_and_file, .init = make_tmp, .fini = remove_tmp) {
+    char cfg[512], out[512];
+    moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_BYTE_VOCAB_SIZE), tmp_path(out, "out"));
+    o.data = "/nonexistent/corpus.txt";
+    cr_expect_neq(moe_run(&o, NULL), MOE_OK);
+    cr_expect(strstr(moe_last_error(), "--data") && strstr(moe_last_error(), "/nonexistent/corpus.txt"),
+              "message: %s", moe_last_error());
+    o.data = MOE_RUN_SYNTHETIC;
+    o.val_data = "/nonexistent/val_*.bin";
+    cr_expect_neq(moe_run(&o, NULL), MOE_OK);
+    cr_expect(strstr(moe_last_error(), "--val-data") != NULL, "message: %s", moe_last_error());
+}
+
+Test(train_run, sgemm_peak_is_measured) {
+    double gflops = 0.0;
+    cr_assert_eq(moe_measure_sgemm_gflops(&gflops), MOE_OK, "%s", moe_last_error());
+    cr_expect(gflops > 0.1 && gflops < 1e6, "sgemm peak %g GFLOP/s", gflops);
+}
