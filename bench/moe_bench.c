@@ -16,6 +16,7 @@ static const bench_command commands[] = {
      bench_layer_run},
     {"gemm", "grouped expert GEMMs (GPU: ours and cuBLAS; CPU: OpenBLAS) vs one dense GEMM",
      bench_gemm_run},
+    {"train", "whole training steps of the MoE transformer: tokens/s and MFU vs sgemm", bench_train_run},
 };
 #define N_COMMANDS ((int)(sizeof commands / sizeof commands[0]))
 

@@ -1,0 +1,169 @@
+/* bench_train.c: `moe-bench train`: whole training steps (forward, backward,
+ * AdamW) of the MoE transformer on the synthetic corpus: tokens/s and MFU,
+ * the model FLOPs per second over the sgemm rate of this machine measured in
+ * the same run, right before each model's steps. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bench/moe_bench.h"
+#include "engine/run.h"
+#include "engine/synthetic.h"
+#include "engine/trainer.h"
+
+#define CMD "train"
+#define STREAM_TOKENS 2000000
+
+typedef struct train_shape {
+    const char *name;
+    int64_t d, ff, layers, heads, kv_heads, experts, top_k, B, T;
+} train_shape;
+
+/* The driver's default model, and a larger one whose GEMMs are big enough to
+ * run near the machine's sgemm rate. */
+static const train_shape default_shapes[] = {
+    {"default", 0, 0, 0, 0, 0, 0, 0, 16, 64},
+    {"d512-l8", 512, 1408, 8, 8, 8, 8, 2, 8, 256},
+};
+
+static void usage(void) {
+    printf("usage: moe-bench train [options]\n\n"
+           "Times whole training steps (forward, backward, AdamW) on the synthetic corpus\n"
+           "and reports tokens/s and MFU: model FLOPs per second (6 per active parameter\n"
+           "and token, plus attention) over the sgemm rate measured in the same run just\n"
+           "before each model. Times are medians over the steps.\n\n"
+           "models (default: both):\n"
+           "  --model NAME    default (moe-train's built-in model, B 16 x T 64) or\n"
+           "                  d512-l8 (d_model 512, ff 1408, 8 layers, 8 heads, 8 experts,\n"
+           "                  top-2, B 8 x T 256)\n\n"
+           "timing:\n"
+           "  --warmup N      untimed steps first (default 2)\n"
+           "  --steps N       timed steps (default 5)\n"
+           "  --threads N     OpenMP and OpenBLAS threads (default: every core)\n\n"
+           "output:\n"
+           "  --json          one JSON object per row\n");
+}
+
+static const bench_column columns[] = {
+    {"model", "model", BENCH_STR, -8, 0},
+    {"params_m", "params(M)", BENCH_F64, 10, 2},
+    {"active_m", "active(M)", BENCH_F64, 10, 2},
+    {"tokens_per_step", "tokens", BENCH_INT, 7, 0},
+    {"step_ms", "step_ms", BENCH_F64, 9, 1},
+    {"tokens_per_s", "tokens/s", BENCH_F64, 10, 0},
+    {"gflops", "GFLOP/s", BENCH_F64, 8, 1},
+    {"sgemm_gflops", "sgemm_GFLOP/s", BENCH_F64, 13, 1},
+    {"mfu", "MFU", BENCH_F64, 6, 3},
+};
+
+static int bench_shape(const train_shape *s, const moe_synth_stream *stream, int64_t warmup, int64_t steps,
+                       const bench_table *table) {
+    moe_model_config cfg;
+    moe_run_default_config(&cfg, MOE_SYNTH_VOCAB_SIZE);
+    if (s->d) {
+        cfg.hidden_size = s->d;
+        cfg.intermediate_size = s->ff;
+        cfg.num_hidden_layers = s->layers;
+        cfg.num_attention_heads = s->heads;
+        cfg.num_key_value_heads = s->kv_heads;
+        cfg.head_dim = s->d / s->heads;
+        cfg.num_local_experts = s->experts;
+        cfg.num_experts_per_tok = s->top_k;
+    }
+    moe_model *model = NULL;
+    moe_trainer *trainer = NULL;
+    moe_data *data = NULL;
+    moe_optim_config oc = MOE_OPTIM_CONFIG_INIT;
+    oc.total_steps = warmup + steps;
+    double *ms = calloc((size_t)steps, sizeof *ms), peak = 0.0;
+    int rc = BENCH_EXIT_FAILURE;
+    if (!ms) return rc;
+    if (bench_failed(CMD, "model", moe_model_create(&model, &cfg, s->B, s->T, 1)) ||
+        bench_failed(CMD, "trainer", moe_trainer_create(&trainer, model, &oc)) ||
+        bench_failed(CMD, "data", moe_data_from_tokens(&data, stream->tokens, stream->n, MOE_SYNTH_VOCAB_SIZE,
+                                                       "synthetic")) ||
+        bench_failed(CMD, "sgemm peak", moe_measure_sgemm_gflops(&peak)))
+        goto done;
+    for (int64_t i = 0; i < warmup + steps; i++) {
+        moe_step_metrics m;
+        double t0 = bench_now_seconds();
+        if (bench_failed(CMD, "step", moe_trainer_step(trainer, data, &m))) goto done;
+        if (i >= warmup) ms[i - warmup] = 1e3 * (bench_now_seconds() - t0);
+    }
+    const double step_ms = bench_median(ms, (int)steps), tokens = (double)(s->B * s->T);
+    const double gflops = moe_model_step_flops(model) / (step_ms * 1e-3) * 1e-9;
+    const bench_value row[] = {
+        {.s = s->name},
+        {.f = (double)moe_model_param_count(model) * 1e-6},
+        {.f = (double)moe_model_active_param_count(model) * 1e-6},
+        {.i = s->B * s->T},
+        {.f = step_ms},
+        {.f = tokens / (step_ms * 1e-3)},
+        {.f = gflops},
+        {.f = peak},
+        {.f = gflops / peak},
+    };
+    bench_table_row(table, row);
+    rc = 0;
+done:
+    moe_data_close(data);
+    moe_trainer_destroy(trainer);
+    moe_model_destroy(model);
+    free(ms);
+    return rc;
+}
+
+int bench_train_run(int argc, char **argv) {
+    int64_t warmup = 2, steps = 5, threads = 0;
+    const char *only = NULL;
+    bool json = false;
+    for (int i = 1; i < argc; i++) {
+        const char *v = NULL;
+        int r;
+        if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+            usage();
+            return 0;
+        }
+        if (strcmp(argv[i], "--json") == 0) {
+            json = true;
+            continue;
+        }
+        if ((r = bench_option(argc, argv, &i, CMD, "model", &v)) != 0) {
+            if (r < 0) return BENCH_EXIT_USAGE;
+            only = v;
+        } else if ((r = bench_option(argc, argv, &i, CMD, "warmup", &v)) != 0) {
+            if (r < 0 || !bench_parse_i64(&warmup, CMD, "--warmup", v, 0, 1000)) return BENCH_EXIT_USAGE;
+        } else if ((r = bench_option(argc, argv, &i, CMD, "steps", &v)) != 0) {
+            if (r < 0 || !bench_parse_i64(&steps, CMD, "--steps", v, 1, 100000)) return BENCH_EXIT_USAGE;
+        } else if ((r = bench_option(argc, argv, &i, CMD, "threads", &v)) != 0) {
+            if (r < 0 || !bench_parse_i64(&threads, CMD, "--threads", v, 1, 4096)) return BENCH_EXIT_USAGE;
+        } else {
+            fprintf(stderr, "moe-bench %s: unknown option '%s' (see --help)\n", CMD, argv[i]);
+            return BENCH_EXIT_USAGE;
+        }
+    }
+    const int n_shapes = (int)(sizeof default_shapes / sizeof default_shapes[0]);
+    bool known = only == NULL;
+    for (int s = 0; s < n_shapes; s++) known = known || strcmp(only, default_shapes[s].name) == 0;
+    if (!known) {
+        fprintf(stderr, "moe-bench %s: --model %s: expected default or d512-l8\n", CMD, only);
+        return BENCH_EXIT_USAGE;
+    }
+    if (threads) bench_set_threads((int)threads);
+
+    moe_synth_params sp = moe_synth_default_params();
+    moe_synth_stream stream = {0};
+    if (bench_failed(CMD, "synthetic corpus", moe_synth_generate(&stream, &sp, 1, STREAM_TOKENS)))
+        return BENCH_EXIT_FAILURE;
+    const bench_table table = {.bench = "train", .cols = columns,
+                               .n_cols = (int)(sizeof columns / sizeof columns[0]), .json = json};
+    bench_table_note(&table, "moe-bench train: %d threads, %lld warm-up + %lld timed steps per model",
+                     bench_omp_threads(), (long long)warmup, (long long)steps);
+    bench_table_header(&table);
+    int rc = 0;
+    for (int s = 0; s < n_shapes && rc == 0; s++)
+        if (!only || strcmp(only, default_shapes[s].name) == 0)
+            rc = bench_shape(&default_shapes[s], &stream, warmup, steps, &table);
+    moe_synth_stream_free(&stream);
+    return rc;
+}
