@@ -12,6 +12,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "comm/comm.h"
 #include "common/status.h"
 #include "engine/fileio.h"
 #include "engine/safetensors.h"
@@ -35,6 +36,48 @@
  * prefix, or a layer-numbered name. */
 #define NAME_BYTES (MOE_TENSOR_NAME_BYTES + sizeof EXP_AVG_SQ)
 #define PATH_BYTES 4096
+/* A failing rank's message, as moe_last_error() holds it. */
+#define ERROR_BYTES 1024
+/* Tag of the messages that carry a checkpoint to rank 0. */
+#define GATHER_TAG 4242
+/* Elements per message, within MPI's int counts. */
+#define CHUNK_ELEMENTS ((int64_t)1 << 30)
+
+/* --------------------------------------------------------- ranks agreeing */
+
+/* Every rank of world leaves a collective call with the same outcome:
+ * MOE_OK when every rank had it, else the status and message of the lowest
+ * failing rank (named on the others), so that no rank goes on into a
+ * collective that another has left. st itself on one rank. */
+static moe_status agree(moe_comm *world, moe_status st) {
+    if (!world) return st;
+    const int size = moe_comm_size(world), rank = moe_comm_rank(world);
+    int32_t mine = (int32_t)st, *all = malloc((size_t)size * sizeof *all);
+    if (!all) return moe_error(MOE_ERR_OUT_OF_MEMORY, "checkpoint: statuses of %d ranks", size);
+    moe_status comm = moe_comm_allgather(world, all, &mine, 1, MOE_COMM_I32);
+    int first = -1;
+    for (int r = 0; comm == MOE_OK && r < size && first < 0; r++)
+        if (all[r] != MOE_OK) first = r;
+    const moe_status status = first >= 0 ? (moe_status)all[first] : MOE_OK;
+    free(all);
+    if (comm != MOE_OK || first < 0) return comm;
+    char msg[ERROR_BYTES];
+    if (rank == first) snprintf(msg, sizeof msg, "%s", moe_last_error());
+    comm = moe_comm_broadcast(world, msg, ERROR_BYTES, MOE_COMM_BYTES, first);
+    if (comm != MOE_OK) return comm;
+    if (rank == first) return st;
+    msg[ERROR_BYTES - 1] = '\0';
+    return moe_error(status, "rank %d: %s", first, msg);
+}
+
+/* Expert e's w1, w2 or w3 in one of our layers: a tensor that some rank of
+ * an expert-parallel group holds, not necessarily this one. */
+static bool is_expert_weight(const char *name, int64_t layers, int64_t experts) {
+    long long l, e;
+    int w, end = 0;
+    return sscanf(name, EXPERT_FMT "%n", &l, &e, &w, &end) == 3 && end > 0 && name[end] == '\0' && l >= 0 &&
+           l < layers && e >= 0 && e < experts && w >= 1 && w <= 3;
+}
 
 /* ------------------------------------------------------------------ paths */
 
@@ -97,7 +140,9 @@ static moe_status write_weights(const char *path, moe_model *model) {
     return st;
 }
 
-static moe_status write_state(const char *path, moe_model *model, moe_trainer *trainer, const moe_train_state *s) {
+/* m, v [param_count]: the moments, indexed like model's parameters. */
+static moe_status write_state(const char *path, moe_model *model, const float *m, const float *v,
+                              const moe_train_state *s) {
     const int64_t n = moe_model_tensor_count(model);
     moe_st_entry *entries = malloc((size_t)(2 * n) * sizeof *entries);
     char(*names)[NAME_BYTES] = malloc((size_t)(2 * n) * sizeof *names);
@@ -106,7 +151,6 @@ static moe_status write_state(const char *path, moe_model *model, moe_trainer *t
         free(names);
         return moe_error(MOE_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
     }
-    const float *m = moe_trainer_adam_m(trainer), *v = moe_trainer_adam_v(trainer);
     for (int64_t i = 0; i < n; i++) {
         const moe_model_tensor *t = moe_model_tensor_at(model, i);
         snprintf(names[i], NAME_BYTES, EXP_AVG "%s", t->name);
@@ -133,14 +177,15 @@ static moe_status write_state(const char *path, moe_model *model, moe_trainer *t
 /* Each file goes through the atomic writers, which fsync the file and then
  * the directory holding it, so every entry of dir is durable when this
  * returns. */
-static moe_status write_files(const char *dir, moe_model *model, moe_trainer *trainer, const moe_train_state *s) {
+static moe_status write_files(const char *dir, moe_model *model, const float *m, const float *v,
+                              const moe_train_state *s) {
     char path[PATH_BYTES];
     MOE_TRY(path_join(path, dir, MODEL_FILE));
     MOE_TRY(write_weights(path, model));
     MOE_TRY(path_join(path, dir, CONFIG_FILE));
     MOE_TRY(moe_model_config_save(moe_model_get_config(model), path));
     MOE_TRY(path_join(path, dir, STATE_FILE));
-    return write_state(path, model, trainer, s);
+    return write_state(path, model, m, v, s);
 }
 
 /* Names with our pid can only be left over by a dead process that had the
@@ -179,13 +224,13 @@ static moe_status swap_in(const char *out_dir, const char *final_dir, const char
 /* Writes the checkpoint into tmp_dir and renames it to final_dir; on failure
  * removes tmp_dir and leaves final_dir as it was. */
 static moe_status save_dir(const char *out_dir, const char *final_dir, const char *tmp_dir, const char *old_dir,
-                           moe_model *model, moe_trainer *trainer, const moe_train_state *state) {
+                           moe_model *model, const float *m, const float *v, const moe_train_state *state) {
     MOE_TRY(clear_leftovers(final_dir, tmp_dir, old_dir));
     struct stat sb;
     if (stat(final_dir, &sb) == 0 && !S_ISDIR(sb.st_mode))
         return moe_error(MOE_ERR_IO, "%s exists and is not a directory", final_dir);
     if (mkdir(tmp_dir, 0777) != 0) return moe_error(MOE_ERR_IO, "cannot create %s: %s", tmp_dir, strerror(errno));
-    moe_status st = write_files(tmp_dir, model, trainer, state);
+    moe_status st = write_files(tmp_dir, model, m, v, state);
     if (st == MOE_OK) st = swap_in(out_dir, final_dir, tmp_dir, old_dir);
     /* The first failure is what the caller needs; a temp directory that
      * cannot be removed is cleared by the next save of this step. */
@@ -193,29 +238,242 @@ static moe_status save_dir(const char *out_dir, const char *final_dir, const cha
     return st;
 }
 
+/* ------------------------------------------------------ gather on write */
+
+/* What rank 0 writes: a one-rank model and its moments. */
+typedef struct gathered {
+    moe_model *model;     /* the one-rank layout */
+    float *m, *v;         /* [param_count of model] each, indexed like its parameters */
+    moe_model *own_model; /* created for the gather; NULL when model is the caller's */
+    float *own_state;     /* [2 * param_count]: m and v when gathered */
+} gathered;
+
+static void gathered_free(gathered *g) {
+    moe_model_destroy(g->own_model);
+    free(g->own_state);
+}
+
+/* The values of one tensor that one rank holds: count elements from element
+ * `first` of the tensor whose index in the one-rank table is `tensor`. */
+typedef struct part {
+    int64_t kind, tensor, first, count, numel;
+    const float *src; /* [count], on the rank that holds it */
+} part;
+
+enum { PART_PARAMS, PART_EXP_AVG, PART_EXP_AVG_SQ, PART_KINDS };
+#define PART_FIELDS 5 /* the integers of a part, as they travel */
+
+static bool leads(moe_comm *group) { return !group || moe_comm_rank(group) == 0; }
+
+static moe_model_run_id run_of(const moe_model *model, const moe_model_tensor *t) {
+    return t->offset >= moe_model_get_run(model, MOE_RUN_EXPERTS).offset ? MOE_RUN_EXPERTS : MOE_RUN_DENSE;
+}
+
+static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+/* Fills parts [3 * tensor count] with what this rank contributes, so that
+ * every value has exactly one sender: a run's parameters come from the
+ * first rank of its group, its moments from every rank of the group when
+ * they are sharded, else from the first. Returns how many. */
+static int64_t collect_parts(part *parts, moe_model *model, moe_trainer *trainer) {
+    const float *params = moe_model_params(model);
+    int64_t n = 0;
+    for (int64_t i = 0; i < moe_model_tensor_count(model); i++) {
+        const moe_model_tensor *t = moe_model_tensor_at(model, i);
+        const moe_model_run_id r = run_of(model, t);
+        moe_comm *group = moe_model_get_run(model, r).group;
+        const moe_optim_shard sh = moe_trainer_shard(trainer, r);
+        if (leads(group)) parts[n++] = (part){PART_PARAMS, t->init_stream, 0, t->numel, t->numel, params + t->offset};
+        const int64_t a = max64(t->offset, sh.begin), b = min64(t->offset + t->numel, sh.end);
+        if (a >= b || (sh.shared && !leads(group))) continue;
+        parts[n++] = (part){PART_EXP_AVG, t->init_stream, a - t->offset, b - a, t->numel, sh.m + (a - sh.begin)};
+        parts[n++] = (part){PART_EXP_AVG_SQ, t->init_stream, a - t->offset, b - a, t->numel, sh.v + (a - sh.begin)};
+    }
+    return n;
+}
+
+/* Rank 0's destination: the one-rank model, with the selection biases,
+ * which every rank holds alike, copied from model. */
+static moe_status make_full(gathered *g, moe_model *model) {
+    const moe_model_config *c = moe_model_get_config(model);
+    MOE_TRY(moe_model_create(&g->own_model, c, 1, 1, 0));
+    g->model = g->own_model;
+    const int64_t n = moe_model_param_count(g->model);
+    g->own_state = calloc((size_t)(2 * n), sizeof(float));
+    if (!g->own_state)
+        return moe_error(MOE_ERR_OUT_OF_MEMORY, "checkpoint: AdamW state of %lld parameters", (long long)n);
+    g->m = g->own_state;
+    g->v = g->own_state + n;
+    for (int64_t l = 0; l < c->num_hidden_layers; l++) {
+        const float *bias = moe_model_router_bias(model, l); /* [E] */
+        if (bias) memcpy(moe_model_router_bias(g->model, l), bias, (size_t)c->num_local_experts * sizeof(float));
+    }
+    return MOE_OK;
+}
+
+/* Checks the parts [n] (PART_FIELDS integers each) that arrived at rank 0:
+ * each must lie inside its one-rank tensor, and together they must cover
+ * every value once (they never overlap when each has one sender). */
+static moe_status check_parts(const gathered *g, const int64_t *meta, int64_t n) {
+    const int64_t nt = moe_model_tensor_count(g->model);
+    int64_t covered[PART_KINDS] = {0}, want = 0;
+    for (int64_t i = 0; i < nt; i++) want += moe_model_tensor_at(g->model, i)->numel;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t *p = meta + PART_FIELDS * i;
+        const moe_model_tensor *t = p[1] >= 0 && p[1] < nt ? moe_model_tensor_at(g->model, p[1]) : NULL;
+        if (p[0] < 0 || p[0] >= PART_KINDS || !t || t->numel != p[4] || p[2] < 0 || p[3] <= 0 || p[3] > t->numel - p[2])
+            return moe_error(MOE_ERR_INTERNAL,
+                             "checkpoint gather: part %lld (kind %lld, tensor %lld, [%lld, +%lld) of %lld) does not "
+                             "fit the one-rank model",
+                             (long long)i, (long long)p[0], (long long)p[1], (long long)p[2], (long long)p[3],
+                             (long long)p[4]);
+        covered[p[0]] += p[3];
+    }
+    for (int k = 0; k < PART_KINDS; k++)
+        if (covered[k] != want)
+            return moe_error(MOE_ERR_INTERNAL, "checkpoint gather: %lld of the model's %lld %s arrived",
+                             (long long)covered[k], (long long)want,
+                             k == PART_PARAMS ? "parameters" : k == PART_EXP_AVG ? "exp_avg" : "exp_avg_sq");
+    return MOE_OK;
+}
+
+static float *part_destination(const gathered *g, const int64_t *p) {
+    float *base = p[0] == PART_PARAMS ? moe_model_params(g->model) : p[0] == PART_EXP_AVG ? g->m : g->v;
+    return base + moe_model_tensor_at(g->model, p[1])->offset + p[2];
+}
+
+/* Point-to-point in messages MPI can count. */
+static moe_status send_floats(moe_comm *world, const float *src, int64_t n, int peer) {
+    for (int64_t at = 0; at < n; at += CHUNK_ELEMENTS)
+        MOE_TRY(moe_comm_send(world, src + at, min64(CHUNK_ELEMENTS, n - at), MOE_COMM_F32, peer, GATHER_TAG));
+    return MOE_OK;
+}
+
+static moe_status recv_floats(moe_comm *world, float *dst, int64_t n, int peer) {
+    for (int64_t at = 0; at < n; at += CHUNK_ELEMENTS)
+        MOE_TRY(moe_comm_recv(world, dst + at, min64(CHUNK_ELEMENTS, n - at), MOE_COMM_F32, peer, GATHER_TAG));
+    return MOE_OK;
+}
+
+/* Rank 0 learns every rank's parts [counts[q]] into all_meta and checks
+ * them; the others send theirs (meta). */
+static moe_status exchange_parts(int64_t **all_meta, int64_t *counts, const gathered *g, moe_comm *world,
+                                 const int64_t *meta, int64_t n) {
+    const int size = moe_comm_size(world), rank = moe_comm_rank(world);
+    MOE_TRY(moe_comm_allgather(world, counts, &n, 1, MOE_COMM_I64));
+    int64_t total = 0;
+    for (int q = 0; q < size; q++) total += counts[q];
+    moe_status st = MOE_OK;
+    if (rank == 0) {
+        *all_meta = malloc((size_t)(PART_FIELDS * total) * sizeof **all_meta);
+        if (!*all_meta) st = moe_error(MOE_ERR_OUT_OF_MEMORY, "checkpoint gather: %lld parts", (long long)total);
+    }
+    MOE_TRY(agree(world, st));
+    if (rank != 0) return moe_comm_send(world, meta, PART_FIELDS * n, MOE_COMM_I64, 0, GATHER_TAG);
+    memcpy(*all_meta, meta, (size_t)(PART_FIELDS * n) * sizeof *meta);
+    int64_t at = counts[0];
+    for (int q = 1; q < size; q++) {
+        MOE_TRY(moe_comm_recv(world, *all_meta + PART_FIELDS * at, PART_FIELDS * counts[q], MOE_COMM_I64, q,
+                              GATHER_TAG));
+        at += counts[q];
+    }
+    return check_parts(g, *all_meta, total);
+}
+
+/* Every rank's values to their place in rank 0's one-rank arrays, part by
+ * part, straight from where they live to where they go. */
+static moe_status exchange_values(const gathered *g, moe_comm *world, const part *parts, int64_t n,
+                                  const int64_t *all_meta, const int64_t *counts) {
+    const int size = moe_comm_size(world);
+    if (moe_comm_rank(world) != 0) {
+        for (int64_t i = 0; i < n; i++) MOE_TRY(send_floats(world, parts[i].src, parts[i].count, 0));
+        return MOE_OK;
+    }
+    for (int64_t i = 0; i < n; i++)
+        memcpy(part_destination(g, all_meta + PART_FIELDS * i), parts[i].src, (size_t)parts[i].count * sizeof(float));
+    int64_t at = counts[0];
+    for (int q = 1; q < size; q++)
+        for (int64_t i = 0; i < counts[q]; i++, at++) {
+            const int64_t *p = all_meta + PART_FIELDS * at;
+            MOE_TRY(recv_floats(world, part_destination(g, p), p[3], q));
+        }
+    return MOE_OK;
+}
+
+/* Assembles on rank 0 the one-rank model and moments from the ranks that
+ * hold each value. Collective over the model's world. */
+static moe_status gather(gathered *g, moe_model *model, moe_trainer *trainer) {
+    moe_comm *world = moe_model_world(model);
+    const int64_t nt = moe_model_tensor_count(model);
+    part *parts = malloc((size_t)(3 * nt) * sizeof *parts);
+    int64_t *meta = malloc((size_t)(3 * nt * PART_FIELDS) * sizeof *meta);
+    int64_t *counts = malloc((size_t)moe_comm_size(world) * sizeof *counts), *all_meta = NULL, n = 0;
+    moe_status st = MOE_OK;
+    if (!parts || !meta || !counts)
+        st = moe_error(MOE_ERR_OUT_OF_MEMORY, "checkpoint gather: parts of %lld tensors", (long long)nt);
+    if (st == MOE_OK) {
+        n = collect_parts(parts, model, trainer);
+        for (int64_t i = 0; i < n; i++) {
+            int64_t *p = meta + PART_FIELDS * i;
+            p[0] = parts[i].kind;
+            p[1] = parts[i].tensor;
+            p[2] = parts[i].first;
+            p[3] = parts[i].count;
+            p[4] = parts[i].numel;
+        }
+    }
+    if (st == MOE_OK && moe_comm_rank(world) == 0) st = make_full(g, model);
+    st = agree(world, st);
+    if (st == MOE_OK) st = agree(world, exchange_parts(&all_meta, counts, g, world, meta, n));
+    if (st == MOE_OK) st = exchange_values(g, world, parts, n, all_meta, counts);
+    free(parts);
+    free(meta);
+    free(counts);
+    free(all_meta);
+    return st;
+}
+
+/* Rank 0's part of a save: the files and the swap into place. */
+static moe_status write_checkpoint(const char *out_dir, const char *final_dir, const char *tmp_dir,
+                                   const char *old_dir, const gathered *g, const moe_train_state *state) {
+    MOE_TRY(moe_mkdir_p(out_dir));
+    moe_status st = save_dir(out_dir, final_dir, tmp_dir, old_dir, g->model, g->m, g->v, state);
+    if (st != MOE_OK) return moe_error_prefix(st, "checkpoint %s: ", final_dir);
+    if (exists(old_dir) && remove_tree(old_dir) != MOE_OK)
+        return moe_error_prefix(MOE_ERR_IO, "checkpoint %s was written, but the copy it replaced remains: ", final_dir);
+    return MOE_OK;
+}
+
 moe_status moe_checkpoint_save(char *path, size_t path_bytes, const char *out_dir, moe_model *model,
                                moe_trainer *trainer, const moe_train_state *state) {
     if (!path || path_bytes == 0 || !out_dir || !model || !trainer || !state)
         return moe_error(MOE_ERR_INVALID_ARG, "moe_checkpoint_save: NULL argument");
+    moe_comm *world = moe_model_world(model);
+    moe_status st = MOE_OK;
     if (state->step < 0 || state->step != moe_trainer_steps_done(trainer))
-        return moe_error(MOE_ERR_INVALID_ARG, "moe_checkpoint_save: step %lld is not the trainer's %lld steps done",
-                         (long long)state->step, (long long)moe_trainer_steps_done(trainer));
+        st = moe_error(MOE_ERR_INVALID_ARG, "moe_checkpoint_save: step %lld is not the trainer's %lld steps done",
+                       (long long)state->step, (long long)moe_trainer_steps_done(trainer));
     char name[32], final_dir[PATH_BYTES], tmp_dir[PATH_BYTES], old_dir[PATH_BYTES];
     snprintf(name, sizeof name, "step-%06lld", (long long)state->step);
     const long pid = (long)getpid();
-    MOE_TRY(path_join(final_dir, out_dir, name));
-    MOE_TRY(path_format(tmp_dir, "%s/.%s.tmp-%ld", out_dir, name, pid));
-    MOE_TRY(path_format(old_dir, "%s/.%s.old-%ld", out_dir, name, pid));
-    if (strlen(final_dir) >= path_bytes)
-        return moe_error(MOE_ERR_INVALID_ARG, "%s: path does not fit in %zu bytes", final_dir, path_bytes);
+    if (st == MOE_OK) st = path_join(final_dir, out_dir, name);
+    if (st == MOE_OK) st = path_format(tmp_dir, "%s/.%s.tmp-%ld", out_dir, name, pid);
+    if (st == MOE_OK) st = path_format(old_dir, "%s/.%s.old-%ld", out_dir, name, pid);
+    if (st == MOE_OK && strlen(final_dir) >= path_bytes)
+        st = moe_error(MOE_ERR_INVALID_ARG, "%s: path does not fit in %zu bytes", final_dir, path_bytes);
+    st = agree(world, st);
+    if (st != MOE_OK) return st;
 
-    MOE_TRY(moe_mkdir_p(out_dir));
-    moe_status st = save_dir(out_dir, final_dir, tmp_dir, old_dir, model, trainer, state);
-    if (st != MOE_OK) return moe_error_prefix(st, "checkpoint %s: ", final_dir);
-    snprintf(path, path_bytes, "%s", final_dir);
-    if (exists(old_dir) && remove_tree(old_dir) != MOE_OK)
-        return moe_error_prefix(MOE_ERR_IO, "checkpoint %s was written, but the copy it replaced remains: ", final_dir);
-    return MOE_OK;
+    /* One rank's model and moments are written as they are. */
+    gathered g = {.model = model, .m = moe_trainer_adam_m(trainer), .v = moe_trainer_adam_v(trainer)};
+    if (world) st = gather(&g, model, trainer);
+    if (st == MOE_OK && moe_model_world_rank(model) == 0)
+        st = write_checkpoint(out_dir, final_dir, tmp_dir, old_dir, &g, state);
+    st = agree(world, st);
+    gathered_free(&g);
+    if (st == MOE_OK) snprintf(path, path_bytes, "%s", final_dir);
+    return st;
 }
 
 /* --------------------------------------------------------------- reading */
@@ -331,8 +589,9 @@ static moe_status resolve_weight(source *s, weights_reader *r, const moe_model_t
     return MOE_OK;
 }
 
-/* A tensor the model does not use: an error, unless it is optimizer state
- * or the selection bias of one of our layers (kept by a run with it on). */
+/* A tensor the model does not use: an error, unless it is optimizer state,
+ * the selection bias of one of our layers (kept by a run with it on), or an
+ * expert of our layers that another expert-parallel rank holds. */
 static moe_status check_unused(const weights_reader *r, int64_t layers) {
     for (int64_t i = 0; i < moe_st_dir_tensor_count(r->dir); i++) {
         if (r->used[i]) continue;
@@ -340,6 +599,7 @@ static moe_status check_unused(const weights_reader *r, int64_t layers) {
         long long l;
         int end = 0;
         if (strncmp(name, OPTIMIZER_PREFIX, strlen(OPTIMIZER_PREFIX)) == 0) continue;
+        if (is_expert_weight(name, layers, r->E)) continue;
         if (sscanf(name, BIAS_FMT "%n", &l, &end) == 1 && end > 0 && name[end] == '\0' && l >= 0 && l < layers)
             continue;
         return moe_error(MOE_ERR_FORMAT, "%s: tensor '%s' is not part of this model (a checkpoint of another model?)",
@@ -372,28 +632,29 @@ static moe_status resolve_weights(source *s, int64_t *count, weights_reader *r, 
 
 moe_status moe_checkpoint_load_weights(moe_model *model, const char *dir) {
     if (!model || !dir) return moe_error(MOE_ERR_INVALID_ARG, "moe_checkpoint_load_weights: NULL argument");
-    moe_st_dir *d;
-    MOE_TRY(moe_st_dir_open(&d, dir));
+    moe_st_dir *d = NULL;
     const moe_model_config *c = moe_model_get_config(model);
     const int64_t n = moe_model_tensor_count(model) + c->num_hidden_layers;
     char index_path[PATH_BYTES];
-    moe_status st = path_join(index_path, dir, INDEX_FILE);
-    weights_reader r = {
-        .dir = d,
-        .where = moe_st_dir_shard_count(d) == 1 ? moe_st_path(moe_st_dir_shard(d, 0)) : index_path,
-        .used = calloc((size_t)moe_st_dir_tensor_count(d) + 1, sizeof(bool)),
-        .E = c->num_local_experts,
-        .d = c->hidden_size,
-        .ff = c->intermediate_size,
-    };
-    source *s = malloc((size_t)n * sizeof *s);
-    if (st == MOE_OK && (!r.used || !s)) st = moe_error(MOE_ERR_OUT_OF_MEMORY, "%s: out of memory", dir);
+    weights_reader r = {.E = c->num_local_experts, .d = c->hidden_size, .ff = c->intermediate_size};
+    source *s = NULL;
     int64_t count = 0;
+    moe_status st = moe_st_dir_open(&d, dir);
+    if (st == MOE_OK) st = path_join(index_path, dir, INDEX_FILE);
+    if (st == MOE_OK) {
+        r.dir = d;
+        r.where = moe_st_dir_shard_count(d) == 1 ? moe_st_path(moe_st_dir_shard(d, 0)) : index_path;
+        r.used = calloc((size_t)moe_st_dir_tensor_count(d) + 1, sizeof(bool));
+        s = malloc((size_t)n * sizeof *s);
+        if (!r.used || !s) st = moe_error(MOE_ERR_OUT_OF_MEMORY, "%s: out of memory", dir);
+    }
     if (st == MOE_OK) st = resolve_weights(s, &count, &r, model);
+    /* Every rank finds its tensors before any is changed. */
+    st = agree(moe_model_world(model), st);
     if (st == MOE_OK) copy_sources(s, count);
     free(s);
     free(r.used);
-    moe_st_dir_close(d);
+    if (d) moe_st_dir_close(d);
     return st;
 }
 
@@ -436,45 +697,56 @@ static int cmp_name_ptr(const void *a, const void *b) {
     return strcmp(*(const char *const *)a, *(const char *const *)b);
 }
 
-/* Names the first tensor of f that is not an optimizer moment of a model
- * tensor; called once f was found to hold more tensors than expected. */
-static moe_status name_unknown(const moe_st_file *f, moe_model *model) {
+/* Names the first tensor of f that is neither an optimizer moment of a
+ * model tensor nor one of an expert of our layers that another
+ * expert-parallel rank holds; MOE_OK when there is none. */
+static moe_status check_unknown(const moe_st_file *f, moe_model *model) {
+    const moe_model_config *c = moe_model_get_config(model);
     const int64_t n = moe_model_tensor_count(model);
     const char **names = malloc((size_t)n * sizeof *names);
     if (!names) return moe_error(MOE_ERR_OUT_OF_MEMORY, "%s: out of memory", moe_st_path(f));
     for (int64_t i = 0; i < n; i++) names[i] = moe_model_tensor_at(model, i)->name;
     qsort(names, (size_t)n, sizeof *names, cmp_name_ptr);
-    moe_status st = moe_error(MOE_ERR_FORMAT, "%s: holds %lld tensors, expected %lld", moe_st_path(f),
-                              (long long)moe_st_tensor_count(f), (long long)(2 * n));
+    moe_status st = MOE_OK;
     for (int64_t i = 0; i < moe_st_tensor_count(f); i++) {
         const char *name = moe_st_tensor_at(f, i)->name, *rest = NULL;
         if (strncmp(name, EXP_AVG, strlen(EXP_AVG)) == 0) rest = name + strlen(EXP_AVG);
         if (strncmp(name, EXP_AVG_SQ, strlen(EXP_AVG_SQ)) == 0) rest = name + strlen(EXP_AVG_SQ);
-        if (rest == NULL || !bsearch(&rest, names, (size_t)n, sizeof *names, cmp_name_ptr)) {
-            st = moe_error(MOE_ERR_FORMAT, "%s: tensor '%s' is not an optimizer moment of this model's tensors",
-                           moe_st_path(f), name);
-            break;
-        }
+        if (rest && (bsearch(&rest, names, (size_t)n, sizeof *names, cmp_name_ptr) ||
+                     is_expert_weight(rest, c->num_hidden_layers, c->num_local_experts)))
+            continue;
+        st = moe_error(MOE_ERR_FORMAT, "%s: tensor '%s' is not an optimizer moment of this model's tensors",
+                       moe_st_path(f), name);
+        break;
     }
     free(names);
     return st;
 }
 
-static moe_status resolve_moments(source *s, const moe_st_file *f, moe_model *model, moe_trainer *trainer) {
+/* Fills s [*count] with where this rank's moments come from: for every
+ * tensor, the part inside the parameters whose state this rank keeps. */
+static moe_status resolve_moments(source *s, int64_t *count, const moe_st_file *f, moe_model *model,
+                                  moe_trainer *trainer) {
     const int64_t n = moe_model_tensor_count(model);
-    float *m = moe_trainer_adam_m(trainer), *v = moe_trainer_adam_v(trainer);
-    for (int64_t i = 0; i < 2 * n; i++) {
-        const moe_model_tensor *t = moe_model_tensor_at(model, i % n);
-        char name[NAME_BYTES];
-        snprintf(name, sizeof name, "%s%s", i < n ? EXP_AVG : EXP_AVG_SQ, t->name);
-        const moe_st_tensor *found = moe_st_find(f, name);
-        if (found == NULL) return moe_error(MOE_ERR_FORMAT, "%s: no tensor '%s'", moe_st_path(f), name);
-        MOE_TRY(check_shape(moe_st_path(f), found, t->ndim, t->shape));
-        s[i] = (source){(i < n ? m : v) + t->offset, found, 0, t->numel};
+    int64_t k = 0;
+    for (int r = 0; r < MOE_RUN_COUNT; r++) {
+        const moe_optim_shard sh = moe_trainer_shard(trainer, (moe_model_run_id)r);
+        for (int64_t i = 0; i < 2 * n; i++) {
+            const moe_model_tensor *t = moe_model_tensor_at(model, i % n);
+            const int64_t a = max64(t->offset, sh.begin), b = min64(t->offset + t->numel, sh.end);
+            if (a >= b) continue;
+            char name[NAME_BYTES];
+            snprintf(name, sizeof name, "%s%s", i < n ? EXP_AVG : EXP_AVG_SQ, t->name);
+            const moe_st_tensor *found = moe_st_find(f, name);
+            if (found == NULL) return moe_error(MOE_ERR_FORMAT, "%s: no tensor '%s'", moe_st_path(f), name);
+            MOE_TRY(check_shape(moe_st_path(f), found, t->ndim, t->shape));
+            s[k++] = (source){(i < n ? sh.m : sh.v) + (a - sh.begin), found, a - t->offset, b - a};
+        }
     }
+    *count = k;
     /* Names are unique, so every expected one found and a larger count
-     * means some tensor is not ours. */
-    if (moe_st_tensor_count(f) != 2 * n) return name_unknown(f, model);
+     * means some tensor is not ours, or is another rank's. */
+    if (moe_st_tensor_count(f) != 2 * n) return check_unknown(f, model);
     return MOE_OK;
 }
 
@@ -483,22 +755,28 @@ moe_status moe_checkpoint_load_state(moe_trainer *trainer, moe_model *model, moe
     if (!trainer || !model || !state || !dir)
         return moe_error(MOE_ERR_INVALID_ARG, "moe_checkpoint_load_state: NULL argument");
     char path[PATH_BYTES];
-    MOE_TRY(path_join(path, dir, STATE_FILE));
-    moe_st_file *f;
-    MOE_TRY(moe_st_open(&f, path));
-    const int64_t n = 2 * moe_model_tensor_count(model);
-    source *s = malloc((size_t)n * sizeof *s);
+    moe_st_file *f = NULL;
+    source *s = NULL;
+    int64_t count = 0;
     moe_train_state got;
-    moe_status st = s ? read_meta(&got, f) : moe_error(MOE_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
-    if (st == MOE_OK) st = resolve_moments(s, f, model, trainer);
+    moe_status st = path_join(path, dir, STATE_FILE);
+    if (st == MOE_OK) st = moe_st_open(&f, path);
     if (st == MOE_OK) {
-        copy_sources(s, n);
+        /* A tensor meets at most one run's state, in each moment. */
+        s = malloc((size_t)(2 * moe_model_tensor_count(model)) * sizeof *s);
+        st = s ? read_meta(&got, f) : moe_error(MOE_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
+    }
+    if (st == MOE_OK) st = resolve_moments(s, &count, f, model, trainer);
+    /* Every rank finds its moments before any is changed. */
+    st = agree(moe_model_world(model), st);
+    if (st == MOE_OK) {
+        copy_sources(s, count);
         moe_trainer_set_steps_done(trainer, got.step);
         moe_model_set_jitter_counter(model, got.jitter_counter);
         *state = got;
     }
     free(s);
-    moe_st_close(f);
+    if (f) moe_st_close(f);
     return st;
 }
 

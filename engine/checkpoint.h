@@ -5,7 +5,30 @@
  *   train_state.safetensors  AdamW moments, step, RNG and data position
  * A checkpoint directory appears whole or not at all: it is written under a
  * temporary name, every file fsynced, then renamed into place, so a failure
- * mid-write leaves every earlier checkpoint as it was. */
+ * mid-write leaves every earlier checkpoint as it was.
+ *
+ * On a grid of ranks (a model made by moe_model_create_parallel) save and
+ * both loads are collective over the model's world, and a checkpoint is one
+ * rank's checkpoint: written under any grid (expert parallelism, ZeRO, any
+ * rank count), it loads under any other, and files of the other tools load
+ * on a grid. Writing gathers: rank 0 makes the one-rank model
+ * (moe_model_create) and its two full moments, receives every value straight
+ * into place from the one rank that sends it (a run's parameters from the
+ * first rank of its group, so the dense run from rank 0 and each expert
+ * from its EP rank in the first EP group; the moments from the rank whose
+ * ZeRO block holds them, or from the first of the group when they are not
+ * sharded), checks that every value arrived once, and writes the files a
+ * one-rank run writes, with the same atomic swap. Reading goes by name:
+ * every rank reads the one checkpoint and takes its own tensors, experts
+ * and block of the moments; the files hold the other ranks' experts too.
+ * The price: during a save rank 0 holds the whole one-rank model twice
+ * (parameters and gradients) and its two moments; every rank must see the
+ * directory (a shared file system across nodes). In exchange the format,
+ * the atomicity and every reader stay those of one rank, and re-sharding is
+ * free on load. A failure on any rank fails the call on every rank: the
+ * ranks agree, before returning, on the status and message of the lowest
+ * failing rank (named in the others' message), so none goes on alone into
+ * a collective; a load that fails on any rank changes nothing on any. */
 #ifndef MOE_ENGINE_CHECKPOINT_H
 #define MOE_ENGINE_CHECKPOINT_H
 
@@ -27,8 +50,9 @@ typedef struct moe_train_state {
 } moe_train_state;
 
 /* Writes OUT/step-NNNNNN for state->step (six digits, more from 10^6 on),
- * creating OUT as needed, and puts its path in path [path_bytes].
- * state->step must equal the trainer's steps done. model.safetensors holds
+ * creating OUT as needed, and puts its path in path [path_bytes] (on every
+ * rank; rank 0 writes). state->step must equal the trainer's steps done;
+ * state must be the same on every rank. model.safetensors holds
  * every model tensor in the model's order (norms 1-D) and, when the
  * selection bias is on, model.layers.N.block_sparse_moe.gate.
  * e_score_correction_bias [E]; train_state.safetensors holds
@@ -54,7 +78,8 @@ moe_status moe_checkpoint_save(char *path, size_t path_bytes, const char *out_di
  * first, and mlp.experts.down_proj [E, d, ff], with mlp.gate.weight), tensor
  * by tensor, the own name looked for first. Every tensor of the model must be
  * found with the right shape; a tensor the model does not have is an error
- * (a checkpoint of another model), except optimizer.* ones.
+ * (a checkpoint of another model), except optimizer.* ones and the experts
+ * of our layers that other expert-parallel ranks hold.
  * The selection bias e_score_correction_bias [E] is read when the model has
  * it on, and is zero when the file lacks it; a model with it off ignores the
  * file's (it only steers which experts are chosen, never the weights they
@@ -65,14 +90,17 @@ moe_status moe_checkpoint_load_weights(moe_model *model, const char *dir);
 /* Loads AdamW moments and the state written by moe_checkpoint_save from
  * dir/train_state.safetensors: sets the trainer's steps done, its moments,
  * the model's jitter counter, and *state (the caller moves its data source
- * to state->data). Every optimizer tensor must be there with its model
- * tensor's shape and no other tensor may be; the metadata integers must be
+ * to state->data). Every optimizer tensor of the parameters whose state the
+ * trainer keeps (moe_trainer_shard) must be there with its model tensor's
+ * shape, and no tensor but the moments of the model's tensors and of the
+ * other ranks' experts may be; the metadata integers must be
  * plain decimal digits in range. Errors name the file and the tensor or
  * key; on error nothing is changed. */
 moe_status moe_checkpoint_load_state(moe_trainer *trainer, moe_model *model, moe_train_state *state,
                                      const char *dir);
 
-/* Reads dir/config.json (model_config.h's rules). */
+/* Reads dir/config.json (model_config.h's rules). Not collective: each rank
+ * reads it before its model exists (moe_grid_agree then compares them). */
 moe_status moe_checkpoint_load_config(moe_model_config *cfg, const char *dir, moe_warn_fn warn, void *warn_ctx);
 
 #endif /* MOE_ENGINE_CHECKPOINT_H */

@@ -46,8 +46,10 @@ struct moe_model {
     int64_t n_tensors;
     moe_model_tensor *tensors; /* [n_tensors] */
     int64_t *layer_first;      /* [L] first tensor of each layer */
-    int64_t n_params;          /* all of them: the shared run, then this rank's experts */
-    int64_t n_dense;           /* the first run: what every rank holds */
+    int64_t n_params;          /* length of the arrays: the dense run, then this rank's experts, each padded */
+    int64_t n_dense;           /* parameters of the first run: what every rank holds */
+    int64_t expert_offset;     /* where the second run starts */
+    int64_t n_expert;          /* parameters of the second run: this rank's experts */
     int64_t n_init_streams;    /* tensors of the one-rank table so far */
     float *params, *grads;     /* one allocation each */
     moe_layer **moe;           /* [L] */
@@ -99,11 +101,15 @@ static void add_tensor(moe_model *m, int ndim, int64_t rows, int64_t cols, bool 
     m->n_params += t->numel;
 }
 
+static int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
+
 /* The tensor table, and where each tensor lives. Parameters (and gradients)
  * are two runs: first everything every rank holds (embedding, attention,
  * norms, routers, shared experts, head), then the experts this rank holds,
- * so the data-parallel reduction is one call per run. A layer's MoE tensors
- * are placeholders here; the layer names them once it exists. */
+ * so the data-parallel reduction is one call per run. Each run is padded
+ * with zeros to a multiple of the ranks that share it, so that sharding the
+ * optimizer state splits it into equal blocks. A layer's MoE tensors are
+ * placeholders here; the layer names them once it exists. */
 static moe_status build_tensors(moe_model *m, const moe_layer_config *lc) {
     const moe_model_config *c = &m->cfg;
     const int64_t C = c->hidden_size, V = c->vocab_size, hd = c->head_dim;
@@ -135,10 +141,10 @@ static moe_status build_tensors(moe_model *m, const moe_layer_config *lc) {
     add_tensor(m, 1, C, 1, false, "model.norm.weight");
     add_tensor(m, 2, V, C, true, "lm_head.weight");
     m->n_dense = m->n_params;
-    for (int64_t l = 0; l < L; l++) {
-        m->moe_off[l].experts = m->n_params;
-        m->n_params += n_local * 3 * lc->d_ff * C;
-    }
+    m->expert_offset = round_up(m->n_dense, m->world_size);
+    m->n_expert = L * n_local * 3 * lc->d_ff * C;
+    for (int64_t l = 0; l < L; l++) m->moe_off[l].experts = m->expert_offset + l * n_local * 3 * lc->d_ff * C;
+    m->n_params = m->expert_offset + round_up(m->n_expert, m->replicas ? moe_comm_size(m->replicas) : 1);
     return MOE_OK;
 }
 
@@ -322,6 +328,7 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_model_config *cf
         moe_model_destroy(m);
         return st;
     }
+    memset(m->params, 0, (size_t)m->n_params * sizeof(float)); /* the padding */
     for (int64_t i = 0; i < m->n_tensors; i++) {
         const moe_model_tensor *t = &m->tensors[i];
         float *p = m->params + t->offset;
@@ -370,6 +377,13 @@ const moe_model_tensor *moe_model_find_tensor(const moe_model *m, const char *na
     return NULL;
 }
 int64_t moe_model_param_count(const moe_model *m) { return m->n_params; }
+
+moe_model_run moe_model_get_run(const moe_model *m, moe_model_run_id run) {
+    if (run == MOE_RUN_DENSE)
+        return (moe_model_run){.offset = 0, .count = m->n_dense, .padded = m->expert_offset, .group = m->world};
+    return (moe_model_run){.offset = m->expert_offset, .count = m->n_expert, .padded = m->n_params - m->expert_offset,
+                           .group = m->replicas};
+}
 float *moe_model_params(moe_model *m) { return m->params; }
 float *moe_model_grads(moe_model *m) { return m->grads; }
 
@@ -397,9 +411,9 @@ const int32_t *moe_model_last_topk(const moe_model *m, int64_t l) { return moe_l
 
 int64_t moe_model_active_param_count(const moe_model *m) {
     const moe_model_config *c = &m->cfg;
+    /* The dense run and top_k experts per layer, whichever rank holds them. */
     int64_t per_expert = 3 * c->hidden_size * c->intermediate_size;
-    int64_t skipped = c->num_hidden_layers * (c->num_local_experts - c->num_experts_per_tok) * per_expert;
-    return m->n_params - skipped;
+    return m->n_dense + c->num_hidden_layers * c->num_experts_per_tok * per_expert;
 }
 
 double moe_model_step_flops(const moe_model *m) {
@@ -574,7 +588,7 @@ moe_status moe_model_finish_grad_sync(moe_model *m) {
 moe_status moe_model_grad_sumsq(moe_model *m, double *out) {
     double dense, experts;
     m->ops->sumsq(&dense, m->grads, m->n_dense);
-    m->ops->sumsq(&experts, m->grads + m->n_dense, m->n_params - m->n_dense);
+    m->ops->sumsq(&experts, m->grads + m->expert_offset, m->n_expert);
     /* Each EP rank holds different experts: their squares add up. */
     if (m->ep && moe_comm_size(m->ep) > 1) MOE_TRY(moe_comm_allreduce_sum(m->ep, &experts, 1, MOE_COMM_F64));
     *out = dense + experts;

@@ -59,11 +59,32 @@ moe_comm *moe_model_world(const moe_model *model);
 int64_t moe_model_tensor_count(const moe_model *model);
 const moe_model_tensor *moe_model_tensor_at(const moe_model *model, int64_t index);
 const moe_model_tensor *moe_model_find_tensor(const moe_model *model, const char *name);
+/* The length of the parameter and gradient arrays: every tensor, plus the
+ * zeros that pad the runs on several ranks (moe_model_run). */
 int64_t moe_model_param_count(const moe_model *model);
 float *moe_model_params(moe_model *model); /* [param_count] */
 float *moe_model_grads(moe_model *model);  /* [param_count] */
 
-/* Parameters touched by one token: everything but the experts it skips. */
+/* The arrays hold two runs: the dense one (embedding, attention, norms,
+ * routers, shared experts, head), the same on every rank, then this rank's
+ * experts, the same on the ranks of its replica group. Each run is padded
+ * with zeros to a multiple of its group's size, so a reduce-scatter or an
+ * all-gather over the group moves equal blocks (optimizer-state sharding);
+ * no tensor lies in the padding and nothing writes there. */
+typedef enum moe_model_run_id { MOE_RUN_DENSE = 0, MOE_RUN_EXPERTS, MOE_RUN_COUNT } moe_model_run_id;
+
+typedef struct moe_model_run {
+    int64_t offset;  /* its first element in the arrays */
+    int64_t count;   /* its parameters, from offset */
+    int64_t padded;  /* count rounded up to a multiple of the group's size */
+    moe_comm *group; /* the ranks that hold the same values and sum their gradients: the
+                        world (dense) or the expert replicas; NULL: this rank alone */
+} moe_model_run;
+
+moe_model_run moe_model_get_run(const moe_model *model, moe_model_run_id run);
+
+/* Parameters touched by one token: the dense run and top_k experts per
+ * layer, on any grid. */
 int64_t moe_model_active_param_count(const moe_model *model);
 /* Training FLOPs of one forward + backward over B*T tokens (matmuls, the
  * active experts and attention's two T x T products), for MFU. */

@@ -1,6 +1,7 @@
 /* trainer.c: one step = grad_accum micro-batches forward and backward, the
  * global gradient norm, clipping, and AdamW tensor by tensor (weight decay
- * only where the tensor table says so). */
+ * only where the tensor table says so), on the whole model or, with ZeRO,
+ * on this rank's block of each run. */
 #include "engine/trainer.h"
 
 #include <math.h>
@@ -11,14 +12,30 @@
 #include "common/status.h"
 #include "kernels/ops.h"
 
+/* The optimizer's view of one run of the model's arrays. */
+typedef struct optim_run {
+    moe_model_run run;
+    moe_comm *group;       /* the run's group when its state is sharded; NULL: kept whole */
+    int64_t block;         /* sharded: padded / group size, this rank's share of the run */
+    moe_optim_shard shard; /* the parameters this rank updates and their moments */
+    int64_t state_at;      /* where its moments start in each half of state */
+    int64_t grad_at;       /* where its block starts in grad_blocks */
+    float *grad;           /* [block] summed by the reduce-scatter when sharded, else the model's
+                              gradients from shard.begin: what the update reads */
+} optim_run;
+
 struct moe_trainer {
     moe_model *model;
     moe_optim_config cfg;
     const moe_ops *ops;
     int64_t steps_done;
-    float *m, *v;       /* [n_params] each, one allocation */
-    int32_t *inputs;    /* [B, T] */
-    int32_t *targets;   /* [B, T] */
+    optim_run runs[MOE_RUN_COUNT];
+    bool sharded;        /* some run is */
+    int64_t state_count; /* moments of each kind this rank keeps */
+    float *state;        /* [2 * state_count]: m, then v */
+    float *grad_blocks;  /* [sum of the sharded runs' blocks]; NULL when none is */
+    int32_t *inputs;     /* [B, T] */
+    int32_t *targets;    /* [B, T] */
 };
 
 moe_status moe_optim_config_validate(const moe_optim_config *c) {
@@ -38,6 +55,7 @@ moe_status moe_optim_config_validate(const moe_optim_config *c) {
     if (!isfinite(c->grad_clip) || c->grad_clip < 0.0)
         return moe_error(MOE_ERR_CONFIG, "--grad-clip %g must be finite and not negative", c->grad_clip);
     if (c->grad_accum <= 0) return moe_error(MOE_ERR_CONFIG, "--grad-accum %lld must be positive", (long long)c->grad_accum);
+    if (c->zero != 0 && c->zero != 1) return moe_error(MOE_ERR_CONFIG, "--zero %d must be 0 or 1", c->zero);
     return MOE_OK;
 }
 
@@ -52,6 +70,50 @@ double moe_lr_at(const moe_optim_config *c, int64_t step) {
     return c->min_lr + (c->lr - c->min_lr) * frac;
 }
 
+/* Which parameters each run's state covers and where its moments go;
+ * returns the length of the reduce-scatter results. Unsharded, the moments
+ * are indexed like the parameters (the layout of one rank); sharded, the
+ * runs' states follow each other. */
+static int64_t plan_runs(moe_trainer *t) {
+    for (int r = 0; r < MOE_RUN_COUNT; r++) {
+        optim_run *o = &t->runs[r];
+        o->run = moe_model_get_run(t->model, (moe_model_run_id)r);
+        o->group = t->cfg.zero && o->run.group ? o->run.group : NULL;
+        t->sharded |= o->group != NULL;
+    }
+    int64_t state = 0, grad = 0;
+    for (int r = 0; r < MOE_RUN_COUNT; r++) {
+        optim_run *o = &t->runs[r];
+        moe_optim_shard *s = &o->shard;
+        const int64_t run_end = o->run.offset + o->run.count;
+        s->begin = o->run.offset;
+        s->end = run_end;
+        if (o->group) {
+            o->block = o->run.padded / moe_comm_size(o->group);
+            s->begin += moe_comm_rank(o->group) * o->block;
+            s->end = s->begin + o->block < run_end ? s->begin + o->block : run_end;
+            if (s->end < s->begin) s->end = s->begin;
+        }
+        s->shared = o->group == NULL && o->run.group != NULL;
+        o->state_at = t->sharded ? state : s->begin;
+        o->grad_at = grad;
+        state += o->group ? o->block : s->end - s->begin;
+        grad += o->group ? o->block : 0;
+    }
+    t->state_count = t->sharded ? state : moe_model_param_count(t->model);
+    return grad;
+}
+
+static void carve_runs(moe_trainer *t) {
+    float *grads = moe_model_grads(t->model);
+    for (int r = 0; r < MOE_RUN_COUNT; r++) {
+        optim_run *o = &t->runs[r];
+        o->shard.m = t->state + o->state_at;
+        o->shard.v = t->state + t->state_count + o->state_at;
+        o->grad = o->group ? t->grad_blocks + o->grad_at : grads + o->shard.begin;
+    }
+}
+
 moe_status moe_trainer_create(moe_trainer **out, moe_model *model, const moe_optim_config *cfg) {
     if (!out || !model) return moe_error(MOE_ERR_INVALID_ARG, "moe_trainer_create: NULL argument");
     *out = NULL;
@@ -61,30 +123,36 @@ moe_status moe_trainer_create(moe_trainer **out, moe_model *model, const moe_opt
     t->model = model;
     t->cfg = *cfg;
     t->ops = moe_cpu_ops();
-    const int64_t n = moe_model_param_count(model), BT = moe_model_batch_size(model) * moe_model_seq_len(model);
-    t->m = calloc((size_t)(2 * n), sizeof(float));
+    const int64_t BT = moe_model_batch_size(model) * moe_model_seq_len(model);
+    const int64_t grad_blocks = plan_runs(t);
+    t->state = calloc((size_t)(2 * t->state_count), sizeof(float));
+    t->grad_blocks = grad_blocks ? calloc((size_t)grad_blocks, sizeof(float)) : NULL;
     t->inputs = calloc((size_t)(2 * BT), sizeof(int32_t));
-    if (!t->m || !t->inputs) {
+    if (!t->state || (grad_blocks && !t->grad_blocks) || !t->inputs) {
         moe_trainer_destroy(t);
-        return moe_error(MOE_ERR_OUT_OF_MEMORY, "trainer: AdamW state for %lld parameters", (long long)n);
+        return moe_error(MOE_ERR_OUT_OF_MEMORY, "trainer: AdamW state for %lld parameters",
+                         (long long)t->state_count);
     }
-    t->v = t->m + n;
     t->targets = t->inputs + BT;
+    carve_runs(t);
     *out = t;
     return MOE_OK;
 }
 
 void moe_trainer_destroy(moe_trainer *t) {
     if (!t) return;
-    free(t->m);
+    free(t->state);
+    free(t->grad_blocks);
     free(t->inputs);
     free(t);
 }
 
 int64_t moe_trainer_steps_done(const moe_trainer *t) { return t->steps_done; }
 void moe_trainer_set_steps_done(moe_trainer *t, int64_t steps) { t->steps_done = steps; }
-float *moe_trainer_adam_m(moe_trainer *t) { return t->m; }
-float *moe_trainer_adam_v(moe_trainer *t) { return t->v; }
+float *moe_trainer_adam_m(moe_trainer *t) { return t->sharded ? NULL : t->state; }
+float *moe_trainer_adam_v(moe_trainer *t) { return t->sharded ? NULL : t->state + t->state_count; }
+moe_optim_shard moe_trainer_shard(moe_trainer *t, moe_model_run_id run) { return t->runs[run].shard; }
+int64_t moe_trainer_optimizer_bytes(const moe_trainer *t) { return 2 * t->state_count * (int64_t)sizeof(float); }
 
 /* Each rank's losses are means over its rows; the step's are over the world
  * (every rank has the same number of rows). */
@@ -96,6 +164,91 @@ static moe_status world_mean(moe_model *model, double *a, double *b) {
     *a = v[0] / moe_model_world_size(model);
     *b = v[1] / moe_model_world_size(model);
     return MOE_OK;
+}
+
+/* Waits for reqs [n], all of them whatever fails, and returns the first
+ * failure under what. */
+static moe_status wait_all(moe_comm_request *reqs, int n, moe_status st, const char *what) {
+    for (int i = 0; i < n; i++) {
+        moe_status w = moe_comm_wait(&reqs[i]);
+        if (st == MOE_OK && w != MOE_OK) st = w;
+    }
+    return st == MOE_OK ? MOE_OK : moe_error_prefix(st, "%s: ", what);
+}
+
+/* Each sharded run's gradients summed over its group, this rank's block of
+ * the sum into its grad; both runs in flight at once. */
+static moe_status scatter_grads(moe_trainer *t) {
+    const float *grads = moe_model_grads(t->model);
+    moe_comm_request reqs[MOE_RUN_COUNT];
+    moe_status st = MOE_OK;
+    int n = 0;
+    for (int r = 0; r < MOE_RUN_COUNT && st == MOE_OK; r++) {
+        const optim_run *o = &t->runs[r];
+        if (!o->group) continue;
+        reqs[n] = (moe_comm_request)MOE_COMM_REQUEST_INIT;
+        st = moe_comm_ireduce_scatter_sum(o->group, &reqs[n++], o->grad, grads + o->run.offset, o->block,
+                                          MOE_COMM_F32);
+    }
+    return wait_all(reqs, n, st, "gradient reduce-scatter");
+}
+
+/* Every rank's updated block back into every rank's parameters. The blocks
+ * go out from the gradient blocks, which are spent by now, because the
+ * destination of an all-gather may not hold its source. */
+static moe_status gather_params(moe_trainer *t) {
+    float *params = moe_model_params(t->model);
+    moe_comm_request reqs[MOE_RUN_COUNT];
+    moe_status st = MOE_OK;
+    int n = 0;
+    for (int r = 0; r < MOE_RUN_COUNT && st == MOE_OK; r++) {
+        optim_run *o = &t->runs[r];
+        if (!o->group) continue;
+        memcpy(o->grad, params + o->shard.begin, (size_t)o->block * sizeof(float));
+        reqs[n] = (moe_comm_request)MOE_COMM_REQUEST_INIT;
+        st = moe_comm_iallgather(o->group, &reqs[n++], params + o->run.offset, o->grad, o->block, MOE_COMM_F32);
+    }
+    return wait_all(reqs, n, st, "parameter all-gather");
+}
+
+/* The squared norm of the whole model's gradient. Sharded, the blocks of all
+ * ranks (with the runs kept whole, which then differ from rank to rank)
+ * cover every parameter once. */
+static moe_status grad_sumsq(moe_trainer *t, double *out) {
+    if (!t->sharded) return moe_model_grad_sumsq(t->model, out);
+    double total = 0.0;
+    for (int r = 0; r < MOE_RUN_COUNT; r++) {
+        const optim_run *o = &t->runs[r];
+        double part;
+        t->ops->sumsq(&part, o->grad, o->shard.end - o->shard.begin);
+        total += part;
+    }
+    moe_comm *world = moe_model_world(t->model);
+    if (world) MOE_TRY(moe_comm_allreduce_sum(world, &total, 1, MOE_COMM_F64));
+    *out = total;
+    return MOE_OK;
+}
+
+/* AdamW on the parameters this rank updates, tensor by tensor: a tensor cut
+ * by a block boundary keeps its weight-decay flag on either side. */
+static void update(moe_trainer *t, float lr) {
+    const moe_optim_config *c = &t->cfg;
+    moe_model *model = t->model;
+    float *params = moe_model_params(model);
+    const int64_t adam_t = t->steps_done + 1;
+    for (int r = 0; r < MOE_RUN_COUNT; r++) {
+        const optim_run *o = &t->runs[r];
+        const moe_optim_shard *s = &o->shard;
+        for (int64_t i = 0; i < moe_model_tensor_count(model); i++) {
+            const moe_model_tensor *tensor = moe_model_tensor_at(model, i);
+            const int64_t a = tensor->offset > s->begin ? tensor->offset : s->begin;
+            const int64_t b = tensor->offset + tensor->numel < s->end ? tensor->offset + tensor->numel : s->end;
+            if (a >= b) continue;
+            const int64_t k = a - s->begin;
+            t->ops->adamw(params + a, s->m + k, s->v + k, o->grad + k, b - a, lr, (float)c->beta1, (float)c->beta2,
+                          (float)c->eps, tensor->decay ? (float)c->weight_decay : 0.0f, adam_t);
+        }
+    }
 }
 
 moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *metrics) {
@@ -115,7 +268,8 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
         MOE_TRY(moe_data_next_batch(data, t->inputs, t->targets, (int64_t)W * B, (int64_t)rank * B, B, T));
         moe_model_stats s;
         MOE_TRY(moe_model_forward(model, t->inputs, t->targets, &s));
-        moe_model_set_grad_sync(model, micro + 1 == c->grad_accum);
+        /* Sharded, every run with a group is reduce-scattered instead. */
+        moe_model_set_grad_sync(model, !t->sharded && micro + 1 == c->grad_accum);
         MOE_TRY(moe_model_backward(model, t->inputs, t->targets, micro_scale));
         sum.loss += s.loss;
         sum.ce_loss += s.ce_loss;
@@ -127,12 +281,11 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
     }
 
     MOE_TRY(moe_model_finish_grad_sync(model));
+    if (t->sharded) MOE_TRY(scatter_grads(t));
     MOE_TRY(world_mean(model, &sum.loss, &sum.ce_loss));
 
-    const int64_t n = moe_model_param_count(model);
-    float *params = moe_model_params(model), *grads = moe_model_grads(model);
     double sumsq;
-    MOE_TRY(moe_model_grad_sumsq(model, &sumsq));
+    MOE_TRY(grad_sumsq(t, &sumsq));
     const double norm = sqrt(sumsq);
     if (!isfinite(norm))
         return moe_error(MOE_ERR_INTERNAL, "step %lld: gradient norm is %g (the loss diverged; lower --lr)",
@@ -141,17 +294,16 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
      * because of eps, so the scaling is applied to the gradients themselves. */
     if (c->grad_clip > 0.0 && norm > c->grad_clip) {
         const float scale = (float)(c->grad_clip / norm);
+        for (int r = 0; r < MOE_RUN_COUNT; r++) {
+            float *g = t->runs[r].grad;
+            const int64_t n = t->runs[r].shard.end - t->runs[r].shard.begin;
 #pragma omp parallel for schedule(static)
-        for (int64_t i = 0; i < n; i++) grads[i] *= scale;
+            for (int64_t i = 0; i < n; i++) g[i] *= scale;
+        }
     }
     const double lr = moe_lr_at(c, t->steps_done);
-    const int64_t adam_t = t->steps_done + 1;
-    for (int64_t i = 0; i < moe_model_tensor_count(model); i++) {
-        const moe_model_tensor *tensor = moe_model_tensor_at(model, i);
-        int64_t off = tensor->offset;
-        t->ops->adamw(params + off, t->m + off, t->v + off, grads + off, tensor->numel, (float)lr, (float)c->beta1,
-                      (float)c->beta2, (float)c->eps, tensor->decay ? (float)c->weight_decay : 0.0f, adam_t);
-    }
+    update(t, (float)lr);
+    if (t->sharded) MOE_TRY(gather_params(t));
     t->steps_done++;
     if (metrics) {
         const double a = (double)c->grad_accum;

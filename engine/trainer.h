@@ -26,6 +26,7 @@ typedef struct moe_optim_config {
     double beta1, beta2, eps;
     double grad_clip;   /* global L2 norm; 0 = off */
     int64_t grad_accum; /* micro-batches per step */
+    int zero;           /* 1: AdamW state sharded across each run's group (ZeRO stage 1); 0: replicated */
 } moe_optim_config;
 
 /* PyTorch AdamW defaults with beta2 = 0.95, as LLM training uses. */
@@ -33,7 +34,7 @@ typedef struct moe_optim_config {
     {                                                                                               \
         .lr = 3e-4, .min_lr = 3e-5, .warmup = 0, .total_steps = 1, .schedule = MOE_LR_COSINE,      \
         .weight_decay = 0.1, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .grad_clip = 1.0,            \
-        .grad_accum = 1                                                                             \
+        .grad_accum = 1, .zero = 0                                                                  \
     }
 
 moe_status moe_optim_config_validate(const moe_optim_config *cfg);
@@ -44,7 +45,19 @@ double moe_lr_at(const moe_optim_config *cfg, int64_t step);
 typedef struct moe_trainer moe_trainer;
 
 /* The trainer uses (does not own) the model and reads its batches of the
- * model's B x T shape. */
+ * model's B x T shape.
+ *
+ * zero = 1 shards the AdamW state as ZeRO stage 1 does: each run of the
+ * model's arrays (moe_model_run) is cut into equal blocks, one per rank of
+ * the run's group (the dense run across the world, the experts across
+ * their replicas); a rank keeps the moments of its block only. A step then
+ * reduce-scatters each run's gradients (one non-blocking reduce-scatter per
+ * run after the backward: a block spans many layers, so its sum cannot start
+ * before the run's last layer is done, and a reduce-scatter plus the
+ * all-gather below move the bytes of the all-reduce they replace), takes
+ * the global norm from the blocks, updates its block and all-gathers the
+ * parameters. A run whose group is one rank stays whole. The loss curve is
+ * that of zero = 0 up to float summation order. */
 moe_status moe_trainer_create(moe_trainer **trainer, moe_model *model, const moe_optim_config *cfg);
 void moe_trainer_destroy(moe_trainer *trainer);
 
@@ -60,11 +73,33 @@ typedef struct moe_step_metrics {
 /* One optimizer step over grad_accum micro-batches of data. */
 moe_status moe_trainer_step(moe_trainer *trainer, moe_data *data, moe_step_metrics *metrics);
 
-/* Steps taken so far; AdamW's moments [param_count] each. */
+/* Steps taken so far. */
 int64_t moe_trainer_steps_done(const moe_trainer *trainer);
 void moe_trainer_set_steps_done(moe_trainer *trainer, int64_t steps);
+
+/* AdamW's moments [param_count] each, indexed like the parameters, when no
+ * run is sharded (zero = 0, or every group one rank); NULL otherwise (see
+ * moe_trainer_shard). */
 float *moe_trainer_adam_m(moe_trainer *trainer);
 float *moe_trainer_adam_v(moe_trainer *trainer);
+
+/* The AdamW state this rank keeps for one run of the model's arrays: the
+ * moments of parameters [begin, end). Unsharded, that is the whole run, and
+ * every rank of the run's group keeps the same (shared); sharded, this rank's
+ * block: blocks are padded / group size long, in rank order, the last ones
+ * cut at the end of the run (possibly empty). */
+typedef struct moe_optim_shard {
+    int64_t begin, end; /* into the model's parameter array */
+    float *m, *v;       /* [end - begin] */
+    bool shared;        /* the whole run, replicated on every rank of its group */
+} moe_optim_shard;
+
+moe_optim_shard moe_trainer_shard(moe_trainer *trainer, moe_model_run_id run);
+
+/* Bytes of AdamW moments this rank holds, for the start-up report: with
+ * zero = 1 about 1/W of the dense run's and 1/R of the experts' (W ranks, R
+ * replicas of each expert) of what zero = 0 holds. */
+int64_t moe_trainer_optimizer_bytes(const moe_trainer *trainer);
 
 /* Called after each evaluation batch with that batch's targets [B*T], the
  * batch index, and the model (whose last per-token losses and router

@@ -1,0 +1,542 @@
+/* test_checkpoint_grid.c: checkpoints on a grid of ranks (run under mpirun
+ * -np 2 and -np 4) are one rank's checkpoints.
+ *  - files: a grid (EP and/or ZeRO) saving the values one rank holds writes
+ *    the same bytes as that rank;
+ *  - load: one rank's checkpoint loads under every grid, every value in
+ *    place, bit for bit;
+ *  - resume: a run saved at step 10 on one grid continues on another (fewer
+ *    ranks, other EP and ZeRO, one rank; and from one rank to the grid)
+ *    with the loss curve of an unbroken one-rank run (1e-5 relative per
+ *    step, as float summation order allows);
+ *  - errors: a load that fails on one rank only, and a save that fails on
+ *    rank 0 only, fail on every rank, name the rank, and change nothing.
+ * A plain program (Criterion forks, which MPI does not survive); ends with
+ * "N passed, M failed". */
+#define _XOPEN_SOURCE 700
+
+#include <ftw.h>
+#include <math.h>
+#include <mpi.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "comm/comm.h"
+#include "common/rng.h"
+#include "engine/checkpoint.h"
+#include "engine/data.h"
+#include "engine/fileio.h"
+#include "engine/safetensors.h"
+
+#define B 2 /* rows per rank of the full world */
+#define T 8
+#define VOCAB 32
+#define STEPS 20
+#define SAVE_AT 10
+#define SEED 7
+#define STATE_STEP 3
+
+static moe_comm *world;
+static int rank, size;
+static char tmp[256];
+
+/* Odd sizes (the runs are padded on every grid), shared experts (in the
+ * dense run) and the selection bias (kept beside the weights). */
+static void tiny_config(moe_model_config *c) {
+    moe_model_config_default_small(c, VOCAB);
+    c->hidden_size = 9;
+    c->intermediate_size = 7;
+    c->num_hidden_layers = 3;
+    c->num_attention_heads = 2;
+    c->num_key_value_heads = 1;
+    c->head_dim = 8;
+    c->num_local_experts = 4;
+    c->num_experts_per_tok = 2;
+    c->moe_n_shared_experts = 1;
+    c->moe_bias_update_rate = 1e-3;
+    c->router_aux_loss_coef = 0.01;
+}
+
+static moe_optim_config optim(int zero) {
+    moe_optim_config oc = MOE_OPTIM_CONFIG_INIT;
+    oc.lr = 1e-2;
+    oc.min_lr = 1e-3;
+    oc.warmup = 2;
+    oc.total_steps = STEPS;
+    oc.zero = zero;
+    return oc;
+}
+
+typedef struct run {
+    moe_model *model;
+    moe_trainer *trainer;
+    moe_comm *ep;
+} run;
+
+/* A model and trainer on the ranks of comm (NULL: this rank alone) with EP
+ * groups of ep ranks; rows per rank. */
+static moe_status make_run(run *r, moe_comm *comm, int ep, int zero, int64_t rows, uint64_t seed) {
+    moe_model_config cfg;
+    tiny_config(&cfg);
+    *r = (run){0};
+    moe_status st = MOE_OK;
+    if (comm) st = moe_comm_split(&r->ep, comm, moe_comm_rank(comm) / ep, moe_comm_rank(comm));
+    const moe_model_parallel par = {.world = comm, .ep = r->ep};
+    if (st == MOE_OK) st = moe_model_create_parallel(&r->model, &cfg, rows, T, seed, comm ? &par : NULL);
+    const moe_optim_config oc = optim(zero);
+    if (st == MOE_OK) st = moe_trainer_create(&r->trainer, r->model, &oc);
+    return st;
+}
+
+static void free_run(run *r) {
+    moe_trainer_destroy(r->trainer);
+    moe_model_destroy(r->model);
+    if (r->ep) moe_comm_free(r->ep);
+}
+
+/* A moment's value, from what it belongs to: the same on every grid. */
+static float known(int kind, int64_t tensor, int64_t element) {
+    const float u = moe_rng_uniform(99 + (uint64_t)kind, (uint64_t)tensor, (uint64_t)element);
+    return kind == 0 ? u - 0.5f : u;
+}
+
+/* Gives the moments this rank keeps their known values, the biases theirs,
+ * and the trainer STATE_STEP steps. */
+static moe_train_state fill_state(run *r) {
+    moe_model *m = r->model;
+    for (int k = 0; k < MOE_RUN_COUNT; k++) {
+        const moe_optim_shard s = moe_trainer_shard(r->trainer, (moe_model_run_id)k);
+        for (int64_t i = 0; i < moe_model_tensor_count(m); i++) {
+            const moe_model_tensor *t = moe_model_tensor_at(m, i);
+            for (int64_t p = t->offset; p < t->offset + t->numel; p++)
+                if (p >= s.begin && p < s.end) {
+                    s.m[p - s.begin] = known(0, t->init_stream, p - t->offset);
+                    s.v[p - s.begin] = known(1, t->init_stream, p - t->offset);
+                }
+        }
+    }
+    const moe_model_config *c = moe_model_get_config(m);
+    for (int64_t l = 0; l < c->num_hidden_layers; l++)
+        for (int64_t e = 0; e < c->num_local_experts; e++) moe_model_router_bias(m, l)[e] = 0.01f * (float)(l * 10 + e);
+    moe_trainer_set_steps_done(r->trainer, STATE_STEP);
+    return (moe_train_state){.step = STATE_STEP, .seed = SEED, .jitter_counter = 0, .data = {.token = 123, .epoch = 1}};
+}
+
+static void report(int bad, const char *what, int *passed, int *failed) {
+    int any = 0;
+    MPI_Allreduce(&bad, &any, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+    if (rank == 0) printf("%s: %d ranks, %s\n", any ? "FAIL" : "PASS", size, what);
+    fflush(stdout);
+    if (any) (*failed)++; else (*passed)++;
+}
+
+static int fail_status(moe_status st, const char *what) {
+    if (st == MOE_OK) return 0;
+    printf("  rank %d: %s: %s: %s\n", rank, what, moe_status_string(st), moe_last_error());
+    return 1;
+}
+
+typedef struct grid {
+    int ep, zero;
+} grid;
+
+static void grid_name(char *out, size_t n, grid g) { snprintf(out, n, "EP=%d zero %d", g.ep, g.zero); }
+
+/* ------------------------------------------------------------------ files */
+
+static int same_file(const char *a, const char *b) {
+    char *x = NULL, *y = NULL;
+    size_t nx = 0, ny = 0;
+    int bad = moe_file_read_all(&x, &nx, a, (size_t)1 << 26) != MOE_OK ||
+              moe_file_read_all(&y, &ny, b, (size_t)1 << 26) != MOE_OK;
+    size_t at = 0;
+    while (!bad && at < nx && at < ny && x[at] == y[at]) at++;
+    if (!bad && (nx != ny || at < nx)) {
+        printf("  %s differs from %s at byte %zu (sizes %zu and %zu)\n", b, a, at, ny, nx);
+        bad = 1;
+    } else if (bad) {
+        printf("  cannot read %s or %s: %s\n", a, b, moe_last_error());
+    }
+    free(x);
+    free(y);
+    return bad;
+}
+
+/* One rank's checkpoint at tmp/one/step-000003, written by rank 0 alone. */
+static int save_one_rank(char *path, size_t path_bytes) {
+    int bad = 0;
+    if (rank == 0) {
+        run one;
+        char out[512];
+        snprintf(out, sizeof out, "%s/one", tmp);
+        moe_status st = make_run(&one, NULL, 1, 0, B, SEED);
+        const moe_train_state state = st == MOE_OK ? fill_state(&one) : (moe_train_state){0};
+        if (st == MOE_OK) st = moe_checkpoint_save(path, path_bytes, out, one.model, one.trainer, &state);
+        bad = fail_status(st, "one-rank save");
+        free_run(&one);
+    }
+    MPI_Bcast(path, (int)path_bytes, MPI_CHAR, 0, MPI_COMM_WORLD);
+    return bad;
+}
+
+static int test_files(grid g, const char *one_path) {
+    run r;
+    char out[512], path[512] = "";
+    snprintf(out, sizeof out, "%s/ep%d-zero%d", tmp, g.ep, g.zero);
+    moe_status st = make_run(&r, world, g.ep, g.zero, B, SEED);
+    const moe_train_state state = st == MOE_OK ? fill_state(&r) : (moe_train_state){0};
+    if (st == MOE_OK) st = moe_checkpoint_save(path, sizeof path, out, r.model, r.trainer, &state);
+    int bad = fail_status(st, "grid save");
+    free_run(&r);
+    if (!bad && rank == 0) {
+        const char *files[] = {"model.safetensors", "train_state.safetensors", "config.json"};
+        for (int i = 0; i < 3; i++) {
+            char a[768], b[768];
+            snprintf(a, sizeof a, "%s/%s", one_path, files[i]);
+            snprintf(b, sizeof b, "%s/%s", path, files[i]);
+            bad |= same_file(a, b);
+        }
+    }
+    return bad;
+}
+
+/* ------------------------------------------------------------------- load */
+
+static int expect_bits(const float *got, const float *want, int64_t n, const char *what) {
+    for (int64_t i = 0; i < n; i++)
+        if (memcmp(&got[i], &want[i], sizeof(float)) != 0) {
+            printf("  rank %d: %s[%lld] = %.9g, expected %.9g\n", rank, what, (long long)i, got[i], want[i]);
+            return 1;
+        }
+    return 0;
+}
+
+static int test_load(grid g, const char *one_path) {
+    run r = {0}, one = {0};
+    moe_status st = make_run(&r, world, g.ep, g.zero, B, SEED + 1);
+    if (st == MOE_OK) st = make_run(&one, NULL, 1, 0, B, SEED);
+    if (st == MOE_OK) st = moe_checkpoint_load_weights(r.model, one_path);
+    moe_train_state state;
+    if (st == MOE_OK) st = moe_checkpoint_load_state(r.trainer, r.model, &state, one_path);
+    int bad = fail_status(st, "grid load");
+    if (!bad) fill_state(&one); /* the biases the file holds */
+    for (int64_t i = 0; !bad && i < moe_model_tensor_count(r.model); i++) {
+        const moe_model_tensor *t = moe_model_tensor_at(r.model, i);
+        const moe_model_tensor *w = moe_model_find_tensor(one.model, t->name);
+        bad = expect_bits(moe_model_params(r.model) + t->offset, moe_model_params(one.model) + w->offset, t->numel,
+                          t->name);
+        for (int k = 0; !bad && k < MOE_RUN_COUNT; k++) {
+            const moe_optim_shard s = moe_trainer_shard(r.trainer, (moe_model_run_id)k);
+            for (int64_t p = t->offset; !bad && p < t->offset + t->numel; p++)
+                if (p >= s.begin && p < s.end) {
+                    const float m = known(0, t->init_stream, p - t->offset);
+                    const float v = known(1, t->init_stream, p - t->offset);
+                    bad = expect_bits(&s.m[p - s.begin], &m, 1, "exp_avg") ||
+                          expect_bits(&s.v[p - s.begin], &v, 1, "exp_avg_sq");
+                }
+        }
+    }
+    moe_model_config c;
+    tiny_config(&c);
+    for (int64_t l = 0; !bad && l < c.num_hidden_layers; l++)
+        bad = expect_bits(moe_model_router_bias(r.model, l), moe_model_router_bias(one.model, l), c.num_local_experts,
+                          "bias");
+    if (!bad && (moe_trainer_steps_done(r.trainer) != STATE_STEP || state.data.token != 123)) {
+        printf("  rank %d: step %lld, data token %lld after load\n", rank, (long long)moe_trainer_steps_done(r.trainer),
+               (long long)state.data.token);
+        bad = 1;
+    }
+    free_run(&r);
+    free_run(&one);
+    return bad;
+}
+
+/* ----------------------------------------------------------------- resume */
+
+/* Trains steps [from, to) into losses [STEPS]. */
+static moe_status train(double *losses, run *r, moe_data *data, int from, int to) {
+    moe_status st = MOE_OK;
+    for (int s = from; st == MOE_OK && s < to; s++) {
+        moe_step_metrics m;
+        st = moe_trainer_step(r->trainer, data, &m);
+        losses[s] = m.loss;
+    }
+    return st;
+}
+
+static int compare(const double *got, const double *want, int from, int to, const char *what) {
+    for (int s = from; s < to; s++)
+        if (!(fabs(got[s] - want[s]) <= 1e-5 * fabs(want[s]))) {
+            printf("  rank %d: %s: step %d loss %.9g, unbroken one rank %.9g\n", rank, what, s + 1, got[s], want[s]);
+            return 1;
+        }
+    return 0;
+}
+
+/* Trains to SAVE_AT on the ranks of comm (NULL: alone) and saves into out. */
+static moe_status train_and_save(double *losses, char *path, size_t path_bytes, const char *out, moe_comm *comm,
+                                 grid g, moe_data *data) {
+    run r;
+    const int n = comm ? moe_comm_size(comm) : 1;
+    moe_status st = make_run(&r, comm, g.ep, g.zero, (int64_t)size * B / n, SEED);
+    if (st == MOE_OK) st = moe_data_set_position(data, (moe_data_position){0, 0});
+    if (st == MOE_OK) st = train(losses, &r, data, 0, SAVE_AT);
+    const moe_train_state state = {.step = SAVE_AT, .seed = SEED, .data = moe_data_get_position(data)};
+    if (st == MOE_OK) st = moe_checkpoint_save(path, path_bytes, out, r.model, r.trainer, &state);
+    free_run(&r);
+    return st;
+}
+
+/* Loads path on the ranks of comm (NULL: alone) and trains to STEPS. */
+static moe_status resume(double *losses, const char *path, moe_comm *comm, grid g, moe_data *data) {
+    run r;
+    const int n = comm ? moe_comm_size(comm) : 1;
+    moe_train_state state;
+    moe_status st = make_run(&r, comm, g.ep, g.zero, (int64_t)size * B / n, SEED + 1);
+    if (st == MOE_OK) st = moe_checkpoint_load_weights(r.model, path);
+    if (st == MOE_OK) st = moe_checkpoint_load_state(r.trainer, r.model, &state, path);
+    if (st == MOE_OK) st = moe_data_set_position(data, state.data);
+    if (st == MOE_OK) st = train(losses, &r, data, SAVE_AT, STEPS);
+    free_run(&r);
+    return st;
+}
+
+typedef struct target {
+    int ranks; /* a group of this many consecutive ranks, 1: each rank alone */
+    grid g;
+} target;
+
+static void test_resume(const double *want, moe_data *data, int *passed, int *failed) {
+    const grid saved = {size >= 4 ? 2 : 1, 1};
+    const int half = size / 2;
+    const target targets[] = {{half, {1, 0}}, {half, {half, 1}}, {size, {size, 0}}, {1, {1, 0}}};
+    double got[STEPS];
+    char out[512], path[512], what[160], name[32];
+    int bad = 0;
+
+    /* The whole world saves; halves of it and single ranks resume. */
+    snprintf(out, sizeof out, "%s/resume-grid", tmp);
+    bad = fail_status(train_and_save(got, path, sizeof path, out, world, saved, data), "save");
+    bad = bad || compare(got, want, 0, SAVE_AT, "before the save");
+    grid_name(name, sizeof name, saved);
+    for (size_t i = 0; i < sizeof targets / sizeof targets[0]; i++) {
+        const target *tg = &targets[i];
+        moe_comm *sub = NULL;
+        int b = bad;
+            if (!b && tg->ranks > 1) b = fail_status(moe_comm_split(&sub, world, rank / tg->ranks, rank), "split");
+        if (!b) b = fail_status(resume(got, path, sub, tg->g, data), "resume");
+        if (!b) b = compare(got, want, SAVE_AT, STEPS, "after the resume");
+        if (sub) moe_comm_free(sub);
+        char into[40];
+        grid_name(into, sizeof into, tg->g);
+        snprintf(what, sizeof what, "saved at step %d on %d ranks %s, resumed on %d rank%s %s", SAVE_AT, size, name,
+                 tg->ranks, tg->ranks > 1 ? "s" : "", into);
+        report(b, what, passed, failed);
+    }
+
+    /* One rank saves; the whole world resumes. */
+    snprintf(out, sizeof out, "%s/resume-one", tmp);
+    bad = rank == 0 ? fail_status(train_and_save(got, path, sizeof path, out, NULL, (grid){1, 0}, data), "save") : 0;
+    bad = bad || (rank == 0 && compare(got, want, 0, SAVE_AT, "before the save"));
+    MPI_Bcast(path, sizeof path, MPI_CHAR, 0, MPI_COMM_WORLD);
+    const grid into = {2, 1};
+    if (!bad) bad = fail_status(resume(got, path, world, into, data), "resume");
+    if (!bad) bad = compare(got, want, SAVE_AT, STEPS, "after the resume");
+    grid_name(name, sizeof name, into);
+    snprintf(what, sizeof what, "saved at step %d on 1 rank, resumed on %d ranks %s", SAVE_AT, size, name);
+    report(bad, what, passed, failed);
+}
+
+/* ----------------------------------------------------------------- errors */
+
+static int copy_file(const char *to, const char *from) {
+    char *text = NULL;
+    size_t n = 0;
+    int bad = moe_file_read_all(&text, &n, from, (size_t)1 << 26) != MOE_OK;
+    FILE *f = bad ? NULL : fopen(to, "wb");
+    bad = bad || !f || fwrite(text, 1, n, f) != n;
+    if (f) bad |= fclose(f) != 0;
+    free(text);
+    return bad;
+}
+
+/* Rewrites the safetensors file from at to, without the tensor drop. */
+static int copy_tensors(const char *to, const char *from, const char *drop) {
+    moe_st_file *f = NULL;
+    if (moe_st_open(&f, from) != MOE_OK) return 1;
+    const int64_t n = moe_st_tensor_count(f), n_meta = moe_st_metadata_count(f);
+    moe_st_entry *entries = calloc((size_t)n, sizeof *entries);
+    moe_st_meta *meta = calloc((size_t)n_meta, sizeof *meta);
+    int64_t kept = 0, kept_meta = 0;
+    for (int64_t j = 0; j < n; j++) {
+        const moe_st_tensor *t = moe_st_tensor_at(f, j);
+        if (strcmp(t->name, drop) == 0) continue;
+        float *data = malloc((size_t)t->numel * sizeof *data);
+        moe_st_read_f32(data, t);
+        entries[kept++] = (moe_st_entry){t->name, data, t->ndim, t->shape};
+    }
+    for (int64_t j = 0; j < n_meta; j++) {
+        moe_st_metadata_at(f, j, &meta[kept_meta].key, &meta[kept_meta].value);
+        if (strcmp(meta[kept_meta].key, "format") != 0) kept_meta++; /* the writer's own */
+    }
+    int bad = kept != n - 1 || moe_st_write(to, entries, kept, meta, kept_meta) != MOE_OK;
+    for (int64_t j = 0; j < kept; j++) free((void *)entries[j].data);
+    free(entries);
+    free(meta);
+    moe_st_close(f);
+    return bad;
+}
+
+/* The checkpoint at src copied to dst, with the tensor drop left out of
+ * file. Rank 0 only. */
+static int copy_without(const char *dst, const char *src, const char *file, const char *drop) {
+    const char *files[] = {"model.safetensors", "train_state.safetensors", "config.json"};
+    char from[768], to[768];
+    int bad = moe_mkdir_p(dst) != MOE_OK;
+    for (int i = 0; !bad && i < 3; i++) {
+        snprintf(from, sizeof from, "%s/%s", src, files[i]);
+        snprintf(to, sizeof to, "%s/%s", dst, files[i]);
+        bad = strcmp(files[i], file) == 0 ? copy_tensors(to, from, drop) : copy_file(to, from);
+    }
+    return bad;
+}
+
+/* Every rank failed with the same status; those but `from` name it. */
+static int expect_shared_failure(moe_status st, int from, const char *detail, const char *what) {
+    char rank_tag[32];
+    snprintf(rank_tag, sizeof rank_tag, "rank %d: ", from);
+    if (st == MOE_OK || !strstr(moe_last_error(), detail) || (rank != from && !strstr(moe_last_error(), rank_tag))) {
+        printf("  rank %d: %s: %s, \"%s\"; expected a failure of rank %d about %s\n", rank, what, moe_status_string(st),
+               moe_last_error(), from, detail);
+        return 1;
+    }
+    return 0;
+}
+
+static void test_errors(const char *one_path, int *passed, int *failed) {
+    /* The last rank of EP = size holds expert 3; only it misses its tensors. */
+    const char *weight = "model.layers.1.block_sparse_moe.experts.3.w2.weight";
+    const char *moment = "optimizer.exp_avg.model.layers.0.block_sparse_moe.experts.3.w1.weight";
+    char broken_w[512], broken_s[512];
+    snprintf(broken_w, sizeof broken_w, "%s/broken-weights", tmp);
+    snprintf(broken_s, sizeof broken_s, "%s/broken-state", tmp);
+    int bad = rank == 0 && (copy_without(broken_w, one_path, "model.safetensors", weight) ||
+                            copy_without(broken_s, one_path, "train_state.safetensors", moment));
+    MPI_Bcast(&bad, 1, MPI_INT, 0, MPI_COMM_WORLD);
+    if (bad && rank == 0) printf("  cannot write the broken checkpoints\n");
+
+    run r = {0};
+    float *before = NULL;
+    int64_t n = 0;
+    if (!bad) bad = fail_status(make_run(&r, world, size, 1, B, SEED + 1), "grid");
+    if (!bad) {
+        n = moe_model_param_count(r.model);
+        before = malloc((size_t)n * sizeof *before);
+        memcpy(before, moe_model_params(r.model), (size_t)n * sizeof *before);
+        moe_train_state state;
+        bad = expect_shared_failure(moe_checkpoint_load_weights(r.model, broken_w), size - 1, weight, "weights");
+        bad |= expect_bits(moe_model_params(r.model), before, n, "parameters after a failed load");
+        bad |= expect_shared_failure(moe_checkpoint_load_state(r.trainer, r.model, &state, broken_s), size - 1, moment,
+                                     "state");
+        bad |= moe_trainer_steps_done(r.trainer) != 0;
+        for (int k = 0; k < MOE_RUN_COUNT; k++) {
+            const moe_optim_shard s = moe_trainer_shard(r.trainer, (moe_model_run_id)k);
+            for (int64_t i = 0; i < s.end - s.begin; i++) bad |= s.m[i] != 0.0f || s.v[i] != 0.0f;
+        }
+    }
+    report(bad, "a load failing on the last rank only fails everywhere and changes nothing", passed, failed);
+
+    /* Rank 0 cannot create the directory; the others learn it. */
+    char blocker[512], out[600], path[600];
+    snprintf(blocker, sizeof blocker, "%s/not-a-directory", tmp);
+    snprintf(out, sizeof out, "%s/sub", blocker);
+    if (rank == 0) {
+        FILE *f = fopen(blocker, "w");
+        if (f) fclose(f);
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+    int b = bad;
+    if (!b) {
+        moe_trainer_set_steps_done(r.trainer, 0);
+        const moe_train_state state = {.step = 0, .seed = SEED};
+        b = expect_shared_failure(moe_checkpoint_save(path, sizeof path, out, r.model, r.trainer, &state), 0, blocker,
+                                  "save");
+    }
+    report(b, "a save failing on rank 0 fails everywhere", passed, failed);
+    free(before);
+    free_run(&r);
+}
+
+/* ------------------------------------------------------------------- main */
+
+static int remove_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw) {
+    (void)sb, (void)flag, (void)ftw;
+    return remove(path);
+}
+
+int main(void) {
+    if (moe_comm_mpi_create(&world) != MOE_OK) {
+        fprintf(stderr, "mpi: %s\n", moe_last_error());
+        return 1;
+    }
+    rank = moe_comm_rank(world);
+    size = moe_comm_size(world);
+    if (rank == 0) {
+        snprintf(tmp, sizeof tmp, "/tmp/moe_ckpt_grid_XXXXXX");
+        if (!mkdtemp(tmp)) tmp[0] = '\0';
+    }
+    MPI_Bcast(tmp, sizeof tmp, MPI_CHAR, 0, MPI_COMM_WORLD);
+    if (!tmp[0]) {
+        fprintf(stderr, "mkdtemp failed\n");
+        return 1;
+    }
+    /* A stream with structure to learn: each token follows from the last. */
+    const int64_t n = 4096;
+    int32_t *tokens = malloc(sizeof(int32_t) * (size_t)n);
+    tokens[0] = 1;
+    for (int64_t i = 1; i < n; i++)
+        tokens[i] = (int32_t)((tokens[i - 1] * 5 + 3 + (moe_rng_bits(11, 0, (uint64_t)i) % 4 == 0)) % VOCAB);
+    moe_data *data = NULL;
+    if (moe_data_from_tokens(&data, tokens, n, VOCAB, "test stream") != MOE_OK) {
+        fprintf(stderr, "data: %s\n", moe_last_error());
+        return 1;
+    }
+    int passed = 0, failed = 0;
+    char one_path[512] = "", what[160], name[32];
+
+    report(save_one_rank(one_path, sizeof one_path), "one-rank checkpoint written", &passed, &failed);
+    const grid grids[] = {{1, 0}, {1, 1}, {2, 0}, {2, 1}, {size, 1}};
+    const int n_grids = size > 2 ? 5 : 4;
+    for (int g = 0; g < n_grids; g++) {
+        grid_name(name, sizeof name, grids[g]);
+        snprintf(what, sizeof what, "%s writes one rank's bytes", name);
+        report(test_files(grids[g], one_path), what, &passed, &failed);
+        snprintf(what, sizeof what, "%s loads one rank's checkpoint bit for bit", name);
+        report(test_load(grids[g], one_path), what, &passed, &failed);
+    }
+
+    /* The unbroken one-rank run, on every rank. */
+    double want[STEPS];
+    run one;
+    int bad = fail_status(make_run(&one, NULL, 1, 0, (int64_t)size * B, SEED), "one rank");
+    if (!bad) bad = fail_status(moe_data_set_position(data, (moe_data_position){0, 0}), "data");
+    if (!bad) bad = fail_status(train(want, &one, data, 0, STEPS), "one rank");
+    if (!bad && want[STEPS - 1] >= want[0]) {
+        printf("  rank %d: the loss did not fall (%.6g -> %.6g): the test would prove little\n", rank, want[0],
+               want[STEPS - 1]);
+        bad = 1;
+    }
+    free_run(&one);
+    report(bad, "unbroken one-rank run", &passed, &failed);
+    if (!bad) test_resume(want, data, &passed, &failed);
+    test_errors(one_path, &passed, &failed);
+
+    if (rank == 0) printf("%d passed, %d failed\n", passed, failed);
+    MPI_Barrier(MPI_COMM_WORLD);
+    if (rank == 0) nftw(tmp, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
+    moe_data_close(data);
+    free(tokens);
+    moe_comm_free(world);
+    moe_comm_mpi_finalize();
+    return failed ? 1 : 0;
+}
