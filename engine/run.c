@@ -18,6 +18,7 @@
 #include "engine/checkpoint.h"
 #include "engine/data.h"
 #include "engine/fileio.h"
+#include "engine/grid.h"
 #include "engine/json.h"
 #include "engine/model.h"
 
@@ -67,6 +68,8 @@ void moe_run_options_init(moe_run_options *o) {
         .out_dir = "out",
         .eval_every = 500,
         .eval_batches = 16,
+        .ep = 1,
+        .comm_timeout = MOE_COMM_DEFAULT_TIMEOUT_SECONDS,
     };
 }
 
@@ -94,6 +97,7 @@ static moe_optim_config optim_config_of(const moe_run_options *o) {
     c.schedule = o->lr_schedule;
     c.weight_decay = o->weight_decay;
     c.grad_clip = o->grad_clip;
+    c.zero = o->zero;
     c.grad_accum = o->grad_accum;
     return c;
 }
@@ -120,6 +124,10 @@ moe_status moe_run_options_validate(const moe_run_options *o) {
         return moe_error(MOE_ERR_CONFIG, "--eval-batches %lld must be positive", (long long)o->eval_batches);
     if (!isfinite(o->peak_gflops) || o->peak_gflops < 0.0)
         return moe_error(MOE_ERR_CONFIG, "--peak-gflops %g must be positive (or 0 to measure)", o->peak_gflops);
+    if (o->ep <= 0) return moe_error(MOE_ERR_CONFIG, "--ep %d must be positive", o->ep);
+    if (o->zero != 0 && o->zero != 1) return moe_error(MOE_ERR_CONFIG, "--zero %d: only 0 and 1 exist", o->zero);
+    if (!isfinite(o->comm_timeout) || o->comm_timeout <= 0.0)
+        return moe_error(MOE_ERR_CONFIG, "--comm-timeout %g must be a positive number of seconds", o->comm_timeout);
     if (o->eval_only && !o->init_from)
         return moe_error(MOE_ERR_CONFIG, "--eval-only needs --init-from DIR: the weights to evaluate");
     if (o->eval_only && o->resume)
@@ -220,6 +228,9 @@ typedef struct run {
     run_source train, val;
     moe_synth_floor floor; /* of the validation targets, when synthetic */
     double entropy_floor;  /* floor.nats or NAN */
+    moe_comm *world;       /* NULL on one process */
+    moe_grid grid;
+    int rank, ranks;       /* in the data-parallel world */
     moe_model *model;
     moe_trainer *trainer;
     double peak_gflops;
@@ -287,7 +298,7 @@ static moe_status open_data(run *r) {
     MOE_TRY(load_config(r, &known));
     const int64_t BT = o->batch_size * o->seq_len;
     if (!o->eval_only) {
-        int64_t n_synth = o->steps * o->grad_accum * BT + 1;
+        int64_t n_synth = o->steps * o->grad_accum * r->ranks * BT + 1;
         if (n_synth > RUN_SYNTH_MAX_TOKENS) n_synth = RUN_SYNTH_MAX_TOKENS;
         MOE_TRY(open_source(&r->train, o->data, "--data", moe_rng_bits(o->seed, RUN_SYNTH_TRAIN_STREAM, 0),
                             n_synth, known ? r->cfg.vocab_size : MOE_GPT2_VOCAB_SIZE));
@@ -300,13 +311,14 @@ static moe_status open_data(run *r) {
     const char *val_spec = o->val_data ? o->val_data : o->data;
     const char *val_flag = o->val_data ? "--val-data" : "--data";
     MOE_TRY(open_source(&r->val, val_spec, val_flag, moe_rng_bits(o->seed, RUN_SYNTH_VAL_STREAM, 0),
-                        o->eval_batches * BT + 1, r->cfg.vocab_size));
+                        o->eval_batches * r->ranks * BT + 1, r->cfg.vocab_size));
     MOE_TRY(check_vocab(r, &r->val, val_flag));
     if (!o->val_data && !is_synthetic(o->data))
         warn(r, "no --val-data: evaluating on --data %s from its start, which the model also trains on", o->data);
     r->entropy_floor = NAN;
     if (r->val.synth.tokens) {
-        MOE_TRY(moe_synth_floor_of(&r->floor, &r->val.synth, o->eval_batches, o->batch_size, o->seq_len));
+        MOE_TRY(moe_synth_floor_of(&r->floor, &r->val.synth, o->eval_batches, r->ranks * o->batch_size,
+                                   o->seq_len));
         r->entropy_floor = r->floor.nats;
     }
     return MOE_OK;
@@ -314,7 +326,23 @@ static moe_status open_data(run *r) {
 
 static moe_status build_model(run *r) {
     const moe_run_options *o = r->o;
-    MOE_TRY(moe_model_create(&r->model, &r->cfg, o->batch_size, o->seq_len, o->seed));
+    if (r->world) {
+        /* Everything that shapes the run must be the same on every rank. */
+        moe_agree_field fields[MOE_CONFIG_AGREE_FIELDS + 12];
+        int n = moe_config_agree_fields(fields, &r->cfg);
+        const moe_agree_field options[] = {
+            {"--batch-size", (double)o->batch_size}, {"--seq-len", (double)o->seq_len},
+            {"--steps", (double)o->steps},           {"--grad-accum", (double)o->grad_accum},
+            {"--seed", (double)o->seed},             {"--ep", (double)o->ep},
+            {"--zero", (double)o->zero},             {"--lr", o->lr},
+            {"--eval-every", (double)o->eval_every}, {"--eval-batches", (double)o->eval_batches},
+            {"--save-every", (double)o->save_every}, {"--shuffle", (double)o->shuffle},
+        };
+        for (size_t i = 0; i < sizeof options / sizeof options[0]; i++) fields[n++] = options[i];
+        MOE_TRY(moe_grid_agree(r->world, fields, n));
+    }
+    const moe_model_parallel par = moe_grid_model_parallel(&r->grid);
+    MOE_TRY(moe_model_create_parallel(&r->model, &r->cfg, o->batch_size, o->seq_len, o->seed, r->world ? &par : NULL));
     const char *weights = o->init_from ? o->init_from : o->resume;
     if (weights) {
         moe_status st = moe_checkpoint_load_weights(r->model, weights);
@@ -323,7 +351,7 @@ static moe_status build_model(run *r) {
     moe_optim_config oc = optim_config_of(o);
     if (o->eval_only) oc.total_steps = 1;
     MOE_TRY(moe_trainer_create(&r->trainer, r->model, &oc));
-    r->step_flops = moe_model_step_flops(r->model) * (double)o->grad_accum;
+    r->step_flops = moe_model_step_flops(r->model) * (double)o->grad_accum * (double)r->ranks;
     if (!o->resume) return MOE_OK;
 
     moe_train_state state;
@@ -546,12 +574,13 @@ static moe_status log_eval(run *r, const moe_run_eval *e) {
 
 /* -------------------------------------------------------------- evaluation */
 
-/* Target i of batch b is stream token b*B*T + i + 1 (moe_synth_floor_of). */
+/* Target i of this rank's rows of batch b is stream token (b * ranks + rank)
+ * * B*T + i + 1 (moe_synth_floor_of). */
 static void accumulate_kinds(void *ctx, const moe_model *model, const int32_t *targets, int64_t batch) {
     run *r = ctx;
     const int64_t BT = moe_model_batch_size(model) * moe_model_seq_len(model);
     const int64_t L = r->kinds.n_layers, E = r->kinds.n_experts, k = r->kinds.top_k;
-    const uint8_t *kinds = r->val.synth.kinds + batch * BT + 1;
+    const uint8_t *kinds = r->val.synth.kinds + (batch * r->ranks + r->rank) * BT + 1;
     const float *losses = moe_model_last_losses(model);
     for (int64_t i = 0; i < BT; i++) {
         if (targets[i] < 0) continue;
@@ -568,8 +597,14 @@ static void accumulate_kinds(void *ctx, const moe_model *model, const int32_t *t
     }
 }
 
-static void finish_kinds(run *r) {
+/* Sums every rank's share of the report, then turns counts into shares. */
+static moe_status finish_kinds(run *r) {
     const int64_t L = r->kinds.n_layers, E = r->kinds.n_experts;
+    if (r->world) {
+        MOE_TRY(moe_comm_allreduce_sum(r->world, r->kind_loss_sum, N_KINDS, MOE_COMM_F64));
+        MOE_TRY(moe_comm_allreduce_sum(r->world, r->kind_tokens, N_KINDS, MOE_COMM_I64));
+        MOE_TRY(moe_comm_allreduce_sum(r->world, r->route_counts, L * N_KINDS * E, MOE_COMM_I64));
+    }
     for (int kind = 0; kind < N_KINDS; kind++) {
         r->kinds.tokens[kind] = r->kind_tokens[kind];
         r->kinds.loss[kind] = r->kind_tokens[kind] ? r->kind_loss_sum[kind] / (double)r->kind_tokens[kind] : 0.0;
@@ -588,6 +623,7 @@ static void finish_kinds(run *r) {
             for (int64_t e = 0; e < E; e++) r->routing[(l * N_KINDS + kind) * E + e] /= total > 0 ? (double)total : 1.0;
         }
     }
+    return MOE_OK;
 }
 
 static moe_status evaluate(run *r, int64_t step, double *val_loss) {
@@ -599,7 +635,7 @@ static moe_status evaluate(run *r, int64_t step, double *val_loss) {
     }
     MOE_TRY(moe_trainer_eval(r->trainer, r->val.data, r->o->eval_batches, val_loss,
                              synthetic ? accumulate_kinds : NULL, r));
-    if (synthetic) finish_kinds(r);
+    if (synthetic) MOE_TRY(finish_kinds(r));
     const moe_run_eval e = {.step = step, .val_loss = *val_loss, .entropy_floor = r->entropy_floor};
     if (r->metrics) MOE_TRY(log_eval(r, &e));
     if (r->cb->on_eval) r->cb->on_eval(r->cb->ctx, &e);
@@ -640,22 +676,30 @@ static moe_status run_body(run *r, double start) {
         else
             MOE_TRY(moe_measure_sgemm_gflops(&r->peak_gflops));
     }
+    /* MFU on a grid: the job's FLOPs over every rank's peak. */
+    if (r->world && isfinite(r->peak_gflops))
+        MOE_TRY(moe_comm_allreduce_sum(r->world, &r->peak_gflops, 1, MOE_COMM_F64));
     const moe_run_summary summary = {
         .config = &r->cfg,
         .options = o,
-        .params = moe_model_param_count(r->model),
+        .params = moe_model_get_run(r->model, MOE_RUN_DENSE).count +
+                  moe_model_get_run(r->model, MOE_RUN_EXPERTS).count * o->ep,
         .active_params = moe_model_active_param_count(r->model),
         .start_step = moe_trainer_steps_done(r->trainer),
-        .tokens_per_step = o->batch_size * o->seq_len * o->grad_accum,
+        .tokens_per_step = o->batch_size * o->seq_len * o->grad_accum * r->ranks,
         .step_flops = r->step_flops,
         .peak_gflops = r->peak_gflops,
         .peak_measured = o->peak_gflops == 0.0 && !o->eval_only,
         .entropy_floor = r->entropy_floor,
         .threads = omp_get_max_threads(),
+        .rank = r->rank,
+        .ranks = r->ranks,
+        .ep = o->ep,
+        .optimizer_bytes = moe_trainer_optimizer_bytes(r->trainer),
         .train_data = o->eval_only ? NULL : r->train.desc,
         .val_data = r->val.desc,
     };
-    if (!o->eval_only) MOE_TRY(write_run_files(r, &summary));
+    if (!o->eval_only && r->rank == 0) MOE_TRY(write_run_files(r, &summary));
     if (r->cb->on_start) r->cb->on_start(r->cb->ctx, &summary);
 
     double val_loss = NAN;
@@ -665,7 +709,7 @@ static moe_status run_body(run *r, double start) {
         double elapsed = 0.0;
         int64_t timed = 0;
         for (int64_t step = summary.start_step + 1; step <= o->steps; step++) {
-            moe_run_step s = {.total_steps = o->steps};
+            moe_run_step s = {.rank = r->rank, .total_steps = o->steps};
             const double t0 = now_seconds();
             MOE_TRY(moe_trainer_step(r->trainer, r->train.data, &s.metrics));
             s.seconds = now_seconds() - t0;
@@ -675,7 +719,7 @@ static moe_status run_body(run *r, double start) {
             s.mfu = r->step_flops / s.seconds / (r->peak_gflops * 1e9);
             s.elapsed_seconds = elapsed;
             s.steps_timed = timed;
-            MOE_TRY(log_step(r, &s));
+            if (r->metrics) MOE_TRY(log_step(r, &s));
             if (r->cb->on_step) r->cb->on_step(r->cb->ctx, &s);
             if (due(step, o->eval_every, o->steps)) MOE_TRY(evaluate(r, step, &val_loss));
             if (due(step, o->save_every, o->steps)) MOE_TRY(save_checkpoint(r));
@@ -698,8 +742,19 @@ moe_status moe_run(const moe_run_options *opts, const moe_run_callbacks *callbac
     MOE_TRY(moe_run_options_validate(opts));
     if (opts->threads > 0) omp_set_num_threads(opts->threads);
     const moe_run_callbacks none = {0};
-    run r = {.o = opts, .cb = callbacks ? callbacks : &none};
-    moe_status st = run_body(&r, start);
+    run r = {.o = opts, .cb = callbacks ? callbacks : &none, .ranks = 1};
+    moe_status st = MOE_OK;
+    if (moe_run_launched_by_mpi() || opts->ep > 1 || opts->zero > 0) {
+        st = moe_comm_mpi_create(&r.world);
+        if (st == MOE_OK) st = moe_comm_set_timeout(r.world, opts->comm_timeout);
+        if (st == MOE_OK) {
+            r.rank = moe_comm_rank(r.world);
+            r.ranks = moe_comm_size(r.world);
+            st = moe_grid_create(&r.grid, r.world, opts->ep);
+        }
+        if (st == MOE_OK && r.grid.ep) st = moe_comm_set_timeout(r.grid.ep, opts->comm_timeout);
+    }
+    if (st == MOE_OK) st = run_body(&r, start);
     if (r.metrics && fclose(r.metrics) != 0 && st == MOE_OK)
         st = moe_error(MOE_ERR_IO, "%s: close failed", r.metrics_path);
     free(r.route_counts);
@@ -708,5 +763,16 @@ moe_status moe_run(const moe_run_options *opts, const moe_run_callbacks *callbac
     moe_model_destroy(r.model);
     close_source(&r.train);
     close_source(&r.val);
+    if (r.world) {
+        moe_grid_destroy(&r.grid);
+        moe_comm_free(r.world);
+        /* A failed collective may leave peers mid-operation: finalising
+         * would wait for them, so only a clean run finalises. */
+        if (st == MOE_OK) st = moe_comm_mpi_finalize();
+    }
     return st;
+}
+
+bool moe_run_launched_by_mpi(void) {
+    return getenv("OMPI_COMM_WORLD_SIZE") || getenv("PMI_SIZE") || getenv("PMIX_RANK");
 }

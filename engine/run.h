@@ -23,7 +23,14 @@
  * anything else is a file read at byte level, or, when it holds a glob
  * character (* ? [) or ends in ".bin", a glob of llm.c token shards.
  * Without val_data a non-synthetic run validates on the training data itself,
- * read from its start, and says so through on_warning. */
+ * read from its start, and says so through on_warning.
+ *
+ * Under mpirun (or with ep or zero set) every rank runs moe_run with the same
+ * options: the ranks form a data-parallel world whose global batch is ranks x
+ * batch_size rows (rank r reads rows r*B .. r*B + B - 1, so N ranks read what
+ * one rank with batch N*B reads), split into expert-parallel groups of ep
+ * consecutive ranks. Every rank checks at start-up that all agree on the
+ * build, the model config and the options that shape the run. */
 #ifndef MOE_ENGINE_RUN_H
 #define MOE_ENGINE_RUN_H
 
@@ -68,6 +75,10 @@ typedef struct moe_run_options {
     int64_t eval_batches;  /* --eval-batches */
     bool eval_only;        /* --eval-only: evaluate --init-from and stop */
     double peak_gflops;    /* --peak-gflops for MFU; 0: measure sgemm at start-up */
+    /* Parallelism (under mpirun: every rank runs the same command) */
+    int ep;                /* --ep P: experts split over groups of P consecutive ranks */
+    int zero;              /* --zero 1: AdamW state sharded over each parameter's replicas */
+    double comm_timeout;   /* --comm-timeout seconds a collective may wait for a peer */
     const char *command_line; /* recorded in run.json; may be NULL */
 } moe_run_options;
 
@@ -104,11 +115,14 @@ typedef struct moe_run_summary {
     bool peak_measured;      /* false when given by --peak-gflops or not needed */
     double entropy_floor;    /* of the validation targets; NAN unless synthetic */
     int threads;
+    int rank, ranks, ep;     /* this process in the grid; 0, 1, 1 on one process */
+    int64_t optimizer_bytes; /* AdamW state held by each rank */
     const char *train_data;  /* what was opened */
     const char *val_data;
 } moe_run_summary;
 
 typedef struct moe_run_step {
+    int rank;                 /* every rank gets every callback; one prints */
     moe_step_metrics metrics; /* metrics.step counts steps done */
     int64_t total_steps;
     double seconds;           /* this step's wall time */
@@ -148,7 +162,9 @@ typedef struct moe_run_end {
     const char *last_checkpoint;        /* "" when none was written */
 } moe_run_end;
 
-/* Every callback may be NULL. Pointers passed are valid during the call. */
+/* Every callback may be NULL. Pointers passed are valid during the call.
+ * Under mpirun every rank runs its callbacks (on_start says which rank it
+ * is); files are written by rank 0 only. */
 typedef struct moe_run_callbacks {
     void *ctx;
     void (*on_start)(void *ctx, const moe_run_summary *summary);
@@ -158,6 +174,9 @@ typedef struct moe_run_callbacks {
     void (*on_end)(void *ctx, const moe_run_end *end);
     void (*on_warning)(void *ctx, const char *message);
 } moe_run_callbacks;
+
+/* Whether this process was started by mpirun (Open MPI, MPICH or PMIx). */
+bool moe_run_launched_by_mpi(void);
 
 /* The whole run. callbacks may be NULL. */
 moe_status moe_run(const moe_run_options *opts, const moe_run_callbacks *callbacks);

@@ -3,6 +3,7 @@
  * work); this file parses the flags and prints what the run reports.
  * Exit status: 0 done, 1 the run failed, 2 bad flags. */
 #include <errno.h>
+#include <signal.h>
 #include <limits.h>
 #include <math.h>
 #include <stdarg.h>
@@ -74,8 +75,15 @@ static void print_help(void) {
     printf("Performance:\n"
            "  --threads N          OpenMP (and OpenBLAS) threads; 0 = all cores (default)\n"
            "  --peak-gflops X      the MFU denominator; 0 = measure sgemm at start-up (default)\n\n"
+           "Parallel (run under mpirun; every rank gets the same flags):\n"
+           "  --ep P               split each layer's experts over groups of P consecutive ranks;\n"
+           "                       the ranks are data-parallel, --batch-size is per rank (default 1)\n"
+           "  --zero 1             shard AdamW's state over each parameter's replicas (default 0)\n"
+           "  --comm-timeout S     seconds a collective waits for a peer before the job ends with\n"
+           "                       an error (default 300)\n\n"
            "  -h, --help           this text\n\n"
-           "Environment: OMP_NUM_THREADS sets the thread count when --threads is not given.\n");
+           "Environment: OMP_NUM_THREADS sets the thread count when --threads is not given;\n"
+           "MOE_FAULT_KILL=RANK:STEP kills that rank as STEP starts (a fault-injection test).\n");
 }
 
 /* ------------------------------------------------------------------ flags */
@@ -119,7 +127,7 @@ static int parse_seed(uint64_t *out, const char *flag, const char *s) {
     return 0;
 }
 
-typedef enum { F_STRING, F_INT, F_REAL, F_SEED, F_THREADS, F_SCHEDULE, F_SWITCH } flag_kind;
+typedef enum { F_STRING, F_INT, F_REAL, F_SEED, F_THREADS, F_SMALL, F_SCHEDULE, F_SWITCH } flag_kind;
 
 typedef struct flag {
     const char *name;
@@ -141,6 +149,8 @@ static const flag flags[] = {
     {"--resume", F_STRING, OPT(resume)},         {"--eval-every", F_INT, OPT(eval_every)},
     {"--eval-batches", F_INT, OPT(eval_batches)}, {"--eval-only", F_SWITCH, OPT(eval_only)},
     {"--shuffle", F_SWITCH, OPT(shuffle)},       {"--peak-gflops", F_REAL, OPT(peak_gflops)},
+    {"--ep", F_SMALL, OPT(ep)},                  {"--zero", F_SMALL, OPT(zero)},
+    {"--comm-timeout", F_REAL, OPT(comm_timeout)},
 };
 #undef OPT
 
@@ -155,6 +165,11 @@ static int set_flag(moe_run_options *o, const flag *f, const char *value) {
     case F_THREADS:
         if (parse_int(&i, f->name, value)) return 2;
         if (i < 0 || i > INT_MAX) return usage_error("%s %s: expected 0 (all cores) or a thread count", f->name, value);
+        *(int *)field = (int)i;
+        return 0;
+    case F_SMALL: /* an int field; the run's validation checks the range */
+        if (parse_int(&i, f->name, value)) return 2;
+        if (i < INT_MIN || i > INT_MAX) return usage_error("%s %s: out of range", f->name, value);
         *(int *)field = (int)i;
         return 0;
     case F_SCHEDULE:
@@ -219,6 +234,9 @@ typedef struct printer {
     bool tty;     /* stdout is a terminal: keep a progress bar under the lines */
     bool bar_on;  /* the bar is drawn on the current line */
     bool eval_only;
+    int rank;     /* under mpirun; only rank 0 prints */
+    bool quiet;
+    int kill_rank, kill_step; /* MOE_FAULT_KILL=RANK:STEP, or -1 */
 } printer;
 
 static void clear_bar(printer *p) {
@@ -240,6 +258,9 @@ static void on_start(void *ctx, const moe_run_summary *s) {
     printer *p = ctx;
     const moe_model_config *c = s->config;
     const moe_run_options *o = s->options;
+    p->rank = s->rank;
+    p->quiet = s->rank != 0;
+    if (p->quiet) return;
     printf("model    d_model %lld, %lld layers, %lld heads (%lld KV), %lld experts of width %lld, top-%lld, "
            "vocab %lld\n",
            (long long)c->hidden_size, (long long)c->num_hidden_layers, (long long)c->num_attention_heads,
@@ -254,6 +275,9 @@ static void on_start(void *ctx, const moe_run_summary *s) {
     if (!isnan(s->peak_gflops))
         printf(", sgemm peak %.1f GFLOP/s (%s)", s->peak_gflops, s->peak_measured ? "measured" : "--peak-gflops");
     printf("\n");
+    if (s->ranks > 1)
+        printf("grid     %d ranks: %d data-parallel, experts split over groups of %d; AdamW state %.2f MB per rank%s\n",
+               s->ranks, s->ranks, s->ep, (double)s->optimizer_bytes * 1e-6, o->zero ? " (--zero 1)" : "");
     if (!p->eval_only) {
         printf("run      steps %lld..%lld, B %lld x T %lld x accum %lld = %lld tokens per step, %.2f GFLOP per step, "
                "out %s\n",
@@ -279,6 +303,14 @@ static void draw_bar(printer *p, const moe_run_step *s) {
 static void on_step(void *ctx, const moe_run_step *s) {
     printer *p = ctx;
     const moe_step_metrics *m = &s->metrics;
+    if (p->rank == p->kill_rank && m->step + 1 == p->kill_step) {
+        /* Fault injection: this rank dies as the next step starts, so its
+         * peers are left waiting inside that step's collectives. */
+        fprintf(stderr, PROGRAM ": rank %d: MOE_FAULT_KILL: killing this rank at the start of step %d\n", p->rank,
+                p->kill_step);
+        raise(SIGKILL);
+    }
+    if (p->quiet) return;
     clear_bar(p);
     printf("step %5lld/%lld | loss %.4f | aux %.4f | lr %.2e | norm %6.3f | %7.0f tok/s | MFU %5.1f%% | "
            "imbalance %.2f | dropped %.1f%%\n",
@@ -290,6 +322,7 @@ static void on_step(void *ctx, const moe_run_step *s) {
 
 static void on_eval(void *ctx, const moe_run_eval *e) {
     printer *p = ctx;
+    if (p->quiet) return;
     clear_bar(p);
     if (p->eval_only) return; /* the result line comes last, from on_end */
     if (isnan(e->entropy_floor))
@@ -301,12 +334,14 @@ static void on_eval(void *ctx, const moe_run_eval *e) {
 
 static void on_checkpoint(void *ctx, int64_t step, const char *path) {
     printer *p = ctx;
+    if (p->quiet) return;
     clear_bar(p);
     printf("saved step %lld to %s\n", (long long)step, path);
 }
 
 static void on_warning(void *ctx, const char *message) {
     printer *p = ctx;
+    if (p->quiet) return;
     clear_bar(p);
     fflush(stdout);
     fprintf(stderr, PROGRAM ": warning: %s\n", message);
@@ -350,6 +385,7 @@ static void print_kinds(const moe_run_kind_report *r) {
 
 static void on_end(void *ctx, const moe_run_end *e) {
     printer *p = ctx;
+    if (p->quiet) return;
     clear_bar(p);
     if (e->kinds) print_kinds(e->kinds);
     if (!p->eval_only) {
@@ -380,7 +416,10 @@ int main(int argc, char **argv) {
     join_command_line(command_line, sizeof command_line, argc, argv);
     o.command_line = command_line;
 
-    printer p = {.tty = isatty(STDOUT_FILENO), .eval_only = o.eval_only};
+    printer p = {.tty = isatty(STDOUT_FILENO), .eval_only = o.eval_only, .kill_rank = -1, .kill_step = -1};
+    const char *fault = getenv("MOE_FAULT_KILL");
+    if (fault && (sscanf(fault, "%d:%d", &p.kill_rank, &p.kill_step) != 2 || p.kill_step < 2))
+        return usage_error("MOE_FAULT_KILL=%s: expected RANK:STEP with STEP >= 2", fault);
     const moe_run_callbacks cb = {
         .ctx = &p,
         .on_start = on_start,
@@ -394,7 +433,11 @@ int main(int argc, char **argv) {
     if (st != MOE_OK) {
         clear_bar(&p);
         fflush(stdout);
-        fprintf(stderr, PROGRAM ": %s: %s\n", moe_status_string(st), moe_last_error());
+        const char *rank = getenv("OMPI_COMM_WORLD_RANK") ? getenv("OMPI_COMM_WORLD_RANK") : getenv("PMI_RANK");
+        if (moe_run_launched_by_mpi())
+            fprintf(stderr, PROGRAM ": rank %s: %s: %s\n", rank ? rank : "?", moe_status_string(st), moe_last_error());
+        else
+            fprintf(stderr, PROGRAM ": %s: %s\n", moe_status_string(st), moe_last_error());
         return 1;
     }
     return 0;
