@@ -4,9 +4,10 @@
  * iterations of one run, every received element checked:
  *  - raw: the communicator's all-to-all-v (moe_comm) alone;
  *  - dispatch: the MoE layer's whole dispatch + combine path (permute,
- *    all-to-all-v, regroup, and back, forward and backward), timed by the
- *    layer's own phase timers inside real forward/backward passes, its
- *    outputs and input gradients checked against a one-rank layer.
+ *    the messages to the experts' ranks, and back, forward and backward),
+ *    timed by the layer's own phase timers inside real forward/backward
+ *    passes, its outputs and input gradients checked against a one-rank
+ *    layer.
  * Run under mpirun. */
 #include <math.h>
 #include <stdio.h>
@@ -86,8 +87,8 @@ static void print_help(FILE *f) {
             "  without replacement from p, p_e being the weight of the expert's rank under\n"
             "  -d spread over its E/N experts. A step (forward + backward) makes 4\n"
             "  exchanges: rows out, outputs back, output gradients out, input gradients\n"
-            "  back. time = the layer's exchange_seconds of a step / 4 (permute,\n"
-            "  all-to-all-v, regroup by expert, ungroup, all-to-all-v, combine, unpermute;\n"
+            "  back. time = the layer's exchange_seconds of a step / 4 (permute, one\n"
+            "  message per (rank, expert) chunk each way, combine, unpermute;\n"
             "  not the experts, not the all-gather of routing counts), in which a rank\n"
             "  waiting for a slower one counts. mpi = the same 4 exchanges as\n"
             "  MPI_Alltoallv's of the same per-peer counts (the returns send back what\n"
@@ -96,7 +97,7 @@ static void print_help(FILE *f) {
             "  recv_imb  the busiest rank's received rows / T*k, as routed\n"
             "  fast      time of the rank whose exchange took least (the least waiting)\n"
             "  copy      one memcpy of size bytes on every rank at once: the unit of the\n"
-            "            memory-bound permute, regroup and combine passes mpi does not make\n"
+            "            memory-bound permute and combine passes mpi does not make\n"
             "  exch%%     the exchange's share of a step; experts: the grouped GEMMs of a step\n"
             "  #wrong    y and dx of every token on every rank against a one-rank layer with\n"
             "            the same parameters on the same tokens (|got - want| > 1e-5\n"
@@ -773,7 +774,7 @@ static double raw_step(dispatch_run *r) {
 }
 
 /* The unit of the memory-bound passes the layer makes and the raw exchange
- * does not (permute, regroup, combine): one memcpy of the rows a dispatch
+ * does not (permute, combine): one memcpy of the rows a dispatch
  * sends, on every rank at once after a barrier. Returns this rank's
  * seconds. */
 static double time_copy(dispatch_run *r, int64_t R) {
@@ -1033,8 +1034,8 @@ static int run_dispatch(const a2a_options *o, moe_comm *comm) {
                          (long long)r.k, (long long)o->d_ff, (unsigned long long)o->seed,
                          (long long)o->warmup, (long long)o->iters);
         bench_table_note(&table,
-                         "left: the layer's dispatch + combine path (permute, all-to-all-v, "
-                         "regroup, and back), a forward + backward's exchange time / %d; right: "
+                         "left: the layer's dispatch + combine path (permute, per-expert "
+                         "messages, and back), a forward + backward's exchange time / %d; right: "
                          "the same %d exchanges as raw MPI_Alltoallv, / %d",
                          EXCHANGES_PER_STEP, EXCHANGES_PER_STEP, EXCHANGES_PER_STEP);
         bench_table_note(&table,

@@ -1,9 +1,10 @@
 /* moe_layer.c: one MoE layer, forward and backward (DESIGN.md 3).
  *
  * forward:  [jitter] -> router GEMM -> gating pass -> gather the router's
- *           per-rank totals -> plan -> permute -> [dispatch: all-to-all-v,
- *           regroup by local expert] -> grouped experts (+ shared experts)
- *           -> [return: ungroup, all-to-all-v] -> combine
+ *           per-rank totals -> plan -> permute -> [dispatch: each (rank,
+ *           expert) chunk sent straight into the experts' row order] ->
+ *           grouped experts (+ shared experts) -> [return, the same way
+ *           back] -> combine
  * backward: combine -> [dispatch] -> grouped experts -> [return] ->
  *           unpermute -> gating -> router GEMM -> [jitter]
  *
@@ -89,7 +90,6 @@ struct moe_layer {
      * row_ws. With one rank xe, ye, dye and dxe are xp, yp, dyp and dxp. */
     void *row_ws;
     int64_t capacity_R;
-    float *staging;      /* [R, d] rows in source-major order, in flight */
     float *xe;           /* [R, d] received rows, expert-major */
     float *ye;           /* [R, d] expert outputs; in backward their gradient */
     float *dxe;          /* [R, d] */
@@ -105,7 +105,7 @@ struct moe_layer {
     int64_t *global_assigned; /* [E] */
     int64_t *keep;           /* [E] this rank's kept pairs per expert */
     int64_t *recv_rows;      /* [P, n_local] rows from each source for each local expert */
-    int64_t *a2a;            /* [4P] send counts, send displs, recv counts, recv displs (elements) */
+    moe_comm_request *requests; /* [2 P n_local] messages of one exchange */
     int64_t *expert_offsets; /* [E+1] plan rows */
     int64_t *local_offsets;  /* [n_local+1] expert-major rows */
     int64_t *cursor;         /* [E] */
@@ -283,7 +283,7 @@ moe_status moe_layer_create_in(moe_layer **out, const moe_layer_config *cfg, con
     L->global_assigned = calloc((size_t)E, sizeof *L->global_assigned);
     L->keep = calloc((size_t)E, sizeof *L->keep);
     L->recv_rows = calloc((size_t)P * (size_t)L->n_local, sizeof *L->recv_rows);
-    L->a2a = calloc(4 * (size_t)P, sizeof *L->a2a);
+    L->requests = calloc(2 * (size_t)P * (size_t)L->n_local, sizeof *L->requests);
     L->expert_offsets = calloc((size_t)E + 1, sizeof *L->expert_offsets);
     L->local_offsets = calloc((size_t)L->n_local + 1, sizeof *L->local_offsets);
     L->cursor = calloc((size_t)E, sizeof *L->cursor);
@@ -291,7 +291,7 @@ moe_status moe_layer_create_in(moe_layer **out, const moe_layer_config *cfg, con
     L->groups = calloc((size_t)L->n_local + 1, sizeof *L->groups);
     if (cfg->bias_update_rate > 0.0) L->bias = calloc((size_t)E, sizeof *L->bias);
     if (!L->views || !L->names || !L->expert_rank || !L->assigned || !L->prob_sum || !L->rank_totals ||
-        !L->rank_assigned || !L->global_assigned || !L->keep || !L->recv_rows || !L->a2a || !L->expert_offsets ||
+        !L->rank_assigned || !L->global_assigned || !L->keep || !L->recv_rows || !L->requests || !L->expert_offsets ||
         !L->local_offsets || !L->cursor || !L->aux_grad || !L->groups || (cfg->bias_update_rate > 0.0 && !L->bias)) {
         moe_layer_destroy(L);
         return moe_error(MOE_ERR_OUT_OF_MEMORY, "moe_layer_create: per-expert arrays for n_experts=%lld", (long long)E);
@@ -377,7 +377,7 @@ void moe_layer_destroy(moe_layer *L) {
     free(L->global_assigned);
     free(L->keep);
     free(L->recv_rows);
-    free(L->a2a);
+    free(L->requests);
     free(L->expert_offsets);
     free(L->local_offsets);
     free(L->cursor);
@@ -542,7 +542,6 @@ static moe_status reserve_rows(moe_layer *L, int64_t R) {
     if (R > INT_MAX || !mul_ok(R, 2 * ff, &r2ff) || !mul_ok(R, d, &r2ff))
         return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_forward: %lld expert rows are too many", (long long)R);
     const ws_entry table[] = {
-        {(void **)&L->staging, ep, sizeof(float)},
         {(void **)&L->xe, ep, sizeof(float)},
         {(void **)&L->ye, ep, sizeof(float)},
         {(void **)&L->dxe, ep, sizeof(float)},
@@ -628,71 +627,57 @@ static moe_status share_routing(moe_layer *L, int64_t T, double z_sum) {
     return MOE_OK;
 }
 
-/* The all-to-all-v counts and displacements, in floats of rows of d: what
- * this rank sends to each rank (its plan rows for that rank's experts) and
- * what it receives from each (source-major). */
-static void dispatch_counts(moe_layer *L) {
-    const int64_t P = L->ep_size, d = L->cfg.d_model;
-    int64_t *send_counts = L->a2a, *send_displs = L->a2a + P, *recv_counts = L->a2a + 2 * P,
-            *recv_displs = L->a2a + 3 * P;
-    for (int64_t r = 0; r < P; r++) {
-        send_counts[r] = 0;
-        recv_counts[r] = 0;
-    }
-    for (int64_t e = 0; e < L->cfg.n_experts; e++)
-        send_counts[L->expert_rank[e]] += (L->expert_offsets[e + 1] - L->expert_offsets[e]) * d;
-    for (int64_t r = 0; r < P; r++)
-        for (int64_t j = 0; j < L->n_local; j++) recv_counts[r] += L->recv_rows[r * L->n_local + j] * d;
-    send_displs[0] = recv_displs[0] = 0;
-    for (int64_t r = 1; r < P; r++) {
-        send_displs[r] = send_displs[r - 1] + send_counts[r - 1];
-        recv_displs[r] = recv_displs[r - 1] + recv_counts[r - 1];
-    }
+/* Where the rows from source s for local expert j sit among the expert rows:
+ * each expert's rows in source order, which is the global batch's order. */
+static int64_t expert_row(const moe_layer *L, int64_t s, int64_t j) {
+    int64_t row = L->local_offsets[j];
+    for (int64_t s2 = 0; s2 < s; s2++) row += L->recv_rows[s2 * L->n_local + j];
+    return row;
 }
 
-/* Moves rows between source-major order (as they cross the network: from
- * each source, its rows for local expert 0, 1, ...) and expert-major order
- * (each local expert's rows from source 0, 1, ...: the global batch order). */
-static void regroup(moe_layer *L, float *dst, const float *src, bool to_expert_major) {
+/* Moves rows between the plan (this rank's tokens, by expert) and the expert
+ * rows (this rank's experts, by source), one message per (peer, expert)
+ * chunk, each received straight into its final place: no staging copy on
+ * either side. The tag is the expert's local index; MPI keeps messages of one
+ * sender and tag in order, so consecutive exchanges cannot cross. Chunks that
+ * stay on this rank are copied. to_experts: plan -> experts (dispatch), else
+ * experts -> plan (return). */
+static moe_status exchange(moe_layer *L, float *plan_rows, float *expert_rows, bool to_experts, const char *what) {
     const int64_t P = L->ep_size, nl = L->n_local, d = L->cfg.d_model;
-    int64_t src_row = 0;
-    for (int64_t s = 0; s < P; s++)
-        for (int64_t j = 0; j < nl; j++) {
-            int64_t n = L->recv_rows[s * nl + j], exp_row = L->local_offsets[j];
-            for (int64_t s2 = 0; s2 < s; s2++) exp_row += L->recv_rows[s2 * nl + j];
-            const float *from = to_expert_major ? src + src_row * d : src + exp_row * d;
-            float *to = to_expert_major ? dst + exp_row * d : dst + src_row * d;
-            memcpy(to, from, (size_t)(n * d) * sizeof(float));
-            src_row += n;
+    const size_t row_bytes = (size_t)d * sizeof(float);
+    int n_req = 0;
+    moe_status st = MOE_OK;
+    for (int64_t peer = 0; peer < P && st == MOE_OK; peer++)
+        for (int64_t j = 0; j < nl && st == MOE_OK; j++) {
+            /* My plan rows for the peer's expert j, and the peer's rows for my expert j. */
+            const int64_t e = peer * nl + j, plan_n = L->expert_offsets[e + 1] - L->expert_offsets[e];
+            float *mine = plan_rows + L->expert_offsets[e] * d;
+            float *theirs = expert_rows + expert_row(L, peer, j) * d;
+            const int64_t their_n = L->recv_rows[peer * nl + j];
+            if (peer == L->ep_rank) {
+                if (to_experts)
+                    memcpy(theirs, mine, (size_t)plan_n * row_bytes);
+                else
+                    memcpy(mine, theirs, (size_t)plan_n * row_bytes);
+                continue;
+            }
+            float *send = to_experts ? mine : theirs, *recv = to_experts ? theirs : mine;
+            const int64_t send_n = to_experts ? plan_n : their_n, recv_n = to_experts ? their_n : plan_n;
+            if (recv_n > 0) {
+                L->requests[n_req] = (moe_comm_request)MOE_COMM_REQUEST_INIT;
+                st = moe_comm_irecv(L->ep, &L->requests[n_req++], recv, recv_n * d, MOE_COMM_F32, (int)peer, (int)j);
+            }
+            if (st == MOE_OK && send_n > 0) {
+                L->requests[n_req] = (moe_comm_request)MOE_COMM_REQUEST_INIT;
+                st = moe_comm_isend(L->ep, &L->requests[n_req++], send, send_n * d, MOE_COMM_F32, (int)peer, (int)j);
+                L->timing.exchange_bytes += send_n * (int64_t)row_bytes;
+            }
         }
-}
-
-/* Sends the plan's rows to the experts' ranks and regroups them there
- * (rows: xp -> xe in forward, dyp -> ye in backward). */
-static void count_sent(moe_layer *L, const int64_t *send_counts) {
-    for (int64_t r = 0; r < L->ep_size; r++)
-        if (r != L->ep_rank) L->timing.exchange_bytes += send_counts[r] * (int64_t)sizeof(float);
-}
-
-static moe_status dispatch(moe_layer *L, float *expert_rows, const float *plan_rows, const char *what) {
-    const int64_t P = L->ep_size;
-    count_sent(L, L->a2a);
-    moe_status st = moe_comm_alltoallv(L->ep, L->staging, L->a2a + 2 * P, L->a2a + 3 * P, plan_rows, L->a2a,
-                                       L->a2a + P, MOE_COMM_F32);
-    if (st != MOE_OK) return moe_error_prefix(st, "moe layer dispatch (%s): ", what);
-    regroup(L, expert_rows, L->staging, true);
-    return MOE_OK;
-}
-
-/* The reverse of dispatch: expert rows back to the ranks that own the tokens
- * (ye -> yp in forward, dxe -> dxp in backward). */
-static moe_status undispatch(moe_layer *L, float *plan_rows, const float *expert_rows, const char *what) {
-    const int64_t P = L->ep_size;
-    count_sent(L, L->a2a + 2 * P);
-    regroup(L, L->staging, expert_rows, false);
-    moe_status st = moe_comm_alltoallv(L->ep, plan_rows, L->a2a, L->a2a + P, L->staging, L->a2a + 2 * P,
-                                       L->a2a + 3 * P, MOE_COMM_F32);
-    if (st != MOE_OK) return moe_error_prefix(st, "moe layer combine (%s): ", what);
+    for (int i = 0; i < n_req; i++) {
+        moe_status w = moe_comm_wait(&L->requests[i]);
+        if (st == MOE_OK) st = w;
+    }
+    if (st != MOE_OK) return moe_error_prefix(st, "moe layer %s (%s): ", to_experts ? "dispatch" : "combine", what);
     return MOE_OK;
 }
 
@@ -766,14 +751,13 @@ moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, 
     if (L->ep && cap >= 0 && L->n_local * cap < max_rows) max_rows = L->n_local * cap;
     MOE_TRY(reserve_rows(L, max_rows));
     if (L->ep) {
-        dispatch_counts(L);
-        MOE_TRY(dispatch(L, L->xe, L->xp, "rows"));
+        MOE_TRY(exchange(L, L->xp, L->xe, true, "rows"));
     }
     int64_t n_groups = setup_groups(L, T, x_in, NULL);
     double t1 = omp_get_wtime();
     ops->experts_forward(L->groups, n_groups, d);
     double t2 = omp_get_wtime();
-    if (L->ep) MOE_TRY(undispatch(L, L->yp, L->ye, "expert outputs"));
+    if (L->ep) MOE_TRY(exchange(L, L->yp, L->ye, false, "expert outputs"));
     ops->combine(y, L->yp, L->topk_w, L->pair_row, L->shared_ff ? L->sh_y : NULL, T, k, d);
     L->timing.exchange_seconds += (t1 - t0) + (omp_get_wtime() - t2);
     L->timing.experts_seconds += t2 - t1;
@@ -805,7 +789,7 @@ moe_status moe_layer_backward(moe_layer *L, float *dx, const float *dy, const fl
     ops->combine_backward(L->dyp, L->dweights, dy, L->yp, L->topk_w, L->pair_row, T, k, d);
     /* The expert outputs are spent: ye takes their gradient. */
     if (L->ep)
-        MOE_TRY(dispatch(L, L->ye, L->dyp, "output gradients"));
+        MOE_TRY(exchange(L, L->dyp, L->ye, true, "output gradients"));
     else
         L->ye = L->dyp;
     int64_t n_groups = setup_groups(L, T, x_in, dy);
@@ -817,7 +801,7 @@ moe_status moe_layer_backward(moe_layer *L, float *dx, const float *dy, const fl
     ops->experts_backward(L->groups, n_groups, d);
     double t2 = omp_get_wtime();
     if (!L->ep) L->ye = L->yp;
-    if (L->ep) MOE_TRY(undispatch(L, L->dxp, L->dxe, "input gradients"));
+    if (L->ep) MOE_TRY(exchange(L, L->dxp, L->dxe, false, "input gradients"));
     ops->unpermute_add(dx_in, L->dxp, L->pair_row, T, k, d);
     L->timing.exchange_seconds += (t1 - t0) + (omp_get_wtime() - t2);
     L->timing.experts_seconds += t2 - t1;

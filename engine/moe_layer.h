@@ -61,12 +61,12 @@ void moe_layer_set_jitter_counter(moe_layer *layer, uint64_t counter);
 
 /* Where forward and backward spent their time since the last reset. The
  * exchange is everything that moves rows between token order and the
- * experts: permute, dispatch (all-to-all-v and regroup), return (ungroup and
- * all-to-all-v), combine and unpermute, in both directions. */
+ * experts: permute, dispatch and return (the messages between ranks),
+ * combine and unpermute, in both directions. */
 typedef struct moe_layer_timing {
     double exchange_seconds;
     double experts_seconds;
-    int64_t exchange_bytes; /* sent by this rank in the all-to-all-v's */
+    int64_t exchange_bytes; /* sent by this rank to other ranks */
     int64_t calls;          /* forwards plus backwards */
 } moe_layer_timing;
 
