@@ -141,11 +141,6 @@ static void print_help(FILE *f) {
             DEFAULT_D_FF, DEFAULT_WARMUP, DEFAULT_ITERS);
 }
 
-static int usage_error(void) {
-    fprintf(stderr, "moe-bench %s: see moe-bench %s --help\n", CMD, CMD);
-    return BENCH_EXIT_USAGE;
-}
-
 /* "64K", "16M", "1G" or plain bytes, within [1, 2^40]. */
 static bool parse_bytes(int64_t *out, const char *flag, const char *text) {
     char digits[32];
@@ -293,18 +288,18 @@ static int parse_options(a2a_options *o, int argc, char **argv) {
         for (int f = 0; f < N_FLAGS && !found; f++) {
             const char *value = NULL;
             found = match_flag(argc, argv, &i, &flags[f], &value);
-            if (found < 0 || (found && !apply_flag(o, f, value))) return usage_error();
+            if (found < 0 || (found && !apply_flag(o, f, value))) return bench_usage_error(CMD);
         }
         if (!found) {
             fprintf(stderr, "moe-bench %s: unknown %s '%s'\n", CMD,
                     arg[0] == '-' ? "option" : "argument", arg);
-            return usage_error();
+            return bench_usage_error(CMD);
         }
     }
     if (o->min_bytes > o->max_bytes) {
         fprintf(stderr, "moe-bench %s: --minbytes=%lld exceeds --maxbytes=%lld\n", CMD,
                 (long long)o->min_bytes, (long long)o->max_bytes);
-        return usage_error();
+        return bench_usage_error(CMD);
     }
     return -1;
 }

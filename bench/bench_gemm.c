@@ -24,7 +24,6 @@
 /* The CPU runs the shapes with d and ff divided by this, so the default
  * run stays well under a minute on two cores. */
 #define CPU_SHAPE_DIVISOR 4
-#define MAX_ROUTINGS 2
 #define MAX_EXPERTS 1024
 
 typedef struct gemm_shape {
@@ -39,16 +38,11 @@ static const gemm_shape shapes[] = {
 };
 #define N_SHAPES ((int)(sizeof shapes / sizeof shapes[0]))
 
-typedef struct gemm_routing {
-    char label[32];
-    double zipf_s; /* 0: balanced */
-} gemm_routing;
-
 typedef enum gemm_device { DEVICE_AUTO, DEVICE_CPU, DEVICE_CUDA } gemm_device;
 
 typedef struct gemm_options {
     int64_t T; /* 0: the device's default */
-    gemm_routing routings[MAX_ROUTINGS];
+    bench_routing routings[BENCH_MAX_ROUTINGS];
     int n_routings;
     int64_t warmup, iters, threads;
     gemm_device device;
@@ -122,31 +116,6 @@ static void print_help(FILE *f) {
             CPU_SHAPE_DIVISOR, DEFAULT_T_GPU, DEFAULT_T_CPU, DEFAULT_ZIPF_S);
 }
 
-static int usage_error(void) {
-    fprintf(stderr, "moe-bench %s: see moe-bench %s --help\n", CMD, CMD);
-    return BENCH_EXIT_USAGE;
-}
-
-static bool parse_routing(gemm_options *o, const char *text) {
-    const gemm_routing balanced = {"balanced", 0.0};
-    gemm_routing zipf = {"", DEFAULT_ZIPF_S};
-    o->n_routings = 0;
-    if (strcmp(text, "balanced") == 0 || strcmp(text, "both") == 0)
-        o->routings[o->n_routings++] = balanced;
-    if (strcmp(text, "balanced") == 0) return true;
-    if (strncmp(text, "zipf:", 5) == 0) {
-        if (!bench_parse_f64(&zipf.zipf_s, CMD, "--routing zipf:S", text + 5, 0.0, 100.0))
-            return false;
-    } else if (strcmp(text, "zipf") != 0 && strcmp(text, "both") != 0) {
-        fprintf(stderr, "moe-bench %s: --routing=%s: expected balanced, zipf, zipf:S or both\n",
-                CMD, text);
-        return false;
-    }
-    snprintf(zipf.label, sizeof zipf.label, "zipf:%g", zipf.zipf_s);
-    o->routings[o->n_routings++] = zipf;
-    return true;
-}
-
 /* "-w VALUE" or bench_option's "--name value" / "--name=value". */
 static int match_flag(int argc, char **argv, int *i, const char *short_name, const char *long_name,
                       const char **value) {
@@ -165,7 +134,7 @@ static int match_flag(int argc, char **argv, int *i, const char *short_name, con
 /* Returns -1 when the run should go ahead, else the exit status. */
 static int parse_options(gemm_options *o, int argc, char **argv) {
     *o = (gemm_options){.device = DEVICE_AUTO};
-    parse_routing(o, "both");
+    o->n_routings = bench_parse_routing(o->routings, CMD, "both", DEFAULT_ZIPF_S);
     for (int i = 1; i < argc; i++) {
         const char *arg = argv[i], *value = NULL;
         if (strcmp(arg, "-h") == 0 || strcmp(arg, "--help") == 0) {
@@ -179,22 +148,23 @@ static int parse_options(gemm_options *o, int argc, char **argv) {
         int found;
         if ((found = match_flag(argc, argv, &i, NULL, "T", &value)) != 0) {
             if (found < 0 || !bench_parse_i64(&o->T, CMD, "--T", value, 1, 1 << 24))
-                return usage_error();
+                return bench_usage_error(CMD);
         } else if ((found = match_flag(argc, argv, &i, NULL, "routing", &value)) != 0) {
-            if (found < 0 || !parse_routing(o, value)) return usage_error();
+            if (found < 0 || (o->n_routings = bench_parse_routing(o->routings, CMD, value, DEFAULT_ZIPF_S)) == 0)
+                return bench_usage_error(CMD);
         } else if ((found = match_flag(argc, argv, &i, "-w", "warmup", &value)) != 0) {
             if (found < 0 || !bench_parse_i64(&o->warmup, CMD, "--warmup", value, 0, 1000000))
-                return usage_error();
+                return bench_usage_error(CMD);
             o->warmup_set = true;
         } else if ((found = match_flag(argc, argv, &i, "-n", "iters", &value)) != 0) {
             if (found < 0 || !bench_parse_i64(&o->iters, CMD, "--iters", value, 1, 1000000))
-                return usage_error();
+                return bench_usage_error(CMD);
             o->iters_set = true;
         } else if ((found = match_flag(argc, argv, &i, NULL, "threads", &value)) != 0) {
             if (found < 0 || !bench_parse_i64(&o->threads, CMD, "--threads", value, 1, 4096))
-                return usage_error();
+                return bench_usage_error(CMD);
         } else if ((found = match_flag(argc, argv, &i, NULL, "device", &value)) != 0) {
-            if (found < 0) return usage_error();
+            if (found < 0) return bench_usage_error(CMD);
             if (strcmp(value, "auto") == 0)
                 o->device = DEVICE_AUTO;
             else if (strcmp(value, "cuda") == 0)
@@ -204,12 +174,12 @@ static int parse_options(gemm_options *o, int argc, char **argv) {
             else {
                 fprintf(stderr, "moe-bench %s: --device=%s: expected auto, cuda or cpu\n", CMD,
                         value);
-                return usage_error();
+                return bench_usage_error(CMD);
             }
         } else {
             fprintf(stderr, "moe-bench %s: unknown %s '%s'\n", CMD,
                     arg[0] == '-' ? "option" : "argument", arg);
-            return usage_error();
+            return bench_usage_error(CMD);
         }
     }
     return -1;
@@ -262,7 +232,7 @@ typedef struct row_ctx {
     const char *device, *rate_unit;
     double rate_scale; /* FLOP/s to the unit */
     const gemm_shape *shape;
-    const gemm_routing *routing;
+    const bench_routing *routing;
     int64_t T, M, N, K, iters;
     double imbalance;
 } row_ctx;

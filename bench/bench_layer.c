@@ -16,7 +16,6 @@
  * two cores; the untimed forward that reads the routing warms up too. */
 #define DEFAULT_WARMUP 1
 #define DEFAULT_ITERS 3
-#define MAX_ROUTINGS 2
 #define ROUTING_SEED 0x6d6f652d6c617972ull
 
 typedef struct layer_shape {
@@ -27,15 +26,10 @@ typedef struct layer_shape {
 static const layer_shape mixtral_shape = {"mixtral", 4096, 512, 1408, 8, 2};
 static const layer_shape fine_shape = {"fine", 4096, 512, 256, 32, 4};
 
-typedef struct layer_routing {
-    char label[32];
-    double zipf_s; /* 0: every expert equally likely */
-} layer_routing;
-
 typedef struct layer_options {
     layer_shape shapes[2];
     int n_shapes;
-    layer_routing routings[MAX_ROUTINGS];
+    bench_routing routings[BENCH_MAX_ROUTINGS];
     int n_routings;
     int64_t warmup, iters, threads; /* threads 0: leave the environment's */
     bool json;
@@ -100,42 +94,13 @@ static void print_help(FILE *f) {
             DEFAULT_ZIPF_S, DEFAULT_WARMUP, DEFAULT_ITERS);
 }
 
-static int usage_error(void) {
-    fprintf(stderr, "moe-bench %s: see moe-bench %s --help\n", CMD, CMD);
-    return BENCH_EXIT_USAGE;
-}
-
-static bool parse_routing(layer_options *o, const char *text) {
-    layer_routing balanced = {"balanced", 0.0};
-    layer_routing zipf = {"", DEFAULT_ZIPF_S};
-    if (strcmp(text, "balanced") == 0) {
-        o->routings[0] = balanced;
-        o->n_routings = 1;
-        return true;
-    }
-    if (strncmp(text, "zipf:", 5) == 0) {
-        if (!bench_parse_f64(&zipf.zipf_s, CMD, "--routing zipf:S", text + 5, 0.0, 100.0))
-            return false;
-    } else if (strcmp(text, "zipf") != 0 && strcmp(text, "both") != 0) {
-        fprintf(stderr,
-                "moe-bench %s: --routing=%s: expected balanced, zipf, zipf:S or both\n", CMD,
-                text);
-        return false;
-    }
-    snprintf(zipf.label, sizeof zipf.label, "zipf:%g", zipf.zipf_s);
-    o->n_routings = 0;
-    if (strcmp(text, "both") == 0) o->routings[o->n_routings++] = balanced;
-    o->routings[o->n_routings++] = zipf;
-    return true;
-}
-
 /* Returns -1 when the run should go ahead, else the exit status. */
 static int parse_options(layer_options *o, int argc, char **argv) {
     layer_shape custom = mixtral_shape;
     custom.name = "custom";
     bool custom_shape = false;
     *o = (layer_options){.warmup = DEFAULT_WARMUP, .iters = DEFAULT_ITERS};
-    parse_routing(o, "both");
+    o->n_routings = bench_parse_routing(o->routings, CMD, "both", DEFAULT_ZIPF_S);
 
     struct {
         const char *name;
@@ -166,26 +131,27 @@ static int parse_options(layer_options *o, int argc, char **argv) {
         }
         const char *value = NULL;
         int found = bench_option(argc, argv, &i, CMD, "routing", &value);
-        if (found < 0) return usage_error();
+        if (found < 0) return bench_usage_error(CMD);
         if (found) {
-            if (!parse_routing(o, value)) return usage_error();
+            if ((o->n_routings = bench_parse_routing(o->routings, CMD, value, DEFAULT_ZIPF_S)) == 0)
+                return bench_usage_error(CMD);
             continue;
         }
         for (int f = 0; f < n_int_flags && !found; f++) {
             found = bench_option(argc, argv, &i, CMD, int_flags[f].name, &value);
-            if (found < 0) return usage_error();
+            if (found < 0) return bench_usage_error(CMD);
             if (!found) continue;
             char flag[16];
             snprintf(flag, sizeof flag, "--%s", int_flags[f].name);
             if (!bench_parse_i64(int_flags[f].value, CMD, flag, value, int_flags[f].lo,
                                  int_flags[f].hi))
-                return usage_error();
+                return bench_usage_error(CMD);
             custom_shape |= int_flags[f].shape;
         }
         if (!found) {
             fprintf(stderr, "moe-bench %s: unknown %s '%s'\n", CMD,
                     strncmp(arg, "-", 1) == 0 ? "option" : "argument", arg);
-            return usage_error();
+            return bench_usage_error(CMD);
         }
     }
 
@@ -195,18 +161,18 @@ static int parse_options(layer_options *o, int argc, char **argv) {
         cfg.d_ff = custom.ff;
         cfg.n_experts = custom.E;
         cfg.top_k = custom.k;
-        if (bench_failed(CMD, "shape", moe_layer_config_validate(&cfg))) return usage_error();
+        if (bench_failed(CMD, "shape", moe_layer_config_validate(&cfg))) return bench_usage_error(CMD);
         /* The routing construction spends E + 1 input features on the router. */
         if (custom.d <= custom.E) {
             fprintf(stderr, "moe-bench %s: --d=%lld must exceed --E=%lld to steer the routing\n",
                     CMD, (long long)custom.d, (long long)custom.E);
-            return usage_error();
+            return bench_usage_error(CMD);
         }
         /* The baseline's M = T*k and N = 3*ff are 32-bit BLAS dimensions. */
         if (custom.T * custom.k > INT32_MAX || 3 * custom.ff > INT32_MAX) {
             fprintf(stderr, "moe-bench %s: T*k=%lld and 3*ff=%lld must fit in 32 bits\n", CMD,
                     (long long)(custom.T * custom.k), (long long)(3 * custom.ff));
-            return usage_error();
+            return bench_usage_error(CMD);
         }
         o->shapes[0] = custom;
         o->n_shapes = 1;
@@ -283,7 +249,7 @@ typedef struct layer_buffers {
 typedef struct layer_row_ctx {
     const bench_table *table;
     const layer_shape *shape;
-    const layer_routing *routing;
+    const bench_routing *routing;
     const layer_options *opts;
     double sgemm_gflops;
     double imbalance;
@@ -414,7 +380,7 @@ static int run_shape(const layer_shape *s, const layer_options *o, const bench_t
 
     const moe_ops *ops = moe_cpu_ops();
     for (int r = 0; r < o->n_routings; r++) {
-        const layer_routing *routing = &o->routings[r];
+        const bench_routing *routing = &o->routings[r];
         set_routing(b.x, gate.param, s, routing->zipf_s);
 
         /* The routing depends only on x and gate.weight, which the loop below

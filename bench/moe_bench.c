@@ -93,6 +93,28 @@ int bench_option(int argc, char **argv, int *i, const char *cmd, const char *nam
     return 1;
 }
 
+int bench_usage_error(const char *cmd) {
+    fprintf(stderr, "moe-bench %s: see moe-bench %s --help\n", cmd, cmd);
+    return BENCH_EXIT_USAGE;
+}
+
+int bench_parse_routing(bench_routing *routings, const char *cmd, const char *text, double default_s) {
+    const bench_routing balanced = {"balanced", 0.0};
+    bench_routing zipf = {"", default_s};
+    int n = 0;
+    if (strcmp(text, "balanced") == 0 || strcmp(text, "both") == 0) routings[n++] = balanced;
+    if (strcmp(text, "balanced") == 0) return n;
+    if (strncmp(text, "zipf:", 5) == 0) {
+        if (!bench_parse_f64(&zipf.zipf_s, cmd, "--routing zipf:S", text + 5, 0.0, 100.0)) return 0;
+    } else if (strcmp(text, "zipf") != 0 && strcmp(text, "both") != 0) {
+        fprintf(stderr, "moe-bench %s: --routing=%s: expected balanced, zipf, zipf:S or both\n", cmd, text);
+        return 0;
+    }
+    snprintf(zipf.label, sizeof zipf.label, "zipf:%g", zipf.zipf_s);
+    routings[n++] = zipf;
+    return n;
+}
+
 bool bench_parse_i64(int64_t *out, const char *cmd, const char *flag, const char *text, int64_t lo,
                      int64_t hi) {
     char *end = NULL;

@@ -49,6 +49,22 @@ bool bench_parse_i64(int64_t *out, const char *cmd, const char *flag, const char
 bool bench_parse_f64(double *out, const char *cmd, const char *flag, const char *text, double lo,
                      double hi);
 
+/* Prints "moe-bench <cmd>: see moe-bench <cmd> --help" to stderr and returns
+ * BENCH_EXIT_USAGE. */
+int bench_usage_error(const char *cmd);
+
+/* Expert routings to time: even, or Zipf-skewed with share ~ 1/(e+1)^s. */
+#define BENCH_MAX_ROUTINGS 2
+typedef struct bench_routing {
+    char label[32];
+    double zipf_s; /* 0: balanced */
+} bench_routing;
+
+/* Parses --routing: balanced | zipf | zipf:S | both (balanced, then zipf);
+ * plain zipf takes default_s. Returns how many routings it wrote (at most
+ * BENCH_MAX_ROUTINGS), or 0 after printing an error. */
+int bench_parse_routing(bench_routing *routings, const char *cmd, const char *text, double default_s);
+
 /* Sets the OpenMP and the OpenBLAS thread counts together, so the layer and
  * the baseline GEMM run on the same number of cores. */
 void bench_set_threads(int n);

@@ -20,6 +20,9 @@
 #include "engine/fileio.h"
 #include "engine/safetensors.h"
 
+#define TEST_TMPDIR_TEMPLATE "/tmp/moe_ckpt_XXXXXX"
+#include "test_files.h"
+
 #define VOCAB 11
 #define D 16
 #define FF 8
@@ -28,49 +31,6 @@
 #define MAX_TENSORS 128
 
 /* ------------------------------------------------------------ temp dirs */
-
-static char tmpdir[256];
-
-static void make_tmpdir(void) {
-    snprintf(tmpdir, sizeof tmpdir, "/tmp/moe_ckpt_XXXXXX");
-    cr_assert_not_null(mkdtemp(tmpdir), "mkdtemp failed");
-}
-
-static int remove_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw) {
-    (void)sb, (void)flag, (void)ftw;
-    return remove(path);
-}
-
-static void remove_tmpdir(void) { nftw(tmpdir, remove_entry, 16, FTW_DEPTH | FTW_PHYS); }
-
-static const char *in_tmp(const char *name) {
-    static char path[8][512]; /* a ring, so a few results can be live at once */
-    static int which;
-    which = (which + 1) % 8;
-    snprintf(path[which], sizeof path[which], "%s/%s", tmpdir, name);
-    return path[which];
-}
-
-static const char *in_dir(const char *dir, const char *name) {
-    static char path[8][768];
-    static int which;
-    which = (which + 1) % 8;
-    snprintf(path[which], sizeof path[which], "%s/%s", dir, name);
-    return path[which];
-}
-
-static unsigned char *read_bytes(const char *path, size_t *n) {
-    char *data;
-    cr_assert_eq(moe_file_read_all(&data, n, path, (size_t)1 << 30), MOE_OK, "%s", moe_last_error());
-    return (unsigned char *)data;
-}
-
-static void write_bytes(const char *path, const void *data, size_t n) {
-    FILE *f = fopen(path, "wb");
-    cr_assert_not_null(f, "cannot create %s", path);
-    cr_assert_eq(fwrite(data, 1, n, f), n);
-    cr_assert_eq(fclose(f), 0);
-}
 
 /* Entries of dir whose name starts with prefix. */
 static int count_entries(const char *dir, const char *prefix) {

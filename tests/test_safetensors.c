@@ -17,34 +17,8 @@
 #include "engine/json.h"
 #include "engine/safetensors.h"
 
-static char tmpdir[256];
-
-static void make_tmpdir(void) {
-    snprintf(tmpdir, sizeof tmpdir, "/tmp/moe_st_XXXXXX");
-    cr_assert_not_null(mkdtemp(tmpdir), "mkdtemp failed");
-}
-
-static int remove_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw) {
-    (void)sb, (void)flag, (void)ftw;
-    return remove(path);
-}
-
-static void remove_tmpdir(void) { nftw(tmpdir, remove_entry, 16, FTW_DEPTH | FTW_PHYS); }
-
-static const char *in_tmp(const char *name) {
-    static char path[8][512]; /* a ring, so a few results can be live at once */
-    static int which;
-    which = (which + 1) % 8;
-    snprintf(path[which], sizeof path[which], "%s/%s", tmpdir, name);
-    return path[which];
-}
-
-static void write_bytes(const char *path, const void *data, size_t n) {
-    FILE *f = fopen(path, "wb");
-    cr_assert_not_null(f, "cannot create %s", path);
-    cr_assert_eq(fwrite(data, 1, n, f), n);
-    fclose(f);
-}
+#define TEST_TMPDIR_TEMPLATE "/tmp/moe_st_XXXXXX"
+#include "test_files.h"
 
 /* A safetensors file from a header text, its declared length and data. */
 static void write_raw(const char *path, uint64_t declared, const char *header, const void *data, size_t data_len) {
@@ -59,12 +33,6 @@ static void write_raw(const char *path, uint64_t declared, const char *header, c
 
 static void write_st(const char *path, const char *header, const void *data, size_t data_len) {
     write_raw(path, strlen(header), header, data, data_len);
-}
-
-static unsigned char *read_file(const char *path, size_t *n) {
-    char *data;
-    cr_assert_eq(moe_file_read_all(&data, n, path, (size_t)1 << 30), MOE_OK, "%s", moe_last_error());
-    return (unsigned char *)data;
 }
 
 /* Names in tmpdir that contain ".tmp.", i.e. temp files left behind. */
@@ -184,7 +152,7 @@ Test(safetensors, write_then_read_is_bitwise_equal, .init = make_tmpdir, .fini =
     cr_expect_eq(leftover_temps(), 0);
 
     size_t size;
-    unsigned char *raw = read_file(path, &size);
+    unsigned char *raw = read_bytes(path, &size);
     uint64_t n = 0;
     for (int i = 7; i >= 0; i--) n = n << 8 | raw[i];
     cr_expect_eq(n % 8, 0, "header length %llu is not a multiple of 8", (unsigned long long)n);
@@ -513,7 +481,7 @@ Test(fileio, failed_write_leaves_old_file_intact, .init = make_tmpdir, .fini = r
     const moe_st_entry e = {"w", old, 1, (const int64_t[]){2}};
     cr_assert_eq(moe_st_write(path, &e, 1, NULL, 0), MOE_OK, "%s", moe_last_error());
     size_t before_size;
-    unsigned char *before = read_file(path, &before_size);
+    unsigned char *before = read_bytes(path, &before_size);
 
     failing_writer fw = {0};
     moe_status st = moe_file_write_atomic(path, write_then_fail, &fw);
@@ -522,7 +490,7 @@ Test(fileio, failed_write_leaves_old_file_intact, .init = make_tmpdir, .fini = r
     cr_expect(strstr(moe_last_error(), path) != NULL && strstr(moe_last_error(), "injected failure") != NULL,
               "%s", moe_last_error());
     size_t after_size;
-    unsigned char *after = read_file(path, &after_size);
+    unsigned char *after = read_bytes(path, &after_size);
     cr_expect(after_size == before_size && memcmp(before, after, before_size) == 0, "the old file changed");
     cr_expect_eq(leftover_temps(), 0, "a temp file was left behind");
     moe_st_file *f;

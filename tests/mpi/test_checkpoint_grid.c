@@ -15,18 +15,12 @@
 #define _XOPEN_SOURCE 700
 
 #include <ftw.h>
-#include <math.h>
-#include <mpi.h>
-#include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 
-#include "comm/comm.h"
-#include "common/rng.h"
 #include "engine/checkpoint.h"
-#include "engine/data.h"
 #include "engine/fileio.h"
 #include "engine/safetensors.h"
+#include "mpi_check.h"
 
 #define B 2 /* rows per rank of the full world */
 #define T 8
@@ -36,35 +30,14 @@
 #define SEED 7
 #define STATE_STEP 3
 
-static moe_comm *world;
-static int rank, size;
 static char tmp[256];
 
 /* Odd sizes (the runs are padded on every grid), shared experts (in the
  * dense run) and the selection bias (kept beside the weights). */
 static void tiny_config(moe_model_config *c) {
-    moe_model_config_default_small(c, VOCAB);
-    c->hidden_size = 9;
-    c->intermediate_size = 7;
-    c->num_hidden_layers = 3;
-    c->num_attention_heads = 2;
-    c->num_key_value_heads = 1;
-    c->head_dim = 8;
-    c->num_local_experts = 4;
-    c->num_experts_per_tok = 2;
+    mpi_tiny_config(c, VOCAB, 9, 7, 3, 4);
     c->moe_n_shared_experts = 1;
     c->moe_bias_update_rate = 1e-3;
-    c->router_aux_loss_coef = 0.01;
-}
-
-static moe_optim_config optim(int zero) {
-    moe_optim_config oc = MOE_OPTIM_CONFIG_INIT;
-    oc.lr = 1e-2;
-    oc.min_lr = 1e-3;
-    oc.warmup = 2;
-    oc.total_steps = STEPS;
-    oc.zero = zero;
-    return oc;
 }
 
 typedef struct run {
@@ -83,7 +56,8 @@ static moe_status make_run(run *r, moe_comm *comm, int ep, int zero, int64_t row
     if (comm) st = moe_comm_split(&r->ep, comm, moe_comm_rank(comm) / ep, moe_comm_rank(comm));
     const moe_model_parallel par = {.world = comm, .ep = r->ep};
     if (st == MOE_OK) st = moe_model_create_parallel(&r->model, &cfg, rows, T, seed, comm ? &par : NULL);
-    const moe_optim_config oc = optim(zero);
+    moe_optim_config oc = mpi_optim(STEPS);
+    oc.zero = zero;
     if (st == MOE_OK) st = moe_trainer_create(&r->trainer, r->model, &oc);
     return st;
 }
@@ -122,19 +96,7 @@ static moe_train_state fill_state(run *r) {
     return (moe_train_state){.step = STATE_STEP, .seed = SEED, .jitter_counter = 0, .data = {.token = 123, .epoch = 1}};
 }
 
-static void report(int bad, const char *what, int *passed, int *failed) {
-    int any = 0;
-    MPI_Allreduce(&bad, &any, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
-    if (rank == 0) printf("%s: %d ranks, %s\n", any ? "FAIL" : "PASS", size, what);
-    fflush(stdout);
-    if (any) (*failed)++; else (*passed)++;
-}
-
-static int fail_status(moe_status st, const char *what) {
-    if (st == MOE_OK) return 0;
-    printf("  rank %d: %s: %s: %s\n", rank, what, moe_status_string(st), moe_last_error());
-    return 1;
-}
+static void report(int bad, const char *what) { mpi_report(bad, "%d ranks, %s", size, what); }
 
 typedef struct grid {
     int ep, zero;
@@ -172,7 +134,7 @@ static int save_one_rank(char *path, size_t path_bytes) {
         moe_status st = make_run(&one, NULL, 1, 0, B, SEED);
         const moe_train_state state = st == MOE_OK ? fill_state(&one) : (moe_train_state){0};
         if (st == MOE_OK) st = moe_checkpoint_save(path, path_bytes, out, one.model, one.trainer, &state);
-        bad = fail_status(st, "one-rank save");
+        bad = mpi_fail_status(st, "one-rank save");
         free_run(&one);
     }
     MPI_Bcast(path, (int)path_bytes, MPI_CHAR, 0, MPI_COMM_WORLD);
@@ -186,7 +148,7 @@ static int test_files(grid g, const char *one_path) {
     moe_status st = make_run(&r, world, g.ep, g.zero, B, SEED);
     const moe_train_state state = st == MOE_OK ? fill_state(&r) : (moe_train_state){0};
     if (st == MOE_OK) st = moe_checkpoint_save(path, sizeof path, out, r.model, r.trainer, &state);
-    int bad = fail_status(st, "grid save");
+    int bad = mpi_fail_status(st, "grid save");
     free_run(&r);
     if (!bad && rank == 0) {
         const char *files[] = {"model.safetensors", "train_state.safetensors", "config.json"};
@@ -218,7 +180,7 @@ static int test_load(grid g, const char *one_path) {
     if (st == MOE_OK) st = moe_checkpoint_load_weights(r.model, one_path);
     moe_train_state state;
     if (st == MOE_OK) st = moe_checkpoint_load_state(r.trainer, r.model, &state, one_path);
-    int bad = fail_status(st, "grid load");
+    int bad = mpi_fail_status(st, "grid load");
     if (!bad) fill_state(&one); /* the biases the file holds */
     for (int64_t i = 0; !bad && i < moe_model_tensor_count(r.model); i++) {
         const moe_model_tensor *t = moe_model_tensor_at(r.model, i);
@@ -253,26 +215,6 @@ static int test_load(grid g, const char *one_path) {
 
 /* ----------------------------------------------------------------- resume */
 
-/* Trains steps [from, to) into losses [STEPS]. */
-static moe_status train(double *losses, run *r, moe_data *data, int from, int to) {
-    moe_status st = MOE_OK;
-    for (int s = from; st == MOE_OK && s < to; s++) {
-        moe_step_metrics m;
-        st = moe_trainer_step(r->trainer, data, &m);
-        losses[s] = m.loss;
-    }
-    return st;
-}
-
-static int compare(const double *got, const double *want, int from, int to, const char *what) {
-    for (int s = from; s < to; s++)
-        if (!(fabs(got[s] - want[s]) <= 1e-5 * fabs(want[s]))) {
-            printf("  rank %d: %s: step %d loss %.9g, unbroken one rank %.9g\n", rank, what, s + 1, got[s], want[s]);
-            return 1;
-        }
-    return 0;
-}
-
 /* Trains to SAVE_AT on the ranks of comm (NULL: alone) and saves into out. */
 static moe_status train_and_save(double *losses, char *path, size_t path_bytes, const char *out, moe_comm *comm,
                                  grid g, moe_data *data) {
@@ -280,7 +222,7 @@ static moe_status train_and_save(double *losses, char *path, size_t path_bytes, 
     const int n = comm ? moe_comm_size(comm) : 1;
     moe_status st = make_run(&r, comm, g.ep, g.zero, (int64_t)size * B / n, SEED);
     if (st == MOE_OK) st = moe_data_set_position(data, (moe_data_position){0, 0});
-    if (st == MOE_OK) st = train(losses, &r, data, 0, SAVE_AT);
+    if (st == MOE_OK) st = mpi_train_steps(losses, NULL, r.trainer, data, 0, SAVE_AT);
     const moe_train_state state = {.step = SAVE_AT, .seed = SEED, .data = moe_data_get_position(data)};
     if (st == MOE_OK) st = moe_checkpoint_save(path, path_bytes, out, r.model, r.trainer, &state);
     free_run(&r);
@@ -296,7 +238,7 @@ static moe_status resume(double *losses, const char *path, moe_comm *comm, grid 
     if (st == MOE_OK) st = moe_checkpoint_load_weights(r.model, path);
     if (st == MOE_OK) st = moe_checkpoint_load_state(r.trainer, r.model, &state, path);
     if (st == MOE_OK) st = moe_data_set_position(data, state.data);
-    if (st == MOE_OK) st = train(losses, &r, data, SAVE_AT, STEPS);
+    if (st == MOE_OK) st = mpi_train_steps(losses, NULL, r.trainer, data, SAVE_AT, STEPS);
     free_run(&r);
     return st;
 }
@@ -306,7 +248,7 @@ typedef struct target {
     grid g;
 } target;
 
-static void test_resume(const double *want, moe_data *data, int *passed, int *failed) {
+static void test_resume(const double *want, moe_data *data) {
     const grid saved = {size >= 4 ? 2 : 1, 1};
     const int half = size / 2;
     const target targets[] = {{half, {1, 0}}, {half, {half, 1}}, {size, {size, 0}}, {1, {1, 0}}};
@@ -316,35 +258,35 @@ static void test_resume(const double *want, moe_data *data, int *passed, int *fa
 
     /* The whole world saves; halves of it and single ranks resume. */
     snprintf(out, sizeof out, "%s/resume-grid", tmp);
-    bad = fail_status(train_and_save(got, path, sizeof path, out, world, saved, data), "save");
-    bad = bad || compare(got, want, 0, SAVE_AT, "before the save");
+    bad = mpi_fail_status(train_and_save(got, path, sizeof path, out, world, saved, data), "save");
+    bad = bad || mpi_compare_losses(got, want, 0, SAVE_AT, "before the save");
     grid_name(name, sizeof name, saved);
     for (size_t i = 0; i < sizeof targets / sizeof targets[0]; i++) {
         const target *tg = &targets[i];
         moe_comm *sub = NULL;
         int b = bad;
-            if (!b && tg->ranks > 1) b = fail_status(moe_comm_split(&sub, world, rank / tg->ranks, rank), "split");
-        if (!b) b = fail_status(resume(got, path, sub, tg->g, data), "resume");
-        if (!b) b = compare(got, want, SAVE_AT, STEPS, "after the resume");
+            if (!b && tg->ranks > 1) b = mpi_fail_status(moe_comm_split(&sub, world, rank / tg->ranks, rank), "split");
+        if (!b) b = mpi_fail_status(resume(got, path, sub, tg->g, data), "resume");
+        if (!b) b = mpi_compare_losses(got, want, SAVE_AT, STEPS, "after the resume");
         if (sub) moe_comm_free(sub);
         char into[40];
         grid_name(into, sizeof into, tg->g);
         snprintf(what, sizeof what, "saved at step %d on %d ranks %s, resumed on %d rank%s %s", SAVE_AT, size, name,
                  tg->ranks, tg->ranks > 1 ? "s" : "", into);
-        report(b, what, passed, failed);
+        report(b, what);
     }
 
     /* One rank saves; the whole world resumes. */
     snprintf(out, sizeof out, "%s/resume-one", tmp);
-    bad = rank == 0 ? fail_status(train_and_save(got, path, sizeof path, out, NULL, (grid){1, 0}, data), "save") : 0;
-    bad = bad || (rank == 0 && compare(got, want, 0, SAVE_AT, "before the save"));
+    bad = rank == 0 ? mpi_fail_status(train_and_save(got, path, sizeof path, out, NULL, (grid){1, 0}, data), "save") : 0;
+    bad = bad || (rank == 0 && mpi_compare_losses(got, want, 0, SAVE_AT, "before the save"));
     MPI_Bcast(path, sizeof path, MPI_CHAR, 0, MPI_COMM_WORLD);
     const grid into = {2, 1};
-    if (!bad) bad = fail_status(resume(got, path, world, into, data), "resume");
-    if (!bad) bad = compare(got, want, SAVE_AT, STEPS, "after the resume");
+    if (!bad) bad = mpi_fail_status(resume(got, path, world, into, data), "resume");
+    if (!bad) bad = mpi_compare_losses(got, want, SAVE_AT, STEPS, "after the resume");
     grid_name(name, sizeof name, into);
     snprintf(what, sizeof what, "saved at step %d on 1 rank, resumed on %d ranks %s", SAVE_AT, size, name);
-    report(bad, what, passed, failed);
+    report(bad, what);
 }
 
 /* ----------------------------------------------------------------- errors */
@@ -413,7 +355,7 @@ static int expect_shared_failure(moe_status st, int from, const char *detail, co
     return 0;
 }
 
-static void test_errors(const char *one_path, int *passed, int *failed) {
+static void test_errors(const char *one_path) {
     /* The last rank of EP = size holds expert 3; only it misses its tensors. */
     const char *weight = "model.layers.1.block_sparse_moe.experts.3.w2.weight";
     const char *moment = "optimizer.exp_avg.model.layers.0.block_sparse_moe.experts.3.w1.weight";
@@ -428,7 +370,7 @@ static void test_errors(const char *one_path, int *passed, int *failed) {
     run r = {0};
     float *before = NULL;
     int64_t n = 0;
-    if (!bad) bad = fail_status(make_run(&r, world, size, 1, B, SEED + 1), "grid");
+    if (!bad) bad = mpi_fail_status(make_run(&r, world, size, 1, B, SEED + 1), "grid");
     if (!bad) {
         n = moe_model_param_count(r.model);
         before = malloc((size_t)n * sizeof *before);
@@ -444,7 +386,7 @@ static void test_errors(const char *one_path, int *passed, int *failed) {
             for (int64_t i = 0; i < s.end - s.begin; i++) bad |= s.m[i] != 0.0f || s.v[i] != 0.0f;
         }
     }
-    report(bad, "a load failing on the last rank only fails everywhere and changes nothing", passed, failed);
+    report(bad, "a load failing on the last rank only fails everywhere and changes nothing");
 
     /* Rank 0 cannot create the directory; the others learn it. */
     char blocker[512], out[600], path[600];
@@ -462,7 +404,7 @@ static void test_errors(const char *one_path, int *passed, int *failed) {
         b = expect_shared_failure(moe_checkpoint_save(path, sizeof path, out, r.model, r.trainer, &state), 0, blocker,
                                   "save");
     }
-    report(b, "a save failing on rank 0 fails everywhere", passed, failed);
+    report(b, "a save failing on rank 0 fails everywhere");
     free(before);
     free_run(&r);
 }
@@ -475,12 +417,7 @@ static int remove_entry(const char *path, const struct stat *sb, int flag, struc
 }
 
 int main(void) {
-    if (moe_comm_mpi_create(&world) != MOE_OK) {
-        fprintf(stderr, "mpi: %s\n", moe_last_error());
-        return 1;
-    }
-    rank = moe_comm_rank(world);
-    size = moe_comm_size(world);
+    if (!mpi_check_init()) return 1;
     if (rank == 0) {
         snprintf(tmp, sizeof tmp, "/tmp/moe_ckpt_grid_XXXXXX");
         if (!mkdtemp(tmp)) tmp[0] = '\0';
@@ -490,53 +427,37 @@ int main(void) {
         fprintf(stderr, "mkdtemp failed\n");
         return 1;
     }
-    /* A stream with structure to learn: each token follows from the last. */
-    const int64_t n = 4096;
-    int32_t *tokens = malloc(sizeof(int32_t) * (size_t)n);
-    tokens[0] = 1;
-    for (int64_t i = 1; i < n; i++)
-        tokens[i] = (int32_t)((tokens[i - 1] * 5 + 3 + (moe_rng_bits(11, 0, (uint64_t)i) % 4 == 0)) % VOCAB);
-    moe_data *data = NULL;
-    if (moe_data_from_tokens(&data, tokens, n, VOCAB, "test stream") != MOE_OK) {
-        fprintf(stderr, "data: %s\n", moe_last_error());
-        return 1;
-    }
-    int passed = 0, failed = 0;
+    int32_t *tokens = NULL;
+    moe_data *data = mpi_token_stream(&tokens, VOCAB);
+    if (!data) return 1;
     char one_path[512] = "", what[160], name[32];
 
-    report(save_one_rank(one_path, sizeof one_path), "one-rank checkpoint written", &passed, &failed);
+    report(save_one_rank(one_path, sizeof one_path), "one-rank checkpoint written");
     const grid grids[] = {{1, 0}, {1, 1}, {2, 0}, {2, 1}, {size, 1}};
     const int n_grids = size > 2 ? 5 : 4;
     for (int g = 0; g < n_grids; g++) {
         grid_name(name, sizeof name, grids[g]);
         snprintf(what, sizeof what, "%s writes one rank's bytes", name);
-        report(test_files(grids[g], one_path), what, &passed, &failed);
+        report(test_files(grids[g], one_path), what);
         snprintf(what, sizeof what, "%s loads one rank's checkpoint bit for bit", name);
-        report(test_load(grids[g], one_path), what, &passed, &failed);
+        report(test_load(grids[g], one_path), what);
     }
 
     /* The unbroken one-rank run, on every rank. */
     double want[STEPS];
     run one;
-    int bad = fail_status(make_run(&one, NULL, 1, 0, (int64_t)size * B, SEED), "one rank");
-    if (!bad) bad = fail_status(moe_data_set_position(data, (moe_data_position){0, 0}), "data");
-    if (!bad) bad = fail_status(train(want, &one, data, 0, STEPS), "one rank");
-    if (!bad && want[STEPS - 1] >= want[0]) {
-        printf("  rank %d: the loss did not fall (%.6g -> %.6g): the test would prove little\n", rank, want[0],
-               want[STEPS - 1]);
-        bad = 1;
-    }
+    int bad = mpi_fail_status(make_run(&one, NULL, 1, 0, (int64_t)size * B, SEED), "one rank");
+    if (!bad) bad = mpi_fail_status(moe_data_set_position(data, (moe_data_position){0, 0}), "data");
+    if (!bad) bad = mpi_fail_status(mpi_train_steps(want, NULL, one.trainer, data, 0, STEPS), "one rank");
+    if (!bad) bad = mpi_loss_did_not_fall(want, STEPS);
     free_run(&one);
-    report(bad, "unbroken one-rank run", &passed, &failed);
-    if (!bad) test_resume(want, data, &passed, &failed);
-    test_errors(one_path, &passed, &failed);
+    report(bad, "unbroken one-rank run");
+    if (!bad) test_resume(want, data);
+    test_errors(one_path);
 
-    if (rank == 0) printf("%d passed, %d failed\n", passed, failed);
     MPI_Barrier(MPI_COMM_WORLD);
     if (rank == 0) nftw(tmp, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
     moe_data_close(data);
     free(tokens);
-    moe_comm_free(world);
-    moe_comm_mpi_finalize();
-    return failed ? 1 : 0;
+    return mpi_check_finish();
 }

@@ -9,14 +9,10 @@
 #define _POSIX_C_SOURCE 200809L /* clock_gettime */
 
 #include <limits.h>
-#include <mpi.h>
-#include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
-#include "comm/comm.h"
-#include "common/rng.h"
+#include "mpi_check.h"
 
 #define SEED 0x636f6d6dull
 /* Counts large enough that MPI switches from eager to rendezvous messages. */
@@ -26,8 +22,6 @@
 #define TIMEOUT_SECONDS 2.0
 #define RECV_TIMEOUT_SECONDS 1.0
 
-static moe_comm *world;
-static int rank, size;
 static int check_failures; /* on this rank, in the running check */
 
 #define FAIL(...)                                                                                  \
@@ -523,18 +517,11 @@ static void check_timeout_recv(void) {
 
 /* ------------------------------------------------------------------ driver */
 
-static int passed, failed;
-
 /* Agrees over MPI_COMM_WORLD whether every rank passed. */
 static void run(const char *name, void (*check)(void)) {
     check_failures = 0;
     check();
-    int bad = check_failures > 0, ranks_bad = 0;
-    MPI_Allreduce(&bad, &ranks_bad, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
-    if (ranks_bad)
-        failed++;
-    else
-        passed++;
+    const int ranks_bad = mpi_agree(check_failures > 0);
     if (rank == 0) {
         if (ranks_bad)
             printf("FAIL %s (np %d: %d ranks failed)\n", name, size, ranks_bad);
@@ -545,14 +532,7 @@ static void run(const char *name, void (*check)(void)) {
 }
 
 int main(void) {
-    moe_status st = moe_comm_mpi_create(&world);
-    if (st != MOE_OK) {
-        fprintf(stderr, "test_comm_mpi: moe_comm_mpi_create: %s: %s\n", moe_status_string(st),
-                moe_last_error());
-        return 1;
-    }
-    rank = moe_comm_rank(world);
-    size = moe_comm_size(world);
+    if (!mpi_check_init()) return 1;
     if (size < 2) {
         if (rank == 0) fprintf(stderr, "test_comm_mpi: run under mpirun with -np 2 or more\n");
         moe_comm_free(world);
@@ -574,12 +554,5 @@ int main(void) {
     run("timeout: a rank skips an allreduce", check_timeout_collective);
     run("timeout: a recv from a silent rank", check_timeout_recv);
 
-    if (rank == 0) printf("%d passed, %d failed\n", passed, failed);
-    moe_comm_free(world);
-    st = moe_comm_mpi_finalize();
-    if (st != MOE_OK) {
-        fprintf(stderr, "rank %d: moe_comm_mpi_finalize: %s\n", rank, moe_last_error());
-        return 1;
-    }
-    return failed ? 1 : 0;
+    return mpi_check_finish();
 }

@@ -1,33 +1,19 @@
 /* test_grid.c: the rank grid and the start-up agreement check (run under
  * mpirun -np 2 and -np 4). A plain program (Criterion forks, which MPI does
  * not survive); ends with "N passed, M failed". */
-#include <mpi.h>
-#include <stdio.h>
 #include <string.h>
 
 #include "engine/grid.h"
-
-static int rank, size, passed, failed;
-
-static void report(const char *name, int bad) {
-    int any = 0;
-    MPI_Allreduce(&bad, &any, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
-    if (rank == 0) printf("%s: %s\n", any ? "FAIL" : "PASS", name);
-    fflush(stdout);
-    if (any) failed++; else passed++;
-}
+#include "mpi_check.h"
 
 int main(void) {
-    moe_comm *world;
-    if (moe_comm_mpi_create(&world) != MOE_OK) return 1;
-    rank = moe_comm_rank(world);
-    size = moe_comm_size(world);
+    if (!mpi_check_init()) return 1;
 
     moe_model_config cfg;
     moe_model_config_default_small(&cfg, 64);
     moe_agree_field fields[MOE_CONFIG_AGREE_FIELDS];
     int n = moe_config_agree_fields(fields, &cfg);
-    report("identical configs agree", moe_grid_agree(world, fields, n) != MOE_OK);
+    mpi_report(moe_grid_agree(world, fields, n) != MOE_OK, "identical configs agree");
 
     /* The last rank trains with two more experts: every rank must refuse,
      * naming that rank and the field. */
@@ -38,19 +24,15 @@ int main(void) {
     snprintf(want, sizeof want, "rank %d disagrees", size - 1);
     int bad = st != MOE_ERR_CONFIG || !strstr(moe_last_error(), want) || !strstr(moe_last_error(), "num_local_experts");
     if (bad) printf("  rank %d got: %s\n", rank, moe_last_error());
-    report("a differing field is named with its rank", bad);
+    mpi_report(bad, "a differing field is named with its rank");
 
     moe_grid grid;
     st = moe_grid_create(&grid, world, size);
     bad = st != MOE_OK || moe_comm_size(grid.ep) != size;
     if (st == MOE_OK) moe_grid_destroy(&grid);
-    report("EP over all ranks", bad);
+    mpi_report(bad, "EP over all ranks");
     st = moe_grid_create(&grid, world, size + 1);
-    report("an EP size that does not divide the ranks is refused",
-           st != MOE_ERR_CONFIG || !strstr(moe_last_error(), "--ep"));
-
-    if (rank == 0) printf("%d passed, %d failed\n", passed, failed);
-    moe_comm_free(world);
-    moe_comm_mpi_finalize();
-    return failed ? 1 : 0;
+    mpi_report(st != MOE_ERR_CONFIG || !strstr(moe_last_error(), "--ep"),
+               "an EP size that does not divide the ranks is refused");
+    return mpi_check_finish();
 }

@@ -10,23 +10,16 @@
  * issue's 1e-5 relative, scaled by the tensor's size so that entries near 0
  * are judged against their neighbours). A plain program, not Criterion:
  * Criterion forks, which MPI does not survive. Ends with "N passed, M failed". */
-#include <math.h>
-#include <mpi.h>
-#include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 
-#include "comm/comm.h"
-#include "common/rng.h"
 #include "engine/moe_layer.h"
+#include "mpi_check.h"
 
 #define SEED 0x65707061ull
 #define D 16
 #define FF 8
 #define E 8
 
-static moe_comm *world;
-static int rank, size;
 /* The EP group of the running pass (world, or consecutive pairs of ranks) and
  * the ranks holding the same experts (one per EP group). */
 static moe_comm *ep_group, *replicas;
@@ -160,12 +153,7 @@ static void run_case(const ep_case *c) {
 }
 
 int main(void) {
-    if (moe_comm_mpi_create(&world) != MOE_OK) {
-        fprintf(stderr, "mpi: %s\n", moe_last_error());
-        return 1;
-    }
-    rank = moe_comm_rank(world);
-    size = moe_comm_size(world);
+    if (!mpi_check_init()) return 1;
     const ep_case cases[] = {
         {"softmax_topk dropless", MOE_GATE_SOFTMAX_TOPK, 1, 0.0, 0, 0.0f, 2},
         {"softmax_topk no renormalize", MOE_GATE_SOFTMAX_TOPK, 0, 0.0, 0, 0.0f, 2},
@@ -178,7 +166,6 @@ int main(void) {
         {"capacity with everything on expert 0", MOE_GATE_TOPK_SOFTMAX, 1, 2.0, 0, 30.0f, 1},
         {"shared experts, k=E", MOE_GATE_SOFTMAX_TOPK, 1, 0.0, 1, 0.0f, E},
     };
-    int passed = 0, failed = 0;
     /* EP over all ranks; from 4 ranks on also EP = size/2 with 2 replicas. */
     const int ep_sizes[2] = {size, size / 2};
     const int passes = size >= 4 && size % 2 == 0 ? 2 : 1;
@@ -191,17 +178,10 @@ int main(void) {
         }
         for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
             run_case(&cases[i]);
-            int any = 0;
-            MPI_Allreduce(&failures, &any, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
-            if (rank == 0) printf("%s: %s (%d ranks, EP=%d)\n", any ? "FAIL" : "PASS", cases[i].name, size, P);
-            fflush(stdout);
-            if (any) failed++; else passed++;
+            mpi_report(failures, "%s (%d ranks, EP=%d)", cases[i].name, size, P);
         }
         moe_comm_free(ep_group);
         moe_comm_free(replicas);
     }
-    if (rank == 0) printf("%d passed, %d failed\n", passed, failed);
-    moe_comm_free(world);
-    moe_comm_mpi_finalize();
-    return failed ? 1 : 0;
+    return mpi_check_finish();
 }

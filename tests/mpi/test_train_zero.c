@@ -9,38 +9,18 @@
  * Tolerance: 1e-5 relative per step, as float summation order allows. A
  * plain program (Criterion forks, which MPI does not survive); ends with
  * "N passed, M failed". */
-#include <math.h>
-#include <mpi.h>
-#include <stdio.h>
-#include <stdlib.h>
-
-#include "comm/comm.h"
-#include "common/rng.h"
-#include "engine/data.h"
-#include "engine/trainer.h"
+#include "mpi_check.h"
 
 #define STEPS 20
 #define B 2 /* rows per rank and micro-batch */
 #define T 8
 #define VOCAB 32
 
-static moe_comm *world;
-static int rank, size;
-
 /* Odd sizes, so that the runs do not divide into equal blocks and the
  * padding is exercised: with EP = 1 the dense run's for 2 and 4 ranks, the
  * experts' for 4. */
 static void tiny_config(moe_model_config *c) {
-    moe_model_config_default_small(c, VOCAB);
-    c->hidden_size = 9;
-    c->intermediate_size = 7;
-    c->num_hidden_layers = 3;
-    c->num_attention_heads = 2;
-    c->num_key_value_heads = 1;
-    c->head_dim = 8;
-    c->num_local_experts = 6;
-    c->num_experts_per_tok = 2;
-    c->router_aux_loss_coef = 0.01;
+    mpi_tiny_config(c, VOCAB, 9, 7, 3, 6);
     c->moe_z_loss_coef = 0.001;
 }
 
@@ -55,23 +35,14 @@ static moe_status train(curve *out, const moe_model_config *cfg, int64_t rows, i
                         const moe_model_parallel *par, moe_data *data) {
     moe_model *model = NULL;
     moe_trainer *trainer = NULL;
-    moe_optim_config oc = MOE_OPTIM_CONFIG_INIT;
-    oc.lr = 1e-2;
-    oc.min_lr = 1e-3;
-    oc.warmup = 2;
-    oc.total_steps = STEPS;
+    moe_optim_config oc = mpi_optim(STEPS);
     oc.grad_accum = accum;
     oc.grad_clip = 0.5; /* below the early norms, so clipping is exercised */
     oc.zero = zero;
     moe_status st = moe_model_create_parallel(&model, cfg, rows, T, 7, par);
     if (st == MOE_OK) st = moe_trainer_create(&trainer, model, &oc);
     if (st == MOE_OK) st = moe_data_set_position(data, (moe_data_position){0, 0});
-    for (int s = 0; st == MOE_OK && s < STEPS; s++) {
-        moe_step_metrics m;
-        st = moe_trainer_step(trainer, data, &m);
-        out->loss[s] = m.loss;
-        out->norm[s] = m.grad_norm;
-    }
+    if (st == MOE_OK) st = mpi_train_steps(out->loss, out->norm, trainer, data, 0, STEPS);
     if (st == MOE_OK) {
         out->optimizer_bytes = moe_trainer_optimizer_bytes(trainer);
         for (int r = 0; r < MOE_RUN_COUNT; r++) out->run_count[r] = moe_model_get_run(model, (moe_model_run_id)r).count;
@@ -90,16 +61,12 @@ static int run_grid(int ep_size, int64_t accum, moe_data *data) {
     tiny_config(&cfg);
     curve want, plain, got;
     moe_comm *ep = NULL;
-    int bad = 0;
     moe_status st = train(&want, &cfg, (int64_t)size * B, accum, 0, NULL, data);
     if (st == MOE_OK) st = moe_comm_split(&ep, world, rank / ep_size, rank);
     const moe_model_parallel grid = {.world = world, .ep = ep};
     if (st == MOE_OK) st = train(&plain, &cfg, B, accum, 0, &grid, data);
     if (st == MOE_OK) st = train(&got, &cfg, B, accum, 1, &grid, data);
-    if (st != MOE_OK) {
-        printf("  rank %d: %s: %s\n", rank, moe_status_string(st), moe_last_error());
-        bad = 1;
-    }
+    int bad = mpi_fail_status(st, "train");
     bool clipped = false;
     for (int s = 0; !bad && s < STEPS; s++) {
         clipped |= want.norm[s] > 0.5;
@@ -137,42 +104,19 @@ static int run_grid(int ep_size, int64_t accum, moe_data *data) {
 }
 
 int main(void) {
-    if (moe_comm_mpi_create(&world) != MOE_OK) {
-        fprintf(stderr, "mpi: %s\n", moe_last_error());
-        return 1;
-    }
-    rank = moe_comm_rank(world);
-    size = moe_comm_size(world);
-    /* A stream with structure to learn: each token follows from the last. */
-    const int64_t n = 4096;
-    int32_t *tokens = malloc(sizeof(int32_t) * (size_t)n);
-    tokens[0] = 1;
-    for (int64_t i = 1; i < n; i++)
-        tokens[i] = (int32_t)((tokens[i - 1] * 5 + 3 + (moe_rng_bits(11, 0, (uint64_t)i) % 4 == 0)) % VOCAB);
-    moe_data *data = NULL;
-    if (moe_data_from_tokens(&data, tokens, n, VOCAB, "test stream") != MOE_OK) {
-        fprintf(stderr, "data: %s\n", moe_last_error());
-        return 1;
-    }
+    if (!mpi_check_init()) return 1;
+    int32_t *tokens = NULL;
+    moe_data *data = mpi_token_stream(&tokens, VOCAB);
+    if (!data) return 1;
     typedef struct {
         int ep;
         int64_t accum;
     } grid;
     const grid grids[] = {{1, 1}, {2, 1}, {1, 2}};
-    int passed = 0, failed = 0;
-    for (size_t g = 0; g < sizeof grids / sizeof grids[0]; g++) {
-        int bad = run_grid(grids[g].ep, grids[g].accum, data), any = 0;
-        MPI_Allreduce(&bad, &any, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
-        if (rank == 0)
-            printf("%s: %d ranks, EP=%d, zero 1, grad accum %lld, %d steps\n", any ? "FAIL" : "PASS", size,
-                   grids[g].ep, (long long)grids[g].accum, STEPS);
-        fflush(stdout);
-        if (any) failed++; else passed++;
-    }
-    if (rank == 0) printf("%d passed, %d failed\n", passed, failed);
+    for (size_t g = 0; g < sizeof grids / sizeof grids[0]; g++)
+        mpi_report(run_grid(grids[g].ep, grids[g].accum, data), "%d ranks, EP=%d, zero 1, grad accum %lld, %d steps",
+                   size, grids[g].ep, (long long)grids[g].accum, STEPS);
     moe_data_close(data);
     free(tokens);
-    moe_comm_free(world);
-    moe_comm_mpi_finalize();
-    return failed ? 1 : 0;
+    return mpi_check_finish();
 }
