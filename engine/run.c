@@ -454,6 +454,12 @@ static void write_options(moe_json_writer *w, const moe_run_options *o) {
     moe_json_int(w, o->eval_batches);
     moe_json_key(w, "peak_gflops");
     moe_json_number(w, o->peak_gflops);
+    moe_json_key(w, "ep");
+    moe_json_int(w, o->ep);
+    moe_json_key(w, "zero");
+    moe_json_int(w, o->zero);
+    moe_json_key(w, "comm_timeout");
+    moe_json_number(w, o->comm_timeout);
     moe_json_end_object(w);
 }
 
@@ -484,6 +490,10 @@ static moe_status write_run_json(run *r, const moe_run_summary *s, const moe_jso
     moe_json_bool(&w, s->peak_measured);
     moe_json_key(&w, "threads");
     moe_json_int(&w, s->threads);
+    moe_json_key(&w, "ranks");
+    moe_json_int(&w, s->ranks);
+    moe_json_key(&w, "optimizer_bytes_per_rank");
+    moe_json_int(&w, s->optimizer_bytes);
     json_opt_string(&w, "train_data", s->train_data);
     json_opt_string(&w, "val_data", s->val_data);
     if (!isnan(s->entropy_floor)) {
