@@ -49,6 +49,7 @@ typedef struct a2a_options {
     int64_t min_bytes, max_bytes, factor, warmup, iters, row_bytes;
     int64_t experts; /* dispatch: E; 0 means DEFAULT_EXPERTS_PER_RANK per rank */
     int64_t top_k, d_ff;
+    int64_t overlap; /* 1: each expert runs as soon as its rows arrive */
     uint64_t seed;
     a2a_dist dist;
     double dist_param; /* zipf exponent S, or the hot fraction */
@@ -125,6 +126,9 @@ static void print_help(FILE *f) {
             "                        (default %d per rank)\n"
             "  --top-k N             experts per token (default %d)\n"
             "  --d-ff N              each expert's intermediate size (default %d)\n"
+            "  --overlap 0|1         1: each local expert runs as soon as its rows have\n"
+            "                        arrived, overlapping the other experts' messages\n"
+            "                        (default 0: wait for every row first)\n"
             "\n"
             "timing:\n"
             "  -w, --warmup_iters N  untimed iterations first (default %d)\n"
@@ -208,7 +212,7 @@ static int match_flag(int argc, char **argv, int *i, const a2a_flag *flag, const
 
 enum {
     F_MIN, F_MAX, F_FACTOR, F_WARMUP, F_ITERS, F_DIST, F_ROW, F_SEED, F_MODE,
-    F_EXPERTS, F_TOPK, F_DFF, N_FLAGS
+    F_EXPERTS, F_TOPK, F_DFF, F_OVERLAP, N_FLAGS
 };
 
 static const a2a_flag flags[N_FLAGS] = {
@@ -218,6 +222,7 @@ static const a2a_flag flags[N_FLAGS] = {
     [F_ROW] = {NULL, "row-bytes"},  [F_SEED] = {NULL, "seed"},
     [F_MODE] = {NULL, "mode"},      [F_EXPERTS] = {NULL, "experts"},
     [F_TOPK] = {NULL, "top-k"},     [F_DFF] = {NULL, "d-ff"},
+    [F_OVERLAP] = {NULL, "overlap"},
 };
 
 static bool apply_flag(a2a_options *o, int f, const char *value) {
@@ -257,6 +262,7 @@ static bool apply_flag(a2a_options *o, int f, const char *value) {
     case F_EXPERTS: return bench_parse_i64(&o->experts, CMD, name, value, 1, MOE_EXPERTS_MAX);
     case F_TOPK: return bench_parse_i64(&o->top_k, CMD, name, value, 1, MOE_EXPERTS_MAX);
     case F_DFF: return bench_parse_i64(&o->d_ff, CMD, name, value, 1, 1 << 20);
+    case F_OVERLAP: return bench_parse_i64(&o->overlap, CMD, name, value, 0, 1);
     }
     return false;
 }
@@ -993,6 +999,7 @@ static int run_dispatch(const a2a_options *o, moe_comm *comm) {
                                   .experts = params + r.E * r.d, .experts_grad = grads + r.E * r.d};
     moe_status st = moe_layer_create_in(&r.layer, &cfg, &mem, comm, NULL);
     if (st != MOE_OK) fail_job(comm, "moe_layer_create_in", st);
+    moe_layer_set_overlap(r.layer, o->overlap != 0);
     st = moe_layer_create(&r.ref, &cfg);
     if (st != MOE_OK) fail_job(comm, "moe_layer_create (one-rank reference)", st);
     /* Both draw every parameter by its index in the whole layer: the same

@@ -393,6 +393,10 @@ void moe_model_set_training(moe_model *m, bool training) {
     for (int64_t l = 0; l < m->cfg.num_hidden_layers; l++) moe_layer_set_training(m->moe[l], training);
 }
 
+void moe_model_set_overlap(moe_model *m, bool overlap) {
+    for (int64_t l = 0; l < m->cfg.num_hidden_layers; l++) moe_layer_set_overlap(m->moe[l], overlap);
+}
+
 void moe_model_update_router_bias(moe_model *m) {
     for (int64_t l = 0; l < m->cfg.num_hidden_layers; l++)
         if (moe_layer_selection_bias(m->moe[l])) moe_layer_update_bias(m->moe[l]);

@@ -105,7 +105,9 @@ struct moe_layer {
     int64_t *global_assigned; /* [E] */
     int64_t *keep;           /* [E] this rank's kept pairs per expert */
     int64_t *recv_rows;      /* [P, n_local] rows from each source for each local expert */
-    moe_comm_request *requests; /* [2 P n_local] messages of one exchange */
+    moe_comm_request *requests; /* [4 P n_local] messages of one expert phase */
+    int n_requests;
+    bool overlap;               /* run each expert as soon as its rows arrive */
     int64_t *expert_offsets; /* [E+1] plan rows */
     int64_t *local_offsets;  /* [n_local+1] expert-major rows */
     int64_t *cursor;         /* [E] */
@@ -283,7 +285,7 @@ moe_status moe_layer_create_in(moe_layer **out, const moe_layer_config *cfg, con
     L->global_assigned = calloc((size_t)E, sizeof *L->global_assigned);
     L->keep = calloc((size_t)E, sizeof *L->keep);
     L->recv_rows = calloc((size_t)P * (size_t)L->n_local, sizeof *L->recv_rows);
-    L->requests = calloc(2 * (size_t)P * (size_t)L->n_local, sizeof *L->requests);
+    L->requests = calloc(4 * (size_t)P * (size_t)L->n_local, sizeof *L->requests);
     L->expert_offsets = calloc((size_t)E + 1, sizeof *L->expert_offsets);
     L->local_offsets = calloc((size_t)L->n_local + 1, sizeof *L->local_offsets);
     L->cursor = calloc((size_t)E, sizeof *L->cursor);
@@ -421,6 +423,8 @@ moe_status moe_layer_set_training(moe_layer *L, int training) {
 }
 
 void moe_layer_set_loss_scale(moe_layer *L, double scale) { L->loss_scale = scale; }
+
+void moe_layer_set_overlap(moe_layer *L, bool overlap) { L->overlap = overlap; }
 
 void moe_layer_get_timing(const moe_layer *L, moe_layer_timing *timing) { *timing = L->timing; }
 void moe_layer_reset_timing(moe_layer *L) { L->timing = (moe_layer_timing){0}; }
@@ -635,49 +639,113 @@ static int64_t expert_row(const moe_layer *L, int64_t s, int64_t j) {
     return row;
 }
 
-/* Moves rows between the plan (this rank's tokens, by expert) and the expert
- * rows (this rank's experts, by source), one message per (peer, expert)
- * chunk, each received straight into its final place: no staging copy on
- * either side. The tag is the expert's local index; MPI keeps messages of one
- * sender and tag in order, so consecutive exchanges cannot cross. Chunks that
- * stay on this rank are copied. to_experts: plan -> experts (dispatch), else
- * experts -> plan (return). */
-static moe_status exchange(moe_layer *L, float *plan_rows, float *expert_rows, bool to_experts, const char *what) {
+/* Posts the messages of one direction of an exchange between the plan (this
+ * rank's tokens, by expert) and the expert rows (this rank's experts, by
+ * source), one per (peer, expert) chunk, each received straight into its
+ * final place: no staging copy on either side. Chunks that stay on this rank
+ * are copied. to_experts: plan -> experts (dispatch), else experts -> plan
+ * (return); only_expert >= 0 limits it to this rank's expert only_expert
+ * (its return, once computed), or with sends = false to the receives. Tags
+ * tell the directions apart, and MPI keeps the messages of one sender and
+ * tag in order, so consecutive exchanges cannot cross. */
+static moe_status post_exchange(moe_layer *L, float *plan_rows, float *expert_rows, bool to_experts, int64_t only_expert,
+                                bool sends, bool recvs) {
     const int64_t P = L->ep_size, nl = L->n_local, d = L->cfg.d_model;
     const size_t row_bytes = (size_t)d * sizeof(float);
-    int n_req = 0;
-    moe_status st = MOE_OK;
-    for (int64_t peer = 0; peer < P && st == MOE_OK; peer++)
-        for (int64_t j = 0; j < nl && st == MOE_OK; j++) {
+    const int tag_base = to_experts ? 0 : 1;
+    for (int64_t j = 0; j < nl; j++)
+        for (int64_t peer = 0; peer < P; peer++) {
             /* My plan rows for the peer's expert j, and the peer's rows for my expert j. */
             const int64_t e = peer * nl + j, plan_n = L->expert_offsets[e + 1] - L->expert_offsets[e];
             float *mine = plan_rows + L->expert_offsets[e] * d;
             float *theirs = expert_rows + expert_row(L, peer, j) * d;
             const int64_t their_n = L->recv_rows[peer * nl + j];
+            /* Dispatch sends my rows for every rank's expert j; a return sends
+             * my expert j's rows back, so only_expert selects the sends of a
+             * return and the receives of a dispatch by this rank's expert. */
+            const bool selected = only_expert < 0 || only_expert == j;
+            const bool send_here = sends && (to_experts || selected), recv_here = recvs && (!to_experts || selected);
             if (peer == L->ep_rank) {
-                if (to_experts)
+                if (to_experts && send_here)
                     memcpy(theirs, mine, (size_t)plan_n * row_bytes);
-                else
+                else if (!to_experts && send_here)
                     memcpy(mine, theirs, (size_t)plan_n * row_bytes);
                 continue;
             }
             float *send = to_experts ? mine : theirs, *recv = to_experts ? theirs : mine;
             const int64_t send_n = to_experts ? plan_n : their_n, recv_n = to_experts ? their_n : plan_n;
-            if (recv_n > 0) {
-                L->requests[n_req] = (moe_comm_request)MOE_COMM_REQUEST_INIT;
-                st = moe_comm_irecv(L->ep, &L->requests[n_req++], recv, recv_n * d, MOE_COMM_F32, (int)peer, (int)j);
+            const int tag = (int)(2 * j) + tag_base;
+            if (recv_here && recv_n > 0) {
+                moe_comm_request *req = &L->requests[L->n_requests++];
+                *req = (moe_comm_request)MOE_COMM_REQUEST_INIT;
+                MOE_TRY(moe_comm_irecv(L->ep, req, recv, recv_n * d, MOE_COMM_F32, (int)peer, tag));
             }
-            if (st == MOE_OK && send_n > 0) {
-                L->requests[n_req] = (moe_comm_request)MOE_COMM_REQUEST_INIT;
-                st = moe_comm_isend(L->ep, &L->requests[n_req++], send, send_n * d, MOE_COMM_F32, (int)peer, (int)j);
+            if (send_here && send_n > 0) {
+                moe_comm_request *req = &L->requests[L->n_requests++];
+                *req = (moe_comm_request)MOE_COMM_REQUEST_INIT;
+                MOE_TRY(moe_comm_isend(L->ep, req, send, send_n * d, MOE_COMM_F32, (int)peer, tag));
                 L->timing.exchange_bytes += send_n * (int64_t)row_bytes;
             }
         }
-    for (int i = 0; i < n_req; i++) {
+    return MOE_OK;
+}
+
+static moe_status wait_requests(moe_layer *L, int from, int to) {
+    moe_status st = MOE_OK;
+    for (int i = from; i < to; i++) {
         moe_status w = moe_comm_wait(&L->requests[i]);
         if (st == MOE_OK) st = w;
     }
-    if (st != MOE_OK) return moe_error_prefix(st, "moe layer %s (%s): ", to_experts ? "dispatch" : "combine", what);
+    return st;
+}
+
+/* The experts with their exchanges: plan_in's rows go to the experts'
+ * ranks (into expert_in), the experts run, and their rows come back into
+ * plan_out. With one rank the plan rows are the expert rows. With overlap,
+ * each local expert runs as soon as its own rows have arrived and sends its
+ * results back at once, while the other experts' rows are still in flight. */
+static moe_status run_experts(moe_layer *L, bool backward, float *plan_in, float *expert_in, float *expert_out,
+                              float *plan_out, int64_t n_groups, double *compute_seconds) {
+    const moe_ops *ops = L->ops;
+    const int64_t d = L->cfg.d_model, nl = L->n_local;
+    void (*run)(moe_expert_group *, int64_t, int64_t) = backward ? ops->experts_backward : ops->experts_forward;
+    double t = omp_get_wtime();
+    if (!L->ep) {
+        run(L->groups, n_groups, d);
+        *compute_seconds += omp_get_wtime() - t;
+        return MOE_OK;
+    }
+    const char *what = backward ? "gradients" : "rows";
+    L->n_requests = 0;
+    moe_status st = post_exchange(L, plan_out, expert_out, false, -1, false, true); /* results: receives */
+    const int returns_end = L->n_requests;
+    int first[MOE_EXPERTS_MAX + 1];
+    for (int64_t j = 0; st == MOE_OK && j < nl; j++) { /* inputs, expert by expert */
+        first[j] = L->n_requests;
+        st = post_exchange(L, plan_in, expert_in, true, j, j == 0, true);
+    }
+    first[nl] = L->n_requests;
+    if (st == MOE_OK && !L->overlap) {
+        st = wait_requests(L, returns_end, first[nl]);
+        t = omp_get_wtime();
+        if (st == MOE_OK) run(L->groups, nl, d);
+        *compute_seconds += omp_get_wtime() - t;
+        if (st == MOE_OK) st = post_exchange(L, plan_out, expert_out, false, -1, true, false);
+    }
+    for (int64_t j = 0; st == MOE_OK && L->overlap && j < nl; j++) {
+        st = wait_requests(L, first[j], first[j + 1]);
+        t = omp_get_wtime();
+        if (st == MOE_OK) run(&L->groups[j], 1, d);
+        *compute_seconds += omp_get_wtime() - t;
+        if (st == MOE_OK) st = post_exchange(L, plan_out, expert_out, false, j, true, false);
+    }
+    /* The shared experts need no rows from anyone: they fill the wait. */
+    t = omp_get_wtime();
+    if (st == MOE_OK && n_groups > nl) run(&L->groups[nl], 1, d);
+    *compute_seconds += omp_get_wtime() - t;
+    moe_status w = wait_requests(L, 0, L->n_requests);
+    if (st == MOE_OK) st = w;
+    if (st != MOE_OK) return moe_error_prefix(st, "moe layer exchange of %s: ", what);
     return MOE_OK;
 }
 
@@ -750,17 +818,12 @@ moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, 
     int64_t max_rows = L->ep ? L->global_T * k : T * k;
     if (L->ep && cap >= 0 && L->n_local * cap < max_rows) max_rows = L->n_local * cap;
     MOE_TRY(reserve_rows(L, max_rows));
-    if (L->ep) {
-        MOE_TRY(exchange(L, L->xp, L->xe, true, "rows"));
-    }
     int64_t n_groups = setup_groups(L, T, x_in, NULL);
-    double t1 = omp_get_wtime();
-    ops->experts_forward(L->groups, n_groups, d);
-    double t2 = omp_get_wtime();
-    if (L->ep) MOE_TRY(exchange(L, L->yp, L->ye, false, "expert outputs"));
+    double compute = 0.0;
+    MOE_TRY(run_experts(L, false, L->xp, L->xe, L->ye, L->yp, n_groups, &compute));
     ops->combine(y, L->yp, L->topk_w, L->pair_row, L->shared_ff ? L->sh_y : NULL, T, k, d);
-    L->timing.exchange_seconds += (t1 - t0) + (omp_get_wtime() - t2);
-    L->timing.experts_seconds += t2 - t1;
+    L->timing.exchange_seconds += omp_get_wtime() - t0 - compute;
+    L->timing.experts_seconds += compute;
     L->timing.calls++;
 
     L->last.tokens_per_expert = NULL; /* the caller's array, filled above */
@@ -788,23 +851,19 @@ moe_status moe_layer_backward(moe_layer *L, float *dx, const float *dy, const fl
     double t0 = omp_get_wtime();
     ops->combine_backward(L->dyp, L->dweights, dy, L->yp, L->topk_w, L->pair_row, T, k, d);
     /* The expert outputs are spent: ye takes their gradient. */
-    if (L->ep)
-        MOE_TRY(exchange(L, L->dyp, L->ye, true, "output gradients"));
-    else
-        L->ye = L->dyp;
+    if (!L->ep) L->ye = L->dyp;
     int64_t n_groups = setup_groups(L, T, x_in, dy);
     if (L->shared_ff)
         L->groups[L->n_local].dx = dx_in; /* written: the shared experts start the sum */
     else
         memset(dx_in, 0, (size_t)(T * d) * sizeof(float));
-    double t1 = omp_get_wtime();
-    ops->experts_backward(L->groups, n_groups, d);
-    double t2 = omp_get_wtime();
+    double compute = 0.0;
+    moe_status st = run_experts(L, true, L->dyp, L->ye, L->dxe, L->dxp, n_groups, &compute);
     if (!L->ep) L->ye = L->yp;
-    if (L->ep) MOE_TRY(exchange(L, L->dxp, L->dxe, false, "input gradients"));
+    MOE_TRY(st);
     ops->unpermute_add(dx_in, L->dxp, L->pair_row, T, k, d);
-    L->timing.exchange_seconds += (t1 - t0) + (omp_get_wtime() - t2);
-    L->timing.experts_seconds += t2 - t1;
+    L->timing.exchange_seconds += omp_get_wtime() - t0 - compute;
+    L->timing.experts_seconds += compute;
     L->timing.calls++;
 
     /* The balancing losses are over the global batch: its counts and size. */

@@ -59,6 +59,12 @@ const int32_t *moe_layer_last_topk(const moe_layer *layer);
 uint64_t moe_layer_jitter_counter(const moe_layer *layer);
 void moe_layer_set_jitter_counter(moe_layer *layer, uint64_t counter);
 
+/* Expert parallelism: run each local expert as soon as its rows have
+ * arrived and send its results back at once, overlapping the other experts'
+ * messages, instead of waiting for every row first (the default). Results
+ * are the same bits either way. */
+void moe_layer_set_overlap(moe_layer *layer, bool overlap);
+
 /* Where forward and backward spent their time since the last reset. The
  * exchange is everything that moves rows between token order and the
  * experts: permute, dispatch and return (the messages between ranks),

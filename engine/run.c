@@ -343,6 +343,7 @@ static moe_status build_model(run *r) {
     }
     const moe_model_parallel par = moe_grid_model_parallel(&r->grid);
     MOE_TRY(moe_model_create_parallel(&r->model, &r->cfg, o->batch_size, o->seq_len, o->seed, r->world ? &par : NULL));
+    moe_model_set_overlap(r->model, o->overlap);
     const char *weights = o->init_from ? o->init_from : o->resume;
     if (weights) {
         moe_status st = moe_checkpoint_load_weights(r->model, weights);
@@ -460,6 +461,8 @@ static void write_options(moe_json_writer *w, const moe_run_options *o) {
     moe_json_int(w, o->zero);
     moe_json_key(w, "comm_timeout");
     moe_json_number(w, o->comm_timeout);
+    moe_json_key(w, "overlap");
+    moe_json_bool(w, o->overlap);
     moe_json_end_object(w);
 }
 

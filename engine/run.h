@@ -79,6 +79,7 @@ typedef struct moe_run_options {
     int ep;                /* --ep P: experts split over groups of P consecutive ranks */
     int zero;              /* --zero 1: AdamW state sharded over each parameter's replicas */
     double comm_timeout;   /* --comm-timeout seconds a collective may wait for a peer */
+    bool overlap;          /* --overlap: each expert runs as soon as its rows arrive */
     const char *command_line; /* recorded in run.json; may be NULL */
 } moe_run_options;
 

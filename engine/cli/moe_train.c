@@ -80,7 +80,9 @@ static void print_help(void) {
            "                       the ranks are data-parallel, --batch-size is per rank (default 1)\n"
            "  --zero 1             shard AdamW's state over each parameter's replicas (default 0)\n"
            "  --comm-timeout S     seconds a collective waits for a peer before the job ends with\n"
-           "                       an error (default 300)\n\n"
+           "                       an error (default 300)\n"
+           "  --overlap            run each expert as soon as its rows arrive, overlapping the\n"
+           "                       other experts' messages (same results; default off)\n\n"
            "  -h, --help           this text\n\n"
            "Environment: OMP_NUM_THREADS sets the thread count when --threads is not given;\n"
            "MOE_FAULT_KILL=RANK:STEP kills that rank as STEP starts (a fault-injection test).\n");
@@ -150,7 +152,7 @@ static const flag flags[] = {
     {"--eval-batches", F_INT, OPT(eval_batches)}, {"--eval-only", F_SWITCH, OPT(eval_only)},
     {"--shuffle", F_SWITCH, OPT(shuffle)},       {"--peak-gflops", F_REAL, OPT(peak_gflops)},
     {"--ep", F_SMALL, OPT(ep)},                  {"--zero", F_SMALL, OPT(zero)},
-    {"--comm-timeout", F_REAL, OPT(comm_timeout)},
+    {"--comm-timeout", F_REAL, OPT(comm_timeout)}, {"--overlap", F_SWITCH, OPT(overlap)},
 };
 #undef OPT
 

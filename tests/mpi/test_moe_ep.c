@@ -1,9 +1,10 @@
 /* test_moe_ep.c: the MoE layer with expert parallelism over all ranks (run
  * under mpirun -np 2 and -np 4; with 4 ranks also as 2 EP groups of 2, each
  * expert held twice) against the same layer on one rank fed the whole global
- * batch. Every rank builds the one-rank reference itself, so no
- * result crosses the network except through the code under test (and the
- * final agreement on pass/fail). Ranks hold different token counts (7 + 3r),
+ * batch, with the experts waiting for all their rows and with each expert
+ * running as soon as its own rows arrive (overlap). Every rank builds the
+ * one-rank reference itself, so no result crosses the network except through
+ * the code under test (and the final agreement on pass/fail). Ranks hold different token counts (7 + 3r),
  * and the cases cover every gate kind, dropless and capacity, skewed routing,
  * routing where whole ranks receive no rows, and shared experts.
  * Tolerance: |ep - ref| <= 1e-5 * max|ref| + 1e-5 * |ref| per tensor (the
@@ -23,6 +24,7 @@
 /* The EP group of the running pass (world, or consecutive pairs of ranks) and
  * the ranks holding the same experts (one per EP group). */
 static moe_comm *ep_group, *replicas;
+static bool overlap; /* experts run as their rows arrive */
 static int failures; /* in the running case, on this rank */
 
 typedef struct ep_case {
@@ -113,6 +115,7 @@ static void run_case(const ep_case *c) {
         moe_layer_init_params(ep, 0.3f, SEED, 0);
         skew_router(ref, c->skew);
         skew_router(ep, c->skew);
+        moe_layer_set_overlap(ep, overlap);
         if (check(moe_layer_forward(ref, y_ref, x, global_T, &ref_stats), "reference forward") &&
             check(moe_layer_backward(ref, dx_ref, dy, x), "reference backward") &&
             check(moe_layer_forward(ep, y, x + first * D, T, &ep_stats), "ep forward") &&
@@ -176,10 +179,12 @@ int main(void) {
             fprintf(stderr, "split: %s\n", moe_last_error());
             return 1;
         }
-        for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-            run_case(&cases[i]);
-            mpi_report(failures, "%s (%d ranks, EP=%d)", cases[i].name, size, P);
-        }
+        for (int o = 0; o < 2; o++)
+            for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+                overlap = o;
+                run_case(&cases[i]);
+                mpi_report(failures, "%s (%d ranks, EP=%d%s)", cases[i].name, size, P, o ? ", overlap" : "");
+            }
         moe_comm_free(ep_group);
         moe_comm_free(replicas);
     }
