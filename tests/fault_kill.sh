@@ -16,8 +16,8 @@ check() { # name, condition status
 }
 
 start=$(date +%s)
-MOE_FAULT_KILL=1:5 timeout 120 "${launcher[@]}" -np 2 "$bin/moe-train" \
-    --steps 8 --save-every 2 --eval-every 0 --comm-timeout 30 --out "$out/run" >"$out/log" 2>&1
+MOE_FAULT_KILL=1:3 timeout 120 "${launcher[@]}" -np 2 "$bin/moe-train" \
+    --steps 6 --save-every 1 --eval-every 0 --comm-timeout 30 --out "$out/run" >"$out/log" 2>&1
 rc=$?
 elapsed=$(($(date +%s) - start))
 check "the job exits non-zero (exit $rc)" "$([ "$rc" -ne 0 ] && [ "$rc" -ne 124 ]; echo $?)"

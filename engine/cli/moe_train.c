@@ -85,7 +85,8 @@ static void print_help(void) {
            "                       other experts' messages (same results; default off)\n\n"
            "  -h, --help           this text\n\n"
            "Environment: OMP_NUM_THREADS sets the thread count when --threads is not given;\n"
-           "MOE_FAULT_KILL=RANK:STEP kills that rank as STEP starts (a fault-injection test).\n");
+           "MOE_FAULT_KILL=RANK:STEP kills that rank in STEP, before its checkpoint (a fault-\n"
+           "injection test).\n");
 }
 
 /* ------------------------------------------------------------------ flags */
@@ -305,11 +306,11 @@ static void draw_bar(printer *p, const moe_run_step *s) {
 static void on_step(void *ctx, const moe_run_step *s) {
     printer *p = ctx;
     const moe_step_metrics *m = &s->metrics;
-    if (p->rank == p->kill_rank && m->step + 1 == p->kill_step) {
-        /* Fault injection: this rank dies as the next step starts, so its
-         * peers are left waiting inside that step's collectives. */
-        fprintf(stderr, PROGRAM ": rank %d: MOE_FAULT_KILL: killing this rank at the start of step %d\n", p->rank,
-                p->kill_step);
+    if (p->rank == p->kill_rank && m->step == p->kill_step) {
+        /* Fault injection: this rank dies before the step is over (its
+         * evaluation and checkpoint never happen), so its peers are left
+         * waiting inside collectives. */
+        fprintf(stderr, PROGRAM ": rank %d: MOE_FAULT_KILL: killing this rank in step %d\n", p->rank, p->kill_step);
         raise(SIGKILL);
     }
     if (p->quiet) return;
@@ -420,8 +421,8 @@ int main(int argc, char **argv) {
 
     printer p = {.tty = isatty(STDOUT_FILENO), .eval_only = o.eval_only, .kill_rank = -1, .kill_step = -1};
     const char *fault = getenv("MOE_FAULT_KILL");
-    if (fault && (sscanf(fault, "%d:%d", &p.kill_rank, &p.kill_step) != 2 || p.kill_step < 2))
-        return usage_error("MOE_FAULT_KILL=%s: expected RANK:STEP with STEP >= 2", fault);
+    if (fault && (sscanf(fault, "%d:%d", &p.kill_rank, &p.kill_step) != 2 || p.kill_step < 1))
+        return usage_error("MOE_FAULT_KILL=%s: expected RANK:STEP with STEP >= 1", fault);
     const moe_run_callbacks cb = {
         .ctx = &p,
         .on_start = on_start,
