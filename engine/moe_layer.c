@@ -535,31 +535,28 @@ static moe_status reserve_tokens(moe_layer *L, int64_t T) {
 /* Sizes the arrays of the rows this rank's experts work on for R rows. With
  * one rank they are the plan's rows, sized with the tokens. */
 static moe_status reserve_rows(moe_layer *L, int64_t R) {
+    if (R > L->capacity_R) {
+        const int64_t d = L->cfg.d_model, ff = L->cfg.d_ff, ep = L->ep ? R * d : 0;
+        int64_t r2ff;
+        if (R > INT_MAX || !mul_ok(R, 2 * ff, &r2ff) || !mul_ok(R, d, &r2ff))
+            return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_forward: %lld expert rows are too many", (long long)R);
+        const ws_entry table[] = {
+            {(void **)&L->xe, ep, sizeof(float)},
+            {(void **)&L->ye, ep, sizeof(float)},
+            {(void **)&L->dxe, ep, sizeof(float)},
+            {(void **)&L->h, R * 2 * ff, sizeof(float)},
+            {(void **)&L->g, R * ff, sizeof(float)},
+            {(void **)&L->dh, R * 2 * ff, sizeof(float)},
+        };
+        MOE_TRY(carve(&L->row_ws, table, (int)(sizeof table / sizeof table[0]), "expert rows", R));
+        L->capacity_R = R;
+    }
+    /* The token arrays may have moved since the last call. */
     if (!L->ep) {
         L->xe = L->xp;
         L->ye = L->yp;
         L->dxe = L->dxp;
     }
-    if (R <= L->capacity_R) return MOE_OK;
-    const int64_t d = L->cfg.d_model, ff = L->cfg.d_ff, ep = L->ep ? R * d : 0;
-    int64_t r2ff;
-    if (R > INT_MAX || !mul_ok(R, 2 * ff, &r2ff) || !mul_ok(R, d, &r2ff))
-        return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_forward: %lld expert rows are too many", (long long)R);
-    const ws_entry table[] = {
-        {(void **)&L->xe, ep, sizeof(float)},
-        {(void **)&L->ye, ep, sizeof(float)},
-        {(void **)&L->dxe, ep, sizeof(float)},
-        {(void **)&L->h, R * 2 * ff, sizeof(float)},
-        {(void **)&L->g, R * ff, sizeof(float)},
-        {(void **)&L->dh, R * 2 * ff, sizeof(float)},
-    };
-    MOE_TRY(carve(&L->row_ws, table, (int)(sizeof table / sizeof table[0]), "expert rows", R));
-    if (!L->ep) {
-        L->xe = L->xp;
-        L->ye = L->yp;
-        L->dxe = L->dxp;
-    }
-    L->capacity_R = R;
     return MOE_OK;
 }
 
