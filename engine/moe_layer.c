@@ -429,7 +429,6 @@ void moe_layer_set_overlap(moe_layer *L, bool overlap) { L->overlap = overlap; }
 void moe_layer_get_timing(const moe_layer *L, moe_layer_timing *timing) { *timing = L->timing; }
 void moe_layer_reset_timing(moe_layer *L) { L->timing = (moe_layer_timing){0}; }
 
-const int64_t *moe_layer_last_assigned(const moe_layer *L) { return L->global_assigned; }
 const int32_t *moe_layer_last_topk(const moe_layer *L) { return L->topk_idx; }
 uint64_t moe_layer_jitter_counter(const moe_layer *L) { return L->jitter_calls; }
 void moe_layer_set_jitter_counter(moe_layer *L, uint64_t counter) { L->jitter_calls = counter; }

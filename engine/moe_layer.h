@@ -48,10 +48,7 @@ void moe_layer_init_params(moe_layer *layer, float std, uint64_t seed, uint64_t 
  * model that averages over layers and micro-batches scales them here. */
 void moe_layer_set_loss_scale(moe_layer *layer, double scale);
 
-/* Of the last forward: the (token, slot) pairs the router assigned to each
- * expert before capacity over the whole EP group [E], and this rank's
- * choices topk_idx [T, k]. */
-const int64_t *moe_layer_last_assigned(const moe_layer *layer);
+/* This rank's router choices topk_idx [T, k] of the last forward. */
 const int32_t *moe_layer_last_topk(const moe_layer *layer);
 
 /* Training forwards so far: it picks the jitter noise, so a resumed run
