@@ -214,8 +214,9 @@ static const gate_case gate_shapes[] = {
     {7, 3, 8, 0, 0, 0, 2},  {8, 2, 150, 0, 0, 0, -1},
 };
 
-Test(ops, gate_forward_every_kind) {
-    uint64_t seed = 100;
+/* Runs check over every shape x gate kind x renormalize x bias, each case
+ * with its own seed from seed on. */
+static void for_each_gate_case(void (*check)(const gate_case *, uint64_t), uint64_t seed) {
     for (size_t s = 0; s < sizeof gate_shapes / sizeof gate_shapes[0]; s++)
         for (int kind = 0; kind < 3; kind++)
             for (int renorm = 0; renorm < 2; renorm++)
@@ -224,9 +225,11 @@ Test(ops, gate_forward_every_kind) {
                     gc.kind = (moe_gate_kind)kind;
                     gc.renormalize = renorm;
                     gc.with_bias = with_bias;
-                    check_gate_forward(&gc, seed++);
+                    check(&gc, seed++);
                 }
 }
+
+Test(ops, gate_forward_every_kind) { for_each_gate_case(check_gate_forward, 100); }
 
 /* Exactly equal scores: the lower expert index comes first. */
 Test(ops, gate_forward_ties_go_to_lower_index) {
@@ -340,19 +343,7 @@ static void check_gate_backward(const gate_case *gc, uint64_t seed) {
     free(want);
 }
 
-Test(ops, gate_backward_vs_finite_differences) {
-    uint64_t seed = 500;
-    for (size_t s = 0; s < sizeof gate_shapes / sizeof gate_shapes[0]; s++)
-        for (int kind = 0; kind < 3; kind++)
-            for (int renorm = 0; renorm < 2; renorm++)
-                for (int with_bias = 0; with_bias < 2; with_bias++) {
-                    gate_case gc = gate_shapes[s];
-                    gc.kind = (moe_gate_kind)kind;
-                    gc.renormalize = renorm;
-                    gc.with_bias = with_bias;
-                    check_gate_backward(&gc, seed++);
-                }
-}
+Test(ops, gate_backward_vs_finite_differences) { for_each_gate_case(check_gate_backward, 500); }
 
 /* --------------------------------------------------- permute and combine */
 
