@@ -102,6 +102,7 @@ struct moe_layer {
     double *prob_sum;        /* [E] */
     double *rank_totals;     /* [N, 2E + 2] every batch rank's assigned, prob_sum, z_sum, T */
     int64_t *rank_assigned;  /* [N, E] */
+    int64_t *rank_kept;      /* [N] scratch: each rank's kept pairs of one expert */
     int64_t *global_assigned; /* [E] */
     int64_t *keep;           /* [E] this rank's kept pairs per expert */
     int64_t *recv_rows;      /* [P, n_local] rows from each source for each local expert */
@@ -118,7 +119,6 @@ struct moe_layer {
     moe_layer_stats last;   /* global statistics of the last forward */
     int64_t last_T;         /* T of the last forward; 0 before the first */
     int64_t global_T;       /* tokens over the EP group in the last forward */
-    int64_t recv_total;     /* rows received in the last forward */
     moe_layer_timing timing;
     int training;
     double loss_scale;     /* multiplies the aux and z gradients */
@@ -282,6 +282,7 @@ moe_status moe_layer_create_in(moe_layer **out, const moe_layer_config *cfg, con
     L->prob_sum = calloc((size_t)E, sizeof *L->prob_sum);
     L->rank_totals = calloc((size_t)N * (size_t)(2 * E + 2), sizeof *L->rank_totals);
     L->rank_assigned = calloc((size_t)N * (size_t)E, sizeof *L->rank_assigned);
+    L->rank_kept = calloc((size_t)N, sizeof *L->rank_kept);
     L->global_assigned = calloc((size_t)E, sizeof *L->global_assigned);
     L->keep = calloc((size_t)E, sizeof *L->keep);
     L->recv_rows = calloc((size_t)P * (size_t)L->n_local, sizeof *L->recv_rows);
@@ -293,7 +294,7 @@ moe_status moe_layer_create_in(moe_layer **out, const moe_layer_config *cfg, con
     L->groups = calloc((size_t)L->n_local + 1, sizeof *L->groups);
     if (cfg->bias_update_rate > 0.0) L->bias = calloc((size_t)E, sizeof *L->bias);
     if (!L->views || !L->names || !L->expert_rank || !L->assigned || !L->prob_sum || !L->rank_totals ||
-        !L->rank_assigned || !L->global_assigned || !L->keep || !L->recv_rows || !L->requests || !L->expert_offsets ||
+        !L->rank_assigned || !L->rank_kept || !L->global_assigned || !L->keep || !L->recv_rows || !L->requests || !L->expert_offsets ||
         !L->local_offsets || !L->cursor || !L->aux_grad || !L->groups || (cfg->bias_update_rate > 0.0 && !L->bias)) {
         moe_layer_destroy(L);
         return moe_error(MOE_ERR_OUT_OF_MEMORY, "moe_layer_create: per-expert arrays for n_experts=%lld", (long long)E);
@@ -376,6 +377,7 @@ void moe_layer_destroy(moe_layer *L) {
     free(L->prob_sum);
     free(L->rank_totals);
     free(L->rank_assigned);
+    free(L->rank_kept);
     free(L->global_assigned);
     free(L->keep);
     free(L->recv_rows);
@@ -599,25 +601,21 @@ static moe_status share_routing(moe_layer *L, int64_t T, double z_sum) {
         for (int64_t r = 0; r < N; r++) P_e += L->rank_totals[r * W + E + e];
         aux += ((double)L->global_assigned[e] / (double)(GT * k)) * (P_e / (double)GT);
         if ((double)L->global_assigned[e] > max_assigned) max_assigned = (double)L->global_assigned[e];
-        L->keep[e] = moe_keep_count(L->rank_assigned, L->batch_rank, e, E, cap);
-        int64_t kept_e = 0;
-        for (int r = 0; r < N; r++) kept_e += moe_keep_count(L->rank_assigned, r, e, E, cap);
+        const int64_t kept_e = moe_keep_counts(L->rank_kept, L->rank_assigned, N, e, E, cap);
+        L->keep[e] = L->rank_kept[L->batch_rank];
         kept_total += kept_e;
         if (L->last.tokens_per_expert) L->last.tokens_per_expert[e] = kept_e;
+        /* Rows from EP source s for this expert, when it is one of ours. */
+        const int64_t j = e - L->first_local;
+        if (j >= 0 && j < L->n_local)
+            for (int s = 0; s < P; s++) L->recv_rows[s * L->n_local + j] = L->rank_kept[L->group_base + s];
     }
     L->last.dropped = GT * k - kept_total;
     L->last.aux_loss = (double)E * aux;
     L->last.z_loss = z / (double)GT;
     L->last.load_imbalance = max_assigned / ((double)(GT * k) / (double)E);
 
-    /* Rows from source s for local expert j, and where they land. */
-    L->recv_total = 0;
-    for (int s = 0; s < P; s++)
-        for (int64_t j = 0; j < L->n_local; j++) {
-            int64_t n = moe_keep_count(L->rank_assigned, L->group_base + s, L->first_local + j, E, cap);
-            L->recv_rows[s * L->n_local + j] = n;
-            L->recv_total += n;
-        }
+    /* Where each local expert's rows land. */
     L->local_offsets[0] = 0;
     for (int64_t j = 0; j < L->n_local; j++) {
         int64_t n = 0;

@@ -30,13 +30,15 @@ void moe_plan_build(moe_plan *plan, const int32_t *topk_idx, const int64_t *keep
     }
 }
 
-int64_t moe_keep_count(const int64_t *rank_assigned, int source, int64_t e, int64_t E, int64_t cap) {
-    int64_t mine = rank_assigned[(int64_t)source * E + e];
-    if (cap < 0) return mine;
-    int64_t before = 0;
-    for (int s = 0; s < source; s++) before += rank_assigned[(int64_t)s * E + e];
-    int64_t room = cap - before;
-    return room <= 0 ? 0 : room < mine ? room : mine;
+int64_t moe_keep_counts(int64_t *kept, const int64_t *rank_assigned, int64_t N, int64_t e, int64_t E, int64_t cap) {
+    int64_t before = 0, total = 0;
+    for (int64_t r = 0; r < N; r++) {
+        const int64_t mine = rank_assigned[r * E + e], room = cap - before;
+        kept[r] = cap < 0 ? mine : room <= 0 ? 0 : room < mine ? room : mine;
+        before += mine;
+        total += kept[r];
+    }
+    return total;
 }
 
 void moe_aux_grad(float *aux_grad, const int64_t *assigned, int64_t T, int64_t k, int64_t E,

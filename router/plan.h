@@ -25,12 +25,12 @@ int64_t moe_capacity(double capacity_factor, int64_t T, int64_t k, int64_t E);
 void moe_plan_build(moe_plan *plan, const int32_t *topk_idx, const int64_t *keep, int64_t T, int64_t k,
                     int64_t E);
 
-/* Pairs that source rank `source` keeps for expert e under capacity cap (< 0:
- * dropless), when every rank's pairs count against one capacity in the order
- * of the global batch (rank 0's tokens first): rank_assigned [P, E] holds
- * each rank's pairs per expert before capacity. With one rank this is
- * min(assigned, cap). */
-int64_t moe_keep_count(const int64_t *rank_assigned, int source, int64_t e, int64_t E, int64_t cap);
+/* kept [N]: the pairs each of N ranks keeps for expert e under capacity cap
+ * (< 0: dropless), when every rank's pairs count against one capacity in
+ * the order of the global batch (rank 0's tokens first); rank_assigned
+ * [N, E] holds each rank's pairs per expert before capacity. With one rank
+ * this is min(assigned, cap). Returns the pairs kept over all ranks. */
+int64_t moe_keep_counts(int64_t *kept, const int64_t *rank_assigned, int64_t N, int64_t e, int64_t E, int64_t cap);
 
 /* d(coef * aux)/d(prob[t, e]) for the Switch/GShard loss aux = E sum f_e P_e,
  * f_e = assigned_e / (T k), P_e = mean_t prob[t, e]: coef * E * f_e / T. */
