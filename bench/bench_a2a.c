@@ -1004,8 +1004,10 @@ static int run_dispatch(const a2a_options *o, moe_comm *comm) {
     if (st != MOE_OK) fail_job(comm, "moe_layer_create (one-rank reference)", st);
     /* Both draw every parameter by its index in the whole layer: the same
      * experts on either side. */
-    moe_layer_init_params(r.layer, INIT_STD, o->seed, 0);
-    moe_layer_init_params(r.ref, INIT_STD, o->seed, 0);
+    st = moe_layer_init_params(r.layer, INIT_STD, o->seed, 0);
+    if (st != MOE_OK) fail_job(comm, "moe_layer_init_params", st);
+    st = moe_layer_init_params(r.ref, INIT_STD, o->seed, 0);
+    if (st != MOE_OK) fail_job(comm, "moe_layer_init_params (one-rank reference)", st);
     steer_router(r.layer, comm);
     steer_router(r.ref, comm);
 

@@ -71,6 +71,11 @@ struct moe_model {
     float *losses;    /* [N] */
     float *dloss;     /* [N] */
     float *cos_t, *sin_t; /* [T, hd/2] */
+    int32_t *inputs, *targets; /* [N] the batch's tokens, uploaded */
+    double *sumsq;        /* [2] the gradient's squares: dense run, experts */
+    void *norm_scratch;   /* ops->rmsnorm_scratch_bytes(N, C) */
+    float *losses_host;   /* [N] the last forward's losses, downloaded */
+    float *staging;       /* [max(N, largest tensor)] host values on their way to the backend */
     /* backward scratch */
     float *dres;  /* [N, C] gradient of the residual stream */
     float *dln;   /* [N, C] */
@@ -150,7 +155,8 @@ static moe_status build_tensors(moe_model *m, const moe_layer_config *lc) {
 
 static moe_layer_memory moe_memory(moe_model *m, int64_t l) {
     const moe_layer_offsets *o = &m->moe_off[l];
-    return (moe_layer_memory){.router = m->params + o->router, .router_grad = m->grads + o->router,
+    return (moe_layer_memory){.ops = m->ops,
+                              .router = m->params + o->router, .router_grad = m->grads + o->router,
                               .experts = m->params + o->experts, .experts_grad = m->grads + o->experts,
                               .shared = m->params + o->shared, .shared_grad = m->grads + o->shared};
 }
@@ -187,10 +193,10 @@ typedef struct arena_entry {
 static moe_status carve_arena(moe_model *m, const arena_entry *table, int n) {
     int64_t total = 0;
     for (int i = 0; i < n; i++) total += (table[i].bytes + MOE_ALIGN_BYTES - 1) / MOE_ALIGN_BYTES * MOE_ALIGN_BYTES;
-    m->arena = aligned_alloc(MOE_ALIGN_BYTES, (size_t)(total ? total : MOE_ALIGN_BYTES));
-    if (!m->arena)
-        return moe_error(MOE_ERR_OUT_OF_MEMORY, "model: %lld bytes of activations for B=%lld T=%lld", (long long)total,
-                         (long long)m->B, (long long)m->T);
+    moe_status st = m->ops->alloc(&m->arena, (size_t)total);
+    if (st != MOE_OK)
+        return moe_error_prefix(st, "model: %lld bytes of activations for B=%lld T=%lld: ", (long long)total,
+                                (long long)m->B, (long long)m->T);
     char *p = m->arena;
     for (int i = 0; i < n; i++) {
         *table[i].ptr = p;
@@ -206,7 +212,7 @@ static moe_status build_arena(moe_model *m) {
     const int64_t attn = m->B * c->num_attention_heads * m->T * m->T;
     const int64_t f = sizeof(float);
     m->acts = calloc((size_t)L, sizeof *m->acts);
-    int n_entries = 12 * (int)L + 17;
+    int n_entries = 12 * (int)L + 21;
     arena_entry *table = calloc((size_t)n_entries, sizeof *table);
     if (!m->acts || !table) {
         free(table);
@@ -245,6 +251,10 @@ static moe_status build_arena(moe_model *m) {
     table[n++] = (arena_entry){(void **)&m->dv, N * kvdim * f};
     table[n++] = (arena_entry){(void **)&m->datty, N * qdim * f};
     table[n++] = (arena_entry){(void **)&m->datt, attn * f};
+    table[n++] = (arena_entry){(void **)&m->inputs, N * (int64_t)sizeof(int32_t)};
+    table[n++] = (arena_entry){(void **)&m->targets, N * (int64_t)sizeof(int32_t)};
+    table[n++] = (arena_entry){(void **)&m->sumsq, 2 * (int64_t)sizeof(double)};
+    table[n++] = (arena_entry){&m->norm_scratch, (int64_t)m->ops->rmsnorm_scratch_bytes(N, C)};
     moe_status st = carve_arena(m, table, n);
     free(table);
     return st;
@@ -296,7 +306,7 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_model_config *cf
         return split;
     }
     m->cfg = *cfg;
-    m->ops = moe_cpu_ops();
+    m->ops = par && par->ops ? par->ops : moe_cpu_ops();
     m->B = B;
     m->T = T;
     m->N = B * T;
@@ -304,13 +314,10 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_model_config *cf
     moe_layer_config lc;
     moe_model_config_layer(&lc, cfg, seed);
     moe_status st = build_tensors(m, &lc);
-    if (st == MOE_OK) {
-        m->params = aligned_alloc(MOE_ALIGN_BYTES, (size_t)((m->n_params + 15) / 16 * 16) * sizeof(float));
-        m->grads = aligned_alloc(MOE_ALIGN_BYTES, (size_t)((m->n_params + 15) / 16 * 16) * sizeof(float));
-        m->moe = calloc((size_t)L, sizeof *m->moe);
-        if (!m->params || !m->grads || !m->moe)
-            st = moe_error(MOE_ERR_OUT_OF_MEMORY, "model: %lld parameters", (long long)m->n_params);
-    }
+    if (st == MOE_OK) st = m->ops->alloc((void **)&m->params, (size_t)m->n_params * sizeof(float));
+    if (st == MOE_OK) st = m->ops->alloc((void **)&m->grads, (size_t)m->n_params * sizeof(float));
+    if (st == MOE_OK && !(m->moe = calloc((size_t)L, sizeof *m->moe)))
+        st = moe_error(MOE_ERR_OUT_OF_MEMORY, "model: %lld layers", (long long)L);
     for (int64_t l = 0; st == MOE_OK && l < L; l++) {
         /* Each layer's jitter noise is its own stream. */
         moe_layer_config layer_cfg = lc;
@@ -324,23 +331,40 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_model_config *cf
         }
     }
     if (st == MOE_OK) st = build_arena(m);
+    if (st == MOE_OK) {
+        /* Every tensor is named and sized now, the layers' included. */
+        int64_t staging = m->N;
+        for (int64_t i = 0; i < m->n_tensors; i++)
+            if (m->tensors[i].numel > staging) staging = m->tensors[i].numel;
+        m->losses_host = calloc((size_t)m->N, sizeof *m->losses_host);
+        m->staging = malloc((size_t)staging * sizeof *m->staging);
+        if (!m->losses_host || !m->staging)
+            st = moe_error(MOE_ERR_OUT_OF_MEMORY, "model: host arrays for %lld values", (long long)staging);
+    }
     if (st != MOE_OK) {
         moe_model_destroy(m);
         return st;
     }
-    memset(m->params, 0, (size_t)m->n_params * sizeof(float)); /* the padding */
-    for (int64_t i = 0; i < m->n_tensors; i++) {
+    /* alloc zero-fills, so the padding and the gradients start at zero. */
+    for (int64_t i = 0; st == MOE_OK && i < m->n_tensors; i++) {
         const moe_model_tensor *t = &m->tensors[i];
-        float *p = m->params + t->offset;
+        float *p = m->staging; /* [numel] */
         if (t->ndim == 1) {
             for (int64_t j = 0; j < t->numel; j++) p[j] = 1.0f;
         } else {
 #pragma omp parallel for schedule(static)
             for (int64_t j = 0; j < t->numel; j++) p[j] = MOE_INIT_STD * moe_rng_normal(seed, (uint64_t)t->init_stream, (uint64_t)j);
         }
+        st = m->ops->upload(m->params + t->offset, p, (size_t)t->numel * sizeof(float));
     }
-    moe_model_zero_grad(m);
-    m->ops->rope_tables(m->cos_t, m->sin_t, T, cfg->head_dim, (float)cfg->rope_theta);
+    if (st == MOE_OK) {
+        m->ops->rope_tables(m->cos_t, m->sin_t, T, cfg->head_dim, (float)cfg->rope_theta);
+        st = m->ops->sync();
+    }
+    if (st != MOE_OK) {
+        moe_model_destroy(m);
+        return moe_error_prefix(st, "model: initial values: ");
+    }
     *out = m;
     return MOE_OK;
 }
@@ -354,10 +378,14 @@ void moe_model_destroy(moe_model *m) {
     if (m->replicas) moe_comm_free(m->replicas);
     free(m->tensors);
     free(m->layer_first);
-    free(m->params);
-    free(m->grads);
+    if (m->ops) {
+        m->ops->release(m->params);
+        m->ops->release(m->grads);
+        m->ops->release(m->arena);
+    }
     free(m->acts);
-    free(m->arena);
+    free(m->losses_host);
+    free(m->staging);
     free(m);
 }
 
@@ -387,7 +415,9 @@ moe_model_run moe_model_get_run(const moe_model *m, moe_model_run_id run) {
 float *moe_model_params(moe_model *m) { return m->params; }
 float *moe_model_grads(moe_model *m) { return m->grads; }
 
-void moe_model_zero_grad(moe_model *m) { memset(m->grads, 0, (size_t)m->n_params * sizeof(float)); }
+void moe_model_zero_grad(moe_model *m) { m->ops->zero(m->grads, (size_t)m->n_params * sizeof(float)); }
+
+const moe_ops *moe_model_ops(const moe_model *m) { return m->ops; }
 
 void moe_model_set_training(moe_model *m, bool training) {
     for (int64_t l = 0; l < m->cfg.num_hidden_layers; l++) moe_layer_set_training(m->moe[l], training);
@@ -410,7 +440,7 @@ void moe_model_set_jitter_counter(moe_model *m, uint64_t counter) {
     for (int64_t l = 0; l < m->cfg.num_hidden_layers; l++) moe_layer_set_jitter_counter(m->moe[l], counter);
 }
 
-const float *moe_model_last_losses(const moe_model *m) { return m->losses; }
+const float *moe_model_last_losses(const moe_model *m) { return m->losses_host; }
 const int32_t *moe_model_last_topk(const moe_model *m, int64_t l) { return moe_layer_last_topk(m->moe[l]); }
 
 int64_t moe_model_active_param_count(const moe_model *m) {
@@ -449,7 +479,8 @@ moe_status moe_model_forward(moe_model *m, const int32_t *inputs, const int32_t 
     m->forward_done = false;
     double aux = 0.0, z = 0.0, imbalance = 0.0, dropped = 0.0;
 
-    ops->embedding_forward(m->acts[0].x, inputs, param(m, 0), N, C);
+    MOE_TRY(ops->upload(m->inputs, inputs, (size_t)N * sizeof(int32_t)));
+    ops->embedding_forward(m->acts[0].x, m->inputs, param(m, 0), N, C);
     for (int64_t l = 0; l < L; l++) {
         layer_acts *a = &m->acts[l];
         const int64_t t0 = m->layer_first[l];
@@ -482,14 +513,16 @@ moe_status moe_model_forward(moe_model *m, const int32_t *inputs, const int32_t 
             if (targets[i] >= V)
                 return moe_error(MOE_ERR_INVALID_ARG, "model: target token %d at position %lld outside the vocabulary [0, %lld)",
                                  targets[i], (long long)i, (long long)V);
-        ops->crossentropy_forward(m->losses, m->lse, m->logits, targets, N, V);
+        MOE_TRY(ops->upload(m->targets, targets, (size_t)N * sizeof(int32_t)));
+        ops->crossentropy_forward(m->losses, m->lse, m->logits, m->targets, N, V);
+        MOE_TRY(ops->download(m->losses_host, m->losses, (size_t)N * sizeof(float)));
     }
     if (stats) {
         double ce = 0.0;
         int64_t counted = 0;
         for (int64_t i = 0; targets && i < N; i++)
             if (targets[i] >= 0) {
-                ce += m->losses[i];
+                ce += m->losses_host[i];
                 counted++;
             }
         stats->ce_loss = counted ? ce / (double)counted : 0.0;
@@ -499,6 +532,7 @@ moe_status moe_model_forward(moe_model *m, const int32_t *inputs, const int32_t 
         stats->load_imbalance = imbalance / (double)L;
         stats->dropped_frac = dropped / ((double)L * (double)N * (double)c->num_experts_per_tok);
     }
+    MOE_TRY(ops->sync());
     m->forward_done = true;
     return MOE_OK;
 }
@@ -533,17 +567,18 @@ moe_status moe_model_backward(moe_model *m, const int32_t *inputs, const int32_t
     for (int64_t i = 0; i < N; i++) counted += targets[i] >= 0;
     if (m->world) MOE_TRY(moe_comm_allreduce_sum(m->world, &counted, 1, MOE_COMM_I64));
     const float w = counted ? grad_scale / (float)counted : 0.0f;
-    for (int64_t i = 0; i < N; i++) m->dloss[i] = w;
+    for (int64_t i = 0; i < N; i++) m->staging[i] = w;
+    MOE_TRY(ops->upload(m->dloss, m->staging, (size_t)N * sizeof(float)));
     for (int64_t l = 0; l < L; l++) moe_layer_set_loss_scale(m->moe[l], (double)grad_scale / (double)L);
 
     /* The logits' memory takes their gradient: nothing else reads them. */
     const int64_t tf = m->n_tensors - 2;
     float *dlogits = m->logits;
-    ops->crossentropy_backward(dlogits, m->logits, m->lse, targets, m->dloss, N, V);
-    memset(m->dln, 0, (size_t)(N * C) * sizeof(float));
+    ops->crossentropy_backward(dlogits, m->logits, m->lse, m->targets, m->dloss, N, V);
+    ops->zero(m->dln, (size_t)(N * C) * sizeof(float));
     ops->matmul_backward(m->dln, grad(m, tf + 1), dlogits, m->lnf, param(m, tf + 1), N, C, V);
-    memset(m->dres, 0, (size_t)(N * C) * sizeof(float));
-    ops->rmsnorm_backward(m->dres, grad(m, tf), m->dln, m->x_final, param(m, tf), m->rstdf, N, C);
+    ops->zero(m->dres, (size_t)(N * C) * sizeof(float));
+    ops->rmsnorm_backward(m->dres, grad(m, tf), m->dln, m->x_final, param(m, tf), m->rstdf, m->norm_scratch, N, C);
     m->forward_done = false; /* the logits are gone */
     MOE_TRY(sync_range(m, m->world, m->tensors[tf].offset, m->n_dense));
 
@@ -552,30 +587,32 @@ moe_status moe_model_backward(moe_model *m, const int32_t *inputs, const int32_t
         const int64_t t0 = m->layer_first[l];
         /* dres holds d(x_out); x_out = x_mid + moe(ln2(x_mid)). */
         MOE_TRY(moe_layer_backward(m->moe[l], m->dmoe, m->dres, a->ln2));
-        ops->rmsnorm_backward(m->dres, grad(m, t0 + LN2), m->dmoe, a->x_mid, param(m, t0 + LN2), a->rstd2, N, C);
+        ops->rmsnorm_backward(m->dres, grad(m, t0 + LN2), m->dmoe, a->x_mid, param(m, t0 + LN2), a->rstd2,
+                              m->norm_scratch, N, C);
         /* dres now holds d(x_mid); x_mid = x + o(attention(ln1(x))). */
-        memset(m->datty, 0, (size_t)(N * Hq * hd) * sizeof(float));
+        ops->zero(m->datty, (size_t)(N * Hq * hd) * sizeof(float));
         ops->matmul_backward(m->datty, grad(m, t0 + WO), m->dres, a->atty, param(m, t0 + WO), N, Hq * hd, C);
-        memset(m->dq, 0, (size_t)(N * Hq * hd) * sizeof(float));
-        memset(m->dk, 0, (size_t)(N * Hkv * hd) * sizeof(float));
-        memset(m->dv, 0, (size_t)(N * Hkv * hd) * sizeof(float));
+        ops->zero(m->dq, (size_t)(N * Hq * hd) * sizeof(float));
+        ops->zero(m->dk, (size_t)(N * Hkv * hd) * sizeof(float));
+        ops->zero(m->dv, (size_t)(N * Hkv * hd) * sizeof(float));
         ops->attention_backward(m->dq, m->dk, m->dv, m->datt, m->datty, a->q, a->k, a->v, a->att, B, T, Hq, Hkv, hd);
         ops->rope_backward(m->dq, m->cos_t, m->sin_t, B, T, Hq, hd);
         ops->rope_backward(m->dk, m->cos_t, m->sin_t, B, T, Hkv, hd);
-        memset(m->dln, 0, (size_t)(N * C) * sizeof(float));
+        ops->zero(m->dln, (size_t)(N * C) * sizeof(float));
         ops->matmul_backward(m->dln, grad(m, t0 + WQ), m->dq, a->ln1, param(m, t0 + WQ), N, C, Hq * hd);
         ops->matmul_backward(m->dln, grad(m, t0 + WK), m->dk, a->ln1, param(m, t0 + WK), N, C, Hkv * hd);
         ops->matmul_backward(m->dln, grad(m, t0 + WV), m->dv, a->ln1, param(m, t0 + WV), N, C, Hkv * hd);
-        ops->rmsnorm_backward(m->dres, grad(m, t0 + LN1), m->dln, a->x, param(m, t0 + LN1), a->rstd1, N, C);
+        ops->rmsnorm_backward(m->dres, grad(m, t0 + LN1), m->dln, a->x, param(m, t0 + LN1), a->rstd1,
+                              m->norm_scratch, N, C);
         /* Layer l's gradients are final: its replicated run and its experts. */
         const int64_t next = l + 1 < L ? m->tensors[m->layer_first[l + 1]].offset : m->tensors[tf].offset;
         const int64_t experts = m->moe_off[l].experts, n_experts = c->num_local_experts / m->ep_size * 3 * c->intermediate_size * C;
         MOE_TRY(sync_range(m, m->world, m->tensors[t0].offset, next));
         MOE_TRY(sync_range(m, m->replicas, experts, experts + n_experts));
     }
-    ops->embedding_backward(grad(m, 0), m->dres, inputs, N, C);
+    ops->embedding_backward(grad(m, 0), m->dres, m->inputs, N, C);
     MOE_TRY(sync_range(m, m->world, 0, m->tensors[m->layer_first[0]].offset));
-    return MOE_OK;
+    return ops->sync();
 }
 
 moe_status moe_model_finish_grad_sync(moe_model *m) {
@@ -590,9 +627,11 @@ moe_status moe_model_finish_grad_sync(moe_model *m) {
 }
 
 moe_status moe_model_grad_sumsq(moe_model *m, double *out) {
-    double dense, experts;
-    m->ops->sumsq(&dense, m->grads, m->n_dense);
-    m->ops->sumsq(&experts, m->grads + m->expert_offset, m->n_expert);
+    double sums[2]; /* dense run, experts */
+    m->ops->sumsq(&m->sumsq[0], m->grads, m->n_dense);
+    m->ops->sumsq(&m->sumsq[1], m->grads + m->expert_offset, m->n_expert);
+    MOE_TRY(m->ops->download(sums, m->sumsq, sizeof sums));
+    double dense = sums[0], experts = sums[1];
     /* Each EP rank holds different experts: their squares add up. */
     if (m->ep && moe_comm_size(m->ep) > 1) MOE_TRY(moe_comm_allreduce_sum(m->ep, &experts, 1, MOE_COMM_F64));
     *out = dense + experts;

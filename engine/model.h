@@ -1,5 +1,8 @@
 /* model.h: a Mixtral-style MoE transformer (what Hugging Face's
- * MixtralForCausalLM computes), forward and backward, on the CPU backend.
+ * MixtralForCausalLM computes), forward and backward, on any backend of
+ * the op table (kernels/ops.h): every array lives in the backend's memory,
+ * and the host moves only tokens, losses, routing counts and the gradient
+ * norm in and out.
  *
  * Parameters and gradients each live in one allocation, carved into named
  * views whose names are the Hugging Face tensor names; activations live in
@@ -12,6 +15,7 @@
 
 #include "comm/comm.h"
 #include "engine/model_config.h"
+#include "kernels/ops.h"
 #include "moe.h"
 
 #define MOE_TENSOR_NAME_BYTES 96
@@ -40,6 +44,7 @@ moe_status moe_model_create(moe_model **model, const moe_model_config *cfg, int6
 typedef struct moe_model_parallel {
     moe_comm *world;
     moe_comm *ep;
+    const moe_ops *ops; /* the backend the model runs on; NULL: the CPU */
 } moe_model_parallel;
 
 /* moe_model_create on a grid of ranks; collective over par->world. Every
@@ -62,8 +67,12 @@ const moe_model_tensor *moe_model_find_tensor(const moe_model *model, const char
 /* The length of the parameter and gradient arrays: every tensor, plus the
  * zeros that pad the runs on several ranks (moe_model_run). */
 int64_t moe_model_param_count(const moe_model *model);
+/* The arrays are the backend's memory (moe_model_ops): the host reads them
+ * only on a host backend. The trainer and checkpoints still read them on
+ * the host, so they need one; the model itself keeps to the op table. */
 float *moe_model_params(moe_model *model); /* [param_count] */
 float *moe_model_grads(moe_model *model);  /* [param_count] */
+const moe_ops *moe_model_ops(const moe_model *model);
 
 /* The arrays hold two runs: the dense one (embedding, attention, norms,
  * routers, shared experts, head), the same on every rank, then this rank's

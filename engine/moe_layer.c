@@ -59,7 +59,10 @@ struct moe_layer {
     int64_t n_tensors;
     moe_tensor_view *views;           /* [n_tensors] */
     char (*names)[MOE_NAME_BYTES];    /* [n_tensors] */
-    float *bias;                      /* [E] selection bias, or NULL */
+    float *bias;                      /* [E] selection bias on the host, or NULL */
+
+    /* Every array the ops touch is backend memory; the host keeps what it
+     * decides with (counts, offsets) and mirrors of what it reads. */
 
     /* Per-token arrays, sized for capacity_T tokens, in token_ws. */
     void *token_ws;
@@ -77,6 +80,7 @@ struct moe_layer {
     double *gate_chunks; /* [ceil(T / chunk), 2E + 1] */
     int64_t *pair_row;   /* [T*k] */
     int64_t *row_token;  /* [T*k] */
+    void *plan_scratch;  /* ops->plan_scratch_bytes(T, k, E) */
     float *xp;           /* [T*k, d] rows in plan (expert) order */
     float *yp;           /* [T*k, d] */
     float *dyp;          /* [T*k, d] */
@@ -85,6 +89,8 @@ struct moe_layer {
     float *sh_g;         /* [T, S] */
     float *sh_y;         /* [T, d] */
     float *sh_dh;        /* [T, 2S] */
+    int32_t *topk_host;  /* [T, k] host copy of topk_idx, for statistics */
+    float *noise_host;   /* [T, d] host draws of the jitter factors */
 
     /* Rows this rank's experts work on, sized for capacity_R rows, in
      * row_ws. With one rank xe, ye, dye and dxe are xp, yp, dyp and dxp. */
@@ -97,9 +103,17 @@ struct moe_layer {
     float *g;            /* [R, ff] */
     float *dh;           /* [R, 2ff] */
 
-    /* Per-expert and per-rank arrays, independent of T. */
-    int64_t *assigned;       /* [E] this rank's pairs per expert, before capacity */
-    double *prob_sum;        /* [E] */
+    /* Per-expert and per-rank arrays, independent of T. The gating totals
+     * are one backend block of 2E + 1 eight-byte words (assigned [E],
+     * prob_sum [E], z_sum), so one download brings them to totals_host. */
+    void *totals_dev, *totals_host;
+    int64_t *assigned;       /* [E] this rank's pairs per expert, before capacity (host) */
+    double *prob_sum;        /* [E] (host) */
+    double *z_sum;           /* [1] (host) */
+    int64_t *keep_dev;       /* [E] keep, backend */
+    int64_t *offsets_dev;    /* [E+1] expert_offsets, backend */
+    float *aux_grad_dev;     /* [E] aux_grad, backend */
+    float *bias_dev;         /* [E] bias, backend; NULL without */
     double *rank_totals;     /* [N, 2E + 2] every batch rank's assigned, prob_sum, z_sum, T */
     int64_t *rank_assigned;  /* [N, E] */
     int64_t *rank_kept;      /* [N] scratch: each rank's kept pairs of one expert */
@@ -109,13 +123,11 @@ struct moe_layer {
     moe_comm_request *requests; /* [4 P n_local] messages of one expert phase */
     int n_requests;
     bool overlap;               /* run each expert as soon as its rows arrive */
-    int64_t *expert_offsets; /* [E+1] plan rows */
+    int64_t *expert_offsets; /* [E+1] plan rows (host) */
     int64_t *local_offsets;  /* [n_local+1] expert-major rows */
-    int64_t *cursor;         /* [E] */
-    float *aux_grad;         /* [E] */
+    float *aux_grad;         /* [E] (host) */
     moe_expert_group *groups; /* [n_local + 1]: local experts, then the shared ones */
 
-    moe_plan plan;
     moe_layer_stats last;   /* global statistics of the last forward */
     int64_t last_T;         /* T of the last forward; 0 before the first */
     int64_t global_T;       /* tokens over the EP group in the last forward */
@@ -258,7 +270,7 @@ moe_status moe_layer_create_in(moe_layer **out, const moe_layer_config *cfg, con
     moe_layer *L = calloc(1, sizeof *L);
     if (!L) return moe_error(MOE_ERR_OUT_OF_MEMORY, "moe_layer_create: layer struct");
     L->cfg = *cfg;
-    L->ops = moe_cpu_ops();
+    L->ops = mem->ops ? mem->ops : moe_cpu_ops();
     L->shared_ff = cfg->n_shared_experts * cfg->d_ff;
     L->ep = P > 1 ? ep : NULL;
     L->ep_size = P;
@@ -278,8 +290,7 @@ moe_status moe_layer_create_in(moe_layer **out, const moe_layer_config *cfg, con
     L->views = calloc((size_t)max_tensors, sizeof *L->views);
     L->names = calloc((size_t)max_tensors, sizeof *L->names);
     L->expert_rank = calloc((size_t)E, sizeof *L->expert_rank);
-    L->assigned = calloc((size_t)E, sizeof *L->assigned);
-    L->prob_sum = calloc((size_t)E, sizeof *L->prob_sum);
+    L->totals_host = calloc((size_t)(2 * E + 1), sizeof(int64_t));
     L->rank_totals = calloc((size_t)N * (size_t)(2 * E + 2), sizeof *L->rank_totals);
     L->rank_assigned = calloc((size_t)N * (size_t)E, sizeof *L->rank_assigned);
     L->rank_kept = calloc((size_t)N, sizeof *L->rank_kept);
@@ -289,20 +300,32 @@ moe_status moe_layer_create_in(moe_layer **out, const moe_layer_config *cfg, con
     L->requests = calloc(4 * (size_t)P * (size_t)L->n_local, sizeof *L->requests);
     L->expert_offsets = calloc((size_t)E + 1, sizeof *L->expert_offsets);
     L->local_offsets = calloc((size_t)L->n_local + 1, sizeof *L->local_offsets);
-    L->cursor = calloc((size_t)E, sizeof *L->cursor);
     L->aux_grad = calloc((size_t)E, sizeof *L->aux_grad);
     L->groups = calloc((size_t)L->n_local + 1, sizeof *L->groups);
     if (cfg->bias_update_rate > 0.0) L->bias = calloc((size_t)E, sizeof *L->bias);
-    if (!L->views || !L->names || !L->expert_rank || !L->assigned || !L->prob_sum || !L->rank_totals ||
-        !L->rank_assigned || !L->rank_kept || !L->global_assigned || !L->keep || !L->recv_rows || !L->requests || !L->expert_offsets ||
-        !L->local_offsets || !L->cursor || !L->aux_grad || !L->groups || (cfg->bias_update_rate > 0.0 && !L->bias)) {
+    if (!L->views || !L->names || !L->expert_rank || !L->totals_host || !L->rank_totals || !L->rank_assigned ||
+        !L->rank_kept || !L->global_assigned || !L->keep || !L->recv_rows || !L->requests || !L->expert_offsets ||
+        !L->local_offsets || !L->aux_grad || !L->groups || (cfg->bias_update_rate > 0.0 && !L->bias)) {
         moe_layer_destroy(L);
         return moe_error(MOE_ERR_OUT_OF_MEMORY, "moe_layer_create: per-expert arrays for n_experts=%lld", (long long)E);
+    }
+    L->assigned = L->totals_host;
+    L->prob_sum = (double *)L->totals_host + E;
+    L->z_sum = (double *)L->totals_host + 2 * E;
+    const moe_ops *ops = L->ops;
+    moe_status st = ops->alloc(&L->totals_dev, (size_t)(2 * E + 1) * sizeof(int64_t));
+    if (st == MOE_OK) st = ops->alloc((void **)&L->keep_dev, (size_t)E * sizeof(int64_t));
+    if (st == MOE_OK) st = ops->alloc((void **)&L->offsets_dev, (size_t)(E + 1) * sizeof(int64_t));
+    if (st == MOE_OK) st = ops->alloc((void **)&L->aux_grad_dev, (size_t)E * sizeof(float));
+    if (st == MOE_OK && L->bias) st = ops->alloc((void **)&L->bias_dev, (size_t)E * sizeof(float));
+    if (st != MOE_OK) {
+        moe_layer_destroy(L);
+        return moe_error_prefix(st, "moe_layer_create: ");
     }
     /* Contiguous runs of expert ids per rank, in rank order: the plan's
      * expert-ordered rows then split into one contiguous range per rank. */
     for (int64_t e = 0; e < E; e++) L->expert_rank[e] = (int)(e / L->n_local);
-    moe_status st = find_group_base(L);
+    st = find_group_base(L);
     if (st != MOE_OK) {
         moe_layer_destroy(L);
         return st;
@@ -324,14 +347,19 @@ static int64_t global_offset(const moe_layer *L, int64_t v) {
     return E * d + E * expert + (v - 1 - 3 * L->n_local) * L->shared_ff * d;
 }
 
-void moe_layer_init_params(moe_layer *L, float std, uint64_t seed, uint64_t stream) {
+moe_status moe_layer_init_params(moe_layer *L, float std, uint64_t seed, uint64_t stream) {
     for (int64_t v = 0; v < L->n_tensors; v++) {
         const moe_tensor_view *view = &L->views[v];
-        const int64_t base = global_offset(L, v);
+        const int64_t base = global_offset(L, v), n = view->rows * view->cols;
+        float *draws = malloc((size_t)(n ? n : 1) * sizeof *draws); /* [n] drawn here, then uploaded */
+        if (!draws) return moe_error(MOE_ERR_OUT_OF_MEMORY, "moe layer: %lld initial values of %s", (long long)n, view->name);
 #pragma omp parallel for schedule(static)
-        for (int64_t i = 0; i < view->rows * view->cols; i++)
-            view->param[i] = std * moe_rng_normal(seed, stream, (uint64_t)(base + i));
+        for (int64_t i = 0; i < n; i++) draws[i] = std * moe_rng_normal(seed, stream, (uint64_t)(base + i));
+        moe_status st = L->ops->upload(view->param, draws, (size_t)n * sizeof *draws);
+        free(draws);
+        if (st != MOE_OK) return moe_error_prefix(st, "moe layer: initial values of %s: ", view->name);
     }
+    return MOE_OK;
 }
 
 moe_status moe_layer_create(moe_layer **out, const moe_layer_config *cfg) {
@@ -358,23 +386,36 @@ moe_status moe_layer_create(moe_layer **out, const moe_layer_config *cfg) {
     (*out)->owned = mem;
     (*out)->params = mem;
     (*out)->grads = mem + grad_off;
-    /* Hugging Face's initializer_range for Mixtral. */
-    moe_layer_init_params(*out, 0.02f, cfg->seed, 0);
     memset((*out)->grads, 0, (size_t)n * sizeof(float));
-    return MOE_OK;
+    /* Hugging Face's initializer_range for Mixtral. */
+    st = moe_layer_init_params(*out, 0.02f, cfg->seed, 0);
+    if (st != MOE_OK) {
+        moe_layer_destroy(*out);
+        *out = NULL;
+    }
+    return st;
 }
 
 void moe_layer_destroy(moe_layer *L) {
     if (!L) return;
+    const moe_ops *ops = L->ops;
     free(L->owned);
     free(L->views);
     free(L->names);
     free(L->bias);
-    free(L->token_ws);
-    free(L->row_ws);
+    if (ops) {
+        ops->release(L->token_ws);
+        ops->release(L->row_ws);
+        ops->release(L->totals_dev);
+        ops->release(L->keep_dev);
+        ops->release(L->offsets_dev);
+        ops->release(L->aux_grad_dev);
+        ops->release(L->bias_dev);
+    }
+    free(L->topk_host);
+    free(L->noise_host);
     free(L->expert_rank);
-    free(L->assigned);
-    free(L->prob_sum);
+    free(L->totals_host);
     free(L->rank_totals);
     free(L->rank_assigned);
     free(L->rank_kept);
@@ -384,7 +425,6 @@ void moe_layer_destroy(moe_layer *L) {
     free(L->requests);
     free(L->expert_offsets);
     free(L->local_offsets);
-    free(L->cursor);
     free(L->aux_grad);
     free(L->groups);
     free(L);
@@ -431,15 +471,15 @@ void moe_layer_set_overlap(moe_layer *L, bool overlap) { L->overlap = overlap; }
 void moe_layer_get_timing(const moe_layer *L, moe_layer_timing *timing) { *timing = L->timing; }
 void moe_layer_reset_timing(moe_layer *L) { L->timing = (moe_layer_timing){0}; }
 
-const int32_t *moe_layer_last_topk(const moe_layer *L) { return L->topk_idx; }
+const int32_t *moe_layer_last_topk(const moe_layer *L) { return L->topk_host; }
 uint64_t moe_layer_jitter_counter(const moe_layer *L) { return L->jitter_calls; }
 void moe_layer_set_jitter_counter(moe_layer *L, uint64_t counter) { L->jitter_calls = counter; }
 
 moe_status moe_layer_zero_grad(moe_layer *L) {
     if (!L) return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_zero_grad: layer is NULL");
     for (int64_t v = 0; v < L->n_tensors; v++)
-        memset(L->views[v].grad, 0, (size_t)(L->views[v].rows * L->views[v].cols) * sizeof(float));
-    return MOE_OK;
+        L->ops->zero(L->views[v].grad, (size_t)(L->views[v].rows * L->views[v].cols) * sizeof(float));
+    return L->ops->sync();
 }
 
 moe_status moe_layer_update_bias(moe_layer *L) {
@@ -466,8 +506,10 @@ typedef struct ws_entry {
 
 static int64_t align_up(int64_t bytes) { return (bytes + MOE_ALIGN_BYTES - 1) / MOE_ALIGN_BYTES * MOE_ALIGN_BYTES; }
 
-/* Carves the entries of table from one new block that replaces *block. */
-static moe_status carve(void **block, const ws_entry *table, int n, const char *what, int64_t size) {
+/* Carves the entries of table from one new backend block that replaces
+ * *block. */
+static moe_status carve(const moe_ops *ops, void **block, const ws_entry *table, int n, const char *what,
+                        int64_t size) {
     int64_t total = 0;
     for (int i = 0; i < n; i++) {
         int64_t bytes;
@@ -476,12 +518,14 @@ static moe_status carve(void **block, const ws_entry *table, int n, const char *
         total += align_up(bytes);
     }
     if ((uint64_t)total > SIZE_MAX) return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_forward: %s exceeds size_t", what);
-    char *mem = alloc_aligned((size_t)total);
-    if (!mem)
-        return moe_error(MOE_ERR_OUT_OF_MEMORY, "moe_layer_forward: %lld bytes of %s for %lld", (long long)total, what,
-                         (long long)size);
-    free(*block);
-    *block = mem;
+    void *block_mem = NULL;
+    moe_status st = ops->alloc(&block_mem, (size_t)total);
+    if (st != MOE_OK)
+        return moe_error_prefix(st, "moe_layer_forward: %lld bytes of %s for %lld: ", (long long)total, what,
+                                (long long)size);
+    ops->release(*block);
+    *block = block_mem;
+    char *mem = block_mem;
     int64_t off = 0;
     for (int i = 0; i < n; i++) {
         *table[i].ptr = table[i].count ? mem + off : NULL;
@@ -517,6 +561,7 @@ static moe_status reserve_tokens(moe_layer *L, int64_t T) {
         {(void **)&L->gate_chunks, chunks * (2 * E + 1), sizeof(double)},
         {(void **)&L->pair_row, Tk, sizeof(int64_t)},
         {(void **)&L->row_token, Tk, sizeof(int64_t)},
+        {&L->plan_scratch, (int64_t)L->ops->plan_scratch_bytes(T, c->top_k, E), 1},
         {(void **)&L->xp, rows_d, sizeof(float)},
         {(void **)&L->yp, rows_d, sizeof(float)},
         {(void **)&L->dyp, rows_d, sizeof(float)},
@@ -526,10 +571,14 @@ static moe_status reserve_tokens(moe_layer *L, int64_t T) {
         {(void **)&L->sh_y, S > 0 ? td : 0, sizeof(float)},
         {(void **)&L->sh_dh, t2s, sizeof(float)},
     };
-    MOE_TRY(carve(&L->token_ws, table, (int)(sizeof table / sizeof table[0]), "activations for T", T));
+    int32_t *topk_host = realloc(L->topk_host, (size_t)Tk * sizeof *topk_host);
+    if (topk_host) L->topk_host = topk_host;
+    float *noise_host = jitter ? realloc(L->noise_host, (size_t)td * sizeof *noise_host) : L->noise_host;
+    if (noise_host) L->noise_host = noise_host;
+    if (!topk_host || (jitter && !noise_host))
+        return moe_error(MOE_ERR_OUT_OF_MEMORY, "moe_layer_forward: host copies for T=%lld", (long long)T);
+    MOE_TRY(carve(L->ops, &L->token_ws, table, (int)(sizeof table / sizeof table[0]), "activations for T", T));
     L->capacity_T = T;
-    L->plan = (moe_plan){.pair_row = L->pair_row, .row_token = L->row_token, .expert_offsets = L->expert_offsets,
-                         .cursor = L->cursor};
     return MOE_OK;
 }
 
@@ -549,7 +598,7 @@ static moe_status reserve_rows(moe_layer *L, int64_t R) {
             {(void **)&L->g, R * ff, sizeof(float)},
             {(void **)&L->dh, R * 2 * ff, sizeof(float)},
         };
-        MOE_TRY(carve(&L->row_ws, table, (int)(sizeof table / sizeof table[0]), "expert rows", R));
+        MOE_TRY(carve(L->ops, &L->row_ws, table, (int)(sizeof table / sizeof table[0]), "expert rows", R));
         L->capacity_R = R;
     }
     /* The token arrays may have moved since the last call. */
@@ -661,9 +710,9 @@ static moe_status post_exchange(moe_layer *L, float *plan_rows, float *expert_ro
             const bool send_here = sends && (to_experts || selected), recv_here = recvs && (!to_experts || selected);
             if (peer == L->ep_rank) {
                 if (to_experts && send_here)
-                    memcpy(theirs, mine, (size_t)plan_n * row_bytes);
+                    L->ops->copy(theirs, mine, (size_t)plan_n * row_bytes);
                 else if (!to_experts && send_here)
-                    memcpy(mine, theirs, (size_t)plan_n * row_bytes);
+                    L->ops->copy(mine, theirs, (size_t)plan_n * row_bytes);
                 continue;
             }
             float *send = to_experts ? mine : theirs, *recv = to_experts ? theirs : mine;
@@ -784,29 +833,40 @@ moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, 
         const float eps = (float)c->jitter_eps;
         const uint64_t call = L->jitter_calls;
         const int on = L->training;
-        /* Noise indexed by (rank, token) keeps ranks' streams apart. */
+        /* Noise indexed by (rank, token) keeps ranks' streams apart. The
+         * draws are the host's, so every backend multiplies by the same. */
         const uint64_t stream = MOE_JITTER_STREAM + call * (uint64_t)L->batch_size + (uint64_t)L->batch_rank;
 #pragma omp parallel for schedule(static)
         for (int64_t i = 0; i < T * d; i++) {
             float u = on ? moe_rng_uniform(c->seed, stream, (uint64_t)i) : 0.5f;
-            L->noise[i] = 1.0f - eps + 2.0f * eps * u;
-            L->x_in[i] = x[i] * L->noise[i];
+            L->noise_host[i] = 1.0f - eps + 2.0f * eps * u;
         }
+        MOE_TRY(ops->upload(L->noise, L->noise_host, (size_t)(T * d) * sizeof(float)));
+        ops->multiply(L->x_in, x, L->noise, T * d);
         if (on) L->jitter_calls++;
         x_in = L->x_in;
     }
+    if (L->bias) MOE_TRY(ops->upload(L->bias_dev, L->bias, (size_t)E * sizeof(float)));
 
     const float *wg = L->views[0].param; /* [E, d] */
     ops->gemm(L->logits, x_in, wg, T, E, d, d, d, E, false, true, 1.0f, 0.0f);
     const moe_gate_params gp = {.n_experts = E, .top_k = k, .kind = c->gate, .renormalize = c->renormalize != 0};
-    moe_gate_totals totals = {.assigned = L->assigned, .prob_sum = L->prob_sum, .chunk_scratch = L->gate_chunks};
-    ops->gate_forward(L->topk_idx, L->topk_w, L->prob, L->lse, &totals, L->logits, L->bias, &gp, T);
+    moe_gate_totals totals = {.assigned = L->totals_dev,
+                              .prob_sum = (double *)L->totals_dev + E,
+                              .z_sum = (double *)L->totals_dev + 2 * E,
+                              .chunk_scratch = L->gate_chunks};
+    ops->gate_forward(L->topk_idx, L->topk_w, L->prob, L->lse, &totals, L->logits, L->bias_dev, &gp, T);
+    /* The host decides capacity and the exchange: it needs the counts. */
+    MOE_TRY(ops->download(L->totals_host, L->totals_dev, (size_t)(2 * E + 1) * sizeof(int64_t)));
+    MOE_TRY(ops->download(L->topk_host, L->topk_idx, (size_t)(T * k) * sizeof(int32_t)));
 
     L->last.tokens_per_expert = stats ? stats->tokens_per_expert : NULL;
-    MOE_TRY(share_routing(L, T, totals.z_sum));
-    moe_plan_build(&L->plan, L->topk_idx, L->keep, T, k, E);
+    MOE_TRY(share_routing(L, T, *L->z_sum));
+    MOE_TRY(ops->upload(L->keep_dev, L->keep, (size_t)E * sizeof(int64_t)));
+    ops->plan_build(L->pair_row, L->row_token, L->offsets_dev, L->topk_idx, L->keep_dev, L->plan_scratch, T, k, E);
+    MOE_TRY(ops->download(L->expert_offsets, L->offsets_dev, (size_t)(E + 1) * sizeof(int64_t)));
     double t0 = omp_get_wtime();
-    ops->permute(L->xp, x_in, L->row_token, L->plan.n_rows, d);
+    ops->permute(L->xp, x_in, L->row_token, L->expert_offsets[E], d);
     /* Rows an expert rank can receive: every source's pairs, or capacity. */
     int64_t cap = moe_capacity(c->capacity_factor, L->global_T, k, E);
     int64_t max_rows = L->ep ? L->global_T * k : T * k;
@@ -827,7 +887,7 @@ moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, 
         stats->tokens_per_expert = tpe;
     }
     L->last_T = T;
-    return MOE_OK;
+    return ops->sync();
 }
 
 /* ---------------------------------------------------------------- backward */
@@ -850,7 +910,7 @@ moe_status moe_layer_backward(moe_layer *L, float *dx, const float *dy, const fl
     if (L->shared_ff)
         L->groups[L->n_local].dx = dx_in; /* written: the shared experts start the sum */
     else
-        memset(dx_in, 0, (size_t)(T * d) * sizeof(float));
+        ops->zero(dx_in, (size_t)(T * d) * sizeof(float));
     double compute = 0.0;
     moe_status st = run_experts(L, true, L->dyp, L->ye, L->dxe, L->dxp, n_groups, &compute);
     if (!L->ep) L->ye = L->yp;
@@ -863,17 +923,15 @@ moe_status moe_layer_backward(moe_layer *L, float *dx, const float *dy, const fl
     /* The balancing losses are over the global batch: its counts and size. */
     const int64_t GT = L->global_T;
     moe_aux_grad(L->aux_grad, L->global_assigned, GT, k, E, c->aux_loss_coef * L->loss_scale);
+    MOE_TRY(ops->upload(L->aux_grad_dev, L->aux_grad, (size_t)E * sizeof(float)));
     const moe_gate_params gp = {.n_experts = E, .top_k = k, .kind = c->gate, .renormalize = c->renormalize != 0};
     ops->gate_backward(L->dlogits, L->dweights, L->topk_idx, L->topk_w, L->prob, L->lse, L->logits,
-                       c->aux_loss_coef > 0.0 ? L->aux_grad : NULL, (float)(c->z_loss_coef * L->loss_scale / (double)GT),
+                       c->aux_loss_coef > 0.0 ? L->aux_grad_dev : NULL, (float)(c->z_loss_coef * L->loss_scale / (double)GT),
                        &gp, T);
     const moe_tensor_view *gate = &L->views[0];
     ops->gemm(gate->grad, L->dlogits, x_in, E, d, T, E, d, d, true, false, 1.0f, 1.0f);
     ops->gemm(dx_in, L->dlogits, gate->param, T, d, E, E, d, d, false, false, 1.0f, 1.0f);
 
-    if (jitter) {
-#pragma omp parallel for schedule(static)
-        for (int64_t i = 0; i < T * d; i++) dx[i] = dx_in[i] * L->noise[i];
-    }
-    return MOE_OK;
+    if (jitter) ops->multiply(dx, dx_in, L->noise, T * d);
+    return ops->sync();
 }

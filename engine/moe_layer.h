@@ -4,6 +4,7 @@
 #define MOE_ENGINE_MOE_LAYER_H
 
 #include "comm/comm.h"
+#include "kernels/ops.h"
 #include "moe.h"
 
 /* Floats of parameters one rank of an expert-parallel group of ep_size ranks
@@ -15,6 +16,7 @@ int64_t moe_layer_config_param_count(const moe_layer_config *cfg, int ep_size);
  * can keep what every rank holds (router, shared experts) apart from what
  * each rank holds alone (its experts) and reduce each run with one call. */
 typedef struct moe_layer_memory {
+    const moe_ops *ops;            /* the backend, whose memory these are; NULL: the CPU */
     float *router, *router_grad;   /* [E, d] */
     float *experts, *experts_grad; /* [E/P, 3 ff d]: per expert w1, w3, w2 */
     float *shared, *shared_grad;   /* [3 S d]: gate_proj, up_proj, down_proj; NULL without */
@@ -42,13 +44,14 @@ moe_status moe_layer_create_in(moe_layer **layer, const moe_layer_config *cfg, c
                                moe_comm *ep, moe_comm *batch);
 
 /* Fills the layer's parameters with N(0, std^2) draws from (seed, stream). */
-void moe_layer_init_params(moe_layer *layer, float std, uint64_t seed, uint64_t stream);
+moe_status moe_layer_init_params(moe_layer *layer, float std, uint64_t seed, uint64_t stream);
 
 /* Multiplies the aux and z-loss gradients that backward adds (default 1): a
  * model that averages over layers and micro-batches scales them here. */
 void moe_layer_set_loss_scale(moe_layer *layer, double scale);
 
-/* This rank's router choices topk_idx [T, k] of the last forward. */
+/* This rank's router choices topk_idx [T, k] of the last forward, on the
+ * host. */
 const int32_t *moe_layer_last_topk(const moe_layer *layer);
 
 /* Training forwards so far: it picks the jitter noise, so a resumed run

@@ -1,11 +1,19 @@
 /* ops.h: the table of compute ops that every backend fills (DESIGN.md 2).
  * The engine calls through the table and never asks which backend it has.
- * Argument order: outputs, inputs, sizes. Pointers are the backend's memory
- * (host for the CPU, device for CUDA). Ops that accumulate say so. */
+ * Argument order: outputs, inputs, sizes. Array pointers are the backend's
+ * memory (host for the CPU, device for CUDA), from its alloc; structs and
+ * sizes are host values. Ops that accumulate say so.
+ *
+ * Ops run in call order but may still be running when they return (a
+ * device stream): the host reads results only through download, which
+ * waits. An op cannot fail on good arguments; a failing one (a device
+ * fault) is kept, and the next sync, upload or download reports the
+ * first. */
 #ifndef MOE_KERNELS_OPS_H
 #define MOE_KERNELS_OPS_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "moe.h"
@@ -30,7 +38,7 @@ typedef struct moe_gate_params {
 typedef struct moe_gate_totals {
     int64_t *assigned;     /* [E] (token, slot) pairs the router chose, pre-capacity */
     double *prob_sum;      /* [E] sum over tokens of the router probability */
-    double z_sum;          /* sum over tokens of logsumexp(logits)^2 */
+    double *z_sum;         /* [1] sum over tokens of logsumexp(logits)^2 */
     double *chunk_scratch; /* [ceil(T / MOE_GATE_CHUNK_TOKENS), 2E + 1] */
 } moe_gate_totals;
 
@@ -57,6 +65,19 @@ typedef struct moe_expert_group {
 typedef struct moe_ops {
     const char *name;
 
+    /* Memory. alloc gives zero-filled memory aligned to 256 bytes, or
+     * MOE_ERR_OUT_OF_MEMORY naming the size; release(NULL) is a no-op.
+     * upload returns once src may be reused, download once dst holds the
+     * data; copy and zero are queued like ops. sync waits for every op so
+     * far and reports the first failure. */
+    moe_status (*alloc)(void **out, size_t bytes);
+    void (*release)(void *p);
+    moe_status (*upload)(void *dst, const void *src_host, size_t bytes);
+    moe_status (*download)(void *dst_host, const void *src, size_t bytes);
+    void (*copy)(void *dst, const void *src, size_t bytes);
+    void (*zero)(void *dst, size_t bytes);
+    moe_status (*sync)(void);
+
     /* c[m, n] = alpha * op(a) op(b) + beta * c, row-major, op(a) [m, k],
      * op(b) [k, n]; lda/ldb/ldc are row strides of the stored matrices. */
     void (*gemm)(float *c, const float *a, const float *b, int64_t m, int64_t n, int64_t k,
@@ -79,6 +100,18 @@ typedef struct moe_ops {
                           const float *topk_w, const float *prob, const float *lse,
                           const float *logits, const float *aux_grad, float z_coef_over_T,
                           const moe_gate_params *p, int64_t T);
+
+    /* The dispatch plan: where every (token, slot) pair of topk_idx [T, k]
+     * goes, a stable counting sort by expert, so each expert's rows are
+     * contiguous and in token order. Pairs are taken in token order, then
+     * slot order; expert e keeps its first keep[e] pairs (keep [E]) and
+     * drops the rest. expert_offsets [E+1]: first row of each expert, [E] =
+     * rows kept; pair_row [T*k]: the row of pair t*k+j, -1 if dropped;
+     * row_token [T*k]: the token of each row, the first expert_offsets[E]
+     * valid. scratch holds plan_scratch_bytes(T, k, E) bytes. */
+    size_t (*plan_scratch_bytes)(int64_t T, int64_t k, int64_t E);
+    void (*plan_build)(int64_t *pair_row, int64_t *row_token, int64_t *expert_offsets, const int32_t *topk_idx,
+                       const int64_t *keep, void *scratch, int64_t T, int64_t k, int64_t E);
 
     /* xp[r] = x[row_token[r]] for r < n_rows; xp [n_rows, d], x [T, d]. */
     void (*permute)(float *xp, const float *x, const int64_t *row_token, int64_t n_rows,
@@ -109,8 +142,10 @@ typedef struct moe_ops {
     void (*embedding_backward)(float *dwte, const float *dout, const int32_t *tokens, int64_t N, int64_t C);
     void (*rmsnorm_forward)(float *out, float *rstd, const float *inp, const float *weight, float eps, int64_t N,
                             int64_t C);
+    /* scratch: rmsnorm_scratch_bytes(N, C) bytes (the dweight reduction's). */
+    size_t (*rmsnorm_scratch_bytes)(int64_t N, int64_t C);
     void (*rmsnorm_backward)(float *dinp, float *dweight, const float *dout, const float *inp, const float *weight,
-                             const float *rstd, int64_t N, int64_t C);
+                             const float *rstd, void *scratch, int64_t N, int64_t C);
     void (*matmul_forward)(float *out, const float *inp, const float *weight, int64_t N, int64_t C, int64_t OC);
     void (*matmul_backward)(float *dinp, float *dweight, const float *dout, const float *inp, const float *weight,
                             int64_t N, int64_t C, int64_t OC);
@@ -130,11 +165,23 @@ typedef struct moe_ops {
                                   const float *dloss, int64_t N, int64_t V);
     void (*residual_forward)(float *out, const float *a, const float *b, int64_t n);
     void (*residual_backward)(float *da, float *db, const float *dout, int64_t n);
+    /* out[i] = a[i] * b[i]; out may be a or b. */
+    void (*multiply)(float *out, const float *a, const float *b, int64_t n);
     void (*adamw)(float *params, float *m, float *v, const float *grads, int64_t n, float lr, float beta1,
                   float beta2, float eps, float weight_decay, int64_t t);
+    /* out [1] = sum of x[i]^2. */
     void (*sumsq)(double *out, const float *x, int64_t n);
 } moe_ops;
 
+/* Host memory and the kernels of kernels/cpu. */
 const moe_ops *moe_cpu_ops(void);
+
+/* The CPU ops on memory the host cannot touch outside an op: alloc maps it
+ * with no access, and each table call opens every piece for the call's
+ * length only. A host read or write of backend memory that a device
+ * backend would not allow faults at once, so CPU tests check that the
+ * engine keeps the device discipline. Slow (two mprotect per piece per
+ * call); for tests. Not thread-safe: one thread drives it. */
+const moe_ops *moe_strict_ops(void);
 
 #endif /* MOE_KERNELS_OPS_H */

@@ -7,29 +7,6 @@ int64_t moe_capacity(double capacity_factor, int64_t T, int64_t k, int64_t E) {
     return (int64_t)ceil(capacity_factor * (double)T * (double)k / (double)E);
 }
 
-void moe_plan_build(moe_plan *plan, const int32_t *topk_idx, const int64_t *keep, int64_t T, int64_t k,
-                    int64_t E) {
-    int64_t *offsets = plan->expert_offsets;
-    offsets[0] = 0;
-    for (int64_t e = 0; e < E; e++) offsets[e + 1] = offsets[e] + keep[e];
-    plan->n_rows = offsets[E];
-    plan->dropped = T * k - plan->n_rows;
-    /* The cursor of expert e runs through its rows and then past them: a pair
-     * that finds it at or beyond the next expert's first row is dropped. */
-    int64_t *cursor = plan->cursor;
-    for (int64_t e = 0; e < E; e++) cursor[e] = offsets[e];
-    for (int64_t p = 0; p < T * k; p++) {
-        int32_t e = topk_idx[p];
-        int64_t r = cursor[e]++;
-        if (r < offsets[e + 1]) {
-            plan->pair_row[p] = r;
-            plan->row_token[r] = p / k;
-        } else {
-            plan->pair_row[p] = -1;
-        }
-    }
-}
-
 int64_t moe_keep_counts(int64_t *kept, const int64_t *rank_assigned, int64_t N, int64_t e, int64_t E, int64_t cap) {
     int64_t before = 0, total = 0;
     for (int64_t r = 0; r < N; r++) {

@@ -1,29 +1,13 @@
-/* plan.h: routing policy: capacity, the dispatch plan, and the balancing
- * terms that act on whole-batch counts rather than on single tokens. */
+/* plan.h: routing policy: capacity, what each rank keeps under it, and the
+ * balancing terms that act on whole-batch counts rather than on single
+ * tokens. The dispatch plan itself is an op (kernels/ops.h plan_build). */
 #ifndef MOE_ROUTER_PLAN_H
 #define MOE_ROUTER_PLAN_H
 
 #include <stdint.h>
 
-/* Where every (token, slot) pair goes: a stable counting sort by expert, so
- * each expert's rows are contiguous and in token order. */
-typedef struct moe_plan {
-    int64_t *pair_row;       /* [T*k] row of pair t*k+j in expert order, -1 if dropped */
-    int64_t *row_token;      /* [T*k] token of each row; the first n_rows are valid */
-    int64_t *expert_offsets; /* [E+1] first row of each expert; [E] = n_rows */
-    int64_t *cursor;         /* [E] scratch */
-    int64_t n_rows;          /* pairs kept */
-    int64_t dropped;         /* pairs over capacity */
-} moe_plan;
-
 /* Rows each expert may take: ceil(cf * T * k / E), or -1 for dropless (cf = 0). */
 int64_t moe_capacity(double capacity_factor, int64_t T, int64_t k, int64_t E);
-
-/* Fills plan from the router's choices topk_idx [T, k]. Pairs are taken in
- * token order, then slot order; expert e keeps its first keep[e] pairs and
- * drops the rest (keep[e] = all its pairs when dropless). */
-void moe_plan_build(moe_plan *plan, const int32_t *topk_idx, const int64_t *keep, int64_t T, int64_t k,
-                    int64_t E);
 
 /* kept [N]: the pairs each of N ranks keeps for expert e under capacity cap
  * (< 0: dropless), when every rank's pairs count against one capacity in

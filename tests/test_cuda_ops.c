@@ -1,6 +1,5 @@
 /* test_cuda_ops.c: every CUDA op (kernels/cuda/cuda_ops.h) against the CPU
- * op of the same name (moe_cpu_ops(), and moe_plan_build for the plan) on
- * fresh random inputs. Every output buffer is poisoned before the op runs
+ * op of the same name (moe_cpu_ops()) on fresh random inputs. Every output buffer is poisoned before the op runs
  * (0xFF bytes: NaN floats; 0x5A bytes for integers), so an element the
  * kernel never wrote fails the comparison.
  *
@@ -11,6 +10,11 @@
  * plans and copies must match exactly; the double sum of squares to 1e-10
  * relative (1e5 terms added in another order) and run to run bitwise.
  *
+ * The table tests run the same way through moe_cuda_ops() (its alloc,
+ * upload and download too) against moe_cpu_ops() for the entries whose
+ * signature differs from their launcher's, and check that every entry is
+ * filled and that a failing entry is kept and reported.
+ *
  * Without a device every test skips and says why; built without CUDA, the
  * same tests skip with "built without CUDA". */
 #include <criterion/criterion.h>
@@ -20,6 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "engine/model.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/ops.h"
 #include "ref_moe.h"
@@ -36,7 +41,13 @@
     X(experts_bf16)                                                                                \
     X(embedding_rmsnorm_matmul_residual)                                                           \
     X(rope_attention)                                                                              \
-    X(crossentropy_adamw_sumsq)
+    X(crossentropy_adamw_sumsq)                                                                    \
+    X(table_fills_every_entry)                                                                     \
+    X(table_gate_plan_permute)                                                                     \
+    X(table_experts_uneven_groups)                                                                 \
+    X(table_rmsnorm_backward_sumsq)                                                                \
+    X(table_keeps_first_failure)                                                                   \
+    X(model_on_the_table)
 
 #if !defined(MOE_HAVE_CUDA)
 
@@ -308,10 +319,9 @@ static gate_run cpu_gate(const gate_case *gc, ref_rng *rng) {
     double *scratch =
         ref_alloc((size_t)((T + MOE_GATE_CHUNK_TOKENS - 1) / MOE_GATE_CHUNK_TOKENS * (2 * E + 1)) *
                   sizeof *scratch);
-    moe_gate_totals totals = {g.assigned, g.prob_sum, 0.0, scratch};
+    moe_gate_totals totals = {g.assigned, g.prob_sum, &g.z_sum, scratch};
     moe_gate_params p = {E, k, gc->kind, gc->renormalize};
     moe_cpu_ops()->gate_forward(g.idx, g.w, g.prob, g.lse, &totals, g.logits, g.bias, &p, T);
-    g.z_sum = totals.z_sum;
     free(scratch);
     return g;
 }
@@ -415,28 +425,36 @@ Test(cuda, gate_backward_all_kinds) {
 
 /* ------------------------------------------------------------------- plan */
 
+/* The CPU table's plan under capacity factor cf, and the keep counts it
+ * was built with. */
 typedef struct cpu_plan {
-    moe_plan plan;
-    int64_t *keep;
+    int64_t *pair_row;       /* [T*k] */
+    int64_t *row_token;      /* [T*k], the first n_rows written */
+    int64_t *expert_offsets; /* [E+1] */
+    int64_t *keep;           /* [E] */
+    int64_t n_rows, dropped;
 } cpu_plan;
 
 static cpu_plan make_cpu_plan(const int32_t *idx, const int64_t *assigned, double cf, int64_t T,
                               int64_t k, int64_t E) {
+    const moe_ops *cpu = moe_cpu_ops();
     cpu_plan c;
     c.keep = ref_alloc((size_t)E * sizeof *c.keep);
     const int64_t cap = moe_capacity(cf, T, k, E);
     for (int64_t e = 0; e < E; e++) c.keep[e] = cap < 0 || assigned[e] < cap ? assigned[e] : cap;
-    c.plan.pair_row = ref_alloc((size_t)(T * k) * sizeof(int64_t));
-    c.plan.row_token = ref_alloc((size_t)(T * k) * sizeof(int64_t));
-    c.plan.expert_offsets = ref_alloc((size_t)(E + 1) * sizeof(int64_t));
-    c.plan.cursor = ref_alloc((size_t)E * sizeof(int64_t));
-    moe_plan_build(&c.plan, idx, c.keep, T, k, E);
+    c.pair_row = ref_alloc((size_t)(T * k) * sizeof(int64_t));
+    c.row_token = ref_alloc((size_t)(T * k) * sizeof(int64_t));
+    c.expert_offsets = ref_alloc((size_t)(E + 1) * sizeof(int64_t));
+    void *scratch = ref_alloc(cpu->plan_scratch_bytes(T, k, E));
+    cpu->plan_build(c.pair_row, c.row_token, c.expert_offsets, idx, c.keep, scratch, T, k, E);
+    free(scratch);
+    c.n_rows = c.expert_offsets[E];
+    c.dropped = T * k - c.n_rows;
     return c;
 }
 
 static void free_cpu_plan(cpu_plan *c) {
-    free(c->keep), free(c->plan.pair_row), free(c->plan.row_token), free(c->plan.expert_offsets);
-    free(c->plan.cursor);
+    free(c->keep), free(c->pair_row), free(c->row_token), free(c->expert_offsets);
 }
 
 Test(cuda, plan_build_matches_cpu_plan) {
@@ -469,11 +487,11 @@ Test(cuda, plan_build_matches_cpu_plan) {
                      (long long)k, (long long)T, cfs[f]);
             int64_t *got = ref_alloc((size_t)(T * k + E + 1) * sizeof *got);
             dget(got, d_off, (size_t)(E + 1) * sizeof *got);
-            expect_same_i64(what, got, want.plan.expert_offsets, E + 1);
+            expect_same_i64(what, got, want.expert_offsets, E + 1);
             dget(got, d_pair, (size_t)(T * k) * sizeof *got);
-            expect_same_i64(what, got, want.plan.pair_row, T * k);
-            dget(got, d_rows, (size_t)want.plan.n_rows * sizeof *got);
-            expect_same_i64(what, got, want.plan.row_token, want.plan.n_rows);
+            expect_same_i64(what, got, want.pair_row, T * k);
+            dget(got, d_rows, (size_t)want.n_rows * sizeof *got);
+            expect_same_i64(what, got, want.row_token, want.n_rows);
             free(got);
             free_cpu_plan(&want);
             free_gate(&g);
@@ -493,17 +511,17 @@ Test(cuda, permute_combine_unpermute) {
         const int64_t E = gc.E, k = gc.k, T = gc.T, d = dims[s], max_rows = T * k;
         gate_run g = cpu_gate(&gc, &rng);
         cpu_plan cp = make_cpu_plan(g.idx, g.assigned, 0.7, T, k, E); /* drops some pairs */
-        const int64_t n_rows = cp.plan.n_rows;
-        cr_assert(cp.plan.dropped > 0, "the case should drop pairs");
+        const int64_t n_rows = cp.n_rows;
+        cr_assert(cp.dropped > 0, "the case should drop pairs");
         const moe_ops *cpu = moe_cpu_ops();
-        int64_t *d_pair = dput(cp.plan.pair_row, (size_t)(T * k) * sizeof(int64_t));
-        int64_t *d_rows = dput(cp.plan.row_token, (size_t)max_rows * sizeof(int64_t));
-        int64_t *d_off = dput(cp.plan.expert_offsets, (size_t)(E + 1) * sizeof(int64_t));
+        int64_t *d_pair = dput(cp.pair_row, (size_t)(T * k) * sizeof(int64_t));
+        int64_t *d_rows = dput(cp.row_token, (size_t)max_rows * sizeof(int64_t));
+        int64_t *d_off = dput(cp.expert_offsets, (size_t)(E + 1) * sizeof(int64_t));
         float *d_w = dput(g.w, (size_t)(T * k) * sizeof(float));
         char what[96];
 
         float *x = rnd(T * d, &rng, -1, 1), *xp = ref_alloc((size_t)(max_rows * d) * sizeof *xp);
-        cpu->permute(xp, x, cp.plan.row_token, n_rows, d);
+        cpu->permute(xp, x, cp.row_token, n_rows, d);
         float *d_xp = dpoison((size_t)(max_rows * d) * sizeof(float), POISON_FLOAT);
         CHECK(moe_cuda_permute(d_xp, dput(x, (size_t)(T * d) * sizeof(float)), d_rows, d_off + E,
                                max_rows, d, ctx));
@@ -514,7 +532,7 @@ Test(cuda, permute_combine_unpermute) {
         float *d_yp = dput(yp, (size_t)(max_rows * d) * sizeof(float));
         float *y = ref_alloc((size_t)(T * d) * sizeof *y);
         for (int with_shared = 0; with_shared < 2; with_shared++) {
-            cpu->combine(y, yp, g.w, cp.plan.pair_row, with_shared ? shared : NULL, T, k, d);
+            cpu->combine(y, yp, g.w, cp.pair_row, with_shared ? shared : NULL, T, k, d);
             float *d_y = dpoison((size_t)(T * d) * sizeof(float), POISON_FLOAT);
             CHECK(moe_cuda_combine(
                 d_y, d_yp, d_w, d_pair,
@@ -525,7 +543,7 @@ Test(cuda, permute_combine_unpermute) {
 
         float *dy = rnd(T * d, &rng, -1, 1), *dyp = ref_alloc((size_t)(max_rows * d) * sizeof *dyp);
         float *dweights = ref_alloc((size_t)(T * k) * sizeof *dweights);
-        cpu->combine_backward(dyp, dweights, dy, yp, g.w, cp.plan.pair_row, T, k, d);
+        cpu->combine_backward(dyp, dweights, dy, yp, g.w, cp.pair_row, T, k, d);
         float *d_dyp = dpoison((size_t)(max_rows * d) * sizeof(float), POISON_FLOAT);
         float *d_dw = dpoison((size_t)(T * k) * sizeof(float), POISON_FLOAT);
         CHECK(moe_cuda_combine_backward(d_dyp, d_dw, dput(dy, (size_t)(T * d) * sizeof(float)),
@@ -537,7 +555,7 @@ Test(cuda, permute_combine_unpermute) {
 
         float *dxp = rnd(max_rows * d, &rng, -1, 1), *dx = rnd(T * d, &rng, -1, 1);
         float *d_dx = dput(dx, (size_t)(T * d) * sizeof(float)); /* accumulated into */
-        cpu->unpermute_add(dx, dxp, cp.plan.pair_row, T, k, d);
+        cpu->unpermute_add(dx, dxp, cp.pair_row, T, k, d);
         CHECK(moe_cuda_unpermute_add(d_dx, dput(dxp, (size_t)(max_rows * d) * sizeof(float)),
                                      d_pair, T, k, d, ctx));
         snprintf(what, sizeof what, "unpermute_add d=%lld", (long long)d);
@@ -806,7 +824,9 @@ Test(cuda, embedding_rmsnorm_matmul_residual) {
     float *dx = rnd(N * C, &rng, -1, 1), *dw = rnd(C, &rng, -1, 1);
     float *d_dx = dput(dx, (size_t)(N * C) * sizeof(float)),
           *d_dw = dput(dw, (size_t)C * sizeof(float));
-    cpu->rmsnorm_backward(dx, dw, dout, x, w, rstd, N, C);
+    void *cpu_scratch = ref_alloc(cpu->rmsnorm_scratch_bytes(N, C));
+    cpu->rmsnorm_backward(dx, dw, dout, x, w, rstd, cpu_scratch, N, C);
+    free(cpu_scratch);
     CHECK(moe_cuda_rmsnorm_backward(d_dx, d_dw, dput(dout, (size_t)(N * C) * sizeof(float)), d_x,
                                     d_w, dput(rstd, (size_t)N * sizeof(float)),
                                     dpoison(moe_cuda_rmsnorm_scratch_bytes(N, C), POISON_FLOAT), N,
@@ -969,6 +989,409 @@ Test(cuda, crossentropy_adamw_sumsq) {
 
     free(logits), free(losses), free(dloss), free(dlogits), free(p), free(m), free(v), free(grads);
     gpu_end();
+}
+
+/* --------------------------------------------------------------- op table */
+
+/* The table tests go through moe_cuda_ops() alone: its alloc, upload and
+ * download included. Pieces are released at the end of the test. */
+#define TABLE_PIECES 128
+
+static const moe_ops *gpu;
+static void *table_pieces[TABLE_PIECES];
+static int n_table_pieces;
+
+static void table_begin(void) {
+    gpu_begin();
+    gpu = moe_cuda_ops(ctx);
+    cr_assert(gpu != NULL, "moe_cuda_ops returned NULL");
+}
+
+static void table_end(void) {
+    for (int i = 0; i < n_table_pieces; i++) gpu->release(table_pieces[i]);
+    n_table_pieces = 0;
+    CHECK(gpu->sync());
+    gpu_end();
+}
+
+static void *talloc(size_t bytes) {
+    cr_assert(n_table_pieces < TABLE_PIECES, "more than %d table pieces", TABLE_PIECES);
+    void *p = NULL;
+    CHECK(gpu->alloc(&p, bytes));
+    table_pieces[n_table_pieces++] = p;
+    return p;
+}
+
+static void *tput(const void *host, size_t bytes) {
+    void *p = talloc(bytes);
+    CHECK(gpu->upload(p, host, bytes));
+    return p;
+}
+
+/* The table's zero cannot poison: the bytes come from the host. */
+static void *tpoison(size_t bytes, int byte) {
+    void *host = ref_alloc(bytes);
+    memset(host, byte, bytes);
+    void *p = tput(host, bytes);
+    free(host);
+    return p;
+}
+
+/* download waits for every op queued before it. */
+static void tget(void *host, const void *dev, size_t bytes) {
+    CHECK(gpu->download(host, dev, bytes));
+}
+
+static void expect_table(const char *what, const float *dev, const float *want, int64_t n,
+                         double tol) {
+    float *got = ref_alloc((size_t)n * sizeof *got);
+    tget(got, dev, (size_t)n * sizeof *got);
+    expect_close(what, got, want, n, tol);
+    free(got);
+}
+
+Test(cuda, table_fills_every_entry) {
+    table_begin();
+    cr_expect(gpu->name && strcmp(gpu->name, "cuda") == 0, "table name %s",
+              gpu->name ? gpu->name : "(null)");
+    /* Every member after name is a function pointer, so the table is an
+     * array of pointer-sized slots; an entry added to ops.h is checked
+     * without being named here. */
+    typedef void (*any_fn)(void);
+    cr_assert(sizeof(moe_ops) % sizeof(any_fn) == 0 && sizeof(any_fn) == sizeof(const char *),
+              "moe_ops is not a name followed by function pointers");
+    const size_t n = sizeof(moe_ops) / sizeof(any_fn);
+    for (size_t i = 1; i < n; i++) {
+        any_fn f;
+        memcpy(&f, (const char *)gpu + i * sizeof f, sizeof f);
+        cr_expect(f != NULL, "moe_cuda_ops(): member %zu of %zu in ops.h order (name is 0) is NULL",
+                  i, n);
+    }
+    table_end();
+}
+
+Test(cuda, table_gate_plan_permute) {
+    table_begin();
+    ref_rng rng = {1212};
+    const moe_ops *cpu = moe_cpu_ops();
+    static const gate_case gc = {16, 4, 300, MOE_GATE_SOFTMAX_TOPK, true, true};
+    const int64_t E = gc.E, k = gc.k, T = gc.T, Tk = T * k;
+    const int64_t n_chunks = (T + MOE_GATE_CHUNK_TOKENS - 1) / MOE_GATE_CHUNK_TOKENS;
+
+    /* gate_forward: the totals are device memory, z_sum included. */
+    gate_run want = cpu_gate(&gc, &rng); /* the CPU table's gate_forward */
+    moe_gate_totals totals = {tpoison((size_t)E * sizeof(int64_t), POISON_INT),
+                              tpoison((size_t)E * sizeof(double), POISON_FLOAT),
+                              tpoison(sizeof(double), POISON_FLOAT),
+                              tpoison((size_t)(n_chunks * (2 * E + 1)) * sizeof(double),
+                                      POISON_FLOAT)};
+    int32_t *d_idx = tpoison((size_t)Tk * sizeof(int32_t), POISON_INT);
+    float *d_w = tpoison((size_t)Tk * sizeof(float), POISON_FLOAT);
+    float *d_prob = tpoison((size_t)(T * E) * sizeof(float), POISON_FLOAT);
+    float *d_lse = tpoison((size_t)T * sizeof(float), POISON_FLOAT);
+    const moe_gate_params p = {E, k, gc.kind, gc.renormalize};
+    gpu->gate_forward(d_idx, d_w, d_prob, d_lse, &totals,
+                      tput(want.logits, (size_t)(T * E) * sizeof(float)),
+                      tput(want.bias, (size_t)E * sizeof(float)), &p, T);
+    int32_t *idx = ref_alloc((size_t)Tk * sizeof *idx);
+    tget(idx, d_idx, (size_t)Tk * sizeof *idx);
+    expect_same_i32("table gate_forward topk_idx", idx, want.idx, Tk);
+    expect_table("table gate_forward topk_w", d_w, want.w, Tk, TOL_F32);
+    expect_table("table gate_forward prob", d_prob, want.prob, T * E, TOL_F32);
+    expect_table("table gate_forward lse", d_lse, want.lse, T, TOL_F32);
+    int64_t *assigned = ref_alloc((size_t)E * sizeof *assigned);
+    double *prob_sum = ref_alloc((size_t)E * sizeof *prob_sum), z_sum = 0.0;
+    tget(assigned, totals.assigned, (size_t)E * sizeof *assigned);
+    tget(prob_sum, totals.prob_sum, (size_t)E * sizeof *prob_sum);
+    tget(&z_sum, totals.z_sum, sizeof z_sum);
+    expect_same_i64("table gate_forward assigned", assigned, want.assigned, E);
+    for (int64_t e = 0; e < E; e++)
+        cr_expect(fabs(prob_sum[e] - want.prob_sum[e]) <= TOL_F32 * (double)T / (double)E + 1e-9,
+                  "table gate_forward prob_sum[%lld] = %.12g, cpu %.12g", (long long)e,
+                  prob_sum[e], want.prob_sum[e]);
+    cr_expect(fabs(z_sum - want.z_sum) <= TOL_F32 * fabs(want.z_sum) + 1e-9,
+              "table gate_forward z_sum = %.12g, cpu %.12g", z_sum, want.z_sum);
+
+    /* plan_build with keep on the device, at a capacity that drops pairs. */
+    cpu_plan cp = make_cpu_plan(want.idx, want.assigned, 0.75, T, k, E);
+    const int64_t n_rows = cp.n_rows;
+    cr_assert(cp.dropped > 0, "the case should drop pairs");
+    int64_t *d_pair = tpoison((size_t)Tk * sizeof(int64_t), POISON_INT);
+    int64_t *d_rows = tpoison((size_t)Tk * sizeof(int64_t), POISON_INT);
+    int64_t *d_off = tpoison((size_t)(E + 1) * sizeof(int64_t), POISON_INT);
+    gpu->plan_build(d_pair, d_rows, d_off, tput(want.idx, (size_t)Tk * sizeof(int32_t)),
+                    tput(cp.keep, (size_t)E * sizeof(int64_t)),
+                    tpoison(gpu->plan_scratch_bytes(T, k, E), POISON_INT), T, k, E);
+    int64_t *got = ref_alloc((size_t)Tk * sizeof *got);
+    tget(got, d_off, (size_t)(E + 1) * sizeof *got);
+    expect_same_i64("table plan_build expert_offsets", got, cp.expert_offsets, E + 1);
+    tget(got, d_pair, (size_t)Tk * sizeof *got);
+    expect_same_i64("table plan_build pair_row", got, cp.pair_row, Tk);
+    tget(got, d_rows, (size_t)n_rows * sizeof *got);
+    expect_same_i64("table plan_build row_token", got, cp.row_token, n_rows);
+
+    /* permute with the host's row count: rows from n_rows on stay
+     * poisoned. d = 40 moves float4s, d = 37 floats. */
+    static const int64_t dims[] = {40, 37};
+    for (size_t s = 0; s < sizeof dims / sizeof dims[0]; s++) {
+        const int64_t d = dims[s];
+        float *x = rnd(T * d, &rng, -1, 1), *xp = ref_alloc((size_t)(n_rows * d) * sizeof *xp);
+        cpu->permute(xp, x, cp.row_token, n_rows, d);
+        float *d_xp = tpoison((size_t)(Tk * d) * sizeof(float), POISON_FLOAT);
+        gpu->permute(d_xp, tput(x, (size_t)(T * d) * sizeof(float)), d_rows, n_rows, d);
+        float *xp_got = ref_alloc((size_t)(Tk * d) * sizeof *xp_got);
+        tget(xp_got, d_xp, (size_t)(Tk * d) * sizeof *xp_got);
+        char what[64];
+        snprintf(what, sizeof what, "table permute d=%lld", (long long)d);
+        expect_close(what, xp_got, xp, n_rows * d, 0.0);
+        uint32_t poison;
+        memset(&poison, POISON_FLOAT, sizeof poison);
+        int64_t written = 0;
+        for (int64_t i = n_rows * d; i < Tk * d; i++) {
+            uint32_t bits;
+            memcpy(&bits, &xp_got[i], sizeof bits);
+            written += bits != poison;
+        }
+        cr_expect(written == 0, "%s: %lld elements past row %lld written", what,
+                  (long long)written, (long long)n_rows);
+        free(x), free(xp), free(xp_got);
+    }
+
+    free(idx), free(assigned), free(prob_sum), free(got);
+    free_cpu_plan(&cp);
+    free_gate(&want);
+    table_end();
+}
+
+/* One expert group's host arrays: inputs, the accumulated weight
+ * gradients' starting values, and room for the CPU's outputs. */
+typedef struct group_case {
+    float *x, *w13, *w2, *dy, *dw13, *dw2; /* dw13, dw2 accumulate on the CPU */
+    float *h, *g, *y, *dh, *dx;
+} group_case;
+
+Test(cuda, table_experts_uneven_groups) {
+    table_begin();
+    ref_rng rng = {1313};
+    const moe_ops *cpu = moe_cpu_ops();
+    /* A routed expert, an idle one, and the shared experts over every
+     * token with their wider d_ff, as moe_layer.c groups them. */
+    enum { N_GROUPS = 3 };
+    static const int64_t rows[N_GROUPS] = {37, 0, 21}, ffs[N_GROUPS] = {20, 20, 44};
+    const int64_t d = 24;
+    group_case c[N_GROUPS];
+    moe_expert_group host[N_GROUPS], dev[N_GROUPS];
+    for (int i = 0; i < N_GROUPS; i++) {
+        const int64_t n = rows[i], f = ffs[i];
+        c[i] = (group_case){
+            .x = rnd(n * d, &rng, -1, 1),
+            .w13 = rnd(2 * f * d, &rng, -1.0 / sqrt((double)d), 1.0 / sqrt((double)d)),
+            .w2 = rnd(d * f, &rng, -1.0 / sqrt((double)f), 1.0 / sqrt((double)f)),
+            .dy = rnd(n * d, &rng, -1, 1),
+            .dw13 = rnd(2 * f * d, &rng, -1, 1),
+            .dw2 = rnd(d * f, &rng, -1, 1),
+            .h = ref_alloc((size_t)(n * 2 * f) * sizeof(float)),
+            .g = ref_alloc((size_t)(n * f) * sizeof(float)),
+            .y = ref_alloc((size_t)(n * d) * sizeof(float)),
+            .dh = ref_alloc((size_t)(n * 2 * f) * sizeof(float)),
+            .dx = ref_alloc((size_t)(n * d) * sizeof(float)),
+        };
+        /* The device copies are made before the CPU accumulates. */
+        dev[i] = (moe_expert_group){
+            .rows = n,
+            .d_ff = f,
+            .x = tput(c[i].x, (size_t)(n * d) * sizeof(float)),
+            .w13 = tput(c[i].w13, (size_t)(2 * f * d) * sizeof(float)),
+            .w2 = tput(c[i].w2, (size_t)(d * f) * sizeof(float)),
+            .h = tpoison((size_t)(n * 2 * f) * sizeof(float), POISON_FLOAT),
+            .g = tpoison((size_t)(n * f) * sizeof(float), POISON_FLOAT),
+            .y = tpoison((size_t)(n * d) * sizeof(float), POISON_FLOAT),
+            .dy = tput(c[i].dy, (size_t)(n * d) * sizeof(float)),
+            .dh = tpoison((size_t)(n * 2 * f) * sizeof(float), POISON_FLOAT),
+            .dx = tpoison((size_t)(n * d) * sizeof(float), POISON_FLOAT),
+            .dw13 = tput(c[i].dw13, (size_t)(2 * f * d) * sizeof(float)),
+            .dw2 = tput(c[i].dw2, (size_t)(d * f) * sizeof(float)),
+        };
+        host[i] = (moe_expert_group){.rows = n,
+                                     .d_ff = f,
+                                     .x = c[i].x,
+                                     .w13 = c[i].w13,
+                                     .w2 = c[i].w2,
+                                     .h = c[i].h,
+                                     .g = c[i].g,
+                                     .y = c[i].y,
+                                     .dy = c[i].dy,
+                                     .dh = c[i].dh,
+                                     .dx = c[i].dx,
+                                     .dw13 = c[i].dw13,
+                                     .dw2 = c[i].dw2};
+    }
+    cpu->experts_forward(host, N_GROUPS, d);
+    cpu->experts_backward(host, N_GROUPS, d);
+    gpu->experts_forward(dev, N_GROUPS, d);
+    gpu->experts_backward(dev, N_GROUPS, d);
+    for (int i = 0; i < N_GROUPS; i++) {
+        const int64_t n = rows[i], f = ffs[i];
+        char what[96];
+#define EXPECT_GROUP(field, count)                                                                 \
+    snprintf(what, sizeof what, "table experts group %d (rows=%lld d_ff=%lld) %s", i,              \
+             (long long)n, (long long)f, #field);                                                  \
+    expect_table(what, dev[i].field, c[i].field, count, TOL_F32)
+        EXPECT_GROUP(h, n * 2 * f);
+        EXPECT_GROUP(g, n * f);
+        EXPECT_GROUP(y, n * d);
+        EXPECT_GROUP(dh, n * 2 * f);
+        EXPECT_GROUP(dx, n * d);
+        EXPECT_GROUP(dw13, 2 * f * d);
+        EXPECT_GROUP(dw2, d * f);
+#undef EXPECT_GROUP
+        free(c[i].x), free(c[i].w13), free(c[i].w2), free(c[i].dy), free(c[i].dw13);
+        free(c[i].dw2), free(c[i].h), free(c[i].g), free(c[i].y), free(c[i].dh), free(c[i].dx);
+    }
+    table_end();
+}
+
+Test(cuda, table_rmsnorm_backward_sumsq) {
+    table_begin();
+    ref_rng rng = {1414};
+    const moe_ops *cpu = moe_cpu_ops();
+    /* More rows than one part of the dweight reduction. */
+    const int64_t N = 600, C = 72;
+    float *x = rnd(N * C, &rng, -2, 2), *w = rnd(C, &rng, 0.5, 1.5), *dout = rnd(N * C, &rng, -1, 1);
+    float *y = ref_alloc((size_t)(N * C) * sizeof *y), *rstd = ref_alloc((size_t)N * sizeof *rstd);
+    cpu->rmsnorm_forward(y, rstd, x, w, 1e-5f, N, C);
+    float *dx = rnd(N * C, &rng, -1, 1), *dw = rnd(C, &rng, -1, 1); /* accumulated into */
+    float *d_dx = tput(dx, (size_t)(N * C) * sizeof(float)), *d_dw = tput(dw, (size_t)C * sizeof(float));
+    void *cpu_scratch = ref_alloc(cpu->rmsnorm_scratch_bytes(N, C));
+    cpu->rmsnorm_backward(dx, dw, dout, x, w, rstd, cpu_scratch, N, C);
+    gpu->rmsnorm_backward(d_dx, d_dw, tput(dout, (size_t)(N * C) * sizeof(float)),
+                          tput(x, (size_t)(N * C) * sizeof(float)),
+                          tput(w, (size_t)C * sizeof(float)), tput(rstd, (size_t)N * sizeof(float)),
+                          tpoison(gpu->rmsnorm_scratch_bytes(N, C), POISON_FLOAT), N, C);
+    expect_table("table rmsnorm_backward dinp", d_dx, dx, N * C, TOL_F32);
+    expect_table("table rmsnorm_backward dweight", d_dw, dw, C, TOL_F32);
+
+    const int64_t n = 100003;
+    float *grads = rnd(n, &rng, -1, 1);
+    double want = 0.0, got = 0.0;
+    cpu->sumsq(&want, grads, n);
+    double *d_out = tpoison(sizeof(double), POISON_FLOAT);
+    gpu->sumsq(d_out, tput(grads, (size_t)n * sizeof(float)), n);
+    tget(&got, d_out, sizeof got);
+    cr_expect(fabs(got - want) <= 1e-10 * want, "table sumsq = %.17g, cpu %.17g", got, want);
+
+    free(x), free(w), free(dout), free(y), free(rstd), free(dx), free(dw), free(cpu_scratch);
+    free(grads);
+    table_end();
+}
+
+/* A failing entry is kept, reported once by the next sync, download or
+ * upload, and the entries in between do nothing. The failure: plan_build
+ * with E above MOE_EXPERTS_MAX, which moe_cuda_plan_build refuses before it
+ * launches anything (the buffers are sized for that E all the same). */
+Test(cuda, table_keeps_first_failure) {
+    table_begin();
+    const int64_t E = MOE_EXPERTS_MAX + 1;
+    int64_t *d_pair = talloc(sizeof(int64_t)), *d_rows = talloc(sizeof(int64_t));
+    int64_t *d_off = talloc((size_t)(E + 1) * sizeof(int64_t));
+    int64_t *d_keep = talloc((size_t)E * sizeof(int64_t));
+    int32_t *d_idx = talloc(sizeof(int32_t));
+    void *scratch = talloc(gpu->plan_scratch_bytes(1, 1, E));
+    float pattern[64], got[64];
+    for (int i = 0; i < 64; i++) pattern[i] = (float)(i + 1);
+    float *buf = tput(pattern, sizeof pattern);
+    char detail[64];
+    snprintf(detail, sizeof detail, "E=%lld", (long long)E);
+    static const char *const via[] = {"sync", "download", "upload"};
+
+    for (int v = 0; v < 3; v++) {
+        gpu->plan_build(d_pair, d_rows, d_off, d_idx, d_keep, scratch, 1, 1, E);
+        gpu->zero(buf, sizeof pattern); /* skipped: a failure is kept */
+        moe_status st = v == 0   ? gpu->sync()
+                        : v == 1 ? gpu->download(got, buf, sizeof got)
+                                 : gpu->upload(buf, pattern, sizeof pattern);
+        cr_expect(st == MOE_ERR_INVALID_ARG && strstr(moe_last_error(), "plan_build") &&
+                      strstr(moe_last_error(), detail),
+                  "%s after a failed plan_build: %s: %s", via[v], moe_status_string(st),
+                  moe_last_error());
+        CHECK(gpu->sync()); /* reported once */
+        tget(got, buf, sizeof got);
+        cr_expect(memcmp(got, pattern, sizeof got) == 0,
+                  "zero ran while a failure was kept (reported by %s): [0] = %g", via[v],
+                  (double)got[0]);
+    }
+
+    /* Unbound, an entry fails with MOE_ERR_STATE; the failure stays with
+     * the thread across rebinding. */
+    cr_expect(moe_cuda_ops(NULL) == gpu, "moe_cuda_ops(NULL) returned another table");
+    gpu->zero(buf, sizeof pattern);
+    cr_expect(moe_cuda_ops(ctx) == gpu, "rebinding returned another table");
+    moe_status st = gpu->sync();
+    cr_expect(st == MOE_ERR_STATE, "zero with no context bound, then sync: %s: %s",
+              moe_status_string(st), moe_last_error());
+    CHECK(gpu->sync());
+
+    gpu->zero(buf, sizeof pattern); /* nothing kept: runs */
+    tget(got, buf, sizeof got);
+    int64_t nonzero = 0;
+    for (int i = 0; i < 64; i++) nonzero += got[i] != 0.0f;
+    cr_expect(nonzero == 0, "zero left %lld of 64 floats nonzero", (long long)nonzero);
+    table_end();
+}
+
+/* The whole model (dense layers and MoE layers, capacity, shared experts
+ * and router jitter on) on the CUDA table against the same model on the CPU table:
+ * the engine's path to the device, not one op. Every op agrees to 1e-5 on
+ * its own; composed over two layers, forward and backward, their different
+ * summation orders add up, so the tolerance here is 1e-4 of each array's
+ * largest value (a wrong index or a missing term is far larger). */
+Test(cuda, model_on_the_table) {
+    table_begin();
+    moe_model_config cfg;
+    moe_model_config_default_small(&cfg, 64);
+    cfg.hidden_size = 32;
+    cfg.intermediate_size = 24;
+    cfg.num_hidden_layers = 2;
+    cfg.num_attention_heads = 4;
+    cfg.num_key_value_heads = 2;
+    cfg.head_dim = 8;
+    cfg.num_local_experts = 8;
+    cfg.num_experts_per_tok = 2;
+    cfg.moe_capacity_factor = 1.25;
+    cfg.moe_n_shared_experts = 1;
+    cfg.router_aux_loss_coef = 0.01;
+    cfg.moe_z_loss_coef = 0.001;
+    cfg.router_jitter_noise = 0.01; /* the multiply op, both ways */
+    enum { B = 2, T = 16, N = B * T };
+    moe_model *host = NULL, *dev = NULL;
+    CHECK(moe_model_create(&host, &cfg, B, T, 5));
+    const moe_model_parallel on_gpu = {.ops = gpu};
+    CHECK(moe_model_create_parallel(&dev, &cfg, B, T, 5, &on_gpu));
+    int32_t inputs[N], targets[N];
+    ref_rng rng = {77};
+    for (int i = 0; i < N; i++) {
+        inputs[i] = (int32_t)(ref_next(&rng) % 64);
+        targets[i] = (int32_t)(ref_next(&rng) % 64);
+    }
+    moe_model_stats hs, ds;
+    CHECK(moe_model_forward(host, inputs, targets, &hs));
+    CHECK(moe_model_backward(host, inputs, targets, 1.0f));
+    CHECK(moe_model_forward(dev, inputs, targets, &ds));
+    CHECK(moe_model_backward(dev, inputs, targets, 1.0f));
+    cr_expect(fabs(ds.loss - hs.loss) <= 1e-5 * fabs(hs.loss), "loss %.9g, cpu %.9g", ds.loss, hs.loss);
+    expect_close("per-token losses", moe_model_last_losses(dev), moe_model_last_losses(host), N, 1e-4);
+    const int64_t n = moe_model_param_count(host);
+    float *got = ref_alloc((size_t)n * sizeof *got);
+    tget(got, moe_model_grads(dev), (size_t)n * sizeof *got);
+    expect_close("gradients", got, moe_model_grads(host), n, 1e-4);
+    double hsq, dsq;
+    CHECK(moe_model_grad_sumsq(host, &hsq));
+    CHECK(moe_model_grad_sumsq(dev, &dsq));
+    cr_expect(fabs(dsq - hsq) <= 1e-4 * hsq, "gradient sum of squares %.9g, cpu %.9g", dsq, hsq);
+    free(got);
+    moe_model_destroy(dev);
+    moe_model_destroy(host);
+    table_end();
 }
 
 #endif /* MOE_HAVE_CUDA */

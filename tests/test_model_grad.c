@@ -352,3 +352,62 @@ Test(model_grad, grad_scale_and_accumulation) {
     free(want);
     fx_destroy(&f);
 }
+
+/* ------------------------------------------------------ backend memory */
+
+/* The whole model on memory the host cannot touch outside an op (the
+ * strict backend): every host access it makes goes through upload and
+ * download, as a device backend needs, and it computes the same bits as
+ * on host memory, since the kernels are the same. Capacity and shared
+ * experts on, so every path of the MoE layer runs. */
+Test(model_backend, same_bits_when_the_host_cannot_touch_its_memory) {
+    fx f;
+    fx_create(&f, &CASES[3]);
+    moe_model_config cfg = *moe_model_get_config(f.m);
+    cfg.moe_n_shared_experts = 1;
+    cfg.moe_bias_update_rate = 0.01;
+    moe_model *host = NULL, *dev = NULL;
+    cr_assert(moe_model_create(&host, &cfg, BATCH, SEQ, 21) == MOE_OK, "%s", moe_last_error());
+    const moe_model_parallel strict = {.ops = moe_strict_ops()};
+    cr_assert(moe_model_create_parallel(&dev, &cfg, BATCH, SEQ, 21, &strict) == MOE_OK, "%s", moe_last_error());
+    const int64_t n = moe_model_param_count(host);
+    cr_assert(moe_model_param_count(dev) == n);
+    float *got = ref_alloc((size_t)n * sizeof *got);
+    double sumsq[2];
+    for (int step = 0; step < 2; step++) {
+        moe_model *models[2] = {host, dev};
+        moe_model_stats st[2];
+        for (int i = 0; i < 2; i++) {
+            moe_model_zero_grad(models[i]);
+            cr_assert(moe_model_forward(models[i], f.inputs, f.targets, &st[i]) == MOE_OK, "%s", moe_last_error());
+            cr_assert(moe_model_backward(models[i], f.inputs, f.targets, 1.0f) == MOE_OK, "%s", moe_last_error());
+            cr_assert(moe_model_grad_sumsq(models[i], &sumsq[i]) == MOE_OK, "%s", moe_last_error());
+            moe_model_update_router_bias(models[i]);
+        }
+        cr_expect(st[1].loss == st[0].loss && st[1].aux_loss == st[0].aux_loss && st[1].z_loss == st[0].z_loss,
+                  "step %d: loss %.9g aux %.9g z %.9g, host %.9g %.9g %.9g", step, st[1].loss, st[1].aux_loss,
+                  st[1].z_loss, st[0].loss, st[0].aux_loss, st[0].z_loss);
+        cr_expect(sumsq[1] == sumsq[0], "step %d: gradient sum of squares %.17g, host %.17g", step, sumsq[1], sumsq[0]);
+        cr_expect(memcmp(moe_model_last_losses(dev), moe_model_last_losses(host), N_POS * sizeof(float)) == 0,
+                  "step %d: per-token losses differ", step);
+        for (int64_t l = 0; l < cfg.num_hidden_layers; l++)
+            cr_expect(memcmp(moe_model_last_topk(dev, l), moe_model_last_topk(host, l),
+                             (size_t)(N_POS * cfg.num_experts_per_tok) * sizeof(int32_t)) == 0,
+                      "step %d: layer %lld's router choices differ", step, (long long)l);
+        cr_assert(moe_strict_ops()->download(got, moe_model_grads(dev), (size_t)n * sizeof *got) == MOE_OK);
+        int64_t i = 0;
+        while (i < n && memcmp(&got[i], &moe_model_grads(host)[i], sizeof *got) == 0) i++;
+        cr_expect(i == n, "step %d: gradient %lld is %.9g, host %.9g", step, (long long)i, i < n ? got[i] : 0.0,
+                  i < n ? moe_model_grads(host)[i] : 0.0);
+    }
+    /* The bias moved (so the second step's gating used it) and agrees. */
+    const float *bias = moe_model_router_bias(host, 0);
+    cr_expect(bias[0] != 0.0f || bias[1] != 0.0f, "the selection bias never moved");
+    for (int64_t l = 0; l < cfg.num_hidden_layers; l++)
+        cr_expect(memcmp(moe_model_router_bias(dev, l), moe_model_router_bias(host, l),
+                         (size_t)cfg.num_local_experts * sizeof(float)) == 0, "layer %lld's bias differs", (long long)l);
+    free(got);
+    moe_model_destroy(dev);
+    moe_model_destroy(host);
+    fx_destroy(&f);
+}

@@ -21,6 +21,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "engine/moe_layer.h"
+#include "kernels/ops.h"
 #include "ref_moe.h"
 
 #define MAX_TENSORS 256
@@ -757,4 +759,72 @@ Test(layer, forward_flops) {
     double want = 2 * T * E * d + 2 * T * k * 3 * d * ff + 2 * T * 3 * d * S;
     double got = moe_layer_forward_flops(&cfg, 100);
     cr_expect(fabs(got - want) <= 1e-9 * want, "forward flops %.6g, want %.6g", got, want);
+}
+
+/* ------------------------------------------------------ backend memory */
+
+/* The layer on memory the host cannot touch outside an op (the strict
+ * backend): every host access goes through upload and download, as a
+ * device backend needs, and the results are the bits of the host layer.
+ * Jitter, capacity, shared experts and the selection bias on, so every
+ * path runs; two steps, so the moved bias is used. */
+Test(layer, same_bits_when_the_host_cannot_touch_its_memory) {
+    moe_layer_config cfg = make_cfg(24, 20, 8, 2, MOE_GATE_SOFTMAX_TOPK, 1, 1.25, 1);
+    cfg.jitter_eps = 0.05;
+    cfg.bias_update_rate = 0.01;
+    const moe_ops *ops = moe_strict_ops();
+    moe_layer *host = NULL, *dev = NULL;
+    cr_assert(moe_layer_create(&host, &cfg) == MOE_OK, "%s", moe_last_error());
+    const int64_t n = moe_layer_param_count(host), d = cfg.d_model, T = 40, E = cfg.n_experts;
+    const int64_t router = E * d, experts = E * 3 * cfg.d_ff * d;
+    float *params = NULL, *grads = NULL, *x = NULL, *dy = NULL, *y = NULL, *dx = NULL;
+    cr_assert(ops->alloc((void **)&params, (size_t)n * sizeof(float)) == MOE_OK);
+    cr_assert(ops->alloc((void **)&grads, (size_t)n * sizeof(float)) == MOE_OK);
+    const moe_layer_memory mem = {.ops = ops,
+                                  .router = params, .router_grad = grads,
+                                  .experts = params + router, .experts_grad = grads + router,
+                                  .shared = params + router + experts, .shared_grad = grads + router + experts};
+    cr_assert(moe_layer_create_in(&dev, &cfg, &mem, NULL, NULL) == MOE_OK, "%s", moe_last_error());
+    cr_assert(ops->upload(params, moe_layer_params(host), (size_t)n * sizeof(float)) == MOE_OK);
+    float *hx = ref_alloc((size_t)(T * d) * sizeof *hx), *hdy = ref_alloc((size_t)(T * d) * sizeof *hdy);
+    float *hy = ref_alloc((size_t)(T * d) * sizeof *hy), *hdx = ref_alloc((size_t)(T * d) * sizeof *hdx);
+    float *got = ref_alloc((size_t)(n > T * d ? n : T * d) * sizeof *got);
+    ref_rng rng = {31};
+    ref_fill(hx, T * d, &rng, -1, 1);
+    ref_fill(hdy, T * d, &rng, -1, 1);
+    float **bufs[] = {&x, &dy, &y, &dx};
+    for (int i = 0; i < 4; i++) cr_assert(ops->alloc((void **)bufs[i], (size_t)(T * d) * sizeof(float)) == MOE_OK);
+    cr_assert(ops->upload(x, hx, (size_t)(T * d) * sizeof(float)) == MOE_OK);
+    cr_assert(ops->upload(dy, hdy, (size_t)(T * d) * sizeof(float)) == MOE_OK);
+    for (int step = 0; step < 2; step++) {
+        moe_layer_stats hs = {0}, ds = {0};
+        cr_assert(moe_layer_zero_grad(host) == MOE_OK && moe_layer_zero_grad(dev) == MOE_OK);
+        cr_assert(moe_layer_forward(host, hy, hx, T, &hs) == MOE_OK, "%s", moe_last_error());
+        cr_assert(moe_layer_backward(host, hdx, hdy, hx) == MOE_OK, "%s", moe_last_error());
+        cr_assert(moe_layer_forward(dev, y, x, T, &ds) == MOE_OK, "%s", moe_last_error());
+        cr_assert(moe_layer_backward(dev, dx, dy, x) == MOE_OK, "%s", moe_last_error());
+        cr_expect(ds.aux_loss == hs.aux_loss && ds.z_loss == hs.z_loss && ds.dropped == hs.dropped,
+                  "step %d: aux %.9g z %.9g dropped %lld, host %.9g %.9g %lld", step, ds.aux_loss, ds.z_loss,
+                  (long long)ds.dropped, hs.aux_loss, hs.z_loss, (long long)hs.dropped);
+        cr_expect(step == 0 || hs.dropped > 0, "capacity 1.25 dropped nothing: the check misses the drop path");
+        const struct { const char *name; const float *dev, *host; int64_t n; } out[] = {
+            {"y", y, hy, T * d}, {"dx", dx, hdx, T * d}, {"grads", grads, moe_layer_grads(host), n}};
+        for (int o = 0; o < 3; o++) {
+            cr_assert(ops->download(got, out[o].dev, (size_t)out[o].n * sizeof(float)) == MOE_OK);
+            int64_t i = first_diff(got, out[o].host, out[o].n);
+            cr_expect(i < 0, "step %d: %s[%lld] = %.9g, host %.9g", step, out[o].name, (long long)i,
+                      i < 0 ? 0.0 : got[i], i < 0 ? 0.0 : out[o].host[i]);
+        }
+        cr_expect(memcmp(moe_layer_last_topk(dev), moe_layer_last_topk(host),
+                         (size_t)(T * cfg.top_k) * sizeof(int32_t)) == 0, "step %d: router choices differ", step);
+        cr_assert(moe_layer_update_bias(host) == MOE_OK && moe_layer_update_bias(dev) == MOE_OK);
+        cr_expect(memcmp(moe_layer_selection_bias(dev), moe_layer_selection_bias(host), (size_t)E * sizeof(float)) == 0,
+                  "step %d: the selection bias differs", step);
+    }
+    moe_layer_destroy(dev);
+    moe_layer_destroy(host);
+    for (int i = 0; i < 4; i++) ops->release(*bufs[i]);
+    ops->release(params);
+    ops->release(grads);
+    free(hx), free(hdy), free(hy), free(hdx), free(got);
 }

@@ -1,12 +1,64 @@
-/* backend.c: the CPU op table. */
+/* backend.c: the CPU op table, on host memory. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/status.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/dense.h"
 
+#define CPU_ALIGN_BYTES 256
+
+static moe_status cpu_alloc(void **out, size_t bytes) {
+    const size_t rounded = (bytes + CPU_ALIGN_BYTES - 1) / CPU_ALIGN_BYTES * CPU_ALIGN_BYTES;
+    *out = aligned_alloc(CPU_ALIGN_BYTES, rounded ? rounded : CPU_ALIGN_BYTES);
+    if (!*out) return moe_error(MOE_ERR_OUT_OF_MEMORY, "cpu backend: %zu bytes", bytes);
+    memset(*out, 0, rounded);
+    return MOE_OK;
+}
+
+static void cpu_release(void *p) { free(p); }
+
+static moe_status cpu_upload(void *dst, const void *src, size_t bytes) {
+    if (bytes) memcpy(dst, src, bytes);
+    return MOE_OK;
+}
+
+static void cpu_copy(void *dst, const void *src, size_t bytes) {
+    if (bytes && dst != src) memcpy(dst, src, bytes);
+}
+
+static void cpu_zero(void *dst, size_t bytes) {
+    if (bytes) memset(dst, 0, bytes);
+}
+
+static moe_status cpu_sync(void) { return MOE_OK; }
+
+/* The CPU's dweight sum runs over column blocks and needs no scratch. */
+static size_t cpu_rmsnorm_scratch_bytes(int64_t N, int64_t C) {
+    (void)N, (void)C;
+    return 0;
+}
+
+static void cpu_rmsnorm_backward(float *dinp, float *dweight, const float *dout, const float *inp,
+                                 const float *weight, const float *rstd, void *scratch, int64_t N, int64_t C) {
+    (void)scratch;
+    moe_cpu_rmsnorm_backward(dinp, dweight, dout, inp, weight, rstd, N, C);
+}
+
 static const moe_ops cpu_ops = {
     .name = "cpu",
+    .alloc = cpu_alloc,
+    .release = cpu_release,
+    .upload = cpu_upload,
+    .download = cpu_upload,
+    .copy = cpu_copy,
+    .zero = cpu_zero,
+    .sync = cpu_sync,
     .gemm = moe_cpu_gemm,
     .gate_forward = moe_cpu_gate_forward,
     .gate_backward = moe_cpu_gate_backward,
+    .plan_scratch_bytes = moe_cpu_plan_scratch_bytes,
+    .plan_build = moe_cpu_plan_build,
     .permute = moe_cpu_permute,
     .combine = moe_cpu_combine,
     .combine_backward = moe_cpu_combine_backward,
@@ -16,7 +68,8 @@ static const moe_ops cpu_ops = {
     .embedding_forward = moe_cpu_embedding_forward,
     .embedding_backward = moe_cpu_embedding_backward,
     .rmsnorm_forward = moe_cpu_rmsnorm_forward,
-    .rmsnorm_backward = moe_cpu_rmsnorm_backward,
+    .rmsnorm_scratch_bytes = cpu_rmsnorm_scratch_bytes,
+    .rmsnorm_backward = cpu_rmsnorm_backward,
     .matmul_forward = moe_cpu_matmul_forward,
     .matmul_backward = moe_cpu_matmul_backward,
     .rope_tables = moe_cpu_rope_tables,
@@ -28,6 +81,7 @@ static const moe_ops cpu_ops = {
     .crossentropy_backward = moe_cpu_crossentropy_backward,
     .residual_forward = moe_cpu_residual_forward,
     .residual_backward = moe_cpu_residual_backward,
+    .multiply = moe_cpu_multiply,
     .adamw = moe_cpu_adamw,
     .sumsq = moe_cpu_sumsq,
 };

@@ -125,6 +125,9 @@ void moe_cpu_residual_forward(float *out, const float *a, const float *b, int64_
 /* da += dout; db += dout. */
 void moe_cpu_residual_backward(float *da, float *db, const float *dout, int64_t n);
 
+/* out [n] = a * b elementwise (the router's jitter); out may alias a or b. */
+void moe_cpu_multiply(float *out, const float *a, const float *b, int64_t n);
+
 /* One AdamW step t >= 1 over n parameters, PyTorch's torch.optim.AdamW:
  * p *= 1 - lr * wd; m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
  * p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps). */

@@ -6,6 +6,34 @@
 
 #include "kernels/cpu/cpu_ops.h"
 
+/* One expert cursor [E] of scratch. */
+size_t moe_cpu_plan_scratch_bytes(int64_t T, int64_t k, int64_t E) {
+    (void)T, (void)k;
+    return (size_t)E * sizeof(int64_t);
+}
+
+/* Serial: one pass over T*k pairs is cheap next to the rows it moves, and a
+ * counting sort's ranks would otherwise need a scan per thread. */
+void moe_cpu_plan_build(int64_t *pair_row, int64_t *row_token, int64_t *expert_offsets, const int32_t *topk_idx,
+                        const int64_t *keep, void *scratch, int64_t T, int64_t k, int64_t E) {
+    expert_offsets[0] = 0;
+    for (int64_t e = 0; e < E; e++) expert_offsets[e + 1] = expert_offsets[e] + keep[e];
+    /* The cursor of expert e runs through its rows and then past them: a pair
+     * that finds it at or beyond the next expert's first row is dropped. */
+    int64_t *cursor = scratch; /* [E] */
+    for (int64_t e = 0; e < E; e++) cursor[e] = expert_offsets[e];
+    for (int64_t p = 0; p < T * k; p++) {
+        const int32_t e = topk_idx[p];
+        const int64_t r = cursor[e]++;
+        if (r < expert_offsets[e + 1]) {
+            pair_row[p] = r;
+            row_token[r] = p / k;
+        } else {
+            pair_row[p] = -1;
+        }
+    }
+}
+
 void moe_cpu_permute(float *xp, const float *x, const int64_t *row_token, int64_t n_rows,
                      int64_t d) {
 #pragma omp parallel for schedule(static)

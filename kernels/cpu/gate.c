@@ -78,15 +78,16 @@ void moe_cpu_gate_forward(int32_t *topk_idx, float *topk_w, float *prob, float *
         totals->prob_sum[e] = 0.0;
         totals->assigned[e] = 0;
     }
-    totals->z_sum = 0.0;
+    double z_sum = 0.0;
     for (int64_t c = 0; c < n_chunks; c++) {
         const double *row = scratch + c * (2 * E + 1);
         for (int64_t e = 0; e < E; e++) {
             totals->prob_sum[e] += row[e];
             totals->assigned[e] += (int64_t)row[E + e];
         }
-        totals->z_sum += row[2 * E];
+        z_sum += row[2 * E];
     }
+    *totals->z_sum = z_sum;
 }
 
 void moe_cpu_gate_backward(float *dlogits, const float *dweights, const int32_t *topk_idx,

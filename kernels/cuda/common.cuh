@@ -24,6 +24,10 @@ extern "C" {
 moe_status moe_cuda_report(cudaError_t err, const char *call, const char *file, int line);
 moe_status moe_cuda_report(cublasStatus_t err, const char *call, const char *file, int line);
 
+/* cudaMalloc of bytes (at least 1) into *out, or MOE_ERR_OUT_OF_MEMORY
+ * naming what, the size, the device and its free memory. */
+moe_status moe_cuda_malloc(void **out, size_t bytes, const char *what, const moe_cuda_ctx *ctx);
+
 static inline bool moe_cuda_failed(cudaError_t err) { return err != cudaSuccess; }
 static inline bool moe_cuda_failed(cublasStatus_t err) { return err != CUBLAS_STATUS_SUCCESS; }
 

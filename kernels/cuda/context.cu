@@ -167,21 +167,27 @@ extern "C" size_t moe_cuda_arena_bytes(const size_t *piece_bytes, int n_pieces) 
     return total;
 }
 
+moe_status moe_cuda_malloc(void **out, size_t bytes, const char *what, const moe_cuda_ctx *ctx) {
+    *out = NULL;
+    cudaError_t err = cudaMalloc(out, bytes ? bytes : 1);
+    if (err == cudaSuccess) return MOE_OK;
+    (void)cudaGetLastError();
+    *out = NULL;
+    size_t free_bytes = 0, total_bytes = 0;
+    cudaMemGetInfo(&free_bytes, &total_bytes);
+    return moe_error(err == cudaErrorMemoryAllocation ? MOE_ERR_OUT_OF_MEMORY : MOE_ERR_INTERNAL,
+                     "%s of %.3f GiB on %s: cudaMalloc: %s (%.3f of %.3f GiB free)", what,
+                     (double)bytes / (1 << 30), ctx->name, cudaGetErrorString(err),
+                     (double)free_bytes / (1 << 30), (double)total_bytes / (1 << 30));
+}
+
 extern "C" moe_status moe_cuda_arena_create(moe_cuda_arena *arena, size_t capacity,
                                             moe_cuda_ctx *ctx) {
     *arena = (moe_cuda_arena){NULL, 0, 0};
     MOE_CUDA_CHECK(cudaSetDevice(ctx->device));
-    cudaError_t err = cudaMalloc((void **)&arena->base, capacity ? capacity : 1);
-    if (err != cudaSuccess) {
-        (void)cudaGetLastError();
-        size_t free_bytes = 0, total_bytes = 0;
-        cudaMemGetInfo(&free_bytes, &total_bytes);
-        return moe_error(err == cudaErrorMemoryAllocation ? MOE_ERR_OUT_OF_MEMORY
-                                                          : MOE_ERR_INTERNAL,
-                         "device arena of %.3f GiB on %s: cudaMalloc: %s (%.3f of %.3f GiB free)",
-                         (double)capacity / (1 << 30), ctx->name, cudaGetErrorString(err),
-                         (double)free_bytes / (1 << 30), (double)total_bytes / (1 << 30));
-    }
+    void *base = NULL;
+    MOE_TRY(moe_cuda_malloc(&base, capacity, "device arena", ctx));
+    arena->base = (char *)base;
     arena->capacity = capacity;
     return MOE_OK;
 }

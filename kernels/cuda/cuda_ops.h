@@ -5,14 +5,14 @@
  * context's stream: outputs, inputs, sizes, then the context. Launchers
  * return at once unless they say they wait; each returns a status whose
  * detail (moe_last_error) names the failing CUDA or cuBLAS call, file and
- * line. Memory comes from arenas allocated once (cudaMalloc, never managed
- * memory); nothing here allocates device memory after moe_cuda_ctx_create.
+ * line. Memory comes from cudaMalloc (never managed memory), at start-up:
+ * arenas, or the op table's alloc; no launcher allocates device memory.
  *
- * The op table of kernels/ops.h takes no context and returns nothing, so
- * these launchers are not (yet) a moe_ops: the signatures differ only by the
- * trailing context and the returned status, plus where the host cannot know
- * a size without waiting for the device (the row count of a dispatch plan),
- * which is then read from device memory.
+ * moe_cuda_ops (at the end) is the op table of kernels/ops.h over these
+ * launchers. The launchers' signatures differ from the table's by the
+ * trailing context and the returned status, plus where a size may come from
+ * device memory (the row count of a dispatch plan) so that the host need not
+ * wait for it; the table passes the host's sizes.
  *
  * This header needs no CUDA headers; it declares nothing when the library
  * is built without CUDA (MOE_HAVE_CUDA undefined). */
@@ -158,7 +158,8 @@ moe_status moe_cuda_plan_build(int64_t *pair_row, int64_t *row_token, int64_t *e
                                int64_t T, int64_t k, int64_t E, moe_cuda_ctx *ctx);
 
 /* ops.h permute for the rows r < *n_rows, n_rows on the device (a plan's
- * expert_offsets + E); max_rows (>= *n_rows, e.g. T*k) bounds the grid. */
+ * expert_offsets + E); max_rows (>= *n_rows, e.g. T*k) bounds the grid.
+ * n_rows NULL: all max_rows rows (the table's host count). */
 moe_status moe_cuda_permute(float *xp, const float *x, const int64_t *row_token,
                             const int64_t *n_rows, int64_t max_rows, int64_t d, moe_cuda_ctx *ctx);
 moe_status moe_cuda_combine(float *y, const float *yp, const float *topk_w, const int64_t *pair_row,
@@ -232,6 +233,15 @@ moe_status moe_cuda_experts_forward(const moe_cuda_experts *b, moe_cuda_grouped_
 moe_status moe_cuda_experts_backward(const moe_cuda_experts *b, moe_cuda_grouped_algo algo,
                                      moe_cuda_ctx *ctx);
 
+/* ops.h experts_forward / experts_backward: groups [n_groups] on the host
+ * with host row counts, every array on the device, fp32. Each group runs
+ * as its own cuBLASLt GEMMs (a cached plan per distinct row count), so the
+ * groups may differ in d_ff and nothing waits for the device. */
+moe_status moe_cuda_expert_groups_forward(const moe_expert_group *groups, int64_t n_groups,
+                                          int64_t d, moe_cuda_ctx *ctx);
+moe_status moe_cuda_expert_groups_backward(const moe_expert_group *groups, int64_t n_groups,
+                                           int64_t d, moe_cuda_ctx *ctx);
+
 /* ------------------------------------------------------------------ dense */
 
 /* kernels/cpu/dense.h says what each computes; backward ops accumulate
@@ -276,6 +286,8 @@ moe_status moe_cuda_residual_forward(float *out, const float *a, const float *b,
                                      moe_cuda_ctx *ctx);
 moe_status moe_cuda_residual_backward(float *da, float *db, const float *dout, int64_t n,
                                       moe_cuda_ctx *ctx);
+moe_status moe_cuda_multiply(float *out, const float *a, const float *b, int64_t n,
+                             moe_cuda_ctx *ctx);
 moe_status moe_cuda_adamw(float *params, float *m, float *v, const float *grads, int64_t n,
                           float lr, float beta1, float beta2, float eps, float weight_decay,
                           int64_t t, moe_cuda_ctx *ctx);
@@ -283,6 +295,25 @@ moe_status moe_cuda_adamw(float *params, float *m, float *v, const float *grads,
  * parts summed in order: the same bits on every run. */
 #define MOE_CUDA_SUMSQ_PARTS 256
 moe_status moe_cuda_sumsq(double *out, const float *x, int64_t n, moe_cuda_ctx *ctx);
+
+/* --------------------------------------------------------------- op table */
+
+/* The CUDA op table, its entries bound to ctx for the calling thread. The
+ * table's entries take no context, so the binding is per-thread state, as
+ * CUDA's current device is (this call also makes ctx's device current):
+ * each thread that calls the table binds its context first, and binding
+ * another context on the same thread rebinds it (NULL unbinds). An entry
+ * on a thread with no context bound fails with MOE_ERR_STATE.
+ *
+ * Entries queue their launcher on the bound context's stream. A failing
+ * entry's status and moe_last_error detail are kept (per thread) and
+ * returned by the next sync, upload or download, which clears them; until
+ * then the other entries do nothing, since their inputs may come from the
+ * failed op; alloc, release, upload and download still run. alloc is a
+ * cudaMalloc, zero-filled, that waits for the device, and release waits for
+ * the stream before cudaFree: the engine allocates when it is created,
+ * never per step. upload and download wait; copy and zero are queued. */
+const moe_ops *moe_cuda_ops(moe_cuda_ctx *ctx);
 
 #endif /* MOE_HAVE_CUDA */
 

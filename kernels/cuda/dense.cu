@@ -321,6 +321,18 @@ extern "C" moe_status moe_cuda_residual_backward(float *da, float *db, const flo
     return MOE_OK;
 }
 
+static __global__ void multiply_kernel(float *out, const float *a, const float *b, int64_t n) {
+    GRID_STRIDE(i, n) out[i] = a[i] * b[i];
+}
+
+extern "C" moe_status moe_cuda_multiply(float *out, const float *a, const float *b, int64_t n,
+                                        moe_cuda_ctx *ctx) {
+    if (n <= 0) return MOE_OK;
+    multiply_kernel<<<grid_for(n, ctx), MOE_CUDA_THREADS, 0, ctx->stream>>>(out, a, b, n);
+    MOE_CUDA_CHECK(cudaGetLastError());
+    return MOE_OK;
+}
+
 /* ---------------------------------------------------------------- optimizer */
 
 static __global__ void adamw_kernel(float *params, float *m, float *v, const float *grads,

@@ -170,7 +170,7 @@ static bool vec4_ok(int64_t d, const void *a, const void *b) {
 template <typename V>
 static __global__ void permute_kernel(V *xp, const V *x, const int64_t *row_token,
                                       const int64_t *n_rows, int64_t max_rows, int64_t dv) {
-    const int64_t rows = min(*n_rows, max_rows);
+    const int64_t rows = n_rows ? min(*n_rows, max_rows) : max_rows;
     for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
         const V *src = x + row_token[r] * dv;
         V *dst = xp + r * dv;

@@ -7,7 +7,11 @@
  * at base + o_e * row_stride + e * expert_stride. Three ways to run it:
  * a loop of cached cuBLASLt GEMMs, one cublasGemmGroupedBatchedEx, or our
  * tensor-core kernel (grouped_mma.cu), which alone reads n_e on the
- * device. */
+ * device.
+ *
+ * ops.h's expert groups (the op table's experts) come with host row counts
+ * and may differ in d_ff: each group runs as its own fp32 GEMMs, with no
+ * offsets to read and so no host wait. */
 #include <limits.h>
 
 #include "kernels/cuda/gemm.cuh"
@@ -199,11 +203,17 @@ extern "C" moe_status moe_cuda_grouped_gemm(void *c, moe_cuda_dtype c_type, cons
 
 /* ---------------------------------------------------------------- SwiGLU */
 
-/* g [rows, f] = silu(h[:, :f]) * h[:, f:] for the rows r < offsets[E]. */
+/* The rows r < *n_rows (device), or all max_rows rows when n_rows is NULL
+ * (a row count the host knows). */
+static __device__ __forceinline__ int64_t swiglu_rows(const int64_t *n_rows, int64_t max_rows) {
+    return n_rows ? min(*n_rows, max_rows) : max_rows;
+}
+
+/* g [rows, f] = silu(h[:, :f]) * h[:, f:]. */
 template <typename T>
 static __global__ void swiglu_forward_kernel(T *g, const T *h, const int64_t *n_rows,
                                              int64_t max_rows, int64_t f) {
-    const int64_t n = min(*n_rows, max_rows) * f;
+    const int64_t n = swiglu_rows(n_rows, max_rows) * f;
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
          i += (int64_t)gridDim.x * blockDim.x) {
         const int64_t r = i / f, j = i % f;
@@ -216,7 +226,7 @@ static __global__ void swiglu_forward_kernel(T *g, const T *h, const int64_t *n_
 template <typename T>
 static __global__ void swiglu_backward_kernel(T *dh, const T *h, const int64_t *n_rows,
                                               int64_t max_rows, int64_t f) {
-    const int64_t n = min(*n_rows, max_rows) * f;
+    const int64_t n = swiglu_rows(n_rows, max_rows) * f;
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
          i += (int64_t)gridDim.x * blockDim.x) {
         const int64_t a = (i / f) * 2 * f + i % f, b = a + f;
@@ -227,26 +237,33 @@ static __global__ void swiglu_backward_kernel(T *dh, const T *h, const int64_t *
     }
 }
 
-static moe_status swiglu(const moe_cuda_experts *x, bool backward, moe_cuda_ctx *ctx) {
-    const int64_t *n_rows = x->offsets + x->n_experts, f = x->d_ff;
-    const unsigned grid = moe_cuda_grid(x->max_rows * f, MOE_CUDA_THREADS, ctx);
-    if (x->dtype == MOE_CUDA_BF16) {
+/* Forward: out is g [rows, f]; backward: out is dh [rows, 2f], in place. */
+static moe_status swiglu_run(void *out, const void *h, const int64_t *n_rows, int64_t max_rows,
+                             int64_t f, moe_cuda_dtype t, bool backward, moe_cuda_ctx *ctx) {
+    const unsigned grid = moe_cuda_grid(max_rows * f, MOE_CUDA_THREADS, ctx);
+    if (t == MOE_CUDA_BF16) {
         if (backward)
             swiglu_backward_kernel<<<grid, MOE_CUDA_THREADS, 0, ctx->stream>>>(
-                (__nv_bfloat16 *)x->dh, (const __nv_bfloat16 *)x->h, n_rows, x->max_rows, f);
+                (__nv_bfloat16 *)out, (const __nv_bfloat16 *)h, n_rows, max_rows, f);
         else
             swiglu_forward_kernel<<<grid, MOE_CUDA_THREADS, 0, ctx->stream>>>(
-                (__nv_bfloat16 *)x->g, (const __nv_bfloat16 *)x->h, n_rows, x->max_rows, f);
+                (__nv_bfloat16 *)out, (const __nv_bfloat16 *)h, n_rows, max_rows, f);
     } else {
         if (backward)
             swiglu_backward_kernel<<<grid, MOE_CUDA_THREADS, 0, ctx->stream>>>(
-                (float *)x->dh, (const float *)x->h, n_rows, x->max_rows, f);
+                (float *)out, (const float *)h, n_rows, max_rows, f);
         else
             swiglu_forward_kernel<<<grid, MOE_CUDA_THREADS, 0, ctx->stream>>>(
-                (float *)x->g, (const float *)x->h, n_rows, x->max_rows, f);
+                (float *)out, (const float *)h, n_rows, max_rows, f);
     }
     MOE_CUDA_CHECK(cudaGetLastError());
     return MOE_OK;
+}
+
+/* The batch's rows r < offsets[E]. */
+static moe_status swiglu(const moe_cuda_experts *x, bool backward, moe_cuda_ctx *ctx) {
+    return swiglu_run(backward ? x->dh : x->g, x->h, x->offsets + x->n_experts, x->max_rows,
+                      x->d_ff, x->dtype, backward, ctx);
 }
 
 /* --------------------------------------------------------------- experts */
@@ -297,4 +314,60 @@ extern "C" moe_status moe_cuda_experts_backward(const moe_cuda_experts *x,
     MOE_TRY(run_host(&dxs, off, E, algo, 1, ctx));
     MOE_TRY(run_host(&dw13, off, E, algo, 2, ctx));
     return run_host(&dw2, off, E, algo, 3, ctx);
+}
+
+/* ---------------------------------------------------------- expert groups */
+
+static moe_status check_groups(const moe_expert_group *groups, int64_t n_groups, int64_t d,
+                               const char *op) {
+    if (n_groups < 0 || d < 1 || (n_groups > 0 && !groups))
+        return moe_error(MOE_ERR_INVALID_ARG, "%s: n_groups=%lld d=%lld groups=%p", op,
+                         (long long)n_groups, (long long)d, (const void *)groups);
+    for (int64_t i = 0; i < n_groups; i++)
+        if (groups[i].rows < 0 || (groups[i].rows > 0 && groups[i].d_ff < 1))
+            return moe_error(MOE_ERR_INVALID_ARG, "%s: group %lld has rows=%lld d_ff=%lld", op,
+                             (long long)i, (long long)groups[i].rows, (long long)groups[i].d_ff);
+    return MOE_OK;
+}
+
+/* As kernels/cpu/experts.c, one group at a time: h = x w13^T, the SwiGLU,
+ * y = g w2^T. */
+extern "C" moe_status moe_cuda_expert_groups_forward(const moe_expert_group *groups,
+                                                     int64_t n_groups, int64_t d,
+                                                     moe_cuda_ctx *ctx) {
+    MOE_TRY(check_groups(groups, n_groups, d, "moe_cuda_expert_groups_forward"));
+    for (int64_t i = 0; i < n_groups; i++) {
+        const moe_expert_group *g = &groups[i];
+        const int64_t n = g->rows, f = g->d_ff;
+        if (n == 0) continue;
+        MOE_TRY(moe_cuda_gemm(g->h, g->x, g->w13, n, 2 * f, d, d, d, 2 * f, false, true, 1.0f,
+                              0.0f, ctx));
+        MOE_TRY(swiglu_run(g->g, g->h, NULL, n, f, MOE_CUDA_F32, false, ctx));
+        MOE_TRY(moe_cuda_gemm(g->y, g->g, g->w2, n, d, f, f, f, d, false, true, 1.0f, 0.0f, ctx));
+    }
+    return MOE_OK;
+}
+
+/* dg = dy w2 into the first half of each dh row, the SwiGLU backward in
+ * place, dx = dh w13, then dw13 += dh^T x and dw2 += dy^T g over the
+ * group's rows. An empty group adds nothing to its weight gradients. */
+extern "C" moe_status moe_cuda_expert_groups_backward(const moe_expert_group *groups,
+                                                      int64_t n_groups, int64_t d,
+                                                      moe_cuda_ctx *ctx) {
+    MOE_TRY(check_groups(groups, n_groups, d, "moe_cuda_expert_groups_backward"));
+    for (int64_t i = 0; i < n_groups; i++) {
+        const moe_expert_group *g = &groups[i];
+        const int64_t n = g->rows, f = g->d_ff;
+        if (n == 0) continue;
+        MOE_TRY(moe_cuda_gemm(g->dh, g->dy, g->w2, n, f, d, d, f, 2 * f, false, false, 1.0f, 0.0f,
+                              ctx));
+        MOE_TRY(swiglu_run(g->dh, g->h, NULL, n, f, MOE_CUDA_F32, true, ctx));
+        MOE_TRY(moe_cuda_gemm(g->dx, g->dh, g->w13, n, d, 2 * f, 2 * f, d, d, false, false, 1.0f,
+                              0.0f, ctx));
+        MOE_TRY(moe_cuda_gemm(g->dw13, g->dh, g->x, 2 * f, d, n, 2 * f, d, d, true, false, 1.0f,
+                              1.0f, ctx));
+        MOE_TRY(moe_cuda_gemm(g->dw2, g->dy, g->g, d, f, n, d, f, f, true, false, 1.0f, 1.0f,
+                              ctx));
+    }
+    return MOE_OK;
 }

@@ -111,8 +111,8 @@ static void run_case(const ep_case *c) {
                                   ep_group, world),
                               "ep create")) {
         /* Larger weights than the default init, so gradients are not tiny. */
-        moe_layer_init_params(ref, 0.3f, SEED, 0);
-        moe_layer_init_params(ep, 0.3f, SEED, 0);
+        check(moe_layer_init_params(ref, 0.3f, SEED, 0), "reference init");
+        check(moe_layer_init_params(ep, 0.3f, SEED, 0), "ep init");
         skew_router(ref, c->skew);
         skew_router(ep, c->skew);
         moe_layer_set_overlap(ep, overlap);
