@@ -19,7 +19,7 @@
 # Criterion, and the GPU tests need both: the CPU backend is their reference.
 # So the binaries are built where those libraries are, and travel with every
 # shared library they load except glibc's and CUDA's own (cudart, cuBLAS,
-# cuBLASLt), which `run` finds on the GPU machine at run time (python3's
+# cuBLASLt, NCCL), which `run` finds on the GPU machine at run time (python3's
 # site-packages nvidia/*/lib, then the CUDA toolkit's lib64), so that they
 # match its driver. A Debian 12 build (glibc 2.36) runs on a newer Ubuntu
 # glibc. MPI and hwloc are off in this build: one GPU, one rank.
@@ -38,7 +38,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 BUILD=${MOE_GPU_BUILD:-$ROOT/build-gpu}
 CARRY=$ROOT/build-gpu-carry
 TARBALL=$CARRY/moe-gpu.tar.gz
-BINARIES=(test_cuda_ops moe-bench)
+BINARIES=(test_cuda_ops test_comm_nccl moe-bench)
 START=$(date +%s)
 
 die() {
@@ -51,7 +51,7 @@ die() {
 is_system_lib() {
     case "$(basename "$1")" in
     linux-vdso* | ld-linux* | libc.so* | libm.so* | libdl.so* | libpthread.so* | librt.so* | \
-        libcuda.so* | libcudart.so* | libcublas.so* | libcublasLt.so* | libnvidia*) return 0 ;;
+        libcuda.so* | libcudart.so* | libcublas.so* | libcublasLt.so* | libnccl.so* | libnvidia*) return 0 ;;
     esac
     return 1
 }
@@ -82,8 +82,8 @@ pack() {
     tar -tzf "$TARBALL" | grep -v '/$' | sed 's|^moe-gpu/|  |'
 }
 
-# Prints the directories holding CUDA's runtime and cuBLAS libraries, one
-# per line: python3's nvidia packages first, then the toolkit's.
+# Prints the directories holding CUDA's runtime, cuBLAS and NCCL libraries,
+# one per line: python3's nvidia packages first, then the toolkit's.
 cuda_lib_dirs() {
     local roots=()
     if command -v python3 >/dev/null; then
@@ -93,7 +93,7 @@ cuda_lib_dirs() {
     fi
     roots+=("${CUDA_HOME:-/usr/local/cuda}/lib64" /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib)
     local lib dir
-    for lib in libcudart.so.13 libcublas.so.13 libcublasLt.so.13; do
+    for lib in libcudart.so.13 libcublas.so.13 libcublasLt.so.13 libnccl.so.2; do
         for r in "${roots[@]}"; do
             [ -d "$r" ] || continue
             dir=$(find -L "$r" -maxdepth 4 -name "$lib*" -print -quit 2>/dev/null)
@@ -146,6 +146,9 @@ run() {
     echo "== test_cuda_ops"
     timeout 300 "$dir/test_cuda_ops" --verbose -j4 2>&1 | tee "$results/test_cuda_ops.log"
     local test_rc=${PIPESTATUS[0]}
+    echo "== test_comm_nccl"
+    timeout 120 "$dir/test_comm_nccl" --verbose -j1 2>&1 | tee "$results/test_comm_nccl.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || test_rc=1
 
     # 2. Grouped GEMMs on the GPU.
     echo "== moe-bench gemm"
@@ -170,10 +173,13 @@ summary() {
     local results=$1 test_rc=$2 gemm_rc=$3 layer_rc=$4
     echo
     echo "==================== gpu_check summary ($(($(date +%s) - START)) s) ===================="
-    local synth skipped
-    synth=$(grep -a "Synthesis" "$results/test_cuda_ops.log" | tail -1)
-    skipped=$(grep -ac "\[SKIP\]" "$results/test_cuda_ops.log")
-    printf "tests   exit %s | %s | skipped %s\n" "$test_rc" "${synth#*Synthesis: }" "$skipped"
+    local synth skipped log
+    for log in test_cuda_ops test_comm_nccl; do
+        synth=$(grep -a "Synthesis" "$results/$log.log" | tail -1)
+        skipped=$(grep -ac "\[SKIP\]" "$results/$log.log")
+        printf "%-14s | %s | skipped %s\n" "$log" "${synth#*Synthesis: }" "$skipped"
+    done
+    printf "tests   exit %s\n" "$test_rc"
     printf "gemm    exit %s   layer exit %s\n" "$gemm_rc" "$layer_rc"
     python3 - "$results/gemm.jsonl" "$results/layer.jsonl" <<'EOF'
 import json, sys

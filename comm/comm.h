@@ -79,6 +79,33 @@ moe_status moe_comm_mpi_create(moe_comm **comm);
  * communicator. MOE_OK and nothing done without MPI. */
 moe_status moe_comm_mpi_finalize(void);
 
+/* NCCL over device memory, with the ranks of bootstrap (a host communicator:
+ * mpi, or local for one rank), its world ranks and its timeout. Rank 0 makes
+ * NCCL's unique id and sends it to the others with moe_comm_broadcast() on
+ * bootstrap, which may be freed afterwards. device: this rank's CUDA device,
+ * made current on the calling thread. cuda_stream: a cudaStream_t of
+ * device that every op is enqueued on, so ops are ordered with the caller's
+ * kernels on it; NULL: the communicator makes and owns one, and the caller
+ * finishes its writes to a buffer before starting an op on it. Use the
+ * communicator from one thread. Collective over bootstrap.
+ * MOE_ERR_UNSUPPORTED when libmoe was built without NCCL or no CUDA device
+ * answers.
+ *
+ * On this backend buffers are device memory and count/displacement arrays
+ * host memory. A wait polls the op's CUDA event and NCCL's asynchronous
+ * error; a timeout or an error aborts the NCCL communicator
+ * (ncclCommAbort), so a dead peer gives MOE_ERR_COMM, not a hang.
+ * Point to point: tags are ignored. NCCL matches the sends and receives
+ * between a pair in the order they were posted, so both sides post them in
+ * the same order, and a receive's count equals the send's. The isend/irecv
+ * calls between two other calls of this backend on the thread form one NCCL
+ * group, started by the first of them and launched by the next wait, test,
+ * collective, split or free (of any NCCL communicator), so that two ranks
+ * that both send first do not deadlock; make no NCCL calls of your own
+ * while such a group is open. */
+moe_status moe_comm_nccl_create(moe_comm **comm, moe_comm *bootstrap, int device,
+                                void *cuda_stream);
+
 /* Splits comm into groups of equal color, ranked by key (ties by rank in
  * comm), like MPI_Comm_split: the expert-, data- and pipeline-parallel
  * groups. color >= 0. The new communicator inherits the timeout. Collective
