@@ -1,7 +1,7 @@
 /* bench_train.c: `moe-bench train`: whole training steps (forward, backward,
  * AdamW) of the MoE transformer on the synthetic corpus: tokens/s and MFU,
- * the model FLOPs per second over the sgemm rate of this machine measured in
- * the same run, right before each model's steps. */
+ * the model FLOPs per second over the fp32 GEMM rate of the same device
+ * measured in the same run, right before each model's steps. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,13 +17,16 @@
 typedef struct train_shape {
     const char *name;
     int64_t d, ff, layers, heads, kv_heads, experts, top_k, B, T;
+    bool on_request; /* run only when --model names it */
 } train_shape;
 
-/* The driver's default model, and a larger one whose GEMMs are big enough to
- * run near the machine's sgemm rate. */
+/* The driver's default model, a larger one whose GEMMs are big enough to
+ * run near a CPU's sgemm rate, and a ~1.2B-parameter one (340M active) for
+ * a GPU. */
 static const train_shape default_shapes[] = {
-    {"default", 0, 0, 0, 0, 0, 0, 0, 16, 64},
-    {"d512-l8", 512, 1408, 8, 8, 8, 8, 2, 8, 256},
+    {"default", 0, 0, 0, 0, 0, 0, 0, 16, 64, false},
+    {"d512-l8", 512, 1408, 8, 8, 8, 8, 2, 8, 256, false},
+    {"1b", 1024, 2816, 16, 16, 8, 8, 2, 8, 1024, true},
 };
 
 static void usage(void) {
@@ -32,10 +35,13 @@ static void usage(void) {
            "and reports tokens/s and MFU: model FLOPs per second (6 per active parameter\n"
            "and token, plus attention) over the sgemm rate measured in the same run just\n"
            "before each model. Times are medians over the steps.\n\n"
-           "models (default: both):\n"
-           "  --model NAME    default (moe-train's built-in model, B 16 x T 64) or\n"
+           "models (default: default and d512-l8):\n"
+           "  --model NAME    default (moe-train's built-in model, B 16 x T 64),\n"
            "                  d512-l8 (d_model 512, ff 1408, 8 layers, 8 heads, 8 experts,\n"
-           "                  top-2, B 8 x T 256)\n\n"
+           "                  top-2, B 8 x T 256) or 1b (d_model 1024, ff 2816, 16 layers,\n"
+           "                  16 heads (8 KV), 8 experts, top-2, B 8 x T 1024: 1.2B\n"
+           "                  parameters, for a GPU)\n"
+           "  --device D      auto (default), cpu, cuda or cpu-strict, as moe-train's\n\n"
            "timing:\n"
            "  --warmup N      untimed steps first (default 2)\n"
            "  --steps N       timed steps (default 5)\n"
@@ -52,12 +58,12 @@ static const bench_column columns[] = {
     {"step_ms", "step_ms", BENCH_F64, 9, 1},
     {"tokens_per_s", "tokens/s", BENCH_F64, 10, 0},
     {"gflops", "GFLOP/s", BENCH_F64, 8, 1},
-    {"sgemm_gflops", "sgemm_GFLOP/s", BENCH_F64, 13, 1},
+    {"gemm_gflops", "gemm_GFLOP/s", BENCH_F64, 12, 1},
     {"mfu", "MFU", BENCH_F64, 6, 3},
 };
 
-static int bench_shape(const train_shape *s, const moe_synth_stream *stream, int64_t warmup, int64_t steps,
-                       const bench_table *table) {
+static int bench_shape(const train_shape *s, const moe_ops *ops, const moe_synth_stream *stream, int64_t warmup,
+                       int64_t steps, const bench_table *table) {
     moe_model_config cfg;
     moe_run_default_config(&cfg, MOE_SYNTH_VOCAB_SIZE);
     if (s->d) {
@@ -78,11 +84,12 @@ static int bench_shape(const train_shape *s, const moe_synth_stream *stream, int
     double *ms = calloc((size_t)steps, sizeof *ms), peak = 0.0;
     int rc = BENCH_EXIT_FAILURE;
     if (!ms) return rc;
-    if (bench_failed(CMD, "model", moe_model_create(&model, &cfg, s->B, s->T, 1)) ||
+    const moe_model_parallel on = {.ops = ops};
+    if (bench_failed(CMD, "model", moe_model_create_parallel(&model, &cfg, s->B, s->T, 1, &on)) ||
         bench_failed(CMD, "trainer", moe_trainer_create(&trainer, model, &oc)) ||
         bench_failed(CMD, "data", moe_data_from_tokens(&data, stream->tokens, stream->n, MOE_SYNTH_VOCAB_SIZE,
                                                        "synthetic")) ||
-        bench_failed(CMD, "sgemm peak", moe_measure_sgemm_gflops(&peak)))
+        bench_failed(CMD, "gemm peak", moe_measure_gemm_gflops(ops, &peak)))
         goto done;
     for (int64_t i = 0; i < warmup + steps; i++) {
         moe_step_metrics m;
@@ -116,6 +123,7 @@ done:
 int bench_train_run(int argc, char **argv) {
     int64_t warmup = 2, steps = 5, threads = 0;
     const char *only = NULL;
+    moe_device device = MOE_DEVICE_AUTO;
     bool json = false;
     for (int i = 1; i < argc; i++) {
         const char *v = NULL;
@@ -135,6 +143,12 @@ int bench_train_run(int argc, char **argv) {
             if (r < 0 || !bench_parse_i64(&warmup, CMD, "--warmup", v, 0, 1000)) return BENCH_EXIT_USAGE;
         } else if ((r = bench_option(argc, argv, &i, CMD, "steps", &v)) != 0) {
             if (r < 0 || !bench_parse_i64(&steps, CMD, "--steps", v, 1, 100000)) return BENCH_EXIT_USAGE;
+        } else if ((r = bench_option(argc, argv, &i, CMD, "device", &v)) != 0) {
+            if (r < 0) return BENCH_EXIT_USAGE;
+            if (moe_device_parse(&device, v) != MOE_OK) {
+                fprintf(stderr, "moe-bench %s: %s\n", CMD, moe_last_error());
+                return BENCH_EXIT_USAGE;
+            }
         } else if ((r = bench_option(argc, argv, &i, CMD, "threads", &v)) != 0) {
             if (r < 0 || !bench_parse_i64(&threads, CMD, "--threads", v, 1, 4096)) return BENCH_EXIT_USAGE;
         } else {
@@ -146,24 +160,30 @@ int bench_train_run(int argc, char **argv) {
     bool known = only == NULL;
     for (int s = 0; s < n_shapes; s++) known = known || strcmp(only, default_shapes[s].name) == 0;
     if (!known) {
-        fprintf(stderr, "moe-bench %s: --model %s: expected default or d512-l8\n", CMD, only);
+        fprintf(stderr, "moe-bench %s: --model %s: expected default, d512-l8 or 1b\n", CMD, only);
         return BENCH_EXIT_USAGE;
     }
     if (threads) bench_set_threads((int)threads);
 
+    moe_device_handle dev;
+    if (bench_failed(CMD, "device", moe_device_open(&dev, device, 1))) return BENCH_EXIT_FAILURE;
+    if (dev.note[0]) fprintf(stderr, "moe-bench %s: %s\n", CMD, dev.note);
     moe_synth_params sp = moe_synth_default_params();
     moe_synth_stream stream = {0};
-    if (bench_failed(CMD, "synthetic corpus", moe_synth_generate(&stream, &sp, 1, STREAM_TOKENS)))
+    if (bench_failed(CMD, "synthetic corpus", moe_synth_generate(&stream, &sp, 1, STREAM_TOKENS))) {
+        moe_device_close(&dev);
         return BENCH_EXIT_FAILURE;
+    }
     const bench_table table = {.bench = "train", .cols = columns,
                                .n_cols = (int)(sizeof columns / sizeof columns[0]), .json = json};
-    bench_table_note(&table, "moe-bench train: %d threads, %lld warm-up + %lld timed steps per model",
+    bench_table_note(&table, "moe-bench train: %s, %d threads, %lld warm-up + %lld timed steps per model", dev.desc,
                      bench_omp_threads(), (long long)warmup, (long long)steps);
     bench_table_header(&table);
     int rc = 0;
     for (int s = 0; s < n_shapes && rc == 0; s++)
-        if (!only || strcmp(only, default_shapes[s].name) == 0)
-            rc = bench_shape(&default_shapes[s], &stream, warmup, steps, &table);
+        if (only ? strcmp(only, default_shapes[s].name) == 0 : !default_shapes[s].on_request)
+            rc = bench_shape(&default_shapes[s], dev.ops, &stream, warmup, steps, &table);
     moe_synth_stream_free(&stream);
+    moe_device_close(&dev);
     return rc;
 }

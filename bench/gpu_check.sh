@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# gpu_check.sh: the GPU check of moe: every CUDA test, `moe-bench gemm` and
-# `moe-bench layer` on a machine with an NVIDIA GPU, ending with one summary
-# table (tests passed/failed/skipped, TFLOP/s and ratios). Under 8 minutes.
+# gpu_check.sh: the GPU check of moe: every CUDA test, `moe-bench gemm`,
+# `moe-bench layer`, a short `moe-train --device cuda` and the MFU of a
+# 1.2B-parameter model's training steps on a machine with an NVIDIA GPU,
+# ending with one summary table (tests passed/failed/skipped, TFLOP/s and
+# ratios, MFU). Under 8 minutes.
 #
 #   bench/gpu_check.sh pack   on the build machine (Debian, CUDA toolkit and
 #                             the project's dependencies): builds build-gpu/
@@ -38,7 +40,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 BUILD=${MOE_GPU_BUILD:-$ROOT/build-gpu}
 CARRY=$ROOT/build-gpu-carry
 TARBALL=$CARRY/moe-gpu.tar.gz
-BINARIES=(test_cuda_ops test_comm_nccl moe-bench)
+BINARIES=(test_cuda_ops test_comm_nccl moe-bench moe-train)
 START=$(date +%s)
 
 die() {
@@ -165,12 +167,24 @@ run() {
     local layer_rc=$?
     cat "$results/layer.err"
 
-    summary "$results" "$test_rc" "$gemm_rc" "$layer_rc"
-    [ "$test_rc" = 0 ] && [ "$gemm_rc" = 0 ] && [ "$layer_rc" = 0 ]
+    # 4. Training on the GPU: the built-in run, short, then steps of a
+    #    1.2B-parameter model for MFU.
+    echo "== moe-train --device cuda"
+    timeout 120 "$dir/moe-train" --device cuda --steps 500 --eval-every 250 --out "$results/train" \
+        2>&1 | tee "$results/train.log" | tail -4
+    local train_rc=${PIPESTATUS[0]}
+    echo "== moe-bench train --device cuda --model 1b"
+    timeout 180 "$dir/moe-bench" train --device cuda --model 1b --warmup 1 --steps 3 --json \
+        >"$results/train.jsonl" 2>"$results/train.err"
+    [ $? = 0 ] || train_rc=1
+    cat "$results/train.err"
+
+    summary "$results" "$test_rc" "$gemm_rc" "$layer_rc" "$train_rc"
+    [ "$test_rc" = 0 ] && [ "$gemm_rc" = 0 ] && [ "$layer_rc" = 0 ] && [ "$train_rc" = 0 ]
 }
 
 summary() {
-    local results=$1 test_rc=$2 gemm_rc=$3 layer_rc=$4
+    local results=$1 test_rc=$2 gemm_rc=$3 layer_rc=$4 train_rc=$5
     echo
     echo "==================== gpu_check summary ($(($(date +%s) - START)) s) ===================="
     local synth skipped log
@@ -180,8 +194,9 @@ summary() {
         printf "%-14s | %s | skipped %s\n" "$log" "${synth#*Synthesis: }" "$skipped"
     done
     printf "tests   exit %s\n" "$test_rc"
-    printf "gemm    exit %s   layer exit %s\n" "$gemm_rc" "$layer_rc"
-    python3 - "$results/gemm.jsonl" "$results/layer.jsonl" <<'EOF'
+    printf "gemm    exit %s   layer exit %s   train exit %s\n" "$gemm_rc" "$layer_rc" "$train_rc"
+    grep -a "^val_loss .* floor" "$results/train.log" | sed 's/^/train   default model on cuda: /'
+    python3 - "$results/gemm.jsonl" "$results/layer.jsonl" "$results/train.jsonl" <<'EOF'
 import json, sys
 def rows(path):
     out = []
@@ -219,6 +234,10 @@ for r in layer:
     if r.get("phase") in ("layer.fwd+bwd", "experts.fwd+bwd"):
         print(f"layer   {r['shape']:8} {r['routing']:9} {r['phase']:16} {r['gflops']:8.1f} GFLOP/s "
               f"= {r['ratio']:.3f} x sgemm (CPU backend)")
+for r in rows(sys.argv[3]):
+    print(f"train   {r['model']:8} {r['params_m']:8.1f}M params, {r['tokens_per_s']:9.0f} tokens/s, "
+          f"{r['gflops'] / 1e3:6.1f} TFLOP/s = MFU {r['mfu']:.3f} of the measured fp32 GEMM rate "
+          f"{r['gemm_gflops'] / 1e3:.1f} TFLOP/s")
 EOF
     echo "=================================================================================="
 }

@@ -122,7 +122,7 @@ static moe_status write_weights(const char *path, moe_model *model) {
         free(bias_names);
         return moe_error(MOE_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
     }
-    const float *params = moe_model_params(model);
+    const float *params = moe_model_host_params(model);
     for (int64_t i = 0; i < n; i++) {
         const moe_model_tensor *t = moe_model_tensor_at(model, i);
         entries[i] = (moe_st_entry){t->name, params + t->offset, t->ndim, t->shape};
@@ -277,7 +277,7 @@ static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
  * first rank of its group, its moments from every rank of the group when
  * they are sharded, else from the first. Returns how many. */
 static int64_t collect_parts(part *parts, moe_model *model, moe_trainer *trainer) {
-    const float *params = moe_model_params(model);
+    const float *params = moe_model_host_params(model);
     int64_t n = 0;
     for (int64_t i = 0; i < moe_model_tensor_count(model); i++) {
         const moe_model_tensor *t = moe_model_tensor_at(model, i);
@@ -339,7 +339,7 @@ static moe_status check_parts(const gathered *g, const int64_t *meta, int64_t n)
 }
 
 static float *part_destination(const gathered *g, const int64_t *p) {
-    float *base = p[0] == PART_PARAMS ? moe_model_params(g->model) : p[0] == PART_EXP_AVG ? g->m : g->v;
+    float *base = p[0] == PART_PARAMS ? moe_model_host_params(g->model) : p[0] == PART_EXP_AVG ? g->m : g->v;
     return base + moe_model_tensor_at(g->model, p[1])->offset + p[2];
 }
 
@@ -462,6 +462,9 @@ moe_status moe_checkpoint_save(char *path, size_t path_bytes, const char *out_di
     if (st == MOE_OK) st = path_format(old_dir, "%s/.%s.old-%ld", out_dir, name, pid);
     if (st == MOE_OK && strlen(final_dir) >= path_bytes)
         st = moe_error(MOE_ERR_INVALID_ARG, "%s: path does not fit in %zu bytes", final_dir, path_bytes);
+    /* What is written is read on the host. */
+    if (st == MOE_OK) st = moe_model_pull(model);
+    if (st == MOE_OK) st = moe_trainer_pull(trainer);
     st = agree(world, st);
     if (st != MOE_OK) return st;
 
@@ -611,7 +614,7 @@ static moe_status check_unused(const weights_reader *r, int64_t layers) {
 /* Fills s [*count]: the model's tensors, then the biases it has. */
 static moe_status resolve_weights(source *s, int64_t *count, weights_reader *r, moe_model *model) {
     const int64_t L = moe_model_get_config(model)->num_hidden_layers;
-    float *params = moe_model_params(model);
+    float *params = moe_model_host_params(model);
     int64_t n = 0;
     for (int64_t i = 0; i < moe_model_tensor_count(model); i++, n++) {
         const moe_model_tensor *t = moe_model_tensor_at(model, i);
@@ -648,10 +651,13 @@ moe_status moe_checkpoint_load_weights(moe_model *model, const char *dir) {
         s = malloc((size_t)n * sizeof *s);
         if (!r.used || !s) st = moe_error(MOE_ERR_OUT_OF_MEMORY, "%s: out of memory", dir);
     }
+    /* The host copy starts from the model's values (the padding among them). */
+    if (st == MOE_OK) st = moe_model_pull(model);
     if (st == MOE_OK) st = resolve_weights(s, &count, &r, model);
     /* Every rank finds its tensors before any is changed. */
     st = agree(moe_model_world(model), st);
     if (st == MOE_OK) copy_sources(s, count);
+    if (st == MOE_OK) st = agree(moe_model_world(model), moe_model_push(model));
     free(s);
     free(r.used);
     if (d) moe_st_dir_close(d);
@@ -766,11 +772,15 @@ moe_status moe_checkpoint_load_state(moe_trainer *trainer, moe_model *model, moe
         s = malloc((size_t)(2 * moe_model_tensor_count(model)) * sizeof *s);
         st = s ? read_meta(&got, f) : moe_error(MOE_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
     }
+    if (st == MOE_OK) st = moe_trainer_pull(trainer);
     if (st == MOE_OK) st = resolve_moments(s, &count, f, model, trainer);
     /* Every rank finds its moments before any is changed. */
     st = agree(moe_model_world(model), st);
     if (st == MOE_OK) {
         copy_sources(s, count);
+        st = agree(moe_model_world(model), moe_trainer_push(trainer));
+    }
+    if (st == MOE_OK) {
         moe_trainer_set_steps_done(trainer, got.step);
         moe_model_set_jitter_counter(model, got.jitter_counter);
         *state = got;

@@ -51,7 +51,8 @@ struct moe_model {
     int64_t expert_offset;     /* where the second run starts */
     int64_t n_expert;          /* parameters of the second run: this rank's experts */
     int64_t n_init_streams;    /* tensors of the one-rank table so far */
-    float *params, *grads;     /* one allocation each */
+    float *params, *grads;     /* one allocation each, backend memory */
+    float *host_params;        /* the host view of params: params itself when the host sees backend memory */
     moe_layer **moe;           /* [L] */
     moe_layer_offsets *moe_off; /* [L] where each layer's MoE parameters start */
     moe_comm *world, *ep;      /* NULL: one rank */
@@ -316,6 +317,7 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_model_config *cf
     moe_status st = build_tensors(m, &lc);
     if (st == MOE_OK) st = m->ops->alloc((void **)&m->params, (size_t)m->n_params * sizeof(float));
     if (st == MOE_OK) st = m->ops->alloc((void **)&m->grads, (size_t)m->n_params * sizeof(float));
+    if (st == MOE_OK && m->ops->host_visible) m->host_params = m->params;
     if (st == MOE_OK && !(m->moe = calloc((size_t)L, sizeof *m->moe)))
         st = moe_error(MOE_ERR_OUT_OF_MEMORY, "model: %lld layers", (long long)L);
     for (int64_t l = 0; st == MOE_OK && l < L; l++) {
@@ -378,6 +380,7 @@ void moe_model_destroy(moe_model *m) {
     if (m->replicas) moe_comm_free(m->replicas);
     free(m->tensors);
     free(m->layer_first);
+    if (m->host_params != m->params) free(m->host_params);
     if (m->ops) {
         m->ops->release(m->params);
         m->ops->release(m->grads);
@@ -418,6 +421,22 @@ float *moe_model_grads(moe_model *m) { return m->grads; }
 void moe_model_zero_grad(moe_model *m) { m->ops->zero(m->grads, (size_t)m->n_params * sizeof(float)); }
 
 const moe_ops *moe_model_ops(const moe_model *m) { return m->ops; }
+
+float *moe_model_host_params(moe_model *m) { return m->host_params; }
+
+moe_status moe_model_pull(moe_model *m) {
+    const size_t bytes = (size_t)m->n_params * sizeof(float);
+    if (m->ops->host_visible) return m->ops->sync();
+    if (!m->host_params && !(m->host_params = malloc(bytes)))
+        return moe_error(MOE_ERR_OUT_OF_MEMORY, "model: host copy of %lld parameters", (long long)m->n_params);
+    return m->ops->download(m->host_params, m->params, bytes);
+}
+
+moe_status moe_model_push(moe_model *m) {
+    if (m->ops->host_visible) return MOE_OK;
+    if (!m->host_params) return moe_error(MOE_ERR_STATE, "moe_model_push: no moe_model_pull before");
+    return m->ops->upload(m->params, m->host_params, (size_t)m->n_params * sizeof(float));
+}
 
 void moe_model_set_training(moe_model *m, bool training) {
     for (int64_t l = 0; l < m->cfg.num_hidden_layers; l++) moe_layer_set_training(m->moe[l], training);

@@ -67,12 +67,18 @@ const moe_model_tensor *moe_model_find_tensor(const moe_model *model, const char
 /* The length of the parameter and gradient arrays: every tensor, plus the
  * zeros that pad the runs on several ranks (moe_model_run). */
 int64_t moe_model_param_count(const moe_model *model);
-/* The arrays are the backend's memory (moe_model_ops): the host reads them
- * only on a host backend. The trainer and checkpoints still read them on
- * the host, so they need one; the model itself keeps to the op table. */
+/* The arrays are the backend's memory (moe_model_ops): for the op table,
+ * not for the host unless the backend is host_visible. */
 float *moe_model_params(moe_model *model); /* [param_count] */
 float *moe_model_grads(moe_model *model);  /* [param_count] */
 const moe_ops *moe_model_ops(const moe_model *model);
+
+/* The parameters on the host: the array itself on a host-visible backend,
+ * else a host copy that pull refreshes (NULL before the first pull) and
+ * push writes back. Checkpoints read and write parameters here. */
+float *moe_model_host_params(moe_model *model); /* [param_count] */
+moe_status moe_model_pull(moe_model *model);
+moe_status moe_model_push(moe_model *model);
 
 /* The arrays hold two runs: the dense one (embedding, attention, norms,
  * routers, shared experts, head), the same on every rank, then this rank's

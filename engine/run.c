@@ -4,7 +4,6 @@
  * run.json and metrics.jsonl. */
 #include "engine/run.h"
 
-#include <cblas.h>
 #include <math.h>
 #include <omp.h>
 #include <stdarg.h>
@@ -33,8 +32,14 @@
 #define RUN_SYNTH_VAL_STREAM 0x76616c6964ull   /* "valid" */
 #define RUN_CONFIG_MAX_BYTES ((size_t)1 << 20)
 /* sgemm peak: square products of this size for about this long. */
+/* The GEMM peak (MFU's denominator): square products from RUN_PEAK_N,
+ * doubled up to RUN_PEAK_MAX_N until one takes RUN_PEAK_MIN_PRODUCT
+ * seconds, then the best of RUN_PEAK_SECONDS of them. */
 #define RUN_PEAK_N 1024
+#define RUN_PEAK_MAX_N 8192
+#define RUN_PEAK_MIN_PRODUCT 0.005
 #define RUN_PEAK_SECONDS 0.3
+#define RUN_PEAK_CHUNK ((int64_t)1 << 20)
 
 #define N_KINDS MOE_SYNTH_KIND_COUNT
 
@@ -150,26 +155,55 @@ static double now_seconds(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-moe_status moe_measure_sgemm_gflops(double *gflops) {
-    const int n = RUN_PEAK_N;
-    float *a = malloc((size_t)3 * n * n * sizeof(float));
-    if (!a) return moe_error(MOE_ERR_OUT_OF_MEMORY, "sgemm peak: %d x %d matrices", n, n);
-    float *b = a + (size_t)n * n, *c = b + (size_t)n * n;
-    for (size_t i = 0; i < (size_t)2 * n * n; i++) a[i] = (float)(i % 7) * 0.125f - 0.375f;
-    /* The first product pays for thread start-up and page faults. */
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, n, n, 1.0f, a, n, b, n, 0.0f, c, n);
+/* Fills a backend array [n] with a fixed pattern, RUN_PEAK_CHUNK values at a
+ * time: no host array of the whole size. */
+static moe_status fill_pattern(const moe_ops *ops, float *dst, int64_t n, float *chunk) {
+    for (int64_t i = 0; i < RUN_PEAK_CHUNK; i++) chunk[i] = (float)(i % 7) * 0.125f - 0.375f;
+    for (int64_t at = 0; at < n; at += RUN_PEAK_CHUNK) {
+        const int64_t len = n - at < RUN_PEAK_CHUNK ? n - at : RUN_PEAK_CHUNK;
+        MOE_TRY(ops->upload(dst + at, chunk, (size_t)len * sizeof(float)));
+    }
+    return MOE_OK;
+}
+
+/* The best of RUN_PEAK_SECONDS of n x n x n products in GFLOP/s, or 0 when
+ * one product takes under RUN_PEAK_MIN_PRODUCT seconds (too short to time
+ * well) and a larger n may still be tried. */
+static moe_status time_products(const moe_ops *ops, int64_t n, bool last, double *gflops, float *chunk) {
+    float *a = NULL;
+    MOE_TRY(ops->alloc((void **)&a, (size_t)(3 * n * n) * sizeof(float)));
+    float *b = a + n * n, *c = b + n * n;
+    moe_status st = fill_pattern(ops, a, 2 * n * n, chunk);
+    /* The first product pays for thread start-up, page faults and plans. */
+    if (st == MOE_OK) ops->gemm(c, a, b, n, n, n, n, n, n, false, true, 1.0f, 0.0f);
+    if (st == MOE_OK) st = ops->sync();
     double best = INFINITY;
     const double start = now_seconds();
-    do {
+    while (st == MOE_OK) {
         const double t0 = now_seconds();
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, n, n, 1.0f, a, n, b, n, 0.0f, c, n);
-        const double dt = now_seconds() - t0;
-        if (dt < best) best = dt;
-    } while (now_seconds() - start < RUN_PEAK_SECONDS);
-    free(a);
+        ops->gemm(c, a, b, n, n, n, n, n, n, false, true, 1.0f, 0.0f);
+        st = ops->sync();
+        const double t1 = now_seconds();
+        if (t1 - t0 < best) best = t1 - t0;
+        if ((best < RUN_PEAK_MIN_PRODUCT && !last) || t1 - start >= RUN_PEAK_SECONDS) break;
+    }
+    ops->release(a);
     /* The best product, not the mean: the machine may be shared, and the
-     * peak is what an uncontended core can do. */
-    *gflops = 2.0 * (double)n * n * n / best * 1e-9;
+     * peak is what an uncontended device can do. */
+    *gflops = best < RUN_PEAK_MIN_PRODUCT && !last ? 0.0 : 2.0 * (double)n * n * n / best * 1e-9;
+    return st;
+}
+
+moe_status moe_measure_gemm_gflops(const moe_ops *ops, double *gflops) {
+    float *chunk = malloc(RUN_PEAK_CHUNK * sizeof *chunk);
+    if (!chunk) return moe_error(MOE_ERR_OUT_OF_MEMORY, "gemm peak: staging");
+    moe_status st = MOE_OK;
+    *gflops = 0.0;
+    /* A GPU needs far larger products than a CPU core to reach its peak. */
+    for (int64_t n = RUN_PEAK_N; st == MOE_OK && *gflops == 0.0 && n <= RUN_PEAK_MAX_N; n *= 2)
+        st = time_products(ops, n, 2 * n > RUN_PEAK_MAX_N, gflops, chunk);
+    free(chunk);
+    if (st != MOE_OK) return moe_error_prefix(st, "gemm peak on %s: ", ops->name);
     return MOE_OK;
 }
 
@@ -231,6 +265,7 @@ typedef struct run {
     moe_comm *world;       /* NULL on one process */
     moe_grid grid;
     int rank, ranks;       /* in the data-parallel world */
+    moe_device_handle device; /* the backend the model runs on */
     moe_model *model;
     moe_trainer *trainer;
     double peak_gflops;
@@ -337,12 +372,14 @@ static moe_status build_model(run *r) {
             {"--zero", (double)o->zero},             {"--lr", o->lr},
             {"--eval-every", (double)o->eval_every}, {"--eval-batches", (double)o->eval_batches},
             {"--save-every", (double)o->save_every}, {"--shuffle", (double)o->shuffle},
+            {"--device", (double)o->device},
         };
         for (size_t i = 0; i < sizeof options / sizeof options[0]; i++) fields[n++] = options[i];
         MOE_TRY(moe_grid_agree(r->world, fields, n));
     }
-    const moe_model_parallel par = moe_grid_model_parallel(&r->grid);
-    MOE_TRY(moe_model_create_parallel(&r->model, &r->cfg, o->batch_size, o->seq_len, o->seed, r->world ? &par : NULL));
+    moe_model_parallel par = moe_grid_model_parallel(&r->grid);
+    par.ops = r->device.ops;
+    MOE_TRY(moe_model_create_parallel(&r->model, &r->cfg, o->batch_size, o->seq_len, o->seed, &par));
     moe_model_set_overlap(r->model, o->overlap);
     const char *weights = o->init_from ? o->init_from : o->resume;
     if (weights) {
@@ -435,6 +472,7 @@ static void write_options(moe_json_writer *w, const moe_run_options *o) {
     moe_json_key(w, "warmup");
     moe_json_int(w, o->warmup);
     json_opt_string(w, "lr_schedule", moe_lr_schedule_name(o->lr_schedule));
+    json_opt_string(w, "device", moe_device_name(o->device));
     moe_json_key(w, "weight_decay");
     moe_json_number(w, o->weight_decay);
     moe_json_key(w, "grad_clip");
@@ -493,6 +531,7 @@ static moe_status write_run_json(run *r, const moe_run_summary *s, const moe_jso
     moe_json_bool(&w, s->peak_measured);
     moe_json_key(&w, "threads");
     moe_json_int(&w, s->threads);
+    json_opt_string(&w, "device", s->device);
     moe_json_key(&w, "ranks");
     moe_json_int(&w, s->ranks);
     moe_json_key(&w, "optimizer_bytes_per_rank");
@@ -673,6 +712,7 @@ static bool due(int64_t step, int64_t every, int64_t last) { return step == last
 static moe_status run_body(run *r, double start) {
     const moe_run_options *o = r->o;
     MOE_TRY(open_data(r));
+    MOE_TRY(moe_device_open(&r->device, o->device, r->ranks));
     MOE_TRY(build_model(r));
     const int64_t L = r->cfg.num_hidden_layers, E = r->cfg.num_local_experts;
     r->kinds = (moe_run_kind_report){.n_layers = L, .n_experts = E, .top_k = r->cfg.num_experts_per_tok};
@@ -687,7 +727,7 @@ static moe_status run_body(run *r, double start) {
         if (o->eval_only)
             r->peak_gflops = NAN;
         else
-            MOE_TRY(moe_measure_sgemm_gflops(&r->peak_gflops));
+            MOE_TRY(moe_measure_gemm_gflops(r->device.ops, &r->peak_gflops));
     }
     /* MFU on a grid: the job's FLOPs over every rank's peak. */
     if (r->world && isfinite(r->peak_gflops))
@@ -705,6 +745,8 @@ static moe_status run_body(run *r, double start) {
         .peak_measured = o->peak_gflops == 0.0 && !o->eval_only,
         .entropy_floor = r->entropy_floor,
         .threads = omp_get_max_threads(),
+        .device = r->device.desc,
+        .device_note = r->device.note[0] ? r->device.note : NULL,
         .rank = r->rank,
         .ranks = r->ranks,
         .ep = o->ep,
@@ -774,6 +816,7 @@ moe_status moe_run(const moe_run_options *opts, const moe_run_callbacks *callbac
     free(r.routing);
     moe_trainer_destroy(r.trainer);
     moe_model_destroy(r.model);
+    moe_device_close(&r.device);
     close_source(&r.train);
     close_source(&r.val);
     if (r.world) {

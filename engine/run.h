@@ -37,9 +37,11 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "engine/device.h"
 #include "engine/model_config.h"
 #include "engine/synthetic.h"
 #include "engine/trainer.h"
+#include "kernels/ops.h"
 #include "moe.h"
 
 #define MOE_RUN_SYNTHETIC "synthetic"
@@ -80,6 +82,7 @@ typedef struct moe_run_options {
     int zero;              /* --zero 1: AdamW state sharded over each parameter's replicas */
     double comm_timeout;   /* --comm-timeout seconds a collective may wait for a peer */
     bool overlap;          /* --overlap: each expert runs as soon as its rows arrive */
+    moe_device device;     /* --device */
     const char *command_line; /* recorded in run.json; may be NULL */
 } moe_run_options;
 
@@ -99,9 +102,10 @@ moe_status moe_run_options_validate(const moe_run_options *opts);
 const char *moe_lr_schedule_name(moe_lr_schedule schedule);
 moe_status moe_lr_schedule_parse(moe_lr_schedule *schedule, const char *name);
 
-/* The sgemm rate of this machine in GFLOP/s: the best of ~0.3 s of square
- * single-precision products on all OpenMP threads. */
-moe_status moe_measure_sgemm_gflops(double *gflops);
+/* The fp32 GEMM rate of a backend in GFLOP/s through its op table: the best
+ * of ~0.3 s of square products, large enough to time (all OpenMP threads on
+ * the CPU). */
+moe_status moe_measure_gemm_gflops(const moe_ops *ops, double *gflops);
 
 /* ------------------------------------------------------------- reports */
 
@@ -116,6 +120,8 @@ typedef struct moe_run_summary {
     bool peak_measured;      /* false when given by --peak-gflops or not needed */
     double entropy_floor;    /* of the validation targets; NAN unless synthetic */
     int threads;
+    const char *device;      /* the backend the model runs on: "cpu", "cuda: NVIDIA H200 (sm_90, 132 SMs)" */
+    const char *device_note; /* why --device auto chose the CPU, or NULL */
     int rank, ranks, ep;     /* this process in the grid; 0, 1, 1 on one process */
     int64_t optimizer_bytes; /* AdamW state held by each rank */
     const char *train_data;  /* what was opened */

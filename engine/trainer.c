@@ -17,7 +17,8 @@ typedef struct optim_run {
     moe_model_run run;
     moe_comm *group;       /* the run's group when its state is sharded; NULL: kept whole */
     int64_t block;         /* sharded: padded / group size, this rank's share of the run */
-    moe_optim_shard shard; /* the parameters this rank updates and their moments */
+    moe_optim_shard shard; /* the parameters this rank updates and the host view of their moments */
+    float *m, *v;          /* the moments in backend memory */
     int64_t state_at;      /* where its moments start in each half of state */
     int64_t grad_at;       /* where its block starts in grad_blocks */
     float *grad;           /* [block] summed by the reduce-scatter when sharded, else the model's
@@ -32,8 +33,10 @@ struct moe_trainer {
     optim_run runs[MOE_RUN_COUNT];
     bool sharded;        /* some run is */
     int64_t state_count; /* moments of each kind this rank keeps */
-    float *state;        /* [2 * state_count]: m, then v */
-    float *grad_blocks;  /* [sum of the sharded runs' blocks]; NULL when none is */
+    float *state;        /* [2 * state_count]: m, then v, backend memory */
+    float *host_state;   /* its host view: state itself when the host sees backend memory */
+    float *grad_blocks;  /* [sum of the sharded runs' blocks], backend memory; NULL when none is */
+    double *sumsq;       /* [MOE_RUN_COUNT] backend memory */
     int32_t *inputs;     /* [B, T] */
     int32_t *targets;    /* [B, T] */
 };
@@ -108,8 +111,10 @@ static void carve_runs(moe_trainer *t) {
     float *grads = moe_model_grads(t->model);
     for (int r = 0; r < MOE_RUN_COUNT; r++) {
         optim_run *o = &t->runs[r];
-        o->shard.m = t->state + o->state_at;
-        o->shard.v = t->state + t->state_count + o->state_at;
+        o->m = t->state + o->state_at;
+        o->v = t->state + t->state_count + o->state_at;
+        o->shard.m = t->host_state ? t->host_state + o->state_at : NULL;
+        o->shard.v = t->host_state ? t->host_state + t->state_count + o->state_at : NULL;
         o->grad = o->group ? t->grad_blocks + o->grad_at : grads + o->shard.begin;
     }
 }
@@ -122,16 +127,18 @@ moe_status moe_trainer_create(moe_trainer **out, moe_model *model, const moe_opt
     if (!t) return moe_error(MOE_ERR_OUT_OF_MEMORY, "trainer: struct");
     t->model = model;
     t->cfg = *cfg;
-    t->ops = moe_cpu_ops();
+    t->ops = moe_model_ops(model);
     const int64_t BT = moe_model_batch_size(model) * moe_model_seq_len(model);
     const int64_t grad_blocks = plan_runs(t);
-    t->state = calloc((size_t)(2 * t->state_count), sizeof(float));
-    t->grad_blocks = grad_blocks ? calloc((size_t)grad_blocks, sizeof(float)) : NULL;
+    moe_status st = t->ops->alloc((void **)&t->state, (size_t)(2 * t->state_count) * sizeof(float));
+    if (st == MOE_OK && grad_blocks) st = t->ops->alloc((void **)&t->grad_blocks, (size_t)grad_blocks * sizeof(float));
+    if (st == MOE_OK) st = t->ops->alloc((void **)&t->sumsq, MOE_RUN_COUNT * sizeof(double));
+    t->host_state = t->ops->host_visible ? t->state : NULL;
     t->inputs = calloc((size_t)(2 * BT), sizeof(int32_t));
-    if (!t->state || (grad_blocks && !t->grad_blocks) || !t->inputs) {
+    if (st != MOE_OK || !t->inputs) {
         moe_trainer_destroy(t);
-        return moe_error(MOE_ERR_OUT_OF_MEMORY, "trainer: AdamW state for %lld parameters",
-                         (long long)t->state_count);
+        return st != MOE_OK ? moe_error_prefix(st, "trainer: AdamW state for %lld parameters: ", (long long)t->state_count)
+                            : moe_error(MOE_ERR_OUT_OF_MEMORY, "trainer: batch of %lld tokens", (long long)BT);
     }
     t->targets = t->inputs + BT;
     carve_runs(t);
@@ -141,16 +148,35 @@ moe_status moe_trainer_create(moe_trainer **out, moe_model *model, const moe_opt
 
 void moe_trainer_destroy(moe_trainer *t) {
     if (!t) return;
-    free(t->state);
-    free(t->grad_blocks);
+    if (t->host_state != t->state) free(t->host_state);
+    t->ops->release(t->state);
+    t->ops->release(t->grad_blocks);
+    t->ops->release(t->sumsq);
     free(t->inputs);
     free(t);
 }
 
 int64_t moe_trainer_steps_done(const moe_trainer *t) { return t->steps_done; }
 void moe_trainer_set_steps_done(moe_trainer *t, int64_t steps) { t->steps_done = steps; }
-float *moe_trainer_adam_m(moe_trainer *t) { return t->sharded ? NULL : t->state; }
-float *moe_trainer_adam_v(moe_trainer *t) { return t->sharded ? NULL : t->state + t->state_count; }
+float *moe_trainer_adam_m(moe_trainer *t) { return t->sharded ? NULL : t->host_state; }
+float *moe_trainer_adam_v(moe_trainer *t) { return t->sharded || !t->host_state ? NULL : t->host_state + t->state_count; }
+
+moe_status moe_trainer_pull(moe_trainer *t) {
+    const size_t bytes = (size_t)(2 * t->state_count) * sizeof(float);
+    if (t->ops->host_visible) return t->ops->sync();
+    if (!t->host_state) {
+        if (!(t->host_state = malloc(bytes ? bytes : 1)))
+            return moe_error(MOE_ERR_OUT_OF_MEMORY, "trainer: host copy of %zu bytes of AdamW state", bytes);
+        carve_runs(t);
+    }
+    return t->ops->download(t->host_state, t->state, bytes);
+}
+
+moe_status moe_trainer_push(moe_trainer *t) {
+    if (t->ops->host_visible) return MOE_OK;
+    if (!t->host_state) return moe_error(MOE_ERR_STATE, "moe_trainer_push: no moe_trainer_pull before");
+    return t->ops->upload(t->state, t->host_state, (size_t)(2 * t->state_count) * sizeof(float));
+}
 moe_optim_shard moe_trainer_shard(moe_trainer *t, moe_model_run_id run) { return t->runs[run].shard; }
 int64_t moe_trainer_optimizer_bytes(const moe_trainer *t) { return 2 * t->state_count * (int64_t)sizeof(float); }
 
@@ -204,7 +230,7 @@ static moe_status gather_params(moe_trainer *t) {
     for (int r = 0; r < MOE_RUN_COUNT && st == MOE_OK; r++) {
         optim_run *o = &t->runs[r];
         if (!o->group) continue;
-        memcpy(o->grad, params + o->shard.begin, (size_t)o->block * sizeof(float));
+        t->ops->copy(o->grad, params + o->shard.begin, (size_t)o->block * sizeof(float));
         reqs[n] = (moe_comm_request)MOE_COMM_REQUEST_INIT;
         st = moe_comm_iallgather(o->group, &reqs[n++], params + o->run.offset, o->grad, o->block, MOE_COMM_F32);
     }
@@ -216,13 +242,13 @@ static moe_status gather_params(moe_trainer *t) {
  * cover every parameter once. */
 static moe_status grad_sumsq(moe_trainer *t, double *out) {
     if (!t->sharded) return moe_model_grad_sumsq(t->model, out);
-    double total = 0.0;
+    double parts[MOE_RUN_COUNT], total = 0.0;
     for (int r = 0; r < MOE_RUN_COUNT; r++) {
         const optim_run *o = &t->runs[r];
-        double part;
-        t->ops->sumsq(&part, o->grad, o->shard.end - o->shard.begin);
-        total += part;
+        t->ops->sumsq(&t->sumsq[r], o->grad, o->shard.end - o->shard.begin);
     }
+    MOE_TRY(t->ops->download(parts, t->sumsq, sizeof parts));
+    for (int r = 0; r < MOE_RUN_COUNT; r++) total += parts[r];
     moe_comm *world = moe_model_world(t->model);
     if (world) MOE_TRY(moe_comm_allreduce_sum(world, &total, 1, MOE_COMM_F64));
     *out = total;
@@ -245,7 +271,7 @@ static void update(moe_trainer *t, float lr) {
             const int64_t b = tensor->offset + tensor->numel < s->end ? tensor->offset + tensor->numel : s->end;
             if (a >= b) continue;
             const int64_t k = a - s->begin;
-            t->ops->adamw(params + a, s->m + k, s->v + k, o->grad + k, b - a, lr, (float)c->beta1, (float)c->beta2,
+            t->ops->adamw(params + a, o->m + k, o->v + k, o->grad + k, b - a, lr, (float)c->beta1, (float)c->beta2,
                           (float)c->eps, tensor->decay ? (float)c->weight_decay : 0.0f, adam_t);
         }
     }
@@ -294,16 +320,13 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
      * because of eps, so the scaling is applied to the gradients themselves. */
     if (c->grad_clip > 0.0 && norm > c->grad_clip) {
         const float scale = (float)(c->grad_clip / norm);
-        for (int r = 0; r < MOE_RUN_COUNT; r++) {
-            float *g = t->runs[r].grad;
-            const int64_t n = t->runs[r].shard.end - t->runs[r].shard.begin;
-#pragma omp parallel for schedule(static)
-            for (int64_t i = 0; i < n; i++) g[i] *= scale;
-        }
+        for (int r = 0; r < MOE_RUN_COUNT; r++)
+            t->ops->scale(t->runs[r].grad, scale, t->runs[r].shard.end - t->runs[r].shard.begin);
     }
     const double lr = moe_lr_at(c, t->steps_done);
     update(t, (float)lr);
     if (t->sharded) MOE_TRY(gather_params(t));
+    MOE_TRY(t->ops->sync());
     t->steps_done++;
     if (metrics) {
         const double a = (double)c->grad_accum;

@@ -83,6 +83,13 @@ void moe_trainer_set_steps_done(moe_trainer *trainer, int64_t steps);
 float *moe_trainer_adam_m(moe_trainer *trainer);
 float *moe_trainer_adam_v(moe_trainer *trainer);
 
+/* The moments live in the model's backend memory; adam_m, adam_v and the
+ * m, v of moe_trainer_shard are their host view: the arrays themselves on a
+ * host-visible backend, else a copy that pull refreshes (NULL before the
+ * first pull) and push writes back. */
+moe_status moe_trainer_pull(moe_trainer *trainer);
+moe_status moe_trainer_push(moe_trainer *trainer);
+
 /* The AdamW state this rank keeps for one run of the model's arrays: the
  * moments of parameters [begin, end). Unsharded, that is the whole run, and
  * every rank of the run's group keeps the same (shared); sharded, this rank's

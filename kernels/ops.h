@@ -64,6 +64,10 @@ typedef struct moe_expert_group {
 
 typedef struct moe_ops {
     const char *name;
+    /* The host may read and write this backend's memory directly (the
+     * CPU): a caller that needs values on the host may then use the arrays
+     * themselves instead of downloaded copies. */
+    bool host_visible;
 
     /* Memory. alloc gives zero-filled memory aligned to 256 bytes, or
      * MOE_ERR_OUT_OF_MEMORY naming the size; release(NULL) is a no-op.
@@ -165,6 +169,8 @@ typedef struct moe_ops {
                                   const float *dloss, int64_t N, int64_t V);
     void (*residual_forward)(float *out, const float *a, const float *b, int64_t n);
     void (*residual_backward)(float *da, float *db, const float *dout, int64_t n);
+    /* x[i] *= alpha. */
+    void (*scale)(float *x, float alpha, int64_t n);
     /* out[i] = a[i] * b[i]; out may be a or b. */
     void (*multiply)(float *out, const float *a, const float *b, int64_t n);
     void (*adamw)(float *params, float *m, float *v, const float *grads, int64_t n, float lr, float beta1,

@@ -19,6 +19,7 @@
  * same tests skip with "built without CUDA". */
 #include <criterion/criterion.h>
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -1054,17 +1055,19 @@ Test(cuda, table_fills_every_entry) {
     table_begin();
     cr_expect(gpu->name && strcmp(gpu->name, "cuda") == 0, "table name %s",
               gpu->name ? gpu->name : "(null)");
-    /* Every member after name is a function pointer, so the table is an
-     * array of pointer-sized slots; an entry added to ops.h is checked
-     * without being named here. */
+    cr_expect(!gpu->host_visible, "device memory is said to be host-visible");
+    /* Every member from alloc on is a function pointer, so that part of the
+     * table is an array of pointer-sized slots; an entry added to ops.h is
+     * checked without being named here. */
     typedef void (*any_fn)(void);
-    cr_assert(sizeof(moe_ops) % sizeof(any_fn) == 0 && sizeof(any_fn) == sizeof(const char *),
-              "moe_ops is not a name followed by function pointers");
-    const size_t n = sizeof(moe_ops) / sizeof(any_fn);
-    for (size_t i = 1; i < n; i++) {
+    const size_t first = offsetof(moe_ops, alloc);
+    cr_assert((sizeof(moe_ops) - first) % sizeof(any_fn) == 0 && first % sizeof(any_fn) == 0,
+              "moe_ops is not name, host_visible, then function pointers");
+    const size_t n = (sizeof(moe_ops) - first) / sizeof(any_fn);
+    for (size_t i = 0; i < n; i++) {
         any_fn f;
-        memcpy(&f, (const char *)gpu + i * sizeof f, sizeof f);
-        cr_expect(f != NULL, "moe_cuda_ops(): member %zu of %zu in ops.h order (name is 0) is NULL",
+        memcpy(&f, (const char *)gpu + first + i * sizeof f, sizeof f);
+        cr_expect(f != NULL, "moe_cuda_ops(): function %zu of %zu in ops.h order (alloc is 0) is NULL",
                   i, n);
     }
     table_end();

@@ -299,6 +299,42 @@ Test(train_run, resume_is_bitwise_identical, .init = make_tmp, .fini = remove_tm
     cr_expect(strstr(moe_last_error(), "--seed") != NULL, "message: %s", moe_last_error());
 }
 
+/* The whole run on memory the host may touch only inside an op (--device
+ * cpu-strict): training, evaluation, checkpoints and a resume all go
+ * through the op table as a GPU needs, and give the CPU run's bytes. */
+Test(train_run, strict_device_gives_the_cpu_bytes, .init = make_tmp, .fini = remove_tmp) {
+    char cfg[512], out[3][512], a[512], b[512];
+    write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE);
+    moe_run_options o = tiny_options(cfg, tmp_path(out[0], "cpu"));
+    o.shuffle = true;
+    o.eval_every = 5;
+    o.save_every = 5;
+    o.device = MOE_DEVICE_CPU;
+    seen cpu, strict;
+    run_ok(&o, &cpu);
+    o.device = MOE_DEVICE_STRICT;
+    o.out_dir = tmp_path(out[1], "strict");
+    run_ok(&o, &strict);
+    cr_expect(strict.end_val == cpu.end_val, "val_loss %.9g on cpu-strict, %.9g on cpu", strict.end_val, cpu.end_val);
+
+    char resume[512];
+    o.out_dir = tmp_path(out[2], "resumed");
+    o.config = NULL;
+    o.resume = tmp_path(resume, "strict/step-000005");
+    run_ok(&o, &strict);
+    cr_assert_eq(strict.steps, 5, "resumed run took %d steps, want 5", strict.steps);
+    static const char *const runs[] = {"strict", "resumed"};
+    static const char *const files[] = {"model.safetensors", "train_state.safetensors"};
+    for (int r = 0; r < 2; r++)
+        for (int f = 0; f < 2; f++) {
+            char name_a[96], name_b[96];
+            snprintf(name_a, sizeof name_a, "cpu/step-000010/%s", files[f]);
+            snprintf(name_b, sizeof name_b, "%s/step-000010/%s", runs[r], files[f]);
+            cr_expect(same_file(tmp_path(a, name_a), tmp_path(b, name_b)), "%s of the %s run differs from the cpu run's",
+                      files[f], runs[r]);
+        }
+}
+
 Test(train_run, eval_only_matches_final_eval, .init = make_tmp, .fini = remove_tmp) {
     char cfg[512], out[512];
     moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE), tmp_path(out, "out"));
@@ -454,6 +490,6 @@ Test(train_run, missing_data_names_flag_and_file, .init = make_tmp, .fini = remo
 
 Test(train_run, sgemm_peak_is_measured) {
     double gflops = 0.0;
-    cr_assert_eq(moe_measure_sgemm_gflops(&gflops), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(moe_measure_gemm_gflops(moe_cpu_ops(), &gflops), MOE_OK, "%s", moe_last_error());
     cr_expect(gflops > 0.1 && gflops < 1e6, "sgemm peak %g GFLOP/s", gflops);
 }

@@ -73,8 +73,13 @@ static void print_help(void) {
            "                       the result matches an uninterrupted run bit for bit\n\n",
            (long long)d.eval_every, (long long)d.eval_batches, d.out_dir, (long long)d.save_every);
     printf("Performance:\n"
+           "  --device D           auto: CUDA when a GPU answers on one process, else the CPU\n"
+           "                       (default); cpu; cuda; cpu-strict: the CPU kernels on memory\n"
+           "                       the host may touch only inside an op (slow; checks that the\n"
+           "                       run keeps to the op table, as a GPU needs)\n"
            "  --threads N          OpenMP (and OpenBLAS) threads; 0 = all cores (default)\n"
-           "  --peak-gflops X      the MFU denominator; 0 = measure sgemm at start-up (default)\n\n"
+           "  --peak-gflops X      the MFU denominator; 0 = measure the device's fp32 GEMM at\n"
+           "                       start-up (default)\n\n"
            "Parallel (run under mpirun; every rank gets the same flags):\n"
            "  --ep P               split each layer's experts over groups of P consecutive ranks;\n"
            "                       the ranks are data-parallel, --batch-size is per rank (default 1)\n"
@@ -130,7 +135,7 @@ static int parse_seed(uint64_t *out, const char *flag, const char *s) {
     return 0;
 }
 
-typedef enum { F_STRING, F_INT, F_REAL, F_SEED, F_THREADS, F_SMALL, F_SCHEDULE, F_SWITCH } flag_kind;
+typedef enum { F_STRING, F_INT, F_REAL, F_SEED, F_THREADS, F_SMALL, F_SCHEDULE, F_DEVICE, F_SWITCH } flag_kind;
 
 typedef struct flag {
     const char *name;
@@ -154,12 +159,13 @@ static const flag flags[] = {
     {"--shuffle", F_SWITCH, OPT(shuffle)},       {"--peak-gflops", F_REAL, OPT(peak_gflops)},
     {"--ep", F_SMALL, OPT(ep)},                  {"--zero", F_SMALL, OPT(zero)},
     {"--comm-timeout", F_REAL, OPT(comm_timeout)}, {"--overlap", F_SWITCH, OPT(overlap)},
+    {"--device", F_DEVICE, OPT(device)},
 };
 #undef OPT
 
 static int set_flag(moe_run_options *o, const flag *f, const char *value) {
     void *field = (char *)o + f->offset;
-    int64_t i;
+    int64_t i = 0;
     switch (f->kind) {
     case F_STRING: *(const char **)field = value; return 0;
     case F_INT: return parse_int(field, f->name, value);
@@ -177,6 +183,9 @@ static int set_flag(moe_run_options *o, const flag *f, const char *value) {
         return 0;
     case F_SCHEDULE:
         if (moe_lr_schedule_parse(field, value) != MOE_OK) return usage_error("%s", moe_last_error());
+        return 0;
+    case F_DEVICE:
+        if (moe_device_parse(field, value) != MOE_OK) return usage_error("%s", moe_last_error());
         return 0;
     case F_SWITCH: *(bool *)field = true; return 0;
     }
@@ -274,9 +283,10 @@ static void on_start(void *ctx, const moe_run_summary *s) {
     if (s->train_data) printf("train    %s\n", s->train_data);
     printf("val      %s, %lld batches\n", s->val_data, (long long)o->eval_batches);
     if (!isnan(s->entropy_floor)) printf("floor    %.4f nats per token (the best achievable val loss)\n", s->entropy_floor);
-    printf("machine  %d threads", s->threads);
+    if (s->device_note) printf("%s\n", s->device_note);
+    printf("device   %s, %d threads", s->device, s->threads);
     if (!isnan(s->peak_gflops))
-        printf(", sgemm peak %.1f GFLOP/s (%s)", s->peak_gflops, s->peak_measured ? "measured" : "--peak-gflops");
+        printf(", fp32 GEMM peak %.1f GFLOP/s (%s)", s->peak_gflops, s->peak_measured ? "measured" : "--peak-gflops");
     printf("\n");
     if (s->ranks > 1)
         printf("grid     %d ranks: %d data-parallel, experts split over groups of %d; AdamW state %.2f MB per rank%s\n",

@@ -47,6 +47,7 @@ static void cpu_rmsnorm_backward(float *dinp, float *dweight, const float *dout,
 
 static const moe_ops cpu_ops = {
     .name = "cpu",
+    .host_visible = true,
     .alloc = cpu_alloc,
     .release = cpu_release,
     .upload = cpu_upload,
@@ -81,6 +82,7 @@ static const moe_ops cpu_ops = {
     .crossentropy_backward = moe_cpu_crossentropy_backward,
     .residual_forward = moe_cpu_residual_forward,
     .residual_backward = moe_cpu_residual_backward,
+    .scale = moe_cpu_scale,
     .multiply = moe_cpu_multiply,
     .adamw = moe_cpu_adamw,
     .sumsq = moe_cpu_sumsq,

@@ -204,6 +204,11 @@ void moe_cpu_residual_backward(float *da, float *db, const float *dout, int64_t 
     }
 }
 
+void moe_cpu_scale(float *x, float alpha, int64_t n) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; i++) x[i] *= alpha;
+}
+
 void moe_cpu_multiply(float *out, const float *a, const float *b, int64_t n) {
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n; i++) out[i] = a[i] * b[i];

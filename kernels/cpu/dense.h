@@ -125,6 +125,9 @@ void moe_cpu_residual_forward(float *out, const float *a, const float *b, int64_
 /* da += dout; db += dout. */
 void moe_cpu_residual_backward(float *da, float *db, const float *dout, int64_t n);
 
+/* x [n] *= alpha (gradient clipping). */
+void moe_cpu_scale(float *x, float alpha, int64_t n);
+
 /* out [n] = a * b elementwise (the router's jitter); out may alias a or b. */
 void moe_cpu_multiply(float *out, const float *a, const float *b, int64_t n);
 

@@ -145,6 +145,7 @@ STRICT(crossentropy_backward,
        (dlogits, logits, lse, targets, dloss, N, V))
 STRICT(residual_forward, (float *out, const float *a, const float *b, int64_t n), (out, a, b, n))
 STRICT(residual_backward, (float *da, float *db, const float *dout, int64_t n), (da, db, dout, n))
+STRICT(scale, (float *x, float alpha, int64_t n), (x, alpha, n))
 STRICT(multiply, (float *out, const float *a, const float *b, int64_t n), (out, a, b, n))
 STRICT(adamw,
        (float *params, float *m, float *v, const float *grads, int64_t n, float lr, float beta1, float beta2,
@@ -193,6 +194,7 @@ const moe_ops *moe_strict_ops(void) {
             .crossentropy_backward = strict_crossentropy_backward,
             .residual_forward = strict_residual_forward,
             .residual_backward = strict_residual_backward,
+            .scale = strict_scale,
             .multiply = strict_multiply,
             .adamw = strict_adamw,
             .sumsq = strict_sumsq,

@@ -274,6 +274,10 @@ static void table_residual_backward(float *da, float *db, const float *dout, int
     RUN("residual_backward", moe_cuda_residual_backward(da, db, dout, n, bound.ctx));
 }
 
+static void table_scale(float *x, float alpha, int64_t n) {
+    RUN("scale", moe_cuda_scale(x, alpha, n, bound.ctx));
+}
+
 static void table_multiply(float *out, const float *a, const float *b, int64_t n) {
     RUN("multiply", moe_cuda_multiply(out, a, b, n, bound.ctx));
 }
@@ -296,6 +300,7 @@ static moe_ops make_table(void) {
     moe_ops t;
     memset(&t, 0, sizeof t);
     t.name = "cuda";
+    t.host_visible = false;
     t.alloc = table_alloc;
     t.release = table_release;
     t.upload = table_upload;
@@ -330,6 +335,7 @@ static moe_ops make_table(void) {
     t.crossentropy_backward = table_crossentropy_backward;
     t.residual_forward = table_residual_forward;
     t.residual_backward = table_residual_backward;
+    t.scale = table_scale;
     t.multiply = table_multiply;
     t.adamw = table_adamw;
     t.sumsq = table_sumsq;

@@ -321,6 +321,17 @@ extern "C" moe_status moe_cuda_residual_backward(float *da, float *db, const flo
     return MOE_OK;
 }
 
+static __global__ void scale_kernel(float *x, float alpha, int64_t n) {
+    GRID_STRIDE(i, n) x[i] *= alpha;
+}
+
+extern "C" moe_status moe_cuda_scale(float *x, float alpha, int64_t n, moe_cuda_ctx *ctx) {
+    if (n <= 0) return MOE_OK;
+    scale_kernel<<<grid_for(n, ctx), MOE_CUDA_THREADS, 0, ctx->stream>>>(x, alpha, n);
+    MOE_CUDA_CHECK(cudaGetLastError());
+    return MOE_OK;
+}
+
 static __global__ void multiply_kernel(float *out, const float *a, const float *b, int64_t n) {
     GRID_STRIDE(i, n) out[i] = a[i] * b[i];
 }

@@ -1,0 +1,76 @@
+/* device.c: --device, from a name to an op table and its context. */
+#include "engine/device.h"
+
+#include <stdbool.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "common/status.h"
+#include "kernels/cuda/cuda_ops.h"
+
+static const char *const device_names[] = {"auto", "cpu", "cuda", "cpu-strict"};
+#define N_DEVICES (sizeof device_names / sizeof *device_names)
+
+const char *moe_device_name(moe_device d) { return (unsigned)d < N_DEVICES ? device_names[d] : "?"; }
+
+moe_status moe_device_parse(moe_device *d, const char *name) {
+    for (size_t i = 0; name && i < N_DEVICES; i++)
+        if (strcmp(name, device_names[i]) == 0) {
+            *d = (moe_device)i;
+            return MOE_OK;
+        }
+    return moe_error(MOE_ERR_CONFIG, "--device '%s': expected auto, cpu, cuda or cpu-strict", name ? name : "");
+}
+
+/* Whether CUDA can serve a job of ranks processes; why not in why. */
+static bool cuda_usable(int ranks, char *why, size_t why_bytes) {
+#if defined(MOE_HAVE_CUDA)
+    if (!moe_cuda_available(why, why_bytes)) return false;
+    if (ranks > 1) {
+        snprintf(why, why_bytes, "%d ranks: CUDA runs on one process, since the engine's collectives use host memory",
+                 ranks);
+        return false;
+    }
+    return true;
+#else
+    (void)ranks;
+    snprintf(why, why_bytes, "this build has no CUDA (nvcc was not found when it was configured)");
+    return false;
+#endif
+}
+
+moe_status moe_device_open(moe_device_handle *h, moe_device want, int ranks) {
+    *h = (moe_device_handle){.ops = moe_cpu_ops()};
+    snprintf(h->desc, sizeof h->desc, "cpu");
+    if (want == MOE_DEVICE_CPU) return MOE_OK;
+    if (want == MOE_DEVICE_STRICT) {
+        h->ops = moe_strict_ops();
+        snprintf(h->desc, sizeof h->desc, "cpu-strict");
+        return MOE_OK;
+    }
+    char why[MOE_DEVICE_DESC_BYTES - 64];
+    if (!cuda_usable(ranks, why, sizeof why)) {
+        if (want == MOE_DEVICE_CUDA) return moe_error(MOE_ERR_UNSUPPORTED, "--device cuda: %s", why);
+        snprintf(h->note, sizeof h->note, "--device auto: running on the CPU: %s", why);
+        return MOE_OK;
+    }
+#if defined(MOE_HAVE_CUDA)
+    moe_cuda_ctx *ctx = NULL;
+    moe_status st = moe_cuda_ctx_create(&ctx, 0);
+    if (st != MOE_OK) return moe_error_prefix(st, "--device %s: ", moe_device_name(want));
+    h->cuda = ctx;
+    h->ops = moe_cuda_ops(ctx);
+    snprintf(h->desc, sizeof h->desc, "cuda: %s", moe_cuda_device_name(ctx));
+#endif
+    return MOE_OK;
+}
+
+void moe_device_close(moe_device_handle *h) {
+#if defined(MOE_HAVE_CUDA)
+    if (h->cuda) {
+        moe_cuda_ops(NULL);
+        moe_cuda_ctx_destroy(h->cuda);
+    }
+#endif
+    h->cuda = NULL;
+}

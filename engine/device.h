@@ -1,0 +1,35 @@
+/* device.h: choosing the backend a model runs on (--device). */
+#ifndef MOE_ENGINE_DEVICE_H
+#define MOE_ENGINE_DEVICE_H
+
+#include "kernels/ops.h"
+#include "moe.h"
+
+/* AUTO: CUDA when this build has it and a device answers on a single
+ * process, else the CPU. STRICT: the CPU kernels on memory the host may not
+ * touch outside an op (moe_strict_ops): slow, for checking that a run keeps
+ * to the op table as a GPU needs. */
+typedef enum moe_device { MOE_DEVICE_AUTO = 0, MOE_DEVICE_CPU, MOE_DEVICE_CUDA, MOE_DEVICE_STRICT } moe_device;
+
+/* "auto", "cpu", "cuda", "cpu-strict". */
+const char *moe_device_name(moe_device device);
+moe_status moe_device_parse(moe_device *device, const char *name);
+
+#define MOE_DEVICE_DESC_BYTES 256
+
+typedef struct moe_device_handle {
+    const moe_ops *ops;                /* the table to give the model */
+    void *cuda;                        /* the moe_cuda_ctx behind ops when CUDA, else NULL */
+    char desc[MOE_DEVICE_DESC_BYTES];  /* "cpu", "cuda: NVIDIA H200 (sm_90, 132 SMs)" */
+    char note[MOE_DEVICE_DESC_BYTES];  /* why AUTO chose the CPU; "" when it did not */
+} moe_device_handle;
+
+/* Opens want for a job of ranks processes. CUDA takes one process: with
+ * several, the engine's collectives still run on host memory, so AUTO
+ * chooses the CPU and CUDA is an error, saying so. */
+moe_status moe_device_open(moe_device_handle *device, moe_device want, int ranks);
+
+/* After everything allocated on it is released. */
+void moe_device_close(moe_device_handle *device);
+
+#endif /* MOE_ENGINE_DEVICE_H */
