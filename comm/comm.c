@@ -124,6 +124,7 @@ int moe_comm_rank(const moe_comm *comm) { return comm->rank; }
 int moe_comm_size(const moe_comm *comm) { return comm->size; }
 int moe_comm_world_rank(const moe_comm *comm) { return comm->world_rank; }
 const char *moe_comm_backend_name(const moe_comm *comm) { return comm->backend->name; }
+bool moe_comm_matches_by_tag(const moe_comm *comm) { return comm->backend->matches_by_tag; }
 
 moe_status moe_comm_set_timeout(moe_comm *comm, double seconds) {
     MOE_TRY(check_comm(comm, "set_timeout"));

@@ -127,6 +127,9 @@ int moe_comm_size(const moe_comm *comm);
 /* The rank in the job's world, for messages; equals rank for local. */
 int moe_comm_world_rank(const moe_comm *comm);
 const char *moe_comm_backend_name(const moe_comm *comm);
+/* The backend's matches_by_tag: whether a receive may be posted ahead of
+ * unrelated messages between the same pair. */
+bool moe_comm_matches_by_tag(const moe_comm *comm);
 
 /* seconds > 0 and finite. */
 moe_status moe_comm_set_timeout(moe_comm *comm, double seconds);
@@ -218,6 +221,10 @@ moe_status moe_comm_test(moe_comm_request *req, bool *done);
  * that completes at once leaves req inactive (req->comm == NULL). */
 typedef struct moe_comm_backend {
     const char *name;
+    /* Receives are matched by tag and complete on their own (MPI, local):
+     * a receive may be posted long before its send. False when sends and
+     * receives match in post order only (NCCL). */
+    bool matches_by_tag;
     moe_status (*split)(moe_comm **out, moe_comm *comm, int color, int key);
     moe_status (*ialltoall)(moe_comm *comm, moe_comm_request *req, void *recv, const void *send,
                             int64_t count, moe_comm_dtype dtype);

@@ -219,6 +219,7 @@ static moe_status local_wait(moe_comm_request *req) {
 
 static const moe_comm_backend local_backend = {
     .name = "local",
+    .matches_by_tag = true,
     .split = local_split,
     .ialltoall = local_ialltoall,
     .ialltoallv = local_ialltoallv,

@@ -503,6 +503,7 @@ static moe_status mpi_irecv(moe_comm *comm, moe_comm_request *req, void *buf, in
 
 static const moe_comm_backend mpi_backend = {
     .name = "mpi",
+    .matches_by_tag = true,
     .split = mpi_split,
     .ialltoall = mpi_ialltoall,
     .ialltoallv = mpi_ialltoallv,

@@ -716,6 +716,7 @@ static moe_status nccl_irecv(moe_comm *comm, moe_comm_request *req, void *buf, i
 
 static const moe_comm_backend nccl_backend = {
     .name = "nccl",
+    .matches_by_tag = false,
     .split = nccl_split,
     .ialltoall = nccl_ialltoall,
     .ialltoallv = nccl_ialltoallv,

@@ -3,6 +3,7 @@
 
 #include <stdbool.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "common/status.h"
@@ -22,15 +23,27 @@ moe_status moe_device_parse(moe_device *d, const char *name) {
     return moe_error(MOE_ERR_CONFIG, "--device '%s': expected auto, cpu, cuda or cpu-strict", name ? name : "");
 }
 
+/* The launcher's local rank of this process, or 0. */
+static int local_rank(void) {
+    static const char *const vars[] = {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"};
+    for (size_t i = 0; i < sizeof vars / sizeof *vars; i++) {
+        const char *v = getenv(vars[i]);
+        if (v && *v) return atoi(v);
+    }
+    return 0;
+}
+
 /* Whether CUDA can serve a job of ranks processes; why not in why. */
 static bool cuda_usable(int ranks, char *why, size_t why_bytes) {
 #if defined(MOE_HAVE_CUDA)
     if (!moe_cuda_available(why, why_bytes)) return false;
+#if !defined(MOE_HAVE_NCCL)
     if (ranks > 1) {
-        snprintf(why, why_bytes, "%d ranks: CUDA runs on one process, since the engine's collectives use host memory",
-                 ranks);
+        snprintf(why, why_bytes, "%d ranks need NCCL, and this build has none", ranks);
         return false;
     }
+#endif
+    (void)ranks;
     return true;
 #else
     (void)ranks;
@@ -44,6 +57,8 @@ moe_status moe_device_open(moe_device_handle *h, moe_device want, int ranks) {
     snprintf(h->desc, sizeof h->desc, "cpu");
     if (want == MOE_DEVICE_CPU) return MOE_OK;
     if (want == MOE_DEVICE_STRICT) {
+        /* MPI reads and writes the arrays it moves, which this memory forbids. */
+        if (ranks > 1) return moe_error(MOE_ERR_CONFIG, "--device cpu-strict runs on one process, not %d", ranks);
         h->ops = moe_strict_ops();
         snprintf(h->desc, sizeof h->desc, "cpu-strict");
         return MOE_OK;
@@ -55,14 +70,36 @@ moe_status moe_device_open(moe_device_handle *h, moe_device want, int ranks) {
         return MOE_OK;
     }
 #if defined(MOE_HAVE_CUDA)
+    const int devices = moe_cuda_device_count();
+    h->index = devices > 0 ? local_rank() % devices : 0;
     moe_cuda_ctx *ctx = NULL;
-    moe_status st = moe_cuda_ctx_create(&ctx, 0);
+    moe_status st = moe_cuda_ctx_create(&ctx, h->index);
     if (st != MOE_OK) return moe_error_prefix(st, "--device %s: ", moe_device_name(want));
     h->cuda = ctx;
     h->ops = moe_cuda_ops(ctx);
     snprintf(h->desc, sizeof h->desc, "cuda: %s", moe_cuda_device_name(ctx));
 #endif
     return MOE_OK;
+}
+
+moe_status moe_device_comms(const moe_device_handle *h, moe_comm *world, int ep_size, moe_comm **device_world,
+                            moe_comm **device_ep) {
+    *device_world = *device_ep = NULL;
+    if (!world || !h->cuda) return MOE_OK;
+#if defined(MOE_HAVE_NCCL)
+    const int rank = moe_comm_rank(world);
+    MOE_TRY(moe_comm_nccl_create(device_world, world, h->index, moe_cuda_stream(h->cuda)));
+    moe_status st = moe_comm_set_timeout(*device_world, moe_comm_timeout(world));
+    if (st == MOE_OK) st = moe_comm_split(device_ep, *device_world, rank / ep_size, rank);
+    if (st != MOE_OK) {
+        moe_comm_free(*device_world);
+        *device_world = NULL;
+    }
+    return st;
+#else
+    (void)ep_size;
+    return moe_error(MOE_ERR_UNSUPPORTED, "device communicators: this build has no NCCL");
+#endif
 }
 
 void moe_device_close(moe_device_handle *h) {

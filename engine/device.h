@@ -2,13 +2,14 @@
 #ifndef MOE_ENGINE_DEVICE_H
 #define MOE_ENGINE_DEVICE_H
 
+#include "comm/comm.h"
 #include "kernels/ops.h"
 #include "moe.h"
 
-/* AUTO: CUDA when this build has it and a device answers on a single
- * process, else the CPU. STRICT: the CPU kernels on memory the host may not
- * touch outside an op (moe_strict_ops): slow, for checking that a run keeps
- * to the op table as a GPU needs. */
+/* AUTO: CUDA when this build has it and a device answers (and, for several
+ * processes, NCCL), else the CPU. STRICT: the CPU kernels on memory the
+ * host may not touch outside an op (moe_strict_ops), on one process: slow,
+ * for checking that a run keeps to the op table as a GPU needs. */
 typedef enum moe_device { MOE_DEVICE_AUTO = 0, MOE_DEVICE_CPU, MOE_DEVICE_CUDA, MOE_DEVICE_STRICT } moe_device;
 
 /* "auto", "cpu", "cuda", "cpu-strict". */
@@ -20,14 +21,22 @@ moe_status moe_device_parse(moe_device *device, const char *name);
 typedef struct moe_device_handle {
     const moe_ops *ops;                /* the table to give the model */
     void *cuda;                        /* the moe_cuda_ctx behind ops when CUDA, else NULL */
+    int index;                         /* its device: the process's local rank modulo the devices */
     char desc[MOE_DEVICE_DESC_BYTES];  /* "cpu", "cuda: NVIDIA H200 (sm_90, 132 SMs)" */
     char note[MOE_DEVICE_DESC_BYTES];  /* why AUTO chose the CPU; "" when it did not */
 } moe_device_handle;
 
-/* Opens want for a job of ranks processes. CUDA takes one process: with
- * several, the engine's collectives still run on host memory, so AUTO
- * chooses the CPU and CUDA is an error, saying so. */
+/* Opens want for a job of ranks processes. Several processes on CUDA need
+ * NCCL for the arrays they exchange (moe_device_comms); without it AUTO
+ * chooses the CPU and CUDA is an error, saying so. A process's device is
+ * its local rank (Open MPI's, MPICH's, Slurm's) modulo the devices. */
 moe_status moe_device_open(moe_device_handle *device, moe_device want, int ranks);
+
+/* Communicators over world's and ep's ranks for the device's memory: NCCL
+ * ones on a device backend, NULL (world and ep carry it) on the CPU. Each
+ * is collective over its parent; free with moe_comm_free. */
+moe_status moe_device_comms(const moe_device_handle *device, moe_comm *world, int ep_size, moe_comm **device_world,
+                            moe_comm **device_ep);
 
 /* After everything allocated on it is released. */
 void moe_device_close(moe_device_handle *device);

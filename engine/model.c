@@ -57,6 +57,8 @@ struct moe_model {
     moe_layer_offsets *moe_off; /* [L] where each layer's MoE parameters start */
     moe_comm *world, *ep;      /* NULL: one rank */
     moe_comm *replicas;        /* the ranks holding this rank's experts (same EP rank); NULL: none */
+    moe_comm *device_world, *device_ep, *device_replicas; /* the same, for backend memory */
+    bool own_device_replicas;
     int world_size, world_rank, ep_size, ep_rank;
     bool sync_grads;           /* the next backward all-reduces the gradients */
     moe_comm_request *sync_reqs; /* [2L + 2] in flight during and after that backward */
@@ -157,6 +159,7 @@ static moe_status build_tensors(moe_model *m, const moe_layer_config *lc) {
 static moe_layer_memory moe_memory(moe_model *m, int64_t l) {
     const moe_layer_offsets *o = &m->moe_off[l];
     return (moe_layer_memory){.ops = m->ops,
+                              .ep_rows = m->device_ep,
                               .router = m->params + o->router, .router_grad = m->grads + o->router,
                               .experts = m->params + o->experts, .experts_grad = m->grads + o->experts,
                               .shared = m->params + o->shared, .shared_grad = m->grads + o->shared};
@@ -302,6 +305,13 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_model_config *cf
     /* Each expert is held once per EP group: its replicas share an EP rank. */
     if (split == MOE_OK && m->world && m->world_size > ep_size)
         split = moe_comm_split(&m->replicas, m->world, m->ep_rank, m->world_rank);
+    m->device_world = m->world && par->device_world ? par->device_world : m->world;
+    m->device_ep = m->ep && par->device_ep ? par->device_ep : m->ep;
+    m->device_replicas = m->replicas;
+    if (split == MOE_OK && m->replicas && m->device_world != m->world) {
+        split = moe_comm_split(&m->device_replicas, m->device_world, m->ep_rank, m->world_rank);
+        m->own_device_replicas = split == MOE_OK;
+    }
     if (split != MOE_OK) {
         moe_model_destroy(m);
         return split;
@@ -377,6 +387,7 @@ void moe_model_destroy(moe_model *m) {
     free(m->moe);
     free(m->moe_off);
     free(m->sync_reqs);
+    if (m->own_device_replicas) moe_comm_free(m->device_replicas);
     if (m->replicas) moe_comm_free(m->replicas);
     free(m->tensors);
     free(m->layer_first);
@@ -411,9 +422,10 @@ int64_t moe_model_param_count(const moe_model *m) { return m->n_params; }
 
 moe_model_run moe_model_get_run(const moe_model *m, moe_model_run_id run) {
     if (run == MOE_RUN_DENSE)
-        return (moe_model_run){.offset = 0, .count = m->n_dense, .padded = m->expert_offset, .group = m->world};
+        return (moe_model_run){.offset = 0, .count = m->n_dense, .padded = m->expert_offset, .group = m->world,
+                               .device_group = m->device_world};
     return (moe_model_run){.offset = m->expert_offset, .count = m->n_expert, .padded = m->n_params - m->expert_offset,
-                           .group = m->replicas};
+                           .group = m->replicas, .device_group = m->device_replicas};
 }
 float *moe_model_params(moe_model *m) { return m->params; }
 float *moe_model_grads(moe_model *m) { return m->grads; }
@@ -599,7 +611,7 @@ moe_status moe_model_backward(moe_model *m, const int32_t *inputs, const int32_t
     ops->zero(m->dres, (size_t)(N * C) * sizeof(float));
     ops->rmsnorm_backward(m->dres, grad(m, tf), m->dln, m->x_final, param(m, tf), m->rstdf, m->norm_scratch, N, C);
     m->forward_done = false; /* the logits are gone */
-    MOE_TRY(sync_range(m, m->world, m->tensors[tf].offset, m->n_dense));
+    MOE_TRY(sync_range(m, m->device_world, m->tensors[tf].offset, m->n_dense));
 
     for (int64_t l = L - 1; l >= 0; l--) {
         layer_acts *a = &m->acts[l];
@@ -626,11 +638,11 @@ moe_status moe_model_backward(moe_model *m, const int32_t *inputs, const int32_t
         /* Layer l's gradients are final: its replicated run and its experts. */
         const int64_t next = l + 1 < L ? m->tensors[m->layer_first[l + 1]].offset : m->tensors[tf].offset;
         const int64_t experts = m->moe_off[l].experts, n_experts = c->num_local_experts / m->ep_size * 3 * c->intermediate_size * C;
-        MOE_TRY(sync_range(m, m->world, m->tensors[t0].offset, next));
-        MOE_TRY(sync_range(m, m->replicas, experts, experts + n_experts));
+        MOE_TRY(sync_range(m, m->device_world, m->tensors[t0].offset, next));
+        MOE_TRY(sync_range(m, m->device_replicas, experts, experts + n_experts));
     }
     ops->embedding_backward(grad(m, 0), m->dres, m->inputs, N, C);
-    MOE_TRY(sync_range(m, m->world, 0, m->tensors[m->layer_first[0]].offset));
+    MOE_TRY(sync_range(m, m->device_world, 0, m->tensors[m->layer_first[0]].offset));
     return ops->sync();
 }
 

@@ -45,6 +45,12 @@ typedef struct moe_model_parallel {
     moe_comm *world;
     moe_comm *ep;
     const moe_ops *ops; /* the backend the model runs on; NULL: the CPU */
+    /* The same ranks over communicators for backend memory (NCCL under
+     * CUDA), which gradients and the MoE rows travel on; NULL: world and ep
+     * carry backend memory too (host backends). Counts, losses and norms
+     * always travel on world and ep. */
+    moe_comm *device_world;
+    moe_comm *device_ep;
 } moe_model_parallel;
 
 /* moe_model_create on a grid of ranks; collective over par->world. Every
@@ -94,6 +100,7 @@ typedef struct moe_model_run {
     int64_t padded;  /* count rounded up to a multiple of the group's size */
     moe_comm *group; /* the ranks that hold the same values and sum their gradients: the
                         world (dense) or the expert replicas; NULL: this rank alone */
+    moe_comm *device_group; /* the same ranks, for the arrays themselves (gradients, parameters) */
 } moe_model_run;
 
 moe_model_run moe_model_get_run(const moe_model *model, moe_model_run_id run);

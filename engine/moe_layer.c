@@ -42,7 +42,8 @@ struct moe_layer {
      * first_local + n_local - 1 of E. expert_rank is the placement; the
      * plan's expert-ordered rows are contiguous per rank because each rank
      * holds a contiguous run of expert ids (checked at creation). */
-    moe_comm *ep;     /* NULL: one rank */
+    moe_comm *ep;      /* NULL: one rank */
+    moe_comm *ep_rows; /* the same ranks, for the rows in backend memory */
     int ep_rank, ep_size;
     /* The ranks whose tokens form the global batch (the data-parallel world,
      * of which the EP group is a consecutive run starting at group_base):
@@ -273,6 +274,7 @@ moe_status moe_layer_create_in(moe_layer **out, const moe_layer_config *cfg, con
     L->ops = mem->ops ? mem->ops : moe_cpu_ops();
     L->shared_ff = cfg->n_shared_experts * cfg->d_ff;
     L->ep = P > 1 ? ep : NULL;
+    L->ep_rows = L->ep && mem->ep_rows ? mem->ep_rows : L->ep;
     L->ep_size = P;
     L->ep_rank = ep ? moe_comm_rank(ep) : 0;
     if (!batch) batch = ep;
@@ -721,12 +723,12 @@ static moe_status post_exchange(moe_layer *L, float *plan_rows, float *expert_ro
             if (recv_here && recv_n > 0) {
                 moe_comm_request *req = &L->requests[L->n_requests++];
                 *req = (moe_comm_request)MOE_COMM_REQUEST_INIT;
-                MOE_TRY(moe_comm_irecv(L->ep, req, recv, recv_n * d, MOE_COMM_F32, (int)peer, tag));
+                MOE_TRY(moe_comm_irecv(L->ep_rows, req, recv, recv_n * d, MOE_COMM_F32, (int)peer, tag));
             }
             if (send_here && send_n > 0) {
                 moe_comm_request *req = &L->requests[L->n_requests++];
                 *req = (moe_comm_request)MOE_COMM_REQUEST_INIT;
-                MOE_TRY(moe_comm_isend(L->ep, req, send, send_n * d, MOE_COMM_F32, (int)peer, tag));
+                MOE_TRY(moe_comm_isend(L->ep_rows, req, send, send_n * d, MOE_COMM_F32, (int)peer, tag));
                 L->timing.exchange_bytes += send_n * (int64_t)row_bytes;
             }
         }
@@ -744,7 +746,12 @@ static moe_status wait_requests(moe_layer *L, int from, int to) {
 
 /* The experts with their exchanges: plan_in's rows go to the experts'
  * ranks (into expert_in), the experts run, and their rows come back into
- * plan_out. With one rank the plan rows are the expert rows. With overlap,
+ * plan_out. With one rank the plan rows are the expert rows. Where tags
+ * match the messages (MPI), the return receives are posted first, so
+ * returns land in place as they come (at 1 MiB per rank, 20% less time
+ * than posting them after the experts). Where sends and receives match in
+ * post order (NCCL), the dispatch completes, the experts run, and only then
+ * are the returns posted, receives with sends. With overlap (tags only),
  * each local expert runs as soon as its own rows have arrived and sends its
  * results back at once, while the other experts' rows are still in flight. */
 static moe_status run_experts(moe_layer *L, bool backward, float *plan_in, float *expert_in, float *expert_out,
@@ -760,7 +767,10 @@ static moe_status run_experts(moe_layer *L, bool backward, float *plan_in, float
     }
     const char *what = backward ? "gradients" : "rows";
     L->n_requests = 0;
-    moe_status st = post_exchange(L, plan_out, expert_out, false, -1, false, true); /* results: receives */
+    moe_status st = MOE_OK;
+    const bool early_returns = moe_comm_matches_by_tag(L->ep_rows);
+    const bool overlap = L->overlap && early_returns; /* the driver refuses it otherwise */
+    if (early_returns) st = post_exchange(L, plan_out, expert_out, false, -1, false, true); /* results: receives */
     const int returns_end = L->n_requests;
     int first[MOE_EXPERTS_MAX + 1];
     for (int64_t j = 0; st == MOE_OK && j < nl; j++) { /* inputs, expert by expert */
@@ -768,14 +778,14 @@ static moe_status run_experts(moe_layer *L, bool backward, float *plan_in, float
         st = post_exchange(L, plan_in, expert_in, true, j, j == 0, true);
     }
     first[nl] = L->n_requests;
-    if (st == MOE_OK && !L->overlap) {
+    if (st == MOE_OK && !overlap) {
         st = wait_requests(L, returns_end, first[nl]);
         t = omp_get_wtime();
         if (st == MOE_OK) run(L->groups, nl, d);
         *compute_seconds += omp_get_wtime() - t;
-        if (st == MOE_OK) st = post_exchange(L, plan_out, expert_out, false, -1, true, false);
+        if (st == MOE_OK) st = post_exchange(L, plan_out, expert_out, false, -1, true, !early_returns);
     }
-    for (int64_t j = 0; st == MOE_OK && L->overlap && j < nl; j++) {
+    for (int64_t j = 0; st == MOE_OK && overlap && j < nl; j++) {
         st = wait_requests(L, first[j], first[j + 1]);
         t = omp_get_wtime();
         if (st == MOE_OK) run(&L->groups[j], 1, d);

@@ -17,6 +17,8 @@ int64_t moe_layer_config_param_count(const moe_layer_config *cfg, int ep_size);
  * each rank holds alone (its experts) and reduce each run with one call. */
 typedef struct moe_layer_memory {
     const moe_ops *ops;            /* the backend, whose memory these are; NULL: the CPU */
+    moe_comm *ep_rows;             /* the EP group's ranks over a communicator for backend memory (NCCL
+                                      under CUDA), which the rows travel on; NULL: ep itself */
     float *router, *router_grad;   /* [E, d] */
     float *experts, *experts_grad; /* [E/P, 3 ff d]: per expert w1, w3, w2 */
     float *shared, *shared_grad;   /* [3 S d]: gate_proj, up_proj, down_proj; NULL without */

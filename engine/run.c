@@ -266,6 +266,7 @@ typedef struct run {
     moe_grid grid;
     int rank, ranks;       /* in the data-parallel world */
     moe_device_handle device; /* the backend the model runs on */
+    moe_comm *device_world, *device_ep; /* for its memory across ranks (NCCL); NULL: world and ep */
     moe_model *model;
     moe_trainer *trainer;
     double peak_gflops;
@@ -377,8 +378,15 @@ static moe_status build_model(run *r) {
         for (size_t i = 0; i < sizeof options / sizeof options[0]; i++) fields[n++] = options[i];
         MOE_TRY(moe_grid_agree(r->world, fields, n));
     }
+    MOE_TRY(moe_device_comms(&r->device, r->world, o->ep, &r->device_world, &r->device_ep));
+    if (r->device_world && o->overlap)
+        return moe_error(MOE_ERR_CONFIG, "--overlap posts each expert's returns as it finishes, which NCCL's in-order "
+                                         "matching cannot take: leave it off with --device %s on several ranks",
+                         moe_device_name(o->device));
     moe_model_parallel par = moe_grid_model_parallel(&r->grid);
     par.ops = r->device.ops;
+    par.device_world = r->device_world;
+    par.device_ep = r->device_ep;
     MOE_TRY(moe_model_create_parallel(&r->model, &r->cfg, o->batch_size, o->seq_len, o->seed, &par));
     moe_model_set_overlap(r->model, o->overlap);
     const char *weights = o->init_from ? o->init_from : o->resume;
@@ -816,6 +824,8 @@ moe_status moe_run(const moe_run_options *opts, const moe_run_callbacks *callbac
     free(r.routing);
     moe_trainer_destroy(r.trainer);
     moe_model_destroy(r.model);
+    if (r.device_ep) moe_comm_free(r.device_ep);
+    if (r.device_world) moe_comm_free(r.device_world);
     moe_device_close(&r.device);
     close_source(&r.train);
     close_source(&r.val);

@@ -213,7 +213,7 @@ static moe_status scatter_grads(moe_trainer *t) {
         const optim_run *o = &t->runs[r];
         if (!o->group) continue;
         reqs[n] = (moe_comm_request)MOE_COMM_REQUEST_INIT;
-        st = moe_comm_ireduce_scatter_sum(o->group, &reqs[n++], o->grad, grads + o->run.offset, o->block,
+        st = moe_comm_ireduce_scatter_sum(o->run.device_group, &reqs[n++], o->grad, grads + o->run.offset, o->block,
                                           MOE_COMM_F32);
     }
     return wait_all(reqs, n, st, "gradient reduce-scatter");
@@ -232,7 +232,8 @@ static moe_status gather_params(moe_trainer *t) {
         if (!o->group) continue;
         t->ops->copy(o->grad, params + o->shard.begin, (size_t)o->block * sizeof(float));
         reqs[n] = (moe_comm_request)MOE_COMM_REQUEST_INIT;
-        st = moe_comm_iallgather(o->group, &reqs[n++], params + o->run.offset, o->grad, o->block, MOE_COMM_F32);
+        st = moe_comm_iallgather(o->run.device_group, &reqs[n++], params + o->run.offset, o->grad, o->block,
+                                 MOE_COMM_F32);
     }
     return wait_all(reqs, n, st, "parameter all-gather");
 }

@@ -73,9 +73,10 @@ static void print_help(void) {
            "                       the result matches an uninterrupted run bit for bit\n\n",
            (long long)d.eval_every, (long long)d.eval_batches, d.out_dir, (long long)d.save_every);
     printf("Performance:\n"
-           "  --device D           auto: CUDA when a GPU answers on one process, else the CPU\n"
-           "                       (default); cpu; cuda; cpu-strict: the CPU kernels on memory\n"
-           "                       the host may touch only inside an op (slow; checks that the\n"
+           "  --device D           auto: CUDA when a GPU answers, else the CPU (default); cpu;\n"
+           "                       cuda (under mpirun: the GPU of each local rank, NCCL between\n"
+           "                       them); cpu-strict: the CPU kernels on memory the host may\n"
+           "                       touch only inside an op (one process, slow; checks that the\n"
            "                       run keeps to the op table, as a GPU needs)\n"
            "  --threads N          OpenMP (and OpenBLAS) threads; 0 = all cores (default)\n"
            "  --peak-gflops X      the MFU denominator; 0 = measure the device's fp32 GEMM at\n"

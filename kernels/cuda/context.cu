@@ -148,6 +148,17 @@ extern "C" void moe_cuda_ctx_destroy(moe_cuda_ctx *c) {
 
 extern "C" const char *moe_cuda_device_name(const moe_cuda_ctx *ctx) { return ctx->name; }
 
+extern "C" void *moe_cuda_stream(const moe_cuda_ctx *ctx) { return (void *)ctx->stream; }
+
+extern "C" int moe_cuda_device_count(void) {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    return n;
+}
+
 extern "C" moe_status moe_cuda_sync(moe_cuda_ctx *ctx) {
     MOE_CUDA_CHECK(cudaStreamSynchronize(ctx->stream));
     MOE_CUDA_CHECK(cudaGetLastError());

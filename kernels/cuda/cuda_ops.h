@@ -54,6 +54,12 @@ void moe_cuda_ctx_destroy(moe_cuda_ctx *ctx);
 /* "NVIDIA H200 (sm_90, 132 SMs)". */
 const char *moe_cuda_device_name(const moe_cuda_ctx *ctx);
 
+/* The context's cudaStream_t, for a library that queues on it (NCCL). */
+void *moe_cuda_stream(const moe_cuda_ctx *ctx);
+
+/* Devices this process sees; 0 when none answers. */
+int moe_cuda_device_count(void);
+
 /* Waits for everything queued on the context's stream and reports the
  * first asynchronous error (a fault inside an earlier kernel). */
 moe_status moe_cuda_sync(moe_cuda_ctx *ctx);

@@ -60,12 +60,17 @@ static int run_grid(int ep_size, int64_t accum, moe_data *data) {
     moe_model_config cfg;
     tiny_config(&cfg);
     curve want, plain, got;
-    moe_comm *ep = NULL;
+    moe_comm *ep = NULL, *device_world = NULL, *device_ep = NULL;
     moe_status st = train(&want, &cfg, (int64_t)size * B, accum, 0, NULL, data);
     if (st == MOE_OK) st = moe_comm_split(&ep, world, rank / ep_size, rank);
-    const moe_model_parallel grid = {.world = world, .ep = ep};
-    if (st == MOE_OK) st = train(&plain, &cfg, B, accum, 0, &grid, data);
-    if (st == MOE_OK) st = train(&got, &cfg, B, accum, 1, &grid, data);
+    /* The arrays (rows, gradients, gradient blocks, parameters) move on
+     * communicators of their own, as NCCL's under CUDA: the same ranks,
+     * other handles. test_train_dp covers them carried by world and ep. */
+    if (st == MOE_OK) st = moe_comm_split(&device_world, world, 0, rank);
+    if (st == MOE_OK) st = moe_comm_split(&device_ep, device_world, rank / ep_size, rank);
+    const moe_model_parallel apart = {.world = world, .ep = ep, .device_world = device_world, .device_ep = device_ep};
+    if (st == MOE_OK) st = train(&plain, &cfg, B, accum, 0, &apart, data);
+    if (st == MOE_OK) st = train(&got, &cfg, B, accum, 1, &apart, data);
     int bad = mpi_fail_status(st, "train");
     bool clipped = false;
     for (int s = 0; !bad && s < STEPS; s++) {
@@ -99,6 +104,8 @@ static int run_grid(int ep_size, int64_t accum, moe_data *data) {
                (long long)got.optimizer_bytes, (long long)want_bytes, (long long)R, (long long)plain.optimizer_bytes);
         bad = 1;
     }
+    if (device_ep) moe_comm_free(device_ep);
+    if (device_world) moe_comm_free(device_world);
     if (ep) moe_comm_free(ep);
     return bad;
 }
