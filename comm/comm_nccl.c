@@ -33,7 +33,7 @@
 
 /* Ops in flight at once per communicator; each holds one event until its
  * wait (the requests of one send/recv group share theirs). */
-#define NCCL_EVENT_SLOTS 64
+#define NCCL_EVENT_SLOTS 256 /* a 64-layer model's gradient all-reduces in flight at once, and more */
 /* A wait spins on the event for this long (a step's exchanges end within
  * it), then sleeps between looks for 1/POLL_SLEEP_DIVISOR of the time waited
  * so far, within [POLL_SLEEP_MIN_NS, POLL_SLEEP_MAX_NS], as comm_mpi.c does. */

@@ -124,7 +124,7 @@ struct moe_layer {
     moe_comm_request *requests; /* [4 P n_local] messages of one expert phase */
     int n_requests;
     bool overlap;               /* run each expert as soon as its rows arrive */
-    int64_t *expert_offsets; /* [E+1] plan rows (host) */
+    int64_t *expert_offsets; /* [E+1] plan rows (host; the plan's own are offsets_dev) */
     int64_t *local_offsets;  /* [n_local+1] expert-major rows */
     float *aux_grad;         /* [E] (host) */
     moe_expert_group *groups; /* [n_local + 1]: local experts, then the shared ones */
@@ -874,7 +874,9 @@ moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, 
     MOE_TRY(share_routing(L, T, *L->z_sum));
     MOE_TRY(ops->upload(L->keep_dev, L->keep, (size_t)E * sizeof(int64_t)));
     ops->plan_build(L->pair_row, L->row_token, L->offsets_dev, L->topk_idx, L->keep_dev, L->plan_scratch, T, k, E);
-    MOE_TRY(ops->download(L->expert_offsets, L->offsets_dev, (size_t)(E + 1) * sizeof(int64_t)));
+    /* The plan's offsets are the prefix sums of keep: no wait for them. */
+    L->expert_offsets[0] = 0;
+    for (int64_t e = 0; e < E; e++) L->expert_offsets[e + 1] = L->expert_offsets[e] + L->keep[e];
     double t0 = omp_get_wtime();
     ops->permute(L->xp, x_in, L->row_token, L->expert_offsets[E], d);
     /* Rows an expert rank can receive: every source's pairs, or capacity. */
