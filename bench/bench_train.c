@@ -168,6 +168,7 @@ int bench_train_run(int argc, char **argv) {
     moe_device_handle dev;
     if (bench_failed(CMD, "device", moe_device_open(&dev, device, 1))) return BENCH_EXIT_FAILURE;
     if (dev.note[0]) fprintf(stderr, "moe-bench %s: %s\n", CMD, dev.note);
+    if (dev.placement[0]) fprintf(stderr, "moe-bench %s: %s\n", CMD, dev.placement);
     moe_synth_params sp = moe_synth_default_params();
     moe_synth_stream stream = {0};
     if (bench_failed(CMD, "synthetic corpus", moe_synth_generate(&stream, &sp, 1, STREAM_TOKENS))) {

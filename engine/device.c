@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "comm/topology.h"
 #include "common/status.h"
 #include "kernels/cuda/cuda_ops.h"
 
@@ -23,6 +24,7 @@ moe_status moe_device_parse(moe_device *d, const char *name) {
     return moe_error(MOE_ERR_CONFIG, "--device '%s': expected auto, cpu, cuda or cpu-strict", name ? name : "");
 }
 
+#if defined(MOE_HAVE_CUDA)
 /* The launcher's local rank of this process, or 0. */
 static int local_rank(void) {
     static const char *const vars[] = {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"};
@@ -32,6 +34,7 @@ static int local_rank(void) {
     }
     return 0;
 }
+#endif
 
 /* Whether CUDA can serve a job of ranks processes; why not in why. */
 static bool cuda_usable(int ranks, char *why, size_t why_bytes) {
@@ -51,6 +54,31 @@ static bool cuda_usable(int ranks, char *why, size_t why_bytes) {
     return false;
 #endif
 }
+
+#if defined(MOE_HAVE_CUDA)
+/* The GPU's place in this machine, and the process bound near it. Not
+ * fatal: a machine hwloc cannot read still trains, saying so. */
+static void place_near(moe_device_handle *h, moe_cuda_ctx *ctx) {
+    char bus[32];
+    if (moe_cuda_pci_bus_id(bus, sizeof bus, ctx) != MOE_OK) {
+        snprintf(h->placement, sizeof h->placement, "unknown: %s", moe_last_error());
+        return;
+    }
+    moe_topology *topo = NULL;
+    moe_gpu_placement p;
+    bool bound = false;
+    moe_status st = moe_topology_load(&topo, NULL);
+    if (st == MOE_OK) st = moe_topology_gpu_placement(topo, bus, &p);
+    if (st == MOE_OK) st = moe_topology_bind_near(topo, bus, &bound);
+    if (st == MOE_OK)
+        snprintf(h->placement, sizeof h->placement, "GPU %s, local PUs %s (%s)%s, nearest NIC %s (%s)", bus, p.cpus,
+                 p.near, bound ? ", process bound to them" : "", p.nic[0] ? p.nic : "none",
+                 moe_link_distance_name(p.nic_distance));
+    else
+        snprintf(h->placement, sizeof h->placement, "GPU %s, not placed: %s", bus, moe_last_error());
+    moe_topology_free(topo);
+}
+#endif
 
 moe_status moe_device_open(moe_device_handle *h, moe_device want, int ranks) {
     *h = (moe_device_handle){.ops = moe_cpu_ops()};
@@ -78,6 +106,7 @@ moe_status moe_device_open(moe_device_handle *h, moe_device want, int ranks) {
     h->cuda = ctx;
     h->ops = moe_cuda_ops(ctx);
     snprintf(h->desc, sizeof h->desc, "cuda: %s", moe_cuda_device_name(ctx));
+    place_near(h, ctx);
 #endif
     return MOE_OK;
 }

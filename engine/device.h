@@ -24,12 +24,17 @@ typedef struct moe_device_handle {
     int index;                         /* its device: the process's local rank modulo the devices */
     char desc[MOE_DEVICE_DESC_BYTES];  /* "cpu", "cuda: NVIDIA H200 (sm_90, 132 SMs)" */
     char note[MOE_DEVICE_DESC_BYTES];  /* why AUTO chose the CPU; "" when it did not */
+    /* Where the GPU sits (its PCI bus id, local PUs, nearest NIC) and
+     * whether the process was bound to its PUs; "" on the CPU. */
+    char placement[2 * MOE_DEVICE_DESC_BYTES];
 } moe_device_handle;
 
 /* Opens want for a job of ranks processes. Several processes on CUDA need
  * NCCL for the arrays they exchange (moe_device_comms); without it AUTO
  * chooses the CPU and CUDA is an error, saying so. A process's device is
- * its local rank (Open MPI's, MPICH's, Slurm's) modulo the devices. */
+ * its local rank (Open MPI's, MPICH's, Slurm's) modulo the devices; with
+ * hwloc the process is then bound to that GPU's local PUs, unless a
+ * launcher bound it within them already (placement says what happened). */
 moe_status moe_device_open(moe_device_handle *device, moe_device want, int ranks);
 
 /* Communicators over world's and ep's ranks for the device's memory: NCCL

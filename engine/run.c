@@ -540,6 +540,7 @@ static moe_status write_run_json(run *r, const moe_run_summary *s, const moe_jso
     moe_json_key(&w, "threads");
     moe_json_int(&w, s->threads);
     json_opt_string(&w, "device", s->device);
+    json_opt_string(&w, "placement", s->placement);
     moe_json_key(&w, "ranks");
     moe_json_int(&w, s->ranks);
     moe_json_key(&w, "optimizer_bytes_per_rank");
@@ -755,6 +756,7 @@ static moe_status run_body(run *r, double start) {
         .threads = omp_get_max_threads(),
         .device = r->device.desc,
         .device_note = r->device.note[0] ? r->device.note : NULL,
+        .placement = r->device.placement[0] ? r->device.placement : NULL,
         .rank = r->rank,
         .ranks = r->ranks,
         .ep = o->ep,

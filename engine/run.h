@@ -122,6 +122,7 @@ typedef struct moe_run_summary {
     int threads;
     const char *device;      /* the backend the model runs on: "cpu", "cuda: NVIDIA H200 (sm_90, 132 SMs)" */
     const char *device_note; /* why --device auto chose the CPU, or NULL */
+    const char *placement;   /* where this rank's GPU sits and what was bound, or NULL */
     int rank, ranks, ep;     /* this process in the grid; 0, 1, 1 on one process */
     int64_t optimizer_bytes; /* AdamW state held by each rank */
     const char *train_data;  /* what was opened */

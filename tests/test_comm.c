@@ -6,23 +6,14 @@
 #include <string.h>
 
 #include "comm/comm.h"
+#include "test_expect.h"
 
 static moe_comm *comm;
 
 static void setup(void) { cr_assert_eq(moe_comm_local_create(&comm), MOE_OK, "%s", moe_last_error()); }
 static void teardown(void) { moe_comm_free(comm); }
 
-/* Asserts that call failed with status and a message containing text. */
-#define EXPECT_FAIL(call, status, text)                                                            \
-    do {                                                                                           \
-        moe_status st_ = (call);                                                                   \
-        cr_expect_eq(st_, (status), "%s: got %s (%s)", #call, moe_status_string(st_),              \
-                     moe_last_error());                                                            \
-        cr_expect(strstr(moe_last_error(), (text)) != NULL, "%s: message '%s' lacks '%s'", #call, \
-                  moe_last_error(), (text));                                                       \
-    } while (0)
 
-#define EXPECT_OK(call) cr_expect_eq((call), MOE_OK, "%s: %s", #call, moe_last_error())
 
 /* Element-wise equality of float arrays, naming the first difference. */
 static void expect_equal_f32(const float *got, const float *want, int64_t n, const char *what) {

@@ -285,6 +285,7 @@ static void on_start(void *ctx, const moe_run_summary *s) {
     printf("val      %s, %lld batches\n", s->val_data, (long long)o->eval_batches);
     if (!isnan(s->entropy_floor)) printf("floor    %.4f nats per token (the best achievable val loss)\n", s->entropy_floor);
     if (s->device_note) printf("%s\n", s->device_note);
+    if (s->placement) printf("place    %s\n", s->placement);
     printf("device   %s, %d threads", s->device, s->threads);
     if (!isnan(s->peak_gflops))
         printf(", fp32 GEMM peak %.1f GFLOP/s (%s)", s->peak_gflops, s->peak_measured ? "measured" : "--peak-gflops");

@@ -54,6 +54,10 @@ void moe_cuda_ctx_destroy(moe_cuda_ctx *ctx);
 /* "NVIDIA H200 (sm_90, 132 SMs)". */
 const char *moe_cuda_device_name(const moe_cuda_ctx *ctx);
 
+/* The device's PCI bus id, "0000:84:00.0" (lower case, as hwloc spells it);
+ * out_bytes >= 13. */
+moe_status moe_cuda_pci_bus_id(char *out, size_t out_bytes, const moe_cuda_ctx *ctx);
+
 /* The context's cudaStream_t, for a library that queues on it (NCCL). */
 void *moe_cuda_stream(const moe_cuda_ctx *ctx);
 
