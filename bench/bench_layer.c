@@ -8,6 +8,9 @@
 #include <string.h>
 
 #include "bench/moe_bench.h"
+#include "common/status.h"
+#include "engine/device.h"
+#include "engine/moe_layer.h"
 #include "kernels/ops.h"
 
 #define CMD "layer"
@@ -32,6 +35,7 @@ typedef struct layer_options {
     bench_routing routings[BENCH_MAX_ROUTINGS];
     int n_routings;
     int64_t warmup, iters, threads; /* threads 0: leave the environment's */
+    moe_device device;
     bool json;
 } layer_options;
 
@@ -62,8 +66,8 @@ static void print_help(FILE *f) {
             "Times one MoE layer (router, dispatch, SwiGLU experts, combine) forward and\n"
             "backward, and the grouped expert GEMMs alone (the op table's experts_forward /\n"
             "experts_backward on the row counts the router produced), against one plain\n"
-            "cblas_sgemm with the experts' forward FLOPs (M = T*k, K = d, N = 3*ff),\n"
-            "measured just before each group of rows. GFLOP/s count active FLOPs: router\n"
+            "fp32 GEMM of the same device with the experts' forward FLOPs (M = T*k, K = d,\n"
+            "N = 3*ff), measured just before each group of rows. GFLOP/s count active FLOPs: router\n"
             "2*T*d*E plus experts 6*T*k*d*ff forward; backward counts twice the forward.\n"
             "ratio = GFLOP/s / sgemm_GFLOP/s. Times are medians over the iterations.\n"
             "\n"
@@ -87,6 +91,7 @@ static void print_help(FILE *f) {
             "  --iters N     timed iterations (default %d)\n"
             "  --threads N   OpenMP and OpenBLAS threads (default: OMP_NUM_THREADS and\n"
             "                OPENBLAS_NUM_THREADS, else every core)\n"
+            "  --device D    auto (default), cpu, cuda or cpu-strict, as moe-train's\n"
             "\n"
             "output:\n"
             "  --json        one JSON object per row on stdout instead of the table\n"
@@ -130,7 +135,16 @@ static int parse_options(layer_options *o, int argc, char **argv) {
             continue;
         }
         const char *value = NULL;
-        int found = bench_option(argc, argv, &i, CMD, "routing", &value);
+        int found = bench_option(argc, argv, &i, CMD, "device", &value);
+        if (found < 0) return bench_usage_error(CMD);
+        if (found) {
+            if (moe_device_parse(&o->device, value) != MOE_OK) {
+                fprintf(stderr, "moe-bench %s: %s\n", CMD, moe_last_error());
+                return bench_usage_error(CMD);
+            }
+            continue;
+        }
+        found = bench_option(argc, argv, &i, CMD, "routing", &value);
         if (found < 0) return bench_usage_error(CMD);
         if (found) {
             if ((o->n_routings = bench_parse_routing(o->routings, CMD, value, DEFAULT_ZIPF_S)) == 0)
@@ -305,25 +319,53 @@ static void build_groups(moe_expert_group *groups, const layer_buffers *b,
 }
 
 /* Fills every parameter with U(-1/sqrt(fan_in), 1/sqrt(fan_in)), the scale
- * that keeps activations of order one through the experts. */
-static moe_status init_params(moe_layer *layer) {
+ * that keeps activations of order one through the experts: drawn on the
+ * host, uploaded to the backend. */
+static moe_status init_params(moe_layer *layer, const moe_ops *ops) {
     bench_rng rng = {1};
     int64_t n = moe_layer_tensor_count(layer);
-    for (int64_t i = 0; i < n; i++) {
+    moe_status st = MOE_OK;
+    for (int64_t i = 0; st == MOE_OK && i < n; i++) {
         moe_tensor_view v;
-        moe_status st = moe_layer_tensor(layer, i, &v);
-        if (st != MOE_OK) return st;
-        bench_fill_uniform(v.param, (size_t)(v.rows * v.cols), 1.0f / sqrtf((float)v.cols), &rng);
+        st = moe_layer_tensor(layer, i, &v);
+        float *draws = st == MOE_OK ? malloc((size_t)(v.rows * v.cols) * sizeof *draws) : NULL;
+        if (st == MOE_OK && !draws) st = moe_error(MOE_ERR_OUT_OF_MEMORY, "%s: initial values", v.name);
+        if (st == MOE_OK) {
+            bench_fill_uniform(draws, (size_t)(v.rows * v.cols), 1.0f / sqrtf((float)v.cols), &rng);
+            st = ops->upload(v.param, draws, (size_t)(v.rows * v.cols) * sizeof *draws);
+        }
+        free(draws);
     }
-    return MOE_OK;
+    return st;
 }
 
-static int run_shape(const layer_shape *s, const layer_options *o, const bench_table *table) {
+/* The buffers of one shape, pointing into b. */
+static int layer_bufs(bench_buffer *bufs, layer_buffers *b, const layer_shape *s) {
+    const int64_t T = s->T, d = s->d, f = s->ff, E = s->E, rows = s->T * s->k;
+    const bench_buffer all[] = {
+        {&b->x, (size_t)(T * d)},        {&b->y, (size_t)(T * d)},
+        {&b->dy, (size_t)(T * d)},       {&b->dx, (size_t)(T * d)},
+        {&b->xp, (size_t)(rows * d)},    {&b->yp, (size_t)(rows * d)},
+        {&b->dyp, (size_t)(rows * d)},   {&b->dxp, (size_t)(rows * d)},
+        {&b->h, (size_t)(rows * 2 * f)}, {&b->dh, (size_t)(rows * 2 * f)},
+        {&b->g, (size_t)(rows * f)},     {&b->w13, (size_t)(E * 2 * f * d)},
+        {&b->dw13, (size_t)(E * 2 * f * d)}, {&b->w2, (size_t)(E * d * f)},
+        {&b->dw2, (size_t)(E * d * f)},  {&b->sg_a, (size_t)(rows * d)},
+        {&b->sg_b, (size_t)(3 * f * d)}, {&b->sg_c, (size_t)(rows * 3 * f)},
+    };
+    const int n = (int)(sizeof all / sizeof all[0]);
+    memcpy(bufs, all, sizeof all);
+    return n;
+}
+#define LAYER_BUFS 18
+
+static int run_shape(const layer_shape *s, const layer_options *o, const moe_ops *ops, const bench_table *table) {
     const int64_t T = s->T, d = s->d, f = s->ff, E = s->E, rows = s->T * s->k;
     const int warmup = (int)o->warmup, iters = (int)o->iters;
     int rc = BENCH_EXIT_FAILURE;
     moe_layer *layer = NULL;
-    void *arena = NULL;
+    void *arena = NULL, *dev_arena = NULL; /* the buffers drawn on the host, and on the backend */
+    float *params = NULL, *grads = NULL, *wg = NULL;
     double *times = NULL;
     int64_t *counts = NULL;
     moe_expert_group *groups = NULL;
@@ -333,41 +375,43 @@ static int run_shape(const layer_shape *s, const layer_options *o, const bench_t
     cfg.d_ff = f;
     cfg.n_experts = E;
     cfg.top_k = s->k;
-    if (bench_failed(CMD, "moe_layer_create", moe_layer_create(&layer, &cfg))) goto done;
-    if (bench_failed(CMD, "init_params", init_params(layer))) goto done;
+    /* The router's rows, then every expert's, in the backend's memory. */
+    const int64_t n_params = moe_layer_config_param_count(&cfg, 1), router = E * d;
+    if (bench_failed(CMD, "parameters", ops->alloc((void **)&params, (size_t)n_params * sizeof(float))) ||
+        bench_failed(CMD, "gradients", ops->alloc((void **)&grads, (size_t)n_params * sizeof(float))))
+        goto done;
+    const moe_layer_memory mem = {.ops = ops, .router = params, .router_grad = grads,
+                                  .experts = params + router, .experts_grad = grads + router};
+    if (bench_failed(CMD, "moe_layer_create_in", moe_layer_create_in(&layer, &cfg, &mem, NULL, NULL))) goto done;
+    if (bench_failed(CMD, "init_params", init_params(layer, ops))) goto done;
     moe_tensor_view gate;
     if (bench_failed(CMD, "gate.weight", moe_layer_tensor_by_name(layer, "gate.weight", &gate)))
         goto done;
 
-    layer_buffers b;
-    bench_buffer bufs[] = {
-        {&b.x, (size_t)(T * d)},        {&b.y, (size_t)(T * d)},
-        {&b.dy, (size_t)(T * d)},       {&b.dx, (size_t)(T * d)},
-        {&b.xp, (size_t)(rows * d)},    {&b.yp, (size_t)(rows * d)},
-        {&b.dyp, (size_t)(rows * d)},   {&b.dxp, (size_t)(rows * d)},
-        {&b.h, (size_t)(rows * 2 * f)}, {&b.dh, (size_t)(rows * 2 * f)},
-        {&b.g, (size_t)(rows * f)},     {&b.w13, (size_t)(E * 2 * f * d)},
-        {&b.dw13, (size_t)(E * 2 * f * d)}, {&b.w2, (size_t)(E * d * f)},
-        {&b.dw2, (size_t)(E * d * f)},  {&b.sg_a, (size_t)(rows * d)},
-        {&b.sg_b, (size_t)(3 * f * d)}, {&b.sg_c, (size_t)(rows * 3 * f)},
-    };
-    arena = bench_alloc_buffers(bufs, (int)(sizeof bufs / sizeof bufs[0]));
+    layer_buffers hb, b; /* host, backend */
+    bench_buffer host_bufs[LAYER_BUFS], dev_bufs[LAYER_BUFS];
+    const int n_bufs = layer_bufs(host_bufs, &hb, s);
+    layer_bufs(dev_bufs, &b, s);
+    const size_t arena_bytes = bench_buffers_bytes(host_bufs, n_bufs);
+    arena = bench_alloc_buffers(host_bufs, n_bufs);
+    dev_arena = bench_alloc_backend_buffers(ops, dev_bufs, n_bufs);
     times = malloc(N_TIMERS * (size_t)iters * sizeof *times);
     counts = malloc((size_t)E * sizeof *counts);
     groups = malloc((size_t)E * sizeof *groups);
-    if (!arena || !times || !counts || !groups) {
+    wg = malloc((size_t)(E * d) * sizeof *wg);
+    if (!arena || !dev_arena || !times || !counts || !groups || !wg) {
         fprintf(stderr, "moe-bench %s: %s: out of memory for the buffers\n", CMD, s->name);
         goto done;
     }
 
     bench_rng rng = {2};
-    bench_fill_uniform(b.dy, (size_t)(T * d), 1.0f, &rng);
-    bench_fill_uniform(b.xp, (size_t)(rows * d), 1.0f, &rng);
-    bench_fill_uniform(b.dyp, (size_t)(rows * d), 1.0f, &rng);
-    bench_fill_uniform(b.w13, (size_t)(E * 2 * f * d), 1.0f / sqrtf((float)d), &rng);
-    bench_fill_uniform(b.w2, (size_t)(E * d * f), 1.0f / sqrtf((float)f), &rng);
-    bench_fill_uniform(b.sg_a, (size_t)(rows * d), 1.0f, &rng);
-    bench_fill_uniform(b.sg_b, (size_t)(3 * f * d), 1.0f / sqrtf((float)d), &rng);
+    bench_fill_uniform(hb.dy, (size_t)(T * d), 1.0f, &rng);
+    bench_fill_uniform(hb.xp, (size_t)(rows * d), 1.0f, &rng);
+    bench_fill_uniform(hb.dyp, (size_t)(rows * d), 1.0f, &rng);
+    bench_fill_uniform(hb.w13, (size_t)(E * 2 * f * d), 1.0f / sqrtf((float)d), &rng);
+    bench_fill_uniform(hb.w2, (size_t)(E * d * f), 1.0f / sqrtf((float)f), &rng);
+    bench_fill_uniform(hb.sg_a, (size_t)(rows * d), 1.0f, &rng);
+    bench_fill_uniform(hb.sg_b, (size_t)(3 * f * d), 1.0f / sqrtf((float)d), &rng);
     const bench_sgemm sg = {.m = rows, .n = 3 * f, .k = d, .a = b.sg_a, .b = b.sg_b, .c = b.sg_c};
 
     const double layer_flops = moe_layer_forward_flops(&cfg, T);
@@ -378,10 +422,12 @@ static int run_shape(const layer_shape *s, const layer_options *o, const bench_t
                      (long long)s->k, layer_flops * 1e-9, (long long)sg.m, (long long)sg.k,
                      (long long)sg.n, bench_sgemm_flops(&sg) * 1e-9);
 
-    const moe_ops *ops = moe_cpu_ops();
     for (int r = 0; r < o->n_routings; r++) {
         const bench_routing *routing = &o->routings[r];
-        set_routing(b.x, gate.param, s, routing->zipf_s);
+        set_routing(hb.x, wg, s, routing->zipf_s);
+        if (bench_failed(CMD, "gate.weight", ops->upload(gate.param, wg, (size_t)(E * d) * sizeof *wg)) ||
+            bench_failed(CMD, "buffers", ops->upload(dev_arena, arena, arena_bytes)))
+            goto done;
 
         /* The routing depends only on x and gate.weight, which the loop below
          * leaves alone, so one forward fixes the expert phase's row counts. */
@@ -404,7 +450,8 @@ static int run_shape(const layer_shape *s, const layer_options *o, const bench_t
          * all three alike and the ratios stay meaningful. */
         for (int it = 0; it < warmup + iters; it++) {
             double sec[N_TIMERS];
-            sec[TIME_SGEMM] = bench_sgemm_run(&sg);
+            sec[TIME_SGEMM] = bench_ops_gemm_run(ops, &sg);
+            if (sec[TIME_SGEMM] < 0.0 && bench_failed(CMD, "gemm baseline", MOE_ERR_INTERNAL)) goto done;
             if (bench_failed(CMD, "moe_layer_zero_grad", moe_layer_zero_grad(layer))) goto done;
             double t0 = bench_now_seconds();
             if (bench_failed(CMD, "moe_layer_forward",
@@ -415,8 +462,10 @@ static int run_shape(const layer_shape *s, const layer_options *o, const bench_t
                 goto done;
             double t2 = bench_now_seconds();
             ops->experts_forward(groups, E, d);
+            if (bench_failed(CMD, "experts_forward", ops->sync())) goto done;
             double t3 = bench_now_seconds();
             ops->experts_backward(groups, E, d);
+            if (bench_failed(CMD, "experts_backward", ops->sync())) goto done;
             double t4 = bench_now_seconds();
             sec[TIME_LAYER_FWD] = t1 - t0;
             sec[TIME_LAYER_BWD] = t2 - t1;
@@ -453,11 +502,15 @@ static int run_shape(const layer_shape *s, const layer_options *o, const bench_t
     rc = 0;
 
 done:
+    free(wg);
     free(groups);
     free(counts);
     free(times);
     bench_free(arena);
     if (layer) moe_layer_destroy(layer);
+    ops->release(dev_arena);
+    ops->release(params);
+    ops->release(grads);
     return rc;
 }
 
@@ -467,16 +520,18 @@ int bench_layer_run(int argc, char **argv) {
     if (rc >= 0) return rc;
     if (o.threads > 0) bench_set_threads((int)o.threads);
 
+    moe_device_handle dev;
+    if (bench_failed(CMD, "device", moe_device_open(&dev, o.device, 1))) return BENCH_EXIT_FAILURE;
+    if (dev.note[0]) fprintf(stderr, "moe-bench %s: %s\n", CMD, dev.note);
     const bench_table table = {.bench = CMD, .cols = columns, .n_cols = N_COLUMNS, .json = o.json};
     bench_table_note(&table,
-                     "moe-bench layer, libmoe %s: %d OpenMP / %d OpenBLAS threads, %lld warmup + "
+                     "moe-bench layer, libmoe %s on %s: %d OpenMP / %d OpenBLAS threads, %lld warmup + "
                      "%lld timed iterations, medians",
-                     moe_version_string(), bench_omp_threads(), bench_blas_threads(),
+                     moe_version_string(), dev.desc, bench_omp_threads(), bench_blas_threads(),
                      (long long)o.warmup, (long long)o.iters);
     bench_table_header(&table);
-    for (int i = 0; i < o.n_shapes; i++) {
-        rc = run_shape(&o.shapes[i], &o, &table);
-        if (rc != 0) return rc;
-    }
-    return 0;
+    rc = 0;
+    for (int i = 0; i < o.n_shapes && rc == 0; i++) rc = run_shape(&o.shapes[i], &o, dev.ops, &table);
+    moe_device_close(&dev);
+    return rc;
 }

@@ -172,21 +172,39 @@ static size_t round_up_bytes(size_t bytes) {
     return (bytes + BENCH_ALIGN_BYTES - 1) / BENCH_ALIGN_BYTES * BENCH_ALIGN_BYTES;
 }
 
-void *bench_alloc_buffers(bench_buffer *bufs, int n_bufs) {
+size_t bench_buffers_bytes(const bench_buffer *bufs, int n_bufs) {
     size_t total = BENCH_ALIGN_BYTES; /* aligned_alloc rejects a size of 0 */
     for (int b = 0; b < n_bufs; b++) {
-        if (bufs[b].count > (SIZE_MAX / 2) / sizeof(float)) return NULL;
+        if (bufs[b].count > (SIZE_MAX / 2) / sizeof(float)) return 0;
         total += round_up_bytes(bufs[b].count * sizeof(float));
     }
-    char *base = aligned_alloc(BENCH_ALIGN_BYTES, total);
-    if (!base) return NULL;
-    /* Touching every page now keeps first-touch faults out of the timings. */
-    memset(base, 0, total);
+    return total;
+}
+
+/* Points bufs into base, each on an aligned boundary. */
+static void carve_buffers(char *base, bench_buffer *bufs, int n_bufs) {
     size_t off = 0;
     for (int b = 0; b < n_bufs; b++) {
         *bufs[b].ptr = (float *)(base + off);
         off += round_up_bytes(bufs[b].count * sizeof(float));
     }
+}
+
+void *bench_alloc_buffers(bench_buffer *bufs, int n_bufs) {
+    const size_t total = bench_buffers_bytes(bufs, n_bufs);
+    char *base = total ? aligned_alloc(BENCH_ALIGN_BYTES, total) : NULL;
+    if (!base) return NULL;
+    /* Touching every page now keeps first-touch faults out of the timings. */
+    memset(base, 0, total);
+    carve_buffers(base, bufs, n_bufs);
+    return base;
+}
+
+void *bench_alloc_backend_buffers(const moe_ops *ops, bench_buffer *bufs, int n_bufs) {
+    const size_t total = bench_buffers_bytes(bufs, n_bufs);
+    void *base = NULL;
+    if (!total || ops->alloc(&base, total) != MOE_OK) return NULL;
+    carve_buffers(base, bufs, n_bufs);
     return base;
 }
 
@@ -284,6 +302,13 @@ void bench_table_note(const bench_table *t, const char *fmt, ...) {
 /* ---------------------------------------------------------- sgemm baseline */
 
 double bench_sgemm_flops(const bench_sgemm *g) { return 2.0 * (double)g->m * g->n * g->k; }
+
+double bench_ops_gemm_run(const moe_ops *ops, const bench_sgemm *g) {
+    double t0 = bench_now_seconds();
+    ops->gemm(g->c, g->a, g->b, g->m, g->n, g->k, g->k, g->k, g->n, false, true, 1.0f, 0.0f);
+    if (ops->sync() != MOE_OK) return -1.0;
+    return bench_now_seconds() - t0;
+}
 
 double bench_sgemm_run(const bench_sgemm *g) {
     double t0 = bench_now_seconds();

@@ -8,6 +8,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kernels/ops.h"
 #include "moe.h"
 
 /* ------------------------------------------------------------ subcommands */
@@ -159,5 +160,18 @@ double bench_sgemm_flops(const bench_sgemm *g);
 
 /* One call; returns its seconds. */
 double bench_sgemm_run(const bench_sgemm *g);
+
+/* The same product through a backend's op table (a, b, c its memory),
+ * waited for: its seconds, or a negative value when the backend failed
+ * (moe_last_error says why). */
+double bench_ops_gemm_run(const moe_ops *ops, const bench_sgemm *g);
+
+/* Bytes bench_alloc_buffers takes for bufs. */
+size_t bench_buffers_bytes(const bench_buffer *bufs, int n_bufs);
+
+/* bench_alloc_buffers's layout in a backend's memory (ops->alloc, zeroed):
+ * the same offsets, so a host arena of the same bufs uploads onto it in one
+ * copy. Returns the allocation (ops->release it) or NULL. */
+void *bench_alloc_backend_buffers(const moe_ops *ops, bench_buffer *bufs, int n_bufs);
 
 #endif /* MOE_BENCH_H */
