@@ -135,15 +135,9 @@ static int parse_options(layer_options *o, int argc, char **argv) {
             continue;
         }
         const char *value = NULL;
-        int found = bench_option(argc, argv, &i, CMD, "device", &value);
+        int found = bench_device_option(argc, argv, &i, CMD, &o->device);
         if (found < 0) return bench_usage_error(CMD);
-        if (found) {
-            if (moe_device_parse(&o->device, value) != MOE_OK) {
-                fprintf(stderr, "moe-bench %s: %s\n", CMD, moe_last_error());
-                return bench_usage_error(CMD);
-            }
-            continue;
-        }
+        if (found) continue;
         found = bench_option(argc, argv, &i, CMD, "routing", &value);
         if (found < 0) return bench_usage_error(CMD);
         if (found) {

@@ -143,12 +143,8 @@ int bench_train_run(int argc, char **argv) {
             if (r < 0 || !bench_parse_i64(&warmup, CMD, "--warmup", v, 0, 1000)) return BENCH_EXIT_USAGE;
         } else if ((r = bench_option(argc, argv, &i, CMD, "steps", &v)) != 0) {
             if (r < 0 || !bench_parse_i64(&steps, CMD, "--steps", v, 1, 100000)) return BENCH_EXIT_USAGE;
-        } else if ((r = bench_option(argc, argv, &i, CMD, "device", &v)) != 0) {
+        } else if ((r = bench_device_option(argc, argv, &i, CMD, &device)) != 0) {
             if (r < 0) return BENCH_EXIT_USAGE;
-            if (moe_device_parse(&device, v) != MOE_OK) {
-                fprintf(stderr, "moe-bench %s: %s\n", CMD, moe_last_error());
-                return BENCH_EXIT_USAGE;
-            }
         } else if ((r = bench_option(argc, argv, &i, CMD, "threads", &v)) != 0) {
             if (r < 0 || !bench_parse_i64(&threads, CMD, "--threads", v, 1, 4096)) return BENCH_EXIT_USAGE;
         } else {

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # gpu_check.sh: the GPU check of moe: every CUDA test, `moe-bench gemm`,
+# `moe-bench gate` (the fused gating pass against a copy),
 # `moe-bench layer`, a short `moe-train --device cuda` and the MFU of a
 # 1.2B-parameter model's training steps on a machine with an NVIDIA GPU,
 # ending with one summary table (tests passed/failed/skipped, TFLOP/s and
@@ -161,10 +162,16 @@ run() {
     local gemm_rc=$?
     cat "$results/gemm.err"
 
-    # 3. The MoE layer on the GPU, against the same GPU's fp32 GEMM.
+    # 3. The fused gating pass against a copy, then the MoE layer on the GPU
+    #    against the same GPU's fp32 GEMM.
+    echo "== moe-bench gate"
+    timeout 60 "$dir/moe-bench" gate --device cuda --json >"$results/gate.jsonl" 2>"$results/gate.err"
+    local gate_rc=$?
+    cat "$results/gate.err"
     echo "== moe-bench layer"
     timeout 150 "$dir/moe-bench" layer --device cuda --json >"$results/layer.jsonl" 2>"$results/layer.err"
     local layer_rc=$?
+    [ "$gate_rc" = 0 ] || layer_rc=1
     cat "$results/layer.err"
 
     # 4. Training on the GPU: the built-in run, short, then steps of a
@@ -194,9 +201,9 @@ summary() {
         printf "%-14s | %s | skipped %s\n" "$log" "${synth#*Synthesis: }" "$skipped"
     done
     printf "tests   exit %s\n" "$test_rc"
-    printf "gemm    exit %s   layer exit %s   train exit %s\n" "$gemm_rc" "$layer_rc" "$train_rc"
+    printf "gemm    exit %s   gate+layer exit %s   train exit %s\n" "$gemm_rc" "$layer_rc" "$train_rc"
     grep -a "^val_loss .* floor" "$results/train.log" | sed 's/^/train   default model on cuda: /'
-    python3 - "$results/gemm.jsonl" "$results/layer.jsonl" "$results/train.jsonl" <<'EOF'
+    python3 - "$results/gemm.jsonl" "$results/layer.jsonl" "$results/train.jsonl" "$results/gate.jsonl" <<'EOF'
 import json, sys
 def rows(path):
     out = []
@@ -234,6 +241,9 @@ for r in layer:
     if r.get("phase") in ("layer.fwd+bwd", "experts.fwd+bwd"):
         print(f"layer   {r['shape']:8} {r['routing']:9} {r['phase']:16} {r['gflops']:8.1f} GFLOP/s "
               f"= {r['ratio']:.3f} x the same GPU's fp32 GEMM")
+for r in rows(sys.argv[4]):
+    print(f"gate    {r['gate']:13} T {r['T']} E {r['E']} k {r['k']}: {r['gbps']:7.1f} GB/s "
+          f"= {r['ratio']:.3f} x a copy ({r['copy_gbps']:.1f} GB/s)")
 for r in rows(sys.argv[3]):
     print(f"train   {r['model']:8} {r['params_m']:8.1f}M params, {r['tokens_per_s']:9.0f} tokens/s, "
           f"{r['gflops'] / 1e3:6.1f} TFLOP/s = MFU {r['mfu']:.3f} of the measured fp32 GEMM rate "

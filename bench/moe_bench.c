@@ -17,6 +17,7 @@ static const bench_command commands[] = {
     {"gemm", "grouped expert GEMMs (GPU: ours and cuBLAS; CPU: OpenBLAS) vs one dense GEMM",
      bench_gemm_run},
     {"train", "whole training steps of the MoE transformer: tokens/s and MFU vs sgemm", bench_train_run},
+    {"gate", "the fused gating pass as memory bandwidth vs a copy on the same device", bench_gate_run},
 };
 #define N_COMMANDS ((int)(sizeof commands / sizeof commands[0]))
 
@@ -302,6 +303,17 @@ void bench_table_note(const bench_table *t, const char *fmt, ...) {
 /* ---------------------------------------------------------- sgemm baseline */
 
 double bench_sgemm_flops(const bench_sgemm *g) { return 2.0 * (double)g->m * g->n * g->k; }
+
+int bench_device_option(int argc, char **argv, int *i, const char *cmd, moe_device *device) {
+    const char *value = NULL;
+    const int found = bench_option(argc, argv, i, cmd, "device", &value);
+    if (found <= 0) return found;
+    if (moe_device_parse(device, value) != MOE_OK) {
+        fprintf(stderr, "moe-bench %s: %s\n", cmd, moe_last_error());
+        return -1;
+    }
+    return 1;
+}
 
 double bench_ops_gemm_run(const moe_ops *ops, const bench_sgemm *g) {
     double t0 = bench_now_seconds();

@@ -8,6 +8,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "engine/device.h"
 #include "kernels/ops.h"
 #include "moe.h"
 
@@ -26,6 +27,7 @@ int bench_a2a_run(int argc, char **argv);
 int bench_layer_run(int argc, char **argv);
 int bench_gemm_run(int argc, char **argv);
 int bench_train_run(int argc, char **argv);
+int bench_gate_run(int argc, char **argv);
 
 /* Exit statuses: 1 for a failure while running, 2 for a bad command line. */
 #define BENCH_EXIT_FAILURE 1
@@ -49,6 +51,10 @@ bool bench_parse_i64(int64_t *out, const char *cmd, const char *flag, const char
                      int64_t hi);
 bool bench_parse_f64(double *out, const char *cmd, const char *flag, const char *text, double lo,
                      double hi);
+
+/* --device NAME (auto, cpu, cuda, cpu-strict), as bench_option: 1 with
+ * *device set on a match, 0 for another option, -1 after printing an error. */
+int bench_device_option(int argc, char **argv, int *i, const char *cmd, moe_device *device);
 
 /* Prints "moe-bench <cmd>: see moe-bench <cmd> --help" to stderr and returns
  * BENCH_EXIT_USAGE. */

@@ -1,0 +1,224 @@
+/* bench_gate.c: `moe-bench gate`: the fused gating pass (softmax or sigmoid,
+ * top-k, renormalisation, per-expert counts, balancing sums and the z term
+ * in one pass over the router logits) against a device-to-device copy of the
+ * logits measured in the same run, as memory bandwidth: the pass reads the
+ * logits once and writes the probabilities, the choices and the
+ * logsumexp, so its floor is a copy's time. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bench/moe_bench.h"
+#include "common/status.h"
+#include "engine/device.h"
+#include "kernels/ops.h"
+
+#define CMD "gate"
+#define DEFAULT_T 65536
+#define DEFAULT_E 64
+#define DEFAULT_K 8
+#define DEFAULT_WARMUP 3
+#define DEFAULT_ITERS 20
+#define LOGIT_RANGE 4.0f
+
+static const bench_column columns[] = {
+    {"gate", "gate", BENCH_STR, -13, 0},
+    {"T", "T", BENCH_INT, 7, 0},
+    {"E", "E", BENCH_INT, 4, 0},
+    {"k", "k", BENCH_INT, 3, 0},
+    {"us", "time(us)", BENCH_F64, 9, 1},
+    {"gbps", "GB/s", BENCH_F64, 8, 1},
+    {"copy_us", "copy(us)", BENCH_F64, 9, 1},
+    {"copy_gbps", "copy_GB/s", BENCH_F64, 9, 1},
+    {"ratio", "ratio", BENCH_F64, 6, 3},
+    {"iters", NULL, BENCH_INT, 0, 0},
+};
+#define N_COLUMNS ((int)(sizeof columns / sizeof columns[0]))
+
+static const struct {
+    const char *name;
+    moe_gate_kind kind;
+} kinds[] = {
+    {"softmax_topk", MOE_GATE_SOFTMAX_TOPK},
+    {"topk_softmax", MOE_GATE_TOPK_SOFTMAX},
+    {"sigmoid", MOE_GATE_SIGMOID},
+};
+#define N_KINDS ((int)(sizeof kinds / sizeof kinds[0]))
+
+static void usage(void) {
+    printf("usage: moe-bench gate [options]\n\n"
+           "Times the op table's gate_forward (one pass per token: probabilities, top-k,\n"
+           "renormalised weights, per-expert counts and probability sums, z term) for each\n"
+           "gate kind, against a copy of the logits on the same device in the same run.\n"
+           "GB/s counts the bytes the pass must move: logits read, probabilities, top-k\n"
+           "indices and weights and logsumexp written; a copy moves its bytes twice (read\n"
+           "and write). ratio = GB/s / copy_GB/s. Times are medians.\n\n"
+           "  --T N         tokens (default %d)\n"
+           "  --E N         experts (default %d)\n"
+           "  --k N         experts per token (default %d)\n"
+           "  --device D    auto (default), cpu, cuda or cpu-strict\n"
+           "  --warmup N    untimed iterations first (default %d)\n"
+           "  --iters N     timed iterations (default %d)\n"
+           "  --json        one JSON object per row\n",
+           DEFAULT_T, DEFAULT_E, DEFAULT_K, DEFAULT_WARMUP, DEFAULT_ITERS);
+}
+
+typedef struct gate_buffers {
+    float *logits, *prob, *topk_w, *lse, *copy; /* [T, E], [T, E], [T, k], [T], [T, E] */
+    int32_t *topk_idx;                          /* [T, k] */
+    int64_t *assigned;                          /* [E] */
+    double *prob_sum, *z_sum, *chunks;          /* [E], [1], [chunks, 2E + 1] */
+} gate_buffers;
+
+/* Each buffer its own piece of backend memory; NULL pieces stay NULL. */
+static moe_status alloc_buffers(const moe_ops *ops, gate_buffers *b, int64_t T, int64_t E, int64_t k) {
+    const int64_t chunks = (T + MOE_GATE_CHUNK_TOKENS - 1) / MOE_GATE_CHUNK_TOKENS;
+    struct {
+        void **ptr;
+        size_t bytes;
+    } pieces[] = {
+        {(void **)&b->logits, (size_t)(T * E) * sizeof(float)},
+        {(void **)&b->prob, (size_t)(T * E) * sizeof(float)},
+        {(void **)&b->topk_w, (size_t)(T * k) * sizeof(float)},
+        {(void **)&b->lse, (size_t)T * sizeof(float)},
+        {(void **)&b->copy, (size_t)(T * E) * sizeof(float)},
+        {(void **)&b->topk_idx, (size_t)(T * k) * sizeof(int32_t)},
+        {(void **)&b->assigned, (size_t)E * sizeof(int64_t)},
+        {(void **)&b->prob_sum, (size_t)E * sizeof(double)},
+        {(void **)&b->z_sum, sizeof(double)},
+        {(void **)&b->chunks, (size_t)(chunks * (2 * E + 1)) * sizeof(double)},
+    };
+    for (size_t i = 0; i < sizeof pieces / sizeof pieces[0]; i++) MOE_TRY(ops->alloc(pieces[i].ptr, pieces[i].bytes));
+    return MOE_OK;
+}
+
+static void release_buffers(const moe_ops *ops, gate_buffers *b) {
+    void *all[] = {b->logits, b->prob, b->topk_w, b->lse, b->copy, b->topk_idx, b->assigned, b->prob_sum, b->z_sum,
+                   b->chunks};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) ops->release(all[i]);
+}
+
+/* Seconds of one call of what, waited for; negative on a backend failure. */
+static double timed(const moe_ops *ops, void (*what)(const moe_ops *, const gate_buffers *, const void *),
+                    const gate_buffers *b, const void *arg) {
+    const double t0 = bench_now_seconds();
+    what(ops, b, arg);
+    if (ops->sync() != MOE_OK) return -1.0;
+    return bench_now_seconds() - t0;
+}
+
+typedef struct gate_call {
+    moe_gate_params params;
+    int64_t T;
+} gate_call;
+
+static void run_gate(const moe_ops *ops, const gate_buffers *b, const void *arg) {
+    const gate_call *c = arg;
+    moe_gate_totals totals = {.assigned = b->assigned, .prob_sum = b->prob_sum, .z_sum = b->z_sum,
+                              .chunk_scratch = b->chunks};
+    ops->gate_forward(b->topk_idx, b->topk_w, b->prob, b->lse, &totals, b->logits, NULL, &c->params, c->T);
+}
+
+static void run_copy(const moe_ops *ops, const gate_buffers *b, const void *arg) {
+    ops->copy(b->copy, b->logits, *(const size_t *)arg);
+}
+
+int bench_gate_run(int argc, char **argv) {
+    int64_t T = DEFAULT_T, E = DEFAULT_E, k = DEFAULT_K, warmup = DEFAULT_WARMUP, iters = DEFAULT_ITERS;
+    moe_device device = MOE_DEVICE_AUTO;
+    bool json = false;
+    const struct {
+        const char *name;
+        int64_t *value, lo, hi;
+    } int_flags[] = {
+        {"T", &T, 1, INT32_MAX},         {"E", &E, 1, MOE_EXPERTS_MAX}, {"k", &k, 1, MOE_EXPERTS_MAX},
+        {"warmup", &warmup, 0, 1000},    {"iters", &iters, 1, 100000},
+    };
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+            usage();
+            return 0;
+        }
+        if (strcmp(argv[i], "--json") == 0) {
+            json = true;
+            continue;
+        }
+        int found = bench_device_option(argc, argv, &i, CMD, &device);
+        for (size_t f = 0; found == 0 && f < sizeof int_flags / sizeof int_flags[0]; f++) {
+            const char *v = NULL;
+            char flag[16];
+            if ((found = bench_option(argc, argv, &i, CMD, int_flags[f].name, &v)) <= 0) continue;
+            snprintf(flag, sizeof flag, "--%s", int_flags[f].name);
+            if (!bench_parse_i64(int_flags[f].value, CMD, flag, v, int_flags[f].lo, int_flags[f].hi)) found = -1;
+        }
+        if (found < 0) return BENCH_EXIT_USAGE;
+        if (found == 0) {
+            fprintf(stderr, "moe-bench %s: unknown option '%s' (see --help)\n", CMD, argv[i]);
+            return BENCH_EXIT_USAGE;
+        }
+    }
+    if (k > E) {
+        fprintf(stderr, "moe-bench %s: --k %lld exceeds --E %lld\n", CMD, (long long)k, (long long)E);
+        return BENCH_EXIT_USAGE;
+    }
+
+    moe_device_handle dev;
+    if (bench_failed(CMD, "device", moe_device_open(&dev, device, 1))) return BENCH_EXIT_FAILURE;
+    if (dev.note[0]) fprintf(stderr, "moe-bench %s: %s\n", CMD, dev.note);
+    const moe_ops *ops = dev.ops;
+    gate_buffers b = {0};
+    double *times = malloc((size_t)(2 * iters) * sizeof *times);
+    float *host = malloc((size_t)(T * E) * sizeof *host);
+    int rc = BENCH_EXIT_FAILURE;
+    if (!times || !host) {
+        fprintf(stderr, "moe-bench %s: out of memory for T=%lld x E=%lld logits\n", CMD, (long long)T, (long long)E);
+        goto done;
+    }
+    if (bench_failed(CMD, "buffers", alloc_buffers(ops, &b, T, E, k))) goto done;
+    bench_rng rng = {0x67617465ull};
+    bench_fill_uniform(host, (size_t)(T * E), LOGIT_RANGE, &rng);
+    if (bench_failed(CMD, "logits", ops->upload(b.logits, host, (size_t)(T * E) * sizeof *host))) goto done;
+
+    const bench_table table = {.bench = CMD, .cols = columns, .n_cols = N_COLUMNS, .json = json};
+    bench_table_note(&table, "moe-bench gate on %s: T=%lld E=%lld k=%lld, %lld warmup + %lld timed iterations, medians",
+                     dev.desc, (long long)T, (long long)E, (long long)k, (long long)warmup, (long long)iters);
+    bench_table_header(&table);
+    const size_t logit_bytes = (size_t)(T * E) * sizeof(float);
+    /* Logits in, probabilities out, k indices and weights and one logsumexp per token out. */
+    const double gate_bytes = 2.0 * (double)logit_bytes + (double)(T * k) * 8.0 + (double)T * 4.0;
+    for (int g = 0; g < N_KINDS; g++) {
+        const gate_call call = {.params = {.n_experts = E, .top_k = k, .kind = kinds[g].kind, .renormalize = true},
+                                .T = T};
+        for (int64_t it = 0; it < warmup + iters; it++) {
+            /* Alternating which goes first cancels any advantage of the order. */
+            const bool copy_first = it % 2 == 1;
+            double copy_s = copy_first ? timed(ops, run_copy, &b, &logit_bytes) : 0.0;
+            const double gate_s = timed(ops, run_gate, &b, &call);
+            if (!copy_first) copy_s = timed(ops, run_copy, &b, &logit_bytes);
+            if (gate_s < 0.0 || copy_s < 0.0) {
+                bench_failed(CMD, kinds[g].name, ops->sync());
+                goto done;
+            }
+            if (it >= warmup) {
+                times[it - warmup] = gate_s;
+                times[iters + it - warmup] = copy_s;
+            }
+        }
+        const double gate_s = bench_median(times, (int)iters), copy_s = bench_median(times + iters, (int)iters);
+        const double gbps = gate_bytes / gate_s * 1e-9, copy_gbps = 2.0 * (double)logit_bytes / copy_s * 1e-9;
+        const bench_value row[N_COLUMNS] = {
+            {.s = kinds[g].name}, {.i = T},          {.i = E},          {.i = k},
+            {.f = gate_s * 1e6},  {.f = gbps},       {.f = copy_s * 1e6}, {.f = copy_gbps},
+            {.f = gbps / copy_gbps}, {.i = iters},
+        };
+        bench_table_row(&table, row);
+    }
+    rc = 0;
+done:
+    release_buffers(ops, &b);
+    free(times);
+    free(host);
+    moe_device_close(&dev);
+    return rc;
+}
