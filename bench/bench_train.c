@@ -41,7 +41,9 @@ static void usage(void) {
            "                  top-2, B 8 x T 256) or 1b (d_model 1024, ff 2816, 16 layers,\n"
            "                  16 heads (8 KV), 8 experts, top-2, B 8 x T 1024: 1.2B\n"
            "                  parameters, for a GPU)\n"
-           "  --device D      auto (default), cpu, cuda or cpu-strict, as moe-train's\n\n"
+           "  --device D      auto (default), cpu, cuda or cpu-strict, as moe-train's\n"
+           "  --gemm-math M   fp32 (default), tf32 or bf16, as moe-train's; MFU is then\n"
+           "                  against the GEMM rate in the same math\n\n"
            "timing:\n"
            "  --warmup N      untimed steps first (default 2)\n"
            "  --steps N       timed steps (default 5)\n"
@@ -60,10 +62,11 @@ static const bench_column columns[] = {
     {"gflops", "GFLOP/s", BENCH_F64, 8, 1},
     {"gemm_gflops", "gemm_GFLOP/s", BENCH_F64, 12, 1},
     {"mfu", "MFU", BENCH_F64, 6, 3},
+    {"gemm_math", NULL, BENCH_STR, 0, 0},
 };
 
-static int bench_shape(const train_shape *s, const moe_ops *ops, const moe_synth_stream *stream, int64_t warmup,
-                       int64_t steps, const bench_table *table) {
+static int bench_shape(const train_shape *s, const moe_ops *ops, moe_gemm_math math, const moe_synth_stream *stream,
+                       int64_t warmup, int64_t steps, const bench_table *table) {
     moe_model_config cfg;
     moe_run_default_config(&cfg, MOE_SYNTH_VOCAB_SIZE);
     if (s->d) {
@@ -109,6 +112,7 @@ static int bench_shape(const train_shape *s, const moe_ops *ops, const moe_synth
         {.f = gflops},
         {.f = peak},
         {.f = gflops / peak},
+        {.s = moe_gemm_math_name(math)},
     };
     bench_table_row(table, row);
     rc = 0;
@@ -124,6 +128,7 @@ int bench_train_run(int argc, char **argv) {
     int64_t warmup = 2, steps = 5, threads = 0;
     const char *only = NULL;
     moe_device device = MOE_DEVICE_AUTO;
+    moe_gemm_math math = MOE_GEMM_FP32;
     bool json = false;
     for (int i = 1; i < argc; i++) {
         const char *v = NULL;
@@ -145,6 +150,12 @@ int bench_train_run(int argc, char **argv) {
             if (r < 0 || !bench_parse_i64(&steps, CMD, "--steps", v, 1, 100000)) return BENCH_EXIT_USAGE;
         } else if ((r = bench_device_option(argc, argv, &i, CMD, &device)) != 0) {
             if (r < 0) return BENCH_EXIT_USAGE;
+        } else if ((r = bench_option(argc, argv, &i, CMD, "gemm-math", &v)) != 0) {
+            if (r < 0) return BENCH_EXIT_USAGE;
+            if (moe_gemm_math_parse(&math, v) != MOE_OK) {
+                fprintf(stderr, "moe-bench %s: %s\n", CMD, moe_last_error());
+                return BENCH_EXIT_USAGE;
+            }
         } else if ((r = bench_option(argc, argv, &i, CMD, "threads", &v)) != 0) {
             if (r < 0 || !bench_parse_i64(&threads, CMD, "--threads", v, 1, 4096)) return BENCH_EXIT_USAGE;
         } else {
@@ -163,6 +174,10 @@ int bench_train_run(int argc, char **argv) {
 
     moe_device_handle dev;
     if (bench_failed(CMD, "device", moe_device_open(&dev, device, 1))) return BENCH_EXIT_FAILURE;
+    if (bench_failed(CMD, "gemm math", moe_device_set_gemm_math(&dev, math))) {
+        moe_device_close(&dev);
+        return BENCH_EXIT_FAILURE;
+    }
     if (dev.note[0]) fprintf(stderr, "moe-bench %s: %s\n", CMD, dev.note);
     if (dev.placement[0]) fprintf(stderr, "moe-bench %s: %s\n", CMD, dev.placement);
     moe_synth_params sp = moe_synth_default_params();
@@ -173,13 +188,13 @@ int bench_train_run(int argc, char **argv) {
     }
     const bench_table table = {.bench = "train", .cols = columns,
                                .n_cols = (int)(sizeof columns / sizeof columns[0]), .json = json};
-    bench_table_note(&table, "moe-bench train: %s, %d threads, %lld warm-up + %lld timed steps per model", dev.desc,
-                     bench_omp_threads(), (long long)warmup, (long long)steps);
+    bench_table_note(&table, "moe-bench train: %s, %s GEMMs, %d threads, %lld warm-up + %lld timed steps per model",
+                     dev.desc, moe_gemm_math_name(math), bench_omp_threads(), (long long)warmup, (long long)steps);
     bench_table_header(&table);
     int rc = 0;
     for (int s = 0; s < n_shapes && rc == 0; s++)
         if (only ? strcmp(only, default_shapes[s].name) == 0 : !default_shapes[s].on_request)
-            rc = bench_shape(&default_shapes[s], dev.ops, &stream, warmup, steps, &table);
+            rc = bench_shape(&default_shapes[s], dev.ops, math, &stream, warmup, steps, &table);
     moe_synth_stream_free(&stream);
     moe_device_close(&dev);
     return rc;

@@ -180,11 +180,15 @@ run() {
     timeout 120 "$dir/moe-train" --device cuda --steps 500 --eval-every 250 --out "$results/train" \
         2>&1 | tee "$results/train.log" | tail -4
     local train_rc=${PIPESTATUS[0]}
-    echo "== moe-bench train --device cuda --model 1b"
-    timeout 180 "$dir/moe-bench" train --device cuda --model 1b --warmup 1 --steps 3 --json \
-        >"$results/train.jsonl" 2>"$results/train.err"
-    [ $? = 0 ] || train_rc=1
-    cat "$results/train.err"
+    echo "== moe-bench train --device cuda --model 1b --gemm-math fp32, bf16"
+    : >"$results/train.jsonl"
+    local math
+    for math in fp32 bf16; do
+        timeout 150 "$dir/moe-bench" train --device cuda --model 1b --gemm-math "$math" --warmup 1 --steps 3 \
+            --json >>"$results/train.jsonl" 2>"$results/train-$math.err"
+        [ $? = 0 ] || train_rc=1
+        cat "$results/train-$math.err"
+    done
 
     summary "$results" "$test_rc" "$gemm_rc" "$layer_rc" "$train_rc"
     [ "$test_rc" = 0 ] && [ "$gemm_rc" = 0 ] && [ "$layer_rc" = 0 ] && [ "$train_rc" = 0 ]
@@ -245,9 +249,9 @@ for r in rows(sys.argv[4]):
     print(f"gate    {r['gate']:13} T {r['T']} E {r['E']} k {r['k']}: {r['gbps']:7.1f} GB/s "
           f"= {r['ratio']:.3f} x a copy ({r['copy_gbps']:.1f} GB/s)")
 for r in rows(sys.argv[3]):
-    print(f"train   {r['model']:8} {r['params_m']:8.1f}M params, {r['tokens_per_s']:9.0f} tokens/s, "
-          f"{r['gflops'] / 1e3:6.1f} TFLOP/s = MFU {r['mfu']:.3f} of the measured fp32 GEMM rate "
-          f"{r['gemm_gflops'] / 1e3:.1f} TFLOP/s")
+    print(f"train   {r['model']:8} {r['gemm_math']} GEMMs, {r['params_m']:8.1f}M params, "
+          f"{r['tokens_per_s']:9.0f} tokens/s, {r['gflops'] / 1e3:6.1f} TFLOP/s = MFU {r['mfu']:.3f} "
+          f"of the measured {r['gemm_math']} GEMM rate {r['gemm_gflops'] / 1e3:.1f} TFLOP/s")
 EOF
     echo "=================================================================================="
 }

@@ -36,6 +36,34 @@ static int local_rank(void) {
 }
 #endif
 
+static const char *const math_names[] = {"fp32", "tf32", "bf16"};
+#define N_MATHS (sizeof math_names / sizeof *math_names)
+
+const char *moe_gemm_math_name(moe_gemm_math m) { return (unsigned)m < N_MATHS ? math_names[m] : "?"; }
+
+moe_status moe_gemm_math_parse(moe_gemm_math *m, const char *name) {
+    for (size_t i = 0; name && i < N_MATHS; i++)
+        if (strcmp(name, math_names[i]) == 0) {
+            *m = (moe_gemm_math)i;
+            return MOE_OK;
+        }
+    return moe_error(MOE_ERR_CONFIG, "--gemm-math '%s': expected fp32, tf32 or bf16", name ? name : "");
+}
+
+moe_status moe_device_set_gemm_math(moe_device_handle *h, moe_gemm_math math) {
+    if ((unsigned)math >= N_MATHS) return moe_error(MOE_ERR_INVALID_ARG, "gemm math %d unknown", (int)math);
+    if (math == MOE_GEMM_FP32) return MOE_OK;
+#if defined(MOE_HAVE_CUDA)
+    if (h->cuda) {
+        static const moe_cuda_math cuda_math[] = {MOE_CUDA_MATH_FP32, MOE_CUDA_MATH_TF32, MOE_CUDA_MATH_BF16};
+        moe_cuda_set_math(h->cuda, cuda_math[math]);
+        return MOE_OK;
+    }
+#endif
+    return moe_error(MOE_ERR_UNSUPPORTED, "--gemm-math %s: the %s backend computes in fp32 only",
+                     moe_gemm_math_name(math), h->desc);
+}
+
 /* Whether CUDA can serve a job of ranks processes; why not in why. */
 static bool cuda_usable(int ranks, char *why, size_t why_bytes) {
 #if defined(MOE_HAVE_CUDA)

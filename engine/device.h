@@ -16,6 +16,15 @@ typedef enum moe_device { MOE_DEVICE_AUTO = 0, MOE_DEVICE_CPU, MOE_DEVICE_CUDA, 
 const char *moe_device_name(moe_device device);
 moe_status moe_device_parse(moe_device *device, const char *name);
 
+/* How a GPU's fp32 GEMMs use its tensor cores: FP32 not at all (bit for bit
+ * the fp32 products); TF32 and BF16 round each input to tf32 or bf16 inside
+ * the GEMM and accumulate in fp32. Arrays stay fp32 either way. */
+typedef enum moe_gemm_math { MOE_GEMM_FP32 = 0, MOE_GEMM_TF32, MOE_GEMM_BF16 } moe_gemm_math;
+
+/* "fp32", "tf32", "bf16". */
+const char *moe_gemm_math_name(moe_gemm_math math);
+moe_status moe_gemm_math_parse(moe_gemm_math *math, const char *name);
+
 #define MOE_DEVICE_DESC_BYTES 256
 
 typedef struct moe_device_handle {
@@ -42,6 +51,10 @@ moe_status moe_device_open(moe_device_handle *device, moe_device want, int ranks
  * is collective over its parent; free with moe_comm_free. */
 moe_status moe_device_comms(const moe_device_handle *device, moe_comm *world, int ep_size, moe_comm **device_world,
                             moe_comm **device_ep);
+
+/* Sets the GEMM math of an open device; only FP32 on the CPU, which has no
+ * other. */
+moe_status moe_device_set_gemm_math(moe_device_handle *device, moe_gemm_math math);
 
 /* After everything allocated on it is released. */
 void moe_device_close(moe_device_handle *device);

@@ -373,7 +373,7 @@ static moe_status build_model(run *r) {
             {"--zero", (double)o->zero},             {"--lr", o->lr},
             {"--eval-every", (double)o->eval_every}, {"--eval-batches", (double)o->eval_batches},
             {"--save-every", (double)o->save_every}, {"--shuffle", (double)o->shuffle},
-            {"--device", (double)o->device},
+            {"--device", (double)o->device},         {"--gemm-math", (double)o->gemm_math},
         };
         for (size_t i = 0; i < sizeof options / sizeof options[0]; i++) fields[n++] = options[i];
         MOE_TRY(moe_grid_agree(r->world, fields, n));
@@ -481,6 +481,7 @@ static void write_options(moe_json_writer *w, const moe_run_options *o) {
     moe_json_int(w, o->warmup);
     json_opt_string(w, "lr_schedule", moe_lr_schedule_name(o->lr_schedule));
     json_opt_string(w, "device", moe_device_name(o->device));
+    json_opt_string(w, "gemm_math", moe_gemm_math_name(o->gemm_math));
     moe_json_key(w, "weight_decay");
     moe_json_number(w, o->weight_decay);
     moe_json_key(w, "grad_clip");
@@ -722,6 +723,7 @@ static moe_status run_body(run *r, double start) {
     const moe_run_options *o = r->o;
     MOE_TRY(open_data(r));
     MOE_TRY(moe_device_open(&r->device, o->device, r->ranks));
+    MOE_TRY(moe_device_set_gemm_math(&r->device, o->gemm_math));
     MOE_TRY(build_model(r));
     const int64_t L = r->cfg.num_hidden_layers, E = r->cfg.num_local_experts;
     r->kinds = (moe_run_kind_report){.n_layers = L, .n_experts = E, .top_k = r->cfg.num_experts_per_tok};

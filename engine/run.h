@@ -83,6 +83,7 @@ typedef struct moe_run_options {
     double comm_timeout;   /* --comm-timeout seconds a collective may wait for a peer */
     bool overlap;          /* --overlap: each expert runs as soon as its rows arrive */
     moe_device device;     /* --device */
+    moe_gemm_math gemm_math; /* --gemm-math: the GPU's tensor cores for fp32 GEMMs */
     const char *command_line; /* recorded in run.json; may be NULL */
 } moe_run_options;
 

@@ -48,6 +48,7 @@
     X(table_experts_uneven_groups)                                                                 \
     X(table_rmsnorm_backward_sumsq)                                                                \
     X(table_keeps_first_failure)                                                                   \
+    X(gemm_tensor_core_math)                                                                       \
     X(model_on_the_table)
 
 #if !defined(MOE_HAVE_CUDA)
@@ -205,8 +206,10 @@ static const char *kind_name(moe_gate_kind k) {
 
 /* ------------------------------------------------------------------- gemm */
 
-static void check_gemm(int64_t m, int64_t n, int64_t k, bool ta, bool tb, int64_t pad, float alpha,
-                       float beta, ref_rng *rng) {
+/* Checks one fp32 GEMM against the CPU's to tol; returns how many of its
+ * m x n elements differ from the CPU's bits. */
+static int64_t check_gemm_tol(int64_t m, int64_t n, int64_t k, bool ta, bool tb, int64_t pad,
+                              float alpha, float beta, ref_rng *rng, double tol) {
     const int64_t a_rows = ta ? k : m, lda = (ta ? m : k) + pad;
     const int64_t b_rows = tb ? n : k, ldb = (tb ? k : n) + pad, ldc = n + pad;
     float *a = rnd(a_rows * lda, rng, -1, 1), *b = rnd(b_rows * ldb, rng, -1, 1);
@@ -225,8 +228,18 @@ static void check_gemm(int64_t m, int64_t n, int64_t k, bool ta, bool tb, int64_
     char what[160];
     snprintf(what, sizeof what, "gemm m=%lld n=%lld k=%lld ta=%d tb=%d pad=%lld beta=%g",
              (long long)m, (long long)n, (long long)k, ta, tb, (long long)pad, beta);
-    expect_dev(what, dc, want, m * ldc, TOL_F32);
-    free(a), free(b), free(c0), free(want), free(c_in);
+    expect_dev(what, dc, want, m * ldc, tol);
+    float *got = ref_alloc((size_t)(m * ldc) * sizeof *got);
+    dget(got, dc, (size_t)(m * ldc) * sizeof *got);
+    int64_t differ = 0;
+    for (int64_t i = 0; i < m * ldc; i++) differ += memcmp(&got[i], &want[i], sizeof *got) != 0;
+    free(a), free(b), free(c0), free(want), free(c_in), free(got);
+    return differ;
+}
+
+static void check_gemm(int64_t m, int64_t n, int64_t k, bool ta, bool tb, int64_t pad, float alpha,
+                       float beta, ref_rng *rng) {
+    check_gemm_tol(m, n, k, ta, tb, pad, alpha, beta, rng, TOL_F32);
 }
 
 Test(cuda, gemm_transposes_strides_beta) {
@@ -243,6 +256,32 @@ Test(cuda, gemm_transposes_strides_beta) {
                     check_gemm(shapes[s][0], shapes[s][1], shapes[s][2], ta, tb, pad, 1.0f, 0.0f,
                                &rng);
                 }
+    gpu_end();
+}
+
+/* TF32 and BF16 math: the tensor cores round each input (to 10 and 7
+ * mantissa bits) and sum in fp32, so the products stay within bf16's 1e-2,
+ * and within half of that for tf32 (its rounding error is 1/8 of bf16's);
+ * and they must differ from the fp32 bits somewhere, or the math was not
+ * applied. */
+Test(cuda, gemm_tensor_core_math) {
+    gpu_begin();
+    ref_rng rng = {102};
+    static const struct {
+        moe_cuda_math math;
+        const char *name;
+        double tol;
+    } maths[] = {{MOE_CUDA_MATH_TF32, "tf32", TOL_BF16 / 2}, {MOE_CUDA_MATH_BF16, "bf16", TOL_BF16}};
+    for (size_t i = 0; i < sizeof maths / sizeof maths[0]; i++) {
+        moe_cuda_set_math(ctx, maths[i].math);
+        int64_t differ = 0;
+        for (int ta = 0; ta < 2; ta++)
+            for (int tb = 0; tb < 2; tb++)
+                differ += check_gemm_tol(64, 48, 96, ta, tb, 3, 1.0f, 0.0f, &rng, maths[i].tol);
+        cr_expect(differ > 0, "%s math gave the fp32 bits everywhere: the tensor cores were not used",
+                  maths[i].name);
+    }
+    moe_cuda_set_math(ctx, MOE_CUDA_MATH_FP32);
     gpu_end();
 }
 

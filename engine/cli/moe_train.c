@@ -78,6 +78,8 @@ static void print_help(void) {
            "                       them); cpu-strict: the CPU kernels on memory the host may\n"
            "                       touch only inside an op (one process, slow; checks that the\n"
            "                       run keeps to the op table, as a GPU needs)\n"
+           "  --gemm-math M        fp32 (default): GPU GEMMs in plain fp32; tf32, bf16: the\n"
+           "                       tensor cores, inputs rounded inside each GEMM, fp32 sums\n"
            "  --threads N          OpenMP (and OpenBLAS) threads; 0 = all cores (default)\n"
            "  --peak-gflops X      the MFU denominator; 0 = measure the device's fp32 GEMM at\n"
            "                       start-up (default)\n\n"
@@ -136,7 +138,7 @@ static int parse_seed(uint64_t *out, const char *flag, const char *s) {
     return 0;
 }
 
-typedef enum { F_STRING, F_INT, F_REAL, F_SEED, F_THREADS, F_SMALL, F_SCHEDULE, F_DEVICE, F_SWITCH } flag_kind;
+typedef enum { F_STRING, F_INT, F_REAL, F_SEED, F_THREADS, F_SMALL, F_SCHEDULE, F_DEVICE, F_MATH, F_SWITCH } flag_kind;
 
 typedef struct flag {
     const char *name;
@@ -160,7 +162,7 @@ static const flag flags[] = {
     {"--shuffle", F_SWITCH, OPT(shuffle)},       {"--peak-gflops", F_REAL, OPT(peak_gflops)},
     {"--ep", F_SMALL, OPT(ep)},                  {"--zero", F_SMALL, OPT(zero)},
     {"--comm-timeout", F_REAL, OPT(comm_timeout)}, {"--overlap", F_SWITCH, OPT(overlap)},
-    {"--device", F_DEVICE, OPT(device)},
+    {"--device", F_DEVICE, OPT(device)},          {"--gemm-math", F_MATH, OPT(gemm_math)},
 };
 #undef OPT
 
@@ -187,6 +189,9 @@ static int set_flag(moe_run_options *o, const flag *f, const char *value) {
         return 0;
     case F_DEVICE:
         if (moe_device_parse(field, value) != MOE_OK) return usage_error("%s", moe_last_error());
+        return 0;
+    case F_MATH:
+        if (moe_gemm_math_parse(field, value) != MOE_OK) return usage_error("%s", moe_last_error());
         return 0;
     case F_SWITCH: *(bool *)field = true; return 0;
     }
@@ -286,9 +291,9 @@ static void on_start(void *ctx, const moe_run_summary *s) {
     if (!isnan(s->entropy_floor)) printf("floor    %.4f nats per token (the best achievable val loss)\n", s->entropy_floor);
     if (s->device_note) printf("%s\n", s->device_note);
     if (s->placement) printf("place    %s\n", s->placement);
-    printf("device   %s, %d threads", s->device, s->threads);
+    printf("device   %s, %s GEMMs, %d threads", s->device, moe_gemm_math_name(o->gemm_math), s->threads);
     if (!isnan(s->peak_gflops))
-        printf(", fp32 GEMM peak %.1f GFLOP/s (%s)", s->peak_gflops, s->peak_measured ? "measured" : "--peak-gflops");
+        printf(", GEMM peak %.1f GFLOP/s (%s)", s->peak_gflops, s->peak_measured ? "measured" : "--peak-gflops");
     printf("\n");
     if (s->ranks > 1)
         printf("grid     %d ranks: %d data-parallel, experts split over groups of %d; AdamW state %.2f MB per rank%s\n",

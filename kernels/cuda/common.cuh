@@ -62,6 +62,7 @@ typedef struct moe_cuda_lt_key {
     int64_t m, n, k, lda, ldb, ldc;
     int32_t trans_a, trans_b, ab_type, c_type;
     int32_t align_a, align_b, align_c;
+    int32_t compute; /* cublasComputeType_t */
 } moe_cuda_lt_key;
 
 typedef struct moe_cuda_lt_plan {
@@ -88,7 +89,8 @@ struct moe_cuda_ctx {
     int32_t *tile_offsets; /* [MOE_EXPERTS_MAX + 1] device, the MMA grouped GEMM's tiles */
     double *sumsq_parts;   /* [MOE_CUDA_SUMSQ_PARTS] device */
     moe_cuda_lt_plan plans[MOE_CUDA_LT_PLANS];
-    int next_plan; /* round-robin victim once every slot is used */
+    int next_plan;        /* round-robin victim once every slot is used */
+    moe_cuda_math math;   /* how fp32 GEMMs use the tensor cores (moe_cuda_set_math) */
 };
 
 /* ------------------------------------------------------------ launch shape */

@@ -150,6 +150,8 @@ extern "C" const char *moe_cuda_device_name(const moe_cuda_ctx *ctx) { return ct
 
 extern "C" void *moe_cuda_stream(const moe_cuda_ctx *ctx) { return (void *)ctx->stream; }
 
+extern "C" void moe_cuda_set_math(moe_cuda_ctx *ctx, moe_cuda_math math) { ctx->math = math; }
+
 extern "C" moe_status moe_cuda_pci_bus_id(char *out, size_t out_bytes, const moe_cuda_ctx *ctx) {
     if (out_bytes > INT32_MAX) out_bytes = INT32_MAX;
     MOE_CUDA_CHECK(cudaDeviceGetPCIBusId(out, (int)out_bytes, ctx->device));

@@ -58,6 +58,13 @@ const char *moe_cuda_device_name(const moe_cuda_ctx *ctx);
  * out_bytes >= 13. */
 moe_status moe_cuda_pci_bus_id(char *out, size_t out_bytes, const moe_cuda_ctx *ctx);
 
+/* How the fp32 GEMMs (moe_cuda_gemm, so every fp32 GEMM of the op table)
+ * use the tensor cores. FP32 (the default, and the parity tests'): not at
+ * all. TF32, BF16: each input is rounded to tf32 or bf16 inside the GEMM,
+ * which accumulates in fp32; storage stays fp32. */
+typedef enum moe_cuda_math { MOE_CUDA_MATH_FP32 = 0, MOE_CUDA_MATH_TF32, MOE_CUDA_MATH_BF16 } moe_cuda_math;
+void moe_cuda_set_math(moe_cuda_ctx *ctx, moe_cuda_math math);
+
 /* The context's cudaStream_t, for a library that queues on it (NCCL). */
 void *moe_cuda_stream(const moe_cuda_ctx *ctx);
 

@@ -53,7 +53,8 @@ static moe_status plan_make(moe_cuda_ctx *ctx, moe_cuda_lt_plan *p, const moe_cu
 
     p->key = *key;
     p->used = true;
-    MOE_CUDA_CHECK(cublasLtMatmulDescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    MOE_CUDA_CHECK(
+        cublasLtMatmulDescCreate(&p->desc, (cublasComputeType_t)key->compute, CUDA_R_32F));
     MOE_CUDA_CHECK(
         cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_b, sizeof op_b));
     MOE_CUDA_CHECK(
@@ -148,6 +149,12 @@ moe_status moe_cuda_lt_gemm(moe_cuda_ctx *ctx, void *c, moe_cuda_dtype c_type, c
     key.m = m, key.n = n, key.k = k, key.lda = lda, key.ldb = ldb, key.ldc = ldc;
     key.trans_a = trans_a, key.trans_b = trans_b, key.ab_type = ab_type, key.c_type = c_type;
     key.align_a = alignment(a), key.align_b = alignment(b), key.align_c = alignment(c);
+    /* fp32 operands may go through the tensor cores (moe_cuda_set_math);
+     * bf16 ones always do, accumulating in fp32. */
+    key.compute = ab_type != MOE_CUDA_F32           ? CUBLAS_COMPUTE_32F
+                  : ctx->math == MOE_CUDA_MATH_TF32 ? CUBLAS_COMPUTE_32F_FAST_TF32
+                  : ctx->math == MOE_CUDA_MATH_BF16 ? CUBLAS_COMPUTE_32F_FAST_16BF
+                                                    : CUBLAS_COMPUTE_32F;
     moe_cuda_lt_plan *p = NULL;
     MOE_TRY(plan_get(ctx, &key, &p));
     MOE_CUDA_CHECK(cublasLtMatmul(ctx->lt, p->desc, &alpha, b, p->layout_a, a, p->layout_b, &beta,
