@@ -10,18 +10,27 @@
 #include "common/status.h"
 #include "kernels/cuda/cuda_ops.h"
 
+/* The index of name in names [n], or an error naming flag and what it expects. */
+static moe_status find_name(int *index, const char *const *names, size_t n, const char *name, const char *flag,
+                            const char *expected) {
+    for (size_t i = 0; name && i < n; i++)
+        if (strcmp(name, names[i]) == 0) {
+            *index = (int)i;
+            return MOE_OK;
+        }
+    return moe_error(MOE_ERR_CONFIG, "%s '%s': expected %s", flag, name ? name : "", expected);
+}
+
 static const char *const device_names[] = {"auto", "cpu", "cuda", "cpu-strict"};
 #define N_DEVICES (sizeof device_names / sizeof *device_names)
 
 const char *moe_device_name(moe_device d) { return (unsigned)d < N_DEVICES ? device_names[d] : "?"; }
 
 moe_status moe_device_parse(moe_device *d, const char *name) {
-    for (size_t i = 0; name && i < N_DEVICES; i++)
-        if (strcmp(name, device_names[i]) == 0) {
-            *d = (moe_device)i;
-            return MOE_OK;
-        }
-    return moe_error(MOE_ERR_CONFIG, "--device '%s': expected auto, cpu, cuda or cpu-strict", name ? name : "");
+    int i = 0;
+    MOE_TRY(find_name(&i, device_names, N_DEVICES, name, "--device", "auto, cpu, cuda or cpu-strict"));
+    *d = (moe_device)i;
+    return MOE_OK;
 }
 
 #if defined(MOE_HAVE_CUDA)
@@ -42,12 +51,10 @@ static const char *const math_names[] = {"fp32", "tf32", "bf16"};
 const char *moe_gemm_math_name(moe_gemm_math m) { return (unsigned)m < N_MATHS ? math_names[m] : "?"; }
 
 moe_status moe_gemm_math_parse(moe_gemm_math *m, const char *name) {
-    for (size_t i = 0; name && i < N_MATHS; i++)
-        if (strcmp(name, math_names[i]) == 0) {
-            *m = (moe_gemm_math)i;
-            return MOE_OK;
-        }
-    return moe_error(MOE_ERR_CONFIG, "--gemm-math '%s': expected fp32, tf32 or bf16", name ? name : "");
+    int i = 0;
+    MOE_TRY(find_name(&i, math_names, N_MATHS, name, "--gemm-math", "fp32, tf32 or bf16"));
+    *m = (moe_gemm_math)i;
+    return MOE_OK;
 }
 
 moe_status moe_device_set_gemm_math(moe_device_handle *h, moe_gemm_math math) {
