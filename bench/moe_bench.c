@@ -12,11 +12,12 @@
 
 static const bench_command commands[] = {
     {"a2a", "expert-parallel all-to-all-v (run under mpirun) vs raw MPI_Alltoallv", bench_a2a_run},
-    {"layer", "one MoE layer forward/backward and its expert GEMMs vs plain sgemm",
+    {"layer", "one MoE layer forward/backward and its expert GEMMs vs one plain GEMM",
      bench_layer_run},
     {"gemm", "grouped expert GEMMs (GPU: ours and cuBLAS; CPU: OpenBLAS) vs one dense GEMM",
      bench_gemm_run},
-    {"train", "whole training steps of the MoE transformer: tokens/s and MFU vs sgemm", bench_train_run},
+    {"train", "whole training steps of the MoE transformer: tokens/s and MFU vs the device's GEMM",
+     bench_train_run},
     {"gate", "the fused gating pass as memory bandwidth vs a copy on the same device", bench_gate_run},
 };
 #define N_COMMANDS ((int)(sizeof commands / sizeof commands[0]))
