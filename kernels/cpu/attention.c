@@ -9,6 +9,7 @@
 #include <math.h>
 
 #include "kernels/cpu/dense.h"
+#include "kernels/moe_math.h"
 
 /* s[r] = a . x_r for four rows x_r = x + r * stride: four independent
  * chains instead of one, and one load of a for four uses. */
@@ -64,13 +65,17 @@ void moe_cpu_attention_forward(float *out, float *att, const float *q, const flo
                 for (; j + 4 <= t + 1; j += 4) dot4(p + j, qt, kb + j * ks, ks, hd);
                 for (; j <= t; j++) p[j] = dot(qt, kb + j * ks, hd);
                 float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
                 for (j = 0; j <= t; j++) {
                     p[j] *= scale;
                     mx = p[j] > mx ? p[j] : mx; /* fmaxf is a libm call */
                 }
+                /* Lanes of partial sums in a fixed order, and moe_expf, which
+                 * vectorises where libm's expf is a call per element. */
                 double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
                 for (j = 0; j <= t; j++) {
-                    p[j] = expf(p[j] - mx);
+                    p[j] = moe_expf(p[j] - mx);
                     sum += p[j];
                 }
                 const float inv = (float)(1.0 / sum);
