@@ -164,8 +164,11 @@ void moe_cpu_crossentropy_forward(float *losses, double *lse, const float *logit
          * the loss NaN through the sum either way. */
 #pragma omp simd reduction(max : mx)
         for (int64_t j = 0; j < V; j++) mx = z[j] > mx ? z[j] : mx;
+        /* Lanes of partial sums in a fixed order, and moe_expf, which
+         * vectorises where libm's expf is a call per element. */
         double sum = 0.0;
-        for (int64_t j = 0; j < V; j++) sum += expf(z[j] - mx);
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < V; j++) sum += moe_expf(z[j] - mx);
         const double l = (double)mx + log(sum);
         lse[n] = l;
         losses[n] = targets[n] < 0 ? 0.0f : (float)(l - (double)z[targets[n]]);
@@ -184,7 +187,7 @@ void moe_cpu_crossentropy_backward(float *dlogits, const float *logits, const do
         const int32_t tgt = targets[n];
         const float w = tgt < 0 ? 0.0f : dloss[n];
         const double l = lse[n];
-        for (int64_t j = 0; j < V; j++) dz[j] = w * expf((float)((double)z[j] - l));
+        for (int64_t j = 0; j < V; j++) dz[j] = w * moe_expf((float)((double)z[j] - l));
         if (tgt >= 0) dz[tgt] -= w;
     }
 }
