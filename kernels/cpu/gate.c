@@ -28,16 +28,22 @@ void moe_cpu_gate_forward(int32_t *topk_idx, float *topk_w, float *prob, float *
             int32_t *idx = topk_idx + t * k; /* [k] */
             float *w = topk_w + t * k;       /* [k] */
             float lmax = l[0];
+#pragma omp simd reduction(max : lmax)
             for (int64_t e = 1; e < E; e++) lmax = l[e] > lmax ? l[e] : lmax;
+            /* Vector loops: lanes of partial sums in a fixed order. The
+             * exponentials give the logsumexp for every kind, and the
+             * probabilities unless the gate is a sigmoid. */
             double esum = 0.0, ssum = 0.0;
+#pragma omp simd reduction(+ : esum)
             for (int64_t e = 0; e < E; e++) {
-                float ex = expf(l[e] - lmax);
-                esum += ex;
-                if (p->kind == MOE_GATE_SIGMOID) {
+                r[e] = moe_expf(l[e] - lmax);
+                esum += r[e];
+            }
+            if (p->kind == MOE_GATE_SIGMOID) {
+#pragma omp simd reduction(+ : ssum)
+                for (int64_t e = 0; e < E; e++) {
                     r[e] = moe_sigmoidf(l[e]);
                     ssum += r[e];
-                } else {
-                    r[e] = ex;
                 }
             }
             float log_z = lmax + (float)log(esum);
@@ -57,7 +63,7 @@ void moe_cpu_gate_forward(int32_t *topk_idx, float *topk_w, float *prob, float *
             for (int64_t j = 0; j < k; j++) {
                 int32_t e = idx[j];
                 w[j] = p->kind == MOE_GATE_SIGMOID ? r[e]
-                       : p->kind == MOE_GATE_TOPK_SOFTMAX ? expf(l[e] - lmax)
+                       : p->kind == MOE_GATE_TOPK_SOFTMAX ? moe_expf(l[e] - lmax)
                                                           : r[e] * norm;
                 wsum += w[j];
             }
@@ -142,7 +148,7 @@ void moe_cpu_gate_backward(float *dlogits, const float *dweights, const int32_t 
         }
         if (z_coef_over_T != 0.0f) {
             float zg = 2.0f * z_coef_over_T * lse[t];
-            for (int64_t e = 0; e < E; e++) dl[e] += zg * expf(l[e] - lse[t]);
+            for (int64_t e = 0; e < E; e++) dl[e] += zg * moe_expf(l[e] - lse[t]);
         }
     }
 }
