@@ -319,7 +319,7 @@ static int run_cpu_shape(const gemm_shape *full, const gemm_options *o, const be
         /* Baseline and experts take turns, so a neighbour's load on a shared
          * machine falls on both alike. */
         for (int it = 0; it < warmup + iters; it++) {
-            const double t_sg = bench_sgemm_run(&sg);
+            const double t_sg = bench_ops_gemm_run(moe_cpu_ops(), &sg);
             const double t0 = bench_now_seconds();
             moe_cpu_ops()->experts_forward(groups, E, d);
             const double t_ex = bench_now_seconds() - t0;

@@ -333,7 +333,8 @@ static moe_status init_params(moe_layer *layer, const moe_ops *ops) {
     return st;
 }
 
-/* The buffers of one shape, pointing into b. */
+/* The buffers of one shape, pointing into b; bufs has room for LAYER_BUFS. */
+#define LAYER_BUFS 18
 static int layer_bufs(bench_buffer *bufs, layer_buffers *b, const layer_shape *s) {
     const int64_t T = s->T, d = s->d, f = s->ff, E = s->E, rows = s->T * s->k;
     const bench_buffer all[] = {
@@ -347,11 +348,10 @@ static int layer_bufs(bench_buffer *bufs, layer_buffers *b, const layer_shape *s
         {&b->dw2, (size_t)(E * d * f)},  {&b->sg_a, (size_t)(rows * d)},
         {&b->sg_b, (size_t)(3 * f * d)}, {&b->sg_c, (size_t)(rows * 3 * f)},
     };
-    const int n = (int)(sizeof all / sizeof all[0]);
+    _Static_assert(sizeof all / sizeof all[0] == LAYER_BUFS, "LAYER_BUFS counts the buffers of a shape");
     memcpy(bufs, all, sizeof all);
-    return n;
+    return LAYER_BUFS;
 }
-#define LAYER_BUFS 18
 
 static int run_shape(const layer_shape *s, const layer_options *o, const moe_ops *ops, const bench_table *table) {
     const int64_t T = s->T, d = s->d, f = s->ff, E = s->E, rows = s->T * s->k;

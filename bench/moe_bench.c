@@ -323,10 +323,3 @@ double bench_ops_gemm_run(const moe_ops *ops, const bench_sgemm *g) {
     return bench_now_seconds() - t0;
 }
 
-double bench_sgemm_run(const bench_sgemm *g) {
-    double t0 = bench_now_seconds();
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)g->m, (blasint)g->n,
-                (blasint)g->k, 1.0f, g->a, (blasint)g->k, g->b, (blasint)g->k, 0.0f, g->c,
-                (blasint)g->n);
-    return bench_now_seconds() - t0;
-}

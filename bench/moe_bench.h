@@ -153,7 +153,7 @@ void bench_table_note(const bench_table *t, const char *fmt, ...)
 
 /* ---------------------------------------------------------- sgemm baseline */
 
-/* c = a b^T with a [m, k], b [n, k], c [m, n]: one plain cblas_sgemm in the
+/* c = a b^T with a [m, k], b [n, k], c [m, n]: one plain fp32 GEMM in the
  * layout the experts use (weights stored [out, in]). */
 typedef struct bench_sgemm {
     int64_t m, n, k;
@@ -164,12 +164,9 @@ typedef struct bench_sgemm {
 
 double bench_sgemm_flops(const bench_sgemm *g);
 
-/* One call; returns its seconds. */
-double bench_sgemm_run(const bench_sgemm *g);
-
-/* The same product through a backend's op table (a, b, c its memory),
- * waited for: its seconds, or a negative value when the backend failed
- * (moe_last_error says why). */
+/* One product through a backend's op table (a, b, c its memory; on the
+ * CPU one cblas_sgemm), waited for: its seconds, or a negative value when
+ * the backend failed (moe_last_error says why). */
 double bench_ops_gemm_run(const moe_ops *ops, const bench_sgemm *g);
 
 /* Bytes bench_alloc_buffers takes for bufs. */
