@@ -166,6 +166,19 @@ moe_status moe_device_comms(const moe_device_handle *h, moe_comm *world, int ep_
 #endif
 }
 
+moe_status moe_host_view_pull(const moe_ops *ops, void **host, const void *dev, size_t bytes, const char *what) {
+    if (ops->host_visible) return ops->sync();
+    if (!*host && !(*host = malloc(bytes ? bytes : 1)))
+        return moe_error(MOE_ERR_OUT_OF_MEMORY, "%s: host copy of %zu bytes", what, bytes);
+    return ops->download(*host, dev, bytes);
+}
+
+moe_status moe_host_view_push(const moe_ops *ops, void *dev, const void *host, size_t bytes, const char *what) {
+    if (ops->host_visible) return MOE_OK;
+    if (!host) return moe_error(MOE_ERR_STATE, "%s: pushed before any pull", what);
+    return ops->upload(dev, host, bytes);
+}
+
 void moe_device_close(moe_device_handle *h) {
 #if defined(MOE_HAVE_CUDA)
     if (h->cuda) {

@@ -56,6 +56,13 @@ moe_status moe_device_comms(const moe_device_handle *device, moe_comm *world, in
  * other. */
 moe_status moe_device_set_gemm_math(moe_device_handle *device, moe_gemm_math math);
 
+/* A host view of backend memory dev [bytes]. On a host-visible backend the
+ * caller keeps *host = dev and pull only waits for the ops; otherwise *host
+ * is a copy, allocated by the first pull (what names it in the error),
+ * that pull refreshes and push writes back (MOE_ERR_STATE before a pull). */
+moe_status moe_host_view_pull(const moe_ops *ops, void **host, const void *dev, size_t bytes, const char *what);
+moe_status moe_host_view_push(const moe_ops *ops, void *dev, const void *host, size_t bytes, const char *what);
+
 /* After everything allocated on it is released. */
 void moe_device_close(moe_device_handle *device);
 

@@ -11,6 +11,7 @@
 
 #include "common/rng.h"
 #include "common/status.h"
+#include "engine/device.h"
 #include "engine/moe_layer.h"
 #include "kernels/ops.h"
 
@@ -437,17 +438,13 @@ const moe_ops *moe_model_ops(const moe_model *m) { return m->ops; }
 float *moe_model_host_params(moe_model *m) { return m->host_params; }
 
 moe_status moe_model_pull(moe_model *m) {
-    const size_t bytes = (size_t)m->n_params * sizeof(float);
-    if (m->ops->host_visible) return m->ops->sync();
-    if (!m->host_params && !(m->host_params = malloc(bytes)))
-        return moe_error(MOE_ERR_OUT_OF_MEMORY, "model: host copy of %lld parameters", (long long)m->n_params);
-    return m->ops->download(m->host_params, m->params, bytes);
+    return moe_host_view_pull(m->ops, (void **)&m->host_params, m->params, (size_t)m->n_params * sizeof(float),
+                              "model parameters");
 }
 
 moe_status moe_model_push(moe_model *m) {
-    if (m->ops->host_visible) return MOE_OK;
-    if (!m->host_params) return moe_error(MOE_ERR_STATE, "moe_model_push: no moe_model_pull before");
-    return m->ops->upload(m->params, m->host_params, (size_t)m->n_params * sizeof(float));
+    return moe_host_view_push(m->ops, m->params, m->host_params, (size_t)m->n_params * sizeof(float),
+                              "model parameters");
 }
 
 void moe_model_set_training(moe_model *m, bool training) {

@@ -10,6 +10,7 @@
 
 #include "comm/comm.h"
 #include "common/status.h"
+#include "engine/device.h"
 #include "kernels/ops.h"
 
 /* The optimizer's view of one run of the model's arrays. */
@@ -162,20 +163,16 @@ float *moe_trainer_adam_m(moe_trainer *t) { return t->sharded ? NULL : t->host_s
 float *moe_trainer_adam_v(moe_trainer *t) { return t->sharded || !t->host_state ? NULL : t->host_state + t->state_count; }
 
 moe_status moe_trainer_pull(moe_trainer *t) {
-    const size_t bytes = (size_t)(2 * t->state_count) * sizeof(float);
-    if (t->ops->host_visible) return t->ops->sync();
-    if (!t->host_state) {
-        if (!(t->host_state = malloc(bytes ? bytes : 1)))
-            return moe_error(MOE_ERR_OUT_OF_MEMORY, "trainer: host copy of %zu bytes of AdamW state", bytes);
-        carve_runs(t);
-    }
-    return t->ops->download(t->host_state, t->state, bytes);
+    const bool first = !t->host_state;
+    const moe_status st = moe_host_view_pull(t->ops, (void **)&t->host_state, t->state,
+                                             (size_t)(2 * t->state_count) * sizeof(float), "AdamW state");
+    if (first && t->host_state) carve_runs(t); /* the shards' host views point into the new copy */
+    return st;
 }
 
 moe_status moe_trainer_push(moe_trainer *t) {
-    if (t->ops->host_visible) return MOE_OK;
-    if (!t->host_state) return moe_error(MOE_ERR_STATE, "moe_trainer_push: no moe_trainer_pull before");
-    return t->ops->upload(t->state, t->host_state, (size_t)(2 * t->state_count) * sizeof(float));
+    return moe_host_view_push(t->ops, t->state, t->host_state, (size_t)(2 * t->state_count) * sizeof(float),
+                              "AdamW state");
 }
 moe_optim_shard moe_trainer_shard(moe_trainer *t, moe_model_run_id run) { return t->runs[run].shard; }
 int64_t moe_trainer_optimizer_bytes(const moe_trainer *t) { return 2 * t->state_count * (int64_t)sizeof(float); }
