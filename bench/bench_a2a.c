@@ -789,10 +789,12 @@ static double time_copy(dispatch_run *r, int64_t R) {
  * (dropless: every pair travels; rank r holds experts r E/P .. (r+1) E/P - 1),
  * and the rows every rank sent here. */
 static void learn_routing(dispatch_run *r, int64_t T) {
-    const int32_t *topk = moe_layer_last_topk(r->layer); /* [T, k] */
+    const int32_t *topk; /* [T, k] */
+    moe_status st = moe_layer_last_topk(r->layer, &topk);
+    if (st != MOE_OK) fail_job(r->comm, "reading the router choices", st);
     for (int j = 0; j < r->P; j++) r->send_rows[j] = 0;
     for (int64_t i = 0; i < T * r->k; i++) r->send_rows[topk[i] / r->n_local]++;
-    moe_status st = moe_comm_alltoall(r->comm, r->recv_rows, r->send_rows, 1, MOE_COMM_I64);
+    st = moe_comm_alltoall(r->comm, r->recv_rows, r->send_rows, 1, MOE_COMM_I64);
     if (st != MOE_OK) fail_job(r->comm, "exchanging row counts", st);
 }
 

@@ -447,12 +447,14 @@ static int run_shape(const layer_shape *s, const layer_options *o, const moe_ops
             sec[TIME_SGEMM] = bench_ops_gemm_run(ops, &sg);
             if (sec[TIME_SGEMM] < 0.0 && bench_failed(CMD, "gemm baseline", MOE_ERR_INTERNAL)) goto done;
             if (bench_failed(CMD, "moe_layer_zero_grad", moe_layer_zero_grad(layer))) goto done;
+            /* The layer returns with its ops queued: each pass ends at a sync. */
             double t0 = bench_now_seconds();
-            if (bench_failed(CMD, "moe_layer_forward",
-                             moe_layer_forward(layer, b.y, b.x, T, &stats)))
+            if (bench_failed(CMD, "moe_layer_forward", moe_layer_forward(layer, b.y, b.x, T, &stats)) ||
+                bench_failed(CMD, "moe_layer_forward", ops->sync()))
                 goto done;
             double t1 = bench_now_seconds();
-            if (bench_failed(CMD, "moe_layer_backward", moe_layer_backward(layer, b.dx, b.dy, b.x)))
+            if (bench_failed(CMD, "moe_layer_backward", moe_layer_backward(layer, b.dx, b.dy, b.x)) ||
+                bench_failed(CMD, "moe_layer_backward", ops->sync()))
                 goto done;
             double t2 = bench_now_seconds();
             ops->experts_forward(groups, E, d);

@@ -74,6 +74,7 @@ struct moe_model {
     double *lse;      /* [N] */
     float *losses;    /* [N] */
     float *dloss;     /* [N] */
+    float dloss_value; /* what every element of dloss holds */
     float *cos_t, *sin_t; /* [T, hd/2] */
     int32_t *inputs, *targets; /* [N] the batch's tokens, uploaded */
     double *sumsq;        /* [2] the gradient's squares: dense run, experts */
@@ -469,7 +470,9 @@ void moe_model_set_jitter_counter(moe_model *m, uint64_t counter) {
 }
 
 const float *moe_model_last_losses(const moe_model *m) { return m->losses_host; }
-const int32_t *moe_model_last_topk(const moe_model *m, int64_t l) { return moe_layer_last_topk(m->moe[l]); }
+moe_status moe_model_last_topk(moe_model *m, int64_t l, const int32_t **topk) {
+    return moe_layer_last_topk(m->moe[l], topk);
+}
 
 int64_t moe_model_active_param_count(const moe_model *m) {
     const moe_model_config *c = &m->cfg;
@@ -504,10 +507,17 @@ moe_status moe_model_forward(moe_model *m, const int32_t *inputs, const int32_t 
         if (inputs[i] < 0 || inputs[i] >= V)
             return moe_error(MOE_ERR_INVALID_ARG, "model: input token %d at position %lld outside the vocabulary [0, %lld)",
                              inputs[i], (long long)i, (long long)V);
+    for (int64_t i = 0; targets && i < N; i++)
+        if (targets[i] >= V)
+            return moe_error(MOE_ERR_INVALID_ARG, "model: target token %d at position %lld outside the vocabulary [0, %lld)",
+                             targets[i], (long long)i, (long long)V);
     m->forward_done = false;
     double aux = 0.0, z = 0.0, imbalance = 0.0, dropped = 0.0;
 
+    /* Both token arrays go up before any op is queued: an upload waits for
+     * the device, which has nothing to finish yet. */
     MOE_TRY(ops->upload(m->inputs, inputs, (size_t)N * sizeof(int32_t)));
+    if (targets) MOE_TRY(ops->upload(m->targets, targets, (size_t)N * sizeof(int32_t)));
     ops->embedding_forward(m->acts[0].x, m->inputs, param(m, 0), N, C);
     for (int64_t l = 0; l < L; l++) {
         layer_acts *a = &m->acts[l];
@@ -537,11 +547,6 @@ moe_status moe_model_forward(moe_model *m, const int32_t *inputs, const int32_t 
 
     m->has_targets = targets != NULL;
     if (targets) {
-        for (int64_t i = 0; i < N; i++)
-            if (targets[i] >= V)
-                return moe_error(MOE_ERR_INVALID_ARG, "model: target token %d at position %lld outside the vocabulary [0, %lld)",
-                                 targets[i], (long long)i, (long long)V);
-        MOE_TRY(ops->upload(m->targets, targets, (size_t)N * sizeof(int32_t)));
         ops->crossentropy_forward(m->losses, m->lse, m->logits, m->targets, N, V);
         MOE_TRY(ops->download(m->losses_host, m->losses, (size_t)N * sizeof(float)));
     }
@@ -595,8 +600,13 @@ moe_status moe_model_backward(moe_model *m, const int32_t *inputs, const int32_t
     for (int64_t i = 0; i < N; i++) counted += targets[i] >= 0;
     if (m->world) MOE_TRY(moe_comm_allreduce_sum(m->world, &counted, 1, MOE_COMM_I64));
     const float w = counted ? grad_scale / (float)counted : 0.0f;
-    for (int64_t i = 0; i < N; i++) m->staging[i] = w;
-    MOE_TRY(ops->upload(m->dloss, m->staging, (size_t)N * sizeof(float)));
+    /* Sent only when it changes (rarely: a new count of targets, a new
+     * scale), since an upload waits for the device. */
+    if (w != m->dloss_value) {
+        for (int64_t i = 0; i < N; i++) m->staging[i] = w;
+        MOE_TRY(ops->upload(m->dloss, m->staging, (size_t)N * sizeof(float)));
+        m->dloss_value = w;
+    }
     for (int64_t l = 0; l < L; l++) moe_layer_set_loss_scale(m->moe[l], (double)grad_scale / (double)L);
 
     /* The logits' memory takes their gradient: nothing else reads them. */

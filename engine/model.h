@@ -149,10 +149,11 @@ moe_status moe_model_finish_grad_sync(moe_model *model);
  * once however the experts are spread. Collective over the EP group. */
 moe_status moe_model_grad_sumsq(moe_model *model, double *out);
 
-/* Per-token results of the last forward: the cross-entropy losses [B*T] and
- * layer l's router choices [B*T, k]. */
+/* Per-token results of the last forward: the cross-entropy losses [B*T],
+ * and layer l's router choices [B*T, k], copied from the backend on request
+ * (valid until the next request or forward). */
 const float *moe_model_last_losses(const moe_model *model);
-const int32_t *moe_model_last_topk(const moe_model *model, int64_t layer);
+moe_status moe_model_last_topk(moe_model *model, int64_t layer, const int32_t **topk);
 
 /* Layer l's auxiliary-loss-free selection bias [E], or NULL when off;
  * checkpoints keep it under DeepSeek-V3's name

@@ -61,6 +61,7 @@ struct moe_layer {
     moe_tensor_view *views;           /* [n_tensors] */
     char (*names)[MOE_NAME_BYTES];    /* [n_tensors] */
     float *bias;                      /* [E] selection bias on the host, or NULL */
+    float *bias_sent;                 /* [E] the bias bias_dev holds */
 
     /* Every array the ops touch is backend memory; the host keeps what it
      * decides with (counts, offsets) and mirrors of what it reads. */
@@ -90,8 +91,7 @@ struct moe_layer {
     float *sh_g;         /* [T, S] */
     float *sh_y;         /* [T, d] */
     float *sh_dh;        /* [T, 2S] */
-    int32_t *topk_host;  /* [T, k] host copy of topk_idx, for statistics */
-    float *noise_host;   /* [T, d] host draws of the jitter factors */
+    int32_t *topk_host;  /* [T, k] host copy of topk_idx, on request */
 
     /* Rows this rank's experts work on, sized for capacity_R rows, in
      * row_ws. With one rank xe, ye, dye and dxe are xp, yp, dyp and dxp. */
@@ -127,6 +127,7 @@ struct moe_layer {
     int64_t *expert_offsets; /* [E+1] plan rows (host; the plan's own are offsets_dev) */
     int64_t *local_offsets;  /* [n_local+1] expert-major rows */
     float *aux_grad;         /* [E] (host) */
+    double aux_grad_scale;   /* the loss scale aux_grad_dev was computed with */
     moe_expert_group *groups; /* [n_local + 1]: local experts, then the shared ones */
 
     moe_layer_stats last;   /* global statistics of the last forward */
@@ -304,10 +305,14 @@ moe_status moe_layer_create_in(moe_layer **out, const moe_layer_config *cfg, con
     L->local_offsets = calloc((size_t)L->n_local + 1, sizeof *L->local_offsets);
     L->aux_grad = calloc((size_t)E, sizeof *L->aux_grad);
     L->groups = calloc((size_t)L->n_local + 1, sizeof *L->groups);
-    if (cfg->bias_update_rate > 0.0) L->bias = calloc((size_t)E, sizeof *L->bias);
+    if (cfg->bias_update_rate > 0.0) {
+        L->bias = calloc((size_t)E, sizeof *L->bias);
+        L->bias_sent = calloc((size_t)E, sizeof *L->bias_sent);
+    }
     if (!L->views || !L->names || !L->expert_rank || !L->totals_host || !L->rank_totals || !L->rank_assigned ||
         !L->rank_kept || !L->global_assigned || !L->keep || !L->recv_rows || !L->requests || !L->expert_offsets ||
-        !L->local_offsets || !L->aux_grad || !L->groups || (cfg->bias_update_rate > 0.0 && !L->bias)) {
+        !L->local_offsets || !L->aux_grad || !L->groups ||
+        (cfg->bias_update_rate > 0.0 && (!L->bias || !L->bias_sent))) {
         moe_layer_destroy(L);
         return moe_error(MOE_ERR_OUT_OF_MEMORY, "moe_layer_create: per-expert arrays for n_experts=%lld", (long long)E);
     }
@@ -405,6 +410,7 @@ void moe_layer_destroy(moe_layer *L) {
     free(L->views);
     free(L->names);
     free(L->bias);
+    free(L->bias_sent);
     if (ops) {
         ops->release(L->token_ws);
         ops->release(L->row_ws);
@@ -415,7 +421,6 @@ void moe_layer_destroy(moe_layer *L) {
         ops->release(L->bias_dev);
     }
     free(L->topk_host);
-    free(L->noise_host);
     free(L->expert_rank);
     free(L->totals_host);
     free(L->rank_totals);
@@ -473,9 +478,26 @@ void moe_layer_set_overlap(moe_layer *L, bool overlap) { L->overlap = overlap; }
 void moe_layer_get_timing(const moe_layer *L, moe_layer_timing *timing) { *timing = L->timing; }
 void moe_layer_reset_timing(moe_layer *L) { L->timing = (moe_layer_timing){0}; }
 
-const int32_t *moe_layer_last_topk(const moe_layer *L) { return L->topk_host; }
+moe_status moe_layer_last_topk(moe_layer *L, const int32_t **topk) {
+    if (L->last_T == 0) return moe_error(MOE_ERR_STATE, "moe_layer_last_topk: no forward yet");
+    MOE_TRY(L->ops->download(L->topk_host, L->topk_idx, (size_t)(L->last_T * L->cfg.top_k) * sizeof(int32_t)));
+    *topk = L->topk_host;
+    return MOE_OK;
+}
 uint64_t moe_layer_jitter_counter(const moe_layer *L) { return L->jitter_calls; }
 void moe_layer_set_jitter_counter(moe_layer *L, uint64_t counter) { L->jitter_calls = counter; }
+
+/* The bias reaches the backend when it has changed: moe_layer_update_bias
+ * sends it at once (a training step's end, when the device is idle), and
+ * the next forward sends what a caller wrote through
+ * moe_layer_selection_bias, so no forward waits for an unchanged one. */
+static moe_status send_bias(moe_layer *L) {
+    const size_t bytes = (size_t)L->cfg.n_experts * sizeof(float);
+    if (memcmp(L->bias, L->bias_sent, bytes) == 0) return MOE_OK;
+    MOE_TRY(L->ops->upload(L->bias_dev, L->bias, bytes));
+    memcpy(L->bias_sent, L->bias, bytes);
+    return MOE_OK;
+}
 
 moe_status moe_layer_zero_grad(moe_layer *L) {
     if (!L) return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_zero_grad: layer is NULL");
@@ -489,7 +511,7 @@ moe_status moe_layer_update_bias(moe_layer *L) {
     if (!L->bias) return moe_error(MOE_ERR_STATE, "moe_layer_update_bias: bias_update_rate is 0, there is no bias");
     if (L->last_T == 0) return moe_error(MOE_ERR_STATE, "moe_layer_update_bias: no forward yet");
     moe_bias_update(L->bias, L->global_assigned, L->cfg.n_experts, L->cfg.bias_update_rate);
-    return MOE_OK;
+    return send_bias(L);
 }
 
 double moe_layer_forward_flops(const moe_layer_config *cfg, int64_t T) {
@@ -574,11 +596,10 @@ static moe_status reserve_tokens(moe_layer *L, int64_t T) {
         {(void **)&L->sh_dh, t2s, sizeof(float)},
     };
     int32_t *topk_host = realloc(L->topk_host, (size_t)Tk * sizeof *topk_host);
-    if (topk_host) L->topk_host = topk_host;
-    float *noise_host = jitter ? realloc(L->noise_host, (size_t)td * sizeof *noise_host) : L->noise_host;
-    if (noise_host) L->noise_host = noise_host;
-    if (!topk_host || (jitter && !noise_host))
-        return moe_error(MOE_ERR_OUT_OF_MEMORY, "moe_layer_forward: host copies for T=%lld", (long long)T);
+    if (!topk_host)
+        return moe_error(MOE_ERR_OUT_OF_MEMORY, "moe_layer_forward: host copy of the router choices for T=%lld",
+                         (long long)T);
+    L->topk_host = topk_host;
     MOE_TRY(carve(L->ops, &L->token_ws, table, (int)(sizeof table / sizeof table[0]), "activations for T", T));
     L->capacity_T = T;
     return MOE_OK;
@@ -804,6 +825,17 @@ static moe_status run_experts(moe_layer *L, bool backward, float *plan_in, float
 
 /* ----------------------------------------------------------------- forward */
 
+/* The balancing loss's gradient for backward, over the global batch (its
+ * counts and size), at the current loss scale. */
+static moe_status send_aux_grad(moe_layer *L) {
+    const moe_layer_config *c = &L->cfg;
+    moe_aux_grad(L->aux_grad, L->global_assigned, L->global_T, c->top_k, c->n_experts,
+                 c->aux_loss_coef * L->loss_scale);
+    MOE_TRY(L->ops->upload(L->aux_grad_dev, L->aux_grad, (size_t)c->n_experts * sizeof(float)));
+    L->aux_grad_scale = L->loss_scale;
+    return MOE_OK;
+}
+
 /* Points the expert groups at this step's rows; the shared experts, when
  * present, are one more group over this rank's T tokens. */
 static int64_t setup_groups(moe_layer *L, int64_t T, const float *x_in, const float *dy) {
@@ -843,20 +875,15 @@ moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, 
         const float eps = (float)c->jitter_eps;
         const uint64_t call = L->jitter_calls;
         const int on = L->training;
-        /* Noise indexed by (rank, token) keeps ranks' streams apart. The
-         * draws are the host's, so every backend multiplies by the same. */
+        /* Noise indexed by (rank, token) keeps ranks' streams apart. Every
+         * backend draws the same bits (ops.h uniform), on the backend. */
         const uint64_t stream = MOE_JITTER_STREAM + call * (uint64_t)L->batch_size + (uint64_t)L->batch_rank;
-#pragma omp parallel for schedule(static)
-        for (int64_t i = 0; i < T * d; i++) {
-            float u = on ? moe_rng_uniform(c->seed, stream, (uint64_t)i) : 0.5f;
-            L->noise_host[i] = 1.0f - eps + 2.0f * eps * u;
-        }
-        MOE_TRY(ops->upload(L->noise, L->noise_host, (size_t)(T * d) * sizeof(float)));
+        ops->uniform(L->noise, c->seed, stream, on ? 1.0f - eps : 1.0f, on ? 2.0f * eps : 0.0f, T * d);
         ops->multiply(L->x_in, x, L->noise, T * d);
         if (on) L->jitter_calls++;
         x_in = L->x_in;
     }
-    if (L->bias) MOE_TRY(ops->upload(L->bias_dev, L->bias, (size_t)E * sizeof(float)));
+    if (L->bias) MOE_TRY(send_bias(L));
 
     const float *wg = L->views[0].param; /* [E, d] */
     ops->gemm(L->logits, x_in, wg, T, E, d, d, d, E, false, true, 1.0f, 0.0f);
@@ -866,13 +893,14 @@ moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, 
                               .z_sum = (double *)L->totals_dev + 2 * E,
                               .chunk_scratch = L->gate_chunks};
     ops->gate_forward(L->topk_idx, L->topk_w, L->prob, L->lse, &totals, L->logits, L->bias_dev, &gp, T);
-    /* The host decides capacity and the exchange: it needs the counts. */
+    /* THE HOST WAIT, the layer's only one: the host decides capacity and
+     * the exchange, so it needs the counts. While the device is idle, the
+     * host also sends what the plan and backward need from it. */
     MOE_TRY(ops->download(L->totals_host, L->totals_dev, (size_t)(2 * E + 1) * sizeof(int64_t)));
-    MOE_TRY(ops->download(L->topk_host, L->topk_idx, (size_t)(T * k) * sizeof(int32_t)));
-
     L->last.tokens_per_expert = stats ? stats->tokens_per_expert : NULL;
     MOE_TRY(share_routing(L, T, *L->z_sum));
     MOE_TRY(ops->upload(L->keep_dev, L->keep, (size_t)E * sizeof(int64_t)));
+    MOE_TRY(send_aux_grad(L));
     ops->plan_build(L->pair_row, L->row_token, L->offsets_dev, L->topk_idx, L->keep_dev, L->plan_scratch, T, k, E);
     /* The plan's offsets are the prefix sums of keep: no wait for them. */
     L->expert_offsets[0] = 0;
@@ -899,7 +927,7 @@ moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, 
         stats->tokens_per_expert = tpe;
     }
     L->last_T = T;
-    return ops->sync();
+    return MOE_OK;
 }
 
 /* ---------------------------------------------------------------- backward */
@@ -932,10 +960,10 @@ moe_status moe_layer_backward(moe_layer *L, float *dx, const float *dy, const fl
     L->timing.experts_seconds += compute;
     L->timing.calls++;
 
-    /* The balancing losses are over the global batch: its counts and size. */
+    /* Forward sent the aux gradient with the loss scale of its time; a
+     * scale set since then (a model's first step) costs a wait here. */
+    if (L->aux_grad_scale != L->loss_scale) MOE_TRY(send_aux_grad(L));
     const int64_t GT = L->global_T;
-    moe_aux_grad(L->aux_grad, L->global_assigned, GT, k, E, c->aux_loss_coef * L->loss_scale);
-    MOE_TRY(ops->upload(L->aux_grad_dev, L->aux_grad, (size_t)E * sizeof(float)));
     const moe_gate_params gp = {.n_experts = E, .top_k = k, .kind = c->gate, .renormalize = c->renormalize != 0};
     ops->gate_backward(L->dlogits, L->dweights, L->topk_idx, L->topk_w, L->prob, L->lse, L->logits,
                        c->aux_loss_coef > 0.0 ? L->aux_grad_dev : NULL, (float)(c->z_loss_coef * L->loss_scale / (double)GT),
@@ -945,5 +973,5 @@ moe_status moe_layer_backward(moe_layer *L, float *dx, const float *dy, const fl
     ops->gemm(dx_in, L->dlogits, gate->param, T, d, E, E, d, d, false, false, 1.0f, 1.0f);
 
     if (jitter) ops->multiply(dx, dx_in, L->noise, T * d);
-    return ops->sync();
+    return MOE_OK;
 }

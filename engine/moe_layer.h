@@ -41,7 +41,11 @@ typedef struct moe_layer_memory {
  * The gradients of the router and the shared experts are this rank's
  * share, and each expert's gradient covers the EP group's tokens: the caller
  * sums the former over the batch ranks and the latter over the expert's
- * replicas (the data-parallel all-reduces do). */
+ * replicas (the data-parallel all-reduces do).
+ *
+ * On a device backend, forward waits once, for the routing totals, and
+ * backward not at all: both return with ops still queued, and the owner's
+ * next sync or download waits for them and reports a failure among them. */
 moe_status moe_layer_create_in(moe_layer **layer, const moe_layer_config *cfg, const moe_layer_memory *mem,
                                moe_comm *ep, moe_comm *batch);
 
@@ -52,9 +56,10 @@ moe_status moe_layer_init_params(moe_layer *layer, float std, uint64_t seed, uin
  * model that averages over layers and micro-batches scales them here. */
 void moe_layer_set_loss_scale(moe_layer *layer, double scale);
 
-/* This rank's router choices topk_idx [T, k] of the last forward, on the
- * host. */
-const int32_t *moe_layer_last_topk(const moe_layer *layer);
+/* This rank's router choices topk_idx [T, k] of the last forward, copied
+ * to the host on request (a wait for the backend); valid until the next
+ * call or forward. */
+moe_status moe_layer_last_topk(moe_layer *layer, const int32_t **topk);
 
 /* Training forwards so far: it picks the jitter noise, so a resumed run
  * restores it to draw the same noise as an unbroken one. */

@@ -638,7 +638,7 @@ static moe_status log_eval(run *r, const moe_run_eval *e) {
 
 /* Target i of this rank's rows of batch b is stream token (b * ranks + rank)
  * * B*T + i + 1 (moe_synth_floor_of). */
-static void accumulate_kinds(void *ctx, const moe_model *model, const int32_t *targets, int64_t batch) {
+static moe_status accumulate_kinds(void *ctx, moe_model *model, const int32_t *targets, int64_t batch) {
     run *r = ctx;
     const int64_t BT = moe_model_batch_size(model) * moe_model_seq_len(model);
     const int64_t L = r->kinds.n_layers, E = r->kinds.n_experts, k = r->kinds.top_k;
@@ -650,13 +650,15 @@ static void accumulate_kinds(void *ctx, const moe_model *model, const int32_t *t
         r->kind_tokens[kinds[i]]++;
     }
     for (int64_t l = 0; l < L; l++) {
-        const int32_t *topk = moe_model_last_topk(model, l); /* [BT, k] */
+        const int32_t *topk; /* [BT, k] */
+        MOE_TRY(moe_model_last_topk(model, l, &topk));
         int64_t *counts = r->route_counts + l * N_KINDS * E;
         for (int64_t i = 0; i < BT; i++) {
             if (targets[i] < 0) continue;
             for (int64_t j = 0; j < k; j++) counts[kinds[i] * E + topk[i * k + j]]++;
         }
     }
+    return MOE_OK;
 }
 
 /* Sums every rank's share of the report, then turns counts into shares. */

@@ -287,11 +287,13 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
      * rows rank*B .. rank*B + B - 1 of it. */
     const int W = moe_model_world_size(model), rank = moe_model_world_rank(model);
     moe_model_set_training(model, true);
-    moe_model_zero_grad(model);
     for (int64_t micro = 0; micro < c->grad_accum; micro++) {
         MOE_TRY(moe_data_next_batch(data, t->inputs, t->targets, (int64_t)W * B, (int64_t)rank * B, B, T));
         moe_model_stats s;
         MOE_TRY(moe_model_forward(model, t->inputs, t->targets, &s));
+        /* Zeroed after the forward, whose token uploads would otherwise
+         * wait for the device to finish it. */
+        if (micro == 0) moe_model_zero_grad(model);
         /* Sharded, every run with a group is reduce-scattered instead. */
         moe_model_set_grad_sync(model, !t->sharded && micro + 1 == c->grad_accum);
         MOE_TRY(moe_model_backward(model, t->inputs, t->targets, micro_scale));
@@ -352,10 +354,8 @@ moe_status moe_trainer_eval(moe_trainer *t, moe_data *data, int64_t n_batches, d
         moe_model_stats s;
         st = moe_data_next_batch(data, t->inputs, t->targets, (int64_t)W * B, (int64_t)rank * B, B, T);
         if (st == MOE_OK) st = moe_model_forward(model, t->inputs, t->targets, &s);
-        if (st == MOE_OK) {
-            total += s.ce_loss;
-            if (on_batch) on_batch(ctx, model, t->targets, b);
-        }
+        if (st == MOE_OK) total += s.ce_loss;
+        if (st == MOE_OK && on_batch) st = on_batch(ctx, model, t->targets, b);
     }
     moe_model_set_training(model, true);
     moe_status restore = moe_data_set_position(data, saved);

@@ -110,8 +110,8 @@ int64_t moe_trainer_optimizer_bytes(const moe_trainer *trainer);
 
 /* Called after each evaluation batch with that batch's targets [B*T], the
  * batch index, and the model (whose last per-token losses and router
- * choices describe the batch). */
-typedef void (*moe_eval_fn)(void *ctx, const moe_model *model, const int32_t *targets, int64_t batch);
+ * choices describe the batch); a failure ends the evaluation. */
+typedef moe_status (*moe_eval_fn)(void *ctx, moe_model *model, const int32_t *targets, int64_t batch);
 
 /* Mean cross-entropy over n_batches batches of data read from its start, in
  * eval mode (no jitter). data's position is restored afterwards. */

@@ -173,6 +173,9 @@ typedef struct moe_ops {
     void (*scale)(float *x, float alpha, int64_t n);
     /* out[i] = a[i] * b[i]; out may be a or b. */
     void (*multiply)(float *out, const float *a, const float *b, int64_t n);
+    /* out[i] = moe_rng_uniform_in(seed, stream, i, lo, span) (common/rng.h):
+     * the same bits on every backend, drawn where they are used. */
+    void (*uniform)(float *out, uint64_t seed, uint64_t stream, float lo, float span, int64_t n);
     void (*adamw)(float *params, float *m, float *v, const float *grads, int64_t n, float lr, float beta1,
                   float beta2, float eps, float weight_decay, int64_t t);
     /* out [1] = sum of x[i]^2. */
@@ -189,5 +192,10 @@ const moe_ops *moe_cpu_ops(void);
  * engine keeps the device discipline. Slow (two mprotect per piece per
  * call); for tests. Not thread-safe: one thread drives it. */
 const moe_ops *moe_strict_ops(void);
+
+/* Waits (sync, upload, download) on moe_strict_ops that found ops called
+ * since the previous wait: where a device stream would drain and idle
+ * while the host catches up. A count since the process began. */
+int64_t moe_strict_drains(void);
 
 #endif /* MOE_KERNELS_OPS_H */

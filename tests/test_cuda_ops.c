@@ -47,6 +47,7 @@
     X(table_gate_plan_permute)                                                                     \
     X(table_experts_uneven_groups)                                                                 \
     X(table_rmsnorm_backward_sumsq)                                                                \
+    X(table_uniform_same_bits)                                                                     \
     X(table_keeps_first_failure)                                                                   \
     X(gemm_tensor_core_math)                                                                       \
     X(model_on_the_table)
@@ -1324,6 +1325,27 @@ Test(cuda, table_rmsnorm_backward_sumsq) {
 
     free(x), free(w), free(dout), free(y), free(rstd), free(dx), free(dw), free(cpu_scratch);
     free(grads);
+    table_end();
+}
+
+/* The jitter factors are drawn on the device: they must be the CPU's bits,
+ * so that both backends train the same model. */
+Test(cuda, table_uniform_same_bits) {
+    table_begin();
+    const int64_t n = 70001;
+    float *want = ref_alloc((size_t)n * sizeof *want), *got = ref_alloc((size_t)n * sizeof *got);
+    static const float ranges[][2] = {{0.99f, 0.02f}, {1.0f, 0.0f}, {-3.0f, 6.0f}};
+    for (int r = 0; r < 3; r++) {
+        moe_cpu_ops()->uniform(want, 77, 5 + (uint64_t)r, ranges[r][0], ranges[r][1], n);
+        float *d = tpoison((size_t)n * sizeof(float), POISON_FLOAT);
+        gpu->uniform(d, 77, 5 + (uint64_t)r, ranges[r][0], ranges[r][1], n);
+        tget(got, d, (size_t)n * sizeof *got);
+        int64_t i = 0;
+        while (i < n && memcmp(&got[i], &want[i], sizeof *got) == 0) i++;
+        cr_expect(i == n, "uniform [%g, %g + %g): element %lld is %.9g, cpu %.9g", ranges[r][0],
+                  ranges[r][0], ranges[r][1], (long long)i, i < n ? got[i] : 0.0, i < n ? want[i] : 0.0);
+    }
+    free(want), free(got);
     table_end();
 }
 

@@ -77,14 +77,13 @@ typedef struct fx {
     int32_t targets[N_POS];
 } fx;
 
-static void fx_create(fx *f, const grad_case *gc) {
-    memset(f, 0, sizeof *f);
-    f->gc = gc;
+/* The tiny config of the header, with this many layers. */
+static moe_model_config tiny_config(int64_t layers) {
     moe_model_config cfg;
     moe_model_config_default_small(&cfg, VOCAB);
     cfg.hidden_size = 8;
     cfg.intermediate_size = 6;
-    cfg.num_hidden_layers = 2;
+    cfg.num_hidden_layers = layers;
     cfg.num_attention_heads = 4;
     cfg.num_key_value_heads = 2;
     cfg.head_dim = 4;
@@ -92,6 +91,13 @@ static void fx_create(fx *f, const grad_case *gc) {
     cfg.num_experts_per_tok = 2;
     cfg.router_aux_loss_coef = 0.1;
     cfg.moe_z_loss_coef = 0.01;
+    return cfg;
+}
+
+static void fx_create(fx *f, const grad_case *gc) {
+    memset(f, 0, sizeof *f);
+    f->gc = gc;
+    moe_model_config cfg = tiny_config(2);
     cfg.moe_gate = gc->gate;
     cfg.moe_capacity_factor = gc->capacity_factor;
     cfg.moe_n_shared_experts = gc->n_shared_experts;
@@ -157,7 +163,8 @@ static void check_forward(const grad_case *gc) {
     const int64_t k = f.ref.cfg.num_experts_per_tok;
     int64_t dropped = 0;
     for (int64_t l = 0; l < f.ref.cfg.num_hidden_layers; l++) {
-        const int32_t *got = moe_model_last_topk(f.m, l);
+        const int32_t *got;
+        cr_assert(moe_model_last_topk(f.m, l, &got) == MOE_OK, "%s", moe_last_error());
         const ref_out *ro = &f.ref.layers[l].route;
         for (int64_t i = 0; i < N_POS * k; i++)
             cr_expect(got[i] == ro->idx[i], "%s: layer %lld token %lld slot %lld chose expert %d, reference %d",
@@ -390,10 +397,13 @@ Test(model_backend, same_bits_when_the_host_cannot_touch_its_memory) {
         cr_expect(sumsq[1] == sumsq[0], "step %d: gradient sum of squares %.17g, host %.17g", step, sumsq[1], sumsq[0]);
         cr_expect(memcmp(moe_model_last_losses(dev), moe_model_last_losses(host), N_POS * sizeof(float)) == 0,
                   "step %d: per-token losses differ", step);
-        for (int64_t l = 0; l < cfg.num_hidden_layers; l++)
-            cr_expect(memcmp(moe_model_last_topk(dev, l), moe_model_last_topk(host, l),
-                             (size_t)(N_POS * cfg.num_experts_per_tok) * sizeof(int32_t)) == 0,
+        for (int64_t l = 0; l < cfg.num_hidden_layers; l++) {
+            const int32_t *topk[2];
+            for (int i = 0; i < 2; i++)
+                cr_assert(moe_model_last_topk(models[i], l, &topk[i]) == MOE_OK, "%s", moe_last_error());
+            cr_expect(memcmp(topk[1], topk[0], (size_t)(N_POS * cfg.num_experts_per_tok) * sizeof(int32_t)) == 0,
                       "step %d: layer %lld's router choices differ", step, (long long)l);
+        }
         cr_assert(moe_strict_ops()->download(got, moe_model_grads(dev), (size_t)n * sizeof *got) == MOE_OK);
         int64_t i = 0;
         while (i < n && memcmp(&got[i], &moe_model_grads(host)[i], sizeof *got) == 0) i++;
@@ -411,3 +421,45 @@ Test(model_backend, same_bits_when_the_host_cannot_touch_its_memory) {
     moe_model_destroy(host);
     fx_destroy(&f);
 }
+
+/* Waits of one training step (forward, zero_grad, backward, the gradient
+ * norm, the bias update) that found queued work: on a device each drains
+ * the stream. Every MoE feature that moves data between host and device is
+ * on: jitter, capacity, shared experts and the selection bias. The second
+ * step is measured, after the first has grown the workspaces. */
+static int64_t drains_per_step(int64_t layers) {
+    moe_model_config cfg = tiny_config(layers);
+    cfg.moe_capacity_factor = 1.0;
+    cfg.moe_n_shared_experts = 1;
+    cfg.moe_bias_update_rate = 0.01;
+    cfg.router_jitter_noise = 0.05;
+    moe_model *m = NULL;
+    const moe_model_parallel strict = {.ops = moe_strict_ops()};
+    cr_assert(moe_model_create_parallel(&m, &cfg, BATCH, SEQ, 5, &strict) == MOE_OK, "%s", moe_last_error());
+    int32_t inputs[N_POS], targets[N_POS];
+    for (int i = 0; i < N_POS; i++) inputs[i] = i % VOCAB, targets[i] = (3 * i + 1) % VOCAB;
+    int64_t drains = 0;
+    for (int step = 0; step < 2; step++) {
+        const int64_t before = moe_strict_drains();
+        double sumsq;
+        cr_assert(moe_model_forward(m, inputs, targets, NULL) == MOE_OK, "%s", moe_last_error());
+        moe_model_zero_grad(m); /* as the trainer does: after the token uploads */
+        cr_assert(moe_model_backward(m, inputs, targets, 1.0f) == MOE_OK, "%s", moe_last_error());
+        cr_assert(moe_model_grad_sumsq(m, &sumsq) == MOE_OK, "%s", moe_last_error());
+        moe_model_update_router_bias(m);
+        drains = moe_strict_drains() - before;
+    }
+    moe_model_destroy(m);
+    return drains;
+}
+
+/* The host waits for the device once per MoE layer and step (the routing
+ * totals, from which it decides capacity and the exchange), plus a fixed
+ * few per step: the losses, the end of backward, the gradient norm. */
+Test(model_backend, the_host_waits_once_per_moe_layer) {
+    const int64_t one = drains_per_step(1), three = drains_per_step(3);
+    cr_expect(three - one == 2, "waits per layer: %lld, want 1 (%lld with 1 layer, %lld with 3)",
+              (long long)(three - one) / 2, (long long)one, (long long)three);
+    cr_expect(one == 4, "waits per step with 1 layer: %lld, want 4 (routing, losses, backward, norm)", (long long)one);
+}
+

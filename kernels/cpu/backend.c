@@ -84,6 +84,7 @@ static const moe_ops cpu_ops = {
     .residual_backward = moe_cpu_residual_backward,
     .scale = moe_cpu_scale,
     .multiply = moe_cpu_multiply,
+    .uniform = moe_cpu_uniform,
     .adamw = moe_cpu_adamw,
     .sumsq = moe_cpu_sumsq,
 };

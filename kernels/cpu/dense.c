@@ -6,6 +6,7 @@
 #include <cblas.h>
 #include <math.h>
 
+#include "common/rng.h"
 #include "kernels/cpu/dense.h"
 #include "kernels/moe_math.h"
 
@@ -215,6 +216,11 @@ void moe_cpu_scale(float *x, float alpha, int64_t n) {
 void moe_cpu_multiply(float *out, const float *a, const float *b, int64_t n) {
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n; i++) out[i] = a[i] * b[i];
+}
+
+void moe_cpu_uniform(float *out, uint64_t seed, uint64_t stream, float lo, float span, int64_t n) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; i++) out[i] = moe_rng_uniform_in(seed, stream, (uint64_t)i, lo, span);
 }
 
 /* ---------------------------------------------------------------- optimizer */

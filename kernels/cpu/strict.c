@@ -20,6 +20,19 @@ typedef struct piece {
 static piece *pieces;
 static int64_t n_pieces, cap_pieces;
 
+/* Ops called since the last wait, and the waits that found some: on a
+ * device each of those drains the stream, which idles while the host
+ * decides and queues what comes next. */
+static bool ops_queued;
+static int64_t drains;
+
+static void wait_point(void) {
+    drains += ops_queued;
+    ops_queued = false;
+}
+
+int64_t moe_strict_drains(void) { return drains; }
+
 static void protect_all(int prot) {
     for (int64_t i = 0; i < n_pieces; i++)
         if (mprotect(pieces[i].base, pieces[i].bytes, prot) != 0) abort(); /* our own mapping: cannot fail */
@@ -54,18 +67,25 @@ static void strict_release(void *p) {
         }
 }
 
+/* A device's upload and download both wait for the stream (upload so that
+ * the source may be reused at once). */
 static moe_status strict_upload(void *dst, const void *src, size_t bytes) {
+    wait_point();
     open_all();
     if (bytes) memcpy(dst, src, bytes);
     close_all();
     return MOE_OK;
 }
 
-static moe_status strict_sync(void) { return MOE_OK; }
+static moe_status strict_sync(void) {
+    wait_point();
+    return MOE_OK;
+}
 
 /* Each op of the CPU table, called with every piece open. */
 #define STRICT(name, params, args)     \
     static void strict_##name params { \
+        ops_queued = true;             \
         open_all();                    \
         moe_cpu_ops()->name args;      \
         close_all();                   \
@@ -147,6 +167,8 @@ STRICT(residual_forward, (float *out, const float *a, const float *b, int64_t n)
 STRICT(residual_backward, (float *da, float *db, const float *dout, int64_t n), (da, db, dout, n))
 STRICT(scale, (float *x, float alpha, int64_t n), (x, alpha, n))
 STRICT(multiply, (float *out, const float *a, const float *b, int64_t n), (out, a, b, n))
+STRICT(uniform, (float *out, uint64_t seed, uint64_t stream, float lo, float span, int64_t n),
+       (out, seed, stream, lo, span, n))
 STRICT(adamw,
        (float *params, float *m, float *v, const float *grads, int64_t n, float lr, float beta1, float beta2,
         float eps, float weight_decay, int64_t t),
@@ -196,6 +218,7 @@ const moe_ops *moe_strict_ops(void) {
             .residual_backward = strict_residual_backward,
             .scale = strict_scale,
             .multiply = strict_multiply,
+            .uniform = strict_uniform,
             .adamw = strict_adamw,
             .sumsq = strict_sumsq,
         };

@@ -282,6 +282,11 @@ static void table_multiply(float *out, const float *a, const float *b, int64_t n
     RUN("multiply", moe_cuda_multiply(out, a, b, n, bound.ctx));
 }
 
+static void table_uniform(float *out, uint64_t seed, uint64_t stream, float lo, float span,
+                          int64_t n) {
+    RUN("uniform", moe_cuda_uniform(out, seed, stream, lo, span, n, bound.ctx));
+}
+
 static void table_adamw(float *params, float *m, float *v, const float *grads, int64_t n, float lr,
                         float beta1, float beta2, float eps, float weight_decay, int64_t t) {
     RUN("adamw", moe_cuda_adamw(params, m, v, grads, n, lr, beta1, beta2, eps, weight_decay, t,
@@ -337,6 +342,7 @@ static moe_ops make_table(void) {
     t.residual_backward = table_residual_backward;
     t.scale = table_scale;
     t.multiply = table_multiply;
+    t.uniform = table_uniform;
     t.adamw = table_adamw;
     t.sumsq = table_sumsq;
     return t;

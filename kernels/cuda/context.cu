@@ -3,6 +3,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "common/rng.h"
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/gemm.cuh"
 
@@ -262,19 +263,12 @@ extern "C" size_t moe_cuda_dtype_bytes(moe_cuda_dtype t) { return t == MOE_CUDA_
 
 /* splitmix64 of (seed, i): any element from its index alone, so the fill
  * is the same for every grid shape. */
-static __device__ __forceinline__ uint64_t mix64(uint64_t x) {
-    x += 0x9E3779B97F4A7C15ull;
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-    return x ^ (x >> 31);
-}
-
 template <typename T>
 static __global__ void fill_uniform_kernel(T *p, int64_t n, float scale, uint64_t seed) {
-    const uint64_t key = mix64(seed);
+    const uint64_t key = moe_splitmix64(seed);
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
          i += (int64_t)gridDim.x * blockDim.x) {
-        float u = (float)(mix64(key + (uint64_t)i) >> 40) * (1.0f / 16777216.0f); /* [0, 1) */
+        float u = (float)(moe_splitmix64(key + (uint64_t)i) >> 40) * (1.0f / 16777216.0f); /* [0, 1) */
         p[i] = moe_from_float<T>(scale * (2.0f * u - 1.0f));
     }
 }

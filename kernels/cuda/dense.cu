@@ -3,6 +3,7 @@
  * linear layers, RoPE, cross-entropy, residual adds, AdamW and the sum of
  * squares. Every reduction has a fixed order (block trees, or parts summed
  * in order), never atomics on floats: the same bits on every run. */
+#include "common/rng.h"
 #include "kernels/cuda/gemm.cuh"
 #include "kernels/moe_math.h"
 
@@ -340,6 +341,20 @@ extern "C" moe_status moe_cuda_multiply(float *out, const float *a, const float 
                                         moe_cuda_ctx *ctx) {
     if (n <= 0) return MOE_OK;
     multiply_kernel<<<grid_for(n, ctx), MOE_CUDA_THREADS, 0, ctx->stream>>>(out, a, b, n);
+    MOE_CUDA_CHECK(cudaGetLastError());
+    return MOE_OK;
+}
+
+static __global__ void uniform_kernel(float *out, uint64_t seed, uint64_t stream, float lo,
+                                      float span, int64_t n) {
+    GRID_STRIDE(i, n) out[i] = moe_rng_uniform_in(seed, stream, (uint64_t)i, lo, span);
+}
+
+extern "C" moe_status moe_cuda_uniform(float *out, uint64_t seed, uint64_t stream, float lo,
+                                       float span, int64_t n, moe_cuda_ctx *ctx) {
+    if (n <= 0) return MOE_OK;
+    uniform_kernel<<<grid_for(n, ctx), MOE_CUDA_THREADS, 0, ctx->stream>>>(out, seed, stream, lo,
+                                                                             span, n);
     MOE_CUDA_CHECK(cudaGetLastError());
     return MOE_OK;
 }
