@@ -7,31 +7,26 @@
 #include <math.h>
 #include <stdint.h>
 
-/* The same functions in CUDA kernels, so a device draws the host's bits. */
-#ifdef __CUDACC__
-#define MOE_RNG_FN static inline __host__ __device__
-#else
-#define MOE_RNG_FN static inline
-#endif
+#include "common/host_device.h" /* a device draws the host's bits */
 
-MOE_RNG_FN uint64_t moe_splitmix64(uint64_t x) {
+MOE_HD uint64_t moe_splitmix64(uint64_t x) {
     x += 0x9E3779B97F4A7C15ull;
     x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
     x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
     return x ^ (x >> 31);
 }
 
-MOE_RNG_FN uint64_t moe_rng_bits(uint64_t seed, uint64_t stream, uint64_t index) {
+MOE_HD uint64_t moe_rng_bits(uint64_t seed, uint64_t stream, uint64_t index) {
     return moe_splitmix64(moe_splitmix64(seed ^ moe_splitmix64(stream)) + index);
 }
 
 /* Uniform in [0, 1) with 24 random bits: exactly representable in float. */
-MOE_RNG_FN float moe_rng_uniform(uint64_t seed, uint64_t stream, uint64_t index) {
+MOE_HD float moe_rng_uniform(uint64_t seed, uint64_t stream, uint64_t index) {
     return (float)(moe_rng_bits(seed, stream, index) >> 40) * (1.0f / 16777216.0f);
 }
 
 /* Standard normal by Box-Muller from two independent draws. */
-MOE_RNG_FN float moe_rng_normal(uint64_t seed, uint64_t stream, uint64_t index) {
+MOE_HD float moe_rng_normal(uint64_t seed, uint64_t stream, uint64_t index) {
     uint64_t bits = moe_rng_bits(seed, stream, index);
     double u1 = ((double)(bits >> 40) + 1.0) / 16777217.0; /* (0, 1] */
     double u2 = (double)(bits & 0xFFFFFFull) / 16777216.0;
@@ -41,7 +36,7 @@ MOE_RNG_FN float moe_rng_normal(uint64_t seed, uint64_t stream, uint64_t index) 
 /* lo + span * U[0, 1) as a float, the same bits wherever it is computed:
  * the 24-bit draw times a float is exact in double, so a fused multiply-add
  * and a separate one agree, and one rounding gives the float. */
-MOE_RNG_FN float moe_rng_uniform_in(uint64_t seed, uint64_t stream, uint64_t index, float lo, float span) {
+MOE_HD float moe_rng_uniform_in(uint64_t seed, uint64_t stream, uint64_t index, float lo, float span) {
     return (float)((double)lo + (double)span * (double)moe_rng_uniform(seed, stream, index));
 }
 

@@ -7,11 +7,7 @@
 #include <math.h>
 #include <stdint.h>
 
-#if defined(__CUDACC__)
-#define MOE_HD __host__ __device__ static inline
-#else
-#define MOE_HD static inline
-#endif
+#include "common/host_device.h"
 
 /* exp(x) to within 2 ulp on [-87, 88] (clamped outside, where float's
  * normal range ends), in plain arithmetic so that compilers vectorise the
