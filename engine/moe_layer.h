@@ -75,7 +75,8 @@ void moe_layer_set_overlap(moe_layer *layer, bool overlap);
 /* Where forward and backward spent their time since the last reset. The
  * exchange is everything that moves rows between token order and the
  * experts: permute, dispatch and return (the messages between ranks),
- * combine and unpermute, in both directions. */
+ * combine and unpermute, in both directions. Host clock: on a device
+ * backend, whose ops return queued, only the waits on messages show. */
 typedef struct moe_layer_timing {
     double exchange_seconds;
     double experts_seconds;
