@@ -292,29 +292,45 @@ typedef struct gate_case {
     int64_t E, k, T;
     moe_gate_kind kind;
     bool renormalize, with_bias;
+    bool far_behind; /* all but k - 1 experts over 87 below the best (no bias) */
 } gate_case;
 
 static const gate_case gate_cases[] = {
-    {8, 2, 300, MOE_GATE_SOFTMAX_TOPK, true, false},
-    {8, 2, 300, MOE_GATE_SOFTMAX_TOPK, false, true},
-    {64, 6, 200, MOE_GATE_SOFTMAX_TOPK, true, true},
-    {16, 4, 130, MOE_GATE_TOPK_SOFTMAX, true, true},
-    {40, 3, 65, MOE_GATE_SIGMOID, true, true},
-    {7, 7, 64, MOE_GATE_SOFTMAX_TOPK, true, false},
-    {300, 8, 100, MOE_GATE_SOFTMAX_TOPK, true, false},
-    {1000, 5, 70, MOE_GATE_SIGMOID, true, false},
+    {8, 2, 300, MOE_GATE_SOFTMAX_TOPK, true, false, false},
+    {8, 2, 300, MOE_GATE_SOFTMAX_TOPK, false, true, false},
+    {64, 6, 200, MOE_GATE_SOFTMAX_TOPK, true, true, false},
+    {16, 4, 130, MOE_GATE_TOPK_SOFTMAX, true, true, false},
+    {40, 3, 65, MOE_GATE_SIGMOID, true, true, false},
+    {7, 7, 64, MOE_GATE_SOFTMAX_TOPK, true, false, false},
+    {300, 8, 100, MOE_GATE_SOFTMAX_TOPK, true, false, false},
+    {1000, 5, 70, MOE_GATE_SIGMOID, true, false, false},
+    {12, 3, 90, MOE_GATE_SOFTMAX_TOPK, true, false, true},
+    {12, 2, 90, MOE_GATE_TOPK_SOFTMAX, true, false, true},
 };
 #define N_GATE_CASES ((int)(sizeof gate_cases / sizeof gate_cases[0]))
 
 /* Logits whose selection is at least 1e-3 from changing, so the two
  * backends' exponentials cannot pick differently. Up to 64 experts the
  * reference ranks them (bias included); beyond, a shuffled grid of
- * logits 0.01 apart orders every score by the logit (no bias there). */
+ * logits 0.01 apart orders every score by the logit (no bias there).
+ * far_behind: k - 1 experts at 0, -1, ... and the rest between 100 and 120
+ * below, where moe_expf's clamp gives them one probability, so the last
+ * pick is a tie that goes to the lowest index, on either backend. */
 static float *gen_logits(const gate_case *gc, const float *bias, ref_rng *rng) {
     const int64_t E = gc->E, T = gc->T;
     float *logits = ref_alloc((size_t)(T * E) * sizeof *logits);
     for (int64_t t = 0; t < T; t++) {
         float *row = logits + t * E;
+        if (gc->far_behind) {
+            for (int64_t e = 0; e < E; e++)
+                row[e] = e < gc->k - 1 ? -(float)e : -100.0f - (float)ref_uniform(rng, 0.0, 20.0);
+            for (int64_t e = E - 1; e > 0; e--) {
+                int64_t j = (int64_t)(ref_next(rng) % (uint64_t)(e + 1));
+                float tmp = row[e];
+                row[e] = row[j], row[j] = tmp;
+            }
+            continue;
+        }
         if (E > 64) {
             for (int64_t e = 0; e < E; e++) row[e] = 0.01f * (float)e - 0.005f * (float)E;
             for (int64_t e = E - 1; e > 0; e--) {
@@ -502,10 +518,10 @@ Test(cuda, plan_build_matches_cpu_plan) {
     gpu_begin();
     ref_rng rng = {404};
     static const gate_case cases[] = {
-        {8, 2, 300, MOE_GATE_SOFTMAX_TOPK, true, true},
-        {64, 8, 1000, MOE_GATE_SOFTMAX_TOPK, true, true},
-        {5, 1, 1, MOE_GATE_SOFTMAX_TOPK, true, false},
-        {300, 8, 100, MOE_GATE_SOFTMAX_TOPK, true, false},
+        {8, 2, 300, MOE_GATE_SOFTMAX_TOPK, true, true, false},
+        {64, 8, 1000, MOE_GATE_SOFTMAX_TOPK, true, true, false},
+        {5, 1, 1, MOE_GATE_SOFTMAX_TOPK, true, false, false},
+        {300, 8, 100, MOE_GATE_SOFTMAX_TOPK, true, false, false},
     };
     static const double cfs[] = {0.0, 1.0, 0.5};
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++)
@@ -546,7 +562,7 @@ Test(cuda, plan_build_matches_cpu_plan) {
 Test(cuda, permute_combine_unpermute) {
     gpu_begin();
     ref_rng rng = {505};
-    static const gate_case gc = {8, 3, 150, MOE_GATE_SOFTMAX_TOPK, true, true};
+    static const gate_case gc = {8, 3, 150, MOE_GATE_SOFTMAX_TOPK, true, true, false};
     static const int64_t dims[] = {64, 37};
     for (size_t s = 0; s < sizeof dims / sizeof dims[0]; s++) {
         const int64_t E = gc.E, k = gc.k, T = gc.T, d = dims[s], max_rows = T * k;
@@ -1117,7 +1133,7 @@ Test(cuda, table_gate_plan_permute) {
     table_begin();
     ref_rng rng = {1212};
     const moe_ops *cpu = moe_cpu_ops();
-    static const gate_case gc = {16, 4, 300, MOE_GATE_SOFTMAX_TOPK, true, true};
+    static const gate_case gc = {16, 4, 300, MOE_GATE_SOFTMAX_TOPK, true, true, false};
     const int64_t E = gc.E, k = gc.k, T = gc.T, Tk = T * k;
     const int64_t n_chunks = (T + MOE_GATE_CHUNK_TOKENS - 1) / MOE_GATE_CHUNK_TOKENS;
 

@@ -8,6 +8,7 @@
  * The backward adds into dk and dv once per query head of a group, one
  * batched call per head in order, so the sums have a fixed order. */
 #include "kernels/cuda/gemm.cuh"
+#include "kernels/moe_math.h"
 
 #define SOFTMAX_WARPS 8
 
@@ -23,7 +24,7 @@ static __global__ void causal_softmax_kernel(float *att, int64_t rows, int64_t T
         mx = moe_warp_max(mx);
         double sum = 0.0;
         for (int64_t j = lane; j <= t; j += 32) {
-            const float e = expf(p[j] - mx);
+            const float e = moe_expf(p[j] - mx);
             p[j] = e;
             sum += e;
         }

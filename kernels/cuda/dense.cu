@@ -245,7 +245,7 @@ static __global__ void crossentropy_forward_kernel(float *losses, double *lse, c
         mx = lane < (int)(blockDim.x >> 5) ? max_part[lane] : -INFINITY;
         mx = moe_warp_max(mx);
         double sum = 0.0;
-        for (int64_t j = threadIdx.x; j < V; j += blockDim.x) sum += (double)expf(z[j] - mx);
+        for (int64_t j = threadIdx.x; j < V; j += blockDim.x) sum += (double)moe_expf(z[j] - mx);
         sum = moe_block_sum(sum, sum_part); /* its barrier also frees max_part */
         if (threadIdx.x == 0) {
             const double l = (double)mx + log(sum);
@@ -273,7 +273,7 @@ static __global__ void crossentropy_backward_kernel(float *dlogits, const float 
         const int64_t n = i / V, j = i % V;
         const int32_t tgt = targets[n];
         const float w = tgt < 0 ? 0.0f : dloss[n];
-        float g = w * expf((float)((double)logits[i] - lse[n]));
+        float g = w * moe_expf((float)((double)logits[i] - lse[n]));
         if (j == tgt) g -= w;
         dlogits[i] = g;
     }

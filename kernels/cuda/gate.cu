@@ -6,7 +6,9 @@
  * ...). Top-k is k rounds of a warp argmax on (score, -index), which picks
  * what moe_topk_insert picks: descending scores, ties to the lower index.
  * The per-element formulas are the CPU's (kernels/cpu/gate.c), with the
- * sigmoid from moe_math.h. */
+ * exponential and the sigmoid from moe_math.h: moe_expf's clamp below -87
+ * makes far-behind experts tie exactly, as on the CPU, where libm's expf
+ * would rank them by their denormals. */
 #include <limits.h>
 
 #include "kernels/cuda/common.cuh"
@@ -59,7 +61,7 @@ static __global__ void gate_forward_kernel(int32_t *topk_idx, float *topk_w, flo
         lmax = moe_warp_max(lmax);
         double esum = 0.0, ssum = 0.0;
         for (int e = lane; e < E; e += 32) {
-            esum += (double)expf(l[e] - lmax);
+            esum += (double)moe_expf(l[e] - lmax);
             if (sig) ssum += (double)moe_sigmoidf(l[e]);
         }
         esum = moe_warp_sum(esum);
@@ -67,7 +69,7 @@ static __global__ void gate_forward_kernel(int32_t *topk_idx, float *topk_w, flo
         const float log_z = lmax + (float)log(esum);
         const float norm = (float)(1.0 / (sig ? ssum : esum));
         for (int e = lane; e < E; e += 32) {
-            const float r = sig ? moe_sigmoidf(l[e]) : expf(l[e] - lmax);
+            const float r = sig ? moe_sigmoidf(l[e]) : moe_expf(l[e] - lmax);
             const float base = sig ? r : kind == MOE_GATE_TOPK_SOFTMAX ? l[e] : r * norm;
             score[e] = bias ? base + bias[e] : base;
             prob[t * E + e] = r * norm;
@@ -92,8 +94,8 @@ static __global__ void gate_forward_kernel(int32_t *topk_idx, float *topk_w, flo
             if (lane == 0) {
                 const float le = l[best_e];
                 const float w = sig                             ? moe_sigmoidf(le)
-                                : kind == MOE_GATE_TOPK_SOFTMAX ? expf(le - lmax)
-                                                                : expf(le - lmax) * norm;
+                                : kind == MOE_GATE_TOPK_SOFTMAX ? moe_expf(le - lmax)
+                                                                : moe_expf(le - lmax) * norm;
                 topk_idx[t * k + j] = best_e;
                 topk_w[t * k + j] = w;
                 wsum += w;
@@ -243,7 +245,7 @@ static __global__ void gate_backward_kernel(float *dlogits, const float *dweight
         const float zg = 2.0f * z_coef_over_T * lse[t];
         for (int e = lane; e < E; e += 32) {
             float g = dl[e];
-            if (z_coef_over_T != 0.0f) g += zg * expf(l[e] - lse[t]);
+            if (z_coef_over_T != 0.0f) g += zg * moe_expf(l[e] - lse[t]);
             dlogits[t * E + e] = g;
         }
         __syncwarp(); /* dr and dl are rewritten by the next token */
