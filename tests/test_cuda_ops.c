@@ -207,10 +207,12 @@ static const char *kind_name(moe_gate_kind k) {
 
 /* ------------------------------------------------------------------- gemm */
 
-/* Checks one fp32 GEMM against the CPU's to tol; returns how many of its
- * m x n elements differ from the CPU's bits. */
+/* Checks one fp32 GEMM in the given math against the CPU's to tol; returns
+ * how many elements differ from the bits of the same GEMM in fp32 math on
+ * the device (none, for fp32 itself). */
 static int64_t check_gemm_tol(int64_t m, int64_t n, int64_t k, bool ta, bool tb, int64_t pad,
-                              float alpha, float beta, ref_rng *rng, double tol) {
+                              float alpha, float beta, ref_rng *rng, moe_cuda_math math,
+                              double tol) {
     const int64_t a_rows = ta ? k : m, lda = (ta ? m : k) + pad;
     const int64_t b_rows = tb ? n : k, ldb = (tb ? k : n) + pad, ldc = n + pad;
     float *a = rnd(a_rows * lda, rng, -1, 1), *b = rnd(b_rows * ldb, rng, -1, 1);
@@ -225,22 +227,28 @@ static int64_t check_gemm_tol(int64_t m, int64_t n, int64_t k, bool ta, bool tb,
     float *da = dput(a, (size_t)(a_rows * lda) * sizeof *a),
           *db = dput(b, (size_t)(b_rows * ldb) * sizeof *b);
     float *dc = dput(c_in, (size_t)(m * ldc) * sizeof *c_in);
+    float *dc32 = dput(c_in, (size_t)(m * ldc) * sizeof *c_in);
+    moe_cuda_set_math(ctx, math);
     CHECK(moe_cuda_gemm(dc, da, db, m, n, k, lda, ldb, ldc, ta, tb, alpha, beta, ctx));
+    moe_cuda_set_math(ctx, MOE_CUDA_MATH_FP32);
+    CHECK(moe_cuda_gemm(dc32, da, db, m, n, k, lda, ldb, ldc, ta, tb, alpha, beta, ctx));
     char what[160];
     snprintf(what, sizeof what, "gemm m=%lld n=%lld k=%lld ta=%d tb=%d pad=%lld beta=%g",
              (long long)m, (long long)n, (long long)k, ta, tb, (long long)pad, beta);
     expect_dev(what, dc, want, m * ldc, tol);
     float *got = ref_alloc((size_t)(m * ldc) * sizeof *got);
+    float *got32 = ref_alloc((size_t)(m * ldc) * sizeof *got32);
     dget(got, dc, (size_t)(m * ldc) * sizeof *got);
+    dget(got32, dc32, (size_t)(m * ldc) * sizeof *got32);
     int64_t differ = 0;
-    for (int64_t i = 0; i < m * ldc; i++) differ += memcmp(&got[i], &want[i], sizeof *got) != 0;
-    free(a), free(b), free(c0), free(want), free(c_in), free(got);
+    for (int64_t i = 0; i < m * ldc; i++) differ += memcmp(&got[i], &got32[i], sizeof *got) != 0;
+    free(a), free(b), free(c0), free(want), free(c_in), free(got), free(got32);
     return differ;
 }
 
 static void check_gemm(int64_t m, int64_t n, int64_t k, bool ta, bool tb, int64_t pad, float alpha,
                        float beta, ref_rng *rng) {
-    check_gemm_tol(m, n, k, ta, tb, pad, alpha, beta, rng, TOL_F32);
+    check_gemm_tol(m, n, k, ta, tb, pad, alpha, beta, rng, MOE_CUDA_MATH_FP32, TOL_F32);
 }
 
 Test(cuda, gemm_transposes_strides_beta) {
@@ -263,8 +271,9 @@ Test(cuda, gemm_transposes_strides_beta) {
 /* TF32 and BF16 math: the tensor cores round each input (to 10 and 7
  * mantissa bits) and sum in fp32, so the products stay within bf16's 1e-2,
  * and within half of that for tf32 (its rounding error is 1/8 of bf16's);
- * and they must differ from the fp32 bits somewhere, or the math was not
- * applied. */
+ * and they must differ somewhere from the same GEMM in fp32 math on the
+ * device, or the math was not applied. Rows 16-byte aligned (no padding),
+ * so cuBLASLt has its tensor-core kernels to choose from. */
 Test(cuda, gemm_tensor_core_math) {
     gpu_begin();
     ref_rng rng = {102};
@@ -274,15 +283,14 @@ Test(cuda, gemm_tensor_core_math) {
         double tol;
     } maths[] = {{MOE_CUDA_MATH_TF32, "tf32", TOL_BF16 / 2}, {MOE_CUDA_MATH_BF16, "bf16", TOL_BF16}};
     for (size_t i = 0; i < sizeof maths / sizeof maths[0]; i++) {
-        moe_cuda_set_math(ctx, maths[i].math);
         int64_t differ = 0;
         for (int ta = 0; ta < 2; ta++)
             for (int tb = 0; tb < 2; tb++)
-                differ += check_gemm_tol(64, 48, 96, ta, tb, 3, 1.0f, 0.0f, &rng, maths[i].tol);
-        cr_expect(differ > 0, "%s math gave the fp32 bits everywhere: the tensor cores were not used",
+                differ += check_gemm_tol(64, 48, 96, ta, tb, 0, 1.0f, 0.0f, &rng, maths[i].math,
+                                         maths[i].tol);
+        cr_expect(differ > 0, "%s math gave the device's fp32 bits everywhere: the tensor cores were not used",
                   maths[i].name);
     }
-    moe_cuda_set_math(ctx, MOE_CUDA_MATH_FP32);
     gpu_end();
 }
 

@@ -50,7 +50,10 @@ extern "C" bool moe_cuda_available(char *why, size_t why_bytes) {
         return false;
     }
     cudaRuntimeGetVersion(&runtime);
-    if (driver < runtime) {
+    /* A driver of the same major version runs this build (CUDA's minor
+     * version compatibility: the machine code for sm_80 and sm_90 is in
+     * it, so nothing needs the newer driver's PTX compiler). */
+    if (driver / 1000 < runtime / 1000) {
         snprintf(why, why_bytes,
                  "the NVIDIA driver supports CUDA %d.%d, older than this build's runtime %d.%d",
                  driver / 1000, driver % 1000 / 10, runtime / 1000, runtime % 1000 / 10);

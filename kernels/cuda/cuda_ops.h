@@ -121,7 +121,8 @@ moe_status moe_cuda_bf16_to_f32(float *dst, const void *src, int64_t n, moe_cuda
 /* ------------------------------------------------------------------- GEMM */
 
 /* ops.h gemm: c[m, n] = alpha op(a) op(b) + beta c, row-major, through a
- * cached cuBLASLt plan, fp32 (no TF32). */
+ * cached cuBLASLt plan, fp32 storage, in the context's math
+ * (moe_cuda_set_math: fp32 by default, or TF32 / BF16 tensor cores). */
 moe_status moe_cuda_gemm(float *c, const float *a, const float *b, int64_t m, int64_t n, int64_t k,
                          int64_t lda, int64_t ldb, int64_t ldc, bool trans_a, bool trans_b,
                          float alpha, float beta, moe_cuda_ctx *ctx);

@@ -300,6 +300,12 @@ extern "C" moe_status moe_cuda_experts_backward(const moe_cuda_experts *x,
     if (algo == MOE_CUDA_GROUPED_MMA)
         return moe_error(MOE_ERR_UNSUPPORTED,
                          "moe_cuda_experts_backward: the mma kernel serves the forward only");
+    /* Refused before any GEMM runs, so dh and dx are left as they were. */
+    if (algo == MOE_CUDA_GROUPED_BATCHED && x->dtype == MOE_CUDA_BF16)
+        return moe_error(MOE_ERR_UNSUPPORTED,
+                         "moe_cuda_experts_backward: bf16 weight gradients (fp32 output) need the "
+                         "cublaslt-loop algorithm; cublasGemmGroupedBatchedEx takes one storage "
+                         "type");
     const int64_t E = x->n_experts, d = x->d_model, f = x->d_ff;
     const moe_cuda_dtype t = x->dtype;
     const int64_t *off = NULL;

@@ -215,11 +215,14 @@ moe_status moe_cuda_grouped_mma(void *c, moe_cuda_dtype c_type, const void *a, c
                                 int64_t max_rows, int64_t n, int64_t k, moe_cuda_ctx *ctx) {
     if (ab_type != MOE_CUDA_BF16)
         return moe_error(MOE_ERR_UNSUPPORTED, "the mma grouped GEMM takes bf16 inputs only");
-    if (k <= 0 || k % 8 != 0 || (uintptr_t)a % 16 != 0 || (uintptr_t)b % 16 != 0)
+    /* store_pair writes column pairs as one 2-element store. */
+    const size_t pair_bytes = 2 * moe_cuda_dtype_bytes(c_type);
+    if (k <= 0 || k % 8 != 0 || (uintptr_t)a % 16 != 0 || (uintptr_t)b % 16 != 0 ||
+        (uintptr_t)c % pair_bytes != 0)
         return moe_error(MOE_ERR_UNSUPPORTED,
-                         "the mma grouped GEMM needs k %% 8 == 0 and 16-byte aligned a and b "
-                         "(k=%lld)",
-                         (long long)k);
+                         "the mma grouped GEMM needs k %% 8 == 0, 16-byte aligned a and b, and c "
+                         "aligned to %zu bytes (k=%lld)",
+                         pair_bytes, (long long)k);
     if (E < 1 || E > MOE_EXPERTS_MAX || n <= 0 || max_rows < 0)
         return moe_error(MOE_ERR_INVALID_ARG, "moe_cuda_grouped_mma: E=%lld n=%lld max_rows=%lld",
                          (long long)E, (long long)n, (long long)max_rows);

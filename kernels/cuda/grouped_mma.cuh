@@ -9,8 +9,8 @@
 /* c [rows, n] = a [rows, k] b_e [n, k]^T for the rows [offsets[e],
  * offsets[e+1]) of each expert e, b [E, n, k]; a, b bf16, c bf16 or fp32,
  * fp32 accumulation. Reads the offsets on the device: no host wait.
- * Needs k % 8 == 0 and 16-byte aligned a and b (MOE_ERR_UNSUPPORTED
- * otherwise); max_rows >= offsets[E] sizes the grid. */
+ * Needs k % 8 == 0, 16-byte aligned a and b, and c aligned to two of its
+ * elements (MOE_ERR_UNSUPPORTED otherwise); max_rows >= offsets[E] sizes the grid. */
 moe_status moe_cuda_grouped_mma(void *c, moe_cuda_dtype c_type, const void *a, const void *b,
                                 moe_cuda_dtype ab_type, const int64_t *offsets, int64_t E,
                                 int64_t max_rows, int64_t n, int64_t k, moe_cuda_ctx *ctx);
