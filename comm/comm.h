@@ -102,14 +102,17 @@ moe_status moe_comm_mpi_finalize(void);
  * group, started by the first of them and launched by the next wait, test,
  * collective, split or free (of any NCCL communicator), so that two ranks
  * that both send first do not deadlock; make no NCCL calls of your own
- * while such a group is open. */
+ * while such a group is open. NCCL connects two ranks at their first op
+ * together, and queueing that op waits for the peer: a test that launches
+ * it may wait too, up to the timeout. */
 moe_status moe_comm_nccl_create(moe_comm **comm, moe_comm *bootstrap, int device,
                                 void *cuda_stream);
 
 /* Splits comm into groups of equal color, ranked by key (ties by rank in
  * comm), like MPI_Comm_split: the expert-, data- and pipeline-parallel
  * groups. color >= 0. The new communicator inherits the timeout. Collective
- * over comm. */
+ * over comm. An nccl split runs on comm's stream: free it before comm when
+ * comm made its own stream (a NULL cuda_stream). */
 moe_status moe_comm_split(moe_comm **out, moe_comm *comm, int color, int key);
 
 /* Releases comm. Requests still in flight on it must have completed. */

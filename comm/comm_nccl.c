@@ -27,8 +27,8 @@
 #include "comm/comm.h"
 #include "common/status.h"
 
-#if NCCL_VERSION_CODE < NCCL_VERSION(2, 18, 0)
-#error "comm_nccl.c needs NCCL 2.18 or newer (ncclCommSplit, non-blocking communicators)"
+#if NCCL_VERSION_CODE < NCCL_VERSION(2, 28, 0)
+#error "comm_nccl.c needs NCCL 2.28 or newer (ncclCommSplit, non-blocking communicators, ncclCommRevoke)"
 #endif
 
 /* Ops in flight at once per communicator; each holds one event until its
@@ -58,6 +58,7 @@ typedef struct nccl_comm {
     /* Non-empty once an op failed or timed out: the communicator is aborted,
      * and every op refuses with this text. */
     char failure[FAILURE_BYTES];
+    struct nccl_comm *next_live; /* the process's communicators, newest first */
 } nccl_comm;
 
 /* The communicator whose NCCL group is open on this thread, or NULL. NCCL's
@@ -91,8 +92,17 @@ static void describe(const nccl_comm *c, const char *op, int peer, char *text, s
         snprintf(text + n, size - (size_t)n, ", peer %d", peer);
 }
 
+/* Every communicator of the process, so that a failure can stop the ones
+ * that share its stream. Created and freed on the thread that drives them,
+ * as their ops are. */
+static nccl_comm *live_comms;
+
 /* Aborts c's NCCL communicator (closing its open group first, so that the
- * thread's next NCCL call is not inside it) and keeps the first failure. */
+ * thread's next NCCL call is not inside it) and keeps the first failure.
+ * ncclCommAbort waits for the work queued on c's stream ahead of c's own,
+ * which may be another communicator's stuck on the same dead peer: so every
+ * communicator on the stream is revoked first (which stops its work without
+ * waiting), then aborted, and fails with c's text. */
 static void mark_failed(nccl_comm *c, const char *text) {
     if (group_owner == c) {
         group_owner = NULL;
@@ -100,6 +110,15 @@ static void mark_failed(nccl_comm *c, const char *text) {
         (void)ncclGroupEnd();
     }
     if (c->nccl) {
+        for (nccl_comm *o = live_comms; o; o = o->next_live)
+            if (o->nccl && (o == c || o->stream == c->stream)) (void)ncclCommRevoke(o->nccl, NCCL_REVOKE_DEFAULT);
+        for (nccl_comm *o = live_comms; o; o = o->next_live)
+            if (o != c && o->nccl && o->stream == c->stream) {
+                (void)ncclCommAbort(o->nccl);
+                o->nccl = NULL;
+                if (!o->failure[0])
+                    snprintf(o->failure, sizeof o->failure, "stopped with a communicator on its stream: %s", text);
+            }
         (void)ncclCommAbort(c->nccl);
         c->nccl = NULL;
     }
@@ -386,6 +405,8 @@ static nccl_comm *comm_new(const moe_comm *like) {
                          .world_rank = like->world_rank,
                          .timeout_seconds = like->timeout_seconds};
     c->open_slot = -1;
+    c->next_live = live_comms;
+    live_comms = c;
     return c;
 }
 
@@ -422,9 +443,10 @@ static moe_status make_id(nccl_comm *c, ncclUniqueId *id) {
     return MOE_OK;
 }
 
-/* Rank 0's NCCL unique id, broadcast over bootstrap. Every rank joins the
- * broadcast even after a failure of its own (st), so that a failure on rank
- * 0 reaches the others at once rather than after their timeout. */
+/* Rank 0's NCCL unique id, broadcast over bootstrap, then a count of the
+ * ranks that failed to set up. Every rank joins both even after a failure
+ * of its own (st), so that a failure on any rank reaches the others at once
+ * rather than after their timeout in ncclCommInitRankConfig. */
 static moe_status share_id(nccl_comm *c, moe_comm *bootstrap, moe_status st, ncclUniqueId *id) {
     struct {
         ncclUniqueId id;
@@ -438,6 +460,8 @@ static moe_status share_id(nccl_comm *c, moe_comm *bootstrap, moe_status st, ncc
     char mine[FAILURE_BYTES + 64] = "";
     if (st != MOE_OK) snprintf(mine, sizeof mine, "%s", moe_last_error());
     moe_status sent = moe_comm_broadcast(bootstrap, &msg, (int64_t)sizeof msg, MOE_COMM_BYTES, 0);
+    int32_t failed = st != MOE_OK;
+    if (sent == MOE_OK) sent = moe_comm_allreduce_sum(bootstrap, &failed, 1, MOE_COMM_I32);
     if (st != MOE_OK) return moe_error(st, "%s", mine);
     if (sent != MOE_OK)
         return moe_error_prefix(sent, "nccl create, rank %d of %d (world %d): sending NCCL's "
@@ -447,6 +471,11 @@ static moe_status share_id(nccl_comm *c, moe_comm *bootstrap, moe_status st, ncc
     if (!msg.ok)
         return fail(c, MOE_ERR_COMM, "create", -1,
                     "rank 0 could not make NCCL's unique id (its own error says why)");
+    if (failed > 0)
+        return fail(c, MOE_ERR_COMM, "create", -1,
+                    "%d other rank%s could not set up their device or stream (their own errors "
+                    "say why)",
+                    (int)failed, failed == 1 ? "" : "s");
     *id = msg.id;
     return MOE_OK;
 }
@@ -531,6 +560,11 @@ static moe_status finalize(nccl_comm *c) {
 static void nccl_free(moe_comm *comm) {
     nccl_comm *c = as_nccl(comm);
     flush_group();
+    for (nccl_comm **at = &live_comms; *at; at = &(*at)->next_live)
+        if (*at == c) {
+            *at = c->next_live;
+            break;
+        }
     if (c->nccl && finalize(c) == MOE_OK) (void)ncclCommDestroy(c->nccl);
     for (int s = 0; s < NCCL_EVENT_SLOTS; s++)
         if (c->events[s]) (void)cudaEventDestroy(c->events[s]);
