@@ -978,6 +978,23 @@ Test(cuda, rope_attention) {
     expect_dev("attention_forward out", d_out, out, nq, TOL_F32);
     expect_dev("attention_forward att", d_att, att, na, TOL_F32);
 
+    /* In bf16 math the batched score and value GEMMs run on the tensor
+     * cores too: within bf16's tolerance, and not the fp32 bits. */
+    float *d_out16 = dpoison((size_t)nq * sizeof(float), POISON_FLOAT);
+    float *d_att16 = dpoison((size_t)na * sizeof(float), POISON_FLOAT);
+    moe_cuda_set_math(ctx, MOE_CUDA_MATH_BF16);
+    CHECK(moe_cuda_attention_forward(d_out16, d_att16, d_q, d_k, d_v, B, T, Hq, Hkv, hd, ctx));
+    moe_cuda_set_math(ctx, MOE_CUDA_MATH_FP32);
+    expect_dev("attention_forward bf16 math out", d_out16, out, nq, TOL_BF16);
+    expect_dev("attention_forward bf16 math att", d_att16, att, na, TOL_BF16);
+    float *out32 = ref_alloc((size_t)nq * sizeof *out32), *out16 = ref_alloc((size_t)nq * sizeof *out16);
+    dget(out32, d_out, (size_t)nq * sizeof *out32);
+    dget(out16, d_out16, (size_t)nq * sizeof *out16);
+    int64_t differ = 0;
+    for (int64_t i = 0; i < nq; i++) differ += memcmp(&out32[i], &out16[i], sizeof *out32) != 0;
+    cr_expect(differ > 0, "attention in bf16 math gave the fp32 bits everywhere: the tensor cores were not used");
+    free(out32), free(out16);
+
     float *dout = rnd(nq, &rng, -1, 1);
     float *dq = rnd(nq, &rng, -1, 1), *dk = rnd(nk, &rng, -1, 1), *dv = rnd(nk, &rng, -1, 1);
     float *d_dq = dput(dq, (size_t)nq * sizeof(float)),

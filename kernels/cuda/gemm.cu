@@ -20,6 +20,14 @@ static __global__ void scale_kernel(float *c, int64_t m, int64_t n, int64_t ldc,
     }
 }
 
+/* How fp32 operands are multiplied: on the tensor cores when the context's
+ * math says so (moe_cuda_set_math), rounding the inputs, summing in fp32. */
+static cublasComputeType_t fp32_compute(const moe_cuda_ctx *ctx) {
+    return ctx->math == MOE_CUDA_MATH_TF32   ? CUBLAS_COMPUTE_32F_FAST_TF32
+           : ctx->math == MOE_CUDA_MATH_BF16 ? CUBLAS_COMPUTE_32F_FAST_16BF
+                                             : CUBLAS_COMPUTE_32F;
+}
+
 /* ----------------------------------------------------------- plan cache */
 
 /* The largest power of two (at most 256) that divides the address. */
@@ -149,12 +157,8 @@ moe_status moe_cuda_lt_gemm(moe_cuda_ctx *ctx, void *c, moe_cuda_dtype c_type, c
     key.m = m, key.n = n, key.k = k, key.lda = lda, key.ldb = ldb, key.ldc = ldc;
     key.trans_a = trans_a, key.trans_b = trans_b, key.ab_type = ab_type, key.c_type = c_type;
     key.align_a = alignment(a), key.align_b = alignment(b), key.align_c = alignment(c);
-    /* fp32 operands may go through the tensor cores (moe_cuda_set_math);
-     * bf16 ones always do, accumulating in fp32. */
-    key.compute = ab_type != MOE_CUDA_F32           ? CUBLAS_COMPUTE_32F
-                  : ctx->math == MOE_CUDA_MATH_TF32 ? CUBLAS_COMPUTE_32F_FAST_TF32
-                  : ctx->math == MOE_CUDA_MATH_BF16 ? CUBLAS_COMPUTE_32F_FAST_16BF
-                                                    : CUBLAS_COMPUTE_32F;
+    /* bf16 operands always go through the tensor cores, summing in fp32. */
+    key.compute = ab_type != MOE_CUDA_F32 ? CUBLAS_COMPUTE_32F : fp32_compute(ctx);
     moe_cuda_lt_plan *p = NULL;
     MOE_TRY(plan_get(ctx, &key, &p));
     MOE_CUDA_CHECK(cublasLtMatmul(ctx->lt, p->desc, &alpha, b, p->layout_a, a, p->layout_b, &beta,
@@ -220,6 +224,6 @@ moe_status moe_cuda_gemm_batched(moe_cuda_ctx *ctx, moe_cuda_ptr_walk c, moe_cud
     MOE_CUDA_CHECK(cublasGemmBatchedEx(
         ctx->blas, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, (int)n,
         (int)m, (int)k, &alpha, bp, CUDA_R_32F, (int)ldb, ap, CUDA_R_32F, (int)lda, &beta, cp,
-        CUDA_R_32F, (int)ldc, (int)count, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+        CUDA_R_32F, (int)ldc, (int)count, fp32_compute(ctx), CUBLAS_GEMM_DEFAULT));
     return MOE_OK;
 }
