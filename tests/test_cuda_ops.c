@@ -874,7 +874,21 @@ Test(cuda, embedding_rmsnorm_matmul_residual) {
     cpu->embedding_backward(dwte, dout, tokens, N, C);
     CHECK(moe_cuda_embedding_backward(d_dwte, dput(dout, (size_t)(N * C) * sizeof(float)), d_tok, N,
                                       C, ctx));
-    expect_dev("embedding_backward", d_dwte, dwte, V * C, TOL_F32);
+    /* Each token's rows are added in row order on both sides: the same bits. */
+    expect_dev("embedding_backward", d_dwte, dwte, V * C, 0.0);
+    {
+        /* Long runs of each token, and more rows than the grid has blocks. */
+        const int64_t N2 = 9000, V2 = 5, C2 = 40;
+        int32_t *tok2 = ref_alloc((size_t)N2 * sizeof *tok2);
+        for (int64_t n = 0; n < N2; n++) tok2[n] = (int32_t)(ref_next(&rng) % (uint64_t)V2);
+        float *dout2 = rnd(N2 * C2, &rng, -1, 1), *dwte2 = rnd(V2 * C2, &rng, -1, 1);
+        float *d_dwte2 = dput(dwte2, (size_t)(V2 * C2) * sizeof(float));
+        cpu->embedding_backward(dwte2, dout2, tok2, N2, C2);
+        CHECK(moe_cuda_embedding_backward(d_dwte2, dput(dout2, (size_t)(N2 * C2) * sizeof(float)),
+                                          dput(tok2, (size_t)N2 * sizeof *tok2), N2, C2, ctx));
+        expect_dev("embedding_backward, long runs", d_dwte2, dwte2, V2 * C2, 0.0);
+        free(tok2), free(dout2), free(dwte2);
+    }
 
     float *x = rnd(N * C, &rng, -2, 2), *w = rnd(C, &rng, 0.5, 1.5);
     float *y = ref_alloc((size_t)(N * C) * sizeof *y), *rstd = ref_alloc((size_t)N * sizeof *rstd);

@@ -88,6 +88,8 @@ struct moe_cuda_ctx {
     int64_t *host_counts;  /* [MOE_EXPERTS_MAX + 1] pinned host */
     int32_t *tile_offsets; /* [MOE_EXPERTS_MAX + 1] device, the MMA grouped GEMM's tiles */
     double *sumsq_parts;   /* [MOE_CUDA_SUMSQ_PARTS] device */
+    void *sort_scratch;    /* [sort_scratch_bytes] device, the embedding backward's sort */
+    size_t sort_scratch_bytes;
     moe_cuda_lt_plan plans[MOE_CUDA_LT_PLANS];
     int next_plan;        /* round-robin victim once every slot is used */
     moe_cuda_math math;   /* how fp32 GEMMs use the tensor cores (moe_cuda_set_math) */

@@ -141,6 +141,7 @@ extern "C" void moe_cuda_ctx_destroy(moe_cuda_ctx *c) {
     if (c->blas) cublasDestroy(c->blas);
     if (c->lt) cublasLtDestroy(c->lt);
     cudaFree(c->sumsq_parts);
+    cudaFree(c->sort_scratch);
     cudaFree(c->tile_offsets);
     cudaFreeHost(c->host_counts);
     cudaFreeHost(c->host_ptrs);

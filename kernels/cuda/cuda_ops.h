@@ -266,6 +266,9 @@ moe_status moe_cuda_expert_groups_backward(const moe_expert_group *groups, int64
  * there and here alike. */
 moe_status moe_cuda_embedding_forward(float *out, const int32_t *tokens, const float *wte,
                                       int64_t N, int64_t C, moe_cuda_ctx *ctx);
+/* The CPU's bits (each token's rows added in row order). Sorts the rows by
+ * token in the context's sort scratch, which grows (with a device wait) the
+ * first time N does. */
 moe_status moe_cuda_embedding_backward(float *dwte, const float *dout, const int32_t *tokens,
                                        int64_t N, int64_t C, moe_cuda_ctx *ctx);
 moe_status moe_cuda_rmsnorm_forward(float *out, float *rstd, const float *inp, const float *weight,

@@ -3,6 +3,9 @@
  * linear layers, RoPE, cross-entropy, residual adds, AdamW and the sum of
  * squares. Every reduction has a fixed order (block trees, or parts summed
  * in order), never atomics on floats: the same bits on every run. */
+#include <cub/device/device_radix_sort.cuh>
+#include <limits.h>
+
 #include "common/rng.h"
 #include "kernels/cuda/gemm.cuh"
 #include "kernels/moe_math.h"
@@ -32,22 +35,72 @@ extern "C" moe_status moe_cuda_embedding_forward(float *out, const int32_t *toke
     return MOE_OK;
 }
 
-/* One thread per column walks the rows in order, as the CPU does: tokens
- * repeat, and this fixes each element's summation order without atomics.
- * Its parallelism is C, so it is slow for long batches; it runs once per
- * step. */
-static __global__ void embedding_backward_kernel(float *dwte, const float *dout,
-                                                 const int32_t *tokens, int64_t N, int64_t C) {
-    GRID_STRIDE(c, C)
-    for (int64_t n = 0; n < N; n++) dwte[(int64_t)tokens[n] * C + c] += dout[n * C + c];
+/* The backward sums each token's rows in row order, as the CPU does, with
+ * no atomics: the rows are sorted by token with CUB's radix sort, which is
+ * stable, so each token's rows form one run in row order, and one block per
+ * run adds them into its row of dwte in that order. That gives distinct
+ * tokens x C threads where walking the rows by column gives C. */
+static __global__ void iota_kernel(int32_t *v, int64_t n) {
+    GRID_STRIDE(i, n) v[i] = (int32_t)i;
+}
+
+static __global__ void embedding_backward_runs_kernel(float *dwte, const float *dout,
+                                                      const int32_t *sorted_tokens,
+                                                      const int32_t *sorted_rows, int64_t N,
+                                                      int64_t C) {
+    for (int64_t i = blockIdx.x; i < N; i += gridDim.x) {
+        const int32_t v = sorted_tokens[i];
+        if (i > 0 && sorted_tokens[i - 1] == v) continue; /* not a run's start: the whole block */
+        float *dw = dwte + (int64_t)v * C;
+        for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
+            float acc = dw[c];
+            for (int64_t j = i; j < N && sorted_tokens[j] == v; j++)
+                acc += dout[(int64_t)sorted_rows[j] * C + c];
+            dw[c] = acc;
+        }
+    }
+}
+
+/* The context's sort scratch, grown to bytes on first need (once per batch
+ * size): the old one is freed after the work that may still use it. */
+static moe_status sort_scratch(void **out, size_t bytes, moe_cuda_ctx *ctx) {
+    if (bytes > ctx->sort_scratch_bytes) {
+        MOE_CUDA_CHECK(cudaStreamSynchronize(ctx->stream));
+        MOE_CUDA_CHECK(cudaFree(ctx->sort_scratch));
+        ctx->sort_scratch = NULL;
+        ctx->sort_scratch_bytes = 0;
+        MOE_TRY(moe_cuda_malloc(&ctx->sort_scratch, bytes, "embedding backward sort scratch", ctx));
+        ctx->sort_scratch_bytes = bytes;
+    }
+    *out = ctx->sort_scratch;
+    return MOE_OK;
 }
 
 extern "C" moe_status moe_cuda_embedding_backward(float *dwte, const float *dout,
                                                   const int32_t *tokens, int64_t N, int64_t C,
                                                   moe_cuda_ctx *ctx) {
     if (N <= 0 || C <= 0) return MOE_OK;
-    embedding_backward_kernel<<<grid_for(C, ctx), MOE_CUDA_THREADS, 0, ctx->stream>>>(dwte, dout,
-                                                                                      tokens, N, C);
+    if (N > INT32_MAX)
+        return moe_error(MOE_ERR_UNSUPPORTED, "embedding backward of %lld rows: at most %d",
+                         (long long)N, INT32_MAX);
+    /* Tokens are in [0, V): their 31 low bits order them. */
+    const int n = (int)N, end_bit = 31;
+    size_t sort_bytes = 0;
+    MOE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(NULL, sort_bytes, (const int32_t *)NULL,
+                                                   (int32_t *)NULL, (const int32_t *)NULL,
+                                                   (int32_t *)NULL, n, 0, end_bit, ctx->stream));
+    const size_t ints = ((size_t)N * sizeof(int32_t) + 255) / 256 * 256; /* 256-aligned pieces */
+    char *scratch = NULL;
+    MOE_TRY(sort_scratch((void **)&scratch, 3 * ints + sort_bytes, ctx));
+    int32_t *rows = (int32_t *)scratch, *sorted_rows = (int32_t *)(scratch + ints);
+    int32_t *sorted_tokens = (int32_t *)(scratch + 2 * ints);
+    iota_kernel<<<grid_for(N, ctx), MOE_CUDA_THREADS, 0, ctx->stream>>>(rows, N);
+    MOE_CUDA_CHECK(cudaGetLastError());
+    MOE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(scratch + 3 * ints, sort_bytes, tokens,
+                                                   sorted_tokens, rows, sorted_rows, n, 0, end_bit,
+                                                   ctx->stream));
+    embedding_backward_runs_kernel<<<moe_cuda_grid(N, 1, ctx), MOE_CUDA_THREADS, 0, ctx->stream>>>(
+        dwte, dout, sorted_tokens, sorted_rows, N, C);
     MOE_CUDA_CHECK(cudaGetLastError());
     return MOE_OK;
 }
