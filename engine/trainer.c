@@ -24,6 +24,8 @@ typedef struct optim_run {
     int64_t grad_at;       /* where its block starts in grad_blocks */
     float *grad;           /* [block] summed by the reduce-scatter when sharded, else the model's
                               gradients from shard.begin: what the update reads */
+    moe_adamw_span *spans; /* [n_spans] the shard's tensors by weight decay, backend memory */
+    int64_t n_spans;
 } optim_run;
 
 struct moe_trainer {
@@ -38,6 +40,7 @@ struct moe_trainer {
     float *host_state;   /* its host view: state itself when the host sees backend memory */
     float *grad_blocks;  /* [sum of the sharded runs' blocks], backend memory; NULL when none is */
     double *sumsq;       /* [MOE_RUN_COUNT] backend memory */
+    moe_adamw_span *spans; /* every run's spans, backend memory */
     int32_t *inputs;     /* [B, T] */
     int32_t *targets;    /* [B, T] */
 };
@@ -120,6 +123,68 @@ static void carve_runs(moe_trainer *t) {
     }
 }
 
+/* Where a tensor meets a shard, relative to the shard. */
+typedef struct piece {
+    int64_t begin, end;
+    bool decays;
+} piece;
+
+static int by_begin(const void *a, const void *b) {
+    const piece *x = a, *y = b;
+    return (x->begin > y->begin) - (x->begin < y->begin);
+}
+
+/* Each run's shard as spans that weight decay applies to or not, adjacent
+ * tensors of one kind merged, in backend memory: the update is one AdamW
+ * pass per run whatever the tensor count. */
+static moe_status make_spans(moe_trainer *t) {
+    moe_model *model = t->model;
+    const int64_t n_tensors = moe_model_tensor_count(model);
+    piece *pieces = malloc((size_t)(n_tensors ? n_tensors : 1) * sizeof *pieces);
+    moe_adamw_span *spans = malloc((size_t)(MOE_RUN_COUNT * n_tensors + 1) * sizeof *spans);
+    if (!pieces || !spans) {
+        free(pieces), free(spans);
+        return moe_error(MOE_ERR_OUT_OF_MEMORY, "trainer: spans of %lld tensors", (long long)n_tensors);
+    }
+    int64_t total = 0, first[MOE_RUN_COUNT];
+    moe_status st = MOE_OK;
+    for (int r = 0; r < MOE_RUN_COUNT && st == MOE_OK; r++) {
+        optim_run *o = &t->runs[r];
+        const moe_optim_shard *s = &o->shard;
+        int64_t n = 0;
+        for (int64_t i = 0; i < n_tensors; i++) {
+            const moe_model_tensor *tensor = moe_model_tensor_at(model, i);
+            const int64_t a = tensor->offset > s->begin ? tensor->offset : s->begin;
+            const int64_t b = tensor->offset + tensor->numel < s->end ? tensor->offset + tensor->numel : s->end;
+            if (a < b) pieces[n++] = (piece){a - s->begin, b - s->begin, tensor->decay};
+        }
+        qsort(pieces, (size_t)n, sizeof *pieces, by_begin);
+        first[r] = total;
+        o->n_spans = 0;
+        int64_t covered = 0;
+        for (int64_t j = 0; j < n && st == MOE_OK; j++) {
+            if (pieces[j].begin != covered)
+                st = moe_error(MOE_ERR_INTERNAL, "trainer: run %d's parameters [%lld, %lld) belong to no tensor", r,
+                               (long long)(s->begin + covered), (long long)(s->begin + pieces[j].begin));
+            moe_adamw_span *last = o->n_spans ? &spans[total + o->n_spans - 1] : NULL;
+            if (last && last->decays == pieces[j].decays)
+                last->end = pieces[j].end;
+            else
+                spans[total + o->n_spans++] = (moe_adamw_span){pieces[j].end, pieces[j].decays};
+            covered = pieces[j].end;
+        }
+        if (st == MOE_OK && covered != s->end - s->begin)
+            st = moe_error(MOE_ERR_INTERNAL, "trainer: run %d's parameters from %lld belong to no tensor", r,
+                           (long long)(s->begin + covered));
+        total += o->n_spans;
+    }
+    if (st == MOE_OK) st = t->ops->alloc((void **)&t->spans, (size_t)(total ? total : 1) * sizeof *spans);
+    if (st == MOE_OK) st = t->ops->upload(t->spans, spans, (size_t)total * sizeof *spans);
+    for (int r = 0; r < MOE_RUN_COUNT && st == MOE_OK; r++) t->runs[r].spans = t->spans + first[r];
+    free(pieces), free(spans);
+    return st;
+}
+
 moe_status moe_trainer_create(moe_trainer **out, moe_model *model, const moe_optim_config *cfg) {
     if (!out || !model) return moe_error(MOE_ERR_INVALID_ARG, "moe_trainer_create: NULL argument");
     *out = NULL;
@@ -143,6 +208,11 @@ moe_status moe_trainer_create(moe_trainer **out, moe_model *model, const moe_opt
     }
     t->targets = t->inputs + BT;
     carve_runs(t);
+    st = make_spans(t);
+    if (st != MOE_OK) {
+        moe_trainer_destroy(t);
+        return st;
+    }
     *out = t;
     return MOE_OK;
 }
@@ -153,6 +223,7 @@ void moe_trainer_destroy(moe_trainer *t) {
     t->ops->release(t->state);
     t->ops->release(t->grad_blocks);
     t->ops->release(t->sumsq);
+    t->ops->release(t->spans);
     free(t->inputs);
     free(t);
 }
@@ -253,25 +324,18 @@ static moe_status grad_sumsq(moe_trainer *t, double *out) {
     return MOE_OK;
 }
 
-/* AdamW on the parameters this rank updates, tensor by tensor: a tensor cut
+/* AdamW on the parameters this rank updates, one pass per run: a tensor cut
  * by a block boundary keeps its weight-decay flag on either side. */
 static void update(moe_trainer *t, float lr) {
     const moe_optim_config *c = &t->cfg;
-    moe_model *model = t->model;
-    float *params = moe_model_params(model);
+    float *params = moe_model_params(t->model);
     const int64_t adam_t = t->steps_done + 1;
     for (int r = 0; r < MOE_RUN_COUNT; r++) {
         const optim_run *o = &t->runs[r];
         const moe_optim_shard *s = &o->shard;
-        for (int64_t i = 0; i < moe_model_tensor_count(model); i++) {
-            const moe_model_tensor *tensor = moe_model_tensor_at(model, i);
-            const int64_t a = tensor->offset > s->begin ? tensor->offset : s->begin;
-            const int64_t b = tensor->offset + tensor->numel < s->end ? tensor->offset + tensor->numel : s->end;
-            if (a >= b) continue;
-            const int64_t k = a - s->begin;
-            t->ops->adamw(params + a, o->m + k, o->v + k, o->grad + k, b - a, lr, (float)c->beta1, (float)c->beta2,
-                          (float)c->eps, tensor->decay ? (float)c->weight_decay : 0.0f, adam_t);
-        }
+        if (s->end > s->begin)
+            t->ops->adamw(params + s->begin, o->m, o->v, o->grad, s->end - s->begin, o->spans, o->n_spans, lr,
+                          (float)c->beta1, (float)c->beta2, (float)c->eps, (float)c->weight_decay, adam_t);
     }
 }
 

@@ -62,6 +62,13 @@ typedef struct moe_expert_group {
     float *dw2;        /* [d, f], accumulated */
 } moe_expert_group;
 
+/* Parameters that AdamW's weight decay applies to or not, as consecutive
+ * spans: span i covers [the end of span i - 1 (0 for the first), end). */
+typedef struct moe_adamw_span {
+    int64_t end;
+    bool decays; /* false: norms' weights, which weight decay leaves alone */
+} moe_adamw_span;
+
 typedef struct moe_ops {
     const char *name;
     /* The host may read and write this backend's memory directly (the
@@ -176,8 +183,11 @@ typedef struct moe_ops {
     /* out[i] = moe_rng_uniform_in(seed, stream, i, lo, span) (common/rng.h):
      * the same bits on every backend, drawn where they are used. */
     void (*uniform)(float *out, uint64_t seed, uint64_t stream, float lo, float span, int64_t n);
-    void (*adamw)(float *params, float *m, float *v, const float *grads, int64_t n, float lr, float beta1,
-                  float beta2, float eps, float weight_decay, int64_t t);
+    /* One AdamW step t over params [n] (dense.h says how), as one pass over
+     * every tensor: spans [n_spans] (backend memory) cover [0, n) and say
+     * where weight_decay applies. */
+    void (*adamw)(float *params, float *m, float *v, const float *grads, int64_t n, const moe_adamw_span *spans,
+                  int64_t n_spans, float lr, float beta1, float beta2, float eps, float weight_decay, int64_t t);
     /* out [1] = sum of x[i]^2. */
     void (*sumsq)(double *out, const float *x, int64_t n);
 } moe_ops;

@@ -1064,9 +1064,14 @@ Test(cuda, crossentropy_adamw_sumsq) {
     float *grads = rnd(n, &rng, -1, 1);
     float *d_p = dput(p, (size_t)n * sizeof(float)), *d_m = dput(m, (size_t)n * sizeof(float));
     float *d_v = dput(v, (size_t)n * sizeof(float));
-    cpu->adamw(p, m, v, grads, n, 3e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 7);
-    CHECK(moe_cuda_adamw(d_p, d_m, d_v, dput(grads, (size_t)n * sizeof(float)), n, 3e-4f, 0.9f,
-                         0.95f, 1e-8f, 0.1f, 7, ctx));
+    /* Spans shorter than a block's pass, and one across several passes. */
+    static const moe_adamw_span spans[] = {
+        {5, true}, {4103, false}, {4104, true}, {50000, false}, {100003, true}};
+    const int64_t n_spans = (int64_t)(sizeof spans / sizeof spans[0]);
+    cpu->adamw(p, m, v, grads, n, spans, n_spans, 3e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 7);
+    CHECK(moe_cuda_adamw(d_p, d_m, d_v, dput(grads, (size_t)n * sizeof(float)), n,
+                         dput(spans, sizeof spans), n_spans, 3e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 7,
+                         ctx));
     expect_dev("adamw params", d_p, p, n, TOL_F32);
     expect_dev("adamw m", d_m, m, n, TOL_F32);
     expect_dev("adamw v", d_v, v, n, TOL_F32);

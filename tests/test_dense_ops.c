@@ -566,20 +566,23 @@ Test(dense, residual) {
 
 /* -------------------------------------------------------------- AdamW */
 
-/* torch.optim.AdamW, in double, three steps with fresh gradients. */
+/* torch.optim.AdamW, in double, three steps with fresh gradients, over
+ * spans with and without weight decay (one a single parameter). */
 Test(dense, adamw) {
     const int64_t n = 29;
     const float lr = 1e-2f, b1 = 0.9f, b2 = 0.95f, eps = 1e-8f, wd = 0.1f;
+    static const moe_adamw_span spans[] = {{10, true}, {13, false}, {14, true}, {29, false}};
     rng r = {12};
     float *p = rand_floats(n, &r, -1, 1), *m = xcalloc(n, sizeof(float)), *v = xcalloc(n, sizeof(float));
     double *pd = to_double(p, n), *md = xcalloc(n, sizeof(double)), *vd = xcalloc(n, sizeof(double));
     for (int64_t t = 1; t <= 3; t++) {
         float *g = rand_floats(n, &r, -2, 2);
         if (t == 2) g[0] = 0.0f; /* a zero gradient still decays and moves by momentum */
-        moe_cpu_adamw(p, m, v, g, n, lr, b1, b2, eps, wd, t);
+        moe_cpu_adamw(p, m, v, g, n, spans, 4, lr, b1, b2, eps, wd, t);
         const double bc1 = 1.0 - pow(b1, (double)t), bc2 = 1.0 - pow(b2, (double)t);
         for (int64_t i = 0; i < n; i++) {
-            pd[i] *= 1.0 - (double)lr * wd;
+            const bool decays = i < 10 || i == 13;
+            if (decays) pd[i] *= 1.0 - (double)lr * wd;
             md[i] = b1 * md[i] + (1.0 - b1) * g[i];
             vd[i] = b2 * vd[i] + (1.0 - b2) * (double)g[i] * g[i];
             pd[i] -= lr * (md[i] / bc1) / (sqrt(vd[i] / bc2) + eps);

@@ -16,6 +16,8 @@
 
 #include <stdint.h>
 
+#include "kernels/ops.h"
+
 /* out[n] = wte[tokens[n]]. 0 <= tokens[n] < V is the caller's invariant:
  * tokens are checked against vocab_size where they are read, not here. */
 void moe_cpu_embedding_forward(float *out,            /* [N, C] */
@@ -137,12 +139,15 @@ void moe_cpu_uniform(float *out, uint64_t seed, uint64_t stream, float lo, float
 
 /* One AdamW step t >= 1 over n parameters, PyTorch's torch.optim.AdamW:
  * p *= 1 - lr * wd; m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
- * p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps). */
-void moe_cpu_adamw(float *params,      /* [n] */
-                   float *m,           /* [n] first moment */
-                   float *v,           /* [n] second moment */
-                   const float *grads, /* [n] */
-                   int64_t n, float lr, float beta1, float beta2, float eps, float weight_decay,
+ * p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps), with wd 0
+ * in the spans that do not decay (spans cover [0, n), ops.h). */
+void moe_cpu_adamw(float *params,                 /* [n] */
+                   float *m,                      /* [n] first moment */
+                   float *v,                      /* [n] second moment */
+                   const float *grads,            /* [n] */
+                   int64_t n,
+                   const moe_adamw_span *spans,   /* [n_spans] */
+                   int64_t n_spans, float lr, float beta1, float beta2, float eps, float weight_decay,
                    int64_t t);
 
 /* *out = sum of x[i]^2 in double, in fixed-size parts summed in order: the

@@ -170,9 +170,9 @@ STRICT(multiply, (float *out, const float *a, const float *b, int64_t n), (out, 
 STRICT(uniform, (float *out, uint64_t seed, uint64_t stream, float lo, float span, int64_t n),
        (out, seed, stream, lo, span, n))
 STRICT(adamw,
-       (float *params, float *m, float *v, const float *grads, int64_t n, float lr, float beta1, float beta2,
-        float eps, float weight_decay, int64_t t),
-       (params, m, v, grads, n, lr, beta1, beta2, eps, weight_decay, t))
+       (float *params, float *m, float *v, const float *grads, int64_t n, const moe_adamw_span *spans,
+        int64_t n_spans, float lr, float beta1, float beta2, float eps, float weight_decay, int64_t t),
+       (params, m, v, grads, n, spans, n_spans, lr, beta1, beta2, eps, weight_decay, t))
 STRICT(sumsq, (double *out, const float *x, int64_t n), (out, x, n))
 
 static moe_ops strict_ops;

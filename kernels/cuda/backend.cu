@@ -287,10 +287,11 @@ static void table_uniform(float *out, uint64_t seed, uint64_t stream, float lo, 
     RUN("uniform", moe_cuda_uniform(out, seed, stream, lo, span, n, bound.ctx));
 }
 
-static void table_adamw(float *params, float *m, float *v, const float *grads, int64_t n, float lr,
-                        float beta1, float beta2, float eps, float weight_decay, int64_t t) {
-    RUN("adamw", moe_cuda_adamw(params, m, v, grads, n, lr, beta1, beta2, eps, weight_decay, t,
-                                bound.ctx));
+static void table_adamw(float *params, float *m, float *v, const float *grads, int64_t n,
+                        const moe_adamw_span *spans, int64_t n_spans, float lr, float beta1,
+                        float beta2, float eps, float weight_decay, int64_t t) {
+    RUN("adamw", moe_cuda_adamw(params, m, v, grads, n, spans, n_spans, lr, beta1, beta2, eps,
+                                weight_decay, t, bound.ctx));
 }
 
 /* out is device memory: the host reads it with download. */

@@ -312,9 +312,10 @@ moe_status moe_cuda_uniform(float *out, uint64_t seed, uint64_t stream, float lo
                             int64_t n, moe_cuda_ctx *ctx);
 moe_status moe_cuda_multiply(float *out, const float *a, const float *b, int64_t n,
                              moe_cuda_ctx *ctx);
+/* One launch for every tensor: spans [n_spans] on the device (ops.h). */
 moe_status moe_cuda_adamw(float *params, float *m, float *v, const float *grads, int64_t n,
-                          float lr, float beta1, float beta2, float eps, float weight_decay,
-                          int64_t t, moe_cuda_ctx *ctx);
+                          const moe_adamw_span *spans, int64_t n_spans, float lr, float beta1,
+                          float beta2, float eps, float weight_decay, int64_t t, moe_cuda_ctx *ctx);
 /* *out (device) = sum of x[i]^2 in double, in MOE_CUDA_SUMSQ_PARTS fixed
  * parts summed in order: the same bits on every run. */
 #define MOE_CUDA_SUMSQ_PARTS 256

@@ -414,24 +414,54 @@ extern "C" moe_status moe_cuda_uniform(float *out, uint64_t seed, uint64_t strea
 
 /* ---------------------------------------------------------------- optimizer */
 
+/* Parameters per block pass: a block finds the span of its first one by a
+ * binary search, and its threads step forward from there. */
+#define ADAMW_TILE 4096
+
 static __global__ void adamw_kernel(float *params, float *m, float *v, const float *grads,
-                                    int64_t n, float beta1, float beta2, float eps, float decay,
+                                    int64_t n, const moe_adamw_span *spans, int64_t n_spans,
+                                    float beta1, float beta2, float eps, float decay,
                                     float step_size, float bc2_sqrt) {
-    GRID_STRIDE(i, n)
-    moe_adamw_update(&params[i], &m[i], &v[i], grads[i], beta1, beta2, eps, decay, step_size,
-                     bc2_sqrt);
+    __shared__ int64_t first_span;
+    for (int64_t tile = blockIdx.x * (int64_t)ADAMW_TILE; tile < n;
+         tile += (int64_t)gridDim.x * ADAMW_TILE) {
+        if (threadIdx.x == 0) {
+            int64_t lo = 0, hi = n_spans - 1; /* the first span whose end is past tile */
+            while (lo < hi) {
+                const int64_t mid = (lo + hi) / 2;
+                if (spans[mid].end > tile)
+                    hi = mid;
+                else
+                    lo = mid + 1;
+            }
+            first_span = lo;
+        }
+        __syncthreads();
+        int64_t s = first_span;
+        const int64_t end = tile + ADAMW_TILE < n ? tile + ADAMW_TILE : n;
+        for (int64_t i = tile + threadIdx.x; i < end; i += blockDim.x) {
+            while (s + 1 < n_spans && spans[s].end <= i) s++;
+            moe_adamw_update(&params[i], &m[i], &v[i], grads[i], beta1, beta2, eps,
+                             spans[s].decays ? decay : 1.0f, step_size, bc2_sqrt);
+        }
+        __syncthreads(); /* first_span is read before the next pass writes it */
+    }
 }
 
 extern "C" moe_status moe_cuda_adamw(float *params, float *m, float *v, const float *grads,
-                                     int64_t n, float lr, float beta1, float beta2, float eps,
+                                     int64_t n, const moe_adamw_span *spans, int64_t n_spans,
+                                     float lr, float beta1, float beta2, float eps,
                                      float weight_decay, int64_t t, moe_cuda_ctx *ctx) {
     if (n <= 0) return MOE_OK;
+    if (n_spans <= 0)
+        return moe_error(MOE_ERR_INVALID_ARG, "adamw over %lld parameters with no spans",
+                         (long long)n);
     /* The per-step scalars in double on the host, exactly as the CPU does. */
     const float decay = (float)(1.0 - (double)lr * (double)weight_decay);
     const float step_size = (float)((double)lr / (1.0 - pow((double)beta1, (double)t)));
     const float bc2_sqrt = (float)sqrt(1.0 - pow((double)beta2, (double)t));
-    adamw_kernel<<<grid_for(n, ctx), MOE_CUDA_THREADS, 0, ctx->stream>>>(
-        params, m, v, grads, n, beta1, beta2, eps, decay, step_size, bc2_sqrt);
+    adamw_kernel<<<moe_cuda_grid(n, ADAMW_TILE, ctx), MOE_CUDA_THREADS, 0, ctx->stream>>>(
+        params, m, v, grads, n, spans, n_spans, beta1, beta2, eps, decay, step_size, bc2_sqrt);
     MOE_CUDA_CHECK(cudaGetLastError());
     return MOE_OK;
 }
