@@ -51,9 +51,10 @@ static inline bool moe_cuda_failed(cublasStatus_t err) { return err != CUBLAS_ST
  * arrays of E pointers and attention's three of B * Hq. */
 #define MOE_CUDA_PTR_SLOTS (3 * 65536)
 
-/* cuBLASLt plans kept; the grouped loop makes one per distinct expert row
- * count, so skewed routing fills this in a few steps, after which the
- * oldest plan makes room. */
+/* cuBLASLt plans kept. Expert GEMMs, whose row counts change with every
+ * step's routing, share one plan per power-of-two bucket of rows, so a
+ * model's plans settle after a few steps; past this many, the oldest plan
+ * makes room. */
 #define MOE_CUDA_LT_PLANS 256
 
 /* Everything that decides which cuBLASLt algorithm fits a GEMM, the
@@ -65,10 +66,11 @@ typedef struct moe_cuda_lt_key {
     int32_t compute; /* cublasComputeType_t */
 } moe_cuda_lt_key;
 
+/* Descriptors in place (no create or destroy), for the key's sizes. */
 typedef struct moe_cuda_lt_plan {
     moe_cuda_lt_key key;
-    cublasLtMatmulDesc_t desc;
-    cublasLtMatrixLayout_t layout_a, layout_b, layout_c;
+    cublasLtMatmulDescOpaque_t desc;
+    cublasLtMatrixLayoutOpaque_t layouts[3]; /* cuBLAS's A (our b), B (our a), C and D */
     cublasLtMatmulAlgo_t algo;
     bool used;
 } moe_cuda_lt_plan;

@@ -137,7 +137,6 @@ extern "C" void moe_cuda_ctx_destroy(moe_cuda_ctx *c) {
     if (!c) return;
     /* Statuses are ignored from here on: there is nobody left to tell. */
     if (c->stream) cudaStreamSynchronize(c->stream);
-    moe_cuda_lt_plans_destroy(c);
     if (c->blas) cublasDestroy(c->blas);
     if (c->lt) cublasLtDestroy(c->lt);
     cudaFree(c->sumsq_parts);

@@ -253,7 +253,7 @@ moe_status moe_cuda_experts_backward(const moe_cuda_experts *b, moe_cuda_grouped
 
 /* ops.h experts_forward / experts_backward: groups [n_groups] on the host
  * with host row counts, every array on the device, fp32. Each group runs
- * as its own cuBLASLt GEMMs (a cached plan per distinct row count), so the
+ * as its own cuBLASLt GEMMs (a cached plan per power-of-two bucket of rows), so the
  * groups may differ in d_ff and nothing waits for the device. */
 moe_status moe_cuda_expert_groups_forward(const moe_expert_group *groups, int64_t n_groups,
                                           int64_t d, moe_cuda_ctx *ctx);

@@ -208,7 +208,7 @@ extern "C" moe_status moe_cuda_rmsnorm_backward(float *dinp, float *dweight, con
 extern "C" moe_status moe_cuda_matmul_forward(float *out, const float *inp, const float *weight,
                                               int64_t N, int64_t C, int64_t OC, moe_cuda_ctx *ctx) {
     return moe_cuda_lt_gemm(ctx, out, MOE_CUDA_F32, inp, weight, MOE_CUDA_F32, N, OC, C, C, C, OC,
-                            false, true, 1.0f, 0.0f);
+                            false, true, 1.0f, 0.0f, MOE_CUDA_LT_FIXED);
 }
 
 extern "C" moe_status moe_cuda_matmul_backward(float *dinp, float *dweight, const float *dout,
@@ -216,9 +216,9 @@ extern "C" moe_status moe_cuda_matmul_backward(float *dinp, float *dweight, cons
                                                int64_t C, int64_t OC, moe_cuda_ctx *ctx) {
     if (N == 0 || OC == 0 || C == 0) return MOE_OK; /* nothing to add */
     MOE_TRY(moe_cuda_lt_gemm(ctx, dinp, MOE_CUDA_F32, dout, weight, MOE_CUDA_F32, N, C, OC, OC, C,
-                             C, false, false, 1.0f, 1.0f));
+                             C, false, false, 1.0f, 1.0f, MOE_CUDA_LT_FIXED));
     return moe_cuda_lt_gemm(ctx, dweight, MOE_CUDA_F32, dout, inp, MOE_CUDA_F32, OC, C, N, OC, C, C,
-                            true, false, 1.0f, 1.0f);
+                            true, false, 1.0f, 1.0f, MOE_CUDA_LT_FIXED);
 }
 
 /* --------------------------------------------------------------------- RoPE */

@@ -107,7 +107,8 @@ static moe_status run_loop(const grouped_spec *s, const int64_t *off, int64_t E,
             ctx, (void *)operand_at(&s->c, s->c_type, e, o), s->c_type,
             operand_at(&s->a, s->ab_type, e, o), operand_at(&s->b, s->ab_type, e, o), s->ab_type,
             s->rows_in_k ? s->m : rows, s->n, s->rows_in_k ? rows : s->k, s->a.ld, s->b.ld, s->c.ld,
-            s->trans_a, s->trans_b, s->alpha, s->beta));
+            s->trans_a, s->trans_b, s->alpha, s->beta,
+            s->rows_in_k ? MOE_CUDA_LT_RAGGED_K : MOE_CUDA_LT_RAGGED_M));
     }
     return MOE_OK;
 }
@@ -336,6 +337,15 @@ static moe_status check_groups(const moe_expert_group *groups, int64_t n_groups,
     return MOE_OK;
 }
 
+/* One fp32 GEMM of a group (alpha 1): its rows are ragged M or K. */
+static moe_status group_gemm(float *c, const float *a, const float *b, int64_t m, int64_t n,
+                             int64_t k, int64_t lda, int64_t ldb, int64_t ldc, bool trans_a,
+                             bool trans_b, float beta, moe_cuda_lt_ragged ragged,
+                             moe_cuda_ctx *ctx) {
+    return moe_cuda_lt_gemm(ctx, c, MOE_CUDA_F32, a, b, MOE_CUDA_F32, m, n, k, lda, ldb, ldc,
+                            trans_a, trans_b, 1.0f, beta, ragged);
+}
+
 /* As kernels/cpu/experts.c, one group at a time: h = x w13^T, the SwiGLU,
  * y = g w2^T. */
 extern "C" moe_status moe_cuda_expert_groups_forward(const moe_expert_group *groups,
@@ -346,10 +356,11 @@ extern "C" moe_status moe_cuda_expert_groups_forward(const moe_expert_group *gro
         const moe_expert_group *g = &groups[i];
         const int64_t n = g->rows, f = g->d_ff;
         if (n == 0) continue;
-        MOE_TRY(moe_cuda_gemm(g->h, g->x, g->w13, n, 2 * f, d, d, d, 2 * f, false, true, 1.0f,
-                              0.0f, ctx));
+        MOE_TRY(group_gemm(g->h, g->x, g->w13, n, 2 * f, d, d, d, 2 * f, false, true, 0.0f,
+                           MOE_CUDA_LT_RAGGED_M, ctx));
         MOE_TRY(swiglu_run(g->g, g->h, NULL, n, f, MOE_CUDA_F32, false, ctx));
-        MOE_TRY(moe_cuda_gemm(g->y, g->g, g->w2, n, d, f, f, f, d, false, true, 1.0f, 0.0f, ctx));
+        MOE_TRY(group_gemm(g->y, g->g, g->w2, n, d, f, f, f, d, false, true, 0.0f,
+                           MOE_CUDA_LT_RAGGED_M, ctx));
     }
     return MOE_OK;
 }
@@ -365,15 +376,15 @@ extern "C" moe_status moe_cuda_expert_groups_backward(const moe_expert_group *gr
         const moe_expert_group *g = &groups[i];
         const int64_t n = g->rows, f = g->d_ff;
         if (n == 0) continue;
-        MOE_TRY(moe_cuda_gemm(g->dh, g->dy, g->w2, n, f, d, d, f, 2 * f, false, false, 1.0f, 0.0f,
-                              ctx));
+        MOE_TRY(group_gemm(g->dh, g->dy, g->w2, n, f, d, d, f, 2 * f, false, false, 0.0f,
+                           MOE_CUDA_LT_RAGGED_M, ctx));
         MOE_TRY(swiglu_run(g->dh, g->h, NULL, n, f, MOE_CUDA_F32, true, ctx));
-        MOE_TRY(moe_cuda_gemm(g->dx, g->dh, g->w13, n, d, 2 * f, 2 * f, d, d, false, false, 1.0f,
-                              0.0f, ctx));
-        MOE_TRY(moe_cuda_gemm(g->dw13, g->dh, g->x, 2 * f, d, n, 2 * f, d, d, true, false, 1.0f,
-                              1.0f, ctx));
-        MOE_TRY(moe_cuda_gemm(g->dw2, g->dy, g->g, d, f, n, d, f, f, true, false, 1.0f, 1.0f,
-                              ctx));
+        MOE_TRY(group_gemm(g->dx, g->dh, g->w13, n, d, 2 * f, 2 * f, d, d, false, false, 0.0f,
+                           MOE_CUDA_LT_RAGGED_M, ctx));
+        MOE_TRY(group_gemm(g->dw13, g->dh, g->x, 2 * f, d, n, 2 * f, d, d, true, false, 1.0f,
+                           MOE_CUDA_LT_RAGGED_K, ctx));
+        MOE_TRY(group_gemm(g->dw2, g->dy, g->g, d, f, n, d, f, f, true, false, 1.0f,
+                           MOE_CUDA_LT_RAGGED_K, ctx));
     }
     return MOE_OK;
 }

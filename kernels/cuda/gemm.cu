@@ -38,43 +38,34 @@ static int32_t alignment(const void *p) {
     return align;
 }
 
-static void plan_release(moe_cuda_lt_plan *p) {
-    if (p->layout_c) cublasLtMatrixLayoutDestroy(p->layout_c);
-    if (p->layout_b) cublasLtMatrixLayoutDestroy(p->layout_b);
-    if (p->layout_a) cublasLtMatrixLayoutDestroy(p->layout_a);
-    if (p->desc) cublasLtMatmulDescDestroy(p->desc);
-    memset(p, 0, sizeof *p);
-}
-
-void moe_cuda_lt_plans_destroy(moe_cuda_ctx *ctx) {
-    for (int i = 0; i < MOE_CUDA_LT_PLANS; i++)
-        if (ctx->plans[i].used) plan_release(&ctx->plans[i]);
+/* cuBLAS's A (our b: [n, k] column-major, stored [k, n] when op is T), B
+ * (our a: [k, m], stored [m, k] when op is T), and C = D ([n, m]), for the
+ * key's sizes. */
+static moe_status init_layouts(cublasLtMatrixLayoutOpaque_t *l, const moe_cuda_lt_key *key) {
+    const cudaDataType_t ab = moe_cuda_data_type((moe_cuda_dtype)key->ab_type);
+    const cudaDataType_t cd = moe_cuda_data_type((moe_cuda_dtype)key->c_type);
+    const int64_t m = key->m, n = key->n, k = key->k;
+    MOE_CUDA_CHECK(cublasLtMatrixLayoutInit(&l[0], ab, (uint64_t)(key->trans_b ? k : n),
+                                            (uint64_t)(key->trans_b ? n : k), key->ldb));
+    MOE_CUDA_CHECK(cublasLtMatrixLayoutInit(&l[1], ab, (uint64_t)(key->trans_a ? m : k),
+                                            (uint64_t)(key->trans_a ? k : m), key->lda));
+    MOE_CUDA_CHECK(cublasLtMatrixLayoutInit(&l[2], cd, (uint64_t)n, (uint64_t)m, key->ldc));
+    return MOE_OK;
 }
 
 /* Fills p for key in the swapped, column-major form described above. */
 static moe_status plan_make(moe_cuda_ctx *ctx, moe_cuda_lt_plan *p, const moe_cuda_lt_key *key) {
-    const cudaDataType_t ab = moe_cuda_data_type((moe_cuda_dtype)key->ab_type);
-    const cudaDataType_t cd = moe_cuda_data_type((moe_cuda_dtype)key->c_type);
     const cublasOperation_t op_b = key->trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
     const cublasOperation_t op_a = key->trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
-    const int64_t m = key->m, n = key->n, k = key->k;
-
     p->key = *key;
     p->used = true;
     MOE_CUDA_CHECK(
-        cublasLtMatmulDescCreate(&p->desc, (cublasComputeType_t)key->compute, CUDA_R_32F));
+        cublasLtMatmulDescInit(&p->desc, (cublasComputeType_t)key->compute, CUDA_R_32F));
     MOE_CUDA_CHECK(
-        cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_b, sizeof op_b));
+        cublasLtMatmulDescSetAttribute(&p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_b, sizeof op_b));
     MOE_CUDA_CHECK(
-        cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_a, sizeof op_a));
-    /* cuBLAS's A is our b: [n, k] column-major, stored [k, n] when op is T. */
-    MOE_CUDA_CHECK(cublasLtMatrixLayoutCreate(&p->layout_a, ab, (uint64_t)(key->trans_b ? k : n),
-                                              (uint64_t)(key->trans_b ? n : k), key->ldb));
-    /* cuBLAS's B is our a: [k, m] column-major, stored [m, k] when op is T. */
-    MOE_CUDA_CHECK(cublasLtMatrixLayoutCreate(&p->layout_b, ab, (uint64_t)(key->trans_a ? m : k),
-                                              (uint64_t)(key->trans_a ? k : m), key->lda));
-    MOE_CUDA_CHECK(
-        cublasLtMatrixLayoutCreate(&p->layout_c, cd, (uint64_t)n, (uint64_t)m, key->ldc));
+        cublasLtMatmulDescSetAttribute(&p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_a, sizeof op_a));
+    MOE_TRY(init_layouts(p->layouts, key));
 
     cublasLtMatmulPreference_t pref = NULL;
     MOE_CUDA_CHECK(cublasLtMatmulPreferenceCreate(&pref));
@@ -98,17 +89,18 @@ static moe_status plan_make(moe_cuda_ctx *ctx, moe_cuda_lt_plan *p, const moe_cu
         st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
                                                   &align_c, sizeof align_c);
     if (st == CUBLAS_STATUS_SUCCESS)
-        st = cublasLtMatmulAlgoGetHeuristic(ctx->lt, p->desc, p->layout_a, p->layout_b, p->layout_c,
-                                            p->layout_c, pref, 1, &result, &found);
+        st = cublasLtMatmulAlgoGetHeuristic(ctx->lt, &p->desc, &p->layouts[0], &p->layouts[1],
+                                            &p->layouts[2], &p->layouts[2], pref, 1, &result,
+                                            &found);
     cublasLtMatmulPreferenceDestroy(pref);
     MOE_CUDA_CHECK(st);
     if (found == 0)
         return moe_error(MOE_ERR_UNSUPPORTED,
                          "cuBLASLt has no algorithm for m=%lld n=%lld k=%lld lda=%lld ldb=%lld "
                          "ldc=%lld trans_a=%d trans_b=%d (%s inputs, %s output) on %s",
-                         (long long)m, (long long)n, (long long)k, (long long)key->lda,
-                         (long long)key->ldb, (long long)key->ldc, key->trans_a, key->trans_b,
-                         key->ab_type == MOE_CUDA_BF16 ? "bf16" : "fp32",
+                         (long long)key->m, (long long)key->n, (long long)key->k,
+                         (long long)key->lda, (long long)key->ldb, (long long)key->ldc,
+                         key->trans_a, key->trans_b, key->ab_type == MOE_CUDA_BF16 ? "bf16" : "fp32",
                          key->c_type == MOE_CUDA_BF16 ? "bf16" : "fp32", ctx->name);
     p->algo = result.algo;
     return MOE_OK;
@@ -127,22 +119,36 @@ static moe_status plan_get(moe_cuda_ctx *ctx, const moe_cuda_lt_key *key, moe_cu
     if (free_slot < 0) {
         free_slot = ctx->next_plan;
         ctx->next_plan = (ctx->next_plan + 1) % MOE_CUDA_LT_PLANS;
-        plan_release(&ctx->plans[free_slot]);
     }
     moe_cuda_lt_plan *p = &ctx->plans[free_slot];
     moe_status st = plan_make(ctx, p, key);
     if (st != MOE_OK) {
-        plan_release(p);
+        memset(p, 0, sizeof *p);
         return st;
     }
     *out = p;
     return MOE_OK;
 }
 
+/* The smallest power of two >= rows (at least 16): the size a ragged
+ * dimension's plan is made for. */
+static int64_t rows_bucket(int64_t rows) {
+    int64_t b = 16;
+    while (b < rows) b *= 2;
+    return b;
+}
+
+static cublasStatus_t lt_matmul(moe_cuda_ctx *ctx, moe_cuda_lt_plan *p,
+                                cublasLtMatrixLayoutOpaque_t *l, void *c, const void *a,
+                                const void *b, float alpha, float beta) {
+    return cublasLtMatmul(ctx->lt, &p->desc, &alpha, b, &l[0], a, &l[1], &beta, c, &l[2], c, &l[2],
+                          &p->algo, ctx->workspace, MOE_CUDA_WORKSPACE_BYTES, ctx->stream);
+}
+
 moe_status moe_cuda_lt_gemm(moe_cuda_ctx *ctx, void *c, moe_cuda_dtype c_type, const void *a,
                             const void *b, moe_cuda_dtype ab_type, int64_t m, int64_t n, int64_t k,
                             int64_t lda, int64_t ldb, int64_t ldc, bool trans_a, bool trans_b,
-                            float alpha, float beta) {
+                            float alpha, float beta, moe_cuda_lt_ragged ragged) {
     if (m == 0 || n == 0) return MOE_OK;
     if (k == 0) {
         if (c_type != MOE_CUDA_F32)
@@ -160,10 +166,26 @@ moe_status moe_cuda_lt_gemm(moe_cuda_ctx *ctx, void *c, moe_cuda_dtype c_type, c
     /* bf16 operands always go through the tensor cores, summing in fp32. */
     key.compute = ab_type != MOE_CUDA_F32 ? CUBLAS_COMPUTE_32F : fp32_compute(ctx);
     moe_cuda_lt_plan *p = NULL;
+    if (ragged != MOE_CUDA_LT_FIXED) {
+        /* The bucket's plan, on layouts of the real sizes. A bucket with no
+         * plan (its rows past a leading dimension, say), or whose algorithm
+         * cuBLASLt finds does not fit these sizes, leaves the call to a plan
+         * of its own below. */
+        moe_cuda_lt_key bucket = key;
+        if (ragged == MOE_CUDA_LT_RAGGED_M) bucket.m = rows_bucket(m);
+        if (ragged == MOE_CUDA_LT_RAGGED_K) bucket.k = rows_bucket(k);
+        cublasLtMatrixLayoutOpaque_t layouts[3];
+        if (plan_get(ctx, &bucket, &p) == MOE_OK) {
+            MOE_TRY(init_layouts(layouts, &key));
+            const cublasStatus_t st = lt_matmul(ctx, p, layouts, c, a, b, alpha, beta);
+            if (st == CUBLAS_STATUS_SUCCESS) return MOE_OK;
+            if (st != CUBLAS_STATUS_NOT_SUPPORTED && st != CUBLAS_STATUS_INVALID_VALUE)
+                return moe_cuda_report(st, "cublasLtMatmul (the row bucket's plan)", __FILE__,
+                                       __LINE__);
+        }
+    }
     MOE_TRY(plan_get(ctx, &key, &p));
-    MOE_CUDA_CHECK(cublasLtMatmul(ctx->lt, p->desc, &alpha, b, p->layout_a, a, p->layout_b, &beta,
-                                  c, p->layout_c, c, p->layout_c, &p->algo, ctx->workspace,
-                                  MOE_CUDA_WORKSPACE_BYTES, ctx->stream));
+    MOE_CUDA_CHECK(lt_matmul(ctx, p, p->layouts, c, a, b, alpha, beta));
     return MOE_OK;
 }
 
@@ -171,7 +193,7 @@ extern "C" moe_status moe_cuda_gemm(float *c, const float *a, const float *b, in
                                     int64_t k, int64_t lda, int64_t ldb, int64_t ldc, bool trans_a,
                                     bool trans_b, float alpha, float beta, moe_cuda_ctx *ctx) {
     return moe_cuda_lt_gemm(ctx, c, MOE_CUDA_F32, a, b, MOE_CUDA_F32, m, n, k, lda, ldb, ldc,
-                            trans_a, trans_b, alpha, beta);
+                            trans_a, trans_b, alpha, beta, MOE_CUDA_LT_FIXED);
 }
 
 extern "C" moe_status moe_cuda_gemm_ex(void *c, moe_cuda_dtype c_type, const void *a, const void *b,
@@ -179,7 +201,7 @@ extern "C" moe_status moe_cuda_gemm_ex(void *c, moe_cuda_dtype c_type, const voi
                                        int64_t lda, int64_t ldb, int64_t ldc, bool trans_a,
                                        bool trans_b, float alpha, float beta, moe_cuda_ctx *ctx) {
     return moe_cuda_lt_gemm(ctx, c, c_type, a, b, ab_type, m, n, k, lda, ldb, ldc, trans_a, trans_b,
-                            alpha, beta);
+                            alpha, beta, MOE_CUDA_LT_FIXED);
 }
 
 /* -------------------------------------------------------------- batched */
