@@ -318,17 +318,22 @@ extern "C" moe_status moe_cuda_crossentropy_forward(float *losses, double *lse, 
     return MOE_OK;
 }
 
-/* dlogits may be logits: each element is read, then written, by one thread. */
+/* A block per row, so no element divides its index by V. dlogits may be
+ * logits: each element is read, then written, by one thread. */
 static __global__ void crossentropy_backward_kernel(float *dlogits, const float *logits,
                                                     const double *lse, const int32_t *targets,
                                                     const float *dloss, int64_t N, int64_t V) {
-    GRID_STRIDE(i, N * V) {
-        const int64_t n = i / V, j = i % V;
+    for (int64_t n = blockIdx.x; n < N; n += gridDim.x) {
         const int32_t tgt = targets[n];
         const float w = tgt < 0 ? 0.0f : dloss[n];
-        float g = w * moe_expf((float)((double)logits[i] - lse[n]));
-        if (j == tgt) g -= w;
-        dlogits[i] = g;
+        const double l = lse[n];
+        const float *z = logits + n * V;
+        float *dz = dlogits + n * V;
+        for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
+            float g = w * moe_expf((float)((double)z[j] - l));
+            if (j == tgt) g -= w;
+            dz[j] = g;
+        }
     }
 }
 
@@ -337,7 +342,7 @@ extern "C" moe_status moe_cuda_crossentropy_backward(float *dlogits, const float
                                                      const float *dloss, int64_t N, int64_t V,
                                                      moe_cuda_ctx *ctx) {
     if (N * V <= 0) return MOE_OK;
-    crossentropy_backward_kernel<<<grid_for(N * V, ctx), MOE_CUDA_THREADS, 0, ctx->stream>>>(
+    crossentropy_backward_kernel<<<moe_cuda_grid(N, 1, ctx), MOE_CUDA_THREADS, 0, ctx->stream>>>(
         dlogits, logits, lse, targets, dloss, N, V);
     MOE_CUDA_CHECK(cudaGetLastError());
     return MOE_OK;
