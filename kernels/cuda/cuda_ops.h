@@ -317,8 +317,9 @@ moe_status moe_cuda_adamw(float *params, float *m, float *v, const float *grads,
                           const moe_adamw_span *spans, int64_t n_spans, float lr, float beta1,
                           float beta2, float eps, float weight_decay, int64_t t, moe_cuda_ctx *ctx);
 /* *out (device) = sum of x[i]^2 in double, in MOE_CUDA_SUMSQ_PARTS fixed
- * parts summed in order: the same bits on every run. */
-#define MOE_CUDA_SUMSQ_PARTS 256
+ * parts summed in order: the same bits on every run. A block per part:
+ * enough blocks to keep a large GPU's memory busy over 1e9 gradients. */
+#define MOE_CUDA_SUMSQ_PARTS 2048
 moe_status moe_cuda_sumsq(double *out, const float *x, int64_t n, moe_cuda_ctx *ctx);
 
 /* --------------------------------------------------------------- op table */

@@ -473,7 +473,7 @@ extern "C" moe_status moe_cuda_adamw(float *params, float *m, float *v, const fl
 
 /* ---------------------------------------------------------------- reduction */
 
-/* One block per part [n p / PARTS, n (p + 1) / PARTS), the CPU's parts. */
+/* One block per part [n p / PARTS, n (p + 1) / PARTS). */
 static __global__ void sumsq_parts_kernel(double *parts, const float *x, int64_t n) {
     __shared__ double partial[32];
     const int64_t p = blockIdx.x;
@@ -484,9 +484,15 @@ static __global__ void sumsq_parts_kernel(double *parts, const float *x, int64_t
     if (threadIdx.x == 0) parts[p] = s;
 }
 
+/* The parts staged in shared memory by the whole block, then added in
+ * order by one thread. */
 static __global__ void sumsq_total_kernel(double *out, const double *parts) {
+    __shared__ double staged[MOE_CUDA_SUMSQ_PARTS];
+    for (int p = threadIdx.x; p < MOE_CUDA_SUMSQ_PARTS; p += blockDim.x) staged[p] = parts[p];
+    __syncthreads();
+    if (threadIdx.x != 0) return;
     double total = 0.0;
-    for (int p = 0; p < MOE_CUDA_SUMSQ_PARTS; p++) total += parts[p];
+    for (int p = 0; p < MOE_CUDA_SUMSQ_PARTS; p++) total += staged[p];
     *out = total;
 }
 
@@ -496,7 +502,7 @@ extern "C" moe_status moe_cuda_sumsq(double *out, const float *x, int64_t n, moe
     sumsq_parts_kernel<<<MOE_CUDA_SUMSQ_PARTS, MOE_CUDA_THREADS, 0, ctx->stream>>>(ctx->sumsq_parts,
                                                                                    x, n);
     MOE_CUDA_CHECK(cudaGetLastError());
-    sumsq_total_kernel<<<1, 1, 0, ctx->stream>>>(out, ctx->sumsq_parts);
+    sumsq_total_kernel<<<1, MOE_CUDA_THREADS, 0, ctx->stream>>>(out, ctx->sumsq_parts);
     MOE_CUDA_CHECK(cudaGetLastError());
     return MOE_OK;
 }
