@@ -27,8 +27,20 @@
 #include "comm/comm.h"
 #include "common/status.h"
 
-#if NCCL_VERSION_CODE < NCCL_VERSION(2, 28, 0)
-#error "comm_nccl.c needs NCCL 2.28 or newer (ncclCommSplit, non-blocking communicators, ncclCommRevoke)"
+#if NCCL_VERSION_CODE < NCCL_VERSION(2, 18, 0)
+#error "comm_nccl.c needs NCCL 2.18 or newer (ncclCommSplit, non-blocking communicators)"
+#endif
+
+/* ncclCommRevoke came with NCCL 2.28. Referenced weakly, so that a build
+ * against 2.28 headers still loads with an older libnccl (the GPU machine's
+ * own), which then goes without it. */
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
+#pragma weak ncclCommRevoke
+static void revoke(ncclComm_t comm) {
+    if (ncclCommRevoke) (void)ncclCommRevoke(comm, NCCL_REVOKE_DEFAULT);
+}
+#else
+static void revoke(ncclComm_t comm) { (void)comm; }
 #endif
 
 /* Ops in flight at once per communicator; each holds one event until its
@@ -59,6 +71,7 @@ typedef struct nccl_comm {
      * and every op refuses with this text. */
     char failure[FAILURE_BYTES];
     struct nccl_comm *next_live; /* the process's communicators, newest first */
+    bool queued;                 /* an op has been put on the stream */
 } nccl_comm;
 
 /* The communicator whose NCCL group is open on this thread, or NULL. NCCL's
@@ -97,12 +110,19 @@ static void describe(const nccl_comm *c, const char *op, int peer, char *text, s
  * as their ops are. */
 static nccl_comm *live_comms;
 
+/* The communicators other than c with work put on c's stream. */
+static bool shares_work(const nccl_comm *o, const nccl_comm *c) {
+    return o != c && o->nccl && o->queued && o->stream == c->stream;
+}
+
 /* Aborts c's NCCL communicator (closing its open group first, so that the
  * thread's next NCCL call is not inside it) and keeps the first failure.
  * ncclCommAbort waits for the work queued on c's stream ahead of c's own,
- * which may be another communicator's stuck on the same dead peer: so every
- * communicator on the stream is revoked first (which stops its work without
- * waiting), then aborted, and fails with c's text. */
+ * which may be another communicator's stuck on the same dead peer: so once
+ * c has put work there, c and every communicator with work on its stream
+ * are revoked first (which stops their work without waiting; NCCL 2.28
+ * and later), then aborted, and those fail with c's text. A failure while setting up (no
+ * work queued) aborts c alone. */
 static void mark_failed(nccl_comm *c, const char *text) {
     if (group_owner == c) {
         group_owner = NULL;
@@ -110,15 +130,19 @@ static void mark_failed(nccl_comm *c, const char *text) {
         (void)ncclGroupEnd();
     }
     if (c->nccl) {
-        for (nccl_comm *o = live_comms; o; o = o->next_live)
-            if (o->nccl && (o == c || o->stream == c->stream)) (void)ncclCommRevoke(o->nccl, NCCL_REVOKE_DEFAULT);
-        for (nccl_comm *o = live_comms; o; o = o->next_live)
-            if (o != c && o->nccl && o->stream == c->stream) {
-                (void)ncclCommAbort(o->nccl);
-                o->nccl = NULL;
-                if (!o->failure[0])
-                    snprintf(o->failure, sizeof o->failure, "stopped with a communicator on its stream: %s", text);
-            }
+        if (c->queued) {
+            revoke(c->nccl);
+            for (nccl_comm *o = live_comms; o; o = o->next_live)
+                if (shares_work(o, c)) revoke(o->nccl);
+            for (nccl_comm *o = live_comms; o; o = o->next_live)
+                if (shares_work(o, c)) {
+                    (void)ncclCommAbort(o->nccl);
+                    o->nccl = NULL;
+                    if (!o->failure[0])
+                        snprintf(o->failure, sizeof o->failure,
+                                 "stopped with a communicator on its stream: %s", text);
+                }
+        }
         (void)ncclCommAbort(c->nccl);
         c->nccl = NULL;
     }
@@ -326,6 +350,7 @@ static moe_status close_group(nccl_comm *c, const char *op, int peer) {
     const int slot = c->open_slot;
     group_owner = NULL;
     c->open_slot = -1;
+    c->queued = true;
     NCCL_CALL(c, op, peer, ncclGroupEnd());
     MOE_TRY(settle(c, op, peer, NULL));
     CUDA_CALL(c, op, peer, cudaEventRecord(c->events[slot], c->stream));
@@ -353,6 +378,7 @@ static moe_status begin_collective(nccl_comm *c, const moe_comm_request *req, in
  * event of slot after it and puts req in flight on it. */
 static moe_status launched(nccl_comm *c, moe_comm_request *req, int slot, ncclResult_t r,
                            const char *call, int line) {
+    c->queued = true;
     if (r != ncclSuccess && r != ncclInProgress)
         return nccl_failed(c, req->op, req->peer, call, r, line);
     MOE_TRY(settle(c, req->op, req->peer, NULL));
@@ -780,7 +806,7 @@ moe_status moe_comm_nccl_create(moe_comm **comm, moe_comm *bootstrap, int device
     if (comm) *comm = NULL;
     return moe_error(MOE_ERR_UNSUPPORTED,
                      "nccl_create: libmoe was built without NCCL (configure with MOE_CUDA on "
-                     "and -DMOE_NCCL=ON after installing NCCL >= 2.18: libnccl-dev, or set "
+                     "and -DMOE_NCCL=ON after installing NCCL >= 2.28: libnccl-dev, or set "
                      "NCCL_ROOT)");
 }
 

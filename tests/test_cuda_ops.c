@@ -272,8 +272,9 @@ Test(cuda, gemm_transposes_strides_beta) {
  * mantissa bits) and sum in fp32, so the products stay within bf16's 1e-2,
  * and within half of that for tf32 (its rounding error is 1/8 of bf16's);
  * and they must differ somewhere from the same GEMM in fp32 math on the
- * device, or the math was not applied. Rows 16-byte aligned (no padding),
- * so cuBLASLt has its tensor-core kernels to choose from. */
+ * device, or the math was not applied. Rows 16-byte aligned (no padding)
+ * and sizes large enough that cuBLASLt's heuristic picks its tensor-core
+ * kernels. */
 Test(cuda, gemm_tensor_core_math) {
     gpu_begin();
     ref_rng rng = {102};
@@ -286,7 +287,7 @@ Test(cuda, gemm_tensor_core_math) {
         int64_t differ = 0;
         for (int ta = 0; ta < 2; ta++)
             for (int tb = 0; tb < 2; tb++)
-                differ += check_gemm_tol(64, 48, 96, ta, tb, 0, 1.0f, 0.0f, &rng, maths[i].math,
+                differ += check_gemm_tol(128, 128, 256, ta, tb, 0, 1.0f, 0.0f, &rng, maths[i].math,
                                          maths[i].tol);
         cr_expect(differ > 0, "%s math gave the device's fp32 bits everywhere: the tensor cores were not used",
                   maths[i].name);
@@ -992,22 +993,33 @@ Test(cuda, rope_attention) {
     expect_dev("attention_forward out", d_out, out, nq, TOL_F32);
     expect_dev("attention_forward att", d_att, att, na, TOL_F32);
 
-    /* In bf16 math the batched score and value GEMMs run on the tensor
-     * cores too: within bf16's tolerance, and not the fp32 bits. */
-    float *d_out16 = dpoison((size_t)nq * sizeof(float), POISON_FLOAT);
-    float *d_att16 = dpoison((size_t)na * sizeof(float), POISON_FLOAT);
-    moe_cuda_set_math(ctx, MOE_CUDA_MATH_BF16);
-    CHECK(moe_cuda_attention_forward(d_out16, d_att16, d_q, d_k, d_v, B, T, Hq, Hkv, hd, ctx));
-    moe_cuda_set_math(ctx, MOE_CUDA_MATH_FP32);
-    expect_dev("attention_forward bf16 math out", d_out16, out, nq, TOL_BF16);
-    expect_dev("attention_forward bf16 math att", d_att16, att, na, TOL_BF16);
-    float *out32 = ref_alloc((size_t)nq * sizeof *out32), *out16 = ref_alloc((size_t)nq * sizeof *out16);
-    dget(out32, d_out, (size_t)nq * sizeof *out32);
-    dget(out16, d_out16, (size_t)nq * sizeof *out16);
-    int64_t differ = 0;
-    for (int64_t i = 0; i < nq; i++) differ += memcmp(&out32[i], &out16[i], sizeof *out32) != 0;
-    cr_expect(differ > 0, "attention in bf16 math gave the fp32 bits everywhere: the tensor cores were not used");
-    free(out32), free(out16);
+    {
+        /* In bf16 math the batched score and value GEMMs run on the tensor
+         * cores too, where every row is 16-byte aligned (T a multiple of 4):
+         * within bf16's tolerance, and not the fp32 bits. */
+        const int64_t T4 = 40, nq4 = B * T4 * Hq * hd, nk4 = B * T4 * Hkv * hd, na4 = B * Hq * T4 * T4;
+        float *q4 = rnd(nq4, &rng, -1, 1), *k4 = rnd(nk4, &rng, -1, 1), *v4 = rnd(nk4, &rng, -1, 1);
+        float *out4 = ref_alloc((size_t)nq4 * sizeof *out4), *att4 = ref_alloc((size_t)na4 * sizeof *att4);
+        cpu->attention_forward(out4, att4, q4, k4, v4, B, T4, Hq, Hkv, hd);
+        float *dq4 = dput(q4, (size_t)nq4 * sizeof(float)), *dk4 = dput(k4, (size_t)nk4 * sizeof(float));
+        float *dv4 = dput(v4, (size_t)nk4 * sizeof(float));
+        float *d_out32 = dpoison((size_t)nq4 * sizeof(float), POISON_FLOAT);
+        float *d_out16 = dpoison((size_t)nq4 * sizeof(float), POISON_FLOAT);
+        float *d_att16 = dpoison((size_t)na4 * sizeof(float), POISON_FLOAT);
+        CHECK(moe_cuda_attention_forward(d_out32, d_att16, dq4, dk4, dv4, B, T4, Hq, Hkv, hd, ctx));
+        moe_cuda_set_math(ctx, MOE_CUDA_MATH_BF16);
+        CHECK(moe_cuda_attention_forward(d_out16, d_att16, dq4, dk4, dv4, B, T4, Hq, Hkv, hd, ctx));
+        moe_cuda_set_math(ctx, MOE_CUDA_MATH_FP32);
+        expect_dev("attention_forward bf16 math out", d_out16, out4, nq4, TOL_BF16);
+        expect_dev("attention_forward bf16 math att", d_att16, att4, na4, TOL_BF16);
+        float *out32 = ref_alloc((size_t)nq4 * sizeof *out32), *out16 = ref_alloc((size_t)nq4 * sizeof *out16);
+        dget(out32, d_out32, (size_t)nq4 * sizeof *out32);
+        dget(out16, d_out16, (size_t)nq4 * sizeof *out16);
+        int64_t differ = 0;
+        for (int64_t i = 0; i < nq4; i++) differ += memcmp(&out32[i], &out16[i], sizeof *out32) != 0;
+        cr_expect(differ > 0, "attention in bf16 math gave the fp32 bits everywhere: the tensor cores were not used");
+        free(q4), free(k4), free(v4), free(out4), free(att4), free(out32), free(out16);
+    }
 
     float *dout = rnd(nq, &rng, -1, 1);
     float *dq = rnd(nq, &rng, -1, 1), *dk = rnd(nk, &rng, -1, 1), *dv = rnd(nk, &rng, -1, 1);

@@ -221,6 +221,11 @@ static __global__ void fill_ptrs_kernel(void **ptrs, ptr_walks walks, int64_t co
     }
 }
 
+/* Every pointer of the walk is 16-byte aligned. */
+static bool walk_aligned16(const moe_cuda_ptr_walk *w) {
+    return (uintptr_t)w->base % 16 == 0 && w->outer_stride % 4 == 0 && w->inner_stride % 4 == 0;
+}
+
 moe_status moe_cuda_gemm_batched(moe_cuda_ctx *ctx, moe_cuda_ptr_walk c, moe_cuda_ptr_walk a,
                                  moe_cuda_ptr_walk b, int64_t count, int64_t m, int64_t n,
                                  int64_t k, int64_t lda, int64_t ldb, int64_t ldc, bool trans_a,
@@ -242,10 +247,17 @@ moe_status moe_cuda_gemm_batched(moe_cuda_ctx *ctx, moe_cuda_ptr_walk c, moe_cud
     void *const *cp = ctx->ptrs;
     const void *const *ap = (const void *const *)(ctx->ptrs + count);
     const void *const *bp = (const void *const *)(ctx->ptrs + 2 * count);
+    /* cuBLAS sees the pointers only on the device, and its tensor-core paths
+     * assume every one 16-byte aligned: the context's math where they are
+     * (every stride and leading dimension a multiple of 4 floats), plain
+     * fp32 where they are not (attention with T not a multiple of 4). */
+    const bool aligned = walk_aligned16(&c) && walk_aligned16(&a) && walk_aligned16(&b) &&
+                         lda % 4 == 0 && ldb % 4 == 0 && ldc % 4 == 0;
     /* Swapped as in the header comment: cuBLAS's A is our b. */
     MOE_CUDA_CHECK(cublasGemmBatchedEx(
         ctx->blas, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, (int)n,
         (int)m, (int)k, &alpha, bp, CUDA_R_32F, (int)ldb, ap, CUDA_R_32F, (int)lda, &beta, cp,
-        CUDA_R_32F, (int)ldc, (int)count, fp32_compute(ctx), CUBLAS_GEMM_DEFAULT));
+        CUDA_R_32F, (int)ldc, (int)count, aligned ? fp32_compute(ctx) : CUBLAS_COMPUTE_32F,
+        CUBLAS_GEMM_DEFAULT));
     return MOE_OK;
 }

@@ -34,8 +34,9 @@ typedef struct moe_cuda_ptr_walk {
 } moe_cuda_ptr_walk;
 
 /* For each i < count: c_i = alpha op(a_i) op(b_i) + beta c_i, fp32 storage
- * in the context's math, the pointers laid out by the three walks into the
- * context's pointer slots. */
+ * in the context's math when every pointer is 16-byte aligned (else plain
+ * fp32), the pointers laid out by the three walks into the context's
+ * pointer slots. */
 moe_status moe_cuda_gemm_batched(moe_cuda_ctx *ctx, moe_cuda_ptr_walk c, moe_cuda_ptr_walk a,
                                  moe_cuda_ptr_walk b, int64_t count, int64_t m, int64_t n,
                                  int64_t k, int64_t lda, int64_t ldb, int64_t ldc, bool trans_a,
