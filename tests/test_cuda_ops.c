@@ -1120,9 +1120,13 @@ static void table_begin(void) {
     cr_assert(gpu != NULL, "moe_cuda_ops returned NULL");
 }
 
-static void table_end(void) {
+static void table_release_pieces(void) {
     for (int i = 0; i < n_table_pieces; i++) gpu->release(table_pieces[i]);
     n_table_pieces = 0;
+}
+
+static void table_end(void) {
+    table_release_pieces();
     CHECK(gpu->sync());
     gpu_end();
 }
@@ -1285,26 +1289,25 @@ typedef struct group_case {
     float *h, *g, *y, *dh, *dx;
 } group_case;
 
-Test(cuda, table_experts_uneven_groups) {
-    table_begin();
-    ref_rng rng = {1313};
+#define MAX_TABLE_GROUPS 8
+
+/* Groups of these rows and d_ff through both tables' experts, forward and
+ * backward; the device's pieces are released after. */
+static void check_table_groups(const int64_t *rows, const int64_t *ffs, int n_groups, int64_t d,
+                               ref_rng *rng) {
     const moe_ops *cpu = moe_cpu_ops();
-    /* A routed expert, an idle one, and the shared experts over every
-     * token with their wider d_ff, as moe_layer.c groups them. */
-    enum { N_GROUPS = 3 };
-    static const int64_t rows[N_GROUPS] = {37, 0, 21}, ffs[N_GROUPS] = {20, 20, 44};
-    const int64_t d = 24;
-    group_case c[N_GROUPS];
-    moe_expert_group host[N_GROUPS], dev[N_GROUPS];
-    for (int i = 0; i < N_GROUPS; i++) {
+    cr_assert(n_groups <= MAX_TABLE_GROUPS);
+    group_case c[MAX_TABLE_GROUPS];
+    moe_expert_group host[MAX_TABLE_GROUPS], dev[MAX_TABLE_GROUPS];
+    for (int i = 0; i < n_groups; i++) {
         const int64_t n = rows[i], f = ffs[i];
         c[i] = (group_case){
-            .x = rnd(n * d, &rng, -1, 1),
-            .w13 = rnd(2 * f * d, &rng, -1.0 / sqrt((double)d), 1.0 / sqrt((double)d)),
-            .w2 = rnd(d * f, &rng, -1.0 / sqrt((double)f), 1.0 / sqrt((double)f)),
-            .dy = rnd(n * d, &rng, -1, 1),
-            .dw13 = rnd(2 * f * d, &rng, -1, 1),
-            .dw2 = rnd(d * f, &rng, -1, 1),
+            .x = rnd(n * d, rng, -1, 1),
+            .w13 = rnd(2 * f * d, rng, -1.0 / sqrt((double)d), 1.0 / sqrt((double)d)),
+            .w2 = rnd(d * f, rng, -1.0 / sqrt((double)f), 1.0 / sqrt((double)f)),
+            .dy = rnd(n * d, rng, -1, 1),
+            .dw13 = rnd(2 * f * d, rng, -1, 1),
+            .dw2 = rnd(d * f, rng, -1, 1),
             .h = ref_alloc((size_t)(n * 2 * f) * sizeof(float)),
             .g = ref_alloc((size_t)(n * f) * sizeof(float)),
             .y = ref_alloc((size_t)(n * d) * sizeof(float)),
@@ -1341,11 +1344,11 @@ Test(cuda, table_experts_uneven_groups) {
                                      .dw13 = c[i].dw13,
                                      .dw2 = c[i].dw2};
     }
-    cpu->experts_forward(host, N_GROUPS, d);
-    cpu->experts_backward(host, N_GROUPS, d);
-    gpu->experts_forward(dev, N_GROUPS, d);
-    gpu->experts_backward(dev, N_GROUPS, d);
-    for (int i = 0; i < N_GROUPS; i++) {
+    cpu->experts_forward(host, n_groups, d);
+    cpu->experts_backward(host, n_groups, d);
+    gpu->experts_forward(dev, n_groups, d);
+    gpu->experts_backward(dev, n_groups, d);
+    for (int i = 0; i < n_groups; i++) {
         const int64_t n = rows[i], f = ffs[i];
         char what[96];
 #define EXPECT_GROUP(field, count)                                                                 \
@@ -1362,6 +1365,29 @@ Test(cuda, table_experts_uneven_groups) {
 #undef EXPECT_GROUP
         free(c[i].x), free(c[i].w13), free(c[i].w2), free(c[i].dy), free(c[i].dw13);
         free(c[i].dw2), free(c[i].h), free(c[i].g), free(c[i].y), free(c[i].dh), free(c[i].dx);
+    }
+    table_release_pieces();
+}
+
+Test(cuda, table_experts_uneven_groups) {
+    table_begin();
+    ref_rng rng = {1313};
+    /* A routed expert, an idle one, and the shared experts over every
+     * token with their wider d_ff, as moe_layer.c groups them. */
+    static const int64_t rows[] = {37, 0, 21}, ffs[] = {20, 20, 44};
+    check_table_groups(rows, ffs, 3, 24, &rng);
+    /* Row counts 1 to 130 one by one, then on to 600: each GEMM is planned
+     * for its rows' power-of-two bucket, whose algorithm must serve every
+     * count in the bucket (or fall back to a plan of its own). */
+    int64_t sweep[MAX_TABLE_GROUPS], sweep_ffs[MAX_TABLE_GROUPS];
+    int n = 0;
+    for (int64_t r = 1; r <= 600; r += r < 130 ? 1 : 13) {
+        sweep[n] = r;
+        sweep_ffs[n++] = 20;
+        if (n == MAX_TABLE_GROUPS || r + (r < 130 ? 1 : 13) > 600) {
+            check_table_groups(sweep, sweep_ffs, n, 24, &rng);
+            n = 0;
+        }
     }
     table_end();
 }
