@@ -205,7 +205,8 @@ const moe_ops *moe_strict_ops(void);
 
 /* Waits (sync, upload, download) on moe_strict_ops that found ops called
  * since the previous wait: where a device stream would drain and idle
- * while the host catches up. A count since the process began. */
+ * while the host catches up (at most: a device's small uploads need not
+ * wait). A count since the process began. */
 int64_t moe_strict_drains(void);
 
 #endif /* MOE_KERNELS_OPS_H */

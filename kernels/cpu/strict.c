@@ -67,8 +67,8 @@ static void strict_release(void *p) {
         }
 }
 
-/* A device's upload and download both wait for the stream (upload so that
- * the source may be reused at once). */
+/* Uploads count as waits, as a device's large ones are (its small ones go
+ * through staging and do not wait): the count is an upper bound. */
 static moe_status strict_upload(void *dst, const void *src, size_t bytes) {
     wait_point();
     open_all();

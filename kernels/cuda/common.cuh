@@ -90,6 +90,9 @@ struct moe_cuda_ctx {
     int64_t *host_counts;  /* [MOE_EXPERTS_MAX + 1] pinned host */
     int32_t *tile_offsets; /* [MOE_EXPERTS_MAX + 1] device, the MMA grouped GEMM's tiles */
     double *sumsq_parts;   /* [MOE_CUDA_SUMSQ_PARTS] device */
+    char *staging;         /* [MOE_CUDA_STAGING_SLOTS][MOE_CUDA_STAGING_SLOT_BYTES] pinned host */
+    cudaEvent_t staging_done[MOE_CUDA_STAGING_SLOTS]; /* each slot's last copy has finished */
+    int next_staging;
     void *sort_scratch;    /* [sort_scratch_bytes] device, the embedding backward's sort */
     size_t sort_scratch_bytes;
     moe_cuda_lt_plan plans[MOE_CUDA_LT_PLANS];

@@ -107,6 +107,10 @@ static moe_status ctx_init(moe_cuda_ctx *c, int device) {
         cudaMallocHost((void **)&c->host_counts, (MOE_EXPERTS_MAX + 1) * sizeof(int64_t)));
     MOE_CUDA_CHECK(cudaMalloc((void **)&c->tile_offsets, (MOE_EXPERTS_MAX + 1) * sizeof(int32_t)));
     MOE_CUDA_CHECK(cudaMalloc((void **)&c->sumsq_parts, MOE_CUDA_SUMSQ_PARTS * sizeof(double)));
+    MOE_CUDA_CHECK(cudaMallocHost((void **)&c->staging,
+                                  MOE_CUDA_STAGING_SLOTS * MOE_CUDA_STAGING_SLOT_BYTES));
+    for (int s = 0; s < MOE_CUDA_STAGING_SLOTS; s++)
+        MOE_CUDA_CHECK(cudaEventCreateWithFlags(&c->staging_done[s], cudaEventDisableTiming));
 
     MOE_CUDA_CHECK(cublasLtCreate(&c->lt));
     MOE_CUDA_CHECK(cublasCreate(&c->blas));
@@ -141,6 +145,9 @@ extern "C" void moe_cuda_ctx_destroy(moe_cuda_ctx *c) {
     if (c->lt) cublasLtDestroy(c->lt);
     cudaFree(c->sumsq_parts);
     cudaFree(c->sort_scratch);
+    for (int s = 0; s < MOE_CUDA_STAGING_SLOTS; s++)
+        if (c->staging_done[s]) cudaEventDestroy(c->staging_done[s]);
+    cudaFreeHost(c->staging);
     cudaFree(c->tile_offsets);
     cudaFreeHost(c->host_counts);
     cudaFreeHost(c->host_ptrs);
@@ -241,6 +248,18 @@ extern "C" void moe_cuda_arena_destroy(moe_cuda_arena *arena) {
 
 extern "C" moe_status moe_cuda_upload(void *dst, const void *src, size_t bytes, moe_cuda_ctx *ctx) {
     if (bytes == 0) return MOE_OK;
+    if (bytes <= MOE_CUDA_STAGING_SLOT_BYTES) {
+        /* The slots in turn; a slot is written again once its last copy is
+         * done, which with 16 of them has long happened. */
+        const int s = ctx->next_staging;
+        ctx->next_staging = (s + 1) % MOE_CUDA_STAGING_SLOTS;
+        char *slot = ctx->staging + (size_t)s * MOE_CUDA_STAGING_SLOT_BYTES;
+        MOE_CUDA_CHECK(cudaEventSynchronize(ctx->staging_done[s]));
+        memcpy(slot, src, bytes);
+        MOE_CUDA_CHECK(cudaMemcpyAsync(dst, slot, bytes, cudaMemcpyHostToDevice, ctx->stream));
+        MOE_CUDA_CHECK(cudaEventRecord(ctx->staging_done[s], ctx->stream));
+        return MOE_OK;
+    }
     MOE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, ctx->stream));
     MOE_CUDA_CHECK(cudaStreamSynchronize(ctx->stream));
     return MOE_OK;

@@ -97,7 +97,13 @@ moe_status moe_cuda_arena_alloc(moe_cuda_arena *arena, void **out, size_t bytes)
 void moe_cuda_arena_reset(moe_cuda_arena *arena);
 void moe_cuda_arena_destroy(moe_cuda_arena *arena);
 
-/* Copies that return once the data has arrived (they wait on the stream). */
+/* upload returns once src may be reused: up to MOE_CUDA_STAGING_SLOT_BYTES
+ * it is copied into pinned staging and queued without waiting for the
+ * device (a step's small uploads: tokens, routing counts), larger ones wait
+ * until the data has arrived. download returns once dst holds the data
+ * (it waits on the stream). */
+#define MOE_CUDA_STAGING_SLOTS 16
+#define MOE_CUDA_STAGING_SLOT_BYTES ((size_t)256 << 10)
 moe_status moe_cuda_upload(void *dst_device, const void *src_host, size_t bytes, moe_cuda_ctx *ctx);
 moe_status moe_cuda_download(void *dst_host, const void *src_device, size_t bytes,
                              moe_cuda_ctx *ctx);
