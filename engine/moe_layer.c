@@ -836,19 +836,8 @@ static moe_status send_aux_grad(moe_layer *L) {
     return MOE_OK;
 }
 
-/* The shared experts: one more group, after the local experts', over this
- * rank's T tokens. */
-static void setup_shared_group(moe_layer *L, int64_t T, const float *x_in, const float *dy) {
-    const moe_tensor_view *sv = &L->views[1 + 3 * L->n_local];
-    L->groups[L->n_local] = (moe_expert_group){
-        .rows = T, .d_ff = L->shared_ff, .x = x_in, .w13 = sv[0].param, .w2 = sv[2].param,
-        .h = L->sh_h, .g = L->sh_g, .y = L->sh_y, .dy = dy, .dh = L->sh_dh,
-        .dx = NULL, /* set by backward */
-        .dw13 = sv[0].grad, .dw2 = sv[2].grad};
-}
-
-/* Points the expert groups at this step's rows, the shared experts' last
- * when present; returns how many there are. */
+/* Points the expert groups at this step's rows; the shared experts, when
+ * present, are one more group over this rank's T tokens. */
 static int64_t setup_groups(moe_layer *L, int64_t T, const float *x_in, const float *dy) {
     const moe_layer_config *c = &L->cfg;
     const int64_t d = c->d_model, ff = c->d_ff;
@@ -862,7 +851,12 @@ static int64_t setup_groups(moe_layer *L, int64_t T, const float *x_in, const fl
             .dw2 = w[2].grad};
     }
     if (L->shared_ff == 0) return L->n_local;
-    setup_shared_group(L, T, x_in, dy);
+    const moe_tensor_view *sv = &L->views[1 + 3 * L->n_local];
+    L->groups[L->n_local] = (moe_expert_group){
+        .rows = T, .d_ff = L->shared_ff, .x = x_in, .w13 = sv[0].param, .w2 = sv[2].param,
+        .h = L->sh_h, .g = L->sh_g, .y = L->sh_y, .dy = dy, .dh = L->sh_dh,
+        .dx = NULL, /* set by backward */
+        .dw13 = sv[0].grad, .dw2 = sv[2].grad};
     return L->n_local + 1;
 }
 
@@ -899,14 +893,6 @@ moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, 
                               .z_sum = (double *)L->totals_dev + 2 * E,
                               .chunk_scratch = L->gate_chunks};
     ops->gate_forward(L->topk_idx, L->topk_w, L->prob, L->lse, &totals, L->logits, L->bias_dev, &gp, T);
-    /* With one rank the shared experts need nothing from the routing: queued
-     * ahead of its wait, they keep a device busy while the host decides.
-     * (Across ranks they fill the wait for rows instead: run_experts.) */
-    const bool shared_first = L->shared_ff > 0 && !L->ep;
-    if (shared_first) {
-        setup_shared_group(L, T, x_in, NULL);
-        ops->experts_forward(&L->groups[L->n_local], 1, d);
-    }
     /* THE HOST WAIT, the layer's only one: the host decides capacity and
      * the exchange, so it needs the counts. While the device is idle, the
      * host also sends what the plan and backward need from it. */
@@ -926,9 +912,9 @@ moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, 
     int64_t max_rows = L->ep ? L->global_T * k : T * k;
     if (L->ep && cap >= 0 && L->n_local * cap < max_rows) max_rows = L->n_local * cap;
     MOE_TRY(reserve_rows(L, max_rows));
-    const int64_t n_groups = setup_groups(L, T, x_in, NULL);
+    int64_t n_groups = setup_groups(L, T, x_in, NULL);
     double compute = 0.0;
-    MOE_TRY(run_experts(L, false, L->xp, L->xe, L->ye, L->yp, shared_first ? L->n_local : n_groups, &compute));
+    MOE_TRY(run_experts(L, false, L->xp, L->xe, L->ye, L->yp, n_groups, &compute));
     ops->combine(y, L->yp, L->topk_w, L->pair_row, L->shared_ff ? L->sh_y : NULL, T, k, d);
     L->timing.exchange_seconds += omp_get_wtime() - t0 - compute;
     L->timing.experts_seconds += compute;
