@@ -6,9 +6,9 @@
  *
  * Ops run in call order but may still be running when they return (a
  * device stream): the host reads results only through download, which
- * waits. An op cannot fail on good arguments; a failing one (a device
- * fault) is kept, and the next sync, upload or download reports the
- * first. */
+ * waits. An op cannot fail on good arguments; a failing one is kept, and
+ * the next sync, upload or download reports the first. A device fault
+ * shows at the next wait: a sync, a download or a large upload. */
 #ifndef MOE_KERNELS_OPS_H
 #define MOE_KERNELS_OPS_H
 

@@ -1376,15 +1376,16 @@ Test(cuda, table_experts_uneven_groups) {
      * token with their wider d_ff, as moe_layer.c groups them. */
     static const int64_t rows[] = {37, 0, 21}, ffs[] = {20, 20, 44};
     check_table_groups(rows, ffs, 3, 24, &rng);
-    /* Row counts 1 to 130 one by one, then on to 600: each GEMM is planned
-     * for its rows' power-of-two bucket, whose algorithm must serve every
+    /* Every row count from 1 to 600: each GEMM is planned for its rows'
+     * power-of-two bucket (16 to 1024), whose algorithm must serve every
      * count in the bucket (or fall back to a plan of its own). */
+    enum { SWEEP_ROWS = 600 };
     int64_t sweep[MAX_TABLE_GROUPS], sweep_ffs[MAX_TABLE_GROUPS];
     int n = 0;
-    for (int64_t r = 1; r <= 600; r += r < 130 ? 1 : 13) {
+    for (int64_t r = 1; r <= SWEEP_ROWS; r++) {
         sweep[n] = r;
         sweep_ffs[n++] = 20;
-        if (n == MAX_TABLE_GROUPS || r + (r < 130 ? 1 : 13) > 600) {
+        if (n == MAX_TABLE_GROUPS || r == SWEEP_ROWS) {
             check_table_groups(sweep, sweep_ffs, n, 24, &rng);
             n = 0;
         }

@@ -252,12 +252,13 @@ extern "C" moe_status moe_cuda_upload(void *dst, const void *src, size_t bytes, 
         /* The slots in turn; a slot is written again once its last copy is
          * done, which with 16 of them has long happened. */
         const int s = ctx->next_staging;
-        ctx->next_staging = (s + 1) % MOE_CUDA_STAGING_SLOTS;
         char *slot = ctx->staging + (size_t)s * MOE_CUDA_STAGING_SLOT_BYTES;
         MOE_CUDA_CHECK(cudaEventSynchronize(ctx->staging_done[s]));
         memcpy(slot, src, bytes);
         MOE_CUDA_CHECK(cudaMemcpyAsync(dst, slot, bytes, cudaMemcpyHostToDevice, ctx->stream));
         MOE_CUDA_CHECK(cudaEventRecord(ctx->staging_done[s], ctx->stream));
+        /* Only a slot whose event follows its copy is passed over. */
+        ctx->next_staging = (s + 1) % MOE_CUDA_STAGING_SLOTS;
         return MOE_OK;
     }
     MOE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, ctx->stream));
