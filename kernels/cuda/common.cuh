@@ -73,6 +73,7 @@ typedef struct moe_cuda_lt_plan {
     cublasLtMatrixLayoutOpaque_t layouts[3]; /* cuBLAS's A (our b), B (our a), C and D */
     cublasLtMatmulAlgo_t algo;
     bool used;
+    bool misfits; /* a row bucket's plan whose algorithm some count in it could not use */
 } moe_cuda_lt_plan;
 
 struct moe_cuda_ctx {

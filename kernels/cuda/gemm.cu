@@ -175,13 +175,14 @@ moe_status moe_cuda_lt_gemm(moe_cuda_ctx *ctx, void *c, moe_cuda_dtype c_type, c
         if (ragged == MOE_CUDA_LT_RAGGED_M) bucket.m = rows_bucket(m);
         if (ragged == MOE_CUDA_LT_RAGGED_K) bucket.k = rows_bucket(k);
         cublasLtMatrixLayoutOpaque_t layouts[3];
-        if (plan_get(ctx, &bucket, &p) == MOE_OK) {
+        if (plan_get(ctx, &bucket, &p) == MOE_OK && !p->misfits) {
             MOE_TRY(init_layouts(layouts, &key));
             const cublasStatus_t st = lt_matmul(ctx, p, layouts, c, a, b, alpha, beta);
             if (st == CUBLAS_STATUS_SUCCESS) return MOE_OK;
             if (st != CUBLAS_STATUS_NOT_SUPPORTED && st != CUBLAS_STATUS_INVALID_VALUE)
                 return moe_cuda_report(st, "cublasLtMatmul (the row bucket's plan)", __FILE__,
                                        __LINE__);
+            p->misfits = true; /* the bucket's counts take exact plans from now on */
         }
     }
     MOE_TRY(plan_get(ctx, &key, &p));
