@@ -57,6 +57,7 @@ static moe_status init_layouts(cublasLtMatrixLayoutOpaque_t *l, const moe_cuda_l
 static moe_status plan_make(moe_cuda_ctx *ctx, moe_cuda_lt_plan *p, const moe_cuda_lt_key *key) {
     const cublasOperation_t op_b = key->trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
     const cublasOperation_t op_a = key->trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+    memset(p, 0, sizeof *p); /* an evicted plan's slot: nothing of it stays */
     p->key = *key;
     p->used = true;
     MOE_CUDA_CHECK(
