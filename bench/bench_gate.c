@@ -53,7 +53,8 @@ static void usage(void) {
            "gate kind, against a copy of the logits on the same device in the same run.\n"
            "GB/s counts the bytes the pass must move: logits read, probabilities, top-k\n"
            "indices and weights and logsumexp written; a copy moves its bytes twice (read\n"
-           "and write). ratio = GB/s / copy_GB/s. Times are medians.\n\n"
+           "and write). ratio = GB/s / copy_GB/s. Times are medians of samples of at\n"
+           "least 1 ms each (as many calls back to back as that takes, per call).\n\n"
            "  --T N         tokens (default %d)\n"
            "  --E N         experts (default %d)\n"
            "  --k N         experts per token (default %d)\n"
@@ -99,13 +100,28 @@ static void release_buffers(const moe_ops *ops, gate_buffers *b) {
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) ops->release(all[i]);
 }
 
-/* Seconds of one call of what, waited for; negative on a backend failure. */
-static double timed(const moe_ops *ops, void (*what)(const moe_ops *, const gate_buffers *, const void *),
-                    const gate_buffers *b, const void *arg) {
+typedef void (*gate_fn)(const moe_ops *, const gate_buffers *, const void *);
+
+/* Seconds per call of what over reps calls between two waits (a device
+ * queues them back to back, so one launch and one wait are spread over
+ * them); negative on a backend failure. */
+static double timed(const moe_ops *ops, gate_fn what, const gate_buffers *b, const void *arg, int64_t reps) {
     const double t0 = bench_now_seconds();
-    what(ops, b, arg);
+    for (int64_t r = 0; r < reps; r++) what(ops, b, arg);
     if (ops->sync() != MOE_OK) return -1.0;
-    return bench_now_seconds() - t0;
+    return (bench_now_seconds() - t0) / (double)reps;
+}
+
+/* Calls per timed sample: enough for SAMPLE_SECONDS, so that a pass of
+ * microseconds on a GPU is not mostly its launch and wait; 1 for a pass
+ * that long already (the CPU's). 0 on a backend failure. */
+#define SAMPLE_SECONDS 1e-3
+#define MAX_REPS 1000
+static int64_t reps_for(const moe_ops *ops, gate_fn what, const gate_buffers *b, const void *arg) {
+    const double once = timed(ops, what, b, arg, 1);
+    if (once < 0.0) return 0;
+    const double want = SAMPLE_SECONDS / (once > 1e-9 ? once : 1e-9);
+    return want <= 1.0 ? 1 : want >= MAX_REPS ? MAX_REPS : (int64_t)ceil(want);
 }
 
 typedef struct gate_call {
@@ -190,12 +206,17 @@ int bench_gate_run(int argc, char **argv) {
     for (int g = 0; g < N_KINDS; g++) {
         const gate_call call = {.params = {.n_experts = E, .top_k = k, .kind = kinds[g].kind, .renormalize = true},
                                 .T = T};
+        const int64_t gate_reps = reps_for(ops, run_gate, &b, &call), copy_reps = reps_for(ops, run_copy, &b, &logit_bytes);
+        if (gate_reps == 0 || copy_reps == 0) {
+            bench_failed(CMD, kinds[g].name, ops->sync());
+            goto done;
+        }
         for (int64_t it = 0; it < warmup + iters; it++) {
             /* Alternating which goes first cancels any advantage of the order. */
             const bool copy_first = it % 2 == 1;
-            double copy_s = copy_first ? timed(ops, run_copy, &b, &logit_bytes) : 0.0;
-            const double gate_s = timed(ops, run_gate, &b, &call);
-            if (!copy_first) copy_s = timed(ops, run_copy, &b, &logit_bytes);
+            double copy_s = copy_first ? timed(ops, run_copy, &b, &logit_bytes, copy_reps) : 0.0;
+            const double gate_s = timed(ops, run_gate, &b, &call, gate_reps);
+            if (!copy_first) copy_s = timed(ops, run_copy, &b, &logit_bytes, copy_reps);
             if (gate_s < 0.0 || copy_s < 0.0) {
                 bench_failed(CMD, kinds[g].name, ops->sync());
                 goto done;

@@ -467,7 +467,11 @@ static int run_gpu_shape(const gemm_shape *s, const gemm_options *o, const bench
             double sec[N_GPU_ALGOS], err[N_GPU_ALGOS];
             bool ran[N_GPU_ALGOS];
             for (int a = 0; a < N_GPU_ALGOS; a++) {
-                moe_status ta = time_algo(&sec[a], &g, a, warmup, iters, scratch, ctx);
+                /* NaN (0xFFFF in bf16) in every output row first, so that rows
+                 * an algorithm leaves unwritten fail its check rather than
+                 * pass on what an earlier run left there. */
+                moe_status ta = moe_cuda_memset(g.c, 0xFF, (size_t)(R * n) * 2, ctx);
+                if (ta == MOE_OK) ta = time_algo(&sec[a], &g, a, warmup, iters, scratch, ctx);
                 ran[a] = ta == MOE_OK;
                 err[a] = NAN;
                 if (!ran[a]) {

@@ -35,6 +35,10 @@
 #   MOE_GPU_ARCHS   CUDA architectures to build for (default "80;90")
 #   MOE_GPU_BUILD   build directory of `pack` (default build-gpu)
 #   MOE_GPU_T       tokens for moe-bench gemm (default: its own, 4096)
+#   MOE_GPU_BUDGET  seconds for the whole run (default 480): each step's
+#                   timeout is cut to what is left, less the summary's time
+#
+# At most 8 files go to the results folder (the device tool returns no more).
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -43,10 +47,19 @@ CARRY=$ROOT/build-gpu-carry
 TARBALL=$CARRY/moe-gpu.tar.gz
 BINARIES=(test_cuda_ops test_comm_nccl moe-bench moe-train)
 START=$(date +%s)
+BUDGET=${MOE_GPU_BUDGET:-480}
 
 die() {
     echo "gpu_check: $*" >&2
     exit 2
+}
+
+# A step's timeout: its own limit, or what the budget has left after 20 s
+# kept for the summary, whichever is less (at least 5 s).
+limit() {
+    local left=$((START + BUDGET - 20 - $(date +%s)))
+    [ "$left" -lt 5 ] && left=5
+    echo $(("$1" < left ? "$1" : left))
 }
 
 # Shared libraries the binaries must not carry: glibc's, the loader's, and
@@ -134,7 +147,7 @@ run() {
     fi
     local cuda_dirs
     cuda_dirs=$(cuda_lib_dirs | paste -sd: -)
-    [ -n "$cuda_dirs" ] && export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$cuda_dirs"
+    [ -n "$cuda_dirs" ] && export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$cuda_dirs"
 
     local results=${OUT:-$CARRY/results}
     mkdir -p "$results"
@@ -145,49 +158,58 @@ run() {
     missing=$(for b in "${BINARIES[@]}"; do ldd "$dir/$b" | grep "not found"; done | sort -u)
     [ -z "$missing" ] || die "shared libraries not found:"$'\n'"$missing"
 
+    # Eight files: the two test logs, four JSON files, the training log
+    # and every benchmark's messages in bench.err.
+    : >"$results/bench.err"
+
     # 1. The CUDA tests, verbose so that every skip says why.
     echo "== test_cuda_ops"
-    timeout 300 "$dir/test_cuda_ops" --verbose -j4 2>&1 | tee "$results/test_cuda_ops.log"
+    timeout -k 5 "$(limit 240)" "$dir/test_cuda_ops" --verbose -j4 2>&1 | tee "$results/test_cuda_ops.log"
     local test_rc=${PIPESTATUS[0]}
     echo "== test_comm_nccl"
-    timeout 120 "$dir/test_comm_nccl" --verbose -j1 2>&1 | tee "$results/test_comm_nccl.log"
+    timeout -k 5 "$(limit 90)" "$dir/test_comm_nccl" --verbose -j1 2>&1 | tee "$results/test_comm_nccl.log"
     [ "${PIPESTATUS[0]}" = 0 ] || test_rc=1
 
+    # bench_step NAME SECONDS OUTPUT ARGS...: one moe-bench run, its JSON
+    # appended to OUTPUT and its messages to bench.err and the screen.
+    bench_step() {
+        local name=$1 seconds=$2 output=$3
+        shift 3
+        echo "== moe-bench $name $*" | tee -a "$results/bench.err"
+        timeout -k 5 "$(limit "$seconds")" "$dir/moe-bench" "$name" --device cuda --json "$@" \
+            >>"$output" 2> >(tee -a "$results/bench.err" >&2)
+    }
+
     # 2. Grouped GEMMs on the GPU.
-    echo "== moe-bench gemm"
     local t_args=()
     [ -n "${MOE_GPU_T:-}" ] && t_args=(--T "$MOE_GPU_T")
-    timeout 240 "$dir/moe-bench" gemm --device cuda --json "${t_args[@]}" >"$results/gemm.jsonl" \
-        2>"$results/gemm.err"
+    : >"$results/gemm.jsonl"
+    bench_step gemm 180 "$results/gemm.jsonl" "${t_args[@]}"
     local gemm_rc=$?
-    cat "$results/gemm.err"
 
-    # 3. The fused gating pass against a copy, then the MoE layer on the GPU
-    #    against the same GPU's fp32 GEMM.
-    echo "== moe-bench gate"
-    timeout 60 "$dir/moe-bench" gate --device cuda --json >"$results/gate.jsonl" 2>"$results/gate.err"
+    # 3. The fused gating pass against a copy (at the issue's 65536 tokens,
+    #    and at 16x that, past the L2 cache), then the MoE layer against the
+    #    same GPU's fp32 GEMM.
+    : >"$results/gate.jsonl"
+    bench_step gate 45 "$results/gate.jsonl" --T 65536
     local gate_rc=$?
-    cat "$results/gate.err"
-    echo "== moe-bench layer"
-    timeout 150 "$dir/moe-bench" layer --device cuda --json >"$results/layer.jsonl" 2>"$results/layer.err"
+    bench_step gate 45 "$results/gate.jsonl" --T 1048576 || gate_rc=1
+    : >"$results/layer.jsonl"
+    bench_step layer 120 "$results/layer.jsonl"
     local layer_rc=$?
     [ "$gate_rc" = 0 ] || layer_rc=1
-    cat "$results/layer.err"
 
-    # 4. Training on the GPU: the built-in run, short, then steps of a
-    #    1.2B-parameter model for MFU.
+    # 4. Training on the GPU: the built-in run, short (its checkpoints
+    #    outside the results), then steps of a 1.2B-parameter model for MFU.
     echo "== moe-train --device cuda"
-    timeout 120 "$dir/moe-train" --device cuda --steps 500 --eval-every 250 --out "$results/train" \
-        2>&1 | tee "$results/train.log" | tail -4
+    timeout -k 5 "$(limit 120)" "$dir/moe-train" --device cuda --steps 500 --eval-every 250 \
+        --out "$(mktemp -d)/train" 2>&1 | tee "$results/train.log" | tail -4
     local train_rc=${PIPESTATUS[0]}
-    echo "== moe-bench train --device cuda --model 1b --gemm-math fp32, bf16"
     : >"$results/train.jsonl"
     local math
     for math in fp32 bf16; do
-        timeout 150 "$dir/moe-bench" train --device cuda --model 1b --gemm-math "$math" --warmup 1 --steps 3 \
-            --json >>"$results/train.jsonl" 2>"$results/train-$math.err"
-        [ $? = 0 ] || train_rc=1
-        cat "$results/train-$math.err"
+        bench_step train 120 "$results/train.jsonl" --model 1b --gemm-math "$math" --warmup 1 --steps 3 ||
+            train_rc=1
     done
 
     summary "$results" "$test_rc" "$gemm_rc" "$layer_rc" "$train_rc"
@@ -216,11 +238,14 @@ def rows(path):
             line = line.strip()
             if line.startswith("{"):
                 out.append(json.loads(line))
-    except OSError:
+    except (OSError, ValueError):
         pass
     return out
-gemm = rows(sys.argv[1])
-if gemm:
+def gemm_section():
+    gemm = rows(sys.argv[1])
+    if not gemm:
+        print("gemm: no results")
+        return
     algos = ["mma", "cublaslt-loop", "cublas-grouped", "dense"]
     print(f"{'shape':8} {'routing':9} {'gemm':5} " + " ".join(f"{a:>14}" for a in algos) +
           f" {'mma/dense':>9} {'mma/cublas':>10} {'max_err':>8}")
@@ -231,27 +256,34 @@ if gemm:
             keys.append(k)
     for k in keys:
         by = {r["algo"]: r for r in gemm if (r["shape"], r["routing"], r["gemm"]) == k}
-        cells = " ".join(f"{by[a]['rate']:14.1f}" if a in by else f"{'-':>14}" for a in algos)
-        m = by.get("mma", {})
         f = lambda v, w, p: f"{v:{w}.{p}f}" if isinstance(v, (int, float)) else f"{'-':>{w}}"
+        cells = " ".join(f(by.get(a, {}).get("rate"), 14, 1) for a in algos)
+        m = by.get("mma", {})
         errs = [r["max_err"] for r in by.values() if isinstance(r.get("max_err"), (int, float))]
         print(f"{k[0]:8} {k[1]:9} {k[2]:5} {cells} {f(m.get('vs_dense'), 9, 3)} "
               f"{f(m.get('vs_best_cublas'), 10, 3)} {f(max(errs) if errs else None, 8, 4)}")
     print("(rates in TFLOP/s, bf16 storage, fp32 accumulation)")
-else:
-    print("gemm: no results")
-layer = rows(sys.argv[2])
-for r in layer:
-    if r.get("phase") in ("layer.fwd+bwd", "experts.fwd+bwd"):
-        print(f"layer   {r['shape']:8} {r['routing']:9} {r['phase']:16} {r['gflops']:8.1f} GFLOP/s "
-              f"= {r['ratio']:.3f} x the same GPU's fp32 GEMM")
-for r in rows(sys.argv[4]):
-    print(f"gate    {r['gate']:13} T {r['T']} E {r['E']} k {r['k']}: {r['gbps']:7.1f} GB/s "
-          f"= {r['ratio']:.3f} x a copy ({r['copy_gbps']:.1f} GB/s)")
-for r in rows(sys.argv[3]):
-    print(f"train   {r['model']:8} {r['gemm_math']} GEMMs, {r['params_m']:8.1f}M params, "
-          f"{r['tokens_per_s']:9.0f} tokens/s, {r['gflops'] / 1e3:6.1f} TFLOP/s = MFU {r['mfu']:.3f} "
-          f"of the measured {r['gemm_math']} GEMM rate {r['gemm_gflops'] / 1e3:.1f} TFLOP/s")
+def layer_section():
+    for r in rows(sys.argv[2]):
+        if r.get("phase") in ("layer.fwd+bwd", "experts.fwd+bwd"):
+            print(f"layer   {r['shape']:8} {r['routing']:9} {r['phase']:16} {r['gflops']:8.1f} GFLOP/s "
+                  f"= {r['ratio']:.3f} x the same GPU's fp32 GEMM")
+def gate_section():
+    for r in rows(sys.argv[4]):
+        print(f"gate    {r['gate']:13} T {r['T']} E {r['E']} k {r['k']}: {r['gbps']:7.1f} GB/s "
+              f"= {r['ratio']:.3f} x a copy ({r['copy_gbps']:.1f} GB/s)")
+def train_section():
+    for r in rows(sys.argv[3]):
+        print(f"train   {r['model']:8} {r['gemm_math']} GEMMs, {r['params_m']:8.1f}M params, "
+              f"{r['tokens_per_s']:9.0f} tokens/s, {r['gflops'] / 1e3:6.1f} TFLOP/s = MFU {r['mfu']:.3f} "
+              f"of the measured {r['gemm_math']} GEMM rate {r['gemm_gflops'] / 1e3:.1f} TFLOP/s")
+# A section that cannot be read does not take the others with it.
+for name, section in (("gemm", gemm_section), ("layer", layer_section), ("gate", gate_section),
+                      ("train", train_section)):
+    try:
+        section()
+    except Exception as e:
+        print(f"{name}: could not summarise ({type(e).__name__}: {e})")
 EOF
     echo "=================================================================================="
 }
