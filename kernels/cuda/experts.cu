@@ -337,13 +337,11 @@ static moe_status check_groups(const moe_expert_group *groups, int64_t n_groups,
     return MOE_OK;
 }
 
-/* One fp32 GEMM of a group (alpha 1): its rows are ragged M or K. */
-static moe_status group_gemm(float *c, const float *a, const float *b, int64_t m, int64_t n,
-                             int64_t k, int64_t lda, int64_t ldb, int64_t ldc, bool trans_a,
-                             bool trans_b, float beta, moe_cuda_lt_ragged ragged,
-                             moe_cuda_ctx *ctx) {
-    return moe_cuda_lt_gemm(ctx, c, MOE_CUDA_F32, a, b, MOE_CUDA_F32, m, n, k, lda, ldb, ldc,
-                            trans_a, trans_b, 1.0f, beta, ragged);
+/* A group is one expert of the grouped specs, rows [0, n): the loop runs
+ * its GEMMs, each planned for its rows' bucket. */
+static moe_status run_group(const grouped_spec *s, int64_t n, moe_cuda_ctx *ctx) {
+    const int64_t off[2] = {0, n};
+    return run_loop(s, off, 1, ctx);
 }
 
 /* As kernels/cpu/experts.c, one group at a time: h = x w13^T, the SwiGLU,
@@ -356,11 +354,12 @@ extern "C" moe_status moe_cuda_expert_groups_forward(const moe_expert_group *gro
         const moe_expert_group *g = &groups[i];
         const int64_t n = g->rows, f = g->d_ff;
         if (n == 0) continue;
-        MOE_TRY(group_gemm(g->h, g->x, g->w13, n, 2 * f, d, d, d, 2 * f, false, true, 0.0f,
-                           MOE_CUDA_LT_RAGGED_M, ctx));
+        const moe_cuda_dtype t = MOE_CUDA_F32;
+        const grouped_spec up = rows_gemm(g->h, 2 * f, g->x, d, g->w13, d, 0, true, 2 * f, d, t);
+        const grouped_spec down = rows_gemm(g->y, d, g->g, f, g->w2, f, 0, true, d, f, t);
+        MOE_TRY(run_group(&up, n, ctx));
         MOE_TRY(swiglu_run(g->g, g->h, NULL, n, f, MOE_CUDA_F32, false, ctx));
-        MOE_TRY(group_gemm(g->y, g->g, g->w2, n, d, f, f, f, d, false, true, 0.0f,
-                           MOE_CUDA_LT_RAGGED_M, ctx));
+        MOE_TRY(run_group(&down, n, ctx));
     }
     return MOE_OK;
 }
@@ -376,15 +375,17 @@ extern "C" moe_status moe_cuda_expert_groups_backward(const moe_expert_group *gr
         const moe_expert_group *g = &groups[i];
         const int64_t n = g->rows, f = g->d_ff;
         if (n == 0) continue;
-        MOE_TRY(group_gemm(g->dh, g->dy, g->w2, n, f, d, d, f, 2 * f, false, false, 0.0f,
-                           MOE_CUDA_LT_RAGGED_M, ctx));
+        const moe_cuda_dtype t = MOE_CUDA_F32;
+        const grouped_spec dg = rows_gemm(g->dh, 2 * f, g->dy, d, g->w2, f, 0, false, f, d, t);
+        const grouped_spec dxs =
+            rows_gemm(g->dx, d, g->dh, 2 * f, g->w13, d, 0, false, d, 2 * f, t);
+        const grouped_spec dw13 = weight_grad_gemm(g->dw13, g->dh, 2 * f, g->x, d, 2 * f, d, t);
+        const grouped_spec dw2 = weight_grad_gemm(g->dw2, g->dy, d, g->g, f, d, f, t);
+        MOE_TRY(run_group(&dg, n, ctx));
         MOE_TRY(swiglu_run(g->dh, g->h, NULL, n, f, MOE_CUDA_F32, true, ctx));
-        MOE_TRY(group_gemm(g->dx, g->dh, g->w13, n, d, 2 * f, 2 * f, d, d, false, false, 0.0f,
-                           MOE_CUDA_LT_RAGGED_M, ctx));
-        MOE_TRY(group_gemm(g->dw13, g->dh, g->x, 2 * f, d, n, 2 * f, d, d, true, false, 1.0f,
-                           MOE_CUDA_LT_RAGGED_K, ctx));
-        MOE_TRY(group_gemm(g->dw2, g->dy, g->g, d, f, n, d, f, f, true, false, 1.0f,
-                           MOE_CUDA_LT_RAGGED_K, ctx));
+        MOE_TRY(run_group(&dxs, n, ctx));
+        MOE_TRY(run_group(&dw13, n, ctx));
+        MOE_TRY(run_group(&dw2, n, ctx));
     }
     return MOE_OK;
 }
