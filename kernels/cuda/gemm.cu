@@ -68,40 +68,37 @@ static moe_status plan_make(moe_cuda_ctx *ctx, moe_cuda_lt_plan *p, const moe_cu
         cublasLtMatmulDescSetAttribute(&p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_a, sizeof op_a));
     MOE_TRY(init_layouts(p->layouts, key));
 
-    cublasLtMatmulPreference_t pref = NULL;
-    MOE_CUDA_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+    /* The preference in place too: nothing to destroy, so each setting is
+     * checked as it is made. */
+    cublasLtMatmulPreferenceOpaque_t pref;
+    MOE_CUDA_CHECK(cublasLtMatmulPreferenceInit(&pref));
     const uint64_t ws = MOE_CUDA_WORKSPACE_BYTES;
-    const uint32_t align_a = (uint32_t)key->align_b, align_b = (uint32_t)key->align_a,
-                   align_c = (uint32_t)key->align_c;
+    MOE_CUDA_CHECK(cublasLtMatmulPreferenceSetAttribute(
+        &pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
+    /* cuBLAS's A is our b and its B our a; C and D are c. */
+    const struct {
+        cublasLtMatmulPreferenceAttributes_t attr;
+        uint32_t bytes;
+    } aligns[] = {{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, (uint32_t)key->align_b},
+                  {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, (uint32_t)key->align_a},
+                  {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, (uint32_t)key->align_c},
+                  {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, (uint32_t)key->align_c}};
+    for (size_t i = 0; i < sizeof aligns / sizeof aligns[0]; i++)
+        MOE_CUDA_CHECK(cublasLtMatmulPreferenceSetAttribute(&pref, aligns[i].attr, &aligns[i].bytes,
+                                                            sizeof aligns[i].bytes));
     cublasLtMatmulHeuristicResult_t result;
     int found = 0;
-    cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(
-        pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
-    if (st == CUBLAS_STATUS_SUCCESS)
-        st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
-                                                  &align_a, sizeof align_a);
-    if (st == CUBLAS_STATUS_SUCCESS)
-        st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                                                  &align_b, sizeof align_b);
-    if (st == CUBLAS_STATUS_SUCCESS)
-        st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
-                                                  &align_c, sizeof align_c);
-    if (st == CUBLAS_STATUS_SUCCESS)
-        st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
-                                                  &align_c, sizeof align_c);
-    if (st == CUBLAS_STATUS_SUCCESS)
-        st = cublasLtMatmulAlgoGetHeuristic(ctx->lt, &p->desc, &p->layouts[0], &p->layouts[1],
-                                            &p->layouts[2], &p->layouts[2], pref, 1, &result,
-                                            &found);
-    cublasLtMatmulPreferenceDestroy(pref);
-    MOE_CUDA_CHECK(st);
+    MOE_CUDA_CHECK(cublasLtMatmulAlgoGetHeuristic(ctx->lt, &p->desc, &p->layouts[0],
+                                                  &p->layouts[1], &p->layouts[2], &p->layouts[2],
+                                                  &pref, 1, &result, &found));
     if (found == 0)
         return moe_error(MOE_ERR_UNSUPPORTED,
                          "cuBLASLt has no algorithm for m=%lld n=%lld k=%lld lda=%lld ldb=%lld "
                          "ldc=%lld trans_a=%d trans_b=%d (%s inputs, %s output) on %s",
                          (long long)key->m, (long long)key->n, (long long)key->k,
                          (long long)key->lda, (long long)key->ldb, (long long)key->ldc,
-                         key->trans_a, key->trans_b, key->ab_type == MOE_CUDA_BF16 ? "bf16" : "fp32",
+                         key->trans_a, key->trans_b,
+                         key->ab_type == MOE_CUDA_BF16 ? "bf16" : "fp32",
                          key->c_type == MOE_CUDA_BF16 ? "bf16" : "fp32", ctx->name);
     p->algo = result.algo;
     return MOE_OK;
