@@ -83,10 +83,25 @@ MOE_HD float moe_rope_angle(int64_t pos, int64_t i, int64_t hd, float theta) {
     return (float)pos * inv_freq;
 }
 
+/* AdamW's per-step scalars, computed on the host in double as PyTorch does
+ * in Python: decay = 1 - lr * wd (for the parameters weight decay applies
+ * to; the others use 1), step_size = lr / (1 - beta1^t), bc2_sqrt =
+ * sqrt(1 - beta2^t). */
+typedef struct moe_adamw_step {
+    float decay, step_size, bc2_sqrt;
+} moe_adamw_step;
+
+static inline moe_adamw_step moe_adamw_step_at(float lr, float beta1, float beta2, float weight_decay,
+                                               int64_t t) {
+    const moe_adamw_step s = {(float)(1.0 - (double)lr * (double)weight_decay),
+                              (float)((double)lr / (1.0 - pow((double)beta1, (double)t))),
+                              (float)sqrt(1.0 - pow((double)beta2, (double)t))};
+    return s;
+}
+
 /* One AdamW element update in PyTorch's order (torch.optim.AdamW): the
- * decoupled decay first, then the moments, then the step. The scalars come
- * from the host, computed in double as Python does: decay = 1 - lr * wd,
- * step_size = lr / (1 - beta1^t), bc2_sqrt = sqrt(1 - beta2^t). */
+ * decoupled decay first, then the moments, then the step, with the
+ * scalars of moe_adamw_step_at. */
 MOE_HD void moe_adamw_update(float *p, float *m, float *v, float g, float beta1, float beta2,
                              float eps, float decay, float step_size, float bc2_sqrt) {
     float mi = beta1 * *m + (1.0f - beta1) * g;

@@ -228,18 +228,15 @@ void moe_cpu_uniform(float *out, uint64_t seed, uint64_t stream, float lo, float
 void moe_cpu_adamw(float *params, float *m, float *v, const float *grads, int64_t n,
                    const moe_adamw_span *spans, int64_t n_spans, float lr, float beta1, float beta2,
                    float eps, float weight_decay, int64_t t) {
-    /* The per-step scalars in double, as PyTorch computes them in Python;
-     * 1 - lr * 0 is exactly 1 where nothing decays. */
-    const float decay = (float)(1.0 - (double)lr * (double)weight_decay);
-    const float step_size = (float)((double)lr / (1.0 - pow((double)beta1, (double)t)));
-    const float bc2_sqrt = (float)sqrt(1.0 - pow((double)beta2, (double)t));
+    const moe_adamw_step step = moe_adamw_step_at(lr, beta1, beta2, weight_decay, t);
     int64_t begin = 0;
     for (int64_t s = 0; s < n_spans; s++) {
         const int64_t end = spans[s].end < n ? spans[s].end : n;
-        const float d = spans[s].decays ? decay : 1.0f;
+        const float d = spans[s].decays ? step.decay : 1.0f;
 #pragma omp parallel for schedule(static)
         for (int64_t i = begin; i < end; i++)
-            moe_adamw_update(&params[i], &m[i], &v[i], grads[i], beta1, beta2, eps, d, step_size, bc2_sqrt);
+            moe_adamw_update(&params[i], &m[i], &v[i], grads[i], beta1, beta2, eps, d, step.step_size,
+                             step.bc2_sqrt);
         begin = end;
     }
 }

@@ -425,8 +425,7 @@ extern "C" moe_status moe_cuda_uniform(float *out, uint64_t seed, uint64_t strea
 
 static __global__ void adamw_kernel(float *params, float *m, float *v, const float *grads,
                                     int64_t n, const moe_adamw_span *spans, int64_t n_spans,
-                                    float beta1, float beta2, float eps, float decay,
-                                    float step_size, float bc2_sqrt) {
+                                    float beta1, float beta2, float eps, moe_adamw_step step) {
     __shared__ int64_t first_span;
     for (int64_t tile = blockIdx.x * (int64_t)ADAMW_TILE; tile < n;
          tile += (int64_t)gridDim.x * ADAMW_TILE) {
@@ -447,7 +446,8 @@ static __global__ void adamw_kernel(float *params, float *m, float *v, const flo
         for (int64_t i = tile + threadIdx.x; i < end; i += blockDim.x) {
             while (s + 1 < n_spans && spans[s].end <= i) s++;
             moe_adamw_update(&params[i], &m[i], &v[i], grads[i], beta1, beta2, eps,
-                             spans[s].decays ? decay : 1.0f, step_size, bc2_sqrt);
+                             spans[s].decays ? step.decay : 1.0f, step.step_size,
+                             step.bc2_sqrt);
         }
         __syncthreads(); /* first_span is read before the next pass writes it */
     }
@@ -461,12 +461,10 @@ extern "C" moe_status moe_cuda_adamw(float *params, float *m, float *v, const fl
     if (n_spans <= 0)
         return moe_error(MOE_ERR_INVALID_ARG, "adamw over %lld parameters with no spans",
                          (long long)n);
-    /* The per-step scalars in double on the host, exactly as the CPU does. */
-    const float decay = (float)(1.0 - (double)lr * (double)weight_decay);
-    const float step_size = (float)((double)lr / (1.0 - pow((double)beta1, (double)t)));
-    const float bc2_sqrt = (float)sqrt(1.0 - pow((double)beta2, (double)t));
+    /* The per-step scalars on the host, as the CPU computes them. */
+    const moe_adamw_step step = moe_adamw_step_at(lr, beta1, beta2, weight_decay, t);
     adamw_kernel<<<moe_cuda_grid(n, ADAMW_TILE, ctx), MOE_CUDA_THREADS, 0, ctx->stream>>>(
-        params, m, v, grads, n, spans, n_spans, beta1, beta2, eps, decay, step_size, bc2_sqrt);
+        params, m, v, grads, n, spans, n_spans, beta1, beta2, eps, step);
     MOE_CUDA_CHECK(cudaGetLastError());
     return MOE_OK;
 }
