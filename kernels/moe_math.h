@@ -5,6 +5,7 @@
 #define MOE_KERNELS_MATH_H
 
 #include <math.h>
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "common/host_device.h"
@@ -53,12 +54,22 @@ MOE_HD void moe_swiglu_backward(float *da, float *db, float dg, float a, float b
     *db = dg * a * s;
 }
 
-/* Inserts (score, e) into the descending list idx/val of length *n <= k.
- * Candidates arrive in increasing e, and a candidate must beat an entry
- * strictly to pass it, so ties keep the lower expert index first. */
+/* The selection order of top-k: whether candidate (s, e) ranks above
+ * (best, best_e). Higher score first, ties to the lower index, and a NaN
+ * score (from a NaN logit) below every number, so a router that meets one
+ * picks the same experts on every backend. */
+MOE_HD bool moe_score_outranks(float s, int32_t e, float best, int32_t best_e) {
+    if (s != s) return best != best && e < best_e;
+    if (best != best) return true;
+    return s > best || (s == best && e < best_e);
+}
+
+/* Inserts (score, e) into the descending list idx/val of length *n <= k, in
+ * moe_score_outranks's order. Candidates arrive in increasing e, so a tie
+ * keeps the entry already there first. */
 MOE_HD void moe_topk_insert(int32_t *idx, float *val, int *n, int k, int32_t e, float score) {
     int pos = *n < k ? *n : k;
-    while (pos > 0 && score > val[pos - 1]) pos--;
+    while (pos > 0 && moe_score_outranks(score, e, val[pos - 1], idx[pos - 1])) pos--;
     if (pos >= k) return;
     int last = *n < k ? *n : k - 1;
     for (int i = last; i > pos; i--) {

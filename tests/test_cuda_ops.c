@@ -454,6 +454,54 @@ Test(cuda, gate_forward_all_kinds) {
     gpu_end();
 }
 
+/* Logits with NaN among them pick the same experts on both backends
+ * (moe_score_outranks): each kind, E past one warp's 32 lanes, a NaN in
+ * every fifth logit and a row of NaN only. */
+Test(cuda, gate_forward_ranks_nan_like_cpu) {
+    gpu_begin();
+    ref_rng rng = {404};
+    const int64_t E = 40, k = 4, T = 96;
+    for (int kind = 0; kind < 3; kind++) {
+        float *logits = rnd(T * E, &rng, -2.0, 2.0);
+        for (int64_t i = 0; i < T * E; i++)
+            if (ref_next(&rng) % 5 == 0 || i / E == T - 1) logits[i] = NAN;
+        moe_gate_params p = {E, k, (moe_gate_kind)kind, true};
+        int32_t *want = ref_alloc((size_t)(T * k) * sizeof *want);
+        int32_t *got = ref_alloc((size_t)(T * k) * sizeof *got);
+        float *w = ref_alloc((size_t)(T * k) * sizeof *w), *prob = ref_alloc((size_t)(T * E) * sizeof *prob);
+        float *lse = ref_alloc((size_t)T * sizeof *lse);
+        int64_t *assigned = ref_alloc((size_t)E * sizeof *assigned);
+        double *prob_sum = ref_alloc((size_t)E * sizeof *prob_sum), z_sum = 0.0;
+        const int64_t n_chunks = (T + MOE_GATE_CHUNK_TOKENS - 1) / MOE_GATE_CHUNK_TOKENS;
+        double *scratch = ref_alloc((size_t)(n_chunks * (2 * E + 1)) * sizeof *scratch);
+        moe_gate_totals host_totals = {assigned, prob_sum, &z_sum, scratch};
+        moe_cpu_ops()->gate_forward(want, w, prob, lse, &host_totals, logits, NULL, &p, T);
+
+        const int64_t n_dev_chunks = (T + MOE_CUDA_GATE_CHUNK_TOKENS - 1) / MOE_CUDA_GATE_CHUNK_TOKENS;
+        moe_cuda_gate_totals totals = {
+            dpoison((size_t)E * sizeof(int64_t), POISON_INT),
+            dpoison((size_t)E * sizeof(double), POISON_FLOAT),
+            dpoison(sizeof(double), POISON_FLOAT),
+            dpoison((size_t)(n_dev_chunks * (2 * E + 1)) * sizeof(double), POISON_FLOAT)};
+        int32_t *d_idx = dpoison((size_t)(T * k) * sizeof(int32_t), POISON_INT);
+        CHECK(moe_cuda_gate_forward(d_idx, dpoison((size_t)(T * k) * sizeof(float), POISON_FLOAT),
+                                    dpoison((size_t)(T * E) * sizeof(float), POISON_FLOAT),
+                                    dpoison((size_t)T * sizeof(float), POISON_FLOAT), &totals,
+                                    dput(logits, (size_t)(T * E) * sizeof(float)), NULL, &p, T, ctx));
+        dget(got, d_idx, (size_t)(T * k) * sizeof *got);
+        char what[96];
+        snprintf(what, sizeof what, "gate_forward %s with NaN logits", kind_name((moe_gate_kind)kind));
+        expect_same_i32(what, got, want, T * k);
+        int64_t *got_assigned = ref_alloc((size_t)E * sizeof *got_assigned);
+        dget(got_assigned, totals.assigned, (size_t)E * sizeof *got_assigned);
+        expect_same_i64(what, got_assigned, assigned, E);
+        free(logits), free(want), free(got), free(w), free(prob), free(lse), free(assigned);
+        free(prob_sum), free(scratch), free(got_assigned);
+        moe_cuda_arena_reset(&arena);
+    }
+    gpu_end();
+}
+
 Test(cuda, gate_backward_all_kinds) {
     gpu_begin();
     ref_rng rng = {303};

@@ -264,6 +264,33 @@ Test(ops, gate_forward_ties_go_to_lower_index) {
             }
 }
 
+/* NaN scores rank below every number, ties among them to the lower index,
+ * on every backend (moe_score_outranks): a NaN logit makes its own score
+ * NaN for topk_softmax and sigmoid, and every softmax probability NaN. */
+Test(ops, gate_forward_ranks_nan_last) {
+    const float row[5] = {NAN, 1.0f, NAN, 3.0f, 2.0f};
+    static const int32_t want[3][5] = {
+        [MOE_GATE_SOFTMAX_TOPK] = {0, 1, 2, 3, 4},
+        [MOE_GATE_TOPK_SOFTMAX] = {3, 4, 1, 0, 2},
+        [MOE_GATE_SIGMOID] = {3, 4, 1, 0, 2},
+    };
+    for (int kind = 0; kind < 3; kind++)
+        for (int64_t k = 1; k <= 5; k++) {
+            int32_t idx[5];
+            float w[5], prob[5], lse;
+            int64_t assigned[5];
+            double prob_sum[5], scratch[2 * 5 + 1];
+            double z_sum = 0.0;
+            moe_gate_totals totals = {assigned, prob_sum, &z_sum, scratch};
+            moe_gate_params p = {5, k, (moe_gate_kind)kind, false};
+            ops()->gate_forward(idx, w, prob, &lse, &totals, row, NULL, &p, 1);
+            for (int64_t j = 0; j < k; j++)
+                cr_expect(idx[j] == want[kind][j], "%s k=%lld: slot %lld chose expert %d, want %d",
+                          kind_name((moe_gate_kind)kind), (long long)k, (long long)j, idx[j],
+                          want[kind][j]);
+        }
+}
+
 /* F(logits) for one token with the selection idx held fixed: the scalar
  * whose gradient gate_backward returns. */
 static double gate_objective(const double *l, const int32_t *idx, const double *dw,

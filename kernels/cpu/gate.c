@@ -27,9 +27,10 @@ void moe_cpu_gate_forward(int32_t *topk_idx, float *topk_w, float *prob, float *
             float *r = prob + t * E;         /* [E] */
             int32_t *idx = topk_idx + t * k; /* [k] */
             float *w = topk_w + t * k;       /* [k] */
-            float lmax = l[0];
+            /* The largest number, passing over NaN as the GPU's fmaxf does. */
+            float lmax = -INFINITY;
 #pragma omp simd reduction(max : lmax)
-            for (int64_t e = 1; e < E; e++) lmax = l[e] > lmax ? l[e] : lmax;
+            for (int64_t e = 0; e < E; e++) lmax = l[e] > lmax ? l[e] : lmax;
             /* Vector loops: lanes of partial sums in a fixed order. The
              * exponentials give the logsumexp for every kind, and the
              * probabilities unless the gate is a sigmoid. */

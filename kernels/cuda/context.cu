@@ -66,19 +66,23 @@ extern "C" bool moe_cuda_available(char *why, size_t why_bytes) {
         (void)cudaGetLastError(); /* not sticky: leave no error behind */
         return false;
     }
-    cudaDeviceProp prop;
-    if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) {
-        snprintf(why, why_bytes, "device 0 does not answer (%s)",
-                 cudaGetErrorString(cudaGetLastError()));
-        return false;
+    /* Usable when one device is: each rank's context checks its own. */
+    for (int d = 0; d < n; d++) {
+        cudaDeviceProp prop;
+        if (cudaGetDeviceProperties(&prop, d) != cudaSuccess) {
+            snprintf(why, why_bytes, "device %d does not answer (%s)", d,
+                     cudaGetErrorString(cudaGetLastError()));
+            continue;
+        }
+        if (prop.major < MIN_CC_MAJOR) {
+            snprintf(why, why_bytes, "device %d (%s) is sm_%d%d; these kernels need sm_%d0 or newer",
+                     d, prop.name, prop.major, prop.minor, MIN_CC_MAJOR);
+            continue;
+        }
+        snprintf(why, why_bytes, "%s", prop.name);
+        return true;
     }
-    if (prop.major < MIN_CC_MAJOR) {
-        snprintf(why, why_bytes, "device 0 (%s) is sm_%d%d; these kernels need sm_%d0 or newer",
-                 prop.name, prop.major, prop.minor, MIN_CC_MAJOR);
-        return false;
-    }
-    snprintf(why, why_bytes, "%s", prop.name);
-    return true;
+    return false;
 }
 
 /* ----------------------------------------------------------------- context */

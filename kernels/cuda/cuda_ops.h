@@ -36,9 +36,10 @@ extern "C" {
 
 /* ------------------------------------------------------------ device, context */
 
-/* True when a CUDA device answers. Otherwise false, with the reason (no
- * driver, no device, driver older than the runtime) in why[why_bytes];
- * never fails otherwise, and creates no context it keeps. */
+/* True when a CUDA device of sm_80 or newer answers, with its name in
+ * why[why_bytes]. Otherwise false, with the reason (no driver, no device,
+ * driver older than the runtime, devices too old) in why; never fails
+ * otherwise, and creates no context it keeps. */
 bool moe_cuda_available(char *why, size_t why_bytes);
 
 /* One device, one stream, one cuBLASLt and one cuBLAS handle, a GEMM

@@ -4,7 +4,7 @@
  * A warp keeps its token's logits in shared memory, so the row is read from
  * device memory once; the lanes stride over the experts (lane, lane + 32,
  * ...). Top-k is k rounds of a warp argmax on (score, -index), which picks
- * what moe_topk_insert picks: descending scores, ties to the lower index.
+ * what moe_topk_insert picks, in moe_score_outranks's order.
  * The per-element formulas are the CPU's (kernels/cpu/gate.c), with the
  * exponential and the sigmoid from moe_math.h: moe_expf's clamp below -87
  * makes far-behind experts tie exactly, as on the CPU, where libm's expf
@@ -29,15 +29,11 @@ static moe_status check_params(const moe_gate_params *p, int64_t T, const char *
 
 /* ---------------------------------------------------------------- forward */
 
-/* Whether candidate (s, e) beats (best, best_e) in the selection order:
- * higher score first, ties to the lower index, NaN (from NaN logits) below
- * every number; e == INT_MAX is no candidate. */
+/* Whether candidate (s, e) beats (best, best_e): moe_score_outranks, with
+ * e == INT_MAX as no candidate. */
 static __device__ __forceinline__ bool outranks(float s, int e, float best, int best_e) {
     if (e == INT_MAX) return false;
-    if (best_e == INT_MAX) return true;
-    if (isnan(best)) return !isnan(s) || e < best_e;
-    if (isnan(s)) return false;
-    return s > best || (s == best && e < best_e);
+    return best_e == INT_MAX || moe_score_outranks(s, e, best, best_e);
 }
 
 static __global__ void gate_forward_kernel(int32_t *topk_idx, float *topk_w, float *prob,
