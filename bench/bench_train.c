@@ -50,7 +50,10 @@ static void usage(void) {
            "  --steps N       timed steps (default 5)\n"
            "  --threads N     OpenMP and OpenBLAS threads (default: every core)\n\n"
            "output:\n"
-           "  --json          one JSON object per row\n");
+           "  --json          one JSON object per row\n"
+           "  --profile       also time each op of the timed steps (on a GPU: events in its\n"
+           "                  stream) and print the largest to stderr; the step times then\n"
+           "                  include the marks' cost\n");
 }
 
 static const bench_column columns[] = {
@@ -66,8 +69,22 @@ static const bench_column columns[] = {
     {"gemm_math", NULL, BENCH_STR, 0, 0},
 };
 
+/* The ops that took the most of the timed steps, one line each. */
+#define PROFILE_LINES 16
+
+static int print_profile(const train_shape *s, int64_t steps, double steps_ms) {
+    moe_op_time rows[PROFILE_LINES];
+    int64_t n = 0;
+    if (bench_failed(CMD, "profile", moe_profile_read(rows, PROFILE_LINES, &n))) return BENCH_EXIT_FAILURE;
+    fprintf(stderr, "moe-bench %s: profile of %s, %lld steps, %.1f ms:\n", CMD, s->name, (long long)steps, steps_ms);
+    for (int64_t i = 0; i < n; i++)
+        fprintf(stderr, "moe-bench %s:   %-22s %8lld calls %10.2f ms %6.1f%%\n", CMD, rows[i].op,
+                (long long)rows[i].calls, 1e3 * rows[i].seconds, 100.0 * 1e3 * rows[i].seconds / steps_ms);
+    return 0;
+}
+
 static int bench_shape(const train_shape *s, const moe_ops *ops, moe_gemm_math math, const moe_synth_stream *stream,
-                       int64_t warmup, int64_t steps, const bench_table *table) {
+                       int64_t warmup, int64_t steps, bool profile, const bench_table *table) {
     moe_model_config cfg;
     moe_run_default_config(&cfg, MOE_SYNTH_VOCAB_SIZE);
     if (s->d) {
@@ -97,6 +114,7 @@ static int bench_shape(const train_shape *s, const moe_ops *ops, moe_gemm_math m
         goto done;
     for (int64_t i = 0; i < warmup + steps; i++) {
         moe_step_metrics m;
+        if (profile && i == warmup) moe_profile_reset();
         double t0 = bench_now_seconds();
         if (bench_failed(CMD, "step", moe_trainer_step(trainer, data, &m))) goto done;
         if (i >= warmup) ms[i - warmup] = 1e3 * (bench_now_seconds() - t0);
@@ -116,7 +134,9 @@ static int bench_shape(const train_shape *s, const moe_ops *ops, moe_gemm_math m
         {.s = moe_gemm_math_name(math)},
     };
     bench_table_row(table, row);
-    rc = 0;
+    double total_ms = 0.0;
+    for (int64_t i = 0; i < steps; i++) total_ms += ms[i];
+    rc = profile ? print_profile(s, steps, total_ms) : 0;
 done:
     moe_data_close(data);
     moe_trainer_destroy(trainer);
@@ -130,7 +150,7 @@ int bench_train_run(int argc, char **argv) {
     const char *only = NULL;
     moe_device device = MOE_DEVICE_AUTO;
     moe_gemm_math math = MOE_GEMM_FP32;
-    bool json = false;
+    bool json = false, profile = false;
     for (int i = 1; i < argc; i++) {
         const char *v = NULL;
         int r;
@@ -138,8 +158,8 @@ int bench_train_run(int argc, char **argv) {
             usage();
             return 0;
         }
-        if (strcmp(argv[i], "--json") == 0) {
-            json = true;
+        if (strcmp(argv[i], "--json") == 0 || strcmp(argv[i], "--profile") == 0) {
+            *(argv[i][2] == 'j' ? &json : &profile) = true;
             continue;
         }
         if ((r = bench_option(argc, argv, &i, CMD, "model", &v)) != 0) {
@@ -179,6 +199,10 @@ int bench_train_run(int argc, char **argv) {
         moe_device_close(&dev);
         return BENCH_EXIT_FAILURE;
     }
+    if (profile && bench_failed(CMD, "profile", moe_profile_open(&dev.ops, dev.ops))) {
+        moe_device_close(&dev);
+        return BENCH_EXIT_FAILURE;
+    }
     if (dev.note[0]) fprintf(stderr, "moe-bench %s: %s\n", CMD, dev.note);
     if (dev.placement[0]) fprintf(stderr, "moe-bench %s: %s\n", CMD, dev.placement);
     moe_synth_params sp = moe_synth_default_params();
@@ -195,8 +219,9 @@ int bench_train_run(int argc, char **argv) {
     int rc = 0;
     for (int s = 0; s < n_shapes && rc == 0; s++)
         if (only ? strcmp(only, default_shapes[s].name) == 0 : !default_shapes[s].on_request)
-            rc = bench_shape(&default_shapes[s], dev.ops, math, &stream, warmup, steps, &table);
+            rc = bench_shape(&default_shapes[s], dev.ops, math, &stream, warmup, steps, profile, &table);
     moe_synth_stream_free(&stream);
+    if (profile) moe_profile_close(); /* its marks are the device's */
     moe_device_close(&dev);
     return rc;
 }

@@ -211,6 +211,9 @@ run() {
         bench_step train 120 "$results/train.jsonl" --model 1b --gemm-math "$math" --warmup 1 --steps 3 ||
             train_rc=1
     done
+    # Where the bf16 step's time goes, op by op (into bench.err; its MFU
+    # row, timed with the marks on, is not the one reported).
+    bench_step train 90 /dev/null --model 1b --gemm-math bf16 --warmup 1 --steps 2 --profile || train_rc=1
 
     summary "$results" "$test_rc" "$gemm_rc" "$layer_rc" "$train_rc"
     [ "$test_rc" = 0 ] && [ "$gemm_rc" = 0 ] && [ "$layer_rc" = 0 ] && [ "$train_rc" = 0 ]
@@ -229,6 +232,7 @@ summary() {
     printf "tests   exit %s\n" "$test_rc"
     printf "gemm    exit %s   gate+layer exit %s   train exit %s\n" "$gemm_rc" "$layer_rc" "$train_rc"
     grep -a "^val_loss .* floor" "$results/train.log" | sed 's/^/train   default model on cuda: /'
+    grep -a -A8 "profile of 1b" "$results/bench.err" | sed 's/^moe-bench train: */profile /'
     python3 - "$results/gemm.jsonl" "$results/layer.jsonl" "$results/train.jsonl" "$results/gate.jsonl" <<'EOF'
 import json, sys
 def rows(path):

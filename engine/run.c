@@ -135,6 +135,8 @@ moe_status moe_run_options_validate(const moe_run_options *o) {
         return moe_error(MOE_ERR_CONFIG, "--comm-timeout %g must be a positive number of seconds", o->comm_timeout);
     if (o->eval_only && !o->init_from)
         return moe_error(MOE_ERR_CONFIG, "--eval-only needs --init-from DIR: the weights to evaluate");
+    if (o->eval_only && o->profile)
+        return moe_error(MOE_ERR_CONFIG, "--profile times training steps, and --eval-only runs none");
     if (o->eval_only && o->resume)
         return moe_error(MOE_ERR_CONFIG, "--eval-only and --resume exclude each other; evaluate a checkpoint "
                                          "with --eval-only --init-from DIR");
@@ -280,6 +282,7 @@ typedef struct run {
     int64_t *route_counts; /* [L, N_KINDS, E] */
     double *routing;       /* [L + 1, N_KINDS, E] */
     moe_run_kind_report kinds;
+    moe_op_time *profile; /* [moe_profile_op_count()] with --profile */
 } run;
 
 static void warn(const run *r, const char *fmt, ...) MOE_PRINTF(2, 3);
@@ -634,6 +637,31 @@ static moe_status log_eval(run *r, const moe_run_eval *e) {
     return append_metrics(r, &w);
 }
 
+static moe_status log_profile(run *r, const moe_run_end *e) {
+    moe_json_writer w;
+    moe_json_writer_init(&w, 0);
+    moe_json_begin_object(&w);
+    moe_json_key(&w, "profile_steps");
+    moe_json_int(&w, e->profile_steps);
+    moe_json_key(&w, "profile_seconds");
+    moe_json_number(&w, e->profile_seconds);
+    moe_json_key(&w, "ops");
+    moe_json_begin_array(&w);
+    for (int64_t i = 0; i < e->profile_ops; i++) {
+        moe_json_begin_object(&w);
+        moe_json_key(&w, "op");
+        moe_json_string(&w, e->profile[i].op);
+        moe_json_key(&w, "calls");
+        moe_json_int(&w, e->profile[i].calls);
+        moe_json_key(&w, "seconds");
+        moe_json_number(&w, e->profile[i].seconds);
+        moe_json_end_object(&w);
+    }
+    moe_json_end_array(&w);
+    moe_json_end_object(&w);
+    return append_metrics(r, &w);
+}
+
 /* -------------------------------------------------------------- evaluation */
 
 /* Target i of this rank's rows of batch b is stream token (b * ranks + rank)
@@ -726,6 +754,11 @@ static moe_status run_body(run *r, double start) {
     MOE_TRY(open_data(r));
     MOE_TRY(moe_device_open(&r->device, o->device, r->ranks));
     MOE_TRY(moe_device_set_gemm_math(&r->device, o->gemm_math));
+    if (o->profile) {
+        r->profile = calloc((size_t)moe_profile_op_count(), sizeof *r->profile);
+        if (!r->profile) return moe_error(MOE_ERR_OUT_OF_MEMORY, "--profile: the table of ops");
+        MOE_TRY(moe_profile_open(&r->device.ops, r->device.ops));
+    }
     MOE_TRY(build_model(r));
     const int64_t L = r->cfg.num_hidden_layers, E = r->cfg.num_local_experts;
     r->kinds = (moe_run_kind_report){.n_layers = L, .n_experts = E, .top_k = r->cfg.num_experts_per_tok};
@@ -772,6 +805,7 @@ static moe_status run_body(run *r, double start) {
     if (r->cb->on_start) r->cb->on_start(r->cb->ctx, &summary);
 
     double val_loss = NAN;
+    moe_run_end end = {.profile = r->profile};
     if (o->eval_only) {
         MOE_TRY(evaluate(r, 0, &val_loss));
     } else {
@@ -784,24 +818,31 @@ static moe_status run_body(run *r, double start) {
             s.seconds = now_seconds() - t0;
             elapsed += s.seconds;
             timed++;
+            /* The first step's start-up (plans, first touches) is no step's. */
+            if (o->profile && timed == 1) moe_profile_reset();
+            if (o->profile && timed > 1) end.profile_steps++, end.profile_seconds += s.seconds;
             s.tokens_per_s = (double)summary.tokens_per_step / s.seconds;
             s.mfu = r->step_flops / s.seconds / (r->peak_gflops * 1e9);
             s.elapsed_seconds = elapsed;
             s.steps_timed = timed;
             if (r->metrics) MOE_TRY(log_step(r, &s));
             if (r->cb->on_step) r->cb->on_step(r->cb->ctx, &s);
+            if (o->profile) moe_profile_pause(true);
             if (due(step, o->eval_every, o->steps)) MOE_TRY(evaluate(r, step, &val_loss));
             if (due(step, o->save_every, o->steps)) MOE_TRY(save_checkpoint(r));
+            if (o->profile) moe_profile_pause(false);
         }
     }
-    const moe_run_end end = {
-        .steps_done = moe_trainer_steps_done(r->trainer),
-        .val_loss = val_loss,
-        .entropy_floor = r->entropy_floor,
-        .seconds = now_seconds() - start,
-        .kinds = r->val.synth.tokens ? &r->kinds : NULL,
-        .last_checkpoint = r->last_checkpoint,
-    };
+    if (o->profile) {
+        MOE_TRY(moe_profile_read(r->profile, moe_profile_op_count(), &end.profile_ops));
+        if (r->metrics) MOE_TRY(log_profile(r, &end));
+    }
+    end.steps_done = moe_trainer_steps_done(r->trainer);
+    end.val_loss = val_loss;
+    end.entropy_floor = r->entropy_floor;
+    end.seconds = now_seconds() - start;
+    end.kinds = r->val.synth.tokens ? &r->kinds : NULL;
+    end.last_checkpoint = r->last_checkpoint;
     if (r->cb->on_end) r->cb->on_end(r->cb->ctx, &end);
     return MOE_OK;
 }
@@ -828,8 +869,10 @@ moe_status moe_run(const moe_run_options *opts, const moe_run_callbacks *callbac
         st = moe_error(MOE_ERR_IO, "%s: close failed", r.metrics_path);
     free(r.route_counts);
     free(r.routing);
+    free(r.profile);
     moe_trainer_destroy(r.trainer);
     moe_model_destroy(r.model);
+    if (opts->profile) moe_profile_close(); /* its marks are the device's */
     if (r.device_ep) moe_comm_free(r.device_ep);
     if (r.device_world) moe_comm_free(r.device_world);
     moe_device_close(&r.device);

@@ -42,6 +42,7 @@
 #include "engine/synthetic.h"
 #include "engine/trainer.h"
 #include "kernels/ops.h"
+#include "kernels/profile.h"
 #include "moe.h"
 
 #define MOE_RUN_SYNTHETIC "synthetic"
@@ -84,6 +85,7 @@ typedef struct moe_run_options {
     bool overlap;          /* --overlap: each expert runs as soon as its rows arrive */
     moe_device device;     /* --device */
     moe_gemm_math gemm_math; /* --gemm-math: the GPU's tensor cores for fp32 GEMMs */
+    bool profile;          /* --profile: time each op of the steps after the first */
     const char *command_line; /* recorded in run.json; may be NULL */
 } moe_run_options;
 
@@ -169,6 +171,13 @@ typedef struct moe_run_end {
     double seconds;                     /* the whole call */
     const moe_run_kind_report *kinds;   /* NULL unless synthetic */
     const char *last_checkpoint;        /* "" when none was written */
+    /* --profile: this rank's ops over the training steps after the first
+     * (kernels/profile.h), largest time first; evaluations and checkpoints
+     * are left out. NULL without --profile. */
+    const moe_op_time *profile;
+    int64_t profile_ops;     /* entries of profile */
+    int64_t profile_steps;   /* steps it covers */
+    double profile_seconds;  /* their wall time */
 } moe_run_end;
 
 /* Every callback may be NULL. Pointers passed are valid during the call.

@@ -89,6 +89,16 @@ typedef struct moe_ops {
     void (*zero)(void *dst, size_t bytes);
     moe_status (*sync)(void);
 
+    /* Timestamps in queue order, for a profile of the ops (kernels/
+     * profile.h). marks_create makes n slots; mark(marks, i) stamps slot i
+     * when the backend reaches that point of its queue, as an op would;
+     * once a sync or download has passed both, mark_seconds gives the
+     * seconds from slot from to slot to. */
+    moe_status (*marks_create)(void **marks, int64_t n);
+    void (*marks_destroy)(void *marks);
+    void (*mark)(void *marks, int64_t i);
+    moe_status (*mark_seconds)(double *seconds, const void *marks, int64_t from, int64_t to);
+
     /* c[m, n] = alpha * op(a) op(b) + beta * c, row-major, op(a) [m, k],
      * op(b) [k, n]; lda/ldb/ldc are row strides of the stored matrices. */
     void (*gemm)(float *c, const float *a, const float *b, int64_t m, int64_t n, int64_t k,

@@ -28,6 +28,7 @@
 #include "engine/model.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/ops.h"
+#include "kernels/profile.h"
 #include "ref_moe.h"
 #include "router/plan.h"
 
@@ -1602,6 +1603,35 @@ Test(cuda, model_on_the_table) {
     free(got);
     moe_model_destroy(dev);
     moe_model_destroy(host);
+    table_end();
+}
+
+/* The table's marks are events in its stream: a profile over it gives a
+ * 2 * 2048^3 GEMM far more time than a copy of one float, and counts both. */
+Test(cuda, table_marks_time_ops_in_the_stream) {
+    table_begin();
+    const int64_t n = 2048;
+    ref_rng rng = {91};
+    float *h = rnd(n * n, &rng, -1, 1);
+    float *a = tput(h, (size_t)(n * n) * sizeof *h), *c = talloc((size_t)(n * n) * sizeof *c);
+    const moe_ops *profiled = NULL;
+    CHECK(moe_profile_open(&profiled, gpu));
+    for (int rep = 0; rep < 3; rep++) {
+        profiled->copy(c, c + 1, sizeof *c);
+        profiled->gemm(c, a, a, n, n, n, n, n, n, false, true, 1.0f, 0.0f);
+    }
+    CHECK(profiled->sync());
+    moe_op_time rows[4];
+    int64_t n_rows = 0;
+    CHECK(moe_profile_read(rows, 4, &n_rows));
+    cr_assert(n_rows == 2 && strcmp(rows[0].op, "gemm") == 0 && strcmp(rows[1].op, "copy") == 0,
+              "%lld ops listed; want gemm, then copy", (long long)n_rows);
+    cr_expect(rows[0].calls == 3 && rows[1].calls == 3, "calls: gemm %lld, copy %lld", (long long)rows[0].calls,
+              (long long)rows[1].calls);
+    cr_expect(rows[0].seconds > 20.0 * rows[1].seconds && rows[1].seconds >= 0.0, "gemm %.3g s, copy %.3g s",
+              rows[0].seconds, rows[1].seconds);
+    moe_profile_close();
+    free(h);
     table_end();
 }
 

@@ -335,6 +335,58 @@ Test(train_run, strict_device_gives_the_cpu_bytes, .init = make_tmp, .fini = rem
         }
 }
 
+/* What on_end reported of the profile. */
+typedef struct profile_seen {
+    seen base;
+    int64_t ops, steps, experts_forward, experts_backward;
+    double seconds, op_seconds;
+} profile_seen;
+
+static void on_profile_end(void *ctx, const moe_run_end *e) {
+    profile_seen *p = ctx;
+    on_end(&p->base, e);
+    cr_assert(e->profile, "no profile with --profile");
+    p->ops = e->profile_ops, p->steps = e->profile_steps, p->seconds = e->profile_seconds;
+    for (int64_t i = 0; i < e->profile_ops; i++) {
+        p->op_seconds += e->profile[i].seconds;
+        if (strcmp(e->profile[i].op, "experts_forward") == 0) p->experts_forward = e->profile[i].calls;
+        if (strcmp(e->profile[i].op, "experts_backward") == 0) p->experts_backward = e->profile[i].calls;
+    }
+}
+
+/* --profile times the steps after the first and nothing else (the
+ * evaluations and checkpoints between them are left out), and changes no
+ * result. */
+Test(train_run, profile_times_the_steps_after_the_first, .init = make_tmp, .fini = remove_tmp) {
+    char cfg[512], out[2][512];
+    moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE), tmp_path(out[0], "plain"));
+    o.steps = 4;
+    o.eval_every = 2;
+    o.save_every = 2;
+    o.grad_accum = 2;
+    seen plain;
+    run_ok(&o, &plain);
+    o.profile = true;
+    o.out_dir = tmp_path(out[1], "profiled");
+    profile_seen p = {0};
+    (void)callbacks(&p.base); /* its fields' starting values */
+    const moe_run_callbacks cb = {.ctx = &p, .on_end = on_profile_end};
+    cr_assert_eq(moe_run(&o, &cb), MOE_OK, "moe_run --profile: %s", moe_last_error());
+    cr_expect(p.base.end_val == plain.end_val, "val_loss %.9g with --profile, %.9g without", p.base.end_val,
+              plain.end_val);
+    /* 3 steps x 2 micro-batches x 2 layers; evaluations would add more. */
+    cr_expect(p.steps == 3 && p.experts_forward == 12 && p.experts_backward == 12,
+              "profile of %lld steps: experts_forward %lld, experts_backward %lld calls; want 3, 12, 12",
+              (long long)p.steps, (long long)p.experts_forward, (long long)p.experts_backward);
+    cr_expect(p.ops > 10 && p.op_seconds > 0.0 && p.op_seconds <= p.seconds * 1.01 + 1e-3,
+              "%lld ops, %.4g s of ops in %.4g s of steps", (long long)p.ops, p.op_seconds, p.seconds);
+    char path[512];
+    size_t size = 0;
+    char *metrics = read_file(tmp_path(path, "profiled/metrics.jsonl"), &size);
+    cr_expect(strstr(metrics, "{\"profile_steps\":3,") != NULL, "metrics.jsonl has no profile line");
+    free(metrics);
+}
+
 Test(train_run, eval_only_matches_final_eval, .init = make_tmp, .fini = remove_tmp) {
     char cfg[512], out[512];
     moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE), tmp_path(out, "out"));
@@ -445,6 +497,11 @@ static void empty_data(moe_run_options *o) { o->data = ""; }
 static void eval_only_alone(moe_run_options *o) { o->eval_only = true; }
 static void resume_and_init(moe_run_options *o) { o->resume = o->init_from = "somewhere"; }
 static void resume_and_config(moe_run_options *o) { o->resume = "somewhere"; }
+static void profile_eval_only(moe_run_options *o) {
+    o->eval_only = o->profile = true;
+    o->init_from = "somewhere";
+    o->config = NULL;
+}
 
 Test(train_run, bad_options_name_the_flag) {
     static const bad_option cases[] = {
@@ -457,7 +514,7 @@ Test(train_run, bad_options_name_the_flag) {
         {"--threads", negative_threads},  {"--peak-gflops", negative_peak},
         {"--out", empty_out},             {"--data", empty_data},
         {"--init-from", eval_only_alone}, {"--resume", resume_and_init},
-        {"--config", resume_and_config},
+        {"--config", resume_and_config},  {"--profile", profile_eval_only},
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         moe_run_options o = tiny_options("tiny.json", "/nonexistent/out");

@@ -82,7 +82,10 @@ static void print_help(void) {
            "                       tensor cores, inputs rounded inside each GEMM, fp32 sums\n"
            "  --threads N          OpenMP (and OpenBLAS) threads; 0 = all cores (default)\n"
            "  --peak-gflops X      the MFU denominator; 0 = measure the device's fp32 GEMM at\n"
-           "                       start-up (default)\n\n"
+           "                       start-up (default)\n"
+           "  --profile            time every op of the steps after the first (on a GPU: events\n"
+           "                       in its stream) and print where the time went; also in\n"
+           "                       metrics.jsonl\n\n"
            "Parallel (run under mpirun; every rank gets the same flags):\n"
            "  --ep P               split each layer's experts over groups of P consecutive ranks;\n"
            "                       the ranks are data-parallel, --batch-size is per rank (default 1)\n"
@@ -163,6 +166,7 @@ static const flag flags[] = {
     {"--ep", F_SMALL, OPT(ep)},                  {"--zero", F_SMALL, OPT(zero)},
     {"--comm-timeout", F_REAL, OPT(comm_timeout)}, {"--overlap", F_SWITCH, OPT(overlap)},
     {"--device", F_DEVICE, OPT(device)},          {"--gemm-math", F_MATH, OPT(gemm_math)},
+    {"--profile", F_SWITCH, OPT(profile)},
 };
 #undef OPT
 
@@ -403,6 +407,24 @@ static void print_kinds(const moe_run_kind_report *r) {
     printf("(shade: share against the uniform 1/E: ' ' < 0.5x, \u2591 < 1x, \u2592 < 2x, \u2593 < 3x, \u2588 >= 3x)\n");
 }
 
+/* Where the profiled steps' time went, op by op. */
+static void print_profile(const moe_run_end *e) {
+    if (e->profile_steps == 0) {
+        printf("\nprofile: no step after the first to time\n");
+        return;
+    }
+    double busy = 0.0;
+    for (int64_t i = 0; i < e->profile_ops; i++) busy += e->profile[i].seconds;
+    printf("\nprofile of %lld steps (%.3f s): ops %.3f s, %.1f%% of the wall time\n", (long long)e->profile_steps,
+           e->profile_seconds, busy, 100.0 * busy / e->profile_seconds);
+    printf("  %-22s %10s %12s %12s %7s\n", "op", "calls", "seconds", "us per call", "share");
+    for (int64_t i = 0; i < e->profile_ops; i++) {
+        const moe_op_time *t = &e->profile[i];
+        printf("  %-22s %10lld %12.4f %12.1f %6.1f%%\n", t->op, (long long)t->calls, t->seconds,
+               1e6 * t->seconds / (double)t->calls, busy > 0.0 ? 100.0 * t->seconds / busy : 0.0);
+    }
+}
+
 static void on_end(void *ctx, const moe_run_end *e) {
     printer *p = ctx;
     if (p->quiet) return;
@@ -415,6 +437,7 @@ static void on_end(void *ctx, const moe_run_end *e) {
         if (e->last_checkpoint[0]) printf(", last checkpoint %s", e->last_checkpoint);
         printf("\n");
     }
+    if (e->profile) print_profile(e);
     if (!isnan(e->entropy_floor))
         printf("val_loss %.4f vs floor %.4f: %.1f%% above the floor\n", e->val_loss, e->entropy_floor,
                100.0 * (e->val_loss / e->entropy_floor - 1.0));

@@ -1,4 +1,5 @@
 /* backend.c: the CPU op table, on host memory. */
+#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -33,6 +34,22 @@ static void cpu_zero(void *dst, size_t bytes) {
 
 static moe_status cpu_sync(void) { return MOE_OK; }
 
+/* An op has finished when it returns: its marks are the wall clock. */
+static moe_status cpu_marks_create(void **marks, int64_t n) {
+    *marks = calloc((size_t)(n > 0 ? n : 1), sizeof(double));
+    if (!*marks) return moe_error(MOE_ERR_OUT_OF_MEMORY, "cpu backend: %lld profile marks", (long long)n);
+    return MOE_OK;
+}
+
+static void cpu_marks_destroy(void *marks) { free(marks); }
+
+static void cpu_mark(void *marks, int64_t i) { ((double *)marks)[i] = omp_get_wtime(); }
+
+static moe_status cpu_mark_seconds(double *seconds, const void *marks, int64_t from, int64_t to) {
+    *seconds = ((const double *)marks)[to] - ((const double *)marks)[from];
+    return MOE_OK;
+}
+
 /* The CPU's dweight sum runs over column blocks and needs no scratch. */
 static size_t cpu_rmsnorm_scratch_bytes(int64_t N, int64_t C) {
     (void)N, (void)C;
@@ -55,6 +72,10 @@ static const moe_ops cpu_ops = {
     .copy = cpu_copy,
     .zero = cpu_zero,
     .sync = cpu_sync,
+    .marks_create = cpu_marks_create,
+    .marks_destroy = cpu_marks_destroy,
+    .mark = cpu_mark,
+    .mark_seconds = cpu_mark_seconds,
     .gemm = moe_cpu_gemm,
     .gate_forward = moe_cpu_gate_forward,
     .gate_backward = moe_cpu_gate_backward,

@@ -11,6 +11,7 @@
 
 #include "common/status.h"
 #include "kernels/cpu/cpu_ops.h"
+#include "kernels/op_list.h"
 
 typedef struct piece {
     void *base;
@@ -90,90 +91,7 @@ static moe_status strict_sync(void) {
         moe_cpu_ops()->name args;      \
         close_all();                   \
     }
-
-STRICT(copy, (void *dst, const void *src, size_t bytes), (dst, src, bytes))
-STRICT(zero, (void *dst, size_t bytes), (dst, bytes))
-STRICT(gemm,
-       (float *c, const float *a, const float *b, int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb,
-        int64_t ldc, bool trans_a, bool trans_b, float alpha, float beta),
-       (c, a, b, m, n, k, lda, ldb, ldc, trans_a, trans_b, alpha, beta))
-STRICT(gate_forward,
-       (int32_t *topk_idx, float *topk_w, float *prob, float *lse, moe_gate_totals *totals, const float *logits,
-        const float *bias, const moe_gate_params *p, int64_t T),
-       (topk_idx, topk_w, prob, lse, totals, logits, bias, p, T))
-STRICT(gate_backward,
-       (float *dlogits, const float *dweights, const int32_t *topk_idx, const float *topk_w, const float *prob,
-        const float *lse, const float *logits, const float *aux_grad, float z_coef_over_T,
-        const moe_gate_params *p, int64_t T),
-       (dlogits, dweights, topk_idx, topk_w, prob, lse, logits, aux_grad, z_coef_over_T, p, T))
-STRICT(plan_build,
-       (int64_t *pair_row, int64_t *row_token, int64_t *expert_offsets, const int32_t *topk_idx,
-        const int64_t *keep, void *scratch, int64_t T, int64_t k, int64_t E),
-       (pair_row, row_token, expert_offsets, topk_idx, keep, scratch, T, k, E))
-STRICT(permute, (float *xp, const float *x, const int64_t *row_token, int64_t n_rows, int64_t d),
-       (xp, x, row_token, n_rows, d))
-STRICT(combine,
-       (float *y, const float *yp, const float *topk_w, const int64_t *pair_row, const float *shared, int64_t T,
-        int64_t k, int64_t d),
-       (y, yp, topk_w, pair_row, shared, T, k, d))
-STRICT(combine_backward,
-       (float *dyp, float *dweights, const float *dy, const float *yp, const float *topk_w,
-        const int64_t *pair_row, int64_t T, int64_t k, int64_t d),
-       (dyp, dweights, dy, yp, topk_w, pair_row, T, k, d))
-STRICT(unpermute_add, (float *dx, const float *dxp, const int64_t *pair_row, int64_t T, int64_t k, int64_t d),
-       (dx, dxp, pair_row, T, k, d))
-STRICT(experts_forward, (moe_expert_group *groups, int64_t n_groups, int64_t d), (groups, n_groups, d))
-STRICT(experts_backward, (moe_expert_group *groups, int64_t n_groups, int64_t d), (groups, n_groups, d))
-STRICT(embedding_forward, (float *out, const int32_t *tokens, const float *wte, int64_t N, int64_t C),
-       (out, tokens, wte, N, C))
-STRICT(embedding_backward, (float *dwte, const float *dout, const int32_t *tokens, int64_t N, int64_t C),
-       (dwte, dout, tokens, N, C))
-STRICT(rmsnorm_forward,
-       (float *out, float *rstd, const float *inp, const float *weight, float eps, int64_t N, int64_t C),
-       (out, rstd, inp, weight, eps, N, C))
-STRICT(rmsnorm_backward,
-       (float *dinp, float *dweight, const float *dout, const float *inp, const float *weight, const float *rstd,
-        void *scratch, int64_t N, int64_t C),
-       (dinp, dweight, dout, inp, weight, rstd, scratch, N, C))
-STRICT(matmul_forward, (float *out, const float *inp, const float *weight, int64_t N, int64_t C, int64_t OC),
-       (out, inp, weight, N, C, OC))
-STRICT(matmul_backward,
-       (float *dinp, float *dweight, const float *dout, const float *inp, const float *weight, int64_t N,
-        int64_t C, int64_t OC),
-       (dinp, dweight, dout, inp, weight, N, C, OC))
-STRICT(rope_tables, (float *cos_t, float *sin_t, int64_t T, int64_t hd, float theta), (cos_t, sin_t, T, hd, theta))
-STRICT(rope_forward,
-       (float *x, const float *cos_t, const float *sin_t, int64_t B, int64_t T, int64_t H, int64_t hd),
-       (x, cos_t, sin_t, B, T, H, hd))
-STRICT(rope_backward,
-       (float *dx, const float *cos_t, const float *sin_t, int64_t B, int64_t T, int64_t H, int64_t hd),
-       (dx, cos_t, sin_t, B, T, H, hd))
-STRICT(attention_forward,
-       (float *out, float *att, const float *q, const float *k, const float *v, int64_t B, int64_t T, int64_t Hq,
-        int64_t Hkv, int64_t hd),
-       (out, att, q, k, v, B, T, Hq, Hkv, hd))
-STRICT(attention_backward,
-       (float *dq, float *dk, float *dv, float *datt, const float *dout, const float *q, const float *k,
-        const float *v, const float *att, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t hd),
-       (dq, dk, dv, datt, dout, q, k, v, att, B, T, Hq, Hkv, hd))
-STRICT(crossentropy_forward,
-       (float *losses, double *lse, const float *logits, const int32_t *targets, int64_t N, int64_t V),
-       (losses, lse, logits, targets, N, V))
-STRICT(crossentropy_backward,
-       (float *dlogits, const float *logits, const double *lse, const int32_t *targets, const float *dloss,
-        int64_t N, int64_t V),
-       (dlogits, logits, lse, targets, dloss, N, V))
-STRICT(residual_forward, (float *out, const float *a, const float *b, int64_t n), (out, a, b, n))
-STRICT(residual_backward, (float *da, float *db, const float *dout, int64_t n), (da, db, dout, n))
-STRICT(scale, (float *x, float alpha, int64_t n), (x, alpha, n))
-STRICT(multiply, (float *out, const float *a, const float *b, int64_t n), (out, a, b, n))
-STRICT(uniform, (float *out, uint64_t seed, uint64_t stream, float lo, float span, int64_t n),
-       (out, seed, stream, lo, span, n))
-STRICT(adamw,
-       (float *params, float *m, float *v, const float *grads, int64_t n, const moe_adamw_span *spans,
-        int64_t n_spans, float lr, float beta1, float beta2, float eps, float weight_decay, int64_t t),
-       (params, m, v, grads, n, spans, n_spans, lr, beta1, beta2, eps, weight_decay, t))
-STRICT(sumsq, (double *out, const float *x, int64_t n), (out, x, n))
+MOE_QUEUED_OPS(STRICT)
 
 static moe_ops strict_ops;
 
@@ -186,42 +104,18 @@ const moe_ops *moe_strict_ops(void) {
             .release = strict_release,
             .upload = strict_upload,
             .download = strict_upload,
-            .copy = strict_copy,
-            .zero = strict_zero,
             .sync = strict_sync,
-            .gemm = strict_gemm,
-            .gate_forward = strict_gate_forward,
-            .gate_backward = strict_gate_backward,
+            /* Host memory: marks are not backend memory. */
+            .marks_create = cpu->marks_create,
+            .marks_destroy = cpu->marks_destroy,
+            .mark = cpu->mark,
+            .mark_seconds = cpu->mark_seconds,
             .plan_scratch_bytes = cpu->plan_scratch_bytes,
-            .plan_build = strict_plan_build,
-            .permute = strict_permute,
-            .combine = strict_combine,
-            .combine_backward = strict_combine_backward,
-            .unpermute_add = strict_unpermute_add,
-            .experts_forward = strict_experts_forward,
-            .experts_backward = strict_experts_backward,
-            .embedding_forward = strict_embedding_forward,
-            .embedding_backward = strict_embedding_backward,
-            .rmsnorm_forward = strict_rmsnorm_forward,
             .rmsnorm_scratch_bytes = cpu->rmsnorm_scratch_bytes,
-            .rmsnorm_backward = strict_rmsnorm_backward,
-            .matmul_forward = strict_matmul_forward,
-            .matmul_backward = strict_matmul_backward,
-            .rope_tables = strict_rope_tables,
-            .rope_forward = strict_rope_forward,
-            .rope_backward = strict_rope_backward,
-            .attention_forward = strict_attention_forward,
-            .attention_backward = strict_attention_backward,
-            .crossentropy_forward = strict_crossentropy_forward,
-            .crossentropy_backward = strict_crossentropy_backward,
-            .residual_forward = strict_residual_forward,
-            .residual_backward = strict_residual_backward,
-            .scale = strict_scale,
-            .multiply = strict_multiply,
-            .uniform = strict_uniform,
-            .adamw = strict_adamw,
-            .sumsq = strict_sumsq,
         };
+#define FILL(name, params, args) strict_ops.name = strict_##name;
+        MOE_QUEUED_OPS(FILL)
+#undef FILL
     }
     return &strict_ops;
 }

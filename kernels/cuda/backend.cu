@@ -9,6 +9,7 @@
  * outputs, and an index read from those could fault the device, which
  * would turn one reported failure into a lost context. */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "kernels/cuda/common.cuh"
@@ -121,6 +122,64 @@ static void table_zero(void *dst, size_t bytes) {
 static moe_status table_sync(void) {
     if (!bound.ctx) return report(no_context());
     return report(moe_cuda_sync(bound.ctx));
+}
+
+/* ------------------------------------------------------------------- marks */
+
+/* Timing events, one per slot; a slot may be stamped again once read. */
+typedef struct event_marks {
+    int64_t n;
+    cudaEvent_t *events; /* [n], NULL until created */
+} event_marks;
+
+static void table_marks_destroy(void *marks) {
+    event_marks *m = (event_marks *)marks;
+    if (!m) return;
+    for (int64_t i = 0; i < m->n && m->events; i++)
+        if (m->events[i]) cudaEventDestroy(m->events[i]);
+    free(m->events);
+    free(m);
+}
+
+static moe_status create_events(event_marks *m) {
+    for (int64_t i = 0; i < m->n; i++) MOE_CUDA_CHECK(cudaEventCreate(&m->events[i]));
+    return MOE_OK;
+}
+
+static moe_status table_marks_create(void **out, int64_t n) {
+    *out = NULL;
+    if (!bound.ctx) return no_context();
+    event_marks *m = (event_marks *)calloc(1, sizeof *m);
+    if (m) m->events = (cudaEvent_t *)calloc((size_t)(n > 0 ? n : 1), sizeof *m->events);
+    if (!m || !m->events) {
+        table_marks_destroy(m);
+        return moe_error(MOE_ERR_OUT_OF_MEMORY, "cuda marks: %lld events", (long long)n);
+    }
+    m->n = n;
+    const moe_status st = create_events(m);
+    if (st != MOE_OK) {
+        table_marks_destroy(m);
+        return st;
+    }
+    *out = m;
+    return MOE_OK;
+}
+
+static moe_status record(cudaEvent_t event, moe_cuda_ctx *ctx) {
+    MOE_CUDA_CHECK(cudaEventRecord(event, ctx->stream));
+    return MOE_OK;
+}
+
+static void table_mark(void *marks, int64_t i) {
+    RUN("mark", record(((event_marks *)marks)->events[i], bound.ctx));
+}
+
+static moe_status table_mark_seconds(double *seconds, const void *marks, int64_t from, int64_t to) {
+    const event_marks *m = (const event_marks *)marks;
+    float ms = 0.0f;
+    MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, m->events[from], m->events[to]));
+    *seconds = 1e-3 * (double)ms;
+    return MOE_OK;
 }
 
 /* --------------------------------------------------------------------- MoE */
@@ -314,6 +373,10 @@ static moe_ops make_table(void) {
     t.copy = table_copy;
     t.zero = table_zero;
     t.sync = table_sync;
+    t.marks_create = table_marks_create;
+    t.marks_destroy = table_marks_destroy;
+    t.mark = table_mark;
+    t.mark_seconds = table_mark_seconds;
     t.gemm = table_gemm;
     t.gate_forward = table_gate_forward;
     t.gate_backward = table_gate_backward;
