@@ -461,7 +461,9 @@ void moe_model_update_router_bias(moe_model *m) {
         if (moe_layer_selection_bias(m->moe[l])) moe_layer_update_bias(m->moe[l]);
 }
 
-float *moe_model_router_bias(moe_model *m, int64_t l) { return moe_layer_selection_bias(m->moe[l]); }
+static bool has_layer(const moe_model *m, int64_t l) { return m && l >= 0 && l < m->cfg.num_hidden_layers; }
+
+float *moe_model_router_bias(moe_model *m, int64_t l) { return has_layer(m, l) ? moe_layer_selection_bias(m->moe[l]) : NULL; }
 
 uint64_t moe_model_jitter_counter(const moe_model *m) { return moe_layer_jitter_counter(m->moe[0]); }
 
@@ -471,6 +473,9 @@ void moe_model_set_jitter_counter(moe_model *m, uint64_t counter) {
 
 const float *moe_model_last_losses(const moe_model *m) { return m->losses_host; }
 moe_status moe_model_last_topk(moe_model *m, int64_t l, const int32_t **topk) {
+    if (!has_layer(m, l) || !topk)
+        return moe_error(MOE_ERR_INVALID_ARG, "moe_model_last_topk: layer %lld of %lld, topk %p", (long long)l,
+                         m ? (long long)m->cfg.num_hidden_layers : 0LL, (const void *)topk);
     return moe_layer_last_topk(m->moe[l], topk);
 }
 
@@ -512,7 +517,7 @@ moe_status moe_model_forward(moe_model *m, const int32_t *inputs, const int32_t 
             return moe_error(MOE_ERR_INVALID_ARG, "model: target token %d at position %lld outside the vocabulary [0, %lld)",
                              targets[i], (long long)i, (long long)V);
     m->forward_done = false;
-    double aux = 0.0, z = 0.0, imbalance = 0.0, dropped = 0.0;
+    double aux = 0.0, z = 0.0, imbalance = 0.0, dropped = 0.0, pairs = 0.0;
 
     /* Both token arrays go up before any op is queued: an upload waits for
      * the device, which has nothing to finish yet. */
@@ -540,6 +545,7 @@ moe_status moe_model_forward(moe_model *m, const int32_t *inputs, const int32_t 
         z += ls.z_loss;
         imbalance += ls.load_imbalance;
         dropped += (double)ls.dropped;
+        pairs += (double)ls.pairs;
     }
     const int64_t tf = m->n_tensors - 2;
     ops->rmsnorm_forward(m->lnf, m->rstdf, m->x_final, param(m, tf), eps, N, C);
@@ -563,7 +569,7 @@ moe_status moe_model_forward(moe_model *m, const int32_t *inputs, const int32_t 
         stats->z_loss = z / (double)L;
         stats->loss = stats->ce_loss + c->router_aux_loss_coef * stats->aux_loss + c->moe_z_loss_coef * stats->z_loss;
         stats->load_imbalance = imbalance / (double)L;
-        stats->dropped_frac = dropped / ((double)L * (double)N * (double)c->num_experts_per_tok);
+        stats->dropped_frac = dropped / pairs; /* both over the global batch */
     }
     MOE_TRY(ops->sync());
     m->forward_done = true;

@@ -155,7 +155,8 @@ moe_status moe_model_grad_sumsq(moe_model *model, double *out);
 const float *moe_model_last_losses(const moe_model *model);
 moe_status moe_model_last_topk(moe_model *model, int64_t layer, const int32_t **topk);
 
-/* Layer l's auxiliary-loss-free selection bias [E], or NULL when off;
+/* Layer l's auxiliary-loss-free selection bias [E], or NULL when off (or l
+ * is not a layer);
  * checkpoints keep it under DeepSeek-V3's name
  * model.layers.N.block_sparse_moe.gate.e_score_correction_bias. */
 float *moe_model_router_bias(moe_model *model, int64_t layer);

@@ -118,6 +118,7 @@ struct moe_layer {
     double *rank_totals;     /* [N, 2E + 2] every batch rank's assigned, prob_sum, z_sum, T */
     int64_t *rank_assigned;  /* [N, E] */
     int64_t *rank_kept;      /* [N] scratch: each rank's kept pairs of one expert */
+    int64_t *rank_T;         /* [N] each batch rank's tokens in this forward (jitter only) */
     int64_t *global_assigned; /* [E] */
     int64_t *keep;           /* [E] this rank's kept pairs per expert */
     int64_t *recv_rows;      /* [P, n_local] rows from each source for each local expert */
@@ -297,6 +298,7 @@ moe_status moe_layer_create_in(moe_layer **out, const moe_layer_config *cfg, con
     L->rank_totals = calloc((size_t)N * (size_t)(2 * E + 2), sizeof *L->rank_totals);
     L->rank_assigned = calloc((size_t)N * (size_t)E, sizeof *L->rank_assigned);
     L->rank_kept = calloc((size_t)N, sizeof *L->rank_kept);
+    L->rank_T = calloc((size_t)N, sizeof *L->rank_T);
     L->global_assigned = calloc((size_t)E, sizeof *L->global_assigned);
     L->keep = calloc((size_t)E, sizeof *L->keep);
     L->recv_rows = calloc((size_t)P * (size_t)L->n_local, sizeof *L->recv_rows);
@@ -310,7 +312,7 @@ moe_status moe_layer_create_in(moe_layer **out, const moe_layer_config *cfg, con
         L->bias_sent = calloc((size_t)E, sizeof *L->bias_sent);
     }
     if (!L->views || !L->names || !L->expert_rank || !L->totals_host || !L->rank_totals || !L->rank_assigned ||
-        !L->rank_kept || !L->global_assigned || !L->keep || !L->recv_rows || !L->requests || !L->expert_offsets ||
+        !L->rank_kept || !L->rank_T || !L->global_assigned || !L->keep || !L->recv_rows || !L->requests || !L->expert_offsets ||
         !L->local_offsets || !L->aux_grad || !L->groups ||
         (cfg->bias_update_rate > 0.0 && (!L->bias || !L->bias_sent))) {
         moe_layer_destroy(L);
@@ -426,6 +428,7 @@ void moe_layer_destroy(moe_layer *L) {
     free(L->rank_totals);
     free(L->rank_assigned);
     free(L->rank_kept);
+    free(L->rank_T);
     free(L->global_assigned);
     free(L->keep);
     free(L->recv_rows);
@@ -515,6 +518,7 @@ moe_status moe_layer_update_bias(moe_layer *L) {
 }
 
 double moe_layer_forward_flops(const moe_layer_config *cfg, int64_t T) {
+    if (!cfg || T <= 0) return 0.0;
     double d = (double)cfg->d_model, ff = (double)cfg->d_ff, E = (double)cfg->n_experts;
     double k = (double)cfg->top_k, S = (double)cfg->n_shared_experts * ff;
     return 2.0 * T * d * E + 6.0 * T * k * d * ff + 6.0 * T * d * S;
@@ -682,6 +686,7 @@ static moe_status share_routing(moe_layer *L, int64_t T, double z_sum) {
         if (j >= 0 && j < L->n_local)
             for (int s = 0; s < P; s++) L->recv_rows[s * L->n_local + j] = L->rank_kept[L->group_base + s];
     }
+    L->last.pairs = GT * k;
     L->last.dropped = GT * k - kept_total;
     L->last.aux_loss = (double)E * aux;
     L->last.z_loss = z / (double)GT;
@@ -875,10 +880,18 @@ moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, 
         const float eps = (float)c->jitter_eps;
         const uint64_t call = L->jitter_calls;
         const int on = L->training;
-        /* Noise indexed by (rank, token) keeps ranks' streams apart. Every
-         * backend draws the same bits (ops.h uniform), on the backend. */
-        const uint64_t stream = MOE_JITTER_STREAM + call * (uint64_t)L->batch_size + (uint64_t)L->batch_rank;
-        ops->uniform(L->noise, c->seed, stream, on ? 1.0f - eps : 1.0f, on ? 2.0f * eps : 0.0f, T * d);
+        /* Noise indexed by the token's place in the global batch (rank 0's
+         * tokens first), so P ranks draw what one rank draws for the whole
+         * batch. Every backend draws the same bits (ops.h uniform), on the
+         * backend. */
+        int64_t before = 0; /* tokens of the batch ranks before this one */
+        if (L->batch) {
+            moe_status st = moe_comm_allgather(L->batch, L->rank_T, &T, 1, MOE_COMM_I64);
+            if (st != MOE_OK) return moe_error_prefix(st, "moe layer jitter (token counts): ");
+            for (int r = 0; r < L->batch_rank; r++) before += L->rank_T[r];
+        }
+        const uint64_t stream = MOE_JITTER_STREAM + call, first = (uint64_t)(before * d);
+        ops->uniform(L->noise, c->seed, stream, first, on ? 1.0f - eps : 1.0f, on ? 2.0f * eps : 0.0f, T * d);
         ops->multiply(L->x_in, x, L->noise, T * d);
         if (on) L->jitter_calls++;
         x_in = L->x_in;

@@ -136,9 +136,11 @@ float *moe_layer_grads(moe_layer *layer);
 /* The aux-loss-free selection bias [E], or NULL when bias_update_rate is 0. */
 float *moe_layer_selection_bias(moe_layer *layer);
 
+/* Over the global batch: every rank's tokens when the layer spans ranks. */
 typedef struct moe_layer_stats {
     int64_t *tokens_per_expert; /* [E], caller's array or NULL: pairs kept */
-    int64_t dropped;            /* (token, slot) pairs over capacity */
+    int64_t pairs;              /* (token, slot) pairs routed: T * top_k over the ranks */
+    int64_t dropped;            /* of those, pairs over capacity */
     double aux_loss;            /* E * sum f_e P_e, before the coefficient */
     double z_loss;              /* mean logsumexp^2, before the coefficient */
     double load_imbalance;      /* max over experts of assigned pairs / mean */
@@ -167,7 +169,8 @@ moe_status moe_layer_zero_grad(moe_layer *layer);
 moe_status moe_layer_update_bias(moe_layer *layer);
 
 /* Floating-point operations of one forward at T, counting only the work done
- * by the experts that were active (2 per multiply-add) plus the router. */
+ * by the experts that were active (2 per multiply-add) plus the router; 0
+ * for a NULL config or T <= 0. */
 double moe_layer_forward_flops(const moe_layer_config *cfg, int64_t T);
 
 #ifdef __cplusplus

@@ -11,11 +11,14 @@
 #include "common/host_device.h"
 
 /* exp(x) to within 2 ulp on [-87, 88] (clamped outside, where float's
- * normal range ends), in plain arithmetic so that compilers vectorise the
- * loops that call it: Cody-Waite reduction x = n ln2 + r, |r| <= ln2 / 2, a
- * degree-7 polynomial for exp(r), and 2^n built in the exponent bits. */
+ * normal range ends; NaN stays NaN), in plain arithmetic so that compilers
+ * vectorise the loops that call it: Cody-Waite reduction x = n ln2 + r,
+ * |r| <= ln2 / 2, a degree-7 polynomial for exp(r), and 2^n built in the
+ * exponent bits. */
 MOE_HD float moe_expf(float x) {
-    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
+    const bool nan = x != x;
+    /* fmaxf takes NaN to -87, so the exponent below is always an int. */
+    x = fminf(fmaxf(x, -87.0f), 88.0f);
     /* Adding 1.5 * 2^23 rounds to the nearest integer in round-to-nearest. */
     const float shifter = 12582912.0f;
     float n = (x * 1.44269504088896341f + shifter) - shifter;
@@ -32,7 +35,7 @@ MOE_HD float moe_expf(float x) {
         int32_t i;
         float f;
     } scale = {.i = ((int32_t)n + 127) * (1 << 23)};
-    return p * scale.f;
+    return nan ? NAN : p * scale.f;
 }
 
 MOE_HD float moe_sigmoidf(float x) { return 1.0f / (1.0f + moe_expf(-x)); }

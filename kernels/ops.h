@@ -190,9 +190,10 @@ typedef struct moe_ops {
     void (*scale)(float *x, float alpha, int64_t n);
     /* out[i] = a[i] * b[i]; out may be a or b. */
     void (*multiply)(float *out, const float *a, const float *b, int64_t n);
-    /* out[i] = moe_rng_uniform_in(seed, stream, i, lo, span) (common/rng.h):
-     * the same bits on every backend, drawn where they are used. */
-    void (*uniform)(float *out, uint64_t seed, uint64_t stream, float lo, float span, int64_t n);
+    /* out[i] = moe_rng_uniform_in(seed, stream, first + i, lo, span)
+     * (common/rng.h): the same bits on every backend, drawn where they are
+     * used. */
+    void (*uniform)(float *out, uint64_t seed, uint64_t stream, uint64_t first, float lo, float span, int64_t n);
     /* One AdamW step t over params [n] (dense.h says how), as one pass over
      * every tensor: spans [n_spans] (backend memory) cover [0, n) and say
      * where weight_decay applies. */

@@ -1484,9 +1484,11 @@ Test(cuda, table_uniform_same_bits) {
     float *want = ref_alloc((size_t)n * sizeof *want), *got = ref_alloc((size_t)n * sizeof *got);
     static const float ranges[][2] = {{0.99f, 0.02f}, {1.0f, 0.0f}, {-3.0f, 6.0f}};
     for (int r = 0; r < 3; r++) {
-        moe_cpu_ops()->uniform(want, 77, 5 + (uint64_t)r, ranges[r][0], ranges[r][1], n);
+        /* Past 2^32 in the index: the counter's high word is drawn too. */
+        const uint64_t first = r == 2 ? (1ull << 32) - 1000 : (uint64_t)r;
+        moe_cpu_ops()->uniform(want, 77, 5 + (uint64_t)r, first, ranges[r][0], ranges[r][1], n);
         float *d = tpoison((size_t)n * sizeof(float), POISON_FLOAT);
-        gpu->uniform(d, 77, 5 + (uint64_t)r, ranges[r][0], ranges[r][1], n);
+        gpu->uniform(d, 77, 5 + (uint64_t)r, first, ranges[r][0], ranges[r][1], n);
         tget(got, d, (size_t)n * sizeof *got);
         int64_t i = 0;
         while (i < n && memcmp(&got[i], &want[i], sizeof *got) == 0) i++;

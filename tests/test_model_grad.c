@@ -453,6 +453,23 @@ static int64_t drains_per_step(int64_t layers) {
     return drains;
 }
 
+/* Layer indices outside the model are refused, not read. */
+Test(model_backend, layer_indices_are_checked) {
+    moe_model_config c;
+    moe_model_config_default_small(&c, VOCAB);
+    c.hidden_size = 16, c.intermediate_size = 16, c.num_hidden_layers = 2, c.head_dim = 4;
+    c.num_attention_heads = 4, c.num_key_value_heads = 2, c.num_local_experts = 4, c.num_experts_per_tok = 2;
+    moe_model *m = NULL;
+    cr_assert(moe_model_create(&m, &c, 1, 8, 3) == MOE_OK, "%s", moe_last_error());
+    const int32_t *topk = NULL;
+    for (int64_t l = -1; l <= 2; l += 3) {
+        cr_expect(moe_model_last_topk(m, l, &topk) == MOE_ERR_INVALID_ARG, "last_topk of layer %lld", (long long)l);
+        cr_expect(strstr(moe_last_error(), "layer") != NULL, "message: %s", moe_last_error());
+        cr_expect(moe_model_router_bias(m, l) == NULL, "router bias of layer %lld", (long long)l);
+    }
+    moe_model_destroy(m);
+}
+
 /* The host waits for the device once per MoE layer and step (the routing
  * totals, from which it decides capacity and the exchange), plus a fixed
  * few per step: the losses, the end of backward, the gradient norm. */

@@ -759,6 +759,8 @@ Test(layer, forward_flops) {
     double want = 2 * T * E * d + 2 * T * k * 3 * d * ff + 2 * T * 3 * d * S;
     double got = moe_layer_forward_flops(&cfg, 100);
     cr_expect(fabs(got - want) <= 1e-9 * want, "forward flops %.6g, want %.6g", got, want);
+    cr_expect(moe_layer_forward_flops(NULL, 100) == 0.0 && moe_layer_forward_flops(&cfg, -3) == 0.0,
+              "no config or no tokens: no FLOPs");
 }
 
 /* ------------------------------------------------------ backend memory */

@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "kernels/ops.h"
+#include "kernels/moe_math.h"
 #include "ref_moe.h"
 
 #define RTOL 1e-5
@@ -262,6 +263,21 @@ Test(ops, gate_forward_ties_go_to_lower_index) {
                               kind_name((moe_gate_kind)kind), r, (long long)k, (long long)j, idx[j],
                               want[r][k - 1][j]);
             }
+}
+
+/* moe_expf (moe_math.h) keeps NaN a NaN, and clamps the infinities to
+ * float's normal range, with no undefined int conversion on the way (the
+ * sanitizer build aborts on one). */
+Test(ops, expf_keeps_nan_and_clamps) {
+    cr_expect(isnan(moe_expf(NAN)) && isnan(moe_expf(-NAN)), "exp(NaN) is %g", moe_expf(NAN));
+    cr_expect(moe_expf(INFINITY) == moe_expf(88.0f) && isfinite(moe_expf(INFINITY)), "exp(inf) is %g",
+              moe_expf(INFINITY));
+    cr_expect(moe_expf(-INFINITY) == moe_expf(-87.0f) && moe_expf(-INFINITY) > 0.0f, "exp(-inf) is %g",
+              moe_expf(-INFINITY));
+    for (float x = -87.0f; x <= 88.0f; x += 0.37f) {
+        const double want = exp((double)x), got = moe_expf(x);
+        cr_expect(fabs(got - want) <= 3e-7 * want, "exp(%g) = %.9g, want %.9g", x, got, want);
+    }
 }
 
 /* NaN scores rank below every number, ties among them to the lower index,

@@ -218,9 +218,9 @@ void moe_cpu_multiply(float *out, const float *a, const float *b, int64_t n) {
     for (int64_t i = 0; i < n; i++) out[i] = a[i] * b[i];
 }
 
-void moe_cpu_uniform(float *out, uint64_t seed, uint64_t stream, float lo, float span, int64_t n) {
+void moe_cpu_uniform(float *out, uint64_t seed, uint64_t stream, uint64_t first, float lo, float span, int64_t n) {
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; i++) out[i] = moe_rng_uniform_in(seed, stream, (uint64_t)i, lo, span);
+    for (int64_t i = 0; i < n; i++) out[i] = moe_rng_uniform_in(seed, stream, first + (uint64_t)i, lo, span);
 }
 
 /* ---------------------------------------------------------------- optimizer */

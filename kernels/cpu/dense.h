@@ -133,9 +133,9 @@ void moe_cpu_scale(float *x, float alpha, int64_t n);
 /* out [n] = a * b elementwise (the router's jitter); out may alias a or b. */
 void moe_cpu_multiply(float *out, const float *a, const float *b, int64_t n);
 
-/* out [n] = lo + span * U[0, 1) from (seed, stream, i) (the router's jitter
- * factors), common/rng.h's moe_rng_uniform_in. */
-void moe_cpu_uniform(float *out, uint64_t seed, uint64_t stream, float lo, float span, int64_t n);
+/* out [n] = lo + span * U[0, 1) from (seed, stream, first + i) (the router's
+ * jitter factors), common/rng.h's moe_rng_uniform_in. */
+void moe_cpu_uniform(float *out, uint64_t seed, uint64_t stream, uint64_t first, float lo, float span, int64_t n);
 
 /* One AdamW step t >= 1 over n parameters, PyTorch's torch.optim.AdamW:
  * p *= 1 - lr * wd; m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;

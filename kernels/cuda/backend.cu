@@ -341,9 +341,9 @@ static void table_multiply(float *out, const float *a, const float *b, int64_t n
     RUN("multiply", moe_cuda_multiply(out, a, b, n, bound.ctx));
 }
 
-static void table_uniform(float *out, uint64_t seed, uint64_t stream, float lo, float span,
-                          int64_t n) {
-    RUN("uniform", moe_cuda_uniform(out, seed, stream, lo, span, n, bound.ctx));
+static void table_uniform(float *out, uint64_t seed, uint64_t stream, uint64_t first, float lo,
+                          float span, int64_t n) {
+    RUN("uniform", moe_cuda_uniform(out, seed, stream, first, lo, span, n, bound.ctx));
 }
 
 static void table_adamw(float *params, float *m, float *v, const float *grads, int64_t n,

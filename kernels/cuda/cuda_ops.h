@@ -315,8 +315,8 @@ moe_status moe_cuda_residual_forward(float *out, const float *a, const float *b,
 moe_status moe_cuda_residual_backward(float *da, float *db, const float *dout, int64_t n,
                                       moe_cuda_ctx *ctx);
 moe_status moe_cuda_scale(float *x, float alpha, int64_t n, moe_cuda_ctx *ctx);
-moe_status moe_cuda_uniform(float *out, uint64_t seed, uint64_t stream, float lo, float span,
-                            int64_t n, moe_cuda_ctx *ctx);
+moe_status moe_cuda_uniform(float *out, uint64_t seed, uint64_t stream, uint64_t first, float lo,
+                            float span, int64_t n, moe_cuda_ctx *ctx);
 moe_status moe_cuda_multiply(float *out, const float *a, const float *b, int64_t n,
                              moe_cuda_ctx *ctx);
 /* One launch for every tensor: spans [n_spans] on the device (ops.h). */

@@ -403,16 +403,16 @@ extern "C" moe_status moe_cuda_multiply(float *out, const float *a, const float 
     return MOE_OK;
 }
 
-static __global__ void uniform_kernel(float *out, uint64_t seed, uint64_t stream, float lo,
-                                      float span, int64_t n) {
-    GRID_STRIDE(i, n) out[i] = moe_rng_uniform_in(seed, stream, (uint64_t)i, lo, span);
+static __global__ void uniform_kernel(float *out, uint64_t seed, uint64_t stream,
+                                      uint64_t first, float lo, float span, int64_t n) {
+    GRID_STRIDE(i, n) out[i] = moe_rng_uniform_in(seed, stream, first + (uint64_t)i, lo, span);
 }
 
-extern "C" moe_status moe_cuda_uniform(float *out, uint64_t seed, uint64_t stream, float lo,
-                                       float span, int64_t n, moe_cuda_ctx *ctx) {
+extern "C" moe_status moe_cuda_uniform(float *out, uint64_t seed, uint64_t stream, uint64_t first,
+                                       float lo, float span, int64_t n, moe_cuda_ctx *ctx) {
     if (n <= 0) return MOE_OK;
-    uniform_kernel<<<grid_for(n, ctx), MOE_CUDA_THREADS, 0, ctx->stream>>>(out, seed, stream, lo,
-                                                                             span, n);
+    uniform_kernel<<<grid_for(n, ctx), MOE_CUDA_THREADS, 0, ctx->stream>>>(out, seed, stream,
+                                                                             first, lo, span, n);
     MOE_CUDA_CHECK(cudaGetLastError());
     return MOE_OK;
 }

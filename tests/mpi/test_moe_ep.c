@@ -35,6 +35,7 @@ typedef struct ep_case {
     int64_t n_shared;
     float skew; /* added to gate.weight row 0: pulls tokens to expert 0 */
     int64_t top_k;
+    double jitter; /* router jitter noise, in training mode */
 } ep_case;
 
 static void fail(const char *what, int64_t i, double got, double want) {
@@ -75,6 +76,7 @@ static void run_case(const ep_case *c) {
     cfg.aux_loss_coef = 0.1;
     cfg.z_loss_coef = 0.01;
     cfg.n_shared_experts = c->n_shared;
+    cfg.jitter_eps = c->jitter;
     cfg.seed = SEED;
 
     int64_t first = 0, global_T = 0;
@@ -158,16 +160,17 @@ static void run_case(const ep_case *c) {
 int main(void) {
     if (!mpi_check_init()) return 1;
     const ep_case cases[] = {
-        {"softmax_topk dropless", MOE_GATE_SOFTMAX_TOPK, 1, 0.0, 0, 0.0f, 2},
-        {"softmax_topk no renormalize", MOE_GATE_SOFTMAX_TOPK, 0, 0.0, 0, 0.0f, 2},
-        {"topk_softmax dropless", MOE_GATE_TOPK_SOFTMAX, 1, 0.0, 0, 0.0f, 2},
-        {"sigmoid dropless", MOE_GATE_SIGMOID, 1, 0.0, 0, 0.0f, 2},
-        {"softmax_topk capacity 1.0", MOE_GATE_SOFTMAX_TOPK, 1, 1.0, 0, 0.0f, 2},
-        {"sigmoid capacity 1.25 skewed", MOE_GATE_SIGMOID, 1, 1.25, 0, 0.4f, 2},
-        {"skewed dropless", MOE_GATE_SOFTMAX_TOPK, 1, 0.0, 0, 0.4f, 2},
-        {"all tokens to expert 0, k=1 (ranks receive nothing)", MOE_GATE_SOFTMAX_TOPK, 1, 0.0, 0, 30.0f, 1},
-        {"capacity with everything on expert 0", MOE_GATE_TOPK_SOFTMAX, 1, 2.0, 0, 30.0f, 1},
-        {"shared experts, k=E", MOE_GATE_SOFTMAX_TOPK, 1, 0.0, 1, 0.0f, E},
+        {"softmax_topk dropless", MOE_GATE_SOFTMAX_TOPK, 1, 0.0, 0, 0.0f, 2, 0.0},
+        {"softmax_topk no renormalize", MOE_GATE_SOFTMAX_TOPK, 0, 0.0, 0, 0.0f, 2, 0.0},
+        {"topk_softmax dropless", MOE_GATE_TOPK_SOFTMAX, 1, 0.0, 0, 0.0f, 2, 0.0},
+        {"sigmoid dropless", MOE_GATE_SIGMOID, 1, 0.0, 0, 0.0f, 2, 0.0},
+        {"softmax_topk capacity 1.0", MOE_GATE_SOFTMAX_TOPK, 1, 1.0, 0, 0.0f, 2, 0.0},
+        {"sigmoid capacity 1.25 skewed", MOE_GATE_SIGMOID, 1, 1.25, 0, 0.4f, 2, 0.0},
+        {"skewed dropless", MOE_GATE_SOFTMAX_TOPK, 1, 0.0, 0, 0.4f, 2, 0.0},
+        {"all tokens to expert 0, k=1 (ranks receive nothing)", MOE_GATE_SOFTMAX_TOPK, 1, 0.0, 0, 30.0f, 1, 0.0},
+        {"capacity with everything on expert 0", MOE_GATE_TOPK_SOFTMAX, 1, 2.0, 0, 30.0f, 1, 0.0},
+        {"shared experts, k=E", MOE_GATE_SOFTMAX_TOPK, 1, 0.0, 1, 0.0f, E, 0.0},
+        {"jitter 0.3, capacity 1.0", MOE_GATE_SOFTMAX_TOPK, 1, 1.0, 0, 0.0f, 2, 0.3},
     };
     /* EP over all ranks; from 4 ranks on also EP = size/2 with 2 replicas. */
     const int ep_sizes[2] = {size, size / 2};
