@@ -693,7 +693,7 @@ static moe_status read_meta(moe_train_state *s, const moe_st_file *f) {
     MOE_TRY(meta_uint(&s->seed, f, "seed", UINT64_MAX));
     MOE_TRY(meta_uint(&s->jitter_counter, f, "jitter_counter", UINT64_MAX));
     MOE_TRY(meta_uint(&token, f, "data_token", INT64_MAX));
-    MOE_TRY(meta_uint(&epoch, f, "data_epoch", INT64_MAX));
+    MOE_TRY(meta_uint(&epoch, f, "data_epoch", MOE_DATA_EPOCH_MAX));
     s->step = (int64_t)step;
     s->data = (moe_data_position){(int64_t)token, (int64_t)epoch};
     return MOE_OK;

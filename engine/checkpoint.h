@@ -93,9 +93,9 @@ moe_status moe_checkpoint_load_weights(moe_model *model, const char *dir);
  * to state->data). Every optimizer tensor of the parameters whose state the
  * trainer keeps (moe_trainer_shard) must be there with its model tensor's
  * shape, and no tensor but the moments of the model's tensors and of the
- * other ranks' experts may be; the metadata integers must be
- * plain decimal digits in range. Errors name the file and the tensor or
- * key; on error nothing is changed. */
+ * other ranks' experts may be; the metadata integers must be plain decimal
+ * digits in range (data_epoch at most MOE_DATA_EPOCH_MAX). Errors name the
+ * file and the tensor or key; on error nothing is changed. */
 moe_status moe_checkpoint_load_state(moe_trainer *trainer, moe_model *model, moe_train_state *state,
                                      const char *dir);
 

@@ -236,12 +236,13 @@ void moe_data_set_shuffle(moe_data *data, int shuffle, uint64_t seed) {
 moe_data_position moe_data_get_position(const moe_data *data) { return data->pos; }
 
 moe_status moe_data_set_position(moe_data *data, moe_data_position position) {
-    if (position.epoch < 0 || position.token < 0 || position.token > data->n_tokens)
+    if (position.epoch < 0 || position.epoch > MOE_DATA_EPOCH_MAX || position.token < 0 ||
+        position.token > data->n_tokens)
         return moe_error(MOE_ERR_INVALID_ARG,
                          "%s: position token=%lld epoch=%lld, need token in [0, %lld] and epoch "
-                         ">= 0",
+                         "in [0, %lld]",
                          data->name, (long long)position.token, (long long)position.epoch,
-                         (long long)data->n_tokens);
+                         (long long)data->n_tokens, (long long)MOE_DATA_EPOCH_MAX);
     data->pos = position;
     return MOE_OK;
 }
@@ -351,7 +352,12 @@ moe_status moe_data_next_batch(moe_data *data, int32_t *inputs, int32_t *targets
                          data->name, (long long)data->n_tokens, (long long)(span + 1),
                          (long long)global_rows, (long long)T);
     moe_data_position pos = data->pos;
-    if (pos.token > data->n_tokens - span - 1) pos = (moe_data_position){0, pos.epoch + 1};
+    if (pos.token > data->n_tokens - span - 1) {
+        if (pos.epoch >= MOE_DATA_EPOCH_MAX)
+            return moe_error(MOE_ERR_STATE, "%s: epoch %lld is the last one counted; cannot start another",
+                             data->name, (long long)pos.epoch);
+        pos = (moe_data_position){0, pos.epoch + 1};
+    }
 
     int64_t start = pos.token;
     if (data->shuffle) {

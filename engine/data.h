@@ -53,8 +53,13 @@ typedef struct moe_data moe_data;
  * is the number of tokens of this epoch already read. */
 typedef struct moe_data_position {
     int64_t token;
-    int64_t epoch;
+    int64_t epoch; /* in [0, MOE_DATA_EPOCH_MAX] */
 } moe_data_position;
+
+/* The last epoch a source counts to: moe_data_next_batch refuses to start
+ * another after it rather than let the count overflow, and a position past
+ * it (a corrupt checkpoint) is refused. */
+#define MOE_DATA_EPOCH_MAX (INT64_MAX - 1)
 
 /* Any file as a stream of bytes, vocab 256. An empty file is refused; one
  * shorter than a batch is refused by moe_data_next_batch, naming the file. */
@@ -80,12 +85,14 @@ void moe_data_set_shuffle(moe_data *data, int shuffle, uint64_t seed);
 
 moe_data_position moe_data_get_position(const moe_data *data);
 
-/* Refuses a negative epoch or a token outside [0, n]. */
+/* Refuses an epoch outside [0, MOE_DATA_EPOCH_MAX] or a token outside
+ * [0, n]. */
 moe_status moe_data_set_position(moe_data *data, moe_data_position position);
 
 /* Reads rows first_row .. first_row + n_rows - 1 of the global batch of
  * global_rows rows of T tokens at the current position, then advances the
- * position by global_rows * T (see the top of this file).
+ * position by global_rows * T (see the top of this file). Starting an epoch
+ * past MOE_DATA_EPOCH_MAX is MOE_ERR_STATE, the position unchanged.
  * inputs [n_rows, T], targets [n_rows, T]. */
 moe_status moe_data_next_batch(moe_data *data, int32_t *inputs, int32_t *targets,
                                int64_t global_rows, int64_t first_row, int64_t n_rows, int64_t T);

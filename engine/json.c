@@ -576,6 +576,11 @@ moe_status moe_json_int64(const moe_json *v, int64_t *out) {
     return MOE_OK;
 }
 
+const char *moe_json_text(const moe_json *v) {
+    if (v == NULL || v->type != MOE_JSON_STRING || memchr(v->string.data, '\0', v->string.len) != NULL) return NULL;
+    return v->string.data;
+}
+
 const char *moe_json_type_name(moe_json_type type) {
     switch (type) {
     case MOE_JSON_NULL: return "null";
@@ -654,11 +659,14 @@ static bool before_value(moe_json_writer *w) {
     return w->status == MOE_OK;
 }
 
-static void write_escaped(moe_json_writer *w, const char *s, size_t n) {
+/* s [n] as a quoted JSON string. An invalid UTF-8 byte fails the writer, or
+ * when lossy is written as U+FFFD (EF BF BD). */
+static void write_escaped(moe_json_writer *w, const char *s, size_t n, bool lossy) {
     if (!put(w, "\"", 1)) return;
     size_t i = 0;
     while (i < n) {
         size_t run = i;
+        bool invalid = false;
         while (run < n) {
             unsigned char c = (unsigned char)s[run];
             if (c < 0x20 || c == '"' || c == '\\') break;
@@ -668,16 +676,25 @@ static void write_escaped(moe_json_writer *w, const char *s, size_t n) {
             }
             size_t k = utf8_sequence((const unsigned char *)s + run, n - run);
             if (k == 0) {
-                writer_fail(w, moe_error(MOE_ERR_INVALID_ARG,
-                                         "JSON writer: invalid UTF-8 byte 0x%02X at offset %zu of a string",
-                                         c, run));
-                return;
+                invalid = true;
+                break;
             }
             run += k;
         }
         put(w, s + i, run - i);
         if (run == n) break;
         unsigned char c = (unsigned char)s[run];
+        i = run + 1;
+        if (invalid) {
+            if (!lossy) {
+                writer_fail(w, moe_error(MOE_ERR_INVALID_ARG,
+                                         "JSON writer: invalid UTF-8 byte 0x%02X at offset %zu of a string",
+                                         c, run));
+                return;
+            }
+            put(w, "\xEF\xBF\xBD", 3);
+            continue;
+        }
         char esc[8];
         switch (c) {
         case '"': strcpy(esc, "\\\""); break;
@@ -690,7 +707,6 @@ static void write_escaped(moe_json_writer *w, const char *s, size_t n) {
         default: snprintf(esc, sizeof esc, "\\u%04X", c); break;
         }
         put_str(w, esc);
-        i = run + 1;
     }
     put(w, "\"", 1);
 }
@@ -739,16 +755,20 @@ void moe_json_key(moe_json_writer *w, const char *key) {
     if (!w->empty[w->depth]) put(w, ",", 1);
     w->empty[w->depth] = false;
     newline_indent(w, w->depth);
-    write_escaped(w, key, strlen(key));
+    write_escaped(w, key, strlen(key), false);
     put_str(w, w->indent > 0 ? ": " : ":");
     w->level[w->depth] = 'v';
 }
 
 void moe_json_string_n(moe_json_writer *w, const char *s, size_t len) {
-    if (before_value(w)) write_escaped(w, s, len);
+    if (before_value(w)) write_escaped(w, s, len, false);
 }
 
 void moe_json_string(moe_json_writer *w, const char *s) { moe_json_string_n(w, s, strlen(s)); }
+
+void moe_json_string_lossy(moe_json_writer *w, const char *s) {
+    if (before_value(w)) write_escaped(w, s, strlen(s), true);
+}
 
 void moe_json_number(moe_json_writer *w, double v) {
     if (w->status != MOE_OK) return;

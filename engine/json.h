@@ -84,6 +84,13 @@ const moe_json *moe_json_get(const moe_json *obj, const char *key);
  * set when v is not such a number: the caller knows the key to name. */
 moe_status moe_json_int64(const moe_json *v, int64_t *out);
 
+/* The text of a string value, or NULL when v is not a string or holds a NUL
+ * character (a \u0000 escape): C string functions would stop at the NUL, so
+ * "F32\u0000junk" would compare equal to "F32". Readers that compare, print
+ * or keep a string's text take it from here; the caller names the file and
+ * key, checking v->type first to tell a wrong type from a NUL. */
+const char *moe_json_text(const moe_json *v);
+
 /* "null", "true", "number", ... for error messages. */
 const char *moe_json_type_name(moe_json_type type);
 
@@ -116,6 +123,11 @@ void moe_json_end_array(moe_json_writer *w);
 void moe_json_key(moe_json_writer *w, const char *key);
 void moe_json_string(moe_json_writer *w, const char *s);
 void moe_json_string_n(moe_json_writer *w, const char *s, size_t len);
+/* For text from the operating system (file paths, argv), which need not be
+ * UTF-8: as moe_json_string, except that each byte that does not begin a
+ * valid UTF-8 sequence is written as U+FFFD instead of failing. The bytes of
+ * a truncated or overlong sequence are each such a byte. */
+void moe_json_string_lossy(moe_json_writer *w, const char *s);
 /* The shortest decimal text that reads back to the same double; NaN and
  * infinities have no JSON form and set an error. */
 void moe_json_number(moe_json_writer *w, double v);

@@ -2,6 +2,7 @@
 
 #include "engine/model_config.h"
 
+#include <limits.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -11,10 +12,17 @@
 #include "common/status.h"
 #include "engine/fileio.h"
 #include "engine/json.h"
+#include "kernels/ops.h"
 
 /* Sizes above this would let products such as vocab x hidden approach
  * int64 overflow in the engine's size arithmetic. */
 #define MAX_DIM INT32_MAX
+/* The MoE layer's own limits (moe_layer_config_validate), checked here too so
+ * that the error names config.json's key rather than the layer's field: GEMM
+ * row and column counts reach OpenBLAS as int, and its coefficients are
+ * finite and in [0, MAX_COEF]. */
+#define MAX_GEMM_DIM (INT_MAX / 2)
+#define MAX_COEF 1e6
 #define MAX_CONFIG_BYTES ((size_t)16 << 20)
 
 typedef enum field_kind { F_INT, F_REAL, F_BOOL, F_GATE } field_kind;
@@ -102,6 +110,16 @@ static void warn(moe_warn_fn fn, void *ctx, const char *fmt, ...) {
     fn(ctx, msg);
 }
 
+/* *text: v's text, NULL when v is not a string. A string holding a NUL is
+ * an error: it would compare equal to its text before the NUL
+ * ("silu\u0000gelu" to "silu"). */
+static moe_status string_text(const char **text, const char *name, const char *key, const moe_json *v) {
+    *text = moe_json_text(v);
+    if (v->type == MOE_JSON_STRING && *text == NULL)
+        return moe_error(MOE_ERR_CONFIG, "%s: %s contains a NUL character", name, key);
+    return MOE_OK;
+}
+
 static moe_status read_field(moe_model_config *cfg, const field *f, const moe_json *v, const char *name) {
     switch (f->kind) {
     case F_INT:
@@ -115,23 +133,38 @@ static moe_status read_field(moe_model_config *cfg, const field *f, const moe_js
         if (v->type != MOE_JSON_BOOL) return wrong_type(name, f->key, "true or false", v);
         *(bool *)field_ptr(cfg, f) = v->boolean;
         return MOE_OK;
-    case F_GATE:
-        if (v->type == MOE_JSON_STRING)
+    case F_GATE: {
+        const char *text;
+        MOE_TRY(string_text(&text, name, f->key, v));
+        if (text != NULL)
             for (int g = 0; g < (int)(sizeof gate_names / sizeof *gate_names); g++)
-                if (strcmp(v->string.data, gate_names[g]) == 0) {
+                if (strcmp(text, gate_names[g]) == 0) {
                     *(moe_gate_kind *)field_ptr(cfg, f) = (moe_gate_kind)g;
                     return MOE_OK;
                 }
         return wrong_type(name, f->key, "\"softmax_topk\", \"topk_softmax\" or \"sigmoid\"", v);
     }
+    }
     return moe_error(MOE_ERR_INTERNAL, "%s: field %s has no kind", name, f->key);
 }
 
 static moe_status require_string(const char *name, const char *key, const moe_json *v, const char *want) {
-    if (v->type == MOE_JSON_STRING && strcmp(v->string.data, want) == 0) return MOE_OK;
+    const char *text;
+    MOE_TRY(string_text(&text, name, key, v));
+    if (text != NULL && strcmp(text, want) == 0) return MOE_OK;
     char got[80];
     return moe_error(MOE_ERR_CONFIG, "%s: %s=%s is not supported (only \"%s\")", name, key,
                      describe(got, sizeof got, v), want);
+}
+
+/* lo <= v (or lo < v when open_lo) and v < hi, and not NaN. */
+static moe_status check_real(const char *name, const char *key, double v, double lo, bool open_lo, double hi) {
+    bool ok = isfinite(v) && (open_lo ? v > lo : v >= lo) && v < hi;
+    if (ok) return MOE_OK;
+    if (!isfinite(v)) return moe_error(MOE_ERR_CONFIG, "%s: %s=%g must be a finite number", name, key, v);
+    if (isinf(hi))
+        return moe_error(MOE_ERR_CONFIG, "%s: %s=%g must be %s %g", name, key, v, open_lo ? ">" : ">=", lo);
+    return moe_error(MOE_ERR_CONFIG, "%s: %s=%g must be in [%g, %g)", name, key, v, lo, hi);
 }
 
 /* rope_parameters (transformers v5): {"rope_type": "default", "rope_theta": x}. */
@@ -140,11 +173,16 @@ static moe_status read_rope_parameters(double *theta, const moe_json *v, const c
     if (v->type != MOE_JSON_OBJECT) return wrong_type(name, "rope_parameters", "an object", v);
     for (size_t i = 0; i < v->object.count; i++) {
         const moe_json_member *m = &v->object.members[i];
+        if (strlen(m->key) != m->key_len)
+            return moe_error(MOE_ERR_CONFIG, "%s: key \"rope_parameters.%s...\" contains a NUL character", name,
+                             m->key);
         if (strcmp(m->key, "rope_type") == 0) {
             MOE_TRY(require_string(name, "rope_parameters.rope_type", &m->value, "default"));
         } else if (strcmp(m->key, "rope_theta") == 0) {
             if (m->value.type != MOE_JSON_NUMBER)
                 return wrong_type(name, "rope_parameters.rope_theta", "a number", &m->value);
+            /* Checked here, where the key it came from is known. */
+            MOE_TRY(check_real(name, "rope_parameters.rope_theta", m->value.number.value, 0.0, true, INFINITY));
             *theta = m->value.number.value;
         } else {
             warn(wfn, wctx, "%s: unknown key 'rope_parameters.%.100s' ignored", name, m->key);
@@ -283,35 +321,30 @@ moe_status moe_model_config_load(moe_model_config *cfg, const char *path, moe_wa
     return st;
 }
 
-static moe_status check_size(const char *name, const char *key, int64_t v) {
+static moe_status check_size(const char *name, const char *key, int64_t v, int64_t max) {
     if (v <= 0) return moe_error(MOE_ERR_CONFIG, "%s: %s=%lld must be positive", name, key, (long long)v);
-    if (v > MAX_DIM)
-        return moe_error(MOE_ERR_CONFIG, "%s: %s=%lld exceeds %lld", name, key, (long long)v, (long long)MAX_DIM);
+    if (v > max)
+        return moe_error(MOE_ERR_CONFIG, "%s: %s=%lld exceeds %lld", name, key, (long long)v, (long long)max);
     return MOE_OK;
 }
 
-/* lo <= v (or lo < v when open_lo) and v < hi, and not NaN. */
-static moe_status check_real(const char *name, const char *key, double v, double lo, bool open_lo, double hi) {
-    bool ok = isfinite(v) && (open_lo ? v > lo : v >= lo) && v < hi;
-    if (ok) return MOE_OK;
-    if (!isfinite(v)) return moe_error(MOE_ERR_CONFIG, "%s: %s=%g must be a finite number", name, key, v);
-    if (isinf(hi))
-        return moe_error(MOE_ERR_CONFIG, "%s: %s=%g must be %s %g", name, key, v, open_lo ? ">" : ">=", lo);
-    return moe_error(MOE_ERR_CONFIG, "%s: %s=%g must be in [%g, %g)", name, key, v, lo, hi);
+static moe_status check_coef(const char *name, const char *key, double v) {
+    if (isfinite(v) && v >= 0.0 && v <= MAX_COEF) return MOE_OK;
+    return moe_error(MOE_ERR_CONFIG, "%s: %s=%g must be finite and in [0, %g]", name, key, v, MAX_COEF);
 }
 
 moe_status moe_model_config_validate(const moe_model_config *c, const char *name) {
     if (name == NULL) name = "config";
-    MOE_TRY(check_size(name, "vocab_size", c->vocab_size));
-    MOE_TRY(check_size(name, "hidden_size", c->hidden_size));
-    MOE_TRY(check_size(name, "intermediate_size", c->intermediate_size));
-    MOE_TRY(check_size(name, "num_hidden_layers", c->num_hidden_layers));
-    MOE_TRY(check_size(name, "num_attention_heads", c->num_attention_heads));
-    MOE_TRY(check_size(name, "num_key_value_heads", c->num_key_value_heads));
-    MOE_TRY(check_size(name, "head_dim", c->head_dim));
-    MOE_TRY(check_size(name, "num_local_experts", c->num_local_experts));
-    MOE_TRY(check_size(name, "num_experts_per_tok", c->num_experts_per_tok));
-    MOE_TRY(check_size(name, "max_position_embeddings", c->max_position_embeddings));
+    MOE_TRY(check_size(name, "vocab_size", c->vocab_size, MAX_DIM));
+    MOE_TRY(check_size(name, "hidden_size", c->hidden_size, MAX_GEMM_DIM));
+    MOE_TRY(check_size(name, "intermediate_size", c->intermediate_size, MAX_GEMM_DIM));
+    MOE_TRY(check_size(name, "num_hidden_layers", c->num_hidden_layers, MAX_DIM));
+    MOE_TRY(check_size(name, "num_attention_heads", c->num_attention_heads, MAX_DIM));
+    MOE_TRY(check_size(name, "num_key_value_heads", c->num_key_value_heads, MAX_DIM));
+    MOE_TRY(check_size(name, "head_dim", c->head_dim, MAX_DIM));
+    MOE_TRY(check_size(name, "num_local_experts", c->num_local_experts, MOE_EXPERTS_MAX));
+    MOE_TRY(check_size(name, "num_experts_per_tok", c->num_experts_per_tok, MAX_DIM));
+    MOE_TRY(check_size(name, "max_position_embeddings", c->max_position_embeddings, MAX_DIM));
     if (c->num_attention_heads % c->num_key_value_heads != 0)
         return moe_error(MOE_ERR_CONFIG, "%s: num_attention_heads=%lld is not a multiple of num_key_value_heads=%lld",
                          name, (long long)c->num_attention_heads, (long long)c->num_key_value_heads);
@@ -321,18 +354,35 @@ moe_status moe_model_config_validate(const moe_model_config *c, const char *name
     if (c->num_experts_per_tok > c->num_local_experts)
         return moe_error(MOE_ERR_CONFIG, "%s: num_experts_per_tok=%lld exceeds num_local_experts=%lld", name,
                          (long long)c->num_experts_per_tok, (long long)c->num_local_experts);
-    if (c->moe_n_shared_experts < 0 || c->moe_n_shared_experts > MAX_DIM)
-        return moe_error(MOE_ERR_CONFIG, "%s: moe_n_shared_experts=%lld must be in [0, %lld]", name,
-                         (long long)c->moe_n_shared_experts, (long long)MAX_DIM);
+    /* The shared experts run as one MLP of moe_n_shared_experts x
+     * intermediate_size columns, a GEMM size too. */
+    const int64_t max_shared = MAX_GEMM_DIM / c->intermediate_size;
+    if (c->moe_n_shared_experts < 0 || c->moe_n_shared_experts > max_shared)
+        return moe_error(MOE_ERR_CONFIG,
+                         "%s: moe_n_shared_experts=%lld must be in [0, %lld] (times intermediate_size=%lld, at "
+                         "most %lld)",
+                         name, (long long)c->moe_n_shared_experts, (long long)max_shared,
+                         (long long)c->intermediate_size, (long long)MAX_GEMM_DIM);
+    /* The layer counts its parameter and gradient bytes, three d x ff
+     * matrices per routed and shared expert plus the router, in int64. */
+    int64_t dff, bytes;
+    if (__builtin_mul_overflow(c->hidden_size, c->intermediate_size, &dff) ||
+        __builtin_mul_overflow(dff, 3 * (c->num_local_experts + c->moe_n_shared_experts) + 1, &bytes) ||
+        __builtin_mul_overflow(bytes, 2 * (int64_t)sizeof(float), &bytes))
+        return moe_error(MOE_ERR_CONFIG,
+                         "%s: hidden_size=%lld x intermediate_size=%lld x (num_local_experts=%lld + "
+                         "moe_n_shared_experts=%lld) overflows the layer's byte count",
+                         name, (long long)c->hidden_size, (long long)c->intermediate_size,
+                         (long long)c->num_local_experts, (long long)c->moe_n_shared_experts);
     if ((int)c->moe_gate < 0 || (size_t)c->moe_gate >= sizeof gate_names / sizeof *gate_names)
         return moe_error(MOE_ERR_CONFIG, "%s: moe_gate=%d is not a gate kind", name, (int)c->moe_gate);
     MOE_TRY(check_real(name, "rope_theta", c->rope_theta, 0.0, true, INFINITY));
     MOE_TRY(check_real(name, "rms_norm_eps", c->rms_norm_eps, 0.0, true, INFINITY));
-    MOE_TRY(check_real(name, "router_aux_loss_coef", c->router_aux_loss_coef, 0.0, false, INFINITY));
+    MOE_TRY(check_coef(name, "router_aux_loss_coef", c->router_aux_loss_coef));
     MOE_TRY(check_real(name, "router_jitter_noise", c->router_jitter_noise, 0.0, false, 1.0));
-    MOE_TRY(check_real(name, "moe_capacity_factor", c->moe_capacity_factor, 0.0, false, INFINITY));
-    MOE_TRY(check_real(name, "moe_z_loss_coef", c->moe_z_loss_coef, 0.0, false, INFINITY));
-    MOE_TRY(check_real(name, "moe_bias_update_rate", c->moe_bias_update_rate, 0.0, false, INFINITY));
+    MOE_TRY(check_coef(name, "moe_capacity_factor", c->moe_capacity_factor));
+    MOE_TRY(check_coef(name, "moe_z_loss_coef", c->moe_z_loss_coef));
+    MOE_TRY(check_coef(name, "moe_bias_update_rate", c->moe_bias_update_rate));
     return MOE_OK;
 }
 

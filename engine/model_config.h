@@ -9,8 +9,10 @@
  * implement are errors (tie_word_embeddings true, hidden_act other than
  * "silu", model_type other than "mixtral", rope_scaling, a rope_type other
  * than "default"). A wrong type or an impossible value is an error naming the
- * file, the key and the value. JSON null counts as absent, as in
- * transformers. */
+ * file, the key and the value, and so is a string holding a NUL character
+ * (\u0000). JSON null counts as absent, as in transformers. Limits that the
+ * MoE layer imposes (moe_layer_config_validate) are checked here under the
+ * config.json key. */
 #ifndef MOE_ENGINE_MODEL_CONFIG_H
 #define MOE_ENGINE_MODEL_CONFIG_H
 

@@ -4,6 +4,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <math.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -169,6 +170,9 @@ static moe_status parse_tensor(moe_st_tensor *t, int64_t *dims, const char *path
     const moe_json *dtype = NULL, *shape = NULL, *offsets = NULL;
     for (size_t i = 0; i < e->object.count; i++) {
         const moe_json_member *f = &e->object.members[i];
+        if (strlen(f->key) != f->key_len)
+            return moe_error(MOE_ERR_FORMAT, "%s: tensor '%s': field \"%.100s...\" contains a NUL character", path,
+                             name, f->key);
         if (strcmp(f->key, "dtype") == 0)
             dtype = &f->value;
         else if (strcmp(f->key, "shape") == 0)
@@ -185,7 +189,10 @@ static moe_status parse_tensor(moe_st_tensor *t, int64_t *dims, const char *path
     if (dtype->type != MOE_JSON_STRING)
         return moe_error(MOE_ERR_FORMAT, "%s: tensor '%s': dtype is a JSON %s, not a string", path, name,
                          moe_json_type_name(dtype->type));
-    const char *d = dtype->string.data;
+    const char *d = moe_json_text(dtype);
+    if (d == NULL)
+        return moe_error(MOE_ERR_FORMAT, "%s: tensor '%s': dtype \"%.40s...\" contains a NUL character", path, name,
+                         dtype->string.data);
     if (strcmp(d, "F32") == 0) {
         t->dtype = MOE_ST_F32;
     } else if (strcmp(d, "BF16") == 0) {
@@ -253,11 +260,12 @@ static moe_status parse_metadata(moe_st_file *f, const moe_json *m) {
         if (kv->value.type != MOE_JSON_STRING)
             return moe_error(MOE_ERR_FORMAT, "%s: __metadata__[\"%.100s\"] is a JSON %s, not a string", f->path,
                              kv->key, moe_json_type_name(kv->value.type));
-        if (strlen(kv->key) != kv->key_len || strlen(kv->value.string.data) != kv->value.string.len)
+        const char *value = moe_json_text(&kv->value);
+        if (strlen(kv->key) != kv->key_len || value == NULL)
             return moe_error(MOE_ERR_FORMAT, "%s: __metadata__ entry \"%.100s\" contains a NUL character",
                              f->path, kv->key);
         f->meta[2 * i] = kv->key;
-        f->meta[2 * i + 1] = kv->value.string.data;
+        f->meta[2 * i + 1] = value;
     }
     return MOE_OK;
 }
@@ -349,6 +357,21 @@ static moe_status parse_header(moe_st_file *f, uint64_t header_bytes) {
     return MOE_OK;
 }
 
+/* The error for an open of path that failed with errno err. A symbolic link
+ * whose target is missing fails with ENOENT like a missing file; it is named
+ * as what it is, with its target. */
+static moe_status open_error(const char *path, int err) {
+    struct stat sb;
+    char target[PATH_MAX];
+    ssize_t n;
+    if (err == ENOENT && lstat(path, &sb) == 0 && S_ISLNK(sb.st_mode) &&
+        (n = readlink(path, target, sizeof target - 1)) >= 0) {
+        target[n] = '\0';
+        return moe_error(MOE_ERR_IO, "%s: dangling symbolic link: its target '%s' does not exist", path, target);
+    }
+    return moe_error(MOE_ERR_IO, "%s: cannot open: %s", path, strerror(err));
+}
+
 moe_status moe_st_open(moe_st_file **file, const char *path) {
     *file = NULL;
     moe_st_file *f = calloc(1, sizeof *f);
@@ -358,8 +381,9 @@ moe_status moe_st_open(moe_st_file **file, const char *path) {
     }
     int fd = open(path, O_RDONLY);
     if (fd < 0) {
+        int err = errno;
         moe_st_close(f);
-        return moe_error(MOE_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+        return open_error(path, err);
     }
     struct stat sb;
     moe_status st = MOE_OK;
@@ -683,8 +707,9 @@ static moe_status open_single(moe_st_dir *d) {
     return MOE_OK;
 }
 
-static bool plain_file_name(const char *s, size_t len) {
-    return len > 0 && strlen(s) == len && strchr(s, '/') == NULL && strcmp(s, ".") != 0 && strcmp(s, "..") != 0;
+/* s is NULL when the name held a NUL. */
+static bool plain_file_name(const char *s) {
+    return s != NULL && s[0] != '\0' && strchr(s, '/') == NULL && strcmp(s, ".") != 0 && strcmp(s, "..") != 0;
 }
 
 static moe_status open_indexed(moe_st_dir *d, const char *index_path, const moe_json *root) {
@@ -714,7 +739,7 @@ static moe_status open_indexed(moe_st_dir *d, const char *index_path, const moe_
         if (m->value.type != MOE_JSON_STRING)
             st = moe_error(MOE_ERR_FORMAT, "%s: weight_map[\"%.100s\"] is a JSON %s, not a file name", index_path,
                            m->key, moe_json_type_name(m->value.type));
-        else if (!plain_file_name(m->value.string.data, m->value.string.len))
+        else if (!plain_file_name(moe_json_text(&m->value)))
             st = moe_error(MOE_ERR_FORMAT, "%s: weight_map[\"%.100s\"] = \"%.100s\" is not a file name in the "
                                            "directory",
                            index_path, m->key, m->value.string.data);
@@ -742,8 +767,48 @@ static moe_status open_indexed(moe_st_dir *d, const char *index_path, const moe_
     return MOE_OK;
 }
 
+/* Whether dir holds an entry named by path; a dangling symbolic link counts,
+ * so that opening it reports it rather than its absence. */
+static moe_status has_entry(bool *found, const char *path) {
+    struct stat sb;
+    *found = lstat(path, &sb) == 0;
+    if (*found || errno == ENOENT) return MOE_OK;
+    return moe_error(MOE_ERR_IO, "%s: cannot access: %s", path, strerror(errno));
+}
+
+/* The directory itself, so that a missing or unreadable one is reported as
+ * such instead of as one without weights files. */
+static moe_status check_dir(const char *path) {
+    struct stat sb;
+    if (stat(path, &sb) != 0) {
+        int err = errno;
+        if (err == ENOENT && lstat(path, &sb) == 0) return open_error(path, err);
+        return moe_error(MOE_ERR_IO, "%s: cannot open the checkpoint directory: %s", path, strerror(err));
+    }
+    if (!S_ISDIR(sb.st_mode)) return moe_error(MOE_ERR_IO, "%s: not a directory", path);
+    if (access(path, R_OK | X_OK) != 0)
+        return moe_error(MOE_ERR_IO, "%s: cannot read the checkpoint directory: %s", path, strerror(errno));
+    return MOE_OK;
+}
+
+static moe_status read_index(moe_st_dir *d, const char *index_path) {
+    struct stat sb;
+    if (stat(index_path, &sb) != 0) return open_error(index_path, errno);
+    char *text;
+    size_t len;
+    MOE_TRY(moe_file_read_all(&text, &len, index_path, (size_t)MOE_ST_MAX_HEADER_BYTES));
+    moe_json_doc *doc;
+    moe_status st = moe_json_parse(&doc, text, len, index_path);
+    free(text);
+    MOE_TRY(st);
+    st = open_indexed(d, index_path, moe_json_root(doc));
+    moe_json_free(doc);
+    return st;
+}
+
 moe_status moe_st_dir_open(moe_st_dir **dir, const char *path) {
     *dir = NULL;
+    MOE_TRY(check_dir(path));
     moe_st_dir *d = calloc(1, sizeof *d);
     if (d == NULL || (d->path = strdup(path)) == NULL) {
         free(d);
@@ -751,26 +816,18 @@ moe_status moe_st_dir_open(moe_st_dir **dir, const char *path) {
     }
     char *index_path = join_path(path, INDEX_FILE);
     char *single_path = join_path(path, SINGLE_FILE);
+    bool indexed = false, single = false;
     moe_status st = MOE_OK;
-    if (index_path == NULL || single_path == NULL) {
-        st = moe_error(MOE_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
-    } else if (access(index_path, F_OK) == 0) {
-        char *text;
-        size_t len;
-        st = moe_file_read_all(&text, &len, index_path, (size_t)MOE_ST_MAX_HEADER_BYTES);
-        if (st == MOE_OK) {
-            moe_json_doc *doc;
-            st = moe_json_parse(&doc, text, len, index_path);
-            free(text);
-            if (st == MOE_OK) {
-                st = open_indexed(d, index_path, moe_json_root(doc));
-                moe_json_free(doc);
-            }
-        }
-    } else if (access(single_path, F_OK) == 0) {
-        st = open_single(d);
-    } else {
-        st = moe_error(MOE_ERR_IO, "%s: holds neither %s nor %s", path, INDEX_FILE, SINGLE_FILE);
+    if (index_path == NULL || single_path == NULL) st = moe_error(MOE_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
+    if (st == MOE_OK) st = has_entry(&indexed, index_path);
+    if (st == MOE_OK && !indexed) st = has_entry(&single, single_path);
+    if (st == MOE_OK) {
+        if (indexed)
+            st = read_index(d, index_path);
+        else if (single)
+            st = open_single(d);
+        else
+            st = moe_error(MOE_ERR_IO, "%s: holds neither %s nor %s", path, INDEX_FILE, SINGLE_FILE);
     }
     free(index_path);
     free(single_path);

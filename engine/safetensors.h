@@ -6,7 +6,8 @@
  * The reader trusts nothing in the file. It rejects, naming the file and the
  * tensor: a header length over 100,000,000 bytes or past the end of the file,
  * a header that is not a UTF-8 JSON object starting with '{', a __metadata__
- * that is not a string -> string map, duplicate names, dtypes other than F32,
+ * that is not a string -> string map, duplicate names, names, field names,
+ * dtypes or metadata strings holding a NUL character, dtypes other than F32,
  * BF16 and F16 (other safetensors dtypes are named as unsupported), shapes
  * that are not non-negative integers or whose element count overflows,
  * data_offsets whose length disagrees with shape x dtype, and a byte buffer
@@ -104,7 +105,10 @@ moe_status moe_st_write(const char *path, const moe_st_entry *tensors, int64_t c
  * ({"metadata": {...}, "weight_map": {tensor: shard file}}) and its shards,
  * or a single model.safetensors. Each shard is opened once; every tensor the
  * index names must be in the shard it names. Shard names must be plain file
- * names in the directory. */
+ * names in the directory. A directory that is missing, unreadable or not a
+ * directory, and a weights file that is a dangling symbolic link, are
+ * reported as such (with the system's reason), not as a directory without
+ * weights. */
 typedef struct moe_st_dir moe_st_dir;
 
 moe_status moe_st_dir_open(moe_st_dir **dir, const char *path);

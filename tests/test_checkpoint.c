@@ -5,6 +5,7 @@
 
 #include <criterion/criterion.h>
 #include <dirent.h>
+#include <errno.h>
 #include <ftw.h>
 #include <inttypes.h>
 #include <math.h>
@@ -574,7 +575,14 @@ Test(checkpoint, corrupt_weights_are_refused, .init = make_tmpdir, .fini = remov
     expect_error(moe_checkpoint_load_weights(b.model, dir), file, NULL);
 
     cr_assert_eq(remove(file), 0);
-    expect_error(moe_checkpoint_load_weights(b.model, dir), dir, NULL);
+    expect_error(moe_checkpoint_load_weights(b.model, dir), dir, "holds neither");
+
+    /* A directory that is not there, or a weights file linked to nothing,
+     * is reported as that. */
+    const char *absent = in_tmp("absent");
+    expect_error(moe_checkpoint_load_weights(b.model, absent), absent, strerror(ENOENT));
+    cr_assert_eq(symlink("gone.safetensors", file), 0);
+    expect_error(moe_checkpoint_load_weights(b.model, dir), file, "dangling symbolic link");
 
     expect_bits(moe_model_params(b.model), before, n_params(&b), "params after failed loads");
     free(before);
@@ -635,6 +643,10 @@ Test(checkpoint, corrupt_state_is_refused, .init = make_tmpdir, .fini = remove_t
     cr_expect_eq(got.seed, UINT64_MAX);
     cr_expect_eq(got.step, 9);
     expect_bits(moe_trainer_adam_m(b.trainer), moe_trainer_adam_m(a.trainer), n_params(&a), "exp_avg");
+    const meta_case last_epoch = {"data_epoch", "9223372036854775806", NULL};
+    write_state(file, &a, &last_epoch, NULL, NULL, 0);
+    cr_assert_eq(moe_checkpoint_load_state(b.trainer, b.model, &got, dir), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(got.data.epoch, MOE_DATA_EPOCH_MAX);
     memcpy(moe_trainer_adam_m(b.trainer), m_before, (size_t)n_params(&b) * sizeof(float));
     moe_trainer_set_steps_done(b.trainer, 1);
 
@@ -645,6 +657,9 @@ Test(checkpoint, corrupt_state_is_refused, .init = make_tmpdir, .fini = remove_t
         {"step", "9223372036854775808", "\"step\""},
         {"seed", "18446744073709551616", "\"seed\""},
         {"data_epoch", " 3", "\"data_epoch\""},
+        /* The next epoch would overflow the count. */
+        {"data_epoch", "9223372036854775807", "\"data_epoch\" is \"9223372036854775807\", not an integer in [0, "
+                                              "9223372036854775806]"},
         {"data_token", "0x10", "\"data_token\""},
         {"jitter_counter", NULL, "\"jitter_counter\""},
         {"format_version", "2", "\"format_version\""},

@@ -320,7 +320,37 @@ Test(data_resume, bad_position_refused) {
     cr_expect_eq(moe_data_set_position(d, (moe_data_position){-1, 0}), MOE_ERR_INVALID_ARG);
     cr_expect_eq(moe_data_set_position(d, (moe_data_position){0, -1}), MOE_ERR_INVALID_ARG);
     cr_expect_eq(moe_data_set_position(d, (moe_data_position){50, 3}), MOE_OK);
+    cr_expect_eq(moe_data_set_position(d, (moe_data_position){0, INT64_MAX}), MOE_ERR_INVALID_ARG);
+    cr_expect(strstr(moe_last_error(), "epoch=9223372036854775807, need token in [0, 50] and epoch in [0, "
+                                       "9223372036854775806]") != NULL,
+              "%s", moe_last_error());
     moe_data_close(d);
+}
+
+/* The last epoch reads to its end; starting the one after it would overflow
+ * the count, so it is refused and the position left where it was. */
+Test(data_resume, last_epoch_does_not_wrap) {
+    for (int shuffle = 0; shuffle <= 1; shuffle++) {
+        moe_data *d = iota_source(50);
+        moe_data_set_shuffle(d, shuffle, 5);
+        int32_t in[10], tg[10];
+        cr_assert_eq(moe_data_set_position(d, (moe_data_position){30, MOE_DATA_EPOCH_MAX}), MOE_OK, "%s",
+                     moe_last_error());
+        /* Of 50 tokens, a batch of 10 (+1 target) starts at 30 but not at 40. */
+        cr_assert_eq(moe_data_next_batch(d, in, tg, 2, 0, 2, 5), MOE_OK, "%s", moe_last_error());
+        moe_data_position p = moe_data_get_position(d);
+        cr_assert(p.token == 40 && p.epoch == MOE_DATA_EPOCH_MAX, "shuffle %d: position %lld epoch %lld", shuffle,
+                  (long long)p.token, (long long)p.epoch);
+        moe_status st = moe_data_next_batch(d, in, tg, 2, 0, 2, 5);
+        cr_expect_eq(st, MOE_ERR_STATE, "shuffle %d: wrapped past the last epoch (%s)", shuffle,
+                     moe_status_string(st));
+        cr_expect(strstr(moe_last_error(), "epoch 9223372036854775806 is the last one counted") != NULL, "%s",
+                  moe_last_error());
+        p = moe_data_get_position(d);
+        cr_expect(p.token == 40 && p.epoch == MOE_DATA_EPOCH_MAX, "shuffle %d: a refused batch moved to %lld epoch %lld",
+                  shuffle, (long long)p.token, (long long)p.epoch);
+        moe_data_close(d);
+    }
 }
 
 Test(data_memory, tokens_outside_vocab_refused) {

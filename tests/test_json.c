@@ -357,3 +357,75 @@ Test(json, writer_misuse_is_an_error) {
         moe_json_writer_free(&w);
     }
 }
+
+/* The text of a string only when C string functions would see all of it. */
+Test(json, text_refuses_strings_with_nul) {
+    moe_json_doc *doc = parse_ok("{\"ok\":\"F32\",\"empty\":\"\",\"nul\":\"F32\\u0000garbage\",\"lead\":\"\\u0000\","
+                                 "\"num\":1}");
+    const moe_json *r = moe_json_root(doc);
+    cr_expect_str_eq(moe_json_text(moe_json_get(r, "ok")), "F32");
+    cr_expect_str_eq(moe_json_text(moe_json_get(r, "empty")), "");
+    cr_expect_null(moe_json_text(moe_json_get(r, "nul")), "\"F32\\u0000garbage\" read as text");
+    cr_expect_null(moe_json_text(moe_json_get(r, "lead")), "\"\\u0000\" read as text");
+    cr_expect_null(moe_json_text(moe_json_get(r, "num")), "a number read as text");
+    cr_expect_null(moe_json_text(moe_json_get(r, "absent")));
+    moe_json_free(doc);
+}
+
+/* Each byte that does not begin a valid UTF-8 sequence becomes U+FFFD; the
+ * expected texts are written out by hand. */
+Test(json, lossy_string_replaces_invalid_bytes) {
+#define FFFD "\xef\xbf\xbd"
+    const struct {
+        const char *in, *want;
+    } cases[] = {
+        {"plain /tmp/a b", "\"plain /tmp/a b\""},
+        {"caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80", "\"caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80\""},
+        {"a\xff" "b", "\"a" FFFD "b\""},
+        /* continuation bytes with no lead */
+        {"\x80\xbf", "\"" FFFD FFFD "\""},
+        /* truncated 3- and 4-byte sequences at the end, and a lone lead byte */
+        {"x\xe2\x82", "\"x" FFFD FFFD "\""},
+        {"x\xf0\x9f\x98", "\"x" FFFD FFFD FFFD "\""},
+        {"\xc3", "\"" FFFD "\""},
+        {"\xe2\x82\xac\xe2\x82", "\"\xe2\x82\xac" FFFD FFFD "\""},
+        /* overlong '/' in 2, 3 and 4 bytes */
+        {"\xc0\xaf", "\"" FFFD FFFD "\""},
+        {"\xe0\x80\xaf", "\"" FFFD FFFD FFFD "\""},
+        {"\xf0\x80\x80\xaf", "\"" FFFD FFFD FFFD FFFD "\""},
+        /* an encoded surrogate (U+D800) and a code point past U+10FFFF */
+        {"\xed\xa0\x80", "\"" FFFD FFFD FFFD "\""},
+        {"\xf4\x90\x80\x80", "\"" FFFD FFFD FFFD FFFD "\""},
+        /* escapes as moe_json_string writes them */
+        {"q\"\\\n\x01\xff", "\"q\\\"\\\\\\n\\u0001" FFFD "\""},
+    };
+#undef FFFD
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        moe_json_writer w;
+        moe_json_writer_init(&w, 0);
+        moe_json_string_lossy(&w, cases[i].in);
+        cr_assert_eq(moe_json_writer_finish(&w), MOE_OK, "case %zu: %s", i, moe_last_error());
+        cr_expect_str_eq(w.buf, cases[i].want, "case %zu", i);
+        /* The result is valid JSON whatever the input. */
+        moe_json_free(parse_ok(w.buf));
+        moe_json_writer_free(&w);
+    }
+
+    /* Inside an object, as a path field; the strict writer still refuses. */
+    moe_json_writer w;
+    moe_json_writer_init(&w, 0);
+    moe_json_begin_object(&w);
+    moe_json_key(&w, "path");
+    moe_json_string_lossy(&w, "/data/\xe9t\xe9");
+    moe_json_key(&w, "n");
+    moe_json_int(&w, 1);
+    moe_json_end_object(&w);
+    cr_assert_eq(moe_json_writer_finish(&w), MOE_OK, "%s", moe_last_error());
+    cr_expect_str_eq(w.buf, "{\"path\":\"/data/\xef\xbf\xbdt\xef\xbf\xbd\",\"n\":1}");
+    moe_json_writer_free(&w);
+    moe_json_writer_init(&w, 0);
+    moe_json_string(&w, "/data/\xe9t\xe9");
+    cr_expect_eq(moe_json_writer_finish(&w), MOE_ERR_INVALID_ARG, "the strict writer accepted invalid UTF-8");
+    cr_expect(strstr(moe_last_error(), "invalid UTF-8 byte 0xE9 at offset 6") != NULL, "%s", moe_last_error());
+    moe_json_writer_free(&w);
+}

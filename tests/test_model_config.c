@@ -219,7 +219,7 @@ Test(model_config, every_bad_field_is_named) {
         {"rms_norm_eps", "-1e-05", "rms_norm_eps=-1e-05 must be > 0"},
         {"rope_theta", "\"big\"", "rope_theta must be a number, got \"big\""},
         {"rope_theta", "0", "rope_theta=0 must be > 0"},
-        {"router_aux_loss_coef", "-0.1", "router_aux_loss_coef=-0.1 must be >= 0"},
+        {"router_aux_loss_coef", "-0.1", "router_aux_loss_coef=-0.1 must be finite and in [0, 1e+06]"},
         {"router_jitter_noise", "1.0", "router_jitter_noise=1 must be in [0, 1)"},
         {"tie_word_embeddings", "true", "tie_word_embeddings=true is not supported"},
         {"tie_word_embeddings", "\"no\"", "tie_word_embeddings must be true or false, got \"no\""},
@@ -234,10 +234,10 @@ Test(model_config, every_bad_field_is_named) {
         {"moe_gate", "\"softmax\"",
          "moe_gate must be \"softmax_topk\", \"topk_softmax\" or \"sigmoid\", got \"softmax\""},
         {"moe_renormalize", "1", "moe_renormalize must be true or false, got 1"},
-        {"moe_capacity_factor", "-1", "moe_capacity_factor=-1 must be >= 0"},
-        {"moe_z_loss_coef", "-1", "moe_z_loss_coef=-1 must be >= 0"},
-        {"moe_n_shared_experts", "-1", "moe_n_shared_experts=-1 must be in [0, 2147483647]"},
-        {"moe_bias_update_rate", "-0.5", "moe_bias_update_rate=-0.5 must be >= 0"},
+        {"moe_capacity_factor", "-1", "moe_capacity_factor=-1 must be finite and in [0, 1e+06]"},
+        {"moe_z_loss_coef", "-1", "moe_z_loss_coef=-1 must be finite and in [0, 1e+06]"},
+        {"moe_n_shared_experts", "-1", "moe_n_shared_experts=-1 must be in [0, 8388607]"},
+        {"moe_bias_update_rate", "-0.5", "moe_bias_update_rate=-0.5 must be finite and in [0, 1e+06]"},
         {"rope_theta", "NaN", "t/config.json:1:"},
         {"hidden_size", "1e999", "number 1e999 is out of range"},
     };
@@ -257,6 +257,109 @@ Test(model_config, every_bad_field_is_named) {
     cr_expect_eq(parse(&c, "{\"vocab_size\": 1, \"vocab_size\": 2}", NULL), MOE_ERR_FORMAT);
     cr_expect(strstr(moe_last_error(), "t/config.json:1:19: duplicate key \"vocab_size\"") != NULL, "%s",
               moe_last_error());
+}
+
+/* A string with a NUL would compare equal to its text before the NUL. */
+Test(model_config, strings_with_nul_are_refused) {
+    const struct {
+        const char *key, *value, *want;
+    } cases[] = {
+        {"moe_gate", "\"sigmoid\\u0000junk\"", "t/config.json: moe_gate contains a NUL character"},
+        {"hidden_act", "\"silu\\u0000gelu\"", "t/config.json: hidden_act contains a NUL character"},
+        {"model_type", "\"mixtral\\u0000x\"", "t/config.json: model_type contains a NUL character"},
+        {"rope_parameters", "{\"rope_type\": \"default\\u0000x\"}",
+         "t/config.json: rope_parameters.rope_type contains a NUL character"},
+        {"rope_parameters", "{\"rope_theta\\u0000x\": 10000}",
+         "t/config.json: key \"rope_parameters.rope_theta...\" contains a NUL character"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        moe_model_config c;
+        const char *text = config_with(cases[i].key, cases[i].value);
+        moe_status st = parse(&c, text, NULL);
+        cr_expect_eq(st, MOE_ERR_CONFIG, "%s: got %s (%s)", text, moe_status_string(st), moe_last_error());
+        cr_expect(strstr(moe_last_error(), cases[i].want) != NULL, "%s:\n  \"%s\"\n  lacks \"%s\"", text,
+                  moe_last_error(), cases[i].want);
+    }
+    /* The same strings without the NUL still read. */
+    moe_model_config c;
+    cr_expect_eq(parse(&c, config_with("moe_gate", "\"sigmoid\""), NULL), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(c.moe_gate, MOE_GATE_SIGMOID);
+}
+
+/* A bad rope_parameters.rope_theta is named by its own key, not by the
+ * top-level rope_theta it is stored in. */
+Test(model_config, rope_parameters_theta_is_named) {
+    const char *values[] = {"-1", "0"};
+    for (size_t i = 0; i < sizeof values / sizeof *values; i++) {
+        char obj[64], want[96];
+        snprintf(obj, sizeof obj, "{\"rope_theta\": %s}", values[i]);
+        snprintf(want, sizeof want, "t/config.json: rope_parameters.rope_theta=%s must be > 0", values[i]);
+        moe_model_config c;
+        const char *text = config_with("rope_parameters", obj);
+        cr_expect_eq(parse(&c, text, NULL), MOE_ERR_CONFIG, "accepted %s", text);
+        cr_expect(strstr(moe_last_error(), want) != NULL, "%s:\n  \"%s\"\n  lacks \"%s\"", text, moe_last_error(),
+                  want);
+    }
+}
+
+/* Whatever config.json accepts, the MoE layer built from it accepts too (the
+ * reference is moe_layer_config_validate itself), and what the layer would
+ * refuse is refused here under the config.json key. */
+Test(model_config, limits_match_the_moe_layer) {
+    const struct {
+        const char *key, *value;
+        const char *want; /* NULL: accepted */
+    } cases[] = {
+        {"moe_capacity_factor", "1e6", NULL},
+        {"moe_capacity_factor", "2e6", "t/config.json: moe_capacity_factor=2e+06 must be finite and in [0, 1e+06]"},
+        {"router_aux_loss_coef", "1e6", NULL},
+        {"router_aux_loss_coef", "1e300", "t/config.json: router_aux_loss_coef=1e+300 must be finite and in"},
+        {"moe_z_loss_coef", "1e6", NULL},
+        {"moe_z_loss_coef", "1000000.5", "t/config.json: moe_z_loss_coef=1e+06 must be finite and in [0, 1e+06]"},
+        {"moe_bias_update_rate", "1e6", NULL},
+        {"moe_bias_update_rate", "3e6", "t/config.json: moe_bias_update_rate=3e+06 must be finite and in"},
+        {"num_local_experts", "1024", NULL},
+        {"num_local_experts", "1025", "t/config.json: num_local_experts=1025 exceeds 1024"},
+        {"hidden_size", "1073741816", NULL}, /* the largest <= INT_MAX / 2 with an even head_dim over 4 heads */
+        {"hidden_size", "1073741824", "t/config.json: hidden_size=1073741824 exceeds 1073741823"},
+        {"intermediate_size", "1073741823", NULL},
+        {"intermediate_size", "1073741824", "t/config.json: intermediate_size=1073741824 exceeds 1073741823"},
+        /* intermediate_size 128: the shared MLP is n x 128 wide, at most INT_MAX / 2. */
+        {"moe_n_shared_experts", "8388607", NULL},
+        {"moe_n_shared_experts", "8388608", "t/config.json: moe_n_shared_experts=8388608 must be in [0, 8388607]"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        moe_model_config c;
+        const char *text = config_with(cases[i].key, cases[i].value);
+        moe_status st = parse(&c, text, NULL);
+        if (cases[i].want != NULL) {
+            cr_expect_eq(st, MOE_ERR_CONFIG, "accepted %s", text);
+            cr_expect(strstr(moe_last_error(), cases[i].want) != NULL, "%s:\n  \"%s\"\n  lacks \"%s\"", text,
+                      moe_last_error(), cases[i].want);
+            continue;
+        }
+        cr_expect_eq(st, MOE_OK, "%s: %s", text, moe_last_error());
+        if (st != MOE_OK) continue;
+        moe_layer_config layer;
+        moe_model_config_layer(&layer, &c, 1);
+        cr_expect_eq(moe_layer_config_validate(&layer), MOE_OK, "%s: the config accepts it, the layer says: %s", text,
+                     moe_last_error());
+    }
+
+    /* Sizes each in range whose product overflows the layer's byte count. */
+    moe_model_config c;
+    moe_model_config_default_small(&c, 256);
+    c.hidden_size = c.intermediate_size = 1073741823;
+    c.head_dim = 2;
+    c.num_attention_heads = c.num_key_value_heads = 2;
+    c.num_local_experts = 1024;
+    cr_expect_eq(moe_model_config_validate(&c, "big"), MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "big: hidden_size=1073741823 x intermediate_size=1073741823 x "
+                                       "(num_local_experts=1024 + moe_n_shared_experts=0) overflows") != NULL,
+              "%s", moe_last_error());
+    moe_layer_config layer;
+    moe_model_config_layer(&layer, &c, 1);
+    cr_expect_eq(moe_layer_config_validate(&layer), MOE_ERR_CONFIG, "the layer accepts what the config refuses");
 }
 
 Test(model_config, validate_struct) {

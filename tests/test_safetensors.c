@@ -4,6 +4,7 @@
 
 #include <criterion/criterion.h>
 #include <dirent.h>
+#include <errno.h>
 #include <ftw.h>
 #include <math.h>
 #include <stdio.h>
@@ -294,6 +295,13 @@ static const bad_case bad_cases[] = {
      "__metadata__ is a JSON string, not an object"},
     {"NUL in a name", 0, "{\"a\\u0000b\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}", 4,
      MOE_ERR_FORMAT, "contains a NUL character"},
+    {"NUL in dtype", 0, "{\"w\":{\"dtype\":\"F32\\u0000garbage\",\"shape\":[1],\"data_offsets\":[0,4]}}", 4,
+     MOE_ERR_FORMAT, "tensor 'w': dtype \"F32...\" contains a NUL character"},
+    {"NUL in a field name", 0,
+     "{\"w\":{\"dtype\\u0000x\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}", 4, MOE_ERR_FORMAT,
+     "tensor 'w': field \"dtype...\" contains a NUL character"},
+    {"NUL in a metadata value", 0, "{\"__metadata__\":{\"format\":\"pt\\u0000x\"}}", 0, MOE_ERR_FORMAT,
+     "__metadata__ entry \"format\" contains a NUL character"},
     {"invalid UTF-8 name", 0, "{\"a\xc0\xaf\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}", 4,
      MOE_ERR_FORMAT, ":1:4: invalid UTF-8 byte 0xC0"},
     {"header length past end", 1000, "{}", 0, MOE_ERR_FORMAT,
@@ -459,6 +467,56 @@ Test(safetensors, bad_directories, .init = make_tmpdir, .fini = remove_tmpdir) {
     cr_expect_eq(moe_st_dir_open(&d, tmpdir), MOE_ERR_IO);
     cr_expect(strstr(moe_last_error(), "holds neither model.safetensors.index.json nor model.safetensors") != NULL,
               "%s", moe_last_error());
+}
+
+/* A directory that is not there, not a directory, or whose weights file is a
+ * link to nothing is reported as that, not as one without weights files. */
+Test(safetensors, missing_directory_and_dangling_links, .init = make_tmpdir, .fini = remove_tmpdir) {
+    moe_st_dir *d = (moe_st_dir *)1;
+    char want[1024];
+    const char *absent = in_tmp("absent");
+    cr_expect_eq(moe_st_dir_open(&d, absent), MOE_ERR_IO);
+    cr_expect_null(d);
+    snprintf(want, sizeof want, "%s: cannot open the checkpoint directory: %s", absent, strerror(ENOENT));
+    cr_expect(strstr(moe_last_error(), want) != NULL, "\"%s\" lacks \"%s\"", moe_last_error(), want);
+
+    write_bytes(in_tmp("file"), "x", 1);
+    cr_expect_eq(moe_st_dir_open(&d, in_tmp("file")), MOE_ERR_IO);
+    cr_expect(strstr(moe_last_error(), "file: not a directory") != NULL, "%s", moe_last_error());
+
+    cr_assert_eq(symlink("absent", in_tmp("dir-link")), 0);
+    cr_expect_eq(moe_st_dir_open(&d, in_tmp("dir-link")), MOE_ERR_IO);
+    cr_expect(strstr(moe_last_error(), "dir-link: dangling symbolic link: its target 'absent' does not exist") !=
+                  NULL,
+              "%s", moe_last_error());
+
+    const struct {
+        const char *dir, *link, *index; /* index NULL: none written */
+    } cases[] = {
+        {"single", "model.safetensors", NULL},
+        {"indexed", "model.safetensors.index.json", NULL},
+        {"shard", "s1.safetensors", "{\"weight_map\":{\"a\":\"s1.safetensors\"}}"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        cr_assert_eq(moe_mkdir_p(in_tmp(cases[i].dir)), MOE_OK, "%s", moe_last_error());
+        if (cases[i].index != NULL) write_index(cases[i].dir, cases[i].index);
+        const char *link = in_dir(in_tmp(cases[i].dir), cases[i].link);
+        cr_assert_eq(symlink("gone.safetensors", link), 0, "%s", link);
+        cr_expect_eq(moe_st_dir_open(&d, in_tmp(cases[i].dir)), MOE_ERR_IO, "%s accepted", cases[i].dir);
+        snprintf(want, sizeof want, "%s: dangling symbolic link: its target 'gone.safetensors' does not exist",
+                 link);
+        cr_expect(strstr(moe_last_error(), want) != NULL, "\"%s\" lacks \"%s\"", moe_last_error(), want);
+    }
+
+    /* Permissions do not bind root, so this part needs another user. */
+    if (geteuid() != 0) {
+        cr_assert_eq(moe_mkdir_p(in_tmp("locked")), MOE_OK);
+        cr_assert_eq(chmod(in_tmp("locked"), 0), 0);
+        cr_expect_eq(moe_st_dir_open(&d, in_tmp("locked")), MOE_ERR_IO);
+        snprintf(want, sizeof want, "locked: cannot read the checkpoint directory: %s", strerror(EACCES));
+        cr_expect(strstr(moe_last_error(), want) != NULL, "\"%s\" lacks \"%s\"", moe_last_error(), want);
+        chmod(in_tmp("locked"), 0700);
+    }
 }
 
 /* ------------------------------------------------------------------ fileio */
