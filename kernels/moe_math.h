@@ -16,12 +16,17 @@
  * |r| <= ln2 / 2, a degree-7 polynomial for exp(r), and 2^n built in the
  * exponent bits. */
 MOE_HD float moe_expf(float x) {
-    const bool nan = x != x;
-    /* fmaxf takes NaN to -87, so the exponent below is always an int. */
-    x = fminf(fmaxf(x, -87.0f), 88.0f);
-    /* Adding 1.5 * 2^23 rounds to the nearest integer in round-to-nearest. */
+    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
+    /* Adding 1.5 * 2^23 rounds to the nearest integer in round-to-nearest,
+     * which then sits in the low bits of t: n's int is read from there, by
+     * unsigned arithmetic, so a NaN x (which passes the clamp and makes p
+     * NaN) is no undefined float-to-int conversion. */
     const float shifter = 12582912.0f;
-    float n = (x * 1.44269504088896341f + shifter) - shifter;
+    union {
+        float f;
+        uint32_t u;
+    } t = {.f = x * 1.44269504088896341f + shifter}, scale;
+    const float n = t.f - shifter;
     float r = x - n * 0.693145751953125f;
     r = r - n * 1.42860682030941723e-6f;
     float p = 1.9875691500e-4f; /* Cephes' minimax coefficients */
@@ -31,11 +36,8 @@ MOE_HD float moe_expf(float x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    union {
-        int32_t i;
-        float f;
-    } scale = {.i = ((int32_t)n + 127) * (1 << 23)};
-    return nan ? NAN : p * scale.f;
+    scale.u = (t.u - 0x4B400000u + 127u) << 23; /* 0x4B400000: the shifter's bits */
+    return p * scale.f;
 }
 
 MOE_HD float moe_sigmoidf(float x) { return 1.0f / (1.0f + moe_expf(-x)); }
