@@ -21,8 +21,7 @@ moe_model_parallel moe_grid_model_parallel(const moe_grid *g) {
     return (moe_model_parallel){.world = g->world, .ep = g->ep};
 }
 
-/* FNV-1a, folded to 52 bits so a double holds it exactly. */
-static double hash_text(const char *s) {
+double moe_grid_text_hash(const char *s) {
     uint64_t h = 0xcbf29ce484222325ull;
     for (; *s; s++) h = (h ^ (uint8_t)*s) * 0x100000001b3ull;
     return (double)(h >> 12);
@@ -56,7 +55,7 @@ moe_status moe_grid_agree(moe_comm *world, const moe_agree_field *fields, int co
         free(all);
         return moe_error(MOE_ERR_OUT_OF_MEMORY, "config agreement: %d fields", count);
     }
-    mine[0] = hash_text(build_description());
+    mine[0] = moe_grid_text_hash(build_description());
     for (int i = 0; i < count; i++) mine[i + 1] = fields[i].value;
     moe_status st = moe_comm_allgather(world, all, mine, n, MOE_COMM_F64);
     for (int r = 0; st == MOE_OK && r < size; r++)

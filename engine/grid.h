@@ -34,6 +34,10 @@ typedef struct moe_agree_field {
  * build (library version, compiler, backends) is compared first. */
 moe_status moe_grid_agree(moe_comm *world, const moe_agree_field *fields, int count);
 
+/* A moe_agree_field value for text (a file name, say): FNV-1a of its
+ * bytes, folded to 52 bits so a double holds it exactly. */
+double moe_grid_text_hash(const char *s);
+
 /* The model config's fields, for moe_grid_agree: fields has room for
  * MOE_CONFIG_AGREE_FIELDS entries; returns how many it filled. */
 #define MOE_CONFIG_AGREE_FIELDS 24

@@ -4,6 +4,7 @@
  * run.json and metrics.jsonl. */
 #include "engine/run.h"
 
+#include <errno.h>
 #include <math.h>
 #include <omp.h>
 #include <stdarg.h>
@@ -26,6 +27,12 @@
 /* A synthetic training stream longer than this (144 MB with its kinds and
  * logp) is not generated: the reader goes around it again instead. */
 #define RUN_SYNTH_MAX_TOKENS ((int64_t)1 << 24)
+/* The synthetic validation stream is generated whole (9 bytes a token with
+ * its kinds and logp): past this many tokens (1.2 GB) --eval-batches asks
+ * for more than an evaluation should read. */
+#define RUN_SYNTH_VAL_MAX_TOKENS ((int64_t)1 << 27)
+/* Tokens per read when the validation tokens are checked at start-up. */
+#define RUN_SCAN_TOKENS ((int64_t)1 << 20)
 /* Streams of moe_rng_bits that derive the two synthetic seeds from --seed,
  * so no run's validation stream is another seed's training stream. */
 #define RUN_SYNTH_TRAIN_STREAM 0x747261696eull /* "train" */
@@ -109,6 +116,52 @@ static moe_optim_config optim_config_of(const moe_run_options *o) {
 
 static bool empty(const char *s) { return s == NULL || s[0] == '\0'; }
 
+static bool is_synthetic(const char *spec) { return strcmp(spec, MOE_RUN_SYNTHETIC) == 0; }
+
+/* Whether the validation stream is a synthetic one (run.h's rules). */
+static bool synthetic_validation(const moe_run_options *o) {
+    return is_synthetic(o->val_data ? o->val_data : o->data);
+}
+
+/* Token counts of a run on `ranks` ranks, each short of the one last target
+ * that a read of so many tokens also takes. */
+typedef struct token_counts {
+    int64_t batch; /* one global micro-batch: ranks x B x T */
+    int64_t step;  /* one optimizer step: batch x grad_accum */
+    int64_t run;   /* every step of the run: step x steps; 0 with --eval-only */
+    int64_t eval;  /* one evaluation: batch x eval_batches */
+} token_counts;
+
+/* Fills n, refusing a product that overflows int64_t (with its one last
+ * target) before any later count wraps, and a synthetic validation stream
+ * too long to generate. */
+static moe_status count_tokens(token_counts *n, const moe_run_options *o, int ranks) {
+    int64_t bt;
+    if (__builtin_mul_overflow(o->batch_size, o->seq_len, &bt) || __builtin_mul_overflow(bt, ranks, &n->batch) ||
+        n->batch == INT64_MAX)
+        return ranks > 1 ? moe_error(MOE_ERR_CONFIG, "--batch-size %lld x --seq-len %lld x %d ranks overflows a "
+                                                     "64-bit token count",
+                                     (long long)o->batch_size, (long long)o->seq_len, ranks)
+                         : moe_error(MOE_ERR_CONFIG, "--batch-size %lld x --seq-len %lld overflows a 64-bit token count",
+                                     (long long)o->batch_size, (long long)o->seq_len);
+    if (__builtin_mul_overflow(n->batch, o->grad_accum, &n->step) || n->step == INT64_MAX)
+        return moe_error(MOE_ERR_CONFIG, "--grad-accum %lld micro-batches of %lld tokens overflow a 64-bit count",
+                         (long long)o->grad_accum, (long long)n->batch);
+    n->run = 0;
+    if (!o->eval_only && (__builtin_mul_overflow(n->step, o->steps, &n->run) || n->run == INT64_MAX))
+        return moe_error(MOE_ERR_CONFIG, "--steps %lld of %lld tokens each overflow a 64-bit token count",
+                         (long long)o->steps, (long long)n->step);
+    if (__builtin_mul_overflow(n->batch, o->eval_batches, &n->eval) || n->eval == INT64_MAX)
+        return moe_error(MOE_ERR_CONFIG, "--eval-batches %lld of %lld tokens each overflow a 64-bit token count",
+                         (long long)o->eval_batches, (long long)n->batch);
+    if (synthetic_validation(o) && n->eval + 1 > RUN_SYNTH_VAL_MAX_TOKENS)
+        return moe_error(MOE_ERR_CONFIG, "--eval-batches %lld of %lld tokens each need a synthetic validation stream "
+                                         "of %lld tokens, more than the %lld it may have",
+                         (long long)o->eval_batches, (long long)n->batch, (long long)(n->eval + 1),
+                         (long long)RUN_SYNTH_VAL_MAX_TOKENS);
+    return MOE_OK;
+}
+
 moe_status moe_run_options_validate(const moe_run_options *o) {
     if (!o) return moe_error(MOE_ERR_INVALID_ARG, "moe_run_options_validate: NULL options");
     if (empty(o->data)) return moe_error(MOE_ERR_CONFIG, "--data must not be empty");
@@ -148,7 +201,9 @@ moe_status moe_run_options_validate(const moe_run_options *o) {
                                          "config.json is used");
     moe_optim_config c = optim_config_of(o);
     if (o->eval_only) c.total_steps = 1; /* --steps does not matter */
-    return moe_optim_config_validate(&c);
+    MOE_TRY(moe_optim_config_validate(&c));
+    token_counts n; /* on one rank here; open_data counts again on the job's */
+    return count_tokens(&n, o, 1);
 }
 
 static double now_seconds(void) {
@@ -217,8 +272,6 @@ typedef struct run_source {
     char desc[RUN_DESC_BYTES];
 } run_source;
 
-static bool is_synthetic(const char *spec) { return strcmp(spec, MOE_RUN_SYNTHETIC) == 0; }
-
 static bool is_shard_glob(const char *spec) {
     const size_t n = strlen(spec);
     return strpbrk(spec, "*?[") != NULL || (n >= 4 && strcmp(spec + n - 4, ".bin") == 0);
@@ -267,6 +320,7 @@ typedef struct run {
     moe_comm *world;       /* NULL on one process */
     moe_grid grid;
     int rank, ranks;       /* in the data-parallel world */
+    token_counts tokens;   /* on the ranks */
     moe_device_handle device; /* the backend the model runs on */
     moe_comm *device_world, *device_ep; /* for its memory across ranks (NCCL); NULL: world and ep */
     moe_model *model;
@@ -331,27 +385,78 @@ static moe_status check_vocab(const run *r, const run_source *s, const char *fla
     return MOE_OK;
 }
 
+/* A source's tokens against what the run reads of it: an error names flag,
+ * what is short and why. */
+static moe_status check_length(const run_source *s, const char *flag, const char *spec, int64_t need,
+                               const char *reader) {
+    const int64_t have = moe_data_token_count(s->data);
+    if (have >= need) return MOE_OK;
+    return moe_error(MOE_ERR_CONFIG, "%s %s holds %lld tokens, fewer than the %lld that %s reads", flag, spec,
+                     (long long)have, (long long)need, reader);
+}
+
+/* Reads every token an evaluation reads, so that a shard token outside the
+ * vocabulary fails at start-up rather than after the training. The
+ * eval_batches batches of ranks x B rows cover the same tokens as one batch
+ * of all their rows at position 0, read here a chunk of rows at a time. */
+static moe_status scan_validation(run *r) {
+    const moe_run_options *o = r->o;
+    const int64_t T = o->seq_len, rows = r->tokens.eval / T;
+    const int64_t chunk = RUN_SCAN_TOKENS / T > 0 ? RUN_SCAN_TOKENS / T : 1;
+    const int64_t chunk_rows = chunk < rows ? chunk : rows;
+    int32_t *inputs = malloc((size_t)(2 * chunk_rows * T) * sizeof *inputs); /* [chunk_rows, T] twice */
+    if (!inputs) return moe_error(MOE_ERR_OUT_OF_MEMORY, "validation check: %lld tokens", (long long)(chunk_rows * T));
+    moe_status st = MOE_OK;
+    for (int64_t first = 0; first < rows && st == MOE_OK; first += chunk_rows) {
+        const int64_t n = rows - first < chunk_rows ? rows - first : chunk_rows;
+        st = moe_data_set_position(r->val.data, (moe_data_position){0, 0});
+        if (st == MOE_OK) st = moe_data_next_batch(r->val.data, inputs, inputs + n * T, rows, first, n, T);
+    }
+    free(inputs);
+    MOE_TRY(st);
+    return moe_data_set_position(r->val.data, (moe_data_position){0, 0});
+}
+
+/* Opens the sources and checks, before anything is written, that they hold
+ * what the run reads: one batch of training data (the reader goes around
+ * it), and every evaluation token, each inside the vocabulary. */
 static moe_status open_data(run *r) {
     const moe_run_options *o = r->o;
+    MOE_TRY(count_tokens(&r->tokens, o, r->ranks));
+    const token_counts *n = &r->tokens;
     bool known;
     MOE_TRY(load_config(r, &known));
-    const int64_t BT = o->batch_size * o->seq_len;
+    char shape[160];
+    int len = snprintf(shape, sizeof shape, "--batch-size %lld x --seq-len %lld", (long long)o->batch_size,
+                       (long long)o->seq_len);
+    if (r->ranks > 1) snprintf(shape + len, sizeof shape - (size_t)len, " on each of %d ranks", r->ranks);
     if (!o->eval_only) {
-        int64_t n_synth = o->steps * o->grad_accum * r->ranks * BT + 1;
-        if (n_synth > RUN_SYNTH_MAX_TOKENS) n_synth = RUN_SYNTH_MAX_TOKENS;
+        /* The whole run's stream up to a cap (past it the reader goes around
+         * again), and at least one batch. */
+        int64_t n_synth = n->run + 1 < RUN_SYNTH_MAX_TOKENS ? n->run + 1 : RUN_SYNTH_MAX_TOKENS;
+        if (n_synth < n->batch + 1) n_synth = n->batch + 1;
         MOE_TRY(open_source(&r->train, o->data, "--data", moe_rng_bits(o->seed, RUN_SYNTH_TRAIN_STREAM, 0),
                             n_synth, known ? r->cfg.vocab_size : MOE_GPT2_VOCAB_SIZE));
         if (!known) moe_run_default_config(&r->cfg, moe_data_vocab_size(r->train.data));
         MOE_TRY(check_vocab(r, &r->train, "--data"));
+        char reader[256];
+        snprintf(reader, sizeof reader, "one batch of %s (plus the last target)", shape);
+        MOE_TRY(check_length(&r->train, "--data", o->data, n->batch + 1, reader));
         if (o->shuffle) moe_data_set_shuffle(r->train.data, 1, o->seed);
     }
     /* A second handle even on the same file: evaluation reads from the
      * start, unshuffled, whatever the training reader does. */
     const char *val_spec = o->val_data ? o->val_data : o->data;
-    const char *val_flag = o->val_data ? "--val-data" : "--data";
-    MOE_TRY(open_source(&r->val, val_spec, val_flag, moe_rng_bits(o->seed, RUN_SYNTH_VAL_STREAM, 0),
-                        o->eval_batches * r->ranks * BT + 1, r->cfg.vocab_size));
+    const char *val_flag = o->val_data ? "--val-data" : "validation data (--data)";
+    MOE_TRY(open_source(&r->val, val_spec, val_flag, moe_rng_bits(o->seed, RUN_SYNTH_VAL_STREAM, 0), n->eval + 1,
+                        r->cfg.vocab_size));
     MOE_TRY(check_vocab(r, &r->val, val_flag));
+    char reader[256];
+    snprintf(reader, sizeof reader, "--eval-batches %lld of %s (plus the last target)", (long long)o->eval_batches,
+             shape);
+    MOE_TRY(check_length(&r->val, val_flag, val_spec, n->eval + 1, reader));
+    moe_status st = scan_validation(r);
+    if (st != MOE_OK) return moe_error_prefix(st, "%s: ", val_flag);
     if (!o->val_data && !is_synthetic(o->data))
         warn(r, "no --val-data: evaluating on --data %s from its start, which the model also trains on", o->data);
     r->entropy_floor = NAN;
@@ -366,9 +471,8 @@ static moe_status open_data(run *r) {
 static moe_status build_model(run *r) {
     const moe_run_options *o = r->o;
     if (r->world) {
-        /* Everything that shapes the run must be the same on every rank. */
-        moe_agree_field fields[MOE_CONFIG_AGREE_FIELDS + 12];
-        int n = moe_config_agree_fields(fields, &r->cfg);
+        /* Everything that shapes the run must be the same on every rank;
+         * the data by the names given (-1: no --val-data). */
         const moe_agree_field options[] = {
             {"--batch-size", (double)o->batch_size}, {"--seq-len", (double)o->seq_len},
             {"--steps", (double)o->steps},           {"--grad-accum", (double)o->grad_accum},
@@ -377,7 +481,14 @@ static moe_status build_model(run *r) {
             {"--eval-every", (double)o->eval_every}, {"--eval-batches", (double)o->eval_batches},
             {"--save-every", (double)o->save_every}, {"--shuffle", (double)o->shuffle},
             {"--device", (double)o->device},         {"--gemm-math", (double)o->gemm_math},
+            {"--warmup", (double)o->warmup},         {"--min-lr", o->min_lr},
+            {"--lr-schedule", (double)o->lr_schedule}, {"--weight-decay", o->weight_decay},
+            {"--grad-clip", o->grad_clip},           {"--eval-only", (double)o->eval_only},
+            {"--data (name hash)", moe_grid_text_hash(o->data)},
+            {"--val-data (name hash)", o->val_data ? moe_grid_text_hash(o->val_data) : -1.0},
         };
+        moe_agree_field fields[MOE_CONFIG_AGREE_FIELDS + sizeof options / sizeof options[0]];
+        int n = moe_config_agree_fields(fields, &r->cfg);
         for (size_t i = 0; i < sizeof options / sizeof options[0]; i++) fields[n++] = options[i];
         MOE_TRY(moe_grid_agree(r->world, fields, n));
     }
@@ -454,10 +565,12 @@ static void json_copy(moe_json_writer *w, const moe_json *v) {
     }
 }
 
+/* Paths and the command line come from the OS and need not be UTF-8: bytes
+ * that are not become U+FFFD. */
 static void json_opt_string(moe_json_writer *w, const char *key, const char *s) {
     moe_json_key(w, key);
     if (s)
-        moe_json_string(w, s);
+        moe_json_string_lossy(w, s);
     else
         moe_json_null(w);
 }
@@ -513,6 +626,8 @@ static void write_options(moe_json_writer *w, const moe_run_options *o) {
     moe_json_number(w, o->comm_timeout);
     moe_json_key(w, "overlap");
     moe_json_bool(w, o->overlap);
+    moe_json_key(w, "profile");
+    moe_json_bool(w, o->profile);
     moe_json_end_object(w);
 }
 
@@ -567,6 +682,50 @@ static moe_status write_run_json(run *r, const moe_run_summary *s, const moe_jso
     return st;
 }
 
+/* Whether a metrics.jsonl line [len] (without its newline) belongs to the
+ * steps up to last_step: it parses as JSON with an integer "step" <= it. */
+static bool metrics_line_kept(const char *line, size_t len, int64_t last_step) {
+    moe_json_doc *doc;
+    if (moe_json_parse(&doc, line, len, "metrics.jsonl") != MOE_OK) return false;
+    const moe_json *step = moe_json_get(moe_json_root(doc), "step");
+    int64_t value;
+    const bool kept = step && moe_json_int64(step, &value) == MOE_OK && value <= last_step;
+    moe_json_free(doc);
+    return kept;
+}
+
+typedef struct metrics_trim {
+    FILE *in;          /* the old metrics.jsonl */
+    int64_t last_step; /* the checkpoint's */
+} metrics_trim;
+
+static moe_status write_kept_metrics(void *ctx, FILE *out) {
+    const metrics_trim *t = ctx;
+    char *line = NULL;
+    size_t cap = 0;
+    ssize_t len;
+    moe_status st = MOE_OK;
+    while (st == MOE_OK && (len = getline(&line, &cap, t->in)) > 0) {
+        const size_t n = line[len - 1] == '\n' ? (size_t)len - 1 : (size_t)len;
+        if (!metrics_line_kept(line, n, t->last_step)) continue;
+        st = moe_file_write_bytes(out, line, n);
+        if (st == MOE_OK) st = moe_file_write_bytes(out, "\n", 1);
+    }
+    if (st == MOE_OK && ferror(t->in)) st = moe_error(MOE_ERR_IO, "reading the old file failed");
+    free(line);
+    return st;
+}
+
+/* A resumed run's metrics.jsonl keeps the steps up to the checkpoint's and
+ * no record of the steps after it, which the resumed run logs again. */
+static moe_status trim_metrics(const char *path, int64_t last_step) {
+    metrics_trim t = {.in = fopen(path, "r"), .last_step = last_step};
+    if (!t.in) return errno == ENOENT ? MOE_OK : moe_error(MOE_ERR_IO, "%s: %s", path, strerror(errno));
+    const moe_status st = moe_file_write_atomic(path, write_kept_metrics, &t);
+    fclose(t.in);
+    return st;
+}
+
 /* OUT/config.json, then run.json with that file's contents as its config. */
 static moe_status write_run_files(run *r, const moe_run_summary *s) {
     char path[RUN_PATH_BYTES];
@@ -584,6 +743,7 @@ static moe_status write_run_files(run *r, const moe_run_summary *s) {
     moe_json_free(doc);
     MOE_TRY(st);
     MOE_TRY(path_join(r->metrics_path, r->o->out_dir, "metrics.jsonl"));
+    if (r->o->resume) MOE_TRY(trim_metrics(r->metrics_path, s->start_step));
     r->metrics = fopen(r->metrics_path, r->o->resume ? "a" : "w");
     if (!r->metrics) return moe_error(MOE_ERR_IO, "%s: cannot open for writing", r->metrics_path);
     return MOE_OK;
@@ -751,6 +911,12 @@ static bool due(int64_t step, int64_t every, int64_t last) { return step == last
 
 static moe_status run_body(run *r, double start) {
     const moe_run_options *o = r->o;
+    if (!o->eval_only && o->warmup >= o->steps) {
+        const moe_optim_config c = optim_config_of(o);
+        warn(r, "--warmup %lld >= --steps %lld: every step is in the warm-up, which ends at lr %g (--lr %g), and the "
+                "learning rate never decays toward --min-lr",
+             (long long)o->warmup, (long long)o->steps, moe_lr_at(&c, o->steps - 1), o->lr);
+    }
     MOE_TRY(open_data(r));
     MOE_TRY(moe_device_open(&r->device, o->device, r->ranks));
     MOE_TRY(moe_device_set_gemm_math(&r->device, o->gemm_math));
@@ -785,7 +951,7 @@ static moe_status run_body(run *r, double start) {
                   moe_model_get_run(r->model, MOE_RUN_EXPERTS).count * o->ep,
         .active_params = moe_model_active_param_count(r->model),
         .start_step = moe_trainer_steps_done(r->trainer),
-        .tokens_per_step = o->batch_size * o->seq_len * o->grad_accum * r->ranks,
+        .tokens_per_step = r->tokens.step,
         .step_flops = r->step_flops,
         .peak_gflops = r->peak_gflops,
         .peak_measured = o->peak_gflops == 0.0 && !o->eval_only,
@@ -828,8 +994,11 @@ static moe_status run_body(run *r, double start) {
             if (r->metrics) MOE_TRY(log_step(r, &s));
             if (r->cb->on_step) r->cb->on_step(r->cb->ctx, &s);
             if (o->profile) moe_profile_pause(true);
-            if (due(step, o->eval_every, o->steps)) MOE_TRY(evaluate(r, step, &val_loss));
+            /* The checkpoint before the evaluation, which changes nothing it
+             * holds (eval mode: no jitter draw; the data position is
+             * restored), so a failing evaluation loses no training. */
             if (due(step, o->save_every, o->steps)) MOE_TRY(save_checkpoint(r));
+            if (due(step, o->eval_every, o->steps)) MOE_TRY(evaluate(r, step, &val_loss));
             if (o->profile) moe_profile_pause(false);
         }
     }

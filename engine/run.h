@@ -15,7 +15,10 @@
  *                         load_imbalance, dropped_frac) and one per
  *                         evaluation (step, val_loss, entropy_floor)
  *   OUT/step-NNNNNN/      checkpoints (checkpoint.h)
- * A resumed run appends to metrics.jsonl; a fresh one starts it over.
+ * A fresh run starts metrics.jsonl over. A run resumed from step N first
+ * rewrites it (atomically) keeping only the lines that parse as JSON with an
+ * integer "step" <= N, so no step is logged twice after a crash (a profile
+ * line, which has no step, goes too), then appends.
  * --eval-only writes nothing.
  *
  * Data: "synthetic" (the default) trains on one seeded stream of the
@@ -69,7 +72,7 @@ typedef struct moe_run_options {
     double grad_clip;      /* --grad-clip; 0 = off */
     int64_t grad_accum;    /* --grad-accum micro-batches per step */
     uint64_t seed;         /* --seed: initial weights, synthetic streams, shuffle, jitter */
-    int threads;           /* --threads; 0: OpenMP's default (all cores) */
+    int threads;           /* --threads; 0: OpenMP's default (OMP_NUM_THREADS, else every core) */
     /* Evaluation and output */
     const char *out_dir;   /* --out */
     int64_t save_every;    /* --save-every steps; 0: the last step only */
@@ -98,7 +101,10 @@ void moe_run_options_init(moe_run_options *opts);
 void moe_run_default_config(moe_model_config *cfg, int64_t vocab_size);
 
 /* Checks every option; the error names the flag: "--batch-size 0 must be
- * positive". */
+ * positive". Token counts (batch, step, run, evaluation) must fit int64_t on
+ * one rank; moe_run counts again on the job's ranks, and checks that the
+ * training data holds one batch and the validation data every token that
+ * --eval-batches reads (inside the vocabulary), before it writes anything. */
 moe_status moe_run_options_validate(const moe_run_options *opts);
 
 /* "cosine", "linear", "constant". */
@@ -117,7 +123,7 @@ typedef struct moe_run_summary {
     const moe_run_options *options;
     int64_t params, active_params;
     int64_t start_step;      /* > 0 when resumed */
-    int64_t tokens_per_step; /* B * T * grad_accum */
+    int64_t tokens_per_step; /* B * T * grad_accum * ranks */
     double step_flops;       /* model FLOPs of one optimizer step */
     double peak_gflops;      /* the MFU denominator; NAN for --eval-only without --peak-gflops */
     bool peak_measured;      /* false when given by --peak-gflops or not needed */

@@ -70,7 +70,9 @@ double moe_lr_at(const moe_optim_config *c, int64_t step) {
     if (step < c->warmup) return c->lr * (double)(step + 1) / (double)c->warmup;
     if (c->schedule == MOE_LR_CONSTANT) return c->lr;
     int64_t decay_steps = c->total_steps - c->warmup;
-    if (decay_steps <= 1) return c->lr;
+    /* A single decay step is the last step, which gets min_lr; with none
+     * (warmup >= total_steps) no step of the run comes here. */
+    if (decay_steps <= 1) return c->min_lr;
     double progress = (double)(step - c->warmup) / (double)(decay_steps - 1);
     if (progress > 1.0) progress = 1.0;
     double frac = c->schedule == MOE_LR_COSINE ? 0.5 * (1.0 + cos(3.14159265358979323846 * progress)) : 1.0 - progress;

@@ -39,7 +39,10 @@ typedef struct moe_optim_config {
 
 moe_status moe_optim_config_validate(const moe_optim_config *cfg);
 
-/* The learning rate of step s (0-based). */
+/* The learning rate of step s (0-based): lr * (s + 1) / warmup during the
+ * warm-up, then lr decaying to min_lr, which the last step (total_steps - 1)
+ * gets, for cosine and linear. A warm-up that fills the whole run never
+ * decays (moe_run warns about it). */
 double moe_lr_at(const moe_optim_config *cfg, int64_t step);
 
 typedef struct moe_trainer moe_trainer;

@@ -85,6 +85,8 @@ typedef struct seen {
     int starts, steps, evals, checkpoints, ends, warnings;
     double first_val, last_val, end_val, floor;
     int64_t last_step;
+    int64_t saved_step;         /* of the last checkpoint */
+    int64_t saved_at_last_eval; /* saved_step when the last evaluation came */
     char checkpoint[512];
     char warning[1024];
     bool kinds_ok;
@@ -117,11 +119,12 @@ static void on_eval(void *ctx, const moe_run_eval *e) {
     seen *v = ctx;
     if (v->evals++ == 0) v->first_val = e->val_loss;
     v->last_val = e->val_loss;
+    v->saved_at_last_eval = v->saved_step;
 }
 
 static void on_checkpoint(void *ctx, int64_t step, const char *path) {
     seen *v = ctx;
-    (void)step;
+    v->saved_step = step;
     v->checkpoints++;
     snprintf(v->checkpoint, sizeof v->checkpoint, "%s", path);
 }
@@ -438,17 +441,27 @@ Test(train_run, llmc_shards_train, .init = make_tmp, .fini = remove_tmp) {
     cr_expect_eq(v.warnings, 0, "warning: %s", v.warning);
     cr_expect(access(v.checkpoint, F_OK) == 0, "no checkpoint at %s", v.checkpoint);
 
-    /* A token past the config's vocabulary is refused with the shard named. */
+    /* A token past the config's vocabulary is refused with the shard named:
+     * in the validation data before training, in the training data when
+     * read. */
     write_tiny_config(cfg, VOCAB / 2);
     moe_run_callbacks cb = callbacks(&v);
+    cr_assert_neq(moe_run(&o, &cb), MOE_OK);
+    cr_expect(strstr(moe_last_error(), "--val-data") && strstr(moe_last_error(), "val_00.bin"), "message: %s",
+              moe_last_error());
+    cr_expect_eq(v.steps, 0);
+    fill_tokens(tokens, N, VOCAB / 2, 99);
+    cr_assert_eq(moe_data_write_shard(val, tokens, N), MOE_OK, "%s", moe_last_error());
     cr_assert_neq(moe_run(&o, &cb), MOE_OK);
     cr_expect(strstr(moe_last_error(), "train_00.bin") != NULL, "message: %s", moe_last_error());
 }
 
+/* The file's name is not UTF-8 (Latin-1 e-acute): run.json records it with
+ * U+FFFD for that byte. */
 Test(train_run, byte_file_trains, .init = make_tmp, .fini = remove_tmp) {
     char cfg[512], out[512], text_path[512];
     static const char line[] = "The quick brown fox jumps over the lazy dog; 0123456789.\n";
-    FILE *f = fopen(tmp_path(text_path, "text.txt"), "w");
+    FILE *f = fopen(tmp_path(text_path, "caf\xe9.txt"), "w");
     cr_assert(f);
     for (int i = 0; i < 100; i++) fputs(line, f);
     fclose(f);
@@ -462,6 +475,11 @@ Test(train_run, byte_file_trains, .init = make_tmp, .fini = remove_tmp) {
     cr_expect(isfinite(v.end_val), "val %g", v.end_val);
     /* Without --val-data the run says it validates on its training data. */
     cr_expect(v.warnings == 1 && strstr(v.warning, "--val-data"), "warnings %d: %s", v.warnings, v.warning);
+    char run_json[512];
+    size_t size = 0;
+    char *text = read_file(tmp_path(run_json, "out/run.json"), &size);
+    cr_expect(strstr(text, "caf\xEF\xBF\xBD.txt") != NULL, "run.json does not name the data file");
+    free(text);
 
     /* Bytes need a vocabulary of 256. */
     write_tiny_config(cfg, 100);
@@ -469,6 +487,219 @@ Test(train_run, byte_file_trains, .init = make_tmp, .fini = remove_tmp) {
     cr_assert_eq(moe_run(&o, &cb), MOE_ERR_CONFIG);
     cr_expect(strstr(moe_last_error(), "--data") && strstr(moe_last_error(), "vocab_size"), "message: %s",
               moe_last_error());
+}
+
+/* ------------------------------------------------- data checked up front */
+
+static const char *write_text(char *path, const char *name, const char *text, int copies) {
+    FILE *f = fopen(tmp_path(path, name), "w");
+    cr_assert(f, "cannot create %s", path);
+    for (int i = 0; i < copies; i++) fputs(text, f);
+    cr_assert_eq(fclose(f), 0);
+    return path;
+}
+
+/* The files of an earlier run in an --out directory, which a refused run
+ * must leave as they were (DESIGN.md 7). */
+static const char *const earlier_files[] = {"run.json", "config.json", "metrics.jsonl"};
+
+static void write_earlier_run(const char *out) {
+    cr_assert_eq(moe_mkdir_p(out), MOE_OK, "%s", moe_last_error());
+    for (size_t i = 0; i < sizeof earlier_files / sizeof *earlier_files; i++) {
+        char path[600], text[64];
+        snprintf(path, sizeof path, "%s/%s", out, earlier_files[i]);
+        const int n = snprintf(text, sizeof text, "the earlier run's %s\n", earlier_files[i]);
+        cr_assert_eq(moe_file_write_atomic_buffer(path, text, (size_t)n), MOE_OK, "%s", moe_last_error());
+    }
+}
+
+static void expect_earlier_run(const char *out, const char *why) {
+    for (size_t i = 0; i < sizeof earlier_files / sizeof *earlier_files; i++) {
+        char path[600], want[64];
+        snprintf(path, sizeof path, "%s/%s", out, earlier_files[i]);
+        snprintf(want, sizeof want, "the earlier run's %s\n", earlier_files[i]);
+        size_t size;
+        char *text = read_file(path, &size);
+        cr_expect(strcmp(text, want) == 0, "%s: %s was rewritten: '%.60s'", why, earlier_files[i], text);
+        free(text);
+    }
+}
+
+/* Runs o, which must fail before its first step with a message holding
+ * every string of want (NULL-terminated), and leave out's files alone. */
+static void expect_refused(const moe_run_options *o, const char *why, const char *const *want) {
+    seen v;
+    moe_run_callbacks cb = callbacks(&v);
+    cr_assert_neq(moe_run(o, &cb), MOE_OK, "%s: the run succeeded", why);
+    const char *msg = moe_last_error();
+    cr_expect_eq(v.steps, 0, "%s: found after %d steps: %s", why, v.steps, msg);
+    for (; *want; want++) cr_expect(strstr(msg, *want) != NULL, "%s: '%s' does not name %s", why, msg, *want);
+    expect_earlier_run(o->out_dir, why);
+}
+
+static const char text_line[] = "The quick brown fox jumps over the lazy dog; 0123456789.\n";
+
+/* Training data shorter than one batch (4 x 32 + 1 tokens) is refused before
+ * the earlier run's files are touched. */
+Test(train_run, short_training_data_is_refused_up_front, .init = make_tmp, .fini = remove_tmp) {
+    char cfg[512], out[512], tiny[512];
+    moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_BYTE_VOCAB_SIZE), tmp_path(out, "out"));
+    o.data = write_text(tiny, "tiny.txt", "0123456789", 1);
+    write_earlier_run(out);
+    expect_refused(&o, "10-byte --data", (const char *const[]){"--data", tiny, NULL});
+}
+
+/* Validation data too short for --eval-batches, or holding a token outside
+ * the vocabulary where an evaluation reads, is refused before training (it
+ * used to fail at the first evaluation, after every step, with the final
+ * checkpoint unwritten). A bad token that no evaluation reads is fine. */
+Test(train_run, bad_validation_data_is_refused_up_front, .init = make_tmp, .fini = remove_tmp) {
+    char cfg[512], out[512], text[512], tiny[512];
+    moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_BYTE_VOCAB_SIZE), tmp_path(out, "out"));
+    o.data = write_text(text, "text.txt", text_line, 100);
+    o.val_data = write_text(tiny, "tiny.txt", "0123456789", 1);
+    write_earlier_run(out);
+    expect_refused(&o, "10-byte --val-data", (const char *const[]){"--val-data", tiny, "--eval-batches", NULL});
+    /* Without --val-data, --data validates too: 2 batches need 257 tokens. */
+    o.val_data = NULL;
+    o.data = write_text(text, "short.txt", text_line, 4); /* 228 bytes: a batch, not two */
+    expect_refused(&o, "228-byte --data validating",
+                   (const char *const[]){"validation data (--data)", text, "--eval-batches", NULL});
+
+    enum { VOCAB = 64, N = 1000 };
+    int32_t tokens[N];
+    char shard[512], val[512];
+    fill_tokens(tokens, N, VOCAB, 1);
+    cr_assert_eq(moe_data_write_shard(tmp_path(shard, "train_00.bin"), tokens, N), MOE_OK, "%s", moe_last_error());
+    o = tiny_options(write_tiny_config(cfg, VOCAB), out);
+    o.data = shard;
+    o.val_data = tmp_path(val, "val_00.bin");
+    o.steps = 2;
+    tokens[200] = VOCAB; /* read by the second evaluation batch */
+    cr_assert_eq(moe_data_write_shard(val, tokens, N), MOE_OK, "%s", moe_last_error());
+    expect_refused(&o, "a token >= vocab_size in --val-data", (const char *const[]){"--val-data", "val_00.bin", NULL});
+
+    tokens[200] = 0;
+    tokens[N - 1] = VOCAB; /* past the 2 x 4 x 32 + 1 tokens an evaluation reads */
+    cr_assert_eq(moe_data_write_shard(val, tokens, N), MOE_OK, "%s", moe_last_error());
+    seen v;
+    run_ok(&o, &v);
+    cr_expect_eq(v.steps, 2);
+}
+
+/* The last step's checkpoint is written before its evaluation, so a failing
+ * evaluation cannot lose the training; evaluations change nothing the
+ * checkpoint holds. */
+Test(train_run, checkpoint_precedes_the_last_evaluation, .init = make_tmp, .fini = remove_tmp) {
+    char cfg[512], out[2][512], a[512], b[512];
+    write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE);
+    moe_run_options o = tiny_options(cfg, tmp_path(out[0], "end"));
+    o.steps = 4;
+    o.shuffle = true;
+    seen end, every;
+    run_ok(&o, &end);
+    cr_expect(end.evals == 1 && end.saved_at_last_eval == 4,
+              "%d evaluations, the last one after the checkpoint of step %lld; want 1 after step 4's", end.evals,
+              (long long)end.saved_at_last_eval);
+    o.out_dir = tmp_path(out[1], "every");
+    o.eval_every = 1;
+    run_ok(&o, &every);
+    cr_expect_eq(every.evals, 4);
+    static const char *const files[] = {"model.safetensors", "train_state.safetensors"};
+    for (int f = 0; f < 2; f++) {
+        char name_a[96], name_b[96];
+        snprintf(name_a, sizeof name_a, "end/step-000004/%s", files[f]);
+        snprintf(name_b, sizeof name_b, "every/step-000004/%s", files[f]);
+        cr_expect(same_file(tmp_path(a, name_a), tmp_path(b, name_b)), "%s differs with an evaluation every step",
+                  files[f]);
+    }
+}
+
+/* After a crash past the checkpoint of step 5, the resumed run's
+ * metrics.jsonl holds each step once: the records after step 5 (and a
+ * half-written last line) are dropped before the steps are logged again. */
+Test(train_run, resume_logs_each_step_once, .init = make_tmp, .fini = remove_tmp) {
+    char cfg[512], out[512], path[512], resume[512];
+    moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE), tmp_path(out, "out"));
+    o.eval_every = 5;
+    o.save_every = 5;
+    seen v;
+    run_ok(&o, &v);
+    FILE *f = fopen(tmp_path(path, "out/metrics.jsonl"), "a");
+    cr_assert(f);
+    fputs("{\"step\":11,\"loss\":1.0", f); /* cut off by the crash */
+    cr_assert_eq(fclose(f), 0);
+
+    o.config = NULL;
+    o.resume = tmp_path(resume, "out/step-000005");
+    run_ok(&o, &v);
+    cr_assert_eq(v.steps, 5);
+    size_t size;
+    char *text = read_file(path, &size);
+    int step_lines[12] = {0}, eval_lines[12] = {0}, other = 0;
+    for (char *line = strtok(text, "\n"); line; line = strtok(NULL, "\n")) {
+        moe_json_doc *doc;
+        int64_t step = -1;
+        if (moe_json_parse(&doc, line, strlen(line), "metrics.jsonl") != MOE_OK) {
+            other++;
+            continue;
+        }
+        const moe_json *root = moe_json_root(doc);
+        const moe_json *s = moe_json_get(root, "step");
+        if (s && moe_json_int64(s, &step) == MOE_OK && step >= 1 && step <= 11)
+            (moe_json_get(root, "val_loss") ? eval_lines : step_lines)[step]++;
+        else
+            other++;
+        moe_json_free(doc);
+    }
+    free(text);
+    for (int s = 1; s <= 11; s++) {
+        cr_expect_eq(step_lines[s], s <= 10, "step %d logged %d times", s, step_lines[s]);
+        cr_expect_eq(eval_lines[s], s == 5 || s == 10, "step %d evaluated %d times", s, eval_lines[s]);
+    }
+    cr_expect_eq(other, 0, "%d lines without a step", other);
+}
+
+/* ------------------------------------------------------------- lr schedule */
+
+/* moe_lr_at at the edges: warm-up from lr / warmup up to lr, then the decay
+ * ends at min_lr on the last step, also when the decay is one step long. */
+Test(train_run, lr_schedule_edges, .init = make_tmp, .fini = remove_tmp) {
+    static const struct {
+        moe_lr_schedule schedule;
+        int64_t warmup, total, step;
+        double want;
+    } cases[] = {
+        {MOE_LR_COSINE, 2, 3, 0, 0.5},   {MOE_LR_COSINE, 2, 3, 1, 1.0},    {MOE_LR_COSINE, 2, 3, 2, 0.1},
+        {MOE_LR_LINEAR, 2, 3, 2, 0.1},   {MOE_LR_CONSTANT, 2, 3, 2, 1.0},  {MOE_LR_COSINE, 0, 1, 0, 0.1},
+        {MOE_LR_LINEAR, 0, 1, 0, 0.1},   {MOE_LR_COSINE, 0, 2, 0, 1.0},    {MOE_LR_COSINE, 0, 2, 1, 0.1},
+        {MOE_LR_COSINE, 2, 10, 2, 1.0},  {MOE_LR_COSINE, 2, 10, 9, 0.1},   {MOE_LR_LINEAR, 2, 10, 9, 0.1},
+        {MOE_LR_LINEAR, 2, 10, 5, 1.0 - 0.9 * 3.0 / 7.0},                  {MOE_LR_COSINE, 4, 4, 3, 1.0},
+        {MOE_LR_COSINE, 8, 4, 3, 0.5},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        moe_optim_config c = MOE_OPTIM_CONFIG_INIT;
+        c.lr = 1.0;
+        c.min_lr = 0.1;
+        c.schedule = cases[i].schedule;
+        c.warmup = cases[i].warmup;
+        c.total_steps = cases[i].total;
+        const double got = moe_lr_at(&c, cases[i].step);
+        cr_expect(fabs(got - cases[i].want) <= 1e-12, "%s, warmup %lld of %lld steps: step %lld lr %.15g, want %.15g",
+                  moe_lr_schedule_name(c.schedule), (long long)c.warmup, (long long)c.total_steps,
+                  (long long)cases[i].step, got, cases[i].want);
+    }
+
+    /* A warm-up as long as the run is allowed (short test runs) and said. */
+    char cfg[512], out[512];
+    moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE), tmp_path(out, "out"));
+    o.steps = 2;
+    o.warmup = 3;
+    o.eval_batches = 1;
+    seen v;
+    run_ok(&o, &v);
+    cr_expect(v.warnings == 1 && strstr(v.warning, "--warmup") && strstr(v.warning, "--steps"), "warnings %d: %s",
+              v.warnings, v.warning);
 }
 
 /* ------------------------------------------------------------- bad options */
@@ -497,6 +728,13 @@ static void empty_data(moe_run_options *o) { o->data = ""; }
 static void eval_only_alone(moe_run_options *o) { o->eval_only = true; }
 static void resume_and_init(moe_run_options *o) { o->resume = o->init_from = "somewhere"; }
 static void resume_and_config(moe_run_options *o) { o->resume = "somewhere"; }
+static void huge_steps(moe_run_options *o) { o->steps = INT64_MAX; }
+static void huge_batch(moe_run_options *o) {
+    o->batch_size = (int64_t)1 << 62;
+    o->seq_len = 4;
+}
+static void huge_accum(moe_run_options *o) { o->grad_accum = (int64_t)1 << 60; }
+static void huge_eval_batches(moe_run_options *o) { o->eval_batches = 100000000000; }
 static void profile_eval_only(moe_run_options *o) {
     o->eval_only = o->profile = true;
     o->init_from = "somewhere";
@@ -515,6 +753,8 @@ Test(train_run, bad_options_name_the_flag) {
         {"--out", empty_out},             {"--data", empty_data},
         {"--init-from", eval_only_alone}, {"--resume", resume_and_init},
         {"--config", resume_and_config},  {"--profile", profile_eval_only},
+        {"--steps", huge_steps},          {"--batch-size", huge_batch},
+        {"--grad-accum", huge_accum},     {"--eval-batches", huge_eval_batches},
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         moe_run_options o = tiny_options("tiny.json", "/nonexistent/out");

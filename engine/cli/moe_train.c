@@ -27,9 +27,10 @@ static void print_help(void) {
     moe_model_config m;
     moe_run_default_config(&m, MOE_SYNTH_VOCAB_SIZE);
     printf("Usage: " PROGRAM " [options]\n"
-           "Trains a Mixtral-style Mixture-of-Experts transformer on the CPU. With no options it\n"
-           "trains the default model on the built-in synthetic corpus until its validation loss\n"
-           "is near the corpus's entropy floor (the best loss any model can reach).\n\n");
+           "Trains a Mixtral-style Mixture-of-Experts transformer, on a GPU when one answers and\n"
+           "on the CPU otherwise (--device). With no options it trains the default model on the\n"
+           "built-in synthetic corpus until its validation loss is near the corpus's entropy\n"
+           "floor (the best loss any model can reach).\n\n");
     printf("Model:\n"
            "  --config FILE        Hugging Face Mixtral config.json (plus moe_* keys). Default:\n"
            "                       --init-from's config.json, else the built-in model: d_model %lld,\n"
@@ -80,7 +81,8 @@ static void print_help(void) {
            "                       run keeps to the op table, as a GPU needs)\n"
            "  --gemm-math M        fp32 (default): GPU GEMMs in plain fp32; tf32, bf16: the\n"
            "                       tensor cores, inputs rounded inside each GEMM, fp32 sums\n"
-           "  --threads N          OpenMP (and OpenBLAS) threads; 0 = all cores (default)\n"
+           "  --threads N          OpenMP (and OpenBLAS) threads; 0 = OpenMP's default:\n"
+           "                       OMP_NUM_THREADS, else every core (default)\n"
            "  --peak-gflops X      the MFU denominator; 0 = measure the device's fp32 GEMM at\n"
            "                       start-up (default)\n"
            "  --profile            time every op of the steps after the first (on a GPU: events\n"
@@ -180,7 +182,8 @@ static int set_flag(moe_run_options *o, const flag *f, const char *value) {
     case F_SEED: return parse_seed(field, f->name, value);
     case F_THREADS:
         if (parse_int(&i, f->name, value)) return 2;
-        if (i < 0 || i > INT_MAX) return usage_error("%s %s: expected 0 (all cores) or a thread count", f->name, value);
+        if (i < 0 || i > INT_MAX)
+            return usage_error("%s %s: expected 0 (OpenMP's default) or a thread count", f->name, value);
         *(int *)field = (int)i;
         return 0;
     case F_SMALL: /* an int field; the run's validation checks the range */
@@ -303,10 +306,12 @@ static void on_start(void *ctx, const moe_run_summary *s) {
         printf("grid     %d ranks: %d data-parallel, experts split over groups of %d; AdamW state %.2f MB per rank%s\n",
                s->ranks, s->ranks, s->ep, (double)s->optimizer_bytes * 1e-6, o->zero ? " (--zero 1)" : "");
     if (!p->eval_only) {
-        printf("run      steps %lld..%lld, B %lld x T %lld x accum %lld = %lld tokens per step, %.2f GFLOP per step, "
-               "out %s\n",
+        char ranks[32] = "";
+        if (s->ranks > 1) snprintf(ranks, sizeof ranks, " x %d ranks", s->ranks);
+        printf("run      steps %lld..%lld, B %lld x T %lld x accum %lld%s = %lld tokens per step, %.2f GFLOP per "
+               "step, out %s\n",
                (long long)s->start_step + 1, (long long)o->steps, (long long)o->batch_size, (long long)o->seq_len,
-               (long long)o->grad_accum, (long long)s->tokens_per_step, s->step_flops * 1e-9, o->out_dir);
+               (long long)o->grad_accum, ranks, (long long)s->tokens_per_step, s->step_flops * 1e-9, o->out_dir);
     }
 }
 
@@ -444,6 +449,15 @@ static void on_end(void *ctx, const moe_run_end *e) {
     printf("val_loss %.9g\n", e->val_loss);
 }
 
+/* This process's rank as mpirun's environment gives it when the job has
+ * more than one rank, else NULL (one process, perhaps an MPI singleton,
+ * which sets PMIx variables only). Known before the run says it. */
+static const char *launcher_rank(void) {
+    const char *rank = getenv("OMPI_COMM_WORLD_RANK") ? getenv("OMPI_COMM_WORLD_RANK") : getenv("PMI_RANK");
+    const char *size = getenv("OMPI_COMM_WORLD_SIZE") ? getenv("OMPI_COMM_WORLD_SIZE") : getenv("PMI_SIZE");
+    return rank && size && atoi(size) > 1 ? rank : NULL;
+}
+
 int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IOLBF, 0);
     moe_run_options o;
@@ -459,7 +473,10 @@ int main(int argc, char **argv) {
     join_command_line(command_line, sizeof command_line, argc, argv);
     o.command_line = command_line;
 
-    printer p = {.tty = isatty(STDOUT_FILENO), .eval_only = o.eval_only, .kill_rank = -1, .kill_step = -1};
+    /* Only rank 0 prints, also the warnings that come before on_start. */
+    const char *rank = launcher_rank();
+    printer p = {.tty = isatty(STDOUT_FILENO), .eval_only = o.eval_only, .rank = rank ? atoi(rank) : 0,
+                 .quiet = rank && atoi(rank) != 0, .kill_rank = -1, .kill_step = -1};
     const char *fault = getenv("MOE_FAULT_KILL");
     if (fault && (sscanf(fault, "%d:%d", &p.kill_rank, &p.kill_step) != 2 || p.kill_step < 1))
         return usage_error("MOE_FAULT_KILL=%s: expected RANK:STEP with STEP >= 1", fault);
@@ -476,9 +493,8 @@ int main(int argc, char **argv) {
     if (st != MOE_OK) {
         clear_bar(&p);
         fflush(stdout);
-        const char *rank = getenv("OMPI_COMM_WORLD_RANK") ? getenv("OMPI_COMM_WORLD_RANK") : getenv("PMI_RANK");
-        if (moe_run_launched_by_mpi())
-            fprintf(stderr, PROGRAM ": rank %s: %s: %s\n", rank ? rank : "?", moe_status_string(st), moe_last_error());
+        if (rank)
+            fprintf(stderr, PROGRAM ": rank %s: %s: %s\n", rank, moe_status_string(st), moe_last_error());
         else
             fprintf(stderr, PROGRAM ": %s: %s\n", moe_status_string(st), moe_last_error());
         return 1;
