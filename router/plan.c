@@ -1,10 +1,16 @@
 #include "router/plan.h"
 
+#include <float.h>
 #include <math.h>
 
 int64_t moe_capacity(double capacity_factor, int64_t T, int64_t k, int64_t E) {
     if (capacity_factor <= 0.0) return -1;
-    return (int64_t)ceil(capacity_factor * (double)T * (double)k / (double)E);
+    const double x = capacity_factor * (double)T * (double)k / (double)E, nearest = nearbyint(x);
+    /* cf is a decimal that binary floating point holds only nearly, so an
+     * exact quotient can land a few ulp above its integer (1.1 * 100 * 2 / 10
+     * = 22.000000000000004): such a quotient is that integer. */
+    if (fabs(x - nearest) <= 8.0 * DBL_EPSILON * nearest) return (int64_t)nearest;
+    return (int64_t)ceil(x);
 }
 
 int64_t moe_keep_counts(int64_t *kept, const int64_t *rank_assigned, int64_t N, int64_t e, int64_t E, int64_t cap) {

@@ -6,7 +6,9 @@
 
 #include <stdint.h>
 
-/* Rows each expert may take: ceil(cf * T * k / E), or -1 for dropless (cf = 0). */
+/* Rows each expert may take: ceil(cf * T * k / E) in exact arithmetic (a
+ * quotient within a few ulp of an integer is that integer), or -1 for
+ * dropless (cf = 0). */
 int64_t moe_capacity(double capacity_factor, int64_t T, int64_t k, int64_t E);
 
 /* kept [N]: the pairs each of N ranks keeps for expert e under capacity cap

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "moe.h"
+#include "router/plan.h"
 
 static moe_layer_config good_cfg(void) {
     moe_layer_config c = MOE_LAYER_CONFIG_INIT;
@@ -111,6 +112,24 @@ Test(config, coefficients) {
             snprintf(why, sizeof why, "%s=%g", fields[f], bad[i]);
             expect_bad(&c, fields[f], why);
         }
+}
+
+/* Capacity is ceil(cf * T * k / E) of the decimal cf, not of its binary
+ * neighbour: 1.1 * 100 * 2 / 10 is 22 (in doubles 22.000000000000004). */
+Test(config, capacity_of_exact_quotients) {
+    static const struct {
+        double cf;
+        int64_t T, k, E, want;
+    } cases[] = {
+        {1.1, 100, 2, 10, 22}, {2.2, 50, 2, 10, 22}, {0.55, 200, 2, 10, 22}, {2.45, 200, 1, 7, 70},
+        {1.25, 96, 2, 8, 30},  {1.0, 7, 2, 8, 2},    {1.1, 101, 2, 10, 23},  {0.0, 100, 2, 10, -1},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        const int64_t got = moe_capacity(cases[i].cf, cases[i].T, cases[i].k, cases[i].E);
+        cr_expect(got == cases[i].want, "capacity(cf %g, T %lld, k %lld, E %lld) = %lld, want %lld", cases[i].cf,
+                  (long long)cases[i].T, (long long)cases[i].k, (long long)cases[i].E, (long long)got,
+                  (long long)cases[i].want);
+    }
 }
 
 Test(config, null_arguments) {

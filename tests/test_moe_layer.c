@@ -603,7 +603,12 @@ static int64_t first_diff(const float *a, const float *b, int64_t n) {
     return -1;
 }
 
-/* Large enough that every parallel loop splits across threads. */
+/* Large enough that every parallel loop splits across threads. Across runs
+ * the layer is bitwise; across thread counts its own loops and the experts
+ * are by construction (kernels/cpu/experts.c), while the router's three
+ * GEMMs are multi-threaded OpenBLAS calls, which at some shapes (d or T of
+ * 1000, say) sum differently with another thread count, as dense.h says of
+ * the matmuls; at this one they agree. */
 Test(layer, bitwise_deterministic_across_runs_and_threads) {
     moe_layer_config cfg = make_cfg(48, 40, 8, 2, MOE_GATE_SOFTMAX_TOPK, 1, 1.25, 1);
     fx f;

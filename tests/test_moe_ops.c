@@ -12,6 +12,7 @@
 #include <criterion/criterion.h>
 #include <math.h>
 #include <stdbool.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -263,6 +264,18 @@ Test(ops, gate_forward_ties_go_to_lower_index) {
                               kind_name((moe_gate_kind)kind), r, (long long)k, (long long)j, idx[j],
                               want[r][k - 1][j]);
             }
+}
+
+/* alloc refuses a size that rounding up to its alignment would wrap. */
+Test(ops, alloc_refuses_sizes_near_size_max) {
+    const moe_ops *backends[2] = {moe_cpu_ops(), moe_strict_ops()};
+    for (int b = 0; b < 2; b++) {
+        void *p = (void *)1;
+        cr_expect(backends[b]->alloc(&p, SIZE_MAX - 100) == MOE_ERR_OUT_OF_MEMORY && p == NULL,
+                  "%s: alloc of SIZE_MAX - 100 bytes", backends[b]->name);
+        cr_expect(backends[b]->alloc(&p, 100) == MOE_OK && p != NULL, "%s: alloc of 100 bytes", backends[b]->name);
+        backends[b]->release(p);
+    }
 }
 
 /* moe_expf (moe_math.h) keeps NaN a NaN, and clamps the infinities to

@@ -10,6 +10,8 @@
 #define CPU_ALIGN_BYTES 256
 
 static moe_status cpu_alloc(void **out, size_t bytes) {
+    *out = NULL;
+    if (bytes > SIZE_MAX - CPU_ALIGN_BYTES) return moe_error(MOE_ERR_OUT_OF_MEMORY, "cpu backend: %zu bytes", bytes);
     const size_t rounded = (bytes + CPU_ALIGN_BYTES - 1) / CPU_ALIGN_BYTES * CPU_ALIGN_BYTES;
     *out = aligned_alloc(CPU_ALIGN_BYTES, rounded ? rounded : CPU_ALIGN_BYTES);
     if (!*out) return moe_error(MOE_ERR_OUT_OF_MEMORY, "cpu backend: %zu bytes", bytes);

@@ -44,6 +44,8 @@ static void close_all(void) { protect_all(PROT_NONE); }
 
 static moe_status strict_alloc(void **out, size_t bytes) {
     const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    *out = NULL;
+    if (bytes > SIZE_MAX - page) return moe_error(MOE_ERR_OUT_OF_MEMORY, "strict backend: %zu bytes", bytes);
     const size_t rounded = (bytes + page - 1) / page * page;
     if (n_pieces == cap_pieces) {
         int64_t cap = cap_pieces ? 2 * cap_pieces : 64;
