@@ -165,6 +165,20 @@ static void expect_same_i32(const char *what, const int32_t *got, const int32_t 
               bad ? want[first] : 0);
 }
 
+/* The bytes [from, to) of device memory dev, poisoned with POISON_FLOAT
+ * before the op, must still be: an op wrote nothing past its rows. */
+static void expect_untouched(const char *what, const void *dev, size_t from, size_t to) {
+    if (to <= from) return;
+    unsigned char *got = ref_alloc(to);
+    dget(got, dev, to);
+    size_t written = 0, first = to;
+    for (size_t i = from; i < to; i++)
+        if (got[i] != POISON_FLOAT && written++ == 0) first = i;
+    cr_expect(written == 0, "%s: %zu bytes past the rows written, the first at byte %zu of [%zu, %zu)", what,
+              written, first, from, to);
+    free(got);
+}
+
 /* bf16 round to nearest even (inputs are finite), and back. */
 static uint16_t to_bf16(float f) {
     uint32_t u;
@@ -783,13 +797,18 @@ Test(cuda, experts_fp32_loop_and_batched) {
 #define EXPECT_OUT(field, want, n)                                                                 \
     snprintf(what, sizeof what, "experts fp32 %s %s", name, #field);                               \
     expect_dev(what, b.field, want, n, TOL_F32)
-        EXPECT_OUT(h, c.h, c.rows * 2 * f);
-        EXPECT_OUT(g, c.g, c.rows * f);
-        EXPECT_OUT(y, c.y, c.rows * d);
-        EXPECT_OUT(dh, c.dh, c.rows * 2 * f);
-        EXPECT_OUT(dx, c.dx, c.rows * d);
+#define EXPECT_ROWS(field, want, width)                                                            \
+    EXPECT_OUT(field, want, c.rows * (width));                                                     \
+    expect_untouched(what, b.field, (size_t)(c.rows * (width)) * sizeof(float),                    \
+                     (size_t)(R * (width)) * sizeof(float))
+        EXPECT_ROWS(h, c.h, 2 * f);
+        EXPECT_ROWS(g, c.g, f);
+        EXPECT_ROWS(y, c.y, d);
+        EXPECT_ROWS(dh, c.dh, 2 * f);
+        EXPECT_ROWS(dx, c.dx, d);
         EXPECT_OUT(dw13, dw13, E * 2 * f * d);
         EXPECT_OUT(dw2, dw2, E * d * f);
+#undef EXPECT_ROWS
 #undef EXPECT_OUT
         free(dw13), free(dw2);
         free_experts(&c);
@@ -836,6 +855,8 @@ Test(cuda, grouped_gemm_bf16_all_algos) {
             expect_dev_bf16(what, dc, want, off[E] * n);
         else
             expect_dev(what, dc, want, off[E] * n, TOL_BF16);
+        const size_t bytes = moe_cuda_dtype_bytes(runs[r].out);
+        expect_untouched(what, dc, (size_t)(off[E] * n) * bytes, (size_t)(R * n) * bytes);
     }
     free(a), free(b), free(a16), free(b16), free(want);
     gpu_end();
@@ -877,18 +898,19 @@ Test(cuda, experts_bf16) {
         const char *name = moe_cuda_grouped_algo_name(algos[a]);
         char what[96];
         CHECK(moe_cuda_experts_forward(&b, algos[a], ctx));
-        snprintf(what, sizeof what, "experts bf16 %s h", name);
-        expect_dev_bf16(what, b.h, c.h, c.rows * 2 * f);
-        snprintf(what, sizeof what, "experts bf16 %s g", name);
-        expect_dev_bf16(what, b.g, c.g, c.rows * f);
-        snprintf(what, sizeof what, "experts bf16 %s y", name);
-        expect_dev_bf16(what, b.y, c.y, c.rows * d);
+#define EXPECT_ROWS_BF16(label, field, want, width)                                                \
+    snprintf(what, sizeof what, label, name);                                                      \
+    expect_dev_bf16(what, b.field, want, c.rows * (width));                                        \
+    expect_untouched(what, b.field, (size_t)(c.rows * (width)) * 2, (size_t)(R * (width)) * 2)
+        EXPECT_ROWS_BF16("experts bf16 %s h", h, c.h, 2 * f);
+        EXPECT_ROWS_BF16("experts bf16 %s g", g, c.g, f);
+        EXPECT_ROWS_BF16("experts bf16 %s y", y, c.y, d);
         /* cuBLAS's grouped call has no bf16-in, fp32-out mode for the weight
          * gradients, and the mma kernel serves the forward only: the
          * backward runs on the loop. */
         CHECK(moe_cuda_experts_backward(&b, MOE_CUDA_GROUPED_LT_LOOP, ctx));
-        snprintf(what, sizeof what, "experts bf16 backward after %s dx", name);
-        expect_dev_bf16(what, b.dx, c.dx, c.rows * d);
+        EXPECT_ROWS_BF16("experts bf16 backward after %s dx", dx, c.dx, d);
+#undef EXPECT_ROWS_BF16
         snprintf(what, sizeof what, "experts bf16 backward after %s dw13", name);
         expect_dev(what, b.dw13, dw13, E * 2 * f * d, TOL_BF16);
         snprintf(what, sizeof what, "experts bf16 backward after %s dw2", name);
@@ -1312,16 +1334,7 @@ Test(cuda, table_gate_plan_permute) {
         char what[64];
         snprintf(what, sizeof what, "table permute d=%lld", (long long)d);
         expect_close(what, xp_got, xp, n_rows * d, 0.0);
-        uint32_t poison;
-        memset(&poison, POISON_FLOAT, sizeof poison);
-        int64_t written = 0;
-        for (int64_t i = n_rows * d; i < Tk * d; i++) {
-            uint32_t bits;
-            memcpy(&bits, &xp_got[i], sizeof bits);
-            written += bits != poison;
-        }
-        cr_expect(written == 0, "%s: %lld elements past row %lld written", what,
-                  (long long)written, (long long)n_rows);
+        expect_untouched(what, d_xp, (size_t)(n_rows * d) * sizeof(float), (size_t)(Tk * d) * sizeof(float));
         free(x), free(xp), free(xp_got);
     }
 
