@@ -756,6 +756,114 @@ Test(layer, jitter_only_in_training) {
     fx_destroy(&plain);
 }
 
+/* The loss of check_grad (sum dy * y + aux_coef * aux + z_coef * z) of the
+ * layer's own forward, in double from its fp32 outputs, with the jitter
+ * draw of the given counter; *same: the router chose base_topk [T, k]. */
+static double layer_loss_at(moe_layer *l, const moe_layer_config *cfg, uint64_t counter, float *y,
+                            const float *x, const float *dy, int64_t T, const int32_t *base_topk, int *same) {
+    moe_layer_set_jitter_counter(l, counter);
+    moe_layer_stats st = {0};
+    cr_assert(moe_layer_forward(l, y, x, T, &st) == MOE_OK, "%s", moe_last_error());
+    const int32_t *topk;
+    cr_assert(moe_layer_last_topk(l, &topk) == MOE_OK, "%s", moe_last_error());
+    *same = memcmp(topk, base_topk, (size_t)(T * cfg->top_k) * sizeof *topk) == 0;
+    double s = 0.0;
+    for (int64_t i = 0; i < T * cfg->d_model; i++) s += (double)dy[i] * y[i];
+    return s + cfg->aux_loss_coef * st.aux_loss + cfg->z_loss_coef * st.z_loss;
+}
+
+/* Training with jitter computes f(x * noise), one noise draw per forward:
+ * with the draw held (the counter set back before every forward), the
+ * gradients must be those of x -> f(x * noise), so dx carries the noise
+ * factor and the router and experts see the jittered input. No reference
+ * knows the noise, so the finite differences are of the layer's own fp32
+ * forward (which forward_matches_reference checks without jitter): central,
+ * over the float steps actually taken (x +- JITTER_FD_STEP rounded), with
+ * the routing held as in check_grad. Their error (fp32 rounding of the loss
+ * over a 2e-3 step) reaches ~1e-4 of the largest gradient, so the
+ * tolerance is 2e-3 of it plus 1e-2 of each element (the errors seen stay
+ * under a tenth of that); jitter_eps = 0.5 makes the noise factors 0.5 ..
+ * 1.5, so a dx without them is off by a quarter on average. */
+#define JITTER_FD_STEP 1e-3f
+Test(layer, backward_with_jitter_vs_finite_differences) {
+    moe_layer_config cfg = make_cfg(7, 5, 5, 2, MOE_GATE_SOFTMAX_TOPK, 1, 0.0, 1);
+    cfg.aux_loss_coef = 0.7;
+    cfg.z_loss_coef = 0.2;
+    cfg.jitter_eps = 0.5;
+    cfg.seed = 9;
+    fx f;
+    fx_create(&f, &cfg, 5000);
+    const int64_t T = 8, d = cfg.d_model, k = cfg.top_k;
+    float *x = ref_alloc((size_t)(T * d) * sizeof *x), *y = ref_alloc((size_t)(T * d) * sizeof *y);
+    float *dy = ref_alloc((size_t)(T * d) * sizeof *dy), *dx = ref_alloc((size_t)(T * d) * sizeof *dx);
+    draw_x(x, &f, T, 0, 5000);
+    ref_rng rng = {5099};
+    ref_fill(dy, T * d, &rng, -1, 1);
+
+    cr_assert(moe_layer_set_training(f.layer, 1) == MOE_OK);
+    const uint64_t counter = moe_layer_jitter_counter(f.layer);
+    cr_assert(moe_layer_zero_grad(f.layer) == MOE_OK);
+    cr_assert(moe_layer_forward(f.layer, y, x, T, NULL) == MOE_OK, "%s", moe_last_error());
+    cr_assert(moe_layer_backward(f.layer, dx, dy, x) == MOE_OK, "%s", moe_last_error());
+    cr_assert(moe_layer_jitter_counter(f.layer) == counter + 1, "a training forward must draw new noise");
+    const int32_t *topk;
+    cr_assert(moe_layer_last_topk(f.layer, &topk) == MOE_OK, "%s", moe_last_error());
+    int32_t *base = ref_alloc((size_t)(T * k) * sizeof *base);
+    memcpy(base, topk, (size_t)(T * k) * sizeof *base);
+    const int64_t np = moe_layer_param_count(f.layer);
+    float *grads = ref_alloc((size_t)np * sizeof *grads);
+    memcpy(grads, moe_layer_grads(f.layer), (size_t)np * sizeof *grads);
+
+    int64_t checked = 0, skipped = 0;
+    for (int64_t i = 0; i <= f.n_tensors; i++) {
+        /* i == n_tensors: the input x */
+        const int is_x = i == f.n_tensors;
+        float *p = x;
+        const float *got = dx;
+        int64_t cnt = T * d;
+        if (!is_x) {
+            moe_tensor_view v;
+            cr_assert(moe_layer_tensor_by_name(f.layer, f.t[i].name, &v) == MOE_OK);
+            p = v.param;
+            got = grads + (v.param - moe_layer_params(f.layer));
+            cnt = v.rows * v.cols;
+        }
+        double *want = ref_alloc((size_t)cnt * sizeof *want);
+        for (int64_t j = 0; j < cnt; j++) {
+            const float keep = p[j];
+            int same_p, same_m;
+            p[j] = keep + JITTER_FD_STEP;
+            const double step_p = (double)p[j] - keep;
+            const double lp = layer_loss_at(f.layer, &cfg, counter, y, x, dy, T, base, &same_p);
+            p[j] = keep - JITTER_FD_STEP;
+            const double step_m = keep - (double)p[j];
+            const double lm = layer_loss_at(f.layer, &cfg, counter, y, x, dy, T, base, &same_m);
+            p[j] = keep;
+            if (same_p && same_m) {
+                want[j] = (lp - lm) / (step_p + step_m);
+                checked++;
+            } else {
+                want[j] = got[j];
+                skipped++;
+            }
+        }
+        char what[96];
+        snprintf(what, sizeof what, "jitter_eps=0.5 d%s", is_x ? "x" : f.t[i].name);
+        REF_EXPECT_CLOSE(what, got, want, cnt, 2e-3 * fmax(ref_max_abs(want, cnt), 1e-3), 1e-2);
+        free(want);
+    }
+    cr_expect(skipped * 20 <= checked + skipped,
+              "jitter: %lld of %lld coordinates skipped for routing changes (want <= 5%%)", (long long)skipped,
+              (long long)(checked + skipped));
+    free(base);
+    free(grads);
+    free(x);
+    free(y);
+    free(dy);
+    free(dx);
+    fx_destroy(&f);
+}
+
 /* 2 flops per multiply-add: router T*E*d, each of the T*k routed pairs and
  * each token's shared expert three d x width GEMVs. */
 Test(layer, forward_flops) {

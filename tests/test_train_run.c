@@ -92,6 +92,8 @@ typedef struct seen {
     bool kinds_ok;
     moe_run_kind_report kinds;
     double routing_sum_err; /* worst |row sum - 1| of the routing tables */
+    double routing_uniform_err; /* worst |share - 1/n_experts| of the routing tables */
+    int64_t uniform_worst[3];   /* where: layer, kind, expert */
 } seen;
 
 static void on_start(void *ctx, const moe_run_summary *s) {
@@ -142,7 +144,14 @@ static void on_end(void *ctx, const moe_run_end *e) {
         for (int k = 0; k < MOE_SYNTH_KIND_COUNT; k++) {
             if (r->tokens[k] == 0) continue;
             double sum = 0.0;
-            for (int64_t x = 0; x < r->n_experts; x++) sum += moe_run_routing_at(r, l, k, x);
+            for (int64_t x = 0; x < r->n_experts; x++) {
+                const double share = moe_run_routing_at(r, l, k, x), err = fabs(share - 1.0 / (double)r->n_experts);
+                sum += share;
+                if (err > v->routing_uniform_err) {
+                    v->routing_uniform_err = err;
+                    memcpy(v->uniform_worst, (int64_t[3]){l, k, x}, sizeof v->uniform_worst);
+                }
+            }
             v->routing_sum_err = fmax(v->routing_sum_err, fabs(sum - 1.0));
         }
 }
@@ -246,6 +255,35 @@ Test(train_run, synthetic_loss_falls, .init = make_tmp, .fini = remove_tmp) {
     cr_expect(steps && steps->type == MOE_JSON_NUMBER && steps->number.value == 40, "run.json options");
     moe_json_free(doc);
     free(text);
+}
+
+/* With top_k = num_local_experts the router sends every token to every
+ * expert, so each row of the routing report, every layer's and the sum
+ * over layers, is exactly 1/E for every kind: what the report must show
+ * whatever the weights. */
+Test(train_run, routing_report_when_every_token_takes_every_expert, .init = make_tmp, .fini = remove_tmp) {
+    char cfg[512], out[512];
+    moe_model_config c;
+    cr_assert_eq(moe_model_config_load(&c, write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE), NULL, NULL), MOE_OK, "%s",
+                 moe_last_error());
+    c.num_experts_per_tok = c.num_local_experts;
+    cr_assert_eq(moe_model_config_save(&c, cfg), MOE_OK, "%s", moe_last_error());
+    moe_run_options o = tiny_options(cfg, tmp_path(out, "out"));
+    o.steps = 2;
+    seen v;
+    moe_run_callbacks cb = callbacks(&v);
+    cb.on_start = NULL; /* its params > active_params does not hold: every parameter is active */
+    cr_assert_eq(moe_run(&o, &cb), MOE_OK, "moe_run: %s", moe_last_error());
+    cr_assert(v.kinds_ok, "no per-kind report for synthetic data");
+    cr_assert(v.kinds.n_layers == 2 && v.kinds.n_experts == 4 && v.kinds.top_k == 4, "report of %lld layers, %lld "
+              "experts, top_k %lld", (long long)v.kinds.n_layers, (long long)v.kinds.n_experts,
+              (long long)v.kinds.top_k);
+    int kinds_seen = 0;
+    for (int k = 0; k < MOE_SYNTH_KIND_COUNT; k++) kinds_seen += v.kinds.tokens[k] > 0;
+    cr_assert(kinds_seen >= 2, "only %d kinds in the validation targets", kinds_seen);
+    cr_expect(v.routing_uniform_err == 0.0, "layer block %lld, kind %lld, expert %lld: share off 1/4 by %g",
+              (long long)v.uniform_worst[0], (long long)v.uniform_worst[1], (long long)v.uniform_worst[2],
+              v.routing_uniform_err);
 }
 
 static bool same_file(const char *a, const char *b) {
@@ -663,7 +701,11 @@ Test(train_run, resume_logs_each_step_once, .init = make_tmp, .fini = remove_tmp
 /* ------------------------------------------------------------- lr schedule */
 
 /* moe_lr_at at the edges: warm-up from lr / warmup up to lr, then the decay
- * ends at min_lr on the last step, also when the decay is one step long. */
+ * ends at min_lr on the last step, also when the decay is one step long.
+ * Mid-decay, where cosine and linear differ (not at progress 1/2, where
+ * they agree): known values at progress 1/3 and 2/3 (cosine 3/4 and 1/4 of
+ * the way from min_lr to lr), then every step of a longer decay against
+ * the formula. */
 Test(train_run, lr_schedule_edges, .init = make_tmp, .fini = remove_tmp) {
     static const struct {
         moe_lr_schedule schedule;
@@ -676,6 +718,8 @@ Test(train_run, lr_schedule_edges, .init = make_tmp, .fini = remove_tmp) {
         {MOE_LR_COSINE, 2, 10, 2, 1.0},  {MOE_LR_COSINE, 2, 10, 9, 0.1},   {MOE_LR_LINEAR, 2, 10, 9, 0.1},
         {MOE_LR_LINEAR, 2, 10, 5, 1.0 - 0.9 * 3.0 / 7.0},                  {MOE_LR_COSINE, 4, 4, 3, 1.0},
         {MOE_LR_COSINE, 8, 4, 3, 0.5},
+        {MOE_LR_COSINE, 2, 6, 3, 0.1 + 0.9 * 0.75},  {MOE_LR_COSINE, 2, 6, 4, 0.1 + 0.9 * 0.25},
+        {MOE_LR_LINEAR, 2, 6, 3, 0.1 + 0.9 * 2.0 / 3.0}, {MOE_LR_LINEAR, 2, 6, 4, 0.1 + 0.9 / 3.0},
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         moe_optim_config c = MOE_OPTIM_CONFIG_INIT;
@@ -688,6 +732,22 @@ Test(train_run, lr_schedule_edges, .init = make_tmp, .fini = remove_tmp) {
         cr_expect(fabs(got - cases[i].want) <= 1e-12, "%s, warmup %lld of %lld steps: step %lld lr %.15g, want %.15g",
                   moe_lr_schedule_name(c.schedule), (long long)c.warmup, (long long)c.total_steps,
                   (long long)cases[i].step, got, cases[i].want);
+    }
+    const double pi = 3.14159265358979323846;
+    for (int cosine = 0; cosine < 2; cosine++) {
+        moe_optim_config c = MOE_OPTIM_CONFIG_INIT;
+        c.lr = 1.0;
+        c.min_lr = 0.1;
+        c.schedule = cosine ? MOE_LR_COSINE : MOE_LR_LINEAR;
+        c.warmup = 3;
+        c.total_steps = 12;
+        for (int64_t s = c.warmup; s < c.total_steps; s++) {
+            const double progress = (double)(s - c.warmup) / (double)(c.total_steps - c.warmup - 1);
+            const double frac = cosine ? 0.5 * (1.0 + cos(pi * progress)) : 1.0 - progress;
+            const double want = c.min_lr + (c.lr - c.min_lr) * frac, got = moe_lr_at(&c, s);
+            cr_expect(fabs(got - want) <= 1e-12, "%s, warmup 3 of 12 steps: step %lld lr %.15g, want %.15g",
+                      moe_lr_schedule_name(c.schedule), (long long)s, got, want);
+        }
     }
 
     /* A warm-up as long as the run is allowed (short test runs) and said. */
