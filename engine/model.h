@@ -108,8 +108,9 @@ moe_model_run moe_model_get_run(const moe_model *model, moe_model_run_id run);
 /* Parameters touched by one token: the dense run and top_k experts per
  * layer, on any grid. */
 int64_t moe_model_active_param_count(const moe_model *model);
-/* Training FLOPs of one forward + backward over B*T tokens (matmuls, the
- * active experts and attention's two T x T products), for MFU. */
+/* Training FLOPs of one forward + backward over B*T tokens, for MFU: 6 per
+ * active parameter but the embedding (the norms' few weights counted as if
+ * they were matmuls'), plus attention's two causal T x T products. */
 double moe_model_step_flops(const moe_model *model);
 
 /* Per-expert statistics of the last forward, summed over layers. */
