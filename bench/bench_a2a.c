@@ -40,7 +40,9 @@
 #define DEFAULT_TOP_K 2
 #define DEFAULT_D_FF 16
 #define MAX_SIZES 64
-#define POISON (-1.0f) /* never a sent value, which are >= 0 */
+/* What a receive buffer or a layer output holds before each exchange or
+ * step: equal to nothing, so never a sent value nor within any tolerance. */
+#define POISON NAN
 
 typedef enum a2a_dist { DIST_UNIFORM, DIST_ZIPF, DIST_HOT } a2a_dist;
 typedef enum a2a_mode { MODE_RAW, MODE_DISPATCH } a2a_mode;
@@ -70,13 +72,17 @@ static void print_help(FILE *f) {
             "started after a barrier. time is the median over iterations of the slowest\n"
             "rank; algbw = size / time, the rows a rank keeps for itself included as in\n"
             "nccl-tests; busbw = algbw * (n-1)/n (nccl-tests' definition); ratio = algbw /\n"
-            "mpi_algbw. #wrong counts wrong elements over all ranks; any gives exit 1.\n"
+            "mpi_algbw. #wrong counts wrong elements over all ranks and iterations, the\n"
+            "warm-up included: before each exchange (or step) what it writes is poisoned,\n"
+            "after it every element is checked, both outside the timed region, so an\n"
+            "exchange that moves nothing counts however often it ran right before. Any\n"
+            "wrong element gives exit 1.\n"
             "Run with OMP_NUM_THREADS=1 when ranks outnumber cores.\n"
             "\n"
             "--mode raw (default): the communicator's all-to-all-v (moe_comm, the call the\n"
             "  MoE layer makes) alone. Receivers learn their counts by an all-to-all of\n"
             "  counts before the timed region; every received element is checked against\n"
-            "  the value computed from (source rank, row, element).\n"
+            "  the value computed from (source rank, row, element), after every exchange.\n"
             "\n"
             "--mode dispatch: the MoE layer's dispatch + combine path inside real forward\n"
             "  and backward passes, expert-parallel over all N ranks: d_model = row-bytes/4,\n"
@@ -100,9 +106,12 @@ static void print_help(FILE *f) {
             "  copy      one memcpy of size bytes on every rank at once: the unit of the\n"
             "            memory-bound permute and combine passes mpi does not make\n"
             "  exch%%     the exchange's share of a step; experts: the grouped GEMMs of a step\n"
-            "  #wrong    y and dx of every token on every rank against a one-rank layer with\n"
-            "            the same parameters on the same tokens (|got - want| > 1e-5\n"
-            "            max|want| + 1e-5 |want|); mpi: both directions against what was sent\n"
+            "  #wrong    y and dx of every token on every rank after every step against a\n"
+            "            one-rank layer with the same parameters on the same tokens\n"
+            "            (|got - want| > 1e-5 max|want| + 1e-5 |want|); steps alternate\n"
+            "            between two sets of tokens that route alike and carry different\n"
+            "            values, so rows left over from the step before show; mpi: both\n"
+            "            directions of every exchange against what was sent\n"
             "\n"
             "sizes (bytes sent per rank; K, M, G suffixes are powers of 1024):\n"
             "  -b, --minbytes N      smallest size (default 64K)\n"
@@ -368,24 +377,35 @@ static void fill_sent(float *send, const a2a_counts *c, uint64_t seed, int rank,
         for (int64_t i = 0; i < c->sc[j]; i++) send[c->sd[j] + i] = sent_value(seed, rank, j, i);
 }
 
-/* Elements of recv (source-major, recv_rows[P] rows from each source) that
- * differ from what fill_sent put there on the sources. */
-static int64_t count_wrong(const float *recv, const int64_t *recv_rows, uint64_t seed, int rank,
-                           int P, int64_t row_floats) {
-    int64_t wrong = 0, row = 0;
+/* want [rows, row_floats]: what a receive of recv_rows[P] rows from each
+ * source (source-major) must hold, as fill_sent makes it on the sources.
+ * Computed once per size, so checking an exchange costs one pass. */
+static void fill_expected(float *want, const int64_t *recv_rows, uint64_t seed, int rank, int P,
+                          int64_t row_floats) {
     for (int s = 0; s < P; s++)
-        for (int64_t k = 0; k < recv_rows[s]; k++, row++) {
-            const float *x = recv + row * row_floats;
-            for (int64_t e = 0; e < row_floats; e++)
-                wrong += x[e] != sent_value(seed, s, rank, k * row_floats + e);
-        }
+        for (int64_t i = 0; i < recv_rows[s] * row_floats; i++)
+            *want++ = sent_value(seed, s, rank, i);
+}
+
+static void poison(float *buf, int64_t n) {
+    for (int64_t i = 0; i < n; i++) buf[i] = POISON;
+}
+
+/* Elements of got [n] that differ from want [n]. */
+static int64_t count_wrong(const float *got, const float *want, int64_t n) {
+    int64_t wrong = 0;
+    for (int64_t i = 0; i < n; i++) wrong += got[i] != want[i];
     return wrong;
 }
 
-/* One raw MPI_Alltoallv over MPI_COMM_WORLD, started after a barrier;
- * returns this rank's seconds. */
-static double time_mpi(moe_comm *comm, float *recv, const int *rc, const int *rd,
-                       const float *send, const int *sc, const int *sd) {
+/* One raw MPI_Alltoallv over MPI_COMM_WORLD, started after a barrier, into
+ * recv [n_recv] poisoned before and checked against want [n_recv] after,
+ * outside the timed region; adds the wrong elements to *wrong. Returns this
+ * rank's seconds. */
+static double time_mpi(moe_comm *comm, float *recv, const float *want, int64_t n_recv,
+                       const int *rc, const int *rd, const float *send, const int *sc,
+                       const int *sd, int64_t *wrong) {
+    poison(recv, n_recv);
     MPI_Barrier(MPI_COMM_WORLD);
     double t0 = bench_now_seconds();
     int code = MPI_Alltoallv(send, sc, sd, MPI_FLOAT, recv, rc, rd, MPI_FLOAT, MPI_COMM_WORLD);
@@ -395,6 +415,7 @@ static double time_mpi(moe_comm *comm, float *recv, const int *rc, const int *rd
                 moe_comm_rank(comm), code);
         moe_comm_abort(comm, BENCH_EXIT_FAILURE);
     }
+    *wrong += count_wrong(recv, want, n_recv);
     return t1 - t0;
 }
 
@@ -485,23 +506,29 @@ typedef struct a2a_run {
     int rank, P;
     int64_t row_floats;
     float *send, *recv_moe, *recv_mpi; /* [max send rows, rf], [max recv rows, rf] x 2 */
+    float *want;                       /* [max recv rows, rf]: what a receive must hold */
     a2a_counts c;
     double *times; /* [2, iters] */
 } a2a_run;
 
-/* Times one exchange, started after a barrier; returns this rank's seconds. */
-static double time_moe(a2a_run *r) {
+/* Times one exchange, started after a barrier, into recv_moe [n_recv]
+ * poisoned before and checked after, outside the timed region; adds the
+ * wrong elements to *wrong. Returns this rank's seconds. */
+static double time_moe(a2a_run *r, int64_t n_recv, int64_t *wrong) {
+    poison(r->recv_moe, n_recv);
     MPI_Barrier(MPI_COMM_WORLD);
     double t0 = bench_now_seconds();
     moe_status st = moe_comm_alltoallv(r->comm, r->recv_moe, r->c.rc, r->c.rd, r->send, r->c.sc,
                                        r->c.sd, MOE_COMM_F32);
     double t1 = bench_now_seconds();
     if (st != MOE_OK) fail_job(r->comm, "moe_comm_alltoallv", st);
+    *wrong += count_wrong(r->recv_moe, r->want, n_recv);
     return t1 - t0;
 }
 
-static double time_raw(a2a_run *r) {
-    return time_mpi(r->comm, r->recv_mpi, r->c.irc, r->c.ird, r->send, r->c.isc, r->c.isd);
+static double time_raw(a2a_run *r, int64_t n_recv, int64_t *wrong) {
+    return time_mpi(r->comm, r->recv_mpi, r->want, n_recv, r->c.irc, r->c.ird, r->send, r->c.isc,
+                    r->c.isd, wrong);
 }
 
 /* Runs one size; returns the wrong elements over all ranks (both paths). */
@@ -511,25 +538,25 @@ static int64_t run_size(a2a_run *r, const a2a_plan *plan, const bench_table *tab
     const int64_t rf = r->row_floats;
     set_counts(&r->c, plan->send_rows, plan->recv_rows, P, rf);
     fill_sent(r->send, &r->c, o->seed, r->rank, P);
-    for (int64_t i = 0; i < plan->recv_total * rf; i++) r->recv_moe[i] = r->recv_mpi[i] = POISON;
+    fill_expected(r->want, plan->recv_rows, o->seed, r->rank, P, rf);
+    const int64_t n_recv = plan->recv_total * rf;
 
+    int64_t local[2] = {0, 0}; /* wrong elements of every exchange: moe, mpi */
     for (int it = 0; it < (int)o->warmup; it++) {
-        time_moe(r);
-        time_raw(r);
+        time_moe(r, n_recv, &local[0]);
+        time_raw(r, n_recv, &local[1]);
     }
     /* Alternating which goes first cancels any advantage of the order. */
     for (int it = 0; it < iters; it++) {
         if (it % 2 == 0) {
-            r->times[it] = time_moe(r);
-            r->times[iters + it] = time_raw(r);
+            r->times[it] = time_moe(r, n_recv, &local[0]);
+            r->times[iters + it] = time_raw(r, n_recv, &local[1]);
         } else {
-            r->times[iters + it] = time_raw(r);
-            r->times[it] = time_moe(r);
+            r->times[iters + it] = time_raw(r, n_recv, &local[1]);
+            r->times[it] = time_moe(r, n_recv, &local[0]);
         }
     }
 
-    int64_t local[2] = {count_wrong(r->recv_moe, plan->recv_rows, o->seed, r->rank, P, rf),
-                        count_wrong(r->recv_mpi, plan->recv_rows, o->seed, r->rank, P, rf)};
     int64_t wrong[2] = {0, 0}, max_recv = 0;
     MPI_Allreduce(local, wrong, 2, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
     MPI_Allreduce(&plan->recv_total, &max_recv, 1, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD);
@@ -620,8 +647,9 @@ static int run_raw(const a2a_options *o, moe_comm *comm) {
         {&r.send, (size_t)(max_send * r.row_floats)},
         {&r.recv_moe, (size_t)(max_recv * r.row_floats)},
         {&r.recv_mpi, (size_t)(max_recv * r.row_floats)},
+        {&r.want, (size_t)(max_recv * r.row_floats)},
     };
-    void *arena = bench_alloc_buffers(bufs, 3);
+    void *arena = bench_alloc_buffers(bufs, (int)(sizeof bufs / sizeof bufs[0]));
     r.times = malloc((size_t)o->iters * 2 * sizeof *r.times);
     if (!arena || !r.times) fail_memory(comm, "the send and receive buffers");
     alloc_counts(&r.c, comm, P);
@@ -662,6 +690,10 @@ static int run_raw(const a2a_options *o, moe_comm *comm) {
 /* Output check: |got - want| <= CHECK_REL * (max|want| + |want|), room for
  * the summation order of GEMMs over different row counts. */
 #define CHECK_REL 1e-5
+/* Sets of tokens the steps alternate between: they route alike and carry
+ * different values, so a step whose exchange left the rows of the step
+ * before in place gives the other set's outputs. */
+#define VARIANTS 2
 
 /* Per-step series: those before S_FAST are the slowest rank's (MAX over
  * ranks), S_FAST the exchange time of the rank that waited least (MIN). */
@@ -706,9 +738,11 @@ typedef struct dispatch_run {
     int64_t d, E, k, n_local;       /* d = d_model; n_local = E / P */
     moe_layer *layer;               /* expert-parallel over all ranks */
     moe_layer *ref;                 /* one rank, all E experts, the same parameters */
-    float *x, *dy;                  /* [max_T, d] this rank's tokens, output gradient */
-    float *y, *dx, *y_ref, *dx_ref; /* [max_T, d] */
+    float *x[VARIANTS], *dy[VARIANTS];         /* [max_T, d] this rank's tokens, output gradient */
+    float *y, *dx;                             /* [max_T, d] the layer's */
+    float *y_ref[VARIANTS], *dx_ref[VARIANTS]; /* [max_T, d] the one-rank layer's */
     float *send, *recv, *back;      /* baseline: [max_T k, d], [P max_T k, d], [max_T k, d] */
+    float *want;                    /* [P max_T k, d] what recv must hold */
     float *copy;                    /* [max_T k, d] where the memcpy baseline writes */
     int64_t *send_rows, *recv_rows; /* [P] a dispatch's rows to and from each rank */
     a2a_counts c;                   /* a dispatch's; a return swaps send and receive */
@@ -725,12 +759,13 @@ static void steer_router(moe_layer *layer, moe_comm *comm) {
     for (int64_t e = 0; e < gate.rows; e++) gate.param[e * gate.cols + e] = 1.0f;
 }
 
-/* x [max_T, d]: columns 0 .. E-1 hold log p_e + Gumbel noise, so the k
+/* x[v] [max_T, d]: columns 0 .. E-1 hold log p_e + Gumbel noise, so the k
  * largest logits are a draw of k experts without replacement with
  * probabilities p (the Gumbel top-k trick); p_e is the distribution's
- * weight of the expert's rank spread evenly over its experts. The other
- * columns, and dy, are uniform in [-1, 1]. Every size uses the first T
- * tokens. */
+ * weight of the expert's rank spread evenly over its experts. These are
+ * the same in every variant v, so every variant routes alike. The other
+ * columns, and dy[v], are uniform in [-1, 1], drawn anew for each variant.
+ * Every size uses the first T tokens. */
 static void fill_tokens(dispatch_run *r, int64_t max_T) {
     const int64_t d = r->d, E = r->E;
     double log_p[MOE_EXPERTS_MAX];
@@ -738,38 +773,79 @@ static void fill_tokens(dispatch_run *r, int64_t max_T) {
         double p = rank_weight(r->o, (int)(e / r->n_local), r->P) / (double)r->n_local;
         log_p[e] = p > 0.0 ? fmax(log(p), LOG_WEIGHT_FLOOR) : LOG_WEIGHT_FLOOR;
     }
-    bench_rng rng = {.state = r->o->seed ^ (0x746f6b656e73ull * (uint64_t)(r->rank + 1))};
-    for (int64_t t = 0; t < max_T; t++)
-        for (int64_t i = 0; i < d; i++) {
-            double u = bench_rng_uniform(&rng);
-            r->x[t * d + i] = (float)(i < E ? log_p[i] - log(-log(u)) : 2.0 * u - 1.0);
-        }
-    bench_fill_uniform(r->dy, (size_t)(max_T * d), 1.0f, &rng);
+    for (int v = 0; v < VARIANTS; v++) {
+        bench_rng route = {.state = r->o->seed ^ (0x726f757465ull * (uint64_t)(r->rank + 1))};
+        bench_rng values = {.state = r->o->seed ^
+                                     (0x76616c756573ull * (uint64_t)(VARIANTS * r->rank + v + 1))};
+        for (int64_t t = 0; t < max_T; t++)
+            for (int64_t i = 0; i < d; i++)
+                r->x[v][t * d + i] =
+                    (float)(i < E ? log_p[i] - log(-log(bench_rng_uniform(&route)))
+                                  : 2.0 * bench_rng_uniform(&values) - 1.0);
+        bench_fill_uniform(r->dy[v], (size_t)(max_T * d), 1.0f, &values);
+    }
 }
 
-/* One forward + backward of the expert-parallel layer on T tokens, started
- * after a barrier: the layer's phase timers and this rank's seconds. */
-static void layer_step(dispatch_run *r, int64_t T, moe_layer_timing *timing, double *seconds) {
+/* Elements of got [T, d] outside the tolerance around want [T, d]; with
+ * report, prints the worst one when there are any. */
+static int64_t check_tensor(const dispatch_run *r, const char *name, const float *got,
+                            const float *want, int64_t T, bool report) {
+    const int64_t n = T * r->d;
+    double scale = 0.0;
+    for (int64_t i = 0; i < n; i++) scale = fmax(scale, fabs(want[i]));
+    int64_t wrong = 0, worst = 0;
+    double worst_excess = -INFINITY;
+    for (int64_t i = 0; i < n; i++) {
+        double err = fabs((double)got[i] - want[i]), tol = CHECK_REL * (scale + fabs(want[i]));
+        if (err <= tol) continue;
+        double excess = isnan(err) ? INFINITY : err - tol;
+        if (wrong++ == 0 || excess > worst_excess) worst = i, worst_excess = excess;
+    }
+    if (wrong > 0 && report)
+        fprintf(stderr,
+                "moe-bench %s: rank %d, T=%lld: %lld of %lld elements of %s differ from the "
+                "one-rank layer; worst %s[%lld, %lld] = %.9g, want %.9g (tolerance %.3g)\n",
+                CMD, r->rank, (long long)T, (long long)wrong, (long long)n, name, name,
+                (long long)(worst / r->d), (long long)(worst % r->d), got[worst], want[worst],
+                CHECK_REL * (scale + fabs(want[worst])));
+    return wrong;
+}
+
+/* One forward + backward of the expert-parallel layer on T tokens of
+ * variant v, started after a barrier: the layer's phase timers and this
+ * rank's seconds. y and dx are poisoned before and checked against the
+ * one-rank layer after, outside the timed region; the wrong elements add
+ * to *wrong, and the first step of a size that has any prints the worst. */
+static void layer_step(dispatch_run *r, int64_t T, int v, moe_layer_timing *timing,
+                       double *seconds, int64_t *wrong) {
+    poison(r->y, T * r->d);
+    poison(r->dx, T * r->d);
     MPI_Barrier(MPI_COMM_WORLD);
     moe_layer_reset_timing(r->layer);
     double t0 = bench_now_seconds();
-    moe_status st = moe_layer_forward(r->layer, r->y, r->x, T, NULL);
+    moe_status st = moe_layer_forward(r->layer, r->y, r->x[v], T, NULL);
     if (st != MOE_OK) fail_job(r->comm, "moe_layer_forward", st);
-    st = moe_layer_backward(r->layer, r->dx, r->dy, r->x);
+    st = moe_layer_backward(r->layer, r->dx, r->dy[v], r->x[v]);
     if (st != MOE_OK) fail_job(r->comm, "moe_layer_backward", st);
     *seconds = bench_now_seconds() - t0;
     moe_layer_get_timing(r->layer, timing);
+    const bool report = *wrong == 0;
+    *wrong += check_tensor(r, "y", r->y, r->y_ref[v], T, report) +
+              check_tensor(r, "dx", r->dx, r->dx_ref[v], T, report);
 }
 
 /* The baseline of one step: its four exchanges as raw MPI_Alltoallv's of
  * the same per-peer counts, each after a barrier, the returns sending back
- * what arrived. */
-static double raw_step(dispatch_run *r) {
+ * what arrived; recv [n_recv] and back [n_back] are checked after each
+ * (time_mpi), the wrong elements adding to *wrong. */
+static double raw_step(dispatch_run *r, int64_t n_recv, int64_t n_back, int64_t *wrong) {
     const a2a_counts *c = &r->c;
     double seconds = 0.0;
     for (int pass = 0; pass < EXCHANGES_PER_STEP / 2; pass++) {
-        seconds += time_mpi(r->comm, r->recv, c->irc, c->ird, r->send, c->isc, c->isd);
-        seconds += time_mpi(r->comm, r->back, c->isc, c->isd, r->recv, c->irc, c->ird);
+        seconds += time_mpi(r->comm, r->recv, r->want, n_recv, c->irc, c->ird, r->send, c->isc,
+                            c->isd, wrong);
+        seconds += time_mpi(r->comm, r->back, r->send, n_back, c->isc, c->isd, r->recv, c->irc,
+                            c->ird, wrong);
     }
     return seconds;
 }
@@ -798,31 +874,6 @@ static void learn_routing(dispatch_run *r, int64_t T) {
     if (st != MOE_OK) fail_job(r->comm, "exchanging row counts", st);
 }
 
-/* Elements of got [T, d] outside the tolerance around want [T, d]; prints
- * the worst one when there are any. */
-static int64_t check_tensor(const dispatch_run *r, const char *name, const float *got,
-                            const float *want, int64_t T) {
-    const int64_t n = T * r->d;
-    double scale = 0.0;
-    for (int64_t i = 0; i < n; i++) scale = fmax(scale, fabs(want[i]));
-    int64_t wrong = 0, worst = 0;
-    double worst_excess = -INFINITY;
-    for (int64_t i = 0; i < n; i++) {
-        double err = fabs((double)got[i] - want[i]), tol = CHECK_REL * (scale + fabs(want[i]));
-        if (err <= tol) continue;
-        double excess = isnan(err) ? INFINITY : err - tol;
-        if (wrong++ == 0 || excess > worst_excess) worst = i, worst_excess = excess;
-    }
-    if (wrong > 0)
-        fprintf(stderr,
-                "moe-bench %s: rank %d, T=%lld: %lld of %lld elements of %s differ from the "
-                "one-rank layer; worst %s[%lld, %lld] = %.9g, want %.9g (tolerance %.3g)\n",
-                CMD, r->rank, (long long)T, (long long)wrong, (long long)n, name, name,
-                (long long)(worst / r->d), (long long)(worst % r->d), got[worst], want[worst],
-                CHECK_REL * (scale + fabs(want[worst])));
-    return wrong;
-}
-
 /* Runs one size of T tokens per rank; returns the failures over all ranks:
  * wrong elements, and steps whose exchange_bytes disagree with the routing. */
 static int64_t dispatch_size(dispatch_run *r, int64_t T, const bench_table *table) {
@@ -832,38 +883,50 @@ static int64_t dispatch_size(dispatch_run *r, int64_t T, const bench_table *tabl
     moe_layer_timing tm;
     double step;
 
+    /* The one-rank layer's y and dx on each variant's tokens: dropless
+     * routing without balancing losses makes each token's y and dx depend
+     * on that token alone. */
+    for (int v = 0; v < VARIANTS; v++) {
+        moe_status st = moe_layer_forward(r->ref, r->y_ref[v], r->x[v], T, NULL);
+        if (st != MOE_OK) fail_job(r->comm, "moe_layer_forward (one-rank reference)", st);
+        st = moe_layer_backward(r->ref, r->dx_ref[v], r->dy[v], r->x[v]);
+        if (st != MOE_OK) fail_job(r->comm, "moe_layer_backward (one-rank reference)", st);
+    }
+    int64_t wrong = 0, mpi_wrong = 0; /* this rank's, over every step */
+    int steps = 0;                    /* the layer's, choosing the variant */
+
     /* An untimed step sizes the layer's buffers and shows the routing. */
-    layer_step(r, T, &tm, &step);
+    layer_step(r, T, steps++ % VARIANTS, &tm, &step, &wrong);
     learn_routing(r, T);
     set_counts(&r->c, r->send_rows, r->recv_rows, P, d);
     fill_sent(r->send, &r->c, o->seed, r->rank, P);
+    fill_expected(r->want, r->recv_rows, o->seed, r->rank, P, d);
     int64_t recv_total = 0, off_rank_rows = 0;
     for (int j = 0; j < P; j++) {
         recv_total += r->recv_rows[j];
         if (j != r->rank) off_rank_rows += r->send_rows[j] + r->recv_rows[j];
     }
-    for (int64_t i = 0; i < recv_total * d; i++) r->recv[i] = POISON;
-    for (int64_t i = 0; i < R * d; i++) r->back[i] = POISON;
+    const int64_t n_recv = recv_total * d, n_back = R * d;
     /* A step sends every row twice in each direction it travels. */
     const int64_t step_bytes = 2 * off_rank_rows * d * (int64_t)sizeof(float);
 
     int64_t bad_steps = 0;
     for (int it = 0; it < (int)o->warmup; it++) {
-        layer_step(r, T, &tm, &step);
-        raw_step(r);
+        layer_step(r, T, steps++ % VARIANTS, &tm, &step, &wrong);
+        raw_step(r, n_recv, n_back, &mpi_wrong);
         time_copy(r, R);
     }
     for (int it = 0; it < iters; it++) {
         double raw, copy;
         /* Alternating which goes first cancels any advantage of the order. */
         if (it % 2 == 0) {
-            layer_step(r, T, &tm, &step);
-            raw = raw_step(r);
+            layer_step(r, T, steps++ % VARIANTS, &tm, &step, &wrong);
+            raw = raw_step(r, n_recv, n_back, &mpi_wrong);
             copy = time_copy(r, R);
         } else {
             copy = time_copy(r, R);
-            raw = raw_step(r);
-            layer_step(r, T, &tm, &step);
+            raw = raw_step(r, n_recv, n_back, &mpi_wrong);
+            layer_step(r, T, steps++ % VARIANTS, &tm, &step, &wrong);
         }
         r->times[S_EXCHANGE * iters + it] = tm.exchange_seconds;
         r->times[S_EXPERTS * iters + it] = tm.experts_seconds;
@@ -881,19 +944,7 @@ static int64_t dispatch_size(dispatch_run *r, int64_t T, const bench_table *tabl
         }
     }
 
-    /* The last step's y and dx against the one-rank layer on the same tokens:
-     * dropless routing without balancing losses makes each token's y and dx
-     * depend on that token alone. */
-    moe_status st = moe_layer_forward(r->ref, r->y_ref, r->x, T, NULL);
-    if (st != MOE_OK) fail_job(r->comm, "moe_layer_forward (one-rank reference)", st);
-    st = moe_layer_backward(r->ref, r->dx_ref, r->dy, r->x);
-    if (st != MOE_OK) fail_job(r->comm, "moe_layer_backward (one-rank reference)", st);
-    int64_t back_wrong = 0;
-    for (int64_t i = 0; i < R * d; i++) back_wrong += r->back[i] != r->send[i];
-    int64_t local[4] = {
-        check_tensor(r, "y", r->y, r->y_ref, T) + check_tensor(r, "dx", r->dx, r->dx_ref, T),
-        count_wrong(r->recv, r->recv_rows, o->seed, r->rank, P, d) + back_wrong, bad_steps,
-        step_bytes};
+    int64_t local[4] = {wrong, mpi_wrong, bad_steps, step_bytes};
     int64_t sums[4], max_recv = 0;
     MPI_Allreduce(local, sums, 4, MPI_INT64_T, MPI_SUM, MPI_COMM_WORLD);
     MPI_Allreduce(&recv_total, &max_recv, 1, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD);
@@ -1014,12 +1065,16 @@ static int run_dispatch(const a2a_options *o, moe_comm *comm) {
     steer_router(r.ref, comm);
 
     bench_buffer bufs[] = {
-        {&r.x, (size_t)(max_T * r.d)},     {&r.dy, (size_t)(max_T * r.d)},
-        {&r.y, (size_t)(max_T * r.d)},     {&r.dx, (size_t)(max_T * r.d)},
-        {&r.y_ref, (size_t)(max_T * r.d)}, {&r.dx_ref, (size_t)(max_T * r.d)},
-        {&r.send, (size_t)(max_R * r.d)},  {&r.recv, (size_t)(P * max_R * r.d)},
-        {&r.back, (size_t)(max_R * r.d)},  {&r.copy, (size_t)(max_R * r.d)},
+        {&r.x[0], (size_t)(max_T * r.d)},     {&r.dy[0], (size_t)(max_T * r.d)},
+        {&r.x[1], (size_t)(max_T * r.d)},     {&r.dy[1], (size_t)(max_T * r.d)},
+        {&r.y_ref[0], (size_t)(max_T * r.d)}, {&r.dx_ref[0], (size_t)(max_T * r.d)},
+        {&r.y_ref[1], (size_t)(max_T * r.d)}, {&r.dx_ref[1], (size_t)(max_T * r.d)},
+        {&r.y, (size_t)(max_T * r.d)},        {&r.dx, (size_t)(max_T * r.d)},
+        {&r.send, (size_t)(max_R * r.d)},     {&r.recv, (size_t)(P * max_R * r.d)},
+        {&r.want, (size_t)(P * max_R * r.d)}, {&r.back, (size_t)(max_R * r.d)},
+        {&r.copy, (size_t)(max_R * r.d)},
     };
+    _Static_assert(VARIANTS == 2, "bufs holds two variants of the tokens");
     void *arena = bench_alloc_buffers(bufs, (int)(sizeof bufs / sizeof bufs[0]));
     r.send_rows = calloc(2 * (size_t)P, sizeof *r.send_rows);
     r.times = malloc((size_t)o->iters * N_SERIES * sizeof *r.times);

@@ -13,7 +13,9 @@
  *    communicator's timeout bounds every one of them: a peer that never shows
  *    up gives MOE_ERR_COMM, not a hang. After such a failure the
  *    communicator refuses further ops with MOE_ERR_COMM; the caller ends the
- *    job with moe_comm_abort().
+ *    job with moe_comm_abort(), or, once its communicators are freed,
+ *    moe_comm_mpi_abort_job() (as moe-train does after any failure on more
+ *    than one rank).
  *
  * mpi.h stays out of this header, so code built without MPI includes it too.
  */
@@ -74,6 +76,17 @@ moe_status moe_comm_local_create(moe_comm **comm);
  * built without MPI. Collective over MPI_COMM_WORLD. */
 moe_status moe_comm_mpi_create(moe_comm **comm);
 
+/* Ends every process of the MPI job (MPI_Abort on MPI_COMM_WORLD) with exit
+ * status code, when MPI is initialised and not finalised; otherwise, and
+ * without MPI, returns having done nothing, and the caller exits as usual.
+ * Needs no communicator, so a program may free them first. Why exiting is
+ * not enough: a rank that fails alone leaves the others waiting in a
+ * collective until their timeout, and a rank that is stuck never exits; a
+ * launcher that does not end the job when one process exits non-zero
+ * (Slurm's default, Open MPI's orte_abort_on_non_zero_status 0) then keeps
+ * the job alive. */
+void moe_comm_mpi_abort_job(int code);
+
 /* Finalises MPI if moe_comm_mpi_create() initialised it; a program that
  * initialised MPI itself finalises it itself. Call after freeing every
  * communicator. MOE_OK and nothing done without MPI. */
@@ -119,8 +132,10 @@ moe_status moe_comm_split(moe_comm **out, moe_comm *comm, int color, int key);
 void moe_comm_free(moe_comm *comm);
 
 /* Ends the whole job with exit status code: MPI_Abort for mpi (every rank of
- * the job exits), exit() for local and for a NULL comm. The one libmoe call
- * that exits; the driver makes it after an op returned MOE_ERR_COMM. */
+ * the job exits), exit() for local and for a NULL comm. With
+ * moe_comm_mpi_abort_job(), the only libmoe calls that end the process; a
+ * program makes one after an op returned MOE_ERR_COMM (moe-train, whose
+ * communicators are freed by then, the latter). */
 _Noreturn void moe_comm_abort(moe_comm *comm, int code);
 
 /* ---------------------------------------------------------------- queries */
@@ -211,6 +226,15 @@ moe_status moe_comm_irecv(moe_comm *comm, moe_comm_request *req, void *buf, int6
 /* Waits for req to complete, at most the communicator's timeout. An inactive
  * (zeroed or completed) request returns MOE_OK at once. */
 moe_status moe_comm_wait(moe_comm_request *req);
+
+/* Waits for every request of reqs [n], also after one has failed, so that
+ * all are complete (their buffers free) on return. st is the caller's status
+ * so far (a failure starting one of the ops, or MOE_OK): a failure is
+ * returned as is, moe_last_error() untouched; otherwise the first failed
+ * wait's status with that wait's own message. The later waits' messages
+ * are dropped: on a communicator that has failed they only say "refused",
+ * which would hide the cause. */
+moe_status moe_comm_wait_all(moe_comm_request *reqs, int n, moe_status st);
 
 /* *done = whether req has completed; never waits. */
 moe_status moe_comm_test(moe_comm_request *req, bool *done);

@@ -202,11 +202,13 @@ static void release(mpi_comm *c, moe_comm_request *req) {
 static moe_status timed_out(mpi_comm *c, const moe_comm_request *req) {
     char where[256];
     describe(c, req->op, req->peer, where, sizeof where);
+    /* The peer by both ranks: on a split communicator its rank there is not
+     * the job rank a user looks for in the launcher's output. */
     if (req->peer >= 0)
         snprintf(c->failure, sizeof c->failure,
-                 "%s: nothing heard from rank %d after %.1f s (dead, stuck, or in another "
-                 "operation)",
-                 where, req->peer, c->base.timeout_seconds);
+                 "%s: nothing heard from peer %d (world %d) after %.1f s (dead, stuck, or in "
+                 "another operation)",
+                 where, req->peer, world_rank_of(c, req->peer), c->base.timeout_seconds);
     else
         snprintf(c->failure, sizeof c->failure,
                  "%s: not complete after %.1f s: %s has not joined it (dead, stuck, or in "
@@ -333,6 +335,13 @@ moe_status moe_comm_mpi_create(moe_comm **comm) {
         return moe_error(MOE_ERR_COMM, "mpi_create: MPI_Comm_idup(MPI_COMM_WORLD): %s", text);
     }
     return wrap(comm, dup, MOE_COMM_DEFAULT_TIMEOUT_SECONDS, "mpi_create");
+}
+
+void moe_comm_mpi_abort_job(int code) {
+    int initialised = 0, finalised = 0;
+    MPI_Initialized(&initialised);
+    MPI_Finalized(&finalised);
+    if (initialised && !finalised) MPI_Abort(MPI_COMM_WORLD, code);
 }
 
 moe_status moe_comm_mpi_finalize(void) {
@@ -531,6 +540,8 @@ moe_status moe_comm_mpi_create(moe_comm **comm) {
                      "mpi_create: libmoe was built without MPI (configure with -DMOE_MPI=ON "
                      "after apt-get install libopenmpi-dev openmpi-bin)");
 }
+
+void moe_comm_mpi_abort_job(int code) { (void)code; }
 
 moe_status moe_comm_mpi_finalize(void) { return MOE_OK; }
 

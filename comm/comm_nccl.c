@@ -472,13 +472,17 @@ static moe_status make_id(nccl_comm *c, ncclUniqueId *id) {
 /* Rank 0's NCCL unique id, broadcast over bootstrap, then a count of the
  * ranks that failed to set up. Every rank joins both even after a failure
  * of its own (st), so that a failure on any rank reaches the others at once
- * rather than after their timeout in ncclCommInitRankConfig. */
+ * rather than after their timeout in ncclCommInitRankConfig. The count is of
+ * set-up failures only, and is read first: rank 0 makes no id when its own
+ * set-up failed, and the others' message then blames the set-up, not the
+ * id. */
 static moe_status share_id(nccl_comm *c, moe_comm *bootstrap, moe_status st, ncclUniqueId *id) {
     struct {
         ncclUniqueId id;
         int32_t ok;
     } msg;
     memset(&msg, 0, sizeof msg);
+    int32_t failed = st != MOE_OK;
     if (st == MOE_OK && c->base.rank == 0) {
         st = make_id(c, &msg.id);
         msg.ok = st == MOE_OK;
@@ -486,7 +490,6 @@ static moe_status share_id(nccl_comm *c, moe_comm *bootstrap, moe_status st, ncc
     char mine[FAILURE_BYTES + 64] = "";
     if (st != MOE_OK) snprintf(mine, sizeof mine, "%s", moe_last_error());
     moe_status sent = moe_comm_broadcast(bootstrap, &msg, (int64_t)sizeof msg, MOE_COMM_BYTES, 0);
-    int32_t failed = st != MOE_OK;
     if (sent == MOE_OK) sent = moe_comm_allreduce_sum(bootstrap, &failed, 1, MOE_COMM_I32);
     if (st != MOE_OK) return moe_error(st, "%s", mine);
     if (sent != MOE_OK)
@@ -494,14 +497,14 @@ static moe_status share_id(nccl_comm *c, moe_comm *bootstrap, moe_status st, ncc
                                 "unique id over the %s communicator: ",
                                 c->base.rank, c->base.size, c->base.world_rank,
                                 moe_comm_backend_name(bootstrap));
-    if (!msg.ok)
-        return fail(c, MOE_ERR_COMM, "create", -1,
-                    "rank 0 could not make NCCL's unique id (its own error says why)");
     if (failed > 0)
         return fail(c, MOE_ERR_COMM, "create", -1,
                     "%d other rank%s could not set up their device or stream (their own errors "
                     "say why)",
                     (int)failed, failed == 1 ? "" : "s");
+    if (!msg.ok)
+        return fail(c, MOE_ERR_COMM, "create", -1,
+                    "rank 0 could not make NCCL's unique id (its own error says why)");
     *id = msg.id;
     return MOE_OK;
 }

@@ -37,12 +37,17 @@ typedef enum moe_link_distance {
 /* "none", "other-package", "same-cpus", "same-host-bridge", "same-switch". */
 const char *moe_link_distance_name(moe_link_distance d);
 
-#define MOE_TOPOLOGY_CPUS_BYTES 256
+/* Room for hwloc's list of any set of PUs numbered below 8192, Linux's
+ * largest NR_CPUS, so that every machine's fits: the longest such list,
+ * pairs with gaps ("0-1,3-4,..."), takes 26,568 characters. Numbering
+ * interleaved between packages is common and long already: a 2 x 64-core
+ * SMT machine's package lists every other PU, 456 characters. */
+#define MOE_TOPOLOGY_CPUS_BYTES 26624
 #define MOE_TOPOLOGY_NAME_BYTES 64
 
 typedef struct moe_gpu_placement {
-    /* The GPU's local PUs as an hwloc list, "8-15,24-31": those of the
-     * nearest non-I/O object above it. */
+    /* The GPU's local PUs as an hwloc list, "8-15,24-31" or "0,2,4,...":
+     * those of the nearest non-I/O object above it. */
     char cpus[MOE_TOPOLOGY_CPUS_BYTES];
     /* That object as type:logical index, "Package:1" (or "Group:3", "Machine:0"). */
     char near[MOE_TOPOLOGY_NAME_BYTES];

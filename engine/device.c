@@ -1,6 +1,7 @@
 /* device.c: --device, from a name to an op table and its context. */
 #include "engine/device.h"
 
+#include <stdarg.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -91,26 +92,47 @@ static bool cuda_usable(int ranks, char *why, size_t why_bytes) {
 }
 
 #if defined(MOE_HAVE_CUDA)
+/* Writes h->placement; a text too long for it (a long PU list, written
+ * last) ends in "...". */
+static void set_placement(moe_device_handle *h, const char *fmt, ...) MOE_PRINTF(2, 3);
+static void set_placement(moe_device_handle *h, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(h->placement, sizeof h->placement, fmt, ap);
+    va_end(ap);
+    if (n >= (int)sizeof h->placement) memcpy(h->placement + sizeof h->placement - 4, "...", 4);
+}
+
 /* The GPU's place in this machine, and the process bound near it. Not
- * fatal: a machine hwloc cannot read still trains, saying so. */
+ * fatal: a machine hwloc cannot read still trains, saying so. The binding
+ * does not wait on the description: a placement hwloc cannot describe still
+ * binds. */
 static void place_near(moe_device_handle *h, moe_cuda_ctx *ctx) {
     char bus[32];
     if (moe_cuda_pci_bus_id(bus, sizeof bus, ctx) != MOE_OK) {
-        snprintf(h->placement, sizeof h->placement, "unknown: %s", moe_last_error());
+        set_placement(h, "unknown: %s", moe_last_error());
         return;
     }
     moe_topology *topo = NULL;
+    if (moe_topology_load(&topo, NULL) != MOE_OK) {
+        set_placement(h, "GPU %s, not placed: %s", bus, moe_last_error());
+        return;
+    }
     moe_gpu_placement p;
+    char why[MOE_DEVICE_DESC_BYTES] = ""; /* why the placement is not described */
+    const bool described = moe_topology_gpu_placement(topo, bus, &p) == MOE_OK;
+    if (!described) snprintf(why, sizeof why, "%s", moe_last_error());
     bool bound = false;
-    moe_status st = moe_topology_load(&topo, NULL);
-    if (st == MOE_OK) st = moe_topology_gpu_placement(topo, bus, &p);
-    if (st == MOE_OK) st = moe_topology_bind_near(topo, bus, &bound);
-    if (st == MOE_OK)
-        snprintf(h->placement, sizeof h->placement, "GPU %s, local PUs %s (%s)%s, nearest NIC %s (%s)", bus, p.cpus,
-                 p.near, bound ? ", process bound to them" : "", p.nic[0] ? p.nic : "none",
-                 moe_link_distance_name(p.nic_distance));
+    char binding[MOE_DEVICE_DESC_BYTES] = "";
+    if (moe_topology_bind_near(topo, bus, &bound) != MOE_OK)
+        snprintf(binding, sizeof binding, ", not bound: %s", moe_last_error());
+    else if (bound)
+        snprintf(binding, sizeof binding, ", process bound to its local PUs");
+    if (described)
+        set_placement(h, "GPU %s%s, nearest NIC %s (%s), local PUs of %s: %s", bus, binding,
+                      p.nic[0] ? p.nic : "none", moe_link_distance_name(p.nic_distance), p.near, p.cpus);
     else
-        snprintf(h->placement, sizeof h->placement, "GPU %s, not placed: %s", bus, moe_last_error());
+        set_placement(h, "GPU %s%s, placement not described: %s", bus, binding, why);
     moe_topology_free(topo);
 }
 #endif

@@ -660,14 +660,10 @@ moe_status moe_model_backward(moe_model *m, const int32_t *inputs, const int32_t
 }
 
 moe_status moe_model_finish_grad_sync(moe_model *m) {
-    moe_status st = MOE_OK;
-    for (int i = 0; i < m->n_sync_reqs; i++) {
-        moe_status w = moe_comm_wait(&m->sync_reqs[i]);
-        if (st == MOE_OK && w != MOE_OK) st = moe_error_prefix(w, "gradient all-reduce: ");
-    }
+    moe_status st = moe_comm_wait_all(m->sync_reqs, m->n_sync_reqs, MOE_OK);
     m->n_sync_reqs = 0;
     m->sync_grads = false;
-    return st;
+    return st == MOE_OK ? MOE_OK : moe_error_prefix(st, "gradient all-reduce: ");
 }
 
 moe_status moe_model_grad_sumsq(moe_model *m, double *out) {

@@ -761,13 +761,10 @@ static moe_status post_exchange(moe_layer *L, float *plan_rows, float *expert_ro
     return MOE_OK;
 }
 
-static moe_status wait_requests(moe_layer *L, int from, int to) {
-    moe_status st = MOE_OK;
-    for (int i = from; i < to; i++) {
-        moe_status w = moe_comm_wait(&L->requests[i]);
-        if (st == MOE_OK) st = w;
-    }
-    return st;
+/* Waits for requests [from, to), all of them; st: the status so far, kept
+ * with its message when it is a failure. */
+static moe_status wait_requests(moe_layer *L, int from, int to, moe_status st) {
+    return moe_comm_wait_all(L->requests + from, to - from, st);
 }
 
 /* The experts with their exchanges: plan_in's rows go to the experts'
@@ -805,14 +802,14 @@ static moe_status run_experts(moe_layer *L, bool backward, float *plan_in, float
     }
     first[nl] = L->n_requests;
     if (st == MOE_OK && !overlap) {
-        st = wait_requests(L, returns_end, first[nl]);
+        st = wait_requests(L, returns_end, first[nl], MOE_OK);
         t = omp_get_wtime();
         if (st == MOE_OK) run(L->groups, nl, d);
         *compute_seconds += omp_get_wtime() - t;
         if (st == MOE_OK) st = post_exchange(L, plan_out, expert_out, false, -1, true, !early_returns);
     }
     for (int64_t j = 0; st == MOE_OK && overlap && j < nl; j++) {
-        st = wait_requests(L, first[j], first[j + 1]);
+        st = wait_requests(L, first[j], first[j + 1], MOE_OK);
         t = omp_get_wtime();
         if (st == MOE_OK) run(&L->groups[j], 1, d);
         *compute_seconds += omp_get_wtime() - t;
@@ -822,8 +819,7 @@ static moe_status run_experts(moe_layer *L, bool backward, float *plan_in, float
     t = omp_get_wtime();
     if (st == MOE_OK && n_groups > nl) run(&L->groups[nl], 1, d);
     *compute_seconds += omp_get_wtime() - t;
-    moe_status w = wait_requests(L, 0, L->n_requests);
-    if (st == MOE_OK) st = w;
+    st = wait_requests(L, 0, L->n_requests, st);
     if (st != MOE_OK) return moe_error_prefix(st, "moe layer exchange of %s: ", what);
     return MOE_OK;
 }

@@ -265,10 +265,7 @@ static moe_status world_mean(moe_model *model, double *a, double *b) {
 /* Waits for reqs [n], all of them whatever fails, and returns the first
  * failure under what. */
 static moe_status wait_all(moe_comm_request *reqs, int n, moe_status st, const char *what) {
-    for (int i = 0; i < n; i++) {
-        moe_status w = moe_comm_wait(&reqs[i]);
-        if (st == MOE_OK && w != MOE_OK) st = w;
-    }
+    st = moe_comm_wait_all(reqs, n, st);
     return st == MOE_OK ? MOE_OK : moe_error_prefix(st, "%s: ", what);
 }
 

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # A rank killed in the middle of a run (MOE_FAULT_KILL) must end the whole
 # job with a non-zero exit that names the rank, well within --comm-timeout,
-# and leave the last checkpoint on disk loadable.
+# and leave the last checkpoint on disk loadable. A rank that stops (SIGSTOP)
+# under a launcher that keeps the job alive when a process exits non-zero
+# must end the job too, the survivor naming the cause (Open MPI only: its
+# orte_abort_on_non_zero_status 0 stands for Slurm's default).
 # Usage: fault_kill.sh BINDIR MPIEXEC [MPIEXEC FLAGS...]
 set -u
 bin=$1
@@ -22,13 +25,54 @@ rc=$?
 elapsed=$(($(date +%s) - start))
 check "the job exits non-zero (exit $rc)" "$([ "$rc" -ne 0 ] && [ "$rc" -ne 124 ]; echo $?)"
 check "it ends within the timeout (${elapsed}s)" "$([ "$elapsed" -lt 60 ]; echo $?)"
-check "the dead rank is named" "$(grep -q 'rank 1' "$out/log"; echo $?)"
+# By the launcher or a survivor; not the injector's own line about it.
+check "the dead rank is named" "$(grep -v MOE_FAULT_KILL "$out/log" | grep -q 'rank 1'; echo $?)"
 check "the last checkpoint before the fault is complete" "$([ -f "$out/run/step-000002/model.safetensors" ]; echo $?)"
 "$bin/moe-train" --eval-only --init-from "$out/run/step-000002" --eval-batches 2 >"$out/eval" 2>&1
 check "the last checkpoint loads" "$(tail -n 1 "$out/eval" | grep -q '^val_loss [0-9]'; echo $?)"
 if [ "$failed" -ne 0 ]; then
     echo "--- log of the killed run:"
     grep -v '^step' "$out/log" | tail -n 20
+fi
+
+if "${launcher[0]}" --version 2>/dev/null | grep -Eq "Open MPI|OpenRTE"; then
+    # Each rank's pid, so that the test can stop rank 1.
+    printf '#!/usr/bin/env bash\necho $$ > "%s/pid.$OMPI_COMM_WORLD_RANK"\nexec "%s/moe-train" "$@"\n' \
+        "$out" "$bin" >"$out/rank.sh"
+    chmod +x "$out/rank.sh"
+    timeout 60 "${launcher[@]}" --mca orte_abort_on_non_zero_status 0 -np 2 "$out/rank.sh" \
+        --steps 400 --eval-every 0 --comm-timeout 3 --out "$out/stop" >"$out/stop.log" 2>&1 &
+    job=$!
+    # Not '^step': mpirun gives the ranks a terminal, so a progress bar comes first.
+    for _ in $(seq 600); do
+        grep -q 'step     3/' "$out/stop.log" 2>/dev/null && [ -s "$out/pid.1" ] && break
+        sleep 0.1
+    done
+    kill -STOP "$(cat "$out/pid.1" 2>/dev/null)" 2>/dev/null
+    check "rank 1 is stopped in the run" "$?"
+    start=$(date +%s)
+    wait "$job"
+    rc=$?
+    elapsed=$(($(date +%s) - start))
+    check "the job with a stopped rank exits non-zero (exit $rc)" "$([ "$rc" -ne 0 ] && [ "$rc" -ne 124 ]; echo $?)"
+    check "it ends within the timeout (${elapsed}s)" "$([ "$elapsed" -lt 30 ]; echo $?)"
+    # The first failure, not a later op's refusal on the failed communicator.
+    check "rank 0 names the cause" \
+        "$(grep 'moe-train: rank 0: ' "$out/stop.log" | grep -v refused | grep -q 'not complete after 3.0 s'; echo $?)"
+    # A rank left running (the job did not end) must not outlive the test;
+    # a pid no longer moe-train's (reaped, perhaps reused) is left alone.
+    for f in "$out"/pid.*; do
+        pid=$(cat "$f")
+        if grep -q moe-train "/proc/$pid/cmdline" 2>/dev/null; then
+            kill -KILL "$pid" 2>/dev/null
+        fi
+    done
+    if [ "$failed" -ne 0 ]; then
+        echo "--- log of the run with a stopped rank:"
+        grep -v '^step' "$out/stop.log" | tail -n 20
+    fi
+else
+    echo "SKIP: a stopped rank under a launcher that keeps the job alive: not Open MPI's mpirun"
 fi
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

@@ -200,6 +200,45 @@ Test(comm_local, message_larger_than_receive) {
                 "does not fit");
 }
 
+/* Every request is waited for, the first failure is returned with its own
+ * message, and a failure the caller brings is kept with its message. */
+Test(comm_local, wait_all_keeps_the_first_failure) {
+    float x[2] = {1, 2}, y[2] = {0};
+    moe_comm_request reqs[4] = {MOE_COMM_REQUEST_INIT, MOE_COMM_REQUEST_INIT, MOE_COMM_REQUEST_INIT,
+                                MOE_COMM_REQUEST_INIT};
+    EXPECT_OK(moe_comm_irecv(comm, &reqs[0], y, 2, MOE_COMM_F32, 0, 1));
+    EXPECT_OK(moe_comm_send(comm, x, 2, MOE_COMM_F32, 0, 1)); /* completes reqs[0] */
+    EXPECT_OK(moe_comm_isend(comm, &reqs[1], x, 2, MOE_COMM_F32, 0, 5));
+    EXPECT_OK(moe_comm_irecv(comm, &reqs[2], y, 2, MOE_COMM_F32, 0, 6));
+    /* reqs[3] was never started. */
+    EXPECT_FAIL(moe_comm_wait_all(reqs, 4, MOE_OK), MOE_ERR_STATE, "isend (tag 5)");
+    cr_expect(strstr(moe_last_error(), "tag 6") == NULL, "a later failure overwrote the first: %s",
+              moe_last_error());
+    expect_equal_f32(y, x, 2, "the completed receive");
+    for (int i = 0; i < 4; i++) {
+        bool done = false;
+        EXPECT_OK(moe_comm_test(&reqs[i], &done));
+        cr_expect(done, "request %d is still in flight after wait_all", i);
+    }
+    /* The failed receive is gone: a new pair with its tag matches each other. */
+    float z[2] = {0};
+    EXPECT_OK(moe_comm_isend(comm, &reqs[0], x, 2, MOE_COMM_F32, 0, 6));
+    EXPECT_OK(moe_comm_recv(comm, z, 2, MOE_COMM_F32, 0, 6));
+    EXPECT_OK(moe_comm_wait_all(reqs, 1, MOE_OK));
+    expect_equal_f32(z, x, 2, "a receive after wait_all");
+
+    /* The caller's own failure (starting an op) comes back with its message,
+     * after the requests are waited for. */
+    moe_status started = moe_comm_allreduce_sum(comm, x, 1, MOE_COMM_BYTES);
+    cr_assert_eq(started, MOE_ERR_INVALID_ARG);
+    EXPECT_OK(moe_comm_isend(comm, &reqs[0], x, 2, MOE_COMM_F32, 0, 7));
+    EXPECT_FAIL(moe_comm_wait_all(reqs, 1, started), MOE_ERR_INVALID_ARG, "cannot sum dtype bytes");
+    bool done = false;
+    EXPECT_OK(moe_comm_test(&reqs[0], &done));
+    cr_expect(done, "the request is still in flight after wait_all with a failure");
+    EXPECT_OK(moe_comm_wait_all(NULL, 0, MOE_OK));
+}
+
 Test(comm_local, request_in_flight_cannot_be_reused) {
     float x[1] = {1};
     moe_comm_request req = MOE_COMM_REQUEST_INIT;
@@ -253,6 +292,11 @@ Test(comm_local, bad_arguments) {
 /* The driver's last call after a failure: this process exits with the code. */
 Test(comm_local, abort_exits_with_code, .exit_code = 3) {
     moe_comm_abort(comm, 3);
+}
+
+/* Without MPI running, ending the job is the caller's exit, not this call's. */
+Test(comm_local, mpi_abort_job_returns_without_mpi) {
+    moe_comm_mpi_abort_job(3);
 }
 
 #ifndef MOE_HAVE_MPI

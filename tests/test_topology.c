@@ -106,6 +106,22 @@ Test(topology, no_nic) {
     check_placements("topology_no_nic.xml", cases, 1);
 }
 
+/* Each package's PUs are every other PU: a 456-character list, past the
+ * 256 bytes the list once had. */
+Test(topology, interleaved_numbering) {
+    char even[1024] = "", odd[1024] = "";
+    for (int pu = 0; pu < 256; pu++) {
+        char *list = pu % 2 == 0 ? even : odd;
+        snprintf(list + strlen(list), sizeof even - strlen(list), "%s%d", list[0] ? "," : "", pu);
+    }
+    cr_assert_eq(strlen(even), 456, "the reference list has %zu characters", strlen(even));
+    const placement_case cases[] = {
+        {"0000:10:00.0", even, "Package:0", "mlx5_0", MOE_LINK_SAME_HOST_BRIDGE, "even PUs, NIC on its host bridge"},
+        {"0000:90:00.0", odd, "Package:1", "mlx5_1", MOE_LINK_SAME_HOST_BRIDGE, "odd PUs, NIC on its host bridge"},
+    };
+    check_placements("topology_interleaved.xml", cases, (int)(sizeof cases / sizeof cases[0]));
+}
+
 Test(topology, unknown_bus_id) {
     moe_topology *topo = load_fixture("topology_2pkg.xml");
     moe_gpu_placement p;

@@ -1,7 +1,8 @@
 #define _POSIX_C_SOURCE 200809L
 /* moe-train: trains a Mixtral-style MoE transformer (engine/run.h does the
  * work); this file parses the flags and prints what the run reports.
- * Exit status: 0 done, 1 the run failed, 2 bad flags. */
+ * Exit status: 0 done, 1 the run failed, 2 bad flags. A failure on one rank
+ * of several ends the whole MPI job. */
 #include <errno.h>
 #include <signal.h>
 #include <limits.h>
@@ -13,6 +14,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "comm/comm.h"
 #include "engine/run.h"
 
 #define PROGRAM "moe-train"
@@ -493,10 +495,15 @@ int main(int argc, char **argv) {
     if (st != MOE_OK) {
         clear_bar(&p);
         fflush(stdout);
-        if (rank)
-            fprintf(stderr, PROGRAM ": rank %s: %s: %s\n", rank, moe_status_string(st), moe_last_error());
-        else
+        if (!rank) {
             fprintf(stderr, PROGRAM ": %s: %s\n", moe_status_string(st), moe_last_error());
+            return 1;
+        }
+        fprintf(stderr, PROGRAM ": rank %s: %s: %s\n", rank, moe_status_string(st), moe_last_error());
+        /* Whatever failed, the other ranks may be waiting for this one in a
+         * collective, or be stuck themselves; a launcher that keeps the job
+         * alive after one process exits non-zero would leave them there. */
+        moe_comm_mpi_abort_job(1);
         return 1;
     }
     return 0;

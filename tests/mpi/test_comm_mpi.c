@@ -499,18 +499,43 @@ static void check_timeout_collective(void) {
     moe_comm_free(c);
 }
 
-/* Rank 0 waits for a message rank 1 never sends: the error names rank 1. */
-static void check_timeout_recv(void) {
+/* Waiting for several requests after a timeout: the first failure's
+ * message comes back, not the refusals of the waits after it (which name
+ * the cause only at second hand). The last rank joins nothing. */
+static void check_timeout_wait_all(void) {
     moe_comm *c = NULL;
     if (!OK(moe_comm_split(&c, world, 0, rank))) return;
+    OK(moe_comm_set_timeout(c, TIMEOUT_SECONDS));
+    if (rank != size - 1) {
+        float x[8] = {0}, y[8] = {0};
+        moe_comm_request reqs[2] = {MOE_COMM_REQUEST_INIT, MOE_COMM_REQUEST_INIT};
+        OK(moe_comm_iallreduce_sum(c, &reqs[0], x, 8, MOE_COMM_F32));
+        OK(moe_comm_iallgather(c, &reqs[1], y, x, 1, MOE_COMM_F32));
+        moe_status st = moe_comm_wait_all(reqs, 2, MOE_OK);
+        EXPECT(st == MOE_ERR_COMM && strstr(moe_last_error(), "iallreduce_sum") &&
+                   strstr(moe_last_error(), "not complete after") &&
+                   !strstr(moe_last_error(), "refused") && !strstr(moe_last_error(), "iallgather"),
+               "wait_all after a timeout: %s: %s", moe_status_string(st), moe_last_error());
+    }
+    moe_comm_free(c);
+}
+
+/* Sub-communicator rank 0 waits for a message its peer 1 never sends: the
+ * error names the peer by both ranks. The split reverses the ranks, so the
+ * two differ (peer 1 is world rank size - 2). */
+static void check_timeout_recv(void) {
+    moe_comm *c = NULL;
+    if (!OK(moe_comm_split(&c, world, 0, size - 1 - rank))) return;
     OK(moe_comm_set_timeout(c, RECV_TIMEOUT_SECONDS));
-    if (rank == 0) {
+    if (moe_comm_rank(c) == 0) {
         int64_t x = 0;
+        char peer[64];
+        snprintf(peer, sizeof peer, "nothing heard from peer 1 (world %d)", size - 2);
         moe_status st = moe_comm_recv(c, &x, 1, MOE_COMM_I64, 1, 5);
-        EXPECT(st == MOE_ERR_COMM && strstr(moe_last_error(), "nothing heard from rank 1") &&
-                   strstr(moe_last_error(), "peer 1 (world 1)"),
-               "recv from a silent rank 1: %s: %s", moe_status_string(st), moe_last_error());
-        printf("  rank 0: %s\n", moe_last_error());
+        EXPECT(st == MOE_ERR_COMM && strstr(moe_last_error(), peer),
+               "recv from a silent peer: %s: %s (expected '%s')", moe_status_string(st),
+               moe_last_error(), peer);
+        printf("  world rank %d: %s\n", rank, moe_last_error());
     }
     moe_comm_free(c);
 }
@@ -552,6 +577,7 @@ int main(void) {
     run("split EP x DP groups", check_split);
     run("argument errors", check_errors);
     run("timeout: a rank skips an allreduce", check_timeout_collective);
+    run("timeout: wait_all reports the first failure", check_timeout_wait_all);
     run("timeout: a recv from a silent rank", check_timeout_recv);
 
     return mpi_check_finish();
