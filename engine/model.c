@@ -88,6 +88,7 @@ struct moe_model {
     float *dq, *dk, *dv, *datty; /* like q, k, v, atty */
     float *datt;  /* [B, Hq, T, T] */
     bool forward_done, has_targets;
+    int64_t counted; /* the last forward's targets that count (not negative), this rank's */
 };
 
 /* ---------------------------------------------------------------- tensors */
@@ -552,6 +553,8 @@ moe_status moe_model_forward(moe_model *m, const int32_t *inputs, const int32_t 
     ops->matmul_forward(m->logits, m->lnf, param(m, tf + 1), N, C, V);
 
     m->has_targets = targets != NULL;
+    m->counted = 0;
+    for (int64_t i = 0; targets && i < N; i++) m->counted += targets[i] >= 0;
     if (targets) {
         ops->crossentropy_forward(m->losses, m->lse, m->logits, m->targets, N, V);
         MOE_TRY(ops->download(m->losses_host, m->losses, (size_t)N * sizeof(float)));
@@ -590,8 +593,8 @@ static moe_status sync_range(moe_model *m, moe_comm *comm, int64_t begin, int64_
     return st == MOE_OK ? MOE_OK : moe_error_prefix(st, "gradient all-reduce: ");
 }
 
-moe_status moe_model_backward(moe_model *m, const int32_t *inputs, const int32_t *targets, float grad_scale) {
-    if (!m || !inputs || !targets) return moe_error(MOE_ERR_INVALID_ARG, "moe_model_backward: NULL argument");
+moe_status moe_model_backward(moe_model *m, float grad_scale) {
+    if (!m) return moe_error(MOE_ERR_INVALID_ARG, "moe_model_backward: NULL model");
     if (!m->forward_done || !m->has_targets)
         return moe_error(MOE_ERR_STATE, "moe_model_backward: no forward with targets to differentiate");
     const moe_model_config *c = &m->cfg;
@@ -602,8 +605,7 @@ moe_status moe_model_backward(moe_model *m, const int32_t *inputs, const int32_t
     /* The loss is the mean over the global batch's counted targets, so each
      * rank's share of the gradient is normalised by the global count and the
      * shares simply add up. */
-    int64_t counted = 0;
-    for (int64_t i = 0; i < N; i++) counted += targets[i] >= 0;
+    int64_t counted = m->counted;
     if (m->world) MOE_TRY(moe_comm_allreduce_sum(m->world, &counted, 1, MOE_COMM_I64));
     const float w = counted ? grad_scale / (float)counted : 0.0f;
     /* Sent only when it changes (rarely: a new count of targets, a new

@@ -132,9 +132,9 @@ moe_status moe_model_forward(moe_model *model, const int32_t *inputs, const int3
                              moe_model_stats *stats);
 
 /* Backward of the last forward (which must have had targets), accumulating
- * gradients of loss * grad_scale (1 / micro-batches under accumulation). */
-moe_status moe_model_backward(moe_model *model, const int32_t *inputs, const int32_t *targets,
-                              float grad_scale);
+ * gradients of loss * grad_scale (1 / micro-batches under accumulation):
+ * the forward's tokens and targets are the ones differentiated. */
+moe_status moe_model_backward(moe_model *model, float grad_scale);
 
 void moe_model_zero_grad(moe_model *model);
 

@@ -359,7 +359,7 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
         if (micro == 0) moe_model_zero_grad(model);
         /* Sharded, every run with a group is reduce-scattered instead. */
         moe_model_set_grad_sync(model, !t->sharded && micro + 1 == c->grad_accum);
-        MOE_TRY(moe_model_backward(model, t->inputs, t->targets, micro_scale));
+        MOE_TRY(moe_model_backward(model, micro_scale));
         sum.loss += s.loss;
         sum.ce_loss += s.ce_loss;
         sum.aux_loss += s.aux_loss;
