@@ -517,6 +517,53 @@ Test(cuda, gate_forward_ranks_nan_like_cpu) {
     gpu_end();
 }
 
+/* topk_softmax with a bias that passes over each row's largest logit (150,
+ * with bias -1000) for experts some 150 below it: the weights are a softmax
+ * over the chosen logits on both backends, not expf's clamp. The selection
+ * compares logit + bias, the same float sums on both, so it must match
+ * exactly. */
+Test(cuda, gate_topk_softmax_weights_far_below_the_row_max) {
+    gpu_begin();
+    ref_rng rng = {505};
+    const int64_t E = 40, k = 4, T = 70;
+    float *logits = rnd(T * E, &rng, -2.0, 2.0), *bias = ref_alloc((size_t)E * sizeof *bias);
+    for (int64_t e = 0; e < E; e++) bias[e] = e == 7 ? -1000.0f : 0.0f;
+    for (int64_t t = 0; t < T; t++) logits[t * E + 7] = 150.0f;
+    moe_gate_params p = {E, k, MOE_GATE_TOPK_SOFTMAX, true};
+    int32_t *want_idx = ref_alloc((size_t)(T * k) * sizeof *want_idx);
+    int32_t *got_idx = ref_alloc((size_t)(T * k) * sizeof *got_idx);
+    float *want_w = ref_alloc((size_t)(T * k) * sizeof *want_w), *prob = ref_alloc((size_t)(T * E) * sizeof *prob);
+    float *lse = ref_alloc((size_t)T * sizeof *lse);
+    int64_t *assigned = ref_alloc((size_t)E * sizeof *assigned);
+    double *prob_sum = ref_alloc((size_t)E * sizeof *prob_sum), z_sum = 0.0;
+    double *scratch =
+        ref_alloc((size_t)((T + MOE_GATE_CHUNK_TOKENS - 1) / MOE_GATE_CHUNK_TOKENS * (2 * E + 1)) * sizeof *scratch);
+    moe_gate_totals host_totals = {assigned, prob_sum, &z_sum, scratch};
+    moe_cpu_ops()->gate_forward(want_idx, want_w, prob, lse, &host_totals, logits, bias, &p, T);
+
+    const int64_t n_dev_chunks = (T + MOE_CUDA_GATE_CHUNK_TOKENS - 1) / MOE_CUDA_GATE_CHUNK_TOKENS;
+    moe_cuda_gate_totals totals = {
+        dpoison((size_t)E * sizeof(int64_t), POISON_INT), dpoison((size_t)E * sizeof(double), POISON_FLOAT),
+        dpoison(sizeof(double), POISON_FLOAT),
+        dpoison((size_t)(n_dev_chunks * (2 * E + 1)) * sizeof(double), POISON_FLOAT)};
+    int32_t *d_idx = dpoison((size_t)(T * k) * sizeof(int32_t), POISON_INT);
+    float *d_w = dpoison((size_t)(T * k) * sizeof(float), POISON_FLOAT);
+    CHECK(moe_cuda_gate_forward(d_idx, d_w, dpoison((size_t)(T * E) * sizeof(float), POISON_FLOAT),
+                                dpoison((size_t)T * sizeof(float), POISON_FLOAT), &totals,
+                                dput(logits, (size_t)(T * E) * sizeof(float)),
+                                dput(bias, (size_t)E * sizeof(float)), &p, T, ctx));
+    dget(got_idx, d_idx, (size_t)(T * k) * sizeof *got_idx);
+    expect_same_i32("topk_softmax far below the row max: topk_idx", got_idx, want_idx, T * k);
+    expect_dev("topk_softmax far below the row max: topk_w", d_w, want_w, T * k, TOL_F32);
+    /* And the CPU's are no clamp's ties: 4 distinct weights a row. */
+    int64_t ties = 0;
+    for (int64_t t = 0; t < T; t++) ties += want_w[t * k] == want_w[t * k + 1];
+    cr_expect(ties == 0, "%lld rows with tied weights on the CPU", (long long)ties);
+    free(logits), free(bias), free(want_idx), free(got_idx), free(want_w), free(prob), free(lse);
+    free(assigned), free(prob_sum), free(scratch);
+    gpu_end();
+}
+
 Test(cuda, gate_backward_all_kinds) {
     gpu_begin();
     ref_rng rng = {303};

@@ -278,6 +278,24 @@ Test(ops, alloc_refuses_sizes_near_size_max) {
     }
 }
 
+/* topk_softmax's weights are a softmax over the chosen logits even when a
+ * bias chooses experts far below the row's largest logit, past expf's
+ * range: logits {0, -100, -95}, bias {-1000, 0, 0}, k = 2. */
+Test(ops, topk_softmax_weights_when_the_bias_chooses_far_below) {
+    const float logits[3] = {0.0f, -100.0f, -95.0f}, bias[3] = {-1000.0f, 0.0f, 0.0f};
+    int32_t idx[2];
+    float w[2], prob[3], lse;
+    int64_t assigned[3];
+    double prob_sum[3], scratch[2 * 3 + 1], z_sum = 0.0;
+    moe_gate_totals totals = {assigned, prob_sum, &z_sum, scratch};
+    moe_gate_params p = {3, 2, MOE_GATE_TOPK_SOFTMAX, true};
+    ops()->gate_forward(idx, w, prob, &lse, &totals, logits, bias, &p, 1);
+    const double w_big = 1.0 / (1.0 + exp(-5.0)); /* softmax of {-95, -100} */
+    cr_expect(idx[0] == 2 && idx[1] == 1, "chose %d, %d; want 2, 1", idx[0], idx[1]);
+    cr_expect(fabs(w[0] - w_big) <= 1e-6 && fabs(w[1] - (1.0 - w_big)) <= 1e-6, "weights %.9g, %.9g; want %.9g, %.9g",
+              w[0], w[1], w_big, 1.0 - w_big);
+}
+
 /* moe_expf (moe_math.h) keeps NaN a NaN, and clamps the infinities to
  * float's normal range, with no undefined int conversion on the way (the
  * sanitizer build aborts on one). */

@@ -59,12 +59,18 @@ void moe_cpu_gate_forward(int32_t *topk_idx, float *topk_w, float *prob, float *
                                                                 : r[e] * norm;
                 moe_topk_insert(idx, score, &n, (int)k, (int32_t)e, bias ? base + bias[e] : base);
             }
-            /* Weights from the unbiased values: the bias steers selection only. */
+            /* Weights from the unbiased values: the bias steers selection
+             * only. topk_softmax's are a softmax over the chosen logits, taken
+             * from their own largest (not the row's: a bias may choose
+             * experts more than expf's range below it). */
+            float chosen_max = -INFINITY;
+            for (int64_t j = 0; p->kind == MOE_GATE_TOPK_SOFTMAX && j < k; j++)
+                chosen_max = l[idx[j]] > chosen_max ? l[idx[j]] : chosen_max;
             double wsum = 0.0;
             for (int64_t j = 0; j < k; j++) {
                 int32_t e = idx[j];
                 w[j] = p->kind == MOE_GATE_SIGMOID ? r[e]
-                       : p->kind == MOE_GATE_TOPK_SOFTMAX ? moe_expf(l[e] - lmax)
+                       : p->kind == MOE_GATE_TOPK_SOFTMAX ? moe_expf(l[e] - chosen_max)
                                                           : r[e] * norm;
                 wsum += w[j];
             }

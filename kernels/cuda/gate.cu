@@ -75,6 +75,7 @@ static __global__ void gate_forward_kernel(int32_t *topk_idx, float *topk_w, flo
 
         double wsum = 0.0;   /* lane 0's, in slot order */
         uint32_t taken = 0u; /* bit i: expert lane + 32 i is chosen */
+        float chosen_max = -INFINITY; /* lane 0's: the largest chosen logit */
         for (int j = 0; j < k; j++) {
             float best = -INFINITY;
             int best_e = INT_MAX;
@@ -89,14 +90,24 @@ static __global__ void gate_forward_kernel(int32_t *topk_idx, float *topk_w, flo
             if (lane == (best_e & 31)) taken |= 1u << (best_e >> 5);
             if (lane == 0) {
                 const float le = l[best_e];
-                const float w = sig                             ? moe_sigmoidf(le)
-                                : kind == MOE_GATE_TOPK_SOFTMAX ? moe_expf(le - lmax)
-                                                                : moe_expf(le - lmax) * norm;
                 topk_idx[t * k + j] = best_e;
+                if (kind == MOE_GATE_TOPK_SOFTMAX) {
+                    chosen_max = fmaxf(chosen_max, le); /* weights after the loop */
+                } else {
+                    const float w = sig ? moe_sigmoidf(le) : moe_expf(le - lmax) * norm;
+                    topk_w[t * k + j] = w;
+                    wsum += w;
+                }
+            }
+        }
+        /* topk_softmax: a softmax over the chosen logits from their own
+         * largest, as on the CPU. */
+        if (kind == MOE_GATE_TOPK_SOFTMAX && lane == 0)
+            for (int j = 0; j < k; j++) {
+                const float w = moe_expf(l[topk_idx[t * k + j]] - chosen_max);
                 topk_w[t * k + j] = w;
                 wsum += w;
             }
-        }
         __syncwarp(); /* lane 0's weights are visible to the lanes that scale them */
         if (kind != MOE_GATE_SOFTMAX_TOPK || renormalize) {
             const float inv = __shfl_sync(MOE_FULL_MASK, (float)(1.0 / wsum), 0);
