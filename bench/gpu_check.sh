@@ -232,7 +232,7 @@ summary() {
     printf "tests   exit %s\n" "$test_rc"
     printf "gemm    exit %s   gate+layer exit %s   train exit %s\n" "$gemm_rc" "$layer_rc" "$train_rc"
     grep -a "^val_loss .* floor" "$results/train.log" | sed 's/^/train   default model on cuda: /'
-    grep -a -A8 "profile of 1b" "$results/bench.err" | sed 's/^moe-bench train: */profile /'
+    grep -a -A8 "profile of 1b" "$results/bench.err" | sed 's/^moe-bench train: *//'
     python3 - "$results/gemm.jsonl" "$results/layer.jsonl" "$results/train.jsonl" "$results/gate.jsonl" <<'EOF'
 import json, sys
 def rows(path):

@@ -553,8 +553,12 @@ static moe_status split_into(nccl_comm *child, nccl_comm *c, int color, int key)
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
     NCCL_CALL(c, "split", -1, ncclCommSplit(c->nccl, color, key, &child->nccl, &config));
-    MOE_TRY(settle(child, "split", -1, NULL));
+    /* The parent first: a non-blocking split may hand out the child's
+     * handle only once the parent's part is done (NCCL 2.28 does). */
     MOE_TRY(settle(c, "split", -1, NULL));
+    if (!child->nccl)
+        return fail(c, MOE_ERR_COMM, "split", -1, "ncclCommSplit completed without a communicator");
+    MOE_TRY(settle(child, "split", -1, NULL));
     NCCL_CALL(child, "split", -1, ncclCommUserRank(child->nccl, &child->base.rank));
     NCCL_CALL(child, "split", -1, ncclCommCount(child->nccl, &child->base.size));
     return MOE_OK;

@@ -32,6 +32,8 @@ static struct profile {
     double seconds[N_OPS];
     moe_status failed; /* the first failure to read the marks */
     char failure[256];
+    moe_status wait_failed; /* a failure of the profile's own sync, for the caller's next wait */
+    char wait_failure[1024];
 } prof;
 
 int64_t moe_profile_op_count(void) { return N_OPS; }
@@ -62,15 +64,37 @@ static void close_last(void) {
     if (prof.n_marks > 0 && prof.op_of[prof.n_marks - 1] != NO_OP) stamp(NO_OP);
 }
 
+/* After a wait: its marks are read when it succeeded; after a failed one
+ * some may never have been stamped, and they are dropped. */
+static moe_status after_wait(moe_status st) {
+    if (st == MOE_OK)
+        read_marks();
+    else
+        prof.n_marks = 0;
+    return st;
+}
+
 static void begin_op(int op) {
     if (prof.paused) return;
     /* Room for this op's mark and the one that ends it. */
     if (prof.n_marks + 2 > MOE_PROFILE_MARKS) {
         close_last();
-        (void)prof.inner->sync(); /* a failure shows at the caller's next wait */
-        read_marks();
+        /* A failure this sync reports is the caller's: kept for its next wait. */
+        const moe_status st = after_wait(prof.inner->sync());
+        if (st != MOE_OK && prof.wait_failed == MOE_OK) {
+            prof.wait_failed = st;
+            snprintf(prof.wait_failure, sizeof prof.wait_failure, "%s", moe_last_error());
+        }
     }
     stamp(op);
+}
+
+/* A wait's status, or the failure the profile's own sync kept for it. */
+static moe_status report(moe_status st) {
+    if (prof.wait_failed == MOE_OK) return st;
+    const moe_status kept = prof.wait_failed;
+    prof.wait_failed = MOE_OK;
+    return moe_error(kept, "%s", prof.wait_failure);
 }
 
 #define PROFILED(name, params, args)     \
@@ -83,21 +107,19 @@ MOE_QUEUED_OPS(PROFILED)
 
 static moe_status profiled_upload(void *dst, const void *src, size_t bytes) {
     begin_op(OP_upload);
-    return prof.inner->upload(dst, src, bytes);
+    return report(prof.inner->upload(dst, src, bytes));
 }
 
 static moe_status profiled_sync(void) {
     close_last();
-    const moe_status st = prof.inner->sync();
-    read_marks();
-    return st;
+    return report(after_wait(prof.inner->sync()));
 }
 
+/* A download of nothing need not wait (ops.h): its marks stay for the next. */
 static moe_status profiled_download(void *dst, const void *src, size_t bytes) {
+    if (bytes == 0) return report(prof.inner->download(dst, src, bytes));
     close_last();
-    const moe_status st = prof.inner->download(dst, src, bytes);
-    read_marks();
-    return st;
+    return report(after_wait(prof.inner->download(dst, src, bytes)));
 }
 
 void moe_profile_close(void) {
@@ -131,6 +153,7 @@ void moe_profile_reset(void) {
     memset(prof.calls, 0, sizeof prof.calls);
     memset(prof.seconds, 0, sizeof prof.seconds);
     prof.n_marks = 0;
+    prof.failed = MOE_OK;
 }
 
 static int by_time(const void *a, const void *b) {

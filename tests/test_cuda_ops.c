@@ -51,7 +51,10 @@
     X(table_uniform_same_bits)                                                                     \
     X(table_keeps_first_failure)                                                                   \
     X(gemm_tensor_core_math)                                                                       \
-    X(model_on_the_table)
+    X(model_on_the_table)                                                                          \
+    X(gate_forward_ranks_nan_like_cpu)                                                             \
+    X(gate_topk_softmax_weights_far_below_the_row_max)                                             \
+    X(table_marks_time_ops_in_the_stream)
 
 #if !defined(MOE_HAVE_CUDA)
 

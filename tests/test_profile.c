@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/status.h"
 #include "kernels/profile.h"
 
 #define GEMM_N 384
@@ -139,4 +140,50 @@ Test(profile, rows_are_capped_largest_first) {
     moe_op_time rows[1];
     cr_expect(read_rows(rows, 1) == 1 && strcmp(rows[0].op, "gemm") == 0);
     cr_expect(moe_profile_op_count() > 30, "every queued op and upload: %lld", (long long)moe_profile_op_count());
+}
+
+/* A backend whose sync fails while sync_fails is set: the profile must
+ * hand that failure to the caller, whichever sync meets it. */
+static bool sync_fails;
+static int failing_syncs;
+
+static moe_status failing_sync(void) {
+    if (!sync_fails) return MOE_OK;
+    failing_syncs++;
+    return moe_error(MOE_ERR_INTERNAL, "device fault %d", failing_syncs);
+}
+
+static const moe_ops *failing_backend(void) {
+    static moe_ops t;
+    t = *moe_cpu_ops();
+    t.sync = failing_sync;
+    return &t;
+}
+
+/* The profile's own sync (a run longer than its marks) meets a failure: it
+ * is the caller's, reported at its next wait with its own message. */
+Test(profile, a_failure_met_by_the_profiles_own_sync_reaches_the_caller) {
+    cr_assert(moe_profile_open(&profiled, failing_backend()) == MOE_OK, "%s", moe_last_error());
+    sync_fails = true, failing_syncs = 0;
+    for (int64_t i = 0; i < MOE_PROFILE_MARKS; i++) tiny_op();
+    sync_fails = false;
+    cr_assert(failing_syncs == 1, "the profile's own sync ran %d times", failing_syncs);
+    cr_expect(profiled->sync() == MOE_ERR_INTERNAL, "the caller's sync hides the failure");
+    cr_expect(strstr(moe_last_error(), "device fault 1") != NULL, "message: %s", moe_last_error());
+    cr_expect(profiled->sync() == MOE_OK, "the failure is reported once: %s", moe_last_error());
+}
+
+/* After a failed wait its marks are dropped, not read: a device may never
+ * have stamped them. The ops after it count as usual. */
+Test(profile, marks_before_a_failed_wait_are_dropped) {
+    cr_assert(moe_profile_open(&profiled, failing_backend()) == MOE_OK, "%s", moe_last_error());
+    big_gemm();
+    sync_fails = true;
+    cr_expect(profiled->sync() == MOE_ERR_INTERNAL);
+    sync_fails = false;
+    moe_op_time rows[4];
+    cr_expect(read_rows(rows, 4) == 0, "ops before a failed wait are listed");
+    tiny_op();
+    cr_assert(profiled->sync() == MOE_OK);
+    cr_expect(read_rows(rows, 4) == 1 && rows[0].calls == 1 && strcmp(rows[0].op, "copy") == 0);
 }

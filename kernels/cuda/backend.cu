@@ -170,14 +170,21 @@ static moe_status record(cudaEvent_t event, moe_cuda_ctx *ctx) {
     return MOE_OK;
 }
 
+/* Stamped even while a failure is kept (a mark reads no op's output), so
+ * that no slot keeps an earlier cycle's time. */
 static void table_mark(void *marks, int64_t i) {
-    RUN("mark", record(((event_marks *)marks)->events[i], bound.ctx));
+    if (bound.ctx) keep(record(((event_marks *)marks)->events[i], bound.ctx), "mark");
 }
 
 static moe_status table_mark_seconds(double *seconds, const void *marks, int64_t from, int64_t to) {
     const event_marks *m = (const event_marks *)marks;
     float ms = 0.0f;
-    MOE_CUDA_CHECK(cudaEventElapsedTime(&ms, m->events[from], m->events[to]));
+    const cudaError_t err = cudaEventElapsedTime(&ms, m->events[from], m->events[to]);
+    if (err != cudaSuccess) {
+        const moe_status st = moe_cuda_report(err, "cudaEventElapsedTime", __FILE__, __LINE__);
+        (void)cudaGetLastError(); /* not sticky: the next op must not find it */
+        return st;
+    }
     *seconds = 1e-3 * (double)ms;
     return MOE_OK;
 }

@@ -87,8 +87,20 @@ extern "C" bool moe_cuda_available(char *why, size_t why_bytes) {
 
 /* ----------------------------------------------------------------- context */
 
+/* The first device of sm_80 or newer (moe_cuda_available found one). */
+static int first_usable_device(void) {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;
+    for (int d = 0; d < n; d++) {
+        cudaDeviceProp prop;
+        if (cudaGetDeviceProperties(&prop, d) == cudaSuccess && prop.major >= MIN_CC_MAJOR) return d;
+    }
+    (void)cudaGetLastError();
+    return 0;
+}
+
 static moe_status ctx_init(moe_cuda_ctx *c, int device) {
-    c->device = device < 0 ? 0 : device;
+    c->device = device < 0 ? first_usable_device() : device;
     MOE_CUDA_CHECK(cudaSetDevice(c->device));
     cudaDeviceProp prop;
     MOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, c->device));

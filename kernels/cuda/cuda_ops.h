@@ -48,7 +48,7 @@ bool moe_cuda_available(char *why, size_t why_bytes);
  * thread drives one context. */
 typedef struct moe_cuda_ctx moe_cuda_ctx;
 
-/* device < 0 picks device 0. */
+/* device < 0 picks the first device of sm_80 or newer. */
 moe_status moe_cuda_ctx_create(moe_cuda_ctx **ctx, int device);
 void moe_cuda_ctx_destroy(moe_cuda_ctx *ctx);
 
