@@ -538,7 +538,10 @@ int bench_gemm_run(int argc, char **argv) {
     memcpy(cols, columns, sizeof cols);
     cols[5].header = use_cuda ? "TFLOP/s" : "GFLOP/s";
     const bench_table table = {.bench = CMD, .cols = cols, .n_cols = N_COLUMNS, .json = o.json};
-    if (o.device == DEVICE_AUTO && !use_cuda)
+    /* Said on stderr too, where a --json run's readers look. */
+    if (o.device == DEVICE_AUTO && !use_cuda && o.json)
+        fprintf(stderr, "moe-bench %s: no GPU (%s): the CPU comparison\n", CMD, why);
+    else if (o.device == DEVICE_AUTO && !use_cuda)
         bench_table_note(&table, "no GPU (%s): the CPU comparison", why);
     bench_table_note(&table, "moe-bench gemm, libmoe %s, on the %s", moe_version_string(),
                      use_cuda ? "GPU" : "CPU");

@@ -21,7 +21,7 @@ typedef struct train_shape {
 } train_shape;
 
 /* The driver's default model, a larger one whose GEMMs are big enough to
- * run near a CPU's sgemm rate, and a ~1.2B-parameter one (340M active) for
+ * run near a CPU's sgemm rate, and a ~1.2B-parameter one (327M active) for
  * a GPU. */
 static const train_shape default_shapes[] = {
     {"default", 0, 0, 0, 0, 0, 0, 0, 16, 64, false},
@@ -48,7 +48,8 @@ static void usage(void) {
            "timing:\n"
            "  --warmup N      untimed steps first (default 2)\n"
            "  --steps N       timed steps (default 5)\n"
-           "  --threads N     OpenMP and OpenBLAS threads (default: every core)\n\n"
+           "  --threads N     OpenMP and OpenBLAS threads (default: OMP_NUM_THREADS, else\n"
+           "                  every core)\n\n"
            "output:\n"
            "  --json          one JSON object per row\n"
            "  --profile       also time each op of the timed steps (on a GPU: events in its\n"
