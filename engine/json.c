@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "common/status.h"
+#include "engine/fileio.h"
 
 /* strtod and printf follow LC_NUMERIC, and a host program that called
  * setlocale(LC_ALL, "") under a locale with a decimal comma would read "0.02"
@@ -542,6 +543,15 @@ moe_status moe_json_parse(moe_json_doc **doc, const char *text, size_t len, cons
     }
     *doc = p.doc;
     return MOE_OK;
+}
+
+moe_status moe_json_parse_file(moe_json_doc **doc, const char *path, size_t max_bytes) {
+    char *text;
+    size_t len;
+    MOE_TRY(moe_file_read_all(&text, &len, path, max_bytes));
+    const moe_status st = moe_json_parse(doc, text, len, path);
+    free(text);
+    return st;
 }
 
 const moe_json *moe_json_get(const moe_json *obj, const char *key) {

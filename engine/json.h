@@ -71,6 +71,10 @@ typedef struct moe_json_doc moe_json_doc;
 /* Parses text [len] (need not be NUL-terminated). `name` (a file name) leads
  * every error message. */
 moe_status moe_json_parse(moe_json_doc **doc, const char *text, size_t len, const char *name);
+
+/* Reads the file at path (at most max_bytes) and parses it, path leading
+ * every error. */
+moe_status moe_json_parse_file(moe_json_doc **doc, const char *path, size_t max_bytes);
 const moe_json *moe_json_root(const moe_json_doc *doc);
 void moe_json_free(moe_json_doc *doc);
 

@@ -732,14 +732,9 @@ static moe_status write_run_files(run *r, const moe_run_summary *s) {
     MOE_TRY(moe_mkdir_p(r->o->out_dir));
     MOE_TRY(path_join(path, r->o->out_dir, "config.json"));
     MOE_TRY(moe_model_config_save(&r->cfg, path));
-    char *text;
-    size_t len;
-    MOE_TRY(moe_file_read_all(&text, &len, path, RUN_CONFIG_MAX_BYTES));
     moe_json_doc *doc;
-    moe_status st = moe_json_parse(&doc, text, len, path);
-    free(text);
-    MOE_TRY(st);
-    st = write_run_json(r, s, moe_json_root(doc));
+    MOE_TRY(moe_json_parse_file(&doc, path, RUN_CONFIG_MAX_BYTES));
+    moe_status st = write_run_json(r, s, moe_json_root(doc));
     moe_json_free(doc);
     MOE_TRY(st);
     MOE_TRY(path_join(r->metrics_path, r->o->out_dir, "metrics.jsonl"));

@@ -794,14 +794,9 @@ static moe_status check_dir(const char *path) {
 static moe_status read_index(moe_st_dir *d, const char *index_path) {
     struct stat sb;
     if (stat(index_path, &sb) != 0) return open_error(index_path, errno);
-    char *text;
-    size_t len;
-    MOE_TRY(moe_file_read_all(&text, &len, index_path, (size_t)MOE_ST_MAX_HEADER_BYTES));
     moe_json_doc *doc;
-    moe_status st = moe_json_parse(&doc, text, len, index_path);
-    free(text);
-    MOE_TRY(st);
-    st = open_indexed(d, index_path, moe_json_root(doc));
+    MOE_TRY(moe_json_parse_file(&doc, index_path, (size_t)MOE_ST_MAX_HEADER_BYTES));
+    const moe_status st = open_indexed(d, index_path, moe_json_root(doc));
     moe_json_free(doc);
     return st;
 }

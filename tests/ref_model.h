@@ -105,6 +105,26 @@ static inline void ref_attention(double *out, const double *q, const double *k, 
 /* ---------------------------------------------------------------- model */
 
 /* Offsets (into ref_model.p) of one decoder layer's tensors. */
+/* The tests' tiny model: hidden 8, ff 6, 4 query heads over 2 kv heads of
+ * 4, 4 experts top-2, aux and z losses on; layers and shared experts as
+ * given. */
+static inline moe_model_config ref_tiny_config(int64_t vocab, int64_t layers, int64_t shared_experts) {
+    moe_model_config cfg;
+    moe_model_config_default_small(&cfg, vocab);
+    cfg.hidden_size = 8;
+    cfg.intermediate_size = 6;
+    cfg.num_hidden_layers = layers;
+    cfg.num_attention_heads = 4;
+    cfg.num_key_value_heads = 2;
+    cfg.head_dim = 4;
+    cfg.num_local_experts = 4;
+    cfg.num_experts_per_tok = 2;
+    cfg.router_aux_loss_coef = 0.1;
+    cfg.moe_z_loss_coef = 0.01;
+    cfg.moe_n_shared_experts = shared_experts;
+    return cfg;
+}
+
 typedef struct ref_model_layer {
     int64_t ln1, wq, wk, wv, wo, ln2; /* attention half */
     int64_t gate;                     /* [E, C] */

@@ -472,6 +472,52 @@ Test(cuda, gate_forward_all_kinds) {
     gpu_end();
 }
 
+/* The gate on both backends over logits [T, E] (bias [E] or NULL): the
+ * CPU's top-k, weights and counts, and the GPU's, every device output
+ * poisoned first. */
+typedef struct gate_pair {
+    int32_t *want_idx, *got_idx; /* [T, k] */
+    float *want_w, *got_w;       /* [T, k] */
+    int64_t *want_assigned, *got_assigned; /* [E] */
+} gate_pair;
+
+static gate_pair gate_both(const float *logits, const float *bias, const moe_gate_params *p, int64_t T) {
+    const int64_t E = p->n_experts, k = p->top_k;
+    gate_pair g = {
+        ref_alloc((size_t)(T * k) * sizeof(int32_t)), ref_alloc((size_t)(T * k) * sizeof(int32_t)),
+        ref_alloc((size_t)(T * k) * sizeof(float)),   ref_alloc((size_t)(T * k) * sizeof(float)),
+        ref_alloc((size_t)E * sizeof(int64_t)),       ref_alloc((size_t)E * sizeof(int64_t))};
+    float *prob = ref_alloc((size_t)(T * E) * sizeof *prob), *lse = ref_alloc((size_t)T * sizeof *lse);
+    double *prob_sum = ref_alloc((size_t)E * sizeof *prob_sum), z_sum = 0.0;
+    double *scratch =
+        ref_alloc((size_t)((T + MOE_GATE_CHUNK_TOKENS - 1) / MOE_GATE_CHUNK_TOKENS * (2 * E + 1)) * sizeof *scratch);
+    moe_gate_totals host_totals = {g.want_assigned, prob_sum, &z_sum, scratch};
+    moe_cpu_ops()->gate_forward(g.want_idx, g.want_w, prob, lse, &host_totals, logits, bias, p, T);
+
+    const int64_t n_dev_chunks = (T + MOE_CUDA_GATE_CHUNK_TOKENS - 1) / MOE_CUDA_GATE_CHUNK_TOKENS;
+    moe_cuda_gate_totals totals = {
+        dpoison((size_t)E * sizeof(int64_t), POISON_INT), dpoison((size_t)E * sizeof(double), POISON_FLOAT),
+        dpoison(sizeof(double), POISON_FLOAT),
+        dpoison((size_t)(n_dev_chunks * (2 * E + 1)) * sizeof(double), POISON_FLOAT)};
+    int32_t *d_idx = dpoison((size_t)(T * k) * sizeof(int32_t), POISON_INT);
+    float *d_w = dpoison((size_t)(T * k) * sizeof(float), POISON_FLOAT);
+    CHECK(moe_cuda_gate_forward(d_idx, d_w, dpoison((size_t)(T * E) * sizeof(float), POISON_FLOAT),
+                                dpoison((size_t)T * sizeof(float), POISON_FLOAT), &totals,
+                                dput(logits, (size_t)(T * E) * sizeof(float)),
+                                bias ? dput(bias, (size_t)E * sizeof(float)) : NULL, p, T, ctx));
+    dget(g.got_idx, d_idx, (size_t)(T * k) * sizeof(int32_t));
+    dget(g.got_w, d_w, (size_t)(T * k) * sizeof(float));
+    dget(g.got_assigned, totals.assigned, (size_t)E * sizeof(int64_t));
+    free(prob), free(lse), free(prob_sum), free(scratch);
+    moe_cuda_arena_reset(&arena);
+    return g;
+}
+
+static void free_gate_pair(gate_pair *g) {
+    free(g->want_idx), free(g->got_idx), free(g->want_w), free(g->got_w);
+    free(g->want_assigned), free(g->got_assigned);
+}
+
 /* Logits with NaN among them pick the same experts on both backends
  * (moe_score_outranks): each kind, E past one warp's 32 lanes, a NaN in
  * every fifth logit and a row of NaN only. */
@@ -483,39 +529,14 @@ Test(cuda, gate_forward_ranks_nan_like_cpu) {
         float *logits = rnd(T * E, &rng, -2.0, 2.0);
         for (int64_t i = 0; i < T * E; i++)
             if (ref_next(&rng) % 5 == 0 || i / E == T - 1) logits[i] = NAN;
-        moe_gate_params p = {E, k, (moe_gate_kind)kind, true};
-        int32_t *want = ref_alloc((size_t)(T * k) * sizeof *want);
-        int32_t *got = ref_alloc((size_t)(T * k) * sizeof *got);
-        float *w = ref_alloc((size_t)(T * k) * sizeof *w), *prob = ref_alloc((size_t)(T * E) * sizeof *prob);
-        float *lse = ref_alloc((size_t)T * sizeof *lse);
-        int64_t *assigned = ref_alloc((size_t)E * sizeof *assigned);
-        double *prob_sum = ref_alloc((size_t)E * sizeof *prob_sum), z_sum = 0.0;
-        const int64_t n_chunks = (T + MOE_GATE_CHUNK_TOKENS - 1) / MOE_GATE_CHUNK_TOKENS;
-        double *scratch = ref_alloc((size_t)(n_chunks * (2 * E + 1)) * sizeof *scratch);
-        moe_gate_totals host_totals = {assigned, prob_sum, &z_sum, scratch};
-        moe_cpu_ops()->gate_forward(want, w, prob, lse, &host_totals, logits, NULL, &p, T);
-
-        const int64_t n_dev_chunks = (T + MOE_CUDA_GATE_CHUNK_TOKENS - 1) / MOE_CUDA_GATE_CHUNK_TOKENS;
-        moe_cuda_gate_totals totals = {
-            dpoison((size_t)E * sizeof(int64_t), POISON_INT),
-            dpoison((size_t)E * sizeof(double), POISON_FLOAT),
-            dpoison(sizeof(double), POISON_FLOAT),
-            dpoison((size_t)(n_dev_chunks * (2 * E + 1)) * sizeof(double), POISON_FLOAT)};
-        int32_t *d_idx = dpoison((size_t)(T * k) * sizeof(int32_t), POISON_INT);
-        CHECK(moe_cuda_gate_forward(d_idx, dpoison((size_t)(T * k) * sizeof(float), POISON_FLOAT),
-                                    dpoison((size_t)(T * E) * sizeof(float), POISON_FLOAT),
-                                    dpoison((size_t)T * sizeof(float), POISON_FLOAT), &totals,
-                                    dput(logits, (size_t)(T * E) * sizeof(float)), NULL, &p, T, ctx));
-        dget(got, d_idx, (size_t)(T * k) * sizeof *got);
+        const moe_gate_params p = {E, k, (moe_gate_kind)kind, true};
+        gate_pair g = gate_both(logits, NULL, &p, T);
         char what[96];
         snprintf(what, sizeof what, "gate_forward %s with NaN logits", kind_name((moe_gate_kind)kind));
-        expect_same_i32(what, got, want, T * k);
-        int64_t *got_assigned = ref_alloc((size_t)E * sizeof *got_assigned);
-        dget(got_assigned, totals.assigned, (size_t)E * sizeof *got_assigned);
-        expect_same_i64(what, got_assigned, assigned, E);
-        free(logits), free(want), free(got), free(w), free(prob), free(lse), free(assigned);
-        free(prob_sum), free(scratch), free(got_assigned);
-        moe_cuda_arena_reset(&arena);
+        expect_same_i32(what, g.got_idx, g.want_idx, T * k);
+        expect_same_i64(what, g.got_assigned, g.want_assigned, E);
+        free_gate_pair(&g);
+        free(logits);
     }
     gpu_end();
 }
@@ -532,38 +553,16 @@ Test(cuda, gate_topk_softmax_weights_far_below_the_row_max) {
     float *logits = rnd(T * E, &rng, -2.0, 2.0), *bias = ref_alloc((size_t)E * sizeof *bias);
     for (int64_t e = 0; e < E; e++) bias[e] = e == 7 ? -1000.0f : 0.0f;
     for (int64_t t = 0; t < T; t++) logits[t * E + 7] = 150.0f;
-    moe_gate_params p = {E, k, MOE_GATE_TOPK_SOFTMAX, true};
-    int32_t *want_idx = ref_alloc((size_t)(T * k) * sizeof *want_idx);
-    int32_t *got_idx = ref_alloc((size_t)(T * k) * sizeof *got_idx);
-    float *want_w = ref_alloc((size_t)(T * k) * sizeof *want_w), *prob = ref_alloc((size_t)(T * E) * sizeof *prob);
-    float *lse = ref_alloc((size_t)T * sizeof *lse);
-    int64_t *assigned = ref_alloc((size_t)E * sizeof *assigned);
-    double *prob_sum = ref_alloc((size_t)E * sizeof *prob_sum), z_sum = 0.0;
-    double *scratch =
-        ref_alloc((size_t)((T + MOE_GATE_CHUNK_TOKENS - 1) / MOE_GATE_CHUNK_TOKENS * (2 * E + 1)) * sizeof *scratch);
-    moe_gate_totals host_totals = {assigned, prob_sum, &z_sum, scratch};
-    moe_cpu_ops()->gate_forward(want_idx, want_w, prob, lse, &host_totals, logits, bias, &p, T);
-
-    const int64_t n_dev_chunks = (T + MOE_CUDA_GATE_CHUNK_TOKENS - 1) / MOE_CUDA_GATE_CHUNK_TOKENS;
-    moe_cuda_gate_totals totals = {
-        dpoison((size_t)E * sizeof(int64_t), POISON_INT), dpoison((size_t)E * sizeof(double), POISON_FLOAT),
-        dpoison(sizeof(double), POISON_FLOAT),
-        dpoison((size_t)(n_dev_chunks * (2 * E + 1)) * sizeof(double), POISON_FLOAT)};
-    int32_t *d_idx = dpoison((size_t)(T * k) * sizeof(int32_t), POISON_INT);
-    float *d_w = dpoison((size_t)(T * k) * sizeof(float), POISON_FLOAT);
-    CHECK(moe_cuda_gate_forward(d_idx, d_w, dpoison((size_t)(T * E) * sizeof(float), POISON_FLOAT),
-                                dpoison((size_t)T * sizeof(float), POISON_FLOAT), &totals,
-                                dput(logits, (size_t)(T * E) * sizeof(float)),
-                                dput(bias, (size_t)E * sizeof(float)), &p, T, ctx));
-    dget(got_idx, d_idx, (size_t)(T * k) * sizeof *got_idx);
-    expect_same_i32("topk_softmax far below the row max: topk_idx", got_idx, want_idx, T * k);
-    expect_dev("topk_softmax far below the row max: topk_w", d_w, want_w, T * k, TOL_F32);
-    /* And the CPU's are no clamp's ties: 4 distinct weights a row. */
+    const moe_gate_params p = {E, k, MOE_GATE_TOPK_SOFTMAX, true};
+    gate_pair g = gate_both(logits, bias, &p, T);
+    expect_same_i32("topk_softmax far below the row max: topk_idx", g.got_idx, g.want_idx, T * k);
+    expect_close("topk_softmax far below the row max: topk_w", g.got_w, g.want_w, T * k, TOL_F32);
+    /* And the CPU's are no clamp's ties: distinct weights in every row. */
     int64_t ties = 0;
-    for (int64_t t = 0; t < T; t++) ties += want_w[t * k] == want_w[t * k + 1];
+    for (int64_t t = 0; t < T; t++) ties += g.want_w[t * k] == g.want_w[t * k + 1];
     cr_expect(ties == 0, "%lld rows with tied weights on the CPU", (long long)ties);
-    free(logits), free(bias), free(want_idx), free(got_idx), free(want_w), free(prob), free(lse);
-    free(assigned), free(prob_sum), free(scratch);
+    free_gate_pair(&g);
+    free(logits), free(bias);
     gpu_end();
 }
 

@@ -1,4 +1,5 @@
 /* JSON parser conformance (RFC 8259) and the writer. */
+#define _DEFAULT_SOURCE /* mkstemp */
 #include <criterion/criterion.h>
 #include <math.h>
 #include <stdio.h>
@@ -428,4 +429,31 @@ Test(json, lossy_string_replaces_invalid_bytes) {
     cr_expect_eq(moe_json_writer_finish(&w), MOE_ERR_INVALID_ARG, "the strict writer accepted invalid UTF-8");
     cr_expect(strstr(moe_last_error(), "invalid UTF-8 byte 0xE9 at offset 6") != NULL, "%s", moe_last_error());
     moe_json_writer_free(&w);
+}
+
+/* A file read and parsed in one call: its path leads every error. */
+Test(json, parse_file_names_the_file) {
+    char path[] = "/tmp/moe-json-XXXXXX";
+    const int fd = mkstemp(path);
+    cr_assert(fd >= 0, "mkstemp failed");
+    FILE *f = fdopen(fd, "w");
+    cr_assert(f);
+    fputs("{\"a\": [1, 2]}", f);
+    fclose(f);
+    moe_json_doc *doc = NULL;
+    cr_assert(moe_json_parse_file(&doc, path, 1024) == MOE_OK, "%s", moe_last_error());
+    const moe_json *a = moe_json_get(moe_json_root(doc), "a");
+    cr_expect(a && a->type == MOE_JSON_ARRAY && a->array.count == 2, "a is not the array [1, 2]");
+    moe_json_free(doc);
+    cr_expect(moe_json_parse_file(&doc, path, 4) != MOE_OK && strstr(moe_last_error(), path),
+              "a file over the limit: %s", moe_last_error());
+    f = fopen(path, "w");
+    cr_assert(f);
+    fputs("{\"a\": ", f);
+    fclose(f);
+    cr_expect(moe_json_parse_file(&doc, path, 1024) == MOE_ERR_FORMAT && strstr(moe_last_error(), path),
+              "a cut-off file: %s", moe_last_error());
+    remove(path);
+    cr_expect(moe_json_parse_file(&doc, path, 1024) == MOE_ERR_IO && strstr(moe_last_error(), path),
+              "a missing file: %s", moe_last_error());
 }

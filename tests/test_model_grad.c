@@ -77,27 +77,10 @@ typedef struct fx {
     int32_t targets[N_POS];
 } fx;
 
-/* The tiny config of the header, with this many layers. */
-static moe_model_config tiny_config(int64_t layers) {
-    moe_model_config cfg;
-    moe_model_config_default_small(&cfg, VOCAB);
-    cfg.hidden_size = 8;
-    cfg.intermediate_size = 6;
-    cfg.num_hidden_layers = layers;
-    cfg.num_attention_heads = 4;
-    cfg.num_key_value_heads = 2;
-    cfg.head_dim = 4;
-    cfg.num_local_experts = 4;
-    cfg.num_experts_per_tok = 2;
-    cfg.router_aux_loss_coef = 0.1;
-    cfg.moe_z_loss_coef = 0.01;
-    return cfg;
-}
-
 static void fx_create(fx *f, const grad_case *gc) {
     memset(f, 0, sizeof *f);
     f->gc = gc;
-    moe_model_config cfg = tiny_config(2);
+    moe_model_config cfg = ref_tiny_config(VOCAB, 2, 0);
     cfg.moe_gate = gc->gate;
     cfg.moe_capacity_factor = gc->capacity_factor;
     cfg.moe_n_shared_experts = gc->n_shared_experts;
@@ -428,7 +411,7 @@ Test(model_backend, same_bits_when_the_host_cannot_touch_its_memory) {
  * on: jitter, capacity, shared experts and the selection bias. The second
  * step is measured, after the first has grown the workspaces. */
 static int64_t drains_per_step(int64_t layers) {
-    moe_model_config cfg = tiny_config(layers);
+    moe_model_config cfg = ref_tiny_config(VOCAB, layers, 0);
     cfg.moe_capacity_factor = 1.0;
     cfg.moe_n_shared_experts = 1;
     cfg.moe_bias_update_rate = 0.01;

@@ -234,6 +234,19 @@ static void for_each_gate_case(void (*check)(const gate_case *, uint64_t), uint6
 
 Test(ops, gate_forward_every_kind) { for_each_gate_case(check_gate_forward, 100); }
 
+/* The gating pass over one token's logits row [E] (E <= 16), bias [E] or
+ * NULL: its top-k idx [k] and weights w [k]. */
+static void gate_one_token(int32_t *idx, float *w, const float *row, const float *bias, int64_t E, int64_t k,
+                           moe_gate_kind kind, bool renormalize) {
+    cr_assert(E <= 16);
+    float prob[16], lse;
+    int64_t assigned[16];
+    double prob_sum[16], scratch[2 * 16 + 1], z_sum = 0.0;
+    moe_gate_totals totals = {assigned, prob_sum, &z_sum, scratch};
+    const moe_gate_params p = {E, k, kind, renormalize};
+    ops()->gate_forward(idx, w, prob, &lse, &totals, row, bias, &p, 1);
+}
+
 /* Exactly equal scores: the lower expert index comes first. */
 Test(ops, gate_forward_ties_go_to_lower_index) {
     static const float rows[][5] = {
@@ -251,13 +264,8 @@ Test(ops, gate_forward_ties_go_to_lower_index) {
         for (int r = 0; r < 3; r++)
             for (int64_t k = 1; k <= 3; k++) {
                 int32_t idx[3];
-                float w[3], prob[5], lse;
-                int64_t assigned[5];
-                double prob_sum[5], scratch[2 * 5 + 1];
-                double z_sum = 0.0;
-                moe_gate_totals totals = {assigned, prob_sum, &z_sum, scratch};
-                moe_gate_params p = {5, k, (moe_gate_kind)kind, true};
-                ops()->gate_forward(idx, w, prob, &lse, &totals, rows[r], NULL, &p, 1);
+                float w[3];
+                gate_one_token(idx, w, rows[r], NULL, 5, k, (moe_gate_kind)kind, true);
                 for (int64_t j = 0; j < k; j++)
                     cr_expect(idx[j] == want[r][k - 1][j],
                               "%s row %d k=%lld: slot %lld chose expert %d, want %d",
@@ -284,12 +292,8 @@ Test(ops, alloc_refuses_sizes_near_size_max) {
 Test(ops, topk_softmax_weights_when_the_bias_chooses_far_below) {
     const float logits[3] = {0.0f, -100.0f, -95.0f}, bias[3] = {-1000.0f, 0.0f, 0.0f};
     int32_t idx[2];
-    float w[2], prob[3], lse;
-    int64_t assigned[3];
-    double prob_sum[3], scratch[2 * 3 + 1], z_sum = 0.0;
-    moe_gate_totals totals = {assigned, prob_sum, &z_sum, scratch};
-    moe_gate_params p = {3, 2, MOE_GATE_TOPK_SOFTMAX, true};
-    ops()->gate_forward(idx, w, prob, &lse, &totals, logits, bias, &p, 1);
+    float w[2];
+    gate_one_token(idx, w, logits, bias, 3, 2, MOE_GATE_TOPK_SOFTMAX, true);
     const double w_big = 1.0 / (1.0 + exp(-5.0)); /* softmax of {-95, -100} */
     cr_expect(idx[0] == 2 && idx[1] == 1, "chose %d, %d; want 2, 1", idx[0], idx[1]);
     cr_expect(fabs(w[0] - w_big) <= 1e-6 && fabs(w[1] - (1.0 - w_big)) <= 1e-6, "weights %.9g, %.9g; want %.9g, %.9g",
@@ -324,13 +328,8 @@ Test(ops, gate_forward_ranks_nan_last) {
     for (int kind = 0; kind < 3; kind++)
         for (int64_t k = 1; k <= 5; k++) {
             int32_t idx[5];
-            float w[5], prob[5], lse;
-            int64_t assigned[5];
-            double prob_sum[5], scratch[2 * 5 + 1];
-            double z_sum = 0.0;
-            moe_gate_totals totals = {assigned, prob_sum, &z_sum, scratch};
-            moe_gate_params p = {5, k, (moe_gate_kind)kind, false};
-            ops()->gate_forward(idx, w, prob, &lse, &totals, row, NULL, &p, 1);
+            float w[5];
+            gate_one_token(idx, w, row, NULL, 5, k, (moe_gate_kind)kind, false);
             for (int64_t j = 0; j < k; j++)
                 cr_expect(idx[j] == want[kind][j], "%s k=%lld: slot %lld chose expert %d, want %d",
                           kind_name((moe_gate_kind)kind), (long long)k, (long long)j, idx[j],

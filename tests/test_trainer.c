@@ -38,7 +38,7 @@
 #include "engine/data.h"
 #include "engine/model.h"
 #include "engine/trainer.h"
-#include "ref_moe.h"
+#include "ref_model.h"
 
 #define VOCAB 11
 #define BATCH 2
@@ -67,25 +67,6 @@
 #define NORM_RTOL 1e-6
 
 static const double PI = 3.14159265358979323846;
-
-/* vocab 11, hidden 8, ff 6, 2 layers, 4 query heads over 2 kv heads of 4,
- * 4 experts top-2 plus a shared one, aux and z losses on. */
-static moe_model_config tiny_config(void) {
-    moe_model_config cfg;
-    moe_model_config_default_small(&cfg, VOCAB);
-    cfg.hidden_size = 8;
-    cfg.intermediate_size = 6;
-    cfg.num_hidden_layers = 2;
-    cfg.num_attention_heads = 4;
-    cfg.num_key_value_heads = 2;
-    cfg.head_dim = 4;
-    cfg.num_local_experts = 4;
-    cfg.num_experts_per_tok = 2;
-    cfg.router_aux_loss_coef = 0.1;
-    cfg.moe_z_loss_coef = 0.01;
-    cfg.moe_n_shared_experts = 1;
-    return cfg;
-}
 
 /* The learning rate of step s (0-based) of the schedule above. */
 static double ref_lr(int64_t s) {
@@ -195,7 +176,7 @@ static void expect_metric(const char *what, double got, double want, double rtol
 }
 
 Test(trainer, steps_match_the_adamw_reference) {
-    const moe_model_config cfg = tiny_config();
+    const moe_model_config cfg = ref_tiny_config(VOCAB, 2, 1);
     moe_model *model = NULL, *twin = NULL;
     cr_assert(moe_model_create(&model, &cfg, BATCH, SEQ, 7) == MOE_OK, "%s", moe_last_error());
     cr_assert(moe_model_create(&twin, &cfg, BATCH, SEQ, 7) == MOE_OK, "%s", moe_last_error());
@@ -291,7 +272,7 @@ static double flops_formula(const moe_model_config *c, int64_t B, int64_t T) {
 }
 
 Test(trainer, step_flops_formula) {
-    const moe_model_config cfg = tiny_config();
+    const moe_model_config cfg = ref_tiny_config(VOCAB, 2, 1);
     static const int64_t shapes[][2] = {{BATCH, SEQ}, {3, 16}};
     for (size_t i = 0; i < sizeof shapes / sizeof *shapes; i++) {
         moe_model *m = NULL;
