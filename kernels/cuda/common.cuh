@@ -117,13 +117,15 @@ static inline unsigned moe_cuda_grid(int64_t n, int threads, const moe_cuda_ctx 
 
 #define MOE_FULL_MASK 0xffffffffu
 
-template <typename T> __device__ __forceinline__ T moe_warp_sum(T v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(MOE_FULL_MASK, v, o);
+/* Over each aligned group of G lanes (the whole warp by default); every
+ * lane of the warp takes part. */
+template <typename T, int G = 32> __device__ __forceinline__ T moe_warp_sum(T v) {
+    for (int o = G / 2; o > 0; o >>= 1) v += __shfl_xor_sync(MOE_FULL_MASK, v, o);
     return v;
 }
 
-__device__ __forceinline__ float moe_warp_max(float v) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(MOE_FULL_MASK, v, o));
+template <int G = 32> __device__ __forceinline__ float moe_warp_max(float v) {
+    for (int o = G / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(MOE_FULL_MASK, v, o));
     return v;
 }
 

@@ -1,10 +1,12 @@
-/* gate.cu: the fused gating pass and its backward, one warp per token, and
- * the deterministic totals.
+/* gate.cu: the fused gating pass and its backward, and the deterministic
+ * totals.
  *
- * A warp keeps its token's logits in shared memory, so the row is read from
- * device memory once; the lanes stride over the experts (lane, lane + 32,
- * ...). Top-k is k rounds of a warp argmax on (score, -index), which picks
- * what moe_topk_insert picks, in moe_score_outranks's order.
+ * The forward runs a group of lanes per token (8 up to 256 experts, so 4
+ * tokens a warp, else 32), the backward a warp per token. A group keeps its
+ * token's logits in shared memory, so the row is read from device memory
+ * once; its lanes stride over the experts (g, g + G, ...). Its top-k is k
+ * rounds of an argmax over the group on (score, -index), which picks what
+ * moe_topk_insert picks, in moe_score_outranks's order.
  * The per-element formulas are the CPU's (kernels/cpu/gate.c), with the
  * exponential and the sigmoid from moe_math.h: moe_expf's clamp below -87
  * makes far-behind experts tie exactly, as on the CPU, where libm's expf
@@ -14,8 +16,9 @@
 #include "kernels/cuda/common.cuh"
 #include "kernels/moe_math.h"
 
-/* Warps per block: the shared rows of E floats each stay within the
- * default 48 KB for E up to MOE_EXPERTS_MAX. */
+/* Warps per block: the shared rows of 2E floats per token stay within the
+ * default 48 KB (32 KB at 4 tokens a warp and E = 256, or a token a warp
+ * and E = MOE_EXPERTS_MAX). */
 #define GATE_WARPS 4
 
 static moe_status check_params(const moe_gate_params *p, int64_t T, const char *op) {
@@ -36,85 +39,113 @@ static __device__ __forceinline__ bool outranks(float s, int e, float best, int 
     return best_e == INT_MAX || moe_score_outranks(s, e, best, best_e);
 }
 
+/* G lanes per token, 32 / G tokens per warp: lane g of a group strides over
+ * the experts (g, g + G, ...), and the group's lane 0 (its leader) keeps
+ * the slot-order sums. A warp's groups past the last token compute on the
+ * last token and write nothing, so that every lane takes part in every
+ * shuffle. E <= 32 G: a lane's chosen experts fit one 32-bit mask. */
+template <int G>
 static __global__ void gate_forward_kernel(int32_t *topk_idx, float *topk_w, float *prob,
                                            float *lse, const float *logits, const float *bias,
                                            int64_t T, int E, int k, moe_gate_kind kind,
                                            bool renormalize) {
+    constexpr int TPW = 32 / G; /* tokens per warp */
     extern __shared__ float gate_shared[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    float *l = gate_shared + warp * 2 * E; /* [E] this token's logits */
-    float *score = l + E;                  /* [E] selection scores */
+    const int g = lane % G, group = lane / G, leader = group * G;
+    float *l = gate_shared + (warp * TPW + group) * 2 * E; /* [E] this token's logits */
+    float *score = l + E;                                  /* [E] selection scores */
     const bool sig = kind == MOE_GATE_SIGMOID;
 
-    for (int64_t t = blockIdx.x * (int64_t)GATE_WARPS + warp; t < T;
-         t += (int64_t)gridDim.x * GATE_WARPS) {
+    for (int64_t first = ((int64_t)blockIdx.x * GATE_WARPS + warp) * TPW; first < T;
+         first += (int64_t)gridDim.x * GATE_WARPS * TPW) {
+        const bool own = first + group < T;
+        const int64_t t = own ? first + group : T - 1;
         const float *lt = logits + t * E; /* [E] */
         float lmax = -INFINITY;
-        for (int e = lane; e < E; e += 32) {
+        for (int e = g; e < E; e += G) {
             l[e] = lt[e];
             lmax = fmaxf(lmax, l[e]);
         }
-        lmax = moe_warp_max(lmax);
+        lmax = moe_warp_max<G>(lmax);
         double esum = 0.0, ssum = 0.0;
-        for (int e = lane; e < E; e += 32) {
+        for (int e = g; e < E; e += G) {
             esum += (double)moe_expf(l[e] - lmax);
             if (sig) ssum += (double)moe_sigmoidf(l[e]);
         }
-        esum = moe_warp_sum(esum);
-        ssum = moe_warp_sum(ssum);
+        esum = moe_warp_sum<double, G>(esum);
+        ssum = moe_warp_sum<double, G>(ssum);
         const float log_z = lmax + (float)log(esum);
         const float norm = (float)(1.0 / (sig ? ssum : esum));
-        for (int e = lane; e < E; e += 32) {
+        for (int e = g; e < E; e += G) {
             const float r = sig ? moe_sigmoidf(l[e]) : moe_expf(l[e] - lmax);
             const float base = sig ? r : kind == MOE_GATE_TOPK_SOFTMAX ? l[e] : r * norm;
             score[e] = bias ? base + bias[e] : base;
-            prob[t * E + e] = r * norm;
+            if (own) prob[t * E + e] = r * norm;
         }
-        if (lane == 0) lse[t] = log_z;
+        if (own && g == 0) lse[t] = log_z;
         __syncwarp();
 
-        double wsum = 0.0;   /* lane 0's, in slot order */
-        uint32_t taken = 0u; /* bit i: expert lane + 32 i is chosen */
-        float chosen_max = -INFINITY; /* lane 0's: the largest chosen logit */
+        double wsum = 0.0;   /* the leader's, in slot order */
+        uint32_t taken = 0u; /* bit i: expert g + G i is chosen */
+        float chosen_max = -INFINITY; /* the leader's: the largest chosen logit */
         for (int j = 0; j < k; j++) {
             float best = -INFINITY;
             int best_e = INT_MAX;
-            for (int e = lane, i = 0; e < E; e += 32, i++)
+            for (int e = g, i = 0; e < E; e += G, i++)
                 if (!(taken >> i & 1u) && outranks(score[e], e, best, best_e))
                     best = score[e], best_e = e;
-            for (int o = 16; o > 0; o >>= 1) {
+            for (int o = G / 2; o > 0; o >>= 1) {
                 const float ob = __shfl_xor_sync(MOE_FULL_MASK, best, o);
                 const int oe = __shfl_xor_sync(MOE_FULL_MASK, best_e, o);
                 if (outranks(ob, oe, best, best_e)) best = ob, best_e = oe;
             }
-            if (lane == (best_e & 31)) taken |= 1u << (best_e >> 5);
-            if (lane == 0) {
+            if (g == best_e % G) taken |= 1u << (best_e / G);
+            if (g == 0) {
                 const float le = l[best_e];
-                topk_idx[t * k + j] = best_e;
+                if (own) topk_idx[t * k + j] = best_e;
                 if (kind == MOE_GATE_TOPK_SOFTMAX) {
                     chosen_max = fmaxf(chosen_max, le); /* weights after the loop */
                 } else {
                     const float w = sig ? moe_sigmoidf(le) : moe_expf(le - lmax) * norm;
-                    topk_w[t * k + j] = w;
+                    if (own) topk_w[t * k + j] = w;
                     wsum += w;
                 }
             }
         }
         /* topk_softmax: a softmax over the chosen logits from their own
          * largest, as on the CPU. */
-        if (kind == MOE_GATE_TOPK_SOFTMAX && lane == 0)
+        if (kind == MOE_GATE_TOPK_SOFTMAX && g == 0 && own)
             for (int j = 0; j < k; j++) {
                 const float w = moe_expf(l[topk_idx[t * k + j]] - chosen_max);
                 topk_w[t * k + j] = w;
                 wsum += w;
             }
-        __syncwarp(); /* lane 0's weights are visible to the lanes that scale them */
+        __syncwarp(); /* the leaders' weights are visible to the lanes that scale them */
         if (kind != MOE_GATE_SOFTMAX_TOPK || renormalize) {
-            const float inv = __shfl_sync(MOE_FULL_MASK, (float)(1.0 / wsum), 0);
-            for (int j = lane; j < k; j += 32) topk_w[t * k + j] *= inv;
+            const float inv = __shfl_sync(MOE_FULL_MASK, (float)(1.0 / wsum), leader);
+            for (int j = g; own && j < k; j += G) topk_w[t * k + j] *= inv;
         }
         __syncwarp(); /* l and score are rewritten by the next token */
     }
+}
+
+/* Lanes per token: 8 (4 tokens a warp) up to 256 experts, where a lane has at
+ * most 32 of them; a whole warp beyond. */
+#define GATE_GROUP_E_MAX 256
+
+template <int G>
+static moe_status launch_gate_forward(int32_t *topk_idx, float *topk_w, float *prob, float *lse,
+                                      const float *logits, const float *bias,
+                                      const moe_gate_params *p, int64_t T, moe_cuda_ctx *ctx) {
+    constexpr int TPW = 32 / G;
+    const int E = (int)p->n_experts;
+    const size_t smem = (size_t)GATE_WARPS * TPW * 2 * E * sizeof(float);
+    gate_forward_kernel<G><<<moe_cuda_grid((T + TPW - 1) / TPW, GATE_WARPS, ctx), GATE_WARPS * 32,
+                             smem, ctx->stream>>>(topk_idx, topk_w, prob, lse, logits, bias, T, E,
+                                                  (int)p->top_k, p->kind, p->renormalize);
+    MOE_CUDA_CHECK(cudaGetLastError());
+    return MOE_OK;
 }
 
 /* One block per chunk of MOE_CUDA_GATE_CHUNK_TOKENS tokens: its row of
@@ -172,11 +203,9 @@ extern "C" moe_status moe_cuda_gate_forward(int32_t *topk_idx, float *topk_w, fl
     const int E = (int)p->n_experts, k = (int)p->top_k;
     const int64_t n_chunks = (T + MOE_CUDA_GATE_CHUNK_TOKENS - 1) / MOE_CUDA_GATE_CHUNK_TOKENS;
     if (T > 0) {
-        const size_t smem = (size_t)GATE_WARPS * 2 * E * sizeof(float);
-        gate_forward_kernel<<<moe_cuda_grid(T, GATE_WARPS, ctx), GATE_WARPS * 32, smem,
-                              ctx->stream>>>(topk_idx, topk_w, prob, lse, logits, bias, T, E, k,
-                                             p->kind, p->renormalize);
-        MOE_CUDA_CHECK(cudaGetLastError());
+        MOE_TRY(E <= GATE_GROUP_E_MAX
+                    ? launch_gate_forward<8>(topk_idx, topk_w, prob, lse, logits, bias, p, T, ctx)
+                    : launch_gate_forward<32>(topk_idx, topk_w, prob, lse, logits, bias, p, T, ctx));
         gate_chunk_kernel<<<(unsigned)n_chunks, MOE_CUDA_THREADS, 0, ctx->stream>>>(
             totals->chunk_scratch, prob, lse, topk_idx, T, E, k);
         MOE_CUDA_CHECK(cudaGetLastError());
