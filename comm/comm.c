@@ -4,14 +4,9 @@
 
 #include <math.h>
 #include <stddef.h>
-#include <stdio.h>
 #include <stdlib.h>
 
 #include "common/status.h"
-
-/* moe_last_error()'s capacity (common/status.c): a message kept aside while
- * later calls overwrite it. */
-#define WAIT_MESSAGE_BYTES 1024
 
 static const struct {
     const char *name;
@@ -340,17 +335,11 @@ moe_status moe_comm_wait(moe_comm_request *req) {
 
 moe_status moe_comm_wait_all(moe_comm_request *reqs, int n, moe_status st) {
     if (n > 0 && !reqs) return moe_error(MOE_ERR_INVALID_ARG, "wait_all: reqs is NULL with n=%d", n);
-    /* The first failure's message, restored once the other waits are done. */
-    char first[WAIT_MESSAGE_BYTES] = "";
-    if (st != MOE_OK) snprintf(first, sizeof first, "%s", moe_last_error());
-    for (int i = 0; i < n; i++) {
-        moe_status w = moe_comm_wait(&reqs[i]);
-        if (w != MOE_OK && st == MOE_OK) {
-            st = w;
-            snprintf(first, sizeof first, "%s", moe_last_error());
-        }
-    }
-    return st == MOE_OK ? MOE_OK : moe_error(st, "%s", first);
+    /* The first failure, reported once the other waits are done. */
+    moe_kept_error first = {MOE_OK, ""};
+    moe_error_keep(&first, st);
+    for (int i = 0; i < n; i++) moe_error_keep(&first, moe_comm_wait(&reqs[i]));
+    return moe_error_take(&first, MOE_OK);
 }
 
 moe_status moe_comm_test(moe_comm_request *req, bool *done) {

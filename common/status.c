@@ -4,8 +4,6 @@
 #include <stdio.h>
 #include <string.h>
 
-#define MOE_ERROR_BYTES 1024
-
 static _Thread_local char last_error[MOE_ERROR_BYTES];
 
 static const char *const status_strings[MOE_STATUS_COUNT] = {
@@ -61,4 +59,17 @@ void moe_version(int *major, int *minor, int *patch) {
     if (major) *major = MOE_VERSION_MAJOR;
     if (minor) *minor = MOE_VERSION_MINOR;
     if (patch) *patch = MOE_VERSION_PATCH;
+}
+
+void moe_error_keep(moe_kept_error *kept, moe_status status) {
+    if (status == MOE_OK || kept->status != MOE_OK) return;
+    kept->status = status;
+    snprintf(kept->detail, sizeof kept->detail, "%s", last_error);
+}
+
+moe_status moe_error_take(moe_kept_error *kept, moe_status status) {
+    if (kept->status == MOE_OK) return status;
+    const moe_status first = kept->status;
+    kept->status = MOE_OK;
+    return moe_error(first, "%s", kept->detail);
 }

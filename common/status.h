@@ -21,6 +21,24 @@ moe_status moe_error_prefix(moe_status status, const char *fmt, ...) MOE_PRINTF(
 
 void moe_error_clear(void);
 
+/* moe_last_error()'s capacity: a copy of it needs no more. */
+#define MOE_ERROR_BYTES 1024
+
+/* A failure kept aside while later calls overwrite moe_last_error(), to be
+ * reported once they are done: the first one kept is the cause. */
+typedef struct moe_kept_error {
+    moe_status status; /* MOE_OK: none kept */
+    char detail[MOE_ERROR_BYTES];
+} moe_kept_error;
+
+/* Keeps status, with moe_last_error() as its detail, when it is a failure
+ * and kept holds none yet. */
+void moe_error_keep(moe_kept_error *kept, moe_status status);
+
+/* The kept failure, cleared from kept, with its detail back as
+ * moe_last_error(); status when none is kept. */
+moe_status moe_error_take(moe_kept_error *kept, moe_status status);
+
 /* Propagates a failing status from a call that has already set the detail. */
 #define MOE_TRY(call)                                                                              \
     do {                                                                                           \

@@ -36,8 +36,6 @@
  * prefix, or a layer-numbered name. */
 #define NAME_BYTES (MOE_TENSOR_NAME_BYTES + sizeof EXP_AVG_SQ)
 #define PATH_BYTES 4096
-/* A failing rank's message, as moe_last_error() holds it. */
-#define ERROR_BYTES 1024
 /* Tag of the messages that carry a checkpoint to rank 0. */
 #define GATHER_TAG 4242
 /* Elements per message, within MPI's int counts. */
@@ -61,12 +59,12 @@ static moe_status agree(moe_comm *world, moe_status st) {
     const moe_status status = first >= 0 ? (moe_status)all[first] : MOE_OK;
     free(all);
     if (comm != MOE_OK || first < 0) return comm;
-    char msg[ERROR_BYTES];
+    char msg[MOE_ERROR_BYTES];
     if (rank == first) snprintf(msg, sizeof msg, "%s", moe_last_error());
-    comm = moe_comm_broadcast(world, msg, ERROR_BYTES, MOE_COMM_BYTES, first);
+    comm = moe_comm_broadcast(world, msg, MOE_ERROR_BYTES, MOE_COMM_BYTES, first);
     if (comm != MOE_OK) return comm;
     if (rank == first) return st;
-    msg[ERROR_BYTES - 1] = '\0';
+    msg[MOE_ERROR_BYTES - 1] = '\0';
     return moe_error(status, "rank %d: %s", first, msg);
 }
 

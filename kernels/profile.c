@@ -1,7 +1,6 @@
 /* profile.c: the profiled op table (profile.h). */
 #include "kernels/profile.h"
 
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -30,10 +29,8 @@ static struct profile {
     bool paused;
     int64_t calls[N_OPS];
     double seconds[N_OPS];
-    moe_status failed; /* the first failure to read the marks */
-    char failure[256];
-    moe_status wait_failed; /* a failure of the profile's own sync, for the caller's next wait */
-    char wait_failure[1024];
+    moe_kept_error read_failure; /* the first failure to read the marks */
+    moe_kept_error wait_failure; /* of the profile's own sync, for the caller's next wait */
 } prof;
 
 int64_t moe_profile_op_count(void) { return N_OPS; }
@@ -43,11 +40,7 @@ static void read_marks(void) {
     for (int64_t i = 0; i + 1 < prof.n_marks; i++) {
         if (prof.op_of[i] == NO_OP) continue;
         double s = 0.0;
-        const moe_status st = prof.inner->mark_seconds(&s, prof.marks, i, i + 1);
-        if (st != MOE_OK && prof.failed == MOE_OK) {
-            prof.failed = st;
-            snprintf(prof.failure, sizeof prof.failure, "%s", moe_last_error());
-        }
+        moe_error_keep(&prof.read_failure, prof.inner->mark_seconds(&s, prof.marks, i, i + 1));
         prof.calls[prof.op_of[i]]++;
         prof.seconds[prof.op_of[i]] += s;
     }
@@ -80,22 +73,13 @@ static void begin_op(int op) {
     if (prof.n_marks + 2 > MOE_PROFILE_MARKS) {
         close_last();
         /* A failure this sync reports is the caller's: kept for its next wait. */
-        const moe_status st = after_wait(prof.inner->sync());
-        if (st != MOE_OK && prof.wait_failed == MOE_OK) {
-            prof.wait_failed = st;
-            snprintf(prof.wait_failure, sizeof prof.wait_failure, "%s", moe_last_error());
-        }
+        moe_error_keep(&prof.wait_failure, after_wait(prof.inner->sync()));
     }
     stamp(op);
 }
 
 /* A wait's status, or the failure the profile's own sync kept for it. */
-static moe_status report(moe_status st) {
-    if (prof.wait_failed == MOE_OK) return st;
-    const moe_status kept = prof.wait_failed;
-    prof.wait_failed = MOE_OK;
-    return moe_error(kept, "%s", prof.wait_failure);
-}
+static moe_status report(moe_status st) { return moe_error_take(&prof.wait_failure, st); }
 
 #define PROFILED(name, params, args)     \
     static void profiled_##name params { \
@@ -153,7 +137,7 @@ void moe_profile_reset(void) {
     memset(prof.calls, 0, sizeof prof.calls);
     memset(prof.seconds, 0, sizeof prof.seconds);
     prof.n_marks = 0;
-    prof.failed = MOE_OK;
+    prof.read_failure.status = MOE_OK;
 }
 
 static int by_time(const void *a, const void *b) {
@@ -163,7 +147,8 @@ static int by_time(const void *a, const void *b) {
 
 moe_status moe_profile_read(moe_op_time *rows, int64_t capacity, int64_t *n_rows) {
     *n_rows = 0;
-    if (prof.failed != MOE_OK) return moe_error(prof.failed, "profile: reading the marks: %s", prof.failure);
+    if (prof.read_failure.status != MOE_OK)
+        return moe_error(prof.read_failure.status, "profile: reading the marks: %s", prof.read_failure.detail);
     moe_op_time all[N_OPS];
     int64_t n = 0;
     for (int op = 0; op < N_OPS; op++)

@@ -14,31 +14,21 @@
 
 #include "kernels/cuda/common.cuh"
 
-/* moe_last_error's own size: the report cannot say more. */
-#define KEPT_DETAIL_BYTES 1024
-
 typedef struct bound_state {
     moe_cuda_ctx *ctx;
-    moe_status kept; /* MOE_OK, or the first failure not yet reported */
-    char detail[KEPT_DETAIL_BYTES];
+    moe_kept_error kept; /* the first failure not yet reported */
 } bound_state;
 
 static thread_local bound_state bound;
 
-/* Keeps st and the current detail if it is the first failure. */
+/* Keeps st, naming the entry, if it is the first failure. */
 static void keep(moe_status st, const char *entry) {
-    if (st == MOE_OK || bound.kept != MOE_OK) return;
-    bound.kept = st;
-    snprintf(bound.detail, sizeof bound.detail, "cuda op %s: %s", entry, moe_last_error());
+    if (st == MOE_OK || bound.kept.status != MOE_OK) return;
+    moe_error_keep(&bound.kept, moe_error_prefix(st, "cuda op %s: ", entry));
 }
 
 /* The kept failure, which is cleared, or else st. */
-static moe_status report(moe_status st) {
-    if (bound.kept == MOE_OK) return st;
-    const moe_status kept = bound.kept;
-    bound.kept = MOE_OK;
-    return moe_error(kept, "%s", bound.detail);
-}
+static moe_status report(moe_status st) { return moe_error_take(&bound.kept, st); }
 
 static moe_status no_context(void) {
     return moe_error(MOE_ERR_STATE,
@@ -47,7 +37,7 @@ static moe_status no_context(void) {
 
 /* Whether an op entry may run: a context is bound and no failure is kept. */
 static bool ready(const char *entry) {
-    if (bound.kept != MOE_OK) return false;
+    if (bound.kept.status != MOE_OK) return false;
     if (bound.ctx) return true;
     keep(no_context(), entry);
     return false;
