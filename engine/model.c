@@ -513,10 +513,13 @@ moe_status moe_model_forward(moe_model *m, const int32_t *inputs, const int32_t 
         if (inputs[i] < 0 || inputs[i] >= V)
             return moe_error(MOE_ERR_INVALID_ARG, "model: input token %d at position %lld outside the vocabulary [0, %lld)",
                              inputs[i], (long long)i, (long long)V);
-    for (int64_t i = 0; targets && i < N; i++)
+    int64_t counted = 0; /* targets that count: not negative */
+    for (int64_t i = 0; targets && i < N; i++) {
         if (targets[i] >= V)
             return moe_error(MOE_ERR_INVALID_ARG, "model: target token %d at position %lld outside the vocabulary [0, %lld)",
                              targets[i], (long long)i, (long long)V);
+        counted += targets[i] >= 0;
+    }
     m->forward_done = false;
     double aux = 0.0, z = 0.0, imbalance = 0.0, dropped = 0.0, pairs = 0.0;
 
@@ -553,20 +556,15 @@ moe_status moe_model_forward(moe_model *m, const int32_t *inputs, const int32_t 
     ops->matmul_forward(m->logits, m->lnf, param(m, tf + 1), N, C, V);
 
     m->has_targets = targets != NULL;
-    m->counted = 0;
-    for (int64_t i = 0; targets && i < N; i++) m->counted += targets[i] >= 0;
+    m->counted = counted;
     if (targets) {
         ops->crossentropy_forward(m->losses, m->lse, m->logits, m->targets, N, V);
         MOE_TRY(ops->download(m->losses_host, m->losses, (size_t)N * sizeof(float)));
     }
     if (stats) {
         double ce = 0.0;
-        int64_t counted = 0;
         for (int64_t i = 0; targets && i < N; i++)
-            if (targets[i] >= 0) {
-                ce += m->losses_host[i];
-                counted++;
-            }
+            if (targets[i] >= 0) ce += m->losses_host[i];
         stats->ce_loss = counted ? ce / (double)counted : 0.0;
         stats->aux_loss = aux / (double)L;
         stats->z_loss = z / (double)L;

@@ -830,6 +830,7 @@ static moe_status run_experts(moe_layer *L, bool backward, float *plan_in, float
  * counts and size), at the current loss scale. */
 static moe_status send_aux_grad(moe_layer *L) {
     const moe_layer_config *c = &L->cfg;
+    if (c->aux_loss_coef == 0.0) return MOE_OK; /* backward passes no aux gradient */
     moe_aux_grad(L->aux_grad, L->global_assigned, L->global_T, c->top_k, c->n_experts,
                  c->aux_loss_coef * L->loss_scale);
     MOE_TRY(L->ops->upload(L->aux_grad_dev, L->aux_grad, (size_t)c->n_experts * sizeof(float)));
