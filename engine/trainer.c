@@ -323,9 +323,10 @@ static moe_status grad_sumsq(moe_trainer *t, double *out) {
     return MOE_OK;
 }
 
-/* AdamW on the parameters this rank updates, one pass per run: a tensor cut
- * by a block boundary keeps its weight-decay flag on either side. */
-static void update(moe_trainer *t, float lr) {
+/* AdamW on the parameters this rank updates, one pass per run, on the
+ * gradients times grad_scale: a tensor cut by a block boundary keeps its
+ * weight-decay flag on either side. */
+static void update(moe_trainer *t, float lr, float grad_scale) {
     const moe_optim_config *c = &t->cfg;
     float *params = moe_model_params(t->model);
     const int64_t adam_t = t->steps_done + 1;
@@ -333,8 +334,9 @@ static void update(moe_trainer *t, float lr) {
         const optim_run *o = &t->runs[r];
         const moe_optim_shard *s = &o->shard;
         if (s->end > s->begin)
-            t->ops->adamw(params + s->begin, o->m, o->v, o->grad, s->end - s->begin, o->spans, o->n_spans, lr,
-                          (float)c->beta1, (float)c->beta2, (float)c->eps, (float)c->weight_decay, adam_t);
+            t->ops->adamw(params + s->begin, o->m, o->v, o->grad, grad_scale, s->end - s->begin, o->spans,
+                          o->n_spans, lr, (float)c->beta1, (float)c->beta2, (float)c->eps, (float)c->weight_decay,
+                          adam_t);
     }
 }
 
@@ -380,14 +382,11 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
         return moe_error(MOE_ERR_INTERNAL, "step %lld: gradient norm is %g (the loss diverged; lower --lr)",
                          (long long)t->steps_done + 1, norm);
     /* Clipping scales the gradient by clip / norm; AdamW is not scale-free
-     * because of eps, so the scaling is applied to the gradients themselves. */
-    if (c->grad_clip > 0.0 && norm > c->grad_clip) {
-        const float scale = (float)(c->grad_clip / norm);
-        for (int r = 0; r < MOE_RUN_COUNT; r++)
-            t->ops->scale(t->runs[r].grad, scale, t->runs[r].shard.end - t->runs[r].shard.begin);
-    }
+     * because of eps, so the scaling applies to the gradients themselves,
+     * inside AdamW's pass rather than in a pass of its own. */
+    const float clip_scale = c->grad_clip > 0.0 && norm > c->grad_clip ? (float)(c->grad_clip / norm) : 1.0f;
     const double lr = moe_lr_at(c, t->steps_done);
-    update(t, (float)lr);
+    update(t, (float)lr, clip_scale);
     if (t->sharded) MOE_TRY(gather_params(t));
     MOE_TRY(t->ops->sync());
     t->steps_done++;

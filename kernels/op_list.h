@@ -63,13 +63,13 @@
         const float *dloss, int64_t N, int64_t V), (dlogits, logits, lse, targets, dloss, N, V))                 \
     X(residual_forward, (float *out, const float *a, const float *b, int64_t n), (out, a, b, n))                 \
     X(residual_backward, (float *da, float *db, const float *dout, int64_t n), (da, db, dout, n))                \
-    X(scale, (float *x, float alpha, int64_t n), (x, alpha, n))                                                  \
     X(multiply, (float *out, const float *a, const float *b, int64_t n), (out, a, b, n))                         \
     X(uniform, (float *out, uint64_t seed, uint64_t stream, uint64_t first, float lo, float span, int64_t n),    \
         (out, seed, stream, first, lo, span, n))                                                                 \
-    X(adamw, (float *params, float *m, float *v, const float *grads, int64_t n, const moe_adamw_span *spans,     \
-        int64_t n_spans, float lr, float beta1, float beta2, float eps, float weight_decay, int64_t t), (params, \
-        m, v, grads, n, spans, n_spans, lr, beta1, beta2, eps, weight_decay, t))                                 \
+    X(adamw, (float *params, float *m, float *v, const float *grads, float grad_scale, int64_t n,                \
+        const moe_adamw_span *spans, int64_t n_spans, float lr, float beta1, float beta2, float eps,             \
+        float weight_decay, int64_t t), (params, m, v, grads, grad_scale, n, spans, n_spans, lr, beta1, beta2,   \
+        eps, weight_decay, t))                                                                                   \
     X(sumsq, (double *out, const float *x, int64_t n), (out, x, n))
 
 #endif /* MOE_KERNELS_OP_LIST_H */

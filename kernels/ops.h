@@ -186,8 +186,6 @@ typedef struct moe_ops {
                                   const float *dloss, int64_t N, int64_t V);
     void (*residual_forward)(float *out, const float *a, const float *b, int64_t n);
     void (*residual_backward)(float *da, float *db, const float *dout, int64_t n);
-    /* x[i] *= alpha. */
-    void (*scale)(float *x, float alpha, int64_t n);
     /* out[i] = a[i] * b[i]; out may be a or b. */
     void (*multiply)(float *out, const float *a, const float *b, int64_t n);
     /* out[i] = moe_rng_uniform_in(seed, stream, first + i, lo, span)
@@ -195,10 +193,12 @@ typedef struct moe_ops {
      * used. */
     void (*uniform)(float *out, uint64_t seed, uint64_t stream, uint64_t first, float lo, float span, int64_t n);
     /* One AdamW step t over params [n] (dense.h says how), as one pass over
-     * every tensor: spans [n_spans] (backend memory) cover [0, n) and say
+     * every tensor, on the gradients times grad_scale (gradient clipping's
+     * factor, or 1): spans [n_spans] (backend memory) cover [0, n) and say
      * where weight_decay applies. */
-    void (*adamw)(float *params, float *m, float *v, const float *grads, int64_t n, const moe_adamw_span *spans,
-                  int64_t n_spans, float lr, float beta1, float beta2, float eps, float weight_decay, int64_t t);
+    void (*adamw)(float *params, float *m, float *v, const float *grads, float grad_scale, int64_t n,
+                  const moe_adamw_span *spans, int64_t n_spans, float lr, float beta1, float beta2, float eps,
+                  float weight_decay, int64_t t);
     /* out [1] = sum of x[i]^2. */
     void (*sumsq)(double *out, const float *x, int64_t n);
 } moe_ops;

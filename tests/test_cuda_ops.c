@@ -1200,8 +1200,8 @@ Test(cuda, crossentropy_adamw_sumsq) {
     static const moe_adamw_span spans[] = {
         {5, true}, {4103, false}, {4104, true}, {50000, false}, {100003, true}};
     const int64_t n_spans = (int64_t)(sizeof spans / sizeof spans[0]);
-    cpu->adamw(p, m, v, grads, n, spans, n_spans, 3e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 7);
-    CHECK(moe_cuda_adamw(d_p, d_m, d_v, dput(grads, (size_t)n * sizeof(float)), n,
+    cpu->adamw(p, m, v, grads, 0.375f, n, spans, n_spans, 3e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 7);
+    CHECK(moe_cuda_adamw(d_p, d_m, d_v, dput(grads, (size_t)n * sizeof(float)), 0.375f, n,
                          dput(spans, sizeof spans), n_spans, 3e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 7,
                          ctx));
     expect_dev("adamw params", d_p, p, n, TOL_F32);

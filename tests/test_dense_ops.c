@@ -567,7 +567,8 @@ Test(dense, residual) {
 /* -------------------------------------------------------------- AdamW */
 
 /* torch.optim.AdamW, in double, three steps with fresh gradients, over
- * spans with and without weight decay (one a single parameter). */
+ * spans with and without weight decay (one a single parameter); the third
+ * step's gradients clipped by a factor of 0.3. */
 Test(dense, adamw) {
     const int64_t n = 29;
     const float lr = 1e-2f, b1 = 0.9f, b2 = 0.95f, eps = 1e-8f, wd = 0.1f;
@@ -578,13 +579,15 @@ Test(dense, adamw) {
     for (int64_t t = 1; t <= 3; t++) {
         float *g = rand_floats(n, &r, -2, 2);
         if (t == 2) g[0] = 0.0f; /* a zero gradient still decays and moves by momentum */
-        moe_cpu_adamw(p, m, v, g, n, spans, 4, lr, b1, b2, eps, wd, t);
+        const float clip = t == 3 ? 0.3f : 1.0f;
+        moe_cpu_adamw(p, m, v, g, clip, n, spans, 4, lr, b1, b2, eps, wd, t);
         const double bc1 = 1.0 - pow(b1, (double)t), bc2 = 1.0 - pow(b2, (double)t);
         for (int64_t i = 0; i < n; i++) {
             const bool decays = i < 10 || i == 13;
+            const double gi = (double)g[i] * clip;
             if (decays) pd[i] *= 1.0 - (double)lr * wd;
-            md[i] = b1 * md[i] + (1.0 - b1) * g[i];
-            vd[i] = b2 * vd[i] + (1.0 - b2) * (double)g[i] * g[i];
+            md[i] = b1 * md[i] + (1.0 - b1) * gi;
+            vd[i] = b2 * vd[i] + (1.0 - b2) * gi * gi;
             pd[i] -= lr * (md[i] / bc1) / (sqrt(vd[i] / bc2) + eps);
         }
         char what[32];
@@ -597,6 +600,26 @@ Test(dense, adamw) {
         free(g);
     }
     free(p), free(m), free(v), free(pd), free(md), free(vd);
+}
+
+/* The scale is the one rounding of scaling the gradients in place first:
+ * the same bits as AdamW on fl(g * s) with a scale of 1. */
+Test(dense, adamw_grad_scale_rounds_like_scaling_in_place) {
+    const int64_t n = 257;
+    static const moe_adamw_span spans[] = {{100, true}, {257, false}};
+    rng r = {13};
+    float *g = rand_floats(n, &r, -3, 3), *gs = copy_floats(g, n);
+    const float s = 0.7071f;
+    for (int64_t i = 0; i < n; i++) gs[i] *= s;
+    float *p1 = rand_floats(n, &r, -1, 1), *p2 = copy_floats(p1, n);
+    float *m1 = rand_floats(n, &r, -0.1, 0.1), *m2 = copy_floats(m1, n);
+    float *v1 = rand_floats(n, &r, 0, 0.01), *v2 = copy_floats(v1, n);
+    moe_cpu_adamw(p1, m1, v1, g, s, n, spans, 2, 3e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 5);
+    moe_cpu_adamw(p2, m2, v2, gs, 1.0f, n, spans, 2, 3e-4f, 0.9f, 0.95f, 1e-8f, 0.1f, 5);
+    cr_expect(memcmp(p1, p2, (size_t)n * sizeof *p1) == 0 && memcmp(m1, m2, (size_t)n * sizeof *m1) == 0 &&
+                  memcmp(v1, v2, (size_t)n * sizeof *v1) == 0,
+              "adamw with grad_scale %g differs from adamw on the gradients scaled first", (double)s);
+    free(g), free(gs), free(p1), free(p2), free(m1), free(m2), free(v1), free(v2);
 }
 
 /* ------------------------------------------------- determinism, norms */

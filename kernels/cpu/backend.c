@@ -105,7 +105,6 @@ static const moe_ops cpu_ops = {
     .crossentropy_backward = moe_cpu_crossentropy_backward,
     .residual_forward = moe_cpu_residual_forward,
     .residual_backward = moe_cpu_residual_backward,
-    .scale = moe_cpu_scale,
     .multiply = moe_cpu_multiply,
     .uniform = moe_cpu_uniform,
     .adamw = moe_cpu_adamw,

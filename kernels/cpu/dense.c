@@ -208,11 +208,6 @@ void moe_cpu_residual_backward(float *da, float *db, const float *dout, int64_t 
     }
 }
 
-void moe_cpu_scale(float *x, float alpha, int64_t n) {
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; i++) x[i] *= alpha;
-}
-
 void moe_cpu_multiply(float *out, const float *a, const float *b, int64_t n) {
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n; i++) out[i] = a[i] * b[i];
@@ -225,7 +220,7 @@ void moe_cpu_uniform(float *out, uint64_t seed, uint64_t stream, uint64_t first,
 
 /* ---------------------------------------------------------------- optimizer */
 
-void moe_cpu_adamw(float *params, float *m, float *v, const float *grads, int64_t n,
+void moe_cpu_adamw(float *params, float *m, float *v, const float *grads, float grad_scale, int64_t n,
                    const moe_adamw_span *spans, int64_t n_spans, float lr, float beta1, float beta2,
                    float eps, float weight_decay, int64_t t) {
     const moe_adamw_step step = moe_adamw_step_at(lr, beta1, beta2, weight_decay, t);
@@ -235,7 +230,7 @@ void moe_cpu_adamw(float *params, float *m, float *v, const float *grads, int64_
         const float d = spans[s].decays ? step.decay : 1.0f;
 #pragma omp parallel for schedule(static)
         for (int64_t i = begin; i < end; i++)
-            moe_adamw_update(&params[i], &m[i], &v[i], grads[i], beta1, beta2, eps, d, step.step_size,
+            moe_adamw_update(&params[i], &m[i], &v[i], grads[i] * grad_scale, beta1, beta2, eps, d, step.step_size,
                              step.bc2_sqrt);
         begin = end;
     }

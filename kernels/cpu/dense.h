@@ -127,9 +127,6 @@ void moe_cpu_residual_forward(float *out, const float *a, const float *b, int64_
 /* da += dout; db += dout. */
 void moe_cpu_residual_backward(float *da, float *db, const float *dout, int64_t n);
 
-/* x [n] *= alpha (gradient clipping). */
-void moe_cpu_scale(float *x, float alpha, int64_t n);
-
 /* out [n] = a * b elementwise (the router's jitter); out may alias a or b. */
 void moe_cpu_multiply(float *out, const float *a, const float *b, int64_t n);
 
@@ -137,7 +134,9 @@ void moe_cpu_multiply(float *out, const float *a, const float *b, int64_t n);
  * jitter factors), common/rng.h's moe_rng_uniform_in. */
 void moe_cpu_uniform(float *out, uint64_t seed, uint64_t stream, uint64_t first, float lo, float span, int64_t n);
 
-/* One AdamW step t >= 1 over n parameters, PyTorch's torch.optim.AdamW:
+/* One AdamW step t >= 1 over n parameters, PyTorch's torch.optim.AdamW,
+ * with g = grads * grad_scale (fl(g * s), as scaling the gradients in
+ * place would round it; s = 1 leaves them as they are):
  * p *= 1 - lr * wd; m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
  * p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps), with wd 0
  * in the spans that do not decay (spans cover [0, n), ops.h). */
@@ -145,7 +144,7 @@ void moe_cpu_adamw(float *params,                 /* [n] */
                    float *m,                      /* [n] first moment */
                    float *v,                      /* [n] second moment */
                    const float *grads,            /* [n] */
-                   int64_t n,
+                   float grad_scale, int64_t n,
                    const moe_adamw_span *spans,   /* [n_spans] */
                    int64_t n_spans, float lr, float beta1, float beta2, float eps, float weight_decay,
                    int64_t t);

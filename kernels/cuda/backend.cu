@@ -330,10 +330,6 @@ static void table_residual_backward(float *da, float *db, const float *dout, int
     RUN("residual_backward", moe_cuda_residual_backward(da, db, dout, n, bound.ctx));
 }
 
-static void table_scale(float *x, float alpha, int64_t n) {
-    RUN("scale", moe_cuda_scale(x, alpha, n, bound.ctx));
-}
-
 static void table_multiply(float *out, const float *a, const float *b, int64_t n) {
     RUN("multiply", moe_cuda_multiply(out, a, b, n, bound.ctx));
 }
@@ -343,10 +339,11 @@ static void table_uniform(float *out, uint64_t seed, uint64_t stream, uint64_t f
     RUN("uniform", moe_cuda_uniform(out, seed, stream, first, lo, span, n, bound.ctx));
 }
 
-static void table_adamw(float *params, float *m, float *v, const float *grads, int64_t n,
+static void table_adamw(float *params, float *m, float *v, const float *grads, float grad_scale,
+                        int64_t n,
                         const moe_adamw_span *spans, int64_t n_spans, float lr, float beta1,
                         float beta2, float eps, float weight_decay, int64_t t) {
-    RUN("adamw", moe_cuda_adamw(params, m, v, grads, n, spans, n_spans, lr, beta1, beta2, eps,
+    RUN("adamw", moe_cuda_adamw(params, m, v, grads, grad_scale, n, spans, n_spans, lr, beta1, beta2, eps,
                                 weight_decay, t, bound.ctx));
 }
 
@@ -401,7 +398,6 @@ static moe_ops make_table(void) {
     t.crossentropy_backward = table_crossentropy_backward;
     t.residual_forward = table_residual_forward;
     t.residual_backward = table_residual_backward;
-    t.scale = table_scale;
     t.multiply = table_multiply;
     t.uniform = table_uniform;
     t.adamw = table_adamw;

@@ -314,15 +314,15 @@ moe_status moe_cuda_residual_forward(float *out, const float *a, const float *b,
                                      moe_cuda_ctx *ctx);
 moe_status moe_cuda_residual_backward(float *da, float *db, const float *dout, int64_t n,
                                       moe_cuda_ctx *ctx);
-moe_status moe_cuda_scale(float *x, float alpha, int64_t n, moe_cuda_ctx *ctx);
 moe_status moe_cuda_uniform(float *out, uint64_t seed, uint64_t stream, uint64_t first, float lo,
                             float span, int64_t n, moe_cuda_ctx *ctx);
 moe_status moe_cuda_multiply(float *out, const float *a, const float *b, int64_t n,
                              moe_cuda_ctx *ctx);
 /* One launch for every tensor: spans [n_spans] on the device (ops.h). */
-moe_status moe_cuda_adamw(float *params, float *m, float *v, const float *grads, int64_t n,
-                          const moe_adamw_span *spans, int64_t n_spans, float lr, float beta1,
-                          float beta2, float eps, float weight_decay, int64_t t, moe_cuda_ctx *ctx);
+moe_status moe_cuda_adamw(float *params, float *m, float *v, const float *grads,
+                          float grad_scale, int64_t n, const moe_adamw_span *spans,
+                          int64_t n_spans, float lr, float beta1, float beta2, float eps,
+                          float weight_decay, int64_t t, moe_cuda_ctx *ctx);
 /* *out (device) = sum of x[i]^2 in double, in MOE_CUDA_SUMSQ_PARTS fixed
  * parts summed in order: the same bits on every run. A block per part:
  * enough blocks to keep a large GPU's memory busy over 1e9 gradients. */

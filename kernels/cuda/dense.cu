@@ -380,17 +380,6 @@ extern "C" moe_status moe_cuda_residual_backward(float *da, float *db, const flo
     return MOE_OK;
 }
 
-static __global__ void scale_kernel(float *x, float alpha, int64_t n) {
-    GRID_STRIDE(i, n) x[i] *= alpha;
-}
-
-extern "C" moe_status moe_cuda_scale(float *x, float alpha, int64_t n, moe_cuda_ctx *ctx) {
-    if (n <= 0) return MOE_OK;
-    scale_kernel<<<grid_for(n, ctx), MOE_CUDA_THREADS, 0, ctx->stream>>>(x, alpha, n);
-    MOE_CUDA_CHECK(cudaGetLastError());
-    return MOE_OK;
-}
-
 static __global__ void multiply_kernel(float *out, const float *a, const float *b, int64_t n) {
     GRID_STRIDE(i, n) out[i] = a[i] * b[i];
 }
@@ -424,7 +413,7 @@ extern "C" moe_status moe_cuda_uniform(float *out, uint64_t seed, uint64_t strea
 #define ADAMW_TILE 4096
 
 static __global__ void adamw_kernel(float *params, float *m, float *v, const float *grads,
-                                    int64_t n, const moe_adamw_span *spans, int64_t n_spans,
+                                    float grad_scale, int64_t n, const moe_adamw_span *spans, int64_t n_spans,
                                     float beta1, float beta2, float eps, moe_adamw_step step) {
     __shared__ int64_t first_span;
     for (int64_t tile = blockIdx.x * (int64_t)ADAMW_TILE; tile < n;
@@ -445,7 +434,7 @@ static __global__ void adamw_kernel(float *params, float *m, float *v, const flo
         const int64_t end = tile + ADAMW_TILE < n ? tile + ADAMW_TILE : n;
         for (int64_t i = tile + threadIdx.x; i < end; i += blockDim.x) {
             while (s + 1 < n_spans && spans[s].end <= i) s++;
-            moe_adamw_update(&params[i], &m[i], &v[i], grads[i], beta1, beta2, eps,
+            moe_adamw_update(&params[i], &m[i], &v[i], grads[i] * grad_scale, beta1, beta2, eps,
                              spans[s].decays ? step.decay : 1.0f, step.step_size,
                              step.bc2_sqrt);
         }
@@ -454,7 +443,7 @@ static __global__ void adamw_kernel(float *params, float *m, float *v, const flo
 }
 
 extern "C" moe_status moe_cuda_adamw(float *params, float *m, float *v, const float *grads,
-                                     int64_t n, const moe_adamw_span *spans, int64_t n_spans,
+                                     float grad_scale, int64_t n, const moe_adamw_span *spans, int64_t n_spans,
                                      float lr, float beta1, float beta2, float eps,
                                      float weight_decay, int64_t t, moe_cuda_ctx *ctx) {
     if (n <= 0) return MOE_OK;
@@ -464,7 +453,7 @@ extern "C" moe_status moe_cuda_adamw(float *params, float *m, float *v, const fl
     /* The per-step scalars on the host, as the CPU computes them. */
     const moe_adamw_step step = moe_adamw_step_at(lr, beta1, beta2, weight_decay, t);
     adamw_kernel<<<moe_cuda_grid(n, ADAMW_TILE, ctx), MOE_CUDA_THREADS, 0, ctx->stream>>>(
-        params, m, v, grads, n, spans, n_spans, beta1, beta2, eps, step);
+        params, m, v, grads, grad_scale, n, spans, n_spans, beta1, beta2, eps, step);
     MOE_CUDA_CHECK(cudaGetLastError());
     return MOE_OK;
 }
