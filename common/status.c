@@ -1,6 +1,7 @@
 #include "status.h"
 
 #include <stdarg.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -28,10 +29,48 @@ const char *moe_last_error(void) { return last_error; }
 
 void moe_error_clear(void) { last_error[0] = '\0'; }
 
+/* Room for a message before it is fitted to last_error: two long paths and
+ * their context. A longer one loses what lies past this. */
+#define ERROR_TEXT_BYTES (8 * MOE_ERROR_BYTES)
+
+/* Of an elided message, the bytes kept before the "...": what failed comes
+ * first, and why last, so the tail keeps the rest. */
+#define ERROR_HEAD_BYTES 384
+
+static bool utf8_continuation(char c) { return ((unsigned char)c & 0xC0) == 0x80; }
+
+/* last_error = text [len]: whole when it fits, else its head and its tail
+ * around "...", each cut at a UTF-8 character boundary, so that a long path
+ * in the middle leaves both ends readable. */
+static void set_last_error(const char *text, size_t len) {
+    const size_t room = sizeof last_error - 1;
+    if (len <= room) {
+        memcpy(last_error, text, len);
+        last_error[len] = '\0';
+        return;
+    }
+    size_t head = ERROR_HEAD_BYTES, tail = len - (room - ERROR_HEAD_BYTES - 3);
+    while (head > 0 && utf8_continuation(text[head])) head--;
+    while (tail < len && utf8_continuation(text[tail])) tail++;
+    memcpy(last_error, text, head);
+    memcpy(last_error + head, "...", 3);
+    memcpy(last_error + head + 3, text + tail, len - tail);
+    last_error[head + 3 + len - tail] = '\0';
+}
+
+/* prefix (formatted) + detail, fitted to last_error. */
+static void set_error_v(const char *detail, const char *fmt, va_list ap) {
+    char text[ERROR_TEXT_BYTES];
+    int n = vsnprintf(text, sizeof text, fmt, ap);
+    size_t len = n < 0 ? 0 : (size_t)n < sizeof text ? (size_t)n : sizeof text - 1;
+    if (detail) len += (size_t)snprintf(text + len, sizeof text - len, "%s", detail);
+    set_last_error(text, len < sizeof text ? len : sizeof text - 1);
+}
+
 moe_status moe_error(moe_status status, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(last_error, sizeof last_error, fmt, ap);
+    set_error_v(NULL, fmt, ap);
     va_end(ap);
     return status;
 }
@@ -41,10 +80,8 @@ moe_status moe_error_prefix(moe_status status, const char *fmt, ...) {
     memcpy(detail, last_error, sizeof detail);
     va_list ap;
     va_start(ap, fmt);
-    int n = vsnprintf(last_error, sizeof last_error, fmt, ap);
+    set_error_v(detail, fmt, ap);
     va_end(ap);
-    if (n >= 0 && (size_t)n < sizeof last_error)
-        snprintf(last_error + n, sizeof last_error - (size_t)n, "%s", detail);
     return status;
 }
 

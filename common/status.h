@@ -12,7 +12,9 @@
 #endif
 
 /* Records the detail of a failure for moe_last_error() and returns status, so
- * a caller writes: return moe_error(MOE_ERR_CONFIG, "top_k=%lld ...", k); */
+ * a caller writes: return moe_error(MOE_ERR_CONFIG, "top_k=%lld ...", k).
+ * A detail longer than moe_last_error() holds keeps its head and its tail
+ * (where the reason goes) around "...", cut between UTF-8 characters. */
 moe_status moe_error(moe_status status, const char *fmt, ...) MOE_PRINTF(2, 3);
 
 /* Prefixes the current detail with context ("model.safetensors: " + detail),
