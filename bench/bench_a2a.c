@@ -9,6 +9,8 @@
  *    passes, its outputs and input gradients checked against a one-rank
  *    layer.
  * Run under mpirun. */
+#include <ctype.h>
+#include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -154,29 +156,28 @@ static void print_help(FILE *f) {
             DEFAULT_D_FF, DEFAULT_WARMUP, DEFAULT_ITERS);
 }
 
-/* "64K", "16M", "1G" or plain bytes, within [1, 2^40]. */
+/* "64K", "16M", "1G" or plain bytes, within [1, 2^40]; an error quotes the
+ * value as given, with the range in bytes. */
 static bool parse_bytes(int64_t *out, const char *flag, const char *text) {
-    char digits[32];
-    size_t len = strlen(text);
+    const int64_t max = INT64_C(1) << 40;
+    char *end = NULL;
+    errno = 0;
+    const long long v = isdigit((unsigned char)text[0]) ? strtoll(text, &end, 10) : 0;
     int64_t scale = 1;
-    if (len > 0 && len < sizeof digits) {
-        switch (text[len - 1]) {
-        case 'K': case 'k': scale = INT64_C(1) << 10; break;
-        case 'M': case 'm': scale = INT64_C(1) << 20; break;
-        case 'G': case 'g': scale = INT64_C(1) << 30; break;
+    if (end && end != text) {
+        switch (*end) {
+        case 'K': case 'k': scale = INT64_C(1) << 10, end++; break;
+        case 'M': case 'm': scale = INT64_C(1) << 20, end++; break;
+        case 'G': case 'g': scale = INT64_C(1) << 30, end++; break;
         default: break;
         }
     }
-    if (len == 0 || len >= sizeof digits) {
-        fprintf(stderr, "moe-bench %s: %s=%s: expected bytes such as 4096, 64K or 16M\n", CMD,
-                flag, text);
+    if (!end || *end != '\0' || errno != 0 || v < 1 || v > max / scale) {
+        fprintf(stderr, "moe-bench %s: %s=%s: expected 1 to %lld bytes, written as 4096, 64K or 16M\n", CMD,
+                flag, text, (long long)max);
         return false;
     }
-    memcpy(digits, text, len + 1);
-    if (scale > 1) digits[len - 1] = '\0';
-    int64_t v;
-    if (!bench_parse_i64(&v, CMD, flag, digits, 1, (INT64_C(1) << 40) / scale)) return false;
-    *out = v * scale;
+    *out = (int64_t)v * scale;
     return true;
 }
 
@@ -194,6 +195,10 @@ static bool parse_dist(a2a_options *o, const char *text) {
             return false;
     } else {
         fprintf(stderr, "moe-bench %s: --dist=%s: expected uniform, zipf:S or hot:F\n", CMD, text);
+        return false;
+    }
+    if (strlen(text) >= sizeof o->dist_label) {
+        fprintf(stderr, "moe-bench %s: --dist=%s: at most %zu characters\n", CMD, text, sizeof o->dist_label - 1);
         return false;
     }
     snprintf(o->dist_label, sizeof o->dist_label, "%s", text);
@@ -289,6 +294,7 @@ static int parse_options(a2a_options *o, int argc, char **argv) {
                        .seed = DEFAULT_SEED,
                        .mode = MODE_RAW};
     parse_dist(o, "uniform");
+    bool given[N_FLAGS] = {false};
     for (int i = 1; i < argc; i++) {
         const char *arg = argv[i];
         if (strcmp(arg, "-h") == 0 || strcmp(arg, "--help") == 0) {
@@ -304,6 +310,7 @@ static int parse_options(a2a_options *o, int argc, char **argv) {
             const char *value = NULL;
             found = match_flag(argc, argv, &i, &flags[f], &value);
             if (found < 0 || (found && !apply_flag(o, f, value))) return bench_usage_error(CMD);
+            given[f] = given[f] || found;
         }
         if (!found) {
             fprintf(stderr, "moe-bench %s: unknown %s '%s'\n", CMD,
@@ -311,6 +318,15 @@ static int parse_options(a2a_options *o, int argc, char **argv) {
             return bench_usage_error(CMD);
         }
     }
+    /* The layer's shape means nothing to a raw exchange: say so rather
+     * than run without it. */
+    static const int dispatch_only[] = {F_EXPERTS, F_TOPK, F_DFF, F_OVERLAP};
+    for (size_t j = 0; o->mode == MODE_RAW && j < sizeof dispatch_only / sizeof dispatch_only[0]; j++)
+        if (given[dispatch_only[j]]) {
+            fprintf(stderr, "moe-bench %s: --%s applies to --mode dispatch only\n", CMD,
+                    flags[dispatch_only[j]].long_name);
+            return bench_usage_error(CMD);
+        }
     if (o->min_bytes > o->max_bytes) {
         fprintf(stderr, "moe-bench %s: --minbytes=%lld exceeds --maxbytes=%lld\n", CMD,
                 (long long)o->min_bytes, (long long)o->max_bytes);
