@@ -156,17 +156,23 @@ static moe_status write_state(const char *path, moe_model *model, const float *m
         entries[i] = (moe_st_entry){names[i], m + t->offset, t->ndim, t->shape};
         entries[n + i] = (moe_st_entry){names[n + i], v + t->offset, t->ndim, t->shape};
     }
-    char step[24], seed[24], jitter[24], token[24], epoch[24];
+    char step[24], seed[24], jitter[24], token[24], epoch[24], tokens[24], chunk[24];
     snprintf(step, sizeof step, "%" PRId64, s->step);
     snprintf(seed, sizeof seed, "%" PRIu64, s->seed);
     snprintf(jitter, sizeof jitter, "%" PRIu64, s->jitter_counter);
     snprintf(token, sizeof token, "%" PRId64, s->data.token);
     snprintf(epoch, sizeof epoch, "%" PRId64, s->data.epoch);
+    snprintf(tokens, sizeof tokens, "%" PRId64, s->data_tokens);
+    snprintf(chunk, sizeof chunk, "%" PRId64, s->data_chunk);
     const moe_st_meta meta[] = {
         {"format_version", FORMAT_VERSION}, {"step", step},       {"seed", seed},
         {"jitter_counter", jitter},         {"data_token", token}, {"data_epoch", epoch},
+        {"data_tokens", tokens},            {"data_chunk", chunk},
     };
-    moe_status st = moe_st_write(path, entries, 2 * n, meta, (int64_t)(sizeof meta / sizeof meta[0]));
+    /* The stream's two keys only when it is known: a reader takes their
+     * absence as a checkpoint that never recorded it. */
+    const int64_t n_meta = (int64_t)(sizeof meta / sizeof meta[0]) - (s->data_tokens > 0 ? 0 : 2);
+    moe_status st = moe_st_write(path, entries, 2 * n, meta, n_meta);
     free(entries);
     free(names);
     return st;
@@ -692,9 +698,29 @@ static moe_status read_meta(moe_train_state *s, const moe_st_file *f) {
     MOE_TRY(meta_uint(&s->jitter_counter, f, "jitter_counter", UINT64_MAX));
     MOE_TRY(meta_uint(&token, f, "data_token", INT64_MAX));
     MOE_TRY(meta_uint(&epoch, f, "data_epoch", MOE_DATA_EPOCH_MAX));
+    uint64_t tokens = 0, chunk = 0;
+    if (moe_st_metadata(f, "data_tokens") != NULL) {
+        MOE_TRY(meta_uint(&tokens, f, "data_tokens", INT64_MAX));
+        MOE_TRY(meta_uint(&chunk, f, "data_chunk", INT64_MAX));
+    }
     s->step = (int64_t)step;
     s->data = (moe_data_position){(int64_t)token, (int64_t)epoch};
+    s->data_tokens = (int64_t)tokens;
+    s->data_chunk = (int64_t)chunk;
     return MOE_OK;
+}
+
+moe_status moe_checkpoint_read_state(moe_train_state *state, const char *dir) {
+    if (!state || !dir) return moe_error(MOE_ERR_INVALID_ARG, "moe_checkpoint_read_state: NULL argument");
+    char path[PATH_BYTES];
+    MOE_TRY(path_join(path, dir, STATE_FILE));
+    moe_st_file *f = NULL;
+    MOE_TRY(moe_st_open(&f, path));
+    moe_train_state got;
+    const moe_status st = read_meta(&got, f);
+    moe_st_close(f);
+    if (st == MOE_OK) *state = got;
+    return st;
 }
 
 static int cmp_name_ptr(const void *a, const void *b) {

@@ -47,6 +47,12 @@ typedef struct moe_train_state {
     uint64_t seed;               /* the run's --seed */
     uint64_t jitter_counter;     /* moe_model_jitter_counter */
     moe_data_position data;      /* of the training data */
+    /* Which stream that position is in, so that a resume reads the same
+     * one: its length in tokens (0: not recorded, a checkpoint from before
+     * these fields), and the tokens of each shuffled chunk (0: read in
+     * order). A shuffled epoch's order depends on both (data.h). */
+    int64_t data_tokens;
+    int64_t data_chunk;
 } moe_train_state;
 
 /* Writes OUT/step-NNNNNN for state->step (six digits, more from 10^6 on),
@@ -59,7 +65,8 @@ typedef struct moe_train_state {
  * optimizer.exp_avg.<name> and optimizer.exp_avg_sq.<name> for every model
  * tensor (named per tensor, so the state can be re-sharded by name) and the
  * __metadata__ strings format_version "1", step, seed, jitter_counter,
- * data_token and data_epoch.
+ * data_token and data_epoch, and data_tokens and data_chunk when
+ * state->data_tokens > 0 (older readers ignore them).
  *
  * The files go to OUT/.step-NNNNNN.tmp-<pid>, which is renamed into place
  * once all of them are fsynced. A checkpoint of the same step already there
@@ -94,10 +101,18 @@ moe_status moe_checkpoint_load_weights(moe_model *model, const char *dir);
  * trainer keeps (moe_trainer_shard) must be there with its model tensor's
  * shape, and no tensor but the moments of the model's tensors and of the
  * other ranks' experts may be; the metadata integers must be plain decimal
- * digits in range (data_epoch at most MOE_DATA_EPOCH_MAX). Errors name the
- * file and the tensor or key; on error nothing is changed. */
+ * digits in range (data_epoch at most MOE_DATA_EPOCH_MAX). A file without
+ * data_tokens (written before it existed) gives data_tokens = data_chunk =
+ * 0; one with data_tokens must have data_chunk too. Errors name the file
+ * and the tensor or key; on error nothing is changed. */
 moe_status moe_checkpoint_load_state(moe_trainer *trainer, moe_model *model, moe_train_state *state,
                                      const char *dir);
+
+/* The metadata of dir/train_state.safetensors alone, checked as
+ * moe_checkpoint_load_state checks it: what a run must know before it
+ * builds its data sources and model (which stream to read, which seed).
+ * Not collective. */
+moe_status moe_checkpoint_read_state(moe_train_state *state, const char *dir);
 
 /* Reads dir/config.json (model_config.h's rules). Not collective: each rank
  * reads it before its model exists (moe_grid_agree then compares them). */

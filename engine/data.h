@@ -17,9 +17,10 @@
  * Shuffling permutes the R*T-token chunks of an epoch: chunk c covers tokens
  * [c*R*T, c*R*T + R*T] (its last token only as a target), the epoch has
  * floor((n - 1) / (R*T)) chunks, and epoch e reads them in an order that
- * depends only on (seed, e). The position then counts tokens consumed in the
- * epoch, in units of whole chunks, so the batch shape must stay the same for
- * a whole epoch.
+ * depends only on (seed, e) and that number of chunks: a stream of another
+ * length or another batch shape is read in another order. The position then
+ * counts tokens consumed in the epoch, in units of whole chunks, so the
+ * batch shape must stay the same for a whole epoch.
  *
  * Data parallelism: every rank asks for the same global batch of R*B rows at
  * the same position and reads only its own rows first_row .. first_row + B -

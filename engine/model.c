@@ -457,9 +457,13 @@ void moe_model_set_overlap(moe_model *m, bool overlap) {
     for (int64_t l = 0; l < m->cfg.num_hidden_layers; l++) moe_layer_set_overlap(m->moe[l], overlap);
 }
 
-void moe_model_update_router_bias(moe_model *m) {
+moe_status moe_model_update_router_bias(moe_model *m) {
     for (int64_t l = 0; l < m->cfg.num_hidden_layers; l++)
-        if (moe_layer_selection_bias(m->moe[l])) moe_layer_update_bias(m->moe[l]);
+        if (moe_layer_selection_bias(m->moe[l])) {
+            moe_status st = moe_layer_update_bias(m->moe[l]);
+            if (st != MOE_OK) return moe_error_prefix(st, "layer %lld: ", (long long)l);
+        }
+    return MOE_OK;
 }
 
 static bool has_layer(const moe_model *m, int64_t l) { return m && l >= 0 && l < m->cfg.num_hidden_layers; }

@@ -169,7 +169,9 @@ void moe_model_set_jitter_counter(moe_model *model, uint64_t counter);
 /* Every layer's experts run as their rows arrive (moe_layer_set_overlap). */
 void moe_model_set_overlap(moe_model *model, bool overlap);
 
-/* The auxiliary-loss-free bias step of every layer (no-op when off). */
-void moe_model_update_router_bias(moe_model *model);
+/* The auxiliary-loss-free bias step of every layer (no-op when off), once
+ * per optimizer step: each layer answers the load summed over its training
+ * forwards since the last update, all the step's micro-batches. */
+moe_status moe_model_update_router_bias(moe_model *model);
 
 #endif /* MOE_ENGINE_MODEL_H */

@@ -62,6 +62,13 @@ struct moe_layer {
     char (*names)[MOE_NAME_BYTES];    /* [n_tensors] */
     float *bias;                      /* [E] selection bias on the host, or NULL */
     float *bias_sent;                 /* [E] the bias bias_dev holds */
+    /* The load the next bias update answers: the global pairs per expert
+     * of every training forward since the last update, so that the
+     * micro-batches of one optimizer step move the bias once, from their
+     * summed load, as one batch of all of them would (DeepSeek-V3 updates
+     * once per step), and all route with the same bias. */
+    int64_t *bias_load;               /* [E], with bias */
+    int64_t bias_forwards;            /* training forwards bias_load covers */
 
     /* Every array the ops touch is backend memory; the host keeps what it
      * decides with (counts, offsets) and mirrors of what it reads. */
@@ -310,11 +317,12 @@ moe_status moe_layer_create_in(moe_layer **out, const moe_layer_config *cfg, con
     if (cfg->bias_update_rate > 0.0) {
         L->bias = calloc((size_t)E, sizeof *L->bias);
         L->bias_sent = calloc((size_t)E, sizeof *L->bias_sent);
+        L->bias_load = calloc((size_t)E, sizeof *L->bias_load);
     }
     if (!L->views || !L->names || !L->expert_rank || !L->totals_host || !L->rank_totals || !L->rank_assigned ||
         !L->rank_kept || !L->rank_T || !L->global_assigned || !L->keep || !L->recv_rows || !L->requests || !L->expert_offsets ||
         !L->local_offsets || !L->aux_grad || !L->groups ||
-        (cfg->bias_update_rate > 0.0 && (!L->bias || !L->bias_sent))) {
+        (cfg->bias_update_rate > 0.0 && (!L->bias || !L->bias_sent || !L->bias_load))) {
         moe_layer_destroy(L);
         return moe_error(MOE_ERR_OUT_OF_MEMORY, "moe_layer_create: per-expert arrays for n_experts=%lld", (long long)E);
     }
@@ -413,6 +421,7 @@ void moe_layer_destroy(moe_layer *L) {
     free(L->names);
     free(L->bias);
     free(L->bias_sent);
+    free(L->bias_load);
     if (ops) {
         ops->release(L->token_ws);
         ops->release(L->row_ws);
@@ -509,11 +518,16 @@ moe_status moe_layer_zero_grad(moe_layer *L) {
     return L->ops->sync();
 }
 
+/* From bias_load, not the last forward's load: a step of several
+ * micro-batches moves the bias once. */
 moe_status moe_layer_update_bias(moe_layer *L) {
     if (!L) return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_update_bias: layer is NULL");
     if (!L->bias) return moe_error(MOE_ERR_STATE, "moe_layer_update_bias: bias_update_rate is 0, there is no bias");
-    if (L->last_T == 0) return moe_error(MOE_ERR_STATE, "moe_layer_update_bias: no forward yet");
-    moe_bias_update(L->bias, L->global_assigned, L->cfg.n_experts, L->cfg.bias_update_rate);
+    if (L->bias_forwards == 0)
+        return moe_error(MOE_ERR_STATE, "moe_layer_update_bias: no training forward since the last update");
+    moe_bias_update(L->bias, L->bias_load, L->cfg.n_experts, L->cfg.bias_update_rate);
+    memset(L->bias_load, 0, (size_t)L->cfg.n_experts * sizeof *L->bias_load);
+    L->bias_forwards = 0;
     return send_bias(L);
 }
 
@@ -909,6 +923,10 @@ moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, 
     MOE_TRY(ops->download(L->totals_host, L->totals_dev, (size_t)(2 * E + 1) * sizeof(int64_t)));
     L->last.tokens_per_expert = stats ? stats->tokens_per_expert : NULL;
     MOE_TRY(share_routing(L, T, *L->z_sum));
+    if (L->bias && L->training) {
+        for (int64_t e = 0; e < E; e++) L->bias_load[e] += L->global_assigned[e];
+        L->bias_forwards++;
+    }
     MOE_TRY(ops->upload(L->keep_dev, L->keep, (size_t)E * sizeof(int64_t)));
     MOE_TRY(send_aux_grad(L));
     ops->plan_build(L->pair_row, L->row_token, L->offsets_dev, L->topk_idx, L->keep_dev, L->plan_scratch, T, k, E);

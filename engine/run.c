@@ -321,6 +321,7 @@ typedef struct run {
     moe_grid grid;
     int rank, ranks;       /* in the data-parallel world */
     token_counts tokens;   /* on the ranks */
+    moe_train_state resumed; /* --resume: the checkpoint's metadata, read before the data is opened */
     moe_device_handle device; /* the backend the model runs on */
     moe_comm *device_world, *device_ep; /* for its memory across ranks (NCCL); NULL: world and ep */
     moe_model *model;
@@ -417,6 +418,82 @@ static moe_status scan_validation(run *r) {
     return moe_data_set_position(r->val.data, (moe_data_position){0, 0});
 }
 
+/* --resume: the checkpoint's metadata, checked against the options before
+ * anything is built from them. The seed chose the synthetic streams, the
+ * shuffle order and the jitter noise; the shuffle and its chunk (one global
+ * micro-batch) chose which tokens each position reads. A checkpoint that
+ * never recorded its stream (data_tokens 0) is taken as it always was. */
+static moe_status read_resume_state(run *r) {
+    const moe_run_options *o = r->o;
+    const moe_train_state *s = &r->resumed;
+    moe_status st = moe_checkpoint_read_state(&r->resumed, o->resume);
+    if (st != MOE_OK) return moe_error_prefix(st, "--resume %s: ", o->resume);
+    if (s->seed != o->seed)
+        return moe_error(MOE_ERR_CONFIG, "--resume %s: the checkpoint was trained with --seed %llu; pass the same "
+                                         "--seed (got %llu)",
+                         o->resume, (unsigned long long)s->seed, (unsigned long long)o->seed);
+    if (s->step >= o->steps)
+        return moe_error(MOE_ERR_CONFIG, "--resume %s: the checkpoint is at step %lld, --steps %lld leaves nothing "
+                                         "to do",
+                         o->resume, (long long)s->step, (long long)o->steps);
+    const int64_t chunk = o->shuffle ? r->tokens.batch : 0;
+    if (s->data_tokens == 0 || s->data_chunk == chunk) return MOE_OK;
+    if (s->data_chunk == 0)
+        return moe_error(MOE_ERR_CONFIG, "--resume %s: the checkpoint read its training data in order; resume it "
+                                         "without --shuffle",
+                         o->resume);
+    if (!o->shuffle)
+        return moe_error(MOE_ERR_CONFIG, "--resume %s: the checkpoint read its training data shuffled; resume it "
+                                         "with --shuffle",
+                         o->resume);
+    return moe_error(MOE_ERR_CONFIG, "--resume %s: the checkpoint shuffled its training data in chunks of %lld tokens, "
+                                     "this run's micro-batch has %lld (--batch-size x --seq-len x ranks): resume it "
+                                     "with the batch shape it was written with",
+                     o->resume, (long long)s->data_chunk, (long long)chunk);
+}
+
+/* The synthetic training stream's length. A fresh run generates its whole
+ * stream up to a cap (past it the reader goes around again), and at least
+ * one batch. A resumed run reads the checkpoint's stream: shuffled, it is
+ * generated at the very length the checkpoint recorded, because an epoch's
+ * chunk order depends on it, so a larger --steps goes on into the next
+ * epoch of that corpus, reshuffled; in order, the corpus of n tokens is the
+ * first n of any longer one, so the longer of the two serves both. */
+static moe_status synthetic_train_tokens(const run *r, int64_t *n_synth) {
+    const token_counts *n = &r->tokens;
+    int64_t own = n->run + 1 < RUN_SYNTH_MAX_TOKENS ? n->run + 1 : RUN_SYNTH_MAX_TOKENS;
+    if (own < n->batch + 1) own = n->batch + 1;
+    const int64_t was = r->resumed.data_tokens; /* 0 unless recorded by the checkpoint */
+    if (was > RUN_SYNTH_MAX_TOKENS && was > own)
+        return moe_error(MOE_ERR_CONFIG, "--resume %s: the checkpoint's synthetic stream has %lld tokens, more than "
+                                         "the %lld a run generates",
+                         r->o->resume, (long long)was, (long long)RUN_SYNTH_MAX_TOKENS);
+    *n_synth = was > 0 && (r->o->shuffle || was > own) ? was : own;
+    return MOE_OK;
+}
+
+/* A shuffled order depends on the stream's length (data.h): a file that
+ * changed length since the checkpoint would be read in another order. An
+ * older checkpoint does not say, and a shuffled synthetic stream is then
+ * this run's length, as it always was. */
+static moe_status check_resumed_stream(const run *r) {
+    const moe_run_options *o = r->o;
+    const int64_t was = r->resumed.data_tokens, now = moe_data_token_count(r->train.data);
+    if (!o->shuffle) return MOE_OK;
+    if (was == 0) {
+        if (is_synthetic(o->data))
+            warn(r, "--resume %s: the checkpoint does not record its training stream's length (an older version "
+                    "wrote it); its shuffled order goes on only if --steps %lld is what it was written with",
+                 o->resume, (long long)o->steps);
+        return MOE_OK;
+    }
+    if (was != now)
+        return moe_error(MOE_ERR_CONFIG, "--resume %s: the checkpoint shuffled --data %s when it held %lld tokens, and "
+                                         "it now holds %lld: a shuffled order depends on the length",
+                         o->resume, o->data, (long long)was, (long long)now);
+    return MOE_OK;
+}
+
 /* Opens the sources and checks, before anything is written, that they hold
  * what the run reads: one batch of training data (the reader goes around
  * it), and every evaluation token, each inside the vocabulary. */
@@ -431,10 +508,9 @@ static moe_status open_data(run *r) {
                        (long long)o->seq_len);
     if (r->ranks > 1) snprintf(shape + len, sizeof shape - (size_t)len, " on each of %d ranks", r->ranks);
     if (!o->eval_only) {
-        /* The whole run's stream up to a cap (past it the reader goes around
-         * again), and at least one batch. */
-        int64_t n_synth = n->run + 1 < RUN_SYNTH_MAX_TOKENS ? n->run + 1 : RUN_SYNTH_MAX_TOKENS;
-        if (n_synth < n->batch + 1) n_synth = n->batch + 1;
+        if (o->resume) MOE_TRY(read_resume_state(r));
+        int64_t n_synth = 0;
+        if (is_synthetic(o->data)) MOE_TRY(synthetic_train_tokens(r, &n_synth));
         MOE_TRY(open_source(&r->train, o->data, "--data", moe_rng_bits(o->seed, RUN_SYNTH_TRAIN_STREAM, 0),
                             n_synth, known ? r->cfg.vocab_size : MOE_GPT2_VOCAB_SIZE));
         if (!known) moe_run_default_config(&r->cfg, moe_data_vocab_size(r->train.data));
@@ -442,6 +518,7 @@ static moe_status open_data(run *r) {
         char reader[256];
         snprintf(reader, sizeof reader, "one batch of %s (plus the last target)", shape);
         MOE_TRY(check_length(&r->train, "--data", o->data, n->batch + 1, reader));
+        if (o->resume) MOE_TRY(check_resumed_stream(r));
         if (o->shuffle) moe_data_set_shuffle(r->train.data, 1, o->seed);
     }
     /* A second handle even on the same file: evaluation reads from the
@@ -514,19 +591,10 @@ static moe_status build_model(run *r) {
     r->step_flops = moe_model_step_flops(r->model) * (double)o->grad_accum * (double)r->ranks;
     if (!o->resume) return MOE_OK;
 
+    /* read_resume_state checked this metadata against the options. */
     moe_train_state state;
     moe_status st = moe_checkpoint_load_state(r->trainer, r->model, &state, o->resume);
     if (st != MOE_OK) return moe_error_prefix(st, "--resume %s: ", o->resume);
-    /* The seed chose the synthetic streams, the shuffle order and the jitter
-     * noise already built above, so it must be the checkpoint's. */
-    if (state.seed != o->seed)
-        return moe_error(MOE_ERR_CONFIG, "--resume %s: the checkpoint was trained with --seed %llu; pass the same "
-                                         "--seed (got %llu)",
-                         o->resume, (unsigned long long)state.seed, (unsigned long long)o->seed);
-    if (state.step >= o->steps)
-        return moe_error(MOE_ERR_CONFIG, "--resume %s: the checkpoint is at step %lld, --steps %lld leaves nothing "
-                                         "to do",
-                         o->resume, (long long)state.step, (long long)o->steps);
     /* The checkpoint restored the step count and the jitter counter; the
      * data reader is the run's. */
     st = moe_data_set_position(r->train.data, state.data);
@@ -895,6 +963,8 @@ static moe_status save_checkpoint(run *r) {
         .seed = r->o->seed,
         .jitter_counter = moe_model_jitter_counter(r->model),
         .data = moe_data_get_position(r->train.data),
+        .data_tokens = moe_data_token_count(r->train.data),
+        .data_chunk = r->o->shuffle ? r->tokens.batch : 0,
     };
     MOE_TRY(moe_checkpoint_save(r->last_checkpoint, sizeof r->last_checkpoint, r->o->out_dir, r->model, r->trainer,
                                 &state));

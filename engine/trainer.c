@@ -368,8 +368,9 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
         sum.z_loss += s.z_loss;
         sum.load_imbalance += s.load_imbalance;
         sum.dropped_frac += s.dropped_frac;
-        moe_model_update_router_bias(model);
     }
+    /* After every micro-batch, so that all of them route with one bias. */
+    MOE_TRY(moe_model_update_router_bias(model));
 
     MOE_TRY(moe_model_finish_grad_sync(model));
     if (t->sharded) MOE_TRY(scatter_grads(t));

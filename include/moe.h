@@ -164,8 +164,10 @@ moe_status moe_layer_backward(moe_layer *layer, float *dx, const float *dy, cons
 
 moe_status moe_layer_zero_grad(moe_layer *layer);
 
-/* Nudges the selection bias against the load error of the most recent
- * forward: b_e += rate * sign(mean load - load_e). */
+/* Nudges the selection bias against the load error of the training
+ * forwards since the last update (an optimizer step's micro-batches,
+ * summed): b_e += rate * sign(mean load - load_e). MOE_ERR_STATE when there
+ * was no training forward since. */
 moe_status moe_layer_update_bias(moe_layer *layer);
 
 /* Floating-point operations of one forward at T, counting only the work done

@@ -726,6 +726,49 @@ Test(layer, update_bias_moves_against_the_load) {
     fx_destroy(&f);
 }
 
+/* The bias answers the load summed over the training forwards since the
+ * last update (the micro-batches of one step), not the last forward's:
+ * loads [4, 2, 2, 0] then [0, 2, 2, 4] sum to the mean 4 everywhere, so the
+ * bias stays 0, where the last forward alone would move it by +rate, 0, 0,
+ * -rate. An eval-mode forward in between (loads [4, 2, 2, 0]) is not
+ * training and does not count; with no training forward since the last
+ * update there is nothing to answer. Same construction as above. */
+Test(layer, update_bias_answers_every_training_forward_since_the_last) {
+    const int64_t d = 6, E = 4, T = 8;
+    static const int targets[2][8] = {{0, 1, 0, 2, 0, 1, 2, 0}, {3, 1, 3, 2, 3, 1, 2, 3}};
+    moe_layer_config cfg = make_cfg(d, 5, E, 1, MOE_GATE_SIGMOID, 1, 0.0, 0);
+    cfg.bias_update_rate = 0.01;
+    fx f;
+    fx_create(&f, &cfg, 31);
+    moe_tensor_view g;
+    cr_assert(moe_layer_tensor_by_name(f.layer, "gate.weight", &g) == MOE_OK);
+    for (int64_t e = 0; e < E; e++)
+        for (int64_t c = 0; c < d; c++) g.param[e * d + c] = c == e ? 1.0f : 0.0f;
+    float x[2][8 * 6], y[8 * 6];
+    ref_rng rng = {33};
+    for (int b = 0; b < 2; b++) {
+        ref_fill(x[b], T * d, &rng, -0.1, 0.1);
+        for (int64_t t = 0; t < T; t++) x[b][t * d + targets[b][t]] += 3.0f;
+    }
+    static const int64_t want_load[3][4] = {{4, 2, 2, 0}, {4, 2, 2, 0}, {0, 2, 2, 4}};
+    static const int x_of[3] = {0, 0, 1}, training[3] = {1, 0, 1};
+    for (int i = 0; i < 3; i++) {
+        int64_t tpe[4];
+        moe_layer_stats st = {.tokens_per_expert = tpe};
+        cr_assert(moe_layer_set_training(f.layer, training[i]) == MOE_OK);
+        cr_assert(moe_layer_forward(f.layer, y, x[x_of[i]], T, &st) == MOE_OK, "%s", moe_last_error());
+        for (int64_t e = 0; e < E; e++)
+            cr_assert(tpe[e] == want_load[i][e], "forward %d: routing by construction failed at expert %lld: %lld",
+                      i, (long long)e, (long long)tpe[e]);
+    }
+    cr_assert(moe_layer_update_bias(f.layer) == MOE_OK, "%s", moe_last_error());
+    const float *b = moe_layer_selection_bias(f.layer);
+    for (int64_t e = 0; e < E; e++)
+        cr_expect(b[e] == 0.0f, "bias[%lld] = %.9g after loads summing to the mean, want 0", (long long)e, b[e]);
+    cr_expect(moe_layer_update_bias(f.layer) == MOE_ERR_STATE, "an update with no training forward since the last");
+    fx_destroy(&f);
+}
+
 /* Jitter perturbs the router input in training only; eval mode is exactly
  * the layer without jitter. */
 Test(layer, jitter_only_in_training) {

@@ -19,6 +19,7 @@
 #include "engine/fileio.h"
 #include "engine/json.h"
 #include "engine/run.h"
+#include "engine/safetensors.h"
 
 #define THREADS 2
 
@@ -696,6 +697,154 @@ Test(train_run, resume_logs_each_step_once, .init = make_tmp, .fini = remove_tmp
         cr_expect_eq(eval_lines[s], s == 5 || s == 10, "step %d evaluated %d times", s, eval_lines[s]);
     }
     cr_expect_eq(other, 0, "%d lines without a step", other);
+}
+
+/* The __metadata__ value of key in tmp's file name, copied into value [64]. */
+static const char *state_meta(char *value, const char *name, const char *key) {
+    char path[512];
+    moe_st_file *f;
+    cr_assert_eq(moe_st_open(&f, tmp_path(path, name)), MOE_OK, "%s", moe_last_error());
+    const char *v = moe_st_metadata(f, key);
+    snprintf(value, 64, "%s", v ? v : "(none)");
+    moe_st_close(f);
+    return value;
+}
+
+static void expect_same_checkpoints(const char *a, const char *b, const char *why) {
+    static const char *const files[] = {"model.safetensors", "train_state.safetensors"};
+    for (int f = 0; f < 2; f++) {
+        char name_a[96], name_b[96], path_a[512], path_b[512];
+        snprintf(name_a, sizeof name_a, "%s/%s", a, files[f]);
+        snprintf(name_b, sizeof name_b, "%s/%s", b, files[f]);
+        cr_expect(same_file(tmp_path(path_a, name_a), tmp_path(path_b, name_b)), "%s: %s differs", why, files[f]);
+    }
+}
+
+/* A shuffled run of 5 steps resumed with --steps 10 reads on in its own
+ * corpus of 5 batches, into epoch 1 (reshuffled), rather than in the order
+ * of a 10-batch corpus, which read some of the first 5 batches again and
+ * others never: the checkpoint of step 10 records the corpus of 5 x 4 x 32
+ * + 1 tokens and stands 5 batches into its epoch 1. And 5 + 5 steps give
+ * the bytes of 5 + 2 + 3, which read the same stream. The schedule is
+ * constant after the warm-up, so --steps changes nothing else. */
+Test(train_run, resume_with_more_steps_reads_the_checkpoints_stream, .init = make_tmp, .fini = remove_tmp) {
+    char cfg[512], out[3][512], resume[512], value[64];
+    moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE), tmp_path(out[0], "five"));
+    o.shuffle = true;
+    o.steps = 5;
+    o.lr_schedule = MOE_LR_CONSTANT;
+    seen v;
+    run_ok(&o, &v);
+
+    o.config = NULL;
+    o.resume = tmp_path(resume, "five/step-000005");
+    o.steps = 10;
+    o.out_dir = tmp_path(out[1], "ten");
+    run_ok(&o, &v);
+    cr_assert_eq(v.steps, 5);
+    o.steps = 7;
+    o.out_dir = tmp_path(out[2], "seven");
+    run_ok(&o, &v);
+    o.resume = tmp_path(resume, "seven/step-000007");
+    o.steps = 10;
+    run_ok(&o, &v);
+    cr_assert_eq(v.steps, 3);
+    expect_same_checkpoints("ten/step-000010", "seven/step-000010", "5 + 5 steps against 5 + 2 + 3");
+    cr_expect_str_eq(state_meta(value, "ten/step-000010/train_state.safetensors", "data_epoch"), "1");
+    cr_expect_str_eq(state_meta(value, "ten/step-000010/train_state.safetensors", "data_token"), "640");
+    cr_expect_str_eq(state_meta(value, "ten/step-000010/train_state.safetensors", "data_tokens"), "641");
+}
+
+/* Old checkpoints (without the stream's length) resume as they always did:
+ * at the length of this run, right when --steps is the one they were
+ * written with, which a warning says. */
+Test(train_run, resume_of_a_checkpoint_without_its_stream, .init = make_tmp, .fini = remove_tmp) {
+    char cfg[512], out[2][512], resume[512], path[512];
+    moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE), tmp_path(out[0], "straight"));
+    o.shuffle = true;
+    o.save_every = 5;
+    seen v;
+    run_ok(&o, &v);
+
+    /* train_state.safetensors as an older version wrote it. */
+    moe_st_file *f;
+    cr_assert_eq(moe_st_open(&f, tmp_path(path, "straight/step-000005/train_state.safetensors")), MOE_OK, "%s",
+                 moe_last_error());
+    const int64_t nt = moe_st_tensor_count(f), nm = moe_st_metadata_count(f);
+    moe_st_entry *entries = calloc((size_t)nt, sizeof *entries);
+    moe_st_meta *meta = calloc((size_t)nm, sizeof *meta);
+    float **values = calloc((size_t)nt, sizeof *values);
+    cr_assert(entries && meta && values);
+    for (int64_t i = 0; i < nt; i++) {
+        const moe_st_tensor *t = moe_st_tensor_at(f, i);
+        values[i] = malloc((size_t)t->numel * sizeof(float));
+        cr_assert(values[i]);
+        moe_st_read_f32(values[i], t);
+        entries[i] = (moe_st_entry){t->name, values[i], t->ndim, t->shape};
+    }
+    int64_t kept = 0, dropped = 0;
+    for (int64_t i = 0; i < nm; i++) {
+        moe_st_metadata_at(f, i, &meta[kept].key, &meta[kept].value);
+        const char *key = meta[kept].key;
+        if (strcmp(key, "data_tokens") == 0 || strcmp(key, "data_chunk") == 0)
+            dropped++;
+        else if (strcmp(key, "format") != 0)
+            kept++;
+    }
+    cr_assert_eq(dropped, 2, "the checkpoint should record its stream");
+    cr_assert_eq(moe_st_write(path, entries, nt, meta, kept), MOE_OK, "%s", moe_last_error());
+    for (int64_t i = 0; i < nt; i++) free(values[i]);
+    free(values), free(meta), free(entries);
+    moe_st_close(f);
+
+    o.config = NULL;
+    o.save_every = 0;
+    o.resume = tmp_path(resume, "straight/step-000005");
+    o.out_dir = tmp_path(out[1], "resumed");
+    run_ok(&o, &v);
+    cr_assert_eq(v.steps, 5);
+    expect_same_checkpoints("straight/step-000010", "resumed/step-000010", "10 steps against an old 5 + 5");
+    cr_expect(v.warnings == 1 && strstr(v.warning, "--steps 10"), "warnings %d: %s", v.warnings, v.warning);
+}
+
+/* A resume under which the checkpoint's position would read another
+ * stream is refused, naming the flag, before anything is written: the
+ * shuffle turned off or on, a shuffled batch shape changed (the shuffled
+ * chunks are the batches), a shuffled file of another length. */
+Test(train_run, resume_refuses_another_stream, .init = make_tmp, .fini = remove_tmp) {
+    char cfg[512], out[4][512], resume[512], text[512];
+    moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE), tmp_path(out[0], "shuffled"));
+    o.steps = 2;
+    o.shuffle = true;
+    seen v;
+    run_ok(&o, &v);
+    o.out_dir = tmp_path(out[1], "ordered");
+    o.shuffle = false;
+    run_ok(&o, &v);
+    o.config = write_tiny_config(cfg, MOE_BYTE_VOCAB_SIZE);
+    o.data = write_text(text, "text.txt", text_line, 20);
+    o.out_dir = tmp_path(out[2], "file");
+    o.shuffle = true;
+    run_ok(&o, &v);
+
+    o.config = NULL;
+    o.steps = 4;
+    o.out_dir = tmp_path(out[3], "again");
+    write_earlier_run(o.out_dir);
+    o.resume = tmp_path(resume, "file/step-000002");
+    write_text(text, "text.txt", text_line, 21);
+    expect_refused(&o, "a shuffled file that grew", (const char *const[]){"--data", text, "1140", "1197", NULL});
+
+    o.data = MOE_RUN_SYNTHETIC;
+    o.resume = tmp_path(resume, "shuffled/step-000002");
+    o.shuffle = false;
+    expect_refused(&o, "a shuffled checkpoint without --shuffle", (const char *const[]){"--shuffle", NULL});
+    o.shuffle = true;
+    o.batch_size = 2;
+    expect_refused(&o, "a shuffled checkpoint with half the batch", (const char *const[]){"--batch-size", NULL});
+    o.batch_size = 4;
+    o.resume = tmp_path(resume, "ordered/step-000002");
+    expect_refused(&o, "an ordered checkpoint with --shuffle", (const char *const[]){"--shuffle", NULL});
 }
 
 /* ------------------------------------------------------------- lr schedule */

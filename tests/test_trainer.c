@@ -247,6 +247,103 @@ Test(trainer, steps_match_the_adamw_reference) {
     moe_model_destroy(model);
 }
 
+/* ------------------------------------------------- selection bias per step */
+
+#define BIAS_RATE 0.01
+#define BIAS_STEPS 3
+
+static moe_model *bias_model(int64_t batch) {
+    moe_model_config cfg = ref_tiny_config(VOCAB, 2, 0);
+    cfg.moe_bias_update_rate = BIAS_RATE;
+    cfg.router_aux_loss_coef = 0.0; /* the bias alone balances */
+    cfg.router_jitter_noise = 0.0;  /* noise would depend on the batch's split */
+    cfg.moe_capacity_factor = 0.0;
+    moe_model *m = NULL;
+    cr_assert(moe_model_create(&m, &cfg, batch, SEQ, 11) == MOE_OK, "%s", moe_last_error());
+    return m;
+}
+
+static moe_trainer *bias_trainer(moe_model *m, int64_t grad_accum) {
+    moe_optim_config oc = MOE_OPTIM_CONFIG_INIT;
+    oc.lr = LR;
+    oc.total_steps = BIAS_STEPS;
+    oc.grad_accum = grad_accum;
+    moe_trainer *t = NULL;
+    cr_assert(moe_trainer_create(&t, m, &oc) == MOE_OK, "%s", moe_last_error());
+    return t;
+}
+
+/* The auxiliary-loss-free bias moves once per optimizer step, from the load
+ * of all the step's micro-batches (DeepSeek-V3), which all route with the
+ * same bias. Step 1 of 2 micro-batches of BATCH rows and step 1 of one batch
+ * of 2 BATCH rows read the same rows with the same weights and a zero bias,
+ * so both must leave the reference bias: rate * sign(mean load - load_e)
+ * per layer, the load counted here from the big batch's router choices
+ * (dropless, so every choice is a pair). Exact: each entry is 0 or
+ * +-(float)rate. Later steps of the split run move no entry by more than
+ * one rate. */
+Test(trainer, selection_bias_moves_once_per_step) {
+    enum { BIG = 2 * BATCH, N = BIAS_STEPS * BIG * SEQ + 1 };
+    int32_t tokens[N];
+    ref_rng rng = {77};
+    for (int64_t i = 0; i < N; i++) tokens[i] = (int32_t)(ref_next(&rng) % VOCAB);
+    moe_data *data_big = NULL, *data_split = NULL;
+    cr_assert(moe_data_from_tokens(&data_big, tokens, N, VOCAB, "tokens") == MOE_OK, "%s", moe_last_error());
+    cr_assert(moe_data_from_tokens(&data_split, tokens, N, VOCAB, "tokens") == MOE_OK, "%s", moe_last_error());
+    moe_model *big = bias_model(BIG), *split = bias_model(BATCH);
+    const int64_t n = moe_model_param_count(big);
+    cr_assert(n == moe_model_param_count(split) &&
+              memcmp(moe_model_params(big), moe_model_params(split), (size_t)n * sizeof(float)) == 0,
+              "the two models must start from the same weights");
+    moe_trainer *t_big = bias_trainer(big, 1), *t_split = bias_trainer(split, 2);
+    const moe_model_config *cfg = moe_model_get_config(big);
+    const int64_t L = cfg->num_hidden_layers, E = cfg->num_local_experts, k = cfg->num_experts_per_tok;
+
+    cr_assert(moe_trainer_step(t_big, data_big, NULL) == MOE_OK, "%s", moe_last_error());
+    cr_assert(moe_trainer_step(t_split, data_split, NULL) == MOE_OK, "%s", moe_last_error());
+    int moved = 0;
+    for (int64_t l = 0; l < L; l++) {
+        const int32_t *topk; /* [BIG * SEQ, k] */
+        cr_assert(moe_model_last_topk(big, l, &topk) == MOE_OK, "%s", moe_last_error());
+        int64_t load[16] = {0};
+        cr_assert(E <= 16);
+        for (int64_t i = 0; i < BIG * SEQ * k; i++) load[topk[i]]++;
+        const double mean = (double)(BIG * SEQ * k) / (double)E;
+        for (int64_t e = 0; e < E; e++) {
+            const double err = mean - (double)load[e];
+            const float want = (float)(BIAS_RATE * (err > 0.0 ? 1.0 : err < 0.0 ? -1.0 : 0.0));
+            const float got_big = moe_model_router_bias(big, l)[e], got_split = moe_model_router_bias(split, l)[e];
+            moved += want != 0.0f;
+            cr_expect(got_big == want && got_split == want,
+                      "layer %lld expert %lld (load %lld of mean %g): bias %.9g with one batch, %.9g with two "
+                      "micro-batches, want %.9g",
+                      (long long)l, (long long)e, (long long)load[e], mean, got_big, got_split, want);
+        }
+    }
+    cr_expect(moved > 0, "no expert's load was off the mean: the check sees nothing");
+
+    /* One rate up to the rounding of the float sum it lands in. */
+    const double tol = BIAS_RATE * (1.0 + 1e-5);
+    float before[4][16];
+    cr_assert(L <= 4);
+    for (int step = 2; step <= BIAS_STEPS; step++) {
+        for (int64_t l = 0; l < L; l++) memcpy(before[l], moe_model_router_bias(split, l), (size_t)E * sizeof(float));
+        cr_assert(moe_trainer_step(t_split, data_split, NULL) == MOE_OK, "%s", moe_last_error());
+        for (int64_t l = 0; l < L; l++)
+            for (int64_t e = 0; e < E; e++) {
+                const double delta = (double)moe_model_router_bias(split, l)[e] - (double)before[l][e];
+                cr_expect(fabs(delta) <= tol, "step %d, layer %lld expert %lld: the bias moved by %.9g, more than "
+                          "one rate %g", step, (long long)l, (long long)e, delta, BIAS_RATE);
+            }
+    }
+    moe_trainer_destroy(t_big);
+    moe_trainer_destroy(t_split);
+    moe_model_destroy(big);
+    moe_model_destroy(split);
+    moe_data_close(data_big);
+    moe_data_close(data_split);
+}
+
 /* ------------------------------------------------------------ step FLOPs */
 
 /* moe_model_step_flops, as engine/model.c documents it: per token, 6 FLOPs
