@@ -2,6 +2,7 @@
  * AdamW) of the MoE transformer on the synthetic corpus: tokens/s and MFU,
  * the model FLOPs per second over the fp32 GEMM rate of the same device
  * measured in the same run, right before each model's steps. */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -10,6 +11,9 @@
 #include "engine/run.h"
 #include "engine/synthetic.h"
 #include "engine/trainer.h"
+#if defined(MOE_HAVE_CUDA)
+#include "kernels/cuda/cuda_ops.h"
+#endif
 
 #define CMD "train"
 #define STREAM_TOKENS 2000000
@@ -44,7 +48,9 @@ static void usage(void) {
            "                  parameters, for a GPU)\n"
            "  --device D      auto (default), cpu, cuda or cpu-strict, as moe-train's\n"
            "  --gemm-math M   fp32 (default), tf32 or bf16, as moe-train's; MFU is then\n"
-           "                  against the GEMM rate in the same math\n\n"
+           "                  against the GEMM rate in the same math; on a GPU, bf16 adds\n"
+           "                  MFU_bf16, against a GEMM on bf16 operands (the rate the\n"
+           "                  tensor cores give bf16 storage)\n\n"
            "timing:\n"
            "  --warmup N      untimed steps first (default 2)\n"
            "  --steps N       timed steps (default 5)\n"
@@ -67,8 +73,53 @@ static const bench_column columns[] = {
     {"gflops", "GFLOP/s", BENCH_F64, 8, 1},
     {"gemm_gflops", "gemm_GFLOP/s", BENCH_F64, 12, 1},
     {"mfu", "MFU", BENCH_F64, 6, 3},
+    {"bf16_gemm_gflops", "bf16_GFLOP/s", BENCH_F64, 12, 1},
+    {"mfu_bf16", "MFU_bf16", BENCH_F64, 8, 3},
     {"gemm_math", NULL, BENCH_STR, 0, 0},
 };
+
+/* GPU bf16 math: the rate of one square cuBLASLt GEMM on bf16 operands
+ * (fp32 sums), which is what the tensor cores give a model whose GEMMs read
+ * bf16, above the fp32-operand GEMM that --gemm-math bf16 rounds inside
+ * (the MFU column's rate). MFU_bf16 is over this one. NaN elsewhere. */
+#define BF16_PEAK_N 8192
+#define BF16_PEAK_RUNS 5
+
+static moe_status bf16_storage_gflops(const moe_device_handle *dev, moe_gemm_math math, double *gflops) {
+    *gflops = NAN;
+#if defined(MOE_HAVE_CUDA)
+    moe_cuda_ctx *ctx = dev->cuda;
+    if (!ctx || math != MOE_GEMM_BF16) return MOE_OK;
+    const int64_t n = BF16_PEAK_N;
+    const size_t bytes = (size_t)(n * n) * 2;
+    const size_t pieces[3] = {bytes, bytes, bytes};
+    moe_cuda_arena arena = {0};
+    void *a = NULL, *b = NULL, *c = NULL;
+    double sec[BF16_PEAK_RUNS];
+    moe_status st = moe_cuda_arena_create(&arena, moe_cuda_arena_bytes(pieces, 3), ctx);
+    if (st == MOE_OK) st = moe_cuda_arena_alloc(&arena, &a, bytes);
+    if (st == MOE_OK) st = moe_cuda_arena_alloc(&arena, &b, bytes);
+    if (st == MOE_OK) st = moe_cuda_arena_alloc(&arena, &c, bytes);
+    if (st == MOE_OK) st = moe_cuda_fill_uniform(a, n * n, MOE_CUDA_BF16, 1.0f, 1, ctx);
+    if (st == MOE_OK) st = moe_cuda_fill_uniform(b, n * n, MOE_CUDA_BF16, 1.0f, 2, ctx);
+    /* One untimed run first: the plan and cuBLASLt's own start-up. */
+    for (int i = -1; st == MOE_OK && i < BF16_PEAK_RUNS; i++) {
+        st = moe_cuda_sync(ctx);
+        const double t0 = bench_now_seconds();
+        if (st == MOE_OK)
+            st = moe_cuda_gemm_ex(c, MOE_CUDA_BF16, a, b, MOE_CUDA_BF16, n, n, n, n, n, n, false, true,
+                                  1.0f, 0.0f, ctx);
+        if (st == MOE_OK) st = moe_cuda_sync(ctx);
+        if (i >= 0) sec[i] = bench_now_seconds() - t0;
+    }
+    if (st == MOE_OK) *gflops = 2.0 * (double)n * (double)n * (double)n / bench_median(sec, BF16_PEAK_RUNS) * 1e-9;
+    moe_cuda_arena_destroy(&arena);
+    return st;
+#else
+    (void)dev, (void)math;
+    return MOE_OK;
+#endif
+}
 
 /* The ops that took the most of the timed steps, one line each. */
 #define PROFILE_LINES 16
@@ -84,8 +135,10 @@ static int print_profile(const train_shape *s, int64_t steps, double steps_ms) {
     return 0;
 }
 
-static int bench_shape(const train_shape *s, const moe_ops *ops, moe_gemm_math math, const moe_synth_stream *stream,
-                       int64_t warmup, int64_t steps, bool profile, const bench_table *table) {
+static int bench_shape(const train_shape *s, const moe_device_handle *dev, moe_gemm_math math,
+                       const moe_synth_stream *stream, int64_t warmup, int64_t steps, bool profile,
+                       const bench_table *table) {
+    const moe_ops *ops = dev->ops;
     moe_model_config cfg;
     moe_run_default_config(&cfg, MOE_SYNTH_VOCAB_SIZE);
     if (s->d) {
@@ -103,7 +156,7 @@ static int bench_shape(const train_shape *s, const moe_ops *ops, moe_gemm_math m
     moe_data *data = NULL;
     moe_optim_config oc = MOE_OPTIM_CONFIG_INIT;
     oc.total_steps = warmup + steps;
-    double *ms = calloc((size_t)steps, sizeof *ms), peak = 0.0;
+    double *ms = calloc((size_t)steps, sizeof *ms), peak = 0.0, bf16_peak = NAN;
     int rc = BENCH_EXIT_FAILURE;
     if (!ms) return rc;
     const moe_model_parallel on = {.ops = ops};
@@ -111,7 +164,8 @@ static int bench_shape(const train_shape *s, const moe_ops *ops, moe_gemm_math m
         bench_failed(CMD, "trainer", moe_trainer_create(&trainer, model, &oc)) ||
         bench_failed(CMD, "data", moe_data_from_tokens(&data, stream->tokens, stream->n, MOE_SYNTH_VOCAB_SIZE,
                                                        "synthetic")) ||
-        bench_failed(CMD, "gemm peak", moe_measure_gemm_gflops(ops, &peak)))
+        bench_failed(CMD, "gemm peak", moe_measure_gemm_gflops(ops, &peak)) ||
+        bench_failed(CMD, "bf16 gemm peak", bf16_storage_gflops(dev, math, &bf16_peak)))
         goto done;
     for (int64_t i = 0; i < warmup + steps; i++) {
         moe_step_metrics m;
@@ -132,6 +186,8 @@ static int bench_shape(const train_shape *s, const moe_ops *ops, moe_gemm_math m
         {.f = gflops},
         {.f = peak},
         {.f = gflops / peak},
+        {.f = bf16_peak},
+        {.f = gflops / bf16_peak},
         {.s = moe_gemm_math_name(math)},
     };
     bench_table_row(table, row);
@@ -220,7 +276,7 @@ int bench_train_run(int argc, char **argv) {
     int rc = 0;
     for (int s = 0; s < n_shapes && rc == 0; s++)
         if (only ? strcmp(only, default_shapes[s].name) == 0 : !default_shapes[s].on_request)
-            rc = bench_shape(&default_shapes[s], dev.ops, math, &stream, warmup, steps, profile, &table);
+            rc = bench_shape(&default_shapes[s], &dev, math, &stream, warmup, steps, profile, &table);
     moe_synth_stream_free(&stream);
     if (profile) moe_profile_close(); /* its marks are the device's */
     moe_device_close(&dev);

@@ -281,6 +281,9 @@ def train_section():
         print(f"train   {r['model']:8} {r['gemm_math']} GEMMs, {r['params_m']:8.1f}M params, "
               f"{r['tokens_per_s']:9.0f} tokens/s, {r['gflops'] / 1e3:6.1f} TFLOP/s = MFU {r['mfu']:.3f} "
               f"of the measured {r['gemm_math']} GEMM rate {r['gemm_gflops'] / 1e3:.1f} TFLOP/s")
+        if r.get('mfu_bf16') is not None:
+            print(f"train   {r['model']:8} {'':4} = MFU {r['mfu_bf16']:.3f} of a GEMM on bf16 operands, "
+                  f"{r['bf16_gemm_gflops'] / 1e3:.1f} TFLOP/s")
 # A section that cannot be read does not take the others with it.
 for name, section in (("gemm", gemm_section), ("layer", layer_section), ("gate", gate_section),
                       ("train", train_section)):

@@ -44,6 +44,9 @@ typedef struct moe_gate_totals {
 
 /* One SwiGLU expert applied to a contiguous range of rows:
  *   h = x w13^T, g = silu(h[:, :f]) * h[:, f:], y = g w2^T.
+ * h, g and dh are the backend's own between its forward and backward: the
+ * CPU's hold these fp32 values, a backend may keep them in a narrower
+ * type (CUDA under bf16 math) in the same bytes.
  * w13 holds w1's f rows then w3's f rows, so one GEMM computes both. */
 typedef struct moe_expert_group {
     int64_t rows;      /* n, may be 0 */
@@ -51,8 +54,8 @@ typedef struct moe_expert_group {
     const float *x;    /* [n, d] */
     const float *w13;  /* [2f, d] */
     const float *w2;   /* [d, f] */
-    float *h;          /* [n, 2f] saved for backward */
-    float *g;          /* [n, f] saved for backward */
+    float *h;          /* [n, 2f] saved for backward, in the backend's format */
+    float *g;          /* [n, f] saved for backward, in the backend's format */
     float *y;          /* [n, d] */
     /* backward only */
     const float *dy;   /* [n, d] */

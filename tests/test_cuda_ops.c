@@ -47,6 +47,7 @@
     X(table_fills_every_entry)                                                                     \
     X(table_gate_plan_permute)                                                                     \
     X(table_experts_uneven_groups)                                                                 \
+    X(table_experts_bf16_math)                                                                     \
     X(table_rmsnorm_backward_sumsq)                                                                \
     X(table_uniform_same_bits)                                                                     \
     X(table_keeps_first_failure)                                                                   \
@@ -1405,7 +1406,7 @@ typedef struct group_case {
 /* Groups of these rows and d_ff through both tables' experts, forward and
  * backward; the device's pieces are released after. */
 static void check_table_groups(const int64_t *rows, const int64_t *ffs, int n_groups, int64_t d,
-                               ref_rng *rng) {
+                               moe_cuda_math math, ref_rng *rng) {
     const moe_ops *cpu = moe_cpu_ops();
     cr_assert(n_groups <= MAX_TABLE_GROUPS);
     group_case c[MAX_TABLE_GROUPS];
@@ -1457,23 +1458,40 @@ static void check_table_groups(const int64_t *rows, const int64_t *ffs, int n_gr
     }
     cpu->experts_forward(host, n_groups, d);
     cpu->experts_backward(host, n_groups, d);
+    moe_cuda_set_math(ctx, math);
     gpu->experts_forward(dev, n_groups, d);
     gpu->experts_backward(dev, n_groups, d);
+    moe_cuda_set_math(ctx, MOE_CUDA_MATH_FP32);
+    /* Under bf16 math the saved h, g and dh hold bf16 in the first half of
+     * their buffers (ops.h: the backend's format), and every result is
+     * within bf16's tolerance. */
+    const bool bf16 = math == MOE_CUDA_MATH_BF16;
+    const double tol = bf16 ? TOL_BF16 : TOL_F32;
     for (int i = 0; i < n_groups; i++) {
         const int64_t n = rows[i], f = ffs[i];
-        char what[96];
+        char what[112];
+#define GROUP_WHAT(field)                                                                          \
+    snprintf(what, sizeof what, "table experts (%s math) group %d (rows=%lld d_ff=%lld) %s",      \
+             bf16 ? "bf16" : "fp32", i, (long long)n, (long long)f, #field)
 #define EXPECT_GROUP(field, count)                                                                 \
-    snprintf(what, sizeof what, "table experts group %d (rows=%lld d_ff=%lld) %s", i,              \
-             (long long)n, (long long)f, #field);                                                  \
-    expect_table(what, dev[i].field, c[i].field, count, TOL_F32)
-        EXPECT_GROUP(h, n * 2 * f);
-        EXPECT_GROUP(g, n * f);
+    GROUP_WHAT(field);                                                                             \
+    expect_table(what, dev[i].field, c[i].field, count, tol)
+#define EXPECT_SAVED(field, count)                                                                 \
+    GROUP_WHAT(field);                                                                             \
+    if (bf16)                                                                                      \
+        expect_dev_bf16(what, dev[i].field, c[i].field, count);                                    \
+    else                                                                                           \
+        expect_table(what, dev[i].field, c[i].field, count, tol)
+        EXPECT_SAVED(h, n * 2 * f);
+        EXPECT_SAVED(g, n * f);
         EXPECT_GROUP(y, n * d);
-        EXPECT_GROUP(dh, n * 2 * f);
+        EXPECT_SAVED(dh, n * 2 * f);
         EXPECT_GROUP(dx, n * d);
         EXPECT_GROUP(dw13, 2 * f * d);
         EXPECT_GROUP(dw2, d * f);
+#undef EXPECT_SAVED
 #undef EXPECT_GROUP
+#undef GROUP_WHAT
         free(c[i].x), free(c[i].w13), free(c[i].w2), free(c[i].dy), free(c[i].dw13);
         free(c[i].dw2), free(c[i].h), free(c[i].g), free(c[i].y), free(c[i].dh), free(c[i].dx);
     }
@@ -1486,7 +1504,7 @@ Test(cuda, table_experts_uneven_groups) {
     /* A routed expert, an idle one, and the shared experts over every
      * token with their wider d_ff, as moe_layer.c groups them. */
     static const int64_t rows[] = {37, 0, 21}, ffs[] = {20, 20, 44};
-    check_table_groups(rows, ffs, 3, 24, &rng);
+    check_table_groups(rows, ffs, 3, 24, MOE_CUDA_MATH_FP32, &rng);
     /* Every row count from 1 to 600: each GEMM is planned for its rows'
      * power-of-two bucket (16 to 1024), whose algorithm must serve every
      * count in the bucket (or fall back to a plan of its own). */
@@ -1497,10 +1515,24 @@ Test(cuda, table_experts_uneven_groups) {
         sweep[n] = r;
         sweep_ffs[n++] = 20;
         if (n == MAX_TABLE_GROUPS || r == SWEEP_ROWS) {
-            check_table_groups(sweep, sweep_ffs, n, 24, &rng);
+            check_table_groups(sweep, sweep_ffs, n, 24, MOE_CUDA_MATH_FP32, &rng);
             n = 0;
         }
     }
+    table_end();
+}
+
+/* Under bf16 math the groups' GEMMs read bf16 copies of their operands:
+ * the uneven groups above, and groups large enough for cuBLASLt's
+ * tensor-core kernels, with widths whose bf16 rows are not 16-byte aligned
+ * (d_ff 20: 40-byte rows of g). */
+Test(cuda, table_experts_bf16_math) {
+    table_begin();
+    ref_rng rng = {1314};
+    static const int64_t rows[] = {37, 0, 21}, ffs[] = {20, 20, 44};
+    check_table_groups(rows, ffs, 3, 24, MOE_CUDA_MATH_BF16, &rng);
+    static const int64_t big_rows[] = {300, 129, 512}, big_ffs[] = {64, 20, 96};
+    check_table_groups(big_rows, big_ffs, 3, 128, MOE_CUDA_MATH_BF16, &rng);
     table_end();
 }
 

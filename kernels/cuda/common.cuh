@@ -57,6 +57,14 @@ static inline bool moe_cuda_failed(cublasStatus_t err) { return err != CUBLAS_ST
  * makes room. */
 #define MOE_CUDA_LT_PLANS 256
 
+/* Device scratch that an op sizes from its arguments: each op that needs
+ * some has its own, so one op's growth never frees another's. */
+typedef enum moe_cuda_scratch_use {
+    MOE_CUDA_SCRATCH_SORT = 0, /* the embedding backward's sort */
+    MOE_CUDA_SCRATCH_EXPERTS,  /* bf16 copies of the expert groups' operands */
+    MOE_CUDA_SCRATCHES
+} moe_cuda_scratch_use;
+
 /* Everything that decides which cuBLASLt algorithm fits a GEMM, the
  * operand alignments included (cuBLASLt assumes 256 bytes unless told). */
 typedef struct moe_cuda_lt_key {
@@ -94,12 +102,17 @@ struct moe_cuda_ctx {
     char *staging;         /* [MOE_CUDA_STAGING_SLOTS][MOE_CUDA_STAGING_SLOT_BYTES] pinned host */
     cudaEvent_t staging_done[MOE_CUDA_STAGING_SLOTS]; /* each slot's last copy has finished */
     int next_staging;
-    void *sort_scratch;    /* [sort_scratch_bytes] device, the embedding backward's sort */
-    size_t sort_scratch_bytes;
+    void *scratch[MOE_CUDA_SCRATCHES]; /* [scratch_bytes[i]] device, grown on first need */
+    size_t scratch_bytes[MOE_CUDA_SCRATCHES];
     moe_cuda_lt_plan plans[MOE_CUDA_LT_PLANS];
     int next_plan;        /* round-robin victim once every slot is used */
     moe_cuda_math math;   /* how fp32 GEMMs use the tensor cores (moe_cuda_set_math) */
 };
+
+/* *out = the context's scratch for use, at least bytes long. It grows
+ * (with a device wait) when a call needs more, by half again at least: the
+ * old one is freed after the work queued so far, which may still use it. */
+moe_status moe_cuda_scratch(void **out, size_t bytes, moe_cuda_scratch_use use, moe_cuda_ctx *ctx);
 
 /* ------------------------------------------------------------ launch shape */
 

@@ -160,7 +160,7 @@ extern "C" void moe_cuda_ctx_destroy(moe_cuda_ctx *c) {
     if (c->blas) cublasDestroy(c->blas);
     if (c->lt) cublasLtDestroy(c->lt);
     cudaFree(c->sumsq_parts);
-    cudaFree(c->sort_scratch);
+    for (int i = 0; i < MOE_CUDA_SCRATCHES; i++) cudaFree(c->scratch[i]);
     for (int s = 0; s < MOE_CUDA_STAGING_SLOTS; s++)
         if (c->staging_done[s]) cudaEventDestroy(c->staging_done[s]);
     cudaFreeHost(c->staging);
@@ -228,6 +228,25 @@ moe_status moe_cuda_malloc(void **out, size_t bytes, const char *what, const moe
                      "%s of %.3f GiB on %s: cudaMalloc: %s (%.3f of %.3f GiB free)", what,
                      (double)bytes / (1 << 30), ctx->name, cudaGetErrorString(err),
                      (double)free_bytes / (1 << 30), (double)total_bytes / (1 << 30));
+}
+
+moe_status moe_cuda_scratch(void **out, size_t bytes, moe_cuda_scratch_use use, moe_cuda_ctx *ctx) {
+    static const char *const what[MOE_CUDA_SCRATCHES] = {"embedding backward sort scratch",
+                                                          "expert groups' bf16 scratch"};
+    if (bytes > ctx->scratch_bytes[use]) {
+        /* By half again at least: sizes that creep up with the routing
+         * (the expert groups' rows) regrow a few times, not every step. */
+        const size_t grown = ctx->scratch_bytes[use] + ctx->scratch_bytes[use] / 2;
+        if (bytes < grown) bytes = grown;
+        MOE_CUDA_CHECK(cudaStreamSynchronize(ctx->stream));
+        MOE_CUDA_CHECK(cudaFree(ctx->scratch[use]));
+        ctx->scratch[use] = NULL;
+        ctx->scratch_bytes[use] = 0;
+        MOE_TRY(moe_cuda_malloc(&ctx->scratch[use], bytes, what[use], ctx));
+        ctx->scratch_bytes[use] = bytes;
+    }
+    *out = ctx->scratch[use];
+    return MOE_OK;
 }
 
 extern "C" moe_status moe_cuda_arena_create(moe_cuda_arena *arena, size_t capacity,

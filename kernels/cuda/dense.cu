@@ -61,21 +61,6 @@ static __global__ void embedding_backward_runs_kernel(float *dwte, const float *
     }
 }
 
-/* The context's sort scratch, grown to bytes on first need (once per batch
- * size): the old one is freed after the work that may still use it. */
-static moe_status sort_scratch(void **out, size_t bytes, moe_cuda_ctx *ctx) {
-    if (bytes > ctx->sort_scratch_bytes) {
-        MOE_CUDA_CHECK(cudaStreamSynchronize(ctx->stream));
-        MOE_CUDA_CHECK(cudaFree(ctx->sort_scratch));
-        ctx->sort_scratch = NULL;
-        ctx->sort_scratch_bytes = 0;
-        MOE_TRY(moe_cuda_malloc(&ctx->sort_scratch, bytes, "embedding backward sort scratch", ctx));
-        ctx->sort_scratch_bytes = bytes;
-    }
-    *out = ctx->sort_scratch;
-    return MOE_OK;
-}
-
 extern "C" moe_status moe_cuda_embedding_backward(float *dwte, const float *dout,
                                                   const int32_t *tokens, int64_t N, int64_t C,
                                                   moe_cuda_ctx *ctx) {
@@ -91,7 +76,7 @@ extern "C" moe_status moe_cuda_embedding_backward(float *dwte, const float *dout
                                                    (int32_t *)NULL, n, 0, end_bit, ctx->stream));
     const size_t ints = ((size_t)N * sizeof(int32_t) + 255) / 256 * 256; /* 256-aligned pieces */
     char *scratch = NULL;
-    MOE_TRY(sort_scratch((void **)&scratch, 3 * ints + sort_bytes, ctx));
+    MOE_TRY(moe_cuda_scratch((void **)&scratch, 3 * ints + sort_bytes, MOE_CUDA_SCRATCH_SORT, ctx));
     int32_t *rows = (int32_t *)scratch, *sorted_rows = (int32_t *)(scratch + ints);
     int32_t *sorted_tokens = (int32_t *)(scratch + 2 * ints);
     iota_kernel<<<grid_for(N, ctx), MOE_CUDA_THREADS, 0, ctx->stream>>>(rows, N);

@@ -10,8 +10,9 @@
  * device.
  *
  * ops.h's expert groups (the op table's experts) come with host row counts
- * and may differ in d_ff: each group runs as its own fp32 GEMMs, with no
- * offsets to read and so no host wait. */
+ * and may differ in d_ff: each group runs as its own GEMMs, with no offsets
+ * to read and so no host wait; under bf16 math on bf16 copies of their
+ * operands. */
 #include <limits.h>
 
 #include "kernels/cuda/gemm.cuh"
@@ -344,6 +345,45 @@ static moe_status run_group(const grouped_spec *s, int64_t n, moe_cuda_ctx *ctx)
     return run_loop(s, off, 1, ctx);
 }
 
+/* A group's GEMM operands in the storage type its GEMMs read. Under bf16
+ * math that is bf16: cuBLASLt's bf16 kernels run at about twice the rate
+ * of its fp32-operand kernels that round inside the GEMM, so x, the
+ * weights and dy are converted into the context's scratch, and h, g and dh
+ * hold bf16 in the first half of their fp32 buffers (they are this
+ * backend's, saved for its own backward). y, dx and the weight gradients
+ * stay fp32. Otherwise the group's own fp32 arrays. */
+typedef struct group_operands {
+    moe_cuda_dtype t;
+    const void *x, *w13, *w2, *dy; /* dy: backward only */
+} group_operands;
+
+static size_t scratch_piece(int64_t elems) {
+    return ((size_t)elems * sizeof(__nv_bfloat16) + 255) / 256 * 256;
+}
+
+static moe_status group_operands_get(group_operands *o, const moe_expert_group *g, int64_t d,
+                                     bool backward, moe_cuda_ctx *ctx) {
+    const int64_t n = g->rows, f = g->d_ff;
+    if (ctx->math != MOE_CUDA_MATH_BF16) {
+        *o = (group_operands){MOE_CUDA_F32, g->x, g->w13, g->w2, g->dy};
+        return MOE_OK;
+    }
+    const int64_t elems[4] = {n * d, 2 * f * d, d * f, backward ? n * d : 0};
+    const float *src[4] = {g->x, g->w13, g->w2, g->dy};
+    size_t bytes = 0;
+    for (int i = 0; i < 4; i++) bytes += scratch_piece(elems[i]);
+    char *p = NULL;
+    MOE_TRY(moe_cuda_scratch((void **)&p, bytes, MOE_CUDA_SCRATCH_EXPERTS, ctx));
+    void *dst[4];
+    for (int i = 0; i < 4; i++) {
+        dst[i] = p;
+        MOE_TRY(moe_cuda_f32_to_bf16(p, src[i], elems[i], ctx));
+        p += scratch_piece(elems[i]);
+    }
+    *o = (group_operands){MOE_CUDA_BF16, dst[0], dst[1], dst[2], backward ? dst[3] : NULL};
+    return MOE_OK;
+}
+
 /* As kernels/cpu/experts.c, one group at a time: h = x w13^T, the SwiGLU,
  * y = g w2^T. */
 extern "C" moe_status moe_cuda_expert_groups_forward(const moe_expert_group *groups,
@@ -354,11 +394,14 @@ extern "C" moe_status moe_cuda_expert_groups_forward(const moe_expert_group *gro
         const moe_expert_group *g = &groups[i];
         const int64_t n = g->rows, f = g->d_ff;
         if (n == 0) continue;
-        const moe_cuda_dtype t = MOE_CUDA_F32;
-        const grouped_spec up = rows_gemm(g->h, 2 * f, g->x, d, g->w13, d, 0, true, 2 * f, d, t);
-        const grouped_spec down = rows_gemm(g->y, d, g->g, f, g->w2, f, 0, true, d, f, t);
+        group_operands o;
+        MOE_TRY(group_operands_get(&o, g, d, false, ctx));
+        const moe_cuda_dtype t = o.t;
+        const grouped_spec up = rows_gemm(g->h, 2 * f, o.x, d, o.w13, d, 0, true, 2 * f, d, t);
+        grouped_spec down = rows_gemm(g->y, d, g->g, f, o.w2, f, 0, true, d, f, t);
+        down.c_type = MOE_CUDA_F32;
         MOE_TRY(run_group(&up, n, ctx));
-        MOE_TRY(swiglu_run(g->g, g->h, NULL, n, f, MOE_CUDA_F32, false, ctx));
+        MOE_TRY(swiglu_run(g->g, g->h, NULL, n, f, t, false, ctx));
         MOE_TRY(run_group(&down, n, ctx));
     }
     return MOE_OK;
@@ -375,14 +418,16 @@ extern "C" moe_status moe_cuda_expert_groups_backward(const moe_expert_group *gr
         const moe_expert_group *g = &groups[i];
         const int64_t n = g->rows, f = g->d_ff;
         if (n == 0) continue;
-        const moe_cuda_dtype t = MOE_CUDA_F32;
-        const grouped_spec dg = rows_gemm(g->dh, 2 * f, g->dy, d, g->w2, f, 0, false, f, d, t);
-        const grouped_spec dxs =
-            rows_gemm(g->dx, d, g->dh, 2 * f, g->w13, d, 0, false, d, 2 * f, t);
-        const grouped_spec dw13 = weight_grad_gemm(g->dw13, g->dh, 2 * f, g->x, d, 2 * f, d, t);
-        const grouped_spec dw2 = weight_grad_gemm(g->dw2, g->dy, d, g->g, f, d, f, t);
+        group_operands o;
+        MOE_TRY(group_operands_get(&o, g, d, true, ctx));
+        const moe_cuda_dtype t = o.t;
+        const grouped_spec dg = rows_gemm(g->dh, 2 * f, o.dy, d, o.w2, f, 0, false, f, d, t);
+        grouped_spec dxs = rows_gemm(g->dx, d, g->dh, 2 * f, o.w13, d, 0, false, d, 2 * f, t);
+        dxs.c_type = MOE_CUDA_F32;
+        const grouped_spec dw13 = weight_grad_gemm(g->dw13, g->dh, 2 * f, o.x, d, 2 * f, d, t);
+        const grouped_spec dw2 = weight_grad_gemm(g->dw2, o.dy, d, g->g, f, d, f, t);
         MOE_TRY(run_group(&dg, n, ctx));
-        MOE_TRY(swiglu_run(g->dh, g->h, NULL, n, f, MOE_CUDA_F32, true, ctx));
+        MOE_TRY(swiglu_run(g->dh, g->h, NULL, n, f, t, true, ctx));
         MOE_TRY(run_group(&dxs, n, ctx));
         MOE_TRY(run_group(&dw13, n, ctx));
         MOE_TRY(run_group(&dw2, n, ctx));
