@@ -178,6 +178,9 @@ typedef struct moe_ops {
                          int64_t hd);
     void (*rope_backward)(float *dx, const float *cos_t, const float *sin_t, int64_t B, int64_t T, int64_t H,
                           int64_t hd);
+    /* att [B, Hq, T, T] is the backend's between forward and backward:
+     * the CPU's holds the probabilities; a fused kernel may keep its own
+     * state there (CUDA under bf16 math). datt is the backward's scratch. */
     void (*attention_forward)(float *out, float *att, const float *q, const float *k, const float *v, int64_t B,
                               int64_t T, int64_t Hq, int64_t Hkv, int64_t hd);
     void (*attention_backward)(float *dq, float *dk, float *dv, float *datt, const float *dout, const float *q,

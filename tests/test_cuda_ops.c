@@ -1072,6 +1072,70 @@ Test(cuda, embedding_rmsnorm_matmul_residual) {
     gpu_end();
 }
 
+/* Attention in bf16 math against the CPU's fp32, forward and backward,
+ * within bf16's tolerance, and not the device's fp32 bits (the tensor cores
+ * were used). The batched path's att holds the probabilities; the fused
+ * kernels keep their own state there. */
+static void check_attention_bf16(int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t hd,
+                                 ref_rng *rng) {
+    const moe_ops *cpu = moe_cpu_ops();
+    const int64_t nq = B * T * Hq * hd, nk = B * T * Hkv * hd, na = B * Hq * T * T;
+    float *q = rnd(nq, rng, -1, 1), *k = rnd(nk, rng, -1, 1), *v = rnd(nk, rng, -1, 1);
+    float *dout = rnd(nq, rng, -1, 1);
+    float *out = ref_alloc((size_t)nq * sizeof *out), *att = ref_alloc((size_t)na * sizeof *att);
+    float *datt = ref_alloc((size_t)na * sizeof *datt);
+    float *dq = calloc((size_t)nq, sizeof *dq), *dk = calloc((size_t)nk, sizeof *dk);
+    float *dv = calloc((size_t)nk, sizeof *dv);
+    cr_assert(dq && dk && dv);
+    cpu->attention_forward(out, att, q, k, v, B, T, Hq, Hkv, hd);
+    cpu->attention_backward(dq, dk, dv, datt, dout, q, k, v, att, B, T, Hq, Hkv, hd);
+
+    float *d_q = dput(q, (size_t)nq * sizeof(float)), *d_k = dput(k, (size_t)nk * sizeof(float));
+    float *d_v = dput(v, (size_t)nk * sizeof(float)), *d_dout = dput(dout, (size_t)nq * sizeof(float));
+    float *d_out32 = dpoison((size_t)nq * sizeof(float), POISON_FLOAT);
+    float *d_out16 = dpoison((size_t)nq * sizeof(float), POISON_FLOAT);
+    float *d_att = dpoison((size_t)na * sizeof(float), POISON_FLOAT);
+    float *d_datt = dpoison((size_t)na * sizeof(float), POISON_FLOAT);
+    float *zeros = calloc((size_t)nq, sizeof *zeros);
+    cr_assert(zeros);
+    float *d_dq = dput(zeros, (size_t)nq * sizeof(float)), *d_dk = dput(zeros, (size_t)nk * sizeof(float));
+    float *d_dv = dput(zeros, (size_t)nk * sizeof(float));
+    CHECK(moe_cuda_attention_forward(d_out32, d_att, d_q, d_k, d_v, B, T, Hq, Hkv, hd, ctx));
+    moe_cuda_set_math(ctx, MOE_CUDA_MATH_BF16);
+    const bool fused = moe_cuda_attention_fused(T, Hq, hd, ctx);
+    CHECK(moe_cuda_attention_forward(d_out16, d_att, d_q, d_k, d_v, B, T, Hq, Hkv, hd, ctx));
+    CHECK(moe_cuda_attention_backward(d_dq, d_dk, d_dv, d_datt, d_dout, d_q, d_k, d_v, d_att, B, T,
+                                      Hq, Hkv, hd, ctx));
+    moe_cuda_set_math(ctx, MOE_CUDA_MATH_FP32);
+    char what[128];
+#define ATT_WHAT(name)                                                                             \
+    snprintf(what, sizeof what, "attention bf16 math (%s) B=%lld T=%lld Hq=%lld Hkv=%lld hd=%lld %s", \
+             fused ? "fused" : "batched", (long long)B, (long long)T, (long long)Hq, (long long)Hkv,   \
+             (long long)hd, name)
+    ATT_WHAT("out");
+    expect_dev(what, d_out16, out, nq, TOL_BF16);
+    if (!fused) {
+        ATT_WHAT("att");
+        expect_dev(what, d_att, att, na, TOL_BF16);
+    }
+    ATT_WHAT("dq");
+    expect_dev(what, d_dq, dq, nq, TOL_BF16);
+    ATT_WHAT("dk");
+    expect_dev(what, d_dk, dk, nk, TOL_BF16);
+    ATT_WHAT("dv");
+    expect_dev(what, d_dv, dv, nk, TOL_BF16);
+#undef ATT_WHAT
+    float *out32 = ref_alloc((size_t)nq * sizeof *out32), *out16 = ref_alloc((size_t)nq * sizeof *out16);
+    dget(out32, d_out32, (size_t)nq * sizeof *out32);
+    dget(out16, d_out16, (size_t)nq * sizeof *out16);
+    int64_t differ = 0;
+    for (int64_t i = 0; i < nq; i++) differ += memcmp(&out32[i], &out16[i], sizeof *out32) != 0;
+    cr_expect(differ > 0, "attention in bf16 math (hd %lld) gave the fp32 bits everywhere: the tensor cores were not used",
+              (long long)hd);
+    free(q), free(k), free(v), free(dout), free(out), free(att), free(datt), free(dq), free(dk);
+    free(dv), free(zeros), free(out32), free(out16);
+}
+
 Test(cuda, rope_attention) {
     gpu_begin();
     ref_rng rng = {1010};
@@ -1114,33 +1178,12 @@ Test(cuda, rope_attention) {
     expect_dev("attention_forward out", d_out, out, nq, TOL_F32);
     expect_dev("attention_forward att", d_att, att, na, TOL_F32);
 
-    {
-        /* In bf16 math the batched score and value GEMMs run on the tensor
-         * cores too, where every row is 16-byte aligned (T a multiple of 4):
-         * within bf16's tolerance, and not the fp32 bits. */
-        const int64_t T4 = 40, nq4 = B * T4 * Hq * hd, nk4 = B * T4 * Hkv * hd, na4 = B * Hq * T4 * T4;
-        float *q4 = rnd(nq4, &rng, -1, 1), *k4 = rnd(nk4, &rng, -1, 1), *v4 = rnd(nk4, &rng, -1, 1);
-        float *out4 = ref_alloc((size_t)nq4 * sizeof *out4), *att4 = ref_alloc((size_t)na4 * sizeof *att4);
-        cpu->attention_forward(out4, att4, q4, k4, v4, B, T4, Hq, Hkv, hd);
-        float *dq4 = dput(q4, (size_t)nq4 * sizeof(float)), *dk4 = dput(k4, (size_t)nk4 * sizeof(float));
-        float *dv4 = dput(v4, (size_t)nk4 * sizeof(float));
-        float *d_out32 = dpoison((size_t)nq4 * sizeof(float), POISON_FLOAT);
-        float *d_out16 = dpoison((size_t)nq4 * sizeof(float), POISON_FLOAT);
-        float *d_att16 = dpoison((size_t)na4 * sizeof(float), POISON_FLOAT);
-        CHECK(moe_cuda_attention_forward(d_out32, d_att16, dq4, dk4, dv4, B, T4, Hq, Hkv, hd, ctx));
-        moe_cuda_set_math(ctx, MOE_CUDA_MATH_BF16);
-        CHECK(moe_cuda_attention_forward(d_out16, d_att16, dq4, dk4, dv4, B, T4, Hq, Hkv, hd, ctx));
-        moe_cuda_set_math(ctx, MOE_CUDA_MATH_FP32);
-        expect_dev("attention_forward bf16 math out", d_out16, out4, nq4, TOL_BF16);
-        expect_dev("attention_forward bf16 math att", d_att16, att4, na4, TOL_BF16);
-        float *out32 = ref_alloc((size_t)nq4 * sizeof *out32), *out16 = ref_alloc((size_t)nq4 * sizeof *out16);
-        dget(out32, d_out32, (size_t)nq4 * sizeof *out32);
-        dget(out16, d_out16, (size_t)nq4 * sizeof *out16);
-        int64_t differ = 0;
-        for (int64_t i = 0; i < nq4; i++) differ += memcmp(&out32[i], &out16[i], sizeof *out32) != 0;
-        cr_expect(differ > 0, "attention in bf16 math gave the fp32 bits everywhere: the tensor cores were not used");
-        free(q4), free(k4), free(v4), free(out4), free(att4), free(out32), free(out16);
-    }
+    /* bf16 math: the fused kernels (hd 16 and 64, a ragged last tile,
+     * grouped kv heads) and the tensor-core GEMMs of the batched path
+     * (hd 8, which the fused kernels do not take). */
+    check_attention_bf16(2, 40, 4, 2, 16, &rng);
+    check_attention_bf16(1, 130, 4, 2, 64, &rng);
+    check_attention_bf16(2, 40, 4, 2, 8, &rng);
 
     float *dout = rnd(nq, &rng, -1, 1);
     float *dq = rnd(nq, &rng, -1, 1), *dk = rnd(nk, &rng, -1, 1), *dv = rnd(nk, &rng, -1, 1);

@@ -3,10 +3,13 @@
  * over (batch, head) pointer arrays, so a query head finds its shared kv
  * head without copies, and one warp per row for the causal softmax and its
  * backward. The GEMMs compute the masked upper triangle too and the
- * softmax writes zeros there; a fused flash-style kernel would skip it.
+ * softmax writes zeros there. Under bf16 math the fused kernels of
+ * flash_attention.cu take the sizes they serve instead, and att holds what
+ * they save (ops.h: the backend's format).
  *
  * The backward adds into dk and dv once per query head of a group, one
  * batched call per head in order, so the sums have a fixed order. */
+#include "kernels/cuda/flash_attention.cuh"
 #include "kernels/cuda/gemm.cuh"
 #include "kernels/moe_math.h"
 
@@ -70,6 +73,8 @@ extern "C" moe_status moe_cuda_attention_forward(float *out, float *att, const f
                                                  moe_cuda_ctx *ctx) {
     MOE_TRY(check_sizes(B, T, Hq, Hkv, hd, "moe_cuda_attention_forward"));
     if (B == 0 || T == 0) return MOE_OK;
+    if (moe_cuda_attention_fused(T, Hq, hd, ctx))
+        return moe_cuda_flash_forward(out, att, q, k, v, B, T, Hq, Hkv, hd, ctx);
     const int64_t group = Hq / Hkv, qs = Hq * hd, ks = Hkv * hd, tt = T * T;
     const float scale = 1.0f / sqrtf((float)hd);
     /* Problem i = b * Hq + h. */
@@ -96,6 +101,8 @@ extern "C" moe_status moe_cuda_attention_backward(float *dq, float *dk, float *d
                                                   moe_cuda_ctx *ctx) {
     MOE_TRY(check_sizes(B, T, Hq, Hkv, hd, "moe_cuda_attention_backward"));
     if (B == 0 || T == 0) return MOE_OK;
+    if (moe_cuda_attention_fused(T, Hq, hd, ctx))
+        return moe_cuda_flash_backward(dq, dk, dv, datt, dout, q, k, v, att, B, T, Hq, Hkv, hd, ctx);
     const int64_t group = Hq / Hkv, qs = Hq * hd, ks = Hkv * hd, tt = T * T;
     const float scale = 1.0f / sqrtf((float)hd);
     {

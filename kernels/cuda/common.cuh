@@ -142,6 +142,19 @@ template <int G = 32> __device__ __forceinline__ float moe_warp_max(float v) {
     return v;
 }
 
+/* c [16x8] += a [16x16] b [16x8] on the tensor cores: bf16 in, fp32 sums
+ * (sm_80 and up). With g = lane / 4 and c = 2 (lane % 4), a lane holds
+ *   a: {A[g][c..c+1], A[g+8][c..c+1], A[g][c+8..c+9], A[g+8][c+8..c+9]},
+ *   b: {B[c..c+1][g], B[c+8..c+9][g]},
+ *   c: {C[g][c], C[g][c+1], C[g+8][c], C[g+8][c+1]},
+ * each pair packed low element first. */
+__device__ __forceinline__ void moe_mma_bf16(float *c, const uint32_t *a, const uint32_t *b) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+                 "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
 /* Sum over a block whose size is a multiple of 32 (at most 1024), in a
  * fixed tree order: the same bits on every run. Every thread gets the
  * result. shared holds 32 values; the call ends with a barrier so shared can

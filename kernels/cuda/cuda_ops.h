@@ -300,6 +300,12 @@ moe_status moe_cuda_rope_forward(float *x, const float *cos_t, const float *sin_
                                  int64_t T, int64_t H, int64_t hd, moe_cuda_ctx *ctx);
 moe_status moe_cuda_rope_backward(float *dx, const float *cos_t, const float *sin_t, int64_t B,
                                   int64_t T, int64_t H, int64_t hd, moe_cuda_ctx *ctx);
+/* Under bf16 math, attention runs fused (flash_attention.cu: no T x T
+ * scores in device memory) for the sizes moe_cuda_attention_fused accepts:
+ * a head size of 16, 32 or 64 and T > hd. att then holds the kernels' own
+ * state (the rows' log-sum-exp, then a copy of out), not the
+ * probabilities; datt is the backward's scratch. */
+bool moe_cuda_attention_fused(int64_t T, int64_t Hq, int64_t hd, const moe_cuda_ctx *ctx);
 moe_status moe_cuda_attention_forward(float *out, float *att, const float *q, const float *k,
                                       const float *v, int64_t B, int64_t T, int64_t Hq, int64_t Hkv,
                                       int64_t hd, moe_cuda_ctx *ctx);

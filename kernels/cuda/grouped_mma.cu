@@ -65,13 +65,6 @@ static __device__ __forceinline__ void ldmatrix_x4(uint32_t *r, uint32_t addr) {
                  : "r"(addr));
 }
 
-static __device__ __forceinline__ void mma_bf16(float *c, const uint32_t *a, const uint32_t *b) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-                 "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
 /* Stores the pair (v0, v1) at columns col, col + 1 of a row. */
 static __device__ __forceinline__ void store_pair(float *p, int64_t col, int64_t n, float v0,
                                                   float v1) {
@@ -179,7 +172,7 @@ static __global__ void __launch_bounds__(THREADS)
 #pragma unroll
             for (int mi = 0; mi < 4; mi++)
 #pragma unroll
-                for (int ni = 0; ni < 4; ni++) mma_bf16(acc[mi][ni], af[mi], bf[ni]);
+                for (int ni = 0; ni < 4; ni++) moe_mma_bf16(acc[mi][ni], af[mi], bf[ni]);
         }
     }
     cp_async_wait<0>();
