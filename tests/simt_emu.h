@@ -6,15 +6,18 @@
  * threads share.
  *
  * What a kernel may use: threadIdx, blockIdx, blockDim, gridDim,
- * __syncthreads, __syncwarp, __shfl_xor_sync on floats, moe_warp_sum,
- * moe_mma_bf16 (its fragment layouts are those of the PTX ISA, rebuilt
- * here from the 32 lanes' registers), and bf16 conversions that round to
- * nearest even as the device does. Slow, and meant for small sizes. */
+ * __syncthreads, __syncwarp, __shfl_sync and __shfl_xor_sync (with every
+ * lane of the warp taking part), moe_warp_sum, moe_warp_max, atomicAdd on
+ * ints, moe_mma_bf16 (its fragment layouts are those of the PTX ISA,
+ * rebuilt here from the 32 lanes' registers), and bf16 conversions that
+ * round to nearest even as the device does. Slow, and meant for small
+ * sizes. */
 #ifndef MOE_TESTS_SIMT_EMU_H
 #define MOE_TESTS_SIMT_EMU_H
 
 #include <algorithm>
 #include <barrier>
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -70,7 +73,7 @@ inline float __expf(float x) { return expf(x); }
 struct emu_block {
     std::barrier<> *block;
     std::vector<std::barrier<> *> warp;
-    std::vector<float> lane_float;     /* [warps * 32] */
+    std::vector<uint64_t> lane_bits;   /* [warps * 32] shuffled values */
     std::vector<uint32_t> lane_a;      /* [warps * 32 * 4] */
     std::vector<uint32_t> lane_b;      /* [warps * 32 * 2] */
 };
@@ -83,19 +86,33 @@ inline int emu_warp() { return (int)(threadIdx.x >> 5); }
 inline void __syncthreads() { emu_running->block->arrive_and_wait(); }
 inline void __syncwarp() { emu_running->warp[emu_warp()]->arrive_and_wait(); }
 
-inline float __shfl_xor_sync(unsigned, float x, int lane_mask) {
-    float *lanes = &emu_running->lane_float[emu_warp() * 32];
-    lanes[emu_lane()] = x;
+/* x of lane src (of the calling lane's warp), each lane naming its own. */
+template <typename T> T __shfl_sync(unsigned, T x, int src) {
+    static_assert(sizeof(T) <= sizeof(uint64_t), "a shuffle moves at most 8 bytes");
+    uint64_t *lanes = &emu_running->lane_bits[emu_warp() * 32];
+    memcpy(&lanes[emu_lane()], &x, sizeof x);
     __syncwarp();
-    const float got = lanes[emu_lane() ^ lane_mask];
+    T got;
+    memcpy(&got, &lanes[src & 31], sizeof got);
     __syncwarp();
     return got;
+}
+
+template <typename T> T __shfl_xor_sync(unsigned mask, T x, int lane_mask) {
+    return __shfl_sync(mask, x, emu_lane() ^ lane_mask);
 }
 
 template <typename T, int G = 32> T moe_warp_sum(T v) {
     for (int o = G / 2; o > 0; o >>= 1) v += __shfl_xor_sync(MOE_FULL_MASK, v, o);
     return v;
 }
+
+template <int G = 32> float moe_warp_max(float v) {
+    for (int o = G / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(MOE_FULL_MASK, v, o));
+    return v;
+}
+
+inline int atomicAdd(int *p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
 
 /* c [16x8] += a [16x16] b [16x8], bf16 products summed in fp32 (in an
  * order of its own, as the tensor cores have theirs). */
@@ -147,7 +164,7 @@ template <typename Kernel> void emu_launch(dim3 grid, int threads, Kernel kernel
                     warp_barriers.emplace_back(32);
                     shared.warp.push_back(&warp_barriers.back());
                 }
-                shared.lane_float.resize((size_t)warps * 32);
+                shared.lane_bits.resize((size_t)warps * 32);
                 shared.lane_a.resize((size_t)warps * 32 * 4);
                 shared.lane_b.resize((size_t)warps * 32 * 2);
                 emu_running = &shared;

@@ -155,7 +155,9 @@ typedef struct moe_cuda_gate_totals {
     double *chunk_scratch; /* [ceil(T / MOE_CUDA_GATE_CHUNK_TOKENS), 2E + 1] */
 } moe_cuda_gate_totals;
 
-/* ops.h gate_forward, one warp per token; bias [E] or NULL. */
+/* ops.h gate_forward: a block per chunk of MOE_CUDA_GATE_CHUNK_TOKENS
+ * tokens, 8 lanes a token up to 256 experts (a warp beyond), the chunk's
+ * statistics from the same kernel; bias [E] or NULL. */
 moe_status moe_cuda_gate_forward(int32_t *topk_idx, float *topk_w, float *prob, float *lse,
                                  const moe_cuda_gate_totals *totals, const float *logits,
                                  const float *bias, const moe_gate_params *p, int64_t T,

@@ -1,0 +1,161 @@
+/* gate_kernels.cuh: the device code of the gating pass's forward, which
+ * gate.cu launches and describes. It includes nothing: the file that
+ * includes it provides the device environment (kernels/cuda/common.cuh and
+ * kernels/moe_math.h on a GPU build; tests/simt_emu.h, which runs it on the
+ * CPU, in tests/test_gate_emulated.cpp). */
+#ifndef MOE_KERNELS_CUDA_GATE_KERNELS_CUH
+#define MOE_KERNELS_CUDA_GATE_KERNELS_CUH
+
+/* A block is one chunk of MOE_GATE_CHUNK_TOKENS tokens, the CPU's chunk:
+ * its statistics come out of the same kernel, summed in token order as the
+ * CPU's. */
+#define GATE_THREADS 256
+
+/* Whether candidate (s, e) beats (best, best_e): moe_score_outranks, with
+ * e == INT_MAX as no candidate. */
+static __device__ __forceinline__ bool gate_outranks(float s, int e, float best, int best_e) {
+    if (e == INT_MAX) return false;
+    return best_e == INT_MAX || moe_score_outranks(s, e, best, best_e);
+}
+
+/* G lanes per token (256 / G tokens a pass over the chunk), lane g holding
+ * experts g + G i for i < NPL in registers (E <= G NPL <= 32 G, so a
+ * lane's chosen experts fit one 32-bit mask). Each (token, expert) costs
+ * one exponential (two for the sigmoid, whose logsumexp still needs it).
+ * The top-k is k rounds of an argmax over the group on (score, -index),
+ * which picks what moe_topk_insert picks, in moe_score_outranks's order;
+ * every lane learns each round's winner, so every lane sums the weights
+ * in slot order, and lane j % G writes slot j. A group past the chunk's
+ * last token computes on the last one and writes nothing, so that every
+ * lane takes part in every shuffle.
+ *
+ * chunk_scratch row [2E + 1] of the block: (probability sums [E], chosen
+ * counts [E], sum of lse^2), over the chunk's tokens in token order. */
+template <int G, int NPL>
+static __global__ void __launch_bounds__(GATE_THREADS)
+    gate_forward_kernel(int32_t *topk_idx, float *topk_w, float *prob, float *lse,
+                        double *chunk_scratch, const float *logits, const float *bias, int64_t T,
+                        int E, int k, moe_gate_kind kind, bool renormalize) {
+    constexpr int PASS = GATE_THREADS / G; /* tokens a pass */
+    __shared__ int counts[MOE_EXPERTS_MAX];
+    const int lane = threadIdx.x & 31, g = lane % G, group = threadIdx.x / G;
+    const int leader = lane - g; /* the group's lane 0, in the warp */
+    const int64_t t0 = (int64_t)blockIdx.x * MOE_GATE_CHUNK_TOKENS;
+    const int64_t t1 = min(t0 + (int64_t)MOE_GATE_CHUNK_TOKENS, T);
+    const bool sig = kind == MOE_GATE_SIGMOID, tsm = kind == MOE_GATE_TOPK_SOFTMAX;
+    for (int e = threadIdx.x; e < E; e += GATE_THREADS) counts[e] = 0;
+    __syncthreads();
+
+    for (int64_t first = t0; first < t1; first += PASS) {
+        const bool own = first + group < t1;
+        const int64_t t = own ? first + group : t1 - 1;
+        const float *lt = logits + t * E; /* [E] */
+        float lv[NPL], val[NPL], score[NPL];
+        /* The largest number, passing over NaN as the CPU does. */
+        float lmax = -INFINITY;
+#pragma unroll
+        for (int i = 0; i < NPL; i++) {
+            const int e = g + G * i;
+            lv[i] = e < E ? lt[e] : -INFINITY;
+            lmax = fmaxf(lmax, lv[i]);
+        }
+        lmax = moe_warp_max<G>(lmax);
+        /* The exponentials give the logsumexp for every kind, and the
+         * values unless the gate is a sigmoid. */
+        double esum = 0.0, ssum = 0.0;
+#pragma unroll
+        for (int i = 0; i < NPL; i++) {
+            const bool in = g + G * i < E;
+            const float r = in ? moe_expf(lv[i] - lmax) : 0.0f;
+            esum += (double)r;
+            val[i] = sig ? (in ? moe_sigmoidf(lv[i]) : 0.0f) : r;
+            if (sig) ssum += (double)val[i];
+        }
+        esum = moe_warp_sum<double, G>(esum);
+        ssum = moe_warp_sum<double, G>(ssum);
+        const float log_z = lmax + (float)log(esum);
+        const float norm = (float)(1.0 / (sig ? ssum : esum));
+#pragma unroll
+        for (int i = 0; i < NPL; i++) {
+            const int e = g + G * i;
+            const float p = val[i] * norm;
+            if (own && e < E) prob[t * E + e] = p;
+            const float base = sig ? val[i] : tsm ? lv[i] : p;
+            score[i] = bias && e < E ? base + bias[e] : base;
+        }
+
+        uint32_t taken = 0u; /* bit i: expert g + G i is chosen */
+        double wsum = 0.0;
+        float chosen_max = -INFINITY; /* topk_softmax: the largest chosen logit */
+        for (int j = 0; j < k; j++) {
+            float best = -INFINITY;
+            int best_e = INT_MAX;
+#pragma unroll
+            for (int i = 0; i < NPL; i++) {
+                const int e = g + G * i;
+                if (e < E && !(taken >> i & 1u) && gate_outranks(score[i], e, best, best_e))
+                    best = score[i], best_e = e;
+            }
+            for (int o = G / 2; o > 0; o >>= 1) {
+                const float ob = __shfl_xor_sync(MOE_FULL_MASK, best, o);
+                const int oe = __shfl_xor_sync(MOE_FULL_MASK, best_e, o);
+                if (gate_outranks(ob, oe, best, best_e)) best = ob, best_e = oe;
+            }
+            /* The winner's lane marks it taken and hands its value and
+             * logit to the group. */
+            float mine_v = 0.0f, mine_l = 0.0f;
+            if (g == best_e % G) {
+                const int slot = best_e / G;
+                taken |= 1u << slot;
+#pragma unroll
+                for (int i = 0; i < NPL; i++)
+                    if (i == slot) mine_v = val[i], mine_l = lv[i];
+            }
+            const float v = __shfl_sync(MOE_FULL_MASK, mine_v, leader + best_e % G);
+            const float le = __shfl_sync(MOE_FULL_MASK, mine_l, leader + best_e % G);
+            /* Weights from the unbiased values; topk_softmax's wait for the
+             * largest chosen logit, so its slots hold the logits for now. */
+            const float w = sig ? v : tsm ? le : v * norm;
+            if (tsm)
+                chosen_max = fmaxf(chosen_max, le);
+            else
+                wsum += (double)w;
+            if (own && g == j % G) {
+                topk_idx[t * k + j] = best_e;
+                topk_w[t * k + j] = w;
+                atomicAdd(&counts[best_e], 1);
+            }
+        }
+        if (tsm) {
+            /* A softmax over the chosen logits from their own largest, as
+             * on the CPU: every lane sums the slots in order, then each
+             * owner turns its logits into weights. */
+            __syncwarp();
+            for (int j = 0; j < k; j++) wsum += (double)moe_expf(topk_w[t * k + j] - chosen_max);
+            __syncwarp();
+            for (int j = g; own && j < k; j += G)
+                topk_w[t * k + j] = moe_expf(topk_w[t * k + j] - chosen_max);
+        }
+        if (kind != MOE_GATE_SOFTMAX_TOPK || renormalize) {
+            const float inv = (float)(1.0 / wsum);
+            for (int j = g; own && j < k; j += G) topk_w[t * k + j] *= inv;
+        }
+        if (own && g == 0) lse[t] = log_z;
+    }
+
+    __syncthreads(); /* the chunk's probabilities, lse and counts are in */
+    double *row = chunk_scratch + (int64_t)blockIdx.x * (2 * E + 1);
+    for (int e = threadIdx.x; e < E; e += GATE_THREADS) {
+        double s = 0.0;
+        for (int64_t t = t0; t < t1; t++) s += (double)prob[t * E + e];
+        row[e] = s;
+        row[E + e] = (double)counts[e];
+    }
+    if (threadIdx.x == 0) {
+        double z = 0.0;
+        for (int64_t t = t0; t < t1; t++) z += (double)lse[t] * lse[t];
+        row[2 * E] = z;
+    }
+}
+
+#endif /* MOE_KERNELS_CUDA_GATE_KERNELS_CUH */

@@ -1,0 +1,155 @@
+/* test_gate_emulated.cpp: the CUDA gating forward of
+ * kernels/cuda/gate_kernels.cuh, run on the CPU by tests/simt_emu.h,
+ * against the CPU backend's gate: the same experts in the same slots, the
+ * same weights, probabilities and logsumexps to fp32 rounding, and the
+ * chunk statistics the totals are summed from. test_cuda_ops checks the
+ * same on a device, with the totals. */
+#include <criterion/criterion.h>
+
+#include <cmath>
+#include <vector>
+
+#include "simt_emu.h"
+
+extern "C" {
+#include "kernels/moe_math.h"
+#include "kernels/ops.h"
+}
+
+#include "kernels/cuda/gate_kernels.cuh"
+
+#define TOL_F32 1e-5
+
+namespace {
+
+struct gate_case {
+    int E, k;
+    int64_t T;
+    moe_gate_kind kind;
+    bool renormalize, with_bias;
+    enum { PLAIN, TIES, FAR_BEHIND, NANS } logits;
+};
+
+struct lcg {
+    uint64_t s;
+    float next() { /* uniform in [-1, 1) */
+        s = s * 6364136223846793005ull + 1442695040888963407ull;
+        return (float)((s >> 40) * (1.0 / 16777216.0)) * 2.0f - 1.0f;
+    }
+};
+
+const char *kind_name(moe_gate_kind kind) {
+    return kind == MOE_GATE_SIGMOID ? "sigmoid" : kind == MOE_GATE_TOPK_SOFTMAX ? "topk_softmax" : "softmax_topk";
+}
+
+void expect_close(const gate_case &c, const char *what, const float *got, const float *want, size_t n) {
+    double scale = 0.0, worst = 0.0;
+    size_t at = 0;
+    for (size_t i = 0; i < n; i++)
+        if (std::isfinite(want[i])) scale = std::max(scale, std::fabs((double)want[i]));
+    for (size_t i = 0; i < n; i++) {
+        if (std::isnan(want[i]) && std::isnan(got[i])) continue;
+        const double err = std::fabs((double)got[i] - want[i]);
+        if (!(err <= worst)) worst = err, at = i;
+    }
+    cr_expect(worst <= TOL_F32 * scale, "%s E=%d k=%d T=%lld %s: |error| %.3g at [%zu] (got %.9g, want %.9g)",
+              kind_name(c.kind), c.E, c.k, (long long)c.T, what, worst, at, (double)got[at], (double)want[at]);
+}
+
+void check(const gate_case &c) {
+    const int64_t T = c.T, E = c.E, k = c.k;
+    const int64_t chunks = (T + MOE_GATE_CHUNK_TOKENS - 1) / MOE_GATE_CHUNK_TOKENS;
+    lcg r{(uint64_t)(E * 1000 + k * 10 + T)};
+    std::vector<float> logits((size_t)(T * E)), bias((size_t)E);
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t e = 0; e < E; e++) {
+            float x = 3.0f * r.next();
+            if (c.logits == gate_case::TIES) x = std::round(4.0f * x) / 4.0f;
+            /* All but k - 1 experts far past expf's range below the best. */
+            if (c.logits == gate_case::FAR_BEHIND && e >= k - 1 && e != E - 1) x -= 100.0f;
+            if (c.logits == gate_case::NANS && (t + e) % 7 == 3) x = NAN;
+            logits[(size_t)(t * E + e)] = x;
+        }
+    for (float &b : bias) b = 0.1f * r.next();
+    const float *b = c.with_bias ? bias.data() : nullptr;
+    const moe_gate_params p = {E, k, c.kind, c.renormalize};
+
+    std::vector<int32_t> idx((size_t)(T * k)), e_idx((size_t)(T * k), -1);
+    std::vector<float> w((size_t)(T * k)), prob((size_t)(T * E)), lse((size_t)T);
+    std::vector<float> e_w((size_t)(T * k), NAN), e_prob((size_t)(T * E), NAN), e_lse((size_t)T, NAN);
+    std::vector<int64_t> assigned((size_t)E);
+    std::vector<double> prob_sum((size_t)E), z_sum(1);
+    std::vector<double> rows((size_t)(chunks * (2 * E + 1))), e_rows((size_t)(chunks * (2 * E + 1)), NAN);
+    moe_gate_totals totals = {assigned.data(), prob_sum.data(), z_sum.data(), rows.data()};
+    moe_cpu_ops()->gate_forward(idx.data(), w.data(), prob.data(), lse.data(), &totals, logits.data(), b, &p, T);
+
+    auto kernel = [&](auto launch) {
+        emu_launch(dim3{(unsigned)chunks, 1, 1}, GATE_THREADS, launch);
+    };
+#define EMU_GATE(G, NPL)                                                                          \
+    kernel([&] {                                                                                   \
+        gate_forward_kernel<G, NPL>(e_idx.data(), e_w.data(), e_prob.data(), e_lse.data(), e_rows.data(), \
+                                    logits.data(), b, T, (int)E, (int)k, c.kind, c.renormalize);   \
+    })
+    /* The dispatch of gate.cu. */
+    if (E <= 8) EMU_GATE(8, 1);
+    else if (E <= 16) EMU_GATE(8, 2);
+    else if (E <= 32) EMU_GATE(8, 4);
+    else if (E <= 64) EMU_GATE(8, 8);
+    else if (E <= 128) EMU_GATE(8, 16);
+    else if (E <= 256) EMU_GATE(8, 32);
+    else EMU_GATE(32, 32);
+#undef EMU_GATE
+
+    int64_t differ = 0, first = -1;
+    for (size_t i = 0; i < idx.size(); i++)
+        if (idx[i] != e_idx[i] && differ++ == 0) first = (int64_t)i;
+    cr_expect(differ == 0, "%s E=%d k=%d T=%lld: %lld chosen experts differ; first at token %lld slot %lld: %d, cpu %d",
+              kind_name(c.kind), c.E, c.k, (long long)T, (long long)differ, (long long)(first / k),
+              (long long)(first % k), first >= 0 ? e_idx[(size_t)first] : 0, first >= 0 ? idx[(size_t)first] : 0);
+    expect_close(c, "weights", e_w.data(), w.data(), w.size());
+    expect_close(c, "probabilities", e_prob.data(), prob.data(), prob.size());
+    expect_close(c, "logsumexp", e_lse.data(), lse.data(), lse.size());
+    for (int64_t ch = 0; ch < chunks; ch++) {
+        const double *want = &rows[(size_t)(ch * (2 * E + 1))], *got = &e_rows[(size_t)(ch * (2 * E + 1))];
+        /* A chunk with a NaN logit sums to NaN on both sides. */
+        auto off = [](double g, double w) { return std::isnan(w) ? (std::isnan(g) ? 0.0 : INFINITY) : std::fabs(g - w); };
+        double worst = 0.0, scale = 0.0;
+        for (int64_t e = 0; e < E; e++) {
+            if (std::isfinite(want[e])) scale = std::max(scale, std::fabs(want[e]));
+            worst = std::max(worst, off(got[e], want[e]));
+            cr_expect(got[E + e] == want[E + e], "%s E=%d chunk %lld expert %lld: %g chosen, cpu %g",
+                      kind_name(c.kind), c.E, (long long)ch, (long long)e, got[E + e], want[E + e]);
+        }
+        cr_expect(worst <= TOL_F32 * scale, "%s E=%d chunk %lld: probability sums off by %.3g", kind_name(c.kind),
+                  c.E, (long long)ch, worst);
+        cr_expect(off(got[2 * E], want[2 * E]) <= TOL_F32 * std::fabs(want[2 * E]) ||
+                      (std::isnan(want[2 * E]) && std::isnan(got[2 * E])),
+                  "%s E=%d chunk %lld: lse^2 sum %.9g, cpu %.9g", kind_name(c.kind), c.E, (long long)ch,
+                  got[2 * E], want[2 * E]);
+    }
+}
+
+} // namespace
+
+/* Every kind, with and without renormalisation and bias; ties, experts
+ * past expf's range, NaN logits; every register width of the dispatch
+ * (E from 1 to 300, the last on a whole warp); T not a multiple of the
+ * chunk or of the tokens a pass takes. */
+Test(gate_emulated, matches_the_cpu_gate) {
+    const gate_case cases[] = {
+        {8, 2, 300, MOE_GATE_SOFTMAX_TOPK, true, false, gate_case::PLAIN},
+        {8, 2, 300, MOE_GATE_SOFTMAX_TOPK, false, true, gate_case::PLAIN},
+        {64, 6, 200, MOE_GATE_SOFTMAX_TOPK, true, true, gate_case::TIES},
+        {16, 4, 130, MOE_GATE_TOPK_SOFTMAX, true, true, gate_case::PLAIN},
+        {40, 3, 65, MOE_GATE_SIGMOID, true, true, gate_case::PLAIN},
+        {5, 5, 33, MOE_GATE_SIGMOID, false, false, gate_case::TIES},
+        {64, 8, 100, MOE_GATE_TOPK_SOFTMAX, true, false, gate_case::FAR_BEHIND},
+        {64, 8, 64, MOE_GATE_SOFTMAX_TOPK, true, true, gate_case::NANS},
+        {100, 7, 70, MOE_GATE_TOPK_SOFTMAX, true, true, gate_case::PLAIN},
+        {256, 8, 40, MOE_GATE_SIGMOID, true, true, gate_case::PLAIN},
+        {300, 8, 70, MOE_GATE_SOFTMAX_TOPK, true, true, gate_case::PLAIN},
+        {1, 1, 3, MOE_GATE_SOFTMAX_TOPK, true, false, gate_case::PLAIN},
+    };
+    for (const gate_case &c : cases) check(c);
+}
