@@ -158,7 +158,7 @@ run() {
     missing=$(for b in "${BINARIES[@]}"; do ldd "$dir/$b" | grep "not found"; done | sort -u)
     [ -z "$missing" ] || die "shared libraries not found:"$'\n'"$missing"
 
-    # Eight files: the two test logs, four JSON files, the training log
+    # Nine files: the two test logs, five JSON files, the training log
     # and every benchmark's messages in bench.err.
     : >"$results/bench.err"
 
@@ -198,6 +198,10 @@ run() {
     bench_step layer 120 "$results/layer.jsonl"
     local layer_rc=$?
     [ "$gate_rc" = 0 ] || layer_rc=1
+    # The 1b model's attention in bf16 math: the fused kernels against the
+    # batched cuBLAS path, in alternation.
+    : >"$results/attention.jsonl"
+    bench_step attention 60 "$results/attention.jsonl" --gemm-math bf16 || layer_rc=1
 
     # 4. Training on the GPU: the built-in run, short (its checkpoints
     #    outside the results), then steps of a 1.2B-parameter model for MFU.
@@ -230,10 +234,11 @@ summary() {
         printf "%-14s | %s | skipped %s\n" "$log" "${synth#*Synthesis: }" "$skipped"
     done
     printf "tests   exit %s\n" "$test_rc"
-    printf "gemm    exit %s   gate+layer exit %s   train exit %s\n" "$gemm_rc" "$layer_rc" "$train_rc"
+    printf "gemm    exit %s   gate+layer+attention exit %s   train exit %s\n" "$gemm_rc" "$layer_rc" "$train_rc"
     grep -a "^val_loss .* floor" "$results/train.log" | sed 's/^/train   default model on cuda: /'
     grep -a -A8 "profile of 1b" "$results/bench.err" | sed 's/^moe-bench train: *//'
-    python3 - "$results/gemm.jsonl" "$results/layer.jsonl" "$results/train.jsonl" "$results/gate.jsonl" <<'EOF'
+    python3 - "$results/gemm.jsonl" "$results/layer.jsonl" "$results/train.jsonl" "$results/gate.jsonl" \
+        "$results/attention.jsonl" <<'EOF'
 import json, sys
 def rows(path):
     out = []
@@ -276,6 +281,12 @@ def gate_section():
     for r in rows(sys.argv[4]):
         print(f"gate    {r['gate']:13} T {r['T']} E {r['E']} k {r['k']}: {r['gbps']:7.1f} GB/s "
               f"= {r['ratio']:.3f} x a copy ({r['copy_gbps']:.1f} GB/s)")
+def attention_section():
+    for r in rows(sys.argv[5]):
+        sp = f" = {r['speedup']:.2f}x the batched path" if r.get('speedup') is not None else ""
+        print(f"attention {r['path']:8} B {r['B']} T {r['T']} Hq {r['Hq']} Hkv {r['Hkv']} hd {r['hd']}: "
+              f"fwd {r['fwd_ms']:.3f} ms bwd {r['bwd_ms']:.3f} ms, {r['gflops'] / 1e3:.1f} TFLOP/s "
+              f"= {r['vs_gemm']:.3f} x the {r['gemm_math']} GEMM{sp}")
 def train_section():
     for r in rows(sys.argv[3]):
         print(f"train   {r['model']:8} {r['gemm_math']} GEMMs, {r['params_m']:8.1f}M params, "
@@ -286,7 +297,7 @@ def train_section():
                   f"{r['bf16_gemm_gflops'] / 1e3:.1f} TFLOP/s")
 # A section that cannot be read does not take the others with it.
 for name, section in (("gemm", gemm_section), ("layer", layer_section), ("gate", gate_section),
-                      ("train", train_section)):
+                      ("attention", attention_section), ("train", train_section)):
     try:
         section()
     except Exception as e:

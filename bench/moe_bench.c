@@ -19,6 +19,8 @@ static const bench_command commands[] = {
     {"train", "whole training steps of the MoE transformer: tokens/s and MFU vs the device's GEMM",
      bench_train_run},
     {"gate", "the fused gating pass as memory bandwidth vs a copy on the same device", bench_gate_run},
+    {"attention", "causal attention forward and backward vs the device's GEMM (GPU: fused vs batched)",
+     bench_attention_run},
 };
 #define N_COMMANDS ((int)(sizeof commands / sizeof commands[0]))
 
@@ -42,7 +44,7 @@ static void print_usage(FILE *f) {
             "commands:\n",
             moe_version_string());
     for (int c = 0; c < N_COMMANDS; c++)
-        fprintf(f, "  %-8s %s\n", commands[c].name, commands[c].summary);
+        fprintf(f, "  %-10s %s\n", commands[c].name, commands[c].summary);
     fprintf(f,
             "\n"
             "options:\n"

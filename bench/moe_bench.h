@@ -28,6 +28,7 @@ int bench_layer_run(int argc, char **argv);
 int bench_gemm_run(int argc, char **argv);
 int bench_train_run(int argc, char **argv);
 int bench_gate_run(int argc, char **argv);
+int bench_attention_run(int argc, char **argv);
 
 /* Exit statuses: 1 for a failure while running, 2 for a bad command line. */
 #define BENCH_EXIT_FAILURE 1

@@ -107,6 +107,7 @@ struct moe_cuda_ctx {
     moe_cuda_lt_plan plans[MOE_CUDA_LT_PLANS];
     int next_plan;        /* round-robin victim once every slot is used */
     moe_cuda_math math;   /* how fp32 GEMMs use the tensor cores (moe_cuda_set_math) */
+    moe_cuda_attention_path attention_path; /* moe_cuda_set_attention_path */
 };
 
 /* *out = the context's scratch for use, at least bytes long. It grows

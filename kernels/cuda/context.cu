@@ -179,6 +179,10 @@ extern "C" void *moe_cuda_stream(const moe_cuda_ctx *ctx) { return (void *)ctx->
 
 extern "C" void moe_cuda_set_math(moe_cuda_ctx *ctx, moe_cuda_math math) { ctx->math = math; }
 
+extern "C" void moe_cuda_set_attention_path(moe_cuda_ctx *ctx, moe_cuda_attention_path path) {
+    ctx->attention_path = path;
+}
+
 extern "C" moe_status moe_cuda_pci_bus_id(char *out, size_t out_bytes, const moe_cuda_ctx *ctx) {
     if (out_bytes > INT32_MAX) out_bytes = INT32_MAX;
     MOE_CUDA_CHECK(cudaDeviceGetPCIBusId(out, (int)out_bytes, ctx->device));

@@ -306,7 +306,15 @@ moe_status moe_cuda_rope_backward(float *dx, const float *cos_t, const float *si
  * scores in device memory) for the sizes moe_cuda_attention_fused accepts:
  * a head size of 16, 32 or 64 and T > hd. att then holds the kernels' own
  * state (the rows' log-sum-exp, then a copy of out), not the
- * probabilities; datt is the backward's scratch. */
+ * probabilities; datt is the backward's scratch. A context set to
+ * MOE_CUDA_ATTENTION_BATCHED (moe-bench attention's baseline) runs the
+ * batched GEMMs and softmax kernels for every size; a forward and its
+ * backward must run on the same path. */
+typedef enum moe_cuda_attention_path {
+    MOE_CUDA_ATTENTION_AUTO = 0,
+    MOE_CUDA_ATTENTION_BATCHED,
+} moe_cuda_attention_path;
+void moe_cuda_set_attention_path(moe_cuda_ctx *ctx, moe_cuda_attention_path path);
 bool moe_cuda_attention_fused(int64_t T, int64_t Hq, int64_t hd, const moe_cuda_ctx *ctx);
 moe_status moe_cuda_attention_forward(float *out, float *att, const float *q, const float *k,
                                       const float *v, int64_t B, int64_t T, int64_t Hq, int64_t Hkv,

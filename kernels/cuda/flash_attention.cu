@@ -24,8 +24,8 @@
 
 extern "C" bool moe_cuda_attention_fused(int64_t T, int64_t Hq, int64_t hd,
                                          const moe_cuda_ctx *ctx) {
-    return ctx->math == MOE_CUDA_MATH_BF16 && (hd == 16 || hd == 32 || hd == 64) && T > hd &&
-           Hq <= 65535;
+    return ctx->attention_path == MOE_CUDA_ATTENTION_AUTO && ctx->math == MOE_CUDA_MATH_BF16 &&
+           (hd == 16 || hd == 32 || hd == 64) && T > hd && Hq <= 65535;
 }
 
 /* Blocks (row blocks, heads, batch): B and the head count stay within

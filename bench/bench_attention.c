@@ -1,0 +1,298 @@
+/* bench_attention.c: `moe-bench attention`: causal grouped-query attention,
+ * forward and backward, through the op table, beside the same device's GEMM
+ * rate measured in the same run. On a GPU under bf16 math it times the
+ * fused kernels against the batched cuBLAS path in the same run, in
+ * alternation, and gives the speed-up. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bench/moe_bench.h"
+#include "common/status.h"
+#include "engine/run.h"
+#if defined(MOE_HAVE_CUDA)
+#include "kernels/cuda/cuda_ops.h"
+#endif
+
+#define CMD "attention"
+#define DEFAULT_WARMUP 2
+#define DEFAULT_ITERS 10
+
+typedef struct attn_shape {
+    int64_t B, T, Hq, Hkv, hd;
+} attn_shape;
+
+/* The 1b training model's attention (moe-bench train --model 1b), for a
+ * GPU, and moe-train's built-in model's, for a CPU. */
+static const attn_shape shape_1b = {8, 1024, 16, 8, 64};
+static const attn_shape shape_default = {16, 64, 8, 8, 8};
+
+static const bench_column columns[] = {
+    {"path", "path", BENCH_STR, -8, 0},
+    {"B", "B", BENCH_INT, 4, 0},
+    {"T", "T", BENCH_INT, 6, 0},
+    {"Hq", "Hq", BENCH_INT, 4, 0},
+    {"Hkv", "Hkv", BENCH_INT, 4, 0},
+    {"hd", "hd", BENCH_INT, 4, 0},
+    {"fwd_ms", "fwd_ms", BENCH_F64, 9, 3},
+    {"bwd_ms", "bwd_ms", BENCH_F64, 9, 3},
+    {"gflops", "GFLOP/s", BENCH_F64, 10, 1},
+    {"gemm_gflops", "gemm_GFLOP/s", BENCH_F64, 12, 1},
+    {"vs_gemm", "vs_gemm", BENCH_F64, 8, 3},
+    {"speedup", "speedup", BENCH_F64, 8, 2},
+    {"gemm_math", NULL, BENCH_STR, 0, 0},
+};
+#define N_COLUMNS ((int)(sizeof columns / sizeof columns[0]))
+
+static void usage(void) {
+    printf("usage: moe-bench attention [options]\n\n"
+           "Times the op table's causal attention, forward and backward (medians of\n"
+           "samples of at least 1 ms each), beside one plain GEMM of the device in the\n"
+           "same --gemm-math measured in the same run. GFLOP/s counts the model's\n"
+           "work: q k^T and p v over the causal triangle forward, four such products\n"
+           "backward (12 hd flops per query and key at or before it, per head); vs_gemm =\n"
+           "GFLOP/s / gemm_GFLOP/s. On a GPU under bf16 math, the fused kernels (when\n"
+           "they take the shape) and the batched cuBLAS path run in alternation, and\n"
+           "speedup = the batched path's time over the fused one's.\n\n"
+           "  --B N --T N --heads N --kv-heads N --head-dim N\n"
+           "                the shape (default on a GPU: B 8, T 1024, 16 heads, 8 kv heads,\n"
+           "                head dim 64, moe-bench train's 1b model; on a CPU: B 16, T 64,\n"
+           "                8 heads, 8 kv heads, head dim 8, moe-train's built-in model)\n"
+           "  --device D    auto (default), cpu, cuda or cpu-strict\n"
+           "  --gemm-math M fp32 (default), tf32 or bf16, as moe-train's\n"
+           "  --warmup N    untimed samples first (default %d)\n"
+           "  --iters N     timed samples (default %d)\n"
+           "  --json        one JSON object per row\n",
+           DEFAULT_WARMUP, DEFAULT_ITERS);
+}
+
+typedef struct attn_buffers {
+    float *q, *k, *v, *out, *att, *datt, *dout, *dq, *dk, *dv;
+} attn_buffers;
+
+static moe_status alloc_buffers(const moe_ops *ops, attn_buffers *b, const attn_shape *s, float *host) {
+    const size_t nq = (size_t)(s->B * s->T * s->Hq * s->hd), nk = (size_t)(s->B * s->T * s->Hkv * s->hd);
+    const size_t na = (size_t)(s->B * s->Hq * s->T * s->T);
+    struct {
+        float **ptr;
+        size_t n;
+        bool filled; /* random values in [-1, 1), else zeros */
+    } pieces[] = {
+        {&b->q, nq, true},   {&b->k, nk, true},    {&b->v, nk, true},   {&b->out, nq, false},
+        {&b->att, na, false}, {&b->datt, na, false}, {&b->dout, nq, true}, {&b->dq, nq, false},
+        {&b->dk, nk, false}, {&b->dv, nk, false},
+    };
+    bench_rng rng = {0x6174746eull};
+    for (size_t i = 0; i < sizeof pieces / sizeof pieces[0]; i++) {
+        MOE_TRY(ops->alloc((void **)pieces[i].ptr, pieces[i].n * sizeof(float)));
+        if (!pieces[i].filled) continue;
+        bench_fill_uniform(host, pieces[i].n, 1.0f, &rng);
+        MOE_TRY(ops->upload(*pieces[i].ptr, host, pieces[i].n * sizeof(float)));
+    }
+    return MOE_OK;
+}
+
+static void release_buffers(const moe_ops *ops, attn_buffers *b) {
+    float *all[] = {b->q, b->k, b->v, b->out, b->att, b->datt, b->dout, b->dq, b->dk, b->dv};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) ops->release(all[i]);
+}
+
+static void forward(const moe_ops *ops, const attn_buffers *b, const attn_shape *s) {
+    ops->attention_forward(b->out, b->att, b->q, b->k, b->v, s->B, s->T, s->Hq, s->Hkv, s->hd);
+}
+
+/* Adds into dq, dk, dv each call: their values do not matter here. */
+static void backward(const moe_ops *ops, const attn_buffers *b, const attn_shape *s) {
+    ops->attention_backward(b->dq, b->dk, b->dv, b->datt, b->dout, b->q, b->k, b->v, b->att, s->B, s->T, s->Hq,
+                            s->Hkv, s->hd);
+}
+
+typedef void (*attn_fn)(const moe_ops *, const attn_buffers *, const attn_shape *);
+
+/* Seconds per call over reps calls between two waits; negative on a
+ * backend failure. */
+static double timed(const moe_ops *ops, attn_fn what, const attn_buffers *b, const attn_shape *s, int64_t reps) {
+    const double t0 = bench_now_seconds();
+    for (int64_t r = 0; r < reps; r++) what(ops, b, s);
+    if (ops->sync() != MOE_OK) return -1.0;
+    return (bench_now_seconds() - t0) / (double)reps;
+}
+
+#define SAMPLE_SECONDS 1e-3
+#define MAX_REPS 1000
+static int64_t reps_for(double once) {
+    const double want = SAMPLE_SECONDS / (once > 1e-9 ? once : 1e-9);
+    return want <= 1.0 ? 1 : want >= MAX_REPS ? MAX_REPS : (int64_t)ceil(want);
+}
+
+/* The paths a run compares: the table's own choice, and on a GPU under
+ * bf16 math the batched path beside the fused one. */
+typedef struct attn_path {
+    const char *name;
+    int cuda_path; /* moe_cuda_attention_path, or -1 off CUDA */
+} attn_path;
+
+static void set_path(const moe_device_handle *dev, const attn_path *p) {
+#if defined(MOE_HAVE_CUDA)
+    if (dev->cuda && p->cuda_path >= 0) moe_cuda_set_attention_path(dev->cuda, (moe_cuda_attention_path)p->cuda_path);
+#else
+    (void)dev, (void)p;
+#endif
+}
+
+static int paths_for(attn_path *paths, const moe_device_handle *dev, const attn_shape *s) {
+#if defined(MOE_HAVE_CUDA)
+    if (dev->cuda) {
+        moe_cuda_set_attention_path(dev->cuda, MOE_CUDA_ATTENTION_AUTO);
+        int n = 0;
+        if (moe_cuda_attention_fused(s->T, s->Hq, s->hd, dev->cuda))
+            paths[n++] = (attn_path){"fused", MOE_CUDA_ATTENTION_AUTO};
+        paths[n++] = (attn_path){"batched", MOE_CUDA_ATTENTION_BATCHED};
+        return n;
+    }
+#else
+    (void)s;
+#endif
+    paths[0] = (attn_path){dev->ops->name, -1};
+    return 1;
+}
+
+int bench_attention_run(int argc, char **argv) {
+    attn_shape s = {0};
+    int64_t warmup = DEFAULT_WARMUP, iters = DEFAULT_ITERS;
+    moe_device device = MOE_DEVICE_AUTO;
+    moe_gemm_math math = MOE_GEMM_FP32;
+    bool json = false;
+    const struct {
+        const char *name;
+        int64_t *value, lo, hi;
+    } int_flags[] = {
+        {"B", &s.B, 1, 65535},          {"T", &s.T, 1, 1 << 20},        {"heads", &s.Hq, 1, 65535},
+        {"kv-heads", &s.Hkv, 1, 65535}, {"head-dim", &s.hd, 1, 1 << 16}, {"warmup", &warmup, 0, 1000},
+        {"iters", &iters, 1, 100000},
+    };
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+            usage();
+            return 0;
+        }
+        if (strcmp(argv[i], "--json") == 0) {
+            json = true;
+            continue;
+        }
+        const char *v = NULL;
+        int found = bench_device_option(argc, argv, &i, CMD, &device);
+        if (found == 0 && (found = bench_option(argc, argv, &i, CMD, "gemm-math", &v)) > 0 &&
+            moe_gemm_math_parse(&math, v) != MOE_OK) {
+            fprintf(stderr, "moe-bench %s: %s\n", CMD, moe_last_error());
+            found = -1;
+        }
+        for (size_t f = 0; found == 0 && f < sizeof int_flags / sizeof int_flags[0]; f++) {
+            char flag[16];
+            if ((found = bench_option(argc, argv, &i, CMD, int_flags[f].name, &v)) <= 0) continue;
+            snprintf(flag, sizeof flag, "--%s", int_flags[f].name);
+            if (!bench_parse_i64(int_flags[f].value, CMD, flag, v, int_flags[f].lo, int_flags[f].hi)) found = -1;
+        }
+        if (found < 0) return BENCH_EXIT_USAGE;
+        if (found == 0) {
+            fprintf(stderr, "moe-bench %s: unknown option '%s' (see --help)\n", CMD, argv[i]);
+            return BENCH_EXIT_USAGE;
+        }
+    }
+
+    moe_device_handle dev;
+    if (bench_failed(CMD, "device", moe_device_open(&dev, device, 1))) return BENCH_EXIT_FAILURE;
+    if (bench_failed(CMD, "gemm math", moe_device_set_gemm_math(&dev, math))) {
+        moe_device_close(&dev);
+        return BENCH_EXIT_FAILURE;
+    }
+    if (dev.note[0]) fprintf(stderr, "moe-bench %s: %s\n", CMD, dev.note);
+    /* Flags not given take the device's default shape. */
+    const attn_shape *def = dev.cuda ? &shape_1b : &shape_default;
+    if (!s.B) s.B = def->B;
+    if (!s.T) s.T = def->T;
+    if (!s.Hq) s.Hq = def->Hq;
+    if (!s.Hkv) s.Hkv = def->Hkv;
+    if (!s.hd) s.hd = def->hd;
+    if (s.Hq % s.Hkv != 0) {
+        fprintf(stderr, "moe-bench %s: --heads %lld is not a multiple of --kv-heads %lld\n", CMD, (long long)s.Hq,
+                (long long)s.Hkv);
+        moe_device_close(&dev);
+        return BENCH_EXIT_USAGE;
+    }
+
+    const moe_ops *ops = dev.ops;
+    attn_buffers b = {0};
+    attn_path paths[2];
+    const int n_paths = paths_for(paths, &dev, &s);
+    const size_t largest = (size_t)(s.B * s.T * s.Hq * s.hd);
+    float *host = malloc(largest * sizeof *host);
+    double *times = malloc((size_t)(4 * iters) * sizeof *times); /* [path][fwd, bwd][iters] */
+    double gemm_gflops = 0.0, fwd[2] = {0}, bwd[2] = {0};
+    int64_t fwd_reps[2], bwd_reps[2];
+    int rc = BENCH_EXIT_FAILURE;
+    if (!host || !times) {
+        fprintf(stderr, "moe-bench %s: out of host memory\n", CMD);
+        goto done;
+    }
+    if (bench_failed(CMD, "buffers", alloc_buffers(ops, &b, &s, host)) ||
+        bench_failed(CMD, "gemm rate", moe_measure_gemm_gflops(ops, &gemm_gflops)))
+        goto done;
+    for (int p = 0; p < n_paths; p++) {
+        set_path(&dev, &paths[p]);
+        const double f1 = timed(ops, forward, &b, &s, 1), b1 = timed(ops, backward, &b, &s, 1);
+        if (f1 < 0.0 || b1 < 0.0) {
+            bench_failed(CMD, paths[p].name, ops->sync());
+            goto done;
+        }
+        fwd_reps[p] = reps_for(f1);
+        bwd_reps[p] = reps_for(b1);
+    }
+    for (int64_t it = 0; it < warmup + iters; it++)
+        for (int q = 0; q < n_paths; q++) {
+            /* Alternating which path goes first cancels any advantage of the order. */
+            const int p = (int)((q + it) % n_paths);
+            set_path(&dev, &paths[p]);
+            const double f = timed(ops, forward, &b, &s, fwd_reps[p]), g = timed(ops, backward, &b, &s, bwd_reps[p]);
+            if (f < 0.0 || g < 0.0) {
+                bench_failed(CMD, paths[p].name, ops->sync());
+                goto done;
+            }
+            if (it >= warmup) {
+                times[(2 * p) * iters + it - warmup] = f;
+                times[(2 * p + 1) * iters + it - warmup] = g;
+            }
+        }
+    for (int p = 0; p < n_paths; p++) {
+        fwd[p] = bench_median(times + 2 * p * iters, (int)iters);
+        bwd[p] = bench_median(times + (2 * p + 1) * iters, (int)iters);
+    }
+
+    const bench_table table = {.bench = CMD, .cols = columns, .n_cols = N_COLUMNS, .json = json};
+    bench_table_note(&table, "moe-bench attention on %s, %s GEMMs: %lld warm-up + %lld timed samples, medians",
+                     dev.desc, moe_gemm_math_name(math), (long long)warmup, (long long)iters);
+    bench_table_header(&table);
+    /* Per head: 2 hd flops per multiply-add, q k^T and p v forward and four
+     * products backward, over the T (T + 1) / 2 causal pairs. */
+    const double flops = 12.0 * (double)s.hd * (double)(s.B * s.Hq) * (double)s.T * (double)(s.T + 1) / 2.0;
+    for (int p = 0; p < n_paths; p++) {
+        const double gflops = flops / (fwd[p] + bwd[p]) * 1e-9;
+        const double speedup = n_paths == 2 && p == 0 ? (fwd[1] + bwd[1]) / (fwd[0] + bwd[0]) : NAN;
+        const bench_value row[N_COLUMNS] = {
+            {.s = paths[p].name}, {.i = s.B},          {.i = s.T},      {.i = s.Hq},
+            {.i = s.Hkv},         {.i = s.hd},         {.f = fwd[p] * 1e3}, {.f = bwd[p] * 1e3},
+            {.f = gflops},        {.f = gemm_gflops},  {.f = gflops / gemm_gflops}, {.f = speedup},
+            {.s = moe_gemm_math_name(math)},
+        };
+        bench_table_row(&table, row);
+    }
+    rc = 0;
+done:
+    set_path(&dev, &(attn_path){"auto", 0});
+    release_buffers(ops, &b);
+    free(host);
+    free(times);
+    moe_device_close(&dev);
+    return rc;
+}
