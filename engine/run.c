@@ -437,6 +437,14 @@ static moe_status read_resume_state(run *r) {
                                          "to do",
                          o->resume, (long long)s->step, (long long)o->steps);
     const int64_t chunk = o->shuffle ? r->tokens.batch : 0;
+    /* A shuffled epoch is read in whole chunks: a position between two is
+     * another batch shape's, and the reader would refuse it only at the
+     * first step, after the run's files were rewritten. */
+    if (o->shuffle && s->data.token % chunk != 0)
+        return moe_error(MOE_ERR_CONFIG, "--resume %s: the checkpoint's shuffled position %lld is not a multiple of "
+                                         "this run's micro-batch of %lld tokens (--batch-size x --seq-len x ranks): "
+                                         "resume it with the batch shape it was written with",
+                         o->resume, (long long)s->data.token, (long long)chunk);
     if (s->data_tokens == 0 || s->data_chunk == chunk) return MOE_OK;
     if (s->data_chunk == 0)
         return moe_error(MOE_ERR_CONFIG, "--resume %s: the checkpoint read its training data in order; resume it "
@@ -464,6 +472,10 @@ static moe_status synthetic_train_tokens(const run *r, int64_t *n_synth) {
     int64_t own = n->run + 1 < RUN_SYNTH_MAX_TOKENS ? n->run + 1 : RUN_SYNTH_MAX_TOKENS;
     if (own < n->batch + 1) own = n->batch + 1;
     const int64_t was = r->resumed.data_tokens; /* 0 unless recorded by the checkpoint */
+    if (was > 0 && was < n->batch + 1)
+        return moe_error(MOE_ERR_CONFIG, "--resume %s: the checkpoint records a synthetic stream of %lld tokens, "
+                                         "fewer than one batch of this run (%lld)",
+                         r->o->resume, (long long)was, (long long)(n->batch + 1));
     if (was > RUN_SYNTH_MAX_TOKENS && was > own)
         return moe_error(MOE_ERR_CONFIG, "--resume %s: the checkpoint's synthetic stream has %lld tokens, more than "
                                          "the %lld a run generates",
@@ -482,9 +494,14 @@ static moe_status check_resumed_stream(const run *r) {
     if (!o->shuffle) return MOE_OK;
     if (was == 0) {
         if (is_synthetic(o->data))
-            warn(r, "--resume %s: the checkpoint does not record its training stream's length (an older version "
-                    "wrote it); its shuffled order goes on only if --steps %lld is what it was written with",
+            warn(r, "--resume %s: the checkpoint does not record its training stream (an older version wrote it); "
+                    "its shuffled order goes on only with the --steps %lld, --batch-size, --seq-len, "
+                    "--grad-accum and rank count it was written with",
                  o->resume, (long long)o->steps);
+        else
+            warn(r, "--resume %s: the checkpoint does not record its training stream (an older version wrote it); "
+                    "its shuffled order goes on only if --data %s has the length it had then",
+                 o->resume, o->data);
         return MOE_OK;
     }
     if (was != now)

@@ -758,18 +758,13 @@ Test(train_run, resume_with_more_steps_reads_the_checkpoints_stream, .init = mak
 /* Old checkpoints (without the stream's length) resume as they always did:
  * at the length of this run, right when --steps is the one they were
  * written with, which a warning says. */
-Test(train_run, resume_of_a_checkpoint_without_its_stream, .init = make_tmp, .fini = remove_tmp) {
-    char cfg[512], out[2][512], resume[512], path[512];
-    moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE), tmp_path(out[0], "straight"));
-    o.shuffle = true;
-    o.save_every = 5;
-    seen v;
-    run_ok(&o, &v);
-
-    /* train_state.safetensors as an older version wrote it. */
+/* Rewrites a train_state.safetensors without the metadata keys in drop
+ * (NULL-terminated) and with set_key's value replaced by set_value (set_key
+ * NULL: none). Returns how many keys it dropped or replaced. */
+static int64_t rewrite_state_metadata(const char *path, const char *const *drop, const char *set_key,
+                                      const char *set_value) {
     moe_st_file *f;
-    cr_assert_eq(moe_st_open(&f, tmp_path(path, "straight/step-000005/train_state.safetensors")), MOE_OK, "%s",
-                 moe_last_error());
+    cr_assert_eq(moe_st_open(&f, path), MOE_OK, "%s", moe_last_error());
     const int64_t nt = moe_st_tensor_count(f), nm = moe_st_metadata_count(f);
     moe_st_entry *entries = calloc((size_t)nt, sizeof *entries);
     moe_st_meta *meta = calloc((size_t)nm, sizeof *meta);
@@ -782,20 +777,37 @@ Test(train_run, resume_of_a_checkpoint_without_its_stream, .init = make_tmp, .fi
         moe_st_read_f32(values[i], t);
         entries[i] = (moe_st_entry){t->name, values[i], t->ndim, t->shape};
     }
-    int64_t kept = 0, dropped = 0;
+    int64_t kept = 0, changed = 0;
     for (int64_t i = 0; i < nm; i++) {
         moe_st_metadata_at(f, i, &meta[kept].key, &meta[kept].value);
         const char *key = meta[kept].key;
-        if (strcmp(key, "data_tokens") == 0 || strcmp(key, "data_chunk") == 0)
-            dropped++;
-        else if (strcmp(key, "format") != 0)
+        bool dropped = false;
+        for (const char *const *d = drop; *d; d++) dropped = dropped || strcmp(key, *d) == 0;
+        if (set_key && strcmp(key, set_key) == 0) meta[kept].value = set_value, changed++;
+        if (dropped)
+            changed++;
+        else if (strcmp(key, "format") != 0) /* moe_st_write writes its own */
             kept++;
     }
-    cr_assert_eq(dropped, 2, "the checkpoint should record its stream");
     cr_assert_eq(moe_st_write(path, entries, nt, meta, kept), MOE_OK, "%s", moe_last_error());
     for (int64_t i = 0; i < nt; i++) free(values[i]);
     free(values), free(meta), free(entries);
     moe_st_close(f);
+    return changed;
+}
+
+Test(train_run, resume_of_a_checkpoint_without_its_stream, .init = make_tmp, .fini = remove_tmp) {
+    char cfg[512], out[2][512], resume[512], path[512];
+    moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE), tmp_path(out[0], "straight"));
+    o.shuffle = true;
+    o.save_every = 5;
+    seen v;
+    run_ok(&o, &v);
+
+    /* train_state.safetensors as an older version wrote it. */
+    cr_assert_eq(rewrite_state_metadata(tmp_path(path, "straight/step-000005/train_state.safetensors"),
+                                        (const char *const[]){"data_tokens", "data_chunk", NULL}, NULL, NULL),
+                 2, "the checkpoint should record its stream");
 
     o.config = NULL;
     o.save_every = 0;
@@ -805,6 +817,15 @@ Test(train_run, resume_of_a_checkpoint_without_its_stream, .init = make_tmp, .fi
     cr_assert_eq(v.steps, 5);
     expect_same_checkpoints("straight/step-000010", "resumed/step-000010", "10 steps against an old 5 + 5");
     cr_expect(v.warnings == 1 && strstr(v.warning, "--steps 10"), "warnings %d: %s", v.warnings, v.warning);
+
+    /* Its shuffled position (5 batches of 4 rows) falls between two batches
+     * of 3 rows: refused up front, not at the first step after the run's
+     * files were rewritten. */
+    o.batch_size = 3;
+    o.out_dir = tmp_path(out[1], "again");
+    write_earlier_run(o.out_dir);
+    expect_refused(&o, "an old shuffled checkpoint with another batch shape",
+                   (const char *const[]){"--resume", "--batch-size", NULL});
 }
 
 /* A resume under which the checkpoint's position would read another
@@ -845,6 +866,26 @@ Test(train_run, resume_refuses_another_stream, .init = make_tmp, .fini = remove_
     o.batch_size = 4;
     o.resume = tmp_path(resume, "ordered/step-000002");
     expect_refused(&o, "an ordered checkpoint with --shuffle", (const char *const[]){"--shuffle", NULL});
+}
+
+/* A recorded synthetic stream shorter than one batch (only an edited or
+ * damaged checkpoint holds one) is blamed on the checkpoint, not --data. */
+Test(train_run, resume_refuses_a_stream_shorter_than_a_batch, .init = make_tmp, .fini = remove_tmp) {
+    char cfg[512], out[2][512], resume[512], path[512];
+    moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE), tmp_path(out[0], "first"));
+    o.steps = 2;
+    seen v;
+    run_ok(&o, &v);
+    cr_assert_eq(rewrite_state_metadata(tmp_path(path, "first/step-000002/train_state.safetensors"),
+                                        (const char *const[]){NULL}, "data_tokens", "5"),
+                 1, "the checkpoint should record its stream");
+
+    o.config = NULL;
+    o.steps = 4;
+    o.resume = tmp_path(resume, "first/step-000002");
+    o.out_dir = tmp_path(out[1], "again");
+    write_earlier_run(o.out_dir);
+    expect_refused(&o, "a recorded stream of 5 tokens", (const char *const[]){"--resume", resume, "5 tokens", NULL});
 }
 
 /* ------------------------------------------------------------- lr schedule */
