@@ -98,32 +98,26 @@ static void release_buffers(const moe_ops *ops, attn_buffers *b) {
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) ops->release(all[i]);
 }
 
-static void forward(const moe_ops *ops, const attn_buffers *b, const attn_shape *s) {
-    ops->attention_forward(b->out, b->att, b->q, b->k, b->v, s->B, s->T, s->Hq, s->Hkv, s->hd);
+typedef struct attn_job {
+    const moe_ops *ops;
+    const attn_buffers *b;
+    const attn_shape *s;
+} attn_job;
+
+static void forward(const void *arg) {
+    const attn_job *j = arg;
+    const attn_buffers *b = j->b;
+    const attn_shape *s = j->s;
+    j->ops->attention_forward(b->out, b->att, b->q, b->k, b->v, s->B, s->T, s->Hq, s->Hkv, s->hd);
 }
 
 /* Adds into dq, dk, dv each call: their values do not matter here. */
-static void backward(const moe_ops *ops, const attn_buffers *b, const attn_shape *s) {
-    ops->attention_backward(b->dq, b->dk, b->dv, b->datt, b->dout, b->q, b->k, b->v, b->att, s->B, s->T, s->Hq,
-                            s->Hkv, s->hd);
-}
-
-typedef void (*attn_fn)(const moe_ops *, const attn_buffers *, const attn_shape *);
-
-/* Seconds per call over reps calls between two waits; negative on a
- * backend failure. */
-static double timed(const moe_ops *ops, attn_fn what, const attn_buffers *b, const attn_shape *s, int64_t reps) {
-    const double t0 = bench_now_seconds();
-    for (int64_t r = 0; r < reps; r++) what(ops, b, s);
-    if (ops->sync() != MOE_OK) return -1.0;
-    return (bench_now_seconds() - t0) / (double)reps;
-}
-
-#define SAMPLE_SECONDS 1e-3
-#define MAX_REPS 1000
-static int64_t reps_for(double once) {
-    const double want = SAMPLE_SECONDS / (once > 1e-9 ? once : 1e-9);
-    return want <= 1.0 ? 1 : want >= MAX_REPS ? MAX_REPS : (int64_t)ceil(want);
+static void backward(const void *arg) {
+    const attn_job *j = arg;
+    const attn_buffers *b = j->b;
+    const attn_shape *s = j->s;
+    j->ops->attention_backward(b->dq, b->dk, b->dv, b->datt, b->dout, b->q, b->k, b->v, b->att, s->B, s->T, s->Hq,
+                               s->Hkv, s->hd);
 }
 
 /* The paths a run compares: the table's own choice, and on a GPU under
@@ -164,10 +158,7 @@ int bench_attention_run(int argc, char **argv) {
     moe_device device = MOE_DEVICE_AUTO;
     moe_gemm_math math = MOE_GEMM_FP32;
     bool json = false;
-    const struct {
-        const char *name;
-        int64_t *value, lo, hi;
-    } int_flags[] = {
+    const bench_int_flag int_flags[] = {
         {"B", &s.B, 1, 65535},          {"T", &s.T, 1, 1 << 20},        {"heads", &s.Hq, 1, 65535},
         {"kv-heads", &s.Hkv, 1, 65535}, {"head-dim", &s.hd, 1, 1 << 16}, {"warmup", &warmup, 0, 1000},
         {"iters", &iters, 1, 100000},
@@ -188,12 +179,8 @@ int bench_attention_run(int argc, char **argv) {
             fprintf(stderr, "moe-bench %s: %s\n", CMD, moe_last_error());
             found = -1;
         }
-        for (size_t f = 0; found == 0 && f < sizeof int_flags / sizeof int_flags[0]; f++) {
-            char flag[16];
-            if ((found = bench_option(argc, argv, &i, CMD, int_flags[f].name, &v)) <= 0) continue;
-            snprintf(flag, sizeof flag, "--%s", int_flags[f].name);
-            if (!bench_parse_i64(int_flags[f].value, CMD, flag, v, int_flags[f].lo, int_flags[f].hi)) found = -1;
-        }
+        if (found == 0)
+            found = bench_int_option(argc, argv, &i, CMD, int_flags, (int)(sizeof int_flags / sizeof int_flags[0]));
         if (found < 0) return BENCH_EXIT_USAGE;
         if (found == 0) {
             fprintf(stderr, "moe-bench %s: unknown option '%s' (see --help)\n", CMD, argv[i]);
@@ -239,22 +226,24 @@ int bench_attention_run(int argc, char **argv) {
     if (bench_failed(CMD, "buffers", alloc_buffers(ops, &b, &s, host)) ||
         bench_failed(CMD, "gemm rate", moe_measure_gemm_gflops(ops, &gemm_gflops)))
         goto done;
+    const attn_job job = {ops, &b, &s};
     for (int p = 0; p < n_paths; p++) {
         set_path(&dev, &paths[p]);
-        const double f1 = timed(ops, forward, &b, &s, 1), b1 = timed(ops, backward, &b, &s, 1);
+        const double f1 = bench_timed_calls(ops, forward, &job, 1), b1 = bench_timed_calls(ops, backward, &job, 1);
         if (f1 < 0.0 || b1 < 0.0) {
             bench_failed(CMD, paths[p].name, ops->sync());
             goto done;
         }
-        fwd_reps[p] = reps_for(f1);
-        bwd_reps[p] = reps_for(b1);
+        fwd_reps[p] = bench_reps_for(f1);
+        bwd_reps[p] = bench_reps_for(b1);
     }
     for (int64_t it = 0; it < warmup + iters; it++)
         for (int q = 0; q < n_paths; q++) {
             /* Alternating which path goes first cancels any advantage of the order. */
             const int p = (int)((q + it) % n_paths);
             set_path(&dev, &paths[p]);
-            const double f = timed(ops, forward, &b, &s, fwd_reps[p]), g = timed(ops, backward, &b, &s, bwd_reps[p]);
+            const double f = bench_timed_calls(ops, forward, &job, fwd_reps[p]);
+            const double g = bench_timed_calls(ops, backward, &job, bwd_reps[p]);
             if (f < 0.0 || g < 0.0) {
                 bench_failed(CMD, paths[p].name, ops->sync());
                 goto done;

@@ -100,54 +100,40 @@ static void release_buffers(const moe_ops *ops, gate_buffers *b) {
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) ops->release(all[i]);
 }
 
-typedef void (*gate_fn)(const moe_ops *, const gate_buffers *, const void *);
-
-/* Seconds per call of what over reps calls between two waits (a device
- * queues them back to back, so one launch and one wait are spread over
- * them); negative on a backend failure. */
-static double timed(const moe_ops *ops, gate_fn what, const gate_buffers *b, const void *arg, int64_t reps) {
-    const double t0 = bench_now_seconds();
-    for (int64_t r = 0; r < reps; r++) what(ops, b, arg);
-    if (ops->sync() != MOE_OK) return -1.0;
-    return (bench_now_seconds() - t0) / (double)reps;
-}
-
-/* Calls per timed sample: enough for SAMPLE_SECONDS, so that a pass of
- * microseconds on a GPU is not mostly its launch and wait; 1 for a pass
- * that long already (the CPU's). 0 on a backend failure. */
-#define SAMPLE_SECONDS 1e-3
-#define MAX_REPS 1000
-static int64_t reps_for(const moe_ops *ops, gate_fn what, const gate_buffers *b, const void *arg) {
-    const double once = timed(ops, what, b, arg, 1);
-    if (once < 0.0) return 0;
-    const double want = SAMPLE_SECONDS / (once > 1e-9 ? once : 1e-9);
-    return want <= 1.0 ? 1 : want >= MAX_REPS ? MAX_REPS : (int64_t)ceil(want);
-}
-
-typedef struct gate_call {
+/* What a timed call runs: the gating pass for call, or a copy of the
+ * logits (copy_bytes). */
+typedef struct gate_job {
+    const moe_ops *ops;
+    const gate_buffers *b;
     moe_gate_params params;
     int64_t T;
-} gate_call;
+    size_t copy_bytes;
+} gate_job;
 
-static void run_gate(const moe_ops *ops, const gate_buffers *b, const void *arg) {
-    const gate_call *c = arg;
+static void run_gate(const void *arg) {
+    const gate_job *j = arg;
+    const gate_buffers *b = j->b;
     moe_gate_totals totals = {.assigned = b->assigned, .prob_sum = b->prob_sum, .z_sum = b->z_sum,
                               .chunk_scratch = b->chunks};
-    ops->gate_forward(b->topk_idx, b->topk_w, b->prob, b->lse, &totals, b->logits, NULL, &c->params, c->T);
+    j->ops->gate_forward(b->topk_idx, b->topk_w, b->prob, b->lse, &totals, b->logits, NULL, &j->params, j->T);
 }
 
-static void run_copy(const moe_ops *ops, const gate_buffers *b, const void *arg) {
-    ops->copy(b->copy, b->logits, *(const size_t *)arg);
+static void run_copy(const void *arg) {
+    const gate_job *j = arg;
+    j->ops->copy(j->b->copy, j->b->logits, j->copy_bytes);
+}
+
+/* Calls per sample of fn (bench_reps_for); 0 on a backend failure. */
+static int64_t reps_for(const gate_job *job, void (*fn)(const void *)) {
+    const double once = bench_timed_calls(job->ops, fn, job, 1);
+    return once < 0.0 ? 0 : bench_reps_for(once);
 }
 
 int bench_gate_run(int argc, char **argv) {
     int64_t T = DEFAULT_T, E = DEFAULT_E, k = DEFAULT_K, warmup = DEFAULT_WARMUP, iters = DEFAULT_ITERS;
     moe_device device = MOE_DEVICE_AUTO;
     bool json = false;
-    const struct {
-        const char *name;
-        int64_t *value, lo, hi;
-    } int_flags[] = {
+    const bench_int_flag int_flags[] = {
         {"T", &T, 1, INT32_MAX},         {"E", &E, 1, MOE_EXPERTS_MAX}, {"k", &k, 1, MOE_EXPERTS_MAX},
         {"warmup", &warmup, 0, 1000},    {"iters", &iters, 1, 100000},
     };
@@ -161,13 +147,8 @@ int bench_gate_run(int argc, char **argv) {
             continue;
         }
         int found = bench_device_option(argc, argv, &i, CMD, &device);
-        for (size_t f = 0; found == 0 && f < sizeof int_flags / sizeof int_flags[0]; f++) {
-            const char *v = NULL;
-            char flag[16];
-            if ((found = bench_option(argc, argv, &i, CMD, int_flags[f].name, &v)) <= 0) continue;
-            snprintf(flag, sizeof flag, "--%s", int_flags[f].name);
-            if (!bench_parse_i64(int_flags[f].value, CMD, flag, v, int_flags[f].lo, int_flags[f].hi)) found = -1;
-        }
+        if (found == 0)
+            found = bench_int_option(argc, argv, &i, CMD, int_flags, (int)(sizeof int_flags / sizeof int_flags[0]));
         if (found < 0) return BENCH_EXIT_USAGE;
         if (found == 0) {
             fprintf(stderr, "moe-bench %s: unknown option '%s' (see --help)\n", CMD, argv[i]);
@@ -204,9 +185,12 @@ int bench_gate_run(int argc, char **argv) {
     /* Logits in, probabilities out, k indices and weights and one logsumexp per token out. */
     const double gate_bytes = 2.0 * (double)logit_bytes + (double)(T * k) * 8.0 + (double)T * 4.0;
     for (int g = 0; g < N_KINDS; g++) {
-        const gate_call call = {.params = {.n_experts = E, .top_k = k, .kind = kinds[g].kind, .renormalize = true},
-                                .T = T};
-        const int64_t gate_reps = reps_for(ops, run_gate, &b, &call), copy_reps = reps_for(ops, run_copy, &b, &logit_bytes);
+        const gate_job job = {.ops = ops,
+                              .b = &b,
+                              .params = {.n_experts = E, .top_k = k, .kind = kinds[g].kind, .renormalize = true},
+                              .T = T,
+                              .copy_bytes = logit_bytes};
+        const int64_t gate_reps = reps_for(&job, run_gate), copy_reps = reps_for(&job, run_copy);
         if (gate_reps == 0 || copy_reps == 0) {
             bench_failed(CMD, kinds[g].name, ops->sync());
             goto done;
@@ -214,9 +198,9 @@ int bench_gate_run(int argc, char **argv) {
         for (int64_t it = 0; it < warmup + iters; it++) {
             /* Alternating which goes first cancels any advantage of the order. */
             const bool copy_first = it % 2 == 1;
-            double copy_s = copy_first ? timed(ops, run_copy, &b, &logit_bytes, copy_reps) : 0.0;
-            const double gate_s = timed(ops, run_gate, &b, &call, gate_reps);
-            if (!copy_first) copy_s = timed(ops, run_copy, &b, &logit_bytes, copy_reps);
+            double copy_s = copy_first ? bench_timed_calls(ops, run_copy, &job, copy_reps) : 0.0;
+            const double gate_s = bench_timed_calls(ops, run_gate, &job, gate_reps);
+            if (!copy_first) copy_s = bench_timed_calls(ops, run_copy, &job, copy_reps);
             if (gate_s < 0.0 || copy_s < 0.0) {
                 bench_failed(CMD, kinds[g].name, ops->sync());
                 goto done;

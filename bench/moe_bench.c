@@ -170,6 +170,21 @@ double bench_median(double *v, int n) {
     return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+double bench_timed_calls(const moe_ops *ops, void (*fn)(const void *job), const void *job, int64_t reps) {
+    const double t0 = bench_now_seconds();
+    for (int64_t r = 0; r < reps; r++) fn(job);
+    if (ops->sync() != MOE_OK) return -1.0;
+    return (bench_now_seconds() - t0) / (double)reps;
+}
+
+#define SAMPLE_SECONDS 1e-3
+#define MAX_REPS 1000
+
+int64_t bench_reps_for(double once) {
+    const double want = SAMPLE_SECONDS / (once > 1e-9 ? once : 1e-9);
+    return want <= 1.0 ? 1 : want >= MAX_REPS ? MAX_REPS : (int64_t)ceil(want);
+}
+
 /* ---------------------------------------------------------------- buffers */
 
 static size_t round_up_bytes(size_t bytes) {
@@ -306,6 +321,21 @@ void bench_table_note(const bench_table *t, const char *fmt, ...) {
 /* ---------------------------------------------------------- sgemm baseline */
 
 double bench_sgemm_flops(const bench_sgemm *g) { return 2.0 * (double)g->m * g->n * g->k; }
+
+int bench_int_option(int argc, char **argv, int *i, const char *cmd, const bench_int_flag *flags, int n_flags) {
+    for (int f = 0; f < n_flags; f++) {
+        const char *v = NULL;
+        const int found = bench_option(argc, argv, i, cmd, flags[f].name, &v);
+        if (found <= 0) {
+            if (found < 0) return -1;
+            continue;
+        }
+        char flag[64];
+        snprintf(flag, sizeof flag, "--%s", flags[f].name);
+        return bench_parse_i64(flags[f].value, cmd, flag, v, flags[f].lo, flags[f].hi) ? 1 : -1;
+    }
+    return 0;
+}
 
 int bench_device_option(int argc, char **argv, int *i, const char *cmd, moe_device *device) {
     const char *value = NULL;

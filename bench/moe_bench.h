@@ -53,6 +53,15 @@ bool bench_parse_i64(int64_t *out, const char *cmd, const char *flag, const char
 bool bench_parse_f64(double *out, const char *cmd, const char *flag, const char *text, double lo,
                      double hi);
 
+/* Integer flags: argv[*i] against "--name value" of each, as bench_option
+ * (1 with the value parsed within [lo, hi], 0 for another option, -1 after
+ * printing an error). */
+typedef struct bench_int_flag {
+    const char *name;
+    int64_t *value, lo, hi;
+} bench_int_flag;
+int bench_int_option(int argc, char **argv, int *i, const char *cmd, const bench_int_flag *flags, int n_flags);
+
 /* --device NAME (auto, cpu, cuda, cpu-strict), as bench_option: 1 with
  * *device set on a match, 0 for another option, -1 after printing an error. */
 int bench_device_option(int argc, char **argv, int *i, const char *cmd, moe_device *device);
@@ -85,6 +94,16 @@ double bench_now_seconds(void);
 
 /* Median of v[0..n) (n > 0); sorts v in place. */
 double bench_median(double *v, int n);
+
+/* Seconds per call of fn(job) over reps calls between two waits of ops (a
+ * device queues them back to back, so one launch and one wait are spread
+ * over them); negative on a backend failure. */
+double bench_timed_calls(const moe_ops *ops, void (*fn)(const void *job), const void *job, int64_t reps);
+
+/* Calls per timed sample for a call of once seconds: enough for 1 ms, so
+ * that a pass of microseconds on a GPU is not mostly its launch and wait;
+ * 1 for a call that long already, and at most 1000. */
+int64_t bench_reps_for(double once);
 
 /* ---------------------------------------------------------------- buffers */
 

@@ -690,23 +690,38 @@ Test(layer, repeated_forward_at_smaller_and_same_T) {
 
 /* ------------------------------------------------- balancing and noise */
 
-/* Routing by construction (gate = [I | 0], x_t = 3 * e_target + noise),
- * loads [4, 2, 2, 0] for mean 2: the bias moves by -rate, 0, 0, +rate. */
-Test(layer, update_bias_moves_against_the_load) {
-    const int64_t d = 6, E = 4, T = 8;
-    static const int target[8] = {0, 1, 0, 2, 0, 1, 2, 0};
-    moe_layer_config cfg = make_cfg(d, 5, E, 1, MOE_GATE_SIGMOID, 1, 0.0, 0);
-    cfg.bias_update_rate = 0.01;
-    fx f;
-    fx_create(&f, &cfg, 31);
+/* A sigmoid-gated top-1 layer of d 6 and 4 experts with a selection bias
+ * updated at rate, whose router is gate = [I | 0]: a token x_t = 3 e_target
+ * + noise goes to expert target (routing by construction). */
+enum { ROUTED_D = 6, ROUTED_E = 4, ROUTED_T = 8 };
+
+static void routed_layer(fx *f, moe_layer_config *cfg, double rate) {
+    *cfg = make_cfg(ROUTED_D, 5, ROUTED_E, 1, MOE_GATE_SIGMOID, 1, 0.0, 0);
+    cfg->bias_update_rate = rate;
+    fx_create(f, cfg, 31);
     moe_tensor_view g;
-    cr_assert(moe_layer_tensor_by_name(f.layer, "gate.weight", &g) == MOE_OK);
-    for (int64_t e = 0; e < E; e++)
-        for (int64_t c = 0; c < d; c++) g.param[e * d + c] = c == e ? 1.0f : 0.0f;
+    cr_assert(moe_layer_tensor_by_name(f->layer, "gate.weight", &g) == MOE_OK);
+    for (int64_t e = 0; e < ROUTED_E; e++)
+        for (int64_t c = 0; c < ROUTED_D; c++) g.param[e * ROUTED_D + c] = c == e ? 1.0f : 0.0f;
+}
+
+/* x [ROUTED_T, ROUTED_D] whose token t goes to expert target[t]. */
+static void routed_tokens(float *x, const int *target, uint64_t seed) {
+    ref_rng rng = {seed};
+    ref_fill(x, ROUTED_T * ROUTED_D, &rng, -0.1, 0.1);
+    for (int64_t t = 0; t < ROUTED_T; t++) x[t * ROUTED_D + target[t]] += 3.0f;
+}
+
+/* Routing by construction, loads [4, 2, 2, 0] for mean 2: the bias moves
+ * by -rate, 0, 0, +rate. */
+Test(layer, update_bias_moves_against_the_load) {
+    const int64_t E = ROUTED_E, T = ROUTED_T;
+    static const int target[8] = {0, 1, 0, 2, 0, 1, 2, 0};
+    moe_layer_config cfg;
+    fx f;
+    routed_layer(&f, &cfg, 0.01);
     float x[8 * 6], y[8 * 6];
-    ref_rng rng = {32};
-    ref_fill(x, T * d, &rng, -0.1, 0.1);
-    for (int64_t t = 0; t < T; t++) x[t * d + target[t]] += 3.0f;
+    routed_tokens(x, target, 32);
     const float *b = moe_layer_selection_bias(f.layer);
     const double rate = (float)cfg.bias_update_rate;
     static const double want_sign[4] = {-1, 0, 0, 1};
@@ -734,22 +749,13 @@ Test(layer, update_bias_moves_against_the_load) {
  * training and does not count; with no training forward since the last
  * update there is nothing to answer. Same construction as above. */
 Test(layer, update_bias_answers_every_training_forward_since_the_last) {
-    const int64_t d = 6, E = 4, T = 8;
+    const int64_t E = ROUTED_E, T = ROUTED_T;
     static const int targets[2][8] = {{0, 1, 0, 2, 0, 1, 2, 0}, {3, 1, 3, 2, 3, 1, 2, 3}};
-    moe_layer_config cfg = make_cfg(d, 5, E, 1, MOE_GATE_SIGMOID, 1, 0.0, 0);
-    cfg.bias_update_rate = 0.01;
+    moe_layer_config cfg;
     fx f;
-    fx_create(&f, &cfg, 31);
-    moe_tensor_view g;
-    cr_assert(moe_layer_tensor_by_name(f.layer, "gate.weight", &g) == MOE_OK);
-    for (int64_t e = 0; e < E; e++)
-        for (int64_t c = 0; c < d; c++) g.param[e * d + c] = c == e ? 1.0f : 0.0f;
+    routed_layer(&f, &cfg, 0.01);
     float x[2][8 * 6], y[8 * 6];
-    ref_rng rng = {33};
-    for (int b = 0; b < 2; b++) {
-        ref_fill(x[b], T * d, &rng, -0.1, 0.1);
-        for (int64_t t = 0; t < T; t++) x[b][t * d + targets[b][t]] += 3.0f;
-    }
+    for (int b = 0; b < 2; b++) routed_tokens(x[b], targets[b], 33 + (uint64_t)b);
     static const int64_t want_load[3][4] = {{4, 2, 2, 0}, {4, 2, 2, 0}, {0, 2, 2, 4}};
     static const int x_of[3] = {0, 0, 1}, training[3] = {1, 0, 1};
     for (int i = 0; i < 3; i++) {

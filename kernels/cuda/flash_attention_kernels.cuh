@@ -111,6 +111,19 @@ static __device__ __forceinline__ void mma_c_by(float (*acc)[4], float (*p)[4], 
     }
 }
 
+/* f [HD / 16] = the A fragments of the warp's 16 rows of the block of
+ * FA_ROWS rows at src (fp32, stride, valid rows), staged through the
+ * shared tile t, which is free again on return. */
+template <int HD>
+static __device__ __forceinline__ void stage_a(uint32_t (*f)[4], bf16_rows<HD + FA_PAD> t, const float *src,
+                                               int64_t stride, int64_t valid, int warp, int lane) {
+    load_tile<HD, FA_ROWS>(t, nullptr, src, stride, valid);
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; kk++) frag_a(f[kk], t, warp * 16, kk * 16, lane);
+    __syncthreads(); /* every warp has its fragments before t is written again */
+}
+
 /* Row and column of element e of a lane's C fragment, in its 16 x 8 block. */
 static __device__ __forceinline__ int frag_row(int lane, int e) { return (lane >> 2) + (e >> 1) * 8; }
 static __device__ __forceinline__ int frag_col(int lane, int e) { return (lane & 3) * 2 + (e & 1); }
@@ -144,11 +157,8 @@ static __global__ void __launch_bounds__(FA_WARPS * 32)
     const float *kb = k + (b * T * Hkv + kvh) * HD;
     const float *vb = v + (b * T * Hkv + kvh) * HD;
 
-    load_tile<HD, FA_ROWS>(sq, nullptr, qb + q0 * qs, qs, T - q0);
-    __syncthreads();
     uint32_t qf[HD / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; kk++) frag_a(qf[kk], sq, warp * 16, kk * 16, lane);
+    stage_a<HD>(qf, sq, qb + q0 * qs, qs, T - q0, warp, lane);
 
     const int64_t row0 = q0 + warp * 16; /* the warp's first query */
     float o[HD / 8][4] = {};
@@ -250,17 +260,10 @@ static __global__ void __launch_bounds__(FA_WARPS * 32)
     const int64_t group = Hq / Hkv, qs = Hq * HD, ks = Hkv * HD;
     const int64_t kv_at = (b * T * Hkv + kvh) * HD + k0 * ks; /* the block's first key row */
 
-    /* The warp's keys and values as A fragments, staged through sq. */
+    /* The warp's keys and values as A fragments. */
     uint32_t kf[HD / 16][4], vf[HD / 16][4];
-    load_tile<HD, FA_ROWS>(sq, nullptr, k + kv_at, ks, T - k0);
-    __syncthreads();
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; kk++) frag_a(kf[kk], sq, warp * 16, kk * 16, lane);
-    __syncthreads();
-    load_tile<HD, FA_ROWS>(sq, nullptr, v + kv_at, ks, T - k0);
-    __syncthreads();
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; kk++) frag_a(vf[kk], sq, warp * 16, kk * 16, lane);
+    stage_a<HD>(kf, sq, k + kv_at, ks, T - k0, warp, lane);
+    stage_a<HD>(vf, sq, v + kv_at, ks, T - k0, warp, lane);
 
     const int64_t key0 = k0 + warp * 16; /* the warp's first key */
     float dk_acc[HD / 8][4] = {}, dv_acc[HD / 8][4] = {};
@@ -333,18 +336,10 @@ static __global__ void __launch_bounds__(FA_WARPS * 32)
     const int64_t q_at = (b * T * Hq + h) * HD + q0 * qs;
     const float *kb = k + (b * T * Hkv + kvh) * HD, *vb = v + (b * T * Hkv + kvh) * HD;
 
-    /* The warp's queries and output gradients as A fragments, staged
-     * through sk. */
+    /* The warp's queries and output gradients as A fragments. */
     uint32_t qf[HD / 16][4], dof[HD / 16][4];
-    load_tile<HD, FA_ROWS>(sk, nullptr, q + q_at, qs, T - q0);
-    __syncthreads();
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; kk++) frag_a(qf[kk], sk, warp * 16, kk * 16, lane);
-    __syncthreads();
-    load_tile<HD, FA_ROWS>(sk, nullptr, dout + q_at, qs, T - q0);
-    __syncthreads();
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; kk++) frag_a(dof[kk], sk, warp * 16, kk * 16, lane);
+    stage_a<HD>(qf, sk, q + q_at, qs, T - q0, warp, lane);
+    stage_a<HD>(dof, sk, dout + q_at, qs, T - q0, warp, lane);
 
     const int64_t row0 = q0 + warp * 16;
     float row_lse[2], row_D[2];
