@@ -40,10 +40,12 @@ test: build
 	ctest --test-dir $(BUILD) --output-on-failure -j2
 
 # -O1 keeps ASan's reports readable and its runs fast. The sanitizers cover
-# the C code; CUDA stays off because its runtime needs its own ASan settings.
+# the C code and the C++ tests; CUDA stays off because its runtime needs its
+# own ASan settings.
 sanitize-test: deps
 	cmake -S . -B $(SAN_BUILD) -DMOE_SANITIZE=ON -DMOE_CUDA=OFF \
-	  -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_C_FLAGS_RELWITHDEBINFO="-O1 -g" $(CMAKE_ARGS)
+	  -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_C_FLAGS_RELWITHDEBINFO="-O1 -g" \
+	  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g" $(CMAKE_ARGS)
 	cmake --build $(SAN_BUILD) -j $(JOBS)
 	ctest --test-dir $(SAN_BUILD) --output-on-failure -j2 -LE slow
 

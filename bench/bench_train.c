@@ -1,7 +1,7 @@
 /* bench_train.c: `moe-bench train`: whole training steps (forward, backward,
  * AdamW) of the MoE transformer on the synthetic corpus: tokens/s and MFU,
- * the model FLOPs per second over the fp32 GEMM rate of the same device
- * measured in the same run, right before each model's steps. */
+ * the model FLOPs per second over the GEMM rate (in --gemm-math) of the
+ * same device measured in the same run, right before each model's steps. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>

@@ -187,9 +187,9 @@ run() {
     bench_step gemm 180 "$results/gemm.jsonl" "${t_args[@]}"
     local gemm_rc=$?
 
-    # 3. The fused gating pass against a copy (at the 65536 tokens,
-    #    and at 16x that, past the L2 cache), then the MoE layer against the
-    #    same GPU's fp32 GEMM.
+    # 3. The fused gating pass against a copy (at 65536 tokens, the size its
+    #    target is set for, and at 16x that, past the L2 cache), then the MoE
+    #    layer against the same GPU's fp32 GEMM.
     : >"$results/gate.jsonl"
     bench_step gate 45 "$results/gate.jsonl" --T 65536
     local gate_rc=$?

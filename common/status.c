@@ -3,6 +3,7 @@
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 static _Thread_local char last_error[MOE_ERROR_BYTES];
@@ -29,10 +30,6 @@ const char *moe_last_error(void) { return last_error; }
 
 void moe_error_clear(void) { last_error[0] = '\0'; }
 
-/* Room for a message before it is fitted to last_error: two long paths and
- * their context. A longer one loses what lies past this. */
-#define ERROR_TEXT_BYTES (8 * MOE_ERROR_BYTES)
-
 /* Of an elided message, the bytes kept before the "...": what failed comes
  * first, and why last, so the tail keeps the rest. */
 #define ERROR_HEAD_BYTES 384
@@ -58,13 +55,26 @@ static void set_last_error(const char *text, size_t len) {
     last_error[head + 3 + len - tail] = '\0';
 }
 
-/* prefix (formatted) + detail, fitted to last_error. */
+/* prefix (formatted) + detail, whole, then fitted to last_error; short of
+ * memory for the whole, as much as fits of it. */
 static void set_error_v(const char *detail, const char *fmt, va_list ap) {
-    char text[ERROR_TEXT_BYTES];
-    int n = vsnprintf(text, sizeof text, fmt, ap);
-    size_t len = n < 0 ? 0 : (size_t)n < sizeof text ? (size_t)n : sizeof text - 1;
-    if (detail) len += (size_t)snprintf(text + len, sizeof text - len, "%s", detail);
-    set_last_error(text, len < sizeof text ? len : sizeof text - 1);
+    va_list again;
+    va_copy(again, ap);
+    const int n = vsnprintf(NULL, 0, fmt, again);
+    va_end(again);
+    const size_t prefix = n > 0 ? (size_t)n : 0, tail = detail ? strlen(detail) : 0;
+    char *text = malloc(prefix + tail + 1);
+    if (!text) {
+        const int w = vsnprintf(last_error, sizeof last_error, fmt, ap);
+        if (detail && w >= 0 && (size_t)w < sizeof last_error)
+            snprintf(last_error + w, sizeof last_error - (size_t)w, "%s", detail);
+        return;
+    }
+    vsnprintf(text, prefix + 1, fmt, ap);
+    if (tail) memcpy(text + prefix, detail, tail);
+    text[prefix + tail] = '\0';
+    set_last_error(text, prefix + tail);
+    free(text);
 }
 
 moe_status moe_error(moe_status status, const char *fmt, ...) {

@@ -698,8 +698,9 @@ static moe_status read_meta(moe_train_state *s, const moe_st_file *f) {
     MOE_TRY(meta_uint(&s->jitter_counter, f, "jitter_counter", UINT64_MAX));
     MOE_TRY(meta_uint(&token, f, "data_token", INT64_MAX));
     MOE_TRY(meta_uint(&epoch, f, "data_epoch", MOE_DATA_EPOCH_MAX));
+    /* The stream's record comes whole, or not at all from an older writer. */
     uint64_t tokens = 0, chunk = 0;
-    if (moe_st_metadata(f, "data_tokens") != NULL) {
+    if (moe_st_metadata(f, "data_tokens") != NULL || moe_st_metadata(f, "data_chunk") != NULL) {
         MOE_TRY(meta_uint(&tokens, f, "data_tokens", INT64_MAX));
         MOE_TRY(meta_uint(&chunk, f, "data_chunk", INT64_MAX));
     }

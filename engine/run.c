@@ -440,7 +440,8 @@ static moe_status read_resume_state(run *r) {
     /* A shuffled epoch is read in whole chunks: a position between two is
      * another batch shape's, and the reader would refuse it only at the
      * first step, after the run's files were rewritten. */
-    if (o->shuffle && s->data.token % chunk != 0)
+    const bool read_shuffled = s->data_tokens == 0 || s->data_chunk != 0; /* or not recorded */
+    if (o->shuffle && read_shuffled && s->data.token % chunk != 0)
         return moe_error(MOE_ERR_CONFIG, "--resume %s: the checkpoint's shuffled position %lld is not a multiple of "
                                          "this run's micro-batch of %lld tokens (--batch-size x --seq-len x ranks): "
                                          "resume it with the batch shape it was written with",
@@ -495,8 +496,8 @@ static moe_status check_resumed_stream(const run *r) {
     if (was == 0) {
         if (is_synthetic(o->data))
             warn(r, "--resume %s: the checkpoint does not record its training stream (an older version wrote it); "
-                    "its shuffled order goes on only with the --steps %lld, --batch-size, --seq-len, "
-                    "--grad-accum and rank count it was written with",
+                    "its shuffled order goes on only if --steps (%lld here), --batch-size, --seq-len, "
+                    "--grad-accum and the rank count are those it was written with",
                  o->resume, (long long)o->steps);
         else
             warn(r, "--resume %s: the checkpoint does not record its training stream (an older version wrote it); "
@@ -505,9 +506,9 @@ static moe_status check_resumed_stream(const run *r) {
         return MOE_OK;
     }
     if (was != now)
-        return moe_error(MOE_ERR_CONFIG, "--resume %s: the checkpoint shuffled --data %s when it held %lld tokens, and "
-                                         "it now holds %lld: a shuffled order depends on the length",
-                         o->resume, o->data, (long long)was, (long long)now);
+        return moe_error(MOE_ERR_CONFIG, "--resume %s: the checkpoint's shuffled stream held %lld tokens, --data %s "
+                                         "holds %lld: a shuffled order depends on the length",
+                         o->resume, (long long)was, o->data, (long long)now);
     return MOE_OK;
 }
 

@@ -113,7 +113,8 @@ static moe_train_state scramble(run *r, uint64_t seed, int64_t step) {
     moe_trainer_set_steps_done(r->trainer, step);
     moe_model_set_jitter_counter(r->model, 1000 + seed);
     return (moe_train_state){.step = step, .seed = UINT64_MAX - seed, .jitter_counter = 1000 + seed,
-                             .data = {.token = 4096 + (int64_t)seed, .epoch = 3}};
+                             .data = {.token = 4096 + (int64_t)seed, .epoch = 3},
+                             .data_tokens = 100000 + (int64_t)seed, .data_chunk = 512};
 }
 
 static float *copy_floats(const float *a, int64_t n) {
@@ -283,6 +284,15 @@ Test(checkpoint, save_then_load_is_bitwise, .init = make_tmpdir, .fini = remove_
     cr_expect_eq(moe_model_jitter_counter(b.model), 1007);
     cr_expect_eq(got.data.token, 4096 + 7);
     cr_expect_eq(got.data.epoch, 3);
+    cr_expect_eq(got.data_tokens, 100007);
+    cr_expect_eq(got.data_chunk, 512);
+    moe_train_state meta_only;
+    cr_assert_eq(moe_checkpoint_read_state(&meta_only, path), MOE_OK, "%s", moe_last_error());
+    cr_expect(meta_only.step == 7 && meta_only.data_tokens == 100007 && meta_only.data_chunk == 512 &&
+                  meta_only.data.token == 4096 + 7,
+              "moe_checkpoint_read_state: step %lld, stream %lld in chunks of %lld, at token %lld",
+              (long long)meta_only.step, (long long)meta_only.data_tokens, (long long)meta_only.data_chunk,
+              (long long)meta_only.data.token);
 
     moe_model_config cfg;
     cr_assert_eq(moe_checkpoint_load_config(&cfg, path, NULL, NULL), MOE_OK, "%s", moe_last_error());
@@ -342,7 +352,8 @@ Test(checkpoint, files_are_hf_safetensors, .init = make_tmpdir, .fini = remove_t
         cr_assert_eq(memcmp(st->data, moe_trainer_adam_v(a.trainer) + t->offset, (size_t)st->nbytes), 0, "%s", name);
     }
     const char *meta[][2] = {{"format_version", "1"}, {"step", "12"}, {"seed", "18446744073709551612"},
-                             {"jitter_counter", "1003"}, {"data_token", "4099"}, {"data_epoch", "3"}};
+                             {"jitter_counter", "1003"}, {"data_token", "4099"}, {"data_epoch", "3"},
+                             {"data_tokens", "100003"}, {"data_chunk", "512"}};
     for (size_t i = 0; i < sizeof meta / sizeof meta[0]; i++) {
         const char *v = moe_st_metadata(f, meta[i][0]);
         cr_assert_not_null(v, "metadata %s missing", meta[i][0]);
@@ -601,10 +612,12 @@ typedef struct meta_case {
 static void write_state(const char *path, run *r, const meta_case *change, const char *drop, const tt *extra,
                         int64_t n_extra) {
     const moe_st_meta base[] = {{"format_version", "1"}, {"step", "9"},       {"seed", "18446744073709551615"},
-                                {"jitter_counter", "5"}, {"data_token", "64"}, {"data_epoch", "2"}};
-    moe_st_meta meta[6];
+                                {"jitter_counter", "5"}, {"data_token", "64"}, {"data_epoch", "2"},
+                                {"data_tokens", "4097"}, {"data_chunk", "64"}};
+    enum { N_BASE = sizeof base / sizeof base[0] };
+    moe_st_meta meta[N_BASE];
     int64_t nm = 0;
-    for (int i = 0; i < 6; i++) {
+    for (int i = 0; i < N_BASE; i++) {
         if (change != NULL && strcmp(change->key, base[i].key) == 0) {
             if (change->value != NULL) meta[nm++] = (moe_st_meta){base[i].key, change->value};
         } else {
@@ -664,6 +677,10 @@ Test(checkpoint, corrupt_state_is_refused, .init = make_tmpdir, .fini = remove_t
         {"jitter_counter", NULL, "\"jitter_counter\""},
         {"format_version", "2", "\"format_version\""},
         {"format_version", NULL, "\"format_version\""},
+        /* The stream's record comes whole or not at all (an older writer). */
+        {"data_chunk", NULL, "\"data_chunk\""},
+        {"data_tokens", NULL, "\"data_tokens\""},
+        {"data_tokens", "-1", "\"data_tokens\""},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         write_state(file, &a, &cases[i], NULL, NULL, 0);

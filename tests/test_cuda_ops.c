@@ -328,6 +328,7 @@ static const gate_case gate_cases[] = {
     {8, 2, 300, MOE_GATE_SOFTMAX_TOPK, false, true, false},
     {64, 6, 200, MOE_GATE_SOFTMAX_TOPK, true, true, false},
     {16, 4, 130, MOE_GATE_TOPK_SOFTMAX, true, true, false},
+    {24, 3, 90, MOE_GATE_SOFTMAX_TOPK, true, true, false},
     {40, 3, 65, MOE_GATE_SIGMOID, true, true, false},
     {7, 7, 64, MOE_GATE_SOFTMAX_TOPK, true, false, false},
     {300, 8, 100, MOE_GATE_SOFTMAX_TOPK, true, false, false},

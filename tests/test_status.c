@@ -3,6 +3,7 @@
  * characters. */
 #include <criterion/criterion.h>
 #include <stdbool.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "common/status.h"
@@ -32,17 +33,23 @@ Test(status, short_messages_are_kept_whole) {
     cr_expect_str_eq(moe_last_error(), "run: config.json: top_k=9 exceeds 8");
 }
 
-/* A path of 2000 bytes: the head says what failed, the tail why. */
+/* Paths of 2000 and 9000 bytes: the head says what failed, the tail why. */
 Test(status, long_messages_keep_their_head_and_tail) {
-    char path[2001];
-    memset(path, 'b', 2000);
-    path[2000] = '\0';
-    moe_error(MOE_ERR_IO, "checkpoint %s: cannot open: File name too long", path);
-    const char *e = moe_last_error();
-    cr_expect(strlen(e) <= MOE_ERROR_BYTES - 1, "length %zu", strlen(e));
-    cr_expect(strncmp(e, "checkpoint bbb", 14) == 0, "head: %.40s", e);
-    cr_expect(ends_with(e, ": cannot open: File name too long"), "tail: %s", e + strlen(e) - 40);
-    cr_expect(strstr(e, "...") != NULL, "no elision mark");
+    static const size_t lengths[] = {2000, 9000};
+    for (size_t i = 0; i < sizeof lengths / sizeof lengths[0]; i++) {
+        char *path = malloc(lengths[i] + 1);
+        cr_assert(path);
+        memset(path, 'b', lengths[i]);
+        path[lengths[i]] = '\0';
+        moe_error(MOE_ERR_IO, "checkpoint %s: cannot open: File name too long", path);
+        const char *e = moe_last_error();
+        cr_expect(strlen(e) <= MOE_ERROR_BYTES - 1, "length %zu", strlen(e));
+        cr_expect(strncmp(e, "checkpoint bbb", 14) == 0, "head: %.40s", e);
+        cr_expect(ends_with(e, ": cannot open: File name too long"), "%zu-byte path, tail: %s", lengths[i],
+                  e + strlen(e) - 40);
+        cr_expect(strstr(e, "...") != NULL, "no elision mark");
+        free(path);
+    }
 }
 
 /* Two-byte characters on both sides of each cut: neither leaves half of
@@ -57,17 +64,22 @@ Test(status, cuts_fall_between_utf8_characters) {
     }
 }
 
-/* A prefix longer than the whole capacity leaves the earlier detail's
- * reason at the end. */
+/* A prefix longer than the whole capacity (1500 and 9000 bytes) leaves
+ * the earlier detail's reason at the end. */
 Test(status, a_long_prefix_keeps_the_detail) {
-    moe_error(MOE_ERR_IO, "write failed: No space left on device");
-    char dir[1501];
-    memset(dir, 'd', 1500);
-    dir[1500] = '\0';
-    moe_error_prefix(MOE_ERR_IO, "%s/model.safetensors: ", dir);
-    const char *e = moe_last_error();
-    cr_expect(strlen(e) <= MOE_ERROR_BYTES - 1);
-    cr_expect(strncmp(e, "dddd", 4) == 0, "head: %.20s", e);
-    cr_expect(ends_with(e, "model.safetensors: write failed: No space left on device"), "tail: %s",
-              e + strlen(e) - 60);
+    static const size_t lengths[] = {1500, 9000};
+    for (size_t i = 0; i < sizeof lengths / sizeof lengths[0]; i++) {
+        moe_error(MOE_ERR_IO, "write failed: No space left on device");
+        char *dir = malloc(lengths[i] + 1);
+        cr_assert(dir);
+        memset(dir, 'd', lengths[i]);
+        dir[lengths[i]] = '\0';
+        moe_error_prefix(MOE_ERR_IO, "%s/model.safetensors: ", dir);
+        const char *e = moe_last_error();
+        cr_expect(strlen(e) <= MOE_ERROR_BYTES - 1);
+        cr_expect(strncmp(e, "dddd", 4) == 0, "head: %.20s", e);
+        cr_expect(ends_with(e, "model.safetensors: write failed: No space left on device"), "%zu-byte prefix, tail: %s",
+                  lengths[i], e + strlen(e) - 60);
+        free(dir);
+    }
 }

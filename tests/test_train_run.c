@@ -755,9 +755,6 @@ Test(train_run, resume_with_more_steps_reads_the_checkpoints_stream, .init = mak
     cr_expect_str_eq(state_meta(value, "ten/step-000010/train_state.safetensors", "data_tokens"), "641");
 }
 
-/* Old checkpoints (without the stream's length) resume as they always did:
- * at the length of this run, right when --steps is the one they were
- * written with, which a warning says. */
 /* Rewrites a train_state.safetensors without the metadata keys in drop
  * (NULL-terminated) and with set_key's value replaced by set_value (set_key
  * NULL: none). Returns how many keys it dropped or replaced. */
@@ -796,6 +793,10 @@ static int64_t rewrite_state_metadata(const char *path, const char *const *drop,
     return changed;
 }
 
+/* Old checkpoints (without the stream's length) resume as they always did:
+ * at the length of this run, right when --steps is the one they were
+ * written with, which a warning says; one whose shuffled position falls
+ * between this run's batches is refused up front. */
 Test(train_run, resume_of_a_checkpoint_without_its_stream, .init = make_tmp, .fini = remove_tmp) {
     char cfg[512], out[2][512], resume[512], path[512];
     moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE), tmp_path(out[0], "straight"));
@@ -816,7 +817,7 @@ Test(train_run, resume_of_a_checkpoint_without_its_stream, .init = make_tmp, .fi
     run_ok(&o, &v);
     cr_assert_eq(v.steps, 5);
     expect_same_checkpoints("straight/step-000010", "resumed/step-000010", "10 steps against an old 5 + 5");
-    cr_expect(v.warnings == 1 && strstr(v.warning, "--steps 10"), "warnings %d: %s", v.warnings, v.warning);
+    cr_expect(v.warnings == 1 && strstr(v.warning, "--steps (10 here)"), "warnings %d: %s", v.warnings, v.warning);
 
     /* Its shuffled position (5 batches of 4 rows) falls between two batches
      * of 3 rows: refused up front, not at the first step after the run's
@@ -866,6 +867,8 @@ Test(train_run, resume_refuses_another_stream, .init = make_tmp, .fini = remove_
     o.batch_size = 4;
     o.resume = tmp_path(resume, "ordered/step-000002");
     expect_refused(&o, "an ordered checkpoint with --shuffle", (const char *const[]){"--shuffle", NULL});
+    o.batch_size = 3; /* its position is between two of these batches: the cause is still --shuffle */
+    expect_refused(&o, "an ordered checkpoint with --shuffle and another batch", (const char *const[]){"--shuffle", NULL});
 }
 
 /* A recorded synthetic stream shorter than one batch (only an edited or
