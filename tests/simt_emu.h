@@ -8,10 +8,12 @@
  * What a kernel may use: threadIdx, blockIdx, blockDim, gridDim,
  * __syncthreads, __syncwarp, __shfl_sync and __shfl_xor_sync (with every
  * lane of the warp taking part), moe_warp_sum, moe_warp_max, atomicAdd on
- * ints, moe_mma_bf16 (its fragment layouts are those of the PTX ISA,
- * rebuilt here from the 32 lanes' registers), and bf16 conversions that
- * round to nearest even as the device does. Slow, and meant for small
- * sizes. */
+ * ints, MOE_DYNAMIC_SHARED, moe_cp_async16 and its commit and wait,
+ * moe_ldmatrix_x4 and moe_mma_bf16 (their fragment layouts are those of the
+ * PTX ISA, rebuilt here from the 32 lanes' registers), float2, and bf16
+ * conversions that round to nearest even as the device does. Dynamic
+ * shared memory starts as 0xFF bytes (NaN as floats, bf16 or fp32), so a
+ * read before a write shows. Slow, and meant for small sizes. */
 #ifndef MOE_TESTS_SIMT_EMU_H
 #define MOE_TESTS_SIMT_EMU_H
 
@@ -45,6 +47,10 @@ inline dim3 blockDim, gridDim;
 struct __nv_bfloat16 {
     uint16_t bits;
 };
+struct float2 {
+    float x, y;
+};
+inline float2 make_float2(float x, float y) { return {x, y}; }
 struct __nv_bfloat162 {
     __nv_bfloat16 x, y;
 };
@@ -71,6 +77,7 @@ inline float __expf(float x) { return expf(x); }
 
 /* What the threads of the running block share. */
 struct emu_block {
+    std::vector<unsigned char> dynamic_shared; /* the launch's, 0xFF before the kernel runs */
     std::barrier<> *block;
     std::vector<std::barrier<> *> warp;
     std::vector<uint64_t> lane_bits;   /* [warps * 32] shuffled values */
@@ -114,6 +121,32 @@ template <int G = 32> float moe_warp_max(float v) {
 
 inline int atomicAdd(int *p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
 
+#define MOE_DYNAMIC_SHARED(type, name) type *name = (type *)emu_running->dynamic_shared.data()
+
+/* cp.async copies at once here: the kernel's barriers after its waits are
+ * what order them on the device too. */
+inline void moe_cp_async16(void *dst, const void *src, int src_bytes) {
+    unsigned char bytes[16] = {0};
+    if (src_bytes > 0) memcpy(bytes, src, (size_t)src_bytes);
+    memcpy(dst, bytes, sizeof bytes);
+}
+inline void moe_cp_async_commit() {}
+template <int N> void moe_cp_async_wait() {}
+
+/* ldmatrix .x4: lanes 8i .. 8i + 7 name the rows of matrix i; lane l gets
+ * the pair at row l / 4, columns 2 (l % 4) of each. */
+inline void moe_ldmatrix_x4(uint32_t *r, const void *row) {
+    uint64_t *lanes = &emu_running->lane_bits[emu_warp() * 32];
+    const uint64_t mine = (uint64_t)(uintptr_t)row;
+    lanes[emu_lane()] = mine;
+    __syncwarp();
+    for (int i = 0; i < 4; i++) {
+        const unsigned char *p = (const unsigned char *)(uintptr_t)lanes[8 * i + emu_lane() / 4];
+        memcpy(&r[i], p + 4 * (emu_lane() % 4), sizeof r[i]);
+    }
+    __syncwarp();
+}
+
 /* c [16x8] += a [16x16] b [16x8], bf16 products summed in fp32 (in an
  * order of its own, as the tensor cores have theirs). */
 inline void moe_mma_bf16(float *c, const uint32_t *a, const uint32_t *b) {
@@ -147,9 +180,9 @@ inline void moe_mma_bf16(float *c, const uint32_t *a, const uint32_t *b) {
 }
 
 /* kernel() as a launch over grid with threads per block (a multiple of
- * 32): kernel is a callable that calls the __global__ function with its
- * arguments. */
-template <typename Kernel> void emu_launch(dim3 grid, int threads, Kernel kernel) {
+ * 32) and shared_bytes of dynamic shared memory: kernel is a callable that
+ * calls the __global__ function with its arguments. */
+template <typename Kernel> void emu_launch(dim3 grid, int threads, Kernel kernel, size_t shared_bytes = 0) {
     gridDim = grid;
     blockDim = dim3{(unsigned)threads, 1, 1};
     const int warps = threads / 32;
@@ -159,6 +192,7 @@ template <typename Kernel> void emu_launch(dim3 grid, int threads, Kernel kernel
                 std::barrier<> block(threads);
                 std::deque<std::barrier<>> warp_barriers; /* barriers do not move */
                 emu_block shared;
+                shared.dynamic_shared.assign(shared_bytes, 0xFF);
                 shared.block = &block;
                 for (int w = 0; w < warps; w++) {
                     warp_barriers.emplace_back(32);

@@ -156,6 +156,33 @@ __device__ __forceinline__ void moe_mma_bf16(float *c, const uint32_t *a, const 
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+/* The dynamic shared memory of a launch, as an array of type. */
+#define MOE_DYNAMIC_SHARED(type, name) extern __shared__ __align__(16) type name[]
+
+/* 16 bytes global -> shared, asynchronously (sm_80 and up); src_bytes 0
+ * writes zeros and reads nothing. Complete after moe_cp_async_commit and a
+ * moe_cp_async_wait<N> that leaves at most N newer groups in flight. */
+__device__ __forceinline__ void moe_cp_async16(void *dst_shared, const void *src, int src_bytes) {
+    const uint32_t dst = (uint32_t)__cvta_generic_to_shared(dst_shared);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+
+__device__ __forceinline__ void moe_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N> __device__ __forceinline__ void moe_cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+/* Four 8 x 8 matrices of b16 from shared memory: lanes 8i .. 8i + 7 name
+ * the rows of matrix i, and lane l gets r[i] = its row l / 4, columns
+ * 2 (l % 4) and 2 (l % 4) + 1 (the mma fragments' layout). */
+__device__ __forceinline__ void moe_ldmatrix_x4(uint32_t *r, const void *row_shared) {
+    const uint32_t addr = (uint32_t)__cvta_generic_to_shared(row_shared);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
 /* Sum over a block whose size is a multiple of 32 (at most 1024), in a
  * fixed tree order: the same bits on every run. Every thread gets the
  * result. shared holds 32 values; the call ends with a barrier so shared can
