@@ -87,6 +87,7 @@ template <typename OutT> void check(const std::vector<int64_t> &rows, int64_t n,
 Test(grouped_mma_emulated, matches_the_exact_product) {
     check<float>({0, 150, 37}, 136, 40, 1e-5);
     check<float>({128, 1}, 24, 64, 1e-5);
+    check<float>({40, 9}, 264, 16, 1e-5); /* two column tiles, the second ragged */
     check<__nv_bfloat16>({0, 150, 37}, 136, 40, 1e-2);
     check<__nv_bfloat16>({3, 0, 130}, 8, 8, 1e-2);
 }

@@ -2,14 +2,17 @@
  * bf16 in, fp32 accumulate; sm_80 and up) that reads each expert's row
  * range from device memory, so routing never waits for the host.
  *
- * Work is cut into 128x128 output tiles. A tiny kernel scans the experts'
- * row counts into tile_offsets (expert e owns m-tiles [tile_offsets[e],
- * tile_offsets[e+1])); the main grid has one x-slot per m-tile the worst
- * case can need (ceil(max_rows / 128) + E), and slots past the real count
- * return at once. A block finds its expert by binary search, then streams
- * 32-wide k-slices of its A rows and of the expert's B rows through three
- * shared-memory stages with cp.async (zero-filled past the edges), and
- * eight warps each compute a 64x32 piece with ldmatrix + mma.sync.
+ * Work is cut into 128x256 output tiles (BM x BN). A tiny kernel scans the
+ * experts' row counts into tile_offsets (expert e owns m-tiles
+ * [tile_offsets[e], tile_offsets[e+1])); the main grid has one x-slot per
+ * m-tile the worst case can need (ceil(max_rows / BM) + E), and slots past
+ * the real count return at once. A block finds its expert by binary
+ * search, then streams 32-wide k-slices of its A rows and of the expert's
+ * B rows through three shared-memory stages with cp.async (zero-filled
+ * past the edges; 90 KB, within the opt-in of every sm_80+ part), and
+ * eight warps each compute a 64x64 piece with ldmatrix + mma.sync (a 64x32
+ * piece on 128x128 tiles measured 0.32-0.34 of dense cuBLASLt on an H200:
+ * the wider warp tile uses each A fragment for twice the mma).
  *
  * It uses none of Hopper's own instructions (wgmma, TMA): on an H100/H200
  * it runs on the sm_80 path, which is the gap to cuBLASLt's sm_90 kernels. */

@@ -7,10 +7,20 @@
 #define MOE_KERNELS_CUDA_GROUPED_MMA_KERNELS_CUH
 
 #define BM 128
-#define BN 128
+#define BN 256
 #define BK 32
 #define STAGES 3
 #define THREADS 256
+/* Eight warps in a 2 x 4 grid of WARP_M x WARP_N tiles: per 16-wide
+ * k-step a warp loads 4 A and WARP_N / 16 B fragments (ldmatrix x4) for
+ * 4 x WARP_N / 8 mma. */
+#define WARP_M (BM / 2)
+#define WARP_N (BN / 4)
+#define MI (WARP_M / 16)
+#define NI (WARP_N / 8)
+/* 16-byte chunks (8 bf16) of A and of B a thread moves per stage. */
+#define A_CHUNKS (BM * BK / 8 / THREADS)
+#define B_CHUNKS (BN * BK / 8 / THREADS)
 /* Shared rows of 40 bf16 (80 bytes): the 8 rows one ldmatrix phase reads
  * land in 8 different 16-byte bank groups. */
 #define SMEM_LD (BK + 8)
@@ -64,27 +74,33 @@ static __global__ void __launch_bounds__(THREADS)
     const __nv_bfloat16 *b_tile = b + ((int64_t)e * n + n0) * k; /* [<= BN, k] */
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int wm = warp >> 2, wn = warp & 3; /* a 2 x 4 grid of 64 x 32 warp tiles */
+    const int wm = warp >> 2, wn = warp & 3; /* the warp's tile in the 2 x 4 grid */
     const int ktiles = (int)((k + BK - 1) / BK);
 
-    /* Each thread moves two 16-byte chunks of A and two of B per stage. */
+    /* Chunk q of a stage is row q / (BK / 8), columns (q % (BK / 8)) 8 on. */
     auto load_stage = [&](int slot, int kt) {
         __nv_bfloat16 *sa = mma_shared + slot * STAGE_ELEMS, *sb = sa + BM * SMEM_LD;
 #pragma unroll
-        for (int i = 0; i < 2; i++) {
-            const int q = tid + i * THREADS, r = q >> 2, kc = (q & 3) * 8;
+        for (int i = 0; i < A_CHUNKS; i++) {
+            const int q = tid + i * THREADS, r = q / (BK / 8), kc = (q % (BK / 8)) * 8;
             const int64_t kk = (int64_t)kt * BK + kc;
-            const bool a_ok = r < rows && kk < k, b_ok = n0 + r < n && kk < k;
-            moe_cp_async16(sa + r * SMEM_LD + kc, a_ok ? a_tile + r * k + kk : a, a_ok ? 16 : 0);
-            moe_cp_async16(sb + r * SMEM_LD + kc, b_ok ? b_tile + r * k + kk : b, b_ok ? 16 : 0);
+            const bool ok = r < rows && kk < k;
+            moe_cp_async16(sa + r * SMEM_LD + kc, ok ? a_tile + r * k + kk : a, ok ? 16 : 0);
+        }
+#pragma unroll
+        for (int i = 0; i < B_CHUNKS; i++) {
+            const int q = tid + i * THREADS, r = q / (BK / 8), kc = (q % (BK / 8)) * 8;
+            const int64_t kk = (int64_t)kt * BK + kc;
+            const bool ok = n0 + r < n && kk < k;
+            moe_cp_async16(sb + r * SMEM_LD + kc, ok ? b_tile + r * k + kk : b, ok ? 16 : 0);
         }
     };
 
-    float acc[4][4][4];
+    float acc[MI][NI][4];
 #pragma unroll
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < MI; i++)
 #pragma unroll
-        for (int j = 0; j < 4; j++)
+        for (int j = 0; j < NI; j++)
 #pragma unroll
             for (int v = 0; v < 4; v++) acc[i][j][v] = 0.0f;
 
@@ -104,15 +120,15 @@ static __global__ void __launch_bounds__(THREADS)
         const __nv_bfloat16 *sb = sa + BM * SMEM_LD;
 #pragma unroll
         for (int ks = 0; ks < BK; ks += 16) {
-            uint32_t af[4][4], bf[4][2];
+            uint32_t af[MI][4], bf[NI][2];
 #pragma unroll
-            for (int mi = 0; mi < 4; mi++) {
-                const int r = wm * 64 + mi * 16 + (lane & 15), col = ks + (lane >> 4) * 8;
+            for (int mi = 0; mi < MI; mi++) {
+                const int r = wm * WARP_M + mi * 16 + (lane & 15), col = ks + (lane >> 4) * 8;
                 moe_ldmatrix_x4(af[mi], sa + r * SMEM_LD + col);
             }
 #pragma unroll
-            for (int nj = 0; nj < 2; nj++) {
-                const int r = wn * 32 + nj * 16 + (lane & 7) + ((lane >> 4) << 3);
+            for (int nj = 0; nj < NI / 2; nj++) {
+                const int r = wn * WARP_N + nj * 16 + (lane & 7) + ((lane >> 4) << 3);
                 const int col = ks + ((lane >> 3) & 1) * 8;
                 uint32_t t[4];
                 moe_ldmatrix_x4(t, sb + r * SMEM_LD + col);
@@ -120,19 +136,19 @@ static __global__ void __launch_bounds__(THREADS)
                 bf[2 * nj + 1][0] = t[2], bf[2 * nj + 1][1] = t[3];
             }
 #pragma unroll
-            for (int mi = 0; mi < 4; mi++)
+            for (int mi = 0; mi < MI; mi++)
 #pragma unroll
-                for (int ni = 0; ni < 4; ni++) moe_mma_bf16(acc[mi][ni], af[mi], bf[ni]);
+                for (int ni = 0; ni < NI; ni++) moe_mma_bf16(acc[mi][ni], af[mi], bf[ni]);
         }
     }
     moe_cp_async_wait<0>();
 
 #pragma unroll
-    for (int mi = 0; mi < 4; mi++)
+    for (int mi = 0; mi < MI; mi++)
 #pragma unroll
-        for (int ni = 0; ni < 4; ni++) {
-            const int r = wm * 64 + mi * 16 + (lane >> 2);
-            const int64_t col = n0 + wn * 32 + ni * 8 + 2 * (lane & 3);
+        for (int ni = 0; ni < NI; ni++) {
+            const int r = wm * WARP_M + mi * 16 + (lane >> 2);
+            const int64_t col = n0 + wn * WARP_N + ni * 8 + 2 * (lane & 3);
             if (r < rows)
                 store_pair(c + (row0 + r) * n + col, col, n, acc[mi][ni][0], acc[mi][ni][1]);
             if (r + 8 < rows)
