@@ -1,9 +1,10 @@
-/* test_gate_emulated.cpp: the CUDA gating forward of
+/* test_gate_emulated.cpp: the CUDA gating pass of
  * kernels/cuda/gate_kernels.cuh, run on the CPU by tests/simt_emu.h,
- * against the CPU backend's gate: the same experts in the same slots, the
- * same weights, probabilities and logsumexps to fp32 rounding, and the
- * chunk statistics the totals are summed from. test_cuda_ops checks the
- * same on a device, with the totals. */
+ * against the CPU backend's gate: forward, the same experts in the same
+ * slots, the same weights, probabilities and logsumexps to fp32 rounding,
+ * and the chunk statistics the totals are summed from; backward, the
+ * logits' gradients. test_cuda_ops checks the same on a device, with the
+ * totals. */
 #include <criterion/criterion.h>
 
 #include <cmath>
@@ -130,6 +131,40 @@ void check(const gate_case &c) {
     }
 }
 
+/* The backward of the same case: dlogits against the CPU's, from the
+ * CPU forward's choices and weights, random weight gradients, an aux
+ * gradient and the z term. */
+void check_backward(const gate_case &c) {
+    const int64_t T = c.T, E = c.E, k = c.k;
+    const int64_t chunks = (T + MOE_GATE_CHUNK_TOKENS - 1) / MOE_GATE_CHUNK_TOKENS;
+    lcg r{(uint64_t)(E * 977 + k * 13 + T)};
+    std::vector<float> logits((size_t)(T * E)), dweights((size_t)(T * k)), aux((size_t)E);
+    for (float &x : logits) x = 3.0f * r.next();
+    for (float &x : dweights) x = r.next();
+    for (float &x : aux) x = 0.01f * r.next();
+    const moe_gate_params p = {E, k, c.kind, c.renormalize};
+    std::vector<int32_t> idx((size_t)(T * k));
+    std::vector<float> w((size_t)(T * k)), prob((size_t)(T * E)), lse((size_t)T);
+    std::vector<int64_t> assigned((size_t)E);
+    std::vector<double> prob_sum((size_t)E), z_sum(1), rows((size_t)(chunks * (2 * E + 1)));
+    moe_gate_totals totals = {assigned.data(), prob_sum.data(), z_sum.data(), rows.data()};
+    const moe_ops *cpu = moe_cpu_ops();
+    cpu->gate_forward(idx.data(), w.data(), prob.data(), lse.data(), &totals, logits.data(), nullptr, &p, T);
+    const float z_coef_over_T = 0.001f / (float)T;
+    std::vector<float> dl((size_t)(T * E)), e_dl((size_t)(T * E), NAN);
+    cpu->gate_backward(dl.data(), dweights.data(), idx.data(), w.data(), prob.data(), lse.data(), logits.data(),
+                       aux.data(), z_coef_over_T, &p, T);
+    emu_launch(
+        dim3{(unsigned)((T + GATE_WARPS - 1) / GATE_WARPS), 1, 1}, GATE_WARPS * 32,
+        [&] {
+            gate_backward_kernel(e_dl.data(), dweights.data(), idx.data(), w.data(), prob.data(), lse.data(),
+                                 logits.data(), aux.data(), z_coef_over_T, T, (int)E, (int)k, c.kind,
+                                 c.renormalize);
+        },
+        (size_t)(GATE_WARPS * 2 * E) * sizeof(float));
+    expect_close(c, "dlogits", e_dl.data(), dl.data(), dl.size());
+}
+
 } // namespace
 
 /* Every kind, with and without renormalisation and bias; ties, experts
@@ -155,4 +190,17 @@ Test(gate_emulated, matches_the_cpu_gate) {
         {1, 1, 3, MOE_GATE_SOFTMAX_TOPK, true, false, gate_case::PLAIN},
     };
     for (const gate_case &c : cases) check(c);
+}
+
+/* Every kind, renormalised or not, a warp per token: E up to 300 (several
+ * experts a lane), k up to 8, T not a multiple of the warps a block has. */
+Test(gate_emulated, backward_matches_the_cpu_gate) {
+    const gate_case cases[] = {
+        {8, 2, 37, MOE_GATE_SOFTMAX_TOPK, true, false, gate_case::PLAIN},
+        {8, 2, 37, MOE_GATE_SOFTMAX_TOPK, false, false, gate_case::PLAIN},
+        {64, 6, 21, MOE_GATE_TOPK_SOFTMAX, true, false, gate_case::PLAIN},
+        {40, 3, 19, MOE_GATE_SIGMOID, true, false, gate_case::PLAIN},
+        {300, 8, 9, MOE_GATE_SOFTMAX_TOPK, true, false, gate_case::PLAIN},
+    };
+    for (const gate_case &c : cases) check_backward(c);
 }

@@ -18,10 +18,6 @@
 
 #include "kernels/cuda/gate_kernels.cuh"
 
-/* Warps per block of the backward: its shared rows of 2E floats per warp
- * stay within the default 48 KB (32 KB at E = MOE_EXPERTS_MAX). */
-#define GATE_WARPS 4
-
 static moe_status check_params(const moe_gate_params *p, int64_t T, const char *op) {
     if (p->n_experts < 1 || p->n_experts > MOE_EXPERTS_MAX || p->top_k < 1 ||
         p->top_k > p->n_experts || T < 0)
@@ -96,76 +92,6 @@ extern "C" moe_status moe_cuda_gate_forward(int32_t *topk_idx, float *topk_w, fl
 }
 
 /* --------------------------------------------------------------- backward */
-
-static __global__ void gate_backward_kernel(float *dlogits, const float *dweights,
-                                            const int32_t *topk_idx, const float *topk_w,
-                                            const float *prob, const float *lse,
-                                            const float *logits, const float *aux_grad,
-                                            float z_coef_over_T, int64_t T, int E, int k,
-                                            moe_gate_kind kind, bool renormalize) {
-    extern __shared__ float gate_shared[];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    float *dr = gate_shared + warp * 2 * E; /* [E] d(loss)/d(prob), then d/ds for sigmoid */
-    float *dl = dr + E;                     /* [E] d(loss)/d(logits) */
-
-    for (int64_t t = blockIdx.x * (int64_t)GATE_WARPS + warp; t < T;
-         t += (int64_t)gridDim.x * GATE_WARPS) {
-        const float *l = logits + t * E, *r = prob + t * E, *dw = dweights + t * k;
-        const float *w = topk_w + t * k;
-        const int32_t *idx = topk_idx + t * k;
-        for (int e = lane; e < E; e += 32) {
-            dr[e] = aux_grad ? aux_grad[e] : 0.0f;
-            dl[e] = 0.0f;
-        }
-        /* Sums over the k slots run in slot order in every lane, as on the
-         * CPU; k is small. */
-        float dot = 0.0f;
-        for (int j = 0; j < k; j++) dot += w[j] * dw[j];
-        __syncwarp();
-
-        /* The k chosen experts are distinct, so lanes own distinct slots. */
-        if (kind == MOE_GATE_SOFTMAX_TOPK) {
-            float chosen = 0.0f;
-            for (int j = 0; j < k; j++) chosen += r[idx[j]];
-            for (int j = lane; j < k; j += 32)
-                dr[idx[j]] += renormalize ? (dw[j] - dot) / chosen : dw[j];
-        } else if (kind == MOE_GATE_TOPK_SOFTMAX) {
-            for (int j = lane; j < k; j += 32) dl[idx[j]] += w[j] * (dw[j] - dot);
-        }
-        __syncwarp();
-
-        if (kind == MOE_GATE_SIGMOID) {
-            float s_all = 0.0f, dr_r = 0.0f, s_chosen = 0.0f;
-            for (int e = lane; e < E; e += 32) {
-                s_all += moe_sigmoidf(l[e]);
-                dr_r += dr[e] * r[e];
-            }
-            s_all = moe_warp_sum(s_all);
-            dr_r = moe_warp_sum(dr_r);
-            for (int j = 0; j < k; j++) s_chosen += moe_sigmoidf(l[idx[j]]);
-            for (int e = lane; e < E; e += 32) dr[e] = (dr[e] - dr_r) / s_all; /* now ds */
-            __syncwarp();
-            for (int j = lane; j < k; j += 32) dr[idx[j]] += (dw[j] - dot) / s_chosen;
-            __syncwarp();
-            for (int e = lane; e < E; e += 32) {
-                const float s = moe_sigmoidf(l[e]);
-                dl[e] = dr[e] * s * (1.0f - s);
-            }
-        } else {
-            float dr_r = 0.0f;
-            for (int e = lane; e < E; e += 32) dr_r += dr[e] * r[e];
-            dr_r = moe_warp_sum(dr_r);
-            for (int e = lane; e < E; e += 32) dl[e] += r[e] * (dr[e] - dr_r);
-        }
-        const float zg = 2.0f * z_coef_over_T * lse[t];
-        for (int e = lane; e < E; e += 32) {
-            float g = dl[e];
-            if (z_coef_over_T != 0.0f) g += zg * moe_expf(l[e] - lse[t]);
-            dlogits[t * E + e] = g;
-        }
-        __syncwarp(); /* dr and dl are rewritten by the next token */
-    }
-}
 
 extern "C" moe_status moe_cuda_gate_backward(float *dlogits, const float *dweights,
                                              const int32_t *topk_idx, const float *topk_w,

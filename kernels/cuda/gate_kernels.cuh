@@ -1,5 +1,5 @@
-/* gate_kernels.cuh: the device code of the gating pass's forward, which
- * gate.cu launches and describes. It includes nothing: the file that
+/* gate_kernels.cuh: the device code of the gating pass, forward and
+ * backward, which gate.cu launches and describes. It includes nothing: the file that
  * includes it provides the device environment (kernels/cuda/common.cuh and
  * kernels/moe_math.h on a GPU build; tests/simt_emu.h, which runs it on the
  * CPU, in tests/test_gate_emulated.cpp). */
@@ -155,6 +155,80 @@ static __global__ void __launch_bounds__(GATE_THREADS)
         double z = 0.0;
         for (int64_t t = t0; t < t1; t++) z += (double)lse[t] * lse[t];
         row[2 * E] = z;
+    }
+}
+
+/* Warps per block of the backward: its shared rows of 2E floats per warp
+ * stay within the default 48 KB (32 KB at E = MOE_EXPERTS_MAX). */
+#define GATE_WARPS 4
+
+static __global__ void gate_backward_kernel(float *dlogits, const float *dweights,
+                                            const int32_t *topk_idx, const float *topk_w,
+                                            const float *prob, const float *lse,
+                                            const float *logits, const float *aux_grad,
+                                            float z_coef_over_T, int64_t T, int E, int k,
+                                            moe_gate_kind kind, bool renormalize) {
+    MOE_DYNAMIC_SHARED(float, gate_shared);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float *dr = gate_shared + warp * 2 * E; /* [E] d(loss)/d(prob), then d/ds for sigmoid */
+    float *dl = dr + E;                     /* [E] d(loss)/d(logits) */
+
+    for (int64_t t = blockIdx.x * (int64_t)GATE_WARPS + warp; t < T;
+         t += (int64_t)gridDim.x * GATE_WARPS) {
+        const float *l = logits + t * E, *r = prob + t * E, *dw = dweights + t * k;
+        const float *w = topk_w + t * k;
+        const int32_t *idx = topk_idx + t * k;
+        for (int e = lane; e < E; e += 32) {
+            dr[e] = aux_grad ? aux_grad[e] : 0.0f;
+            dl[e] = 0.0f;
+        }
+        /* Sums over the k slots run in slot order in every lane, as on the
+         * CPU; k is small. */
+        float dot = 0.0f;
+        for (int j = 0; j < k; j++) dot += w[j] * dw[j];
+        __syncwarp();
+
+        /* The k chosen experts are distinct, so lanes own distinct slots. */
+        if (kind == MOE_GATE_SOFTMAX_TOPK) {
+            float chosen = 0.0f;
+            for (int j = 0; j < k; j++) chosen += r[idx[j]];
+            for (int j = lane; j < k; j += 32)
+                dr[idx[j]] += renormalize ? (dw[j] - dot) / chosen : dw[j];
+        } else if (kind == MOE_GATE_TOPK_SOFTMAX) {
+            for (int j = lane; j < k; j += 32) dl[idx[j]] += w[j] * (dw[j] - dot);
+        }
+        __syncwarp();
+
+        if (kind == MOE_GATE_SIGMOID) {
+            float s_all = 0.0f, dr_r = 0.0f, s_chosen = 0.0f;
+            for (int e = lane; e < E; e += 32) {
+                s_all += moe_sigmoidf(l[e]);
+                dr_r += dr[e] * r[e];
+            }
+            s_all = moe_warp_sum(s_all);
+            dr_r = moe_warp_sum(dr_r);
+            for (int j = 0; j < k; j++) s_chosen += moe_sigmoidf(l[idx[j]]);
+            for (int e = lane; e < E; e += 32) dr[e] = (dr[e] - dr_r) / s_all; /* now ds */
+            __syncwarp();
+            for (int j = lane; j < k; j += 32) dr[idx[j]] += (dw[j] - dot) / s_chosen;
+            __syncwarp();
+            for (int e = lane; e < E; e += 32) {
+                const float s = moe_sigmoidf(l[e]);
+                dl[e] = dr[e] * s * (1.0f - s);
+            }
+        } else {
+            float dr_r = 0.0f;
+            for (int e = lane; e < E; e += 32) dr_r += dr[e] * r[e];
+            dr_r = moe_warp_sum(dr_r);
+            for (int e = lane; e < E; e += 32) dl[e] += r[e] * (dr[e] - dr_r);
+        }
+        const float zg = 2.0f * z_coef_over_T * lse[t];
+        for (int e = lane; e < E; e += 32) {
+            float g = dl[e];
+            if (z_coef_over_T != 0.0f) g += zg * moe_expf(l[e] - lse[t]);
+            dlogits[t * E + e] = g;
+        }
+        __syncwarp(); /* dr and dl are rewritten by the next token */
     }
 }
 
