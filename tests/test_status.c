@@ -26,6 +26,15 @@ static bool ends_with(const char *s, const char *tail) {
     return n >= m && strcmp(s + n - m, tail) == 0;
 }
 
+/* n copies of c, for the caller to free. */
+static char *repeated(char c, size_t n) {
+    char *s = malloc(n + 1);
+    cr_assert(s);
+    memset(s, c, n);
+    s[n] = '\0';
+    return s;
+}
+
 Test(status, short_messages_are_kept_whole) {
     cr_expect(moe_error(MOE_ERR_CONFIG, "config.json: top_k=%d exceeds %d", 9, 8) == MOE_ERR_CONFIG);
     cr_expect_str_eq(moe_last_error(), "config.json: top_k=9 exceeds 8");
@@ -37,10 +46,7 @@ Test(status, short_messages_are_kept_whole) {
 Test(status, long_messages_keep_their_head_and_tail) {
     static const size_t lengths[] = {2000, 9000};
     for (size_t i = 0; i < sizeof lengths / sizeof lengths[0]; i++) {
-        char *path = malloc(lengths[i] + 1);
-        cr_assert(path);
-        memset(path, 'b', lengths[i]);
-        path[lengths[i]] = '\0';
+        char *path = repeated('b', lengths[i]);
         moe_error(MOE_ERR_IO, "checkpoint %s: cannot open: File name too long", path);
         const char *e = moe_last_error();
         cr_expect(strlen(e) <= MOE_ERROR_BYTES - 1, "length %zu", strlen(e));
@@ -70,10 +76,7 @@ Test(status, a_long_prefix_keeps_the_detail) {
     static const size_t lengths[] = {1500, 9000};
     for (size_t i = 0; i < sizeof lengths / sizeof lengths[0]; i++) {
         moe_error(MOE_ERR_IO, "write failed: No space left on device");
-        char *dir = malloc(lengths[i] + 1);
-        cr_assert(dir);
-        memset(dir, 'd', lengths[i]);
-        dir[lengths[i]] = '\0';
+        char *dir = repeated('d', lengths[i]);
         moe_error_prefix(MOE_ERR_IO, "%s/model.safetensors: ", dir);
         const char *e = moe_last_error();
         cr_expect(strlen(e) <= MOE_ERROR_BYTES - 1);
