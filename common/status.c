@@ -55,26 +55,36 @@ static void set_last_error(const char *text, size_t len) {
     last_error[head + 3 + len - tail] = '\0';
 }
 
-/* prefix (formatted) + detail, whole, then fitted to last_error; short of
- * memory for the whole, as much as fits of it. */
+/* A message up to this long is assembled on the stack; a longer one on the
+ * heap, and when that fails, its prefix is cut (at a character) to leave
+ * room for the detail. */
+#define ERROR_STACK_BYTES (4 * MOE_ERROR_BYTES)
+
+/* prefix (formatted) + detail, whole, then fitted to last_error. */
 static void set_error_v(const char *detail, const char *fmt, va_list ap) {
+    char stack[ERROR_STACK_BYTES];
     va_list again;
     va_copy(again, ap);
-    const int n = vsnprintf(NULL, 0, fmt, again);
+    const int n = vsnprintf(stack, sizeof stack, fmt, again);
     va_end(again);
     const size_t prefix = n > 0 ? (size_t)n : 0, tail = detail ? strlen(detail) : 0;
-    char *text = malloc(prefix + tail + 1);
-    if (!text) {
-        const int w = vsnprintf(last_error, sizeof last_error, fmt, ap);
-        if (detail && w >= 0 && (size_t)w < sizeof last_error)
-            snprintf(last_error + w, sizeof last_error - (size_t)w, "%s", detail);
-        return;
+    char *text = stack;
+    size_t len = prefix;
+    if (prefix + tail >= sizeof stack) {
+        char *heap = malloc(prefix + tail + 1);
+        if (heap) {
+            vsnprintf(heap, prefix + 1, fmt, ap);
+            text = heap;
+        } else {
+            /* tail < MOE_ERROR_BYTES: the detail keeps its place at the end. */
+            len = sizeof stack - 1 - tail < prefix ? sizeof stack - 1 - tail : prefix;
+            while (len > 0 && utf8_continuation(stack[len])) len--;
+        }
     }
-    vsnprintf(text, prefix + 1, fmt, ap);
-    if (tail) memcpy(text + prefix, detail, tail);
-    text[prefix + tail] = '\0';
-    set_last_error(text, prefix + tail);
-    free(text);
+    if (tail) memcpy(text + len, detail, tail);
+    text[len + tail] = '\0';
+    set_last_error(text, len + tail);
+    if (text != stack) free(text);
 }
 
 moe_status moe_error(moe_status status, const char *fmt, ...) {

@@ -8,12 +8,14 @@
  * What a kernel may use: threadIdx, blockIdx, blockDim, gridDim,
  * __syncthreads, __syncwarp, __shfl_sync and __shfl_xor_sync (with every
  * lane of the warp taking part), moe_warp_sum, moe_warp_max, atomicAdd on
- * ints, MOE_DYNAMIC_SHARED, moe_cp_async16 and its commit and wait,
- * moe_ldmatrix_x4 and moe_mma_bf16 (their fragment layouts are those of the
- * PTX ISA, rebuilt here from the 32 lanes' registers), float2, and bf16
- * conversions that round to nearest even as the device does. Dynamic
- * shared memory starts as 0xFF bytes (NaN as floats, bf16 or fp32), so a
- * read before a write shows. Slow, and meant for small sizes. */
+ * ints, MOE_DYNAMIC_SHARED, moe_cp_async16 and its commit and wait (copies
+ * land only when a wait covers them), moe_ldmatrix_x4 and moe_mma_bf16
+ * (their fragment layouts are those of the PTX ISA, rebuilt here from the
+ * 32 lanes' registers), float2, and bf16 conversions that round to nearest
+ * even as the device does. Dynamic shared memory starts as 0xFF bytes (NaN
+ * as floats, bf16 or fp32), so a read before a write shows; cp.async and
+ * ldmatrix must touch 16-byte aligned pieces of it. Slow, and meant for
+ * small sizes. */
 #ifndef MOE_TESTS_SIMT_EMU_H
 #define MOE_TESTS_SIMT_EMU_H
 
@@ -22,6 +24,8 @@
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <thread>
@@ -123,19 +127,60 @@ inline int atomicAdd(int *p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_R
 
 #define MOE_DYNAMIC_SHARED(type, name) type *name = (type *)emu_running->dynamic_shared.data()
 
-/* cp.async copies at once here: the kernel's barriers after its waits are
- * what order them on the device too. */
-inline void moe_cp_async16(void *dst, const void *src, int src_bytes) {
-    unsigned char bytes[16] = {0};
-    if (src_bytes > 0) memcpy(bytes, src, (size_t)src_bytes);
-    memcpy(dst, bytes, sizeof bytes);
+/* A 16-byte access into shared memory must be aligned and inside the
+ * launch's dynamic shared memory (where the kernels keep what cp.async and
+ * ldmatrix touch); anything else stops the test, as it would fault or read
+ * garbage on a device. */
+inline void emu_check_shared16(const void *p, const char *what) {
+    const unsigned char *base = emu_running->dynamic_shared.data(), *b = (const unsigned char *)p;
+    if ((uintptr_t)p % 16 != 0 || b < base || b + 16 > base + emu_running->dynamic_shared.size()) {
+        fprintf(stderr, "simt_emu: %s at %p is not a 16-byte aligned piece of the dynamic shared memory\n", what, p);
+        abort();
+    }
 }
-inline void moe_cp_async_commit() {}
-template <int N> void moe_cp_async_wait() {}
+
+/* cp.async as the device orders it: a copy reads its source when issued
+ * and lands only when a wait covers its group, so a kernel that reads a
+ * stage before waiting for it reads the stage's old bytes here too. */
+struct emu_copy {
+    unsigned char *dst;
+    unsigned char bytes[16];
+};
+inline thread_local std::vector<emu_copy> emu_open_copies;                 /* not committed yet */
+inline thread_local std::deque<std::vector<emu_copy>> emu_committed_copies; /* oldest first */
+
+inline void moe_cp_async16(void *dst, const void *src, int src_bytes) {
+    if (src_bytes != 0 && src_bytes != 16) {
+        fprintf(stderr, "simt_emu: cp.async of %d bytes (the kernels copy 16 or zero-fill)\n", src_bytes);
+        abort();
+    }
+    emu_check_shared16(dst, "cp.async destination");
+    if (src_bytes > 0 && (uintptr_t)src % 16 != 0) {
+        fprintf(stderr, "simt_emu: cp.async source %p is not 16-byte aligned\n", src);
+        abort();
+    }
+    emu_copy c = {(unsigned char *)dst, {0}};
+    if (src_bytes > 0) memcpy(c.bytes, src, 16);
+    emu_open_copies.push_back(c);
+}
+
+inline void moe_cp_async_commit() {
+    emu_committed_copies.push_back(std::move(emu_open_copies));
+    emu_open_copies.clear();
+}
+
+/* Lands every committed group but the newest N. */
+template <int N> void moe_cp_async_wait() {
+    while (emu_committed_copies.size() > (size_t)N) {
+        for (const emu_copy &c : emu_committed_copies.front()) memcpy(c.dst, c.bytes, sizeof c.bytes);
+        emu_committed_copies.pop_front();
+    }
+}
 
 /* ldmatrix .x4: lanes 8i .. 8i + 7 name the rows of matrix i; lane l gets
  * the pair at row l / 4, columns 2 (l % 4) of each. */
 inline void moe_ldmatrix_x4(uint32_t *r, const void *row) {
+    emu_check_shared16(row, "ldmatrix row");
     uint64_t *lanes = &emu_running->lane_bits[emu_warp() * 32];
     const uint64_t mine = (uint64_t)(uintptr_t)row;
     lanes[emu_lane()] = mine;
