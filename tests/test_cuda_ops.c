@@ -1179,11 +1179,12 @@ Test(cuda, rope_attention) {
     expect_dev("attention_forward out", d_out, out, nq, TOL_F32);
     expect_dev("attention_forward att", d_att, att, na, TOL_F32);
 
-    /* bf16 math: the fused kernels (hd 16 and 64, a ragged last tile,
+    /* bf16 math: the fused kernels (hd 16, 64 and 128, a ragged last tile,
      * grouped kv heads) and the tensor-core GEMMs of the batched path
      * (hd 8, which the fused kernels do not take). */
     check_attention_bf16(2, 40, 4, 2, 16, &rng);
     check_attention_bf16(1, 130, 4, 2, 64, &rng);
+    check_attention_bf16(1, 150, 2, 1, 128, &rng);
     check_attention_bf16(2, 40, 4, 2, 8, &rng);
 
     float *dout = rnd(nq, &rng, -1, 1);

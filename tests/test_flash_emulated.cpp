@@ -109,10 +109,12 @@ template <int HD> void check(const shape &s) {
 } // namespace
 
 /* One query tile, T just past hd; several tiles with a ragged last one;
- * grouped kv heads (2 and 4 query heads a kv head) and a batch. */
+ * grouped kv heads (2 and 4 query heads a kv head) and a batch; every head
+ * size the kernels take. */
 Test(flash_emulated, matches_the_cpu_attention) {
     check<16>({1, 17, 1, 1, 16});
     check<16>({1, 40, 2, 1, 16});
     check<32>({2, 70, 2, 2, 32});
     check<64>({1, 130, 4, 2, 64});
+    check<128>({1, 150, 2, 1, 128}); /* tiles of 32 keys or queries */
 }

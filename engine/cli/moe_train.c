@@ -84,7 +84,7 @@ static void print_help(void) {
            "  --gemm-math M        fp32 (default): GPU GEMMs in plain fp32; tf32, bf16: the\n"
            "                       tensor cores, inputs rounded inside each GEMM, fp32 sums;\n"
            "                       bf16 also keeps the experts' operands and activations in\n"
-           "                       bf16 and fuses attention (head sizes 16, 32, 64)\n"
+           "                       bf16 and fuses attention (head sizes 16 to 128)\n"
            "  --threads N          OpenMP (and OpenBLAS) threads; 0 = OpenMP's default:\n"
            "                       OMP_NUM_THREADS, else every core (default)\n"
            "  --peak-gflops X      the MFU denominator; 0 = measure the device's GEMM in\n"

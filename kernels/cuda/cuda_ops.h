@@ -304,7 +304,7 @@ moe_status moe_cuda_rope_backward(float *dx, const float *cos_t, const float *si
                                   int64_t T, int64_t H, int64_t hd, moe_cuda_ctx *ctx);
 /* Under bf16 math, attention runs fused (flash_attention.cu: no T x T
  * scores in device memory) for the sizes moe_cuda_attention_fused accepts:
- * a head size of 16, 32 or 64 and T > hd. att then holds the kernels' own
+ * a head size of 16, 32, 64 or 128 and T > hd. att then holds the kernels' own
  * state (the rows' log-sum-exp, then a copy of out), not the
  * probabilities; datt is the backward's scratch. A context set to
  * MOE_CUDA_ATTENTION_BATCHED (moe-bench attention's baseline) runs the

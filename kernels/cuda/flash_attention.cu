@@ -3,9 +3,9 @@
  * sums), so the T x T scores never reach device memory.
  *
  * Every kernel runs four warps over a block of 64 rows, 16 a warp, and
- * streams the other side through shared memory in tiles of 64, converting
- * fp32 to bf16 as it loads. The forward keeps each query row's running
- * maximum and sum. The backward recomputes the probabilities from the saved
+ * streams the other side through shared memory in tiles of 64 rows (32 at
+ * a head size of 128), converting fp32 to bf16 as it loads. The forward
+ * keeps each query row's running maximum and sum. The backward recomputes the probabilities from the saved
  * log-sum-exp: one kernel for dk and dv per block of keys, looping over the
  * query heads of its group and the query tiles at or past its keys; one
  * for dq per block of queries. Each output element has one owner, so the
@@ -25,7 +25,7 @@
 extern "C" bool moe_cuda_attention_fused(int64_t T, int64_t Hq, int64_t hd,
                                          const moe_cuda_ctx *ctx) {
     return ctx->attention_path == MOE_CUDA_ATTENTION_AUTO && ctx->math == MOE_CUDA_MATH_BF16 &&
-           (hd == 16 || hd == 32 || hd == 64) && T > hd && Hq <= 65535;
+           (hd == 16 || hd == 32 || hd == 64 || hd == 128) && T > hd && Hq <= 65535;
 }
 
 /* Blocks (row blocks, heads, batch): B and the head count stay within
@@ -50,15 +50,18 @@ moe_status moe_cuda_flash_forward(float *out, float *att, const float *q, const 
     const float scale = 1.0f / sqrtf((float)hd);
     const dim3 grid = fa_grid(T, Hq, B);
     const int threads = FA_WARPS * 32;
+#define FA_FORWARD(HD)                                                                             \
+    flash_forward_kernel<HD><<<grid, threads, 0, ctx->stream>>>(out, lse, out_copy, q, k, v, T, Hq, \
+                                                                Hkv, scale)
     if (hd == 16)
-        flash_forward_kernel<16><<<grid, threads, 0, ctx->stream>>>(out, lse, out_copy, q, k, v, T,
-                                                                     Hq, Hkv, scale);
+        FA_FORWARD(16);
     else if (hd == 32)
-        flash_forward_kernel<32><<<grid, threads, 0, ctx->stream>>>(out, lse, out_copy, q, k, v, T,
-                                                                     Hq, Hkv, scale);
+        FA_FORWARD(32);
+    else if (hd == 64)
+        FA_FORWARD(64);
     else
-        flash_forward_kernel<64><<<grid, threads, 0, ctx->stream>>>(out, lse, out_copy, q, k, v, T,
-                                                                     Hq, Hkv, scale);
+        FA_FORWARD(128);
+#undef FA_FORWARD
     MOE_CUDA_CHECK(cudaGetLastError());
     return MOE_OK;
 }
@@ -77,22 +80,22 @@ moe_status moe_cuda_flash_backward(float *dq, float *dk, float *dv, float *datt,
     MOE_CUDA_CHECK(cudaGetLastError());
     const int threads = FA_WARPS * 32;
     const dim3 kv_grid = fa_grid(T, Hkv, B), q_grid = fa_grid(T, Hq, B);
-    if (hd == 16) {
-        flash_dkdv_kernel<16><<<kv_grid, threads, 0, ctx->stream>>>(dk, dv, q, k, v, dout, lse, D,
-                                                                     T, Hq, Hkv, scale);
-        flash_dq_kernel<16><<<q_grid, threads, 0, ctx->stream>>>(dq, q, k, v, dout, lse, D, T, Hq,
-                                                                  Hkv, scale);
-    } else if (hd == 32) {
-        flash_dkdv_kernel<32><<<kv_grid, threads, 0, ctx->stream>>>(dk, dv, q, k, v, dout, lse, D,
-                                                                     T, Hq, Hkv, scale);
-        flash_dq_kernel<32><<<q_grid, threads, 0, ctx->stream>>>(dq, q, k, v, dout, lse, D, T, Hq,
-                                                                  Hkv, scale);
-    } else {
-        flash_dkdv_kernel<64><<<kv_grid, threads, 0, ctx->stream>>>(dk, dv, q, k, v, dout, lse, D,
-                                                                     T, Hq, Hkv, scale);
-        flash_dq_kernel<64><<<q_grid, threads, 0, ctx->stream>>>(dq, q, k, v, dout, lse, D, T, Hq,
-                                                                  Hkv, scale);
-    }
+#define FA_BACKWARD(HD)                                                                            \
+    do {                                                                                           \
+        flash_dkdv_kernel<HD><<<kv_grid, threads, 0, ctx->stream>>>(dk, dv, q, k, v, dout, lse, D, \
+                                                                    T, Hq, Hkv, scale);            \
+        flash_dq_kernel<HD><<<q_grid, threads, 0, ctx->stream>>>(dq, q, k, v, dout, lse, D, T, Hq, \
+                                                                 Hkv, scale);                      \
+    } while (0)
+    if (hd == 16)
+        FA_BACKWARD(16);
+    else if (hd == 32)
+        FA_BACKWARD(32);
+    else if (hd == 64)
+        FA_BACKWARD(64);
+    else
+        FA_BACKWARD(128);
+#undef FA_BACKWARD
     MOE_CUDA_CHECK(cudaGetLastError());
     return MOE_OK;
 }

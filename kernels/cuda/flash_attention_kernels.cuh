@@ -8,10 +8,12 @@
 
 #define FA_WARPS 4
 #define FA_ROWS (16 * FA_WARPS) /* rows a block owns: queries (forward, dq) or keys (dk, dv) */
-#define FA_TILE 64              /* the streamed side's rows per tile */
 #define FA_PAD 8                /* bf16 past each shared row: conflict-free fragment loads */
 
-static_assert(FA_ROWS == FA_TILE, "the dk/dv kernel stages its keys in a tile's buffer");
+/* The streamed side's rows per tile: 64, or 32 at a head size of 128, so
+ * that a block's tiles stay within the 48 KB of static shared memory and
+ * its fragments and sums within the registers. */
+#define FA_TILE(hd) ((hd) <= 64 ? 64 : 32)
 
 template <int W> using bf16_rows = __nv_bfloat16 (*)[W];
 
@@ -147,9 +149,10 @@ template <int HD>
 static __global__ void __launch_bounds__(FA_WARPS * 32)
     flash_forward_kernel(float *out, float *lse, float *out_copy, const float *q, const float *k,
                          const float *v, int64_t T, int64_t Hq, int64_t Hkv, float scale) {
+    constexpr int TILE = FA_TILE(HD);
     __shared__ __nv_bfloat16 sq[FA_ROWS][HD + FA_PAD];
-    __shared__ __nv_bfloat16 sk[FA_TILE][HD + FA_PAD];
-    __shared__ __nv_bfloat16 svt[HD][FA_TILE + FA_PAD];
+    __shared__ __nv_bfloat16 sk[TILE][HD + FA_PAD];
+    __shared__ __nv_bfloat16 svt[HD][TILE + FA_PAD];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int64_t q0 = (int64_t)blockIdx.x * FA_ROWS, h = blockIdx.y, b = blockIdx.z;
     const int64_t kvh = h / (Hq / Hkv), qs = Hq * HD, ks = Hkv * HD;
@@ -164,16 +167,16 @@ static __global__ void __launch_bounds__(FA_WARPS * 32)
     float o[HD / 8][4] = {};
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}; /* rows g, g + 8 */
     const int64_t last_key = min(q0 + FA_ROWS, T) - 1;
-    for (int64_t k0 = 0; k0 <= last_key; k0 += FA_TILE) {
+    for (int64_t k0 = 0; k0 <= last_key; k0 += TILE) {
         __syncthreads(); /* every warp is done with the previous tile */
-        load_tile<HD, FA_TILE>(sk, nullptr, kb + k0 * ks, ks, T - k0);
-        load_tile<HD, FA_TILE>(nullptr, svt, vb + k0 * ks, ks, T - k0);
+        load_tile<HD, TILE>(sk, nullptr, kb + k0 * ks, ks, T - k0);
+        load_tile<HD, TILE>(nullptr, svt, vb + k0 * ks, ks, T - k0);
         __syncthreads();
-        float s[FA_TILE / 8][4] = {};
-        mma_rows<HD / 16, FA_TILE>(s, qf, sk, lane);
+        float s[TILE / 8][4] = {};
+        mma_rows<HD / 16, TILE>(s, qf, sk, lane);
         float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-        for (int nb = 0; nb < FA_TILE / 8; nb++)
+        for (int nb = 0; nb < TILE / 8; nb++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int64_t row = row0 + frag_row(lane, e), key = k0 + nb * 8 + frag_col(lane, e);
@@ -193,7 +196,7 @@ static __global__ void __launch_bounds__(FA_WARPS * 32)
             l[i] *= alpha[i];
         }
 #pragma unroll
-        for (int nb = 0; nb < FA_TILE / 8; nb++)
+        for (int nb = 0; nb < TILE / 8; nb++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const float p = __expf(s[nb][e] - m[e >> 1]);
@@ -204,7 +207,7 @@ static __global__ void __launch_bounds__(FA_WARPS * 32)
         for (int nd = 0; nd < HD / 8; nd++)
 #pragma unroll
             for (int e = 0; e < 4; e++) o[nd][e] *= alpha[e >> 1];
-        mma_c_by<FA_TILE, HD>(o, s, svt, lane);
+        mma_c_by<TILE, HD>(o, s, svt, lane);
     }
 #pragma unroll
     for (int i = 0; i < 2; i++) {
@@ -250,11 +253,13 @@ static __global__ void __launch_bounds__(FA_WARPS * 32)
     flash_dkdv_kernel(float *dk, float *dv, const float *q, const float *k, const float *v,
                       const float *dout, const float *lse, const float *D, int64_t T, int64_t Hq,
                       int64_t Hkv, float scale) {
-    __shared__ __nv_bfloat16 sq[FA_TILE][HD + FA_PAD];
-    __shared__ __nv_bfloat16 sqt[HD][FA_TILE + FA_PAD];
-    __shared__ __nv_bfloat16 sdo[FA_TILE][HD + FA_PAD];
-    __shared__ __nv_bfloat16 sdot[HD][FA_TILE + FA_PAD];
-    __shared__ float slse[FA_TILE], sD[FA_TILE];
+    constexpr int TILE = FA_TILE(HD);
+    /* sq also stages the block's FA_ROWS keys and values first. */
+    __shared__ __nv_bfloat16 sq[FA_ROWS > TILE ? FA_ROWS : TILE][HD + FA_PAD];
+    __shared__ __nv_bfloat16 sqt[HD][TILE + FA_PAD];
+    __shared__ __nv_bfloat16 sdo[TILE][HD + FA_PAD];
+    __shared__ __nv_bfloat16 sdot[HD][TILE + FA_PAD];
+    __shared__ float slse[TILE], sD[TILE];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int64_t k0 = (int64_t)blockIdx.x * FA_ROWS, kvh = blockIdx.y, b = blockIdx.z;
     const int64_t group = Hq / Hkv, qs = Hq * HD, ks = Hkv * HD;
@@ -270,20 +275,20 @@ static __global__ void __launch_bounds__(FA_WARPS * 32)
     for (int64_t hh = 0; hh < group; hh++) {
         const int64_t h = kvh * group + hh;
         const float *qb = q + (b * T * Hq + h) * HD, *dob = dout + (b * T * Hq + h) * HD;
-        for (int64_t t0 = k0; t0 < T; t0 += FA_TILE) {
+        for (int64_t t0 = k0; t0 < T; t0 += TILE) {
             __syncthreads(); /* every warp is done with the previous tile */
-            load_tile<HD, FA_TILE>(sq, sqt, qb + t0 * qs, qs, T - t0);
-            load_tile<HD, FA_TILE>(sdo, sdot, dob + t0 * qs, qs, T - t0);
-            for (int i = threadIdx.x; i < FA_TILE; i += FA_WARPS * 32) {
+            load_tile<HD, TILE>(sq, sqt, qb + t0 * qs, qs, T - t0);
+            load_tile<HD, TILE>(sdo, sdot, dob + t0 * qs, qs, T - t0);
+            for (int i = threadIdx.x; i < TILE; i += FA_WARPS * 32) {
                 const bool in = t0 + i < T;
                 slse[i] = in ? lse[(b * Hq + h) * T + t0 + i] : 0.0f;
                 sD[i] = in ? D[(b * Hq + h) * T + t0 + i] : 0.0f;
             }
             __syncthreads();
-            float p[FA_TILE / 8][4] = {}, ds[FA_TILE / 8][4] = {};
-            mma_rows<HD / 16, FA_TILE>(p, kf, sq, lane);
+            float p[TILE / 8][4] = {}, ds[TILE / 8][4] = {};
+            mma_rows<HD / 16, TILE>(p, kf, sq, lane);
 #pragma unroll
-            for (int nb = 0; nb < FA_TILE / 8; nb++)
+            for (int nb = 0; nb < TILE / 8; nb++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     const int64_t key = key0 + frag_row(lane, e);
@@ -293,16 +298,16 @@ static __global__ void __launch_bounds__(FA_WARPS * 32)
                                    ? __expf(p[nb][e] * scale - slse[j])
                                    : 0.0f;
                 }
-            mma_c_by<FA_TILE, HD>(dv_acc, p, sdot, lane);
-            mma_rows<HD / 16, FA_TILE>(ds, vf, sdo, lane);
+            mma_c_by<TILE, HD>(dv_acc, p, sdot, lane);
+            mma_rows<HD / 16, TILE>(ds, vf, sdo, lane);
 #pragma unroll
-            for (int nb = 0; nb < FA_TILE / 8; nb++)
+            for (int nb = 0; nb < TILE / 8; nb++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     const int j = nb * 8 + frag_col(lane, e);
                     ds[nb][e] = scale * p[nb][e] * (ds[nb][e] - sD[j]);
                 }
-            mma_c_by<FA_TILE, HD>(dk_acc, ds, sqt, lane);
+            mma_c_by<TILE, HD>(dk_acc, ds, sqt, lane);
         }
     }
 #pragma unroll
@@ -327,9 +332,11 @@ static __global__ void __launch_bounds__(FA_WARPS * 32)
     flash_dq_kernel(float *dq, const float *q, const float *k, const float *v, const float *dout,
                     const float *lse, const float *D, int64_t T, int64_t Hq, int64_t Hkv,
                     float scale) {
-    __shared__ __nv_bfloat16 sk[FA_TILE][HD + FA_PAD];
-    __shared__ __nv_bfloat16 skt[HD][FA_TILE + FA_PAD];
-    __shared__ __nv_bfloat16 sv[FA_TILE][HD + FA_PAD];
+    constexpr int TILE = FA_TILE(HD);
+    /* sk also stages the block's FA_ROWS queries and output gradients first. */
+    __shared__ __nv_bfloat16 sk[FA_ROWS > TILE ? FA_ROWS : TILE][HD + FA_PAD];
+    __shared__ __nv_bfloat16 skt[HD][TILE + FA_PAD];
+    __shared__ __nv_bfloat16 sv[TILE][HD + FA_PAD];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int64_t q0 = (int64_t)blockIdx.x * FA_ROWS, h = blockIdx.y, b = blockIdx.z;
     const int64_t kvh = h / (Hq / Hkv), qs = Hq * HD, ks = Hkv * HD;
@@ -351,16 +358,16 @@ static __global__ void __launch_bounds__(FA_WARPS * 32)
     }
     float dq_acc[HD / 8][4] = {};
     const int64_t last_key = min(q0 + FA_ROWS, T) - 1;
-    for (int64_t k0 = 0; k0 <= last_key; k0 += FA_TILE) {
+    for (int64_t k0 = 0; k0 <= last_key; k0 += TILE) {
         __syncthreads(); /* every warp is done with the previous tile */
-        load_tile<HD, FA_TILE>(sk, skt, kb + k0 * ks, ks, T - k0);
-        load_tile<HD, FA_TILE>(sv, nullptr, vb + k0 * ks, ks, T - k0);
+        load_tile<HD, TILE>(sk, skt, kb + k0 * ks, ks, T - k0);
+        load_tile<HD, TILE>(sv, nullptr, vb + k0 * ks, ks, T - k0);
         __syncthreads();
-        float p[FA_TILE / 8][4] = {}, ds[FA_TILE / 8][4] = {};
-        mma_rows<HD / 16, FA_TILE>(p, qf, sk, lane);
-        mma_rows<HD / 16, FA_TILE>(ds, dof, sv, lane);
+        float p[TILE / 8][4] = {}, ds[TILE / 8][4] = {};
+        mma_rows<HD / 16, TILE>(p, qf, sk, lane);
+        mma_rows<HD / 16, TILE>(ds, dof, sv, lane);
 #pragma unroll
-        for (int nb = 0; nb < FA_TILE / 8; nb++)
+        for (int nb = 0; nb < TILE / 8; nb++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int64_t row = row0 + frag_row(lane, e), key = k0 + nb * 8 + frag_col(lane, e);
@@ -369,7 +376,7 @@ static __global__ void __launch_bounds__(FA_WARPS * 32)
                                      : 0.0f;
                 ds[nb][e] = scale * pe * (ds[nb][e] - row_D[e >> 1]);
             }
-        mma_c_by<FA_TILE, HD>(dq_acc, ds, skt, lane);
+        mma_c_by<TILE, HD>(dq_acc, ds, skt, lane);
     }
 #pragma unroll
     for (int i = 0; i < 2; i++) {
