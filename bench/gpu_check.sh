@@ -198,10 +198,13 @@ run() {
     bench_step layer 120 "$results/layer.jsonl"
     local layer_rc=$?
     [ "$gate_rc" = 0 ] || layer_rc=1
-    # The 1b model's attention in bf16 math: the fused kernels against the
-    # batched cuBLAS path, in alternation.
+    # The 1b model's attention in bf16 math, and the same width at Mixtral's
+    # head size of 128: the fused kernels against the batched cuBLAS path,
+    # in alternation.
     : >"$results/attention.jsonl"
     bench_step attention 60 "$results/attention.jsonl" --gemm-math bf16 || layer_rc=1
+    bench_step attention 60 "$results/attention.jsonl" --gemm-math bf16 --heads 8 --kv-heads 8 \
+        --head-dim 128 || layer_rc=1
 
     # 4. Training on the GPU: the built-in run, short (its checkpoints
     #    outside the results), then steps of a 1.2B-parameter model for MFU.
