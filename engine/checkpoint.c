@@ -164,14 +164,18 @@ static moe_status write_state(const char *path, moe_model *model, const float *m
     snprintf(epoch, sizeof epoch, "%" PRId64, s->data.epoch);
     snprintf(tokens, sizeof tokens, "%" PRId64, s->data_tokens);
     snprintf(chunk, sizeof chunk, "%" PRId64, s->data_chunk);
-    const moe_st_meta meta[] = {
-        {"format_version", FORMAT_VERSION}, {"step", step},       {"seed", seed},
+    moe_st_meta meta[9] = {
+        {"format_version", FORMAT_VERSION}, {"step", step},        {"seed", seed},
         {"jitter_counter", jitter},         {"data_token", token}, {"data_epoch", epoch},
-        {"data_tokens", tokens},            {"data_chunk", chunk},
     };
-    /* The stream's two keys only when it is known: a reader takes their
-     * absence as a checkpoint that never recorded it. */
-    const int64_t n_meta = (int64_t)(sizeof meta / sizeof meta[0]) - (s->data_tokens > 0 ? 0 : 2);
+    /* The stream's keys only when known: a reader takes their absence as a
+     * checkpoint that never recorded them. */
+    int64_t n_meta = 6;
+    if (s->data_tokens > 0) {
+        meta[n_meta++] = (moe_st_meta){"data_tokens", tokens};
+        meta[n_meta++] = (moe_st_meta){"data_chunk", chunk};
+    }
+    if (s->data_kind[0]) meta[n_meta++] = (moe_st_meta){"data_kind", s->data_kind};
     moe_status st = moe_st_write(path, entries, 2 * n, meta, n_meta);
     free(entries);
     free(names);
@@ -706,8 +710,16 @@ static moe_status read_meta(moe_train_state *s, const moe_st_file *f) {
     }
     s->step = (int64_t)step;
     s->data = (moe_data_position){(int64_t)token, (int64_t)epoch};
+    const char *kind = moe_st_metadata(f, "data_kind");
+    static const char *const kinds[] = {"synthetic", "bytes", "shards"};
+    bool known = kind == NULL;
+    for (size_t i = 0; !known && i < sizeof kinds / sizeof kinds[0]; i++) known = strcmp(kind, kinds[i]) == 0;
+    if (!known)
+        return moe_error(MOE_ERR_FORMAT, "%s: __metadata__ \"data_kind\" is \"%.32s\", not synthetic, bytes or shards",
+                         moe_st_path(f), kind);
     s->data_tokens = (int64_t)tokens;
     s->data_chunk = (int64_t)chunk;
+    snprintf(s->data_kind, sizeof s->data_kind, "%s", kind ? kind : "");
     return MOE_OK;
 }
 

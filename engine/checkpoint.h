@@ -53,6 +53,9 @@ typedef struct moe_train_state {
      * order). A shuffled epoch's order depends on both (data.h). */
     int64_t data_tokens;
     int64_t data_chunk;
+    /* What the stream was read from: "synthetic", "bytes" (a file at byte
+     * level) or "shards" (llm.c token shards); "" when not recorded. */
+    char data_kind[16];
 } moe_train_state;
 
 /* Writes OUT/step-NNNNNN for state->step (six digits, more from 10^6 on),
@@ -65,8 +68,9 @@ typedef struct moe_train_state {
  * optimizer.exp_avg.<name> and optimizer.exp_avg_sq.<name> for every model
  * tensor (named per tensor, so the state can be re-sharded by name) and the
  * __metadata__ strings format_version "1", step, seed, jitter_counter,
- * data_token and data_epoch, and data_tokens and data_chunk when
- * state->data_tokens > 0 (older readers ignore them).
+ * data_token and data_epoch, data_tokens and data_chunk when
+ * state->data_tokens > 0, and data_kind when it is set (older readers
+ * ignore these).
  *
  * The files go to OUT/.step-NNNNNN.tmp-<pid>, which is renamed into place
  * once all of them are fsynced. A checkpoint of the same step already there
@@ -103,7 +107,8 @@ moe_status moe_checkpoint_load_weights(moe_model *model, const char *dir);
  * other ranks' experts may be; the metadata integers must be plain decimal
  * digits in range (data_epoch at most MOE_DATA_EPOCH_MAX). A file without
  * data_tokens (written before it existed) gives data_tokens = data_chunk =
- * 0; one with data_tokens must have data_chunk too. Errors name the file
+ * 0; one with data_tokens must have data_chunk too; a data_kind, when
+ * there, is one of the three state->data_kind names. Errors name the file
  * and the tensor or key; on error nothing is changed. */
 moe_status moe_checkpoint_load_state(moe_trainer *trainer, moe_model *model, moe_train_state *state,
                                      const char *dir);

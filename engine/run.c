@@ -118,6 +118,13 @@ static bool empty(const char *s) { return s == NULL || s[0] == '\0'; }
 
 static bool is_synthetic(const char *spec) { return strcmp(spec, MOE_RUN_SYNTHETIC) == 0; }
 
+static bool is_shard_glob(const char *spec);
+
+/* moe_train_state's name for what spec reads. */
+static const char *data_kind(const char *spec) {
+    return is_synthetic(spec) ? "synthetic" : is_shard_glob(spec) ? "shards" : "bytes";
+}
+
 /* Whether the validation stream is a synthetic one (run.h's rules). */
 static bool synthetic_validation(const moe_run_options *o) {
     return is_synthetic(o->val_data ? o->val_data : o->data);
@@ -436,6 +443,9 @@ static moe_status read_resume_state(run *r) {
         return moe_error(MOE_ERR_CONFIG, "--resume %s: the checkpoint is at step %lld, --steps %lld leaves nothing "
                                          "to do",
                          o->resume, (long long)s->step, (long long)o->steps);
+    if (s->data_kind[0] && strcmp(s->data_kind, data_kind(o->data)) != 0)
+        return moe_error(MOE_ERR_CONFIG, "--resume %s: the checkpoint read %s data; --data %s is %s data", o->resume,
+                         s->data_kind, o->data, data_kind(o->data));
     const int64_t chunk = o->shuffle ? r->tokens.batch : 0;
     /* A shuffled epoch is read in whole chunks: a position between two is
      * another batch shape's, and the reader would refuse it only at the
@@ -976,7 +986,7 @@ static moe_status evaluate(run *r, int64_t step, double *val_loss) {
 }
 
 static moe_status save_checkpoint(run *r) {
-    const moe_train_state state = {
+    moe_train_state state = {
         .step = moe_trainer_steps_done(r->trainer),
         .seed = r->o->seed,
         .jitter_counter = moe_model_jitter_counter(r->model),
@@ -984,6 +994,7 @@ static moe_status save_checkpoint(run *r) {
         .data_tokens = moe_data_token_count(r->train.data),
         .data_chunk = r->o->shuffle ? r->tokens.batch : 0,
     };
+    snprintf(state.data_kind, sizeof state.data_kind, "%s", data_kind(r->o->data));
     MOE_TRY(moe_checkpoint_save(r->last_checkpoint, sizeof r->last_checkpoint, r->o->out_dir, r->model, r->trainer,
                                 &state));
     if (r->cb->on_checkpoint) r->cb->on_checkpoint(r->cb->ctx, state.step, r->last_checkpoint);

@@ -114,7 +114,7 @@ static moe_train_state scramble(run *r, uint64_t seed, int64_t step) {
     moe_model_set_jitter_counter(r->model, 1000 + seed);
     return (moe_train_state){.step = step, .seed = UINT64_MAX - seed, .jitter_counter = 1000 + seed,
                              .data = {.token = 4096 + (int64_t)seed, .epoch = 3},
-                             .data_tokens = 100000 + (int64_t)seed, .data_chunk = 512};
+                             .data_tokens = 100000 + (int64_t)seed, .data_chunk = 512, .data_kind = "bytes"};
 }
 
 static float *copy_floats(const float *a, int64_t n) {
@@ -286,6 +286,7 @@ Test(checkpoint, save_then_load_is_bitwise, .init = make_tmpdir, .fini = remove_
     cr_expect_eq(got.data.epoch, 3);
     cr_expect_eq(got.data_tokens, 100007);
     cr_expect_eq(got.data_chunk, 512);
+    cr_expect_str_eq(got.data_kind, "bytes");
     moe_train_state meta_only;
     cr_assert_eq(moe_checkpoint_read_state(&meta_only, path), MOE_OK, "%s", moe_last_error());
     cr_expect(meta_only.step == 7 && meta_only.data_tokens == 100007 && meta_only.data_chunk == 512 &&
@@ -353,7 +354,7 @@ Test(checkpoint, files_are_hf_safetensors, .init = make_tmpdir, .fini = remove_t
     }
     const char *meta[][2] = {{"format_version", "1"}, {"step", "12"}, {"seed", "18446744073709551612"},
                              {"jitter_counter", "1003"}, {"data_token", "4099"}, {"data_epoch", "3"},
-                             {"data_tokens", "100003"}, {"data_chunk", "512"}};
+                             {"data_tokens", "100003"}, {"data_chunk", "512"}, {"data_kind", "bytes"}};
     for (size_t i = 0; i < sizeof meta / sizeof meta[0]; i++) {
         const char *v = moe_st_metadata(f, meta[i][0]);
         cr_assert_not_null(v, "metadata %s missing", meta[i][0]);
@@ -613,7 +614,7 @@ static void write_state(const char *path, run *r, const meta_case *change, const
                         int64_t n_extra) {
     const moe_st_meta base[] = {{"format_version", "1"}, {"step", "9"},       {"seed", "18446744073709551615"},
                                 {"jitter_counter", "5"}, {"data_token", "64"}, {"data_epoch", "2"},
-                                {"data_tokens", "4097"}, {"data_chunk", "64"}};
+                                {"data_tokens", "4097"}, {"data_chunk", "64"}, {"data_kind", "shards"}};
     enum { N_BASE = sizeof base / sizeof base[0] };
     moe_st_meta meta[N_BASE];
     int64_t nm = 0;
@@ -681,6 +682,7 @@ Test(checkpoint, corrupt_state_is_refused, .init = make_tmpdir, .fini = remove_t
         {"data_chunk", NULL, "\"data_chunk\""},
         {"data_tokens", NULL, "\"data_tokens\""},
         {"data_tokens", "-1", "\"data_tokens\""},
+        {"data_kind", "text", "\"data_kind\""},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         write_state(file, &a, &cases[i], NULL, NULL, 0);

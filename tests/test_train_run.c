@@ -832,7 +832,8 @@ Test(train_run, resume_of_a_checkpoint_without_its_stream, .init = make_tmp, .fi
 /* A resume under which the checkpoint's position would read another
  * stream is refused, naming the flag, before anything is written: the
  * shuffle turned off or on, a shuffled batch shape changed (the shuffled
- * chunks are the batches), a shuffled file of another length. */
+ * chunks are the batches), a shuffled file of another length, another kind
+ * of data. */
 Test(train_run, resume_refuses_another_stream, .init = make_tmp, .fini = remove_tmp) {
     char cfg[512], out[4][512], resume[512], text[512];
     moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE), tmp_path(out[0], "shuffled"));
@@ -857,8 +858,12 @@ Test(train_run, resume_refuses_another_stream, .init = make_tmp, .fini = remove_
     write_text(text, "text.txt", text_line, 21);
     expect_refused(&o, "a shuffled file that grew", (const char *const[]){"--data", text, "1140", "1197", NULL});
 
-    o.data = MOE_RUN_SYNTHETIC;
+    /* A synthetic checkpoint on a file. */
     o.resume = tmp_path(resume, "shuffled/step-000002");
+    expect_refused(&o, "a synthetic checkpoint on a text file",
+                   (const char *const[]){"--data", "synthetic data", "bytes data", NULL});
+
+    o.data = MOE_RUN_SYNTHETIC;
     o.shuffle = false;
     expect_refused(&o, "a shuffled checkpoint without --shuffle", (const char *const[]){"--shuffle", NULL});
     o.shuffle = true;
