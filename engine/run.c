@@ -404,9 +404,11 @@ static moe_status check_length(const run_source *s, const char *flag, const char
 }
 
 /* Reads every token an evaluation reads, so that a shard token outside the
- * vocabulary fails at start-up rather than after the training. The
- * eval_batches batches of ranks x B rows cover the same tokens as one batch
- * of all their rows at position 0, read here a chunk of rows at a time. */
+ * vocabulary fails at start-up rather than after the training (bytes and
+ * the synthetic corpus are inside it by construction, which check_vocab
+ * holds to the model's). The eval_batches batches of ranks x B rows cover
+ * the same tokens as one batch of all their rows at position 0, read here a
+ * chunk of rows at a time. */
 static moe_status scan_validation(run *r) {
     const moe_run_options *o = r->o;
     const int64_t T = o->seq_len, rows = r->tokens.eval / T;
@@ -560,8 +562,10 @@ static moe_status open_data(run *r) {
     snprintf(reader, sizeof reader, "--eval-batches %lld of %s (plus the last target)", (long long)o->eval_batches,
              shape);
     MOE_TRY(check_length(&r->val, val_flag, val_spec, n->eval + 1, reader));
-    moe_status st = scan_validation(r);
-    if (st != MOE_OK) return moe_error_prefix(st, "%s: ", val_flag);
+    if (is_shard_glob(val_spec)) {
+        const moe_status st = scan_validation(r);
+        if (st != MOE_OK) return moe_error_prefix(st, "%s: ", val_flag);
+    }
     if (!o->val_data && !is_synthetic(o->data))
         warn(r, "no --val-data: evaluating on --data %s from its start, which the model also trains on", o->data);
     r->entropy_floor = NAN;
