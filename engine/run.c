@@ -1114,6 +1114,11 @@ static moe_status run_body(run *r, double start) {
     return MOE_OK;
 }
 
+/* Whether this process was started by mpirun (Open MPI, MPICH or PMIx). */
+static bool launched_by_mpi(void) {
+    return getenv("OMPI_COMM_WORLD_SIZE") || getenv("PMI_SIZE") || getenv("PMIX_RANK");
+}
+
 moe_status moe_run(const moe_run_options *opts, const moe_run_callbacks *callbacks) {
     const double start = now_seconds();
     MOE_TRY(moe_run_options_validate(opts));
@@ -1121,7 +1126,7 @@ moe_status moe_run(const moe_run_options *opts, const moe_run_callbacks *callbac
     const moe_run_callbacks none = {0};
     run r = {.o = opts, .cb = callbacks ? callbacks : &none, .ranks = 1};
     moe_status st = MOE_OK;
-    if (moe_run_launched_by_mpi() || opts->ep > 1 || opts->zero > 0) {
+    if (launched_by_mpi() || opts->ep > 1 || opts->zero > 0) {
         st = moe_comm_mpi_create(&r.world);
         if (st == MOE_OK) st = moe_comm_set_timeout(r.world, opts->comm_timeout);
         if (st == MOE_OK) {
@@ -1155,6 +1160,3 @@ moe_status moe_run(const moe_run_options *opts, const moe_run_callbacks *callbac
     return st;
 }
 
-bool moe_run_launched_by_mpi(void) {
-    return getenv("OMPI_COMM_WORLD_SIZE") || getenv("PMI_SIZE") || getenv("PMIX_RANK");
-}

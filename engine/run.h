@@ -199,9 +199,6 @@ typedef struct moe_run_callbacks {
     void (*on_warning)(void *ctx, const char *message);
 } moe_run_callbacks;
 
-/* Whether this process was started by mpirun (Open MPI, MPICH or PMIx). */
-bool moe_run_launched_by_mpi(void);
-
 /* The whole run. callbacks may be NULL. */
 moe_status moe_run(const moe_run_options *opts, const moe_run_callbacks *callbacks);
 
