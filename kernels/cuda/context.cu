@@ -41,6 +41,27 @@ moe_status moe_cuda_report(cublasStatus_t err, const char *call, const char *fil
 /* The mma.sync bf16 kernels and cuBLASLt's bf16 paths need sm_80. */
 #define MIN_CC_MAJOR 8
 
+/* The first of the n devices of sm_80 or newer, or -1; why says which
+ * (its name) or why the last one checked is not. */
+static int first_usable_device(int n, char *why, size_t why_bytes) {
+    for (int d = 0; d < n; d++) {
+        cudaDeviceProp prop;
+        if (cudaGetDeviceProperties(&prop, d) != cudaSuccess) {
+            snprintf(why, why_bytes, "device %d does not answer (%s)", d,
+                     cudaGetErrorString(cudaGetLastError()));
+            continue;
+        }
+        if (prop.major < MIN_CC_MAJOR) {
+            snprintf(why, why_bytes, "device %d (%s) is sm_%d%d; these kernels need sm_%d0 or newer",
+                     d, prop.name, prop.major, prop.minor, MIN_CC_MAJOR);
+            continue;
+        }
+        snprintf(why, why_bytes, "%s", prop.name);
+        return d;
+    }
+    return -1;
+}
+
 extern "C" bool moe_cuda_available(char *why, size_t why_bytes) {
     char scratch[8];
     if (!why || why_bytes == 0) why = scratch, why_bytes = sizeof scratch;
@@ -67,40 +88,22 @@ extern "C" bool moe_cuda_available(char *why, size_t why_bytes) {
         return false;
     }
     /* Usable when one device is: each rank's context checks its own. */
-    for (int d = 0; d < n; d++) {
-        cudaDeviceProp prop;
-        if (cudaGetDeviceProperties(&prop, d) != cudaSuccess) {
-            snprintf(why, why_bytes, "device %d does not answer (%s)", d,
-                     cudaGetErrorString(cudaGetLastError()));
-            continue;
-        }
-        if (prop.major < MIN_CC_MAJOR) {
-            snprintf(why, why_bytes, "device %d (%s) is sm_%d%d; these kernels need sm_%d0 or newer",
-                     d, prop.name, prop.major, prop.minor, MIN_CC_MAJOR);
-            continue;
-        }
-        snprintf(why, why_bytes, "%s", prop.name);
-        return true;
-    }
-    return false;
+    return first_usable_device(n, why, why_bytes) >= 0;
 }
 
 /* ----------------------------------------------------------------- context */
 
-/* The first device of sm_80 or newer (moe_cuda_available found one). */
-static int first_usable_device(void) {
-    int n = 0;
-    if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;
-    for (int d = 0; d < n; d++) {
-        cudaDeviceProp prop;
-        if (cudaGetDeviceProperties(&prop, d) == cudaSuccess && prop.major >= MIN_CC_MAJOR) return d;
-    }
-    (void)cudaGetLastError();
-    return 0;
-}
-
 static moe_status ctx_init(moe_cuda_ctx *c, int device) {
-    c->device = device < 0 ? first_usable_device() : device;
+    if (device < 0) {
+        /* The first device of sm_80 or newer, which moe_cuda_available found. */
+        int n = 0;
+        if (cudaGetDeviceCount(&n) != cudaSuccess) n = 0;
+        char why[256];
+        device = first_usable_device(n, why, sizeof why);
+        (void)cudaGetLastError();
+        if (device < 0) device = 0;
+    }
+    c->device = device;
     MOE_CUDA_CHECK(cudaSetDevice(c->device));
     cudaDeviceProp prop;
     MOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, c->device));
