@@ -83,6 +83,7 @@ static void print_help(FILE *f) {
             "On a GPU (bf16 storage, fp32 accumulation), for each shape, routing and GEMM\n"
             "(up: [rows, d] x [2ff, d]^T; down: [rows, ff] x [d, ff]^T):\n"
             "  mma             our tensor-core kernel (row counts read on the device)\n"
+            "  wgmma           the same on Hopper's warpgroup MMA (compute capability 9.0)\n"
             "  cublaslt-loop   one cublasLtMatmul per expert, cached plans\n"
             "  cublas-grouped  one cublasGemmGroupedBatchedEx\n"
             "  dense           one cuBLASLt GEMM [T*k, K] x [N, K]^T: the same FLOPs\n"
@@ -347,12 +348,14 @@ done:
 #if defined(MOE_HAVE_CUDA)
 
 #define MAX_ERR_LIMIT 0.02
-#define N_GPU_ALGOS 4 /* mma, loop, grouped, dense */
+/* Our two kernels, the two cuBLAS baselines, then the dense GEMM. */
+enum { GPU_MMA, GPU_WGMMA, GPU_LOOP, GPU_BATCHED, GPU_DENSE, N_GPU_ALGOS };
 
-static const char *const gpu_algo_names[N_GPU_ALGOS] = {"mma", "cublaslt-loop", "cublas-grouped",
-                                                        "dense"};
-static const moe_cuda_grouped_algo gpu_algos[3] = {MOE_CUDA_GROUPED_MMA, MOE_CUDA_GROUPED_LT_LOOP,
-                                                   MOE_CUDA_GROUPED_BATCHED};
+static const char *const gpu_algo_names[N_GPU_ALGOS] = {"mma", "wgmma", "cublaslt-loop",
+                                                        "cublas-grouped", "dense"};
+static const moe_cuda_grouped_algo gpu_algos[GPU_DENSE] = {
+    MOE_CUDA_GROUPED_MMA, MOE_CUDA_GROUPED_WGMMA, MOE_CUDA_GROUPED_LT_LOOP,
+    MOE_CUDA_GROUPED_BATCHED};
 
 /* One GEMM of the experts on the device: c [R, n] = a [R, k] b_e [n, k]^T. */
 typedef struct gpu_gemm {
@@ -364,7 +367,7 @@ typedef struct gpu_gemm {
 } gpu_gemm;
 
 static moe_status run_algo(const gpu_gemm *g, int algo, void *c, moe_cuda_ctx *ctx) {
-    if (algo == 3) /* dense: every row against expert 0's weights */
+    if (algo == GPU_DENSE) /* every row against expert 0's weights */
         return moe_cuda_gemm_ex(c, MOE_CUDA_BF16, g->a, g->b, MOE_CUDA_BF16, g->R, g->n, g->k, g->k,
                                 g->k, g->n, false, true, 1.0f, 0.0f, ctx);
     return moe_cuda_grouped_gemm(c, MOE_CUDA_BF16, g->a, g->b, MOE_CUDA_BF16, g->offsets, g->E,
@@ -461,7 +464,7 @@ static int run_gpu_shape(const gemm_shape *s, const gemm_options *o, const bench
                                            23 + (uint64_t)gi, ctx);
             g.offsets = off;
             /* The reference output, from the loop of cuBLASLt GEMMs. */
-            if (st == MOE_OK) st = run_algo(&g, 1, g.c_ref, ctx);
+            if (st == MOE_OK) st = run_algo(&g, GPU_LOOP, g.c_ref, ctx);
             if (bench_failed(CMD, "setup", st)) goto done;
 
             double sec[N_GPU_ALGOS], err[N_GPU_ALGOS];
@@ -486,15 +489,15 @@ static int run_gpu_shape(const gemm_shape *s, const gemm_options *o, const bench
                                          moe_last_error());
                     continue;
                 }
-                if (a < 3 &&
+                if (a != GPU_DENSE &&
                     bench_failed(CMD, "check", max_error(&err[a], &g, host, host_ref, ctx)))
                     goto done;
-                if (a < 3 && !(err[a] <= MAX_ERR_LIMIT)) *wrong = true;
+                if (a != GPU_DENSE && !(err[a] <= MAX_ERR_LIMIT)) *wrong = true;
             }
             const double flops = 2.0 * (double)R * (double)n * (double)k;
-            const double dense_rate = ran[3] ? flops / sec[3] * 1e-12 : NAN;
+            const double dense_rate = ran[GPU_DENSE] ? flops / sec[GPU_DENSE] * 1e-12 : NAN;
             double best_cublas = NAN;
-            for (int a = 1; a <= 2; a++)
+            for (int a = GPU_LOOP; a <= GPU_BATCHED; a++)
                 if (ran[a] && !(flops / sec[a] * 1e-12 <= best_cublas))
                     best_cublas = flops / sec[a] * 1e-12;
             const row_ctx c = {.table = table, .device = "cuda", .rate_unit = "TFLOP/s",

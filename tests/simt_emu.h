@@ -15,11 +15,25 @@
  * even as the device does. Dynamic shared memory starts as 0xFF bytes (NaN
  * as floats, bf16 or fp32), so a read before a write shows; cp.async and
  * ldmatrix must touch 16-byte aligned pieces of it. Slow, and meant for
- * small sizes. */
+ * small sizes.
+ *
+ * Hopper's warpgroup MMA, as the PTX ISA defines it (see the wgmma section
+ * below): moe_shared_address, moe_fence_proxy_async, moe_wgmma_fence,
+ * moe_wgmma_commit, moe_wgmma_wait, moe_wgmma_fence_operands and
+ * moe_wgmma_m64n256k16 with both
+ * operands in shared memory through matrix descriptors (the 128-byte
+ * swizzle, K-major). The guards a device does not have are here: a wgmma
+ * issued without wgmma.fence, one that reads cp.async data its writer has
+ * not fenced to the async proxy, a cp.async into bytes that an unfinished
+ * wgmma reads, a descriptor outside the dynamic shared memory or in a form
+ * not modelled, threads of a warpgroup at different wgmma instructions or
+ * with different descriptors, and a wgmma still pending when the block
+ * ends all stop the test. */
 #ifndef MOE_TESTS_SIMT_EMU_H
 #define MOE_TESTS_SIMT_EMU_H
 
 #include <algorithm>
+#include <atomic>
 #include <barrier>
 #include <climits>
 #include <cmath>
@@ -28,6 +42,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -79,11 +94,53 @@ inline __nv_bfloat162 __floats2bfloat162_rn(float lo, float hi) {
 }
 inline float __expf(float x) { return expf(x); }
 
+/* What the wgmma guards keep per 16-byte piece of dynamic shared memory. */
+struct emu_shared_piece {
+    std::atomic<int> unfenced_by{0};   /* 1 + the thread whose cp.async landed here and has not
+                                          issued fence.proxy.async since, or 0 */
+    std::atomic<int> wgmma_readers{0}; /* issued wgmma that read this piece and have not run */
+};
+
+/* One issued wgmma.mma_async .m64nNk16 .f32 .bf16 .bf16. */
+struct emu_wgmma {
+    int n;
+    bool scale_d;               /* d = a b + d, else d = a b */
+    float *d[128];              /* each thread of the warpgroup's n / 2 accumulators */
+    std::vector<uint32_t> a, b; /* [64 * 2], [n * 2]: dynamic shared offsets of the 16-byte
+                                   pieces holding each row's k 0..7, then k 8..15 */
+};
+
+/* Runs when all 128 threads of a warpgroup have arrived at its barrier:
+ * they must all be at the same instruction (.aligned). */
+struct emu_warpgroup;
+struct emu_same_instruction {
+    emu_warpgroup *g;
+    int first; /* its first thread */
+    void operator()() noexcept;
+};
+
+/* The wgmma state of 4 consecutive warps. */
+struct emu_warpgroup {
+    std::barrier<emu_same_instruction> *sync;
+    const char *instruction[128]; /* where each thread meets the others */
+    int operand[128];             /* wait_group's N */
+    float *d[128];                /* what each thread passed to the wgmma being issued */
+    uint64_t desc_a[128], desc_b[128];
+    bool scale_d[128];
+    std::vector<emu_wgmma> open;                  /* issued, not committed */
+    std::deque<std::vector<emu_wgmma>> committed; /* oldest first */
+};
+
 /* What the threads of the running block share. */
 struct emu_block {
-    std::vector<unsigned char> dynamic_shared; /* the launch's, 0xFF before the kernel runs */
+    std::vector<unsigned char> shared_storage; /* holds the dynamic shared memory at the offset
+                                                  moe_shared_address implies */
+    unsigned char *dynamic_shared;             /* the launch's, 0xFF before the kernel runs */
+    size_t dynamic_shared_bytes;
+    std::unique_ptr<emu_shared_piece[]> shared_pieces; /* [dynamic_shared_bytes / 16, rounded up] */
     std::barrier<> *block;
     std::vector<std::barrier<> *> warp;
+    std::vector<emu_warpgroup> warpgroup; /* when the block is a whole number of warpgroups */
     std::vector<uint64_t> lane_bits;   /* [warps * 32] shuffled values */
     std::vector<uint32_t> lane_a;      /* [warps * 32 * 4] */
     std::vector<uint32_t> lane_b;      /* [warps * 32 * 2] */
@@ -125,15 +182,42 @@ template <int G = 32> float moe_warp_max(float v) {
 
 inline int atomicAdd(int *p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
 
-#define MOE_DYNAMIC_SHARED(type, name) type *name = (type *)emu_running->dynamic_shared.data()
+#define MOE_DYNAMIC_SHARED(type, name) type *name = (type *)emu_running->dynamic_shared
+
+/* The .shared window address (what cvta.to.shared gives) of the first byte
+ * of dynamic shared memory: 16-byte but deliberately not 128- or 1024-byte
+ * aligned. The 128-byte swizzle of wgmma operands is a function of the
+ * shared address, so a kernel must align its tiles itself, not count on
+ * where its dynamic shared memory happens to start. The host bytes sit at
+ * the same offset modulo 4096, so aligning the generic pointer aligns the
+ * shared address too, as on a device. */
+constexpr uint32_t emu_shared_window_start = 0x430;
+
+inline uint32_t moe_shared_address(const void *p) {
+    const unsigned char *base = emu_running->dynamic_shared, *b = (const unsigned char *)p;
+    if (b < base || b > base + emu_running->dynamic_shared_bytes) {
+        fprintf(stderr, "simt_emu: moe_shared_address of %p, which is not in the dynamic shared memory\n", p);
+        abort();
+    }
+    const size_t address = emu_shared_window_start + (size_t)(b - base);
+    if (address >= (size_t)1 << 18) { /* a descriptor keeps address bits 4-17 */
+        fprintf(stderr, "simt_emu: shared address 0x%zx is past the 256 KiB a wgmma descriptor can name\n", address);
+        abort();
+    }
+    return (uint32_t)address;
+}
+
+inline emu_shared_piece &emu_piece_at(const void *p) {
+    return emu_running->shared_pieces[(size_t)((const unsigned char *)p - emu_running->dynamic_shared) / 16];
+}
 
 /* A 16-byte access into shared memory must be aligned and inside the
  * launch's dynamic shared memory (where the kernels keep what cp.async and
  * ldmatrix touch); anything else stops the test, as it would fault or read
  * garbage on a device. */
 inline void emu_check_shared16(const void *p, const char *what) {
-    const unsigned char *base = emu_running->dynamic_shared.data(), *b = (const unsigned char *)p;
-    if ((uintptr_t)p % 16 != 0 || b < base || b + 16 > base + emu_running->dynamic_shared.size()) {
+    const unsigned char *base = emu_running->dynamic_shared, *b = (const unsigned char *)p;
+    if ((uintptr_t)p % 16 != 0 || b < base || b + 16 > base + emu_running->dynamic_shared_bytes) {
         fprintf(stderr, "simt_emu: %s at %p is not a 16-byte aligned piece of the dynamic shared memory\n", what, p);
         abort();
     }
@@ -148,6 +232,21 @@ struct emu_copy {
 };
 inline thread_local std::vector<emu_copy> emu_open_copies;                 /* not committed yet */
 inline thread_local std::deque<std::vector<emu_copy>> emu_committed_copies; /* oldest first */
+inline thread_local std::vector<size_t> emu_unfenced_pieces; /* where this thread's copies landed
+                                                                since its last fence.proxy.async */
+
+/* A write into bytes that an issued wgmma reads, before a wait has run that
+ * wgmma: on a device the write may land while the tensor cores read, so the
+ * product would mix old and new bytes. */
+inline void emu_check_no_wgmma_reads(const void *p, const char *what) {
+    if (emu_piece_at(p).wgmma_readers.load() > 0) {
+        fprintf(stderr,
+                "simt_emu: %s shared address 0x%x, which an issued wgmma reads and no wgmma.wait_group has "
+                "completed yet\n",
+                what, moe_shared_address(p));
+        abort();
+    }
+}
 
 inline void moe_cp_async16(void *dst, const void *src, int src_bytes) {
     if (src_bytes != 0 && src_bytes != 16) {
@@ -155,6 +254,7 @@ inline void moe_cp_async16(void *dst, const void *src, int src_bytes) {
         abort();
     }
     emu_check_shared16(dst, "cp.async destination");
+    emu_check_no_wgmma_reads(dst, "cp.async into");
     if (src_bytes > 0 && (uintptr_t)src % 16 != 0) {
         fprintf(stderr, "simt_emu: cp.async source %p is not 16-byte aligned\n", src);
         abort();
@@ -169,12 +269,33 @@ inline void moe_cp_async_commit() {
     emu_open_copies.clear();
 }
 
-/* Lands every committed group but the newest N. */
+/* Lands every committed group but the newest N. The bytes are the
+ * generic proxy's until this thread's fence.proxy.async. */
 template <int N> void moe_cp_async_wait() {
+    const int me = (int)threadIdx.x + 1;
     while (emu_committed_copies.size() > (size_t)N) {
-        for (const emu_copy &c : emu_committed_copies.front()) memcpy(c.dst, c.bytes, sizeof c.bytes);
+        for (const emu_copy &c : emu_committed_copies.front()) {
+            emu_check_no_wgmma_reads(c.dst, "a cp.async issued before a wgmma landed in");
+            memcpy(c.dst, c.bytes, sizeof c.bytes);
+            if (emu_piece_at(c.dst).unfenced_by.exchange(me) != me)
+                emu_unfenced_pieces.push_back((size_t)(c.dst - emu_running->dynamic_shared) / 16);
+        }
         emu_committed_copies.pop_front();
     }
+}
+
+/* fence.proxy.async.shared::cta: this thread's earlier generic-proxy
+ * writes to shared memory (here, its landed cp.async copies) become visible
+ * to the async proxy, through which wgmma reads its operands (PTX ISA,
+ * wgmma chapter, "Async Proxy": crossing proxies needs fence.proxy.async).
+ * Plain stores are not tracked. */
+inline void moe_fence_proxy_async() {
+    const int me = (int)threadIdx.x + 1;
+    for (size_t i : emu_unfenced_pieces) {
+        int mine = me;
+        emu_running->shared_pieces[i].unfenced_by.compare_exchange_strong(mine, 0);
+    }
+    emu_unfenced_pieces.clear();
 }
 
 /* ldmatrix .x4: lanes 8i .. 8i + 7 name the rows of matrix i; lane l gets
@@ -224,24 +345,269 @@ inline void moe_mma_bf16(float *c, const uint32_t *a, const uint32_t *b) {
     }
 }
 
+/* wgmma, from the PTX ISA's "Asynchronous Warpgroup Level Matrix
+ * Multiply-Accumulate Instructions". A warpgroup is 4 consecutive warps
+ * (threads 128g .. 128g + 127); its threads all execute each wgmma
+ * instruction together (.sync.aligned), meeting here at a barrier over the
+ * warpgroup that checks they are at the same one. As on the device the work is asynchronous: wgmma.mma_async
+ * only records the operation in the warpgroup's open group, commit_group
+ * closes that group ("wgmma.commit_group": an empty one if nothing is
+ * open), and wait_group N ("wgmma.wait_group": until only the newest N
+ * groups are pending) runs the older committed groups in issue order, and
+ * only then reads the operands from shared memory and writes each thread's
+ * d. So a kernel that reads d before its wait, or rewrites a stage before
+ * the wait of the wgmma that reads it, gets wrong numbers here too. */
+
+/* "wgmma.fence": needed before the first wgmma and between a thread's
+ * access to d and a later wgmma on d (not between wgmma of one shape
+ * chaining the same accumulator). The kernel touches d after a wait, so a
+ * wait clears the flag and the next wgmma needs a fence again; that is
+ * stricter than the ISA only for a kernel that issues after a wait without
+ * touching d in between. */
+inline thread_local bool emu_wgmma_fenced;
+
+inline void emu_same_instruction::operator()() noexcept {
+    for (int q = 1; q < 128; q++)
+        if (strcmp(g->instruction[q], g->instruction[0]) != 0 || g->operand[q] != g->operand[0]) {
+            fprintf(stderr,
+                    "simt_emu: thread %d is at %s %d and thread %d of its warpgroup at %s %d; .sync.aligned "
+                    "instructions are executed by the whole warpgroup together\n",
+                    first + q, g->instruction[q], g->operand[q], first, g->instruction[0], g->operand[0]);
+            abort();
+        }
+}
+
+inline emu_warpgroup &emu_my_warpgroup(const char *instruction) {
+    if (blockDim.x % 128 != 0) {
+        fprintf(stderr, "simt_emu: %s in a block of %u threads, not a whole number of warpgroups\n", instruction,
+                blockDim.x);
+        abort();
+    }
+    return emu_running->warpgroup[threadIdx.x / 128];
+}
+
+/* Waits until every thread of g is at instruction. */
+inline void emu_meet(emu_warpgroup &g, const char *instruction, int operand = 0) {
+    g.instruction[threadIdx.x % 128] = instruction;
+    g.operand[threadIdx.x % 128] = operand;
+    g.sync->arrive_and_wait();
+}
+
+inline void moe_wgmma_fence() {
+    emu_wgmma_fenced = true;
+    emu_meet(emu_my_warpgroup("wgmma.fence"), "wgmma.fence");
+}
+
+/* Appends to pieces the dynamic shared offsets of the 16-byte pieces of a
+ * K-major bf16 operand of rows rows, k 0..15, that desc names.
+ *
+ * "Matrix Descriptor Format": bits 0-13 start address, 16-29 leading
+ * dimension byte offset, 32-45 stride dimension byte offset (each as
+ * (x & 0x3FFFF) >> 4, so 16-byte aligned by construction), 49-51 matrix base
+ * offset, 62-63 swizzle mode (1: 128-byte swizzle); the other bits are not
+ * defined. Modelled: the 128-byte swizzle with base offset 0 (the pattern
+ * repeats from 1024-byte boundaries of the address) and K-major operands
+ * (imm-trans 0, all that the wrappers below issue). Anything else stops the
+ * test rather than compute something else.
+ *
+ * "Canonical Layouts", K-major 128B swizzling:
+ * Swizzle<3,4,3> o ((8,m),(T,2k)):((8T,SBO),(1,T)) with T = 16 bytes. Row r
+ * is 128 bytes after row r - 1 within a group of 8 rows, a group lies SBO
+ * ("Stride Dimension Byte Offset": from the first 8 rows to the next 8) after
+ * the previous one, and k runs on from the start address:
+ *   linear = start + 128 (r % 8) + SBO (r / 8) + 2 k.
+ * The leading dimension byte offset is "not used" for K-major swizzled
+ * layouts ("Leading Dimension Byte Offset"). The swizzle then XORs the
+ * address's bits 4-6 (the 16-byte piece within a 128-byte row) with its
+ * bits 7-9 (the row within the 1024-byte pattern): it is a function of the
+ * shared ADDRESS, which is what lets a kernel step the start address by 32
+ * bytes per k16 inside the 128-byte row. A k16 slice that would run past
+ * the end of its row is not modelled. CUTLASS reads the descriptor and the
+ * layout the same way (GmmaDescriptor in cute/arch/mma_sm90_desc.hpp;
+ * make_gmma_desc and Layout_K_SW128_Atom in cute/atom/mma_traits_sm90_gmma.hpp). */
+inline void emu_wgmma_pieces(std::vector<uint32_t> &pieces, uint64_t desc, int rows, const char *which) {
+    const unsigned swizzle = (unsigned)(desc >> 62), base_offset = (unsigned)(desc >> 49) & 7u;
+    const uint64_t undefined = (3ull << 14) | (3ull << 30) | (7ull << 46) | (0x3FFull << 52);
+    if (swizzle != 1 || base_offset != 0 || (desc & undefined) != 0) {
+        fprintf(stderr,
+                "simt_emu: wgmma %s descriptor 0x%016llx has swizzle mode %u, matrix base offset %u and undefined "
+                "bits 0x%llx; only the 128-byte swizzle (mode 1) with base offset 0 and nothing else set is "
+                "modelled\n",
+                which, (unsigned long long)desc, swizzle, base_offset, (unsigned long long)(desc & undefined));
+        abort();
+    }
+    const uint32_t start = (uint32_t)(desc & 0x3FFF) << 4, sbo = (uint32_t)((desc >> 32) & 0x3FFF) << 4;
+    if (((start >> 4) & 7u) == 7u) {
+        fprintf(stderr,
+                "simt_emu: wgmma %s descriptor 0x%016llx starts at shared address 0x%x, the last 16 bytes of a "
+                "128-byte swizzle row, so its k16 slice would run into the next row (not modelled)\n",
+                which, (unsigned long long)desc, start);
+        abort();
+    }
+    const uint32_t lo = emu_shared_window_start, hi = lo + (uint32_t)emu_running->dynamic_shared_bytes;
+    for (int r = 0; r < rows; r++)
+        for (uint32_t h = 0; h < 2; h++) {
+            const uint32_t linear = start + 128u * (uint32_t)(r % 8) + sbo * (uint32_t)(r / 8) + 16u * h;
+            const uint32_t address = linear ^ (((linear >> 7) & 7u) << 4);
+            if (address < lo || address + 16 > hi) {
+                fprintf(stderr,
+                        "simt_emu: wgmma %s descriptor 0x%016llx names shared address 0x%x (row %d, k %u..%u), "
+                        "outside the dynamic shared memory [0x%x, 0x%x)\n",
+                        which, (unsigned long long)desc, address, r, 8 * h, 8 * h + 7, lo, hi);
+                abort();
+            }
+            pieces.push_back(address - lo);
+        }
+}
+
+/* Runs op: d = a b (+ d). Products of bf16 are exact in fp32 and summed in
+ * fp32, in an order of this emulator's own ("wgmma.mma_async": the
+ * accumulation order is unspecified). Thread t of the warpgroup holds in
+ * d[i], i < N / 2, the element ("Matrix Fragments for
+ * wgmma.mma_async.m64nNk16", the figure of accumulator D)
+ *   row = 16 (t / 32) + (t % 32) / 4 + 8 ((i / 2) % 2),
+ *   col = 8 (i / 4) + 2 (t % 4) + i % 2:
+ * warp w of the warpgroup owns rows 16w .. 16w + 15, and each lane holds the
+ * pattern of mma.m16n8k16's accumulator again for every 8 columns (CUTLASS's
+ * CLayout_64xN in cute/atom/mma_traits_sm90_gmma.hpp says the same). */
+inline void emu_wgmma_run(const emu_wgmma &op) {
+    float a[64][16], b[256][16];
+    auto load = [](float (*m)[16], const std::vector<uint32_t> &pieces) {
+        for (size_t p = 0; p < pieces.size(); p++) {
+            const unsigned char *src = emu_running->dynamic_shared + pieces[p];
+            for (int e = 0; e < 8; e++) {
+                uint16_t h;
+                memcpy(&h, src + 2 * e, sizeof h);
+                m[p / 2][8 * (p % 2) + (size_t)e] = emu_from_bf16(h);
+            }
+            emu_running->shared_pieces[pieces[p] / 16].wgmma_readers.fetch_sub(1);
+        }
+    };
+    load(a, op.a);
+    load(b, op.b);
+    for (int t = 0; t < 128; t++)
+        for (int i = 0; i < op.n / 2; i++) {
+            const int row = 16 * (t / 32) + (t % 32) / 4 + 8 * ((i / 2) % 2), col = 8 * (i / 4) + 2 * (t % 4) + i % 2;
+            float s = 0.0f;
+            for (int k = 0; k < 16; k++) s += a[row][k] * b[col][k];
+            op.d[t][i] = op.scale_d ? op.d[t][i] + s : s;
+        }
+}
+
+/* wgmma.mma_async.sync.aligned.m64nNk16.f32.bf16.bf16 d, desc_a, desc_b,
+ * scale_d, 1, 1, 0, 0: recorded now, run by the wait that covers it. The
+ * descriptors and scale_d must agree across the warpgroup ("The contents
+ * of a matrix descriptor must be same across all the warps"). */
+template <int N> void emu_wgmma_bf16(float *d, uint64_t desc_a, uint64_t desc_b, int scale_d) {
+    static_assert(N % 8 == 0 && N >= 8 && N <= 256, "wgmma .m64nNk16 has N = 8, 16, .., 256");
+    if (!emu_wgmma_fenced) {
+        fprintf(stderr, "simt_emu: thread %u issued a wgmma with no wgmma.fence since its last wgmma.wait_group\n",
+                threadIdx.x);
+        abort();
+    }
+    emu_warpgroup &g = emu_my_warpgroup("wgmma.mma_async");
+    const unsigned r = threadIdx.x % 128;
+    g.d[r] = d;
+    g.desc_a[r] = desc_a;
+    g.desc_b[r] = desc_b;
+    g.scale_d[r] = scale_d != 0;
+    emu_meet(g, "wgmma.mma_async", N);
+    if (r == 0) {
+        for (int q = 1; q < 128; q++)
+            if (g.desc_a[q] != desc_a || g.desc_b[q] != desc_b || g.scale_d[q] != g.scale_d[0]) {
+                fprintf(stderr,
+                        "simt_emu: thread %u issued a wgmma with descriptors 0x%016llx 0x%016llx and scale_d %d, "
+                        "thread %u of its warpgroup with 0x%016llx 0x%016llx and %d\n",
+                        threadIdx.x, (unsigned long long)desc_a, (unsigned long long)desc_b, g.scale_d[0],
+                        threadIdx.x + q, (unsigned long long)g.desc_a[q], (unsigned long long)g.desc_b[q],
+                        g.scale_d[q]);
+                abort();
+            }
+        emu_wgmma op;
+        op.n = N;
+        op.scale_d = g.scale_d[0];
+        memcpy(op.d, g.d, sizeof op.d);
+        emu_wgmma_pieces(op.a, desc_a, 64, "A");
+        emu_wgmma_pieces(op.b, desc_b, N, "B");
+        for (const std::vector<uint32_t> *pieces : {&op.a, &op.b})
+            for (uint32_t p : *pieces) {
+                emu_shared_piece &s = emu_running->shared_pieces[p / 16];
+                const int writer = s.unfenced_by.load();
+                if (writer != 0) {
+                    fprintf(stderr,
+                            "simt_emu: a wgmma reads shared address 0x%x, where thread %d landed a cp.async and "
+                            "has issued no fence.proxy.async since (wgmma reads through the async proxy)\n",
+                            emu_shared_window_start + p, writer - 1);
+                    abort();
+                }
+                s.wgmma_readers.fetch_add(1);
+            }
+        g.open.push_back(std::move(op));
+    }
+    emu_meet(g, "wgmma.mma_async (recorded)", N); /* the slots are read */
+}
+
+/* wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 d, desc_a, desc_b, p, 1, 1, 0, 0 */
+inline void moe_wgmma_m64n256k16(float *d, uint64_t desc_a, uint64_t desc_b, int scale_d) {
+    emu_wgmma_bf16<256>(d, desc_a, desc_b, scale_d);
+}
+
+inline void moe_wgmma_commit() {
+    emu_warpgroup &g = emu_my_warpgroup("wgmma.commit_group");
+    emu_meet(g, "wgmma.commit_group");
+    if (threadIdx.x % 128 == 0) {
+        g.committed.push_back(std::move(g.open));
+        g.open.clear();
+    }
+}
+
+template <int N> void moe_wgmma_wait() {
+    emu_warpgroup &g = emu_my_warpgroup("wgmma.wait_group");
+    emu_meet(g, "wgmma.wait_group", N); /* no thread touches its d while it is written */
+    if (threadIdx.x % 128 == 0)
+        while (g.committed.size() > (size_t)N) {
+            for (const emu_wgmma &op : g.committed.front()) emu_wgmma_run(op);
+            g.committed.pop_front();
+        }
+    emu_meet(g, "wgmma.wait_group (done)", N);
+    emu_wgmma_fenced = false;
+}
+
+/* A compiler-only fence on a device (the registers change under it): the
+ * accumulators here are plain memory that the wait has already written. */
+inline void moe_wgmma_fence_operands(float *, int) {}
+
 /* kernel() as a launch over grid with threads per block (a multiple of
  * 32) and shared_bytes of dynamic shared memory: kernel is a callable that
- * calls the __global__ function with its arguments. */
+ * calls the __global__ function with its arguments. A wgmma still pending
+ * when a block's threads have finished stops the test: its d would never
+ * be written on a device either. */
 template <typename Kernel> void emu_launch(dim3 grid, int threads, Kernel kernel, size_t shared_bytes = 0) {
     gridDim = grid;
     blockDim = dim3{(unsigned)threads, 1, 1};
-    const int warps = threads / 32;
+    const int warps = threads / 32, warpgroups = threads % 128 == 0 ? threads / 128 : 0;
     for (unsigned z = 0; z < grid.z; z++)
         for (unsigned y = 0; y < grid.y; y++)
             for (unsigned x = 0; x < grid.x; x++) {
                 std::barrier<> block(threads);
                 std::deque<std::barrier<>> warp_barriers; /* barriers do not move */
+                std::deque<std::barrier<emu_same_instruction>> warpgroup_barriers;
                 emu_block shared;
-                shared.dynamic_shared.assign(shared_bytes, 0xFF);
+                shared.shared_storage.assign(shared_bytes + 4096, 0xFF);
+                const uintptr_t storage = (uintptr_t)shared.shared_storage.data();
+                shared.dynamic_shared =
+                    shared.shared_storage.data() + ((uintptr_t)emu_shared_window_start - storage) % 4096;
+                shared.dynamic_shared_bytes = shared_bytes;
+                shared.shared_pieces.reset(new emu_shared_piece[(shared_bytes + 15) / 16]);
                 shared.block = &block;
                 for (int w = 0; w < warps; w++) {
                     warp_barriers.emplace_back(32);
                     shared.warp.push_back(&warp_barriers.back());
+                }
+                shared.warpgroup.resize((size_t)warpgroups);
+                for (int g = 0; g < warpgroups; g++) {
+                    warpgroup_barriers.emplace_back(128, emu_same_instruction{&shared.warpgroup[(size_t)g], 128 * g});
+                    shared.warpgroup[(size_t)g].sync = &warpgroup_barriers.back();
                 }
                 shared.lane_bits.resize((size_t)warps * 32);
                 shared.lane_a.resize((size_t)warps * 32 * 4);
@@ -255,6 +621,17 @@ template <typename Kernel> void emu_launch(dim3 grid, int threads, Kernel kernel
                         kernel();
                     });
                 for (std::thread &t : team) t.join();
+                for (size_t g = 0; g < shared.warpgroup.size(); g++) {
+                    size_t pending = shared.warpgroup[g].open.size();
+                    for (const std::vector<emu_wgmma> &group : shared.warpgroup[g].committed) pending += group.size();
+                    if (pending > 0) {
+                        fprintf(stderr,
+                                "simt_emu: block (%u, %u, %u) ended with %zu wgmma of warpgroup %zu never run: no "
+                                "wgmma.wait_group covered them\n",
+                                x, y, z, pending, g);
+                        abort();
+                    }
+                }
                 emu_running = nullptr;
             }
 }

@@ -810,6 +810,16 @@ static void cpu_experts(expert_case *c, float *dw13_out, float *dw2_out) {
     moe_cpu_ops()->experts_backward(groups, c->E, d);
 }
 
+/* Whether algo runs on this device, saying why not when it does not. The
+ * wgmma kernel must run on every compute capability 9.0 device: there, a
+ * build without it fails the test. */
+static bool runs_here(moe_cuda_grouped_algo algo) {
+    if (algo != MOE_CUDA_GROUPED_WGMMA || moe_cuda_wgmma_check(ctx) == MOE_OK) return true;
+    cr_expect(strstr(moe_cuda_device_name(ctx), "(sm_90,") == NULL, "%s", moe_last_error());
+    fprintf(stderr, "wgmma not run: %s\n", moe_last_error());
+    return false;
+}
+
 Test(cuda, experts_fp32_loop_and_batched) {
     gpu_begin();
     ref_rng rng = {606};
@@ -868,39 +878,37 @@ Test(cuda, experts_fp32_loop_and_batched) {
     gpu_end();
 }
 
-Test(cuda, grouped_gemm_bf16_all_algos) {
-    gpu_begin();
-    ref_rng rng = {707};
-    /* Several 128-row tiles in one expert, a one-row expert, an idle one; n
-     * and k off the 128 and 32 tile sizes. */
-    static const int64_t rows[] = {0, 1, 130, 257, 40};
-    const int64_t E = 5, n = 200, k = 72;
-    int64_t off[6] = {0};
+/* c = a b_e^T over each expert's rows, bf16 inputs, by every algorithm. */
+static void check_grouped_gemm_bf16(const int64_t *rows, int64_t E, int64_t n, int64_t k,
+                                    ref_rng *rng) {
+    int64_t off[MOE_EXPERTS_MAX + 1] = {0};
     for (int64_t e = 0; e < E; e++) off[e + 1] = off[e] + rows[e];
     const int64_t R = off[E] + 5;
-    float *a = rnd(R * k, &rng, -1, 1), *b = rnd(E * n * k, &rng, -1, 1);
+    float *a = rnd(R * k, rng, -1, 1), *b = rnd(E * n * k, rng, -1, 1);
     uint16_t *a16 = round_bf16(a, R * k), *b16 = round_bf16(b, E * n * k);
     float *want = ref_alloc((size_t)(R * n) * sizeof *want);
     for (int64_t e = 0; e < E; e++)
         moe_cpu_ops()->gemm(want + off[e] * n, a + off[e] * k, b + e * n * k, rows[e], n, k, k, k,
                             n, false, true, 1.0f, 0.0f);
-    const int64_t *d_off = dput(off, sizeof off);
+    const int64_t *d_off = dput(off, (size_t)(E + 1) * sizeof *off);
     const void *da = dput(a16, (size_t)(R * k) * 2), *db = dput(b16, (size_t)(E * n * k) * 2);
     static const struct {
         moe_cuda_grouped_algo algo;
         moe_cuda_dtype out;
     } runs[] = {
         {MOE_CUDA_GROUPED_MMA, MOE_CUDA_BF16},     {MOE_CUDA_GROUPED_MMA, MOE_CUDA_F32},
+        {MOE_CUDA_GROUPED_WGMMA, MOE_CUDA_BF16},   {MOE_CUDA_GROUPED_WGMMA, MOE_CUDA_F32},
         {MOE_CUDA_GROUPED_LT_LOOP, MOE_CUDA_BF16}, {MOE_CUDA_GROUPED_LT_LOOP, MOE_CUDA_F32},
         {MOE_CUDA_GROUPED_BATCHED, MOE_CUDA_BF16},
     };
     for (size_t r = 0; r < sizeof runs / sizeof runs[0]; r++) {
+        if (!runs_here(runs[r].algo)) continue;
         void *dc = dpoison((size_t)(R * n) * moe_cuda_dtype_bytes(runs[r].out), POISON_FLOAT);
         CHECK(moe_cuda_grouped_gemm(dc, runs[r].out, da, db, MOE_CUDA_BF16, d_off, E, R, n, k,
                                     runs[r].algo, ctx));
         char what[96];
-        snprintf(what, sizeof what, "grouped_gemm bf16 %s out=%s",
-                 moe_cuda_grouped_algo_name(runs[r].algo),
+        snprintf(what, sizeof what, "grouped_gemm bf16 n=%lld k=%lld %s out=%s", (long long)n,
+                 (long long)k, moe_cuda_grouped_algo_name(runs[r].algo),
                  runs[r].out == MOE_CUDA_BF16 ? "bf16" : "fp32");
         if (runs[r].out == MOE_CUDA_BF16)
             expect_dev_bf16(what, dc, want, off[E] * n);
@@ -910,6 +918,18 @@ Test(cuda, grouped_gemm_bf16_all_algos) {
         expect_untouched(what, dc, (size_t)(off[E] * n) * bytes, (size_t)(R * n) * bytes);
     }
     free(a), free(b), free(a16), free(b16), free(want);
+}
+
+Test(cuda, grouped_gemm_bf16_all_algos) {
+    gpu_begin();
+    ref_rng rng = {707};
+    /* Several 128-row tiles in one expert, a one-row expert, an idle one; n
+     * and k off the 256-column tiles and the 32- and 64-wide k-slices. */
+    static const int64_t rows[] = {0, 1, 130, 257, 40};
+    check_grouped_gemm_bf16(rows, 5, 200, 72, &rng);
+    /* More k-slices than either kernel has stages, and three column tiles. */
+    static const int64_t long_rows[] = {129, 0, 64};
+    check_grouped_gemm_bf16(long_rows, 3, 520, 328, &rng);
     gpu_end();
 }
 
@@ -918,9 +938,11 @@ Test(cuda, experts_bf16) {
     ref_rng rng = {808};
     static const int64_t rows[] = {3, 0, 140, 17};
     const int64_t E = 4, d = 64, f = 48;
-    static const moe_cuda_grouped_algo algos[] = {MOE_CUDA_GROUPED_MMA, MOE_CUDA_GROUPED_LT_LOOP,
+    static const moe_cuda_grouped_algo algos[] = {MOE_CUDA_GROUPED_MMA, MOE_CUDA_GROUPED_WGMMA,
+                                                  MOE_CUDA_GROUPED_LT_LOOP,
                                                   MOE_CUDA_GROUPED_BATCHED};
     for (size_t a = 0; a < sizeof algos / sizeof algos[0]; a++) {
+        if (!runs_here(algos[a])) continue;
         expert_case c = make_experts(rows, E, d, f, &rng);
         const int64_t R = c.max_rows;
         uint16_t *x16 = round_bf16(c.x, R * d), *w13_16 = round_bf16(c.w13, E * 2 * f * d);
@@ -957,7 +979,7 @@ Test(cuda, experts_bf16) {
         EXPECT_ROWS_BF16("experts bf16 %s g", g, c.g, f);
         EXPECT_ROWS_BF16("experts bf16 %s y", y, c.y, d);
         /* cuBLAS's grouped call has no bf16-in, fp32-out mode for the weight
-         * gradients, and the mma kernel serves the forward only: the
+         * gradients, and our kernels serve the forward only: the
          * backward runs on the loop. */
         CHECK(moe_cuda_experts_backward(&b, MOE_CUDA_GROUPED_LT_LOOP, ctx));
         EXPECT_ROWS_BF16("experts bf16 backward after %s dx", dx, c.dx, d);

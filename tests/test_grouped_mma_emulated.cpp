@@ -1,10 +1,10 @@
-/* test_grouped_mma_emulated.cpp: our grouped GEMM on the tensor cores
- * (kernels/cuda/grouped_mma_kernels.cuh), run on the CPU by
- * tests/simt_emu.h: c = a b_e^T over each expert's rows, fp32 and bf16
- * output, against a double-precision product of the same bf16 inputs, with
- * empty experts, ragged row and column tiles and a k that is not a whole
- * number of k-slices, and nothing written past the batch's rows.
- * test_cuda_ops checks the same kernel on a device. */
+/* test_grouped_mma_emulated.cpp: our grouped GEMMs on the tensor cores
+ * (kernels/cuda/grouped_mma_kernels.cuh: mma.sync and Hopper's wgmma), run
+ * on the CPU by tests/simt_emu.h: c = a b_e^T over each expert's rows, fp32
+ * and bf16 output, against a double-precision product of the same bf16
+ * inputs, with empty experts, ragged row and column tiles, a k that is not a
+ * whole number of k-slices or that wraps the stages, and nothing written
+ * past the batch's rows. test_cuda_ops checks the same kernels on a device. */
 #include <criterion/criterion.h>
 
 #include <cmath>
@@ -33,7 +33,7 @@ float as_float(__nv_bfloat16 v) { return emu_from_bf16(v.bits); }
 
 /* rows [E] of the experts, n, k; max_rows > the batch, so the rows past it
  * must come back as they were. */
-template <typename OutT> void check(const std::vector<int64_t> &rows, int64_t n, int64_t k, double tol) {
+template <typename OutT> void check(bool wgmma, const std::vector<int64_t> &rows, int64_t n, int64_t k, double tol) {
     const int E = (int)rows.size();
     std::vector<int64_t> offsets(1, 0);
     std::vector<int32_t> tile_offsets(1, 0);
@@ -51,10 +51,17 @@ template <typename OutT> void check(const std::vector<int64_t> &rows, int64_t n,
     std::vector<OutT> c((size_t)(max_rows * n), poison);
 
     const dim3 grid{(unsigned)((max_rows + BM - 1) / BM + E), (unsigned)((n + BN - 1) / BN), 1};
-    emu_launch(
-        grid, THREADS,
-        [&] { grouped_mma_kernel<OutT>(c.data(), a.data(), b.data(), offsets.data(), tile_offsets.data(), E, n, k); },
-        SMEM_BYTES);
+    if (wgmma)
+        emu_launch(
+            grid, THREADS,
+            [&] { grouped_wgmma_kernel<OutT>(c.data(), a.data(), b.data(), offsets.data(), tile_offsets.data(), E, n, k); },
+            WG_SMEM_BYTES);
+    else
+        emu_launch(
+            grid, THREADS,
+            [&] { grouped_mma_kernel<OutT>(c.data(), a.data(), b.data(), offsets.data(), tile_offsets.data(), E, n, k); },
+            MMA_SMEM_BYTES);
+    const char *kernel = wgmma ? "wgmma" : "mma";
 
     double worst = 0.0, scale = 0.0;
     int64_t at = -1, unwritten = 0, touched = 0;
@@ -71,12 +78,13 @@ template <typename OutT> void check(const std::vector<int64_t> &rows, int64_t n,
                 if (!(err <= worst)) worst = err, at = r * n + j;
             }
     for (int64_t i = R * n; i < max_rows * n; i++) touched += memcmp(&c[(size_t)i], &poison, sizeof poison) != 0;
-    cr_expect(unwritten == 0, "E=%d n=%lld k=%lld: %lld outputs never written", E, (long long)n, (long long)k,
-              (long long)unwritten);
-    cr_expect(touched == 0, "E=%d n=%lld k=%lld: %lld outputs past the batch's rows written", E, (long long)n,
-              (long long)k, (long long)touched);
-    cr_expect(worst <= tol * scale, "E=%d n=%lld k=%lld (%s output): |error| %.3g at [%lld], past %.0e of %.3g", E,
-              (long long)n, (long long)k, sizeof(OutT) == 4 ? "fp32" : "bf16", worst, (long long)at, tol, scale);
+    cr_expect(unwritten == 0, "%s E=%d n=%lld k=%lld: %lld outputs never written", kernel, E, (long long)n,
+              (long long)k, (long long)unwritten);
+    cr_expect(touched == 0, "%s E=%d n=%lld k=%lld: %lld outputs past the batch's rows written", kernel, E,
+              (long long)n, (long long)k, (long long)touched);
+    cr_expect(worst <= tol * scale, "%s E=%d n=%lld k=%lld (%s output): |error| %.3g at [%lld], past %.0e of %.3g",
+              kernel, E, (long long)n, (long long)k, sizeof(OutT) == 4 ? "fp32" : "bf16", worst, (long long)at, tol,
+              scale);
 }
 
 } // namespace
@@ -85,9 +93,19 @@ template <typename OutT> void check(const std::vector<int64_t> &rows, int64_t n,
  * product of the bf16 inputs; bf16 output adds its rounding (1e-2 as the
  * device tests). */
 Test(grouped_mma_emulated, matches_the_exact_product) {
-    check<float>({0, 150, 37}, 136, 40, 1e-5);
-    check<float>({128, 1}, 24, 64, 1e-5);
-    check<float>({40, 9}, 264, 16, 1e-5); /* two column tiles, the second ragged */
-    check<__nv_bfloat16>({0, 150, 37}, 136, 40, 1e-2);
-    check<__nv_bfloat16>({3, 0, 130}, 8, 8, 1e-2);
+    check<float>(false, {0, 150, 37}, 136, 40, 1e-5);
+    check<float>(false, {128, 1}, 24, 64, 1e-5);
+    check<float>(false, {40, 9}, 264, 16, 1e-5); /* two column tiles, the second ragged */
+    check<__nv_bfloat16>(false, {0, 150, 37}, 136, 40, 1e-2);
+    check<__nv_bfloat16>(false, {3, 0, 130}, 8, 8, 1e-2);
+}
+
+/* As above, and k of 5 and 6 slices through the 4 stages: each stage is
+ * refilled while the other warpgroup may still be reading its neighbour. */
+Test(grouped_mma_emulated, wgmma_matches_the_exact_product) {
+    check<float>(true, {0, 150, 37}, 136, 40, 1e-5);
+    check<float>(true, {40, 9}, 264, 16, 1e-5);
+    check<float>(true, {70, 0, 3}, 40, 328, 1e-5);
+    check<__nv_bfloat16>(true, {3, 0, 130}, 8, 8, 1e-2);
+    check<__nv_bfloat16>(true, {129}, 24, 384, 1e-2);
 }

@@ -183,6 +183,80 @@ __device__ __forceinline__ void moe_ldmatrix_x4(uint32_t *r, const void *row_sha
                  : "r"(addr));
 }
 
+/* The .shared window address of p, a pointer into shared memory. */
+__device__ __forceinline__ uint32_t moe_shared_address(const void *p) {
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+/* Hopper's warpgroup MMA (wgmma), in sm_90a code only: the kernels that
+ * use it run where the context says the device and the build have it, so
+ * elsewhere these trap rather than compile to something else. Every thread
+ * of the warpgroup (4 consecutive warps) calls each. */
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define MOE_SM90A_ASM(...) asm volatile(__VA_ARGS__)
+#else
+#define MOE_SM90A_ASM(...) __trap()
+#endif
+
+/* Makes this thread's shared-memory writes (stores, landed cp.async)
+ * visible to the async proxy through which wgmma reads its operands. */
+__device__ __forceinline__ void moe_fence_proxy_async() {
+    MOE_SM90A_ASM("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+/* Orders this thread's accesses to accumulator registers before the
+ * wgmma that follows. */
+__device__ __forceinline__ void moe_wgmma_fence() {
+    MOE_SM90A_ASM("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+
+/* Closes the group of wgmma issued since the last commit. */
+__device__ __forceinline__ void moe_wgmma_commit() {
+    MOE_SM90A_ASM("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
+/* Waits until at most N committed groups are still running. */
+template <int N> __device__ __forceinline__ void moe_wgmma_wait() {
+    MOE_SM90A_ASM("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+/* Keeps the compiler from moving accesses to d [n] across the wait before
+ * it: the registers change under it without its knowing. */
+__device__ __forceinline__ void moe_wgmma_fence_operands(float *d, int n) {
+    for (int i = 0; i < n; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+/* d [64 x 256] (+)= A [64 x 16] B [16 x 256]^T, bf16 in shared memory
+ * through the descriptors desc_a and desc_b (both K-major), fp32 sums;
+ * scale_d 0 drops d's old value. Thread t of the warpgroup holds rows
+ * 16 (t / 32) + (t % 32) / 4 (+ 8) in the layout of mma.sync's 16 x 8
+ * accumulator, d[4j .. 4j + 3] for columns 8j .. 8j + 7. Asynchronous:
+ * d is valid after moe_wgmma_commit and a moe_wgmma_wait that covers it. */
+#define D8(i)                                                                                      \
+    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]),    \
+        "+f"(d[i + 6]), "+f"(d[i + 7])
+__device__ __forceinline__ void moe_wgmma_m64n256k16(float *d, uint64_t desc_a, uint64_t desc_b,
+                                                     int scale_d) {
+    MOE_SM90A_ASM("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+                  "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+                  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "
+                  "%12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "
+                  "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "
+                  "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, "
+                  "%60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, "
+                  "%72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, "
+                  "%84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+                  "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, "
+                  "%108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, "
+                  "%120, %121, %122, %123, %124, %125, %126, %127"
+                  "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+                  : D8(0), D8(8), D8(16), D8(24), D8(32), D8(40), D8(48), D8(56),
+                    D8(64), D8(72), D8(80), D8(88), D8(96), D8(104), D8(112), D8(120)
+                  : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+#undef D8
+
 /* Sum over a block whose size is a multiple of 32 (at most 1024), in a
  * fixed tree order: the same bits on every run. Every thread gets the
  * result. shared holds 32 values; the call ends with a barrier so shared can

@@ -207,16 +207,23 @@ moe_status moe_cuda_unpermute_add(float *dx, const float *dxp, const int64_t *pa
  *  MMA:     our bf16 tensor-core kernel (mma.sync m16n8k16, sm_80 and up),
  *           which reads each expert's rows from device memory; forward
  *           (x w^T) shapes in bf16 only.
+ *  WGMMA:   the same on Hopper's warpgroup MMA (compute capability 9.0,
+ *           from a build for sm_90a).
  * cuBLAS takes its shapes from host memory, so LT_LOOP and BATCHED copy the
  * E+1 offsets to the host and WAIT for the stream first: one host sync per
- * call, which also rules out graph capture. MMA does not wait. */
+ * call, which also rules out graph capture. MMA and WGMMA do not wait. */
 typedef enum moe_cuda_grouped_algo {
     MOE_CUDA_GROUPED_LT_LOOP = 0,
     MOE_CUDA_GROUPED_BATCHED = 1,
     MOE_CUDA_GROUPED_MMA = 2,
+    MOE_CUDA_GROUPED_WGMMA = 3,
 } moe_cuda_grouped_algo;
 
 const char *moe_cuda_grouped_algo_name(moe_cuda_grouped_algo algo);
+
+/* MOE_OK when WGMMA runs on ctx's device, else MOE_ERR_UNSUPPORTED saying
+ * why (another architecture, or a build without sm_90a code). */
+moe_status moe_cuda_wgmma_check(const moe_cuda_ctx *ctx);
 
 /* c [rows, n] = a [rows, k] b_e [n, k]^T for the rows of each expert e,
  * offsets [E+1] on the device, b [E, n, k]: the experts' forward GEMM.

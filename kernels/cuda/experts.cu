@@ -69,8 +69,14 @@ extern "C" const char *moe_cuda_grouped_algo_name(moe_cuda_grouped_algo algo) {
     case MOE_CUDA_GROUPED_LT_LOOP: return "cublaslt-loop";
     case MOE_CUDA_GROUPED_BATCHED: return "cublas-grouped";
     case MOE_CUDA_GROUPED_MMA: return "mma";
+    case MOE_CUDA_GROUPED_WGMMA: return "wgmma";
     }
     return "unknown";
+}
+
+/* Our kernels, which read the offsets on the device. */
+static bool ours(moe_cuda_grouped_algo algo) {
+    return algo == MOE_CUDA_GROUPED_MMA || algo == MOE_CUDA_GROUPED_WGMMA;
 }
 
 /* Expert e's operand: base + (o_e * row + e * expert) elements. */
@@ -194,8 +200,9 @@ extern "C" moe_status moe_cuda_grouped_gemm(void *c, moe_cuda_dtype c_type, cons
                                             int64_t n, int64_t k, moe_cuda_grouped_algo algo,
                                             moe_cuda_ctx *ctx) {
     MOE_TRY(check_experts(E, "moe_cuda_grouped_gemm"));
-    if (algo == MOE_CUDA_GROUPED_MMA)
-        return moe_cuda_grouped_mma(c, c_type, a, b, ab_type, offsets, E, max_rows, n, k, ctx);
+    if (ours(algo))
+        return moe_cuda_grouped_mma(c, c_type, a, b, ab_type, offsets, E, max_rows, n, k,
+                                    algo == MOE_CUDA_GROUPED_WGMMA, ctx);
     const int64_t *off = NULL;
     MOE_TRY(read_offsets(&off, offsets, E, max_rows, ctx));
     grouped_spec s = rows_gemm(c, n, a, k, b, k, n * k, true, n, k, ab_type);
@@ -274,12 +281,13 @@ extern "C" moe_status moe_cuda_experts_forward(const moe_cuda_experts *x,
                                                moe_cuda_grouped_algo algo, moe_cuda_ctx *ctx) {
     MOE_TRY(check_experts(x->n_experts, "moe_cuda_experts_forward"));
     const int64_t E = x->n_experts, d = x->d_model, f = x->d_ff;
-    if (algo == MOE_CUDA_GROUPED_MMA) {
+    if (ours(algo)) {
+        const bool wgmma = algo == MOE_CUDA_GROUPED_WGMMA;
         MOE_TRY(moe_cuda_grouped_mma(x->h, x->dtype, x->x, x->w13, x->dtype, x->offsets, E,
-                                     x->max_rows, 2 * f, d, ctx));
+                                     x->max_rows, 2 * f, d, wgmma, ctx));
         MOE_TRY(swiglu(x, false, ctx));
         return moe_cuda_grouped_mma(x->y, x->dtype, x->g, x->w2, x->dtype, x->offsets, E,
-                                    x->max_rows, d, f, ctx);
+                                    x->max_rows, d, f, wgmma, ctx);
     }
     const int64_t *off = NULL;
     MOE_TRY(read_offsets(&off, x->offsets, E, x->max_rows, ctx));
@@ -299,9 +307,10 @@ extern "C" moe_status moe_cuda_experts_forward(const moe_cuda_experts *x,
 extern "C" moe_status moe_cuda_experts_backward(const moe_cuda_experts *x,
                                                 moe_cuda_grouped_algo algo, moe_cuda_ctx *ctx) {
     MOE_TRY(check_experts(x->n_experts, "moe_cuda_experts_backward"));
-    if (algo == MOE_CUDA_GROUPED_MMA)
+    if (ours(algo))
         return moe_error(MOE_ERR_UNSUPPORTED,
-                         "moe_cuda_experts_backward: the mma kernel serves the forward only");
+                         "moe_cuda_experts_backward: the %s kernel serves the forward only",
+                         moe_cuda_grouped_algo_name(algo));
     /* Refused before any GEMM runs, so dh and dx are left as they were. */
     if (algo == MOE_CUDA_GROUPED_BATCHED && x->dtype == MOE_CUDA_BF16)
         return moe_error(MOE_ERR_UNSUPPORTED,

@@ -1,5 +1,5 @@
-/* grouped_mma.cu: a grouped GEMM on the tensor cores (mma.sync m16n8k16,
- * bf16 in, fp32 accumulate; sm_80 and up) that reads each expert's row
+/* grouped_mma.cu: a grouped GEMM on the tensor cores (mma.sync m16n8k16
+ * on sm_80 and up, wgmma on Hopper; bf16 in, fp32 accumulate) that reads each expert's row
  * range from device memory, so routing never waits for the host.
  *
  * Work is cut into 128x256 output tiles (BM x BN). A tiny kernel scans the
@@ -14,8 +14,12 @@
  * piece on 128x128 tiles measured 0.32-0.34 of dense cuBLASLt on an H200:
  * the wider warp tile uses each A fragment for twice the mma).
  *
- * It uses none of Hopper's own instructions (wgmma, TMA): on an H100/H200
- * it runs on the sm_80 path, which is the gap to cuBLASLt's sm_90 kernels. */
+ * On Hopper (compute capability 9.0, built for sm_90a) the wgmma kernel
+ * takes the same tiles through warpgroup MMA: 64-wide k-slices in four
+ * stages of 128-byte-swizzled rows (193 KB), each warpgroup's 64 x 256
+ * product one m64n256k16 per 16 of k, read by the tensor cores straight
+ * from shared memory. It still loads with cp.async from every thread, not
+ * TMA, and has no producer warps of its own. */
 #include "kernels/cuda/grouped_mma.cuh"
 #include "kernels/cuda/grouped_mma_kernels.cuh"
 
@@ -37,29 +41,46 @@ static __global__ void tile_scan_kernel(int32_t *tile_offsets, const int64_t *of
 template <typename OutT>
 static moe_status launch(OutT *c, const __nv_bfloat16 *a, const __nv_bfloat16 *b,
                          const int64_t *offsets, int E, int64_t max_rows, int64_t n, int64_t k,
-                         moe_cuda_ctx *ctx) {
-    MOE_CUDA_CHECK(cudaFuncSetAttribute(grouped_mma_kernel<OutT>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES));
+                         bool wgmma, moe_cuda_ctx *ctx) {
+    auto kernel = wgmma ? grouped_wgmma_kernel<OutT> : grouped_mma_kernel<OutT>;
+    const int smem = wgmma ? WG_SMEM_BYTES : MMA_SMEM_BYTES;
+    MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     const dim3 grid((unsigned)((max_rows + BM - 1) / BM + E), (unsigned)((n + BN - 1) / BN));
-    grouped_mma_kernel<OutT>
-        <<<grid, THREADS, SMEM_BYTES, ctx->stream>>>(c, a, b, offsets, ctx->tile_offsets, E, n, k);
+    kernel<<<grid, THREADS, smem, ctx->stream>>>(c, a, b, offsets, ctx->tile_offsets, E, n, k);
     MOE_CUDA_CHECK(cudaGetLastError());
     return MOE_OK;
 }
 
+/* wgmma runs on compute capability 9.0 only, from code built for sm_90a. */
+extern "C" moe_status moe_cuda_wgmma_check(const moe_cuda_ctx *ctx) {
+#if defined(MOE_CUDA_SM90A)
+    if (ctx->cc_major == 9 && ctx->cc_minor == 0) return MOE_OK;
+    return moe_error(MOE_ERR_UNSUPPORTED,
+                     "the wgmma grouped GEMM needs compute capability 9.0 (Hopper); %s is %d.%d",
+                     ctx->name, ctx->cc_major, ctx->cc_minor);
+#else
+    return moe_error(MOE_ERR_UNSUPPORTED,
+                     "the wgmma grouped GEMM needs a build for sm_90a (CMAKE_CUDA_ARCHITECTURES "
+                     "with 90a); this one has none, so %s runs the mma kernel",
+                     ctx->name);
+#endif
+}
+
 moe_status moe_cuda_grouped_mma(void *c, moe_cuda_dtype c_type, const void *a, const void *b,
                                 moe_cuda_dtype ab_type, const int64_t *offsets, int64_t E,
-                                int64_t max_rows, int64_t n, int64_t k, moe_cuda_ctx *ctx) {
-    if (ab_type != MOE_CUDA_BF16)
-        return moe_error(MOE_ERR_UNSUPPORTED, "the mma grouped GEMM takes bf16 inputs only");
+                                int64_t max_rows, int64_t n, int64_t k, bool wgmma,
+                                moe_cuda_ctx *ctx) {
+    const char *name = wgmma ? "the wgmma grouped GEMM" : "the mma grouped GEMM";
+    if (wgmma) MOE_TRY(moe_cuda_wgmma_check(ctx));
+    if (ab_type != MOE_CUDA_BF16) return moe_error(MOE_ERR_UNSUPPORTED, "%s takes bf16 inputs only", name);
     /* store_pair writes column pairs as one 2-element store. */
     const size_t pair_bytes = 2 * moe_cuda_dtype_bytes(c_type);
     if (k <= 0 || k % 8 != 0 || (uintptr_t)a % 16 != 0 || (uintptr_t)b % 16 != 0 ||
         (uintptr_t)c % pair_bytes != 0)
         return moe_error(MOE_ERR_UNSUPPORTED,
-                         "the mma grouped GEMM needs k %% 8 == 0, 16-byte aligned a and b, and c "
-                         "aligned to %zu bytes (k=%lld)",
-                         pair_bytes, (long long)k);
+                         "%s needs k %% 8 == 0, 16-byte aligned a and b, and c aligned to %zu "
+                         "bytes (k=%lld)",
+                         name, pair_bytes, (long long)k);
     if (E < 1 || E > MOE_EXPERTS_MAX || n <= 0 || max_rows < 0)
         return moe_error(MOE_ERR_INVALID_ARG, "moe_cuda_grouped_mma: E=%lld n=%lld max_rows=%lld",
                          (long long)E, (long long)n, (long long)max_rows);
@@ -68,14 +89,14 @@ moe_status moe_cuda_grouped_mma(void *c, moe_cuda_dtype c_type, const void *a, c
                          "moe_cuda_grouped_mma: n=%lld max_rows=%lld too large", (long long)n,
                          (long long)max_rows);
     if (max_rows == 0) return MOE_OK;
-    if (ctx->smem_optin_bytes < SMEM_BYTES)
-        return moe_error(MOE_ERR_UNSUPPORTED,
-                         "the mma grouped GEMM needs %d bytes of shared memory; %s has %zu",
-                         SMEM_BYTES, ctx->name, ctx->smem_optin_bytes);
+    const int smem = wgmma ? WG_SMEM_BYTES : MMA_SMEM_BYTES;
+    if (ctx->smem_optin_bytes < (size_t)smem)
+        return moe_error(MOE_ERR_UNSUPPORTED, "%s needs %d bytes of shared memory; %s has %zu",
+                         name, smem, ctx->name, ctx->smem_optin_bytes);
     tile_scan_kernel<<<1, 1024, 0, ctx->stream>>>(ctx->tile_offsets, offsets, (int)E);
     MOE_CUDA_CHECK(cudaGetLastError());
     const __nv_bfloat16 *ab = (const __nv_bfloat16 *)a, *bb = (const __nv_bfloat16 *)b;
     if (c_type == MOE_CUDA_BF16)
-        return launch((__nv_bfloat16 *)c, ab, bb, offsets, (int)E, max_rows, n, k, ctx);
-    return launch((float *)c, ab, bb, offsets, (int)E, max_rows, n, k, ctx);
+        return launch((__nv_bfloat16 *)c, ab, bb, offsets, (int)E, max_rows, n, k, wgmma, ctx);
+    return launch((float *)c, ab, bb, offsets, (int)E, max_rows, n, k, wgmma, ctx);
 }

@@ -6,26 +6,100 @@
 #ifndef MOE_KERNELS_CUDA_GROUPED_MMA_KERNELS_CUH
 #define MOE_KERNELS_CUDA_GROUPED_MMA_KERNELS_CUH
 
+/* Both kernels compute 128 x 256 tiles of c with 256 threads; they differ
+ * in how a k-slice reaches the tensor cores. */
 #define BM 128
 #define BN 256
-#define BK 32
-#define STAGES 3
 #define THREADS 256
-/* Eight warps in a 2 x 4 grid of WARP_M x WARP_N tiles: per 16-wide
- * k-step a warp loads 4 A and WARP_N / 16 B fragments (ldmatrix x4) for
- * 4 x WARP_N / 8 mma. */
+
+/* mma.sync (sm_80 and up): 32-wide k-slices in three stages. Eight warps
+ * in a 2 x 4 grid of WARP_M x WARP_N tiles: per 16-wide k-step a warp loads
+ * 4 A and WARP_N / 16 B fragments (ldmatrix x4) for 4 x WARP_N / 8 mma. */
+#define MMA_BK 32
+#define MMA_STAGES 3
 #define WARP_M (BM / 2)
 #define WARP_N (BN / 4)
 #define MI (WARP_M / 16)
 #define NI (WARP_N / 8)
-/* 16-byte chunks (8 bf16) of A and of B a thread moves per stage. */
-#define A_CHUNKS (BM * BK / 8 / THREADS)
-#define B_CHUNKS (BN * BK / 8 / THREADS)
 /* Shared rows of 40 bf16 (80 bytes): the 8 rows one ldmatrix phase reads
  * land in 8 different 16-byte bank groups. */
-#define SMEM_LD (BK + 8)
-#define STAGE_ELEMS ((BM + BN) * SMEM_LD)
-#define SMEM_BYTES (STAGES * STAGE_ELEMS * 2)
+#define MMA_LD (MMA_BK + 8)
+#define MMA_STAGE_ELEMS ((BM + BN) * MMA_LD)
+#define MMA_SMEM_BYTES (MMA_STAGES * MMA_STAGE_ELEMS * 2)
+
+/* wgmma (sm_90a): 64-wide k-slices in four stages; each of the two
+ * warpgroups computes 64 rows x 256 columns with m64n256k16, both operands
+ * read from shared memory through descriptors. A stage row is 64 bf16 =
+ * 128 bytes in the 128-byte swizzle: within each 1024-byte group of 8 rows,
+ * the 16-byte chunk c of row r sits at chunk c ^ (r % 8), so the 8 rows a
+ * core matrix spans hit 8 different bank groups. The hardware applies the
+ * swizzle to shared addresses, so the stages start 1024-byte aligned; the
+ * launch asks for 1 KB more to align them. */
+#define WG_BK 64
+#define WG_STAGES 4
+#define WG_ROW_BYTES (WG_BK * 2)
+#define WG_STAGE_ELEMS ((BM + BN) * WG_BK)
+#define WG_SMEM_BYTES (WG_STAGES * WG_STAGE_ELEMS * 2 + 1024)
+
+/* Where chunk c (8 bf16) of row r of a stage's tile starts, in elements. */
+struct padded_rows {
+    static __device__ __forceinline__ int at(int r, int c) { return r * MMA_LD + c * 8; }
+};
+struct swizzled_rows {
+    static __device__ __forceinline__ int at(int r, int c) { return r * WG_BK + ((c ^ (r & 7)) * 8); }
+};
+
+/* The descriptor of a K-major operand in the 128-byte swizzle starting at
+ * shared address addr (its first row; + 32 bytes per 16-wide k-step):
+ * start address and the stride between 8-row groups (1024 bytes) in 16-byte
+ * units, leading offset 1 (unused by swizzled K-major layouts), swizzle
+ * mode 1 (128 bytes) in bits 62-63. */
+static __device__ __forceinline__ uint64_t sw128_descriptor(uint32_t addr) {
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | (uint64_t)1 << 16 | (uint64_t)(1024 >> 4) << 32 |
+           (uint64_t)1 << 62;
+}
+
+/* The expert and rows of 128-row tile number tile. */
+struct expert_tile {
+    int e;
+    int64_t row0; /* the tile's first row of the batch */
+    int rows;     /* how many of its BM rows are the expert's */
+};
+
+static __device__ __forceinline__ expert_tile find_expert_tile(const int64_t *offsets,
+                                                               const int32_t *tile_offsets, int E,
+                                                               int tile) {
+    /* The last expert whose first tile is at or before ours: experts with
+     * no rows share their first tile with the next one and lose the tie. */
+    int lo = 0, hi = E - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (tile_offsets[mid] <= tile)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    expert_tile t;
+    t.e = lo;
+    t.row0 = offsets[lo] + (int64_t)(tile - tile_offsets[lo]) * BM;
+    t.rows = (int)min((int64_t)BM, offsets[lo + 1] - t.row0);
+    return t;
+}
+
+/* Starts the copy of rows [0, ROWS) x columns [k0, k0 + BK) of src [*, k]
+ * into a stage tile laid out by Layout; rows at or past valid_rows and
+ * columns at or past k are zero-filled. */
+template <int ROWS, int BK, typename Layout>
+static __device__ __forceinline__ void load_slice(__nv_bfloat16 *dst, const __nv_bfloat16 *src,
+                                                  int64_t valid_rows, int64_t k, int64_t k0) {
+#pragma unroll
+    for (int i = 0; i < ROWS * BK / 8 / THREADS; i++) {
+        const int q = (int)threadIdx.x + i * THREADS, r = q / (BK / 8), c = q % (BK / 8);
+        const int64_t kk = k0 + c * 8;
+        const bool ok = r < valid_rows && kk < k;
+        moe_cp_async16(dst + Layout::at(r, c), ok ? src + r * k + kk : src, ok ? 16 : 0);
+    }
+}
 
 /* Stores the pair (v0, v1) at columns col, col + 1 of a row. */
 static __device__ __forceinline__ void store_pair(float *p, int64_t col, int64_t n, float v0,
@@ -48,52 +122,37 @@ static __device__ __forceinline__ void store_pair(__nv_bfloat16 *p, int64_t col,
     }
 }
 
+/* A 16 x 8 accumulator fragment v (mma.sync's and, per 8 columns, wgmma's
+ * layout): {c[r][col], c[r][col + 1], c[r + 8][col], c[r + 8][col + 1]}
+ * into c [rows, n], rows past rows left alone. */
+template <typename OutT>
+static __device__ __forceinline__ void store_fragment(OutT *c, int rows, int r, int64_t col,
+                                                      int64_t n, const float *v) {
+    if (r < rows) store_pair(c + r * n + col, col, n, v[0], v[1]);
+    if (r + 8 < rows) store_pair(c + (r + 8) * n + col, col, n, v[2], v[3]);
+}
+
 template <typename OutT>
 static __global__ void __launch_bounds__(THREADS)
     grouped_mma_kernel(OutT *c, const __nv_bfloat16 *a, const __nv_bfloat16 *b,
                        const int64_t *offsets, const int32_t *tile_offsets, int E, int64_t n,
                        int64_t k) {
     MOE_DYNAMIC_SHARED(__nv_bfloat16, mma_shared);
-    const int tile = blockIdx.x;
-    if (tile >= tile_offsets[E]) return;
-    /* The last expert whose first tile is at or before ours: experts with
-     * no rows share their first tile with the next one and lose the tie. */
-    int lo = 0, hi = E - 1;
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) / 2;
-        if (tile_offsets[mid] <= tile)
-            lo = mid;
-        else
-            hi = mid - 1;
-    }
-    const int e = lo;
-    const int64_t row0 = offsets[e] + (int64_t)(tile - tile_offsets[e]) * BM;
-    const int rows = (int)min((int64_t)BM, offsets[e + 1] - row0);
+    if ((int)blockIdx.x >= tile_offsets[E]) return;
+    const expert_tile t = find_expert_tile(offsets, tile_offsets, E, (int)blockIdx.x);
     const int64_t n0 = (int64_t)blockIdx.y * BN;
-    const __nv_bfloat16 *a_tile = a + row0 * k;                  /* [rows, k] */
-    const __nv_bfloat16 *b_tile = b + ((int64_t)e * n + n0) * k; /* [<= BN, k] */
+    const __nv_bfloat16 *a_tile = a + t.row0 * k;                  /* [rows, k] */
+    const __nv_bfloat16 *b_tile = b + ((int64_t)t.e * n + n0) * k; /* [<= BN, k] */
 
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int wm = warp >> 2, wn = warp & 3; /* the warp's tile in the 2 x 4 grid */
-    const int ktiles = (int)((k + BK - 1) / BK);
+    const int ktiles = (int)((k + MMA_BK - 1) / MMA_BK);
 
-    /* Chunk q of a stage is row q / (BK / 8), columns (q % (BK / 8)) 8 on. */
     auto load_stage = [&](int slot, int kt) {
-        __nv_bfloat16 *sa = mma_shared + slot * STAGE_ELEMS, *sb = sa + BM * SMEM_LD;
-#pragma unroll
-        for (int i = 0; i < A_CHUNKS; i++) {
-            const int q = tid + i * THREADS, r = q / (BK / 8), kc = (q % (BK / 8)) * 8;
-            const int64_t kk = (int64_t)kt * BK + kc;
-            const bool ok = r < rows && kk < k;
-            moe_cp_async16(sa + r * SMEM_LD + kc, ok ? a_tile + r * k + kk : a, ok ? 16 : 0);
-        }
-#pragma unroll
-        for (int i = 0; i < B_CHUNKS; i++) {
-            const int q = tid + i * THREADS, r = q / (BK / 8), kc = (q % (BK / 8)) * 8;
-            const int64_t kk = (int64_t)kt * BK + kc;
-            const bool ok = n0 + r < n && kk < k;
-            moe_cp_async16(sb + r * SMEM_LD + kc, ok ? b_tile + r * k + kk : b, ok ? 16 : 0);
-        }
+        __nv_bfloat16 *sa = mma_shared + slot * MMA_STAGE_ELEMS;
+        load_slice<BM, MMA_BK, padded_rows>(sa, a_tile, t.rows, k, (int64_t)kt * MMA_BK);
+        load_slice<BN, MMA_BK, padded_rows>(sa + BM * MMA_LD, b_tile, n - n0, k,
+                                            (int64_t)kt * MMA_BK);
     };
 
     float acc[MI][NI][4];
@@ -105,35 +164,35 @@ static __global__ void __launch_bounds__(THREADS)
             for (int v = 0; v < 4; v++) acc[i][j][v] = 0.0f;
 
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; s++) {
+    for (int s = 0; s < MMA_STAGES - 1; s++) {
         if (s < ktiles) load_stage(s, s);
         moe_cp_async_commit();
     }
     for (int kt = 0; kt < ktiles; kt++) {
-        moe_cp_async_wait<STAGES - 2>(); /* stage kt has landed */
-        __syncthreads();             /* and every warp is done with stage kt - 1 */
-        const int next = kt + STAGES - 1;
-        if (next < ktiles) load_stage(next % STAGES, next);
+        moe_cp_async_wait<MMA_STAGES - 2>(); /* stage kt has landed */
+        __syncthreads();                     /* and every warp is done with stage kt - 1 */
+        const int next = kt + MMA_STAGES - 1;
+        if (next < ktiles) load_stage(next % MMA_STAGES, next);
         moe_cp_async_commit();
 
-        const __nv_bfloat16 *sa = mma_shared + (kt % STAGES) * STAGE_ELEMS;
-        const __nv_bfloat16 *sb = sa + BM * SMEM_LD;
+        const __nv_bfloat16 *sa = mma_shared + (kt % MMA_STAGES) * MMA_STAGE_ELEMS;
+        const __nv_bfloat16 *sb = sa + BM * MMA_LD;
 #pragma unroll
-        for (int ks = 0; ks < BK; ks += 16) {
+        for (int ks = 0; ks < MMA_BK; ks += 16) {
             uint32_t af[MI][4], bf[NI][2];
 #pragma unroll
             for (int mi = 0; mi < MI; mi++) {
                 const int r = wm * WARP_M + mi * 16 + (lane & 15), col = ks + (lane >> 4) * 8;
-                moe_ldmatrix_x4(af[mi], sa + r * SMEM_LD + col);
+                moe_ldmatrix_x4(af[mi], sa + r * MMA_LD + col);
             }
 #pragma unroll
             for (int nj = 0; nj < NI / 2; nj++) {
                 const int r = wn * WARP_N + nj * 16 + (lane & 7) + ((lane >> 4) << 3);
                 const int col = ks + ((lane >> 3) & 1) * 8;
-                uint32_t t[4];
-                moe_ldmatrix_x4(t, sb + r * SMEM_LD + col);
-                bf[2 * nj][0] = t[0], bf[2 * nj][1] = t[1];
-                bf[2 * nj + 1][0] = t[2], bf[2 * nj + 1][1] = t[3];
+                uint32_t q[4];
+                moe_ldmatrix_x4(q, sb + r * MMA_LD + col);
+                bf[2 * nj][0] = q[0], bf[2 * nj][1] = q[1];
+                bf[2 * nj + 1][0] = q[2], bf[2 * nj + 1][1] = q[3];
             }
 #pragma unroll
             for (int mi = 0; mi < MI; mi++)
@@ -143,17 +202,83 @@ static __global__ void __launch_bounds__(THREADS)
     }
     moe_cp_async_wait<0>();
 
+    OutT *c_tile = c + t.row0 * n;
 #pragma unroll
     for (int mi = 0; mi < MI; mi++)
 #pragma unroll
-        for (int ni = 0; ni < NI; ni++) {
-            const int r = wm * WARP_M + mi * 16 + (lane >> 2);
-            const int64_t col = n0 + wn * WARP_N + ni * 8 + 2 * (lane & 3);
-            if (r < rows)
-                store_pair(c + (row0 + r) * n + col, col, n, acc[mi][ni][0], acc[mi][ni][1]);
-            if (r + 8 < rows)
-                store_pair(c + (row0 + r + 8) * n + col, col, n, acc[mi][ni][2], acc[mi][ni][3]);
-        }
+        for (int ni = 0; ni < NI; ni++)
+            store_fragment(c_tile, t.rows, wm * WARP_M + mi * 16 + (lane >> 2),
+                           n0 + wn * WARP_N + ni * 8 + 2 * (lane & 3), n, acc[mi][ni]);
+}
+
+/* The same product on Hopper's warpgroup MMA. Per k-slice: every thread
+ * lands its copies, fences them to the async proxy that wgmma reads
+ * through, and the block meets; each warpgroup issues four m64n256k16 on
+ * the slice and waits for the previous slice's, and once the block meets
+ * again that slice's stage is refilled. So one slice's MMA runs while the
+ * copies of the next three are in flight. */
+template <typename OutT>
+static __global__ void __launch_bounds__(THREADS)
+    grouped_wgmma_kernel(OutT *c, const __nv_bfloat16 *a, const __nv_bfloat16 *b,
+                         const int64_t *offsets, const int32_t *tile_offsets, int E, int64_t n,
+                         int64_t k) {
+    MOE_DYNAMIC_SHARED(__nv_bfloat16, wgmma_shared);
+    if ((int)blockIdx.x >= tile_offsets[E]) return;
+    const expert_tile t = find_expert_tile(offsets, tile_offsets, E, (int)blockIdx.x);
+    const int64_t n0 = (int64_t)blockIdx.y * BN;
+    const __nv_bfloat16 *a_tile = a + t.row0 * k;                  /* [rows, k] */
+    const __nv_bfloat16 *b_tile = b + ((int64_t)t.e * n + n0) * k; /* [<= BN, k] */
+
+    const uint32_t misalign = moe_shared_address(wgmma_shared) % 1024;
+    __nv_bfloat16 *stages = wgmma_shared + (misalign ? (1024 - misalign) / 2 : 0);
+    const uint32_t stages_addr = moe_shared_address(stages);
+    const int wg = threadIdx.x / 128, lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
+    const int ktiles = (int)((k + WG_BK - 1) / WG_BK);
+
+    auto load_stage = [&](int slot, int kt) {
+        __nv_bfloat16 *sa = stages + slot * WG_STAGE_ELEMS;
+        load_slice<BM, WG_BK, swizzled_rows>(sa, a_tile, t.rows, k, (int64_t)kt * WG_BK);
+        load_slice<BN, WG_BK, swizzled_rows>(sa + BM * WG_BK, b_tile, n - n0, k,
+                                             (int64_t)kt * WG_BK);
+    };
+
+    /* d[4j .. 4j + 3] is the 16 x 8 fragment of columns 8j of the warp's 16 rows. */
+    float acc[BN / 2];
+#pragma unroll
+    for (int i = 0; i < BN / 2; i++) acc[i] = 0.0f;
+
+#pragma unroll
+    for (int s = 0; s < WG_STAGES - 1; s++) {
+        if (s < ktiles) load_stage(s, s);
+        moe_cp_async_commit();
+    }
+    for (int kt = 0; kt < ktiles; kt++) {
+        moe_cp_async_wait<WG_STAGES - 2>(); /* my copies of stage kt have landed */
+        moe_fence_proxy_async();            /* where wgmma's reads see them */
+        __syncthreads();                    /* and everyone's have */
+        const uint32_t sa = stages_addr + (uint32_t)((kt % WG_STAGES) * WG_STAGE_ELEMS * 2);
+        const uint32_t a_rows = sa + wg * 64 * WG_ROW_BYTES, b_rows = sa + BM * WG_ROW_BYTES;
+        moe_wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < WG_BK / 16; ks++)
+            moe_wgmma_m64n256k16(acc, sw128_descriptor(a_rows + 32 * ks),
+                                 sw128_descriptor(b_rows + 32 * ks), 1);
+        moe_wgmma_commit();
+        moe_wgmma_wait<1>(); /* this warpgroup is done with stage kt - 1 */
+        __syncthreads();     /* and so is the other */
+        const int next = kt + WG_STAGES - 1;
+        if (next < ktiles) load_stage(next % WG_STAGES, next);
+        moe_cp_async_commit();
+    }
+    moe_wgmma_wait<0>();
+    moe_wgmma_fence_operands(acc, BN / 2);
+    moe_cp_async_wait<0>();
+
+    OutT *c_tile = c + t.row0 * n;
+    const int r = wg * 64 + warp * 16 + (lane >> 2);
+#pragma unroll
+    for (int j = 0; j < BN / 8; j++)
+        store_fragment(c_tile, t.rows, r, n0 + 8 * j + 2 * (lane & 3), n, acc + 4 * j);
 }
 
 #endif /* MOE_KERNELS_CUDA_GROUPED_MMA_KERNELS_CUH */
