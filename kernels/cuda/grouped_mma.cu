@@ -61,7 +61,7 @@ extern "C" moe_status moe_cuda_wgmma_check(const moe_cuda_ctx *ctx) {
 #else
     return moe_error(MOE_ERR_UNSUPPORTED,
                      "the wgmma grouped GEMM needs a build for sm_90a (CMAKE_CUDA_ARCHITECTURES "
-                     "with 90a); this one has none, so %s runs the mma kernel",
+                     "with 90a) and this one has none; on %s use the mma kernel",
                      ctx->name);
 #endif
 }

@@ -246,6 +246,7 @@ static __global__ void __launch_bounds__(THREADS)
     float acc[BN / 2];
 #pragma unroll
     for (int i = 0; i < BN / 2; i++) acc[i] = 0.0f;
+    moe_wgmma_fence_operands(acc, BN / 2); /* zeroed before the first wgmma.fence */
 
 #pragma unroll
     for (int s = 0; s < WG_STAGES - 1; s++) {
