@@ -84,6 +84,7 @@ static void print_help(FILE *f) {
             "(up: [rows, d] x [2ff, d]^T; down: [rows, ff] x [d, ff]^T):\n"
             "  mma             our tensor-core kernel (row counts read on the device)\n"
             "  wgmma           the same on Hopper's warpgroup MMA (compute capability 9.0)\n"
+            "  wgmma-tma       the same, a TMA producer warpgroup feeding two consumers\n"
             "  cublaslt-loop   one cublasLtMatmul per expert, cached plans\n"
             "  cublas-grouped  one cublasGemmGroupedBatchedEx\n"
             "  dense           one cuBLASLt GEMM [T*k, K] x [N, K]^T: the same FLOPs\n"
@@ -349,13 +350,13 @@ done:
 
 #define MAX_ERR_LIMIT 0.02
 /* Our two kernels, the two cuBLAS baselines, then the dense GEMM. */
-enum { GPU_MMA, GPU_WGMMA, GPU_LOOP, GPU_BATCHED, GPU_DENSE, N_GPU_ALGOS };
+enum { GPU_MMA, GPU_WGMMA, GPU_WGMMA_TMA, GPU_LOOP, GPU_BATCHED, GPU_DENSE, N_GPU_ALGOS };
 
-static const char *const gpu_algo_names[N_GPU_ALGOS] = {"mma", "wgmma", "cublaslt-loop",
-                                                        "cublas-grouped", "dense"};
+static const char *const gpu_algo_names[N_GPU_ALGOS] = {
+    "mma", "wgmma", "wgmma-tma", "cublaslt-loop", "cublas-grouped", "dense"};
 static const moe_cuda_grouped_algo gpu_algos[GPU_DENSE] = {
-    MOE_CUDA_GROUPED_MMA, MOE_CUDA_GROUPED_WGMMA, MOE_CUDA_GROUPED_LT_LOOP,
-    MOE_CUDA_GROUPED_BATCHED};
+    MOE_CUDA_GROUPED_MMA, MOE_CUDA_GROUPED_WGMMA, MOE_CUDA_GROUPED_WGMMA_TMA,
+    MOE_CUDA_GROUPED_LT_LOOP, MOE_CUDA_GROUPED_BATCHED};
 
 /* One GEMM of the experts on the device: c [R, n] = a [R, k] b_e [n, k]^T. */
 typedef struct gpu_gemm {

@@ -258,9 +258,9 @@ def gemm_section():
     if not gemm:
         print("gemm: no results")
         return
-    algos = ["mma", "wgmma", "cublaslt-loop", "cublas-grouped", "dense"]
+    algos = ["mma", "wgmma", "wgmma-tma", "cublaslt-loop", "cublas-grouped", "dense"]
     print(f"{'shape':8} {'routing':9} {'gemm':5} " + " ".join(f"{a:>14}" for a in algos) +
-          f" {'mma/dense':>9} {'wgmma/dense':>11} {'wgmma/cublas':>12} {'max_err':>8}")
+          f" {'mma/dense':>9} {'wgmma/dense':>11} {'tma/dense':>9} {'tma/cublas':>10} {'max_err':>8}")
     keys = []
     for r in gemm:
         k = (r["shape"], r["routing"], r["gemm"])
@@ -270,11 +270,11 @@ def gemm_section():
         by = {r["algo"]: r for r in gemm if (r["shape"], r["routing"], r["gemm"]) == k}
         f = lambda v, w, p: f"{v:{w}.{p}f}" if isinstance(v, (int, float)) else f"{'-':>{w}}"
         cells = " ".join(f(by.get(a, {}).get("rate"), 14, 1) for a in algos)
-        m, w = by.get("mma", {}), by.get("wgmma", {})
+        m, w, t = by.get("mma", {}), by.get("wgmma", {}), by.get("wgmma-tma", {})
         errs = [r["max_err"] for r in by.values() if isinstance(r.get("max_err"), (int, float))]
         print(f"{k[0]:8} {k[1]:9} {k[2]:5} {cells} {f(m.get('vs_dense'), 9, 3)} "
-              f"{f(w.get('vs_dense'), 11, 3)} {f(w.get('vs_best_cublas'), 12, 3)} "
-              f"{f(max(errs) if errs else None, 8, 4)}")
+              f"{f(w.get('vs_dense'), 11, 3)} {f(t.get('vs_dense'), 9, 3)} "
+              f"{f(t.get('vs_best_cublas'), 10, 3)} {f(max(errs) if errs else None, 8, 4)}")
     print("(rates in TFLOP/s, bf16 storage, fp32 accumulation)")
 def layer_section():
     for r in rows(sys.argv[2]):

@@ -811,10 +811,12 @@ static void cpu_experts(expert_case *c, float *dw13_out, float *dw2_out) {
 }
 
 /* Whether algo runs on this device, saying why not when it does not. The
- * wgmma kernel must run on every compute capability 9.0 device: there, a
- * build without it fails the test. */
+ * wgmma kernels must run on every compute capability 9.0 device: there, a
+ * build without them fails the test. */
 static bool runs_here(moe_cuda_grouped_algo algo) {
-    if (algo != MOE_CUDA_GROUPED_WGMMA || moe_cuda_wgmma_check(ctx) == MOE_OK) return true;
+    if ((algo != MOE_CUDA_GROUPED_WGMMA && algo != MOE_CUDA_GROUPED_WGMMA_TMA) ||
+        moe_cuda_wgmma_check(ctx) == MOE_OK)
+        return true;
     cr_expect(strstr(moe_cuda_device_name(ctx), "(sm_90,") == NULL, "%s", moe_last_error());
     fprintf(stderr, "wgmma not run: %s\n", moe_last_error());
     return false;
@@ -898,6 +900,7 @@ static void check_grouped_gemm_bf16(const int64_t *rows, int64_t E, int64_t n, i
     } runs[] = {
         {MOE_CUDA_GROUPED_MMA, MOE_CUDA_BF16},     {MOE_CUDA_GROUPED_MMA, MOE_CUDA_F32},
         {MOE_CUDA_GROUPED_WGMMA, MOE_CUDA_BF16},   {MOE_CUDA_GROUPED_WGMMA, MOE_CUDA_F32},
+        {MOE_CUDA_GROUPED_WGMMA_TMA, MOE_CUDA_BF16}, {MOE_CUDA_GROUPED_WGMMA_TMA, MOE_CUDA_F32},
         {MOE_CUDA_GROUPED_LT_LOOP, MOE_CUDA_BF16}, {MOE_CUDA_GROUPED_LT_LOOP, MOE_CUDA_F32},
         {MOE_CUDA_GROUPED_BATCHED, MOE_CUDA_BF16},
     };
@@ -938,9 +941,9 @@ Test(cuda, experts_bf16) {
     ref_rng rng = {808};
     static const int64_t rows[] = {3, 0, 140, 17};
     const int64_t E = 4, d = 64, f = 48;
-    static const moe_cuda_grouped_algo algos[] = {MOE_CUDA_GROUPED_MMA, MOE_CUDA_GROUPED_WGMMA,
-                                                  MOE_CUDA_GROUPED_LT_LOOP,
-                                                  MOE_CUDA_GROUPED_BATCHED};
+    static const moe_cuda_grouped_algo algos[] = {
+        MOE_CUDA_GROUPED_MMA, MOE_CUDA_GROUPED_WGMMA, MOE_CUDA_GROUPED_WGMMA_TMA,
+        MOE_CUDA_GROUPED_LT_LOOP, MOE_CUDA_GROUPED_BATCHED};
     for (size_t a = 0; a < sizeof algos / sizeof algos[0]; a++) {
         if (!runs_here(algos[a])) continue;
         expert_case c = make_experts(rows, E, d, f, &rng);

@@ -33,7 +33,10 @@ float as_float(__nv_bfloat16 v) { return emu_from_bf16(v.bits); }
 
 /* rows [E] of the experts, n, k; max_rows > the batch, so the rows past it
  * must come back as they were. */
-template <typename OutT> void check(bool wgmma, const std::vector<int64_t> &rows, int64_t n, int64_t k, double tol) {
+enum class kernel_kind { mma, wgmma, wgmma_tma };
+
+template <typename OutT>
+void check(kernel_kind kind, const std::vector<int64_t> &rows, int64_t n, int64_t k, double tol) {
     const int E = (int)rows.size();
     std::vector<int64_t> offsets(1, 0);
     std::vector<int32_t> tile_offsets(1, 0);
@@ -51,17 +54,31 @@ template <typename OutT> void check(bool wgmma, const std::vector<int64_t> &rows
     std::vector<OutT> c((size_t)(max_rows * n), poison);
 
     const dim3 grid{(unsigned)((max_rows + BM - 1) / BM + E), (unsigned)((n + BN - 1) / BN), 1};
-    if (wgmma)
+    if (kind == kernel_kind::wgmma_tma) {
+        /* As grouped_mma.cu encodes them: a [max_rows, k] in boxes of 128
+         * rows, b [E n, k] in boxes of 256, 64 columns each. */
+        const CUtensorMap a_map = emu_tensor_map_2d(a.data(), (uint64_t)k, (uint64_t)max_rows, (uint64_t)k * 2,
+                                                    WG_BK, BM, true);
+        const CUtensorMap b_map = emu_tensor_map_2d(b.data(), (uint64_t)k, (uint64_t)(E * n), (uint64_t)k * 2,
+                                                    WG_BK, BN, true);
+        emu_launch(
+            grid, WS_THREADS,
+            [&] {
+                grouped_wgmma_tma_kernel<OutT>(c.data(), a_map, b_map, offsets.data(), tile_offsets.data(), E, n, k);
+            },
+            WS_SMEM_BYTES);
+    } else if (kind == kernel_kind::wgmma) {
         emu_launch(
             grid, THREADS,
             [&] { grouped_wgmma_kernel<OutT>(c.data(), a.data(), b.data(), offsets.data(), tile_offsets.data(), E, n, k); },
             WG_SMEM_BYTES);
-    else
+    } else {
         emu_launch(
             grid, THREADS,
             [&] { grouped_mma_kernel<OutT>(c.data(), a.data(), b.data(), offsets.data(), tile_offsets.data(), E, n, k); },
             MMA_SMEM_BYTES);
-    const char *kernel = wgmma ? "wgmma" : "mma";
+    }
+    const char *kernel = kind == kernel_kind::mma ? "mma" : kind == kernel_kind::wgmma ? "wgmma" : "wgmma-tma";
 
     double worst = 0.0, scale = 0.0;
     int64_t at = -1, unwritten = 0, touched = 0;
@@ -93,19 +110,21 @@ template <typename OutT> void check(bool wgmma, const std::vector<int64_t> &rows
  * product of the bf16 inputs; bf16 output adds its rounding (1e-2 as the
  * device tests). */
 Test(grouped_mma_emulated, matches_the_exact_product) {
-    check<float>(false, {0, 150, 37}, 136, 40, 1e-5);
-    check<float>(false, {128, 1}, 24, 64, 1e-5);
-    check<float>(false, {40, 9}, 264, 16, 1e-5); /* two column tiles, the second ragged */
-    check<__nv_bfloat16>(false, {0, 150, 37}, 136, 40, 1e-2);
-    check<__nv_bfloat16>(false, {3, 0, 130}, 8, 8, 1e-2);
+    check<float>(kernel_kind::mma, {0, 150, 37}, 136, 40, 1e-5);
+    check<float>(kernel_kind::mma, {128, 1}, 24, 64, 1e-5);
+    check<float>(kernel_kind::mma, {40, 9}, 264, 16, 1e-5); /* two column tiles, the second ragged */
+    check<__nv_bfloat16>(kernel_kind::mma, {0, 150, 37}, 136, 40, 1e-2);
+    check<__nv_bfloat16>(kernel_kind::mma, {3, 0, 130}, 8, 8, 1e-2);
 }
 
 /* As above, and k of 5 and 6 slices through the 4 stages: each stage is
  * refilled while the other warpgroup may still be reading its neighbour. */
 Test(grouped_mma_emulated, wgmma_matches_the_exact_product) {
-    check<float>(true, {0, 150, 37}, 136, 40, 1e-5);
-    check<float>(true, {40, 9}, 264, 16, 1e-5);
-    check<float>(true, {70, 0, 3}, 40, 328, 1e-5);
-    check<__nv_bfloat16>(true, {3, 0, 130}, 8, 8, 1e-2);
-    check<__nv_bfloat16>(true, {129}, 24, 384, 1e-2);
+    for (kernel_kind kind : {kernel_kind::wgmma, kernel_kind::wgmma_tma}) {
+        check<float>(kind, {0, 150, 37}, 136, 40, 1e-5);
+        check<float>(kind, {40, 9}, 264, 16, 1e-5);
+        check<float>(kind, {70, 0, 3}, 40, 328, 1e-5);
+        check<__nv_bfloat16>(kind, {3, 0, 130}, 8, 8, 1e-2);
+        check<__nv_bfloat16>(kind, {129}, 24, 384, 1e-2);
+    }
 }

@@ -7,6 +7,7 @@
 
 #include <cublasLt.h>
 #include <cublas_v2.h>
+#include <cuda.h> /* CUtensorMap: a type only, no driver calls */
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -98,6 +99,7 @@ struct moe_cuda_ctx {
     void **host_ptrs;      /* [MOE_CUDA_PTR_SLOTS] pinned host, staged for ptrs */
     int64_t *host_counts;  /* [MOE_EXPERTS_MAX + 1] pinned host */
     int32_t *tile_offsets; /* [MOE_EXPERTS_MAX + 1] device, the MMA grouped GEMM's tiles */
+    void *encode_tensor_map; /* the driver's cuTensorMapEncodeTiled, found on first use */
     double *sumsq_parts;   /* [MOE_CUDA_SUMSQ_PARTS] device */
     char *staging;         /* [MOE_CUDA_STAGING_SLOTS][MOE_CUDA_STAGING_SLOT_BYTES] pinned host */
     cudaEvent_t staging_done[MOE_CUDA_STAGING_SLOTS]; /* each slot's last copy has finished */
@@ -256,6 +258,60 @@ __device__ __forceinline__ void moe_wgmma_m64n256k16(float *d, uint64_t desc_a, 
                   : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 #undef D8
+
+/* mbarriers in shared memory (sm_90a here: the TMA kernel alone uses
+ * them). A phase completes when its pending arrivals and its expected
+ * transaction bytes have both come to zero; then the phase bit flips. */
+__device__ __forceinline__ void moe_mbarrier_init(uint64_t *bar, int count) {
+    MOE_SM90A_ASM("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(moe_shared_address(bar)),
+                  "r"(count)
+                  : "memory");
+}
+
+/* Makes the barriers just initialised visible to the async proxy (TMA). */
+__device__ __forceinline__ void moe_fence_mbarrier_init() {
+    MOE_SM90A_ASM("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void moe_mbarrier_arrive(uint64_t *bar) {
+    MOE_SM90A_ASM("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(moe_shared_address(bar))
+                  : "memory");
+}
+
+/* Arrives, and adds bytes to what the phase waits to see land. */
+__device__ __forceinline__ void moe_mbarrier_arrive_expect_tx(uint64_t *bar, uint32_t bytes) {
+    MOE_SM90A_ASM("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(
+                      moe_shared_address(bar)),
+                  "r"(bytes)
+                  : "memory");
+}
+
+/* Returns once the phase of this parity has completed. */
+__device__ __forceinline__ void moe_mbarrier_wait(uint64_t *bar, int parity) {
+    MOE_SM90A_ASM("{\n.reg .pred done;\nWAIT:\n"
+                  "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                  "@!done bra WAIT;\n}\n" ::"r"(moe_shared_address(bar)),
+                  "r"(parity)
+                  : "memory");
+}
+
+/* The box of map at element coordinates (c0 inner, c1 outer) into shared
+ * memory at dst, by the copy engine, its bytes completing on bar. */
+__device__ __forceinline__ void moe_tma_load_2d(void *dst, const CUtensorMap *map, int c0, int c1,
+                                                uint64_t *bar) {
+    MOE_SM90A_ASM("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes "
+                  "[%0], [%1, {%3, %4}], [%2];\n" ::"r"(moe_shared_address(dst)),
+                  "l"((uint64_t)(uintptr_t)map), "r"(moe_shared_address(bar)), "r"(c0), "r"(c1)
+                  : "memory");
+}
+
+/* The warpgroup's registers per thread, lowered or raised to N. */
+template <int N> __device__ __forceinline__ void moe_setmaxnreg_dec() {
+    MOE_SM90A_ASM("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N> __device__ __forceinline__ void moe_setmaxnreg_inc() {
+    MOE_SM90A_ASM("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
 
 /* Sum over a block whose size is a multiple of 32 (at most 1024), in a
  * fixed tree order: the same bits on every run. Every thread gets the

@@ -208,20 +208,23 @@ moe_status moe_cuda_unpermute_add(float *dx, const float *dxp, const int64_t *pa
  *           which reads each expert's rows from device memory; forward
  *           (x w^T) shapes in bf16 only.
  *  WGMMA:   the same on Hopper's warpgroup MMA (compute capability 9.0,
- *           from a build for sm_90a).
+ *           from a build for sm_90a), every thread loading with cp.async.
+ *  WGMMA_TMA: the same, warp-specialized: a producer warpgroup loads by
+ *           TMA, two consumer warpgroups multiply.
  * cuBLAS takes its shapes from host memory, so LT_LOOP and BATCHED copy the
  * E+1 offsets to the host and WAIT for the stream first: one host sync per
- * call, which also rules out graph capture. MMA and WGMMA do not wait. */
+ * call, which also rules out graph capture. Our kernels do not wait. */
 typedef enum moe_cuda_grouped_algo {
     MOE_CUDA_GROUPED_LT_LOOP = 0,
     MOE_CUDA_GROUPED_BATCHED = 1,
     MOE_CUDA_GROUPED_MMA = 2,
     MOE_CUDA_GROUPED_WGMMA = 3,
+    MOE_CUDA_GROUPED_WGMMA_TMA = 4,
 } moe_cuda_grouped_algo;
 
 const char *moe_cuda_grouped_algo_name(moe_cuda_grouped_algo algo);
 
-/* MOE_OK when WGMMA runs on ctx's device, else MOE_ERR_UNSUPPORTED saying
+/* MOE_OK when WGMMA and WGMMA_TMA run on ctx's device, else MOE_ERR_UNSUPPORTED saying
  * why (another architecture, or a build without sm_90a code). */
 moe_status moe_cuda_wgmma_check(const moe_cuda_ctx *ctx);
 

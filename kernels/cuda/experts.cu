@@ -70,13 +70,15 @@ extern "C" const char *moe_cuda_grouped_algo_name(moe_cuda_grouped_algo algo) {
     case MOE_CUDA_GROUPED_BATCHED: return "cublas-grouped";
     case MOE_CUDA_GROUPED_MMA: return "mma";
     case MOE_CUDA_GROUPED_WGMMA: return "wgmma";
+    case MOE_CUDA_GROUPED_WGMMA_TMA: return "wgmma-tma";
     }
     return "unknown";
 }
 
 /* Our kernels, which read the offsets on the device. */
 static bool ours(moe_cuda_grouped_algo algo) {
-    return algo == MOE_CUDA_GROUPED_MMA || algo == MOE_CUDA_GROUPED_WGMMA;
+    return algo == MOE_CUDA_GROUPED_MMA || algo == MOE_CUDA_GROUPED_WGMMA ||
+           algo == MOE_CUDA_GROUPED_WGMMA_TMA;
 }
 
 /* Expert e's operand: base + (o_e * row + e * expert) elements. */
@@ -201,8 +203,8 @@ extern "C" moe_status moe_cuda_grouped_gemm(void *c, moe_cuda_dtype c_type, cons
                                             moe_cuda_ctx *ctx) {
     MOE_TRY(check_experts(E, "moe_cuda_grouped_gemm"));
     if (ours(algo))
-        return moe_cuda_grouped_mma(c, c_type, a, b, ab_type, offsets, E, max_rows, n, k,
-                                    algo == MOE_CUDA_GROUPED_WGMMA, ctx);
+        return moe_cuda_grouped_mma(c, c_type, a, b, ab_type, offsets, E, max_rows, n, k, algo,
+                                    ctx);
     const int64_t *off = NULL;
     MOE_TRY(read_offsets(&off, offsets, E, max_rows, ctx));
     grouped_spec s = rows_gemm(c, n, a, k, b, k, n * k, true, n, k, ab_type);
@@ -282,12 +284,11 @@ extern "C" moe_status moe_cuda_experts_forward(const moe_cuda_experts *x,
     MOE_TRY(check_experts(x->n_experts, "moe_cuda_experts_forward"));
     const int64_t E = x->n_experts, d = x->d_model, f = x->d_ff;
     if (ours(algo)) {
-        const bool wgmma = algo == MOE_CUDA_GROUPED_WGMMA;
         MOE_TRY(moe_cuda_grouped_mma(x->h, x->dtype, x->x, x->w13, x->dtype, x->offsets, E,
-                                     x->max_rows, 2 * f, d, wgmma, ctx));
+                                     x->max_rows, 2 * f, d, algo, ctx));
         MOE_TRY(swiglu(x, false, ctx));
         return moe_cuda_grouped_mma(x->y, x->dtype, x->g, x->w2, x->dtype, x->offsets, E,
-                                    x->max_rows, d, f, wgmma, ctx);
+                                    x->max_rows, d, f, algo, ctx);
     }
     const int64_t *off = NULL;
     MOE_TRY(read_offsets(&off, x->offsets, E, x->max_rows, ctx));

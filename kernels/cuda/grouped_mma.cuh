@@ -1,6 +1,6 @@
 /* grouped_mma.cuh: our grouped GEMM on the tensor cores. Internal to
  * kernels/cuda; moe_cuda_grouped_gemm and the experts reach it through
- * MOE_CUDA_GROUPED_MMA and MOE_CUDA_GROUPED_WGMMA. */
+ * MOE_CUDA_GROUPED_MMA, _WGMMA and _WGMMA_TMA. */
 #ifndef MOE_KERNELS_CUDA_GROUPED_MMA_CUH
 #define MOE_KERNELS_CUDA_GROUPED_MMA_CUH
 
@@ -11,11 +11,12 @@
  * fp32 accumulation. Reads the offsets on the device: no host wait.
  * Needs k % 8 == 0, 16-byte aligned a and b, and c aligned to two of its
  * elements (MOE_ERR_UNSUPPORTED otherwise); max_rows >= offsets[E] sizes the grid.
- * wgmma: Hopper's warpgroup MMA (compute capability 9.0 and a build for
- * sm_90a; MOE_ERR_UNSUPPORTED elsewhere), else mma.sync (sm_80 and up). */
+ * algo: MMA (mma.sync, sm_80 and up), WGMMA or WGMMA_TMA (Hopper's
+ * warpgroup MMA: compute capability 9.0 and a build for sm_90a;
+ * MOE_ERR_UNSUPPORTED elsewhere). */
 moe_status moe_cuda_grouped_mma(void *c, moe_cuda_dtype c_type, const void *a, const void *b,
                                 moe_cuda_dtype ab_type, const int64_t *offsets, int64_t E,
-                                int64_t max_rows, int64_t n, int64_t k, bool wgmma,
+                                int64_t max_rows, int64_t n, int64_t k, moe_cuda_grouped_algo algo,
                                 moe_cuda_ctx *ctx);
 
 #endif /* MOE_KERNELS_CUDA_GROUPED_MMA_CUH */

@@ -282,4 +282,89 @@ static __global__ void __launch_bounds__(THREADS)
         store_fragment(c_tile, t.rows, r, n0 + 8 * j + 2 * (lane & 3), n, acc + 4 * j);
 }
 
+/* The wgmma product again, warp-specialized: warpgroup 0 only loads, one
+ * thread issuing two TMA tile copies per k-slice (A's 128 and B's 256 rows
+ * of 64 k, landed in the 128-byte swizzle by the copy engine itself), and
+ * warpgroups 1 and 2 only multiply, 64 rows each. Each stage has two
+ * mbarriers: full completes when its copies' bytes have landed, empty when
+ * both consumers are done reading it, so neither side waits on the other's
+ * instructions, only on data. setmaxnreg moves registers from the producer
+ * (which needs few) to the consumers' accumulators. TMA rows past a
+ * tensor's end come back zero; rows of the next expert or columns of the
+ * next expert's weights are read and their results dropped. */
+#define WS_THREADS 384
+#define WS_STAGE_BYTES (WG_STAGE_ELEMS * 2)
+#define WS_SMEM_BYTES (WG_STAGES * WS_STAGE_BYTES + 1024 + 2 * WG_STAGES * 8)
+
+template <typename OutT>
+static __global__ void __launch_bounds__(WS_THREADS, 1)
+    grouped_wgmma_tma_kernel(OutT *c, const __grid_constant__ CUtensorMap a_map,
+                             const __grid_constant__ CUtensorMap b_map, const int64_t *offsets,
+                             const int32_t *tile_offsets, int E, int64_t n, int64_t k) {
+    MOE_DYNAMIC_SHARED(__nv_bfloat16, ws_shared);
+    if ((int)blockIdx.x >= tile_offsets[E]) return;
+    const expert_tile t = find_expert_tile(offsets, tile_offsets, E, (int)blockIdx.x);
+    const int64_t n0 = (int64_t)blockIdx.y * BN;
+
+    const uint32_t misalign = moe_shared_address(ws_shared) % 1024;
+    __nv_bfloat16 *stages = ws_shared + (misalign ? (1024 - misalign) / 2 : 0);
+    uint64_t *full = (uint64_t *)(stages + WG_STAGES * WG_STAGE_ELEMS), *empty = full + WG_STAGES;
+    const int wg = threadIdx.x / 128, lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
+    const int ktiles = (int)((k + WG_BK - 1) / WG_BK);
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < WG_STAGES; s++) {
+            moe_mbarrier_init(&full[s], 1);  /* the producer's arrive, with the bytes */
+            moe_mbarrier_init(&empty[s], 2); /* one arrive per consumer warpgroup */
+        }
+        moe_fence_mbarrier_init();
+    }
+    __syncthreads();
+
+    if (wg == 0) {
+        moe_setmaxnreg_dec<40>();
+        if (threadIdx.x == 0)
+            for (int kt = 0; kt < ktiles; kt++) {
+                const int s = kt % WG_STAGES;
+                /* Use u of stage s waits for the consumers' release of use u - 1. */
+                if (kt >= WG_STAGES) moe_mbarrier_wait(&empty[s], (kt / WG_STAGES - 1) & 1);
+                moe_mbarrier_arrive_expect_tx(&full[s], WS_STAGE_BYTES);
+                __nv_bfloat16 *sa = stages + s * WG_STAGE_ELEMS;
+                moe_tma_load_2d(sa, &a_map, kt * WG_BK, (int)t.row0, &full[s]);
+                moe_tma_load_2d(sa + BM * WG_BK, &b_map, kt * WG_BK, (int)(t.e * n + n0), &full[s]);
+            }
+        return;
+    }
+
+    moe_setmaxnreg_inc<232>();
+    const int cw = wg - 1; /* the consumer's 64 rows */
+    const uint32_t stages_addr = moe_shared_address(stages);
+    float acc[BN / 2]; /* as in grouped_wgmma_kernel */
+#pragma unroll
+    for (int i = 0; i < BN / 2; i++) acc[i] = 0.0f;
+    moe_wgmma_fence_operands(acc, BN / 2);
+    for (int kt = 0; kt < ktiles; kt++) {
+        const int s = kt % WG_STAGES;
+        moe_mbarrier_wait(&full[s], (kt / WG_STAGES) & 1);
+        const uint32_t sa = stages_addr + (uint32_t)(s * WS_STAGE_BYTES);
+        const uint32_t a_rows = sa + cw * 64 * WG_ROW_BYTES, b_rows = sa + BM * WG_ROW_BYTES;
+        moe_wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < WG_BK / 16; ks++)
+            moe_wgmma_m64n256k16(acc, sw128_descriptor(a_rows + 32 * ks),
+                                 sw128_descriptor(b_rows + 32 * ks), 1);
+        moe_wgmma_commit();
+        moe_wgmma_wait<1>(); /* slice kt - 1 is done: its stage goes back */
+        if (kt > 0 && threadIdx.x % 128 == 0) moe_mbarrier_arrive(&empty[(kt - 1) % WG_STAGES]);
+    }
+    moe_wgmma_wait<0>();
+    moe_wgmma_fence_operands(acc, BN / 2);
+
+    OutT *c_tile = c + t.row0 * n;
+    const int r = cw * 64 + warp * 16 + (lane >> 2);
+#pragma unroll
+    for (int j = 0; j < BN / 8; j++)
+        store_fragment(c_tile, t.rows, r, n0 + 8 * j + 2 * (lane & 3), n, acc + 4 * j);
+}
+
 #endif /* MOE_KERNELS_CUDA_GROUPED_MMA_KERNELS_CUH */
