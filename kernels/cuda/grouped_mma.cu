@@ -18,8 +18,10 @@
  * takes the same tiles through warpgroup MMA: 64-wide k-slices in four
  * stages of 128-byte-swizzled rows (193 KB), each warpgroup's 64 x 256
  * product one m64n256k16 per 16 of k, read by the tensor cores straight
- * from shared memory. It still loads with cp.async from every thread, not
- * TMA, and has no producer warps of its own. */
+ * from shared memory, every thread loading with cp.async. The wgmma-tma
+ * kernel specializes warpgroups instead: one issues TMA tile loads (the
+ * copy engine swizzles), two multiply, and per-stage mbarriers pass the
+ * stages between them, so loads never wait on a block-wide barrier. */
 #include <cudaTypedefs.h> /* PFN_cuTensorMapEncodeTiled */
 
 #include "kernels/cuda/grouped_mma.cuh"
