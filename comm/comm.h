@@ -73,7 +73,11 @@ moe_status moe_comm_local_create(moe_comm **comm);
 /* All ranks of MPI_COMM_WORLD, through a duplicate of it (so our traffic never
  * matches the application's), with MPI_ERRORS_RETURN. Initialises MPI
  * (MPI_THREAD_FUNNELED) when nobody has. MOE_ERR_UNSUPPORTED when libmoe was
- * built without MPI. Collective over MPI_COMM_WORLD. */
+ * built without MPI. Collective over MPI_COMM_WORLD.
+ * When a wait on a collective times out, the ranks waiting in it hold a roll
+ * call before the wait returns (a tenth of the timeout, within 0.5 to 10 s;
+ * less when every rank answers), so that the error names the ranks missing
+ * from it, by their rank in the communicator and in MPI_COMM_WORLD. */
 moe_status moe_comm_mpi_create(moe_comm **comm);
 
 /* Ends every process of the MPI job (MPI_Abort on MPI_COMM_WORLD) with exit

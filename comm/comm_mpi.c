@@ -34,13 +34,49 @@
 #define POLL_SLEEP_DIVISOR 100
 #define POLL_SLEEP_MIN_NS 10000L
 #define POLL_SLEEP_MAX_NS 1000000L
-#define FAILURE_BYTES 512
+#define FAILURE_BYTES 768
+
+/* After a collective times out, the ranks waiting in it hold a roll call, so
+ * that the message can name the ranks that are not there: each sends every
+ * other rank one "here" and listens for theirs. Only a rank whose own wait
+ * on a collective of this communicator timed out answers, so silence means
+ * dead, stuck, elsewhere, or late to join.
+ *
+ * Its messages travel on the communicator itself under tags above every tag
+ * a caller may use (comm.c keeps those within MOE_COMM_TAG_MAX), so they
+ * never match a caller's receive, and MPI keeps collectives' traffic apart
+ * from point-to-point traffic. A private duplicate would do the same at the
+ * price of a collective MPI_Comm_dup at every creation and a second context
+ * id per communicator; the tags cost nothing until a timeout. The tag is
+ * ROLL_CALL_TAG plus the number of collectives this rank has started on the
+ * communicator (modulo the tags MPI_TAG_UB leaves): ranks of one program
+ * that wait in the same collective have started the same ones, so only
+ * they match, and a "here" left unreceived from an earlier roll call is
+ * never taken for an answer to a later one. MPI promises tags only up to
+ * 32767: where MPI_TAG_UB is that low, no roll call. */
+#define ROLL_CALL_TAG (MOE_COMM_TAG_MAX + 1)
+/* The ranks' timeouts expire as far apart as they entered the collective, so
+ * the roll call lasts long enough for a rank that entered a little later
+ * than this one to time out and answer: a tenth of the timeout, which a user
+ * sets far above any legitimate wait, hence above the usual skew between
+ * ranks. At least ROLL_CALL_MIN_SECONDS, to absorb scheduling noise on
+ * loaded or oversubscribed nodes; at most ROLL_CALL_MAX_SECONDS, so that the
+ * error still comes promptly after a long timeout (300 s by default). A rank
+ * later than that is named as not answering, with "late" among the reasons;
+ * when every rank answers, the roll call ends at once. */
+#define ROLL_CALL_TIMEOUT_FRACTION 0.1
+#define ROLL_CALL_MIN_SECONDS 0.5
+#define ROLL_CALL_MAX_SECONDS 10.0
+/* Silent ranks named in a message; more are counted ("and 40 more"), so that
+ * the message fits FAILURE_BYTES on any communicator. */
+#define ROLL_CALL_NAMED 8
 
 typedef struct mpi_comm {
     moe_comm base;
     MPI_Comm comm;
     int *vectors;          /* [MPI_VECTOR_SLOTS][4][size]: counts and displs */
     unsigned vectors_busy; /* bit s set: slot s belongs to an ialltoallv */
+    int64_t collectives;   /* started on this communicator: the roll call's tag */
     /* Non-empty once a wait on this communicator timed out: matching of later
      * ops is no longer trustworthy, so every op refuses with this text. */
     char failure[FAILURE_BYTES];
@@ -68,18 +104,26 @@ static void mpi_error_text(int code, char *text, size_t size) {
         snprintf(text, size, "MPI error code %d", code);
 }
 
+/* world [n] = the ranks in MPI_COMM_WORLD of ranks [n] of c; -1 where MPI
+ * cannot say. */
+static void world_ranks_of(int *world, const mpi_comm *c, const int *ranks, int n) {
+    MPI_Group group, world_group;
+    bool ok = false;
+    if (MPI_Comm_group(c->comm, &group) == MPI_SUCCESS) {
+        if (MPI_Comm_group(MPI_COMM_WORLD, &world_group) == MPI_SUCCESS) {
+            ok = MPI_Group_translate_ranks(group, n, ranks, world_group, world) == MPI_SUCCESS;
+            MPI_Group_free(&world_group);
+        }
+        MPI_Group_free(&group);
+    }
+    for (int i = 0; i < n; i++)
+        if (!ok || world[i] == MPI_UNDEFINED) world[i] = -1;
+}
+
 /* peer's rank in MPI_COMM_WORLD, or -1 when MPI cannot say. */
 static int world_rank_of(const mpi_comm *c, int peer) {
-    MPI_Group group, world;
     int out = -1;
-    if (MPI_Comm_group(c->comm, &group) != MPI_SUCCESS) return -1;
-    if (MPI_Comm_group(MPI_COMM_WORLD, &world) == MPI_SUCCESS) {
-        if (MPI_Group_translate_ranks(group, 1, &peer, world, &out) != MPI_SUCCESS ||
-            out == MPI_UNDEFINED)
-            out = -1;
-        MPI_Group_free(&world);
-    }
-    MPI_Group_free(&group);
+    world_ranks_of(&out, c, &peer, 1);
     return out;
 }
 
@@ -156,6 +200,7 @@ static moe_status started(mpi_comm *c, moe_comm_request *req, const char *call, 
     if (code != MPI_SUCCESS) return mpi_fail(c, req->op, req->peer, call, code);
     set_request(req, r);
     req->comm = &c->base;
+    if (req->peer < 0) c->collectives++;
     return MOE_OK;
 }
 
@@ -198,6 +243,142 @@ static void release(mpi_comm *c, moe_comm_request *req) {
     req->comm = NULL;
 }
 
+/* The roll call after a collective timed out (see ROLL_CALL_TAG): sends
+ * "here" to every other rank and listens for theirs for window_seconds, or
+ * until all have answered. silent [size]: its first entries receive the
+ * ranks not heard from, in increasing order. Returns how many, or -1 when
+ * the roll call could not be held. */
+static int roll_call(int *silent, mpi_comm *c, double window_seconds) {
+    /* Static: a send to a dead rank may never complete, so it is never
+     * waited for, and its buffer must outlive this call. */
+    static const int here = 1;
+    const int n = c->base.size, me = c->base.rank;
+    /* An attribute of MPI_COMM_WORLD only (a duplicate does not copy it),
+     * valid on every communicator. */
+    int *tag_ub = NULL, has_tag_ub = 0;
+    if (MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &tag_ub, &has_tag_ub) != MPI_SUCCESS ||
+        !has_tag_ub || *tag_ub < ROLL_CALL_TAG)
+        return -1;
+    const int tag = ROLL_CALL_TAG + (int)(c->collectives % (*tag_ub - MOE_COMM_TAG_MAX));
+    MPI_Request *recvs = malloc((size_t)n * sizeof *recvs);
+    int *answers = calloc((size_t)n, sizeof *answers); /* [n]: `here` once heard from */
+    if (!recvs || !answers) {
+        free(recvs);
+        free(answers);
+        return -1;
+    }
+    int code = MPI_SUCCESS, pending = 0;
+    for (int j = 0; j < n; j++) recvs[j] = MPI_REQUEST_NULL;
+    for (int j = 0; j < n && code == MPI_SUCCESS; j++)
+        if (j != me) {
+            code = MPI_Irecv(&answers[j], 1, MPI_INT, j, tag, c->comm, &recvs[j]);
+            pending += code == MPI_SUCCESS;
+        }
+    /* One int goes eagerly: the send completes on its own, or never for a
+     * dead peer, so the request is let go at once. A failed send (a peer
+     * whose connection broke) only means that peer will not hear from us. */
+    for (int j = 0; j < n && code == MPI_SUCCESS; j++) {
+        MPI_Request s = MPI_REQUEST_NULL;
+        if (j != me && MPI_Isend(&here, 1, MPI_INT, j, tag, c->comm, &s) == MPI_SUCCESS)
+            MPI_Request_free(&s);
+    }
+    const double start = now_seconds();
+    while (code == MPI_SUCCESS && pending > 0) {
+        for (int j = 0; j < n; j++) {
+            if (recvs[j] == MPI_REQUEST_NULL) continue;
+            int done = 0;
+            /* A receive that fails (a peer whose connection broke) ends
+             * with that peer silent, not with the roll call; MPI may keep a
+             * failed request, so it is let go (see the cancel below). */
+            if (MPI_Test(&recvs[j], &done, MPI_STATUS_IGNORE) != MPI_SUCCESS) {
+                MPI_Cancel(&recvs[j]);
+                MPI_Wait(&recvs[j], MPI_STATUS_IGNORE);
+                recvs[j] = MPI_REQUEST_NULL;
+                done = 1;
+            }
+            pending -= done != 0;
+        }
+        if (pending == 0 || now_seconds() - start >= window_seconds) break;
+        struct timespec ts = {0, POLL_SLEEP_MAX_NS};
+        nanosleep(&ts, NULL);
+    }
+    for (int j = 0; j < n; j++)
+        if (recvs[j] != MPI_REQUEST_NULL) MPI_Cancel(&recvs[j]);
+    /* MPI makes the wait for a cancelled receive local: it returns whatever
+     * the other ranks do. A receive matched before the cancel completes
+     * instead, and its rank counts as heard. */
+    MPI_Waitall(n, recvs, MPI_STATUSES_IGNORE);
+    int count = 0;
+    for (int j = 0; j < n; j++)
+        if (j != me && answers[j] != here) silent[count++] = j;
+    free(recvs);
+    free(answers);
+    return code == MPI_SUCCESS ? count : -1;
+}
+
+/* "ranks 1 (world 2), 3 (world 5) and 4 (world 7)" into text [size], for the
+ * ranks [count] of c. */
+static void name_ranks(char *text, size_t size, const mpi_comm *c, const int *ranks, int count) {
+    const int named = count < ROLL_CALL_NAMED ? count : ROLL_CALL_NAMED;
+    int world[ROLL_CALL_NAMED];
+    world_ranks_of(world, c, ranks, named);
+    size_t at = 0;
+    for (int i = 0; i < named && at < size; i++) {
+        const char *sep = i == 0 ? (count == 1 ? "rank " : "ranks ")
+                          : i == count - 1 ? " and "
+                                           : ", ";
+        int len = snprintf(text + at, size - at, "%s%d (world %d)", sep, ranks[i], world[i]);
+        if (len < 0) return;
+        at += (size_t)len;
+    }
+    if (count > named && at < size) snprintf(text + at, size - at, " and %d more", count - named);
+}
+
+/* The failure text of a collective that timed out: the roll call's
+ * outcome, or, when it could not be held, only what one rank knows. */
+static void collective_timed_out(mpi_comm *c, const char *where) {
+    const int n = c->base.size;
+    const double timeout = c->base.timeout_seconds;
+    double window = timeout * ROLL_CALL_TIMEOUT_FRACTION;
+    window = window < ROLL_CALL_MIN_SECONDS   ? ROLL_CALL_MIN_SECONDS
+             : window > ROLL_CALL_MAX_SECONDS ? ROLL_CALL_MAX_SECONDS
+                                              : window;
+    int *silent = malloc((size_t)n * sizeof *silent);
+    const int count = silent ? roll_call(silent, c, window) : -1;
+    if (count < 0) {
+        snprintf(c->failure, sizeof c->failure,
+                 "%s: not complete after %.1f s: %s has not joined it (dead, stuck, or in "
+                 "another operation)",
+                 where, timeout, n == 2 ? "the other rank" : "at least one of the other ranks");
+    } else if (count == 0) {
+        /* Nobody is missing: the op itself cannot finish in time. */
+        snprintf(c->failure, sizeof c->failure,
+                 "%s: not complete after %.1f s, though every rank is waiting in it (all "
+                 "answered a roll call): the ranks called it with mismatched arguments, or it "
+                 "needs longer than the timeout",
+                 where, timeout);
+    } else {
+        char names[256], answered[64];
+        name_ranks(names, sizeof names, c, silent, count);
+        const int others = n - 1 - count;
+        if (others == 0)
+            snprintf(answered, sizeof answered, "no answer to");
+        else if (others == 1)
+            snprintf(answered, sizeof answered, "the other rank, waiting in it too, answered");
+        else
+            snprintf(answered, sizeof answered, "the other %d ranks, waiting in it too, answered",
+                     others);
+        /* "not answering", not "never joined": a rank that entered later
+         * than the roll call, or finished its part and moved on, is silent
+         * too. */
+        snprintf(c->failure, sizeof c->failure,
+                 "%s: not complete after %.1f s: %s %s not answering (dead, stuck, in another "
+                 "operation, or late to join it): %s a %.1f s roll call",
+                 where, timeout, names, count == 1 ? "is" : "are", answered, window);
+    }
+    free(silent);
+}
+
 /* Writes the timeout message, which also becomes the communicator's failure. */
 static moe_status timed_out(mpi_comm *c, const moe_comm_request *req) {
     char where[256];
@@ -210,11 +391,7 @@ static moe_status timed_out(mpi_comm *c, const moe_comm_request *req) {
                  "another operation)",
                  where, req->peer, world_rank_of(c, req->peer), c->base.timeout_seconds);
     else
-        snprintf(c->failure, sizeof c->failure,
-                 "%s: not complete after %.1f s: %s has not joined it (dead, stuck, or in "
-                 "another operation)",
-                 where, c->base.timeout_seconds,
-                 c->base.size == 2 ? "the other rank" : "at least one of the other ranks");
+        collective_timed_out(c, where);
     return moe_error(MOE_ERR_COMM, "%s", c->failure);
 }
 

@@ -97,7 +97,7 @@ static void print_help(void) {
            "                       the ranks are data-parallel, --batch-size is per rank (default 1)\n"
            "  --zero 1             shard AdamW's state over each parameter's replicas (default 0)\n"
            "  --comm-timeout S     seconds a collective waits for a peer before the job ends with\n"
-           "                       an error (default 300)\n"
+           "                       an error naming the ranks missing from it (default 300)\n"
            "  --overlap            run each expert as soon as its rows arrive, overlapping the\n"
            "                       other experts' messages (same results; default off)\n\n"
            "  -h, --help           this text\n\n"

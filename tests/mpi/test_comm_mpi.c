@@ -6,7 +6,7 @@
  * PASS/FAIL line on rank 0 (after agreeing over MPI_COMM_WORLD, outside the
  * code under test), failing ranks print what they saw, and the program ends
  * with "N passed, M failed" and a non-zero exit on any failure. */
-#define _POSIX_C_SOURCE 200809L /* clock_gettime */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime, nanosleep */
 
 #include <limits.h>
 #include <string.h>
@@ -19,8 +19,14 @@
 #define LARGE_COUNT 70000
 #define SENTINEL (-7)
 #define MAX_REPORTS 4 /* detail lines per rank per check */
-#define TIMEOUT_SECONDS 2.0
+#define TIMEOUT_SECONDS 1.0
 #define RECV_TIMEOUT_SECONDS 1.0
+/* The roll call after a collective timeout of TIMEOUT_SECONDS: the
+ * library's floor, 0.5 s, above a tenth of the timeout. */
+#define ROLL_CALL_SECONDS 0.5
+/* How much later than the others a slow rank joins: within the roll call. */
+#define LATE_SECONDS 0.2
+#define ABSENT_COUNT 8 /* elements of the all-reduce the absent ranks skip */
 
 static int check_failures; /* on this rank, in the running check */
 
@@ -470,33 +476,124 @@ static void check_errors(void) {
     OK(moe_comm_barrier(world));
 }
 
-/* The last rank never joins an all-reduce: the others must give up after
- * the timeout with MOE_ERR_COMM naming the op, and the communicator must
- * refuse from then on. A fresh communicator keeps the orphaned operation
- * away from the world one. */
-static void check_timeout_collective(void) {
-    moe_comm *c = NULL;
-    if (!OK(moe_comm_split(&c, world, 0, rank))) return;
+/* Whether rank j of c is in absent [n_absent]. */
+static bool is_absent(int j, const int *absent, int n_absent) {
+    for (int i = 0; i < n_absent; i++)
+        if (absent[i] == j) return true;
+    return false;
+}
+
+/* What a survivor's timeout message must say: the op and the time; the
+ * absent ranks [n_absent] of c (rank j of c is world rank size-1-j), by
+ * both ranks, and no other rank; how many ranks answered the roll call. */
+static void expect_absent_named(const char *msg, int me, const int *absent, int n_absent) {
+    char after[48], want[160], answered[80];
+    snprintf(after, sizeof after, "not complete after %.1f s", TIMEOUT_SECONDS);
+    if (n_absent == 1)
+        snprintf(want, sizeof want, "rank %d (world %d) is not answering", absent[0],
+                 size - 1 - absent[0]);
+    else
+        snprintf(want, sizeof want, "ranks %d (world %d) and %d (world %d) are not answering",
+                 absent[0], size - 1 - absent[0], absent[1], size - 1 - absent[1]);
+    const int others = size - 1 - n_absent;
+    if (others == 0)
+        snprintf(answered, sizeof answered, "no answer to a %.1f s roll call", ROLL_CALL_SECONDS);
+    else if (others == 1)
+        snprintf(answered, sizeof answered,
+                 "the other rank, waiting in it too, answered a %.1f s roll call",
+                 ROLL_CALL_SECONDS);
+    else
+        snprintf(answered, sizeof answered,
+                 "the other %d ranks, waiting in it too, answered a %.1f s roll call", others,
+                 ROLL_CALL_SECONDS);
+    EXPECT(strstr(msg, "allreduce_sum") && strstr(msg, after) && strstr(msg, want) &&
+               strstr(msg, answered),
+           "timeout message: %s (expected '%s', '%s' and '%s')", msg, after, want, answered);
+    /* The prefix names this rank; past it only absent ranks may appear. */
+    const char *tail = strstr(msg, "not complete after");
+    for (int j = 0; tail && j < size; j++) {
+        char name[48];
+        snprintf(name, sizeof name, "%d (world %d)", j, size - 1 - j);
+        EXPECT(j == me || is_absent(j, absent, n_absent) || !strstr(tail, name),
+               "rank %d, which joined, is named: %s", j, msg);
+    }
+}
+
+/* The ranks absent [n_absent] of a communicator c (the world, ranked in
+ * reverse so that its ranks differ from the world ranks) stay out of an
+ * all-reduce on it: every other rank must give up after the timeout and
+ * the roll call with MOE_ERR_COMM naming exactly the absent ranks. Rank
+ * `late` of c (or -1) joins LATE_SECONDS after the others: slow but
+ * present, it must not be named. Rank `elsewhere` of c (or -1), one of the
+ * absent, meanwhile waits in a receive on another communicator, polling
+ * MPI but not in the all-reduce, until rank 0 of c has given up and sends
+ * it. The other absent ones wait in MPI_Barrier on MPI_COMM_WORLD. A fresh
+ * communicator keeps the failure away from the world one.
+ *
+ * The absent ranks never join: the others' all-reduce stays in flight for
+ * good, as after any timeout, and MPI_Finalize ends it. Joining late would
+ * finish it, but Open MPI's non-blocking collectives keep no reference to
+ * their communicator between rounds, so a round that completes after the
+ * communicator was freed may touch freed memory. buf [ABSENT_COUNT] is
+ * static: it belongs to that all-reduce until the end. */
+static void check_absent(float *buf, const int *absent, int n_absent, int late, int elsewhere) {
+    moe_comm *c = NULL, *side = NULL;
+    if (!OK(moe_comm_split(&c, world, 0, size - 1 - rank))) return;
+    if (elsewhere >= 0 && !OK(moe_comm_split(&side, world, 0, rank))) {
+        moe_comm_free(c);
+        return;
+    }
     OK(moe_comm_set_timeout(c, TIMEOUT_SECONDS));
-    if (rank != size - 1) {
-        float x[8] = {0};
+    const int me = moe_comm_rank(c);
+    if (!is_absent(me, absent, n_absent)) {
+        for (int64_t i = 0; i < ABSENT_COUNT; i++) buf[i] = (float)value(rank, 0, i);
+        if (me == late) nanosleep(&(struct timespec){0, (long)(LATE_SECONDS * 1e9)}, NULL);
         double t0 = now_seconds();
-        moe_status st = moe_comm_allreduce_sum(c, x, 8, MOE_COMM_F32);
+        moe_status st = moe_comm_allreduce_sum(c, buf, ABSENT_COUNT, MOE_COMM_F32);
         double waited = now_seconds() - t0;
-        EXPECT(st == MOE_ERR_COMM, "allreduce without the last rank: %s: %s",
+        EXPECT(st == MOE_ERR_COMM, "allreduce without %d absent rank(s): %s: %s", n_absent,
                moe_status_string(st), moe_last_error());
-        EXPECT(strstr(moe_last_error(), "allreduce_sum") && strstr(moe_last_error(), "2.0 s"),
-               "timeout message lacks the op or the time: %s", moe_last_error());
-        EXPECT(waited >= TIMEOUT_SECONDS * 0.9 && waited < TIMEOUT_SECONDS + 5.0,
-               "gave up after %.2f s, timeout %.1f s", waited, TIMEOUT_SECONDS);
-        if (rank == 0) printf("  rank 0 after %.2f s: %s\n", waited, moe_last_error());
+        if (st == MOE_ERR_COMM) expect_absent_named(moe_last_error(), me, absent, n_absent);
+        EXPECT(waited >= TIMEOUT_SECONDS * 0.9 &&
+                   waited < TIMEOUT_SECONDS + ROLL_CALL_SECONDS + 3.0,
+               "gave up after %.2f s, timeout %.1f s and a %.1f s roll call", waited,
+               TIMEOUT_SECONDS, ROLL_CALL_SECONDS);
+        if (me == 0) printf("  rank 0 of the group after %.2f s: %s\n", waited, moe_last_error());
         t0 = now_seconds();
         st = moe_comm_barrier(c);
         EXPECT(st == MOE_ERR_COMM && strstr(moe_last_error(), "failed earlier") &&
                    now_seconds() - t0 < 0.5,
                "an op after the timeout: %s: %s", moe_status_string(st), moe_last_error());
+        if (me == 0 && elsewhere >= 0) {
+            int64_t x = 1;
+            OK(moe_comm_send(side, &x, 1, MOE_COMM_I64, size - 1 - elsewhere, 9));
+        }
+    } else if (me == elsewhere) {
+        int64_t x = 0;
+        OK(moe_comm_set_timeout(side, 30.0));
+        OK(moe_comm_recv(side, &x, 1, MOE_COMM_I64, size - 1, 9));
     }
+    /* Outside the code under test: the absent ranks wait here until the
+     * others have given up. */
+    MPI_Barrier(MPI_COMM_WORLD);
+    moe_comm_free(side);
     moe_comm_free(c);
+}
+
+/* One rank of the group skips the all-reduce: rank 2 of 4 (world 1), with
+ * rank 3 (world 0) late; rank 1 of 2 (world 0). */
+static void check_absent_one(void) {
+    static float buf[ABSENT_COUNT];
+    const int absent = size > 2 ? 2 : 1;
+    check_absent(buf, &absent, 1, size > 3 ? 3 : -1, -1);
+}
+
+/* Two ranks of 4 skip it: rank 1 (world 2) waits in another operation,
+ * rank 2 (world 1) outside the library. */
+static void check_absent_two(void) {
+    static float buf[ABSENT_COUNT];
+    const int absent[2] = {1, 2};
+    check_absent(buf, absent, 2, -1, 1);
 }
 
 /* Waiting for several requests after a timeout: the first failure's
@@ -576,7 +673,9 @@ int main(void) {
     run("send/recv ring and tags", check_send_recv);
     run("split EP x DP groups", check_split);
     run("argument errors", check_errors);
-    run("timeout: a rank skips an allreduce", check_timeout_collective);
+    run("timeout: a rank skips an allreduce, the others name it", check_absent_one);
+    if (size >= 4)
+        run("timeout: two ranks skip an allreduce, the others name both", check_absent_two);
     run("timeout: wait_all reports the first failure", check_timeout_wait_all);
     run("timeout: a recv from a silent rank", check_timeout_recv);
 
