@@ -231,7 +231,8 @@ moe_status moe_cuda_wgmma_check(const moe_cuda_ctx *ctx);
 /* c [rows, n] = a [rows, k] b_e [n, k]^T for the rows of each expert e,
  * offsets [E+1] on the device, b [E, n, k]: the experts' forward GEMM.
  * a, b in ab_type; c in c_type; max_rows >= offsets[E] bounds the grid of
- * MMA. */
+ * our kernels, and a holds max_rows rows (WGMMA_TMA's loads may read past
+ * offsets[E], into rows whose products it drops). */
 moe_status moe_cuda_grouped_gemm(void *c, moe_cuda_dtype c_type, const void *a, const void *b,
                                  moe_cuda_dtype ab_type, const int64_t *offsets, int64_t E,
                                  int64_t max_rows, int64_t n, int64_t k, moe_cuda_grouped_algo algo,

@@ -134,9 +134,9 @@ moe_status moe_cuda_grouped_mma(void *c, moe_cuda_dtype c_type, const void *a, c
     if (E < 1 || E > MOE_EXPERTS_MAX || n <= 0 || max_rows < 0)
         return moe_error(MOE_ERR_INVALID_ARG, "moe_cuda_grouped_mma: E=%lld n=%lld max_rows=%lld",
                          (long long)E, (long long)n, (long long)max_rows);
-    /* TMA's coordinates are 32-bit: the rows of a and of b must fit. */
+    /* TMA's coordinates are 32-bit: the rows of a and of b, and k, must fit. */
     if ((n + BN - 1) / BN > 65535 || (max_rows + BM - 1) / BM + E > INT32_MAX ||
-        max_rows > INT32_MAX || E * n > INT32_MAX)
+        max_rows > INT32_MAX || E * n > INT32_MAX || k > INT32_MAX)
         return moe_error(MOE_ERR_UNSUPPORTED,
                          "moe_cuda_grouped_mma: n=%lld max_rows=%lld too large", (long long)n,
                          (long long)max_rows);

@@ -10,7 +10,9 @@
  * offsets[e+1]) of each expert e, b [E, n, k]; a, b bf16, c bf16 or fp32,
  * fp32 accumulation. Reads the offsets on the device: no host wait.
  * Needs k % 8 == 0, 16-byte aligned a and b, and c aligned to two of its
- * elements (MOE_ERR_UNSUPPORTED otherwise); max_rows >= offsets[E] sizes the grid.
+ * elements (MOE_ERR_UNSUPPORTED otherwise); max_rows >= offsets[E] sizes the grid,
+ * and a holds max_rows rows: the TMA kernel's tiles may read past offsets[E]
+ * (their products are dropped).
  * algo: MMA (mma.sync, sm_80 and up), WGMMA or WGMMA_TMA (Hopper's
  * warpgroup MMA: compute capability 9.0 and a build for sm_90a;
  * MOE_ERR_UNSUPPORTED elsewhere). */
