@@ -42,6 +42,10 @@ MOE_HD float moe_expf(float x) {
 
 MOE_HD float moe_sigmoidf(float x) { return 1.0f / (1.0f + moe_expf(-x)); }
 
+/* log(sigmoid(x)) = min(x, 0) - log(1 + e^-|x|): exact where sigmoid(x)
+ * itself leaves float's range (x far below zero, where it is x). */
+MOE_HD float moe_log_sigmoidf(float x) { return fminf(x, 0.0f) - log1pf(moe_expf(-fabsf(x))); }
+
 /* silu(a) = a * sigmoid(a); silu'(a) = s * (1 + a * (1 - s)). */
 MOE_HD float moe_siluf(float a) { return a * moe_sigmoidf(a); }
 MOE_HD float moe_silu_gradf(float a) {

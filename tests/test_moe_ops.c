@@ -286,18 +286,45 @@ Test(ops, alloc_refuses_sizes_near_size_max) {
     }
 }
 
-/* topk_softmax's weights are a softmax over the chosen logits even when a
- * bias chooses experts far below the row's largest logit, past expf's
- * range: logits {0, -100, -95}, bias {-1000, 0, 0}, k = 2. */
-Test(ops, topk_softmax_weights_when_the_bias_chooses_far_below) {
+/* Weights normalised over the chosen k are a softmax over the chosen
+ * logits (the sigmoid's: over their log-sigmoids, here the logits again)
+ * even when a bias chooses experts far below the row's largest logit, past
+ * expf's range, where the probabilities would underflow and tie: logits
+ * {0, -100, -95}, bias {-1000, 0, 0}, k = 2; and the backward gives
+ * w (dw - <w, dw>) on the chosen logits, nothing on the other. */
+Test(ops, normalised_weights_when_the_bias_chooses_far_below) {
     const float logits[3] = {0.0f, -100.0f, -95.0f}, bias[3] = {-1000.0f, 0.0f, 0.0f};
-    int32_t idx[2];
-    float w[2];
-    gate_one_token(idx, w, logits, bias, 3, 2, MOE_GATE_TOPK_SOFTMAX, true);
+    const float dw[2] = {1.0f, -0.5f};
     const double w_big = 1.0 / (1.0 + exp(-5.0)); /* softmax of {-95, -100} */
-    cr_expect(idx[0] == 2 && idx[1] == 1, "chose %d, %d; want 2, 1", idx[0], idx[1]);
-    cr_expect(fabs(w[0] - w_big) <= 1e-6 && fabs(w[1] - (1.0 - w_big)) <= 1e-6, "weights %.9g, %.9g; want %.9g, %.9g",
-              w[0], w[1], w_big, 1.0 - w_big);
+    for (int kind = 0; kind < 3; kind++) {
+        int32_t idx[2];
+        float w[2], prob[3], lse, dl[3];
+        int64_t assigned[3];
+        double prob_sum[3], scratch[2 * 3 + 1], z_sum = 0.0;
+        moe_gate_totals totals = {assigned, prob_sum, &z_sum, scratch};
+        const moe_gate_params p = {3, 2, (moe_gate_kind)kind, true};
+        /* softmax_topk's and the sigmoid's bias is added to probabilities:
+         * a bias of 1 outranks any of them. */
+        const float bias_p[3] = {kind == MOE_GATE_TOPK_SOFTMAX ? bias[0] : -1.0f, 1.0f, 1.0f};
+        ops()->gate_forward(idx, w, prob, &lse, &totals, logits, bias_p, &p, 1);
+        /* The scores of softmax_topk and the sigmoid tie there (probabilities
+         * past float's range, plus the same bias), so either order will do. */
+        const char *name = kind_name((moe_gate_kind)kind);
+        cr_expect((idx[0] == 2 && idx[1] == 1) || (idx[0] == 1 && idx[1] == 2),
+                  "%s: chose %d, %d; want 1 and 2", name, idx[0], idx[1]);
+        double want_w[2], want[3] = {0.0, 0.0, 0.0}, dot = 0.0;
+        for (int j = 0; j < 2; j++) {
+            want_w[j] = idx[j] == 2 ? w_big : 1.0 - w_big;
+            cr_expect(fabs(w[j] - want_w[j]) <= 1e-6, "%s: slot %d (expert %d) weight %.9g; want %.9g",
+                      name, j, idx[j], w[j], want_w[j]);
+            dot += want_w[j] * dw[j];
+        }
+        ops()->gate_backward(dl, dw, idx, w, prob, &lse, logits, NULL, 0.0f, &p, 1);
+        for (int j = 0; j < 2; j++) want[idx[j]] = want_w[j] * (dw[j] - dot);
+        for (int e = 0; e < 3; e++)
+            cr_expect(fabs(dl[e] - want[e]) <= 1e-6, "%s: dlogits[%d] = %.9g, want %.9g", name, e,
+                      dl[e], want[e]);
+    }
 }
 
 /* moe_expf (moe_math.h) keeps NaN a NaN, and clamps the infinities to

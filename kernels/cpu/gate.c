@@ -60,21 +60,27 @@ void moe_cpu_gate_forward(int32_t *topk_idx, float *topk_w, float *prob, float *
                 moe_topk_insert(idx, score, &n, (int)k, (int32_t)e, bias ? base + bias[e] : base);
             }
             /* Weights from the unbiased values: the bias steers selection
-             * only. topk_softmax's are a softmax over the chosen logits, taken
-             * from their own largest (not the row's: a bias may choose
-             * experts more than expf's range below it). */
+             * only. Weights normalised over the chosen k (every kind but
+             * softmax_topk without renormalize) come from the chosen logits,
+             * or log-sigmoids, relative to their own largest: a softmax over
+             * them, equal to the probabilities' ratios, but not the row's
+             * largest, since a bias may choose experts so far below it that
+             * their probabilities leave float's range (and would tie). */
+            const bool normalised = p->kind != MOE_GATE_SOFTMAX_TOPK || p->renormalize;
             float chosen_max = -INFINITY;
-            for (int64_t j = 0; p->kind == MOE_GATE_TOPK_SOFTMAX && j < k; j++)
-                chosen_max = l[idx[j]] > chosen_max ? l[idx[j]] : chosen_max;
-            double wsum = 0.0;
             for (int64_t j = 0; j < k; j++) {
-                int32_t e = idx[j];
-                w[j] = p->kind == MOE_GATE_SIGMOID ? r[e]
-                       : p->kind == MOE_GATE_TOPK_SOFTMAX ? moe_expf(l[e] - chosen_max)
-                                                          : r[e] * norm;
-                wsum += w[j];
+                const float le = l[idx[j]];
+                w[j] = !normalised ? r[idx[j]] * norm
+                       : p->kind == MOE_GATE_SIGMOID ? moe_log_sigmoidf(le)
+                                                     : le;
+                chosen_max = w[j] > chosen_max ? w[j] : chosen_max;
             }
-            if (p->kind != MOE_GATE_SOFTMAX_TOPK || p->renormalize) {
+            if (normalised) {
+                double wsum = 0.0;
+                for (int64_t j = 0; j < k; j++) {
+                    w[j] = moe_expf(w[j] - chosen_max);
+                    wsum += w[j];
+                }
                 float inv = (float)(1.0 / wsum);
                 for (int64_t j = 0; j < k; j++) w[j] *= inv;
             }
@@ -114,45 +120,34 @@ void moe_cpu_gate_backward(float *dlogits, const float *dweights, const int32_t 
         const float *w = topk_w + t * k;
         const int32_t *idx = topk_idx + t * k;
         float *dl = dlogits + t * E;
-        /* dr: the gradient with respect to the router probabilities r (the
-         * aux loss sees r for every kind; SOFTMAX_TOPK's weights are r too). */
+        /* dr: the gradient with respect to the router probabilities r. */
         float dr[MOE_EXPERTS_MAX];
         for (int64_t e = 0; e < E; e++) dr[e] = aux_grad ? aux_grad[e] : 0.0f;
-        for (int64_t e = 0; e < E; e++) dl[e] = 0.0f;
 
         float dot = 0.0f; /* sum_j w_j dw_j: the normalisation's share */
         for (int64_t j = 0; j < k; j++) dot += w[j] * dw[j];
 
-        if (p->kind == MOE_GATE_SOFTMAX_TOPK) {
-            float chosen = 0.0f;
-            for (int64_t j = 0; j < k; j++) chosen += r[idx[j]];
-            for (int64_t j = 0; j < k; j++)
-                dr[idx[j]] += p->renormalize ? (dw[j] - dot) / chosen : dw[j];
-        } else if (p->kind == MOE_GATE_TOPK_SOFTMAX) {
-            for (int64_t j = 0; j < k; j++) dl[idx[j]] += w[j] * (dw[j] - dot);
+        /* The probabilities' part (the aux loss's, and softmax_topk's
+         * weights without renormalize, which are r): softmax backward
+         * dl = r (dr - <r, dr>); for the sigmoid, r = s / sum(s) and
+         * s' = s (1 - s) give r (dr - <r, dr>) (1 - s). */
+        if (p->kind == MOE_GATE_SOFTMAX_TOPK && !p->renormalize)
+            for (int64_t j = 0; j < k; j++) dr[idx[j]] += dw[j];
+        float dr_r = 0.0f;
+        for (int64_t e = 0; e < E; e++) dr_r += dr[e] * r[e];
+        for (int64_t e = 0; e < E; e++) {
+            const float sig = p->kind == MOE_GATE_SIGMOID ? 1.0f - moe_sigmoidf(l[e]) : 1.0f;
+            dl[e] = r[e] * (dr[e] - dr_r) * sig;
         }
-
-        if (p->kind == MOE_GATE_SIGMOID) {
-            /* r = s / sum(s) over all experts and the weights are s / sum over
-             * the chosen k; both pass back through s, then s' = s (1 - s). */
-            float s_all = 0.0f, s_chosen = 0.0f, dr_r = 0.0f;
-            for (int64_t e = 0; e < E; e++) {
-                s_all += moe_sigmoidf(l[e]);
-                dr_r += dr[e] * r[e];
+        /* Normalised weights are a softmax over the chosen logits (or
+         * log-sigmoids, whose derivative is 1 - s): w (dw - <w, dw>), with
+         * no division by the chosen probabilities, which may underflow. */
+        if (p->kind != MOE_GATE_SOFTMAX_TOPK || p->renormalize)
+            for (int64_t j = 0; j < k; j++) {
+                const float le = l[idx[j]];
+                const float sig = p->kind == MOE_GATE_SIGMOID ? 1.0f - moe_sigmoidf(le) : 1.0f;
+                dl[idx[j]] += w[j] * (dw[j] - dot) * sig;
             }
-            for (int64_t j = 0; j < k; j++) s_chosen += moe_sigmoidf(l[idx[j]]);
-            for (int64_t e = 0; e < E; e++) dr[e] = (dr[e] - dr_r) / s_all; /* now ds */
-            for (int64_t j = 0; j < k; j++) dr[idx[j]] += (dw[j] - dot) / s_chosen;
-            for (int64_t e = 0; e < E; e++) {
-                float s = moe_sigmoidf(l[e]);
-                dl[e] = dr[e] * s * (1.0f - s);
-            }
-        } else {
-            /* softmax backward: dl += r * (dr - <r, dr>) */
-            float dr_r = 0.0f;
-            for (int64_t e = 0; e < E; e++) dr_r += dr[e] * r[e];
-            for (int64_t e = 0; e < E; e++) dl[e] += r[e] * (dr[e] - dr_r);
-        }
         if (z_coef_over_T != 0.0f) {
             float zg = 2.0f * z_coef_over_T * lse[t];
             for (int64_t e = 0; e < E; e++) dl[e] += zg * moe_expf(l[e] - lse[t]);

@@ -85,8 +85,10 @@ static __global__ void __launch_bounds__(GATE_THREADS)
         }
 
         uint32_t taken = 0u; /* bit i: expert g + G i is chosen */
-        double wsum = 0.0;
-        float chosen_max = -INFINITY; /* topk_softmax: the largest chosen logit */
+        /* Weights normalised over the chosen k come from the chosen logits
+         * (log-sigmoids), relative to their own largest, as on the CPU. */
+        const bool normalised = kind != MOE_GATE_SOFTMAX_TOPK || renormalize;
+        float chosen_max = -INFINITY;
         for (int j = 0; j < k; j++) {
             float best = -INFINITY;
             int best_e = INT_MAX;
@@ -113,32 +115,27 @@ static __global__ void __launch_bounds__(GATE_THREADS)
             }
             const float v = __shfl_sync(MOE_FULL_MASK, mine_v, leader + best_e % G);
             const float le = __shfl_sync(MOE_FULL_MASK, mine_l, leader + best_e % G);
-            /* Weights from the unbiased values; topk_softmax's wait for the
-             * largest chosen logit, so its slots hold the logits for now. */
-            const float w = sig ? v : tsm ? le : v * norm;
-            if (tsm)
-                chosen_max = fmaxf(chosen_max, le);
-            else
-                wsum += (double)w;
+            /* Weights from the unbiased values; normalised ones wait for the
+             * largest chosen logit, so their slots hold the logits for now. */
+            const float w = !normalised ? v * norm : sig ? moe_log_sigmoidf(le) : le;
+            chosen_max = w > chosen_max ? w : chosen_max;
             if (own && g == j % G) {
                 topk_idx[t * k + j] = best_e;
                 topk_w[t * k + j] = w;
                 atomicAdd(&counts[best_e], 1);
             }
         }
-        if (tsm) {
+        if (normalised) {
             /* A softmax over the chosen logits from their own largest, as
              * on the CPU: every lane sums the slots in order, then each
              * owner turns its logits into weights. */
+            double wsum = 0.0;
             __syncwarp();
             for (int j = 0; j < k; j++) wsum += (double)moe_expf(topk_w[t * k + j] - chosen_max);
             __syncwarp();
-            for (int j = g; own && j < k; j += G)
-                topk_w[t * k + j] = moe_expf(topk_w[t * k + j] - chosen_max);
-        }
-        if (kind != MOE_GATE_SOFTMAX_TOPK || renormalize) {
             const float inv = (float)(1.0 / wsum);
-            for (int j = g; own && j < k; j += G) topk_w[t * k + j] *= inv;
+            for (int j = g; own && j < k; j += G)
+                topk_w[t * k + j] = moe_expf(topk_w[t * k + j] - chosen_max) * inv;
         }
         if (own && g == 0) lse[t] = log_z;
     }
@@ -170,7 +167,7 @@ static __global__ void gate_backward_kernel(float *dlogits, const float *dweight
                                             moe_gate_kind kind, bool renormalize) {
     MOE_DYNAMIC_SHARED(float, gate_shared);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    float *dr = gate_shared + warp * 2 * E; /* [E] d(loss)/d(prob), then d/ds for sigmoid */
+    float *dr = gate_shared + warp * 2 * E; /* [E] d(loss)/d(prob) */
     float *dl = dr + E;                     /* [E] d(loss)/d(logits) */
 
     for (int64_t t = blockIdx.x * (int64_t)GATE_WARPS + warp; t < T;
@@ -178,50 +175,34 @@ static __global__ void gate_backward_kernel(float *dlogits, const float *dweight
         const float *l = logits + t * E, *r = prob + t * E, *dw = dweights + t * k;
         const float *w = topk_w + t * k;
         const int32_t *idx = topk_idx + t * k;
-        for (int e = lane; e < E; e += 32) {
-            dr[e] = aux_grad ? aux_grad[e] : 0.0f;
-            dl[e] = 0.0f;
-        }
+        for (int e = lane; e < E; e += 32) dr[e] = aux_grad ? aux_grad[e] : 0.0f;
         /* Sums over the k slots run in slot order in every lane, as on the
          * CPU; k is small. */
         float dot = 0.0f;
         for (int j = 0; j < k; j++) dot += w[j] * dw[j];
         __syncwarp();
 
-        /* The k chosen experts are distinct, so lanes own distinct slots. */
-        if (kind == MOE_GATE_SOFTMAX_TOPK) {
-            float chosen = 0.0f;
-            for (int j = 0; j < k; j++) chosen += r[idx[j]];
-            for (int j = lane; j < k; j += 32)
-                dr[idx[j]] += renormalize ? (dw[j] - dot) / chosen : dw[j];
-        } else if (kind == MOE_GATE_TOPK_SOFTMAX) {
-            for (int j = lane; j < k; j += 32) dl[idx[j]] += w[j] * (dw[j] - dot);
+        /* The probabilities' part, then the normalised weights', as on the
+         * CPU (kernels/cpu/gate.c). The k chosen experts are distinct, so
+         * lanes own distinct slots. */
+        if (kind == MOE_GATE_SOFTMAX_TOPK && !renormalize)
+            for (int j = lane; j < k; j += 32) dr[idx[j]] += dw[j];
+        __syncwarp();
+        float dr_r = 0.0f;
+        for (int e = lane; e < E; e += 32) dr_r += dr[e] * r[e];
+        dr_r = moe_warp_sum(dr_r);
+        for (int e = lane; e < E; e += 32) {
+            const float sig = kind == MOE_GATE_SIGMOID ? 1.0f - moe_sigmoidf(l[e]) : 1.0f;
+            dl[e] = r[e] * (dr[e] - dr_r) * sig;
         }
         __syncwarp();
-
-        if (kind == MOE_GATE_SIGMOID) {
-            float s_all = 0.0f, dr_r = 0.0f, s_chosen = 0.0f;
-            for (int e = lane; e < E; e += 32) {
-                s_all += moe_sigmoidf(l[e]);
-                dr_r += dr[e] * r[e];
+        if (kind != MOE_GATE_SOFTMAX_TOPK || renormalize)
+            for (int j = lane; j < k; j += 32) {
+                const float sig =
+                    kind == MOE_GATE_SIGMOID ? 1.0f - moe_sigmoidf(l[idx[j]]) : 1.0f;
+                dl[idx[j]] += w[j] * (dw[j] - dot) * sig;
             }
-            s_all = moe_warp_sum(s_all);
-            dr_r = moe_warp_sum(dr_r);
-            for (int j = 0; j < k; j++) s_chosen += moe_sigmoidf(l[idx[j]]);
-            for (int e = lane; e < E; e += 32) dr[e] = (dr[e] - dr_r) / s_all; /* now ds */
-            __syncwarp();
-            for (int j = lane; j < k; j += 32) dr[idx[j]] += (dw[j] - dot) / s_chosen;
-            __syncwarp();
-            for (int e = lane; e < E; e += 32) {
-                const float s = moe_sigmoidf(l[e]);
-                dl[e] = dr[e] * s * (1.0f - s);
-            }
-        } else {
-            float dr_r = 0.0f;
-            for (int e = lane; e < E; e += 32) dr_r += dr[e] * r[e];
-            dr_r = moe_warp_sum(dr_r);
-            for (int e = lane; e < E; e += 32) dl[e] += r[e] * (dr[e] - dr_r);
-        }
+        __syncwarp();
         const float zg = 2.0f * z_coef_over_T * lse[t];
         for (int e = lane; e < E; e += 32) {
             float g = dl[e];
