@@ -1577,16 +1577,20 @@ Test(cuda, table_experts_uneven_groups) {
     check_table_groups(rows, ffs, 3, 24, MOE_CUDA_MATH_FP32, &rng);
     /* Every row count from 1 to 600: each GEMM is planned for its rows'
      * power-of-two bucket (16 to 1024), whose algorithm must serve every
-     * count in the bucket (or fall back to a plan of its own). */
+     * count in the bucket (or fall back to a plan of its own); bf16 math
+     * plans other kernels, so it sweeps too. */
     enum { SWEEP_ROWS = 600 };
-    int64_t sweep[MAX_TABLE_GROUPS], sweep_ffs[MAX_TABLE_GROUPS];
-    int n = 0;
-    for (int64_t r = 1; r <= SWEEP_ROWS; r++) {
-        sweep[n] = r;
-        sweep_ffs[n++] = 20;
-        if (n == MAX_TABLE_GROUPS || r == SWEEP_ROWS) {
-            check_table_groups(sweep, sweep_ffs, n, 24, MOE_CUDA_MATH_FP32, &rng);
-            n = 0;
+    static const moe_cuda_math maths[] = {MOE_CUDA_MATH_FP32, MOE_CUDA_MATH_BF16};
+    for (size_t m = 0; m < sizeof maths / sizeof maths[0]; m++) {
+        int64_t sweep[MAX_TABLE_GROUPS], sweep_ffs[MAX_TABLE_GROUPS];
+        int n = 0;
+        for (int64_t r = 1; r <= SWEEP_ROWS; r++) {
+            sweep[n] = r;
+            sweep_ffs[n++] = 20;
+            if (n == MAX_TABLE_GROUPS || r == SWEEP_ROWS) {
+                check_table_groups(sweep, sweep_ffs, n, 24, maths[m], &rng);
+                n = 0;
+            }
         }
     }
     table_end();

@@ -276,8 +276,10 @@ moe_status moe_cuda_experts_backward(const moe_cuda_experts *b, moe_cuda_grouped
  * as its own cuBLASLt GEMMs (a cached plan per power-of-two bucket of rows), so the
  * groups may differ in d_ff and nothing waits for the device. Under
  * MOE_CUDA_MATH_BF16 the GEMMs read bf16 copies of x, dy and the weights
- * (made in the context's scratch) and h, g and dh hold bf16 in the first
- * half of their buffers; y, dx and the weight gradients stay fp32. */
+ * (made in the context's scratch, which waits for the device when it grows:
+ * on the first steps, and when rows grow past half again the largest yet)
+ * and h, g and dh hold bf16 in the first half of their buffers; y, dx and
+ * the weight gradients stay fp32. */
 moe_status moe_cuda_expert_groups_forward(const moe_expert_group *groups, int64_t n_groups,
                                           int64_t d, moe_cuda_ctx *ctx);
 moe_status moe_cuda_expert_groups_backward(const moe_expert_group *groups, int64_t n_groups,

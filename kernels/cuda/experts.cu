@@ -11,8 +11,8 @@
  *
  * ops.h's expert groups (the op table's experts) come with host row counts
  * and may differ in d_ff: each group runs as its own GEMMs, with no offsets
- * to read and so no host wait; under bf16 math on bf16 copies of their
- * operands. */
+ * to read and so no host wait (but for the growth of the scratch that holds,
+ * under bf16 math, the bf16 copies of their operands). */
 #include <limits.h>
 
 #include "kernels/cuda/gemm.cuh"
