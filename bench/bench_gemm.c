@@ -40,8 +40,16 @@ static const gemm_shape shapes[] = {
 
 typedef enum gemm_device { DEVICE_AUTO, DEVICE_CPU, DEVICE_CUDA } gemm_device;
 
+/* The GPU's algorithms: our three kernels, the two cuBLAS baselines, then
+ * the dense GEMM. */
+enum { GPU_MMA, GPU_WGMMA, GPU_WGMMA_TMA, GPU_LOOP, GPU_BATCHED, GPU_DENSE, N_GPU_ALGOS };
+
+static const char *const gpu_algo_names[N_GPU_ALGOS] = {
+    "mma", "wgmma", "wgmma-tma", "cublaslt-loop", "cublas-grouped", "dense"};
+
 typedef struct gemm_options {
     int64_t T; /* 0: the device's default */
+    unsigned algos; /* bit a: run gpu_algo_names[a] */
     bench_routing routings[BENCH_MAX_ROUTINGS];
     int n_routings;
     int64_t warmup, iters, threads;
@@ -108,6 +116,9 @@ static void print_help(FILE *f) {
             "                   and zipf:%g). zipf:S gives expert e a share ~ 1/(e+1)^S of\n"
             "                   the rows, at most T (a token picks an expert once);\n"
             "                   imbalance = busiest expert's rows / mean.\n"
+            "  --algos LIST     the GPU algorithms to run, comma-separated names from the\n"
+            "                   list above (default all); the loop still computes the\n"
+            "                   reference outputs\n"
             "  --device D       auto (default: cuda when a device answers, else cpu, with\n"
             "                   a line saying so) | cuda | cpu\n"
             "  -w, --warmup N   untimed iterations first (default 3 on a GPU, 1 on the CPU)\n"
@@ -133,9 +144,31 @@ static int match_flag(int argc, char **argv, int *i, const char *short_name, con
     return bench_option(argc, argv, i, CMD, long_name, value);
 }
 
+/* *mask = the algorithms named in list ("mma,dense"); false (saying why)
+ * for an unknown or empty name. */
+static bool parse_algos(unsigned *mask, const char *list) {
+    *mask = 0;
+    for (const char *p = list;; p++) {
+        const size_t len = strcspn(p, ",");
+        int a = 0;
+        while (a < N_GPU_ALGOS &&
+               (strlen(gpu_algo_names[a]) != len || strncmp(gpu_algo_names[a], p, len) != 0))
+            a++;
+        if (a == N_GPU_ALGOS) {
+            fprintf(stderr, "moe-bench %s: --algos=%s: '%.*s' is none of mma, wgmma, wgmma-tma, "
+                            "cublaslt-loop, cublas-grouped, dense\n",
+                    CMD, list, (int)len, p);
+            return false;
+        }
+        *mask |= 1u << a;
+        p += len;
+        if (*p == '\0') return true;
+    }
+}
+
 /* Returns -1 when the run should go ahead, else the exit status. */
 static int parse_options(gemm_options *o, int argc, char **argv) {
-    *o = (gemm_options){.device = DEVICE_AUTO};
+    *o = (gemm_options){.device = DEVICE_AUTO, .algos = (1u << N_GPU_ALGOS) - 1};
     o->n_routings = bench_parse_routing(o->routings, CMD, "both", DEFAULT_ZIPF_S);
     for (int i = 1; i < argc; i++) {
         const char *arg = argv[i], *value = NULL;
@@ -165,6 +198,8 @@ static int parse_options(gemm_options *o, int argc, char **argv) {
         } else if ((found = match_flag(argc, argv, &i, NULL, "threads", &value)) != 0) {
             if (found < 0 || !bench_parse_i64(&o->threads, CMD, "--threads", value, 1, 4096))
                 return bench_usage_error(CMD);
+        } else if ((found = match_flag(argc, argv, &i, NULL, "algos", &value)) != 0) {
+            if (found < 0 || !parse_algos(&o->algos, value)) return bench_usage_error(CMD);
         } else if ((found = match_flag(argc, argv, &i, NULL, "device", &value)) != 0) {
             if (found < 0) return bench_usage_error(CMD);
             if (strcmp(value, "auto") == 0)
@@ -349,11 +384,6 @@ done:
 #if defined(MOE_HAVE_CUDA)
 
 #define MAX_ERR_LIMIT 0.02
-/* Our two kernels, the two cuBLAS baselines, then the dense GEMM. */
-enum { GPU_MMA, GPU_WGMMA, GPU_WGMMA_TMA, GPU_LOOP, GPU_BATCHED, GPU_DENSE, N_GPU_ALGOS };
-
-static const char *const gpu_algo_names[N_GPU_ALGOS] = {
-    "mma", "wgmma", "wgmma-tma", "cublaslt-loop", "cublas-grouped", "dense"};
 static const moe_cuda_grouped_algo gpu_algos[GPU_DENSE] = {
     MOE_CUDA_GROUPED_MMA, MOE_CUDA_GROUPED_WGMMA, MOE_CUDA_GROUPED_WGMMA_TMA,
     MOE_CUDA_GROUPED_LT_LOOP, MOE_CUDA_GROUPED_BATCHED};
@@ -471,6 +501,8 @@ static int run_gpu_shape(const gemm_shape *s, const gemm_options *o, const bench
             double sec[N_GPU_ALGOS], err[N_GPU_ALGOS];
             bool ran[N_GPU_ALGOS];
             for (int a = 0; a < N_GPU_ALGOS; a++) {
+                ran[a] = false;
+                if (!(o->algos >> a & 1u)) continue;
                 /* NaN (0xFFFF in bf16) in every output row first, so that rows
                  * an algorithm leaves unwritten fail its check rather than
                  * pass on what an earlier run left there. */
@@ -535,6 +567,11 @@ int bench_gemm_run(int argc, char **argv) {
 #endif
     if (o.device == DEVICE_CUDA && !use_cuda) {
         fprintf(stderr, "moe-bench %s: --device=cuda: no usable GPU: %s\n", CMD, why);
+        return BENCH_EXIT_FAILURE;
+    }
+    if (!use_cuda && o.algos != (1u << N_GPU_ALGOS) - 1) {
+        fprintf(stderr, "moe-bench %s: --algos names GPU algorithms, and this run is on the CPU (%s)\n",
+                CMD, why);
         return BENCH_EXIT_FAILURE;
     }
 

@@ -923,7 +923,9 @@ static void check_grouped_gemm_bf16(const int64_t *rows, int64_t E, int64_t n, i
     free(a), free(b), free(a16), free(b16), free(want);
 }
 
-Test(cuda, grouped_gemm_bf16_all_algos) {
+/* The wgmma kernels' first runs on a device may hang on a barrier: the
+ * timeout ends such a test alone, and the suite goes on. */
+Test(cuda, grouped_gemm_bf16_all_algos, .timeout = 60) {
     gpu_begin();
     ref_rng rng = {707};
     /* Several 128-row tiles in one expert, a one-row expert, an idle one; n
@@ -936,7 +938,7 @@ Test(cuda, grouped_gemm_bf16_all_algos) {
     gpu_end();
 }
 
-Test(cuda, experts_bf16) {
+Test(cuda, experts_bf16, .timeout = 60) {
     gpu_begin();
     ref_rng rng = {808};
     static const int64_t rows[] = {3, 0, 140, 17};
