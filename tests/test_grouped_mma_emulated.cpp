@@ -61,8 +61,9 @@ void check(kernel_kind kind, const std::vector<int64_t> &rows, int64_t n, int64_
                                                     WG_BK, BM, true);
         const CUtensorMap b_map = emu_tensor_map_2d(b.data(), (uint64_t)k, (uint64_t)(E * n), (uint64_t)k * 2,
                                                     WG_BK, BN, true);
+        /* Persistent: two blocks, so that each takes several tiles in turn. */
         emu_launch(
-            grid, WS_THREADS,
+            dim3{2, 1, 1}, WS_THREADS,
             [&] {
                 grouped_wgmma_tma_kernel<OutT>(c.data(), a_map, b_map, offsets.data(), tile_offsets.data(), E, n, k);
             },
@@ -118,7 +119,9 @@ Test(grouped_mma_emulated, matches_the_exact_product) {
 }
 
 /* As above, and k of 5 and 6 slices through the 4 stages: each stage is
- * refilled while the other warpgroup may still be reading its neighbour. */
+ * refilled while the other warpgroup may still be reading its neighbour;
+ * the TMA kernel's blocks take several tiles each, 9 m-tiles wide (past
+ * one raster group of 8) in the last case. */
 Test(grouped_mma_emulated, wgmma_matches_the_exact_product) {
     for (kernel_kind kind : {kernel_kind::wgmma, kernel_kind::wgmma_tma}) {
         check<float>(kind, {0, 150, 37}, 136, 40, 1e-5);
@@ -126,5 +129,6 @@ Test(grouped_mma_emulated, wgmma_matches_the_exact_product) {
         check<float>(kind, {70, 0, 3}, 40, 328, 1e-5);
         check<__nv_bfloat16>(kind, {3, 0, 130}, 8, 8, 1e-2);
         check<__nv_bfloat16>(kind, {129}, 24, 384, 1e-2);
+        check<float>(kind, {600, 0, 500}, 520, 24, 1e-5);
     }
 }

@@ -21,7 +21,9 @@
  * from shared memory, every thread loading with cp.async. The wgmma-tma
  * kernel specializes warpgroups instead: one issues TMA tile loads (the
  * copy engine swizzles), two multiply, and per-stage mbarriers pass the
- * stages between them, so loads never wait on a block-wide barrier. */
+ * stages between them, so loads never wait on a block-wide barrier; its
+ * blocks are persistent, one per SM, taking tiles in L2-friendly groups
+ * and loading the next tile while the last one is stored. */
 #include <cudaTypedefs.h> /* PFN_cuTensorMapEncodeTiled */
 
 #include "kernels/cuda/grouped_mma.cuh"
@@ -86,7 +88,11 @@ static moe_status launch(OutT *c, const __nv_bfloat16 *a, const __nv_bfloat16 *b
         MOE_CUDA_CHECK(cudaFuncSetAttribute(grouped_wgmma_tma_kernel<OutT>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             WS_SMEM_BYTES));
-        grouped_wgmma_tma_kernel<OutT><<<grid, WS_THREADS, WS_SMEM_BYTES, ctx->stream>>>(
+        /* Persistent: a block per SM (its shared memory allows no second),
+         * fewer when the worst case has fewer tiles. */
+        const int64_t most_tiles = (int64_t)grid.x * grid.y;
+        const unsigned blocks = (unsigned)(most_tiles < ctx->sm_count ? most_tiles : ctx->sm_count);
+        grouped_wgmma_tma_kernel<OutT><<<blocks, WS_THREADS, WS_SMEM_BYTES, ctx->stream>>>(
             c, a_map, b_map, offsets, ctx->tile_offsets, E, n, k);
     } else {
         const bool wgmma = algo == MOE_CUDA_GROUPED_WGMMA;
@@ -135,7 +141,8 @@ moe_status moe_cuda_grouped_mma(void *c, moe_cuda_dtype c_type, const void *a, c
         return moe_error(MOE_ERR_INVALID_ARG, "moe_cuda_grouped_mma: E=%lld n=%lld max_rows=%lld",
                          (long long)E, (long long)n, (long long)max_rows);
     /* TMA's coordinates are 32-bit: the rows of a and of b, and k, must fit. */
-    if ((n + BN - 1) / BN > 65535 || (max_rows + BM - 1) / BM + E > INT32_MAX ||
+    if ((n + BN - 1) / BN > 65535 ||
+        ((max_rows + BM - 1) / BM + E) * ((n + BN - 1) / BN) > INT32_MAX ||
         max_rows > INT32_MAX || E * n > INT32_MAX || k > INT32_MAX)
         return moe_error(MOE_ERR_UNSUPPORTED,
                          "moe_cuda_grouped_mma: n=%lld max_rows=%lld too large", (long long)n,

@@ -291,10 +291,27 @@ static __global__ void __launch_bounds__(THREADS)
  * instructions, only on data. setmaxnreg moves registers from the producer
  * (which needs few) to the consumers' accumulators. TMA rows past a
  * tensor's end come back zero; rows of the next expert or columns of the
- * next expert's weights are read and their results dropped. */
+ * next expert's weights are read and their results dropped.
+ *
+ * Persistent: a block takes tiles gridDim.x apart until none is left, the
+ * stages and their barrier phases running on from tile to tile, so the
+ * producer loads the next tile while the consumers store the last one.
+ * Tiles go in groups of RASTER_M m-tiles, every n-tile of a group before
+ * the next group, so the blocks at work at once share a few row tiles of
+ * a and the weight tiles of few experts in L2. */
 #define WS_THREADS 384
 #define WS_STAGE_BYTES (WG_STAGE_ELEMS * 2)
 #define WS_SMEM_BYTES (WG_STAGES * WS_STAGE_BYTES + 1024 + 2 * WG_STAGES * 8)
+#define RASTER_M 8
+
+/* Tile number tile of m_tiles x n_tiles in the grouped order above. */
+static __device__ __forceinline__ void raster_tile(int *m_tile, int *n_tile, int tile, int m_tiles,
+                                                   int n_tiles) {
+    const int group = tile / (RASTER_M * n_tiles), first = group * RASTER_M;
+    const int rows = min(RASTER_M, m_tiles - first), in = tile - group * RASTER_M * n_tiles;
+    *m_tile = first + in % rows;
+    *n_tile = in / rows;
+}
 
 template <typename OutT>
 static __global__ void __launch_bounds__(WS_THREADS, 1)
@@ -302,9 +319,9 @@ static __global__ void __launch_bounds__(WS_THREADS, 1)
                              const __grid_constant__ CUtensorMap b_map, const int64_t *offsets,
                              const int32_t *tile_offsets, int E, int64_t n, int64_t k) {
     MOE_DYNAMIC_SHARED(__nv_bfloat16, ws_shared);
-    if ((int)blockIdx.x >= tile_offsets[E]) return;
-    const expert_tile t = find_expert_tile(offsets, tile_offsets, E, (int)blockIdx.x);
-    const int64_t n0 = (int64_t)blockIdx.y * BN;
+    const int m_tiles = tile_offsets[E], n_tiles = (int)((n + BN - 1) / BN);
+    const int tiles = m_tiles * n_tiles;
+    if ((int)blockIdx.x >= tiles) return;
 
     const uint32_t misalign = moe_shared_address(ws_shared) % 1024;
     __nv_bfloat16 *stages = ws_shared + (misalign ? (1024 - misalign) / 2 : 0);
@@ -321,17 +338,25 @@ static __global__ void __launch_bounds__(WS_THREADS, 1)
     }
     __syncthreads();
 
+    /* it counts k-slices over the block's tiles: slice it uses stage
+     * it % WG_STAGES for the (it / WG_STAGES)-th time. */
     if (wg == 0) {
         moe_setmaxnreg_dec<40>();
         if (threadIdx.x == 0)
-            for (int kt = 0; kt < ktiles; kt++) {
-                const int s = kt % WG_STAGES;
-                /* Use u of stage s waits for the consumers' release of use u - 1. */
-                if (kt >= WG_STAGES) moe_mbarrier_wait(&empty[s], (kt / WG_STAGES - 1) & 1);
-                moe_mbarrier_arrive_expect_tx(&full[s], WS_STAGE_BYTES);
-                __nv_bfloat16 *sa = stages + s * WG_STAGE_ELEMS;
-                moe_tma_load_2d(sa, &a_map, kt * WG_BK, (int)t.row0, &full[s]);
-                moe_tma_load_2d(sa + BM * WG_BK, &b_map, kt * WG_BK, (int)(t.e * n + n0), &full[s]);
+            for (int tile = blockIdx.x, it = 0; tile < tiles; tile += gridDim.x) {
+                int m_tile, n_tile;
+                raster_tile(&m_tile, &n_tile, tile, m_tiles, n_tiles);
+                const expert_tile t = find_expert_tile(offsets, tile_offsets, E, m_tile);
+                const int b_row = (int)(t.e * n + (int64_t)n_tile * BN);
+                for (int kt = 0; kt < ktiles; kt++, it++) {
+                    const int s = it % WG_STAGES;
+                    /* Use u of a stage waits for the consumers' release of use u - 1. */
+                    if (it >= WG_STAGES) moe_mbarrier_wait(&empty[s], (it / WG_STAGES - 1) & 1);
+                    moe_mbarrier_arrive_expect_tx(&full[s], WS_STAGE_BYTES);
+                    __nv_bfloat16 *sa = stages + s * WG_STAGE_ELEMS;
+                    moe_tma_load_2d(sa, &a_map, kt * WG_BK, (int)t.row0, &full[s]);
+                    moe_tma_load_2d(sa + BM * WG_BK, &b_map, kt * WG_BK, b_row, &full[s]);
+                }
             }
         return;
     }
@@ -339,32 +364,42 @@ static __global__ void __launch_bounds__(WS_THREADS, 1)
     moe_setmaxnreg_inc<232>();
     const int cw = wg - 1; /* the consumer's 64 rows */
     const uint32_t stages_addr = moe_shared_address(stages);
+    const bool releases = threadIdx.x % 128 == 0; /* one arrive per warpgroup */
     float acc[BN / 2]; /* as in grouped_wgmma_kernel */
+    for (int tile = blockIdx.x, it = 0; tile < tiles; tile += gridDim.x) {
+        int m_tile, n_tile;
+        raster_tile(&m_tile, &n_tile, tile, m_tiles, n_tiles);
+        const expert_tile t = find_expert_tile(offsets, tile_offsets, E, m_tile);
 #pragma unroll
-    for (int i = 0; i < BN / 2; i++) acc[i] = 0.0f;
-    moe_wgmma_fence_operands(acc, BN / 2);
-    for (int kt = 0; kt < ktiles; kt++) {
-        const int s = kt % WG_STAGES;
-        moe_mbarrier_wait(&full[s], (kt / WG_STAGES) & 1);
-        const uint32_t sa = stages_addr + (uint32_t)(s * WS_STAGE_BYTES);
-        const uint32_t a_rows = sa + cw * 64 * WG_ROW_BYTES, b_rows = sa + BM * WG_ROW_BYTES;
-        moe_wgmma_fence();
+        for (int i = 0; i < BN / 2; i++) acc[i] = 0.0f;
+        moe_wgmma_fence_operands(acc, BN / 2);
+        for (int kt = 0; kt < ktiles; kt++, it++) {
+            const int s = it % WG_STAGES;
+            moe_mbarrier_wait(&full[s], (it / WG_STAGES) & 1);
+            const uint32_t sa = stages_addr + (uint32_t)(s * WS_STAGE_BYTES);
+            const uint32_t a_rows = sa + cw * 64 * WG_ROW_BYTES, b_rows = sa + BM * WG_ROW_BYTES;
+            moe_wgmma_fence();
 #pragma unroll
-        for (int ks = 0; ks < WG_BK / 16; ks++)
-            moe_wgmma_m64n256k16(acc, sw128_descriptor(a_rows + 32 * ks),
-                                 sw128_descriptor(b_rows + 32 * ks), 1);
-        moe_wgmma_commit();
-        moe_wgmma_wait<1>(); /* slice kt - 1 is done: its stage goes back */
-        if (kt > 0 && threadIdx.x % 128 == 0) moe_mbarrier_arrive(&empty[(kt - 1) % WG_STAGES]);
-    }
-    moe_wgmma_wait<0>();
-    moe_wgmma_fence_operands(acc, BN / 2);
+            for (int ks = 0; ks < WG_BK / 16; ks++)
+                moe_wgmma_m64n256k16(acc, sw128_descriptor(a_rows + 32 * ks),
+                                     sw128_descriptor(b_rows + 32 * ks), 1);
+            moe_wgmma_commit();
+            moe_wgmma_wait<1>(); /* slice it - 1 is done: its stage goes back */
+            if (kt > 0 && releases) moe_mbarrier_arrive(&empty[(it - 1) % WG_STAGES]);
+        }
+        moe_wgmma_wait<0>();
+        moe_wgmma_fence_operands(acc, BN / 2);
+        /* The tile's last stage goes back before the stores, so the
+         * producer fills it for the next tile meanwhile. */
+        if (releases) moe_mbarrier_arrive(&empty[(it - 1) % WG_STAGES]);
 
-    OutT *c_tile = c + t.row0 * n;
-    const int r = cw * 64 + warp * 16 + (lane >> 2);
+        OutT *c_tile = c + t.row0 * n;
+        const int r = cw * 64 + warp * 16 + (lane >> 2);
+        const int64_t n0 = (int64_t)n_tile * BN;
 #pragma unroll
-    for (int j = 0; j < BN / 8; j++)
-        store_fragment(c_tile, t.rows, r, n0 + 8 * j + 2 * (lane & 3), n, acc + 4 * j);
+        for (int j = 0; j < BN / 8; j++)
+            store_fragment(c_tile, t.rows, r, n0 + 8 * j + 2 * (lane & 3), n, acc + 4 * j);
+    }
 }
 
 #endif /* MOE_KERNELS_CUDA_GROUPED_MMA_KERNELS_CUH */
