@@ -101,6 +101,28 @@ static __device__ __forceinline__ void load_slice(__nv_bfloat16 *dst, const __nv
     }
 }
 
+/* The cp.async kernels' block: its m-tile is blockIdx.x (false when that is
+ * past the experts' tiles), its n-tile blockIdx.y. */
+static __device__ __forceinline__ bool block_tile(expert_tile *t, const int64_t *offsets,
+                                                  const int32_t *tile_offsets, int E) {
+    if ((int)blockIdx.x >= tile_offsets[E]) return false;
+    *t = find_expert_tile(offsets, tile_offsets, E, (int)blockIdx.x);
+    return true;
+}
+
+/* Starts the copies of k-slice kt of the tile's operands into a stage: a's
+ * BM rows from t.row0, then, b_offset elements on, the BN rows of expert
+ * t.e's b from column n0. */
+template <int BK, typename Layout>
+static __device__ __forceinline__ void load_stage(__nv_bfloat16 *stage, int b_offset,
+                                                  const expert_tile &t, const __nv_bfloat16 *a,
+                                                  const __nv_bfloat16 *b, int64_t n0, int64_t n,
+                                                  int64_t k, int kt) {
+    load_slice<BM, BK, Layout>(stage, a + t.row0 * k, t.rows, k, (int64_t)kt * BK);
+    load_slice<BN, BK, Layout>(stage + b_offset, b + ((int64_t)t.e * n + n0) * k, n - n0, k,
+                               (int64_t)kt * BK);
+}
+
 /* Stores the pair (v0, v1) at columns col, col + 1 of a row. */
 static __device__ __forceinline__ void store_pair(float *p, int64_t col, int64_t n, float v0,
                                                   float v1) {
@@ -138,21 +160,15 @@ static __global__ void __launch_bounds__(THREADS)
                        const int64_t *offsets, const int32_t *tile_offsets, int E, int64_t n,
                        int64_t k) {
     MOE_DYNAMIC_SHARED(__nv_bfloat16, mma_shared);
-    if ((int)blockIdx.x >= tile_offsets[E]) return;
-    const expert_tile t = find_expert_tile(offsets, tile_offsets, E, (int)blockIdx.x);
+    expert_tile t;
+    if (!block_tile(&t, offsets, tile_offsets, E)) return;
     const int64_t n0 = (int64_t)blockIdx.y * BN;
-    const __nv_bfloat16 *a_tile = a + t.row0 * k;                  /* [rows, k] */
-    const __nv_bfloat16 *b_tile = b + ((int64_t)t.e * n + n0) * k; /* [<= BN, k] */
-
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int wm = warp >> 2, wn = warp & 3; /* the warp's tile in the 2 x 4 grid */
     const int ktiles = (int)((k + MMA_BK - 1) / MMA_BK);
-
-    auto load_stage = [&](int slot, int kt) {
-        __nv_bfloat16 *sa = mma_shared + slot * MMA_STAGE_ELEMS;
-        load_slice<BM, MMA_BK, padded_rows>(sa, a_tile, t.rows, k, (int64_t)kt * MMA_BK);
-        load_slice<BN, MMA_BK, padded_rows>(sa + BM * MMA_LD, b_tile, n - n0, k,
-                                            (int64_t)kt * MMA_BK);
+    auto load = [&](int slot, int kt) {
+        load_stage<MMA_BK, padded_rows>(mma_shared + slot * MMA_STAGE_ELEMS, BM * MMA_LD, t, a, b,
+                                        n0, n, k, kt);
     };
 
     float acc[MI][NI][4];
@@ -165,14 +181,14 @@ static __global__ void __launch_bounds__(THREADS)
 
 #pragma unroll
     for (int s = 0; s < MMA_STAGES - 1; s++) {
-        if (s < ktiles) load_stage(s, s);
+        if (s < ktiles) load(s, s);
         moe_cp_async_commit();
     }
     for (int kt = 0; kt < ktiles; kt++) {
         moe_cp_async_wait<MMA_STAGES - 2>(); /* stage kt has landed */
         __syncthreads();                     /* and every warp is done with stage kt - 1 */
         const int next = kt + MMA_STAGES - 1;
-        if (next < ktiles) load_stage(next % MMA_STAGES, next);
+        if (next < ktiles) load(next % MMA_STAGES, next);
         moe_cp_async_commit();
 
         const __nv_bfloat16 *sa = mma_shared + (kt % MMA_STAGES) * MMA_STAGE_ELEMS;
@@ -223,23 +239,17 @@ static __global__ void __launch_bounds__(THREADS)
                          const int64_t *offsets, const int32_t *tile_offsets, int E, int64_t n,
                          int64_t k) {
     MOE_DYNAMIC_SHARED(__nv_bfloat16, wgmma_shared);
-    if ((int)blockIdx.x >= tile_offsets[E]) return;
-    const expert_tile t = find_expert_tile(offsets, tile_offsets, E, (int)blockIdx.x);
+    expert_tile t;
+    if (!block_tile(&t, offsets, tile_offsets, E)) return;
     const int64_t n0 = (int64_t)blockIdx.y * BN;
-    const __nv_bfloat16 *a_tile = a + t.row0 * k;                  /* [rows, k] */
-    const __nv_bfloat16 *b_tile = b + ((int64_t)t.e * n + n0) * k; /* [<= BN, k] */
-
     const uint32_t misalign = moe_shared_address(wgmma_shared) % 1024;
     __nv_bfloat16 *stages = wgmma_shared + (misalign ? (1024 - misalign) / 2 : 0);
     const uint32_t stages_addr = moe_shared_address(stages);
     const int wg = threadIdx.x / 128, lane = threadIdx.x & 31, warp = (threadIdx.x / 32) & 3;
     const int ktiles = (int)((k + WG_BK - 1) / WG_BK);
-
-    auto load_stage = [&](int slot, int kt) {
-        __nv_bfloat16 *sa = stages + slot * WG_STAGE_ELEMS;
-        load_slice<BM, WG_BK, swizzled_rows>(sa, a_tile, t.rows, k, (int64_t)kt * WG_BK);
-        load_slice<BN, WG_BK, swizzled_rows>(sa + BM * WG_BK, b_tile, n - n0, k,
-                                             (int64_t)kt * WG_BK);
+    auto load = [&](int slot, int kt) {
+        load_stage<WG_BK, swizzled_rows>(stages + slot * WG_STAGE_ELEMS, BM * WG_BK, t, a, b, n0,
+                                         n, k, kt);
     };
 
     /* d[4j .. 4j + 3] is the 16 x 8 fragment of columns 8j of the warp's 16 rows. */
@@ -250,7 +260,7 @@ static __global__ void __launch_bounds__(THREADS)
 
 #pragma unroll
     for (int s = 0; s < WG_STAGES - 1; s++) {
-        if (s < ktiles) load_stage(s, s);
+        if (s < ktiles) load(s, s);
         moe_cp_async_commit();
     }
     for (int kt = 0; kt < ktiles; kt++) {
@@ -268,7 +278,7 @@ static __global__ void __launch_bounds__(THREADS)
         moe_wgmma_wait<1>(); /* this warpgroup is done with stage kt - 1 */
         __syncthreads();     /* and so is the other */
         const int next = kt + WG_STAGES - 1;
-        if (next < ktiles) load_stage(next % WG_STAGES, next);
+        if (next < ktiles) load(next % WG_STAGES, next);
         moe_cp_async_commit();
     }
     moe_wgmma_wait<0>();
