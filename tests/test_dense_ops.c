@@ -468,6 +468,14 @@ Test(dense, attention_one_kv_head) { check_attention(2, 5, 4, 1, 6, 6); }
 Test(dense, attention_kv_per_head) { check_attention(2, 5, 4, 4, 6, 7); }
 /* T = 11: several blocks of four keys and query rows, plus their tails. */
 Test(dense, attention_longer) { check_attention(1, 11, 3, 1, 5, 8); }
+/* hd 8, the default model's, which the kernel compiles for on its own; T 13
+ * ends in part-blocks of eight keys and of four rows. */
+Test(dense, attention_hd8) { check_attention(2, 13, 4, 2, 8, 9); }
+/* hd 204: 16 keys per transposed tile, so T 18 spans two tiles, and 25
+ * blocks of eight channels plus a tail of four. */
+Test(dense, attention_key_tiles) { check_attention(1, 18, 1, 1, 204, 10); }
+/* hd 264, past the key-vectorised path's limit: the head-dim layout. */
+Test(dense, attention_large_hd) { check_attention(1, 5, 2, 1, 264, 11); }
 
 /* ------------------------------------------------------ cross-entropy */
 

@@ -1,15 +1,27 @@
 /* attention.c: causal grouped-query attention on the CPU, the eager path of
  * HF Mixtral (fp32 softmax, scale 1/sqrt(hd)). Plain loops over the causal
- * triangle, parallel over (batch, head). One OpenBLAS GEMM per head would be
- * faster alone (B=4, T=256, Hq=8, hd=64, one thread: forward 12.7 ms against
- * 17 ms here; backward here 21.5 ms), but it also computes the masked half,
- * and the pthread OpenBLAS that the build links spawns its own threads when
- * called inside an OpenMP region: with two threads it took 60 ms against
- * 27 ms here. */
+ * triangle, parallel over (batch, head), in one of two layouts:
+ *
+ * - hd <= KEYS_MAX_HD: vectors run along the keys. K and V are read
+ *   transposed (a tile of keys at a time, on the stack), query rows go
+ *   ROWS at a time, and every reduction is a sum of whole vectors. Against
+ *   the other layout (one thread, B 1, T 256, Hq 4, Hkv 2) it is 4.2-5.1x
+ *   faster forward and 1.3-5.0x backward at every hd from 8 to 384; at
+ *   hd 512 it is 2.2x forward and 0.95x backward.
+ * - larger hd: vectors run along the head dimension (dot4, axpy4), where a
+ *   row of q or k is many vectors long.
+ *
+ * A GEMM per head would also compute the masked half, and the pthread
+ * OpenBLAS that the build links spawns its own threads when called inside
+ * an OpenMP region: at B=4, T=256, Hq=8, hd=64 it took 60 ms with two
+ * threads, where the loops here take 11 ms forward and backward together. */
 #include <math.h>
+#include <stdbool.h>
 
 #include "kernels/cpu/dense.h"
 #include "kernels/moe_math.h"
+
+/* ------------------------------------------------- large heads: hd in lanes */
 
 /* s[r] = a . x_r for four rows x_r = x + r * stride: four independent
  * chains instead of one, and one load of a for four uses. */
@@ -47,16 +59,361 @@ static inline void axpy(float *y, float a, const float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
 }
 
+/* ------------------------------------------------ small heads: keys in lanes */
+
+enum {
+    KEYS_MAX_HD = 256,  /* the largest hd on this path, short of the crossover (448-512) */
+    TILE_FLOATS = 4096, /* a transposed tile of K or V on the stack: 16 KiB */
+    LANES = 8,          /* keys or head channels per vector (one AVX2 register) */
+    ROWS = 4,           /* query rows per block */
+};
+_Static_assert(TILE_FLOATS / KEYS_MAX_HD >= LANES, "a tile holds a block of keys at every hd of the path");
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* The keys of row t that its vector blocks cover: t + 1 rounded up to
+ * LANES, within T. The ROWS rows of a block (t0 % ROWS == 0) share it. */
+static inline int64_t row_span(int64_t t, int64_t T) { return min64((t + LANES) / LANES * LANES, T); }
+
+/* xt[i][j] = x[j][i] for n rows of x (row stride ld). */
+static inline void transpose_tile(float *restrict xt, /* [hd][ldt] */
+                                  int64_t ldt, const float *restrict x, int64_t ld, int64_t n, int64_t hd) {
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t i = 0; i < hd; i++) xt[i * ldt + j] = x[j * ld + i];
+}
+
+/* s_r[j] = a_r . x_j for nr <= ROWS rows a_r = a + r * lda, s_r = s + r *
+ * lds, and n keys x_j of a transposed tile. */
+static inline void dots_rows(float *restrict s, int64_t lds, const float *restrict a, int64_t lda,
+                             const float *restrict xt, /* [hd][ldt] */
+                             int64_t ldt, int64_t n, int64_t hd, int64_t nr) {
+    int64_t j = 0;
+    for (; j + LANES <= n; j += LANES) {
+        float acc[2][ROWS][LANES] = {{{0}}}; /* even and odd i */
+        int64_t i = 0;
+        for (; i + 2 <= hd; i += 2)
+            for (int64_t u = 0; u < 2; u++) {
+                const float *x = xt + (i + u) * ldt + j;
+                for (int64_t r = 0; r < nr; r++) {
+                    const float c = a[r * lda + i + u];
+#pragma omp simd
+                    for (int64_t l = 0; l < LANES; l++) acc[u][r][l] += c * x[l];
+                }
+            }
+        if (i < hd) {
+            const float *x = xt + i * ldt + j;
+            for (int64_t r = 0; r < nr; r++) {
+                const float c = a[r * lda + i];
+#pragma omp simd
+                for (int64_t l = 0; l < LANES; l++) acc[0][r][l] += c * x[l];
+            }
+        }
+        for (int64_t r = 0; r < nr; r++)
+#pragma omp simd
+            for (int64_t l = 0; l < LANES; l++) s[r * lds + j + l] = acc[0][r][l] + acc[1][r][l];
+    }
+    for (; j < n; j++)
+        for (int64_t r = 0; r < nr; r++) {
+            float acc = 0.0f;
+            for (int64_t i = 0; i < hd; i++) acc += a[r * lda + i] * xt[i * ldt + j];
+            s[r * lds + j] = acc;
+        }
+}
+
+/* dots_rows for query rows t0 .. t0 + nr - 1 of s [T, T] (rows of a, stride
+ * lda) against the tile of nk keys from j0: the keys the rows' span covers. */
+static inline void dots_block(float *restrict s, const float *restrict a, int64_t lda, const float *restrict xt,
+                              int64_t ldt, int64_t t0, int64_t nr, int64_t j0, int64_t nk, int64_t T, int64_t hd) {
+    dots_rows(s + t0 * T + j0, T, a + t0 * lda, lda, xt, ldt, min64(row_span(t0 + nr - 1, T) - j0, nk), hd, nr);
+}
+
+/* y_r (+)= sum_{j < n} p_r[j] x_j over ni <= LANES channels, for nr <= ROWS
+ * rows p_r = p + r * ldp, y_r = y + r * ldy, with x_j = x + j * ldx. Four
+ * terms are summed before they join the accumulator, as axpy4 does. */
+static inline void combine_chunk(float *restrict y, int64_t ldy, const float *restrict p, int64_t ldp,
+                                 const float *restrict x, int64_t ldx, int64_t n, int64_t ni, int64_t nr,
+                                 bool add) {
+    float acc[ROWS][LANES] = {{0}};
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+        const float *x0 = x + j * ldx, *x1 = x0 + ldx, *x2 = x1 + ldx, *x3 = x2 + ldx;
+        for (int64_t r = 0; r < nr; r++) {
+            const float *pr = p + r * ldp + j, c0 = pr[0], c1 = pr[1], c2 = pr[2], c3 = pr[3];
+#pragma omp simd
+            for (int64_t i = 0; i < ni; i++) acc[r][i] += c0 * x0[i] + c1 * x1[i] + c2 * x2[i] + c3 * x3[i];
+        }
+    }
+    for (; j < n; j++)
+        for (int64_t r = 0; r < nr; r++) {
+            const float c = p[r * ldp + j], *xj = x + j * ldx;
+#pragma omp simd
+            for (int64_t i = 0; i < ni; i++) acc[r][i] += c * xj[i];
+        }
+    for (int64_t r = 0; r < nr; r++)
+#pragma omp simd
+        for (int64_t i = 0; i < ni; i++) y[r * ldy + i] = (add ? y[r * ldy + i] : 0.0f) + acc[r][i];
+}
+
+/* combine_chunk over all hd channels, LANES at a time. */
+static inline void combine_rows(float *restrict y, int64_t ldy, const float *restrict p, int64_t ldp,
+                                const float *restrict x, int64_t ldx, int64_t n, int64_t hd, int64_t nr,
+                                bool add) {
+    int64_t i0 = 0;
+    for (; i0 + LANES <= hd; i0 += LANES) combine_chunk(y + i0, ldy, p, ldp, x + i0, ldx, n, LANES, nr, add);
+    if (i0 < hd) combine_chunk(y + i0, ldy, p, ldp, x + i0, ldx, n, hd - i0, nr, add);
+}
+
+/* Rows t0 + r (r < nr) of p [T, T] hold their scores over [0, n), n =
+ * row_span(t0 + nr - 1): each becomes its softmax over [0, t0 + r], zeros
+ * after. The keys past the diagonal are set to -inf first, so that every
+ * pass runs over whole vectors; moe_expf clamps them to exp(-87) =
+ * 1.6e-38, below what the row's double sum (the maximum's term is 1) can
+ * register, and their zeros are written last. */
+static inline void softmax_rows(float *restrict p, int64_t t0, int64_t nr, int64_t T, float scale) {
+    const int64_t n = row_span(t0 + nr - 1, T);
+    for (int64_t r = 0; r < nr; r++)
+        for (int64_t j = t0 + r + 1; j < n; j++) p[r * T + j] = -INFINITY;
+    float mxl[ROWS][LANES];
+    for (int64_t r = 0; r < ROWS; r++)
+        for (int64_t l = 0; l < LANES; l++) mxl[r][l] = -INFINITY;
+    int64_t j = 0;
+    for (; j + LANES <= n; j += LANES)
+        for (int64_t r = 0; r < nr; r++)
+#pragma omp simd
+            for (int64_t l = 0; l < LANES; l++) {
+                const float x = p[r * T + j + l] * scale;
+                p[r * T + j + l] = x;
+                mxl[r][l] = x > mxl[r][l] ? x : mxl[r][l]; /* fmaxf is a libm call */
+            }
+    for (; j < n; j++)
+        for (int64_t r = 0; r < nr; r++) {
+            const float x = p[r * T + j] * scale;
+            p[r * T + j] = x;
+            mxl[r][0] = x > mxl[r][0] ? x : mxl[r][0];
+        }
+    for (int64_t r = 0; r < nr; r++) {
+        float mx = mxl[r][0], *pr = p + r * T;
+        for (int64_t l = 1; l < LANES; l++) mx = mxl[r][l] > mx ? mxl[r][l] : mx;
+#pragma omp simd
+        for (j = 0; j < n; j++) pr[j] = moe_expf(pr[j] - mx);
+    }
+    /* The sum in a pass of its own: inside the exp loop its double lanes
+     * spilled registers (12% slower at hd 8). */
+    double suml[ROWS][LANES] = {{0}};
+    for (j = 0; j + LANES <= n; j += LANES)
+        for (int64_t r = 0; r < nr; r++)
+#pragma omp simd
+            for (int64_t l = 0; l < LANES; l++) suml[r][l] += p[r * T + j + l];
+    for (; j < n; j++)
+        for (int64_t r = 0; r < nr; r++) suml[r][0] += p[r * T + j];
+    for (int64_t r = 0; r < nr; r++) {
+        double sum = 0.0;
+        for (int64_t l = 0; l < LANES; l++) sum += suml[r][l];
+        const float inv = (float)(1.0 / sum);
+        float *pr = p + r * T;
+#pragma omp simd
+        for (j = 0; j < n; j++) pr[j] *= inv;
+        for (j = t0 + r + 1; j < T; j++) pr[j] = 0.0f;
+    }
+}
+
+/* Rows t0 + r (r < nr) of d [T, T] hold dP = dO V^T over [0, n), n =
+ * row_span(t0 + nr - 1), and those of p the probabilities (zero past the
+ * diagonal): d becomes scale * P * (dP - rowsum(P * dP)) over [0, n), so
+ * zero past the diagonal too. d past n is left as it was. */
+static inline void dsoftmax_rows(float *restrict d, const float *restrict p, int64_t t0, int64_t nr, int64_t T,
+                                 float scale) {
+    const int64_t n = row_span(t0 + nr - 1, T);
+    double suml[ROWS][LANES] = {{0}};
+    int64_t j = 0;
+    for (; j + LANES <= n; j += LANES)
+        for (int64_t r = 0; r < nr; r++)
+#pragma omp simd
+            for (int64_t l = 0; l < LANES; l++) suml[r][l] += (double)(p[r * T + j + l] * d[r * T + j + l]);
+    for (; j < n; j++)
+        for (int64_t r = 0; r < nr; r++) suml[r][0] += (double)(p[r * T + j] * d[r * T + j]);
+    for (int64_t r = 0; r < nr; r++) {
+        double pd = 0.0;
+        for (int64_t l = 0; l < LANES; l++) pd += suml[r][l];
+        const float pdf = (float)pd, *pr = p + r * T;
+        float *dr = d + r * T;
+#pragma omp simd
+        for (j = 0; j < n; j++) dr[j] = scale * (pr[j] * (dr[j] - pdf));
+    }
+}
+
+/* y_j += sum_{t0 <= t < T} s[t][j] x_t over ni <= LANES channels, for
+ * nl <= LANES keys j (y_j = y + j * ldy), with s [T, T] from the keys'
+ * column on and x_t = x + t * ldx: the channels in the lanes, one
+ * accumulator per key, four terms summed before they join it. */
+static inline void accumulate_chunk(float *restrict y, int64_t ldy, const float *restrict s,
+                                    const float *restrict x, int64_t ldx, int64_t t0, int64_t T, int64_t ni,
+                                    int64_t nl) {
+    float acc[LANES][LANES] = {{0}}; /* [key][channel] */
+    int64_t t = t0;
+    for (; t + 4 <= T; t += 4) {
+        const float *s0 = s + t * T, *s1 = s0 + T, *s2 = s1 + T, *s3 = s2 + T;
+        const float *x0 = x + t * ldx, *x1 = x0 + ldx, *x2 = x1 + ldx, *x3 = x2 + ldx;
+        /* Unrolled, GCC keeps the accumulators in registers (7% faster
+         * backward at hd 8). */
+#pragma GCC unroll 8
+        for (int64_t l = 0; l < nl; l++) {
+            const float c0 = s0[l], c1 = s1[l], c2 = s2[l], c3 = s3[l];
+#pragma omp simd
+            for (int64_t i = 0; i < ni; i++) acc[l][i] += c0 * x0[i] + c1 * x1[i] + c2 * x2[i] + c3 * x3[i];
+        }
+    }
+    for (; t < T; t++) {
+        const float *st = s + t * T, *xt = x + t * ldx;
+        for (int64_t l = 0; l < nl; l++) {
+            const float c = st[l];
+#pragma omp simd
+            for (int64_t i = 0; i < ni; i++) acc[l][i] += c * xt[i];
+        }
+    }
+    for (int64_t l = 0; l < nl; l++)
+#pragma omp simd
+        for (int64_t i = 0; i < ni; i++) y[l * ldy + i] += acc[l][i];
+}
+
+/* accumulate_chunk over all hd channels, LANES at a time. */
+static inline void accumulate_keys(float *restrict y, int64_t ldy, const float *restrict s,
+                                   const float *restrict x, int64_t ldx, int64_t t0, int64_t T, int64_t hd,
+                                   int64_t nl) {
+    int64_t i0 = 0;
+    for (; i0 + LANES <= hd; i0 += LANES) accumulate_chunk(y + i0, ldy, s, x + i0, ldx, t0, T, LANES, nl);
+    if (i0 < hd) accumulate_chunk(y + i0, ldy, s, x + i0, ldx, t0, T, hd - i0, nl);
+}
+
+/* One (batch, query head) of the forward. */
+static inline void forward_head(float *restrict out,     /* [T, hd], stride qs */
+                                float *restrict att,     /* [T, T] */
+                                const float *restrict q, /* [T, hd], stride qs */
+                                const float *restrict k, /* [T, hd], stride ks */
+                                const float *restrict v, /* [T, hd], stride ks */
+                                int64_t T, int64_t qs, int64_t ks, int64_t hd, float scale) {
+    float kt[TILE_FLOATS];
+    const int64_t tk = TILE_FLOATS / hd / LANES * LANES; /* keys per tile */
+    for (int64_t j0 = 0; j0 < T; j0 += tk) {
+        const int64_t nk = min64(tk, T - j0);
+        transpose_tile(kt, tk, k + j0 * ks, ks, nk, hd);
+        int64_t t = j0;
+        for (; t + ROWS <= T; t += ROWS) dots_block(att, q, qs, kt, tk, t, ROWS, j0, nk, T, hd);
+        if (t < T) dots_block(att, q, qs, kt, tk, t, T - t, j0, nk, T, hd);
+    }
+    int64_t t = 0;
+    for (; t + ROWS <= T; t += ROWS) {
+        softmax_rows(att + t * T, t, ROWS, T, scale);
+        combine_rows(out + t * qs, qs, att + t * T, T, v, ks, t + ROWS, hd, ROWS, false);
+    }
+    if (t < T) {
+        softmax_rows(att + t * T, t, T - t, T, scale);
+        combine_rows(out + t * qs, qs, att + t * T, T, v, ks, T, hd, T - t, false);
+    }
+}
+
+/* One (batch, query head) of the backward's first pass: dS (times scale)
+ * into ds over each row's span, and dq. */
+static inline void backward_q_head(float *restrict dq,         /* [T, hd], stride qs */
+                                   float *restrict ds,         /* [T, T] */
+                                   const float *restrict dout, /* [T, hd], stride qs */
+                                   const float *restrict k,    /* [T, hd], stride ks */
+                                   const float *restrict v,    /* [T, hd], stride ks */
+                                   const float *restrict att,  /* [T, T] */
+                                   int64_t T, int64_t qs, int64_t ks, int64_t hd, float scale) {
+    float vt[TILE_FLOATS];
+    const int64_t tk = TILE_FLOATS / hd / LANES * LANES; /* keys per tile */
+    for (int64_t j0 = 0; j0 < T; j0 += tk) {
+        const int64_t nk = min64(tk, T - j0);
+        transpose_tile(vt, tk, v + j0 * ks, ks, nk, hd);
+        int64_t t = j0;
+        for (; t + ROWS <= T; t += ROWS) dots_block(ds, dout, qs, vt, tk, t, ROWS, j0, nk, T, hd);
+        if (t < T) dots_block(ds, dout, qs, vt, tk, t, T - t, j0, nk, T, hd);
+    }
+    int64_t t = 0;
+    for (; t + ROWS <= T; t += ROWS) {
+        dsoftmax_rows(ds + t * T, att + t * T, t, ROWS, T, scale);
+        combine_rows(dq + t * qs, qs, ds + t * T, T, k, ks, t + ROWS, hd, ROWS, true);
+    }
+    if (t < T) {
+        dsoftmax_rows(ds + t * T, att + t * T, t, T - t, T, scale);
+        combine_rows(dq + t * qs, qs, ds + t * T, T, k, ks, T, hd, T - t, true);
+    }
+}
+
+/* One query head's share of dk and dv. Key block j0 reads the rows of dS
+ * and P from j0 down, all inside their spans, where both are zero past the
+ * diagonal. */
+static inline void backward_kv_head(float *restrict dk,         /* [T, hd], stride ks */
+                                    float *restrict dv,         /* [T, hd], stride ks */
+                                    const float *restrict ds,   /* [T, T] */
+                                    const float *restrict att,  /* [T, T] */
+                                    const float *restrict q,    /* [T, hd], stride qs */
+                                    const float *restrict dout, /* [T, hd], stride qs */
+                                    int64_t T, int64_t qs, int64_t ks, int64_t hd) {
+    int64_t j0 = 0;
+    for (; j0 + LANES <= T; j0 += LANES) {
+        accumulate_keys(dk + j0 * ks, ks, ds + j0, q, qs, j0, T, hd, LANES);
+        accumulate_keys(dv + j0 * ks, ks, att + j0, dout, qs, j0, T, hd, LANES);
+    }
+    if (j0 < T) {
+        accumulate_keys(dk + j0 * ks, ks, ds + j0, q, qs, j0, T, hd, T - j0);
+        accumulate_keys(dv + j0 * ks, ks, att + j0, dout, qs, j0, T, hd, T - j0);
+    }
+}
+
+/* The heads above with hd a constant at the common sizes, so that their
+ * loops over hd unroll: 15-20% faster at hd 8, 7-10% at 32 and 64. */
+static void forward_keys(float *out, float *att, const float *q, const float *k, const float *v, int64_t T,
+                         int64_t qs, int64_t ks, int64_t hd, float scale) {
+    switch (hd) {
+    case 8: forward_head(out, att, q, k, v, T, qs, ks, 8, scale); break;
+    case 16: forward_head(out, att, q, k, v, T, qs, ks, 16, scale); break;
+    case 32: forward_head(out, att, q, k, v, T, qs, ks, 32, scale); break;
+    case 64: forward_head(out, att, q, k, v, T, qs, ks, 64, scale); break;
+    default: forward_head(out, att, q, k, v, T, qs, ks, hd, scale);
+    }
+}
+
+static void backward_q_keys(float *dq, float *ds, const float *dout, const float *k, const float *v,
+                            const float *att, int64_t T, int64_t qs, int64_t ks, int64_t hd, float scale) {
+    switch (hd) {
+    case 8: backward_q_head(dq, ds, dout, k, v, att, T, qs, ks, 8, scale); break;
+    case 16: backward_q_head(dq, ds, dout, k, v, att, T, qs, ks, 16, scale); break;
+    case 32: backward_q_head(dq, ds, dout, k, v, att, T, qs, ks, 32, scale); break;
+    case 64: backward_q_head(dq, ds, dout, k, v, att, T, qs, ks, 64, scale); break;
+    default: backward_q_head(dq, ds, dout, k, v, att, T, qs, ks, hd, scale);
+    }
+}
+
+static void backward_kv_keys(float *dk, float *dv, const float *ds, const float *att, const float *q,
+                             const float *dout, int64_t T, int64_t qs, int64_t ks, int64_t hd) {
+    switch (hd) {
+    case 8: backward_kv_head(dk, dv, ds, att, q, dout, T, qs, ks, 8); break;
+    case 16: backward_kv_head(dk, dv, ds, att, q, dout, T, qs, ks, 16); break;
+    case 32: backward_kv_head(dk, dv, ds, att, q, dout, T, qs, ks, 32); break;
+    case 64: backward_kv_head(dk, dv, ds, att, q, dout, T, qs, ks, 64); break;
+    default: backward_kv_head(dk, dv, ds, att, q, dout, T, qs, ks, hd);
+    }
+}
+
+/* ------------------------------------------------------------------ ops */
+
 void moe_cpu_attention_forward(float *out, float *att, const float *q, const float *k,
                                const float *v, int64_t B, int64_t T, int64_t Hq, int64_t Hkv,
                                int64_t hd) {
-    const int64_t group = Hq / Hkv, ks = Hkv * hd; /* ks: row stride of k and v */
+    const int64_t group = Hq / Hkv, ks = Hkv * hd, qs = Hq * hd; /* row strides */
     const float scale = 1.0f / sqrtf((float)hd);
 #pragma omp parallel for collapse(2) schedule(static)
     for (int64_t b = 0; b < B; b++)
         for (int64_t h = 0; h < Hq; h++) {
             const float *kb = k + (b * T * Hkv + h / group) * hd; /* [T, hd], stride ks */
             const float *vb = v + (b * T * Hkv + h / group) * hd; /* [T, hd], stride ks */
+            if (hd <= KEYS_MAX_HD) {
+                forward_keys(out + (b * T * Hq + h) * hd, att + (b * Hq + h) * T * T, q + (b * T * Hq + h) * hd,
+                             kb, vb, T, qs, ks, hd, scale);
+                continue;
+            }
             for (int64_t t = 0; t < T; t++) {
                 const float *qt = q + ((b * T + t) * Hq + h) * hd; /* [hd] */
                 float *p = att + ((b * Hq + h) * T + t) * T;       /* [T] */
@@ -92,9 +449,10 @@ void moe_cpu_attention_forward(float *out, float *att, const float *q, const flo
 /* With P the probabilities and dP = dO V^T:
  *   dS = P * (dP - rowsum(P * dP)),  dQ += scale dS K,
  *   dK += scale dS^T Q,  dV += P^T dO.
- * The first pass runs per query head and keeps dS in datt (zero above the
- * diagonal, like P); the second runs per kv head, so the query heads that
- * share one add into dk and dv in a fixed order, without races. */
+ * The first pass runs per query head and keeps scale * dS in datt (zero
+ * above the diagonal, like P, as far as the second pass reads it); the
+ * second runs per kv head, so the query heads that share one add into dk
+ * and dv in a fixed order, without races. */
 void moe_cpu_attention_backward(float *dq, float *dk, float *dv, float *datt, const float *dout,
                                 const float *q, const float *k, const float *v, const float *att,
                                 int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t hd) {
@@ -105,6 +463,12 @@ void moe_cpu_attention_backward(float *dq, float *dk, float *dv, float *datt, co
         for (int64_t h = 0; h < Hq; h++) {
             const float *kb = k + (b * T * Hkv + h / group) * hd; /* [T, hd], stride ks */
             const float *vb = v + (b * T * Hkv + h / group) * hd; /* [T, hd], stride ks */
+            if (hd <= KEYS_MAX_HD) {
+                backward_q_keys(dq + (b * T * Hq + h) * hd, datt + (b * Hq + h) * T * T,
+                                dout + (b * T * Hq + h) * hd, kb, vb, att + (b * Hq + h) * T * T, T, qs, ks, hd,
+                                scale);
+                continue;
+            }
             for (int64_t t = 0; t < T; t++) {
                 const float *p = att + ((b * Hq + h) * T + t) * T;     /* [T] */
                 float *ds = datt + ((b * Hq + h) * T + t) * T;         /* [T] */
@@ -132,6 +496,10 @@ void moe_cpu_attention_backward(float *dq, float *dk, float *dv, float *datt, co
                 const float *dS = datt + (b * Hq + h) * T * T; /* [T, T], holds scale * dS */
                 const float *qb = q + (b * T * Hq + h) * hd;   /* [T, hd], stride qs */
                 const float *dyb = dout + (b * T * Hq + h) * hd; /* [T, hd], stride qs */
+                if (hd <= KEYS_MAX_HD) {
+                    backward_kv_keys(dkb, dvb, dS, P, qb, dyb, T, qs, ks, hd);
+                    continue;
+                }
                 /* Four query rows t..t+3 at a time; the zeros above the
                  * diagonal of P and dS let their blocks run to j <= t + 3. */
                 int64_t t = 0;
