@@ -285,6 +285,22 @@ static inline void accumulate_keys(float *restrict y, int64_t ldy, const float *
     if (i0 < hd) accumulate_chunk(y + i0, ldy, s, x + i0, ldx, t0, T, hd - i0, nl);
 }
 
+/* s[t][j] = a_t . x_j (rows of stride lda and ldx) for every t and the
+ * keys j of t's span, x read transposed a tile of keys at a time. */
+static inline void causal_dots(float *restrict s, /* [T, T] */
+                               const float *restrict a, int64_t lda, const float *restrict x, int64_t ldx,
+                               int64_t T, int64_t hd) {
+    float xt[TILE_FLOATS];
+    const int64_t tk = TILE_FLOATS / hd / LANES * LANES; /* keys per tile */
+    for (int64_t j0 = 0; j0 < T; j0 += tk) {
+        const int64_t nk = min64(tk, T - j0);
+        transpose_tile(xt, tk, x + j0 * ldx, ldx, nk, hd);
+        int64_t t = j0;
+        for (; t + ROWS <= T; t += ROWS) dots_block(s, a, lda, xt, tk, t, ROWS, j0, nk, T, hd);
+        if (t < T) dots_block(s, a, lda, xt, tk, t, T - t, j0, nk, T, hd);
+    }
+}
+
 /* One (batch, query head) of the forward. */
 static inline void forward_head(float *restrict out,     /* [T, hd], stride qs */
                                 float *restrict att,     /* [T, T] */
@@ -292,15 +308,7 @@ static inline void forward_head(float *restrict out,     /* [T, hd], stride qs *
                                 const float *restrict k, /* [T, hd], stride ks */
                                 const float *restrict v, /* [T, hd], stride ks */
                                 int64_t T, int64_t qs, int64_t ks, int64_t hd, float scale) {
-    float kt[TILE_FLOATS];
-    const int64_t tk = TILE_FLOATS / hd / LANES * LANES; /* keys per tile */
-    for (int64_t j0 = 0; j0 < T; j0 += tk) {
-        const int64_t nk = min64(tk, T - j0);
-        transpose_tile(kt, tk, k + j0 * ks, ks, nk, hd);
-        int64_t t = j0;
-        for (; t + ROWS <= T; t += ROWS) dots_block(att, q, qs, kt, tk, t, ROWS, j0, nk, T, hd);
-        if (t < T) dots_block(att, q, qs, kt, tk, t, T - t, j0, nk, T, hd);
-    }
+    causal_dots(att, q, qs, k, ks, T, hd);
     int64_t t = 0;
     for (; t + ROWS <= T; t += ROWS) {
         softmax_rows(att + t * T, t, ROWS, T, scale);
@@ -321,15 +329,7 @@ static inline void backward_q_head(float *restrict dq,         /* [T, hd], strid
                                    const float *restrict v,    /* [T, hd], stride ks */
                                    const float *restrict att,  /* [T, T] */
                                    int64_t T, int64_t qs, int64_t ks, int64_t hd, float scale) {
-    float vt[TILE_FLOATS];
-    const int64_t tk = TILE_FLOATS / hd / LANES * LANES; /* keys per tile */
-    for (int64_t j0 = 0; j0 < T; j0 += tk) {
-        const int64_t nk = min64(tk, T - j0);
-        transpose_tile(vt, tk, v + j0 * ks, ks, nk, hd);
-        int64_t t = j0;
-        for (; t + ROWS <= T; t += ROWS) dots_block(ds, dout, qs, vt, tk, t, ROWS, j0, nk, T, hd);
-        if (t < T) dots_block(ds, dout, qs, vt, tk, t, T - t, j0, nk, T, hd);
-    }
+    causal_dots(ds, dout, qs, v, ks, T, hd);
     int64_t t = 0;
     for (; t + ROWS <= T; t += ROWS) {
         dsoftmax_rows(ds + t * T, att + t * T, t, ROWS, T, scale);
