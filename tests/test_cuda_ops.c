@@ -54,7 +54,7 @@
     X(gemm_tensor_core_math)                                                                       \
     X(model_on_the_table)                                                                          \
     X(gate_forward_ranks_nan_like_cpu)                                                             \
-    X(gate_topk_softmax_weights_far_below_the_row_max)                                             \
+    X(gate_normalised_weights_far_below_the_row_max)                                               \
     X(table_marks_time_ops_in_the_stream)
 
 #if !defined(MOE_HAVE_CUDA)
@@ -548,22 +548,34 @@ Test(cuda, gate_forward_ranks_nan_like_cpu) {
  * over the chosen logits on both backends, not expf's clamp. The selection
  * compares logit + bias, the same float sums on both, so it must match
  * exactly. */
-Test(cuda, gate_topk_softmax_weights_far_below_the_row_max) {
+/* A bias that chooses experts far below the row's largest logit (every
+ * one 150 below expert 7, which the bias shuts out): each normalised kind's
+ * weights are a softmax over the chosen logits (log-sigmoids), as on the
+ * CPU, and no clamp's ties. */
+Test(cuda, gate_normalised_weights_far_below_the_row_max) {
     gpu_begin();
     ref_rng rng = {505};
     const int64_t E = 40, k = 4, T = 70;
     float *logits = rnd(T * E, &rng, -2.0, 2.0), *bias = ref_alloc((size_t)E * sizeof *bias);
     for (int64_t e = 0; e < E; e++) bias[e] = e == 7 ? -1000.0f : 0.0f;
-    for (int64_t t = 0; t < T; t++) logits[t * E + 7] = 150.0f;
-    const moe_gate_params p = {E, k, MOE_GATE_TOPK_SOFTMAX, true};
-    gate_pair g = gate_both(logits, bias, &p, T);
-    expect_same_i32("topk_softmax far below the row max: topk_idx", g.got_idx, g.want_idx, T * k);
-    expect_close("topk_softmax far below the row max: topk_w", g.got_w, g.want_w, T * k, TOL_F32);
-    /* And the CPU's are no clamp's ties: distinct weights in every row. */
-    int64_t ties = 0;
-    for (int64_t t = 0; t < T; t++) ties += g.want_w[t * k] == g.want_w[t * k + 1];
-    cr_expect(ties == 0, "%lld rows with tied weights on the CPU", (long long)ties);
-    free_gate_pair(&g);
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t e = 0; e < E; e++) logits[t * E + e] = e == 7 ? 0.0f : logits[t * E + e] - 150.0f;
+    static const moe_gate_kind kinds[] = {MOE_GATE_TOPK_SOFTMAX, MOE_GATE_SOFTMAX_TOPK,
+                                          MOE_GATE_SIGMOID};
+    for (size_t i = 0; i < sizeof kinds / sizeof kinds[0]; i++) {
+        const moe_gate_params p = {E, k, kinds[i], true};
+        gate_pair g = gate_both(logits, bias, &p, T);
+        char what[96];
+        snprintf(what, sizeof what, "%s far below the row max: topk_idx", kind_name(kinds[i]));
+        expect_same_i32(what, g.got_idx, g.want_idx, T * k);
+        snprintf(what, sizeof what, "%s far below the row max: topk_w", kind_name(kinds[i]));
+        expect_close(what, g.got_w, g.want_w, T * k, TOL_F32);
+        int64_t ties = 0;
+        for (int64_t t = 0; t < T; t++) ties += g.want_w[t * k] == g.want_w[t * k + 1];
+        cr_expect(ties == 0, "%s: %lld rows with tied weights on the CPU", kind_name(kinds[i]),
+                  (long long)ties);
+        free_gate_pair(&g);
+    }
     free(logits), free(bias);
     gpu_end();
 }
