@@ -50,6 +50,7 @@ static const char *const gpu_algo_names[N_GPU_ALGOS] = {
 typedef struct gemm_options {
     int64_t T; /* 0: the device's default */
     unsigned algos; /* bit a: run gpu_algo_names[a] */
+    bool algos_set; /* --algos given */
     bench_routing routings[BENCH_MAX_ROUTINGS];
     int n_routings;
     int64_t warmup, iters, threads;
@@ -200,6 +201,7 @@ static int parse_options(gemm_options *o, int argc, char **argv) {
                 return bench_usage_error(CMD);
         } else if ((found = match_flag(argc, argv, &i, NULL, "algos", &value)) != 0) {
             if (found < 0 || !parse_algos(&o->algos, value)) return bench_usage_error(CMD);
+            o->algos_set = true;
         } else if ((found = match_flag(argc, argv, &i, NULL, "device", &value)) != 0) {
             if (found < 0) return bench_usage_error(CMD);
             if (strcmp(value, "auto") == 0)
@@ -569,7 +571,8 @@ int bench_gemm_run(int argc, char **argv) {
         fprintf(stderr, "moe-bench %s: --device=cuda: no usable GPU: %s\n", CMD, why);
         return BENCH_EXIT_FAILURE;
     }
-    if (!use_cuda && o.algos != (1u << N_GPU_ALGOS) - 1) {
+    if (o.device == DEVICE_CPU) snprintf(why, sizeof why, "--device cpu");
+    if (!use_cuda && o.algos_set) {
         fprintf(stderr, "moe-bench %s: --algos names GPU algorithms, and this run is on the CPU (%s)\n",
                 CMD, why);
         return BENCH_EXIT_FAILURE;

@@ -57,13 +57,14 @@ typedef struct moe_comm_request {
     const char *op; /* the operation's name, for messages */
     int peer;       /* the other rank, or -1 for a collective */
     int slot;       /* backend scratch held until completion, or -1 */
+    int64_t seq;    /* a collective's number among those started on its communicator */
     union {
         void *ptr;
         int64_t i64;
     } handle; /* the backend's handle (an MPI_Request, a queue slot) */
 } moe_comm_request;
 
-#define MOE_COMM_REQUEST_INIT {.comm = NULL, .op = NULL, .peer = -1, .slot = -1, .handle = {0}}
+#define MOE_COMM_REQUEST_INIT {.comm = NULL, .op = NULL, .peer = -1, .slot = -1, .seq = 0, .handle = {0}}
 
 /* ---------------------------------------------------------------- creation */
 
@@ -76,8 +77,10 @@ moe_status moe_comm_local_create(moe_comm **comm);
  * built without MPI. Collective over MPI_COMM_WORLD.
  * When a wait on a collective times out, the ranks waiting in it hold a roll
  * call before the wait returns (a tenth of the timeout, within 0.5 to 10 s;
- * less when every rank answers), so that the error names the ranks missing
- * from it, by their rank in the communicator and in MPI_COMM_WORLD. */
+ * less when every rank answers), so that the error names the ranks that did
+ * not answer, by their rank in the communicator and in MPI_COMM_WORLD:
+ * ranks missing from it, or (a broadcast, an all-to-all-v with nothing to
+ * exchange with the missing) done with their part of it. */
 moe_status moe_comm_mpi_create(moe_comm **comm);
 
 /* Ends every process of the MPI job (MPI_Abort on MPI_COMM_WORLD) with exit

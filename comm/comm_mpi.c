@@ -48,11 +48,12 @@
  * from point-to-point traffic. A private duplicate would do the same at the
  * price of a collective MPI_Comm_dup at every creation and a second context
  * id per communicator; the tags cost nothing until a timeout. The tag is
- * ROLL_CALL_TAG plus the number of collectives this rank has started on the
+ * ROLL_CALL_TAG plus the collective's number among those started on the
  * communicator (modulo the tags MPI_TAG_UB leaves): ranks of one program
- * that wait in the same collective have started the same ones, so only
- * they match, and a "here" left unreceived from an earlier roll call is
- * never taken for an answer to a later one. MPI promises tags only up to
+ * call collectives in the same order, so ranks waiting in the same one
+ * match, whatever else they have started since, and a "here" left
+ * unreceived from an earlier roll call is never taken for an answer to a
+ * later one. MPI promises tags only up to
  * 32767: where MPI_TAG_UB is that low, no roll call. */
 #define ROLL_CALL_TAG (MOE_COMM_TAG_MAX + 1)
 /* The ranks' timeouts expire as far apart as they entered the collective, so
@@ -200,7 +201,7 @@ static moe_status started(mpi_comm *c, moe_comm_request *req, const char *call, 
     if (code != MPI_SUCCESS) return mpi_fail(c, req->op, req->peer, call, code);
     set_request(req, r);
     req->comm = &c->base;
-    if (req->peer < 0) c->collectives++;
+    if (req->peer < 0) req->seq = c->collectives++;
     return MOE_OK;
 }
 
@@ -248,7 +249,7 @@ static void release(mpi_comm *c, moe_comm_request *req) {
  * until all have answered. silent [size]: its first entries receive the
  * ranks not heard from, in increasing order. Returns how many, or -1 when
  * the roll call could not be held. */
-static int roll_call(int *silent, mpi_comm *c, double window_seconds) {
+static int roll_call(int *silent, mpi_comm *c, int64_t seq, double window_seconds) {
     /* Static: a send to a dead rank may never complete, so it is never
      * waited for, and its buffer must outlive this call. */
     static const int here = 1;
@@ -259,7 +260,7 @@ static int roll_call(int *silent, mpi_comm *c, double window_seconds) {
     if (MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &tag_ub, &has_tag_ub) != MPI_SUCCESS ||
         !has_tag_ub || *tag_ub < ROLL_CALL_TAG)
         return -1;
-    const int tag = ROLL_CALL_TAG + (int)(c->collectives % (*tag_ub - MOE_COMM_TAG_MAX));
+    const int tag = ROLL_CALL_TAG + (int)(seq % (*tag_ub - MOE_COMM_TAG_MAX));
     MPI_Request *recvs = malloc((size_t)n * sizeof *recvs);
     int *answers = calloc((size_t)n, sizeof *answers); /* [n]: `here` once heard from */
     if (!recvs || !answers) {
@@ -336,7 +337,7 @@ static void name_ranks(char *text, size_t size, const mpi_comm *c, const int *ra
 
 /* The failure text of a collective that timed out: the roll call's
  * outcome, or, when it could not be held, only what one rank knows. */
-static void collective_timed_out(mpi_comm *c, const char *where) {
+static void collective_timed_out(mpi_comm *c, int64_t seq, const char *where) {
     const int n = c->base.size;
     const double timeout = c->base.timeout_seconds;
     double window = timeout * ROLL_CALL_TIMEOUT_FRACTION;
@@ -344,18 +345,20 @@ static void collective_timed_out(mpi_comm *c, const char *where) {
              : window > ROLL_CALL_MAX_SECONDS ? ROLL_CALL_MAX_SECONDS
                                               : window;
     int *silent = malloc((size_t)n * sizeof *silent);
-    const int count = silent ? roll_call(silent, c, window) : -1;
+    const int count = silent ? roll_call(silent, c, seq, window) : -1;
     if (count < 0) {
         snprintf(c->failure, sizeof c->failure,
                  "%s: not complete after %.1f s: %s has not joined it (dead, stuck, or in "
                  "another operation)",
                  where, timeout, n == 2 ? "the other rank" : "at least one of the other ranks");
     } else if (count == 0) {
-        /* Nobody is missing: the op itself cannot finish in time. */
+        /* Every rank answered: they are waiting in it now, or (this rank
+         * joining after they gave up) their answers from their own roll
+         * call were waiting here. */
         snprintf(c->failure, sizeof c->failure,
-                 "%s: not complete after %.1f s, though every rank is waiting in it (all "
-                 "answered a roll call): the ranks called it with mismatched arguments, or it "
-                 "needs longer than the timeout",
+                 "%s: not complete after %.1f s, though every rank answered a roll call: the "
+                 "ranks called it with mismatched arguments, it needs longer than the timeout, "
+                 "or this rank joined it after the others had timed out in it",
                  where, timeout);
     } else {
         char names[256], answered[64];
@@ -369,11 +372,13 @@ static void collective_timed_out(mpi_comm *c, const char *where) {
             snprintf(answered, sizeof answered, "the other %d ranks, waiting in it too, answered",
                      others);
         /* "not answering", not "never joined": a rank that entered later
-         * than the roll call, or finished its part and moved on, is silent
-         * too. */
+         * than the roll call, or finished its part and moved on (a
+         * broadcast, an all-to-all-v with nothing to exchange with the
+         * missing), is silent too. */
         snprintf(c->failure, sizeof c->failure,
                  "%s: not complete after %.1f s: %s %s not answering (dead, stuck, in another "
-                 "operation, or late to join it): %s a %.1f s roll call",
+                 "operation, late to join it, or done with their part of it): %s a %.1f s roll "
+                 "call",
                  where, timeout, names, count == 1 ? "is" : "are", answered, window);
     }
     free(silent);
@@ -391,7 +396,7 @@ static moe_status timed_out(mpi_comm *c, const moe_comm_request *req) {
                  "another operation)",
                  where, req->peer, world_rank_of(c, req->peer), c->base.timeout_seconds);
     else
-        collective_timed_out(c, where);
+        collective_timed_out(c, req->seq, where);
     return moe_error(MOE_ERR_COMM, "%s", c->failure);
 }
 
