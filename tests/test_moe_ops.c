@@ -327,6 +327,29 @@ Test(ops, normalised_weights_when_the_bias_chooses_far_below) {
     }
 }
 
+/* The sigmoid's probabilities s / sum(s), its choice and its aux gradient
+ * where s leaves float's range (logits -100 and -90, k = 1, no bias): the
+ * larger logit is chosen, the probabilities are e^-10 apart, and the aux
+ * gradient r (dr - <r, dr>) (1 - s) follows them. */
+Test(ops, sigmoid_probabilities_below_floats_range) {
+    const float logits[2] = {-100.0f, -90.0f}, aux[2] = {1.0f, 0.0f}, dw[1] = {0.0f};
+    int32_t idx[1];
+    float w[1], prob[2], lse, dl[2];
+    int64_t assigned[2];
+    double prob_sum[2], scratch[2 * 2 + 1], z_sum = 0.0;
+    moe_gate_totals totals = {assigned, prob_sum, &z_sum, scratch};
+    const moe_gate_params p = {2, 1, MOE_GATE_SIGMOID, true};
+    ops()->gate_forward(idx, w, prob, &lse, &totals, logits, NULL, &p, 1);
+    const double small = 1.0 / (1.0 + exp(10.0)); /* s0 / (s0 + s1), s = e^l there */
+    cr_expect(idx[0] == 1 && w[0] == 1.0f, "chose expert %d with weight %.9g; want 1 with 1", idx[0], w[0]);
+    cr_expect(fabs(prob[0] - small) <= 1e-6 * small && fabs(prob[1] - (1.0 - small)) <= 1e-6,
+              "probabilities %.9g, %.9g; want %.9g, %.9g", prob[0], prob[1], small, 1.0 - small);
+    ops()->gate_backward(dl, dw, idx, w, prob, &lse, logits, aux, 0.0f, &p, 1);
+    const double want = small * (1.0 - small); /* r0 (1 - r0), times 1 - s0 = 1 */
+    cr_expect(fabs(dl[0] - want) <= 1e-6 * want && fabs(dl[1] + want) <= 1e-6 * want,
+              "dlogits %.9g, %.9g; want %.9g, %.9g", dl[0], dl[1], want, -want);
+}
+
 /* moe_expf (moe_math.h) keeps NaN a NaN, and clamps the infinities to
  * float's normal range, with no undefined int conversion on the way (the
  * sanitizer build aborts on one). */

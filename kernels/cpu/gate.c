@@ -41,9 +41,14 @@ void moe_cpu_gate_forward(int32_t *topk_idx, float *topk_w, float *prob, float *
                 esum += r[e];
             }
             if (p->kind == MOE_GATE_SIGMOID) {
+                /* s = sigmoid(l) relative to the row's largest, through
+                 * log-sigmoids (increasing, so the largest is lmax's): the
+                 * probabilities s / sum(s) stay apart where s itself leaves
+                 * float's range (logits below -88). */
+                const float ls_max = moe_log_sigmoidf(lmax);
 #pragma omp simd reduction(+ : ssum)
                 for (int64_t e = 0; e < E; e++) {
-                    r[e] = moe_sigmoidf(l[e]);
+                    r[e] = moe_expf(moe_log_sigmoidf(l[e]) - ls_max);
                     ssum += r[e];
                 }
             }
@@ -51,10 +56,14 @@ void moe_cpu_gate_forward(int32_t *topk_idx, float *topk_w, float *prob, float *
             lse[t] = log_z;
             float norm = (float)(1.0 / (p->kind == MOE_GATE_SIGMOID ? ssum : esum));
 
+            /* The sigmoid's scores: s + bias (DeepSeek-V3's), or without a
+             * bias the log-sigmoid, which ranks as s does but keeps apart
+             * the logits whose s is out of float's range. */
             float score[MOE_TOPK_MAX];
             int n = 0;
             for (int64_t e = 0; e < E; e++) {
-                float base = p->kind == MOE_GATE_SIGMOID ? r[e]
+                float base = p->kind == MOE_GATE_SIGMOID
+                                 ? (bias ? moe_sigmoidf(l[e]) : moe_log_sigmoidf(l[e]))
                              : p->kind == MOE_GATE_TOPK_SOFTMAX ? l[e]
                                                                 : r[e] * norm;
                 moe_topk_insert(idx, score, &n, (int)k, (int32_t)e, bias ? base + bias[e] : base);

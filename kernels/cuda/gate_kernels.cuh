@@ -21,7 +21,8 @@ static __device__ __forceinline__ bool gate_outranks(float s, int e, float best,
 /* G lanes per token (256 / G tokens a pass over the chunk), lane g holding
  * experts g + G i for i < NPL in registers (E <= G NPL <= 32 G, so a
  * lane's chosen experts fit one 32-bit mask). Each (token, expert) costs
- * one exponential (two for the sigmoid, whose logsumexp still needs it).
+ * one exponential (the sigmoid also a log-sigmoid and its exponential:
+ * its probabilities come relative to the row's largest, as on the CPU).
  * The top-k is k rounds of an argmax over the group on (score, -index),
  * which picks what moe_topk_insert picks, in moe_score_outranks's order;
  * every lane learns each round's winner, so every lane sums the weights
@@ -63,12 +64,13 @@ static __global__ void __launch_bounds__(GATE_THREADS)
         /* The exponentials give the logsumexp for every kind, and the
          * values unless the gate is a sigmoid. */
         double esum = 0.0, ssum = 0.0;
+        const float ls_max = sig ? moe_log_sigmoidf(lmax) : 0.0f; /* as on the CPU */
 #pragma unroll
         for (int i = 0; i < NPL; i++) {
             const bool in = g + G * i < E;
             const float r = in ? moe_expf(lv[i] - lmax) : 0.0f;
             esum += (double)r;
-            val[i] = sig ? (in ? moe_sigmoidf(lv[i]) : 0.0f) : r;
+            val[i] = sig ? (in ? moe_expf(moe_log_sigmoidf(lv[i]) - ls_max) : 0.0f) : r;
             if (sig) ssum += (double)val[i];
         }
         esum = moe_warp_sum<double, G>(esum);
@@ -80,7 +82,9 @@ static __global__ void __launch_bounds__(GATE_THREADS)
             const int e = g + G * i;
             const float p = val[i] * norm;
             if (own && e < E) prob[t * E + e] = p;
-            const float base = sig ? val[i] : tsm ? lv[i] : p;
+            const float base = sig ? (bias ? moe_sigmoidf(lv[i]) : moe_log_sigmoidf(lv[i]))
+                               : tsm ? lv[i]
+                                     : p;
             score[i] = bias && e < E ? base + bias[e] : base;
         }
 
