@@ -1487,14 +1487,48 @@ typedef struct group_case {
 
 #define MAX_TABLE_GROUPS 8
 
+/* Device memory for the groups' arrays: a piece each, or (packed) one
+ * piece they follow each other in with no padding, as the model packs its
+ * groups' rows, so that their bases have only the alignment their sizes
+ * leave (4 bytes with an odd d_ff). */
+typedef struct group_mem {
+    bool packed;
+    char *next; /* packed: where the next array goes */
+} group_mem;
+
+static void *gmem_put(group_mem *m, const void *host, size_t bytes) {
+    if (!m->packed) return tput(host, bytes);
+    void *p = m->next;
+    m->next += bytes;
+    CHECK(gpu->upload(p, host, bytes));
+    return p;
+}
+
+static void *gmem_poison(group_mem *m, size_t bytes, int byte) {
+    void *host = ref_alloc(bytes);
+    memset(host, byte, bytes);
+    void *p = gmem_put(m, host, bytes);
+    free(host);
+    return p;
+}
+
 /* Groups of these rows and d_ff through both tables' experts, forward and
- * backward; the device's pieces are released after. */
+ * backward, in separate or packed device memory; the device's pieces are
+ * released after. */
 static void check_table_groups(const int64_t *rows, const int64_t *ffs, int n_groups, int64_t d,
-                               moe_cuda_math math, ref_rng *rng) {
+                               moe_cuda_math math, bool packed, ref_rng *rng) {
     const moe_ops *cpu = moe_cpu_ops();
     cr_assert(n_groups <= MAX_TABLE_GROUPS);
     group_case c[MAX_TABLE_GROUPS];
     moe_expert_group host[MAX_TABLE_GROUPS], dev[MAX_TABLE_GROUPS];
+    group_mem mem = {.packed = packed};
+    if (packed) {
+        size_t floats = 0; /* x, y, dy, dx; h, dh; g; w13, dw13; w2, dw2 */
+        for (int i = 0; i < n_groups; i++)
+            floats += (size_t)(4 * rows[i] * d + 2 * rows[i] * 2 * ffs[i] + rows[i] * ffs[i] +
+                               2 * 2 * ffs[i] * d + 2 * d * ffs[i]);
+        mem.next = talloc(floats * sizeof(float));
+    }
     for (int i = 0; i < n_groups; i++) {
         const int64_t n = rows[i], f = ffs[i];
         c[i] = (group_case){
@@ -1514,17 +1548,17 @@ static void check_table_groups(const int64_t *rows, const int64_t *ffs, int n_gr
         dev[i] = (moe_expert_group){
             .rows = n,
             .d_ff = f,
-            .x = tput(c[i].x, (size_t)(n * d) * sizeof(float)),
-            .w13 = tput(c[i].w13, (size_t)(2 * f * d) * sizeof(float)),
-            .w2 = tput(c[i].w2, (size_t)(d * f) * sizeof(float)),
-            .h = tpoison((size_t)(n * 2 * f) * sizeof(float), POISON_FLOAT),
-            .g = tpoison((size_t)(n * f) * sizeof(float), POISON_FLOAT),
-            .y = tpoison((size_t)(n * d) * sizeof(float), POISON_FLOAT),
-            .dy = tput(c[i].dy, (size_t)(n * d) * sizeof(float)),
-            .dh = tpoison((size_t)(n * 2 * f) * sizeof(float), POISON_FLOAT),
-            .dx = tpoison((size_t)(n * d) * sizeof(float), POISON_FLOAT),
-            .dw13 = tput(c[i].dw13, (size_t)(2 * f * d) * sizeof(float)),
-            .dw2 = tput(c[i].dw2, (size_t)(d * f) * sizeof(float)),
+            .x = gmem_put(&mem, c[i].x, (size_t)(n * d) * sizeof(float)),
+            .w13 = gmem_put(&mem, c[i].w13, (size_t)(2 * f * d) * sizeof(float)),
+            .w2 = gmem_put(&mem, c[i].w2, (size_t)(d * f) * sizeof(float)),
+            .h = gmem_poison(&mem, (size_t)(n * 2 * f) * sizeof(float), POISON_FLOAT),
+            .g = gmem_poison(&mem, (size_t)(n * f) * sizeof(float), POISON_FLOAT),
+            .y = gmem_poison(&mem, (size_t)(n * d) * sizeof(float), POISON_FLOAT),
+            .dy = gmem_put(&mem, c[i].dy, (size_t)(n * d) * sizeof(float)),
+            .dh = gmem_poison(&mem, (size_t)(n * 2 * f) * sizeof(float), POISON_FLOAT),
+            .dx = gmem_poison(&mem, (size_t)(n * d) * sizeof(float), POISON_FLOAT),
+            .dw13 = gmem_put(&mem, c[i].dw13, (size_t)(2 * f * d) * sizeof(float)),
+            .dw2 = gmem_put(&mem, c[i].dw2, (size_t)(d * f) * sizeof(float)),
         };
         host[i] = (moe_expert_group){.rows = n,
                                      .d_ff = f,
@@ -1588,7 +1622,7 @@ Test(cuda, table_experts_uneven_groups) {
     /* A routed expert, an idle one, and the shared experts over every
      * token with their wider d_ff, as moe_layer.c groups them. */
     static const int64_t rows[] = {37, 0, 21}, ffs[] = {20, 20, 44};
-    check_table_groups(rows, ffs, 3, 24, MOE_CUDA_MATH_FP32, &rng);
+    check_table_groups(rows, ffs, 3, 24, MOE_CUDA_MATH_FP32, false, &rng);
     /* Every row count from 1 to 600: each GEMM is planned for its rows'
      * power-of-two bucket (16 to 1024), whose algorithm must serve every
      * count in the bucket (or fall back to a plan of its own); bf16 math
@@ -1602,7 +1636,7 @@ Test(cuda, table_experts_uneven_groups) {
             sweep[n] = r;
             sweep_ffs[n++] = 20;
             if (n == MAX_TABLE_GROUPS || r == SWEEP_ROWS) {
-                check_table_groups(sweep, sweep_ffs, n, 24, maths[m], &rng);
+                check_table_groups(sweep, sweep_ffs, n, 24, maths[m], false, &rng);
                 n = 0;
             }
         }
@@ -1613,14 +1647,18 @@ Test(cuda, table_experts_uneven_groups) {
 /* Under bf16 math the groups' GEMMs read bf16 copies of their operands:
  * the uneven groups above, and groups large enough for cuBLASLt's
  * tensor-core kernels, with widths whose bf16 rows are not 16-byte aligned
- * (d_ff 20: 40-byte rows of g). */
+ * (d_ff 20: 40-byte rows of g); then packed as the model packs them, with
+ * an odd d_ff, so that the bases of h, g and dh are only 4-byte aligned. */
 Test(cuda, table_experts_bf16_math) {
     table_begin();
     ref_rng rng = {1314};
     static const int64_t rows[] = {37, 0, 21}, ffs[] = {20, 20, 44};
-    check_table_groups(rows, ffs, 3, 24, MOE_CUDA_MATH_BF16, &rng);
+    check_table_groups(rows, ffs, 3, 24, MOE_CUDA_MATH_BF16, false, &rng);
     static const int64_t big_rows[] = {300, 129, 512}, big_ffs[] = {64, 20, 96};
-    check_table_groups(big_rows, big_ffs, 3, 128, MOE_CUDA_MATH_BF16, &rng);
+    check_table_groups(big_rows, big_ffs, 3, 128, MOE_CUDA_MATH_BF16, false, &rng);
+    static const int64_t packed_rows[] = {3, 130, 0, 77}, packed_ffs[] = {21, 21, 21, 21};
+    check_table_groups(packed_rows, packed_ffs, 4, 40, MOE_CUDA_MATH_BF16, true, &rng);
+    check_table_groups(packed_rows, packed_ffs, 4, 40, MOE_CUDA_MATH_FP32, true, &rng);
     table_end();
 }
 
