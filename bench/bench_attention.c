@@ -68,34 +68,30 @@ static void usage(void) {
 }
 
 typedef struct attn_buffers {
-    float *q, *k, *v, *out, *att, *datt, *dout, *dq, *dk, *dv;
+    float *q, *k, *v, *dout;                /* random in [-1, 1) */
+    float *out, *att, *datt, *dq, *dk, *dv; /* zeros */
+    void *arena;                            /* all of them: one backend allocation */
 } attn_buffers;
+
+#define ATTN_FILLED 4 /* q, k, v, dout: the first buffers of alloc_buffers's list */
 
 static moe_status alloc_buffers(const moe_ops *ops, attn_buffers *b, const attn_shape *s, float *host) {
     const size_t nq = (size_t)(s->B * s->T * s->Hq * s->hd), nk = (size_t)(s->B * s->T * s->Hkv * s->hd);
     const size_t na = (size_t)(s->B * s->Hq * s->T * s->T);
-    struct {
-        float **ptr;
-        size_t n;
-        bool filled; /* random values in [-1, 1), else zeros */
-    } pieces[] = {
-        {&b->q, nq, true},   {&b->k, nk, true},    {&b->v, nk, true},   {&b->out, nq, false},
-        {&b->att, na, false}, {&b->datt, na, false}, {&b->dout, nq, true}, {&b->dq, nq, false},
-        {&b->dk, nk, false}, {&b->dv, nk, false},
+    bench_buffer bufs[] = {
+        {&b->q, nq},   {&b->k, nk},    {&b->v, nk},  {&b->dout, nq}, {&b->out, nq},
+        {&b->att, na}, {&b->datt, na}, {&b->dq, nq}, {&b->dk, nk},   {&b->dv, nk},
     };
+    b->arena = bench_alloc_backend_buffers(ops, bufs, (int)(sizeof bufs / sizeof bufs[0]));
+    if (!b->arena)
+        return moe_error(MOE_ERR_OUT_OF_MEMORY, "%zu bytes of %s memory for the attention buffers",
+                         bench_buffers_bytes(bufs, (int)(sizeof bufs / sizeof bufs[0])), ops->name);
     bench_rng rng = {0x6174746eull};
-    for (size_t i = 0; i < sizeof pieces / sizeof pieces[0]; i++) {
-        MOE_TRY(ops->alloc((void **)pieces[i].ptr, pieces[i].n * sizeof(float)));
-        if (!pieces[i].filled) continue;
-        bench_fill_uniform(host, pieces[i].n, 1.0f, &rng);
-        MOE_TRY(ops->upload(*pieces[i].ptr, host, pieces[i].n * sizeof(float)));
+    for (int i = 0; i < ATTN_FILLED; i++) {
+        bench_fill_uniform(host, bufs[i].count, 1.0f, &rng);
+        MOE_TRY(ops->upload(*bufs[i].ptr, host, bufs[i].count * sizeof(float)));
     }
     return MOE_OK;
-}
-
-static void release_buffers(const moe_ops *ops, attn_buffers *b) {
-    float *all[] = {b->q, b->k, b->v, b->out, b->att, b->datt, b->dout, b->dq, b->dk, b->dv};
-    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) ops->release(all[i]);
 }
 
 typedef struct attn_job {
@@ -279,7 +275,7 @@ int bench_attention_run(int argc, char **argv) {
     rc = 0;
 done:
     set_path(&dev, &(attn_path){"auto", 0});
-    release_buffers(ops, &b);
+    if (b.arena) ops->release(b.arena);
     free(host);
     free(times);
     moe_device_close(&dev);
