@@ -17,6 +17,8 @@
  * of their 16 columns. */
 #include <limits.h>
 
+#include <type_traits>
+
 #include "kernels/cuda/flash_attention.cuh"
 #include "kernels/cuda/flash_attention_kernels.cuh"
 
@@ -42,6 +44,19 @@ static moe_status check_grid(int64_t B, int64_t T, const char *op) {
     return MOE_OK;
 }
 
+/* launch(std::integral_constant<int, hd>) for the head sizes the kernels
+ * are built for (16, 32, 64, 128; the callers check hd first). */
+template <typename Launch> static void with_head_dim(int64_t hd, Launch launch) {
+    if (hd == 16)
+        launch(std::integral_constant<int, 16>());
+    else if (hd == 32)
+        launch(std::integral_constant<int, 32>());
+    else if (hd == 64)
+        launch(std::integral_constant<int, 64>());
+    else
+        launch(std::integral_constant<int, 128>());
+}
+
 moe_status moe_cuda_flash_forward(float *out, float *att, const float *q, const float *k,
                                   const float *v, int64_t B, int64_t T, int64_t Hq, int64_t Hkv,
                                   int64_t hd, moe_cuda_ctx *ctx) {
@@ -49,19 +64,11 @@ moe_status moe_cuda_flash_forward(float *out, float *att, const float *q, const 
     float *lse = att, *out_copy = att + B * Hq * T;
     const float scale = 1.0f / sqrtf((float)hd);
     const dim3 grid = fa_grid(T, Hq, B);
-    const int threads = FA_WARPS * 32;
-#define FA_FORWARD(HD)                                                                             \
-    flash_forward_kernel<HD><<<grid, threads, 0, ctx->stream>>>(out, lse, out_copy, q, k, v, T, Hq, \
-                                                                Hkv, scale)
-    if (hd == 16)
-        FA_FORWARD(16);
-    else if (hd == 32)
-        FA_FORWARD(32);
-    else if (hd == 64)
-        FA_FORWARD(64);
-    else
-        FA_FORWARD(128);
-#undef FA_FORWARD
+    with_head_dim(hd, [&](auto head_dim) {
+        constexpr int HD = decltype(head_dim)::value;
+        flash_forward_kernel<HD><<<grid, FA_WARPS * 32, 0, ctx->stream>>>(out, lse, out_copy, q, k,
+                                                                          v, T, Hq, Hkv, scale);
+    });
     MOE_CUDA_CHECK(cudaGetLastError());
     return MOE_OK;
 }
@@ -80,22 +87,13 @@ moe_status moe_cuda_flash_backward(float *dq, float *dk, float *dv, float *datt,
     MOE_CUDA_CHECK(cudaGetLastError());
     const int threads = FA_WARPS * 32;
     const dim3 kv_grid = fa_grid(T, Hkv, B), q_grid = fa_grid(T, Hq, B);
-#define FA_BACKWARD(HD)                                                                            \
-    do {                                                                                           \
-        flash_dkdv_kernel<HD><<<kv_grid, threads, 0, ctx->stream>>>(dk, dv, q, k, v, dout, lse, D, \
-                                                                    T, Hq, Hkv, scale);            \
-        flash_dq_kernel<HD><<<q_grid, threads, 0, ctx->stream>>>(dq, q, k, v, dout, lse, D, T, Hq, \
-                                                                 Hkv, scale);                      \
-    } while (0)
-    if (hd == 16)
-        FA_BACKWARD(16);
-    else if (hd == 32)
-        FA_BACKWARD(32);
-    else if (hd == 64)
-        FA_BACKWARD(64);
-    else
-        FA_BACKWARD(128);
-#undef FA_BACKWARD
+    with_head_dim(hd, [&](auto head_dim) {
+        constexpr int HD = decltype(head_dim)::value;
+        flash_dkdv_kernel<HD><<<kv_grid, threads, 0, ctx->stream>>>(dk, dv, q, k, v, dout, lse, D,
+                                                                    T, Hq, Hkv, scale);
+        flash_dq_kernel<HD><<<q_grid, threads, 0, ctx->stream>>>(dq, q, k, v, dout, lse, D, T, Hq,
+                                                                 Hkv, scale);
+    });
     MOE_CUDA_CHECK(cudaGetLastError());
     return MOE_OK;
 }

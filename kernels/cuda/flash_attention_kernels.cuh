@@ -51,6 +51,17 @@ static __device__ __forceinline__ void put_pair(float *p, float x, float y, bool
     p[1] = add ? p[1] + y : y;
 }
 
+/* Half i of a 16-row accumulator acc [HD / 8][4] (its row lane / 4 + 8 i)
+ * times scale into row, a row of HD floats: written, or added when add. */
+template <int HD>
+static __device__ __forceinline__ void put_acc_row(float *row, const float (*acc)[4], int i,
+                                                   int lane, float scale, bool add) {
+#pragma unroll
+    for (int nd = 0; nd < HD / 8; nd++)
+        put_pair(row + nd * 8 + (lane & 3) * 2, acc[nd][2 * i] * scale, acc[nd][2 * i + 1] * scale,
+                 add);
+}
+
 /* The A fragment of rows r0.. r0 + 15, columns k0 .. k0 + 15 of a
  * row-major tile. */
 template <int W>
@@ -216,12 +227,8 @@ static __global__ void __launch_bounds__(FA_WARPS * 32)
         if (row >= T) continue;
         const float inv = 1.0f / sum;
         const int64_t at = (b * T + row) * qs + h * HD;
-#pragma unroll
-        for (int nd = 0; nd < HD / 8; nd++) {
-            const int64_t d = nd * 8 + (lane & 3) * 2;
-            put_pair(out + at + d, o[nd][2 * i] * inv, o[nd][2 * i + 1] * inv, false);
-            put_pair(out_copy + at + d, o[nd][2 * i] * inv, o[nd][2 * i + 1] * inv, false);
-        }
+        put_acc_row<HD>(out + at, o, i, lane, inv, false);
+        put_acc_row<HD>(out_copy + at, o, i, lane, inv, false);
         if ((lane & 3) == 0) lse[(b * Hq + h) * T + row] = m[i] + logf(sum);
     }
 }
@@ -315,12 +322,8 @@ static __global__ void __launch_bounds__(FA_WARPS * 32)
         const int64_t key = key0 + (lane >> 2) + i * 8;
         if (key >= T) continue;
         const int64_t at = (b * T + key) * ks + kvh * HD;
-#pragma unroll
-        for (int nd = 0; nd < HD / 8; nd++) {
-            const int64_t d = nd * 8 + (lane & 3) * 2;
-            put_pair(dk + at + d, dk_acc[nd][2 * i], dk_acc[nd][2 * i + 1], true);
-            put_pair(dv + at + d, dv_acc[nd][2 * i], dv_acc[nd][2 * i + 1], true);
-        }
+        put_acc_row<HD>(dk + at, dk_acc, i, lane, 1.0f, true);
+        put_acc_row<HD>(dv + at, dv_acc, i, lane, 1.0f, true);
     }
 }
 
@@ -382,11 +385,7 @@ static __global__ void __launch_bounds__(FA_WARPS * 32)
     for (int i = 0; i < 2; i++) {
         const int64_t row = row0 + (lane >> 2) + i * 8;
         if (row >= T) continue;
-        const int64_t at = (b * T + row) * qs + h * HD;
-#pragma unroll
-        for (int nd = 0; nd < HD / 8; nd++) {
-            put_pair(dq + at + nd * 8 + (lane & 3) * 2, dq_acc[nd][2 * i], dq_acc[nd][2 * i + 1], true);
-        }
+        put_acc_row<HD>(dq + (b * T + row) * qs + h * HD, dq_acc, i, lane, 1.0f, true);
     }
 }
 
