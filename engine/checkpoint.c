@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <ftw.h>
 #include <inttypes.h>
+#include <math.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -18,7 +19,6 @@
 #include "engine/safetensors.h"
 
 #define MODEL_FILE "model.safetensors"
-#define INDEX_FILE "model.safetensors.index.json"
 #define CONFIG_FILE "config.json"
 #define STATE_FILE "train_state.safetensors"
 #define FORMAT_VERSION "1"
@@ -507,13 +507,47 @@ static moe_status check_shape(const char *file, const moe_st_tensor *t, int64_t 
 }
 
 /* Where one destination's values come from: numel elements from element
- * `first` of src (a fused tensor holds several), or zeros when src is NULL. */
+ * `first` of src (a fused tensor holds several) in file, or zeros when src
+ * is NULL. */
 typedef struct source {
     float *dst; /* [numel] */
     const moe_st_tensor *src;
     int64_t first;
     int64_t numel;
+    const char *file;
+    bool second_moment; /* Adam's exp_avg_sq: its square root is taken */
 } source;
+
+/* Refuses a NaN or an infinity in any source, and a negative second moment:
+ * loaded, they surface steps later as a NaN loss or gradient norm, far from
+ * the file. Read-only, so that a refused load changes nothing; it reads the
+ * stored bits, cheap next to the copy that follows. */
+static moe_status check_values(const source *s, int64_t n) {
+    int64_t *bad = malloc((size_t)(n > 0 ? n : 1) * sizeof *bad);
+    float *value = malloc((size_t)(n > 0 ? n : 1) * sizeof *value);
+    if (!bad || !value) {
+        free(bad);
+        free(value);
+        return moe_error(MOE_ERR_OUT_OF_MEMORY, "checkpoint: value check of %lld tensors", (long long)n);
+    }
+#pragma omp parallel for schedule(dynamic)
+    for (int64_t i = 0; i < n; i++)
+        bad[i] = s[i].src ? moe_st_find_bad(&value[i], s[i].src, s[i].first, s[i].numel, s[i].second_moment) : -1;
+    moe_status st = MOE_OK;
+    for (int64_t i = 0; i < n && st == MOE_OK; i++) {
+        if (bad[i] < 0) continue;
+        char text[64];
+        if (isnan(value[i]))
+            snprintf(text, sizeof text, "nan");
+        else
+            snprintf(text, sizeof text, "%g", (double)value[i]);
+        st = moe_error(MOE_ERR_FORMAT, "%s: tensor '%s' element %lld is %s%s", s[i].file, s[i].src->name,
+                       (long long)bad[i], text, isfinite(value[i]) ? " (a second moment must be >= 0)" : "");
+    }
+    free(bad);
+    free(value);
+    return st;
+}
 
 /* Converts every source; nothing is written before all were found valid, so
  * a failed load leaves the destination as it was. */
@@ -561,16 +595,17 @@ static const char *file_of(const moe_st_dir *d, const char *name) {
     return moe_st_path(f);
 }
 
-/* Finds name with shape [ndim] and marks it used; *t is NULL when absent. */
-static moe_status take(const moe_st_tensor **t, weights_reader *r, const char *name, int64_t ndim,
-                       const int64_t *shape) {
+/* Finds name with shape [ndim] and marks it used as s's source; s->src is
+ * NULL when absent. */
+static moe_status take(source *s, weights_reader *r, const char *name, int64_t ndim, const int64_t *shape) {
     int64_t i = dir_index(r->dir, name);
-    *t = NULL;
+    s->src = NULL;
     if (i < 0) return MOE_OK;
     const moe_st_tensor *found = moe_st_dir_tensor_at(r->dir, i);
-    MOE_TRY(check_shape(file_of(r->dir, name), found, ndim, shape));
+    s->file = file_of(r->dir, name);
+    MOE_TRY(check_shape(s->file, found, ndim, shape));
     r->used[i] = true;
-    *t = found;
+    s->src = found;
     return MOE_OK;
 }
 
@@ -579,7 +614,7 @@ static moe_status take(const moe_st_tensor **t, weights_reader *r, const char *n
  * gate_up_proj [E, 2ff, d] holding w1 in rows [0, ff) and w3 in [ff, 2ff) of
  * e's slice, and mlp.experts.down_proj [E, d, ff] holding w2. */
 static moe_status resolve_weight(source *s, weights_reader *r, const moe_model_tensor *t) {
-    MOE_TRY(take(&s->src, r, t->name, t->ndim, t->shape));
+    MOE_TRY(take(s, r, t->name, t->ndim, t->shape));
     if (s->src != NULL) return MOE_OK;
     char alt[NAME_BYTES];
     long long l, e;
@@ -588,11 +623,11 @@ static moe_status resolve_weight(source *s, weights_reader *r, const moe_model_t
         const bool down = w == 2;
         const int64_t shape[3] = {r->E, down ? r->d : 2 * r->ff, down ? r->ff : r->d};
         snprintf(alt, sizeof alt, FUSED_EXPERTS_FMT, l, down ? "down_proj" : "gate_up_proj");
-        MOE_TRY(take(&s->src, r, alt, 3, shape));
+        MOE_TRY(take(s, r, alt, 3, shape));
         s->first = e * shape[1] * shape[2] + (w == 3 ? r->ff * r->d : 0);
     } else if (sscanf(t->name, ROUTER_FMT "%n", &l, &end) == 1 && end > 0 && t->name[end] == '\0') {
         snprintf(alt, sizeof alt, FUSED_ROUTER_FMT, l);
-        MOE_TRY(take(&s->src, r, alt, t->ndim, t->shape));
+        MOE_TRY(take(s, r, alt, t->ndim, t->shape));
     } else {
         return moe_error(MOE_ERR_FORMAT, "%s: no tensor '%s'", r->where, t->name);
     }
@@ -626,7 +661,7 @@ static moe_status resolve_weights(source *s, int64_t *count, weights_reader *r, 
     int64_t n = 0;
     for (int64_t i = 0; i < moe_model_tensor_count(model); i++, n++) {
         const moe_model_tensor *t = moe_model_tensor_at(model, i);
-        s[n] = (source){params + t->offset, NULL, 0, t->numel};
+        s[n] = (source){.dst = params + t->offset, .numel = t->numel};
         MOE_TRY(resolve_weight(&s[n], r, t));
     }
     for (int64_t l = 0; l < L; l++) {
@@ -634,8 +669,8 @@ static moe_status resolve_weights(source *s, int64_t *count, weights_reader *r, 
         if (bias == NULL) continue;
         char name[NAME_BYTES];
         snprintf(name, sizeof name, BIAS_FMT, (long long)l);
-        s[n] = (source){bias, NULL, 0, r->E};
-        MOE_TRY(take(&s[n++].src, r, name, 1, &r->E));
+        s[n] = (source){.dst = bias, .numel = r->E};
+        MOE_TRY(take(&s[n++], r, name, 1, &r->E));
     }
     *count = n;
     return check_unused(r, L);
@@ -646,15 +681,14 @@ moe_status moe_checkpoint_load_weights(moe_model *model, const char *dir) {
     moe_st_dir *d = NULL;
     const moe_model_config *c = moe_model_get_config(model);
     const int64_t n = moe_model_tensor_count(model) + c->num_hidden_layers;
-    char index_path[PATH_BYTES];
     weights_reader r = {.E = c->num_local_experts, .d = c->hidden_size, .ff = c->intermediate_size};
     source *s = NULL;
     int64_t count = 0;
     moe_status st = moe_st_dir_open(&d, dir);
-    if (st == MOE_OK) st = path_join(index_path, dir, INDEX_FILE);
     if (st == MOE_OK) {
         r.dir = d;
-        r.where = moe_st_dir_shard_count(d) == 1 ? moe_st_path(moe_st_dir_shard(d, 0)) : index_path;
+        /* The index, when there is one, is the list of tensors. */
+        r.where = moe_st_dir_index_path(d) ? moe_st_dir_index_path(d) : moe_st_path(moe_st_dir_shard(d, 0));
         r.used = calloc((size_t)moe_st_dir_tensor_count(d) + 1, sizeof(bool));
         s = malloc((size_t)n * sizeof *s);
         if (!r.used || !s) st = moe_error(MOE_ERR_OUT_OF_MEMORY, "%s: out of memory", dir);
@@ -662,6 +696,7 @@ moe_status moe_checkpoint_load_weights(moe_model *model, const char *dir) {
     /* The host copy starts from the model's values (the padding among them). */
     if (st == MOE_OK) st = moe_model_pull(model);
     if (st == MOE_OK) st = resolve_weights(s, &count, &r, model);
+    if (st == MOE_OK) st = check_values(s, count);
     /* Every rank finds its tensors before any is changed. */
     st = agree(moe_model_world(model), st);
     if (st == MOE_OK) copy_sources(s, count);
@@ -783,7 +818,8 @@ static moe_status resolve_moments(source *s, int64_t *count, const moe_st_file *
             const moe_st_tensor *found = moe_st_find(f, name);
             if (found == NULL) return moe_error(MOE_ERR_FORMAT, "%s: no tensor '%s'", moe_st_path(f), name);
             MOE_TRY(check_shape(moe_st_path(f), found, t->ndim, t->shape));
-            s[k++] = (source){(i < n ? sh.m : sh.v) + (a - sh.begin), found, a - t->offset, b - a};
+            s[k++] = (source){(i < n ? sh.m : sh.v) + (a - sh.begin), found, a - t->offset, b - a, moe_st_path(f),
+                              i >= n};
         }
     }
     *count = k;
@@ -811,6 +847,7 @@ moe_status moe_checkpoint_load_state(moe_trainer *trainer, moe_model *model, moe
     }
     if (st == MOE_OK) st = moe_trainer_pull(trainer);
     if (st == MOE_OK) st = resolve_moments(s, &count, f, model, trainer);
+    if (st == MOE_OK) st = check_values(s, count);
     /* Every rank finds its moments before any is changed. */
     st = agree(moe_model_world(model), st);
     if (st == MOE_OK) {

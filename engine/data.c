@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/types.h>
 
 #include "common/rng.h"
@@ -96,12 +97,14 @@ static moe_status add_file(moe_data *d, const char *path, int64_t count, int64_t
     return MOE_OK;
 }
 
+/* The size of a regular file. fopen accepts a directory, and seeking to its
+ * end reports INT64_MAX bytes, so anything else is refused here. */
 static moe_status file_size(int64_t *size, FILE *file, const char *path) {
-    if (fseeko(file, 0, SEEK_END) != 0)
-        return moe_error(MOE_ERR_IO, "%s: cannot seek: %s", path, strerror(errno));
-    off_t end = ftello(file);
-    if (end < 0) return moe_error(MOE_ERR_IO, "%s: cannot tell size: %s", path, strerror(errno));
-    *size = (int64_t)end;
+    struct stat sb;
+    if (fstat(fileno(file), &sb) != 0)
+        return moe_error(MOE_ERR_IO, "%s: stat failed: %s", path, strerror(errno));
+    if (!S_ISREG(sb.st_mode)) return moe_error(MOE_ERR_IO, "%s: not a regular file", path);
+    *size = (int64_t)sb.st_size;
     return MOE_OK;
 }
 
@@ -111,7 +114,7 @@ moe_status moe_data_open_bytes(moe_data **data, const char *path) {
     *data = NULL;
     FILE *file = fopen(path, "rb");
     if (file == NULL) return moe_error(MOE_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
-    int64_t size;
+    int64_t size = 0;
     moe_status st = file_size(&size, file, path);
     fclose(file);
     MOE_TRY(st);
@@ -131,15 +134,14 @@ moe_status moe_data_open_bytes(moe_data **data, const char *path) {
 static moe_status add_shard(moe_data *d, const char *path) {
     FILE *file = fopen(path, "rb");
     if (file == NULL) return moe_error(MOE_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
-    int64_t size;
+    int64_t size = 0;
     moe_status st = file_size(&size, file, path);
     unsigned char header[MOE_SHARD_HEADER_BYTES];
     if (st == MOE_OK && size < MOE_SHARD_HEADER_BYTES)
         st = moe_error(MOE_ERR_FORMAT,
                        "%s: %lld bytes, shorter than the %d-byte shard header (truncated?)", path,
                        (long long)size, MOE_SHARD_HEADER_BYTES);
-    if (st == MOE_OK && (fseeko(file, 0, SEEK_SET) != 0 ||
-                         fread(header, 1, sizeof header, file) != sizeof header))
+    if (st == MOE_OK && fread(header, 1, sizeof header, file) != sizeof header)
         st = moe_error(MOE_ERR_IO, "%s: cannot read the header: %s", path,
                        ferror(file) ? strerror(errno) : "file shrank");
     fclose(file);

@@ -2,6 +2,7 @@
 
 #include "engine/model_config.h"
 
+#include <float.h>
 #include <limits.h>
 #include <math.h>
 #include <stdarg.h>
@@ -157,14 +158,22 @@ static moe_status require_string(const char *name, const char *key, const moe_js
                      describe(got, sizeof got, v), want);
 }
 
-/* lo <= v (or lo < v when open_lo) and v < hi, and not NaN. */
-static moe_status check_real(const char *name, const char *key, double v, double lo, bool open_lo, double hi) {
-    bool ok = isfinite(v) && (open_lo ? v > lo : v >= lo) && v < hi;
-    if (ok) return MOE_OK;
+/* lo <= v < hi, and not NaN. */
+static moe_status check_real(const char *name, const char *key, double v, double lo, double hi) {
+    if (isfinite(v) && v >= lo && v < hi) return MOE_OK;
     if (!isfinite(v)) return moe_error(MOE_ERR_CONFIG, "%s: %s=%g must be a finite number", name, key, v);
-    if (isinf(hi))
-        return moe_error(MOE_ERR_CONFIG, "%s: %s=%g must be %s %g", name, key, v, open_lo ? ">" : ">=", lo);
     return moe_error(MOE_ERR_CONFIG, "%s: %s=%g must be in [%g, %g)", name, key, v, lo, hi);
+}
+
+/* A value the engine uses in single precision: a normal positive float, so
+ * that it rounds neither to zero (rope_theta 1e-50 gives infinite inverse
+ * frequencies, NaN angles) nor to infinity. */
+static moe_status check_float(const char *name, const char *key, double v) {
+    if (v >= FLT_MIN && v <= FLT_MAX) return MOE_OK;
+    if (!isfinite(v)) return moe_error(MOE_ERR_CONFIG, "%s: %s=%g must be a finite number", name, key, v);
+    if (v <= 0.0) return moe_error(MOE_ERR_CONFIG, "%s: %s=%g must be > 0", name, key, v);
+    return moe_error(MOE_ERR_CONFIG, "%s: %s=%g must be in [%g, %g], a normal float (it is used in single precision)",
+                     name, key, v, (double)FLT_MIN, (double)FLT_MAX);
 }
 
 /* rope_parameters (transformers v5): {"rope_type": "default", "rope_theta": x}. */
@@ -182,7 +191,7 @@ static moe_status read_rope_parameters(double *theta, const moe_json *v, const c
             if (m->value.type != MOE_JSON_NUMBER)
                 return wrong_type(name, "rope_parameters.rope_theta", "a number", &m->value);
             /* Checked here, where the key it came from is known. */
-            MOE_TRY(check_real(name, "rope_parameters.rope_theta", m->value.number.value, 0.0, true, INFINITY));
+            MOE_TRY(check_float(name, "rope_parameters.rope_theta", m->value.number.value));
             *theta = m->value.number.value;
         } else {
             warn(wfn, wctx, "%s: unknown key 'rope_parameters.%.100s' ignored", name, m->key);
@@ -333,6 +342,36 @@ static moe_status check_coef(const char *name, const char *key, double v) {
     return moe_error(MOE_ERR_CONFIG, "%s: %s=%g must be finite and in [0, %g]", name, key, v, MAX_COEF);
 }
 
+/* *acc += a * b; false on int64 overflow. */
+static bool add_product(int64_t *acc, int64_t a, int64_t b) {
+    int64_t p;
+    return !__builtin_mul_overflow(a, b, &p) && !__builtin_add_overflow(*acc, p, acc);
+}
+
+/* The model's parameters as it lays them out, in fp32 bytes, fit int64, so
+ * that no size or offset computed from them overflows: the embedding and the
+ * head (vocab x d each) and the final norm; per layer two norms, q and o
+ * (d x heads x head_dim each), k and v (d x kv_heads x head_dim each), the
+ * router (E x d), the routed and shared experts (three d x ff each). Each
+ * factor is already bounded by its own limit. */
+static moe_status check_param_bytes(const moe_model_config *c, const char *name) {
+    const int64_t d = c->hidden_size, ff = c->intermediate_size, E = c->num_local_experts;
+    const int64_t qdim = c->num_attention_heads * c->head_dim, kvdim = c->num_key_value_heads * c->head_dim;
+    int64_t layer = 0, total = 0, bytes;
+    bool ok = add_product(&layer, 2 + 2 * qdim + 2 * kvdim + E, d) &&
+              add_product(&layer, 3 * (E + c->moe_n_shared_experts) * ff, d) &&
+              add_product(&total, layer, c->num_hidden_layers) && add_product(&total, 2 * c->vocab_size + 1, d) &&
+              !__builtin_mul_overflow(total, (int64_t)sizeof(float), &bytes);
+    if (ok) return MOE_OK;
+    return moe_error(MOE_ERR_CONFIG,
+                     "%s: the parameter bytes of num_hidden_layers=%lld layers of hidden_size=%lld, "
+                     "num_attention_heads=%lld and num_key_value_heads=%lld x head_dim=%lld, num_local_experts=%lld "
+                     "+ moe_n_shared_experts=%lld x intermediate_size=%lld, and vocab_size=%lld overflow int64",
+                     name, (long long)c->num_hidden_layers, (long long)d, (long long)c->num_attention_heads,
+                     (long long)c->num_key_value_heads, (long long)c->head_dim, (long long)E,
+                     (long long)c->moe_n_shared_experts, (long long)ff, (long long)c->vocab_size);
+}
+
 moe_status moe_model_config_validate(const moe_model_config *c, const char *name) {
     if (name == NULL) name = "config";
     MOE_TRY(check_size(name, "vocab_size", c->vocab_size, MAX_DIM));
@@ -351,6 +390,13 @@ moe_status moe_model_config_validate(const moe_model_config *c, const char *name
     if (c->head_dim % 2 != 0)
         return moe_error(MOE_ERR_CONFIG, "%s: head_dim=%lld must be even (RoPE rotates pairs)", name,
                          (long long)c->head_dim);
+    /* q and o are GEMMs num_attention_heads x head_dim wide (each factor is
+     * at most MAX_DIM, so the product fits int64); k and v are narrower, as
+     * num_key_value_heads divides num_attention_heads. */
+    if (c->num_attention_heads * c->head_dim > MAX_GEMM_DIM)
+        return moe_error(MOE_ERR_CONFIG, "%s: num_attention_heads=%lld x head_dim=%lld = %lld exceeds %lld", name,
+                         (long long)c->num_attention_heads, (long long)c->head_dim,
+                         (long long)(c->num_attention_heads * c->head_dim), (long long)MAX_GEMM_DIM);
     if (c->num_experts_per_tok > c->num_local_experts)
         return moe_error(MOE_ERR_CONFIG, "%s: num_experts_per_tok=%lld exceeds num_local_experts=%lld", name,
                          (long long)c->num_experts_per_tok, (long long)c->num_local_experts);
@@ -374,12 +420,13 @@ moe_status moe_model_config_validate(const moe_model_config *c, const char *name
                          "moe_n_shared_experts=%lld) overflows the layer's byte count",
                          name, (long long)c->hidden_size, (long long)c->intermediate_size,
                          (long long)c->num_local_experts, (long long)c->moe_n_shared_experts);
+    MOE_TRY(check_param_bytes(c, name));
     if ((int)c->moe_gate < 0 || (size_t)c->moe_gate >= sizeof gate_names / sizeof *gate_names)
         return moe_error(MOE_ERR_CONFIG, "%s: moe_gate=%d is not a gate kind", name, (int)c->moe_gate);
-    MOE_TRY(check_real(name, "rope_theta", c->rope_theta, 0.0, true, INFINITY));
-    MOE_TRY(check_real(name, "rms_norm_eps", c->rms_norm_eps, 0.0, true, INFINITY));
+    MOE_TRY(check_float(name, "rope_theta", c->rope_theta));
+    MOE_TRY(check_float(name, "rms_norm_eps", c->rms_norm_eps));
     MOE_TRY(check_coef(name, "router_aux_loss_coef", c->router_aux_loss_coef));
-    MOE_TRY(check_real(name, "router_jitter_noise", c->router_jitter_noise, 0.0, false, 1.0));
+    MOE_TRY(check_real(name, "router_jitter_noise", c->router_jitter_noise, 0.0, 1.0));
     MOE_TRY(check_coef(name, "moe_capacity_factor", c->moe_capacity_factor));
     MOE_TRY(check_coef(name, "moe_z_loss_coef", c->moe_z_loss_coef));
     MOE_TRY(check_coef(name, "moe_bias_update_rate", c->moe_bias_update_rate));

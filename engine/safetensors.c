@@ -440,6 +440,28 @@ void moe_st_read_f32(float *out, const moe_st_tensor *t) {
     }
 }
 
+int64_t moe_st_find_bad(float *value, const moe_st_tensor *t, int64_t first, int64_t count, bool nonnegative) {
+    const int64_t width = moe_st_dtype_bytes(t->dtype);
+    /* An exponent field of all ones is an infinity or a NaN; the sign bit
+     * with any other bit is below zero (the sign alone is -0). */
+    const uint32_t sign = width == 4 ? 0x80000000u : 0x8000u;
+    const uint32_t exponent = t->dtype == MOE_ST_F32 ? 0x7f800000u : t->dtype == MOE_ST_BF16 ? 0x7f80u : 0x7c00u;
+    const unsigned char *p = (const unsigned char *)t->data + first * width;
+    for (int64_t i = 0; i < count; i++, p += width) {
+        uint32_t bits = (uint32_t)p[0] | (uint32_t)p[1] << 8;
+        if (width == 4) bits |= (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+        if ((bits & exponent) == exponent || (nonnegative && (bits & sign) != 0 && bits != sign)) {
+            moe_st_tensor one = *t;
+            one.data = p;
+            one.numel = 1;
+            one.nbytes = width;
+            moe_st_read_f32(value, &one);
+            return first + i;
+        }
+    }
+    return -1;
+}
+
 /* "[a, b, c]" into buf. */
 static const char *shape_text(char *buf, size_t size, int64_t ndim, const int64_t *shape) {
     size_t n = (size_t)snprintf(buf, size, "[");
@@ -624,6 +646,7 @@ typedef struct dir_entry {
 
 struct moe_st_dir {
     char *path;
+    char *index_path; /* NULL for a single model.safetensors */
     moe_st_file **shards; /* [shard_count] */
     int64_t shard_count;
     dir_entry *entries; /* [count], sorted by name */
@@ -635,12 +658,14 @@ void moe_st_dir_close(moe_st_dir *d) {
     for (int64_t i = 0; i < d->shard_count; i++) moe_st_close(d->shards[i]);
     free(d->shards);
     free(d->entries);
+    free(d->index_path);
     free(d->path);
     free(d);
 }
 
 int64_t moe_st_dir_tensor_count(const moe_st_dir *d) { return d->count; }
 int64_t moe_st_dir_shard_count(const moe_st_dir *d) { return d->shard_count; }
+const char *moe_st_dir_index_path(const moe_st_dir *d) { return d->index_path; }
 
 const moe_st_file *moe_st_dir_shard(const moe_st_dir *d, int64_t index) {
     return index >= 0 && index < d->shard_count ? d->shards[index] : NULL;
@@ -801,6 +826,26 @@ static moe_status read_index(moe_st_dir *d, const char *index_path) {
     return st;
 }
 
+/* Every tensor of every shard is one the weight_map puts in that shard:
+ * the map is the list of the checkpoint's tensors, so one it leaves out
+ * would be passed over unseen. d's entries are sorted. */
+static moe_status check_listed(const moe_st_dir *d) {
+    for (int64_t s = 0; s < d->shard_count; s++) {
+        const moe_st_file *shard = d->shards[s];
+        for (int64_t i = 0; i < shard->count; i++) {
+            const char *name = shard->tensors[i].name;
+            const moe_st_file *holder;
+            if (moe_st_dir_find(d, name, &holder) == NULL)
+                return moe_error(MOE_ERR_FORMAT, "%s: tensor '%s' is not in the weight_map of %s", shard->path, name,
+                                 d->index_path);
+            if (holder != shard)
+                return moe_error(MOE_ERR_FORMAT, "%s: tensor '%s' is there too, but the weight_map of %s puts it in %s",
+                                 shard->path, name, d->index_path, holder->path);
+        }
+    }
+    return MOE_OK;
+}
+
 moe_status moe_st_dir_open(moe_st_dir **dir, const char *path) {
     *dir = NULL;
     MOE_TRY(check_dir(path));
@@ -824,9 +869,14 @@ moe_status moe_st_dir_open(moe_st_dir **dir, const char *path) {
         else
             st = moe_error(MOE_ERR_IO, "%s: holds neither %s nor %s", path, INDEX_FILE, SINGLE_FILE);
     }
+    if (indexed) {
+        d->index_path = index_path;
+        index_path = NULL;
+    }
     free(index_path);
     free(single_path);
     if (st == MOE_OK) qsort(d->entries, (size_t)d->count, sizeof *d->entries, cmp_entry);
+    if (st == MOE_OK && indexed) st = check_listed(d);
     if (st != MOE_OK) {
         moe_st_dir_close(d);
         return st;

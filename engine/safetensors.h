@@ -16,6 +16,7 @@
 #ifndef MOE_ENGINE_SAFETENSORS_H
 #define MOE_ENGINE_SAFETENSORS_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "moe.h"
@@ -68,6 +69,12 @@ void moe_st_metadata_at(const moe_st_file *file, int64_t index, const char **key
  * dtypes, F16 subnormals, infinities and NaNs included). */
 void moe_st_read_f32(float *out, const moe_st_tensor *t);
 
+/* The first of t's elements [first, first + count) that is a NaN or an
+ * infinity or, when nonnegative, below zero (-0 is not): its index in t, or
+ * -1 when every one is fine; *value receives it as fp32. Tests the stored
+ * bits, converting none of the fine ones. */
+int64_t moe_st_find_bad(float *value, const moe_st_tensor *t, int64_t first, int64_t count, bool nonnegative);
+
 /* Finds `name`, checks that its shape is shape [ndim], and reads it as fp32
  * into out [product of shape]; the error names the file, tensor and both
  * shapes. */
@@ -104,8 +111,9 @@ moe_status moe_st_write(const char *path, const moe_st_entry *tensors, int64_t c
 /* A directory holding either model.safetensors.index.json
  * ({"metadata": {...}, "weight_map": {tensor: shard file}}) and its shards,
  * or a single model.safetensors. Each shard is opened once; every tensor the
- * index names must be in the shard it names. Shard names must be plain file
- * names in the directory. A directory that is missing, unreadable or not a
+ * index names must be in the shard it names, and every tensor of a shard
+ * must be one the index puts there. Shard names must be plain file names in
+ * the directory. A directory that is missing, unreadable or not a
  * directory, and a weights file that is a dangling symbolic link, are
  * reported as such (with the system's reason), not as a directory without
  * weights. */
@@ -121,6 +129,8 @@ const moe_st_tensor *moe_st_dir_tensor_at(const moe_st_dir *dir, int64_t index);
 /* NULL when absent; *file (may be NULL) receives the shard holding it. */
 const moe_st_tensor *moe_st_dir_find(const moe_st_dir *dir, const char *name, const moe_st_file **file);
 int64_t moe_st_dir_shard_count(const moe_st_dir *dir);
+/* The path of the index file read, or NULL for a single model.safetensors. */
+const char *moe_st_dir_index_path(const moe_st_dir *dir);
 const moe_st_file *moe_st_dir_shard(const moe_st_dir *dir, int64_t index);
 
 /* As moe_st_load_f32, looking in whichever shard holds name. */

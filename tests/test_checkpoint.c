@@ -474,23 +474,147 @@ Test(checkpoint, fused_layout_loads_like_per_expert, .init = make_tmpdir, .fini 
     free_run(&c);
 }
 
-Test(checkpoint, sharded_index_loads, .init = make_tmpdir, .fini = remove_tmpdir) {
-    run a = make_run(1, 0, 1), b = make_run(2, 0, 1);
-    scramble(&a, 4, 0);
-    tt ts[MAX_TENSORS];
-    int64_t n = model_tts(ts, &a), half = n / 2;
-    const char *dir = fresh_dir("sharded");
+/* ts [n] as two shards (the first `half` tensors, then the rest) and an
+ * index whose weight_map lists listed [n_listed], each in the shard that
+ * holds it by position in ts, or in the second one when ts lacks it. */
+static void write_sharded(const char *dir, const tt *ts, int64_t n, int64_t half, const char *const *listed,
+                          int64_t n_listed) {
     const char *shard[2] = {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"};
     write_tts(in_dir(dir, shard[0]), ts, half, "F32");
     write_tts(in_dir(dir, shard[1]), ts + half, n - half, "F32");
     FILE *f = fopen(in_dir(dir, "model.safetensors.index.json"), "w");
     cr_assert_not_null(f);
-    fprintf(f, "{\"metadata\": {\"total_size\": %lld}, \"weight_map\": {", (long long)(n_params(&a) * 4));
-    for (int64_t i = 0; i < n; i++) fprintf(f, "%s\"%s\": \"%s\"", i ? ", " : "", ts[i].name, shard[i >= half]);
+    fprintf(f, "{\"metadata\": {}, \"weight_map\": {");
+    for (int64_t i = 0; i < n_listed; i++) {
+        int64_t at = 0;
+        while (at < n && strcmp(ts[at].name, listed[i]) != 0) at++;
+        fprintf(f, "%s\"%s\": \"%s\"", i ? ", " : "", listed[i], shard[at < half ? 0 : 1]);
+    }
     fprintf(f, "}}\n");
-    fclose(f);
+    cr_assert_eq(fclose(f), 0);
+}
+
+Test(checkpoint, sharded_index_loads, .init = make_tmpdir, .fini = remove_tmpdir) {
+    run a = make_run(1, 0, 1), b = make_run(2, 0, 1);
+    scramble(&a, 4, 0);
+    tt ts[MAX_TENSORS];
+    const int64_t n = model_tts(ts, &a);
+    const char *names[MAX_TENSORS];
+    for (int64_t i = 0; i < n; i++) names[i] = ts[i].name;
+    const char *dir = fresh_dir("sharded");
+    write_sharded(dir, ts, n, n / 2, names, n);
     load_weights(&b, dir);
     expect_bits(moe_model_params(b.model), moe_model_params(a.model), n_params(&a), "sharded");
+    free_run(&a);
+    free_run(&b);
+}
+
+/* The weight_map is the list of tensors: one it leaves out is reported
+ * against the index (not against a shard that lacks it), and a shard tensor
+ * it does not list is refused, as the same tensor in a single file is. */
+Test(checkpoint, sharded_index_is_the_list, .init = make_tmpdir, .fini = remove_tmpdir) {
+    run a = make_run(1, 0, 0), b = make_run(2, 0, 0);
+    scramble(&a, 5, 0);
+    scramble(&b, 6, 0);
+    float *before = copy_floats(moe_model_params(b.model), n_params(&b));
+    tt ts[MAX_TENSORS];
+    int64_t n = model_tts(ts, &a);
+    const char *names[MAX_TENSORS + 1];
+    for (int64_t i = 0; i < n; i++) names[i] = ts[i].name;
+    const char *dir = fresh_dir("sharded");
+    char index[768], first[768], second[768]; /* in_dir's ring is reused by write_sharded */
+    snprintf(index, sizeof index, "%s", in_dir(dir, "model.safetensors.index.json"));
+    snprintf(first, sizeof first, "%s", in_dir(dir, "model-00001-of-00002.safetensors"));
+    snprintf(second, sizeof second, "%s", in_dir(dir, "model-00002-of-00002.safetensors"));
+
+    /* model.norm.weight (in the second shard) left out of the map. */
+    int64_t norm = 0;
+    while (strcmp(names[norm], "model.norm.weight") != 0) norm++;
+    cr_assert_geq(norm, n / 2, "model.norm.weight should be in the second shard");
+    const char *without[MAX_TENSORS];
+    for (int64_t i = 0, k = 0; i < n; i++)
+        if (i != norm) without[k++] = names[i];
+    write_sharded(dir, ts, n, n / 2, without, n - 1);
+    expect_error(moe_checkpoint_load_weights(b.model, dir), second, "tensor 'model.norm.weight' is not in the weight_map");
+    cr_assert(strstr(moe_last_error(), index) != NULL, "%s", moe_last_error());
+
+    /* Left out of the map and of the shards too: the index is named, also
+     * when the map names one shard only. */
+    tt fewer[MAX_TENSORS];
+    memcpy(fewer, ts, sizeof ts);
+    const int64_t nf = drop_tt(fewer, n, "model.norm.weight");
+    for (int shards = 2; shards >= 1; shards--) {
+        write_sharded(dir, fewer, nf, shards == 2 ? n / 2 : nf, without, n - 1);
+        expect_error(moe_checkpoint_load_weights(b.model, dir), index, "no tensor 'model.norm.weight'");
+    }
+
+    /* A shard tensor the map does not list, and one the model lacks that
+     * the map does list: each refused, naming the shard. */
+    float junk[4] = {0};
+    ts[n] = make_tt("zzz.extra", 1, (int64_t[]){4}, junk);
+    write_sharded(dir, ts, n + 1, n / 2, names, n);
+    expect_error(moe_checkpoint_load_weights(b.model, dir), second, "tensor 'zzz.extra' is not in the weight_map");
+    names[n] = "zzz.extra";
+    write_sharded(dir, ts, n + 1, n / 2, names, n + 1);
+    expect_error(moe_checkpoint_load_weights(b.model, dir), second, "tensor 'zzz.extra' is not part of this model");
+
+    /* A tensor in both shards, the map naming the first. */
+    tt twice[MAX_TENSORS];
+    twice[0] = ts[norm];
+    memcpy(&twice[1], ts, (size_t)n * sizeof *ts);
+    write_sharded(dir, twice, n + 1, n / 2 + 1, names, n);
+    expect_error(moe_checkpoint_load_weights(b.model, dir), second,
+                 "tensor 'model.norm.weight' is there too, but the weight_map");
+    cr_assert(strstr(moe_last_error(), first) != NULL, "%s", moe_last_error());
+
+    expect_bits(moe_model_params(b.model), before, n_params(&b), "params after failed loads");
+    free(before);
+    free_run(&a);
+    free_run(&b);
+}
+
+/* A NaN or an infinity in the weights is refused at load, naming the file,
+ * the tensor and the element; it used to load and show only as a NaN loss. */
+Test(checkpoint, non_finite_weights_are_refused, .init = make_tmpdir, .fini = remove_tmpdir) {
+    run a = make_run(1, 0, 0), b = make_run(2, 0, 0);
+    scramble(&a, 7, 0);
+    scramble(&b, 8, 0);
+    set_exact_params(&a);
+    float *before = copy_floats(moe_model_params(b.model), n_params(&b));
+    tt ts[MAX_TENSORS];
+    const int64_t n = model_tts(ts, &a);
+    const char *dir = fresh_dir("nonfinite");
+    const char *file = in_dir(dir, "model.safetensors");
+    const struct {
+        const char *tensor, *dtype;
+        int64_t element;
+        float value;
+        const char *want;
+    } cases[] = {
+        {"model.embed_tokens.weight", "F32", 5, NAN, "tensor 'model.embed_tokens.weight' element 5 is nan"},
+        {"model.embed_tokens.weight", "F32", 0, -NAN, "tensor 'model.embed_tokens.weight' element 0 is nan"},
+        {"lm_head.weight", "BF16", VOCAB * D - 1, -INFINITY, "tensor 'lm_head.weight' element 175 is -inf"},
+        {"model.layers.1.block_sparse_moe.experts.3.w2.weight", "BF16", 17, INFINITY,
+         "tensor 'model.layers.1.block_sparse_moe.experts.3.w2.weight' element 17 is inf"},
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        int64_t i = 0;
+        while (strcmp(ts[i].name, cases[c].tensor) != 0) i++;
+        float *bad = copy_floats(ts[i].data, tt_numel(&ts[i]));
+        bad[cases[c].element] = cases[c].value;
+        const float *good = ts[i].data;
+        ts[i].data = bad;
+        write_tts(file, ts, n, cases[c].dtype);
+        ts[i].data = good;
+        free(bad);
+        expect_error(moe_checkpoint_load_weights(b.model, dir), file, cases[c].want);
+    }
+    expect_bits(moe_model_params(b.model), before, n_params(&b), "params after failed loads");
+    /* Negative weights are fine, and the same file without the bad value loads. */
+    write_tts(file, ts, n, "BF16");
+    load_weights(&b, dir);
+    expect_bits(moe_model_params(b.model), moe_model_params(a.model), n_params(&a), "clean file");
+    free(before);
     free_run(&a);
     free_run(&b);
 }
@@ -717,6 +841,67 @@ Test(checkpoint, corrupt_state_is_refused, .init = make_tmpdir, .fini = remove_t
     cr_expect_eq(moe_trainer_steps_done(b.trainer), 1, "steps changed by a failed load");
     expect_bits(moe_trainer_adam_m(b.trainer), m_before, n_params(&b), "exp_avg after failed loads");
     free(m_before);
+    free_run(&a);
+    free_run(&b);
+}
+
+/* A NaN or an infinity in either moment, or a negative second moment, is
+ * refused at load, naming the element; they used to load and stop the run
+ * steps later with a NaN gradient norm. -0 is a valid second moment. */
+Test(checkpoint, bad_moments_are_refused, .init = make_tmpdir, .fini = remove_tmpdir) {
+    run a = make_run(1, 0, 0), b = make_run(2, 0, 0);
+    scramble(&a, 43, 9);
+    scramble(&b, 44, 1);
+    float *m_before = copy_floats(moe_trainer_adam_m(b.trainer), n_params(&b));
+    float *v_before = copy_floats(moe_trainer_adam_v(b.trainer), n_params(&b));
+    const char *dir = fresh_dir("moments");
+    const char *file = in_dir(dir, "train_state.safetensors");
+    moe_train_state got = {0};
+    const moe_model_tensor *norm = NULL;
+    for (int64_t i = 0; i < moe_model_tensor_count(a.model); i++)
+        if (strcmp(moe_model_tensor_at(a.model, i)->name, "model.norm.weight") == 0) norm = moe_model_tensor_at(a.model, i);
+    cr_assert_not_null(norm);
+    const struct {
+        const char *tensor;
+        float value;
+        const char *want; /* NULL: loads */
+    } cases[] = {
+        {"optimizer.exp_avg_sq.model.norm.weight", -1.0f,
+         "tensor 'optimizer.exp_avg_sq.model.norm.weight' element 3 is -1 (a second moment must be >= 0)"},
+        {"optimizer.exp_avg_sq.model.norm.weight", -INFINITY,
+         "tensor 'optimizer.exp_avg_sq.model.norm.weight' element 3 is -inf"},
+        {"optimizer.exp_avg_sq.model.norm.weight", NAN, "tensor 'optimizer.exp_avg_sq.model.norm.weight' element 3 is nan"},
+        {"optimizer.exp_avg_sq.model.norm.weight", 0x1p-149f * -1.0f,
+         "element 3 is -1.4013e-45 (a second moment must be >= 0)"},
+        {"optimizer.exp_avg.model.norm.weight", INFINITY, "tensor 'optimizer.exp_avg.model.norm.weight' element 3 is inf"},
+        {"optimizer.exp_avg.model.norm.weight", -5.0f, NULL},
+        {"optimizer.exp_avg_sq.model.norm.weight", -0.0f, NULL},
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        const bool second = strstr(cases[c].tensor, "exp_avg_sq") != NULL;
+        float values[D];
+        memcpy(values, (second ? moe_trainer_adam_v(a.trainer) : moe_trainer_adam_m(a.trainer)) + norm->offset,
+               sizeof values);
+        values[3] = cases[c].value;
+        const tt bad = make_tt(cases[c].tensor, 1, (int64_t[]){D}, values);
+        write_state(file, &a, NULL, cases[c].tensor, &bad, 1);
+        const moe_status st = moe_checkpoint_load_state(b.trainer, b.model, &got, dir);
+        if (cases[c].want != NULL) {
+            expect_error(st, file, cases[c].want);
+            continue;
+        }
+        cr_assert_eq(st, MOE_OK, "%s: %s", cases[c].tensor, moe_last_error());
+        const float *loaded = (second ? moe_trainer_adam_v(b.trainer) : moe_trainer_adam_m(b.trainer)) + norm->offset;
+        expect_bits(loaded, values, D, cases[c].tensor);
+        memcpy(moe_trainer_adam_m(b.trainer), m_before, (size_t)n_params(&b) * sizeof(float));
+        memcpy(moe_trainer_adam_v(b.trainer), v_before, (size_t)n_params(&b) * sizeof(float));
+        moe_trainer_set_steps_done(b.trainer, 1);
+    }
+    cr_expect_eq(moe_trainer_steps_done(b.trainer), 1, "steps changed by a failed load");
+    expect_bits(moe_trainer_adam_m(b.trainer), m_before, n_params(&b), "exp_avg after failed loads");
+    expect_bits(moe_trainer_adam_v(b.trainer), v_before, n_params(&b), "exp_avg_sq after failed loads");
+    free(m_before);
+    free(v_before);
     free_run(&a);
     free_run(&b);
 }

@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "engine/data.h"
@@ -29,7 +30,7 @@ static void remove_dir(char *dir) {
     for (struct dirent *e; (e = readdir(d)) != NULL;) {
         if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
         snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
-        unlink(path);
+        remove(path); /* a file, or an empty directory */
     }
     closedir(d);
     rmdir(dir);
@@ -401,6 +402,25 @@ Test(data_bytes, too_small_and_empty_files_named) {
     expect_error_names(moe_data_open_bytes(&d, empty), MOE_ERR_FORMAT, empty);
     path_in(empty, sizeof empty, dir, "missing.txt");
     expect_error_names(moe_data_open_bytes(&d, empty), MOE_ERR_IO, empty);
+    remove_dir(dir);
+}
+
+/* fopen reads a directory, whose end lies INT64_MAX bytes in: without a
+ * check it opened as a stream of that many bytes and failed only when read. */
+Test(data_bytes, directory_refused_at_open) {
+    char *dir = make_dir(), sub[512];
+    path_in(sub, sizeof sub, dir, "train_000.bin");
+    cr_assert_eq(mkdir(sub, 0700), 0);
+    moe_data *d = (moe_data *)1;
+    expect_error_names(moe_data_open_bytes(&d, sub), MOE_ERR_IO, sub);
+    cr_assert(strstr(moe_last_error(), "not a regular file") != NULL, "%s", moe_last_error());
+    cr_assert(d == NULL, "a refused open must leave no handle");
+    /* A glob of shards that matches the directory too. */
+    char pattern[512];
+    path_in(pattern, sizeof pattern, dir, "train_*.bin");
+    expect_error_names(moe_data_open_shards(&d, pattern, 100), MOE_ERR_IO, sub);
+    cr_assert(strstr(moe_last_error(), "not a regular file") != NULL, "%s", moe_last_error());
+    cr_assert(d == NULL, "a refused open must leave no handle");
     remove_dir(dir);
 }
 

@@ -239,6 +239,12 @@ Test(model_config, every_bad_field_is_named) {
         {"moe_n_shared_experts", "-1", "moe_n_shared_experts=-1 must be in [0, 8388607]"},
         {"moe_bias_update_rate", "-0.5", "moe_bias_update_rate=-0.5 must be finite and in [0, 1e+06]"},
         {"rope_theta", "NaN", "t/config.json:1:"},
+        /* Used as floats: 1e-50 rounds to 0 (NaN RoPE angles), 1e39 to infinity. */
+        {"rope_theta", "1e-50", "t/config.json: rope_theta=1e-50 must be in [1.17549e-38, 3.40282e+38], a normal float"},
+        {"rope_theta", "1e39", "t/config.json: rope_theta=1e+39 must be in [1.17549e-38, 3.40282e+38]"},
+        {"rope_parameters", "{\"rope_theta\": 1e-40}",
+         "t/config.json: rope_parameters.rope_theta=1e-40 must be in [1.17549e-38, 3.40282e+38]"},
+        {"rms_norm_eps", "1e-50", "t/config.json: rms_norm_eps=1e-50 must be in [1.17549e-38, 3.40282e+38]"},
         {"hidden_size", "1e999", "number 1e999 is out of range"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
@@ -320,7 +326,14 @@ Test(model_config, limits_match_the_moe_layer) {
         {"moe_bias_update_rate", "3e6", "t/config.json: moe_bias_update_rate=3e+06 must be finite and in"},
         {"num_local_experts", "1024", NULL},
         {"num_local_experts", "1025", "t/config.json: num_local_experts=1025 exceeds 1024"},
-        {"hidden_size", "1073741816", NULL}, /* the largest <= INT_MAX / 2 with an even head_dim over 4 heads */
+        /* The largest <= INT_MAX / 2 with an even head_dim over 4 heads: the
+         * layer takes it, but two layers of q, k, v and o 2^30 x 2^30 each
+         * are more than 2^63 parameters. */
+        {"hidden_size", "1073741816",
+         "t/config.json: the parameter bytes of num_hidden_layers=2 layers of hidden_size=1073741816, "
+         "num_attention_heads=4 and num_key_value_heads=4 x head_dim=268435454, num_local_experts=8 + "
+         "moe_n_shared_experts=0 x intermediate_size=128, and vocab_size=100 overflow int64"},
+        {"hidden_size", "500000000", NULL},
         {"hidden_size", "1073741824", "t/config.json: hidden_size=1073741824 exceeds 1073741823"},
         {"intermediate_size", "1073741823", NULL},
         {"intermediate_size", "1073741824", "t/config.json: intermediate_size=1073741824 exceeds 1073741823"},
@@ -360,6 +373,61 @@ Test(model_config, limits_match_the_moe_layer) {
     moe_layer_config layer;
     moe_model_config_layer(&layer, &c, 1);
     cr_expect_eq(moe_layer_config_validate(&layer), MOE_ERR_CONFIG, "the layer accepts what the config refuses");
+}
+
+/* Each size in range, but heads x head_dim was never bounded: the model's
+ * tensor sizes overflowed int64 (signed overflow) and asked for 2^64 bytes. */
+Test(model_config, attention_width_is_bounded) {
+    const char *text = "{\"vocab_size\": 100, \"hidden_size\": 64, \"intermediate_size\": 128, "
+                       "\"num_hidden_layers\": 2, \"num_attention_heads\": 2147483647, \"num_key_value_heads\": 1, "
+                       "\"head_dim\": 2147483646, \"num_local_experts\": 8, \"num_experts_per_tok\": 2}";
+    moe_model_config c;
+    cr_expect_eq(parse(&c, text, NULL), MOE_ERR_CONFIG, "accepted %s", text);
+    cr_expect(strstr(moe_last_error(), "t/config.json: num_attention_heads=2147483647 x head_dim=2147483646 = "
+                                       "4611686011984936962 exceeds 1073741823") != NULL,
+              "%s", moe_last_error());
+
+    /* At the limit and one step past it (head_dim stays even). */
+    moe_model_config_default_small(&c, 256);
+    c.num_attention_heads = c.num_key_value_heads = 1;
+    c.head_dim = 1073741822;
+    cr_expect_eq(moe_model_config_validate(&c, "wide"), MOE_OK, "%s", moe_last_error());
+    c.head_dim = 1073741824;
+    cr_expect_eq(moe_model_config_validate(&c, "wide"), MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "wide: num_attention_heads=1 x head_dim=1073741824 = 1073741824 exceeds "
+                                       "1073741823") != NULL,
+              "%s", moe_last_error());
+}
+
+/* Every size and product in range, and the layer's own bytes too, but the
+ * whole model's parameter count is not: 2^20 layers of 2^60 parameters. The
+ * reference count is done here in long double, independently. */
+Test(model_config, parameter_count_overflow_refused) {
+    moe_model_config c;
+    moe_model_config_default_small(&c, 256);
+    c.hidden_size = c.head_dim = (int64_t)1 << 29;
+    c.num_attention_heads = c.num_key_value_heads = 1;
+    c.intermediate_size = 1;
+    c.num_local_experts = c.num_experts_per_tok = 1;
+    const int64_t layers[2] = {1, (int64_t)1 << 20};
+    for (int i = 0; i < 2; i++) {
+        c.num_hidden_layers = layers[i];
+        const long double d = (long double)c.hidden_size;
+        const long double params =
+            (long double)c.num_hidden_layers * (2 * d + 4 * d * d + 1 * d + 3 * d) + (2 * 256 + 1) * d;
+        const bool fits = params * 4 <= (long double)INT64_MAX;
+        cr_expect_eq(fits, i == 0, "the reference count: %Lg parameters", params);
+        moe_layer_config layer;
+        moe_model_config_layer(&layer, &c, 1);
+        cr_expect_eq(moe_layer_config_validate(&layer), MOE_OK, "the layer alone is fine: %s", moe_last_error());
+        const moe_status st = moe_model_config_validate(&c, "deep");
+        cr_expect_eq(st, fits ? MOE_OK : MOE_ERR_CONFIG, "%lld layers: %Lg parameters, got %s (%s)",
+                     (long long)c.num_hidden_layers, params, moe_status_string(st), moe_last_error());
+        if (!fits)
+            cr_expect(strstr(moe_last_error(), "deep: the parameter bytes of num_hidden_layers=1048576 layers of "
+                                               "hidden_size=536870912") != NULL,
+                      "%s", moe_last_error());
+    }
 }
 
 Test(model_config, validate_struct) {

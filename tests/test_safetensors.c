@@ -96,6 +96,56 @@ Test(conversion, bf16_every_value) {
     cr_expect_eq(wrong, 0, "%d bf16 values converted wrongly", wrong);
 }
 
+/* moe_st_find_bad against a scan of the converted values: every element
+ * that is not finite, or below zero when nonnegative, in order, found by
+ * restarting after each one. All BF16 and F16 bit patterns, and F32 ones
+ * from random bits (every exponent) stored one byte off alignment. */
+static void expect_find_bad(const moe_st_tensor *t, bool nonnegative) {
+    float *ref = malloc((size_t)t->numel * sizeof *ref);
+    cr_assert_not_null(ref);
+    moe_st_read_f32(ref, t);
+    int64_t from = 0, found = 0;
+    for (int64_t i = 0; i <= t->numel; i++) {
+        const bool bad = i < t->numel && (!isfinite(ref[i]) || (nonnegative && ref[i] < 0.0f));
+        if (!bad && i < t->numel) continue;
+        float value = 0.0f;
+        const int64_t got = moe_st_find_bad(&value, t, from, t->numel - from, nonnegative);
+        const int64_t want = i < t->numel ? i : -1;
+        cr_assert_eq(got, want, "%s, nonnegative %d, from %lld: found %lld, want %lld (%g)", moe_st_dtype_name(t->dtype),
+                     nonnegative, (long long)from, (long long)got, (long long)want, want >= 0 ? ref[want] : 0.0);
+        if (want >= 0)
+            cr_assert(memcmp(&value, &ref[want], sizeof value) == 0, "%s element %lld: value %a, want %a",
+                      moe_st_dtype_name(t->dtype), (long long)want, value, ref[want]);
+        from = i + 1;
+        found += want >= 0;
+    }
+    cr_expect_gt(found, 0, "%s: nothing to find", moe_st_dtype_name(t->dtype));
+    free(ref);
+}
+
+Test(conversion, find_bad_matches_converted_values) {
+    enum { N = 65536 };
+    unsigned char *bytes = malloc(4 * N + 1);
+    cr_assert_not_null(bytes);
+    for (uint32_t b = 0; b < N; b++) bytes[2 * b] = (unsigned char)b, bytes[2 * b + 1] = (unsigned char)(b >> 8);
+    const moe_st_dtype halves[2] = {MOE_ST_BF16, MOE_ST_F16};
+    for (int k = 0; k < 2; k++) {
+        const moe_st_tensor t = {.name = "h", .dtype = halves[k], .numel = N, .nbytes = 2 * N, .data = bytes};
+        expect_find_bad(&t, false);
+        expect_find_bad(&t, true);
+    }
+    uint64_t s = 12345;
+    for (uint32_t i = 0; i < N; i++) {
+        s = s * 6364136223846793005ull + 1442695040888963407ull;
+        const uint32_t b = (uint32_t)(s >> 32);
+        for (int j = 0; j < 4; j++) bytes[1 + 4 * i + j] = (unsigned char)(b >> (8 * j));
+    }
+    const moe_st_tensor t = {.name = "f", .dtype = MOE_ST_F32, .numel = N, .nbytes = 4 * N, .data = bytes + 1};
+    expect_find_bad(&t, false);
+    expect_find_bad(&t, true);
+    free(bytes);
+}
+
 Test(safetensors, reads_bf16_and_f16_known_values, .init = make_tmpdir, .fini = remove_tmpdir) {
     static const uint16_t f16[] = {0x3C00, 0xC000, 0x7BFF, 0x0001, 0x03FF, 0x0400, 0x8000, 0x7C00, 0xFC00, 0x3555};
     static const float f16_want[] = {1.0f, -2.0f, 65504.0f, 5.9604644775390625e-08f, 6.097555160522461e-05f,
@@ -402,7 +452,7 @@ Test(safetensors, sharded_directory, .init = make_tmpdir, .fini = remove_tmpdir)
     const char *dir = in_tmp("ckpt/sharded");
     cr_assert_eq(moe_mkdir_p(dir), MOE_OK, "%s", moe_last_error());
     write_shard("ckpt/sharded", "model-00001-of-00002.safetensors", (const char *[]){"a", "c"}, 2);
-    write_shard("ckpt/sharded", "model-00002-of-00002.safetensors", (const char *[]){"b", "d", "unlisted"}, 3);
+    write_shard("ckpt/sharded", "model-00002-of-00002.safetensors", (const char *[]){"b", "d"}, 2);
     write_index("ckpt/sharded", "{\"metadata\":{\"total_size\":48},\"weight_map\":{"
                                 "\"d\":\"model-00002-of-00002.safetensors\","
                                 "\"a\":\"model-00001-of-00002.safetensors\","
@@ -422,10 +472,27 @@ Test(safetensors, sharded_directory, .init = make_tmpdir, .fini = remove_tmpdir)
     cr_assert_eq(moe_st_dir_load_f32(out, d, "d", 1, (const int64_t[]){3}), MOE_OK, "%s", moe_last_error());
     cr_expect_eq(out[0], 1.0f + 32.0f, "got %g", out[0]);
     cr_expect_eq(out[2], 2.5f);
-    cr_expect_null(moe_st_dir_find(d, "unlisted", NULL), "a tensor missing from the weight_map was found");
     cr_expect_eq(moe_st_dir_load_f32(out, d, "zz", 1, (const int64_t[]){3}), MOE_ERR_FORMAT);
     cr_expect(strstr(moe_last_error(), "no tensor named 'zz'") != NULL, "%s", moe_last_error());
+    cr_expect_str_eq(moe_st_dir_index_path(d), in_dir(dir, "model.safetensors.index.json"));
     moe_st_dir_close(d);
+
+    /* A shard tensor the weight_map leaves out, or puts in another shard,
+     * would be passed over unseen: refused, naming the shard and tensor. */
+    write_shard("ckpt/sharded", "model-00002-of-00002.safetensors", (const char *[]){"b", "d", "unlisted"}, 3);
+    d = (moe_st_dir *)1;
+    cr_expect_eq(moe_st_dir_open(&d, dir), MOE_ERR_FORMAT);
+    cr_expect_null(d);
+    char want[1024];
+    snprintf(want, sizeof want, "%s: tensor 'unlisted' is not in the weight_map of %s",
+             in_dir(dir, "model-00002-of-00002.safetensors"), in_dir(dir, "model.safetensors.index.json"));
+    cr_expect(strstr(moe_last_error(), want) != NULL, "\"%s\" lacks \"%s\"", moe_last_error(), want);
+    write_shard("ckpt/sharded", "model-00002-of-00002.safetensors", (const char *[]){"b", "d", "a"}, 3);
+    cr_expect_eq(moe_st_dir_open(&d, dir), MOE_ERR_FORMAT);
+    snprintf(want, sizeof want, "%s: tensor 'a' is there too, but the weight_map of %s puts it in %s",
+             in_dir(dir, "model-00002-of-00002.safetensors"), in_dir(dir, "model.safetensors.index.json"),
+             in_dir(dir, "model-00001-of-00002.safetensors"));
+    cr_expect(strstr(moe_last_error(), want) != NULL, "\"%s\" lacks \"%s\"", moe_last_error(), want);
 }
 
 Test(safetensors, single_file_directory, .init = make_tmpdir, .fini = remove_tmpdir) {
@@ -436,6 +503,7 @@ Test(safetensors, single_file_directory, .init = make_tmpdir, .fini = remove_tmp
     cr_expect_eq(moe_st_dir_tensor_count(d), 2);
     cr_expect_str_eq(moe_st_dir_tensor_at(d, 0)->name, "y");
     cr_expect_not_null(moe_st_dir_find(d, "z", NULL));
+    cr_expect_null(moe_st_dir_index_path(d), "no index was read");
     moe_st_dir_close(d);
 }
 
