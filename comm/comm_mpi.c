@@ -348,7 +348,7 @@ static void collective_timed_out(mpi_comm *c, int64_t seq, const char *where) {
     const int count = silent ? roll_call(silent, c, seq, window) : -1;
     if (count < 0) {
         snprintf(c->failure, sizeof c->failure,
-                 "%s: not complete after %.1f s: %s has not joined it (dead, stuck, or in "
+                 "%s: not complete after %g s: %s has not joined it (dead, stuck, or in "
                  "another operation)",
                  where, timeout, n == 2 ? "the other rank" : "at least one of the other ranks");
     } else if (count == 0) {
@@ -356,7 +356,7 @@ static void collective_timed_out(mpi_comm *c, int64_t seq, const char *where) {
          * joining after they gave up) their answers from their own roll
          * call were waiting here. */
         snprintf(c->failure, sizeof c->failure,
-                 "%s: not complete after %.1f s, though every rank answered a roll call: the "
+                 "%s: not complete after %g s, though every rank answered a roll call: the "
                  "ranks called it with mismatched arguments, it needs longer than the timeout, "
                  "or this rank joined it after the others had timed out in it",
                  where, timeout);
@@ -376,8 +376,8 @@ static void collective_timed_out(mpi_comm *c, int64_t seq, const char *where) {
          * broadcast, an all-to-all-v with nothing to exchange with the
          * missing), is silent too. */
         snprintf(c->failure, sizeof c->failure,
-                 "%s: not complete after %.1f s: %s %s not answering (dead, stuck, in another "
-                 "operation, late to join it, or done with their part of it): %s a %.1f s roll "
+                 "%s: not complete after %g s: %s %s not answering (dead, stuck, in another "
+                 "operation, late to join it, or done with their part of it): %s a %g s roll "
                  "call",
                  where, timeout, names, count == 1 ? "is" : "are", answered, window);
     }
@@ -392,7 +392,7 @@ static moe_status timed_out(mpi_comm *c, const moe_comm_request *req) {
      * the job rank a user looks for in the launcher's output. */
     if (req->peer >= 0)
         snprintf(c->failure, sizeof c->failure,
-                 "%s: nothing heard from peer %d (world %d) after %.1f s (dead, stuck, or in "
+                 "%s: nothing heard from peer %d (world %d) after %g s (dead, stuck, or in "
                  "another operation)",
                  where, req->peer, world_rank_of(c, req->peer), c->base.timeout_seconds);
     else
@@ -501,6 +501,11 @@ moe_status moe_comm_mpi_create(moe_comm **comm) {
         }
         mpi_started_here = true;
     }
+    /* Open MPI reports some failures of non-blocking collectives on our
+     * duplicate (a truncated message, say) through MPI_COMM_WORLD's handler,
+     * which aborts the job by default: in a process whose MPI we started,
+     * errors are returned there too, so they reach the caller as text. */
+    if (mpi_started_here) MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
     /* idup rather than dup: a rank that never arrives times out here too. */
     MPI_Comm dup = MPI_COMM_NULL;
     MPI_Request r = MPI_REQUEST_NULL;

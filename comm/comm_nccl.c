@@ -276,13 +276,13 @@ static moe_status timed_out(nccl_comm *c, const char *op, int peer) {
     const double t = c->base.timeout_seconds;
     if (peer >= 0)
         return fail(c, MOE_ERR_COMM, op, peer,
-                    "not complete after %.1f s: nothing heard from rank %d (dead, stuck, or in "
+                    "not complete after %g s: nothing heard from rank %d (dead, stuck, or in "
                     "another operation), or earlier work on the stream is stuck; communicator "
                     "aborted",
                     t, peer);
     if (c->base.size == 1)
         return fail(c, MOE_ERR_COMM, op, peer,
-                    "not complete after %.1f s: earlier work on the stream is stuck; "
+                    "not complete after %g s: earlier work on the stream is stuck; "
                     "communicator aborted",
                     t);
     return fail(c, MOE_ERR_COMM, op, peer,

@@ -64,7 +64,7 @@ moe_status moe_grid_agree(moe_comm *world, const moe_agree_field *fields, int co
             if (got == want || (got != got && want != want)) continue;
             st = i == 0 ? moe_error(MOE_ERR_CONFIG, "rank %d runs a different build of libmoe than rank 0 (this rank: %s)",
                                     r, r == rank ? build_description() : "see that rank")
-                        : moe_error(MOE_ERR_CONFIG, "rank %d disagrees with rank 0 on %s: %.17g, rank 0 has %.17g", r,
+                        : moe_error(MOE_ERR_CONFIG, "rank %d disagrees with rank 0 on %s: %.9g, rank 0 has %.9g", r,
                                     fields[i - 1].name, got, want);
             break;
         }

@@ -488,7 +488,7 @@ static bool is_absent(int j, const int *absent, int n_absent) {
  * both ranks, and no other rank; how many ranks answered the roll call. */
 static void expect_absent_named(const char *msg, int me, const int *absent, int n_absent) {
     char after[48], want[160], answered[80];
-    snprintf(after, sizeof after, "not complete after %.1f s", TIMEOUT_SECONDS);
+    snprintf(after, sizeof after, "not complete after %g s", TIMEOUT_SECONDS);
     if (n_absent == 1)
         snprintf(want, sizeof want, "rank %d (world %d) is not answering", absent[0],
                  size - 1 - absent[0]);
@@ -497,14 +497,14 @@ static void expect_absent_named(const char *msg, int me, const int *absent, int 
                  absent[0], size - 1 - absent[0], absent[1], size - 1 - absent[1]);
     const int others = size - 1 - n_absent;
     if (others == 0)
-        snprintf(answered, sizeof answered, "no answer to a %.1f s roll call", ROLL_CALL_SECONDS);
+        snprintf(answered, sizeof answered, "no answer to a %g s roll call", ROLL_CALL_SECONDS);
     else if (others == 1)
         snprintf(answered, sizeof answered,
-                 "the other rank, waiting in it too, answered a %.1f s roll call",
+                 "the other rank, waiting in it too, answered a %g s roll call",
                  ROLL_CALL_SECONDS);
     else
         snprintf(answered, sizeof answered,
-                 "the other %d ranks, waiting in it too, answered a %.1f s roll call", others,
+                 "the other %d ranks, waiting in it too, answered a %g s roll call", others,
                  ROLL_CALL_SECONDS);
     EXPECT(strstr(msg, "allreduce_sum") && strstr(msg, after) && strstr(msg, want) &&
                strstr(msg, answered),
