@@ -88,6 +88,7 @@ struct moe_model {
     float *dq, *dk, *dv, *datty; /* like q, k, v, atty */
     float *datt;  /* [B, Hq, T, T] */
     bool forward_done, has_targets;
+    bool logits_valid; /* logits hold the last forward's (its backward reuses them for dlogits) */
     int64_t counted; /* the last forward's targets that count (not negative), this rank's */
 };
 
@@ -269,7 +270,7 @@ static moe_status build_arena(moe_model *m) {
 
 /* ------------------------------------------------------------ lifecycle */
 
-static moe_status check_shape(const moe_model_config *c, int64_t B, int64_t T) {
+moe_status moe_model_check_shape(const moe_model_config *c, int64_t B, int64_t T) {
     if (B <= 0 || T <= 0) return moe_error(MOE_ERR_CONFIG, "model: batch B=%lld and sequence T=%lld must be positive", (long long)B, (long long)T);
     if (T > c->max_position_embeddings)
         return moe_error(MOE_ERR_CONFIG, "model: sequence length %lld exceeds max_position_embeddings=%lld", (long long)T,
@@ -290,7 +291,7 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_model_config *cf
     if (!out || !cfg) return moe_error(MOE_ERR_INVALID_ARG, "moe_model_create: NULL argument");
     *out = NULL;
     MOE_TRY(moe_model_config_validate(cfg, "model config"));
-    MOE_TRY(check_shape(cfg, B, T));
+    MOE_TRY(moe_model_check_shape(cfg, B, T));
     const int ep_size = par && par->ep ? moe_comm_size(par->ep) : 1;
     if (cfg->num_local_experts % ep_size != 0)
         return moe_error(MOE_ERR_CONFIG, "--ep %d does not divide num_local_experts=%lld", ep_size,
@@ -484,6 +485,16 @@ moe_status moe_model_last_topk(moe_model *m, int64_t l, const int32_t **topk) {
     return moe_layer_last_topk(m->moe[l], topk);
 }
 
+moe_status moe_model_last_logits(moe_model *m, int64_t row, int64_t pos, float *out) {
+    if (!m || !out || row < 0 || row >= m->B || pos < 0 || pos >= m->T)
+        return moe_error(MOE_ERR_INVALID_ARG, "moe_model_last_logits: row %lld of %lld, position %lld of %lld",
+                         (long long)row, m ? (long long)m->B : 0LL, (long long)pos, m ? (long long)m->T : 0LL);
+    if (!m->logits_valid)
+        return moe_error(MOE_ERR_STATE, "moe_model_last_logits: no forward since the last backward");
+    const int64_t V = m->cfg.vocab_size;
+    return m->ops->download(out, m->logits + (row * m->T + pos) * V, (size_t)V * sizeof(float));
+}
+
 int64_t moe_model_active_param_count(const moe_model *m) {
     const moe_model_config *c = &m->cfg;
     /* The dense run and top_k experts per layer, whichever rank holds them. */
@@ -525,6 +536,7 @@ moe_status moe_model_forward(moe_model *m, const int32_t *inputs, const int32_t 
         counted += targets[i] >= 0;
     }
     m->forward_done = false;
+    m->logits_valid = false;
     double aux = 0.0, z = 0.0, imbalance = 0.0, dropped = 0.0, pairs = 0.0;
 
     /* Both token arrays go up before any op is queued: an upload waits for
@@ -578,6 +590,7 @@ moe_status moe_model_forward(moe_model *m, const int32_t *inputs, const int32_t 
     }
     MOE_TRY(ops->sync());
     m->forward_done = true;
+    m->logits_valid = true;
     return MOE_OK;
 }
 
@@ -622,6 +635,7 @@ moe_status moe_model_backward(moe_model *m, float grad_scale) {
     /* The logits' memory takes their gradient: nothing else reads them. */
     const int64_t tf = m->n_tensors - 2;
     float *dlogits = m->logits;
+    m->logits_valid = false;
     ops->crossentropy_backward(dlogits, m->logits, m->lse, m->targets, m->dloss, N, V);
     ops->zero(m->dln, (size_t)(N * C) * sizeof(float));
     ops->matmul_backward(m->dln, grad(m, tf + 1), dlogits, m->lnf, param(m, tf + 1), N, C, V);

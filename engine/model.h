@@ -60,6 +60,11 @@ moe_status moe_model_create_parallel(moe_model **model, const moe_model_config *
                                      uint64_t seed, const moe_model_parallel *par);
 void moe_model_destroy(moe_model *model);
 
+/* Whether a model of cfg can take batches of B sequences of T tokens (what
+ * moe_model_create checks first): T within max_position_embeddings, and
+ * the batch's arrays within reach of int sizes. */
+moe_status moe_model_check_shape(const moe_model_config *cfg, int64_t B, int64_t T);
+
 const moe_model_config *moe_model_get_config(const moe_model *model);
 int64_t moe_model_batch_size(const moe_model *model); /* B */
 int64_t moe_model_seq_len(const moe_model *model);    /* T */
@@ -155,6 +160,9 @@ moe_status moe_model_grad_sumsq(moe_model *model, double *out);
  * (valid until the next request or forward). */
 const float *moe_model_last_losses(const moe_model *model);
 moe_status moe_model_last_topk(moe_model *model, int64_t layer, const int32_t **topk);
+/* The logits [V] of the last forward at (row, pos) of its [B, T] batch,
+ * copied to out; a backward since then has overwritten them (an error). */
+moe_status moe_model_last_logits(moe_model *model, int64_t row, int64_t pos, float *out);
 
 /* Layer l's auxiliary-loss-free selection bias [E], or NULL when off (or l
  * is not a layer);

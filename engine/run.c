@@ -180,7 +180,9 @@ moe_status moe_run_options_validate(const moe_run_options *o) {
     if (o->batch_size <= 0)
         return moe_error(MOE_ERR_CONFIG, "--batch-size %lld must be positive", (long long)o->batch_size);
     if (o->seq_len <= 0) return moe_error(MOE_ERR_CONFIG, "--seq-len %lld must be positive", (long long)o->seq_len);
-    if (o->threads < 0) return moe_error(MOE_ERR_CONFIG, "--threads %d must not be negative", o->threads);
+    if (o->threads < 0 || o->threads > MOE_RUN_THREADS_MAX)
+        return moe_error(MOE_ERR_CONFIG, "--threads %d must lie in [0, %d] (this machine has %d cores)", o->threads,
+                         MOE_RUN_THREADS_MAX, omp_get_num_procs());
     if (o->save_every < 0)
         return moe_error(MOE_ERR_CONFIG, "--save-every %lld must not be negative", (long long)o->save_every);
     if (o->eval_every < 0)
@@ -335,7 +337,8 @@ typedef struct run {
     moe_trainer *trainer;
     double peak_gflops;
     double step_flops;     /* of one optimizer step */
-    FILE *metrics;
+    FILE *metrics;       /* opened by the first line logged */
+    int64_t start_step;  /* the checkpoint's step when resumed: metrics.jsonl keeps the lines up to it */
     char metrics_path[RUN_PATH_BYTES];
     char last_checkpoint[RUN_PATH_BYTES];
     /* The per-kind report of the last evaluation. */
@@ -537,6 +540,15 @@ static moe_status open_data(run *r) {
     int len = snprintf(shape, sizeof shape, "--batch-size %lld x --seq-len %lld", (long long)o->batch_size,
                        (long long)o->seq_len);
     if (r->ranks > 1) snprintf(shape + len, sizeof shape - (size_t)len, " on each of %d ranks", r->ranks);
+    /* Before any data is built, which a shape this model cannot take would
+     * make in vain. */
+    if (known) {
+        moe_status st = moe_model_check_shape(&r->cfg, o->batch_size, o->seq_len);
+        if (st != MOE_OK)
+            return moe_error_prefix(st, "%s, with the model of %s%s: ", shape,
+                                    o->config ? o->config : o->init_from ? o->init_from : o->resume,
+                                    o->config ? "" : "/config.json");
+    }
     if (!o->eval_only) {
         if (o->resume) MOE_TRY(read_resume_state(r));
         int64_t n_synth = 0;
@@ -595,6 +607,9 @@ static moe_status build_model(run *r) {
             {"--grad-clip", o->grad_clip},           {"--eval-only", (double)o->eval_only},
             {"--data (name hash)", moe_grid_text_hash(o->data)},
             {"--val-data (name hash)", o->val_data ? moe_grid_text_hash(o->val_data) : -1.0},
+            /* Ranks that loaded other weights would train a mixture. */
+            {"--init-from (name hash)", o->init_from ? moe_grid_text_hash(o->init_from) : -1.0},
+            {"--resume (name hash)", o->resume ? moe_grid_text_hash(o->resume) : -1.0},
         };
         moe_agree_field fields[MOE_CONFIG_AGREE_FIELDS + sizeof options / sizeof options[0]];
         int n = moe_config_agree_fields(fields, &r->cfg);
@@ -837,8 +852,14 @@ static moe_status write_run_files(run *r, const moe_run_summary *s) {
     moe_status st = write_run_json(r, s, moe_json_root(doc));
     moe_json_free(doc);
     MOE_TRY(st);
-    MOE_TRY(path_join(r->metrics_path, r->o->out_dir, "metrics.jsonl"));
-    if (r->o->resume) MOE_TRY(trim_metrics(r->metrics_path, s->start_step));
+    r->start_step = s->start_step;
+    return path_join(r->metrics_path, r->o->out_dir, "metrics.jsonl");
+}
+
+/* metrics.jsonl is opened (and, resumed, trimmed) for its first line, so a
+ * run that fails before it has anything to log leaves the old file whole. */
+static moe_status open_metrics(run *r) {
+    if (r->o->resume) MOE_TRY(trim_metrics(r->metrics_path, r->start_step));
     r->metrics = fopen(r->metrics_path, r->o->resume ? "a" : "w");
     if (!r->metrics) return moe_error(MOE_ERR_IO, "%s: cannot open for writing", r->metrics_path);
     return MOE_OK;
@@ -846,6 +867,7 @@ static moe_status write_run_files(run *r, const moe_run_summary *s) {
 
 static moe_status append_metrics(run *r, moe_json_writer *w) {
     moe_status st = moe_json_writer_finish(w);
+    if (st == MOE_OK && !r->metrics) st = open_metrics(r);
     if (st == MOE_OK && (fprintf(r->metrics, "%s\n", w->buf) < 0 || fflush(r->metrics) != 0))
         st = moe_error(MOE_ERR_IO, "%s: write failed", r->metrics_path);
     moe_json_writer_free(w);
@@ -984,9 +1006,17 @@ static moe_status evaluate(run *r, int64_t step, double *val_loss) {
                              synthetic ? accumulate_kinds : NULL, r));
     if (synthetic) MOE_TRY(finish_kinds(r));
     const moe_run_eval e = {.step = step, .val_loss = *val_loss, .entropy_floor = r->entropy_floor};
-    if (r->metrics) MOE_TRY(log_eval(r, &e));
+    if (r->metrics_path[0]) MOE_TRY(log_eval(r, &e));
     if (r->cb->on_eval) r->cb->on_eval(r->cb->ctx, &e);
     return MOE_OK;
+}
+
+/* Examples of each synthetic task the end of a run tries. */
+#define RUN_TASK_EXAMPLES 32
+
+static moe_status solve_tasks(run *r) {
+    if (r->ranks > 1 || r->cfg.moe_capacity_factor > 0.0) return MOE_OK;
+    return moe_synth_tasks_solve(&r->kinds.tasks, r->model, &r->val.synth, RUN_TASK_EXAMPLES);
 }
 
 static moe_status save_checkpoint(run *r) {
@@ -1089,7 +1119,7 @@ static moe_status run_body(run *r, double start) {
             s.mfu = r->step_flops / s.seconds / (r->peak_gflops * 1e9);
             s.elapsed_seconds = elapsed;
             s.steps_timed = timed;
-            if (r->metrics) MOE_TRY(log_step(r, &s));
+            if (r->metrics_path[0]) MOE_TRY(log_step(r, &s));
             if (r->cb->on_step) r->cb->on_step(r->cb->ctx, &s);
             if (o->profile) moe_profile_pause(true);
             /* The checkpoint before the evaluation, which changes nothing it
@@ -1102,8 +1132,9 @@ static moe_status run_body(run *r, double start) {
     }
     if (o->profile) {
         MOE_TRY(moe_profile_read(r->profile, moe_profile_op_count(), &end.profile_ops));
-        if (r->metrics) MOE_TRY(log_profile(r, &end));
+        if (r->metrics_path[0]) MOE_TRY(log_profile(r, &end));
     }
+    if (r->val.synth.tokens) MOE_TRY(solve_tasks(r));
     end.steps_done = moe_trainer_steps_done(r->trainer);
     end.val_loss = val_loss;
     end.entropy_floor = r->entropy_floor;

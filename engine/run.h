@@ -15,10 +15,12 @@
  *                         load_imbalance, dropped_frac) and one per
  *                         evaluation (step, val_loss, entropy_floor)
  *   OUT/step-NNNNNN/      checkpoints (checkpoint.h)
- * A fresh run starts metrics.jsonl over. A run resumed from step N first
- * rewrites it (atomically) keeping only the lines that parse as JSON with an
- * integer "step" <= N, so no step is logged twice after a crash (a profile
- * line, which has no step, goes too), then appends.
+ * A fresh run starts metrics.jsonl over when it logs its first line. A run
+ * resumed from step N, at that moment, first rewrites it (atomically)
+ * keeping only the lines that parse as JSON with an integer "step" <= N, so
+ * no step is logged twice after a crash (a profile line, which has no step,
+ * goes too), then appends; a run that fails before its first line leaves
+ * the file as it was.
  * --eval-only writes nothing.
  *
  * Data: "synthetic" (the default) trains on one seeded stream of the
@@ -42,6 +44,7 @@
 
 #include "engine/device.h"
 #include "engine/model_config.h"
+#include "engine/synth_tasks.h"
 #include "engine/synthetic.h"
 #include "engine/trainer.h"
 #include "kernels/ops.h"
@@ -52,6 +55,7 @@
 /* llm.c's shards hold GPT-2 tokens: the vocabulary of the default model
  * when shards are read without a config. */
 #define MOE_GPT2_VOCAB_SIZE 50257
+#define MOE_RUN_THREADS_MAX 1024
 
 typedef struct moe_run_options {
     /* Model */
@@ -72,7 +76,9 @@ typedef struct moe_run_options {
     double grad_clip;      /* --grad-clip; 0 = off */
     int64_t grad_accum;    /* --grad-accum micro-batches per step */
     uint64_t seed;         /* --seed: initial weights, synthetic streams, shuffle, jitter */
-    int threads;           /* --threads; 0: OpenMP's default (OMP_NUM_THREADS, else every core) */
+    int threads;           /* --threads; 0: OpenMP's default (OMP_NUM_THREADS, else every core);
+                              at most MOE_RUN_THREADS_MAX, past any machine's cores, where OpenMP
+                              would fail to start them */
     /* Evaluation and output */
     const char *out_dir;   /* --out */
     int64_t save_every;    /* --save-every steps; 0: the last step only */
@@ -168,6 +174,11 @@ typedef struct moe_run_kind_report {
      * expert (each row sums to 1); block n_layers is the same summed over
      * all layers' assignments. */
     const double *routing;
+    /* Greedy sums and copies from the start of the validation stream
+     * (synth_tasks.h), after the last evaluation: on one process with
+     * dropless routing only (generation's terms); every tried is 0
+     * otherwise. */
+    moe_synth_task_score tasks;
 } moe_run_kind_report;
 
 typedef struct moe_run_end {

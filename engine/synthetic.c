@@ -1,6 +1,7 @@
 #include "engine/synthetic.h"
 
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -78,6 +79,46 @@ const char *moe_synth_token_text(int32_t token) {
         "A", "B", "C", "D", "E", "F", "G", "H", "I", "J", "K", "L", "M", "N", "O", "P"};
     /* clang-format on */
     return token >= 0 && token < MOE_SYNTH_VOCAB_SIZE ? text[token] : "?";
+}
+
+/* c as an error names it: 'x' when printable, else its byte value. */
+static void describe_char(char out[8], unsigned char c) {
+    if (c >= 0x20 && c < 0x7f)
+        snprintf(out, 8, "'%c'", c);
+    else
+        snprintf(out, 8, "0x%02x", c);
+}
+
+moe_status moe_synth_parse(int32_t *tokens, int64_t capacity, int64_t *n, const char *text) {
+    if (!tokens && capacity > 0) return moe_error(MOE_ERR_INVALID_ARG, "moe_synth_parse: NULL tokens");
+    if (!n || !text) return moe_error(MOE_ERR_INVALID_ARG, "moe_synth_parse: NULL argument");
+    *n = 0;
+    for (size_t at = 0; text[at] != '\0';) {
+        if (strchr(" \t\r\n", text[at])) {
+            at++;
+            continue;
+        }
+        int32_t best = -1;
+        size_t best_len = 0;
+        for (int32_t t = 0; t < MOE_SYNTH_VOCAB_SIZE; t++) {
+            const char *s = moe_synth_token_text(t);
+            const size_t len = strlen(s);
+            if (len > best_len && strncmp(text + at, s, len) == 0) best = t, best_len = len;
+        }
+        char c[8];
+        describe_char(c, (unsigned char)text[at]);
+        if (best < 0)
+            return moe_error(MOE_ERR_CONFIG,
+                             "byte %zu: %s starts no token of the synthetic vocabulary (<arithmetic> <copy> "
+                             "<brackets> <markov>, 0-9 + = ;, ( [ ) ], a-p >, A-P)",
+                             at, c);
+        if (*n == capacity)
+            return moe_error(MOE_ERR_CONFIG, "more than %lld tokens: the one at byte %zu (%s) does not fit",
+                             (long long)capacity, at, c);
+        tokens[(*n)++] = best;
+        at += best_len;
+    }
+    return MOE_OK;
 }
 
 /* A sequence of draws from (seed, stream) at consecutive indices. */

@@ -105,6 +105,14 @@ const char *moe_synth_kind_name(int kind);
 /* "<copy>", "7", "+", "(", "k", ">", "C", ...; "?" outside the vocabulary. */
 const char *moe_synth_token_text(int32_t token);
 
+/* The inverse of moe_synth_token_text: text as a sequence of token texts
+ * into tokens [capacity], their count in *n. The longest text that matches
+ * is taken first ("<copy>" is one token, never '<' and letters); spaces,
+ * tabs and newlines between tokens are skipped. A character that starts no
+ * token, or a token past capacity, is an error naming its byte offset and
+ * the character; tokens and *n are then unspecified. */
+moe_status moe_synth_parse(int32_t *tokens, int64_t capacity, int64_t *n, const char *text);
+
 /* P(next = j | current = i) in table [i * MOE_SYNTH_STATES + j]; each row
  * sums to 1 (markov_end is applied on top). */
 void moe_synth_markov_table(double *table, const moe_synth_params *params);

@@ -35,6 +35,23 @@ if [ "$failed" -ne 0 ]; then
     grep -v '^step' "$out/log" | tail -n 20
 fi
 
+# Ranks on different checkpoints would evaluate a mixture of them.
+timeout 120 "${launcher[@]}" -np 1 "$bin/moe-train" --eval-only --init-from "$out/run/step-000001" \
+    --eval-batches 2 : -np 1 "$bin/moe-train" --eval-only --init-from "$out/run/step-000002" \
+    --eval-batches 2 >"$out/mixed" 2>&1
+rc=$?
+check "ranks on different --init-from are refused (exit $rc)" \
+    "$([ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && grep -q 'disagrees with rank 0 on --init-from' "$out/mixed"; echo $?)"
+
+# A fault that cannot happen is refused, so that this test cannot pass without one.
+for fault in 2:3 1:3x 1:99; do
+    MOE_FAULT_KILL=$fault timeout 60 "${launcher[@]}" -np 2 "$bin/moe-train" --steps 6 --eval-every 0 \
+        --eval-batches 1 --out "$out/nofault" >"$out/nofault.log" 2>&1
+    rc=$?
+    check "MOE_FAULT_KILL=$fault is refused (exit $rc)" \
+        "$([ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && grep -q 'MOE_FAULT_KILL' "$out/nofault.log"; echo $?)"
+done
+
 if "${launcher[0]}" --version 2>/dev/null | grep -Eq "Open MPI|OpenRTE"; then
     # Each rank's pid, so that the test can stop rank 1.
     printf '#!/usr/bin/env bash\necho $$ > "%s/pid.$OMPI_COMM_WORLD_RANK"\nexec "%s/moe-train" "$@"\n' \
@@ -58,7 +75,7 @@ if "${launcher[0]}" --version 2>/dev/null | grep -Eq "Open MPI|OpenRTE"; then
     check "it ends within the timeout (${elapsed}s)" "$([ "$elapsed" -lt 30 ]; echo $?)"
     # The first failure, not a later op's refusal on the failed communicator.
     check "rank 0 names the cause" \
-        "$(grep 'moe-train: rank 0: ' "$out/stop.log" | grep -v refused | grep -q 'not complete after 3.0 s'; echo $?)"
+        "$(grep 'moe-train: rank 0: ' "$out/stop.log" | grep -v refused | grep -q 'not complete after 3 s'; echo $?)"
     # A rank left running (the job did not end) must not outlive the test;
     # a pid no longer moe-train's (reaped, perhaps reused) is left alone.
     for f in "$out"/pid.*; do

@@ -588,6 +588,20 @@ Test(train_run, short_training_data_is_refused_up_front, .init = make_tmp, .fini
     expect_refused(&o, "10-byte --data", (const char *const[]){"--data", tiny, NULL});
 }
 
+/* A --seq-len past the config's max_position_embeddings is refused before
+ * any data is built or file touched, naming the flags and the config. */
+Test(train_run, sequence_past_the_positions_is_refused_up_front, .init = make_tmp, .fini = remove_tmp) {
+    char cfg[512], out[512];
+    moe_model_config c;
+    moe_model_config_default_small(&c, MOE_SYNTH_VOCAB_SIZE);
+    c.max_position_embeddings = 16;
+    cr_assert_eq(moe_model_config_save(&c, tmp_path(cfg, "short.json")), MOE_OK, "%s", moe_last_error());
+    moe_run_options o = tiny_options(cfg, tmp_path(out, "out"));
+    write_earlier_run(out);
+    expect_refused(&o, "--seq-len 32 with 16 positions",
+                   (const char *const[]){"--seq-len 32", cfg, "max_position_embeddings=16", NULL});
+}
+
 /* Validation data too short for --eval-batches, or holding a token outside
  * the vocabulary where an evaluation reads, is refused before training (it
  * used to fail at the first evaluation, after every step, with the final
@@ -697,6 +711,30 @@ Test(train_run, resume_logs_each_step_once, .init = make_tmp, .fini = remove_tmp
         cr_expect_eq(eval_lines[s], s == 5 || s == 10, "step %d evaluated %d times", s, eval_lines[s]);
     }
     cr_expect_eq(other, 0, "%d lines without a step", other);
+}
+
+/* A resumed run that fails before its first step leaves metrics.jsonl as
+ * it was: the lines past the checkpoint describe checkpoints still on
+ * disk. */
+Test(train_run, failed_resume_keeps_the_metrics, .init = make_tmp, .fini = remove_tmp) {
+    char cfg[512], out[512], path[512], resume[512];
+    moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE), tmp_path(out, "out"));
+    o.save_every = 5;
+    seen v;
+    run_ok(&o, &v);
+    size_t before_size, after_size;
+    char *before = read_file(tmp_path(path, "out/metrics.jsonl"), &before_size);
+    /* The resumed run's training data cannot hold one batch. */
+    o.config = NULL;
+    o.resume = tmp_path(resume, "out/step-000005");
+    o.batch_size = 4000;
+    moe_run_callbacks cb = callbacks(&v);
+    cr_assert_neq(moe_run(&o, &cb), MOE_OK, "the resumed run succeeded");
+    char *after = read_file(path, &after_size);
+    cr_expect(before_size == after_size && memcmp(before, after, before_size) == 0,
+              "metrics.jsonl changed from %zu to %zu bytes", before_size, after_size);
+    free(before);
+    free(after);
 }
 
 /* The __metadata__ value of key in tmp's file name, copied into value [64]. */
@@ -980,6 +1018,7 @@ static void zero_eval_batches(moe_run_options *o) { o->eval_batches = 0; }
 static void negative_eval_every(moe_run_options *o) { o->eval_every = -1; }
 static void negative_save_every(moe_run_options *o) { o->save_every = -5; }
 static void negative_threads(moe_run_options *o) { o->threads = -2; }
+static void too_many_threads(moe_run_options *o) { o->threads = MOE_RUN_THREADS_MAX + 1; }
 static void negative_peak(moe_run_options *o) { o->peak_gflops = -1.0; }
 static void empty_out(moe_run_options *o) { o->out_dir = ""; }
 static void empty_data(moe_run_options *o) { o->data = ""; }
@@ -1007,7 +1046,8 @@ Test(train_run, bad_options_name_the_flag) {
         {"--grad-accum", zero_accum},     {"--grad-clip", nan_clip},
         {"--weight-decay", negative_decay}, {"--eval-batches", zero_eval_batches},
         {"--eval-every", negative_eval_every}, {"--save-every", negative_save_every},
-        {"--threads", negative_threads},  {"--peak-gflops", negative_peak},
+        {"--threads", negative_threads},  {"--threads", too_many_threads},
+        {"--peak-gflops", negative_peak},
         {"--out", empty_out},             {"--data", empty_data},
         {"--init-from", eval_only_alone}, {"--resume", resume_and_init},
         {"--config", resume_and_config},  {"--profile", profile_eval_only},

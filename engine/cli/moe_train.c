@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "comm/comm.h"
+#include "engine/cli/cli_flags.h"
 #include "engine/run.h"
 
 #define PROGRAM "moe-train"
@@ -108,134 +109,31 @@ static void print_help(void) {
 
 /* ------------------------------------------------------------------ flags */
 
-/* Prints a bad-flag message and returns the exit status for it. */
-static int usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static int usage_error(const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    fprintf(stderr, PROGRAM ": ");
-    vfprintf(stderr, fmt, ap);
-    fprintf(stderr, " (see " PROGRAM " --help)\n");
-    va_end(ap);
-    return 2;
-}
-
-static int parse_int(int64_t *out, const char *flag, const char *s) {
-    char *end;
-    errno = 0;
-    long long v = strtoll(s, &end, 10);
-    if (errno || end == s || *end) return usage_error("%s '%s': expected an integer", flag, s);
-    *out = v;
-    return 0;
-}
-
-static int parse_real(double *out, const char *flag, const char *s) {
-    char *end;
-    errno = 0;
-    double v = strtod(s, &end);
-    if (errno || end == s || *end || !isfinite(v)) return usage_error("%s '%s': expected a number", flag, s);
-    *out = v;
-    return 0;
-}
-
-static int parse_seed(uint64_t *out, const char *flag, const char *s) {
-    char *end;
-    errno = 0;
-    unsigned long long v = strtoull(s, &end, 10);
-    if (errno || end == s || *end || s[0] == '-') return usage_error("%s '%s': expected a non-negative integer", flag, s);
-    *out = v;
-    return 0;
-}
-
-typedef enum { F_STRING, F_INT, F_REAL, F_SEED, F_THREADS, F_SMALL, F_SCHEDULE, F_DEVICE, F_MATH, F_SWITCH } flag_kind;
-
-typedef struct flag {
-    const char *name;
-    flag_kind kind;
-    size_t offset; /* into moe_run_options */
-} flag;
+static moe_status parse_schedule(void *field, const char *value) { return moe_lr_schedule_parse(field, value); }
+static moe_status parse_device(void *field, const char *value) { return moe_device_parse(field, value); }
+static moe_status parse_math(void *field, const char *value) { return moe_gemm_math_parse(field, value); }
 
 #define OPT(field) offsetof(moe_run_options, field)
-static const flag flags[] = {
-    {"--config", F_STRING, OPT(config)},         {"--init-from", F_STRING, OPT(init_from)},
-    {"--data", F_STRING, OPT(data)},             {"--val-data", F_STRING, OPT(val_data)},
-    {"--batch-size", F_INT, OPT(batch_size)},    {"--seq-len", F_INT, OPT(seq_len)},
-    {"--steps", F_INT, OPT(steps)},              {"--lr", F_REAL, OPT(lr)},
-    {"--min-lr", F_REAL, OPT(min_lr)},           {"--warmup", F_INT, OPT(warmup)},
-    {"--lr-schedule", F_SCHEDULE, OPT(lr_schedule)}, {"--weight-decay", F_REAL, OPT(weight_decay)},
-    {"--grad-clip", F_REAL, OPT(grad_clip)},     {"--grad-accum", F_INT, OPT(grad_accum)},
-    {"--seed", F_SEED, OPT(seed)},               {"--threads", F_THREADS, OPT(threads)},
-    {"--out", F_STRING, OPT(out_dir)},           {"--save-every", F_INT, OPT(save_every)},
-    {"--resume", F_STRING, OPT(resume)},         {"--eval-every", F_INT, OPT(eval_every)},
-    {"--eval-batches", F_INT, OPT(eval_batches)}, {"--eval-only", F_SWITCH, OPT(eval_only)},
-    {"--shuffle", F_SWITCH, OPT(shuffle)},       {"--peak-gflops", F_REAL, OPT(peak_gflops)},
-    {"--ep", F_SMALL, OPT(ep)},                  {"--zero", F_SMALL, OPT(zero)},
-    {"--comm-timeout", F_REAL, OPT(comm_timeout)}, {"--overlap", F_SWITCH, OPT(overlap)},
-    {"--device", F_DEVICE, OPT(device)},          {"--gemm-math", F_MATH, OPT(gemm_math)},
-    {"--profile", F_SWITCH, OPT(profile)},
+static const cli_flag flags[] = {
+    {"--config", CLI_STRING, OPT(config), NULL},         {"--init-from", CLI_STRING, OPT(init_from), NULL},
+    {"--data", CLI_STRING, OPT(data), NULL},             {"--val-data", CLI_STRING, OPT(val_data), NULL},
+    {"--batch-size", CLI_INT, OPT(batch_size), NULL},    {"--seq-len", CLI_INT, OPT(seq_len), NULL},
+    {"--steps", CLI_INT, OPT(steps), NULL},              {"--lr", CLI_REAL, OPT(lr), NULL},
+    {"--min-lr", CLI_REAL, OPT(min_lr), NULL},           {"--warmup", CLI_INT, OPT(warmup), NULL},
+    {"--lr-schedule", CLI_PARSED, OPT(lr_schedule), parse_schedule},
+    {"--weight-decay", CLI_REAL, OPT(weight_decay), NULL},
+    {"--grad-clip", CLI_REAL, OPT(grad_clip), NULL},     {"--grad-accum", CLI_INT, OPT(grad_accum), NULL},
+    {"--seed", CLI_SEED, OPT(seed), NULL},               {"--threads", CLI_THREADS, OPT(threads), NULL},
+    {"--out", CLI_STRING, OPT(out_dir), NULL},           {"--save-every", CLI_INT, OPT(save_every), NULL},
+    {"--resume", CLI_STRING, OPT(resume), NULL},         {"--eval-every", CLI_INT, OPT(eval_every), NULL},
+    {"--eval-batches", CLI_INT, OPT(eval_batches), NULL}, {"--eval-only", CLI_SWITCH, OPT(eval_only), NULL},
+    {"--shuffle", CLI_SWITCH, OPT(shuffle), NULL},       {"--peak-gflops", CLI_REAL, OPT(peak_gflops), NULL},
+    {"--ep", CLI_SMALL, OPT(ep), NULL},                  {"--zero", CLI_SMALL, OPT(zero), NULL},
+    {"--comm-timeout", CLI_REAL, OPT(comm_timeout), NULL}, {"--overlap", CLI_SWITCH, OPT(overlap), NULL},
+    {"--device", CLI_PARSED, OPT(device), parse_device}, {"--gemm-math", CLI_PARSED, OPT(gemm_math), parse_math},
+    {"--profile", CLI_SWITCH, OPT(profile), NULL},
 };
 #undef OPT
-
-static int set_flag(moe_run_options *o, const flag *f, const char *value) {
-    void *field = (char *)o + f->offset;
-    int64_t i = 0;
-    switch (f->kind) {
-    case F_STRING: *(const char **)field = value; return 0;
-    case F_INT: return parse_int(field, f->name, value);
-    case F_REAL: return parse_real(field, f->name, value);
-    case F_SEED: return parse_seed(field, f->name, value);
-    case F_THREADS:
-        if (parse_int(&i, f->name, value)) return 2;
-        if (i < 0 || i > INT_MAX)
-            return usage_error("%s %s: expected 0 (OpenMP's default) or a thread count", f->name, value);
-        *(int *)field = (int)i;
-        return 0;
-    case F_SMALL: /* an int field; the run's validation checks the range */
-        if (parse_int(&i, f->name, value)) return 2;
-        if (i < INT_MIN || i > INT_MAX) return usage_error("%s %s: out of range", f->name, value);
-        *(int *)field = (int)i;
-        return 0;
-    case F_SCHEDULE:
-        if (moe_lr_schedule_parse(field, value) != MOE_OK) return usage_error("%s", moe_last_error());
-        return 0;
-    case F_DEVICE:
-        if (moe_device_parse(field, value) != MOE_OK) return usage_error("%s", moe_last_error());
-        return 0;
-    case F_MATH:
-        if (moe_gemm_math_parse(field, value) != MOE_OK) return usage_error("%s", moe_last_error());
-        return 0;
-    case F_SWITCH: *(bool *)field = true; return 0;
-    }
-    return 2;
-}
-
-/* Fills o from argv; 0 on success, 2 on a bad flag, -1 after --help. */
-static int parse_args(moe_run_options *o, int argc, char **argv) {
-    for (int a = 1; a < argc; a++) {
-        const char *arg = argv[a];
-        if (strcmp(arg, "-h") == 0 || strcmp(arg, "--help") == 0) return -1;
-        const char *eq = strchr(arg, '=');
-        const size_t name_len = eq ? (size_t)(eq - arg) : strlen(arg);
-        const flag *f = NULL;
-        for (size_t i = 0; i < sizeof flags / sizeof *flags; i++)
-            if (strlen(flags[i].name) == name_len && strncmp(flags[i].name, arg, name_len) == 0) f = &flags[i];
-        if (!f) return usage_error("unknown option '%s'", arg);
-        const char *value;
-        if (f->kind == F_SWITCH) {
-            if (eq) return usage_error("%s takes no value (got '%s')", f->name, eq + 1);
-            value = NULL;
-        } else if (eq) {
-            value = eq + 1;
-        } else if (a + 1 < argc) {
-            value = argv[++a];
-        } else {
-            return usage_error("%s needs a value", f->name);
-        }
-        int rc = set_flag(o, f, value);
-        if (rc) return rc;
-    }
-    return 0;
-}
 
 /* argv as one shell-quoted line, for run.json. */
 static void join_command_line(char *out, size_t size, int argc, char **argv) {
@@ -283,10 +181,32 @@ static void format_duration(char *out, size_t size, double seconds) {
         snprintf(out, size, "%lds", s);
 }
 
+/* MOE_FAULT_KILL=RANK:STEP, whole numbers and nothing else. */
+static int parse_fault(printer *p, const char *text) {
+    char *end;
+    errno = 0;
+    const long rank = strtol(text, &end, 10);
+    if (end == text || *end != ':' || errno || rank < 0 || rank > INT_MAX) return 1;
+    const char *step_text = end + 1;
+    const long step = strtol(step_text, &end, 10);
+    if (end == step_text || *end != '\0' || errno || step < 1 || step > INT_MAX) return 1;
+    p->kill_rank = (int)rank;
+    p->kill_step = (int)step;
+    return 0;
+}
+
 static void on_start(void *ctx, const moe_run_summary *s) {
     printer *p = ctx;
     const moe_model_config *c = s->config;
     const moe_run_options *o = s->options;
+    /* A fault that cannot happen would let a fault-injection test pass
+     * without one. Every rank reads the same variable, so all stop here. */
+    if (p->kill_rank >= 0 &&
+        (p->kill_rank >= s->ranks || p->kill_step <= s->start_step || p->kill_step > o->steps || o->eval_only)) {
+        fprintf(stderr, PROGRAM ": MOE_FAULT_KILL=%d:%d: no such rank (%d ranks) or step (%lld to %lld)\n",
+                p->kill_rank, p->kill_step, s->ranks, (long long)s->start_step + 1, (long long)o->steps);
+        exit(2);
+    }
     p->rank = s->rank;
     p->quiet = s->rank != 0;
     if (p->quiet) return;
@@ -409,6 +329,17 @@ static void print_kinds(const moe_run_kind_report *r) {
     for (int kind = 0; kind < MOE_SYNTH_KIND_COUNT; kind++)
         printf("%-11s %8lld %8.4f %8.4f %10.3f\n", moe_synth_kind_name(kind), (long long)r->tokens[kind],
                r->loss[kind], r->floor[kind], r->floor[kind] > 0.0 ? r->loss[kind] / r->floor[kind] : NAN);
+    const moe_synth_task_score *t = &r->tasks;
+    if (t->tried[MOE_SYNTH_TASK_SUM] + t->tried[MOE_SYNTH_TASK_COPY] == 0) {
+        printf("\ngreedy answers: not measured (generation needs one process and dropless routing)\n");
+    } else {
+        printf("\ngreedy answers (validation): ");
+        const char *what[MOE_SYNTH_TASK_COUNT] = {"sums", "copies"};
+        for (int k = 0; k < MOE_SYNTH_TASK_COUNT; k++)
+            printf("%s%s %lld/%lld right (%.1f%%)", k ? ", " : "", what[k], (long long)t->solved[k],
+                   (long long)t->tried[k], t->tried[k] ? 100.0 * (double)t->solved[k] / (double)t->tried[k] : 0.0);
+        printf("\n");
+    }
     char title[64];
     snprintf(title, sizeof title, "routing, layer %lld (the last)", (long long)r->n_layers - 1);
     print_routing(r, r->n_layers - 1, title);
@@ -466,13 +397,14 @@ int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IOLBF, 0);
     moe_run_options o;
     moe_run_options_init(&o);
-    int rc = parse_args(&o, argc, argv);
+    cli_program = PROGRAM;
+    int rc = cli_parse_args(&o, flags, sizeof flags / sizeof *flags, argc, argv);
     if (rc < 0) {
         print_help();
         return 0;
     }
     if (rc) return rc;
-    if (moe_run_options_validate(&o) != MOE_OK) return usage_error("%s", moe_last_error());
+    if (moe_run_options_validate(&o) != MOE_OK) return cli_usage_error("%s", moe_last_error());
     static char command_line[COMMAND_LINE_BYTES];
     join_command_line(command_line, sizeof command_line, argc, argv);
     o.command_line = command_line;
@@ -482,8 +414,8 @@ int main(int argc, char **argv) {
     printer p = {.tty = isatty(STDOUT_FILENO), .eval_only = o.eval_only, .rank = rank ? atoi(rank) : 0,
                  .quiet = rank && atoi(rank) != 0, .kill_rank = -1, .kill_step = -1};
     const char *fault = getenv("MOE_FAULT_KILL");
-    if (fault && (sscanf(fault, "%d:%d", &p.kill_rank, &p.kill_step) != 2 || p.kill_step < 1))
-        return usage_error("MOE_FAULT_KILL=%s: expected RANK:STEP with STEP >= 1", fault);
+    if (fault && parse_fault(&p, fault) != 0)
+        return cli_usage_error("MOE_FAULT_KILL=%s: expected RANK:STEP, RANK >= 0 and STEP >= 1", fault);
     const moe_run_callbacks cb = {
         .ctx = &p,
         .on_start = on_start,

@@ -1,0 +1,106 @@
+/* cli_flags.c: see cli_flags.h. */
+#include "engine/cli/cli_flags.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+const char *cli_program = "moe";
+
+int cli_usage_error(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "%s: ", cli_program);
+    vfprintf(stderr, fmt, ap);
+    fprintf(stderr, " (see %s --help)\n", cli_program);
+    va_end(ap);
+    return 2;
+}
+
+static int parse_int(int64_t *out, const char *flag, const char *s) {
+    char *end;
+    errno = 0;
+    long long v = strtoll(s, &end, 10);
+    if (errno || end == s || *end) return cli_usage_error("%s '%s': expected an integer", flag, s);
+    *out = v;
+    return 0;
+}
+
+static int parse_real(double *out, const char *flag, const char *s) {
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno || end == s || *end || !isfinite(v)) return cli_usage_error("%s '%s': expected a number", flag, s);
+    *out = v;
+    return 0;
+}
+
+static int parse_seed(uint64_t *out, const char *flag, const char *s) {
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (errno || end == s || *end || s[0] == '-')
+        return cli_usage_error("%s '%s': expected a non-negative integer", flag, s);
+    *out = v;
+    return 0;
+}
+
+static int set_flag(void *options, const cli_flag *f, const char *value) {
+    void *field = (char *)options + f->offset;
+    int64_t i = 0;
+    switch (f->kind) {
+    case CLI_STRING: *(const char **)field = value; return 0;
+    case CLI_INT: return parse_int(field, f->name, value);
+    case CLI_REAL: return parse_real(field, f->name, value);
+    case CLI_SEED: return parse_seed(field, f->name, value);
+    case CLI_THREADS:
+        if (parse_int(&i, f->name, value)) return 2;
+        if (i < 0 || i > INT_MAX)
+            return cli_usage_error("%s %s: expected 0 (OpenMP's default) or a thread count", f->name, value);
+        *(int *)field = (int)i;
+        return 0;
+    case CLI_SMALL:
+        if (parse_int(&i, f->name, value)) return 2;
+        if (i < INT_MIN || i > INT_MAX) return cli_usage_error("%s %s: out of range", f->name, value);
+        *(int *)field = (int)i;
+        return 0;
+    case CLI_SWITCH: *(bool *)field = true; return 0;
+    case CLI_PARSED:
+        if (f->parse(field, value) != MOE_OK) return cli_usage_error("%s", moe_last_error());
+        return 0;
+    }
+    return 2;
+}
+
+int cli_parse_args(void *options, const cli_flag *flags, size_t n_flags, int argc, char **argv) {
+    for (int a = 1; a < argc; a++) {
+        const char *arg = argv[a];
+        if (strcmp(arg, "-h") == 0 || strcmp(arg, "--help") == 0) return -1;
+        const char *eq = strchr(arg, '=');
+        const size_t name_len = eq ? (size_t)(eq - arg) : strlen(arg);
+        const cli_flag *f = NULL;
+        for (size_t i = 0; i < n_flags; i++)
+            if (strlen(flags[i].name) == name_len && strncmp(flags[i].name, arg, name_len) == 0) f = &flags[i];
+        if (!f) return cli_usage_error("unknown option '%s'", arg);
+        const char *value;
+        if (f->kind == CLI_SWITCH) {
+            if (eq) return cli_usage_error("%s takes no value (got '%s')", f->name, eq + 1);
+            value = NULL;
+        } else if (eq) {
+            value = eq + 1;
+        } else if (a + 1 < argc) {
+            value = argv[++a];
+        } else {
+            return cli_usage_error("%s needs a value", f->name);
+        }
+        int rc = set_flag(options, f, value);
+        if (rc) return rc;
+    }
+    return 0;
+}

@@ -1,0 +1,40 @@
+/* cli_flags.h: the flag parsing the programs share. A program lists its
+ * flags in a table, each naming a field of its options struct and how the
+ * field is read; the values land there as "--flag value" or "--flag=value".
+ * Exit status convention: 2 for a bad flag. */
+#ifndef MOE_ENGINE_CLI_CLI_FLAGS_H
+#define MOE_ENGINE_CLI_CLI_FLAGS_H
+
+#include <stddef.h>
+
+#include "moe.h"
+
+typedef enum cli_kind {
+    CLI_STRING,  /* const char *: the argument itself */
+    CLI_INT,     /* int64_t */
+    CLI_REAL,    /* double, finite */
+    CLI_SEED,    /* uint64_t */
+    CLI_THREADS, /* int: 0 (OpenMP's default) or a count; the program's validation bounds it */
+    CLI_SMALL,   /* int; the program's validation checks the range */
+    CLI_SWITCH,  /* bool, set by the flag alone */
+    CLI_PARSED,  /* parse (a library's parser, whose error names the flag) */
+} cli_kind;
+
+typedef struct cli_flag {
+    const char *name;
+    cli_kind kind;
+    size_t offset; /* of the field in the options struct */
+    moe_status (*parse)(void *field, const char *value); /* CLI_PARSED only */
+} cli_flag;
+
+/* The program's name, for messages; set by main. */
+extern const char *cli_program;
+
+/* Prints "PROGRAM: message (see PROGRAM --help)" on stderr; returns 2. */
+int cli_usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+/* Fills options from argv; 0 on success, 2 on a bad flag (after saying
+ * why), -1 when -h or --help asks for the help text. */
+int cli_parse_args(void *options, const cli_flag *flags, size_t n_flags, int argc, char **argv);
+
+#endif /* MOE_ENGINE_CLI_CLI_FLAGS_H */

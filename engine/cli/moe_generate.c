@@ -1,0 +1,123 @@
+/* moe-generate: continues a prompt with a trained checkpoint
+ * (engine/generate.h does the work); this file parses the flags and prints
+ * what the generation reports.
+ * Exit status: 0 done, 1 the generation failed, 2 bad flags. */
+#include <errno.h>
+#include <limits.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine/cli/cli_flags.h"
+#include "engine/generate.h"
+#include "engine/synthetic.h"
+
+#define PROGRAM "moe-generate"
+
+static void print_help(void) {
+    moe_generate_options d;
+    moe_generate_options_init(&d);
+    printf("Usage: " PROGRAM " --init-from DIR --prompt TEXT [options]\n"
+           "Continues a prompt with a checkpoint's model, on a GPU when one answers and on the\n"
+           "CPU otherwise (--device), and prints each sample as PROMPT|CONTINUATION.\n\n");
+    printf("Input:\n"
+           "  --init-from DIR      the checkpoint: DIR/config.json and DIR/model.safetensors (or its\n"
+           "                       sharded index), e.g. out/step-002500 (required)\n"
+           "  --prompt TEXT        the tokens to continue, in the --tokens form (required)\n"
+           "  --tokens K           how prompts, --stop and samples are written: synthetic (the\n"
+           "                       built-in corpus's token texts, e.g. '<arithmetic>3+4='; spaces\n"
+           "                       between tokens are skipped), bytes (one token per byte;\n"
+           "                       printed with \\n \\t \\r \\\\ and \\xNN escapes) or ids\n"
+           "                       (comma-separated token ids). Default: from the checkpoint's\n"
+           "                       vocab_size: %d synthetic, 256 bytes, else ids\n\n",
+           MOE_SYNTH_VOCAB_SIZE);
+    printf("Generation:\n"
+           "  --samples N          continuations of the prompt, generated together (default %lld)\n"
+           "  --max-new-tokens N   tokens added to each, fewer when --stop comes (default %lld);\n"
+           "                       the prompt plus these must fit max_position_embeddings\n"
+           "  --temperature X      0 = greedy: the most likely token each time; else sample from\n"
+           "                       the probabilities at temperature X (default %g)\n"
+           "  --top-k K            sample among the K most likely tokens only; 0 = all (default %lld)\n"
+           "  --seed N             the draws; sample K's depend on (seed, K) only (default %llu)\n"
+           "  --stop TEXT          one token, in the --tokens form, that ends a sample (e.g. ';');\n"
+           "                       default: none\n\n",
+           (long long)d.samples, (long long)d.max_new_tokens, d.sampling.temperature,
+           (long long)d.sampling.top_k, (unsigned long long)d.sampling.seed);
+    printf("Performance:\n"
+           "  --device D           auto: CUDA when a GPU answers, else the CPU (default); cpu; cuda;\n"
+           "                       cpu-strict (slow; checks that the model keeps to the op table)\n"
+           "  --threads N          OpenMP (and OpenBLAS) threads; 0 = OpenMP's default:\n"
+           "                       OMP_NUM_THREADS, else every core (default)\n\n"
+           "  -h, --help           this text\n\n"
+           "Environment: OMP_NUM_THREADS sets the thread count when --threads is not given.\n");
+}
+
+/* ------------------------------------------------------------------ flags */
+
+static moe_status parse_tokens(void *field, const char *value) { return moe_token_kind_parse(field, value); }
+static moe_status parse_device(void *field, const char *value) { return moe_device_parse(field, value); }
+
+#define OPT(field) offsetof(moe_generate_options, field)
+static const cli_flag flags[] = {
+    {"--init-from", CLI_STRING, OPT(init_from), NULL},
+    {"--prompt", CLI_STRING, OPT(prompt), NULL},
+    {"--samples", CLI_INT, OPT(samples), NULL},
+    {"--max-new-tokens", CLI_INT, OPT(max_new_tokens), NULL},
+    {"--temperature", CLI_REAL, OPT(sampling.temperature), NULL},
+    {"--top-k", CLI_INT, OPT(sampling.top_k), NULL},
+    {"--seed", CLI_SEED, OPT(sampling.seed), NULL},
+    {"--stop", CLI_STRING, OPT(stop), NULL},
+    {"--tokens", CLI_PARSED, OPT(tokens), parse_tokens},
+    {"--device", CLI_PARSED, OPT(device), parse_device},
+    {"--threads", CLI_THREADS, OPT(threads), NULL},
+};
+#undef OPT
+
+/* --------------------------------------------------------------- printing */
+
+static void on_start(void *ctx, const moe_generate_summary *s) {
+    (void)ctx;
+    if (s->device_note) printf("%s\n", s->device_note);
+    printf("checkpoint %s | device %s, %d threads | tokens %s", s->checkpoint, s->device, s->threads,
+           moe_token_kind_name(s->tokens));
+    if (s->tokens_from_vocab)
+        printf(" (from vocab_size %lld)\n", (long long)s->config->vocab_size);
+    else
+        printf(" (--tokens)\n");
+}
+
+static void on_sample(void *ctx, const moe_generate_sample *s) {
+    (void)ctx;
+    printf("sample %lld: %s|%s\n", (long long)s->index, s->prompt_text, s->new_text);
+}
+
+static void on_warning(void *ctx, const char *message) {
+    (void)ctx;
+    fflush(stdout);
+    fprintf(stderr, PROGRAM ": warning: %s\n", message);
+}
+
+int main(int argc, char **argv) {
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    moe_generate_options o;
+    moe_generate_options_init(&o);
+    cli_program = PROGRAM;
+    int rc = cli_parse_args(&o, flags, sizeof flags / sizeof *flags, argc, argv);
+    if (rc < 0) {
+        print_help();
+        return 0;
+    }
+    if (rc) return rc;
+    if (moe_generate_options_validate(&o) != MOE_OK) return cli_usage_error("%s", moe_last_error());
+    const moe_generate_callbacks cb = {.on_start = on_start, .on_sample = on_sample, .on_warning = on_warning};
+    moe_status st = moe_generate_run(&o, &cb);
+    if (st != MOE_OK) {
+        fflush(stdout);
+        fprintf(stderr, PROGRAM ": %s: %s\n", moe_status_string(st), moe_last_error());
+        return 1;
+    }
+    return 0;
+}

@@ -1,0 +1,421 @@
+/* generate.c: greedy and sampled continuation, one forward per token (see
+ * generate.h for why that is exact). */
+#include "engine/generate.h"
+
+#include <math.h>
+#include <omp.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/rng.h"
+#include "common/status.h"
+#include "engine/checkpoint.h"
+#include "engine/run.h"
+#include "engine/synthetic.h"
+
+moe_status moe_sampling_validate(const moe_sampling *s) {
+    if (!s) return moe_error(MOE_ERR_INVALID_ARG, "sampling: NULL");
+    if (!(s->temperature >= 0.0) || !isfinite(s->temperature))
+        return moe_error(MOE_ERR_CONFIG, "--temperature %g must be finite and >= 0 (0: greedy)", s->temperature);
+    if (s->top_k < 0) return moe_error(MOE_ERR_CONFIG, "--top-k %lld must be >= 0 (0: every token)", (long long)s->top_k);
+    return MOE_OK;
+}
+
+/* Whether token a ranks before token b: the larger logit, then the lower id. */
+static bool ranks_before(const float *logits, int32_t a, int32_t b) {
+    return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+}
+
+static int32_t argmax(const float *logits, int64_t V) {
+    int32_t best = 0;
+    for (int32_t i = 1; i < (int32_t)V; i++)
+        if (ranks_before(logits, i, best)) best = i;
+    return best;
+}
+
+/* The k best tokens into ids [k], best first: one pass keeping a sorted
+ * list (k is small next to V where it matters). */
+static void top_tokens(int32_t *ids, int64_t k, const float *logits, int64_t V) {
+    int64_t n = 0;
+    for (int32_t i = 0; i < (int32_t)V; i++) {
+        if (n == k && !ranks_before(logits, i, ids[k - 1])) continue;
+        int64_t j = n < k ? n++ : k - 1;
+        for (; j > 0 && ranks_before(logits, i, ids[j - 1]); j--) ids[j] = ids[j - 1];
+        ids[j] = i;
+    }
+}
+
+int32_t moe_sample_token(int32_t *ids, const float *logits, int64_t V, const moe_sampling *s, uint64_t stream,
+                         uint64_t draw) {
+    if (s->temperature == 0.0 || s->top_k == 1) return argmax(logits, V);
+    const int64_t k = s->top_k > 0 && s->top_k < V ? s->top_k : V;
+    if (k < V)
+        top_tokens(ids, k, logits, V);
+    else
+        for (int32_t i = 0; i < (int32_t)V; i++) ids[i] = i;
+    /* p_i proportional to exp((l_i - max) / temperature), summed in a fixed
+     * order, then the first token whose running sum passes u * total. */
+    const float top = logits[argmax(logits, V)];
+    double total = 0.0;
+    for (int64_t j = 0; j < k; j++) total += exp(((double)logits[ids[j]] - top) / s->temperature);
+    const double u = (double)moe_rng_uniform(s->seed, stream, draw) * total;
+    double run = 0.0;
+    int32_t pick = ids[k - 1];
+    for (int64_t j = 0; j < k; j++) {
+        run += exp(((double)logits[ids[j]] - top) / s->temperature);
+        if (run > u) {
+            pick = ids[j];
+            break;
+        }
+    }
+    return pick;
+}
+
+static moe_status check_rows(const moe_model *model, const int64_t *len, const int64_t *end) {
+    const moe_model_config *c = moe_model_get_config(model);
+    const int64_t B = moe_model_batch_size(model), T = moe_model_seq_len(model);
+    if (moe_model_world_size(model) != 1)
+        return moe_error(MOE_ERR_UNSUPPORTED, "generation runs on one rank, not %d", moe_model_world_size(model));
+    if (c->moe_capacity_factor > 0.0)
+        return moe_error(MOE_ERR_UNSUPPORTED,
+                         "generation needs dropless routing, and this model drops past a capacity factor of %g: "
+                         "the padding past each row's end would compete for the experts' slots",
+                         c->moe_capacity_factor);
+    for (int64_t b = 0; b < B; b++)
+        if (len[b] < 1 || end[b] < len[b] || end[b] > T)
+            return moe_error(MOE_ERR_INVALID_ARG,
+                             "generation: row %lld holds %lld tokens and should grow to %lld, in rows of %lld "
+                             "(at least 1 token to start from)",
+                             (long long)b, (long long)len[b], (long long)end[b], (long long)T);
+    return MOE_OK;
+}
+
+moe_status moe_generate(moe_model *model, int32_t *rows, int64_t *len, const int64_t *end, int32_t stop,
+                        const moe_sampling *sampling) {
+    if (!model || !rows || !len || !end) return moe_error(MOE_ERR_INVALID_ARG, "moe_generate: NULL argument");
+    MOE_TRY(moe_sampling_validate(sampling));
+    MOE_TRY(check_rows(model, len, end));
+    const int64_t B = moe_model_batch_size(model), T = moe_model_seq_len(model);
+    const int64_t V = moe_model_get_config(model)->vocab_size;
+    bool *growing = malloc((size_t)B * sizeof *growing);
+    float *logits = malloc((size_t)V * sizeof *logits);
+    int32_t *scratch = malloc((size_t)V * sizeof *scratch);
+    if (!growing || !logits || !scratch) {
+        free(growing);
+        free(logits);
+        free(scratch);
+        return moe_error(MOE_ERR_OUT_OF_MEMORY, "generation: %lld logits", (long long)V);
+    }
+    for (int64_t b = 0; b < B; b++) {
+        growing[b] = len[b] < end[b];
+        for (int64_t p = len[b]; p < T; p++) rows[b * T + p] = 0;
+    }
+    moe_model_set_training(model, false);
+    moe_status st = MOE_OK;
+    for (;;) {
+        bool any = false;
+        for (int64_t b = 0; b < B; b++) any |= growing[b];
+        if (!any) break;
+        st = moe_model_forward(model, rows, NULL, NULL);
+        for (int64_t b = 0; b < B && st == MOE_OK; b++) {
+            if (!growing[b]) continue;
+            const int64_t p = len[b] - 1;
+            st = moe_model_last_logits(model, b, p, logits);
+            for (int64_t i = 0; i < V && st == MOE_OK; i++)
+                if (!isfinite(logits[i]))
+                    st = moe_error(MOE_ERR_INTERNAL, "generation: row %lld, position %lld: logit %lld is %g",
+                                   (long long)b, (long long)p, (long long)i, (double)logits[i]);
+            if (st != MOE_OK) break;
+            const int32_t token = moe_sample_token(scratch, logits, V, sampling, (uint64_t)b, (uint64_t)len[b]);
+            rows[b * T + len[b]++] = token;
+            growing[b] = len[b] < end[b] && token != stop;
+        }
+        if (st != MOE_OK) break;
+    }
+    free(growing);
+    free(logits);
+    free(scratch);
+    return st;
+}
+
+/* ------------------------------------------- continuing a checkpoint's prompts */
+
+static const char *const token_kind_names[] = {"auto", "synthetic", "bytes", "ids"};
+#define N_TOKEN_KINDS (sizeof token_kind_names / sizeof *token_kind_names)
+
+/* More than the longest text one token takes, separator included:
+ * "<arithmetic>" (12 bytes), "\xff", or an int32 id (10 digits) and its
+ * comma. */
+#define TOKEN_TEXT_BYTES 24
+
+const char *moe_token_kind_name(moe_token_kind kind) {
+    return (unsigned)kind < N_TOKEN_KINDS ? token_kind_names[kind] : "?";
+}
+
+moe_status moe_token_kind_parse(moe_token_kind *kind, const char *name) {
+    for (size_t i = 0; name && i < N_TOKEN_KINDS; i++)
+        if (strcmp(name, token_kind_names[i]) == 0) {
+            *kind = (moe_token_kind)i;
+            return MOE_OK;
+        }
+    return moe_error(MOE_ERR_CONFIG, "--tokens '%s': expected auto, synthetic, bytes or ids", name ? name : "");
+}
+
+void moe_generate_options_init(moe_generate_options *o) {
+    *o = (moe_generate_options){
+        .samples = 1,
+        .max_new_tokens = 32,
+        .sampling = {.temperature = 0.0, .top_k = 0, .seed = 1337},
+        .tokens = MOE_TOKENS_AUTO,
+        .device = MOE_DEVICE_AUTO,
+    };
+}
+
+moe_status moe_generate_options_validate(const moe_generate_options *o) {
+    if (!o) return moe_error(MOE_ERR_INVALID_ARG, "moe_generate_options_validate: NULL options");
+    if (!o->init_from || !o->init_from[0])
+        return moe_error(MOE_ERR_CONFIG, "--init-from DIR is required: the checkpoint to continue prompts with");
+    if (!o->prompt) return moe_error(MOE_ERR_CONFIG, "--prompt TEXT is required: the tokens to continue");
+    if (o->samples <= 0) return moe_error(MOE_ERR_CONFIG, "--samples %lld must be positive", (long long)o->samples);
+    if (o->max_new_tokens <= 0)
+        return moe_error(MOE_ERR_CONFIG, "--max-new-tokens %lld must be positive", (long long)o->max_new_tokens);
+    if ((unsigned)o->tokens >= N_TOKEN_KINDS)
+        return moe_error(MOE_ERR_CONFIG, "--tokens: no kind %d", (int)o->tokens);
+    if (o->threads < 0 || o->threads > MOE_RUN_THREADS_MAX)
+        return moe_error(MOE_ERR_CONFIG, "--threads %d must lie in [0, %d] (this machine has %d cores)", o->threads,
+                         MOE_RUN_THREADS_MAX, omp_get_num_procs());
+    return moe_sampling_validate(&o->sampling);
+}
+
+/* c as an error or a byte-level text shows it: itself when printable, else
+ * an escape. */
+static void escape_byte(char out[5], unsigned char c) {
+    static const char plain[] = {'\n', 'n', '\t', 't', '\r', 'r', '\\', '\\'};
+    for (size_t i = 0; i < sizeof plain; i += 2)
+        if (c == (unsigned char)plain[i]) {
+            snprintf(out, 5, "\\%c", plain[i + 1]);
+            return;
+        }
+    if (c >= 0x20 && c < 0x7f)
+        snprintf(out, 5, "%c", c);
+    else
+        snprintf(out, 5, "\\x%02x", c);
+}
+
+/* The token kind for a vocabulary of V: want, or AUTO's choice. A kind
+ * whose texts cannot write every token of the vocabulary is refused, since
+ * the model may generate any of them. */
+static moe_status choose_tokens(moe_token_kind *kind, moe_token_kind want, int64_t V) {
+    *kind = want;
+    if (want == MOE_TOKENS_AUTO)
+        *kind = V == MOE_SYNTH_VOCAB_SIZE ? MOE_TOKENS_SYNTHETIC : V == 256 ? MOE_TOKENS_BYTES : MOE_TOKENS_IDS;
+    const int64_t most = *kind == MOE_TOKENS_SYNTHETIC ? MOE_SYNTH_VOCAB_SIZE : *kind == MOE_TOKENS_BYTES ? 256 : V;
+    if (V > most)
+        return moe_error(MOE_ERR_CONFIG,
+                         "--tokens %s writes %lld tokens, and the checkpoint's vocab_size is %lld: use --tokens ids",
+                         moe_token_kind_name(*kind), (long long)most, (long long)V);
+    return MOE_OK;
+}
+
+/* Comma-separated decimal ids, each below V, spaces around them skipped. */
+static moe_status parse_ids(int32_t *tokens, int64_t *n, const char *text, int64_t V) {
+    *n = 0;
+    size_t at = strspn(text, " ");
+    if (!text[at]) return MOE_OK;
+    for (;;) {
+        at += strspn(text + at, " ");
+        const size_t start = at;
+        int64_t id = 0;
+        for (; text[at] >= '0' && text[at] <= '9'; at++)
+            if (id < V) id = id * 10 + (text[at] - '0');
+        char c[5] = "";
+        escape_byte(c, (unsigned char)text[at]);
+        if (at == start)
+            return moe_error(MOE_ERR_CONFIG, "byte %zu: %s%s%s where a token id was expected (comma-separated ids)",
+                             at, text[at] ? "'" : "", text[at] ? c : "the end", text[at] ? "'" : "");
+        if (id >= V)
+            return moe_error(MOE_ERR_CONFIG, "byte %zu: token id %.*s is not below the checkpoint's vocab_size %lld",
+                             start, (int)(at - start), text + start, (long long)V);
+        tokens[(*n)++] = (int32_t)id;
+        at += strspn(text + at, " ");
+        if (!text[at]) return MOE_OK;
+        if (text[at] != ',') {
+            escape_byte(c, (unsigned char)text[at]);
+            return moe_error(MOE_ERR_CONFIG, "byte %zu: '%s' where ',' or the end was expected", at, c);
+        }
+        at++;
+    }
+}
+
+/* text in kind's form into *tokens (allocated, [*n]), every token below V;
+ * errors go under flag. */
+static moe_status parse_tokens(int32_t **tokens, int64_t *n, moe_token_kind kind, const char *text, int64_t V,
+                               const char *flag) {
+    const size_t bytes = strlen(text);
+    /* Every token takes at least one byte of text. */
+    if (!(*tokens = malloc((bytes + 1) * sizeof **tokens)))
+        return moe_error(MOE_ERR_OUT_OF_MEMORY, "%s: %zu tokens", flag, bytes);
+    moe_status st = MOE_OK;
+    if (kind == MOE_TOKENS_SYNTHETIC) {
+        st = moe_synth_parse(*tokens, (int64_t)bytes, n, text);
+        for (int64_t i = 0; i < *n && st == MOE_OK; i++)
+            if ((*tokens)[i] >= V)
+                st = moe_error(MOE_ERR_CONFIG, "token %lld, %s, is id %d, not below the checkpoint's vocab_size %lld",
+                               (long long)i, moe_synth_token_text((*tokens)[i]), (int)(*tokens)[i], (long long)V);
+    } else if (kind == MOE_TOKENS_BYTES) {
+        *n = (int64_t)bytes;
+        for (size_t i = 0; i < bytes && st == MOE_OK; i++) {
+            (*tokens)[i] = (unsigned char)text[i];
+            char c[5];
+            escape_byte(c, (unsigned char)text[i]);
+            if ((*tokens)[i] >= V)
+                st = moe_error(MOE_ERR_CONFIG, "byte %zu, '%s', is token %d, not below the checkpoint's vocab_size %lld",
+                               i, c, (int)(*tokens)[i], (long long)V);
+        }
+    } else {
+        st = parse_ids(*tokens, n, text, V);
+    }
+    return st == MOE_OK ? MOE_OK : moe_error_prefix(st, "%s: ", flag);
+}
+
+/* tokens [n] in kind's form into out [n * TOKEN_TEXT_BYTES + 1]. */
+static void render_tokens(char *out, moe_token_kind kind, const int32_t *tokens, int64_t n) {
+    size_t at = 0;
+    out[0] = '\0';
+    for (int64_t i = 0; i < n; i++) {
+        char *p = out + at;
+        if (kind == MOE_TOKENS_SYNTHETIC)
+            snprintf(p, TOKEN_TEXT_BYTES, "%s", moe_synth_token_text(tokens[i]));
+        else if (kind == MOE_TOKENS_BYTES)
+            escape_byte(p, (unsigned char)tokens[i]);
+        else
+            snprintf(p, TOKEN_TEXT_BYTES, "%s%d", i ? "," : "", (int)tokens[i]);
+        at += strlen(p);
+    }
+}
+
+/* What a generation holds, released by free_generation whatever stage it
+ * reached. */
+typedef struct generation {
+    moe_model_config cfg;
+    moe_token_kind kind;
+    int32_t *prompt; /* [n_prompt] */
+    int64_t n_prompt;
+    int32_t stop;    /* negative: none */
+    moe_device_handle device;
+    moe_model *model;
+    int32_t *rows;   /* [B, T] */
+    int64_t *len;    /* [B] */
+    int64_t *end;    /* [B] */
+    char *prompt_text, *new_text; /* [T * TOKEN_TEXT_BYTES + 1] each */
+} generation;
+
+static void free_generation(generation *g) {
+    free(g->prompt);
+    free(g->rows);
+    free(g->len);
+    free(g->end);
+    free(g->prompt_text);
+    free(g->new_text);
+    moe_model_destroy(g->model);
+    moe_device_close(&g->device);
+}
+
+/* The checkpoint's config, the token kind, the prompt and the stop token:
+ * everything that can be refused before a model exists. */
+static moe_status read_inputs(generation *g, const moe_generate_options *o, const moe_generate_callbacks *cb) {
+    moe_status st = moe_checkpoint_load_config(&g->cfg, o->init_from, cb->on_warning, cb->ctx);
+    if (st != MOE_OK) return moe_error_prefix(st, "--init-from %s: ", o->init_from);
+    const int64_t V = g->cfg.vocab_size;
+    MOE_TRY(choose_tokens(&g->kind, o->tokens, V));
+    MOE_TRY(parse_tokens(&g->prompt, &g->n_prompt, g->kind, o->prompt, V, "--prompt"));
+    if (g->n_prompt == 0)
+        return moe_error(MOE_ERR_CONFIG, "--prompt holds no token, and generation needs one to start from%s",
+                         g->kind == MOE_TOKENS_SYNTHETIC
+                             ? ": begin with a document's kind, <arithmetic>, <copy>, <brackets> or <markov>"
+                             : "");
+    g->stop = -1;
+    if (o->stop) {
+        int32_t *stop = NULL;
+        int64_t n = 0;
+        st = parse_tokens(&stop, &n, g->kind, o->stop, V, "--stop");
+        if (st == MOE_OK && n != 1)
+            st = moe_error(MOE_ERR_CONFIG, "--stop '%s' holds %lld tokens; it takes one", o->stop, (long long)n);
+        if (st == MOE_OK) g->stop = stop[0];
+        free(stop);
+        MOE_TRY(st);
+    }
+    if (o->max_new_tokens > g->cfg.max_position_embeddings - g->n_prompt)
+        return moe_error(MOE_ERR_CONFIG,
+                         "--prompt (%lld tokens) + --max-new-tokens %lld exceed the checkpoint's "
+                         "max_position_embeddings %lld (%s/config.json)",
+                         (long long)g->n_prompt, (long long)o->max_new_tokens,
+                         (long long)g->cfg.max_position_embeddings, o->init_from);
+    return MOE_OK;
+}
+
+static moe_status generate_body(generation *g, const moe_generate_options *o, const moe_generate_callbacks *cb) {
+    MOE_TRY(read_inputs(g, o, cb));
+    const int64_t B = o->samples, T = g->n_prompt + o->max_new_tokens;
+    MOE_TRY(moe_device_open(&g->device, o->device, 1));
+    const moe_model_parallel par = {.ops = g->device.ops};
+    /* The seed draws initial values the checkpoint then replaces. */
+    MOE_TRY(moe_model_create_parallel(&g->model, &g->cfg, B, T, 0, &par));
+    moe_status st = moe_checkpoint_load_weights(g->model, o->init_from);
+    if (st != MOE_OK) return moe_error_prefix(st, "--init-from %s: ", o->init_from);
+
+    g->rows = malloc((size_t)(B * T) * sizeof *g->rows);
+    g->len = malloc((size_t)B * sizeof *g->len);
+    g->end = malloc((size_t)B * sizeof *g->end);
+    g->prompt_text = malloc((size_t)T * TOKEN_TEXT_BYTES + 1);
+    g->new_text = malloc((size_t)T * TOKEN_TEXT_BYTES + 1);
+    if (!g->rows || !g->len || !g->end || !g->prompt_text || !g->new_text)
+        return moe_error(MOE_ERR_OUT_OF_MEMORY, "generation: %lld rows of %lld tokens", (long long)B, (long long)T);
+    for (int64_t b = 0; b < B; b++) {
+        memcpy(g->rows + b * T, g->prompt, (size_t)g->n_prompt * sizeof *g->prompt);
+        g->len[b] = g->n_prompt;
+        g->end[b] = T;
+    }
+    const moe_generate_summary summary = {
+        .checkpoint = o->init_from,
+        .config = &g->cfg,
+        .device = g->device.desc,
+        .device_note = g->device.note[0] ? g->device.note : NULL,
+        .threads = omp_get_max_threads(),
+        .tokens = g->kind,
+        .tokens_from_vocab = o->tokens == MOE_TOKENS_AUTO,
+        .prompt_tokens = g->n_prompt,
+        .seq_len = T,
+    };
+    if (cb->on_start) cb->on_start(cb->ctx, &summary);
+    MOE_TRY(moe_generate(g->model, g->rows, g->len, g->end, g->stop, &o->sampling));
+
+    for (int64_t b = 0; b < B; b++) {
+        const int32_t *row = g->rows + b * T;
+        render_tokens(g->prompt_text, g->kind, row, g->n_prompt);
+        render_tokens(g->new_text, g->kind, row + g->n_prompt, g->len[b] - g->n_prompt);
+        const moe_generate_sample sample = {
+            .index = b,
+            .tokens = row,
+            .n = g->len[b],
+            .prompt_tokens = g->n_prompt,
+            .stopped = g->stop >= 0 && g->len[b] > g->n_prompt && row[g->len[b] - 1] == g->stop,
+            .prompt_text = g->prompt_text,
+            .new_text = g->new_text,
+        };
+        if (cb->on_sample) cb->on_sample(cb->ctx, &sample);
+    }
+    return MOE_OK;
+}
+
+moe_status moe_generate_run(const moe_generate_options *o, const moe_generate_callbacks *callbacks) {
+    MOE_TRY(moe_generate_options_validate(o));
+    if (o->threads > 0) omp_set_num_threads(o->threads);
+    const moe_generate_callbacks none = {0};
+    generation g = {0};
+    const moe_status st = generate_body(&g, o, callbacks ? callbacks : &none);
+    free_generation(&g);
+    return st;
+}

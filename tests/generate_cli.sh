@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# moe-generate's flags and output, on the checkpoint that two steps of
+# moe-train leave: every bad flag exits 2 naming itself, a failing
+# generation exits 1, both with 'moe-generate: ' on stderr and nothing on
+# stdout; a good run prints the header line and one line per sample.
+# Usage: generate_cli.sh BINDIR (holding moe-train and moe-generate)
+set -u
+bin=$1
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+export OMP_NUM_THREADS=1
+passed=0 failed=0
+check() { # name, condition status
+    if [ "$2" -eq 0 ]; then echo "PASS: $1"; passed=$((passed + 1)); else echo "FAIL: $1"; failed=$((failed + 1)); fi
+}
+
+cat >"$out/tiny.json" <<'EOF'
+{"vocab_size": 54, "hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 1,
+ "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8, "num_local_experts": 4,
+ "num_experts_per_tok": 2, "max_position_embeddings": 64}
+EOF
+"$bin/moe-train" --config "$out/tiny.json" --steps 2 --batch-size 2 --seq-len 16 --eval-batches 1 \
+    --peak-gflops 1 --device cpu --out "$out/run" >"$out/train.log" 2>&1
+check "moe-train leaves a checkpoint" "$([ -f "$out/run/step-000002/model.safetensors" ]; echo $?)"
+ckpt=$out/run/step-000002
+
+# name, expected exit status, text stderr must hold, flags...
+expect_fail() {
+    local name=$1 want=$2 text=$3
+    shift 3
+    "$bin/moe-generate" "$@" >"$out/stdout" 2>"$out/stderr"
+    local rc=$?
+    local ok=0
+    [ "$rc" -eq "$want" ] || ok=1
+    grep -q "^moe-generate: .*$text" "$out/stderr" || ok=1
+    [ -s "$out/stdout" ] && ok=1
+    check "$name (exit $rc: $(head -c 200 "$out/stderr"))" "$ok"
+}
+p=(--init-from "$ckpt" --prompt '<arithmetic>3+4=' --device cpu)
+expect_fail "--init-from is required" 2 "--init-from DIR is required" --prompt 1
+expect_fail "--prompt is required" 2 "--prompt TEXT is required" --init-from "$ckpt"
+expect_fail "a flag without its value" 2 "--prompt needs a value" --init-from "$ckpt" --prompt
+expect_fail "an unknown flag" 2 "unknown option '--sample'" "${p[@]}" --sample 2
+expect_fail "--samples with trailing garbage" 2 "--samples '2x'" "${p[@]}" --samples 2x
+expect_fail "--samples 0" 2 "--samples 0 must be positive" "${p[@]}" --samples 0
+expect_fail "--max-new-tokens negative" 2 "--max-new-tokens -1 must be positive" "${p[@]}" --max-new-tokens -1
+expect_fail "--max-new-tokens past int64" 2 "--max-new-tokens '99999999999999999999'" "${p[@]}" \
+    --max-new-tokens 99999999999999999999
+expect_fail "--temperature not finite" 2 "--temperature 'nan'" "${p[@]}" --temperature nan
+expect_fail "--temperature negative" 2 "--temperature -0.5 must be" "${p[@]}" --temperature -0.5
+expect_fail "--top-k negative" 2 "--top-k -3 must be" "${p[@]}" --top-k=-3
+expect_fail "--seed negative" 2 "--seed '-1'" "${p[@]}" --seed -1
+expect_fail "--threads negative" 2 "--threads -1" "${p[@]}" --threads -1
+expect_fail "--tokens unknown" 2 "--tokens 'words'" "${p[@]}" --tokens words
+expect_fail "--device unknown" 2 "--device 'gpu'" "${p[@]}" --device gpu
+expect_fail "a missing checkpoint" 1 "--init-from $out/absent: " --init-from "$out/absent" --prompt 1
+expect_fail "a character outside the vocabulary" 1 "--prompt: byte 4: 'x'" "${p[@]}" --prompt '3+4=x'
+expect_fail "an empty prompt" 1 "<arithmetic>" "${p[@]}" --prompt ''
+expect_fail "more positions than the model has" 1 "max_position_embeddings 64" "${p[@]}" --max-new-tokens 60
+expect_fail "a stop of two tokens" 1 "--stop ';;' holds 2 tokens" "${p[@]}" --stop ';;'
+
+"$bin/moe-generate" --help >"$out/help" 2>&1
+rc=$?
+missing=""
+for f in --init-from --prompt --samples --max-new-tokens --temperature --top-k --seed --stop --tokens --device \
+    --threads; do
+    grep -q -- "$f" "$out/help" || missing="$missing $f"
+done
+check "--help exits 0 and names every flag (missing:${missing:- none})" "$([ "$rc" -eq 0 ] && [ -z "$missing" ]; echo $?)"
+
+"$bin/moe-generate" "${p[@]}" --samples 2 --max-new-tokens 5 --temperature 0.8 --top-k 4 --seed 9 --threads 1 \
+    >"$out/gen" 2>"$out/gen.err"
+rc=$?
+check "a run exits 0 (exit $rc: $(head -c 200 "$out/gen.err"))" "$rc"
+check "the header names checkpoint, device and token kind" \
+    "$(head -n 1 "$out/gen" | grep -qxF "checkpoint $ckpt | device cpu, 1 threads | tokens synthetic (from vocab_size 54)"; echo $?)"
+check "one line per sample, the prompt before '|'" \
+    "$([ "$(grep -c '^sample [01]: <arithmetic>3+4=|.' "$out/gen")" -eq 2 ] && [ "$(wc -l <"$out/gen")" -eq 3 ]; echo $?)"
+"$bin/moe-generate" "${p[@]}" --prompt '4,15' --tokens ids --max-new-tokens 3 --threads 1 >"$out/ids" 2>&1
+check "ids are comma-separated (--tokens)" \
+    "$(grep -qx 'sample 0: 4,15|[0-9]\{1,2\},[0-9]\{1,2\},[0-9]\{1,2\}' "$out/ids" && grep -q 'tokens ids (--tokens)' "$out/ids"; echo $?)"
+if [ "$failed" -ne 0 ]; then
+    echo "--- outputs:"
+    tail -n 5 "$out/train.log" "$out/gen" "$out/gen.err" "$out/ids"
+fi
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]

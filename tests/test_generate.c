@@ -1,0 +1,243 @@
+/* test_generate.c: the generation core (engine/generate.h).
+ *
+ * Generation without a key-value cache rests on one property of the
+ * model: the logits at position p do not depend on the tokens after p, nor
+ * on the other rows, while routing is dropless. The first test checks that
+ * (up to the last bits of a float sum); the others check moe_generate against argmax and draws
+ * taken from full forwards, and the sampler's distribution against the
+ * softmax it claims. */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/rng.h"
+#include "engine/generate.h"
+#include "engine/model.h"
+
+#define VOCAB 32
+#define B 2
+#define T 16
+#define SEED 7
+
+static moe_model *small_model(int64_t rows, double capacity_factor) {
+    moe_model_config cfg;
+    moe_model_config_default_small(&cfg, VOCAB);
+    cfg.hidden_size = 32;
+    cfg.head_dim = 8;
+    cfg.intermediate_size = 48;
+    cfg.num_hidden_layers = 2;
+    cfg.moe_capacity_factor = capacity_factor;
+    moe_model *m = NULL;
+    cr_assert_eq(moe_model_create(&m, &cfg, rows, T, SEED), MOE_OK, "%s", moe_last_error());
+    /* Larger weights than the N(0, 0.02) start, so that the logits differ
+     * by more than rounding and argmax is not decided by ties. */
+    float *p = moe_model_params(m);
+    for (int64_t i = 0; i < moe_model_param_count(m); i++) p[i] *= 20.0f;
+    moe_model_set_training(m, false);
+    return m;
+}
+
+static void random_tokens(int32_t *tokens, int64_t n, uint64_t stream) {
+    for (int64_t i = 0; i < n; i++) tokens[i] = (int32_t)(moe_rng_bits(SEED, stream, (uint64_t)i) % VOCAB);
+}
+
+static void all_logits(moe_model *m, int64_t rows, float *out /* [rows, T, VOCAB] */) {
+    for (int64_t b = 0; b < rows; b++)
+        for (int64_t p = 0; p < T; p++)
+            cr_assert_eq(moe_model_last_logits(m, b, p, out + (b * T + p) * VOCAB), MOE_OK, "%s",
+                         moe_last_error());
+}
+
+Test(generate, logits_at_p_ignore_later_tokens_and_other_rows) {
+    moe_model *m = small_model(B, 0.0);
+    int32_t tokens[B * T];
+    static float before[B * T * VOCAB], after[B * T * VOCAB];
+    random_tokens(tokens, B * T, 1);
+    cr_assert_eq(moe_model_forward(m, tokens, NULL, NULL), MOE_OK, "%s", moe_last_error());
+    all_logits(m, B, before);
+    /* Row 0 changes from position 6 on, row 1 entirely. */
+    const int64_t cut = 6;
+    for (int64_t p = cut; p < T; p++) tokens[p] = (tokens[p] + 5) % VOCAB;
+    for (int64_t p = 0; p < T; p++) tokens[T + p] = (tokens[T + p] + 3) % VOCAB;
+    cr_assert_eq(moe_model_forward(m, tokens, NULL, NULL), MOE_OK, "%s", moe_last_error());
+    all_logits(m, B, after);
+    /* Not bit for bit: the rows each expert gets change with the other
+     * tokens, and with them where a row falls in the experts' GEMM blocks,
+     * so the last bits of a sum may move. Within 1e-6 of the largest logit;
+     * a token that leaked through attention or routing moves the logits by
+     * percents of it. */
+    double worst = 0.0, scale = 0.0;
+    for (int64_t i = 0; i < cut * VOCAB; i++) {
+        worst = fmax(worst, fabs(before[i] - after[i]));
+        scale = fmax(scale, fabs(before[i]));
+    }
+    cr_expect(worst <= 1e-6 * scale, "row 0's logits before position %lld moved by %g (largest %g) when later tokens "
+              "or row 1 changed", (long long)cut, worst, scale);
+    /* The test could not fail if nothing moved at all. */
+    cr_expect_neq(memcmp(before + cut * VOCAB, after + cut * VOCAB, (size_t)(T - cut) * VOCAB * sizeof(float)), 0);
+    moe_model_destroy(m);
+}
+
+Test(generate, greedy_rows_are_the_argmax_of_a_full_forward) {
+    moe_model *m = small_model(B, 0.0);
+    int32_t rows[B * T];
+    random_tokens(rows, B * T, 2);
+    int64_t len[B] = {3, 5}, end[B] = {12, T};
+    const moe_sampling greedy = {.temperature = 0.0, .top_k = 0, .seed = 1};
+    cr_assert_eq(moe_generate(m, rows, len, end, -1, &greedy), MOE_OK, "%s", moe_last_error());
+    cr_assert(len[0] == 12 && len[1] == T, "lengths %lld %lld", (long long)len[0], (long long)len[1]);
+    for (int64_t p = 12; p < T; p++) cr_expect_eq(rows[p], 0, "row 0 position %lld past its end", (long long)p);
+
+    cr_assert_eq(moe_model_forward(m, rows, NULL, NULL), MOE_OK, "%s", moe_last_error());
+    const int64_t prompt[B] = {3, 5};
+    float logits[VOCAB];
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t p = prompt[b]; p < len[b]; p++) {
+            cr_assert_eq(moe_model_last_logits(m, b, p - 1, logits), MOE_OK, "%s", moe_last_error());
+            int32_t best = 0;
+            for (int32_t i = 1; i < VOCAB; i++)
+                if (logits[i] > logits[best]) best = i;
+            cr_expect_eq(rows[b * T + p], best, "row %lld position %lld: generated %d, argmax %d", (long long)b,
+                         (long long)p, rows[b * T + p], best);
+        }
+    moe_model_destroy(m);
+}
+
+/* A row's draws depend on (seed, row, position): the same prompt sampled
+ * as row 0 of a batch of 2 and of a batch of 1 gives the same tokens, and
+ * the same call twice gives the same rows. */
+Test(generate, sampled_rows_depend_on_seed_row_and_position_only) {
+    const moe_sampling s = {.temperature = 1.5, .top_k = 0, .seed = 99};
+    moe_model *two = small_model(2, 0.0), *one = small_model(1, 0.0);
+    int32_t a[2 * T], again[2 * T], single[T];
+    random_tokens(a, 2 * T, 3);
+    memcpy(again, a, sizeof a);
+    memcpy(single, a, sizeof single);
+    int64_t len_a[2] = {4, 2}, len_again[2] = {4, 2}, len_single[1] = {4};
+    const int64_t end[2] = {T, T};
+    cr_assert_eq(moe_generate(two, a, len_a, end, -1, &s), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(moe_generate(two, again, len_again, end, -1, &s), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(moe_generate(one, single, len_single, end, -1, &s), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(memcmp(a, again, sizeof a), 0, "the same call gave other rows");
+    cr_expect_eq(memcmp(a, single, sizeof single), 0, "row 0 depends on the batch it is in");
+    moe_model_destroy(two);
+    moe_model_destroy(one);
+}
+
+Test(generate, a_row_stops_after_the_stop_token) {
+    moe_model *m = small_model(B, 0.0);
+    int32_t rows[B * T];
+    random_tokens(rows, B * T, 4);
+    int64_t len[B] = {2, 2}, end[B] = {T, T};
+    const moe_sampling greedy = {0};
+    cr_assert_eq(moe_generate(m, rows, len, end, -1, &greedy), MOE_OK, "%s", moe_last_error());
+    /* Stop at the token greedy wrote at position 4 of row 0. */
+    const int32_t stop = rows[4];
+    int64_t first = 2;
+    while (rows[first] != stop) first++;
+    random_tokens(rows, B * T, 4);
+    int64_t len2[B] = {2, 2};
+    cr_assert_eq(moe_generate(m, rows, len2, end, stop, &greedy), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(len2[0], first + 1, "row 0 ended at %lld, the stop token first comes at %lld", (long long)len2[0],
+                 (long long)first);
+    cr_expect_eq(rows[first], stop);
+    moe_model_destroy(m);
+}
+
+Test(generate, refuses_capacity_bad_lengths_and_bad_sampling) {
+    int32_t rows[B * T] = {0};
+    int64_t len[B] = {1, 1}, end[B] = {T, T};
+    const moe_sampling greedy = {0};
+    moe_model *dropping = small_model(B, 1.25);
+    cr_expect_eq(moe_generate(dropping, rows, len, end, -1, &greedy), MOE_ERR_UNSUPPORTED);
+    cr_expect(strstr(moe_last_error(), "capacity factor of 1.25"), "%s", moe_last_error());
+    moe_model_destroy(dropping);
+
+    moe_model *m = small_model(B, 0.0);
+    int64_t empty[B] = {1, 0};
+    cr_expect_eq(moe_generate(m, rows, empty, end, -1, &greedy), MOE_ERR_INVALID_ARG);
+    cr_expect(strstr(moe_last_error(), "row 1 holds 0 tokens"), "%s", moe_last_error());
+    int64_t too_far[B] = {T, T + 1};
+    cr_expect_eq(moe_generate(m, rows, len, too_far, -1, &greedy), MOE_ERR_INVALID_ARG);
+    const moe_sampling cold = {.temperature = -1.0}, nan_t = {.temperature = NAN}, neg_k = {.top_k = -2};
+    cr_expect_eq(moe_generate(m, rows, len, end, -1, &cold), MOE_ERR_CONFIG);
+    cr_expect_eq(moe_generate(m, rows, len, end, -1, &nan_t), MOE_ERR_CONFIG);
+    cr_expect_eq(moe_generate(m, rows, len, end, -1, &neg_k), MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "--top-k -2"), "%s", moe_last_error());
+    moe_model_destroy(m);
+}
+
+Test(generate, last_logits_refused_after_a_backward) {
+    moe_model *m = small_model(B, 0.0);
+    int32_t tokens[B * T], targets[B * T];
+    random_tokens(tokens, B * T, 5);
+    random_tokens(targets, B * T, 6);
+    float logits[VOCAB];
+    cr_assert_eq(moe_model_forward(m, tokens, targets, NULL), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(moe_model_last_logits(m, 1, T - 1, logits), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(moe_model_last_logits(m, B, 0, logits), MOE_ERR_INVALID_ARG);
+    cr_expect_eq(moe_model_last_logits(m, 0, T, logits), MOE_ERR_INVALID_ARG);
+    cr_assert_eq(moe_model_backward(m, 1.0f), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(moe_model_last_logits(m, 0, 0, logits), MOE_ERR_STATE);
+    moe_model_destroy(m);
+}
+
+/* ------------------------------------------------------------- the sampler */
+
+#define SV 6
+
+Test(sample_token, greedy_and_top1_take_the_lowest_id_among_the_best) {
+    const float logits[SV] = {0.5f, 2.0f, -1.0f, 2.0f, 1.9f, 0.0f};
+    int32_t scratch[SV];
+    const moe_sampling greedy = {0}, top1 = {.temperature = 3.0, .top_k = 1, .seed = 5};
+    for (uint64_t d = 0; d < 50; d++) {
+        cr_expect_eq(moe_sample_token(scratch, logits, SV, &greedy, 0, d), 1);
+        cr_expect_eq(moe_sample_token(scratch, logits, SV, &top1, 0, d), 1);
+    }
+}
+
+/* Frequencies over DRAWS draws against softmax(l / temperature) over the
+ * allowed tokens: each within 5 standard deviations of its expectation
+ * (a false failure about once in 10^6 runs per token; the draws are fixed
+ * by the seed, so a pass is repeatable). */
+#define DRAWS 40000
+
+static void expect_frequencies(const float *logits, const moe_sampling *s) {
+    int32_t scratch[SV];
+    int64_t count[SV] = {0};
+    for (uint64_t d = 0; d < DRAWS; d++) count[moe_sample_token(scratch, logits, SV, s, 3, d)]++;
+    /* The allowed tokens: the top_k by (logit, then lower id). */
+    bool allowed[SV];
+    for (int i = 0; i < SV; i++) {
+        int better = 0;
+        for (int j = 0; j < SV; j++) better += logits[j] > logits[i] || (logits[j] == logits[i] && j < i);
+        allowed[i] = s->top_k == 0 || better < s->top_k;
+    }
+    double z = 0.0;
+    for (int i = 0; i < SV; i++) z += allowed[i] ? exp(logits[i] / s->temperature) : 0.0;
+    for (int i = 0; i < SV; i++) {
+        const double p = allowed[i] ? exp(logits[i] / s->temperature) / z : 0.0;
+        const double mean = p * DRAWS, sd = sqrt(DRAWS * p * (1.0 - p));
+        if (p == 0.0)
+            cr_expect_eq(count[i], 0, "token %d is outside the top %lld but was drawn %lld times", i,
+                         (long long)s->top_k, (long long)count[i]);
+        else
+            cr_expect(fabs((double)count[i] - mean) <= 5.0 * sd,
+                      "token %d: %lld draws, expected %.1f +- %.1f (temperature %g, top_k %lld)", i,
+                      (long long)count[i], mean, sd, s->temperature, (long long)s->top_k);
+    }
+}
+
+Test(sample_token, draws_follow_the_tempered_softmax) {
+    const float logits[SV] = {0.5f, 2.0f, -1.0f, 1.0f, 1.9f, 0.0f};
+    expect_frequencies(logits, &(moe_sampling){.temperature = 1.0, .top_k = 0, .seed = 11});
+    expect_frequencies(logits, &(moe_sampling){.temperature = 0.5, .top_k = 0, .seed = 12});
+    expect_frequencies(logits, &(moe_sampling){.temperature = 2.0, .top_k = 3, .seed = 13});
+}
+
+Test(sample_token, top_k_breaks_ties_by_lower_id) {
+    /* Tokens 1, 3 and 4 tie for best; top 2 allows 1 and 3 only. */
+    const float logits[SV] = {0.0f, 1.0f, 0.0f, 1.0f, 1.0f, 0.0f};
+    expect_frequencies(logits, &(moe_sampling){.temperature = 1.0, .top_k = 2, .seed = 14});
+}

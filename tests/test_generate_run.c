@@ -1,0 +1,399 @@
+/* test_generate_run.c: moe_generate_run (engine/generate.h) on checkpoints
+ * of tiny models with random weights, against moe_generate called directly
+ * on a model holding the same weights; its errors; and moe_synth_parse,
+ * the synthetic corpus's text-to-tokens inverse.
+ *
+ * Tokens must match exactly: both sides run the same shapes on the same
+ * thread count (one: the test stays fast on a busy machine), so every
+ * logit is the same float. */
+#define _XOPEN_SOURCE 700
+#include <criterion/criterion.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine/checkpoint.h"
+#include "engine/generate.h"
+#include "engine/synthetic.h"
+
+#define TEST_TMPDIR_TEMPLATE "/tmp/moe_gen_XXXXXX"
+#include "test_files.h"
+
+#define THREADS 1
+#define MAX_SAMPLES 4
+#define MAX_TOKENS 64
+#define TEXT_BYTES 1024
+
+/* ------------------------------------------------------------ the model */
+
+static moe_model_config tiny_config(int64_t vocab, int64_t max_positions) {
+    moe_model_config c;
+    moe_model_config_default_small(&c, vocab);
+    c.hidden_size = 16;
+    c.intermediate_size = 16;
+    c.num_hidden_layers = 2;
+    c.num_attention_heads = 2;
+    c.num_key_value_heads = 1;
+    c.head_dim = 8;
+    c.num_local_experts = 4;
+    c.num_experts_per_tok = 2;
+    c.max_position_embeddings = max_positions;
+    return c;
+}
+
+static uint64_t splitmix(uint64_t *s) {
+    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+/* A checkpoint of cfg under out, with weights uniform in [-0.5, 0.5):
+ * larger than the initial N(0, 0.02), so that the logits differ enough for
+ * the continuations to vary. Its directory goes to dir [768]; the weights
+ * come back (free() them). */
+static float *save_checkpoint(char *dir, const moe_model_config *cfg, const char *out, uint64_t seed) {
+    moe_model *m = NULL;
+    cr_assert_eq(moe_model_create(&m, cfg, 1, 4, seed), MOE_OK, "%s", moe_last_error());
+    const int64_t n = moe_model_param_count(m);
+    float *p = moe_model_params(m);
+    for (int64_t i = 0; i < n; i++) p[i] = (float)((double)(splitmix(&seed) >> 11) * 0x1p-53 - 0.5);
+    float *weights = malloc((size_t)n * sizeof *weights);
+    cr_assert_not_null(weights);
+    memcpy(weights, p, (size_t)n * sizeof *weights);
+    moe_trainer *t = NULL;
+    moe_optim_config oc = MOE_OPTIM_CONFIG_INIT;
+    cr_assert_eq(moe_trainer_create(&t, m, &oc), MOE_OK, "%s", moe_last_error());
+    const moe_train_state state = {.seed = seed};
+    cr_assert_eq(moe_checkpoint_save(dir, 768, out, m, t, &state), MOE_OK, "%s", moe_last_error());
+    moe_trainer_destroy(t);
+    moe_model_destroy(m);
+    return weights;
+}
+
+/* moe_generate on a model of [samples, prompt + new] holding weights: the
+ * reference. rows [samples, T] and len [samples] come back. */
+static void reference(int32_t *rows, int64_t *len, const moe_model_config *cfg, const float *weights,
+                      const int32_t *prompt, int64_t n_prompt, int64_t samples, int64_t new_tokens, int32_t stop,
+                      const moe_sampling *s) {
+    const int64_t T = n_prompt + new_tokens;
+    moe_model *m = NULL;
+    cr_assert_eq(moe_model_create(&m, cfg, samples, T, 99), MOE_OK, "%s", moe_last_error());
+    memcpy(moe_model_params(m), weights, (size_t)moe_model_param_count(m) * sizeof *weights);
+    int64_t end[MAX_SAMPLES];
+    for (int64_t b = 0; b < samples; b++) {
+        memcpy(rows + b * T, prompt, (size_t)n_prompt * sizeof *prompt);
+        len[b] = n_prompt;
+        end[b] = T;
+    }
+    cr_assert_eq(moe_generate(m, rows, len, end, stop, s), MOE_OK, "%s", moe_last_error());
+    moe_model_destroy(m);
+}
+
+/* ------------------------------------------------------------ collecting */
+
+typedef struct got_sample {
+    int32_t tokens[MAX_TOKENS];
+    int64_t n, prompt_tokens;
+    bool stopped;
+    char prompt_text[TEXT_BYTES], new_text[TEXT_BYTES];
+} got_sample;
+
+typedef struct collected {
+    bool started;
+    moe_generate_summary summary; /* its pointers are dead after the run */
+    int64_t count;
+    got_sample samples[MAX_SAMPLES];
+} collected;
+
+static void on_start(void *ctx, const moe_generate_summary *s) {
+    collected *c = ctx;
+    c->started = true;
+    c->summary = *s;
+}
+
+static void on_sample(void *ctx, const moe_generate_sample *s) {
+    collected *c = ctx;
+    cr_assert_eq(s->index, c->count, "samples come in order");
+    cr_assert_lt(c->count, MAX_SAMPLES);
+    cr_assert_leq(s->n, MAX_TOKENS);
+    got_sample *g = &c->samples[c->count++];
+    memcpy(g->tokens, s->tokens, (size_t)s->n * sizeof *s->tokens);
+    g->n = s->n;
+    g->prompt_tokens = s->prompt_tokens;
+    g->stopped = s->stopped;
+    snprintf(g->prompt_text, TEXT_BYTES, "%s", s->prompt_text);
+    snprintf(g->new_text, TEXT_BYTES, "%s", s->new_text);
+}
+
+static moe_generate_options options(const char *dir, const char *prompt) {
+    moe_generate_options o;
+    moe_generate_options_init(&o);
+    o.init_from = dir;
+    o.prompt = prompt;
+    o.device = MOE_DEVICE_CPU;
+    o.threads = THREADS;
+    return o;
+}
+
+static collected run_ok(const moe_generate_options *o) {
+    collected c = {0};
+    const moe_generate_callbacks cb = {.ctx = &c, .on_start = on_start, .on_sample = on_sample};
+    cr_assert_eq(moe_generate_run(o, &cb), MOE_OK, "%s", moe_last_error());
+    cr_assert(c.started);
+    cr_assert_eq(c.count, o->samples);
+    return c;
+}
+
+static void expect_error(const moe_generate_options *o, const char *a, const char *b) {
+    collected c = {0};
+    const moe_generate_callbacks cb = {.ctx = &c, .on_start = on_start, .on_sample = on_sample};
+    cr_assert_neq(moe_generate_run(o, &cb), MOE_OK, "expected a failure naming '%s'", a);
+    const char *e = moe_last_error();
+    cr_expect(strstr(e, a) && (!b || strstr(e, b)), "error \"%s\" should name '%s' and '%s'", e, a, b ? b : "");
+    cr_expect_eq(c.count, 0, "a failed run reports no sample");
+}
+
+/* Each sample's tokens against the reference rows [samples, T]; names the
+ * first position that differs. */
+static void expect_rows(const collected *c, const int32_t *rows, const int64_t *len, int64_t T) {
+    for (int64_t b = 0; b < c->count; b++) {
+        const got_sample *g = &c->samples[b];
+        cr_expect_eq(g->n, len[b], "sample %lld: %lld tokens, the reference %lld", (long long)b, (long long)g->n,
+                     (long long)len[b]);
+        for (int64_t p = 0; p < g->n && p < len[b]; p++)
+            if (g->tokens[p] != rows[b * T + p]) {
+                cr_expect_fail("sample %lld, position %lld: token %d, the reference %d", (long long)b, (long long)p,
+                               g->tokens[p], rows[b * T + p]);
+                break;
+            }
+    }
+}
+
+/* ------------------------------------------------------------ generation */
+
+Test(generate_run, greedy_synthetic_matches_moe_generate, .init = make_tmpdir, .fini = remove_tmpdir) {
+    const moe_model_config cfg = tiny_config(MOE_SYNTH_VOCAB_SIZE, 4096);
+    char dir[768];
+    float *w = save_checkpoint(dir, &cfg, in_tmp("out"), 11);
+    moe_generate_options o = options(dir, "<arithmetic> 3+4=");
+    o.samples = 2;
+    o.max_new_tokens = 12;
+    const collected c = run_ok(&o);
+    cr_expect_eq(c.summary.tokens, MOE_TOKENS_SYNTHETIC);
+    cr_expect(c.summary.tokens_from_vocab);
+    cr_expect_eq(c.summary.prompt_tokens, 5);
+    cr_expect_eq(c.summary.seq_len, 17);
+
+    const int32_t prompt[] = {MOE_SYNTH_TOK_BOS + MOE_SYNTH_ARITH, MOE_SYNTH_TOK_DIGIT + 3, MOE_SYNTH_TOK_PLUS,
+                              MOE_SYNTH_TOK_DIGIT + 4, MOE_SYNTH_TOK_EQUALS};
+    int32_t rows[2 * 17];
+    int64_t len[2];
+    reference(rows, len, &cfg, w, prompt, 5, 2, 12, -1, &o.sampling);
+    expect_rows(&c, rows, len, 17);
+    for (int64_t b = 0; b < 2; b++) {
+        const got_sample *g = &c.samples[b];
+        cr_expect_eq(g->n, 17, "no stop token: every sample runs to the end");
+        cr_expect_not(g->stopped);
+        cr_expect_str_eq(g->prompt_text, "<arithmetic>3+4=");
+        char want[TEXT_BYTES] = "";
+        for (int64_t p = 5; p < len[b]; p++) strcat(want, moe_synth_token_text(rows[b * 17 + p]));
+        cr_expect_str_eq(g->new_text, want);
+    }
+    free(w);
+}
+
+Test(generate_run, sampled_ids_with_stop_match_moe_generate, .init = make_tmpdir, .fini = remove_tmpdir) {
+    const moe_model_config cfg = tiny_config(11, 4096);
+    char dir[768];
+    float *w = save_checkpoint(dir, &cfg, in_tmp("out"), 12);
+    moe_generate_options o = options(dir, " 1, 2 ,10");
+    o.samples = 3;
+    o.max_new_tokens = 20;
+    o.sampling = (moe_sampling){.temperature = 1.5, .top_k = 6, .seed = 5};
+    o.stop = "3";
+    const collected c = run_ok(&o);
+    cr_expect_eq(c.summary.tokens, MOE_TOKENS_IDS);
+    cr_expect(c.summary.tokens_from_vocab);
+
+    const int32_t prompt[] = {1, 2, 10};
+    int32_t rows[3 * 23];
+    int64_t len[3];
+    reference(rows, len, &cfg, w, prompt, 3, 3, 20, 3, &o.sampling);
+    expect_rows(&c, rows, len, 23);
+    int64_t stopped = 0;
+    for (int64_t b = 0; b < 3; b++) {
+        const got_sample *g = &c.samples[b];
+        const bool ends_on_stop = len[b] > 3 && rows[b * 23 + len[b] - 1] == 3;
+        cr_expect_eq(g->stopped, ends_on_stop, "sample %lld", (long long)b);
+        cr_expect(ends_on_stop || len[b] == 23, "sample %lld ends early without its stop token", (long long)b);
+        stopped += ends_on_stop;
+        cr_expect_str_eq(g->prompt_text, "1,2,10");
+        char want[TEXT_BYTES] = "";
+        for (int64_t p = 3; p < len[b]; p++)
+            snprintf(want + strlen(want), TEXT_BYTES - strlen(want), "%s%d", p > 3 ? "," : "", rows[b * 23 + p]);
+        cr_expect_str_eq(g->new_text, want);
+    }
+    cr_expect_gt(stopped, 0, "the seed was picked so that some sample meets the stop token");
+
+    /* Sample 0 alone draws what it drew beside the others. */
+    o.samples = 1;
+    const collected one = run_ok(&o);
+    cr_expect_eq(one.samples[0].n, c.samples[0].n);
+    cr_expect_eq(memcmp(one.samples[0].tokens, c.samples[0].tokens, (size_t)c.samples[0].n * sizeof(int32_t)), 0,
+                 "sample 0 changed with the number of samples");
+    free(w);
+}
+
+/* The byte-level text of tokens [n], written without generate.c's table. */
+static void escape_bytes(char *out, const int32_t *tokens, int64_t n) {
+    out[0] = '\0';
+    for (int64_t i = 0; i < n; i++) {
+        const int c = tokens[i];
+        char *p = out + strlen(out);
+        if (c == '\n') strcpy(p, "\\n");
+        else if (c == '\t') strcpy(p, "\\t");
+        else if (c == '\r') strcpy(p, "\\r");
+        else if (c == '\\') strcpy(p, "\\\\");
+        else if (c >= ' ' && c <= '~') p[0] = (char)c, p[1] = '\0';
+        else sprintf(p, "\\x%02x", c);
+    }
+}
+
+Test(generate_run, bytes_are_escaped, .init = make_tmpdir, .fini = remove_tmpdir) {
+    const moe_model_config cfg = tiny_config(256, 4096);
+    char dir[768];
+    float *w = save_checkpoint(dir, &cfg, in_tmp("out"), 13);
+    moe_generate_options o = options(dir, "a\nb\x01\\\xff");
+    o.max_new_tokens = 24;
+    o.sampling = (moe_sampling){.temperature = 1.0, .seed = 3};
+    const collected c = run_ok(&o);
+    cr_expect_eq(c.summary.tokens, MOE_TOKENS_BYTES);
+    const got_sample *g = &c.samples[0];
+    cr_expect_str_eq(g->prompt_text, "a\\nb\\x01\\\\\\xff");
+    const int32_t prompt[] = {'a', '\n', 'b', 1, '\\', 0xff};
+    int32_t rows[30];
+    int64_t len[1];
+    reference(rows, len, &cfg, w, prompt, 6, 1, 24, -1, &o.sampling);
+    expect_rows(&c, rows, len, 30);
+    char want[TEXT_BYTES];
+    escape_bytes(want, rows + 6, len[0] - 6);
+    cr_expect_str_eq(g->new_text, want);
+
+    /* Named explicitly, the same kind is no longer chosen from the vocabulary. */
+    o.tokens = MOE_TOKENS_BYTES;
+    cr_expect_not(run_ok(&o).summary.tokens_from_vocab);
+    /* The synthetic texts cannot write tokens past 53. */
+    o.tokens = MOE_TOKENS_SYNTHETIC;
+    o.prompt = "<copy>";
+    expect_error(&o, "--tokens synthetic", "vocab_size is 256");
+    free(w);
+}
+
+Test(generate_run, errors_name_what_is_wrong, .init = make_tmpdir, .fini = remove_tmpdir) {
+    char synth[768], ids[768];
+    const moe_model_config cs = tiny_config(MOE_SYNTH_VOCAB_SIZE, 16), ci = tiny_config(11, 4096);
+    free(save_checkpoint(synth, &cs, in_tmp("synth"), 1));
+    free(save_checkpoint(ids, &ci, in_tmp("ids"), 2));
+
+    moe_generate_options o = options(in_tmp("absent"), "<copy>a");
+    expect_error(&o, "--init-from", in_tmp("absent"));
+    o = options(synth, "<arithmetic>3?4");
+    expect_error(&o, "byte 13", "'?'");
+    o = options(synth, "<arith>");
+    expect_error(&o, "byte 0", "'<'");
+    o = options(synth, " ");
+    expect_error(&o, "--prompt", "<arithmetic>");
+
+    /* 5 + 11 positions fit max_position_embeddings 16, 5 + 12 do not. */
+    o = options(synth, "<arithmetic>3+4=");
+    o.max_new_tokens = 11;
+    cr_expect_eq(run_ok(&o).summary.seq_len, 16);
+    o.max_new_tokens = 12;
+    expect_error(&o, "max_position_embeddings 16", "--max-new-tokens 12");
+
+    o = options(ids, "1,11");
+    expect_error(&o, "token id 11", "vocab_size 11");
+    o = options(ids, "1,x");
+    expect_error(&o, "byte 2", "'x'");
+    o = options(ids, "1,");
+    expect_error(&o, "byte 2", "the end");
+    o = options(ids, "4");
+    o.stop = "1,2";
+    expect_error(&o, "--stop", "2 tokens");
+    o = options(ids, "4");
+    o.tokens = MOE_TOKENS_SYNTHETIC;
+    o.prompt = "<copy>a";
+    expect_error(&o, "id 21", "vocab_size 11");
+    o = options(synth, "<copy>");
+    o.tokens = MOE_TOKENS_BYTES;
+    o.prompt = "a";
+    expect_error(&o, "'a'", "vocab_size 54");
+    o = options(ids, "4");
+    o.samples = 0;
+    expect_error(&o, "--samples", NULL);
+    o = options(ids, "4");
+    o.max_new_tokens = 0;
+    expect_error(&o, "--max-new-tokens", NULL);
+    o = options(ids, "4");
+    o.sampling.temperature = -1.0;
+    expect_error(&o, "--temperature", NULL);
+}
+
+Test(generate_run, token_kind_names) {
+    for (int k = MOE_TOKENS_AUTO; k <= MOE_TOKENS_IDS; k++) {
+        moe_token_kind got = MOE_TOKENS_AUTO;
+        cr_expect_eq(moe_token_kind_parse(&got, moe_token_kind_name((moe_token_kind)k)), MOE_OK);
+        cr_expect_eq(got, k);
+    }
+    moe_token_kind got;
+    cr_expect_neq(moe_token_kind_parse(&got, "text"), MOE_OK);
+    cr_expect(strstr(moe_last_error(), "--tokens 'text'"), "%s", moe_last_error());
+}
+
+/* ------------------------------------------------------------ moe_synth_parse */
+
+Test(synth_parse, every_token_round_trips) {
+    int32_t tokens[2 * MOE_SYNTH_VOCAB_SIZE];
+    int64_t n = -1;
+    char all[1024] = "";
+    for (int32_t t = 0; t < MOE_SYNTH_VOCAB_SIZE; t++) {
+        const char *text = moe_synth_token_text(t);
+        cr_assert_eq(moe_synth_parse(tokens, 4, &n, text), MOE_OK, "'%s': %s", text, moe_last_error());
+        cr_expect(n == 1 && tokens[0] == t, "'%s' parsed as %lld tokens, the first %d; expected token %d", text,
+                  (long long)n, tokens[0], t);
+        strcat(all, text);
+        if (t % 3 == 0) strcat(all, t % 2 ? " " : "\t\n");
+    }
+    /* Run together, "<copy>" stays one token next to letters, '>' next to '<'. */
+    cr_assert_eq(moe_synth_parse(tokens, 2 * MOE_SYNTH_VOCAB_SIZE, &n, all), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(n, MOE_SYNTH_VOCAB_SIZE, "'%s' parsed as %lld tokens", all, (long long)n);
+    for (int32_t t = 0; t < MOE_SYNTH_VOCAB_SIZE; t++) cr_expect_eq(tokens[t], t, "token %d of '%s'", t, all);
+
+    const int32_t want[] = {MOE_SYNTH_TOK_BOS + MOE_SYNTH_COPY, MOE_SYNTH_TOK_LETTER + 0, MOE_SYNTH_TOK_MARK,
+                            MOE_SYNTH_TOK_BOS + MOE_SYNTH_MARKOV, MOE_SYNTH_TOK_STATE + 0};
+    cr_assert_eq(moe_synth_parse(tokens, 8, &n, "<copy>a><markov>A"), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(n, 5);
+    for (int i = 0; i < 5; i++) cr_expect_eq(tokens[i], want[i], "token %d", i);
+    cr_expect_eq(moe_synth_parse(tokens, 0, &n, "  "), MOE_OK);
+    cr_expect_eq(n, 0);
+}
+
+static void expect_parse_error(const char *text, int64_t capacity, const char *a, const char *b) {
+    int32_t tokens[16];
+    int64_t n;
+    cr_assert_neq(moe_synth_parse(tokens, capacity, &n, text), MOE_OK, "'%s' should be refused", text);
+    const char *e = moe_last_error();
+    cr_expect(strstr(e, a) && strstr(e, b), "'%s': error \"%s\" should name '%s' and '%s'", text, e, a, b);
+}
+
+Test(synth_parse, refuses_unknown_characters_and_overflow) {
+    expect_parse_error("3+4=x", 16, "byte 4", "'x'");
+    expect_parse_error("<arithmetic", 16, "byte 0", "'<'");
+    expect_parse_error("ab<cop>", 16, "byte 2", "'<'");
+    expect_parse_error("aq", 16, "byte 1", "'q'");
+    expect_parse_error("1 \x01", 16, "byte 2", "0x01");
+    expect_parse_error("Z\xc3\xa9", 16, "byte 0", "'Z'");
+    expect_parse_error("A\xc3\xa9", 16, "byte 1", "0xc3");
+    expect_parse_error("12 3", 2, "more than 2 tokens", "byte 3 ('3')");
+}
