@@ -64,8 +64,12 @@ moe_status moe_grid_agree(moe_comm *world, const moe_agree_field *fields, int co
             if (got == want || (got != got && want != want)) continue;
             st = i == 0 ? moe_error(MOE_ERR_CONFIG, "rank %d runs a different build of libmoe than rank 0 (this rank: %s)",
                                     r, r == rank ? build_description() : "see that rank")
-                        : moe_error(MOE_ERR_CONFIG, "rank %d disagrees with rank 0 on %s: %.9g, rank 0 has %.9g", r,
-                                    fields[i - 1].name, got, want);
+                        : fields[i - 1].name_of
+                              ? moe_error(MOE_ERR_CONFIG, "rank %d disagrees with rank 0 on %s: %s, rank 0 has %s", r,
+                                          fields[i - 1].name, fields[i - 1].name_of((int)got),
+                                          fields[i - 1].name_of((int)want))
+                              : moe_error(MOE_ERR_CONFIG, "rank %d disagrees with rank 0 on %s: %.9g, rank 0 has %.9g",
+                                          r, fields[i - 1].name, got, want);
             break;
         }
     free(mine);
@@ -75,7 +79,7 @@ moe_status moe_grid_agree(moe_comm *world, const moe_agree_field *fields, int co
 
 int moe_config_agree_fields(moe_agree_field *f, const moe_model_config *c) {
     int n = 0;
-#define FIELD(x) f[n++] = (moe_agree_field){#x, (double)c->x}
+#define FIELD(x) f[n++] = (moe_agree_field){.name = #x, .value = (double)c->x}
     FIELD(vocab_size);
     FIELD(hidden_size);
     FIELD(intermediate_size);
@@ -90,7 +94,7 @@ int moe_config_agree_fields(moe_agree_field *f, const moe_model_config *c) {
     FIELD(rms_norm_eps);
     FIELD(router_aux_loss_coef);
     FIELD(router_jitter_noise);
-    FIELD(moe_gate);
+    f[n++] = (moe_agree_field){"moe_gate", (double)c->moe_gate, moe_gate_kind_name};
     FIELD(moe_renormalize);
     FIELD(moe_capacity_factor);
     FIELD(moe_z_loss_coef);

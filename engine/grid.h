@@ -27,6 +27,7 @@ moe_model_parallel moe_grid_model_parallel(const moe_grid *grid);
 typedef struct moe_agree_field {
     const char *name;
     double value;
+    const char *(*name_of)(int value); /* an enum's names, for the error; NULL: a number */
 } moe_agree_field;
 
 /* Compares fields [count] across all ranks of world; on a difference the

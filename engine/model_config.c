@@ -80,6 +80,10 @@ static const char *const gate_names[] = {
     [MOE_GATE_SIGMOID] = "sigmoid",
 };
 
+const char *moe_gate_kind_name(int kind) {
+    return kind >= 0 && (size_t)kind < sizeof gate_names / sizeof *gate_names ? gate_names[kind] : "?";
+}
+
 static void *field_ptr(moe_model_config *cfg, const field *f) { return (char *)cfg + f->offset; }
 static const void *field_cptr(const moe_model_config *cfg, const field *f) { return (const char *)cfg + f->offset; }
 

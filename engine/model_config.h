@@ -53,6 +53,10 @@ typedef struct moe_model_config {
 /* Receives each warning, e.g. "config.json: unknown key 'foo' ignored". */
 typedef void (*moe_warn_fn)(void *ctx, const char *message);
 
+/* A moe_gate value as config.json writes it ("softmax_topk", ...); "?"
+ * outside the enum. */
+const char *moe_gate_kind_name(int kind);
+
 /* Reads and validates a config.json; warn may be NULL. On failure *cfg is
  * unspecified. */
 moe_status moe_model_config_load(moe_model_config *cfg, const char *path, moe_warn_fn warn, void *warn_ctx);

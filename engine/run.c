@@ -589,27 +589,34 @@ static moe_status open_data(run *r) {
     return MOE_OK;
 }
 
+/* The options' enums by name, for a disagreement between ranks. */
+static const char *device_name(int v) { return moe_device_name((moe_device)v); }
+static const char *gemm_math_name(int v) { return moe_gemm_math_name((moe_gemm_math)v); }
+static const char *schedule_name(int v) { return moe_lr_schedule_name((moe_lr_schedule)v); }
+
 static moe_status build_model(run *r) {
     const moe_run_options *o = r->o;
     if (r->world) {
         /* Everything that shapes the run must be the same on every rank;
          * the data by the names given (-1: no --val-data). */
         const moe_agree_field options[] = {
-            {"--batch-size", (double)o->batch_size}, {"--seq-len", (double)o->seq_len},
-            {"--steps", (double)o->steps},           {"--grad-accum", (double)o->grad_accum},
-            {"--seed", (double)o->seed},             {"--ep", (double)o->ep},
-            {"--zero", (double)o->zero},             {"--lr", o->lr},
-            {"--eval-every", (double)o->eval_every}, {"--eval-batches", (double)o->eval_batches},
-            {"--save-every", (double)o->save_every}, {"--shuffle", (double)o->shuffle},
-            {"--device", (double)o->device},         {"--gemm-math", (double)o->gemm_math},
-            {"--warmup", (double)o->warmup},         {"--min-lr", o->min_lr},
-            {"--lr-schedule", (double)o->lr_schedule}, {"--weight-decay", o->weight_decay},
-            {"--grad-clip", o->grad_clip},           {"--eval-only", (double)o->eval_only},
-            {"--data (name hash)", moe_grid_text_hash(o->data)},
-            {"--val-data (name hash)", o->val_data ? moe_grid_text_hash(o->val_data) : -1.0},
+            {"--batch-size", (double)o->batch_size, NULL}, {"--seq-len", (double)o->seq_len, NULL},
+            {"--steps", (double)o->steps, NULL},           {"--grad-accum", (double)o->grad_accum, NULL},
+            {"--seed", (double)o->seed, NULL},             {"--ep", (double)o->ep, NULL},
+            {"--zero", (double)o->zero, NULL},             {"--lr", o->lr, NULL},
+            {"--eval-every", (double)o->eval_every, NULL}, {"--eval-batches", (double)o->eval_batches, NULL},
+            {"--save-every", (double)o->save_every, NULL}, {"--shuffle", (double)o->shuffle, NULL},
+            {"--device", (double)o->device, device_name},
+            {"--gemm-math", (double)o->gemm_math, gemm_math_name},
+            {"--warmup", (double)o->warmup, NULL},         {"--min-lr", o->min_lr, NULL},
+            {"--lr-schedule", (double)o->lr_schedule, schedule_name},
+            {"--weight-decay", o->weight_decay, NULL},
+            {"--grad-clip", o->grad_clip, NULL},           {"--eval-only", (double)o->eval_only, NULL},
+            {"--data (name hash)", moe_grid_text_hash(o->data), NULL},
+            {"--val-data (name hash)", o->val_data ? moe_grid_text_hash(o->val_data) : -1.0, NULL},
             /* Ranks that loaded other weights would train a mixture. */
-            {"--init-from (name hash)", o->init_from ? moe_grid_text_hash(o->init_from) : -1.0},
-            {"--resume (name hash)", o->resume ? moe_grid_text_hash(o->resume) : -1.0},
+            {"--init-from (name hash)", o->init_from ? moe_grid_text_hash(o->init_from) : -1.0, NULL},
+            {"--resume (name hash)", o->resume ? moe_grid_text_hash(o->resume) : -1.0, NULL},
         };
         moe_agree_field fields[MOE_CONFIG_AGREE_FIELDS + sizeof options / sizeof options[0]];
         int n = moe_config_agree_fields(fields, &r->cfg);

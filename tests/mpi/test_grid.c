@@ -26,6 +26,22 @@ int main(void) {
     if (bad) printf("  rank %d got: %s\n", rank, moe_last_error());
     mpi_report(bad, "a differing field is named with its rank");
 
+    /* An enum by its names, a number in its shortest faithful form. */
+    moe_model_config_default_small(&cfg, 64);
+    if (rank == size - 1) cfg.moe_gate = MOE_GATE_SIGMOID;
+    n = moe_config_agree_fields(fields, &cfg);
+    st = moe_grid_agree(world, fields, n);
+    bad = st != MOE_ERR_CONFIG || !strstr(moe_last_error(), "moe_gate: sigmoid, rank 0 has softmax_topk");
+    if (bad) printf("  rank %d got: %s\n", rank, moe_last_error());
+    mpi_report(bad, "an enum is named by its value's name");
+    cfg.moe_gate = MOE_GATE_SOFTMAX_TOPK;
+    if (rank == size - 1) cfg.router_aux_loss_coef = 0.03;
+    n = moe_config_agree_fields(fields, &cfg);
+    st = moe_grid_agree(world, fields, n);
+    bad = st != MOE_ERR_CONFIG || !strstr(moe_last_error(), "router_aux_loss_coef: 0.03, rank 0 has 0.01");
+    if (bad) printf("  rank %d got: %s\n", rank, moe_last_error());
+    mpi_report(bad, "a number is printed as written");
+
     moe_grid grid;
     st = moe_grid_create(&grid, world, size);
     bad = st != MOE_OK || moe_comm_size(grid.ep) != size;
