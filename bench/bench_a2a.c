@@ -19,6 +19,7 @@
 #include "bench/moe_bench.h"
 #include "comm/comm.h"
 #include "common/rng.h"
+#include "engine/grid.h"
 #include "engine/moe_layer.h"
 #include "kernels/ops.h"
 
@@ -1136,6 +1137,23 @@ static int run_dispatch(const a2a_options *o, moe_comm *comm) {
 
 #endif /* MOE_HAVE_MPI */
 
+#ifdef MOE_HAVE_MPI
+/* Ranks given other flags would wait in different collectives (a hang, or
+ * MPI's truncation abort): every rank compares them first. */
+static moe_status agree_options(moe_comm *comm, const a2a_options *o) {
+    const moe_agree_field fields[] = {
+        {"--minbytes", (double)o->min_bytes, NULL},  {"--maxbytes", (double)o->max_bytes, NULL},
+        {"--stepfactor", (double)o->factor, NULL},   {"--warmup_iters", (double)o->warmup, NULL},
+        {"--iters", (double)o->iters, NULL},         {"--row-bytes", (double)o->row_bytes, NULL},
+        {"--experts", (double)o->experts, NULL},     {"--top-k", (double)o->top_k, NULL},
+        {"--d-ff", (double)o->d_ff, NULL},           {"--overlap", (double)o->overlap, NULL},
+        {"--seed", (double)o->seed, NULL},           {"--dist", (double)o->dist, NULL},
+        {"--dist (parameter)", o->dist_param, NULL}, {"--mode", (double)o->mode, NULL},
+    };
+    return moe_grid_agree(comm, fields, (int)(sizeof fields / sizeof *fields));
+}
+#endif
+
 int bench_a2a_run(int argc, char **argv) {
     a2a_options o;
     int rc = parse_options(&o, argc, argv);
@@ -1144,6 +1162,7 @@ int bench_a2a_run(int argc, char **argv) {
     moe_comm *comm = NULL;
     if (bench_failed(CMD, "moe_comm_mpi_create", moe_comm_mpi_create(&comm)))
         return BENCH_EXIT_FAILURE;
+    if (bench_failed(CMD, "the ranks' flags", agree_options(comm, &o))) return BENCH_EXIT_FAILURE;
     return o.mode == MODE_DISPATCH ? run_dispatch(&o, comm) : run_raw(&o, comm);
 #else
     fprintf(stderr,

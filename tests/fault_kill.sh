@@ -4,7 +4,9 @@
 # and leave the last checkpoint on disk loadable. A rank that stops (SIGSTOP)
 # under a launcher that keeps the job alive when a process exits non-zero
 # must end the job too, the survivor naming the cause (Open MPI only: its
-# orte_abort_on_non_zero_status 0 stands for Slurm's default).
+# orte_abort_on_non_zero_status 0 stands for Slurm's default). Ranks that
+# disagree (other checkpoints, other moe-bench a2a flags) and faults that
+# cannot happen are refused with an error, not run.
 # Usage: fault_kill.sh BINDIR MPIEXEC [MPIEXEC FLAGS...]
 set -u
 bin=$1
@@ -42,6 +44,13 @@ timeout 120 "${launcher[@]}" -np 1 "$bin/moe-train" --eval-only --init-from "$ou
 rc=$?
 check "ranks on different --init-from are refused (exit $rc)" \
     "$([ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && grep -q 'disagrees with rank 0 on --init-from' "$out/mixed"; echo $?)"
+
+# moe-bench a2a with other flags on each rank would wait in other collectives.
+timeout 60 "${launcher[@]}" -np 1 "$bin/moe-bench" a2a -b 1K -e 4K -n 1 -w 0 : \
+    -np 1 "$bin/moe-bench" a2a -b 1K -e 4K -n 3 -w 0 >"$out/a2a" 2>&1
+rc=$?
+check "moe-bench a2a refuses ranks with other flags (exit $rc)" \
+    "$([ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && grep -q 'disagrees with rank 0 on --iters' "$out/a2a"; echo $?)"
 
 # A fault that cannot happen is refused, so that this test cannot pass without one.
 for fault in 2:3 1:3x 1:99; do
