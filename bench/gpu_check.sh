@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # gpu_check.sh: the GPU check of moe: every CUDA test, `moe-bench gemm`,
 # `moe-bench gate` (the fused gating pass against a copy),
-# `moe-bench layer`, a short `moe-train --device cuda` and the MFU of a
+# `moe-bench layer`, a short `moe-train --device cuda` (then `moe-generate`
+# on its checkpoint, on the GPU and on the CPU) and the MFU of a
 # 1.2B-parameter model's training steps on a machine with an NVIDIA GPU,
 # ending with one summary table (tests passed/failed/skipped, TFLOP/s and
 # ratios, MFU). Under 8 minutes.
@@ -45,7 +46,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 BUILD=${MOE_GPU_BUILD:-$ROOT/build-gpu}
 CARRY=$ROOT/build-gpu-carry
 TARBALL=$CARRY/moe-gpu.tar.gz
-BINARIES=(test_cuda_ops test_comm_nccl moe-bench moe-train)
+BINARIES=(test_cuda_ops test_comm_nccl moe-bench moe-train moe-generate)
 START=$(date +%s)
 BUDGET=${MOE_GPU_BUDGET:-480}
 
@@ -213,9 +214,20 @@ run() {
     # 4. Training on the GPU: the built-in run, short (its checkpoints
     #    outside the results), then steps of a 1.2B-parameter model for MFU.
     echo "== moe-train --device cuda"
+    local train_out
+    train_out="$(mktemp -d)/train"
     timeout -k 5 "$(limit 120)" "$dir/moe-train" --device cuda --steps 500 --eval-every 250 \
-        --out "$(mktemp -d)/train" 2>&1 | tee "$results/train.log" | tail -4
+        --out "$train_out" 2>&1 | tee "$results/train.log" | grep -E "greedy answers|^val_loss"
     local train_rc=${PIPESTATUS[0]}
+    # Greedy continuations of its checkpoint on the GPU and on the CPU (into
+    # train.log: the results folder holds 8 files).
+    echo "== moe-generate, cuda then cpu"
+    local dev
+    for dev in cuda cpu; do
+        timeout -k 5 "$(limit 30)" "$dir/moe-generate" --device "$dev" --init-from "$train_out/step-000500" \
+            --prompt '<arithmetic>3+4=' --max-new-tokens 24 >"$train_out.generate" 2>&1 || train_rc=1
+        tail -n 1 "$train_out.generate" | sed "s/^/generate $dev: /" | tee -a "$results/train.log"
+    done
     : >"$results/train.jsonl"
     local math
     for math in fp32 bf16; do
