@@ -190,7 +190,8 @@ moe_status moe_generate_options_validate(const moe_generate_options *o) {
 }
 
 /* c as an error or a byte-level text shows it: itself when printable, else
- * an escape. */
+ * an escape; '|' too, which separates a sample's prompt from its
+ * continuation. */
 static void escape_byte(char out[5], unsigned char c) {
     static const char plain[] = {'\n', 'n', '\t', 't', '\r', 'r', '\\', '\\'};
     for (size_t i = 0; i < sizeof plain; i += 2)
@@ -198,7 +199,7 @@ static void escape_byte(char out[5], unsigned char c) {
             snprintf(out, 5, "\\%c", plain[i + 1]);
             return;
         }
-    if (c >= 0x20 && c < 0x7f)
+    if (c >= 0x20 && c < 0x7f && c != '|')
         snprintf(out, 5, "%c", c);
     else
         snprintf(out, 5, "\\x%02x", c);
@@ -336,6 +337,11 @@ static moe_status read_inputs(generation *g, const moe_generate_options *o, cons
                          g->kind == MOE_TOKENS_SYNTHETIC
                              ? ": begin with a document's kind, <arithmetic>, <copy>, <brackets> or <markov>"
                              : "");
+    if (g->cfg.moe_capacity_factor > 0.0)
+        return moe_error(MOE_ERR_UNSUPPORTED,
+                         "--init-from %s: generation needs dropless routing, and this model drops past a capacity "
+                         "factor of %g (moe_capacity_factor in its config.json)",
+                         o->init_from, g->cfg.moe_capacity_factor);
     g->stop = -1;
     if (o->stop) {
         int32_t *stop = NULL;
@@ -353,6 +359,10 @@ static moe_status read_inputs(generation *g, const moe_generate_options *o, cons
                          "max_position_embeddings %lld (%s/config.json)",
                          (long long)g->n_prompt, (long long)o->max_new_tokens,
                          (long long)g->cfg.max_position_embeddings, o->init_from);
+    st = moe_model_check_shape(&g->cfg, o->samples, g->n_prompt + o->max_new_tokens);
+    if (st != MOE_OK)
+        return moe_error_prefix(st, "--samples %lld of --prompt (%lld tokens) + --max-new-tokens %lld: ",
+                                (long long)o->samples, (long long)g->n_prompt, (long long)o->max_new_tokens);
     return MOE_OK;
 }
 

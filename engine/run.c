@@ -1023,7 +1023,9 @@ static moe_status evaluate(run *r, int64_t step, double *val_loss) {
 
 static moe_status solve_tasks(run *r) {
     if (r->ranks > 1 || r->cfg.moe_capacity_factor > 0.0) return MOE_OK;
-    return moe_synth_tasks_solve(&r->kinds.tasks, r->model, &r->val.synth, RUN_TASK_EXAMPLES);
+    MOE_TRY(moe_synth_tasks_solve(&r->kinds.tasks, r->model, &r->val.synth, RUN_TASK_EXAMPLES));
+    r->kinds.tasks_measured = true;
+    return MOE_OK;
 }
 
 static moe_status save_checkpoint(run *r) {

@@ -175,9 +175,9 @@ typedef struct moe_run_kind_report {
      * all layers' assignments. */
     const double *routing;
     /* Greedy sums and copies from the start of the validation stream
-     * (synth_tasks.h), after the last evaluation: on one process with
-     * dropless routing only (generation's terms); every tried is 0
-     * otherwise. */
+     * (synth_tasks.h), after the last evaluation, when tasks_measured: on
+     * one process with dropless routing only (generation's terms). */
+    bool tasks_measured;
     moe_synth_task_score tasks;
 } moe_run_kind_report;
 

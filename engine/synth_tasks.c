@@ -17,6 +17,7 @@ static int64_t answer_length(const moe_synth_stream *s, int64_t i, moe_synth_tas
     if (task == MOE_SYNTH_TASK_SUM) {
         if (tok[i] != MOE_SYNTH_TOK_EQUALS) return 0;
         g = 2;
+        if (T - g < 4) return 0; /* the prompt would not hold "a+b=" */
     } else {
         if (tok[i] != MOE_SYNTH_TOK_MARK) return 0;
         /* The letters back to the copy's BOS are its source. */

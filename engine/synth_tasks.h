@@ -8,8 +8,8 @@
  * Examples come from a stream (the validation stream) in order from its
  * start. Each is a row of the model's batch: the T - g tokens that end with
  * the '=' or the '>', then g tokens to generate (2 for a sum, the copy's
- * length for a copy; a copy whose source does not fit before its '>' in
- * such a row is passed over). An example counts as solved when every
+ * length for a copy; a sum whose "a+b=" or a copy whose source does not
+ * fit before the answer in such a row is passed over). An example counts as solved when every
  * generated token is right. */
 #ifndef MOE_ENGINE_SYNTH_TASKS_H
 #define MOE_ENGINE_SYNTH_TASKS_H

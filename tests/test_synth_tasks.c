@@ -19,7 +19,7 @@
 #define V MOE_SYNTH_VOCAB_SIZE
 #define D 64 /* >= V, for one-hot embeddings */
 #define B 3
-#define T 16
+#define T 16 /* the rows of the first test */
 
 static float *tensor(moe_model *m, const char *name) {
     const moe_model_tensor *t = moe_model_find_tensor(m, name);
@@ -27,7 +27,7 @@ static float *tensor(moe_model *m, const char *name) {
     return moe_model_params(m) + t->offset;
 }
 
-static moe_model *bigram_model(void) {
+static moe_model *bigram_model(int64_t rows_T) {
     moe_model_config cfg;
     moe_model_config_default_small(&cfg, V);
     cfg.hidden_size = D;
@@ -35,7 +35,7 @@ static moe_model *bigram_model(void) {
     cfg.intermediate_size = 32;
     cfg.num_hidden_layers = 2;
     moe_model *m = NULL;
-    cr_assert_eq(moe_model_create(&m, &cfg, B, T, 1), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(moe_model_create(&m, &cfg, B, rows_T, 1), MOE_OK, "%s", moe_last_error());
     memset(moe_model_params(m), 0, (size_t)moe_model_param_count(m) * sizeof(float));
     float *embed = tensor(m, "model.embed_tokens.weight"), *head = tensor(m, "lm_head.weight");
     float *norm = tensor(m, "model.norm.weight");
@@ -66,7 +66,7 @@ static void append(moe_synth_stream *s, const char *text, moe_synth_kind kind) {
 }
 
 Test(synth_tasks, solves_exactly_what_the_bigram_model_can) {
-    moe_model *m = bigram_model();
+    moe_model *m = bigram_model(T);
     static int32_t tokens[4096];
     static uint8_t kinds[4096];
     moe_synth_stream s = {.n = 0, .tokens = tokens, .kinds = kinds};
@@ -104,4 +104,32 @@ Test(synth_tasks, solves_exactly_what_the_bigram_model_can) {
               "capped copies: %lld of %lld", (long long)score.solved[MOE_SYNTH_TASK_COPY],
               (long long)score.tried[MOE_SYNTH_TASK_COPY]);
     moe_model_destroy(m);
+}
+
+/* Rows too short for "a+b=" before the answer pass every sum over (and
+ * rows of one or two tokens pass everything over without a fault). */
+Test(synth_tasks, short_rows_pass_over_what_they_cannot_hold) {
+    static int32_t tokens[256];
+    static uint8_t kinds[256];
+    moe_synth_stream s = {.n = 0, .tokens = tokens, .kinds = kinds};
+    for (int i = 0; i < 8; i++) {
+        append(&s, "<arithmetic>5+6=11;", MOE_SYNTH_ARITH);
+        append(&s, "<copy>a>a", MOE_SYNTH_COPY);
+    }
+    const int64_t lengths[] = {1, 2, 5, 6};
+    const int64_t sums[] = {0, 0, 0, 8}, copies[] = {0, 0, 8, 8};
+    for (size_t i = 0; i < sizeof lengths / sizeof *lengths; i++) {
+        moe_model *m = bigram_model(lengths[i]);
+        moe_synth_task_score score;
+        cr_assert_eq(moe_synth_tasks_solve(&score, m, &s, 100), MOE_OK, "T %lld: %s", (long long)lengths[i],
+                     moe_last_error());
+        cr_expect(score.tried[MOE_SYNTH_TASK_SUM] == sums[i] && score.tried[MOE_SYNTH_TASK_COPY] == copies[i],
+                  "T %lld: %lld sums and %lld copies tried, want %lld and %lld", (long long)lengths[i],
+                  (long long)score.tried[MOE_SYNTH_TASK_SUM], (long long)score.tried[MOE_SYNTH_TASK_COPY],
+                  (long long)sums[i], (long long)copies[i]);
+        cr_expect(score.solved[MOE_SYNTH_TASK_SUM] == score.tried[MOE_SYNTH_TASK_SUM] &&
+                      score.solved[MOE_SYNTH_TASK_COPY] == score.tried[MOE_SYNTH_TASK_COPY],
+                  "T %lld: the bigram model solves every one of these", (long long)lengths[i]);
+        moe_model_destroy(m);
+    }
 }

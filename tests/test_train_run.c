@@ -217,6 +217,14 @@ Test(train_run, synthetic_loss_falls, .init = make_tmp, .fini = remove_tmp) {
               floor / (double)want, v.floor);
     cr_expect(v.kinds.n_layers == 2 && v.kinds.n_experts == 4 && v.kinds.top_k == 2);
     cr_expect(v.routing_sum_err < 1e-12, "a routing row sums to 1 %+g", v.routing_sum_err);
+    /* The greedy answers of one dropless process: what its stream holds. */
+    const moe_synth_task_score *t = &v.kinds.tasks;
+    cr_expect(v.kinds.tasks_measured && t->tried[MOE_SYNTH_TASK_SUM] > 0 &&
+                  t->solved[MOE_SYNTH_TASK_SUM] <= t->tried[MOE_SYNTH_TASK_SUM] &&
+                  t->solved[MOE_SYNTH_TASK_COPY] <= t->tried[MOE_SYNTH_TASK_COPY],
+              "greedy answers: measured %d, sums %lld/%lld, copies %lld/%lld", v.kinds.tasks_measured,
+              (long long)t->solved[MOE_SYNTH_TASK_SUM], (long long)t->tried[MOE_SYNTH_TASK_SUM],
+              (long long)t->solved[MOE_SYNTH_TASK_COPY], (long long)t->tried[MOE_SYNTH_TASK_COPY]);
 
     /* metrics.jsonl: one line per step with every key, one per evaluation. */
     char path[512];

@@ -3,6 +3,7 @@
  * work); this file parses the flags and prints what the run reports.
  * Exit status: 0 done, 1 the run failed, 2 bad flags. A failure on one rank
  * of several ends the whole MPI job. */
+#include <ctype.h>
 #include <errno.h>
 #include <signal.h>
 #include <limits.h>
@@ -185,11 +186,13 @@ static void format_duration(char *out, size_t size, double seconds) {
 static int parse_fault(printer *p, const char *text) {
     char *end;
     errno = 0;
+    if (!isdigit((unsigned char)text[0])) return 1;
     const long rank = strtol(text, &end, 10);
-    if (end == text || *end != ':' || errno || rank < 0 || rank > INT_MAX) return 1;
+    if (*end != ':' || errno || rank > INT_MAX) return 1;
     const char *step_text = end + 1;
+    if (!isdigit((unsigned char)step_text[0])) return 1;
     const long step = strtol(step_text, &end, 10);
-    if (end == step_text || *end != '\0' || errno || step < 1 || step > INT_MAX) return 1;
+    if (*end != '\0' || errno || step < 1 || step > INT_MAX) return 1;
     p->kill_rank = (int)rank;
     p->kill_step = (int)step;
     return 0;
@@ -330,8 +333,10 @@ static void print_kinds(const moe_run_kind_report *r) {
         printf("%-11s %8lld %8.4f %8.4f %10.3f\n", moe_synth_kind_name(kind), (long long)r->tokens[kind],
                r->loss[kind], r->floor[kind], r->floor[kind] > 0.0 ? r->loss[kind] / r->floor[kind] : NAN);
     const moe_synth_task_score *t = &r->tasks;
-    if (t->tried[MOE_SYNTH_TASK_SUM] + t->tried[MOE_SYNTH_TASK_COPY] == 0) {
+    if (!r->tasks_measured) {
         printf("\ngreedy answers: not measured (generation needs one process and dropless routing)\n");
+    } else if (t->tried[MOE_SYNTH_TASK_SUM] + t->tried[MOE_SYNTH_TASK_COPY] == 0) {
+        printf("\ngreedy answers: no sum or copy fits a row of the validation stream (--seq-len)\n");
     } else {
         printf("\ngreedy answers (validation): ");
         const char *what[MOE_SYNTH_TASK_COUNT] = {"sums", "copies"};
