@@ -63,6 +63,7 @@ static void usage(void) {
            "  --gemm-math M fp32 (default), tf32 or bf16, as moe-train's\n"
            "  --warmup N    untimed samples first (default %d)\n"
            "  --iters N     timed samples (default %d)\n"
+           "  --threads N   OpenMP and OpenBLAS threads on the CPU (default: every core)\n"
            "  --json        one JSON object per row\n",
            DEFAULT_WARMUP, DEFAULT_ITERS);
 }
@@ -150,14 +151,14 @@ static int paths_for(attn_path *paths, const moe_device_handle *dev, const attn_
 
 int bench_attention_run(int argc, char **argv) {
     attn_shape s = {0};
-    int64_t warmup = DEFAULT_WARMUP, iters = DEFAULT_ITERS;
+    int64_t warmup = DEFAULT_WARMUP, iters = DEFAULT_ITERS, threads = 0;
     moe_device device = MOE_DEVICE_AUTO;
     moe_gemm_math math = MOE_GEMM_FP32;
     bool json = false;
     const bench_int_flag int_flags[] = {
         {"B", &s.B, 1, 65535},          {"T", &s.T, 1, 1 << 20},        {"heads", &s.Hq, 1, 65535},
         {"kv-heads", &s.Hkv, 1, 65535}, {"head-dim", &s.hd, 1, 1 << 16}, {"warmup", &warmup, 0, 1000},
-        {"iters", &iters, 1, 100000},
+        {"iters", &iters, 1, 100000}, {"threads", &threads, 0, 4096},
     };
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
@@ -184,6 +185,7 @@ int bench_attention_run(int argc, char **argv) {
         }
     }
 
+    if (threads > 0) bench_set_threads((int)threads);
     moe_device_handle dev;
     if (bench_failed(CMD, "device", moe_device_open(&dev, device, 1))) return BENCH_EXIT_FAILURE;
     if (bench_failed(CMD, "gemm math", moe_device_set_gemm_math(&dev, math))) {

@@ -61,6 +61,7 @@ static void usage(void) {
            "  --device D    auto (default), cpu, cuda or cpu-strict\n"
            "  --warmup N    untimed iterations first (default %d)\n"
            "  --iters N     timed iterations (default %d)\n"
+           "  --threads N   OpenMP and OpenBLAS threads on the CPU (default: every core)\n"
            "  --json        one JSON object per row\n",
            DEFAULT_T, DEFAULT_E, DEFAULT_K, DEFAULT_WARMUP, DEFAULT_ITERS);
 }
@@ -131,11 +132,12 @@ static int64_t reps_for(const gate_job *job, void (*fn)(const void *)) {
 
 int bench_gate_run(int argc, char **argv) {
     int64_t T = DEFAULT_T, E = DEFAULT_E, k = DEFAULT_K, warmup = DEFAULT_WARMUP, iters = DEFAULT_ITERS;
+    int64_t threads = 0;
     moe_device device = MOE_DEVICE_AUTO;
     bool json = false;
     const bench_int_flag int_flags[] = {
         {"T", &T, 1, INT32_MAX},         {"E", &E, 1, MOE_EXPERTS_MAX}, {"k", &k, 1, MOE_EXPERTS_MAX},
-        {"warmup", &warmup, 0, 1000},    {"iters", &iters, 1, 100000},
+        {"warmup", &warmup, 0, 1000},    {"iters", &iters, 1, 100000}, {"threads", &threads, 0, 4096},
     };
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
@@ -160,6 +162,7 @@ int bench_gate_run(int argc, char **argv) {
         return BENCH_EXIT_USAGE;
     }
 
+    if (threads > 0) bench_set_threads((int)threads);
     moe_device_handle dev;
     if (bench_failed(CMD, "device", moe_device_open(&dev, device, 1))) return BENCH_EXIT_FAILURE;
     if (dev.note[0]) fprintf(stderr, "moe-bench %s: %s\n", CMD, dev.note);

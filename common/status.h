@@ -42,6 +42,13 @@ void moe_error_keep(moe_kept_error *kept, moe_status status);
 moe_status moe_error_take(moe_kept_error *kept, moe_status status);
 
 /* Propagates a failing status from a call that has already set the detail. */
+/* Returns MOE_ERR_INVALID_ARG naming the argument when ptr is NULL, in
+ * moe.h's words: "moe_layer_forward: y is NULL". */
+#define MOE_NOT_NULL(op, name, ptr)                                                                \
+    do {                                                                                           \
+        if (!(ptr)) return moe_error(MOE_ERR_INVALID_ARG, "%s: %s is NULL", (op), (name));         \
+    } while (0)
+
 #define MOE_TRY(call)                                                                              \
     do {                                                                                           \
         moe_status moe_try_status_ = (call);                                                       \

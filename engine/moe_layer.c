@@ -194,10 +194,14 @@ moe_status moe_layer_config_validate(const moe_layer_config *cfg) {
         return moe_error(MOE_ERR_CONFIG, "moe layer config: n_shared_experts=%lld must not be negative",
                          (long long)cfg->n_shared_experts);
     int64_t S, dff, n;
-    if (!mul_ok(cfg->n_shared_experts, cfg->d_ff, &S) || S > INT_MAX / 2 || !mul_ok(cfg->d_model, cfg->d_ff, &dff) ||
-        !mul_ok(dff, 3 * (cfg->n_experts + cfg->n_shared_experts) + 1, &n) || !mul_ok(n, 2 * (int64_t)sizeof(float), &n))
-        return moe_error(MOE_ERR_CONFIG, "moe layer config: d_model=%lld x d_ff=%lld x (n_experts + n_shared_experts) overflows",
-                         (long long)cfg->d_model, (long long)cfg->d_ff);
+    if (!mul_ok(cfg->n_shared_experts, cfg->d_ff, &S) || S > INT_MAX / 2)
+        return moe_error(MOE_ERR_CONFIG, "moe layer config: n_shared_experts=%lld x d_ff=%lld exceeds %d, the widest "
+                         "shared-expert GEMM", (long long)cfg->n_shared_experts, (long long)cfg->d_ff, INT_MAX / 2);
+    if (!mul_ok(cfg->d_model, cfg->d_ff, &dff) || !mul_ok(dff, 3 * (cfg->n_experts + cfg->n_shared_experts) + 1, &n) ||
+        !mul_ok(n, 2 * (int64_t)sizeof(float), &n))
+        return moe_error(MOE_ERR_CONFIG, "moe layer config: d_model=%lld x d_ff=%lld x (n_experts=%lld + "
+                         "n_shared_experts=%lld) overflows", (long long)cfg->d_model, (long long)cfg->d_ff,
+                         (long long)cfg->n_experts, (long long)cfg->n_shared_experts);
     return MOE_OK;
 }
 
@@ -267,9 +271,17 @@ static moe_status find_group_base(moe_layer *L) {
 
 moe_status moe_layer_create_in(moe_layer **out, const moe_layer_config *cfg, const moe_layer_memory *mem,
                                moe_comm *ep, moe_comm *batch) {
-    if (!out || !mem || !mem->router || !mem->router_grad || !mem->experts || !mem->experts_grad ||
-        (cfg && cfg->n_shared_experts > 0 && (!mem->shared || !mem->shared_grad)))
-        return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_create_in: NULL argument");
+    static const char op[] = "moe_layer_create_in";
+    MOE_NOT_NULL(op, "layer", out);
+    MOE_NOT_NULL(op, "mem", mem);
+    MOE_NOT_NULL(op, "mem->router", mem->router);
+    MOE_NOT_NULL(op, "mem->router_grad", mem->router_grad);
+    MOE_NOT_NULL(op, "mem->experts", mem->experts);
+    MOE_NOT_NULL(op, "mem->experts_grad", mem->experts_grad);
+    if (cfg && cfg->n_shared_experts > 0) {
+        MOE_NOT_NULL(op, "mem->shared (the config has shared experts)", mem->shared);
+        MOE_NOT_NULL(op, "mem->shared_grad (the config has shared experts)", mem->shared_grad);
+    }
     *out = NULL;
     MOE_TRY(moe_layer_config_validate(cfg));
     const int P = ep ? moe_comm_size(ep) : 1;
@@ -454,7 +466,8 @@ void moe_layer_destroy(moe_layer *L) {
 int64_t moe_layer_tensor_count(const moe_layer *L) { return L ? L->n_tensors : 0; }
 
 moe_status moe_layer_tensor(const moe_layer *L, int64_t index, moe_tensor_view *view) {
-    if (!L || !view) return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_tensor: NULL argument");
+    MOE_NOT_NULL("moe_layer_tensor", "layer", L);
+    MOE_NOT_NULL("moe_layer_tensor", "view", view);
     if (index < 0 || index >= L->n_tensors)
         return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_tensor: index %lld outside [0, %lld)", (long long)index,
                          (long long)L->n_tensors);
@@ -463,7 +476,9 @@ moe_status moe_layer_tensor(const moe_layer *L, int64_t index, moe_tensor_view *
 }
 
 moe_status moe_layer_tensor_by_name(const moe_layer *L, const char *name, moe_tensor_view *view) {
-    if (!L || !name || !view) return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_tensor_by_name: NULL argument");
+    MOE_NOT_NULL("moe_layer_tensor_by_name", "layer", L);
+    MOE_NOT_NULL("moe_layer_tensor_by_name", "name", name);
+    MOE_NOT_NULL("moe_layer_tensor_by_name", "view", view);
     for (int64_t i = 0; i < L->n_tensors; i++)
         if (strcmp(L->views[i].name, name) == 0) {
             *view = L->views[i];
@@ -877,7 +892,9 @@ static int64_t setup_groups(moe_layer *L, int64_t T, const float *x_in, const fl
 }
 
 moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, moe_layer_stats *stats) {
-    if (!L || !y || !x) return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_forward: NULL argument");
+    MOE_NOT_NULL("moe_layer_forward", "layer", L);
+    MOE_NOT_NULL("moe_layer_forward", "y", y);
+    MOE_NOT_NULL("moe_layer_forward", "x", x);
     if (T <= 0) return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_forward: T=%lld must be positive", (long long)T);
     MOE_TRY(reserve_tokens(L, T));
     const moe_layer_config *c = &L->cfg;
@@ -961,7 +978,10 @@ moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, 
 /* ---------------------------------------------------------------- backward */
 
 moe_status moe_layer_backward(moe_layer *L, float *dx, const float *dy, const float *x) {
-    if (!L || !dx || !dy || !x) return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_backward: NULL argument");
+    MOE_NOT_NULL("moe_layer_backward", "layer", L);
+    MOE_NOT_NULL("moe_layer_backward", "dx", dx);
+    MOE_NOT_NULL("moe_layer_backward", "dy", dy);
+    MOE_NOT_NULL("moe_layer_backward", "x", x);
     if (L->last_T == 0) return moe_error(MOE_ERR_STATE, "moe_layer_backward: no forward to differentiate");
     const moe_layer_config *c = &L->cfg;
     const moe_ops *ops = L->ops;

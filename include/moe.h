@@ -88,7 +88,8 @@ typedef struct moe_layer_config {
      * U(1 - eps, 1 + eps) before the router and the experts see it, as in
      * Hugging Face Mixtral. 0 disables it. */
     double jitter_eps;
-    uint64_t seed; /* seeds the jitter noise */
+    uint64_t seed; /* seeds the initial parameters (normal, std 0.02, Mixtral's
+                      initializer_range) and the jitter noise */
 } moe_layer_config;
 
 /* Mixtral's defaults for everything but the sizes. */

@@ -82,6 +82,9 @@ Test(config, sizes_and_top_k) {
     c.n_shared_experts = -1;
     c.top_k = 1;
     expect_bad(&c, "n_shared_experts", "n_shared_experts=-1");
+    /* Too wide a shared GEMM, though nothing overflows: said so, with the count. */
+    c.n_shared_experts = 300000000;
+    expect_bad(&c, "n_shared_experts=300000000 x d_ff=6 exceeds", "n_shared_experts=3e8");
 }
 
 Test(config, gate_kind) {
@@ -143,10 +146,14 @@ Test(config, null_arguments) {
     moe_tensor_view v;
     cr_expect(moe_layer_forward(NULL, y, x, 3, NULL) == MOE_ERR_INVALID_ARG);
     cr_expect(moe_layer_forward(l, NULL, x, 3, NULL) == MOE_ERR_INVALID_ARG);
+    cr_expect(strstr(moe_last_error(), "moe_layer_forward: y is NULL"), "%s", moe_last_error());
     cr_expect(moe_layer_forward(l, y, NULL, 3, NULL) == MOE_ERR_INVALID_ARG);
+    cr_expect(strstr(moe_last_error(), "moe_layer_forward: x is NULL"), "%s", moe_last_error());
     cr_expect(moe_layer_forward(l, y, x, -1, NULL) == MOE_ERR_INVALID_ARG,
               "negative T must be refused");
     cr_expect(moe_layer_backward(NULL, dx, y, x) == MOE_ERR_INVALID_ARG);
+    cr_expect(moe_layer_backward(l, dx, NULL, x) == MOE_ERR_INVALID_ARG);
+    cr_expect(strstr(moe_last_error(), "moe_layer_backward: dy is NULL"), "%s", moe_last_error());
     cr_expect(moe_layer_tensor(NULL, 0, &v) == MOE_ERR_INVALID_ARG);
     cr_expect(moe_layer_tensor(l, 0, NULL) == MOE_ERR_INVALID_ARG);
     cr_expect(moe_layer_tensor(l, -1, &v) == MOE_ERR_INVALID_ARG);
