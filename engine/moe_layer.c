@@ -26,6 +26,8 @@
 #include "common/rng.h"
 #include "comm/comm.h"
 #include "common/status.h"
+#include "kernels/cpu/cpu_ops.h"
+#include "kernels/cuda/cuda_ops.h"
 #include "kernels/ops.h"
 #include "router/plan.h"
 
@@ -56,7 +58,8 @@ struct moe_layer {
     moe_layer_memory mem;  /* where the router, experts and shared experts live */
     float *params, *grads; /* [n_params] each when mem is one contiguous run, else NULL */
     int64_t n_params;
-    float *owned;          /* params and grads when the layer allocated them */
+    float *owned;          /* params and grads when the layer allocated them, in ops' memory */
+    void *cuda;            /* the moe_cuda_ctx of a layer made by moe_layer_create_cuda (owned) */
     int64_t n_tensors;
     moe_tensor_view *views;           /* [n_tensors] */
     char (*names)[MOE_NAME_BYTES];    /* [n_tensors] */
@@ -206,11 +209,6 @@ moe_status moe_layer_config_validate(const moe_layer_config *cfg) {
 }
 
 /* ------------------------------------------------------------ construction */
-
-static void *alloc_aligned(size_t bytes) {
-    size_t rounded = (bytes + MOE_ALIGN_BYTES - 1) / MOE_ALIGN_BYTES * MOE_ALIGN_BYTES;
-    return aligned_alloc(MOE_ALIGN_BYTES, rounded ? rounded : MOE_ALIGN_BYTES);
-}
 
 /* Appends a view of rows x cols at *param / *grad and advances both. */
 static void add_view(moe_layer *L, float **param, float **grad, int64_t rows, int64_t cols, const char *fmt,
@@ -391,31 +389,34 @@ moe_status moe_layer_init_params(moe_layer *L, float std, uint64_t seed, uint64_
     return MOE_OK;
 }
 
-moe_status moe_layer_create(moe_layer **out, const moe_layer_config *cfg) {
-    if (!out) return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_create: layer is NULL");
+/* A layer that owns its parameters and gradients, in ops' memory (NULL:
+ * the CPU's), initialised as Hugging Face initialises Mixtral. */
+static moe_status create_owning(moe_layer **out, const moe_layer_config *cfg, const moe_ops *ops, const char *op) {
+    MOE_NOT_NULL(op, "layer", out);
     *out = NULL;
     MOE_TRY(moe_layer_config_validate(cfg));
+    if (!ops) ops = moe_cpu_ops();
     int64_t n = moe_layer_config_param_count(cfg, 1);
     /* Gradients start at an aligned offset so both arrays are 64-byte aligned. */
     int64_t grad_off = (n + 15) / 16 * 16;
-    float *mem = alloc_aligned((size_t)(grad_off + n) * sizeof(float));
-    if (!mem)
-        return moe_error(MOE_ERR_OUT_OF_MEMORY, "moe_layer_create: %lld parameters and gradients", (long long)n);
+    float *mem = NULL; /* zero-filled */
+    moe_status st = ops->alloc((void **)&mem, (size_t)(grad_off + n) * sizeof(float));
+    if (st != MOE_OK) return moe_error_prefix(st, "%s: %lld parameters and gradients: ", op, (long long)n);
     /* One contiguous run each for parameters and gradients, in view order. */
     const int64_t router = cfg->n_experts * cfg->d_model, experts = n - router - 3 * cfg->n_shared_experts * cfg->d_ff * cfg->d_model;
     const moe_layer_memory layout = {
+        .ops = ops,
         .router = mem, .router_grad = mem + grad_off,
         .experts = mem + router, .experts_grad = mem + grad_off + router,
         .shared = mem + router + experts, .shared_grad = mem + grad_off + router + experts};
-    moe_status st = moe_layer_create_in(out, cfg, &layout, NULL, NULL);
+    st = moe_layer_create_in(out, cfg, &layout, NULL, NULL);
     if (st != MOE_OK) {
-        free(mem);
+        ops->release(mem);
         return st;
     }
     (*out)->owned = mem;
     (*out)->params = mem;
     (*out)->grads = mem + grad_off;
-    memset((*out)->grads, 0, (size_t)n * sizeof(float));
     /* Hugging Face's initializer_range for Mixtral. */
     st = moe_layer_init_params(*out, 0.02f, cfg->seed, 0);
     if (st != MOE_OK) {
@@ -425,10 +426,56 @@ moe_status moe_layer_create(moe_layer **out, const moe_layer_config *cfg) {
     return st;
 }
 
+moe_status moe_layer_create(moe_layer **out, const moe_layer_config *cfg) {
+    return create_owning(out, cfg, NULL, "moe_layer_create");
+}
+
+moe_status moe_layer_create_on_ops(moe_layer **out, const moe_layer_config *cfg, const moe_ops *ops) {
+    return create_owning(out, cfg, ops, "moe_layer_create_on_ops");
+}
+
+/* A CUDA layer's calls run on its own context: bound to the calling thread
+ * first, as the CUDA op table requires (kernels/cuda/cuda_ops.h). */
+static void bind(const moe_layer *L) {
+#if defined(MOE_HAVE_CUDA)
+    if (L->cuda) moe_cuda_ops(L->cuda);
+#else
+    (void)L;
+#endif
+}
+
+moe_status moe_layer_create_cuda(moe_layer **out, const moe_layer_config *cfg, int device, void *stream) {
+    MOE_NOT_NULL("moe_layer_create_cuda", "layer", out);
+    *out = NULL;
+    MOE_TRY(moe_layer_config_validate(cfg));
+#if defined(MOE_HAVE_CUDA)
+    moe_cuda_ctx *ctx = NULL;
+    moe_status st = moe_cuda_ctx_create_on(&ctx, device, stream);
+    if (st != MOE_OK) return moe_error_prefix(st, "moe_layer_create_cuda: ");
+    st = create_owning(out, cfg, moe_cuda_ops(ctx), "moe_layer_create_cuda");
+    if (st != MOE_OK) {
+        moe_cuda_ctx_destroy(ctx);
+        return st;
+    }
+    (*out)->cuda = ctx;
+    return MOE_OK;
+#else
+    (void)device, (void)stream;
+    return moe_error(MOE_ERR_UNSUPPORTED, "moe_layer_create_cuda: this libmoe was built without CUDA");
+#endif
+}
+
+moe_status moe_layer_sync(moe_layer *L) {
+    MOE_NOT_NULL("moe_layer_sync", "layer", L);
+    bind(L);
+    return L->ops->sync();
+}
+
 void moe_layer_destroy(moe_layer *L) {
     if (!L) return;
+    bind(L);
     const moe_ops *ops = L->ops;
-    free(L->owned);
+    if (L->owned) ops->release(L->owned);
     free(L->views);
     free(L->names);
     free(L->bias);
@@ -458,6 +505,12 @@ void moe_layer_destroy(moe_layer *L) {
     free(L->local_offsets);
     free(L->aux_grad);
     free(L->groups);
+#if defined(MOE_HAVE_CUDA)
+    if (L->cuda) {
+        if (moe_cuda_bound() == L->cuda) moe_cuda_ops(NULL); /* no binding outlives its context */
+        moe_cuda_ctx_destroy(L->cuda);
+    }
+#endif
     free(L);
 }
 
@@ -528,6 +581,7 @@ static moe_status send_bias(moe_layer *L) {
 
 moe_status moe_layer_zero_grad(moe_layer *L) {
     if (!L) return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_zero_grad: layer is NULL");
+    bind(L);
     for (int64_t v = 0; v < L->n_tensors; v++)
         L->ops->zero(L->views[v].grad, (size_t)(L->views[v].rows * L->views[v].cols) * sizeof(float));
     return L->ops->sync();
@@ -537,6 +591,7 @@ moe_status moe_layer_zero_grad(moe_layer *L) {
  * micro-batches moves the bias once. */
 moe_status moe_layer_update_bias(moe_layer *L) {
     if (!L) return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_update_bias: layer is NULL");
+    bind(L);
     if (!L->bias) return moe_error(MOE_ERR_STATE, "moe_layer_update_bias: bias_update_rate is 0, there is no bias");
     if (L->bias_forwards == 0)
         return moe_error(MOE_ERR_STATE, "moe_layer_update_bias: no training forward since the last update");
@@ -895,6 +950,7 @@ moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, 
     MOE_NOT_NULL("moe_layer_forward", "layer", L);
     MOE_NOT_NULL("moe_layer_forward", "y", y);
     MOE_NOT_NULL("moe_layer_forward", "x", x);
+    bind(L);
     if (T <= 0) return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_forward: T=%lld must be positive", (long long)T);
     MOE_TRY(reserve_tokens(L, T));
     const moe_layer_config *c = &L->cfg;
@@ -982,6 +1038,7 @@ moe_status moe_layer_backward(moe_layer *L, float *dx, const float *dy, const fl
     MOE_NOT_NULL("moe_layer_backward", "dx", dx);
     MOE_NOT_NULL("moe_layer_backward", "dy", dy);
     MOE_NOT_NULL("moe_layer_backward", "x", x);
+    bind(L);
     if (L->last_T == 0) return moe_error(MOE_ERR_STATE, "moe_layer_backward: no forward to differentiate");
     const moe_layer_config *c = &L->cfg;
     const moe_ops *ops = L->ops;

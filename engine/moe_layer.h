@@ -49,6 +49,11 @@ typedef struct moe_layer_memory {
 moe_status moe_layer_create_in(moe_layer **layer, const moe_layer_config *cfg, const moe_layer_memory *mem,
                                moe_comm *ep, moe_comm *batch);
 
+/* moe_layer_create on any backend of the op table: parameters, gradients
+ * and every buffer the calls take live in ops' memory (moe_layer_create_cuda
+ * is this over the CUDA table; the CPU tests use moe_strict_ops()). */
+moe_status moe_layer_create_on_ops(moe_layer **layer, const moe_layer_config *cfg, const moe_ops *ops);
+
 /* Fills the layer's parameters with N(0, std^2) draws from (seed, stream). */
 moe_status moe_layer_init_params(moe_layer *layer, float std, uint64_t seed, uint64_t stream);
 

@@ -109,6 +109,24 @@ typedef struct moe_layer moe_layer;
 moe_status moe_layer_create(moe_layer **layer, const moe_layer_config *cfg);
 void moe_layer_destroy(moe_layer *layer);
 
+/* The same layer on a CUDA device (device < 0: the first of sm_80 or
+ * newer), its work queued on the caller's stream (a cudaStream_t of that
+ * device; NULL: a stream of the layer's own). Then every array the calls
+ * take or return is device memory: x, y, dx, dy, the views' param and grad,
+ * moe_layer_params() and moe_layer_grads() (stats and the selection bias
+ * stay on the host). Calls return with work still queued: forward waits
+ * once, for the routing counts (capacity and the experts' row counts are
+ * decided on the host), backward not at all, so y and dx are ready when
+ * the stream reaches them. A failure inside queued work is reported by the
+ * next call on the layer that waits, or by moe_layer_sync. Each call binds
+ * the layer's device and context to the calling thread. MOE_ERR_UNSUPPORTED
+ * when this libmoe was built without CUDA or no device answers. */
+moe_status moe_layer_create_cuda(moe_layer **layer, const moe_layer_config *cfg, int device, void *stream);
+
+/* Waits for the layer's queued work and reports a failure in it (on the
+ * CPU, where calls return finished, MOE_OK at once). */
+moe_status moe_layer_sync(moe_layer *layer);
+
 /* Named tensors: parameters and their gradients share one name and shape.
  * Names follow Hugging Face Mixtral's block_sparse_moe:
  *   gate.weight [E, d], experts.{e}.w1.weight [ff, d],

@@ -29,6 +29,7 @@
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/ops.h"
 #include "kernels/profile.h"
+#include "moe.h"
 #include "ref_moe.h"
 #include "router/plan.h"
 
@@ -55,7 +56,8 @@
     X(model_on_the_table)                                                                          \
     X(gate_forward_ranks_nan_like_cpu)                                                             \
     X(gate_normalised_weights_far_below_the_row_max)                                               \
-    X(table_marks_time_ops_in_the_stream)
+    X(table_marks_time_ops_in_the_stream)                                                         \
+    X(public_layer_on_a_callers_stream)
 
 #if !defined(MOE_HAVE_CUDA)
 
@@ -1855,6 +1857,50 @@ Test(cuda, table_marks_time_ops_in_the_stream) {
     moe_profile_close();
     free(h);
     table_end();
+}
+
+
+/* moe.h's CUDA layer, queued on a stream of the caller's (here the test
+ * context's), against the CPU layer of the same config and seed: the
+ * initial parameters alike bit for bit (drawn on the host), y, dx and the
+ * gradients within 1e-5 of each array's largest value (fp32 GEMMs in
+ * another summation order), capacity dropping and shared experts on. */
+Test(cuda, public_layer_on_a_callers_stream) {
+    gpu_begin();
+    moe_layer_config cfg = MOE_LAYER_CONFIG_INIT;
+    cfg.d_model = 48, cfg.d_ff = 40, cfg.n_experts = 8, cfg.top_k = 2, cfg.capacity_factor = 1.25;
+    cfg.n_shared_experts = 1, cfg.aux_loss_coef = 0.01, cfg.z_loss_coef = 0.001, cfg.seed = 9;
+    moe_layer *host = NULL, *dev = NULL;
+    CHECK(moe_layer_create(&host, &cfg));
+    CHECK(moe_layer_create_cuda(&dev, &cfg, -1, moe_cuda_stream(ctx)));
+    const int64_t n = moe_layer_param_count(host), d = cfg.d_model, T = 100;
+    float *got = ref_alloc((size_t)n * sizeof *got);
+    CHECK(moe_layer_sync(dev));
+    dget(got, moe_layer_params(dev), (size_t)n * sizeof *got);
+    expect_close("initial parameters", got, moe_layer_params(host), n, 0.0);
+
+    ref_rng rng = {4242};
+    float *hx = rnd(T * d, &rng, -1, 1), *hdy = rnd(T * d, &rng, -1, 1);
+    float *hy = ref_alloc((size_t)(T * d) * sizeof *hy), *hdx = ref_alloc((size_t)(T * d) * sizeof *hdx);
+    float *x = dput(hx, (size_t)(T * d) * sizeof(float)), *dy = dput(hdy, (size_t)(T * d) * sizeof(float));
+    float *y = dpoison((size_t)(T * d) * sizeof(float), POISON_FLOAT);
+    float *dx = dpoison((size_t)(T * d) * sizeof(float), POISON_FLOAT);
+    moe_layer_stats hs = {0}, ds = {0};
+    CHECK(moe_layer_forward(host, hy, hx, T, &hs));
+    CHECK(moe_layer_backward(host, hdx, hdy, hx));
+    CHECK(moe_layer_forward(dev, y, x, T, &ds));
+    CHECK(moe_layer_backward(dev, dx, dy, x));
+    CHECK(moe_layer_sync(dev));
+    cr_expect(ds.dropped == hs.dropped && fabs(ds.aux_loss - hs.aux_loss) <= 1e-5 * hs.aux_loss,
+              "dropped %lld aux %.9g, cpu %lld %.9g", (long long)ds.dropped, ds.aux_loss, (long long)hs.dropped,
+              hs.aux_loss);
+    expect_dev("y", y, hy, T * d, TOL_F32);
+    expect_dev("dx", dx, hdx, T * d, TOL_F32);
+    expect_dev("gradients", moe_layer_grads(dev), moe_layer_grads(host), n, TOL_F32);
+    moe_layer_destroy(dev);
+    moe_layer_destroy(host);
+    free(got), free(hx), free(hdy), free(hy), free(hdx);
+    gpu_end();
 }
 
 #endif /* MOE_HAVE_CUDA */

@@ -995,3 +995,80 @@ Test(layer, same_bits_when_the_host_cannot_touch_its_memory) {
     ops->release(grads);
     free(hx), free(hdy), free(hy), free(hdx), free(got);
 }
+
+/* A layer that owns its memory on another backend (what
+ * moe_layer_create_cuda makes over the CUDA table), here the strict one: it
+ * draws the host layer's initial parameters, its views and flat arrays
+ * point into backend memory, and forward, backward and zero_grad on
+ * backend buffers give the host layer's bits. */
+Test(layer, owning_layer_on_a_backend_matches_the_host_layer) {
+    moe_layer_config cfg = make_cfg(24, 20, 8, 2, MOE_GATE_SOFTMAX_TOPK, 1, 0.0, 1);
+    cfg.seed = 77;
+    const moe_ops *ops = moe_strict_ops();
+    moe_layer *host = NULL, *dev = NULL;
+    cr_assert(moe_layer_create(&host, &cfg) == MOE_OK, "%s", moe_last_error());
+    cr_assert(moe_layer_create_on_ops(&dev, &cfg, ops) == MOE_OK, "%s", moe_last_error());
+    const int64_t n = moe_layer_param_count(host), d = cfg.d_model, T = 33;
+    cr_assert_eq(moe_layer_param_count(dev), n);
+    float *got = ref_alloc((size_t)(n > T * d ? n : T * d) * sizeof *got);
+    cr_assert(ops->download(got, moe_layer_params(dev), (size_t)n * sizeof(float)) == MOE_OK);
+    int64_t i = first_diff(got, moe_layer_params(host), n);
+    cr_expect(i < 0, "initial params[%lld] = %.9g, host %.9g", (long long)i, i < 0 ? 0.0 : got[i],
+              i < 0 ? 0.0 : moe_layer_params(host)[i]);
+    moe_tensor_view hv, dv;
+    cr_assert(moe_layer_tensor_by_name(dev, "experts.3.w2.weight", &dv) == MOE_OK, "%s", moe_last_error());
+    cr_assert(moe_layer_tensor_by_name(host, "experts.3.w2.weight", &hv) == MOE_OK, "%s", moe_last_error());
+    cr_expect(dv.param - moe_layer_params(dev) == hv.param - moe_layer_params(host) &&
+                  dv.grad - moe_layer_grads(dev) == hv.grad - moe_layer_grads(host),
+              "a view does not point where the host layer's does");
+
+    float *hx = ref_alloc((size_t)(T * d) * sizeof *hx), *hdy = ref_alloc((size_t)(T * d) * sizeof *hdy);
+    float *hy = ref_alloc((size_t)(T * d) * sizeof *hy), *hdx = ref_alloc((size_t)(T * d) * sizeof *hdx);
+    ref_rng rng = {41};
+    ref_fill(hx, T * d, &rng, -1, 1);
+    ref_fill(hdy, T * d, &rng, -1, 1);
+    float *x = NULL, *dy = NULL, *y = NULL, *dx = NULL;
+    float **bufs[] = {&x, &dy, &y, &dx};
+    for (int b = 0; b < 4; b++) cr_assert(ops->alloc((void **)bufs[b], (size_t)(T * d) * sizeof(float)) == MOE_OK);
+    cr_assert(ops->upload(x, hx, (size_t)(T * d) * sizeof(float)) == MOE_OK);
+    cr_assert(ops->upload(dy, hdy, (size_t)(T * d) * sizeof(float)) == MOE_OK);
+    for (int step = 0; step < 2; step++) { /* the second after zero_grad: the same gradients */
+        cr_assert(moe_layer_zero_grad(host) == MOE_OK && moe_layer_zero_grad(dev) == MOE_OK);
+        cr_assert(moe_layer_forward(host, hy, hx, T, NULL) == MOE_OK, "%s", moe_last_error());
+        cr_assert(moe_layer_backward(host, hdx, hdy, hx) == MOE_OK, "%s", moe_last_error());
+        cr_assert(moe_layer_forward(dev, y, x, T, NULL) == MOE_OK, "%s", moe_last_error());
+        cr_assert(moe_layer_backward(dev, dx, dy, x) == MOE_OK, "%s", moe_last_error());
+        cr_assert(moe_layer_sync(dev) == MOE_OK, "%s", moe_last_error());
+        const struct { const char *name; const float *dev, *host; int64_t n; } out[] = {
+            {"y", y, hy, T * d}, {"dx", dx, hdx, T * d}, {"grads", moe_layer_grads(dev), moe_layer_grads(host), n}};
+        for (int o = 0; o < 3; o++) {
+            cr_assert(ops->download(got, out[o].dev, (size_t)out[o].n * sizeof(float)) == MOE_OK);
+            i = first_diff(got, out[o].host, out[o].n);
+            cr_expect(i < 0, "step %d: %s[%lld] = %.9g, host %.9g", step, out[o].name, (long long)i,
+                      i < 0 ? 0.0 : got[i], i < 0 ? 0.0 : out[o].host[i]);
+        }
+    }
+    moe_layer_destroy(dev);
+    moe_layer_destroy(host);
+    for (int b = 0; b < 4; b++) ops->release(*bufs[b]);
+    free(hx), free(hdy), free(hy), free(hdx), free(got);
+}
+
+/* Without a GPU (or without CUDA in the build) the CUDA layer is refused,
+ * saying why, and leaves no layer behind. */
+Test(layer, cuda_layer_without_a_device_is_refused) {
+    moe_layer_config cfg = make_cfg(16, 8, 4, 2, MOE_GATE_SOFTMAX_TOPK, 1, 0.0, 0);
+    moe_layer *l = (moe_layer *)&cfg; /* any non-NULL value, which the call must clear */
+    const moe_status st = moe_layer_create_cuda(&l, &cfg, -1, NULL);
+    if (st == MOE_OK) { /* a GPU answered: test_cuda_ops holds the layer to the CPU's */
+        moe_layer_destroy(l);
+        return;
+    }
+    cr_expect_eq(st, MOE_ERR_UNSUPPORTED, "status %d: %s", st, moe_last_error());
+    cr_expect(strstr(moe_last_error(), "moe_layer_create_cuda"), "%s", moe_last_error());
+    cr_expect(l == NULL);
+    /* A bad config is the config's error, device or not. */
+    cfg.top_k = 9;
+    cr_expect_eq(moe_layer_create_cuda(&l, &cfg, -1, NULL), MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "top_k"), "%s", moe_last_error());
+}

@@ -410,6 +410,8 @@ static moe_status make_current(const moe_cuda_ctx *ctx) {
     return MOE_OK;
 }
 
+extern "C" moe_cuda_ctx *moe_cuda_bound(void) { return bound.ctx; }
+
 extern "C" const moe_ops *moe_cuda_ops(moe_cuda_ctx *ctx) {
     /* Made on first use, whatever the order of static initialisers. */
     static const moe_ops table = make_table();

@@ -92,6 +92,7 @@ struct moe_cuda_ctx {
     size_t smem_optin_bytes; /* the most dynamic shared memory a block may ask for */
     char name[320];
     cudaStream_t stream;
+    bool own_stream; /* created here (else the caller's, left to them) */
     cublasLtHandle_t lt;
     cublasHandle_t blas;
     void *workspace;       /* [MOE_CUDA_WORKSPACE_BYTES] */

@@ -93,7 +93,7 @@ extern "C" bool moe_cuda_available(char *why, size_t why_bytes) {
 
 /* ----------------------------------------------------------------- context */
 
-static moe_status ctx_init(moe_cuda_ctx *c, int device) {
+static moe_status ctx_init(moe_cuda_ctx *c, int device, cudaStream_t stream) {
     if (device < 0) {
         /* The first device of sm_80 or newer, which moe_cuda_available found. */
         int n = 0;
@@ -118,7 +118,12 @@ static moe_status ctx_init(moe_cuda_ctx *c, int device) {
     snprintf(c->name, sizeof c->name, "%s (sm_%d%d, %d SMs)", prop.name, prop.major, prop.minor,
              prop.multiProcessorCount);
 
-    MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
+    if (stream) {
+        c->stream = stream;
+    } else {
+        MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
+        c->own_stream = true;
+    }
     MOE_CUDA_CHECK(cudaMalloc(&c->workspace, MOE_CUDA_WORKSPACE_BYTES));
     MOE_CUDA_CHECK(cudaMalloc((void **)&c->ptrs, MOE_CUDA_PTR_SLOTS * sizeof(void *)));
     MOE_CUDA_CHECK(cudaMallocHost((void **)&c->host_ptrs, MOE_CUDA_PTR_SLOTS * sizeof(void *)));
@@ -140,6 +145,10 @@ static moe_status ctx_init(moe_cuda_ctx *c, int device) {
 }
 
 extern "C" moe_status moe_cuda_ctx_create(moe_cuda_ctx **ctx, int device) {
+    return moe_cuda_ctx_create_on(ctx, device, NULL);
+}
+
+extern "C" moe_status moe_cuda_ctx_create_on(moe_cuda_ctx **ctx, int device, void *stream) {
     if (!ctx) return moe_error(MOE_ERR_INVALID_ARG, "moe_cuda_ctx_create: ctx is NULL");
     *ctx = NULL;
     char why[256];
@@ -147,7 +156,7 @@ extern "C" moe_status moe_cuda_ctx_create(moe_cuda_ctx **ctx, int device) {
         return moe_error(MOE_ERR_UNSUPPORTED, "no usable CUDA device: %s", why);
     moe_cuda_ctx *c = (moe_cuda_ctx *)calloc(1, sizeof *c);
     if (!c) return moe_error(MOE_ERR_OUT_OF_MEMORY, "moe_cuda_ctx_create: out of host memory");
-    moe_status st = ctx_init(c, device);
+    moe_status st = ctx_init(c, device, (cudaStream_t)stream);
     if (st != MOE_OK) {
         moe_cuda_ctx_destroy(c);
         return st;
@@ -172,7 +181,7 @@ extern "C" void moe_cuda_ctx_destroy(moe_cuda_ctx *c) {
     cudaFreeHost(c->host_ptrs);
     cudaFree(c->ptrs);
     cudaFree(c->workspace);
-    if (c->stream) cudaStreamDestroy(c->stream);
+    if (c->stream && c->own_stream) cudaStreamDestroy(c->stream);
     free(c);
 }
 

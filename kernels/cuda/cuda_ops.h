@@ -50,6 +50,9 @@ typedef struct moe_cuda_ctx moe_cuda_ctx;
 
 /* device < 0 picks the first device of sm_80 or newer. */
 moe_status moe_cuda_ctx_create(moe_cuda_ctx **ctx, int device);
+/* The same on the caller's stream (a cudaStream_t of that device; NULL: a
+ * stream of the context's own), which the context uses and never destroys. */
+moe_status moe_cuda_ctx_create_on(moe_cuda_ctx **ctx, int device, void *stream);
 void moe_cuda_ctx_destroy(moe_cuda_ctx *ctx);
 
 /* "NVIDIA H200 (sm_90, 132 SMs)". */
@@ -379,6 +382,9 @@ moe_status moe_cuda_sumsq(double *out, const float *x, int64_t n, moe_cuda_ctx *
  * the stream before cudaFree: the engine allocates when it is created,
  * never per step. upload and download wait; copy and zero are queued. */
 const moe_ops *moe_cuda_ops(moe_cuda_ctx *ctx);
+
+/* The context bound to the calling thread, or NULL. */
+moe_cuda_ctx *moe_cuda_bound(void);
 
 #endif /* MOE_HAVE_CUDA */
 
