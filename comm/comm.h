@@ -83,6 +83,11 @@ moe_status moe_comm_local_create(moe_comm **comm);
  * exchange with the missing) done with their part of it. */
 moe_status moe_comm_mpi_create(moe_comm **comm);
 
+/* The ranks of the caller's MPI communicator (mpi_comm points to an
+ * MPI_Comm), through a duplicate of it, as above; MPI must be initialised.
+ * Collective over that communicator. */
+moe_status moe_comm_mpi_create_from(moe_comm **comm, const void *mpi_comm);
+
 /* Ends every process of the MPI job (MPI_Abort on MPI_COMM_WORLD) with exit
  * status code, when MPI is initialised and not finalised; otherwise, and
  * without MPI, returns having done nothing, and the caller exits as usual.

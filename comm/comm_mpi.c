@@ -483,6 +483,26 @@ static moe_status wrap(moe_comm **out, MPI_Comm handle, double timeout_seconds, 
     return MOE_OK;
 }
 
+/* A duplicate of handle, wrapped: idup rather than dup, so that a rank
+ * that never arrives times out here too. */
+static moe_status duplicate(moe_comm **comm, MPI_Comm handle, const char *what, const char *op) {
+    MPI_Comm dup = MPI_COMM_NULL;
+    MPI_Request r = MPI_REQUEST_NULL;
+    int code = MPI_Comm_idup(handle, &dup, &r);
+    bool done = false;
+    if (code == MPI_SUCCESS) code = poll_request(&r, MOE_COMM_DEFAULT_TIMEOUT_SECONDS, &done);
+    if (code != MPI_SUCCESS || !done) {
+        char text[MPI_MAX_ERROR_STRING + 32];
+        if (code != MPI_SUCCESS)
+            mpi_error_text(code, text, sizeof text);
+        else
+            snprintf(text, sizeof text, "not every rank joined within %.0f s",
+                     MOE_COMM_DEFAULT_TIMEOUT_SECONDS);
+        return moe_error(MOE_ERR_COMM, "%s: MPI_Comm_idup(%s): %s", op, what, text);
+    }
+    return wrap(comm, dup, MOE_COMM_DEFAULT_TIMEOUT_SECONDS, op);
+}
+
 moe_status moe_comm_mpi_create(moe_comm **comm) {
     if (!comm) return moe_error(MOE_ERR_INVALID_ARG, "mpi_create: comm is NULL");
     *comm = NULL;
@@ -506,22 +526,20 @@ moe_status moe_comm_mpi_create(moe_comm **comm) {
      * which aborts the job by default: in a process whose MPI we started,
      * errors are returned there too, so they reach the caller as text. */
     if (mpi_started_here) MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
-    /* idup rather than dup: a rank that never arrives times out here too. */
-    MPI_Comm dup = MPI_COMM_NULL;
-    MPI_Request r = MPI_REQUEST_NULL;
-    int code = MPI_Comm_idup(MPI_COMM_WORLD, &dup, &r);
-    bool done = false;
-    if (code == MPI_SUCCESS) code = poll_request(&r, MOE_COMM_DEFAULT_TIMEOUT_SECONDS, &done);
-    if (code != MPI_SUCCESS || !done) {
-        char text[MPI_MAX_ERROR_STRING + 32];
-        if (code != MPI_SUCCESS)
-            mpi_error_text(code, text, sizeof text);
-        else
-            snprintf(text, sizeof text, "not every rank joined within %.0f s",
-                     MOE_COMM_DEFAULT_TIMEOUT_SECONDS);
-        return moe_error(MOE_ERR_COMM, "mpi_create: MPI_Comm_idup(MPI_COMM_WORLD): %s", text);
-    }
-    return wrap(comm, dup, MOE_COMM_DEFAULT_TIMEOUT_SECONDS, "mpi_create");
+    return duplicate(comm, MPI_COMM_WORLD, "MPI_COMM_WORLD", "mpi_create");
+}
+
+moe_status moe_comm_mpi_create_from(moe_comm **comm, const void *mpi_comm) {
+    if (!comm) return moe_error(MOE_ERR_INVALID_ARG, "mpi_create_from: comm is NULL");
+    *comm = NULL;
+    if (!mpi_comm) return moe_error(MOE_ERR_INVALID_ARG, "mpi_create_from: mpi_comm is NULL");
+    int initialised = 0, finalised = 0;
+    MPI_Initialized(&initialised);
+    MPI_Finalized(&finalised);
+    if (!initialised || finalised)
+        return moe_error(MOE_ERR_STATE, "mpi_create_from: MPI is %s in this process",
+                         finalised ? "finalised" : "not initialised");
+    return duplicate(comm, *(const MPI_Comm *)mpi_comm, "the caller's communicator", "mpi_create_from");
 }
 
 void moe_comm_mpi_abort_job(int code) {
@@ -725,6 +743,14 @@ moe_status moe_comm_mpi_create(moe_comm **comm) {
     if (comm) *comm = NULL;
     return moe_error(MOE_ERR_UNSUPPORTED,
                      "mpi_create: libmoe was built without MPI (configure with -DMOE_MPI=ON "
+                     "after apt-get install libopenmpi-dev openmpi-bin)");
+}
+
+moe_status moe_comm_mpi_create_from(moe_comm **comm, const void *mpi_comm) {
+    (void)mpi_comm;
+    if (comm) *comm = NULL;
+    return moe_error(MOE_ERR_UNSUPPORTED,
+                     "mpi_create_from: libmoe was built without MPI (configure with -DMOE_MPI=ON "
                      "after apt-get install libopenmpi-dev openmpi-bin)");
 }
 

@@ -60,6 +60,7 @@ struct moe_layer {
     int64_t n_params;
     float *owned;          /* params and grads when the layer allocated them, in ops' memory */
     void *cuda;            /* the moe_cuda_ctx of a layer made by moe_layer_create_cuda (owned) */
+    moe_comm *owned_ep;    /* the duplicate of the caller's communicator (moe_layer_create_mpi) */
     int64_t n_tensors;
     moe_tensor_view *views;           /* [n_tensors] */
     char (*names)[MOE_NAME_BYTES];    /* [n_tensors] */
@@ -391,12 +392,13 @@ moe_status moe_layer_init_params(moe_layer *L, float std, uint64_t seed, uint64_
 
 /* A layer that owns its parameters and gradients, in ops' memory (NULL:
  * the CPU's), initialised as Hugging Face initialises Mixtral. */
-static moe_status create_owning(moe_layer **out, const moe_layer_config *cfg, const moe_ops *ops, const char *op) {
+static moe_status create_owning(moe_layer **out, const moe_layer_config *cfg, const moe_ops *ops, moe_comm *ep,
+                                const char *op) {
     MOE_NOT_NULL(op, "layer", out);
     *out = NULL;
     MOE_TRY(moe_layer_config_validate(cfg));
     if (!ops) ops = moe_cpu_ops();
-    int64_t n = moe_layer_config_param_count(cfg, 1);
+    int64_t n = moe_layer_config_param_count(cfg, ep ? moe_comm_size(ep) : 1);
     /* Gradients start at an aligned offset so both arrays are 64-byte aligned. */
     int64_t grad_off = (n + 15) / 16 * 16;
     float *mem = NULL; /* zero-filled */
@@ -409,7 +411,7 @@ static moe_status create_owning(moe_layer **out, const moe_layer_config *cfg, co
         .router = mem, .router_grad = mem + grad_off,
         .experts = mem + router, .experts_grad = mem + grad_off + router,
         .shared = mem + router + experts, .shared_grad = mem + grad_off + router + experts};
-    st = moe_layer_create_in(out, cfg, &layout, NULL, NULL);
+    st = moe_layer_create_in(out, cfg, &layout, ep, NULL);
     if (st != MOE_OK) {
         ops->release(mem);
         return st;
@@ -427,11 +429,11 @@ static moe_status create_owning(moe_layer **out, const moe_layer_config *cfg, co
 }
 
 moe_status moe_layer_create(moe_layer **out, const moe_layer_config *cfg) {
-    return create_owning(out, cfg, NULL, "moe_layer_create");
+    return create_owning(out, cfg, NULL, NULL, "moe_layer_create");
 }
 
 moe_status moe_layer_create_on_ops(moe_layer **out, const moe_layer_config *cfg, const moe_ops *ops) {
-    return create_owning(out, cfg, ops, "moe_layer_create_on_ops");
+    return create_owning(out, cfg, ops, NULL, "moe_layer_create_on_ops");
 }
 
 /* A CUDA layer's calls run on its own context: bound to the calling thread
@@ -452,7 +454,7 @@ moe_status moe_layer_create_cuda(moe_layer **out, const moe_layer_config *cfg, i
     moe_cuda_ctx *ctx = NULL;
     moe_status st = moe_cuda_ctx_create_on(&ctx, device, stream);
     if (st != MOE_OK) return moe_error_prefix(st, "moe_layer_create_cuda: ");
-    st = create_owning(out, cfg, moe_cuda_ops(ctx), "moe_layer_create_cuda");
+    st = create_owning(out, cfg, moe_cuda_ops(ctx), NULL, "moe_layer_create_cuda");
     if (st != MOE_OK) {
         moe_cuda_ctx_destroy(ctx);
         return st;
@@ -463,6 +465,22 @@ moe_status moe_layer_create_cuda(moe_layer **out, const moe_layer_config *cfg, i
     (void)device, (void)stream;
     return moe_error(MOE_ERR_UNSUPPORTED, "moe_layer_create_cuda: this libmoe was built without CUDA");
 #endif
+}
+
+moe_status moe_layer_create_mpi(moe_layer **out, const moe_layer_config *cfg, const void *mpi_comm) {
+    MOE_NOT_NULL("moe_layer_create_mpi", "layer", out);
+    *out = NULL;
+    MOE_TRY(moe_layer_config_validate(cfg));
+    moe_comm *ep = NULL;
+    moe_status st = moe_comm_mpi_create_from(&ep, mpi_comm);
+    if (st != MOE_OK) return moe_error_prefix(st, "moe_layer_create_mpi: ");
+    st = create_owning(out, cfg, NULL, ep, "moe_layer_create_mpi");
+    if (st != MOE_OK) {
+        moe_comm_free(ep);
+        return st;
+    }
+    (*out)->owned_ep = ep;
+    return MOE_OK;
 }
 
 moe_status moe_layer_sync(moe_layer *L) {
@@ -505,6 +523,7 @@ void moe_layer_destroy(moe_layer *L) {
     free(L->local_offsets);
     free(L->aux_grad);
     free(L->groups);
+    if (L->owned_ep) moe_comm_free(L->owned_ep);
 #if defined(MOE_HAVE_CUDA)
     if (L->cuda) {
         if (moe_cuda_bound() == L->cuda) moe_cuda_ops(NULL); /* no binding outlives its context */

@@ -123,6 +123,22 @@ void moe_layer_destroy(moe_layer *layer);
  * when this libmoe was built without CUDA or no device answers. */
 moe_status moe_layer_create_cuda(moe_layer **layer, const moe_layer_config *cfg, int device, void *stream);
 
+/* An expert-parallel layer over the ranks of the caller's MPI communicator
+ * (mpi_comm points to an MPI_Comm; MPI initialised), which it duplicates so
+ * that its messages never match the caller's. Each of the P ranks holds
+ * n_experts / P experts (rank r: experts r E/P .. (r+1) E/P - 1, named by
+ * their global ids in the views) and passes its own tokens, any count;
+ * create, forward and backward are collective over the communicator. The router's statistics and capacity are those of all the
+ * ranks' tokens, so P ranks compute what one rank computes on the whole
+ * batch: y and dx are this rank's rows, each expert's gradient covers every
+ * rank's tokens, and the router's (and shared experts') gradients are this
+ * rank's share, which the caller sums over the ranks (as data parallelism
+ * does). The initial parameters are those moe_layer_create draws for the
+ * same seed. A peer that stops answering fails the call with MOE_ERR_COMM
+ * after 300 s, naming it. MOE_ERR_UNSUPPORTED when this libmoe was built
+ * without MPI. */
+moe_status moe_layer_create_mpi(moe_layer **layer, const moe_layer_config *cfg, const void *mpi_comm);
+
 /* Waits for the layer's queued work and reports a failure in it (on the
  * CPU, where calls return finished, MOE_OK at once). */
 moe_status moe_layer_sync(moe_layer *layer);

@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "engine/moe_layer.h"
+#include "moe.h"
 #include "mpi_check.h"
 
 #define SEED 0x65707061ull
@@ -157,8 +158,60 @@ static void run_case(const ep_case *c) {
     free(dx);
 }
 
+/* moe.h's moe_layer_create_mpi on MPI_COMM_WORLD: the same layer through
+ * the public API, its initial parameters drawn by the layer itself. */
+static void public_layer_case(void) {
+    failures = 0;
+    moe_layer_config cfg = MOE_LAYER_CONFIG_INIT;
+    cfg.d_model = D, cfg.d_ff = FF, cfg.n_experts = E, cfg.top_k = 2, cfg.capacity_factor = 1.0;
+    cfg.aux_loss_coef = 0.1, cfg.seed = SEED;
+    int64_t first = 0, global_T = 0;
+    for (int r = 0; r < size; r++) {
+        if (r == rank) first = global_T;
+        global_T += 5 + 4 * r;
+    }
+    const int64_t T = 5 + 4 * rank;
+    float *x = malloc(sizeof(float) * (size_t)(global_T * D)), *dy = malloc(sizeof(float) * (size_t)(global_T * D));
+    float *y_ref = malloc(sizeof(float) * (size_t)(global_T * D)), *dx_ref = malloc(sizeof(float) * (size_t)(global_T * D));
+    float *y = malloc(sizeof(float) * (size_t)(T * D)), *dx = malloc(sizeof(float) * (size_t)(T * D));
+    for (int64_t i = 0; i < global_T * D; i++) {
+        x[i] = moe_rng_normal(SEED, 3, (uint64_t)i);
+        dy[i] = moe_rng_normal(SEED, 4, (uint64_t)i);
+    }
+    moe_layer *ref = NULL, *pub = NULL;
+    MPI_Comm comm = MPI_COMM_WORLD;
+    if (check(moe_layer_create(&ref, &cfg), "reference create") &&
+        check(moe_layer_create_mpi(&pub, &cfg, &comm), "moe_layer_create_mpi") &&
+        check(moe_layer_forward(ref, y_ref, x, global_T, NULL), "reference forward") &&
+        check(moe_layer_backward(ref, dx_ref, dy, x), "reference backward") &&
+        check(moe_layer_forward(pub, y, x + first * D, T, NULL), "public forward") &&
+        check(moe_layer_backward(pub, dx, dy + first * D, x + first * D), "public backward")) {
+        compare("y", y, y_ref + first * D, T * D);
+        compare("dx", dx, dx_ref + first * D, T * D);
+        const int64_t local = E / size;
+        if (moe_layer_tensor_count(pub) != 1 + 3 * local) fail("tensor count", 0, (double)moe_layer_tensor_count(pub), 1.0 + 3.0 * (double)local);
+        for (int64_t i = 0; i < moe_layer_tensor_count(pub); i++) {
+            moe_tensor_view v, r;
+            moe_layer_tensor(pub, i, &v);
+            if (moe_layer_tensor_by_name(ref, v.name, &r) != MOE_OK) {
+                fail(v.name, i, 0, 1);
+                continue;
+            }
+            const int64_t count = v.rows * v.cols;
+            compare(v.name, v.param, r.param, count); /* the draws of one rank's layer */
+            if (strcmp(v.name, "gate.weight") == 0) check(moe_comm_allreduce_sum(world, v.grad, count, MOE_COMM_F32), "grad all-reduce");
+            compare(v.name, v.grad, r.grad, count);
+        }
+    }
+    moe_layer_destroy(ref);
+    moe_layer_destroy(pub);
+    free(x), free(dy), free(y_ref), free(dx_ref), free(y), free(dx);
+}
+
 int main(void) {
     if (!mpi_check_init()) return 1;
+    public_layer_case();
+    mpi_report(failures, "moe_layer_create_mpi on MPI_COMM_WORLD (%d ranks)", size);
     const ep_case cases[] = {
         {"softmax_topk dropless", MOE_GATE_SOFTMAX_TOPK, 1, 0.0, 0, 0.0f, 2, 0.0},
         {"softmax_topk no renormalize", MOE_GATE_SOFTMAX_TOPK, 0, 0.0, 0, 0.0f, 2, 0.0},
