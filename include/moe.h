@@ -115,9 +115,9 @@ void moe_layer_destroy(moe_layer *layer);
  * take or return is device memory: x, y, dx, dy, the views' param and grad,
  * moe_layer_params() and moe_layer_grads() (stats and the selection bias
  * stay on the host). Calls return with work still queued: forward waits
- * once, for the routing counts (capacity and the experts' row counts are
- * decided on the host), backward not at all, so y and dx are ready when
- * the stream reaches them. A failure inside queued work is reported by the
+ * once for the stream (everything queued on it so far), for the routing
+ * counts (capacity and the experts' row counts are decided on the host),
+ * backward not at all, so y and dx are ready when the stream reaches them. A failure inside queued work is reported by the
  * next call on the layer that waits, or by moe_layer_sync. Each call binds
  * the layer's device and context to the calling thread. MOE_ERR_UNSUPPORTED
  * when this libmoe was built without CUDA or no device answers. */
