@@ -539,7 +539,16 @@ moe_status moe_comm_mpi_create_from(moe_comm **comm, const void *mpi_comm) {
     if (!initialised || finalised)
         return moe_error(MOE_ERR_STATE, "mpi_create_from: MPI is %s in this process",
                          finalised ? "finalised" : "not initialised");
-    return duplicate(comm, *(const MPI_Comm *)mpi_comm, "the caller's communicator", "mpi_create_from");
+    const MPI_Comm handle = *(const MPI_Comm *)mpi_comm;
+    if (handle == MPI_COMM_NULL)
+        return moe_error(MOE_ERR_INVALID_ARG, "mpi_create_from: the communicator is MPI_COMM_NULL (a rank "
+                                              "left out of a split?)");
+    int inter = 0;
+    int code = MPI_Comm_test_inter(handle, &inter);
+    if (code != MPI_SUCCESS || inter)
+        return moe_error(MOE_ERR_INVALID_ARG, "mpi_create_from: %s",
+                         inter ? "an intercommunicator; pass an intracommunicator" : "not a valid communicator");
+    return duplicate(comm, handle, "the caller's communicator", "mpi_create_from");
 }
 
 void moe_comm_mpi_abort_job(int code) {

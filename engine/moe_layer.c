@@ -143,7 +143,8 @@ struct moe_layer {
     moe_expert_group *groups; /* [n_local + 1]: local experts, then the shared ones */
 
     moe_layer_stats last;   /* global statistics of the last forward */
-    int64_t last_T;         /* T of the last forward; 0 before the first */
+    int64_t last_T;         /* T of the last forward (0: a rank with no tokens this time) */
+    bool forward_done;      /* the last forward succeeded: backward may follow */
     int64_t global_T;       /* tokens over the EP group in the last forward */
     moe_layer_timing timing;
     int training;
@@ -456,6 +457,7 @@ moe_status moe_layer_create_cuda(moe_layer **out, const moe_layer_config *cfg, i
     if (st != MOE_OK) return moe_error_prefix(st, "moe_layer_create_cuda: ");
     st = create_owning(out, cfg, moe_cuda_ops(ctx), NULL, "moe_layer_create_cuda");
     if (st != MOE_OK) {
+        moe_cuda_unbind(ctx);
         moe_cuda_ctx_destroy(ctx);
         return st;
     }
@@ -526,7 +528,7 @@ void moe_layer_destroy(moe_layer *L) {
     if (L->owned_ep) moe_comm_free(L->owned_ep);
 #if defined(MOE_HAVE_CUDA)
     if (L->cuda) {
-        if (moe_cuda_bound() == L->cuda) moe_cuda_ops(NULL); /* no binding outlives its context */
+        moe_cuda_unbind(L->cuda); /* no binding, nor a failure it kept, outlives its context */
         moe_cuda_ctx_destroy(L->cuda);
     }
 #endif
@@ -578,7 +580,7 @@ void moe_layer_get_timing(const moe_layer *L, moe_layer_timing *timing) { *timin
 void moe_layer_reset_timing(moe_layer *L) { L->timing = (moe_layer_timing){0}; }
 
 moe_status moe_layer_last_topk(moe_layer *L, const int32_t **topk) {
-    if (L->last_T == 0) return moe_error(MOE_ERR_STATE, "moe_layer_last_topk: no forward yet");
+    if (!L->forward_done) return moe_error(MOE_ERR_STATE, "moe_layer_last_topk: no forward yet");
     MOE_TRY(L->ops->download(L->topk_host, L->topk_idx, (size_t)(L->last_T * L->cfg.top_k) * sizeof(int32_t)));
     *topk = L->topk_host;
     return MOE_OK;
@@ -967,15 +969,27 @@ static int64_t setup_groups(moe_layer *L, int64_t T, const float *x_in, const fl
 
 moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, moe_layer_stats *stats) {
     MOE_NOT_NULL("moe_layer_forward", "layer", L);
-    MOE_NOT_NULL("moe_layer_forward", "y", y);
-    MOE_NOT_NULL("moe_layer_forward", "x", x);
+    if (T < 0) return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_forward: T=%lld must not be negative", (long long)T);
+    if (T > 0) { /* a rank with no tokens may pass no buffers */
+        MOE_NOT_NULL("moe_layer_forward", "y", y);
+        MOE_NOT_NULL("moe_layer_forward", "x", x);
+    }
     bind(L);
-    if (T <= 0) return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_forward: T=%lld must be positive", (long long)T);
-    MOE_TRY(reserve_tokens(L, T));
+    if (T == 0 && !L->batch) { /* nothing to route, and no peer waiting for this rank */
+        if (stats) {
+            int64_t *tpe = stats->tokens_per_expert;
+            *stats = (moe_layer_stats){.tokens_per_expert = tpe};
+            if (tpe) memset(tpe, 0, (size_t)L->cfg.n_experts * sizeof *tpe);
+        }
+        L->last_T = 0;
+        L->forward_done = true;
+        return MOE_OK;
+    }
+    MOE_TRY(reserve_tokens(L, T > 0 ? T : 1)); /* with no tokens, the per-expert arrays still */
     const moe_layer_config *c = &L->cfg;
     const moe_ops *ops = L->ops;
     const int64_t d = c->d_model, E = c->n_experts, k = c->top_k;
-    L->last_T = 0;
+    L->forward_done = false;
 
     const float *x_in = x;
     if (c->jitter_eps > 0.0) {
@@ -1047,6 +1061,7 @@ moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, 
         stats->tokens_per_expert = tpe;
     }
     L->last_T = T;
+    L->forward_done = true;
     return MOE_OK;
 }
 
@@ -1054,11 +1069,14 @@ moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, 
 
 moe_status moe_layer_backward(moe_layer *L, float *dx, const float *dy, const float *x) {
     MOE_NOT_NULL("moe_layer_backward", "layer", L);
-    MOE_NOT_NULL("moe_layer_backward", "dx", dx);
-    MOE_NOT_NULL("moe_layer_backward", "dy", dy);
-    MOE_NOT_NULL("moe_layer_backward", "x", x);
+    if (!L->forward_done) return moe_error(MOE_ERR_STATE, "moe_layer_backward: no forward to differentiate");
+    if (L->last_T > 0) {
+        MOE_NOT_NULL("moe_layer_backward", "dx", dx);
+        MOE_NOT_NULL("moe_layer_backward", "dy", dy);
+        MOE_NOT_NULL("moe_layer_backward", "x", x);
+    }
     bind(L);
-    if (L->last_T == 0) return moe_error(MOE_ERR_STATE, "moe_layer_backward: no forward to differentiate");
+    if (L->last_T == 0 && !L->batch) return MOE_OK; /* no tokens, no peers: nothing to add */
     const moe_layer_config *c = &L->cfg;
     const moe_ops *ops = L->ops;
     const int64_t T = L->last_T, d = c->d_model, E = c->n_experts, k = c->top_k;

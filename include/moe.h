@@ -117,9 +117,13 @@ void moe_layer_destroy(moe_layer *layer);
  * stay on the host). Calls return with work still queued: forward waits
  * once for the stream (everything queued on it so far), for the routing
  * counts (capacity and the experts' row counts are decided on the host),
- * backward not at all, so y and dx are ready when the stream reaches them. A failure inside queued work is reported by the
- * next call on the layer that waits, or by moe_layer_sync. Each call binds
- * the layer's device and context to the calling thread. MOE_ERR_UNSUPPORTED
+ * backward not at all, so y and dx are ready when the stream reaches them.
+ * Each call binds the layer's device and context to the calling thread; a
+ * failure inside queued work is kept for that thread (as CUDA keeps its
+ * errors) and reported by its next call that waits, on any CUDA layer, or
+ * by moe_layer_sync: drive a layer from one thread at a time. The stream
+ * must outlive the layer; destroying the layer waits for it. A device
+ * index the process does not see is MOE_ERR_INVALID_ARG; MOE_ERR_UNSUPPORTED
  * when this libmoe was built without CUDA or no device answers. */
 moe_status moe_layer_create_cuda(moe_layer **layer, const moe_layer_config *cfg, int device, void *stream);
 
@@ -134,9 +138,13 @@ moe_status moe_layer_create_cuda(moe_layer **layer, const moe_layer_config *cfg,
  * rank's tokens, and the router's (and shared experts') gradients are this
  * rank's share, which the caller sums over the ranks (as data parallelism
  * does). The initial parameters are those moe_layer_create draws for the
- * same seed. A peer that stops answering fails the call with MOE_ERR_COMM
- * after 300 s, naming it. MOE_ERR_UNSUPPORTED when this libmoe was built
- * without MPI. */
+ * same seed. Every rank must call forward and backward, with T >= 0 tokens
+ * (0 on a rank that has none this time: it still serves its experts). A
+ * peer that stops answering fails forward or backward with MOE_ERR_COMM
+ * after 300 s, naming it (create says only that not every rank joined).
+ * Destroy the layer before MPI_Finalize (after it, only host memory is
+ * freed). MPI_COMM_NULL and intercommunicators are MOE_ERR_INVALID_ARG;
+ * MOE_ERR_UNSUPPORTED when this libmoe was built without MPI. */
 moe_status moe_layer_create_mpi(moe_layer **layer, const moe_layer_config *cfg, const void *mpi_comm);
 
 /* Waits for the layer's queued work and reports a failure in it (on the

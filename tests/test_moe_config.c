@@ -151,9 +151,15 @@ Test(config, null_arguments) {
     cr_expect(strstr(moe_last_error(), "moe_layer_forward: x is NULL"), "%s", moe_last_error());
     cr_expect(moe_layer_forward(l, y, x, -1, NULL) == MOE_ERR_INVALID_ARG,
               "negative T must be refused");
+    /* No tokens: nothing to do, no buffers needed, stats zero; backward too. */
+    int64_t tpe[4] = {7, 7, 7, 7};
+    moe_layer_stats st = {.tokens_per_expert = tpe, .pairs = 5, .aux_loss = 1.0};
+    cr_expect(moe_layer_forward(l, NULL, NULL, 0, &st) == MOE_OK, "%s", moe_last_error());
+    cr_expect(st.pairs == 0 && st.aux_loss == 0.0 && st.tokens_per_expert == tpe && tpe[0] == 0 && tpe[3] == 0,
+              "stats of no tokens: pairs %lld aux %g tpe[0] %lld", (long long)st.pairs, st.aux_loss,
+              (long long)tpe[0]);
+    cr_expect(moe_layer_backward(l, NULL, NULL, NULL) == MOE_OK, "%s", moe_last_error());
     cr_expect(moe_layer_backward(NULL, dx, y, x) == MOE_ERR_INVALID_ARG);
-    cr_expect(moe_layer_backward(l, dx, NULL, x) == MOE_ERR_INVALID_ARG);
-    cr_expect(strstr(moe_last_error(), "moe_layer_backward: dy is NULL"), "%s", moe_last_error());
     cr_expect(moe_layer_tensor(NULL, 0, &v) == MOE_ERR_INVALID_ARG);
     cr_expect(moe_layer_tensor(l, 0, NULL) == MOE_ERR_INVALID_ARG);
     cr_expect(moe_layer_tensor(l, -1, &v) == MOE_ERR_INVALID_ARG);
@@ -171,6 +177,7 @@ Test(config, null_arguments) {
     cr_expect(moe_layer_forward(l, y, x, 3, NULL) == MOE_OK, "%s", moe_last_error());
     cr_expect(moe_layer_backward(l, NULL, y, x) == MOE_ERR_INVALID_ARG);
     cr_expect(moe_layer_backward(l, dx, NULL, x) == MOE_ERR_INVALID_ARG);
+    cr_expect(strstr(moe_last_error(), "moe_layer_backward: dy is NULL"), "%s", moe_last_error());
     cr_expect(moe_layer_backward(l, dx, y, NULL) == MOE_ERR_INVALID_ARG);
     moe_layer_destroy(l);
     moe_layer_destroy(NULL); /* like free(NULL) */

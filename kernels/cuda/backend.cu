@@ -410,7 +410,11 @@ static moe_status make_current(const moe_cuda_ctx *ctx) {
     return MOE_OK;
 }
 
-extern "C" moe_cuda_ctx *moe_cuda_bound(void) { return bound.ctx; }
+extern "C" void moe_cuda_unbind(moe_cuda_ctx *ctx) {
+    if (bound.ctx != ctx) return;
+    bound.ctx = NULL;
+    moe_error_take(&bound.kept, MOE_OK); /* its failure goes with it */
+}
 
 extern "C" const moe_ops *moe_cuda_ops(moe_cuda_ctx *ctx) {
     /* Made on first use, whatever the order of static initialisers. */

@@ -103,6 +103,11 @@ static moe_status ctx_init(moe_cuda_ctx *c, int device, cudaStream_t stream) {
         (void)cudaGetLastError();
         if (device < 0) device = 0;
     }
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
+    if (device >= count)
+        return moe_error(MOE_ERR_INVALID_ARG, "CUDA device %d: this process sees %d device%s", device, count,
+                         count == 1 ? "" : "s");
     c->device = device;
     MOE_CUDA_CHECK(cudaSetDevice(c->device));
     cudaDeviceProp prop;
@@ -158,6 +163,7 @@ extern "C" moe_status moe_cuda_ctx_create_on(moe_cuda_ctx **ctx, int device, voi
     if (!c) return moe_error(MOE_ERR_OUT_OF_MEMORY, "moe_cuda_ctx_create: out of host memory");
     moe_status st = ctx_init(c, device, (cudaStream_t)stream);
     if (st != MOE_OK) {
+        (void)cudaGetLastError(); /* so that the next launch check does not report this failure */
         moe_cuda_ctx_destroy(c);
         return st;
     }

@@ -160,7 +160,7 @@ static void run_case(const ep_case *c) {
 
 /* moe.h's moe_layer_create_mpi on MPI_COMM_WORLD: the same layer through
  * the public API, its initial parameters drawn by the layer itself. */
-static void public_layer_case(void) {
+static void public_layer_case(bool rank1_idle) {
     failures = 0;
     moe_layer_config cfg = MOE_LAYER_CONFIG_INIT;
     cfg.d_model = D, cfg.d_ff = FF, cfg.n_experts = E, cfg.top_k = 2, cfg.capacity_factor = 1.0;
@@ -168,9 +168,9 @@ static void public_layer_case(void) {
     int64_t first = 0, global_T = 0;
     for (int r = 0; r < size; r++) {
         if (r == rank) first = global_T;
-        global_T += 5 + 4 * r;
+        global_T += rank1_idle && r == 1 ? 0 : 5 + 4 * r;
     }
-    const int64_t T = 5 + 4 * rank;
+    const int64_t T = rank1_idle && rank == 1 ? 0 : 5 + 4 * rank;
     float *x = malloc(sizeof(float) * (size_t)(global_T * D)), *dy = malloc(sizeof(float) * (size_t)(global_T * D));
     float *y_ref = malloc(sizeof(float) * (size_t)(global_T * D)), *dx_ref = malloc(sizeof(float) * (size_t)(global_T * D));
     float *y = malloc(sizeof(float) * (size_t)(T * D)), *dx = malloc(sizeof(float) * (size_t)(T * D));
@@ -184,8 +184,9 @@ static void public_layer_case(void) {
         check(moe_layer_create_mpi(&pub, &cfg, &comm), "moe_layer_create_mpi") &&
         check(moe_layer_forward(ref, y_ref, x, global_T, NULL), "reference forward") &&
         check(moe_layer_backward(ref, dx_ref, dy, x), "reference backward") &&
-        check(moe_layer_forward(pub, y, x + first * D, T, NULL), "public forward") &&
-        check(moe_layer_backward(pub, dx, dy + first * D, x + first * D), "public backward")) {
+        check(moe_layer_forward(pub, T ? y : NULL, T ? x + first * D : NULL, T, NULL), "public forward") &&
+        check(moe_layer_backward(pub, T ? dx : NULL, T ? dy + first * D : NULL, T ? x + first * D : NULL),
+              "public backward")) {
         compare("y", y, y_ref + first * D, T * D);
         compare("dx", dx, dx_ref + first * D, T * D);
         const int64_t local = E / size;
@@ -210,8 +211,19 @@ static void public_layer_case(void) {
 
 int main(void) {
     if (!mpi_check_init()) return 1;
-    public_layer_case();
+    public_layer_case(false);
     mpi_report(failures, "moe_layer_create_mpi on MPI_COMM_WORLD (%d ranks)", size);
+    public_layer_case(true);
+    mpi_report(failures, "moe_layer_create_mpi with no tokens on rank 1 (%d ranks)", size);
+    {
+        moe_layer_config cfg = MOE_LAYER_CONFIG_INIT;
+        cfg.d_model = D, cfg.d_ff = FF, cfg.n_experts = E, cfg.top_k = 2;
+        MPI_Comm none = MPI_COMM_NULL;
+        moe_layer *l = NULL;
+        const moe_status st = moe_layer_create_mpi(&l, &cfg, &none);
+        mpi_report(st != MOE_ERR_INVALID_ARG || l != NULL || !strstr(moe_last_error(), "MPI_COMM_NULL"),
+                   "moe_layer_create_mpi refuses MPI_COMM_NULL (%s)", moe_last_error());
+    }
     const ep_case cases[] = {
         {"softmax_topk dropless", MOE_GATE_SOFTMAX_TOPK, 1, 0.0, 0, 0.0f, 2, 0.0},
         {"softmax_topk no renormalize", MOE_GATE_SOFTMAX_TOPK, 0, 0.0, 0, 0.0f, 2, 0.0},
