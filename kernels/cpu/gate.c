@@ -40,15 +40,17 @@ void moe_cpu_gate_forward(int32_t *topk_idx, float *topk_w, float *prob, float *
                 r[e] = moe_expf(l[e] - lmax);
                 esum += r[e];
             }
+            float ls[MOE_EXPERTS_MAX]; /* the sigmoid's log-sigmoids, made once for all their uses */
             if (p->kind == MOE_GATE_SIGMOID) {
                 /* s = sigmoid(l) relative to the row's largest, through
                  * log-sigmoids (increasing, so the largest is lmax's): the
                  * probabilities s / sum(s) stay apart where s itself leaves
                  * float's range (logits below -88). */
                 const float ls_max = moe_log_sigmoidf(lmax);
+                for (int64_t e = 0; e < E; e++) ls[e] = moe_log_sigmoidf(l[e]);
 #pragma omp simd reduction(+ : ssum)
                 for (int64_t e = 0; e < E; e++) {
-                    r[e] = moe_expf(moe_log_sigmoidf(l[e]) - ls_max);
+                    r[e] = moe_expf(ls[e] - ls_max);
                     ssum += r[e];
                 }
             }
@@ -63,7 +65,7 @@ void moe_cpu_gate_forward(int32_t *topk_idx, float *topk_w, float *prob, float *
             int n = 0;
             for (int64_t e = 0; e < E; e++) {
                 float base = p->kind == MOE_GATE_SIGMOID
-                                 ? (bias ? moe_sigmoidf(l[e]) : moe_log_sigmoidf(l[e]))
+                                 ? (bias ? moe_sigmoidf(l[e]) : ls[e])
                              : p->kind == MOE_GATE_TOPK_SOFTMAX ? l[e]
                                                                 : r[e] * norm;
                 moe_topk_insert(idx, score, &n, (int)k, (int32_t)e, bias ? base + bias[e] : base);
@@ -80,7 +82,7 @@ void moe_cpu_gate_forward(int32_t *topk_idx, float *topk_w, float *prob, float *
             for (int64_t j = 0; j < k; j++) {
                 const float le = l[idx[j]];
                 w[j] = !normalised ? r[idx[j]] * norm
-                       : p->kind == MOE_GATE_SIGMOID ? moe_log_sigmoidf(le)
+                       : p->kind == MOE_GATE_SIGMOID ? ls[idx[j]]
                                                      : le;
                 chosen_max = w[j] > chosen_max ? w[j] : chosen_max;
             }
