@@ -1138,6 +1138,9 @@ static int run_dispatch(const a2a_options *o, moe_comm *comm) {
 #endif /* MOE_HAVE_MPI */
 
 #ifdef MOE_HAVE_MPI
+static const char *dist_name(int d) { return d == DIST_UNIFORM ? "uniform" : d == DIST_ZIPF ? "zipf" : "hot"; }
+static const char *mode_name(int m) { return m == MODE_RAW ? "raw" : "dispatch"; }
+
 /* Ranks given other flags would wait in different collectives (a hang, or
  * MPI's truncation abort): every rank compares them first. */
 static moe_status agree_options(moe_comm *comm, const a2a_options *o) {
@@ -1147,8 +1150,10 @@ static moe_status agree_options(moe_comm *comm, const a2a_options *o) {
         {"--iters", (double)o->iters, NULL},         {"--row-bytes", (double)o->row_bytes, NULL},
         {"--experts", (double)o->experts, NULL},     {"--top-k", (double)o->top_k, NULL},
         {"--d-ff", (double)o->d_ff, NULL},           {"--overlap", (double)o->overlap, NULL},
-        {"--seed", (double)o->seed, NULL},           {"--dist", (double)o->dist, NULL},
-        {"--dist (parameter)", o->dist_param, NULL}, {"--mode", (double)o->mode, NULL},
+        {"--seed (high 32 bits)", (double)(o->seed >> 32), NULL},
+        {"--seed (low 32 bits)", (double)(o->seed & 0xFFFFFFFFu), NULL},
+        {"--dist", (double)o->dist, dist_name},      {"--dist (parameter)", o->dist_param, NULL},
+        {"--mode", (double)o->mode, mode_name},
     };
     return moe_grid_agree(comm, fields, (int)(sizeof fields / sizeof *fields));
 }

@@ -286,7 +286,7 @@ static moe_status timed_out(nccl_comm *c, const char *op, int peer) {
                     "communicator aborted",
                     t);
     return fail(c, MOE_ERR_COMM, op, peer,
-                "not complete after %.1f s: %s has not joined it (dead, stuck, or in another "
+                "not complete after %g s: %s has not joined it (dead, stuck, or in another "
                 "operation), or earlier work on the stream is stuck; communicator aborted",
                 t, c->base.size == 2 ? "the other rank" : "at least one of the other ranks");
 }

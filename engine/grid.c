@@ -1,5 +1,7 @@
 #include "engine/grid.h"
 
+#include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -47,6 +49,27 @@ static const char *build_description(void) {
         ;
 }
 
+/* v as a disagreement prints it: a whole number in full, anything else in
+ * the fewest digits that read back as v, so two values that differ never
+ * print alike. */
+static void format_value(char *out, size_t size, double v) {
+    if (v == floor(v) && fabs(v) < 9007199254740992.0) {
+        snprintf(out, size, "%.0f", v);
+        return;
+    }
+    for (int digits = 9; digits <= 17; digits++) {
+        snprintf(out, size, "%.*g", digits, v);
+        if (strtod(out, NULL) == v) return;
+    }
+}
+
+static moe_status disagree_number(int rank, const char *name, double got, double want) {
+    char a[40], b[40];
+    format_value(a, sizeof a, got);
+    format_value(b, sizeof b, want);
+    return moe_error(MOE_ERR_CONFIG, "rank %d disagrees with rank 0 on %s: %s, rank 0 has %s", rank, name, a, b);
+}
+
 moe_status moe_grid_agree(moe_comm *world, const moe_agree_field *fields, int count) {
     const int size = moe_comm_size(world), rank = moe_comm_rank(world), n = count + 1;
     double *mine = malloc(sizeof(double) * (size_t)n), *all = malloc(sizeof(double) * (size_t)n * (size_t)size);
@@ -68,8 +91,7 @@ moe_status moe_grid_agree(moe_comm *world, const moe_agree_field *fields, int co
                               ? moe_error(MOE_ERR_CONFIG, "rank %d disagrees with rank 0 on %s: %s, rank 0 has %s", r,
                                           fields[i - 1].name, fields[i - 1].name_of((int)got),
                                           fields[i - 1].name_of((int)want))
-                              : moe_error(MOE_ERR_CONFIG, "rank %d disagrees with rank 0 on %s: %.9g, rank 0 has %.9g",
-                                          r, fields[i - 1].name, got, want);
+                              : disagree_number(r, fields[i - 1].name, got, want);
             break;
         }
     free(mine);

@@ -486,11 +486,13 @@ moe_status moe_model_last_topk(moe_model *m, int64_t l, const int32_t **topk) {
 }
 
 moe_status moe_model_last_logits(moe_model *m, int64_t row, int64_t pos, float *out) {
-    if (!m || !out || row < 0 || row >= m->B || pos < 0 || pos >= m->T)
+    MOE_NOT_NULL("moe_model_last_logits", "model", m);
+    MOE_NOT_NULL("moe_model_last_logits", "out", out);
+    if (row < 0 || row >= m->B || pos < 0 || pos >= m->T)
         return moe_error(MOE_ERR_INVALID_ARG, "moe_model_last_logits: row %lld of %lld, position %lld of %lld",
-                         (long long)row, m ? (long long)m->B : 0LL, (long long)pos, m ? (long long)m->T : 0LL);
+                         (long long)row, (long long)m->B, (long long)pos, (long long)m->T);
     if (!m->logits_valid)
-        return moe_error(MOE_ERR_STATE, "moe_model_last_logits: no forward since the last backward");
+        return moe_error(MOE_ERR_STATE, "moe_model_last_logits: no forward yet, or a backward since the last");
     const int64_t V = m->cfg.vocab_size;
     return m->ops->download(out, m->logits + (row * m->T + pos) * V, (size_t)V * sizeof(float));
 }

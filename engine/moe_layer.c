@@ -26,6 +26,7 @@
 #include "common/rng.h"
 #include "comm/comm.h"
 #include "common/status.h"
+#include "engine/grid.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/ops.h"
@@ -437,6 +438,9 @@ moe_status moe_layer_create_on_ops(moe_layer **out, const moe_layer_config *cfg,
     return create_owning(out, cfg, ops, NULL, "moe_layer_create_on_ops");
 }
 
+/* Whether a training forward draws jitter noise (and so moves its stream). */
+static bool c_jitter_on(const moe_layer *L) { return L->cfg.jitter_eps > 0.0 && L->training; }
+
 /* A CUDA layer's calls run on its own context: bound to the calling thread
  * first, as the CUDA op table requires (kernels/cuda/cuda_ops.h). */
 static void bind(const moe_layer *L) {
@@ -476,6 +480,28 @@ moe_status moe_layer_create_mpi(moe_layer **out, const moe_layer_config *cfg, co
     moe_comm *ep = NULL;
     moe_status st = moe_comm_mpi_create_from(&ep, mpi_comm);
     if (st != MOE_OK) return moe_error_prefix(st, "moe_layer_create_mpi: ");
+    /* Ranks of other configs would exchange rows of other shapes. */
+    const moe_agree_field fields[] = {
+        {"d_model", (double)cfg->d_model, NULL},
+        {"d_ff", (double)cfg->d_ff, NULL},
+        {"n_experts", (double)cfg->n_experts, NULL},
+        {"top_k", (double)cfg->top_k, NULL},
+        {"gate", (double)cfg->gate, moe_gate_kind_name},
+        {"renormalize", (double)(cfg->renormalize != 0), NULL},
+        {"capacity_factor", cfg->capacity_factor, NULL},
+        {"aux_loss_coef", cfg->aux_loss_coef, NULL},
+        {"z_loss_coef", cfg->z_loss_coef, NULL},
+        {"bias_update_rate", cfg->bias_update_rate, NULL},
+        {"n_shared_experts", (double)cfg->n_shared_experts, NULL},
+        {"jitter_eps", cfg->jitter_eps, NULL},
+        {"seed (high 32 bits)", (double)(cfg->seed >> 32), NULL},
+        {"seed (low 32 bits)", (double)(cfg->seed & 0xFFFFFFFFu), NULL},
+    };
+    st = moe_grid_agree(ep, fields, (int)(sizeof fields / sizeof *fields));
+    if (st != MOE_OK) {
+        moe_comm_free(ep);
+        return moe_error_prefix(st, "moe_layer_create_mpi: ");
+    }
     st = create_owning(out, cfg, NULL, ep, "moe_layer_create_mpi");
     if (st != MOE_OK) {
         moe_comm_free(ep);
@@ -780,7 +806,7 @@ static moe_status share_routing(moe_layer *L, int64_t T, double z_sum) {
     for (int64_t e = 0; e < E; e++) {
         double P_e = 0.0;
         for (int64_t r = 0; r < N; r++) P_e += L->rank_totals[r * W + E + e];
-        aux += ((double)L->global_assigned[e] / (double)(GT * k)) * (P_e / (double)GT);
+        if (GT) aux += ((double)L->global_assigned[e] / (double)(GT * k)) * (P_e / (double)GT);
         if ((double)L->global_assigned[e] > max_assigned) max_assigned = (double)L->global_assigned[e];
         const int64_t kept_e = moe_keep_counts(L->rank_kept, L->rank_assigned, N, e, E, cap);
         L->keep[e] = L->rank_kept[L->batch_rank];
@@ -793,9 +819,11 @@ static moe_status share_routing(moe_layer *L, int64_t T, double z_sum) {
     }
     L->last.pairs = GT * k;
     L->last.dropped = GT * k - kept_total;
-    L->last.aux_loss = (double)E * aux;
-    L->last.z_loss = z / (double)GT;
-    L->last.load_imbalance = max_assigned / ((double)(GT * k) / (double)E);
+    /* A batch with no tokens at all (every rank idle) has no balance to
+     * speak of: zeros, as one idle rank reports. */
+    L->last.aux_loss = GT ? (double)E * aux : 0.0;
+    L->last.z_loss = GT ? z / (double)GT : 0.0;
+    L->last.load_imbalance = GT ? max_assigned / ((double)(GT * k) / (double)E) : 0.0;
 
     /* Where each local expert's rows land. */
     L->local_offsets[0] = 0;
@@ -976,6 +1004,10 @@ moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, 
     }
     bind(L);
     if (T == 0 && !L->batch) { /* nothing to route, and no peer waiting for this rank */
+        /* Counted as a forward of ranks that are all idle counts it: its
+         * jitter draw and its (empty) load for the bias step. */
+        if (c_jitter_on(L)) L->jitter_calls++;
+        if (L->bias && L->training) L->bias_forwards++;
         if (stats) {
             int64_t *tpe = stats->tokens_per_expert;
             *stats = (moe_layer_stats){.tokens_per_expert = tpe};

@@ -602,7 +602,10 @@ static moe_status build_model(run *r) {
         const moe_agree_field options[] = {
             {"--batch-size", (double)o->batch_size, NULL}, {"--seq-len", (double)o->seq_len, NULL},
             {"--steps", (double)o->steps, NULL},           {"--grad-accum", (double)o->grad_accum, NULL},
-            {"--seed", (double)o->seed, NULL},             {"--ep", (double)o->ep, NULL},
+            /* A double holds 53 bits: the seed goes in two halves. */
+            {"--seed (high 32 bits)", (double)(o->seed >> 32), NULL},
+            {"--seed (low 32 bits)", (double)(o->seed & 0xFFFFFFFFu), NULL},
+            {"--ep", (double)o->ep, NULL},
             {"--zero", (double)o->zero, NULL},             {"--lr", o->lr, NULL},
             {"--eval-every", (double)o->eval_every, NULL}, {"--eval-batches", (double)o->eval_batches, NULL},
             {"--save-every", (double)o->save_every, NULL}, {"--shuffle", (double)o->shuffle, NULL},

@@ -132,7 +132,8 @@ moe_status moe_layer_create_cuda(moe_layer **layer, const moe_layer_config *cfg,
  * that its messages never match the caller's. Each of the P ranks holds
  * n_experts / P experts (rank r: experts r E/P .. (r+1) E/P - 1, named by
  * their global ids in the views) and passes its own tokens, any count;
- * create, forward and backward are collective over the communicator. The router's statistics and capacity are those of all the
+ * create, forward and backward are collective over the communicator, and
+ * create refuses ranks whose configs differ, naming the field and rank. The router's statistics and capacity are those of all the
  * ranks' tokens, so P ranks compute what one rank computes on the whole
  * batch: y and dx are this rank's rows, each expert's gradient covers every
  * rank's tokens, and the router's (and shared experts') gradients are this

@@ -57,8 +57,9 @@ for fault in 2:3 1:3x 1:99; do
     MOE_FAULT_KILL=$fault timeout 60 "${launcher[@]}" -np 2 "$bin/moe-train" --steps 6 --eval-every 0 \
         --eval-batches 1 --out "$out/nofault" >"$out/nofault.log" 2>&1
     rc=$?
-    check "MOE_FAULT_KILL=$fault is refused (exit $rc)" \
-        "$([ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && grep -q 'MOE_FAULT_KILL' "$out/nofault.log"; echo $?)"
+    check "MOE_FAULT_KILL=$fault is refused before anything is written (exit $rc)" \
+        "$([ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && grep -q 'MOE_FAULT_KILL' "$out/nofault.log" &&
+            [ ! -e "$out/nofault" ]; echo $?)"
 done
 
 if "${launcher[0]}" --version 2>/dev/null | grep -Eq "Open MPI|OpenRTE"; then

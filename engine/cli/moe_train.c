@@ -202,12 +202,11 @@ static void on_start(void *ctx, const moe_run_summary *s) {
     printer *p = ctx;
     const moe_model_config *c = s->config;
     const moe_run_options *o = s->options;
-    /* A fault that cannot happen would let a fault-injection test pass
-     * without one. Every rank reads the same variable, so all stop here. */
-    if (p->kill_rank >= 0 &&
-        (p->kill_rank >= s->ranks || p->kill_step <= s->start_step || p->kill_step > o->steps || o->eval_only)) {
-        fprintf(stderr, PROGRAM ": MOE_FAULT_KILL=%d:%d: no such rank (%d ranks) or step (%lld to %lld)\n",
-                p->kill_rank, p->kill_step, s->ranks, (long long)s->start_step + 1, (long long)o->steps);
+    /* The fault's step must come after a resumed run's first (main checked
+     * the rest). Every rank reads the same variable, so all stop here. */
+    if (p->kill_rank >= 0 && p->kill_step <= s->start_step) {
+        fprintf(stderr, PROGRAM ": MOE_FAULT_KILL=%d:%d: the run resumes after step %lld\n", p->kill_rank,
+                p->kill_step, (long long)s->start_step);
         exit(2);
     }
     p->rank = s->rank;
@@ -392,10 +391,14 @@ static void on_end(void *ctx, const moe_run_end *e) {
 /* This process's rank as mpirun's environment gives it when the job has
  * more than one rank, else NULL (one process, perhaps an MPI singleton,
  * which sets PMIx variables only). Known before the run says it. */
+static int launcher_size(void) {
+    const char *size = getenv("OMPI_COMM_WORLD_SIZE") ? getenv("OMPI_COMM_WORLD_SIZE") : getenv("PMI_SIZE");
+    return size ? atoi(size) : 0;
+}
+
 static const char *launcher_rank(void) {
     const char *rank = getenv("OMPI_COMM_WORLD_RANK") ? getenv("OMPI_COMM_WORLD_RANK") : getenv("PMI_RANK");
-    const char *size = getenv("OMPI_COMM_WORLD_SIZE") ? getenv("OMPI_COMM_WORLD_SIZE") : getenv("PMI_SIZE");
-    return rank && size && atoi(size) > 1 ? rank : NULL;
+    return rank && launcher_size() > 1 ? rank : NULL;
 }
 
 int main(int argc, char **argv) {
@@ -421,6 +424,18 @@ int main(int argc, char **argv) {
     const char *fault = getenv("MOE_FAULT_KILL");
     if (fault && parse_fault(&p, fault) != 0)
         return cli_usage_error("MOE_FAULT_KILL=%s: expected RANK:STEP, RANK >= 0 and STEP >= 1", fault);
+    /* A fault that cannot happen would let a fault-injection test pass
+     * without one: refused before anything is written (a resume's first
+     * step, known only from its checkpoint, is checked at the start). */
+    if (fault) {
+        const int ranks = launcher_rank() ? launcher_size() : 1;
+        if (o.eval_only) return cli_usage_error("MOE_FAULT_KILL=%s: --eval-only takes no steps to kill", fault);
+        if (p.kill_rank >= ranks)
+            return cli_usage_error("MOE_FAULT_KILL=%s: no rank %d among %d", fault, p.kill_rank, ranks);
+        if (p.kill_step > o.steps)
+            return cli_usage_error("MOE_FAULT_KILL=%s: no step %d in --steps %lld", fault, p.kill_step,
+                                   (long long)o.steps);
+    }
     const moe_run_callbacks cb = {
         .ctx = &p,
         .on_start = on_start,

@@ -41,6 +41,14 @@ int main(void) {
     bad = st != MOE_ERR_CONFIG || !strstr(moe_last_error(), "router_aux_loss_coef: 0.03, rank 0 has 0.01");
     if (bad) printf("  rank %d got: %s\n", rank, moe_last_error());
     mpi_report(bad, "a number is printed as written");
+    /* Values that differ never print alike. */
+    cfg.router_aux_loss_coef = 0.01;
+    if (rank == size - 1) cfg.rms_norm_eps = 1.0000000001e-5;
+    n = moe_config_agree_fields(fields, &cfg);
+    st = moe_grid_agree(world, fields, n);
+    bad = st != MOE_ERR_CONFIG || !strstr(moe_last_error(), "rms_norm_eps: 1.0000000001e-05, rank 0 has 1e-05");
+    if (bad) printf("  rank %d got: %s\n", rank, moe_last_error());
+    mpi_report(bad, "values that differ in their tenth digit print apart");
 
     moe_grid grid;
     st = moe_grid_create(&grid, world, size);

@@ -183,8 +183,15 @@ static void public_layer_case(bool rank1_idle) {
     }
     moe_layer *ref = NULL, *pub = NULL;
     MPI_Comm comm = MPI_COMM_WORLD;
+    moe_layer_stats idle_ref = {.aux_loss = 1.0}, idle_pub = {.aux_loss = 1.0};
     if (check(moe_layer_create(&ref, &cfg), "reference create") &&
         check(moe_layer_create_mpi(&pub, &cfg, &comm), "moe_layer_create_mpi") &&
+        /* A batch where every rank is idle first: it moves the jitter
+         * stream alike on one rank and on several, and its stats are zeros. */
+        (!rank1_idle || (check(moe_layer_forward(ref, NULL, NULL, 0, &idle_ref), "reference idle forward") &&
+                         check(moe_layer_backward(ref, NULL, NULL, NULL), "reference idle backward") &&
+                         check(moe_layer_forward(pub, NULL, NULL, 0, &idle_pub), "public idle forward") &&
+                         check(moe_layer_backward(pub, NULL, NULL, NULL), "public idle backward"))) &&
         check(moe_layer_forward(ref, y_ref, x, global_T, NULL), "reference forward") &&
         check(moe_layer_backward(ref, dx_ref, dy, x), "reference backward") &&
         check(moe_layer_forward(pub, T ? y : NULL, T ? x + first * D : NULL, T, NULL), "public forward") &&
@@ -192,6 +199,9 @@ static void public_layer_case(bool rank1_idle) {
               "public backward")) {
         compare("y", y, y_ref + first * D, T * D);
         compare("dx", dx, dx_ref + first * D, T * D);
+        if (rank1_idle && !(idle_pub.aux_loss == 0.0 && idle_pub.z_loss == 0.0 && idle_pub.load_imbalance == 0.0 &&
+                            idle_ref.aux_loss == 0.0 && idle_pub.pairs == 0))
+            fail("stats of an idle batch (aux + z)", 0, idle_pub.aux_loss + idle_pub.z_loss, 0.0);
         const int64_t local = E / size;
         const int64_t want_tensors = 1 + 3 * local + (cfg.n_shared_experts ? 3 : 0);
         if (moe_layer_tensor_count(pub) != want_tensors)
@@ -225,6 +235,16 @@ int main(void) {
     {
         moe_layer_config cfg = MOE_LAYER_CONFIG_INIT;
         cfg.d_model = D, cfg.d_ff = FF, cfg.n_experts = E, cfg.top_k = 2;
+        /* Ranks of other configs would exchange rows of other shapes. */
+        MPI_Comm all = MPI_COMM_WORLD;
+        moe_layer_config other = cfg;
+        if (rank == size - 1) other.top_k = 1;
+        moe_layer *mixed = NULL;
+        moe_status mst = moe_layer_create_mpi(&mixed, &other, &all);
+        char want[64];
+        snprintf(want, sizeof want, "rank %d disagrees with rank 0 on top_k", size - 1);
+        mpi_report(mst != MOE_ERR_CONFIG || mixed != NULL || !strstr(moe_last_error(), want),
+                   "moe_layer_create_mpi refuses ranks of other configs on every rank");
         MPI_Comm none = MPI_COMM_NULL;
         moe_layer *l = NULL;
         const moe_status st = moe_layer_create_mpi(&l, &cfg, &none);
