@@ -15,10 +15,7 @@ launcher=("$@")
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 export OMP_NUM_THREADS=1
-passed=0 failed=0
-check() { # name, condition status
-    if [ "$2" -eq 0 ]; then echo "PASS: $1"; passed=$((passed + 1)); else echo "FAIL: $1"; failed=$((failed + 1)); fi
-}
+. "$(dirname "${BASH_SOURCE[0]}")/check.sh"
 
 start=$(date +%s)
 MOE_FAULT_KILL=1:3 timeout 120 "${launcher[@]}" -np 2 "$bin/moe-train" \
@@ -101,5 +98,4 @@ if "${launcher[0]}" --version 2>/dev/null | grep -Eq "Open MPI|OpenRTE"; then
 else
     echo "SKIP: a stopped rank under a launcher that keeps the job alive: not Open MPI's mpirun"
 fi
-echo "$passed passed, $failed failed"
-[ "$failed" -eq 0 ]
+summary

@@ -9,10 +9,7 @@ bin=$1
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 export OMP_NUM_THREADS=1
-passed=0 failed=0
-check() { # name, condition status
-    if [ "$2" -eq 0 ]; then echo "PASS: $1"; passed=$((passed + 1)); else echo "FAIL: $1"; failed=$((failed + 1)); fi
-}
+. "$(dirname "${BASH_SOURCE[0]}")/check.sh"
 
 cat >"$out/tiny.json" <<'EOF'
 {"vocab_size": 54, "hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 1,
@@ -83,5 +80,4 @@ if [ "$failed" -ne 0 ]; then
     echo "--- outputs:"
     tail -n 5 "$out/train.log" "$out/gen" "$out/gen.err" "$out/ids"
 fi
-echo "$passed passed, $failed failed"
-[ "$failed" -eq 0 ]
+summary

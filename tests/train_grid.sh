@@ -12,19 +12,16 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 export OMP_NUM_THREADS=1
 common=(--steps 12 --eval-every 6 --eval-batches 2 --seq-len 32)
-passed=0 failed=0
+. "$(dirname "${BASH_SOURCE[0]}")/check.sh"
 
 # The per-step losses of a run's metrics.jsonl, one per line (evaluation
 # lines carry val_loss, not loss).
 losses() { grep -o '"loss":[^,]*' "$1/metrics.jsonl" | cut -d: -f2; }
 same_curve() { # name, file of losses A, file of losses B
-    if paste "$2" "$3" | awk 'BEGIN { bad = 0; n = 0 }
+    paste "$2" "$3" | awk 'BEGIN { bad = 0; n = 0 }
         { n++; d = $1 - $2; if (d < 0) d = -d; s = $2 < 0 ? -$2 : $2; if (d > 1e-5 * s) { bad = 1; print "  step " n ": " $1 " vs " $2 } }
-        END { exit bad || n == 0 }'; then
-        echo "PASS: $1"; passed=$((passed + 1))
-    else
-        echo "FAIL: $1"; failed=$((failed + 1))
-    fi
+        END { exit bad || n == 0 }'
+    check "$1" "$?"
 }
 
 "$bin/moe-train" "${common[@]}" --batch-size 8 --save-every 6 --out "$out/one" >"$out/one.log" 2>&1 ||
@@ -38,5 +35,4 @@ same_curve "2 ranks, --ep 2 --zero 1, against 1 rank" <(losses "$out/grid") <(lo
 # The resumed run logs steps 7..12.
 same_curve "a 2-rank checkpoint resumed on 1 rank" <(losses "$out/resumed") <(losses "$out/one" | tail -n +7)
 
-echo "$passed passed, $failed failed"
-[ "$failed" -eq 0 ]
+summary
