@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/rng.h"
 #include "engine/checkpoint.h"
 #include "engine/generate.h"
 #include "engine/synthetic.h"
@@ -41,13 +42,6 @@ static moe_model_config tiny_config(int64_t vocab, int64_t max_positions) {
     return c;
 }
 
-static uint64_t splitmix(uint64_t *s) {
-    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
 /* A checkpoint of cfg under out, with weights uniform in [-0.5, 0.5):
  * larger than the initial N(0, 0.02), so that the logits differ enough for
  * the continuations to vary. Its directory goes to dir [768]; the weights
@@ -57,7 +51,7 @@ static float *save_checkpoint(char *dir, const moe_model_config *cfg, const char
     cr_assert_eq(moe_model_create(&m, cfg, 1, 4, seed), MOE_OK, "%s", moe_last_error());
     const int64_t n = moe_model_param_count(m);
     float *p = moe_model_params(m);
-    for (int64_t i = 0; i < n; i++) p[i] = (float)((double)(splitmix(&seed) >> 11) * 0x1p-53 - 0.5);
+    for (int64_t i = 0; i < n; i++) p[i] = moe_rng_uniform_in(seed, 0, (uint64_t)i, -0.5f, 1.0f);
     float *weights = malloc((size_t)n * sizeof *weights);
     cr_assert_not_null(weights);
     memcpy(weights, p, (size_t)n * sizeof *weights);
