@@ -438,8 +438,8 @@ moe_status moe_layer_create_on_ops(moe_layer **out, const moe_layer_config *cfg,
     return create_owning(out, cfg, ops, NULL, "moe_layer_create_on_ops");
 }
 
-/* Whether a training forward draws jitter noise (and so moves its stream). */
-static bool c_jitter_on(const moe_layer *L) { return L->cfg.jitter_eps > 0.0 && L->training; }
+/* Whether a forward draws jitter noise, and so moves the noise stream on. */
+static bool draws_jitter(const moe_layer *L) { return L->cfg.jitter_eps > 0.0 && L->training; }
 
 /* A CUDA layer's calls run on its own context: bound to the calling thread
  * first, as the CUDA op table requires (kernels/cuda/cuda_ops.h). */
@@ -1006,7 +1006,7 @@ moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, 
     if (T == 0 && !L->batch) { /* nothing to route, and no peer waiting for this rank */
         /* Counted as a forward of ranks that are all idle counts it: its
          * jitter draw and its (empty) load for the bias step. */
-        if (c_jitter_on(L)) L->jitter_calls++;
+        if (draws_jitter(L)) L->jitter_calls++;
         if (L->bias && L->training) L->bias_forwards++;
         if (stats) {
             int64_t *tpe = stats->tokens_per_expert;
@@ -1042,7 +1042,7 @@ moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, 
         const uint64_t stream = MOE_JITTER_STREAM + call, first = (uint64_t)(before * d);
         ops->uniform(L->noise, c->seed, stream, first, on ? 1.0f - eps : 1.0f, on ? 2.0f * eps : 0.0f, T * d);
         ops->multiply(L->x_in, x, L->noise, T * d);
-        if (on) L->jitter_calls++;
+        if (draws_jitter(L)) L->jitter_calls++;
         x_in = L->x_in;
     }
     if (L->bias) MOE_TRY(send_bias(L));

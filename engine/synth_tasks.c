@@ -40,9 +40,9 @@ moe_status moe_synth_tasks_solve(moe_synth_task_score *score, moe_model *model, 
     const int64_t B = moe_model_batch_size(model), T = moe_model_seq_len(model);
     int32_t *rows = malloc((size_t)(B * T) * sizeof *rows);
     int64_t *len = malloc((size_t)B * sizeof *len), *end = malloc((size_t)B * sizeof *end);
-    int64_t *at = malloc((size_t)B * sizeof *at); /* each row's prompt end in the stream */
+    int64_t *first = malloc((size_t)B * sizeof *first); /* each row's first token in the stream */
     moe_status st = MOE_OK;
-    if (!rows || !len || !end || !at)
+    if (!rows || !len || !end || !first)
         st = moe_error(MOE_ERR_OUT_OF_MEMORY, "synthetic tasks: a batch of %lld x %lld tokens", (long long)B,
                        (long long)T);
     const moe_sampling greedy = {0};
@@ -53,10 +53,10 @@ moe_status moe_synth_tasks_solve(moe_synth_task_score *score, moe_model *model, 
             for (; n < B && score->tried[task] + n < max_examples && next < stream->n; next++) {
                 const int64_t g = answer_length(stream, next, (moe_synth_task)task, T);
                 if (g == 0) continue;
-                memcpy(rows + n * T, stream->tokens + next + 1 - (T - g), (size_t)(T - g) * sizeof *rows);
+                first[n] = next + 1 - (T - g);
+                memcpy(rows + n * T, stream->tokens + first[n], (size_t)(T - g) * sizeof *rows);
                 len[n] = T - g;
-                end[n] = T;
-                at[n++] = next;
+                end[n++] = T;
             }
             if (n == 0) break; /* the stream holds no more */
             for (int64_t b = n; b < B; b++) { /* idle rows */
@@ -64,17 +64,16 @@ moe_status moe_synth_tasks_solve(moe_synth_task_score *score, moe_model *model, 
                 rows[b * T] = 0;
             }
             st = moe_generate(model, rows, len, end, -1, &greedy);
-            for (int64_t b = 0; b < n && st == MOE_OK; b++) {
-                const int64_t g = answer_length(stream, at[b], (moe_synth_task)task, T);
-                score->solved[task] += memcmp(rows + b * T + (T - g), stream->tokens + at[b] + 1,
-                                              (size_t)g * sizeof *rows) == 0;
-            }
+            /* Each row grew to T tokens: solved when it is the stream's
+             * row, the prompt it was given and the answer after it. */
+            for (int64_t b = 0; b < n && st == MOE_OK; b++)
+                score->solved[task] += memcmp(rows + b * T, stream->tokens + first[b], (size_t)T * sizeof *rows) == 0;
             score->tried[task] += n;
         }
     }
     free(rows);
     free(len);
     free(end);
-    free(at);
+    free(first);
     return st;
 }
