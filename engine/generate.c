@@ -211,8 +211,8 @@ static void escape_byte(char out[5], unsigned char c) {
 static moe_status choose_tokens(moe_token_kind *kind, moe_token_kind want, int64_t V) {
     *kind = want;
     if (want == MOE_TOKENS_AUTO)
-        *kind = V == MOE_SYNTH_VOCAB_SIZE ? MOE_TOKENS_SYNTHETIC : V == 256 ? MOE_TOKENS_BYTES : MOE_TOKENS_IDS;
-    const int64_t most = *kind == MOE_TOKENS_SYNTHETIC ? MOE_SYNTH_VOCAB_SIZE : *kind == MOE_TOKENS_BYTES ? 256 : V;
+        *kind = V == MOE_SYNTH_VOCAB_SIZE ? MOE_TOKENS_SYNTHETIC : V == MOE_BYTE_VOCAB_SIZE ? MOE_TOKENS_BYTES : MOE_TOKENS_IDS;
+    const int64_t most = *kind == MOE_TOKENS_SYNTHETIC ? MOE_SYNTH_VOCAB_SIZE : *kind == MOE_TOKENS_BYTES ? MOE_BYTE_VOCAB_SIZE : V;
     if (V > most)
         return moe_error(MOE_ERR_CONFIG,
                          "--tokens %s writes %lld tokens, and the checkpoint's vocab_size is %lld: use --tokens ids",
