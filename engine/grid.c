@@ -7,20 +7,94 @@
 
 #include "common/status.h"
 
-moe_status moe_grid_create(moe_grid *g, moe_comm *world, int ep_size) {
-    *g = (moe_grid){.world = world, .rank = moe_comm_rank(world), .size = moe_comm_size(world), .ep_size = ep_size};
-    if (ep_size <= 0 || g->size % ep_size != 0)
-        return moe_error(MOE_ERR_CONFIG, "--ep %d must divide the number of ranks, %d", ep_size, g->size);
-    return moe_comm_split(&g->ep, world, g->rank / ep_size, g->rank);
+/* Training FLOPs per token of one layer at sequence length T, and of the
+ * head: 6 per matmul weight, plus attention's two causal T x T products. */
+static double layer_flops(const moe_model_config *c, int64_t T) {
+    const double C = (double)c->hidden_size, hd = (double)c->head_dim;
+    const double q = (double)c->num_attention_heads * hd, kv = (double)c->num_key_value_heads * hd;
+    const double experts = (double)(c->num_experts_per_tok + c->moe_n_shared_experts) * 3.0 * C * (double)c->intermediate_size;
+    return 6.0 * (C * (2.0 * q + 2.0 * kv) + C * (double)c->num_local_experts + experts) + 6.0 * (double)T * q;
+}
+
+moe_status moe_grid_partition(int64_t *bounds, const moe_model_config *cfg, int64_t seq_len, int stages) {
+    const int64_t L = cfg->num_hidden_layers;
+    if (stages <= 0 || L < stages)
+        return moe_error(MOE_ERR_CONFIG, "--pp %d: a pipeline needs a layer per stage, and the model has %lld layers",
+                         stages, (long long)L);
+    const double layer = layer_flops(cfg, seq_len), head = 6.0 * (double)cfg->hidden_size * (double)cfg->vocab_size;
+    /* best[s][l]: the slowest stage's cost when stages 0..s hold layers
+     * 0..l-1; cut[s][l] where stage s starts in that split. */
+    double *best = malloc((size_t)(stages * (L + 1)) * sizeof *best);
+    int64_t *cut = malloc((size_t)(stages * (L + 1)) * sizeof *cut);
+    if (!best || !cut) {
+        free(best), free(cut);
+        return moe_error(MOE_ERR_OUT_OF_MEMORY, "pipeline partition of %lld layers", (long long)L);
+    }
+    for (int64_t l = 0; l <= L; l++) best[l] = l >= 1 ? layer * (double)l : INFINITY, cut[l] = 0;
+    for (int s = 1; s < stages; s++)
+        for (int64_t l = 0; l <= L; l++) {
+            double *b = &best[s * (L + 1) + l];
+            *b = INFINITY;
+            for (int64_t from = s; from < l; from++) {
+                double cost = layer * (double)(l - from) + (s == stages - 1 && l == L ? head : 0.0);
+                double prev = best[(s - 1) * (L + 1) + from];
+                double worst = prev > cost ? prev : cost;
+                /* Ties go to the later cut: the head's stage gets fewer layers. */
+                if (worst <= *b) *b = worst, cut[s * (L + 1) + l] = from;
+            }
+        }
+    bounds[stages] = L;
+    for (int s = stages - 1; s > 0; s--) bounds[s] = cut[s * (L + 1) + bounds[s + 1]];
+    bounds[0] = 0;
+    free(best), free(cut);
+    return MOE_OK;
+}
+
+moe_status moe_grid_create(moe_grid *g, moe_comm *world, int ep_size, int pp_size, const moe_model_config *cfg,
+                           int64_t seq_len) {
+    *g = (moe_grid){.world = world, .dp = world, .rank = moe_comm_rank(world), .size = moe_comm_size(world),
+                    .ep_size = ep_size, .pp_size = pp_size, .layer_end = cfg->num_hidden_layers};
+    if (pp_size <= 0 || g->size % pp_size != 0)
+        return moe_error(MOE_ERR_CONFIG, "--pp %d must divide the number of ranks, %d", pp_size, g->size);
+    g->dp_size = g->size / pp_size;
+    g->stage = g->rank / g->dp_size;
+    g->dp_rank = g->rank % g->dp_size;
+    if (ep_size <= 0 || g->dp_size % ep_size != 0)
+        return moe_error(MOE_ERR_CONFIG, "--ep %d must divide the data-parallel ranks, %d (%d ranks / --pp %d)",
+                         ep_size, g->dp_size, g->size, pp_size);
+    if (pp_size > 1) {
+        int64_t *bounds = malloc((size_t)(pp_size + 1) * sizeof *bounds);
+        moe_status st = bounds ? moe_grid_partition(bounds, cfg, seq_len, pp_size)
+                               : moe_error(MOE_ERR_OUT_OF_MEMORY, "pipeline stages");
+        if (st == MOE_OK) g->layer_begin = bounds[g->stage], g->layer_end = bounds[g->stage + 1];
+        free(bounds);
+        MOE_TRY(st);
+        /* Split first, then keep: a failure leaves nothing to free. */
+        moe_comm *dp = NULL;
+        MOE_TRY(moe_comm_split(&dp, world, g->stage, g->rank));
+        g->dp = dp;
+        moe_status split = moe_comm_split(&g->pipe, world, g->dp_rank, g->stage);
+        if (split != MOE_OK) {
+            moe_grid_destroy(g);
+            return split;
+        }
+    }
+    moe_status st = moe_comm_split(&g->ep, g->dp, g->dp_rank / ep_size, g->dp_rank);
+    if (st != MOE_OK) moe_grid_destroy(g);
+    return st;
 }
 
 void moe_grid_destroy(moe_grid *g) {
     if (g->ep) moe_comm_free(g->ep);
-    g->ep = NULL;
+    if (g->pipe) moe_comm_free(g->pipe);
+    if (g->dp && g->dp != g->world) moe_comm_free(g->dp);
+    g->ep = g->pipe = NULL;
+    g->dp = g->world;
 }
 
 moe_model_parallel moe_grid_model_parallel(const moe_grid *g) {
-    return (moe_model_parallel){.world = g->world, .ep = g->ep};
+    return (moe_model_parallel){.world = g->dp, .ep = g->ep, .pipe = g->pipe, .job = g->world,
+                                .layer_begin = g->layer_begin, .layer_end = g->layer_end};
 }
 
 double moe_grid_text_hash(const char *s) {

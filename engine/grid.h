@@ -9,16 +9,37 @@
 #include "engine/model_config.h"
 #include "moe.h"
 
+/* world = PP x DP ranks, stage-major: rank r is stage r / DP, data-parallel
+ * rank r % DP; EP divides DP and groups consecutive data-parallel ranks, so
+ * an expert-parallel group's all-to-alls stay among neighbours (a node's
+ * GPUs, when the launcher fills nodes in rank order). */
 typedef struct moe_grid {
-    moe_comm *world; /* every rank: the data-parallel ranks of the global batch */
-    moe_comm *ep;    /* this rank's expert-parallel group: ranks (r / P) * P .. + P - 1 */
-    int rank, size, ep_size;
+    moe_comm *world; /* every rank */
+    moe_comm *dp;    /* this stage's data-parallel ranks, whose batches form the global batch: world when PP = 1 */
+    moe_comm *ep;    /* this rank's expert-parallel group: data-parallel ranks (d / EP) * EP .. + EP - 1 */
+    moe_comm *pipe;  /* this rank's pipeline: the rank of each stage with its data-parallel rank; NULL when PP = 1 */
+    int rank, size, ep_size, pp_size;
+    int stage, dp_rank, dp_size;
+    int64_t layer_begin, layer_end; /* this stage's layers */
 } moe_grid;
 
-/* Splits world into expert-parallel groups of ep_size consecutive ranks;
- * world stays the caller's. ep_size must divide the world size. */
-moe_status moe_grid_create(moe_grid *grid, moe_comm *world, int ep_size);
+/* Splits world into pp_size pipeline stages (a balanced partition of the
+ * config's layers, moe_grid_partition) of world / pp_size data-parallel
+ * ranks each, and each stage into expert-parallel groups of ep_size; world
+ * stays the caller's. pp_size must divide the world size, ep_size the
+ * data-parallel size, and the layers must be at least pp_size. */
+moe_status moe_grid_create(moe_grid *grid, moe_comm *world, int ep_size, int pp_size, const moe_model_config *cfg,
+                           int64_t seq_len);
 void moe_grid_destroy(moe_grid *grid);
+
+/* Layers [bounds[s], bounds[s+1]) for each of stages stages (bounds
+ * [stages + 1]), contiguous, at least one each, chosen to make the slowest
+ * stage as fast as it can be: each layer costs its training FLOPs per token
+ * at sequence length seq_len (attention, the router, top_k experts and the
+ * shared ones), the last stage the head's on top (which, with a large
+ * vocabulary, outweighs a layer), the embedding nothing. Fails when there
+ * are fewer layers than stages. */
+moe_status moe_grid_partition(int64_t *bounds, const moe_model_config *cfg, int64_t seq_len, int stages);
 
 /* What moe_model_create_parallel takes. */
 moe_model_parallel moe_grid_model_parallel(const moe_grid *grid);

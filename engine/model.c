@@ -46,7 +46,9 @@ struct moe_model {
     int64_t B, T, N; /* N = B * T */
     int64_t n_tensors;
     moe_model_tensor *tensors; /* [n_tensors] */
-    int64_t *layer_first;      /* [L] first tensor of each layer */
+    int64_t l0, nl;            /* this stage's layers: l0 .. l0 + nl - 1; arrays [nl] below are by l - l0 */
+    bool first, last;          /* the stage holds the embedding; the final norm and the head */
+    int64_t *layer_first;      /* [nl] first tensor of each layer */
     int64_t n_params;          /* length of the arrays: the dense run, then this rank's experts, each padded */
     int64_t n_dense;           /* parameters of the first run: what every rank holds */
     int64_t expert_offset;     /* where the second run starts */
@@ -54,19 +56,22 @@ struct moe_model {
     int64_t n_init_streams;    /* tensors of the one-rank table so far */
     float *params, *grads;     /* one allocation each, backend memory */
     float *host_params;        /* the host view of params: params itself when the host sees backend memory */
-    moe_layer **moe;           /* [L] */
-    moe_layer_offsets *moe_off; /* [L] where each layer's MoE parameters start */
+    int64_t model_dense;       /* the dense run of the whole model, every stage's */
+    moe_layer **moe;           /* [nl] */
+    moe_layer_offsets *moe_off; /* [nl] where each layer's MoE parameters start */
     moe_comm *world, *ep;      /* NULL: one rank */
     moe_comm *replicas;        /* the ranks holding this rank's experts (same EP rank); NULL: none */
     moe_comm *device_world, *device_ep, *device_replicas; /* the same, for backend memory */
     bool own_device_replicas;
-    int world_size, world_rank, ep_size, ep_rank;
+    moe_comm *pipe, *device_pipe; /* the pipeline's stages; NULL: one stage */
+    moe_comm *job;                /* every rank; NULL: one rank */
+    int world_size, world_rank, ep_size, ep_rank, stage, n_stages;
     bool sync_grads;           /* the next backward all-reduces the gradients */
-    moe_comm_request *sync_reqs; /* [2L + 2] in flight during and after that backward */
+    moe_comm_request *sync_reqs; /* [2 nl + 2] in flight during and after that backward */
     int n_sync_reqs;
 
     void *arena;
-    layer_acts *acts; /* [L] */
+    layer_acts *acts; /* [nl] */
     float *x_final;   /* [N, C] output of the last layer */
     float *lnf;       /* [N, C] */
     float *rstdf;     /* [N] */
@@ -128,30 +133,39 @@ static moe_status build_tensors(moe_model *m, const moe_layer_config *lc) {
     const int64_t qdim = c->num_attention_heads * hd, kvdim = c->num_key_value_heads * hd;
     const int64_t n_local = lc->n_experts / m->ep_size, S = lc->n_shared_experts * lc->d_ff;
     const int64_t moe_tensors = 1 + 3 * n_local + (S ? 3 : 0);
-    const int64_t L = c->num_hidden_layers;
+    const int64_t L = m->nl;
+    /* Tensors of one layer in the one-rank table, which the init streams count. */
+    const int64_t layer_streams = LAYER_DENSE_TENSORS + 1 + 3 * lc->n_experts + (S ? 3 : 0);
     m->tensors = calloc((size_t)(3 + L * (LAYER_DENSE_TENSORS + moe_tensors)), sizeof *m->tensors);
     m->layer_first = calloc((size_t)L, sizeof *m->layer_first);
     m->moe_off = calloc((size_t)L, sizeof *m->moe_off);
     if (!m->tensors || !m->layer_first || !m->moe_off) return moe_error(MOE_ERR_OUT_OF_MEMORY, "model: tensor table");
-    add_tensor(m, 2, V, C, true, "model.embed_tokens.weight");
-    for (int64_t l = 0; l < L; l++) {
-        m->layer_first[l] = m->n_tensors;
+    if (m->first)
+        add_tensor(m, 2, V, C, true, "model.embed_tokens.weight");
+    else
+        m->n_init_streams++;
+    m->n_init_streams += m->l0 * layer_streams;
+    for (int64_t i = 0; i < L; i++) {
+        const int64_t l = m->l0 + i;
+        m->layer_first[i] = m->n_tensors;
         add_tensor(m, 1, C, 1, false, "model.layers.%lld.input_layernorm.weight", (long long)l);
         add_tensor(m, 2, qdim, C, true, "model.layers.%lld.self_attn.q_proj.weight", (long long)l);
         add_tensor(m, 2, kvdim, C, true, "model.layers.%lld.self_attn.k_proj.weight", (long long)l);
         add_tensor(m, 2, kvdim, C, true, "model.layers.%lld.self_attn.v_proj.weight", (long long)l);
         add_tensor(m, 2, C, qdim, true, "model.layers.%lld.self_attn.o_proj.weight", (long long)l);
         add_tensor(m, 1, C, 1, false, "model.layers.%lld.post_attention_layernorm.weight", (long long)l);
-        m->moe_off[l].router = m->n_params;
+        m->moe_off[i].router = m->n_params;
         m->n_params += lc->n_experts * C;
-        m->moe_off[l].shared = m->n_params;
+        m->moe_off[i].shared = m->n_params;
         m->n_params += 3 * S * C;
         for (int64_t i = 0; i < moe_tensors; i++) add_tensor(m, 2, 0, 0, true, "%s", "");
         /* The one-rank table has every expert here. */
         m->n_init_streams += 3 * (lc->n_experts - n_local);
     }
-    add_tensor(m, 1, C, 1, false, "model.norm.weight");
-    add_tensor(m, 2, V, C, true, "lm_head.weight");
+    if (m->last) {
+        add_tensor(m, 1, C, 1, false, "model.norm.weight");
+        add_tensor(m, 2, V, C, true, "lm_head.weight");
+    }
     m->n_dense = m->n_params;
     m->expert_offset = round_up(m->n_dense, m->world_size);
     m->n_expert = L * n_local * 3 * lc->d_ff * C;
@@ -160,8 +174,8 @@ static moe_status build_tensors(moe_model *m, const moe_layer_config *lc) {
     return MOE_OK;
 }
 
-static moe_layer_memory moe_memory(moe_model *m, int64_t l) {
-    const moe_layer_offsets *o = &m->moe_off[l];
+static moe_layer_memory moe_memory(moe_model *m, int64_t i) {
+    const moe_layer_offsets *o = &m->moe_off[i];
     return (moe_layer_memory){.ops = m->ops,
                               .ep_rows = m->device_ep,
                               .router = m->params + o->router, .router_grad = m->grads + o->router,
@@ -169,13 +183,14 @@ static moe_layer_memory moe_memory(moe_model *m, int64_t l) {
                               .shared = m->params + o->shared, .shared_grad = m->grads + o->shared};
 }
 
-/* Copies the MoE layer's own views into the table under the HF prefix. */
-static void name_moe_tensors(moe_model *m, int64_t l) {
-    moe_model_tensor *t = &m->tensors[m->layer_first[l] + MOE_FIRST];
-    for (int64_t i = 0; i < moe_layer_tensor_count(m->moe[l]); i++, t++) {
+/* Copies the MoE layer's own views into the table under the HF prefix;
+ * layer is the stage's index of the layer. */
+static void name_moe_tensors(moe_model *m, int64_t layer) {
+    moe_model_tensor *t = &m->tensors[m->layer_first[layer] + MOE_FIRST];
+    for (int64_t i = 0; i < moe_layer_tensor_count(m->moe[layer]); i++, t++) {
         moe_tensor_view v;
-        moe_layer_tensor(m->moe[l], i, &v);
-        snprintf(t->name, sizeof t->name, "model.layers.%lld.block_sparse_moe.%s", (long long)l, v.name);
+        moe_layer_tensor(m->moe[layer], i, &v);
+        snprintf(t->name, sizeof t->name, "model.layers.%lld.block_sparse_moe.%s", (long long)(m->l0 + layer), v.name);
         t->ndim = 2;
         t->shape[0] = v.rows;
         t->shape[1] = v.cols;
@@ -183,7 +198,7 @@ static void name_moe_tensors(moe_model *m, int64_t l) {
         t->offset = v.param - m->params;
         t->decay = true;
         /* Router, then experts by global id, then shared, as in one rank's table. */
-        const int64_t base = m->tensors[m->layer_first[l] + MOE_FIRST - 1].init_stream + 1;
+        const int64_t base = m->tensors[m->layer_first[layer] + MOE_FIRST - 1].init_stream + 1;
         const int64_t n_local = m->cfg.num_local_experts / m->ep_size, E = m->cfg.num_local_experts;
         t->init_stream = i == 0 ? base
                          : i <= 3 * n_local ? base + 1 + 3 * (m->ep_rank * n_local) + (i - 1)
@@ -215,7 +230,8 @@ static moe_status carve_arena(moe_model *m, const arena_entry *table, int n) {
 
 static moe_status build_arena(moe_model *m) {
     const moe_model_config *c = &m->cfg;
-    const int64_t N = m->N, C = c->hidden_size, V = c->vocab_size, hd = c->head_dim, L = c->num_hidden_layers;
+    const int64_t N = m->N, C = c->hidden_size, hd = c->head_dim, L = m->nl;
+    const int64_t V = m->last ? c->vocab_size : 0; /* only the last stage has logits */
     const int64_t qdim = c->num_attention_heads * hd, kvdim = c->num_key_value_heads * hd;
     const int64_t attn = m->B * c->num_attention_heads * m->T * m->T;
     const int64_t f = sizeof(float);
@@ -282,6 +298,27 @@ moe_status moe_model_check_shape(const moe_model_config *c, int64_t B, int64_t T
     return MOE_OK;
 }
 
+/* The stage's layer range, checked against the other stages': together
+ * they cover every layer once, in stage order. Collective over pipe. */
+static moe_status check_stages(const moe_model_config *cfg, const moe_model_parallel *par) {
+    const int64_t L = cfg->num_hidden_layers;
+    const int n = moe_comm_size(par->pipe), stage = moe_comm_rank(par->pipe);
+    int64_t *ranges = malloc((size_t)(2 * n) * sizeof *ranges);
+    if (!ranges) return moe_error(MOE_ERR_OUT_OF_MEMORY, "model: pipeline stages");
+    const int64_t mine[2] = {par->layer_begin, par->layer_end};
+    moe_status st = moe_comm_allgather(par->pipe, ranges, mine, 2, MOE_COMM_I64);
+    for (int s = 0; st == MOE_OK && s < n; s++) {
+        const int64_t begin = ranges[2 * s], end = ranges[2 * s + 1], want = s ? ranges[2 * s - 1] : 0;
+        if (begin != want || end <= begin || end > L || (s == n - 1 && end != L))
+            st = moe_error(MOE_ERR_CONFIG,
+                           "pipeline stage %d (rank %d of the pipeline, this is %d) holds layers [%lld, %lld): the "
+                           "%d stages must hold the %lld layers in order, each at least one, from layer %lld",
+                           s, s, stage, (long long)begin, (long long)end, n, (long long)L, (long long)want);
+    }
+    free(ranges);
+    return st;
+}
+
 moe_status moe_model_create(moe_model **out, const moe_model_config *cfg, int64_t B, int64_t T, uint64_t seed) {
     return moe_model_create_parallel(out, cfg, B, T, seed, NULL);
 }
@@ -296,15 +333,26 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_model_config *cf
     if (cfg->num_local_experts % ep_size != 0)
         return moe_error(MOE_ERR_CONFIG, "--ep %d does not divide num_local_experts=%lld", ep_size,
                          (long long)cfg->num_local_experts);
+    const bool staged = par && par->pipe && moe_comm_size(par->pipe) > 1;
+    if (staged) MOE_TRY(check_stages(cfg, par));
     moe_model *m = calloc(1, sizeof *m);
     if (!m) return moe_error(MOE_ERR_OUT_OF_MEMORY, "model: struct");
+    m->pipe = staged ? par->pipe : NULL;
+    m->device_pipe = staged && par->device_pipe ? par->device_pipe : m->pipe;
+    m->stage = staged ? moe_comm_rank(par->pipe) : 0;
+    m->n_stages = staged ? moe_comm_size(par->pipe) : 1;
+    m->l0 = staged ? par->layer_begin : 0;
+    m->nl = staged ? par->layer_end - par->layer_begin : cfg->num_hidden_layers;
+    m->first = m->stage == 0;
+    m->last = m->stage == m->n_stages - 1;
     m->world = par && par->world && moe_comm_size(par->world) > 1 ? par->world : NULL;
+    m->job = par && par->job && moe_comm_size(par->job) > 1 ? par->job : m->world;
     m->ep = par ? par->ep : NULL;
     m->ep_size = ep_size;
     m->ep_rank = m->ep ? moe_comm_rank(m->ep) : 0;
     m->world_size = m->world ? moe_comm_size(m->world) : 1;
     m->world_rank = m->world ? moe_comm_rank(m->world) : 0;
-    m->sync_reqs = calloc((size_t)(2 * cfg->num_hidden_layers + 2), sizeof *m->sync_reqs);
+    m->sync_reqs = calloc((size_t)(2 * m->nl + 2), sizeof *m->sync_reqs);
     moe_status split = m->sync_reqs ? MOE_OK : moe_error(MOE_ERR_OUT_OF_MEMORY, "model: requests");
     /* Each expert is held once per EP group: its replicas share an EP rank. */
     if (split == MOE_OK && m->world && m->world_size > ep_size)
@@ -325,25 +373,27 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_model_config *cf
     m->B = B;
     m->T = T;
     m->N = B * T;
-    const int64_t L = cfg->num_hidden_layers;
+    const int64_t L = m->nl;
     moe_layer_config lc;
     moe_model_config_layer(&lc, cfg, seed);
     moe_status st = build_tensors(m, &lc);
+    m->model_dense = m->n_dense;
+    if (st == MOE_OK && m->pipe) st = moe_comm_allreduce_sum(m->pipe, &m->model_dense, 1, MOE_COMM_I64);
     if (st == MOE_OK) st = m->ops->alloc((void **)&m->params, (size_t)m->n_params * sizeof(float));
     if (st == MOE_OK) st = m->ops->alloc((void **)&m->grads, (size_t)m->n_params * sizeof(float));
     if (st == MOE_OK && m->ops->host_visible) m->host_params = m->params;
     if (st == MOE_OK && !(m->moe = calloc((size_t)L, sizeof *m->moe)))
         st = moe_error(MOE_ERR_OUT_OF_MEMORY, "model: %lld layers", (long long)L);
-    for (int64_t l = 0; st == MOE_OK && l < L; l++) {
+    for (int64_t i = 0; st == MOE_OK && i < L; i++) {
         /* Each layer's jitter noise is its own stream. */
         moe_layer_config layer_cfg = lc;
-        layer_cfg.seed = moe_splitmix64(seed + (uint64_t)l);
-        const moe_layer_memory mem = moe_memory(m, l);
-        st = moe_layer_create_in(&m->moe[l], &layer_cfg, &mem, m->ep, m->world);
+        layer_cfg.seed = moe_splitmix64(seed + (uint64_t)(m->l0 + i));
+        const moe_layer_memory mem = moe_memory(m, i);
+        st = moe_layer_create_in(&m->moe[i], &layer_cfg, &mem, m->ep, m->world);
         if (st == MOE_OK) {
-            name_moe_tensors(m, l);
-            /* The total loss averages aux and z over layers. */
-            moe_layer_set_loss_scale(m->moe[l], 1.0 / (double)L);
+            name_moe_tensors(m, i);
+            /* The total loss averages aux and z over the model's layers. */
+            moe_layer_set_loss_scale(m->moe[i], 1.0 / (double)cfg->num_hidden_layers);
         }
     }
     if (st == MOE_OK) st = build_arena(m);
@@ -387,7 +437,7 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_model_config *cf
 
 void moe_model_destroy(moe_model *m) {
     if (!m) return;
-    for (int64_t l = 0; m->moe && l < m->cfg.num_hidden_layers; l++) moe_layer_destroy(m->moe[l]);
+    for (int64_t i = 0; m->moe && i < m->nl; i++) moe_layer_destroy(m->moe[i]);
     free(m->moe);
     free(m->moe_off);
     free(m->sync_reqs);
@@ -412,6 +462,12 @@ int64_t moe_model_batch_size(const moe_model *m) { return m->B; }
 int moe_model_world_size(const moe_model *m) { return m->world_size; }
 int moe_model_world_rank(const moe_model *m) { return m->world_rank; }
 moe_comm *moe_model_world(const moe_model *m) { return m->world; }
+moe_comm *moe_model_job(const moe_model *m) { return m->job; }
+moe_model_stage moe_model_get_stage(const moe_model *m) {
+    return (moe_model_stage){.index = m->stage, .count = m->n_stages, .layer_begin = m->l0,
+                             .layer_end = m->l0 + m->nl, .first = m->first, .last = m->last,
+                             .pipe = m->pipe, .device_pipe = m->device_pipe};
+}
 int64_t moe_model_seq_len(const moe_model *m) { return m->T; }
 int64_t moe_model_tensor_count(const moe_model *m) { return m->n_tensors; }
 const moe_model_tensor *moe_model_tensor_at(const moe_model *m, int64_t i) {
@@ -432,6 +488,8 @@ moe_model_run moe_model_get_run(const moe_model *m, moe_model_run_id run) {
                            .group = m->replicas, .device_group = m->device_replicas};
 }
 float *moe_model_params(moe_model *m) { return m->params; }
+float *moe_model_stage_output(moe_model *m) { return m->last ? NULL : m->x_final; }
+float *moe_model_stage_input_grad(moe_model *m) { return m->first ? NULL : m->dres; }
 float *moe_model_grads(moe_model *m) { return m->grads; }
 
 void moe_model_zero_grad(moe_model *m) { m->ops->zero(m->grads, (size_t)m->n_params * sizeof(float)); }
@@ -451,38 +509,42 @@ moe_status moe_model_push(moe_model *m) {
 }
 
 void moe_model_set_training(moe_model *m, bool training) {
-    for (int64_t l = 0; l < m->cfg.num_hidden_layers; l++) moe_layer_set_training(m->moe[l], training);
+    for (int64_t i = 0; i < m->nl; i++) moe_layer_set_training(m->moe[i], training);
 }
 
 void moe_model_set_overlap(moe_model *m, bool overlap) {
-    for (int64_t l = 0; l < m->cfg.num_hidden_layers; l++) moe_layer_set_overlap(m->moe[l], overlap);
+    for (int64_t i = 0; i < m->nl; i++) moe_layer_set_overlap(m->moe[i], overlap);
 }
 
 moe_status moe_model_update_router_bias(moe_model *m) {
-    for (int64_t l = 0; l < m->cfg.num_hidden_layers; l++)
-        if (moe_layer_selection_bias(m->moe[l])) {
-            moe_status st = moe_layer_update_bias(m->moe[l]);
-            if (st != MOE_OK) return moe_error_prefix(st, "layer %lld: ", (long long)l);
+    for (int64_t i = 0; i < m->nl; i++)
+        if (moe_layer_selection_bias(m->moe[i])) {
+            moe_status st = moe_layer_update_bias(m->moe[i]);
+            if (st != MOE_OK) return moe_error_prefix(st, "layer %lld: ", (long long)(m->l0 + i));
         }
     return MOE_OK;
 }
 
-static bool has_layer(const moe_model *m, int64_t l) { return m && l >= 0 && l < m->cfg.num_hidden_layers; }
+/* Whether this stage holds layer l of the model. */
+static bool has_layer(const moe_model *m, int64_t l) { return m && l >= m->l0 && l < m->l0 + m->nl; }
 
-float *moe_model_router_bias(moe_model *m, int64_t l) { return has_layer(m, l) ? moe_layer_selection_bias(m->moe[l]) : NULL; }
+float *moe_model_router_bias(moe_model *m, int64_t l) {
+    return has_layer(m, l) ? moe_layer_selection_bias(m->moe[l - m->l0]) : NULL;
+}
 
 uint64_t moe_model_jitter_counter(const moe_model *m) { return moe_layer_jitter_counter(m->moe[0]); }
 
 void moe_model_set_jitter_counter(moe_model *m, uint64_t counter) {
-    for (int64_t l = 0; l < m->cfg.num_hidden_layers; l++) moe_layer_set_jitter_counter(m->moe[l], counter);
+    for (int64_t i = 0; i < m->nl; i++) moe_layer_set_jitter_counter(m->moe[i], counter);
 }
 
 const float *moe_model_last_losses(const moe_model *m) { return m->losses_host; }
 moe_status moe_model_last_topk(moe_model *m, int64_t l, const int32_t **topk) {
     if (!has_layer(m, l) || !topk)
-        return moe_error(MOE_ERR_INVALID_ARG, "moe_model_last_topk: layer %lld of %lld, topk %p", (long long)l,
-                         m ? (long long)m->cfg.num_hidden_layers : 0LL, (const void *)topk);
-    return moe_layer_last_topk(m->moe[l], topk);
+        return moe_error(MOE_ERR_INVALID_ARG, "moe_model_last_topk: layer %lld not among this stage's [%lld, %lld), topk %p",
+                         (long long)l, m ? (long long)m->l0 : 0LL, m ? (long long)(m->l0 + m->nl) : 0LL,
+                         (const void *)topk);
+    return moe_layer_last_topk(m->moe[l - m->l0], topk);
 }
 
 moe_status moe_model_last_logits(moe_model *m, int64_t row, int64_t pos, float *out) {
@@ -491,6 +553,7 @@ moe_status moe_model_last_logits(moe_model *m, int64_t row, int64_t pos, float *
     if (row < 0 || row >= m->B || pos < 0 || pos >= m->T)
         return moe_error(MOE_ERR_INVALID_ARG, "moe_model_last_logits: row %lld of %lld, position %lld of %lld",
                          (long long)row, (long long)m->B, (long long)pos, (long long)m->T);
+    if (!m->last) return moe_error(MOE_ERR_STATE, "moe_model_last_logits: pipeline stage %d holds no head", m->stage);
     if (!m->logits_valid)
         return moe_error(MOE_ERR_STATE, "moe_model_last_logits: no forward yet, or a backward since the last");
     const int64_t V = m->cfg.vocab_size;
@@ -499,9 +562,9 @@ moe_status moe_model_last_logits(moe_model *m, int64_t row, int64_t pos, float *
 
 int64_t moe_model_active_param_count(const moe_model *m) {
     const moe_model_config *c = &m->cfg;
-    /* The dense run and top_k experts per layer, whichever rank holds them. */
+    /* The dense run and top_k experts per layer, whichever rank or stage holds them. */
     int64_t per_expert = 3 * c->hidden_size * c->intermediate_size;
-    return m->n_dense + c->num_hidden_layers * c->num_experts_per_tok * per_expert;
+    return m->model_dense + c->num_hidden_layers * c->num_experts_per_tok * per_expert;
 }
 
 double moe_model_step_flops(const moe_model *m) {
@@ -520,13 +583,29 @@ static float *param(moe_model *m, int64_t tensor) { return m->params + m->tensor
 static float *grad(moe_model *m, int64_t tensor) { return m->grads + m->tensors[tensor].offset; }
 
 moe_status moe_model_forward(moe_model *m, const int32_t *inputs, const int32_t *targets, moe_model_stats *stats) {
-    if (!m || !inputs) return moe_error(MOE_ERR_INVALID_ARG, "moe_model_forward: NULL argument");
+    if (m && m->n_stages > 1)
+        return moe_error(MOE_ERR_STATE, "moe_model_forward: a pipeline stage runs moe_model_stage_forward");
+    return moe_model_stage_forward(m, inputs, NULL, targets, false, stats);
+}
+
+/* Every layer of the stage replays (or not) its forward. */
+static void set_replay(moe_model *m, bool replay) {
+    for (int64_t i = 0; i < m->nl; i++) moe_layer_set_replay(m->moe[i], replay);
+}
+
+moe_status moe_model_stage_forward(moe_model *m, const int32_t *inputs, const float *x, const int32_t *targets,
+                                   bool replay, moe_model_stats *stats) {
+    MOE_NOT_NULL("moe_model_stage_forward", "model", m);
+    if (m->first) MOE_NOT_NULL("moe_model_stage_forward", "inputs", inputs);
+    if (!m->first) MOE_NOT_NULL("moe_model_stage_forward", "x", x);
+    if (!m->last) targets = NULL;
     const moe_model_config *c = &m->cfg;
     const moe_ops *ops = m->ops;
     const int64_t B = m->B, T = m->T, N = m->N, C = c->hidden_size, V = c->vocab_size, hd = c->head_dim;
-    const int64_t Hq = c->num_attention_heads, Hkv = c->num_key_value_heads, L = c->num_hidden_layers;
+    const int64_t Hq = c->num_attention_heads, Hkv = c->num_key_value_heads, L = m->nl;
+    const double model_layers = (double)c->num_hidden_layers;
     const float eps = (float)c->rms_norm_eps;
-    for (int64_t i = 0; i < N; i++)
+    for (int64_t i = 0; m->first && i < N; i++)
         if (inputs[i] < 0 || inputs[i] >= V)
             return moe_error(MOE_ERR_INVALID_ARG, "model: input token %d at position %lld outside the vocabulary [0, %lld)",
                              inputs[i], (long long)i, (long long)V);
@@ -543,10 +622,15 @@ moe_status moe_model_forward(moe_model *m, const int32_t *inputs, const int32_t 
 
     /* Both token arrays go up before any op is queued: an upload waits for
      * the device, which has nothing to finish yet. */
-    MOE_TRY(ops->upload(m->inputs, inputs, (size_t)N * sizeof(int32_t)));
+    if (m->first) MOE_TRY(ops->upload(m->inputs, inputs, (size_t)N * sizeof(int32_t)));
     if (targets) MOE_TRY(ops->upload(m->targets, targets, (size_t)N * sizeof(int32_t)));
-    ops->embedding_forward(m->acts[0].x, m->inputs, param(m, 0), N, C);
-    for (int64_t l = 0; l < L; l++) {
+    if (m->first)
+        ops->embedding_forward(m->acts[0].x, m->inputs, param(m, 0), N, C);
+    else
+        ops->copy(m->acts[0].x, x, (size_t)(N * C) * sizeof(float));
+    set_replay(m, replay);
+    moe_status st = MOE_OK;
+    for (int64_t l = 0; l < L && st == MOE_OK; l++) {
         layer_acts *a = &m->acts[l];
         const int64_t t0 = m->layer_first[l];
         float *x_out = l + 1 < L ? m->acts[l + 1].x : m->x_final;
@@ -561,7 +645,8 @@ moe_status moe_model_forward(moe_model *m, const int32_t *inputs, const int32_t 
         ops->residual_forward(a->x_mid, a->x_mid, a->x, N * C);
         ops->rmsnorm_forward(a->ln2, a->rstd2, a->x_mid, param(m, t0 + LN2), eps, N, C);
         moe_layer_stats ls = {0};
-        MOE_TRY(moe_layer_forward(m->moe[l], a->moe_y, a->ln2, N, &ls));
+        st = moe_layer_forward(m->moe[l], a->moe_y, a->ln2, N, &ls);
+        if (st != MOE_OK) break;
         ops->residual_forward(x_out, a->x_mid, a->moe_y, N * C);
         aux += ls.aux_loss;
         z += ls.z_loss;
@@ -569,9 +654,13 @@ moe_status moe_model_forward(moe_model *m, const int32_t *inputs, const int32_t 
         dropped += (double)ls.dropped;
         pairs += (double)ls.pairs;
     }
+    set_replay(m, false);
+    MOE_TRY(st);
     const int64_t tf = m->n_tensors - 2;
-    ops->rmsnorm_forward(m->lnf, m->rstdf, m->x_final, param(m, tf), eps, N, C);
-    ops->matmul_forward(m->logits, m->lnf, param(m, tf + 1), N, C, V);
+    if (m->last) {
+        ops->rmsnorm_forward(m->lnf, m->rstdf, m->x_final, param(m, tf), eps, N, C);
+        ops->matmul_forward(m->logits, m->lnf, param(m, tf + 1), N, C, V);
+    }
 
     m->has_targets = targets != NULL;
     m->counted = counted;
@@ -584,15 +673,16 @@ moe_status moe_model_forward(moe_model *m, const int32_t *inputs, const int32_t 
         for (int64_t i = 0; targets && i < N; i++)
             if (targets[i] >= 0) ce += m->losses_host[i];
         stats->ce_loss = counted ? ce / (double)counted : 0.0;
-        stats->aux_loss = aux / (double)L;
-        stats->z_loss = z / (double)L;
+        stats->aux_loss = aux / model_layers;
+        stats->z_loss = z / model_layers;
         stats->loss = stats->ce_loss + c->router_aux_loss_coef * stats->aux_loss + c->moe_z_loss_coef * stats->z_loss;
-        stats->load_imbalance = imbalance / (double)L;
-        stats->dropped_frac = dropped / pairs; /* both over the global batch */
+        stats->load_imbalance = imbalance / model_layers;
+        /* Both over the global batch; every layer routes as many pairs. */
+        stats->dropped_frac = dropped / pairs * (double)L / model_layers;
     }
     MOE_TRY(ops->sync());
     m->forward_done = true;
-    m->logits_valid = true;
+    m->logits_valid = m->last;
     return MOE_OK;
 }
 
@@ -611,13 +701,16 @@ static moe_status sync_range(moe_model *m, moe_comm *comm, int64_t begin, int64_
 }
 
 moe_status moe_model_backward(moe_model *m, float grad_scale) {
-    if (!m) return moe_error(MOE_ERR_INVALID_ARG, "moe_model_backward: NULL model");
-    if (!m->forward_done || !m->has_targets)
-        return moe_error(MOE_ERR_STATE, "moe_model_backward: no forward with targets to differentiate");
+    if (m && m->n_stages > 1)
+        return moe_error(MOE_ERR_STATE, "moe_model_backward: a pipeline stage runs moe_model_stage_backward");
+    return moe_model_stage_backward(m, NULL, grad_scale);
+}
+
+/* The head's backward, from the loss to d(x_final) in dres. */
+static moe_status head_backward(moe_model *m, float grad_scale) {
     const moe_model_config *c = &m->cfg;
     const moe_ops *ops = m->ops;
-    const int64_t B = m->B, T = m->T, N = m->N, C = c->hidden_size, V = c->vocab_size, hd = c->head_dim;
-    const int64_t Hq = c->num_attention_heads, Hkv = c->num_key_value_heads, L = c->num_hidden_layers;
+    const int64_t N = m->N, C = c->hidden_size, V = c->vocab_size;
 
     /* The loss is the mean over the global batch's counted targets, so each
      * rank's share of the gradient is normalised by the global count and the
@@ -632,7 +725,6 @@ moe_status moe_model_backward(moe_model *m, float grad_scale) {
         MOE_TRY(ops->upload(m->dloss, m->staging, (size_t)N * sizeof(float)));
         m->dloss_value = w;
     }
-    for (int64_t l = 0; l < L; l++) moe_layer_set_loss_scale(m->moe[l], (double)grad_scale / (double)L);
 
     /* The logits' memory takes their gradient: nothing else reads them. */
     const int64_t tf = m->n_tensors - 2;
@@ -643,8 +735,27 @@ moe_status moe_model_backward(moe_model *m, float grad_scale) {
     ops->matmul_backward(m->dln, grad(m, tf + 1), dlogits, m->lnf, param(m, tf + 1), N, C, V);
     ops->zero(m->dres, (size_t)(N * C) * sizeof(float));
     ops->rmsnorm_backward(m->dres, grad(m, tf), m->dln, m->x_final, param(m, tf), m->rstdf, m->norm_scratch, N, C);
-    m->forward_done = false; /* the logits are gone */
-    MOE_TRY(sync_range(m, m->device_world, m->tensors[tf].offset, m->n_dense));
+    return sync_range(m, m->device_world, m->tensors[tf].offset, m->n_dense);
+}
+
+moe_status moe_model_stage_backward(moe_model *m, const float *dy, float grad_scale) {
+    MOE_NOT_NULL("moe_model_stage_backward", "model", m);
+    if (!m->last) MOE_NOT_NULL("moe_model_stage_backward", "dy", dy);
+    if (!m->forward_done || (m->last && !m->has_targets))
+        return moe_error(MOE_ERR_STATE, "moe_model_backward: no forward with targets to differentiate");
+    const moe_model_config *c = &m->cfg;
+    const moe_ops *ops = m->ops;
+    const int64_t B = m->B, T = m->T, N = m->N, C = c->hidden_size, hd = c->head_dim;
+    const int64_t Hq = c->num_attention_heads, Hkv = c->num_key_value_heads, L = m->nl;
+    for (int64_t l = 0; l < L; l++)
+        moe_layer_set_loss_scale(m->moe[l], (double)grad_scale / (double)c->num_hidden_layers);
+    if (m->last)
+        MOE_TRY(head_backward(m, grad_scale));
+    else
+        ops->copy(m->dres, dy, (size_t)(N * C) * sizeof(float));
+    m->forward_done = false; /* the logits, or the layers' state, are spent */
+    /* Where the dense parameters after layer l's start: the next layer's, the head's, or the run's end. */
+    const int64_t dense_end = m->last ? m->tensors[m->n_tensors - 2].offset : m->n_dense;
 
     for (int64_t l = L - 1; l >= 0; l--) {
         layer_acts *a = &m->acts[l];
@@ -669,13 +780,15 @@ moe_status moe_model_backward(moe_model *m, float grad_scale) {
         ops->rmsnorm_backward(m->dres, grad(m, t0 + LN1), m->dln, a->x, param(m, t0 + LN1), a->rstd1,
                               m->norm_scratch, N, C);
         /* Layer l's gradients are final: its replicated run and its experts. */
-        const int64_t next = l + 1 < L ? m->tensors[m->layer_first[l + 1]].offset : m->tensors[tf].offset;
+        const int64_t next = l + 1 < L ? m->tensors[m->layer_first[l + 1]].offset : dense_end;
         const int64_t experts = m->moe_off[l].experts, n_experts = c->num_local_experts / m->ep_size * 3 * c->intermediate_size * C;
         MOE_TRY(sync_range(m, m->device_world, m->tensors[t0].offset, next));
         MOE_TRY(sync_range(m, m->device_replicas, experts, experts + n_experts));
     }
-    ops->embedding_backward(grad(m, 0), m->dres, m->inputs, N, C);
-    MOE_TRY(sync_range(m, m->device_world, 0, m->tensors[m->layer_first[0]].offset));
+    if (m->first) {
+        ops->embedding_backward(grad(m, 0), m->dres, m->inputs, N, C);
+        MOE_TRY(sync_range(m, m->device_world, 0, m->tensors[m->layer_first[0]].offset));
+    }
     return ops->sync();
 }
 
@@ -692,8 +805,9 @@ moe_status moe_model_grad_sumsq(moe_model *m, double *out) {
     m->ops->sumsq(&m->sumsq[1], m->grads + m->expert_offset, m->n_expert);
     MOE_TRY(m->ops->download(sums, m->sumsq, sizeof sums));
     double dense = sums[0], experts = sums[1];
-    /* Each EP rank holds different experts: their squares add up. */
+    /* Each EP rank holds different experts, each stage different layers: their squares add up. */
     if (m->ep && moe_comm_size(m->ep) > 1) MOE_TRY(moe_comm_allreduce_sum(m->ep, &experts, 1, MOE_COMM_F64));
     *out = dense + experts;
+    if (m->pipe) MOE_TRY(moe_comm_allreduce_sum(m->pipe, out, 1, MOE_COMM_F64));
     return MOE_OK;
 }

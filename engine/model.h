@@ -51,6 +51,19 @@ typedef struct moe_model_parallel {
      * always travel on world and ep. */
     moe_comm *device_world;
     moe_comm *device_ep;
+    /* Pipeline parallelism. pipe: the stages of this rank's pipeline,
+     * ranked by stage (the same data-parallel rank in every stage); this
+     * rank's stage holds layers [layer_begin, layer_end), the first stage
+     * the embedding too, the last the final norm and the head. NULL: one
+     * stage holding every layer (layer_begin and layer_end unused).
+     * device_pipe: the same ranks for backend memory (the activations and
+     * their gradients between stages); NULL: pipe. job: every rank of the
+     * grid, every stage and every data-parallel rank, over which
+     * checkpoints gather and agree; NULL: world. */
+    moe_comm *pipe;
+    moe_comm *device_pipe;
+    moe_comm *job;
+    int64_t layer_begin, layer_end;
 } moe_model_parallel;
 
 /* moe_model_create on a grid of ranks; collective over par->world. Every
@@ -118,7 +131,25 @@ int64_t moe_model_active_param_count(const moe_model *model);
  * they were matmuls'), plus attention's two causal T x T products. */
 double moe_model_step_flops(const moe_model *model);
 
-/* Per-expert statistics of the last forward, summed over layers. */
+/* This rank's pipeline stage: stage index of count (0 of 1 without a
+ * pipeline), its layers [layer_begin, layer_end) in the model's numbering,
+ * and whether it holds the embedding (first) and the head (last). */
+typedef struct moe_model_stage {
+    int index, count;
+    int64_t layer_begin, layer_end;
+    bool first, last;
+    moe_comm *pipe;        /* NULL: one stage */
+    moe_comm *device_pipe; /* pipe, for backend memory */
+} moe_model_stage;
+
+moe_model_stage moe_model_get_stage(const moe_model *model);
+/* Every rank of the grid (checkpoints gather over it); NULL on one rank. */
+moe_comm *moe_model_job(const moe_model *model);
+
+/* Per-expert statistics of the last forward, summed over layers. On a
+ * pipeline stage each is this stage's share of the whole model's value
+ * (its layers' sums over the model's layer count, the cross-entropy on the
+ * last stage alone), so that the stages' values add up to the model's. */
 typedef struct moe_model_stats {
     double loss;           /* CE + aux_coef * mean aux + z_coef * mean z */
     double ce_loss;        /* mean cross-entropy over the B*T positions */
@@ -141,6 +172,23 @@ moe_status moe_model_forward(moe_model *model, const int32_t *inputs, const int3
  * the forward's tokens and targets are the ones differentiated. */
 moe_status moe_model_backward(moe_model *model, float grad_scale);
 
+/* One pipeline stage's forward and backward; moe_model_forward and
+ * moe_model_backward are these on a model of one stage. A stage after the
+ * first starts from x [N, C] (backend memory: the previous stage's output)
+ * and ignores inputs; one before the last ends at moe_model_stage_output
+ * and ignores targets. A backward before the last stage starts from dy
+ * [N, C] (backend memory: the gradient of this stage's output, from the
+ * next stage); one after the first ends with the gradient of its input in
+ * moe_model_stage_input_grad. replay: this forward recomputes one of the
+ * same step whose activations were overwritten since (its jitter counter
+ * set back to that forward's), so that its backward can run: it counts no
+ * load toward the bias step. */
+moe_status moe_model_stage_forward(moe_model *model, const int32_t *inputs, const float *x, const int32_t *targets,
+                                   bool replay, moe_model_stats *stats);
+moe_status moe_model_stage_backward(moe_model *model, const float *dy, float grad_scale);
+float *moe_model_stage_output(moe_model *model);     /* [N, C] backend memory; NULL on the last stage */
+float *moe_model_stage_input_grad(moe_model *model); /* [N, C] backend memory; NULL on the first stage */
+
 void moe_model_zero_grad(moe_model *model);
 
 /* Data parallelism: set before the last micro-batch's backward of a step,
@@ -152,7 +200,8 @@ void moe_model_set_grad_sync(moe_model *model, bool sync);
 moe_status moe_model_finish_grad_sync(moe_model *model);
 
 /* The squared L2 norm of the whole model's gradient, every expert counted
- * once however the experts are spread. Collective over the EP group. */
+ * once however the experts are spread, every stage's layers summed.
+ * Collective over the EP group and the pipeline. */
 moe_status moe_model_grad_sumsq(moe_model *model, double *out);
 
 /* Per-token results of the last forward: the cross-entropy losses [B*T],
@@ -165,7 +214,7 @@ moe_status moe_model_last_topk(moe_model *model, int64_t layer, const int32_t **
 moe_status moe_model_last_logits(moe_model *model, int64_t row, int64_t pos, float *out);
 
 /* Layer l's auxiliary-loss-free selection bias [E], or NULL when off (or l
- * is not a layer);
+ * is not a layer of this stage);
  * checkpoints keep it under DeepSeek-V3's name
  * model.layers.N.block_sparse_moe.gate.e_score_correction_bias. */
 float *moe_model_router_bias(moe_model *model, int64_t layer);

@@ -149,6 +149,7 @@ struct moe_layer {
     int64_t global_T;       /* tokens over the EP group in the last forward */
     moe_layer_timing timing;
     int training;
+    bool replay;           /* forwards recompute earlier ones: no bias load counted */
     double loss_scale;     /* multiplies the aux and z gradients */
     uint64_t jitter_calls; /* advances the noise stream each training forward */
 };
@@ -611,6 +612,7 @@ moe_status moe_layer_last_topk(moe_layer *L, const int32_t **topk) {
     *topk = L->topk_host;
     return MOE_OK;
 }
+void moe_layer_set_replay(moe_layer *L, bool replay) { L->replay = replay; }
 uint64_t moe_layer_jitter_counter(const moe_layer *L) { return L->jitter_calls; }
 void moe_layer_set_jitter_counter(moe_layer *L, uint64_t counter) { L->jitter_calls = counter; }
 
@@ -1007,7 +1009,7 @@ moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, 
         /* Counted as a forward of ranks that are all idle counts it: its
          * jitter draw and its (empty) load for the bias step. */
         if (draws_jitter(L)) L->jitter_calls++;
-        if (L->bias && L->training) L->bias_forwards++;
+        if (L->bias && L->training && !L->replay) L->bias_forwards++;
         if (stats) {
             int64_t *tpe = stats->tokens_per_expert;
             *stats = (moe_layer_stats){.tokens_per_expert = tpe};
@@ -1061,7 +1063,7 @@ moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, 
     MOE_TRY(ops->download(L->totals_host, L->totals_dev, (size_t)(2 * E + 1) * sizeof(int64_t)));
     L->last.tokens_per_expert = stats ? stats->tokens_per_expert : NULL;
     MOE_TRY(share_routing(L, T, *L->z_sum));
-    if (L->bias && L->training) {
+    if (L->bias && L->training && !L->replay) {
         for (int64_t e = 0; e < E; e++) L->bias_load[e] += L->global_assigned[e];
         L->bias_forwards++;
     }

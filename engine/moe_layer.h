@@ -71,6 +71,12 @@ moe_status moe_layer_last_topk(moe_layer *layer, const int32_t **topk);
 uint64_t moe_layer_jitter_counter(const moe_layer *layer);
 void moe_layer_set_jitter_counter(moe_layer *layer, uint64_t counter);
 
+/* Replay: the next forwards recompute earlier training forwards (the
+ * caller sets the jitter counter back to theirs), so that a backward can
+ * follow them again; they count no load toward the bias step, which the
+ * first pass counted. */
+void moe_layer_set_replay(moe_layer *layer, bool replay);
+
 /* Expert parallelism: run each local expert as soon as its rows have
  * arrived and send its results back at once, overlapping the other experts'
  * messages, instead of waiting for every row first (the default). Results

@@ -1175,7 +1175,7 @@ moe_status moe_run(const moe_run_options *opts, const moe_run_callbacks *callbac
         if (st == MOE_OK) {
             r.rank = moe_comm_rank(r.world);
             r.ranks = moe_comm_size(r.world);
-            st = moe_grid_create(&r.grid, r.world, opts->ep);
+            st = moe_grid_create(&r.grid, r.world, opts->ep, 1, &r.cfg, opts->seq_len);
         }
         if (st == MOE_OK && r.grid.ep) st = moe_comm_set_timeout(r.grid.ep, opts->comm_timeout);
     }

@@ -1,4 +1,5 @@
-/* trainer.c: one step = grad_accum micro-batches forward and backward, the
+/* trainer.c: one step = grad_accum micro-batches forward and backward (in
+ * a pipeline schedule's order when the model is a stage of one), the
  * global gradient norm, clipping, and AdamW tensor by tensor (weight decay
  * only where the tensor table says so), on the whole model or, with ZeRO,
  * on this rank's block of each run. */
@@ -41,8 +42,14 @@ struct moe_trainer {
     float *grad_blocks;  /* [sum of the sharded runs' blocks], backend memory; NULL when none is */
     double *sumsq;       /* [MOE_RUN_COUNT] backend memory */
     moe_adamw_span *spans; /* every run's spans, backend memory */
-    int32_t *inputs;     /* [B, T] */
-    int32_t *targets;    /* [B, T] */
+    int32_t *tokens;     /* [grad_accum][2, B, T]: each micro-batch's inputs, then its targets */
+    /* The pipeline, per micro-batch: */
+    uint64_t *jitter;    /* [grad_accum] the jitter counter its forward started from */
+    float *stage_in;     /* [grad_accum][B*T, C] its input from the previous stage (kept for a replay) */
+    float *stage_out;    /* [grad_accum][B*T, C] its output on its way to the next stage */
+    float *grad_in;      /* [grad_accum][B*T, C] the gradient of its input on its way back */
+    float *grad_out;     /* [B*T, C] the gradient of the output, from the next stage */
+    moe_comm_request *sends; /* [2 grad_accum] */
 };
 
 moe_status moe_optim_config_validate(const moe_optim_config *c) {
@@ -63,6 +70,8 @@ moe_status moe_optim_config_validate(const moe_optim_config *c) {
         return moe_error(MOE_ERR_CONFIG, "--grad-clip %g must be finite and not negative", c->grad_clip);
     if (c->grad_accum <= 0) return moe_error(MOE_ERR_CONFIG, "--grad-accum %lld must be positive", (long long)c->grad_accum);
     if (c->zero != 0 && c->zero != 1) return moe_error(MOE_ERR_CONFIG, "--zero %d must be 0 or 1", c->zero);
+    if (c->pipe_schedule != MOE_PIPE_1F1B && c->pipe_schedule != MOE_PIPE_GPIPE)
+        return moe_error(MOE_ERR_CONFIG, "pipeline schedule %d unknown", (int)c->pipe_schedule);
     return MOE_OK;
 }
 
@@ -196,19 +205,28 @@ moe_status moe_trainer_create(moe_trainer **out, moe_model *model, const moe_opt
     t->model = model;
     t->cfg = *cfg;
     t->ops = moe_model_ops(model);
-    const int64_t BT = moe_model_batch_size(model) * moe_model_seq_len(model);
+    const int64_t BT = moe_model_batch_size(model) * moe_model_seq_len(model), M = cfg->grad_accum;
     const int64_t grad_blocks = plan_runs(t);
     moe_status st = t->ops->alloc((void **)&t->state, (size_t)(2 * t->state_count) * sizeof(float));
     if (st == MOE_OK && grad_blocks) st = t->ops->alloc((void **)&t->grad_blocks, (size_t)grad_blocks * sizeof(float));
     if (st == MOE_OK) st = t->ops->alloc((void **)&t->sumsq, MOE_RUN_COUNT * sizeof(double));
     t->host_state = t->ops->host_visible ? t->state : NULL;
-    t->inputs = calloc((size_t)(2 * BT), sizeof(int32_t));
-    if (st != MOE_OK || !t->inputs) {
+    t->tokens = calloc((size_t)(2 * BT * M), sizeof(int32_t));
+    t->jitter = calloc((size_t)M, sizeof *t->jitter);
+    t->sends = calloc((size_t)(2 * M), sizeof *t->sends);
+    if (st == MOE_OK && (!t->tokens || !t->jitter || !t->sends))
+        st = moe_error(MOE_ERR_OUT_OF_MEMORY, "trainer: %lld micro-batches of %lld tokens", (long long)M, (long long)BT);
+    const moe_model_stage stage = moe_model_get_stage(model);
+    const size_t acts = (size_t)(BT * moe_model_get_config(model)->hidden_size) * sizeof(float);
+    if (st == MOE_OK && !stage.first) st = t->ops->alloc((void **)&t->stage_in, (size_t)M * acts);
+    if (st == MOE_OK && !stage.first) st = t->ops->alloc((void **)&t->grad_in, (size_t)M * acts);
+    if (st == MOE_OK && !stage.last) st = t->ops->alloc((void **)&t->stage_out, (size_t)M * acts);
+    if (st == MOE_OK && !stage.last) st = t->ops->alloc((void **)&t->grad_out, acts);
+    if (st != MOE_OK) {
         moe_trainer_destroy(t);
-        return st != MOE_OK ? moe_error_prefix(st, "trainer: AdamW state for %lld parameters: ", (long long)t->state_count)
-                            : moe_error(MOE_ERR_OUT_OF_MEMORY, "trainer: batch of %lld tokens", (long long)BT);
+        return moe_error_prefix(st, "trainer: AdamW state for %lld parameters and the pipeline's buffers: ",
+                                (long long)t->state_count);
     }
-    t->targets = t->inputs + BT;
     carve_runs(t);
     st = make_spans(t);
     if (st != MOE_OK) {
@@ -226,7 +244,13 @@ void moe_trainer_destroy(moe_trainer *t) {
     t->ops->release(t->grad_blocks);
     t->ops->release(t->sumsq);
     t->ops->release(t->spans);
-    free(t->inputs);
+    t->ops->release(t->stage_in);
+    t->ops->release(t->grad_in);
+    t->ops->release(t->stage_out);
+    t->ops->release(t->grad_out);
+    free(t->tokens);
+    free(t->jitter);
+    free(t->sends);
     free(t);
 }
 
@@ -317,8 +341,9 @@ static moe_status grad_sumsq(moe_trainer *t, double *out) {
     }
     MOE_TRY(t->ops->download(parts, t->sumsq, sizeof parts));
     for (int r = 0; r < MOE_RUN_COUNT; r++) total += parts[r];
-    moe_comm *world = moe_model_world(t->model);
+    moe_comm *world = moe_model_world(t->model), *pipe = moe_model_get_stage(t->model).pipe;
     if (world) MOE_TRY(moe_comm_allreduce_sum(world, &total, 1, MOE_COMM_F64));
+    if (pipe) MOE_TRY(moe_comm_allreduce_sum(pipe, &total, 1, MOE_COMM_F64));
     *out = total;
     return MOE_OK;
 }
@@ -340,41 +365,152 @@ static void update(moe_trainer *t, float lr, float grad_scale) {
     }
 }
 
+/* ---------------------------------------------------------------- pipeline */
+
+enum { TAG_FORWARD = 1, TAG_BACKWARD = 2 };
+
+/* One forward or backward of micro-batch `micro` in a stage's schedule. */
+typedef struct pipe_op {
+    bool backward;
+    int64_t micro;
+} pipe_op;
+
+/* This stage's order of M forwards and M backwards into ops [2M]. */
+static void schedule(pipe_op *ops, moe_pipe_schedule kind, int stage, int stages, int64_t M) {
+    int64_t n = 0;
+    if (kind == MOE_PIPE_GPIPE) {
+        for (int64_t i = 0; i < M; i++) ops[n++] = (pipe_op){false, i};
+        for (int64_t i = 0; i < M; i++) ops[n++] = (pipe_op){true, i};
+        return;
+    }
+    /* 1F1B: the forwards that fill the pipeline below this stage, then one
+     * forward and one backward in turn, then the backwards left. */
+    const int64_t warm = stages - 1 - stage < M ? stages - 1 - stage : M;
+    for (int64_t i = 0; i < warm; i++) ops[n++] = (pipe_op){false, i};
+    for (int64_t i = 0; i < M - warm; i++) {
+        ops[n++] = (pipe_op){false, warm + i};
+        ops[n++] = (pipe_op){true, i};
+    }
+    for (int64_t i = M - warm; i < M; i++) ops[n++] = (pipe_op){true, i};
+}
+
+/* A micro-batch's share of the pipeline buffers. */
+static float *slot(float *buffers, int64_t micro, int64_t count) { return buffers ? buffers + micro * count : NULL; }
+
+/* Micro-batch micro's forward on this stage: its input from the previous
+ * stage, its output sent on to the next. Reads the micro-batch's tokens
+ * (every stage, so the data advance alike) unless replaying. */
+static moe_status stage_forward(moe_trainer *t, moe_data *data, int64_t micro, bool replay, moe_model_stats *stats) {
+    moe_model *model = t->model;
+    const moe_model_stage stage = moe_model_get_stage(model);
+    const int64_t B = moe_model_batch_size(model), T = moe_model_seq_len(model), BT = B * T;
+    const int64_t acts = BT * moe_model_get_config(model)->hidden_size;
+    int32_t *inputs = t->tokens + 2 * BT * micro, *targets = inputs + BT;
+    float *in = slot(t->stage_in, micro, acts);
+    if (!replay) {
+        const int W = moe_model_world_size(model), rank = moe_model_world_rank(model);
+        /* Data parallelism: the global batch is world x B rows, this rank's
+         * are rows rank*B .. rank*B + B - 1 of it. */
+        MOE_TRY(moe_data_next_batch(data, inputs, targets, (int64_t)W * B, (int64_t)rank * B, B, T));
+        t->jitter[micro] = moe_model_jitter_counter(model);
+        if (!stage.first)
+            MOE_TRY(moe_comm_recv(stage.device_pipe, in, acts, MOE_COMM_F32, stage.index - 1, TAG_FORWARD));
+    }
+    MOE_TRY(moe_model_stage_forward(model, inputs, in, targets, replay, stats));
+    if (replay || stage.last) return MOE_OK;
+    float *out = slot(t->stage_out, micro, acts);
+    t->ops->copy(out, moe_model_stage_output(model), (size_t)acts * sizeof(float));
+    moe_comm_request *req = &t->sends[2 * micro];
+    *req = (moe_comm_request)MOE_COMM_REQUEST_INIT;
+    return moe_comm_isend(stage.device_pipe, req, out, acts, MOE_COMM_F32, stage.index + 1, TAG_FORWARD);
+}
+
+/* Micro-batch micro's backward on this stage, after a replay of its
+ * forward unless that forward is the model's last (held = micro). */
+static moe_status stage_backward(moe_trainer *t, int64_t micro, int64_t held, float grad_scale) {
+    moe_model *model = t->model;
+    const moe_model_stage stage = moe_model_get_stage(model);
+    const int64_t acts = moe_model_batch_size(model) * moe_model_seq_len(model) * moe_model_get_config(model)->hidden_size;
+    if (!stage.last)
+        MOE_TRY(moe_comm_recv(stage.device_pipe, t->grad_out, acts, MOE_COMM_F32, stage.index + 1, TAG_BACKWARD));
+    if (held != micro) {
+        const uint64_t latest = moe_model_jitter_counter(model);
+        moe_model_set_jitter_counter(model, t->jitter[micro]);
+        const moe_status st = stage_forward(t, NULL, micro, true, NULL);
+        moe_model_set_jitter_counter(model, latest);
+        MOE_TRY(st);
+    }
+    MOE_TRY(moe_model_stage_backward(model, t->grad_out, grad_scale));
+    if (stage.first) return MOE_OK;
+    float *grad_in = slot(t->grad_in, micro, acts);
+    t->ops->copy(grad_in, moe_model_stage_input_grad(model), (size_t)acts * sizeof(float));
+    moe_comm_request *req = &t->sends[2 * micro + 1];
+    *req = (moe_comm_request)MOE_COMM_REQUEST_INIT;
+    return moe_comm_isend(stage.device_pipe, req, grad_in, acts, MOE_COMM_F32, stage.index - 1, TAG_BACKWARD);
+}
+
+/* The stages' shares of the step's statistics add up to the model's. */
+static moe_status pipeline_sum(moe_model *model, moe_model_stats *s) {
+    moe_comm *pipe = moe_model_get_stage(model).pipe;
+    if (!pipe) return MOE_OK;
+    double v[6] = {s->loss, s->ce_loss, s->aux_loss, s->z_loss, s->load_imbalance, s->dropped_frac};
+    MOE_TRY(moe_comm_allreduce_sum(pipe, v, 6, MOE_COMM_F64));
+    *s = (moe_model_stats){.loss = v[0], .ce_loss = v[1], .aux_loss = v[2], .z_loss = v[3], .load_imbalance = v[4],
+                           .dropped_frac = v[5]};
+    return MOE_OK;
+}
+
 moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *metrics) {
     if (!t || !data) return moe_error(MOE_ERR_INVALID_ARG, "moe_trainer_step: NULL argument");
     moe_model *model = t->model;
     const moe_optim_config *c = &t->cfg;
-    const int64_t B = moe_model_batch_size(model), T = moe_model_seq_len(model);
-    const float micro_scale = 1.0f / (float)c->grad_accum;
+    const moe_model_stage stage = moe_model_get_stage(model);
+    const int64_t M = c->grad_accum;
+    const float micro_scale = 1.0f / (float)M;
     moe_model_stats sum = {0};
 
-    /* Data parallelism: the global batch is world x B rows, this rank's are
-     * rows rank*B .. rank*B + B - 1 of it. */
-    const int W = moe_model_world_size(model), rank = moe_model_world_rank(model);
+    pipe_op *ops = malloc((size_t)(2 * M) * sizeof *ops);
+    if (!ops) return moe_error(MOE_ERR_OUT_OF_MEMORY, "trainer: a schedule of %lld micro-batches", (long long)M);
+    schedule(ops, c->pipe_schedule, stage.index, stage.count, M);
+    for (int64_t i = 0; i < 2 * M; i++) t->sends[i] = (moe_comm_request)MOE_COMM_REQUEST_INIT;
     moe_model_set_training(model, true);
-    for (int64_t micro = 0; micro < c->grad_accum; micro++) {
-        MOE_TRY(moe_data_next_batch(data, t->inputs, t->targets, (int64_t)W * B, (int64_t)rank * B, B, T));
-        moe_model_stats s;
-        MOE_TRY(moe_model_forward(model, t->inputs, t->targets, &s));
-        /* Zeroed after the forward, whose token uploads would otherwise
-         * wait for the device to finish it. */
-        if (micro == 0) moe_model_zero_grad(model);
-        /* Sharded, every run with a group is reduce-scattered instead. */
-        moe_model_set_grad_sync(model, !t->sharded && micro + 1 == c->grad_accum);
-        MOE_TRY(moe_model_backward(model, micro_scale));
-        sum.loss += s.loss;
-        sum.ce_loss += s.ce_loss;
-        sum.aux_loss += s.aux_loss;
-        sum.z_loss += s.z_loss;
-        sum.load_imbalance += s.load_imbalance;
-        sum.dropped_frac += s.dropped_frac;
+    moe_status st = MOE_OK;
+    int64_t held = -1; /* the micro-batch whose activations the model holds */
+    for (int64_t i = 0; i < 2 * M && st == MOE_OK; i++) {
+        const int64_t micro = ops[i].micro;
+        if (!ops[i].backward) {
+            moe_model_stats s;
+            st = stage_forward(t, data, micro, false, &s);
+            held = micro;
+            /* Zeroed after the first forward, whose token uploads would
+             * otherwise wait for the device to finish it. */
+            if (i == 0) moe_model_zero_grad(model);
+            sum.loss += s.loss;
+            sum.ce_loss += s.ce_loss;
+            sum.aux_loss += s.aux_loss;
+            sum.z_loss += s.z_loss;
+            sum.load_imbalance += s.load_imbalance;
+            sum.dropped_frac += s.dropped_frac;
+        } else {
+            /* The step's last backward sums the gradients over the ranks
+             * that share them; sharded, every run with a group is
+             * reduce-scattered instead. */
+            moe_model_set_grad_sync(model, !t->sharded && i == 2 * M - 1);
+            st = stage_backward(t, micro, held, micro_scale);
+            held = -1;
+        }
     }
+    free(ops);
+    /* Every send is done before its buffer is written again. */
+    st = moe_comm_wait_all(t->sends, (int)(2 * M), st);
+    MOE_TRY(st);
     /* After every micro-batch, so that all of them route with one bias. */
     MOE_TRY(moe_model_update_router_bias(model));
 
     MOE_TRY(moe_model_finish_grad_sync(model));
     if (t->sharded) MOE_TRY(scatter_grads(t));
     MOE_TRY(world_mean(model, &sum.loss, &sum.ce_loss));
+    MOE_TRY(pipeline_sum(model, &sum));
 
     double sumsq;
     MOE_TRY(grad_sumsq(t, &sumsq));
@@ -406,19 +542,21 @@ moe_status moe_trainer_eval(moe_trainer *t, moe_data *data, int64_t n_batches, d
     if (!t || !data || !val_loss) return moe_error(MOE_ERR_INVALID_ARG, "moe_trainer_eval: NULL argument");
     if (n_batches <= 0) return moe_error(MOE_ERR_CONFIG, "--eval-batches %lld must be positive", (long long)n_batches);
     moe_model *model = t->model;
-    const int64_t B = moe_model_batch_size(model), T = moe_model_seq_len(model);
-    const int W = moe_model_world_size(model), rank = moe_model_world_rank(model);
+    const int64_t BT = moe_model_batch_size(model) * moe_model_seq_len(model);
     const moe_data_position saved = moe_data_get_position(data);
     MOE_TRY(moe_data_set_position(data, (moe_data_position){0, 0}));
     moe_model_set_training(model, false);
     double total = 0.0;
     moe_status st = MOE_OK;
     for (int64_t b = 0; b < n_batches && st == MOE_OK; b++) {
+        /* Forwards only, through the first micro-batch's buffers: a send
+         * completes before the next batch reuses its buffer. */
         moe_model_stats s;
-        st = moe_data_next_batch(data, t->inputs, t->targets, (int64_t)W * B, (int64_t)rank * B, B, T);
-        if (st == MOE_OK) st = moe_model_forward(model, t->inputs, t->targets, &s);
+        t->sends[0] = (moe_comm_request)MOE_COMM_REQUEST_INIT;
+        st = stage_forward(t, data, 0, false, &s);
+        st = moe_comm_wait_all(t->sends, 1, st);
         if (st == MOE_OK) total += s.ce_loss;
-        if (st == MOE_OK && on_batch) st = on_batch(ctx, model, t->targets, b);
+        if (st == MOE_OK && on_batch) st = on_batch(ctx, model, t->tokens + BT, b);
     }
     moe_model_set_training(model, true);
     moe_status restore = moe_data_set_position(data, saved);
@@ -426,6 +564,8 @@ moe_status moe_trainer_eval(moe_trainer *t, moe_data *data, int64_t n_batches, d
     MOE_TRY(restore);
     double unused = 0.0;
     MOE_TRY(world_mean(model, &total, &unused));
-    *val_loss = total / (double)n_batches;
+    moe_model_stats sum = {.ce_loss = total};
+    MOE_TRY(pipeline_sum(model, &sum));
+    *val_loss = sum.ce_loss / (double)n_batches;
     return MOE_OK;
 }

@@ -16,6 +16,17 @@ typedef enum moe_lr_schedule {
     MOE_LR_CONSTANT,
 } moe_lr_schedule;
 
+/* The order of a pipeline's micro-batches (moe_model_stage): GPipe runs
+ * every forward, then every backward; 1F1B starts the backwards as soon as
+ * the last stage can, so a stage holds at most (stages - stage) forwards in
+ * flight. On one stage 1F1B is the plain forward, backward, forward, ...
+ * and GPipe keeps every micro-batch's forward until the end (its
+ * activations are recomputed, below). */
+typedef enum moe_pipe_schedule {
+    MOE_PIPE_1F1B = 0,
+    MOE_PIPE_GPIPE,
+} moe_pipe_schedule;
+
 typedef struct moe_optim_config {
     double lr;          /* peak learning rate */
     double min_lr;      /* reached at total_steps by cosine and linear */
@@ -25,7 +36,8 @@ typedef struct moe_optim_config {
     double weight_decay; /* decoupled, on every matrix, none on norms */
     double beta1, beta2, eps;
     double grad_clip;   /* global L2 norm; 0 = off */
-    int64_t grad_accum; /* micro-batches per step */
+    int64_t grad_accum; /* micro-batches per step, which a pipeline's stages run in order */
+    moe_pipe_schedule pipe_schedule;
     int zero;           /* 1: AdamW state sharded across each run's group (ZeRO stage 1); 0: replicated */
 } moe_optim_config;
 
@@ -34,7 +46,7 @@ typedef struct moe_optim_config {
     {                                                                                               \
         .lr = 3e-4, .min_lr = 3e-5, .warmup = 0, .total_steps = 1, .schedule = MOE_LR_COSINE,      \
         .weight_decay = 0.1, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .grad_clip = 1.0,            \
-        .grad_accum = 1, .zero = 0                                                                  \
+        .grad_accum = 1, .pipe_schedule = MOE_PIPE_1F1B, .zero = 0                                  \
     }
 
 moe_status moe_optim_config_validate(const moe_optim_config *cfg);
@@ -73,7 +85,18 @@ typedef struct moe_step_metrics {
     double dropped_frac;
 } moe_step_metrics;
 
-/* One optimizer step over grad_accum micro-batches of data. */
+/* One optimizer step over grad_accum micro-batches of data. On a pipeline
+ * (moe_model_stage) every stage reads the same micro-batches, the first
+ * stage's inputs and the last's targets, and runs the schedule: a stage
+ * receives each forward's input from the one before, sends its output to
+ * the one after, and the gradients flow back the same way; sends are
+ * non-blocking, each from its own buffer, and complete before the step
+ * ends, so no stage waits on a send. A stage keeps one forward's
+ * activations: a backward whose forward is not the last one run
+ * recomputes it first from the input it kept (its jitter noise drawn
+ * again), so a stage's memory is one micro-batch's activations plus the
+ * inputs of the micro-batches in flight. The metrics are the whole model's,
+ * on every stage. */
 moe_status moe_trainer_step(moe_trainer *trainer, moe_data *data, moe_step_metrics *metrics);
 
 /* Steps taken so far. */

@@ -746,8 +746,10 @@ Test(layer, update_bias_moves_against_the_load) {
  * loads [4, 2, 2, 0] then [0, 2, 2, 4] sum to the mean 4 everywhere, so the
  * bias stays 0, where the last forward alone would move it by +rate, 0, 0,
  * -rate. An eval-mode forward in between (loads [4, 2, 2, 0]) is not
- * training and does not count; with no training forward since the last
- * update there is nothing to answer. Same construction as above. */
+ * training and does not count, nor does a replay of the second forward (a
+ * pipeline stage recomputing it before its backward), which would make the
+ * sum [4, 6, 6, 8]; with no training forward since the last update there
+ * is nothing to answer. Same construction as above. */
 Test(layer, update_bias_answers_every_training_forward_since_the_last) {
     const int64_t E = ROUTED_E, T = ROUTED_T;
     static const int targets[2][8] = {{0, 1, 0, 2, 0, 1, 2, 0}, {3, 1, 3, 2, 3, 1, 2, 3}};
@@ -756,12 +758,13 @@ Test(layer, update_bias_answers_every_training_forward_since_the_last) {
     routed_layer(&f, &cfg, 0.01);
     float x[2][8 * 6], y[8 * 6];
     for (int b = 0; b < 2; b++) routed_tokens(x[b], targets[b], 33 + (uint64_t)b);
-    static const int64_t want_load[3][4] = {{4, 2, 2, 0}, {4, 2, 2, 0}, {0, 2, 2, 4}};
-    static const int x_of[3] = {0, 0, 1}, training[3] = {1, 0, 1};
-    for (int i = 0; i < 3; i++) {
+    static const int64_t want_load[4][4] = {{4, 2, 2, 0}, {4, 2, 2, 0}, {0, 2, 2, 4}, {0, 2, 2, 4}};
+    static const int x_of[4] = {0, 0, 1, 1}, training[4] = {1, 0, 1, 1}, replay[4] = {0, 0, 0, 1};
+    for (int i = 0; i < 4; i++) {
         int64_t tpe[4];
         moe_layer_stats st = {.tokens_per_expert = tpe};
         cr_assert(moe_layer_set_training(f.layer, training[i]) == MOE_OK);
+        moe_layer_set_replay(f.layer, replay[i]);
         cr_assert(moe_layer_forward(f.layer, y, x[x_of[i]], T, &st) == MOE_OK, "%s", moe_last_error());
         for (int64_t e = 0; e < E; e++)
             cr_assert(tpe[e] == want_load[i][e], "forward %d: routing by construction failed at expert %lld: %lld",

@@ -1,0 +1,146 @@
+/* test_train_pp.c: pipeline parallelism (run under mpirun -np 2 and -np 4)
+ * gives the loss curve and gradient norms of one rank reading the same
+ * global batches. Every rank also trains the one-rank model itself, so the
+ * reference never crosses the network. Grids: every rank a stage (PP = 2,
+ * or 4), and with 4 ranks PP = 2 x DP = 2 with EP = 2 and ZeRO; each under
+ * 1F1B and GPipe, with more micro-batches than stages and fewer. The model
+ * draws jitter noise and steers by the selection bias, so a stage's
+ * recomputed forward must draw the noise of the first and count no load
+ * twice; capacity drops make the routing depend on the whole batch.
+ * Tolerance: 1e-5 relative per step, as float summation order allows.
+ * A plain program (Criterion forks, which MPI does not survive); ends with
+ * "N passed, M failed". */
+#include <string.h>
+
+#include "engine/grid.h"
+#include "mpi_check.h"
+
+#define STEPS 12
+#define B 2 /* rows per data-parallel rank */
+#define T 8
+#define VOCAB 32
+#define LAYERS 4
+
+static void tiny_config(moe_model_config *c) {
+    mpi_tiny_config(c, VOCAB, 16, 16, LAYERS, 4);
+    c->moe_z_loss_coef = 0.001;
+    c->moe_capacity_factor = 1.25;
+    c->router_jitter_noise = 0.05;
+    c->moe_bias_update_rate = 1e-3;
+    c->moe_n_shared_experts = 1;
+}
+
+typedef struct curve {
+    double loss[STEPS], norm[STEPS], ce[STEPS], aux[STEPS];
+} curve;
+
+/* Trains STEPS steps of M micro-batches of `rows` rows per rank; grid
+ * NULL: this rank alone. */
+static moe_status train(curve *out, const moe_grid *grid, int64_t rows, int64_t M, moe_pipe_schedule schedule,
+                        int zero, moe_data *data) {
+    moe_model_config cfg;
+    tiny_config(&cfg);
+    moe_model *model = NULL;
+    moe_trainer *trainer = NULL;
+    moe_optim_config oc = mpi_optim(STEPS);
+    oc.grad_accum = M;
+    oc.pipe_schedule = schedule;
+    oc.zero = zero;
+    const moe_model_parallel par = grid ? moe_grid_model_parallel(grid) : (moe_model_parallel){0};
+    moe_status st = moe_model_create_parallel(&model, &cfg, rows, T, 7, grid ? &par : NULL);
+    if (st == MOE_OK) st = moe_trainer_create(&trainer, model, &oc);
+    if (st == MOE_OK) st = moe_data_set_position(data, (moe_data_position){0, 0});
+    for (int s = 0; st == MOE_OK && s < STEPS; s++) {
+        moe_step_metrics m;
+        st = moe_trainer_step(trainer, data, &m);
+        out->loss[s] = m.loss;
+        out->norm[s] = m.grad_norm;
+        out->ce[s] = m.ce_loss;
+        out->aux[s] = m.aux_loss;
+    }
+    moe_trainer_destroy(trainer);
+    moe_model_destroy(model);
+    return st;
+}
+
+/* 1 after printing the first value of [STEPS] off the reference by more
+ * than 1e-5 relative. */
+static int compare(const double *got, const double *want, const char *what) {
+    for (int s = 0; s < STEPS; s++)
+        if (!(fabs(got[s] - want[s]) <= 1e-5 * fabs(want[s]))) {
+            printf("  rank %d: %s at step %d: %.9g, one rank %.9g\n", rank, what, s + 1, got[s], want[s]);
+            return 1;
+        }
+    return 0;
+}
+
+static int run_grid(int pp, int ep, int zero, int64_t M, moe_pipe_schedule schedule, moe_data *data) {
+    moe_model_config cfg;
+    tiny_config(&cfg);
+    moe_grid grid;
+    curve want, got;
+    moe_status st = moe_grid_create(&grid, world, ep, pp, &cfg, T);
+    if (st != MOE_OK) return mpi_fail_status(st, "grid");
+    st = train(&want, NULL, (int64_t)grid.dp_size * B, M, MOE_PIPE_1F1B, 0, data);
+    if (st == MOE_OK) st = train(&got, &grid, B, M, schedule, zero, data);
+    int bad = mpi_fail_status(st, "train");
+    if (!bad) bad = compare(got.loss, want.loss, "loss");
+    if (!bad) bad = compare(got.ce, want.ce, "cross-entropy");
+    if (!bad) bad = compare(got.aux, want.aux, "aux loss");
+    if (!bad) bad = compare(got.norm, want.norm, "gradient norm");
+    if (!bad) bad = mpi_loss_did_not_fall(want.loss, STEPS);
+    moe_grid_destroy(&grid);
+    return bad;
+}
+
+/* The stages of a grid hold the layers in order, one each at least, and
+ * the model refuses stages that do not. */
+static int check_stages(void) {
+    moe_model_config cfg;
+    tiny_config(&cfg);
+    moe_grid grid;
+    moe_status st = moe_grid_create(&grid, world, 1, size, &cfg, T);
+    if (st != MOE_OK) return mpi_fail_status(st, "grid");
+    int bad = grid.stage != rank || grid.layer_end <= grid.layer_begin || (rank == 0 && grid.layer_begin != 0) ||
+              (rank == size - 1 && grid.layer_end != LAYERS);
+    if (bad) printf("  rank %d: stage %d holds [%lld, %lld)\n", rank, grid.stage, (long long)grid.layer_begin,
+                    (long long)grid.layer_end);
+    /* The last stage claims one layer too many. */
+    moe_model_parallel par = moe_grid_model_parallel(&grid);
+    if (rank == size - 1) par.layer_begin--;
+    moe_model *model = NULL;
+    st = moe_model_create_parallel(&model, &cfg, B, T, 7, &par);
+    if (st != MOE_ERR_CONFIG || !strstr(moe_last_error(), "must hold the 4 layers in order")) {
+        printf("  rank %d: overlapping stages gave %s: %s\n", rank, moe_status_string(st), moe_last_error());
+        bad = 1;
+    }
+    moe_model_destroy(model);
+    moe_grid_destroy(&grid);
+    st = moe_grid_create(&grid, world, 1, 2 * size, &cfg, T);
+    if (st != MOE_ERR_CONFIG || !strstr(moe_last_error(), "--pp")) {
+        printf("  rank %d: --pp %d on %d ranks gave %s\n", rank, 2 * size, size, moe_status_string(st));
+        bad = 1;
+    }
+    if (st == MOE_OK) moe_grid_destroy(&grid);
+    return bad;
+}
+
+int main(void) {
+    if (!mpi_check_init()) return 1;
+    int32_t *tokens = NULL;
+    moe_data *data = mpi_token_stream(&tokens, VOCAB);
+    if (!data) return 1;
+    mpi_report(check_stages(), "%d stages hold the layers in order; overlapping stages are refused", size);
+    static const char *const names[] = {"1F1B", "GPipe"};
+    for (int sched = 0; sched < 2; sched++)
+        for (int64_t M = 1; M <= 2 * size; M += size + 1) /* fewer micro-batches than stages, then more */
+            mpi_report(run_grid(size, 1, 0, M, (moe_pipe_schedule)sched, data), "PP=%d, %s, %lld micro-batches",
+                       size, names[sched], (long long)M);
+    if (size >= 4)
+        for (int sched = 0; sched < 2; sched++)
+            mpi_report(run_grid(2, 2, 1, 3, (moe_pipe_schedule)sched, data),
+                       "PP=2 x DP=2, EP=2, ZeRO, %s, 3 micro-batches", names[sched]);
+    moe_data_close(data);
+    free(tokens);
+    return mpi_check_finish();
+}
