@@ -1,0 +1,98 @@
+/* test_partition.c: moe_grid_partition splits the layers into contiguous
+ * stages of at least one layer whose slowest stage is as fast as any split
+ * can make it, checked against every split of small models (the cost model
+ * rebuilt here from its definition: a layer's training FLOPs per token, the
+ * head's on the last stage). */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <string.h>
+
+#include "engine/grid.h"
+#include "engine/model_config.h"
+
+static double layer_cost(const moe_model_config *c, int64_t T) {
+    const double C = (double)c->hidden_size, hd = (double)c->head_dim;
+    const double q = (double)c->num_attention_heads * hd, kv = (double)c->num_key_value_heads * hd;
+    const double attn_proj = C * (q + kv + kv) + q * C;
+    const double router = C * (double)c->num_local_experts;
+    const double ffn = (double)(c->num_experts_per_tok + c->moe_n_shared_experts) * 3.0 * C * (double)c->intermediate_size;
+    return 6.0 * (attn_proj + router + ffn) + 6.0 * (double)T * q;
+}
+
+/* The slowest stage of the split bounds [stages + 1]. */
+static double slowest(const int64_t *bounds, int stages, const moe_model_config *c, int64_t T) {
+    double worst = 0.0;
+    for (int s = 0; s < stages; s++) {
+        double cost = layer_cost(c, T) * (double)(bounds[s + 1] - bounds[s]);
+        if (s == stages - 1) cost += 6.0 * (double)c->hidden_size * (double)c->vocab_size;
+        if (cost > worst) worst = cost;
+    }
+    return worst;
+}
+
+/* The best slowest stage over every split of L layers into `stages`, by
+ * enumerating the cut positions. */
+static double best_split(int64_t *bounds, int s, int stages, int64_t L, const moe_model_config *c, int64_t T) {
+    if (s == stages) return bounds[stages] == L ? slowest(bounds, stages, c, T) : INFINITY;
+    double best = INFINITY;
+    const int64_t lo = bounds[s] + 1, hi = s == stages - 1 ? L : L - (stages - 1 - s);
+    for (int64_t end = lo; end <= hi; end++) {
+        bounds[s + 1] = end;
+        const double v = best_split(bounds, s + 1, stages, L, c, T);
+        if (v < best) best = v;
+    }
+    return best;
+}
+
+static void config(moe_model_config *c, int64_t layers, int64_t vocab) {
+    moe_model_config_default_small(c, vocab);
+    c->num_hidden_layers = layers;
+}
+
+static void check(const moe_model_config *c, int64_t T, int stages) {
+    const int64_t L = c->num_hidden_layers;
+    int64_t bounds[16], scratch[16] = {0};
+    cr_assert(moe_grid_partition(bounds, c, T, stages) == MOE_OK, "%s", moe_last_error());
+    cr_assert(bounds[0] == 0 && bounds[stages] == L, "L=%lld, %d stages: bounds from %lld to %lld", (long long)L,
+              stages, (long long)bounds[0], (long long)bounds[stages]);
+    for (int s = 0; s < stages; s++)
+        cr_assert(bounds[s + 1] > bounds[s], "L=%lld, %d stages: stage %d holds [%lld, %lld)", (long long)L, stages, s,
+                  (long long)bounds[s], (long long)bounds[s + 1]);
+    const double got = slowest(bounds, stages, c, T), want = best_split(scratch, 0, stages, L, c, T);
+    cr_expect(got <= want * (1.0 + 1e-12), "L=%lld V=%lld, %d stages: slowest stage %.6g, the best split's %.6g",
+              (long long)L, (long long)c->vocab_size, stages, got, want);
+}
+
+Test(partition, the_slowest_stage_is_as_fast_as_any_split_makes_it) {
+    static const int64_t vocabs[3] = {256, 32000, 262144};
+    for (int v = 0; v < 3; v++)
+        for (int64_t L = 1; L <= 9; L++)
+            for (int stages = 1; stages <= L && stages <= 5; stages++) {
+                moe_model_config c;
+                config(&c, L, vocabs[v]);
+                check(&c, 64, stages);
+            }
+}
+
+/* A head that costs more than a layer leaves the last stage fewer layers. */
+Test(partition, a_heavy_head_shortens_the_last_stage) {
+    moe_model_config c;
+    config(&c, 8, 262144);
+    int64_t bounds[3];
+    cr_assert(moe_grid_partition(bounds, &c, 64, 2) == MOE_OK, "%s", moe_last_error());
+    cr_expect(bounds[2] - bounds[1] < bounds[1] - bounds[0], "8 layers, vocabulary 262144: stages [0, %lld), [%lld, 8)",
+              (long long)bounds[1], (long long)bounds[1]);
+    config(&c, 8, 16);
+    cr_assert(moe_grid_partition(bounds, &c, 64, 2) == MOE_OK, "%s", moe_last_error());
+    cr_expect(bounds[1] == 4, "8 layers, a head that costs little: stages [0, %lld), [%lld, 8), want 4 each",
+              (long long)bounds[1], (long long)bounds[1]);
+}
+
+Test(partition, fewer_layers_than_stages_is_refused) {
+    moe_model_config c;
+    config(&c, 3, 256);
+    int64_t bounds[5];
+    cr_expect(moe_grid_partition(bounds, &c, 64, 4) == MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "--pp 4") && strstr(moe_last_error(), "3 layers"), "%s", moe_last_error());
+    cr_expect(moe_grid_partition(bounds, &c, 64, 0) == MOE_ERR_CONFIG);
+}
