@@ -380,7 +380,8 @@ static void schedule(pipe_op *ops, moe_pipe_schedule kind, int stage, int stages
     int64_t n = 0;
     if (kind == MOE_PIPE_GPIPE) {
         for (int64_t i = 0; i < M; i++) ops[n++] = (pipe_op){false, i};
-        for (int64_t i = 0; i < M; i++) ops[n++] = (pipe_op){true, i};
+        /* The last forward's activations are still there for its backward. */
+        for (int64_t i = M - 1; i >= 0; i--) ops[n++] = (pipe_op){true, i};
         return;
     }
     /* 1F1B: the forwards that fill the pipeline below this stage, then one

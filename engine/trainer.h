@@ -17,7 +17,7 @@ typedef enum moe_lr_schedule {
 } moe_lr_schedule;
 
 /* The order of a pipeline's micro-batches (moe_model_stage): GPipe runs
- * every forward, then every backward; 1F1B starts the backwards as soon as
+ * every forward, then every backward, the last micro-batch's first; 1F1B starts the backwards as soon as
  * the last stage can, so a stage holds at most (stages - stage) forwards in
  * flight. On one stage 1F1B is the plain forward, backward, forward, ...
  * and GPipe keeps every micro-batch's forward until the end (its
@@ -94,9 +94,12 @@ typedef struct moe_step_metrics {
  * ends, so no stage waits on a send. A stage keeps one forward's
  * activations: a backward whose forward is not the last one run
  * recomputes it first from the input it kept (its jitter noise drawn
- * again), so a stage's memory is one micro-batch's activations plus the
- * inputs of the micro-batches in flight. The metrics are the whole model's,
- * on every stage. */
+ * again): a stage holds one micro-batch's activations, and per micro-batch
+ * of the step its input and the two messages, B*T x hidden each. Under
+ * 1F1B the last stage recomputes nothing and the others every forward but
+ * a lone micro-batch's; GPipe's backwards run last micro-batch first, so
+ * every stage recomputes all forwards but the last. The metrics are the
+ * whole model's, on every stage. */
 moe_status moe_trainer_step(moe_trainer *trainer, moe_data *data, moe_step_metrics *metrics);
 
 /* Steps taken so far. */
