@@ -31,6 +31,11 @@
 #define EXPERT_FMT "model.layers.%lld.block_sparse_moe.experts.%lld.w%d.weight"
 #define FUSED_ROUTER_FMT "model.layers.%lld.mlp.gate.weight"
 #define FUSED_EXPERTS_FMT "model.layers.%lld.mlp.experts.%s"
+#define LAYER_FMT "model.layers.%lld."
+/* The tensors outside the layers: the first pipeline stage's, the last's. */
+#define EMBED_NAME "model.embed_tokens.weight"
+#define FINAL_NORM_NAME "model.norm.weight"
+#define HEAD_NAME "lm_head.weight"
 
 /* Room for any name built here: a model tensor's name behind the longest
  * prefix, or a layer-numbered name. */
@@ -43,16 +48,16 @@
 
 /* --------------------------------------------------------- ranks agreeing */
 
-/* Every rank of world leaves a collective call with the same outcome:
+/* Every rank of job leaves a collective call with the same outcome:
  * MOE_OK when every rank had it, else the status and message of the lowest
  * failing rank (named on the others), so that no rank goes on into a
  * collective that another has left. st itself on one rank. */
-static moe_status agree(moe_comm *world, moe_status st) {
-    if (!world) return st;
-    const int size = moe_comm_size(world), rank = moe_comm_rank(world);
+static moe_status agree(moe_comm *job, moe_status st) {
+    if (!job) return st;
+    const int size = moe_comm_size(job), rank = moe_comm_rank(job);
     int32_t mine = (int32_t)st, *all = malloc((size_t)size * sizeof *all);
     if (!all) return moe_error(MOE_ERR_OUT_OF_MEMORY, "checkpoint: statuses of %d ranks", size);
-    moe_status comm = moe_comm_allgather(world, all, &mine, 1, MOE_COMM_I32);
+    moe_status comm = moe_comm_allgather(job, all, &mine, 1, MOE_COMM_I32);
     int first = -1;
     for (int r = 0; comm == MOE_OK && r < size && first < 0; r++)
         if (all[r] != MOE_OK) first = r;
@@ -61,7 +66,7 @@ static moe_status agree(moe_comm *world, moe_status st) {
     if (comm != MOE_OK || first < 0) return comm;
     char msg[MOE_ERROR_BYTES];
     if (rank == first) snprintf(msg, sizeof msg, "%s", moe_last_error());
-    comm = moe_comm_broadcast(world, msg, MOE_ERROR_BYTES, MOE_COMM_BYTES, first);
+    comm = moe_comm_broadcast(job, msg, MOE_ERROR_BYTES, MOE_COMM_BYTES, first);
     if (comm != MOE_OK) return comm;
     if (rank == first) return st;
     msg[MOE_ERROR_BYTES - 1] = '\0';
@@ -75,6 +80,19 @@ static bool is_expert_weight(const char *name, int64_t layers, int64_t experts) 
     int w, end = 0;
     return sscanf(name, EXPERT_FMT "%n", &l, &e, &w, &end) == 3 && end > 0 && name[end] == '\0' && l >= 0 &&
            l < layers && e >= 0 && e < experts && w >= 1 && w <= 3;
+}
+
+/* A tensor of the model that another pipeline stage holds: one of a layer
+ * outside ours (in any layout), the embedding when we are not the first
+ * stage, the final norm or the head when we are not the last. The stage
+ * that holds it checks it, so a tensor no stage has is refused there. */
+static bool of_other_stage(const moe_model_stage *stage, const char *name, int64_t layers) {
+    long long l;
+    int end = 0;
+    if (sscanf(name, LAYER_FMT "%n", &l, &end) == 1 && end > 0)
+        return l >= 0 && l < layers && (l < stage->layer_begin || l >= stage->layer_end);
+    if (!stage->first && strcmp(name, EMBED_NAME) == 0) return true;
+    return !stage->last && (strcmp(name, FINAL_NORM_NAME) == 0 || strcmp(name, HEAD_NAME) == 0);
 }
 
 /* ------------------------------------------------------------------ paths */
@@ -261,14 +279,15 @@ static void gathered_free(gathered *g) {
     free(g->own_state);
 }
 
-/* The values of one tensor that one rank holds: count elements from element
- * `first` of the tensor whose index in the one-rank table is `tensor`. */
+/* The values of one array that one rank holds: count elements from element
+ * `first` of the tensor whose index in the one-rank table is `index` (its
+ * parameters or a moment), or of layer `index`'s selection bias. */
 typedef struct part {
-    int64_t kind, tensor, first, count, numel;
+    int64_t kind, index, first, count, numel;
     const float *src; /* [count], on the rank that holds it */
 } part;
 
-enum { PART_PARAMS, PART_EXP_AVG, PART_EXP_AVG_SQ, PART_KINDS };
+enum { PART_PARAMS, PART_EXP_AVG, PART_EXP_AVG_SQ, PART_BIAS, PART_KINDS };
 #define PART_FIELDS 5 /* the integers of a part, as they travel */
 
 static bool leads(moe_comm *group) { return !group || moe_comm_rank(group) == 0; }
@@ -280,12 +299,17 @@ static moe_model_run_id run_of(const moe_model *model, const moe_model_tensor *t
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
-/* Fills parts [3 * tensor count] with what this rank contributes, so that
- * every value has exactly one sender: a run's parameters come from the
- * first rank of its group, its moments from every rank of the group when
- * they are sharded, else from the first. Returns how many. */
+/* Fills parts [3 * tensor count + layers] with what this rank contributes,
+ * so that every value has exactly one sender: a run's parameters come from
+ * the first rank of its group, its moments from every rank of the group
+ * when they are sharded, else from the first; the selection biases, alike
+ * on a stage's data-parallel ranks, from its first. The groups are the
+ * stage's, and the stages hold different tensors and layers. Returns how
+ * many. */
 static int64_t collect_parts(part *parts, moe_model *model, moe_trainer *trainer) {
     const float *params = moe_model_host_params(model);
+    const moe_model_stage stage = moe_model_get_stage(model);
+    const int64_t E = moe_model_get_config(model)->num_local_experts;
     int64_t n = 0;
     for (int64_t i = 0; i < moe_model_tensor_count(model); i++) {
         const moe_model_tensor *t = moe_model_tensor_at(model, i);
@@ -298,11 +322,14 @@ static int64_t collect_parts(part *parts, moe_model *model, moe_trainer *trainer
         parts[n++] = (part){PART_EXP_AVG, t->init_stream, a - t->offset, b - a, t->numel, sh.m + (a - sh.begin)};
         parts[n++] = (part){PART_EXP_AVG_SQ, t->init_stream, a - t->offset, b - a, t->numel, sh.v + (a - sh.begin)};
     }
+    for (int64_t l = stage.layer_begin; l < stage.layer_end; l++) {
+        const float *bias = moe_model_router_bias(model, l); /* [E] */
+        if (bias && leads(moe_model_world(model))) parts[n++] = (part){PART_BIAS, l, 0, E, E, bias};
+    }
     return n;
 }
 
-/* Rank 0's destination: the one-rank model, with the selection biases,
- * which every rank holds alike, copied from model. */
+/* Rank 0's destination: the one-rank model and its moments. */
 static moe_status make_full(gathered *g, moe_model *model) {
     const moe_model_config *c = moe_model_get_config(model);
     MOE_TRY(moe_model_create(&g->own_model, c, 1, 1, 0));
@@ -313,63 +340,77 @@ static moe_status make_full(gathered *g, moe_model *model) {
         return moe_error(MOE_ERR_OUT_OF_MEMORY, "checkpoint: AdamW state of %lld parameters", (long long)n);
     g->m = g->own_state;
     g->v = g->own_state + n;
-    for (int64_t l = 0; l < c->num_hidden_layers; l++) {
-        const float *bias = moe_model_router_bias(model, l); /* [E] */
-        if (bias) memcpy(moe_model_router_bias(g->model, l), bias, (size_t)c->num_local_experts * sizeof(float));
-    }
     return MOE_OK;
 }
 
+/* Where a part of kind goes on rank 0, and how long that array is
+ * (*numel): the one-rank tensor `index`'s parameters or moment, or layer
+ * `index`'s selection bias; NULL when no such array exists. */
+static float *part_array(int64_t *numel, const gathered *g, int64_t kind, int64_t index) {
+    const moe_model_config *c = moe_model_get_config(g->model);
+    if (kind == PART_BIAS) {
+        *numel = c->num_local_experts;
+        return index >= 0 && index < c->num_hidden_layers ? moe_model_router_bias(g->model, index) : NULL;
+    }
+    if (kind < 0 || kind >= PART_KINDS || index < 0 || index >= moe_model_tensor_count(g->model)) return NULL;
+    const moe_model_tensor *t = moe_model_tensor_at(g->model, index);
+    *numel = t->numel;
+    return (kind == PART_PARAMS ? moe_model_host_params(g->model) : kind == PART_EXP_AVG ? g->m : g->v) + t->offset;
+}
+
 /* Checks the parts [n] (PART_FIELDS integers each) that arrived at rank 0:
- * each must lie inside its one-rank tensor, and together they must cover
+ * each must lie inside its one-rank array, and together they must cover
  * every value once (they never overlap when each has one sender). */
 static moe_status check_parts(const gathered *g, const int64_t *meta, int64_t n) {
-    const int64_t nt = moe_model_tensor_count(g->model);
-    int64_t covered[PART_KINDS] = {0}, want = 0;
-    for (int64_t i = 0; i < nt; i++) want += moe_model_tensor_at(g->model, i)->numel;
+    const moe_model_config *c = moe_model_get_config(g->model);
+    int64_t covered[PART_KINDS] = {0}, values = 0;
+    for (int64_t i = 0; i < moe_model_tensor_count(g->model); i++) values += moe_model_tensor_at(g->model, i)->numel;
+    const int64_t biases = moe_model_router_bias(g->model, 0) ? c->num_hidden_layers * c->num_local_experts : 0;
+    const int64_t want[PART_KINDS] = {values, values, values, biases};
     for (int64_t i = 0; i < n; i++) {
         const int64_t *p = meta + PART_FIELDS * i;
-        const moe_model_tensor *t = p[1] >= 0 && p[1] < nt ? moe_model_tensor_at(g->model, p[1]) : NULL;
-        if (p[0] < 0 || p[0] >= PART_KINDS || !t || t->numel != p[4] || p[2] < 0 || p[3] <= 0 || p[3] > t->numel - p[2])
+        int64_t numel = 0;
+        if (!part_array(&numel, g, p[0], p[1]) || numel != p[4] || p[2] < 0 || p[3] <= 0 || p[3] > numel - p[2])
             return moe_error(MOE_ERR_INTERNAL,
-                             "checkpoint gather: part %lld (kind %lld, tensor %lld, [%lld, +%lld) of %lld) does not "
+                             "checkpoint gather: part %lld (kind %lld, array %lld, [%lld, +%lld) of %lld) does not "
                              "fit the one-rank model",
                              (long long)i, (long long)p[0], (long long)p[1], (long long)p[2], (long long)p[3],
                              (long long)p[4]);
         covered[p[0]] += p[3];
     }
+    static const char *const kinds[PART_KINDS] = {"parameters", "exp_avg", "exp_avg_sq", "selection biases"};
     for (int k = 0; k < PART_KINDS; k++)
-        if (covered[k] != want)
+        if (covered[k] != want[k])
             return moe_error(MOE_ERR_INTERNAL, "checkpoint gather: %lld of the model's %lld %s arrived",
-                             (long long)covered[k], (long long)want,
-                             k == PART_PARAMS ? "parameters" : k == PART_EXP_AVG ? "exp_avg" : "exp_avg_sq");
+                             (long long)covered[k], (long long)want[k], kinds[k]);
     return MOE_OK;
 }
 
+/* A checked part's first value on rank 0. */
 static float *part_destination(const gathered *g, const int64_t *p) {
-    float *base = p[0] == PART_PARAMS ? moe_model_host_params(g->model) : p[0] == PART_EXP_AVG ? g->m : g->v;
-    return base + moe_model_tensor_at(g->model, p[1])->offset + p[2];
+    int64_t numel;
+    return part_array(&numel, g, p[0], p[1]) + p[2];
 }
 
 /* Point-to-point in messages MPI can count. */
-static moe_status send_floats(moe_comm *world, const float *src, int64_t n, int peer) {
+static moe_status send_floats(moe_comm *job, const float *src, int64_t n, int peer) {
     for (int64_t at = 0; at < n; at += CHUNK_ELEMENTS)
-        MOE_TRY(moe_comm_send(world, src + at, min64(CHUNK_ELEMENTS, n - at), MOE_COMM_F32, peer, GATHER_TAG));
+        MOE_TRY(moe_comm_send(job, src + at, min64(CHUNK_ELEMENTS, n - at), MOE_COMM_F32, peer, GATHER_TAG));
     return MOE_OK;
 }
 
-static moe_status recv_floats(moe_comm *world, float *dst, int64_t n, int peer) {
+static moe_status recv_floats(moe_comm *job, float *dst, int64_t n, int peer) {
     for (int64_t at = 0; at < n; at += CHUNK_ELEMENTS)
-        MOE_TRY(moe_comm_recv(world, dst + at, min64(CHUNK_ELEMENTS, n - at), MOE_COMM_F32, peer, GATHER_TAG));
+        MOE_TRY(moe_comm_recv(job, dst + at, min64(CHUNK_ELEMENTS, n - at), MOE_COMM_F32, peer, GATHER_TAG));
     return MOE_OK;
 }
 
 /* Rank 0 learns every rank's parts [counts[q]] into all_meta and checks
  * them; the others send theirs (meta). */
-static moe_status exchange_parts(int64_t **all_meta, int64_t *counts, const gathered *g, moe_comm *world,
+static moe_status exchange_parts(int64_t **all_meta, int64_t *counts, const gathered *g, moe_comm *job,
                                  const int64_t *meta, int64_t n) {
-    const int size = moe_comm_size(world), rank = moe_comm_rank(world);
-    MOE_TRY(moe_comm_allgather(world, counts, &n, 1, MOE_COMM_I64));
+    const int size = moe_comm_size(job), rank = moe_comm_rank(job);
+    MOE_TRY(moe_comm_allgather(job, counts, &n, 1, MOE_COMM_I64));
     int64_t total = 0;
     for (int q = 0; q < size; q++) total += counts[q];
     moe_status st = MOE_OK;
@@ -377,12 +418,12 @@ static moe_status exchange_parts(int64_t **all_meta, int64_t *counts, const gath
         *all_meta = malloc((size_t)(PART_FIELDS * total) * sizeof **all_meta);
         if (!*all_meta) st = moe_error(MOE_ERR_OUT_OF_MEMORY, "checkpoint gather: %lld parts", (long long)total);
     }
-    MOE_TRY(agree(world, st));
-    if (rank != 0) return moe_comm_send(world, meta, PART_FIELDS * n, MOE_COMM_I64, 0, GATHER_TAG);
+    MOE_TRY(agree(job, st));
+    if (rank != 0) return moe_comm_send(job, meta, PART_FIELDS * n, MOE_COMM_I64, 0, GATHER_TAG);
     memcpy(*all_meta, meta, (size_t)(PART_FIELDS * n) * sizeof *meta);
     int64_t at = counts[0];
     for (int q = 1; q < size; q++) {
-        MOE_TRY(moe_comm_recv(world, *all_meta + PART_FIELDS * at, PART_FIELDS * counts[q], MOE_COMM_I64, q,
+        MOE_TRY(moe_comm_recv(job, *all_meta + PART_FIELDS * at, PART_FIELDS * counts[q], MOE_COMM_I64, q,
                               GATHER_TAG));
         at += counts[q];
     }
@@ -391,11 +432,11 @@ static moe_status exchange_parts(int64_t **all_meta, int64_t *counts, const gath
 
 /* Every rank's values to their place in rank 0's one-rank arrays, part by
  * part, straight from where they live to where they go. */
-static moe_status exchange_values(const gathered *g, moe_comm *world, const part *parts, int64_t n,
+static moe_status exchange_values(const gathered *g, moe_comm *job, const part *parts, int64_t n,
                                   const int64_t *all_meta, const int64_t *counts) {
-    const int size = moe_comm_size(world);
-    if (moe_comm_rank(world) != 0) {
-        for (int64_t i = 0; i < n; i++) MOE_TRY(send_floats(world, parts[i].src, parts[i].count, 0));
+    const int size = moe_comm_size(job);
+    if (moe_comm_rank(job) != 0) {
+        for (int64_t i = 0; i < n; i++) MOE_TRY(send_floats(job, parts[i].src, parts[i].count, 0));
         return MOE_OK;
     }
     for (int64_t i = 0; i < n; i++)
@@ -404,19 +445,20 @@ static moe_status exchange_values(const gathered *g, moe_comm *world, const part
     for (int q = 1; q < size; q++)
         for (int64_t i = 0; i < counts[q]; i++, at++) {
             const int64_t *p = all_meta + PART_FIELDS * at;
-            MOE_TRY(recv_floats(world, part_destination(g, p), p[3], q));
+            MOE_TRY(recv_floats(job, part_destination(g, p), p[3], q));
         }
     return MOE_OK;
 }
 
 /* Assembles on rank 0 the one-rank model and moments from the ranks that
- * hold each value. Collective over the model's world. */
+ * hold each value. Collective over the model's job. */
 static moe_status gather(gathered *g, moe_model *model, moe_trainer *trainer) {
-    moe_comm *world = moe_model_world(model);
-    const int64_t nt = moe_model_tensor_count(model);
-    part *parts = malloc((size_t)(3 * nt) * sizeof *parts);
-    int64_t *meta = malloc((size_t)(3 * nt * PART_FIELDS) * sizeof *meta);
-    int64_t *counts = malloc((size_t)moe_comm_size(world) * sizeof *counts), *all_meta = NULL, n = 0;
+    moe_comm *job = moe_model_job(model);
+    const moe_model_stage stage = moe_model_get_stage(model);
+    const int64_t nt = moe_model_tensor_count(model), most = 3 * nt + stage.layer_end - stage.layer_begin;
+    part *parts = malloc((size_t)most * sizeof *parts);
+    int64_t *meta = malloc((size_t)(most * PART_FIELDS) * sizeof *meta);
+    int64_t *counts = malloc((size_t)moe_comm_size(job) * sizeof *counts), *all_meta = NULL, n = 0;
     moe_status st = MOE_OK;
     if (!parts || !meta || !counts)
         st = moe_error(MOE_ERR_OUT_OF_MEMORY, "checkpoint gather: parts of %lld tensors", (long long)nt);
@@ -425,16 +467,16 @@ static moe_status gather(gathered *g, moe_model *model, moe_trainer *trainer) {
         for (int64_t i = 0; i < n; i++) {
             int64_t *p = meta + PART_FIELDS * i;
             p[0] = parts[i].kind;
-            p[1] = parts[i].tensor;
+            p[1] = parts[i].index;
             p[2] = parts[i].first;
             p[3] = parts[i].count;
             p[4] = parts[i].numel;
         }
     }
-    if (st == MOE_OK && moe_comm_rank(world) == 0) st = make_full(g, model);
-    st = agree(world, st);
-    if (st == MOE_OK) st = agree(world, exchange_parts(&all_meta, counts, g, world, meta, n));
-    if (st == MOE_OK) st = exchange_values(g, world, parts, n, all_meta, counts);
+    if (st == MOE_OK && moe_comm_rank(job) == 0) st = make_full(g, model);
+    st = agree(job, st);
+    if (st == MOE_OK) st = agree(job, exchange_parts(&all_meta, counts, g, job, meta, n));
+    if (st == MOE_OK) st = exchange_values(g, job, parts, n, all_meta, counts);
     free(parts);
     free(meta);
     free(counts);
@@ -457,7 +499,7 @@ moe_status moe_checkpoint_save(char *path, size_t path_bytes, const char *out_di
                                moe_trainer *trainer, const moe_train_state *state) {
     if (!path || path_bytes == 0 || !out_dir || !model || !trainer || !state)
         return moe_error(MOE_ERR_INVALID_ARG, "moe_checkpoint_save: NULL argument");
-    moe_comm *world = moe_model_world(model);
+    moe_comm *job = moe_model_job(model);
     moe_status st = MOE_OK;
     if (state->step < 0 || state->step != moe_trainer_steps_done(trainer))
         st = moe_error(MOE_ERR_INVALID_ARG, "moe_checkpoint_save: step %lld is not the trainer's %lld steps done",
@@ -473,15 +515,15 @@ moe_status moe_checkpoint_save(char *path, size_t path_bytes, const char *out_di
     /* What is written is read on the host. */
     if (st == MOE_OK) st = moe_model_pull(model);
     if (st == MOE_OK) st = moe_trainer_pull(trainer);
-    st = agree(world, st);
+    st = agree(job, st);
     if (st != MOE_OK) return st;
 
     /* One rank's model and moments are written as they are. */
     gathered g = {.model = model, .m = moe_trainer_adam_m(trainer), .v = moe_trainer_adam_v(trainer)};
-    if (world) st = gather(&g, model, trainer);
-    if (st == MOE_OK && moe_model_world_rank(model) == 0)
+    if (job) st = gather(&g, model, trainer);
+    if (st == MOE_OK && (!job || moe_comm_rank(job) == 0))
         st = write_checkpoint(out_dir, final_dir, tmp_dir, old_dir, &g, state);
-    st = agree(world, st);
+    st = agree(job, st);
     gathered_free(&g);
     if (st == MOE_OK) snprintf(path, path_bytes, "%s", final_dir);
     return st;
@@ -636,9 +678,10 @@ static moe_status resolve_weight(source *s, weights_reader *r, const moe_model_t
 }
 
 /* A tensor the model does not use: an error, unless it is optimizer state,
- * the selection bias of one of our layers (kept by a run with it on), or an
- * expert of our layers that another expert-parallel rank holds. */
-static moe_status check_unused(const weights_reader *r, int64_t layers) {
+ * the selection bias of one of our layers (kept by a run with it on), an
+ * expert of our layers that another expert-parallel rank holds, or a tensor
+ * of another pipeline stage. */
+static moe_status check_unused(const weights_reader *r, const moe_model_stage *stage, int64_t layers) {
     for (int64_t i = 0; i < moe_st_dir_tensor_count(r->dir); i++) {
         if (r->used[i]) continue;
         const char *name = moe_st_dir_tensor_at(r->dir, i)->name;
@@ -648,6 +691,7 @@ static moe_status check_unused(const weights_reader *r, int64_t layers) {
         if (is_expert_weight(name, layers, r->E)) continue;
         if (sscanf(name, BIAS_FMT "%n", &l, &end) == 1 && end > 0 && name[end] == '\0' && l >= 0 && l < layers)
             continue;
+        if (of_other_stage(stage, name, layers)) continue;
         return moe_error(MOE_ERR_FORMAT, "%s: tensor '%s' is not part of this model (a checkpoint of another model?)",
                          file_of(r->dir, name), name);
     }
@@ -673,7 +717,8 @@ static moe_status resolve_weights(source *s, int64_t *count, weights_reader *r, 
         MOE_TRY(take(&s[n++], r, name, 1, &r->E));
     }
     *count = n;
-    return check_unused(r, L);
+    const moe_model_stage stage = moe_model_get_stage(model);
+    return check_unused(r, &stage, L);
 }
 
 moe_status moe_checkpoint_load_weights(moe_model *model, const char *dir) {
@@ -698,9 +743,9 @@ moe_status moe_checkpoint_load_weights(moe_model *model, const char *dir) {
     if (st == MOE_OK) st = resolve_weights(s, &count, &r, model);
     if (st == MOE_OK) st = check_values(s, count);
     /* Every rank finds its tensors before any is changed. */
-    st = agree(moe_model_world(model), st);
+    st = agree(moe_model_job(model), st);
     if (st == MOE_OK) copy_sources(s, count);
-    if (st == MOE_OK) st = agree(moe_model_world(model), moe_model_push(model));
+    if (st == MOE_OK) st = agree(moe_model_job(model), moe_model_push(model));
     free(s);
     free(r.used);
     if (d) moe_st_dir_close(d);
@@ -775,11 +820,13 @@ static int cmp_name_ptr(const void *a, const void *b) {
     return strcmp(*(const char *const *)a, *(const char *const *)b);
 }
 
-/* Names the first tensor of f that is neither an optimizer moment of a
- * model tensor nor one of an expert of our layers that another
- * expert-parallel rank holds; MOE_OK when there is none. */
+/* Names the first tensor of f that is not an optimizer moment of a model
+ * tensor, of an expert of our layers that another expert-parallel rank
+ * holds, or of a tensor of another pipeline stage; MOE_OK when there is
+ * none. */
 static moe_status check_unknown(const moe_st_file *f, moe_model *model) {
     const moe_model_config *c = moe_model_get_config(model);
+    const moe_model_stage stage = moe_model_get_stage(model);
     const int64_t n = moe_model_tensor_count(model);
     const char **names = malloc((size_t)n * sizeof *names);
     if (!names) return moe_error(MOE_ERR_OUT_OF_MEMORY, "%s: out of memory", moe_st_path(f));
@@ -791,7 +838,8 @@ static moe_status check_unknown(const moe_st_file *f, moe_model *model) {
         if (strncmp(name, EXP_AVG, strlen(EXP_AVG)) == 0) rest = name + strlen(EXP_AVG);
         if (strncmp(name, EXP_AVG_SQ, strlen(EXP_AVG_SQ)) == 0) rest = name + strlen(EXP_AVG_SQ);
         if (rest && (bsearch(&rest, names, (size_t)n, sizeof *names, cmp_name_ptr) ||
-                     is_expert_weight(rest, c->num_hidden_layers, c->num_local_experts)))
+                     is_expert_weight(rest, c->num_hidden_layers, c->num_local_experts) ||
+                     of_other_stage(&stage, rest, c->num_hidden_layers)))
             continue;
         st = moe_error(MOE_ERR_FORMAT, "%s: tensor '%s' is not an optimizer moment of this model's tensors",
                        moe_st_path(f), name);
@@ -849,10 +897,10 @@ moe_status moe_checkpoint_load_state(moe_trainer *trainer, moe_model *model, moe
     if (st == MOE_OK) st = resolve_moments(s, &count, f, model, trainer);
     if (st == MOE_OK) st = check_values(s, count);
     /* Every rank finds its moments before any is changed. */
-    st = agree(moe_model_world(model), st);
+    st = agree(moe_model_job(model), st);
     if (st == MOE_OK) {
         copy_sources(s, count);
-        st = agree(moe_model_world(model), moe_trainer_push(trainer));
+        st = agree(moe_model_job(model), moe_trainer_push(trainer));
     }
     if (st == MOE_OK) {
         moe_trainer_set_steps_done(trainer, got.step);

@@ -8,19 +8,26 @@
  * mid-write leaves every earlier checkpoint as it was.
  *
  * On a grid of ranks (a model made by moe_model_create_parallel) save and
- * both loads are collective over the model's world, and a checkpoint is one
- * rank's checkpoint: written under any grid (expert parallelism, ZeRO, any
- * rank count), it loads under any other, and files of the other tools load
- * on a grid. Writing gathers: rank 0 makes the one-rank model
- * (moe_model_create) and its two full moments, receives every value straight
- * into place from the one rank that sends it (a run's parameters from the
- * first rank of its group, so the dense run from rank 0 and each expert
- * from its EP rank in the first EP group; the moments from the rank whose
+ * both loads are collective over the model's job (moe_model_job: every
+ * rank of the grid, every pipeline stage and data-parallel rank), and a
+ * checkpoint is one rank's checkpoint: written under any grid (expert
+ * parallelism, ZeRO, pipeline stages, any rank count), it loads under any
+ * other, and files of the other tools load on a grid. Writing gathers: rank
+ * 0 of the job makes the one-rank model (moe_model_create) and its two full
+ * moments, receives every value straight into place from the one rank that
+ * sends it (a run's parameters from the first rank of its group, so each
+ * stage's dense run from its data-parallel rank 0 and each expert from its
+ * EP rank in the stage's first EP group; the moments from the rank whose
  * ZeRO block holds them, or from the first of the group when they are not
- * sharded), checks that every value arrived once, and writes the files a
- * one-rank run writes, with the same atomic swap. Reading goes by name:
- * every rank reads the one checkpoint and takes its own tensors, experts
- * and block of the moments; the files hold the other ranks' experts too.
+ * sharded; each layer's selection bias from data-parallel rank 0 of the
+ * stage that holds the layer), checks that every value arrived once, and
+ * writes the files a one-rank run writes, with the same atomic swap. The
+ * stages' tensors fit together because every tensor is sent under its
+ * index in the one-rank table. Reading goes by name: every rank reads the
+ * one checkpoint and takes its own tensors, experts, biases and block of
+ * the moments; the files hold the other ranks' experts and the other
+ * stages' layers, embedding, final norm and head too, which each stage
+ * leaves to the stage that holds them (and which checks them).
  * The price: during a save rank 0 holds the whole one-rank model twice
  * (parameters and gradients) and its two moments; every rank must see the
  * directory (a shared file system across nodes). In exchange the format,
@@ -60,7 +67,7 @@ typedef struct moe_train_state {
 
 /* Writes OUT/step-NNNNNN for state->step (six digits, more from 10^6 on),
  * creating OUT as needed, and puts its path in path [path_bytes] (on every
- * rank; rank 0 writes). state->step must equal the trainer's steps done;
+ * rank; rank 0 of the job writes). state->step must equal the trainer's steps done;
  * state must be the same on every rank. model.safetensors holds
  * every model tensor in the model's order (norms 1-D) and, when the
  * selection bias is on, model.layers.N.block_sparse_moe.gate.
@@ -89,10 +96,15 @@ moe_status moe_checkpoint_save(char *path, size_t path_bytes, const char *out_di
  * first, and mlp.experts.down_proj [E, d, ff], with mlp.gate.weight), tensor
  * by tensor, the own name looked for first. Every tensor of the model must be
  * found with the right shape; a tensor the model does not have is an error
- * (a checkpoint of another model), except optimizer.* ones and the experts
- * of our layers that other expert-parallel ranks hold.
- * The selection bias e_score_correction_bias [E] is read when the model has
- * it on, and is zero when the file lacks it; a model with it off ignores the
+ * (a checkpoint of another model), except optimizer.* ones, the experts
+ * of our layers that other expert-parallel ranks hold, and on a pipeline
+ * stage the tensors of the other stages: those of the layers outside the
+ * stage's and the embedding, final norm and head when the stage lacks them
+ * (a tensor no stage has still fails the load: the stage holding the layer
+ * it names refuses it, every stage one that names no layer).
+ * The selection bias e_score_correction_bias [E] of each of the model's
+ * layers is read when the model has it on, and is zero when the file lacks
+ * it; a model with it off ignores the
  * file's (it only steers which experts are chosen, never the weights they
  * are mixed with, and a run may turn balancing off when fine-tuning).
  * A NaN or an infinity in a tensor read is an error. With an index, every
@@ -106,8 +118,8 @@ moe_status moe_checkpoint_load_weights(moe_model *model, const char *dir);
  * the model's jitter counter, and *state (the caller moves its data source
  * to state->data). Every optimizer tensor of the parameters whose state the
  * trainer keeps (moe_trainer_shard) must be there with its model tensor's
- * shape, and no tensor but the moments of the model's tensors and of the
- * other ranks' experts may be; the metadata integers must be plain decimal
+ * shape, and no tensor but the moments of the model's tensors, of the
+ * other ranks' experts and of the other pipeline stages' tensors may be; the metadata integers must be plain decimal
  * digits in range (data_epoch at most MOE_DATA_EPOCH_MAX). A NaN or an
  * infinity in a moment read, or a negative exp_avg_sq, is an error (the
  * element is named). A file without

@@ -1,15 +1,20 @@
 /* test_checkpoint_grid.c: checkpoints on a grid of ranks (run under mpirun
  * -np 2 and -np 4) are one rank's checkpoints.
- *  - files: a grid (EP and/or ZeRO) saving the values one rank holds writes
- *    the same bytes as that rank;
+ *  - files: a grid (EP and/or ZeRO, pipeline stages) saving the values one
+ *    rank holds writes the same bytes as that rank; every stage's layers
+ *    hold their own selection biases, so the file holds the stages' biases
+ *    only when every stage sends its own;
  *  - load: one rank's checkpoint loads under every grid, every value in
  *    place, bit for bit;
- *  - resume: a run saved at step 10 on one grid continues on another (fewer
- *    ranks, other EP and ZeRO, one rank; and from one rank to the grid)
- *    with the loss curve of an unbroken one-rank run (1e-5 relative per
- *    step, as float summation order allows);
- *  - errors: a load that fails on one rank only, and a save that fails on
- *    rank 0 only, fail on every rank, name the rank, and change nothing.
+ *  - resume: a run saved at step 10 on one grid (data-parallel, pipeline)
+ *    continues on another (fewer ranks, other EP and ZeRO, pipelines, one
+ *    rank; and from one rank to the grids) with the loss curve of an
+ *    unbroken one-rank run (1e-5 relative per step, as float summation
+ *    order allows);
+ *  - errors: a load that fails on one rank only (an expert's tensor
+ *    missing; on a pipeline, a tensor of no stage that names a layer of the
+ *    last), and a save that fails on rank 0 only, fail on every rank, name
+ *    the rank, and change nothing.
  * A plain program (Criterion forks, which MPI does not survive); ends with
  * "N passed, M failed". */
 #define _XOPEN_SOURCE 700
@@ -19,6 +24,7 @@
 
 #include "engine/checkpoint.h"
 #include "engine/fileio.h"
+#include "engine/grid.h"
 #include "engine/safetensors.h"
 #include "mpi_check.h"
 
@@ -33,31 +39,46 @@
 static char tmp[256];
 
 /* Odd sizes (the runs are padded on every grid), shared experts (in the
- * dense run) and the selection bias (kept beside the weights). */
+ * dense run), the selection bias (kept beside the weights) and a layer for
+ * each of up to 4 pipeline stages. */
 static void tiny_config(moe_model_config *c) {
-    mpi_tiny_config(c, VOCAB, 9, 7, 3, 4);
+    mpi_tiny_config(c, VOCAB, 9, 7, 4, 4);
     c->moe_n_shared_experts = 1;
     c->moe_bias_update_rate = 1e-3;
+}
+
+/* How a run spreads over its ranks: pipeline stages, each of ranks / pp
+ * data-parallel ranks in EP groups of ep; ZeRO on or off. */
+typedef struct grid {
+    int pp, ep, zero;
+} grid;
+
+static void grid_name(char *out, size_t n, grid g) {
+    snprintf(out, n, "PP=%d EP=%d zero %d", g.pp, g.ep, g.zero);
 }
 
 typedef struct run {
     moe_model *model;
     moe_trainer *trainer;
-    moe_comm *ep;
+    moe_grid grid;
+    bool has_grid;
 } run;
 
-/* A model and trainer on the ranks of comm (NULL: this rank alone) with EP
- * groups of ep ranks; rows per rank. */
-static moe_status make_run(run *r, moe_comm *comm, int ep, int zero, int64_t rows, uint64_t seed) {
+/* A model and trainer on the ranks of comm (NULL: this rank alone, g
+ * ignored but for ZeRO) spread as g; rows per data-parallel rank. */
+static moe_status make_run(run *r, moe_comm *comm, grid g, int64_t rows, uint64_t seed) {
     moe_model_config cfg;
     tiny_config(&cfg);
     *r = (run){0};
     moe_status st = MOE_OK;
-    if (comm) st = moe_comm_split(&r->ep, comm, moe_comm_rank(comm) / ep, moe_comm_rank(comm));
-    const moe_model_parallel par = {.world = comm, .ep = r->ep};
+    if (comm) {
+        st = moe_grid_create(&r->grid, comm, g.ep, g.pp, &cfg, T);
+        r->has_grid = st == MOE_OK;
+    }
+    const moe_model_parallel par = r->has_grid ? moe_grid_model_parallel(&r->grid) : (moe_model_parallel){0};
     if (st == MOE_OK) st = moe_model_create_parallel(&r->model, &cfg, rows, T, seed, comm ? &par : NULL);
     moe_optim_config oc = mpi_optim(STEPS);
-    oc.zero = zero;
+    oc.zero = g.zero;
     if (st == MOE_OK) st = moe_trainer_create(&r->trainer, r->model, &oc);
     return st;
 }
@@ -65,7 +86,7 @@ static moe_status make_run(run *r, moe_comm *comm, int ep, int zero, int64_t row
 static void free_run(run *r) {
     moe_trainer_destroy(r->trainer);
     moe_model_destroy(r->model);
-    if (r->ep) moe_comm_free(r->ep);
+    if (r->has_grid) moe_grid_destroy(&r->grid);
 }
 
 /* A moment's value, from what it belongs to: the same on every grid. */
@@ -74,8 +95,8 @@ static float known(int kind, int64_t tensor, int64_t element) {
     return kind == 0 ? u - 0.5f : u;
 }
 
-/* Gives the moments this rank keeps their known values, the biases theirs,
- * and the trainer STATE_STEP steps. */
+/* Gives the moments this rank keeps their known values, the biases of its
+ * layers theirs, and the trainer STATE_STEP steps. */
 static moe_train_state fill_state(run *r) {
     moe_model *m = r->model;
     for (int k = 0; k < MOE_RUN_COUNT; k++) {
@@ -90,19 +111,15 @@ static moe_train_state fill_state(run *r) {
         }
     }
     const moe_model_config *c = moe_model_get_config(m);
-    for (int64_t l = 0; l < c->num_hidden_layers; l++)
-        for (int64_t e = 0; e < c->num_local_experts; e++) moe_model_router_bias(m, l)[e] = 0.01f * (float)(l * 10 + e);
+    for (int64_t l = 0; l < c->num_hidden_layers; l++) {
+        float *bias = moe_model_router_bias(m, l); /* [E]; NULL: another stage's layer */
+        for (int64_t e = 0; bias && e < c->num_local_experts; e++) bias[e] = 0.01f * (float)(l * 10 + e);
+    }
     moe_trainer_set_steps_done(r->trainer, STATE_STEP);
     return (moe_train_state){.step = STATE_STEP, .seed = SEED, .jitter_counter = 0, .data = {.token = 123, .epoch = 1}};
 }
 
 static void report(int bad, const char *what) { mpi_report(bad, "%d ranks, %s", size, what); }
-
-typedef struct grid {
-    int ep, zero;
-} grid;
-
-static void grid_name(char *out, size_t n, grid g) { snprintf(out, n, "EP=%d zero %d", g.ep, g.zero); }
 
 /* ------------------------------------------------------------------ files */
 
@@ -131,7 +148,7 @@ static int save_one_rank(char *path, size_t path_bytes) {
         run one;
         char out[512];
         snprintf(out, sizeof out, "%s/one", tmp);
-        moe_status st = make_run(&one, NULL, 1, 0, B, SEED);
+        moe_status st = make_run(&one, NULL, (grid){1, 1, 0}, B, SEED);
         const moe_train_state state = st == MOE_OK ? fill_state(&one) : (moe_train_state){0};
         if (st == MOE_OK) st = moe_checkpoint_save(path, path_bytes, out, one.model, one.trainer, &state);
         bad = mpi_fail_status(st, "one-rank save");
@@ -144,8 +161,8 @@ static int save_one_rank(char *path, size_t path_bytes) {
 static int test_files(grid g, const char *one_path) {
     run r;
     char out[512], path[512] = "";
-    snprintf(out, sizeof out, "%s/ep%d-zero%d", tmp, g.ep, g.zero);
-    moe_status st = make_run(&r, world, g.ep, g.zero, B, SEED);
+    snprintf(out, sizeof out, "%s/pp%d-ep%d-zero%d", tmp, g.pp, g.ep, g.zero);
+    moe_status st = make_run(&r, world, g, B, SEED);
     const moe_train_state state = st == MOE_OK ? fill_state(&r) : (moe_train_state){0};
     if (st == MOE_OK) st = moe_checkpoint_save(path, sizeof path, out, r.model, r.trainer, &state);
     int bad = mpi_fail_status(st, "grid save");
@@ -175,8 +192,8 @@ static int expect_bits(const float *got, const float *want, int64_t n, const cha
 
 static int test_load(grid g, const char *one_path) {
     run r = {0}, one = {0};
-    moe_status st = make_run(&r, world, g.ep, g.zero, B, SEED + 1);
-    if (st == MOE_OK) st = make_run(&one, NULL, 1, 0, B, SEED);
+    moe_status st = make_run(&r, world, g, B, SEED + 1);
+    if (st == MOE_OK) st = make_run(&one, NULL, (grid){1, 1, 0}, B, SEED);
     if (st == MOE_OK) st = moe_checkpoint_load_weights(r.model, one_path);
     moe_train_state state;
     if (st == MOE_OK) st = moe_checkpoint_load_state(r.trainer, r.model, &state, one_path);
@@ -200,7 +217,8 @@ static int test_load(grid g, const char *one_path) {
     }
     moe_model_config c;
     tiny_config(&c);
-    for (int64_t l = 0; !bad && l < c.num_hidden_layers; l++)
+    const moe_model_stage stage = moe_model_get_stage(r.model);
+    for (int64_t l = stage.layer_begin; !bad && l < stage.layer_end; l++)
         bad = expect_bits(moe_model_router_bias(r.model, l), moe_model_router_bias(one.model, l), c.num_local_experts,
                           "bias");
     if (!bad && (moe_trainer_steps_done(r.trainer) != STATE_STEP || state.data.token != 123)) {
@@ -215,12 +233,16 @@ static int test_load(grid g, const char *one_path) {
 
 /* ----------------------------------------------------------------- resume */
 
+/* Rows per data-parallel rank of g on n ranks that read the global batch
+ * of the whole world. */
+static int64_t rows_of(grid g, int n) { return (int64_t)size * B * g.pp / n; }
+
 /* Trains to SAVE_AT on the ranks of comm (NULL: alone) and saves into out. */
 static moe_status train_and_save(double *losses, char *path, size_t path_bytes, const char *out, moe_comm *comm,
                                  grid g, moe_data *data) {
     run r;
     const int n = comm ? moe_comm_size(comm) : 1;
-    moe_status st = make_run(&r, comm, g.ep, g.zero, (int64_t)size * B / n, SEED);
+    moe_status st = make_run(&r, comm, g, rows_of(g, n), SEED);
     if (st == MOE_OK) st = moe_data_set_position(data, (moe_data_position){0, 0});
     if (st == MOE_OK) st = mpi_train_steps(losses, NULL, r.trainer, data, 0, SAVE_AT);
     const moe_train_state state = {.step = SAVE_AT, .seed = SEED, .data = moe_data_get_position(data)};
@@ -234,7 +256,7 @@ static moe_status resume(double *losses, const char *path, moe_comm *comm, grid 
     run r;
     const int n = comm ? moe_comm_size(comm) : 1;
     moe_train_state state;
-    moe_status st = make_run(&r, comm, g.ep, g.zero, (int64_t)size * B / n, SEED + 1);
+    moe_status st = make_run(&r, comm, g, rows_of(g, n), SEED + 1);
     if (st == MOE_OK) st = moe_checkpoint_load_weights(r.model, path);
     if (st == MOE_OK) st = moe_checkpoint_load_state(r.trainer, r.model, &state, path);
     if (st == MOE_OK) st = moe_data_set_position(data, state.data);
@@ -248,45 +270,63 @@ typedef struct target {
     grid g;
 } target;
 
-static void test_resume(const double *want, moe_data *data) {
-    const grid saved = {size >= 4 ? 2 : 1, 1};
-    const int half = size / 2;
-    const target targets[] = {{half, {1, 0}}, {half, {half, 1}}, {size, {size, 0}}, {1, {1, 0}}};
+/* Resumes path on each of targets [n] and reports against want; bad: the
+ * save failed on this rank (every target fails, on every rank). */
+static void resume_on(const double *want, const char *path, const char *from, const target *targets, int n,
+                      int bad, moe_data *data) {
     double got[STEPS];
-    char out[512], path[512], what[160], name[32];
-    int bad = 0;
-
-    /* The whole world saves; halves of it and single ranks resume. */
-    snprintf(out, sizeof out, "%s/resume-grid", tmp);
-    bad = mpi_fail_status(train_and_save(got, path, sizeof path, out, world, saved, data), "save");
-    bad = bad || mpi_compare_losses(got, want, 0, SAVE_AT, "before the save");
-    grid_name(name, sizeof name, saved);
-    for (size_t i = 0; i < sizeof targets / sizeof targets[0]; i++) {
+    MPI_Allreduce(MPI_IN_PLACE, &bad, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    for (int i = 0; i < n; i++) {
         const target *tg = &targets[i];
         moe_comm *sub = NULL;
         int b = bad;
-            if (!b && tg->ranks > 1) b = mpi_fail_status(moe_comm_split(&sub, world, rank / tg->ranks, rank), "split");
-        if (!b) b = mpi_fail_status(resume(got, path, sub, tg->g, data), "resume");
+        if (!b && tg->ranks > 1 && tg->ranks < size)
+            b = mpi_fail_status(moe_comm_split(&sub, world, rank / tg->ranks, rank), "split");
+        moe_comm *comm = tg->ranks == size ? world : sub;
+        if (!b) b = mpi_fail_status(resume(got, path, comm, tg->g, data), "resume");
         if (!b) b = mpi_compare_losses(got, want, SAVE_AT, STEPS, "after the resume");
         if (sub) moe_comm_free(sub);
-        char into[40];
+        char into[40], what[200];
         grid_name(into, sizeof into, tg->g);
-        snprintf(what, sizeof what, "saved at step %d on %d ranks %s, resumed on %d rank%s %s", SAVE_AT, size, name,
-                 tg->ranks, tg->ranks > 1 ? "s" : "", into);
+        snprintf(what, sizeof what, "saved at step %d %s, resumed on %d rank%s %s", SAVE_AT, from, tg->ranks,
+                 tg->ranks > 1 ? "s" : "", into);
         report(b, what);
     }
+}
 
-    /* One rank saves; the whole world resumes. */
+static void test_resume(const double *want, moe_data *data) {
+    const int half = size / 2;
+    /* Data-parallel grids, pipelines of every rank and, with 4 ranks,
+     * PP = 2 x DP = 2 with EP and ZeRO. */
+    const grid saved[] = {{1, size >= 4 ? 2 : 1, 1}, {size, 1, 0}, {2, 2, 1}};
+    const int n_saved = size >= 4 ? 3 : 2;
+    const target targets[] = {{half, {1, 1, 0}},    {half, {1, half, 1}}, {size, {1, size, 0}},
+                              {1, {1, 1, 0}},       {size, {size, 1, 1}}, {size, {2, 2, 1}},
+                              {half, {half, 1, 0}}};
+    const int n_targets = size >= 4 ? 7 : 5;
+    double got[STEPS];
+    char out[512], path[512], from[80], name[32];
+
+    /* The whole world saves; halves of it, single ranks and other grids
+     * resume. */
+    for (int i = 0; i < n_saved; i++) {
+        snprintf(out, sizeof out, "%s/resume-pp%d-ep%d-zero%d", tmp, saved[i].pp, saved[i].ep, saved[i].zero);
+        int bad = mpi_fail_status(train_and_save(got, path, sizeof path, out, world, saved[i], data), "save");
+        bad = bad || mpi_compare_losses(got, want, 0, SAVE_AT, "before the save");
+        grid_name(name, sizeof name, saved[i]);
+        snprintf(from, sizeof from, "on %d ranks %s", size, name);
+        resume_on(want, path, from, targets, n_targets, bad, data);
+    }
+
+    /* One rank saves; the whole world resumes on its grids. */
     snprintf(out, sizeof out, "%s/resume-one", tmp);
-    bad = rank == 0 ? mpi_fail_status(train_and_save(got, path, sizeof path, out, NULL, (grid){1, 0}, data), "save") : 0;
+    int bad = rank == 0 ? mpi_fail_status(train_and_save(got, path, sizeof path, out, NULL, (grid){1, 1, 0}, data),
+                                          "save")
+                        : 0;
     bad = bad || (rank == 0 && mpi_compare_losses(got, want, 0, SAVE_AT, "before the save"));
     MPI_Bcast(path, sizeof path, MPI_CHAR, 0, MPI_COMM_WORLD);
-    const grid into = {2, 1};
-    if (!bad) bad = mpi_fail_status(resume(got, path, world, into, data), "resume");
-    if (!bad) bad = mpi_compare_losses(got, want, SAVE_AT, STEPS, "after the resume");
-    grid_name(name, sizeof name, into);
-    snprintf(what, sizeof what, "saved at step %d on 1 rank, resumed on %d ranks %s", SAVE_AT, size, name);
-    report(bad, what);
+    const target into[] = {{size, {1, 2, 1}}, {size, {size, 1, 0}}, {size, {2, 2, 1}}};
+    resume_on(want, path, "on 1 rank", into, size >= 4 ? 3 : 2, bad, data);
 }
 
 /* ----------------------------------------------------------------- errors */
@@ -302,26 +342,33 @@ static int copy_file(const char *to, const char *from) {
     return bad;
 }
 
-/* Rewrites the safetensors file from at to, without the tensor drop. */
-static int copy_tensors(const char *to, const char *from, const char *drop) {
+/* Rewrites the safetensors file from at to, without the tensor name (also
+ * NULL) or with its values under the name also as well. */
+static int copy_tensors(const char *to, const char *from, const char *name, const char *also) {
     moe_st_file *f = NULL;
     if (moe_st_open(&f, from) != MOE_OK) return 1;
     const int64_t n = moe_st_tensor_count(f), n_meta = moe_st_metadata_count(f);
-    moe_st_entry *entries = calloc((size_t)n, sizeof *entries);
+    moe_st_entry *entries = calloc((size_t)n + 1, sizeof *entries);
     moe_st_meta *meta = calloc((size_t)n_meta, sizeof *meta);
     int64_t kept = 0, kept_meta = 0;
     for (int64_t j = 0; j < n; j++) {
         const moe_st_tensor *t = moe_st_tensor_at(f, j);
-        if (strcmp(t->name, drop) == 0) continue;
+        const bool named = strcmp(t->name, name) == 0;
+        if (named && !also) continue;
         float *data = malloc((size_t)t->numel * sizeof *data);
         moe_st_read_f32(data, t);
         entries[kept++] = (moe_st_entry){t->name, data, t->ndim, t->shape};
+        if (named) {
+            float *copy = malloc((size_t)t->numel * sizeof *copy);
+            memcpy(copy, data, (size_t)t->numel * sizeof *copy);
+            entries[kept++] = (moe_st_entry){also, copy, t->ndim, t->shape};
+        }
     }
     for (int64_t j = 0; j < n_meta; j++) {
         moe_st_metadata_at(f, j, &meta[kept_meta].key, &meta[kept_meta].value);
         if (strcmp(meta[kept_meta].key, "format") != 0) kept_meta++; /* the writer's own */
     }
-    int bad = kept != n - 1 || moe_st_write(to, entries, kept, meta, kept_meta) != MOE_OK;
+    int bad = kept != (also ? n + 1 : n - 1) || moe_st_write(to, entries, kept, meta, kept_meta) != MOE_OK;
     for (int64_t j = 0; j < kept; j++) free((void *)entries[j].data);
     free(entries);
     free(meta);
@@ -329,16 +376,16 @@ static int copy_tensors(const char *to, const char *from, const char *drop) {
     return bad;
 }
 
-/* The checkpoint at src copied to dst, with the tensor drop left out of
- * file. Rank 0 only. */
-static int copy_without(const char *dst, const char *src, const char *file, const char *drop) {
+/* The checkpoint at src copied to dst, file changed as copy_tensors
+ * changes it. Rank 0 only. */
+static int copy_changed(const char *dst, const char *src, const char *file, const char *name, const char *also) {
     const char *files[] = {"model.safetensors", "train_state.safetensors", "config.json"};
     char from[768], to[768];
     int bad = moe_mkdir_p(dst) != MOE_OK;
     for (int i = 0; !bad && i < 3; i++) {
         snprintf(from, sizeof from, "%s/%s", src, files[i]);
         snprintf(to, sizeof to, "%s/%s", dst, files[i]);
-        bad = strcmp(files[i], file) == 0 ? copy_tensors(to, from, drop) : copy_file(to, from);
+        bad = strcmp(files[i], file) == 0 ? copy_tensors(to, from, name, also) : copy_file(to, from);
     }
     return bad;
 }
@@ -355,38 +402,71 @@ static int expect_shared_failure(moe_status st, int from, const char *detail, co
     return 0;
 }
 
+/* Loading the weights of dir/weights and the state of dir/state into r,
+ * each broken for the last rank only (by the tensors weight and moment),
+ * fails on every rank, names that rank and changes nothing. */
+static int expect_failed_loads(run *r, const char *dir, const char *weight, const char *moment) {
+    char path[600];
+    const int64_t n = moe_model_param_count(r->model);
+    float *before = malloc((size_t)n * sizeof *before);
+    memcpy(before, moe_model_params(r->model), (size_t)n * sizeof *before);
+    moe_train_state state;
+    snprintf(path, sizeof path, "%s/weights", dir);
+    int bad = expect_shared_failure(moe_checkpoint_load_weights(r->model, path), size - 1, weight, "weights");
+    bad |= expect_bits(moe_model_params(r->model), before, n, "parameters after a failed load");
+    snprintf(path, sizeof path, "%s/state", dir);
+    bad |= expect_shared_failure(moe_checkpoint_load_state(r->trainer, r->model, &state, path), size - 1, moment,
+                                 "state");
+    bad |= moe_trainer_steps_done(r->trainer) != 0;
+    for (int k = 0; k < MOE_RUN_COUNT; k++) {
+        const moe_optim_shard s = moe_trainer_shard(r->trainer, (moe_model_run_id)k);
+        for (int64_t i = 0; i < s.end - s.begin; i++) bad |= s.m[i] != 0.0f || s.v[i] != 0.0f;
+    }
+    free(before);
+    return bad;
+}
+
+/* Rank 0 writes dir/weights and dir/state: one_path's checkpoint without
+ * (also NULL) or with a copy of (under also_*) the tensors weight and
+ * moment. */
+static int write_broken(const char *dir, const char *one_path, const char *weight, const char *also_weight,
+                        const char *moment, const char *also_moment) {
+    char w[600], s[600];
+    snprintf(w, sizeof w, "%s/weights", dir);
+    snprintf(s, sizeof s, "%s/state", dir);
+    int bad = rank == 0 && (copy_changed(w, one_path, "model.safetensors", weight, also_weight) ||
+                            copy_changed(s, one_path, "train_state.safetensors", moment, also_moment));
+    MPI_Bcast(&bad, 1, MPI_INT, 0, MPI_COMM_WORLD);
+    if (bad && rank == 0) printf("  cannot write the broken checkpoints in %s\n", dir);
+    return bad;
+}
+
 static void test_errors(const char *one_path) {
     /* The last rank of EP = size holds expert 3; only it misses its tensors. */
     const char *weight = "model.layers.1.block_sparse_moe.experts.3.w2.weight";
     const char *moment = "optimizer.exp_avg.model.layers.0.block_sparse_moe.experts.3.w1.weight";
-    char broken_w[512], broken_s[512];
-    snprintf(broken_w, sizeof broken_w, "%s/broken-weights", tmp);
-    snprintf(broken_s, sizeof broken_s, "%s/broken-state", tmp);
-    int bad = rank == 0 && (copy_without(broken_w, one_path, "model.safetensors", weight) ||
-                            copy_without(broken_s, one_path, "train_state.safetensors", moment));
-    MPI_Bcast(&bad, 1, MPI_INT, 0, MPI_COMM_WORLD);
-    if (bad && rank == 0) printf("  cannot write the broken checkpoints\n");
-
+    char missing[512];
+    snprintf(missing, sizeof missing, "%s/missing", tmp);
     run r = {0};
-    float *before = NULL;
-    int64_t n = 0;
-    if (!bad) bad = mpi_fail_status(make_run(&r, world, size, 1, B, SEED + 1), "grid");
-    if (!bad) {
-        n = moe_model_param_count(r.model);
-        before = malloc((size_t)n * sizeof *before);
-        memcpy(before, moe_model_params(r.model), (size_t)n * sizeof *before);
-        moe_train_state state;
-        bad = expect_shared_failure(moe_checkpoint_load_weights(r.model, broken_w), size - 1, weight, "weights");
-        bad |= expect_bits(moe_model_params(r.model), before, n, "parameters after a failed load");
-        bad |= expect_shared_failure(moe_checkpoint_load_state(r.trainer, r.model, &state, broken_s), size - 1, moment,
-                                     "state");
-        bad |= moe_trainer_steps_done(r.trainer) != 0;
-        for (int k = 0; k < MOE_RUN_COUNT; k++) {
-            const moe_optim_shard s = moe_trainer_shard(r.trainer, (moe_model_run_id)k);
-            for (int64_t i = 0; i < s.end - s.begin; i++) bad |= s.m[i] != 0.0f || s.v[i] != 0.0f;
-        }
-    }
+    int bad = write_broken(missing, one_path, weight, NULL, moment, NULL);
+    if (!bad) bad = mpi_fail_status(make_run(&r, world, (grid){1, size, 1}, B, SEED + 1), "grid");
+    if (!bad) bad = expect_failed_loads(&r, missing, weight, moment);
     report(bad, "a load failing on the last rank only fails everywhere and changes nothing");
+
+    /* Layer 3 is the last stage's: the others take its tensors for another
+     * stage's, and the last one knows these two are no tensors of its. */
+    const char *q = "model.layers.3.self_attn.q_proj.weight";
+    const char *q_moment = "optimizer.exp_avg.model.layers.3.self_attn.q_proj.weight";
+    const char *extra = "model.layers.3.self_attn.q_proj.bias";
+    const char *extra_moment = "optimizer.exp_avg.model.layers.3.self_attn.q_proj.bias";
+    char unknown[512];
+    snprintf(unknown, sizeof unknown, "%s/unknown", tmp);
+    run pp = {0};
+    int b = write_broken(unknown, one_path, q, extra, q_moment, extra_moment);
+    if (!b) b = mpi_fail_status(make_run(&pp, world, (grid){size, 1, 0}, B, SEED + 1), "pipeline");
+    if (!b) b = expect_failed_loads(&pp, unknown, extra, extra_moment);
+    free_run(&pp);
+    report(b, "on a pipeline, a tensor of no stage fails the load on the stage of its layer, everywhere");
 
     /* Rank 0 cannot create the directory; the others learn it. */
     char blocker[512], out[600], path[600];
@@ -397,7 +477,7 @@ static void test_errors(const char *one_path) {
         if (f) fclose(f);
     }
     MPI_Barrier(MPI_COMM_WORLD);
-    int b = bad;
+    b = bad;
     if (!b) {
         moe_trainer_set_steps_done(r.trainer, 0);
         const moe_train_state state = {.step = 0, .seed = SEED};
@@ -405,7 +485,6 @@ static void test_errors(const char *one_path) {
                                   "save");
     }
     report(b, "a save failing on rank 0 fails everywhere");
-    free(before);
     free_run(&r);
 }
 
@@ -433,8 +512,10 @@ int main(void) {
     char one_path[512] = "", what[160], name[32];
 
     report(save_one_rank(one_path, sizeof one_path), "one-rank checkpoint written");
-    const grid grids[] = {{1, 0}, {1, 1}, {2, 0}, {2, 1}, {size, 1}};
-    const int n_grids = size > 2 ? 5 : 4;
+    /* Data-parallel grids, a pipeline of every rank, and with 4 ranks
+     * EP = 4, a pipeline of two stages and PP = 2 x DP = 2 with EP and ZeRO. */
+    const grid grids[] = {{1, 1, 0}, {1, 1, 1}, {1, 2, 0}, {1, 2, 1}, {size, 1, 0}, {1, size, 1}, {2, 1, 0}, {2, 2, 1}};
+    const int n_grids = size > 2 ? 8 : 5;
     for (int g = 0; g < n_grids; g++) {
         grid_name(name, sizeof name, grids[g]);
         snprintf(what, sizeof what, "%s writes one rank's bytes", name);
@@ -446,7 +527,7 @@ int main(void) {
     /* The unbroken one-rank run, on every rank. */
     double want[STEPS];
     run one;
-    int bad = mpi_fail_status(make_run(&one, NULL, 1, 0, (int64_t)size * B, SEED), "one rank");
+    int bad = mpi_fail_status(make_run(&one, NULL, (grid){1, 1, 0}, (int64_t)size * B, SEED), "one rank");
     if (!bad) bad = mpi_fail_status(moe_data_set_position(data, (moe_data_position){0, 0}), "data");
     if (!bad) bad = mpi_fail_status(mpi_train_steps(want, NULL, one.trainer, data, 0, STEPS), "one rank");
     if (!bad) bad = mpi_loss_did_not_fall(want, STEPS);
