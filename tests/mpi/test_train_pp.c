@@ -2,8 +2,9 @@
  * gives the loss curve and gradient norms of one rank reading the same
  * global batches. Every rank also trains the one-rank model itself, so the
  * reference never crosses the network. Grids: every rank a stage (PP = 2,
- * or 4), and with 4 ranks PP = 2 x DP = 2 with EP = 2 and ZeRO; each under
- * 1F1B and GPipe, with more micro-batches than stages and fewer. The model
+ * or 4), under 1F1B and GPipe, with more micro-batches than stages and
+ * fewer; with 4 ranks PP = 2 x DP = 2 with EP = 2 and ZeRO under both, and
+ * without either (the gradients all-reduced during the backward). The model
  * draws jitter noise and steers by the selection bias, so a stage's
  * recomputed forward must draw the noise of the first and count no load
  * twice; capacity drops make the routing depend on the whole batch.
@@ -136,10 +137,13 @@ int main(void) {
         for (int64_t M = 1; M <= 2 * size; M += size + 1) /* fewer micro-batches than stages, then more */
             mpi_report(run_grid(size, 1, 0, M, (moe_pipe_schedule)sched, data), "PP=%d, %s, %lld micro-batches",
                        size, names[sched], (long long)M);
-    if (size >= 4)
+    if (size >= 4) {
         for (int sched = 0; sched < 2; sched++)
             mpi_report(run_grid(2, 2, 1, 3, (moe_pipe_schedule)sched, data),
                        "PP=2 x DP=2, EP=2, ZeRO, %s, 3 micro-batches", names[sched]);
+        /* The gradients all-reduced layer by layer during the last backward. */
+        mpi_report(run_grid(2, 1, 0, 3, MOE_PIPE_1F1B, data), "PP=2 x DP=2, EP=1, 1F1B, 3 micro-batches");
+    }
     moe_data_close(data);
     free(tokens);
     return mpi_check_finish();
