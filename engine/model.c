@@ -299,24 +299,49 @@ moe_status moe_model_check_shape(const moe_model_config *c, int64_t B, int64_t T
 }
 
 /* The stage's layer range, checked against the other stages': together
- * they cover every layer once, in stage order. Collective over pipe. */
+ * they cover every layer once, in stage order, and the stage's
+ * data-parallel ranks hold the same layers; job holds every rank, and
+ * every rank of it leaves with an error when any found one. Collective
+ * over world, pipe and job. */
 static moe_status check_stages(const moe_model_config *cfg, const moe_model_parallel *par) {
     const int64_t L = cfg->num_hidden_layers;
     const int n = moe_comm_size(par->pipe), stage = moe_comm_rank(par->pipe);
-    int64_t *ranges = malloc((size_t)(2 * n) * sizeof *ranges);
-    if (!ranges) return moe_error(MOE_ERR_OUT_OF_MEMORY, "model: pipeline stages");
+    const int dp = par->world ? moe_comm_size(par->world) : 1;
+    if (!par->job || moe_comm_size(par->job) != n * dp)
+        return moe_error(MOE_ERR_CONFIG, "model: a pipeline of %d stages x %d data-parallel ranks needs job, a "
+                                         "communicator of all %d ranks (%d given)",
+                         n, dp, n * dp, par->job ? moe_comm_size(par->job) : 0);
+    int64_t *stages = malloc((size_t)(2 * n) * sizeof *stages), *replicas = malloc((size_t)(2 * dp) * sizeof *replicas);
     const int64_t mine[2] = {par->layer_begin, par->layer_end};
-    moe_status st = moe_comm_allgather(par->pipe, ranges, mine, 2, MOE_COMM_I64);
-    for (int s = 0; st == MOE_OK && s < n; s++) {
-        const int64_t begin = ranges[2 * s], end = ranges[2 * s + 1], want = s ? ranges[2 * s - 1] : 0;
-        if (begin != want || end <= begin || end > L || (s == n - 1 && end != L))
-            st = moe_error(MOE_ERR_CONFIG,
-                           "pipeline stage %d (rank %d of the pipeline, this is %d) holds layers [%lld, %lld): the "
-                           "%d stages must hold the %lld layers in order, each at least one, from layer %lld",
-                           s, s, stage, (long long)begin, (long long)end, n, (long long)L, (long long)want);
+    moe_status st = stages && replicas ? MOE_OK : moe_error(MOE_ERR_OUT_OF_MEMORY, "model: pipeline stages");
+    if (st == MOE_OK) st = moe_comm_allgather(par->pipe, stages, mine, 2, MOE_COMM_I64);
+    if (st == MOE_OK && dp > 1) st = moe_comm_allgather(par->world, replicas, mine, 2, MOE_COMM_I64);
+    if (st != MOE_OK) { /* a communicator failed: it refuses everything from now on */
+        free(stages), free(replicas);
+        return st;
     }
-    free(ranges);
-    return st;
+    moe_status layout = MOE_OK;
+    for (int r = 0; layout == MOE_OK && dp > 1 && r < dp; r++)
+        if (replicas[2 * r] != mine[0] || replicas[2 * r + 1] != mine[1])
+            layout = moe_error(MOE_ERR_CONFIG,
+                               "pipeline stage %d: data-parallel rank %d holds layers [%lld, %lld), rank %d [%lld, "
+                               "%lld): a stage's ranks hold the same layers",
+                               stage, r, (long long)replicas[2 * r], (long long)replicas[2 * r + 1],
+                               moe_comm_rank(par->world), (long long)mine[0], (long long)mine[1]);
+    for (int s = 0; layout == MOE_OK && s < n; s++) {
+        const int64_t begin = stages[2 * s], end = stages[2 * s + 1], want = s ? stages[2 * s - 1] : 0;
+        if (begin != want || end <= begin || end > L || (s == n - 1 && end != L))
+            layout = moe_error(MOE_ERR_CONFIG,
+                               "pipeline stage %d (rank %d of the pipeline, this is %d) holds layers [%lld, %lld): "
+                               "the %d stages must hold the %lld layers in order, each at least one, from layer %lld",
+                               s, s, stage, (long long)begin, (long long)end, n, (long long)L, (long long)want);
+    }
+    free(stages), free(replicas);
+    int32_t refused = layout != MOE_OK;
+    MOE_TRY(moe_comm_allreduce_sum(par->job, &refused, 1, MOE_COMM_I32));
+    if (layout == MOE_OK && refused)
+        layout = moe_error(MOE_ERR_CONFIG, "model: %d other ranks refused the pipeline's layer ranges", (int)refused);
+    return layout;
 }
 
 moe_status moe_model_create(moe_model **out, const moe_model_config *cfg, int64_t B, int64_t T, uint64_t seed) {
@@ -588,6 +613,19 @@ moe_status moe_model_forward(moe_model *m, const int32_t *inputs, const int32_t 
     return moe_model_stage_forward(m, inputs, NULL, targets, false, stats);
 }
 
+moe_status moe_model_check_batch(const moe_model *m, const int32_t *inputs, const int32_t *targets) {
+    const int64_t N = m->N, V = m->cfg.vocab_size;
+    for (int64_t i = 0; inputs && i < N; i++)
+        if (inputs[i] < 0 || inputs[i] >= V)
+            return moe_error(MOE_ERR_INVALID_ARG, "model: input token %d at position %lld outside the vocabulary [0, %lld)",
+                             inputs[i], (long long)i, (long long)V);
+    for (int64_t i = 0; targets && i < N; i++)
+        if (targets[i] >= V)
+            return moe_error(MOE_ERR_INVALID_ARG, "model: target token %d at position %lld outside the vocabulary [0, %lld)",
+                             targets[i], (long long)i, (long long)V);
+    return MOE_OK;
+}
+
 /* Every layer of the stage replays (or not) its forward. */
 static void set_replay(moe_model *m, bool replay) {
     for (int64_t i = 0; i < m->nl; i++) moe_layer_set_replay(m->moe[i], replay);
@@ -598,24 +636,16 @@ moe_status moe_model_stage_forward(moe_model *m, const int32_t *inputs, const fl
     MOE_NOT_NULL("moe_model_stage_forward", "model", m);
     if (m->first) MOE_NOT_NULL("moe_model_stage_forward", "inputs", inputs);
     if (!m->first) MOE_NOT_NULL("moe_model_stage_forward", "x", x);
-    if (!m->last) targets = NULL;
     const moe_model_config *c = &m->cfg;
     const moe_ops *ops = m->ops;
     const int64_t B = m->B, T = m->T, N = m->N, C = c->hidden_size, V = c->vocab_size, hd = c->head_dim;
     const int64_t Hq = c->num_attention_heads, Hkv = c->num_key_value_heads, L = m->nl;
     const double model_layers = (double)c->num_hidden_layers;
     const float eps = (float)c->rms_norm_eps;
-    for (int64_t i = 0; m->first && i < N; i++)
-        if (inputs[i] < 0 || inputs[i] >= V)
-            return moe_error(MOE_ERR_INVALID_ARG, "model: input token %d at position %lld outside the vocabulary [0, %lld)",
-                             inputs[i], (long long)i, (long long)V);
+    MOE_TRY(moe_model_check_batch(m, inputs, targets));
+    if (!m->last) targets = NULL;
     int64_t counted = 0; /* targets that count: not negative */
-    for (int64_t i = 0; targets && i < N; i++) {
-        if (targets[i] >= V)
-            return moe_error(MOE_ERR_INVALID_ARG, "model: target token %d at position %lld outside the vocabulary [0, %lld)",
-                             targets[i], (long long)i, (long long)V);
-        counted += targets[i] >= 0;
-    }
+    for (int64_t i = 0; targets && i < N; i++) counted += targets[i] >= 0;
     m->forward_done = false;
     m->logits_valid = false;
     double aux = 0.0, z = 0.0, imbalance = 0.0, dropped = 0.0, pairs = 0.0;

@@ -59,7 +59,8 @@ typedef struct moe_model_parallel {
      * device_pipe: the same ranks for backend memory (the activations and
      * their gradients between stages); NULL: pipe. job: every rank of the
      * grid, every stage and every data-parallel rank, over which
-     * checkpoints gather and agree; NULL: world. */
+     * checkpoints gather and agree; a pipeline needs it, and without one
+     * NULL means world. */
     moe_comm *pipe;
     moe_comm *device_pipe;
     moe_comm *job;
@@ -171,6 +172,13 @@ moe_status moe_model_forward(moe_model *model, const int32_t *inputs, const int3
  * gradients of loss * grad_scale (1 / micro-batches under accumulation):
  * the forward's tokens and targets are the ones differentiated. */
 moe_status moe_model_backward(moe_model *model, float grad_scale);
+
+/* Whether a batch's inputs [B*T] lie in [0, vocab) and its targets [B*T]
+ * below vocab (negative ones are ignored); either may be NULL. A forward
+ * checks what it is given; a pipeline checks a step's batches on every
+ * stage before any stage starts, so that a bad batch fails them all at
+ * once rather than one, with the others left waiting for it. */
+moe_status moe_model_check_batch(const moe_model *model, const int32_t *inputs, const int32_t *targets);
 
 /* One pipeline stage's forward and backward; moe_model_forward and
  * moe_model_backward are these on a model of one stage. A stage after the

@@ -398,21 +398,30 @@ static void schedule(pipe_op *ops, moe_pipe_schedule kind, int stage, int stages
 /* A micro-batch's share of the pipeline buffers. */
 static float *slot(float *buffers, int64_t micro, int64_t count) { return buffers ? buffers + micro * count : NULL; }
 
-/* Micro-batch micro's forward on this stage: its input from the previous
- * stage, its output sent on to the next. Reads the micro-batch's tokens
- * (every stage, so the data advance alike) unless replaying. */
-static moe_status stage_forward(moe_trainer *t, moe_data *data, int64_t micro, bool replay, moe_model_stats *stats) {
+/* Reads micro-batch micro's tokens and checks them. Every stage reads every
+ * micro-batch, so the data advance alike and a bad batch fails every stage
+ * before any of them waits for another. */
+static moe_status read_batch(moe_trainer *t, moe_data *data, int64_t micro) {
+    moe_model *model = t->model;
+    const int64_t B = moe_model_batch_size(model), T = moe_model_seq_len(model), BT = B * T;
+    const int W = moe_model_world_size(model), rank = moe_model_world_rank(model);
+    int32_t *inputs = t->tokens + 2 * BT * micro, *targets = inputs + BT;
+    /* Data parallelism: the global batch is world x B rows, this rank's are
+     * rows rank*B .. rank*B + B - 1 of it. */
+    MOE_TRY(moe_data_next_batch(data, inputs, targets, (int64_t)W * B, (int64_t)rank * B, B, T));
+    return moe_model_check_batch(model, inputs, targets);
+}
+
+/* Micro-batch micro's forward on this stage (its tokens read): its input
+ * from the previous stage, its output sent on to the next. */
+static moe_status stage_forward(moe_trainer *t, int64_t micro, bool replay, moe_model_stats *stats) {
     moe_model *model = t->model;
     const moe_model_stage stage = moe_model_get_stage(model);
-    const int64_t B = moe_model_batch_size(model), T = moe_model_seq_len(model), BT = B * T;
+    const int64_t BT = moe_model_batch_size(model) * moe_model_seq_len(model);
     const int64_t acts = BT * moe_model_get_config(model)->hidden_size;
     int32_t *inputs = t->tokens + 2 * BT * micro, *targets = inputs + BT;
     float *in = slot(t->stage_in, micro, acts);
     if (!replay) {
-        const int W = moe_model_world_size(model), rank = moe_model_world_rank(model);
-        /* Data parallelism: the global batch is world x B rows, this rank's
-         * are rows rank*B .. rank*B + B - 1 of it. */
-        MOE_TRY(moe_data_next_batch(data, inputs, targets, (int64_t)W * B, (int64_t)rank * B, B, T));
         t->jitter[micro] = moe_model_jitter_counter(model);
         if (!stage.first)
             MOE_TRY(moe_comm_recv(stage.device_pipe, in, acts, MOE_COMM_F32, stage.index - 1, TAG_FORWARD));
@@ -437,7 +446,7 @@ static moe_status stage_backward(moe_trainer *t, int64_t micro, int64_t held, fl
     if (held != micro) {
         const uint64_t latest = moe_model_jitter_counter(model);
         moe_model_set_jitter_counter(model, t->jitter[micro]);
-        const moe_status st = stage_forward(t, NULL, micro, true, NULL);
+        const moe_status st = stage_forward(t, micro, true, NULL);
         moe_model_set_jitter_counter(model, latest);
         MOE_TRY(st);
     }
@@ -470,6 +479,7 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
     const float micro_scale = 1.0f / (float)M;
     moe_model_stats sum = {0};
 
+    for (int64_t micro = 0; micro < M; micro++) MOE_TRY(read_batch(t, data, micro));
     pipe_op *ops = malloc((size_t)(2 * M) * sizeof *ops);
     if (!ops) return moe_error(MOE_ERR_OUT_OF_MEMORY, "trainer: a schedule of %lld micro-batches", (long long)M);
     schedule(ops, c->pipe_schedule, stage.index, stage.count, M);
@@ -481,7 +491,7 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
         const int64_t micro = ops[i].micro;
         if (!ops[i].backward) {
             moe_model_stats s;
-            st = stage_forward(t, data, micro, false, &s);
+            st = stage_forward(t, micro, false, &s);
             held = micro;
             /* Zeroed after the first forward, whose token uploads would
              * otherwise wait for the device to finish it. */
@@ -554,7 +564,8 @@ moe_status moe_trainer_eval(moe_trainer *t, moe_data *data, int64_t n_batches, d
          * completes before the next batch reuses its buffer. */
         moe_model_stats s;
         t->sends[0] = (moe_comm_request)MOE_COMM_REQUEST_INIT;
-        st = stage_forward(t, data, 0, false, &s);
+        st = read_batch(t, data, 0);
+        if (st == MOE_OK) st = stage_forward(t, 0, false, &s);
         st = moe_comm_wait_all(t->sends, 1, st);
         if (st == MOE_OK) total += s.ce_loss;
         if (st == MOE_OK && on_batch) st = on_batch(ctx, model, t->tokens + BT, b);

@@ -126,12 +126,77 @@ static int check_stages(void) {
     return bad;
 }
 
+/* Refused on every rank: a pipeline without the grid's communicator (the
+ * checkpoints' gather), and (4 ranks) data-parallel ranks of a stage that
+ * hold different layers. */
+static int check_layouts(void) {
+    moe_model_config cfg;
+    tiny_config(&cfg);
+    moe_grid grid;
+    int bad = 0;
+    for (int c = 0; c < (size >= 4 ? 2 : 1); c++) {
+        moe_status st = moe_grid_create(&grid, world, 1, c ? 2 : size, &cfg, T);
+        if (st != MOE_OK) return mpi_fail_status(st, "grid");
+        moe_model_parallel par = moe_grid_model_parallel(&grid);
+        const char *want = "needs job";
+        if (c == 0)
+            par.job = NULL;
+        else if (grid.dp_rank == 1 && grid.stage == 0)
+            par.layer_end--, want = "refused the pipeline's layer ranges";
+        moe_model *model = NULL;
+        st = moe_model_create_parallel(&model, &cfg, B, T, 7, &par);
+        if (c == 1) want = grid.stage == 0 ? "a stage's ranks hold the same layers" : "refused the pipeline's layer ranges";
+        if (c == 1 && grid.stage == 1 && grid.dp_rank == 1) want = "must hold the 4 layers in order";
+        if (st != MOE_ERR_CONFIG || !strstr(moe_last_error(), want)) {
+            printf("  rank %d: layout %d gave %s: %s (want \"%s\")\n", rank, c, moe_status_string(st),
+                   moe_last_error(), want);
+            bad = 1;
+        }
+        moe_model_destroy(model);
+        moe_grid_destroy(&grid);
+    }
+    return bad;
+}
+
+/* A target outside the vocabulary fails every stage at once, not the last
+ * stage alone with the others left waiting for it until the timeout. */
+static int check_bad_target(void) {
+    moe_model_config cfg;
+    tiny_config(&cfg);
+    int32_t tokens[64];
+    for (int i = 0; i < 64; i++) tokens[i] = i % VOCAB;
+    tokens[T] = VOCAB + 3; /* the last target of the first row, never an input of it */
+    moe_data *data = NULL;
+    moe_grid grid;
+    moe_model *model = NULL;
+    moe_trainer *trainer = NULL;
+    moe_optim_config oc = mpi_optim(STEPS);
+    moe_status st = moe_data_from_tokens(&data, tokens, 64, 2 * VOCAB, "bad targets");
+    if (st == MOE_OK) st = moe_grid_create(&grid, world, 1, size, &cfg, T);
+    if (st != MOE_OK) return mpi_fail_status(st, "setup");
+    moe_model_parallel par = moe_grid_model_parallel(&grid);
+    st = moe_comm_set_timeout(grid.pipe, 30.0);
+    if (st == MOE_OK) st = moe_model_create_parallel(&model, &cfg, 1, T, 7, &par);
+    if (st == MOE_OK) st = moe_trainer_create(&trainer, model, &oc);
+    if (st == MOE_OK) st = moe_trainer_step(trainer, data, NULL);
+    int bad = st != MOE_ERR_INVALID_ARG || !strstr(moe_last_error(), "target token 35");
+    if (bad) printf("  rank %d: a bad target gave %s: %s\n", rank, moe_status_string(st), moe_last_error());
+    moe_trainer_destroy(trainer);
+    moe_model_destroy(model);
+    moe_grid_destroy(&grid);
+    moe_data_close(data);
+    return bad;
+}
+
 int main(void) {
     if (!mpi_check_init()) return 1;
     int32_t *tokens = NULL;
     moe_data *data = mpi_token_stream(&tokens, VOCAB);
     if (!data) return 1;
     mpi_report(check_stages(), "%d stages hold the layers in order; overlapping stages are refused", size);
+    mpi_report(check_layouts(), "a pipeline without the grid's communicator%s is refused on every rank",
+               size >= 4 ? ", or with a stage's ranks on different layers," : "");
+    mpi_report(check_bad_target(), "a bad target fails every stage at once");
     static const char *const names[] = {"1F1B", "GPipe"};
     for (int sched = 0; sched < 2; sched++)
         for (int64_t M = 1; M <= 2 * size; M += size + 1) /* fewer micro-batches than stages, then more */
