@@ -168,22 +168,25 @@ moe_status moe_device_open(moe_device_handle *h, moe_device want, int ranks) {
     return MOE_OK;
 }
 
-moe_status moe_device_comms(const moe_device_handle *h, moe_comm *world, int ep_size, moe_comm **device_world,
-                            moe_comm **device_ep) {
-    *device_world = *device_ep = NULL;
-    if (!world || !h->cuda) return MOE_OK;
+moe_status moe_device_comms(const moe_device_handle *h, const moe_grid *grid, moe_comm **device_world,
+                            moe_comm **device_ep, moe_comm **device_pipe) {
+    *device_world = *device_ep = *device_pipe = NULL;
+    if (!grid->world || !h->cuda) return MOE_OK;
 #if defined(MOE_HAVE_NCCL)
-    const int rank = moe_comm_rank(world);
-    MOE_TRY(moe_comm_nccl_create(device_world, world, h->index, moe_cuda_stream(h->cuda)));
-    moe_status st = moe_comm_set_timeout(*device_world, moe_comm_timeout(world));
-    if (st == MOE_OK) st = moe_comm_split(device_ep, *device_world, rank / ep_size, rank);
+    /* NCCL communicators take their bootstraps' timeouts. Every rank makes
+     * its stage's before its pipeline's, so each creation waits only on
+     * ranks that have finished the ones before it. */
+    void *stream = moe_cuda_stream(h->cuda);
+    MOE_TRY(moe_comm_nccl_create(device_world, grid->dp, h->index, stream));
+    moe_status st = moe_comm_split(device_ep, *device_world, grid->dp_rank / grid->ep_size, grid->dp_rank);
+    if (st == MOE_OK && grid->pipe) st = moe_comm_nccl_create(device_pipe, grid->pipe, h->index, stream);
     if (st != MOE_OK) {
+        if (*device_ep) moe_comm_free(*device_ep);
         moe_comm_free(*device_world);
-        *device_world = NULL;
+        *device_world = *device_ep = NULL;
     }
     return st;
 #else
-    (void)ep_size;
     return moe_error(MOE_ERR_UNSUPPORTED, "device communicators: this build has no NCCL");
 #endif
 }

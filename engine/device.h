@@ -3,6 +3,7 @@
 #define MOE_ENGINE_DEVICE_H
 
 #include "comm/comm.h"
+#include "engine/grid.h"
 #include "kernels/ops.h"
 #include "moe.h"
 
@@ -46,11 +47,14 @@ typedef struct moe_device_handle {
  * launcher bound it within them already (placement says what happened). */
 moe_status moe_device_open(moe_device_handle *device, moe_device want, int ranks);
 
-/* Communicators over world's and ep's ranks for the device's memory: NCCL
- * ones on a device backend, NULL (world and ep carry it) on the CPU. Each
- * is collective over its parent; free with moe_comm_free. */
-moe_status moe_device_comms(const moe_device_handle *device, moe_comm *world, int ep_size, moe_comm **device_world,
-                            moe_comm **device_ep);
+/* Communicators for the device's memory over a grid's ranks: device_world
+ * over grid->dp's, device_ep over grid->ep's, device_pipe over
+ * grid->pipe's (NULL without a pipeline). NCCL ones on a device backend;
+ * all NULL on the CPU and on a grid of no ranks (zeroed, one process),
+ * where the grid's own carry the memory. Collective over grid->world;
+ * free each with moe_comm_free. */
+moe_status moe_device_comms(const moe_device_handle *device, const moe_grid *grid, moe_comm **device_world,
+                            moe_comm **device_ep, moe_comm **device_pipe);
 
 /* Sets the GEMM math of an open device; only FP32 on the CPU, which has no
  * other. */

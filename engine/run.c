@@ -80,6 +80,8 @@ void moe_run_options_init(moe_run_options *o) {
         .out_dir = "out",
         .eval_every = 500,
         .eval_batches = 16,
+        .pp = 1,
+        .pp_schedule = MOE_PIPE_1F1B,
         .ep = 1,
         .comm_timeout = MOE_COMM_DEFAULT_TIMEOUT_SECONDS,
     };
@@ -100,6 +102,22 @@ moe_status moe_lr_schedule_parse(moe_lr_schedule *s, const char *name) {
     return moe_error(MOE_ERR_CONFIG, "--lr-schedule '%s': expected cosine, linear or constant", name ? name : "");
 }
 
+static const char *const pipe_schedule_names[] = {"1f1b", "gpipe"};
+#define N_PIPE_SCHEDULES (sizeof pipe_schedule_names / sizeof *pipe_schedule_names)
+
+const char *moe_pipe_schedule_name(moe_pipe_schedule s) {
+    return (unsigned)s < N_PIPE_SCHEDULES ? pipe_schedule_names[s] : "?";
+}
+
+moe_status moe_pipe_schedule_parse(moe_pipe_schedule *s, const char *name) {
+    for (size_t i = 0; i < N_PIPE_SCHEDULES; i++)
+        if (name && strcmp(name, pipe_schedule_names[i]) == 0) {
+            *s = (moe_pipe_schedule)i;
+            return MOE_OK;
+        }
+    return moe_error(MOE_ERR_CONFIG, "--pp-schedule '%s': expected 1f1b or gpipe", name ? name : "");
+}
+
 static moe_optim_config optim_config_of(const moe_run_options *o) {
     moe_optim_config c = MOE_OPTIM_CONFIG_INIT;
     c.lr = o->lr;
@@ -111,6 +129,7 @@ static moe_optim_config optim_config_of(const moe_run_options *o) {
     c.grad_clip = o->grad_clip;
     c.zero = o->zero;
     c.grad_accum = o->grad_accum;
+    c.pipe_schedule = o->pp_schedule;
     return c;
 }
 
@@ -130,8 +149,8 @@ static bool synthetic_validation(const moe_run_options *o) {
     return is_synthetic(o->val_data ? o->val_data : o->data);
 }
 
-/* Token counts of a run on `ranks` ranks, each short of the one last target
- * that a read of so many tokens also takes. */
+/* Token counts of a run on `ranks` data-parallel ranks, each short of the
+ * one last target that a read of so many tokens also takes. */
 typedef struct token_counts {
     int64_t batch; /* one global micro-batch: ranks x B x T */
     int64_t step;  /* one optimizer step: batch x grad_accum */
@@ -146,8 +165,8 @@ static moe_status count_tokens(token_counts *n, const moe_run_options *o, int ra
     int64_t bt;
     if (__builtin_mul_overflow(o->batch_size, o->seq_len, &bt) || __builtin_mul_overflow(bt, ranks, &n->batch) ||
         n->batch == INT64_MAX)
-        return ranks > 1 ? moe_error(MOE_ERR_CONFIG, "--batch-size %lld x --seq-len %lld x %d ranks overflows a "
-                                                     "64-bit token count",
+        return ranks > 1 ? moe_error(MOE_ERR_CONFIG, "--batch-size %lld x --seq-len %lld x %d data-parallel ranks "
+                                                     "overflows a 64-bit token count",
                                      (long long)o->batch_size, (long long)o->seq_len, ranks)
                          : moe_error(MOE_ERR_CONFIG, "--batch-size %lld x --seq-len %lld overflows a 64-bit token count",
                                      (long long)o->batch_size, (long long)o->seq_len);
@@ -191,6 +210,9 @@ moe_status moe_run_options_validate(const moe_run_options *o) {
         return moe_error(MOE_ERR_CONFIG, "--eval-batches %lld must be positive", (long long)o->eval_batches);
     if (!isfinite(o->peak_gflops) || o->peak_gflops < 0.0)
         return moe_error(MOE_ERR_CONFIG, "--peak-gflops %g must be positive (or 0 to measure)", o->peak_gflops);
+    if (o->pp <= 0) return moe_error(MOE_ERR_CONFIG, "--pp %d must be positive", o->pp);
+    if ((unsigned)o->pp_schedule >= N_PIPE_SCHEDULES)
+        return moe_error(MOE_ERR_CONFIG, "--pp-schedule %d unknown: expected 1f1b or gpipe", (int)o->pp_schedule);
     if (o->ep <= 0) return moe_error(MOE_ERR_CONFIG, "--ep %d must be positive", o->ep);
     if (o->zero != 0 && o->zero != 1) return moe_error(MOE_ERR_CONFIG, "--zero %d: only 0 and 1 exist", o->zero);
     if (!isfinite(o->comm_timeout) || o->comm_timeout <= 0.0)
@@ -326,13 +348,16 @@ typedef struct run {
     run_source train, val;
     moe_synth_floor floor; /* of the validation targets, when synthetic */
     double entropy_floor;  /* floor.nats or NAN */
-    moe_comm *world;       /* NULL on one process */
-    moe_grid grid;
-    int rank, ranks;       /* in the data-parallel world */
+    moe_comm *world;       /* every rank; NULL on one process */
+    moe_grid grid;         /* made once the model config is known (build_model); zero on one process */
+    int rank, ranks;       /* in world: who prints, and MFU's peak over every rank */
+    int dp_rank, dp_size;  /* in this stage's data-parallel ranks, which read the global batch */
+    int64_t *stage_layers; /* [pp + 1] each stage's first layer, then the layer count; NULL when pp = 1 */
     token_counts tokens;   /* on the ranks */
     moe_train_state resumed; /* --resume: the checkpoint's metadata, read before the data is opened */
     moe_device_handle device; /* the backend the model runs on */
-    moe_comm *device_world, *device_ep; /* for its memory across ranks (NCCL); NULL: world and ep */
+    /* For its memory across ranks (NCCL); NULL: the grid's dp, ep and pipe. */
+    moe_comm *device_world, *device_ep, *device_pipe;
     moe_model *model;
     moe_trainer *trainer;
     double peak_gflops;
@@ -458,8 +483,8 @@ static moe_status read_resume_state(run *r) {
     const bool read_shuffled = s->data_tokens == 0 || s->data_chunk != 0; /* or not recorded */
     if (o->shuffle && read_shuffled && s->data.token % chunk != 0)
         return moe_error(MOE_ERR_CONFIG, "--resume %s: the checkpoint's shuffled position %lld is not a multiple of "
-                                         "this run's micro-batch of %lld tokens (--batch-size x --seq-len x ranks): "
-                                         "resume it with the batch shape it was written with",
+                                         "this run's micro-batch of %lld tokens (--batch-size x --seq-len x data-parallel "
+                                         "ranks): resume it with the batch shape it was written with",
                          o->resume, (long long)s->data.token, (long long)chunk);
     if (s->data_tokens == 0 || s->data_chunk == chunk) return MOE_OK;
     if (s->data_chunk == 0)
@@ -471,8 +496,8 @@ static moe_status read_resume_state(run *r) {
                                          "with --shuffle",
                          o->resume);
     return moe_error(MOE_ERR_CONFIG, "--resume %s: the checkpoint shuffled its training data in chunks of %lld tokens, "
-                                     "this run's micro-batch has %lld (--batch-size x --seq-len x ranks): resume it "
-                                     "with the batch shape it was written with",
+                                     "this run's micro-batch has %lld (--batch-size x --seq-len x data-parallel ranks): "
+                                     "resume it with the batch shape it was written with",
                      o->resume, (long long)s->data_chunk, (long long)chunk);
 }
 
@@ -512,7 +537,7 @@ static moe_status check_resumed_stream(const run *r) {
         if (is_synthetic(o->data))
             warn(r, "--resume %s: the checkpoint does not record its training stream (an older version wrote it); "
                     "its shuffled order goes on only if --steps (%lld here), --batch-size, --seq-len, "
-                    "--grad-accum and the rank count are those it was written with",
+                    "--grad-accum and the data-parallel rank count are those it was written with",
                  o->resume, (long long)o->steps);
         else
             warn(r, "--resume %s: the checkpoint does not record its training stream (an older version wrote it); "
@@ -532,14 +557,16 @@ static moe_status check_resumed_stream(const run *r) {
  * it), and every evaluation token, each inside the vocabulary. */
 static moe_status open_data(run *r) {
     const moe_run_options *o = r->o;
-    MOE_TRY(count_tokens(&r->tokens, o, r->ranks));
+    MOE_TRY(count_tokens(&r->tokens, o, r->dp_size));
     const token_counts *n = &r->tokens;
     bool known;
     MOE_TRY(load_config(r, &known));
     char shape[160];
     int len = snprintf(shape, sizeof shape, "--batch-size %lld x --seq-len %lld", (long long)o->batch_size,
                        (long long)o->seq_len);
-    if (r->ranks > 1) snprintf(shape + len, sizeof shape - (size_t)len, " on each of %d ranks", r->ranks);
+    if (r->dp_size > 1)
+        snprintf(shape + len, sizeof shape - (size_t)len, " on each of %d %sranks", r->dp_size,
+                 o->pp > 1 ? "data-parallel " : "");
     /* Before any data is built, which a shape this model cannot take would
      * make in vain. */
     if (known) {
@@ -582,7 +609,7 @@ static moe_status open_data(run *r) {
         warn(r, "no --val-data: evaluating on --data %s from its start, which the model also trains on", o->data);
     r->entropy_floor = NAN;
     if (r->val.synth.tokens) {
-        MOE_TRY(moe_synth_floor_of(&r->floor, &r->val.synth, o->eval_batches, r->ranks * o->batch_size,
+        MOE_TRY(moe_synth_floor_of(&r->floor, &r->val.synth, o->eval_batches, r->dp_size * o->batch_size,
                                    o->seq_len));
         r->entropy_floor = r->floor.nats;
     }
@@ -593,6 +620,22 @@ static moe_status open_data(run *r) {
 static const char *device_name(int v) { return moe_device_name((moe_device)v); }
 static const char *gemm_math_name(int v) { return moe_gemm_math_name((moe_gemm_math)v); }
 static const char *schedule_name(int v) { return moe_lr_schedule_name((moe_lr_schedule)v); }
+static const char *pipe_schedule_name(int v) { return moe_pipe_schedule_name((moe_pipe_schedule)v); }
+
+/* The grid of stages and groups over world, which the layer partition needs
+ * the model config for; every communicator it makes waits --comm-timeout.
+ * The stages' layers are kept for the report. */
+static moe_status make_grid(run *r) {
+    const moe_run_options *o = r->o;
+    MOE_TRY(moe_grid_create(&r->grid, r->world, o->ep, o->pp, &r->cfg, o->seq_len));
+    moe_comm *const made[] = {r->grid.dp, r->grid.pipe, r->grid.ep};
+    for (size_t i = 0; i < sizeof made / sizeof *made; i++)
+        if (made[i]) MOE_TRY(moe_comm_set_timeout(made[i], o->comm_timeout));
+    if (o->pp == 1) return MOE_OK;
+    r->stage_layers = malloc((size_t)(o->pp + 1) * sizeof *r->stage_layers);
+    if (!r->stage_layers) return moe_error(MOE_ERR_OUT_OF_MEMORY, "--pp %d: the stages' layers", o->pp);
+    return moe_grid_partition(r->stage_layers, &r->cfg, o->seq_len, o->pp);
+}
 
 static moe_status build_model(run *r) {
     const moe_run_options *o = r->o;
@@ -605,7 +648,8 @@ static moe_status build_model(run *r) {
             /* A double holds 53 bits: the seed goes in two halves. */
             {"--seed (high 32 bits)", (double)(o->seed >> 32), NULL},
             {"--seed (low 32 bits)", (double)(o->seed & 0xFFFFFFFFu), NULL},
-            {"--ep", (double)o->ep, NULL},
+            {"--ep", (double)o->ep, NULL},                 {"--pp", (double)o->pp, NULL},
+            {"--pp-schedule", (double)o->pp_schedule, pipe_schedule_name},
             {"--zero", (double)o->zero, NULL},             {"--lr", o->lr, NULL},
             {"--eval-every", (double)o->eval_every, NULL}, {"--eval-batches", (double)o->eval_batches, NULL},
             {"--save-every", (double)o->save_every, NULL}, {"--shuffle", (double)o->shuffle, NULL},
@@ -625,8 +669,9 @@ static moe_status build_model(run *r) {
         int n = moe_config_agree_fields(fields, &r->cfg);
         for (size_t i = 0; i < sizeof options / sizeof options[0]; i++) fields[n++] = options[i];
         MOE_TRY(moe_grid_agree(r->world, fields, n));
+        MOE_TRY(make_grid(r));
     }
-    MOE_TRY(moe_device_comms(&r->device, r->world, o->ep, &r->device_world, &r->device_ep));
+    MOE_TRY(moe_device_comms(&r->device, &r->grid, &r->device_world, &r->device_ep, &r->device_pipe));
     if (r->device_world && o->overlap)
         return moe_error(MOE_ERR_CONFIG, "--overlap posts each expert's returns as it finishes, which NCCL's in-order "
                                          "matching cannot take: leave it off with --device %s on several ranks",
@@ -635,6 +680,7 @@ static moe_status build_model(run *r) {
     par.ops = r->device.ops;
     par.device_world = r->device_world;
     par.device_ep = r->device_ep;
+    par.device_pipe = r->device_pipe;
     MOE_TRY(moe_model_create_parallel(&r->model, &r->cfg, o->batch_size, o->seq_len, o->seed, &par));
     moe_model_set_overlap(r->model, o->overlap);
     const char *weights = o->init_from ? o->init_from : o->resume;
@@ -645,7 +691,8 @@ static moe_status build_model(run *r) {
     moe_optim_config oc = optim_config_of(o);
     if (o->eval_only) oc.total_steps = 1;
     MOE_TRY(moe_trainer_create(&r->trainer, r->model, &oc));
-    r->step_flops = moe_model_step_flops(r->model) * (double)o->grad_accum * (double)r->ranks;
+    /* The model's FLOPs are the whole model's, every stage's. */
+    r->step_flops = moe_model_step_flops(r->model) * (double)o->grad_accum * (double)r->dp_size;
     if (!o->resume) return MOE_OK;
 
     /* read_resume_state checked this metadata against the options. */
@@ -743,6 +790,9 @@ static void write_options(moe_json_writer *w, const moe_run_options *o) {
     moe_json_int(w, o->eval_batches);
     moe_json_key(w, "peak_gflops");
     moe_json_number(w, o->peak_gflops);
+    moe_json_key(w, "pp");
+    moe_json_int(w, o->pp);
+    json_opt_string(w, "pp_schedule", moe_pipe_schedule_name(o->pp_schedule));
     moe_json_key(w, "ep");
     moe_json_int(w, o->ep);
     moe_json_key(w, "zero");
@@ -951,20 +1001,27 @@ static moe_status log_profile(run *r, const moe_run_end *e) {
 
 /* -------------------------------------------------------------- evaluation */
 
-/* Target i of this rank's rows of batch b is stream token (b * ranks + rank)
- * * B*T + i + 1 (moe_synth_floor_of). */
+/* Target i of this rank's rows of batch b is stream token (b * DP + d) *
+ * B*T + i + 1 (moe_synth_floor_of) on data-parallel rank d of DP. On a
+ * pipeline every stage reads the batch; the last stage alone has the
+ * losses, and so counts the tokens (once per data-parallel rank), and each
+ * stage counts the routing of its own layers, so that finish_kinds's sums
+ * over every rank count each thing once. */
 static moe_status accumulate_kinds(void *ctx, moe_model *model, const int32_t *targets, int64_t batch) {
     run *r = ctx;
     const int64_t BT = moe_model_batch_size(model) * moe_model_seq_len(model);
-    const int64_t L = r->kinds.n_layers, E = r->kinds.n_experts, k = r->kinds.top_k;
-    const uint8_t *kinds = r->val.synth.kinds + (batch * r->ranks + r->rank) * BT + 1;
-    const float *losses = moe_model_last_losses(model);
-    for (int64_t i = 0; i < BT; i++) {
-        if (targets[i] < 0) continue;
-        r->kind_loss_sum[kinds[i]] += losses[i];
-        r->kind_tokens[kinds[i]]++;
+    const int64_t E = r->kinds.n_experts, k = r->kinds.top_k;
+    const moe_model_stage stage = moe_model_get_stage(model);
+    const uint8_t *kinds = r->val.synth.kinds + (batch * r->dp_size + r->dp_rank) * BT + 1;
+    if (stage.last) {
+        const float *losses = moe_model_last_losses(model);
+        for (int64_t i = 0; i < BT; i++) {
+            if (targets[i] < 0) continue;
+            r->kind_loss_sum[kinds[i]] += losses[i];
+            r->kind_tokens[kinds[i]]++;
+        }
     }
-    for (int64_t l = 0; l < L; l++) {
+    for (int64_t l = stage.layer_begin; l < stage.layer_end; l++) {
         const int32_t *topk; /* [BT, k] */
         MOE_TRY(moe_model_last_topk(model, l, &topk));
         int64_t *counts = r->route_counts + l * N_KINDS * E;
@@ -1084,11 +1141,15 @@ static moe_status run_body(run *r, double start) {
     /* MFU on a grid: the job's FLOPs over every rank's peak. */
     if (r->world && isfinite(r->peak_gflops))
         MOE_TRY(moe_comm_allreduce_sum(r->world, &r->peak_gflops, 1, MOE_COMM_F64));
+    /* A rank holds its stage's dense run and 1/ep of its experts. */
+    int64_t params = moe_model_get_run(r->model, MOE_RUN_DENSE).count +
+                     moe_model_get_run(r->model, MOE_RUN_EXPERTS).count * o->ep;
+    const moe_model_stage stage = moe_model_get_stage(r->model);
+    if (stage.pipe) MOE_TRY(moe_comm_allreduce_sum(stage.pipe, &params, 1, MOE_COMM_I64));
     const moe_run_summary summary = {
         .config = &r->cfg,
         .options = o,
-        .params = moe_model_get_run(r->model, MOE_RUN_DENSE).count +
-                  moe_model_get_run(r->model, MOE_RUN_EXPERTS).count * o->ep,
+        .params = params,
         .active_params = moe_model_active_param_count(r->model),
         .start_step = moe_trainer_steps_done(r->trainer),
         .tokens_per_step = r->tokens.step,
@@ -1103,6 +1164,8 @@ static moe_status run_body(run *r, double start) {
         .rank = r->rank,
         .ranks = r->ranks,
         .ep = o->ep,
+        .pp = o->pp,
+        .stage_layers = r->stage_layers,
         .optimizer_bytes = moe_trainer_optimizer_bytes(r->trainer),
         .train_data = o->eval_only ? NULL : r->train.desc,
         .val_data = r->val.desc,
@@ -1167,17 +1230,24 @@ moe_status moe_run(const moe_run_options *opts, const moe_run_callbacks *callbac
     MOE_TRY(moe_run_options_validate(opts));
     if (opts->threads > 0) omp_set_num_threads(opts->threads);
     const moe_run_callbacks none = {0};
-    run r = {.o = opts, .cb = callbacks ? callbacks : &none, .ranks = 1};
+    run r = {.o = opts, .cb = callbacks ? callbacks : &none, .ranks = 1, .dp_size = 1};
     moe_status st = MOE_OK;
-    if (launched_by_mpi() || opts->ep > 1 || opts->zero > 0) {
+    if (launched_by_mpi() || opts->ep > 1 || opts->pp > 1 || opts->zero > 0) {
         st = moe_comm_mpi_create(&r.world);
         if (st == MOE_OK) st = moe_comm_set_timeout(r.world, opts->comm_timeout);
         if (st == MOE_OK) {
             r.rank = moe_comm_rank(r.world);
             r.ranks = moe_comm_size(r.world);
-            st = moe_grid_create(&r.grid, r.world, opts->ep, 1, &r.cfg, opts->seq_len);
         }
-        if (st == MOE_OK && r.grid.ep) st = moe_comm_set_timeout(r.grid.ep, opts->comm_timeout);
+        /* The data is opened, and sized by the data-parallel ranks, before
+         * the model config that the grid (build_model) needs is known:
+         * its stage-major coordinates (grid.h) are taken here ahead of it. */
+        if (st == MOE_OK && r.ranks % opts->pp != 0)
+            st = moe_error(MOE_ERR_CONFIG, "--pp %d must divide the number of ranks, %d", opts->pp, r.ranks);
+        if (st == MOE_OK) {
+            r.dp_size = r.ranks / opts->pp;
+            r.dp_rank = r.rank % r.dp_size;
+        }
     }
     if (st == MOE_OK) st = run_body(&r, start);
     if (r.metrics && fclose(r.metrics) != 0 && st == MOE_OK)
@@ -1185,9 +1255,11 @@ moe_status moe_run(const moe_run_options *opts, const moe_run_callbacks *callbac
     free(r.route_counts);
     free(r.routing);
     free(r.profile);
+    free(r.stage_layers);
     moe_trainer_destroy(r.trainer);
     moe_model_destroy(r.model);
     if (opts->profile) moe_profile_close(); /* its marks are the device's */
+    if (r.device_pipe) moe_comm_free(r.device_pipe);
     if (r.device_ep) moe_comm_free(r.device_ep);
     if (r.device_world) moe_comm_free(r.device_world);
     moe_device_close(&r.device);

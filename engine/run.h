@@ -30,12 +30,15 @@
  * Without val_data a non-synthetic run validates on the training data itself,
  * read from its start, and says so through on_warning.
  *
- * Under mpirun (or with ep or zero set) every rank runs moe_run with the same
- * options: the ranks form a data-parallel world whose global batch is ranks x
- * batch_size rows (rank r reads rows r*B .. r*B + B - 1, so N ranks read what
- * one rank with batch N*B reads), split into expert-parallel groups of ep
- * consecutive ranks. Every rank checks at start-up that all agree on the
- * build, the model config and the options that shape the run. */
+ * Under mpirun (or with ep, pp or zero set) every rank runs moe_run with the
+ * same options: the ranks form pp pipeline stages (engine/grid.h: rank r is
+ * stage r / DP), each holding a contiguous range of the layers, of DP = ranks
+ * / pp data-parallel ranks each, whose global batch is DP x batch_size rows
+ * (data-parallel rank d reads rows d*B .. d*B + B - 1, so N such ranks read
+ * what one rank with batch N*B reads), and each stage's ranks are split into
+ * expert-parallel groups of ep consecutive ones. Every rank checks at
+ * start-up that all agree on the build, the model config and the options
+ * that shape the run. */
 #ifndef MOE_ENGINE_RUN_H
 #define MOE_ENGINE_RUN_H
 
@@ -88,7 +91,9 @@ typedef struct moe_run_options {
     bool eval_only;        /* --eval-only: evaluate --init-from and stop */
     double peak_gflops;    /* --peak-gflops for MFU; 0: measure sgemm at start-up */
     /* Parallelism (under mpirun: every rank runs the same command) */
-    int ep;                /* --ep P: experts split over groups of P consecutive ranks */
+    int pp;                /* --pp S: pipeline stages, each a contiguous range of layers; divides the ranks */
+    moe_pipe_schedule pp_schedule; /* --pp-schedule: the stages' order of micro-batches */
+    int ep;                /* --ep P: experts split over groups of P consecutive data-parallel ranks */
     int zero;              /* --zero 1: AdamW state sharded over each parameter's replicas */
     double comm_timeout;   /* --comm-timeout seconds a collective may wait for a peer */
     bool overlap;          /* --overlap: each expert runs as soon as its rows arrive */
@@ -117,6 +122,10 @@ moe_status moe_run_options_validate(const moe_run_options *opts);
 const char *moe_lr_schedule_name(moe_lr_schedule schedule);
 moe_status moe_lr_schedule_parse(moe_lr_schedule *schedule, const char *name);
 
+/* "1f1b", "gpipe". */
+const char *moe_pipe_schedule_name(moe_pipe_schedule schedule);
+moe_status moe_pipe_schedule_parse(moe_pipe_schedule *schedule, const char *name);
+
 /* The fp32 GEMM rate of a backend in GFLOP/s through its op table: the best
  * of ~0.3 s of square products, large enough to time (all OpenMP threads on
  * the CPU). */
@@ -127,9 +136,9 @@ moe_status moe_measure_gemm_gflops(const moe_ops *ops, double *gflops);
 typedef struct moe_run_summary {
     const moe_model_config *config;
     const moe_run_options *options;
-    int64_t params, active_params;
+    int64_t params, active_params; /* of the whole model, every stage's, each expert once */
     int64_t start_step;      /* > 0 when resumed */
-    int64_t tokens_per_step; /* B * T * grad_accum * ranks */
+    int64_t tokens_per_step; /* B * T * grad_accum * data-parallel ranks */
     double step_flops;       /* model FLOPs of one optimizer step */
     double peak_gflops;      /* the MFU denominator; NAN for --eval-only without --peak-gflops */
     bool peak_measured;      /* false when given by --peak-gflops or not needed */
@@ -138,7 +147,10 @@ typedef struct moe_run_summary {
     const char *device;      /* the backend the model runs on: "cpu", "cuda: NVIDIA H200 (sm_90, 132 SMs)" */
     const char *device_note; /* why --device auto chose the CPU, or NULL */
     const char *placement;   /* where this rank's GPU sits and what was bound, or NULL */
-    int rank, ranks, ep;     /* this process in the grid; 0, 1, 1 on one process */
+    int rank, ranks, ep, pp; /* this process in the grid; 0, 1, 1, 1 on one process */
+    /* [pp + 1]: stage s holds layers [stage_layers[s], stage_layers[s + 1]);
+     * NULL without a pipeline. */
+    const int64_t *stage_layers;
     int64_t optimizer_bytes; /* AdamW state held by each rank */
     const char *train_data;  /* what was opened */
     const char *val_data;

@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# moe-train on a grid of ranks (expert-parallel, data-parallel, ZeRO-1)
-# follows the loss curve of one rank reading the same global batches, and a
-# checkpoint written on the grid resumes on one rank on the same curve.
-# Tolerance: 1e-5 relative per step, as float summation order allows.
+# moe-train on a grid of ranks (expert-parallel, data-parallel, ZeRO-1,
+# pipeline stages under 1F1B and GPipe) follows the loss curve of one rank
+# reading the same global batches, evaluates to the same validation losses
+# and per-kind report, and a checkpoint written on a grid resumes on one
+# rank (and one rank's on a pipeline) on the same curve. Grids the model or
+# the ranks cannot take are refused with an error naming the flag.
+# Tolerance: 1e-5 relative per step, as float summation order allows; the
+# per-kind report as printed, to its last digit.
 # Usage: train_grid.sh BINDIR MPIEXEC [MPIEXEC FLAGS...]
 set -u
 bin=$1
@@ -14,25 +18,90 @@ export OMP_NUM_THREADS=1
 common=(--steps 12 --eval-every 6 --eval-batches 2 --seq-len 32)
 . "$(dirname "${BASH_SOURCE[0]}")/check.sh"
 
-# The per-step losses of a run's metrics.jsonl, one per line (evaluation
-# lines carry val_loss, not loss).
-losses() { grep -o '"loss":[^,]*' "$1/metrics.jsonl" | cut -d: -f2; }
-same_curve() { # name, file of losses A, file of losses B
+# The values of a key in a run's metrics.jsonl, one per line: "loss" for
+# the steps, "val_loss" for the evaluations.
+values() { grep -o "\"$1\":[^,}]*" "$2/metrics.jsonl" | cut -d: -f2; }
+same_curve() { # name, file of values A, file of values B
     paste "$2" "$3" | awk 'BEGIN { bad = 0; n = 0 }
-        { n++; d = $1 - $2; if (d < 0) d = -d; s = $2 < 0 ? -$2 : $2; if (d > 1e-5 * s) { bad = 1; print "  step " n ": " $1 " vs " $2 } }
+        { n++; d = $1 - $2; if (d < 0) d = -d; s = $2 < 0 ? -$2 : $2; if (d > 1e-5 * s) { bad = 1; print "  line " n ": " $1 " vs " $2 } }
         END { exit bad || n == 0 }'
     check "$1" "$?"
 }
+# The numbers of the per-kind report that ends a log (tokens, losses,
+# floors, routing percentages), one per line; the greedy answers are
+# measured on one process only.
+kind_numbers() { sed -n '/^per kind/,/^(shade/p' "$1" | grep -v '^greedy' | grep -o '[0-9][0-9.]*'; }
+same_kinds() { # name, log A, log B: equal up to one unit of the last digit printed
+    paste <(kind_numbers "$2") <(kind_numbers "$3") | awk 'BEGIN { bad = 0; n = 0 }
+        { n++; p = index($2, "."); tol = 1.5 * 10 ^ -(p ? length($2) - p : 0); d = $1 - $2; if (d < 0) d = -d
+          if (NF != 2 || d > tol) { bad = 1; print "  number " n ": " $1 " vs " $2 } }
+        END { exit bad || n == 0 }'
+    check "$1" "$?"
+}
+run_ok() { # name, log, command...
+    local name=$1 log=$2
+    shift 2
+    timeout 120 "$@" >"$log" 2>&1 || { echo "FAIL: $name did not run"; tail "$log"; exit 1; }
+}
+# A grid run into OUT/DIR, compared with a one-rank run of the same global
+# batches.
+grid_matches() { # name, dir, one-rank run, np, flags...
+    local name=$1 dir="$out/$2" one=$3 np=$4
+    shift 4
+    run_ok "$name" "$dir.log" "${launcher[@]}" -np "$np" "$bin/moe-train" "${common[@]}" "$@" --out "$dir"
+    same_curve "$name: the loss curve of 1 rank" <(values loss "$dir") <(values loss "$one")
+    same_curve "$name: the validation losses of 1 rank" <(values val_loss "$dir") <(values val_loss "$one")
+}
 
-"$bin/moe-train" "${common[@]}" --batch-size 8 --save-every 6 --out "$out/one" >"$out/one.log" 2>&1 ||
-    { echo "FAIL: one rank did not run"; tail "$out/one.log"; exit 1; }
-"${launcher[@]}" -np 2 "$bin/moe-train" "${common[@]}" --batch-size 4 --ep 2 --zero 1 --save-every 6 \
-    --out "$out/grid" >"$out/grid.log" 2>&1 || { echo "FAIL: 2 ranks did not run"; tail "$out/grid.log"; exit 1; }
-same_curve "2 ranks, --ep 2 --zero 1, against 1 rank" <(losses "$out/grid") <(losses "$out/one")
+run_ok "one rank" "$out/one.log" "$bin/moe-train" "${common[@]}" --batch-size 8 --save-every 6 --out "$out/one"
+run_ok "one rank, 3 micro-batches" "$out/one3.log" "$bin/moe-train" "${common[@]}" --batch-size 8 --grad-accum 3 \
+    --save-every 6 --out "$out/one3"
 
-"$bin/moe-train" "${common[@]}" --batch-size 8 --resume "$out/grid/step-000006" --out "$out/resumed" \
-    >"$out/resumed.log" 2>&1 || { echo "FAIL: the resume did not run"; tail "$out/resumed.log"; exit 1; }
+grid_matches "2 ranks, --ep 2 --zero 1" ep "$out/one" 2 --batch-size 4 --ep 2 --zero 1 --save-every 6
+run_ok "the resume" "$out/resumed.log" "$bin/moe-train" "${common[@]}" --batch-size 8 \
+    --resume "$out/ep/step-000006" --out "$out/resumed"
 # The resumed run logs steps 7..12.
-same_curve "a 2-rank checkpoint resumed on 1 rank" <(losses "$out/resumed") <(losses "$out/one" | tail -n +7)
+same_curve "a 2-rank checkpoint resumed on 1 rank" <(values loss "$out/resumed") <(values loss "$out/one" | tail -n +7)
+
+# Three micro-batches, more than the stages: the schedules differ.
+pp=(--grad-accum 3 --pp 2)
+grid_matches "--pp 2 on 2 ranks, 1f1b" pp "$out/one3" 2 --batch-size 8 "${pp[@]}" --save-every 6
+same_kinds "--pp 2 on 2 ranks: the per-kind report of 1 rank" "$out/pp.log" "$out/one3.log"
+grid_matches "--pp 2 on 2 ranks, gpipe" pp_gpipe "$out/one3" 2 --batch-size 8 "${pp[@]}" --pp-schedule gpipe
+grid_matches "--pp 2 --ep 1 on 4 ranks (PP 2 x DP 2), 1f1b" pp_dp "$out/one3" 4 --batch-size 4 "${pp[@]}" --ep 1
+same_kinds "PP 2 x DP 2: the per-kind report of 1 rank" "$out/pp_dp.log" "$out/one3.log"
+grid_matches "--pp 2 --ep 1 on 4 ranks (PP 2 x DP 2), gpipe" pp_dp_gpipe "$out/one3" 4 --batch-size 4 "${pp[@]}" \
+    --ep 1 --pp-schedule gpipe
+grid_matches "--pp 2 --ep 2 --zero 1 on 4 ranks, 1f1b" pp_ep "$out/one3" 4 --batch-size 4 "${pp[@]}" --ep 2 --zero 1
+
+run_ok "the resume of a pipeline" "$out/pp_resumed.log" "$bin/moe-train" "${common[@]}" --batch-size 8 \
+    --grad-accum 3 --resume "$out/pp/step-000006" --out "$out/pp_resumed"
+same_curve "a --pp 2 checkpoint resumed on 1 rank" <(values loss "$out/pp_resumed") \
+    <(values loss "$out/one3" | tail -n +7)
+run_ok "the resume on a pipeline" "$out/to_pp.log" "${launcher[@]}" -np 2 "$bin/moe-train" "${common[@]}" \
+    --batch-size 8 "${pp[@]}" --resume "$out/one3/step-000006" --out "$out/to_pp"
+same_curve "a 1-rank checkpoint resumed under --pp 2" <(values loss "$out/to_pp") \
+    <(values loss "$out/one3" | tail -n +7)
+
+# Refused before anything is written, naming the flag.
+refused() { # name, expected text, np, flags...
+    local name=$1 text=$2 np=$3 dir="$out/bad$((++bad))"
+    shift 3
+    timeout 60 "${launcher[@]}" -np "$np" "$bin/moe-train" "${common[@]}" "$@" --out "$dir" >"$dir.log" 2>&1
+    local rc=$?
+    [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && grep -qF -- "$text" "$dir.log" && [ ! -e "$dir" ]
+    local status=$?
+    check "$name is refused (exit $rc)" "$status"
+    [ "$status" -eq 0 ] || tail -n 5 "$dir.log"
+}
+bad=0
+sed 's/"num_hidden_layers": *[0-9]*/"num_hidden_layers": 1/' "$out/one/config.json" >"$out/one_layer.json"
+refused "--pp 3 on 2 ranks" "--pp 3 must divide the number of ranks, 2" 2 --pp 3
+refused "--pp 2 on a model of 1 layer" "--pp 2: a pipeline needs a layer per stage, and the model has 1 layers" 2 \
+    --pp 2 --config "$out/one_layer.json"
+refused "--pp 4 on a model of 2 layers" "--pp 4: a pipeline needs a layer per stage, and the model has 2 layers" 4 \
+    --pp 4
+refused "--pp-schedule foo" "--pp-schedule 'foo': expected 1f1b or gpipe" 1 --pp-schedule foo
+refused "--pp 0" "--pp 0 must be positive" 1 --pp 0
 
 summary

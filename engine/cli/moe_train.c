@@ -95,8 +95,14 @@ static void print_help(void) {
            "                       in its stream) and print where the time went; also in\n"
            "                       metrics.jsonl\n\n"
            "Parallel (run under mpirun; every rank gets the same flags):\n"
-           "  --ep P               split each layer's experts over groups of P consecutive ranks;\n"
-           "                       the ranks are data-parallel, --batch-size is per rank (default 1)\n"
+           "  --pp S               split the layers over S pipeline stages (default 1): S divides\n"
+           "                       the ranks, rank r is stage r/(ranks/S), a stage's ranks are\n"
+           "                       data-parallel; the --grad-accum micro-batches flow through them\n"
+           "  --pp-schedule S      1f1b: a stage starts backwards as soon as it can, holding at\n"
+           "                       most S - stage forwards; gpipe: every forward, then every\n"
+           "                       backward (default 1f1b)\n"
+           "  --ep P               split each layer's experts over groups of P consecutive ranks of\n"
+           "                       a stage; they are data-parallel, --batch-size is per rank (default 1)\n"
            "  --zero 1             shard AdamW's state over each parameter's replicas (default 0)\n"
            "  --comm-timeout S     seconds a collective waits for a peer before the job ends with\n"
            "                       an error naming the ranks missing from it (default 300)\n"
@@ -111,6 +117,7 @@ static void print_help(void) {
 /* ------------------------------------------------------------------ flags */
 
 static moe_status parse_schedule(void *field, const char *value) { return moe_lr_schedule_parse(field, value); }
+static moe_status parse_pipe(void *field, const char *value) { return moe_pipe_schedule_parse(field, value); }
 static moe_status parse_device(void *field, const char *value) { return moe_device_parse(field, value); }
 static moe_status parse_math(void *field, const char *value) { return moe_gemm_math_parse(field, value); }
 
@@ -129,6 +136,7 @@ static const cli_flag flags[] = {
     {"--resume", CLI_STRING, OPT(resume), NULL},         {"--eval-every", CLI_INT, OPT(eval_every), NULL},
     {"--eval-batches", CLI_INT, OPT(eval_batches), NULL}, {"--eval-only", CLI_SWITCH, OPT(eval_only), NULL},
     {"--shuffle", CLI_SWITCH, OPT(shuffle), NULL},       {"--peak-gflops", CLI_REAL, OPT(peak_gflops), NULL},
+    {"--pp", CLI_SMALL, OPT(pp), NULL},                  {"--pp-schedule", CLI_PARSED, OPT(pp_schedule), parse_pipe},
     {"--ep", CLI_SMALL, OPT(ep), NULL},                  {"--zero", CLI_SMALL, OPT(zero), NULL},
     {"--comm-timeout", CLI_REAL, OPT(comm_timeout), NULL}, {"--overlap", CLI_SWITCH, OPT(overlap), NULL},
     {"--device", CLI_PARSED, OPT(device), parse_device}, {"--gemm-math", CLI_PARSED, OPT(gemm_math), parse_math},
@@ -198,6 +206,25 @@ static int parse_fault(printer *p, const char *text) {
     return 0;
 }
 
+/* "grid     4 ranks: PP 2 x DP 2, EP 2; 1f1b, stages hold layers 0-1 | 2; ..." */
+static void print_grid(const moe_run_summary *s) {
+    const moe_run_options *o = s->options;
+    printf("grid     %d ranks: ", s->ranks);
+    if (s->pp > 1) printf("PP %d x ", s->pp);
+    printf("DP %d, EP %d", s->ranks / s->pp, s->ep);
+    if (s->stage_layers) {
+        printf("; %s, stages hold layers ", moe_pipe_schedule_name(o->pp_schedule));
+        for (int stage = 0; stage < s->pp; stage++) {
+            const long long first = (long long)s->stage_layers[stage], last = (long long)s->stage_layers[stage + 1] - 1;
+            if (first == last)
+                printf("%s%lld", stage ? " | " : "", first);
+            else
+                printf("%s%lld-%lld", stage ? " | " : "", first, last);
+        }
+    }
+    printf("; AdamW state %.2f MB per rank%s\n", (double)s->optimizer_bytes * 1e-6, o->zero ? " (--zero 1)" : "");
+}
+
 static void on_start(void *ctx, const moe_run_summary *s) {
     printer *p = ctx;
     const moe_model_config *c = s->config;
@@ -228,12 +255,11 @@ static void on_start(void *ctx, const moe_run_summary *s) {
     if (!isnan(s->peak_gflops))
         printf(", GEMM peak %.1f GFLOP/s (%s)", s->peak_gflops, s->peak_measured ? "measured" : "--peak-gflops");
     printf("\n");
-    if (s->ranks > 1)
-        printf("grid     %d ranks: %d data-parallel, experts split over groups of %d; AdamW state %.2f MB per rank%s\n",
-               s->ranks, s->ranks, s->ep, (double)s->optimizer_bytes * 1e-6, o->zero ? " (--zero 1)" : "");
+    if (s->ranks > 1) print_grid(s);
     if (!p->eval_only) {
-        char ranks[32] = "";
-        if (s->ranks > 1) snprintf(ranks, sizeof ranks, " x %d ranks", s->ranks);
+        char ranks[48] = "";
+        if (s->ranks / s->pp > 1)
+            snprintf(ranks, sizeof ranks, " x %d %sranks", s->ranks / s->pp, s->pp > 1 ? "data-parallel " : "");
         printf("run      steps %lld..%lld, B %lld x T %lld x accum %lld%s = %lld tokens per step, %.2f GFLOP per "
                "step, out %s\n",
                (long long)s->start_step + 1, (long long)o->steps, (long long)o->batch_size, (long long)o->seq_len,
