@@ -57,6 +57,9 @@ struct moe_model {
     float *params, *grads;     /* one allocation each, backend memory */
     float *host_params;        /* the host view of params: params itself when the host sees backend memory */
     int64_t model_dense;       /* the dense run of the whole model, every stage's */
+    uint64_t seed;             /* of the initial values and the jitter streams */
+    bool overlap;              /* moe_model_set_overlap */
+    struct moe_model *base;    /* a twin's (moe_model_create_twin): whose tables and arrays these are; NULL */
     moe_layer **moe;           /* [nl] */
     moe_layer_offsets *moe_off; /* [nl] where each layer's MoE parameters start */
     moe_comm *world, *ep;      /* NULL: one rank */
@@ -344,6 +347,75 @@ static moe_status check_stages(const moe_model_config *cfg, const moe_model_para
     return layout;
 }
 
+/* What every instance of the model keeps for itself, a twin's too: its MoE
+ * layers over the parameters (a twin's following the base's), its
+ * activations, host arrays and RoPE tables. */
+static moe_status build_instance(moe_model *m) {
+    const moe_model_config *cfg = &m->cfg;
+    moe_layer_config lc;
+    moe_model_config_layer(&lc, cfg, m->seed);
+    if (!(m->moe = calloc((size_t)m->nl, sizeof *m->moe)))
+        return moe_error(MOE_ERR_OUT_OF_MEMORY, "model: %lld layers", (long long)m->nl);
+    for (int64_t i = 0; i < m->nl; i++) {
+        /* Each layer's jitter noise is its own stream. */
+        moe_layer_config layer_cfg = lc;
+        layer_cfg.seed = moe_splitmix64(m->seed + (uint64_t)(m->l0 + i));
+        const moe_layer_memory mem = moe_memory(m, i);
+        MOE_TRY(moe_layer_create_in(&m->moe[i], &layer_cfg, &mem, m->ep, m->world));
+        if (m->base)
+            MOE_TRY(moe_layer_share_state(m->moe[i], m->base->moe[i]));
+        else
+            name_moe_tensors(m, i);
+        /* The total loss averages aux and z over the model's layers. */
+        moe_layer_set_loss_scale(m->moe[i], 1.0 / (double)cfg->num_hidden_layers);
+        moe_layer_set_overlap(m->moe[i], m->overlap);
+    }
+    MOE_TRY(build_arena(m));
+    /* Every tensor is named and sized now, the layers' included. */
+    int64_t staging = m->N;
+    for (int64_t i = 0; i < m->n_tensors; i++)
+        if (m->tensors[i].numel > staging) staging = m->tensors[i].numel;
+    m->losses_host = calloc((size_t)m->N, sizeof *m->losses_host);
+    m->staging = malloc((size_t)staging * sizeof *m->staging);
+    m->sync_reqs = calloc((size_t)(2 * m->nl + 2), sizeof *m->sync_reqs);
+    if (!m->losses_host || !m->staging || !m->sync_reqs)
+        return moe_error(MOE_ERR_OUT_OF_MEMORY, "model: host arrays for %lld values", (long long)staging);
+    m->ops->rope_tables(m->cos_t, m->sin_t, m->T, cfg->head_dim, (float)cfg->rope_theta);
+    return MOE_OK;
+}
+
+moe_status moe_model_create_twin(moe_model **out, moe_model *base) {
+    MOE_NOT_NULL("moe_model_create_twin", "out", out);
+    MOE_NOT_NULL("moe_model_create_twin", "base", base);
+    *out = NULL;
+    if (base->base) return moe_error(MOE_ERR_INVALID_ARG, "moe_model_create_twin: a twin of a twin");
+    moe_model *m = malloc(sizeof *m);
+    if (!m) return moe_error(MOE_ERR_OUT_OF_MEMORY, "model: twin");
+    /* The base's shape, tables, arrays and communicators; nothing of its
+     * forward state. */
+    *m = *base;
+    m->base = base;
+    m->host_params = NULL;
+    m->own_device_replicas = false;
+    m->moe = NULL;
+    m->arena = NULL;
+    m->acts = NULL;
+    m->losses_host = NULL;
+    m->staging = NULL;
+    m->sync_reqs = NULL;
+    m->n_sync_reqs = 0;
+    m->sync_grads = m->forward_done = m->has_targets = m->logits_valid = false;
+    m->dloss_value = 0.0f;
+    moe_status st = build_instance(m);
+    if (st == MOE_OK) st = m->ops->sync();
+    if (st != MOE_OK) {
+        moe_model_destroy(m);
+        return moe_error_prefix(st, "model twin: ");
+    }
+    *out = m;
+    return MOE_OK;
+}
+
 moe_status moe_model_create(moe_model **out, const moe_model_config *cfg, int64_t B, int64_t T, uint64_t seed) {
     return moe_model_create_parallel(out, cfg, B, T, seed, NULL);
 }
@@ -377,8 +449,7 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_model_config *cf
     m->ep_rank = m->ep ? moe_comm_rank(m->ep) : 0;
     m->world_size = m->world ? moe_comm_size(m->world) : 1;
     m->world_rank = m->world ? moe_comm_rank(m->world) : 0;
-    m->sync_reqs = calloc((size_t)(2 * m->nl + 2), sizeof *m->sync_reqs);
-    moe_status split = m->sync_reqs ? MOE_OK : moe_error(MOE_ERR_OUT_OF_MEMORY, "model: requests");
+    moe_status split = MOE_OK;
     /* Each expert is held once per EP group: its replicas share an EP rank. */
     if (split == MOE_OK && m->world && m->world_size > ep_size)
         split = moe_comm_split(&m->replicas, m->world, m->ep_rank, m->world_rank);
@@ -398,7 +469,7 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_model_config *cf
     m->B = B;
     m->T = T;
     m->N = B * T;
-    const int64_t L = m->nl;
+    m->seed = seed;
     moe_layer_config lc;
     moe_model_config_layer(&lc, cfg, seed);
     moe_status st = build_tensors(m, &lc);
@@ -407,31 +478,7 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_model_config *cf
     if (st == MOE_OK) st = m->ops->alloc((void **)&m->params, (size_t)m->n_params * sizeof(float));
     if (st == MOE_OK) st = m->ops->alloc((void **)&m->grads, (size_t)m->n_params * sizeof(float));
     if (st == MOE_OK && m->ops->host_visible) m->host_params = m->params;
-    if (st == MOE_OK && !(m->moe = calloc((size_t)L, sizeof *m->moe)))
-        st = moe_error(MOE_ERR_OUT_OF_MEMORY, "model: %lld layers", (long long)L);
-    for (int64_t i = 0; st == MOE_OK && i < L; i++) {
-        /* Each layer's jitter noise is its own stream. */
-        moe_layer_config layer_cfg = lc;
-        layer_cfg.seed = moe_splitmix64(seed + (uint64_t)(m->l0 + i));
-        const moe_layer_memory mem = moe_memory(m, i);
-        st = moe_layer_create_in(&m->moe[i], &layer_cfg, &mem, m->ep, m->world);
-        if (st == MOE_OK) {
-            name_moe_tensors(m, i);
-            /* The total loss averages aux and z over the model's layers. */
-            moe_layer_set_loss_scale(m->moe[i], 1.0 / (double)cfg->num_hidden_layers);
-        }
-    }
-    if (st == MOE_OK) st = build_arena(m);
-    if (st == MOE_OK) {
-        /* Every tensor is named and sized now, the layers' included. */
-        int64_t staging = m->N;
-        for (int64_t i = 0; i < m->n_tensors; i++)
-            if (m->tensors[i].numel > staging) staging = m->tensors[i].numel;
-        m->losses_host = calloc((size_t)m->N, sizeof *m->losses_host);
-        m->staging = malloc((size_t)staging * sizeof *m->staging);
-        if (!m->losses_host || !m->staging)
-            st = moe_error(MOE_ERR_OUT_OF_MEMORY, "model: host arrays for %lld values", (long long)staging);
-    }
+    if (st == MOE_OK) st = build_instance(m);
     if (st != MOE_OK) {
         moe_model_destroy(m);
         return st;
@@ -448,10 +495,7 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_model_config *cf
         }
         st = m->ops->upload(m->params + t->offset, p, (size_t)t->numel * sizeof(float));
     }
-    if (st == MOE_OK) {
-        m->ops->rope_tables(m->cos_t, m->sin_t, T, cfg->head_dim, (float)cfg->rope_theta);
-        st = m->ops->sync();
-    }
+    if (st == MOE_OK) st = m->ops->sync();
     if (st != MOE_OK) {
         moe_model_destroy(m);
         return moe_error_prefix(st, "model: initial values: ");
@@ -464,21 +508,23 @@ void moe_model_destroy(moe_model *m) {
     if (!m) return;
     for (int64_t i = 0; m->moe && i < m->nl; i++) moe_layer_destroy(m->moe[i]);
     free(m->moe);
-    free(m->moe_off);
     free(m->sync_reqs);
-    if (m->own_device_replicas) moe_comm_free(m->device_replicas);
-    if (m->replicas) moe_comm_free(m->replicas);
-    free(m->tensors);
-    free(m->layer_first);
-    if (m->host_params != m->params) free(m->host_params);
-    if (m->ops) {
-        m->ops->release(m->params);
-        m->ops->release(m->grads);
-        m->ops->release(m->arena);
-    }
+    if (m->ops) m->ops->release(m->arena);
     free(m->acts);
     free(m->losses_host);
     free(m->staging);
+    if (!m->base) { /* a twin's tables and arrays are its base's */
+        free(m->moe_off);
+        if (m->own_device_replicas) moe_comm_free(m->device_replicas);
+        if (m->replicas) moe_comm_free(m->replicas);
+        free(m->tensors);
+        free(m->layer_first);
+        if (m->host_params != m->params) free(m->host_params);
+        if (m->ops) {
+            m->ops->release(m->params);
+            m->ops->release(m->grads);
+        }
+    }
     free(m);
 }
 
@@ -538,6 +584,7 @@ void moe_model_set_training(moe_model *m, bool training) {
 }
 
 void moe_model_set_overlap(moe_model *m, bool overlap) {
+    m->overlap = overlap;
     for (int64_t i = 0; i < m->nl; i++) moe_layer_set_overlap(m->moe[i], overlap);
 }
 

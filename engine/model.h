@@ -74,6 +74,16 @@ moe_status moe_model_create_parallel(moe_model **model, const moe_model_config *
                                      uint64_t seed, const moe_model_parallel *par);
 void moe_model_destroy(moe_model *model);
 
+/* A twin of base: the same parameters, gradients, tensor table and ranks,
+ * with activations and MoE layer state of its own, so that a pipeline stage
+ * keeps several micro-batches' forwards for their backwards. Its layers
+ * route with base's selection bias, add their load to base's, and draw
+ * and advance base's jitter counters (moe_layer_share_state): forwards on
+ * any twin are forwards of base. Checkpoints, the bias step and the host
+ * view of the parameters are base's. Destroy twins before base. Not
+ * collective. */
+moe_status moe_model_create_twin(moe_model **twin, moe_model *base);
+
 /* Whether a model of cfg can take batches of B sequences of T tokens (what
  * moe_model_create checks first): T within max_position_embeddings, and
  * the batch's arrays within reach of int sizes. */

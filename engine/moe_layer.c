@@ -74,6 +74,9 @@ struct moe_layer {
      * once per step), and all route with the same bias. */
     int64_t *bias_load;               /* [E], with bias */
     int64_t bias_forwards;            /* training forwards bias_load covers */
+    /* A twin (moe_layer_share_state) reads and advances its owner's bias,
+     * load and jitter counter instead of its own; NULL: its own. */
+    struct moe_layer *owner;
 
     /* Every array the ops touch is backend memory; the host keeps what it
      * decides with (counts, offsets) and mirrors of what it reads. */
@@ -591,7 +594,24 @@ moe_status moe_layer_tensor_by_name(const moe_layer *L, const char *name, moe_te
 int64_t moe_layer_param_count(const moe_layer *L) { return L ? L->n_params : 0; }
 float *moe_layer_params(moe_layer *L) { return L ? L->params : NULL; }
 float *moe_layer_grads(moe_layer *L) { return L ? L->grads : NULL; }
-float *moe_layer_selection_bias(moe_layer *L) { return L ? L->bias : NULL; }
+/* Whose bias, load and jitter counter the layer uses. */
+static moe_layer *state_of(moe_layer *L) { return L->owner ? L->owner : L; }
+static const moe_layer *const_state_of(const moe_layer *L) { return L->owner ? L->owner : L; }
+
+float *moe_layer_selection_bias(moe_layer *L) { return L ? state_of(L)->bias : NULL; }
+
+moe_status moe_layer_share_state(moe_layer *twin, moe_layer *owner) {
+    MOE_NOT_NULL("moe_layer_share_state", "twin", twin);
+    MOE_NOT_NULL("moe_layer_share_state", "owner", owner);
+    const moe_layer_config *a = &twin->cfg, *b = &owner->cfg;
+    if (owner->owner || twin == owner || a->n_experts != b->n_experts || a->seed != b->seed ||
+        a->jitter_eps != b->jitter_eps || a->bias_update_rate != b->bias_update_rate ||
+        twin->mem.router != owner->mem.router)
+        return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_share_state: a twin is another layer over the owner's "
+                                              "parameters with its config, and an owner is no twin");
+    twin->owner = owner;
+    return MOE_OK;
+}
 
 moe_status moe_layer_set_training(moe_layer *L, int training) {
     if (!L) return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_set_training: layer is NULL");
@@ -613,8 +633,8 @@ moe_status moe_layer_last_topk(moe_layer *L, const int32_t **topk) {
     return MOE_OK;
 }
 void moe_layer_set_replay(moe_layer *L, bool replay) { L->replay = replay; }
-uint64_t moe_layer_jitter_counter(const moe_layer *L) { return L->jitter_calls; }
-void moe_layer_set_jitter_counter(moe_layer *L, uint64_t counter) { L->jitter_calls = counter; }
+uint64_t moe_layer_jitter_counter(const moe_layer *L) { return const_state_of(L)->jitter_calls; }
+void moe_layer_set_jitter_counter(moe_layer *L, uint64_t counter) { state_of(L)->jitter_calls = counter; }
 
 /* The bias reaches the backend when it has changed: moe_layer_update_bias
  * sends it at once (a training step's end, when the device is idle), and
@@ -622,9 +642,10 @@ void moe_layer_set_jitter_counter(moe_layer *L, uint64_t counter) { L->jitter_ca
  * moe_layer_selection_bias, so no forward waits for an unchanged one. */
 static moe_status send_bias(moe_layer *L) {
     const size_t bytes = (size_t)L->cfg.n_experts * sizeof(float);
-    if (memcmp(L->bias, L->bias_sent, bytes) == 0) return MOE_OK;
-    MOE_TRY(L->ops->upload(L->bias_dev, L->bias, bytes));
-    memcpy(L->bias_sent, L->bias, bytes);
+    const float *bias = state_of(L)->bias; /* a twin's device copy follows its owner's */
+    if (memcmp(bias, L->bias_sent, bytes) == 0) return MOE_OK;
+    MOE_TRY(L->ops->upload(L->bias_dev, bias, bytes));
+    memcpy(L->bias_sent, bias, bytes);
     return MOE_OK;
 }
 
@@ -640,6 +661,7 @@ moe_status moe_layer_zero_grad(moe_layer *L) {
  * micro-batches moves the bias once. */
 moe_status moe_layer_update_bias(moe_layer *L) {
     if (!L) return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_update_bias: layer is NULL");
+    L = state_of(L);
     bind(L);
     if (!L->bias) return moe_error(MOE_ERR_STATE, "moe_layer_update_bias: bias_update_rate is 0, there is no bias");
     if (L->bias_forwards == 0)
@@ -1008,8 +1030,8 @@ moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, 
     if (T == 0 && !L->batch) { /* nothing to route, and no peer waiting for this rank */
         /* Counted as a forward of ranks that are all idle counts it: its
          * jitter draw and its (empty) load for the bias step. */
-        if (draws_jitter(L)) L->jitter_calls++;
-        if (L->bias && L->training && !L->replay) L->bias_forwards++;
+        if (draws_jitter(L)) state_of(L)->jitter_calls++;
+        if (L->bias && L->training && !L->replay) state_of(L)->bias_forwards++;
         if (stats) {
             int64_t *tpe = stats->tokens_per_expert;
             *stats = (moe_layer_stats){.tokens_per_expert = tpe};
@@ -1029,7 +1051,7 @@ moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, 
     if (c->jitter_eps > 0.0) {
         /* Eval mode keeps the factors at 1 so backward needs no second path. */
         const float eps = (float)c->jitter_eps;
-        const uint64_t call = L->jitter_calls;
+        const uint64_t call = state_of(L)->jitter_calls;
         const int on = L->training;
         /* Noise indexed by the token's place in the global batch (rank 0's
          * tokens first), so P ranks draw what one rank draws for the whole
@@ -1044,7 +1066,7 @@ moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, 
         const uint64_t stream = MOE_JITTER_STREAM + call, first = (uint64_t)(before * d);
         ops->uniform(L->noise, c->seed, stream, first, on ? 1.0f - eps : 1.0f, on ? 2.0f * eps : 0.0f, T * d);
         ops->multiply(L->x_in, x, L->noise, T * d);
-        if (draws_jitter(L)) L->jitter_calls++;
+        if (draws_jitter(L)) state_of(L)->jitter_calls++;
         x_in = L->x_in;
     }
     if (L->bias) MOE_TRY(send_bias(L));
@@ -1064,8 +1086,9 @@ moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, 
     L->last.tokens_per_expert = stats ? stats->tokens_per_expert : NULL;
     MOE_TRY(share_routing(L, T, *L->z_sum));
     if (L->bias && L->training && !L->replay) {
-        for (int64_t e = 0; e < E; e++) L->bias_load[e] += L->global_assigned[e];
-        L->bias_forwards++;
+        moe_layer *owner = state_of(L);
+        for (int64_t e = 0; e < E; e++) owner->bias_load[e] += L->global_assigned[e];
+        owner->bias_forwards++;
     }
     MOE_TRY(ops->upload(L->keep_dev, L->keep, (size_t)E * sizeof(int64_t)));
     MOE_TRY(send_aux_grad(L));

@@ -77,6 +77,15 @@ void moe_layer_set_jitter_counter(moe_layer *layer, uint64_t counter);
  * first pass counted. */
 void moe_layer_set_replay(moe_layer *layer, bool replay);
 
+/* Twins: layers made over the same parameters and gradients (the same
+ * moe_layer_memory and config), each keeping its own forward's state for
+ * its backward, so that a pipeline stage holds several micro-batches in
+ * flight. A twin routes with its owner's selection bias, adds its load to
+ * the owner's, and draws the jitter noise of, and advances, the owner's
+ * counter, so that forwards on any twin are those of one layer; the
+ * owner's bias step answers them all. The owner outlives its twins. */
+moe_status moe_layer_share_state(moe_layer *twin, moe_layer *owner);
+
 /* Expert parallelism: run each local expert as soon as its rows have
  * arrived and send its results back at once, overlapping the other experts'
  * messages, instead of waiting for every row first (the default). Results

@@ -50,6 +50,12 @@ struct moe_trainer {
     float *grad_in;      /* [grad_accum][B*T, C] the gradient of its input on its way back */
     float *grad_out;     /* [B*T, C] the gradient of the output, from the next stage */
     moe_comm_request *sends; /* [2 grad_accum] */
+    /* Where micro-batch m's forward runs: instances[m % n_instances], the
+     * model and its twins; held[i]: the micro-batch whose activations
+     * instance i holds, or -1. */
+    moe_model **instances;
+    int64_t n_instances;
+    int64_t *held;
 };
 
 moe_status moe_optim_config_validate(const moe_optim_config *c) {
@@ -222,6 +228,16 @@ moe_status moe_trainer_create(moe_trainer **out, moe_model *model, const moe_opt
     if (st == MOE_OK && !stage.first) st = t->ops->alloc((void **)&t->grad_in, (size_t)M * acts);
     if (st == MOE_OK && !stage.last) st = t->ops->alloc((void **)&t->stage_out, (size_t)M * acts);
     if (st == MOE_OK && !stage.last) st = t->ops->alloc((void **)&t->grad_out, acts);
+    /* 1F1B: a stage has at most stages - stage forwards in flight, each
+     * kept on an instance of its own; GPipe recomputes them on one. */
+    const int64_t in_flight = cfg->pipe_schedule == MOE_PIPE_1F1B ? stage.count - stage.index : 1;
+    t->n_instances = in_flight < M ? in_flight : M;
+    t->instances = calloc((size_t)t->n_instances, sizeof *t->instances);
+    t->held = calloc((size_t)t->n_instances, sizeof *t->held);
+    if (st == MOE_OK && (!t->instances || !t->held))
+        st = moe_error(MOE_ERR_OUT_OF_MEMORY, "trainer: %lld model instances", (long long)t->n_instances);
+    if (st == MOE_OK) t->instances[0] = model;
+    for (int64_t i = 1; st == MOE_OK && i < t->n_instances; i++) st = moe_model_create_twin(&t->instances[i], model);
     if (st != MOE_OK) {
         moe_trainer_destroy(t);
         return moe_error_prefix(st, "trainer: AdamW state for %lld parameters and the pipeline's buffers: ",
@@ -248,6 +264,9 @@ void moe_trainer_destroy(moe_trainer *t) {
     t->ops->release(t->grad_in);
     t->ops->release(t->stage_out);
     t->ops->release(t->grad_out);
+    for (int64_t i = 1; t->instances && i < t->n_instances; i++) moe_model_destroy(t->instances[i]);
+    free(t->instances);
+    free(t->held);
     free(t->tokens);
     free(t->jitter);
     free(t->sends);
@@ -415,7 +434,7 @@ static moe_status read_batch(moe_trainer *t, moe_data *data, int64_t micro) {
 /* Micro-batch micro's forward on this stage (its tokens read): its input
  * from the previous stage, its output sent on to the next. */
 static moe_status stage_forward(moe_trainer *t, int64_t micro, bool replay, moe_model_stats *stats) {
-    moe_model *model = t->model;
+    moe_model *model = t->instances[micro % t->n_instances];
     const moe_model_stage stage = moe_model_get_stage(model);
     const int64_t BT = moe_model_batch_size(model) * moe_model_seq_len(model);
     const int64_t acts = BT * moe_model_get_config(model)->hidden_size;
@@ -427,6 +446,7 @@ static moe_status stage_forward(moe_trainer *t, int64_t micro, bool replay, moe_
             MOE_TRY(moe_comm_recv(stage.device_pipe, in, acts, MOE_COMM_F32, stage.index - 1, TAG_FORWARD));
     }
     MOE_TRY(moe_model_stage_forward(model, inputs, in, targets, replay, stats));
+    t->held[micro % t->n_instances] = micro;
     if (replay || stage.last) return MOE_OK;
     float *out = slot(t->stage_out, micro, acts);
     t->ops->copy(out, moe_model_stage_output(model), (size_t)acts * sizeof(float));
@@ -436,21 +456,24 @@ static moe_status stage_forward(moe_trainer *t, int64_t micro, bool replay, moe_
 }
 
 /* Micro-batch micro's backward on this stage, after a replay of its
- * forward unless that forward is the model's last (held = micro). */
-static moe_status stage_backward(moe_trainer *t, int64_t micro, int64_t held, float grad_scale) {
-    moe_model *model = t->model;
+ * forward when its instance holds another's activations by now; the step's
+ * last (sync) sums the gradients over the ranks that share them. */
+static moe_status stage_backward(moe_trainer *t, int64_t micro, bool sync, float grad_scale) {
+    moe_model *model = t->instances[micro % t->n_instances];
     const moe_model_stage stage = moe_model_get_stage(model);
     const int64_t acts = moe_model_batch_size(model) * moe_model_seq_len(model) * moe_model_get_config(model)->hidden_size;
     if (!stage.last)
         MOE_TRY(moe_comm_recv(stage.device_pipe, t->grad_out, acts, MOE_COMM_F32, stage.index + 1, TAG_BACKWARD));
-    if (held != micro) {
+    if (t->held[micro % t->n_instances] != micro) {
         const uint64_t latest = moe_model_jitter_counter(model);
         moe_model_set_jitter_counter(model, t->jitter[micro]);
         const moe_status st = stage_forward(t, micro, true, NULL);
         moe_model_set_jitter_counter(model, latest);
         MOE_TRY(st);
     }
+    moe_model_set_grad_sync(model, sync);
     MOE_TRY(moe_model_stage_backward(model, t->grad_out, grad_scale));
+    t->held[micro % t->n_instances] = -1;
     if (stage.first) return MOE_OK;
     float *grad_in = slot(t->grad_in, micro, acts);
     t->ops->copy(grad_in, moe_model_stage_input_grad(model), (size_t)acts * sizeof(float));
@@ -484,15 +507,16 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
     if (!ops) return moe_error(MOE_ERR_OUT_OF_MEMORY, "trainer: a schedule of %lld micro-batches", (long long)M);
     schedule(ops, c->pipe_schedule, stage.index, stage.count, M);
     for (int64_t i = 0; i < 2 * M; i++) t->sends[i] = (moe_comm_request)MOE_COMM_REQUEST_INIT;
-    moe_model_set_training(model, true);
+    for (int64_t i = 0; i < t->n_instances; i++) {
+        moe_model_set_training(t->instances[i], true);
+        t->held[i] = -1;
+    }
     moe_status st = MOE_OK;
-    int64_t held = -1; /* the micro-batch whose activations the model holds */
     for (int64_t i = 0; i < 2 * M && st == MOE_OK; i++) {
         const int64_t micro = ops[i].micro;
         if (!ops[i].backward) {
             moe_model_stats s;
             st = stage_forward(t, micro, false, &s);
-            held = micro;
             /* Zeroed after the first forward, whose token uploads would
              * otherwise wait for the device to finish it. */
             if (i == 0) moe_model_zero_grad(model);
@@ -503,18 +527,16 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
             sum.load_imbalance += s.load_imbalance;
             sum.dropped_frac += s.dropped_frac;
         } else {
-            /* The step's last backward sums the gradients over the ranks
-             * that share them; sharded, every run with a group is
-             * reduce-scattered instead. */
-            moe_model_set_grad_sync(model, !t->sharded && i == 2 * M - 1);
-            st = stage_backward(t, micro, held, micro_scale);
-            held = -1;
+            /* Sharded, every run with a group is reduce-scattered instead. */
+            st = stage_backward(t, micro, !t->sharded && i == 2 * M - 1, micro_scale);
         }
     }
     free(ops);
     /* Every send is done before its buffer is written again. */
     st = moe_comm_wait_all(t->sends, (int)(2 * M), st);
     MOE_TRY(st);
+    /* Whichever instance ran the last backward has the sums in flight. */
+    for (int64_t i = 1; i < t->n_instances; i++) MOE_TRY(moe_model_finish_grad_sync(t->instances[i]));
     /* After every micro-batch, so that all of them route with one bias. */
     MOE_TRY(moe_model_update_router_bias(model));
 

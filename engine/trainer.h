@@ -17,11 +17,11 @@ typedef enum moe_lr_schedule {
 } moe_lr_schedule;
 
 /* The order of a pipeline's micro-batches (moe_model_stage): GPipe runs
- * every forward, then every backward, the last micro-batch's first; 1F1B starts the backwards as soon as
- * the last stage can, so a stage holds at most (stages - stage) forwards in
- * flight. On one stage 1F1B is the plain forward, backward, forward, ...
- * and GPipe keeps every micro-batch's forward until the end (its
- * activations are recomputed, below). */
+ * every forward, then every backward, the last micro-batch's first; 1F1B
+ * starts the backwards as soon as the last stage can, so a stage holds at
+ * most (stages - stage) forwards in flight. On one stage 1F1B is the plain
+ * forward, backward, forward, ... and GPipe keeps every micro-batch's
+ * forward until the end (recomputing their activations: moe_trainer_step). */
 typedef enum moe_pipe_schedule {
     MOE_PIPE_1F1B = 0,
     MOE_PIPE_GPIPE,
@@ -91,15 +91,17 @@ typedef struct moe_step_metrics {
  * receives each forward's input from the one before, sends its output to
  * the one after, and the gradients flow back the same way; sends are
  * non-blocking, each from its own buffer, and complete before the step
- * ends, so no stage waits on a send. A stage keeps one forward's
- * activations: a backward whose forward is not the last one run
- * recomputes it first from the input it kept (its jitter noise drawn
- * again): a stage holds one micro-batch's activations, and per micro-batch
- * of the step its input and the two messages, B*T x hidden each. Under
- * 1F1B the last stage recomputes nothing and the others every forward but
- * a lone micro-batch's; GPipe's backwards run last micro-batch first, so
- * every stage recomputes all forwards but the last. The metrics are the
- * whole model's, on every stage. */
+ * ends, so no stage waits on a send. Under 1F1B a stage keeps the
+ * activations of each forward in flight, at most stages - stage of them,
+ * each on an instance of the model of its own (the model and its twins,
+ * moe_model_create_twin), and recomputes nothing. GPipe keeps one
+ * micro-batch's activations, as the GPipe paper does: a backward whose
+ * forward is not the last one run recomputes it first from the input it
+ * kept (its jitter noise drawn again, no load counted twice), so every
+ * stage recomputes all forwards but the last (the backwards run last
+ * micro-batch first). Either way a stage keeps, per micro-batch of the
+ * step, its input and its two messages, B*T x hidden each. The metrics are
+ * the whole model's, on every stage. */
 moe_status moe_trainer_step(moe_trainer *trainer, moe_data *data, moe_step_metrics *metrics);
 
 /* Steps taken so far. */
