@@ -59,6 +59,8 @@ moe_status moe_grid_create(moe_grid *g, moe_comm *world, int ep_size, int pp_siz
     g->dp_size = g->size / pp_size;
     g->stage = g->rank / g->dp_size;
     g->dp_rank = g->rank % g->dp_size;
+    if ((ep_size <= 0 || g->dp_size % ep_size != 0) && pp_size == 1)
+        return moe_error(MOE_ERR_CONFIG, "--ep %d must divide the number of ranks, %d", ep_size, g->size);
     if (ep_size <= 0 || g->dp_size % ep_size != 0)
         return moe_error(MOE_ERR_CONFIG, "--ep %d must divide the data-parallel ranks, %d (%d ranks / --pp %d)",
                          ep_size, g->dp_size, g->size, pp_size);

@@ -213,6 +213,9 @@ moe_status moe_run_options_validate(const moe_run_options *o) {
     if (o->pp <= 0) return moe_error(MOE_ERR_CONFIG, "--pp %d must be positive", o->pp);
     if ((unsigned)o->pp_schedule >= N_PIPE_SCHEDULES)
         return moe_error(MOE_ERR_CONFIG, "--pp-schedule %d unknown: expected 1f1b or gpipe", (int)o->pp_schedule);
+    /* One stage has no pipeline to fill: GPipe would only recompute. */
+    if (o->pp == 1 && o->pp_schedule != MOE_PIPE_1F1B)
+        return moe_error(MOE_ERR_CONFIG, "--pp-schedule %s needs --pp > 1", moe_pipe_schedule_name(o->pp_schedule));
     if (o->ep <= 0) return moe_error(MOE_ERR_CONFIG, "--ep %d must be positive", o->ep);
     if (o->zero != 0 && o->zero != 1) return moe_error(MOE_ERR_CONFIG, "--zero %d: only 0 and 1 exist", o->zero);
     if (!isfinite(o->comm_timeout) || o->comm_timeout <= 0.0)
@@ -839,6 +842,8 @@ static moe_status write_run_json(run *r, const moe_run_summary *s, const moe_jso
     moe_json_int(&w, s->ranks);
     moe_json_key(&w, "optimizer_bytes_per_rank");
     moe_json_int(&w, s->optimizer_bytes);
+    moe_json_key(&w, "optimizer_bytes_most_per_rank");
+    moe_json_int(&w, s->optimizer_bytes_most);
     json_opt_string(&w, "train_data", s->train_data);
     json_opt_string(&w, "val_data", s->val_data);
     if (!isnan(s->entropy_floor)) {
@@ -1146,6 +1151,19 @@ static moe_status run_body(run *r, double start) {
                      moe_model_get_run(r->model, MOE_RUN_EXPERTS).count * o->ep;
     const moe_model_stage stage = moe_model_get_stage(r->model);
     if (stage.pipe) MOE_TRY(moe_comm_allreduce_sum(stage.pipe, &params, 1, MOE_COMM_I64));
+    /* The AdamW state differs between stages (and ZeRO blocks): its range over the ranks. */
+    int64_t state_bytes[2] = {moe_trainer_optimizer_bytes(r->trainer), moe_trainer_optimizer_bytes(r->trainer)};
+    if (r->world) {
+        int64_t *all = malloc((size_t)r->ranks * sizeof *all);
+        if (!all) return moe_error(MOE_ERR_OUT_OF_MEMORY, "AdamW state of %d ranks", r->ranks);
+        moe_status st = moe_comm_allgather(r->world, all, &state_bytes[0], 1, MOE_COMM_I64);
+        for (int q = 0; st == MOE_OK && q < r->ranks; q++) {
+            if (all[q] < state_bytes[0]) state_bytes[0] = all[q];
+            if (all[q] > state_bytes[1]) state_bytes[1] = all[q];
+        }
+        free(all);
+        MOE_TRY(st);
+    }
     const moe_run_summary summary = {
         .config = &r->cfg,
         .options = o,
@@ -1167,6 +1185,8 @@ static moe_status run_body(run *r, double start) {
         .pp = o->pp,
         .stage_layers = r->stage_layers,
         .optimizer_bytes = moe_trainer_optimizer_bytes(r->trainer),
+        .optimizer_bytes_least = state_bytes[0],
+        .optimizer_bytes_most = state_bytes[1],
         .train_data = o->eval_only ? NULL : r->train.desc,
         .val_data = r->val.desc,
     };
@@ -1243,7 +1263,8 @@ moe_status moe_run(const moe_run_options *opts, const moe_run_callbacks *callbac
          * the model config that the grid (build_model) needs is known:
          * its stage-major coordinates (grid.h) are taken here ahead of it. */
         if (st == MOE_OK && r.ranks % opts->pp != 0)
-            st = moe_error(MOE_ERR_CONFIG, "--pp %d must divide the number of ranks, %d", opts->pp, r.ranks);
+            st = moe_error(MOE_ERR_CONFIG, "--pp %d must divide the number of ranks, %d%s", opts->pp, r.ranks,
+                           r.ranks == 1 ? " (start the ranks with mpirun)" : "");
         if (st == MOE_OK) {
             r.dp_size = r.ranks / opts->pp;
             r.dp_rank = r.rank % r.dp_size;

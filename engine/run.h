@@ -151,7 +151,8 @@ typedef struct moe_run_summary {
     /* [pp + 1]: stage s holds layers [stage_layers[s], stage_layers[s + 1]);
      * NULL without a pipeline. */
     const int64_t *stage_layers;
-    int64_t optimizer_bytes; /* AdamW state held by each rank */
+    int64_t optimizer_bytes; /* AdamW state held by this rank */
+    int64_t optimizer_bytes_least, optimizer_bytes_most; /* over the ranks: stages hold different layers */
     const char *train_data;  /* what was opened */
     const char *val_data;
 } moe_run_summary;

@@ -442,6 +442,9 @@ static moe_status stage_forward(moe_trainer *t, int64_t micro, bool replay, moe_
     float *in = slot(t->stage_in, micro, acts);
     if (!replay) {
         t->jitter[micro] = moe_model_jitter_counter(model);
+        /* The sync ends the last op's time before the wait for the other
+         * stage, which a profile then gives to no op. */
+        if (!stage.first) MOE_TRY(t->ops->sync());
         if (!stage.first)
             MOE_TRY(moe_comm_recv(stage.device_pipe, in, acts, MOE_COMM_F32, stage.index - 1, TAG_FORWARD));
     }
@@ -462,6 +465,7 @@ static moe_status stage_backward(moe_trainer *t, int64_t micro, bool sync, float
     moe_model *model = t->instances[micro % t->n_instances];
     const moe_model_stage stage = moe_model_get_stage(model);
     const int64_t acts = moe_model_batch_size(model) * moe_model_seq_len(model) * moe_model_get_config(model)->hidden_size;
+    if (!stage.last) MOE_TRY(t->ops->sync()); /* as in stage_forward */
     if (!stage.last)
         MOE_TRY(moe_comm_recv(stage.device_pipe, t->grad_out, acts, MOE_COMM_F32, stage.index + 1, TAG_BACKWARD));
     if (t->held[micro % t->n_instances] != micro) {

@@ -103,5 +103,6 @@ refused "--pp 4 on a model of 2 layers" "--pp 4: a pipeline needs a layer per st
     --pp 4
 refused "--pp-schedule foo" "--pp-schedule 'foo': expected 1f1b or gpipe" 1 --pp-schedule foo
 refused "--pp 0" "--pp 0 must be positive" 1 --pp 0
+refused "--pp-schedule gpipe without --pp" "--pp-schedule gpipe needs --pp > 1" 1 --pp-schedule gpipe
 
 summary

@@ -93,7 +93,8 @@ static void print_help(void) {
            "                       --gemm-math at start-up (default)\n"
            "  --profile            time every op of the steps after the first (on a GPU: events\n"
            "                       in its stream) and print where the time went; also in\n"
-           "                       metrics.jsonl\n\n"
+           "                       metrics.jsonl; on several ranks rank 0's ops (under --pp, the\n"
+           "                       first stage's; waits for other stages count as no op's)\n\n"
            "Parallel (run under mpirun; every rank gets the same flags):\n"
            "  --pp S               split the layers over S pipeline stages (default 1): S divides\n"
            "                       the ranks, rank r is stage r/(ranks/S), a stage's ranks are\n"
@@ -223,7 +224,11 @@ static void print_grid(const moe_run_summary *s) {
                 printf("%s%lld-%lld", stage ? " | " : "", first, last);
         }
     }
-    printf("; AdamW state %.2f MB per rank%s\n", (double)s->optimizer_bytes * 1e-6, o->zero ? " (--zero 1)" : "");
+    char least[32], most[32];
+    snprintf(least, sizeof least, "%.2f", (double)s->optimizer_bytes_least * 1e-6);
+    snprintf(most, sizeof most, "%.2f", (double)s->optimizer_bytes_most * 1e-6);
+    printf("; AdamW state %s%s%s MB per rank%s\n", strcmp(least, most) ? least : "", strcmp(least, most) ? "-" : "",
+           most, o->zero ? " (--zero 1)" : "");
 }
 
 static void on_start(void *ctx, const moe_run_summary *s) {
@@ -254,7 +259,8 @@ static void on_start(void *ctx, const moe_run_summary *s) {
     if (s->placement) printf("place    %s\n", s->placement);
     printf("device   %s, %s GEMMs, %d threads", s->device, moe_gemm_math_name(o->gemm_math), s->threads);
     if (!isnan(s->peak_gflops))
-        printf(", GEMM peak %.1f GFLOP/s (%s)", s->peak_gflops, s->peak_measured ? "measured" : "--peak-gflops");
+        printf(", GEMM peak %.1f GFLOP/s%s (%s)", s->peak_gflops, s->ranks > 1 ? " summed over the ranks" : "",
+               s->peak_measured ? "measured" : "--peak-gflops per rank");
     printf("\n");
     if (s->ranks > 1) print_grid(s);
     if (!p->eval_only) {
