@@ -6,6 +6,7 @@
 #include "engine/trainer.h"
 
 #include <math.h>
+#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -56,6 +57,7 @@ struct moe_trainer {
     moe_model **instances;
     int64_t n_instances;
     int64_t *held;
+    double waited; /* seconds of this step spent waiting for other stages */
 };
 
 moe_status moe_optim_config_validate(const moe_optim_config *c) {
@@ -444,9 +446,12 @@ static moe_status stage_forward(moe_trainer *t, int64_t micro, bool replay, moe_
         t->jitter[micro] = moe_model_jitter_counter(model);
         /* The sync ends the last op's time before the wait for the other
          * stage, which a profile then gives to no op. */
-        if (!stage.first) MOE_TRY(t->ops->sync());
-        if (!stage.first)
+        if (!stage.first) {
+            MOE_TRY(t->ops->sync());
+            const double start = omp_get_wtime();
             MOE_TRY(moe_comm_recv(stage.device_pipe, in, acts, MOE_COMM_F32, stage.index - 1, TAG_FORWARD));
+            t->waited += omp_get_wtime() - start;
+        }
     }
     MOE_TRY(moe_model_stage_forward(model, inputs, in, targets, replay, stats));
     t->held[micro % t->n_instances] = micro;
@@ -465,9 +470,12 @@ static moe_status stage_backward(moe_trainer *t, int64_t micro, bool sync, float
     moe_model *model = t->instances[micro % t->n_instances];
     const moe_model_stage stage = moe_model_get_stage(model);
     const int64_t acts = moe_model_batch_size(model) * moe_model_seq_len(model) * moe_model_get_config(model)->hidden_size;
-    if (!stage.last) MOE_TRY(t->ops->sync()); /* as in stage_forward */
-    if (!stage.last)
+    if (!stage.last) {
+        MOE_TRY(t->ops->sync()); /* as in stage_forward */
+        const double start = omp_get_wtime();
         MOE_TRY(moe_comm_recv(stage.device_pipe, t->grad_out, acts, MOE_COMM_F32, stage.index + 1, TAG_BACKWARD));
+        t->waited += omp_get_wtime() - start;
+    }
     if (t->held[micro % t->n_instances] != micro) {
         const uint64_t latest = moe_model_jitter_counter(model);
         moe_model_set_jitter_counter(model, t->jitter[micro]);
@@ -486,14 +494,17 @@ static moe_status stage_backward(moe_trainer *t, int64_t micro, bool sync, float
     return moe_comm_isend(stage.device_pipe, req, grad_in, acts, MOE_COMM_F32, stage.index - 1, TAG_BACKWARD);
 }
 
-/* The stages' shares of the step's statistics add up to the model's. */
-static moe_status pipeline_sum(moe_model *model, moe_model_stats *s) {
-    moe_comm *pipe = moe_model_get_stage(model).pipe;
-    if (!pipe) return MOE_OK;
-    double v[6] = {s->loss, s->ce_loss, s->aux_loss, s->z_loss, s->load_imbalance, s->dropped_frac};
-    MOE_TRY(moe_comm_allreduce_sum(pipe, v, 6, MOE_COMM_F64));
+/* The stages' shares of the step's statistics add up to the model's;
+ * *idle, this stage's share of time spent waiting, becomes the stages'
+ * mean. */
+static moe_status pipeline_sum(moe_model *model, moe_model_stats *s, double *idle) {
+    const moe_model_stage stage = moe_model_get_stage(model);
+    if (!stage.pipe) return MOE_OK;
+    double v[7] = {s->loss, s->ce_loss, s->aux_loss, s->z_loss, s->load_imbalance, s->dropped_frac, *idle};
+    MOE_TRY(moe_comm_allreduce_sum(stage.pipe, v, 7, MOE_COMM_F64));
     *s = (moe_model_stats){.loss = v[0], .ce_loss = v[1], .aux_loss = v[2], .z_loss = v[3], .load_imbalance = v[4],
                            .dropped_frac = v[5]};
+    *idle = v[6] / stage.count;
     return MOE_OK;
 }
 
@@ -510,6 +521,8 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
     pipe_op *ops = malloc((size_t)(2 * M) * sizeof *ops);
     if (!ops) return moe_error(MOE_ERR_OUT_OF_MEMORY, "trainer: a schedule of %lld micro-batches", (long long)M);
     schedule(ops, c->pipe_schedule, stage.index, stage.count, M);
+    const double schedule_start = omp_get_wtime();
+    t->waited = 0.0;
     for (int64_t i = 0; i < 2 * M; i++) t->sends[i] = (moe_comm_request)MOE_COMM_REQUEST_INIT;
     for (int64_t i = 0; i < t->n_instances; i++) {
         moe_model_set_training(t->instances[i], true);
@@ -537,8 +550,12 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
     }
     free(ops);
     /* Every send is done before its buffer is written again. */
+    const double sends_start = omp_get_wtime();
     st = moe_comm_wait_all(t->sends, (int)(2 * M), st);
     MOE_TRY(st);
+    const double schedule_end = omp_get_wtime();
+    t->waited += schedule_end - sends_start;
+    double idle = t->waited / (schedule_end - schedule_start);
     /* Whichever instance ran the last backward has the sums in flight. */
     for (int64_t i = 1; i < t->n_instances; i++) MOE_TRY(moe_model_finish_grad_sync(t->instances[i]));
     /* After every micro-batch, so that all of them route with one bias. */
@@ -547,7 +564,7 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
     MOE_TRY(moe_model_finish_grad_sync(model));
     if (t->sharded) MOE_TRY(scatter_grads(t));
     MOE_TRY(world_mean(model, &sum.loss, &sum.ce_loss));
-    MOE_TRY(pipeline_sum(model, &sum));
+    MOE_TRY(pipeline_sum(model, &sum, &idle));
 
     double sumsq;
     MOE_TRY(grad_sumsq(t, &sumsq));
@@ -569,7 +586,7 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
         *metrics = (moe_step_metrics){
             .step = t->steps_done, .loss = sum.loss / a, .ce_loss = sum.ce_loss / a, .aux_loss = sum.aux_loss / a,
             .z_loss = sum.z_loss / a, .lr = lr, .grad_norm = norm, .load_imbalance = sum.load_imbalance / a,
-            .dropped_frac = sum.dropped_frac / a};
+            .dropped_frac = sum.dropped_frac / a, .pipeline_idle = stage.pipe ? idle : 0.0};
     }
     return MOE_OK;
 }
@@ -603,7 +620,8 @@ moe_status moe_trainer_eval(moe_trainer *t, moe_data *data, int64_t n_batches, d
     double unused = 0.0;
     MOE_TRY(world_mean(model, &total, &unused));
     moe_model_stats sum = {.ce_loss = total};
-    MOE_TRY(pipeline_sum(model, &sum));
+    double idle = 0.0;
+    MOE_TRY(pipeline_sum(model, &sum, &idle));
     *val_loss = sum.ce_loss / (double)n_batches;
     return MOE_OK;
 }

@@ -83,6 +83,10 @@ typedef struct moe_step_metrics {
     double grad_norm;      /* before clipping */
     double load_imbalance;
     double dropped_frac;
+    /* The pipeline's bubble as measured: the stages' mean share of the
+     * schedule's wall time spent waiting for another stage (0 on one
+     * stage). 1F1B's ideal is (stages - 1) / (grad_accum + stages - 1). */
+    double pipeline_idle;
 } moe_step_metrics;
 
 /* One optimizer step over grad_accum micro-batches of data. On a pipeline

@@ -173,6 +173,7 @@ typedef struct printer {
     bool bar_on;  /* the bar is drawn on the current line */
     bool eval_only;
     int rank;     /* under mpirun; only rank 0 prints */
+    bool pipeline; /* --pp > 1: each step says how long the stages waited */
     bool quiet;
     int kill_rank, kill_step; /* MOE_FAULT_KILL=RANK:STEP, or -1 */
 } printer;
@@ -304,6 +305,7 @@ static void on_step(void *ctx, const moe_run_step *s) {
            "imbalance %.2f | dropped %.1f%%\n",
            (long long)m->step, (long long)s->total_steps, m->loss, m->aux_loss, m->lr, m->grad_norm,
            s->tokens_per_s, 100.0 * s->mfu, m->load_imbalance, 100.0 * m->dropped_frac);
+    if (p->pipeline) printf("         pipeline idle %.1f%% of the schedule (stages' mean)\n", 100.0 * m->pipeline_idle);
     if (p->tty) draw_bar(p, s);
     fflush(stdout);
 }
@@ -453,7 +455,7 @@ int main(int argc, char **argv) {
     /* Only rank 0 prints, also the warnings that come before on_start. */
     const char *rank = launcher_rank();
     printer p = {.tty = isatty(STDOUT_FILENO), .eval_only = o.eval_only, .rank = rank ? atoi(rank) : 0,
-                 .quiet = rank && atoi(rank) != 0, .kill_rank = -1, .kill_step = -1};
+                 .pipeline = o.pp > 1, .quiet = rank && atoi(rank) != 0, .kill_rank = -1, .kill_step = -1};
     const char *fault = getenv("MOE_FAULT_KILL");
     if (fault && parse_fault(&p, fault) != 0)
         return cli_usage_error("MOE_FAULT_KILL=%s: expected RANK:STEP, RANK >= 0 and STEP >= 1", fault);

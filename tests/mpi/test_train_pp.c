@@ -32,7 +32,7 @@ static void tiny_config(moe_model_config *c) {
 }
 
 typedef struct curve {
-    double loss[STEPS], norm[STEPS], ce[STEPS], aux[STEPS];
+    double loss[STEPS], norm[STEPS], ce[STEPS], aux[STEPS], idle[STEPS];
 } curve;
 
 /* Trains STEPS steps of M micro-batches of `rows` rows per rank; grid
@@ -58,6 +58,7 @@ static moe_status train(curve *out, const moe_grid *grid, int64_t rows, int64_t 
         out->norm[s] = m.grad_norm;
         out->ce[s] = m.ce_loss;
         out->aux[s] = m.aux_loss;
+        out->idle[s] = m.pipeline_idle;
     }
     moe_trainer_destroy(trainer);
     moe_model_destroy(model);
@@ -90,6 +91,12 @@ static int run_grid(int pp, int ep, int zero, int64_t M, moe_pipe_schedule sched
     if (!bad) bad = compare(got.aux, want.aux, "aux loss");
     if (!bad) bad = compare(got.norm, want.norm, "gradient norm");
     if (!bad) bad = mpi_loss_did_not_fall(want.loss, STEPS);
+    /* A share of the schedule's time: none without a pipeline. */
+    for (int s = 0; !bad && s < STEPS; s++)
+        if (!(got.idle[s] >= 0.0 && got.idle[s] < 1.0) || want.idle[s] != 0.0) {
+            printf("  rank %d: step %d: pipeline idle %g, one rank %g\n", rank, s + 1, got.idle[s], want.idle[s]);
+            bad = 1;
+        }
     moe_grid_destroy(&grid);
     return bad;
 }
