@@ -371,9 +371,10 @@ static moe_status build_instance(moe_model *m) {
         moe_layer_set_overlap(m->moe[i], m->overlap);
     }
     MOE_TRY(build_arena(m));
-    /* Every tensor is named and sized now, the layers' included. */
+    /* Every tensor is named and sized now, the layers' included; only the
+     * base writes initial values through staging. */
     int64_t staging = m->N;
-    for (int64_t i = 0; i < m->n_tensors; i++)
+    for (int64_t i = 0; !m->base && i < m->n_tensors; i++)
         if (m->tensors[i].numel > staging) staging = m->tensors[i].numel;
     m->losses_host = calloc((size_t)m->N, sizeof *m->losses_host);
     m->staging = malloc((size_t)staging * sizeof *m->staging);
@@ -567,14 +568,19 @@ void moe_model_zero_grad(moe_model *m) { m->ops->zero(m->grads, (size_t)m->n_par
 
 const moe_ops *moe_model_ops(const moe_model *m) { return m->ops; }
 
-float *moe_model_host_params(moe_model *m) { return m->host_params; }
+/* A twin's host view is its base's. */
+static moe_model *base_of(moe_model *m) { return m->base ? m->base : m; }
+
+float *moe_model_host_params(moe_model *m) { return base_of(m)->host_params; }
 
 moe_status moe_model_pull(moe_model *m) {
+    m = base_of(m);
     return moe_host_view_pull(m->ops, (void **)&m->host_params, m->params, (size_t)m->n_params * sizeof(float),
                               "model parameters");
 }
 
 moe_status moe_model_push(moe_model *m) {
+    m = base_of(m);
     return moe_host_view_push(m->ops, m->params, m->host_params, (size_t)m->n_params * sizeof(float),
                               "model parameters");
 }

@@ -80,8 +80,9 @@ void moe_model_destroy(moe_model *model);
  * route with base's selection bias, add their load to base's, and draw
  * and advance base's jitter counters (moe_layer_share_state): forwards on
  * any twin are forwards of base. Checkpoints, the bias step and the host
- * view of the parameters are base's. Destroy twins before base. Not
- * collective. */
+ * view of the parameters are base's. Destroy twins before base.
+ * Collective over the expert-parallel group, whose ranks make their twins
+ * together (as a stage's ranks do). */
 moe_status moe_model_create_twin(moe_model **twin, moe_model *base);
 
 /* Whether a model of cfg can take batches of B sequences of T tokens (what

@@ -241,9 +241,9 @@ moe_status moe_trainer_create(moe_trainer **out, moe_model *model, const moe_opt
     if (st == MOE_OK) t->instances[0] = model;
     for (int64_t i = 1; st == MOE_OK && i < t->n_instances; i++) st = moe_model_create_twin(&t->instances[i], model);
     if (st != MOE_OK) {
+        const long long state = (long long)t->state_count;
         moe_trainer_destroy(t);
-        return moe_error_prefix(st, "trainer: AdamW state for %lld parameters and the pipeline's buffers: ",
-                                (long long)t->state_count);
+        return moe_error_prefix(st, "trainer: AdamW state for %lld parameters and the pipeline's buffers: ", state);
     }
     carve_runs(t);
     st = make_spans(t);
