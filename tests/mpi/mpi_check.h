@@ -125,6 +125,12 @@ static inline moe_data *mpi_token_stream(int32_t **tokens, int64_t vocab) {
     return data;
 }
 
+/* A training test's start: the world (mpi_check_init) and its token
+ * stream (mpi_token_stream); NULL after printing why either failed. */
+static inline moe_data *mpi_training_start(int32_t **tokens, int64_t vocab) {
+    return mpi_check_init() ? mpi_token_stream(tokens, vocab) : NULL;
+}
+
 /* Trains steps [from, to), writing each step's loss and (norms non-NULL)
  * gradient norm at its index. */
 static inline moe_status mpi_train_steps(double *losses, double *norms, moe_trainer *trainer, moe_data *data, int from,

@@ -441,16 +441,27 @@ static int write_broken(const char *dir, const char *one_path, const char *weigh
     return bad;
 }
 
+/* One rank's checkpoint at one_path, copied to tmp/name with weight and
+ * moment left out (also_weight, also_moment added, unless NULL), fails to
+ * load into r, a run made on grid g, on every rank, naming the missing or
+ * unknown tensors (want_weight, want_moment); 1 after printing otherwise. */
+static int broken_load_fails(run *r, const char *name, grid g, const char *one_path, const char *weight,
+                             const char *also_weight, const char *moment, const char *also_moment,
+                             const char *want_weight, const char *want_moment) {
+    char dir[512];
+    snprintf(dir, sizeof dir, "%s/%s", tmp, name);
+    int bad = write_broken(dir, one_path, weight, also_weight, moment, also_moment);
+    if (!bad) bad = mpi_fail_status(make_run(r, world, g, B, SEED + 1), name);
+    if (!bad) bad = expect_failed_loads(r, dir, want_weight, want_moment);
+    return bad;
+}
+
 static void test_errors(const char *one_path) {
     /* The last rank of EP = size holds expert 3; only it misses its tensors. */
     const char *weight = "model.layers.1.block_sparse_moe.experts.3.w2.weight";
     const char *moment = "optimizer.exp_avg.model.layers.0.block_sparse_moe.experts.3.w1.weight";
-    char missing[512];
-    snprintf(missing, sizeof missing, "%s/missing", tmp);
     run r = {0};
-    int bad = write_broken(missing, one_path, weight, NULL, moment, NULL);
-    if (!bad) bad = mpi_fail_status(make_run(&r, world, (grid){1, size, 1}, B, SEED + 1), "grid");
-    if (!bad) bad = expect_failed_loads(&r, missing, weight, moment);
+    int bad = broken_load_fails(&r, "missing", (grid){1, size, 1}, one_path, weight, NULL, moment, NULL, weight, moment);
     report(bad, "a load failing on the last rank only fails everywhere and changes nothing");
 
     /* Layer 3 is the last stage's: the others take its tensors for another
@@ -459,12 +470,9 @@ static void test_errors(const char *one_path) {
     const char *q_moment = "optimizer.exp_avg.model.layers.3.self_attn.q_proj.weight";
     const char *extra = "model.layers.3.self_attn.q_proj.bias";
     const char *extra_moment = "optimizer.exp_avg.model.layers.3.self_attn.q_proj.bias";
-    char unknown[512];
-    snprintf(unknown, sizeof unknown, "%s/unknown", tmp);
     run pp = {0};
-    int b = write_broken(unknown, one_path, q, extra, q_moment, extra_moment);
-    if (!b) b = mpi_fail_status(make_run(&pp, world, (grid){size, 1, 0}, B, SEED + 1), "pipeline");
-    if (!b) b = expect_failed_loads(&pp, unknown, extra, extra_moment);
+    int b = broken_load_fails(&pp, "unknown", (grid){size, 1, 0}, one_path, q, extra, q_moment, extra_moment, extra,
+                              extra_moment);
     free_run(&pp);
     report(b, "on a pipeline, a tensor of no stage fails the load on the stage of its layer, everywhere");
 

@@ -77,9 +77,8 @@ static int run_grid(int ep_size, double capacity, moe_data *data) {
 }
 
 int main(void) {
-    if (!mpi_check_init()) return 1;
     int32_t *tokens = NULL;
-    moe_data *data = mpi_token_stream(&tokens, VOCAB);
+    moe_data *data = mpi_training_start(&tokens, VOCAB);
     if (!data) return 1;
     const int ep_sizes[3] = {1, size, size / 2};
     const int grids = size >= 4 ? 3 : 2;

@@ -196,9 +196,8 @@ static int check_bad_target(void) {
 }
 
 int main(void) {
-    if (!mpi_check_init()) return 1;
     int32_t *tokens = NULL;
-    moe_data *data = mpi_token_stream(&tokens, VOCAB);
+    moe_data *data = mpi_training_start(&tokens, VOCAB);
     if (!data) return 1;
     mpi_report(check_stages(), "%d stages hold the layers in order; overlapping stages are refused", size);
     mpi_report(check_layouts(), "a pipeline without the grid's communicator%s is refused on every rank",

@@ -111,9 +111,8 @@ static int run_grid(int ep_size, int64_t accum, moe_data *data) {
 }
 
 int main(void) {
-    if (!mpi_check_init()) return 1;
     int32_t *tokens = NULL;
-    moe_data *data = mpi_token_stream(&tokens, VOCAB);
+    moe_data *data = mpi_training_start(&tokens, VOCAB);
     if (!data) return 1;
     typedef struct {
         int ep;
