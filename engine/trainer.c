@@ -46,7 +46,8 @@ struct moe_trainer {
     int32_t *tokens;     /* [grad_accum][2, B, T]: each micro-batch's inputs, then its targets */
     /* The pipeline, per micro-batch: */
     uint64_t *jitter;    /* [grad_accum] the jitter counter its forward started from */
-    float *stage_in;     /* [grad_accum][B*T, C] its input from the previous stage (kept for a replay) */
+    float *stage_in;     /* [in_slots][B*T, C] its input from the previous stage */
+    int64_t in_slots;    /* GPipe: grad_accum, each input kept for its replay; 1F1B: 1, copied in by the forward */
     float *stage_out;    /* [grad_accum][B*T, C] its output on its way to the next stage */
     float *grad_in;      /* [grad_accum][B*T, C] the gradient of its input on its way back */
     float *grad_out;     /* [B*T, C] the gradient of the output, from the next stage */
@@ -226,7 +227,8 @@ moe_status moe_trainer_create(moe_trainer **out, moe_model *model, const moe_opt
         st = moe_error(MOE_ERR_OUT_OF_MEMORY, "trainer: %lld micro-batches of %lld tokens", (long long)M, (long long)BT);
     const moe_model_stage stage = moe_model_get_stage(model);
     const size_t acts = (size_t)(BT * moe_model_get_config(model)->hidden_size) * sizeof(float);
-    if (st == MOE_OK && !stage.first) st = t->ops->alloc((void **)&t->stage_in, (size_t)M * acts);
+    t->in_slots = cfg->pipe_schedule == MOE_PIPE_GPIPE ? M : 1;
+    if (st == MOE_OK && !stage.first) st = t->ops->alloc((void **)&t->stage_in, (size_t)t->in_slots * acts);
     if (st == MOE_OK && !stage.first) st = t->ops->alloc((void **)&t->grad_in, (size_t)M * acts);
     if (st == MOE_OK && !stage.last) st = t->ops->alloc((void **)&t->stage_out, (size_t)M * acts);
     if (st == MOE_OK && !stage.last) st = t->ops->alloc((void **)&t->grad_out, acts);
@@ -441,7 +443,7 @@ static moe_status stage_forward(moe_trainer *t, int64_t micro, bool replay, moe_
     const int64_t BT = moe_model_batch_size(model) * moe_model_seq_len(model);
     const int64_t acts = BT * moe_model_get_config(model)->hidden_size;
     int32_t *inputs = t->tokens + 2 * BT * micro, *targets = inputs + BT;
-    float *in = slot(t->stage_in, micro, acts);
+    float *in = slot(t->stage_in, micro % t->in_slots, acts);
     if (!replay) {
         t->jitter[micro] = moe_model_jitter_counter(model);
         /* The sync ends the last op's time before the wait for the other
@@ -477,6 +479,10 @@ static moe_status stage_backward(moe_trainer *t, int64_t micro, bool sync, float
         t->waited += omp_get_wtime() - start;
     }
     if (t->held[micro % t->n_instances] != micro) {
+        /* 1F1B keeps no inputs: its instances hold every forward in flight. */
+        if (!stage.first && t->in_slots < t->cfg.grad_accum)
+            return moe_error(MOE_ERR_INTERNAL, "trainer: micro-batch %lld's input is gone, its forward cannot be replayed",
+                             (long long)micro);
         const uint64_t latest = moe_model_jitter_counter(model);
         moe_model_set_jitter_counter(model, t->jitter[micro]);
         const moe_status st = stage_forward(t, micro, true, NULL);

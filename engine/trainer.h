@@ -103,9 +103,9 @@ typedef struct moe_step_metrics {
  * forward is not the last one run recomputes it first from the input it
  * kept (its jitter noise drawn again, no load counted twice), so every
  * stage recomputes all forwards but the last (the backwards run last
- * micro-batch first). Either way a stage keeps, per micro-batch of the
- * step, its input and its two messages, B*T x hidden each. The metrics are
- * the whole model's, on every stage. */
+ * micro-batch first). A stage also keeps, per micro-batch of the step,
+ * its two messages (and under GPipe its input), B*T x hidden each. The
+ * metrics are the whole model's, on every stage. */
 moe_status moe_trainer_step(moe_trainer *trainer, moe_data *data, moe_step_metrics *metrics);
 
 /* Steps taken so far. */
