@@ -4,7 +4,8 @@
 # and leave the last checkpoint on disk loadable. A rank that stops (SIGSTOP)
 # under a launcher that keeps the job alive when a process exits non-zero
 # must end the job too, the survivor naming the cause (Open MPI only: its
-# orte_abort_on_non_zero_status 0 stands for Slurm's default). Ranks that
+# orte_abort_on_non_zero_status 0 stands for Slurm's default), whether the
+# ranks are data-parallel or pipeline stages. Ranks that
 # disagree (other checkpoints, other moe-bench a2a flags) and faults that
 # cannot happen are refused with an error, not run.
 # Usage: fault_kill.sh BINDIR MPIEXEC [MPIEXEC FLAGS...]
@@ -64,37 +65,48 @@ if "${launcher[0]}" --version 2>/dev/null | grep -Eq "Open MPI|OpenRTE"; then
     printf '#!/usr/bin/env bash\necho $$ > "%s/pid.$OMPI_COMM_WORLD_RANK"\nexec "%s/moe-train" "$@"\n' \
         "$out" "$bin" >"$out/rank.sh"
     chmod +x "$out/rank.sh"
-    timeout 60 "${launcher[@]}" --mca orte_abort_on_non_zero_status 0 -np 2 "$out/rank.sh" \
-        --steps 400 --eval-every 0 --comm-timeout 3 --out "$out/stop" >"$out/stop.log" 2>&1 &
-    job=$!
-    # Not '^step': mpirun gives the ranks a terminal, so a progress bar comes first.
-    for _ in $(seq 600); do
-        grep -q 'step     3/' "$out/stop.log" 2>/dev/null && [ -s "$out/pid.1" ] && break
-        sleep 0.1
-    done
-    kill -STOP "$(cat "$out/pid.1" 2>/dev/null)" 2>/dev/null
-    check "rank 1 is stopped in the run" "$?"
-    start=$(date +%s)
-    wait "$job"
-    rc=$?
-    elapsed=$(($(date +%s) - start))
-    check "the job with a stopped rank exits non-zero (exit $rc)" "$([ "$rc" -ne 0 ] && [ "$rc" -ne 124 ]; echo $?)"
-    check "it ends within the timeout (${elapsed}s)" "$([ "$elapsed" -lt 30 ]; echo $?)"
-    # The first failure, not a later op's refusal on the failed communicator.
-    check "rank 0 names the cause" \
-        "$(grep 'moe-train: rank 0: ' "$out/stop.log" | grep -v refused | grep -q 'not complete after 3 s'; echo $?)"
-    # A rank left running (the job did not end) must not outlive the test;
-    # a pid no longer moe-train's (reaped, perhaps reused) is left alone.
-    for f in "$out"/pid.*; do
-        pid=$(cat "$f")
-        if grep -q moe-train "/proc/$pid/cmdline" 2>/dev/null; then
-            kill -KILL "$pid" 2>/dev/null
+    # stop_case WHAT WANT ARGS...: rank 1 of a run with ARGS stops; rank 0's
+    # first error (not a later op's refusal on the failed communicator)
+    # must match WANT.
+    stop_case() {
+        local what=$1 want=$2 log="$out/stop.$1.log"
+        shift 2
+        rm -f "$out"/pid.*
+        timeout 60 "${launcher[@]}" --mca orte_abort_on_non_zero_status 0 -np 2 "$out/rank.sh" \
+            --steps 400 --eval-every 0 --comm-timeout 3 --out "$out/stop.$what" "$@" >"$log" 2>&1 &
+        local job=$!
+        # Not '^step': mpirun gives the ranks a terminal, so a progress bar comes first.
+        for _ in $(seq 600); do
+            grep -q 'step     3/' "$log" 2>/dev/null && [ -s "$out/pid.1" ] && break
+            sleep 0.1
+        done
+        kill -STOP "$(cat "$out/pid.1" 2>/dev/null)" 2>/dev/null
+        check "$what: rank 1 is stopped in the run" "$?"
+        local start=$(date +%s)
+        wait "$job"
+        local rc=$?
+        local elapsed=$(($(date +%s) - start))
+        check "$what: the job with a stopped rank exits non-zero (exit $rc)" \
+            "$([ "$rc" -ne 0 ] && [ "$rc" -ne 124 ]; echo $?)"
+        check "$what: it ends within the timeout (${elapsed}s)" "$([ "$elapsed" -lt 30 ]; echo $?)"
+        check "$what: rank 0 names the cause" \
+            "$(grep 'moe-train: rank 0: ' "$log" | grep -v refused | grep -Eq "$want"; echo $?)"
+        # A rank left running (the job did not end) must not outlive the test;
+        # a pid no longer moe-train's (reaped, perhaps reused) is left alone.
+        for f in "$out"/pid.*; do
+            local pid=$(cat "$f")
+            if grep -q moe-train "/proc/$pid/cmdline" 2>/dev/null; then
+                kill -KILL "$pid" 2>/dev/null
+            fi
+        done
+        if [ "$failed" -ne 0 ]; then
+            echo "--- log of the run with a stopped rank ($what):"
+            grep -v '^step' "$log" | tail -n 20
         fi
-    done
-    if [ "$failed" -ne 0 ]; then
-        echo "--- log of the run with a stopped rank:"
-        grep -v '^step' "$out/stop.log" | tail -n 20
-    fi
+    }
+    stop_case data-parallel 'not complete after 3 s'
+    # Stage 0 waits for stage 1's gradients, or in the step's collectives.
+    stop_case pipeline 'peer 1 \(world 1\).* after 3 s|not complete after 3 s' --pp 2 --grad-accum 2
 else
     echo "SKIP: a stopped rank under a launcher that keeps the job alive: not Open MPI's mpirun"
 fi
