@@ -67,7 +67,8 @@ typedef struct moe_model_parallel {
     int64_t layer_begin, layer_end;
 } moe_model_parallel;
 
-/* moe_model_create on a grid of ranks; collective over par->world. Every
+/* moe_model_create on a grid of ranks; collective over par->world (and,
+ * on a pipeline, over pipe and job). Every
  * rank draws the initial values one rank would (by tensor), so the result
  * does not depend on the grid. */
 moe_status moe_model_create_parallel(moe_model **model, const moe_model_config *cfg, int64_t B, int64_t T,
@@ -117,7 +118,8 @@ moe_status moe_model_pull(moe_model *model);
 moe_status moe_model_push(moe_model *model);
 
 /* The arrays hold two runs: the dense one (embedding, attention, norms,
- * routers, shared experts, head), the same on every rank, then this rank's
+ * routers, shared experts, head: those of this rank's stage), the same on
+ * every data-parallel rank of the stage (the world), then this rank's
  * experts, the same on the ranks of its replica group. Each run is padded
  * with zeros to a multiple of its group's size, so a reduce-scatter or an
  * all-gather over the group moves equal blocks (optimizer-state sharding);

@@ -842,6 +842,8 @@ static moe_status write_run_json(run *r, const moe_run_summary *s, const moe_jso
     moe_json_int(&w, s->ranks);
     moe_json_key(&w, "optimizer_bytes_per_rank");
     moe_json_int(&w, s->optimizer_bytes);
+    moe_json_key(&w, "optimizer_bytes_least_per_rank");
+    moe_json_int(&w, s->optimizer_bytes_least);
     moe_json_key(&w, "optimizer_bytes_most_per_rank");
     moe_json_int(&w, s->optimizer_bytes_most);
     json_opt_string(&w, "train_data", s->train_data);

@@ -12,7 +12,7 @@
  *   OUT/config.json       the model config (Hugging Face Mixtral)
  *   OUT/metrics.jsonl     one JSON object per step (step, loss, ce_loss,
  *                         aux_loss, z_loss, lr, grad_norm, tokens_per_s, mfu,
- *                         load_imbalance, dropped_frac) and one per
+ *                         load_imbalance, dropped_frac, pipeline_idle) and one per
  *                         evaluation (step, val_loss, entropy_floor)
  *   OUT/step-NNNNNN/      checkpoints (checkpoint.h)
  * A fresh run starts metrics.jsonl over when it logs its first line. A run

@@ -559,6 +559,12 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
     const double sends_start = omp_get_wtime();
     st = moe_comm_wait_all(t->sends, (int)(2 * M), st);
     MOE_TRY(st);
+    /* Every stage's share over one span, to the moment the last stage is
+     * done: a stage that finishes early waits for the others here. */
+    if (stage.pipe) {
+        double none = 0.0;
+        MOE_TRY(moe_comm_allreduce_sum(stage.pipe, &none, 1, MOE_COMM_F64));
+    }
     const double schedule_end = omp_get_wtime();
     t->waited += schedule_end - sends_start;
     double idle = t->waited / (schedule_end - schedule_start);

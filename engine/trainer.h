@@ -64,8 +64,8 @@ typedef struct moe_trainer moe_trainer;
  *
  * zero = 1 shards the AdamW state as ZeRO stage 1 does: each run of the
  * model's arrays (moe_model_run) is cut into equal blocks, one per rank of
- * the run's group (the dense run across the world, the experts across
- * their replicas); a rank keeps the moments of its block only. A step then
+ * the run's group (the dense run across the world, the stage's data-parallel
+ * ranks, the experts across their replicas); a rank keeps the moments of its block only. A step then
  * reduce-scatters each run's gradients (one non-blocking reduce-scatter per
  * run after the backward: a block spans many layers, so its sum cannot start
  * before the run's last layer is done, and a reduce-scatter plus the
@@ -84,8 +84,10 @@ typedef struct moe_step_metrics {
     double load_imbalance;
     double dropped_frac;
     /* The pipeline's bubble as measured: the stages' mean share of the
-     * schedule's wall time spent waiting for another stage (0 on one
-     * stage). 1F1B's ideal is (stages - 1) / (grad_accum + stages - 1). */
+     * schedule's wall time, from a stage's first forward to the moment the
+     * last stage is done, spent waiting for another stage (0 on one
+     * stage). With stages of equal cost the ideal is (stages - 1) /
+     * (grad_accum + stages - 1) under either schedule. */
     double pipeline_idle;
 } moe_step_metrics;
 

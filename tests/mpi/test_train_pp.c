@@ -5,9 +5,11 @@
  * or 4), under 1F1B and GPipe, with more micro-batches than stages and
  * fewer; with 4 ranks PP = 2 x DP = 2 with EP = 2 and ZeRO under both, and
  * without either (the gradients all-reduced during the backward). The model
- * draws jitter noise and steers by the selection bias, so a stage's
- * recomputed forward must draw the noise of the first and count no load
- * twice; capacity drops make the routing depend on the whole batch.
+ * draws jitter noise and steers by the selection bias, so GPipe's
+ * recomputed forwards must draw the noise of the first and count no load
+ * twice, and 1F1B's instances (the model and its twins) must draw from and
+ * add to one jitter counter and one bias load; capacity drops make the
+ * routing depend on the whole batch.
  * Tolerance: 1e-5 relative per step, as float summation order allows.
  * A plain program (Criterion forks, which MPI does not survive); ends with
  * "N passed, M failed". */
