@@ -45,6 +45,10 @@ expect_fail "--max-new-tokens past int64" 2 "--max-new-tokens '99999999999999999
     --max-new-tokens 99999999999999999999
 expect_fail "--temperature not finite" 2 "--temperature 'nan'" "${p[@]}" --temperature nan
 expect_fail "--temperature negative" 2 "--temperature -0.5 must be" "${p[@]}" --temperature -0.5
+# Integers and reals alike: no sign but '-', no leading space.
+expect_fail "--samples with a '+'" 2 "--samples '+2'" "${p[@]}" --samples +2
+expect_fail "--temperature with a '+'" 2 "--temperature '+0.5'" "${p[@]}" --temperature +0.5
+expect_fail "--temperature with a leading space" 2 "--temperature ' 0.5'" "${p[@]}" --temperature ' 0.5'
 expect_fail "--top-k negative" 2 "--top-k -3 must be" "${p[@]}" --top-k=-3
 expect_fail "--seed negative" 2 "--seed '-1'" "${p[@]}" --seed -1
 expect_fail "--threads negative" 2 "--threads -1" "${p[@]}" --threads -1

@@ -24,17 +24,19 @@ int cli_usage_error(const char *fmt, ...) {
     return 2;
 }
 
-/* strtol and friends skip leading spaces and take a sign: a value must
- * start with a digit (or a '-' where negative values parse). */
-static bool starts_number(const char *s, bool sign) {
-    return isdigit((unsigned char)s[0]) || (sign && s[0] == '-' && isdigit((unsigned char)s[1]));
+/* strtol and friends skip leading spaces and take a '+': a value must
+ * start with a digit, or a '.' and a digit (real), after a '-' where
+ * negative values parse. */
+static bool starts_number(const char *s, bool sign, bool real) {
+    if (sign && s[0] == '-') s++;
+    return isdigit((unsigned char)s[0]) || (real && s[0] == '.' && isdigit((unsigned char)s[1]));
 }
 
 static int parse_int(int64_t *out, const char *flag, const char *s) {
     char *end;
     errno = 0;
     long long v = strtoll(s, &end, 10);
-    if (errno || !starts_number(s, true) || *end) return cli_usage_error("%s '%s': expected an integer", flag, s);
+    if (errno || !starts_number(s, true, false) || *end) return cli_usage_error("%s '%s': expected an integer", flag, s);
     *out = v;
     return 0;
 }
@@ -43,7 +45,7 @@ static int parse_real(double *out, const char *flag, const char *s) {
     char *end;
     errno = 0;
     double v = strtod(s, &end);
-    if (errno || end == s || *end || !isfinite(v) || isspace((unsigned char)s[0]))
+    if (errno || !starts_number(s, true, true) || *end || !isfinite(v))
         return cli_usage_error("%s '%s': expected a number", flag, s);
     *out = v;
     return 0;
@@ -53,7 +55,7 @@ static int parse_seed(uint64_t *out, const char *flag, const char *s) {
     char *end;
     errno = 0;
     unsigned long long v = strtoull(s, &end, 10);
-    if (errno || !starts_number(s, false) || *end)
+    if (errno || !starts_number(s, false, false) || *end)
         return cli_usage_error("%s '%s': expected a non-negative integer", flag, s);
     *out = v;
     return 0;
