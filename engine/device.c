@@ -178,7 +178,7 @@ moe_status moe_device_comms(const moe_device_handle *h, const moe_grid *grid, mo
      * ranks that have finished the ones before it. */
     void *stream = moe_cuda_stream(h->cuda);
     MOE_TRY(moe_comm_nccl_create(device_world, grid->dp, h->index, stream));
-    moe_status st = moe_comm_split(device_ep, *device_world, grid->dp_rank / grid->ep_size, grid->dp_rank);
+    moe_status st = moe_comm_split(device_ep, *device_world, grid->at.dp_rank / grid->ep_size, grid->at.dp_rank);
     if (st == MOE_OK && grid->pipe) st = moe_comm_nccl_create(device_pipe, grid->pipe, h->index, stream);
     if (st != MOE_OK) {
         if (*device_ep) moe_comm_free(*device_ep);

@@ -7,8 +7,9 @@
 
 #include "common/status.h"
 
-/* Training FLOPs per token of one layer at sequence length T, and of the
- * head: 6 per matmul weight, plus attention's two causal T x T products. */
+/* Training FLOPs per token of one layer at sequence length T: 6 per matmul
+ * weight, plus attention's two causal T x T products (the head's are
+ * moe_grid_partition's). */
 static double layer_flops(const moe_model_config *c, int64_t T) {
     const double C = (double)c->hidden_size, hd = (double)c->head_dim;
     const double q = (double)c->num_attention_heads * hd, kv = (double)c->num_key_value_heads * hd;
@@ -50,38 +51,44 @@ moe_status moe_grid_partition(int64_t *bounds, const moe_model_config *cfg, int6
     return MOE_OK;
 }
 
+moe_status moe_grid_coords_of(moe_grid_coords *at, int rank, int size, int pp) {
+    if (pp <= 0 || size % pp != 0)
+        return moe_error(MOE_ERR_CONFIG, "--pp %d must divide the number of ranks, %d%s", pp, size,
+                         size == 1 ? " (start the ranks with mpirun)" : "");
+    at->dp_size = size / pp;
+    at->stage = rank / at->dp_size;
+    at->dp_rank = rank % at->dp_size;
+    return MOE_OK;
+}
+
 moe_status moe_grid_create(moe_grid *g, moe_comm *world, int ep_size, int pp_size, const moe_model_config *cfg,
                            int64_t seq_len) {
     *g = (moe_grid){.world = world, .dp = world, .rank = moe_comm_rank(world), .size = moe_comm_size(world),
-                    .ep_size = ep_size, .pp_size = pp_size, .layer_end = cfg->num_hidden_layers};
-    if (pp_size <= 0 || g->size % pp_size != 0)
-        return moe_error(MOE_ERR_CONFIG, "--pp %d must divide the number of ranks, %d", pp_size, g->size);
-    g->dp_size = g->size / pp_size;
-    g->stage = g->rank / g->dp_size;
-    g->dp_rank = g->rank % g->dp_size;
-    if ((ep_size <= 0 || g->dp_size % ep_size != 0) && pp_size == 1)
-        return moe_error(MOE_ERR_CONFIG, "--ep %d must divide the number of ranks, %d", ep_size, g->size);
-    if (ep_size <= 0 || g->dp_size % ep_size != 0)
-        return moe_error(MOE_ERR_CONFIG, "--ep %d must divide the data-parallel ranks, %d (%d ranks / --pp %d)",
-                         ep_size, g->dp_size, g->size, pp_size);
+                    .ep_size = ep_size, .layer_end = cfg->num_hidden_layers};
+    MOE_TRY(moe_grid_coords_of(&g->at, g->rank, g->size, pp_size));
+    if (ep_size <= 0 || g->at.dp_size % ep_size != 0)
+        return pp_size == 1 ? moe_error(MOE_ERR_CONFIG, "--ep %d must divide the number of ranks, %d", ep_size, g->size)
+                            : moe_error(MOE_ERR_CONFIG, "--ep %d must divide the data-parallel ranks, %d (%d ranks / "
+                                                        "--pp %d)",
+                                        ep_size, g->at.dp_size, g->size, pp_size);
     if (pp_size > 1) {
-        int64_t *bounds = malloc((size_t)(pp_size + 1) * sizeof *bounds);
-        moe_status st = bounds ? moe_grid_partition(bounds, cfg, seq_len, pp_size)
-                               : moe_error(MOE_ERR_OUT_OF_MEMORY, "pipeline stages");
-        if (st == MOE_OK) g->layer_begin = bounds[g->stage], g->layer_end = bounds[g->stage + 1];
-        free(bounds);
-        MOE_TRY(st);
-        /* Split first, then keep: a failure leaves nothing to free. */
-        moe_comm *dp = NULL;
-        MOE_TRY(moe_comm_split(&dp, world, g->stage, g->rank));
-        g->dp = dp;
-        moe_status split = moe_comm_split(&g->pipe, world, g->dp_rank, g->stage);
-        if (split != MOE_OK) {
+        g->stage_layers = malloc((size_t)(pp_size + 1) * sizeof *g->stage_layers);
+        moe_status st = g->stage_layers ? moe_grid_partition(g->stage_layers, cfg, seq_len, pp_size)
+                                        : moe_error(MOE_ERR_OUT_OF_MEMORY, "pipeline stages");
+        if (st == MOE_OK) {
+            g->layer_begin = g->stage_layers[g->at.stage];
+            g->layer_end = g->stage_layers[g->at.stage + 1];
+            moe_comm *dp = NULL;
+            st = moe_comm_split(&dp, world, g->at.stage, g->rank);
+            if (st == MOE_OK) g->dp = dp;
+        }
+        if (st == MOE_OK) st = moe_comm_split(&g->pipe, world, g->at.dp_rank, g->at.stage);
+        if (st != MOE_OK) {
             moe_grid_destroy(g);
-            return split;
+            return st;
         }
     }
-    moe_status st = moe_comm_split(&g->ep, g->dp, g->dp_rank / ep_size, g->dp_rank);
+    moe_status st = moe_comm_split(&g->ep, g->dp, g->at.dp_rank / ep_size, g->at.dp_rank);
     if (st != MOE_OK) moe_grid_destroy(g);
     return st;
 }
@@ -90,7 +97,9 @@ void moe_grid_destroy(moe_grid *g) {
     if (g->ep) moe_comm_free(g->ep);
     if (g->pipe) moe_comm_free(g->pipe);
     if (g->dp && g->dp != g->world) moe_comm_free(g->dp);
+    free(g->stage_layers);
     g->ep = g->pipe = NULL;
+    g->stage_layers = NULL;
     g->dp = g->world;
 }
 

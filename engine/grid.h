@@ -9,6 +9,14 @@
 #include "engine/model_config.h"
 #include "moe.h"
 
+/* Where rank of size ranks sits in a grid of pp stages, stage-major
+ * (below): its stage, its rank among the stage's data-parallel ranks, and
+ * how many those are. Fails, naming --pp, when pp does not divide size. */
+typedef struct moe_grid_coords {
+    int stage, dp_rank, dp_size;
+} moe_grid_coords;
+moe_status moe_grid_coords_of(moe_grid_coords *at, int rank, int size, int pp);
+
 /* world = PP x DP ranks, stage-major: rank r is stage r / DP, data-parallel
  * rank r % DP; EP divides DP and groups consecutive data-parallel ranks, so
  * an expert-parallel group's all-to-alls stay among neighbours (a node's
@@ -18,9 +26,10 @@ typedef struct moe_grid {
     moe_comm *dp;    /* this stage's data-parallel ranks, whose batches form the global batch: world when PP = 1 */
     moe_comm *ep;    /* this rank's expert-parallel group: data-parallel ranks (d / EP) * EP .. + EP - 1 */
     moe_comm *pipe;  /* this rank's pipeline: the rank of each stage with its data-parallel rank; NULL when PP = 1 */
-    int rank, size, ep_size, pp_size;
-    int stage, dp_rank, dp_size;
+    int rank, size, ep_size;
+    moe_grid_coords at; /* this rank's stage and data-parallel rank */
     int64_t layer_begin, layer_end; /* this stage's layers */
+    int64_t *stage_layers; /* [stages + 1] each stage's first layer, then the layer count; NULL on one stage */
 } moe_grid;
 
 /* Splits world into pp_size pipeline stages (a balanced partition of the

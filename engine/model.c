@@ -161,7 +161,7 @@ static moe_status build_tensors(moe_model *m, const moe_layer_config *lc) {
         m->n_params += lc->n_experts * C;
         m->moe_off[i].shared = m->n_params;
         m->n_params += 3 * S * C;
-        for (int64_t i = 0; i < moe_tensors; i++) add_tensor(m, 2, 0, 0, true, "%s", "");
+        for (int64_t j = 0; j < moe_tensors; j++) add_tensor(m, 2, 0, 0, true, "%s", "");
         /* The one-rank table has every expert here. */
         m->n_init_streams += 3 * (lc->n_experts - n_local);
     }
@@ -268,6 +268,13 @@ static moe_status build_arena(moe_model *m) {
     table[n++] = (arena_entry){(void **)&m->lse, N * (int64_t)sizeof(double)};
     table[n++] = (arena_entry){(void **)&m->losses, N * f};
     table[n++] = (arena_entry){(void **)&m->dloss, N * f};
+    table[n++] = (arena_entry){(void **)&m->inputs, N * (int64_t)sizeof(int32_t)};
+    table[n++] = (arena_entry){(void **)&m->targets, N * (int64_t)sizeof(int32_t)};
+    /* From here on: the tables every forward reads and the scratch a
+     * backward uses while it runs (its input's gradient, dres, is copied out
+     * before the next op), which a base and its twins share: they run one
+     * op at a time. */
+    const int shared = n;
     table[n++] = (arena_entry){(void **)&m->cos_t, m->T * hd / 2 * f};
     table[n++] = (arena_entry){(void **)&m->sin_t, m->T * hd / 2 * f};
     table[n++] = (arena_entry){(void **)&m->dres, N * C * f};
@@ -278,11 +285,12 @@ static moe_status build_arena(moe_model *m) {
     table[n++] = (arena_entry){(void **)&m->dv, N * kvdim * f};
     table[n++] = (arena_entry){(void **)&m->datty, N * qdim * f};
     table[n++] = (arena_entry){(void **)&m->datt, attn * f};
-    table[n++] = (arena_entry){(void **)&m->inputs, N * (int64_t)sizeof(int32_t)};
-    table[n++] = (arena_entry){(void **)&m->targets, N * (int64_t)sizeof(int32_t)};
     table[n++] = (arena_entry){(void **)&m->sumsq, 2 * (int64_t)sizeof(double)};
     table[n++] = (arena_entry){&m->norm_scratch, (int64_t)m->ops->rmsnorm_scratch_bytes(N, C)};
-    moe_status st = carve_arena(m, table, n);
+    moe_status st = carve_arena(m, table, m->base ? shared : n);
+    /* A twin's shared entries are its base's: the same fields of base. */
+    for (int i = shared; st == MOE_OK && m->base && i < n; i++)
+        *table[i].ptr = *(void **)((char *)m->base + ((char *)table[i].ptr - (char *)m));
     free(table);
     return st;
 }
@@ -335,9 +343,9 @@ static moe_status check_stages(const moe_model_config *cfg, const moe_model_para
         const int64_t begin = stages[2 * s], end = stages[2 * s + 1], want = s ? stages[2 * s - 1] : 0;
         if (begin != want || end <= begin || end > L || (s == n - 1 && end != L))
             layout = moe_error(MOE_ERR_CONFIG,
-                               "pipeline stage %d (rank %d of the pipeline, this is %d) holds layers [%lld, %lld): "
-                               "the %d stages must hold the %lld layers in order, each at least one, from layer %lld",
-                               s, s, stage, (long long)begin, (long long)end, n, (long long)L, (long long)want);
+                               "pipeline stage %d holds layers [%lld, %lld) (seen from stage %d): the %d stages must "
+                               "hold the %lld layers in order, each at least one, from layer %lld",
+                               s, (long long)begin, (long long)end, stage, n, (long long)L, (long long)want);
     }
     free(stages), free(replicas);
     int32_t refused = layout != MOE_OK;
@@ -381,7 +389,7 @@ static moe_status build_instance(moe_model *m) {
     m->sync_reqs = calloc((size_t)(2 * m->nl + 2), sizeof *m->sync_reqs);
     if (!m->losses_host || !m->staging || !m->sync_reqs)
         return moe_error(MOE_ERR_OUT_OF_MEMORY, "model: host arrays for %lld values", (long long)staging);
-    m->ops->rope_tables(m->cos_t, m->sin_t, m->T, cfg->head_dim, (float)cfg->rope_theta);
+    if (!m->base) m->ops->rope_tables(m->cos_t, m->sin_t, m->T, cfg->head_dim, (float)cfg->rope_theta);
     return MOE_OK;
 }
 
@@ -452,7 +460,7 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_model_config *cf
     m->world_rank = m->world ? moe_comm_rank(m->world) : 0;
     moe_status split = MOE_OK;
     /* Each expert is held once per EP group: its replicas share an EP rank. */
-    if (split == MOE_OK && m->world && m->world_size > ep_size)
+    if (m->world && m->world_size > ep_size)
         split = moe_comm_split(&m->replicas, m->world, m->ep_rank, m->world_rank);
     m->device_world = m->world && par->device_world ? par->device_world : m->world;
     m->device_ep = m->ep && par->device_ep ? par->device_ep : m->ep;
@@ -825,7 +833,7 @@ moe_status moe_model_stage_backward(moe_model *m, const float *dy, float grad_sc
     MOE_NOT_NULL("moe_model_stage_backward", "model", m);
     if (!m->last) MOE_NOT_NULL("moe_model_stage_backward", "dy", dy);
     if (!m->forward_done || (m->last && !m->has_targets))
-        return moe_error(MOE_ERR_STATE, "moe_model_backward: no forward with targets to differentiate");
+        return moe_error(MOE_ERR_STATE, "moe_model_stage_backward: no forward %s", m->last ? "with targets to differentiate" : "since the last backward");
     const moe_model_config *c = &m->cfg;
     const moe_ops *ops = m->ops;
     const int64_t B = m->B, T = m->T, N = m->N, C = c->hidden_size, hd = c->head_dim;

@@ -37,7 +37,8 @@ typedef struct moe_model moe_model;
  * every norm, from seed. */
 moe_status moe_model_create(moe_model **model, const moe_model_config *cfg, int64_t B, int64_t T, uint64_t seed);
 
-/* The ranks a model is spread over. world: the data-parallel ranks whose
+/* The ranks a model is spread over. world: the data-parallel ranks (of
+ * this rank's pipeline stage, on a pipeline; not every rank) whose
  * batches form the global batch (rank r reads rows r*B .. r*B + B - 1 of
  * it). ep: this rank's expert-parallel group, consecutive world ranks, each
  * holding E / |ep| experts of every layer. NULL members mean one rank. */
@@ -196,8 +197,9 @@ moe_status moe_model_check_batch(const moe_model *model, const int32_t *inputs, 
 /* One pipeline stage's forward and backward; moe_model_forward and
  * moe_model_backward are these on a model of one stage. A stage after the
  * first starts from x [N, C] (backend memory: the previous stage's output)
- * and ignores inputs; one before the last ends at moe_model_stage_output
- * and ignores targets. A backward before the last stage starts from dy
+ * and does not read inputs; one before the last ends at
+ * moe_model_stage_output and does not read targets; but every stage checks
+ * whichever it is given (moe_model_check_batch), or either may be NULL. A backward before the last stage starts from dy
  * [N, C] (backend memory: the gradient of this stage's output, from the
  * next stage); one after the first ends with the gradient of its input in
  * moe_model_stage_input_grad. replay: this forward recomputes one of the

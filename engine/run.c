@@ -355,7 +355,6 @@ typedef struct run {
     moe_grid grid;         /* made once the model config is known (build_model); zero on one process */
     int rank, ranks;       /* in world: who prints, and MFU's peak over every rank */
     int dp_rank, dp_size;  /* in this stage's data-parallel ranks, which read the global batch */
-    int64_t *stage_layers; /* [pp + 1] each stage's first layer, then the layer count; NULL when pp = 1 */
     token_counts tokens;   /* on the ranks */
     moe_train_state resumed; /* --resume: the checkpoint's metadata, read before the data is opened */
     moe_device_handle device; /* the backend the model runs on */
@@ -626,18 +625,14 @@ static const char *schedule_name(int v) { return moe_lr_schedule_name((moe_lr_sc
 static const char *pipe_schedule_name(int v) { return moe_pipe_schedule_name((moe_pipe_schedule)v); }
 
 /* The grid of stages and groups over world, which the layer partition needs
- * the model config for; every communicator it makes waits --comm-timeout.
- * The stages' layers are kept for the report. */
+ * the model config for; every communicator it makes waits --comm-timeout. */
 static moe_status make_grid(run *r) {
     const moe_run_options *o = r->o;
     MOE_TRY(moe_grid_create(&r->grid, r->world, o->ep, o->pp, &r->cfg, o->seq_len));
     moe_comm *const made[] = {r->grid.dp, r->grid.pipe, r->grid.ep};
     for (size_t i = 0; i < sizeof made / sizeof *made; i++)
         if (made[i]) MOE_TRY(moe_comm_set_timeout(made[i], o->comm_timeout));
-    if (o->pp == 1) return MOE_OK;
-    r->stage_layers = malloc((size_t)(o->pp + 1) * sizeof *r->stage_layers);
-    if (!r->stage_layers) return moe_error(MOE_ERR_OUT_OF_MEMORY, "--pp %d: the stages' layers", o->pp);
-    return moe_grid_partition(r->stage_layers, &r->cfg, o->seq_len, o->pp);
+    return MOE_OK;
 }
 
 static moe_status build_model(run *r) {
@@ -1185,7 +1180,7 @@ static moe_status run_body(run *r, double start) {
         .ranks = r->ranks,
         .ep = o->ep,
         .pp = o->pp,
-        .stage_layers = r->stage_layers,
+        .stage_layers = r->grid.stage_layers,
         .optimizer_bytes = moe_trainer_optimizer_bytes(r->trainer),
         .optimizer_bytes_least = state_bytes[0],
         .optimizer_bytes_most = state_bytes[1],
@@ -1263,14 +1258,10 @@ moe_status moe_run(const moe_run_options *opts, const moe_run_callbacks *callbac
         }
         /* The data is opened, and sized by the data-parallel ranks, before
          * the model config that the grid (build_model) needs is known:
-         * its stage-major coordinates (grid.h) are taken here ahead of it. */
-        if (st == MOE_OK && r.ranks % opts->pp != 0)
-            st = moe_error(MOE_ERR_CONFIG, "--pp %d must divide the number of ranks, %d%s", opts->pp, r.ranks,
-                           r.ranks == 1 ? " (start the ranks with mpirun)" : "");
-        if (st == MOE_OK) {
-            r.dp_size = r.ranks / opts->pp;
-            r.dp_rank = r.rank % r.dp_size;
-        }
+         * its coordinates are taken here ahead of it. */
+        moe_grid_coords at;
+        if (st == MOE_OK) st = moe_grid_coords_of(&at, r.rank, r.ranks, opts->pp);
+        if (st == MOE_OK) r.dp_size = at.dp_size, r.dp_rank = at.dp_rank;
     }
     if (st == MOE_OK) st = run_body(&r, start);
     if (r.metrics && fclose(r.metrics) != 0 && st == MOE_OK)
@@ -1278,7 +1269,6 @@ moe_status moe_run(const moe_run_options *opts, const moe_run_callbacks *callbac
     free(r.route_counts);
     free(r.routing);
     free(r.profile);
-    free(r.stage_layers);
     moe_trainer_destroy(r.trainer);
     moe_model_destroy(r.model);
     if (opts->profile) moe_profile_close(); /* its marks are the device's */

@@ -5,6 +5,7 @@
  * on this rank's block of each run. */
 #include "engine/trainer.h"
 
+#include <limits.h>
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
@@ -77,10 +78,12 @@ moe_status moe_optim_config_validate(const moe_optim_config *c) {
     if (!isfinite(c->eps) || c->eps <= 0.0) return moe_error(MOE_ERR_CONFIG, "adam eps %g must be positive", c->eps);
     if (!isfinite(c->grad_clip) || c->grad_clip < 0.0)
         return moe_error(MOE_ERR_CONFIG, "--grad-clip %g must be finite and not negative", c->grad_clip);
-    if (c->grad_accum <= 0) return moe_error(MOE_ERR_CONFIG, "--grad-accum %lld must be positive", (long long)c->grad_accum);
+    /* Its requests are counted in ints. */
+    if (c->grad_accum <= 0 || c->grad_accum > INT_MAX / 2)
+        return moe_error(MOE_ERR_CONFIG, "--grad-accum %lld must be in [1, %d]", (long long)c->grad_accum, INT_MAX / 2);
     if (c->zero != 0 && c->zero != 1) return moe_error(MOE_ERR_CONFIG, "--zero %d must be 0 or 1", c->zero);
     if (c->pipe_schedule != MOE_PIPE_1F1B && c->pipe_schedule != MOE_PIPE_GPIPE)
-        return moe_error(MOE_ERR_CONFIG, "pipeline schedule %d unknown", (int)c->pipe_schedule);
+        return moe_error(MOE_ERR_CONFIG, "--pp-schedule %d unknown: expected 1f1b or gpipe", (int)c->pipe_schedule);
     return MOE_OK;
 }
 
@@ -219,6 +222,7 @@ moe_status moe_trainer_create(moe_trainer **out, moe_model *model, const moe_opt
     moe_status st = t->ops->alloc((void **)&t->state, (size_t)(2 * t->state_count) * sizeof(float));
     if (st == MOE_OK && grad_blocks) st = t->ops->alloc((void **)&t->grad_blocks, (size_t)grad_blocks * sizeof(float));
     if (st == MOE_OK) st = t->ops->alloc((void **)&t->sumsq, MOE_RUN_COUNT * sizeof(double));
+    if (st != MOE_OK) st = moe_error_prefix(st, "trainer: AdamW state for %lld parameters: ", (long long)t->state_count);
     t->host_state = t->ops->host_visible ? t->state : NULL;
     t->tokens = calloc((size_t)(2 * BT * M), sizeof(int32_t));
     t->jitter = calloc((size_t)M, sizeof *t->jitter);
@@ -226,12 +230,18 @@ moe_status moe_trainer_create(moe_trainer **out, moe_model *model, const moe_opt
     if (st == MOE_OK && (!t->tokens || !t->jitter || !t->sends))
         st = moe_error(MOE_ERR_OUT_OF_MEMORY, "trainer: %lld micro-batches of %lld tokens", (long long)M, (long long)BT);
     const moe_model_stage stage = moe_model_get_stage(model);
-    const size_t acts = (size_t)(BT * moe_model_get_config(model)->hidden_size) * sizeof(float);
+    const int64_t act_elems = BT * moe_model_get_config(model)->hidden_size; /* one stage message */
+    const size_t act_bytes = (size_t)act_elems * sizeof(float);
+    /* A message is one MPI call, whose count is an int. */
+    if (st == MOE_OK && stage.pipe && act_elems > INT_MAX)
+        st = moe_error(MOE_ERR_CONFIG, "trainer: a pipeline message of B*T x hidden = %lld floats exceeds one "
+                                       "message's %d: lower the batch",
+                       (long long)act_elems, INT_MAX);
     t->in_slots = cfg->pipe_schedule == MOE_PIPE_GPIPE ? M : 1;
-    if (st == MOE_OK && !stage.first) st = t->ops->alloc((void **)&t->stage_in, (size_t)t->in_slots * acts);
-    if (st == MOE_OK && !stage.first) st = t->ops->alloc((void **)&t->grad_in, (size_t)M * acts);
-    if (st == MOE_OK && !stage.last) st = t->ops->alloc((void **)&t->stage_out, (size_t)M * acts);
-    if (st == MOE_OK && !stage.last) st = t->ops->alloc((void **)&t->grad_out, acts);
+    if (st == MOE_OK && !stage.first) st = t->ops->alloc((void **)&t->stage_in, (size_t)t->in_slots * act_bytes);
+    if (st == MOE_OK && !stage.first) st = t->ops->alloc((void **)&t->grad_in, (size_t)M * act_bytes);
+    if (st == MOE_OK && !stage.last) st = t->ops->alloc((void **)&t->stage_out, (size_t)M * act_bytes);
+    if (st == MOE_OK && !stage.last) st = t->ops->alloc((void **)&t->grad_out, act_bytes);
     /* 1F1B: a stage has at most stages - stage forwards in flight, each
      * kept on an instance of its own; GPipe recomputes them on one. */
     const int64_t in_flight = cfg->pipe_schedule == MOE_PIPE_1F1B ? stage.count - stage.index : 1;
@@ -243,9 +253,8 @@ moe_status moe_trainer_create(moe_trainer **out, moe_model *model, const moe_opt
     if (st == MOE_OK) t->instances[0] = model;
     for (int64_t i = 1; st == MOE_OK && i < t->n_instances; i++) st = moe_model_create_twin(&t->instances[i], model);
     if (st != MOE_OK) {
-        const long long state = (long long)t->state_count;
         moe_trainer_destroy(t);
-        return moe_error_prefix(st, "trainer: AdamW state for %lld parameters and the pipeline's buffers: ", state);
+        return st;
     }
     carve_runs(t);
     st = make_spans(t);
@@ -437,32 +446,49 @@ static moe_status read_batch(moe_trainer *t, moe_data *data, int64_t micro) {
 
 /* Micro-batch micro's forward on this stage (its tokens read): its input
  * from the previous stage, its output sent on to the next. */
+/* A stage message: count floats of B*T x hidden. */
+static int64_t message_floats(const moe_model *model) {
+    return moe_model_batch_size(model) * moe_model_seq_len(model) * moe_model_get_config(model)->hidden_size;
+}
+
+/* Receives a message from another stage into buf, its wait counted as the
+ * step's idle time. The sync first ends the last op's time, so that a
+ * profile gives the wait to no op. */
+static moe_status recv_stage(moe_trainer *t, const moe_model_stage *stage, float *buf, int peer, int tag) {
+    MOE_TRY(t->ops->sync());
+    const double start = omp_get_wtime();
+    MOE_TRY(moe_comm_recv(stage->device_pipe, buf, message_floats(t->model), MOE_COMM_F32, peer, tag));
+    t->waited += omp_get_wtime() - start;
+    return MOE_OK;
+}
+
+/* Sends what src holds to another stage from buf, a copy that stays put
+ * until the step's end waits for req. */
+static moe_status send_stage(moe_trainer *t, const moe_model_stage *stage, moe_comm_request *req, float *buf,
+                             const float *src, int peer, int tag) {
+    const int64_t n = message_floats(t->model);
+    t->ops->copy(buf, src, (size_t)n * sizeof(float));
+    *req = (moe_comm_request)MOE_COMM_REQUEST_INIT;
+    return moe_comm_isend(stage->device_pipe, req, buf, n, MOE_COMM_F32, peer, tag);
+}
+
+/* Micro-batch micro's forward on this stage (its tokens read): its input
+ * from the previous stage, its output sent on to the next. */
 static moe_status stage_forward(moe_trainer *t, int64_t micro, bool replay, moe_model_stats *stats) {
     moe_model *model = t->instances[micro % t->n_instances];
     const moe_model_stage stage = moe_model_get_stage(model);
-    const int64_t BT = moe_model_batch_size(model) * moe_model_seq_len(model);
-    const int64_t acts = BT * moe_model_get_config(model)->hidden_size;
+    const int64_t BT = moe_model_batch_size(model) * moe_model_seq_len(model), n = message_floats(model);
     int32_t *inputs = t->tokens + 2 * BT * micro, *targets = inputs + BT;
-    float *in = slot(t->stage_in, micro % t->in_slots, acts);
+    float *in = slot(t->stage_in, micro % t->in_slots, n);
     if (!replay) {
         t->jitter[micro] = moe_model_jitter_counter(model);
-        /* The sync ends the last op's time before the wait for the other
-         * stage, which a profile then gives to no op. */
-        if (!stage.first) {
-            MOE_TRY(t->ops->sync());
-            const double start = omp_get_wtime();
-            MOE_TRY(moe_comm_recv(stage.device_pipe, in, acts, MOE_COMM_F32, stage.index - 1, TAG_FORWARD));
-            t->waited += omp_get_wtime() - start;
-        }
+        if (!stage.first) MOE_TRY(recv_stage(t, &stage, in, stage.index - 1, TAG_FORWARD));
     }
     MOE_TRY(moe_model_stage_forward(model, inputs, in, targets, replay, stats));
     t->held[micro % t->n_instances] = micro;
     if (replay || stage.last) return MOE_OK;
-    float *out = slot(t->stage_out, micro, acts);
-    t->ops->copy(out, moe_model_stage_output(model), (size_t)acts * sizeof(float));
-    moe_comm_request *req = &t->sends[2 * micro];
-    *req = (moe_comm_request)MOE_COMM_REQUEST_INIT;
-    return moe_comm_isend(stage.device_pipe, req, out, acts, MOE_COMM_F32, stage.index + 1, TAG_FORWARD);
+    return send_stage(t, &stage, &t->sends[2 * micro], slot(t->stage_out, micro, n), moe_model_stage_output(model),
+                      stage.index + 1, TAG_FORWARD);
 }
 
 /* Micro-batch micro's backward on this stage, after a replay of its
@@ -471,13 +497,7 @@ static moe_status stage_forward(moe_trainer *t, int64_t micro, bool replay, moe_
 static moe_status stage_backward(moe_trainer *t, int64_t micro, bool sync, float grad_scale) {
     moe_model *model = t->instances[micro % t->n_instances];
     const moe_model_stage stage = moe_model_get_stage(model);
-    const int64_t acts = moe_model_batch_size(model) * moe_model_seq_len(model) * moe_model_get_config(model)->hidden_size;
-    if (!stage.last) {
-        MOE_TRY(t->ops->sync()); /* as in stage_forward */
-        const double start = omp_get_wtime();
-        MOE_TRY(moe_comm_recv(stage.device_pipe, t->grad_out, acts, MOE_COMM_F32, stage.index + 1, TAG_BACKWARD));
-        t->waited += omp_get_wtime() - start;
-    }
+    if (!stage.last) MOE_TRY(recv_stage(t, &stage, t->grad_out, stage.index + 1, TAG_BACKWARD));
     if (t->held[micro % t->n_instances] != micro) {
         /* 1F1B keeps no inputs: its instances hold every forward in flight. */
         if (!stage.first && t->in_slots < t->cfg.grad_accum)
@@ -493,11 +513,8 @@ static moe_status stage_backward(moe_trainer *t, int64_t micro, bool sync, float
     MOE_TRY(moe_model_stage_backward(model, t->grad_out, grad_scale));
     t->held[micro % t->n_instances] = -1;
     if (stage.first) return MOE_OK;
-    float *grad_in = slot(t->grad_in, micro, acts);
-    t->ops->copy(grad_in, moe_model_stage_input_grad(model), (size_t)acts * sizeof(float));
-    moe_comm_request *req = &t->sends[2 * micro + 1];
-    *req = (moe_comm_request)MOE_COMM_REQUEST_INIT;
-    return moe_comm_isend(stage.device_pipe, req, grad_in, acts, MOE_COMM_F32, stage.index - 1, TAG_BACKWARD);
+    return send_stage(t, &stage, &t->sends[2 * micro + 1], slot(t->grad_in, micro, message_floats(model)),
+                      moe_model_stage_input_grad(model), stage.index - 1, TAG_BACKWARD);
 }
 
 /* The stages' shares of the step's statistics add up to the model's;
@@ -540,6 +557,7 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
         if (!ops[i].backward) {
             moe_model_stats s;
             st = stage_forward(t, micro, false, &s);
+            if (st != MOE_OK) break;
             /* Zeroed after the first forward, whose token uploads would
              * otherwise wait for the device to finish it. */
             if (i == 0) moe_model_zero_grad(model);

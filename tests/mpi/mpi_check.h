@@ -139,6 +139,7 @@ static inline moe_status mpi_train_steps(double *losses, double *norms, moe_trai
     for (int s = from; st == MOE_OK && s < to; s++) {
         moe_step_metrics m;
         st = moe_trainer_step(trainer, data, &m);
+        if (st != MOE_OK) break;
         losses[s] = m.loss;
         if (norms) norms[s] = m.grad_norm;
     }

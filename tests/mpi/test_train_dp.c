@@ -34,6 +34,7 @@ static moe_status train(double *losses, double *dropped, const moe_model_config 
     for (int s = 0; st == MOE_OK && s < STEPS; s++) {
         moe_step_metrics m;
         st = moe_trainer_step(trainer, data, &m);
+        if (st != MOE_OK) break;
         losses[s] = m.loss;
         dropped[s] = m.dropped_frac;
     }

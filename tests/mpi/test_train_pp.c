@@ -56,6 +56,7 @@ static moe_status train(curve *out, const moe_grid *grid, int64_t rows, int64_t 
     for (int s = 0; st == MOE_OK && s < STEPS; s++) {
         moe_step_metrics m;
         st = moe_trainer_step(trainer, data, &m);
+        if (st != MOE_OK) break;
         out->loss[s] = m.loss;
         out->norm[s] = m.grad_norm;
         out->ce[s] = m.ce_loss;
@@ -85,7 +86,7 @@ static int run_grid(int pp, int ep, int zero, int64_t M, moe_pipe_schedule sched
     curve want, got;
     moe_status st = moe_grid_create(&grid, world, ep, pp, &cfg, T);
     if (st != MOE_OK) return mpi_fail_status(st, "grid");
-    st = train(&want, NULL, (int64_t)grid.dp_size * B, M, MOE_PIPE_1F1B, 0, data);
+    st = train(&want, NULL, (int64_t)grid.at.dp_size * B, M, MOE_PIPE_1F1B, 0, data);
     if (st == MOE_OK) st = train(&got, &grid, B, M, schedule, zero, data);
     int bad = mpi_fail_status(st, "train");
     if (!bad) bad = compare(got.loss, want.loss, "loss");
@@ -111,9 +112,9 @@ static int check_stages(void) {
     moe_grid grid;
     moe_status st = moe_grid_create(&grid, world, 1, size, &cfg, T);
     if (st != MOE_OK) return mpi_fail_status(st, "grid");
-    int bad = grid.stage != rank || grid.layer_end <= grid.layer_begin || (rank == 0 && grid.layer_begin != 0) ||
+    int bad = grid.at.stage != rank || grid.layer_end <= grid.layer_begin || (rank == 0 && grid.layer_begin != 0) ||
               (rank == size - 1 && grid.layer_end != LAYERS);
-    if (bad) printf("  rank %d: stage %d holds [%lld, %lld)\n", rank, grid.stage, (long long)grid.layer_begin,
+    if (bad) printf("  rank %d: stage %d holds [%lld, %lld)\n", rank, grid.at.stage, (long long)grid.layer_begin,
                     (long long)grid.layer_end);
     /* The last stage claims one layer too many. */
     moe_model_parallel par = moe_grid_model_parallel(&grid);
@@ -147,15 +148,17 @@ static int check_layouts(void) {
         moe_status st = moe_grid_create(&grid, world, 1, c ? 2 : size, &cfg, T);
         if (st != MOE_OK) return mpi_fail_status(st, "grid");
         moe_model_parallel par = moe_grid_model_parallel(&grid);
+        /* Layout 1: stage 0's second rank drops its last layer, which its
+         * stage's ranks see first and the second pipeline's last stage next. */
         const char *want = "needs job";
         if (c == 0)
             par.job = NULL;
-        else if (grid.dp_rank == 1 && grid.stage == 0)
-            par.layer_end--, want = "refused the pipeline's layer ranges";
+        else if (grid.at.dp_rank == 1 && grid.at.stage == 0)
+            par.layer_end--;
+        if (c == 1) want = grid.at.stage == 0 ? "a stage's ranks hold the same layers" : "refused the pipeline's layer ranges";
+        if (c == 1 && grid.at.stage == 1 && grid.at.dp_rank == 1) want = "must hold the 4 layers in order";
         moe_model *model = NULL;
         st = moe_model_create_parallel(&model, &cfg, B, T, 7, &par);
-        if (c == 1) want = grid.stage == 0 ? "a stage's ranks hold the same layers" : "refused the pipeline's layer ranges";
-        if (c == 1 && grid.stage == 1 && grid.dp_rank == 1) want = "must hold the 4 layers in order";
         if (st != MOE_ERR_CONFIG || !strstr(moe_last_error(), want)) {
             printf("  rank %d: layout %d gave %s: %s (want \"%s\")\n", rank, c, moe_status_string(st),
                    moe_last_error(), want);
@@ -182,7 +185,10 @@ static int check_bad_target(void) {
     moe_optim_config oc = mpi_optim(STEPS);
     moe_status st = moe_data_from_tokens(&data, tokens, 64, 2 * VOCAB, "bad targets");
     if (st == MOE_OK) st = moe_grid_create(&grid, world, 1, size, &cfg, T);
-    if (st != MOE_OK) return mpi_fail_status(st, "setup");
+    if (st != MOE_OK) {
+        moe_data_close(data);
+        return mpi_fail_status(st, "setup");
+    }
     moe_model_parallel par = moe_grid_model_parallel(&grid);
     st = moe_comm_set_timeout(grid.pipe, 30.0);
     if (st == MOE_OK) st = moe_model_create_parallel(&model, &cfg, 1, T, 7, &par);
