@@ -131,6 +131,23 @@ static inline moe_data *mpi_training_start(int32_t **tokens, int64_t vocab) {
     return mpi_check_init() ? mpi_token_stream(tokens, vocab) : NULL;
 }
 
+/* A model of cfg for batches of rows x T on par's ranks (NULL: this rank
+ * alone), seed 7, trained with oc for steps steps from the start of data:
+ * each step's metrics into out [steps]. */
+static inline moe_status mpi_train_run(moe_step_metrics *out, const moe_model_config *cfg, int64_t rows, int64_t T,
+                                       const moe_model_parallel *par, const moe_optim_config *oc, moe_data *data,
+                                       int steps) {
+    moe_model *model = NULL;
+    moe_trainer *trainer = NULL;
+    moe_status st = moe_model_create_parallel(&model, cfg, rows, T, 7, par);
+    if (st == MOE_OK) st = moe_trainer_create(&trainer, model, oc);
+    if (st == MOE_OK) st = moe_data_set_position(data, (moe_data_position){0, 0});
+    for (int s = 0; st == MOE_OK && s < steps; s++) st = moe_trainer_step(trainer, data, &out[s]);
+    moe_trainer_destroy(trainer);
+    moe_model_destroy(model);
+    return st;
+}
+
 /* Trains steps [from, to), writing each step's loss and (norms non-NULL)
  * gradient norm at its index. */
 static inline moe_status mpi_train_steps(double *losses, double *norms, moe_trainer *trainer, moe_data *data, int from,

@@ -25,21 +25,13 @@ static void tiny_config(moe_model_config *c, double capacity) {
  * par NULL: one rank with the whole global batch. */
 static moe_status train(double *losses, double *dropped, const moe_model_config *cfg, int64_t rows,
                         const moe_model_parallel *par, moe_data *data) {
-    moe_model *model = NULL;
-    moe_trainer *trainer = NULL;
     const moe_optim_config oc = mpi_optim(STEPS);
-    moe_status st = moe_model_create_parallel(&model, cfg, rows, T, 7, par);
-    if (st == MOE_OK) st = moe_trainer_create(&trainer, model, &oc);
-    if (st == MOE_OK) st = moe_data_set_position(data, (moe_data_position){0, 0});
+    moe_step_metrics m[STEPS];
+    const moe_status st = mpi_train_run(m, cfg, rows, T, par, &oc, data, STEPS);
     for (int s = 0; st == MOE_OK && s < STEPS; s++) {
-        moe_step_metrics m;
-        st = moe_trainer_step(trainer, data, &m);
-        if (st != MOE_OK) break;
-        losses[s] = m.loss;
-        dropped[s] = m.dropped_frac;
+        losses[s] = m[s].loss;
+        dropped[s] = m[s].dropped_frac;
     }
-    moe_trainer_destroy(trainer);
-    moe_model_destroy(model);
     return st;
 }
 

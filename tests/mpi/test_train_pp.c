@@ -43,28 +43,20 @@ static moe_status train(curve *out, const moe_grid *grid, int64_t rows, int64_t 
                         int zero, moe_data *data) {
     moe_model_config cfg;
     tiny_config(&cfg);
-    moe_model *model = NULL;
-    moe_trainer *trainer = NULL;
     moe_optim_config oc = mpi_optim(STEPS);
     oc.grad_accum = M;
     oc.pipe_schedule = schedule;
     oc.zero = zero;
     const moe_model_parallel par = grid ? moe_grid_model_parallel(grid) : (moe_model_parallel){0};
-    moe_status st = moe_model_create_parallel(&model, &cfg, rows, T, 7, grid ? &par : NULL);
-    if (st == MOE_OK) st = moe_trainer_create(&trainer, model, &oc);
-    if (st == MOE_OK) st = moe_data_set_position(data, (moe_data_position){0, 0});
+    moe_step_metrics m[STEPS];
+    const moe_status st = mpi_train_run(m, &cfg, rows, T, grid ? &par : NULL, &oc, data, STEPS);
     for (int s = 0; st == MOE_OK && s < STEPS; s++) {
-        moe_step_metrics m;
-        st = moe_trainer_step(trainer, data, &m);
-        if (st != MOE_OK) break;
-        out->loss[s] = m.loss;
-        out->norm[s] = m.grad_norm;
-        out->ce[s] = m.ce_loss;
-        out->aux[s] = m.aux_loss;
-        out->idle[s] = m.pipeline_idle;
+        out->loss[s] = m[s].loss;
+        out->norm[s] = m[s].grad_norm;
+        out->ce[s] = m[s].ce_loss;
+        out->aux[s] = m[s].aux_loss;
+        out->idle[s] = m[s].pipeline_idle;
     }
-    moe_trainer_destroy(trainer);
-    moe_model_destroy(model);
     return st;
 }
 
