@@ -52,7 +52,9 @@ struct moe_trainer {
     float *stage_out;    /* [grad_accum][B*T, C] its output on its way to the next stage */
     float *grad_in;      /* [grad_accum][B*T, C] the gradient of its input on its way back */
     float *grad_out;     /* [B*T, C] the gradient of the output, from the next stage */
-    moe_comm_request *sends; /* [2 grad_accum] */
+    moe_comm_request *sends; /* [2 grad_accum]: micro-batch m's forward at 2m, its backward at 2m + 1 */
+    int64_t *send_order;     /* [2 grad_accum] the sends of this step, as posted */
+    int64_t sends_posted, sends_retired; /* the first sends_retired of them have completed */
     /* Where micro-batch m's forward runs: instances[m % n_instances], the
      * model and its twins; held[i]: the micro-batch whose activations
      * instance i holds, or -1. */
@@ -227,7 +229,8 @@ moe_status moe_trainer_create(moe_trainer **out, moe_model *model, const moe_opt
     t->tokens = calloc((size_t)(2 * BT * M), sizeof(int32_t));
     t->jitter = calloc((size_t)M, sizeof *t->jitter);
     t->sends = calloc((size_t)(2 * M), sizeof *t->sends);
-    if (st == MOE_OK && (!t->tokens || !t->jitter || !t->sends))
+    t->send_order = calloc((size_t)(2 * M), sizeof *t->send_order);
+    if (st == MOE_OK && (!t->tokens || !t->jitter || !t->sends || !t->send_order))
         st = moe_error(MOE_ERR_OUT_OF_MEMORY, "trainer: %lld micro-batches of %lld tokens", (long long)M, (long long)BT);
     const moe_model_stage stage = moe_model_get_stage(model);
     const int64_t act_elems = BT * moe_model_get_config(model)->hidden_size; /* one stage message */
@@ -283,6 +286,7 @@ void moe_trainer_destroy(moe_trainer *t) {
     free(t->tokens);
     free(t->jitter);
     free(t->sends);
+    free(t->send_order);
     free(t);
 }
 
@@ -459,6 +463,15 @@ static moe_status recv_stage(moe_trainer *t, const moe_model_stage *stage, float
     const double start = omp_get_wtime();
     MOE_TRY(moe_comm_recv(stage->device_pipe, buf, message_floats(t->model), MOE_COMM_F32, peer, tag));
     t->waited += omp_get_wtime() - start;
+    /* Sends complete in the order posted; each that has holds backend
+     * resources (an NCCL event slot) until it is seen done, and a step has
+     * 2 grad_accum of them. */
+    while (t->sends_retired < t->sends_posted) {
+        bool done = false;
+        MOE_TRY(moe_comm_test(&t->sends[t->send_order[t->sends_retired]], &done));
+        if (!done) break;
+        t->sends_retired++;
+    }
     return MOE_OK;
 }
 
@@ -469,8 +482,14 @@ static moe_status send_stage(moe_trainer *t, const moe_model_stage *stage, moe_c
     const int64_t n = message_floats(t->model);
     t->ops->copy(buf, src, (size_t)n * sizeof(float));
     *req = (moe_comm_request)MOE_COMM_REQUEST_INIT;
-    return moe_comm_isend(stage->device_pipe, req, buf, n, MOE_COMM_F32, peer, tag);
+    MOE_TRY(moe_comm_isend(stage->device_pipe, req, buf, n, MOE_COMM_F32, peer, tag));
+    t->send_order[t->sends_posted++] = req - t->sends;
+    return MOE_OK;
 }
+
+/* Whether op sends to another stage, or starts with a receive from one. */
+static bool sends(const pipe_op *op, const moe_model_stage *stage) { return op->backward ? !stage->first : !stage->last; }
+static bool receives(const pipe_op *op, const moe_model_stage *stage) { return op->backward ? !stage->last : !stage->first; }
 
 /* Micro-batch micro's forward on this stage (its tokens read): its input
  * from the previous stage, its output sent on to the next. */
@@ -547,6 +566,7 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
     const double schedule_start = omp_get_wtime();
     t->waited = 0.0;
     for (int64_t i = 0; i < 2 * M; i++) t->sends[i] = (moe_comm_request)MOE_COMM_REQUEST_INIT;
+    t->sends_posted = t->sends_retired = 0;
     for (int64_t i = 0; i < t->n_instances; i++) {
         moe_model_set_training(t->instances[i], true);
         t->held[i] = -1;
@@ -570,6 +590,15 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
         } else {
             /* Sharded, every run with a group is reduce-scattered instead. */
             st = stage_backward(t, micro, !t->sharded && i == 2 * M - 1, micro_scale);
+        }
+        /* On NCCL a send waits in its group for the backend's next call: a
+         * receive that starts the next op joins it (which keeps two stages
+         * that both send first from waiting on each other); with none, the
+         * send is launched now, or its peer would wait for this stage's
+         * later work. A test launches it without waiting. */
+        if (st == MOE_OK && sends(&ops[i], &stage) && (i + 1 == 2 * M || !receives(&ops[i + 1], &stage))) {
+            bool done = false;
+            st = moe_comm_test(&t->sends[2 * micro + ops[i].backward], &done);
         }
     }
     free(ops);
@@ -637,6 +666,7 @@ moe_status moe_trainer_eval(moe_trainer *t, moe_data *data, int64_t n_batches, d
          * completes before the next batch reuses its buffer. */
         moe_model_stats s;
         t->sends[0] = (moe_comm_request)MOE_COMM_REQUEST_INIT;
+        t->sends_posted = t->sends_retired = 0;
         st = read_batch(t, data, 0);
         if (st == MOE_OK) st = stage_forward(t, 0, false, &s);
         st = moe_comm_wait_all(t->sends, 1, st);

@@ -97,7 +97,9 @@ typedef struct moe_step_metrics {
  * receives each forward's input from the one before, sends its output to
  * the one after, and the gradients flow back the same way; sends are
  * non-blocking, each from its own buffer, and complete before the step
- * ends, so no stage waits on a send. Under 1F1B a stage keeps the
+ * ends, so no stage waits on a send. (On NCCL a send joins a group that
+ * the backend's next call launches: the stage's next receive when one
+ * follows, else at once; the receives retire the sends done.) Under 1F1B a stage keeps the
  * activations of each forward in flight, at most stages - stage of them,
  * each on an instance of the model of its own (the model and its twins,
  * moe_model_create_twin), and recomputes nothing. GPipe keeps one
