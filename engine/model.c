@@ -74,6 +74,15 @@ struct moe_model {
     int n_sync_reqs;
 
     void *arena;
+    int64_t arena_bytes; /* this instance's own part of it */
+    /* Recomputation (moe_model_parallel.recompute): each layer keeps its
+     * input x; the rest of acts[l] is one set that every layer, of the base
+     * and its twins, writes in turn, and a backward runs its layer's
+     * forward again first unless the set still holds it. */
+    bool recompute;
+    uint64_t *jitter_at;    /* [nl] each layer's jitter counter before the last forward */
+    const struct moe_model *holder; /* base: the instance, and its layer, whose activations the set holds */
+    int64_t holder_layer;
     layer_acts *acts; /* [nl] */
     float *x_final;   /* [N, C] output of the last layer */
     float *lnf;       /* [N, C] */
@@ -211,10 +220,34 @@ static void name_moe_tensors(moe_model *m, int64_t layer) {
 
 /* ----------------------------------------------------------------- arena */
 
+/* Whose tables, arrays and layer state a twin uses: its base's. */
+static moe_model *base_of(moe_model *m) { return m->base ? m->base : m; }
+
 typedef struct arena_entry {
     void **ptr;
     int64_t bytes;
 } arena_entry;
+
+/* The arrays of a layer's forward but its input. */
+static int layer_entries(moe_model *m, arena_entry *table, layer_acts *a) {
+    const moe_model_config *c = &m->cfg;
+    const int64_t N = m->N, C = c->hidden_size, hd = c->head_dim, f = sizeof(float);
+    const int64_t qdim = c->num_attention_heads * hd, kvdim = c->num_key_value_heads * hd;
+    const int64_t attn = m->B * c->num_attention_heads * m->T * m->T;
+    int n = 0;
+    table[n++] = (arena_entry){(void **)&a->ln1, N * C * f};
+    table[n++] = (arena_entry){(void **)&a->rstd1, N * f};
+    table[n++] = (arena_entry){(void **)&a->q, N * qdim * f};
+    table[n++] = (arena_entry){(void **)&a->k, N * kvdim * f};
+    table[n++] = (arena_entry){(void **)&a->v, N * kvdim * f};
+    table[n++] = (arena_entry){(void **)&a->att, attn * f};
+    table[n++] = (arena_entry){(void **)&a->atty, N * qdim * f};
+    table[n++] = (arena_entry){(void **)&a->x_mid, N * C * f};
+    table[n++] = (arena_entry){(void **)&a->ln2, N * C * f};
+    table[n++] = (arena_entry){(void **)&a->rstd2, N * f};
+    table[n++] = (arena_entry){(void **)&a->moe_y, N * C * f};
+    return n;
+}
 
 static moe_status carve_arena(moe_model *m, const arena_entry *table, int n) {
     int64_t total = 0;
@@ -223,6 +256,7 @@ static moe_status carve_arena(moe_model *m, const arena_entry *table, int n) {
     if (st != MOE_OK)
         return moe_error_prefix(st, "model: %lld bytes of activations for B=%lld T=%lld: ", (long long)total,
                                 (long long)m->B, (long long)m->T);
+    m->arena_bytes = total;
     char *p = m->arena;
     for (int i = 0; i < n; i++) {
         *table[i].ptr = p;
@@ -239,7 +273,7 @@ static moe_status build_arena(moe_model *m) {
     const int64_t attn = m->B * c->num_attention_heads * m->T * m->T;
     const int64_t f = sizeof(float);
     m->acts = calloc((size_t)L, sizeof *m->acts);
-    int n_entries = 12 * (int)L + 21;
+    int n_entries = 12 * (int)L + 32;
     arena_entry *table = calloc((size_t)n_entries, sizeof *table);
     if (!m->acts || !table) {
         free(table);
@@ -247,19 +281,8 @@ static moe_status build_arena(moe_model *m) {
     }
     int n = 0;
     for (int64_t l = 0; l < L; l++) {
-        layer_acts *a = &m->acts[l];
-        table[n++] = (arena_entry){(void **)&a->x, N * C * f};
-        table[n++] = (arena_entry){(void **)&a->ln1, N * C * f};
-        table[n++] = (arena_entry){(void **)&a->rstd1, N * f};
-        table[n++] = (arena_entry){(void **)&a->q, N * qdim * f};
-        table[n++] = (arena_entry){(void **)&a->k, N * kvdim * f};
-        table[n++] = (arena_entry){(void **)&a->v, N * kvdim * f};
-        table[n++] = (arena_entry){(void **)&a->att, attn * f};
-        table[n++] = (arena_entry){(void **)&a->atty, N * qdim * f};
-        table[n++] = (arena_entry){(void **)&a->x_mid, N * C * f};
-        table[n++] = (arena_entry){(void **)&a->ln2, N * C * f};
-        table[n++] = (arena_entry){(void **)&a->rstd2, N * f};
-        table[n++] = (arena_entry){(void **)&a->moe_y, N * C * f};
+        table[n++] = (arena_entry){(void **)&m->acts[l].x, N * C * f};
+        if (!m->recompute) n += layer_entries(m, table + n, &m->acts[l]);
     }
     table[n++] = (arena_entry){(void **)&m->x_final, N * C * f};
     table[n++] = (arena_entry){(void **)&m->lnf, N * C * f};
@@ -287,10 +310,20 @@ static moe_status build_arena(moe_model *m) {
     table[n++] = (arena_entry){(void **)&m->datt, attn * f};
     table[n++] = (arena_entry){(void **)&m->sumsq, 2 * (int64_t)sizeof(double)};
     table[n++] = (arena_entry){&m->norm_scratch, (int64_t)m->ops->rmsnorm_scratch_bytes(N, C)};
+    /* Under recomputation the layers' one set is shared too (it holds no
+     * instance's state between a forward and its backward). */
+    const int in_struct = n;
+    if (m->recompute && !m->base) n += layer_entries(m, table + n, &m->acts[0]);
     moe_status st = carve_arena(m, table, m->base ? shared : n);
     /* A twin's shared entries are its base's: the same fields of base. */
-    for (int i = shared; st == MOE_OK && m->base && i < n; i++)
+    for (int i = shared; st == MOE_OK && m->base && i < in_struct; i++)
         *table[i].ptr = *(void **)((char *)m->base + ((char *)table[i].ptr - (char *)m));
+    const layer_acts *set = m->base ? &m->base->acts[0] : &m->acts[0];
+    for (int64_t l = 0; st == MOE_OK && m->recompute && l < L; l++) {
+        float *x = m->acts[l].x;
+        m->acts[l] = *set;
+        m->acts[l].x = x;
+    }
     free(table);
     return st;
 }
@@ -374,6 +407,11 @@ static moe_status build_instance(moe_model *m) {
             MOE_TRY(moe_layer_share_state(m->moe[i], m->base->moe[i]));
         else
             name_moe_tensors(m, i);
+        /* One layer runs at a time, on the base or a twin: one backward
+         * scratch serves them all, and under recomputation one set of
+         * activations. The arrays are sized here, not in the step loop. */
+        MOE_TRY(moe_layer_share_workspace(m->moe[i], base_of(m)->moe[0], m->recompute));
+        MOE_TRY(moe_layer_reserve(m->moe[i], m->N));
         /* The total loss averages aux and z over the model's layers. */
         moe_layer_set_loss_scale(m->moe[i], 1.0 / (double)cfg->num_hidden_layers);
         moe_layer_set_overlap(m->moe[i], m->overlap);
@@ -387,7 +425,8 @@ static moe_status build_instance(moe_model *m) {
     m->losses_host = calloc((size_t)m->N, sizeof *m->losses_host);
     m->staging = malloc((size_t)staging * sizeof *m->staging);
     m->sync_reqs = calloc((size_t)(2 * m->nl + 2), sizeof *m->sync_reqs);
-    if (!m->losses_host || !m->staging || !m->sync_reqs)
+    m->jitter_at = calloc((size_t)m->nl, sizeof *m->jitter_at);
+    if (!m->losses_host || !m->staging || !m->sync_reqs || !m->jitter_at)
         return moe_error(MOE_ERR_OUT_OF_MEMORY, "model: host arrays for %lld values", (long long)staging);
     if (!m->base) m->ops->rope_tables(m->cos_t, m->sin_t, m->T, cfg->head_dim, (float)cfg->rope_theta);
     return MOE_OK;
@@ -412,6 +451,7 @@ moe_status moe_model_create_twin(moe_model **out, moe_model *base) {
     m->losses_host = NULL;
     m->staging = NULL;
     m->sync_reqs = NULL;
+    m->jitter_at = NULL;
     m->n_sync_reqs = 0;
     m->sync_grads = m->forward_done = m->has_targets = m->logits_valid = false;
     m->dloss_value = 0.0f;
@@ -479,6 +519,7 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_model_config *cf
     m->T = T;
     m->N = B * T;
     m->seed = seed;
+    m->recompute = par && par->recompute;
     moe_layer_config lc;
     moe_model_config_layer(&lc, cfg, seed);
     moe_status st = build_tensors(m, &lc);
@@ -518,6 +559,7 @@ void moe_model_destroy(moe_model *m) {
     for (int64_t i = 0; m->moe && i < m->nl; i++) moe_layer_destroy(m->moe[i]);
     free(m->moe);
     free(m->sync_reqs);
+    free(m->jitter_at);
     if (m->ops) m->ops->release(m->arena);
     free(m->acts);
     free(m->losses_host);
@@ -538,6 +580,11 @@ void moe_model_destroy(moe_model *m) {
 }
 
 const moe_model_config *moe_model_get_config(const moe_model *m) { return &m->cfg; }
+int64_t moe_model_activation_bytes(const moe_model *m) {
+    int64_t bytes = m->arena_bytes;
+    for (int64_t i = 0; i < m->nl; i++) bytes += moe_layer_workspace_bytes(m->moe[i]);
+    return bytes;
+}
 int64_t moe_model_batch_size(const moe_model *m) { return m->B; }
 int moe_model_world_size(const moe_model *m) { return m->world_size; }
 int moe_model_world_rank(const moe_model *m) { return m->world_rank; }
@@ -575,9 +622,6 @@ float *moe_model_grads(moe_model *m) { return m->grads; }
 void moe_model_zero_grad(moe_model *m) { m->ops->zero(m->grads, (size_t)m->n_params * sizeof(float)); }
 
 const moe_ops *moe_model_ops(const moe_model *m) { return m->ops; }
-
-/* A twin's host view is its base's. */
-static moe_model *base_of(moe_model *m) { return m->base ? m->base : m; }
 
 float *moe_model_host_params(moe_model *m) { return base_of(m)->host_params; }
 
@@ -687,6 +731,51 @@ moe_status moe_model_check_batch(const moe_model *m, const int32_t *inputs, cons
     return MOE_OK;
 }
 
+/* Layer l's forward, from acts[l].x into the next layer's input (or
+ * x_final) unless this is a recomputation (output false), which needs only
+ * what the layer's backward reads. */
+static moe_status layer_forward(moe_model *m, int64_t l, bool output, moe_layer_stats *ls) {
+    const moe_model_config *c = &m->cfg;
+    const moe_ops *ops = m->ops;
+    const int64_t B = m->B, T = m->T, N = m->N, C = c->hidden_size, hd = c->head_dim;
+    const int64_t Hq = c->num_attention_heads, Hkv = c->num_key_value_heads;
+    const float eps = (float)c->rms_norm_eps;
+    layer_acts *a = &m->acts[l];
+    const int64_t t0 = m->layer_first[l];
+    m->jitter_at[l] = moe_layer_jitter_counter(m->moe[l]);
+    base_of(m)->holder = m;
+    base_of(m)->holder_layer = l;
+    ops->rmsnorm_forward(a->ln1, a->rstd1, a->x, param(m, t0 + LN1), eps, N, C);
+    ops->matmul_forward(a->q, a->ln1, param(m, t0 + WQ), N, C, Hq * hd);
+    ops->matmul_forward(a->k, a->ln1, param(m, t0 + WK), N, C, Hkv * hd);
+    ops->matmul_forward(a->v, a->ln1, param(m, t0 + WV), N, C, Hkv * hd);
+    ops->rope_forward(a->q, m->cos_t, m->sin_t, B, T, Hq, hd);
+    ops->rope_forward(a->k, m->cos_t, m->sin_t, B, T, Hkv, hd);
+    ops->attention_forward(a->atty, a->att, a->q, a->k, a->v, B, T, Hq, Hkv, hd);
+    ops->matmul_forward(a->x_mid, a->atty, param(m, t0 + WO), N, Hq * hd, C);
+    ops->residual_forward(a->x_mid, a->x_mid, a->x, N * C);
+    ops->rmsnorm_forward(a->ln2, a->rstd2, a->x_mid, param(m, t0 + LN2), eps, N, C);
+    MOE_TRY(moe_layer_forward(m->moe[l], a->moe_y, a->ln2, N, ls));
+    if (output) ops->residual_forward(l + 1 < m->nl ? m->acts[l + 1].x : m->x_final, a->x_mid, a->moe_y, N * C);
+    return MOE_OK;
+}
+
+/* Runs layer l's forward again for its backward, when the shared set of
+ * activations holds another's: with the jitter noise of its last forward,
+ * and no load counted twice toward the bias step. */
+static moe_status recompute_layer(moe_model *m, int64_t l) {
+    const moe_model *base = base_of(m);
+    if (!m->recompute || (base->holder == m && base->holder_layer == l)) return MOE_OK;
+    moe_layer *layer = m->moe[l];
+    const uint64_t latest = moe_layer_jitter_counter(layer);
+    moe_layer_set_jitter_counter(layer, m->jitter_at[l]);
+    moe_layer_set_replay(layer, true);
+    moe_status st = layer_forward(m, l, false, NULL);
+    moe_layer_set_replay(layer, false);
+    moe_layer_set_jitter_counter(layer, latest);
+    return st == MOE_OK ? MOE_OK : moe_error_prefix(st, "layer %lld recomputed: ", (long long)(m->l0 + l));
+}
+
 /* Every layer of the stage replays (or not) its forward. */
 static void set_replay(moe_model *m, bool replay) {
     for (int64_t i = 0; i < m->nl; i++) moe_layer_set_replay(m->moe[i], replay);
@@ -699,8 +788,7 @@ moe_status moe_model_stage_forward(moe_model *m, const int32_t *inputs, const fl
     if (!m->first) MOE_NOT_NULL("moe_model_stage_forward", "x", x);
     const moe_model_config *c = &m->cfg;
     const moe_ops *ops = m->ops;
-    const int64_t B = m->B, T = m->T, N = m->N, C = c->hidden_size, V = c->vocab_size, hd = c->head_dim;
-    const int64_t Hq = c->num_attention_heads, Hkv = c->num_key_value_heads, L = m->nl;
+    const int64_t N = m->N, C = c->hidden_size, V = c->vocab_size, L = m->nl;
     const double model_layers = (double)c->num_hidden_layers;
     const float eps = (float)c->rms_norm_eps;
     MOE_TRY(moe_model_check_batch(m, inputs, targets));
@@ -722,23 +810,9 @@ moe_status moe_model_stage_forward(moe_model *m, const int32_t *inputs, const fl
     set_replay(m, replay);
     moe_status st = MOE_OK;
     for (int64_t l = 0; l < L && st == MOE_OK; l++) {
-        layer_acts *a = &m->acts[l];
-        const int64_t t0 = m->layer_first[l];
-        float *x_out = l + 1 < L ? m->acts[l + 1].x : m->x_final;
-        ops->rmsnorm_forward(a->ln1, a->rstd1, a->x, param(m, t0 + LN1), eps, N, C);
-        ops->matmul_forward(a->q, a->ln1, param(m, t0 + WQ), N, C, Hq * hd);
-        ops->matmul_forward(a->k, a->ln1, param(m, t0 + WK), N, C, Hkv * hd);
-        ops->matmul_forward(a->v, a->ln1, param(m, t0 + WV), N, C, Hkv * hd);
-        ops->rope_forward(a->q, m->cos_t, m->sin_t, B, T, Hq, hd);
-        ops->rope_forward(a->k, m->cos_t, m->sin_t, B, T, Hkv, hd);
-        ops->attention_forward(a->atty, a->att, a->q, a->k, a->v, B, T, Hq, Hkv, hd);
-        ops->matmul_forward(a->x_mid, a->atty, param(m, t0 + WO), N, Hq * hd, C);
-        ops->residual_forward(a->x_mid, a->x_mid, a->x, N * C);
-        ops->rmsnorm_forward(a->ln2, a->rstd2, a->x_mid, param(m, t0 + LN2), eps, N, C);
         moe_layer_stats ls = {0};
-        st = moe_layer_forward(m->moe[l], a->moe_y, a->ln2, N, &ls);
+        st = layer_forward(m, l, true, &ls);
         if (st != MOE_OK) break;
-        ops->residual_forward(x_out, a->x_mid, a->moe_y, N * C);
         aux += ls.aux_loss;
         z += ls.z_loss;
         imbalance += ls.load_imbalance;
@@ -851,6 +925,10 @@ moe_status moe_model_stage_backward(moe_model *m, const float *dy, float grad_sc
     for (int64_t l = L - 1; l >= 0; l--) {
         layer_acts *a = &m->acts[l];
         const int64_t t0 = m->layer_first[l];
+        MOE_TRY(recompute_layer(m, l));
+        /* The backward spends what it reads (the experts' outputs take
+         * their gradient): the set holds no forward after it. */
+        base_of(m)->holder = NULL;
         /* dres holds d(x_out); x_out = x_mid + moe(ln2(x_mid)). */
         MOE_TRY(moe_layer_backward(m->moe[l], m->dmoe, m->dres, a->ln2));
         ops->rmsnorm_backward(m->dres, grad(m, t0 + LN2), m->dmoe, a->x_mid, param(m, t0 + LN2), a->rstd2,

@@ -66,6 +66,13 @@ typedef struct moe_model_parallel {
     moe_comm *device_pipe;
     moe_comm *job;
     int64_t layer_begin, layer_end;
+    /* Activation recomputation: between its forward and its backward a
+     * layer keeps only its input; the backward runs the layer's forward
+     * again first. The layers' other activations, and their MoE
+     * workspaces, are then one set for the whole stage (twins included)
+     * instead of one per layer, for about one more forward of compute per
+     * step. Results are the same bits. */
+    bool recompute;
 } moe_model_parallel;
 
 /* moe_model_create on a grid of ranks; collective over par->world (and,
@@ -91,6 +98,10 @@ moe_status moe_model_create_twin(moe_model **twin, moe_model *base);
  * moe_model_create checks first): T within max_position_embeddings, and
  * the batch's arrays within reach of int sizes. */
 moe_status moe_model_check_shape(const moe_model_config *cfg, int64_t B, int64_t T);
+
+/* Backend bytes of the model's activations, its MoE layers' workspaces
+ * included; a twin counts what it adds to its base. */
+int64_t moe_model_activation_bytes(const moe_model *model);
 
 const moe_model_config *moe_model_get_config(const moe_model *model);
 int64_t moe_model_batch_size(const moe_model *model); /* B */

@@ -36,6 +36,29 @@
 #define MOE_ALIGN_BYTES 64
 #define MOE_JITTER_STREAM 0x6a6974746572ull /* "jitter" */
 
+/* Backend memory some layers carve their arrays from, sized for a number
+ * of tokens (or expert rows) that only grows. Layers of one model run one
+ * at a time, so they may share their backward's scratch, and, when each
+ * layer's forward is recomputed just before its backward, their forward's
+ * activations too (moe_layer_share_workspace). */
+typedef enum block_kind {
+    BLOCK_CHOICES, /* the router's choices, read after the forward: never shared */
+    BLOCK_TOKENS,  /* the forward's activations by token */
+    BLOCK_ROWS,    /* ... by expert row */
+    BLOCK_DTOKENS, /* the backward's scratch by token */
+    BLOCK_DROWS,   /* ... by expert row */
+    N_BLOCKS
+} block_kind;
+
+typedef struct moe_layer_block {
+    void *mem;
+    int64_t size;   /* the tokens or rows it is carved for */
+    int64_t bytes;
+    int users;      /* layers carving it */
+    const struct moe_layer *maker;  /* whose workspace bytes count it */
+    const struct moe_layer *holder; /* the layer whose forward its activations are */
+} moe_layer_block;
+
 struct moe_layer {
     moe_layer_config cfg;
     const moe_ops *ops;
@@ -81,42 +104,50 @@ struct moe_layer {
     /* Every array the ops touch is backend memory; the host keeps what it
      * decides with (counts, offsets) and mirrors of what it reads. */
 
-    /* Per-token arrays, sized for capacity_T tokens, in token_ws. */
-    void *token_ws;
-    int64_t capacity_T;
+    /* The arrays the ops touch, carved from backend blocks (see
+     * moe_layer_block): the router's choices, the forward's activations by
+     * token and by expert row, and the backward's scratch by token and by
+     * row. Blocks of activations or scratch may be shared with other
+     * layers (moe_layer_share_workspace); the pointers are carved again at
+     * every forward and backward, so a block another layer has grown since
+     * is followed. */
+    moe_layer_block *blocks[N_BLOCKS];
+    int64_t rows_sized;  /* expert rows the last forward sized for */
+    int32_t *topk_host;  /* [T, k] host copy of topk_idx, on request */
+    /* BLOCK_CHOICES: the layer's own, read after its forward */
+    int32_t *topk_idx;   /* [T, k] */
+    /* BLOCK_TOKENS: what the forward leaves for the backward */
     float *x_in;         /* [T, d] jittered input (jitter only) */
     float *noise;        /* [T, d] jitter factors (jitter only) */
-    float *dx_in;        /* [T, d] gradient of x_in (jitter only) */
     float *logits;       /* [T, E] */
     float *prob;         /* [T, E] router probabilities */
-    float *dlogits;      /* [T, E] */
     float *lse;          /* [T] */
-    int32_t *topk_idx;   /* [T, k] */
     float *topk_w;       /* [T, k] */
-    float *dweights;     /* [T, k] */
     double *gate_chunks; /* [ceil(T / chunk), 2E + 1] */
     int64_t *pair_row;   /* [T*k] */
     int64_t *row_token;  /* [T*k] */
     void *plan_scratch;  /* ops->plan_scratch_bytes(T, k, E) */
     float *xp;           /* [T*k, d] rows in plan (expert) order */
     float *yp;           /* [T*k, d] */
-    float *dyp;          /* [T*k, d] */
-    float *dxp;          /* [T*k, d] */
     float *sh_h;         /* [T, 2S] shared experts */
     float *sh_g;         /* [T, S] */
     float *sh_y;         /* [T, d] */
+    /* BLOCK_DTOKENS: the backward's scratch */
+    float *dx_in;        /* [T, d] gradient of x_in (jitter only) */
+    float *dlogits;      /* [T, E] */
+    float *dweights;     /* [T, k] */
+    float *dyp;          /* [T*k, d] */
+    float *dxp;          /* [T*k, d] */
     float *sh_dh;        /* [T, 2S] */
-    int32_t *topk_host;  /* [T, k] host copy of topk_idx, on request */
 
-    /* Rows this rank's experts work on, sized for capacity_R rows, in
-     * row_ws. With one rank xe, ye, dye and dxe are xp, yp, dyp and dxp. */
-    void *row_ws;
-    int64_t capacity_R;
+    /* Rows this rank's experts work on, sized for rows_sized rows. With one
+     * rank xe, ye and dxe are xp, yp and dxp. BLOCK_ROWS: */
     float *xe;           /* [R, d] received rows, expert-major */
     float *ye;           /* [R, d] expert outputs; in backward their gradient */
-    float *dxe;          /* [R, d] */
     float *h;            /* [R, 2ff] */
     float *g;            /* [R, ff] */
+    /* BLOCK_DROWS: */
+    float *dxe;          /* [R, d] */
     float *dh;           /* [R, 2ff] */
 
     /* Per-expert and per-rank arrays, independent of T. The gating totals
@@ -331,6 +362,14 @@ moe_status moe_layer_create_in(moe_layer **out, const moe_layer_config *cfg, con
     L->local_offsets = calloc((size_t)L->n_local + 1, sizeof *L->local_offsets);
     L->aux_grad = calloc((size_t)E, sizeof *L->aux_grad);
     L->groups = calloc((size_t)L->n_local + 1, sizeof *L->groups);
+    bool blocks = true;
+    for (int kind = 0; kind < N_BLOCKS; kind++) {
+        if (!(L->blocks[kind] = calloc(1, sizeof *L->blocks[kind]))) {
+            blocks = false;
+            break;
+        }
+        *L->blocks[kind] = (moe_layer_block){.users = 1, .maker = L};
+    }
     if (cfg->bias_update_rate > 0.0) {
         L->bias = calloc((size_t)E, sizeof *L->bias);
         L->bias_sent = calloc((size_t)E, sizeof *L->bias_sent);
@@ -338,7 +377,7 @@ moe_status moe_layer_create_in(moe_layer **out, const moe_layer_config *cfg, con
     }
     if (!L->views || !L->names || !L->expert_rank || !L->totals_host || !L->rank_totals || !L->rank_assigned ||
         !L->rank_kept || !L->rank_T || !L->global_assigned || !L->keep || !L->recv_rows || !L->requests || !L->expert_offsets ||
-        !L->local_offsets || !L->aux_grad || !L->groups ||
+        !L->local_offsets || !L->aux_grad || !L->groups || !blocks ||
         (cfg->bias_update_rate > 0.0 && (!L->bias || !L->bias_sent || !L->bias_load))) {
         moe_layer_destroy(L);
         return moe_error(MOE_ERR_OUT_OF_MEMORY, "moe_layer_create: per-expert arrays for n_experts=%lld", (long long)E);
@@ -515,6 +554,15 @@ moe_status moe_layer_create_mpi(moe_layer **out, const moe_layer_config *cfg, co
     return MOE_OK;
 }
 
+/* Leaves a block: the last layer to leave frees it. */
+static void drop_block(const moe_layer *L, moe_layer_block *b) {
+    if (!b) return;
+    if (b->maker == L) b->maker = NULL;
+    if (--b->users > 0) return;
+    L->ops->release(b->mem);
+    free(b);
+}
+
 moe_status moe_layer_sync(moe_layer *L) {
     MOE_NOT_NULL("moe_layer_sync", "layer", L);
     bind(L);
@@ -531,9 +579,8 @@ void moe_layer_destroy(moe_layer *L) {
     free(L->bias);
     free(L->bias_sent);
     free(L->bias_load);
+    for (int kind = 0; ops && kind < N_BLOCKS; kind++) drop_block(L, L->blocks[kind]);
     if (ops) {
-        ops->release(L->token_ws);
-        ops->release(L->row_ws);
         ops->release(L->totals_dev);
         ops->release(L->keep_dev);
         ops->release(L->offsets_dev);
@@ -628,7 +675,13 @@ void moe_layer_reset_timing(moe_layer *L) { L->timing = (moe_layer_timing){0}; }
 
 moe_status moe_layer_last_topk(moe_layer *L, const int32_t **topk) {
     if (!L->forward_done) return moe_error(MOE_ERR_STATE, "moe_layer_last_topk: no forward yet");
-    MOE_TRY(L->ops->download(L->topk_host, L->topk_idx, (size_t)(L->last_T * L->cfg.top_k) * sizeof(int32_t)));
+    const size_t bytes = (size_t)(L->last_T * L->cfg.top_k) * sizeof(int32_t);
+    int32_t *host = realloc(L->topk_host, bytes ? bytes : 1);
+    if (!host)
+        return moe_error(MOE_ERR_OUT_OF_MEMORY, "moe_layer_last_topk: host copy of %lld router choices",
+                         (long long)(L->last_T * L->cfg.top_k));
+    L->topk_host = host;
+    MOE_TRY(L->ops->download(L->topk_host, L->topk_idx, bytes));
     *topk = L->topk_host;
     return MOE_OK;
 }
@@ -689,107 +742,192 @@ typedef struct ws_entry {
 
 static int64_t align_up(int64_t bytes) { return (bytes + MOE_ALIGN_BYTES - 1) / MOE_ALIGN_BYTES * MOE_ALIGN_BYTES; }
 
-/* Carves the entries of table from one new backend block that replaces
- * *block. */
-static moe_status carve(const moe_ops *ops, void **block, const ws_entry *table, int n, const char *what,
-                        int64_t size) {
-    int64_t total = 0;
-    for (int i = 0; i < n; i++) {
-        int64_t bytes;
-        if (!mul_ok(table[i].count, (int64_t)table[i].size, &bytes) || bytes > INT64_MAX / 4 - total)
-            return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_forward: %s for %lld overflows", what, (long long)size);
-        total += align_up(bytes);
+/* Whether every per-token array of T tokens stays within the ops' sizes. */
+static moe_status check_tokens(const moe_layer *L, int64_t T) {
+    const moe_layer_config *c = &L->cfg;
+    int64_t Tk, n;
+    if (T > INT_MAX || !mul_ok(T, c->top_k, &Tk) || Tk > INT_MAX || !mul_ok(Tk, c->d_model, &n) ||
+        !mul_ok(Tk, 2 * c->d_ff, &n) || !mul_ok(T, c->d_model, &n) || !mul_ok(T, 2 * L->shared_ff, &n) ||
+        !mul_ok(T, c->n_experts, &n))
+        return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_forward: T=%lld tokens x top_k=%lld x d_model=%lld is too large",
+                         (long long)T, (long long)c->top_k, (long long)c->d_model);
+    return MOE_OK;
+}
+
+static moe_status check_rows(const moe_layer *L, int64_t R) {
+    int64_t n;
+    if (R > INT_MAX || !mul_ok(R, 2 * L->cfg.d_ff, &n) || !mul_ok(R, L->cfg.d_model, &n))
+        return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_forward: %lld expert rows are too many", (long long)R);
+    return MOE_OK;
+}
+
+/* The arrays of a block of kind for n tokens (or expert rows), into t;
+ * returns how many. */
+static int block_arrays(moe_layer *L, block_kind kind, int64_t n, ws_entry *t) {
+    const moe_layer_config *c = &L->cfg;
+    const int64_t d = c->d_model, E = c->n_experts, k = c->top_k, S = L->shared_ff, ff = c->d_ff;
+    const int64_t jitter = c->jitter_eps > 0.0 ? n * d : 0, ep_rows = L->ep ? n * d : 0;
+    const size_t f = sizeof(float), i64 = sizeof(int64_t);
+    int i = 0;
+    switch (kind) {
+    case BLOCK_CHOICES:
+        t[i++] = (ws_entry){(void **)&L->topk_idx, n * k, sizeof(int32_t)};
+        break;
+    case BLOCK_TOKENS:
+        t[i++] = (ws_entry){(void **)&L->x_in, jitter, f};
+        t[i++] = (ws_entry){(void **)&L->noise, jitter, f};
+        t[i++] = (ws_entry){(void **)&L->logits, n * E, f};
+        t[i++] = (ws_entry){(void **)&L->prob, n * E, f};
+        t[i++] = (ws_entry){(void **)&L->lse, n, f};
+        t[i++] = (ws_entry){(void **)&L->topk_w, n * k, f};
+        t[i++] = (ws_entry){(void **)&L->gate_chunks, (n + MOE_GATE_CHUNK_TOKENS - 1) / MOE_GATE_CHUNK_TOKENS * (2 * E + 1),
+                            sizeof(double)};
+        t[i++] = (ws_entry){(void **)&L->pair_row, n * k, i64};
+        t[i++] = (ws_entry){(void **)&L->row_token, n * k, i64};
+        t[i++] = (ws_entry){&L->plan_scratch, (int64_t)L->ops->plan_scratch_bytes(n, k, E), 1};
+        t[i++] = (ws_entry){(void **)&L->xp, n * k * d, f};
+        t[i++] = (ws_entry){(void **)&L->yp, n * k * d, f};
+        t[i++] = (ws_entry){(void **)&L->sh_h, n * 2 * S, f};
+        t[i++] = (ws_entry){(void **)&L->sh_g, n * S, f};
+        t[i++] = (ws_entry){(void **)&L->sh_y, S > 0 ? n * d : 0, f};
+        break;
+    case BLOCK_DTOKENS:
+        t[i++] = (ws_entry){(void **)&L->dx_in, jitter, f};
+        t[i++] = (ws_entry){(void **)&L->dlogits, n * E, f};
+        t[i++] = (ws_entry){(void **)&L->dweights, n * k, f};
+        t[i++] = (ws_entry){(void **)&L->dyp, n * k * d, f};
+        t[i++] = (ws_entry){(void **)&L->dxp, n * k * d, f};
+        t[i++] = (ws_entry){(void **)&L->sh_dh, n * 2 * S, f};
+        break;
+    case BLOCK_ROWS:
+        t[i++] = (ws_entry){(void **)&L->xe, ep_rows, f};
+        t[i++] = (ws_entry){(void **)&L->ye, ep_rows, f};
+        t[i++] = (ws_entry){(void **)&L->h, n * 2 * ff, f};
+        t[i++] = (ws_entry){(void **)&L->g, n * ff, f};
+        break;
+    case BLOCK_DROWS:
+        t[i++] = (ws_entry){(void **)&L->dxe, ep_rows, f};
+        t[i++] = (ws_entry){(void **)&L->dh, n * 2 * ff, f};
+        break;
+    case N_BLOCKS:
+        break;
     }
-    if ((uint64_t)total > SIZE_MAX) return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_forward: %s exceeds size_t", what);
-    void *block_mem = NULL;
-    moe_status st = ops->alloc(&block_mem, (size_t)total);
-    if (st != MOE_OK)
-        return moe_error_prefix(st, "moe_layer_forward: %lld bytes of %s for %lld: ", (long long)total, what,
-                                (long long)size);
-    ops->release(*block);
-    *block = block_mem;
-    char *mem = block_mem;
+    return i;
+}
+
+#define MAX_BLOCK_ARRAYS 16
+
+/* Points kind's arrays into its block, first growing the block (its
+ * contents lost) for n tokens or rows when it holds fewer. */
+static moe_status carve_block(moe_layer *L, block_kind kind, int64_t n) {
+    static const char *const what[N_BLOCKS] = {"router choices", "activations", "expert-row activations",
+                                               "backward scratch", "expert-row backward scratch"};
+    moe_layer_block *b = L->blocks[kind];
+    ws_entry table[MAX_BLOCK_ARRAYS];
+    if (n > b->size) {
+        const int count = block_arrays(L, kind, n, table);
+        int64_t total = 0;
+        for (int i = 0; i < count; i++) {
+            int64_t bytes;
+            if (!mul_ok(table[i].count, (int64_t)table[i].size, &bytes) || bytes > INT64_MAX / 4 - total)
+                return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_forward: %s for %lld overflow", what[kind], (long long)n);
+            total += align_up(bytes);
+        }
+        if ((uint64_t)total > SIZE_MAX)
+            return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_forward: %s exceed size_t", what[kind]);
+        void *mem = NULL;
+        moe_status st = L->ops->alloc(&mem, (size_t)total);
+        if (st != MOE_OK)
+            return moe_error_prefix(st, "moe_layer_forward: %lld bytes of %s for %lld: ", (long long)total, what[kind],
+                                    (long long)n);
+        L->ops->release(b->mem);
+        *b = (moe_layer_block){.mem = mem, .size = n, .bytes = total, .users = b->users, .maker = b->maker};
+    }
+    const int count = block_arrays(L, kind, b->size, table);
     int64_t off = 0;
-    for (int i = 0; i < n; i++) {
-        *table[i].ptr = table[i].count ? mem + off : NULL;
+    for (int i = 0; i < count; i++) {
+        *table[i].ptr = table[i].count ? (char *)b->mem + off : NULL;
         off += align_up(table[i].count * (int64_t)table[i].size);
     }
     return MOE_OK;
 }
 
-/* Sizes every per-token array for T tokens; the block is replaced only when T
- * exceeds every earlier T. */
-static moe_status reserve_tokens(moe_layer *L, int64_t T) {
-    if (T <= L->capacity_T) return MOE_OK;
-    const moe_layer_config *c = &L->cfg;
-    const int64_t d = c->d_model, E = c->n_experts, S = L->shared_ff;
-    int64_t Tk, rows_d, td, t2s;
-    if (!mul_ok(T, c->top_k, &Tk) || Tk > INT_MAX || !mul_ok(Tk, d, &rows_d) || !mul_ok(Tk, 2 * c->d_ff, &t2s) ||
-        !mul_ok(T, d, &td) || !mul_ok(T, 2 * S, &t2s) || T > INT_MAX)
-        return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_forward: T=%lld tokens x top_k=%lld x d_model=%lld is too large",
-                         (long long)T, (long long)c->top_k, (long long)d);
-    const bool jitter = c->jitter_eps > 0.0;
-    const int64_t chunks = (T + MOE_GATE_CHUNK_TOKENS - 1) / MOE_GATE_CHUNK_TOKENS;
-    const ws_entry table[] = {
-        {(void **)&L->x_in, jitter ? td : 0, sizeof(float)},
-        {(void **)&L->noise, jitter ? td : 0, sizeof(float)},
-        {(void **)&L->dx_in, jitter ? td : 0, sizeof(float)},
-        {(void **)&L->logits, T * E, sizeof(float)},
-        {(void **)&L->prob, T * E, sizeof(float)},
-        {(void **)&L->dlogits, T * E, sizeof(float)},
-        {(void **)&L->lse, T, sizeof(float)},
-        {(void **)&L->topk_idx, Tk, sizeof(int32_t)},
-        {(void **)&L->topk_w, Tk, sizeof(float)},
-        {(void **)&L->dweights, Tk, sizeof(float)},
-        {(void **)&L->gate_chunks, chunks * (2 * E + 1), sizeof(double)},
-        {(void **)&L->pair_row, Tk, sizeof(int64_t)},
-        {(void **)&L->row_token, Tk, sizeof(int64_t)},
-        {&L->plan_scratch, (int64_t)L->ops->plan_scratch_bytes(T, c->top_k, E), 1},
-        {(void **)&L->xp, rows_d, sizeof(float)},
-        {(void **)&L->yp, rows_d, sizeof(float)},
-        {(void **)&L->dyp, rows_d, sizeof(float)},
-        {(void **)&L->dxp, rows_d, sizeof(float)},
-        {(void **)&L->sh_h, t2s, sizeof(float)},
-        {(void **)&L->sh_g, t2s / 2, sizeof(float)},
-        {(void **)&L->sh_y, S > 0 ? td : 0, sizeof(float)},
-        {(void **)&L->sh_dh, t2s, sizeof(float)},
-    };
-    int32_t *topk_host = realloc(L->topk_host, (size_t)Tk * sizeof *topk_host);
-    if (!topk_host)
-        return moe_error(MOE_ERR_OUT_OF_MEMORY, "moe_layer_forward: host copy of the router choices for T=%lld",
-                         (long long)T);
-    L->topk_host = topk_host;
-    MOE_TRY(carve(L->ops, &L->token_ws, table, (int)(sizeof table / sizeof table[0]), "activations for T", T));
-    L->capacity_T = T;
+/* With one rank the expert rows are the plan's rows. */
+static void alias_rows(moe_layer *L) {
+    if (L->ep) return;
+    L->xe = L->xp;
+    L->ye = L->yp;
+    L->dxe = L->dxp;
+}
+
+/* The forward's arrays for T tokens, its activations now this layer's. */
+static moe_status carve_tokens(moe_layer *L, int64_t T) {
+    MOE_TRY(check_tokens(L, T));
+    MOE_TRY(carve_block(L, BLOCK_CHOICES, T));
+    MOE_TRY(carve_block(L, BLOCK_TOKENS, T));
+    L->blocks[BLOCK_TOKENS]->holder = L;
     return MOE_OK;
 }
 
-/* Sizes the arrays of the rows this rank's experts work on for R rows. With
- * one rank they are the plan's rows, sized with the tokens. */
-static moe_status reserve_rows(moe_layer *L, int64_t R) {
-    if (R > L->capacity_R) {
-        const int64_t d = L->cfg.d_model, ff = L->cfg.d_ff, ep = L->ep ? R * d : 0;
-        int64_t r2ff;
-        if (R > INT_MAX || !mul_ok(R, 2 * ff, &r2ff) || !mul_ok(R, d, &r2ff))
-            return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_forward: %lld expert rows are too many", (long long)R);
-        const ws_entry table[] = {
-            {(void **)&L->xe, ep, sizeof(float)},
-            {(void **)&L->ye, ep, sizeof(float)},
-            {(void **)&L->dxe, ep, sizeof(float)},
-            {(void **)&L->h, R * 2 * ff, sizeof(float)},
-            {(void **)&L->g, R * ff, sizeof(float)},
-            {(void **)&L->dh, R * 2 * ff, sizeof(float)},
-        };
-        MOE_TRY(carve(L->ops, &L->row_ws, table, (int)(sizeof table / sizeof table[0]), "expert rows", R));
-        L->capacity_R = R;
-    }
-    /* The token arrays may have moved since the last call. */
-    if (!L->ep) {
-        L->xe = L->xp;
-        L->ye = L->yp;
-        L->dxe = L->dxp;
+static moe_status carve_rows(moe_layer *L, int64_t R) {
+    MOE_TRY(check_rows(L, R));
+    MOE_TRY(carve_block(L, BLOCK_ROWS, R));
+    L->rows_sized = R;
+    L->blocks[BLOCK_ROWS]->holder = L;
+    alias_rows(L);
+    return MOE_OK;
+}
+
+/* Expert rows this rank may work on when it routes T tokens and the batch
+ * global_T: its pairs with one rank; with several, every pair of the batch
+ * or its experts' capacity, whichever is fewer. */
+static int64_t rows_bound(const moe_layer *L, int64_t T, int64_t global_T) {
+    const int64_t k = L->cfg.top_k;
+    if (!L->ep) return T * k;
+    const int64_t cap = moe_capacity(L->cfg.capacity_factor, global_T, k, L->cfg.n_experts);
+    return cap >= 0 && L->n_local * cap < global_T * k ? L->n_local * cap : global_T * k;
+}
+
+moe_status moe_layer_reserve(moe_layer *L, int64_t T) {
+    MOE_NOT_NULL("moe_layer_reserve", "layer", L);
+    if (T < 1) return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_reserve: T=%lld must be positive", (long long)T);
+    bind(L);
+    MOE_TRY(check_tokens(L, T));
+    const int64_t R = rows_bound(L, T, T * L->batch_size);
+    MOE_TRY(check_rows(L, R));
+    MOE_TRY(carve_block(L, BLOCK_CHOICES, T));
+    MOE_TRY(carve_block(L, BLOCK_TOKENS, T));
+    MOE_TRY(carve_block(L, BLOCK_DTOKENS, T));
+    MOE_TRY(carve_block(L, BLOCK_ROWS, R));
+    return carve_block(L, BLOCK_DROWS, R);
+}
+
+moe_status moe_layer_share_workspace(moe_layer *L, moe_layer *with, bool activations) {
+    MOE_NOT_NULL("moe_layer_share_workspace", "layer", L);
+    MOE_NOT_NULL("moe_layer_share_workspace", "with", with);
+    const moe_layer_config *a = &L->cfg, *b = &with->cfg;
+    if (L == with) return MOE_OK;
+    if (L->cuda || with->cuda || L->ops != with->ops || L->ep_size != with->ep_size || a->d_model != b->d_model ||
+        a->d_ff != b->d_ff || a->n_experts != b->n_experts || a->top_k != b->top_k ||
+        a->n_shared_experts != b->n_shared_experts || (a->jitter_eps > 0.0) != (b->jitter_eps > 0.0))
+        return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_share_workspace: the layers differ in d_model, d_ff, experts, "
+                                              "top_k, shared experts, jitter, backend or expert-parallel size, or "
+                                              "one has its own device context");
+    for (int kind = BLOCK_TOKENS; kind < N_BLOCKS; kind++) {
+        const bool scratch = kind == BLOCK_DTOKENS || kind == BLOCK_DROWS;
+        if (!scratch && !activations) continue;
+        drop_block(L, L->blocks[kind]);
+        L->blocks[kind] = with->blocks[kind];
+        L->blocks[kind]->users++;
     }
     return MOE_OK;
+}
+
+int64_t moe_layer_workspace_bytes(const moe_layer *L) {
+    int64_t bytes = 0;
+    for (int kind = 0; L && kind < N_BLOCKS; kind++)
+        if (L->blocks[kind]->maker == L) bytes += L->blocks[kind]->bytes;
+    return bytes;
 }
 
 /* ---------------------------------------------------------------- routing */
@@ -1041,7 +1179,7 @@ moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, 
         L->forward_done = true;
         return MOE_OK;
     }
-    MOE_TRY(reserve_tokens(L, T > 0 ? T : 1)); /* with no tokens, the per-expert arrays still */
+    MOE_TRY(carve_tokens(L, T > 0 ? T : 1)); /* with no tokens, the per-expert arrays still */
     const moe_layer_config *c = &L->cfg;
     const moe_ops *ops = L->ops;
     const int64_t d = c->d_model, E = c->n_experts, k = c->top_k;
@@ -1098,11 +1236,7 @@ moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, 
     for (int64_t e = 0; e < E; e++) L->expert_offsets[e + 1] = L->expert_offsets[e] + L->keep[e];
     double t0 = omp_get_wtime();
     ops->permute(L->xp, x_in, L->row_token, L->expert_offsets[E], d);
-    /* Rows an expert rank can receive: every source's pairs, or capacity. */
-    int64_t cap = moe_capacity(c->capacity_factor, L->global_T, k, E);
-    int64_t max_rows = L->ep ? L->global_T * k : T * k;
-    if (L->ep && cap >= 0 && L->n_local * cap < max_rows) max_rows = L->n_local * cap;
-    MOE_TRY(reserve_rows(L, max_rows));
+    MOE_TRY(carve_rows(L, rows_bound(L, T, L->global_T)));
     int64_t n_groups = setup_groups(L, T, x_in, NULL);
     double compute = 0.0;
     MOE_TRY(run_experts(L, false, L->xp, L->xe, L->ye, L->yp, n_groups, &compute));
@@ -1134,6 +1268,14 @@ moe_status moe_layer_backward(moe_layer *L, float *dx, const float *dy, const fl
     }
     bind(L);
     if (L->last_T == 0 && !L->batch) return MOE_OK; /* no tokens, no peers: nothing to add */
+    if (L->blocks[BLOCK_TOKENS]->holder != L || L->blocks[BLOCK_ROWS]->holder != L)
+        return moe_error(MOE_ERR_STATE, "moe_layer_backward: another layer's forward has overwritten this layer's "
+                                        "activations since (a shared workspace): run its forward again first");
+    MOE_TRY(carve_block(L, BLOCK_TOKENS, 0));
+    MOE_TRY(carve_block(L, BLOCK_ROWS, 0));
+    MOE_TRY(carve_block(L, BLOCK_DTOKENS, L->last_T > 0 ? L->last_T : 1));
+    MOE_TRY(carve_block(L, BLOCK_DROWS, L->rows_sized));
+    alias_rows(L);
     const moe_layer_config *c = &L->cfg;
     const moe_ops *ops = L->ops;
     const int64_t T = L->last_T, d = c->d_model, E = c->n_experts, k = c->top_k;

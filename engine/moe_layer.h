@@ -86,6 +86,25 @@ void moe_layer_set_replay(moe_layer *layer, bool replay);
  * owner's bias step answers them all. The owner outlives its twins. */
 moe_status moe_layer_share_state(moe_layer *twin, moe_layer *owner);
 
+/* The layer's arrays, sized for forwards of up to T tokens on every batch
+ * rank, so that such forwards and their backwards allocate nothing (a
+ * forward of more tokens grows them). */
+moe_status moe_layer_reserve(moe_layer *layer, int64_t T);
+
+/* Layers that run one at a time (a model's) may share memory: layer drops
+ * its backward scratch (what only a backward writes and reads) for with's,
+ * and with activations also its forward's activations, each forward then
+ * overwriting the last one's, as when a model recomputes a layer's forward
+ * just before its backward. A backward whose activations another layer's
+ * forward has overwritten fails with MOE_ERR_STATE. The layers must have
+ * one backend, expert-parallel size and shape (the config but for its
+ * seed, coefficients and capacity); the memory lives while either does. */
+moe_status moe_layer_share_workspace(moe_layer *layer, moe_layer *with, bool activations);
+
+/* Backend bytes of the arrays the layer sized (shared ones count once,
+ * with the layer that made them). */
+int64_t moe_layer_workspace_bytes(const moe_layer *layer);
+
 /* Expert parallelism: run each local expert as soon as its rows have
  * arrived and send its results back at once, overlapping the other experts'
  * messages, instead of waiting for every row first (the default). Results

@@ -649,6 +649,8 @@ static moe_status build_model(run *r) {
             {"--ep", (double)o->ep, NULL},                 {"--pp", (double)o->pp, NULL},
             {"--pp-schedule", (double)o->pp_schedule, pipe_schedule_name},
             {"--zero", (double)o->zero, NULL},             {"--lr", o->lr, NULL},
+            /* A rank that recomputes runs its expert-parallel exchanges again. */
+            {"--recompute", (double)o->recompute, NULL},
             {"--eval-every", (double)o->eval_every, NULL}, {"--eval-batches", (double)o->eval_batches, NULL},
             {"--save-every", (double)o->save_every, NULL}, {"--shuffle", (double)o->shuffle, NULL},
             {"--device", (double)o->device, device_name},
@@ -679,6 +681,7 @@ static moe_status build_model(run *r) {
     par.device_world = r->device_world;
     par.device_ep = r->device_ep;
     par.device_pipe = r->device_pipe;
+    par.recompute = o->recompute;
     MOE_TRY(moe_model_create_parallel(&r->model, &r->cfg, o->batch_size, o->seq_len, o->seed, &par));
     moe_model_set_overlap(r->model, o->overlap);
     const char *weights = o->init_from ? o->init_from : o->resume;
@@ -799,6 +802,8 @@ static void write_options(moe_json_writer *w, const moe_run_options *o) {
     moe_json_number(w, o->comm_timeout);
     moe_json_key(w, "overlap");
     moe_json_bool(w, o->overlap);
+    moe_json_key(w, "recompute");
+    moe_json_bool(w, o->recompute);
     moe_json_key(w, "profile");
     moe_json_bool(w, o->profile);
     moe_json_end_object(w);
@@ -841,6 +846,10 @@ static moe_status write_run_json(run *r, const moe_run_summary *s, const moe_jso
     moe_json_int(&w, s->optimizer_bytes_least);
     moe_json_key(&w, "optimizer_bytes_most_per_rank");
     moe_json_int(&w, s->optimizer_bytes_most);
+    moe_json_key(&w, "activation_bytes_least_per_rank");
+    moe_json_int(&w, s->activation_bytes_least);
+    moe_json_key(&w, "activation_bytes_most_per_rank");
+    moe_json_int(&w, s->activation_bytes_most);
     json_opt_string(&w, "train_data", s->train_data);
     json_opt_string(&w, "val_data", s->val_data);
     if (!isnan(s->entropy_floor)) {
@@ -1064,6 +1073,21 @@ static moe_status finish_kinds(run *r) {
     return MOE_OK;
 }
 
+/* out = {least, most} of value over the ranks. */
+static moe_status range_over_ranks(run *r, int64_t value, int64_t out[2]) {
+    out[0] = out[1] = value;
+    if (!r->world) return MOE_OK;
+    int64_t *all = malloc((size_t)r->ranks * sizeof *all);
+    if (!all) return moe_error(MOE_ERR_OUT_OF_MEMORY, "byte counts of %d ranks", r->ranks);
+    moe_status st = moe_comm_allgather(r->world, all, &value, 1, MOE_COMM_I64);
+    for (int q = 0; st == MOE_OK && q < r->ranks; q++) {
+        if (all[q] < out[0]) out[0] = all[q];
+        if (all[q] > out[1]) out[1] = all[q];
+    }
+    free(all);
+    return st;
+}
+
 static moe_status evaluate(run *r, int64_t step, double *val_loss) {
     const bool synthetic = r->val.synth.tokens != NULL;
     if (synthetic) {
@@ -1148,19 +1172,11 @@ static moe_status run_body(run *r, double start) {
                      moe_model_get_run(r->model, MOE_RUN_EXPERTS).count * o->ep;
     const moe_model_stage stage = moe_model_get_stage(r->model);
     if (stage.pipe) MOE_TRY(moe_comm_allreduce_sum(stage.pipe, &params, 1, MOE_COMM_I64));
-    /* The AdamW state differs between stages (and ZeRO blocks): its range over the ranks. */
-    int64_t state_bytes[2] = {moe_trainer_optimizer_bytes(r->trainer), moe_trainer_optimizer_bytes(r->trainer)};
-    if (r->world) {
-        int64_t *all = malloc((size_t)r->ranks * sizeof *all);
-        if (!all) return moe_error(MOE_ERR_OUT_OF_MEMORY, "AdamW state of %d ranks", r->ranks);
-        moe_status st = moe_comm_allgather(r->world, all, &state_bytes[0], 1, MOE_COMM_I64);
-        for (int q = 0; st == MOE_OK && q < r->ranks; q++) {
-            if (all[q] < state_bytes[0]) state_bytes[0] = all[q];
-            if (all[q] > state_bytes[1]) state_bytes[1] = all[q];
-        }
-        free(all);
-        MOE_TRY(st);
-    }
+    /* The AdamW state and the activations differ between stages (and ZeRO
+     * blocks): their ranges over the ranks. */
+    int64_t state_bytes[2], activation_bytes[2];
+    MOE_TRY(range_over_ranks(r, moe_trainer_optimizer_bytes(r->trainer), state_bytes));
+    MOE_TRY(range_over_ranks(r, moe_trainer_activation_bytes(r->trainer), activation_bytes));
     const moe_run_summary summary = {
         .config = &r->cfg,
         .options = o,
@@ -1184,6 +1200,8 @@ static moe_status run_body(run *r, double start) {
         .optimizer_bytes = moe_trainer_optimizer_bytes(r->trainer),
         .optimizer_bytes_least = state_bytes[0],
         .optimizer_bytes_most = state_bytes[1],
+        .activation_bytes_least = activation_bytes[0],
+        .activation_bytes_most = activation_bytes[1],
         .train_data = o->eval_only ? NULL : r->train.desc,
         .val_data = r->val.desc,
     };

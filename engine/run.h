@@ -97,6 +97,7 @@ typedef struct moe_run_options {
     int zero;              /* --zero 1: AdamW state sharded over each parameter's replicas */
     double comm_timeout;   /* --comm-timeout seconds a collective may wait for a peer */
     bool overlap;          /* --overlap: each expert runs as soon as its rows arrive */
+    bool recompute;        /* --recompute: layers keep their inputs only; backwards recompute the rest */
     moe_device device;     /* --device */
     moe_gemm_math gemm_math; /* --gemm-math: the GPU's tensor cores for fp32 GEMMs */
     bool profile;          /* --profile: time each op of the steps after the first */
@@ -153,6 +154,7 @@ typedef struct moe_run_summary {
     const int64_t *stage_layers;
     int64_t optimizer_bytes; /* AdamW state held by this rank */
     int64_t optimizer_bytes_least, optimizer_bytes_most; /* over the ranks: stages hold different layers */
+    int64_t activation_bytes_least, activation_bytes_most; /* moe_trainer_activation_bytes over the ranks */
     const char *train_data;  /* what was opened */
     const char *val_data;
 } moe_run_summary;

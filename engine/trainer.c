@@ -61,6 +61,7 @@ struct moe_trainer {
     moe_model **instances;
     int64_t n_instances;
     int64_t *held;
+    int64_t pipe_bytes; /* stage_in, grad_in, stage_out and grad_out */
     double waited; /* seconds of this step spent waiting for other stages */
 };
 
@@ -245,6 +246,8 @@ moe_status moe_trainer_create(moe_trainer **out, moe_model *model, const moe_opt
     if (st == MOE_OK && !stage.first) st = t->ops->alloc((void **)&t->grad_in, (size_t)M * act_bytes);
     if (st == MOE_OK && !stage.last) st = t->ops->alloc((void **)&t->stage_out, (size_t)M * act_bytes);
     if (st == MOE_OK && !stage.last) st = t->ops->alloc((void **)&t->grad_out, act_bytes);
+    if (stage.pipe)
+        t->pipe_bytes = (int64_t)act_bytes * (stage.first ? 0 : t->in_slots + M) + (int64_t)act_bytes * (stage.last ? 0 : M + 1);
     /* 1F1B: a stage has at most stages - stage forwards in flight, each
      * kept on an instance of its own; GPipe recomputes them on one. */
     const int64_t in_flight = cfg->pipe_schedule == MOE_PIPE_1F1B ? stage.count - stage.index : 1;
@@ -309,6 +312,12 @@ moe_status moe_trainer_push(moe_trainer *t) {
 }
 moe_optim_shard moe_trainer_shard(moe_trainer *t, moe_model_run_id run) { return t->runs[run].shard; }
 int64_t moe_trainer_optimizer_bytes(const moe_trainer *t) { return 2 * t->state_count * (int64_t)sizeof(float); }
+
+int64_t moe_trainer_activation_bytes(const moe_trainer *t) {
+    int64_t bytes = t->pipe_bytes;
+    for (int64_t i = 0; i < t->n_instances; i++) bytes += moe_model_activation_bytes(t->instances[i]);
+    return bytes;
+}
 
 /* Each rank's losses are means over its rows; the step's are over the world
  * (every rank has the same number of rows). */

@@ -147,6 +147,10 @@ moe_optim_shard moe_trainer_shard(moe_trainer *trainer, moe_model_run_id run);
  * replicas of each expert) of what zero = 0 holds. */
 int64_t moe_trainer_optimizer_bytes(const moe_trainer *trainer);
 
+/* Backend bytes of this rank's activations: the model's and its twins'
+ * (moe_model_activation_bytes) and the pipeline's messages in flight. */
+int64_t moe_trainer_activation_bytes(const moe_trainer *trainer);
+
 /* Called after each evaluation batch with that batch's targets [B*T], the
  * batch index, and the model (whose last per-token losses and router
  * choices describe the batch); a failure ends the evaluation. */

@@ -345,63 +345,137 @@ Test(model_grad, grad_scale_and_accumulation) {
 
 /* ------------------------------------------------------ backend memory */
 
-/* The whole model on memory the host cannot touch outside an op (the
- * strict backend): every host access it makes goes through upload and
- * download, as a device backend needs, and it computes the same bits as
- * on host memory, since the kernels are the same. Capacity and shared
- * experts on, so every path of the MoE layer runs. */
-Test(model_backend, same_bits_when_the_host_cannot_touch_its_memory) {
-    fx f;
-    fx_create(&f, &CASES[3]);
-    moe_model_config cfg = *moe_model_get_config(f.m);
-    cfg.moe_n_shared_experts = 1;
-    cfg.moe_bias_update_rate = 0.01;
-    moe_model *host = NULL, *dev = NULL;
-    cr_assert(moe_model_create(&host, &cfg, BATCH, SEQ, 21) == MOE_OK, "%s", moe_last_error());
-    const moe_model_parallel strict = {.ops = moe_strict_ops()};
-    cr_assert(moe_model_create_parallel(&dev, &cfg, BATCH, SEQ, 21, &strict) == MOE_OK, "%s", moe_last_error());
-    const int64_t n = moe_model_param_count(host);
-    cr_assert(moe_model_param_count(dev) == n);
-    float *got = ref_alloc((size_t)n * sizeof *got);
-    double sumsq[2];
-    for (int step = 0; step < 2; step++) {
-        moe_model *models[2] = {host, dev};
+/* Models a and b of cfg (made with par_a and par_b) trained side by side,
+ * a step being forward, backward, the gradient norm and the bias update:
+ * every loss, per-token loss, router choice, gradient and bias is the same
+ * bits on both. */
+static void expect_same_bits(const moe_model_config *cfg, const moe_model_parallel *par_a,
+                             const moe_model_parallel *par_b, const int32_t *inputs, const int32_t *targets) {
+    moe_model *models[2] = {NULL, NULL};
+    const moe_model_parallel *pars[2] = {par_a, par_b};
+    for (int i = 0; i < 2; i++)
+        cr_assert(moe_model_create_parallel(&models[i], cfg, BATCH, SEQ, 21, pars[i]) == MOE_OK, "%s", moe_last_error());
+    const int64_t n = moe_model_param_count(models[0]);
+    cr_assert(moe_model_param_count(models[1]) == n);
+    float *grads[2] = {ref_alloc((size_t)n * sizeof(float)), ref_alloc((size_t)n * sizeof(float))};
+    float *bias[2] = {ref_alloc((size_t)cfg->num_local_experts * sizeof(float)),
+                      ref_alloc((size_t)cfg->num_local_experts * sizeof(float))};
+    for (int step = 0; step < 3; step++) {
         moe_model_stats st[2];
+        double sumsq[2];
         for (int i = 0; i < 2; i++) {
             moe_model_zero_grad(models[i]);
-            cr_assert(moe_model_forward(models[i], f.inputs, f.targets, &st[i]) == MOE_OK, "%s", moe_last_error());
+            cr_assert(moe_model_forward(models[i], inputs, targets, &st[i]) == MOE_OK, "%s", moe_last_error());
             cr_assert(moe_model_backward(models[i], 1.0f) == MOE_OK, "%s", moe_last_error());
             cr_assert(moe_model_grad_sumsq(models[i], &sumsq[i]) == MOE_OK, "%s", moe_last_error());
             moe_model_update_router_bias(models[i]);
+            const moe_ops *ops = moe_model_ops(models[i]);
+            cr_assert(ops->download(grads[i], moe_model_grads(models[i]), (size_t)n * sizeof(float)) == MOE_OK);
         }
         cr_expect(st[1].loss == st[0].loss && st[1].aux_loss == st[0].aux_loss && st[1].z_loss == st[0].z_loss,
-                  "step %d: loss %.9g aux %.9g z %.9g, host %.9g %.9g %.9g", step, st[1].loss, st[1].aux_loss,
+                  "step %d: loss %.9g aux %.9g z %.9g, want %.9g %.9g %.9g", step, st[1].loss, st[1].aux_loss,
                   st[1].z_loss, st[0].loss, st[0].aux_loss, st[0].z_loss);
-        cr_expect(sumsq[1] == sumsq[0], "step %d: gradient sum of squares %.17g, host %.17g", step, sumsq[1], sumsq[0]);
-        cr_expect(memcmp(moe_model_last_losses(dev), moe_model_last_losses(host), N_POS * sizeof(float)) == 0,
+        cr_expect(sumsq[1] == sumsq[0], "step %d: gradient sum of squares %.17g, want %.17g", step, sumsq[1], sumsq[0]);
+        cr_expect(memcmp(moe_model_last_losses(models[1]), moe_model_last_losses(models[0]), N_POS * sizeof(float)) == 0,
                   "step %d: per-token losses differ", step);
-        for (int64_t l = 0; l < cfg.num_hidden_layers; l++) {
+        for (int64_t l = 0; l < cfg->num_hidden_layers; l++) {
             const int32_t *topk[2];
             for (int i = 0; i < 2; i++)
                 cr_assert(moe_model_last_topk(models[i], l, &topk[i]) == MOE_OK, "%s", moe_last_error());
-            cr_expect(memcmp(topk[1], topk[0], (size_t)(N_POS * cfg.num_experts_per_tok) * sizeof(int32_t)) == 0,
+            cr_expect(memcmp(topk[1], topk[0], (size_t)(N_POS * cfg->num_experts_per_tok) * sizeof(int32_t)) == 0,
                       "step %d: layer %lld's router choices differ", step, (long long)l);
         }
-        cr_assert(moe_strict_ops()->download(got, moe_model_grads(dev), (size_t)n * sizeof *got) == MOE_OK);
         int64_t i = 0;
-        while (i < n && memcmp(&got[i], &moe_model_grads(host)[i], sizeof *got) == 0) i++;
-        cr_expect(i == n, "step %d: gradient %lld is %.9g, host %.9g", step, (long long)i, i < n ? got[i] : 0.0,
-                  i < n ? moe_model_grads(host)[i] : 0.0);
+        while (i < n && memcmp(&grads[1][i], &grads[0][i], sizeof(float)) == 0) i++;
+        cr_expect(i == n, "step %d: gradient %lld is %.9g, want %.9g", step, (long long)i, i < n ? grads[1][i] : 0.0,
+                  i < n ? grads[0][i] : 0.0);
     }
-    /* The bias moved (so the second step's gating used it) and agrees. */
-    const float *bias = moe_model_router_bias(host, 0);
-    cr_expect(bias[0] != 0.0f || bias[1] != 0.0f, "the selection bias never moved");
-    for (int64_t l = 0; l < cfg.num_hidden_layers; l++)
-        cr_expect(memcmp(moe_model_router_bias(dev, l), moe_model_router_bias(host, l),
-                         (size_t)cfg.num_local_experts * sizeof(float)) == 0, "layer %lld's bias differs", (long long)l);
-    free(got);
-    moe_model_destroy(dev);
-    moe_model_destroy(host);
+    /* The bias moved (so later steps' gating used it) and agrees. */
+    for (int64_t l = 0; l < cfg->num_hidden_layers; l++) {
+        for (int i = 0; i < 2; i++)
+            memcpy(bias[i], moe_model_router_bias(models[i], l), (size_t)cfg->num_local_experts * sizeof(float));
+        int64_t e = 0;
+        while (e < cfg->num_local_experts && bias[0][e] == 0.0f) e++;
+        cr_expect(e < cfg->num_local_experts, "layer %lld's selection bias never moved", (long long)l);
+        cr_expect(memcmp(bias[1], bias[0], (size_t)cfg->num_local_experts * sizeof(float)) == 0,
+                  "layer %lld's bias differs", (long long)l);
+    }
+    for (int i = 0; i < 2; i++) {
+        free(grads[i]);
+        free(bias[i]);
+        moe_model_destroy(models[i]);
+    }
+}
+
+/* Capacity, shared experts and the selection bias on, so every path of
+ * the MoE layer runs, and with jitter noise, which a recomputed forward
+ * must draw again as its first pass did. */
+static moe_model_config every_path_config(const fx *f, int64_t layers) {
+    moe_model_config cfg = *moe_model_get_config(f->m);
+    cfg.num_hidden_layers = layers;
+    cfg.moe_n_shared_experts = 1;
+    cfg.moe_bias_update_rate = 0.01;
+    return cfg;
+}
+
+/* The whole model on memory the host cannot touch outside an op (the
+ * strict backend): every host access it makes goes through upload and
+ * download, as a device backend needs, and it computes the same bits as
+ * on host memory, since the kernels are the same. */
+Test(model_backend, same_bits_when_the_host_cannot_touch_its_memory) {
+    fx f;
+    fx_create(&f, &CASES[3]);
+    const moe_model_config cfg = every_path_config(&f, 2);
+    expect_same_bits(&cfg, NULL, &(moe_model_parallel){.ops = moe_strict_ops()}, f.inputs, f.targets);
+    fx_destroy(&f);
+}
+
+/* Recomputation: each layer's backward runs its forward again from the
+ * layer's input; the results are the same bits as keeping every
+ * activation, on the host and on the strict backend (so the recomputation
+ * keeps to the op table). */
+Test(model_recompute, same_bits_as_keeping_the_activations) {
+    fx f;
+    fx_create(&f, &CASES[3]);
+    moe_model_config cfg = every_path_config(&f, 3);
+    cfg.router_jitter_noise = 0.05;
+    expect_same_bits(&cfg, NULL, &(moe_model_parallel){.recompute = true}, f.inputs, f.targets);
+    expect_same_bits(&cfg, NULL, &(moe_model_parallel){.recompute = true, .ops = moe_strict_ops()}, f.inputs,
+                     f.targets);
+    fx_destroy(&f);
+}
+
+/* Activation bytes of a model of cfg with `layers` layers. */
+static int64_t activation_bytes(moe_model_config cfg, int64_t layers, bool recompute) {
+    cfg.num_hidden_layers = layers;
+    moe_model *m = NULL;
+    cr_assert(moe_model_create_parallel(&m, &cfg, BATCH, SEQ, 21, &(moe_model_parallel){.recompute = recompute}) ==
+                  MOE_OK,
+              "%s", moe_last_error());
+    const int64_t bytes = moe_model_activation_bytes(m);
+    moe_model_destroy(m);
+    return bytes;
+}
+
+/* Under recomputation a layer adds only its input, [B*T, hidden] floats,
+ * and its router choices, [B*T, k] ints, to the activations; keeping them,
+ * a layer adds those and much more. */
+Test(model_recompute, a_layer_adds_only_its_input) {
+    fx f;
+    fx_create(&f, &CASES[3]);
+    const moe_model_config cfg = every_path_config(&f, 1);
+    const int64_t input = N_POS * cfg.hidden_size * (int64_t)sizeof(float); /* a multiple of the 64-byte alignment */
+    const int64_t choices = (N_POS * cfg.num_experts_per_tok * (int64_t)sizeof(int32_t) + 63) / 64 * 64;
+    const int64_t kept = activation_bytes(cfg, 3, false) - activation_bytes(cfg, 1, false);
+    const int64_t recomputed = activation_bytes(cfg, 3, true) - activation_bytes(cfg, 1, true);
+    cr_expect(recomputed == 2 * (input + choices),
+              "two more layers add %lld bytes under recomputation, want 2 x (%lld + %lld)", (long long)recomputed,
+              (long long)input, (long long)choices);
+    cr_expect(kept > 4 * recomputed, "two more layers add %lld bytes kept, only %lld recomputed", (long long)kept,
+              (long long)recomputed);
+    cr_expect(activation_bytes(cfg, 1, true) == activation_bytes(cfg, 1, false),
+              "one layer: %lld bytes recomputed, %lld kept", (long long)activation_bytes(cfg, 1, true),
+              (long long)activation_bytes(cfg, 1, false));
     fx_destroy(&f);
 }
 

@@ -688,6 +688,118 @@ Test(layer, repeated_forward_at_smaller_and_same_T) {
     fx_destroy(&f);
 }
 
+/* ----------------------------------------------------- shared workspace */
+
+/* One layer's step, on its own workspace or a shared one. */
+typedef struct step_out {
+    float *y, *dx, *g;
+} step_out;
+
+static step_out step_out_alloc(int64_t T, int64_t d, int64_t np) {
+    return (step_out){ref_alloc((size_t)(T * d) * sizeof(float)), ref_alloc((size_t)(T * d) * sizeof(float)),
+                      ref_alloc((size_t)np * sizeof(float))};
+}
+
+static void step_out_free(step_out *o) {
+    free(o->y);
+    free(o->dx);
+    free(o->g);
+}
+
+static void expect_same_step(const step_out *got, const step_out *want, int64_t T, int64_t d, int64_t np,
+                             const char *what) {
+    int64_t i;
+    cr_expect((i = first_diff(got->y, want->y, T * d)) < 0, "%s: y[%lld] differs", what, (long long)i);
+    cr_expect((i = first_diff(got->dx, want->dx, T * d)) < 0, "%s: dx[%lld] differs", what, (long long)i);
+    cr_expect((i = first_diff(got->g, want->g, np)) < 0, "%s: grad[%lld] differs", what, (long long)i);
+}
+
+/* Two layers of one shape (a model's) share their backward scratch, and
+ * with activations their forward's too: each computes the bits it computes
+ * alone, provided (with activations) its forward is the last one before its
+ * backward; a backward after the other layer's forward is refused, not
+ * computed from that forward's activations. The second layer's larger T
+ * grows the shared memory under the first. Jitter, capacity and shared
+ * experts on, so that every array is in use. */
+Test(layer, shared_workspace_computes_what_its_own_does) {
+    moe_layer_config cfg = make_cfg(12, 10, 6, 2, MOE_GATE_SOFTMAX_TOPK, 1, 1.25, 1);
+    cfg.jitter_eps = 0.1;
+    const int64_t T[2] = {9, 14}, d = cfg.d_model;
+    moe_layer *alone[2], *shared[2];
+    for (int i = 0; i < 2; i++) {
+        moe_layer_config c = cfg;
+        c.seed = 40 + (uint64_t)i;
+        cr_assert(moe_layer_create(&alone[i], &c) == MOE_OK, "%s", moe_last_error());
+        cr_assert(moe_layer_create(&shared[i], &c) == MOE_OK, "%s", moe_last_error());
+        cr_assert(moe_layer_init_params(alone[i], 0.3f, 7, (uint64_t)i) == MOE_OK);
+        cr_assert(moe_layer_init_params(shared[i], 0.3f, 7, (uint64_t)i) == MOE_OK);
+    }
+    const int64_t np = moe_layer_param_count(alone[0]);
+    float *x = ref_alloc((size_t)(T[1] * d) * sizeof *x), *dy = ref_alloc((size_t)(T[1] * d) * sizeof *dy);
+    ref_rng rng = {61};
+    ref_fill(x, T[1] * d, &rng, -1, 1);
+    ref_fill(dy, T[1] * d, &rng, -1, 1);
+    step_out want[2], got[2];
+    for (int i = 0; i < 2; i++) {
+        want[i] = step_out_alloc(T[1], d, np);
+        got[i] = step_out_alloc(T[1], d, np);
+        run_step(want[i].y, want[i].dx, want[i].g, alone[i], x, dy, T[i]);
+    }
+    for (int activations = 0; activations < 2; activations++) {
+        cr_assert(moe_layer_share_workspace(shared[1], shared[0], activations) == MOE_OK, "%s", moe_last_error());
+        for (int i = 0; i < 2; i++) {
+            moe_layer_set_jitter_counter(shared[i], 0);
+            cr_assert(moe_layer_zero_grad(shared[i]) == MOE_OK);
+        }
+        /* Both forwards, then both backwards: what a model keeping its
+         * activations does. */
+        for (int i = 0; i < 2; i++)
+            cr_assert(moe_layer_forward(shared[i], got[i].y, x, T[i], NULL) == MOE_OK, "%s", moe_last_error());
+        moe_status st = moe_layer_backward(shared[0], got[0].dx, dy, x);
+        if (activations) {
+            cr_expect(st == MOE_ERR_STATE && strstr(moe_last_error(), "overwritten"),
+                      "a backward after another layer's forward on shared activations: %s: %s",
+                      moe_status_string(st), moe_last_error());
+            /* What a model recomputing its layers does: each forward
+             * again, with its first pass's jitter, just before its
+             * backward. */
+            for (int i = 0; i < 2; i++) {
+                moe_layer_set_jitter_counter(shared[i], 0);
+                moe_layer_set_replay(shared[i], true);
+                cr_assert(moe_layer_forward(shared[i], got[i].y, x, T[i], NULL) == MOE_OK, "%s", moe_last_error());
+                moe_layer_set_replay(shared[i], false);
+                cr_assert(moe_layer_backward(shared[i], got[i].dx, dy, x) == MOE_OK, "%s", moe_last_error());
+            }
+        } else {
+            cr_assert(st == MOE_OK, "%s", moe_last_error());
+            cr_assert(moe_layer_backward(shared[1], got[1].dx, dy, x) == MOE_OK, "%s", moe_last_error());
+        }
+        for (int i = 0; i < 2; i++) {
+            memcpy(got[i].g, moe_layer_grads(shared[i]), (size_t)np * sizeof(float));
+            expect_same_step(&got[i], &want[i], T[i], d, np,
+                             activations ? "shared activations and scratch" : "shared scratch");
+        }
+    }
+    moe_layer_config other = cfg;
+    other.d_ff = 8;
+    moe_layer *narrow;
+    cr_assert(moe_layer_create(&narrow, &other) == MOE_OK);
+    cr_expect(moe_layer_share_workspace(narrow, shared[0], false) == MOE_ERR_INVALID_ARG,
+              "a layer of another d_ff shares the workspace");
+    moe_layer_destroy(narrow);
+    /* The memory outlives the layer that made it. */
+    moe_layer_destroy(shared[0]);
+    cr_assert(moe_layer_forward(shared[1], got[1].y, x, T[1], NULL) == MOE_OK, "%s", moe_last_error());
+    for (int i = 0; i < 2; i++) {
+        step_out_free(&want[i]);
+        step_out_free(&got[i]);
+        moe_layer_destroy(alone[i]);
+    }
+    moe_layer_destroy(shared[1]);
+    free(x);
+    free(dy);
+}
+
 /* ------------------------------------------------- balancing and noise */
 
 /* A sigmoid-gated top-1 layer of d 6 and 4 experts with a selection bias

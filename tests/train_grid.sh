@@ -73,6 +73,8 @@ same_kinds "PP 2 x DP 2: the per-kind report of 1 rank" "$out/pp_dp.log" "$out/o
 grid_matches "--pp 2 --ep 1 on 4 ranks (PP 2 x DP 2), gpipe" pp_dp_gpipe "$out/one3" 4 --batch-size 4 "${pp[@]}" \
     --ep 1 --pp-schedule gpipe
 grid_matches "--pp 2 --ep 2 --zero 1 on 4 ranks, 1f1b" pp_ep "$out/one3" 4 --batch-size 4 "${pp[@]}" --ep 2 --zero 1
+grid_matches "--pp 2 --ep 2 --recompute on 4 ranks, 1f1b" pp_ep_recompute "$out/one3" 4 --batch-size 4 "${pp[@]}" \
+    --ep 2 --recompute
 
 run_ok "the resume of a pipeline" "$out/pp_resumed.log" "$bin/moe-train" "${common[@]}" --batch-size 8 \
     --grad-accum 3 --resume "$out/pp/step-000006" --out "$out/pp_resumed"

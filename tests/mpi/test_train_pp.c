@@ -40,16 +40,17 @@ typedef struct curve {
 /* Trains STEPS steps of M micro-batches of `rows` rows per rank; grid
  * NULL: this rank alone. */
 static moe_status train(curve *out, const moe_grid *grid, int64_t rows, int64_t M, moe_pipe_schedule schedule,
-                        int zero, moe_data *data) {
+                        int zero, bool recompute, moe_data *data) {
     moe_model_config cfg;
     tiny_config(&cfg);
     moe_optim_config oc = mpi_optim(STEPS);
     oc.grad_accum = M;
     oc.pipe_schedule = schedule;
     oc.zero = zero;
-    const moe_model_parallel par = grid ? moe_grid_model_parallel(grid) : (moe_model_parallel){0};
+    moe_model_parallel par = grid ? moe_grid_model_parallel(grid) : (moe_model_parallel){0};
+    par.recompute = recompute;
     moe_step_metrics m[STEPS];
-    const moe_status st = mpi_train_run(m, &cfg, rows, T, grid ? &par : NULL, &oc, data, STEPS);
+    const moe_status st = mpi_train_run(m, &cfg, rows, T, &par, &oc, data, STEPS);
     for (int s = 0; st == MOE_OK && s < STEPS; s++) {
         out->loss[s] = m[s].loss;
         out->norm[s] = m[s].grad_norm;
@@ -71,15 +72,15 @@ static int compare(const double *got, const double *want, const char *what) {
     return 0;
 }
 
-static int run_grid(int pp, int ep, int zero, int64_t M, moe_pipe_schedule schedule, moe_data *data) {
+static int run_grid(int pp, int ep, int zero, int64_t M, moe_pipe_schedule schedule, bool recompute, moe_data *data) {
     moe_model_config cfg;
     tiny_config(&cfg);
     moe_grid grid;
     curve want, got;
     moe_status st = moe_grid_create(&grid, world, ep, pp, &cfg, T);
     if (st != MOE_OK) return mpi_fail_status(st, "grid");
-    st = train(&want, NULL, (int64_t)grid.at.dp_size * B, M, MOE_PIPE_1F1B, 0, data);
-    if (st == MOE_OK) st = train(&got, &grid, B, M, schedule, zero, data);
+    st = train(&want, NULL, (int64_t)grid.at.dp_size * B, M, MOE_PIPE_1F1B, 0, false, data);
+    if (st == MOE_OK) st = train(&got, &grid, B, M, schedule, zero, recompute, data);
     int bad = mpi_fail_status(st, "train");
     if (!bad) bad = compare(got.loss, want.loss, "loss");
     if (!bad) bad = compare(got.ce, want.ce, "cross-entropy");
@@ -206,14 +207,22 @@ int main(void) {
     static const char *const names[] = {"1F1B", "GPipe"};
     for (int sched = 0; sched < 2; sched++)
         for (int64_t M = 1; M <= 2 * size; M += size + 1) /* fewer micro-batches than stages, then more */
-            mpi_report(run_grid(size, 1, 0, M, (moe_pipe_schedule)sched, data), "PP=%d, %s, %lld micro-batches",
+            mpi_report(run_grid(size, 1, 0, M, (moe_pipe_schedule)sched, false, data), "PP=%d, %s, %lld micro-batches",
                        size, names[sched], (long long)M);
+    /* Recomputation: every instance (1F1B's twins) and GPipe's replays
+     * share one set of layer activations, each backward recomputing its
+     * layer first. */
+    for (int sched = 0; sched < 2; sched++)
+        mpi_report(run_grid(size, 1, 0, 2 * size + 1, (moe_pipe_schedule)sched, true, data),
+                   "PP=%d, %s, %d micro-batches, recomputed", size, names[sched], 2 * size + 1);
     if (size >= 4) {
         for (int sched = 0; sched < 2; sched++)
-            mpi_report(run_grid(2, 2, 1, 3, (moe_pipe_schedule)sched, data),
+            mpi_report(run_grid(2, 2, 1, 3, (moe_pipe_schedule)sched, false, data),
                        "PP=2 x DP=2, EP=2, ZeRO, %s, 3 micro-batches", names[sched]);
         /* The gradients all-reduced layer by layer during the last backward. */
-        mpi_report(run_grid(2, 1, 0, 3, MOE_PIPE_1F1B, data), "PP=2 x DP=2, EP=1, 1F1B, 3 micro-batches");
+        mpi_report(run_grid(2, 1, 0, 3, MOE_PIPE_1F1B, false, data), "PP=2 x DP=2, EP=1, 1F1B, 3 micro-batches");
+        /* The recomputed forwards exchange their rows again. */
+        mpi_report(run_grid(2, 2, 0, 3, MOE_PIPE_1F1B, true, data), "PP=2 x DP=2, EP=2, 1F1B, 3 micro-batches, recomputed");
     }
     moe_data_close(data);
     free(tokens);
