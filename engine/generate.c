@@ -1,5 +1,6 @@
-/* generate.c: greedy and sampled continuation, one forward per token (see
- * generate.h for why that is exact). */
+/* generate.c: greedy and sampled continuation: one forward over the
+ * prompts, then one decoding step per token against the keys and values
+ * the layers keep (generate.h). */
 #include "engine/generate.h"
 
 #include <math.h>
@@ -92,6 +93,16 @@ static moe_status check_rows(const moe_model *model, const int64_t *len, const i
     return MOE_OK;
 }
 
+/* Logits must be finite to be sampled from: anything else is a broken
+ * checkpoint or a bug, not a draw. */
+static moe_status check_finite(const float *logits, int64_t V, int64_t row, int64_t pos) {
+    for (int64_t i = 0; i < V; i++)
+        if (!isfinite(logits[i]))
+            return moe_error(MOE_ERR_INTERNAL, "generation: row %lld, position %lld: logit %lld is %g", (long long)row,
+                             (long long)pos, (long long)i, (double)logits[i]);
+    return MOE_OK;
+}
+
 moe_status moe_generate(moe_model *model, int32_t *rows, int64_t *len, const int64_t *end, int32_t stop,
                         const moe_sampling *sampling) {
     if (!model || !rows || !len || !end) return moe_error(MOE_ERR_INVALID_ARG, "moe_generate: NULL argument");
@@ -100,43 +111,51 @@ moe_status moe_generate(moe_model *model, int32_t *rows, int64_t *len, const int
     const int64_t B = moe_model_batch_size(model), T = moe_model_seq_len(model);
     const int64_t V = moe_model_get_config(model)->vocab_size;
     bool *growing = malloc((size_t)B * sizeof *growing);
-    float *logits = malloc((size_t)V * sizeof *logits);
+    float *logits = malloc((size_t)(B * V) * sizeof *logits);    /* [B, V] each row's latest */
+    float *decoded = malloc((size_t)(B * V) * sizeof *decoded);  /* [n, V] a decoding step's */
     int32_t *scratch = malloc((size_t)V * sizeof *scratch);
-    if (!growing || !logits || !scratch) {
-        free(growing);
-        free(logits);
-        free(scratch);
-        return moe_error(MOE_ERR_OUT_OF_MEMORY, "generation: %lld logits", (long long)V);
-    }
-    for (int64_t b = 0; b < B; b++) {
+    int64_t *at = malloc((size_t)(2 * B) * sizeof *at); /* rows, then positions, of a decoding step */
+    int32_t *tokens = malloc((size_t)B * sizeof *tokens);
+    moe_status st = MOE_OK;
+    if (!growing || !logits || !decoded || !scratch || !at || !tokens)
+        st = moe_error(MOE_ERR_OUT_OF_MEMORY, "generation: %lld rows of %lld logits", (long long)B, (long long)V);
+    for (int64_t b = 0; st == MOE_OK && b < B; b++) {
         growing[b] = len[b] < end[b];
         for (int64_t p = len[b]; p < T; p++) rows[b * T + p] = 0;
     }
-    moe_model_set_training(model, false);
-    moe_status st = MOE_OK;
-    for (;;) {
-        bool any = false;
-        for (int64_t b = 0; b < B; b++) any |= growing[b];
-        if (!any) break;
+    /* One forward over the prompts fills every layer's keys and values;
+     * then each new token is one decoding step of the rows still growing. */
+    if (st == MOE_OK) {
+        moe_model_set_training(model, false);
         st = moe_model_forward(model, rows, NULL, NULL);
+    }
+    for (int64_t b = 0; b < B && st == MOE_OK; b++)
+        if (growing[b]) st = moe_model_last_logits(model, b, len[b] - 1, logits + b * V);
+    while (st == MOE_OK) {
+        int64_t n = 0;
         for (int64_t b = 0; b < B && st == MOE_OK; b++) {
             if (!growing[b]) continue;
-            const int64_t p = len[b] - 1;
-            st = moe_model_last_logits(model, b, p, logits);
-            for (int64_t i = 0; i < V && st == MOE_OK; i++)
-                if (!isfinite(logits[i]))
-                    st = moe_error(MOE_ERR_INTERNAL, "generation: row %lld, position %lld: logit %lld is %g",
-                                   (long long)b, (long long)p, (long long)i, (double)logits[i]);
+            st = check_finite(logits + b * V, V, b, len[b] - 1);
             if (st != MOE_OK) break;
-            const int32_t token = moe_sample_token(scratch, logits, V, sampling, (uint64_t)b, (uint64_t)len[b]);
+            const int32_t token = moe_sample_token(scratch, logits + b * V, V, sampling, (uint64_t)b, (uint64_t)len[b]);
             rows[b * T + len[b]++] = token;
             growing[b] = len[b] < end[b] && token != stop;
+            if (!growing[b]) continue;
+            at[n] = b;
+            at[B + n] = len[b] - 1;
+            tokens[n++] = token;
         }
-        if (st != MOE_OK) break;
+        if (st != MOE_OK || n == 0) break;
+        st = moe_model_decode(model, n, at, tokens, at + B, decoded);
+        for (int64_t i = 0; i < n && st == MOE_OK; i++)
+            memcpy(logits + at[i] * V, decoded + i * V, (size_t)V * sizeof *logits);
     }
     free(growing);
     free(logits);
+    free(decoded);
     free(scratch);
+    free(at);
+    free(tokens);
     return st;
 }
 

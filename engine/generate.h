@@ -1,14 +1,16 @@
 /* generate.h: continuing token sequences with a model, greedily or by
  * sampling.
  *
- * There is no key-value cache: each new token costs one forward over the
- * model's whole [B, T] batch. That computes what a cache would, because
- * attention is causal: the logits at position p depend on tokens 0 .. p
- * only, so whatever the positions past a row's end hold changes nothing
- * (but the last bits of some sums, whose blocking follows how many rows
- * each expert gets). That holds only while routing is dropless: under a
- * capacity factor every position's tokens compete for the experts' slots,
- * padding included, so generation refuses such a model.
+ * One forward over the model's whole [B, T] batch reads the prompts and
+ * leaves every layer's keys and values; each new token is then one
+ * decoding step (moe_model_decode) of the rows still growing, at their own
+ * positions, against those keys and values. Both rest on attention being
+ * causal: the logits at position p depend on tokens 0 .. p only, so
+ * whatever the positions past a row's end hold changes nothing (but the
+ * last bits of some sums, whose order follows how many rows there are).
+ * That holds only while routing is dropless: under a capacity factor every
+ * position's tokens compete for the experts' slots, padding included, so
+ * generation refuses such a model.
  *
  * The B rows of a batch are independent sequences that grow together, one
  * token per row per forward; a row's draws depend on (seed, row, position)

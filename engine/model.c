@@ -105,6 +105,8 @@ struct moe_model {
     float *dq, *dk, *dv, *datty; /* like q, k, v, atty */
     float *datt;  /* [B, Hq, T, T] */
     bool forward_done, has_targets;
+    bool training;  /* moe_model_set_training */
+    bool keys_kept; /* every layer's k and v hold a forward's (moe_model_decode's cache) */
     bool logits_valid; /* logits hold the last forward's (its backward reuses them for dlogits) */
     int64_t counted; /* the last forward's targets that count (not negative), this rank's */
 };
@@ -638,6 +640,7 @@ moe_status moe_model_push(moe_model *m) {
 }
 
 void moe_model_set_training(moe_model *m, bool training) {
+    m->training = training;
     for (int64_t i = 0; i < m->nl; i++) moe_layer_set_training(m->moe[i], training);
 }
 
@@ -848,7 +851,80 @@ moe_status moe_model_stage_forward(moe_model *m, const int32_t *inputs, const fl
     MOE_TRY(ops->sync());
     m->forward_done = true;
     m->logits_valid = m->last;
+    m->keys_kept = !m->recompute;
     return MOE_OK;
+}
+
+static moe_status check_decode(const moe_model *m, int64_t n, const int64_t *row, const int32_t *token,
+                               const int64_t *pos) {
+    static const char op[] = "moe_model_decode";
+    if (m->training) return moe_error(MOE_ERR_STATE, "%s: inference only (moe_model_set_training false)", op);
+    if (m->n_stages > 1 || m->world || m->ep_size > 1)
+        return moe_error(MOE_ERR_UNSUPPORTED, "%s: one rank and one stage, not a grid", op);
+    if (!m->keys_kept)
+        return moe_error(MOE_ERR_STATE, "%s: no forward has left the keys and values (none yet, or %s)", op,
+                         m->recompute ? "the model recomputes its layers" : "it failed");
+    if (n < 1 || n > m->B) return moe_error(MOE_ERR_INVALID_ARG, "%s: %lld tokens for %lld rows", op, (long long)n, (long long)m->B);
+    for (int64_t i = 0; i < n; i++) {
+        if (row[i] < 0 || row[i] >= m->B || pos[i] < 0 || pos[i] >= m->T || token[i] < 0 ||
+            token[i] >= m->cfg.vocab_size)
+            return moe_error(MOE_ERR_INVALID_ARG, "%s: token %d at row %lld, position %lld: rows [0, %lld), "
+                                                  "positions [0, %lld), vocabulary [0, %lld)",
+                             op, token[i], (long long)row[i], (long long)pos[i], (long long)m->B, (long long)m->T,
+                             (long long)m->cfg.vocab_size);
+        for (int64_t j = 0; j < i; j++)
+            if (row[j] == row[i]) return moe_error(MOE_ERR_INVALID_ARG, "%s: row %lld twice", op, (long long)row[i]);
+    }
+    return MOE_OK;
+}
+
+/* The forward's op list for n rows of one position each; the backward's
+ * scratch holds them, and each layer's k and v are the cache. */
+moe_status moe_model_decode(moe_model *m, int64_t n, const int64_t *row, const int32_t *token, const int64_t *pos,
+                            float *logits) {
+    MOE_NOT_NULL("moe_model_decode", "model", m);
+    MOE_NOT_NULL("moe_model_decode", "row", row);
+    MOE_NOT_NULL("moe_model_decode", "token", token);
+    MOE_NOT_NULL("moe_model_decode", "pos", pos);
+    MOE_NOT_NULL("moe_model_decode", "logits", logits);
+    MOE_TRY(check_decode(m, n, row, token, pos));
+    const moe_model_config *c = &m->cfg;
+    const moe_ops *ops = m->ops;
+    const int64_t T = m->T, C = c->hidden_size, V = c->vocab_size, hd = c->head_dim;
+    const int64_t Hq = c->num_attention_heads, Hkv = c->num_key_value_heads, qdim = Hq * hd, kvdim = Hkv * hd;
+    const float eps = (float)c->rms_norm_eps;
+    float *x = m->dres, *ln = m->dln, *q = m->dq, *k = m->dk, *v = m->dv, *atty = m->datty, *y = m->dmoe;
+    float *x_mid = m->acts[0].x; /* [n, C] each */
+    m->forward_done = m->logits_valid = false;
+    MOE_TRY(ops->upload(m->inputs, token, (size_t)n * sizeof(int32_t)));
+    ops->embedding_forward(x, m->inputs, param(m, 0), n, C);
+    for (int64_t l = 0; l < m->nl; l++) {
+        const layer_acts *a = &m->acts[l];
+        const int64_t t0 = m->layer_first[l];
+        ops->rmsnorm_forward(ln, a->rstd1, x, param(m, t0 + LN1), eps, n, C);
+        ops->matmul_forward(q, ln, param(m, t0 + WQ), n, C, qdim);
+        ops->matmul_forward(k, ln, param(m, t0 + WK), n, C, kvdim);
+        ops->matmul_forward(v, ln, param(m, t0 + WV), n, C, kvdim);
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t at = row[i] * T, half = pos[i] * hd / 2; /* the row's cache; its position's rotation */
+            ops->rope_forward(q + i * qdim, m->cos_t + half, m->sin_t + half, 1, 1, Hq, hd);
+            ops->rope_forward(k + i * kvdim, m->cos_t + half, m->sin_t + half, 1, 1, Hkv, hd);
+            ops->copy(a->k + (at + pos[i]) * kvdim, k + i * kvdim, (size_t)kvdim * sizeof(float));
+            ops->copy(a->v + (at + pos[i]) * kvdim, v + i * kvdim, (size_t)kvdim * sizeof(float));
+            ops->attention_decode(atty + i * qdim, m->datt, q + i * qdim, a->k + at * kvdim, a->v + at * kvdim,
+                                  pos[i] + 1, Hq, Hkv, hd);
+        }
+        ops->matmul_forward(x_mid, atty, param(m, t0 + WO), n, qdim, C);
+        ops->residual_forward(x_mid, x_mid, x, n * C);
+        ops->rmsnorm_forward(ln, a->rstd2, x_mid, param(m, t0 + LN2), eps, n, C);
+        moe_status st = moe_layer_forward(m->moe[l], y, ln, n, NULL);
+        if (st != MOE_OK) return moe_error_prefix(st, "moe_model_decode: layer %lld: ", (long long)l);
+        ops->residual_forward(x, x_mid, y, n * C);
+    }
+    const int64_t tf = m->n_tensors - 2;
+    ops->rmsnorm_forward(ln, m->rstdf, x, param(m, tf), eps, n, C);
+    ops->matmul_forward(m->logits, ln, param(m, tf + 1), n, C, V);
+    return ops->download(logits, m->logits, (size_t)(n * V) * sizeof(float));
 }
 
 /* ---------------------------------------------------------------- backward */

@@ -247,6 +247,19 @@ moe_status moe_model_last_topk(moe_model *model, int64_t layer, const int32_t **
  * copied to out; a backward since then has overwritten them (an error). */
 moe_status moe_model_last_logits(moe_model *model, int64_t row, int64_t pos, float *out);
 
+/* Decoding with a key-value cache, which is the model's own keys and
+ * values of the last forward: after a forward over rows [B, T], n tokens
+ * (n <= B, on distinct rows) each go through the layers at one position:
+ * token[i] at position pos[i] of row row[i], whose key and value replace
+ * that position's, attending to positions 0 .. pos[i] of its row. Their
+ * logits [n, V] come to the host. The logits are those a forward over rows
+ * holding these tokens would give at pos[i], to rounding, while routing is
+ * dropless. Inference only: eval mode (moe_model_set_training false), one
+ * rank and stage, no recomputation (which keeps no keys); the last
+ * forward's activations and logits are spent. */
+moe_status moe_model_decode(moe_model *model, int64_t n, const int64_t *row, const int32_t *token, const int64_t *pos,
+                            float *logits);
+
 /* Layer l's auxiliary-loss-free selection bias [E], or NULL when off (or l
  * is not a layer of this stage);
  * checkpoints keep it under DeepSeek-V3's name

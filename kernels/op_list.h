@@ -57,6 +57,8 @@
     X(attention_backward, (float *dq, float *dk, float *dv, float *datt, const float *dout, const float *q,      \
         const float *k, const float *v, const float *att, int64_t B, int64_t T, int64_t Hq, int64_t Hkv,         \
         int64_t hd), (dq, dk, dv, datt, dout, q, k, v, att, B, T, Hq, Hkv, hd))                                  \
+    X(attention_decode, (float *out, float *att, const float *q, const float *k, const float *v, int64_t T,      \
+        int64_t Hq, int64_t Hkv, int64_t hd), (out, att, q, k, v, T, Hq, Hkv, hd))                               \
     X(crossentropy_forward, (float *losses, double *lse, const float *logits, const int32_t *targets, int64_t N, \
         int64_t V), (losses, lse, logits, targets, N, V))                                                        \
     X(crossentropy_backward, (float *dlogits, const float *logits, const double *lse, const int32_t *targets,    \

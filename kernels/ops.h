@@ -186,6 +186,13 @@ typedef struct moe_ops {
     void (*attention_backward)(float *dq, float *dk, float *dv, float *datt, const float *dout, const float *q,
                                const float *k, const float *v, const float *att, int64_t B, int64_t T, int64_t Hq,
                                int64_t Hkv, int64_t hd);
+    /* One query, at position T - 1 of one sequence, against that
+     * sequence's keys and values [T, Hkv*hd] at positions 0 .. T - 1 (a
+     * decoding step with a key-value cache): out [Hq*hd] is what
+     * attention_forward gives at that position, to rounding. att [Hq, T] is
+     * scratch. */
+    void (*attention_decode)(float *out, float *att, const float *q, const float *k, const float *v, int64_t T,
+                             int64_t Hq, int64_t Hkv, int64_t hd);
     void (*crossentropy_forward)(float *losses, double *lse, const float *logits, const int32_t *targets, int64_t N,
                                  int64_t V);
     void (*crossentropy_backward)(float *dlogits, const float *logits, const double *lse, const int32_t *targets,

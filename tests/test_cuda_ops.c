@@ -1219,6 +1219,21 @@ Test(cuda, rope_attention) {
     CHECK(moe_cuda_attention_forward(d_out, d_att, d_q, d_k, d_v, B, T, Hq, Hkv, hd, ctx));
     expect_dev("attention_forward out", d_out, out, nq, TOL_F32);
     expect_dev("attention_forward att", d_att, att, na, TOL_F32);
+    /* Decoding: row 1's query at position T - 9 against its keys and
+     * values up to there, on both backends. */
+    {
+        const int64_t len = T - 8;
+        const float *qd = q + ((T + len - 1) * Hq) * hd, *kd = k + T * Hkv * hd, *vd = v + T * Hkv * hd;
+        float *dec = ref_alloc((size_t)(Hq * hd) * sizeof *dec), *scratch = ref_alloc((size_t)(Hq * len) * sizeof *scratch);
+        cpu->attention_decode(dec, scratch, qd, kd, vd, len, Hq, Hkv, hd);
+        float *d_dec = dpoison((size_t)(Hq * hd) * sizeof(float), POISON_FLOAT);
+        CHECK(moe_cuda_attention_decode(d_dec, dpoison((size_t)(Hq * len) * sizeof(float), POISON_FLOAT),
+                                        dput(qd, (size_t)(Hq * hd) * sizeof(float)),
+                                        dput(kd, (size_t)(len * Hkv * hd) * sizeof(float)),
+                                        dput(vd, (size_t)(len * Hkv * hd) * sizeof(float)), len, Hq, Hkv, hd, ctx));
+        expect_dev("attention_decode out", d_dec, dec, Hq * hd, TOL_F32);
+        free(dec), free(scratch);
+    }
 
     /* bf16 math: the fused kernels (hd 16, 64 and 128, a ragged last tile,
      * grouped kv heads) and the tensor-core GEMMs of the batched path

@@ -1,9 +1,10 @@
 /* test_generate.c: the generation core (engine/generate.h).
  *
- * Generation without a key-value cache rests on one property of the
- * model: the logits at position p do not depend on the tokens after p, nor
- * on the other rows, while routing is dropless. The first test checks that
- * (up to the last bits of a float sum); the others check moe_generate against argmax and draws
+ * Generation rests on one property of the model: the logits at position p
+ * do not depend on the tokens after p, nor on the other rows, while
+ * routing is dropless. The first test checks that (up to the last bits of
+ * a float sum); the decoding tests check steps against the cache against a
+ * full forward; the others check moe_generate against argmax and draws
  * taken from full forwards, and the sampler's distribution against the
  * softmax it claims. */
 #include <criterion/criterion.h>
@@ -180,6 +181,90 @@ Test(generate, last_logits_refused_after_a_backward) {
     cr_expect_eq(moe_model_last_logits(m, 0, T, logits), MOE_ERR_INVALID_ARG);
     cr_assert_eq(moe_model_backward(m, 1.0f), MOE_OK, "%s", moe_last_error());
     cr_expect_eq(moe_model_last_logits(m, 0, 0, logits), MOE_ERR_STATE);
+    moe_model_destroy(m);
+}
+
+/* ------------------------------------------------------------ decoding */
+
+/* Decoding steps against the layers' keys and values give the logits of a
+ * full forward over the same tokens: row 0 from position 4 on and row 1
+ * from position 9 on, one token a step, both rows in one call while both
+ * grow (so they sit at different positions), the cache past each row's
+ * start holding other tokens of the first forward until the steps
+ * overwrite them. Not bit for bit (the attention and the experts' GEMMs
+ * sum in another order for one row than for the batch): within 1e-5 of
+ * the largest logit, where a wrong position, rotation or cache row moves
+ * them by percents of it. */
+Test(decode, steps_give_the_logits_of_a_full_forward) {
+    moe_model *m = small_model(B, 0.0);
+    int32_t tokens[B * T], prefix[B * T];
+    static float want[B * T * VOCAB];
+    float got[B * VOCAB];
+    random_tokens(tokens, B * T, 8);
+    cr_assert_eq(moe_model_forward(m, tokens, NULL, NULL), MOE_OK, "%s", moe_last_error());
+    all_logits(m, B, want);
+    double scale = 0.0;
+    for (int64_t i = 0; i < B * T * VOCAB; i++) scale = fmax(scale, fabs(want[i]));
+    const int64_t start[B] = {4, 9};
+    random_tokens(prefix, B * T, 9);
+    for (int64_t b = 0; b < B; b++) memcpy(prefix + b * T, tokens + b * T, (size_t)start[b] * sizeof *prefix);
+    cr_assert_eq(moe_model_forward(m, prefix, NULL, NULL), MOE_OK, "%s", moe_last_error());
+    int64_t steps = 0;
+    for (int64_t s = 0; s < T - start[0]; s++) {
+        int64_t row[B], pos[B], n = 0;
+        int32_t tok[B];
+        for (int64_t b = 0; b < B; b++)
+            if (start[b] + s < T) {
+                row[n] = b;
+                pos[n] = start[b] + s;
+                tok[n++] = tokens[b * T + start[b] + s];
+            }
+        cr_assert_eq(moe_model_decode(m, n, row, tok, pos, got), MOE_OK, "%s", moe_last_error());
+        for (int64_t i = 0; i < n; i++) {
+            const float *w = want + (row[i] * T + pos[i]) * VOCAB;
+            double worst = 0.0;
+            for (int64_t j = 0; j < VOCAB; j++) worst = fmax(worst, fabs(got[i * VOCAB + j] - w[j]));
+            cr_expect(worst <= 1e-5 * scale, "row %lld, position %lld: logits off by %g (largest %g)",
+                      (long long)row[i], (long long)pos[i], worst, scale);
+            steps++;
+        }
+    }
+    cr_expect_eq(steps, (T - start[0]) + (T - start[1]));
+    moe_model_destroy(m);
+}
+
+Test(decode, refuses_training_grids_without_keys_and_bad_tokens) {
+    moe_model *m = small_model(B, 0.0);
+    int32_t tokens[B * T];
+    random_tokens(tokens, B * T, 10);
+    float logits[B * VOCAB];
+    int64_t row[B] = {0, 1}, pos[B] = {3, 3};
+    int32_t tok[B] = {1, 2};
+    cr_expect_eq(moe_model_decode(m, 2, row, tok, pos, logits), MOE_ERR_STATE, "before any forward");
+    cr_expect(strstr(moe_last_error(), "no forward"), "%s", moe_last_error());
+    cr_assert_eq(moe_model_forward(m, tokens, NULL, NULL), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(moe_model_decode(m, 2, row, tok, pos, logits), MOE_OK, "%s", moe_last_error());
+    int64_t same[B] = {1, 1}, past[B] = {0, T};
+    int32_t outside[B] = {0, VOCAB};
+    cr_expect_eq(moe_model_decode(m, 2, same, tok, pos, logits), MOE_ERR_INVALID_ARG);
+    cr_expect(strstr(moe_last_error(), "row 1 twice"), "%s", moe_last_error());
+    cr_expect_eq(moe_model_decode(m, 2, row, tok, past, logits), MOE_ERR_INVALID_ARG);
+    cr_expect_eq(moe_model_decode(m, 2, row, outside, pos, logits), MOE_ERR_INVALID_ARG);
+    cr_expect_eq(moe_model_decode(m, B + 1, row, tok, pos, logits), MOE_ERR_INVALID_ARG);
+    moe_model_set_training(m, true);
+    cr_expect_eq(moe_model_decode(m, 2, row, tok, pos, logits), MOE_ERR_STATE, "in training mode");
+    cr_expect(strstr(moe_last_error(), "inference only"), "%s", moe_last_error());
+    moe_model_destroy(m);
+
+    /* Recomputation keeps no layer's keys. */
+    moe_model_config cfg;
+    moe_model_config_default_small(&cfg, VOCAB);
+    cr_assert_eq(moe_model_create_parallel(&m, &cfg, B, T, SEED, &(moe_model_parallel){.recompute = true}), MOE_OK,
+                 "%s", moe_last_error());
+    moe_model_set_training(m, false);
+    cr_assert_eq(moe_model_forward(m, tokens, NULL, NULL), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(moe_model_decode(m, 2, row, tok, pos, logits), MOE_ERR_STATE);
+    cr_expect(strstr(moe_last_error(), "recomputes"), "%s", moe_last_error());
     moe_model_destroy(m);
 }
 

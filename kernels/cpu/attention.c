@@ -397,6 +397,34 @@ static void backward_kv_keys(float *dk, float *dv, const float *ds, const float 
     }
 }
 
+/* One query row qt at position t against keys and values kb, vb (row
+ * stride ks): the probabilities into p [t + 1], the output into o [hd]. */
+static void attend_row(float *o, float *p, const float *qt, const float *kb, const float *vb, int64_t t, int64_t ks,
+                       int64_t hd, float scale) {
+    int64_t j = 0;
+    for (; j + 4 <= t + 1; j += 4) dot4(p + j, qt, kb + j * ks, ks, hd);
+    for (; j <= t; j++) p[j] = dot(qt, kb + j * ks, hd);
+    float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
+    for (j = 0; j <= t; j++) {
+        p[j] *= scale;
+        mx = p[j] > mx ? p[j] : mx; /* fmaxf is a libm call */
+    }
+    /* Lanes of partial sums in a fixed order, and moe_expf, which
+     * vectorises where libm's expf is a call per element. */
+    double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+    for (j = 0; j <= t; j++) {
+        p[j] = moe_expf(p[j] - mx);
+        sum += p[j];
+    }
+    const float inv = (float)(1.0 / sum);
+    for (j = 0; j <= t; j++) p[j] *= inv;
+    for (int64_t i = 0; i < hd; i++) o[i] = 0.0f;
+    for (j = 0; j + 4 <= t + 1; j += 4) axpy4(o, p[j], p[j + 1], p[j + 2], p[j + 3], vb + j * ks, ks, hd);
+    for (; j <= t; j++) axpy(o, p[j], vb + j * ks, hd);
+}
+
 /* ------------------------------------------------------------------ ops */
 
 void moe_cpu_attention_forward(float *out, float *att, const float *q, const float *k,
@@ -415,35 +443,23 @@ void moe_cpu_attention_forward(float *out, float *att, const float *q, const flo
                 continue;
             }
             for (int64_t t = 0; t < T; t++) {
-                const float *qt = q + ((b * T + t) * Hq + h) * hd; /* [hd] */
-                float *p = att + ((b * Hq + h) * T + t) * T;       /* [T] */
-                float *o = out + ((b * T + t) * Hq + h) * hd;      /* [hd] */
-                int64_t j = 0;
-                for (; j + 4 <= t + 1; j += 4) dot4(p + j, qt, kb + j * ks, ks, hd);
-                for (; j <= t; j++) p[j] = dot(qt, kb + j * ks, hd);
-                float mx = -INFINITY;
-#pragma omp simd reduction(max : mx)
-                for (j = 0; j <= t; j++) {
-                    p[j] *= scale;
-                    mx = p[j] > mx ? p[j] : mx; /* fmaxf is a libm call */
-                }
-                /* Lanes of partial sums in a fixed order, and moe_expf, which
-                 * vectorises where libm's expf is a call per element. */
-                double sum = 0.0;
-#pragma omp simd reduction(+ : sum)
-                for (j = 0; j <= t; j++) {
-                    p[j] = moe_expf(p[j] - mx);
-                    sum += p[j];
-                }
-                const float inv = (float)(1.0 / sum);
-                for (j = 0; j <= t; j++) p[j] *= inv;
-                for (j = t + 1; j < T; j++) p[j] = 0.0f;
-                for (int64_t i = 0; i < hd; i++) o[i] = 0.0f;
-                for (j = 0; j + 4 <= t + 1; j += 4)
-                    axpy4(o, p[j], p[j + 1], p[j + 2], p[j + 3], vb + j * ks, ks, hd);
-                for (; j <= t; j++) axpy(o, p[j], vb + j * ks, hd);
+                float *p = att + ((b * Hq + h) * T + t) * T; /* [T] */
+                attend_row(out + ((b * T + t) * Hq + h) * hd, p, q + ((b * T + t) * Hq + h) * hd, kb, vb, t, ks, hd,
+                           scale);
+                for (int64_t j = t + 1; j < T; j++) p[j] = 0.0f;
             }
         }
+}
+
+/* A head a thread: one row's heads are too few to split further, and the
+ * keys of a cache of thousands of positions are read once a head. */
+void moe_cpu_attention_decode(float *out, float *att, const float *q, const float *k, const float *v, int64_t T,
+                              int64_t Hq, int64_t Hkv, int64_t hd) {
+    const int64_t group = Hq / Hkv, ks = Hkv * hd;
+    const float scale = 1.0f / sqrtf((float)hd);
+#pragma omp parallel for schedule(static) if (T * hd >= 4096)
+    for (int64_t h = 0; h < Hq; h++)
+        attend_row(out + h * hd, att + h * T, q + h * hd, k + h / group * hd, v + h / group * hd, T - 1, ks, hd, scale);
 }
 
 /* With P the probabilities and dP = dO V^T:

@@ -101,6 +101,7 @@ static const moe_ops cpu_ops = {
     .rope_backward = moe_cpu_rope_backward,
     .attention_forward = moe_cpu_attention_forward,
     .attention_backward = moe_cpu_attention_backward,
+    .attention_decode = moe_cpu_attention_decode,
     .crossentropy_forward = moe_cpu_crossentropy_forward,
     .crossentropy_backward = moe_cpu_crossentropy_backward,
     .residual_forward = moe_cpu_residual_forward,

@@ -87,6 +87,14 @@ void moe_cpu_attention_forward(float *out,     /* [B, T, Hq, hd] */
                                const float *k, /* [B, T, Hkv, hd] */
                                const float *v, /* [B, T, Hkv, hd] */
                                int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t hd);
+/* ops.h attention_decode: one query at position T - 1 against keys and
+ * values at positions 0 .. T - 1. */
+void moe_cpu_attention_decode(float *out,     /* [Hq, hd] */
+                              float *att,     /* [Hq, T] scratch */
+                              const float *q, /* [Hq, hd] */
+                              const float *k, /* [T, Hkv, hd] */
+                              const float *v, /* [T, Hkv, hd] */
+                              int64_t T, int64_t Hq, int64_t Hkv, int64_t hd);
 /* dq, dk, dv accumulate. datt is scratch (its input contents are ignored;
  * one buffer can serve every layer). */
 void moe_cpu_attention_backward(float *dq,         /* [B, T, Hq, hd] */

@@ -15,12 +15,13 @@
 
 #define SOFTMAX_WARPS 8
 
-/* Row t of each [T, T] score matrix: p = softmax over j <= t, zeros above. */
-static __global__ void causal_softmax_kernel(float *att, int64_t rows, int64_t T) {
+/* Row t of each [T, T] score matrix: p = softmax over j <= t, zeros above;
+ * with last, every row is a query at position T - 1 (decoding). */
+static __global__ void causal_softmax_kernel(float *att, int64_t rows, int64_t T, bool last) {
     const int lane = threadIdx.x & 31;
     for (int64_t row = blockIdx.x * (int64_t)SOFTMAX_WARPS + (threadIdx.x >> 5); row < rows;
          row += (int64_t)gridDim.x * SOFTMAX_WARPS) {
-        const int64_t t = row % T;
+        const int64_t t = last ? T - 1 : row % T;
         float *p = att + row * T;
         float mx = -INFINITY;
         for (int64_t j = lane; j <= t; j += 32) mx = fmaxf(mx, p[j]);
@@ -87,10 +88,33 @@ extern "C" moe_status moe_cuda_attention_forward(float *out, float *att, const f
     MOE_TRY(moe_cuda_gemm_batched(ctx, att_w, q_w, k_w, B * Hq, T, T, hd, qs, ks, T, false, true,
                                   scale, 0.0f));
     causal_softmax_kernel<<<softmax_grid(B * Hq * T, ctx), SOFTMAX_WARPS * 32, 0, ctx->stream>>>(
-        att, B * Hq * T, T);
+        att, B * Hq * T, T, false);
     MOE_CUDA_CHECK(cudaGetLastError());
     /* out = P v */
     return moe_cuda_gemm_batched(ctx, out_w, att_w, v_w, B * Hq, T, hd, T, T, ks, qs, false, false,
+                                 1.0f, 0.0f);
+}
+
+/* The forward's batched path for one query row a head: problem h. */
+extern "C" moe_status moe_cuda_attention_decode(float *out, float *att, const float *q,
+                                                const float *k, const float *v, int64_t T,
+                                                int64_t Hq, int64_t Hkv, int64_t hd,
+                                                moe_cuda_ctx *ctx) {
+    MOE_TRY(check_sizes(1, T, Hq, Hkv, hd, "moe_cuda_attention_decode"));
+    if (T == 0) return MOE_OK;
+    const int64_t group = Hq / Hkv, qs = Hq * hd, ks = Hkv * hd;
+    const float scale = 1.0f / sqrtf((float)hd);
+    const moe_cuda_ptr_walk att_w = {att, Hq, 1, Hq * T, T};
+    const moe_cuda_ptr_walk q_w = {q, Hq, 1, qs, hd};
+    const moe_cuda_ptr_walk k_w = {k, Hq, group, T * ks, hd};
+    const moe_cuda_ptr_walk v_w = {v, Hq, group, T * ks, hd};
+    const moe_cuda_ptr_walk out_w = {out, Hq, 1, qs, hd};
+    MOE_TRY(moe_cuda_gemm_batched(ctx, att_w, q_w, k_w, Hq, 1, T, hd, qs, ks, T, false, true, scale,
+                                  0.0f));
+    causal_softmax_kernel<<<softmax_grid(Hq, ctx), SOFTMAX_WARPS * 32, 0, ctx->stream>>>(att, Hq, T,
+                                                                                         true);
+    MOE_CUDA_CHECK(cudaGetLastError());
+    return moe_cuda_gemm_batched(ctx, out_w, att_w, v_w, Hq, 1, hd, T, T, ks, qs, false, false,
                                  1.0f, 0.0f);
 }
 

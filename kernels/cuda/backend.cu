@@ -301,6 +301,11 @@ static void table_attention_forward(float *out, float *att, const float *q, cons
         moe_cuda_attention_forward(out, att, q, k, v, B, T, Hq, Hkv, hd, bound.ctx));
 }
 
+static void table_attention_decode(float *out, float *att, const float *q, const float *k,
+                                   const float *v, int64_t T, int64_t Hq, int64_t Hkv, int64_t hd) {
+    RUN("attention_decode", moe_cuda_attention_decode(out, att, q, k, v, T, Hq, Hkv, hd, bound.ctx));
+}
+
 static void table_attention_backward(float *dq, float *dk, float *dv, float *datt,
                                      const float *dout, const float *q, const float *k,
                                      const float *v, const float *att, int64_t B, int64_t T,
@@ -393,6 +398,7 @@ static moe_ops make_table(void) {
     t.rope_forward = table_rope_forward;
     t.rope_backward = table_rope_backward;
     t.attention_forward = table_attention_forward;
+    t.attention_decode = table_attention_decode;
     t.attention_backward = table_attention_backward;
     t.crossentropy_forward = table_crossentropy_forward;
     t.crossentropy_backward = table_crossentropy_backward;

@@ -339,6 +339,9 @@ moe_status moe_cuda_attention_backward(float *dq, float *dk, float *dv, float *d
                                        const float *dout, const float *q, const float *k,
                                        const float *v, const float *att, int64_t B, int64_t T,
                                        int64_t Hq, int64_t Hkv, int64_t hd, moe_cuda_ctx *ctx);
+moe_status moe_cuda_attention_decode(float *out, float *att, const float *q, const float *k,
+                                     const float *v, int64_t T, int64_t Hq, int64_t Hkv, int64_t hd,
+                                     moe_cuda_ctx *ctx);
 moe_status moe_cuda_crossentropy_forward(float *losses, double *lse, const float *logits,
                                          const int32_t *targets, int64_t N, int64_t V,
                                          moe_cuda_ctx *ctx);
