@@ -228,6 +228,20 @@ run() {
             --prompt '<arithmetic>3+4=' --max-new-tokens 24 >"$train_out.generate" 2>&1 || train_rc=1
         tail -n 1 "$train_out.generate" | sed "s/^/generate $dev: /" | tee -a "$results/train.log"
     done
+    # Recomputation on the GPU: 20 steps with and without --recompute, whose
+    #    losses the CPU tests hold to the same bits (into train.log).
+    echo "== moe-train --device cuda --recompute"
+    timeout -k 5 "$(limit 30)" "$dir/moe-train" --device cuda --steps 20 --out "$train_out.kept" \
+        >/dev/null 2>&1 || train_rc=1
+    timeout -k 5 "$(limit 30)" "$dir/moe-train" --device cuda --steps 20 --recompute --out "$train_out.recomputed" \
+        >/dev/null 2>&1 || train_rc=1
+    if [ -s "$train_out.kept/metrics.jsonl" ] && cmp -s <(grep -o '"loss":[^,]*' "$train_out.kept/metrics.jsonl") \
+        <(grep -o '"loss":[^,]*' "$train_out.recomputed/metrics.jsonl"); then
+        echo "recompute cuda: the 20 losses of the run without, bit for bit" | tee -a "$results/train.log"
+    else
+        echo "recompute cuda: losses differ from the run without" | tee -a "$results/train.log"
+        train_rc=1
+    fi
     : >"$results/train.jsonl"
     local math
     for math in fp32 bf16; do
@@ -255,6 +269,7 @@ summary() {
     printf "tests   exit %s\n" "$test_rc"
     printf "gemm    exit %s   gate+layer+attention exit %s   train exit %s\n" "$gemm_rc" "$layer_rc" "$train_rc"
     grep -a "^val_loss .* floor" "$results/train.log" | sed 's/^/train   default model on cuda: /'
+    grep -a "^generate \|^recompute cuda" "$results/train.log" | sed 's/^/train   /'
     grep -a -A8 "profile of 1b" "$results/bench.err" | sed 's/^moe-bench train: *//'
     python3 - "$results/gemm.jsonl" "$results/layer.jsonl" "$results/train.jsonl" "$results/gate.jsonl" \
         "$results/attention.jsonl" <<'EOF'
