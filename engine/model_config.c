@@ -64,6 +64,8 @@ static const field fields[] = {
     FIELD(moe_z_loss_coef, F_REAL, false, 0.0),
     FIELD(moe_n_shared_experts, F_INT, false, 0),
     FIELD(moe_bias_update_rate, F_REAL, false, 0.0),
+    FIELD(moe_n_group, F_INT, false, 0),
+    FIELD(moe_topk_group, F_INT, false, 0),
 };
 #define N_FIELDS (sizeof fields / sizeof *fields)
 
@@ -434,6 +436,15 @@ moe_status moe_model_config_validate(const moe_model_config *c, const char *name
     MOE_TRY(check_coef(name, "moe_capacity_factor", c->moe_capacity_factor));
     MOE_TRY(check_coef(name, "moe_z_loss_coef", c->moe_z_loss_coef));
     MOE_TRY(check_coef(name, "moe_bias_update_rate", c->moe_bias_update_rate));
+    const int64_t E = c->num_local_experts, groups = c->moe_n_group;
+    if (groups < 0 || groups > MOE_GROUPS_MAX || groups > E || (groups > 1 && E % groups))
+        return moe_error(MOE_ERR_CONFIG, "%s: moe_n_group=%lld must divide num_local_experts=%lld and be at most %d "
+                         "(0 or 1: no groups)", name, (long long)groups, (long long)E, MOE_GROUPS_MAX);
+    if (groups > 1 && (c->moe_topk_group < 1 || c->moe_topk_group > groups ||
+                       c->num_experts_per_tok > c->moe_topk_group * (E / groups)))
+        return moe_error(MOE_ERR_CONFIG, "%s: moe_topk_group=%lld must be in [1, moe_n_group=%lld] and its groups hold "
+                         "num_experts_per_tok=%lld experts (%lld a group)", name, (long long)c->moe_topk_group,
+                         (long long)groups, (long long)c->num_experts_per_tok, (long long)(E / groups));
     return MOE_OK;
 }
 
@@ -511,5 +522,7 @@ void moe_model_config_layer(moe_layer_config *layer, const moe_model_config *cfg
     layer->bias_update_rate = cfg->moe_bias_update_rate;
     layer->n_shared_experts = cfg->moe_n_shared_experts;
     layer->jitter_eps = cfg->router_jitter_noise;
+    layer->n_groups = cfg->moe_n_group;
+    layer->top_groups = cfg->moe_topk_group;
     layer->seed = seed;
 }

@@ -55,7 +55,7 @@ typedef struct moe_layer_block {
     int64_t size;   /* the tokens or rows it is carved for */
     int64_t bytes;
     int users;      /* layers carving it */
-    const struct moe_layer *maker;  /* whose workspace bytes count it */
+    const struct moe_layer *maker;  /* whose workspace bytes count it; NULL: the next user's to ask */
     const struct moe_layer *holder; /* the layer whose forward its activations are */
 } moe_layer_block;
 
@@ -231,6 +231,16 @@ moe_status moe_layer_config_validate(const moe_layer_config *cfg) {
     MOE_TRY(check_coef("bias_update_rate", cfg->bias_update_rate, 1e6));
     if (!isfinite(cfg->jitter_eps) || cfg->jitter_eps < 0.0 || cfg->jitter_eps >= 1.0)
         return moe_error(MOE_ERR_CONFIG, "moe layer config: jitter_eps=%g must be in [0, 1)", cfg->jitter_eps);
+    if (cfg->n_groups < 0 || cfg->n_groups > MOE_GROUPS_MAX || cfg->n_groups > cfg->n_experts ||
+        (cfg->n_groups > 1 && cfg->n_experts % cfg->n_groups))
+        return moe_error(MOE_ERR_CONFIG, "moe layer config: n_groups=%lld must divide n_experts=%lld and be at most "
+                         "%d (0 or 1: none)", (long long)cfg->n_groups, (long long)cfg->n_experts, MOE_GROUPS_MAX);
+    if (cfg->n_groups > 1 &&
+        (cfg->top_groups < 1 || cfg->top_groups > cfg->n_groups ||
+         cfg->top_k > cfg->top_groups * (cfg->n_experts / cfg->n_groups)))
+        return moe_error(MOE_ERR_CONFIG, "moe layer config: top_groups=%lld must be in [1, n_groups=%lld] and hold "
+                         "top_k=%lld experts (%lld a group)", (long long)cfg->top_groups, (long long)cfg->n_groups,
+                         (long long)cfg->top_k, (long long)(cfg->n_experts / cfg->n_groups));
     if (cfg->n_shared_experts < 0)
         return moe_error(MOE_ERR_CONFIG, "moe layer config: n_shared_experts=%lld must not be negative",
                          (long long)cfg->n_shared_experts);
@@ -537,6 +547,8 @@ moe_status moe_layer_create_mpi(moe_layer **out, const moe_layer_config *cfg, co
         {"bias_update_rate", cfg->bias_update_rate, NULL},
         {"n_shared_experts", (double)cfg->n_shared_experts, NULL},
         {"jitter_eps", cfg->jitter_eps, NULL},
+        {"n_groups", (double)cfg->n_groups, NULL},
+        {"top_groups", (double)cfg->top_groups, NULL},
         {"seed (high 32 bits)", (double)(cfg->seed >> 32), NULL},
         {"seed (low 32 bits)", (double)(cfg->seed & 0xFFFFFFFFu), NULL},
     };
@@ -915,7 +927,7 @@ moe_status moe_layer_share_workspace(moe_layer *L, moe_layer *with, bool activat
                                               "one has its own device context");
     for (int kind = BLOCK_TOKENS; kind < N_BLOCKS; kind++) {
         const bool scratch = kind == BLOCK_DTOKENS || kind == BLOCK_DROWS;
-        if (!scratch && !activations) continue;
+        if ((!scratch && !activations) || L->blocks[kind] == with->blocks[kind]) continue;
         drop_block(L, L->blocks[kind]);
         L->blocks[kind] = with->blocks[kind];
         L->blocks[kind]->users++;
@@ -923,10 +935,13 @@ moe_status moe_layer_share_workspace(moe_layer *L, moe_layer *with, bool activat
     return MOE_OK;
 }
 
-int64_t moe_layer_workspace_bytes(const moe_layer *L) {
+int64_t moe_layer_workspace_bytes(moe_layer *L) {
     int64_t bytes = 0;
-    for (int kind = 0; L && kind < N_BLOCKS; kind++)
-        if (L->blocks[kind]->maker == L) bytes += L->blocks[kind]->bytes;
+    for (int kind = 0; L && kind < N_BLOCKS; kind++) {
+        moe_layer_block *b = L->blocks[kind];
+        if (!b->maker) b->maker = L; /* its maker left it: a user counts it now */
+        if (b->maker == L) bytes += b->bytes;
+    }
     return bytes;
 }
 
@@ -1121,6 +1136,12 @@ static moe_status run_experts(moe_layer *L, bool backward, float *plan_in, float
 
 /* ----------------------------------------------------------------- forward */
 
+static moe_gate_params gate_params(const moe_layer_config *c) {
+    return (moe_gate_params){.n_experts = c->n_experts, .top_k = c->top_k, .kind = c->gate,
+                             .renormalize = c->renormalize != 0, .n_groups = c->n_groups,
+                             .top_groups = c->top_groups};
+}
+
 /* The balancing loss's gradient for backward, over the global batch (its
  * counts and size), at the current loss scale. */
 static moe_status send_aux_grad(moe_layer *L) {
@@ -1211,7 +1232,7 @@ moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, 
 
     const float *wg = L->views[0].param; /* [E, d] */
     ops->gemm(L->logits, x_in, wg, T, E, d, d, d, E, false, true, 1.0f, 0.0f);
-    const moe_gate_params gp = {.n_experts = E, .top_k = k, .kind = c->gate, .renormalize = c->renormalize != 0};
+    const moe_gate_params gp = gate_params(c);
     moe_gate_totals totals = {.assigned = L->totals_dev,
                               .prob_sum = (double *)L->totals_dev + E,
                               .z_sum = (double *)L->totals_dev + 2 * E,
@@ -1305,7 +1326,7 @@ moe_status moe_layer_backward(moe_layer *L, float *dx, const float *dy, const fl
      * scale set since then (a model's first step) costs a wait here. */
     if (L->aux_grad_scale != L->loss_scale) MOE_TRY(send_aux_grad(L));
     const int64_t GT = L->global_T;
-    const moe_gate_params gp = {.n_experts = E, .top_k = k, .kind = c->gate, .renormalize = c->renormalize != 0};
+    const moe_gate_params gp = gate_params(c);
     ops->gate_backward(L->dlogits, L->dweights, L->topk_idx, L->topk_w, L->prob, L->lse, L->logits,
                        c->aux_loss_coef > 0.0 ? L->aux_grad_dev : NULL, (float)(c->z_loss_coef * L->loss_scale / (double)GT),
                        &gp, T);

@@ -101,9 +101,10 @@ moe_status moe_layer_reserve(moe_layer *layer, int64_t T);
  * seed, coefficients and capacity); the memory lives while either does. */
 moe_status moe_layer_share_workspace(moe_layer *layer, moe_layer *with, bool activations);
 
-/* Backend bytes of the arrays the layer sized (shared ones count once,
- * with the layer that made them). */
-int64_t moe_layer_workspace_bytes(const moe_layer *layer);
+/* Backend bytes of the arrays the layer uses; a block that layers share
+ * counts with one of them only (its maker while that lives), so the sum
+ * over the layers is what they hold together. */
+int64_t moe_layer_workspace_bytes(moe_layer *layer);
 
 /* Expert parallelism: run each local expert as soon as its rows have
  * arrived and send its results back at once, overlapping the other experts'

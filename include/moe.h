@@ -88,6 +88,16 @@ typedef struct moe_layer_config {
      * U(1 - eps, 1 + eps) before the router and the experts see it, as in
      * Hugging Face Mixtral. 0 disables it. */
     double jitter_eps;
+    /* Group-limited routing (DeepSeek-V3's n_group and topk_group): the
+     * experts form n_groups groups of consecutive ids; a token first keeps
+     * the top_groups groups whose two best selection scores (those top-k
+     * ranks, with the bias; sigmoids, not log-sigmoids, for the sigmoid
+     * gate) sum highest, ties to the lower group, then takes its k experts
+     * among theirs. Under expert parallelism over n_groups ranks a token's
+     * rows reach at most top_groups of them. 0 or 1: no groups, and
+     * top_groups is unused. */
+    int64_t n_groups;
+    int64_t top_groups;
     uint64_t seed; /* seeds the initial parameters (normal, std 0.02, Mixtral's
                       initializer_range) and the jitter noise */
 } moe_layer_config;
@@ -98,7 +108,8 @@ typedef struct moe_layer_config {
         .d_model = 0, .d_ff = 0, .n_experts = 0, .top_k = 0,                     \
         .gate = MOE_GATE_SOFTMAX_TOPK, .renormalize = 1, .capacity_factor = 0.0, \
         .aux_loss_coef = 0.0, .z_loss_coef = 0.0, .bias_update_rate = 0.0,       \
-        .n_shared_experts = 0, .jitter_eps = 0.0, .seed = 0                      \
+        .n_shared_experts = 0, .jitter_eps = 0.0, .n_groups = 0, .top_groups = 0, \
+        .seed = 0                                                                \
     }
 
 /* Checks a config without creating anything; the error names the field. */

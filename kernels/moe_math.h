@@ -90,6 +90,32 @@ MOE_HD void moe_topk_insert(int32_t *idx, float *val, int *n, int k, int32_t e, 
     if (*n < k) (*n)++;
 }
 
+/* Group-limited routing: a group's score is the sum of its two best
+ * values (its one value for groups of one), kept by moe_top2_add as
+ * (*a1 >= *a2) from -INFINITY each. */
+MOE_HD void moe_top2_add(float *a1, float *a2, float v) {
+    if (v > *a1) {
+        *a2 = *a1;
+        *a1 = v;
+    } else if (v > *a2) {
+        *a2 = v;
+    }
+}
+
+/* Of n <= 64 groups scored gs [n], the top that a token keeps, in
+ * moe_score_outranks's order (ties to the lower group): bit j set for
+ * group j. */
+MOE_HD uint64_t moe_top_groups(const float *gs, int n, int top) {
+    uint64_t kept = 0;
+    for (int r = 0; r < top; r++) {
+        int best = -1;
+        for (int j = 0; j < n; j++)
+            if (!(kept >> j & 1u) && (best < 0 || moe_score_outranks(gs[j], j, gs[best], best))) best = j;
+        kept |= (uint64_t)1 << best;
+    }
+    return kept;
+}
+
 /* RoPE angle of pair i < hd/2 at position pos, with every fp32 rounding of
  * Hugging Face's rotary embedding: inv_freq = 1 / theta^(float(2i) / hd) in
  * fp32, angle = float(pos) * inv_freq in fp32. Reproducing those roundings

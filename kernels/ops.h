@@ -24,11 +24,14 @@ typedef struct moe_gate_params {
     int64_t top_k;     /* k */
     moe_gate_kind kind;
     bool renormalize;
+    int64_t n_groups;   /* > 1: group-limited routing (moe_layer_config in moe.h) */
+    int64_t top_groups; /* groups a token's experts come from, with n_groups > 1 */
 } moe_gate_params;
 
 /* Per-token work arrays live on the stack, so the router has bounds. */
 #define MOE_EXPERTS_MAX 1024
 #define MOE_TOPK_MAX MOE_EXPERTS_MAX
+#define MOE_GROUPS_MAX 64 /* expert groups of group-limited routing: bits of a mask */
 
 /* Tokens per chunk of the gating pass: statistics are summed per chunk, then
  * the chunks in order, so they are the same for any thread count. */

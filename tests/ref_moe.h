@@ -123,19 +123,51 @@ static inline double ref_score(const double *logits, const double *bias, int64_t
 }
 
 /* Top-k by repeated arg-max with a strict '>' over increasing e, so ties go
- * to the lower index. *min_gap: the smallest distance between consecutive
- * scores among the first min(k + 1, E) in order, i.e. how far the selection
- * and its slot order are from changing. */
-static inline void ref_topk(int32_t *idx, double *min_gap, const double *logits, const double *bias,
-                            int64_t E, int64_t k, moe_gate_kind kind) {
+ * to the lower index; with n_groups > 1, among the experts of the
+ * top_groups groups whose two best scores sum highest (ties to the lower
+ * group). *min_gap: the smallest distance between consecutive scores among
+ * the first min(k + 1, E) in order, and between the last kept group's
+ * score and the next, i.e. how far the selection and its slot order are
+ * from changing. */
+static inline void ref_topk_grouped(int32_t *idx, double *min_gap, const double *logits, const double *bias,
+                                    int64_t E, int64_t k, moe_gate_kind kind, int64_t n_groups, int64_t top_groups) {
     double lse, dummy[64];
     cr_assert(E <= 64, "reference supports E <= 64");
     ref_router_prob(dummy, &lse, logits, E, kind);
     double score[64];
     int taken[64] = {0};
     for (int64_t e = 0; e < E; e++) score[e] = ref_score(logits, bias, e, lse, kind);
-    int64_t depth = k < E ? k + 1 : E;
-    double prev = 0.0, gap = INFINITY;
+    double gap = INFINITY;
+    int64_t allowed = E;
+    if (n_groups > 1) {
+        const int64_t per = E / n_groups;
+        double gs[64];
+        int kept[64] = {0};
+        for (int64_t g = 0; g < n_groups; g++) {
+            double a1 = -INFINITY, a2 = -INFINITY;
+            for (int64_t e = g * per; e < (g + 1) * per; e++) {
+                if (score[e] > a1) a2 = a1, a1 = score[e];
+                else if (score[e] > a2) a2 = score[e];
+            }
+            gs[g] = per > 1 ? a1 + a2 : a1;
+        }
+        double last = 0.0;
+        for (int64_t r = 0; r <= top_groups && r < n_groups; r++) {
+            int64_t best = -1;
+            for (int64_t g = 0; g < n_groups; g++)
+                if (!kept[g] && (best < 0 || gs[g] > gs[best])) best = g;
+            if (r == top_groups) {
+                gap = fmin(gap, last - gs[best]);
+                break;
+            }
+            kept[best] = 1;
+            last = gs[best];
+        }
+        for (int64_t e = 0; e < E; e++) taken[e] = !kept[e / per];
+        allowed = top_groups * per;
+    }
+    int64_t depth = k < allowed ? k + 1 : allowed;
+    double prev = 0.0;
     for (int64_t j = 0; j < depth; j++) {
         int64_t best = -1;
         for (int64_t e = 0; e < E; e++)
@@ -146,6 +178,11 @@ static inline void ref_topk(int32_t *idx, double *min_gap, const double *logits,
         prev = score[best];
     }
     if (min_gap) *min_gap = gap;
+}
+
+static inline void ref_topk(int32_t *idx, double *min_gap, const double *logits, const double *bias, int64_t E,
+                            int64_t k, moe_gate_kind kind) {
+    ref_topk_grouped(idx, min_gap, logits, bias, E, k, kind, 0, 0);
 }
 
 /* The k weights of a fixed selection idx [k] for one token. */
@@ -192,6 +229,7 @@ static inline void ref_swiglu_mlp(double *out, const double *x, const double *ga
 
 typedef struct ref_layer {
     int64_t d, ff, E, k, n_shared;
+    int64_t n_groups, top_groups; /* group-limited routing when n_groups > 1 */
     moe_gate_kind gate;
     int renormalize;
     double capacity_factor, aux_loss_coef, z_loss_coef;
@@ -262,7 +300,7 @@ static inline void ref_layer_forward(double *y, ref_out *o, const ref_layer *L, 
         }
         double gap;
         ref_router_prob(o->r + t * E, o->lse + t, logits, E, L->gate);
-        ref_topk(o->idx + t * k, &gap, logits, L->bias, E, k, L->gate);
+        ref_topk_grouped(o->idx + t * k, &gap, logits, L->bias, E, k, L->gate, L->n_groups, L->top_groups);
         ref_topk_weights(o->w + t * k, logits, o->idx + t * k, E, k, L->gate, L->renormalize);
         o->min_gap = fmin(o->min_gap, gap);
         o->z += o->lse[t] * o->lse[t] / (double)T;

@@ -29,6 +29,7 @@ struct gate_case {
     moe_gate_kind kind;
     bool renormalize, with_bias;
     enum { PLAIN, TIES, FAR_BEHIND, NANS } logits;
+    int n_groups = 0, top_groups = 0; /* group-limited routing when n_groups > 1 */
 };
 
 struct lcg {
@@ -73,7 +74,7 @@ void check(const gate_case &c) {
         }
     for (float &b : bias) b = 0.1f * r.next();
     const float *b = c.with_bias ? bias.data() : nullptr;
-    const moe_gate_params p = {E, k, c.kind, c.renormalize};
+    const moe_gate_params p = {E, k, c.kind, c.renormalize, c.n_groups, c.top_groups};
 
     std::vector<int32_t> idx((size_t)(T * k)), e_idx((size_t)(T * k), -1);
     std::vector<float> w((size_t)(T * k)), prob((size_t)(T * E)), lse((size_t)T);
@@ -90,7 +91,8 @@ void check(const gate_case &c) {
 #define EMU_GATE(G, NPL)                                                                          \
     kernel([&] {                                                                                   \
         gate_forward_kernel<G, NPL>(e_idx.data(), e_w.data(), e_prob.data(), e_lse.data(), e_rows.data(), \
-                                    logits.data(), b, T, (int)E, (int)k, c.kind, c.renormalize);   \
+                                    logits.data(), b, T, (int)E, (int)k, c.kind, c.renormalize,   \
+                                    c.n_groups > 1 ? c.n_groups : 1, c.top_groups);                \
     })
     /* The dispatch of gate.cu. */
     if (E <= 8) EMU_GATE(8, 1);
@@ -142,7 +144,7 @@ void check_backward(const gate_case &c) {
     for (float &x : logits) x = 3.0f * r.next();
     for (float &x : dweights) x = r.next();
     for (float &x : aux) x = 0.01f * r.next();
-    const moe_gate_params p = {E, k, c.kind, c.renormalize};
+    const moe_gate_params p = {E, k, c.kind, c.renormalize, 0, 0};
     std::vector<int32_t> idx((size_t)(T * k));
     std::vector<float> w((size_t)(T * k)), prob((size_t)(T * E)), lse((size_t)T);
     std::vector<int64_t> assigned((size_t)E);
@@ -188,6 +190,13 @@ Test(gate_emulated, matches_the_cpu_gate) {
         {256, 8, 40, MOE_GATE_SIGMOID, true, true, gate_case::PLAIN},
         {300, 8, 70, MOE_GATE_SOFTMAX_TOPK, true, true, gate_case::PLAIN},
         {1, 1, 3, MOE_GATE_SOFTMAX_TOPK, true, false, gate_case::PLAIN},
+        /* Group-limited routing: DeepSeek-V3's shape scaled down (8 groups
+         * keeping 4), ties, groups of one, NaNs, a whole warp a token. */
+        {64, 8, 100, MOE_GATE_SIGMOID, true, true, gate_case::PLAIN, 8, 4},
+        {64, 6, 80, MOE_GATE_SIGMOID, true, false, gate_case::TIES, 8, 3},
+        {16, 4, 70, MOE_GATE_SOFTMAX_TOPK, true, true, gate_case::PLAIN, 16, 4},
+        {24, 4, 50, MOE_GATE_TOPK_SOFTMAX, true, true, gate_case::NANS, 6, 2},
+        {300, 8, 40, MOE_GATE_SOFTMAX_TOPK, false, true, gate_case::TIES, 60, 5},
     };
     for (const gate_case &c : cases) check(c);
 }

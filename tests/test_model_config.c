@@ -238,6 +238,16 @@ Test(model_config, every_bad_field_is_named) {
         {"moe_z_loss_coef", "-1", "moe_z_loss_coef=-1 must be finite and in [0, 1e+06]"},
         {"moe_n_shared_experts", "-1", "moe_n_shared_experts=-1 must be in [0, 8388607]"},
         {"moe_bias_update_rate", "-0.5", "moe_bias_update_rate=-0.5 must be finite and in [0, 1e+06]"},
+        {"moe_n_group", "3", "t/config.json: moe_n_group=3 must divide num_local_experts=8 and be at most 64"},
+        {"moe_n_group", "-1", "t/config.json: moe_n_group=-1 must divide num_local_experts=8"},
+        {"moe_n_group", "16", "t/config.json: moe_n_group=16 must divide num_local_experts=8"},
+        /* The second key rides in the first one's value. */
+        {"moe_n_group", "4, \"moe_topk_group\": 0",
+         "t/config.json: moe_topk_group=0 must be in [1, moe_n_group=4] and its groups hold num_experts_per_tok=2 "
+         "experts (2 a group)"},
+        {"moe_n_group", "4, \"moe_topk_group\": 5", "moe_topk_group=5 must be in [1, moe_n_group=4]"},
+        {"moe_n_group", "8, \"moe_topk_group\": 1", "moe_topk_group=1 must be in [1, moe_n_group=8] and its groups "
+         "hold num_experts_per_tok=2 experts (1 a group)"},
         {"rope_theta", "NaN", "t/config.json:1:"},
         /* Used as floats: 1e-50 rounds to 0 (NaN RoPE angles), 1e39 to infinity. */
         {"rope_theta", "1e-50", "t/config.json: rope_theta=1e-50 must be in [1.17549e-38, 3.40282e+38], a normal float"},
@@ -499,6 +509,8 @@ static void expect_same(const moe_model_config *a, const moe_model_config *b) {
     SAME(moe_z_loss_coef);
     SAME(moe_n_shared_experts);
     SAME(moe_bias_update_rate);
+    SAME(moe_n_group);
+    SAME(moe_topk_group);
 #undef SAME
 }
 
@@ -518,6 +530,8 @@ Test(model_config, save_then_load_is_identical, .init = make_tmpdir, .fini = rem
     c.moe_z_loss_coef = 1e-3;
     c.moe_n_shared_experts = 1;
     c.moe_bias_update_rate = 1e-3;
+    c.moe_n_group = 4;
+    c.moe_topk_group = 2;
     cr_assert_eq(moe_model_config_save(&c, path), MOE_OK, "%s", moe_last_error());
 
     moe_model_config back;

@@ -87,6 +87,28 @@ Test(config, sizes_and_top_k) {
     expect_bad(&c, "n_shared_experts=300000000 x d_ff=6 exceeds", "n_shared_experts=3e8");
 }
 
+/* Expert groups divide the experts, at most 64, and the kept ones hold k. */
+Test(config, expert_groups) {
+    moe_layer_config c = good_cfg();
+    c.n_experts = 8;
+    c.top_k = 2;
+    const int64_t bad[][2] = {{3, 1}, {-1, 1}, {16, 1}, {4, 0}, {4, 5}, {8, 1}};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        c.n_groups = bad[i][0];
+        c.top_groups = bad[i][1];
+        char why[48];
+        snprintf(why, sizeof why, "n_groups=%lld top_groups=%lld", (long long)bad[i][0], (long long)bad[i][1]);
+        expect_bad(&c, bad[i][0] == 3 || bad[i][0] < 0 || bad[i][0] > 8 ? "n_groups" : "top_groups", why);
+    }
+    const int64_t good[][2] = {{0, 0}, {1, 7}, {4, 1}, {8, 2}, {2, 2}};
+    for (size_t i = 0; i < sizeof good / sizeof good[0]; i++) {
+        c.n_groups = good[i][0];
+        c.top_groups = good[i][1];
+        cr_expect(moe_layer_config_validate(&c) == MOE_OK, "n_groups=%lld top_groups=%lld: %s", (long long)good[i][0],
+                  (long long)good[i][1], moe_last_error());
+    }
+}
+
 Test(config, gate_kind) {
     static const int bad[] = {-1, 3, 1000};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {

@@ -93,6 +93,8 @@ static void fx_create(fx *f, const moe_layer_config *cfg, uint64_t seed) {
                      .E = E,
                      .k = cfg->top_k,
                      .n_shared = cfg->n_shared_experts,
+                     .n_groups = cfg->n_groups,
+                     .top_groups = cfg->top_groups,
                      .gate = cfg->gate,
                      .renormalize = cfg->renormalize,
                      .capacity_factor = cfg->capacity_factor,
@@ -349,6 +351,7 @@ typedef struct grad_case {
     int64_t n_shared;
     int dy_zero;  /* only the balancing losses */
     int set_bias; /* a selection bias from moe_layer_selection_bias */
+    int64_t n_groups, top_groups; /* group-limited routing when n_groups > 1 */
 } grad_case;
 
 static double ref_loss_at(const fx *f, const double *xd, int64_t T, const double *dy, double *y,
@@ -389,6 +392,8 @@ static void check_grad(const grad_case *gc, uint64_t seed) {
     cfg.aux_loss_coef = 0.7;
     cfg.z_loss_coef = 0.2;
     if (gc->set_bias) cfg.bias_update_rate = 0.01;
+    cfg.n_groups = gc->n_groups;
+    cfg.top_groups = gc->top_groups;
     fx f;
     fx_create(&f, &cfg, seed);
     if (gc->set_bias) {
@@ -507,6 +512,55 @@ Test(layer, backward_with_selection_bias) {
                         .set_bias = 1};
         check_grad(&gc, seed++);
     }
+}
+
+/* Group-limited routing: 6 experts in 3 groups keeping 2, with capacity
+ * and a selection bias; the gradient follows the experts chosen. */
+Test(layer, backward_with_expert_groups) {
+    uint64_t seed = 3500;
+    for (int kind = 0; kind < 3; kind++) {
+        grad_case gc = {.E = 6,
+                        .k = 2,
+                        .T = 8,
+                        .kind = (moe_gate_kind)kind,
+                        .renormalize = 1,
+                        .cf = 1.0,
+                        .set_bias = kind == MOE_GATE_SIGMOID,
+                        .n_groups = 3,
+                        .top_groups = 2};
+        check_grad(&gc, seed++);
+    }
+}
+
+/* A token's experts come from at most top_groups groups: with the groups
+ * on EP ranks, its rows reach at most that many ranks. Without the limit
+ * the same tokens spread wider, so the check has something to catch. */
+Test(layer, expert_groups_bound_the_groups_a_token_reaches) {
+    const int64_t T = 64, E = 16, k = 4, groups = 4, per = E / groups;
+    int64_t widest[2] = {0, 0};
+    for (int limited = 0; limited < 2; limited++) {
+        moe_layer_config cfg = make_cfg(12, 6, E, k, MOE_GATE_SIGMOID, 1, 0.0, 0);
+        cfg.n_groups = limited ? groups : 0;
+        cfg.top_groups = limited ? 2 : 0;
+        fx f;
+        fx_create(&f, &cfg, 77);
+        float x[64 * 12], y[64 * 12];
+        draw_x(x, &f, T, 0, 77);
+        if (limited) check_forward(&f, x, T, "4 groups keeping 2");
+        cr_assert(moe_layer_forward(f.layer, y, x, T, NULL) == MOE_OK, "%s", moe_last_error());
+        const int32_t *topk;
+        cr_assert(moe_layer_last_topk(f.layer, &topk) == MOE_OK, "%s", moe_last_error());
+        for (int64_t t = 0; t < T; t++) {
+            unsigned seen = 0;
+            for (int64_t j = 0; j < k; j++) seen |= 1u << (topk[t * k + j] / per);
+            const int64_t n = __builtin_popcount(seen);
+            if (n > widest[limited]) widest[limited] = n;
+        }
+        fx_destroy(&f);
+    }
+    cr_expect(widest[1] <= 2, "a token's experts span %lld groups under a limit of 2", (long long)widest[1]);
+    cr_expect(widest[0] > 2, "without the limit no token spans more than %lld of 4 groups: the check is empty",
+              (long long)widest[0]);
 }
 
 /* k = E (every expert for every token; cf 0.5 keeps 2 of 3 per expert),

@@ -107,7 +107,7 @@ Test(ops, gemm_all_transposes_and_strides) {
  * min_gap away from changing, so fp32 and double agree on it. hot >= 0 makes
  * that expert win for every token. */
 static void gen_logits_row(float *row, const double *bias, int64_t E, int64_t k, moe_gate_kind kind,
-                           int64_t hot, ref_rng *rng) {
+                           int64_t hot, int64_t n_groups, int64_t top_groups, ref_rng *rng) {
     for (int tries = 0; tries < 1000; tries++) {
         double l[64], gap;
         int32_t idx[64];
@@ -115,7 +115,7 @@ static void gen_logits_row(float *row, const double *bias, int64_t E, int64_t k,
             row[e] = (float)ref_uniform(rng, -2.5, 2.5) + (e == hot ? 6.0f : 0.0f);
             l[e] = row[e];
         }
-        ref_topk(idx, &gap, l, bias, E, k, kind);
+        ref_topk_grouped(idx, &gap, l, bias, E, k, kind, n_groups, top_groups);
         if (gap > 1e-3) return;
     }
     cr_assert_fail("could not draw logits without near-ties (E=%lld k=%lld)", (long long)E,
@@ -127,6 +127,7 @@ typedef struct gate_case {
     moe_gate_kind kind;
     bool renormalize, with_bias;
     int64_t hot; /* -1: none */
+    int64_t n_groups, top_groups; /* group-limited routing when n_groups > 1 */
 } gate_case;
 
 static void check_gate_forward(const gate_case *gc, uint64_t seed) {
@@ -140,7 +141,7 @@ static void check_gate_forward(const gate_case *gc, uint64_t seed) {
 
     float *logits = ref_alloc((size_t)(T * E) * sizeof *logits);
     for (int64_t t = 0; t < T; t++)
-        gen_logits_row(logits + t * E, bias_ref, E, k, gc->kind, gc->hot, &rng);
+        gen_logits_row(logits + t * E, bias_ref, E, k, gc->kind, gc->hot, gc->n_groups, gc->top_groups, &rng);
 
     int32_t *idx = ref_alloc((size_t)(T * k) * sizeof *idx);
     float *w = ref_alloc((size_t)(T * k) * sizeof *w);
@@ -153,7 +154,7 @@ static void check_gate_forward(const gate_case *gc, uint64_t seed) {
     double *scratch = ref_alloc((size_t)(n_chunks * (2 * E + 1)) * sizeof *scratch);
     double z_sum = -7.0;
     moe_gate_totals totals = {assigned, prob_sum, &z_sum, scratch};
-    moe_gate_params p = {E, k, gc->kind, gc->renormalize};
+    moe_gate_params p = {E, k, gc->kind, gc->renormalize, gc->n_groups, gc->top_groups};
     ops()->gate_forward(idx, w, prob, lse, &totals, logits, gc->with_bias ? bias : NULL, &p, T);
     free(scratch);
 
@@ -167,7 +168,7 @@ static void check_gate_forward(const gate_case *gc, uint64_t seed) {
         double l[64];
         for (int64_t e = 0; e < E; e++) l[e] = logits[t * E + e];
         ref_router_prob(want_prob + t * E, want_lse + t, l, E, gc->kind);
-        ref_topk(want_idx + t * k, NULL, l, bias_ref, E, k, gc->kind);
+        ref_topk_grouped(want_idx + t * k, NULL, l, bias_ref, E, k, gc->kind, gc->n_groups, gc->top_groups);
         ref_topk_weights(want_w + t * k, l, want_idx + t * k, E, k, gc->kind, gc->renormalize);
         for (int64_t j = 0; j < k; j++) want_assigned[want_idx[t * k + j]]++;
         for (int64_t e = 0; e < E; e++) want_prob_sum[e] += want_prob[t * E + e];
@@ -176,9 +177,10 @@ static void check_gate_forward(const gate_case *gc, uint64_t seed) {
 
     char what[192];
     int n = snprintf(what, sizeof what,
-                     "gate_forward %s renorm=%d bias=%d E=%lld k=%lld T=%lld hot=%lld",
+                     "gate_forward %s renorm=%d bias=%d E=%lld k=%lld T=%lld hot=%lld groups=%lld/%lld",
                      kind_name(gc->kind), gc->renormalize, gc->with_bias, (long long)E,
-                     (long long)k, (long long)T, (long long)gc->hot);
+                     (long long)k, (long long)T, (long long)gc->hot, (long long)gc->top_groups,
+                     (long long)gc->n_groups);
     for (int64_t i = 0; i < T * k; i++)
         cr_expect(idx[i] == want_idx[i], "%s: topk_idx[t=%lld, j=%lld] = %d, want %d", what,
                   (long long)(i / k), (long long)(i % k), idx[i], want_idx[i]);
@@ -211,10 +213,13 @@ static void check_gate_forward(const gate_case *gc, uint64_t seed) {
 }
 
 /* Shapes: a typical one, T=1 with k=1, k=E, all tokens on one expert, and
- * T over several MOE_GATE_CHUNK_TOKENS chunks (the last one partial). */
+ * T over several MOE_GATE_CHUNK_TOKENS chunks (the last one partial);
+ * group-limited routing with 4 groups of 2 keeping 2, groups of one, and
+ * k filling the kept groups. */
 static const gate_case gate_shapes[] = {
-    {6, 2, 9, 0, 0, 0, -1}, {5, 1, 1, 0, 0, 0, -1},   {4, 4, 7, 0, 0, 0, -1},
-    {7, 3, 8, 0, 0, 0, 2},  {8, 2, 150, 0, 0, 0, -1},
+    {6, 2, 9, 0, 0, 0, -1, 0, 0}, {5, 1, 1, 0, 0, 0, -1, 0, 0},  {4, 4, 7, 0, 0, 0, -1, 0, 0},
+    {7, 3, 8, 0, 0, 0, 2, 0, 0},  {8, 2, 150, 0, 0, 0, -1, 0, 0}, {8, 3, 70, 0, 0, 0, -1, 4, 2},
+    {6, 2, 20, 0, 0, 0, -1, 6, 3}, {12, 6, 20, 0, 0, 0, 5, 3, 2},
 };
 
 /* Runs check over every shape x gate kind x renormalize x bias, each case
@@ -243,7 +248,7 @@ static void gate_one_token(int32_t *idx, float *w, const float *row, const float
     int64_t assigned[16];
     double prob_sum[16], scratch[2 * 16 + 1], z_sum = 0.0;
     moe_gate_totals totals = {assigned, prob_sum, &z_sum, scratch};
-    const moe_gate_params p = {E, k, kind, renormalize};
+    const moe_gate_params p = {E, k, kind, renormalize, 0, 0};
     ops()->gate_forward(idx, w, prob, &lse, &totals, row, bias, &p, 1);
 }
 
@@ -302,7 +307,7 @@ Test(ops, normalised_weights_when_the_bias_chooses_far_below) {
         int64_t assigned[3];
         double prob_sum[3], scratch[2 * 3 + 1], z_sum = 0.0;
         moe_gate_totals totals = {assigned, prob_sum, &z_sum, scratch};
-        const moe_gate_params p = {3, 2, (moe_gate_kind)kind, true};
+        const moe_gate_params p = {3, 2, (moe_gate_kind)kind, true, 0, 0};
         /* softmax_topk's and the sigmoid's bias is added to probabilities:
          * a bias of 1 outranks any of them. */
         const float bias_p[3] = {kind == MOE_GATE_TOPK_SOFTMAX ? bias[0] : -1.0f, 1.0f, 1.0f};
@@ -338,7 +343,7 @@ Test(ops, sigmoid_probabilities_below_floats_range) {
     int64_t assigned[2];
     double prob_sum[2], scratch[2 * 2 + 1], z_sum = 0.0;
     moe_gate_totals totals = {assigned, prob_sum, &z_sum, scratch};
-    const moe_gate_params p = {2, 1, MOE_GATE_SIGMOID, true};
+    const moe_gate_params p = {2, 1, MOE_GATE_SIGMOID, true, 0, 0};
     ops()->gate_forward(idx, w, prob, &lse, &totals, logits, NULL, &p, 1);
     const double small = 1.0 / (1.0 + exp(10.0)); /* s0 / (s0 + s1), s = e^l there */
     cr_expect(idx[0] == 1 && w[0] == 1.0f, "chose expert %d with weight %.9g; want 1 with 1", idx[0], w[0]);
@@ -427,11 +432,11 @@ static void check_gate_backward(const gate_case *gc, uint64_t seed) {
     for (int64_t i = 0; i < T * E; i++) dlogits[i] = GARBAGE; /* written, not accumulated */
 
     for (int64_t t = 0; t < T; t++) {
-        gen_logits_row(logits + t * E, bias_ref, E, k, gc->kind, gc->hot, &rng);
+        gen_logits_row(logits + t * E, bias_ref, E, k, gc->kind, gc->hot, gc->n_groups, gc->top_groups, &rng);
         double l[64], r[64], ls, wd[64], dwd[64];
         for (int64_t e = 0; e < E; e++) l[e] = logits[t * E + e];
         for (int64_t j = 0; j < k; j++) dwd[j] = dw[t * k + j];
-        ref_topk(idx + t * k, NULL, l, bias_ref, E, k, gc->kind);
+        ref_topk_grouped(idx + t * k, NULL, l, bias_ref, E, k, gc->kind, gc->n_groups, gc->top_groups);
         ref_topk_weights(wd, l, idx + t * k, E, k, gc->kind, gc->renormalize);
         ref_router_prob(r, &ls, l, E, gc->kind);
         for (int64_t j = 0; j < k; j++) w[t * k + j] = (float)wd[j];
@@ -450,7 +455,7 @@ static void check_gate_backward(const gate_case *gc, uint64_t seed) {
             want[t * E + e] = (fp - fm) / (2 * h);
         }
     }
-    moe_gate_params p = {E, k, gc->kind, gc->renormalize};
+    moe_gate_params p = {E, k, gc->kind, gc->renormalize, gc->n_groups, gc->top_groups};
     ops()->gate_backward(dlogits, dw, idx, w, prob, lse, logits, aux_grad, zc, &p, T);
 
     char what[192];

@@ -267,11 +267,15 @@ static void on_start(void *ctx, const moe_run_summary *s) {
     p->rank = s->rank;
     p->quiet = s->rank != 0;
     if (p->quiet) return;
-    printf("model    d_model %lld, %lld layers, %lld heads (%lld KV), %lld experts of width %lld, top-%lld, "
+    char groups[64] = "";
+    if (c->moe_n_group > 1)
+        snprintf(groups, sizeof groups, " from %lld of %lld groups", (long long)c->moe_topk_group,
+                 (long long)c->moe_n_group);
+    printf("model    d_model %lld, %lld layers, %lld heads (%lld KV), %lld experts of width %lld, top-%lld%s, "
            "vocab %lld\n",
            (long long)c->hidden_size, (long long)c->num_hidden_layers, (long long)c->num_attention_heads,
            (long long)c->num_key_value_heads, (long long)c->num_local_experts, (long long)c->intermediate_size,
-           (long long)c->num_experts_per_tok, (long long)c->vocab_size);
+           (long long)c->num_experts_per_tok, groups, (long long)c->vocab_size);
     printf("params   %.3fM total, %.3fM active per token\n", (double)s->params * 1e-6,
            (double)s->active_params * 1e-6);
     if (s->train_data) printf("train    %s\n", s->train_data);

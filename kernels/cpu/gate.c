@@ -61,15 +61,34 @@ void moe_cpu_gate_forward(int32_t *topk_idx, float *topk_w, float *prob, float *
             /* The sigmoid's scores: s + bias (DeepSeek-V3's), or without a
              * bias the log-sigmoid, which ranks as s does but keeps apart
              * the logits whose s is out of float's range. */
-            float score[MOE_TOPK_MAX];
-            int n = 0;
+            float ranked[MOE_EXPERTS_MAX];
             for (int64_t e = 0; e < E; e++) {
                 float base = p->kind == MOE_GATE_SIGMOID
                                  ? (bias ? moe_sigmoidf(l[e]) : ls[e])
                              : p->kind == MOE_GATE_TOPK_SOFTMAX ? l[e]
                                                                 : r[e] * norm;
-                moe_topk_insert(idx, score, &n, (int)k, (int32_t)e, bias ? base + bias[e] : base);
+                ranked[e] = bias ? base + bias[e] : base;
             }
+            /* Group-limited routing: the experts of the kept groups only,
+             * the groups scored by sigmoids where the sigmoid's ranks
+             * log-sigmoids (DeepSeek-V3 sums the sigmoids). */
+            uint64_t kept = 1;
+            int64_t per_group = E;
+            if (p->n_groups > 1) {
+                float gs[MOE_GROUPS_MAX];
+                per_group = E / p->n_groups;
+                for (int64_t g = 0; g < p->n_groups; g++) {
+                    float a1 = -INFINITY, a2 = -INFINITY;
+                    for (int64_t e = g * per_group; e < (g + 1) * per_group; e++)
+                        moe_top2_add(&a1, &a2, p->kind == MOE_GATE_SIGMOID && !bias ? moe_sigmoidf(l[e]) : ranked[e]);
+                    gs[g] = per_group > 1 ? a1 + a2 : a1;
+                }
+                kept = moe_top_groups(gs, (int)p->n_groups, (int)p->top_groups);
+            }
+            float score[MOE_TOPK_MAX];
+            int n = 0;
+            for (int64_t e = 0; e < E; e++)
+                if (kept >> (e / per_group) & 1u) moe_topk_insert(idx, score, &n, (int)k, (int32_t)e, ranked[e]);
             /* Weights from the unbiased values: the bias steers selection
              * only. Weights normalised over the chosen k (every kind but
              * softmax_topk without renormalize) come from the chosen logits,

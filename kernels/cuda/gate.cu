@@ -24,6 +24,12 @@ static moe_status check_params(const moe_gate_params *p, int64_t T, const char *
         return moe_error(MOE_ERR_INVALID_ARG, "%s: E=%lld k=%lld T=%lld (need 1 <= k <= E <= %d)",
                          op, (long long)p->n_experts, (long long)p->top_k, (long long)T,
                          MOE_EXPERTS_MAX);
+    if (p->n_groups > 1 &&
+        (p->n_groups > MOE_GROUPS_MAX || p->n_experts % p->n_groups || p->top_groups < 1 ||
+         p->top_groups > p->n_groups || p->top_k > p->top_groups * (p->n_experts / p->n_groups)))
+        return moe_error(MOE_ERR_INVALID_ARG, "%s: %lld of %lld expert groups cannot hold k=%lld of E=%lld",
+                         op, (long long)p->top_groups, (long long)p->n_groups, (long long)p->top_k,
+                         (long long)p->n_experts);
     return MOE_OK;
 }
 
@@ -36,7 +42,8 @@ static moe_status launch_forward(int32_t *topk_idx, float *topk_w, float *prob, 
                                  moe_cuda_ctx *ctx) {
     gate_forward_kernel<G, NPL><<<(unsigned)n_chunks, GATE_THREADS, 0, ctx->stream>>>(
         topk_idx, topk_w, prob, lse, chunk_scratch, logits, bias, T, (int)p->n_experts,
-        (int)p->top_k, p->kind, p->renormalize);
+        (int)p->top_k, p->kind, p->renormalize, p->n_groups > 1 ? (int)p->n_groups : 1,
+        (int)p->top_groups);
     MOE_CUDA_CHECK(cudaGetLastError());
     return MOE_OK;
 }

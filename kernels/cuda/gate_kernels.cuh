@@ -36,7 +36,7 @@ template <int G, int NPL>
 static __global__ void __launch_bounds__(GATE_THREADS)
     gate_forward_kernel(int32_t *topk_idx, float *topk_w, float *prob, float *lse,
                         double *chunk_scratch, const float *logits, const float *bias, int64_t T,
-                        int E, int k, moe_gate_kind kind, bool renormalize) {
+                        int E, int k, moe_gate_kind kind, bool renormalize, int n_groups, int top_groups) {
     constexpr int PASS = GATE_THREADS / G; /* tokens a pass */
     __shared__ int counts[MOE_EXPERTS_MAX];
     const int lane = threadIdx.x & 31, g = lane % G, group = threadIdx.x / G;
@@ -88,7 +88,36 @@ static __global__ void __launch_bounds__(GATE_THREADS)
             score[i] = bias && e < E ? base + bias[e] : base;
         }
 
-        uint32_t taken = 0u; /* bit i: expert g + G i is chosen */
+        uint32_t taken = 0u; /* bit i: expert g + G i is chosen, or outside the kept groups */
+        if (n_groups > 1) {
+            /* Group-limited routing: each group's two best values (the
+             * sigmoid's sigmoids, else the scores) over the group's lanes,
+             * then the kept groups, as on the CPU. */
+            const int per = E / n_groups;
+            float gs[MOE_GROUPS_MAX];
+            for (int gr = 0; gr < n_groups; gr++) {
+                float a1 = -INFINITY, a2 = -INFINITY;
+#pragma unroll
+                for (int i = 0; i < NPL; i++) {
+                    const int e = g + G * i;
+                    if (e < E && e / per == gr)
+                        moe_top2_add(&a1, &a2, sig && !bias ? moe_sigmoidf(lv[i]) : score[i]);
+                }
+                for (int o = G / 2; o > 0; o >>= 1) {
+                    const float b1 = __shfl_xor_sync(MOE_FULL_MASK, a1, o);
+                    const float b2 = __shfl_xor_sync(MOE_FULL_MASK, a2, o);
+                    moe_top2_add(&a1, &a2, b1);
+                    moe_top2_add(&a1, &a2, b2);
+                }
+                gs[gr] = per > 1 ? a1 + a2 : a1;
+            }
+            const uint64_t kept = moe_top_groups(gs, n_groups, top_groups);
+#pragma unroll
+            for (int i = 0; i < NPL; i++) {
+                const int e = g + G * i;
+                if (e < E && !(kept >> (e / per) & 1u)) taken |= 1u << i;
+            }
+        }
         /* Weights normalised over the chosen k come from the chosen logits
          * (log-sigmoids), relative to their own largest, as on the CPU. */
         const bool normalised = kind != MOE_GATE_SOFTMAX_TOPK || renormalize;

@@ -3,7 +3,9 @@
  * Every rank also trains the one-rank model itself on the whole global batch,
  * so the reference never crosses the network. Grids: data parallel only
  * (EP = 1), EP over all ranks, and with 4 ranks EP = 2 with 2 replicas of
- * each expert; each with capacity dropping and without.
+ * each expert; each with capacity dropping and without; and EP over all
+ * ranks with group-limited routing, a group per rank, each token's experts
+ * on half of them.
  * Tolerance: 1e-5 relative per step, as float summation order allows; the
  * dropped share of the pairs within 10% of the one rank's. A
  * plain program (Criterion forks, which MPI does not survive); ends with
@@ -15,10 +17,12 @@
 #define T 8
 #define VOCAB 32
 
-static void tiny_config(moe_model_config *c, double capacity) {
+static void tiny_config(moe_model_config *c, double capacity, int groups) {
     mpi_tiny_config(c, VOCAB, 16, 16, 2, 4);
     c->moe_z_loss_coef = 0.001;
     c->moe_capacity_factor = capacity;
+    c->moe_n_group = groups;
+    c->moe_topk_group = groups / 2;
 }
 
 /* Trains STEPS steps and writes the loss and the dropped fraction of each;
@@ -53,9 +57,9 @@ static int compare_dropped(const double *got, const double *want, double capacit
     return 0;
 }
 
-static int run_grid(int ep_size, double capacity, moe_data *data) {
+static int run_grid(int ep_size, double capacity, int groups, moe_data *data) {
     moe_model_config cfg;
-    tiny_config(&cfg, capacity);
+    tiny_config(&cfg, capacity, groups);
     double want[STEPS], got[STEPS], want_dropped[STEPS], got_dropped[STEPS];
     moe_comm *ep = NULL;
     moe_status st = train(want, want_dropped, &cfg, (int64_t)size * B, NULL, data);
@@ -77,8 +81,11 @@ int main(void) {
     const int grids = size >= 4 ? 3 : 2;
     for (int g = 0; g < grids; g++)
         for (int cap = 0; cap < 2; cap++)
-            mpi_report(run_grid(ep_sizes[g], cap ? 1.0 : 0.0, data), "%d ranks, EP=%d, %s, %d steps", size,
+            mpi_report(run_grid(ep_sizes[g], cap ? 1.0 : 0.0, 0, data), "%d ranks, EP=%d, %s, %d steps", size,
                        ep_sizes[g], cap ? "capacity 1.0" : "dropless", STEPS);
+    for (int cap = 0; cap < 2; cap++)
+        mpi_report(run_grid(size, cap ? 1.0 : 0.0, size, data), "%d ranks, EP=%d, %d expert groups keeping %d, %s",
+                   size, size, size, size / 2, cap ? "capacity 1.0" : "dropless");
     moe_data_close(data);
     free(tokens);
     return mpi_check_finish();
