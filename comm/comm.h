@@ -239,6 +239,14 @@ moe_status moe_comm_irecv(moe_comm *comm, moe_comm_request *req, void *buf, int6
  * (zeroed or completed) request returns MOE_OK at once. */
 moe_status moe_comm_wait(moe_comm_request *req);
 
+/* Seconds this thread has spent inside moe_comm_wait, on any
+ * communicator, since it started: every blocking op ends in one, so the
+ * time a rank waits for its peers (and for the transfers) shows here, and
+ * the rest of its time is its own work. On a device backend a wait can
+ * return before the device is done, and the device's share shows where
+ * the host next waits for it. */
+double moe_comm_wait_seconds(void);
+
 /* Waits for every request of reqs [n], also after one has failed, so that
  * all are complete (their buffers free) on return. st is the caller's status
  * so far (a failure starting one of the ops, or MOE_OK): a failure is

@@ -375,6 +375,7 @@ typedef struct run {
     double *routing;       /* [L + 1, N_KINDS, E] */
     moe_run_kind_report kinds;
     moe_op_time *profile; /* [moe_profile_op_count()] with --profile */
+    int64_t *slowest;     /* [ranks] the steps each rank was the slowest */
 } run;
 
 static void warn(const run *r, const char *fmt, ...) MOE_PRINTF(2, 3);
@@ -958,6 +959,8 @@ static moe_status log_step(run *r, const moe_run_step *s) {
         {"z_loss", m->z_loss},     {"lr", m->lr},               {"grad_norm", m->grad_norm},
         {"tokens_per_s", s->tokens_per_s}, {"mfu", s->mfu},     {"load_imbalance", m->load_imbalance},
         {"dropped_frac", m->dropped_frac}, {"pipeline_idle", m->pipeline_idle},
+        {"busy_s", m->busy_s},             {"busy_max_s", m->busy_max_s}, {"busy_median_s", m->busy_median_s},
+        {"slowest_rank", (double)m->slowest_rank},
     };
     moe_json_key(&w, "step");
     moe_json_int(&w, m->step);
@@ -1153,7 +1156,8 @@ static moe_status run_body(run *r, double start) {
     r->kinds = (moe_run_kind_report){.n_layers = L, .n_experts = E, .top_k = r->cfg.num_experts_per_tok};
     r->route_counts = calloc((size_t)(L * N_KINDS * E), sizeof *r->route_counts);
     r->routing = calloc((size_t)((L + 1) * N_KINDS * E), sizeof *r->routing);
-    if (!r->route_counts || !r->routing) return moe_error(MOE_ERR_OUT_OF_MEMORY, "run: routing histogram");
+    r->slowest = calloc((size_t)r->ranks, sizeof *r->slowest);
+    if (!r->route_counts || !r->routing || !r->slowest) return moe_error(MOE_ERR_OUT_OF_MEMORY, "run: routing histogram");
     r->kinds.routing = r->routing;
 
     /* Evaluation alone reports no MFU, so it does not pay for measuring. */
@@ -1229,6 +1233,8 @@ static moe_status run_body(run *r, double start) {
             s.mfu = r->step_flops / s.seconds / (r->peak_gflops * 1e9);
             s.elapsed_seconds = elapsed;
             s.steps_timed = timed;
+            r->slowest[s.metrics.slowest_rank]++;
+            if (s.metrics.busy_median_s > 0.0) end.straggler_excess += s.metrics.busy_max_s / s.metrics.busy_median_s - 1.0;
             if (r->metrics_path[0]) MOE_TRY(log_step(r, &s));
             if (r->cb->on_step) r->cb->on_step(r->cb->ctx, &s);
             if (o->profile) moe_profile_pause(true);
@@ -1246,6 +1252,15 @@ static moe_status run_body(run *r, double start) {
     }
     if (r->val.synth.tokens) MOE_TRY(solve_tasks(r));
     end.steps_done = moe_trainer_steps_done(r->trainer);
+    int64_t steps_run = 0;
+    for (int q = 0; q < r->ranks; q++) {
+        steps_run += r->slowest[q];
+        if (r->slowest[q] > r->slowest[end.straggler_rank]) end.straggler_rank = q;
+    }
+    if (steps_run) {
+        end.straggler_share = (double)r->slowest[end.straggler_rank] / (double)steps_run;
+        end.straggler_excess /= (double)steps_run;
+    }
     end.val_loss = val_loss;
     end.entropy_floor = r->entropy_floor;
     end.seconds = now_seconds() - start;
@@ -1286,6 +1301,7 @@ moe_status moe_run(const moe_run_options *opts, const moe_run_callbacks *callbac
         st = moe_error(MOE_ERR_IO, "%s: close failed", r.metrics_path);
     free(r.route_counts);
     free(r.routing);
+    free(r.slowest);
     free(r.profile);
     moe_trainer_destroy(r.trainer);
     moe_model_destroy(r.model);

@@ -62,6 +62,7 @@ struct moe_trainer {
     int64_t n_instances;
     int64_t *held;
     int64_t pipe_bytes; /* stage_in, grad_in, stage_out and grad_out */
+    double *busy;       /* [2, ranks of the job]: each rank's busy seconds of the last step, then sorted */
     double waited; /* seconds of this step spent waiting for other stages */
 };
 
@@ -229,9 +230,11 @@ moe_status moe_trainer_create(moe_trainer **out, moe_model *model, const moe_opt
     t->host_state = t->ops->host_visible ? t->state : NULL;
     t->tokens = calloc((size_t)(2 * BT * M), sizeof(int32_t));
     t->jitter = calloc((size_t)M, sizeof *t->jitter);
+    moe_comm *job = moe_model_job(model);
+    t->busy = calloc((size_t)(2 * (job ? moe_comm_size(job) : 1)), sizeof *t->busy);
     t->sends = calloc((size_t)(2 * M), sizeof *t->sends);
     t->send_order = calloc((size_t)(2 * M), sizeof *t->send_order);
-    if (st == MOE_OK && (!t->tokens || !t->jitter || !t->sends || !t->send_order))
+    if (st == MOE_OK && (!t->tokens || !t->jitter || !t->sends || !t->send_order || !t->busy))
         st = moe_error(MOE_ERR_OUT_OF_MEMORY, "trainer: %lld micro-batches of %lld tokens", (long long)M, (long long)BT);
     const moe_model_stage stage = moe_model_get_stage(model);
     const int64_t act_elems = BT * moe_model_get_config(model)->hidden_size; /* one stage message */
@@ -288,6 +291,7 @@ void moe_trainer_destroy(moe_trainer *t) {
     free(t->held);
     free(t->tokens);
     free(t->jitter);
+    free(t->busy);
     free(t->sends);
     free(t->send_order);
     free(t);
@@ -559,6 +563,30 @@ static moe_status pipeline_sum(moe_model *model, moe_model_stats *s, double *idl
     return MOE_OK;
 }
 
+/* Every rank's busy seconds into m: the most (and whose), the median. */
+static moe_status gather_busy(moe_trainer *t, double busy, moe_step_metrics *m) {
+    moe_comm *job = moe_model_job(t->model);
+    const int n = job ? moe_comm_size(job) : 1;
+    double *all = t->busy, *sorted = t->busy + n;
+    if (job)
+        MOE_TRY(moe_comm_allgather(job, all, &busy, 1, MOE_COMM_F64));
+    else
+        all[0] = busy;
+    int slowest = 0;
+    for (int r = 0; r < n; r++) {
+        if (all[r] > all[slowest]) slowest = r;
+        /* Insertion sort: a few ranks to a few thousand, once a step. */
+        int i = r;
+        for (; i > 0 && sorted[i - 1] > all[r]; i--) sorted[i] = sorted[i - 1];
+        sorted[i] = all[r];
+    }
+    m->busy_s = busy;
+    m->busy_max_s = all[slowest];
+    m->slowest_rank = slowest;
+    m->busy_median_s = n % 2 ? sorted[n / 2] : 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]);
+    return MOE_OK;
+}
+
 moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *metrics) {
     if (!t || !data) return moe_error(MOE_ERR_INVALID_ARG, "moe_trainer_step: NULL argument");
     moe_model *model = t->model;
@@ -567,6 +595,7 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
     const int64_t M = c->grad_accum;
     const float micro_scale = 1.0f / (float)M;
     moe_model_stats sum = {0};
+    const double step_start = omp_get_wtime(), waits_start = moe_comm_wait_seconds();
 
     for (int64_t micro = 0; micro < M; micro++) MOE_TRY(read_batch(t, data, micro));
     pipe_op *ops = malloc((size_t)(2 * M) * sizeof *ops);
@@ -613,6 +642,7 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
     free(ops);
     /* Every send is done before its buffer is written again. */
     const double sends_start = omp_get_wtime();
+    const double busy = sends_start - step_start - (moe_comm_wait_seconds() - waits_start);
     st = moe_comm_wait_all(t->sends, (int)(2 * M), st);
     MOE_TRY(st);
     /* Every stage's share over one span, to the moment the last stage is
@@ -649,13 +679,13 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
     if (t->sharded) MOE_TRY(gather_params(t));
     MOE_TRY(t->ops->sync());
     t->steps_done++;
-    if (metrics) {
-        const double a = (double)c->grad_accum;
-        *metrics = (moe_step_metrics){
-            .step = t->steps_done, .loss = sum.loss / a, .ce_loss = sum.ce_loss / a, .aux_loss = sum.aux_loss / a,
-            .z_loss = sum.z_loss / a, .lr = lr, .grad_norm = norm, .load_imbalance = sum.load_imbalance / a,
-            .dropped_frac = sum.dropped_frac / a, .pipeline_idle = stage.pipe ? idle : 0.0};
-    }
+    const double a = (double)c->grad_accum;
+    moe_step_metrics m = {
+        .step = t->steps_done, .loss = sum.loss / a, .ce_loss = sum.ce_loss / a, .aux_loss = sum.aux_loss / a,
+        .z_loss = sum.z_loss / a, .lr = lr, .grad_norm = norm, .load_imbalance = sum.load_imbalance / a,
+        .dropped_frac = sum.dropped_frac / a, .pipeline_idle = stage.pipe ? idle : 0.0};
+    MOE_TRY(gather_busy(t, busy, &m));
+    if (metrics) *metrics = m;
     return MOE_OK;
 }
 

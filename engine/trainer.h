@@ -89,6 +89,16 @@ typedef struct moe_step_metrics {
      * stage). With stages of equal cost the ideal is (stages - 1) /
      * (grad_accum + stages - 1) under either schedule. */
     double pipeline_idle;
+    /* Stragglers: each rank's busy time, its wall time from the step's
+     * start to the end of its last backward less the time it spent waiting
+     * in communicator calls (moe_comm_wait_seconds: for other stages, for
+     * the routing totals every MoE layer gathers, for expert-parallel rows),
+     * gathered over every rank of the grid. A slow rank is one whose own
+     * work takes longer; its peers wait for it. busy_s is this rank's;
+     * slowest_rank is the rank of the grid with the most, busy_max_s (the
+     * lowest such rank on a tie); busy_median_s the ranks' median. */
+    double busy_s, busy_max_s, busy_median_s;
+    int slowest_rank;
 } moe_step_metrics;
 
 /* One optimizer step over grad_accum micro-batches of data. On a pipeline

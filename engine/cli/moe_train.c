@@ -178,6 +178,7 @@ typedef struct printer {
     bool eval_only;
     int rank;     /* under mpirun; only rank 0 prints */
     bool pipeline; /* --pp > 1: each step says how long the stages waited */
+    bool grid;     /* several ranks: each step names the slowest */
     bool quiet;
     int kill_rank, kill_step; /* MOE_FAULT_KILL=RANK:STEP, or -1 */
 } printer;
@@ -265,6 +266,7 @@ static void on_start(void *ctx, const moe_run_summary *s) {
         exit(2);
     }
     p->rank = s->rank;
+    p->grid = s->ranks > 1;
     p->quiet = s->rank != 0;
     if (p->quiet) return;
     char groups[64] = "";
@@ -331,7 +333,12 @@ static void on_step(void *ctx, const moe_run_step *s) {
            "imbalance %.2f | dropped %.1f%%\n",
            (long long)m->step, (long long)s->total_steps, m->loss, m->aux_loss, m->lr, m->grad_norm,
            s->tokens_per_s, 100.0 * s->mfu, m->load_imbalance, 100.0 * m->dropped_frac);
-    if (p->pipeline) printf("         pipeline idle %.1f%% of the schedule (stages' mean)\n", 100.0 * m->pipeline_idle);
+    if (p->grid) {
+        printf("         slowest rank %d, busy %.1f%% over the ranks' median", m->slowest_rank,
+               100.0 * (m->busy_median_s > 0.0 ? m->busy_max_s / m->busy_median_s - 1.0 : 0.0));
+        if (p->pipeline) printf("; pipeline idle %.1f%% of the schedule (stages' mean)", 100.0 * m->pipeline_idle);
+        printf("\n");
+    }
     if (p->tty) draw_bar(p, s);
     fflush(stdout);
 }
@@ -442,6 +449,10 @@ static void on_end(void *ctx, const moe_run_end *e) {
         if (e->last_checkpoint[0]) printf(", last checkpoint %s", e->last_checkpoint);
         printf("\n");
     }
+    if (p->grid && !p->eval_only)
+        printf("stragglers: rank %d was the slowest in %.0f%% of the steps; the slowest rank was busy %.1f%% over the "
+               "ranks' median on average\n",
+               e->straggler_rank, 100.0 * e->straggler_share, 100.0 * e->straggler_excess);
     if (e->profile) print_profile(e);
     if (!isnan(e->entropy_floor))
         printf("val_loss %.4f vs floor %.4f: %.1f%% above the floor\n", e->val_loss, e->entropy_floor,

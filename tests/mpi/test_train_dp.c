@@ -10,6 +10,8 @@
  * dropped share of the pairs within 10% of the one rank's. A
  * plain program (Criterion forks, which MPI does not survive); ends with
  * "N passed, M failed". */
+#include <time.h>
+
 #include "mpi_check.h"
 
 #define STEPS 20
@@ -73,6 +75,46 @@ static int run_grid(int ep_size, double capacity, int groups, moe_data *data) {
     return bad;
 }
 
+/* The CPU table with a matmul that sleeps 10 ms after it computes: a rank
+ * on it is a straggler. */
+static moe_ops slow_ops;
+
+static void slow_matmul_forward(float *out, const float *inp, const float *weight, int64_t N, int64_t C,
+                                int64_t OC) {
+    moe_cpu_ops()->matmul_forward(out, inp, weight, N, C, OC);
+    nanosleep(&(struct timespec){.tv_nsec = 10000000}, NULL);
+}
+
+/* Every step names the slowest rank of the grid, and its busy time is the
+ * most and at least the median: the last rank, slowed, in at least 6 of
+ * 8 steps (its sleeps alone outlast a step of the others). */
+static int check_straggler(moe_data *data) {
+    moe_model_config cfg;
+    tiny_config(&cfg, 0.0, 0);
+    slow_ops = *moe_cpu_ops();
+    slow_ops.matmul_forward = slow_matmul_forward;
+    const moe_model_parallel par = {.world = world, .ops = rank == size - 1 ? &slow_ops : NULL};
+    const moe_optim_config oc = mpi_optim(8);
+    moe_step_metrics m[8];
+    const moe_status st = mpi_train_run(m, &cfg, B, T, &par, &oc, data, 8);
+    int bad = mpi_fail_status(st, "train");
+    int named = 0;
+    for (int s = 0; !bad && s < 8; s++) {
+        named += m[s].slowest_rank == size - 1;
+        if (!(m[s].busy_max_s >= m[s].busy_median_s && m[s].busy_median_s > 0.0 && m[s].busy_s > 0.0 &&
+              m[s].busy_s <= m[s].busy_max_s)) {
+            printf("  rank %d: step %d: busy %g, most %g, median %g\n", rank, s + 1, m[s].busy_s, m[s].busy_max_s,
+                   m[s].busy_median_s);
+            bad = 1;
+        }
+    }
+    if (!bad && named < 6) {
+        printf("  rank %d: the slowed rank %d was named the slowest in %d of 8 steps\n", rank, size - 1, named);
+        bad = 1;
+    }
+    return bad;
+}
+
 int main(void) {
     int32_t *tokens = NULL;
     moe_data *data = mpi_training_start(&tokens, VOCAB);
@@ -86,6 +128,7 @@ int main(void) {
     for (int cap = 0; cap < 2; cap++)
         mpi_report(run_grid(size, cap ? 1.0 : 0.0, size, data), "%d ranks, EP=%d, %d expert groups keeping %d, %s",
                    size, size, size, size / 2, cap ? "capacity 1.0" : "dropless");
+    mpi_report(check_straggler(data), "a rank whose matmuls sleep is named the slowest");
     moe_data_close(data);
     free(tokens);
     return mpi_check_finish();
