@@ -587,6 +587,15 @@ int64_t moe_model_activation_bytes(const moe_model *m) {
     for (int64_t i = 0; i < m->nl; i++) bytes += moe_layer_workspace_bytes(m->moe[i]);
     return bytes;
 }
+int64_t moe_model_exchange_bytes(const moe_model *m) {
+    int64_t bytes = 0;
+    for (int64_t i = 0; i < m->nl; i++) {
+        moe_layer_timing t;
+        moe_layer_get_timing(m->moe[i], &t);
+        bytes += t.exchange_bytes;
+    }
+    return bytes;
+}
 int64_t moe_model_batch_size(const moe_model *m) { return m->B; }
 int moe_model_world_size(const moe_model *m) { return m->world_size; }
 int moe_model_world_rank(const moe_model *m) { return m->world_rank; }

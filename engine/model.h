@@ -103,6 +103,10 @@ moe_status moe_model_check_shape(const moe_model_config *cfg, int64_t B, int64_t
  * included; a twin counts what it adds to its base. */
 int64_t moe_model_activation_bytes(const moe_model *model);
 
+/* Bytes of expert rows this instance's MoE layers have sent to other
+ * ranks since it was made (forwards, backwards, recomputations). */
+int64_t moe_model_exchange_bytes(const moe_model *model);
+
 const moe_model_config *moe_model_get_config(const moe_model *model);
 int64_t moe_model_batch_size(const moe_model *model); /* B */
 int64_t moe_model_seq_len(const moe_model *model);    /* T */

@@ -62,7 +62,8 @@ struct moe_trainer {
     int64_t n_instances;
     int64_t *held;
     int64_t pipe_bytes; /* stage_in, grad_in, stage_out and grad_out */
-    double *busy;       /* [2, ranks of the job]: each rank's busy seconds of the last step, then sorted */
+    double *busy;       /* [3, ranks of the job]: each rank's (busy seconds, exchange bytes) of the last step, then
+                           the busy seconds sorted */
     double waited; /* seconds of this step spent waiting for other stages */
 };
 
@@ -231,7 +232,7 @@ moe_status moe_trainer_create(moe_trainer **out, moe_model *model, const moe_opt
     t->tokens = calloc((size_t)(2 * BT * M), sizeof(int32_t));
     t->jitter = calloc((size_t)M, sizeof *t->jitter);
     moe_comm *job = moe_model_job(model);
-    t->busy = calloc((size_t)(2 * (job ? moe_comm_size(job) : 1)), sizeof *t->busy);
+    t->busy = calloc((size_t)(3 * (job ? moe_comm_size(job) : 1)), sizeof *t->busy);
     t->sends = calloc((size_t)(2 * M), sizeof *t->sends);
     t->send_order = calloc((size_t)(2 * M), sizeof *t->send_order);
     if (st == MOE_OK && (!t->tokens || !t->jitter || !t->sends || !t->send_order || !t->busy))
@@ -563,27 +564,39 @@ static moe_status pipeline_sum(moe_model *model, moe_model_stats *s, double *idl
     return MOE_OK;
 }
 
-/* Every rank's busy seconds into m: the most (and whose), the median. */
-static moe_status gather_busy(moe_trainer *t, double busy, moe_step_metrics *m) {
+/* This rank's expert rows sent so far, over the model and its twins. */
+static int64_t exchange_bytes(const moe_trainer *t) {
+    int64_t bytes = 0;
+    for (int64_t i = 0; i < t->n_instances; i++) bytes += moe_model_exchange_bytes(t->instances[i]);
+    return bytes;
+}
+
+/* Every rank's busy seconds and exchange bytes into m: the most busy (and
+ * whose), the median, the mean bytes. */
+static moe_status gather_ranks(moe_trainer *t, double busy, double bytes, moe_step_metrics *m) {
     moe_comm *job = moe_model_job(t->model);
     const int n = job ? moe_comm_size(job) : 1;
-    double *all = t->busy, *sorted = t->busy + n;
+    double *all = t->busy, *sorted = t->busy + 2 * n; /* all: [n, 2] */
+    const double mine[2] = {busy, bytes};
     if (job)
-        MOE_TRY(moe_comm_allgather(job, all, &busy, 1, MOE_COMM_F64));
+        MOE_TRY(moe_comm_allgather(job, all, mine, 2, MOE_COMM_F64));
     else
-        all[0] = busy;
+        all[0] = busy, all[1] = bytes;
     int slowest = 0;
+    double total = 0.0;
     for (int r = 0; r < n; r++) {
-        if (all[r] > all[slowest]) slowest = r;
+        if (all[2 * r] > all[2 * slowest]) slowest = r;
+        total += all[2 * r + 1];
         /* Insertion sort: a few ranks to a few thousand, once a step. */
         int i = r;
-        for (; i > 0 && sorted[i - 1] > all[r]; i--) sorted[i] = sorted[i - 1];
-        sorted[i] = all[r];
+        for (; i > 0 && sorted[i - 1] > all[2 * r]; i--) sorted[i] = sorted[i - 1];
+        sorted[i] = all[2 * r];
     }
     m->busy_s = busy;
-    m->busy_max_s = all[slowest];
+    m->busy_max_s = all[2 * slowest];
     m->slowest_rank = slowest;
     m->busy_median_s = n % 2 ? sorted[n / 2] : 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]);
+    m->exchange_bytes = total / n;
     return MOE_OK;
 }
 
@@ -596,6 +609,7 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
     const float micro_scale = 1.0f / (float)M;
     moe_model_stats sum = {0};
     const double step_start = omp_get_wtime(), waits_start = moe_comm_wait_seconds();
+    const int64_t bytes_start = exchange_bytes(t);
 
     for (int64_t micro = 0; micro < M; micro++) MOE_TRY(read_batch(t, data, micro));
     pipe_op *ops = malloc((size_t)(2 * M) * sizeof *ops);
@@ -684,7 +698,7 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
         .step = t->steps_done, .loss = sum.loss / a, .ce_loss = sum.ce_loss / a, .aux_loss = sum.aux_loss / a,
         .z_loss = sum.z_loss / a, .lr = lr, .grad_norm = norm, .load_imbalance = sum.load_imbalance / a,
         .dropped_frac = sum.dropped_frac / a, .pipeline_idle = stage.pipe ? idle : 0.0};
-    MOE_TRY(gather_busy(t, busy, &m));
+    MOE_TRY(gather_ranks(t, busy, (double)(exchange_bytes(t) - bytes_start), &m));
     if (metrics) *metrics = m;
     return MOE_OK;
 }

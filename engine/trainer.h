@@ -99,6 +99,10 @@ typedef struct moe_step_metrics {
      * lowest such rank on a tie); busy_median_s the ranks' median. */
     double busy_s, busy_max_s, busy_median_s;
     int slowest_rank;
+    /* Bytes of expert rows a rank sent to the others in the step (both
+     * directions of every exchange, forward and backward), the ranks'
+     * mean; 0 without expert parallelism. */
+    double exchange_bytes;
 } moe_step_metrics;
 
 /* One optimizer step over grad_accum micro-batches of data. On a pipeline

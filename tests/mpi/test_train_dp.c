@@ -27,9 +27,10 @@ static void tiny_config(moe_model_config *c, double capacity, int groups) {
     c->moe_topk_group = groups / 2;
 }
 
-/* Trains STEPS steps and writes the loss and the dropped fraction of each;
- * par NULL: one rank with the whole global batch. */
-static moe_status train(double *losses, double *dropped, const moe_model_config *cfg, int64_t rows,
+/* Trains STEPS steps and writes the loss, the dropped fraction and the
+ * expert rows' bytes of each; par NULL: one rank with the whole global
+ * batch. */
+static moe_status train(double *losses, double *dropped, double *bytes, const moe_model_config *cfg, int64_t rows,
                         const moe_model_parallel *par, moe_data *data) {
     const moe_optim_config oc = mpi_optim(STEPS);
     moe_step_metrics m[STEPS];
@@ -37,8 +38,20 @@ static moe_status train(double *losses, double *dropped, const moe_model_config 
     for (int s = 0; st == MOE_OK && s < STEPS; s++) {
         losses[s] = m[s].loss;
         dropped[s] = m[s].dropped_frac;
+        bytes[s] = m[s].exchange_bytes;
     }
     return st;
+}
+
+/* 1 after printing the first step whose expert rows' bytes contradict the
+ * grid: none without expert parallelism, some every step with it. */
+static int check_bytes(const double *bytes, int ep_size) {
+    for (int s = 0; s < STEPS; s++)
+        if ((bytes[s] > 0.0) != (ep_size > 1)) {
+            printf("  rank %d: step %d sent %g bytes of expert rows a rank with EP=%d\n", rank, s + 1, bytes[s], ep_size);
+            return 1;
+        }
+    return 0;
 }
 
 /* 1 after printing the first step whose dropped fraction is off the one
@@ -62,14 +75,16 @@ static int compare_dropped(const double *got, const double *want, double capacit
 static int run_grid(int ep_size, double capacity, int groups, moe_data *data) {
     moe_model_config cfg;
     tiny_config(&cfg, capacity, groups);
-    double want[STEPS], got[STEPS], want_dropped[STEPS], got_dropped[STEPS];
+    double want[STEPS], got[STEPS], want_dropped[STEPS], got_dropped[STEPS], want_bytes[STEPS], got_bytes[STEPS];
     moe_comm *ep = NULL;
-    moe_status st = train(want, want_dropped, &cfg, (int64_t)size * B, NULL, data);
+    moe_status st = train(want, want_dropped, want_bytes, &cfg, (int64_t)size * B, NULL, data);
     if (st == MOE_OK) st = moe_comm_split(&ep, world, rank / ep_size, rank);
-    if (st == MOE_OK) st = train(got, got_dropped, &cfg, B, &(moe_model_parallel){.world = world, .ep = ep}, data);
+    if (st == MOE_OK)
+        st = train(got, got_dropped, got_bytes, &cfg, B, &(moe_model_parallel){.world = world, .ep = ep}, data);
     int bad = mpi_fail_status(st, "train");
     if (!bad) bad = mpi_compare_losses(got, want, 0, STEPS, "grid vs one rank");
     if (!bad) bad = compare_dropped(got_dropped, want_dropped, capacity);
+    if (!bad) bad = check_bytes(want_bytes, 1) || check_bytes(got_bytes, ep_size);
     if (!bad) bad = mpi_loss_did_not_fall(want, STEPS);
     if (ep) moe_comm_free(ep);
     return bad;
