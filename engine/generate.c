@@ -124,7 +124,10 @@ moe_status moe_generate(moe_model *model, int32_t *rows, int64_t *len, const int
         for (int64_t p = len[b]; p < T; p++) rows[b * T + p] = 0;
     }
     /* One forward over the prompts fills every layer's keys and values;
-     * then each new token is one decoding step of the rows still growing. */
+     * then each new token is one decoding step of the rows still growing.
+     * A model that keeps no keys (it recomputes its layers) runs a forward
+     * over the rows for each token instead. */
+    const bool decodes = moe_model_can_decode(model);
     if (st == MOE_OK) {
         moe_model_set_training(model, false);
         st = moe_model_forward(model, rows, NULL, NULL);
@@ -146,9 +149,15 @@ moe_status moe_generate(moe_model *model, int32_t *rows, int64_t *len, const int
             tokens[n++] = token;
         }
         if (st != MOE_OK || n == 0) break;
-        st = moe_model_decode(model, n, at, tokens, at + B, decoded);
-        for (int64_t i = 0; i < n && st == MOE_OK; i++)
-            memcpy(logits + at[i] * V, decoded + i * V, (size_t)V * sizeof *logits);
+        if (decodes) {
+            st = moe_model_decode(model, n, at, tokens, at + B, decoded);
+            for (int64_t i = 0; i < n && st == MOE_OK; i++)
+                memcpy(logits + at[i] * V, decoded + i * V, (size_t)V * sizeof *logits);
+        } else {
+            st = moe_model_forward(model, rows, NULL, NULL);
+            for (int64_t i = 0; i < n && st == MOE_OK; i++)
+                st = moe_model_last_logits(model, at[i], at[B + i], logits + at[i] * V);
+        }
     }
     free(growing);
     free(logits);

@@ -455,7 +455,8 @@ moe_status moe_model_create_twin(moe_model **out, moe_model *base) {
     m->sync_reqs = NULL;
     m->jitter_at = NULL;
     m->n_sync_reqs = 0;
-    m->sync_grads = m->forward_done = m->has_targets = m->logits_valid = false;
+    m->sync_grads = m->forward_done = m->has_targets = m->logits_valid = m->keys_kept = false;
+    m->training = true; /* as its new layers start */
     m->dloss_value = 0.0f;
     moe_status st = build_instance(m);
     if (st == MOE_OK) st = m->ops->sync();
@@ -522,6 +523,7 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_model_config *cf
     m->N = B * T;
     m->seed = seed;
     m->recompute = par && par->recompute;
+    m->training = true; /* as the layers start */
     moe_layer_config lc;
     moe_model_config_layer(&lc, cfg, seed);
     moe_status st = build_tensors(m, &lc);
@@ -862,6 +864,10 @@ moe_status moe_model_stage_forward(moe_model *m, const int32_t *inputs, const fl
     m->logits_valid = m->last;
     m->keys_kept = !m->recompute;
     return MOE_OK;
+}
+
+bool moe_model_can_decode(const moe_model *m) {
+    return m->n_stages == 1 && !m->world && m->ep_size == 1 && !m->recompute;
 }
 
 static moe_status check_decode(const moe_model *m, int64_t n, const int64_t *row, const int32_t *token,

@@ -263,6 +263,9 @@ moe_status moe_model_last_logits(moe_model *model, int64_t row, int64_t pos, flo
  * forward's activations and logits are spent. */
 moe_status moe_model_decode(moe_model *model, int64_t n, const int64_t *row, const int32_t *token, const int64_t *pos,
                             float *logits);
+/* Whether moe_model_decode can serve the model at all: one rank and stage,
+ * and no recomputation. */
+bool moe_model_can_decode(const moe_model *model);
 
 /* Layer l's auxiliary-loss-free selection bias [E], or NULL when off (or l
  * is not a layer of this stage);

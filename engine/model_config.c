@@ -440,11 +440,16 @@ moe_status moe_model_config_validate(const moe_model_config *c, const char *name
     if (groups < 0 || groups > MOE_GROUPS_MAX || groups > E || (groups > 1 && E % groups))
         return moe_error(MOE_ERR_CONFIG, "%s: moe_n_group=%lld must divide num_local_experts=%lld and be at most %d "
                          "(0 or 1: no groups)", name, (long long)groups, (long long)E, MOE_GROUPS_MAX);
-    if (groups > 1 && (c->moe_topk_group < 1 || c->moe_topk_group > groups ||
-                       c->num_experts_per_tok > c->moe_topk_group * (E / groups)))
-        return moe_error(MOE_ERR_CONFIG, "%s: moe_topk_group=%lld must be in [1, moe_n_group=%lld] and its groups hold "
-                         "num_experts_per_tok=%lld experts (%lld a group)", name, (long long)c->moe_topk_group,
-                         (long long)groups, (long long)c->num_experts_per_tok, (long long)(E / groups));
+    if (groups <= 1 && (c->moe_topk_group < 0 || c->moe_topk_group > 1))
+        return moe_error(MOE_ERR_CONFIG, "%s: moe_topk_group=%lld needs moe_n_group > 1 (moe_n_group=%lld: no groups, "
+                         "and moe_topk_group 0 or 1)", name, (long long)c->moe_topk_group, (long long)groups);
+    if (groups > 1 && (c->moe_topk_group < 1 || c->moe_topk_group > groups))
+        return moe_error(MOE_ERR_CONFIG, "%s: moe_topk_group=%lld must be in [1, moe_n_group=%lld]", name,
+                         (long long)c->moe_topk_group, (long long)groups);
+    if (groups > 1 && c->num_experts_per_tok > c->moe_topk_group * (E / groups))
+        return moe_error(MOE_ERR_CONFIG, "%s: moe_topk_group=%lld groups of %lld experts cannot hold "
+                         "num_experts_per_tok=%lld", name, (long long)c->moe_topk_group, (long long)(E / groups),
+                         (long long)c->num_experts_per_tok);
     return MOE_OK;
 }
 

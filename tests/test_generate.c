@@ -21,7 +21,7 @@
 #define T 16
 #define SEED 7
 
-static moe_model *small_model(int64_t rows, double capacity_factor) {
+static moe_model *small_model_of(int64_t rows, double capacity_factor, bool recompute) {
     moe_model_config cfg;
     moe_model_config_default_small(&cfg, VOCAB);
     cfg.hidden_size = 32;
@@ -30,7 +30,8 @@ static moe_model *small_model(int64_t rows, double capacity_factor) {
     cfg.num_hidden_layers = 2;
     cfg.moe_capacity_factor = capacity_factor;
     moe_model *m = NULL;
-    cr_assert_eq(moe_model_create(&m, &cfg, rows, T, SEED), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(moe_model_create_parallel(&m, &cfg, rows, T, SEED, &(moe_model_parallel){.recompute = recompute}), MOE_OK,
+                 "%s", moe_last_error());
     /* Larger weights than the N(0, 0.02) start, so that the logits differ
      * by more than rounding and argmax is not decided by ties. */
     float *p = moe_model_params(m);
@@ -38,6 +39,8 @@ static moe_model *small_model(int64_t rows, double capacity_factor) {
     moe_model_set_training(m, false);
     return m;
 }
+
+static moe_model *small_model(int64_t rows, double capacity_factor) { return small_model_of(rows, capacity_factor, false); }
 
 static void random_tokens(int32_t *tokens, int64_t n, uint64_t stream) {
     for (int64_t i = 0; i < n; i++) tokens[i] = (int32_t)(moe_rng_bits(SEED, stream, (uint64_t)i) % VOCAB);
@@ -184,6 +187,22 @@ Test(generate, last_logits_refused_after_a_backward) {
     moe_model_destroy(m);
 }
 
+/* A model that recomputes its layers keeps no keys to decode against: it
+ * generates by a forward over the rows per token, the same rows. */
+Test(generate, a_recomputing_model_generates_the_same_rows) {
+    int32_t rows[2][B * T];
+    for (int recompute = 0; recompute < 2; recompute++) {
+        moe_model *m = small_model_of(B, 0.0, recompute);
+        random_tokens(rows[recompute], B * T, 3);
+        int64_t len[B] = {2, 6}, end[B] = {T, 11};
+        const moe_sampling greedy = {.temperature = 0.0, .top_k = 0, .seed = 1};
+        cr_assert_eq(moe_generate(m, rows[recompute], len, end, -1, &greedy), MOE_OK, "%s", moe_last_error());
+        cr_expect(moe_model_can_decode(m) == !recompute);
+        moe_model_destroy(m);
+    }
+    cr_expect(memcmp(rows[0], rows[1], sizeof rows[0]) == 0, "recomputing and keeping models generated other rows");
+}
+
 /* ------------------------------------------------------------ decoding */
 
 /* Decoding steps against the layers' keys and values give the logits of a
@@ -240,6 +259,14 @@ Test(decode, refuses_training_grids_without_keys_and_bad_tokens) {
     float logits[B * VOCAB];
     int64_t row[B] = {0, 1}, pos[B] = {3, 3};
     int32_t tok[B] = {1, 2};
+    /* A new model trains, as its layers do, until told otherwise. */
+    moe_model *fresh = NULL;
+    moe_model_config fresh_cfg;
+    moe_model_config_default_small(&fresh_cfg, VOCAB);
+    cr_assert_eq(moe_model_create(&fresh, &fresh_cfg, B, T, SEED), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(moe_model_forward(fresh, tokens, NULL, NULL), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(moe_model_decode(fresh, 2, row, tok, pos, logits), MOE_ERR_STATE, "a new model, in training mode");
+    moe_model_destroy(fresh);
     cr_expect_eq(moe_model_decode(m, 2, row, tok, pos, logits), MOE_ERR_STATE, "before any forward");
     cr_expect(strstr(moe_last_error(), "no forward"), "%s", moe_last_error());
     cr_assert_eq(moe_model_forward(m, tokens, NULL, NULL), MOE_OK, "%s", moe_last_error());

@@ -242,12 +242,12 @@ Test(model_config, every_bad_field_is_named) {
         {"moe_n_group", "-1", "t/config.json: moe_n_group=-1 must divide num_local_experts=8"},
         {"moe_n_group", "16", "t/config.json: moe_n_group=16 must divide num_local_experts=8"},
         /* The second key rides in the first one's value. */
-        {"moe_n_group", "4, \"moe_topk_group\": 0",
-         "t/config.json: moe_topk_group=0 must be in [1, moe_n_group=4] and its groups hold num_experts_per_tok=2 "
-         "experts (2 a group)"},
+        {"moe_n_group", "4, \"moe_topk_group\": 0", "t/config.json: moe_topk_group=0 must be in [1, moe_n_group=4]"},
         {"moe_n_group", "4, \"moe_topk_group\": 5", "moe_topk_group=5 must be in [1, moe_n_group=4]"},
-        {"moe_n_group", "8, \"moe_topk_group\": 1", "moe_topk_group=1 must be in [1, moe_n_group=8] and its groups "
-         "hold num_experts_per_tok=2 experts (1 a group)"},
+        {"moe_n_group", "8, \"moe_topk_group\": 1",
+         "t/config.json: moe_topk_group=1 groups of 1 experts cannot hold num_experts_per_tok=2"},
+        {"moe_n_group", "1, \"moe_topk_group\": -5", "t/config.json: moe_topk_group=-5 needs moe_n_group > 1"},
+        {"moe_topk_group", "4", "t/config.json: moe_topk_group=4 needs moe_n_group > 1 (moe_n_group=0: no groups"},
         {"rope_theta", "NaN", "t/config.json:1:"},
         /* Used as floats: 1e-50 rounds to 0 (NaN RoPE angles), 1e39 to infinity. */
         {"rope_theta", "1e-50", "t/config.json: rope_theta=1e-50 must be in [1.17549e-38, 3.40282e+38], a normal float"},

@@ -92,7 +92,7 @@ Test(config, expert_groups) {
     moe_layer_config c = good_cfg();
     c.n_experts = 8;
     c.top_k = 2;
-    const int64_t bad[][2] = {{3, 1}, {-1, 1}, {16, 1}, {4, 0}, {4, 5}, {8, 1}};
+    const int64_t bad[][2] = {{3, 1}, {-1, 1}, {16, 1}, {4, 0}, {4, 5}, {8, 1}, {1, 7}, {0, 2}, {0, -1}};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         c.n_groups = bad[i][0];
         c.top_groups = bad[i][1];
@@ -100,7 +100,7 @@ Test(config, expert_groups) {
         snprintf(why, sizeof why, "n_groups=%lld top_groups=%lld", (long long)bad[i][0], (long long)bad[i][1]);
         expect_bad(&c, bad[i][0] == 3 || bad[i][0] < 0 || bad[i][0] > 8 ? "n_groups" : "top_groups", why);
     }
-    const int64_t good[][2] = {{0, 0}, {1, 7}, {4, 1}, {8, 2}, {2, 2}};
+    const int64_t good[][2] = {{0, 0}, {1, 1}, {0, 1}, {4, 1}, {8, 2}, {2, 2}};
     for (size_t i = 0; i < sizeof good / sizeof good[0]; i++) {
         c.n_groups = good[i][0];
         c.top_groups = good[i][1];
