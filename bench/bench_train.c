@@ -57,6 +57,8 @@ static void usage(void) {
            "  --threads N     OpenMP and OpenBLAS threads (default: OMP_NUM_THREADS, else\n"
            "                  every core)\n\n"
            "output:\n"
+           "  --recompute     recompute each layer's forward in its backward, as\n"
+           "                  moe-train --recompute (MFU counts the model's FLOPs only)\n"
            "  --json          one JSON object per row\n"
            "  --profile       also time each op of the timed steps (on a GPU: events in its\n"
            "                  stream) and print the largest to stderr; the step times then\n"
@@ -75,7 +77,9 @@ static const bench_column columns[] = {
     {"mfu", "MFU", BENCH_F64, 6, 3},
     {"bf16_gemm_gflops", "bf16_GFLOP/s", BENCH_F64, 12, 1},
     {"mfu_bf16", "MFU_bf16", BENCH_F64, 8, 3},
+    {"activation_mb", "act_MB", BENCH_F64, 9, 1},
     {"gemm_math", NULL, BENCH_STR, 0, 0},
+    {"recompute", NULL, BENCH_INT, 0, 0},
 };
 
 /* GPU bf16 math: the rate of one square cuBLASLt GEMM on bf16 operands
@@ -136,7 +140,7 @@ static int print_profile(const train_shape *s, int64_t steps, double steps_ms) {
 }
 
 static int bench_shape(const train_shape *s, const moe_device_handle *dev, moe_gemm_math math,
-                       const moe_synth_stream *stream, int64_t warmup, int64_t steps, bool profile,
+                       const moe_synth_stream *stream, int64_t warmup, int64_t steps, bool profile, bool recompute,
                        const bench_table *table) {
     const moe_ops *ops = dev->ops;
     moe_model_config cfg;
@@ -159,7 +163,7 @@ static int bench_shape(const train_shape *s, const moe_device_handle *dev, moe_g
     double *ms = calloc((size_t)steps, sizeof *ms), peak = 0.0, bf16_peak = NAN;
     int rc = BENCH_EXIT_FAILURE;
     if (!ms) return rc;
-    const moe_model_parallel on = {.ops = ops};
+    const moe_model_parallel on = {.ops = ops, .recompute = recompute};
     if (bench_failed(CMD, "model", moe_model_create_parallel(&model, &cfg, s->B, s->T, 1, &on)) ||
         bench_failed(CMD, "trainer", moe_trainer_create(&trainer, model, &oc)) ||
         bench_failed(CMD, "data", moe_data_from_tokens(&data, stream->tokens, stream->n, MOE_SYNTH_VOCAB_SIZE,
@@ -188,7 +192,9 @@ static int bench_shape(const train_shape *s, const moe_device_handle *dev, moe_g
         {.f = gflops / peak},
         {.f = bf16_peak},
         {.f = gflops / bf16_peak},
+        {.f = (double)moe_trainer_activation_bytes(trainer) * 1e-6},
         {.s = moe_gemm_math_name(math)},
+        {.i = recompute},
     };
     bench_table_row(table, row);
     double total_ms = 0.0;
@@ -207,7 +213,7 @@ int bench_train_run(int argc, char **argv) {
     const char *only = NULL;
     moe_device device = MOE_DEVICE_AUTO;
     moe_gemm_math math = MOE_GEMM_FP32;
-    bool json = false, profile = false;
+    bool json = false, profile = false, recompute = false;
     for (int i = 1; i < argc; i++) {
         const char *v = NULL;
         int r;
@@ -215,8 +221,9 @@ int bench_train_run(int argc, char **argv) {
             usage();
             return 0;
         }
-        if (strcmp(argv[i], "--json") == 0 || strcmp(argv[i], "--profile") == 0) {
-            *(argv[i][2] == 'j' ? &json : &profile) = true;
+        if (strcmp(argv[i], "--json") == 0 || strcmp(argv[i], "--profile") == 0 ||
+            strcmp(argv[i], "--recompute") == 0) {
+            *(argv[i][2] == 'j' ? &json : argv[i][2] == 'p' ? &profile : &recompute) = true;
             continue;
         }
         if ((r = bench_option(argc, argv, &i, CMD, "model", &v)) != 0) {
@@ -270,13 +277,14 @@ int bench_train_run(int argc, char **argv) {
     }
     const bench_table table = {.bench = "train", .cols = columns,
                                .n_cols = (int)(sizeof columns / sizeof columns[0]), .json = json};
-    bench_table_note(&table, "moe-bench train: %s, %s GEMMs, %d threads, %lld warm-up + %lld timed steps per model",
-                     dev.desc, moe_gemm_math_name(math), bench_omp_threads(), (long long)warmup, (long long)steps);
+    bench_table_note(&table, "moe-bench train: %s, %s GEMMs, %d threads, %lld warm-up + %lld timed steps per model%s",
+                     dev.desc, moe_gemm_math_name(math), bench_omp_threads(), (long long)warmup, (long long)steps,
+                     recompute ? ", layers recomputed" : "");
     bench_table_header(&table);
     int rc = 0;
     for (int s = 0; s < n_shapes && rc == 0; s++)
         if (only ? strcmp(only, default_shapes[s].name) == 0 : !default_shapes[s].on_request)
-            rc = bench_shape(&default_shapes[s], &dev, math, &stream, warmup, steps, profile, &table);
+            rc = bench_shape(&default_shapes[s], &dev, math, &stream, warmup, steps, profile, recompute, &table);
     moe_synth_stream_free(&stream);
     if (profile) moe_profile_close(); /* its marks are the device's */
     moe_device_close(&dev);

@@ -248,6 +248,9 @@ run() {
         bench_step train 120 "$results/train.jsonl" --model 1b --gemm-math "$math" --warmup 1 --steps 3 ||
             train_rc=1
     done
+    # The same bf16 steps recomputing the layers: their memory and cost.
+    bench_step train 90 "$results/train.jsonl" --model 1b --gemm-math bf16 --warmup 1 --steps 3 --recompute ||
+        train_rc=1
     # Where the bf16 step's time goes, op by op (into bench.err; its MFU
     # row, timed with the marks on, is not the one reported).
     bench_step train 90 /dev/null --model 1b --gemm-math bf16 --warmup 1 --steps 2 --profile || train_rc=1
@@ -330,9 +333,11 @@ def attention_section():
               f"= {r['vs_gemm']:.3f} x the {r['gemm_math']} GEMM{sp}")
 def train_section():
     for r in rows(sys.argv[3]):
-        print(f"train   {r['model']:8} {r['gemm_math']} GEMMs, {r['params_m']:8.1f}M params, "
+        recomputed = " (recomputed)" if r.get('recompute') else ""
+        print(f"train   {r['model']:8} {r['gemm_math']} GEMMs{recomputed}, {r['params_m']:8.1f}M params, "
               f"{r['tokens_per_s']:9.0f} tokens/s, {r['gflops'] / 1e3:6.1f} TFLOP/s = MFU {r['mfu']:.3f} "
-              f"of the measured {r['gemm_math']} GEMM rate {r['gemm_gflops'] / 1e3:.1f} TFLOP/s")
+              f"of the measured {r['gemm_math']} GEMM rate {r['gemm_gflops'] / 1e3:.1f} TFLOP/s, "
+              f"activations {r['activation_mb'] / 1e3:.2f} GB")
         if r.get('mfu_bf16') is not None:
             print(f"train   {r['model']:8} {'':4} = MFU {r['mfu_bf16']:.3f} of a GEMM on bf16 operands, "
                   f"{r['bf16_gemm_gflops'] / 1e3:.1f} TFLOP/s")
