@@ -811,7 +811,7 @@ moe_status moe_model_stage_forward(moe_model *m, const int32_t *inputs, const fl
     for (int64_t i = 0; targets && i < N; i++) counted += targets[i] >= 0;
     m->forward_done = false;
     m->logits_valid = false;
-    double aux = 0.0, z = 0.0, imbalance = 0.0, dropped = 0.0, pairs = 0.0;
+    double aux = 0.0, z = 0.0, imbalance = 0.0, rank_imbalance = 0.0, dropped = 0.0, pairs = 0.0;
 
     /* Both token arrays go up before any op is queued: an upload waits for
      * the device, which has nothing to finish yet. */
@@ -830,6 +830,7 @@ moe_status moe_model_stage_forward(moe_model *m, const int32_t *inputs, const fl
         aux += ls.aux_loss;
         z += ls.z_loss;
         imbalance += ls.load_imbalance;
+        rank_imbalance += ls.rank_imbalance;
         dropped += (double)ls.dropped;
         pairs += (double)ls.pairs;
     }
@@ -856,6 +857,7 @@ moe_status moe_model_stage_forward(moe_model *m, const int32_t *inputs, const fl
         stats->z_loss = z / model_layers;
         stats->loss = stats->ce_loss + c->router_aux_loss_coef * stats->aux_loss + c->moe_z_loss_coef * stats->z_loss;
         stats->load_imbalance = imbalance / model_layers;
+        stats->rank_imbalance = rank_imbalance / model_layers;
         /* Both over the global batch; every layer routes as many pairs. */
         stats->dropped_frac = dropped / pairs * (double)L / model_layers;
     }

@@ -186,6 +186,7 @@ typedef struct moe_model_stats {
     double aux_loss;       /* mean over layers, before the coefficient */
     double z_loss;         /* mean over layers, before the coefficient */
     double load_imbalance; /* mean over layers of max/mean expert load */
+    double rank_imbalance; /* mean over layers of max/mean rows an expert-parallel rank keeps */
     double dropped_frac;   /* dropped (token, slot) pairs / all pairs */
 } moe_model_stats;
 

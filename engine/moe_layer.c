@@ -981,7 +981,7 @@ static moe_status share_routing(moe_layer *L, int64_t T, double z_sum) {
     }
     const int64_t GT = L->global_T, cap = moe_capacity(L->cfg.capacity_factor, GT, k, E);
     double max_assigned = 0.0;
-    int64_t kept_total = 0;
+    int64_t kept_total = 0, rank_rows[MOE_EXPERTS_MAX] = {0}; /* [P] rows each rank of the EP group keeps */
     for (int64_t e = 0; e < E; e++) {
         double P_e = 0.0;
         for (int64_t r = 0; r < N; r++) P_e += L->rank_totals[r * W + E + e];
@@ -995,7 +995,14 @@ static moe_status share_routing(moe_layer *L, int64_t T, double z_sum) {
         const int64_t j = e - L->first_local;
         if (j >= 0 && j < L->n_local)
             for (int s = 0; s < P; s++) L->recv_rows[s * L->n_local + j] = L->rank_kept[L->group_base + s];
+        for (int s = 0; s < P; s++) rank_rows[e / L->n_local] += L->rank_kept[L->group_base + s];
     }
+    int64_t group_rows = 0, busiest = 0;
+    for (int r = 0; r < P; r++) {
+        group_rows += rank_rows[r];
+        if (rank_rows[r] > busiest) busiest = rank_rows[r];
+    }
+    L->last.rank_imbalance = group_rows ? (double)busiest / ((double)group_rows / (double)P) : 0.0;
     L->last.pairs = GT * k;
     L->last.dropped = GT * k - kept_total;
     /* A batch with no tokens at all (every rank idle) has no balance to

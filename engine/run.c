@@ -961,6 +961,7 @@ static moe_status log_step(run *r, const moe_run_step *s) {
         {"dropped_frac", m->dropped_frac}, {"pipeline_idle", m->pipeline_idle},
         {"busy_s", m->busy_s},             {"busy_max_s", m->busy_max_s}, {"busy_median_s", m->busy_median_s},
         {"slowest_rank", (double)m->slowest_rank}, {"exchange_bytes", m->exchange_bytes},
+        {"rank_imbalance", m->rank_imbalance},
     };
     moe_json_key(&w, "step");
     moe_json_int(&w, m->step);

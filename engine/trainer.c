@@ -556,11 +556,12 @@ static moe_status stage_backward(moe_trainer *t, int64_t micro, bool sync, float
 static moe_status pipeline_sum(moe_model *model, moe_model_stats *s, double *idle) {
     const moe_model_stage stage = moe_model_get_stage(model);
     if (!stage.pipe) return MOE_OK;
-    double v[7] = {s->loss, s->ce_loss, s->aux_loss, s->z_loss, s->load_imbalance, s->dropped_frac, *idle};
-    MOE_TRY(moe_comm_allreduce_sum(stage.pipe, v, 7, MOE_COMM_F64));
+    double v[8] = {s->loss,           s->ce_loss,        s->aux_loss,      s->z_loss,
+                   s->load_imbalance, s->rank_imbalance, s->dropped_frac, *idle};
+    MOE_TRY(moe_comm_allreduce_sum(stage.pipe, v, 8, MOE_COMM_F64));
     *s = (moe_model_stats){.loss = v[0], .ce_loss = v[1], .aux_loss = v[2], .z_loss = v[3], .load_imbalance = v[4],
-                           .dropped_frac = v[5]};
-    *idle = v[6] / stage.count;
+                           .rank_imbalance = v[5], .dropped_frac = v[6]};
+    *idle = v[7] / stage.count;
     return MOE_OK;
 }
 
@@ -638,6 +639,7 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
             sum.aux_loss += s.aux_loss;
             sum.z_loss += s.z_loss;
             sum.load_imbalance += s.load_imbalance;
+            sum.rank_imbalance += s.rank_imbalance;
             sum.dropped_frac += s.dropped_frac;
         } else {
             /* Sharded, every run with a group is reduce-scattered instead. */
@@ -697,6 +699,7 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
     moe_step_metrics m = {
         .step = t->steps_done, .loss = sum.loss / a, .ce_loss = sum.ce_loss / a, .aux_loss = sum.aux_loss / a,
         .z_loss = sum.z_loss / a, .lr = lr, .grad_norm = norm, .load_imbalance = sum.load_imbalance / a,
+        .rank_imbalance = sum.rank_imbalance / a,
         .dropped_frac = sum.dropped_frac / a, .pipeline_idle = stage.pipe ? idle : 0.0};
     MOE_TRY(gather_ranks(t, busy, (double)(exchange_bytes(t) - bytes_start), &m));
     if (metrics) *metrics = m;

@@ -82,6 +82,7 @@ typedef struct moe_step_metrics {
     double lr;
     double grad_norm;      /* before clipping */
     double load_imbalance;
+    double rank_imbalance; /* of this rank's expert-parallel group (moe_layer_stats) */
     double dropped_frac;
     /* The pipeline's bubble as measured: the stages' mean share of the
      * schedule's wall time, from a stage's first forward to the moment the

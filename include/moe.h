@@ -200,6 +200,10 @@ typedef struct moe_layer_stats {
     double aux_loss;            /* E * sum f_e P_e, before the coefficient */
     double z_loss;              /* mean logsumexp^2, before the coefficient */
     double load_imbalance;      /* max over experts of assigned pairs / mean */
+    /* max over the expert-parallel group's ranks of the rows their experts
+     * keep / the mean: the busiest rank's share of the experts' work (1 on
+     * one rank; 0 with no rows) */
+    double rank_imbalance;
 } moe_layer_stats;
 
 /* Training mode turns on jitter noise; the default is training. */

@@ -337,7 +337,9 @@ static void on_step(void *ctx, const moe_run_step *s) {
         printf("         slowest rank %d, busy %.1f%% over the ranks' median", m->slowest_rank,
                100.0 * (m->busy_median_s > 0.0 ? m->busy_max_s / m->busy_median_s - 1.0 : 0.0));
         if (p->pipeline) printf("; pipeline idle %.1f%% of the schedule (stages' mean)", 100.0 * m->pipeline_idle);
-        if (m->exchange_bytes > 0.0) printf("; expert rows %.2f MB sent a rank", m->exchange_bytes * 1e-6);
+        if (m->exchange_bytes > 0.0)
+            printf("; expert rows %.2f MB sent a rank, the busiest rank's experts keep %.2fx the mean",
+                   m->exchange_bytes * 1e-6, m->rank_imbalance);
         printf("\n");
     }
     if (p->tty) draw_bar(p, s);

@@ -132,6 +132,17 @@ static void run_case(const ep_case *c) {
             const float want_stats[3] = {(float)ref_stats.aux_loss, (float)ref_stats.z_loss,
                                          (float)ref_stats.load_imbalance};
             compare("stats(aux, z, imbalance)", got_stats, want_stats, 3);
+            /* With the EP group over every rank, its ranks keep the rows
+             * of their experts over the whole batch; one rank keeps all. */
+            const int P = moe_comm_size(ep_group);
+            if (P == size) {
+                double rows[E] = {0}, total = 0.0, busiest = 0.0;
+                for (int e = 0; e < E; e++) rows[e / (E / P)] += (double)ref_tpe[e], total += (double)ref_tpe[e];
+                for (int r = 0; r < P; r++) busiest = rows[r] > busiest ? rows[r] : busiest;
+                const double want = busiest / (total / P);
+                if (ep_stats.rank_imbalance != want) fail("rank_imbalance", 0, ep_stats.rank_imbalance, want);
+            }
+            if (ref_stats.rank_imbalance != 1.0) fail("one rank's rank_imbalance", 0, ref_stats.rank_imbalance, 1.0);
             /* The ranks' shares add up to the gradient: over all ranks for
              * the router and shared experts, over the replicas for experts. */
             for (int64_t i = 0; i < moe_layer_tensor_count(ep); i++) {
