@@ -235,10 +235,12 @@ moe_status moe_layer_config_validate(const moe_layer_config *cfg) {
         (cfg->n_groups > 1 && cfg->n_experts % cfg->n_groups))
         return moe_error(MOE_ERR_CONFIG, "moe layer config: n_groups=%lld must divide n_experts=%lld and be at most "
                          "%d (0 or 1: none)", (long long)cfg->n_groups, (long long)cfg->n_experts, MOE_GROUPS_MAX);
-    if (cfg->n_groups <= 1 ? cfg->top_groups < 0 || cfg->top_groups > 1
-                           : cfg->top_groups < 1 || cfg->top_groups > cfg->n_groups)
-        return moe_error(MOE_ERR_CONFIG, "moe layer config: top_groups=%lld must be in [1, n_groups=%lld] (with no "
-                         "groups, 0 or 1)", (long long)cfg->top_groups, (long long)cfg->n_groups);
+    if (cfg->n_groups <= 1 && (cfg->top_groups < 0 || cfg->top_groups > 1))
+        return moe_error(MOE_ERR_CONFIG, "moe layer config: top_groups=%lld needs n_groups > 1 (n_groups=%lld: no "
+                         "groups, and top_groups 0 or 1)", (long long)cfg->top_groups, (long long)cfg->n_groups);
+    if (cfg->n_groups > 1 && (cfg->top_groups < 1 || cfg->top_groups > cfg->n_groups))
+        return moe_error(MOE_ERR_CONFIG, "moe layer config: top_groups=%lld must be in [1, n_groups=%lld]",
+                         (long long)cfg->top_groups, (long long)cfg->n_groups);
     if (cfg->n_groups > 1 && cfg->top_k > cfg->top_groups * (cfg->n_experts / cfg->n_groups))
         return moe_error(MOE_ERR_CONFIG, "moe layer config: top_groups=%lld groups of %lld experts cannot hold "
                          "top_k=%lld", (long long)cfg->top_groups, (long long)(cfg->n_experts / cfg->n_groups),

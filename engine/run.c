@@ -1234,8 +1234,10 @@ static moe_status run_body(run *r, double start) {
             s.mfu = r->step_flops / s.seconds / (r->peak_gflops * 1e9);
             s.elapsed_seconds = elapsed;
             s.steps_timed = timed;
-            r->slowest[s.metrics.slowest_rank]++;
-            if (s.metrics.busy_median_s > 0.0) end.straggler_excess += s.metrics.busy_max_s / s.metrics.busy_median_s - 1.0;
+            if (s.metrics.busy_median_s > 0.0) {
+                r->slowest[s.metrics.slowest_rank]++;
+                end.straggler_excess += s.metrics.busy_max_s / s.metrics.busy_median_s - 1.0;
+            }
             if (r->metrics_path[0]) MOE_TRY(log_step(r, &s));
             if (r->cb->on_step) r->cb->on_step(r->cb->ctx, &s);
             if (o->profile) moe_profile_pause(true);
@@ -1253,15 +1255,12 @@ static moe_status run_body(run *r, double start) {
     }
     if (r->val.synth.tokens) MOE_TRY(solve_tasks(r));
     end.steps_done = moe_trainer_steps_done(r->trainer);
-    int64_t steps_run = 0;
     for (int q = 0; q < r->ranks; q++) {
-        steps_run += r->slowest[q];
+        end.straggler_steps += r->slowest[q];
         if (r->slowest[q] > r->slowest[end.straggler_rank]) end.straggler_rank = q;
     }
-    if (steps_run) {
-        end.straggler_share = (double)r->slowest[end.straggler_rank] / (double)steps_run;
-        end.straggler_excess /= (double)steps_run;
-    }
+    end.straggler_count = r->slowest[end.straggler_rank];
+    if (end.straggler_steps) end.straggler_excess /= (double)end.straggler_steps;
     end.val_loss = val_loss;
     end.entropy_floor = r->entropy_floor;
     end.seconds = now_seconds() - start;

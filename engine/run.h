@@ -210,12 +210,13 @@ typedef struct moe_run_end {
     int64_t profile_ops;     /* entries of profile */
     int64_t profile_steps;   /* steps it covers */
     double profile_seconds;  /* their wall time */
-    /* Stragglers over the steps (moe_step_metrics' busy times; ranks > 1):
-     * the rank most often the slowest, the share of the steps it was, and
-     * the mean over the steps of the slowest rank's busy time over the
-     * ranks' median, less 1. */
+    /* Stragglers over the steps this call ran (moe_step_metrics' busy
+     * times; ranks > 1): the rank most often the slowest, the steps it was
+     * of straggler_steps, and the mean over them of the slowest rank's busy
+     * time over the ranks' median, less 1. */
     int straggler_rank;
-    double straggler_share, straggler_excess;
+    int64_t straggler_count, straggler_steps;
+    double straggler_excess;
 } moe_run_end;
 
 /* Every callback may be NULL. Pointers passed are valid during the call.

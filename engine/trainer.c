@@ -596,7 +596,7 @@ static moe_status gather_ranks(moe_trainer *t, double busy, double bytes, moe_st
     m->busy_s = busy;
     m->busy_max_s = all[2 * slowest];
     m->slowest_rank = slowest;
-    m->busy_median_s = n % 2 ? sorted[n / 2] : 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]);
+    m->busy_median_s = sorted[(n - 1) / 2];
     m->exchange_bytes = total / n;
     return MOE_OK;
 }

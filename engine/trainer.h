@@ -97,7 +97,9 @@ typedef struct moe_step_metrics {
      * gathered over every rank of the grid. A slow rank is one whose own
      * work takes longer; its peers wait for it. busy_s is this rank's;
      * slowest_rank is the rank of the grid with the most, busy_max_s (the
-     * lowest such rank on a tie); busy_median_s the ranks' median. */
+     * lowest such rank on a tie); busy_median_s the ranks' median, the
+     * lower middle one of an even count (so that one slow rank of two
+     * stands against the other, not against their mean). */
     double busy_s, busy_max_s, busy_median_s;
     int slowest_rank;
     /* Bytes of expert rows a rank sent to the others in the step (both

@@ -96,7 +96,7 @@ typedef struct moe_layer_config {
      * among theirs. Under expert parallelism over n_groups ranks a token's
      * rows reach at most top_groups of them (still one row per expert: the
      * exchange does not merge a token's rows for one rank). 0 or 1: no
-     * groups, and top_groups is unused. */
+     * groups, and top_groups must then be 0 or 1. */
     int64_t n_groups;
     int64_t top_groups;
     uint64_t seed; /* seeds the initial parameters (normal, std 0.02, Mixtral's

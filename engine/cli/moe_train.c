@@ -452,10 +452,11 @@ static void on_end(void *ctx, const moe_run_end *e) {
         if (e->last_checkpoint[0]) printf(", last checkpoint %s", e->last_checkpoint);
         printf("\n");
     }
-    if (p->grid && !p->eval_only)
-        printf("stragglers: rank %d was the slowest in %.0f%% of the steps; the slowest rank was busy %.1f%% over the "
-               "ranks' median on average\n",
-               e->straggler_rank, 100.0 * e->straggler_share, 100.0 * e->straggler_excess);
+    if (p->grid && e->straggler_steps)
+        printf("stragglers: rank %d was the slowest in %lld of the %lld steps run; the slowest rank was busy %.1f%% "
+               "over the ranks' median on average\n",
+               e->straggler_rank, (long long)e->straggler_count, (long long)e->straggler_steps,
+               100.0 * e->straggler_excess);
     if (e->profile) print_profile(e);
     if (!isnan(e->entropy_floor))
         printf("val_loss %.4f vs floor %.4f: %.1f%% above the floor\n", e->val_loss, e->entropy_floor,
