@@ -7,22 +7,22 @@
 
 #include "common/status.h"
 
-/* Training FLOPs per token of one layer at sequence length T: 6 per matmul
- * weight, plus attention's two causal T x T products (the head's are
- * moe_grid_partition's). */
-static double layer_flops(const moe_model_config *c, int64_t T) {
+/* 6 training FLOPs per matmul weight and token, plus attention's two
+ * causal T x T products. */
+moe_stage_costs moe_grid_flop_costs(const moe_model_config *c, int64_t T) {
     const double C = (double)c->hidden_size, hd = (double)c->head_dim;
     const double q = (double)c->num_attention_heads * hd, kv = (double)c->num_key_value_heads * hd;
     const double experts = (double)(c->num_experts_per_tok + c->moe_n_shared_experts) * 3.0 * C * (double)c->intermediate_size;
-    return 6.0 * (C * (2.0 * q + 2.0 * kv) + C * (double)c->num_local_experts + experts) + 6.0 * (double)T * q;
+    return (moe_stage_costs){
+        .layer = 6.0 * (C * (2.0 * q + 2.0 * kv) + C * (double)c->num_local_experts + experts) + 6.0 * (double)T * q,
+        .head = 6.0 * C * (double)c->vocab_size};
 }
 
-moe_status moe_grid_partition(int64_t *bounds, const moe_model_config *cfg, int64_t seq_len, int stages) {
-    const int64_t L = cfg->num_hidden_layers;
+moe_status moe_grid_partition(int64_t *bounds, int64_t L, int stages, moe_stage_costs costs) {
     if (stages <= 0 || L < stages)
         return moe_error(MOE_ERR_CONFIG, "--pp %d: a pipeline needs a layer per stage, and the model has %lld layers",
                          stages, (long long)L);
-    const double layer = layer_flops(cfg, seq_len), head = 6.0 * (double)cfg->hidden_size * (double)cfg->vocab_size;
+    const double layer = costs.layer, head = costs.head;
     /* best[s][l]: the slowest stage's cost when stages 0..s hold layers
      * 0..l-1; cut[s][l] where stage s starts in that split. */
     double *best = malloc((size_t)(stages * (L + 1)) * sizeof *best);
@@ -61,10 +61,10 @@ moe_status moe_grid_coords_of(moe_grid_coords *at, int rank, int size, int pp) {
     return MOE_OK;
 }
 
-moe_status moe_grid_create(moe_grid *g, moe_comm *world, int ep_size, int pp_size, const moe_model_config *cfg,
-                           int64_t seq_len) {
+moe_status moe_grid_create(moe_grid *g, moe_comm *world, int ep_size, int pp_size, int64_t layers,
+                           moe_stage_costs costs) {
     *g = (moe_grid){.world = world, .dp = world, .rank = moe_comm_rank(world), .size = moe_comm_size(world),
-                    .ep_size = ep_size, .layer_end = cfg->num_hidden_layers};
+                    .ep_size = ep_size, .layer_end = layers};
     MOE_TRY(moe_grid_coords_of(&g->at, g->rank, g->size, pp_size));
     if (ep_size <= 0 || g->at.dp_size % ep_size != 0)
         return pp_size == 1 ? moe_error(MOE_ERR_CONFIG, "--ep %d must divide the number of ranks, %d", ep_size, g->size)
@@ -73,7 +73,7 @@ moe_status moe_grid_create(moe_grid *g, moe_comm *world, int ep_size, int pp_siz
                                         ep_size, g->at.dp_size, g->size, pp_size);
     if (pp_size > 1) {
         g->stage_layers = malloc((size_t)(pp_size + 1) * sizeof *g->stage_layers);
-        moe_status st = g->stage_layers ? moe_grid_partition(g->stage_layers, cfg, seq_len, pp_size)
+        moe_status st = g->stage_layers ? moe_grid_partition(g->stage_layers, layers, pp_size, costs)
                                         : moe_error(MOE_ERR_OUT_OF_MEMORY, "pipeline stages");
         if (st == MOE_OK) {
             g->layer_begin = g->stage_layers[g->at.stage];

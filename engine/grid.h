@@ -32,23 +32,32 @@ typedef struct moe_grid {
     int64_t *stage_layers; /* [stages + 1] each stage's first layer, then the layer count; NULL on one stage */
 } moe_grid;
 
+/* What the pipeline partition balances: every layer costs the same, and
+ * the last stage pays for the head on top (the embedding costs nothing). */
+typedef struct moe_stage_costs {
+    double layer, head;
+} moe_stage_costs;
+
+/* The costs as training FLOPs per token at sequence length seq_len: a
+ * layer's attention, router, top_k experts and shared ones; the head's
+ * (which, with a large vocabulary, outweighs a layer). */
+moe_stage_costs moe_grid_flop_costs(const moe_model_config *cfg, int64_t seq_len);
+
 /* Splits world into pp_size pipeline stages (a balanced partition of the
- * config's layers, moe_grid_partition) of world / pp_size data-parallel
+ * layers under costs, moe_grid_partition) of world / pp_size data-parallel
  * ranks each, and each stage into expert-parallel groups of ep_size; world
  * stays the caller's. pp_size must divide the world size, ep_size the
  * data-parallel size, and the layers must be at least pp_size. */
-moe_status moe_grid_create(moe_grid *grid, moe_comm *world, int ep_size, int pp_size, const moe_model_config *cfg,
-                           int64_t seq_len);
+moe_status moe_grid_create(moe_grid *grid, moe_comm *world, int ep_size, int pp_size, int64_t layers,
+                           moe_stage_costs costs);
 void moe_grid_destroy(moe_grid *grid);
 
 /* Layers [bounds[s], bounds[s+1]) for each of stages stages (bounds
  * [stages + 1]), contiguous, at least one each, chosen to make the slowest
- * stage as fast as it can be: each layer costs its training FLOPs per token
- * at sequence length seq_len (attention, the router, top_k experts and the
- * shared ones), the last stage the head's on top (which, with a large
- * vocabulary, outweighs a layer), the embedding nothing. Fails when there
- * are fewer layers than stages. */
-moe_status moe_grid_partition(int64_t *bounds, const moe_model_config *cfg, int64_t seq_len, int stages);
+ * stage under costs as fast as it can be; of equal splits, the one whose
+ * last stage holds fewest layers. Fails when there are fewer layers than
+ * stages. */
+moe_status moe_grid_partition(int64_t *bounds, int64_t layers, int stages, moe_stage_costs costs);
 
 /* What moe_model_create_parallel takes. */
 moe_model_parallel moe_grid_model_parallel(const moe_grid *grid);

@@ -87,35 +87,52 @@ void moe_run_options_init(moe_run_options *o) {
     };
 }
 
-static const char *const schedule_names[] = {"cosine", "linear", "constant"};
-
-const char *moe_lr_schedule_name(moe_lr_schedule s) {
-    return (unsigned)s < sizeof schedule_names / sizeof *schedule_names ? schedule_names[s] : "?";
-}
-
-moe_status moe_lr_schedule_parse(moe_lr_schedule *s, const char *name) {
-    for (size_t i = 0; i < sizeof schedule_names / sizeof *schedule_names; i++)
-        if (name && strcmp(name, schedule_names[i]) == 0) {
-            *s = (moe_lr_schedule)i;
+/* The index of name among names [n] into *out, or an error naming flag
+ * and the choices ("a, b or c"). */
+static moe_status parse_choice(int *out, const char *const *names, size_t n, const char *name, const char *flag) {
+    char choices[128];
+    size_t len = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (name && strcmp(name, names[i]) == 0) {
+            *out = (int)i;
             return MOE_OK;
         }
-    return moe_error(MOE_ERR_CONFIG, "--lr-schedule '%s': expected cosine, linear or constant", name ? name : "");
+        len += (size_t)snprintf(choices + len, sizeof choices - len, "%s%s", i == 0 ? "" : i + 1 < n ? ", " : " or ",
+                                names[i]);
+        if (len >= sizeof choices) len = sizeof choices - 1;
+    }
+    return moe_error(MOE_ERR_CONFIG, "%s '%s': expected %s", flag, name ? name : "", choices);
+}
+
+#define N_CHOICES(names) (sizeof names / sizeof *names)
+#define CHOICE_NAME(names, i) ((unsigned)(i) < N_CHOICES(names) ? names[i] : "?")
+
+static const char *const schedule_names[] = {"cosine", "linear", "constant"};
+const char *moe_lr_schedule_name(moe_lr_schedule s) { return CHOICE_NAME(schedule_names, s); }
+moe_status moe_lr_schedule_parse(moe_lr_schedule *s, const char *name) {
+    int at = 0;
+    MOE_TRY(parse_choice(&at, schedule_names, N_CHOICES(schedule_names), name, "--lr-schedule"));
+    *s = (moe_lr_schedule)at;
+    return MOE_OK;
 }
 
 static const char *const pipe_schedule_names[] = {"1f1b", "gpipe"};
-#define N_PIPE_SCHEDULES (sizeof pipe_schedule_names / sizeof *pipe_schedule_names)
-
-const char *moe_pipe_schedule_name(moe_pipe_schedule s) {
-    return (unsigned)s < N_PIPE_SCHEDULES ? pipe_schedule_names[s] : "?";
+#define N_PIPE_SCHEDULES N_CHOICES(pipe_schedule_names)
+const char *moe_pipe_schedule_name(moe_pipe_schedule s) { return CHOICE_NAME(pipe_schedule_names, s); }
+moe_status moe_pipe_schedule_parse(moe_pipe_schedule *s, const char *name) {
+    int at = 0;
+    MOE_TRY(parse_choice(&at, pipe_schedule_names, N_PIPE_SCHEDULES, name, "--pp-schedule"));
+    *s = (moe_pipe_schedule)at;
+    return MOE_OK;
 }
 
-moe_status moe_pipe_schedule_parse(moe_pipe_schedule *s, const char *name) {
-    for (size_t i = 0; i < N_PIPE_SCHEDULES; i++)
-        if (name && strcmp(name, pipe_schedule_names[i]) == 0) {
-            *s = (moe_pipe_schedule)i;
-            return MOE_OK;
-        }
-    return moe_error(MOE_ERR_CONFIG, "--pp-schedule '%s': expected 1f1b or gpipe", name ? name : "");
+static const char *const pp_balance_names[] = {"flops", "measured"};
+const char *moe_pp_balance_name(moe_pp_balance b) { return CHOICE_NAME(pp_balance_names, b); }
+moe_status moe_pp_balance_parse(moe_pp_balance *b, const char *name) {
+    int at = 0;
+    MOE_TRY(parse_choice(&at, pp_balance_names, N_CHOICES(pp_balance_names), name, "--pp-balance"));
+    *b = (moe_pp_balance)at;
+    return MOE_OK;
 }
 
 static moe_optim_config optim_config_of(const moe_run_options *o) {
@@ -216,6 +233,10 @@ moe_status moe_run_options_validate(const moe_run_options *o) {
     /* One stage has no pipeline to fill: GPipe would only recompute. */
     if (o->pp == 1 && o->pp_schedule != MOE_PIPE_1F1B)
         return moe_error(MOE_ERR_CONFIG, "--pp-schedule %s needs --pp > 1", moe_pipe_schedule_name(o->pp_schedule));
+    if (o->pp_balance != MOE_PP_BALANCE_FLOPS && o->pp_balance != MOE_PP_BALANCE_MEASURED)
+        return moe_error(MOE_ERR_CONFIG, "--pp-balance %d unknown: expected flops or measured", (int)o->pp_balance);
+    if (o->pp == 1 && o->pp_balance != MOE_PP_BALANCE_FLOPS)
+        return moe_error(MOE_ERR_CONFIG, "--pp-balance %s needs --pp > 1", moe_pp_balance_name(o->pp_balance));
     if (o->ep <= 0) return moe_error(MOE_ERR_CONFIG, "--ep %d must be positive", o->ep);
     if (o->zero != 0 && o->zero != 1) return moe_error(MOE_ERR_CONFIG, "--zero %d: only 0 and 1 exist", o->zero);
     if (!isfinite(o->comm_timeout) || o->comm_timeout <= 0.0)
@@ -376,6 +397,7 @@ typedef struct run {
     moe_run_kind_report kinds;
     moe_op_time *profile; /* [moe_profile_op_count()] with --profile */
     int64_t *slowest;     /* [ranks] the steps each rank was the slowest */
+    moe_stage_costs stage_costs; /* what the pipeline's partition balanced */
 } run;
 
 static void warn(const run *r, const char *fmt, ...) MOE_PRINTF(2, 3);
@@ -624,12 +646,70 @@ static const char *device_name(int v) { return moe_device_name((moe_device)v); }
 static const char *gemm_math_name(int v) { return moe_gemm_math_name((moe_gemm_math)v); }
 static const char *schedule_name(int v) { return moe_lr_schedule_name((moe_lr_schedule)v); }
 static const char *pipe_schedule_name(int v) { return moe_pipe_schedule_name((moe_pipe_schedule)v); }
+static const char *pp_balance_name(int v) { return moe_pp_balance_name((moe_pp_balance)v); }
 
-/* The grid of stages and groups over world, which the layer partition needs
- * the model config for; every communicator it makes waits --comm-timeout. */
+/* Timed forwards and backwards of the cost measurement. */
+#define RUN_COST_REPS 3
+
+/* The median seconds of one forward and backward of a one-rank model of
+ * the run's config cut to `layers` layers, at the run's batch shape on the
+ * run's device, after one untimed. */
+static moe_status time_layers(run *r, int64_t layers, double *seconds) {
+    const moe_run_options *o = r->o;
+    moe_model_config c = r->cfg;
+    c.num_hidden_layers = layers;
+    const int64_t N = o->batch_size * o->seq_len;
+    int32_t *tokens = malloc((size_t)(2 * N) * sizeof *tokens); /* inputs, then targets */
+    if (!tokens) return moe_error(MOE_ERR_OUT_OF_MEMORY, "--pp-balance measured: %lld tokens", (long long)N);
+    for (int64_t i = 0; i < 2 * N; i++) tokens[i] = (int32_t)(moe_rng_bits(o->seed, 0, (uint64_t)i) % (uint64_t)c.vocab_size);
+    moe_model *m = NULL;
+    moe_status st = moe_model_create_parallel(&m, &c, o->batch_size, o->seq_len, o->seed,
+                                              &(moe_model_parallel){.ops = r->device.ops});
+    double t[RUN_COST_REPS];
+    for (int rep = -1; rep < RUN_COST_REPS && st == MOE_OK; rep++) {
+        const double start = now_seconds();
+        moe_model_zero_grad(m);
+        st = moe_model_forward(m, tokens, tokens + N, NULL);
+        if (st == MOE_OK) st = moe_model_backward(m, 1.0f); /* which waits for the device */
+        if (rep >= 0) t[rep] = now_seconds() - start;
+    }
+    moe_model_destroy(m);
+    free(tokens);
+    if (st != MOE_OK) return moe_error_prefix(st, "--pp-balance measured: a model of %lld layers: ", (long long)layers);
+    for (int i = 1; i < RUN_COST_REPS; i++) /* insertion sort of three */
+        for (int j = i; j > 0 && t[j - 1] > t[j]; j--) {
+            const double x = t[j];
+            t[j] = t[j - 1], t[j - 1] = x;
+        }
+    *seconds = t[RUN_COST_REPS / 2];
+    return MOE_OK;
+}
+
+/* The partition's costs: FLOPs, or times measured on every rank's device
+ * and averaged over the ranks (so all cut the layers alike): a layer is
+ * the difference between models of two layers and of one, the head and
+ * embedding the rest of the one-layer model. */
+static moe_status stage_costs(run *r, moe_stage_costs *costs) {
+    const moe_run_options *o = r->o;
+    *costs = moe_grid_flop_costs(&r->cfg, o->seq_len);
+    if (o->pp_balance != MOE_PP_BALANCE_MEASURED) return MOE_OK;
+    double one, two;
+    MOE_TRY(time_layers(r, 1, &one));
+    MOE_TRY(time_layers(r, 2, &two));
+    double v[2] = {two - one, 0.0};
+    if (v[0] < 1e-3 * one) v[0] = 1e-3 * one; /* noise can make two layers look no slower than one */
+    v[1] = one - v[0] > 0.0 ? one - v[0] : 0.0;
+    if (r->world) MOE_TRY(moe_comm_allreduce_sum(r->world, v, 2, MOE_COMM_F64));
+    *costs = (moe_stage_costs){.layer = v[0] / r->ranks, .head = v[1] / r->ranks};
+    return MOE_OK;
+}
+
+/* The grid of stages and groups over world, its layers split by
+ * --pp-balance's costs; every communicator it makes waits --comm-timeout. */
 static moe_status make_grid(run *r) {
     const moe_run_options *o = r->o;
-    MOE_TRY(moe_grid_create(&r->grid, r->world, o->ep, o->pp, &r->cfg, o->seq_len));
+    MOE_TRY(stage_costs(r, &r->stage_costs));
+    MOE_TRY(moe_grid_create(&r->grid, r->world, o->ep, o->pp, r->cfg.num_hidden_layers, r->stage_costs));
     moe_comm *const made[] = {r->grid.dp, r->grid.pipe, r->grid.ep};
     for (size_t i = 0; i < sizeof made / sizeof *made; i++)
         if (made[i]) MOE_TRY(moe_comm_set_timeout(made[i], o->comm_timeout));
@@ -649,6 +729,7 @@ static moe_status build_model(run *r) {
             {"--seed (low 32 bits)", (double)(o->seed & 0xFFFFFFFFu), NULL},
             {"--ep", (double)o->ep, NULL},                 {"--pp", (double)o->pp, NULL},
             {"--pp-schedule", (double)o->pp_schedule, pipe_schedule_name},
+            {"--pp-balance", (double)o->pp_balance, pp_balance_name},
             {"--zero", (double)o->zero, NULL},             {"--lr", o->lr, NULL},
             /* A rank that recomputes runs its expert-parallel exchanges again. */
             {"--recompute", (double)o->recompute, NULL},
@@ -795,6 +876,7 @@ static void write_options(moe_json_writer *w, const moe_run_options *o) {
     moe_json_key(w, "pp");
     moe_json_int(w, o->pp);
     json_opt_string(w, "pp_schedule", moe_pipe_schedule_name(o->pp_schedule));
+    json_opt_string(w, "pp_balance", moe_pp_balance_name(o->pp_balance));
     moe_json_key(w, "ep");
     moe_json_int(w, o->ep);
     moe_json_key(w, "zero");
@@ -1202,6 +1284,7 @@ static moe_status run_body(run *r, double start) {
         .ep = o->ep,
         .pp = o->pp,
         .stage_layers = r->grid.stage_layers,
+        .stage_costs = r->stage_costs,
         .optimizer_bytes = moe_trainer_optimizer_bytes(r->trainer),
         .optimizer_bytes_least = state_bytes[0],
         .optimizer_bytes_most = state_bytes[1],

@@ -60,6 +60,12 @@
 #define MOE_GPT2_VOCAB_SIZE 50257
 #define MOE_RUN_THREADS_MAX 1024
 
+/* What the pipeline's layer partition balances (moe_grid_partition):
+ * each layer's and the head's training FLOPs, or their times measured at
+ * start-up, one forward and backward of a model of one layer and of two on
+ * each rank's device, averaged over the ranks. */
+typedef enum moe_pp_balance { MOE_PP_BALANCE_FLOPS = 0, MOE_PP_BALANCE_MEASURED } moe_pp_balance;
+
 typedef struct moe_run_options {
     /* Model */
     const char *config;    /* --config FILE; NULL: --init-from's or --resume's config.json, else the default */
@@ -93,6 +99,7 @@ typedef struct moe_run_options {
     /* Parallelism (under mpirun: every rank runs the same command) */
     int pp;                /* --pp S: pipeline stages, each a contiguous range of layers; divides the ranks */
     moe_pipe_schedule pp_schedule; /* --pp-schedule: the stages' order of micro-batches */
+    moe_pp_balance pp_balance;     /* --pp-balance: what the layer partition balances */
     int ep;                /* --ep P: experts split over groups of P consecutive data-parallel ranks */
     int zero;              /* --zero 1: AdamW state sharded over each parameter's replicas */
     double comm_timeout;   /* --comm-timeout seconds a collective may wait for a peer */
@@ -127,6 +134,10 @@ moe_status moe_lr_schedule_parse(moe_lr_schedule *schedule, const char *name);
 const char *moe_pipe_schedule_name(moe_pipe_schedule schedule);
 moe_status moe_pipe_schedule_parse(moe_pipe_schedule *schedule, const char *name);
 
+/* "flops", "measured". */
+const char *moe_pp_balance_name(moe_pp_balance balance);
+moe_status moe_pp_balance_parse(moe_pp_balance *balance, const char *name);
+
 /* The fp32 GEMM rate of a backend in GFLOP/s through its op table: the best
  * of ~0.3 s of square products, large enough to time (all OpenMP threads on
  * the CPU). */
@@ -152,6 +163,7 @@ typedef struct moe_run_summary {
     /* [pp + 1]: stage s holds layers [stage_layers[s], stage_layers[s + 1]);
      * NULL without a pipeline. */
     const int64_t *stage_layers;
+    moe_stage_costs stage_costs; /* what the partition balanced: FLOPs per token, or seconds (--pp-balance) */
     int64_t optimizer_bytes; /* AdamW state held by this rank */
     int64_t optimizer_bytes_least, optimizer_bytes_most; /* over the ranks: stages hold different layers */
     int64_t activation_bytes_least, activation_bytes_most; /* moe_trainer_activation_bytes over the ranks */

@@ -2,7 +2,7 @@
  * stages of at least one layer whose slowest stage is as fast as any split
  * can make it, checked against every split of small models (the cost model
  * rebuilt here from its definition: a layer's training FLOPs per token, the
- * head's on the last stage). */
+ * head's on the last stage), and under costs measured rather than counted. */
 #include <criterion/criterion.h>
 #include <math.h>
 #include <string.h>
@@ -52,7 +52,7 @@ static void config(moe_model_config *c, int64_t layers, int64_t vocab) {
 static void check(const moe_model_config *c, int64_t T, int stages) {
     const int64_t L = c->num_hidden_layers;
     int64_t bounds[16], scratch[16] = {0};
-    cr_assert(moe_grid_partition(bounds, c, T, stages) == MOE_OK, "%s", moe_last_error());
+    cr_assert(moe_grid_partition(bounds, c->num_hidden_layers, stages, moe_grid_flop_costs(c, T)) == MOE_OK, "%s", moe_last_error());
     cr_assert(bounds[0] == 0 && bounds[stages] == L, "L=%lld, %d stages: bounds from %lld to %lld", (long long)L,
               stages, (long long)bounds[0], (long long)bounds[stages]);
     for (int s = 0; s < stages; s++)
@@ -79,20 +79,34 @@ Test(partition, a_heavy_head_shortens_the_last_stage) {
     moe_model_config c;
     config(&c, 8, 262144);
     int64_t bounds[3];
-    cr_assert(moe_grid_partition(bounds, &c, 64, 2) == MOE_OK, "%s", moe_last_error());
+    cr_assert(moe_grid_partition(bounds, c.num_hidden_layers, 2, moe_grid_flop_costs(&c, 64)) == MOE_OK, "%s", moe_last_error());
     cr_expect(bounds[2] - bounds[1] < bounds[1] - bounds[0], "8 layers, vocabulary 262144: stages [0, %lld), [%lld, 8)",
               (long long)bounds[1], (long long)bounds[1]);
     config(&c, 8, 16);
-    cr_assert(moe_grid_partition(bounds, &c, 64, 2) == MOE_OK, "%s", moe_last_error());
+    cr_assert(moe_grid_partition(bounds, c.num_hidden_layers, 2, moe_grid_flop_costs(&c, 64)) == MOE_OK, "%s", moe_last_error());
     cr_expect(bounds[1] == 4, "8 layers, a head that costs little: stages [0, %lld), [%lld, 8), want 4 each",
               (long long)bounds[1], (long long)bounds[1]);
+}
+
+/* Costs given, as a measurement gives them: a head of three layers' cost
+ * takes the last stage's layers away, a free one balances the layers. */
+Test(partition, measured_costs_move_the_cuts) {
+    int64_t bounds[3];
+    cr_assert(moe_grid_partition(bounds, 8, 2, (moe_stage_costs){.layer = 1.0, .head = 3.0}) == MOE_OK, "%s",
+              moe_last_error());
+    cr_expect(bounds[1] == 6, "8 layers, a head of 3 layers: stages [0, %lld), [%lld, 8), want 6 and 2",
+              (long long)bounds[1], (long long)bounds[1]);
+    cr_assert(moe_grid_partition(bounds, 8, 2, (moe_stage_costs){.layer = 1.0, .head = 0.0}) == MOE_OK, "%s",
+              moe_last_error());
+    cr_expect(bounds[1] == 4, "8 layers, a free head: stages [0, %lld), [%lld, 8), want 4 each", (long long)bounds[1],
+              (long long)bounds[1]);
 }
 
 Test(partition, fewer_layers_than_stages_is_refused) {
     moe_model_config c;
     config(&c, 3, 256);
     int64_t bounds[5];
-    cr_expect(moe_grid_partition(bounds, &c, 64, 4) == MOE_ERR_CONFIG);
+    cr_expect(moe_grid_partition(bounds, c.num_hidden_layers, 4, moe_grid_flop_costs(&c, 64)) == MOE_ERR_CONFIG);
     cr_expect(strstr(moe_last_error(), "--pp 4") && strstr(moe_last_error(), "3 layers"), "%s", moe_last_error());
-    cr_expect(moe_grid_partition(bounds, &c, 64, 0) == MOE_ERR_CONFIG);
+    cr_expect(moe_grid_partition(bounds, c.num_hidden_layers, 0, moe_grid_flop_costs(&c, 64)) == MOE_ERR_CONFIG);
 }

@@ -75,6 +75,10 @@ grid_matches "--pp 2 --ep 1 on 4 ranks (PP 2 x DP 2), gpipe" pp_dp_gpipe "$out/o
 grid_matches "--pp 2 --ep 2 --zero 1 on 4 ranks, 1f1b" pp_ep "$out/one3" 4 --batch-size 4 "${pp[@]}" --ep 2 --zero 1
 grid_matches "--pp 2 --ep 2 --recompute on 4 ranks, 1f1b" pp_ep_recompute "$out/one3" 4 --batch-size 4 "${pp[@]}" \
     --ep 2 --recompute
+grid_matches "--pp 2 --pp-balance measured on 2 ranks" pp_measured "$out/one3" 2 --batch-size 8 "${pp[@]}" \
+    --pp-balance measured
+grep -q "stages hold layers 0 | 1 (measured: a layer [0-9.]* ms, the head [0-9.]* ms)" "$out/pp_measured.log"
+check "--pp-balance measured says the costs it measured" $?
 
 run_ok "the resume of a pipeline" "$out/pp_resumed.log" "$bin/moe-train" "${common[@]}" --batch-size 8 \
     --grad-accum 3 --resume "$out/pp/step-000006" --out "$out/pp_resumed"
@@ -106,5 +110,7 @@ refused "--pp 4 on a model of 2 layers" "--pp 4: a pipeline needs a layer per st
 refused "--pp-schedule foo" "--pp-schedule 'foo': expected 1f1b or gpipe" 1 --pp-schedule foo
 refused "--pp 0" "--pp 0 must be positive" 1 --pp 0
 refused "--pp-schedule gpipe without --pp" "--pp-schedule gpipe needs --pp > 1" 1 --pp-schedule gpipe
+refused "--pp-balance measured without --pp" "--pp-balance measured needs --pp > 1" 1 --pp-balance measured
+refused "--pp-balance foo" "--pp-balance 'foo': expected flops or measured" 1 --pp-balance foo
 
 summary

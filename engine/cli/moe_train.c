@@ -107,6 +107,10 @@ static void print_help(void) {
            "                       activations of at most S - stage forwards; gpipe: every forward,\n"
            "                       then every backward, each forward but the last recomputed\n"
            "                       before its backward (default 1f1b)\n"
+           "  --pp-balance B       flops: the stages' layers balance each layer's and the head's\n"
+           "                       training FLOPs (default); measured: their times, from a\n"
+           "                       forward and backward of a 1- and a 2-layer model on each\n"
+           "                       rank's device at start-up, averaged over the ranks\n"
            "  --ep P               split each layer's experts over groups of P consecutive ranks of\n"
            "                       a stage; they are data-parallel, --batch-size is per rank (default 1)\n"
            "  --zero 1             shard AdamW's state over each parameter's replicas (default 0)\n"
@@ -124,6 +128,7 @@ static void print_help(void) {
 
 static moe_status parse_schedule(void *field, const char *value) { return moe_lr_schedule_parse(field, value); }
 static moe_status parse_pipe(void *field, const char *value) { return moe_pipe_schedule_parse(field, value); }
+static moe_status parse_balance(void *field, const char *value) { return moe_pp_balance_parse(field, value); }
 static moe_status parse_device(void *field, const char *value) { return moe_device_parse(field, value); }
 static moe_status parse_math(void *field, const char *value) { return moe_gemm_math_parse(field, value); }
 
@@ -143,6 +148,7 @@ static const cli_flag flags[] = {
     {"--eval-batches", CLI_INT, OPT(eval_batches), NULL}, {"--eval-only", CLI_SWITCH, OPT(eval_only), NULL},
     {"--shuffle", CLI_SWITCH, OPT(shuffle), NULL},       {"--peak-gflops", CLI_REAL, OPT(peak_gflops), NULL},
     {"--pp", CLI_SMALL, OPT(pp), NULL},                  {"--pp-schedule", CLI_PARSED, OPT(pp_schedule), parse_pipe},
+    {"--pp-balance", CLI_PARSED, OPT(pp_balance), parse_balance},
     {"--ep", CLI_SMALL, OPT(ep), NULL},                  {"--zero", CLI_SMALL, OPT(zero), NULL},
     {"--comm-timeout", CLI_REAL, OPT(comm_timeout), NULL}, {"--overlap", CLI_SWITCH, OPT(overlap), NULL},
     {"--device", CLI_PARSED, OPT(device), parse_device}, {"--gemm-math", CLI_PARSED, OPT(gemm_math), parse_math},
@@ -229,6 +235,9 @@ static void print_grid(const moe_run_summary *s) {
             else
                 printf("%s%lld-%lld", stage ? " | " : "", first, last);
         }
+        if (o->pp_balance == MOE_PP_BALANCE_MEASURED)
+            printf(" (measured: a layer %.2f ms, the head %.2f ms)", 1e3 * s->stage_costs.layer,
+                   1e3 * s->stage_costs.head);
     }
     printf("\n");
 }

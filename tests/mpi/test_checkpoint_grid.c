@@ -72,7 +72,7 @@ static moe_status make_run(run *r, moe_comm *comm, grid g, int64_t rows, uint64_
     *r = (run){0};
     moe_status st = MOE_OK;
     if (comm) {
-        st = moe_grid_create(&r->grid, comm, g.ep, g.pp, &cfg, T);
+        st = moe_grid_create(&r->grid, comm, g.ep, g.pp, cfg.num_hidden_layers, moe_grid_flop_costs(&cfg, T));
         r->has_grid = st == MOE_OK;
     }
     const moe_model_parallel par = r->has_grid ? moe_grid_model_parallel(&r->grid) : (moe_model_parallel){0};

@@ -51,11 +51,11 @@ int main(void) {
     mpi_report(bad, "values that differ in their tenth digit print apart");
 
     moe_grid grid;
-    st = moe_grid_create(&grid, world, size, 1, &cfg, 8);
+    st = moe_grid_create(&grid, world, size, 1, cfg.num_hidden_layers, moe_grid_flop_costs(&cfg, 8));
     bad = st != MOE_OK || moe_comm_size(grid.ep) != size;
     if (st == MOE_OK) moe_grid_destroy(&grid);
     mpi_report(bad, "EP over all ranks");
-    st = moe_grid_create(&grid, world, size + 1, 1, &cfg, 8);
+    st = moe_grid_create(&grid, world, size + 1, 1, cfg.num_hidden_layers, moe_grid_flop_costs(&cfg, 8));
     mpi_report(st != MOE_ERR_CONFIG || !strstr(moe_last_error(), "--ep"),
                "an EP size that does not divide the ranks is refused");
     return mpi_check_finish();

@@ -77,7 +77,7 @@ static int run_grid(int pp, int ep, int zero, int64_t M, moe_pipe_schedule sched
     tiny_config(&cfg);
     moe_grid grid;
     curve want, got;
-    moe_status st = moe_grid_create(&grid, world, ep, pp, &cfg, T);
+    moe_status st = moe_grid_create(&grid, world, ep, pp, cfg.num_hidden_layers, moe_grid_flop_costs(&cfg, T));
     if (st != MOE_OK) return mpi_fail_status(st, "grid");
     st = train(&want, NULL, (int64_t)grid.at.dp_size * B, M, MOE_PIPE_1F1B, 0, false, data);
     if (st == MOE_OK) st = train(&got, &grid, B, M, schedule, zero, recompute, data);
@@ -103,7 +103,7 @@ static int check_stages(void) {
     moe_model_config cfg;
     tiny_config(&cfg);
     moe_grid grid;
-    moe_status st = moe_grid_create(&grid, world, 1, size, &cfg, T);
+    moe_status st = moe_grid_create(&grid, world, 1, size, cfg.num_hidden_layers, moe_grid_flop_costs(&cfg, T));
     if (st != MOE_OK) return mpi_fail_status(st, "grid");
     int bad = grid.at.stage != rank || grid.layer_end <= grid.layer_begin || (rank == 0 && grid.layer_begin != 0) ||
               (rank == size - 1 && grid.layer_end != LAYERS);
@@ -120,7 +120,7 @@ static int check_stages(void) {
     }
     moe_model_destroy(model);
     moe_grid_destroy(&grid);
-    st = moe_grid_create(&grid, world, 1, 2 * size, &cfg, T);
+    st = moe_grid_create(&grid, world, 1, 2 * size, cfg.num_hidden_layers, moe_grid_flop_costs(&cfg, T));
     if (st != MOE_ERR_CONFIG || !strstr(moe_last_error(), "--pp")) {
         printf("  rank %d: --pp %d on %d ranks gave %s\n", rank, 2 * size, size, moe_status_string(st));
         bad = 1;
@@ -138,7 +138,7 @@ static int check_layouts(void) {
     moe_grid grid;
     int bad = 0;
     for (int c = 0; c < (size >= 4 ? 2 : 1); c++) {
-        moe_status st = moe_grid_create(&grid, world, 1, c ? 2 : size, &cfg, T);
+        moe_status st = moe_grid_create(&grid, world, 1, c ? 2 : size, cfg.num_hidden_layers, moe_grid_flop_costs(&cfg, T));
         if (st != MOE_OK) return mpi_fail_status(st, "grid");
         moe_model_parallel par = moe_grid_model_parallel(&grid);
         /* Layout 1: stage 0's second rank drops its last layer, which its
@@ -177,7 +177,7 @@ static int check_bad_target(void) {
     moe_trainer *trainer = NULL;
     moe_optim_config oc = mpi_optim(STEPS);
     moe_status st = moe_data_from_tokens(&data, tokens, 64, 2 * VOCAB, "bad targets");
-    if (st == MOE_OK) st = moe_grid_create(&grid, world, 1, size, &cfg, T);
+    if (st == MOE_OK) st = moe_grid_create(&grid, world, 1, size, cfg.num_hidden_layers, moe_grid_flop_costs(&cfg, T));
     if (st != MOE_OK) {
         moe_data_close(data);
         return mpi_fail_status(st, "setup");
