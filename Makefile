@@ -10,7 +10,7 @@ SAN_BUILD  ?= build-san
 JOBS       ?= $(shell nproc)
 CMAKE_ARGS ?=
 # The trainer is the main job once it exists; the layer benchmark until then.
-MAIN_JOB   ?= $(if $(wildcard engine/cli/moe_train.c),$(BUILD)/moe-train,$(BUILD)/moe-bench layer)
+MAIN_JOB   ?= $(if $(wildcard engine/cli/moe_train.c),$(BUILD)/moe-train --overwrite,$(BUILD)/moe-bench layer)
 
 DEBIAN_PACKAGES := build-essential cmake pkg-config libopenblas-dev libopenblas-openmp-dev \
                    libcriterion-dev libopenmpi-dev openmpi-bin libhwloc-dev hwloc

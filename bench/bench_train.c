@@ -21,7 +21,7 @@
 typedef struct train_shape {
     const char *name;
     int64_t d, ff, layers, heads, kv_heads, experts, top_k, B, T;
-    bool on_request; /* run only when --model names it */
+    bool on_request; /* run only when --model names it; a GPU's: refused on the CPU, whose memory it outgrows */
 } train_shape;
 
 /* The driver's default model, a larger one whose GEMMs are big enough to
@@ -269,6 +269,14 @@ int bench_train_run(int argc, char **argv) {
     }
     if (dev.note[0]) fprintf(stderr, "moe-bench %s: %s\n", CMD, dev.note);
     if (dev.placement[0]) fprintf(stderr, "moe-bench %s: %s\n", CMD, dev.placement);
+    for (int s = 0; s < n_shapes && !dev.cuda && only; s++)
+        if (default_shapes[s].on_request && strcmp(only, default_shapes[s].name) == 0) {
+            fprintf(stderr, "moe-bench %s: --model %s is for a GPU (its parameters, gradients, AdamW state and "
+                            "activations outgrow a CPU's memory), and this run is on %s\n",
+                    CMD, only, dev.desc);
+            moe_device_close(&dev);
+            return BENCH_EXIT_USAGE;
+        }
     moe_synth_params sp = moe_synth_default_params();
     moe_synth_stream stream = {0};
     if (bench_failed(CMD, "synthetic corpus", moe_synth_generate(&stream, &sp, 1, STREAM_TOKENS))) {

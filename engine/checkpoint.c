@@ -3,7 +3,6 @@
 #include "engine/checkpoint.h"
 
 #include <errno.h>
-#include <ftw.h>
 #include <inttypes.h>
 #include <math.h>
 #include <stdbool.h>
@@ -113,17 +112,6 @@ static bool exists(const char *path) {
     return lstat(path, &sb) == 0;
 }
 
-static int remove_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw) {
-    (void)sb, (void)flag, (void)ftw;
-    return remove(path);
-}
-
-/* rm -r, not following links. */
-static moe_status remove_tree(const char *path) {
-    if (nftw(path, remove_entry, 16, FTW_DEPTH | FTW_PHYS) != 0)
-        return moe_error(MOE_ERR_IO, "cannot remove %s: %s", path, strerror(errno));
-    return MOE_OK;
-}
 
 /* --------------------------------------------------------------- writing */
 
@@ -220,9 +208,9 @@ static moe_status write_files(const char *dir, moe_model *model, const float *m,
  * out of the way for a replacement: if that replacement never arrived it is
  * the only copy, so it goes back in place, to be replaced by this save. */
 static moe_status clear_leftovers(const char *final_dir, const char *tmp_dir, const char *old_dir) {
-    if (exists(tmp_dir)) MOE_TRY(remove_tree(tmp_dir));
+    if (exists(tmp_dir)) MOE_TRY(moe_remove_tree(tmp_dir));
     if (!exists(old_dir)) return MOE_OK;
-    if (exists(final_dir)) return remove_tree(old_dir);
+    if (exists(final_dir)) return moe_remove_tree(old_dir);
     if (rename(old_dir, final_dir) != 0)
         return moe_error(MOE_ERR_IO, "cannot move %s back to %s: %s", old_dir, final_dir, strerror(errno));
     return MOE_OK;
@@ -260,7 +248,7 @@ static moe_status save_dir(const char *out_dir, const char *final_dir, const cha
     if (st == MOE_OK) st = swap_in(out_dir, final_dir, tmp_dir, old_dir);
     /* The first failure is what the caller needs; a temp directory that
      * cannot be removed is cleared by the next save of this step. */
-    if (st != MOE_OK && exists(tmp_dir)) remove_tree(tmp_dir);
+    if (st != MOE_OK && exists(tmp_dir)) moe_remove_tree(tmp_dir);
     return st;
 }
 
@@ -490,7 +478,7 @@ static moe_status write_checkpoint(const char *out_dir, const char *final_dir, c
     MOE_TRY(moe_mkdir_p(out_dir));
     moe_status st = save_dir(out_dir, final_dir, tmp_dir, old_dir, g->model, g->m, g->v, state);
     if (st != MOE_OK) return moe_error_prefix(st, "checkpoint %s: ", final_dir);
-    if (exists(old_dir) && remove_tree(old_dir) != MOE_OK)
+    if (exists(old_dir) && moe_remove_tree(old_dir) != MOE_OK)
         return moe_error_prefix(MOE_ERR_IO, "checkpoint %s was written, but the copy it replaced remains: ", final_dir);
     return MOE_OK;
 }

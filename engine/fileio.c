@@ -1,9 +1,11 @@
-#define _POSIX_C_SOURCE 200809L
+#define _XOPEN_SOURCE 700
 
 #include "engine/fileio.h"
 
 #include <errno.h>
 #include <fcntl.h>
+#include <ftw.h>
+#include <stdio.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -12,6 +14,17 @@
 #include <unistd.h>
 
 #include "common/status.h"
+
+static int remove_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw) {
+    (void)sb, (void)flag, (void)ftw;
+    return remove(path);
+}
+
+moe_status moe_remove_tree(const char *path) {
+    if (nftw(path, remove_entry, 16, FTW_DEPTH | FTW_PHYS) != 0)
+        return moe_error(MOE_ERR_IO, "cannot remove %s: %s", path, strerror(errno));
+    return MOE_OK;
+}
 
 /* The directory part of path ("." when there is none), in a new string. */
 static moe_status dir_of(char **dir, const char *path) {

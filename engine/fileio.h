@@ -37,6 +37,9 @@ moe_status moe_mkdir_p(const char *path);
  * durable. */
 moe_status moe_fsync_dir(const char *path);
 
+/* rm -r path, not following links. */
+moe_status moe_remove_tree(const char *path);
+
 /* Reads a whole regular file into a new buffer of *size + 1 bytes whose last
  * byte is '\0' (so text can be handed to string functions); free() it. A
  * file larger than max_bytes is refused with MOE_ERR_FORMAT before anything

@@ -209,6 +209,9 @@ moe_status moe_generate_options_validate(const moe_generate_options *o) {
     if (o->samples <= 0) return moe_error(MOE_ERR_CONFIG, "--samples %lld must be positive", (long long)o->samples);
     if (o->max_new_tokens <= 0)
         return moe_error(MOE_ERR_CONFIG, "--max-new-tokens %lld must be positive", (long long)o->max_new_tokens);
+    if (o->sampling.temperature == 0.0 && o->sampling.top_k > 1)
+        return moe_error(MOE_ERR_CONFIG, "--top-k %lld draws among the likeliest tokens, and --temperature 0 takes "
+                         "the likeliest one: give --temperature > 0 to sample", (long long)o->sampling.top_k);
     if ((unsigned)o->tokens >= N_TOKEN_KINDS)
         return moe_error(MOE_ERR_CONFIG, "--tokens: no kind %d", (int)o->tokens);
     if (o->threads < 0 || o->threads > MOE_RUN_THREADS_MAX)

@@ -1,17 +1,21 @@
-#define _POSIX_C_SOURCE 200809L
+#define _XOPEN_SOURCE 700
 /* run.c: a training or evaluation run (run.h): data, config, model,
  * trainer, the step loop, evaluation with the per-kind report, checkpoints,
  * run.json and metrics.jsonl. */
 #include "engine/run.h"
 
+#include <dirent.h>
 #include <errno.h>
+#include <limits.h>
 #include <math.h>
 #include <omp.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "common/rng.h"
 #include "common/status.h"
@@ -885,6 +889,8 @@ static void write_options(moe_json_writer *w, const moe_run_options *o) {
     moe_json_number(w, o->comm_timeout);
     moe_json_key(w, "overlap");
     moe_json_bool(w, o->overlap);
+    moe_json_key(w, "overwrite");
+    moe_json_bool(w, o->overwrite);
     moe_json_key(w, "recompute");
     moe_json_bool(w, o->recompute);
     moe_json_key(w, "profile");
@@ -1218,8 +1224,83 @@ static moe_status save_checkpoint(run *r) {
 
 static bool due(int64_t step, int64_t every, int64_t last) { return step == last || (every > 0 && step % every == 0); }
 
+/* ------------------------------------------------------------------ --out */
+
+/* step- and six or more digits: a checkpoint's name. */
+static bool checkpoint_name(const char *name) {
+    if (strncmp(name, "step-", 5) != 0) return false;
+    const size_t digits = strspn(name + 5, "0123456789");
+    return digits >= 6 && name[5 + digits] == '\0';
+}
+
+/* Whether a and b name one file (both exist). */
+static bool same_path(const char *a, const char *b) {
+    char ra[PATH_MAX], rb[PATH_MAX];
+    return a && b && realpath(a, ra) && realpath(b, rb) && strcmp(ra, rb) == 0;
+}
+
+/* Whether --resume's checkpoint lies in --out: the run it continues. */
+static bool resumes_in_place(const moe_run_options *o) {
+    if (!o->resume) return false;
+    char parent[RUN_PATH_BYTES];
+    snprintf(parent, sizeof parent, "%s", o->resume);
+    for (size_t n = strlen(parent); n > 1 && parent[n - 1] == '/'; n--) parent[n - 1] = '\0';
+    char *slash = strrchr(parent, '/');
+    if (!slash) snprintf(parent, sizeof parent, ".");
+    else if (slash == parent) parent[1] = '\0';
+    else *slash = '\0';
+    return same_path(parent, o->out_dir);
+}
+
+/* --out must not hold another run (run.json, metrics.jsonl, checkpoints):
+ * a new run, or one resumed from elsewhere, would replace its files, even
+ * on failing, and leave its checkpoints among the new run's. It is
+ * refused unless --overwrite, under which remove deletes them (but the
+ * checkpoint the weights came from); --resume of a checkpoint in --out
+ * continues that run. An entry named like a checkpoint that is not a
+ * directory is refused either way: the run's save would fail at its end. */
+static moe_status clear_out_dir(const moe_run_options *o, bool remove) {
+    if (o->eval_only) return MOE_OK; /* it writes nothing there */
+    DIR *dir = opendir(o->out_dir);
+    if (!dir) {
+        if (errno == ENOENT) return MOE_OK;
+        return moe_error(MOE_ERR_IO, "--out %s: cannot read it: %s", o->out_dir, strerror(errno));
+    }
+    const bool in_place = resumes_in_place(o);
+    char found[NAME_MAX + 1] = "", path[RUN_PATH_BYTES];
+    moe_status st = MOE_OK;
+    for (struct dirent *e; st == MOE_OK && (e = readdir(dir));) {
+        const bool step = checkpoint_name(e->d_name);
+        if (!step && strcmp(e->d_name, "run.json") != 0 && strcmp(e->d_name, "metrics.jsonl") != 0) continue;
+        st = path_join(path, o->out_dir, e->d_name);
+        struct stat sb;
+        if (st == MOE_OK && step && (lstat(path, &sb) != 0 || !S_ISDIR(sb.st_mode)))
+            st = moe_error(MOE_ERR_IO, "--out %s: %s is not a directory, and a checkpoint would go there", o->out_dir,
+                           path);
+        if (st != MOE_OK || in_place) continue;
+        if (!found[0]) snprintf(found, sizeof found, "%s", e->d_name);
+        if (!remove || same_path(path, o->init_from) || same_path(path, o->resume)) continue;
+        st = step ? moe_remove_tree(path) : (unlink(path) == 0 ? MOE_OK : moe_error(MOE_ERR_IO, "cannot remove %s: %s",
+                                                                                  path, strerror(errno)));
+    }
+    closedir(dir);
+    MOE_TRY(st);
+    if (found[0] && !o->overwrite)
+        return moe_error(MOE_ERR_CONFIG, "--out %s holds another run (%s%s): continue it with --resume %s/step-NNNNNN, "
+                         "write to another --out, or pass --overwrite to replace it",
+                         o->out_dir, found, o->resume ? ", and --resume's checkpoint is not in it" : "", o->out_dir);
+    return MOE_OK;
+}
+
 static moe_status run_body(run *r, double start) {
     const moe_run_options *o = r->o;
+    MOE_TRY(clear_out_dir(o, false));
+    if (o->overlap && o->ep == 1)
+        warn(r, "--overlap runs each expert as its rows arrive from other ranks, and under --ep 1 none come: it "
+                "changes nothing");
+    if (o->zero && r->dp_size == 1)
+        warn(r, "--zero 1 shards AdamW's state over a parameter's data-parallel replicas, and with one rank a "
+                "stage there are none: it changes nothing");
     if (!o->eval_only && o->warmup >= o->steps) {
         const moe_optim_config c = optim_config_of(o);
         warn(r, "--warmup %lld >= --steps %lld: every step is in the warm-up, which ends at lr %g (--lr %g), and the "
@@ -1293,7 +1374,10 @@ static moe_status run_body(run *r, double start) {
         .train_data = o->eval_only ? NULL : r->train.desc,
         .val_data = r->val.desc,
     };
-    if (!o->eval_only && r->rank == 0) MOE_TRY(write_run_files(r, &summary));
+    if (!o->eval_only && r->rank == 0) {
+        if (o->overwrite) MOE_TRY(clear_out_dir(o, true));
+        MOE_TRY(write_run_files(r, &summary));
+    }
     if (r->cb->on_start) r->cb->on_start(r->cb->ctx, &summary);
 
     double val_loss = NAN;

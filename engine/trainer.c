@@ -450,16 +450,17 @@ static float *slot(float *buffers, int64_t micro, int64_t count) { return buffer
 
 /* Reads micro-batch micro's tokens and checks them. Every stage reads every
  * micro-batch, so the data advance alike and a bad batch fails every stage
- * before any of them waits for another. */
-static moe_status read_batch(moe_trainer *t, moe_data *data, int64_t micro) {
+ * before any of them waits for another. what: whose data, for the error. */
+static moe_status read_batch(moe_trainer *t, moe_data *data, int64_t micro, const char *what) {
     moe_model *model = t->model;
     const int64_t B = moe_model_batch_size(model), T = moe_model_seq_len(model), BT = B * T;
     const int W = moe_model_world_size(model), rank = moe_model_world_rank(model);
     int32_t *inputs = t->tokens + 2 * BT * micro, *targets = inputs + BT;
     /* Data parallelism: the global batch is world x B rows, this rank's are
      * rows rank*B .. rank*B + B - 1 of it. */
-    MOE_TRY(moe_data_next_batch(data, inputs, targets, (int64_t)W * B, (int64_t)rank * B, B, T));
-    return moe_model_check_batch(model, inputs, targets);
+    moe_status st = moe_data_next_batch(data, inputs, targets, (int64_t)W * B, (int64_t)rank * B, B, T);
+    if (st == MOE_OK) st = moe_model_check_batch(model, inputs, targets);
+    return st == MOE_OK ? MOE_OK : moe_error_prefix(st, "%s: ", what);
 }
 
 /* Micro-batch micro's forward on this stage (its tokens read): its input
@@ -612,7 +613,7 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
     const double step_start = omp_get_wtime(), waits_start = moe_comm_wait_seconds();
     const int64_t bytes_start = exchange_bytes(t);
 
-    for (int64_t micro = 0; micro < M; micro++) MOE_TRY(read_batch(t, data, micro));
+    for (int64_t micro = 0; micro < M; micro++) MOE_TRY(read_batch(t, data, micro, "training data"));
     pipe_op *ops = malloc((size_t)(2 * M) * sizeof *ops);
     if (!ops) return moe_error(MOE_ERR_OUT_OF_MEMORY, "trainer: a schedule of %lld micro-batches", (long long)M);
     schedule(ops, c->pipe_schedule, stage.index, stage.count, M);
@@ -723,7 +724,7 @@ moe_status moe_trainer_eval(moe_trainer *t, moe_data *data, int64_t n_batches, d
         moe_model_stats s;
         t->sends[0] = (moe_comm_request)MOE_COMM_REQUEST_INIT;
         t->sends_posted = t->sends_retired = 0;
-        st = read_batch(t, data, 0);
+        st = read_batch(t, data, 0, "validation data");
         if (st == MOE_OK) st = stage_forward(t, 0, false, &s);
         st = moe_comm_wait_all(t->sends, 1, st);
         if (st == MOE_OK) total += s.ce_loss;

@@ -332,6 +332,10 @@ Test(generate_run, errors_name_what_is_wrong, .init = make_tmpdir, .fini = remov
     o = options(ids, "4");
     o.sampling.temperature = -1.0;
     expect_error(&o, "--temperature", NULL);
+    /* Greedy draws nothing for --top-k to limit. */
+    o = options(ids, "4");
+    o.sampling.top_k = 3;
+    expect_error(&o, "--top-k 3", "--temperature 0");
 }
 
 Test(generate_run, token_kind_names) {

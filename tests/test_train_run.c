@@ -344,6 +344,7 @@ Test(train_run, resume_is_bitwise_identical, .init = make_tmp, .fini = remove_tm
 
     /* The seed picked the data and the noise: another one cannot resume. */
     o.seed += 1;
+    o.overwrite = true; /* c holds the resumed run */
     moe_run_callbacks cb = callbacks(&v);
     cr_assert_neq(moe_run(&o, &cb), MOE_OK);
     cr_expect(strstr(moe_last_error(), "--seed") != NULL, "message: %s", moe_last_error());
@@ -520,6 +521,7 @@ Test(train_run, llmc_shards_train, .init = make_tmp, .fini = remove_tmp) {
      * in the validation data before training, in the training data when
      * read. */
     write_tiny_config(cfg, VOCAB / 2);
+    o.overwrite = true;
     moe_run_callbacks cb = callbacks(&v);
     cr_assert_neq(moe_run(&o, &cb), MOE_OK);
     cr_expect(strstr(moe_last_error(), "--val-data") && strstr(moe_last_error(), "val_00.bin"), "message: %s",
@@ -528,7 +530,8 @@ Test(train_run, llmc_shards_train, .init = make_tmp, .fini = remove_tmp) {
     fill_tokens(tokens, N, VOCAB / 2, 99);
     cr_assert_eq(moe_data_write_shard(val, tokens, N), MOE_OK, "%s", moe_last_error());
     cr_assert_neq(moe_run(&o, &cb), MOE_OK);
-    cr_expect(strstr(moe_last_error(), "train_00.bin") != NULL, "message: %s", moe_last_error());
+    cr_expect(strstr(moe_last_error(), "training data: ") && strstr(moe_last_error(), "train_00.bin"), "message: %s",
+              moe_last_error());
 }
 
 /* The file's name is not UTF-8 (Latin-1 e-acute): run.json records it with
@@ -558,6 +561,7 @@ Test(train_run, byte_file_trains, .init = make_tmp, .fini = remove_tmp) {
 
     /* Bytes need a vocabulary of 256. */
     write_tiny_config(cfg, 100);
+    o.overwrite = true;
     moe_run_callbacks cb = callbacks(&v);
     cr_assert_eq(moe_run(&o, &cb), MOE_ERR_CONFIG);
     cr_expect(strstr(moe_last_error(), "--data") && strstr(moe_last_error(), "vocab_size"), "message: %s",
@@ -601,15 +605,78 @@ static void expect_earlier_run(const char *out, const char *why) {
 }
 
 /* Runs o, which must fail before its first step with a message holding
- * every string of want (NULL-terminated), and leave out's files alone. */
-static void expect_refused(const moe_run_options *o, const char *why, const char *const *want) {
+ * every string of want (NULL-terminated), and leave out's files alone:
+ * even with --overwrite, which removes an earlier run only once nothing
+ * can be refused. */
+static void expect_refused(const moe_run_options *given, const char *why, const char *const *want) {
     seen v;
     moe_run_callbacks cb = callbacks(&v);
+    moe_run_options o_copy = *given;
+    o_copy.overwrite = true;
+    const moe_run_options *o = &o_copy;
     cr_assert_neq(moe_run(o, &cb), MOE_OK, "%s: the run succeeded", why);
     const char *msg = moe_last_error();
     cr_expect_eq(v.steps, 0, "%s: found after %d steps: %s", why, v.steps, msg);
     for (; *want; want++) cr_expect(strstr(msg, *want) != NULL, "%s: '%s' does not name %s", why, msg, *want);
     expect_earlier_run(o->out_dir, why);
+}
+
+/* An --out holding another run is refused, naming it, and its files stay;
+ * --overwrite replaces that run (the new one's files alone remain); a
+ * --resume of a checkpoint in --out continues it in place, and one from
+ * elsewhere into it is refused. A file where a checkpoint would go is
+ * refused up front, --overwrite or not. */
+Test(train_run, an_out_holding_another_run_is_refused, .init = make_tmp, .fini = remove_tmp) {
+    char cfg[512], out[512], elsewhere[512], ckpt[600], path[600];
+    write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE);
+    moe_run_options o = tiny_options(cfg, tmp_path(out, "out"));
+    o.steps = 4;
+    o.save_every = 2;
+    seen v;
+    run_ok(&o, &v);
+    moe_run_callbacks cb = callbacks(&v);
+    o.seed = 7;
+    cr_expect_eq(moe_run(&o, &cb), MOE_ERR_CONFIG, "a second run into a run's --out");
+    cr_expect(strstr(moe_last_error(), "holds another run") && strstr(moe_last_error(), "--overwrite"), "%s",
+              moe_last_error());
+    snprintf(path, sizeof path, "%s/step-000002", out);
+    cr_expect(access(path, F_OK) == 0, "the refused run removed %s", path);
+
+    o.overwrite = true;
+    o.steps = 3;
+    o.save_every = 0;
+    run_ok(&o, &v);
+    cr_expect(access(path, F_OK) != 0, "--overwrite left the earlier run's %s", path);
+    snprintf(path, sizeof path, "%s/step-000003", out);
+    cr_expect(access(path, F_OK) == 0, "the new run's checkpoint is missing");
+
+    /* Continuing in place, then from elsewhere. */
+    o.overwrite = false;
+    o.steps = 5;
+    snprintf(ckpt, sizeof ckpt, "%s/step-000003", out);
+    o.resume = ckpt;
+    o.config = NULL;
+    run_ok(&o, &v);
+    o.out_dir = tmp_path(elsewhere, "elsewhere");
+    o.resume = NULL;
+    o.config = cfg;
+    run_ok(&o, &v);
+    o.resume = ckpt;
+    o.config = NULL;
+    cr_expect_eq(moe_run(&o, &cb), MOE_ERR_CONFIG, "a resume from elsewhere into a run's --out");
+    cr_expect(strstr(moe_last_error(), "--resume's checkpoint is not in it"), "%s", moe_last_error());
+
+    char odd[512];
+    seen none;
+    cb = callbacks(&none);
+    o = tiny_options(cfg, tmp_path(odd, "odd"));
+    o.overwrite = true;
+    cr_assert_eq(moe_mkdir_p(odd), MOE_OK);
+    snprintf(path, sizeof path, "%s/step-000010", odd);
+    cr_assert_eq(moe_file_write_atomic_buffer(path, "note\n", 5), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(moe_run(&o, &cb), MOE_ERR_IO, "a file where the last checkpoint goes");
+    cr_expect(strstr(moe_last_error(), "is not a directory"), "%s", moe_last_error());
+    cr_expect_eq(none.steps, 0, "the run trained %d steps before the refusal", none.steps);
 }
 
 static const char text_line[] = "The quick brown fox jumps over the lazy dog; 0123456789.\n";
@@ -672,6 +739,7 @@ Test(train_run, bad_validation_data_is_refused_up_front, .init = make_tmp, .fini
     tokens[N - 1] = VOCAB; /* past the 2 x 4 x 32 + 1 tokens an evaluation reads */
     cr_assert_eq(moe_data_write_shard(val, tokens, N), MOE_OK, "%s", moe_last_error());
     seen v;
+    o.overwrite = true; /* the earlier run is still there */
     run_ok(&o, &v);
     cr_expect_eq(v.steps, 2);
 }

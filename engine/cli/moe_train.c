@@ -71,7 +71,10 @@ static void print_help(void) {
            "  --eval-every N       evaluate every N steps and at the end; 0 = end only (default %lld)\n"
            "  --eval-batches N     batches per evaluation, read from the start (default %lld)\n"
            "  --eval-only          evaluate --init-from's model and print 'val_loss X' last\n"
-           "  --out DIR            run.json, config.json, metrics.jsonl, checkpoints (default %s)\n"
+           "  --out DIR            run.json, config.json, metrics.jsonl, checkpoints (default %s);\n"
+           "                       a DIR holding another run is refused\n"
+           "  --overwrite          remove the run already in --out first (its run.json,\n"
+           "                       metrics.jsonl and checkpoints)\n"
            "  --save-every N       checkpoint DIR/step-NNNNNN every N steps; the last step is\n"
            "                       always saved; 0 = last only (default %lld)\n"
            "  --resume DIR         continue from checkpoint DIR with the same flags otherwise;\n"
@@ -151,6 +154,7 @@ static const cli_flag flags[] = {
     {"--pp-balance", CLI_PARSED, OPT(pp_balance), parse_balance},
     {"--ep", CLI_SMALL, OPT(ep), NULL},                  {"--zero", CLI_SMALL, OPT(zero), NULL},
     {"--comm-timeout", CLI_REAL, OPT(comm_timeout), NULL}, {"--overlap", CLI_SWITCH, OPT(overlap), NULL},
+    {"--overwrite", CLI_SWITCH, OPT(overwrite), NULL},
     {"--device", CLI_PARSED, OPT(device), parse_device}, {"--gemm-math", CLI_PARSED, OPT(gemm_math), parse_math},
     {"--profile", CLI_SWITCH, OPT(profile), NULL},       {"--recompute", CLI_SWITCH, OPT(recompute), NULL},
 };
