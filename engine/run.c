@@ -1239,26 +1239,29 @@ static bool same_path(const char *a, const char *b) {
     return a && b && realpath(a, ra) && realpath(b, rb) && strcmp(ra, rb) == 0;
 }
 
-/* Whether --resume's checkpoint lies in --out: the run it continues. */
-static bool resumes_in_place(const moe_run_options *o) {
-    if (!o->resume) return false;
-    char parent[RUN_PATH_BYTES];
-    snprintf(parent, sizeof parent, "%s", o->resume);
-    for (size_t n = strlen(parent); n > 1 && parent[n - 1] == '/'; n--) parent[n - 1] = '\0';
-    char *slash = strrchr(parent, '/');
-    if (!slash) snprintf(parent, sizeof parent, ".");
-    else if (slash == parent) parent[1] = '\0';
+/* Whether --resume's checkpoint lies in --out (links resolved): the run it
+ * continues; *step: the checkpoint's step, or -1 when its name holds none. */
+static bool resumes_in_place(const moe_run_options *o, int64_t *step) {
+    char at[PATH_MAX], out[PATH_MAX];
+    *step = -1;
+    if (!o->resume || !realpath(o->resume, at) || !realpath(o->out_dir, out)) return false;
+    char *slash = strrchr(at, '/');
+    if (checkpoint_name(slash + 1)) *step = strtoll(slash + 6, NULL, 10);
+    if (slash == at) slash[1] = '\0';
     else *slash = '\0';
-    return same_path(parent, o->out_dir);
+    return strcmp(at, out) == 0;
 }
 
 /* --out must not hold another run (run.json, metrics.jsonl, checkpoints):
  * a new run, or one resumed from elsewhere, would replace its files, even
  * on failing, and leave its checkpoints among the new run's. It is
  * refused unless --overwrite, under which remove deletes them (but the
- * checkpoint the weights came from); --resume of a checkpoint in --out
- * continues that run. An entry named like a checkpoint that is not a
- * directory is refused either way: the run's save would fail at its end. */
+ * checkpoint the weights come from). --resume of a checkpoint in --out
+ * continues that run, whose log it cuts back to the checkpoint: checkpoints
+ * of later steps there are the same kind of leftover. An --out holding a
+ * model (a checkpoint's or a download's) is refused outright, as is an
+ * entry named like a checkpoint that is not a directory: the run's save
+ * would fail at its end. */
 static moe_status clear_out_dir(const moe_run_options *o, bool remove) {
     if (o->eval_only) return MOE_OK; /* it writes nothing there */
     DIR *dir = opendir(o->out_dir);
@@ -1266,10 +1269,17 @@ static moe_status clear_out_dir(const moe_run_options *o, bool remove) {
         if (errno == ENOENT) return MOE_OK;
         return moe_error(MOE_ERR_IO, "--out %s: cannot read it: %s", o->out_dir, strerror(errno));
     }
-    const bool in_place = resumes_in_place(o);
+    int64_t resumed_step;
+    const bool in_place = resumes_in_place(o, &resumed_step);
     char found[NAME_MAX + 1] = "", path[RUN_PATH_BYTES];
     moe_status st = MOE_OK;
     for (struct dirent *e; st == MOE_OK && (e = readdir(dir));) {
+        if (strcmp(e->d_name, "model.safetensors") == 0 || strcmp(e->d_name, "train_state.safetensors") == 0 ||
+            strcmp(e->d_name, "model.safetensors.index.json") == 0) {
+            st = moe_error(MOE_ERR_CONFIG, "--out %s holds a model (%s), not a run: write the run to another --out",
+                           o->out_dir, e->d_name);
+            break;
+        }
         const bool step = checkpoint_name(e->d_name);
         if (!step && strcmp(e->d_name, "run.json") != 0 && strcmp(e->d_name, "metrics.jsonl") != 0) continue;
         st = path_join(path, o->out_dir, e->d_name);
@@ -1277,7 +1287,9 @@ static moe_status clear_out_dir(const moe_run_options *o, bool remove) {
         if (st == MOE_OK && step && (lstat(path, &sb) != 0 || !S_ISDIR(sb.st_mode)))
             st = moe_error(MOE_ERR_IO, "--out %s: %s is not a directory, and a checkpoint would go there", o->out_dir,
                            path);
-        if (st != MOE_OK || in_place) continue;
+        if (st != MOE_OK) continue;
+        /* In place, the run's own files stay, and its checkpoints up to the one resumed. */
+        if (in_place && (!step || resumed_step < 0 || strtoll(e->d_name + 5, NULL, 10) <= resumed_step)) continue;
         if (!found[0]) snprintf(found, sizeof found, "%s", e->d_name);
         if (!remove || same_path(path, o->init_from) || same_path(path, o->resume)) continue;
         st = step ? moe_remove_tree(path) : (unlink(path) == 0 ? MOE_OK : moe_error(MOE_ERR_IO, "cannot remove %s: %s",
@@ -1285,6 +1297,10 @@ static moe_status clear_out_dir(const moe_run_options *o, bool remove) {
     }
     closedir(dir);
     MOE_TRY(st);
+    if (found[0] && !o->overwrite && in_place)
+        return moe_error(MOE_ERR_CONFIG, "--out %s holds %s, later than the checkpoint --resume continues, which the "
+                         "resumed run would leave beside its own: resume the latest, or pass --overwrite to remove "
+                         "the later ones", o->out_dir, found);
     if (found[0] && !o->overwrite)
         return moe_error(MOE_ERR_CONFIG, "--out %s holds another run (%s%s): continue it with --resume %s/step-NNNNNN, "
                          "write to another --out, or pass --overwrite to replace it",

@@ -666,6 +666,30 @@ Test(train_run, an_out_holding_another_run_is_refused, .init = make_tmp, .fini =
     cr_expect_eq(moe_run(&o, &cb), MOE_ERR_CONFIG, "a resume from elsewhere into a run's --out");
     cr_expect(strstr(moe_last_error(), "--resume's checkpoint is not in it"), "%s", moe_last_error());
 
+    /* In place through a link to the checkpoint: the run's own. Its later
+     * checkpoint (step 5 of the last resume) is the run's abandoned
+     * future: refused, then removed under --overwrite. */
+    char link[512];
+    cr_assert_eq(symlink(ckpt, tmp_path(link, "latest")), 0);
+    o.out_dir = out;
+    o.resume = link;
+    cr_expect_eq(moe_run(&o, &cb), MOE_ERR_CONFIG, "a resume in place beside a later checkpoint");
+    cr_expect(strstr(moe_last_error(), "step-000005, later than the checkpoint"), "%s", moe_last_error());
+    o.overwrite = true;
+    o.steps = 4;
+    run_ok(&o, &v);
+    snprintf(path, sizeof path, "%s/step-000005", out);
+    cr_expect(access(path, F_OK) != 0, "--overwrite left the later checkpoint %s", path);
+    cr_expect(access(ckpt, F_OK) == 0, "--overwrite removed the checkpoint resumed from");
+
+    /* A checkpoint is a model, not a run to write into. */
+    o.overwrite = true;
+    o.resume = NULL;
+    o.config = cfg;
+    o.out_dir = ckpt;
+    cr_expect_eq(moe_run(&o, &cb), MOE_ERR_CONFIG, "a run into a checkpoint");
+    cr_expect(strstr(moe_last_error(), "holds a model (model.safetensors)"), "%s", moe_last_error());
+
     char odd[512];
     seen none;
     cb = callbacks(&none);
