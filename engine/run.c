@@ -1258,7 +1258,8 @@ static bool resumes_in_place(const moe_run_options *o, int64_t *step) {
  * refused unless --overwrite, under which remove deletes them (but the
  * checkpoint the weights come from). --resume of a checkpoint in --out
  * continues that run, whose log it cuts back to the checkpoint: checkpoints
- * of later steps there are the same kind of leftover. An --out holding a
+ * of later steps there that it will not write again are the same kind of
+ * leftover. An --out holding a
  * model (a checkpoint's or a download's) is refused outright, as is an
  * entry named like a checkpoint that is not a directory: the run's save
  * would fail at its end. */
@@ -1288,8 +1289,12 @@ static moe_status clear_out_dir(const moe_run_options *o, bool remove) {
             st = moe_error(MOE_ERR_IO, "--out %s: %s is not a directory, and a checkpoint would go there", o->out_dir,
                            path);
         if (st != MOE_OK) continue;
-        /* In place, the run's own files stay, and its checkpoints up to the one resumed. */
-        if (in_place && (!step || resumed_step < 0 || strtoll(e->d_name + 5, NULL, 10) <= resumed_step)) continue;
+        /* In place, the run's own files stay, its checkpoints up to the one
+         * resumed, and those the resumed run will write again. */
+        const int64_t at = step ? strtoll(e->d_name + 5, NULL, 10) : -1;
+        if (in_place && (!step || resumed_step < 0 || at <= resumed_step ||
+                         (at <= o->steps && due(at, o->save_every, o->steps))))
+            continue;
         if (!found[0]) snprintf(found, sizeof found, "%s", e->d_name);
         if (!remove || same_path(path, o->init_from) || same_path(path, o->resume)) continue;
         st = step ? moe_remove_tree(path) : (unlink(path) == 0 ? MOE_OK : moe_error(MOE_ERR_IO, "cannot remove %s: %s",

@@ -667,16 +667,17 @@ Test(train_run, an_out_holding_another_run_is_refused, .init = make_tmp, .fini =
     cr_expect(strstr(moe_last_error(), "--resume's checkpoint is not in it"), "%s", moe_last_error());
 
     /* In place through a link to the checkpoint: the run's own. Its later
-     * checkpoint (step 5 of the last resume) is the run's abandoned
-     * future: refused, then removed under --overwrite. */
+     * checkpoint (step 5 of the last resume), which a resume to step 4
+     * would not write again, is the run's abandoned future: refused, then
+     * removed under --overwrite. */
     char link[512];
     cr_assert_eq(symlink(ckpt, tmp_path(link, "latest")), 0);
     o.out_dir = out;
     o.resume = link;
+    o.steps = 4;
     cr_expect_eq(moe_run(&o, &cb), MOE_ERR_CONFIG, "a resume in place beside a later checkpoint");
     cr_expect(strstr(moe_last_error(), "step-000005, later than the checkpoint"), "%s", moe_last_error());
     o.overwrite = true;
-    o.steps = 4;
     run_ok(&o, &v);
     snprintf(path, sizeof path, "%s/step-000005", out);
     cr_expect(access(path, F_OK) != 0, "--overwrite left the later checkpoint %s", path);
