@@ -401,7 +401,7 @@ static moe_status generate_body(generation *g, const moe_generate_options *o, co
     MOE_TRY(read_inputs(g, o, cb));
     const int64_t B = o->samples, T = g->n_prompt + o->max_new_tokens;
     MOE_TRY(moe_device_open(&g->device, o->device, 1));
-    const moe_model_parallel par = {.ops = g->device.ops};
+    const moe_model_parallel par = {.ops = g->device.ops, .inference = true};
     /* The seed draws initial values the checkpoint then replaces. */
     MOE_TRY(moe_model_create_parallel(&g->model, &g->cfg, B, T, 0, &par));
     moe_status st = moe_checkpoint_load_weights(g->model, o->init_from);

@@ -80,6 +80,7 @@ struct moe_model {
      * and its twins, writes in turn, and a backward runs its layer's
      * forward again first unless the set still holds it. */
     bool recompute;
+    bool inference; /* moe_model_parallel.inference: no backward, one set of activations, each layer's keys kept */
     uint64_t *jitter_at;    /* [nl] each layer's jitter counter before the last forward */
     const struct moe_model *holder; /* base: the instance, and its layer, whose activations the set holds */
     int64_t holder_layer;
@@ -230,8 +231,9 @@ typedef struct arena_entry {
     int64_t bytes;
 } arena_entry;
 
-/* The arrays of a layer's forward but its input. */
-static int layer_entries(moe_model *m, arena_entry *table, layer_acts *a) {
+/* The arrays of a layer's forward but its input; with keys, its keys and
+ * values too. */
+static int layer_entries(moe_model *m, arena_entry *table, layer_acts *a, bool keys) {
     const moe_model_config *c = &m->cfg;
     const int64_t N = m->N, C = c->hidden_size, hd = c->head_dim, f = sizeof(float);
     const int64_t qdim = c->num_attention_heads * hd, kvdim = c->num_key_value_heads * hd;
@@ -240,8 +242,10 @@ static int layer_entries(moe_model *m, arena_entry *table, layer_acts *a) {
     table[n++] = (arena_entry){(void **)&a->ln1, N * C * f};
     table[n++] = (arena_entry){(void **)&a->rstd1, N * f};
     table[n++] = (arena_entry){(void **)&a->q, N * qdim * f};
-    table[n++] = (arena_entry){(void **)&a->k, N * kvdim * f};
-    table[n++] = (arena_entry){(void **)&a->v, N * kvdim * f};
+    if (keys) {
+        table[n++] = (arena_entry){(void **)&a->k, N * kvdim * f};
+        table[n++] = (arena_entry){(void **)&a->v, N * kvdim * f};
+    }
     table[n++] = (arena_entry){(void **)&a->att, attn * f};
     table[n++] = (arena_entry){(void **)&a->atty, N * qdim * f};
     table[n++] = (arena_entry){(void **)&a->x_mid, N * C * f};
@@ -281,10 +285,17 @@ static moe_status build_arena(moe_model *m) {
         free(table);
         return moe_error(MOE_ERR_OUT_OF_MEMORY, "model: activation table");
     }
+    /* Each layer's own: every array (the default), its input
+     * (recomputation), or its keys and values (inference: the cache). */
     int n = 0;
     for (int64_t l = 0; l < L; l++) {
+        if (m->inference) {
+            table[n++] = (arena_entry){(void **)&m->acts[l].k, N * kvdim * f};
+            table[n++] = (arena_entry){(void **)&m->acts[l].v, N * kvdim * f};
+            continue;
+        }
         table[n++] = (arena_entry){(void **)&m->acts[l].x, N * C * f};
-        if (!m->recompute) n += layer_entries(m, table + n, &m->acts[l]);
+        if (!m->recompute) n += layer_entries(m, table + n, &m->acts[l], true);
     }
     table[n++] = (arena_entry){(void **)&m->x_final, N * C * f};
     table[n++] = (arena_entry){(void **)&m->lnf, N * C * f};
@@ -300,31 +311,40 @@ static moe_status build_arena(moe_model *m) {
      * before the next op), which a base and its twins share: they run one
      * op at a time. */
     const int shared = n;
+    /* Inference runs no backward: its scratch serves decoding alone, rows
+     * of one position each (moe_model_decode). */
+    const int64_t rows = m->inference ? m->B : N;
     table[n++] = (arena_entry){(void **)&m->cos_t, m->T * hd / 2 * f};
     table[n++] = (arena_entry){(void **)&m->sin_t, m->T * hd / 2 * f};
-    table[n++] = (arena_entry){(void **)&m->dres, N * C * f};
-    table[n++] = (arena_entry){(void **)&m->dln, N * C * f};
-    table[n++] = (arena_entry){(void **)&m->dmoe, N * C * f};
-    table[n++] = (arena_entry){(void **)&m->dq, N * qdim * f};
-    table[n++] = (arena_entry){(void **)&m->dk, N * kvdim * f};
-    table[n++] = (arena_entry){(void **)&m->dv, N * kvdim * f};
-    table[n++] = (arena_entry){(void **)&m->datty, N * qdim * f};
-    table[n++] = (arena_entry){(void **)&m->datt, attn * f};
+    table[n++] = (arena_entry){(void **)&m->dres, rows * C * f};
+    table[n++] = (arena_entry){(void **)&m->dln, rows * C * f};
+    table[n++] = (arena_entry){(void **)&m->dmoe, rows * C * f};
+    table[n++] = (arena_entry){(void **)&m->dq, rows * qdim * f};
+    table[n++] = (arena_entry){(void **)&m->dk, rows * kvdim * f};
+    table[n++] = (arena_entry){(void **)&m->dv, rows * kvdim * f};
+    table[n++] = (arena_entry){(void **)&m->datty, rows * qdim * f};
+    table[n++] = (arena_entry){(void **)&m->datt, m->inference ? c->num_attention_heads * m->T * f : attn * f};
     table[n++] = (arena_entry){(void **)&m->sumsq, 2 * (int64_t)sizeof(double)};
-    table[n++] = (arena_entry){&m->norm_scratch, (int64_t)m->ops->rmsnorm_scratch_bytes(N, C)};
-    /* Under recomputation the layers' one set is shared too (it holds no
-     * instance's state between a forward and its backward). */
+    table[n++] = (arena_entry){&m->norm_scratch, m->inference ? 0 : (int64_t)m->ops->rmsnorm_scratch_bytes(N, C)};
+    /* Under recomputation and inference the layers' one set is shared too
+     * (it holds no instance's state between a forward and its backward, or
+     * past the forward): inference's with the input, whose layers each read
+     * it before they write the next layer's in its place. */
     const int in_struct = n;
-    if (m->recompute && !m->base) n += layer_entries(m, table + n, &m->acts[0]);
+    if (m->inference) table[n++] = (arena_entry){(void **)&m->acts[0].x, N * C * f};
+    if ((m->recompute || m->inference) && !m->base) n += layer_entries(m, table + n, &m->acts[0], !m->inference);
     moe_status st = carve_arena(m, table, m->base ? shared : n);
     /* A twin's shared entries are its base's: the same fields of base. */
     for (int i = shared; st == MOE_OK && m->base && i < in_struct; i++)
         *table[i].ptr = *(void **)((char *)m->base + ((char *)table[i].ptr - (char *)m));
-    const layer_acts *set = m->base ? &m->base->acts[0] : &m->acts[0];
-    for (int64_t l = 0; st == MOE_OK && m->recompute && l < L; l++) {
-        float *x = m->acts[l].x;
-        m->acts[l] = *set;
-        m->acts[l].x = x;
+    const layer_acts set = m->base ? m->base->acts[0] : m->acts[0];
+    for (int64_t l = 0; st == MOE_OK && (m->recompute || m->inference) && l < L; l++) {
+        const layer_acts own = m->acts[l];
+        m->acts[l] = set;
+        if (m->inference)
+            m->acts[l].k = own.k, m->acts[l].v = own.v;
+        else
+            m->acts[l].x = own.x;
     }
     free(table);
     return st;
@@ -412,8 +432,8 @@ static moe_status build_instance(moe_model *m) {
         /* One layer runs at a time, on the base or a twin: one backward
          * scratch serves them all, and under recomputation one set of
          * activations. The arrays are sized here, not in the step loop. */
-        MOE_TRY(moe_layer_share_workspace(m->moe[i], base_of(m)->moe[0], m->recompute));
-        MOE_TRY(moe_layer_reserve(m->moe[i], m->N));
+        MOE_TRY(moe_layer_share_workspace(m->moe[i], base_of(m)->moe[0], m->recompute || m->inference));
+        MOE_TRY(moe_layer_reserve(m->moe[i], m->N, !m->inference));
         /* The total loss averages aux and z over the model's layers. */
         moe_layer_set_loss_scale(m->moe[i], 1.0 / (double)cfg->num_hidden_layers);
         moe_layer_set_overlap(m->moe[i], m->overlap);
@@ -478,6 +498,8 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_model_config *cf
     *out = NULL;
     MOE_TRY(moe_model_config_validate(cfg, "model config"));
     MOE_TRY(moe_model_check_shape(cfg, B, T));
+    if (par && par->inference && par->recompute)
+        return moe_error(MOE_ERR_INVALID_ARG, "moe_model_create: inference runs no backward for recomputation to serve");
     const int ep_size = par && par->ep ? moe_comm_size(par->ep) : 1;
     if (cfg->num_local_experts % ep_size != 0)
         return moe_error(MOE_ERR_CONFIG, "--ep %d does not divide num_local_experts=%lld", ep_size,
@@ -523,6 +545,7 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_model_config *cf
     m->N = B * T;
     m->seed = seed;
     m->recompute = par && par->recompute;
+    m->inference = par && par->inference;
     m->training = true; /* as the layers start */
     moe_layer_config lc;
     moe_model_config_layer(&lc, cfg, seed);
@@ -998,6 +1021,9 @@ static moe_status head_backward(moe_model *m, float grad_scale) {
 
 moe_status moe_model_stage_backward(moe_model *m, const float *dy, float grad_scale) {
     MOE_NOT_NULL("moe_model_stage_backward", "model", m);
+    if (m->inference)
+        return moe_error(MOE_ERR_STATE, "moe_model_stage_backward: an inference model (moe_model_parallel.inference) "
+                                        "keeps nothing to differentiate");
     if (!m->last) MOE_NOT_NULL("moe_model_stage_backward", "dy", dy);
     if (!m->forward_done || (m->last && !m->has_targets))
         return moe_error(MOE_ERR_STATE, "moe_model_stage_backward: no forward %s", m->last ? "with targets to differentiate" : "since the last backward");

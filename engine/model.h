@@ -73,6 +73,11 @@ typedef struct moe_model_parallel {
      * instead of one per layer, for about one more forward of compute per
      * step. Results are the same bits. */
     bool recompute;
+    /* Inference (generation): no backward. The layers share one set of
+     * forward activations and keep only their keys and values (the cache
+     * moe_model_decode reads); no backward scratch but decoding's. Not with
+     * recompute. */
+    bool inference;
 } moe_model_parallel;
 
 /* moe_model_create on a grid of ranks; collective over par->world (and,

@@ -904,7 +904,7 @@ static int64_t rows_bound(const moe_layer *L, int64_t T, int64_t global_T) {
     return cap >= 0 && L->n_local * cap < global_T * k ? L->n_local * cap : global_T * k;
 }
 
-moe_status moe_layer_reserve(moe_layer *L, int64_t T) {
+moe_status moe_layer_reserve(moe_layer *L, int64_t T, bool backward) {
     MOE_NOT_NULL("moe_layer_reserve", "layer", L);
     if (T < 1) return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_reserve: T=%lld must be positive", (long long)T);
     bind(L);
@@ -913,8 +913,9 @@ moe_status moe_layer_reserve(moe_layer *L, int64_t T) {
     MOE_TRY(check_rows(L, R));
     MOE_TRY(carve_block(L, BLOCK_CHOICES, T));
     MOE_TRY(carve_block(L, BLOCK_TOKENS, T));
-    MOE_TRY(carve_block(L, BLOCK_DTOKENS, T));
     MOE_TRY(carve_block(L, BLOCK_ROWS, R));
+    if (!backward) return MOE_OK;
+    MOE_TRY(carve_block(L, BLOCK_DTOKENS, T));
     return carve_block(L, BLOCK_DROWS, R);
 }
 

@@ -87,9 +87,9 @@ void moe_layer_set_replay(moe_layer *layer, bool replay);
 moe_status moe_layer_share_state(moe_layer *twin, moe_layer *owner);
 
 /* The layer's arrays, sized for forwards of up to T tokens on every batch
- * rank, so that such forwards and their backwards allocate nothing (a
- * forward of more tokens grows them). */
-moe_status moe_layer_reserve(moe_layer *layer, int64_t T);
+ * rank, so that such forwards (and, with backward, their backwards)
+ * allocate nothing (a forward of more tokens grows them). */
+moe_status moe_layer_reserve(moe_layer *layer, int64_t T, bool backward);
 
 /* Layers that run one at a time (a model's) may share memory: layer drops
  * its backward scratch (what only a backward writes and reads) for with's,

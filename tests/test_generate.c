@@ -21,7 +21,7 @@
 #define T 16
 #define SEED 7
 
-static moe_model *small_model_of(int64_t rows, double capacity_factor, bool recompute) {
+static moe_model *small_model_of(int64_t rows, double capacity_factor, moe_model_parallel par) {
     moe_model_config cfg;
     moe_model_config_default_small(&cfg, VOCAB);
     cfg.hidden_size = 32;
@@ -30,8 +30,7 @@ static moe_model *small_model_of(int64_t rows, double capacity_factor, bool reco
     cfg.num_hidden_layers = 2;
     cfg.moe_capacity_factor = capacity_factor;
     moe_model *m = NULL;
-    cr_assert_eq(moe_model_create_parallel(&m, &cfg, rows, T, SEED, &(moe_model_parallel){.recompute = recompute}), MOE_OK,
-                 "%s", moe_last_error());
+    cr_assert_eq(moe_model_create_parallel(&m, &cfg, rows, T, SEED, &par), MOE_OK, "%s", moe_last_error());
     /* Larger weights than the N(0, 0.02) start, so that the logits differ
      * by more than rounding and argmax is not decided by ties. */
     float *p = moe_model_params(m);
@@ -40,7 +39,9 @@ static moe_model *small_model_of(int64_t rows, double capacity_factor, bool reco
     return m;
 }
 
-static moe_model *small_model(int64_t rows, double capacity_factor) { return small_model_of(rows, capacity_factor, false); }
+static moe_model *small_model(int64_t rows, double capacity_factor) {
+    return small_model_of(rows, capacity_factor, (moe_model_parallel){0});
+}
 
 static void random_tokens(int32_t *tokens, int64_t n, uint64_t stream) {
     for (int64_t i = 0; i < n; i++) tokens[i] = (int32_t)(moe_rng_bits(SEED, stream, (uint64_t)i) % VOCAB);
@@ -192,7 +193,7 @@ Test(generate, last_logits_refused_after_a_backward) {
 Test(generate, a_recomputing_model_generates_the_same_rows) {
     int32_t rows[2][B * T];
     for (int recompute = 0; recompute < 2; recompute++) {
-        moe_model *m = small_model_of(B, 0.0, recompute);
+        moe_model *m = small_model_of(B, 0.0, (moe_model_parallel){.recompute = recompute});
         random_tokens(rows[recompute], B * T, 3);
         int64_t len[B] = {2, 6}, end[B] = {T, 11};
         const moe_sampling greedy = {.temperature = 0.0, .top_k = 0, .seed = 1};
@@ -201,6 +202,36 @@ Test(generate, a_recomputing_model_generates_the_same_rows) {
         moe_model_destroy(m);
     }
     cr_expect(memcmp(rows[0], rows[1], sizeof rows[0]) == 0, "recomputing and keeping models generated other rows");
+}
+
+/* An inference model (no backward; one set of activations, the layers'
+ * keys and values kept) generates the same rows as a training one, in a
+ * fraction of the memory, and refuses a backward. */
+Test(generate, an_inference_model_generates_the_same_rows_in_less_memory) {
+    int32_t rows[2][B * T];
+    int64_t bytes[2];
+    for (int inference = 0; inference < 2; inference++) {
+        moe_model *m = small_model_of(B, 0.0, (moe_model_parallel){.inference = inference});
+        random_tokens(rows[inference], B * T, 4);
+        int64_t len[B] = {3, 1}, end[B] = {T, 12};
+        const moe_sampling sampled = {.temperature = 0.8, .top_k = 0, .seed = 5};
+        cr_assert_eq(moe_generate(m, rows[inference], len, end, -1, &sampled), MOE_OK, "%s", moe_last_error());
+        bytes[inference] = moe_model_activation_bytes(m);
+        if (inference) {
+            cr_expect_eq(moe_model_backward(m, 1.0f), MOE_ERR_STATE, "an inference model ran a backward");
+            cr_expect(strstr(moe_last_error(), "inference"), "%s", moe_last_error());
+        }
+        moe_model_destroy(m);
+    }
+    cr_expect(memcmp(rows[0], rows[1], sizeof rows[0]) == 0, "the inference model generated other rows");
+    cr_expect(2 * bytes[1] < bytes[0], "inference holds %lld bytes of activations, training %lld", (long long)bytes[1],
+              (long long)bytes[0]);
+    moe_model *both = NULL;
+    moe_model_config cfg;
+    moe_model_config_default_small(&cfg, VOCAB);
+    cr_expect_eq(moe_model_create_parallel(&both, &cfg, B, T, SEED,
+                                           &(moe_model_parallel){.inference = true, .recompute = true}),
+                 MOE_ERR_INVALID_ARG, "inference with recomputation");
 }
 
 /* ------------------------------------------------------------ decoding */
