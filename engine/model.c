@@ -891,6 +891,8 @@ moe_status moe_model_stage_forward(moe_model *m, const int32_t *inputs, const fl
     return MOE_OK;
 }
 
+bool moe_model_inference(const moe_model *m) { return m->inference; }
+
 bool moe_model_can_decode(const moe_model *m) {
     return m->n_stages == 1 && !m->world && m->ep_size == 1 && !m->recompute;
 }

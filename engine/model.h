@@ -75,8 +75,9 @@ typedef struct moe_model_parallel {
     bool recompute;
     /* Inference (generation): no backward. The layers share one set of
      * forward activations and keep only their keys and values (the cache
-     * moe_model_decode reads); no backward scratch but decoding's. Not with
-     * recompute. */
+     * moe_model_decode reads); no backward scratch but decoding's. A
+     * trainer refuses such a model. Not with recompute. (The gradient
+     * array is still allocated, unused.) */
     bool inference;
 } moe_model_parallel;
 
@@ -272,6 +273,8 @@ moe_status moe_model_decode(moe_model *model, int64_t n, const int64_t *row, con
 /* Whether moe_model_decode can serve the model at all: one rank and stage,
  * and no recomputation. */
 bool moe_model_can_decode(const moe_model *model);
+/* Whether the model was made for inference (moe_model_parallel.inference). */
+bool moe_model_inference(const moe_model *model);
 
 /* Layer l's auxiliary-loss-free selection bias [E], or NULL when off (or l
  * is not a layer of this stage);

@@ -1171,15 +1171,19 @@ static moe_status send_aux_grad(moe_layer *L) {
 static int64_t setup_groups(moe_layer *L, int64_t T, const float *x_in, const float *dy) {
     const moe_layer_config *c = &L->cfg;
     const int64_t d = c->d_model, ff = c->d_ff;
+    /* Row r0 of an array, which a forward with no backward scratch (an
+     * inference model's) or no rows may not have. */
+#define ROW_OF(a, r0, width) ((a) ? (a) + (r0) * (width) : NULL)
     for (int64_t j = 0; j < L->n_local; j++) {
         const int64_t r0 = L->local_offsets[j];
         const moe_tensor_view *w = &L->views[1 + 3 * j]; /* w1, w3, w2 */
         L->groups[j] = (moe_expert_group){
-            .rows = L->local_offsets[j + 1] - r0, .d_ff = ff, .x = L->xe + r0 * d, .w13 = w[0].param,
-            .w2 = w[2].param, .h = L->h + r0 * 2 * ff, .g = L->g + r0 * ff, .y = L->ye + r0 * d,
-            .dy = L->ye + r0 * d, .dh = L->dh + r0 * 2 * ff, .dx = L->dxe + r0 * d, .dw13 = w[0].grad,
-            .dw2 = w[2].grad};
+            .rows = L->local_offsets[j + 1] - r0, .d_ff = ff, .x = ROW_OF(L->xe, r0, d), .w13 = w[0].param,
+            .w2 = w[2].param, .h = ROW_OF(L->h, r0, 2 * ff), .g = ROW_OF(L->g, r0, ff), .y = ROW_OF(L->ye, r0, d),
+            .dy = ROW_OF(L->ye, r0, d), .dh = ROW_OF(L->dh, r0, 2 * ff), .dx = ROW_OF(L->dxe, r0, d),
+            .dw13 = w[0].grad, .dw2 = w[2].grad};
     }
+#undef ROW_OF
     if (L->shared_ff == 0) return L->n_local;
     const moe_tensor_view *sv = &L->views[1 + 3 * L->n_local];
     L->groups[L->n_local] = (moe_expert_group){

@@ -217,6 +217,9 @@ moe_status moe_trainer_create(moe_trainer **out, moe_model *model, const moe_opt
     if (!out || !model) return moe_error(MOE_ERR_INVALID_ARG, "moe_trainer_create: NULL argument");
     *out = NULL;
     MOE_TRY(moe_optim_config_validate(cfg));
+    if (moe_model_inference(model))
+        return moe_error(MOE_ERR_INVALID_ARG, "moe_trainer_create: an inference model (moe_model_parallel.inference) "
+                                              "cannot train");
     moe_trainer *t = calloc(1, sizeof *t);
     if (!t) return moe_error(MOE_ERR_OUT_OF_MEMORY, "trainer: struct");
     t->model = model;

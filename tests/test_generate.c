@@ -15,6 +15,7 @@
 #include "common/rng.h"
 #include "engine/generate.h"
 #include "engine/model.h"
+#include "engine/trainer.h"
 
 #define VOCAB 32
 #define B 2
@@ -220,6 +221,10 @@ Test(generate, an_inference_model_generates_the_same_rows_in_less_memory) {
         if (inference) {
             cr_expect_eq(moe_model_backward(m, 1.0f), MOE_ERR_STATE, "an inference model ran a backward");
             cr_expect(strstr(moe_last_error(), "inference"), "%s", moe_last_error());
+            moe_trainer *t = NULL;
+            moe_optim_config oc = MOE_OPTIM_CONFIG_INIT;
+            oc.total_steps = 1;
+            cr_expect_eq(moe_trainer_create(&t, m, &oc), MOE_ERR_INVALID_ARG, "a trainer took an inference model");
         }
         moe_model_destroy(m);
     }
