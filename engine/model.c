@@ -193,9 +193,12 @@ static moe_layer_memory moe_memory(moe_model *m, int64_t i) {
     const moe_layer_offsets *o = &m->moe_off[i];
     return (moe_layer_memory){.ops = m->ops,
                               .ep_rows = m->device_ep,
-                              .router = m->params + o->router, .router_grad = m->grads + o->router,
-                              .experts = m->params + o->experts, .experts_grad = m->grads + o->experts,
-                              .shared = m->params + o->shared, .shared_grad = m->grads + o->shared};
+                              .router = m->params + o->router,
+                              .router_grad = m->grads ? m->grads + o->router : NULL,
+                              .experts = m->params + o->experts,
+                              .experts_grad = m->grads ? m->grads + o->experts : NULL,
+                              .shared = m->params + o->shared,
+                              .shared_grad = m->grads ? m->grads + o->shared : NULL};
 }
 
 /* Copies the MoE layer's own views into the table under the HF prefix;
@@ -553,7 +556,8 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_model_config *cf
     m->model_dense = m->n_dense;
     if (st == MOE_OK && m->pipe) st = moe_comm_allreduce_sum(m->pipe, &m->model_dense, 1, MOE_COMM_I64);
     if (st == MOE_OK) st = m->ops->alloc((void **)&m->params, (size_t)m->n_params * sizeof(float));
-    if (st == MOE_OK) st = m->ops->alloc((void **)&m->grads, (size_t)m->n_params * sizeof(float));
+    /* An inference model has no gradients. */
+    if (st == MOE_OK && !m->inference) st = m->ops->alloc((void **)&m->grads, (size_t)m->n_params * sizeof(float));
     if (st == MOE_OK && m->ops->host_visible) m->host_params = m->params;
     if (st == MOE_OK) st = build_instance(m);
     if (st != MOE_OK) {
@@ -655,7 +659,9 @@ float *moe_model_stage_output(moe_model *m) { return m->last ? NULL : m->x_final
 float *moe_model_stage_input_grad(moe_model *m) { return m->first ? NULL : m->dres; }
 float *moe_model_grads(moe_model *m) { return m->grads; }
 
-void moe_model_zero_grad(moe_model *m) { m->ops->zero(m->grads, (size_t)m->n_params * sizeof(float)); }
+void moe_model_zero_grad(moe_model *m) {
+    if (m->grads) m->ops->zero(m->grads, (size_t)m->n_params * sizeof(float));
+}
 
 const moe_ops *moe_model_ops(const moe_model *m) { return m->ops; }
 
@@ -1091,6 +1097,7 @@ moe_status moe_model_finish_grad_sync(moe_model *m) {
 
 moe_status moe_model_grad_sumsq(moe_model *m, double *out) {
     double sums[2]; /* dense run, experts */
+    if (!m->grads) return moe_error(MOE_ERR_STATE, "moe_model_grad_sumsq: an inference model has no gradients");
     m->ops->sumsq(&m->sumsq[0], m->grads, m->n_dense);
     m->ops->sumsq(&m->sumsq[1], m->grads + m->expert_offset, m->n_expert);
     MOE_TRY(m->ops->download(sums, m->sumsq, sizeof sums));

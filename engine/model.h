@@ -76,8 +76,8 @@ typedef struct moe_model_parallel {
     /* Inference (generation): no backward. The layers share one set of
      * forward activations and keep only their keys and values (the cache
      * moe_model_decode reads); no backward scratch but decoding's. A
-     * trainer refuses such a model. Not with recompute. (The gradient
-     * array is still allocated, unused.) */
+     * trainer refuses such a model, and it holds no gradients
+     * (moe_model_grads is NULL). Not with recompute. */
     bool inference;
 } moe_model_parallel;
 

@@ -269,7 +269,7 @@ static void add_view(moe_layer *L, float **param, float **grad, int64_t rows, in
     snprintf(L->names[i], MOE_NAME_BYTES, fmt, (long long)e);
     L->views[i] = (moe_tensor_view){.name = L->names[i], .rows = rows, .cols = cols, .param = *param, .grad = *grad};
     *param += rows * cols;
-    *grad += rows * cols;
+    if (*grad) *grad += rows * cols; /* a layer without gradients has none to lay out */
 }
 
 /* Views in order: the router, the local experts (w1 right before w3, so the
@@ -325,13 +325,14 @@ moe_status moe_layer_create_in(moe_layer **out, const moe_layer_config *cfg, con
     MOE_NOT_NULL(op, "layer", out);
     MOE_NOT_NULL(op, "mem", mem);
     MOE_NOT_NULL(op, "mem->router", mem->router);
-    MOE_NOT_NULL(op, "mem->router_grad", mem->router_grad);
     MOE_NOT_NULL(op, "mem->experts", mem->experts);
-    MOE_NOT_NULL(op, "mem->experts_grad", mem->experts_grad);
-    if (cfg && cfg->n_shared_experts > 0) {
-        MOE_NOT_NULL(op, "mem->shared (the config has shared experts)", mem->shared);
-        MOE_NOT_NULL(op, "mem->shared_grad (the config has shared experts)", mem->shared_grad);
-    }
+    if (cfg && cfg->n_shared_experts > 0) MOE_NOT_NULL(op, "mem->shared (the config has shared experts)", mem->shared);
+    /* Gradients all or none: a layer without them runs forwards only. */
+    const bool grads = mem->router_grad != NULL;
+    if ((mem->experts_grad != NULL) != grads ||
+        (cfg && cfg->n_shared_experts > 0 && (mem->shared_grad != NULL) != grads))
+        return moe_error(MOE_ERR_INVALID_ARG, "%s: mem's gradients must all be given or all be NULL (forwards only)",
+                         op);
     *out = NULL;
     MOE_TRY(moe_layer_config_validate(cfg));
     const int P = ep ? moe_comm_size(ep) : 1;
@@ -721,7 +722,7 @@ static moe_status send_bias(moe_layer *L) {
 moe_status moe_layer_zero_grad(moe_layer *L) {
     if (!L) return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_zero_grad: layer is NULL");
     bind(L);
-    for (int64_t v = 0; v < L->n_tensors; v++)
+    for (int64_t v = 0; v < L->n_tensors && L->mem.router_grad; v++)
         L->ops->zero(L->views[v].grad, (size_t)(L->views[v].rows * L->views[v].cols) * sizeof(float));
     return L->ops->sync();
 }
@@ -1304,6 +1305,8 @@ moe_status moe_layer_backward(moe_layer *L, float *dx, const float *dy, const fl
         MOE_NOT_NULL("moe_layer_backward", "x", x);
     }
     bind(L);
+    if (!L->mem.router_grad)
+        return moe_error(MOE_ERR_STATE, "moe_layer_backward: the layer was made without gradients (forwards only)");
     if (L->last_T == 0 && !L->batch) return MOE_OK; /* no tokens, no peers: nothing to add */
     if (L->blocks[BLOCK_TOKENS]->holder != L || L->blocks[BLOCK_ROWS]->holder != L)
         return moe_error(MOE_ERR_STATE, "moe_layer_backward: another layer's forward has overwritten this layer's "

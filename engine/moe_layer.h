@@ -27,7 +27,9 @@ typedef struct moe_layer_memory {
 /* Like moe_layer_create, but the parameters and gradients live in the
  * caller's memory, which must outlive the layer; they are left as they are
  * (not initialised). moe_layer_params() and moe_layer_grads() return NULL
- * for such a layer: its views say where everything is.
+ * for such a layer: its views say where everything is. The gradients may
+ * all be NULL: the layer then runs forwards only (its views' grad NULL, a
+ * backward refused), as an inference model's do.
  *
  * ep: the expert-parallel group of P ranks (NULL or P = 1: one rank). Rank r
  * holds experts r E/P .. (r+1) E/P - 1, named by their global ids. Each rank

@@ -219,6 +219,7 @@ Test(generate, an_inference_model_generates_the_same_rows_in_less_memory) {
         cr_assert_eq(moe_generate(m, rows[inference], len, end, -1, &sampled), MOE_OK, "%s", moe_last_error());
         bytes[inference] = moe_model_activation_bytes(m);
         if (inference) {
+            cr_expect(moe_model_grads(m) == NULL, "an inference model holds gradients");
             cr_expect_eq(moe_model_backward(m, 1.0f), MOE_ERR_STATE, "an inference model ran a backward");
             cr_expect(strstr(moe_last_error(), "inference"), "%s", moe_last_error());
             moe_trainer *t = NULL;

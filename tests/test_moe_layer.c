@@ -742,6 +742,33 @@ Test(layer, repeated_forward_at_smaller_and_same_T) {
     fx_destroy(&f);
 }
 
+/* A layer made without gradients runs forwards, the same as one with
+ * them, and refuses a backward; gradients given in part are refused. */
+Test(layer, a_layer_without_gradients_runs_forwards_only) {
+    moe_layer_config cfg = make_cfg(8, 6, 4, 2, MOE_GATE_SOFTMAX_TOPK, 1, 0.0, 1);
+    fx f;
+    fx_create(&f, &cfg, 8);
+    const int64_t n = moe_layer_param_count(f.layer), T = 5, d = cfg.d_model, E = cfg.n_experts;
+    float *params = ref_alloc((size_t)n * sizeof *params), *grads = ref_alloc((size_t)n * sizeof *grads);
+    memcpy(params, moe_layer_params(f.layer), (size_t)n * sizeof *params);
+    const int64_t shared = n - 3 * cfg.n_shared_experts * cfg.d_ff * d;
+    moe_layer_memory mem = {.router = params, .experts = params + E * d, .shared = params + shared};
+    moe_layer *bare = NULL;
+    cr_assert_eq(moe_layer_create_in(&bare, &cfg, &mem, NULL, NULL), MOE_OK, "%s", moe_last_error());
+    float x[5 * 8], y[5 * 8], want[5 * 8], dy[5 * 8] = {0}, dx[5 * 8];
+    draw_x(x, &f, T, 0, 8);
+    cr_assert_eq(moe_layer_forward(f.layer, want, x, T, NULL), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(moe_layer_forward(bare, y, x, T, NULL), MOE_OK, "%s", moe_last_error());
+    cr_expect(first_diff(y, want, T * d) < 0, "a layer without gradients computed another forward");
+    cr_expect_eq(moe_layer_backward(bare, dx, dy, x), MOE_ERR_STATE, "a backward without gradients");
+    moe_layer_destroy(bare);
+    mem.experts_grad = grads + E * d;
+    cr_expect_eq(moe_layer_create_in(&bare, &cfg, &mem, NULL, NULL), MOE_ERR_INVALID_ARG, "gradients in part");
+    free(params);
+    free(grads);
+    fx_destroy(&f);
+}
+
 /* ----------------------------------------------------- shared workspace */
 
 /* One layer's step, on its own workspace or a shared one. */
