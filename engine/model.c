@@ -774,33 +774,50 @@ moe_status moe_model_check_batch(const moe_model *m, const int32_t *inputs, cons
     return MOE_OK;
 }
 
+/* Layer l's forward over n rows of the residual stream x, in two halves
+ * around the attention, which differs between a batch (layer_forward) and
+ * a decoding step (moe_model_decode): ln = norm(x) and its q, k, v ... */
+static void attention_inputs(moe_model *m, int64_t l, int64_t n, const float *x, float *ln, float *rstd, float *q,
+                             float *k, float *v) {
+    const moe_model_config *c = &m->cfg;
+    const int64_t t0 = m->layer_first[l], C = c->hidden_size, hd = c->head_dim;
+    m->ops->rmsnorm_forward(ln, rstd, x, param(m, t0 + LN1), (float)c->rms_norm_eps, n, C);
+    m->ops->matmul_forward(q, ln, param(m, t0 + WQ), n, C, c->num_attention_heads * hd);
+    m->ops->matmul_forward(k, ln, param(m, t0 + WK), n, C, c->num_key_value_heads * hd);
+    m->ops->matmul_forward(v, ln, param(m, t0 + WV), n, C, c->num_key_value_heads * hd);
+}
+
+/* ... then x_mid = x + o(atty), ln = norm(x_mid), y = moe(ln), and unless
+ * out is NULL out = x_mid + y (out may be x). */
+static moe_status moe_half(moe_model *m, int64_t l, int64_t n, const float *x, const float *atty, float *x_mid,
+                           float *ln, float *rstd, float *y, float *out, moe_layer_stats *ls) {
+    const moe_model_config *c = &m->cfg;
+    const int64_t t0 = m->layer_first[l], C = c->hidden_size;
+    m->ops->matmul_forward(x_mid, atty, param(m, t0 + WO), n, c->num_attention_heads * c->head_dim, C);
+    m->ops->residual_forward(x_mid, x_mid, x, n * C);
+    m->ops->rmsnorm_forward(ln, rstd, x_mid, param(m, t0 + LN2), (float)c->rms_norm_eps, n, C);
+    MOE_TRY(moe_layer_forward(m->moe[l], y, ln, n, ls));
+    if (out) m->ops->residual_forward(out, x_mid, y, n * C);
+    return MOE_OK;
+}
+
 /* Layer l's forward, from acts[l].x into the next layer's input (or
  * x_final) unless this is a recomputation (output false), which needs only
  * what the layer's backward reads. */
 static moe_status layer_forward(moe_model *m, int64_t l, bool output, moe_layer_stats *ls) {
     const moe_model_config *c = &m->cfg;
-    const moe_ops *ops = m->ops;
-    const int64_t B = m->B, T = m->T, N = m->N, C = c->hidden_size, hd = c->head_dim;
+    const int64_t B = m->B, T = m->T, N = m->N, hd = c->head_dim;
     const int64_t Hq = c->num_attention_heads, Hkv = c->num_key_value_heads;
-    const float eps = (float)c->rms_norm_eps;
     layer_acts *a = &m->acts[l];
-    const int64_t t0 = m->layer_first[l];
     m->jitter_at[l] = moe_layer_jitter_counter(m->moe[l]);
     base_of(m)->holder = m;
     base_of(m)->holder_layer = l;
-    ops->rmsnorm_forward(a->ln1, a->rstd1, a->x, param(m, t0 + LN1), eps, N, C);
-    ops->matmul_forward(a->q, a->ln1, param(m, t0 + WQ), N, C, Hq * hd);
-    ops->matmul_forward(a->k, a->ln1, param(m, t0 + WK), N, C, Hkv * hd);
-    ops->matmul_forward(a->v, a->ln1, param(m, t0 + WV), N, C, Hkv * hd);
-    ops->rope_forward(a->q, m->cos_t, m->sin_t, B, T, Hq, hd);
-    ops->rope_forward(a->k, m->cos_t, m->sin_t, B, T, Hkv, hd);
-    ops->attention_forward(a->atty, a->att, a->q, a->k, a->v, B, T, Hq, Hkv, hd);
-    ops->matmul_forward(a->x_mid, a->atty, param(m, t0 + WO), N, Hq * hd, C);
-    ops->residual_forward(a->x_mid, a->x_mid, a->x, N * C);
-    ops->rmsnorm_forward(a->ln2, a->rstd2, a->x_mid, param(m, t0 + LN2), eps, N, C);
-    MOE_TRY(moe_layer_forward(m->moe[l], a->moe_y, a->ln2, N, ls));
-    if (output) ops->residual_forward(l + 1 < m->nl ? m->acts[l + 1].x : m->x_final, a->x_mid, a->moe_y, N * C);
-    return MOE_OK;
+    attention_inputs(m, l, N, a->x, a->ln1, a->rstd1, a->q, a->k, a->v);
+    m->ops->rope_forward(a->q, m->cos_t, m->sin_t, B, T, Hq, hd);
+    m->ops->rope_forward(a->k, m->cos_t, m->sin_t, B, T, Hkv, hd);
+    m->ops->attention_forward(a->atty, a->att, a->q, a->k, a->v, B, T, Hq, Hkv, hd);
+    float *out = !output ? NULL : l + 1 < m->nl ? m->acts[l + 1].x : m->x_final;
+    return moe_half(m, l, N, a->x, a->atty, a->x_mid, a->ln2, a->rstd2, a->moe_y, out, ls);
 }
 
 /* Runs layer l's forward again for its backward, when the shared set of
@@ -948,11 +965,7 @@ moe_status moe_model_decode(moe_model *m, int64_t n, const int64_t *row, const i
     ops->embedding_forward(x, m->inputs, param(m, 0), n, C);
     for (int64_t l = 0; l < m->nl; l++) {
         const layer_acts *a = &m->acts[l];
-        const int64_t t0 = m->layer_first[l];
-        ops->rmsnorm_forward(ln, a->rstd1, x, param(m, t0 + LN1), eps, n, C);
-        ops->matmul_forward(q, ln, param(m, t0 + WQ), n, C, qdim);
-        ops->matmul_forward(k, ln, param(m, t0 + WK), n, C, kvdim);
-        ops->matmul_forward(v, ln, param(m, t0 + WV), n, C, kvdim);
+        attention_inputs(m, l, n, x, ln, a->rstd1, q, k, v);
         for (int64_t i = 0; i < n; i++) {
             const int64_t at = row[i] * T, half = pos[i] * hd / 2; /* the row's cache; its position's rotation */
             ops->rope_forward(q + i * qdim, m->cos_t + half, m->sin_t + half, 1, 1, Hq, hd);
@@ -962,12 +975,8 @@ moe_status moe_model_decode(moe_model *m, int64_t n, const int64_t *row, const i
             ops->attention_decode(atty + i * qdim, m->datt, q + i * qdim, a->k + at * kvdim, a->v + at * kvdim,
                                   pos[i] + 1, Hq, Hkv, hd);
         }
-        ops->matmul_forward(x_mid, atty, param(m, t0 + WO), n, qdim, C);
-        ops->residual_forward(x_mid, x_mid, x, n * C);
-        ops->rmsnorm_forward(ln, a->rstd2, x_mid, param(m, t0 + LN2), eps, n, C);
-        moe_status st = moe_layer_forward(m->moe[l], y, ln, n, NULL);
+        moe_status st = moe_half(m, l, n, x, atty, x_mid, ln, a->rstd2, y, x, NULL);
         if (st != MOE_OK) return moe_error_prefix(st, "moe_model_decode: layer %lld: ", (long long)l);
-        ops->residual_forward(x, x_mid, y, n * C);
     }
     const int64_t tf = m->n_tensors - 2;
     ops->rmsnorm_forward(ln, m->rstdf, x, param(m, tf), eps, n, C);
