@@ -5,8 +5,8 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdlib.h>
-#include <time.h>
 
+#include "common/clock.h"
 #include "common/status.h"
 
 static const struct {
@@ -330,20 +330,14 @@ moe_status moe_comm_recv(moe_comm *comm, void *buf, int64_t count, moe_comm_dtyp
 
 static _Thread_local double waited_seconds;
 
-static double monotonic_seconds(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 double moe_comm_wait_seconds(void) { return waited_seconds; }
 
 moe_status moe_comm_wait(moe_comm_request *req) {
     if (!req) return moe_error(MOE_ERR_INVALID_ARG, "wait: req is NULL");
     if (!req->comm) return MOE_OK;
-    const double start = monotonic_seconds();
+    const double start = moe_monotonic_seconds();
     const moe_status st = req->comm->backend->wait(req);
-    waited_seconds += monotonic_seconds() - start;
+    waited_seconds += moe_monotonic_seconds() - start;
     return st;
 }
 

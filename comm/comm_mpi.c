@@ -5,7 +5,7 @@
  * every MPI failure is reported with MPI_Error_string's text. */
 #ifdef MOE_HAVE_MPI
 
-#define _POSIX_C_SOURCE 200809L /* clock_gettime, nanosleep */
+#define _POSIX_C_SOURCE 200809L /* nanosleep */
 
 #include <mpi.h>
 #include <limits.h>
@@ -15,6 +15,7 @@
 #include <time.h>
 
 #include "comm/comm.h"
+#include "common/clock.h"
 #include "common/status.h"
 
 /* ialltoallv calls in flight at once per communicator; MPI reads their int
@@ -207,16 +208,10 @@ static moe_status started(mpi_comm *c, moe_comm_request *req, const char *call, 
 
 /* ------------------------------------------------------------------ waiting */
 
-static double now_seconds(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 /* Tests r until it completes or timeout_seconds pass. Returns the MPI code of
  * the last test; *done says whether r completed. */
 static int poll_request(MPI_Request *r, double timeout_seconds, bool *done) {
-    const double start = now_seconds();
+    const double start = moe_monotonic_seconds();
     for (;;) {
         int flag = 0;
         int code = MPI_Test(r, &flag, MPI_STATUS_IGNORE);
@@ -224,7 +219,7 @@ static int poll_request(MPI_Request *r, double timeout_seconds, bool *done) {
             *done = flag != 0;
             return code;
         }
-        double elapsed = now_seconds() - start;
+        double elapsed = moe_monotonic_seconds() - start;
         if (elapsed >= timeout_seconds) {
             *done = false;
             return MPI_SUCCESS;
@@ -283,7 +278,7 @@ static int roll_call(int *silent, mpi_comm *c, int64_t seq, double window_second
         if (j != me && MPI_Isend(&here, 1, MPI_INT, j, tag, c->comm, &s) == MPI_SUCCESS)
             MPI_Request_free(&s);
     }
-    const double start = now_seconds();
+    const double start = moe_monotonic_seconds();
     while (code == MPI_SUCCESS && pending > 0) {
         for (int j = 0; j < n; j++) {
             if (recvs[j] == MPI_REQUEST_NULL) continue;
@@ -299,7 +294,7 @@ static int roll_call(int *silent, mpi_comm *c, int64_t seq, double window_second
             }
             pending -= done != 0;
         }
-        if (pending == 0 || now_seconds() - start >= window_seconds) break;
+        if (pending == 0 || moe_monotonic_seconds() - start >= window_seconds) break;
         struct timespec ts = {0, POLL_SLEEP_MAX_NS};
         nanosleep(&ts, NULL);
     }

@@ -13,7 +13,7 @@
  * comm.h), so the requests of one group share its event. */
 #ifdef MOE_HAVE_NCCL
 
-#define _POSIX_C_SOURCE 200809L /* clock_gettime, nanosleep */
+#define _POSIX_C_SOURCE 200809L /* nanosleep */
 
 #include <cuda_runtime_api.h>
 #include <nccl.h>
@@ -25,6 +25,7 @@
 #include <time.h>
 
 #include "comm/comm.h"
+#include "common/clock.h"
 #include "common/status.h"
 
 #if NCCL_VERSION_CODE < NCCL_VERSION(2, 18, 0)
@@ -240,12 +241,6 @@ static const char *at_const(const void *buf, int64_t index, moe_comm_dtype dtype
 
 /* ------------------------------------------------------------------ waiting */
 
-static double now_seconds(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 static void nap(double elapsed) {
     long ns = (long)(elapsed * 1e9 / POLL_SLEEP_DIVISOR);
     ns = ns < POLL_SLEEP_MIN_NS ? POLL_SLEEP_MIN_NS : ns;
@@ -293,12 +288,12 @@ static moe_status timed_out(nccl_comm *c, const char *op, int peer) {
 
 /* Polls until query() says done, at most the communicator's timeout. */
 static moe_status settle(nccl_comm *c, const char *op, int peer, cudaEvent_t event) {
-    const double start = now_seconds();
+    const double start = moe_monotonic_seconds();
     for (;;) {
         bool done = false;
         MOE_TRY(query(c, op, peer, event, &done));
         if (done) return MOE_OK;
-        double elapsed = now_seconds() - start;
+        double elapsed = moe_monotonic_seconds() - start;
         if (elapsed >= c->base.timeout_seconds) return timed_out(c, op, peer);
         if (elapsed >= POLL_SPIN_SECONDS) nap(elapsed);
     }

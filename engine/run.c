@@ -14,10 +14,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "common/rng.h"
+#include "common/clock.h"
 #include "common/status.h"
 #include "engine/checkpoint.h"
 #include "engine/data.h"
@@ -265,12 +265,6 @@ moe_status moe_run_options_validate(const moe_run_options *o) {
     return count_tokens(&n, o, 1);
 }
 
-static double now_seconds(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 /* Fills a backend array [n] with a fixed pattern, RUN_PEAK_CHUNK values at a
  * time: no host array of the whole size. */
 static moe_status fill_pattern(const moe_ops *ops, float *dst, int64_t n, float *chunk) {
@@ -294,12 +288,12 @@ static moe_status time_products(const moe_ops *ops, int64_t n, bool last, double
     if (st == MOE_OK) ops->gemm(c, a, b, n, n, n, n, n, n, false, true, 1.0f, 0.0f);
     if (st == MOE_OK) st = ops->sync();
     double best = INFINITY;
-    const double start = now_seconds();
+    const double start = moe_monotonic_seconds();
     while (st == MOE_OK) {
-        const double t0 = now_seconds();
+        const double t0 = moe_monotonic_seconds();
         ops->gemm(c, a, b, n, n, n, n, n, n, false, true, 1.0f, 0.0f);
         st = ops->sync();
-        const double t1 = now_seconds();
+        const double t1 = moe_monotonic_seconds();
         if (t1 - t0 < best) best = t1 - t0;
         if ((best < RUN_PEAK_MIN_PRODUCT && !last) || t1 - start >= RUN_PEAK_SECONDS) break;
     }
@@ -671,11 +665,11 @@ static moe_status time_layers(run *r, int64_t layers, double *seconds) {
                                               &(moe_model_parallel){.ops = r->device.ops});
     double t[RUN_COST_REPS];
     for (int rep = -1; rep < RUN_COST_REPS && st == MOE_OK; rep++) {
-        const double start = now_seconds();
+        const double start = moe_monotonic_seconds();
         moe_model_zero_grad(m);
         st = moe_model_forward(m, tokens, tokens + N, NULL);
         if (st == MOE_OK) st = moe_model_backward(m, 1.0f); /* which waits for the device */
-        if (rep >= 0) t[rep] = now_seconds() - start;
+        if (rep >= 0) t[rep] = moe_monotonic_seconds() - start;
     }
     moe_model_destroy(m);
     free(tokens);
@@ -1410,9 +1404,9 @@ static moe_status run_body(run *r, double start) {
         int64_t timed = 0;
         for (int64_t step = summary.start_step + 1; step <= o->steps; step++) {
             moe_run_step s = {.rank = r->rank, .total_steps = o->steps};
-            const double t0 = now_seconds();
+            const double t0 = moe_monotonic_seconds();
             MOE_TRY(moe_trainer_step(r->trainer, r->train.data, &s.metrics));
-            s.seconds = now_seconds() - t0;
+            s.seconds = moe_monotonic_seconds() - t0;
             elapsed += s.seconds;
             timed++;
             /* The first step's start-up (plans, first touches) is no step's. */
@@ -1451,7 +1445,7 @@ static moe_status run_body(run *r, double start) {
     if (end.straggler_steps) end.straggler_excess /= (double)end.straggler_steps;
     end.val_loss = val_loss;
     end.entropy_floor = r->entropy_floor;
-    end.seconds = now_seconds() - start;
+    end.seconds = moe_monotonic_seconds() - start;
     end.kinds = r->val.synth.tokens ? &r->kinds : NULL;
     end.last_checkpoint = r->last_checkpoint;
     if (r->cb->on_end) r->cb->on_end(r->cb->ctx, &end);
@@ -1464,7 +1458,7 @@ static bool launched_by_mpi(void) {
 }
 
 moe_status moe_run(const moe_run_options *opts, const moe_run_callbacks *callbacks) {
-    const double start = now_seconds();
+    const double start = moe_monotonic_seconds();
     MOE_TRY(moe_run_options_validate(opts));
     if (opts->threads > 0) omp_set_num_threads(opts->threads);
     const moe_run_callbacks none = {0};

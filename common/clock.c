@@ -1,0 +1,11 @@
+#define _POSIX_C_SOURCE 200809L
+
+#include "common/clock.h"
+
+#include <time.h>
+
+double moe_monotonic_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
