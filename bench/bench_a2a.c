@@ -91,20 +91,24 @@ static void print_help(FILE *f) {
             "  and backward passes, expert-parallel over all N ranks: d_model = row-bytes/4,\n"
             "  E experts (E/N per rank), top-k, SwiGLU experts of width d-ff, dropless.\n"
             "  Each rank holds T = size/row-bytes/k tokens (at least 1; a size giving the\n"
-            "  T of the one before is skipped), so a dispatch sends T*k rows = size bytes.\n"
+            "  T of the one before is skipped), T*k (token, expert) pairs = size bytes;\n"
+            "  a dispatch sends each token once to each rank holding any of its experts\n"
+            "  (with --overlap 1, once per expert: T*k rows).\n"
             "  The router is steered: gate.weight is the identity on the first E input\n"
             "  columns, which hold log p_e + Gumbel noise, so each token's top-k is a draw\n"
             "  without replacement from p, p_e being the weight of the expert's rank under\n"
             "  -d spread over its E/N experts. A step (forward + backward) makes 4\n"
             "  exchanges: rows out, outputs back, output gradients out, input gradients\n"
             "  back. time = the layer's exchange_seconds of a step / 4 (permute, one\n"
-            "  message per (rank, expert) chunk each way, combine, unpermute;\n"
+            "  message per rank each way, or per (rank, expert) with --overlap 1,\n"
+            "  combine, unpermute;\n"
             "  not the experts, not the all-gather of routing counts), in which a rank\n"
             "  waiting for a slower one counts. mpi = the same 4 exchanges as\n"
             "  MPI_Alltoallv's of the same per-peer counts (the returns send back what\n"
             "  arrived), each after a barrier, / 4.\n"
             "  xbw       the layer's exchange_bytes (sent to other ranks) / exchange time\n"
-            "  recv_imb  the busiest rank's received rows / T*k, as routed\n"
+            "  recv_imb  the busiest rank's received rows / T*k, as routed (below 1 where\n"
+            "            tokens have several experts on one rank)\n"
             "  fast      time of the rank whose exchange took least (the least waiting)\n"
             "  copy      one memcpy of size bytes on every rank at once: the unit of the\n"
             "            memory-bound permute and combine passes mpi does not make\n"
@@ -879,14 +883,21 @@ static double time_copy(dispatch_run *r, int64_t R) {
 }
 
 /* The rows the last forward sent each rank, from the router's choices
- * (dropless: every pair travels; rank r holds experts r E/P .. (r+1) E/P - 1),
- * and the rows every rank sent here. */
+ * (dropless: every token travels; rank r holds experts r E/P .. (r+1) E/P
+ * - 1): a token once per rank holding any of its experts, or with
+ * --overlap once per expert; and the rows every rank sent here. */
 static void learn_routing(dispatch_run *r, int64_t T) {
     const int32_t *topk; /* [T, k] */
     moe_status st = moe_layer_last_topk(r->layer, &topk);
     if (st != MOE_OK) fail_job(r->comm, "reading the router choices", st);
     for (int j = 0; j < r->P; j++) r->send_rows[j] = 0;
-    for (int64_t i = 0; i < T * r->k; i++) r->send_rows[topk[i] / r->n_local]++;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < r->k; i++) {
+            const int j = topk[t * r->k + i] / (int)r->n_local;
+            bool again = false; /* the token's row already goes to rank j */
+            for (int64_t i2 = 0; i2 < i && !r->o->overlap; i2++) again |= topk[t * r->k + i2] / r->n_local == j;
+            if (!again) r->send_rows[j]++;
+        }
     st = moe_comm_alltoall(r->comm, r->recv_rows, r->send_rows, 1, MOE_COMM_I64);
     if (st != MOE_OK) fail_job(r->comm, "exchanging row counts", st);
 }
@@ -923,9 +934,15 @@ static int64_t dispatch_size(dispatch_run *r, int64_t T, const bench_table *tabl
         recv_total += r->recv_rows[j];
         if (j != r->rank) off_rank_rows += r->send_rows[j] + r->recv_rows[j];
     }
-    const int64_t n_recv = recv_total * d, n_back = R * d;
-    /* A step sends every row twice in each direction it travels. */
-    const int64_t step_bytes = 2 * off_rank_rows * d * (int64_t)sizeof(float);
+    int64_t sent_total = 0;
+    for (int j = 0; j < P; j++) sent_total += r->send_rows[j];
+    const int64_t n_recv = recv_total * d, n_back = sent_total * d;
+    /* A step sends every row twice in each direction it travels; without
+     * --overlap a token also takes its k gate weights and k slot codes out,
+     * and brings its k weight gradients back. */
+    int64_t step_bytes = 2 * off_rank_rows * d * (int64_t)sizeof(float);
+    for (int j = 0; j < P && !o->overlap; j++)
+        if (j != r->rank) step_bytes += (2 * r->send_rows[j] + r->recv_rows[j]) * r->k * (int64_t)sizeof(float);
 
     int64_t bad_steps = 0;
     for (int it = 0; it < (int)o->warmup; it++) {

@@ -1,12 +1,15 @@
 /* moe_layer.c: one MoE layer, forward and backward (DESIGN.md 3).
  *
  * forward:  [jitter] -> router GEMM -> gating pass -> gather the router's
- *           per-rank totals -> plan -> permute -> [dispatch: each (rank,
- *           expert) chunk sent straight into the experts' row order] ->
- *           grouped experts (+ shared experts) -> [return, the same way
- *           back] -> combine
+ *           per-rank totals -> plan -> permute -> [dispatch: each token
+ *           once to each rank holding any of its experts, copied there to
+ *           each expert's rows] -> grouped experts (+ shared experts) ->
+ *           [return: one row per token, its experts there weighted and
+ *           summed] -> combine
  * backward: combine -> [dispatch] -> grouped experts -> [return] ->
  *           unpermute -> gating -> router GEMM -> [jitter]
+ * (With overlap the exchanges move a row per (token, expert) instead, each
+ * (rank, expert) chunk sent straight into the experts' row order.)
  *
  * The bracketed steps exist only with an expert-parallel group of P > 1
  * ranks; with P = 1 the same code runs and they vanish. Each expert sees its
@@ -132,6 +135,11 @@ struct moe_layer {
     float *sh_h;         /* [T, 2S] shared experts */
     float *sh_g;         /* [T, S] */
     float *sh_y;         /* [T, d] */
+    /* The merged exchange (EP without overlap; m = min(top_k, P) ranks a
+     * token reaches at most): */
+    int64_t *send_tok;   /* [T*m] this rank's tokens for each EP rank, rank-major, in token order */
+    int64_t *tok_slot;   /* [T, P] where token t's row for rank r sits among them, -1: none */
+    float *send_w;       /* [T*m, k] their gate weights */
     /* BLOCK_DTOKENS: the backward's scratch */
     float *dx_in;        /* [T, d] gradient of x_in (jitter only) */
     float *dlogits;      /* [T, E] */
@@ -139,16 +147,25 @@ struct moe_layer {
     float *dyp;          /* [T*k, d] */
     float *dxp;          /* [T*k, d] */
     float *sh_dh;        /* [T, 2S] */
+    float *dw_back;      /* [T*m, k] merged exchange: weight gradients per token and rank */
 
     /* Rows this rank's experts work on, sized for rows_sized rows. With one
-     * rank xe, ye and dxe are xp, yp and dxp. BLOCK_ROWS: */
+     * rank xe, ye, dye and dxe are xp, yp, dyp and dxp. BLOCK_ROWS: */
     float *xe;           /* [R, d] received rows, expert-major */
-    float *ye;           /* [R, d] expert outputs; in backward their gradient */
+    float *ye;           /* [R, d] expert outputs */
     float *h;            /* [R, 2ff] */
     float *g;            /* [R, ff] */
+    /* The merged exchange's receiving side, U <= R tokens from the EP
+     * group, source-major: */
+    float *rx;           /* [R, d] their rows; then the rows sent back */
+    float *recv_w;       /* [U, k] their gate weights */
+    int64_t *recv_pair;  /* [U, k] the expert row of each slot, -1: not this rank's */
+    int64_t *recv_row;   /* [R] the token of each expert row */
     /* BLOCK_DROWS: */
+    float *dye;          /* [R, d] the gradient of ye */
     float *dxe;          /* [R, d] */
     float *dh;           /* [R, 2ff] */
+    float *dw_send;      /* [U, k] merged exchange: weight gradients of the received tokens */
 
     /* Per-expert and per-rank arrays, independent of T. The gating totals
      * are one backend block of 2E + 1 eight-byte words (assigned [E],
@@ -168,9 +185,23 @@ struct moe_layer {
     int64_t *global_assigned; /* [E] */
     int64_t *keep;           /* [E] this rank's kept pairs per expert */
     int64_t *recv_rows;      /* [P, n_local] rows from each source for each local expert */
-    moe_comm_request *requests; /* [4 P n_local] messages of one expert phase */
+    moe_comm_request *requests; /* [max(4 P n_local, 8 P)] messages of one expert phase */
     int n_requests;
     bool overlap;               /* run each expert as soon as its rows arrive */
+    bool merged;                /* the last forward's exchange sent each token once per rank */
+    /* The merged exchange's host side: tokens to and from each EP rank
+     * ([P] each), and its bookkeeping arrays, grown as needed. */
+    int64_t *send_n, *send_off, *recv_n, *recv_off;
+    void *host_mem;
+    int64_t host_bytes;
+    int64_t *h_pair_row;     /* [T*k] */
+    int32_t *h_topk;         /* [T*k] */
+    int64_t *h_send_tok;     /* [T*m] */
+    int64_t *h_tok_slot;     /* [T, P] */
+    int32_t *h_send_codes;   /* [T*m, k] for each slot, the receiving rank's expert, -1: none */
+    int32_t *h_recv_codes;   /* [U, k] */
+    int64_t *h_recv_pair;    /* [U, k] */
+    int64_t *h_recv_row;     /* [R] */
     int64_t *expert_offsets; /* [E+1] plan rows (host; the plan's own are offsets_dev) */
     int64_t *local_offsets;  /* [n_local+1] expert-major rows */
     float *aux_grad;         /* [E] (host) */
@@ -372,7 +403,8 @@ moe_status moe_layer_create_in(moe_layer **out, const moe_layer_config *cfg, con
     L->global_assigned = calloc((size_t)E, sizeof *L->global_assigned);
     L->keep = calloc((size_t)E, sizeof *L->keep);
     L->recv_rows = calloc((size_t)P * (size_t)L->n_local, sizeof *L->recv_rows);
-    L->requests = calloc(4 * (size_t)P * (size_t)L->n_local, sizeof *L->requests);
+    L->requests = calloc(4 * (size_t)P * (size_t)(L->n_local > 2 ? L->n_local : 2), sizeof *L->requests);
+    L->send_n = calloc(4 * (size_t)P, sizeof *L->send_n);
     L->expert_offsets = calloc((size_t)E + 1, sizeof *L->expert_offsets);
     L->local_offsets = calloc((size_t)L->n_local + 1, sizeof *L->local_offsets);
     L->aux_grad = calloc((size_t)E, sizeof *L->aux_grad);
@@ -391,12 +423,15 @@ moe_status moe_layer_create_in(moe_layer **out, const moe_layer_config *cfg, con
         L->bias_load = calloc((size_t)E, sizeof *L->bias_load);
     }
     if (!L->views || !L->names || !L->expert_rank || !L->totals_host || !L->rank_totals || !L->rank_assigned ||
-        !L->rank_kept || !L->rank_T || !L->global_assigned || !L->keep || !L->recv_rows || !L->requests || !L->expert_offsets ||
-        !L->local_offsets || !L->aux_grad || !L->groups || !blocks ||
+        !L->rank_kept || !L->rank_T || !L->global_assigned || !L->keep || !L->recv_rows || !L->requests ||
+        !L->send_n || !L->expert_offsets || !L->local_offsets || !L->aux_grad || !L->groups || !blocks ||
         (cfg->bias_update_rate > 0.0 && (!L->bias || !L->bias_sent || !L->bias_load))) {
         moe_layer_destroy(L);
         return moe_error(MOE_ERR_OUT_OF_MEMORY, "moe_layer_create: per-expert arrays for n_experts=%lld", (long long)E);
     }
+    L->send_off = L->send_n + P;
+    L->recv_n = L->send_off + P;
+    L->recv_off = L->recv_n + P;
     L->assigned = L->totals_host;
     L->prob_sum = (double *)L->totals_host + E;
     L->z_sum = (double *)L->totals_host + 2 * E;
@@ -615,6 +650,8 @@ void moe_layer_destroy(moe_layer *L) {
     free(L->keep);
     free(L->recv_rows);
     free(L->requests);
+    free(L->send_n);
+    free(L->host_mem);
     free(L->expert_offsets);
     free(L->local_offsets);
     free(L->aux_grad);
@@ -784,6 +821,8 @@ static int block_arrays(moe_layer *L, block_kind kind, int64_t n, ws_entry *t) {
     const moe_layer_config *c = &L->cfg;
     const int64_t d = c->d_model, E = c->n_experts, k = c->top_k, S = L->shared_ff, ff = c->d_ff;
     const int64_t jitter = c->jitter_eps > 0.0 ? n * d : 0, ep_rows = L->ep ? n * d : 0;
+    /* The merged exchange's: m = min(k, P) ranks per token at most */
+    const int64_t P = L->ep ? L->ep_size : 0, m = k < P ? k : P;
     const size_t f = sizeof(float), i64 = sizeof(int64_t);
     int i = 0;
     switch (kind) {
@@ -807,6 +846,9 @@ static int block_arrays(moe_layer *L, block_kind kind, int64_t n, ws_entry *t) {
         t[i++] = (ws_entry){(void **)&L->sh_h, n * 2 * S, f};
         t[i++] = (ws_entry){(void **)&L->sh_g, n * S, f};
         t[i++] = (ws_entry){(void **)&L->sh_y, S > 0 ? n * d : 0, f};
+        t[i++] = (ws_entry){(void **)&L->send_tok, n * m, i64};
+        t[i++] = (ws_entry){(void **)&L->tok_slot, n * P, i64};
+        t[i++] = (ws_entry){(void **)&L->send_w, n * m * k, f};
         break;
     case BLOCK_DTOKENS:
         t[i++] = (ws_entry){(void **)&L->dx_in, jitter, f};
@@ -815,16 +857,23 @@ static int block_arrays(moe_layer *L, block_kind kind, int64_t n, ws_entry *t) {
         t[i++] = (ws_entry){(void **)&L->dyp, n * k * d, f};
         t[i++] = (ws_entry){(void **)&L->dxp, n * k * d, f};
         t[i++] = (ws_entry){(void **)&L->sh_dh, n * 2 * S, f};
+        t[i++] = (ws_entry){(void **)&L->dw_back, n * m * k, f};
         break;
     case BLOCK_ROWS:
         t[i++] = (ws_entry){(void **)&L->xe, ep_rows, f};
         t[i++] = (ws_entry){(void **)&L->ye, ep_rows, f};
         t[i++] = (ws_entry){(void **)&L->h, n * 2 * ff, f};
         t[i++] = (ws_entry){(void **)&L->g, n * ff, f};
+        t[i++] = (ws_entry){(void **)&L->rx, ep_rows, f};
+        t[i++] = (ws_entry){(void **)&L->recv_w, P ? n * k : 0, f};
+        t[i++] = (ws_entry){(void **)&L->recv_pair, P ? n * k : 0, i64};
+        t[i++] = (ws_entry){(void **)&L->recv_row, P ? n : 0, i64};
         break;
     case BLOCK_DROWS:
+        t[i++] = (ws_entry){(void **)&L->dye, ep_rows, f};
         t[i++] = (ws_entry){(void **)&L->dxe, ep_rows, f};
         t[i++] = (ws_entry){(void **)&L->dh, n * 2 * ff, f};
+        t[i++] = (ws_entry){(void **)&L->dw_send, P ? n * k : 0, f};
         break;
     case N_BLOCKS:
         break;
@@ -832,7 +881,7 @@ static int block_arrays(moe_layer *L, block_kind kind, int64_t n, ws_entry *t) {
     return i;
 }
 
-#define MAX_BLOCK_ARRAYS 16
+#define MAX_BLOCK_ARRAYS 24
 
 /* Points kind's arrays into its block, first growing the block (its
  * contents lost) for n tokens or rows when it holds fewer. */
@@ -874,6 +923,7 @@ static void alias_rows(moe_layer *L) {
     if (L->ep) return;
     L->xe = L->xp;
     L->ye = L->yp;
+    L->dye = L->dyp;
     L->dxe = L->dxp;
 }
 
@@ -892,6 +942,34 @@ static moe_status carve_rows(moe_layer *L, int64_t R) {
     L->rows_sized = R;
     L->blocks[BLOCK_ROWS]->holder = L;
     alias_rows(L);
+    return MOE_OK;
+}
+
+/* The merged exchange's host bookkeeping for T tokens and R expert rows. */
+static moe_status carve_host(moe_layer *L, int64_t T, int64_t R) {
+    const int64_t k = L->cfg.top_k, P = L->ep_size, m = k < P ? k : P;
+    const ws_entry t[] = {
+        {(void **)&L->h_pair_row, T * k, sizeof(int64_t)},  {(void **)&L->h_topk, T * k, sizeof(int32_t)},
+        {(void **)&L->h_send_tok, T * m, sizeof(int64_t)},  {(void **)&L->h_tok_slot, T * P, sizeof(int64_t)},
+        {(void **)&L->h_send_codes, T * m * k, sizeof(int32_t)}, {(void **)&L->h_recv_codes, R * k, sizeof(int32_t)},
+        {(void **)&L->h_recv_pair, R * k, sizeof(int64_t)}, {(void **)&L->h_recv_row, R, sizeof(int64_t)},
+    };
+    const int n = (int)(sizeof t / sizeof *t);
+    int64_t total = 0;
+    for (int i = 0; i < n; i++) total += align_up(t[i].count * (int64_t)t[i].size);
+    if (total > L->host_bytes) {
+        void *mem = realloc(L->host_mem, (size_t)total);
+        if (!mem)
+            return moe_error(MOE_ERR_OUT_OF_MEMORY, "moe layer: %lld bytes of exchange bookkeeping for %lld tokens",
+                             (long long)total, (long long)T);
+        L->host_mem = mem;
+        L->host_bytes = total;
+    }
+    int64_t off = 0;
+    for (int i = 0; i < n; i++) {
+        *t[i].ptr = (char *)L->host_mem + off;
+        off += align_up(t[i].count * (int64_t)t[i].size);
+    }
     return MOE_OK;
 }
 
@@ -915,6 +993,7 @@ moe_status moe_layer_reserve(moe_layer *L, int64_t T, bool backward) {
     MOE_TRY(carve_block(L, BLOCK_CHOICES, T));
     MOE_TRY(carve_block(L, BLOCK_TOKENS, T));
     MOE_TRY(carve_block(L, BLOCK_ROWS, R));
+    if (L->ep) MOE_TRY(carve_host(L, T, R));
     if (!backward) return MOE_OK;
     MOE_TRY(carve_block(L, BLOCK_DTOKENS, T));
     return carve_block(L, BLOCK_DROWS, R);
@@ -1090,6 +1169,14 @@ static moe_status wait_requests(moe_layer *L, int from, int to, moe_status st) {
     return moe_comm_wait_all(L->requests + from, to - from, st);
 }
 
+/* Runs groups [from, to) and counts their time as the experts'. */
+static void run_groups(moe_layer *L, bool backward, int64_t from, int64_t to, double *compute_seconds) {
+    if (from >= to) return;
+    const double t = omp_get_wtime();
+    (backward ? L->ops->experts_backward : L->ops->experts_forward)(&L->groups[from], to - from, L->cfg.d_model);
+    *compute_seconds += omp_get_wtime() - t;
+}
+
 /* The experts with their exchanges: plan_in's rows go to the experts'
  * ranks (into expert_in), the experts run, and their rows come back into
  * plan_out. With one rank the plan rows are the expert rows. Where tags
@@ -1102,13 +1189,9 @@ static moe_status wait_requests(moe_layer *L, int from, int to, moe_status st) {
  * results back at once, while the other experts' rows are still in flight. */
 static moe_status run_experts(moe_layer *L, bool backward, float *plan_in, float *expert_in, float *expert_out,
                               float *plan_out, int64_t n_groups, double *compute_seconds) {
-    const moe_ops *ops = L->ops;
-    const int64_t d = L->cfg.d_model, nl = L->n_local;
-    void (*run)(moe_expert_group *, int64_t, int64_t) = backward ? ops->experts_backward : ops->experts_forward;
-    double t = omp_get_wtime();
+    const int64_t nl = L->n_local;
     if (!L->ep) {
-        run(L->groups, n_groups, d);
-        *compute_seconds += omp_get_wtime() - t;
+        run_groups(L, backward, 0, n_groups, compute_seconds);
         return MOE_OK;
     }
     const char *what = backward ? "gradients" : "rows";
@@ -1126,24 +1209,249 @@ static moe_status run_experts(moe_layer *L, bool backward, float *plan_in, float
     first[nl] = L->n_requests;
     if (st == MOE_OK && !overlap) {
         st = wait_requests(L, returns_end, first[nl], MOE_OK);
-        t = omp_get_wtime();
-        if (st == MOE_OK) run(L->groups, nl, d);
-        *compute_seconds += omp_get_wtime() - t;
+        if (st == MOE_OK) run_groups(L, backward, 0, nl, compute_seconds);
         if (st == MOE_OK) st = post_exchange(L, plan_out, expert_out, false, -1, true, !early_returns);
     }
     for (int64_t j = 0; st == MOE_OK && overlap && j < nl; j++) {
         st = wait_requests(L, first[j], first[j + 1], MOE_OK);
-        t = omp_get_wtime();
-        if (st == MOE_OK) run(&L->groups[j], 1, d);
-        *compute_seconds += omp_get_wtime() - t;
+        if (st == MOE_OK) run_groups(L, backward, j, j + 1, compute_seconds);
         if (st == MOE_OK) st = post_exchange(L, plan_out, expert_out, false, j, true, false);
     }
     /* The shared experts need no rows from anyone: they fill the wait. */
-    t = omp_get_wtime();
-    if (st == MOE_OK && n_groups > nl) run(&L->groups[nl], 1, d);
-    *compute_seconds += omp_get_wtime() - t;
+    if (st == MOE_OK) run_groups(L, backward, nl, n_groups, compute_seconds);
     st = wait_requests(L, 0, L->n_requests, st);
     if (st != MOE_OK) return moe_error_prefix(st, "moe layer exchange of %s: ", what);
+    return MOE_OK;
+}
+
+/* ----------------------------------------------------- the merged exchange */
+
+/* Without overlap, a token travels once to each rank holding any of its
+ * experts, not once per expert (as DeepEP dispatches): its row, its k gate
+ * weights and, for each of its k slots, which of that rank's experts the
+ * slot is (-1: another rank's, or dropped). That rank copies the row to
+ * each of its experts and sends back one row per token, its experts'
+ * outputs weighted and summed; in backward one gradient row per token goes
+ * out, and one input-gradient row and the token's k weight gradients come
+ * back. With a token's experts on few ranks (grouped routing) its rows
+ * cross the network fewer times than it has experts. Each rank's partial
+ * sum rounds apart from one rank's sum over the slots: results agree with
+ * one rank's within float summation order, not to the bit. */
+
+/* Above every tag of the per-expert chunks (2j + 0 or 1, j < n_local). */
+enum { TAG_CODES = 2 * MOE_EXPERTS_MAX, TAG_WEIGHTS, TAG_ROWS, TAG_RETURN, TAG_DWEIGHTS };
+
+/* Which of its T tokens this rank sends to each rank of the EP group, each
+ * once, in token order (send_tok), with the slot codes of each, and where
+ * token t's row for rank r sits among them (tok_slot); then every rank
+ * learns how many tokens each source sends it. */
+static moe_status plan_merged_sends(moe_layer *L, int64_t T) {
+    const int64_t k = L->cfg.top_k, P = L->ep_size, nl = L->n_local;
+    MOE_TRY(carve_host(L, T, L->rows_sized));
+    MOE_TRY(L->ops->download(L->h_pair_row, L->pair_row, (size_t)(T * k) * sizeof(int64_t)));
+    MOE_TRY(L->ops->download(L->h_topk, L->topk_idx, (size_t)(T * k) * sizeof(int32_t)));
+    int64_t *slot = L->h_tok_slot;
+    for (int64_t r = 0; r < P; r++) L->send_n[r] = 0;
+    for (int64_t t = 0; t < T; t++) { /* each token's place in its ranks' lists */
+        for (int64_t r = 0; r < P; r++) slot[t * P + r] = -1;
+        for (int64_t i = 0; i < k; i++) {
+            const int64_t r = L->h_topk[t * k + i] / nl;
+            if (L->h_pair_row[t * k + i] >= 0 && slot[t * P + r] < 0) slot[t * P + r] = L->send_n[r]++;
+        }
+    }
+    for (int64_t r = 0; r < P; r++) L->send_off[r] = r ? L->send_off[r - 1] + L->send_n[r - 1] : 0;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t r = 0; r < P; r++) {
+            if (slot[t * P + r] < 0) continue;
+            const int64_t u = L->send_off[r] + slot[t * P + r];
+            slot[t * P + r] = u;
+            L->h_send_tok[u] = t;
+            for (int64_t i = 0; i < k; i++) {
+                const int32_t e = L->h_topk[t * k + i];
+                L->h_send_codes[u * k + i] = L->h_pair_row[t * k + i] >= 0 && e / nl == r ? (int32_t)(e % nl) : -1;
+            }
+        }
+    moe_status st = moe_comm_alltoall(L->ep, L->recv_n, L->send_n, 1, MOE_COMM_I64);
+    if (st != MOE_OK) return moe_error_prefix(st, "moe layer dispatch (token counts): ");
+    int64_t received = 0;
+    for (int64_t s = 0; s < P; s++) {
+        L->recv_off[s] = received;
+        if (L->recv_n[s] < 0 || L->recv_n[s] > L->local_offsets[nl] - received)
+            return moe_error(MOE_ERR_COMM, "moe layer dispatch: EP rank %lld sends %lld tokens, more than the %lld "
+                                           "rows the routing totals give this rank's experts",
+                             (long long)s, (long long)L->recv_n[s], (long long)L->local_offsets[nl]);
+        received += L->recv_n[s];
+    }
+    const int64_t sent = L->send_off[P - 1] + L->send_n[P - 1];
+    MOE_TRY(L->ops->upload(L->send_tok, L->h_send_tok, (size_t)sent * sizeof(int64_t)));
+    return L->ops->upload(L->tok_slot, slot, (size_t)(T * P) * sizeof(int64_t));
+}
+
+/* From the received slot codes, the expert row of each received token's
+ * slots (recv_pair) and the token of each expert row (recv_row): each
+ * expert's rows from source s in s's token order, as the routing totals
+ * placed them. Codes that do not fill those rows exactly are refused. */
+static moe_status plan_merged_receives(moe_layer *L) {
+    const int64_t k = L->cfg.top_k, P = L->ep_size, nl = L->n_local;
+    int64_t next[MOE_EXPERTS_MAX]; /* [P, nl] the next row of expert j from source s */
+    for (int64_t s = 0; s < P; s++)
+        for (int64_t j = 0; j < nl; j++) next[s * nl + j] = expert_row(L, s, j);
+    for (int64_t s = 0; s < P; s++)
+        for (int64_t u = L->recv_off[s]; u < L->recv_off[s] + L->recv_n[s]; u++) {
+            bool any = false;
+            for (int64_t i = 0; i < k; i++) {
+                const int32_t j = L->h_recv_codes[u * k + i];
+                int64_t row = -1;
+                if (j >= 0) {
+                    if (j >= nl || next[s * nl + j] == expert_row(L, s, j) + L->recv_rows[s * nl + j])
+                        return moe_error(MOE_ERR_COMM, "moe layer dispatch: EP rank %lld sends a token for expert %d "
+                                                       "beyond the rows the routing totals give it",
+                                         (long long)s, (int)(L->first_local + j));
+                    row = next[s * nl + j]++;
+                    L->h_recv_row[row] = u;
+                    any = true;
+                }
+                L->h_recv_pair[u * k + i] = row;
+            }
+            if (!any)
+                return moe_error(MOE_ERR_COMM, "moe layer dispatch: EP rank %lld sends a token for none of this rank's "
+                                               "experts", (long long)s);
+        }
+    for (int64_t s = 0; s < P; s++)
+        for (int64_t j = 0; j < nl; j++)
+            if (next[s * nl + j] != expert_row(L, s, j) + L->recv_rows[s * nl + j])
+                return moe_error(MOE_ERR_COMM, "moe layer dispatch: EP rank %lld sends %lld tokens for expert %lld, "
+                                               "the routing totals %lld",
+                                 (long long)s, (long long)(next[s * nl + j] - expert_row(L, s, j)),
+                                 (long long)(L->first_local + j), (long long)L->recv_rows[s * nl + j]);
+    const int64_t received = L->recv_off[P - 1] + L->recv_n[P - 1];
+    MOE_TRY(L->ops->upload(L->recv_pair, L->h_recv_pair, (size_t)(received * k) * sizeof(int64_t)));
+    return L->ops->upload(L->recv_row, L->h_recv_row, (size_t)L->local_offsets[nl] * sizeof(int64_t));
+}
+
+/* One array a merged exchange moves: width elements per token, from the
+ * sending side's array to the receiving side's; host arrays go over the EP
+ * communicator, backend ones over the one for rows. */
+typedef struct merged_part {
+    const void *from;
+    void *to;
+    int64_t width;
+    moe_comm_dtype dtype;
+    int tag;
+    bool host;
+} merged_part;
+
+/* Posts the messages of parts with every peer, this rank's own share
+ * copied: outward, from this rank's tokens to their experts' ranks (send
+ * counts out, receive counts in), else back. sends/recvs: which to post. */
+static moe_status post_merged(moe_layer *L, const merged_part *parts, int n_parts, bool outward, bool sends,
+                              bool recvs) {
+    const int64_t P = L->ep_size;
+    const int64_t *out_n = outward ? L->send_n : L->recv_n, *out_off = outward ? L->send_off : L->recv_off;
+    const int64_t *in_n = outward ? L->recv_n : L->send_n, *in_off = outward ? L->recv_off : L->send_off;
+    for (int p = 0; p < n_parts; p++) {
+        const merged_part *m = &parts[p];
+        const int64_t unit = m->width * moe_comm_dtype_size(m->dtype);
+        moe_comm *comm = m->host ? L->ep : L->ep_rows;
+        for (int64_t peer = 0; peer < P; peer++) {
+            const char *from = (const char *)m->from + out_off[peer] * unit;
+            char *to = (char *)m->to + in_off[peer] * unit;
+            if (peer == L->ep_rank) {
+                const size_t bytes = (size_t)(out_n[peer] * unit);
+                if (sends && bytes && m->host)
+                    memcpy(to, from, bytes);
+                else if (sends && bytes)
+                    L->ops->copy(to, from, bytes);
+                continue;
+            }
+            if (recvs && in_n[peer] > 0) {
+                moe_comm_request *req = &L->requests[L->n_requests++];
+                *req = (moe_comm_request)MOE_COMM_REQUEST_INIT;
+                MOE_TRY(moe_comm_irecv(comm, req, to, in_n[peer] * m->width, m->dtype, (int)peer, m->tag));
+            }
+            if (sends && out_n[peer] > 0) {
+                moe_comm_request *req = &L->requests[L->n_requests++];
+                *req = (moe_comm_request)MOE_COMM_REQUEST_INIT;
+                MOE_TRY(moe_comm_isend(comm, req, from, out_n[peer] * m->width, m->dtype, (int)peer, m->tag));
+                L->timing.exchange_bytes += out_n[peer] * unit;
+            }
+        }
+    }
+    return MOE_OK;
+}
+
+/* The merged exchange's forward: y [T, d] from this rank's tokens x_in,
+ * its expert groups (and the shared experts' group after them) set up. */
+static moe_status forward_merged(moe_layer *L, float *y, const float *x_in, int64_t T, int64_t n_groups,
+                                 double *compute_seconds) {
+    const moe_ops *ops = L->ops;
+    const int64_t d = L->cfg.d_model, k = L->cfg.top_k, P = L->ep_size, nl = L->n_local;
+    MOE_TRY(plan_merged_sends(L, T));
+    const int64_t sent = L->send_off[P - 1] + L->send_n[P - 1], received = L->recv_off[P - 1] + L->recv_n[P - 1];
+    ops->permute(L->xp, x_in, L->send_tok, sent, d);
+    ops->permute(L->send_w, L->topk_w, L->send_tok, sent, k);
+    const merged_part out[] = {{L->h_send_codes, L->h_recv_codes, k, MOE_COMM_I32, TAG_CODES, true},
+                               {L->send_w, L->recv_w, k, MOE_COMM_F32, TAG_WEIGHTS, false},
+                               {L->xp, L->rx, d, MOE_COMM_F32, TAG_ROWS, false}};
+    const merged_part back = {L->rx, L->yp, d, MOE_COMM_F32, TAG_RETURN, false};
+    /* Where tags match the messages, the returns' receives go first. */
+    const bool early_returns = moe_comm_matches_by_tag(L->ep_rows);
+    L->n_requests = 0;
+    moe_status st = early_returns ? post_merged(L, &back, 1, false, false, true) : MOE_OK;
+    const int dispatch = L->n_requests;
+    if (st == MOE_OK) st = post_merged(L, out, 3, true, true, true);
+    run_groups(L, false, nl, n_groups, compute_seconds); /* the shared experts fill the wait */
+    if (st == MOE_OK) st = wait_requests(L, dispatch, L->n_requests, MOE_OK);
+    if (st == MOE_OK) st = plan_merged_receives(L);
+    if (st == MOE_OK) {
+        ops->permute(L->xe, L->rx, L->recv_row, L->local_offsets[nl], d);
+        run_groups(L, false, 0, nl, compute_seconds);
+        ops->combine(L->rx, L->ye, L->recv_w, L->recv_pair, NULL, received, k, d);
+        st = post_merged(L, &back, 1, false, true, !early_returns);
+    }
+    st = wait_requests(L, 0, L->n_requests, st);
+    if (st != MOE_OK) return moe_error_prefix(st, "moe layer exchange of rows: ");
+    if (T == 0) return MOE_OK;
+    if (L->shared_ff)
+        ops->copy(y, L->sh_y, (size_t)(T * d) * sizeof(float));
+    else
+        ops->zero(y, (size_t)(T * d) * sizeof(float));
+    ops->unpermute_add(y, L->yp, L->tok_slot, T, P, d);
+    return MOE_OK;
+}
+
+/* The merged exchange's backward: dx_in [T, d] (holding the shared
+ * experts' share or zeros) gains the routed experts' share, and dweights
+ * the gate weights' gradients, from dy. */
+static moe_status backward_merged(moe_layer *L, float *dx_in, const float *dy, int64_t T, int64_t n_groups,
+                                  double *compute_seconds) {
+    const moe_ops *ops = L->ops;
+    const int64_t d = L->cfg.d_model, k = L->cfg.top_k, P = L->ep_size, nl = L->n_local;
+    const int64_t sent = L->send_off[P - 1] + L->send_n[P - 1], received = L->recv_off[P - 1] + L->recv_n[P - 1];
+    ops->permute(L->dyp, dy, L->send_tok, sent, d);
+    const merged_part out = {L->dyp, L->rx, d, MOE_COMM_F32, TAG_ROWS, false};
+    const merged_part back[] = {{L->rx, L->dxp, d, MOE_COMM_F32, TAG_RETURN, false},
+                                {L->dw_send, L->dw_back, k, MOE_COMM_F32, TAG_DWEIGHTS, false}};
+    const bool early_returns = moe_comm_matches_by_tag(L->ep_rows);
+    L->n_requests = 0;
+    moe_status st = early_returns ? post_merged(L, back, 2, false, false, true) : MOE_OK;
+    const int dispatch = L->n_requests;
+    if (st == MOE_OK) st = post_merged(L, &out, 1, true, true, true);
+    run_groups(L, true, nl, n_groups, compute_seconds);
+    if (st == MOE_OK) st = wait_requests(L, dispatch, L->n_requests, MOE_OK);
+    if (st == MOE_OK) {
+        ops->combine_backward(L->dye, L->dw_send, L->rx, L->ye, L->recv_w, L->recv_pair, received, k, d);
+        run_groups(L, true, 0, nl, compute_seconds);
+        ops->zero(L->rx, (size_t)(received * d) * sizeof(float));
+        ops->unpermute_add(L->rx, L->dxe, L->recv_pair, received, k, d);
+        st = post_merged(L, back, 2, false, true, !early_returns);
+    }
+    st = wait_requests(L, 0, L->n_requests, st);
+    if (st != MOE_OK) return moe_error_prefix(st, "moe layer exchange of gradients: ");
+    if (T == 0) return MOE_OK;
+    ops->unpermute_add(dx_in, L->dxp, L->tok_slot, T, P, d);
+    ops->zero(L->dweights, (size_t)(T * k) * sizeof(float));
+    ops->unpermute_add(L->dweights, L->dw_back, L->tok_slot, T, P, k);
     return MOE_OK;
 }
 
@@ -1181,7 +1489,7 @@ static int64_t setup_groups(moe_layer *L, int64_t T, const float *x_in, const fl
         L->groups[j] = (moe_expert_group){
             .rows = L->local_offsets[j + 1] - r0, .d_ff = ff, .x = ROW_OF(L->xe, r0, d), .w13 = w[0].param,
             .w2 = w[2].param, .h = ROW_OF(L->h, r0, 2 * ff), .g = ROW_OF(L->g, r0, ff), .y = ROW_OF(L->ye, r0, d),
-            .dy = ROW_OF(L->ye, r0, d), .dh = ROW_OF(L->dh, r0, 2 * ff), .dx = ROW_OF(L->dxe, r0, d),
+            .dy = ROW_OF(L->dye, r0, d), .dh = ROW_OF(L->dh, r0, 2 * ff), .dx = ROW_OF(L->dxe, r0, d),
             .dw13 = w[0].grad, .dw2 = w[2].grad};
     }
 #undef ROW_OF
@@ -1272,13 +1580,18 @@ moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, 
     /* The plan's offsets are the prefix sums of keep: no wait for them. */
     L->expert_offsets[0] = 0;
     for (int64_t e = 0; e < E; e++) L->expert_offsets[e + 1] = L->expert_offsets[e] + L->keep[e];
-    double t0 = omp_get_wtime();
-    ops->permute(L->xp, x_in, L->row_token, L->expert_offsets[E], d);
     MOE_TRY(carve_rows(L, rows_bound(L, T, L->global_T)));
-    int64_t n_groups = setup_groups(L, T, x_in, NULL);
+    const double t0 = omp_get_wtime();
+    const int64_t n_groups = setup_groups(L, T, x_in, NULL);
     double compute = 0.0;
-    MOE_TRY(run_experts(L, false, L->xp, L->xe, L->ye, L->yp, n_groups, &compute));
-    ops->combine(y, L->yp, L->topk_w, L->pair_row, L->shared_ff ? L->sh_y : NULL, T, k, d);
+    L->merged = L->ep && !L->overlap;
+    if (L->merged) {
+        MOE_TRY(forward_merged(L, y, x_in, T, n_groups, &compute));
+    } else {
+        ops->permute(L->xp, x_in, L->row_token, L->expert_offsets[E], d);
+        MOE_TRY(run_experts(L, false, L->xp, L->xe, L->ye, L->yp, n_groups, &compute));
+        ops->combine(y, L->yp, L->topk_w, L->pair_row, L->shared_ff ? L->sh_y : NULL, T, k, d);
+    }
     L->timing.exchange_seconds += omp_get_wtime() - t0 - compute;
     L->timing.experts_seconds += compute;
     L->timing.calls++;
@@ -1323,20 +1636,20 @@ moe_status moe_layer_backward(moe_layer *L, float *dx, const float *dy, const fl
     const float *x_in = jitter ? L->x_in : x;
     float *dx_in = jitter ? L->dx_in : dx; /* [T, d] */
 
-    double t0 = omp_get_wtime();
-    ops->combine_backward(L->dyp, L->dweights, dy, L->yp, L->topk_w, L->pair_row, T, k, d);
-    /* The expert outputs are spent: ye takes their gradient. */
-    if (!L->ep) L->ye = L->dyp;
-    int64_t n_groups = setup_groups(L, T, x_in, dy);
+    const double t0 = omp_get_wtime();
+    const int64_t n_groups = setup_groups(L, T, x_in, dy);
     if (L->shared_ff)
         L->groups[L->n_local].dx = dx_in; /* written: the shared experts start the sum */
-    else
+    else if (T > 0)
         ops->zero(dx_in, (size_t)(T * d) * sizeof(float));
     double compute = 0.0;
-    moe_status st = run_experts(L, true, L->dyp, L->ye, L->dxe, L->dxp, n_groups, &compute);
-    if (!L->ep) L->ye = L->yp;
-    MOE_TRY(st);
-    ops->unpermute_add(dx_in, L->dxp, L->pair_row, T, k, d);
+    if (L->merged) {
+        MOE_TRY(backward_merged(L, dx_in, dy, T, n_groups, &compute));
+    } else {
+        ops->combine_backward(L->dyp, L->dweights, dy, L->yp, L->topk_w, L->pair_row, T, k, d);
+        MOE_TRY(run_experts(L, true, L->dyp, L->dye, L->dxe, L->dxp, n_groups, &compute));
+        ops->unpermute_add(dx_in, L->dxp, L->pair_row, T, k, d);
+    }
     L->timing.exchange_seconds += omp_get_wtime() - t0 - compute;
     L->timing.experts_seconds += compute;
     L->timing.calls++;

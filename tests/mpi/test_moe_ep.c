@@ -58,6 +58,44 @@ static int check(moe_status st, const char *what) {
     return 0;
 }
 
+/* Over the cases: (token, remote rank) pairs and (token, remote expert)
+ * pairs, summed over the EP group. The first fewer than the second means
+ * some token had two experts on one rank, which the merged exchange sends
+ * once: the byte checks below then tell the two exchanges apart. */
+static double merged_tokens, remote_pairs;
+
+/* The bytes the EP layer sent to other ranks in one forward and backward,
+ * summed over the EP group, of a dropless case (every pair kept): per
+ * (token, remote rank holding any of its experts) 16d + 12k, the merged
+ * exchange's (the row, k weights and k slot codes out and the weighted sum
+ * back; the gradient row out, the input gradient and k weight gradients
+ * back); with overlap 16d per (token, remote expert), a row per expert. */
+static void check_bytes(moe_layer *ep, int64_t T, int64_t k) {
+    const int32_t *topk;
+    if (!check(moe_layer_last_topk(ep, &topk), "last topk")) return;
+    const int P = moe_comm_size(ep_group), me = moe_comm_rank(ep_group), per_rank = E / P;
+    double counts[3] = {0.0, 0.0, 0.0}; /* remote (token, rank), remote (token, expert), bytes sent */
+    for (int64_t t = 0; t < T; t++) {
+        unsigned seen = 0;
+        for (int64_t i = 0; i < k; i++) {
+            const int r = topk[t * k + i] / per_rank;
+            if (r == me) continue;
+            counts[1] += 1.0;
+            if (!(seen & 1u << r)) counts[0] += 1.0;
+            seen |= 1u << r;
+        }
+    }
+    moe_layer_timing timing;
+    moe_layer_get_timing(ep, &timing);
+    counts[2] = (double)timing.exchange_bytes;
+    if (!check(moe_comm_allreduce_sum(ep_group, counts, 3, MOE_COMM_F64), "byte counts")) return;
+    const double want = overlap ? counts[1] * 16.0 * D : counts[0] * (16.0 * D + 12.0 * (double)k);
+    if (counts[2] != want) fail(overlap ? "exchange_bytes (a row per expert)" : "exchange_bytes (a row per rank)", 0,
+                                counts[2], want);
+    merged_tokens += counts[0];
+    remote_pairs += counts[1];
+}
+
 static void skew_router(moe_layer *layer, float skew) {
     moe_tensor_view gate;
     moe_layer_tensor_by_name(layer, "gate.weight", &gate);
@@ -142,6 +180,7 @@ static void run_case(const ep_case *c) {
                 const double want = busiest / (total / P);
                 if (ep_stats.rank_imbalance != want) fail("rank_imbalance", 0, ep_stats.rank_imbalance, want);
             }
+            if (c->capacity_factor == 0.0) check_bytes(ep, T, c->top_k);
             if (ref_stats.rank_imbalance != 1.0) fail("one rank's rank_imbalance", 0, ref_stats.rank_imbalance, 1.0);
             /* The ranks' shares add up to the gradient: over all ranks for
              * the router and shared experts, over the replicas for experts. */
@@ -294,5 +333,8 @@ int main(void) {
         moe_comm_free(ep_group);
         moe_comm_free(replicas);
     }
+    mpi_report(!(merged_tokens < remote_pairs),
+               "some token has two experts on one rank (%g remote tokens per rank, %g remote pairs)", merged_tokens,
+               remote_pairs);
     return mpi_check_finish();
 }
