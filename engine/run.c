@@ -249,6 +249,8 @@ moe_status moe_run_options_validate(const moe_run_options *o) {
         return moe_error(MOE_ERR_CONFIG, "--eval-only needs --init-from DIR: the weights to evaluate");
     if (o->eval_only && o->profile)
         return moe_error(MOE_ERR_CONFIG, "--profile times training steps, and --eval-only runs none");
+    if (o->eval_only && o->overwrite)
+        return moe_error(MOE_ERR_CONFIG, "--overwrite replaces a run in --out, and --eval-only writes none");
     if (o->eval_only && o->resume)
         return moe_error(MOE_ERR_CONFIG, "--eval-only and --resume exclude each other; evaluate a checkpoint "
                                          "with --eval-only --init-from DIR");
@@ -1233,17 +1235,27 @@ static bool same_path(const char *a, const char *b) {
     return a && b && realpath(a, ra) && realpath(b, rb) && strcmp(ra, rb) == 0;
 }
 
-/* Whether --resume's checkpoint lies in --out (links resolved): the run it
- * continues; *step: the checkpoint's step, or -1 when its name holds none. */
-static bool resumes_in_place(const moe_run_options *o, int64_t *step) {
+/* Whether --resume's checkpoint lies in --out (links resolved), the run it
+ * continues; then *step: the step its training state records, whatever the
+ * checkpoint's directory is called. */
+static moe_status resumes_in_place(const moe_run_options *o, bool *in_place, int64_t *step) {
     char at[PATH_MAX], out[PATH_MAX];
-    *step = -1;
-    if (!o->resume || !realpath(o->resume, at) || !realpath(o->out_dir, out)) return false;
+    *in_place = false;
+    if (!o->resume) return MOE_OK;
+    if (!realpath(o->resume, at)) return moe_error(MOE_ERR_IO, "--resume %s: %s", o->resume, strerror(errno));
+    if (!realpath(o->out_dir, out)) return moe_error(MOE_ERR_IO, "--out %s: %s", o->out_dir, strerror(errno));
     char *slash = strrchr(at, '/');
-    if (checkpoint_name(slash + 1)) *step = strtoll(slash + 6, NULL, 10);
-    if (slash == at) slash[1] = '\0';
-    else *slash = '\0';
-    return strcmp(at, out) == 0;
+    if (slash == at)
+        slash[1] = '\0';
+    else
+        *slash = '\0';
+    if (strcmp(at, out) != 0) return MOE_OK;
+    moe_train_state state;
+    moe_status st = moe_checkpoint_read_state(&state, o->resume);
+    if (st != MOE_OK) return moe_error_prefix(st, "--resume %s: ", o->resume);
+    *in_place = true;
+    *step = state.step;
+    return MOE_OK;
 }
 
 /* --out must not hold another run (run.json, metrics.jsonl, checkpoints):
@@ -1264,10 +1276,14 @@ static moe_status clear_out_dir(const moe_run_options *o, bool remove) {
         if (errno == ENOENT) return MOE_OK;
         return moe_error(MOE_ERR_IO, "--out %s: cannot read it: %s", o->out_dir, strerror(errno));
     }
-    int64_t resumed_step;
-    const bool in_place = resumes_in_place(o, &resumed_step);
+    int64_t resumed_step = 0;
+    bool in_place;
+    moe_status st = resumes_in_place(o, &in_place, &resumed_step);
+    if (st != MOE_OK) {
+        closedir(dir);
+        return st;
+    }
     char found[NAME_MAX + 1] = "", path[RUN_PATH_BYTES];
-    moe_status st = MOE_OK;
     for (struct dirent *e; st == MOE_OK && (e = readdir(dir));) {
         if (strcmp(e->d_name, "model.safetensors") == 0 || strcmp(e->d_name, "train_state.safetensors") == 0 ||
             strcmp(e->d_name, "model.safetensors.index.json") == 0) {
@@ -1286,7 +1302,7 @@ static moe_status clear_out_dir(const moe_run_options *o, bool remove) {
         /* In place, the run's own files stay, its checkpoints up to the one
          * resumed, and those the resumed run will write again. */
         const int64_t at = step ? strtoll(e->d_name + 5, NULL, 10) : -1;
-        if (in_place && (!step || resumed_step < 0 || at <= resumed_step ||
+        if (in_place && (!step || at <= resumed_step ||
                          (at <= o->steps && due(at, o->save_every, o->steps))))
             continue;
         if (!found[0]) snprintf(found, sizeof found, "%s", e->d_name);

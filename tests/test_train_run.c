@@ -677,6 +677,20 @@ Test(train_run, an_out_holding_another_run_is_refused, .init = make_tmp, .fini =
     o.steps = 4;
     cr_expect_eq(moe_run(&o, &cb), MOE_ERR_CONFIG, "a resume in place beside a later checkpoint");
     cr_expect(strstr(moe_last_error(), "step-000005, later than the checkpoint"), "%s", moe_last_error());
+    /* The same under another name: the step is the checkpoint's own. */
+    char renamed[600];
+    snprintf(renamed, sizeof renamed, "%s/best", out);
+    cr_assert_eq(rename(ckpt, renamed), 0);
+    o.resume = renamed;
+    cr_expect_eq(moe_run(&o, &cb), MOE_ERR_CONFIG, "a resume in place from a renamed checkpoint");
+    cr_expect(strstr(moe_last_error(), "step-000005, later than the checkpoint"), "%s", moe_last_error());
+    cr_assert_eq(rename(renamed, ckpt), 0);
+    /* A checkpoint that is not there is named as missing. */
+    snprintf(renamed, sizeof renamed, "%s/step-000009", out);
+    o.resume = renamed;
+    cr_expect_eq(moe_run(&o, &cb), MOE_ERR_IO, "a resume of a missing checkpoint");
+    cr_expect(strstr(moe_last_error(), "step-000009: No such file"), "%s", moe_last_error());
+    o.resume = link;
     o.overwrite = true;
     run_ok(&o, &v);
     snprintf(path, sizeof path, "%s/step-000005", out);
@@ -1161,6 +1175,11 @@ static void huge_batch(moe_run_options *o) {
 }
 static void huge_accum(moe_run_options *o) { o->grad_accum = (int64_t)1 << 60; }
 static void huge_eval_batches(moe_run_options *o) { o->eval_batches = 100000000000; }
+static void overwrite_eval_only(moe_run_options *o) {
+    o->eval_only = o->overwrite = true;
+    o->init_from = "somewhere";
+    o->config = NULL;
+}
 static void profile_eval_only(moe_run_options *o) {
     o->eval_only = o->profile = true;
     o->init_from = "somewhere";
@@ -1180,6 +1199,7 @@ Test(train_run, bad_options_name_the_flag) {
         {"--out", empty_out},             {"--data", empty_data},
         {"--init-from", eval_only_alone}, {"--resume", resume_and_init},
         {"--config", resume_and_config},  {"--profile", profile_eval_only},
+        {"--overwrite", overwrite_eval_only},
         {"--steps", huge_steps},          {"--batch-size", huge_batch},
         {"--grad-accum", huge_accum},     {"--eval-batches", huge_eval_batches},
     };
