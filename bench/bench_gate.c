@@ -190,7 +190,8 @@ int bench_gate_run(int argc, char **argv) {
     for (int g = 0; g < N_KINDS; g++) {
         const gate_job job = {.ops = ops,
                               .b = &b,
-                              .params = {.n_experts = E, .top_k = k, .kind = kinds[g].kind, .renormalize = true},
+                              .params = {.n_experts = E, .top_k = k, .kind = kinds[g].kind, .renormalize = true,
+                                         .routed_scale = 1.0f},
                               .T = T,
                               .copy_bytes = logit_bytes};
         const int64_t gate_reps = reps_for(&job, run_gate), copy_reps = reps_for(&job, run_copy);

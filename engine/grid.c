@@ -209,6 +209,7 @@ int moe_config_agree_fields(moe_agree_field *f, const moe_model_config *c) {
     FIELD(moe_bias_update_rate);
     FIELD(moe_n_group);
     FIELD(moe_topk_group);
+    FIELD(moe_routed_scaling_factor);
 #undef FIELD
     return n;
 }

@@ -66,6 +66,7 @@ static const field fields[] = {
     FIELD(moe_bias_update_rate, F_REAL, false, 0.0),
     FIELD(moe_n_group, F_INT, false, 0),
     FIELD(moe_topk_group, F_INT, false, 0),
+    FIELD(moe_routed_scaling_factor, F_REAL, false, 1.0),
 };
 #define N_FIELDS (sizeof fields / sizeof *fields)
 
@@ -436,6 +437,9 @@ moe_status moe_model_config_validate(const moe_model_config *c, const char *name
     MOE_TRY(check_coef(name, "moe_capacity_factor", c->moe_capacity_factor));
     MOE_TRY(check_coef(name, "moe_z_loss_coef", c->moe_z_loss_coef));
     MOE_TRY(check_coef(name, "moe_bias_update_rate", c->moe_bias_update_rate));
+    if (!(c->moe_routed_scaling_factor > 0.0 && c->moe_routed_scaling_factor <= MAX_COEF))
+        return moe_error(MOE_ERR_CONFIG, "%s: moe_routed_scaling_factor=%g must be in (0, %g]", name,
+                         c->moe_routed_scaling_factor, MAX_COEF);
     const int64_t E = c->num_local_experts, groups = c->moe_n_group;
     if (groups < 0 || groups > MOE_GROUPS_MAX || groups > E || (groups > 1 && E % groups))
         return moe_error(MOE_ERR_CONFIG, "%s: moe_n_group=%lld must divide num_local_experts=%lld and be at most %d "
@@ -529,5 +533,6 @@ void moe_model_config_layer(moe_layer_config *layer, const moe_model_config *cfg
     layer->jitter_eps = cfg->router_jitter_noise;
     layer->n_groups = cfg->moe_n_group;
     layer->top_groups = cfg->moe_topk_group;
+    layer->routed_scale = cfg->moe_routed_scaling_factor;
     layer->seed = seed;
 }

@@ -50,6 +50,7 @@ typedef struct moe_model_config {
     double moe_bias_update_rate;  /* default 0 */
     int64_t moe_n_group;          /* default 0: no groups (DeepSeek-V3's n_group) */
     int64_t moe_topk_group;       /* groups a token's experts come from (topk_group) */
+    double moe_routed_scaling_factor; /* default 1 (DeepSeek-V3's routed_scaling_factor) */
 } moe_model_config;
 
 /* Receives each warning, e.g. "config.json: unknown key 'foo' ignored". */

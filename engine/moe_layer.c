@@ -260,6 +260,7 @@ moe_status moe_layer_config_validate(const moe_layer_config *cfg) {
     MOE_TRY(check_coef("aux_loss_coef", cfg->aux_loss_coef, 1e6));
     MOE_TRY(check_coef("z_loss_coef", cfg->z_loss_coef, 1e6));
     MOE_TRY(check_coef("bias_update_rate", cfg->bias_update_rate, 1e6));
+    MOE_TRY(check_coef("routed_scale", cfg->routed_scale, 1e6));
     if (!isfinite(cfg->jitter_eps) || cfg->jitter_eps < 0.0 || cfg->jitter_eps >= 1.0)
         return moe_error(MOE_ERR_CONFIG, "moe layer config: jitter_eps=%g must be in [0, 1)", cfg->jitter_eps);
     if (cfg->n_groups < 0 || cfg->n_groups > MOE_GROUPS_MAX || cfg->n_groups > cfg->n_experts ||
@@ -589,6 +590,7 @@ moe_status moe_layer_create_mpi(moe_layer **out, const moe_layer_config *cfg, co
         {"jitter_eps", cfg->jitter_eps, NULL},
         {"n_groups", (double)cfg->n_groups, NULL},
         {"top_groups", (double)cfg->top_groups, NULL},
+        {"routed_scale", cfg->routed_scale > 0.0 ? cfg->routed_scale : 1.0, NULL},
         {"seed (high 32 bits)", (double)(cfg->seed >> 32), NULL},
         {"seed (low 32 bits)", (double)(cfg->seed & 0xFFFFFFFFu), NULL},
     };
@@ -1460,7 +1462,8 @@ static moe_status backward_merged(moe_layer *L, float *dx_in, const float *dy, i
 static moe_gate_params gate_params(const moe_layer_config *c) {
     return (moe_gate_params){.n_experts = c->n_experts, .top_k = c->top_k, .kind = c->gate,
                              .renormalize = c->renormalize != 0, .n_groups = c->n_groups,
-                             .top_groups = c->top_groups};
+                             .top_groups = c->top_groups,
+                             .routed_scale = c->routed_scale > 0.0 ? (float)c->routed_scale : 1.0f};
 }
 
 /* The balancing loss's gradient for backward, over the global batch (its

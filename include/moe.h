@@ -99,6 +99,11 @@ typedef struct moe_layer_config {
      * groups, and top_groups must then be 0 or 1. */
     int64_t n_groups;
     int64_t top_groups;
+    /* Multiplies the routed experts' weights after their normalisation
+     * (DeepSeek-V3's routed_scaling_factor, 2.5 there), so that the routed
+     * share keeps its size beside the shared experts' while the weights sum
+     * to one. 0 or 1: none. */
+    double routed_scale;
     uint64_t seed; /* seeds the initial parameters (normal, std 0.02, Mixtral's
                       initializer_range) and the jitter noise */
 } moe_layer_config;
@@ -110,7 +115,7 @@ typedef struct moe_layer_config {
         .gate = MOE_GATE_SOFTMAX_TOPK, .renormalize = 1, .capacity_factor = 0.0, \
         .aux_loss_coef = 0.0, .z_loss_coef = 0.0, .bias_update_rate = 0.0,       \
         .n_shared_experts = 0, .jitter_eps = 0.0, .n_groups = 0, .top_groups = 0, \
-        .seed = 0                                                                \
+        .routed_scale = 1.0, .seed = 0                                           \
     }
 
 /* Checks a config without creating anything; the error names the field. */

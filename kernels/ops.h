@@ -26,6 +26,7 @@ typedef struct moe_gate_params {
     bool renormalize;
     int64_t n_groups;   /* > 1: group-limited routing (moe_layer_config in moe.h) */
     int64_t top_groups; /* groups a token's experts come from, with n_groups > 1 */
+    float routed_scale; /* multiplies the weights after their normalisation; 1: none */
 } moe_gate_params;
 
 /* Per-token work arrays live on the stack, so the router has bounds. */

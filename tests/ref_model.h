@@ -233,6 +233,7 @@ static inline void ref_model_init(ref_model *r, moe_model *m) {
                              .n_shared = c->moe_n_shared_experts,
                              .gate = c->moe_gate,
                              .renormalize = c->moe_renormalize,
+                             .routed_scale = c->moe_routed_scaling_factor,
                              .capacity_factor = c->moe_capacity_factor,
                              .aux_loss_coef = c->router_aux_loss_coef,
                              .z_loss_coef = c->moe_z_loss_coef,

@@ -232,6 +232,7 @@ typedef struct ref_layer {
     int64_t n_groups, top_groups; /* group-limited routing when n_groups > 1 */
     moe_gate_kind gate;
     int renormalize;
+    double routed_scale; /* multiplies the weights; 0 or 1: none */
     double capacity_factor, aux_loss_coef, z_loss_coef;
     double *wg;         /* [E, d] */
     double *w1, *w3;    /* [E, ff, d] */
@@ -302,6 +303,7 @@ static inline void ref_layer_forward(double *y, ref_out *o, const ref_layer *L, 
         ref_router_prob(o->r + t * E, o->lse + t, logits, E, L->gate);
         ref_topk_grouped(o->idx + t * k, &gap, logits, L->bias, E, k, L->gate, L->n_groups, L->top_groups);
         ref_topk_weights(o->w + t * k, logits, o->idx + t * k, E, k, L->gate, L->renormalize);
+        for (int64_t j = 0; j < k && L->routed_scale > 0.0; j++) o->w[t * k + j] *= L->routed_scale;
         o->min_gap = fmin(o->min_gap, gap);
         o->z += o->lse[t] * o->lse[t] / (double)T;
         for (int64_t c = 0; c < d; c++) y[t * d + c] = 0.0;

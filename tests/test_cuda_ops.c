@@ -324,23 +324,31 @@ typedef struct gate_case {
     bool renormalize, with_bias;
     bool far_behind; /* all but k - 1 experts over 87 below the best (no bias) */
     int64_t n_groups, top_groups; /* group-limited routing when n_groups > 1 */
+    float scale;                  /* routed_scale */
 } gate_case;
 
+static moe_gate_params params_of(const gate_case *gc) {
+    return (moe_gate_params){gc->E, gc->k, gc->kind, gc->renormalize, gc->n_groups, gc->top_groups, gc->scale};
+}
+
 static const gate_case gate_cases[] = {
-    {8, 2, 300, MOE_GATE_SOFTMAX_TOPK, true, false, false, 0, 0},
-    {8, 2, 300, MOE_GATE_SOFTMAX_TOPK, false, true, false, 0, 0},
-    {64, 6, 200, MOE_GATE_SOFTMAX_TOPK, true, true, false, 0, 0},
-    {16, 4, 130, MOE_GATE_TOPK_SOFTMAX, true, true, false, 0, 0},
-    {24, 3, 90, MOE_GATE_SOFTMAX_TOPK, true, true, false, 0, 0},
-    {40, 3, 65, MOE_GATE_SIGMOID, true, true, false, 0, 0},
-    {7, 7, 64, MOE_GATE_SOFTMAX_TOPK, true, false, false, 0, 0},
-    {300, 8, 100, MOE_GATE_SOFTMAX_TOPK, true, false, false, 0, 0},
-    {1000, 5, 70, MOE_GATE_SIGMOID, true, false, false, 0, 0},
-    {12, 3, 90, MOE_GATE_SOFTMAX_TOPK, true, false, true, 0, 0},
-    {12, 2, 90, MOE_GATE_TOPK_SOFTMAX, true, false, true, 0, 0},
+    {8, 2, 300, MOE_GATE_SOFTMAX_TOPK, true, false, false, 0, 0, 1.0f},
+    {8, 2, 300, MOE_GATE_SOFTMAX_TOPK, false, true, false, 0, 0, 1.0f},
+    {64, 6, 200, MOE_GATE_SOFTMAX_TOPK, true, true, false, 0, 0, 1.0f},
+    {16, 4, 130, MOE_GATE_TOPK_SOFTMAX, true, true, false, 0, 0, 1.0f},
+    {24, 3, 90, MOE_GATE_SOFTMAX_TOPK, true, true, false, 0, 0, 1.0f},
+    {40, 3, 65, MOE_GATE_SIGMOID, true, true, false, 0, 0, 1.0f},
+    {7, 7, 64, MOE_GATE_SOFTMAX_TOPK, true, false, false, 0, 0, 1.0f},
+    {300, 8, 100, MOE_GATE_SOFTMAX_TOPK, true, false, false, 0, 0, 1.0f},
+    {1000, 5, 70, MOE_GATE_SIGMOID, true, false, false, 0, 0, 1.0f},
+    {12, 3, 90, MOE_GATE_SOFTMAX_TOPK, true, false, true, 0, 0, 1.0f},
+    {12, 2, 90, MOE_GATE_TOPK_SOFTMAX, true, false, true, 0, 0, 1.0f},
     /* Group-limited routing: 8 groups keeping 4, and groups of one. */
-    {64, 8, 100, MOE_GATE_SIGMOID, true, true, false, 8, 4},
-    {16, 4, 70, MOE_GATE_SOFTMAX_TOPK, true, false, false, 16, 3},
+    {64, 8, 100, MOE_GATE_SIGMOID, true, true, false, 8, 4, 1.0f},
+    {16, 4, 70, MOE_GATE_SOFTMAX_TOPK, true, false, false, 16, 3, 1.0f},
+    /* DeepSeek-V3's routed weights, scaled by 2.5; unnormalised ones too. */
+    {64, 8, 100, MOE_GATE_SIGMOID, true, true, false, 8, 4, 2.5f},
+    {8, 2, 90, MOE_GATE_SOFTMAX_TOPK, false, false, false, 0, 0, 2.5f},
 };
 #define N_GATE_CASES ((int)(sizeof gate_cases / sizeof gate_cases[0]))
 
@@ -412,7 +420,7 @@ static gate_run cpu_gate(const gate_case *gc, ref_rng *rng) {
         ref_alloc((size_t)((T + MOE_GATE_CHUNK_TOKENS - 1) / MOE_GATE_CHUNK_TOKENS * (2 * E + 1)) *
                   sizeof *scratch);
     moe_gate_totals totals = {g.assigned, g.prob_sum, &g.z_sum, scratch};
-    moe_gate_params p = {E, k, gc->kind, gc->renormalize, gc->n_groups, gc->top_groups};
+    moe_gate_params p = params_of(gc);
     moe_cpu_ops()->gate_forward(g.idx, g.w, g.prob, g.lse, &totals, g.logits, g.bias, &p, T);
     free(scratch);
     return g;
@@ -442,7 +450,7 @@ Test(cuda, gate_forward_all_kinds) {
             dpoison((size_t)E * sizeof(double), POISON_FLOAT),
             dpoison(sizeof(double), POISON_FLOAT),
             dpoison((size_t)(n_chunks * (2 * E + 1)) * sizeof(double), POISON_FLOAT)};
-        moe_gate_params p = {E, k, gc->kind, gc->renormalize, gc->n_groups, gc->top_groups};
+        moe_gate_params p = params_of(gc);
         CHECK(moe_cuda_gate_forward(d_idx, d_w, d_prob, d_lse, &totals, d_logits, d_bias, &p, T,
                                     ctx));
 
@@ -537,7 +545,7 @@ Test(cuda, gate_forward_ranks_nan_like_cpu) {
         float *logits = rnd(T * E, &rng, -2.0, 2.0);
         for (int64_t i = 0; i < T * E; i++)
             if (ref_next(&rng) % 5 == 0 || i / E == T - 1) logits[i] = NAN;
-        const moe_gate_params p = {E, k, (moe_gate_kind)kind, true, 0, 0};
+        const moe_gate_params p = {E, k, (moe_gate_kind)kind, true, 0, 0, 1.0f};
         gate_pair g = gate_both(logits, NULL, &p, T);
         char what[96];
         snprintf(what, sizeof what, "gate_forward %s with NaN logits", kind_name((moe_gate_kind)kind));
@@ -569,7 +577,7 @@ Test(cuda, gate_normalised_weights_far_below_the_row_max) {
     static const moe_gate_kind kinds[] = {MOE_GATE_TOPK_SOFTMAX, MOE_GATE_SOFTMAX_TOPK,
                                           MOE_GATE_SIGMOID};
     for (size_t i = 0; i < sizeof kinds / sizeof kinds[0]; i++) {
-        const moe_gate_params p = {E, k, kinds[i], true, 0, 0};
+        const moe_gate_params p = {E, k, kinds[i], true, 0, 0, 1.0f};
         gate_pair g = gate_both(logits, bias, &p, T);
         char what[96];
         snprintf(what, sizeof what, "%s far below the row max: topk_idx", kind_name(kinds[i]));
@@ -596,7 +604,7 @@ Test(cuda, gate_backward_all_kinds) {
         float *dweights = rnd(T * k, &rng, -1, 1);
         float *aux = c % 2 ? rnd(E, &rng, -0.01, 0.01) : NULL;
         const float z_coef = c % 3 ? 1e-3f / (float)T : 0.0f;
-        moe_gate_params p = {E, k, gc->kind, gc->renormalize, gc->n_groups, gc->top_groups};
+        moe_gate_params p = params_of(gc);
         float *want = ref_alloc((size_t)(T * E) * sizeof *want);
         moe_cpu_ops()->gate_backward(want, dweights, g.idx, g.w, g.prob, g.lse, g.logits, aux,
                                      z_coef, &p, T);
@@ -659,10 +667,10 @@ Test(cuda, plan_build_matches_cpu_plan) {
     gpu_begin();
     ref_rng rng = {404};
     static const gate_case cases[] = {
-        {8, 2, 300, MOE_GATE_SOFTMAX_TOPK, true, true, false, 0, 0},
-        {64, 8, 1000, MOE_GATE_SOFTMAX_TOPK, true, true, false, 0, 0},
-        {5, 1, 1, MOE_GATE_SOFTMAX_TOPK, true, false, false, 0, 0},
-        {300, 8, 100, MOE_GATE_SOFTMAX_TOPK, true, false, false, 0, 0},
+        {8, 2, 300, MOE_GATE_SOFTMAX_TOPK, true, true, false, 0, 0, 1.0f},
+        {64, 8, 1000, MOE_GATE_SOFTMAX_TOPK, true, true, false, 0, 0, 1.0f},
+        {5, 1, 1, MOE_GATE_SOFTMAX_TOPK, true, false, false, 0, 0, 1.0f},
+        {300, 8, 100, MOE_GATE_SOFTMAX_TOPK, true, false, false, 0, 0, 1.0f},
     };
     static const double cfs[] = {0.0, 1.0, 0.5};
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++)
@@ -703,7 +711,7 @@ Test(cuda, plan_build_matches_cpu_plan) {
 Test(cuda, permute_combine_unpermute) {
     gpu_begin();
     ref_rng rng = {505};
-    static const gate_case gc = {8, 3, 150, MOE_GATE_SOFTMAX_TOPK, true, true, false, 0, 0};
+    static const gate_case gc = {8, 3, 150, MOE_GATE_SOFTMAX_TOPK, true, true, false, 0, 0, 1.0f};
     static const int64_t dims[] = {64, 37};
     for (size_t s = 0; s < sizeof dims / sizeof dims[0]; s++) {
         const int64_t E = gc.E, k = gc.k, T = gc.T, d = dims[s], max_rows = T * k;
@@ -1419,7 +1427,7 @@ Test(cuda, table_gate_plan_permute) {
     table_begin();
     ref_rng rng = {1212};
     const moe_ops *cpu = moe_cpu_ops();
-    static const gate_case gc = {16, 4, 300, MOE_GATE_SOFTMAX_TOPK, true, true, false, 0, 0};
+    static const gate_case gc = {16, 4, 300, MOE_GATE_SOFTMAX_TOPK, true, true, false, 0, 0, 1.0f};
     const int64_t E = gc.E, k = gc.k, T = gc.T, Tk = T * k;
     const int64_t n_chunks = (T + MOE_GATE_CHUNK_TOKENS - 1) / MOE_GATE_CHUNK_TOKENS;
 
@@ -1434,7 +1442,7 @@ Test(cuda, table_gate_plan_permute) {
     float *d_w = tpoison((size_t)Tk * sizeof(float), POISON_FLOAT);
     float *d_prob = tpoison((size_t)(T * E) * sizeof(float), POISON_FLOAT);
     float *d_lse = tpoison((size_t)T * sizeof(float), POISON_FLOAT);
-    const moe_gate_params p = {E, k, gc.kind, gc.renormalize, 0, 0};
+    const moe_gate_params p = {E, k, gc.kind, gc.renormalize, 0, 0, 1.0f};
     gpu->gate_forward(d_idx, d_w, d_prob, d_lse, &totals,
                       tput(want.logits, (size_t)(T * E) * sizeof(float)),
                       tput(want.bias, (size_t)E * sizeof(float)), &p, T);

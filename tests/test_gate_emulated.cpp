@@ -30,6 +30,7 @@ struct gate_case {
     bool renormalize, with_bias;
     enum { PLAIN, TIES, FAR_BEHIND, NANS } logits;
     int n_groups = 0, top_groups = 0; /* group-limited routing when n_groups > 1 */
+    float scale = 1.0f;               /* routed_scale */
 };
 
 struct lcg {
@@ -74,7 +75,7 @@ void check(const gate_case &c) {
         }
     for (float &b : bias) b = 0.1f * r.next();
     const float *b = c.with_bias ? bias.data() : nullptr;
-    const moe_gate_params p = {E, k, c.kind, c.renormalize, c.n_groups, c.top_groups};
+    const moe_gate_params p = {E, k, c.kind, c.renormalize, c.n_groups, c.top_groups, c.scale};
 
     std::vector<int32_t> idx((size_t)(T * k)), e_idx((size_t)(T * k), -1);
     std::vector<float> w((size_t)(T * k)), prob((size_t)(T * E)), lse((size_t)T);
@@ -92,7 +93,7 @@ void check(const gate_case &c) {
     kernel([&] {                                                                                   \
         gate_forward_kernel<G, NPL>(e_idx.data(), e_w.data(), e_prob.data(), e_lse.data(), e_rows.data(), \
                                     logits.data(), b, T, (int)E, (int)k, c.kind, c.renormalize,   \
-                                    c.n_groups > 1 ? c.n_groups : 1, c.top_groups);                \
+                                    c.n_groups > 1 ? c.n_groups : 1, c.top_groups, c.scale);       \
     })
     /* The dispatch of gate.cu. */
     if (E <= 8) EMU_GATE(8, 1);
@@ -144,7 +145,7 @@ void check_backward(const gate_case &c) {
     for (float &x : logits) x = 3.0f * r.next();
     for (float &x : dweights) x = r.next();
     for (float &x : aux) x = 0.01f * r.next();
-    const moe_gate_params p = {E, k, c.kind, c.renormalize, 0, 0};
+    const moe_gate_params p = {E, k, c.kind, c.renormalize, 0, 0, c.scale};
     std::vector<int32_t> idx((size_t)(T * k));
     std::vector<float> w((size_t)(T * k)), prob((size_t)(T * E)), lse((size_t)T);
     std::vector<int64_t> assigned((size_t)E);
@@ -161,7 +162,7 @@ void check_backward(const gate_case &c) {
         [&] {
             gate_backward_kernel(e_dl.data(), dweights.data(), idx.data(), w.data(), prob.data(), lse.data(),
                                  logits.data(), aux.data(), z_coef_over_T, T, (int)E, (int)k, c.kind,
-                                 c.renormalize);
+                                 c.renormalize, c.scale);
         },
         (size_t)(GATE_WARPS * 2 * E) * sizeof(float));
     expect_close(c, "dlogits", e_dl.data(), dl.data(), dl.size());
@@ -197,6 +198,9 @@ Test(gate_emulated, matches_the_cpu_gate) {
         {16, 4, 70, MOE_GATE_SOFTMAX_TOPK, true, true, gate_case::PLAIN, 16, 4},
         {24, 4, 50, MOE_GATE_TOPK_SOFTMAX, true, true, gate_case::NANS, 6, 2},
         {300, 8, 40, MOE_GATE_SOFTMAX_TOPK, false, true, gate_case::TIES, 60, 5},
+        /* DeepSeek-V3's routed weights, scaled by 2.5; unnormalised ones too. */
+        {64, 8, 100, MOE_GATE_SIGMOID, true, true, gate_case::PLAIN, 8, 4, 2.5f},
+        {8, 2, 50, MOE_GATE_SOFTMAX_TOPK, false, false, gate_case::PLAIN, 0, 0, 2.5f},
     };
     for (const gate_case &c : cases) check(c);
 }
@@ -210,6 +214,8 @@ Test(gate_emulated, backward_matches_the_cpu_gate) {
         {64, 6, 21, MOE_GATE_TOPK_SOFTMAX, true, false, gate_case::PLAIN},
         {40, 3, 19, MOE_GATE_SIGMOID, true, false, gate_case::PLAIN},
         {300, 8, 9, MOE_GATE_SOFTMAX_TOPK, true, false, gate_case::PLAIN},
+        {40, 3, 19, MOE_GATE_SIGMOID, true, false, gate_case::PLAIN, 0, 0, 2.5f},
+        {8, 2, 37, MOE_GATE_SOFTMAX_TOPK, false, false, gate_case::PLAIN, 0, 0, 2.5f},
     };
     for (const gate_case &c : cases) check_backward(c);
 }

@@ -144,6 +144,7 @@ Test(model_config, defaults) {
     cr_expect_eq(c.rms_norm_eps, 1e-5);
     cr_expect_eq(c.router_aux_loss_coef, 0.001);
     cr_expect(c.moe_renormalize);
+    cr_expect_eq(c.moe_routed_scaling_factor, 1.0);
 
     /* null means absent, as in transformers */
     cr_assert_eq(parse(&c, config_with("head_dim", "null"), &w), MOE_OK, "%s", moe_last_error());
@@ -238,6 +239,9 @@ Test(model_config, every_bad_field_is_named) {
         {"moe_z_loss_coef", "-1", "moe_z_loss_coef=-1 must be finite and in [0, 1e+06]"},
         {"moe_n_shared_experts", "-1", "moe_n_shared_experts=-1 must be in [0, 8388607]"},
         {"moe_bias_update_rate", "-0.5", "moe_bias_update_rate=-0.5 must be finite and in [0, 1e+06]"},
+        {"moe_routed_scaling_factor", "0", "t/config.json: moe_routed_scaling_factor=0 must be in (0, 1e+06]"},
+        {"moe_routed_scaling_factor", "-2.5", "moe_routed_scaling_factor=-2.5 must be in (0, 1e+06]"},
+        {"moe_routed_scaling_factor", "1e7", "moe_routed_scaling_factor=1e+07 must be in (0, 1e+06]"},
         {"moe_n_group", "3", "t/config.json: moe_n_group=3 must divide num_local_experts=8 and be at most 64"},
         {"moe_n_group", "-1", "t/config.json: moe_n_group=-1 must divide num_local_experts=8"},
         {"moe_n_group", "16", "t/config.json: moe_n_group=16 must divide num_local_experts=8"},
@@ -511,6 +515,7 @@ static void expect_same(const moe_model_config *a, const moe_model_config *b) {
     SAME(moe_bias_update_rate);
     SAME(moe_n_group);
     SAME(moe_topk_group);
+    SAME(moe_routed_scaling_factor);
 #undef SAME
 }
 
@@ -532,6 +537,7 @@ Test(model_config, save_then_load_is_identical, .init = make_tmpdir, .fini = rem
     c.moe_bias_update_rate = 1e-3;
     c.moe_n_group = 4;
     c.moe_topk_group = 2;
+    c.moe_routed_scaling_factor = 2.5;
     cr_assert_eq(moe_model_config_save(&c, path), MOE_OK, "%s", moe_last_error());
 
     moe_model_config back;

@@ -122,16 +122,17 @@ Test(config, gate_kind) {
 
 Test(config, coefficients) {
     static const char *fields[] = {"capacity_factor", "aux_loss_coef", "z_loss_coef", "jitter_eps",
-                                   "bias_update_rate"};
+                                   "bias_update_rate", "routed_scale"};
     const double bad[] = {NAN, INFINITY, -INFINITY, -0.5};
-    for (int f = 0; f < 5; f++)
+    for (int f = 0; f < 6; f++)
         for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
             moe_layer_config c = good_cfg();
             double *slot = f == 0   ? &c.capacity_factor
                            : f == 1 ? &c.aux_loss_coef
                            : f == 2 ? &c.z_loss_coef
                            : f == 3 ? &c.jitter_eps
-                                    : &c.bias_update_rate;
+                           : f == 4 ? &c.bias_update_rate
+                                    : &c.routed_scale;
             *slot = bad[i];
             char why[64];
             snprintf(why, sizeof why, "%s=%g", fields[f], bad[i]);

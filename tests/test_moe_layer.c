@@ -97,6 +97,7 @@ static void fx_create(fx *f, const moe_layer_config *cfg, uint64_t seed) {
                      .top_groups = cfg->top_groups,
                      .gate = cfg->gate,
                      .renormalize = cfg->renormalize,
+                     .routed_scale = cfg->routed_scale,
                      .capacity_factor = cfg->capacity_factor,
                      .aux_loss_coef = cfg->aux_loss_coef,
                      .z_loss_coef = cfg->z_loss_coef};
@@ -352,6 +353,7 @@ typedef struct grad_case {
     int dy_zero;  /* only the balancing losses */
     int set_bias; /* a selection bias from moe_layer_selection_bias */
     int64_t n_groups, top_groups; /* group-limited routing when n_groups > 1 */
+    double routed_scale;          /* 0: none */
 } grad_case;
 
 static double ref_loss_at(const fx *f, const double *xd, int64_t T, const double *dy, double *y,
@@ -394,6 +396,7 @@ static void check_grad(const grad_case *gc, uint64_t seed) {
     if (gc->set_bias) cfg.bias_update_rate = 0.01;
     cfg.n_groups = gc->n_groups;
     cfg.top_groups = gc->top_groups;
+    cfg.routed_scale = gc->routed_scale;
     fx f;
     fx_create(&f, &cfg, seed);
     if (gc->set_bias) {
@@ -530,6 +533,19 @@ Test(layer, backward_with_expert_groups) {
                         .top_groups = 2};
         check_grad(&gc, seed++);
     }
+}
+
+/* DeepSeek-V3's routed_scaling_factor: the routed weights times 2.5
+ * beside a shared expert, with groups and a selection bias; and on
+ * unnormalised weights, whose gradient goes to the probabilities. */
+Test(layer, backward_with_routed_scale) {
+    const grad_case cases[] = {
+        {.E = 6, .k = 2, .T = 8, .kind = MOE_GATE_SIGMOID, .renormalize = 1, .n_shared = 1, .set_bias = 1,
+         .n_groups = 3, .top_groups = 2, .routed_scale = 2.5},
+        {.E = 5, .k = 2, .T = 8, .kind = MOE_GATE_SOFTMAX_TOPK, .renormalize = 0, .cf = 0.75, .routed_scale = 2.5},
+    };
+    uint64_t seed = 3700;
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) check_grad(&cases[i], seed++);
 }
 
 /* A token's experts come from at most top_groups groups: with the groups

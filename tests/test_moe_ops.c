@@ -128,6 +128,7 @@ typedef struct gate_case {
     bool renormalize, with_bias;
     int64_t hot; /* -1: none */
     int64_t n_groups, top_groups; /* group-limited routing when n_groups > 1 */
+    float scale;                  /* routed_scale */
 } gate_case;
 
 static void check_gate_forward(const gate_case *gc, uint64_t seed) {
@@ -154,7 +155,7 @@ static void check_gate_forward(const gate_case *gc, uint64_t seed) {
     double *scratch = ref_alloc((size_t)(n_chunks * (2 * E + 1)) * sizeof *scratch);
     double z_sum = -7.0;
     moe_gate_totals totals = {assigned, prob_sum, &z_sum, scratch};
-    moe_gate_params p = {E, k, gc->kind, gc->renormalize, gc->n_groups, gc->top_groups};
+    moe_gate_params p = {E, k, gc->kind, gc->renormalize, gc->n_groups, gc->top_groups, gc->scale};
     ops()->gate_forward(idx, w, prob, lse, &totals, logits, gc->with_bias ? bias : NULL, &p, T);
     free(scratch);
 
@@ -170,6 +171,7 @@ static void check_gate_forward(const gate_case *gc, uint64_t seed) {
         ref_router_prob(want_prob + t * E, want_lse + t, l, E, gc->kind);
         ref_topk_grouped(want_idx + t * k, NULL, l, bias_ref, E, k, gc->kind, gc->n_groups, gc->top_groups);
         ref_topk_weights(want_w + t * k, l, want_idx + t * k, E, k, gc->kind, gc->renormalize);
+        for (int64_t j = 0; j < k; j++) want_w[t * k + j] *= gc->scale;
         for (int64_t j = 0; j < k; j++) want_assigned[want_idx[t * k + j]]++;
         for (int64_t e = 0; e < E; e++) want_prob_sum[e] += want_prob[t * E + e];
         want_z += want_lse[t] * want_lse[t];
@@ -177,10 +179,10 @@ static void check_gate_forward(const gate_case *gc, uint64_t seed) {
 
     char what[192];
     int n = snprintf(what, sizeof what,
-                     "gate_forward %s renorm=%d bias=%d E=%lld k=%lld T=%lld hot=%lld groups=%lld/%lld",
+                     "gate_forward %s renorm=%d bias=%d E=%lld k=%lld T=%lld hot=%lld groups=%lld/%lld scale=%g",
                      kind_name(gc->kind), gc->renormalize, gc->with_bias, (long long)E,
                      (long long)k, (long long)T, (long long)gc->hot, (long long)gc->top_groups,
-                     (long long)gc->n_groups);
+                     (long long)gc->n_groups, (double)gc->scale);
     for (int64_t i = 0; i < T * k; i++)
         cr_expect(idx[i] == want_idx[i], "%s: topk_idx[t=%lld, j=%lld] = %d, want %d", what,
                   (long long)(i / k), (long long)(i % k), idx[i], want_idx[i]);
@@ -217,13 +219,14 @@ static void check_gate_forward(const gate_case *gc, uint64_t seed) {
  * group-limited routing with 4 groups of 2 keeping 2, groups of one, and
  * k filling the kept groups. */
 static const gate_case gate_shapes[] = {
-    {6, 2, 9, 0, 0, 0, -1, 0, 0}, {5, 1, 1, 0, 0, 0, -1, 0, 0},  {4, 4, 7, 0, 0, 0, -1, 0, 0},
-    {7, 3, 8, 0, 0, 0, 2, 0, 0},  {8, 2, 150, 0, 0, 0, -1, 0, 0}, {8, 3, 70, 0, 0, 0, -1, 4, 2},
-    {6, 2, 20, 0, 0, 0, -1, 6, 3}, {12, 6, 20, 0, 0, 0, 5, 3, 2},
+    {6, 2, 9, 0, 0, 0, -1, 0, 0, 1.0f}, {5, 1, 1, 0, 0, 0, -1, 0, 0, 1.0f},  {4, 4, 7, 0, 0, 0, -1, 0, 0, 1.0f},
+    {7, 3, 8, 0, 0, 0, 2, 0, 0, 1.0f},  {8, 2, 150, 0, 0, 0, -1, 0, 0, 1.0f}, {8, 3, 70, 0, 0, 0, -1, 4, 2, 1.0f},
+    {6, 2, 20, 0, 0, 0, -1, 6, 3, 1.0f}, {12, 6, 20, 0, 0, 0, 5, 3, 2, 1.0f},
 };
 
 /* Runs check over every shape x gate kind x renormalize x bias, each case
- * with its own seed from seed on. */
+ * with its own seed from seed on, the routed weights scaled by 2.5 (as
+ * DeepSeek-V3's) in every other case. */
 static void for_each_gate_case(void (*check)(const gate_case *, uint64_t), uint64_t seed) {
     for (size_t s = 0; s < sizeof gate_shapes / sizeof gate_shapes[0]; s++)
         for (int kind = 0; kind < 3; kind++)
@@ -233,6 +236,7 @@ static void for_each_gate_case(void (*check)(const gate_case *, uint64_t), uint6
                     gc.kind = (moe_gate_kind)kind;
                     gc.renormalize = renorm;
                     gc.with_bias = with_bias;
+                    gc.scale = seed % 2 ? 2.5f : 1.0f;
                     check(&gc, seed++);
                 }
 }
@@ -248,7 +252,7 @@ static void gate_one_token(int32_t *idx, float *w, const float *row, const float
     int64_t assigned[16];
     double prob_sum[16], scratch[2 * 16 + 1], z_sum = 0.0;
     moe_gate_totals totals = {assigned, prob_sum, &z_sum, scratch};
-    const moe_gate_params p = {E, k, kind, renormalize, 0, 0};
+    const moe_gate_params p = {E, k, kind, renormalize, 0, 0, 1.0f};
     ops()->gate_forward(idx, w, prob, &lse, &totals, row, bias, &p, 1);
 }
 
@@ -307,7 +311,7 @@ Test(ops, normalised_weights_when_the_bias_chooses_far_below) {
         int64_t assigned[3];
         double prob_sum[3], scratch[2 * 3 + 1], z_sum = 0.0;
         moe_gate_totals totals = {assigned, prob_sum, &z_sum, scratch};
-        const moe_gate_params p = {3, 2, (moe_gate_kind)kind, true, 0, 0};
+        const moe_gate_params p = {3, 2, (moe_gate_kind)kind, true, 0, 0, 1.0f};
         /* softmax_topk's and the sigmoid's bias is added to probabilities:
          * a bias of 1 outranks any of them. */
         const float bias_p[3] = {kind == MOE_GATE_TOPK_SOFTMAX ? bias[0] : -1.0f, 1.0f, 1.0f};
@@ -343,7 +347,7 @@ Test(ops, sigmoid_probabilities_below_floats_range) {
     int64_t assigned[2];
     double prob_sum[2], scratch[2 * 2 + 1], z_sum = 0.0;
     moe_gate_totals totals = {assigned, prob_sum, &z_sum, scratch};
-    const moe_gate_params p = {2, 1, MOE_GATE_SIGMOID, true, 0, 0};
+    const moe_gate_params p = {2, 1, MOE_GATE_SIGMOID, true, 0, 0, 1.0f};
     ops()->gate_forward(idx, w, prob, &lse, &totals, logits, NULL, &p, 1);
     const double small = 1.0 / (1.0 + exp(10.0)); /* s0 / (s0 + s1), s = e^l there */
     cr_expect(idx[0] == 1 && w[0] == 1.0f, "chose expert %d with weight %.9g; want 1 with 1", idx[0], w[0]);
@@ -396,12 +400,12 @@ Test(ops, gate_forward_ranks_nan_last) {
  * whose gradient gate_backward returns. */
 static double gate_objective(const double *l, const int32_t *idx, const double *dw,
                              const double *aux_grad, double zc, int64_t E, int64_t k,
-                             moe_gate_kind kind, int renormalize) {
+                             moe_gate_kind kind, int renormalize, double scale) {
     double w[64], r[64], lse;
     ref_topk_weights(w, l, idx, E, k, kind, renormalize);
     ref_router_prob(r, &lse, l, E, kind);
     double f = zc * lse * lse;
-    for (int64_t j = 0; j < k; j++) f += dw[j] * w[j];
+    for (int64_t j = 0; j < k; j++) f += dw[j] * scale * w[j];
     for (int64_t e = 0; e < E; e++) f += aux_grad[e] * r[e];
     return f;
 }
@@ -439,7 +443,7 @@ static void check_gate_backward(const gate_case *gc, uint64_t seed) {
         ref_topk_grouped(idx + t * k, NULL, l, bias_ref, E, k, gc->kind, gc->n_groups, gc->top_groups);
         ref_topk_weights(wd, l, idx + t * k, E, k, gc->kind, gc->renormalize);
         ref_router_prob(r, &ls, l, E, gc->kind);
-        for (int64_t j = 0; j < k; j++) w[t * k + j] = (float)wd[j];
+        for (int64_t j = 0; j < k; j++) w[t * k + j] = (float)(gc->scale * wd[j]);
         for (int64_t e = 0; e < E; e++) prob[t * E + e] = (float)r[e];
         lse[t] = (float)ls;
         const double h = 1e-5;
@@ -447,21 +451,21 @@ static void check_gate_backward(const gate_case *gc, uint64_t seed) {
             double save = l[e];
             l[e] = save + h;
             double fp = gate_objective(l, idx + t * k, dwd, aux_grad_d, zc, E, k, gc->kind,
-                                       gc->renormalize);
+                                       gc->renormalize, gc->scale);
             l[e] = save - h;
             double fm = gate_objective(l, idx + t * k, dwd, aux_grad_d, zc, E, k, gc->kind,
-                                       gc->renormalize);
+                                       gc->renormalize, gc->scale);
             l[e] = save;
             want[t * E + e] = (fp - fm) / (2 * h);
         }
     }
-    moe_gate_params p = {E, k, gc->kind, gc->renormalize, gc->n_groups, gc->top_groups};
+    moe_gate_params p = {E, k, gc->kind, gc->renormalize, gc->n_groups, gc->top_groups, gc->scale};
     ops()->gate_backward(dlogits, dw, idx, w, prob, lse, logits, aux_grad, zc, &p, T);
 
     char what[192];
-    snprintf(what, sizeof what, "gate_backward %s renorm=%d bias=%d E=%lld k=%lld T=%lld hot=%lld",
+    snprintf(what, sizeof what, "gate_backward %s renorm=%d bias=%d E=%lld k=%lld T=%lld hot=%lld scale=%g",
              kind_name(gc->kind), gc->renormalize, gc->with_bias, (long long)E, (long long)k,
-             (long long)T, (long long)gc->hot);
+             (long long)T, (long long)gc->hot, (double)gc->scale);
     REF_EXPECT_CLOSE(what, dlogits, want, T * E, 1e-5 * fmax(1.0, ref_max_abs(want, T * E)), 1e-4);
     free(logits);
     free(idx);

@@ -284,10 +284,13 @@ static void on_start(void *ctx, const moe_run_summary *s) {
     p->grid = s->ranks > 1;
     p->quiet = s->rank != 0;
     if (p->quiet) return;
-    char groups[64] = "";
+    char groups[96] = "";
+    int n = 0;
     if (c->moe_n_group > 1)
-        snprintf(groups, sizeof groups, " from %lld of %lld groups", (long long)c->moe_topk_group,
-                 (long long)c->moe_n_group);
+        n = snprintf(groups, sizeof groups, " from %lld of %lld groups", (long long)c->moe_topk_group,
+                     (long long)c->moe_n_group);
+    if (c->moe_routed_scaling_factor != 1.0)
+        snprintf(groups + n, sizeof groups - (size_t)n, " weighted x%g", c->moe_routed_scaling_factor);
     printf("model    d_model %lld, %lld layers, %lld heads (%lld KV), %lld experts of width %lld, top-%lld%s, "
            "vocab %lld\n",
            (long long)c->hidden_size, (long long)c->num_hidden_layers, (long long)c->num_attention_heads,

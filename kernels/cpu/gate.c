@@ -114,6 +114,7 @@ void moe_cpu_gate_forward(int32_t *topk_idx, float *topk_w, float *prob, float *
                 float inv = (float)(1.0 / wsum);
                 for (int64_t j = 0; j < k; j++) w[j] *= inv;
             }
+            for (int64_t j = 0; j < k; j++) w[j] *= p->routed_scale;
             for (int64_t e = 0; e < E; e++) {
                 r[e] *= norm;
                 c_prob[e] += r[e];
@@ -147,22 +148,26 @@ void moe_cpu_gate_backward(float *dlogits, const float *dweights, const int32_t 
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < T; t++) {
         const float *l = logits + t * E, *r = prob + t * E, *dw = dweights + t * k;
-        const float *w = topk_w + t * k;
+        const float *w = topk_w + t * k; /* the weights times s = routed_scale */
         const int32_t *idx = topk_idx + t * k;
         float *dl = dlogits + t * E;
+        const float s = p->routed_scale;
         /* dr: the gradient with respect to the router probabilities r. */
         float dr[MOE_EXPERTS_MAX];
         for (int64_t e = 0; e < E; e++) dr[e] = aux_grad ? aux_grad[e] : 0.0f;
 
-        float dot = 0.0f; /* sum_j w_j dw_j: the normalisation's share */
+        /* sum_j w_j dw_j: the normalisation's share. Of the unscaled
+         * weights w / s the gradient is s dw, so s cancels but in the dot. */
+        float dot = 0.0f;
         for (int64_t j = 0; j < k; j++) dot += w[j] * dw[j];
+        dot /= s;
 
         /* The probabilities' part (the aux loss's, and softmax_topk's
          * weights without renormalize, which are r): softmax backward
          * dl = r (dr - <r, dr>); for the sigmoid, r = s / sum(s) and
          * s' = s (1 - s) give r (dr - <r, dr>) (1 - s). */
         if (p->kind == MOE_GATE_SOFTMAX_TOPK && !p->renormalize)
-            for (int64_t j = 0; j < k; j++) dr[idx[j]] += dw[j];
+            for (int64_t j = 0; j < k; j++) dr[idx[j]] += s * dw[j];
         float dr_r = 0.0f;
         for (int64_t e = 0; e < E; e++) dr_r += dr[e] * r[e];
         for (int64_t e = 0; e < E; e++) {

@@ -30,6 +30,9 @@ static moe_status check_params(const moe_gate_params *p, int64_t T, const char *
         return moe_error(MOE_ERR_INVALID_ARG, "%s: %lld of %lld expert groups cannot hold k=%lld of E=%lld",
                          op, (long long)p->top_groups, (long long)p->n_groups, (long long)p->top_k,
                          (long long)p->n_experts);
+    if (!(p->routed_scale > 0.0f && p->routed_scale < INFINITY))
+        return moe_error(MOE_ERR_INVALID_ARG, "%s: routed_scale=%g must be positive and finite", op,
+                         (double)p->routed_scale);
     return MOE_OK;
 }
 
@@ -43,7 +46,7 @@ static moe_status launch_forward(int32_t *topk_idx, float *topk_w, float *prob, 
     gate_forward_kernel<G, NPL><<<(unsigned)n_chunks, GATE_THREADS, 0, ctx->stream>>>(
         topk_idx, topk_w, prob, lse, chunk_scratch, logits, bias, T, (int)p->n_experts,
         (int)p->top_k, p->kind, p->renormalize, p->n_groups > 1 ? (int)p->n_groups : 1,
-        (int)p->top_groups);
+        (int)p->top_groups, p->routed_scale);
     MOE_CUDA_CHECK(cudaGetLastError());
     return MOE_OK;
 }
@@ -112,7 +115,7 @@ extern "C" moe_status moe_cuda_gate_backward(float *dlogits, const float *dweigh
     const size_t smem = (size_t)GATE_WARPS * 2 * E * sizeof(float);
     gate_backward_kernel<<<moe_cuda_grid(T, GATE_WARPS, ctx), GATE_WARPS * 32, smem, ctx->stream>>>(
         dlogits, dweights, topk_idx, topk_w, prob, lse, logits, aux_grad, z_coef_over_T, T, E,
-        (int)p->top_k, p->kind, p->renormalize);
+        (int)p->top_k, p->kind, p->renormalize, p->routed_scale);
     MOE_CUDA_CHECK(cudaGetLastError());
     return MOE_OK;
 }

@@ -36,7 +36,8 @@ template <int G, int NPL>
 static __global__ void __launch_bounds__(GATE_THREADS)
     gate_forward_kernel(int32_t *topk_idx, float *topk_w, float *prob, float *lse,
                         double *chunk_scratch, const float *logits, const float *bias, int64_t T,
-                        int E, int k, moe_gate_kind kind, bool renormalize, int n_groups, int top_groups) {
+                        int E, int k, moe_gate_kind kind, bool renormalize, int n_groups, int top_groups,
+                        float routed_scale) {
     constexpr int PASS = GATE_THREADS / G; /* tokens a pass */
     __shared__ int counts[MOE_EXPERTS_MAX];
     const int lane = threadIdx.x & 31, g = lane % G, group = threadIdx.x / G;
@@ -170,6 +171,7 @@ static __global__ void __launch_bounds__(GATE_THREADS)
             for (int j = g; own && j < k; j += G)
                 topk_w[t * k + j] = moe_expf(topk_w[t * k + j] - chosen_max) * inv;
         }
+        for (int j = g; own && j < k; j += G) topk_w[t * k + j] *= routed_scale;
         if (own && g == 0) lse[t] = log_z;
     }
 
@@ -197,7 +199,7 @@ static __global__ void gate_backward_kernel(float *dlogits, const float *dweight
                                             const float *prob, const float *lse,
                                             const float *logits, const float *aux_grad,
                                             float z_coef_over_T, int64_t T, int E, int k,
-                                            moe_gate_kind kind, bool renormalize) {
+                                            moe_gate_kind kind, bool renormalize, float routed_scale) {
     MOE_DYNAMIC_SHARED(float, gate_shared);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     float *dr = gate_shared + warp * 2 * E; /* [E] d(loss)/d(prob) */
@@ -213,13 +215,14 @@ static __global__ void gate_backward_kernel(float *dlogits, const float *dweight
          * CPU; k is small. */
         float dot = 0.0f;
         for (int j = 0; j < k; j++) dot += w[j] * dw[j];
+        dot /= routed_scale; /* the weights are scaled: as on the CPU */
         __syncwarp();
 
         /* The probabilities' part, then the normalised weights', as on the
          * CPU (kernels/cpu/gate.c). The k chosen experts are distinct, so
          * lanes own distinct slots. */
         if (kind == MOE_GATE_SOFTMAX_TOPK && !renormalize)
-            for (int j = lane; j < k; j += 32) dr[idx[j]] += dw[j];
+            for (int j = lane; j < k; j += 32) dr[idx[j]] += routed_scale * dw[j];
         __syncwarp();
         float dr_r = 0.0f;
         for (int e = lane; e < E; e += 32) dr_r += dr[e] * r[e];
