@@ -1458,6 +1458,7 @@ static moe_status run_body(run *r, double start) {
         if (r->slowest[q] > r->slowest[end.straggler_rank]) end.straggler_rank = q;
     }
     end.straggler_count = r->slowest[end.straggler_rank];
+    for (int q = end.straggler_rank + 1; q < r->ranks; q++) end.straggler_ties += r->slowest[q] == end.straggler_count;
     if (end.straggler_steps) end.straggler_excess /= (double)end.straggler_steps;
     end.val_loss = val_loss;
     end.entropy_floor = r->entropy_floor;

@@ -226,8 +226,9 @@ typedef struct moe_run_end {
     /* Stragglers over the steps this call ran (moe_step_metrics' busy
      * times; ranks > 1): the rank most often the slowest, the steps it was
      * of straggler_steps, and the mean over them of the slowest rank's busy
-     * time over the ranks' median, less 1. */
-    int straggler_rank;
+     * time over the ranks' median, less 1; straggler_ties: the other ranks
+     * as often the slowest (straggler_rank is the lowest of them). */
+    int straggler_rank, straggler_ties;
     int64_t straggler_count, straggler_steps;
     double straggler_excess;
 } moe_run_end;

@@ -470,11 +470,16 @@ static void on_end(void *ctx, const moe_run_end *e) {
         if (e->last_checkpoint[0]) printf(", last checkpoint %s", e->last_checkpoint);
         printf("\n");
     }
-    if (p->grid && e->straggler_steps)
-        printf("stragglers: rank %d was the slowest in %lld of the %lld steps run; the slowest rank was busy %.1f%% "
-               "over the ranks' median on average\n",
-               e->straggler_rank, (long long)e->straggler_count, (long long)e->straggler_steps,
+    if (p->grid && e->straggler_steps) {
+        char ties[64] = "";
+        if (e->straggler_ties)
+            snprintf(ties, sizeof ties, " (and %d other rank%s as often)", e->straggler_ties,
+                     e->straggler_ties > 1 ? "s" : "");
+        printf("stragglers: rank %d was the slowest in %lld of the %lld steps run%s; the slowest rank was busy "
+               "%.1f%% over the ranks' median on average\n",
+               e->straggler_rank, (long long)e->straggler_count, (long long)e->straggler_steps, ties,
                100.0 * e->straggler_excess);
+    }
     if (e->profile) print_profile(e);
     if (!isnan(e->entropy_floor))
         printf("val_loss %.4f vs floor %.4f: %.1f%% above the floor\n", e->val_loss, e->entropy_floor,
