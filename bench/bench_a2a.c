@@ -142,9 +142,10 @@ static void print_help(FILE *f) {
             "                        (default %d per rank)\n"
             "  --top-k N             experts per token (default %d)\n"
             "  --d-ff N              each expert's intermediate size (default %d)\n"
-            "  --overlap 0|1         1: each local expert runs as soon as its rows have\n"
-            "                        arrived, overlapping the other experts' messages\n"
-            "                        (default 0: wait for every row first)\n"
+            "  --overlap 0|1         1: a token's row travels once per expert, and each\n"
+            "                        local expert runs as soon as its rows have arrived,\n"
+            "                        overlapping the other experts' messages (default 0:\n"
+            "                        once per rank, every row awaited first)\n"
             "\n"
             "timing:\n"
             "  -w, --warmup_iters N  untimed iterations first (default %d)\n"
@@ -1129,9 +1130,10 @@ static int run_dispatch(const a2a_options *o, moe_comm *comm) {
                          (long long)r.k, (long long)o->d_ff, (unsigned long long)o->seed,
                          (long long)o->warmup, (long long)o->iters);
         bench_table_note(&table,
-                         "left: the layer's dispatch + combine path (permute, per-expert "
-                         "messages, and back), a forward + backward's exchange time / %d; right: "
-                         "the same %d exchanges as raw MPI_Alltoallv, / %d",
+                         "left: the layer's dispatch + combine path (permute, %s, and back), a "
+                         "forward + backward's exchange time / %d; right: the same %d exchanges as raw "
+                         "MPI_Alltoallv, / %d",
+                         o->overlap ? "a message per (rank, expert)" : "a message per rank, each token once",
                          EXCHANGES_PER_STEP, EXCHANGES_PER_STEP, EXCHANGES_PER_STEP);
         bench_table_note(&table,
                          "median of the slowest rank; GB/s; xbw: bytes sent to other ranks / "

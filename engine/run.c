@@ -731,8 +731,9 @@ static moe_status build_model(run *r) {
             {"--pp-schedule", (double)o->pp_schedule, pipe_schedule_name},
             {"--pp-balance", (double)o->pp_balance, pp_balance_name},
             {"--zero", (double)o->zero, NULL},             {"--lr", o->lr, NULL},
-            /* A rank that recomputes runs its expert-parallel exchanges again. */
-            {"--recompute", (double)o->recompute, NULL},
+            /* A rank that recomputes runs its expert-parallel exchanges
+             * again; --overlap sends other messages in them. */
+            {"--recompute", (double)o->recompute, NULL},   {"--overlap", (double)o->overlap, NULL},
             {"--eval-every", (double)o->eval_every, NULL}, {"--eval-batches", (double)o->eval_batches, NULL},
             {"--save-every", (double)o->save_every, NULL}, {"--shuffle", (double)o->shuffle, NULL},
             {"--device", (double)o->device, device_name},

@@ -43,6 +43,14 @@ rc=$?
 check "ranks on different --init-from are refused (exit $rc)" \
     "$([ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && grep -q 'disagrees with rank 0 on --init-from' "$out/mixed"; echo $?)"
 
+# Ranks on other expert-parallel exchanges would wait in each other's messages.
+ep=(--steps 2 --seq-len 32 --eval-every 0 --eval-batches 1 --threads 1 --batch-size 2 --ep 2 --comm-timeout 30)
+timeout 60 "${launcher[@]}" -np 1 "$bin/moe-train" "${ep[@]}" --out "$out/ov" : \
+    -np 1 "$bin/moe-train" "${ep[@]}" --out "$out/ov" --overlap >"$out/overlap" 2>&1
+rc=$?
+check "ranks on different --overlap are refused (exit $rc)" \
+    "$([ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && grep -q 'disagrees with rank 0 on --overlap' "$out/overlap"; echo $?)"
+
 # moe-bench a2a with other flags on each rank would wait in other collectives.
 timeout 60 "${launcher[@]}" -np 1 "$bin/moe-bench" a2a -b 1K -e 4K -n 1 -w 0 : \
     -np 1 "$bin/moe-bench" a2a -b 1K -e 4K -n 3 -w 0 >"$out/a2a" 2>&1
