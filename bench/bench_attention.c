@@ -149,6 +149,14 @@ static int paths_for(attn_path *paths, const moe_device_handle *dev, const attn_
     return 1;
 }
 
+/* Whether the query heads are a multiple of the KV heads; says why not. */
+static bool heads_divide(const attn_shape *s) {
+    if (s->Hq % s->Hkv == 0) return true;
+    fprintf(stderr, "moe-bench %s: --heads %lld is not a multiple of --kv-heads %lld\n", CMD, (long long)s->Hq,
+            (long long)s->Hkv);
+    return false;
+}
+
 int bench_attention_run(int argc, char **argv) {
     attn_shape s = {0};
     int64_t warmup = DEFAULT_WARMUP, iters = DEFAULT_ITERS, threads = 0;
@@ -185,6 +193,9 @@ int bench_attention_run(int argc, char **argv) {
         }
     }
 
+    /* Heads both given are checked before the device opens (a GPU's takes
+     * seconds); one left to the device's default shape, after. */
+    if (s.Hq && s.Hkv && !heads_divide(&s)) return BENCH_EXIT_USAGE;
     if (threads > 0) bench_set_threads((int)threads);
     moe_device_handle dev;
     if (bench_failed(CMD, "device", moe_device_open(&dev, device, 1))) return BENCH_EXIT_FAILURE;
@@ -200,9 +211,7 @@ int bench_attention_run(int argc, char **argv) {
     if (!s.Hq) s.Hq = def->Hq;
     if (!s.Hkv) s.Hkv = def->Hkv;
     if (!s.hd) s.hd = def->hd;
-    if (s.Hq % s.Hkv != 0) {
-        fprintf(stderr, "moe-bench %s: --heads %lld is not a multiple of --kv-heads %lld\n", CMD, (long long)s.Hq,
-                (long long)s.Hkv);
+    if (!heads_divide(&s)) {
         moe_device_close(&dev);
         return BENCH_EXIT_USAGE;
     }
