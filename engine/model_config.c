@@ -437,9 +437,10 @@ moe_status moe_model_config_validate(const moe_model_config *c, const char *name
     MOE_TRY(check_coef(name, "moe_capacity_factor", c->moe_capacity_factor));
     MOE_TRY(check_coef(name, "moe_z_loss_coef", c->moe_z_loss_coef));
     MOE_TRY(check_coef(name, "moe_bias_update_rate", c->moe_bias_update_rate));
-    if (!(c->moe_routed_scaling_factor > 0.0 && c->moe_routed_scaling_factor <= MAX_COEF))
-        return moe_error(MOE_ERR_CONFIG, "%s: moe_routed_scaling_factor=%g must be in (0, %g]", name,
-                         c->moe_routed_scaling_factor, MAX_COEF);
+    /* Used in single precision, and divided by in the gate's backward. */
+    if (!(c->moe_routed_scaling_factor >= FLT_MIN && c->moe_routed_scaling_factor <= MAX_COEF))
+        return moe_error(MOE_ERR_CONFIG, "%s: moe_routed_scaling_factor=%g must be in [%g, %g]", name,
+                         c->moe_routed_scaling_factor, (double)FLT_MIN, MAX_COEF);
     const int64_t E = c->num_local_experts, groups = c->moe_n_group;
     if (groups < 0 || groups > MOE_GROUPS_MAX || groups > E || (groups > 1 && E % groups))
         return moe_error(MOE_ERR_CONFIG, "%s: moe_n_group=%lld must divide num_local_experts=%lld and be at most %d "

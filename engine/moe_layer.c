@@ -19,6 +19,7 @@
  */
 #include "engine/moe_layer.h"
 
+#include <float.h>
 #include <limits.h>
 #include <math.h>
 #include <omp.h>
@@ -261,6 +262,9 @@ moe_status moe_layer_config_validate(const moe_layer_config *cfg) {
     MOE_TRY(check_coef("z_loss_coef", cfg->z_loss_coef, 1e6));
     MOE_TRY(check_coef("bias_update_rate", cfg->bias_update_rate, 1e6));
     MOE_TRY(check_coef("routed_scale", cfg->routed_scale, 1e6));
+    if (cfg->routed_scale > 0.0 && cfg->routed_scale < FLT_MIN) /* a float 0, which the gate's backward divides by */
+        return moe_error(MOE_ERR_CONFIG, "moe layer config: routed_scale=%g must be 0 (none) or at least %g",
+                         cfg->routed_scale, (double)FLT_MIN);
     if (!isfinite(cfg->jitter_eps) || cfg->jitter_eps < 0.0 || cfg->jitter_eps >= 1.0)
         return moe_error(MOE_ERR_CONFIG, "moe layer config: jitter_eps=%g must be in [0, 1)", cfg->jitter_eps);
     if (cfg->n_groups < 0 || cfg->n_groups > MOE_GROUPS_MAX || cfg->n_groups > cfg->n_experts ||

@@ -140,6 +140,16 @@ Test(config, coefficients) {
         }
 }
 
+/* routed_scale 0 means none; a positive one that is a float 0 is refused
+ * (the gate's backward divides by it). */
+Test(config, routed_scale_below_floats_range) {
+    moe_layer_config c = good_cfg();
+    c.routed_scale = 0.0;
+    cr_expect_eq(moe_layer_config_validate(&c), MOE_OK, "%s", moe_last_error());
+    c.routed_scale = 1e-50;
+    expect_bad(&c, "routed_scale", "routed_scale=1e-50");
+}
+
 /* Capacity is ceil(cf * T * k / E) of the decimal cf, not of its binary
  * neighbour: 1.1 * 100 * 2 / 10 is 22 (in doubles 22.000000000000004). */
 Test(config, capacity_of_exact_quotients) {

@@ -236,7 +236,7 @@ static void for_each_gate_case(void (*check)(const gate_case *, uint64_t), uint6
                     gc.kind = (moe_gate_kind)kind;
                     gc.renormalize = renorm;
                     gc.with_bias = with_bias;
-                    gc.scale = seed % 2 ? 2.5f : 1.0f;
+                    gc.scale = seed / 2 % 2 ? 2.5f : 1.0f; /* with and without the bias */
                     check(&gc, seed++);
                 }
 }
