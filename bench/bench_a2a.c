@@ -92,16 +92,14 @@ static void print_help(FILE *f) {
             "  E experts (E/N per rank), top-k, SwiGLU experts of width d-ff, dropless.\n"
             "  Each rank holds T = size/row-bytes/k tokens (at least 1; a size giving the\n"
             "  T of the one before is skipped), T*k (token, expert) pairs = size bytes;\n"
-            "  a dispatch sends each token once to each rank holding any of its experts\n"
-            "  (with --overlap 1, once per expert: T*k rows).\n"
+            "  a dispatch sends each token once to each rank holding any of its experts.\n"
             "  The router is steered: gate.weight is the identity on the first E input\n"
             "  columns, which hold log p_e + Gumbel noise, so each token's top-k is a draw\n"
             "  without replacement from p, p_e being the weight of the expert's rank under\n"
             "  -d spread over its E/N experts. A step (forward + backward) makes 4\n"
             "  exchanges: rows out, outputs back, output gradients out, input gradients\n"
             "  back. time = the layer's exchange_seconds of a step / 4 (permute, one\n"
-            "  message per rank each way, or per (rank, expert) with --overlap 1,\n"
-            "  combine, unpermute;\n"
+            "  message per rank each way, combine, unpermute;\n"
             "  not the experts, not the all-gather of routing counts), in which a rank\n"
             "  waiting for a slower one counts. mpi = the same 4 exchanges as\n"
             "  MPI_Alltoallv's of the same per-peer counts (the returns send back what\n"
@@ -142,10 +140,9 @@ static void print_help(FILE *f) {
             "                        (default %d per rank)\n"
             "  --top-k N             experts per token (default %d)\n"
             "  --d-ff N              each expert's intermediate size (default %d)\n"
-            "  --overlap 0|1         1: a token's row travels once per expert, and each\n"
-            "                        local expert runs as soon as its rows have arrived,\n"
-            "                        overlapping the other experts' messages (default 0:\n"
-            "                        once per rank, every row awaited first)\n"
+            "  --overlap 0|1         1: each source rank's tokens go through the experts\n"
+            "                        as soon as they are in, overlapping later sources'\n"
+            "                        messages (default 0: every source awaited first)\n"
             "\n"
             "timing:\n"
             "  -w, --warmup_iters N  untimed iterations first (default %d)\n"
@@ -885,8 +882,8 @@ static double time_copy(dispatch_run *r, int64_t R) {
 
 /* The rows the last forward sent each rank, from the router's choices
  * (dropless: every token travels; rank r holds experts r E/P .. (r+1) E/P
- * - 1): a token once per rank holding any of its experts, or with
- * --overlap once per expert; and the rows every rank sent here. */
+ * - 1): a token once per rank holding any of its experts; and the rows
+ * every rank sent here. */
 static void learn_routing(dispatch_run *r, int64_t T) {
     const int32_t *topk; /* [T, k] */
     moe_status st = moe_layer_last_topk(r->layer, &topk);
@@ -896,7 +893,7 @@ static void learn_routing(dispatch_run *r, int64_t T) {
         for (int64_t i = 0; i < r->k; i++) {
             const int j = topk[t * r->k + i] / (int)r->n_local;
             bool again = false; /* the token's row already goes to rank j */
-            for (int64_t i2 = 0; i2 < i && !r->o->overlap; i2++) again |= topk[t * r->k + i2] / r->n_local == j;
+            for (int64_t i2 = 0; i2 < i; i2++) again |= topk[t * r->k + i2] / r->n_local == j;
             if (!again) r->send_rows[j]++;
         }
     st = moe_comm_alltoall(r->comm, r->recv_rows, r->send_rows, 1, MOE_COMM_I64);
@@ -938,11 +935,11 @@ static int64_t dispatch_size(dispatch_run *r, int64_t T, const bench_table *tabl
     int64_t sent_total = 0;
     for (int j = 0; j < P; j++) sent_total += r->send_rows[j];
     const int64_t n_recv = recv_total * d, n_back = sent_total * d;
-    /* A step sends every row twice in each direction it travels; without
-     * --overlap a token also takes its k gate weights and k slot codes out,
-     * and brings its k weight gradients back. */
+    /* A step sends every row twice in each direction it travels; a token
+     * also takes its k gate weights and k slot codes out, and brings its k
+     * weight gradients back. */
     int64_t step_bytes = 2 * off_rank_rows * d * (int64_t)sizeof(float);
-    for (int j = 0; j < P && !o->overlap; j++)
+    for (int j = 0; j < P; j++)
         if (j != r->rank) step_bytes += (2 * r->send_rows[j] + r->recv_rows[j]) * r->k * (int64_t)sizeof(float);
 
     int64_t bad_steps = 0;
@@ -1130,10 +1127,9 @@ static int run_dispatch(const a2a_options *o, moe_comm *comm) {
                          (long long)r.k, (long long)o->d_ff, (unsigned long long)o->seed,
                          (long long)o->warmup, (long long)o->iters);
         bench_table_note(&table,
-                         "left: the layer's dispatch + combine path (permute, %s, and back), a "
-                         "forward + backward's exchange time / %d; right: the same %d exchanges as raw "
-                         "MPI_Alltoallv, / %d",
-                         o->overlap ? "a message per (rank, expert)" : "a message per rank, each token once",
+                         "left: the layer's dispatch + combine path (permute, a message per rank with "
+                         "each token once, and back), a forward + backward's exchange time / %d; right: "
+                         "the same %d exchanges as raw MPI_Alltoallv, / %d",
                          EXCHANGES_PER_STEP, EXCHANGES_PER_STEP, EXCHANGES_PER_STEP);
         bench_table_note(&table,
                          "median of the slowest rank; GB/s; xbw: bytes sent to other ranks / "

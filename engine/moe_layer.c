@@ -131,13 +131,14 @@ struct moe_layer {
     int64_t *pair_row;   /* [T*k] */
     int64_t *row_token;  /* [T*k] */
     void *plan_scratch;  /* ops->plan_scratch_bytes(T, k, E) */
-    float *xp;           /* [T*k, d] rows in plan (expert) order */
-    float *yp;           /* [T*k, d] */
+    /* With one rank [T*k, d] rows in plan (expert) order; under EP
+     * [T*m, d], the rows sent (a token once per rank) and received back. */
+    float *xp;
+    float *yp;
     float *sh_h;         /* [T, 2S] shared experts */
     float *sh_g;         /* [T, S] */
     float *sh_y;         /* [T, d] */
-    /* The merged exchange (EP without overlap; m = min(top_k, P) ranks a
-     * token reaches at most): */
+    /* The exchange (EP; m = min(top_k, P) ranks a token reaches at most): */
     int64_t *send_tok;   /* [T*m] this rank's tokens for each EP rank, rank-major, in token order */
     int64_t *tok_slot;   /* [T, P] where token t's row for rank r sits among them, -1: none */
     float *send_w;       /* [T*m, k] their gate weights */
@@ -145,10 +146,10 @@ struct moe_layer {
     float *dx_in;        /* [T, d] gradient of x_in (jitter only) */
     float *dlogits;      /* [T, E] */
     float *dweights;     /* [T, k] */
-    float *dyp;          /* [T*k, d] */
-    float *dxp;          /* [T*k, d] */
+    float *dyp;          /* as xp */
+    float *dxp;          /* as yp */
     float *sh_dh;        /* [T, 2S] */
-    float *dw_back;      /* [T*m, k] merged exchange: weight gradients per token and rank */
+    float *dw_back;      /* [T*m, k] the exchange's weight gradients per token and rank */
 
     /* Rows this rank's experts work on, sized for rows_sized rows. With one
      * rank xe, ye, dye and dxe are xp, yp, dyp and dxp. BLOCK_ROWS: */
@@ -156,7 +157,7 @@ struct moe_layer {
     float *ye;           /* [R, d] expert outputs */
     float *h;            /* [R, 2ff] */
     float *g;            /* [R, ff] */
-    /* The merged exchange's receiving side, U <= R tokens from the EP
+    /* The exchange's receiving side, U <= R tokens from the EP
      * group, source-major: */
     float *rx;           /* [R, d] their rows; then the rows sent back */
     float *recv_w;       /* [U, k] their gate weights */
@@ -166,7 +167,7 @@ struct moe_layer {
     float *dye;          /* [R, d] the gradient of ye */
     float *dxe;          /* [R, d] */
     float *dh;           /* [R, 2ff] */
-    float *dw_send;      /* [U, k] merged exchange: weight gradients of the received tokens */
+    float *dw_send;      /* [U, k] the exchange's weight gradients of the received tokens */
 
     /* Per-expert and per-rank arrays, independent of T. The gating totals
      * are one backend block of 2E + 1 eight-byte words (assigned [E],
@@ -186,12 +187,11 @@ struct moe_layer {
     int64_t *global_assigned; /* [E] */
     int64_t *keep;           /* [E] this rank's kept pairs per expert */
     int64_t *recv_rows;      /* [P, n_local] rows from each source for each local expert */
-    moe_comm_request *requests; /* [max(4 P n_local, 8 P)] messages of one expert phase */
+    moe_comm_request *requests; /* [8 P] messages of one exchange */
     int n_requests;
-    bool overlap;               /* run each expert as soon as its rows arrive */
-    bool merged;                /* the last forward's exchange sent each token once per rank */
-    /* The merged exchange's host side: tokens to and from each EP rank
-     * ([P] each), and its bookkeeping arrays, grown as needed. */
+    bool overlap;               /* take each source's rows as soon as they are in */
+    /* The exchange's host side: tokens to and from each EP rank ([P] each,
+     * the offsets [P + 1]), and its bookkeeping arrays, grown as needed. */
     int64_t *send_n, *send_off, *recv_n, *recv_off;
     void *host_mem;
     int64_t host_bytes;
@@ -408,8 +408,8 @@ moe_status moe_layer_create_in(moe_layer **out, const moe_layer_config *cfg, con
     L->global_assigned = calloc((size_t)E, sizeof *L->global_assigned);
     L->keep = calloc((size_t)E, sizeof *L->keep);
     L->recv_rows = calloc((size_t)P * (size_t)L->n_local, sizeof *L->recv_rows);
-    L->requests = calloc(4 * (size_t)P * (size_t)(L->n_local > 2 ? L->n_local : 2), sizeof *L->requests);
-    L->send_n = calloc(4 * (size_t)P, sizeof *L->send_n);
+    L->requests = calloc(8 * (size_t)P, sizeof *L->requests);
+    L->send_n = calloc(4 * (size_t)P + 2, sizeof *L->send_n);
     L->expert_offsets = calloc((size_t)E + 1, sizeof *L->expert_offsets);
     L->local_offsets = calloc((size_t)L->n_local + 1, sizeof *L->local_offsets);
     L->aux_grad = calloc((size_t)E, sizeof *L->aux_grad);
@@ -435,7 +435,7 @@ moe_status moe_layer_create_in(moe_layer **out, const moe_layer_config *cfg, con
         return moe_error(MOE_ERR_OUT_OF_MEMORY, "moe_layer_create: per-expert arrays for n_experts=%lld", (long long)E);
     }
     L->send_off = L->send_n + P;
-    L->recv_n = L->send_off + P;
+    L->recv_n = L->send_off + P + 1;
     L->recv_off = L->recv_n + P;
     L->assigned = L->totals_host;
     L->prob_sum = (double *)L->totals_host + E;
@@ -827,8 +827,9 @@ static int block_arrays(moe_layer *L, block_kind kind, int64_t n, ws_entry *t) {
     const moe_layer_config *c = &L->cfg;
     const int64_t d = c->d_model, E = c->n_experts, k = c->top_k, S = L->shared_ff, ff = c->d_ff;
     const int64_t jitter = c->jitter_eps > 0.0 ? n * d : 0, ep_rows = L->ep ? n * d : 0;
-    /* The merged exchange's: m = min(k, P) ranks per token at most */
-    const int64_t P = L->ep ? L->ep_size : 0, m = k < P ? k : P;
+    /* The exchange's: m = min(k, P) ranks per token at most; with one
+     * rank the plan's rows are the expert rows, k per token. */
+    const int64_t P = L->ep ? L->ep_size : 0, m = k < P ? k : P, plan = L->ep ? n * m * d : n * k * d;
     const size_t f = sizeof(float), i64 = sizeof(int64_t);
     int i = 0;
     switch (kind) {
@@ -847,8 +848,8 @@ static int block_arrays(moe_layer *L, block_kind kind, int64_t n, ws_entry *t) {
         t[i++] = (ws_entry){(void **)&L->pair_row, n * k, i64};
         t[i++] = (ws_entry){(void **)&L->row_token, n * k, i64};
         t[i++] = (ws_entry){&L->plan_scratch, (int64_t)L->ops->plan_scratch_bytes(n, k, E), 1};
-        t[i++] = (ws_entry){(void **)&L->xp, n * k * d, f};
-        t[i++] = (ws_entry){(void **)&L->yp, n * k * d, f};
+        t[i++] = (ws_entry){(void **)&L->xp, plan, f};
+        t[i++] = (ws_entry){(void **)&L->yp, plan, f};
         t[i++] = (ws_entry){(void **)&L->sh_h, n * 2 * S, f};
         t[i++] = (ws_entry){(void **)&L->sh_g, n * S, f};
         t[i++] = (ws_entry){(void **)&L->sh_y, S > 0 ? n * d : 0, f};
@@ -860,8 +861,8 @@ static int block_arrays(moe_layer *L, block_kind kind, int64_t n, ws_entry *t) {
         t[i++] = (ws_entry){(void **)&L->dx_in, jitter, f};
         t[i++] = (ws_entry){(void **)&L->dlogits, n * E, f};
         t[i++] = (ws_entry){(void **)&L->dweights, n * k, f};
-        t[i++] = (ws_entry){(void **)&L->dyp, n * k * d, f};
-        t[i++] = (ws_entry){(void **)&L->dxp, n * k * d, f};
+        t[i++] = (ws_entry){(void **)&L->dyp, plan, f};
+        t[i++] = (ws_entry){(void **)&L->dxp, plan, f};
         t[i++] = (ws_entry){(void **)&L->sh_dh, n * 2 * S, f};
         t[i++] = (ws_entry){(void **)&L->dw_back, n * m * k, f};
         break;
@@ -951,7 +952,7 @@ static moe_status carve_rows(moe_layer *L, int64_t R) {
     return MOE_OK;
 }
 
-/* The merged exchange's host bookkeeping for T tokens and R expert rows. */
+/* The exchange's host bookkeeping for T tokens and R expert rows. */
 static moe_status carve_host(moe_layer *L, int64_t T, int64_t R) {
     const int64_t k = L->cfg.top_k, P = L->ep_size, m = k < P ? k : P;
     const ws_entry t[] = {
@@ -1118,57 +1119,6 @@ static int64_t expert_row(const moe_layer *L, int64_t s, int64_t j) {
     return row;
 }
 
-/* Posts the messages of one direction of an exchange between the plan (this
- * rank's tokens, by expert) and the expert rows (this rank's experts, by
- * source), one per (peer, expert) chunk, each received straight into its
- * final place: no staging copy on either side. Chunks that stay on this rank
- * are copied. to_experts: plan -> experts (dispatch), else experts -> plan
- * (return); only_expert >= 0 limits it to this rank's expert only_expert
- * (its return, once computed), or with sends = false to the receives. Tags
- * tell the directions apart, and MPI keeps the messages of one sender and
- * tag in order, so consecutive exchanges cannot cross. */
-static moe_status post_exchange(moe_layer *L, float *plan_rows, float *expert_rows, bool to_experts, int64_t only_expert,
-                                bool sends, bool recvs) {
-    const int64_t P = L->ep_size, nl = L->n_local, d = L->cfg.d_model;
-    const size_t row_bytes = (size_t)d * sizeof(float);
-    const int tag_base = to_experts ? 0 : 1;
-    for (int64_t j = 0; j < nl; j++)
-        for (int64_t peer = 0; peer < P; peer++) {
-            /* My plan rows for the peer's expert j, and the peer's rows for my expert j. */
-            const int64_t e = peer * nl + j, plan_n = L->expert_offsets[e + 1] - L->expert_offsets[e];
-            float *mine = plan_rows + L->expert_offsets[e] * d;
-            float *theirs = expert_rows + expert_row(L, peer, j) * d;
-            const int64_t their_n = L->recv_rows[peer * nl + j];
-            /* Dispatch sends my rows for every rank's expert j; a return sends
-             * my expert j's rows back, so only_expert selects the sends of a
-             * return and the receives of a dispatch by this rank's expert. */
-            const bool selected = only_expert < 0 || only_expert == j;
-            const bool send_here = sends && (to_experts || selected), recv_here = recvs && (!to_experts || selected);
-            if (peer == L->ep_rank) {
-                if (to_experts && send_here)
-                    L->ops->copy(theirs, mine, (size_t)plan_n * row_bytes);
-                else if (!to_experts && send_here)
-                    L->ops->copy(mine, theirs, (size_t)plan_n * row_bytes);
-                continue;
-            }
-            float *send = to_experts ? mine : theirs, *recv = to_experts ? theirs : mine;
-            const int64_t send_n = to_experts ? plan_n : their_n, recv_n = to_experts ? their_n : plan_n;
-            const int tag = (int)(2 * j) + tag_base;
-            if (recv_here && recv_n > 0) {
-                moe_comm_request *req = &L->requests[L->n_requests++];
-                *req = (moe_comm_request)MOE_COMM_REQUEST_INIT;
-                MOE_TRY(moe_comm_irecv(L->ep_rows, req, recv, recv_n * d, MOE_COMM_F32, (int)peer, tag));
-            }
-            if (send_here && send_n > 0) {
-                moe_comm_request *req = &L->requests[L->n_requests++];
-                *req = (moe_comm_request)MOE_COMM_REQUEST_INIT;
-                MOE_TRY(moe_comm_isend(L->ep_rows, req, send, send_n * d, MOE_COMM_F32, (int)peer, tag));
-                L->timing.exchange_bytes += send_n * (int64_t)row_bytes;
-            }
-        }
-    return MOE_OK;
-}
-
 /* Waits for requests [from, to), all of them; st: the status so far, kept
  * with its message when it is a failure. */
 static moe_status wait_requests(moe_layer *L, int from, int to, moe_status st) {
@@ -1183,75 +1133,33 @@ static void run_groups(moe_layer *L, bool backward, int64_t from, int64_t to, do
     *compute_seconds += omp_get_wtime() - t;
 }
 
-/* The experts with their exchanges: plan_in's rows go to the experts'
- * ranks (into expert_in), the experts run, and their rows come back into
- * plan_out. With one rank the plan rows are the expert rows. Where tags
- * match the messages (MPI), the return receives are posted first, so
- * returns land in place as they come (at 1 MiB per rank, 20% less time
- * than posting them after the experts). Where sends and receives match in
- * post order (NCCL), the dispatch completes, the experts run, and only then
- * are the returns posted, receives with sends. With overlap (tags only),
- * each local expert runs as soon as its own rows have arrived and sends its
- * results back at once, while the other experts' rows are still in flight. */
-static moe_status run_experts(moe_layer *L, bool backward, float *plan_in, float *expert_in, float *expert_out,
-                              float *plan_out, int64_t n_groups, double *compute_seconds) {
-    const int64_t nl = L->n_local;
-    if (!L->ep) {
-        run_groups(L, backward, 0, n_groups, compute_seconds);
-        return MOE_OK;
-    }
-    const char *what = backward ? "gradients" : "rows";
-    L->n_requests = 0;
-    moe_status st = MOE_OK;
-    const bool early_returns = moe_comm_matches_by_tag(L->ep_rows);
-    const bool overlap = L->overlap && early_returns; /* the driver refuses it otherwise */
-    if (early_returns) st = post_exchange(L, plan_out, expert_out, false, -1, false, true); /* results: receives */
-    const int returns_end = L->n_requests;
-    int first[MOE_EXPERTS_MAX + 1];
-    for (int64_t j = 0; st == MOE_OK && j < nl; j++) { /* inputs, expert by expert */
-        first[j] = L->n_requests;
-        st = post_exchange(L, plan_in, expert_in, true, j, j == 0, true);
-    }
-    first[nl] = L->n_requests;
-    if (st == MOE_OK && !overlap) {
-        st = wait_requests(L, returns_end, first[nl], MOE_OK);
-        if (st == MOE_OK) run_groups(L, backward, 0, nl, compute_seconds);
-        if (st == MOE_OK) st = post_exchange(L, plan_out, expert_out, false, -1, true, !early_returns);
-    }
-    for (int64_t j = 0; st == MOE_OK && overlap && j < nl; j++) {
-        st = wait_requests(L, first[j], first[j + 1], MOE_OK);
-        if (st == MOE_OK) run_groups(L, backward, j, j + 1, compute_seconds);
-        if (st == MOE_OK) st = post_exchange(L, plan_out, expert_out, false, j, true, false);
-    }
-    /* The shared experts need no rows from anyone: they fill the wait. */
-    if (st == MOE_OK) run_groups(L, backward, nl, n_groups, compute_seconds);
-    st = wait_requests(L, 0, L->n_requests, st);
-    if (st != MOE_OK) return moe_error_prefix(st, "moe layer exchange of %s: ", what);
-    return MOE_OK;
-}
+/* ------------------------------------------------------------ the exchange */
 
-/* ----------------------------------------------------- the merged exchange */
-
-/* Without overlap, a token travels once to each rank holding any of its
- * experts, not once per expert (as DeepEP dispatches): its row, its k gate
- * weights and, for each of its k slots, which of that rank's experts the
- * slot is (-1: another rank's, or dropped). That rank copies the row to
+/* Under expert parallelism a token travels once to each rank holding any
+ * of its experts, not once per expert (as DeepEP dispatches): its row, its
+ * k gate weights and, for each of its k slots, which of that rank's experts
+ * the slot is (-1: another rank's, or dropped). That rank copies the row to
  * each of its experts and sends back one row per token, its experts'
  * outputs weighted and summed; in backward one gradient row per token goes
  * out, and one input-gradient row and the token's k weight gradients come
  * back. With a token's experts on few ranks (grouped routing) its rows
  * cross the network fewer times than it has experts. Each rank's partial
  * sum rounds apart from one rank's sum over the slots: results agree with
- * one rank's within float summation order, not to the bit. */
+ * one rank's within float summation order, not to the bit.
+ *
+ * The receiving rank works on its sources in rank order: all of them at
+ * once, or with overlap each source's tokens as soon as they are in, its
+ * results sent back at once while later sources' rows are still in flight.
+ * The experts then take each source's rows apart, so the weight gradients
+ * sum per source: the two orders agree within rounding too. */
 
-/* Above every tag of the per-expert chunks (2j + 0 or 1, j < n_local). */
-enum { TAG_CODES = 2 * MOE_EXPERTS_MAX, TAG_WEIGHTS, TAG_ROWS, TAG_RETURN, TAG_DWEIGHTS };
+enum { TAG_CODES, TAG_WEIGHTS, TAG_ROWS, TAG_RETURN, TAG_DWEIGHTS };
 
 /* Which of its T tokens this rank sends to each rank of the EP group, each
  * once, in token order (send_tok), with the slot codes of each, and where
  * token t's row for rank r sits among them (tok_slot); then every rank
  * learns how many tokens each source sends it. */
-static moe_status plan_merged_sends(moe_layer *L, int64_t T) {
+static moe_status plan_sends(moe_layer *L, int64_t T) {
     const int64_t k = L->cfg.top_k, P = L->ep_size, nl = L->n_local;
     MOE_TRY(carve_host(L, T, L->rows_sized));
     MOE_TRY(L->ops->download(L->h_pair_row, L->pair_row, (size_t)(T * k) * sizeof(int64_t)));
@@ -1265,7 +1173,7 @@ static moe_status plan_merged_sends(moe_layer *L, int64_t T) {
             if (L->h_pair_row[t * k + i] >= 0 && slot[t * P + r] < 0) slot[t * P + r] = L->send_n[r]++;
         }
     }
-    for (int64_t r = 0; r < P; r++) L->send_off[r] = r ? L->send_off[r - 1] + L->send_n[r - 1] : 0;
+    for (int64_t r = 0; r <= P; r++) L->send_off[r] = r ? L->send_off[r - 1] + L->send_n[r - 1] : 0;
     for (int64_t t = 0; t < T; t++)
         for (int64_t r = 0; r < P; r++) {
             if (slot[t * P + r] < 0) continue;
@@ -1288,28 +1196,39 @@ static moe_status plan_merged_sends(moe_layer *L, int64_t T) {
                              (long long)s, (long long)L->recv_n[s], (long long)L->local_offsets[nl]);
         received += L->recv_n[s];
     }
-    const int64_t sent = L->send_off[P - 1] + L->send_n[P - 1];
+    L->recv_off[P] = received;
+    const int64_t sent = L->send_off[P];
     MOE_TRY(L->ops->upload(L->send_tok, L->h_send_tok, (size_t)sent * sizeof(int64_t)));
     return L->ops->upload(L->tok_slot, slot, (size_t)(T * P) * sizeof(int64_t));
 }
 
-/* From the received slot codes, the expert row of each received token's
- * slots (recv_pair) and the token of each expert row (recv_row): each
- * expert's rows from source s in s's token order, as the routing totals
- * placed them. Codes that do not fill those rows exactly are refused. */
-static moe_status plan_merged_receives(moe_layer *L) {
-    const int64_t k = L->cfg.top_k, P = L->ep_size, nl = L->n_local;
+/* Uploads rows [from, to) of the host array host into dev, of width
+ * elements of size bytes each. */
+static moe_status upload_rows(const moe_layer *L, void *dev, const void *host, int64_t from, int64_t to,
+                              size_t bytes) {
+    if (to <= from) return MOE_OK;
+    return L->ops->upload((char *)dev + from * (int64_t)bytes, (const char *)host + from * (int64_t)bytes,
+                          (size_t)(to - from) * bytes);
+}
+
+/* From the slot codes received from sources [s0, s1), the expert row of
+ * each of their tokens' slots (recv_pair) and the token of each of those
+ * expert rows (recv_row): each expert's rows from source s in s's token
+ * order, as the routing totals placed them. Codes that do not fill those
+ * rows exactly are refused. */
+static moe_status plan_receives(moe_layer *L, int64_t s0, int64_t s1) {
+    const int64_t k = L->cfg.top_k, nl = L->n_local;
     int64_t next[MOE_EXPERTS_MAX]; /* [P, nl] the next row of expert j from source s */
-    for (int64_t s = 0; s < P; s++)
+    for (int64_t s = s0; s < s1; s++)
         for (int64_t j = 0; j < nl; j++) next[s * nl + j] = expert_row(L, s, j);
-    for (int64_t s = 0; s < P; s++)
+    for (int64_t s = s0; s < s1; s++)
         for (int64_t u = L->recv_off[s]; u < L->recv_off[s] + L->recv_n[s]; u++) {
             bool any = false;
             for (int64_t i = 0; i < k; i++) {
                 const int32_t j = L->h_recv_codes[u * k + i];
                 int64_t row = -1;
                 if (j >= 0) {
-                    if (j >= nl || next[s * nl + j] == expert_row(L, s, j) + L->recv_rows[s * nl + j])
+                    if (j >= nl || next[s * nl + j] == expert_row(L, s + 1, j))
                         return moe_error(MOE_ERR_COMM, "moe layer dispatch: EP rank %lld sends a token for expert %d "
                                                        "beyond the rows the routing totals give it",
                                          (long long)s, (int)(L->first_local + j));
@@ -1323,43 +1242,54 @@ static moe_status plan_merged_receives(moe_layer *L) {
                 return moe_error(MOE_ERR_COMM, "moe layer dispatch: EP rank %lld sends a token for none of this rank's "
                                                "experts", (long long)s);
         }
-    for (int64_t s = 0; s < P; s++)
+    for (int64_t s = s0; s < s1; s++)
         for (int64_t j = 0; j < nl; j++)
-            if (next[s * nl + j] != expert_row(L, s, j) + L->recv_rows[s * nl + j])
+            if (next[s * nl + j] != expert_row(L, s + 1, j))
                 return moe_error(MOE_ERR_COMM, "moe layer dispatch: EP rank %lld sends %lld tokens for expert %lld, "
                                                "the routing totals %lld",
                                  (long long)s, (long long)(next[s * nl + j] - expert_row(L, s, j)),
                                  (long long)(L->first_local + j), (long long)L->recv_rows[s * nl + j]);
-    const int64_t received = L->recv_off[P - 1] + L->recv_n[P - 1];
-    MOE_TRY(L->ops->upload(L->recv_pair, L->h_recv_pair, (size_t)(received * k) * sizeof(int64_t)));
-    return L->ops->upload(L->recv_row, L->h_recv_row, (size_t)L->local_offsets[nl] * sizeof(int64_t));
+    MOE_TRY(upload_rows(L, L->recv_pair, L->h_recv_pair, L->recv_off[s0] * k, L->recv_off[s1] * k,
+                        sizeof(int64_t)));
+    /* Each expert's rows from these sources, adjacent ones in one copy. */
+    int64_t from = 0, to = 0;
+    for (int64_t j = 0; j < nl; j++) {
+        const int64_t a = expert_row(L, s0, j), b = expert_row(L, s1, j);
+        if (a != to) {
+            MOE_TRY(upload_rows(L, L->recv_row, L->h_recv_row, from, to, sizeof(int64_t)));
+            from = a;
+        }
+        to = b;
+    }
+    return upload_rows(L, L->recv_row, L->h_recv_row, from, to, sizeof(int64_t));
 }
 
-/* One array a merged exchange moves: width elements per token, from the
- * sending side's array to the receiving side's; host arrays go over the EP
+/* One array the exchange moves: width elements per token, from the sending
+ * side's array to the receiving side's; host arrays go over the EP
  * communicator, backend ones over the one for rows. */
-typedef struct merged_part {
+typedef struct exchange_part {
     const void *from;
     void *to;
     int64_t width;
     moe_comm_dtype dtype;
     int tag;
     bool host;
-} merged_part;
+} exchange_part;
 
-/* Posts the messages of parts with every peer, this rank's own share
+/* Posts the messages of parts with peers [p0, p1), this rank's own share
  * copied: outward, from this rank's tokens to their experts' ranks (send
- * counts out, receive counts in), else back. sends/recvs: which to post. */
-static moe_status post_merged(moe_layer *L, const merged_part *parts, int n_parts, bool outward, bool sends,
-                              bool recvs) {
-    const int64_t P = L->ep_size;
+ * counts out, receive counts in), else back. sends/recvs: which to post.
+ * first [P + 1], when given: where each peer's requests start. */
+static moe_status post_parts(moe_layer *L, const exchange_part *parts, int n_parts, bool outward, bool sends,
+                             bool recvs, int64_t p0, int64_t p1, int *first) {
     const int64_t *out_n = outward ? L->send_n : L->recv_n, *out_off = outward ? L->send_off : L->recv_off;
     const int64_t *in_n = outward ? L->recv_n : L->send_n, *in_off = outward ? L->recv_off : L->send_off;
-    for (int p = 0; p < n_parts; p++) {
-        const merged_part *m = &parts[p];
-        const int64_t unit = m->width * moe_comm_dtype_size(m->dtype);
-        moe_comm *comm = m->host ? L->ep : L->ep_rows;
-        for (int64_t peer = 0; peer < P; peer++) {
+    for (int64_t peer = p0; peer < p1; peer++) {
+        if (first) first[peer] = L->n_requests;
+        for (int p = 0; p < n_parts; p++) {
+            const exchange_part *m = &parts[p];
+            const int64_t unit = m->width * moe_comm_dtype_size(m->dtype);
+            moe_comm *comm = m->host ? L->ep : L->ep_rows;
             const char *from = (const char *)m->from + out_off[peer] * unit;
             char *to = (char *)m->to + in_off[peer] * unit;
             if (peer == L->ep_rank) {
@@ -1383,37 +1313,70 @@ static moe_status post_merged(moe_layer *L, const merged_part *parts, int n_part
             }
         }
     }
+    if (first) first[p1] = L->n_requests;
     return MOE_OK;
 }
 
-/* The merged exchange's forward: y [T, d] from this rank's tokens x_in,
- * its expert groups (and the shared experts' group after them) set up. */
-static moe_status forward_merged(moe_layer *L, float *y, const float *x_in, int64_t T, int64_t n_groups,
-                                 double *compute_seconds) {
+/* Points the local expert groups at the rows from sources [s0, s1): each
+ * expert's are adjacent. */
+static void point_groups(moe_layer *L, int64_t s0, int64_t s1) {
+    const int64_t d = L->cfg.d_model, ff = L->cfg.d_ff;
+    /* Row r0 of an array, which a forward with no backward scratch (an
+     * inference model's) or no rows may not have. */
+#define ROW_OF(a, r0, width) ((a) ? (a) + (r0) * (width) : NULL)
+    for (int64_t j = 0; j < L->n_local; j++) {
+        const int64_t r0 = expert_row(L, s0, j);
+        const moe_tensor_view *w = &L->views[1 + 3 * j]; /* w1, w3, w2 */
+        L->groups[j] = (moe_expert_group){
+            .rows = expert_row(L, s1, j) - r0, .d_ff = ff, .x = ROW_OF(L->xe, r0, d), .w13 = w[0].param,
+            .w2 = w[2].param, .h = ROW_OF(L->h, r0, 2 * ff), .g = ROW_OF(L->g, r0, ff), .y = ROW_OF(L->ye, r0, d),
+            .dy = ROW_OF(L->dye, r0, d), .dh = ROW_OF(L->dh, r0, 2 * ff), .dx = ROW_OF(L->dxe, r0, d),
+            .dw13 = w[0].grad, .dw2 = w[2].grad};
+    }
+#undef ROW_OF
+}
+
+/* The sources the receiving side takes together after source s0: all, or
+ * with overlap one (tags match the messages then; the driver refuses
+ * overlap otherwise). */
+static int64_t batch_end(const moe_layer *L, int64_t s0) { return L->overlap ? s0 + 1 : L->ep_size; }
+
+/* The exchange's forward: y [T, d] from this rank's tokens x_in, the
+ * shared experts' group (when n_groups > n_local) set up. */
+static moe_status forward_exchange(moe_layer *L, float *y, const float *x_in, int64_t T, int64_t n_groups,
+                                   double *compute_seconds) {
     const moe_ops *ops = L->ops;
     const int64_t d = L->cfg.d_model, k = L->cfg.top_k, P = L->ep_size, nl = L->n_local;
-    MOE_TRY(plan_merged_sends(L, T));
-    const int64_t sent = L->send_off[P - 1] + L->send_n[P - 1], received = L->recv_off[P - 1] + L->recv_n[P - 1];
+    MOE_TRY(plan_sends(L, T));
+    const int64_t sent = L->send_off[P];
     ops->permute(L->xp, x_in, L->send_tok, sent, d);
     ops->permute(L->send_w, L->topk_w, L->send_tok, sent, k);
-    const merged_part out[] = {{L->h_send_codes, L->h_recv_codes, k, MOE_COMM_I32, TAG_CODES, true},
+    const exchange_part out[] = {{L->h_send_codes, L->h_recv_codes, k, MOE_COMM_I32, TAG_CODES, true},
                                {L->send_w, L->recv_w, k, MOE_COMM_F32, TAG_WEIGHTS, false},
                                {L->xp, L->rx, d, MOE_COMM_F32, TAG_ROWS, false}};
-    const merged_part back = {L->rx, L->yp, d, MOE_COMM_F32, TAG_RETURN, false};
+    const exchange_part back = {L->rx, L->yp, d, MOE_COMM_F32, TAG_RETURN, false};
     /* Where tags match the messages, the returns' receives go first. */
     const bool early_returns = moe_comm_matches_by_tag(L->ep_rows);
+    int first[MOE_EXPERTS_MAX + 1]; /* each source's dispatch requests */
     L->n_requests = 0;
-    moe_status st = early_returns ? post_merged(L, &back, 1, false, false, true) : MOE_OK;
-    const int dispatch = L->n_requests;
-    if (st == MOE_OK) st = post_merged(L, out, 3, true, true, true);
+    moe_status st = early_returns ? post_parts(L, &back, 1, false, false, true, 0, P, NULL) : MOE_OK;
+    if (st == MOE_OK) st = post_parts(L, out, 3, true, true, true, 0, P, first);
     run_groups(L, false, nl, n_groups, compute_seconds); /* the shared experts fill the wait */
-    if (st == MOE_OK) st = wait_requests(L, dispatch, L->n_requests, MOE_OK);
-    if (st == MOE_OK) st = plan_merged_receives(L);
-    if (st == MOE_OK) {
-        ops->permute(L->xe, L->rx, L->recv_row, L->local_offsets[nl], d);
+    for (int64_t s0 = 0, s1; st == MOE_OK && s0 < P; s0 = s1) {
+        s1 = batch_end(L, s0);
+        st = wait_requests(L, first[s0], first[s1], MOE_OK);
+        if (st == MOE_OK) st = plan_receives(L, s0, s1);
+        if (st != MOE_OK) break;
+        for (int64_t j = 0; j < nl; j++) {
+            const int64_t r0 = expert_row(L, s0, j);
+            ops->permute(L->xe + r0 * d, L->rx, L->recv_row + r0, expert_row(L, s1, j) - r0, d);
+        }
+        point_groups(L, s0, s1);
         run_groups(L, false, 0, nl, compute_seconds);
-        ops->combine(L->rx, L->ye, L->recv_w, L->recv_pair, NULL, received, k, d);
-        st = post_merged(L, &back, 1, false, true, !early_returns);
+        const int64_t u0 = L->recv_off[s0];
+        ops->combine(L->rx + u0 * d, L->ye, L->recv_w + u0 * k, L->recv_pair + u0 * k, NULL,
+                     L->recv_off[s1] - u0, k, d);
+        st = post_parts(L, &back, 1, false, true, !early_returns, s0, s1, NULL);
     }
     st = wait_requests(L, 0, L->n_requests, st);
     if (st != MOE_OK) return moe_error_prefix(st, "moe layer exchange of rows: ");
@@ -1426,31 +1389,36 @@ static moe_status forward_merged(moe_layer *L, float *y, const float *x_in, int6
     return MOE_OK;
 }
 
-/* The merged exchange's backward: dx_in [T, d] (holding the shared
- * experts' share or zeros) gains the routed experts' share, and dweights
- * the gate weights' gradients, from dy. */
-static moe_status backward_merged(moe_layer *L, float *dx_in, const float *dy, int64_t T, int64_t n_groups,
-                                  double *compute_seconds) {
+/* The exchange's backward: dx_in [T, d] (holding the shared experts' share
+ * or zeros) gains the routed experts' share, and dweights the gate
+ * weights' gradients, from dy. */
+static moe_status backward_exchange(moe_layer *L, float *dx_in, const float *dy, int64_t T, int64_t n_groups,
+                                    double *compute_seconds) {
     const moe_ops *ops = L->ops;
     const int64_t d = L->cfg.d_model, k = L->cfg.top_k, P = L->ep_size, nl = L->n_local;
-    const int64_t sent = L->send_off[P - 1] + L->send_n[P - 1], received = L->recv_off[P - 1] + L->recv_n[P - 1];
+    const int64_t sent = L->send_off[P];
     ops->permute(L->dyp, dy, L->send_tok, sent, d);
-    const merged_part out = {L->dyp, L->rx, d, MOE_COMM_F32, TAG_ROWS, false};
-    const merged_part back[] = {{L->rx, L->dxp, d, MOE_COMM_F32, TAG_RETURN, false},
+    const exchange_part out = {L->dyp, L->rx, d, MOE_COMM_F32, TAG_ROWS, false};
+    const exchange_part back[] = {{L->rx, L->dxp, d, MOE_COMM_F32, TAG_RETURN, false},
                                 {L->dw_send, L->dw_back, k, MOE_COMM_F32, TAG_DWEIGHTS, false}};
     const bool early_returns = moe_comm_matches_by_tag(L->ep_rows);
+    int first[MOE_EXPERTS_MAX + 1];
     L->n_requests = 0;
-    moe_status st = early_returns ? post_merged(L, back, 2, false, false, true) : MOE_OK;
-    const int dispatch = L->n_requests;
-    if (st == MOE_OK) st = post_merged(L, &out, 1, true, true, true);
+    moe_status st = early_returns ? post_parts(L, back, 2, false, false, true, 0, P, NULL) : MOE_OK;
+    if (st == MOE_OK) st = post_parts(L, &out, 1, true, true, true, 0, P, first);
     run_groups(L, true, nl, n_groups, compute_seconds);
-    if (st == MOE_OK) st = wait_requests(L, dispatch, L->n_requests, MOE_OK);
-    if (st == MOE_OK) {
-        ops->combine_backward(L->dye, L->dw_send, L->rx, L->ye, L->recv_w, L->recv_pair, received, k, d);
+    for (int64_t s0 = 0, s1; st == MOE_OK && s0 < P; s0 = s1) {
+        s1 = batch_end(L, s0);
+        st = wait_requests(L, first[s0], first[s1], MOE_OK);
+        if (st != MOE_OK) break;
+        const int64_t u0 = L->recv_off[s0], n = L->recv_off[s1] - u0;
+        ops->combine_backward(L->dye, L->dw_send + u0 * k, L->rx + u0 * d, L->ye, L->recv_w + u0 * k,
+                              L->recv_pair + u0 * k, n, k, d);
+        point_groups(L, s0, s1);
         run_groups(L, true, 0, nl, compute_seconds);
-        ops->zero(L->rx, (size_t)(received * d) * sizeof(float));
-        ops->unpermute_add(L->rx, L->dxe, L->recv_pair, received, k, d);
-        st = post_merged(L, back, 2, false, true, !early_returns);
+        ops->zero(L->rx + u0 * d, (size_t)(n * d) * sizeof(float));
+        ops->unpermute_add(L->rx + u0 * d, L->dxe, L->recv_pair + u0 * k, n, k, d);
+        st = post_parts(L, back, 2, false, true, !early_returns, s0, s1, NULL);
     }
     st = wait_requests(L, 0, L->n_requests, st);
     if (st != MOE_OK) return moe_error_prefix(st, "moe layer exchange of gradients: ");
@@ -1485,21 +1453,7 @@ static moe_status send_aux_grad(moe_layer *L) {
 /* Points the expert groups at this step's rows; the shared experts, when
  * present, are one more group over this rank's T tokens. */
 static int64_t setup_groups(moe_layer *L, int64_t T, const float *x_in, const float *dy) {
-    const moe_layer_config *c = &L->cfg;
-    const int64_t d = c->d_model, ff = c->d_ff;
-    /* Row r0 of an array, which a forward with no backward scratch (an
-     * inference model's) or no rows may not have. */
-#define ROW_OF(a, r0, width) ((a) ? (a) + (r0) * (width) : NULL)
-    for (int64_t j = 0; j < L->n_local; j++) {
-        const int64_t r0 = L->local_offsets[j];
-        const moe_tensor_view *w = &L->views[1 + 3 * j]; /* w1, w3, w2 */
-        L->groups[j] = (moe_expert_group){
-            .rows = L->local_offsets[j + 1] - r0, .d_ff = ff, .x = ROW_OF(L->xe, r0, d), .w13 = w[0].param,
-            .w2 = w[2].param, .h = ROW_OF(L->h, r0, 2 * ff), .g = ROW_OF(L->g, r0, ff), .y = ROW_OF(L->ye, r0, d),
-            .dy = ROW_OF(L->dye, r0, d), .dh = ROW_OF(L->dh, r0, 2 * ff), .dx = ROW_OF(L->dxe, r0, d),
-            .dw13 = w[0].grad, .dw2 = w[2].grad};
-    }
-#undef ROW_OF
+    point_groups(L, 0, L->ep_size);
     if (L->shared_ff == 0) return L->n_local;
     const moe_tensor_view *sv = &L->views[1 + 3 * L->n_local];
     L->groups[L->n_local] = (moe_expert_group){
@@ -1591,12 +1545,11 @@ moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, 
     const double t0 = omp_get_wtime();
     const int64_t n_groups = setup_groups(L, T, x_in, NULL);
     double compute = 0.0;
-    L->merged = L->ep && !L->overlap;
-    if (L->merged) {
-        MOE_TRY(forward_merged(L, y, x_in, T, n_groups, &compute));
+    if (L->ep) {
+        MOE_TRY(forward_exchange(L, y, x_in, T, n_groups, &compute));
     } else {
         ops->permute(L->xp, x_in, L->row_token, L->expert_offsets[E], d);
-        MOE_TRY(run_experts(L, false, L->xp, L->xe, L->ye, L->yp, n_groups, &compute));
+        run_groups(L, false, 0, n_groups, &compute);
         ops->combine(y, L->yp, L->topk_w, L->pair_row, L->shared_ff ? L->sh_y : NULL, T, k, d);
     }
     L->timing.exchange_seconds += omp_get_wtime() - t0 - compute;
@@ -1650,11 +1603,11 @@ moe_status moe_layer_backward(moe_layer *L, float *dx, const float *dy, const fl
     else if (T > 0)
         ops->zero(dx_in, (size_t)(T * d) * sizeof(float));
     double compute = 0.0;
-    if (L->merged) {
-        MOE_TRY(backward_merged(L, dx_in, dy, T, n_groups, &compute));
+    if (L->ep) {
+        MOE_TRY(backward_exchange(L, dx_in, dy, T, n_groups, &compute));
     } else {
         ops->combine_backward(L->dyp, L->dweights, dy, L->yp, L->topk_w, L->pair_row, T, k, d);
-        MOE_TRY(run_experts(L, true, L->dyp, L->dye, L->dxe, L->dxp, n_groups, &compute));
+        run_groups(L, true, 0, n_groups, &compute);
         ops->unpermute_add(dx_in, L->dxp, L->pair_row, T, k, d);
     }
     L->timing.exchange_seconds += omp_get_wtime() - t0 - compute;

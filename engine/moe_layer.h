@@ -108,16 +108,13 @@ moe_status moe_layer_share_workspace(moe_layer *layer, moe_layer *with, bool act
  * over the layers is what they hold together. */
 int64_t moe_layer_workspace_bytes(moe_layer *layer);
 
-/* Expert parallelism. By default a token travels once to each rank that
- * holds any of its experts, and comes back as one row, that rank's
- * experts' outputs weighted and summed (DeepEP's dispatch and combine);
- * every expert waits for all its rows. With overlap, the rows travel once
- * per expert instead, in a message per (rank, expert), and each local
- * expert runs as soon as its own rows have arrived and sends its results
- * back at once, overlapping the other experts' messages. The two sum a
- * token's expert outputs in another order: their results agree within
- * float summation order, not to the bit; with overlap, as with one rank,
- * the sum runs over the token's slots in order. */
+/* Expert parallelism: a token travels once to each rank that holds any of
+ * its experts, and comes back as one row, that rank's experts' outputs
+ * weighted and summed (DeepEP's dispatch and combine). By default the
+ * experts wait for every source rank's tokens; with overlap they take each
+ * source's as soon as they are in and send its results back at once,
+ * overlapping later sources' messages. The weight gradients then sum per
+ * source: the two agree within float summation order, not to the bit. */
 void moe_layer_set_overlap(moe_layer *layer, bool overlap);
 
 /* Where forward and backward spent their time since the last reset. The

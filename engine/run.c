@@ -732,7 +732,7 @@ static moe_status build_model(run *r) {
             {"--pp-balance", (double)o->pp_balance, pp_balance_name},
             {"--zero", (double)o->zero, NULL},             {"--lr", o->lr, NULL},
             /* A rank that recomputes runs its expert-parallel exchanges
-             * again; --overlap sends other messages in them. */
+             * again; one that overlaps sums its weight gradients apart. */
             {"--recompute", (double)o->recompute, NULL},   {"--overlap", (double)o->overlap, NULL},
             {"--eval-every", (double)o->eval_every, NULL}, {"--eval-batches", (double)o->eval_batches, NULL},
             {"--save-every", (double)o->save_every, NULL}, {"--shuffle", (double)o->shuffle, NULL},
@@ -756,7 +756,7 @@ static moe_status build_model(run *r) {
     }
     MOE_TRY(moe_device_comms(&r->device, &r->grid, &r->device_world, &r->device_ep, &r->device_pipe));
     if (r->device_world && o->overlap)
-        return moe_error(MOE_ERR_CONFIG, "--overlap posts each expert's returns as it finishes, which NCCL's in-order "
+        return moe_error(MOE_ERR_CONFIG, "--overlap posts each source's returns as it finishes, which NCCL's in-order "
                                          "matching cannot take: leave it off with --device %s on several ranks",
                          moe_device_name(o->device));
     moe_model_parallel par = moe_grid_model_parallel(&r->grid);

@@ -43,7 +43,8 @@ rc=$?
 check "ranks on different --init-from are refused (exit $rc)" \
     "$([ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && grep -q 'disagrees with rank 0 on --init-from' "$out/mixed"; echo $?)"
 
-# Ranks on other expert-parallel exchanges would wait in each other's messages.
+# Ranks that take the exchange's sources apart or together would sum their
+# gradients apart: refused, as every option that shapes the run.
 ep=(--steps 2 --seq-len 32 --eval-every 0 --eval-batches 1 --threads 1 --batch-size 2 --ep 2 --comm-timeout 30)
 timeout 60 "${launcher[@]}" -np 1 "$bin/moe-train" "${ep[@]}" --out "$out/ov" : \
     -np 1 "$bin/moe-train" "${ep[@]}" --out "$out/ov" --overlap >"$out/overlap" 2>&1

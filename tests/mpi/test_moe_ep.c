@@ -1,8 +1,8 @@
 /* test_moe_ep.c: the MoE layer with expert parallelism over all ranks (run
  * under mpirun -np 2 and -np 4; with 4 ranks also as 2 EP groups of 2, each
  * expert held twice) against the same layer on one rank fed the whole global
- * batch, with the experts waiting for all their rows and with each expert
- * running as soon as its own rows arrive (overlap). Every rank builds the
+ * batch, with the experts waiting for every source's rows and with each
+ * source's rows taken as soon as they arrive (overlap). Every rank builds the
  * one-rank reference itself, so no result crosses the network except through
  * the code under test (and the final agreement on pass/fail). Ranks hold different token counts (7 + 3r),
  * and the cases cover every gate kind, dropless and capacity, skewed routing,
@@ -60,16 +60,15 @@ static int check(moe_status st, const char *what) {
 
 /* Over the cases: (token, remote rank) pairs and (token, remote expert)
  * pairs, summed over the EP group. The first fewer than the second means
- * some token had two experts on one rank, which the merged exchange sends
- * once: the byte checks below then tell the two exchanges apart. */
+ * some token had two experts on one rank, which the exchange sends once:
+ * the byte checks below then tell it from a row per expert. */
 static double merged_tokens, remote_pairs;
 
 /* The bytes the EP layer sent to other ranks in one forward and backward,
  * summed over the EP group, of a dropless case (every pair kept): per
- * (token, remote rank holding any of its experts) 16d + 12k, the merged
- * exchange's (the row, k weights and k slot codes out and the weighted sum
- * back; the gradient row out, the input gradient and k weight gradients
- * back); with overlap 16d per (token, remote expert), a row per expert. */
+ * (token, remote rank holding any of its experts) 16d + 12k (the row, k
+ * weights and k slot codes out and the weighted sum back; the gradient row
+ * out, the input gradient and k weight gradients back), overlap or not. */
 static void check_bytes(moe_layer *ep, int64_t T, int64_t k) {
     const int32_t *topk;
     if (!check(moe_layer_last_topk(ep, &topk), "last topk")) return;
@@ -89,9 +88,8 @@ static void check_bytes(moe_layer *ep, int64_t T, int64_t k) {
     moe_layer_get_timing(ep, &timing);
     counts[2] = (double)timing.exchange_bytes;
     if (!check(moe_comm_allreduce_sum(ep_group, counts, 3, MOE_COMM_F64), "byte counts")) return;
-    const double want = overlap ? counts[1] * 16.0 * D : counts[0] * (16.0 * D + 12.0 * (double)k);
-    if (counts[2] != want) fail(overlap ? "exchange_bytes (a row per expert)" : "exchange_bytes (a row per rank)", 0,
-                                counts[2], want);
+    const double want = counts[0] * (16.0 * D + 12.0 * (double)k);
+    if (counts[2] != want) fail("exchange_bytes (a row per rank)", 0, counts[2], want);
     merged_tokens += counts[0];
     remote_pairs += counts[1];
 }
