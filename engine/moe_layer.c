@@ -1148,10 +1148,10 @@ static void run_groups(moe_layer *L, bool backward, int64_t from, int64_t to, do
  * one rank's within float summation order, not to the bit.
  *
  * The receiving rank works on its sources in rank order: all of them at
- * once, or with overlap each source's tokens as soon as they are in, its
- * results sent back at once while later sources' rows are still in flight.
- * The experts then take each source's rows apart, so the weight gradients
- * sum per source: the two orders agree within rounding too. */
+ * once, or with overlap the first half's tokens as soon as they are in,
+ * their results sent back at once while the second half's rows are still
+ * in flight. The experts then take the halves' rows apart, so the weight
+ * gradients sum per half: the two agree within rounding too. */
 
 enum { TAG_CODES, TAG_WEIGHTS, TAG_ROWS, TAG_RETURN, TAG_DWEIGHTS };
 
@@ -1336,10 +1336,15 @@ static void point_groups(moe_layer *L, int64_t s0, int64_t s1) {
 #undef ROW_OF
 }
 
-/* The sources the receiving side takes together after source s0: all, or
- * with overlap one (tags match the messages then; the driver refuses
- * overlap otherwise). */
-static int64_t batch_end(const moe_layer *L, int64_t s0) { return L->overlap ? s0 + 1 : L->ep_size; }
+/* The sources the receiving side takes together from source s0 on: all,
+ * or with overlap the first half, then the rest (tags match the messages
+ * then; the driver refuses overlap otherwise). Halves, not one source at a
+ * time: each batch splits every expert's GEMMs, whose weights the CPU's
+ * BLAS packs again per call. */
+static int64_t batch_end(const moe_layer *L, int64_t s0) {
+    const int64_t half = L->ep_size / 2;
+    return L->overlap && s0 < half ? half : L->ep_size;
+}
 
 /* The exchange's forward: y [T, d] from this rank's tokens x_in, the
  * shared experts' group (when n_groups > n_local) set up. */

@@ -111,10 +111,12 @@ int64_t moe_layer_workspace_bytes(moe_layer *layer);
 /* Expert parallelism: a token travels once to each rank that holds any of
  * its experts, and comes back as one row, that rank's experts' outputs
  * weighted and summed (DeepEP's dispatch and combine). By default the
- * experts wait for every source rank's tokens; with overlap they take each
- * source's as soon as they are in and send its results back at once,
- * overlapping later sources' messages. The weight gradients then sum per
- * source: the two agree within float summation order, not to the bit. */
+ * experts wait for every source rank's tokens; with overlap they take the
+ * first half of the sources' as soon as they are in and send those results
+ * back at once, overlapping the second half's messages. The weight
+ * gradients then sum per half: the two agree within float summation order,
+ * not to the bit. Each half's GEMMs are smaller: where the exchange is
+ * cheap next to the experts, overlap costs more than it hides. */
 void moe_layer_set_overlap(moe_layer *layer, bool overlap);
 
 /* Where forward and backward spent their time since the last reset. The
