@@ -54,7 +54,7 @@ typedef struct a2a_options {
     int64_t min_bytes, max_bytes, factor, warmup, iters, row_bytes;
     int64_t experts; /* dispatch: E; 0 means DEFAULT_EXPERTS_PER_RANK per rank */
     int64_t top_k, d_ff;
-    int64_t overlap; /* 1: each expert runs as soon as its rows arrive */
+    int64_t overlap; /* 1: the experts start on half the sources' tokens */
     uint64_t seed;
     a2a_dist dist;
     double dist_param; /* zipf exponent S, or the hot fraction */

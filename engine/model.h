@@ -286,7 +286,8 @@ float *moe_model_router_bias(moe_model *model, int64_t layer);
 uint64_t moe_model_jitter_counter(const moe_model *model);
 void moe_model_set_jitter_counter(moe_model *model, uint64_t counter);
 
-/* Every layer's experts run as their rows arrive (moe_layer_set_overlap). */
+/* Every layer's experts take half the source ranks' tokens while the rest
+ * are in flight (moe_layer_set_overlap). */
 void moe_model_set_overlap(moe_model *model, bool overlap);
 
 /* The auxiliary-loss-free bias step of every layer (no-op when off), once

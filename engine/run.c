@@ -1328,8 +1328,8 @@ static moe_status run_body(run *r, double start) {
     const moe_run_options *o = r->o;
     MOE_TRY(clear_out_dir(o, false));
     if (o->overlap && o->ep == 1)
-        warn(r, "--overlap runs each expert as its rows arrive from other ranks, and under --ep 1 none come: it "
-                "changes nothing");
+        warn(r, "--overlap runs the experts on half the source ranks' tokens while the rest are in flight, and "
+                "under --ep 1 there are no other sources: it changes nothing");
     if (o->zero && r->dp_size == 1)
         warn(r, "--zero 1 shards AdamW's state over a parameter's data-parallel replicas, and with one rank a "
                 "stage there are none: it changes nothing");

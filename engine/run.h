@@ -104,7 +104,7 @@ typedef struct moe_run_options {
     int ep;                /* --ep P: experts split over groups of P consecutive data-parallel ranks */
     int zero;              /* --zero 1: AdamW state sharded over each parameter's replicas */
     double comm_timeout;   /* --comm-timeout seconds a collective may wait for a peer */
-    bool overlap;          /* --overlap: each expert runs as soon as its rows arrive */
+    bool overlap;          /* --overlap: experts start on half the sources' tokens */
     bool recompute;        /* --recompute: layers keep their inputs only; backwards recompute the rest */
     moe_device device;     /* --device */
     moe_gemm_math gemm_math; /* --gemm-math: the GPU's tensor cores for fp32 GEMMs */

@@ -93,9 +93,9 @@ typedef struct moe_layer_config {
      * the top_groups groups whose two best selection scores (those top-k
      * ranks, with the bias; sigmoids, not log-sigmoids, for the sigmoid
      * gate) sum highest, ties to the lower group, then takes its k experts
-     * among theirs. Under expert parallelism over n_groups ranks a token's
-     * rows reach at most top_groups of them (still one row per expert: the
-     * exchange does not merge a token's rows for one rank). 0 or 1: no
+     * among theirs. Under expert parallelism over n_groups ranks a token
+     * reaches at most top_groups of them, once each (the exchange sends a
+     * token once to each rank holding any of its experts). 0 or 1: no
      * groups, and top_groups must then be 0 or 1. */
     int64_t n_groups;
     int64_t top_groups;
