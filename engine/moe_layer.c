@@ -1147,11 +1147,11 @@ static void run_groups(moe_layer *L, bool backward, int64_t from, int64_t to, do
  * sum rounds apart from one rank's sum over the slots: results agree with
  * one rank's within float summation order, not to the bit.
  *
- * The receiving rank works on its sources in rank order: all of them at
- * once, or with overlap the first half's tokens as soon as they are in,
- * their results sent back at once while the second half's rows are still
- * in flight. The experts then take the halves' rows apart, so the weight
- * gradients sum per half: the two agree within rounding too. */
+ * The receiving rank works on its sources all at once, or with overlap in
+ * two halves of the EP group, its own half first: those tokens as soon as
+ * they are in, their results sent back at once while the other half's
+ * rows are still in flight. The experts then take the halves' rows apart,
+ * so the weight gradients sum per half: the two agree within rounding. */
 
 enum { TAG_CODES, TAG_WEIGHTS, TAG_ROWS, TAG_RETURN, TAG_DWEIGHTS };
 
@@ -1336,14 +1336,27 @@ static void point_groups(moe_layer *L, int64_t s0, int64_t s1) {
 #undef ROW_OF
 }
 
-/* The sources the receiving side takes together from source s0 on: all,
- * or with overlap the first half, then the rest (tags match the messages
- * then; the driver refuses overlap otherwise). Halves, not one source at a
- * time: each batch splits every expert's GEMMs, whose weights the CPU's
- * BLAS packs again per call. */
-static int64_t batch_end(const moe_layer *L, int64_t s0) {
-    const int64_t half = L->ep_size / 2;
-    return L->overlap && s0 < half ? half : L->ep_size;
+/* Sources [from, to), which the receiving side takes together. */
+typedef struct source_batch {
+    int64_t from, to;
+} source_batch;
+
+/* The batches the receiving side takes its sources in, in order, into b
+ * [2]; returns how many. All at once, or with overlap in two halves, this
+ * rank's own half first, its own rows there at once (tags match the
+ * messages then; the driver refuses overlap otherwise). Halves, not one
+ * source at a time: each batch splits every expert's GEMMs, whose weights
+ * the CPU's BLAS packs again per call. */
+static int source_batches(const moe_layer *L, source_batch *b) {
+    const int64_t P = L->ep_size, half = P / 2;
+    if (!L->overlap) {
+        b[0] = (source_batch){0, P};
+        return 1;
+    }
+    const source_batch lower = {0, half}, upper = {half, P};
+    b[0] = L->ep_rank < half ? lower : upper;
+    b[1] = L->ep_rank < half ? upper : lower;
+    return 2;
 }
 
 /* The exchange's forward: y [T, d] from this rank's tokens x_in, the
@@ -1367,8 +1380,10 @@ static moe_status forward_exchange(moe_layer *L, float *y, const float *x_in, in
     moe_status st = early_returns ? post_parts(L, &back, 1, false, false, true, 0, P, NULL) : MOE_OK;
     if (st == MOE_OK) st = post_parts(L, out, 3, true, true, true, 0, P, first);
     run_groups(L, false, nl, n_groups, compute_seconds); /* the shared experts fill the wait */
-    for (int64_t s0 = 0, s1; st == MOE_OK && s0 < P; s0 = s1) {
-        s1 = batch_end(L, s0);
+    source_batch batches[2];
+    const int n_batches = source_batches(L, batches);
+    for (int b = 0; st == MOE_OK && b < n_batches; b++) {
+        const int64_t s0 = batches[b].from, s1 = batches[b].to;
         st = wait_requests(L, first[s0], first[s1], MOE_OK);
         if (st == MOE_OK) st = plan_receives(L, s0, s1);
         if (st != MOE_OK) break;
@@ -1412,8 +1427,10 @@ static moe_status backward_exchange(moe_layer *L, float *dx_in, const float *dy,
     moe_status st = early_returns ? post_parts(L, back, 2, false, false, true, 0, P, NULL) : MOE_OK;
     if (st == MOE_OK) st = post_parts(L, &out, 1, true, true, true, 0, P, first);
     run_groups(L, true, nl, n_groups, compute_seconds);
-    for (int64_t s0 = 0, s1; st == MOE_OK && s0 < P; s0 = s1) {
-        s1 = batch_end(L, s0);
+    source_batch batches[2];
+    const int n_batches = source_batches(L, batches);
+    for (int b = 0; st == MOE_OK && b < n_batches; b++) {
+        const int64_t s0 = batches[b].from, s1 = batches[b].to;
         st = wait_requests(L, first[s0], first[s1], MOE_OK);
         if (st != MOE_OK) break;
         const int64_t u0 = L->recv_off[s0], n = L->recv_off[s1] - u0;

@@ -112,8 +112,9 @@ int64_t moe_layer_workspace_bytes(moe_layer *layer);
  * its experts, and comes back as one row, that rank's experts' outputs
  * weighted and summed (DeepEP's dispatch and combine). By default the
  * experts wait for every source rank's tokens; with overlap they take the
- * first half of the sources' as soon as they are in and send those results
- * back at once, overlapping the second half's messages. The weight
+ * half of the EP group holding this rank first, as soon as its tokens are
+ * in, and send those results back at once, overlapping the other half's
+ * messages. The weight
  * gradients then sum per half: the two agree within float summation order,
  * not to the bit. Each half's GEMMs are smaller: where the exchange is
  * cheap next to the experts, overlap costs more than it hides. */

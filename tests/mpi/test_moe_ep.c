@@ -1,8 +1,8 @@
 /* test_moe_ep.c: the MoE layer with expert parallelism over all ranks (run
  * under mpirun -np 2 and -np 4; with 4 ranks also as 2 EP groups of 2, each
  * expert held twice) against the same layer on one rank fed the whole global
- * batch, with the experts waiting for every source's rows and with the
- * first half of the sources' rows taken as soon as they arrive (overlap). Every rank builds the
+ * batch, with the experts waiting for every source's rows and with their
+ * own half of the ranks' rows taken as soon as they arrive (overlap). Every rank builds the
  * one-rank reference itself, so no result crosses the network except through
  * the code under test (and the final agreement on pass/fail). Ranks hold different token counts (7 + 3r),
  * and the cases cover every gate kind, dropless and capacity, skewed routing,
