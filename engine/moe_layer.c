@@ -1345,8 +1345,8 @@ typedef struct source_batch {
  * [2]; returns how many. All at once, or with overlap in two halves, this
  * rank's own half first, its own rows there at once (tags match the
  * messages then; the driver refuses overlap otherwise). Halves, not one
- * source at a time: each batch splits every expert's GEMMs, whose weights
- * the CPU's BLAS packs again per call. */
+ * source at a time: each batch splits every expert's GEMMs, and smaller
+ * GEMMs run slower (on the CPU each packs the weights again). */
 static int source_batches(const moe_layer *L, source_batch *b) {
     const int64_t P = L->ep_size, half = P / 2;
     if (!L->overlap) {
