@@ -162,7 +162,7 @@ static moe_status write_state(const char *path, moe_model *model, const float *m
         entries[i] = (moe_st_entry){names[i], m + t->offset, t->ndim, t->shape};
         entries[n + i] = (moe_st_entry){names[n + i], v + t->offset, t->ndim, t->shape};
     }
-    char step[24], seed[24], jitter[24], token[24], epoch[24], tokens[24], chunk[24];
+    char step[24], seed[24], jitter[24], token[24], epoch[24], tokens[24], chunk[24], layer[32], head[32];
     snprintf(step, sizeof step, "%" PRId64, s->step);
     snprintf(seed, sizeof seed, "%" PRIu64, s->seed);
     snprintf(jitter, sizeof jitter, "%" PRIu64, s->jitter_counter);
@@ -170,7 +170,9 @@ static moe_status write_state(const char *path, moe_model *model, const float *m
     snprintf(epoch, sizeof epoch, "%" PRId64, s->data.epoch);
     snprintf(tokens, sizeof tokens, "%" PRId64, s->data_tokens);
     snprintf(chunk, sizeof chunk, "%" PRId64, s->data_chunk);
-    moe_st_meta meta[9] = {
+    snprintf(layer, sizeof layer, "%.17g", s->pipe_layer_seconds);
+    snprintf(head, sizeof head, "%.17g", s->pipe_head_seconds);
+    moe_st_meta meta[11] = {
         {"format_version", FORMAT_VERSION}, {"step", step},        {"seed", seed},
         {"jitter_counter", jitter},         {"data_token", token}, {"data_epoch", epoch},
     };
@@ -182,6 +184,10 @@ static moe_status write_state(const char *path, moe_model *model, const float *m
         meta[n_meta++] = (moe_st_meta){"data_chunk", chunk};
     }
     if (s->data_kind[0]) meta[n_meta++] = (moe_st_meta){"data_kind", s->data_kind};
+    if (s->pipe_layer_seconds > 0.0) {
+        meta[n_meta++] = (moe_st_meta){"pipe_layer_seconds", layer};
+        meta[n_meta++] = (moe_st_meta){"pipe_head_seconds", head};
+    }
     moe_status st = moe_st_write(path, entries, 2 * n, meta, n_meta);
     free(entries);
     free(names);
@@ -758,6 +764,20 @@ static moe_status meta_uint(uint64_t *out, const moe_st_file *f, const char *key
     return MOE_OK;
 }
 
+/* A duration in seconds: finite, positive (or zero where zero_ok). */
+static moe_status meta_seconds(double *out, const moe_st_file *f, const char *key, bool zero_ok) {
+    const char *text = moe_st_metadata(f, key);
+    char *end = NULL;
+    errno = 0;
+    const double v = text ? strtod(text, &end) : NAN;
+    if (!text || end == text || *end || errno || !isfinite(v) || v < 0.0 || (v == 0.0 && !zero_ok))
+        return moe_error(MOE_ERR_FORMAT, "%s: __metadata__ \"%s\" is %s%.64s%s, not a %s number of seconds",
+                         moe_st_path(f), key, text ? "\"" : "", text ? text : "missing", text ? "\"" : "",
+                         zero_ok ? "finite non-negative" : "finite positive");
+    *out = v;
+    return MOE_OK;
+}
+
 static moe_status read_meta(moe_train_state *s, const moe_st_file *f) {
     const char *version = moe_st_metadata(f, "format_version");
     if (version == NULL || strcmp(version, FORMAT_VERSION) != 0)
@@ -788,6 +808,11 @@ static moe_status read_meta(moe_train_state *s, const moe_st_file *f) {
     s->data_tokens = (int64_t)tokens;
     s->data_chunk = (int64_t)chunk;
     snprintf(s->data_kind, sizeof s->data_kind, "%s", kind ? kind : "");
+    s->pipe_layer_seconds = s->pipe_head_seconds = 0.0;
+    if (moe_st_metadata(f, "pipe_layer_seconds") != NULL || moe_st_metadata(f, "pipe_head_seconds") != NULL) {
+        MOE_TRY(meta_seconds(&s->pipe_layer_seconds, f, "pipe_layer_seconds", false));
+        MOE_TRY(meta_seconds(&s->pipe_head_seconds, f, "pipe_head_seconds", true));
+    }
     return MOE_OK;
 }
 

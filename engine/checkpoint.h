@@ -63,6 +63,9 @@ typedef struct moe_train_state {
     /* What the stream was read from: "synthetic", "bytes" (a file at byte
      * level) or "shards" (llm.c token shards); "" when not recorded. */
     char data_kind[16];
+    /* The seconds of a layer and of the head that --pp-balance measured
+     * cut the pipeline by, so that a resume cuts alike; 0: none measured. */
+    double pipe_layer_seconds, pipe_head_seconds;
 } moe_train_state;
 
 /* Writes OUT/step-NNNNNN for state->step (six digits, more from 10^6 on),

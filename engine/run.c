@@ -398,6 +398,7 @@ typedef struct run {
     moe_op_time *profile; /* [moe_profile_op_count()] with --profile */
     int64_t *slowest;     /* [ranks] the steps each rank was the slowest */
     moe_stage_costs stage_costs; /* what the pipeline's partition balanced */
+    bool stage_costs_resumed;    /* the measured costs --resume's checkpoint recorded */
 } run;
 
 static void warn(const run *r, const char *fmt, ...) MOE_PRINTF(2, 3);
@@ -688,11 +689,18 @@ static moe_status time_layers(run *r, int64_t layers, double *seconds) {
 /* The partition's costs: FLOPs, or times measured on every rank's device
  * and averaged over the ranks (so all cut the layers alike): a layer is
  * the difference between models of two layers and of one, the head and
- * embedding the rest of the one-layer model. */
+ * embedding the rest of the one-layer model. A resume takes the times its
+ * checkpoint's run measured, when it did, and so cuts as that run did:
+ * timings vary, and another cut would round apart. */
 static moe_status stage_costs(run *r, moe_stage_costs *costs) {
     const moe_run_options *o = r->o;
     *costs = moe_grid_flop_costs(&r->cfg, o->seq_len);
     if (o->pp_balance != MOE_PP_BALANCE_MEASURED) return MOE_OK;
+    if (o->resume && r->resumed.pipe_layer_seconds > 0.0) {
+        *costs = (moe_stage_costs){.layer = r->resumed.pipe_layer_seconds, .head = r->resumed.pipe_head_seconds};
+        r->stage_costs_resumed = true;
+        return MOE_OK;
+    }
     double one, two;
     MOE_TRY(time_layers(r, 1, &one));
     MOE_TRY(time_layers(r, 2, &two));
@@ -1213,6 +1221,10 @@ static moe_status save_checkpoint(run *r) {
         .data_chunk = r->o->shuffle ? r->tokens.batch : 0,
     };
     snprintf(state.data_kind, sizeof state.data_kind, "%s", data_kind(r->o->data));
+    if (r->o->pp_balance == MOE_PP_BALANCE_MEASURED) {
+        state.pipe_layer_seconds = r->stage_costs.layer;
+        state.pipe_head_seconds = r->stage_costs.head;
+    }
     MOE_TRY(moe_checkpoint_save(r->last_checkpoint, sizeof r->last_checkpoint, r->o->out_dir, r->model, r->trainer,
                                 &state));
     if (r->cb->on_checkpoint) r->cb->on_checkpoint(r->cb->ctx, state.step, r->last_checkpoint);
@@ -1398,6 +1410,7 @@ static moe_status run_body(run *r, double start) {
         .pp = o->pp,
         .stage_layers = r->grid.stage_layers,
         .stage_costs = r->stage_costs,
+        .stage_costs_resumed = r->stage_costs_resumed,
         .optimizer_bytes = moe_trainer_optimizer_bytes(r->trainer),
         .optimizer_bytes_least = state_bytes[0],
         .optimizer_bytes_most = state_bytes[1],

@@ -165,6 +165,7 @@ typedef struct moe_run_summary {
      * NULL without a pipeline. */
     const int64_t *stage_layers;
     moe_stage_costs stage_costs; /* what the partition balanced: FLOPs per token, or seconds (--pp-balance) */
+    bool stage_costs_resumed;    /* the seconds --resume's checkpoint measured, not this run */
     int64_t optimizer_bytes; /* AdamW state held by this rank */
     int64_t optimizer_bytes_least, optimizer_bytes_most; /* over the ranks: stages hold different layers */
     int64_t activation_bytes_least, activation_bytes_most; /* moe_trainer_activation_bytes over the ranks */

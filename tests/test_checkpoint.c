@@ -114,7 +114,8 @@ static moe_train_state scramble(run *r, uint64_t seed, int64_t step) {
     moe_model_set_jitter_counter(r->model, 1000 + seed);
     return (moe_train_state){.step = step, .seed = UINT64_MAX - seed, .jitter_counter = 1000 + seed,
                              .data = {.token = 4096 + (int64_t)seed, .epoch = 3},
-                             .data_tokens = 100000 + (int64_t)seed, .data_chunk = 512, .data_kind = "bytes"};
+                             .data_tokens = 100000 + (int64_t)seed, .data_chunk = 512, .data_kind = "bytes",
+                             .pipe_layer_seconds = 0.1 / 3.0 + (double)seed, .pipe_head_seconds = 1e-3 / 7.0};
 }
 
 static float *copy_floats(const float *a, int64_t n) {
@@ -287,6 +288,8 @@ Test(checkpoint, save_then_load_is_bitwise, .init = make_tmpdir, .fini = remove_
     cr_expect_eq(got.data_tokens, 100007);
     cr_expect_eq(got.data_chunk, 512);
     cr_expect_str_eq(got.data_kind, "bytes");
+    cr_expect(got.pipe_layer_seconds == 0.1 / 3.0 + 7.0 && got.pipe_head_seconds == 1e-3 / 7.0,
+              "pipeline costs %.17g, %.17g: not the bits written", got.pipe_layer_seconds, got.pipe_head_seconds);
     moe_train_state meta_only;
     cr_assert_eq(moe_checkpoint_read_state(&meta_only, path), MOE_OK, "%s", moe_last_error());
     cr_expect(meta_only.step == 7 && meta_only.data_tokens == 100007 && meta_only.data_chunk == 512 &&
@@ -738,7 +741,8 @@ static void write_state(const char *path, run *r, const meta_case *change, const
                         int64_t n_extra) {
     const moe_st_meta base[] = {{"format_version", "1"}, {"step", "9"},       {"seed", "18446744073709551615"},
                                 {"jitter_counter", "5"}, {"data_token", "64"}, {"data_epoch", "2"},
-                                {"data_tokens", "4097"}, {"data_chunk", "64"}, {"data_kind", "shards"}};
+                                {"data_tokens", "4097"}, {"data_chunk", "64"}, {"data_kind", "shards"},
+                                {"pipe_layer_seconds", "0.0125"}, {"pipe_head_seconds", "0"}};
     enum { N_BASE = sizeof base / sizeof base[0] };
     moe_st_meta meta[N_BASE];
     int64_t nm = 0;
@@ -780,6 +784,8 @@ Test(checkpoint, corrupt_state_is_refused, .init = make_tmpdir, .fini = remove_t
     cr_assert_eq(moe_checkpoint_load_state(b.trainer, b.model, &got, dir), MOE_OK, "%s", moe_last_error());
     cr_expect_eq(got.seed, UINT64_MAX);
     cr_expect_eq(got.step, 9);
+    cr_expect(got.pipe_layer_seconds == 0.0125 && got.pipe_head_seconds == 0.0, "pipeline costs %g, %g",
+              got.pipe_layer_seconds, got.pipe_head_seconds);
     expect_bits(moe_trainer_adam_m(b.trainer), moe_trainer_adam_m(a.trainer), n_params(&a), "exp_avg");
     const meta_case last_epoch = {"data_epoch", "9223372036854775806", NULL};
     write_state(file, &a, &last_epoch, NULL, NULL, 0);
@@ -807,6 +813,13 @@ Test(checkpoint, corrupt_state_is_refused, .init = make_tmpdir, .fini = remove_t
         {"data_tokens", NULL, "\"data_tokens\""},
         {"data_tokens", "-1", "\"data_tokens\""},
         {"data_kind", "text", "\"data_kind\""},
+        /* The pipeline's measured costs come whole, as finite seconds. */
+        {"pipe_head_seconds", NULL, "\"pipe_head_seconds\" is missing"},
+        {"pipe_layer_seconds", "0", "\"pipe_layer_seconds\" is \"0\", not a finite positive number of seconds"},
+        {"pipe_layer_seconds", "nan", "\"pipe_layer_seconds\""},
+        {"pipe_layer_seconds", "1e999", "\"pipe_layer_seconds\""},
+        {"pipe_head_seconds", "-0.5", "\"pipe_head_seconds\""},
+        {"pipe_head_seconds", "2ms", "\"pipe_head_seconds\""},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         write_state(file, &a, &cases[i], NULL, NULL, 0);

@@ -76,9 +76,20 @@ grid_matches "--pp 2 --ep 2 --zero 1 on 4 ranks, 1f1b" pp_ep "$out/one3" 4 --bat
 grid_matches "--pp 2 --ep 2 --recompute on 4 ranks, 1f1b" pp_ep_recompute "$out/one3" 4 --batch-size 4 "${pp[@]}" \
     --ep 2 --recompute
 grid_matches "--pp 2 --pp-balance measured on 2 ranks" pp_measured "$out/one3" 2 --batch-size 8 "${pp[@]}" \
-    --pp-balance measured
+    --pp-balance measured --save-every 6
 grep -q "stages hold layers 0 | 1 (measured: a layer [0-9.]* ms, the head [0-9.]* ms)" "$out/pp_measured.log"
 check "--pp-balance measured says the costs it measured" $?
+# Its resume cuts by the costs the checkpoint recorded, and so continues it
+# bit for bit.
+run_ok "the resume of a measured pipeline" "$out/pp_measured_resumed.log" "${launcher[@]}" -np 2 "$bin/moe-train" \
+    "${common[@]}" --batch-size 8 "${pp[@]}" --pp-balance measured --resume "$out/pp_measured/step-000006" \
+    --out "$out/pp_measured_resumed"
+costs() { grep -o "a layer [0-9.]* ms, the head [0-9.]* ms" "$1"; }
+[ -n "$(costs "$out/pp_measured.log")" ] && [ "$(costs "$out/pp_measured.log")" = "$(costs "$out/pp_measured_resumed.log")" ] &&
+    grep -q "(measured by the run --resume continues: " "$out/pp_measured_resumed.log"
+check "the resume of a measured pipeline takes the checkpoint's costs" $?
+cmp -s <(values loss "$out/pp_measured_resumed") <(values loss "$out/pp_measured" | tail -n +7)
+check "the resume of a measured pipeline continues it bit for bit" $?
 
 run_ok "the resume of a pipeline" "$out/pp_resumed.log" "$bin/moe-train" "${common[@]}" --batch-size 8 \
     --grad-accum 3 --resume "$out/pp/step-000006" --out "$out/pp_resumed"

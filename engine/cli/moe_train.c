@@ -114,7 +114,8 @@ static void print_help(void) {
            "                       training FLOPs (default); measured: their times, from a\n"
            "                       forward and backward of a 1- and a 2-layer model on each\n"
            "                       rank's device at start-up, averaged over the ranks (runs\n"
-           "                       that cut differently agree to rounding, not bit for bit)\n"
+           "                       that cut differently agree to rounding, not bit for bit;\n"
+           "                       a --resume cuts by the times its checkpoint recorded)\n"
            "  --ep P               split each layer's experts over groups of P consecutive ranks of\n"
            "                       a stage; they are data-parallel, --batch-size is per rank (default 1)\n"
            "  --zero 1             shard AdamW's state over each parameter's replicas (default 0)\n"
@@ -242,7 +243,8 @@ static void print_grid(const moe_run_summary *s) {
                 printf("%s%lld-%lld", stage ? " | " : "", first, last);
         }
         if (o->pp_balance == MOE_PP_BALANCE_MEASURED)
-            printf(" (measured: a layer %.2f ms, the head %.2f ms)", 1e3 * s->stage_costs.layer,
+            printf(" (measured%s: a layer %.2f ms, the head %.2f ms)",
+                   s->stage_costs_resumed ? " by the run --resume continues" : "", 1e3 * s->stage_costs.layer,
                    1e3 * s->stage_costs.head);
     }
     printf("\n");
