@@ -55,6 +55,7 @@ typedef struct a2a_options {
     int64_t experts; /* dispatch: E; 0 means DEFAULT_EXPERTS_PER_RANK per rank */
     int64_t top_k, d_ff;
     int64_t overlap; /* 1: the experts start on half the sources' tokens */
+    int64_t rank_limit; /* > 0: each token's experts on at most this many ranks */
     uint64_t seed;
     a2a_dist dist;
     double dist_param; /* zipf exponent S, or the hot fraction */
@@ -139,6 +140,10 @@ static void print_help(FILE *f) {
             "  --experts N           E, a multiple of the rank count, at most d_model\n"
             "                        (default %d per rank)\n"
             "  --top-k N             experts per token (default %d)\n"
+            "  --rank-limit M        each token's experts on at most M ranks: group-limited\n"
+            "                        routing with a group per rank (DeepSeek-V3's node\n"
+            "                        limit; default 0: none); a token still travels once\n"
+            "                        per rank\n"
             "  --d-ff N              each expert's intermediate size (default %d)\n"
             "  --overlap 0|1         1: the tokens of a rank's own half of the ranks go\n"
             "                        through its experts as soon as they are in,\n"
@@ -230,7 +235,7 @@ static int match_flag(int argc, char **argv, int *i, const a2a_flag *flag, const
 
 enum {
     F_MIN, F_MAX, F_FACTOR, F_WARMUP, F_ITERS, F_DIST, F_ROW, F_SEED, F_MODE,
-    F_EXPERTS, F_TOPK, F_DFF, F_OVERLAP, N_FLAGS
+    F_EXPERTS, F_TOPK, F_DFF, F_OVERLAP, F_RANK_LIMIT, N_FLAGS
 };
 
 static const a2a_flag flags[N_FLAGS] = {
@@ -240,7 +245,7 @@ static const a2a_flag flags[N_FLAGS] = {
     [F_ROW] = {NULL, "row-bytes"},  [F_SEED] = {NULL, "seed"},
     [F_MODE] = {NULL, "mode"},      [F_EXPERTS] = {NULL, "experts"},
     [F_TOPK] = {NULL, "top-k"},     [F_DFF] = {NULL, "d-ff"},
-    [F_OVERLAP] = {NULL, "overlap"},
+    [F_OVERLAP] = {NULL, "overlap"}, [F_RANK_LIMIT] = {NULL, "rank-limit"},
 };
 
 static bool apply_flag(a2a_options *o, int f, const char *value) {
@@ -281,6 +286,7 @@ static bool apply_flag(a2a_options *o, int f, const char *value) {
     case F_TOPK: return bench_parse_i64(&o->top_k, CMD, name, value, 1, MOE_EXPERTS_MAX);
     case F_DFF: return bench_parse_i64(&o->d_ff, CMD, name, value, 1, 1 << 20);
     case F_OVERLAP: return bench_parse_i64(&o->overlap, CMD, name, value, 0, 1);
+    case F_RANK_LIMIT: return bench_parse_i64(&o->rank_limit, CMD, name, value, 0, MOE_GROUPS_MAX);
     }
     return false;
 }
@@ -324,7 +330,7 @@ static int parse_options(a2a_options *o, int argc, char **argv) {
     }
     /* The layer's shape means nothing to a raw exchange: say so rather
      * than run without it. */
-    static const int dispatch_only[] = {F_EXPERTS, F_TOPK, F_DFF, F_OVERLAP};
+    static const int dispatch_only[] = {F_EXPERTS, F_TOPK, F_DFF, F_OVERLAP, F_RANK_LIMIT};
     for (size_t j = 0; o->mode == MODE_RAW && j < sizeof dispatch_only / sizeof dispatch_only[0]; j++)
         if (given[dispatch_only[j]]) {
             fprintf(stderr, "moe-bench %s: --%s applies to --mode dispatch only\n", CMD,
@@ -1042,6 +1048,14 @@ static bool check_shape(const a2a_options *o, int rank, int P, int64_t d, int64_
                  (long long)d);
     else if (o->top_k > E)
         snprintf(why, sizeof why, "is fewer than --top-k=%lld", (long long)o->top_k);
+    else if (o->rank_limit > P)
+        snprintf(why, sizeof why, "on %d ranks: --rank-limit=%lld exceeds them", P, (long long)o->rank_limit);
+    else if (o->rank_limit > 0 && P > MOE_GROUPS_MAX)
+        snprintf(why, sizeof why, "on %d ranks: --rank-limit takes at most %d (a routing group per rank)", P,
+                 MOE_GROUPS_MAX);
+    else if (o->rank_limit > 0 && o->top_k > o->rank_limit * (E / P))
+        snprintf(why, sizeof why, "on --rank-limit=%lld ranks of %lld experts cannot hold --top-k=%lld",
+                 (long long)o->rank_limit, (long long)(E / P), (long long)o->top_k);
     if (why[0] && rank == 0)
         fprintf(stderr, "moe-bench %s: --mode dispatch: E=%lld experts %s\n", CMD, (long long)E,
                 why);
@@ -1075,6 +1089,7 @@ static int run_dispatch(const a2a_options *o, moe_comm *comm) {
     cfg.d_ff = o->d_ff;
     cfg.n_experts = r.E;
     cfg.top_k = r.k;
+    if (o->rank_limit > 0) cfg.n_groups = P, cfg.top_groups = o->rank_limit;
     cfg.seed = o->seed;
     const int64_t n_params = moe_layer_config_param_count(&cfg, P);
     float *params = calloc((size_t)n_params, sizeof(float));
@@ -1119,13 +1134,15 @@ static int run_dispatch(const a2a_options *o, moe_comm *comm) {
     const bench_table table = {.bench = CMD, .cols = dispatch_columns,
                                .n_cols = N_DISPATCH_COLUMNS, .json = o->json};
     if (r.rank == 0) {
+        char limit[48] = "";
+        if (o->rank_limit > 0) snprintf(limit, sizeof limit, " on at most %lld ranks", (long long)o->rank_limit);
         bench_table_note(&table,
                          "moe-bench a2a --mode dispatch, libmoe %s: %d ranks, dist %s, d_model "
-                         "%lld (rows of %lld B), %lld experts (%lld per rank), top-%lld, d_ff "
+                         "%lld (rows of %lld B), %lld experts (%lld per rank), top-%lld%s, d_ff "
                          "%lld, dropless, seed %llu, %lld warmup + %lld timed steps",
                          moe_version_string(), P, o->dist_label, (long long)r.d,
                          (long long)o->row_bytes, (long long)r.E, (long long)r.n_local,
-                         (long long)r.k, (long long)o->d_ff, (unsigned long long)o->seed,
+                         (long long)r.k, limit, (long long)o->d_ff, (unsigned long long)o->seed,
                          (long long)o->warmup, (long long)o->iters);
         bench_table_note(&table,
                          "left: the layer's dispatch + combine path (permute, a message per rank with "
@@ -1166,6 +1183,7 @@ static moe_status agree_options(moe_comm *comm, const a2a_options *o) {
         {"--iters", (double)o->iters, NULL},         {"--row-bytes", (double)o->row_bytes, NULL},
         {"--experts", (double)o->experts, NULL},     {"--top-k", (double)o->top_k, NULL},
         {"--d-ff", (double)o->d_ff, NULL},           {"--overlap", (double)o->overlap, NULL},
+        {"--rank-limit", (double)o->rank_limit, NULL},
         {"--seed (high 32 bits)", (double)(o->seed >> 32), NULL},
         {"--seed (low 32 bits)", (double)(o->seed & 0xFFFFFFFFu), NULL},
         {"--dist", (double)o->dist, dist_name},      {"--dist (parameter)", o->dist_param, NULL},
