@@ -77,6 +77,7 @@ void moe_run_options_init(moe_run_options *o) {
         .min_lr = 5e-4,
         .warmup = 100,
         .lr_schedule = MOE_LR_COSINE,
+        .decay_frac = 0.2,
         .weight_decay = 0.1,
         .grad_clip = 1.0,
         .grad_accum = 1,
@@ -111,7 +112,7 @@ static moe_status parse_choice(int *out, const char *const *names, size_t n, con
 #define N_CHOICES(names) (sizeof names / sizeof *names)
 #define CHOICE_NAME(names, i) ((unsigned)(i) < N_CHOICES(names) ? names[i] : "?")
 
-static const char *const schedule_names[] = {"cosine", "linear", "constant"};
+static const char *const schedule_names[] = {"cosine", "linear", "constant", "wsd"};
 const char *moe_lr_schedule_name(moe_lr_schedule s) { return CHOICE_NAME(schedule_names, s); }
 moe_status moe_lr_schedule_parse(moe_lr_schedule *s, const char *name) {
     int at = 0;
@@ -146,6 +147,7 @@ static moe_optim_config optim_config_of(const moe_run_options *o) {
     c.warmup = o->warmup;
     c.total_steps = o->steps;
     c.schedule = o->lr_schedule;
+    c.decay_frac = o->decay_frac;
     c.weight_decay = o->weight_decay;
     c.grad_clip = o->grad_clip;
     c.zero = o->zero;
@@ -748,6 +750,7 @@ static moe_status build_model(run *r) {
             {"--gemm-math", (double)o->gemm_math, gemm_math_name},
             {"--warmup", (double)o->warmup, NULL},         {"--min-lr", o->min_lr, NULL},
             {"--lr-schedule", (double)o->lr_schedule, schedule_name},
+            {"--decay-frac", o->decay_frac, NULL},
             {"--weight-decay", o->weight_decay, NULL},
             {"--grad-clip", o->grad_clip, NULL},           {"--eval-only", (double)o->eval_only, NULL},
             {"--data (name hash)", moe_grid_text_hash(o->data), NULL},
@@ -860,6 +863,8 @@ static void write_options(moe_json_writer *w, const moe_run_options *o) {
     moe_json_key(w, "warmup");
     moe_json_int(w, o->warmup);
     json_opt_string(w, "lr_schedule", moe_lr_schedule_name(o->lr_schedule));
+    moe_json_key(w, "decay_frac");
+    moe_json_number(w, o->decay_frac);
     json_opt_string(w, "device", moe_device_name(o->device));
     json_opt_string(w, "gemm_math", moe_gemm_math_name(o->gemm_math));
     moe_json_key(w, "weight_decay");

@@ -81,6 +81,7 @@ typedef struct moe_run_options {
     double lr, min_lr;     /* --lr, --min-lr */
     int64_t warmup;        /* --warmup steps */
     moe_lr_schedule lr_schedule;
+    double decay_frac;     /* --decay-frac: wsd's decay, a share of the steps after warm-up */
     double weight_decay;   /* --weight-decay */
     double grad_clip;      /* --grad-clip; 0 = off */
     int64_t grad_accum;    /* --grad-accum micro-batches per step */

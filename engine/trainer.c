@@ -74,8 +74,11 @@ moe_status moe_optim_config_validate(const moe_optim_config *c) {
         return moe_error(MOE_ERR_CONFIG, "--min-lr %g must be in [0, lr=%g]", c->min_lr, c->lr);
     if (c->warmup < 0) return moe_error(MOE_ERR_CONFIG, "--warmup %lld must not be negative", (long long)c->warmup);
     if (c->total_steps <= 0) return moe_error(MOE_ERR_CONFIG, "--steps %lld must be positive", (long long)c->total_steps);
-    if (c->schedule != MOE_LR_COSINE && c->schedule != MOE_LR_LINEAR && c->schedule != MOE_LR_CONSTANT)
+    if (c->schedule != MOE_LR_COSINE && c->schedule != MOE_LR_LINEAR && c->schedule != MOE_LR_CONSTANT &&
+        c->schedule != MOE_LR_WSD)
         return moe_error(MOE_ERR_CONFIG, "lr schedule %d unknown", (int)c->schedule);
+    if (!(c->decay_frac > 0.0 && c->decay_frac <= 1.0))
+        return moe_error(MOE_ERR_CONFIG, "--decay-frac %g must be in (0, 1]", c->decay_frac);
     if (!isfinite(c->weight_decay) || c->weight_decay < 0.0)
         return moe_error(MOE_ERR_CONFIG, "--weight-decay %g must be finite and not negative", c->weight_decay);
     if (!(c->beta1 >= 0.0 && c->beta1 < 1.0) || !(c->beta2 >= 0.0 && c->beta2 < 1.0))
@@ -95,11 +98,17 @@ moe_status moe_optim_config_validate(const moe_optim_config *c) {
 double moe_lr_at(const moe_optim_config *c, int64_t step) {
     if (step < c->warmup) return c->lr * (double)(step + 1) / (double)c->warmup;
     if (c->schedule == MOE_LR_CONSTANT) return c->lr;
-    int64_t decay_steps = c->total_steps - c->warmup;
+    int64_t first = c->warmup, decay_steps = c->total_steps - c->warmup;
+    if (c->schedule == MOE_LR_WSD) { /* the last decay_frac of them, at least one */
+        const int64_t decay = (int64_t)ceil(c->decay_frac * (double)decay_steps);
+        first = c->total_steps - (decay > 1 ? decay : 1);
+        if (step < first) return c->lr;
+        decay_steps = c->total_steps - first;
+    }
     /* A single decay step is the last step, which gets min_lr; with none
      * (warmup >= total_steps) no step of the run comes here. */
     if (decay_steps <= 1) return c->min_lr;
-    double progress = (double)(step - c->warmup) / (double)(decay_steps - 1);
+    double progress = (double)(step - first) / (double)(decay_steps - 1);
     if (progress > 1.0) progress = 1.0;
     double frac = c->schedule == MOE_LR_COSINE ? 0.5 * (1.0 + cos(3.14159265358979323846 * progress)) : 1.0 - progress;
     return c->min_lr + (c->lr - c->min_lr) * frac;

@@ -14,6 +14,10 @@ typedef enum moe_lr_schedule {
     MOE_LR_COSINE = 0,
     MOE_LR_LINEAR,
     MOE_LR_CONSTANT,
+    /* Warm-up, stable at lr, then a linear decay to min_lr over the last
+     * decay_frac of the steps after warm-up (MiniCPM's WSD): a run stopped
+     * before its decay is a checkpoint to decay from, or to continue. */
+    MOE_LR_WSD,
 } moe_lr_schedule;
 
 /* The order of a pipeline's micro-batches (moe_model_stage): GPipe runs
@@ -33,6 +37,7 @@ typedef struct moe_optim_config {
     int64_t warmup;     /* steps of linear warm-up from lr / warmup */
     int64_t total_steps;
     moe_lr_schedule schedule;
+    double decay_frac;  /* MOE_LR_WSD's decay, a share of the steps after warm-up, in (0, 1] */
     double weight_decay; /* decoupled, on every matrix, none on norms */
     double beta1, beta2, eps;
     double grad_clip;   /* global L2 norm; 0 = off */
@@ -45,6 +50,7 @@ typedef struct moe_optim_config {
 #define MOE_OPTIM_CONFIG_INIT                                                                       \
     {                                                                                               \
         .lr = 3e-4, .min_lr = 3e-5, .warmup = 0, .total_steps = 1, .schedule = MOE_LR_COSINE,      \
+        .decay_frac = 0.2,                                                                          \
         .weight_decay = 0.1, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .grad_clip = 1.0,            \
         .grad_accum = 1, .pipe_schedule = MOE_PIPE_1F1B, .zero = 0                                  \
     }

@@ -1099,6 +1099,10 @@ Test(train_run, lr_schedule_edges, .init = make_tmp, .fini = remove_tmp) {
         {MOE_LR_COSINE, 8, 4, 3, 0.5},
         {MOE_LR_COSINE, 2, 6, 3, 0.1 + 0.9 * 0.75},  {MOE_LR_COSINE, 2, 6, 4, 0.1 + 0.9 * 0.25},
         {MOE_LR_LINEAR, 2, 6, 3, 0.1 + 0.9 * 2.0 / 3.0}, {MOE_LR_LINEAR, 2, 6, 4, 0.1 + 0.9 / 3.0},
+        /* wsd (decay_frac 0.2): stable until the last 2 of the 10 steps
+         * after warm-up, which go from lr to min_lr; a decay of one step. */
+        {MOE_LR_WSD, 2, 12, 1, 1.0},     {MOE_LR_WSD, 2, 12, 9, 1.0},      {MOE_LR_WSD, 2, 12, 10, 1.0},
+        {MOE_LR_WSD, 2, 12, 11, 0.1},    {MOE_LR_WSD, 2, 3, 2, 0.1},       {MOE_LR_WSD, 0, 1, 0, 0.1},
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         moe_optim_config c = MOE_OPTIM_CONFIG_INIT;
@@ -1112,6 +1116,17 @@ Test(train_run, lr_schedule_edges, .init = make_tmp, .fini = remove_tmp) {
                   moe_lr_schedule_name(c.schedule), (long long)c.warmup, (long long)c.total_steps,
                   (long long)cases[i].step, got, cases[i].want);
     }
+    /* wsd decaying over half: the last 5 of 10 steps, linear. */
+    moe_optim_config wsd = MOE_OPTIM_CONFIG_INIT;
+    wsd.lr = 1.0, wsd.min_lr = 0.1, wsd.schedule = MOE_LR_WSD, wsd.decay_frac = 0.5;
+    wsd.warmup = 2, wsd.total_steps = 12;
+    const double wsd_want[12] = {0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.775, 0.55, 0.325, 0.1};
+    for (int64_t s = 0; s < 12; s++)
+        cr_expect(fabs(moe_lr_at(&wsd, s) - wsd_want[s]) <= 1e-12, "wsd over half: step %lld lr %.15g, want %.15g",
+                  (long long)s, moe_lr_at(&wsd, s), wsd_want[s]);
+    wsd.decay_frac = 0.0;
+    cr_expect_eq(moe_optim_config_validate(&wsd), MOE_ERR_CONFIG, "decay_frac 0 accepted");
+    cr_expect(strstr(moe_last_error(), "--decay-frac") != NULL, "%s", moe_last_error());
     const double pi = 3.14159265358979323846;
     for (int cosine = 0; cosine < 2; cosine++) {
         moe_optim_config c = MOE_OPTIM_CONFIG_INIT;

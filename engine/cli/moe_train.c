@@ -60,13 +60,16 @@ static void print_help(void) {
            "  --lr X               peak learning rate (default %g)\n"
            "  --min-lr X           learning rate at the last step (default %g)\n"
            "  --warmup N           steps of linear warm-up (default %lld)\n"
-           "  --lr-schedule S      cosine, linear or constant after warm-up (default %s)\n"
+           "  --lr-schedule S      cosine, linear or constant after warm-up, or wsd: lr until the\n"
+           "                       last --decay-frac of those steps, then linear to --min-lr\n"
+           "                       (default %s)\n"
+           "  --decay-frac X       wsd's decay, a share of the steps after warm-up (default %g)\n"
            "  --weight-decay X     decoupled, on matrices only (default %g)\n"
            "  --grad-clip X        clip the global gradient norm to X; 0 = off (default %g)\n"
            "  --grad-accum N       micro-batches per step (default %lld)\n"
            "  --seed N             initial weights, synthetic data, shuffle, jitter (default %llu)\n\n",
            (long long)d.steps, d.lr, d.min_lr, (long long)d.warmup, moe_lr_schedule_name(d.lr_schedule),
-           d.weight_decay, d.grad_clip, (long long)d.grad_accum, (unsigned long long)d.seed);
+           d.decay_frac, d.weight_decay, d.grad_clip, (long long)d.grad_accum, (unsigned long long)d.seed);
     printf("Evaluation and output:\n"
            "  --eval-every N       evaluate every N steps and at the end; 0 = end only (default %lld)\n"
            "  --eval-batches N     batches per evaluation, read from the start (default %lld)\n"
@@ -146,6 +149,7 @@ static const cli_flag flags[] = {
     {"--steps", CLI_INT, OPT(steps), NULL},              {"--lr", CLI_REAL, OPT(lr), NULL},
     {"--min-lr", CLI_REAL, OPT(min_lr), NULL},           {"--warmup", CLI_INT, OPT(warmup), NULL},
     {"--lr-schedule", CLI_PARSED, OPT(lr_schedule), parse_schedule},
+    {"--decay-frac", CLI_REAL, OPT(decay_frac), NULL},
     {"--weight-decay", CLI_REAL, OPT(weight_decay), NULL},
     {"--grad-clip", CLI_REAL, OPT(grad_clip), NULL},     {"--grad-accum", CLI_INT, OPT(grad_accum), NULL},
     {"--seed", CLI_SEED, OPT(seed), NULL},               {"--threads", CLI_THREADS, OPT(threads), NULL},
