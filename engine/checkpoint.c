@@ -2,6 +2,7 @@
 
 #include "engine/checkpoint.h"
 
+#include <ctype.h>
 #include <errno.h>
 #include <inttypes.h>
 #include <math.h>
@@ -769,7 +770,7 @@ static moe_status meta_seconds(double *out, const moe_st_file *f, const char *ke
     const char *text = moe_st_metadata(f, key);
     char *end = NULL;
     errno = 0;
-    const double v = text ? strtod(text, &end) : NAN;
+    const double v = text && !isspace((unsigned char)text[0]) ? strtod(text, &end) : NAN;
     if (!text || end == text || *end || errno || !isfinite(v) || v < 0.0 || (v == 0.0 && !zero_ok))
         return moe_error(MOE_ERR_FORMAT, "%s: __metadata__ \"%s\" is %s%.64s%s, not a %s number of seconds",
                          moe_st_path(f), key, text ? "\"" : "", text ? text : "missing", text ? "\"" : "",

@@ -79,8 +79,9 @@ typedef struct moe_train_state {
  * tensor (named per tensor, so the state can be re-sharded by name) and the
  * __metadata__ strings format_version "1", step, seed, jitter_counter,
  * data_token and data_epoch, data_tokens and data_chunk when
- * state->data_tokens > 0, and data_kind when it is set (older readers
- * ignore these).
+ * state->data_tokens > 0, data_kind when it is set, and pipe_layer_seconds
+ * and pipe_head_seconds (%.17g) when state->pipe_layer_seconds > 0 (older
+ * readers ignore these).
  *
  * The files go to OUT/.step-NNNNNN.tmp-<pid>, which is renamed into place
  * once all of them are fsynced. A checkpoint of the same step already there
@@ -128,7 +129,10 @@ moe_status moe_checkpoint_load_weights(moe_model *model, const char *dir);
  * element is named). A file without
  * data_tokens (written before it existed) gives data_tokens = data_chunk =
  * 0; one with data_tokens must have data_chunk too; a data_kind, when
- * there, is one of the three state->data_kind names. Errors name the file
+ * there, is one of the three state->data_kind names; pipe_layer_seconds
+ * and pipe_head_seconds come together or not at all, finite decimal
+ * numbers, the layer's positive and the head's not negative (absent: both
+ * 0). Errors name the file
  * and the tensor or key; on error nothing is changed. */
 moe_status moe_checkpoint_load_state(moe_trainer *trainer, moe_model *model, moe_train_state *state,
                                      const char *dir);

@@ -8,8 +8,6 @@
  *           summed] -> combine
  * backward: combine -> [dispatch] -> grouped experts -> [return] ->
  *           unpermute -> gating -> router GEMM -> [jitter]
- * (With overlap the exchanges move a row per (token, expert) instead, each
- * (rank, expert) chunk sent straight into the experts' row order.)
  *
  * The bracketed steps exist only with an expert-parallel group of P > 1
  * ranks; with P = 1 the same code runs and they vanish. Each expert sees its

@@ -100,6 +100,11 @@ Test(partition, measured_costs_move_the_cuts) {
               moe_last_error());
     cr_expect(bounds[1] == 4, "8 layers, a free head: stages [0, %lld), [%lld, 8), want 4 each", (long long)bounds[1],
               (long long)bounds[1]);
+    /* Only the ratio counts: costs near double's range cut as small ones. */
+    cr_assert(moe_grid_partition(bounds, 8, 2, (moe_stage_costs){.layer = 4e307, .head = 1e308}) == MOE_OK, "%s",
+              moe_last_error());
+    cr_expect(bounds[1] == 5, "8 layers of 4e307, a head of 2.5 of them: stages [0, %lld), want 5",
+              (long long)bounds[1]);
 }
 
 Test(partition, fewer_layers_than_stages_is_refused) {
