@@ -21,6 +21,8 @@ moe_status moe_sampling_validate(const moe_sampling *s) {
     if (!(s->temperature >= 0.0) || !isfinite(s->temperature))
         return moe_error(MOE_ERR_CONFIG, "--temperature %g must be finite and >= 0 (0: greedy)", s->temperature);
     if (s->top_k < 0) return moe_error(MOE_ERR_CONFIG, "--top-k %lld must be >= 0 (0: every token)", (long long)s->top_k);
+    if (!(s->top_p >= 0.0 && s->top_p <= 1.0))
+        return moe_error(MOE_ERR_CONFIG, "--top-p %g must be in [0, 1] (0 or 1: every token)", s->top_p);
     return MOE_OK;
 }
 
@@ -48,10 +50,44 @@ static void top_tokens(int32_t *ids, int64_t k, const float *logits, int64_t V) 
     }
 }
 
+/* A token's weight at the temperature, relative to the best logit top. */
+static double weight(const float *logits, int32_t id, float top, double temperature) {
+    return exp(((double)logits[id] - top) / temperature);
+}
+
+/* Restores the max-heap order (ranks_before) below ids[at] of ids [n]. */
+static void sift_down(int32_t *ids, int64_t at, int64_t n, const float *logits) {
+    for (int64_t child; (child = 2 * at + 1) < n; at = child) {
+        if (child + 1 < n && ranks_before(logits, ids[child + 1], ids[child])) child++;
+        if (!ranks_before(logits, ids[child], ids[at])) return;
+        const int32_t t = ids[at];
+        ids[at] = ids[child], ids[child] = t;
+    }
+}
+
+/* The nucleus of the tokens ids [k]: the fewest likeliest whose weights sum
+ * to at least mass, moved to the end of ids best first (a heap's pops);
+ * returns how many. */
+static int64_t nucleus(int32_t *ids, int64_t k, const float *logits, float top, double temperature, double mass) {
+    for (int64_t i = k / 2 - 1; i >= 0; i--) sift_down(ids, i, k, logits);
+    int64_t size = k;
+    for (double sum = 0.0; size > 0 && sum < mass; size--) {
+        const int32_t best = ids[0];
+        sum += weight(logits, best, top, temperature);
+        ids[0] = ids[size - 1], ids[size - 1] = best;
+        sift_down(ids, 0, size - 1, logits);
+    }
+    for (int64_t a = size, b = k - 1; a < b; a++, b--) { /* popped last-first: best first */
+        const int32_t t = ids[a];
+        ids[a] = ids[b], ids[b] = t;
+    }
+    return k - size;
+}
+
 int32_t moe_sample_token(int32_t *ids, const float *logits, int64_t V, const moe_sampling *s, uint64_t stream,
                          uint64_t draw) {
     if (s->temperature == 0.0 || s->top_k == 1) return argmax(logits, V);
-    const int64_t k = s->top_k > 0 && s->top_k < V ? s->top_k : V;
+    int64_t k = s->top_k > 0 && s->top_k < V ? s->top_k : V;
     if (k < V)
         top_tokens(ids, k, logits, V);
     else
@@ -60,12 +96,19 @@ int32_t moe_sample_token(int32_t *ids, const float *logits, int64_t V, const moe
      * order, then the first token whose running sum passes u * total. */
     const float top = logits[argmax(logits, V)];
     double total = 0.0;
-    for (int64_t j = 0; j < k; j++) total += exp(((double)logits[ids[j]] - top) / s->temperature);
+    if (s->top_p > 0.0 && s->top_p < 1.0) {
+        for (int64_t j = 0; j < k; j++) total += weight(logits, ids[j], top, s->temperature);
+        const int64_t n = nucleus(ids, k, logits, top, s->temperature, s->top_p * total);
+        ids += k - n;
+        k = n;
+        total = 0.0;
+    }
+    for (int64_t j = 0; j < k; j++) total += weight(logits, ids[j], top, s->temperature);
     const double u = (double)moe_rng_uniform(s->seed, stream, draw) * total;
     double run = 0.0;
     int32_t pick = ids[k - 1];
     for (int64_t j = 0; j < k; j++) {
-        run += exp(((double)logits[ids[j]] - top) / s->temperature);
+        run += weight(logits, ids[j], top, s->temperature);
         if (run > u) {
             pick = ids[j];
             break;
@@ -195,7 +238,7 @@ void moe_generate_options_init(moe_generate_options *o) {
     *o = (moe_generate_options){
         .samples = 1,
         .max_new_tokens = 32,
-        .sampling = {.temperature = 0.0, .top_k = 0, .seed = 1337},
+        .sampling = {.temperature = 0.0, .top_k = 0, .top_p = 1.0, .seed = 1337},
         .tokens = MOE_TOKENS_AUTO,
         .device = MOE_DEVICE_AUTO,
     };
@@ -212,6 +255,9 @@ moe_status moe_generate_options_validate(const moe_generate_options *o) {
     if (o->sampling.temperature == 0.0 && o->sampling.top_k > 1)
         return moe_error(MOE_ERR_CONFIG, "--top-k %lld draws among the likeliest tokens, and --temperature 0 takes "
                          "the likeliest one: give --temperature > 0 to sample", (long long)o->sampling.top_k);
+    if (o->sampling.temperature == 0.0 && o->sampling.top_p > 0.0 && o->sampling.top_p < 1.0)
+        return moe_error(MOE_ERR_CONFIG, "--top-p %g draws among the likeliest tokens, and --temperature 0 takes "
+                         "the likeliest one: give --temperature > 0 to sample", o->sampling.top_p);
     if ((unsigned)o->tokens >= N_TOKEN_KINDS)
         return moe_error(MOE_ERR_CONFIG, "--tokens: no kind %d", (int)o->tokens);
     if (o->threads < 0 || o->threads > MOE_RUN_THREADS_MAX)

@@ -30,6 +30,10 @@
 typedef struct moe_sampling {
     double temperature; /* 0: greedy, the most likely token (the lowest id on a tie); else > 0 */
     int64_t top_k;      /* > 0: draw among the top_k most likely tokens only; 0: among all */
+    /* In (0, 1): then among the fewest likeliest of those whose
+     * probabilities (at the temperature) sum to top_p of theirs, the
+     * nucleus; 0 or 1: all of them. */
+    double top_p;
     uint64_t seed;
 } moe_sampling;
 

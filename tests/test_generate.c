@@ -356,12 +356,24 @@ static void expect_frequencies(const float *logits, const moe_sampling *s) {
     int32_t scratch[SV];
     int64_t count[SV] = {0};
     for (uint64_t d = 0; d < DRAWS; d++) count[moe_sample_token(scratch, logits, SV, s, 3, d)]++;
-    /* The allowed tokens: the top_k by (logit, then lower id). */
+    /* The allowed tokens: the top_k by (logit, then lower id), then of
+     * those the fewest best whose weights reach top_p of theirs. */
     bool allowed[SV];
+    int rank_of[SV];
+    double top_k_z = 0.0;
     for (int i = 0; i < SV; i++) {
         int better = 0;
         for (int j = 0; j < SV; j++) better += logits[j] > logits[i] || (logits[j] == logits[i] && j < i);
+        rank_of[i] = better;
         allowed[i] = s->top_k == 0 || better < s->top_k;
+        if (allowed[i]) top_k_z += exp(logits[i] / s->temperature);
+    }
+    if (s->top_p > 0.0 && s->top_p < 1.0) {
+        double before[SV] = {0}; /* the weight of the allowed tokens ranked better */
+        for (int i = 0; i < SV; i++)
+            for (int j = 0; j < SV; j++)
+                if (allowed[i] && allowed[j] && rank_of[j] < rank_of[i]) before[i] += exp(logits[j] / s->temperature);
+        for (int i = 0; i < SV; i++) allowed[i] = allowed[i] && before[i] < s->top_p * top_k_z;
     }
     double z = 0.0;
     for (int i = 0; i < SV; i++) z += allowed[i] ? exp(logits[i] / s->temperature) : 0.0;
@@ -383,6 +395,17 @@ Test(sample_token, draws_follow_the_tempered_softmax) {
     expect_frequencies(logits, &(moe_sampling){.temperature = 1.0, .top_k = 0, .seed = 11});
     expect_frequencies(logits, &(moe_sampling){.temperature = 0.5, .top_k = 0, .seed = 12});
     expect_frequencies(logits, &(moe_sampling){.temperature = 2.0, .top_k = 3, .seed = 13});
+}
+
+/* The nucleus: probabilities 0.42, 0.25, 0.15, ... at temperature 1 (token
+ * 1, then 4, then 3): top_p 0.5 takes tokens 1 and 4, 0.8 adds 3, and after
+ * a top_k of 2 the nucleus of 0.9 is those two. */
+Test(sample_token, top_p_draws_from_the_nucleus) {
+    const float logits[SV] = {0.5f, 2.0f, -1.0f, 1.0f, 1.5f, 0.0f};
+    expect_frequencies(logits, &(moe_sampling){.temperature = 1.0, .top_p = 0.5, .seed = 15});
+    expect_frequencies(logits, &(moe_sampling){.temperature = 1.0, .top_p = 0.8, .seed = 16});
+    expect_frequencies(logits, &(moe_sampling){.temperature = 0.7, .top_k = 2, .top_p = 0.9, .seed = 17});
+    expect_frequencies(logits, &(moe_sampling){.temperature = 2.0, .top_p = 0.999, .seed = 18});
 }
 
 Test(sample_token, top_k_breaks_ties_by_lower_id) {

@@ -41,11 +41,13 @@ static void print_help(void) {
            "  --temperature X      0 = greedy: the most likely token each time; else sample from\n"
            "                       the probabilities at temperature X (default %g)\n"
            "  --top-k K            sample among the K most likely tokens only; 0 = all (default %lld)\n"
+           "  --top-p P            then among the fewest likeliest of those whose probabilities\n"
+           "                       sum to P of theirs (nucleus sampling); 1 = all (default %g)\n"
            "  --seed N             the draws; sample K's depend on (seed, K) only (default %llu)\n"
            "  --stop TEXT          one token, in the --tokens form, that ends a sample (e.g. ';');\n"
            "                       default: none\n\n",
            (long long)d.samples, (long long)d.max_new_tokens, d.sampling.temperature,
-           (long long)d.sampling.top_k, (unsigned long long)d.sampling.seed);
+           (long long)d.sampling.top_k, d.sampling.top_p, (unsigned long long)d.sampling.seed);
     printf("Performance:\n"
            "  --device D           auto: CUDA when a GPU answers, else the CPU (default); cpu; cuda;\n"
            "                       cpu-strict (slow; checks that the model keeps to the op table)\n"
@@ -68,6 +70,7 @@ static const cli_flag flags[] = {
     {"--max-new-tokens", CLI_INT, OPT(max_new_tokens), NULL},
     {"--temperature", CLI_REAL, OPT(sampling.temperature), NULL},
     {"--top-k", CLI_INT, OPT(sampling.top_k), NULL},
+    {"--top-p", CLI_REAL, OPT(sampling.top_p), NULL},
     {"--seed", CLI_SEED, OPT(sampling.seed), NULL},
     {"--stop", CLI_STRING, OPT(stop), NULL},
     {"--tokens", CLI_PARSED, OPT(tokens), parse_tokens},
