@@ -752,6 +752,8 @@ static const bench_column dispatch_columns[] = {
     {"experts", NULL, BENCH_INT, 0, 0},
     {"top_k", NULL, BENCH_INT, 0, 0},
     {"d_ff", NULL, BENCH_INT, 0, 0},
+    {"overlap", NULL, BENCH_INT, 0, 0},
+    {"rank_limit", NULL, BENCH_INT, 0, 0},
     {"iters", NULL, BENCH_INT, 0, 0},
     {"mode", NULL, BENCH_STR, 0, 0},
 };
@@ -1028,6 +1030,8 @@ static int64_t dispatch_size(dispatch_run *r, int64_t T, const bench_table *tabl
             {.i = r->E},
             {.i = r->k},
             {.i = o->d_ff},
+            {.i = o->overlap},
+            {.i = o->rank_limit},
             {.i = o->iters},
             {.s = "dispatch"},
         };

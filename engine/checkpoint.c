@@ -768,7 +768,7 @@ static moe_status meta_uint(uint64_t *out, const moe_st_file *f, const char *key
 /* A duration in seconds: finite, positive (or zero where zero_ok). */
 static moe_status meta_seconds(double *out, const moe_st_file *f, const char *key, bool zero_ok) {
     const char *text = moe_st_metadata(f, key);
-    char *end = NULL;
+    char *end = (char *)text; /* unparsed, when strtod does not run */
     errno = 0;
     const double v = text && !isspace((unsigned char)text[0]) ? strtod(text, &end) : NAN;
     if (!text || end == text || *end || errno || !isfinite(v) || v < 0.0 || (v == 0.0 && !zero_ok))

@@ -22,9 +22,11 @@ moe_status moe_grid_partition(int64_t *bounds, int64_t L, int stages, moe_stage_
     if (stages <= 0 || L < stages)
         return moe_error(MOE_ERR_CONFIG, "--pp %d: a pipeline needs a layer per stage, and the model has %lld layers",
                          stages, (long long)L);
-    /* Only their ratio cuts: scaled to at most 1, no product overflows. */
-    const double unit = costs.layer > costs.head ? costs.layer : costs.head;
-    const double layer = unit > 0.0 ? costs.layer / unit : 1.0, head = unit > 0.0 ? costs.head / unit : 0.0;
+    /* Only their ratio cuts: scaled by a power of two to below 1, exactly
+     * (ties stay ties), no product overflows. */
+    int exponent = 0;
+    frexp(costs.layer > costs.head ? costs.layer : costs.head, &exponent);
+    const double layer = ldexp(costs.layer, -exponent), head = ldexp(costs.head, -exponent);
     /* best[s][l]: the slowest stage's cost when stages 0..s hold layers
      * 0..l-1; cut[s][l] where stage s starts in that split. */
     double *best = malloc((size_t)(stages * (L + 1)) * sizeof *best);

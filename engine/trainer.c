@@ -100,7 +100,8 @@ double moe_lr_at(const moe_optim_config *c, int64_t step) {
     if (c->schedule == MOE_LR_CONSTANT) return c->lr;
     int64_t first = c->warmup, decay_steps = c->total_steps - c->warmup;
     if (c->schedule == MOE_LR_WSD) { /* the last decay_frac of them, at least one */
-        const int64_t decay = (int64_t)ceil(c->decay_frac * (double)decay_steps);
+        /* A product a rounding above a whole number is that number. */
+        const int64_t decay = (int64_t)ceil(c->decay_frac * (double)decay_steps * (1.0 - 1e-12));
         first = c->total_steps - (decay > 1 ? decay : 1);
         if (step < first) return c->lr;
         decay_steps = c->total_steps - first;

@@ -100,6 +100,12 @@ Test(partition, measured_costs_move_the_cuts) {
               moe_last_error());
     cr_expect(bounds[1] == 4, "8 layers, a free head: stages [0, %lld), [%lld, 8), want 4 each", (long long)bounds[1],
               (long long)bounds[1]);
+    /* Of equal splits, the one whose last stage holds fewest layers: a head
+     * of 5 layers makes 0-6 | 7 (bottleneck 7) and 0-5 | 6-7 (7) tie. */
+    cr_assert(moe_grid_partition(bounds, 8, 2, (moe_stage_costs){.layer = 3.0, .head = 15.0}) == MOE_OK, "%s",
+              moe_last_error());
+    cr_expect(bounds[1] == 7, "8 layers, a head of 5: stages [0, %lld), want [0, 7) of the tied splits",
+              (long long)bounds[1]);
     /* Only the ratio counts: costs near double's range cut as small ones. */
     cr_assert(moe_grid_partition(bounds, 8, 2, (moe_stage_costs){.layer = 4e307, .head = 1e308}) == MOE_OK, "%s",
               moe_last_error());

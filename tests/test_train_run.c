@@ -1124,6 +1124,11 @@ Test(train_run, lr_schedule_edges, .init = make_tmp, .fini = remove_tmp) {
     for (int64_t s = 0; s < 12; s++)
         cr_expect(fabs(moe_lr_at(&wsd, s) - wsd_want[s]) <= 1e-12, "wsd over half: step %lld lr %.15g, want %.15g",
                   (long long)s, moe_lr_at(&wsd, s), wsd_want[s]);
+    /* 0.07 of 100 steps is 7 (the product rounds to 7.000000000000001). */
+    wsd.decay_frac = 0.07, wsd.warmup = 0, wsd.total_steps = 100;
+    cr_expect(moe_lr_at(&wsd, 93) == 1.0 && moe_lr_at(&wsd, 94) < 1.0 && moe_lr_at(&wsd, 99) == 0.1,
+              "wsd 0.07 of 100 steps: lr %.15g, %.15g, %.15g at steps 93, 94, 99; want the decay to start at 93",
+              moe_lr_at(&wsd, 93), moe_lr_at(&wsd, 94), moe_lr_at(&wsd, 99));
     wsd.decay_frac = 0.0;
     cr_expect_eq(moe_optim_config_validate(&wsd), MOE_ERR_CONFIG, "decay_frac 0 accepted");
     cr_expect(strstr(moe_last_error(), "--decay-frac") != NULL, "%s", moe_last_error());

@@ -42,7 +42,7 @@ static void print_help(void) {
            "                       the probabilities at temperature X (default %g)\n"
            "  --top-k K            sample among the K most likely tokens only; 0 = all (default %lld)\n"
            "  --top-p P            then among the fewest likeliest of those whose probabilities\n"
-           "                       sum to P of theirs (nucleus sampling); 1 = all (default %g)\n"
+           "                       sum to P of theirs (nucleus sampling); 0 or 1 = all (default %g)\n"
            "  --seed N             the draws; sample K's depend on (seed, K) only (default %llu)\n"
            "  --stop TEXT          one token, in the --tokens form, that ends a sample (e.g. ';');\n"
            "                       default: none\n\n",
