@@ -194,7 +194,6 @@ struct moe_layer {
     void *host_mem;
     int64_t host_bytes;
     int64_t *h_pair_row;     /* [T*k] */
-    int32_t *h_topk;         /* [T*k] */
     int64_t *h_send_tok;     /* [T*m] */
     int64_t *h_tok_slot;     /* [T, P] */
     int32_t *h_send_codes;   /* [T*m, k] for each slot, the receiving rank's expert, -1: none */
@@ -954,7 +953,7 @@ static moe_status carve_rows(moe_layer *L, int64_t R) {
 static moe_status carve_host(moe_layer *L, int64_t T, int64_t R) {
     const int64_t k = L->cfg.top_k, P = L->ep_size, m = k < P ? k : P;
     const ws_entry t[] = {
-        {(void **)&L->h_pair_row, T * k, sizeof(int64_t)},  {(void **)&L->h_topk, T * k, sizeof(int32_t)},
+        {(void **)&L->h_pair_row, T * k, sizeof(int64_t)},
         {(void **)&L->h_send_tok, T * m, sizeof(int64_t)},  {(void **)&L->h_tok_slot, T * P, sizeof(int64_t)},
         {(void **)&L->h_send_codes, T * m * k, sizeof(int32_t)}, {(void **)&L->h_recv_codes, R * k, sizeof(int32_t)},
         {(void **)&L->h_recv_pair, R * k, sizeof(int64_t)}, {(void **)&L->h_recv_row, R, sizeof(int64_t)},
@@ -1157,18 +1156,32 @@ enum { TAG_CODES, TAG_WEIGHTS, TAG_ROWS, TAG_RETURN, TAG_DWEIGHTS };
  * once, in token order (send_tok), with the slot codes of each, and where
  * token t's row for rank r sits among them (tok_slot); then every rank
  * learns how many tokens each source sends it. */
+/* The expert of plan row `row`: the last whose rows start at or before it
+ * (an empty expert starts where the next one does). */
+static int64_t expert_of_row(const moe_layer *L, int64_t row) {
+    int64_t lo = 0, hi = L->cfg.n_experts - 1;
+    while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) / 2;
+        if (L->expert_offsets[mid] <= row)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    return lo;
+}
+
 static moe_status plan_sends(moe_layer *L, int64_t T) {
     const int64_t k = L->cfg.top_k, P = L->ep_size, nl = L->n_local;
     MOE_TRY(carve_host(L, T, L->rows_sized));
+    /* The plan's rows say each kept pair's expert too: one download. */
     MOE_TRY(L->ops->download(L->h_pair_row, L->pair_row, (size_t)(T * k) * sizeof(int64_t)));
-    MOE_TRY(L->ops->download(L->h_topk, L->topk_idx, (size_t)(T * k) * sizeof(int32_t)));
     int64_t *slot = L->h_tok_slot;
     for (int64_t r = 0; r < P; r++) L->send_n[r] = 0;
     for (int64_t t = 0; t < T; t++) { /* each token's place in its ranks' lists */
         for (int64_t r = 0; r < P; r++) slot[t * P + r] = -1;
         for (int64_t i = 0; i < k; i++) {
-            const int64_t r = L->h_topk[t * k + i] / nl;
-            if (L->h_pair_row[t * k + i] >= 0 && slot[t * P + r] < 0) slot[t * P + r] = L->send_n[r]++;
+            const int64_t row = L->h_pair_row[t * k + i], r = row >= 0 ? expert_of_row(L, row) / nl : -1;
+            if (r >= 0 && slot[t * P + r] < 0) slot[t * P + r] = L->send_n[r]++;
         }
     }
     for (int64_t r = 0; r <= P; r++) L->send_off[r] = r ? L->send_off[r - 1] + L->send_n[r - 1] : 0;
@@ -1179,8 +1192,8 @@ static moe_status plan_sends(moe_layer *L, int64_t T) {
             slot[t * P + r] = u;
             L->h_send_tok[u] = t;
             for (int64_t i = 0; i < k; i++) {
-                const int32_t e = L->h_topk[t * k + i];
-                L->h_send_codes[u * k + i] = L->h_pair_row[t * k + i] >= 0 && e / nl == r ? (int32_t)(e % nl) : -1;
+                const int64_t row = L->h_pair_row[t * k + i], e = row >= 0 ? expert_of_row(L, row) : -1;
+                L->h_send_codes[u * k + i] = e >= 0 && e / nl == r ? (int32_t)(e % nl) : -1;
             }
         }
     moe_status st = moe_comm_alltoall(L->ep, L->recv_n, L->send_n, 1, MOE_COMM_I64);
@@ -1544,9 +1557,11 @@ moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, 
                               .z_sum = (double *)L->totals_dev + 2 * E,
                               .chunk_scratch = L->gate_chunks};
     ops->gate_forward(L->topk_idx, L->topk_w, L->prob, L->lse, &totals, L->logits, L->bias_dev, &gp, T);
-    /* THE HOST WAIT, the layer's only one: the host decides capacity and
-     * the exchange, so it needs the counts. While the device is idle, the
-     * host also sends what the plan and backward need from it. */
+    /* THE HOST WAIT, the layer's only one on one rank: the host decides
+     * capacity and the exchange, so it needs the counts. While the device
+     * is idle, the host also sends what the plan and backward need from
+     * it. (Under expert parallelism the exchange's plan waits once more,
+     * for the plan's rows: plan_sends.) */
     MOE_TRY(ops->download(L->totals_host, L->totals_dev, (size_t)(2 * E + 1) * sizeof(int64_t)));
     L->last.tokens_per_expert = stats ? stats->tokens_per_expert : NULL;
     MOE_TRY(share_routing(L, T, *L->z_sum));
