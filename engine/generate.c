@@ -67,13 +67,14 @@ static void sift_down(int32_t *ids, int64_t at, int64_t n, const float *logits) 
 
 /* The nucleus of the tokens ids [k]: the fewest likeliest whose weights sum
  * to at least mass, moved to the end of ids best first (a heap's pops);
- * returns how many. */
-static int64_t nucleus(int32_t *ids, int64_t k, const float *logits, float top, double temperature, double mass) {
+ * returns how many, and *sum their weights, summed best first. */
+static int64_t nucleus(int32_t *ids, int64_t k, const float *logits, float top, double temperature, double mass,
+                       double *sum) {
     for (int64_t i = k / 2 - 1; i >= 0; i--) sift_down(ids, i, k, logits);
     int64_t size = k;
-    for (double sum = 0.0; size > 0 && sum < mass; size--) {
+    for (*sum = 0.0; size > 0 && *sum < mass; size--) {
         const int32_t best = ids[0];
-        sum += weight(logits, best, top, temperature);
+        *sum += weight(logits, best, top, temperature);
         ids[0] = ids[size - 1], ids[size - 1] = best;
         sift_down(ids, 0, size - 1, logits);
     }
@@ -96,14 +97,12 @@ int32_t moe_sample_token(int32_t *ids, const float *logits, int64_t V, const moe
      * order, then the first token whose running sum passes u * total. */
     const float top = logits[argmax(logits, V)];
     double total = 0.0;
-    if (s->top_p > 0.0 && s->top_p < 1.0) {
-        for (int64_t j = 0; j < k; j++) total += weight(logits, ids[j], top, s->temperature);
-        const int64_t n = nucleus(ids, k, logits, top, s->temperature, s->top_p * total);
+    for (int64_t j = 0; j < k; j++) total += weight(logits, ids[j], top, s->temperature);
+    if (s->top_p > 0.0 && s->top_p < 1.0) { /* the nucleus's total replaces theirs */
+        const int64_t n = nucleus(ids, k, logits, top, s->temperature, s->top_p * total, &total);
         ids += k - n;
         k = n;
-        total = 0.0;
     }
-    for (int64_t j = 0; j < k; j++) total += weight(logits, ids[j], top, s->temperature);
     const double u = (double)moe_rng_uniform(s->seed, stream, draw) * total;
     double run = 0.0;
     int32_t pick = ids[k - 1];

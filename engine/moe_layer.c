@@ -193,7 +193,7 @@ struct moe_layer {
     int64_t *send_n, *send_off, *recv_n, *recv_off;
     void *host_mem;
     int64_t host_bytes;
-    int64_t *h_pair_row;     /* [T*k] */
+    int64_t *h_pair_row;     /* [T*k] the plan's rows, then each pair's expert */
     int64_t *h_send_tok;     /* [T*m] */
     int64_t *h_tok_slot;     /* [T, P] */
     int32_t *h_send_codes;   /* [T*m, k] for each slot, the receiving rank's expert, -1: none */
@@ -1152,10 +1152,6 @@ static void run_groups(moe_layer *L, bool backward, int64_t from, int64_t to, do
 
 enum { TAG_CODES, TAG_WEIGHTS, TAG_ROWS, TAG_RETURN, TAG_DWEIGHTS };
 
-/* Which of its T tokens this rank sends to each rank of the EP group, each
- * once, in token order (send_tok), with the slot codes of each, and where
- * token t's row for rank r sits among them (tok_slot); then every rank
- * learns how many tokens each source sends it. */
 /* The expert of plan row `row`: the last whose rows start at or before it
  * (an empty expert starts where the next one does). */
 static int64_t expert_of_row(const moe_layer *L, int64_t row) {
@@ -1170,17 +1166,24 @@ static int64_t expert_of_row(const moe_layer *L, int64_t row) {
     return lo;
 }
 
+/* Which of its T tokens this rank sends to each rank of the EP group, each
+ * once, in token order (send_tok), with the slot codes of each, and where
+ * token t's row for rank r sits among them (tok_slot); then every rank
+ * learns how many tokens each source sends it. */
 static moe_status plan_sends(moe_layer *L, int64_t T) {
     const int64_t k = L->cfg.top_k, P = L->ep_size, nl = L->n_local;
     MOE_TRY(carve_host(L, T, L->rows_sized));
-    /* The plan's rows say each kept pair's expert too: one download. */
-    MOE_TRY(L->ops->download(L->h_pair_row, L->pair_row, (size_t)(T * k) * sizeof(int64_t)));
+    /* The plan's rows say each kept pair's expert too: one download, each
+     * row then turned into its expert (-1: dropped) in place. */
+    int64_t *expert = L->h_pair_row;
+    MOE_TRY(L->ops->download(expert, L->pair_row, (size_t)(T * k) * sizeof(int64_t)));
+    for (int64_t p = 0; p < T * k; p++) expert[p] = expert[p] >= 0 ? expert_of_row(L, expert[p]) : -1;
     int64_t *slot = L->h_tok_slot;
     for (int64_t r = 0; r < P; r++) L->send_n[r] = 0;
     for (int64_t t = 0; t < T; t++) { /* each token's place in its ranks' lists */
         for (int64_t r = 0; r < P; r++) slot[t * P + r] = -1;
         for (int64_t i = 0; i < k; i++) {
-            const int64_t row = L->h_pair_row[t * k + i], r = row >= 0 ? expert_of_row(L, row) / nl : -1;
+            const int64_t r = expert[t * k + i] >= 0 ? expert[t * k + i] / nl : -1;
             if (r >= 0 && slot[t * P + r] < 0) slot[t * P + r] = L->send_n[r]++;
         }
     }
@@ -1192,7 +1195,7 @@ static moe_status plan_sends(moe_layer *L, int64_t T) {
             slot[t * P + r] = u;
             L->h_send_tok[u] = t;
             for (int64_t i = 0; i < k; i++) {
-                const int64_t row = L->h_pair_row[t * k + i], e = row >= 0 ? expert_of_row(L, row) : -1;
+                const int64_t e = expert[t * k + i];
                 L->h_send_codes[u * k + i] = e >= 0 && e / nl == r ? (int32_t)(e % nl) : -1;
             }
         }
@@ -1229,9 +1232,13 @@ static moe_status upload_rows(const moe_layer *L, void *dev, const void *host, i
  * rows exactly are refused. */
 static moe_status plan_receives(moe_layer *L, int64_t s0, int64_t s1) {
     const int64_t k = L->cfg.top_k, nl = L->n_local;
-    int64_t next[MOE_EXPERTS_MAX]; /* [P, nl] the next row of expert j from source s */
+    /* [P, nl]: the next row of expert j from source s, and where its rows end */
+    int64_t next[MOE_EXPERTS_MAX], end[MOE_EXPERTS_MAX];
     for (int64_t s = s0; s < s1; s++)
-        for (int64_t j = 0; j < nl; j++) next[s * nl + j] = expert_row(L, s, j);
+        for (int64_t j = 0; j < nl; j++) {
+            next[s * nl + j] = expert_row(L, s, j);
+            end[s * nl + j] = next[s * nl + j] + L->recv_rows[s * nl + j];
+        }
     for (int64_t s = s0; s < s1; s++)
         for (int64_t u = L->recv_off[s]; u < L->recv_off[s] + L->recv_n[s]; u++) {
             bool any = false;
@@ -1239,7 +1246,7 @@ static moe_status plan_receives(moe_layer *L, int64_t s0, int64_t s1) {
                 const int32_t j = L->h_recv_codes[u * k + i];
                 int64_t row = -1;
                 if (j >= 0) {
-                    if (j >= nl || next[s * nl + j] == expert_row(L, s + 1, j))
+                    if (j >= nl || next[s * nl + j] == end[s * nl + j])
                         return moe_error(MOE_ERR_COMM, "moe layer dispatch: EP rank %lld sends a token for expert %d "
                                                        "beyond the rows the routing totals give it",
                                          (long long)s, (int)(L->first_local + j));
@@ -1255,10 +1262,11 @@ static moe_status plan_receives(moe_layer *L, int64_t s0, int64_t s1) {
         }
     for (int64_t s = s0; s < s1; s++)
         for (int64_t j = 0; j < nl; j++)
-            if (next[s * nl + j] != expert_row(L, s + 1, j))
+            if (next[s * nl + j] != end[s * nl + j])
                 return moe_error(MOE_ERR_COMM, "moe layer dispatch: EP rank %lld sends %lld tokens for expert %lld, "
                                                "the routing totals %lld",
-                                 (long long)s, (long long)(next[s * nl + j] - expert_row(L, s, j)),
+                                 (long long)s,
+                                 (long long)(next[s * nl + j] - end[s * nl + j] + L->recv_rows[s * nl + j]),
                                  (long long)(L->first_local + j), (long long)L->recv_rows[s * nl + j]);
     MOE_TRY(upload_rows(L, L->recv_pair, L->h_recv_pair, L->recv_off[s0] * k, L->recv_off[s1] * k,
                         sizeof(int64_t)));
@@ -1381,8 +1389,8 @@ static moe_status forward_exchange(moe_layer *L, float *y, const float *x_in, in
     ops->permute(L->xp, x_in, L->send_tok, sent, d);
     ops->permute(L->send_w, L->topk_w, L->send_tok, sent, k);
     const exchange_part out[] = {{L->h_send_codes, L->h_recv_codes, k, MOE_COMM_I32, TAG_CODES, true},
-                               {L->send_w, L->recv_w, k, MOE_COMM_F32, TAG_WEIGHTS, false},
-                               {L->xp, L->rx, d, MOE_COMM_F32, TAG_ROWS, false}};
+                                 {L->send_w, L->recv_w, k, MOE_COMM_F32, TAG_WEIGHTS, false},
+                                 {L->xp, L->rx, d, MOE_COMM_F32, TAG_ROWS, false}};
     const exchange_part back = {L->rx, L->yp, d, MOE_COMM_F32, TAG_RETURN, false};
     /* Where tags match the messages, the returns' receives go first. */
     const bool early_returns = moe_comm_matches_by_tag(L->ep_rows);
@@ -1431,7 +1439,7 @@ static moe_status backward_exchange(moe_layer *L, float *dx_in, const float *dy,
     ops->permute(L->dyp, dy, L->send_tok, sent, d);
     const exchange_part out = {L->dyp, L->rx, d, MOE_COMM_F32, TAG_ROWS, false};
     const exchange_part back[] = {{L->rx, L->dxp, d, MOE_COMM_F32, TAG_RETURN, false},
-                                {L->dw_send, L->dw_back, k, MOE_COMM_F32, TAG_DWEIGHTS, false}};
+                                  {L->dw_send, L->dw_back, k, MOE_COMM_F32, TAG_DWEIGHTS, false}};
     const bool early_returns = moe_comm_matches_by_tag(L->ep_rows);
     int first[MOE_EXPERTS_MAX + 1];
     L->n_requests = 0;
