@@ -209,6 +209,7 @@ int moe_config_agree_fields(moe_agree_field *f, const moe_model_config *c) {
     FIELD(moe_renormalize);
     FIELD(moe_capacity_factor);
     FIELD(moe_z_loss_coef);
+    FIELD(moe_seq_aux_loss_coef);
     FIELD(moe_n_shared_experts);
     FIELD(moe_bias_update_rate);
     FIELD(moe_n_group);

@@ -419,7 +419,7 @@ static moe_status check_stages(const moe_model_config *cfg, const moe_model_para
 static moe_status build_instance(moe_model *m) {
     const moe_model_config *cfg = &m->cfg;
     moe_layer_config lc;
-    moe_model_config_layer(&lc, cfg, m->seed);
+    moe_model_config_layer(&lc, cfg, m->T, m->seed);
     if (!(m->moe = calloc((size_t)m->nl, sizeof *m->moe)))
         return moe_error(MOE_ERR_OUT_OF_MEMORY, "model: %lld layers", (long long)m->nl);
     for (int64_t i = 0; i < m->nl; i++) {
@@ -551,7 +551,7 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_model_config *cf
     m->inference = par && par->inference;
     m->training = true; /* as the layers start */
     moe_layer_config lc;
-    moe_model_config_layer(&lc, cfg, seed);
+    moe_model_config_layer(&lc, cfg, T, seed);
     moe_status st = build_tensors(m, &lc);
     m->model_dense = m->n_dense;
     if (st == MOE_OK && m->pipe) st = moe_comm_allreduce_sum(m->pipe, &m->model_dense, 1, MOE_COMM_I64);
@@ -857,7 +857,7 @@ moe_status moe_model_stage_forward(moe_model *m, const int32_t *inputs, const fl
     for (int64_t i = 0; targets && i < N; i++) counted += targets[i] >= 0;
     m->forward_done = false;
     m->logits_valid = false;
-    double aux = 0.0, z = 0.0, imbalance = 0.0, rank_imbalance = 0.0, dropped = 0.0, pairs = 0.0;
+    double aux = 0.0, seq_aux = 0.0, z = 0.0, imbalance = 0.0, rank_imbalance = 0.0, dropped = 0.0, pairs = 0.0;
 
     /* Both token arrays go up before any op is queued: an upload waits for
      * the device, which has nothing to finish yet. */
@@ -874,6 +874,7 @@ moe_status moe_model_stage_forward(moe_model *m, const int32_t *inputs, const fl
         st = layer_forward(m, l, true, &ls);
         if (st != MOE_OK) break;
         aux += ls.aux_loss;
+        seq_aux += ls.seq_aux_loss;
         z += ls.z_loss;
         imbalance += ls.load_imbalance;
         rank_imbalance += ls.rank_imbalance;
@@ -900,8 +901,10 @@ moe_status moe_model_stage_forward(moe_model *m, const int32_t *inputs, const fl
             if (targets[i] >= 0) ce += m->losses_host[i];
         stats->ce_loss = counted ? ce / (double)counted : 0.0;
         stats->aux_loss = aux / model_layers;
+        stats->seq_aux_loss = seq_aux / model_layers;
         stats->z_loss = z / model_layers;
-        stats->loss = stats->ce_loss + c->router_aux_loss_coef * stats->aux_loss + c->moe_z_loss_coef * stats->z_loss;
+        stats->loss = stats->ce_loss + c->router_aux_loss_coef * stats->aux_loss +
+                      c->moe_seq_aux_loss_coef * stats->seq_aux_loss + c->moe_z_loss_coef * stats->z_loss;
         stats->load_imbalance = imbalance / model_layers;
         stats->rank_imbalance = rank_imbalance / model_layers;
         /* Both over the global batch; every layer routes as many pairs. */

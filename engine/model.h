@@ -187,9 +187,10 @@ moe_comm *moe_model_job(const moe_model *model);
  * (its layers' sums over the model's layer count, the cross-entropy on the
  * last stage alone), so that the stages' values add up to the model's. */
 typedef struct moe_model_stats {
-    double loss;           /* CE + aux_coef * mean aux + z_coef * mean z */
+    double loss;           /* CE + the coefficients times aux, seq aux and z */
     double ce_loss;        /* mean cross-entropy over the B*T positions */
     double aux_loss;       /* mean over layers, before the coefficient */
+    double seq_aux_loss;   /* the sequence-wise one's, the same way (0 outside training) */
     double z_loss;         /* mean over layers, before the coefficient */
     double load_imbalance; /* mean over layers of max/mean expert load */
     double rank_imbalance; /* mean over layers of max/mean rows an expert-parallel rank keeps */

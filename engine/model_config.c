@@ -62,6 +62,7 @@ static const field fields[] = {
     FIELD(moe_renormalize, F_BOOL, false, 1),
     FIELD(moe_capacity_factor, F_REAL, false, 0.0),
     FIELD(moe_z_loss_coef, F_REAL, false, 0.0),
+    FIELD(moe_seq_aux_loss_coef, F_REAL, false, 0.0),
     FIELD(moe_n_shared_experts, F_INT, false, 0),
     FIELD(moe_bias_update_rate, F_REAL, false, 0.0),
     FIELD(moe_n_group, F_INT, false, 0),
@@ -436,6 +437,7 @@ moe_status moe_model_config_validate(const moe_model_config *c, const char *name
     MOE_TRY(check_real(name, "router_jitter_noise", c->router_jitter_noise, 0.0, 1.0));
     MOE_TRY(check_coef(name, "moe_capacity_factor", c->moe_capacity_factor));
     MOE_TRY(check_coef(name, "moe_z_loss_coef", c->moe_z_loss_coef));
+    MOE_TRY(check_coef(name, "moe_seq_aux_loss_coef", c->moe_seq_aux_loss_coef));
     MOE_TRY(check_coef(name, "moe_bias_update_rate", c->moe_bias_update_rate));
     /* Used in single precision, and divided by in the gate's backward. */
     if (!(c->moe_routed_scaling_factor >= FLT_MIN && c->moe_routed_scaling_factor <= MAX_COEF))
@@ -518,7 +520,7 @@ void moe_model_config_default_small(moe_model_config *cfg, int64_t vocab_size) {
     cfg->router_aux_loss_coef = 0.01;
 }
 
-void moe_model_config_layer(moe_layer_config *layer, const moe_model_config *cfg, uint64_t seed) {
+void moe_model_config_layer(moe_layer_config *layer, const moe_model_config *cfg, int64_t seq_len, uint64_t seed) {
     *layer = (moe_layer_config)MOE_LAYER_CONFIG_INIT;
     layer->d_model = cfg->hidden_size;
     layer->d_ff = cfg->intermediate_size;
@@ -528,6 +530,8 @@ void moe_model_config_layer(moe_layer_config *layer, const moe_model_config *cfg
     layer->renormalize = cfg->moe_renormalize;
     layer->capacity_factor = cfg->moe_capacity_factor;
     layer->aux_loss_coef = cfg->router_aux_loss_coef;
+    layer->seq_aux_loss_coef = cfg->moe_seq_aux_loss_coef;
+    layer->seq_len = seq_len;
     layer->z_loss_coef = cfg->moe_z_loss_coef;
     layer->bias_update_rate = cfg->moe_bias_update_rate;
     layer->n_shared_experts = cfg->moe_n_shared_experts;

@@ -46,6 +46,7 @@ typedef struct moe_model_config {
     bool moe_renormalize;         /* default true */
     double moe_capacity_factor;   /* default 0: dropless */
     double moe_z_loss_coef;       /* default 0 */
+    double moe_seq_aux_loss_coef; /* default 0 (DeepSeek-V3's aux_loss_alpha with seq_aux) */
     int64_t moe_n_shared_experts; /* default 0 */
     double moe_bias_update_rate;  /* default 0 */
     int64_t moe_n_group;          /* default 0: no groups (DeepSeek-V3's n_group) */
@@ -82,7 +83,8 @@ moe_status moe_model_config_save(const moe_model_config *cfg, const char *path);
  * rest Mixtral's defaults. */
 void moe_model_config_default_small(moe_model_config *cfg, int64_t vocab_size);
 
-/* The per-layer MoE settings of this model; seed seeds the router jitter. */
-void moe_model_config_layer(moe_layer_config *layer, const moe_model_config *cfg, uint64_t seed);
+/* The per-layer MoE settings of this model, whose sequences are seq_len
+ * tokens (the sequence-wise balancing loss's); seed seeds the router jitter. */
+void moe_model_config_layer(moe_layer_config *layer, const moe_model_config *cfg, int64_t seq_len, uint64_t seed);
 
 #endif /* MOE_ENGINE_MODEL_CONFIG_H */

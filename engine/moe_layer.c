@@ -137,6 +137,8 @@ struct moe_layer {
     float *sh_g;         /* [T, S] */
     float *sh_y;         /* [T, d] */
     /* The exchange (EP; m = min(top_k, P) ranks a token reaches at most): */
+    float *seq_stats;    /* [T / seq_len, 2E] per sequence: pairs chosen, probability sums (seq aux only) */
+    float *seq_aux_grad; /* [T / seq_len, E] aux_grad per sequence, the batch-wide one included (seq aux only) */
     int64_t *send_tok;   /* [T*m] this rank's tokens for each EP rank, rank-major, in token order */
     int64_t *tok_slot;   /* [T, P] where token t's row for rank r sits among them, -1: none */
     float *send_w;       /* [T*m, k] their gate weights */
@@ -178,7 +180,7 @@ struct moe_layer {
     int64_t *offsets_dev;    /* [E+1] expert_offsets, backend */
     float *aux_grad_dev;     /* [E] aux_grad, backend */
     float *bias_dev;         /* [E] bias, backend; NULL without */
-    double *rank_totals;     /* [N, 2E + 2] every batch rank's assigned, prob_sum, z_sum, T */
+    double *rank_totals;     /* [N, 2E + 3] every batch rank's assigned, prob_sum, z_sum, T, seq aux sum */
     int64_t *rank_assigned;  /* [N, E] */
     int64_t *rank_kept;      /* [N] scratch: each rank's kept pairs of one expert */
     int64_t *rank_T;         /* [N] each batch rank's tokens in this forward (jitter only) */
@@ -204,6 +206,12 @@ struct moe_layer {
     int64_t *local_offsets;  /* [n_local+1] expert-major rows */
     float *aux_grad;         /* [E] (host) */
     double aux_grad_scale;   /* the loss scale aux_grad_dev was computed with */
+    /* The sequence-wise balancing loss of the last forward: its sequences
+     * (0: none, so backward reads aux_grad_dev), and on the host their
+     * statistics [seqs, 2E] (seq_stats) then their gradient rows [seqs, E]. */
+    int64_t seqs;
+    float *seq_host;
+    int64_t seq_host_floats;
     moe_expert_group *groups; /* [n_local + 1]: local experts, then the shared ones */
 
     moe_layer_stats last;   /* global statistics of the last forward */
@@ -256,6 +264,8 @@ moe_status moe_layer_config_validate(const moe_layer_config *cfg) {
         return moe_error(MOE_ERR_CONFIG, "moe layer config: gate=%d is not a moe_gate_kind", (int)cfg->gate);
     MOE_TRY(check_coef("capacity_factor", cfg->capacity_factor, 1e6));
     MOE_TRY(check_coef("aux_loss_coef", cfg->aux_loss_coef, 1e6));
+    MOE_TRY(check_coef("seq_aux_loss_coef", cfg->seq_aux_loss_coef, 1e6));
+    if (cfg->seq_aux_loss_coef > 0.0) MOE_TRY(check_size("seq_len", cfg->seq_len, INT_MAX));
     MOE_TRY(check_coef("z_loss_coef", cfg->z_loss_coef, 1e6));
     MOE_TRY(check_coef("bias_update_rate", cfg->bias_update_rate, 1e6));
     MOE_TRY(check_coef("routed_scale", cfg->routed_scale, 1e6));
@@ -398,7 +408,7 @@ moe_status moe_layer_create_in(moe_layer **out, const moe_layer_config *cfg, con
     L->names = calloc((size_t)max_tensors, sizeof *L->names);
     L->expert_rank = calloc((size_t)E, sizeof *L->expert_rank);
     L->totals_host = calloc((size_t)(2 * E + 1), sizeof(int64_t));
-    L->rank_totals = calloc((size_t)N * (size_t)(2 * E + 2), sizeof *L->rank_totals);
+    L->rank_totals = calloc((size_t)N * (size_t)(2 * E + 3), sizeof *L->rank_totals);
     L->rank_assigned = calloc((size_t)N * (size_t)E, sizeof *L->rank_assigned);
     L->rank_kept = calloc((size_t)N, sizeof *L->rank_kept);
     L->rank_T = calloc((size_t)N, sizeof *L->rank_T);
@@ -585,6 +595,8 @@ moe_status moe_layer_create_mpi(moe_layer **out, const moe_layer_config *cfg, co
         {"renormalize", (double)(cfg->renormalize != 0), NULL},
         {"capacity_factor", cfg->capacity_factor, NULL},
         {"aux_loss_coef", cfg->aux_loss_coef, NULL},
+        {"seq_aux_loss_coef", cfg->seq_aux_loss_coef, NULL},
+        {"seq_len", cfg->seq_aux_loss_coef > 0.0 ? (double)cfg->seq_len : 0.0, NULL},
         {"z_loss_coef", cfg->z_loss_coef, NULL},
         {"bias_update_rate", cfg->bias_update_rate, NULL},
         {"n_shared_experts", (double)cfg->n_shared_experts, NULL},
@@ -658,6 +670,7 @@ void moe_layer_destroy(moe_layer *L) {
     free(L->expert_offsets);
     free(L->local_offsets);
     free(L->aux_grad);
+    free(L->seq_host);
     free(L->groups);
     if (L->owned_ep) moe_comm_free(L->owned_ep);
 #if defined(MOE_HAVE_CUDA)
@@ -827,6 +840,7 @@ static int block_arrays(moe_layer *L, block_kind kind, int64_t n, ws_entry *t) {
     /* The exchange's: m = min(k, P) ranks per token at most; with one
      * rank the plan's rows are the expert rows, k per token. */
     const int64_t P = L->ep ? L->ep_size : 0, m = k < P ? k : P, plan = L->ep ? n * m * d : n * k * d;
+    const int64_t seqs = c->seq_aux_loss_coef > 0.0 ? n / c->seq_len : 0;
     const size_t f = sizeof(float), i64 = sizeof(int64_t);
     int i = 0;
     switch (kind) {
@@ -850,6 +864,8 @@ static int block_arrays(moe_layer *L, block_kind kind, int64_t n, ws_entry *t) {
         t[i++] = (ws_entry){(void **)&L->sh_h, n * 2 * S, f};
         t[i++] = (ws_entry){(void **)&L->sh_g, n * S, f};
         t[i++] = (ws_entry){(void **)&L->sh_y, S > 0 ? n * d : 0, f};
+        t[i++] = (ws_entry){(void **)&L->seq_stats, seqs * 2 * E, f};
+        t[i++] = (ws_entry){(void **)&L->seq_aux_grad, seqs * E, f};
         t[i++] = (ws_entry){(void **)&L->send_tok, n * m, i64};
         t[i++] = (ws_entry){(void **)&L->tok_slot, n * P, i64};
         t[i++] = (ws_entry){(void **)&L->send_w, n * m * k, f};
@@ -1036,13 +1052,14 @@ int64_t moe_layer_workspace_bytes(moe_layer *L) {
 
 /* ---------------------------------------------------------------- routing */
 
-/* Shares every batch rank's router totals (one all-gather of 2E + 2 doubles
- * per rank), then derives, identically on every rank: the global pairs per
+/* Shares every batch rank's router totals (one all-gather of 2E + 3 doubles
+ * per rank; seq_sum: its sequences' sum of sum_e f_e P_e, seq_aux_sum),
+ * then derives, identically on every rank: the global pairs per
  * expert, what this rank keeps under capacity, and what it receives. The
  * sums run in rank order, so they do not depend on the collective's own
  * reduction order. */
-static moe_status share_routing(moe_layer *L, int64_t T, double z_sum) {
-    const int64_t E = L->cfg.n_experts, k = L->cfg.top_k, W = 2 * E + 2, N = L->batch_size, P = L->ep_size;
+static moe_status share_routing(moe_layer *L, int64_t T, double z_sum, double seq_sum) {
+    const int64_t E = L->cfg.n_experts, k = L->cfg.top_k, W = 2 * E + 3, N = L->batch_size, P = L->ep_size;
     double *mine = L->rank_totals + (int64_t)L->batch_rank * W;
     for (int64_t e = 0; e < E; e++) {
         mine[e] = (double)L->assigned[e];
@@ -1050,11 +1067,12 @@ static moe_status share_routing(moe_layer *L, int64_t T, double z_sum) {
     }
     mine[2 * E] = z_sum;
     mine[2 * E + 1] = (double)T;
+    mine[2 * E + 2] = seq_sum;
     if (L->batch) {
         moe_status st = moe_comm_allgather(L->batch, L->rank_totals, mine, W, MOE_COMM_F64);
         if (st != MOE_OK) return moe_error_prefix(st, "moe layer dispatch (router totals): ");
     }
-    double z = 0.0, aux = 0.0;
+    double z = 0.0, aux = 0.0, seq_aux = 0.0;
     L->global_T = 0;
     for (int64_t e = 0; e < E; e++) L->global_assigned[e] = 0;
     for (int64_t r = 0; r < N; r++) {
@@ -1065,6 +1083,7 @@ static moe_status share_routing(moe_layer *L, int64_t T, double z_sum) {
         }
         z += t[2 * E];
         L->global_T += (int64_t)t[2 * E + 1];
+        seq_aux += t[2 * E + 2];
     }
     const int64_t GT = L->global_T, cap = moe_capacity(L->cfg.capacity_factor, GT, k, E);
     double max_assigned = 0.0;
@@ -1095,6 +1114,9 @@ static moe_status share_routing(moe_layer *L, int64_t T, double z_sum) {
     /* A batch with no tokens at all (every rank idle) has no balance to
      * speak of: zeros, as one idle rank reports. */
     L->last.aux_loss = GT ? (double)E * aux : 0.0;
+    /* Over the global batch's sequences: an idle rank reports it too. */
+    const bool seq_on = L->cfg.seq_aux_loss_coef > 0.0 && L->training && GT >= L->cfg.seq_len;
+    L->last.seq_aux_loss = seq_on ? seq_aux / (double)(GT / L->cfg.seq_len) : 0.0;
     L->last.z_loss = GT ? z / (double)GT : 0.0;
     L->last.load_imbalance = GT ? max_assigned / ((double)(GT * k) / (double)E) : 0.0;
 
@@ -1472,23 +1494,72 @@ static moe_status backward_exchange(moe_layer *L, float *dx_in, const float *dy,
 
 /* ----------------------------------------------------------------- forward */
 
-static moe_gate_params gate_params(const moe_layer_config *c) {
+/* The gate's parameters; aux_seq_len set when the last forward took the
+ * sequence-wise loss. */
+static moe_gate_params gate_params(const moe_layer *L) {
+    const moe_layer_config *c = &L->cfg;
     return (moe_gate_params){.n_experts = c->n_experts, .top_k = c->top_k, .kind = c->gate,
                              .renormalize = c->renormalize != 0, .n_groups = c->n_groups,
                              .top_groups = c->top_groups,
-                             .routed_scale = c->routed_scale > 0.0 ? (float)c->routed_scale : 1.0f};
+                             .routed_scale = c->routed_scale > 0.0 ? (float)c->routed_scale : 1.0f,
+                             .aux_seq_len = L->seqs ? c->seq_len : 0};
 }
 
-/* The balancing loss's gradient for backward, over the global batch (its
- * counts and size), at the current loss scale. */
+/* The sum over this rank's sequences of sum_e f_e P_e, from their
+ * statistics in seq_host: for sequence q of n tokens, f_e = E c_qe / (k n)
+ * of its c_qe pairs on e, P_e = p_qe / n of its probability sum p_qe. */
+static double seq_aux_sum(const moe_layer *L) {
+    const int64_t E = L->cfg.n_experts, n = L->cfg.seq_len;
+    double sum = 0.0;
+    for (int64_t q = 0; q < L->seqs; q++) {
+        const float *assigned = L->seq_host + q * 2 * E, *prob_sum = assigned + E;
+        for (int64_t e = 0; e < E; e++) sum += (double)assigned[e] * (double)prob_sum[e];
+    }
+    return (double)E / ((double)L->cfg.top_k * (double)n * (double)n) * sum;
+}
+
+/* The balancing losses' gradient for backward at the current loss scale:
+ * the batch-wide one's over the global batch (its counts and size); with
+ * the sequence-wise one, a row per sequence, d/dP[t, e] = coef E c_qe /
+ * (k n^2 S) for sequence q's c_qe pairs on e, n tokens and S sequences in
+ * the global batch, plus the batch-wide row. */
 static moe_status send_aux_grad(moe_layer *L) {
     const moe_layer_config *c = &L->cfg;
-    if (c->aux_loss_coef == 0.0) return MOE_OK; /* backward passes no aux gradient */
-    moe_aux_grad(L->aux_grad, L->global_assigned, L->global_T, c->top_k, c->n_experts,
-                 c->aux_loss_coef * L->loss_scale);
-    MOE_TRY(L->ops->upload(L->aux_grad_dev, L->aux_grad, (size_t)c->n_experts * sizeof(float)));
+    const int64_t E = c->n_experts;
+    if (c->aux_loss_coef > 0.0)
+        moe_aux_grad(L->aux_grad, L->global_assigned, L->global_T, c->top_k, E, c->aux_loss_coef * L->loss_scale);
     L->aux_grad_scale = L->loss_scale;
-    return MOE_OK;
+    if (L->seqs) {
+        const double n = (double)c->seq_len, S = (double)(L->global_T / c->seq_len);
+        const double scale = c->seq_aux_loss_coef * L->loss_scale * (double)E / ((double)c->top_k * n * n * S);
+        float *grad = L->seq_host + L->seqs * 2 * E;
+        for (int64_t q = 0; q < L->seqs; q++)
+            for (int64_t e = 0; e < E; e++)
+                grad[q * E + e] = (float)(scale * L->seq_host[q * 2 * E + e]) +
+                                  (c->aux_loss_coef > 0.0 ? L->aux_grad[e] : 0.0f);
+        return L->ops->upload(L->seq_aux_grad, grad, (size_t)(L->seqs * E) * sizeof(float));
+    }
+    if (c->aux_loss_coef == 0.0) return MOE_OK; /* backward passes no aux gradient */
+    return L->ops->upload(L->aux_grad_dev, L->aux_grad, (size_t)E * sizeof(float));
+}
+
+/* The sequence-wise loss's statistics of this training forward's T tokens
+ * into seq_host; L->seqs = 0 when the loss is off or the layer evaluates. */
+static moe_status seq_aux_stats(moe_layer *L, int64_t T) {
+    const moe_layer_config *c = &L->cfg;
+    const int64_t E = c->n_experts;
+    L->seqs = c->seq_aux_loss_coef > 0.0 && L->training ? T / c->seq_len : 0;
+    if (!L->seqs) return MOE_OK;
+    if (L->seqs * 3 * E > L->seq_host_floats) {
+        float *mem = realloc(L->seq_host, (size_t)(L->seqs * 3 * E) * sizeof(float));
+        if (!mem)
+            return moe_error(MOE_ERR_OUT_OF_MEMORY, "moe layer: statistics of %lld sequences", (long long)L->seqs);
+        L->seq_host = mem;
+        L->seq_host_floats = L->seqs * 3 * E;
+    }
+    const moe_gate_params gp = gate_params(L);
+    L->ops->gate_seq_stats(L->seq_stats, L->topk_idx, L->prob, &gp, T);
+    return L->ops->download(L->seq_host, L->seq_stats, (size_t)(L->seqs * 2 * E) * sizeof(float));
 }
 
 /* Points the expert groups at this step's rows; the shared experts, when
@@ -1512,6 +1583,11 @@ moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, 
         MOE_NOT_NULL("moe_layer_forward", "y", y);
         MOE_NOT_NULL("moe_layer_forward", "x", x);
     }
+    if (L->training && L->cfg.seq_aux_loss_coef > 0.0 && T % L->cfg.seq_len)
+        return moe_error(MOE_ERR_INVALID_ARG,
+                         "moe_layer_forward: T=%lld is not a multiple of seq_len=%lld, which the sequence-wise "
+                         "balancing loss (seq_aux_loss_coef) needs in training",
+                         (long long)T, (long long)L->cfg.seq_len);
     bind(L);
     if (T == 0 && !L->batch) { /* nothing to route, and no peer waiting for this rank */
         /* Counted as a forward of ranks that are all idle counts it: its
@@ -1559,7 +1635,8 @@ moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, 
 
     const float *wg = L->views[0].param; /* [E, d] */
     ops->gemm(L->logits, x_in, wg, T, E, d, d, d, E, false, true, 1.0f, 0.0f);
-    const moe_gate_params gp = gate_params(c);
+    L->seqs = 0;
+    const moe_gate_params gp = gate_params(L);
     moe_gate_totals totals = {.assigned = L->totals_dev,
                               .prob_sum = (double *)L->totals_dev + E,
                               .z_sum = (double *)L->totals_dev + 2 * E,
@@ -1569,10 +1646,13 @@ moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, 
      * capacity and the exchange, so it needs the counts. While the device
      * is idle, the host also sends what the plan and backward need from
      * it. (Under expert parallelism the exchange's plan waits once more,
-     * for the plan's rows: plan_sends.) */
+     * for the plan's rows: plan_sends. With the sequence-wise loss, the
+     * wait is its statistics' download, and the totals follow from a
+     * device with nothing left to finish.) */
+    MOE_TRY(seq_aux_stats(L, T));
     MOE_TRY(ops->download(L->totals_host, L->totals_dev, (size_t)(2 * E + 1) * sizeof(int64_t)));
     L->last.tokens_per_expert = stats ? stats->tokens_per_expert : NULL;
-    MOE_TRY(share_routing(L, T, *L->z_sum));
+    MOE_TRY(share_routing(L, T, *L->z_sum, L->seqs ? seq_aux_sum(L) : 0.0));
     if (L->bias && L->training && !L->replay) {
         moe_layer *owner = state_of(L);
         for (int64_t e = 0; e < E; e++) owner->bias_load[e] += L->global_assigned[e];
@@ -1661,10 +1741,10 @@ moe_status moe_layer_backward(moe_layer *L, float *dx, const float *dy, const fl
      * scale set since then (a model's first step) costs a wait here. */
     if (L->aux_grad_scale != L->loss_scale) MOE_TRY(send_aux_grad(L));
     const int64_t GT = L->global_T;
-    const moe_gate_params gp = gate_params(c);
-    ops->gate_backward(L->dlogits, L->dweights, L->topk_idx, L->topk_w, L->prob, L->lse, L->logits,
-                       c->aux_loss_coef > 0.0 ? L->aux_grad_dev : NULL, (float)(c->z_loss_coef * L->loss_scale / (double)GT),
-                       &gp, T);
+    const moe_gate_params gp = gate_params(L);
+    const float *aux_grad = L->seqs ? L->seq_aux_grad : c->aux_loss_coef > 0.0 ? L->aux_grad_dev : NULL;
+    ops->gate_backward(L->dlogits, L->dweights, L->topk_idx, L->topk_w, L->prob, L->lse, L->logits, aux_grad,
+                       (float)(c->z_loss_coef * L->loss_scale / (double)GT), &gp, T);
     const moe_tensor_view *gate = &L->views[0];
     ops->gemm(gate->grad, L->dlogits, x_in, E, d, T, E, d, d, true, false, 1.0f, 1.0f);
     ops->gemm(dx_in, L->dlogits, gate->param, T, d, E, E, d, d, false, false, 1.0f, 1.0f);

@@ -1054,6 +1054,7 @@ static moe_status log_step(run *r, const moe_run_step *s) {
         double value;
     } fields[] = {
         {"loss", m->loss},         {"ce_loss", m->ce_loss},     {"aux_loss", m->aux_loss},
+        {"seq_aux_loss", m->seq_aux_loss},
         {"z_loss", m->z_loss},     {"lr", m->lr},               {"grad_norm", m->grad_norm},
         {"tokens_per_s", s->tokens_per_s}, {"mfu", s->mfu},     {"load_imbalance", m->load_imbalance},
         {"dropped_frac", m->dropped_frac}, {"pipeline_idle", m->pipeline_idle},

@@ -570,12 +570,12 @@ static moe_status stage_backward(moe_trainer *t, int64_t micro, bool sync, float
 static moe_status pipeline_sum(moe_model *model, moe_model_stats *s, double *idle) {
     const moe_model_stage stage = moe_model_get_stage(model);
     if (!stage.pipe) return MOE_OK;
-    double v[8] = {s->loss,           s->ce_loss,        s->aux_loss,      s->z_loss,
+    double v[9] = {s->loss,           s->ce_loss,        s->aux_loss,      s->seq_aux_loss, s->z_loss,
                    s->load_imbalance, s->rank_imbalance, s->dropped_frac, *idle};
-    MOE_TRY(moe_comm_allreduce_sum(stage.pipe, v, 8, MOE_COMM_F64));
-    *s = (moe_model_stats){.loss = v[0], .ce_loss = v[1], .aux_loss = v[2], .z_loss = v[3], .load_imbalance = v[4],
-                           .rank_imbalance = v[5], .dropped_frac = v[6]};
-    *idle = v[7] / stage.count;
+    MOE_TRY(moe_comm_allreduce_sum(stage.pipe, v, 9, MOE_COMM_F64));
+    *s = (moe_model_stats){.loss = v[0], .ce_loss = v[1], .aux_loss = v[2], .seq_aux_loss = v[3], .z_loss = v[4],
+                           .load_imbalance = v[5], .rank_imbalance = v[6], .dropped_frac = v[7]};
+    *idle = v[8] / stage.count;
     return MOE_OK;
 }
 
@@ -651,6 +651,7 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
             sum.loss += s.loss;
             sum.ce_loss += s.ce_loss;
             sum.aux_loss += s.aux_loss;
+            sum.seq_aux_loss += s.seq_aux_loss;
             sum.z_loss += s.z_loss;
             sum.load_imbalance += s.load_imbalance;
             sum.rank_imbalance += s.rank_imbalance;
@@ -712,6 +713,7 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
     const double a = (double)c->grad_accum;
     moe_step_metrics m = {
         .step = t->steps_done, .loss = sum.loss / a, .ce_loss = sum.ce_loss / a, .aux_loss = sum.aux_loss / a,
+        .seq_aux_loss = sum.seq_aux_loss / a,
         .z_loss = sum.z_loss / a, .lr = lr, .grad_norm = norm, .load_imbalance = sum.load_imbalance / a,
         .rank_imbalance = sum.rank_imbalance / a,
         .dropped_frac = sum.dropped_frac / a, .pipeline_idle = stage.pipe ? idle : 0.0};

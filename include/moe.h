@@ -75,6 +75,12 @@ typedef struct moe_layer_config {
     double capacity_factor;
     /* Switch/GShard balancing loss E * sum_e f_e * P_e, times this. */
     double aux_loss_coef;
+    /* DeepSeek-V3's sequence-wise balancing loss: the same sum taken over
+     * each sequence of seq_len consecutive tokens (f_e and P_e of its tokens
+     * alone), averaged over the sequences of the global batch, times this.
+     * Training forwards only, whose T must then be a multiple of seq_len. */
+    double seq_aux_loss_coef;
+    int64_t seq_len;
     /* mean over tokens of logsumexp(logits)^2, times this. */
     double z_loss_coef;
     /* Auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias added to
@@ -113,7 +119,8 @@ typedef struct moe_layer_config {
     {                                                                            \
         .d_model = 0, .d_ff = 0, .n_experts = 0, .top_k = 0,                     \
         .gate = MOE_GATE_SOFTMAX_TOPK, .renormalize = 1, .capacity_factor = 0.0, \
-        .aux_loss_coef = 0.0, .z_loss_coef = 0.0, .bias_update_rate = 0.0,       \
+        .aux_loss_coef = 0.0, .seq_aux_loss_coef = 0.0, .seq_len = 0,            \
+        .z_loss_coef = 0.0, .bias_update_rate = 0.0,                             \
         .n_shared_experts = 0, .jitter_eps = 0.0, .n_groups = 0, .top_groups = 0, \
         .routed_scale = 1.0, .seed = 0                                           \
     }
@@ -203,6 +210,9 @@ typedef struct moe_layer_stats {
     int64_t pairs;              /* (token, slot) pairs routed: T * top_k over the ranks */
     int64_t dropped;            /* of those, pairs over capacity */
     double aux_loss;            /* E * sum f_e P_e, before the coefficient */
+    /* the sequence-wise one's mean over sequences, before its coefficient
+     * (0 without it or outside training) */
+    double seq_aux_loss;
     double z_loss;              /* mean logsumexp^2, before the coefficient */
     double load_imbalance;      /* max over experts of assigned pairs / mean */
     /* max over the expert-parallel group's ranks of the rows their experts

@@ -19,6 +19,8 @@
         const float *prob, const float *lse, const float *logits, const float *aux_grad, float z_coef_over_T,    \
         const moe_gate_params *p, int64_t T), (dlogits, dweights, topk_idx, topk_w, prob, lse, logits, aux_grad, \
         z_coef_over_T, p, T))                                                                                    \
+    X(gate_seq_stats, (float *stats, const int32_t *topk_idx, const float *prob, const moe_gate_params *p,        \
+        int64_t T), (stats, topk_idx, prob, p, T))                                                               \
     X(plan_build, (int64_t *pair_row, int64_t *row_token, int64_t *expert_offsets, const int32_t *topk_idx,      \
         const int64_t *keep, void *scratch, int64_t T, int64_t k, int64_t E), (pair_row, row_token,              \
         expert_offsets, topk_idx, keep, scratch, T, k, E))                                                       \

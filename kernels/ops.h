@@ -27,6 +27,11 @@ typedef struct moe_gate_params {
     int64_t n_groups;   /* > 1: group-limited routing (moe_layer_config in moe.h) */
     int64_t top_groups; /* groups a token's experts come from, with n_groups > 1 */
     float routed_scale; /* multiplies the weights after their normalisation; 1: none */
+    /* Tokens per sequence of the sequence-wise balancing loss: gate_backward's
+     * aux_grad holds a row per sequence, token t reading row t / aux_seq_len,
+     * and gate_seq_stats sums per sequence. 0: aux_grad is one row for every
+     * token. */
+    int64_t aux_seq_len;
 } moe_gate_params;
 
 /* Per-token work arrays live on the stack, so the router has bounds. */
@@ -122,12 +127,20 @@ typedef struct moe_ops {
                          const moe_gate_params *p, int64_t T);
 
     /* dlogits [T, E] (written) from dweights [T, k], plus the balancing
-     * losses: aux_grad [E] = d(aux term)/d(prob[t, e]) (the same for every
-     * token), z_coef_over_T = z_loss_coef / T. */
+     * losses: aux_grad = d(aux terms)/d(prob[t, e]), [E] the same for every
+     * token, or with p->aux_seq_len [T / aux_seq_len, E] a row per sequence
+     * (NULL: none); z_coef_over_T = z_loss_coef / T. */
     void (*gate_backward)(float *dlogits, const float *dweights, const int32_t *topk_idx,
                           const float *topk_w, const float *prob, const float *lse,
                           const float *logits, const float *aux_grad, float z_coef_over_T,
                           const moe_gate_params *p, int64_t T);
+
+    /* The sequence-wise balancing loss's statistics: for each sequence q of
+     * p->aux_seq_len tokens (T a multiple of it), stats [T / aux_seq_len,
+     * 2E] gets the (token, slot) pairs the router chose per expert, then the
+     * sum of its tokens' probabilities per expert (prob from gate_forward). */
+    void (*gate_seq_stats)(float *stats, const int32_t *topk_idx, const float *prob,
+                           const moe_gate_params *p, int64_t T);
 
     /* The dispatch plan: where every (token, slot) pair of topk_idx [T, k]
      * goes, a stable counting sort by expert, so each expert's rows are

@@ -149,10 +149,11 @@ typedef struct ref_model {
 } ref_model;
 
 typedef struct ref_model_loss {
-    double loss; /* ce + aux_coef * aux + z_coef * z */
-    double ce;   /* mean over positions whose target is >= 0 */
-    double aux;  /* mean over layers of E * sum_e f_e P_e */
-    double z;    /* mean over layers of mean_t lse_t^2 */
+    double loss;    /* ce + aux_coef * aux + seq_aux_coef * seq_aux + z_coef * z */
+    double ce;      /* mean over positions whose target is >= 0 */
+    double aux;     /* mean over layers of E * sum_e f_e P_e */
+    double seq_aux; /* the same of the per-sequence sums' mean */
+    double z;       /* mean over layers of mean_t lse_t^2 */
 } ref_model_loss;
 
 /* The offset of the tensor named by fmt, asserting it exists with the
@@ -237,6 +238,8 @@ static inline void ref_model_init(ref_model *r, moe_model *m) {
                              .capacity_factor = c->moe_capacity_factor,
                              .aux_loss_coef = c->router_aux_loss_coef,
                              .z_loss_coef = c->moe_z_loss_coef,
+                             .seq_aux_loss_coef = c->moe_seq_aux_loss_coef,
+                             .seq_len = c->moe_seq_aux_loss_coef > 0.0 ? r->T : 0,
                              .bias = NULL};
         y->moe.wg = ref_alloc((size_t)(E * C) * sizeof(double));
         y->moe.w1 = ref_alloc((size_t)(E * ff * C) * sizeof(double));
@@ -311,7 +314,7 @@ static inline double ref_model_forward(ref_model *r, ref_model_loss *out, double
     double *logits = ref_alloc((size_t)V * sizeof *logits);
     for (int64_t n = 0; n < N; n++)
         for (int64_t i = 0; i < C; i++) x[n * C + i] = p[r->embed + inputs[n] * C + i];
-    double aux = 0.0, z = 0.0;
+    double aux = 0.0, seq_aux = 0.0, z = 0.0;
     for (int64_t l = 0; l < L; l++) {
         ref_model_layer *ly = &r->layers[l];
         ref_rmsnorm(h, x, p + ly->ln1, c->rms_norm_eps, N, C);
@@ -329,6 +332,7 @@ static inline double ref_model_forward(ref_model *r, ref_model_loss *out, double
         ref_layer_forward(y, &ly->route, &ly->moe, h, N);
         for (int64_t i = 0; i < N * C; i++) x[i] += y[i];
         aux += ly->route.aux / (double)L;
+        seq_aux += ly->route.seq_aux / (double)L;
         z += ly->route.z / (double)L;
     }
     ref_rmsnorm(h, x, p + r->final_norm, c->rms_norm_eps, N, C);
@@ -355,8 +359,8 @@ static inline double ref_model_forward(ref_model *r, ref_model_loss *out, double
     free(v);
     free(att);
     free(logits);
-    const double total = ce + c->router_aux_loss_coef * aux + c->moe_z_loss_coef * z;
-    if (out) *out = (ref_model_loss){.loss = total, .ce = ce, .aux = aux, .z = z};
+    const double total = ce + c->router_aux_loss_coef * aux + c->moe_seq_aux_loss_coef * seq_aux + c->moe_z_loss_coef * z;
+    if (out) *out = (ref_model_loss){.loss = total, .ce = ce, .aux = aux, .seq_aux = seq_aux, .z = z};
     return total;
 }
 

@@ -234,6 +234,8 @@ typedef struct ref_layer {
     int renormalize;
     double routed_scale; /* multiplies the weights; 0 or 1: none */
     double capacity_factor, aux_loss_coef, z_loss_coef;
+    double seq_aux_loss_coef; /* the sequence-wise balancing loss, over sequences of seq_len tokens */
+    int64_t seq_len;
     double *wg;         /* [E, d] */
     double *w1, *w3;    /* [E, ff, d] */
     double *w2;         /* [E, d, ff] */
@@ -252,6 +254,7 @@ typedef struct ref_out {
     int64_t *kept_count; /* [E] */
     int64_t dropped;
     double aux, z, imbalance;
+    double seq_aux; /* mean over sequences of E sum_e f_e P_e; 0 without seq_len */
     double min_gap; /* over tokens, see ref_topk */
 } ref_out;
 
@@ -334,6 +337,19 @@ static inline void ref_layer_forward(double *y, ref_out *o, const ref_layer *L, 
         o->aux += (double)E * f * P;
         o->imbalance = fmax(o->imbalance, (double)o->assigned[e] / ((double)(T * k) / (double)E));
     }
+    /* DeepSeek-V3's sequence-wise loss: the same sum per sequence, its
+     * own tokens' shares and probabilities, averaged. */
+    o->seq_aux = 0.0;
+    const int64_t n = L->seq_len, seqs = n > 0 ? T / n : 0;
+    for (int64_t q = 0; q < seqs; q++)
+        for (int64_t e = 0; e < E; e++) {
+            double P = 0.0, f = 0.0;
+            for (int64_t t = q * n; t < (q + 1) * n; t++) {
+                P += o->r[t * E + e] / (double)n;
+                for (int64_t j = 0; j < k; j++) f += o->idx[t * k + j] == e ? 1.0 / (double)(n * k) : 0.0;
+            }
+            o->seq_aux += (double)E * f * P / (double)seqs;
+        }
     free(ye);
 }
 
@@ -342,7 +358,7 @@ static inline double ref_layer_loss(const double *y, const double *dy, const ref
                                     const ref_layer *L, int64_t T) {
     double s = 0.0;
     for (int64_t i = 0; i < T * L->d; i++) s += dy[i] * y[i];
-    return s + L->aux_loss_coef * o->aux + L->z_loss_coef * o->z;
+    return s + L->aux_loss_coef * o->aux + L->seq_aux_loss_coef * o->seq_aux + L->z_loss_coef * o->z;
 }
 
 /* Whether two forwards chose the same experts and kept the same pairs. */

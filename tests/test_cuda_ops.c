@@ -328,7 +328,7 @@ typedef struct gate_case {
 } gate_case;
 
 static moe_gate_params params_of(const gate_case *gc) {
-    return (moe_gate_params){gc->E, gc->k, gc->kind, gc->renormalize, gc->n_groups, gc->top_groups, gc->scale};
+    return (moe_gate_params){gc->E, gc->k, gc->kind, gc->renormalize, gc->n_groups, gc->top_groups, gc->scale, 0};
 }
 
 static const gate_case gate_cases[] = {
@@ -545,7 +545,7 @@ Test(cuda, gate_forward_ranks_nan_like_cpu) {
         float *logits = rnd(T * E, &rng, -2.0, 2.0);
         for (int64_t i = 0; i < T * E; i++)
             if (ref_next(&rng) % 5 == 0 || i / E == T - 1) logits[i] = NAN;
-        const moe_gate_params p = {E, k, (moe_gate_kind)kind, true, 0, 0, 1.0f};
+        const moe_gate_params p = {E, k, (moe_gate_kind)kind, true, 0, 0, 1.0f, 0};
         gate_pair g = gate_both(logits, NULL, &p, T);
         char what[96];
         snprintf(what, sizeof what, "gate_forward %s with NaN logits", kind_name((moe_gate_kind)kind));
@@ -577,7 +577,7 @@ Test(cuda, gate_normalised_weights_far_below_the_row_max) {
     static const moe_gate_kind kinds[] = {MOE_GATE_TOPK_SOFTMAX, MOE_GATE_SOFTMAX_TOPK,
                                           MOE_GATE_SIGMOID};
     for (size_t i = 0; i < sizeof kinds / sizeof kinds[0]; i++) {
-        const moe_gate_params p = {E, k, kinds[i], true, 0, 0, 1.0f};
+        const moe_gate_params p = {E, k, kinds[i], true, 0, 0, 1.0f, 0};
         gate_pair g = gate_both(logits, bias, &p, T);
         char what[96];
         snprintf(what, sizeof what, "%s far below the row max: topk_idx", kind_name(kinds[i]));
@@ -1442,7 +1442,7 @@ Test(cuda, table_gate_plan_permute) {
     float *d_w = tpoison((size_t)Tk * sizeof(float), POISON_FLOAT);
     float *d_prob = tpoison((size_t)(T * E) * sizeof(float), POISON_FLOAT);
     float *d_lse = tpoison((size_t)T * sizeof(float), POISON_FLOAT);
-    const moe_gate_params p = {E, k, gc.kind, gc.renormalize, 0, 0, 1.0f};
+    const moe_gate_params p = {E, k, gc.kind, gc.renormalize, 0, 0, 1.0f, 0};
     gpu->gate_forward(d_idx, d_w, d_prob, d_lse, &totals,
                       tput(want.logits, (size_t)(T * E) * sizeof(float)),
                       tput(want.bias, (size_t)E * sizeof(float)), &p, T);
@@ -1464,6 +1464,15 @@ Test(cuda, table_gate_plan_permute) {
                   prob_sum[e], want.prob_sum[e]);
     cr_expect(fabs(z_sum - want.z_sum) <= TOL_F32 * fabs(want.z_sum) + 1e-9,
               "table gate_forward z_sum = %.12g, cpu %.12g", z_sum, want.z_sum);
+
+    /* gate_seq_stats over 5 sequences of 60: the CPU's sums, in its order. */
+    const moe_gate_params ps = {E, k, gc.kind, gc.renormalize, 0, 0, 1.0f, 60};
+    float *seq_want = ref_alloc((size_t)(T / 60 * 2 * E) * sizeof *seq_want);
+    cpu->gate_seq_stats(seq_want, want.idx, want.prob, &ps, T);
+    float *d_seq = tpoison((size_t)(T / 60 * 2 * E) * sizeof(float), POISON_FLOAT);
+    gpu->gate_seq_stats(d_seq, tput(want.idx, (size_t)Tk * sizeof(int32_t)),
+                        tput(want.prob, (size_t)(T * E) * sizeof(float)), &ps, T);
+    expect_table("table gate_seq_stats", d_seq, seq_want, T / 60 * 2 * E, 0.0);
 
     /* plan_build with keep on the device, at a capacity that drops pairs. */
     cpu_plan cp = make_cpu_plan(want.idx, want.assigned, 0.75, T, k, E);

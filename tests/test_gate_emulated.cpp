@@ -31,6 +31,7 @@ struct gate_case {
     enum { PLAIN, TIES, FAR_BEHIND, NANS } logits;
     int n_groups = 0, top_groups = 0; /* group-limited routing when n_groups > 1 */
     float scale = 1.0f;               /* routed_scale */
+    int64_t seq_len = 0;              /* backward: an aux gradient row per sequence of this many tokens */
 };
 
 struct lcg {
@@ -75,7 +76,7 @@ void check(const gate_case &c) {
         }
     for (float &b : bias) b = 0.1f * r.next();
     const float *b = c.with_bias ? bias.data() : nullptr;
-    const moe_gate_params p = {E, k, c.kind, c.renormalize, c.n_groups, c.top_groups, c.scale};
+    const moe_gate_params p = {E, k, c.kind, c.renormalize, c.n_groups, c.top_groups, c.scale, 0};
 
     std::vector<int32_t> idx((size_t)(T * k)), e_idx((size_t)(T * k), -1);
     std::vector<float> w((size_t)(T * k)), prob((size_t)(T * E)), lse((size_t)T);
@@ -136,16 +137,17 @@ void check(const gate_case &c) {
 
 /* The backward of the same case: dlogits against the CPU's, from the
  * CPU forward's choices and weights, random weight gradients, an aux
- * gradient and the z term. */
+ * gradient (a row per sequence with seq_len, whose statistics are checked
+ * too) and the z term. */
 void check_backward(const gate_case &c) {
-    const int64_t T = c.T, E = c.E, k = c.k;
+    const int64_t T = c.T, E = c.E, k = c.k, seqs = c.seq_len ? T / c.seq_len : 1;
     const int64_t chunks = (T + MOE_GATE_CHUNK_TOKENS - 1) / MOE_GATE_CHUNK_TOKENS;
     lcg r{(uint64_t)(E * 977 + k * 13 + T)};
-    std::vector<float> logits((size_t)(T * E)), dweights((size_t)(T * k)), aux((size_t)E);
+    std::vector<float> logits((size_t)(T * E)), dweights((size_t)(T * k)), aux((size_t)(seqs * E));
     for (float &x : logits) x = 3.0f * r.next();
     for (float &x : dweights) x = r.next();
     for (float &x : aux) x = 0.01f * r.next();
-    const moe_gate_params p = {E, k, c.kind, c.renormalize, 0, 0, c.scale};
+    const moe_gate_params p = {E, k, c.kind, c.renormalize, 0, 0, c.scale, c.seq_len};
     std::vector<int32_t> idx((size_t)(T * k));
     std::vector<float> w((size_t)(T * k)), prob((size_t)(T * E)), lse((size_t)T);
     std::vector<int64_t> assigned((size_t)E);
@@ -162,10 +164,28 @@ void check_backward(const gate_case &c) {
         [&] {
             gate_backward_kernel(e_dl.data(), dweights.data(), idx.data(), w.data(), prob.data(), lse.data(),
                                  logits.data(), aux.data(), z_coef_over_T, T, (int)E, (int)k, c.kind,
-                                 c.renormalize, c.scale);
+                                 c.renormalize, c.scale, c.seq_len);
         },
         (size_t)(GATE_WARPS * 2 * E) * sizeof(float));
     expect_close(c, "dlogits", e_dl.data(), dl.data(), dl.size());
+    if (!c.seq_len) return;
+    std::vector<float> stats((size_t)(seqs * 2 * E)), e_stats((size_t)(seqs * 2 * E), NAN);
+    cpu->gate_seq_stats(stats.data(), idx.data(), prob.data(), &p, T);
+    emu_launch(dim3{(unsigned)seqs, 1, 1}, 64, [&] {
+        gate_seq_stats_kernel(e_stats.data(), idx.data(), prob.data(), c.seq_len, (int)E, (int)k);
+    });
+    /* The same sums in the same order: equal, counts and probabilities. */
+    int64_t differ = 0;
+    for (size_t i = 0; i < stats.size(); i++) differ += !(stats[i] == e_stats[i]);
+    cr_expect(differ == 0, "%s E=%d seq_len=%lld: %lld of %zu sequence statistics differ", kind_name(c.kind), c.E,
+              (long long)c.seq_len, (long long)differ, stats.size());
+    /* And they are what they say: each sequence's pairs add up to k per token. */
+    for (int64_t q = 0; q < seqs; q++) {
+        double pairs = 0.0;
+        for (int64_t e = 0; e < E; e++) pairs += stats[(size_t)(q * 2 * E + e)];
+        cr_expect(pairs == (double)(c.seq_len * k), "sequence %lld: %g pairs, not %lld", (long long)q, pairs,
+                  (long long)(c.seq_len * k));
+    }
 }
 
 } // namespace
@@ -216,6 +236,11 @@ Test(gate_emulated, backward_matches_the_cpu_gate) {
         {300, 8, 9, MOE_GATE_SOFTMAX_TOPK, true, false, gate_case::PLAIN},
         {40, 3, 19, MOE_GATE_SIGMOID, true, false, gate_case::PLAIN, 0, 0, 2.5f},
         {8, 2, 37, MOE_GATE_SOFTMAX_TOPK, false, false, gate_case::PLAIN, 0, 0, 2.5f},
+        /* The sequence-wise balancing loss: a gradient row per sequence;
+         * more experts than the statistics kernel's 64 threads. */
+        {16, 4, 36, MOE_GATE_SOFTMAX_TOPK, true, false, gate_case::PLAIN, 0, 0, 1.0f, 12},
+        {96, 6, 40, MOE_GATE_SIGMOID, true, false, gate_case::PLAIN, 0, 0, 2.5f, 8},
+        {8, 2, 37, MOE_GATE_TOPK_SOFTMAX, true, false, gate_case::PLAIN, 0, 0, 1.0f, 1},
     };
     for (const gate_case &c : cases) check_backward(c);
 }

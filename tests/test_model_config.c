@@ -93,7 +93,7 @@ Test(model_config, mixtral_8x7b) {
     cr_expect_eq(c.moe_bias_update_rate, 0.0);
 
     moe_layer_config l;
-    moe_model_config_layer(&l, &c, 77);
+    moe_model_config_layer(&l, &c, 64, 77);
     cr_expect_eq(l.d_model, 4096);
     cr_expect_eq(l.d_ff, 14336);
     cr_expect_eq(l.n_experts, 8);
@@ -145,6 +145,7 @@ Test(model_config, defaults) {
     cr_expect_eq(c.router_aux_loss_coef, 0.001);
     cr_expect(c.moe_renormalize);
     cr_expect_eq(c.moe_routed_scaling_factor, 1.0);
+    cr_expect_eq(c.moe_seq_aux_loss_coef, 0.0);
 
     /* null means absent, as in transformers */
     cr_assert_eq(parse(&c, config_with("head_dim", "null"), &w), MOE_OK, "%s", moe_last_error());
@@ -237,6 +238,8 @@ Test(model_config, every_bad_field_is_named) {
         {"moe_renormalize", "1", "moe_renormalize must be true or false, got 1"},
         {"moe_capacity_factor", "-1", "moe_capacity_factor=-1 must be finite and in [0, 1e+06]"},
         {"moe_z_loss_coef", "-1", "moe_z_loss_coef=-1 must be finite and in [0, 1e+06]"},
+        {"moe_seq_aux_loss_coef", "-0.1", "moe_seq_aux_loss_coef=-0.1 must be finite and in [0, 1e+06]"},
+        {"moe_seq_aux_loss_coef", "\"x\"", "moe_seq_aux_loss_coef must be a number"},
         {"moe_n_shared_experts", "-1", "moe_n_shared_experts=-1 must be in [0, 8388607]"},
         {"moe_bias_update_rate", "-0.5", "moe_bias_update_rate=-0.5 must be finite and in [0, 1e+06]"},
         {"moe_routed_scaling_factor", "0", "t/config.json: moe_routed_scaling_factor=0 must be in [1.17549e-38, 1e+06]"},
@@ -369,7 +372,7 @@ Test(model_config, limits_match_the_moe_layer) {
         cr_expect_eq(st, MOE_OK, "%s: %s", text, moe_last_error());
         if (st != MOE_OK) continue;
         moe_layer_config layer;
-        moe_model_config_layer(&layer, &c, 1);
+        moe_model_config_layer(&layer, &c, 64, 1);
         cr_expect_eq(moe_layer_config_validate(&layer), MOE_OK, "%s: the config accepts it, the layer says: %s", text,
                      moe_last_error());
     }
@@ -386,7 +389,7 @@ Test(model_config, limits_match_the_moe_layer) {
                                        "(num_local_experts=1024 + moe_n_shared_experts=0) overflows") != NULL,
               "%s", moe_last_error());
     moe_layer_config layer;
-    moe_model_config_layer(&layer, &c, 1);
+    moe_model_config_layer(&layer, &c, 64, 1);
     cr_expect_eq(moe_layer_config_validate(&layer), MOE_ERR_CONFIG, "the layer accepts what the config refuses");
 }
 
@@ -433,7 +436,7 @@ Test(model_config, parameter_count_overflow_refused) {
         const bool fits = params * 4 <= (long double)INT64_MAX;
         cr_expect_eq(fits, i == 0, "the reference count: %Lg parameters", params);
         moe_layer_config layer;
-        moe_model_config_layer(&layer, &c, 1);
+        moe_model_config_layer(&layer, &c, 64, 1);
         cr_expect_eq(moe_layer_config_validate(&layer), MOE_OK, "the layer alone is fine: %s", moe_last_error());
         const moe_status st = moe_model_config_validate(&c, "deep");
         cr_expect_eq(st, fits ? MOE_OK : MOE_ERR_CONFIG, "%lld layers: %Lg parameters, got %s (%s)",
@@ -512,6 +515,7 @@ static void expect_same(const moe_model_config *a, const moe_model_config *b) {
     SAME(moe_renormalize);
     SAME(moe_capacity_factor);
     SAME(moe_z_loss_coef);
+    SAME(moe_seq_aux_loss_coef);
     SAME(moe_n_shared_experts);
     SAME(moe_bias_update_rate);
     SAME(moe_n_group);
@@ -534,6 +538,7 @@ Test(model_config, save_then_load_is_identical, .init = make_tmpdir, .fini = rem
     c.moe_renormalize = false;
     c.moe_capacity_factor = 1.25;
     c.moe_z_loss_coef = 1e-3;
+    c.moe_seq_aux_loss_coef = 1e-4;
     c.moe_n_shared_experts = 1;
     c.moe_bias_update_rate = 1e-3;
     c.moe_n_group = 4;

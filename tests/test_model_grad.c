@@ -57,15 +57,17 @@ typedef struct grad_case {
     int64_t n_shared_experts;
     int ignored_targets; /* positions whose target is -1 */
     uint64_t seed;
+    double seq_aux_coef; /* the sequence-wise balancing loss's coefficient */
 } grad_case;
 
 static const grad_case CASES[] = {
-    {"softmax_topk", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 0, 11},
-    {"topk_softmax", MOE_GATE_TOPK_SOFTMAX, 0.0, 0, 0, 12},
-    {"sigmoid", MOE_GATE_SIGMOID, 0.0, 0, 0, 13},
-    {"capacity_1", MOE_GATE_SOFTMAX_TOPK, 1.0, 0, 0, 14},
-    {"shared_experts", MOE_GATE_SOFTMAX_TOPK, 0.0, 1, 0, 15},
-    {"ignored_targets", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 2, 16},
+    {"softmax_topk", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 0, 11, 0.0},
+    {"topk_softmax", MOE_GATE_TOPK_SOFTMAX, 0.0, 0, 0, 12, 0.0},
+    {"sigmoid", MOE_GATE_SIGMOID, 0.0, 0, 0, 13, 0.0},
+    {"capacity_1", MOE_GATE_SOFTMAX_TOPK, 1.0, 0, 0, 14, 0.0},
+    {"shared_experts", MOE_GATE_SOFTMAX_TOPK, 0.0, 1, 0, 15, 0.0},
+    {"ignored_targets", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 2, 16, 0.0},
+    {"sequence_wise_balancing", MOE_GATE_SIGMOID, 0.0, 0, 0, 17, 0.3},
 };
 #define N_CASES ((int)(sizeof CASES / sizeof *CASES))
 
@@ -84,6 +86,7 @@ static void fx_create(fx *f, const grad_case *gc) {
     cfg.moe_gate = gc->gate;
     cfg.moe_capacity_factor = gc->capacity_factor;
     cfg.moe_n_shared_experts = gc->n_shared_experts;
+    cfg.moe_seq_aux_loss_coef = gc->seq_aux_coef;
     cr_assert(moe_model_create(&f->m, &cfg, BATCH, SEQ, gc->seed) == MOE_OK, "%s: moe_model_create: %s", gc->name,
               moe_last_error());
     ref_rng rng = {gc->seed};
@@ -134,7 +137,8 @@ static void check_forward(const grad_case *gc) {
         const char *what;
         double got, ref;
     } terms[] = {{"loss", st.loss, ref.loss}, {"ce_loss", st.ce_loss, ref.ce},
-                 {"aux_loss", st.aux_loss, ref.aux}, {"z_loss", st.z_loss, ref.z}};
+                 {"aux_loss", st.aux_loss, ref.aux}, {"z_loss", st.z_loss, ref.z},
+                 {"seq_aux_loss", st.seq_aux_loss, ref.seq_aux}};
     for (size_t i = 0; i < sizeof terms / sizeof *terms; i++)
         cr_expect(rel_err(terms[i].got, terms[i].ref) <= LOSS_RTOL, "%s: %s %.9g, reference %.9g (rel err %.3g > %.1g)",
                   gc->name, terms[i].what, terms[i].got, terms[i].ref, rel_err(terms[i].got, terms[i].ref), LOSS_RTOL);
@@ -281,6 +285,7 @@ Test(model_grad, sigmoid) { check_gradients(&CASES[2]); }
 Test(model_grad, capacity_factor_1) { check_gradients(&CASES[3]); }
 Test(model_grad, shared_experts) { check_gradients(&CASES[4]); }
 Test(model_grad, ignored_targets) { check_gradients(&CASES[5]); }
+Test(model_grad, sequence_wise_balancing) { check_gradients(&CASES[6]); }
 
 /* ---------------------------------------------------------- grad_scale */
 

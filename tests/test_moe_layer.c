@@ -100,7 +100,9 @@ static void fx_create(fx *f, const moe_layer_config *cfg, uint64_t seed) {
                      .routed_scale = cfg->routed_scale,
                      .capacity_factor = cfg->capacity_factor,
                      .aux_loss_coef = cfg->aux_loss_coef,
-                     .z_loss_coef = cfg->z_loss_coef};
+                     .z_loss_coef = cfg->z_loss_coef,
+                     .seq_aux_loss_coef = cfg->seq_aux_loss_coef,
+                     .seq_len = cfg->seq_aux_loss_coef > 0.0 ? cfg->seq_len : 0};
     r->wg = ref_alloc((size_t)(E * d) * sizeof(double));
     r->w1 = ref_alloc((size_t)(E * ff * d) * sizeof(double));
     r->w3 = ref_alloc((size_t)(E * ff * d) * sizeof(double));
@@ -192,6 +194,8 @@ static void check_forward(fx *f, const float *x, int64_t T, const char *what) {
               "%s: aux_loss = %.9g, want %.9g", what, st.aux_loss, o.aux);
     cr_expect(fabs(st.z_loss - o.z) <= 1e-5 * (1.0 + fabs(o.z)), "%s: z_loss = %.9g, want %.9g",
               what, st.z_loss, o.z);
+    cr_expect(fabs(st.seq_aux_loss - o.seq_aux) <= 1e-5 * (1.0 + fabs(o.seq_aux)),
+              "%s: seq_aux_loss = %.9g, want %.9g", what, st.seq_aux_loss, o.seq_aux);
     cr_expect(fabs(st.load_imbalance - o.imbalance) <= 1e-9 * o.imbalance,
               "%s: load_imbalance = %.9g, want %.9g", what, st.load_imbalance, o.imbalance);
     ref_out_free(&o);
@@ -354,6 +358,7 @@ typedef struct grad_case {
     int set_bias; /* a selection bias from moe_layer_selection_bias */
     int64_t n_groups, top_groups; /* group-limited routing when n_groups > 1 */
     double routed_scale;          /* 0: none */
+    int64_t seq_len;              /* > 0: the sequence-wise balancing loss too, over sequences this long */
 } grad_case;
 
 static double ref_loss_at(const fx *f, const double *xd, int64_t T, const double *dy, double *y,
@@ -397,6 +402,8 @@ static void check_grad(const grad_case *gc, uint64_t seed) {
     cfg.n_groups = gc->n_groups;
     cfg.top_groups = gc->top_groups;
     cfg.routed_scale = gc->routed_scale;
+    cfg.seq_aux_loss_coef = gc->seq_len ? 0.9 : 0.0;
+    cfg.seq_len = gc->seq_len;
     fx f;
     fx_create(&f, &cfg, seed);
     if (gc->set_bias) {
@@ -427,9 +434,10 @@ static void check_grad(const grad_case *gc, uint64_t seed) {
 
     char what[256];
     int n = snprintf(what, sizeof what,
-                     "grad %s E=%lld k=%lld T=%lld renorm=%d cf=%g shared=%lld dy_zero=%d bias=%d",
+                     "grad %s E=%lld k=%lld T=%lld renorm=%d cf=%g shared=%lld dy_zero=%d bias=%d seq_len=%lld",
                      kind_name(gc->kind), (long long)gc->E, (long long)gc->k, (long long)T,
-                     gc->renormalize, gc->cf, (long long)gc->n_shared, gc->dy_zero, gc->set_bias);
+                     gc->renormalize, gc->cf, (long long)gc->n_shared, gc->dy_zero, gc->set_bias,
+                     (long long)gc->seq_len);
     int64_t checked = 0, skipped = 0;
     for (int64_t i = 0; i <= f.n_tensors; i++) {
         /* i == n_tensors: the input x */
@@ -546,6 +554,53 @@ Test(layer, backward_with_routed_scale) {
     };
     uint64_t seed = 3700;
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) check_grad(&cases[i], seed++);
+}
+
+/* DeepSeek-V3's sequence-wise balancing loss beside the batch-wide one:
+ * three sequences of four tokens, every gate kind, alone (dy = 0) and with
+ * the experts' gradient, with capacity, groups and a routed scale; and
+ * sequences of one token. */
+Test(layer, backward_with_sequence_wise_balancing) {
+    const grad_case cases[] = {
+        {.E = 5, .k = 2, .T = 12, .kind = MOE_GATE_SOFTMAX_TOPK, .renormalize = 1, .dy_zero = 1, .seq_len = 4},
+        {.E = 5, .k = 2, .T = 12, .kind = MOE_GATE_TOPK_SOFTMAX, .renormalize = 1, .dy_zero = 1, .seq_len = 4},
+        {.E = 5, .k = 2, .T = 12, .kind = MOE_GATE_SIGMOID, .renormalize = 1, .dy_zero = 1, .seq_len = 4},
+        {.E = 5, .k = 2, .T = 12, .kind = MOE_GATE_SOFTMAX_TOPK, .renormalize = 0, .cf = 0.75, .n_shared = 1,
+         .seq_len = 4},
+        {.E = 6, .k = 2, .T = 12, .kind = MOE_GATE_SIGMOID, .renormalize = 1, .set_bias = 1, .n_groups = 3,
+         .top_groups = 2, .routed_scale = 2.5, .seq_len = 6},
+        {.E = 5, .k = 2, .T = 8, .kind = MOE_GATE_SOFTMAX_TOPK, .renormalize = 1, .seq_len = 1},
+    };
+    uint64_t seed = 3800;
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) check_grad(&cases[i], seed++);
+}
+
+/* The loss's value per sequence against the reference's; only training
+ * forwards take it, which need whole sequences; an evaluation takes any T
+ * and reports 0; a coefficient without a length is refused. */
+Test(layer, sequence_wise_balancing_loss) {
+    moe_layer_config cfg = make_cfg(8, 6, 6, 2, MOE_GATE_SIGMOID, 1, 0.0, 0);
+    cfg.seq_aux_loss_coef = 0.5;
+    cfg.seq_len = 0;
+    cr_expect_eq(moe_layer_config_validate(&cfg), MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "seq_len") != NULL, "%s", moe_last_error());
+    cfg.seq_len = 5;
+    fx f;
+    fx_create(&f, &cfg, 41);
+    const int64_t T = 20, d = cfg.d_model;
+    float *x = ref_alloc((size_t)(T * d) * sizeof *x), *y = ref_alloc((size_t)(T * d) * sizeof *y);
+    draw_x(x, &f, T, 0, 41);
+    check_forward(&f, x, T, "4 sequences of 5");
+    moe_layer_stats st = {0};
+    cr_expect_eq(moe_layer_forward(f.layer, y, x, T - 1, &st), MOE_ERR_INVALID_ARG);
+    cr_expect(strstr(moe_last_error(), "T=19 is not a multiple of seq_len=5") != NULL, "%s", moe_last_error());
+    cr_assert(moe_layer_set_training(f.layer, 0) == MOE_OK);
+    cr_expect_eq(moe_layer_forward(f.layer, y, x, T - 1, &st), MOE_OK, "%s", moe_last_error());
+    cr_expect(st.seq_aux_loss == 0.0 && st.aux_loss > 0.0, "evaluation: seq_aux_loss %g, aux_loss %g",
+              st.seq_aux_loss, st.aux_loss);
+    free(x);
+    free(y);
+    fx_destroy(&f);
 }
 
 /* A token's experts come from at most top_groups groups: with the groups

@@ -155,7 +155,7 @@ static void check_gate_forward(const gate_case *gc, uint64_t seed) {
     double *scratch = ref_alloc((size_t)(n_chunks * (2 * E + 1)) * sizeof *scratch);
     double z_sum = -7.0;
     moe_gate_totals totals = {assigned, prob_sum, &z_sum, scratch};
-    moe_gate_params p = {E, k, gc->kind, gc->renormalize, gc->n_groups, gc->top_groups, gc->scale};
+    moe_gate_params p = {E, k, gc->kind, gc->renormalize, gc->n_groups, gc->top_groups, gc->scale, 0};
     ops()->gate_forward(idx, w, prob, lse, &totals, logits, gc->with_bias ? bias : NULL, &p, T);
     free(scratch);
 
@@ -252,7 +252,7 @@ static void gate_one_token(int32_t *idx, float *w, const float *row, const float
     int64_t assigned[16];
     double prob_sum[16], scratch[2 * 16 + 1], z_sum = 0.0;
     moe_gate_totals totals = {assigned, prob_sum, &z_sum, scratch};
-    const moe_gate_params p = {E, k, kind, renormalize, 0, 0, 1.0f};
+    const moe_gate_params p = {E, k, kind, renormalize, 0, 0, 1.0f, 0};
     ops()->gate_forward(idx, w, prob, &lse, &totals, row, bias, &p, 1);
 }
 
@@ -311,7 +311,7 @@ Test(ops, normalised_weights_when_the_bias_chooses_far_below) {
         int64_t assigned[3];
         double prob_sum[3], scratch[2 * 3 + 1], z_sum = 0.0;
         moe_gate_totals totals = {assigned, prob_sum, &z_sum, scratch};
-        const moe_gate_params p = {3, 2, (moe_gate_kind)kind, true, 0, 0, 1.0f};
+        const moe_gate_params p = {3, 2, (moe_gate_kind)kind, true, 0, 0, 1.0f, 0};
         /* softmax_topk's and the sigmoid's bias is added to probabilities:
          * a bias of 1 outranks any of them. */
         const float bias_p[3] = {kind == MOE_GATE_TOPK_SOFTMAX ? bias[0] : -1.0f, 1.0f, 1.0f};
@@ -347,7 +347,7 @@ Test(ops, sigmoid_probabilities_below_floats_range) {
     int64_t assigned[2];
     double prob_sum[2], scratch[2 * 2 + 1], z_sum = 0.0;
     moe_gate_totals totals = {assigned, prob_sum, &z_sum, scratch};
-    const moe_gate_params p = {2, 1, MOE_GATE_SIGMOID, true, 0, 0, 1.0f};
+    const moe_gate_params p = {2, 1, MOE_GATE_SIGMOID, true, 0, 0, 1.0f, 0};
     ops()->gate_forward(idx, w, prob, &lse, &totals, logits, NULL, &p, 1);
     const double small = 1.0 / (1.0 + exp(10.0)); /* s0 / (s0 + s1), s = e^l there */
     cr_expect(idx[0] == 1 && w[0] == 1.0f, "chose expert %d with weight %.9g; want 1 with 1", idx[0], w[0]);
@@ -459,7 +459,7 @@ static void check_gate_backward(const gate_case *gc, uint64_t seed) {
             want[t * E + e] = (fp - fm) / (2 * h);
         }
     }
-    moe_gate_params p = {E, k, gc->kind, gc->renormalize, gc->n_groups, gc->top_groups, gc->scale};
+    moe_gate_params p = {E, k, gc->kind, gc->renormalize, gc->n_groups, gc->top_groups, gc->scale, 0};
     ops()->gate_backward(dlogits, dw, idx, w, prob, lse, logits, aux_grad, zc, &p, T);
 
     char what[192];

@@ -81,6 +81,7 @@ static const moe_ops cpu_ops = {
     .gemm = moe_cpu_gemm,
     .gate_forward = moe_cpu_gate_forward,
     .gate_backward = moe_cpu_gate_backward,
+    .gate_seq_stats = moe_cpu_gate_seq_stats,
     .plan_scratch_bytes = moe_cpu_plan_scratch_bytes,
     .plan_build = moe_cpu_plan_build,
     .permute = moe_cpu_permute,

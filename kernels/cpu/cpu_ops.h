@@ -15,6 +15,8 @@ void moe_cpu_gate_backward(float *dlogits, const float *dweights, const int32_t 
                            const float *topk_w, const float *prob, const float *lse,
                            const float *logits, const float *aux_grad, float z_coef_over_T,
                            const moe_gate_params *p, int64_t T);
+void moe_cpu_gate_seq_stats(float *stats, const int32_t *topk_idx, const float *prob, const moe_gate_params *p,
+                            int64_t T);
 size_t moe_cpu_plan_scratch_bytes(int64_t T, int64_t k, int64_t E);
 void moe_cpu_plan_build(int64_t *pair_row, int64_t *row_token, int64_t *expert_offsets, const int32_t *topk_idx,
                         const int64_t *keep, void *scratch, int64_t T, int64_t k, int64_t E);

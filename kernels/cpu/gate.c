@@ -154,7 +154,8 @@ void moe_cpu_gate_backward(float *dlogits, const float *dweights, const int32_t 
         const float s = p->routed_scale;
         /* dr: the gradient with respect to the router probabilities r. */
         float dr[MOE_EXPERTS_MAX];
-        for (int64_t e = 0; e < E; e++) dr[e] = aux_grad ? aux_grad[e] : 0.0f;
+        const float *ag = aux_grad ? aux_grad + (p->aux_seq_len ? t / p->aux_seq_len : 0) * E : NULL;
+        for (int64_t e = 0; e < E; e++) dr[e] = ag ? ag[e] : 0.0f;
 
         /* sum_j w_j dw_j: the normalisation's share. Of the unscaled
          * weights w / s the gradient is s dw, so s cancels but in the dot. */
@@ -186,6 +187,20 @@ void moe_cpu_gate_backward(float *dlogits, const float *dweights, const int32_t 
         if (z_coef_over_T != 0.0f) {
             float zg = 2.0f * z_coef_over_T * lse[t];
             for (int64_t e = 0; e < E; e++) dl[e] += zg * moe_expf(l[e] - lse[t]);
+        }
+    }
+}
+
+void moe_cpu_gate_seq_stats(float *stats, const int32_t *topk_idx, const float *prob, const moe_gate_params *p,
+                            int64_t T) {
+    const int64_t E = p->n_experts, k = p->top_k, n = p->aux_seq_len, S = T / n;
+#pragma omp parallel for schedule(static)
+    for (int64_t q = 0; q < S; q++) {
+        float *assigned = stats + q * 2 * E, *prob_sum = assigned + E;
+        for (int64_t e = 0; e < 2 * E; e++) assigned[e] = 0.0f;
+        for (int64_t t = q * n; t < (q + 1) * n; t++) {
+            for (int64_t j = 0; j < k; j++) assigned[topk_idx[t * k + j]] += 1.0f;
+            for (int64_t e = 0; e < E; e++) prob_sum[e] += prob[t * E + e];
         }
     }
 }

@@ -205,6 +205,11 @@ static void table_gate_backward(float *dlogits, const float *dweights, const int
                                                 logits, aux_grad, z_coef_over_T, p, T, bound.ctx));
 }
 
+static void table_gate_seq_stats(float *stats, const int32_t *topk_idx, const float *prob,
+                                 const moe_gate_params *p, int64_t T) {
+    RUN("gate_seq_stats", moe_cuda_gate_seq_stats(stats, topk_idx, prob, p, T, bound.ctx));
+}
+
 static void table_plan_build(int64_t *pair_row, int64_t *row_token, int64_t *expert_offsets,
                              const int32_t *topk_idx, const int64_t *keep_counts, void *scratch,
                              int64_t T, int64_t k, int64_t E) {
@@ -379,6 +384,7 @@ static moe_ops make_table(void) {
     t.gemm = table_gemm;
     t.gate_forward = table_gate_forward;
     t.gate_backward = table_gate_backward;
+    t.gate_seq_stats = table_gate_seq_stats;
     t.plan_scratch_bytes = moe_cuda_plan_scratch_bytes;
     t.plan_build = table_plan_build;
     t.permute = table_permute;

@@ -166,11 +166,16 @@ moe_status moe_cuda_gate_forward(int32_t *topk_idx, float *topk_w, float *prob, 
                                  const float *bias, const moe_gate_params *p, int64_t T,
                                  moe_cuda_ctx *ctx);
 
-/* ops.h gate_backward, one warp per token; aux_grad [E] or NULL. */
+/* ops.h gate_backward, one warp per token; aux_grad [E], [T / p->aux_seq_len, E] or NULL. */
 moe_status moe_cuda_gate_backward(float *dlogits, const float *dweights, const int32_t *topk_idx,
                                   const float *topk_w, const float *prob, const float *lse,
                                   const float *logits, const float *aux_grad, float z_coef_over_T,
                                   const moe_gate_params *p, int64_t T, moe_cuda_ctx *ctx);
+
+/* ops.h gate_seq_stats: a block per sequence, a thread per expert, each
+ * summing its column in token order as the CPU does. */
+moe_status moe_cuda_gate_seq_stats(float *stats, const int32_t *topk_idx, const float *prob,
+                                   const moe_gate_params *p, int64_t T, moe_cuda_ctx *ctx);
 
 /* ---------------------------------------------------------- dispatch plan */
 

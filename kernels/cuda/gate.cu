@@ -115,7 +115,29 @@ extern "C" moe_status moe_cuda_gate_backward(float *dlogits, const float *dweigh
     const size_t smem = (size_t)GATE_WARPS * 2 * E * sizeof(float);
     gate_backward_kernel<<<moe_cuda_grid(T, GATE_WARPS, ctx), GATE_WARPS * 32, smem, ctx->stream>>>(
         dlogits, dweights, topk_idx, topk_w, prob, lse, logits, aux_grad, z_coef_over_T, T, E,
-        (int)p->top_k, p->kind, p->renormalize, p->routed_scale);
+        (int)p->top_k, p->kind, p->renormalize, p->routed_scale, p->aux_seq_len);
+    MOE_CUDA_CHECK(cudaGetLastError());
+    return MOE_OK;
+}
+
+/* ------------------------------------------------------- per-sequence sums */
+
+extern "C" moe_status moe_cuda_gate_seq_stats(float *stats, const int32_t *topk_idx,
+                                              const float *prob, const moe_gate_params *p,
+                                              int64_t T, moe_cuda_ctx *ctx) {
+    MOE_TRY(check_params(p, T, "moe_cuda_gate_seq_stats"));
+    if (p->aux_seq_len < 1 || T % p->aux_seq_len)
+        return moe_error(MOE_ERR_INVALID_ARG, "moe_cuda_gate_seq_stats: T=%lld is not a multiple of aux_seq_len=%lld",
+                         (long long)T, (long long)p->aux_seq_len);
+    const int64_t S = T / p->aux_seq_len;
+    if (S == 0) return MOE_OK;
+    if (S > INT_MAX)
+        return moe_error(MOE_ERR_UNSUPPORTED, "moe_cuda_gate_seq_stats: %lld sequences are past the grid",
+                         (long long)S);
+    const int E = (int)p->n_experts, threads = E < MOE_CUDA_THREADS ? ((E + 31) / 32) * 32 : MOE_CUDA_THREADS;
+    gate_seq_stats_kernel<<<(unsigned)S, (unsigned)threads, 0, ctx->stream>>>(stats, topk_idx, prob,
+                                                                               p->aux_seq_len, E,
+                                                                               (int)p->top_k);
     MOE_CUDA_CHECK(cudaGetLastError());
     return MOE_OK;
 }

@@ -199,7 +199,8 @@ static __global__ void gate_backward_kernel(float *dlogits, const float *dweight
                                             const float *prob, const float *lse,
                                             const float *logits, const float *aux_grad,
                                             float z_coef_over_T, int64_t T, int E, int k,
-                                            moe_gate_kind kind, bool renormalize, float routed_scale) {
+                                            moe_gate_kind kind, bool renormalize, float routed_scale,
+                                            int64_t aux_seq_len) {
     MOE_DYNAMIC_SHARED(float, gate_shared);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     float *dr = gate_shared + warp * 2 * E; /* [E] d(loss)/d(prob) */
@@ -210,7 +211,8 @@ static __global__ void gate_backward_kernel(float *dlogits, const float *dweight
         const float *l = logits + t * E, *r = prob + t * E, *dw = dweights + t * k;
         const float *w = topk_w + t * k;
         const int32_t *idx = topk_idx + t * k;
-        for (int e = lane; e < E; e += 32) dr[e] = aux_grad ? aux_grad[e] : 0.0f;
+        const float *ag = aux_grad ? aux_grad + (aux_seq_len ? t / aux_seq_len : 0) * E : NULL;
+        for (int e = lane; e < E; e += 32) dr[e] = ag ? ag[e] : 0.0f;
         /* Sums over the k slots run in slot order in every lane, as on the
          * CPU; k is small. */
         float dot = 0.0f;
@@ -246,6 +248,24 @@ static __global__ void gate_backward_kernel(float *dlogits, const float *dweight
             dlogits[t * E + e] = g;
         }
         __syncwarp(); /* dr and dl are rewritten by the next token */
+    }
+}
+
+/* The sequence-wise balancing loss's statistics (ops.h gate_seq_stats):
+ * block q sums sequence q, thread e expert e's pairs and probabilities in
+ * token order, so the sums are the CPU's. Neighbouring threads read
+ * neighbouring probabilities; each reads a token's k choices. */
+static __global__ void gate_seq_stats_kernel(float *stats, const int32_t *topk_idx,
+                                             const float *prob, int64_t seq_len, int E, int k) {
+    const int64_t q = blockIdx.x;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        float assigned = 0.0f, prob_sum = 0.0f;
+        for (int64_t t = q * seq_len; t < (q + 1) * seq_len; t++) {
+            for (int j = 0; j < k; j++) assigned += topk_idx[t * k + j] == e ? 1.0f : 0.0f;
+            prob_sum += prob[t * E + e];
+        }
+        stats[q * 2 * E + e] = assigned;
+        stats[q * 2 * E + E + e] = prob_sum;
     }
 }
 

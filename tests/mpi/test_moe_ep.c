@@ -37,6 +37,7 @@ typedef struct ep_case {
     float skew; /* added to gate.weight row 0: pulls tokens to expert 0 */
     int64_t top_k;
     double jitter; /* router jitter noise, in training mode */
+    int64_t seq_len; /* > 0: the sequence-wise balancing loss, each rank 2 + rank sequences this long */
 } ep_case;
 
 static void fail(const char *what, int64_t i, double got, double want) {
@@ -114,14 +115,16 @@ static void run_case(const ep_case *c) {
     cfg.z_loss_coef = 0.01;
     cfg.n_shared_experts = c->n_shared;
     cfg.jitter_eps = c->jitter;
+    cfg.seq_aux_loss_coef = c->seq_len ? 0.3 : 0.0;
+    cfg.seq_len = c->seq_len;
     cfg.seed = SEED;
 
     int64_t first = 0, global_T = 0;
     for (int r = 0; r < size; r++) {
         if (r == rank) first = global_T;
-        global_T += 7 + 3 * r;
+        global_T += c->seq_len ? c->seq_len * (2 + r) : 7 + 3 * r;
     }
-    const int64_t T = 7 + 3 * rank;
+    const int64_t T = c->seq_len ? c->seq_len * (2 + rank) : 7 + 3 * rank;
     float *x = malloc(sizeof(float) * (size_t)(global_T * D));
     float *dy = malloc(sizeof(float) * (size_t)(global_T * D));
     float *y_ref = malloc(sizeof(float) * (size_t)(global_T * D));
@@ -164,10 +167,12 @@ static void run_case(const ep_case *c) {
             if (ep_stats.dropped != ref_stats.dropped) fail("dropped", 0, (double)ep_stats.dropped, (double)ref_stats.dropped);
             for (int e = 0; e < E; e++)
                 if (ep_tpe[e] != ref_tpe[e]) fail("tokens_per_expert", e, (double)ep_tpe[e], (double)ref_tpe[e]);
-            const float got_stats[3] = {(float)ep_stats.aux_loss, (float)ep_stats.z_loss, (float)ep_stats.load_imbalance};
-            const float want_stats[3] = {(float)ref_stats.aux_loss, (float)ref_stats.z_loss,
-                                         (float)ref_stats.load_imbalance};
-            compare("stats(aux, z, imbalance)", got_stats, want_stats, 3);
+            const float got_stats[4] = {(float)ep_stats.aux_loss, (float)ep_stats.z_loss, (float)ep_stats.load_imbalance,
+                                        (float)ep_stats.seq_aux_loss};
+            const float want_stats[4] = {(float)ref_stats.aux_loss, (float)ref_stats.z_loss,
+                                         (float)ref_stats.load_imbalance, (float)ref_stats.seq_aux_loss};
+            compare("stats(aux, z, imbalance, seq aux)", got_stats, want_stats, 4);
+            if (c->seq_len && !(ref_stats.seq_aux_loss > 0.0)) fail("seq aux loss taken", 0, ref_stats.seq_aux_loss, 1.0);
             /* With the EP group over every rank, its ranks keep the rows
              * of their experts over the whole batch; one rank keeps all. */
             const int P = moe_comm_size(ep_group);
@@ -300,17 +305,19 @@ int main(void) {
                    "moe_layer_create_mpi refuses MPI_COMM_NULL (%s)", moe_last_error());
     }
     const ep_case cases[] = {
-        {"softmax_topk dropless", MOE_GATE_SOFTMAX_TOPK, 1, 0.0, 0, 0.0f, 2, 0.0},
-        {"softmax_topk no renormalize", MOE_GATE_SOFTMAX_TOPK, 0, 0.0, 0, 0.0f, 2, 0.0},
-        {"topk_softmax dropless", MOE_GATE_TOPK_SOFTMAX, 1, 0.0, 0, 0.0f, 2, 0.0},
-        {"sigmoid dropless", MOE_GATE_SIGMOID, 1, 0.0, 0, 0.0f, 2, 0.0},
-        {"softmax_topk capacity 1.0", MOE_GATE_SOFTMAX_TOPK, 1, 1.0, 0, 0.0f, 2, 0.0},
-        {"sigmoid capacity 1.25 skewed", MOE_GATE_SIGMOID, 1, 1.25, 0, 0.4f, 2, 0.0},
-        {"skewed dropless", MOE_GATE_SOFTMAX_TOPK, 1, 0.0, 0, 0.4f, 2, 0.0},
-        {"all tokens to expert 0, k=1 (ranks receive nothing)", MOE_GATE_SOFTMAX_TOPK, 1, 0.0, 0, 30.0f, 1, 0.0},
-        {"capacity with everything on expert 0", MOE_GATE_TOPK_SOFTMAX, 1, 2.0, 0, 30.0f, 1, 0.0},
-        {"shared experts, k=E", MOE_GATE_SOFTMAX_TOPK, 1, 0.0, 1, 0.0f, E, 0.0},
-        {"jitter 0.3, capacity 1.0", MOE_GATE_SOFTMAX_TOPK, 1, 1.0, 0, 0.0f, 2, 0.3},
+        {"softmax_topk dropless", MOE_GATE_SOFTMAX_TOPK, 1, 0.0, 0, 0.0f, 2, 0.0, 0},
+        {"softmax_topk no renormalize", MOE_GATE_SOFTMAX_TOPK, 0, 0.0, 0, 0.0f, 2, 0.0, 0},
+        {"topk_softmax dropless", MOE_GATE_TOPK_SOFTMAX, 1, 0.0, 0, 0.0f, 2, 0.0, 0},
+        {"sigmoid dropless", MOE_GATE_SIGMOID, 1, 0.0, 0, 0.0f, 2, 0.0, 0},
+        {"softmax_topk capacity 1.0", MOE_GATE_SOFTMAX_TOPK, 1, 1.0, 0, 0.0f, 2, 0.0, 0},
+        {"sigmoid capacity 1.25 skewed", MOE_GATE_SIGMOID, 1, 1.25, 0, 0.4f, 2, 0.0, 0},
+        {"skewed dropless", MOE_GATE_SOFTMAX_TOPK, 1, 0.0, 0, 0.4f, 2, 0.0, 0},
+        {"all tokens to expert 0, k=1 (ranks receive nothing)", MOE_GATE_SOFTMAX_TOPK, 1, 0.0, 0, 30.0f, 1, 0.0, 0},
+        {"capacity with everything on expert 0", MOE_GATE_TOPK_SOFTMAX, 1, 2.0, 0, 30.0f, 1, 0.0, 0},
+        {"shared experts, k=E", MOE_GATE_SOFTMAX_TOPK, 1, 0.0, 1, 0.0f, E, 0.0, 0},
+        {"jitter 0.3, capacity 1.0", MOE_GATE_SOFTMAX_TOPK, 1, 1.0, 0, 0.0f, 2, 0.3, 0},
+        {"sequence-wise balancing, sequences of 5", MOE_GATE_SIGMOID, 1, 0.0, 0, 0.2f, 2, 0.0, 5},
+        {"sequence-wise balancing with capacity and shared experts", MOE_GATE_SOFTMAX_TOPK, 1, 1.0, 1, 0.0f, 2, 0.0, 3},
     };
     /* EP over all ranks; from 4 ranks on also EP = size/2 with 2 replicas. */
     const int ep_sizes[2] = {size, size / 2};
