@@ -219,20 +219,6 @@ typedef struct a2a_flag {
     const char *short_name, *long_name;
 } a2a_flag;
 
-/* Like bench_option, also accepting the short spelling "-b VALUE". */
-static int match_flag(int argc, char **argv, int *i, const a2a_flag *flag, const char **value) {
-    if (flag->short_name && strcmp(argv[*i], flag->short_name) == 0) {
-        if (*i + 1 >= argc) {
-            fprintf(stderr, "moe-bench %s: %s needs a value\n", CMD, flag->short_name);
-            return -1;
-        }
-        *i += 1;
-        *value = argv[*i];
-        return 1;
-    }
-    return bench_option(argc, argv, i, CMD, flag->long_name, value);
-}
-
 enum {
     F_MIN, F_MAX, F_FACTOR, F_WARMUP, F_ITERS, F_DIST, F_ROW, F_SEED, F_MODE,
     F_EXPERTS, F_TOPK, F_DFF, F_OVERLAP, F_RANK_LIMIT, N_FLAGS
@@ -318,15 +304,11 @@ static int parse_options(a2a_options *o, int argc, char **argv) {
         int found = 0;
         for (int f = 0; f < N_FLAGS && !found; f++) {
             const char *value = NULL;
-            found = match_flag(argc, argv, &i, &flags[f], &value);
+            found = bench_option_or_short(argc, argv, &i, CMD, flags[f].short_name, flags[f].long_name, &value);
             if (found < 0 || (found && !apply_flag(o, f, value))) return bench_usage_error(CMD);
             given[f] = given[f] || found;
         }
-        if (!found) {
-            fprintf(stderr, "moe-bench %s: unknown %s '%s'\n", CMD,
-                    arg[0] == '-' ? "option" : "argument", arg);
-            return bench_usage_error(CMD);
-        }
+        if (!found) return bench_unknown_argument(CMD, arg);
     }
     /* The layer's shape means nothing to a raw exchange: say so rather
      * than run without it. */
@@ -360,6 +342,19 @@ static double rank_weight(const a2a_options *o, int j, int P) {
     if (o->dist == DIST_ZIPF) return pow(j + 1.0, -o->dist_param);
     if (o->dist == DIST_HOT) return (1.0 - o->dist_param) / P + (j == 0 ? o->dist_param : 0.0);
     return 1.0 / P;
+}
+
+/* units[]: each size from --minbytes to --maxbytes by --stepfactor in whole
+ * units of row-bytes * per_row, at least one, skipping a size that gives the
+ * units of the one before (both modes step through the sizes alike); at most
+ * MAX_SIZES. Returns how many. */
+static int size_units(int64_t *units, const a2a_options *o, int64_t per_row) {
+    int n = 0;
+    for (int64_t size = o->min_bytes; size <= o->max_bytes && n < MAX_SIZES; size *= o->factor) {
+        const int64_t u = size / o->row_bytes / per_row > 0 ? size / o->row_bytes / per_row : 1;
+        if (n == 0 || units[n - 1] != u) units[n++] = u;
+    }
+    return n;
 }
 
 /* Aborts the job: the other ranks are inside a collective this rank left. */
@@ -643,17 +638,16 @@ static int run_raw(const a2a_options *o, moe_comm *comm) {
 
     /* Every size's routing first, so the buffers are sized once. */
     a2a_plan plans[MAX_SIZES];
-    int n_sizes = 0;
+    int64_t Rs[MAX_SIZES];
+    const int n_sizes = size_units(Rs, o, 1);
     int64_t max_send = 0, max_recv = 0;
     int64_t *rows = calloc((size_t)MAX_SIZES * 2 * (size_t)P, sizeof *rows);
     double *cdf = malloc((size_t)P * sizeof *cdf);
     if (!rows || !cdf) fail_memory(comm, "the routing tables");
-    for (int64_t size = o->min_bytes; size <= o->max_bytes && n_sizes < MAX_SIZES;
-         size *= o->factor) {
-        int64_t R = size / o->row_bytes > 0 ? size / o->row_bytes : 1;
-        if (n_sizes > 0 && plans[n_sizes - 1].R == R) continue;
-        a2a_plan *p = &plans[n_sizes];
-        *p = (a2a_plan){.R = R, .send_rows = rows + (size_t)n_sizes * 2 * P};
+    for (int s = 0; s < n_sizes; s++) {
+        const int64_t R = Rs[s];
+        a2a_plan *p = &plans[s];
+        *p = (a2a_plan){.R = R, .send_rows = rows + (size_t)s * 2 * P};
         p->recv_rows = p->send_rows + P;
         route_rows(p->send_rows, cdf, R, P, r.rank, o);
         moe_status st = moe_comm_alltoall(comm, p->recv_rows, p->send_rows, 1, MOE_COMM_I64);
@@ -661,7 +655,6 @@ static int run_raw(const a2a_options *o, moe_comm *comm) {
         for (int j = 0; j < P; j++) p->recv_total += p->recv_rows[j];
         max_send = R > max_send ? R : max_send;
         max_recv = p->recv_total > max_recv ? p->recv_total : max_recv;
-        n_sizes++;
     }
     free(cdf);
     if (!fits_mpi_int(comm, max_send * r.row_floats, max_recv * r.row_floats)) {
@@ -1077,13 +1070,7 @@ static int run_dispatch(const a2a_options *o, moe_comm *comm) {
 
     /* T per size: one dispatch sends T*k rows of row-bytes. */
     int64_t Ts[MAX_SIZES];
-    int n_sizes = 0;
-    for (int64_t size = o->min_bytes; size <= o->max_bytes && n_sizes < MAX_SIZES;
-         size *= o->factor) {
-        int64_t T = size / o->row_bytes / r.k > 0 ? size / o->row_bytes / r.k : 1;
-        if (n_sizes > 0 && Ts[n_sizes - 1] == T) continue;
-        Ts[n_sizes++] = T;
-    }
+    const int n_sizes = size_units(Ts, o, r.k);
     const int64_t max_T = Ts[n_sizes - 1], max_R = max_T * r.k;
     /* A rank may receive every rank's rows. */
     if (!fits_mpi_int(comm, max_R * r.d, P * max_R * r.d)) return finish(comm, 0, BENCH_EXIT_USAGE);

@@ -168,41 +168,19 @@ int bench_attention_run(int argc, char **argv) {
         {"kv-heads", &s.Hkv, 1, 65535}, {"head-dim", &s.hd, 1, 1 << 16}, {"warmup", &warmup, 0, 1000},
         {"iters", &iters, 1, 100000}, {"threads", &threads, 0, 4096},
     };
-    for (int i = 1; i < argc; i++) {
-        if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
-            usage();
-            return 0;
-        }
-        if (strcmp(argv[i], "--json") == 0) {
-            json = true;
-            continue;
-        }
-        const char *v = NULL;
-        int found = bench_device_option(argc, argv, &i, CMD, &device);
-        if (found == 0 && (found = bench_option(argc, argv, &i, CMD, "gemm-math", &v)) > 0 &&
-            moe_gemm_math_parse(&math, v) != MOE_OK) {
-            fprintf(stderr, "moe-bench %s: %s\n", CMD, moe_last_error());
-            found = -1;
-        }
-        if (found == 0)
-            found = bench_int_option(argc, argv, &i, CMD, int_flags, (int)(sizeof int_flags / sizeof int_flags[0]));
-        if (found < 0) return BENCH_EXIT_USAGE;
-        if (found == 0) {
-            fprintf(stderr, "moe-bench %s: unknown option '%s' (see --help)\n", CMD, argv[i]);
-            return BENCH_EXIT_USAGE;
-        }
-    }
+    const bench_switch switches[] = {{"--json", &json}};
+    const bench_flags flags = {.usage = usage, .switches = switches, .n_switches = 1, .device = &device,
+                               .math = &math, .ints = int_flags,
+                               .n_ints = (int)(sizeof int_flags / sizeof int_flags[0])};
+    const int parsed = bench_parse_flags(&flags, CMD, argc, argv);
+    if (parsed >= 0) return parsed;
 
     /* Heads both given are checked before the device opens (a GPU's takes
      * seconds); one left to the device's default shape, after. */
     if (s.Hq && s.Hkv && !heads_divide(&s)) return BENCH_EXIT_USAGE;
     if (threads > 0) bench_set_threads((int)threads);
     moe_device_handle dev;
-    if (bench_failed(CMD, "device", moe_device_open(&dev, device, 1))) return BENCH_EXIT_FAILURE;
-    if (bench_failed(CMD, "gemm math", moe_device_set_gemm_math(&dev, math))) {
-        moe_device_close(&dev);
-        return BENCH_EXIT_FAILURE;
-    }
+    if (!bench_open_device(&dev, CMD, device, math)) return BENCH_EXIT_FAILURE;
     if (dev.note[0]) fprintf(stderr, "moe-bench %s: %s\n", CMD, dev.note);
     /* Flags not given take the device's default shape. */
     const attn_shape *def = dev.cuda ? &shape_1b : &shape_default;
@@ -236,13 +214,12 @@ int bench_attention_run(int argc, char **argv) {
     const attn_job job = {ops, &b, &s};
     for (int p = 0; p < n_paths; p++) {
         set_path(&dev, &paths[p]);
-        const double f1 = bench_timed_calls(ops, forward, &job, 1), b1 = bench_timed_calls(ops, backward, &job, 1);
-        if (f1 < 0.0 || b1 < 0.0) {
+        fwd_reps[p] = bench_reps_for(ops, forward, &job);
+        bwd_reps[p] = bench_reps_for(ops, backward, &job);
+        if (fwd_reps[p] == 0 || bwd_reps[p] == 0) {
             bench_failed(CMD, paths[p].name, ops->sync());
             goto done;
         }
-        fwd_reps[p] = bench_reps_for(f1);
-        bwd_reps[p] = bench_reps_for(b1);
     }
     for (int64_t it = 0; it < warmup + iters; it++)
         for (int q = 0; q < n_paths; q++) {

@@ -124,12 +124,6 @@ static void run_copy(const void *arg) {
     j->ops->copy(j->b->copy, j->b->logits, j->copy_bytes);
 }
 
-/* Calls per sample of fn (bench_reps_for); 0 on a backend failure. */
-static int64_t reps_for(const gate_job *job, void (*fn)(const void *)) {
-    const double once = bench_timed_calls(job->ops, fn, job, 1);
-    return once < 0.0 ? 0 : bench_reps_for(once);
-}
-
 int bench_gate_run(int argc, char **argv) {
     int64_t T = DEFAULT_T, E = DEFAULT_E, k = DEFAULT_K, warmup = DEFAULT_WARMUP, iters = DEFAULT_ITERS;
     int64_t threads = 0;
@@ -139,24 +133,11 @@ int bench_gate_run(int argc, char **argv) {
         {"T", &T, 1, INT32_MAX},         {"E", &E, 1, MOE_EXPERTS_MAX}, {"k", &k, 1, MOE_EXPERTS_MAX},
         {"warmup", &warmup, 0, 1000},    {"iters", &iters, 1, 100000}, {"threads", &threads, 0, 4096},
     };
-    for (int i = 1; i < argc; i++) {
-        if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
-            usage();
-            return 0;
-        }
-        if (strcmp(argv[i], "--json") == 0) {
-            json = true;
-            continue;
-        }
-        int found = bench_device_option(argc, argv, &i, CMD, &device);
-        if (found == 0)
-            found = bench_int_option(argc, argv, &i, CMD, int_flags, (int)(sizeof int_flags / sizeof int_flags[0]));
-        if (found < 0) return BENCH_EXIT_USAGE;
-        if (found == 0) {
-            fprintf(stderr, "moe-bench %s: unknown option '%s' (see --help)\n", CMD, argv[i]);
-            return BENCH_EXIT_USAGE;
-        }
-    }
+    const bench_switch switches[] = {{"--json", &json}};
+    const bench_flags flags = {.usage = usage, .switches = switches, .n_switches = 1, .device = &device,
+                               .ints = int_flags, .n_ints = (int)(sizeof int_flags / sizeof int_flags[0])};
+    const int parsed = bench_parse_flags(&flags, CMD, argc, argv);
+    if (parsed >= 0) return parsed;
     if (k > E) {
         fprintf(stderr, "moe-bench %s: --k %lld exceeds --E %lld\n", CMD, (long long)k, (long long)E);
         return BENCH_EXIT_USAGE;
@@ -164,7 +145,7 @@ int bench_gate_run(int argc, char **argv) {
 
     if (threads > 0) bench_set_threads((int)threads);
     moe_device_handle dev;
-    if (bench_failed(CMD, "device", moe_device_open(&dev, device, 1))) return BENCH_EXIT_FAILURE;
+    if (!bench_open_device(&dev, CMD, device, MOE_GEMM_FP32)) return BENCH_EXIT_FAILURE;
     if (dev.note[0]) fprintf(stderr, "moe-bench %s: %s\n", CMD, dev.note);
     const moe_ops *ops = dev.ops;
     gate_buffers b = {0};
@@ -194,7 +175,7 @@ int bench_gate_run(int argc, char **argv) {
                                          .routed_scale = 1.0f},
                               .T = T,
                               .copy_bytes = logit_bytes};
-        const int64_t gate_reps = reps_for(&job, run_gate), copy_reps = reps_for(&job, run_copy);
+        const int64_t gate_reps = bench_reps_for(ops, run_gate, &job), copy_reps = bench_reps_for(ops, run_copy, &job);
         if (gate_reps == 0 || copy_reps == 0) {
             bench_failed(CMD, kinds[g].name, ops->sync());
             goto done;

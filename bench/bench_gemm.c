@@ -130,21 +130,6 @@ static void print_help(FILE *f) {
             CPU_SHAPE_DIVISOR, DEFAULT_T_GPU, DEFAULT_T_CPU, DEFAULT_ZIPF_S);
 }
 
-/* "-w VALUE" or bench_option's "--name value" / "--name=value". */
-static int match_flag(int argc, char **argv, int *i, const char *short_name, const char *long_name,
-                      const char **value) {
-    if (short_name && strcmp(argv[*i], short_name) == 0) {
-        if (*i + 1 >= argc) {
-            fprintf(stderr, "moe-bench %s: %s needs a value\n", CMD, short_name);
-            return -1;
-        }
-        *i += 1;
-        *value = argv[*i];
-        return 1;
-    }
-    return bench_option(argc, argv, i, CMD, long_name, value);
-}
-
 /* *mask = the algorithms named in list ("mma,dense"); false (saying why)
  * for an unknown or empty name. */
 static bool parse_algos(unsigned *mask, const char *list) {
@@ -182,27 +167,27 @@ static int parse_options(gemm_options *o, int argc, char **argv) {
             continue;
         }
         int found;
-        if ((found = match_flag(argc, argv, &i, NULL, "T", &value)) != 0) {
+        if ((found = bench_option(argc, argv, &i, CMD, "T", &value)) != 0) {
             if (found < 0 || !bench_parse_i64(&o->T, CMD, "--T", value, 1, 1 << 24))
                 return bench_usage_error(CMD);
-        } else if ((found = match_flag(argc, argv, &i, NULL, "routing", &value)) != 0) {
+        } else if ((found = bench_option(argc, argv, &i, CMD, "routing", &value)) != 0) {
             if (found < 0 || (o->n_routings = bench_parse_routing(o->routings, CMD, value, DEFAULT_ZIPF_S)) == 0)
                 return bench_usage_error(CMD);
-        } else if ((found = match_flag(argc, argv, &i, "-w", "warmup", &value)) != 0) {
+        } else if ((found = bench_option_or_short(argc, argv, &i, CMD, "-w", "warmup", &value)) != 0) {
             if (found < 0 || !bench_parse_i64(&o->warmup, CMD, "--warmup", value, 0, 1000000))
                 return bench_usage_error(CMD);
             o->warmup_set = true;
-        } else if ((found = match_flag(argc, argv, &i, "-n", "iters", &value)) != 0) {
+        } else if ((found = bench_option_or_short(argc, argv, &i, CMD, "-n", "iters", &value)) != 0) {
             if (found < 0 || !bench_parse_i64(&o->iters, CMD, "--iters", value, 1, 1000000))
                 return bench_usage_error(CMD);
             o->iters_set = true;
-        } else if ((found = match_flag(argc, argv, &i, NULL, "threads", &value)) != 0) {
+        } else if ((found = bench_option(argc, argv, &i, CMD, "threads", &value)) != 0) {
             if (found < 0 || !bench_parse_i64(&o->threads, CMD, "--threads", value, 1, 4096))
                 return bench_usage_error(CMD);
-        } else if ((found = match_flag(argc, argv, &i, NULL, "algos", &value)) != 0) {
+        } else if ((found = bench_option(argc, argv, &i, CMD, "algos", &value)) != 0) {
             if (found < 0 || !parse_algos(&o->algos, value)) return bench_usage_error(CMD);
             o->algos_set = true;
-        } else if ((found = match_flag(argc, argv, &i, NULL, "device", &value)) != 0) {
+        } else if ((found = bench_option(argc, argv, &i, CMD, "device", &value)) != 0) {
             if (found < 0) return bench_usage_error(CMD);
             if (strcmp(value, "auto") == 0)
                 o->device = DEVICE_AUTO;
@@ -216,9 +201,7 @@ static int parse_options(gemm_options *o, int argc, char **argv) {
                 return bench_usage_error(CMD);
             }
         } else {
-            fprintf(stderr, "moe-bench %s: unknown %s '%s'\n", CMD,
-                    arg[0] == '-' ? "option" : "argument", arg);
-            return bench_usage_error(CMD);
+            return bench_unknown_argument(CMD, arg);
         }
     }
     return -1;

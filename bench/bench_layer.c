@@ -107,22 +107,16 @@ static int parse_options(layer_options *o, int argc, char **argv) {
     *o = (layer_options){.warmup = DEFAULT_WARMUP, .iters = DEFAULT_ITERS};
     o->n_routings = bench_parse_routing(o->routings, CMD, "both", DEFAULT_ZIPF_S);
 
-    struct {
-        const char *name;
-        int64_t *value;
-        int64_t lo, hi;
-        bool shape;
-    } int_flags[] = {
-        {"T", &custom.T, 1, INT32_MAX, true},
-        {"d", &custom.d, 1, INT32_MAX, true},
-        {"ff", &custom.ff, 1, INT32_MAX, true},
-        {"E", &custom.E, 1, 1 << 20, true},
-        {"k", &custom.k, 1, 1 << 20, true},
-        {"warmup", &o->warmup, 0, 1000000, false},
-        {"iters", &o->iters, 1, 1000000, false},
-        {"threads", &o->threads, 1, 4096, false},
+    /* Any of these selects the custom shape. */
+    const bench_int_flag shape_flags[] = {
+        {"T", &custom.T, 1, INT32_MAX}, {"d", &custom.d, 1, INT32_MAX}, {"ff", &custom.ff, 1, INT32_MAX},
+        {"E", &custom.E, 1, 1 << 20},   {"k", &custom.k, 1, 1 << 20},
     };
-    const int n_int_flags = (int)(sizeof int_flags / sizeof int_flags[0]);
+    const bench_int_flag run_flags[] = {
+        {"warmup", &o->warmup, 0, 1000000},
+        {"iters", &o->iters, 1, 1000000},
+        {"threads", &o->threads, 1, 4096},
+    };
 
     for (int i = 1; i < argc; i++) {
         const char *arg = argv[i];
@@ -145,22 +139,12 @@ static int parse_options(layer_options *o, int argc, char **argv) {
                 return bench_usage_error(CMD);
             continue;
         }
-        for (int f = 0; f < n_int_flags && !found; f++) {
-            found = bench_option(argc, argv, &i, CMD, int_flags[f].name, &value);
-            if (found < 0) return bench_usage_error(CMD);
-            if (!found) continue;
-            char flag[16];
-            snprintf(flag, sizeof flag, "--%s", int_flags[f].name);
-            if (!bench_parse_i64(int_flags[f].value, CMD, flag, value, int_flags[f].lo,
-                                 int_flags[f].hi))
-                return bench_usage_error(CMD);
-            custom_shape |= int_flags[f].shape;
-        }
-        if (!found) {
-            fprintf(stderr, "moe-bench %s: unknown %s '%s'\n", CMD,
-                    strncmp(arg, "-", 1) == 0 ? "option" : "argument", arg);
-            return bench_usage_error(CMD);
-        }
+        found = bench_int_option(argc, argv, &i, CMD, shape_flags, (int)(sizeof shape_flags / sizeof shape_flags[0]));
+        custom_shape |= found > 0;
+        if (found == 0)
+            found = bench_int_option(argc, argv, &i, CMD, run_flags, (int)(sizeof run_flags / sizeof run_flags[0]));
+        if (found < 0) return bench_usage_error(CMD);
+        if (found == 0) return bench_unknown_argument(CMD, arg);
     }
 
     if (custom_shape) {
@@ -517,7 +501,7 @@ int bench_layer_run(int argc, char **argv) {
     if (o.threads > 0) bench_set_threads((int)o.threads);
 
     moe_device_handle dev;
-    if (bench_failed(CMD, "device", moe_device_open(&dev, o.device, 1))) return BENCH_EXIT_FAILURE;
+    if (!bench_open_device(&dev, CMD, o.device, MOE_GEMM_FP32)) return BENCH_EXIT_FAILURE;
     if (dev.note[0]) fprintf(stderr, "moe-bench %s: %s\n", CMD, dev.note);
     const bench_table table = {.bench = CMD, .cols = columns, .n_cols = N_COLUMNS, .json = o.json};
     bench_table_note(&table,

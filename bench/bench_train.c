@@ -214,40 +214,16 @@ int bench_train_run(int argc, char **argv) {
     moe_device device = MOE_DEVICE_AUTO;
     moe_gemm_math math = MOE_GEMM_FP32;
     bool json = false, profile = false, recompute = false;
-    for (int i = 1; i < argc; i++) {
-        const char *v = NULL;
-        int r;
-        if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
-            usage();
-            return 0;
-        }
-        if (strcmp(argv[i], "--json") == 0 || strcmp(argv[i], "--profile") == 0 ||
-            strcmp(argv[i], "--recompute") == 0) {
-            *(argv[i][2] == 'j' ? &json : argv[i][2] == 'p' ? &profile : &recompute) = true;
-            continue;
-        }
-        if ((r = bench_option(argc, argv, &i, CMD, "model", &v)) != 0) {
-            if (r < 0) return BENCH_EXIT_USAGE;
-            only = v;
-        } else if ((r = bench_option(argc, argv, &i, CMD, "warmup", &v)) != 0) {
-            if (r < 0 || !bench_parse_i64(&warmup, CMD, "--warmup", v, 0, 1000)) return BENCH_EXIT_USAGE;
-        } else if ((r = bench_option(argc, argv, &i, CMD, "steps", &v)) != 0) {
-            if (r < 0 || !bench_parse_i64(&steps, CMD, "--steps", v, 1, 100000)) return BENCH_EXIT_USAGE;
-        } else if ((r = bench_device_option(argc, argv, &i, CMD, &device)) != 0) {
-            if (r < 0) return BENCH_EXIT_USAGE;
-        } else if ((r = bench_option(argc, argv, &i, CMD, "gemm-math", &v)) != 0) {
-            if (r < 0) return BENCH_EXIT_USAGE;
-            if (moe_gemm_math_parse(&math, v) != MOE_OK) {
-                fprintf(stderr, "moe-bench %s: %s\n", CMD, moe_last_error());
-                return BENCH_EXIT_USAGE;
-            }
-        } else if ((r = bench_option(argc, argv, &i, CMD, "threads", &v)) != 0) {
-            if (r < 0 || !bench_parse_i64(&threads, CMD, "--threads", v, 1, 4096)) return BENCH_EXIT_USAGE;
-        } else {
-            fprintf(stderr, "moe-bench %s: unknown option '%s' (see --help)\n", CMD, argv[i]);
-            return BENCH_EXIT_USAGE;
-        }
-    }
+    const bench_switch switches[] = {{"--json", &json}, {"--profile", &profile}, {"--recompute", &recompute}};
+    const bench_text_flag texts[] = {{"model", &only}};
+    const bench_int_flag ints[] = {
+        {"warmup", &warmup, 0, 1000}, {"steps", &steps, 1, 100000}, {"threads", &threads, 1, 4096}};
+    const bench_flags flags = {.usage = usage, .switches = switches,
+                               .n_switches = (int)(sizeof switches / sizeof switches[0]), .device = &device,
+                               .math = &math, .texts = texts, .n_texts = 1, .ints = ints,
+                               .n_ints = (int)(sizeof ints / sizeof ints[0])};
+    const int parsed = bench_parse_flags(&flags, CMD, argc, argv);
+    if (parsed >= 0) return parsed;
     const int n_shapes = (int)(sizeof default_shapes / sizeof default_shapes[0]);
     bool known = only == NULL;
     for (int s = 0; s < n_shapes; s++) known = known || strcmp(only, default_shapes[s].name) == 0;
@@ -258,11 +234,7 @@ int bench_train_run(int argc, char **argv) {
     if (threads) bench_set_threads((int)threads);
 
     moe_device_handle dev;
-    if (bench_failed(CMD, "device", moe_device_open(&dev, device, 1))) return BENCH_EXIT_FAILURE;
-    if (bench_failed(CMD, "gemm math", moe_device_set_gemm_math(&dev, math))) {
-        moe_device_close(&dev);
-        return BENCH_EXIT_FAILURE;
-    }
+    if (!bench_open_device(&dev, CMD, device, math)) return BENCH_EXIT_FAILURE;
     if (profile && bench_failed(CMD, "profile", moe_profile_open(&dev.ops, dev.ops))) {
         moe_device_close(&dev);
         return BENCH_EXIT_FAILURE;

@@ -97,9 +97,28 @@ int bench_option(int argc, char **argv, int *i, const char *cmd, const char *nam
     return 1;
 }
 
+int bench_option_or_short(int argc, char **argv, int *i, const char *cmd, const char *short_name,
+                          const char *name, const char **value) {
+    if (short_name && strcmp(argv[*i], short_name) == 0) {
+        if (*i + 1 >= argc) {
+            fprintf(stderr, "moe-bench %s: %s needs a value\n", cmd, short_name);
+            return -1;
+        }
+        *i += 1;
+        *value = argv[*i];
+        return 1;
+    }
+    return bench_option(argc, argv, i, cmd, name, value);
+}
+
 int bench_usage_error(const char *cmd) {
     fprintf(stderr, "moe-bench %s: see moe-bench %s --help\n", cmd, cmd);
     return BENCH_EXIT_USAGE;
+}
+
+int bench_unknown_argument(const char *cmd, const char *arg) {
+    fprintf(stderr, "moe-bench %s: unknown %s '%s'\n", cmd, arg[0] == '-' ? "option" : "argument", arg);
+    return bench_usage_error(cmd);
 }
 
 int bench_parse_routing(bench_routing *routings, const char *cmd, const char *text, double default_s) {
@@ -180,7 +199,9 @@ double bench_timed_calls(const moe_ops *ops, void (*fn)(const void *job), const 
 #define SAMPLE_SECONDS 1e-3
 #define MAX_REPS 1000
 
-int64_t bench_reps_for(double once) {
+int64_t bench_reps_for(const moe_ops *ops, void (*fn)(const void *job), const void *job) {
+    const double once = bench_timed_calls(ops, fn, job, 1);
+    if (once < 0.0) return 0;
     const double want = SAMPLE_SECONDS / (once > 1e-9 ? once : 1e-9);
     return want <= 1.0 ? 1 : want >= MAX_REPS ? MAX_REPS : (int64_t)ceil(want);
 }
@@ -346,6 +367,43 @@ int bench_device_option(int argc, char **argv, int *i, const char *cmd, moe_devi
         return -1;
     }
     return 1;
+}
+
+int bench_parse_flags(const bench_flags *flags, const char *cmd, int argc, char **argv) {
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+            flags->usage();
+            return 0;
+        }
+        int found = 0;
+        for (int s = 0; s < flags->n_switches && !found; s++)
+            if (strcmp(argv[i], flags->switches[s].name) == 0) *flags->switches[s].on = true, found = 1;
+        if (found == 0) found = bench_device_option(argc, argv, &i, cmd, flags->device);
+        const char *v = NULL;
+        if (found == 0 && flags->math && (found = bench_option(argc, argv, &i, cmd, "gemm-math", &v)) > 0 &&
+            moe_gemm_math_parse(flags->math, v) != MOE_OK) {
+            fprintf(stderr, "moe-bench %s: %s\n", cmd, moe_last_error());
+            found = -1;
+        }
+        for (int t = 0; t < flags->n_texts && found == 0; t++)
+            found = bench_option(argc, argv, &i, cmd, flags->texts[t].name, flags->texts[t].value);
+        if (found == 0) found = bench_int_option(argc, argv, &i, cmd, flags->ints, flags->n_ints);
+        if (found < 0) return BENCH_EXIT_USAGE;
+        if (found == 0) {
+            fprintf(stderr, "moe-bench %s: unknown option '%s' (see --help)\n", cmd, argv[i]);
+            return BENCH_EXIT_USAGE;
+        }
+    }
+    return -1;
+}
+
+bool bench_open_device(moe_device_handle *dev, const char *cmd, moe_device device, moe_gemm_math math) {
+    if (bench_failed(cmd, "device", moe_device_open(dev, device, 1))) return false;
+    if (bench_failed(cmd, "gemm math", moe_device_set_gemm_math(dev, math))) {
+        moe_device_close(dev);
+        return false;
+    }
+    return true;
 }
 
 double bench_ops_gemm_run(const moe_ops *ops, const bench_sgemm *g) {

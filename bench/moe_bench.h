@@ -46,6 +46,11 @@ bool bench_failed(const char *cmd, const char *what, moe_status status);
 int bench_option(int argc, char **argv, int *i, const char *cmd, const char *name,
                  const char **value);
 
+/* bench_option that also takes the short spelling "-b VALUE" (short_name
+ * "-b", or NULL for none), as nccl-tests spells its flags. */
+int bench_option_or_short(int argc, char **argv, int *i, const char *cmd, const char *short_name,
+                          const char *name, const char **value);
+
 /* Whole-string parses within [lo, hi]; print an error naming the flag and
  * return false on anything else. */
 bool bench_parse_i64(int64_t *out, const char *cmd, const char *flag, const char *text, int64_t lo,
@@ -69,6 +74,44 @@ int bench_device_option(int argc, char **argv, int *i, const char *cmd, moe_devi
 /* Prints "moe-bench <cmd>: see moe-bench <cmd> --help" to stderr and returns
  * BENCH_EXIT_USAGE. */
 int bench_usage_error(const char *cmd);
+
+/* Says that arg ("--x" or a stray word) is none of cmd's, then as
+ * bench_usage_error. */
+int bench_unknown_argument(const char *cmd, const char *arg);
+
+/* The command line of a subcommand that times one device's ops (attention,
+ * gate, train): one loop, so that they read -h/--help, switches, --device,
+ * --gemm-math, text and integer flags alike and refuse a bad one alike. */
+typedef struct bench_switch {
+    const char *name; /* "--json": given alone */
+    bool *on;
+} bench_switch;
+
+typedef struct bench_text_flag {
+    const char *name; /* without the "--" */
+    const char **value; /* the argument itself */
+} bench_text_flag;
+
+typedef struct bench_flags {
+    void (*usage)(void); /* prints the help text on stdout */
+    const bench_switch *switches;
+    int n_switches;
+    moe_device *device;   /* --device */
+    moe_gemm_math *math;  /* --gemm-math; NULL where the subcommand has none */
+    const bench_text_flag *texts;
+    int n_texts;
+    const bench_int_flag *ints;
+    int n_ints;
+} bench_flags;
+
+/* Returns -1 when the run should go ahead, else the exit status: 0 after
+ * the help text, BENCH_EXIT_USAGE after printing what is wrong. */
+int bench_parse_flags(const bench_flags *flags, const char *cmd, int argc, char **argv);
+
+/* Opens --device in --gemm-math math (MOE_GEMM_FP32, the device's own, where
+ * a subcommand has no --gemm-math); false after printing why, with nothing
+ * left open. */
+bool bench_open_device(moe_device_handle *dev, const char *cmd, moe_device device, moe_gemm_math math);
 
 /* Expert routings to time: even, or Zipf-skewed with share ~ 1/(e+1)^s. */
 #define BENCH_MAX_ROUTINGS 2
@@ -100,10 +143,10 @@ double bench_median(double *v, int n);
  * over them); negative on a backend failure. */
 double bench_timed_calls(const moe_ops *ops, void (*fn)(const void *job), const void *job, int64_t reps);
 
-/* Calls per timed sample for a call of once seconds: enough for 1 ms, so
- * that a pass of microseconds on a GPU is not mostly its launch and wait;
- * 1 for a call that long already, and at most 1000. */
-int64_t bench_reps_for(double once);
+/* Calls of fn(job) per timed sample, from the time of one: enough for 1 ms,
+ * so that a pass of microseconds on a GPU is not mostly its launch and wait;
+ * 1 for a call that long already, at most 1000, and 0 on a backend failure. */
+int64_t bench_reps_for(const moe_ops *ops, void (*fn)(const void *job), const void *job);
 
 /* ---------------------------------------------------------------- buffers */
 

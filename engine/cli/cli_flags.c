@@ -114,3 +114,34 @@ int cli_parse_args(void *options, const cli_flag *flags, size_t n_flags, int arg
     }
     return 0;
 }
+
+int cli_start(const char *program, void *options, const cli_flag *flags, size_t n_flags, int argc, char **argv,
+              void (*print_help)(void), moe_status (*validate)(const void *options)) {
+    /* Line by line into a pipe or a log too: a long run's lines show as they come. */
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    cli_program = program;
+    const int rc = cli_parse_args(options, flags, n_flags, argc, argv);
+    if (rc < 0) {
+        print_help();
+        return 0;
+    }
+    if (rc) return rc;
+    if (validate(options) != MOE_OK) return cli_usage_error("%s", moe_last_error());
+    return -1;
+}
+
+/* stdout first: where one terminal or log shows both streams, a message
+ * lands after the lines printed before it. */
+void cli_warning(const char *message) {
+    fflush(stdout);
+    fprintf(stderr, "%s: warning: %s\n", cli_program, message);
+}
+
+int cli_run_failed(moe_status status, const char *rank) {
+    fflush(stdout);
+    if (rank)
+        fprintf(stderr, "%s: rank %s: %s: %s\n", cli_program, rank, moe_status_string(status), moe_last_error());
+    else
+        fprintf(stderr, "%s: %s: %s\n", cli_program, moe_status_string(status), moe_last_error());
+    return 1;
+}

@@ -37,4 +37,20 @@ int cli_usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
  * why), -1 when -h or --help asks for the help text. */
 int cli_parse_args(void *options, const cli_flag *flags, size_t n_flags, int argc, char **argv);
 
+/* The start of every program's main, so that all of them take flags, show
+ * their help and refuse bad values alike: names the program, fills options
+ * (at their defaults already) from argv and validates them. Returns -1 when
+ * the program should go ahead, else its exit status: 0 after print_help, 2
+ * for a bad flag or a combination validate refuses. */
+int cli_start(const char *program, void *options, const cli_flag *flags, size_t n_flags, int argc, char **argv,
+              void (*print_help)(void), moe_status (*validate)(const void *options));
+
+/* Prints "PROGRAM: warning: message" on stderr. */
+void cli_warning(const char *message);
+
+/* Prints "PROGRAM: [rank RANK: ]STATUS: last error" on stderr, after stdout
+ * as cli_warning (rank NULL: one process); returns 1, a failed run's exit
+ * status. */
+int cli_run_failed(moe_status status, const char *rank);
+
 #endif /* MOE_ENGINE_CLI_CLI_FLAGS_H */

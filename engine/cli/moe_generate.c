@@ -61,6 +61,7 @@ static void print_help(void) {
 
 static moe_status parse_tokens(void *field, const char *value) { return moe_token_kind_parse(field, value); }
 static moe_status parse_device(void *field, const char *value) { return moe_device_parse(field, value); }
+static moe_status validate(const void *options) { return moe_generate_options_validate(options); }
 
 #define OPT(field) offsetof(moe_generate_options, field)
 static const cli_flag flags[] = {
@@ -99,28 +100,15 @@ static void on_sample(void *ctx, const moe_generate_sample *s) {
 
 static void on_warning(void *ctx, const char *message) {
     (void)ctx;
-    fflush(stdout);
-    fprintf(stderr, PROGRAM ": warning: %s\n", message);
+    cli_warning(message);
 }
 
 int main(int argc, char **argv) {
-    setvbuf(stdout, NULL, _IOLBF, 0);
     moe_generate_options o;
     moe_generate_options_init(&o);
-    cli_program = PROGRAM;
-    int rc = cli_parse_args(&o, flags, sizeof flags / sizeof *flags, argc, argv);
-    if (rc < 0) {
-        print_help();
-        return 0;
-    }
-    if (rc) return rc;
-    if (moe_generate_options_validate(&o) != MOE_OK) return cli_usage_error("%s", moe_last_error());
+    const int rc = cli_start(PROGRAM, &o, flags, sizeof flags / sizeof *flags, argc, argv, print_help, validate);
+    if (rc >= 0) return rc;
     const moe_generate_callbacks cb = {.on_start = on_start, .on_sample = on_sample, .on_warning = on_warning};
-    moe_status st = moe_generate_run(&o, &cb);
-    if (st != MOE_OK) {
-        fflush(stdout);
-        fprintf(stderr, PROGRAM ": %s: %s\n", moe_status_string(st), moe_last_error());
-        return 1;
-    }
-    return 0;
+    const moe_status st = moe_generate_run(&o, &cb);
+    return st == MOE_OK ? 0 : cli_run_failed(st, NULL);
 }

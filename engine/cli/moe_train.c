@@ -140,6 +140,7 @@ static moe_status parse_pipe(void *field, const char *value) { return moe_pipe_s
 static moe_status parse_balance(void *field, const char *value) { return moe_pp_balance_parse(field, value); }
 static moe_status parse_device(void *field, const char *value) { return moe_device_parse(field, value); }
 static moe_status parse_math(void *field, const char *value) { return moe_gemm_math_parse(field, value); }
+static moe_status validate(const void *options) { return moe_run_options_validate(options); }
 
 #define OPT(field) offsetof(moe_run_options, field)
 static const cli_flag flags[] = {
@@ -393,8 +394,7 @@ static void on_warning(void *ctx, const char *message) {
     printer *p = ctx;
     if (p->quiet) return;
     clear_bar(p);
-    fflush(stdout);
-    fprintf(stderr, PROGRAM ": warning: %s\n", message);
+    cli_warning(message);
 }
 
 /* A shade for a routing share relative to the uniform one (1/E). */
@@ -507,17 +507,10 @@ static const char *launcher_rank(void) {
 }
 
 int main(int argc, char **argv) {
-    setvbuf(stdout, NULL, _IOLBF, 0);
     moe_run_options o;
     moe_run_options_init(&o);
-    cli_program = PROGRAM;
-    int rc = cli_parse_args(&o, flags, sizeof flags / sizeof *flags, argc, argv);
-    if (rc < 0) {
-        print_help();
-        return 0;
-    }
-    if (rc) return rc;
-    if (moe_run_options_validate(&o) != MOE_OK) return cli_usage_error("%s", moe_last_error());
+    const int rc = cli_start(PROGRAM, &o, flags, sizeof flags / sizeof *flags, argc, argv, print_help, validate);
+    if (rc >= 0) return rc;
     static char command_line[COMMAND_LINE_BYTES];
     join_command_line(command_line, sizeof command_line, argc, argv);
     o.command_line = command_line;
@@ -553,16 +546,11 @@ int main(int argc, char **argv) {
     moe_status st = moe_run(&o, &cb);
     if (st != MOE_OK) {
         clear_bar(&p);
-        fflush(stdout);
-        if (!rank) {
-            fprintf(stderr, PROGRAM ": %s: %s\n", moe_status_string(st), moe_last_error());
-            return 1;
-        }
-        fprintf(stderr, PROGRAM ": rank %s: %s: %s\n", rank, moe_status_string(st), moe_last_error());
+        cli_run_failed(st, rank);
         /* Whatever failed, the other ranks may be waiting for this one in a
          * collective, or be stuck themselves; a launcher that keeps the job
          * alive after one process exits non-zero would leave them there. */
-        moe_comm_mpi_abort_job(1);
+        if (rank) moe_comm_mpi_abort_job(1);
         return 1;
     }
     return 0;
