@@ -82,6 +82,11 @@ struct moe_model {
     bool recompute;
     bool inference; /* moe_model_parallel.inference: no backward, one set of activations, each layer's keys kept */
     uint64_t *jitter_at;    /* [nl] each layer's jitter counter before the last forward */
+    /* [nl + 1, E] the base's: per layer, the pairs each expert kept over
+     * the global batch in the training forwards (replays aside) since the
+     * last moe_model_take_expert_load, the base's and its twins'; then one
+     * forward's. */
+    int64_t *expert_load;
     const struct moe_model *holder; /* base: the instance, and its layer, whose activations the set holds */
     int64_t holder_layer;
     layer_acts *acts; /* [nl] */
@@ -451,7 +456,8 @@ static moe_status build_instance(moe_model *m) {
     m->staging = malloc((size_t)staging * sizeof *m->staging);
     m->sync_reqs = calloc((size_t)(2 * m->nl + 2), sizeof *m->sync_reqs);
     m->jitter_at = calloc((size_t)m->nl, sizeof *m->jitter_at);
-    if (!m->losses_host || !m->staging || !m->sync_reqs || !m->jitter_at)
+    if (!m->base) m->expert_load = calloc((size_t)((m->nl + 1) * cfg->num_local_experts), sizeof *m->expert_load);
+    if (!m->losses_host || !m->staging || !m->sync_reqs || !m->jitter_at || !m->expert_load)
         return moe_error(MOE_ERR_OUT_OF_MEMORY, "model: host arrays for %lld values", (long long)staging);
     if (!m->base) m->ops->rope_tables(m->cos_t, m->sin_t, m->T, cfg->head_dim, (float)cfg->rope_theta);
     return MOE_OK;
@@ -597,6 +603,7 @@ void moe_model_destroy(moe_model *m) {
     free(m->staging);
     if (!m->base) { /* a twin's tables and arrays are its base's */
         free(m->moe_off);
+        free(m->expert_load);
         if (m->own_device_replicas) moe_comm_free(m->device_replicas);
         if (m->replicas) moe_comm_free(m->replicas);
         free(m->tensors);
@@ -706,6 +713,13 @@ float *moe_model_router_bias(moe_model *m, int64_t l) {
 }
 
 uint64_t moe_model_jitter_counter(const moe_model *m) { return moe_layer_jitter_counter(m->moe[0]); }
+
+void moe_model_take_expert_load(moe_model *m, int64_t *load) {
+    int64_t *counts = base_of(m)->expert_load;
+    const size_t bytes = (size_t)(m->nl * m->cfg.num_local_experts) * sizeof *counts;
+    if (load) memcpy(load, counts, bytes);
+    memset(counts, 0, bytes);
+}
 
 void moe_model_set_jitter_counter(moe_model *m, uint64_t counter) {
     for (int64_t i = 0; i < m->nl; i++) moe_layer_set_jitter_counter(m->moe[i], counter);
@@ -869,10 +883,13 @@ moe_status moe_model_stage_forward(moe_model *m, const int32_t *inputs, const fl
         ops->copy(m->acts[0].x, x, (size_t)(N * C) * sizeof(float));
     set_replay(m, replay);
     moe_status st = MOE_OK;
+    const int64_t E = c->num_local_experts;
+    int64_t *load = base_of(m)->expert_load, *one = load + L * E;
     for (int64_t l = 0; l < L && st == MOE_OK; l++) {
-        moe_layer_stats ls = {0};
+        moe_layer_stats ls = {.tokens_per_expert = m->training && !replay ? one : NULL};
         st = layer_forward(m, l, true, &ls);
         if (st != MOE_OK) break;
+        for (int64_t e = 0; ls.tokens_per_expert && e < E; e++) load[l * E + e] += one[e];
         aux += ls.aux_loss;
         seq_aux += ls.seq_aux_loss;
         z += ls.z_loss;

@@ -285,6 +285,13 @@ float *moe_model_router_bias(moe_model *model, int64_t layer);
 
 /* Training forwards so far, which pick the jitter noise; restored on resume. */
 uint64_t moe_model_jitter_counter(const moe_model *model);
+
+/* The experts' load: per layer of this stage, the (token, slot) pairs each
+ * expert kept over the global batch, summed over the training forwards of
+ * the model and its twins since the last call (replays and evaluations
+ * aside), into load [layers of the stage, E] (NULL: dropped); the count
+ * starts again. */
+void moe_model_take_expert_load(moe_model *model, int64_t *load);
 void moe_model_set_jitter_counter(moe_model *model, uint64_t counter);
 
 /* Every layer's experts take half the source ranks' tokens while the rest

@@ -1068,6 +1068,18 @@ static moe_status log_step(run *r, const moe_run_step *s) {
         moe_json_key(&w, fields[i].key);
         moe_json_number(&w, fields[i].value);
     }
+    /* Per layer, the pairs each expert kept in the step. */
+    const moe_model_config *c = &r->cfg;
+    const double *load = moe_trainer_expert_load(r->trainer);
+    moe_json_key(&w, "expert_load");
+    moe_json_begin_array(&w);
+    for (int64_t l = 0; l < c->num_hidden_layers; l++) {
+        moe_json_begin_array(&w);
+        for (int64_t e = 0; e < c->num_local_experts; e++)
+            moe_json_int(&w, (int64_t)load[l * c->num_local_experts + e]);
+        moe_json_end_array(&w);
+    }
+    moe_json_end_array(&w);
     moe_json_end_object(&w);
     return append_metrics(r, &w);
 }

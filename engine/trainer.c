@@ -62,6 +62,10 @@ struct moe_trainer {
     int64_t n_instances;
     int64_t *held;
     int64_t pipe_bytes; /* stage_in, grad_in, stage_out and grad_out */
+    /* The last step's expert load (moe_trainer_expert_load): [layers, E],
+     * then this stage's counts [stage layers, E] as the model gives them. */
+    double *expert_load;
+    int64_t *stage_load;
     double *busy;       /* [3, ranks of the job]: each rank's (busy seconds, exchange bytes) of the last step, then
                            the busy seconds sorted */
     double waited; /* seconds of this step spent waiting for other stages */
@@ -248,7 +252,11 @@ moe_status moe_trainer_create(moe_trainer **out, moe_model *model, const moe_opt
     t->busy = calloc((size_t)(3 * (job ? moe_comm_size(job) : 1)), sizeof *t->busy);
     t->sends = calloc((size_t)(2 * M), sizeof *t->sends);
     t->send_order = calloc((size_t)(2 * M), sizeof *t->send_order);
-    if (st == MOE_OK && (!t->tokens || !t->jitter || !t->sends || !t->send_order || !t->busy))
+    const moe_model_config *mc = moe_model_get_config(model);
+    t->expert_load = calloc((size_t)(mc->num_hidden_layers * mc->num_local_experts), sizeof *t->expert_load);
+    t->stage_load = calloc((size_t)(mc->num_hidden_layers * mc->num_local_experts), sizeof *t->stage_load);
+    if (st == MOE_OK &&
+        (!t->tokens || !t->jitter || !t->sends || !t->send_order || !t->busy || !t->expert_load || !t->stage_load))
         st = moe_error(MOE_ERR_OUT_OF_MEMORY, "trainer: %lld micro-batches of %lld tokens", (long long)M, (long long)BT);
     const moe_model_stage stage = moe_model_get_stage(model);
     const int64_t act_elems = BT * moe_model_get_config(model)->hidden_size; /* one stage message */
@@ -308,10 +316,13 @@ void moe_trainer_destroy(moe_trainer *t) {
     free(t->busy);
     free(t->sends);
     free(t->send_order);
+    free(t->expert_load);
+    free(t->stage_load);
     free(t);
 }
 
 int64_t moe_trainer_steps_done(const moe_trainer *t) { return t->steps_done; }
+const double *moe_trainer_expert_load(const moe_trainer *t) { return t->expert_load; }
 void moe_trainer_set_steps_done(moe_trainer *t, int64_t steps) { t->steps_done = steps; }
 float *moe_trainer_adam_m(moe_trainer *t) { return t->sharded ? NULL : t->host_state; }
 float *moe_trainer_adam_v(moe_trainer *t) { return t->sharded || !t->host_state ? NULL : t->host_state + t->state_count; }
@@ -579,6 +590,18 @@ static moe_status pipeline_sum(moe_model *model, moe_model_stats *s, double *idl
     return MOE_OK;
 }
 
+/* The step's expert load over every stage's layers into t->expert_load:
+ * this stage's counts at its layers, the other stages' from them. */
+static moe_status gather_load(moe_trainer *t) {
+    const moe_model_stage stage = moe_model_get_stage(t->model);
+    const moe_model_config *c = moe_model_get_config(t->model);
+    const int64_t E = c->num_local_experts, n = c->num_hidden_layers * E;
+    const int64_t first = stage.pipe ? stage.layer_begin * E : 0, end = stage.pipe ? stage.layer_end * E : n;
+    moe_model_take_expert_load(t->model, t->stage_load);
+    for (int64_t i = 0; i < n; i++) t->expert_load[i] = i >= first && i < end ? (double)t->stage_load[i - first] : 0.0;
+    return stage.pipe ? moe_comm_allreduce_sum(stage.pipe, t->expert_load, n, MOE_COMM_F64) : MOE_OK;
+}
+
 /* This rank's expert rows sent so far, over the model and its twins. */
 static int64_t exchange_bytes(const moe_trainer *t) {
     int64_t bytes = 0;
@@ -627,6 +650,7 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
     const int64_t bytes_start = exchange_bytes(t);
 
     for (int64_t micro = 0; micro < M; micro++) MOE_TRY(read_batch(t, data, micro, "training data"));
+    moe_model_take_expert_load(model, NULL); /* this step's forwards alone */
     pipe_op *ops = malloc((size_t)(2 * M) * sizeof *ops);
     if (!ops) return moe_error(MOE_ERR_OUT_OF_MEMORY, "trainer: a schedule of %lld micro-batches", (long long)M);
     schedule(ops, c->pipe_schedule, stage.index, stage.count, M);
@@ -694,6 +718,7 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
     if (t->sharded) MOE_TRY(scatter_grads(t));
     MOE_TRY(world_mean(model, &sum.loss, &sum.ce_loss));
     MOE_TRY(pipeline_sum(model, &sum, &idle));
+    MOE_TRY(gather_load(t));
 
     double sumsq;
     MOE_TRY(grad_sumsq(t, &sumsq));

@@ -133,6 +133,12 @@ typedef struct moe_step_metrics {
  * micro-batch first). A stage also keeps, per micro-batch of the step,
  * its two messages (and under GPipe its input), B*T x hidden each. The
  * metrics are the whole model's, on every stage. */
+/* The last step's expert load, [num_hidden_layers, E]: per layer, the
+ * (token, slot) pairs each expert kept over the global batch, its
+ * micro-batches summed; every stage's layers, on every rank. Zeros before
+ * the first step. */
+const double *moe_trainer_expert_load(const moe_trainer *trainer);
+
 moe_status moe_trainer_step(moe_trainer *trainer, moe_data *data, moe_step_metrics *metrics);
 
 /* Steps taken so far. */

@@ -244,6 +244,17 @@ Test(train_run, synthetic_loss_falls, .init = make_tmp, .fini = remove_tmp) {
             step_lines++;
             for (size_t k = 0; k < sizeof step_keys / sizeof *step_keys; k++)
                 cr_expect(moe_json_get(root, step_keys[k]) != NULL, "no %s in %s", step_keys[k], line);
+            /* A row per layer of every expert's kept pairs: with no
+             * capacity limit, the step's batch times top_k each. */
+            const moe_json *load = moe_json_get(root, "expert_load");
+            cr_assert(load && load->type == MOE_JSON_ARRAY && load->array.count == 2, "expert_load in %s", line);
+            for (size_t l = 0; l < 2; l++) {
+                const moe_json *row = &load->array.items[l];
+                cr_assert(row->type == MOE_JSON_ARRAY && row->array.count == 4, "expert_load row %zu in %s", l, line);
+                double pairs = 0.0;
+                for (size_t e = 0; e < 4; e++) pairs += row->array.items[e].number.value;
+                cr_expect(pairs == 4.0 * 32.0 * 2.0, "layer %zu: %g pairs kept in %s", l, pairs, line);
+            }
         }
         moe_json_free(doc);
     }

@@ -97,6 +97,7 @@ typedef struct ref_step {
     double loss, ce, aux, z;
     double lr, norm;
     bool clipped;
+    double load[2 * 4]; /* [layers, E]: each expert's pairs over the micro-batches (the tiny config is dropless) */
 } ref_step;
 
 /* The reference step from the state (p0, m0, v0) [n]: gradients of the
@@ -107,12 +108,20 @@ static void reference_step(ref_step *out, moe_model *twin, const float *p0, cons
     double *g = ref_alloc((size_t)n * sizeof *g);
     memcpy(moe_model_params(twin), p0, (size_t)n * sizeof *p0);
     out->loss = out->ce = out->aux = out->z = 0.0;
+    const int64_t E = moe_model_get_config(twin)->num_local_experts, k = moe_model_get_config(twin)->num_experts_per_tok;
+    cr_assert(2 * E == (int64_t)(sizeof out->load / sizeof *out->load));
+    memset(out->load, 0, sizeof out->load);
     for (int64_t micro = 0; micro < ACCUM; micro++) {
         int32_t inputs[N_POS], targets[N_POS];
         cut_batch(inputs, targets, tokens, first_batch + micro);
         moe_model_stats st;
         moe_model_zero_grad(twin);
         cr_assert(moe_model_forward(twin, inputs, targets, &st) == MOE_OK, "twin forward: %s", moe_last_error());
+        for (int64_t l = 0; l < 2; l++) {
+            const int32_t *topk;
+            cr_assert(moe_model_last_topk(twin, l, &topk) == MOE_OK, "%s", moe_last_error());
+            for (int64_t i = 0; i < N_POS * k; i++) out->load[l * E + topk[i]] += 1.0;
+        }
         cr_assert(moe_model_backward(twin, 1.0f) == MOE_OK, "twin backward: %s", moe_last_error());
         const float *gm = moe_model_grads(twin);
         for (int64_t i = 0; i < n; i++) g[i] += gm[i];
@@ -232,6 +241,10 @@ Test(trainer, steps_match_the_adamw_reference) {
         expect_metric("z_loss", got.z_loss, ref.z, METRIC_RTOL, s);
         expect_metric("lr", got.lr, ref.lr, METRIC_RTOL, s);
         expect_metric("grad_norm", got.grad_norm, ref.norm, NORM_RTOL, s);
+        const double *load = moe_trainer_expert_load(trainer);
+        for (int64_t i = 0; i < (int64_t)(sizeof ref.load / sizeof *ref.load); i++)
+            cr_expect(load[i] == ref.load[i], "step %lld: layer %lld expert %lld kept %g pairs, reference %g",
+                      (long long)s, (long long)(i / 4), (long long)(i % 4), load[i], ref.load[i]);
         expect_state(model, params, ref.p, "parameter", s);
         expect_state(model, adam_m, ref.m, "first moment", s);
         expect_state(model, adam_v, ref.v, "second moment", s);

@@ -12,6 +12,7 @@
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "comm/comm.h"
 #include "common/rng.h"
@@ -133,16 +134,20 @@ static inline moe_data *mpi_training_start(int32_t **tokens, int64_t vocab) {
 
 /* A model of cfg for batches of rows x T on par's ranks (NULL: this rank
  * alone), seed 7, trained with oc for steps steps from the start of data:
- * each step's metrics into out [steps]. */
+ * each step's metrics into out [steps], and (load non-NULL) the last step's
+ * expert load [layers, E] (moe_trainer_expert_load). */
 static inline moe_status mpi_train_run(moe_step_metrics *out, const moe_model_config *cfg, int64_t rows, int64_t T,
                                        const moe_model_parallel *par, const moe_optim_config *oc, moe_data *data,
-                                       int steps) {
+                                       int steps, double *load) {
     moe_model *model = NULL;
     moe_trainer *trainer = NULL;
     moe_status st = moe_model_create_parallel(&model, cfg, rows, T, 7, par);
     if (st == MOE_OK) st = moe_trainer_create(&trainer, model, oc);
     if (st == MOE_OK) st = moe_data_set_position(data, (moe_data_position){0, 0});
     for (int s = 0; st == MOE_OK && s < steps; s++) st = moe_trainer_step(trainer, data, &out[s]);
+    if (st == MOE_OK && load)
+        memcpy(load, moe_trainer_expert_load(trainer),
+               (size_t)(cfg->num_hidden_layers * cfg->num_local_experts) * sizeof *load);
     moe_trainer_destroy(trainer);
     moe_model_destroy(model);
     return st;

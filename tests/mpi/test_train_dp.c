@@ -34,7 +34,7 @@ static moe_status train(double *losses, double *dropped, double *bytes, const mo
                         const moe_model_parallel *par, moe_data *data) {
     const moe_optim_config oc = mpi_optim(STEPS);
     moe_step_metrics m[STEPS];
-    const moe_status st = mpi_train_run(m, cfg, rows, T, par, &oc, data, STEPS);
+    const moe_status st = mpi_train_run(m, cfg, rows, T, par, &oc, data, STEPS, NULL);
     for (int s = 0; st == MOE_OK && s < STEPS; s++) {
         losses[s] = m[s].loss;
         dropped[s] = m[s].dropped_frac;
@@ -111,7 +111,7 @@ static int check_straggler(moe_data *data) {
     const moe_model_parallel par = {.world = world, .ops = rank == size - 1 ? &slow_ops : NULL};
     const moe_optim_config oc = mpi_optim(8);
     moe_step_metrics m[8];
-    const moe_status st = mpi_train_run(m, &cfg, B, T, &par, &oc, data, 8);
+    const moe_status st = mpi_train_run(m, &cfg, B, T, &par, &oc, data, 8, NULL);
     int bad = mpi_fail_status(st, "train");
     int named = 0;
     for (int s = 0; !bad && s < 8; s++) {

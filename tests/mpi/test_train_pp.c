@@ -35,6 +35,7 @@ static void tiny_config(moe_model_config *c) {
 
 typedef struct curve {
     double loss[STEPS], norm[STEPS], ce[STEPS], aux[STEPS], idle[STEPS];
+    double load[LAYERS * 4]; /* the last step's expert load */
 } curve;
 
 /* Trains STEPS steps of M micro-batches of `rows` rows per rank; grid
@@ -50,7 +51,7 @@ static moe_status train(curve *out, const moe_grid *grid, int64_t rows, int64_t 
     moe_model_parallel par = grid ? moe_grid_model_parallel(grid) : (moe_model_parallel){0};
     par.recompute = recompute;
     moe_step_metrics m[STEPS];
-    const moe_status st = mpi_train_run(m, &cfg, rows, T, &par, &oc, data, STEPS);
+    const moe_status st = mpi_train_run(m, &cfg, rows, T, &par, &oc, data, STEPS, out->load);
     for (int s = 0; st == MOE_OK && s < STEPS; s++) {
         out->loss[s] = m[s].loss;
         out->norm[s] = m[s].grad_norm;
@@ -87,6 +88,13 @@ static int run_grid(int pp, int ep, int zero, int64_t M, moe_pipe_schedule sched
     if (!bad) bad = compare(got.aux, want.aux, "aux loss");
     if (!bad) bad = compare(got.norm, want.norm, "gradient norm");
     if (!bad) bad = mpi_loss_did_not_fall(want.loss, STEPS);
+    /* Every stage's layers, on every rank, as one rank counts them. */
+    for (int i = 0; !bad && i < LAYERS * 4; i++)
+        if (got.load[i] != want.load[i]) {
+            printf("  rank %d: layer %d expert %d kept %g pairs, one rank %g\n", rank, i / 4, i % 4, got.load[i],
+                   want.load[i]);
+            bad = 1;
+        }
     /* A share of the schedule's time: none without a pipeline. */
     for (int s = 0; !bad && s < STEPS; s++)
         if (!(got.idle[s] >= 0.0 && got.idle[s] < 1.0) || want.idle[s] != 0.0) {
