@@ -227,6 +227,8 @@ moe_status moe_run_options_validate(const moe_run_options *o) {
                          MOE_RUN_THREADS_MAX, omp_get_num_procs());
     if (o->save_every < 0)
         return moe_error(MOE_ERR_CONFIG, "--save-every %lld must not be negative", (long long)o->save_every);
+    if (o->keep_last < 0)
+        return moe_error(MOE_ERR_CONFIG, "--keep-last %lld must not be negative", (long long)o->keep_last);
     if (o->eval_every < 0)
         return moe_error(MOE_ERR_CONFIG, "--eval-every %lld must not be negative", (long long)o->eval_every);
     if (o->eval_batches <= 0)
@@ -251,6 +253,8 @@ moe_status moe_run_options_validate(const moe_run_options *o) {
         return moe_error(MOE_ERR_CONFIG, "--eval-only needs --init-from DIR: the weights to evaluate");
     if (o->eval_only && o->profile)
         return moe_error(MOE_ERR_CONFIG, "--profile times training steps, and --eval-only runs none");
+    if (o->eval_only && o->keep_last)
+        return moe_error(MOE_ERR_CONFIG, "--keep-last prunes a run's checkpoints, and --eval-only writes none");
     if (o->eval_only && o->overwrite)
         return moe_error(MOE_ERR_CONFIG, "--overwrite replaces a run in --out, and --eval-only writes none");
     if (o->eval_only && o->resume)
@@ -746,6 +750,7 @@ static moe_status build_model(run *r) {
             {"--recompute", (double)o->recompute, NULL},   {"--overlap", (double)o->overlap, NULL},
             {"--eval-every", (double)o->eval_every, NULL}, {"--eval-batches", (double)o->eval_batches, NULL},
             {"--save-every", (double)o->save_every, NULL}, {"--shuffle", (double)o->shuffle, NULL},
+            {"--keep-last", (double)o->keep_last, NULL},
             {"--device", (double)o->device, device_name},
             {"--gemm-math", (double)o->gemm_math, gemm_math_name},
             {"--warmup", (double)o->warmup, NULL},         {"--min-lr", o->min_lr, NULL},
@@ -880,6 +885,8 @@ static void write_options(moe_json_writer *w, const moe_run_options *o) {
     json_opt_string(w, "out", o->out_dir);
     moe_json_key(w, "save_every");
     moe_json_int(w, o->save_every);
+    moe_json_key(w, "keep_last");
+    moe_json_int(w, o->keep_last);
     json_opt_string(w, "resume", o->resume);
     moe_json_key(w, "eval_every");
     moe_json_int(w, o->eval_every);
@@ -1289,6 +1296,61 @@ static moe_status resumes_in_place(const moe_run_options *o, bool *in_place, int
     return MOE_OK;
 }
 
+typedef struct checkpoint_entry {
+    int64_t step;
+    char name[NAME_MAX + 1];
+} checkpoint_entry;
+
+static int by_step_descending(const void *a, const void *b) {
+    const int64_t x = ((const checkpoint_entry *)a)->step, y = ((const checkpoint_entry *)b)->step;
+    return (x < y) - (x > y);
+}
+
+/* --keep-last: removes the run's checkpoints in --out but the newest
+ * keep_last (and any that --init-from or --resume reads). Each is renamed
+ * aside first, so that no half-removed checkpoint is left under a
+ * checkpoint's name; a failure is a warning: the training goes on. */
+static void prune_checkpoints(const run *r) {
+    const moe_run_options *o = r->o;
+    if (o->keep_last == 0) return;
+    DIR *dir = opendir(o->out_dir);
+    if (!dir) {
+        warn(r, "--keep-last: cannot read --out %s: %s", o->out_dir, strerror(errno));
+        return;
+    }
+    checkpoint_entry *found = NULL;
+    size_t n = 0, cap = 0;
+    for (struct dirent *e; (e = readdir(dir));) {
+        if (!checkpoint_name(e->d_name)) continue;
+        if (n == cap) {
+            checkpoint_entry *more = realloc(found, (cap = cap ? 2 * cap : 16) * sizeof *found);
+            if (!more) {
+                warn(r, "--keep-last: out of memory listing %s", o->out_dir);
+                break;
+            }
+            found = more;
+        }
+        found[n].step = strtoll(e->d_name + 5, NULL, 10);
+        snprintf(found[n].name, sizeof found[n].name, "%s", e->d_name);
+        n++;
+    }
+    closedir(dir);
+    qsort(found, n, sizeof *found, by_step_descending);
+    char path[RUN_PATH_BYTES], aside[RUN_PATH_BYTES], hidden[NAME_MAX + 32];
+    for (size_t i = (size_t)o->keep_last; i < n; i++) {
+        snprintf(hidden, sizeof hidden, ".%s.pruned-%ld", found[i].name, (long)getpid());
+        if (path_join(path, o->out_dir, found[i].name) != MOE_OK || path_join(aside, o->out_dir, hidden) != MOE_OK ||
+            same_path(path, o->init_from) || same_path(path, o->resume))
+            continue;
+        if (rename(path, aside) != 0) {
+            warn(r, "--keep-last: cannot move %s aside: %s", path, strerror(errno));
+            continue;
+        }
+        if (moe_remove_tree(aside) != MOE_OK) warn(r, "--keep-last: %s", moe_last_error());
+    }
+    free(found);
+}
+
 /* --out must not hold another run (run.json, metrics.jsonl, checkpoints):
  * a new run, or one resumed from elsewhere, would replace its files, even
  * on failing, and leave its checkpoints among the new run's. It is
@@ -1474,7 +1536,10 @@ static moe_status run_body(run *r, double start) {
             /* The checkpoint before the evaluation, which changes nothing it
              * holds (eval mode: no jitter draw; the data position is
              * restored), so a failing evaluation loses no training. */
-            if (due(step, o->save_every, o->steps)) MOE_TRY(save_checkpoint(r));
+            if (due(step, o->save_every, o->steps)) {
+                MOE_TRY(save_checkpoint(r));
+                if (r->rank == 0) prune_checkpoints(r);
+            }
             if (due(step, o->eval_every, o->steps)) MOE_TRY(evaluate(r, step, &val_loss));
             if (o->profile) moe_profile_pause(false);
         }

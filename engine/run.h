@@ -92,6 +92,7 @@ typedef struct moe_run_options {
     /* Evaluation and output */
     const char *out_dir;   /* --out */
     int64_t save_every;    /* --save-every steps; 0: the last step only */
+    int64_t keep_last;     /* --keep-last: the run's newest checkpoints kept in --out; 0: all */
     const char *resume;    /* --resume DIR: a checkpoint of this run to continue */
     bool overwrite;        /* --overwrite: an earlier run in out_dir is removed, not refused */
     int64_t eval_every;    /* --eval-every steps; 0: at the end only */

@@ -8,6 +8,7 @@
  * given --peak-gflops, so no time goes to measuring sgemm. */
 #define _XOPEN_SOURCE 700
 #include <criterion/criterion.h>
+#include <dirent.h>
 #include <ftw.h>
 #include <math.h>
 #include <stdio.h>
@@ -1191,6 +1192,13 @@ static void negative_decay(moe_run_options *o) { o->weight_decay = -0.1; }
 static void zero_eval_batches(moe_run_options *o) { o->eval_batches = 0; }
 static void negative_eval_every(moe_run_options *o) { o->eval_every = -1; }
 static void negative_save_every(moe_run_options *o) { o->save_every = -5; }
+static void negative_keep_last(moe_run_options *o) { o->keep_last = -1; }
+static void keep_last_eval_only(moe_run_options *o) {
+    o->eval_only = true;
+    o->keep_last = 2;
+    o->init_from = "somewhere";
+    o->config = NULL;
+}
 static void negative_threads(moe_run_options *o) { o->threads = -2; }
 static void too_many_threads(moe_run_options *o) { o->threads = MOE_RUN_THREADS_MAX + 1; }
 static void negative_peak(moe_run_options *o) { o->peak_gflops = -1.0; }
@@ -1230,7 +1238,8 @@ Test(train_run, bad_options_name_the_flag) {
         {"--out", empty_out},             {"--data", empty_data},
         {"--init-from", eval_only_alone}, {"--resume", resume_and_init},
         {"--config", resume_and_config},  {"--profile", profile_eval_only},
-        {"--overwrite", overwrite_eval_only},
+        {"--overwrite", overwrite_eval_only}, {"--keep-last", negative_keep_last},
+        {"--keep-last", keep_last_eval_only},
         {"--steps", huge_steps},          {"--batch-size", huge_batch},
         {"--grad-accum", huge_accum},     {"--eval-batches", huge_eval_batches},
     };
@@ -1248,6 +1257,44 @@ Test(train_run, bad_options_name_the_flag) {
     cr_expect_eq(moe_lr_schedule_parse(&s, "cosin"), MOE_ERR_CONFIG);
     cr_expect(strstr(moe_last_error(), "--lr-schedule") != NULL, "message: %s", moe_last_error());
     cr_expect(moe_lr_schedule_parse(&s, "linear") == MOE_OK && s == MOE_LR_LINEAR);
+}
+
+/* The names in dir, sorted, joined by spaces, into buf. */
+static const char *listing(char *buf, size_t size, const char *dir) {
+    struct dirent **names;
+    const int n = scandir(dir, &names, NULL, alphasort);
+    cr_assert(n >= 0, "cannot list %s", dir);
+    size_t used = 0;
+    buf[0] = '\0';
+    for (int i = 0; i < n; i++) {
+        if (strcmp(names[i]->d_name, ".") != 0 && strcmp(names[i]->d_name, "..") != 0)
+            used += (size_t)snprintf(buf + used, size - used, "%s%s", used ? " " : "", names[i]->d_name);
+        free(names[i]);
+    }
+    free(names);
+    return buf;
+}
+
+/* --keep-last keeps the newest checkpoints and leaves nothing aside; a
+ * resumed run keeps the one it resumed from as well. */
+Test(train_run, keep_last_removes_older_checkpoints, .init = make_tmp, .fini = remove_tmp) {
+    char cfg[512], out[512], resume[512], names[1024];
+    moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE), tmp_path(out, "out"));
+    o.steps = 5;
+    o.eval_every = 0;
+    o.save_every = 1;
+    o.keep_last = 2;
+    seen v;
+    run_ok(&o, &v);
+    cr_expect_eq(v.checkpoints, 5);
+    cr_expect_str_eq(listing(names, sizeof names, out),
+                     "config.json metrics.jsonl run.json step-000004 step-000005");
+    o.config = NULL;
+    o.resume = tmp_path(resume, "out/step-000005");
+    o.steps = 8;
+    run_ok(&o, &v);
+    cr_expect_str_eq(listing(names, sizeof names, out),
+                     "config.json metrics.jsonl run.json step-000005 step-000007 step-000008");
 }
 
 Test(train_run, missing_data_names_flag_and_file, .init = make_tmp, .fini = remove_tmp) {

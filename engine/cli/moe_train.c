@@ -80,6 +80,8 @@ static void print_help(void) {
            "                       metrics.jsonl and checkpoints)\n"
            "  --save-every N       checkpoint DIR/step-NNNNNN every N steps; the last step is\n"
            "                       always saved; 0 = last only (default %lld)\n"
+           "  --keep-last N        after each checkpoint, remove DIR's older ones but the newest N\n"
+           "                       (and one --resume or --init-from reads); 0 = keep all (default)\n"
            "  --resume DIR         continue from checkpoint DIR with the same flags otherwise;\n"
            "                       the result matches an uninterrupted run bit for bit\n\n",
            (long long)d.eval_every, (long long)d.eval_batches, d.out_dir, (long long)d.save_every);
@@ -155,6 +157,7 @@ static const cli_flag flags[] = {
     {"--grad-clip", CLI_REAL, OPT(grad_clip), NULL},     {"--grad-accum", CLI_INT, OPT(grad_accum), NULL},
     {"--seed", CLI_SEED, OPT(seed), NULL},               {"--threads", CLI_THREADS, OPT(threads), NULL},
     {"--out", CLI_STRING, OPT(out_dir), NULL},           {"--save-every", CLI_INT, OPT(save_every), NULL},
+    {"--keep-last", CLI_INT, OPT(keep_last), NULL},
     {"--resume", CLI_STRING, OPT(resume), NULL},         {"--eval-every", CLI_INT, OPT(eval_every), NULL},
     {"--eval-batches", CLI_INT, OPT(eval_batches), NULL}, {"--eval-only", CLI_SWITCH, OPT(eval_only), NULL},
     {"--shuffle", CLI_SWITCH, OPT(shuffle), NULL},       {"--peak-gflops", CLI_REAL, OPT(peak_gflops), NULL},
