@@ -241,6 +241,9 @@ static moe_status check_coef(const char *field, double value, double max) {
     return MOE_OK;
 }
 
+/* The sequence-wise loss's tokens per sequence; 0 when it is off. */
+static int64_t seq_aux_len(const moe_layer_config *c) { return c->seq_aux_loss_coef > 0.0 ? c->seq_len : 0; }
+
 /* a * b into *out, or false when it overflows int64. */
 static bool mul_ok(int64_t a, int64_t b, int64_t *out) { return !__builtin_mul_overflow(a, b, out); }
 
@@ -596,7 +599,7 @@ moe_status moe_layer_create_mpi(moe_layer **out, const moe_layer_config *cfg, co
         {"capacity_factor", cfg->capacity_factor, NULL},
         {"aux_loss_coef", cfg->aux_loss_coef, NULL},
         {"seq_aux_loss_coef", cfg->seq_aux_loss_coef, NULL},
-        {"seq_len", cfg->seq_aux_loss_coef > 0.0 ? (double)cfg->seq_len : 0.0, NULL},
+        {"seq_len", (double)seq_aux_len(cfg), NULL},
         {"z_loss_coef", cfg->z_loss_coef, NULL},
         {"bias_update_rate", cfg->bias_update_rate, NULL},
         {"n_shared_experts", (double)cfg->n_shared_experts, NULL},
@@ -812,6 +815,17 @@ typedef struct ws_entry {
 
 static int64_t align_up(int64_t bytes) { return (bytes + MOE_ALIGN_BYTES - 1) / MOE_ALIGN_BYTES * MOE_ALIGN_BYTES; }
 
+/* seq_host for the statistics and gradient rows of seqs sequences. */
+static moe_status grow_seq_host(moe_layer *L, int64_t seqs) {
+    const int64_t floats = seqs * 3 * L->cfg.n_experts;
+    if (floats <= L->seq_host_floats) return MOE_OK;
+    float *mem = realloc(L->seq_host, (size_t)floats * sizeof(float));
+    if (!mem) return moe_error(MOE_ERR_OUT_OF_MEMORY, "moe layer: statistics of %lld sequences", (long long)seqs);
+    L->seq_host = mem;
+    L->seq_host_floats = floats;
+    return MOE_OK;
+}
+
 /* Whether every per-token array of T tokens stays within the ops' sizes. */
 static moe_status check_tokens(const moe_layer *L, int64_t T) {
     const moe_layer_config *c = &L->cfg;
@@ -840,7 +854,7 @@ static int block_arrays(moe_layer *L, block_kind kind, int64_t n, ws_entry *t) {
     /* The exchange's: m = min(k, P) ranks per token at most; with one
      * rank the plan's rows are the expert rows, k per token. */
     const int64_t P = L->ep ? L->ep_size : 0, m = k < P ? k : P, plan = L->ep ? n * m * d : n * k * d;
-    const int64_t seqs = c->seq_aux_loss_coef > 0.0 ? n / c->seq_len : 0;
+    const int64_t seqs = seq_aux_len(c) ? n / seq_aux_len(c) : 0;
     const size_t f = sizeof(float), i64 = sizeof(int64_t);
     int i = 0;
     switch (kind) {
@@ -1014,6 +1028,7 @@ moe_status moe_layer_reserve(moe_layer *L, int64_t T, bool backward) {
     MOE_TRY(carve_block(L, BLOCK_TOKENS, T));
     MOE_TRY(carve_block(L, BLOCK_ROWS, R));
     if (L->ep) MOE_TRY(carve_host(L, T, R));
+    if (seq_aux_len(&L->cfg)) MOE_TRY(grow_seq_host(L, T / seq_aux_len(&L->cfg)));
     if (!backward) return MOE_OK;
     MOE_TRY(carve_block(L, BLOCK_DTOKENS, T));
     return carve_block(L, BLOCK_DROWS, R);
@@ -1026,10 +1041,11 @@ moe_status moe_layer_share_workspace(moe_layer *L, moe_layer *with, bool activat
     if (L == with) return MOE_OK;
     if (L->cuda || with->cuda || L->ops != with->ops || L->ep_size != with->ep_size || a->d_model != b->d_model ||
         a->d_ff != b->d_ff || a->n_experts != b->n_experts || a->top_k != b->top_k ||
-        a->n_shared_experts != b->n_shared_experts || (a->jitter_eps > 0.0) != (b->jitter_eps > 0.0))
+        a->n_shared_experts != b->n_shared_experts || (a->jitter_eps > 0.0) != (b->jitter_eps > 0.0) ||
+        seq_aux_len(a) != seq_aux_len(b))
         return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_share_workspace: the layers differ in d_model, d_ff, experts, "
-                                              "top_k, shared experts, jitter, backend or expert-parallel size, or "
-                                              "one has its own device context");
+                                              "top_k, shared experts, jitter, the sequence-wise loss or its seq_len, "
+                                              "backend or expert-parallel size, or one has its own device context");
     for (int kind = BLOCK_TOKENS; kind < N_BLOCKS; kind++) {
         const bool scratch = kind == BLOCK_DTOKENS || kind == BLOCK_DROWS;
         if ((!scratch && !activations) || L->blocks[kind] == with->blocks[kind]) continue;
@@ -1115,7 +1131,7 @@ static moe_status share_routing(moe_layer *L, int64_t T, double z_sum, double se
      * speak of: zeros, as one idle rank reports. */
     L->last.aux_loss = GT ? (double)E * aux : 0.0;
     /* Over the global batch's sequences: an idle rank reports it too. */
-    const bool seq_on = L->cfg.seq_aux_loss_coef > 0.0 && L->training && GT >= L->cfg.seq_len;
+    const bool seq_on = seq_aux_len(&L->cfg) && L->training && GT >= L->cfg.seq_len;
     L->last.seq_aux_loss = seq_on ? seq_aux / (double)(GT / L->cfg.seq_len) : 0.0;
     L->last.z_loss = GT ? z / (double)GT : 0.0;
     L->last.load_imbalance = GT ? max_assigned / ((double)(GT * k) / (double)E) : 0.0;
@@ -1548,15 +1564,9 @@ static moe_status send_aux_grad(moe_layer *L) {
 static moe_status seq_aux_stats(moe_layer *L, int64_t T) {
     const moe_layer_config *c = &L->cfg;
     const int64_t E = c->n_experts;
-    L->seqs = c->seq_aux_loss_coef > 0.0 && L->training ? T / c->seq_len : 0;
+    L->seqs = seq_aux_len(c) && L->training ? T / c->seq_len : 0;
     if (!L->seqs) return MOE_OK;
-    if (L->seqs * 3 * E > L->seq_host_floats) {
-        float *mem = realloc(L->seq_host, (size_t)(L->seqs * 3 * E) * sizeof(float));
-        if (!mem)
-            return moe_error(MOE_ERR_OUT_OF_MEMORY, "moe layer: statistics of %lld sequences", (long long)L->seqs);
-        L->seq_host = mem;
-        L->seq_host_floats = L->seqs * 3 * E;
-    }
+    MOE_TRY(grow_seq_host(L, L->seqs));
     const moe_gate_params gp = gate_params(L);
     L->ops->gate_seq_stats(L->seq_stats, L->topk_idx, L->prob, &gp, T);
     return L->ops->download(L->seq_host, L->seq_stats, (size_t)(L->seqs * 2 * E) * sizeof(float));
@@ -1583,7 +1593,7 @@ moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, 
         MOE_NOT_NULL("moe_layer_forward", "y", y);
         MOE_NOT_NULL("moe_layer_forward", "x", x);
     }
-    if (L->training && L->cfg.seq_aux_loss_coef > 0.0 && T % L->cfg.seq_len)
+    if (L->training && seq_aux_len(&L->cfg) && T % L->cfg.seq_len)
         return moe_error(MOE_ERR_INVALID_ARG,
                          "moe_layer_forward: T=%lld is not a multiple of seq_len=%lld, which the sequence-wise "
                          "balancing loss (seq_aux_loss_coef) needs in training",

@@ -100,7 +100,8 @@ moe_status moe_layer_reserve(moe_layer *layer, int64_t T, bool backward);
  * just before its backward. A backward whose activations another layer's
  * forward has overwritten fails with MOE_ERR_STATE. The layers must have
  * one backend, expert-parallel size and shape (the config but for its
- * seed, coefficients and capacity); the memory lives while either does. */
+ * seed, coefficients and capacity; whether the sequence-wise loss is on,
+ * and its seq_len, are shape); the memory lives while either does. */
 moe_status moe_layer_share_workspace(moe_layer *layer, moe_layer *with, bool activations);
 
 /* Backend bytes of the arrays the layer uses; a block that layers share

@@ -932,13 +932,22 @@ Test(layer, shared_workspace_computes_what_its_own_does) {
                              activations ? "shared activations and scratch" : "shared scratch");
         }
     }
-    moe_layer_config other = cfg;
-    other.d_ff = 8;
-    moe_layer *narrow;
-    cr_assert(moe_layer_create(&narrow, &other) == MOE_OK);
-    cr_expect(moe_layer_share_workspace(narrow, shared[0], false) == MOE_ERR_INVALID_ARG,
-              "a layer of another d_ff shares the workspace");
-    moe_layer_destroy(narrow);
+    /* Other shapes are refused: d_ff; the sequence-wise loss on, or of
+     * another seq_len, whose per-sequence arrays the blocks hold. */
+    moe_layer_config others[3] = {cfg, cfg, cfg};
+    others[0].d_ff = 8;
+    others[1].seq_aux_loss_coef = others[2].seq_aux_loss_coef = 0.1;
+    others[1].seq_len = 1;
+    others[2].seq_len = 4;
+    moe_layer *other[3];
+    for (int i = 0; i < 3; i++) {
+        cr_assert(moe_layer_create(&other[i], &others[i]) == MOE_OK, "%s", moe_last_error());
+        cr_expect(moe_layer_share_workspace(other[i], shared[0], false) == MOE_ERR_INVALID_ARG,
+                  "a layer of another shape (%d) shares the workspace", i);
+    }
+    cr_expect(moe_layer_share_workspace(other[1], other[2], true) == MOE_ERR_INVALID_ARG,
+              "sequences of 1 and 4 share the workspace");
+    for (int i = 0; i < 3; i++) moe_layer_destroy(other[i]);
     /* The memory outlives the layer that made it. */
     moe_layer_destroy(shared[0]);
     cr_assert(moe_layer_forward(shared[1], got[1].y, x, T[1], NULL) == MOE_OK, "%s", moe_last_error());
