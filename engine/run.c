@@ -260,10 +260,14 @@ moe_status moe_run_options_validate(const moe_run_options *o) {
     if (o->eval_only && o->resume)
         return moe_error(MOE_ERR_CONFIG, "--eval-only and --resume exclude each other; evaluate a checkpoint "
                                          "with --eval-only --init-from DIR");
-    if (o->resume && o->init_from)
+    const bool latest = o->resume && strcmp(o->resume, MOE_RUN_RESUME_LATEST) == 0;
+    if (latest && o->overwrite)
+        return moe_error(MOE_ERR_CONFIG, "--resume " MOE_RUN_RESUME_LATEST " continues the run in --out, and "
+                                         "--overwrite would remove it");
+    if (o->resume && !latest && o->init_from)
         return moe_error(MOE_ERR_CONFIG, "--resume and --init-from exclude each other: --resume loads the "
                                          "checkpoint's own weights");
-    if (o->resume && o->config)
+    if (o->resume && !latest && o->config)
         return moe_error(MOE_ERR_CONFIG, "--config cannot be combined with --resume: the checkpoint's "
                                          "config.json is used");
     moe_optim_config c = optim_config_of(o);
@@ -1306,6 +1310,34 @@ static int by_step_descending(const void *a, const void *b) {
     return (x < y) - (x > y);
 }
 
+/* The checkpoints in out_dir, newest first, into *found [*n] (the
+ * caller's to free; none when out_dir does not exist). */
+static moe_status list_checkpoints(checkpoint_entry **found, size_t *n, const char *out_dir) {
+    *found = NULL;
+    *n = 0;
+    DIR *dir = opendir(out_dir);
+    if (!dir) return errno == ENOENT ? MOE_OK : moe_error(MOE_ERR_IO, "--out %s: cannot read it: %s", out_dir, strerror(errno));
+    size_t cap = 0;
+    moe_status st = MOE_OK;
+    for (struct dirent *e; st == MOE_OK && (e = readdir(dir));) {
+        if (!checkpoint_name(e->d_name)) continue;
+        if (*n == cap) {
+            checkpoint_entry *more = realloc(*found, (cap = cap ? 2 * cap : 16) * sizeof **found);
+            if (!more) {
+                st = moe_error(MOE_ERR_OUT_OF_MEMORY, "--out %s: listing its checkpoints", out_dir);
+                break;
+            }
+            *found = more;
+        }
+        (*found)[*n].step = strtoll(e->d_name + 5, NULL, 10);
+        snprintf((*found)[*n].name, sizeof (*found)[*n].name, "%s", e->d_name);
+        (*n)++;
+    }
+    closedir(dir);
+    if (st == MOE_OK) qsort(*found, *n, sizeof **found, by_step_descending);
+    return st;
+}
+
 /* --keep-last: removes the run's checkpoints in --out but the newest
  * keep_last (and any that --init-from or --resume reads). Each is renamed
  * aside first, so that no half-removed checkpoint is left under a
@@ -1313,29 +1345,12 @@ static int by_step_descending(const void *a, const void *b) {
 static void prune_checkpoints(const run *r) {
     const moe_run_options *o = r->o;
     if (o->keep_last == 0) return;
-    DIR *dir = opendir(o->out_dir);
-    if (!dir) {
-        warn(r, "--keep-last: cannot read --out %s: %s", o->out_dir, strerror(errno));
+    checkpoint_entry *found;
+    size_t n;
+    if (list_checkpoints(&found, &n, o->out_dir) != MOE_OK) {
+        warn(r, "--keep-last: %s", moe_last_error());
         return;
     }
-    checkpoint_entry *found = NULL;
-    size_t n = 0, cap = 0;
-    for (struct dirent *e; (e = readdir(dir));) {
-        if (!checkpoint_name(e->d_name)) continue;
-        if (n == cap) {
-            checkpoint_entry *more = realloc(found, (cap = cap ? 2 * cap : 16) * sizeof *found);
-            if (!more) {
-                warn(r, "--keep-last: out of memory listing %s", o->out_dir);
-                break;
-            }
-            found = more;
-        }
-        found[n].step = strtoll(e->d_name + 5, NULL, 10);
-        snprintf(found[n].name, sizeof found[n].name, "%s", e->d_name);
-        n++;
-    }
-    closedir(dir);
-    qsort(found, n, sizeof *found, by_step_descending);
     char path[RUN_PATH_BYTES], aside[RUN_PATH_BYTES], hidden[NAME_MAX + 32];
     for (size_t i = (size_t)o->keep_last; i < n; i++) {
         snprintf(hidden, sizeof hidden, ".%s.pruned-%ld", found[i].name, (long)getpid());
@@ -1571,9 +1586,58 @@ static bool launched_by_mpi(void) {
     return getenv("OMPI_COMM_WORLD_SIZE") || getenv("PMI_SIZE") || getenv("PMIX_RANK");
 }
 
-moe_status moe_run(const moe_run_options *opts, const moe_run_callbacks *callbacks) {
+/* A config field's value as a message gives it. */
+static void field_text(char *buf, size_t size, const moe_agree_field *f, double value) {
+    if (f->name_of)
+        snprintf(buf, size, "%s", f->name_of((int)value));
+    else
+        snprintf(buf, size, "%.17g", value);
+}
+
+/* --resume latest into *out (the options otherwise o's; path holds the
+ * checkpoint's): --out's newest checkpoint, whose config must be --config's
+ * when that is given, with --config and --init-from then dropped; with no
+ * checkpoint there, no --resume. */
+static moe_status resolve_latest(moe_run_options *out, char *path, const moe_run_options *o) {
+    *out = *o;
+    if (!o->resume || strcmp(o->resume, MOE_RUN_RESUME_LATEST) != 0) return MOE_OK;
+    out->resume = NULL;
+    checkpoint_entry *found;
+    size_t n;
+    MOE_TRY(list_checkpoints(&found, &n, o->out_dir));
+    moe_status st = n ? path_join(path, o->out_dir, found[0].name) : MOE_OK;
+    free(found);
+    if (st != MOE_OK || n == 0) return st;
+    if (o->config) {
+        moe_model_config given, saved;
+        MOE_TRY(moe_model_config_load(&given, o->config, NULL, NULL));
+        MOE_TRY(moe_checkpoint_load_config(&saved, path, NULL, NULL));
+        moe_agree_field a[MOE_CONFIG_AGREE_FIELDS], b[MOE_CONFIG_AGREE_FIELDS];
+        const int count = moe_config_agree_fields(a, &given);
+        moe_config_agree_fields(b, &saved);
+        for (int i = 0; i < count; i++) {
+            if (a[i].value == b[i].value) continue;
+            char was[64], now[64];
+            field_text(was, sizeof was, &a[i], b[i].value);
+            field_text(now, sizeof now, &a[i], a[i].value);
+            return moe_error(MOE_ERR_CONFIG, "--resume " MOE_RUN_RESUME_LATEST ": %s was trained with %s=%s, --config %s "
+                                             "has %s",
+                             path, a[i].name, was, o->config, now);
+        }
+    }
+    out->resume = path;
+    out->config = NULL;
+    out->init_from = NULL;
+    return MOE_OK;
+}
+
+moe_status moe_run(const moe_run_options *given, const moe_run_callbacks *callbacks) {
     const double start = moe_monotonic_seconds();
-    MOE_TRY(moe_run_options_validate(opts));
+    MOE_TRY(moe_run_options_validate(given));
+    moe_run_options resolved;
+    char latest[RUN_PATH_BYTES];
+    MOE_TRY(resolve_latest(&resolved, latest, given));
+    const moe_run_options *opts = &resolved;
     if (opts->threads > 0) omp_set_num_threads(opts->threads);
     const moe_run_callbacks none = {0};
     run r = {.o = opts, .cb = callbacks ? callbacks : &none, .ranks = 1, .dp_size = 1};

@@ -55,6 +55,9 @@
 #include "moe.h"
 
 #define MOE_RUN_SYNTHETIC "synthetic"
+/* --resume's value that continues the run in --out from its newest
+ * checkpoint, or starts it when there is none. */
+#define MOE_RUN_RESUME_LATEST "latest"
 /* llm.c's shards hold GPT-2 tokens: the vocabulary of the default model
  * when shards are read without a config. */
 #define MOE_GPT2_VOCAB_SIZE 50257
@@ -93,7 +96,10 @@ typedef struct moe_run_options {
     const char *out_dir;   /* --out */
     int64_t save_every;    /* --save-every steps; 0: the last step only */
     int64_t keep_last;     /* --keep-last: the run's newest checkpoints kept in --out; 0: all */
-    const char *resume;    /* --resume DIR: a checkpoint of this run to continue */
+    /* --resume DIR: a checkpoint of this run to continue; MOE_RUN_RESUME_LATEST:
+     * --out's newest, whose config --config must then match, or none (a new
+     * run, from --config or --init-from) when --out has no checkpoint */
+    const char *resume;
     bool overwrite;        /* --overwrite: an earlier run in out_dir is removed, not refused */
     int64_t eval_every;    /* --eval-every steps; 0: at the end only */
     int64_t eval_batches;  /* --eval-batches */

@@ -1193,6 +1193,10 @@ static void zero_eval_batches(moe_run_options *o) { o->eval_batches = 0; }
 static void negative_eval_every(moe_run_options *o) { o->eval_every = -1; }
 static void negative_save_every(moe_run_options *o) { o->save_every = -5; }
 static void negative_keep_last(moe_run_options *o) { o->keep_last = -1; }
+static void latest_overwrite(moe_run_options *o) {
+    o->resume = MOE_RUN_RESUME_LATEST;
+    o->overwrite = true;
+}
 static void keep_last_eval_only(moe_run_options *o) {
     o->eval_only = true;
     o->keep_last = 2;
@@ -1239,7 +1243,7 @@ Test(train_run, bad_options_name_the_flag) {
         {"--init-from", eval_only_alone}, {"--resume", resume_and_init},
         {"--config", resume_and_config},  {"--profile", profile_eval_only},
         {"--overwrite", overwrite_eval_only}, {"--keep-last", negative_keep_last},
-        {"--keep-last", keep_last_eval_only},
+        {"--keep-last", keep_last_eval_only}, {"--overwrite", latest_overwrite},
         {"--steps", huge_steps},          {"--batch-size", huge_batch},
         {"--grad-accum", huge_accum},     {"--eval-batches", huge_eval_batches},
     };
@@ -1295,6 +1299,42 @@ Test(train_run, keep_last_removes_older_checkpoints, .init = make_tmp, .fini = r
     run_ok(&o, &v);
     cr_expect_str_eq(listing(names, sizeof names, out),
                      "config.json metrics.jsonl run.json step-000005 step-000007 step-000008");
+}
+
+/* --resume latest: a new run while --out has no checkpoint, then each
+ * launch continues from the newest, bit for bit as one uninterrupted run;
+ * a --config other than the checkpoint's is refused naming the field. */
+Test(train_run, resume_latest_restarts_from_the_newest, .init = make_tmp, .fini = remove_tmp) {
+    char cfg[512], other[512], once[512], out[512], a[512], b[512];
+    moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE), tmp_path(once, "once"));
+    o.steps = 6;
+    o.eval_every = 0;
+    o.shuffle = true;
+    seen v;
+    run_ok(&o, &v);
+    o.out_dir = tmp_path(out, "out");
+    o.resume = MOE_RUN_RESUME_LATEST;
+    o.save_every = 2;
+    run_ok(&o, &v);
+    cr_expect(v.steps == 6 && v.last_step == 6, "a new run: %d steps, to %lld", v.steps, (long long)v.last_step);
+    /* A job that died after step 4's checkpoint. */
+    cr_assert_eq(moe_remove_tree(tmp_path(a, "out/step-000006")), MOE_OK, "%s", moe_last_error());
+    run_ok(&o, &v);
+    cr_expect(v.steps == 2 && v.last_step == 6, "restarted: %d steps, to %lld", v.steps, (long long)v.last_step);
+    cr_expect(same_file(tmp_path(a, "once/step-000006/model.safetensors"),
+                        tmp_path(b, "out/step-000006/model.safetensors")),
+              "4 steps + latest + 2 differ from 6 steps");
+    /* Another config: named, and the run left as it was. */
+    moe_model_config c;
+    cr_assert_eq(moe_model_config_load(&c, cfg, NULL, NULL), MOE_OK, "%s", moe_last_error());
+    c.moe_z_loss_coef = 0.25;
+    cr_assert_eq(moe_model_config_save(&c, tmp_path(other, "other.json")), MOE_OK, "%s", moe_last_error());
+    o.config = other;
+    o.steps = 8;
+    moe_run_callbacks cb = callbacks(&v);
+    cr_expect_eq(moe_run(&o, &cb), MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "moe_z_loss_coef") && strstr(moe_last_error(), "step-000006"), "message: %s",
+              moe_last_error());
 }
 
 Test(train_run, missing_data_names_flag_and_file, .init = make_tmp, .fini = remove_tmp) {

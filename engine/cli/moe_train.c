@@ -83,7 +83,10 @@ static void print_help(void) {
            "  --keep-last N        after each checkpoint, remove DIR's older ones but the newest N\n"
            "                       (and one --resume or --init-from reads); 0 = keep all (default)\n"
            "  --resume DIR         continue from checkpoint DIR with the same flags otherwise;\n"
-           "                       the result matches an uninterrupted run bit for bit\n\n",
+           "                       the result matches an uninterrupted run bit for bit; 'latest':\n"
+           "                       from --out's newest checkpoint (--config, if given, must match\n"
+           "                       its config), or a new run when --out has none, so that one\n"
+           "                       command line starts a run and restarts it after a failure\n\n",
            (long long)d.eval_every, (long long)d.eval_batches, d.out_dir, (long long)d.save_every);
     printf("Performance:\n"
            "  --device D           auto: CUDA when a GPU answers, else the CPU (default); cpu;\n"
