@@ -18,6 +18,7 @@
 
 #include "common/rng.h"
 #include "common/clock.h"
+#include "common/median.h"
 #include "common/status.h"
 #include "engine/checkpoint.h"
 #include "engine/data.h"
@@ -687,12 +688,7 @@ static moe_status time_layers(run *r, int64_t layers, double *seconds) {
     moe_model_destroy(m);
     free(tokens);
     if (st != MOE_OK) return moe_error_prefix(st, "--pp-balance measured: a model of %lld layers: ", (long long)layers);
-    for (int i = 1; i < RUN_COST_REPS; i++) /* insertion sort of three */
-        for (int j = i; j > 0 && t[j - 1] > t[j]; j--) {
-            const double x = t[j];
-            t[j] = t[j - 1], t[j - 1] = x;
-        }
-    *seconds = t[RUN_COST_REPS / 2];
+    *seconds = moe_sort_median(t, RUN_COST_REPS);
     return MOE_OK;
 }
 

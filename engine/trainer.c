@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "comm/comm.h"
+#include "common/median.h"
 #include "common/status.h"
 #include "engine/device.h"
 #include "kernels/ops.h"
@@ -625,15 +626,12 @@ static moe_status gather_ranks(moe_trainer *t, double busy, double bytes, moe_st
     for (int r = 0; r < n; r++) {
         if (all[2 * r] > all[2 * slowest]) slowest = r;
         total += all[2 * r + 1];
-        /* Insertion sort: a few ranks to a few thousand, once a step. */
-        int i = r;
-        for (; i > 0 && sorted[i - 1] > all[2 * r]; i--) sorted[i] = sorted[i - 1];
-        sorted[i] = all[2 * r];
+        sorted[r] = all[2 * r];
     }
     m->busy_s = busy;
     m->busy_max_s = all[2 * slowest];
     m->slowest_rank = slowest;
-    m->busy_median_s = sorted[(n - 1) / 2];
+    m->busy_median_s = moe_sort_median(sorted, n);
     m->exchange_bytes = total / n;
     return MOE_OK;
 }
