@@ -31,6 +31,7 @@ static void tiny_config(moe_model_config *c) {
     c->router_jitter_noise = 0.05;
     c->moe_bias_update_rate = 1e-3;
     c->moe_n_shared_experts = 1;
+    c->moe_seq_aux_loss_coef = 0.01;
 }
 
 typedef struct curve {
