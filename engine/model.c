@@ -103,6 +103,8 @@ struct moe_model {
     double *sumsq;        /* [2] the gradient's squares: dense run, experts */
     void *norm_scratch;   /* ops->rmsnorm_scratch_bytes(N, C) */
     float *losses_host;   /* [N] the last forward's losses, downloaded */
+    double *lse_host;     /* [N] their logsumexps, downloaded: the logits' z-loss */
+    double logit_z_coef;  /* the base's: moe_model_set_logit_z_loss */
     float *staging;       /* [max(N, largest tensor)] host values on their way to the backend */
     /* backward scratch */
     float *dres;  /* [N, C] gradient of the residual stream */
@@ -453,11 +455,12 @@ static moe_status build_instance(moe_model *m) {
     for (int64_t i = 0; !m->base && i < m->n_tensors; i++)
         if (m->tensors[i].numel > staging) staging = m->tensors[i].numel;
     m->losses_host = calloc((size_t)m->N, sizeof *m->losses_host);
+    m->lse_host = calloc((size_t)m->N, sizeof *m->lse_host);
     m->staging = malloc((size_t)staging * sizeof *m->staging);
     m->sync_reqs = calloc((size_t)(2 * m->nl + 2), sizeof *m->sync_reqs);
     m->jitter_at = calloc((size_t)m->nl, sizeof *m->jitter_at);
     if (!m->base) m->expert_load = calloc((size_t)((m->nl + 1) * cfg->num_local_experts), sizeof *m->expert_load);
-    if (!m->losses_host || !m->staging || !m->sync_reqs || !m->jitter_at || !m->expert_load)
+    if (!m->losses_host || !m->lse_host || !m->staging || !m->sync_reqs || !m->jitter_at || !m->expert_load)
         return moe_error(MOE_ERR_OUT_OF_MEMORY, "model: host arrays for %lld values", (long long)staging);
     if (!m->base) m->ops->rope_tables(m->cos_t, m->sin_t, m->T, cfg->head_dim, (float)cfg->rope_theta);
     return MOE_OK;
@@ -480,6 +483,7 @@ moe_status moe_model_create_twin(moe_model **out, moe_model *base) {
     m->arena = NULL;
     m->acts = NULL;
     m->losses_host = NULL;
+    m->lse_host = NULL;
     m->staging = NULL;
     m->sync_reqs = NULL;
     m->jitter_at = NULL;
@@ -600,6 +604,7 @@ void moe_model_destroy(moe_model *m) {
     if (m->ops) m->ops->release(m->arena);
     free(m->acts);
     free(m->losses_host);
+    free(m->lse_host);
     free(m->staging);
     if (!m->base) { /* a twin's tables and arrays are its base's */
         free(m->moe_off);
@@ -713,6 +718,8 @@ float *moe_model_router_bias(moe_model *m, int64_t l) {
 }
 
 uint64_t moe_model_jitter_counter(const moe_model *m) { return moe_layer_jitter_counter(m->moe[0]); }
+
+void moe_model_set_logit_z_loss(moe_model *m, double coef) { base_of(m)->logit_z_coef = coef; }
 
 void moe_model_take_expert_load(moe_model *m, int64_t *load) {
     int64_t *counts = base_of(m)->expert_load;
@@ -908,19 +915,25 @@ moe_status moe_model_stage_forward(moe_model *m, const int32_t *inputs, const fl
 
     m->has_targets = targets != NULL;
     m->counted = counted;
+    const double logit_z_coef = base_of(m)->logit_z_coef;
     if (targets) {
         ops->crossentropy_forward(m->losses, m->lse, m->logits, m->targets, N, V);
         MOE_TRY(ops->download(m->losses_host, m->losses, (size_t)N * sizeof(float)));
+        MOE_TRY(ops->download(m->lse_host, m->lse, (size_t)N * sizeof(double)));
     }
     if (stats) {
-        double ce = 0.0;
+        double ce = 0.0, lse2 = 0.0;
         for (int64_t i = 0; targets && i < N; i++)
-            if (targets[i] >= 0) ce += m->losses_host[i];
+            if (targets[i] >= 0) {
+                ce += m->losses_host[i];
+                lse2 += m->lse_host[i] * m->lse_host[i];
+            }
         stats->ce_loss = counted ? ce / (double)counted : 0.0;
+        stats->logit_z_loss = counted ? lse2 / (double)counted : 0.0;
         stats->aux_loss = aux / model_layers;
         stats->seq_aux_loss = seq_aux / model_layers;
         stats->z_loss = z / model_layers;
-        stats->loss = stats->ce_loss + c->router_aux_loss_coef * stats->aux_loss +
+        stats->loss = stats->ce_loss + logit_z_coef * stats->logit_z_loss + c->router_aux_loss_coef * stats->aux_loss +
                       c->moe_seq_aux_loss_coef * stats->seq_aux_loss + c->moe_z_loss_coef * stats->z_loss;
         stats->load_imbalance = imbalance / model_layers;
         stats->rank_imbalance = rank_imbalance / model_layers;
@@ -1048,7 +1061,8 @@ static moe_status head_backward(moe_model *m, float grad_scale) {
     const int64_t tf = m->n_tensors - 2;
     float *dlogits = m->logits;
     m->logits_valid = false;
-    ops->crossentropy_backward(dlogits, m->logits, m->lse, m->targets, m->dloss, N, V);
+    ops->crossentropy_backward(dlogits, m->logits, m->lse, m->targets, m->dloss, (float)base_of(m)->logit_z_coef, N,
+                               V);
     ops->zero(m->dln, (size_t)(N * C) * sizeof(float));
     ops->matmul_backward(m->dln, grad(m, tf + 1), dlogits, m->lnf, param(m, tf + 1), N, C, V);
     ops->zero(m->dres, (size_t)(N * C) * sizeof(float));

@@ -187,8 +187,9 @@ moe_comm *moe_model_job(const moe_model *model);
  * (its layers' sums over the model's layer count, the cross-entropy on the
  * last stage alone), so that the stages' values add up to the model's. */
 typedef struct moe_model_stats {
-    double loss;           /* CE + the coefficients times aux, seq aux and z */
+    double loss;           /* CE + the coefficients times logit z, aux, seq aux and z */
     double ce_loss;        /* mean cross-entropy over the B*T positions */
+    double logit_z_loss;   /* mean over them of logsumexp(logits)^2, before its coefficient (with one or not) */
     double aux_loss;       /* mean over layers, before the coefficient */
     double seq_aux_loss;   /* the sequence-wise one's, the same way (0 outside training) */
     double z_loss;         /* mean over layers, before the coefficient */
@@ -285,6 +286,11 @@ float *moe_model_router_bias(moe_model *model, int64_t layer);
 
 /* Training forwards so far, which pick the jitter noise; restored on resume. */
 uint64_t moe_model_jitter_counter(const moe_model *model);
+
+/* The logits' z-loss (PaLM's): coef times the mean over the counted
+ * targets of logsumexp(logits)^2 joins the loss and its gradient, for the
+ * model and its twins; 0 (the default) is none. The caller checks coef. */
+void moe_model_set_logit_z_loss(moe_model *model, double coef);
 
 /* The experts' load: per layer of this stage, the (token, slot) pairs each
  * expert kept over the global batch, summed over the training forwards of

@@ -228,6 +228,8 @@ moe_status moe_run_options_validate(const moe_run_options *o) {
                          MOE_RUN_THREADS_MAX, omp_get_num_procs());
     if (o->save_every < 0)
         return moe_error(MOE_ERR_CONFIG, "--save-every %lld must not be negative", (long long)o->save_every);
+    if (!(o->logit_z_loss >= 0.0 && o->logit_z_loss <= 1e6))
+        return moe_error(MOE_ERR_CONFIG, "--logit-z-loss %g must be finite and in [0, 1e+06]", o->logit_z_loss);
     if (o->keep_last < 0)
         return moe_error(MOE_ERR_CONFIG, "--keep-last %lld must not be negative", (long long)o->keep_last);
     if (o->eval_every < 0)
@@ -758,6 +760,7 @@ static moe_status build_model(run *r) {
             {"--decay-frac", o->decay_frac, NULL},
             {"--weight-decay", o->weight_decay, NULL},
             {"--grad-clip", o->grad_clip, NULL},           {"--eval-only", (double)o->eval_only, NULL},
+            {"--logit-z-loss", o->logit_z_loss, NULL},
             {"--data (name hash)", moe_grid_text_hash(o->data), NULL},
             {"--val-data (name hash)", o->val_data ? moe_grid_text_hash(o->val_data) : -1.0, NULL},
             /* Ranks that loaded other weights would train a mixture. */
@@ -783,6 +786,7 @@ static moe_status build_model(run *r) {
     par.recompute = o->recompute;
     MOE_TRY(moe_model_create_parallel(&r->model, &r->cfg, o->batch_size, o->seq_len, o->seed, &par));
     moe_model_set_overlap(r->model, o->overlap);
+    moe_model_set_logit_z_loss(r->model, o->logit_z_loss);
     const char *weights = o->init_from ? o->init_from : o->resume;
     if (weights) {
         moe_status st = moe_checkpoint_load_weights(r->model, weights);
@@ -876,6 +880,8 @@ static void write_options(moe_json_writer *w, const moe_run_options *o) {
     moe_json_number(w, o->weight_decay);
     moe_json_key(w, "grad_clip");
     moe_json_number(w, o->grad_clip);
+    moe_json_key(w, "logit_z_loss");
+    moe_json_number(w, o->logit_z_loss);
     moe_json_key(w, "grad_accum");
     moe_json_int(w, o->grad_accum);
     moe_json_key(w, "seed");
@@ -1060,7 +1066,8 @@ static moe_status log_step(run *r, const moe_run_step *s) {
         const char *key;
         double value;
     } fields[] = {
-        {"loss", m->loss},         {"ce_loss", m->ce_loss},     {"aux_loss", m->aux_loss},
+        {"loss", m->loss},         {"ce_loss", m->ce_loss},     {"logit_z_loss", m->logit_z_loss},
+        {"aux_loss", m->aux_loss},
         {"seq_aux_loss", m->seq_aux_loss},
         {"z_loss", m->z_loss},     {"lr", m->lr},               {"grad_norm", m->grad_norm},
         {"tokens_per_s", s->tokens_per_s}, {"mfu", s->mfu},     {"load_imbalance", m->load_imbalance},

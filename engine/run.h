@@ -87,6 +87,7 @@ typedef struct moe_run_options {
     double decay_frac;     /* --decay-frac: wsd's decay, a share of the steps after warm-up */
     double weight_decay;   /* --weight-decay */
     double grad_clip;      /* --grad-clip; 0 = off */
+    double logit_z_loss;   /* --logit-z-loss: the logits' z-loss coefficient (moe_model_set_logit_z_loss); 0 = off */
     int64_t grad_accum;    /* --grad-accum micro-batches per step */
     uint64_t seed;         /* --seed: initial weights, synthetic streams, shuffle, jitter */
     int threads;           /* --threads; 0: OpenMP's default (OMP_NUM_THREADS, else every core);

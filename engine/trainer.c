@@ -351,13 +351,14 @@ int64_t moe_trainer_activation_bytes(const moe_trainer *t) {
 
 /* Each rank's losses are means over its rows; the step's are over the world
  * (every rank has the same number of rows). */
-static moe_status world_mean(moe_model *model, double *a, double *b) {
+/* The loss terms each rank takes over its own tokens, the ranks' mean. */
+static moe_status world_mean(moe_model *model, moe_model_stats *s) {
     moe_comm *world = moe_model_world(model);
     if (!world) return MOE_OK;
-    double v[2] = {*a, *b};
-    MOE_TRY(moe_comm_allreduce_sum(world, v, 2, MOE_COMM_F64));
-    *a = v[0] / moe_model_world_size(model);
-    *b = v[1] / moe_model_world_size(model);
+    double v[3] = {s->loss, s->ce_loss, s->logit_z_loss};
+    MOE_TRY(moe_comm_allreduce_sum(world, v, 3, MOE_COMM_F64));
+    const double n = moe_model_world_size(model);
+    s->loss = v[0] / n, s->ce_loss = v[1] / n, s->logit_z_loss = v[2] / n;
     return MOE_OK;
 }
 
@@ -582,12 +583,13 @@ static moe_status stage_backward(moe_trainer *t, int64_t micro, bool sync, float
 static moe_status pipeline_sum(moe_model *model, moe_model_stats *s, double *idle) {
     const moe_model_stage stage = moe_model_get_stage(model);
     if (!stage.pipe) return MOE_OK;
-    double v[9] = {s->loss,           s->ce_loss,        s->aux_loss,      s->seq_aux_loss, s->z_loss,
-                   s->load_imbalance, s->rank_imbalance, s->dropped_frac, *idle};
-    MOE_TRY(moe_comm_allreduce_sum(stage.pipe, v, 9, MOE_COMM_F64));
-    *s = (moe_model_stats){.loss = v[0], .ce_loss = v[1], .aux_loss = v[2], .seq_aux_loss = v[3], .z_loss = v[4],
-                           .load_imbalance = v[5], .rank_imbalance = v[6], .dropped_frac = v[7]};
-    *idle = v[8] / stage.count;
+    double v[10] = {s->loss,           s->ce_loss,        s->logit_z_loss,  s->aux_loss, s->seq_aux_loss,
+                    s->z_loss,         s->load_imbalance, s->rank_imbalance, s->dropped_frac, *idle};
+    MOE_TRY(moe_comm_allreduce_sum(stage.pipe, v, 10, MOE_COMM_F64));
+    *s = (moe_model_stats){.loss = v[0], .ce_loss = v[1], .logit_z_loss = v[2], .aux_loss = v[3],
+                           .seq_aux_loss = v[4], .z_loss = v[5], .load_imbalance = v[6], .rank_imbalance = v[7],
+                           .dropped_frac = v[8]};
+    *idle = v[9] / stage.count;
     return MOE_OK;
 }
 
@@ -672,6 +674,7 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
             if (i == 0) moe_model_zero_grad(model);
             sum.loss += s.loss;
             sum.ce_loss += s.ce_loss;
+            sum.logit_z_loss += s.logit_z_loss;
             sum.aux_loss += s.aux_loss;
             sum.seq_aux_loss += s.seq_aux_loss;
             sum.z_loss += s.z_loss;
@@ -714,7 +717,7 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
 
     MOE_TRY(moe_model_finish_grad_sync(model));
     if (t->sharded) MOE_TRY(scatter_grads(t));
-    MOE_TRY(world_mean(model, &sum.loss, &sum.ce_loss));
+    MOE_TRY(world_mean(model, &sum));
     MOE_TRY(pipeline_sum(model, &sum, &idle));
     MOE_TRY(gather_load(t));
 
@@ -736,7 +739,7 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
     const double a = (double)c->grad_accum;
     moe_step_metrics m = {
         .step = t->steps_done, .loss = sum.loss / a, .ce_loss = sum.ce_loss / a, .aux_loss = sum.aux_loss / a,
-        .seq_aux_loss = sum.seq_aux_loss / a,
+        .logit_z_loss = sum.logit_z_loss / a, .seq_aux_loss = sum.seq_aux_loss / a,
         .z_loss = sum.z_loss / a, .lr = lr, .grad_norm = norm, .load_imbalance = sum.load_imbalance / a,
         .rank_imbalance = sum.rank_imbalance / a,
         .dropped_frac = sum.dropped_frac / a, .pipeline_idle = stage.pipe ? idle : 0.0};
@@ -772,9 +775,8 @@ moe_status moe_trainer_eval(moe_trainer *t, moe_data *data, int64_t n_batches, d
     moe_status restore = moe_data_set_position(data, saved);
     if (st != MOE_OK) return st;
     MOE_TRY(restore);
-    double unused = 0.0;
-    MOE_TRY(world_mean(model, &total, &unused));
     moe_model_stats sum = {.ce_loss = total};
+    MOE_TRY(world_mean(model, &sum));
     double idle = 0.0;
     MOE_TRY(pipeline_sum(model, &sum, &idle));
     *val_loss = sum.ce_loss / (double)n_batches;

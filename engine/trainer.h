@@ -84,7 +84,7 @@ void moe_trainer_destroy(moe_trainer *trainer);
 
 typedef struct moe_step_metrics {
     int64_t step;          /* steps done after this one */
-    double loss, ce_loss, aux_loss, seq_aux_loss, z_loss;
+    double loss, ce_loss, logit_z_loss, aux_loss, seq_aux_loss, z_loss;
     double lr;
     double grad_norm;      /* before clipping */
     double load_imbalance;

@@ -64,7 +64,8 @@
     X(crossentropy_forward, (float *losses, double *lse, const float *logits, const int32_t *targets, int64_t N, \
         int64_t V), (losses, lse, logits, targets, N, V))                                                        \
     X(crossentropy_backward, (float *dlogits, const float *logits, const double *lse, const int32_t *targets,    \
-        const float *dloss, int64_t N, int64_t V), (dlogits, logits, lse, targets, dloss, N, V))                 \
+        const float *dloss, float z_coef, int64_t N, int64_t V), (dlogits, logits, lse, targets, dloss, z_coef,  \
+        N, V))                                                                                                   \
     X(residual_forward, (float *out, const float *a, const float *b, int64_t n), (out, a, b, n))                 \
     X(residual_backward, (float *da, float *db, const float *dout, int64_t n), (da, db, dout, n))                \
     X(multiply, (float *out, const float *a, const float *b, int64_t n), (out, a, b, n))                         \

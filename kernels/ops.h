@@ -212,8 +212,11 @@ typedef struct moe_ops {
                              int64_t Hq, int64_t Hkv, int64_t hd);
     void (*crossentropy_forward)(float *losses, double *lse, const float *logits, const int32_t *targets, int64_t N,
                                  int64_t V);
+    /* The gradient of sum_n dloss[n] (CE_n + z_coef lse_n^2) over the rows
+     * whose target is not negative: the logits' z-loss (PaLM's) rides on
+     * each row's weight. */
     void (*crossentropy_backward)(float *dlogits, const float *logits, const double *lse, const int32_t *targets,
-                                  const float *dloss, int64_t N, int64_t V);
+                                  const float *dloss, float z_coef, int64_t N, int64_t V);
     void (*residual_forward)(float *out, const float *a, const float *b, int64_t n);
     void (*residual_backward)(float *da, float *db, const float *dout, int64_t n);
     /* out[i] = a[i] * b[i]; out may be a or b. */

@@ -146,11 +146,13 @@ typedef struct ref_model {
     int64_t final_norm;  /* [C] */
     int64_t lm_head;     /* [V, C] */
     ref_model_layer *layers; /* [L] */
+    double logit_z_coef;     /* the logits' z-loss (moe_model_set_logit_z_loss) */
 } ref_model;
 
 typedef struct ref_model_loss {
-    double loss;    /* ce + aux_coef * aux + seq_aux_coef * seq_aux + z_coef * z */
+    double loss;    /* ce + the coefficients times logit_z, aux, seq_aux and z */
     double ce;      /* mean over positions whose target is >= 0 */
+    double logit_z; /* mean over them of logsumexp(logits)^2 */
     double aux;     /* mean over layers of E * sum_e f_e P_e */
     double seq_aux; /* the same of the per-sequence sums' mean */
     double z;       /* mean over layers of mean_t lse_t^2 */
@@ -336,7 +338,7 @@ static inline double ref_model_forward(ref_model *r, ref_model_loss *out, double
         z += ly->route.z / (double)L;
     }
     ref_rmsnorm(h, x, p + r->final_norm, c->rms_norm_eps, N, C);
-    double ce = 0.0;
+    double ce = 0.0, logit_z = 0.0;
     int64_t counted = 0;
     for (int64_t n = 0; n < N; n++) {
         if (losses) losses[n] = 0.0;
@@ -345,12 +347,14 @@ static inline double ref_model_forward(ref_model *r, ref_model_loss *out, double
         double mx = -INFINITY, sum = 0.0;
         for (int64_t j = 0; j < V; j++) mx = fmax(mx, logits[j]);
         for (int64_t j = 0; j < V; j++) sum += exp(logits[j] - mx);
-        const double loss = mx + log(sum) - logits[targets[n]];
+        const double lse = mx + log(sum), loss = lse - logits[targets[n]];
         if (losses) losses[n] = loss;
         ce += loss;
+        logit_z += lse * lse;
         counted++;
     }
     ce = counted ? ce / (double)counted : 0.0;
+    logit_z = counted ? logit_z / (double)counted : 0.0;
     free(x);
     free(h);
     free(y);
@@ -359,8 +363,11 @@ static inline double ref_model_forward(ref_model *r, ref_model_loss *out, double
     free(v);
     free(att);
     free(logits);
-    const double total = ce + c->router_aux_loss_coef * aux + c->moe_seq_aux_loss_coef * seq_aux + c->moe_z_loss_coef * z;
-    if (out) *out = (ref_model_loss){.loss = total, .ce = ce, .aux = aux, .seq_aux = seq_aux, .z = z};
+    const double total = ce + r->logit_z_coef * logit_z + c->router_aux_loss_coef * aux +
+                         c->moe_seq_aux_loss_coef * seq_aux + c->moe_z_loss_coef * z;
+    if (out)
+        *out = (ref_model_loss){
+            .loss = total, .ce = ce, .logit_z = logit_z, .aux = aux, .seq_aux = seq_aux, .z = z};
     return total;
 }
 

@@ -1299,10 +1299,10 @@ Test(cuda, crossentropy_adamw_sumsq) {
         cr_expect(fabs(got_lse[n] - lse[n]) <= 1e-6 * fabs(lse[n]) + 1e-9,
                   "crossentropy lse[%lld] = %.12g, cpu %.12g", (long long)n, got_lse[n], lse[n]);
     float *dloss = rnd(N, &rng, 0.01, 0.1), *dlogits = ref_alloc((size_t)(N * V) * sizeof *dlogits);
-    cpu->crossentropy_backward(dlogits, logits, lse, targets, dloss, N, V);
-    /* In place, as the trainer calls it: dlogits is logits. */
+    cpu->crossentropy_backward(dlogits, logits, lse, targets, dloss, 0.01f, N, V);
+    /* In place, as the trainer calls it: dlogits is logits; with a z-loss. */
     CHECK(moe_cuda_crossentropy_backward(d_logits, d_logits, dput(lse, sizeof lse), d_tgt,
-                                         dput(dloss, (size_t)N * sizeof(float)), N, V, ctx));
+                                         dput(dloss, (size_t)N * sizeof(float)), 0.01f, N, V, ctx));
     expect_dev("crossentropy_backward (in place)", d_logits, dlogits, N * V, TOL_F32);
 
     const int64_t n = 100003;

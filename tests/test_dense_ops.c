@@ -483,12 +483,16 @@ typedef struct xent_ctx {
     const double *z, *dloss;
     const int32_t *targets;
     int64_t N, V;
+    double z_coef; /* the logits' z-loss, lse^2 per counted row */
 } xent_ctx;
 
 static double xent_loss(const void *vctx) {
     const xent_ctx *c = vctx;
     double s = 0.0, lse;
-    for (int64_t n = 0; n < c->N; n++) s += c->dloss[n] * ref_xent_row(c->z + n * c->V, c->V, c->targets[n], &lse);
+    for (int64_t n = 0; n < c->N; n++) {
+        const double ce = ref_xent_row(c->z + n * c->V, c->V, c->targets[n], &lse);
+        if (c->targets[n] >= 0) s += c->dloss[n] * (ce + c->z_coef * lse * lse);
+    }
     return s;
 }
 
@@ -507,23 +511,29 @@ Test(dense, crossentropy) {
                   (long long)n, lse[n], lse_ref[n]);
 
     float *dloss = rand_floats(N, &r, 0.05, 0.2), *dz = xcalloc(N * V, sizeof(float));
-    for (int64_t i = 0; i < N * V; i++) dz[i] = NAN; /* written, not accumulated */
-    moe_cpu_crossentropy_backward(dz, z, lse, targets, dloss, N, V);
     double *dlossd = to_double(dloss, N);
-    xent_ctx ctx = {zd, dlossd, targets, N, V};
-    double *fd = fd_grad(zd, N * V, xent_loss, &ctx), *got = to_double(dz, N * V);
-    expect_grad("crossentropy dlogits", got, fd, N * V);
-    for (int64_t j = 0; j < V; j++)
-        cr_expect(dz[3 * V + j] == 0.0f, "ignored row 3 has dlogits[%lld] = %g", (long long)j,
-                  (double)dz[3 * V + j]);
-
-    /* In place over the logits: the same bits. */
     float *zi = copy_floats(z, N * V);
-    moe_cpu_crossentropy_backward(zi, zi, lse, targets, dloss, N, V);
-    cr_expect(memcmp(zi, dz, (size_t)(N * V) * sizeof(float)) == 0,
-              "in-place crossentropy backward differs from out-of-place");
-    free(z), free(losses), free(lse), free(zd), free(dloss), free(dz), free(dlossd), free(fd),
-        free(got), free(zi);
+    /* Without and with the logits' z-loss (PaLM's 1e-4 would hide in the
+     * tolerance: 0.05). */
+    for (int with_z = 0; with_z < 2; with_z++) {
+        const float z_coef = with_z ? 0.05f : 0.0f;
+        for (int64_t i = 0; i < N * V; i++) dz[i] = NAN; /* written, not accumulated */
+        moe_cpu_crossentropy_backward(dz, z, lse, targets, dloss, z_coef, N, V);
+        xent_ctx ctx = {zd, dlossd, targets, N, V, z_coef};
+        double *fd = fd_grad(zd, N * V, xent_loss, &ctx), *got = to_double(dz, N * V);
+        expect_grad(with_z ? "crossentropy dlogits with a z-loss" : "crossentropy dlogits", got, fd, N * V);
+        for (int64_t j = 0; j < V; j++)
+            cr_expect(dz[3 * V + j] == 0.0f, "ignored row 3 has dlogits[%lld] = %g", (long long)j,
+                      (double)dz[3 * V + j]);
+        free(fd), free(got);
+
+        /* In place over the logits: the same bits. */
+        memcpy(zi, z, (size_t)(N * V) * sizeof *zi);
+        moe_cpu_crossentropy_backward(zi, zi, lse, targets, dloss, z_coef, N, V);
+        cr_expect(memcmp(zi, dz, (size_t)(N * V) * sizeof(float)) == 0,
+                  "in-place crossentropy backward differs from out-of-place");
+    }
+    free(z), free(losses), free(lse), free(zd), free(dloss), free(dz), free(dlossd), free(zi);
 }
 
 /* Logits near 1e4 overflow a naive exp; max-subtraction keeps them finite,
@@ -538,7 +548,7 @@ Test(dense, crossentropy_large_logits) {
     float losses[3], dloss[3] = {1.0f, 1.0f, 1.0f}, *dz = xcalloc(N * V, sizeof(float));
     double lse[3];
     moe_cpu_crossentropy_forward(losses, lse, z, targets, N, V);
-    moe_cpu_crossentropy_backward(dz, z, lse, targets, dloss, N, V);
+    moe_cpu_crossentropy_backward(dz, z, lse, targets, dloss, 0.0f, N, V);
     double *zd = to_double(z, N * V), loss_ref[3], dz_ref[33];
     for (int64_t n = 0; n < N; n++) {
         double l;

@@ -58,16 +58,18 @@ typedef struct grad_case {
     int ignored_targets; /* positions whose target is -1 */
     uint64_t seed;
     double seq_aux_coef; /* the sequence-wise balancing loss's coefficient */
+    double logit_z_coef; /* the logits' z-loss coefficient */
 } grad_case;
 
 static const grad_case CASES[] = {
-    {"softmax_topk", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 0, 11, 0.0},
-    {"topk_softmax", MOE_GATE_TOPK_SOFTMAX, 0.0, 0, 0, 12, 0.0},
-    {"sigmoid", MOE_GATE_SIGMOID, 0.0, 0, 0, 13, 0.0},
-    {"capacity_1", MOE_GATE_SOFTMAX_TOPK, 1.0, 0, 0, 14, 0.0},
-    {"shared_experts", MOE_GATE_SOFTMAX_TOPK, 0.0, 1, 0, 15, 0.0},
-    {"ignored_targets", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 2, 16, 0.0},
-    {"sequence_wise_balancing", MOE_GATE_SIGMOID, 0.0, 0, 0, 17, 0.3},
+    {"softmax_topk", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 0, 11, 0.0, 0.0},
+    {"topk_softmax", MOE_GATE_TOPK_SOFTMAX, 0.0, 0, 0, 12, 0.0, 0.0},
+    {"sigmoid", MOE_GATE_SIGMOID, 0.0, 0, 0, 13, 0.0, 0.0},
+    {"capacity_1", MOE_GATE_SOFTMAX_TOPK, 1.0, 0, 0, 14, 0.0, 0.0},
+    {"shared_experts", MOE_GATE_SOFTMAX_TOPK, 0.0, 1, 0, 15, 0.0, 0.0},
+    {"ignored_targets", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 2, 16, 0.0, 0.0},
+    {"sequence_wise_balancing", MOE_GATE_SIGMOID, 0.0, 0, 0, 17, 0.3, 0.0},
+    {"logit_z_loss", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 1, 18, 0.0, 0.05},
 };
 #define N_CASES ((int)(sizeof CASES / sizeof *CASES))
 
@@ -103,6 +105,8 @@ static void fx_create(fx *f, const grad_case *gc) {
     /* Spread over both sequences, and never all of them. */
     for (int i = 0; i < gc->ignored_targets; i++) f->targets[(3 + 4 * i) % N_POS] = -1;
     ref_model_init(&f->ref, f->m);
+    moe_model_set_logit_z_loss(f->m, gc->logit_z_coef);
+    f->ref.logit_z_coef = gc->logit_z_coef;
 }
 
 static void fx_destroy(fx *f) {
@@ -138,7 +142,7 @@ static void check_forward(const grad_case *gc) {
         double got, ref;
     } terms[] = {{"loss", st.loss, ref.loss}, {"ce_loss", st.ce_loss, ref.ce},
                  {"aux_loss", st.aux_loss, ref.aux}, {"z_loss", st.z_loss, ref.z},
-                 {"seq_aux_loss", st.seq_aux_loss, ref.seq_aux}};
+                 {"seq_aux_loss", st.seq_aux_loss, ref.seq_aux}, {"logit_z_loss", st.logit_z_loss, ref.logit_z}};
     for (size_t i = 0; i < sizeof terms / sizeof *terms; i++)
         cr_expect(rel_err(terms[i].got, terms[i].ref) <= LOSS_RTOL, "%s: %s %.9g, reference %.9g (rel err %.3g > %.1g)",
                   gc->name, terms[i].what, terms[i].got, terms[i].ref, rel_err(terms[i].got, terms[i].ref), LOSS_RTOL);
@@ -286,6 +290,7 @@ Test(model_grad, capacity_factor_1) { check_gradients(&CASES[3]); }
 Test(model_grad, shared_experts) { check_gradients(&CASES[4]); }
 Test(model_grad, ignored_targets) { check_gradients(&CASES[5]); }
 Test(model_grad, sequence_wise_balancing) { check_gradients(&CASES[6]); }
+Test(model_grad, logit_z_loss) { check_gradients(&CASES[7]); }
 
 /* ---------------------------------------------------------- grad_scale */
 

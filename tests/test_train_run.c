@@ -231,8 +231,9 @@ Test(train_run, synthetic_loss_falls, .init = make_tmp, .fini = remove_tmp) {
     char path[512];
     size_t size;
     char *text = read_file(tmp_path(path, "out/metrics.jsonl"), &size);
-    static const char *const step_keys[] = {"step", "loss", "aux_loss", "z_loss", "lr", "grad_norm",
-                                            "tokens_per_s", "mfu", "load_imbalance", "dropped_frac"};
+    static const char *const step_keys[] = {"step",      "loss",         "logit_z_loss", "aux_loss",
+                                            "seq_aux_loss", "z_loss",    "lr",           "grad_norm",
+                                            "tokens_per_s", "mfu",       "load_imbalance", "dropped_frac"};
     int step_lines = 0, eval_lines = 0;
     for (char *line = strtok(text, "\n"); line; line = strtok(NULL, "\n")) {
         moe_json_doc *doc;
@@ -1193,6 +1194,7 @@ static void zero_eval_batches(moe_run_options *o) { o->eval_batches = 0; }
 static void negative_eval_every(moe_run_options *o) { o->eval_every = -1; }
 static void negative_save_every(moe_run_options *o) { o->save_every = -5; }
 static void negative_keep_last(moe_run_options *o) { o->keep_last = -1; }
+static void nan_logit_z(moe_run_options *o) { o->logit_z_loss = NAN; }
 static void latest_overwrite(moe_run_options *o) {
     o->resume = MOE_RUN_RESUME_LATEST;
     o->overwrite = true;
@@ -1244,6 +1246,7 @@ Test(train_run, bad_options_name_the_flag) {
         {"--config", resume_and_config},  {"--profile", profile_eval_only},
         {"--overwrite", overwrite_eval_only}, {"--keep-last", negative_keep_last},
         {"--keep-last", keep_last_eval_only}, {"--overwrite", latest_overwrite},
+        {"--logit-z-loss", nan_logit_z},
         {"--steps", huge_steps},          {"--batch-size", huge_batch},
         {"--grad-accum", huge_accum},     {"--eval-batches", huge_eval_batches},
     };

@@ -66,6 +66,8 @@ static void print_help(void) {
            "  --decay-frac X       wsd's decay, a share of the steps after warm-up (default %g)\n"
            "  --weight-decay X     decoupled, on matrices only (default %g)\n"
            "  --grad-clip X        clip the global gradient norm to X; 0 = off (default %g)\n"
+           "  --logit-z-loss X     add X times the mean of logsumexp(logits)^2 to the loss (PaLM's\n"
+           "                       z-loss, which keeps the logits from drifting; 1e-4 there); 0 = off\n"
            "  --grad-accum N       micro-batches per step (default %lld)\n"
            "  --seed N             initial weights, synthetic data, shuffle, jitter (default %llu)\n\n",
            (long long)d.steps, d.lr, d.min_lr, (long long)d.warmup, moe_lr_schedule_name(d.lr_schedule),
@@ -158,6 +160,7 @@ static const cli_flag flags[] = {
     {"--decay-frac", CLI_REAL, OPT(decay_frac), NULL},
     {"--weight-decay", CLI_REAL, OPT(weight_decay), NULL},
     {"--grad-clip", CLI_REAL, OPT(grad_clip), NULL},     {"--grad-accum", CLI_INT, OPT(grad_accum), NULL},
+    {"--logit-z-loss", CLI_REAL, OPT(logit_z_loss), NULL},
     {"--seed", CLI_SEED, OPT(seed), NULL},               {"--threads", CLI_THREADS, OPT(threads), NULL},
     {"--out", CLI_STRING, OPT(out_dir), NULL},           {"--save-every", CLI_INT, OPT(save_every), NULL},
     {"--keep-last", CLI_INT, OPT(keep_last), NULL},

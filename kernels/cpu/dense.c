@@ -179,7 +179,7 @@ void moe_cpu_crossentropy_forward(float *losses, double *lse, const float *logit
 /* No restrict: dlogits may be logits, and each element is read once, just
  * before it is overwritten. */
 void moe_cpu_crossentropy_backward(float *dlogits, const float *logits, const double *lse,
-                                   const int32_t *targets, const float *dloss, int64_t N,
+                                   const int32_t *targets, const float *dloss, float z_coef, int64_t N,
                                    int64_t V) {
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
@@ -188,7 +188,8 @@ void moe_cpu_crossentropy_backward(float *dlogits, const float *logits, const do
         const int32_t tgt = targets[n];
         const float w = tgt < 0 ? 0.0f : dloss[n];
         const double l = lse[n];
-        for (int64_t j = 0; j < V; j++) dz[j] = w * moe_expf((float)((double)z[j] - l));
+        const float wp = w * (1.0f + 2.0f * z_coef * (float)l); /* the probabilities' weight */
+        for (int64_t j = 0; j < V; j++) dz[j] = wp * moe_expf((float)((double)z[j] - l));
         if (tgt >= 0) dz[tgt] -= w;
     }
 }

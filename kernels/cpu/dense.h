@@ -119,16 +119,18 @@ void moe_cpu_crossentropy_forward(float *losses,          /* [N] */
                                   const float *logits,    /* [N, V] */
                                   const int32_t *targets, /* [N] */
                                   int64_t N, int64_t V);
-/* dlogits = (softmax(logits) - onehot(target)) * dloss[n]; dloss[n] is the
- * weight of row n in the total loss (1/N for a mean). WRITES dlogits, and
- * dlogits may be logits itself: the logits' only consumer is this loss, so
- * the gradient can take their memory. */
+/* dlogits = (softmax(logits) (1 + 2 z_coef lse[n]) - onehot(target)) *
+ * dloss[n], the gradient of dloss[n] (CE_n + z_coef lse_n^2); dloss[n] is
+ * the weight of row n in the total loss (1/N for a mean), rows with a
+ * negative target none. WRITES dlogits, and dlogits may be logits itself:
+ * the logits' only consumer is this loss, so the gradient can take their
+ * memory. */
 void moe_cpu_crossentropy_backward(float *dlogits,         /* [N, V], may alias logits */
                                    const float *logits,    /* [N, V] */
                                    const double *lse,      /* [N] */
                                    const int32_t *targets, /* [N] */
                                    const float *dloss,     /* [N] */
-                                   int64_t N, int64_t V);
+                                   float z_coef, int64_t N, int64_t V);
 
 /* out = a + b elementwise; out may be a or b. */
 void moe_cpu_residual_forward(float *out, const float *a, const float *b, int64_t n);

@@ -326,10 +326,10 @@ static void table_crossentropy_forward(float *losses, double *lse, const float *
 }
 
 static void table_crossentropy_backward(float *dlogits, const float *logits, const double *lse,
-                                        const int32_t *targets, const float *dloss, int64_t N,
-                                        int64_t V) {
-    RUN("crossentropy_backward",
-        moe_cuda_crossentropy_backward(dlogits, logits, lse, targets, dloss, N, V, bound.ctx));
+                                        const int32_t *targets, const float *dloss, float z_coef,
+                                        int64_t N, int64_t V) {
+    RUN("crossentropy_backward", moe_cuda_crossentropy_backward(dlogits, logits, lse, targets, dloss,
+                                                                z_coef, N, V, bound.ctx));
 }
 
 static void table_residual_forward(float *out, const float *a, const float *b, int64_t n) {

@@ -351,8 +351,8 @@ moe_status moe_cuda_crossentropy_forward(float *losses, double *lse, const float
                                          const int32_t *targets, int64_t N, int64_t V,
                                          moe_cuda_ctx *ctx);
 moe_status moe_cuda_crossentropy_backward(float *dlogits, const float *logits, const double *lse,
-                                          const int32_t *targets, const float *dloss, int64_t N,
-                                          int64_t V, moe_cuda_ctx *ctx);
+                                          const int32_t *targets, const float *dloss, float z_coef,
+                                          int64_t N, int64_t V, moe_cuda_ctx *ctx);
 moe_status moe_cuda_residual_forward(float *out, const float *a, const float *b, int64_t n,
                                      moe_cuda_ctx *ctx);
 moe_status moe_cuda_residual_backward(float *da, float *db, const float *dout, int64_t n,

@@ -307,15 +307,17 @@ extern "C" moe_status moe_cuda_crossentropy_forward(float *losses, double *lse, 
  * logits: each element is read, then written, by one thread. */
 static __global__ void crossentropy_backward_kernel(float *dlogits, const float *logits,
                                                     const double *lse, const int32_t *targets,
-                                                    const float *dloss, int64_t N, int64_t V) {
+                                                    const float *dloss, float z_coef, int64_t N,
+                                                    int64_t V) {
     for (int64_t n = blockIdx.x; n < N; n += gridDim.x) {
         const int32_t tgt = targets[n];
         const float w = tgt < 0 ? 0.0f : dloss[n];
         const double l = lse[n];
+        const float wp = w * (1.0f + 2.0f * z_coef * (float)l); /* as on the CPU */
         const float *z = logits + n * V;
         float *dz = dlogits + n * V;
         for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
-            float g = w * moe_expf((float)((double)z[j] - l));
+            float g = wp * moe_expf((float)((double)z[j] - l));
             if (j == tgt) g -= w;
             dz[j] = g;
         }
@@ -324,11 +326,11 @@ static __global__ void crossentropy_backward_kernel(float *dlogits, const float 
 
 extern "C" moe_status moe_cuda_crossentropy_backward(float *dlogits, const float *logits,
                                                      const double *lse, const int32_t *targets,
-                                                     const float *dloss, int64_t N, int64_t V,
-                                                     moe_cuda_ctx *ctx) {
+                                                     const float *dloss, float z_coef, int64_t N,
+                                                     int64_t V, moe_cuda_ctx *ctx) {
     if (N * V <= 0) return MOE_OK;
     crossentropy_backward_kernel<<<moe_cuda_grid(N, 1, ctx), MOE_CUDA_THREADS, 0, ctx->stream>>>(
-        dlogits, logits, lse, targets, dloss, N, V);
+        dlogits, logits, lse, targets, dloss, z_coef, N, V);
     MOE_CUDA_CHECK(cudaGetLastError());
     return MOE_OK;
 }
