@@ -486,6 +486,9 @@ static int64_t global_offset(const moe_layer *L, int64_t v) {
 }
 
 moe_status moe_layer_init_params(moe_layer *L, float std, uint64_t seed, uint64_t stream) {
+    MOE_NOT_NULL("moe_layer_init_params", "layer", L);
+    if (!isfinite(std))
+        return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_init_params: std=%g must be finite", (double)std);
     for (int64_t v = 0; v < L->n_tensors; v++) {
         const moe_tensor_view *view = &L->views[v];
         const int64_t base = global_offset(L, v), n = view->rows * view->cols;
@@ -588,14 +591,17 @@ moe_status moe_layer_create_mpi(moe_layer **out, const moe_layer_config *cfg, co
     moe_comm *ep = NULL;
     moe_status st = moe_comm_mpi_create_from(&ep, mpi_comm);
     if (st != MOE_OK) return moe_error_prefix(st, "moe_layer_create_mpi: ");
-    /* Ranks of other configs would exchange rows of other shapes. */
+    /* Ranks of other configs would exchange rows of other shapes. Settings
+     * that mean the same compare alike: renormalize matters to softmax_topk
+     * alone, and 0 or 1 groups are none. */
+    const bool groups = cfg->n_groups > 1;
     const moe_agree_field fields[] = {
         {"d_model", (double)cfg->d_model, NULL},
         {"d_ff", (double)cfg->d_ff, NULL},
         {"n_experts", (double)cfg->n_experts, NULL},
         {"top_k", (double)cfg->top_k, NULL},
         {"gate", (double)cfg->gate, moe_gate_kind_name},
-        {"renormalize", (double)(cfg->renormalize != 0), NULL},
+        {"renormalize", cfg->gate == MOE_GATE_SOFTMAX_TOPK ? (double)(cfg->renormalize != 0) : 1.0, NULL},
         {"capacity_factor", cfg->capacity_factor, NULL},
         {"aux_loss_coef", cfg->aux_loss_coef, NULL},
         {"seq_aux_loss_coef", cfg->seq_aux_loss_coef, NULL},
@@ -604,8 +610,8 @@ moe_status moe_layer_create_mpi(moe_layer **out, const moe_layer_config *cfg, co
         {"bias_update_rate", cfg->bias_update_rate, NULL},
         {"n_shared_experts", (double)cfg->n_shared_experts, NULL},
         {"jitter_eps", cfg->jitter_eps, NULL},
-        {"n_groups", (double)cfg->n_groups, NULL},
-        {"top_groups", (double)cfg->top_groups, NULL},
+        {"n_groups", groups ? (double)cfg->n_groups : 0.0, NULL},
+        {"top_groups", groups ? (double)cfg->top_groups : 0.0, NULL},
         {"routed_scale", cfg->routed_scale > 0.0 ? cfg->routed_scale : 1.0, NULL},
         {"seed (high 32 bits)", (double)(cfg->seed >> 32), NULL},
         {"seed (low 32 bits)", (double)(cfg->seed & 0xFFFFFFFFu), NULL},
@@ -964,6 +970,8 @@ static void alias_rows(moe_layer *L) {
 /* The forward's arrays for T tokens, its activations now this layer's. */
 static moe_status carve_tokens(moe_layer *L, int64_t T) {
     MOE_TRY(check_tokens(L, T));
+    /* In evaluation too, so that training at the same T allocates nothing. */
+    if (seq_aux_len(&L->cfg)) MOE_TRY(grow_seq_host(L, T / seq_aux_len(&L->cfg)));
     MOE_TRY(carve_block(L, BLOCK_CHOICES, T));
     MOE_TRY(carve_block(L, BLOCK_TOKENS, T));
     L->blocks[BLOCK_TOKENS]->holder = L;
@@ -1565,8 +1573,7 @@ static moe_status seq_aux_stats(moe_layer *L, int64_t T) {
     const moe_layer_config *c = &L->cfg;
     const int64_t E = c->n_experts;
     L->seqs = seq_aux_len(c) && L->training ? T / c->seq_len : 0;
-    if (!L->seqs) return MOE_OK;
-    MOE_TRY(grow_seq_host(L, L->seqs));
+    if (!L->seqs) return MOE_OK; /* seq_host is carve_tokens' */
     const moe_gate_params gp = gate_params(L);
     L->ops->gate_seq_stats(L->seq_stats, L->topk_idx, L->prob, &gp, T);
     return L->ops->download(L->seq_host, L->seq_stats, (size_t)(L->seqs * 2 * E) * sizeof(float));
@@ -1593,6 +1600,9 @@ moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, 
         MOE_NOT_NULL("moe_layer_forward", "y", y);
         MOE_NOT_NULL("moe_layer_forward", "x", x);
     }
+    /* Until this forward succeeds, no backward may differentiate the last
+     * one: carving may already replace its router choices. */
+    L->forward_done = false;
     if (L->training && seq_aux_len(&L->cfg) && T % L->cfg.seq_len)
         return moe_error(MOE_ERR_INVALID_ARG,
                          "moe_layer_forward: T=%lld is not a multiple of seq_len=%lld, which the sequence-wise "
@@ -1617,7 +1627,6 @@ moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, 
     const moe_layer_config *c = &L->cfg;
     const moe_ops *ops = L->ops;
     const int64_t d = c->d_model, E = c->n_experts, k = c->top_k;
-    L->forward_done = false;
 
     const float *x_in = x;
     if (c->jitter_eps > 0.0) {

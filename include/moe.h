@@ -227,7 +227,10 @@ moe_status moe_layer_set_training(moe_layer *layer, int training);
 /* y = MoE(x). x [T, d] and y [T, d] are the caller's. The layer keeps what
  * backward needs (and a copy of nothing larger than its own activations) in a
  * workspace that grows only when T exceeds every earlier T; the same or a
- * smaller T allocates nothing. stats may be NULL. */
+ * smaller T allocates nothing (across ranks, the expert rows a rank receives
+ * follow its peers' T too, so a peer's larger T may grow them). A forward
+ * that fails leaves no forward for backward to differentiate. stats may be
+ * NULL. */
 moe_status moe_layer_forward(moe_layer *layer, float *y, const float *x, int64_t T,
                              moe_layer_stats *stats);
 

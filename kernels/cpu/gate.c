@@ -197,10 +197,12 @@ void moe_cpu_gate_seq_stats(float *stats, const int32_t *topk_idx, const float *
 #pragma omp parallel for schedule(static)
     for (int64_t q = 0; q < S; q++) {
         float *assigned = stats + q * 2 * E, *prob_sum = assigned + E;
-        for (int64_t e = 0; e < 2 * E; e++) assigned[e] = 0.0f;
+        double sum[MOE_EXPERTS_MAX]; /* long sequences: a float sum would lose their tail */
+        for (int64_t e = 0; e < E; e++) assigned[e] = 0.0f, sum[e] = 0.0;
         for (int64_t t = q * n; t < (q + 1) * n; t++) {
             for (int64_t j = 0; j < k; j++) assigned[topk_idx[t * k + j]] += 1.0f;
-            for (int64_t e = 0; e < E; e++) prob_sum[e] += prob[t * E + e];
+            for (int64_t e = 0; e < E; e++) sum[e] += prob[t * E + e];
         }
+        for (int64_t e = 0; e < E; e++) prob_sum[e] = (float)sum[e];
     }
 }

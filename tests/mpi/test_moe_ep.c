@@ -298,6 +298,14 @@ int main(void) {
         snprintf(want, sizeof want, "rank %d disagrees with rank 0 on top_k", size - 1);
         mpi_report(mst != MOE_ERR_CONFIG || mixed != NULL || !strstr(moe_last_error(), want),
                    "moe_layer_create_mpi refuses ranks of other configs on every rank");
+        /* Settings that mean the same are no disagreement: 0 or 1 groups,
+         * renormalize under the sigmoid gate, routed_scale 0 or 1. */
+        moe_layer_config same = cfg;
+        same.gate = MOE_GATE_SIGMOID;
+        if (rank == size - 1) same.n_groups = same.top_groups = 1, same.renormalize = 0, same.routed_scale = 0.0;
+        mst = moe_layer_create_mpi(&mixed, &same, &all);
+        mpi_report(mst != MOE_OK, "moe_layer_create_mpi takes equivalent configs (%s)", moe_last_error());
+        moe_layer_destroy(mixed);
         MPI_Comm none = MPI_COMM_NULL;
         moe_layer *l = NULL;
         const moe_status st = moe_layer_create_mpi(&l, &cfg, &none);
