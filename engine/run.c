@@ -1283,18 +1283,30 @@ static bool same_path(const char *a, const char *b) {
 /* Whether --resume's checkpoint lies in --out (links resolved), the run it
  * continues; then *step: the step its training state records, whatever the
  * checkpoint's directory is called. */
-static moe_status resumes_in_place(const moe_run_options *o, bool *in_place, int64_t *step) {
+/* Whether directory dir (flag's) lies directly in --out (links resolved);
+ * then name [NAME_MAX + 1]: its name there. */
+static moe_status lies_in_out(bool *inside, char *name, const char *flag, const char *dir, const char *out_dir) {
     char at[PATH_MAX], out[PATH_MAX];
-    *in_place = false;
-    if (!o->resume) return MOE_OK;
-    if (!realpath(o->resume, at)) return moe_error(MOE_ERR_IO, "--resume %s: %s", o->resume, strerror(errno));
-    if (!realpath(o->out_dir, out)) return moe_error(MOE_ERR_IO, "--out %s: %s", o->out_dir, strerror(errno));
+    *inside = false;
+    if (!realpath(dir, at)) return moe_error(MOE_ERR_IO, "%s %s: %s", flag, dir, strerror(errno));
+    if (!realpath(out_dir, out)) return moe_error(MOE_ERR_IO, "--out %s: %s", out_dir, strerror(errno));
     char *slash = strrchr(at, '/');
+    snprintf(name, NAME_MAX + 1, "%s", slash + 1);
     if (slash == at)
         slash[1] = '\0';
     else
         *slash = '\0';
-    if (strcmp(at, out) != 0) return MOE_OK;
+    *inside = strcmp(at, out) == 0;
+    return MOE_OK;
+}
+
+static moe_status resumes_in_place(const moe_run_options *o, bool *in_place, int64_t *step) {
+    char name[NAME_MAX + 1];
+    *in_place = false;
+    if (!o->resume) return MOE_OK;
+    bool inside;
+    MOE_TRY(lies_in_out(&inside, name, "--resume", o->resume, o->out_dir));
+    if (!inside) return MOE_OK;
     moe_train_state state;
     moe_status st = moe_checkpoint_read_state(&state, o->resume);
     if (st != MOE_OK) return moe_error_prefix(st, "--resume %s: ", o->resume);
@@ -1341,11 +1353,13 @@ static moe_status list_checkpoints(checkpoint_entry **found, size_t *n, const ch
     return st;
 }
 
-/* --keep-last: removes the run's checkpoints in --out but the newest
- * keep_last (and any that --init-from or --resume reads). Each is renamed
- * aside first, so that no half-removed checkpoint is left under a
- * checkpoint's name; a failure is a warning: the training goes on. */
-static void prune_checkpoints(const run *r) {
+/* --keep-last after the checkpoint of step saved: removes this run's
+ * checkpoints in --out but the newest keep_last up to that step. Later
+ * ones (an in-place resume's, to be written again) and the one --init-from
+ * or --resume reads are neither removed nor counted. Each is renamed aside
+ * first, so that no half-removed checkpoint is left under a checkpoint's
+ * name; a failure is a warning: the training goes on. */
+static void prune_checkpoints(const run *r, int64_t saved) {
     const moe_run_options *o = r->o;
     if (o->keep_last == 0) return;
     checkpoint_entry *found;
@@ -1355,11 +1369,13 @@ static void prune_checkpoints(const run *r) {
         return;
     }
     char path[RUN_PATH_BYTES], aside[RUN_PATH_BYTES], hidden[NAME_MAX + 32];
-    for (size_t i = (size_t)o->keep_last; i < n; i++) {
-        snprintf(hidden, sizeof hidden, ".%s.pruned-%ld", found[i].name, (long)getpid());
-        if (path_join(path, o->out_dir, found[i].name) != MOE_OK || path_join(aside, o->out_dir, hidden) != MOE_OK ||
-            same_path(path, o->init_from) || same_path(path, o->resume))
+    int64_t kept = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (found[i].step > saved || path_join(path, o->out_dir, found[i].name) != MOE_OK ||
+            same_path(path, o->init_from) || same_path(path, o->resume) || kept++ < o->keep_last)
             continue;
+        snprintf(hidden, sizeof hidden, ".%s.pruned-%ld", found[i].name, (long)getpid());
+        if (path_join(aside, o->out_dir, hidden) != MOE_OK) continue;
         if (rename(path, aside) != 0) {
             warn(r, "--keep-last: cannot move %s aside: %s", path, strerror(errno));
             continue;
@@ -1387,9 +1403,22 @@ static moe_status clear_out_dir(const moe_run_options *o, bool remove) {
         if (errno == ENOENT) return MOE_OK;
         return moe_error(MOE_ERR_IO, "--out %s: cannot read it: %s", o->out_dir, strerror(errno));
     }
+    /* The weights would go before the run could read them. */
+    bool inside = false;
+    char name[NAME_MAX + 1];
+    moe_status st = o->init_from ? lies_in_out(&inside, name, "--init-from", o->init_from, o->out_dir) : MOE_OK;
+    const int64_t saves = inside && checkpoint_name(name) ? strtoll(name + 5, NULL, 10) : 0;
+    if (st == MOE_OK && saves > 0 && saves <= o->steps && due(saves, o->save_every, o->steps))
+        st = moe_error(MOE_ERR_CONFIG, "--init-from %s is the checkpoint this run saves at step %lld in --out %s: "
+                                       "copy it out of --out first",
+                       o->init_from, (long long)saves, o->out_dir);
+    if (st != MOE_OK) {
+        closedir(dir);
+        return st;
+    }
     int64_t resumed_step = 0;
     bool in_place;
-    moe_status st = resumes_in_place(o, &in_place, &resumed_step);
+    st = resumes_in_place(o, &in_place, &resumed_step);
     if (st != MOE_OK) {
         closedir(dir);
         return st;
@@ -1556,7 +1585,7 @@ static moe_status run_body(run *r, double start) {
              * restored), so a failing evaluation loses no training. */
             if (due(step, o->save_every, o->steps)) {
                 MOE_TRY(save_checkpoint(r));
-                if (r->rank == 0) prune_checkpoints(r);
+                if (r->rank == 0) prune_checkpoints(r, step);
             }
             if (due(step, o->eval_every, o->steps)) MOE_TRY(evaluate(r, step, &val_loss));
             if (o->profile) moe_profile_pause(false);
@@ -1594,26 +1623,87 @@ static void field_text(char *buf, size_t size, const moe_agree_field *f, double 
     if (f->name_of)
         snprintf(buf, size, "%s", f->name_of((int)value));
     else
-        snprintf(buf, size, "%.17g", value);
+        snprintf(buf, size, "%.15g", value);
+}
+
+/* Bytes of metrics.jsonl's end that last_logged_step reads: dozens of
+ * lines, each with a large model's expert load. */
+#define RUN_LOG_TAIL (8 << 20)
+
+/* The step of metrics.jsonl's last whole line with one (a step's or an
+ * evaluation's) in out_dir, into *step; -1 without such a line. */
+static moe_status last_logged_step(const char *out_dir, int64_t *step) {
+    *step = -1;
+    char path[RUN_PATH_BYTES];
+    MOE_TRY(path_join(path, out_dir, "metrics.jsonl"));
+    FILE *f = fopen(path, "rb");
+    if (!f) return errno == ENOENT ? MOE_OK : moe_error(MOE_ERR_IO, "%s: %s", path, strerror(errno));
+    char *tail = NULL;
+    size_t n = 0;
+    long size = -1;
+    if (fseek(f, 0, SEEK_END) == 0 && (size = ftell(f)) >= 0 &&
+        fseek(f, size > RUN_LOG_TAIL ? size - RUN_LOG_TAIL : 0, SEEK_SET) == 0 && (tail = malloc(RUN_LOG_TAIL + 1)))
+        n = fread(tail, 1, RUN_LOG_TAIL, f);
+    const bool failed = size < 0 || !tail || ferror(f);
+    fclose(f);
+    if (failed) {
+        free(tail);
+        return moe_error(MOE_ERR_IO, "%s: cannot read its end", path);
+    }
+    tail[n] = '\0';
+    static const char key[] = "{\"step\":";
+    /* Whole lines only: each starts after a newline (or at the file's start). */
+    for (char *line = size > RUN_LOG_TAIL ? strchr(tail, '\n') : tail; line && *line;) {
+        if (*line == '\n') line++;
+        char *end = strchr(line, '\n');
+        if (!end) break;
+        if (strncmp(line, key, sizeof key - 1) == 0) *step = strtoll(line + sizeof key - 1, NULL, 10);
+        line = end;
+    }
+    free(tail);
+    return MOE_OK;
 }
 
 /* --resume latest into *out (the options otherwise o's; path holds the
- * checkpoint's): --out's newest checkpoint, whose config must be --config's
- * when that is given, with --config and --init-from then dropped; with no
- * checkpoint there, no --resume. */
-static moe_status resolve_latest(moe_run_options *out, char *path, const moe_run_options *o) {
+ * checkpoint's): the newest checkpoint in --out no later than the last
+ * step its metrics.jsonl logged (an in-place resume from an earlier one
+ * leaves later ones from before it, which this run's log has cut), whose
+ * config must be --config's when that is given, with --config and
+ * --init-from then dropped; *done when it is at --steps already. With no
+ * checkpoint in --out, a new run that replaces the files of a start that
+ * died before its first checkpoint. */
+static moe_status resolve_latest(moe_run_options *out, bool *done, char *path, const moe_run_options *o) {
     *out = *o;
+    *done = false;
     if (!o->resume || strcmp(o->resume, MOE_RUN_RESUME_LATEST) != 0) return MOE_OK;
     out->resume = NULL;
     checkpoint_entry *found;
     size_t n;
+    int64_t logged;
     MOE_TRY(list_checkpoints(&found, &n, o->out_dir));
-    moe_status st = n ? path_join(path, o->out_dir, found[0].name) : MOE_OK;
+    moe_status st = last_logged_step(o->out_dir, &logged);
+    size_t pick = 0;
+    while (pick < n && logged >= 0 && found[pick].step > logged) pick++;
+    if (st == MOE_OK && n > 0 && pick == n)
+        st = moe_error(MOE_ERR_CONFIG, "--resume " MOE_RUN_RESUME_LATEST ": the checkpoints in --out %s (the newest "
+                                       "%s) are later than the last step its metrics.jsonl logged, %lld: resume one "
+                                       "by name",
+                       o->out_dir, found[0].name, (long long)logged);
+    if (st == MOE_OK && pick < n) st = path_join(path, o->out_dir, found[pick].name);
     free(found);
-    if (st != MOE_OK || n == 0) return st;
+    if (st != MOE_OK) return st;
+    if (n == 0) {
+        out->overwrite = true;
+        return MOE_OK;
+    }
+    moe_train_state state;
+    st = moe_checkpoint_read_state(&state, path);
+    if (st != MOE_OK) return moe_error_prefix(st, "--resume " MOE_RUN_RESUME_LATEST ": ");
+    *done = state.step >= o->steps;
     if (o->config) {
         moe_model_config given, saved;
-        MOE_TRY(moe_model_config_load(&given, o->config, NULL, NULL));
+        st = moe_model_config_load(&given, o->config, NULL, NULL);
+        if (st != MOE_OK) return moe_error_prefix(st, "--config: ");
         MOE_TRY(moe_checkpoint_load_config(&saved, path, NULL, NULL));
         moe_agree_field a[MOE_CONFIG_AGREE_FIELDS], b[MOE_CONFIG_AGREE_FIELDS];
         const int count = moe_config_agree_fields(a, &given);
@@ -1639,8 +1729,18 @@ moe_status moe_run(const moe_run_options *given, const moe_run_callbacks *callba
     MOE_TRY(moe_run_options_validate(given));
     moe_run_options resolved;
     char latest[RUN_PATH_BYTES];
-    MOE_TRY(resolve_latest(&resolved, latest, given));
+    bool done;
+    MOE_TRY(resolve_latest(&resolved, &done, latest, given));
     const moe_run_options *opts = &resolved;
+    if (done) { /* a job restarted after it had finished */
+        if (callbacks && callbacks->on_warning) {
+            char msg[RUN_PATH_BYTES + 128];
+            snprintf(msg, sizeof msg, "--resume " MOE_RUN_RESUME_LATEST ": %s is at --steps %lld already: nothing to do",
+                     latest, (long long)given->steps);
+            callbacks->on_warning(callbacks->ctx, msg);
+        }
+        return MOE_OK;
+    }
     if (opts->threads > 0) omp_set_num_threads(opts->threads);
     const moe_run_callbacks none = {0};
     run r = {.o = opts, .cb = callbacks ? callbacks : &none, .ranks = 1, .dp_size = 1};

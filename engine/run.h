@@ -98,8 +98,10 @@ typedef struct moe_run_options {
     int64_t save_every;    /* --save-every steps; 0: the last step only */
     int64_t keep_last;     /* --keep-last: the run's newest checkpoints kept in --out; 0: all */
     /* --resume DIR: a checkpoint of this run to continue; MOE_RUN_RESUME_LATEST:
-     * --out's newest, whose config --config must then match, or none (a new
-     * run, from --config or --init-from) when --out has no checkpoint */
+     * --out's newest no later than its metrics.jsonl's last step, whose
+     * config --config must then match (moe_run does nothing when it is at
+     * --steps), or none (a new run, from --config or --init-from, replacing a
+     * failed start's run.json and metrics.jsonl) when --out has no checkpoint */
     const char *resume;
     bool overwrite;        /* --overwrite: an earlier run in out_dir is removed, not refused */
     int64_t eval_every;    /* --eval-every steps; 0: at the end only */

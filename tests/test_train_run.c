@@ -170,6 +170,12 @@ static moe_run_callbacks callbacks(seen *v) {
                                .on_checkpoint = on_checkpoint, .on_end = on_end, .on_warning = on_warning};
 }
 
+/* moe_run succeeds; the callbacks' counts are v's. */
+static void run_ok_or_done(const moe_run_options *o, seen *v) {
+    moe_run_callbacks cb = callbacks(v);
+    cr_assert_eq(moe_run(o, &cb), MOE_OK, "moe_run: %s", moe_last_error());
+}
+
 static void run_ok(const moe_run_options *o, seen *v) {
     moe_run_callbacks cb = callbacks(v);
     cr_assert_eq(moe_run(o, &cb), MOE_OK, "moe_run: %s", moe_last_error());
@@ -1282,6 +1288,16 @@ static const char *listing(char *buf, size_t size, const char *dir) {
     return buf;
 }
 
+/* What --out held when step 7's checkpoint was saved (before its pruning). */
+static char listed_at_7[1024];
+static void list_at_step_7(void *ctx, int64_t step, const char *path) {
+    (void)ctx;
+    if (step != 7) return;
+    char dir[512];
+    snprintf(dir, sizeof dir, "%.*s", (int)(strrchr(path, '/') - path), path);
+    listing(listed_at_7, sizeof listed_at_7, dir);
+}
+
 /* --keep-last keeps the newest checkpoints and leaves nothing aside; a
  * resumed run keeps the one it resumed from as well. */
 Test(train_run, keep_last_removes_older_checkpoints, .init = make_tmp, .fini = remove_tmp) {
@@ -1302,6 +1318,55 @@ Test(train_run, keep_last_removes_older_checkpoints, .init = make_tmp, .fini = r
     run_ok(&o, &v);
     cr_expect_str_eq(listing(names, sizeof names, out),
                      "config.json metrics.jsonl run.json step-000005 step-000007 step-000008");
+    /* Resumed in place from step 5 with 7 and 8 still there (to be written
+     * again), keeping one: the save of step 6 keeps itself, not step 8 (a
+     * job that died in step 7 would have lost its newest checkpoint). */
+    o.keep_last = 1;
+    moe_run_callbacks cb = callbacks(&v);
+    cb.on_checkpoint = list_at_step_7;
+    listed_at_7[0] = '\0';
+    cr_assert_eq(moe_run(&o, &cb), MOE_OK, "%s", moe_last_error());
+    cr_expect_str_eq(listed_at_7, "config.json metrics.jsonl run.json step-000005 step-000006 step-000007 step-000008");
+    cr_expect_str_eq(listing(names, sizeof names, out), "config.json metrics.jsonl run.json step-000005 step-000008");
+}
+
+/* --init-from a checkpoint in --out that the run would save over is
+ * refused, and the checkpoint kept; one it will not save over is used. */
+Test(train_run, init_from_where_the_run_saves_is_refused, .init = make_tmp, .fini = remove_tmp) {
+    char cfg[512], out[512], from[512], model[512], copy[512];
+    moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE), tmp_path(out, "out"));
+    o.steps = 4;
+    o.save_every = 2;
+    seen v;
+    run_ok(&o, &v);
+    tmp_path(model, "out/step-000002/model.safetensors");
+    size_t size;
+    char *bytes = read_file(model, &size);
+    cr_assert_eq(moe_file_write_atomic_buffer(tmp_path(copy, "before.safetensors"), bytes, size), MOE_OK, "%s",
+                 moe_last_error());
+    free(bytes);
+    o.config = NULL;
+    o.overwrite = true;
+    o.init_from = tmp_path(from, "out/step-000002");
+    moe_run_callbacks cb = callbacks(&v);
+    cr_expect_eq(moe_run(&o, &cb), MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "--init-from") && strstr(moe_last_error(), "step 2"), "message: %s",
+              moe_last_error());
+    cr_expect(same_file(model, copy), "the refused run changed %s", model);
+    o.save_every = 3; /* saves steps 3 and 4 */
+    run_ok(&o, &v);
+    cr_expect(same_file(model, copy), "the run changed the checkpoint it started from");
+}
+
+/* Keeps the first `lines` lines of path. */
+static void keep_lines(const char *path, int lines) {
+    size_t size;
+    char *text = read_file(path, &size), *at = text;
+    for (int i = 0; i < lines && at; i++) at = strchr(at, '\n'), at = at ? at + 1 : NULL;
+    cr_assert(at, "%s has fewer than %d lines", path, lines);
+    FILE *f = fopen(path, "wb");
+    cr_assert(f && fwrite(text, 1, (size_t)(at - text), f) == (size_t)(at - text) && fclose(f) == 0);
+    free(text);
 }
 
 /* --resume latest: a new run while --out has no checkpoint, then each
@@ -1338,6 +1403,28 @@ Test(train_run, resume_latest_restarts_from_the_newest, .init = make_tmp, .fini 
     cr_expect_eq(moe_run(&o, &cb), MOE_ERR_CONFIG);
     cr_expect(strstr(moe_last_error(), "moe_z_loss_coef") && strstr(moe_last_error(), "step-000006"), "message: %s",
               moe_last_error());
+
+    /* Restarted after it finished: nothing to do, and said so. */
+    o.config = cfg;
+    o.steps = 6;
+    run_ok_or_done(&o, &v);
+    cr_expect(v.starts == 0 && v.steps == 0 && strstr(v.warning, "nothing to do"), "a finished run: %d steps, '%s'",
+              v.steps, v.warning);
+
+    /* The log ends at step 5 (an in-place resume from step 4 that died
+     * after step 5): step 6 is an older trajectory's, step 4 this one's. */
+    keep_lines(tmp_path(a, "out/metrics.jsonl"), 5);
+    run_ok(&o, &v);
+    cr_expect(v.steps == 2 && v.last_step == 6, "after the log's step 5: %d steps, to %lld", v.steps,
+              (long long)v.last_step);
+
+    /* A start that died before its first checkpoint left its run files: the
+     * restart replaces them. */
+    char fresh[512];
+    o.out_dir = tmp_path(fresh, "fresh");
+    write_earlier_run(fresh);
+    run_ok(&o, &v);
+    cr_expect(v.steps == 6, "a restart with no checkpoint: %d steps", v.steps);
 }
 
 Test(train_run, missing_data_names_flag_and_file, .init = make_tmp, .fini = remove_tmp) {

@@ -86,8 +86,9 @@ static void print_help(void) {
            "                       (and one --resume or --init-from reads); 0 = keep all (default)\n"
            "  --resume DIR         continue from checkpoint DIR with the same flags otherwise;\n"
            "                       the result matches an uninterrupted run bit for bit; 'latest':\n"
-           "                       from --out's newest checkpoint (--config, if given, must match\n"
-           "                       its config), or a new run when --out has none, so that one\n"
+           "                       from --out's newest checkpoint that its metrics.jsonl reached\n"
+           "                       (--config, if given, must match its config), or a new run when\n"
+           "                       --out has none (replacing a failed start's files), so that one\n"
            "                       command line starts a run and restarts it after a failure\n\n",
            (long long)d.eval_every, (long long)d.eval_batches, d.out_dir, (long long)d.save_every);
     printf("Performance:\n"
