@@ -1595,14 +1595,14 @@ static int64_t setup_groups(moe_layer *L, int64_t T, const float *x_in, const fl
 
 moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, moe_layer_stats *stats) {
     MOE_NOT_NULL("moe_layer_forward", "layer", L);
+    /* Until this forward succeeds, no backward may differentiate the last
+     * one: carving may already replace its router choices. */
+    L->forward_done = false;
     if (T < 0) return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_forward: T=%lld must not be negative", (long long)T);
     if (T > 0) { /* a rank with no tokens may pass no buffers */
         MOE_NOT_NULL("moe_layer_forward", "y", y);
         MOE_NOT_NULL("moe_layer_forward", "x", x);
     }
-    /* Until this forward succeeds, no backward may differentiate the last
-     * one: carving may already replace its router choices. */
-    L->forward_done = false;
     if (L->training && seq_aux_len(&L->cfg) && T % L->cfg.seq_len)
         return moe_error(MOE_ERR_INVALID_ARG,
                          "moe_layer_forward: T=%lld is not a multiple of seq_len=%lld, which the sequence-wise "

@@ -1349,14 +1349,13 @@ static moe_status list_checkpoints(checkpoint_entry **found, size_t *n, const ch
         (*n)++;
     }
     closedir(dir);
-    if (st == MOE_OK) qsort(*found, *n, sizeof **found, by_step_descending);
+    if (st == MOE_OK && *n > 1) qsort(*found, *n, sizeof **found, by_step_descending);
     return st;
 }
 
 /* --keep-last after the checkpoint of step saved: removes this run's
  * checkpoints in --out but the newest keep_last up to that step. Later
- * ones (an in-place resume's, to be written again) and the one --init-from
- * or --resume reads are neither removed nor counted. Each is renamed aside
+ * ones and the one --resume reads are neither removed nor counted. Each is renamed aside
  * first, so that no half-removed checkpoint is left under a checkpoint's
  * name; a failure is a warning: the training goes on. */
 static void prune_checkpoints(const run *r, int64_t saved) {
@@ -1372,7 +1371,7 @@ static void prune_checkpoints(const run *r, int64_t saved) {
     int64_t kept = 0;
     for (size_t i = 0; i < n; i++) {
         if (found[i].step > saved || path_join(path, o->out_dir, found[i].name) != MOE_OK ||
-            same_path(path, o->init_from) || same_path(path, o->resume) || kept++ < o->keep_last)
+            same_path(path, o->resume) || kept++ < o->keep_last)
             continue;
         snprintf(hidden, sizeof hidden, ".%s.pruned-%ld", found[i].name, (long)getpid());
         if (path_join(aside, o->out_dir, hidden) != MOE_OK) continue;
@@ -1388,14 +1387,13 @@ static void prune_checkpoints(const run *r, int64_t saved) {
 /* --out must not hold another run (run.json, metrics.jsonl, checkpoints):
  * a new run, or one resumed from elsewhere, would replace its files, even
  * on failing, and leave its checkpoints among the new run's. It is
- * refused unless --overwrite, under which remove deletes them (but the
- * checkpoint the weights come from). --resume of a checkpoint in --out
- * continues that run, whose log it cuts back to the checkpoint: checkpoints
- * of later steps there that it will not write again are the same kind of
- * leftover. An --out holding a
- * model (a checkpoint's or a download's) is refused outright, as is an
- * entry named like a checkpoint that is not a directory: the run's save
- * would fail at its end. */
+ * refused unless --overwrite, under which remove deletes them. --resume of
+ * a checkpoint in --out continues that run, whose log it cuts back to the
+ * checkpoint, and its checkpoints too: later ones that it will write again
+ * go (with remove), any others are the same kind of leftover. An --out
+ * holding a model (a checkpoint's or a download's), or --init-from's
+ * checkpoint, is refused outright, as is an entry named like a checkpoint
+ * that is not a directory: the run's save would fail at its end. */
 static moe_status clear_out_dir(const moe_run_options *o, bool remove) {
     if (o->eval_only) return MOE_OK; /* it writes nothing there */
     DIR *dir = opendir(o->out_dir);
@@ -1403,15 +1401,16 @@ static moe_status clear_out_dir(const moe_run_options *o, bool remove) {
         if (errno == ENOENT) return MOE_OK;
         return moe_error(MOE_ERR_IO, "--out %s: cannot read it: %s", o->out_dir, strerror(errno));
     }
-    /* The weights would go before the run could read them. */
+    /* Another run's weights among this run's checkpoints: a save of its
+     * step, now or once resumed further, would replace them, and --resume
+     * latest could take them for this run's. */
     bool inside = false;
     char name[NAME_MAX + 1];
     moe_status st = o->init_from ? lies_in_out(&inside, name, "--init-from", o->init_from, o->out_dir) : MOE_OK;
-    const int64_t saves = inside && checkpoint_name(name) ? strtoll(name + 5, NULL, 10) : 0;
-    if (st == MOE_OK && saves > 0 && saves <= o->steps && due(saves, o->save_every, o->steps))
-        st = moe_error(MOE_ERR_CONFIG, "--init-from %s is the checkpoint this run saves at step %lld in --out %s: "
-                                       "copy it out of --out first",
-                       o->init_from, (long long)saves, o->out_dir);
+    if (st == MOE_OK && inside)
+        st = moe_error(MOE_ERR_CONFIG, "--init-from %s lies in --out %s, where this run's checkpoints go: copy it "
+                                       "out of --out first",
+                       o->init_from, o->out_dir);
     if (st != MOE_OK) {
         closedir(dir);
         return st;
@@ -1439,14 +1438,16 @@ static moe_status clear_out_dir(const moe_run_options *o, bool remove) {
             st = moe_error(MOE_ERR_IO, "--out %s: %s is not a directory, and a checkpoint would go there", o->out_dir,
                            path);
         if (st != MOE_OK) continue;
-        /* In place, the run's own files stay, its checkpoints up to the one
-         * resumed, and those the resumed run will write again. */
+        /* In place, the run's own files stay and its checkpoints up to the
+         * one resumed. Later ones are of the trajectory the resume cuts (as
+         * it cuts the log): those the resumed run will write again go at its
+         * start, so that no other run's step stands among this one's (for
+         * --resume latest to take); any others are leftovers. */
         const int64_t at = step ? strtoll(e->d_name + 5, NULL, 10) : -1;
-        if (in_place && (!step || at <= resumed_step ||
-                         (at <= o->steps && due(at, o->save_every, o->steps))))
-            continue;
-        if (!found[0]) snprintf(found, sizeof found, "%s", e->d_name);
-        if (!remove || same_path(path, o->init_from) || same_path(path, o->resume)) continue;
+        if (in_place && (!step || at <= resumed_step)) continue;
+        const bool again = in_place && at <= o->steps && due(at, o->save_every, o->steps);
+        if (!again && !found[0]) snprintf(found, sizeof found, "%s", e->d_name);
+        if (!remove || same_path(path, o->resume)) continue;
         st = step ? moe_remove_tree(path) : (unlink(path) == 0 ? MOE_OK : moe_error(MOE_ERR_IO, "cannot remove %s: %s",
                                                                                   path, strerror(errno)));
     }
@@ -1547,7 +1548,8 @@ static moe_status run_body(run *r, double start) {
         .val_data = r->val.desc,
     };
     if (!o->eval_only && r->rank == 0) {
-        if (o->overwrite) MOE_TRY(clear_out_dir(o, true));
+        /* Without --overwrite it removes only what an in-place resume cuts. */
+        MOE_TRY(clear_out_dir(o, true));
         MOE_TRY(write_run_files(r, &summary));
     }
     if (r->cb->on_start) r->cb->on_start(r->cb->ctx, &summary);
@@ -1620,10 +1622,15 @@ static bool launched_by_mpi(void) {
 
 /* A config field's value as a message gives it. */
 static void field_text(char *buf, size_t size, const moe_agree_field *f, double value) {
-    if (f->name_of)
+    if (f->name_of) {
         snprintf(buf, size, "%s", f->name_of((int)value));
-    else
-        snprintf(buf, size, "%.15g", value);
+        return;
+    }
+    /* The shortest that reads back as value, so that two that differ print apart. */
+    for (int digits = 15; digits <= 17; digits++) {
+        snprintf(buf, size, "%.*g", digits, value);
+        if (strtod(buf, NULL) == value) return;
+    }
 }
 
 /* Bytes of metrics.jsonl's end that last_logged_step reads: dozens of
@@ -1699,7 +1706,10 @@ static moe_status resolve_latest(moe_run_options *out, bool *done, char *path, c
     moe_train_state state;
     st = moe_checkpoint_read_state(&state, path);
     if (st != MOE_OK) return moe_error_prefix(st, "--resume " MOE_RUN_RESUME_LATEST ": ");
-    *done = state.step >= o->steps;
+    if (state.step > o->steps)
+        return moe_error(MOE_ERR_CONFIG, "--resume " MOE_RUN_RESUME_LATEST ": %s is at step %lld, past --steps %lld",
+                         path, (long long)state.step, (long long)o->steps);
+    *done = state.step == o->steps;
     if (o->config) {
         moe_model_config given, saved;
         st = moe_model_config_load(&given, o->config, NULL, NULL);

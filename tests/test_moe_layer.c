@@ -594,7 +594,11 @@ Test(layer, sequence_wise_balancing_loss) {
     moe_layer_stats st = {0};
     cr_expect_eq(moe_layer_forward(f.layer, y, x, T - 1, &st), MOE_ERR_INVALID_ARG);
     cr_expect(strstr(moe_last_error(), "T=19 is not a multiple of seq_len=5") != NULL, "%s", moe_last_error());
-    /* A failed forward leaves none for backward, not the one before it. */
+    /* A failed forward leaves none for backward, not the one before it,
+     * whatever it failed on. */
+    cr_expect_eq(moe_layer_backward(f.layer, y, x, x), MOE_ERR_STATE);
+    check_forward(&f, x, T, "again");
+    cr_expect_eq(moe_layer_forward(f.layer, y, NULL, T, &st), MOE_ERR_INVALID_ARG);
     cr_expect_eq(moe_layer_backward(f.layer, y, x, x), MOE_ERR_STATE);
     cr_assert(moe_layer_set_training(f.layer, 0) == MOE_OK);
     cr_expect_eq(moe_layer_forward(f.layer, y, x, T - 1, &st), MOE_OK, "%s", moe_last_error());

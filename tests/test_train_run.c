@@ -1318,21 +1318,23 @@ Test(train_run, keep_last_removes_older_checkpoints, .init = make_tmp, .fini = r
     run_ok(&o, &v);
     cr_expect_str_eq(listing(names, sizeof names, out),
                      "config.json metrics.jsonl run.json step-000005 step-000007 step-000008");
-    /* Resumed in place from step 5 with 7 and 8 still there (to be written
-     * again), keeping one: the save of step 6 keeps itself, not step 8 (a
-     * job that died in step 7 would have lost its newest checkpoint). */
+    /* Resumed in place from step 5 with 7 and 8 still there: they go at the
+     * start, being the trajectory the resume cuts (no other run's step may
+     * stand among this one's); keeping one, the save of step 6 keeps
+     * itself and the checkpoint resumed from. */
     o.keep_last = 1;
     moe_run_callbacks cb = callbacks(&v);
     cb.on_checkpoint = list_at_step_7;
     listed_at_7[0] = '\0';
     cr_assert_eq(moe_run(&o, &cb), MOE_OK, "%s", moe_last_error());
-    cr_expect_str_eq(listed_at_7, "config.json metrics.jsonl run.json step-000005 step-000006 step-000007 step-000008");
+    cr_expect_str_eq(listed_at_7, "config.json metrics.jsonl run.json step-000005 step-000006 step-000007");
     cr_expect_str_eq(listing(names, sizeof names, out), "config.json metrics.jsonl run.json step-000005 step-000008");
 }
 
-/* --init-from a checkpoint in --out that the run would save over is
- * refused, and the checkpoint kept; one it will not save over is used. */
-Test(train_run, init_from_where_the_run_saves_is_refused, .init = make_tmp, .fini = remove_tmp) {
+/* --init-from a checkpoint in --out is refused, and the checkpoint kept:
+ * this run (now, or resumed further) would save over it, and --resume
+ * latest could take it for this run's. */
+Test(train_run, init_from_in_out_is_refused, .init = make_tmp, .fini = remove_tmp) {
     char cfg[512], out[512], from[512], model[512], copy[512];
     moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE), tmp_path(out, "out"));
     o.steps = 4;
@@ -1349,13 +1351,13 @@ Test(train_run, init_from_where_the_run_saves_is_refused, .init = make_tmp, .fin
     o.overwrite = true;
     o.init_from = tmp_path(from, "out/step-000002");
     moe_run_callbacks cb = callbacks(&v);
-    cr_expect_eq(moe_run(&o, &cb), MOE_ERR_CONFIG);
-    cr_expect(strstr(moe_last_error(), "--init-from") && strstr(moe_last_error(), "step 2"), "message: %s",
-              moe_last_error());
-    cr_expect(same_file(model, copy), "the refused run changed %s", model);
-    o.save_every = 3; /* saves steps 3 and 4 */
-    run_ok(&o, &v);
-    cr_expect(same_file(model, copy), "the run changed the checkpoint it started from");
+    for (int every = 2; every <= 3; every++) { /* saving step 2, or not */
+        o.save_every = every;
+        cr_expect_eq(moe_run(&o, &cb), MOE_ERR_CONFIG);
+        cr_expect(strstr(moe_last_error(), "--init-from") && strstr(moe_last_error(), "lies in --out"), "message: %s",
+                  moe_last_error());
+        cr_expect(same_file(model, copy), "the refused run changed %s", model);
+    }
 }
 
 /* Keeps the first `lines` lines of path. */
@@ -1403,6 +1405,12 @@ Test(train_run, resume_latest_restarts_from_the_newest, .init = make_tmp, .fini 
     cr_expect_eq(moe_run(&o, &cb), MOE_ERR_CONFIG);
     cr_expect(strstr(moe_last_error(), "moe_z_loss_coef") && strstr(moe_last_error(), "step-000006"), "message: %s",
               moe_last_error());
+
+    /* Past the checkpoint's step, as an explicit --resume. */
+    o.config = cfg;
+    o.steps = 5;
+    cr_expect_eq(moe_run(&o, &cb), MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "past --steps 5"), "message: %s", moe_last_error());
 
     /* Restarted after it finished: nothing to do, and said so. */
     o.config = cfg;

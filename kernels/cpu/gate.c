@@ -197,12 +197,13 @@ void moe_cpu_gate_seq_stats(float *stats, const int32_t *topk_idx, const float *
 #pragma omp parallel for schedule(static)
     for (int64_t q = 0; q < S; q++) {
         float *assigned = stats + q * 2 * E, *prob_sum = assigned + E;
-        double sum[MOE_EXPERTS_MAX]; /* long sequences: a float sum would lose their tail */
-        for (int64_t e = 0; e < E; e++) assigned[e] = 0.0f, sum[e] = 0.0;
+        /* Long sequences: float sums would stop short (counts at 2^24). */
+        double count[MOE_EXPERTS_MAX], sum[MOE_EXPERTS_MAX];
+        for (int64_t e = 0; e < E; e++) count[e] = sum[e] = 0.0;
         for (int64_t t = q * n; t < (q + 1) * n; t++) {
-            for (int64_t j = 0; j < k; j++) assigned[topk_idx[t * k + j]] += 1.0f;
+            for (int64_t j = 0; j < k; j++) count[topk_idx[t * k + j]] += 1.0;
             for (int64_t e = 0; e < E; e++) sum[e] += prob[t * E + e];
         }
-        for (int64_t e = 0; e < E; e++) prob_sum[e] = (float)sum[e];
+        for (int64_t e = 0; e < E; e++) assigned[e] = (float)count[e], prob_sum[e] = (float)sum[e];
     }
 }

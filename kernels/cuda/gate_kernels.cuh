@@ -259,13 +259,13 @@ static __global__ void gate_seq_stats_kernel(float *stats, const int32_t *topk_i
                                              const float *prob, int64_t seq_len, int E, int k) {
     const int64_t q = blockIdx.x;
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        float assigned = 0.0f;
+        int64_t assigned = 0;
         double prob_sum = 0.0; /* as the CPU's, which long sequences need */
         for (int64_t t = q * seq_len; t < (q + 1) * seq_len; t++) {
-            for (int j = 0; j < k; j++) assigned += topk_idx[t * k + j] == e ? 1.0f : 0.0f;
+            for (int j = 0; j < k; j++) assigned += topk_idx[t * k + j] == e;
             prob_sum += prob[t * E + e];
         }
-        stats[q * 2 * E + e] = assigned;
+        stats[q * 2 * E + e] = (float)assigned;
         stats[q * 2 * E + E + e] = (float)prob_sum;
     }
 }
