@@ -73,13 +73,29 @@ static moe_status agree(moe_comm *job, moe_status st) {
     return moe_error(status, "rank %d: %s", first, msg);
 }
 
+/* Whether name is canonical, as the model writes it: sscanf's numbers
+ * would take "01", "+1" or " 1" too, which no tensor of ours is called. */
+static bool written_as(const char *name, const char *canonical) { return strcmp(name, canonical) == 0; }
+
 /* Expert e's w1, w2 or w3 in one of our layers: a tensor that some rank of
  * an expert-parallel group holds, not necessarily this one. */
 static bool is_expert_weight(const char *name, int64_t layers, int64_t experts) {
     long long l, e;
     int w, end = 0;
-    return sscanf(name, EXPERT_FMT "%n", &l, &e, &w, &end) == 3 && end > 0 && name[end] == '\0' && l >= 0 &&
-           l < layers && e >= 0 && e < experts && w >= 1 && w <= 3;
+    char again[NAME_BYTES];
+    if (sscanf(name, EXPERT_FMT "%n", &l, &e, &w, &end) != 3 || end == 0 || name[end] != '\0') return false;
+    snprintf(again, sizeof again, EXPERT_FMT, l, e, w);
+    return written_as(name, again) && l >= 0 && l < layers && e >= 0 && e < experts && w >= 1 && w <= 3;
+}
+
+/* A selection bias of one of our layers. */
+static bool is_bias(const char *name, int64_t layers) {
+    long long l;
+    int end = 0;
+    char again[NAME_BYTES];
+    if (sscanf(name, BIAS_FMT "%n", &l, &end) != 1 || end == 0 || name[end] != '\0') return false;
+    snprintf(again, sizeof again, BIAS_FMT, l);
+    return written_as(name, again) && l >= 0 && l < layers;
 }
 
 /* A tensor of the model that another pipeline stage holds: one of a layer
@@ -89,8 +105,12 @@ static bool is_expert_weight(const char *name, int64_t layers, int64_t experts) 
 static bool of_other_stage(const moe_model_stage *stage, const char *name, int64_t layers) {
     long long l;
     int end = 0;
-    if (sscanf(name, LAYER_FMT "%n", &l, &end) == 1 && end > 0)
-        return l >= 0 && l < layers && (l < stage->layer_begin || l >= stage->layer_end);
+    char prefix[NAME_BYTES];
+    if (sscanf(name, LAYER_FMT "%n", &l, &end) == 1 && end > 0) {
+        snprintf(prefix, sizeof prefix, LAYER_FMT, l);
+        return strncmp(name, prefix, strlen(prefix)) == 0 && l >= 0 && l < layers &&
+               (l < stage->layer_begin || l >= stage->layer_end);
+    }
     if (!stage->first && strcmp(name, EMBED_NAME) == 0) return true;
     return !stage->last && (strcmp(name, FINAL_NORM_NAME) == 0 || strcmp(name, HEAD_NAME) == 0);
 }
@@ -680,12 +700,9 @@ static moe_status check_unused(const weights_reader *r, const moe_model_stage *s
     for (int64_t i = 0; i < moe_st_dir_tensor_count(r->dir); i++) {
         if (r->used[i]) continue;
         const char *name = moe_st_dir_tensor_at(r->dir, i)->name;
-        long long l;
-        int end = 0;
         if (strncmp(name, OPTIMIZER_PREFIX, strlen(OPTIMIZER_PREFIX)) == 0) continue;
         if (is_expert_weight(name, layers, r->E)) continue;
-        if (sscanf(name, BIAS_FMT "%n", &l, &end) == 1 && end > 0 && name[end] == '\0' && l >= 0 && l < layers)
-            continue;
+        if (is_bias(name, layers)) continue;
         if (of_other_stage(stage, name, layers)) continue;
         return moe_error(MOE_ERR_FORMAT, "%s: tensor '%s' is not part of this model (a checkpoint of another model?)",
                          file_of(r->dir, name), name);

@@ -5,6 +5,7 @@
 
 #include <errno.h>
 #include <glob.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -97,31 +98,19 @@ static moe_status add_file(moe_data *d, const char *path, int64_t count, int64_t
     return MOE_OK;
 }
 
-/* The size of a regular file. fopen accepts a directory, and seeking to its
- * end reports INT64_MAX bytes, so anything else is refused here. */
-static moe_status file_size(int64_t *size, FILE *file, const char *path) {
-    struct stat sb;
-    if (fstat(fileno(file), &sb) != 0)
-        return moe_error(MOE_ERR_IO, "%s: stat failed: %s", path, strerror(errno));
-    if (!S_ISREG(sb.st_mode)) return moe_error(MOE_ERR_IO, "%s: not a regular file", path);
-    *size = (int64_t)sb.st_size;
-    return MOE_OK;
-}
 
 moe_status moe_data_open_bytes(moe_data **data, const char *path) {
     if (data == NULL || path == NULL)
         return moe_error(MOE_ERR_INVALID_ARG, "moe_data_open_bytes: NULL argument");
     *data = NULL;
-    FILE *file = fopen(path, "rb");
-    if (file == NULL) return moe_error(MOE_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    FILE *file;
     int64_t size = 0;
-    moe_status st = file_size(&size, file, path);
+    MOE_TRY(moe_file_open_read(&file, &size, path));
     fclose(file);
-    MOE_TRY(st);
     if (size == 0) return moe_error(MOE_ERR_FORMAT, "%s: empty file, no tokens to read", path);
     moe_data *d;
     MOE_TRY(data_new(&d, path, MOE_BYTE_VOCAB_SIZE));
-    st = add_file(d, path, size, 0, 1);
+    const moe_status st = add_file(d, path, size, 0, 1);
     if (st != MOE_OK) {
         moe_data_close(d);
         return st;
@@ -132,10 +121,10 @@ moe_status moe_data_open_bytes(moe_data **data, const char *path) {
 
 /* Checks one shard's header against its size and appends it. */
 static moe_status add_shard(moe_data *d, const char *path) {
-    FILE *file = fopen(path, "rb");
-    if (file == NULL) return moe_error(MOE_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    FILE *file;
     int64_t size = 0;
-    moe_status st = file_size(&size, file, path);
+    MOE_TRY(moe_file_open_read(&file, &size, path));
+    moe_status st = MOE_OK;
     unsigned char header[MOE_SHARD_HEADER_BYTES];
     if (st == MOE_OK && size < MOE_SHARD_HEADER_BYTES)
         st = moe_error(MOE_ERR_FORMAT,
@@ -175,8 +164,14 @@ moe_status moe_data_open_shards(moe_data **data, const char *pattern, int64_t vo
     if (vocab_size < 1)
         return moe_error(MOE_ERR_CONFIG, "%s: vocab_size=%lld, must be at least 1", pattern,
                          (long long)vocab_size);
-    glob_t g;
-    int rc = glob(pattern, 0, NULL, &g); /* sorted: no GLOB_NOSORT */
+    /* A file of that very name is the one shard, though its name may also
+     * read as a glob ("notes[v2].bin" would match "notes2.bin"). */
+    glob_t g = {0};
+    struct stat sb;
+    char *literal[1] = {(char *)pattern};
+    const bool named = stat(pattern, &sb) == 0;
+    int rc = named ? 0 : glob(pattern, 0, NULL, &g); /* sorted: no GLOB_NOSORT */
+    if (named) g.gl_pathc = 1, g.gl_pathv = literal;
     if (rc == GLOB_NOMATCH) return moe_error(MOE_ERR_IO, "%s: no file matches", pattern);
     if (rc != 0) {
         globfree(&g);
@@ -186,7 +181,7 @@ moe_status moe_data_open_shards(moe_data **data, const char *pattern, int64_t vo
     moe_data *d;
     moe_status st = data_new(&d, pattern, vocab_size);
     for (size_t i = 0; st == MOE_OK && i < g.gl_pathc; i++) st = add_shard(d, g.gl_pathv[i]);
-    globfree(&g);
+    if (!named) globfree(&g);
     if (st == MOE_OK && d->n_tokens == 0)
         st = moe_error(MOE_ERR_FORMAT, "%s: the matching shards hold no tokens", pattern);
     if (st != MOE_OK) {

@@ -3,6 +3,7 @@
 #include "engine/fileio.h"
 
 #include <errno.h>
+#include <limits.h>
 #include <fcntl.h>
 #include <ftw.h>
 #include <stdio.h>
@@ -172,27 +173,59 @@ moe_status moe_mkdir_p(const char *path) {
     return st;
 }
 
+moe_status moe_file_open_error(const char *path, int err) {
+    struct stat sb;
+    char target[PATH_MAX];
+    ssize_t n;
+    if (err == ENOENT && lstat(path, &sb) == 0 && S_ISLNK(sb.st_mode) &&
+        (n = readlink(path, target, sizeof target - 1)) >= 0) {
+        target[n] = '\0';
+        return moe_error(MOE_ERR_IO, "%s: dangling symbolic link: its target '%s' does not exist", path, target);
+    }
+    return moe_error(MOE_ERR_IO, "%s: cannot open: %s", path, strerror(err));
+}
+
+moe_status moe_file_open_fd(int *fd, int64_t *size, const char *path) {
+    *fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC); /* a FIFO is refused below, not waited on */
+    if (*fd < 0) return moe_file_open_error(path, errno);
+    struct stat sb;
+    moe_status st = MOE_OK;
+    if (fstat(*fd, &sb) != 0)
+        st = moe_error(MOE_ERR_IO, "%s: stat failed: %s", path, strerror(errno));
+    else if (!S_ISREG(sb.st_mode))
+        st = moe_error(MOE_ERR_IO, "%s: not a regular file", path);
+    if (st != MOE_OK) {
+        close(*fd);
+        *fd = -1;
+        return st;
+    }
+    *size = (int64_t)sb.st_size;
+    return MOE_OK;
+}
+
+moe_status moe_file_open_read(FILE **file, int64_t *size, const char *path) {
+    int fd;
+    MOE_TRY(moe_file_open_fd(&fd, size, path));
+    if (!(*file = fdopen(fd, "rb"))) {
+        const int err = errno;
+        close(fd);
+        return moe_error(MOE_ERR_IO, "%s: cannot open: %s", path, strerror(err));
+    }
+    return MOE_OK;
+}
+
 moe_status moe_file_read_all(char **data, size_t *size, const char *path, size_t max_bytes) {
     *data = NULL;
     *size = 0;
-    int fd = open(path, O_RDONLY);
-    if (fd < 0) return moe_error(MOE_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
-    struct stat sb;
-    if (fstat(fd, &sb) != 0) {
-        int err = errno;
-        close(fd);
-        return moe_error(MOE_ERR_IO, "%s: stat failed: %s", path, strerror(err));
-    }
-    if (!S_ISREG(sb.st_mode)) {
-        close(fd);
-        return moe_error(MOE_ERR_IO, "%s: not a regular file", path);
-    }
-    if ((uint64_t)sb.st_size > max_bytes) {
+    int fd;
+    int64_t bytes;
+    MOE_TRY(moe_file_open_fd(&fd, &bytes, path));
+    if ((uint64_t)bytes > max_bytes) {
         close(fd);
         return moe_error(MOE_ERR_FORMAT, "%s: file is %lld bytes, more than the limit of %zu", path,
-                         (long long)sb.st_size, max_bytes);
+                         (long long)bytes, max_bytes);
     }
-    size_t n = (size_t)sb.st_size;
+    size_t n = (size_t)bytes;
     char *buf = malloc(n + 1);
     if (buf == NULL) {
         close(fd);

@@ -40,6 +40,20 @@ moe_status moe_fsync_dir(const char *path);
 /* rm -r path, not following links. */
 moe_status moe_remove_tree(const char *path);
 
+/* The error for an open of path that failed with errno err. A symbolic link
+ * whose target is missing fails with ENOENT like a missing file; it is named
+ * as what it is, with its target. */
+moe_status moe_file_open_error(const char *path, int err);
+
+/* Opens a regular file for reading into *fd (close it) and its size into
+ * *size: anything else is refused naming path, a FIFO without waiting for a
+ * writer (which a plain open would, for ever), a dangling link naming its
+ * target. */
+moe_status moe_file_open_fd(int *fd, int64_t *size, const char *path);
+
+/* The same as a stream (fclose it). */
+moe_status moe_file_open_read(FILE **file, int64_t *size, const char *path);
+
 /* Reads a whole regular file into a new buffer of *size + 1 bytes whose last
  * byte is '\0' (so text can be handed to string functions); free() it. A
  * file larger than max_bytes is refused with MOE_ERR_FORMAT before anything

@@ -256,6 +256,8 @@ moe_status moe_run_options_validate(const moe_run_options *o) {
         return moe_error(MOE_ERR_CONFIG, "--eval-only needs --init-from DIR: the weights to evaluate");
     if (o->eval_only && o->profile)
         return moe_error(MOE_ERR_CONFIG, "--profile times training steps, and --eval-only runs none");
+    if (o->eval_only && o->shuffle)
+        return moe_error(MOE_ERR_CONFIG, "--shuffle orders training batches, and --eval-only trains none");
     if (o->eval_only && o->keep_last)
         return moe_error(MOE_ERR_CONFIG, "--keep-last prunes a run's checkpoints, and --eval-only writes none");
     if (o->eval_only && o->overwrite)
@@ -340,9 +342,12 @@ typedef struct run_source {
     char desc[RUN_DESC_BYTES];
 } run_source;
 
+/* Shards: a .bin name, or a glob; a file of that very name, wildcards and
+ * all, is read as what its name says. */
 static bool is_shard_glob(const char *spec) {
     const size_t n = strlen(spec);
-    return strpbrk(spec, "*?[") != NULL || (n >= 4 && strcmp(spec + n - 4, ".bin") == 0);
+    struct stat sb;
+    return (n >= 4 && strcmp(spec + n - 4, ".bin") == 0) || (strpbrk(spec, "*?[") != NULL && stat(spec, &sb) != 0);
 }
 
 /* Opens spec (run.h's rules) for the flag named in errors. A synthetic
@@ -494,6 +499,25 @@ static moe_status scan_validation(run *r) {
     return moe_data_set_position(r->val.data, (moe_data_position){0, 0});
 }
 
+/* This rank's rows of the first step's micro-batches, read from start and
+ * put back, so that a token outside the vocabulary there is refused before
+ * anything is written (--overwrite would have removed the run in --out). A
+ * peer that finds one stops before the ranks agree on the options, which
+ * keeps every rank from writing. Later batches are checked as they are
+ * read: all of them up front would be a pass over the whole corpus. */
+static moe_status scan_first_step(run *r, moe_data_position start) {
+    const moe_run_options *o = r->o;
+    const int64_t T = o->seq_len, B = o->batch_size, rows = (int64_t)r->dp_size * B;
+    int32_t *tokens = malloc((size_t)(2 * B * T) * sizeof *tokens); /* inputs, then targets */
+    if (!tokens) return moe_error(MOE_ERR_OUT_OF_MEMORY, "first step's data: %lld tokens", (long long)(B * T));
+    moe_status st = moe_data_set_position(r->train.data, start);
+    for (int64_t m = 0; m < o->grad_accum && st == MOE_OK; m++)
+        st = moe_data_next_batch(r->train.data, tokens, tokens + B * T, rows, (int64_t)r->dp_rank * B, B, T);
+    free(tokens);
+    MOE_TRY(st);
+    return moe_data_set_position(r->train.data, start);
+}
+
 /* --resume: the checkpoint's metadata, checked against the options before
  * anything is built from them. The seed chose the synthetic streams, the
  * shuffle order and the jitter noise; the shuffle and its chunk (one global
@@ -564,13 +588,21 @@ static moe_status synthetic_train_tokens(const run *r, int64_t *n_synth) {
     return MOE_OK;
 }
 
-/* A shuffled order depends on the stream's length (data.h): a file that
- * changed length since the checkpoint would be read in another order. An
- * older checkpoint does not say, and a shuffled synthetic stream is then
- * this run's length, as it always was. */
+/* The stream the checkpoint's position counts in: data that changed
+ * length since (a shard added, removed or rewritten) is another stream, in
+ * order too, and a shuffled order depends on the length as well (data.h).
+ * A synthetic stream's length is the run's own choice
+ * (synthetic_train_tokens), read in order the same tokens. An older
+ * checkpoint does not say, and a shuffled synthetic stream is then this
+ * run's length, as it always was. */
 static moe_status check_resumed_stream(const run *r) {
     const moe_run_options *o = r->o;
     const int64_t was = r->resumed.data_tokens, now = moe_data_token_count(r->train.data);
+    if (was > 0 && was != now && !o->shuffle && !is_synthetic(o->data))
+        return moe_error(MOE_ERR_CONFIG, "--resume %s: the checkpoint's training stream held %lld tokens, --data %s "
+                                         "holds %lld: the data changed since, and the position it records would "
+                                         "read other tokens",
+                         o->resume, (long long)was, o->data, (long long)now);
     if (!o->shuffle) return MOE_OK;
     if (was == 0) {
         if (is_synthetic(o->data))
@@ -628,6 +660,8 @@ static moe_status open_data(run *r) {
         MOE_TRY(check_length(&r->train, "--data", o->data, n->batch + 1, reader));
         if (o->resume) MOE_TRY(check_resumed_stream(r));
         if (o->shuffle) moe_data_set_shuffle(r->train.data, 1, o->seed);
+        const moe_status st = scan_first_step(r, o->resume ? r->resumed.data : (moe_data_position){0, 0});
+        if (st != MOE_OK) return moe_error_prefix(st, "training data (the first step's): ");
     }
     /* A second handle even on the same file: evaluation reads from the
      * start, unshuffled, whatever the training reader does. */
@@ -763,6 +797,10 @@ static moe_status build_model(run *r) {
             {"--logit-z-loss", o->logit_z_loss, NULL},
             {"--data (name hash)", moe_grid_text_hash(o->data), NULL},
             {"--val-data (name hash)", o->val_data ? moe_grid_text_hash(o->val_data) : -1.0, NULL},
+            /* One name may open other files on other nodes (a shard missing
+             * from a local copy): a global batch of unrelated rows. */
+            {"--data (tokens)", r->train.data ? (double)moe_data_token_count(r->train.data) : -1.0, NULL},
+            {"validation data (tokens)", (double)moe_data_token_count(r->val.data), NULL},
             /* Ranks that loaded other weights would train a mixture. */
             {"--init-from (name hash)", o->init_from ? moe_grid_text_hash(o->init_from) : -1.0, NULL},
             {"--resume (name hash)", o->resume ? moe_grid_text_hash(o->resume) : -1.0, NULL},
@@ -1643,15 +1681,17 @@ static moe_status last_logged_step(const char *out_dir, int64_t *step) {
     *step = -1;
     char path[RUN_PATH_BYTES];
     MOE_TRY(path_join(path, out_dir, "metrics.jsonl"));
-    FILE *f = fopen(path, "rb");
-    if (!f) return errno == ENOENT ? MOE_OK : moe_error(MOE_ERR_IO, "%s: %s", path, strerror(errno));
+    struct stat sb;
+    if (stat(path, &sb) != 0 && errno == ENOENT) return MOE_OK;
+    FILE *f;
+    int64_t size;
+    MOE_TRY(moe_file_open_read(&f, &size, path));
     char *tail = NULL;
     size_t n = 0;
-    long size = -1;
-    if (fseek(f, 0, SEEK_END) == 0 && (size = ftell(f)) >= 0 &&
-        fseek(f, size > RUN_LOG_TAIL ? size - RUN_LOG_TAIL : 0, SEEK_SET) == 0 && (tail = malloc(RUN_LOG_TAIL + 1)))
+    if (fseek(f, size > RUN_LOG_TAIL ? (long)(size - RUN_LOG_TAIL) : 0, SEEK_SET) == 0 &&
+        (tail = malloc(RUN_LOG_TAIL + 1)))
         n = fread(tail, 1, RUN_LOG_TAIL, f);
-    const bool failed = size < 0 || !tail || ferror(f);
+    const bool failed = !tail || ferror(f);
     fclose(f);
     if (failed) {
         free(tail);

@@ -3,7 +3,6 @@
 #include "engine/safetensors.h"
 
 #include <errno.h>
-#include <fcntl.h>
 #include <limits.h>
 #include <math.h>
 #include <stdbool.h>
@@ -357,21 +356,6 @@ static moe_status parse_header(moe_st_file *f, uint64_t header_bytes) {
     return MOE_OK;
 }
 
-/* The error for an open of path that failed with errno err. A symbolic link
- * whose target is missing fails with ENOENT like a missing file; it is named
- * as what it is, with its target. */
-static moe_status open_error(const char *path, int err) {
-    struct stat sb;
-    char target[PATH_MAX];
-    ssize_t n;
-    if (err == ENOENT && lstat(path, &sb) == 0 && S_ISLNK(sb.st_mode) &&
-        (n = readlink(path, target, sizeof target - 1)) >= 0) {
-        target[n] = '\0';
-        return moe_error(MOE_ERR_IO, "%s: dangling symbolic link: its target '%s' does not exist", path, target);
-    }
-    return moe_error(MOE_ERR_IO, "%s: cannot open: %s", path, strerror(err));
-}
-
 moe_status moe_st_open(moe_st_file **file, const char *path) {
     *file = NULL;
     moe_st_file *f = calloc(1, sizeof *f);
@@ -379,29 +363,23 @@ moe_status moe_st_open(moe_st_file **file, const char *path) {
         free(f);
         return moe_error(MOE_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
     }
-    int fd = open(path, O_RDONLY);
-    if (fd < 0) {
-        int err = errno;
+    int fd;
+    int64_t size;
+    moe_status st = moe_file_open_fd(&fd, &size, path);
+    if (st != MOE_OK) {
         moe_st_close(f);
-        return open_error(path, err);
+        return st;
     }
-    struct stat sb;
-    moe_status st = MOE_OK;
-    if (fstat(fd, &sb) != 0)
-        st = moe_error(MOE_ERR_IO, "%s: stat failed: %s", path, strerror(errno));
-    else if (!S_ISREG(sb.st_mode))
-        st = moe_error(MOE_ERR_IO, "%s: not a regular file", path);
-    else if (sb.st_size < 8)
+    if (size < 8)
         st = moe_error(MOE_ERR_FORMAT, "%s: file is %lld bytes, too short for the 8-byte header length", path,
-                       (long long)sb.st_size);
+                       (long long)size);
     if (st == MOE_OK) {
-        void *map = mmap(NULL, (size_t)sb.st_size, PROT_READ, MAP_PRIVATE, fd, 0);
+        void *map = mmap(NULL, (size_t)size, PROT_READ, MAP_PRIVATE, fd, 0);
         if (map == MAP_FAILED) {
-            st = moe_error(MOE_ERR_IO, "%s: mmap of %lld bytes failed: %s", path, (long long)sb.st_size,
-                           strerror(errno));
+            st = moe_error(MOE_ERR_IO, "%s: mmap of %lld bytes failed: %s", path, (long long)size, strerror(errno));
         } else {
             f->map = map;
-            f->map_bytes = (size_t)sb.st_size;
+            f->map_bytes = (size_t)size;
         }
     }
     close(fd);
@@ -807,7 +785,7 @@ static moe_status check_dir(const char *path) {
     struct stat sb;
     if (stat(path, &sb) != 0) {
         int err = errno;
-        if (err == ENOENT && lstat(path, &sb) == 0) return open_error(path, err);
+        if (err == ENOENT && lstat(path, &sb) == 0) return moe_file_open_error(path, err);
         return moe_error(MOE_ERR_IO, "%s: cannot open the checkpoint directory: %s", path, strerror(err));
     }
     if (!S_ISDIR(sb.st_mode)) return moe_error(MOE_ERR_IO, "%s: not a directory", path);
@@ -818,7 +796,7 @@ static moe_status check_dir(const char *path) {
 
 static moe_status read_index(moe_st_dir *d, const char *index_path) {
     struct stat sb;
-    if (stat(index_path, &sb) != 0) return open_error(index_path, errno);
+    if (stat(index_path, &sb) != 0) return moe_file_open_error(index_path, errno);
     moe_json_doc *doc;
     MOE_TRY(moe_json_parse_file(&doc, index_path, (size_t)MOE_ST_MAX_HEADER_BYTES));
     const moe_status st = open_indexed(d, index_path, moe_json_root(doc));

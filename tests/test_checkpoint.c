@@ -654,6 +654,16 @@ Test(checkpoint, selection_bias_missing_or_unused, .init = make_tmpdir, .fini = 
     write_tts(in_dir(dir, "model.safetensors"), ts, n, "F32");
     expect_error(moe_checkpoint_load_weights(off.model, dir),
                  "model.layers.2.block_sparse_moe.gate.e_score_correction_bias", "not part of this model");
+    /* Numbers written otherwise than the model writes them name no tensor
+     * of it, however sscanf reads them. */
+    static const char *const odd[] = {"model.layers.+0.block_sparse_moe.gate.e_score_correction_bias",
+                                      "model.layers.0.block_sparse_moe.experts.01.w1.weight",
+                                      "model.layers. 1.block_sparse_moe.experts.1.w2.weight"};
+    for (size_t i = 0; i < sizeof odd / sizeof *odd; i++) {
+        ts[n - 1] = make_tt(odd[i], 1, (int64_t[]){EXPERTS}, wide);
+        write_tts(in_dir(dir, "model.safetensors"), ts, n, "F32");
+        expect_error(moe_checkpoint_load_weights(off.model, dir), odd[i], "not part of this model");
+    }
     free_run(&off);
     free_run(&on);
 }

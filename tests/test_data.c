@@ -424,6 +424,20 @@ Test(data_bytes, directory_refused_at_open) {
     remove_dir(dir);
 }
 
+/* A FIFO is refused at once: a plain open would wait for a writer for ever. */
+Test(data_bytes, fifo_refused_without_waiting, .timeout = 20) {
+    char *dir = make_dir(), fifo[512], pattern[512];
+    path_in(fifo, sizeof fifo, dir, "train_000.bin");
+    cr_assert_eq(mkfifo(fifo, 0600), 0);
+    moe_data *d = (moe_data *)1;
+    expect_error_names(moe_data_open_bytes(&d, fifo), MOE_ERR_IO, fifo);
+    cr_assert(strstr(moe_last_error(), "not a regular file") != NULL, "%s", moe_last_error());
+    path_in(pattern, sizeof pattern, dir, "train_*.bin");
+    expect_error_names(moe_data_open_shards(&d, pattern, 100), MOE_ERR_IO, fifo);
+    cr_assert(d == NULL, "a refused open must leave no handle");
+    remove_dir(dir);
+}
+
 /* ---------------------------------------------------------------- shards */
 
 static int32_t shard_token(int64_t i) { return (int32_t)((i * 2654435761u) % 50000); }
@@ -444,6 +458,23 @@ static char *write_three_shards(int64_t *total) {
     free(buf);
     *total = at;
     return dir;
+}
+
+/* A shard whose very name reads as a glob is that file, not what the glob
+ * matches ("train[1].bin" would match "train1.bin"). */
+Test(data_shards, a_file_named_like_a_glob_is_itself) {
+    char *dir = make_dir(), literal[512], other[512];
+    int32_t tokens[7] = {1, 2, 3, 4, 5, 6, 7};
+    path_in(literal, sizeof literal, dir, "train[1].bin");
+    path_in(other, sizeof other, dir, "train1.bin");
+    cr_assert_eq(moe_data_write_shard(literal, tokens, 7), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(moe_data_write_shard(other, tokens, 5), MOE_OK, "%s", moe_last_error());
+    moe_data *d = NULL;
+    cr_assert_eq(moe_data_open_shards(&d, literal, 100), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(moe_data_token_count(d), 7);
+    moe_data_close(d);
+    remove(literal), remove(other);
+    remove_dir(dir);
 }
 
 Test(data_shards, writer_bytes_follow_llmc) {

@@ -536,21 +536,26 @@ Test(train_run, llmc_shards_train, .init = make_tmp, .fini = remove_tmp) {
     cr_expect_eq(v.warnings, 0, "warning: %s", v.warning);
     cr_expect(access(v.checkpoint, F_OK) == 0, "no checkpoint at %s", v.checkpoint);
 
-    /* A token past the config's vocabulary is refused with the shard named:
-     * in the validation data before training, in the training data when
-     * read. */
+    /* A token past the config's vocabulary is refused with the shard named,
+     * before training: where the first step reads the training data (later
+     * batches are refused when read), and in the validation data. */
     write_tiny_config(cfg, VOCAB / 2);
     o.overwrite = true;
     moe_run_callbacks cb = callbacks(&v);
     cr_assert_neq(moe_run(&o, &cb), MOE_OK);
+    cr_expect(strstr(moe_last_error(), "training data (the first step's): ") && strstr(moe_last_error(), "train_00.bin"),
+              "message: %s", moe_last_error());
+    cr_expect_eq(v.steps, 0);
+    for (int s = 0; s < 2; s++) {
+        char name[32];
+        snprintf(name, sizeof name, "train_%02d.bin", s);
+        fill_tokens(tokens, N, VOCAB / 2, (uint32_t)s + 1);
+        cr_assert_eq(moe_data_write_shard(tmp_path(path, name), tokens, N), MOE_OK, "%s", moe_last_error());
+    }
+    cr_assert_neq(moe_run(&o, &cb), MOE_OK);
     cr_expect(strstr(moe_last_error(), "--val-data") && strstr(moe_last_error(), "val_00.bin"), "message: %s",
               moe_last_error());
     cr_expect_eq(v.steps, 0);
-    fill_tokens(tokens, N, VOCAB / 2, 99);
-    cr_assert_eq(moe_data_write_shard(val, tokens, N), MOE_OK, "%s", moe_last_error());
-    cr_assert_neq(moe_run(&o, &cb), MOE_OK);
-    cr_expect(strstr(moe_last_error(), "training data: ") && strstr(moe_last_error(), "train_00.bin"), "message: %s",
-              moe_last_error());
 }
 
 /* The file's name is not UTF-8 (Latin-1 e-acute): run.json records it with
@@ -800,6 +805,37 @@ Test(train_run, bad_validation_data_is_refused_up_front, .init = make_tmp, .fini
     o.overwrite = true; /* the earlier run is still there */
     run_ok(&o, &v);
     cr_expect_eq(v.steps, 2);
+
+    /* A bad token where the first step reads the training data is refused
+     * before --overwrite removes the run already in --out. */
+    tokens[N - 1] = 0;
+    tokens[5] = VOCAB;
+    cr_assert_eq(moe_data_write_shard(shard, tokens, N), MOE_OK, "%s", moe_last_error());
+    write_earlier_run(out);
+    expect_refused(&o, "a token >= vocab_size in the first step's --data",
+                   (const char *const[]){"first step", "train_00.bin", NULL});
+}
+
+/* Training data that changed length since the checkpoint (in order too) is
+ * another stream: the position the checkpoint records would read other
+ * tokens. */
+Test(train_run, resume_refuses_changed_training_data, .init = make_tmp, .fini = remove_tmp) {
+    char cfg[512], out[2][512], text[512], resume[512];
+    moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_BYTE_VOCAB_SIZE), tmp_path(out[0], "a"));
+    o.data = write_text(text, "text.txt", text_line, 100);
+    o.steps = 4;
+    o.save_every = 2;
+    seen v;
+    run_ok(&o, &v);
+    write_text(text, "text.txt", text_line, 101);
+    o.config = NULL;
+    o.resume = tmp_path(resume, "a/step-000002");
+    o.out_dir = tmp_path(out[1], "b");
+    moe_run_callbacks cb = callbacks(&v);
+    cr_expect_eq(moe_run(&o, &cb), MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "5700") && strstr(moe_last_error(), "5757") &&
+                  strstr(moe_last_error(), "text.txt"),
+              "message: %s", moe_last_error());
 }
 
 /* The last step's checkpoint is written before its evaluation, so a failing
@@ -1201,6 +1237,11 @@ static void negative_eval_every(moe_run_options *o) { o->eval_every = -1; }
 static void negative_save_every(moe_run_options *o) { o->save_every = -5; }
 static void negative_keep_last(moe_run_options *o) { o->keep_last = -1; }
 static void nan_logit_z(moe_run_options *o) { o->logit_z_loss = NAN; }
+static void shuffle_eval_only(moe_run_options *o) {
+    o->eval_only = o->shuffle = true;
+    o->init_from = "somewhere";
+    o->config = NULL;
+}
 static void latest_overwrite(moe_run_options *o) {
     o->resume = MOE_RUN_RESUME_LATEST;
     o->overwrite = true;
@@ -1252,7 +1293,7 @@ Test(train_run, bad_options_name_the_flag) {
         {"--config", resume_and_config},  {"--profile", profile_eval_only},
         {"--overwrite", overwrite_eval_only}, {"--keep-last", negative_keep_last},
         {"--keep-last", keep_last_eval_only}, {"--overwrite", latest_overwrite},
-        {"--logit-z-loss", nan_logit_z},
+        {"--logit-z-loss", nan_logit_z},  {"--shuffle", shuffle_eval_only},
         {"--steps", huge_steps},          {"--batch-size", huge_batch},
         {"--grad-accum", huge_accum},     {"--eval-batches", huge_eval_batches},
     };
