@@ -164,12 +164,12 @@ moe_status moe_data_open_shards(moe_data **data, const char *pattern, int64_t vo
     if (vocab_size < 1)
         return moe_error(MOE_ERR_CONFIG, "%s: vocab_size=%lld, must be at least 1", pattern,
                          (long long)vocab_size);
-    /* A file of that very name is the one shard, though its name may also
-     * read as a glob ("notes[v2].bin" would match "notes2.bin"). */
+    /* A regular file of that very name is the one shard, though its name
+     * may also read as a glob ("notes[v2].bin" would match "notes2.bin"). */
     glob_t g = {0};
     struct stat sb;
     char *literal[1] = {(char *)pattern};
-    const bool named = stat(pattern, &sb) == 0;
+    const bool named = stat(pattern, &sb) == 0 && S_ISREG(sb.st_mode);
     int rc = named ? 0 : glob(pattern, 0, NULL, &g); /* sorted: no GLOB_NOSORT */
     if (named) g.gl_pathc = 1, g.gl_pathv = literal;
     if (rc == GLOB_NOMATCH) return moe_error(MOE_ERR_IO, "%s: no file matches", pattern);

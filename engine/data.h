@@ -67,8 +67,9 @@ typedef struct moe_data_position {
 moe_status moe_data_open_bytes(moe_data **data, const char *path);
 
 /* The shards that glob(3) matches for pattern, in sorted order, as one
- * stream. vocab_size comes from the model config; a token at or above it is
- * an error when read. */
+ * stream; a regular file named pattern itself is the one shard. vocab_size
+ * comes from the model config; a token at or above it is an error when
+ * read. */
 moe_status moe_data_open_shards(moe_data **data, const char *pattern, int64_t vocab_size);
 
 /* A copy of tokens [n], each in [0, vocab_size). name appears in errors. */

@@ -7,6 +7,7 @@
 #include <fcntl.h>
 #include <ftw.h>
 #include <stdio.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -173,14 +174,29 @@ moe_status moe_mkdir_p(const char *path) {
     return st;
 }
 
-moe_status moe_file_open_error(const char *path, int err) {
+/* Whether link is a symbolic link whose target is missing; then target
+ * [PATH_MAX] names it. */
+static bool dangles(const char *link, char *target) {
     struct stat sb;
-    char target[PATH_MAX];
     ssize_t n;
-    if (err == ENOENT && lstat(path, &sb) == 0 && S_ISLNK(sb.st_mode) &&
-        (n = readlink(path, target, sizeof target - 1)) >= 0) {
-        target[n] = '\0';
+    if (lstat(link, &sb) != 0 || !S_ISLNK(sb.st_mode) || stat(link, &sb) == 0 || errno != ENOENT ||
+        (n = readlink(link, target, PATH_MAX - 1)) < 0)
+        return false;
+    target[n] = '\0';
+    return true;
+}
+
+moe_status moe_file_open_error(const char *path, int err) {
+    char target[PATH_MAX], dir[PATH_MAX];
+    if (err == ENOENT && dangles(path, target))
         return moe_error(MOE_ERR_IO, "%s: dangling symbolic link: its target '%s' does not exist", path, target);
+    /* DIR/config.json where DIR is the dangling link. */
+    const char *slash = strrchr(path, '/');
+    if (err == ENOENT && slash && slash > path && (size_t)(slash - path) < sizeof dir) {
+        snprintf(dir, sizeof dir, "%.*s", (int)(slash - path), path);
+        if (dangles(dir, target))
+            return moe_error(MOE_ERR_IO, "%s: %s is a dangling symbolic link: its target '%s' does not exist", path,
+                             dir, target);
     }
     return moe_error(MOE_ERR_IO, "%s: cannot open: %s", path, strerror(err));
 }

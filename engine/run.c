@@ -342,12 +342,13 @@ typedef struct run_source {
     char desc[RUN_DESC_BYTES];
 } run_source;
 
-/* Shards: a .bin name, or a glob; a file of that very name, wildcards and
- * all, is read as what its name says. */
+/* Shards: a .bin name, or a glob; a regular file of that very name,
+ * wildcards and all, is read as what its name says. */
 static bool is_shard_glob(const char *spec) {
     const size_t n = strlen(spec);
     struct stat sb;
-    return (n >= 4 && strcmp(spec + n - 4, ".bin") == 0) || (strpbrk(spec, "*?[") != NULL && stat(spec, &sb) != 0);
+    return (n >= 4 && strcmp(spec + n - 4, ".bin") == 0) ||
+           (strpbrk(spec, "*?[") != NULL && !(stat(spec, &sb) == 0 && S_ISREG(sb.st_mode)));
 }
 
 /* Opens spec (run.h's rules) for the flag named in errors. A synthetic
@@ -510,7 +511,7 @@ static moe_status scan_first_step(run *r, moe_data_position start) {
     const int64_t T = o->seq_len, B = o->batch_size, rows = (int64_t)r->dp_size * B;
     int32_t *tokens = malloc((size_t)(2 * B * T) * sizeof *tokens); /* inputs, then targets */
     if (!tokens) return moe_error(MOE_ERR_OUT_OF_MEMORY, "first step's data: %lld tokens", (long long)(B * T));
-    moe_status st = moe_data_set_position(r->train.data, start);
+    moe_status st = MOE_OK; /* the reader is at start */
     for (int64_t m = 0; m < o->grad_accum && st == MOE_OK; m++)
         st = moe_data_next_batch(r->train.data, tokens, tokens + B * T, rows, (int64_t)r->dp_rank * B, B, T);
     free(tokens);
@@ -660,7 +661,10 @@ static moe_status open_data(run *r) {
         MOE_TRY(check_length(&r->train, "--data", o->data, n->batch + 1, reader));
         if (o->resume) MOE_TRY(check_resumed_stream(r));
         if (o->shuffle) moe_data_set_shuffle(r->train.data, 1, o->seed);
-        const moe_status st = scan_first_step(r, o->resume ? r->resumed.data : (moe_data_position){0, 0});
+        const moe_data_position start = o->resume ? r->resumed.data : (moe_data_position){0, 0};
+        moe_status st = moe_data_set_position(r->train.data, start);
+        if (st != MOE_OK) return moe_error_prefix(st, "--resume %s: data position: ", o->resume);
+        st = scan_first_step(r, start);
         if (st != MOE_OK) return moe_error_prefix(st, "training data (the first step's): ");
     }
     /* A second handle even on the same file: evaluation reads from the
@@ -1054,9 +1058,19 @@ static moe_status write_kept_metrics(void *ctx, FILE *out) {
 
 /* A resumed run's metrics.jsonl keeps the steps up to the checkpoint's and
  * no record of the steps after it, which the resumed run logs again. */
+/* A run's metrics.jsonl for reading into *f, or NULL when there is none. */
+static moe_status read_metrics(FILE **f, int64_t *size, const char *path) {
+    struct stat sb;
+    *f = NULL;
+    if (lstat(path, &sb) != 0 && errno == ENOENT) return MOE_OK;
+    return moe_file_open_read(f, size, path);
+}
+
 static moe_status trim_metrics(const char *path, int64_t last_step) {
-    metrics_trim t = {.in = fopen(path, "r"), .last_step = last_step};
-    if (!t.in) return errno == ENOENT ? MOE_OK : moe_error(MOE_ERR_IO, "%s: %s", path, strerror(errno));
+    metrics_trim t = {.last_step = last_step};
+    int64_t size;
+    MOE_TRY(read_metrics(&t.in, &size, path));
+    if (!t.in) return MOE_OK;
     const moe_status st = moe_file_write_atomic(path, write_kept_metrics, &t);
     fclose(t.in);
     return st;
@@ -1681,11 +1695,10 @@ static moe_status last_logged_step(const char *out_dir, int64_t *step) {
     *step = -1;
     char path[RUN_PATH_BYTES];
     MOE_TRY(path_join(path, out_dir, "metrics.jsonl"));
-    struct stat sb;
-    if (stat(path, &sb) != 0 && errno == ENOENT) return MOE_OK;
     FILE *f;
     int64_t size;
-    MOE_TRY(moe_file_open_read(&f, &size, path));
+    MOE_TRY(read_metrics(&f, &size, path));
+    if (!f) return MOE_OK;
     char *tail = NULL;
     size_t n = 0;
     if (fseek(f, size > RUN_LOG_TAIL ? (long)(size - RUN_LOG_TAIL) : 0, SEEK_SET) == 0 &&

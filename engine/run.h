@@ -25,8 +25,11 @@
  *
  * Data: "synthetic" (the default) trains on one seeded stream of the
  * built-in corpus and validates on another (seeds derived from --seed);
- * anything else is a file read at byte level, or, when it holds a glob
- * character (* ? [) or ends in ".bin", a glob of llm.c token shards.
+ * anything else is a file read at byte level, or, when it ends in ".bin"
+ * or holds a glob character (* ? [), a glob of llm.c token shards; a
+ * regular file of that very name comes first (a byte file
+ * "notes[v2].txt", one shard "x[1].bin"), what else the glob matches does
+ * not count.
  * Without val_data a non-synthetic run validates on the training data itself,
  * read from its start, and says so through on_warning.
  *

@@ -557,6 +557,13 @@ Test(safetensors, missing_directory_and_dangling_links, .init = make_tmpdir, .fi
     cr_expect(strstr(moe_last_error(), "dir-link: dangling symbolic link: its target 'absent' does not exist") !=
                   NULL,
               "%s", moe_last_error());
+    /* A file in it, as a config.json is read first: the link is named. */
+    char *text;
+    size_t n;
+    cr_expect_eq(moe_file_read_all(&text, &n, in_dir(in_tmp("dir-link"), "config.json"), 1024), MOE_ERR_IO);
+    cr_expect(strstr(moe_last_error(), "dir-link is a dangling symbolic link: its target 'absent' does not exist") !=
+                  NULL,
+              "%s", moe_last_error());
 
     const struct {
         const char *dir, *link, *index; /* index NULL: none written */

@@ -1029,6 +1029,27 @@ static int64_t rewrite_state_metadata(const char *path, const char *const *drop,
     return changed;
 }
 
+/* A recorded position outside the data is named as the checkpoint's. */
+Test(train_run, resume_names_a_bad_data_position, .init = make_tmp, .fini = remove_tmp) {
+    char cfg[512], out[2][512], text[512], resume[512], path[512];
+    moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_BYTE_VOCAB_SIZE), tmp_path(out[0], "a"));
+    o.data = write_text(text, "text.txt", text_line, 100);
+    o.steps = 2;
+    o.save_every = 1;
+    seen v;
+    run_ok(&o, &v);
+    cr_assert_eq(rewrite_state_metadata(tmp_path(path, "a/step-000001/train_state.safetensors"),
+                                        (const char *const[]){NULL}, "data_token", "9999999"),
+                 1);
+    o.config = NULL;
+    o.resume = tmp_path(resume, "a/step-000001");
+    o.out_dir = tmp_path(out[1], "b");
+    moe_run_callbacks cb = callbacks(&v);
+    cr_expect_neq(moe_run(&o, &cb), MOE_OK);
+    cr_expect(strstr(moe_last_error(), "--resume") && strstr(moe_last_error(), "data position"), "message: %s",
+              moe_last_error());
+}
+
 /* Old checkpoints (without the stream's length) resume as they always did:
  * at the length of this run, right when --steps is the one they were
  * written with, which a warning says; one whose shuffled position falls
