@@ -135,13 +135,14 @@ static moe_status check_rows(const moe_model *model, const int64_t *len, const i
     return MOE_OK;
 }
 
-/* Logits must be finite to be sampled from: anything else is a broken
- * checkpoint or a bug, not a draw. */
+/* Logits must be finite to be sampled from: weights that overflow them
+ * (finite themselves, or the loader would have refused them) are the
+ * checkpoint's fault, not a draw's. */
 static moe_status check_finite(const float *logits, int64_t V, int64_t row, int64_t pos) {
     for (int64_t i = 0; i < V; i++)
         if (!isfinite(logits[i]))
-            return moe_error(MOE_ERR_INTERNAL, "generation: row %lld, position %lld: logit %lld is %g", (long long)row,
-                             (long long)pos, (long long)i, (double)logits[i]);
+            return moe_error(MOE_ERR_FORMAT, "the model's weights give non-finite logits: row %lld, position %lld: "
+                             "logit %lld is %g", (long long)row, (long long)pos, (long long)i, (double)logits[i]);
     return MOE_OK;
 }
 
@@ -326,6 +327,10 @@ static moe_status parse_ids(int32_t *tokens, int64_t *n, const char *text, int64
     }
 }
 
+static int hex_digit(char c) {
+    return c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+}
+
 /* text in kind's form into *tokens (allocated, [*n]), every token below V;
  * errors go under flag. */
 static moe_status parse_tokens(int32_t **tokens, int64_t *n, moe_token_kind kind, const char *text, int64_t V,
@@ -342,14 +347,29 @@ static moe_status parse_tokens(int32_t **tokens, int64_t *n, moe_token_kind kind
                 st = moe_error(MOE_ERR_CONFIG, "token %lld, %s, is id %d, not below the checkpoint's vocab_size %lld",
                                (long long)i, moe_synth_token_text((*tokens)[i]), (int)(*tokens)[i], (long long)V);
     } else if (kind == MOE_TOKENS_BYTES) {
-        *n = (int64_t)bytes;
+        /* The escapes samples are printed with read back as their bytes. */
+        *n = 0;
         for (size_t i = 0; i < bytes && st == MOE_OK; i++) {
-            (*tokens)[i] = (unsigned char)text[i];
+            const size_t at = i;
+            int byte = (unsigned char)text[i];
+            if (byte == '\\') {
+                const char e = text[++i];
+                int hi, lo;
+                byte = e == 'n' ? '\n' : e == 't' ? '\t' : e == 'r' ? '\r' : e == '\\' ? '\\' : -1;
+                if (e == 'x' && (hi = hex_digit(text[i + 1])) >= 0 && (lo = hex_digit(text[i + 2])) >= 0)
+                    byte = 16 * hi + lo, i += 2;
+                if (byte < 0) {
+                    st = moe_error(MOE_ERR_CONFIG, "byte %zu: '\\%.1s' is no escape (\\n \\t \\r \\\\ \\xNN are)",
+                                   at, e ? text + i : "");
+                    break;
+                }
+            }
+            (*tokens)[(*n)++] = byte;
             char c[5];
-            escape_byte(c, (unsigned char)text[i]);
-            if ((*tokens)[i] >= V)
+            escape_byte(c, (unsigned char)byte);
+            if (byte >= V)
                 st = moe_error(MOE_ERR_CONFIG, "byte %zu, '%s', is token %d, not below the checkpoint's vocab_size %lld",
-                               i, c, (int)(*tokens)[i], (long long)V);
+                               at, c, byte, (long long)V);
         }
     } else {
         st = parse_ids(*tokens, n, text, V);

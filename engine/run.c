@@ -256,6 +256,8 @@ moe_status moe_run_options_validate(const moe_run_options *o) {
         return moe_error(MOE_ERR_CONFIG, "--eval-only needs --init-from DIR: the weights to evaluate");
     if (o->eval_only && o->profile)
         return moe_error(MOE_ERR_CONFIG, "--profile times training steps, and --eval-only runs none");
+    if (o->eval_only && o->save_every)
+        return moe_error(MOE_ERR_CONFIG, "--save-every writes checkpoints, and --eval-only writes none");
     if (o->eval_only && o->shuffle)
         return moe_error(MOE_ERR_CONFIG, "--shuffle orders training batches, and --eval-only trains none");
     if (o->eval_only && o->keep_last)

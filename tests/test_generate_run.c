@@ -258,10 +258,18 @@ Test(generate_run, bytes_are_escaped, .init = make_tmpdir, .fini = remove_tmpdir
     const moe_model_config cfg = tiny_config(256, 4096);
     char dir[768];
     float *w = save_checkpoint(dir, &cfg, in_tmp("out"), 13);
-    moe_generate_options o = options(dir, "a\nb\x01\\\xff");
+    /* Raw bytes, a backslash written as its escape; and the whole prompt
+     * as printed: the same tokens. */
+    moe_generate_options o = options(dir, "a\nb\x01\\\\\xff");
     o.max_new_tokens = 24;
     o.sampling = (moe_sampling){.temperature = 1.0, .seed = 3};
     const collected c = run_ok(&o);
+    moe_generate_options printed = o;
+    printed.prompt = "a\\nb\\x01\\\\\\xff";
+    const collected again = run_ok(&printed);
+    cr_expect_str_eq(again.samples[0].new_text, c.samples[0].new_text);
+    printed.prompt = "a\\qb";
+    expect_error(&printed, "--prompt", "'\\q' is no escape");
     cr_expect_eq(c.summary.tokens, MOE_TOKENS_BYTES);
     const got_sample *g = &c.samples[0];
     cr_expect_str_eq(g->prompt_text, "a\\nb\\x01\\\\\\xff");

@@ -1258,6 +1258,12 @@ static void negative_eval_every(moe_run_options *o) { o->eval_every = -1; }
 static void negative_save_every(moe_run_options *o) { o->save_every = -5; }
 static void negative_keep_last(moe_run_options *o) { o->keep_last = -1; }
 static void nan_logit_z(moe_run_options *o) { o->logit_z_loss = NAN; }
+static void save_eval_only(moe_run_options *o) {
+    o->eval_only = true;
+    o->save_every = 5;
+    o->init_from = "somewhere";
+    o->config = NULL;
+}
 static void shuffle_eval_only(moe_run_options *o) {
     o->eval_only = o->shuffle = true;
     o->init_from = "somewhere";
@@ -1315,6 +1321,7 @@ Test(train_run, bad_options_name_the_flag) {
         {"--overwrite", overwrite_eval_only}, {"--keep-last", negative_keep_last},
         {"--keep-last", keep_last_eval_only}, {"--overwrite", latest_overwrite},
         {"--logit-z-loss", nan_logit_z},  {"--shuffle", shuffle_eval_only},
+        {"--save-every", save_eval_only},
         {"--steps", huge_steps},          {"--batch-size", huge_batch},
         {"--grad-accum", huge_accum},     {"--eval-batches", huge_eval_batches},
     };

@@ -30,7 +30,7 @@ static void print_help(void) {
            "  --tokens K           how prompts, --stop and samples are written: synthetic (the\n"
            "                       built-in corpus's token texts, e.g. '<arithmetic>3+4='; spaces\n"
            "                       between tokens are skipped), bytes (one token per byte;\n"
-           "                       printed with \\n \\t \\r \\\\ and \\xNN escapes, '|' too) or ids\n"
+           "                       written and printed with \\n \\t \\r \\\\ and \\xNN escapes, '|' too) or ids\n"
            "                       (comma-separated token ids). Default: from the checkpoint's\n"
            "                       vocab_size: %d synthetic, 256 bytes, else ids\n\n",
            MOE_SYNTH_VOCAB_SIZE);
