@@ -174,29 +174,37 @@ moe_status moe_mkdir_p(const char *path) {
     return st;
 }
 
-/* Whether link is a symbolic link whose target is missing; then target
- * [PATH_MAX] names it. */
-static bool dangles(const char *link, char *target) {
+/* Whether link is a symbolic link that resolves to nothing; then why
+ * [PATH_MAX + 64] says so: its target is missing, or dangles in turn. */
+static bool dangles(const char *link, char *why) {
     struct stat sb;
+    char target[PATH_MAX], hop[2 * PATH_MAX];
     ssize_t n;
     if (lstat(link, &sb) != 0 || !S_ISLNK(sb.st_mode) || stat(link, &sb) == 0 || errno != ENOENT ||
-        (n = readlink(link, target, PATH_MAX - 1)) < 0)
+        (n = readlink(link, target, sizeof target - 1)) < 0)
         return false;
     target[n] = '\0';
+    /* The target as seen from the link's directory. */
+    const char *slash = strrchr(link, '/');
+    if (target[0] == '/' || !slash)
+        snprintf(hop, sizeof hop, "%s", target);
+    else
+        snprintf(hop, sizeof hop, "%.*s/%s", (int)(slash - link), link, target);
+    snprintf(why, PATH_MAX + 64, "its target '%s' %s", target,
+             lstat(hop, &sb) == 0 ? "is a dangling link too" : "does not exist");
     return true;
 }
 
 moe_status moe_file_open_error(const char *path, int err) {
-    char target[PATH_MAX], dir[PATH_MAX];
-    if (err == ENOENT && dangles(path, target))
-        return moe_error(MOE_ERR_IO, "%s: dangling symbolic link: its target '%s' does not exist", path, target);
-    /* DIR/config.json where DIR is the dangling link. */
+    char why[PATH_MAX + 64], dir[PATH_MAX];
+    if (err == ENOENT && dangles(path, why))
+        return moe_error(MOE_ERR_IO, "%s: dangling symbolic link: %s", path, why);
+    /* DIR/config.json where DIR (slashes after it or not) is the dangling link. */
     const char *slash = strrchr(path, '/');
+    while (slash && slash > path && slash[-1] == '/') slash--;
     if (err == ENOENT && slash && slash > path && (size_t)(slash - path) < sizeof dir) {
         snprintf(dir, sizeof dir, "%.*s", (int)(slash - path), path);
-        if (dangles(dir, target))
-            return moe_error(MOE_ERR_IO, "%s: %s is a dangling symbolic link: its target '%s' does not exist", path,
-                             dir, target);
+        if (dangles(dir, why)) return moe_error(MOE_ERR_IO, "%s: %s is a dangling symbolic link: %s", path, dir, why);
     }
     return moe_error(MOE_ERR_IO, "%s: cannot open: %s", path, strerror(err));
 }

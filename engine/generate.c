@@ -359,8 +359,10 @@ static moe_status parse_tokens(int32_t **tokens, int64_t *n, moe_token_kind kind
                 if (e == 'x' && (hi = hex_digit(text[i + 1])) >= 0 && (lo = hex_digit(text[i + 2])) >= 0)
                     byte = 16 * hi + lo, i += 2;
                 if (byte < 0) {
-                    st = moe_error(MOE_ERR_CONFIG, "byte %zu: '\\%.1s' is no escape (\\n \\t \\r \\\\ \\xNN are)",
-                                   at, e ? text + i : "");
+                    st = e == 'x' ? moe_error(MOE_ERR_CONFIG, "byte %zu: '\\x' needs two hex digits", at)
+                                  : moe_error(MOE_ERR_CONFIG, "byte %zu: '\\%.1s' is no escape (\\n \\t \\r \\\\ "
+                                                              "\\xNN are)",
+                                              at, e ? text + i : "");
                     break;
                 }
             }
@@ -443,8 +445,12 @@ static moe_status read_inputs(generation *g, const moe_generate_options *o, cons
         int32_t *stop = NULL;
         int64_t n = 0;
         st = parse_tokens(&stop, &n, g->kind, o->stop, V, "--stop");
-        if (st == MOE_OK && n != 1)
-            st = moe_error(MOE_ERR_CONFIG, "--stop '%s' holds %lld tokens; it takes one", o->stop, (long long)n);
+        if (st == MOE_OK && n != 1) {
+            char shown[16 * TOKEN_TEXT_BYTES + 1]; /* its first 16, written as samples are */
+            render_tokens(shown, g->kind, stop, n < 16 ? n : 16);
+            st = moe_error(MOE_ERR_CONFIG, "--stop '%s%s' holds %lld tokens; it takes one", shown, n > 16 ? "..." : "",
+                           (long long)n);
+        }
         if (st == MOE_OK) g->stop = stop[0];
         free(stop);
         MOE_TRY(st);
@@ -496,7 +502,8 @@ static moe_status generate_body(generation *g, const moe_generate_options *o, co
         .seq_len = T,
     };
     if (cb->on_start) cb->on_start(cb->ctx, &summary);
-    MOE_TRY(moe_generate(g->model, g->rows, g->len, g->end, g->stop, &o->sampling));
+    st = moe_generate(g->model, g->rows, g->len, g->end, g->stop, &o->sampling);
+    if (st != MOE_OK) return moe_error_prefix(st, "--init-from %s: ", o->init_from);
 
     for (int64_t b = 0; b < B; b++) {
         const int32_t *row = g->rows + b * T;

@@ -61,7 +61,8 @@ moe_status moe_generate(moe_model *model, int32_t *rows, int64_t *len, const int
 typedef enum moe_token_kind {
     MOE_TOKENS_AUTO = 0,  /* from the vocabulary: 54 synthetic, 256 bytes, else ids */
     MOE_TOKENS_SYNTHETIC, /* the synthetic corpus's token texts (moe_synth_parse) */
-    MOE_TOKENS_BYTES,     /* one token per byte; printed with \n \t \r \\ and \xNN escapes ('|' too) */
+    MOE_TOKENS_BYTES,     /* one token per byte; printed, and read in prompts and --stop, with \n \t \r \\
+                           * and \xNN escapes ('|' printed too), so a backslash is written \\ */
     MOE_TOKENS_IDS        /* token ids, comma-separated */
 } moe_token_kind;
 

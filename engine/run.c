@@ -1292,7 +1292,8 @@ static moe_status evaluate(run *r, int64_t step, double *val_loss) {
 
 static moe_status solve_tasks(run *r) {
     if (r->ranks > 1 || r->cfg.moe_capacity_factor > 0.0) return MOE_OK;
-    MOE_TRY(moe_synth_tasks_solve(&r->kinds.tasks, r->model, &r->val.synth, RUN_TASK_EXAMPLES));
+    const moe_status st = moe_synth_tasks_solve(&r->kinds.tasks, r->model, &r->val.synth, RUN_TASK_EXAMPLES);
+    if (st != MOE_OK) return moe_error_prefix(st, "the trained model's greedy answers: ");
     r->kinds.tasks_measured = true;
     return MOE_OK;
 }
@@ -1472,6 +1473,13 @@ static moe_status clear_out_dir(const moe_run_options *o, bool remove) {
     int64_t resumed_step = 0;
     bool in_place;
     st = resumes_in_place(o, &in_place, &resumed_step);
+    /* The log an in-place resume cuts must be readable before anything goes. */
+    char metrics[RUN_PATH_BYTES];
+    FILE *log = NULL;
+    int64_t log_bytes;
+    if (st == MOE_OK && in_place && (st = path_join(metrics, o->out_dir, "metrics.jsonl")) == MOE_OK)
+        st = read_metrics(&log, &log_bytes, metrics);
+    if (log) fclose(log);
     if (st != MOE_OK) {
         closedir(dir);
         return st;

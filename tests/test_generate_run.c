@@ -270,6 +270,12 @@ Test(generate_run, bytes_are_escaped, .init = make_tmpdir, .fini = remove_tmpdir
     cr_expect_str_eq(again.samples[0].new_text, c.samples[0].new_text);
     printed.prompt = "a\\qb";
     expect_error(&printed, "--prompt", "'\\q' is no escape");
+    printed.prompt = "ab\\x4";
+    expect_error(&printed, "byte 2", "'\\x' needs two hex digits");
+    /* A --stop of several bytes is shown as samples are printed. */
+    printed.prompt = "a";
+    printed.stop = "\n\xff";
+    expect_error(&printed, "--stop '\\n\\xff' holds 2 tokens", "it takes one");
     cr_expect_eq(c.summary.tokens, MOE_TOKENS_BYTES);
     const got_sample *g = &c.samples[0];
     cr_expect_str_eq(g->prompt_text, "a\\nb\\x01\\\\\\xff");

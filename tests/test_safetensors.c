@@ -557,6 +557,11 @@ Test(safetensors, missing_directory_and_dangling_links, .init = make_tmpdir, .fi
     cr_expect(strstr(moe_last_error(), "dir-link: dangling symbolic link: its target 'absent' does not exist") !=
                   NULL,
               "%s", moe_last_error());
+    /* A link to that link: it exists, the chain dangles. */
+    cr_assert_eq(symlink("dir-link", in_tmp("to-link")), 0);
+    cr_expect_eq(moe_st_dir_open(&d, in_tmp("to-link")), MOE_ERR_IO);
+    cr_expect(strstr(moe_last_error(), "to-link: dangling symbolic link: its target 'dir-link' is a dangling link too"),
+              "%s", moe_last_error());
     /* A file in it, as a config.json is read first: the link is named. */
     char *text;
     size_t n;

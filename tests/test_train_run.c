@@ -1357,6 +1357,26 @@ static const char *listing(char *buf, size_t size, const char *dir) {
     return buf;
 }
 
+/* An in-place resume whose log cannot be read is refused before it
+ * removes the later checkpoints (a FIFO there hung it, after the step). */
+Test(train_run, in_place_resume_checks_its_log_first, .init = make_tmp, .fini = remove_tmp, .timeout = 60) {
+    char cfg[512], out[512], resume[512], log[512], names[1024];
+    moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE), tmp_path(out, "out"));
+    o.steps = 4;
+    o.save_every = 2;
+    seen v;
+    run_ok(&o, &v);
+    cr_assert_eq(unlink(tmp_path(log, "out/metrics.jsonl")), 0);
+    cr_assert_eq(mkfifo(log, 0600), 0);
+    o.config = NULL;
+    o.resume = tmp_path(resume, "out/step-000002");
+    moe_run_callbacks cb = callbacks(&v);
+    cr_expect_eq(moe_run(&o, &cb), MOE_ERR_IO);
+    cr_expect(strstr(moe_last_error(), "not a regular file"), "message: %s", moe_last_error());
+    cr_expect_str_eq(listing(names, sizeof names, out),
+                     "config.json metrics.jsonl run.json step-000002 step-000004");
+}
+
 /* What --out held when step 7's checkpoint was saved (before its pruning). */
 static char listed_at_7[1024];
 static void list_at_step_7(void *ctx, int64_t step, const char *path) {
