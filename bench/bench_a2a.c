@@ -449,7 +449,7 @@ static bool fits_mpi_int(moe_comm *comm, int64_t max_send_floats, int64_t max_re
     if (moe_comm_rank(comm) == 0)
         fprintf(stderr,
                 "moe-bench %s: a rank would move %lld fp32 elements, past MPI's int counts; "
-                "lower --maxbytes\n",
+                "lower --maxbytes, or --row-bytes (sizes are whole rows)\n",
                 CMD, (long long)(worst[0] > worst[1] ? worst[0] : worst[1]));
     return false;
 }

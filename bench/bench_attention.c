@@ -157,6 +157,23 @@ static bool heads_divide(const attn_shape *s) {
     return false;
 }
 
+/* Whether the buffers of shape s (4 of B*T*heads*hd floats, 4 of
+ * B*T*kv-heads*hd, 2 of the B*heads*T*T scores) can be counted in bytes:
+ * the flags' own limits allow products past 2^64. */
+static bool sizes_fit(const attn_shape *s) {
+    int64_t nq, nk, na, total; /* floats; each factor pair is far below 2^63 */
+    const bool fit = !__builtin_mul_overflow(s->B * s->T, s->Hq * s->hd, &nq) &&
+                     !__builtin_mul_overflow(s->B * s->T, s->Hkv * s->hd, &nk) &&
+                     !__builtin_mul_overflow(s->B * s->Hq, s->T * s->T, &na) && !__builtin_add_overflow(nq, nk, &total) &&
+                     !__builtin_mul_overflow(total, 4, &total) && !__builtin_add_overflow(total, na, &total) &&
+                     !__builtin_add_overflow(total, na, &total) && total <= INT64_MAX / (int64_t)sizeof(float);
+    if (!fit)
+        fprintf(stderr, "moe-bench %s: --B %lld x --T %lld x --heads %lld x --head-dim %lld: the buffers' sizes "
+                        "overflow; lower them\n",
+                CMD, (long long)s->B, (long long)s->T, (long long)s->Hq, (long long)s->hd);
+    return fit;
+}
+
 int bench_attention_run(int argc, char **argv) {
     attn_shape s = {0};
     int64_t warmup = DEFAULT_WARMUP, iters = DEFAULT_ITERS, threads = 0;
@@ -189,7 +206,7 @@ int bench_attention_run(int argc, char **argv) {
     if (!s.Hq) s.Hq = def->Hq;
     if (!s.Hkv) s.Hkv = def->Hkv;
     if (!s.hd) s.hd = def->hd;
-    if (!heads_divide(&s)) {
+    if (!heads_divide(&s) || !sizes_fit(&s)) {
         moe_device_close(&dev);
         return BENCH_EXIT_USAGE;
     }
