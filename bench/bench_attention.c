@@ -64,7 +64,8 @@ static void usage(void) {
            "  --warmup N    untimed samples first (default %d)\n"
            "  --iters N     timed samples (default %d)\n"
            "  --threads N   OpenMP and OpenBLAS threads on the CPU (default: every core)\n"
-           "  --json        one JSON object per row\n",
+           "  --json        one JSON object per row\n"
+           "  -h, --help    this text\n",
            DEFAULT_WARMUP, DEFAULT_ITERS);
 }
 

@@ -62,7 +62,8 @@ static void usage(void) {
            "  --warmup N    untimed iterations first (default %d)\n"
            "  --iters N     timed iterations (default %d)\n"
            "  --threads N   OpenMP and OpenBLAS threads on the CPU (default: every core)\n"
-           "  --json        one JSON object per row\n",
+           "  --json        one JSON object per row\n"
+           "  -h, --help    this text\n",
            DEFAULT_T, DEFAULT_E, DEFAULT_K, DEFAULT_WARMUP, DEFAULT_ITERS);
 }
 

@@ -62,7 +62,8 @@ static void usage(void) {
            "  --json          one JSON object per row\n"
            "  --profile       also time each op of the timed steps (on a GPU: events in its\n"
            "                  stream) and print the largest to stderr; the step times then\n"
-           "                  include the marks' cost\n");
+           "                  include the marks' cost\n"
+           "  -h, --help      this text\n");
 }
 
 static const bench_column columns[] = {
