@@ -266,14 +266,24 @@ moe_status moe_generate_options_validate(const moe_generate_options *o) {
     return moe_sampling_validate(&o->sampling);
 }
 
+/* The bytes written as a backslash and a letter, each before its letter:
+ * printed so (escape_byte) and read so (parse_tokens). */
+static const char byte_escapes[] = {'\n', 'n', '\t', 't', '\r', 'r', '\\', '\\'};
+
+/* The byte escaped by letter e, or -1. */
+static int unescape(char e) {
+    for (size_t i = 0; e && i < sizeof byte_escapes; i += 2)
+        if (e == byte_escapes[i + 1]) return (unsigned char)byte_escapes[i];
+    return -1;
+}
+
 /* c as an error or a byte-level text shows it: itself when printable, else
  * an escape; '|' too, which separates a sample's prompt from its
  * continuation. */
 static void escape_byte(char out[5], unsigned char c) {
-    static const char plain[] = {'\n', 'n', '\t', 't', '\r', 'r', '\\', '\\'};
-    for (size_t i = 0; i < sizeof plain; i += 2)
-        if (c == (unsigned char)plain[i]) {
-            snprintf(out, 5, "\\%c", plain[i + 1]);
+    for (size_t i = 0; i < sizeof byte_escapes; i += 2)
+        if (c == (unsigned char)byte_escapes[i]) {
+            snprintf(out, 5, "\\%c", byte_escapes[i + 1]);
             return;
         }
     if (c >= 0x20 && c < 0x7f && c != '|')
@@ -355,7 +365,7 @@ static moe_status parse_tokens(int32_t **tokens, int64_t *n, moe_token_kind kind
             if (byte == '\\') {
                 const char e = text[++i];
                 int hi, lo;
-                byte = e == 'n' ? '\n' : e == 't' ? '\t' : e == 'r' ? '\r' : e == '\\' ? '\\' : -1;
+                byte = unescape(e);
                 if (e == 'x' && (hi = hex_digit(text[i + 1])) >= 0 && (lo = hex_digit(text[i + 2])) >= 0)
                     byte = 16 * hi + lo, i += 2;
                 if (byte < 0) {

@@ -1058,8 +1058,6 @@ static moe_status write_kept_metrics(void *ctx, FILE *out) {
     return st;
 }
 
-/* A resumed run's metrics.jsonl keeps the steps up to the checkpoint's and
- * no record of the steps after it, which the resumed run logs again. */
 /* A run's metrics.jsonl for reading into *f, or NULL when there is none. */
 static moe_status read_metrics(FILE **f, int64_t *size, const char *path) {
     struct stat sb;
@@ -1068,6 +1066,8 @@ static moe_status read_metrics(FILE **f, int64_t *size, const char *path) {
     return moe_file_open_read(f, size, path);
 }
 
+/* A resumed run's metrics.jsonl keeps the steps up to the checkpoint's and
+ * no record of the steps after it, which the resumed run logs again. */
 static moe_status trim_metrics(const char *path, int64_t last_step) {
     metrics_trim t = {.last_step = last_step};
     int64_t size;
@@ -1335,18 +1335,13 @@ static bool same_path(const char *a, const char *b) {
     return a && b && realpath(a, ra) && realpath(b, rb) && strcmp(ra, rb) == 0;
 }
 
-/* Whether --resume's checkpoint lies in --out (links resolved), the run it
- * continues; then *step: the step its training state records, whatever the
- * checkpoint's directory is called. */
-/* Whether directory dir (flag's) lies directly in --out (links resolved);
- * then name [NAME_MAX + 1]: its name there. */
-static moe_status lies_in_out(bool *inside, char *name, const char *flag, const char *dir, const char *out_dir) {
+/* Whether directory dir (flag's) lies directly in --out (links resolved). */
+static moe_status lies_in_out(bool *inside, const char *flag, const char *dir, const char *out_dir) {
     char at[PATH_MAX], out[PATH_MAX];
     *inside = false;
     if (!realpath(dir, at)) return moe_error(MOE_ERR_IO, "%s %s: %s", flag, dir, strerror(errno));
     if (!realpath(out_dir, out)) return moe_error(MOE_ERR_IO, "--out %s: %s", out_dir, strerror(errno));
     char *slash = strrchr(at, '/');
-    snprintf(name, NAME_MAX + 1, "%s", slash + 1);
     if (slash == at)
         slash[1] = '\0';
     else
@@ -1355,12 +1350,14 @@ static moe_status lies_in_out(bool *inside, char *name, const char *flag, const 
     return MOE_OK;
 }
 
+/* Whether --resume's checkpoint lies in --out (links resolved), the run it
+ * continues; then *step: the step its training state records, whatever the
+ * checkpoint's directory is called. */
 static moe_status resumes_in_place(const moe_run_options *o, bool *in_place, int64_t *step) {
-    char name[NAME_MAX + 1];
     *in_place = false;
     if (!o->resume) return MOE_OK;
     bool inside;
-    MOE_TRY(lies_in_out(&inside, name, "--resume", o->resume, o->out_dir));
+    MOE_TRY(lies_in_out(&inside, "--resume", o->resume, o->out_dir));
     if (!inside) return MOE_OK;
     moe_train_state state;
     moe_status st = moe_checkpoint_read_state(&state, o->resume);
@@ -1460,8 +1457,7 @@ static moe_status clear_out_dir(const moe_run_options *o, bool remove) {
      * step, now or once resumed further, would replace them, and --resume
      * latest could take them for this run's. */
     bool inside = false;
-    char name[NAME_MAX + 1];
-    moe_status st = o->init_from ? lies_in_out(&inside, name, "--init-from", o->init_from, o->out_dir) : MOE_OK;
+    moe_status st = o->init_from ? lies_in_out(&inside, "--init-from", o->init_from, o->out_dir) : MOE_OK;
     if (st == MOE_OK && inside)
         st = moe_error(MOE_ERR_CONFIG, "--init-from %s lies in --out %s, where this run's checkpoints go: copy it "
                                        "out of --out first",
@@ -1475,11 +1471,11 @@ static moe_status clear_out_dir(const moe_run_options *o, bool remove) {
     st = resumes_in_place(o, &in_place, &resumed_step);
     /* The log an in-place resume cuts must be readable before anything goes. */
     char metrics[RUN_PATH_BYTES];
-    FILE *log = NULL;
+    FILE *log_file = NULL;
     int64_t log_bytes;
     if (st == MOE_OK && in_place && (st = path_join(metrics, o->out_dir, "metrics.jsonl")) == MOE_OK)
-        st = read_metrics(&log, &log_bytes, metrics);
-    if (log) fclose(log);
+        st = read_metrics(&log_file, &log_bytes, metrics);
+    if (log_file) fclose(log_file);
     if (st != MOE_OK) {
         closedir(dir);
         return st;
