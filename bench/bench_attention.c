@@ -10,6 +10,7 @@
 
 #include "bench/moe_bench.h"
 #include "common/status.h"
+#include "engine/model_config.h"
 #include "engine/run.h"
 #if defined(MOE_HAVE_CUDA)
 #include "kernels/cuda/cuda_ops.h"
@@ -20,13 +21,13 @@
 #define DEFAULT_ITERS 10
 
 typedef struct attn_shape {
-    int64_t B, T, Hq, Hkv, hd;
+    int64_t B, T, Hq, Hkv, hd, window;
 } attn_shape;
 
 /* The 1b training model's attention (moe-bench train --model 1b), for a
  * GPU, and moe-train's built-in model's, for a CPU. */
-static const attn_shape shape_1b = {8, 1024, 16, 8, 64};
-static const attn_shape shape_default = {16, 64, 8, 8, 8};
+static const attn_shape shape_1b = {8, 1024, 16, 8, 64, 0};
+static const attn_shape shape_default = {16, 64, 8, 8, 8, 0};
 
 static const bench_column columns[] = {
     {"path", "path", BENCH_STR, -8, 0},
@@ -35,6 +36,7 @@ static const bench_column columns[] = {
     {"Hq", "Hq", BENCH_INT, 4, 0},
     {"Hkv", "Hkv", BENCH_INT, 4, 0},
     {"hd", "hd", BENCH_INT, 4, 0},
+    {"window", "window", BENCH_INT, 6, 0},
     {"fwd_ms", "fwd_ms", BENCH_F64, 9, 3},
     {"bwd_ms", "bwd_ms", BENCH_F64, 9, 3},
     {"gflops", "GFLOP/s", BENCH_F64, 10, 1},
@@ -51,7 +53,7 @@ static void usage(void) {
            "samples of at least 1 ms each), beside one plain GEMM of the device in the\n"
            "same --gemm-math measured in the same run. GFLOP/s counts the model's\n"
            "work: q k^T and p v over the causal triangle forward, four such products\n"
-           "backward (12 hd flops per query and key at or before it, per head); vs_gemm =\n"
+           "backward (12 hd flops per query and key it sees, per head); vs_gemm =\n"
            "GFLOP/s / gemm_GFLOP/s. On a GPU under bf16 math, the fused kernels (when\n"
            "they take the shape) and the batched cuBLAS path run in alternation, and\n"
            "speedup = the batched path's time over the fused one's.\n\n"
@@ -59,6 +61,8 @@ static void usage(void) {
            "                the shape (default on a GPU: B 8, T 1024, 16 heads, 8 kv heads,\n"
            "                head dim 64, moe-bench train's 1b model; on a CPU: B 16, T 64,\n"
            "                8 heads, 8 kv heads, head dim 8, moe-train's built-in model)\n"
+           "  --window N    a sliding window: each query sees N keys, itself and those\n"
+           "                before it (config.json's sliding_window); 0 = all (default)\n"
            "  --device D    auto (default), cpu, cuda or cpu-strict\n"
            "  --gemm-math M fp32 (default), tf32 or bf16, as moe-train's\n"
            "  --warmup N    untimed samples first (default %d)\n"
@@ -106,7 +110,7 @@ static void forward(const void *arg) {
     const attn_job *j = arg;
     const attn_buffers *b = j->b;
     const attn_shape *s = j->s;
-    j->ops->attention_forward(b->out, b->att, b->q, b->k, b->v, s->B, s->T, s->Hq, s->Hkv, s->hd);
+    j->ops->attention_forward(b->out, b->att, b->q, b->k, b->v, s->B, s->T, s->Hq, s->Hkv, s->hd, s->window);
 }
 
 /* Adds into dq, dk, dv each call: their values do not matter here. */
@@ -115,7 +119,7 @@ static void backward(const void *arg) {
     const attn_buffers *b = j->b;
     const attn_shape *s = j->s;
     j->ops->attention_backward(b->dq, b->dk, b->dv, b->datt, b->dout, b->q, b->k, b->v, b->att, s->B, s->T, s->Hq,
-                               s->Hkv, s->hd);
+                               s->Hkv, s->hd, s->window);
 }
 
 /* The paths a run compares: the table's own choice, and on a GPU under
@@ -183,8 +187,8 @@ int bench_attention_run(int argc, char **argv) {
     bool json = false;
     const bench_int_flag int_flags[] = {
         {"B", &s.B, 1, 65535},          {"T", &s.T, 1, 1 << 20},        {"heads", &s.Hq, 1, 65535},
-        {"kv-heads", &s.Hkv, 1, 65535}, {"head-dim", &s.hd, 1, 1 << 16}, {"warmup", &warmup, 0, 1000},
-        {"iters", &iters, 1, 100000}, {"threads", &threads, 0, 4096},
+        {"kv-heads", &s.Hkv, 1, 65535}, {"head-dim", &s.hd, 1, 1 << 16}, {"window", &s.window, 0, 1 << 20},
+        {"warmup", &warmup, 0, 1000},   {"iters", &iters, 1, 100000},   {"threads", &threads, 0, 4096},
     };
     const bench_switch switches[] = {{"--json", &json}};
     const bench_flags flags = {.usage = usage, .switches = switches, .n_switches = 1, .device = &device,
@@ -265,14 +269,15 @@ int bench_attention_run(int argc, char **argv) {
                      dev.desc, moe_gemm_math_name(math), (long long)warmup, (long long)iters);
     bench_table_header(&table);
     /* Per head: 2 hd flops per multiply-add, q k^T and p v forward and four
-     * products backward, over the T (T + 1) / 2 causal pairs. */
-    const double flops = 12.0 * (double)s.hd * (double)(s.B * s.Hq) * (double)s.T * (double)(s.T + 1) / 2.0;
+     * products backward, over the causal pairs (T (T + 1) / 2 without a
+     * window). */
+    const double flops = 12.0 * (double)s.hd * (double)(s.B * s.Hq) * moe_attention_pairs(s.T, s.window);
     for (int p = 0; p < n_paths; p++) {
         const double gflops = flops / (fwd[p] + bwd[p]) * 1e-9;
         const double speedup = n_paths == 2 && p == 0 ? (fwd[1] + bwd[1]) / (fwd[0] + bwd[0]) : NAN;
         const bench_value row[N_COLUMNS] = {
             {.s = paths[p].name}, {.i = s.B},          {.i = s.T},      {.i = s.Hq},
-            {.i = s.Hkv},         {.i = s.hd},         {.f = fwd[p] * 1e3}, {.f = bwd[p] * 1e3},
+            {.i = s.Hkv},         {.i = s.hd},         {.i = s.window},     {.f = fwd[p] * 1e3}, {.f = bwd[p] * 1e3},
             {.f = gflops},        {.f = gemm_gflops},  {.f = gflops / gemm_gflops}, {.f = speedup},
             {.s = moe_gemm_math_name(math)},
         };

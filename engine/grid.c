@@ -8,13 +8,14 @@
 #include "common/status.h"
 
 /* 6 training FLOPs per matmul weight and token, plus attention's two
- * causal T x T products. */
+ * causal T x T products (less a sliding window's masked keys). */
 moe_stage_costs moe_grid_flop_costs(const moe_model_config *c, int64_t T) {
     const double C = (double)c->hidden_size, hd = (double)c->head_dim;
     const double q = (double)c->num_attention_heads * hd, kv = (double)c->num_key_value_heads * hd;
     const double experts = (double)(c->num_experts_per_tok + c->moe_n_shared_experts) * 3.0 * C * (double)c->intermediate_size;
     return (moe_stage_costs){
-        .layer = 6.0 * (C * (2.0 * q + 2.0 * kv) + C * (double)c->num_local_experts + experts) + 6.0 * (double)T * q,
+        .layer = 6.0 * (C * (2.0 * q + 2.0 * kv) + C * (double)c->num_local_experts + experts) +
+                 6.0 * moe_model_config_attention_span(c, T) * q,
         .head = 6.0 * C * (double)c->vocab_size};
 }
 
@@ -201,6 +202,7 @@ int moe_config_agree_fields(moe_agree_field *f, const moe_model_config *c) {
     FIELD(num_local_experts);
     FIELD(num_experts_per_tok);
     FIELD(max_position_embeddings);
+    FIELD(sliding_window);
     FIELD(rope_theta);
     FIELD(rms_norm_eps);
     FIELD(router_aux_loss_coef);

@@ -765,9 +765,11 @@ double moe_model_step_flops(const moe_model *m) {
     const moe_model_config *c = &m->cfg;
     /* 6 FLOPs per active parameter per token (2 forward, 4 backward), less
      * the embedding, which is a lookup; plus attention's q k^T and att v:
-     * 2 * 2 * T * hd * Hq per token forward, halved by the causal mask, x3. */
+     * 2 * 2 * T * hd * Hq per token forward, halved by the causal mask, x3
+     * (T less a sliding window's masked keys). */
     double matmul_params = (double)(moe_model_active_param_count(m) - c->vocab_size * c->hidden_size);
-    double attention = 6.0 * (double)c->num_hidden_layers * (double)m->T * (double)(c->num_attention_heads * c->head_dim);
+    double attention = 6.0 * (double)c->num_hidden_layers * moe_model_config_attention_span(c, m->T) *
+                       (double)(c->num_attention_heads * c->head_dim);
     return (double)m->N * (6.0 * matmul_params + attention);
 }
 
@@ -836,7 +838,7 @@ static moe_status layer_forward(moe_model *m, int64_t l, bool output, moe_layer_
     attention_inputs(m, l, N, a->x, a->ln1, a->rstd1, a->q, a->k, a->v);
     m->ops->rope_forward(a->q, m->cos_t, m->sin_t, B, T, Hq, hd);
     m->ops->rope_forward(a->k, m->cos_t, m->sin_t, B, T, Hkv, hd);
-    m->ops->attention_forward(a->atty, a->att, a->q, a->k, a->v, B, T, Hq, Hkv, hd);
+    m->ops->attention_forward(a->atty, a->att, a->q, a->k, a->v, B, T, Hq, Hkv, hd, c->sliding_window);
     float *out = !output ? NULL : l + 1 < m->nl ? m->acts[l + 1].x : m->x_final;
     return moe_half(m, l, N, a->x, a->atty, a->x_mid, a->ln2, a->rstd2, a->moe_y, out, ls);
 }
@@ -1005,8 +1007,12 @@ moe_status moe_model_decode(moe_model *m, int64_t n, const int64_t *row, const i
             ops->rope_forward(k + i * kvdim, m->cos_t + half, m->sin_t + half, 1, 1, Hkv, hd);
             ops->copy(a->k + (at + pos[i]) * kvdim, k + i * kvdim, (size_t)kvdim * sizeof(float));
             ops->copy(a->v + (at + pos[i]) * kvdim, v + i * kvdim, (size_t)kvdim * sizeof(float));
-            ops->attention_decode(atty + i * qdim, m->datt, q + i * qdim, a->k + at * kvdim, a->v + at * kvdim,
-                                  pos[i] + 1, Hq, Hkv, hd);
+            /* The window's keys, a suffix of the row's cache. */
+            const int64_t first = c->sliding_window > 0 && pos[i] >= c->sliding_window
+                                      ? pos[i] + 1 - c->sliding_window
+                                      : 0;
+            ops->attention_decode(atty + i * qdim, m->datt, q + i * qdim, a->k + (at + first) * kvdim,
+                                  a->v + (at + first) * kvdim, pos[i] + 1 - first, Hq, Hkv, hd);
         }
         moe_status st = moe_half(m, l, n, x, atty, x_mid, ln, a->rstd2, y, x, NULL);
         if (st != MOE_OK) return moe_error_prefix(st, "moe_model_decode: layer %lld: ", (long long)l);
@@ -1109,7 +1115,8 @@ moe_status moe_model_stage_backward(moe_model *m, const float *dy, float grad_sc
         ops->zero(m->dq, (size_t)(N * Hq * hd) * sizeof(float));
         ops->zero(m->dk, (size_t)(N * Hkv * hd) * sizeof(float));
         ops->zero(m->dv, (size_t)(N * Hkv * hd) * sizeof(float));
-        ops->attention_backward(m->dq, m->dk, m->dv, m->datt, m->datty, a->q, a->k, a->v, a->att, B, T, Hq, Hkv, hd);
+        ops->attention_backward(m->dq, m->dk, m->dv, m->datt, m->datty, a->q, a->k, a->v, a->att, B, T, Hq, Hkv, hd,
+                                c->sliding_window);
         ops->rope_backward(m->dq, m->cos_t, m->sin_t, B, T, Hq, hd);
         ops->rope_backward(m->dk, m->cos_t, m->sin_t, B, T, Hkv, hd);
         ops->zero(m->dln, (size_t)(N * C) * sizeof(float));

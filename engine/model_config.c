@@ -26,7 +26,8 @@
 #define MAX_COEF 1e6
 #define MAX_CONFIG_BYTES ((size_t)16 << 20)
 
-typedef enum field_kind { F_INT, F_REAL, F_BOOL, F_GATE } field_kind;
+/* F_WINDOW: a positive integer, or null (0 in the struct) for none. */
+typedef enum field_kind { F_INT, F_REAL, F_BOOL, F_GATE, F_WINDOW } field_kind;
 
 /* Defaults that depend on other fields. */
 #define DERIVED (-1.0)
@@ -54,6 +55,7 @@ static const field fields[] = {
     FIELD(num_local_experts, F_INT, true, 0),
     FIELD(num_experts_per_tok, F_INT, true, 0),
     FIELD(max_position_embeddings, F_INT, false, 4096 * 32),
+    FIELD(sliding_window, F_WINDOW, false, 0),
     FIELD(rope_theta, F_REAL, false, 1e6),
     FIELD(rms_norm_eps, F_REAL, false, 1e-5),
     FIELD(router_aux_loss_coef, F_REAL, false, 0.001),
@@ -134,6 +136,15 @@ static moe_status read_field(moe_model_config *cfg, const field *f, const moe_js
     case F_INT:
         if (moe_json_int64(v, (int64_t *)field_ptr(cfg, f)) != MOE_OK) return wrong_type(name, f->key, "an integer", v);
         return MOE_OK;
+    case F_WINDOW: {
+        int64_t *w = field_ptr(cfg, f);
+        if (moe_json_int64(v, w) != MOE_OK) return wrong_type(name, f->key, "an integer or null", v);
+        /* 0 would be a window of no key; transformers reads null as none. */
+        if (*w < 1)
+            return moe_error(MOE_ERR_CONFIG, "%s: %s=%lld must be positive, or null for none", name, f->key,
+                             (long long)*w);
+        return MOE_OK;
+    }
     case F_REAL:
         if (v->type != MOE_JSON_NUMBER) return wrong_type(name, f->key, "a number", v);
         *(double *)field_ptr(cfg, f) = v->number.value;
@@ -239,13 +250,6 @@ static moe_status read_other(const moe_json_member *m, double *rope_params_theta
                  describe(got, sizeof got, v));
         return MOE_OK;
     }
-    if (strcmp(key, "sliding_window") == 0) {
-        if (v->type == MOE_JSON_NULL) return MOE_OK;
-        if (v->type != MOE_JSON_NUMBER) return wrong_type(name, key, "an integer or null", v);
-        warn(wfn, wctx, "%s: sliding_window=%s ignored: attention spans the whole sequence", name,
-             describe(got, sizeof got, v));
-        return MOE_OK;
-    }
     for (size_t i = 0; i < sizeof ignored_keys / sizeof *ignored_keys; i++)
         if (strcmp(key, ignored_keys[i]) == 0) return MOE_OK;
     warn(wfn, wctx, "%s: unknown key '%.100s' ignored", name, key);
@@ -260,7 +264,8 @@ static size_t field_index(const char *key) {
 
 static void set_default(moe_model_config *cfg, const field *f) {
     switch (f->kind) {
-    case F_INT: *(int64_t *)field_ptr(cfg, f) = (int64_t)f->def; break;
+    case F_INT:
+    case F_WINDOW: *(int64_t *)field_ptr(cfg, f) = (int64_t)f->def; break;
     case F_REAL: *(double *)field_ptr(cfg, f) = f->def; break;
     case F_BOOL: *(bool *)field_ptr(cfg, f) = f->def != 0.0; break;
     case F_GATE: *(moe_gate_kind *)field_ptr(cfg, f) = (moe_gate_kind)f->def; break;
@@ -392,6 +397,9 @@ moe_status moe_model_config_validate(const moe_model_config *c, const char *name
     MOE_TRY(check_size(name, "num_local_experts", c->num_local_experts, MOE_EXPERTS_MAX));
     MOE_TRY(check_size(name, "num_experts_per_tok", c->num_experts_per_tok, MAX_DIM));
     MOE_TRY(check_size(name, "max_position_embeddings", c->max_position_embeddings, MAX_DIM));
+    if (c->sliding_window < 0 || c->sliding_window > MAX_DIM)
+        return moe_error(MOE_ERR_CONFIG, "%s: sliding_window=%lld must be in [1, %lld], or null (0 here) for none",
+                         name, (long long)c->sliding_window, (long long)MAX_DIM);
     if (c->num_attention_heads % c->num_key_value_heads != 0)
         return moe_error(MOE_ERR_CONFIG, "%s: num_attention_heads=%lld is not a multiple of num_key_value_heads=%lld",
                          name, (long long)c->num_attention_heads, (long long)c->num_key_value_heads);
@@ -490,6 +498,14 @@ moe_status moe_model_config_save(const moe_model_config *cfg, const char *path) 
         case F_REAL: moe_json_number(&w, *(const double *)field_cptr(cfg, &fields[f])); break;
         case F_BOOL: moe_json_bool(&w, *(const bool *)field_cptr(cfg, &fields[f])); break;
         case F_GATE: moe_json_string(&w, gate_names[*(const moe_gate_kind *)field_cptr(cfg, &fields[f])]); break;
+        case F_WINDOW: {
+            const int64_t v = *(const int64_t *)field_cptr(cfg, &fields[f]);
+            if (v > 0)
+                moe_json_int(&w, v);
+            else
+                moe_json_null(&w);
+            break;
+        }
         }
     }
     moe_json_end_object(&w);
@@ -518,6 +534,17 @@ void moe_model_config_default_small(moe_model_config *cfg, int64_t vocab_size) {
     cfg->rope_theta = 10000.0;
     cfg->rms_norm_eps = 1e-5;
     cfg->router_aux_loss_coef = 0.01;
+}
+
+double moe_attention_pairs(int64_t T, int64_t window) {
+    const double t = (double)T, W = (double)window;
+    if (window == 0 || window >= T) return t * (t + 1.0) / 2.0;
+    return W * (W + 1.0) / 2.0 + (t - W) * W; /* query i sees min(i + 1, W) keys */
+}
+
+double moe_model_config_attention_span(const moe_model_config *cfg, int64_t T) {
+    if (cfg->sliding_window == 0 || cfg->sliding_window >= T) return (double)T;
+    return (double)T * moe_attention_pairs(T, cfg->sliding_window) / moe_attention_pairs(T, 0);
 }
 
 void moe_model_config_layer(moe_layer_config *layer, const moe_model_config *cfg, int64_t seq_len, uint64_t seed) {

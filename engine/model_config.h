@@ -37,6 +37,10 @@ typedef struct moe_model_config {
     int64_t num_local_experts;   /* E */
     int64_t num_experts_per_tok; /* k */
     int64_t max_position_embeddings; /* default 131072 */
+    /* Mistral's sliding window: a query sees itself and the
+     * sliding_window - 1 positions before it, as transformers' masks do;
+     * null in config.json (0 here, the default) for every position before. */
+    int64_t sliding_window;
     double rope_theta;               /* default 1e6; also rope_parameters.rope_theta */
     double rms_norm_eps;             /* default 1e-5 */
     double router_aux_loss_coef;     /* default 0.001 */
@@ -82,6 +86,15 @@ moe_status moe_model_config_save(const moe_model_config *cfg, const char *path);
  * (2 KV), 8 experts, top-2, rope_theta 1e4, eps 1e-5, aux coef 0.01, the
  * rest Mixtral's defaults. */
 void moe_model_config_default_small(moe_model_config *cfg, int64_t vocab_size);
+
+/* The (query, key) pairs of a sequence of T that causal attention with
+ * this sliding window (0: none) computes: T (T + 1) / 2 without one. */
+double moe_attention_pairs(int64_t T, int64_t window);
+
+/* The sequence length attention's FLOP counts use (6 T heads x head_dim
+ * a token and layer for the causal products): T, scaled by the share of
+ * the causal pairs that the model's sliding window keeps. */
+double moe_model_config_attention_span(const moe_model_config *cfg, int64_t T);
 
 /* The per-layer MoE settings of this model, whose sequences are seq_len
  * tokens (the sequence-wise balancing loss's); seed seeds the router jitter. */

@@ -55,10 +55,11 @@
     X(rope_backward, (float *dx, const float *cos_t, const float *sin_t, int64_t B, int64_t T, int64_t H,        \
         int64_t hd), (dx, cos_t, sin_t, B, T, H, hd))                                                            \
     X(attention_forward, (float *out, float *att, const float *q, const float *k, const float *v, int64_t B,     \
-        int64_t T, int64_t Hq, int64_t Hkv, int64_t hd), (out, att, q, k, v, B, T, Hq, Hkv, hd))                 \
+        int64_t T, int64_t Hq, int64_t Hkv, int64_t hd, int64_t window), (out, att, q, k, v, B, T, Hq, Hkv, hd,  \
+        window))                                                                                                 \
     X(attention_backward, (float *dq, float *dk, float *dv, float *datt, const float *dout, const float *q,      \
         const float *k, const float *v, const float *att, int64_t B, int64_t T, int64_t Hq, int64_t Hkv,         \
-        int64_t hd), (dq, dk, dv, datt, dout, q, k, v, att, B, T, Hq, Hkv, hd))                                  \
+        int64_t hd, int64_t window), (dq, dk, dv, datt, dout, q, k, v, att, B, T, Hq, Hkv, hd, window))          \
     X(attention_decode, (float *out, float *att, const float *q, const float *k, const float *v, int64_t T,      \
         int64_t Hq, int64_t Hkv, int64_t hd), (out, att, q, k, v, T, Hq, Hkv, hd))                               \
     X(crossentropy_forward, (float *losses, double *lse, const float *logits, const int32_t *targets, int64_t N, \

@@ -197,12 +197,14 @@ typedef struct moe_ops {
                           int64_t hd);
     /* att [B, Hq, T, T] is the backend's between forward and backward:
      * the CPU's holds the probabilities; a fused kernel may keep its own
-     * state there (CUDA under bf16 math). datt is the backward's scratch. */
+     * state there (CUDA under bf16 math). datt is the backward's scratch.
+     * Query t sees keys t - window + 1 .. t (a sliding window; 0: 0 .. t);
+     * the backward gets the forward's window. */
     void (*attention_forward)(float *out, float *att, const float *q, const float *k, const float *v, int64_t B,
-                              int64_t T, int64_t Hq, int64_t Hkv, int64_t hd);
+                              int64_t T, int64_t Hq, int64_t Hkv, int64_t hd, int64_t window);
     void (*attention_backward)(float *dq, float *dk, float *dv, float *datt, const float *dout, const float *q,
                                const float *k, const float *v, const float *att, int64_t B, int64_t T, int64_t Hq,
-                               int64_t Hkv, int64_t hd);
+                               int64_t Hkv, int64_t hd, int64_t window);
     /* One query, at position T - 1 of one sequence, against that
      * sequence's keys and values [T, Hkv*hd] at positions 0 .. T - 1 (a
      * decoding step with a key-value cache): out [Hq*hd] is what

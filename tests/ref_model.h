@@ -71,9 +71,10 @@ static inline void ref_rope(double *x, int64_t B, int64_t T, int64_t H, int64_t 
 
 /* Causal grouped-query attention: out [B, T, Hq, hd] from q [B, T, Hq, hd]
  * and k, v [B, T, Hkv, hd]; query head h reads kv head h / (Hq / Hkv);
- * scores scaled by 1/sqrt(hd), softmax over positions s <= t. */
+ * scores scaled by 1/sqrt(hd), softmax over positions s <= t, and s > t -
+ * window when window > 0 (a sliding window). */
 static inline void ref_attention(double *out, const double *q, const double *k, const double *v, int64_t B,
-                                 int64_t T, int64_t Hq, int64_t Hkv, int64_t hd) {
+                                 int64_t T, int64_t Hq, int64_t Hkv, int64_t hd, int64_t window) {
     const int64_t group = Hq / Hkv;
     const double scale = 1.0 / sqrt((double)hd);
     double *p = ref_alloc((size_t)T * sizeof *p);
@@ -82,18 +83,19 @@ static inline void ref_attention(double *out, const double *q, const double *k, 
             const int64_t g = h / group;
             for (int64_t t = 0; t < T; t++) {
                 const double *qt = q + ((b * T + t) * Hq + h) * hd;
+                const int64_t lo = window > 0 && t >= window ? t - window + 1 : 0;
                 double mx = -INFINITY, sum = 0.0;
-                for (int64_t s = 0; s <= t; s++) {
+                for (int64_t s = lo; s <= t; s++) {
                     const double *ks = k + ((b * T + s) * Hkv + g) * hd;
                     double dot = 0.0;
                     for (int64_t i = 0; i < hd; i++) dot += qt[i] * ks[i];
                     p[s] = dot * scale;
                     mx = fmax(mx, p[s]);
                 }
-                for (int64_t s = 0; s <= t; s++) sum += (p[s] = exp(p[s] - mx));
+                for (int64_t s = lo; s <= t; s++) sum += (p[s] = exp(p[s] - mx));
                 double *o = out + ((b * T + t) * Hq + h) * hd;
                 for (int64_t i = 0; i < hd; i++) o[i] = 0.0;
-                for (int64_t s = 0; s <= t; s++) {
+                for (int64_t s = lo; s <= t; s++) {
                     const double *vs = v + ((b * T + s) * Hkv + g) * hd;
                     for (int64_t i = 0; i < hd; i++) o[i] += p[s] / sum * vs[i];
                 }
@@ -325,7 +327,7 @@ static inline double ref_model_forward(ref_model *r, ref_model_loss *out, double
         ref_linear(v, h, p + ly->wv, N, C, kvdim);
         ref_rope(q, B, T, Hq, hd, c->rope_theta);
         ref_rope(k, B, T, Hkv, hd, c->rope_theta);
-        ref_attention(att, q, k, v, B, T, Hq, Hkv, hd);
+        ref_attention(att, q, k, v, B, T, Hq, Hkv, hd, c->sliding_window);
         ref_linear(y, att, p + ly->wo, N, qdim, C);
         for (int64_t i = 0; i < N * C; i++) x[i] += y[i];
         ref_rmsnorm(h, x, p + ly->ln2, c->rms_norm_eps, N, C);

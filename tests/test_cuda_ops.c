@@ -1131,7 +1131,7 @@ Test(cuda, embedding_rmsnorm_matmul_residual) {
  * were used). The batched path's att holds the probabilities; the fused
  * kernels keep their own state there. */
 static void check_attention_bf16(int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t hd,
-                                 ref_rng *rng) {
+                                 int64_t window, ref_rng *rng) {
     const moe_ops *cpu = moe_cpu_ops();
     const int64_t nq = B * T * Hq * hd, nk = B * T * Hkv * hd, na = B * Hq * T * T;
     float *q = rnd(nq, rng, -1, 1), *k = rnd(nk, rng, -1, 1), *v = rnd(nk, rng, -1, 1);
@@ -1141,8 +1141,8 @@ static void check_attention_bf16(int64_t B, int64_t T, int64_t Hq, int64_t Hkv, 
     float *dq = calloc((size_t)nq, sizeof *dq), *dk = calloc((size_t)nk, sizeof *dk);
     float *dv = calloc((size_t)nk, sizeof *dv);
     cr_assert(dq && dk && dv);
-    cpu->attention_forward(out, att, q, k, v, B, T, Hq, Hkv, hd);
-    cpu->attention_backward(dq, dk, dv, datt, dout, q, k, v, att, B, T, Hq, Hkv, hd);
+    cpu->attention_forward(out, att, q, k, v, B, T, Hq, Hkv, hd, window);
+    cpu->attention_backward(dq, dk, dv, datt, dout, q, k, v, att, B, T, Hq, Hkv, hd, window);
 
     float *d_q = dput(q, (size_t)nq * sizeof(float)), *d_k = dput(k, (size_t)nk * sizeof(float));
     float *d_v = dput(v, (size_t)nk * sizeof(float)), *d_dout = dput(dout, (size_t)nq * sizeof(float));
@@ -1154,20 +1154,23 @@ static void check_attention_bf16(int64_t B, int64_t T, int64_t Hq, int64_t Hkv, 
     cr_assert(zeros);
     float *d_dq = dput(zeros, (size_t)nq * sizeof(float)), *d_dk = dput(zeros, (size_t)nk * sizeof(float));
     float *d_dv = dput(zeros, (size_t)nk * sizeof(float));
-    CHECK(moe_cuda_attention_forward(d_out32, d_att, d_q, d_k, d_v, B, T, Hq, Hkv, hd, ctx));
+    CHECK(moe_cuda_attention_forward(d_out32, d_att, d_q, d_k, d_v, B, T, Hq, Hkv, hd, window, ctx));
     moe_cuda_set_math(ctx, MOE_CUDA_MATH_BF16);
     const bool fused = moe_cuda_attention_fused(T, Hq, hd, ctx);
-    CHECK(moe_cuda_attention_forward(d_out16, d_att, d_q, d_k, d_v, B, T, Hq, Hkv, hd, ctx));
+    CHECK(moe_cuda_attention_forward(d_out16, d_att, d_q, d_k, d_v, B, T, Hq, Hkv, hd, window, ctx));
     CHECK(moe_cuda_attention_backward(d_dq, d_dk, d_dv, d_datt, d_dout, d_q, d_k, d_v, d_att, B, T,
-                                      Hq, Hkv, hd, ctx));
+                                      Hq, Hkv, hd, window, ctx));
     moe_cuda_set_math(ctx, MOE_CUDA_MATH_FP32);
     char what[128];
 #define ATT_WHAT(name)                                                                             \
-    snprintf(what, sizeof what, "attention bf16 math (%s) B=%lld T=%lld Hq=%lld Hkv=%lld hd=%lld %s", \
+    snprintf(what, sizeof what,                                                                    \
+             "attention bf16 math (%s) B=%lld T=%lld Hq=%lld Hkv=%lld hd=%lld window=%lld %s",       \
              fused ? "fused" : "batched", (long long)B, (long long)T, (long long)Hq, (long long)Hkv,   \
-             (long long)hd, name)
+             (long long)hd, (long long)window, name)
     ATT_WHAT("out");
     expect_dev(what, d_out16, out, nq, TOL_BF16);
+    ATT_WHAT("out in fp32 math");
+    expect_dev(what, d_out32, out, nq, TOL_F32);
     if (!fused) {
         ATT_WHAT("att");
         expect_dev(what, d_att, att, na, TOL_BF16);
@@ -1223,12 +1226,12 @@ Test(cuda, rope_attention) {
     float *k = rnd(nk, &rng, -1, 1), *v = rnd(nk, &rng, -1, 1);
     const int64_t na = B * Hq * T * T;
     float *out = ref_alloc((size_t)nq * sizeof *out), *att = ref_alloc((size_t)na * sizeof *att);
-    cpu->attention_forward(out, att, q, k, v, B, T, Hq, Hkv, hd);
+    cpu->attention_forward(out, att, q, k, v, B, T, Hq, Hkv, hd, 0);
     float *d_k = dput(k, (size_t)nk * sizeof(float)), *d_v = dput(v, (size_t)nk * sizeof(float));
     d_q = dput(q, (size_t)nq * sizeof(float));
     float *d_out = dpoison((size_t)nq * sizeof(float), POISON_FLOAT);
     float *d_att = dpoison((size_t)na * sizeof(float), POISON_FLOAT);
-    CHECK(moe_cuda_attention_forward(d_out, d_att, d_q, d_k, d_v, B, T, Hq, Hkv, hd, ctx));
+    CHECK(moe_cuda_attention_forward(d_out, d_att, d_q, d_k, d_v, B, T, Hq, Hkv, hd, 0, ctx));
     expect_dev("attention_forward out", d_out, out, nq, TOL_F32);
     expect_dev("attention_forward att", d_att, att, na, TOL_F32);
     /* Decoding: row 1's query at position T - 9 against its keys and
@@ -1250,10 +1253,15 @@ Test(cuda, rope_attention) {
     /* bf16 math: the fused kernels (hd 16, 64 and 128, a ragged last tile,
      * grouped kv heads) and the tensor-core GEMMs of the batched path
      * (hd 8, which the fused kernels do not take). */
-    check_attention_bf16(2, 40, 4, 2, 16, &rng);
-    check_attention_bf16(1, 130, 4, 2, 64, &rng);
-    check_attention_bf16(1, 150, 2, 1, 128, &rng);
-    check_attention_bf16(2, 40, 4, 2, 8, &rng);
+    check_attention_bf16(2, 40, 4, 2, 16, 0, &rng);
+    check_attention_bf16(1, 130, 4, 2, 64, 0, &rng);
+    check_attention_bf16(1, 150, 2, 1, 128, 0, &rng);
+    check_attention_bf16(2, 40, 4, 2, 8, 0, &rng);
+    /* Sliding windows, fused (shorter than a tile, across tiles) and
+     * batched. */
+    check_attention_bf16(1, 150, 2, 1, 16, 7, &rng);
+    check_attention_bf16(2, 130, 4, 2, 64, 70, &rng);
+    check_attention_bf16(2, 40, 4, 2, 8, 5, &rng);
 
     float *dout = rnd(nq, &rng, -1, 1);
     float *dq = rnd(nq, &rng, -1, 1), *dk = rnd(nk, &rng, -1, 1), *dv = rnd(nk, &rng, -1, 1);
@@ -1261,11 +1269,11 @@ Test(cuda, rope_attention) {
           *d_dk = dput(dk, (size_t)nk * sizeof(float));
     float *d_dv = dput(dv, (size_t)nk * sizeof(float));
     float *datt = ref_alloc((size_t)na * sizeof *datt);
-    cpu->attention_backward(dq, dk, dv, datt, dout, q, k, v, att, B, T, Hq, Hkv, hd);
+    cpu->attention_backward(dq, dk, dv, datt, dout, q, k, v, att, B, T, Hq, Hkv, hd, 0);
     CHECK(moe_cuda_attention_backward(
         d_dq, d_dk, d_dv, dpoison((size_t)na * sizeof(float), POISON_FLOAT),
         dput(dout, (size_t)nq * sizeof(float)), d_q, d_k, d_v,
-        dput(att, (size_t)na * sizeof(float)), B, T, Hq, Hkv, hd, ctx));
+        dput(att, (size_t)na * sizeof(float)), B, T, Hq, Hkv, hd, 0, ctx));
     expect_dev("attention_backward dq", d_dq, dq, nq, TOL_F32);
     expect_dev("attention_backward dk", d_dk, dk, nk, TOL_F32);
     expect_dev("attention_backward dv", d_dv, dv, nk, TOL_F32);

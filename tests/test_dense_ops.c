@@ -167,18 +167,21 @@ static void ref_rope(double *y, const double *x, const double *cs, const double 
             }
 }
 
+/* Keys t - window + 1 .. t (0 .. t when window is 0); att [B, Hq, T, T]
+ * gets the probabilities, zeros elsewhere. */
 static void ref_attention(double *out, double *att, const double *q, const double *k,
                           const double *v, int64_t B, int64_t T, int64_t Hq, int64_t Hkv,
-                          int64_t hd) {
+                          int64_t hd, int64_t window) {
     const double scale = 1.0 / sqrt((double)hd);
     for (int64_t b = 0; b < B; b++)
         for (int64_t h = 0; h < Hq; h++) {
             const int64_t kvh = h / (Hq / Hkv);
             for (int64_t t = 0; t < T; t++) {
                 double *p = att + ((b * Hq + h) * T + t) * T;
+                const int64_t lo = window > 0 && t >= window ? t - window + 1 : 0;
                 double mx = -INFINITY;
                 for (int64_t j = 0; j < T; j++) {
-                    if (j > t) {
+                    if (j > t || j < lo) {
                         p[j] = 0.0;
                         continue;
                     }
@@ -189,11 +192,11 @@ static void ref_attention(double *out, double *att, const double *q, const doubl
                     mx = fmax(mx, p[j]);
                 }
                 double sum = 0.0;
-                for (int64_t j = 0; j <= t; j++) sum += (p[j] = exp(p[j] - mx));
-                for (int64_t j = 0; j <= t; j++) p[j] /= sum;
+                for (int64_t j = lo; j <= t; j++) sum += (p[j] = exp(p[j] - mx));
+                for (int64_t j = lo; j <= t; j++) p[j] /= sum;
                 for (int64_t i = 0; i < hd; i++) {
                     double o = 0.0;
-                    for (int64_t j = 0; j <= t; j++) o += p[j] * v[((b * T + j) * Hkv + kvh) * hd + i];
+                    for (int64_t j = lo; j <= t; j++) o += p[j] * v[((b * T + j) * Hkv + kvh) * hd + i];
                     out[((b * T + t) * Hq + h) * hd + i] = o;
                 }
             }
@@ -413,16 +416,16 @@ Test(dense, rope) {
 typedef struct att_ctx {
     const double *q, *k, *v, *dout;
     double *out, *att;
-    int64_t B, T, Hq, Hkv, hd;
+    int64_t B, T, Hq, Hkv, hd, window;
 } att_ctx;
 
 static double att_loss(const void *vctx) {
     const att_ctx *c = vctx;
-    ref_attention(c->out, c->att, c->q, c->k, c->v, c->B, c->T, c->Hq, c->Hkv, c->hd);
+    ref_attention(c->out, c->att, c->q, c->k, c->v, c->B, c->T, c->Hq, c->Hkv, c->hd, c->window);
     return dot_d(c->dout, c->out, c->B * c->T * c->Hq * c->hd);
 }
 
-static void check_attention(int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t hd,
+static void check_attention(int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t hd, int64_t window,
                             uint64_t seed) {
     const int64_t nq = B * T * Hq * hd, nk = B * T * Hkv * hd, na = B * Hq * T * T;
     char what[96];
@@ -430,25 +433,25 @@ static void check_attention(int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64
     float *q = rand_floats(nq, &r, -1.5, 1.5), *k = rand_floats(nk, &r, -1.5, 1.5);
     float *v = rand_floats(nk, &r, -1, 1);
     float *out = xcalloc(nq, sizeof(float)), *att = xcalloc(na, sizeof(float));
-    moe_cpu_attention_forward(out, att, q, k, v, B, T, Hq, Hkv, hd);
+    moe_cpu_attention_forward(out, att, q, k, v, B, T, Hq, Hkv, hd, window);
     double *qd = to_double(q, nq), *kd = to_double(k, nk), *vd = to_double(v, nk);
     double *outd = xcalloc(nq, sizeof(double)), *attd = xcalloc(na, sizeof(double));
-    ref_attention(outd, attd, qd, kd, vd, B, T, Hq, Hkv, hd);
-    snprintf(what, sizeof what, "attention out (Hq %lld Hkv %lld T %lld)", (long long)Hq,
-             (long long)Hkv, (long long)T);
+    ref_attention(outd, attd, qd, kd, vd, B, T, Hq, Hkv, hd, window);
+    snprintf(what, sizeof what, "attention out (Hq %lld Hkv %lld T %lld window %lld)", (long long)Hq,
+             (long long)Hkv, (long long)T, (long long)window);
     expect_close(what, out, outd, nq, 1e-6, 1e-5);
-    snprintf(what, sizeof what, "attention probs (Hq %lld Hkv %lld T %lld)", (long long)Hq,
-             (long long)Hkv, (long long)T);
-    expect_close(what, att, attd, na, 1e-7, 1e-5); /* zeros above the diagonal included */
+    snprintf(what, sizeof what, "attention probs (Hq %lld Hkv %lld T %lld window %lld)", (long long)Hq,
+             (long long)Hkv, (long long)T, (long long)window);
+    expect_close(what, att, attd, na, 1e-7, 1e-5); /* zeros outside each row's keys included */
 
     float *dout = rand_floats(nq, &r, -1, 1), *datt = xcalloc(na, sizeof(float));
     for (int64_t i = 0; i < na; i++) datt[i] = NAN; /* scratch: contents must not matter */
     float *dq0 = rand_floats(nq, &r, -1, 1), *dk0 = rand_floats(nk, &r, -1, 1);
     float *dv0 = rand_floats(nk, &r, -1, 1);
     float *dq = copy_floats(dq0, nq), *dk = copy_floats(dk0, nk), *dv = copy_floats(dv0, nk);
-    moe_cpu_attention_backward(dq, dk, dv, datt, dout, q, k, v, att, B, T, Hq, Hkv, hd);
+    moe_cpu_attention_backward(dq, dk, dv, datt, dout, q, k, v, att, B, T, Hq, Hkv, hd, window);
     double *doutd = to_double(dout, nq);
-    att_ctx ctx = {qd, kd, vd, doutd, outd, attd, B, T, Hq, Hkv, hd};
+    att_ctx ctx = {qd, kd, vd, doutd, outd, attd, B, T, Hq, Hkv, hd, window};
     double *fq = fd_grad(qd, nq, att_loss, &ctx), *fk = fd_grad(kd, nk, att_loss, &ctx);
     double *fv = fd_grad(vd, nk, att_loss, &ctx);
     double *gq = increment(dq, dq0, nq), *gk = increment(dk, dk0, nk), *gv = increment(dv, dv0, nk);
@@ -463,19 +466,32 @@ static void check_attention(int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64
         free(dv), free(doutd), free(fq), free(fk), free(fv), free(gq), free(gk), free(gv);
 }
 
-Test(dense, attention_gqa) { check_attention(2, 5, 4, 2, 6, 5); }
-Test(dense, attention_one_kv_head) { check_attention(2, 5, 4, 1, 6, 6); }
-Test(dense, attention_kv_per_head) { check_attention(2, 5, 4, 4, 6, 7); }
+Test(dense, attention_gqa) { check_attention(2, 5, 4, 2, 6, 0, 5); }
+Test(dense, attention_one_kv_head) { check_attention(2, 5, 4, 1, 6, 0, 6); }
+Test(dense, attention_kv_per_head) { check_attention(2, 5, 4, 4, 6, 0, 7); }
 /* T = 11: several blocks of four keys and query rows, plus their tails. */
-Test(dense, attention_longer) { check_attention(1, 11, 3, 1, 5, 8); }
+Test(dense, attention_longer) { check_attention(1, 11, 3, 1, 5, 0, 8); }
 /* hd 8, the default model's, which the kernel compiles for on its own; T 13
  * ends in part-blocks of eight keys and of four rows. */
-Test(dense, attention_hd8) { check_attention(2, 13, 4, 2, 8, 9); }
+Test(dense, attention_hd8) { check_attention(2, 13, 4, 2, 8, 0, 9); }
 /* hd 204: 16 keys per transposed tile, so T 18 spans two tiles, and 25
  * blocks of eight channels plus a tail of four. */
-Test(dense, attention_key_tiles) { check_attention(1, 18, 1, 1, 204, 10); }
+Test(dense, attention_key_tiles) { check_attention(1, 18, 1, 1, 204, 0, 10); }
 /* hd 264, past the key-vectorised path's limit: the head-dim layout. */
-Test(dense, attention_large_hd) { check_attention(1, 5, 2, 1, 264, 11); }
+Test(dense, attention_large_hd) { check_attention(1, 5, 2, 1, 264, 0, 11); }
+/* Sliding windows on both layouts: of two keys (the smallest whose
+ * softmax has a gradient: a query that sees itself alone has none), of a
+ * few (shorter than a block of eight keys, and across the blocks of four
+ * rows), of the whole sequence but one, and wider than it (the same as
+ * none). */
+Test(dense, attention_window) {
+    check_attention(2, 13, 4, 2, 8, 2, 12);
+    check_attention(2, 13, 4, 2, 8, 3, 13);
+    check_attention(1, 18, 1, 1, 204, 5, 14);
+    check_attention(2, 13, 4, 2, 8, 12, 15);
+    check_attention(1, 11, 3, 1, 5, 40, 16);
+    check_attention(1, 9, 2, 1, 264, 4, 17);
+}
 
 /* ------------------------------------------------------ cross-entropy */
 

@@ -27,7 +27,7 @@ extern "C" {
 namespace {
 
 struct shape {
-    int64_t B, T, Hq, Hkv, hd;
+    int64_t B, T, Hq, Hkv, hd, window;
 };
 
 /* Small uniform values from a fixed linear congruential stream. */
@@ -56,14 +56,15 @@ void expect_close(const char *what, const shape &s, const std::vector<float> &go
         if (!(err <= worst)) worst = err, at = i;
     }
     cr_expect(worst <= TOL_BF16 * scale,
-              "B=%lld T=%lld Hq=%lld Hkv=%lld hd=%lld %s: |error| %.3g at [%zu] (got %.6g, want %.6g) "
-              "past %.0e of the largest %.3g",
-              (long long)s.B, (long long)s.T, (long long)s.Hq, (long long)s.Hkv, (long long)s.hd, what,
+              "B=%lld T=%lld Hq=%lld Hkv=%lld hd=%lld window=%lld %s: |error| %.3g at [%zu] (got %.6g, "
+              "want %.6g) past %.0e of the largest %.3g",
+              (long long)s.B, (long long)s.T, (long long)s.Hq, (long long)s.Hkv, (long long)s.hd,
+              (long long)s.window, what,
               worst, at, (double)got[at], (double)want[at], TOL_BF16, scale);
 }
 
 template <int HD> void check(const shape &s) {
-    const int64_t B = s.B, T = s.T, Hq = s.Hq, Hkv = s.Hkv;
+    const int64_t B = s.B, T = s.T, Hq = s.Hq, Hkv = s.Hkv, W = s.window;
     const size_t nq = (size_t)(B * T * Hq * HD), nk = (size_t)(B * T * Hkv * HD);
     const size_t na = (size_t)(B * Hq * T * T);
     lcg r{(uint64_t)(T * 131 + HD)};
@@ -73,9 +74,9 @@ template <int HD> void check(const shape &s) {
     const std::vector<float> dq0 = random_vec(nq, &r), dk0 = random_vec(nk, &r), dv0 = random_vec(nk, &r);
     const moe_ops *cpu = moe_cpu_ops();
     std::vector<float> out(nq), att(na), datt(na), dq = dq0, dk = dk0, dv = dv0;
-    cpu->attention_forward(out.data(), att.data(), q.data(), k.data(), v.data(), B, T, Hq, Hkv, HD);
+    cpu->attention_forward(out.data(), att.data(), q.data(), k.data(), v.data(), B, T, Hq, Hkv, HD, W);
     cpu->attention_backward(dq.data(), dk.data(), dv.data(), datt.data(), dout.data(), q.data(), k.data(),
-                            v.data(), att.data(), B, T, Hq, Hkv, HD);
+                            v.data(), att.data(), B, T, Hq, Hkv, HD, W);
 
     /* What the device path allocates: att holds the row log-sum-exps, then
      * a copy of out (flash_attention.cuh); datt's head holds D. */
@@ -87,16 +88,16 @@ template <int HD> void check(const shape &s) {
     const int threads = FA_WARPS * 32;
     emu_launch(dim3{blocks, (unsigned)Hq, (unsigned)B}, threads, [&] {
         flash_forward_kernel<HD>(e_out.data(), lse, out_copy, q.data(), k.data(), v.data(), T, Hq, Hkv,
-                                 scale);
+                                 W, scale);
     });
     emu_launch(dim3{2, 1, 1}, 128, [&] { rowdot_kernel(D, dout.data(), out_copy, B * T * Hq, T, Hq, HD); });
     emu_launch(dim3{blocks, (unsigned)Hkv, (unsigned)B}, threads, [&] {
         flash_dkdv_kernel<HD>(e_dk.data(), e_dv.data(), q.data(), k.data(), v.data(), dout.data(), lse, D,
-                              T, Hq, Hkv, scale);
+                              T, Hq, Hkv, W, scale);
     });
     emu_launch(dim3{blocks, (unsigned)Hq, (unsigned)B}, threads, [&] {
         flash_dq_kernel<HD>(e_dq.data(), q.data(), k.data(), v.data(), dout.data(), lse, D, T, Hq, Hkv,
-                            scale);
+                            W, scale);
     });
     const std::vector<float> zeros_q(nq, 0.0f);
     expect_close("out", s, e_out, out, zeros_q);
@@ -112,9 +113,22 @@ template <int HD> void check(const shape &s) {
  * grouped kv heads (2 and 4 query heads a kv head) and a batch; every head
  * size the kernels take. */
 Test(flash_emulated, matches_the_cpu_attention) {
-    check<16>({1, 17, 1, 1, 16});
-    check<16>({1, 40, 2, 1, 16});
-    check<32>({2, 70, 2, 2, 32});
-    check<64>({1, 130, 4, 2, 64});
-    check<128>({1, 150, 2, 1, 128}); /* tiles of 32 keys or queries */
+    check<16>({1, 17, 1, 1, 16, 0});
+    check<16>({1, 40, 2, 1, 16, 0});
+    check<32>({2, 70, 2, 2, 32, 0});
+    check<64>({1, 130, 4, 2, 64, 0});
+    check<128>({1, 150, 2, 1, 128, 0}); /* tiles of 32 keys or queries */
+}
+
+/* Sliding windows: of two keys (the smallest with a gradient through the
+ * softmax); shorter than a block, so that a block's first key tile lies
+ * wholly before the windows of its later rows (whose running maximum must
+ * stay clear of NaN); across tile edges; at tiles of 32; and wider than
+ * the sequence (the same as none). */
+Test(flash_emulated, sliding_window) {
+    check<16>({1, 40, 2, 1, 16, 2});
+    check<16>({1, 150, 2, 1, 16, 7});
+    check<32>({2, 140, 2, 2, 32, 70});
+    check<128>({1, 150, 2, 1, 128, 33});
+    check<64>({1, 130, 4, 2, 64, 500});
 }

@@ -22,7 +22,8 @@
 #define T 16
 #define SEED 7
 
-static moe_model *small_model_of(int64_t rows, double capacity_factor, moe_model_parallel par) {
+static moe_model *small_model_of(int64_t rows, double capacity_factor, int64_t sliding_window,
+                                  moe_model_parallel par) {
     moe_model_config cfg;
     moe_model_config_default_small(&cfg, VOCAB);
     cfg.hidden_size = 32;
@@ -30,6 +31,7 @@ static moe_model *small_model_of(int64_t rows, double capacity_factor, moe_model
     cfg.intermediate_size = 48;
     cfg.num_hidden_layers = 2;
     cfg.moe_capacity_factor = capacity_factor;
+    cfg.sliding_window = sliding_window;
     moe_model *m = NULL;
     cr_assert_eq(moe_model_create_parallel(&m, &cfg, rows, T, SEED, &par), MOE_OK, "%s", moe_last_error());
     /* Larger weights than the N(0, 0.02) start, so that the logits differ
@@ -41,7 +43,7 @@ static moe_model *small_model_of(int64_t rows, double capacity_factor, moe_model
 }
 
 static moe_model *small_model(int64_t rows, double capacity_factor) {
-    return small_model_of(rows, capacity_factor, (moe_model_parallel){0});
+    return small_model_of(rows, capacity_factor, 0, (moe_model_parallel){0});
 }
 
 static void random_tokens(int32_t *tokens, int64_t n, uint64_t stream) {
@@ -194,7 +196,7 @@ Test(generate, last_logits_refused_after_a_backward) {
 Test(generate, a_recomputing_model_generates_the_same_rows) {
     int32_t rows[2][B * T];
     for (int recompute = 0; recompute < 2; recompute++) {
-        moe_model *m = small_model_of(B, 0.0, (moe_model_parallel){.recompute = recompute});
+        moe_model *m = small_model_of(B, 0.0, 0, (moe_model_parallel){.recompute = recompute});
         random_tokens(rows[recompute], B * T, 3);
         int64_t len[B] = {2, 6}, end[B] = {T, 11};
         const moe_sampling greedy = {.temperature = 0.0, .top_k = 0, .seed = 1};
@@ -212,7 +214,7 @@ Test(generate, an_inference_model_generates_the_same_rows_in_less_memory) {
     int32_t rows[2][B * T];
     int64_t bytes[2];
     for (int inference = 0; inference < 2; inference++) {
-        moe_model *m = small_model_of(B, 0.0, (moe_model_parallel){.inference = inference});
+        moe_model *m = small_model_of(B, 0.0, 0, (moe_model_parallel){.inference = inference});
         random_tokens(rows[inference], B * T, 4);
         int64_t len[B] = {3, 1}, end[B] = {T, 12};
         const moe_sampling sampled = {.temperature = 0.8, .top_k = 0, .seed = 5};
@@ -250,9 +252,10 @@ Test(generate, an_inference_model_generates_the_same_rows_in_less_memory) {
  * overwrite them. Not bit for bit (the attention and the experts' GEMMs
  * sum in another order for one row than for the batch): within 1e-5 of
  * the largest logit, where a wrong position, rotation or cache row moves
- * them by percents of it. */
-Test(decode, steps_give_the_logits_of_a_full_forward) {
-    moe_model *m = small_model(B, 0.0);
+ * them by percents of it. With a sliding window of 3, the rows pass it
+ * (the steps must read only its keys). */
+static void check_decode(int64_t sliding_window) {
+    moe_model *m = small_model_of(B, 0.0, sliding_window, (moe_model_parallel){0});
     int32_t tokens[B * T], prefix[B * T];
     static float want[B * T * VOCAB];
     float got[B * VOCAB];
@@ -280,14 +283,17 @@ Test(decode, steps_give_the_logits_of_a_full_forward) {
             const float *w = want + (row[i] * T + pos[i]) * VOCAB;
             double worst = 0.0;
             for (int64_t j = 0; j < VOCAB; j++) worst = fmax(worst, fabs(got[i * VOCAB + j] - w[j]));
-            cr_expect(worst <= 1e-5 * scale, "row %lld, position %lld: logits off by %g (largest %g)",
-                      (long long)row[i], (long long)pos[i], worst, scale);
+            cr_expect(worst <= 1e-5 * scale, "window %lld, row %lld, position %lld: logits off by %g (largest %g)",
+                      (long long)sliding_window, (long long)row[i], (long long)pos[i], worst, scale);
             steps++;
         }
     }
     cr_expect_eq(steps, (T - start[0]) + (T - start[1]));
     moe_model_destroy(m);
 }
+
+Test(decode, steps_give_the_logits_of_a_full_forward) { check_decode(0); }
+Test(decode, steps_in_a_sliding_window_give_the_logits_of_a_full_forward) { check_decode(3); }
 
 Test(decode, refuses_training_grids_without_keys_and_bad_tokens) {
     moe_model *m = small_model(B, 0.0);

@@ -81,6 +81,7 @@ Test(model_config, mixtral_8x7b) {
     cr_expect_eq(c.num_local_experts, 8);
     cr_expect_eq(c.num_experts_per_tok, 2);
     cr_expect_eq(c.max_position_embeddings, 32768);
+    cr_expect_eq(c.sliding_window, 0, "null: none");
     cr_expect_eq(c.rope_theta, 1e6);
     cr_expect_eq(c.rms_norm_eps, 1e-5);
     cr_expect_eq(c.router_aux_loss_coef, 0.02);
@@ -181,9 +182,9 @@ Test(model_config, rope_parameters_and_warnings) {
     snprintf(text, sizeof text, both, "10000.0");
     cr_assert_eq(parse(&c, text, &w), MOE_OK, "%s", moe_last_error());
     cr_expect_eq(c.rope_theta, 1e4);
-    cr_expect_eq(w.count, 2);
+    cr_expect_eq(w.count, 1);
     cr_expect(warned(&w, "attention_dropout=0.1 ignored"));
-    cr_expect(warned(&w, "sliding_window=4096 ignored"));
+    cr_expect_eq(c.sliding_window, 4096, "Mistral's window is honoured, not ignored");
     snprintf(text, sizeof text, both, "20000");
     cr_expect_eq(parse(&c, text, &w), MOE_ERR_CONFIG);
     cr_expect(strstr(moe_last_error(), "rope_theta=10000 disagrees with rope_parameters.rope_theta=20000") != NULL,
@@ -233,6 +234,9 @@ Test(model_config, every_bad_field_is_named) {
         {"rope_parameters", "{\"rope_theta\": \"x\"}", "rope_parameters.rope_theta must be a number, got \"x\""},
         {"attention_dropout", "\"x\"", "attention_dropout must be a number"},
         {"sliding_window", "[]", "sliding_window must be an integer or null, got array"},
+        {"sliding_window", "0", "t/config.json: sliding_window=0 must be positive, or null for none"},
+        {"sliding_window", "-4096", "sliding_window=-4096 must be positive, or null for none"},
+        {"sliding_window", "4096.5", "sliding_window must be an integer or null, got 4096.5"},
         {"moe_gate", "\"softmax\"",
          "moe_gate must be \"softmax_topk\", \"topk_softmax\" or \"sigmoid\", got \"softmax\""},
         {"moe_renormalize", "1", "moe_renormalize must be true or false, got 1"},
@@ -504,6 +508,7 @@ static void expect_same(const moe_model_config *a, const moe_model_config *b) {
     SAME(num_attention_heads);
     SAME(num_key_value_heads);
     SAME(head_dim);
+    SAME(sliding_window);
     SAME(num_local_experts);
     SAME(num_experts_per_tok);
     SAME(max_position_embeddings);
@@ -530,6 +535,7 @@ Test(model_config, save_then_load_is_identical, .init = make_tmpdir, .fini = rem
     moe_model_config c;
     moe_model_config_default_small(&c, 50257);
     c.head_dim = 48; /* not hidden / heads: must survive */
+    c.sliding_window = 4096;
     c.rope_theta = 0.1 + 0.2;
     c.rms_norm_eps = 1e-6;
     c.router_aux_loss_coef = 1.0 / 3.0;
@@ -564,6 +570,7 @@ Test(model_config, save_then_load_is_identical, .init = make_tmpdir, .fini = rem
     cr_expect_str_eq(moe_json_get(r, "hidden_act")->string.data, "silu");
     cr_expect_eq(moe_json_get(r, "tie_word_embeddings")->boolean, false);
     cr_expect_str_eq(moe_json_get(r, "moe_gate")->string.data, "sigmoid");
+    cr_expect_eq(moe_json_get(r, "sliding_window")->number.value, 4096.0);
     cr_expect_eq(text[n - 1], '\n');
     moe_json_free(doc);
     free(text);
@@ -574,6 +581,10 @@ Test(model_config, save_then_load_is_identical, .init = make_tmpdir, .fini = rem
     cr_assert_eq(moe_model_config_save(&m, path), MOE_OK, "%s", moe_last_error());
     cr_assert_eq(moe_model_config_load(&m2, path, NULL, NULL), MOE_OK, "%s", moe_last_error());
     expect_same(&m, &m2);
+    /* No window is written as transformers writes it: null. */
+    cr_assert_eq(moe_file_read_all(&text, &n, path, 1 << 20), MOE_OK);
+    cr_expect(strstr(text, "\"sliding_window\": null") != NULL, "%s", text);
+    free(text);
 
     /* An invalid config is refused before anything is written. */
     moe_model_config bad = c;

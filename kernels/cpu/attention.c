@@ -1,6 +1,7 @@
 /* attention.c: causal grouped-query attention on the CPU, the eager path of
- * HF Mixtral (fp32 softmax, scale 1/sqrt(hd)). Plain loops over the causal
- * triangle, parallel over (batch, head), in one of two layouts:
+ * HF Mixtral (fp32 softmax, scale 1/sqrt(hd)), with Mistral's sliding
+ * window as an option. Plain loops over the causal triangle, parallel over
+ * (batch, head), in one of two layouts:
  *
  * - hd <= KEYS_MAX_HD: vectors run along the keys. K and V are read
  *   transposed (a tile of keys at a time, on the stack), query rows go
@@ -14,7 +15,11 @@
  * A GEMM per head would also compute the masked half, and the pthread
  * OpenBLAS that the build links spawns its own threads when called inside
  * an OpenMP region: at B=4, T=256, Hq=8, hd=64 it took 60 ms with two
- * threads, where the loops here take 11 ms forward and backward together. */
+ * threads, where the loops here take 11 ms forward and backward together.
+ *
+ * A sliding window masks the keys before it (probability zero, so every
+ * gradient through them is zero too) and still computes their scores: the
+ * window saves nothing here, where sequences are short. */
 #include <math.h>
 #include <stdbool.h>
 
@@ -70,6 +75,11 @@ enum {
 _Static_assert(TILE_FLOATS / KEYS_MAX_HD >= LANES, "a tile holds a block of keys at every hd of the path");
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* The first key query t sees: window keys end at t (0: every key). */
+static inline int64_t window_start(int64_t t, int64_t window) {
+    return window > 0 && t >= window ? t - window + 1 : 0;
+}
 
 /* The keys of row t that its vector blocks cover: t + 1 rounded up to
  * LANES, within T. The ROWS rows of a block (t0 % ROWS == 0) share it. */
@@ -164,15 +174,19 @@ static inline void combine_rows(float *restrict y, int64_t ldy, const float *res
 }
 
 /* Rows t0 + r (r < nr) of p [T, T] hold their scores over [0, n), n =
- * row_span(t0 + nr - 1): each becomes its softmax over [0, t0 + r], zeros
- * after. The keys past the diagonal are set to -inf first, so that every
- * pass runs over whole vectors; moe_expf clamps them to exp(-87) =
- * 1.6e-38, below what the row's double sum (the maximum's term is 1) can
- * register, and their zeros are written last. */
-static inline void softmax_rows(float *restrict p, int64_t t0, int64_t nr, int64_t T, float scale) {
+ * row_span(t0 + nr - 1): each becomes its softmax over its window [lo,
+ * t0 + r], zeros elsewhere. The keys past the diagonal and before the
+ * window are set to -inf first, so that every pass runs over whole
+ * vectors; moe_expf clamps them to exp(-87) = 1.6e-38, below what the
+ * row's double sum (the maximum's term is 1) can register, and their zeros
+ * are written last. */
+static inline void softmax_rows(float *restrict p, int64_t t0, int64_t nr, int64_t T, int64_t window,
+                                float scale) {
     const int64_t n = row_span(t0 + nr - 1, T);
-    for (int64_t r = 0; r < nr; r++)
+    for (int64_t r = 0; r < nr; r++) {
+        for (int64_t j = 0; j < window_start(t0 + r, window); j++) p[r * T + j] = -INFINITY;
         for (int64_t j = t0 + r + 1; j < n; j++) p[r * T + j] = -INFINITY;
+    }
     float mxl[ROWS][LANES];
     for (int64_t r = 0; r < ROWS; r++)
         for (int64_t l = 0; l < LANES; l++) mxl[r][l] = -INFINITY;
@@ -213,14 +227,15 @@ static inline void softmax_rows(float *restrict p, int64_t t0, int64_t nr, int64
         float *pr = p + r * T;
 #pragma omp simd
         for (j = 0; j < n; j++) pr[j] *= inv;
+        for (j = 0; j < window_start(t0 + r, window); j++) pr[j] = 0.0f;
         for (j = t0 + r + 1; j < T; j++) pr[j] = 0.0f;
     }
 }
 
 /* Rows t0 + r (r < nr) of d [T, T] hold dP = dO V^T over [0, n), n =
- * row_span(t0 + nr - 1), and those of p the probabilities (zero past the
- * diagonal): d becomes scale * P * (dP - rowsum(P * dP)) over [0, n), so
- * zero past the diagonal too. d past n is left as it was. */
+ * row_span(t0 + nr - 1), and those of p the probabilities (zero outside
+ * the window): d becomes scale * P * (dP - rowsum(P * dP)) over [0, n), so
+ * zero outside the window too. d past n is left as it was. */
 static inline void dsoftmax_rows(float *restrict d, const float *restrict p, int64_t t0, int64_t nr, int64_t T,
                                  float scale) {
     const int64_t n = row_span(t0 + nr - 1, T);
@@ -307,15 +322,15 @@ static inline void forward_head(float *restrict out,     /* [T, hd], stride qs *
                                 const float *restrict q, /* [T, hd], stride qs */
                                 const float *restrict k, /* [T, hd], stride ks */
                                 const float *restrict v, /* [T, hd], stride ks */
-                                int64_t T, int64_t qs, int64_t ks, int64_t hd, float scale) {
+                                int64_t T, int64_t qs, int64_t ks, int64_t hd, int64_t window, float scale) {
     causal_dots(att, q, qs, k, ks, T, hd);
     int64_t t = 0;
     for (; t + ROWS <= T; t += ROWS) {
-        softmax_rows(att + t * T, t, ROWS, T, scale);
+        softmax_rows(att + t * T, t, ROWS, T, window, scale);
         combine_rows(out + t * qs, qs, att + t * T, T, v, ks, t + ROWS, hd, ROWS, false);
     }
     if (t < T) {
-        softmax_rows(att + t * T, t, T - t, T, scale);
+        softmax_rows(att + t * T, t, T - t, T, window, scale);
         combine_rows(out + t * qs, qs, att + t * T, T, v, ks, T, hd, T - t, false);
     }
 }
@@ -342,8 +357,8 @@ static inline void backward_q_head(float *restrict dq,         /* [T, hd], strid
 }
 
 /* One query head's share of dk and dv. Key block j0 reads the rows of dS
- * and P from j0 down, all inside their spans, where both are zero past the
- * diagonal. */
+ * and P from j0 down, all inside their spans, where both are zero outside
+ * the window. */
 static inline void backward_kv_head(float *restrict dk,         /* [T, hd], stride ks */
                                     float *restrict dv,         /* [T, hd], stride ks */
                                     const float *restrict ds,   /* [T, T] */
@@ -365,13 +380,13 @@ static inline void backward_kv_head(float *restrict dk,         /* [T, hd], stri
 /* The heads above with hd a constant at the common sizes, so that their
  * loops over hd unroll: 15-20% faster at hd 8, 7-10% at 32 and 64. */
 static void forward_keys(float *out, float *att, const float *q, const float *k, const float *v, int64_t T,
-                         int64_t qs, int64_t ks, int64_t hd, float scale) {
+                         int64_t qs, int64_t ks, int64_t hd, int64_t window, float scale) {
     switch (hd) {
-    case 8: forward_head(out, att, q, k, v, T, qs, ks, 8, scale); break;
-    case 16: forward_head(out, att, q, k, v, T, qs, ks, 16, scale); break;
-    case 32: forward_head(out, att, q, k, v, T, qs, ks, 32, scale); break;
-    case 64: forward_head(out, att, q, k, v, T, qs, ks, 64, scale); break;
-    default: forward_head(out, att, q, k, v, T, qs, ks, hd, scale);
+    case 8: forward_head(out, att, q, k, v, T, qs, ks, 8, window, scale); break;
+    case 16: forward_head(out, att, q, k, v, T, qs, ks, 16, window, scale); break;
+    case 32: forward_head(out, att, q, k, v, T, qs, ks, 32, window, scale); break;
+    case 64: forward_head(out, att, q, k, v, T, qs, ks, 64, window, scale); break;
+    default: forward_head(out, att, q, k, v, T, qs, ks, hd, window, scale);
     }
 }
 
@@ -429,7 +444,7 @@ static void attend_row(float *o, float *p, const float *qt, const float *kb, con
 
 void moe_cpu_attention_forward(float *out, float *att, const float *q, const float *k,
                                const float *v, int64_t B, int64_t T, int64_t Hq, int64_t Hkv,
-                               int64_t hd) {
+                               int64_t hd, int64_t window) {
     const int64_t group = Hq / Hkv, ks = Hkv * hd, qs = Hq * hd; /* row strides */
     const float scale = 1.0f / sqrtf((float)hd);
 #pragma omp parallel for collapse(2) schedule(static)
@@ -439,13 +454,15 @@ void moe_cpu_attention_forward(float *out, float *att, const float *q, const flo
             const float *vb = v + (b * T * Hkv + h / group) * hd; /* [T, hd], stride ks */
             if (hd <= KEYS_MAX_HD) {
                 forward_keys(out + (b * T * Hq + h) * hd, att + (b * Hq + h) * T * T, q + (b * T * Hq + h) * hd,
-                             kb, vb, T, qs, ks, hd, scale);
+                             kb, vb, T, qs, ks, hd, window, scale);
                 continue;
             }
             for (int64_t t = 0; t < T; t++) {
                 float *p = att + ((b * Hq + h) * T + t) * T; /* [T] */
-                attend_row(out + ((b * T + t) * Hq + h) * hd, p, q + ((b * T + t) * Hq + h) * hd, kb, vb, t, ks, hd,
-                           scale);
+                const int64_t lo = window_start(t, window);
+                attend_row(out + ((b * T + t) * Hq + h) * hd, p + lo, q + ((b * T + t) * Hq + h) * hd, kb + lo * ks,
+                           vb + lo * ks, t - lo, ks, hd, scale);
+                for (int64_t j = 0; j < lo; j++) p[j] = 0.0f;
                 for (int64_t j = t + 1; j < T; j++) p[j] = 0.0f;
             }
         }
@@ -468,10 +485,11 @@ void moe_cpu_attention_decode(float *out, float *att, const float *q, const floa
  * The first pass runs per query head and keeps scale * dS in datt (zero
  * above the diagonal, like P, as far as the second pass reads it); the
  * second runs per kv head, so the query heads that share one add into dk
- * and dv in a fixed order, without races. */
+ * and dv in a fixed order, without races. P is zero outside the window, so
+ * dS is: the window only shortens the loops of large heads. */
 void moe_cpu_attention_backward(float *dq, float *dk, float *dv, float *datt, const float *dout,
                                 const float *q, const float *k, const float *v, const float *att,
-                                int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t hd) {
+                                int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t hd, int64_t window) {
     const int64_t group = Hq / Hkv, ks = Hkv * hd, qs = Hq * hd; /* row strides */
     const float scale = 1.0f / sqrtf((float)hd);
 #pragma omp parallel for collapse(2) schedule(static)
@@ -490,14 +508,16 @@ void moe_cpu_attention_backward(float *dq, float *dk, float *dv, float *datt, co
                 float *ds = datt + ((b * Hq + h) * T + t) * T;         /* [T] */
                 const float *dyt = dout + ((b * T + t) * Hq + h) * hd; /* [hd] */
                 float *dqt = dq + ((b * T + t) * Hq + h) * hd;         /* [hd] */
-                int64_t j = 0;
+                const int64_t lo = window_start(t, window);
+                int64_t j = lo;
                 for (; j + 4 <= t + 1; j += 4) dot4(ds + j, dyt, vb + j * ks, ks, hd);
                 for (; j <= t; j++) ds[j] = dot(dyt, vb + j * ks, hd);
                 double pd = 0.0;
-                for (j = 0; j <= t; j++) pd += (double)(p[j] * ds[j]);
-                for (j = 0; j <= t; j++) ds[j] = scale * (p[j] * (ds[j] - (float)pd));
+                for (j = lo; j <= t; j++) pd += (double)(p[j] * ds[j]);
+                for (j = lo; j <= t; j++) ds[j] = scale * (p[j] * (ds[j] - (float)pd));
+                for (j = 0; j < lo; j++) ds[j] = 0.0f;
                 for (j = t + 1; j < T; j++) ds[j] = 0.0f;
-                for (j = 0; j + 4 <= t + 1; j += 4)
+                for (j = lo; j + 4 <= t + 1; j += 4)
                     axpy4(dqt, ds[j], ds[j + 1], ds[j + 2], ds[j + 3], kb + j * ks, ks, hd);
                 for (; j <= t; j++) axpy(dqt, ds[j], kb + j * ks, hd);
             }
@@ -516,12 +536,13 @@ void moe_cpu_attention_backward(float *dq, float *dk, float *dv, float *datt, co
                     backward_kv_keys(dkb, dvb, dS, P, qb, dyb, T, qs, ks, hd);
                     continue;
                 }
-                /* Four query rows t..t+3 at a time; the zeros above the
-                 * diagonal of P and dS let their blocks run to j <= t + 3. */
+                /* Four query rows t..t+3 at a time; the zeros of P and dS
+                 * outside each row's keys let their blocks run over the
+                 * keys of any of the four. */
                 int64_t t = 0;
                 for (; t + 4 <= T; t += 4) {
                     const float *s0 = dS + t * T, *p0 = P + t * T;
-                    for (int64_t j = 0; j <= t + 3; j++) {
+                    for (int64_t j = window_start(t, window); j <= t + 3; j++) {
                         axpy4(dkb + j * ks, s0[j], s0[T + j], s0[2 * T + j], s0[3 * T + j],
                               qb + t * qs, qs, hd);
                         axpy4(dvb + j * ks, p0[j], p0[T + j], p0[2 * T + j], p0[3 * T + j],
@@ -529,7 +550,7 @@ void moe_cpu_attention_backward(float *dq, float *dk, float *dv, float *datt, co
                     }
                 }
                 for (; t < T; t++)
-                    for (int64_t j = 0; j <= t; j++) {
+                    for (int64_t j = window_start(t, window); j <= t; j++) {
                         axpy(dkb + j * ks, dS[t * T + j], qb + t * qs, hd);
                         axpy(dvb + j * ks, P[t * T + j], dyb + t * qs, hd);
                     }

@@ -79,14 +79,16 @@ void moe_cpu_rope_backward(float *dx,          /* [B, T, H, hd], in place */
                            int64_t B, int64_t T, int64_t H, int64_t hd);
 
 /* Causal grouped-query attention, softmax(q k^T / sqrt(hd)) v per head:
- * query head h reads kv head h / (Hq / Hkv); Hq % Hkv == 0. att keeps the
- * probabilities (zero above the diagonal) for backward. */
+ * query head h reads kv head h / (Hq / Hkv); Hq % Hkv == 0. Query t sees
+ * the keys t - window + 1 .. t (Mistral's sliding window; window 0: all of
+ * 0 .. t). att keeps the probabilities (zero outside each row's keys) for
+ * backward. */
 void moe_cpu_attention_forward(float *out,     /* [B, T, Hq, hd] */
                                float *att,     /* [B, Hq, T, T] */
                                const float *q, /* [B, T, Hq, hd] */
                                const float *k, /* [B, T, Hkv, hd] */
                                const float *v, /* [B, T, Hkv, hd] */
-                               int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t hd);
+                               int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t hd, int64_t window);
 /* ops.h attention_decode: one query at position T - 1 against keys and
  * values at positions 0 .. T - 1. */
 void moe_cpu_attention_decode(float *out,     /* [Hq, hd] */
@@ -106,7 +108,7 @@ void moe_cpu_attention_backward(float *dq,         /* [B, T, Hq, hd] */
                                 const float *k,    /* [B, T, Hkv, hd] */
                                 const float *v,    /* [B, T, Hkv, hd] */
                                 const float *att,  /* [B, Hq, T, T] */
-                                int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t hd);
+                                int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t hd, int64_t window);
 
 /* losses[n] = lse[n] - logits[n, targets[n]], lse = logsumexp of the row
  * (max-subtracted, the sum in double). lse is kept in double because a

@@ -2,8 +2,8 @@
  * Mixtral (kernels/cpu/attention.c is the reference): batched cuBLAS GEMMs
  * over (batch, head) pointer arrays, so a query head finds its shared kv
  * head without copies, and one warp per row for the causal softmax and its
- * backward. The GEMMs compute the masked upper triangle too and the
- * softmax writes zeros there. Under bf16 math the fused kernels of
+ * backward. The GEMMs compute the masked upper triangle (and the keys
+ * before a sliding window) too and the softmax writes zeros there. Under bf16 math the fused kernels of
  * flash_attention.cu take the sizes they serve instead, and att holds what
  * they save (ops.h: the backend's format).
  *
@@ -15,44 +15,50 @@
 
 #define SOFTMAX_WARPS 8
 
-/* Row t of each [T, T] score matrix: p = softmax over j <= t, zeros above;
- * with last, every row is a query at position T - 1 (decoding). */
-static __global__ void causal_softmax_kernel(float *att, int64_t rows, int64_t T, bool last) {
+/* The first key query t sees (ops.h: window keys end at t; 0: every key). */
+static __device__ __forceinline__ int64_t window_start(int64_t t, int64_t window) {
+    return window > 0 && t >= window ? t - window + 1 : 0;
+}
+
+/* Row t of each [T, T] score matrix: p = softmax over lo <= j <= t, zeros
+ * elsewhere; with last, every row is a query at position T - 1 (decoding). */
+static __global__ void causal_softmax_kernel(float *att, int64_t rows, int64_t T, int64_t window,
+                                             bool last) {
     const int lane = threadIdx.x & 31;
     for (int64_t row = blockIdx.x * (int64_t)SOFTMAX_WARPS + (threadIdx.x >> 5); row < rows;
          row += (int64_t)gridDim.x * SOFTMAX_WARPS) {
-        const int64_t t = last ? T - 1 : row % T;
+        const int64_t t = last ? T - 1 : row % T, lo = window_start(t, window);
         float *p = att + row * T;
         float mx = -INFINITY;
-        for (int64_t j = lane; j <= t; j += 32) mx = fmaxf(mx, p[j]);
+        for (int64_t j = lo + lane; j <= t; j += 32) mx = fmaxf(mx, p[j]);
         mx = moe_warp_max(mx);
         double sum = 0.0;
-        for (int64_t j = lane; j <= t; j += 32) {
+        for (int64_t j = lo + lane; j <= t; j += 32) {
             const float e = moe_expf(p[j] - mx);
             p[j] = e;
             sum += e;
         }
         sum = moe_warp_sum(sum);
         const float inv = (float)(1.0 / sum);
-        for (int64_t j = lane; j < T; j += 32) p[j] = j <= t ? p[j] * inv : 0.0f;
+        for (int64_t j = lane; j < T; j += 32) p[j] = j >= lo && j <= t ? p[j] * inv : 0.0f;
     }
 }
 
-/* datt = scale * P * (dP - rowsum(P * dP)) below the diagonal, zeros above;
- * datt holds dP on entry. */
+/* datt = scale * P * (dP - rowsum(P * dP)) over each row's keys, zeros
+ * elsewhere; datt holds dP on entry. */
 static __global__ void causal_softmax_backward_kernel(float *datt, const float *att, int64_t rows,
-                                                      int64_t T, float scale) {
+                                                      int64_t T, int64_t window, float scale) {
     const int lane = threadIdx.x & 31;
     for (int64_t row = blockIdx.x * (int64_t)SOFTMAX_WARPS + (threadIdx.x >> 5); row < rows;
          row += (int64_t)gridDim.x * SOFTMAX_WARPS) {
-        const int64_t t = row % T;
+        const int64_t t = row % T, lo = window_start(t, window);
         const float *p = att + row * T;
         float *ds = datt + row * T;
         double pd = 0.0;
-        for (int64_t j = lane; j <= t; j += 32) pd += (double)(p[j] * ds[j]);
+        for (int64_t j = lo + lane; j <= t; j += 32) pd += (double)(p[j] * ds[j]);
         pd = moe_warp_sum(pd);
         for (int64_t j = lane; j < T; j += 32)
-            ds[j] = j <= t ? scale * (p[j] * (ds[j] - (float)pd)) : 0.0f;
+            ds[j] = j >= lo && j <= t ? scale * (p[j] * (ds[j] - (float)pd)) : 0.0f;
     }
 }
 
@@ -61,21 +67,22 @@ static unsigned softmax_grid(int64_t rows, const moe_cuda_ctx *ctx) {
 }
 
 static moe_status check_sizes(int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t hd,
-                              const char *op) {
-    if (B < 0 || T < 0 || Hq < 1 || Hkv < 1 || hd < 1 || Hq % Hkv != 0)
-        return moe_error(MOE_ERR_INVALID_ARG, "%s: B=%lld T=%lld Hq=%lld Hkv=%lld hd=%lld", op,
-                         (long long)B, (long long)T, (long long)Hq, (long long)Hkv, (long long)hd);
+                              int64_t window, const char *op) {
+    if (B < 0 || T < 0 || Hq < 1 || Hkv < 1 || hd < 1 || Hq % Hkv != 0 || window < 0)
+        return moe_error(MOE_ERR_INVALID_ARG, "%s: B=%lld T=%lld Hq=%lld Hkv=%lld hd=%lld window=%lld",
+                         op, (long long)B, (long long)T, (long long)Hq, (long long)Hkv, (long long)hd,
+                         (long long)window);
     return MOE_OK;
 }
 
 extern "C" moe_status moe_cuda_attention_forward(float *out, float *att, const float *q,
                                                  const float *k, const float *v, int64_t B,
                                                  int64_t T, int64_t Hq, int64_t Hkv, int64_t hd,
-                                                 moe_cuda_ctx *ctx) {
-    MOE_TRY(check_sizes(B, T, Hq, Hkv, hd, "moe_cuda_attention_forward"));
+                                                 int64_t window, moe_cuda_ctx *ctx) {
+    MOE_TRY(check_sizes(B, T, Hq, Hkv, hd, window, "moe_cuda_attention_forward"));
     if (B == 0 || T == 0) return MOE_OK;
     if (moe_cuda_attention_fused(T, Hq, hd, ctx))
-        return moe_cuda_flash_forward(out, att, q, k, v, B, T, Hq, Hkv, hd, ctx);
+        return moe_cuda_flash_forward(out, att, q, k, v, B, T, Hq, Hkv, hd, window, ctx);
     const int64_t group = Hq / Hkv, qs = Hq * hd, ks = Hkv * hd, tt = T * T;
     const float scale = 1.0f / sqrtf((float)hd);
     /* Problem i = b * Hq + h. */
@@ -88,7 +95,7 @@ extern "C" moe_status moe_cuda_attention_forward(float *out, float *att, const f
     MOE_TRY(moe_cuda_gemm_batched(ctx, att_w, q_w, k_w, B * Hq, T, T, hd, qs, ks, T, false, true,
                                   scale, 0.0f));
     causal_softmax_kernel<<<softmax_grid(B * Hq * T, ctx), SOFTMAX_WARPS * 32, 0, ctx->stream>>>(
-        att, B * Hq * T, T, false);
+        att, B * Hq * T, T, window, false);
     MOE_CUDA_CHECK(cudaGetLastError());
     /* out = P v */
     return moe_cuda_gemm_batched(ctx, out_w, att_w, v_w, B * Hq, T, hd, T, T, ks, qs, false, false,
@@ -100,7 +107,7 @@ extern "C" moe_status moe_cuda_attention_decode(float *out, float *att, const fl
                                                 const float *k, const float *v, int64_t T,
                                                 int64_t Hq, int64_t Hkv, int64_t hd,
                                                 moe_cuda_ctx *ctx) {
-    MOE_TRY(check_sizes(1, T, Hq, Hkv, hd, "moe_cuda_attention_decode"));
+    MOE_TRY(check_sizes(1, T, Hq, Hkv, hd, 0, "moe_cuda_attention_decode"));
     if (T == 0) return MOE_OK;
     const int64_t group = Hq / Hkv, qs = Hq * hd, ks = Hkv * hd;
     const float scale = 1.0f / sqrtf((float)hd);
@@ -112,7 +119,7 @@ extern "C" moe_status moe_cuda_attention_decode(float *out, float *att, const fl
     MOE_TRY(moe_cuda_gemm_batched(ctx, att_w, q_w, k_w, Hq, 1, T, hd, qs, ks, T, false, true, scale,
                                   0.0f));
     causal_softmax_kernel<<<softmax_grid(Hq, ctx), SOFTMAX_WARPS * 32, 0, ctx->stream>>>(att, Hq, T,
-                                                                                         true);
+                                                                                         0, true);
     MOE_CUDA_CHECK(cudaGetLastError());
     return moe_cuda_gemm_batched(ctx, out_w, att_w, v_w, Hq, 1, hd, T, T, ks, qs, false, false,
                                  1.0f, 0.0f);
@@ -122,11 +129,12 @@ extern "C" moe_status moe_cuda_attention_backward(float *dq, float *dk, float *d
                                                   const float *dout, const float *q, const float *k,
                                                   const float *v, const float *att, int64_t B,
                                                   int64_t T, int64_t Hq, int64_t Hkv, int64_t hd,
-                                                  moe_cuda_ctx *ctx) {
-    MOE_TRY(check_sizes(B, T, Hq, Hkv, hd, "moe_cuda_attention_backward"));
+                                                  int64_t window, moe_cuda_ctx *ctx) {
+    MOE_TRY(check_sizes(B, T, Hq, Hkv, hd, window, "moe_cuda_attention_backward"));
     if (B == 0 || T == 0) return MOE_OK;
     if (moe_cuda_attention_fused(T, Hq, hd, ctx))
-        return moe_cuda_flash_backward(dq, dk, dv, datt, dout, q, k, v, att, B, T, Hq, Hkv, hd, ctx);
+        return moe_cuda_flash_backward(dq, dk, dv, datt, dout, q, k, v, att, B, T, Hq, Hkv, hd,
+                                       window, ctx);
     const int64_t group = Hq / Hkv, qs = Hq * hd, ks = Hkv * hd, tt = T * T;
     const float scale = 1.0f / sqrtf((float)hd);
     {
@@ -140,7 +148,7 @@ extern "C" moe_status moe_cuda_attention_backward(float *dq, float *dk, float *d
         MOE_TRY(moe_cuda_gemm_batched(ctx, datt_w, dout_w, v_w, B * Hq, T, T, hd, qs, ks, T, false,
                                       true, 1.0f, 0.0f));
         causal_softmax_backward_kernel<<<softmax_grid(B * Hq * T, ctx), SOFTMAX_WARPS * 32, 0,
-                                         ctx->stream>>>(datt, att, B * Hq * T, T, scale);
+                                         ctx->stream>>>(datt, att, B * Hq * T, T, window, scale);
         MOE_CUDA_CHECK(cudaGetLastError());
         /* dq += dS k (datt holds scale * dS) */
         MOE_TRY(moe_cuda_gemm_batched(ctx, dq_w, datt_w, k_w, B * Hq, T, hd, T, T, ks, qs, false,

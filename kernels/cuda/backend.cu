@@ -301,9 +301,9 @@ static void table_rope_backward(float *dx, const float *cos_t, const float *sin_
 
 static void table_attention_forward(float *out, float *att, const float *q, const float *k,
                                     const float *v, int64_t B, int64_t T, int64_t Hq, int64_t Hkv,
-                                    int64_t hd) {
+                                    int64_t hd, int64_t window) {
     RUN("attention_forward",
-        moe_cuda_attention_forward(out, att, q, k, v, B, T, Hq, Hkv, hd, bound.ctx));
+        moe_cuda_attention_forward(out, att, q, k, v, B, T, Hq, Hkv, hd, window, bound.ctx));
 }
 
 static void table_attention_decode(float *out, float *att, const float *q, const float *k,
@@ -314,9 +314,9 @@ static void table_attention_decode(float *out, float *att, const float *q, const
 static void table_attention_backward(float *dq, float *dk, float *dv, float *datt,
                                      const float *dout, const float *q, const float *k,
                                      const float *v, const float *att, int64_t B, int64_t T,
-                                     int64_t Hq, int64_t Hkv, int64_t hd) {
+                                     int64_t Hq, int64_t Hkv, int64_t hd, int64_t window) {
     RUN("attention_backward", moe_cuda_attention_backward(dq, dk, dv, datt, dout, q, k, v, att, B,
-                                                          T, Hq, Hkv, hd, bound.ctx));
+                                                          T, Hq, Hkv, hd, window, bound.ctx));
 }
 
 static void table_crossentropy_forward(float *losses, double *lse, const float *logits,

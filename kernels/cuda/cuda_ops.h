@@ -339,11 +339,12 @@ void moe_cuda_set_attention_path(moe_cuda_ctx *ctx, moe_cuda_attention_path path
 bool moe_cuda_attention_fused(int64_t T, int64_t Hq, int64_t hd, const moe_cuda_ctx *ctx);
 moe_status moe_cuda_attention_forward(float *out, float *att, const float *q, const float *k,
                                       const float *v, int64_t B, int64_t T, int64_t Hq, int64_t Hkv,
-                                      int64_t hd, moe_cuda_ctx *ctx);
+                                      int64_t hd, int64_t window, moe_cuda_ctx *ctx);
 moe_status moe_cuda_attention_backward(float *dq, float *dk, float *dv, float *datt,
                                        const float *dout, const float *q, const float *k,
                                        const float *v, const float *att, int64_t B, int64_t T,
-                                       int64_t Hq, int64_t Hkv, int64_t hd, moe_cuda_ctx *ctx);
+                                       int64_t Hq, int64_t Hkv, int64_t hd, int64_t window,
+                                       moe_cuda_ctx *ctx);
 moe_status moe_cuda_attention_decode(float *out, float *att, const float *q, const float *k,
                                      const float *v, int64_t T, int64_t Hq, int64_t Hkv, int64_t hd,
                                      moe_cuda_ctx *ctx);

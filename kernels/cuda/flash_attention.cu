@@ -1,4 +1,5 @@
-/* flash_attention.cu: causal grouped-query attention on the tensor cores
+/* flash_attention.cu: causal grouped-query attention (with an optional
+ * sliding window, whose blocks skip the key tiles before it) on the tensor cores
  * (FlashAttention-2's algorithm; mma.sync with bf16 operands and fp32
  * sums), so the T x T scores never reach device memory.
  *
@@ -59,15 +60,15 @@ template <typename Launch> static void with_head_dim(int64_t hd, Launch launch) 
 
 moe_status moe_cuda_flash_forward(float *out, float *att, const float *q, const float *k,
                                   const float *v, int64_t B, int64_t T, int64_t Hq, int64_t Hkv,
-                                  int64_t hd, moe_cuda_ctx *ctx) {
+                                  int64_t hd, int64_t window, moe_cuda_ctx *ctx) {
     MOE_TRY(check_grid(B, T, "flash attention forward"));
     float *lse = att, *out_copy = att + B * Hq * T;
     const float scale = 1.0f / sqrtf((float)hd);
     const dim3 grid = fa_grid(T, Hq, B);
     with_head_dim(hd, [&](auto head_dim) {
         constexpr int HD = decltype(head_dim)::value;
-        flash_forward_kernel<HD><<<grid, FA_WARPS * 32, 0, ctx->stream>>>(out, lse, out_copy, q, k,
-                                                                          v, T, Hq, Hkv, scale);
+        flash_forward_kernel<HD><<<grid, FA_WARPS * 32, 0, ctx->stream>>>(
+            out, lse, out_copy, q, k, v, T, Hq, Hkv, window, scale);
     });
     MOE_CUDA_CHECK(cudaGetLastError());
     return MOE_OK;
@@ -76,7 +77,7 @@ moe_status moe_cuda_flash_forward(float *out, float *att, const float *q, const 
 moe_status moe_cuda_flash_backward(float *dq, float *dk, float *dv, float *datt, const float *dout,
                                    const float *q, const float *k, const float *v,
                                    const float *att, int64_t B, int64_t T, int64_t Hq,
-                                   int64_t Hkv, int64_t hd, moe_cuda_ctx *ctx) {
+                                   int64_t Hkv, int64_t hd, int64_t window, moe_cuda_ctx *ctx) {
     MOE_TRY(check_grid(B, T, "flash attention backward"));
     const float *lse = att, *out = att + B * Hq * T;
     float *D = datt;
@@ -90,9 +91,9 @@ moe_status moe_cuda_flash_backward(float *dq, float *dk, float *dv, float *datt,
     with_head_dim(hd, [&](auto head_dim) {
         constexpr int HD = decltype(head_dim)::value;
         flash_dkdv_kernel<HD><<<kv_grid, threads, 0, ctx->stream>>>(dk, dv, q, k, v, dout, lse, D,
-                                                                    T, Hq, Hkv, scale);
+                                                                    T, Hq, Hkv, window, scale);
         flash_dq_kernel<HD><<<q_grid, threads, 0, ctx->stream>>>(dq, q, k, v, dout, lse, D, T, Hq,
-                                                                 Hkv, scale);
+                                                                 Hkv, window, scale);
     });
     MOE_CUDA_CHECK(cudaGetLastError());
     return MOE_OK;

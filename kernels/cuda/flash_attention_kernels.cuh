@@ -141,6 +141,19 @@ static __device__ __forceinline__ void stage_a(uint32_t (*f)[4], bf16_rows<HD + 
 static __device__ __forceinline__ int frag_row(int lane, int e) { return (lane >> 2) + (e >> 1) * 8; }
 static __device__ __forceinline__ int frag_col(int lane, int e) { return (lane & 3) * 2 + (e & 1); }
 
+/* Whether query row sees key: at or before it, within the window (window
+ * keys end at the row; 0: every key), both inside the sequence. */
+static __device__ __forceinline__ bool sees(int64_t row, int64_t key, int64_t T, int64_t window) {
+    return key <= row && row < T && (window == 0 || row - key < window);
+}
+
+/* The first key a block of queries from q0 on needs, rounded down to a
+ * whole tile of the streamed side. */
+static __device__ __forceinline__ int64_t first_key_tile(int64_t q0, int64_t window, int tile) {
+    const int64_t lo = window > 0 && q0 >= window ? q0 - window + 1 : 0;
+    return lo / tile * tile;
+}
+
 /* Over the four lanes that share a fragment row. */
 static __device__ __forceinline__ float quad_max(float x) {
     x = fmaxf(x, __shfl_xor_sync(MOE_FULL_MASK, x, 1));
@@ -159,7 +172,8 @@ static __device__ __forceinline__ float quad_sum(float x) {
 template <int HD>
 static __global__ void __launch_bounds__(FA_WARPS * 32)
     flash_forward_kernel(float *out, float *lse, float *out_copy, const float *q, const float *k,
-                         const float *v, int64_t T, int64_t Hq, int64_t Hkv, float scale) {
+                         const float *v, int64_t T, int64_t Hq, int64_t Hkv, int64_t window,
+                         float scale) {
     constexpr int TILE = FA_TILE(HD);
     __shared__ __nv_bfloat16 sq[FA_ROWS][HD + FA_PAD];
     __shared__ __nv_bfloat16 sk[TILE][HD + FA_PAD];
@@ -178,7 +192,7 @@ static __global__ void __launch_bounds__(FA_WARPS * 32)
     float o[HD / 8][4] = {};
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}; /* rows g, g + 8 */
     const int64_t last_key = min(q0 + FA_ROWS, T) - 1;
-    for (int64_t k0 = 0; k0 <= last_key; k0 += TILE) {
+    for (int64_t k0 = first_key_tile(q0, window, TILE); k0 <= last_key; k0 += TILE) {
         __syncthreads(); /* every warp is done with the previous tile */
         load_tile<HD, TILE>(sk, nullptr, kb + k0 * ks, ks, T - k0);
         load_tile<HD, TILE>(nullptr, svt, vb + k0 * ks, ks, T - k0);
@@ -191,18 +205,20 @@ static __global__ void __launch_bounds__(FA_WARPS * 32)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int64_t row = row0 + frag_row(lane, e), key = k0 + nb * 8 + frag_col(lane, e);
-                const float x = key <= row && key < T ? s[nb][e] * scale : -INFINITY;
+                const float x = sees(row, key, T, window) ? s[nb][e] * scale : -INFINITY;
                 s[nb][e] = x;
                 mx[e >> 1] = fmaxf(mx[e >> 1], x);
             }
-        /* Key 0 is in the first tile and no row is before it, so m is
-         * finite from the first tile on; a later tile wholly past a row
-         * leaves its max, and adds zeros. */
-        float alpha[2];
+        /* A row that has seen no key yet (its window starts past this
+         * tile, or it is past the end) keeps m = -inf: its exponentials
+         * are then taken against 0, giving zeros, not NaN. A tile wholly
+         * past a row leaves its max, and adds zeros. */
+        float alpha[2], m_ref[2];
 #pragma unroll
         for (int i = 0; i < 2; i++) {
             const float m_new = fmaxf(m[i], quad_max(mx[i]));
-            alpha[i] = __expf(m[i] - m_new);
+            m_ref[i] = m_new == -INFINITY ? 0.0f : m_new;
+            alpha[i] = __expf(m[i] - m_ref[i]);
             m[i] = m_new;
             l[i] *= alpha[i];
         }
@@ -210,7 +226,7 @@ static __global__ void __launch_bounds__(FA_WARPS * 32)
         for (int nb = 0; nb < TILE / 8; nb++)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                const float p = __expf(s[nb][e] - m[e >> 1]);
+                const float p = __expf(s[nb][e] - m_ref[e >> 1]);
                 s[nb][e] = p;
                 l[e >> 1] += p;
             }
@@ -252,14 +268,14 @@ static __global__ void rowdot_kernel(float *D, const float *dout, const float *o
 
 /* Block (key block, kv head, batch): dk, dv += the gradients of its keys,
  * over the query heads of the group and the query tiles from its first
- * key on. With S^T = k q^T (keys as rows): P^T = exp(scale S^T - lse),
+ * key to the last query that sees one of its keys. With S^T = k q^T (keys as rows): P^T = exp(scale S^T - lse),
  * dv += P^T dout, dP^T = v dout^T, dS^T = scale P^T (dP^T - D),
  * dk += dS^T q. */
 template <int HD>
 static __global__ void __launch_bounds__(FA_WARPS * 32)
     flash_dkdv_kernel(float *dk, float *dv, const float *q, const float *k, const float *v,
                       const float *dout, const float *lse, const float *D, int64_t T, int64_t Hq,
-                      int64_t Hkv, float scale) {
+                      int64_t Hkv, int64_t window, float scale) {
     constexpr int TILE = FA_TILE(HD);
     /* sq also stages the block's FA_ROWS keys and values first. */
     __shared__ __nv_bfloat16 sq[FA_ROWS > TILE ? FA_ROWS : TILE][HD + FA_PAD];
@@ -278,11 +294,12 @@ static __global__ void __launch_bounds__(FA_WARPS * 32)
     stage_a<HD>(vf, sq, v + kv_at, ks, T - k0, warp, lane);
 
     const int64_t key0 = k0 + warp * 16; /* the warp's first key */
+    const int64_t query_end = window > 0 ? min(T, k0 + FA_ROWS - 1 + window) : T;
     float dk_acc[HD / 8][4] = {}, dv_acc[HD / 8][4] = {};
     for (int64_t hh = 0; hh < group; hh++) {
         const int64_t h = kvh * group + hh;
         const float *qb = q + (b * T * Hq + h) * HD, *dob = dout + (b * T * Hq + h) * HD;
-        for (int64_t t0 = k0; t0 < T; t0 += TILE) {
+        for (int64_t t0 = k0; t0 < query_end; t0 += TILE) {
             __syncthreads(); /* every warp is done with the previous tile */
             load_tile<HD, TILE>(sq, sqt, qb + t0 * qs, qs, T - t0);
             load_tile<HD, TILE>(sdo, sdot, dob + t0 * qs, qs, T - t0);
@@ -301,9 +318,8 @@ static __global__ void __launch_bounds__(FA_WARPS * 32)
                     const int64_t key = key0 + frag_row(lane, e);
                     const int j = nb * 8 + frag_col(lane, e);
                     const int64_t query = t0 + j;
-                    p[nb][e] = key <= query && query < T && key < T
-                                   ? __expf(p[nb][e] * scale - slse[j])
-                                   : 0.0f;
+                    p[nb][e] = sees(query, key, T, window) ? __expf(p[nb][e] * scale - slse[j])
+                                                           : 0.0f;
                 }
             mma_c_by<TILE, HD>(dv_acc, p, sdot, lane);
             mma_rows<HD / 16, TILE>(ds, vf, sdo, lane);
@@ -327,14 +343,14 @@ static __global__ void __launch_bounds__(FA_WARPS * 32)
     }
 }
 
-/* Block (query tile, head, batch): dq += scale dS k over the key tiles up
- * to its last query, with dS = P (dP - D), P = exp(scale q k^T - lse),
+/* Block (query tile, head, batch): dq += scale dS k over the key tiles its
+ * queries see, with dS = P (dP - D), P = exp(scale q k^T - lse),
  * dP = dout v^T. */
 template <int HD>
 static __global__ void __launch_bounds__(FA_WARPS * 32)
     flash_dq_kernel(float *dq, const float *q, const float *k, const float *v, const float *dout,
                     const float *lse, const float *D, int64_t T, int64_t Hq, int64_t Hkv,
-                    float scale) {
+                    int64_t window, float scale) {
     constexpr int TILE = FA_TILE(HD);
     /* sk also stages the block's FA_ROWS queries and output gradients first. */
     __shared__ __nv_bfloat16 sk[FA_ROWS > TILE ? FA_ROWS : TILE][HD + FA_PAD];
@@ -361,7 +377,7 @@ static __global__ void __launch_bounds__(FA_WARPS * 32)
     }
     float dq_acc[HD / 8][4] = {};
     const int64_t last_key = min(q0 + FA_ROWS, T) - 1;
-    for (int64_t k0 = 0; k0 <= last_key; k0 += TILE) {
+    for (int64_t k0 = first_key_tile(q0, window, TILE); k0 <= last_key; k0 += TILE) {
         __syncthreads(); /* every warp is done with the previous tile */
         load_tile<HD, TILE>(sk, skt, kb + k0 * ks, ks, T - k0);
         load_tile<HD, TILE>(sv, nullptr, vb + k0 * ks, ks, T - k0);
@@ -374,7 +390,7 @@ static __global__ void __launch_bounds__(FA_WARPS * 32)
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 const int64_t row = row0 + frag_row(lane, e), key = k0 + nb * 8 + frag_col(lane, e);
-                const float pe = key <= row && key < T && row < T
+                const float pe = sees(row, key, T, window)
                                      ? __expf(p[nb][e] * scale - row_lse[e >> 1])
                                      : 0.0f;
                 ds[nb][e] = scale * pe * (ds[nb][e] - row_D[e >> 1]);
