@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "common/rng.h"
+#include "common/shortest.h"
 #include "common/status.h"
 #include "engine/checkpoint.h"
 #include "engine/run.h"
@@ -18,11 +19,14 @@
 
 moe_status moe_sampling_validate(const moe_sampling *s) {
     if (!s) return moe_error(MOE_ERR_INVALID_ARG, "sampling: NULL");
+    char v[32]; /* the value as given, not rounded to one that would pass */
     if (!(s->temperature >= 0.0) || !isfinite(s->temperature))
-        return moe_error(MOE_ERR_CONFIG, "--temperature %g must be finite and >= 0 (0: greedy)", s->temperature);
+        return moe_error(MOE_ERR_CONFIG, "--temperature %s must be finite and >= 0 (0: greedy)",
+                         moe_shortest(v, sizeof v, s->temperature));
     if (s->top_k < 0) return moe_error(MOE_ERR_CONFIG, "--top-k %lld must be >= 0 (0: every token)", (long long)s->top_k);
     if (!(s->top_p >= 0.0 && s->top_p <= 1.0))
-        return moe_error(MOE_ERR_CONFIG, "--top-p %g must be in [0, 1] (0 or 1: every token)", s->top_p);
+        return moe_error(MOE_ERR_CONFIG, "--top-p %s must be in [0, 1] (0 or 1: every token)",
+                         moe_shortest(v, sizeof v, s->top_p));
     return MOE_OK;
 }
 

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/shortest.h"
 #include "common/status.h"
 
 /* 6 training FLOPs per matmul weight and token, plus attention's two
@@ -147,10 +148,7 @@ static void format_value(char *out, size_t size, double v) {
         snprintf(out, size, "%.0f", v);
         return;
     }
-    for (int digits = 9; digits <= 17; digits++) {
-        snprintf(out, size, "%.*g", digits, v);
-        if (strtod(out, NULL) == v) return;
-    }
+    moe_shortest(out, size, v);
 }
 
 static moe_status disagree_number(int rank, const char *name, double got, double want) {

@@ -19,6 +19,7 @@
 #include "common/rng.h"
 #include "common/clock.h"
 #include "common/median.h"
+#include "common/shortest.h"
 #include "common/status.h"
 #include "engine/checkpoint.h"
 #include "engine/data.h"
@@ -75,10 +76,10 @@ void moe_run_options_init(moe_run_options *o) {
         .seq_len = 64,
         .steps = 2500,
         .lr = 5e-3,
-        .min_lr = 5e-4,
+        .min_lr = NAN,
         .warmup = 100,
         .lr_schedule = MOE_LR_COSINE,
-        .decay_frac = 0.2,
+        .decay_frac = NAN,
         .weight_decay = 0.1,
         .grad_clip = 1.0,
         .grad_accum = 1,
@@ -141,14 +142,16 @@ moe_status moe_pp_balance_parse(moe_pp_balance *b, const char *name) {
     return MOE_OK;
 }
 
+/* The optimizer's settings, defaults filled in: an --lr of its own scales
+ * the final learning rate with it. */
 static moe_optim_config optim_config_of(const moe_run_options *o) {
     moe_optim_config c = MOE_OPTIM_CONFIG_INIT;
     c.lr = o->lr;
-    c.min_lr = o->min_lr;
+    c.min_lr = isnan(o->min_lr) ? o->lr / 10.0 : o->min_lr;
     c.warmup = o->warmup;
     c.total_steps = o->steps;
     c.schedule = o->lr_schedule;
-    c.decay_frac = o->decay_frac;
+    if (!isnan(o->decay_frac)) c.decay_frac = o->decay_frac;
     c.weight_decay = o->weight_decay;
     c.grad_clip = o->grad_clip;
     c.zero = o->zero;
@@ -277,6 +280,12 @@ moe_status moe_run_options_validate(const moe_run_options *o) {
     if (o->resume && !latest && o->config)
         return moe_error(MOE_ERR_CONFIG, "--config cannot be combined with --resume: the checkpoint's "
                                          "config.json is used");
+    /* Flags a schedule would ignore are mistakes of the command line. */
+    if (!isnan(o->min_lr) && o->lr_schedule == MOE_LR_CONSTANT)
+        return moe_error(MOE_ERR_CONFIG, "--min-lr %g: --lr-schedule constant keeps --lr to the end", o->min_lr);
+    if (!isnan(o->decay_frac) && o->lr_schedule != MOE_LR_WSD)
+        return moe_error(MOE_ERR_CONFIG, "--decay-frac %g is wsd's, and --lr-schedule is %s", o->decay_frac,
+                         moe_lr_schedule_name(o->lr_schedule));
     moe_optim_config c = optim_config_of(o);
     if (o->eval_only) c.total_steps = 1; /* --steps does not matter */
     MOE_TRY(moe_optim_config_validate(&c));
@@ -777,6 +786,7 @@ static moe_status build_model(run *r) {
     if (r->world) {
         /* Everything that shapes the run must be the same on every rank;
          * the data by the names given (-1: no --val-data). */
+        const moe_optim_config optim = optim_config_of(o);
         const moe_agree_field options[] = {
             {"--batch-size", (double)o->batch_size, NULL}, {"--seq-len", (double)o->seq_len, NULL},
             {"--steps", (double)o->steps, NULL},           {"--grad-accum", (double)o->grad_accum, NULL},
@@ -795,9 +805,9 @@ static moe_status build_model(run *r) {
             {"--keep-last", (double)o->keep_last, NULL},
             {"--device", (double)o->device, device_name},
             {"--gemm-math", (double)o->gemm_math, gemm_math_name},
-            {"--warmup", (double)o->warmup, NULL},         {"--min-lr", o->min_lr, NULL},
+            {"--warmup", (double)o->warmup, NULL},         {"--min-lr", optim.min_lr, NULL},
             {"--lr-schedule", (double)o->lr_schedule, schedule_name},
-            {"--decay-frac", o->decay_frac, NULL},
+            {"--decay-frac", optim.decay_frac, NULL},
             {"--weight-decay", o->weight_decay, NULL},
             {"--grad-clip", o->grad_clip, NULL},           {"--eval-only", (double)o->eval_only, NULL},
             {"--logit-z-loss", o->logit_z_loss, NULL},
@@ -911,13 +921,14 @@ static void write_options(moe_json_writer *w, const moe_run_options *o) {
     moe_json_int(w, o->steps);
     moe_json_key(w, "lr");
     moe_json_number(w, o->lr);
+    const moe_optim_config optim = optim_config_of(o);
     moe_json_key(w, "min_lr");
-    moe_json_number(w, o->min_lr);
+    moe_json_number(w, optim.min_lr);
     moe_json_key(w, "warmup");
     moe_json_int(w, o->warmup);
     json_opt_string(w, "lr_schedule", moe_lr_schedule_name(o->lr_schedule));
     moe_json_key(w, "decay_frac");
-    moe_json_number(w, o->decay_frac);
+    moe_json_number(w, optim.decay_frac);
     json_opt_string(w, "device", moe_device_name(o->device));
     json_opt_string(w, "gemm_math", moe_gemm_math_name(o->gemm_math));
     moe_json_key(w, "weight_decay");
@@ -1522,6 +1533,59 @@ static moe_status clear_out_dir(const moe_run_options *o, bool remove) {
     return MOE_OK;
 }
 
+/* The kind of what a save or a pruning that died left in --out
+ * (moe_checkpoint_save, prune_checkpoints): ".step-N.tmp-PID" a checkpoint
+ * half written, ".step-N.pruned-PID" one half removed, ".step-N.old-PID"
+ * the earlier copy a save set aside for its replacement; the checkpoint's
+ * name, step-N, into step. */
+typedef enum dead_save { NOT_A_SAVE, SAVE_TMP, SAVE_PRUNED, SAVE_OLD } dead_save;
+
+static dead_save dead_save_of(const char *name, char *step, size_t step_size) {
+    static const char *const tails[] = {[SAVE_TMP] = ".tmp-", [SAVE_PRUNED] = ".pruned-", [SAVE_OLD] = ".old-"};
+    if (name[0] != '.' || strncmp(name + 1, "step-", 5) != 0) return NOT_A_SAVE;
+    const size_t len = 6 + strspn(name + 6, "0123456789");
+    for (int kind = SAVE_TMP; kind <= SAVE_OLD; kind++) {
+        const size_t tail = strlen(tails[kind]);
+        if (strncmp(name + len, tails[kind], tail) != 0) continue;
+        const char *pid = name + len + tail;
+        if (!*pid || pid[strspn(pid, "0123456789")] != '\0' || len - 1 >= step_size) return NOT_A_SAVE;
+        snprintf(step, step_size, "%.*s", (int)(len - 1), name + 1);
+        return checkpoint_name(step) ? (dead_save)kind : NOT_A_SAVE;
+    }
+    return NOT_A_SAVE;
+}
+
+/* Clears what saves and prunings that died left in --out, once this run
+ * owns it (its start, on the rank that writes): each is as large as a
+ * checkpoint, and no later save of another pid would ever remove it. A
+ * half-written or half-removed checkpoint goes; a set-aside copy goes when
+ * its checkpoint stands or --overwrite replaces the run, and otherwise is
+ * that step's only copy: kept, and said. */
+static moe_status clear_dead_saves(const run *r) {
+    const moe_run_options *o = r->o;
+    DIR *dir = opendir(o->out_dir);
+    if (!dir) return errno == ENOENT ? MOE_OK : moe_error(MOE_ERR_IO, "--out %s: cannot read it: %s", o->out_dir,
+                                                         strerror(errno));
+    moe_status st = MOE_OK;
+    char step[NAME_MAX + 1], path[RUN_PATH_BYTES], final[RUN_PATH_BYTES];
+    for (struct dirent *e; st == MOE_OK && (e = readdir(dir));) {
+        const dead_save kind = dead_save_of(e->d_name, step, sizeof step);
+        if (kind == NOT_A_SAVE) continue;
+        st = path_join(path, o->out_dir, e->d_name);
+        if (st == MOE_OK) st = path_join(final, o->out_dir, step);
+        if (st != MOE_OK) break;
+        struct stat sb;
+        if (kind == SAVE_OLD && !o->overwrite && stat(final, &sb) != 0) {
+            warn(r, "%s is the only copy of %s, set aside by a save that did not finish: rename it to %s to keep it",
+                 path, step, final);
+            continue;
+        }
+        st = moe_remove_tree(path);
+    }
+    closedir(dir);
+    return st;
+}
+
 static moe_status run_body(run *r, double start) {
     const moe_run_options *o = r->o;
     MOE_TRY(clear_out_dir(o, false));
@@ -1608,6 +1672,7 @@ static moe_status run_body(run *r, double start) {
     if (!o->eval_only && r->rank == 0) {
         /* Without --overwrite it removes only what an in-place resume cuts. */
         MOE_TRY(clear_out_dir(o, true));
+        MOE_TRY(clear_dead_saves(r));
         MOE_TRY(write_run_files(r, &summary));
     }
     if (r->cb->on_start) r->cb->on_start(r->cb->ctx, &summary);
@@ -1640,14 +1705,16 @@ static moe_status run_body(run *r, double start) {
             if (r->metrics_path[0]) MOE_TRY(log_step(r, &s));
             if (r->cb->on_step) r->cb->on_step(r->cb->ctx, &s);
             if (o->profile) moe_profile_pause(true);
-            /* The checkpoint before the evaluation, which changes nothing it
-             * holds (eval mode: no jitter draw; the data position is
-             * restored), so a failing evaluation loses no training. */
+            /* The evaluation before the step's checkpoint, which it changes
+             * nothing of (eval mode: no jitter draw; the data position is
+             * restored): a run killed between the two resumes from the
+             * checkpoint before, so every checkpoint's step has its
+             * evaluation in metrics.jsonl, the last one's included. */
+            if (due(step, o->eval_every, o->steps)) MOE_TRY(evaluate(r, step, &val_loss));
             if (due(step, o->save_every, o->steps)) {
                 MOE_TRY(save_checkpoint(r));
                 if (r->rank == 0) prune_checkpoints(r, step);
             }
-            if (due(step, o->eval_every, o->steps)) MOE_TRY(evaluate(r, step, &val_loss));
             if (o->profile) moe_profile_pause(false);
         }
     }
@@ -1684,11 +1751,7 @@ static void field_text(char *buf, size_t size, const moe_agree_field *f, double 
         snprintf(buf, size, "%s", f->name_of((int)value));
         return;
     }
-    /* The shortest that reads back as value, so that two that differ print apart. */
-    for (int digits = 15; digits <= 17; digits++) {
-        snprintf(buf, size, "%.*g", digits, value);
-        if (strtod(buf, NULL) == value) return;
-    }
+    moe_shortest(buf, size, value); /* two that differ print apart */
 }
 
 /* Bytes of metrics.jsonl's end that last_logged_step reads: dozens of

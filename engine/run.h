@@ -84,10 +84,12 @@ typedef struct moe_run_options {
     int64_t seq_len;       /* --seq-len T */
     /* Optimization */
     int64_t steps;         /* --steps: optimizer steps of the whole run */
-    double lr, min_lr;     /* --lr, --min-lr */
+    double lr;             /* --lr */
+    double min_lr;         /* --min-lr; NaN (the default): lr / 10. Refused with a constant schedule */
     int64_t warmup;        /* --warmup steps */
     moe_lr_schedule lr_schedule;
-    double decay_frac;     /* --decay-frac: wsd's decay, a share of the steps after warm-up */
+    double decay_frac;     /* --decay-frac: wsd's decay, a share of the steps after warm-up; NaN (the
+                              default): MOE_OPTIM_CONFIG_INIT's. Refused with another schedule */
     double weight_decay;   /* --weight-decay */
     double grad_clip;      /* --grad-clip; 0 = off */
     double logit_z_loss;   /* --logit-z-loss: the logits' z-loss coefficient (moe_model_set_logit_z_loss); 0 = off */

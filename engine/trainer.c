@@ -86,6 +86,12 @@ moe_status moe_optim_config_validate(const moe_optim_config *c) {
         return moe_error(MOE_ERR_CONFIG, "--decay-frac %g must be in (0, 1]", c->decay_frac);
     if (!isfinite(c->weight_decay) || c->weight_decay < 0.0)
         return moe_error(MOE_ERR_CONFIG, "--weight-decay %g must be finite and not negative", c->weight_decay);
+    /* The decoupled decay scales each matrix by 1 - lr * weight_decay a
+     * step: at 1 or more it zeroes or flips them. */
+    if (c->lr * c->weight_decay >= 1.0)
+        return moe_error(MOE_ERR_CONFIG, "--weight-decay %g times --lr %g is %g: the decay would scale each matrix "
+                                         "by 1 - %g a step; keep the product below 1",
+                         c->weight_decay, c->lr, c->lr * c->weight_decay, c->lr * c->weight_decay);
     if (!(c->beta1 >= 0.0 && c->beta1 < 1.0) || !(c->beta2 >= 0.0 && c->beta2 < 1.0))
         return moe_error(MOE_ERR_CONFIG, "adam betas (%g, %g) must be in [0, 1)", c->beta1, c->beta2);
     if (!isfinite(c->eps) || c->eps <= 0.0) return moe_error(MOE_ERR_CONFIG, "adam eps %g must be positive", c->eps);

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # moe-generate's flags and output, on the checkpoint that two steps of
-# moe-train leave: every bad flag exits 2 naming itself, a failing
-# generation exits 1, both with 'moe-generate: ' on stderr and nothing on
-# stdout; a good run prints the header line and one line per sample.
+# moe-train leave: every bad flag, and every setting the generation refuses
+# (a prompt outside the vocabulary, too many positions), exits 2 naming
+# itself, a failing generation (a missing checkpoint) exits 1, both with
+# 'moe-generate: ' on stderr and nothing on stdout; a good run prints the
+# header line and one line per sample, and exits 1 when stdout cannot take
+# them.
 # Usage: generate_cli.sh BINDIR (holding moe-train and moe-generate)
 set -u
 bin=$1
@@ -55,10 +58,10 @@ expect_fail "--threads negative" 2 "--threads -1" "${p[@]}" --threads -1
 expect_fail "--tokens unknown" 2 "--tokens 'words'" "${p[@]}" --tokens words
 expect_fail "--device unknown" 2 "--device 'gpu'" "${p[@]}" --device gpu
 expect_fail "a missing checkpoint" 1 "--init-from $out/absent: " --init-from "$out/absent" --prompt 1
-expect_fail "a character outside the vocabulary" 1 "--prompt: byte 4: 'x'" "${p[@]}" --prompt '3+4=x'
-expect_fail "an empty prompt" 1 "<arithmetic>" "${p[@]}" --prompt ''
-expect_fail "more positions than the model has" 1 "max_position_embeddings 64" "${p[@]}" --max-new-tokens 60
-expect_fail "a stop of two tokens" 1 "--stop ';;' holds 2 tokens" "${p[@]}" --stop ';;'
+expect_fail "a character outside the vocabulary" 2 "--prompt: byte 4: 'x'" "${p[@]}" --prompt '3+4=x'
+expect_fail "an empty prompt" 2 "<arithmetic>" "${p[@]}" --prompt ''
+expect_fail "more positions than the model has" 2 "max_position_embeddings 64" "${p[@]}" --max-new-tokens 60
+expect_fail "a stop of two tokens" 2 "--stop ';;' holds 2 tokens" "${p[@]}" --stop ';;'
 
 "$bin/moe-generate" --help >"$out/help" 2>&1
 rc=$?
@@ -78,6 +81,12 @@ check "the header names checkpoint, device and token kind" \
 check "one line per sample, the prompt before '|'" \
     "$([ "$(grep -c '^sample [01]: <arithmetic>3+4=|.' "$out/gen")" -eq 2 ] && [ "$(wc -l <"$out/gen")" -eq 3 ]; echo $?)"
 "$bin/moe-generate" "${p[@]}" --prompt '4,15' --tokens ids --max-new-tokens 3 --threads 1 >"$out/ids" 2>&1
+if [ -w /dev/full ]; then
+    "$bin/moe-generate" "${p[@]}" --max-new-tokens 3 --threads 1 >/dev/full 2>"$out/full.err"
+    rc=$?
+    check "samples stdout cannot take exit 1 (exit $rc: $(head -c 200 "$out/full.err"))" \
+        "$([ "$rc" -eq 1 ] && grep -q '^moe-generate: writing to stdout failed' "$out/full.err"; echo $?)"
+fi
 check "ids are comma-separated (--tokens)" \
     "$(grep -qx 'sample 0: 4,15|[0-9]\{1,2\},[0-9]\{1,2\},[0-9]\{1,2\}' "$out/ids" && grep -q 'tokens ids (--tokens)' "$out/ids"; echo $?)"
 if [ "$failed" -ne 0 ]; then

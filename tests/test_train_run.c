@@ -14,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "engine/data.h"
@@ -86,6 +87,7 @@ static moe_run_options tiny_options(const char *config, const char *out) {
 typedef struct seen {
     int starts, steps, evals, checkpoints, ends, warnings;
     double first_val, last_val, end_val, floor;
+    double last_lr; /* the last step's learning rate */
     int64_t last_step;
     int64_t saved_step;         /* of the last checkpoint */
     int64_t saved_at_last_eval; /* saved_step when the last evaluation came */
@@ -115,6 +117,7 @@ static void on_step(void *ctx, const moe_run_step *s) {
     cr_expect_eq(s->metrics.step, v->last_step + 1, "steps out of order: %lld after %lld",
                  (long long)s->metrics.step, (long long)v->last_step);
     v->last_step = s->metrics.step;
+    v->last_lr = s->metrics.lr;
     cr_expect(isfinite(s->metrics.loss) && s->tokens_per_s > 0.0 && s->mfu > 0.0, "step %lld: loss %g, tok/s %g",
               (long long)s->metrics.step, s->metrics.loss, s->tokens_per_s);
 }
@@ -841,7 +844,12 @@ Test(train_run, resume_refuses_changed_training_data, .init = make_tmp, .fini = 
 /* The last step's checkpoint is written before its evaluation, so a failing
  * evaluation cannot lose the training; evaluations change nothing the
  * checkpoint holds. */
-Test(train_run, checkpoint_precedes_the_last_evaluation, .init = make_tmp, .fini = remove_tmp) {
+/* A step's evaluation comes before its checkpoint, so that a run killed
+ * between the two resumes from an earlier checkpoint and evaluates the
+ * step again (one killed after the checkpoint, with the evaluation not yet
+ * logged, would resume past it and never log it); it changes nothing the
+ * checkpoint holds. */
+Test(train_run, evaluation_precedes_its_steps_checkpoint, .init = make_tmp, .fini = remove_tmp) {
     char cfg[512], out[2][512], a[512], b[512];
     write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE);
     moe_run_options o = tiny_options(cfg, tmp_path(out[0], "end"));
@@ -849,8 +857,8 @@ Test(train_run, checkpoint_precedes_the_last_evaluation, .init = make_tmp, .fini
     o.shuffle = true;
     seen end, every;
     run_ok(&o, &end);
-    cr_expect(end.evals == 1 && end.saved_at_last_eval == 4,
-              "%d evaluations, the last one after the checkpoint of step %lld; want 1 after step 4's", end.evals,
+    cr_expect(end.evals == 1 && end.saved_at_last_eval == 0 && end.saved_step == 4,
+              "%d evaluations, the last one after the checkpoint of step %lld; want 1 before step 4's", end.evals,
               (long long)end.saved_at_last_eval);
     o.out_dir = tmp_path(out[1], "every");
     o.eval_every = 1;
@@ -864,6 +872,48 @@ Test(train_run, checkpoint_precedes_the_last_evaluation, .init = make_tmp, .fini
         cr_expect(same_file(tmp_path(a, name_a), tmp_path(b, name_b)), "%s differs with an evaluation every step",
                   files[f]);
     }
+}
+
+/* What a save or a pruning killed midway leaves in --out (each as large as
+ * a checkpoint) goes at the next start that owns --out: a half-written
+ * checkpoint, a half-removed one, a set-aside copy whose checkpoint
+ * stands. A set-aside copy without its checkpoint is that step's only
+ * copy: it stays, and the run says so; --overwrite replaces it with the
+ * rest of the run. Files only named like them stay. */
+Test(train_run, dead_saves_are_cleared_at_the_next_start, .init = make_tmp, .fini = remove_tmp) {
+    char cfg[512], out[512], path[600];
+    write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE);
+    moe_run_options o = tiny_options(cfg, tmp_path(out, "out"));
+    o.steps = 2;
+    o.save_every = 2;
+    seen v;
+    run_ok(&o, &v);
+    static const char *const gone[] = {".step-000004.tmp-123", ".step-000002.pruned-77", ".step-000002.old-9"};
+    static const char *const kept[] = {".step-000006.old-5", ".step-000004.tmp-12x", ".step-04.tmp-3"};
+    for (int i = 0; i < 3; i++)
+        for (int j = 0; j < 2; j++) {
+            snprintf(path, sizeof path, "%s/%s", out, (j ? kept : gone)[i]);
+            cr_assert_eq(mkdir(path, 0777), 0, "%s", path);
+            snprintf(path, sizeof path, "%s/%s/model.safetensors", out, (j ? kept : gone)[i]);
+            cr_assert_eq(moe_file_write_atomic_buffer(path, "x", 1), MOE_OK, "%s", moe_last_error());
+        }
+    o.steps = 4;
+    o.resume = MOE_RUN_RESUME_LATEST;
+    run_ok(&o, &v);
+    struct stat sb;
+    for (int i = 0; i < 3; i++) {
+        snprintf(path, sizeof path, "%s/%s", out, gone[i]);
+        cr_expect(stat(path, &sb) != 0, "%s is still there", gone[i]);
+        snprintf(path, sizeof path, "%s/%s", out, kept[i]);
+        cr_expect(stat(path, &sb) == 0, "%s was removed", kept[i]);
+    }
+    cr_expect(v.warnings == 1 && strstr(v.warning, ".step-000006.old-5 is the only copy of step-000006"), "%d: %s",
+              v.warnings, v.warning);
+    o.resume = NULL;
+    o.overwrite = true;
+    run_ok(&o, &v);
+    snprintf(path, sizeof path, "%s/%s", out, kept[0]);
+    cr_expect(stat(path, &sb) != 0, "--overwrite left %s", kept[0]);
 }
 
 /* After a crash past the checkpoint of step 5, the resumed run's
@@ -969,6 +1019,7 @@ Test(train_run, resume_with_more_steps_reads_the_checkpoints_stream, .init = mak
     o.shuffle = true;
     o.steps = 5;
     o.lr_schedule = MOE_LR_CONSTANT;
+    o.min_lr = NAN;
     seen v;
     run_ok(&o, &v);
 
@@ -1225,6 +1276,20 @@ Test(train_run, lr_schedule_edges, .init = make_tmp, .fini = remove_tmp) {
         }
     }
 
+    /* Without --min-lr the last step's rate is --lr / 10, whatever --lr;
+     * the wsd flag is taken with wsd, and the constant schedule without
+     * --min-lr. */
+    moe_run_options d;
+    moe_run_options_init(&d);
+    d.lr = 1e-5;
+    cr_expect_eq(moe_run_options_validate(&d), MOE_OK, "--lr 1e-5 alone: %s", moe_last_error());
+    d.lr_schedule = MOE_LR_WSD;
+    d.decay_frac = 0.5;
+    cr_expect_eq(moe_run_options_validate(&d), MOE_OK, "wsd with --decay-frac: %s", moe_last_error());
+    d.lr_schedule = MOE_LR_CONSTANT;
+    d.decay_frac = NAN;
+    cr_expect_eq(moe_run_options_validate(&d), MOE_OK, "constant: %s", moe_last_error());
+
     /* A warm-up as long as the run is allowed (short test runs) and said. */
     char cfg[512], out[512];
     moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE), tmp_path(out, "out"));
@@ -1235,6 +1300,12 @@ Test(train_run, lr_schedule_edges, .init = make_tmp, .fini = remove_tmp) {
     run_ok(&o, &v);
     cr_expect(v.warnings == 1 && strstr(v.warning, "--warmup") && strstr(v.warning, "--steps"), "warnings %d: %s",
               v.warnings, v.warning);
+    o.warmup = 0;
+    o.lr = 0.03;
+    o.min_lr = NAN;
+    o.overwrite = true;
+    run_ok(&o, &v);
+    cr_expect(fabs(v.last_lr - 0.003) <= 1e-15, "the last step's lr %.17g without --min-lr; want --lr / 10", v.last_lr);
 }
 
 /* ------------------------------------------------------------- bad options */
@@ -1258,6 +1329,9 @@ static void negative_eval_every(moe_run_options *o) { o->eval_every = -1; }
 static void negative_save_every(moe_run_options *o) { o->save_every = -5; }
 static void negative_keep_last(moe_run_options *o) { o->keep_last = -1; }
 static void nan_logit_z(moe_run_options *o) { o->logit_z_loss = NAN; }
+static void min_lr_constant(moe_run_options *o) { o->lr_schedule = MOE_LR_CONSTANT; }
+static void decay_frac_cosine(moe_run_options *o) { o->decay_frac = 0.3; }
+static void decay_flips_weights(moe_run_options *o) { o->weight_decay = 1.0 / o->lr; }
 static void save_eval_only(moe_run_options *o) {
     o->eval_only = true;
     o->save_every = 5;
@@ -1321,7 +1395,8 @@ Test(train_run, bad_options_name_the_flag) {
         {"--overwrite", overwrite_eval_only}, {"--keep-last", negative_keep_last},
         {"--keep-last", keep_last_eval_only}, {"--overwrite", latest_overwrite},
         {"--logit-z-loss", nan_logit_z},  {"--shuffle", shuffle_eval_only},
-        {"--save-every", save_eval_only},
+        {"--save-every", save_eval_only}, {"--min-lr", min_lr_constant},
+        {"--decay-frac", decay_frac_cosine}, {"--weight-decay", decay_flips_weights},
         {"--steps", huge_steps},          {"--batch-size", huge_batch},
         {"--grad-accum", huge_accum},     {"--eval-batches", huge_eval_batches},
     };

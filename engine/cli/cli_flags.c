@@ -41,11 +41,15 @@ static int parse_int(int64_t *out, const char *flag, const char *s) {
     return 0;
 }
 
+/* Decimal only (strtod also reads hex: "0x10" is not a learning rate);
+ * a value too small for a normal double is taken as strtod rounds it, one
+ * too large for any double is refused. */
 static int parse_real(double *out, const char *flag, const char *s) {
     char *end;
     errno = 0;
     double v = strtod(s, &end);
-    if (errno || !starts_number(s, true, true) || *end || !isfinite(v))
+    if ((errno && errno != ERANGE) || !starts_number(s, true, true) || *end || !isfinite(v) ||
+        strpbrk(s, "xX") != NULL)
         return cli_usage_error("%s '%s': expected a number", flag, s);
     *out = v;
     return 0;
@@ -89,14 +93,21 @@ static int set_flag(void *options, const cli_flag *f, const char *value) {
 }
 
 int cli_parse_args(void *options, const cli_flag *flags, size_t n_flags, int argc, char **argv) {
+    const char *took_value = NULL; /* the flag before arg, when arg follows its value */
     for (int a = 1; a < argc; a++) {
-        const char *arg = argv[a];
+        const char *arg = argv[a], *after = took_value;
+        took_value = NULL;
         if (strcmp(arg, "-h") == 0 || strcmp(arg, "--help") == 0) return -1;
         const char *eq = strchr(arg, '=');
         const size_t name_len = eq ? (size_t)(eq - arg) : strlen(arg);
         const cli_flag *f = NULL;
         for (size_t i = 0; i < n_flags; i++)
             if (strlen(flags[i].name) == name_len && strncmp(flags[i].name, arg, name_len) == 0) f = &flags[i];
+        /* A word after a flag's value is most often more of a glob that
+         * the shell expanded into its matches. */
+        if (!f && after && arg[0] != '-')
+            return cli_usage_error("unexpected '%s' after %s %s: a glob the shell expanded? quote it (%s 'dir/*.bin')",
+                                   arg, after, argv[a - 1], after);
         if (!f) return cli_usage_error("unknown option '%s'", arg);
         const char *value;
         if (f->kind == CLI_SWITCH) {
@@ -106,6 +117,7 @@ int cli_parse_args(void *options, const cli_flag *flags, size_t n_flags, int arg
             value = eq + 1;
         } else if (a + 1 < argc) {
             value = argv[++a];
+            took_value = f->name;
         } else {
             return cli_usage_error("%s needs a value", f->name);
         }
@@ -137,11 +149,17 @@ void cli_warning(const char *message) {
     fprintf(stderr, "%s: warning: %s\n", cli_program, message);
 }
 
+int cli_stdout_written(void) {
+    if (fflush(stdout) == 0 && !ferror(stdout)) return 0;
+    fprintf(stderr, "%s: writing to stdout failed: %s\n", cli_program, strerror(errno));
+    return 1;
+}
+
 int cli_run_failed(moe_status status, const char *rank) {
     fflush(stdout);
     if (rank)
         fprintf(stderr, "%s: rank %s: %s: %s\n", cli_program, rank, moe_status_string(status), moe_last_error());
     else
         fprintf(stderr, "%s: %s: %s\n", cli_program, moe_status_string(status), moe_last_error());
-    return 1;
+    return status == MOE_ERR_CONFIG ? 2 : 1;
 }

@@ -1,7 +1,8 @@
 /* cli_flags.h: the flag parsing the programs share. A program lists its
  * flags in a table, each naming a field of its options struct and how the
  * field is read; the values land there as "--flag value" or "--flag=value".
- * Exit status convention: 2 for a bad flag. */
+ * Exit status convention: 2 for a bad flag or a refused combination, 1 for
+ * a failed run (cli_run_failed). */
 #ifndef MOE_ENGINE_CLI_CLI_FLAGS_H
 #define MOE_ENGINE_CLI_CLI_FLAGS_H
 
@@ -48,9 +49,16 @@ int cli_start(const char *program, void *options, const cli_flag *flags, size_t 
 /* Prints "PROGRAM: warning: message" on stderr. */
 void cli_warning(const char *message);
 
+/* After a run that succeeded: 0 when everything printed reached stdout,
+ * else 1 with the reason on stderr (a full disk, a closed pipe: what the
+ * program printed is lost, so it did not do its job). */
+int cli_stdout_written(void);
+
 /* Prints "PROGRAM: [rank RANK: ]STATUS: last error" on stderr, after stdout
- * as cli_warning (rank NULL: one process); returns 1, a failed run's exit
- * status. */
+ * as cli_warning (rank NULL: one process); returns the exit status: 2 for
+ * MOE_ERR_CONFIG (what was asked for can never run: flags that exclude
+ * each other, a config.json, an --out holding another run), 1 for any
+ * other failure (a file, a device, a peer: another try may succeed). */
 int cli_run_failed(moe_status status, const char *rank);
 
 #endif /* MOE_ENGINE_CLI_CLI_FLAGS_H */

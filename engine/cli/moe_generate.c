@@ -1,7 +1,8 @@
 /* moe-generate: continues a prompt with a trained checkpoint
  * (engine/generate.h does the work); this file parses the flags and prints
  * what the generation reports.
- * Exit status: 0 done, 1 the generation failed, 2 bad flags. */
+ * Exit status: 0 done, 1 the generation failed, 2 bad flags or settings it
+ * refuses (cli_run_failed). */
 #include <errno.h>
 #include <limits.h>
 #include <math.h>
@@ -110,5 +111,5 @@ int main(int argc, char **argv) {
     if (rc >= 0) return rc;
     const moe_generate_callbacks cb = {.on_start = on_start, .on_sample = on_sample, .on_warning = on_warning};
     const moe_status st = moe_generate_run(&o, &cb);
-    return st == MOE_OK ? 0 : cli_run_failed(st, NULL);
+    return st == MOE_OK ? cli_stdout_written() : cli_run_failed(st, NULL);
 }

@@ -1,8 +1,9 @@
 #define _POSIX_C_SOURCE 200809L
 /* moe-train: trains a Mixtral-style MoE transformer (engine/run.h does the
  * work); this file parses the flags and prints what the run reports.
- * Exit status: 0 done, 1 the run failed, 2 bad flags. A failure on one rank
- * of several ends the whole MPI job. */
+ * Exit status: 0 done, 1 the run failed, 2 bad flags or settings the run
+ * refuses (cli_run_failed). A failure on one rank of several ends the
+ * whole MPI job. */
 #include <ctype.h>
 #include <errno.h>
 #include <signal.h>
@@ -58,7 +59,7 @@ static void print_help(void) {
     printf("Optimization (AdamW, betas 0.9/0.95, eps 1e-8):\n"
            "  --steps N            optimizer steps (default %lld)\n"
            "  --lr X               peak learning rate (default %g)\n"
-           "  --min-lr X           learning rate at the last step (default %g)\n"
+           "  --min-lr X           learning rate at the last step (default: --lr / 10)\n"
            "  --warmup N           steps of linear warm-up (default %lld)\n"
            "  --lr-schedule S      cosine, linear or constant after warm-up, or wsd: lr until the\n"
            "                       last --decay-frac of those steps, then linear to --min-lr\n"
@@ -70,8 +71,8 @@ static void print_help(void) {
            "                       z-loss, which keeps the logits from drifting; 1e-4 there); 0 = off\n"
            "  --grad-accum N       micro-batches per step (default %lld)\n"
            "  --seed N             initial weights, synthetic data, shuffle, jitter (default %llu)\n\n",
-           (long long)d.steps, d.lr, d.min_lr, (long long)d.warmup, moe_lr_schedule_name(d.lr_schedule),
-           d.decay_frac, d.weight_decay, d.grad_clip, (long long)d.grad_accum, (unsigned long long)d.seed);
+           (long long)d.steps, d.lr, (long long)d.warmup, moe_lr_schedule_name(d.lr_schedule),
+           ((moe_optim_config)MOE_OPTIM_CONFIG_INIT).decay_frac, d.weight_decay, d.grad_clip, (long long)d.grad_accum, (unsigned long long)d.seed);
     printf("Evaluation and output:\n"
            "  --eval-every N       evaluate every N steps and at the end; 0 = end only (default %lld)\n"
            "  --eval-batches N     batches per evaluation, read from the start (default %lld)\n"
@@ -556,12 +557,12 @@ int main(int argc, char **argv) {
     moe_status st = moe_run(&o, &cb);
     if (st != MOE_OK) {
         clear_bar(&p);
-        cli_run_failed(st, rank);
+        const int rc = cli_run_failed(st, rank);
         /* Whatever failed, the other ranks may be waiting for this one in a
          * collective, or be stuck themselves; a launcher that keeps the job
          * alive after one process exits non-zero would leave them there. */
-        if (rank) moe_comm_mpi_abort_job(1);
-        return 1;
+        if (rank) moe_comm_mpi_abort_job(rc);
+        return rc;
     }
-    return 0;
+    return cli_stdout_written();
 }
