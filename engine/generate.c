@@ -259,9 +259,16 @@ moe_status moe_generate_options_validate(const moe_generate_options *o) {
     if (o->sampling.temperature == 0.0 && o->sampling.top_k > 1)
         return moe_error(MOE_ERR_CONFIG, "--top-k %lld draws among the likeliest tokens, and --temperature 0 takes "
                          "the likeliest one: give --temperature > 0 to sample", (long long)o->sampling.top_k);
+    char v[32];
     if (o->sampling.temperature == 0.0 && o->sampling.top_p > 0.0 && o->sampling.top_p < 1.0)
-        return moe_error(MOE_ERR_CONFIG, "--top-p %g draws among the likeliest tokens, and --temperature 0 takes "
-                         "the likeliest one: give --temperature > 0 to sample", o->sampling.top_p);
+        return moe_error(MOE_ERR_CONFIG, "--top-p %s draws among the likeliest tokens, and --temperature 0 takes "
+                         "the likeliest one: give --temperature > 0 to sample",
+                         moe_shortest(v, sizeof v, o->sampling.top_p));
+    if (o->samples > 1 && (o->sampling.temperature == 0.0 || o->sampling.top_k == 1))
+        return moe_error(MOE_ERR_CONFIG, "--samples %lld of greedy decoding (%s) would be %lld copies of one: give "
+                         "--temperature > 0 to sample",
+                         (long long)o->samples, o->sampling.temperature == 0.0 ? "--temperature 0" : "--top-k 1",
+                         (long long)o->samples);
     if ((unsigned)o->tokens >= N_TOKEN_KINDS)
         return moe_error(MOE_ERR_CONFIG, "--tokens: no kind %d", (int)o->tokens);
     if (o->threads < 0 || o->threads > MOE_RUN_THREADS_MAX)

@@ -52,6 +52,10 @@ expect_fail "--temperature negative" 2 "--temperature -0.5 must be" "${p[@]}" --
 expect_fail "--samples with a '+'" 2 "--samples '+2'" "${p[@]}" --samples +2
 expect_fail "--temperature with a '+'" 2 "--temperature '+0.5'" "${p[@]}" --temperature +0.5
 expect_fail "--temperature with a leading space" 2 "--temperature ' 0.5'" "${p[@]}" --temperature ' 0.5'
+expect_fail "--samples of greedy decoding" 2 "--samples 3 of greedy decoding (--temperature 0) would be 3 copies" \
+    "${p[@]}" --samples 3
+expect_fail "--samples at --top-k 1" 2 "(--top-k 1) would be 2 copies" "${p[@]}" --samples 2 --temperature 1 \
+    --top-k 1
 expect_fail "--top-k negative" 2 "--top-k -3 must be" "${p[@]}" --top-k=-3
 expect_fail "--seed negative" 2 "--seed '-1'" "${p[@]}" --seed -1
 expect_fail "--threads negative" 2 "--threads -1" "${p[@]}" --threads -1

@@ -173,6 +173,8 @@ Test(generate_run, greedy_synthetic_matches_moe_generate, .init = make_tmpdir, .
     moe_generate_options o = options(dir, "<arithmetic> 3+4=");
     o.samples = 2;
     o.max_new_tokens = 12;
+    expect_error(&o, "--samples 2 of greedy decoding", "copies of one"); /* two of one row */
+    o.samples = 1;
     const collected c = run_ok(&o);
     cr_expect_eq(c.summary.tokens, MOE_TOKENS_SYNTHETIC);
     cr_expect(c.summary.tokens_from_vocab);
@@ -181,11 +183,11 @@ Test(generate_run, greedy_synthetic_matches_moe_generate, .init = make_tmpdir, .
 
     const int32_t prompt[] = {MOE_SYNTH_TOK_BOS + MOE_SYNTH_ARITH, MOE_SYNTH_TOK_DIGIT + 3, MOE_SYNTH_TOK_PLUS,
                               MOE_SYNTH_TOK_DIGIT + 4, MOE_SYNTH_TOK_EQUALS};
-    int32_t rows[2 * 17];
-    int64_t len[2];
-    reference(rows, len, &cfg, w, prompt, 5, 2, 12, -1, &o.sampling);
+    int32_t rows[17];
+    int64_t len[1];
+    reference(rows, len, &cfg, w, prompt, 5, 1, 12, -1, &o.sampling);
     expect_rows(&c, rows, len, 17);
-    for (int64_t b = 0; b < 2; b++) {
+    for (int64_t b = 0; b < 1; b++) {
         const got_sample *g = &c.samples[b];
         cr_expect_eq(g->n, 17, "no stop token: every sample runs to the end");
         cr_expect_not(g->stopped);
