@@ -778,6 +778,24 @@ double moe_model_step_flops(const moe_model *m) {
 static float *param(moe_model *m, int64_t tensor) { return m->params + m->tensors[tensor].offset; }
 static float *grad(moe_model *m, int64_t tensor) { return m->grads + m->tensors[tensor].offset; }
 
+void moe_model_stats_to(double *v, const moe_model_stats *s) { memcpy(v, s, sizeof *s); }
+void moe_model_stats_from(moe_model_stats *s, const double *v) { memcpy(s, v, sizeof *s); }
+
+void moe_model_stats_add(moe_model_stats *acc, const moe_model_stats *s) {
+    double x[MOE_MODEL_STATS_FIELDS], y[MOE_MODEL_STATS_FIELDS];
+    moe_model_stats_to(x, acc);
+    moe_model_stats_to(y, s);
+    for (size_t i = 0; i < MOE_MODEL_STATS_FIELDS; i++) x[i] += y[i];
+    moe_model_stats_from(acc, x);
+}
+
+void moe_model_stats_div(moe_model_stats *s, double d) {
+    double x[MOE_MODEL_STATS_FIELDS];
+    moe_model_stats_to(x, s);
+    for (size_t i = 0; i < MOE_MODEL_STATS_FIELDS; i++) x[i] /= d;
+    moe_model_stats_from(s, x);
+}
+
 moe_status moe_model_forward(moe_model *m, const int32_t *inputs, const int32_t *targets, moe_model_stats *stats) {
     if (m && m->n_stages > 1)
         return moe_error(MOE_ERR_STATE, "moe_model_forward: a pipeline stage runs moe_model_stage_forward");

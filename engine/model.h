@@ -198,6 +198,18 @@ typedef struct moe_model_stats {
     double dropped_frac;   /* dropped (token, slot) pairs / all pairs */
 } moe_model_stats;
 
+/* Its fields, all doubles, as an array (moe_model_stats_to, _from): sums
+ * over micro-batches and pipeline stages go field by field, whatever the
+ * fields. */
+#define MOE_MODEL_STATS_FIELDS (sizeof(moe_model_stats) / sizeof(double))
+_Static_assert(sizeof(moe_model_stats) % sizeof(double) == 0, "moe_model_stats holds doubles only");
+void moe_model_stats_to(double *v, const moe_model_stats *s);
+void moe_model_stats_from(moe_model_stats *s, const double *v);
+
+/* acc += s, and s /= d, field by field. */
+void moe_model_stats_add(moe_model_stats *acc, const moe_model_stats *s);
+void moe_model_stats_div(moe_model_stats *s, double d);
+
 /* Jitter noise on (training) or off. */
 void moe_model_set_training(moe_model *model, bool training);
 

@@ -589,13 +589,12 @@ static moe_status stage_backward(moe_trainer *t, int64_t micro, bool sync, float
 static moe_status pipeline_sum(moe_model *model, moe_model_stats *s, double *idle) {
     const moe_model_stage stage = moe_model_get_stage(model);
     if (!stage.pipe) return MOE_OK;
-    double v[10] = {s->loss,           s->ce_loss,        s->logit_z_loss,  s->aux_loss, s->seq_aux_loss,
-                    s->z_loss,         s->load_imbalance, s->rank_imbalance, s->dropped_frac, *idle};
-    MOE_TRY(moe_comm_allreduce_sum(stage.pipe, v, 10, MOE_COMM_F64));
-    *s = (moe_model_stats){.loss = v[0], .ce_loss = v[1], .logit_z_loss = v[2], .aux_loss = v[3],
-                           .seq_aux_loss = v[4], .z_loss = v[5], .load_imbalance = v[6], .rank_imbalance = v[7],
-                           .dropped_frac = v[8]};
-    *idle = v[9] / stage.count;
+    double v[MOE_MODEL_STATS_FIELDS + 1];
+    moe_model_stats_to(v, s);
+    v[MOE_MODEL_STATS_FIELDS] = *idle;
+    MOE_TRY(moe_comm_allreduce_sum(stage.pipe, v, (int64_t)MOE_MODEL_STATS_FIELDS + 1, MOE_COMM_F64));
+    moe_model_stats_from(s, v);
+    *idle = v[MOE_MODEL_STATS_FIELDS] / stage.count;
     return MOE_OK;
 }
 
@@ -678,15 +677,7 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
             /* Zeroed after the first forward, whose token uploads would
              * otherwise wait for the device to finish it. */
             if (i == 0) moe_model_zero_grad(model);
-            sum.loss += s.loss;
-            sum.ce_loss += s.ce_loss;
-            sum.logit_z_loss += s.logit_z_loss;
-            sum.aux_loss += s.aux_loss;
-            sum.seq_aux_loss += s.seq_aux_loss;
-            sum.z_loss += s.z_loss;
-            sum.load_imbalance += s.load_imbalance;
-            sum.rank_imbalance += s.rank_imbalance;
-            sum.dropped_frac += s.dropped_frac;
+            moe_model_stats_add(&sum, &s);
         } else {
             /* Sharded, every run with a group is reduce-scattered instead. */
             st = stage_backward(t, micro, !t->sharded && i == 2 * M - 1, micro_scale);
@@ -742,13 +733,13 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
     if (t->sharded) MOE_TRY(gather_params(t));
     MOE_TRY(t->ops->sync());
     t->steps_done++;
-    const double a = (double)c->grad_accum;
+    moe_model_stats mean = sum;
+    moe_model_stats_div(&mean, (double)c->grad_accum);
     moe_step_metrics m = {
-        .step = t->steps_done, .loss = sum.loss / a, .ce_loss = sum.ce_loss / a, .aux_loss = sum.aux_loss / a,
-        .logit_z_loss = sum.logit_z_loss / a, .seq_aux_loss = sum.seq_aux_loss / a,
-        .z_loss = sum.z_loss / a, .lr = lr, .grad_norm = norm, .load_imbalance = sum.load_imbalance / a,
-        .rank_imbalance = sum.rank_imbalance / a,
-        .dropped_frac = sum.dropped_frac / a, .pipeline_idle = stage.pipe ? idle : 0.0};
+        .step = t->steps_done, .loss = mean.loss, .ce_loss = mean.ce_loss, .aux_loss = mean.aux_loss,
+        .logit_z_loss = mean.logit_z_loss, .seq_aux_loss = mean.seq_aux_loss, .z_loss = mean.z_loss, .lr = lr,
+        .grad_norm = norm, .load_imbalance = mean.load_imbalance, .rank_imbalance = mean.rank_imbalance,
+        .dropped_frac = mean.dropped_frac, .pipeline_idle = stage.pipe ? idle : 0.0};
     MOE_TRY(gather_ranks(t, busy, (double)(exchange_bytes(t) - bytes_start), &m));
     if (metrics) *metrics = m;
     return MOE_OK;
