@@ -967,13 +967,19 @@ static void alias_rows(moe_layer *L) {
     L->dxe = L->dxp;
 }
 
-/* The forward's arrays for T tokens, its activations now this layer's. */
-static moe_status carve_tokens(moe_layer *L, int64_t T) {
+/* The arrays of T tokens: choices, tokens, the sequence statistics' host
+ * rows (in evaluation too, so that training at the same T allocates
+ * nothing). */
+static moe_status carve_token_arrays(moe_layer *L, int64_t T) {
     MOE_TRY(check_tokens(L, T));
-    /* In evaluation too, so that training at the same T allocates nothing. */
     if (seq_aux_len(&L->cfg)) MOE_TRY(grow_seq_host(L, T / seq_aux_len(&L->cfg)));
     MOE_TRY(carve_block(L, BLOCK_CHOICES, T));
-    MOE_TRY(carve_block(L, BLOCK_TOKENS, T));
+    return carve_block(L, BLOCK_TOKENS, T);
+}
+
+/* The forward's arrays for T tokens, its activations now this layer's. */
+static moe_status carve_tokens(moe_layer *L, int64_t T) {
+    MOE_TRY(carve_token_arrays(L, T));
     L->blocks[BLOCK_TOKENS]->holder = L;
     return MOE_OK;
 }
@@ -1032,11 +1038,9 @@ moe_status moe_layer_reserve(moe_layer *L, int64_t T, bool backward) {
     MOE_TRY(check_tokens(L, T));
     const int64_t R = rows_bound(L, T, T * L->batch_size);
     MOE_TRY(check_rows(L, R));
-    MOE_TRY(carve_block(L, BLOCK_CHOICES, T));
-    MOE_TRY(carve_block(L, BLOCK_TOKENS, T));
+    MOE_TRY(carve_token_arrays(L, T));
     MOE_TRY(carve_block(L, BLOCK_ROWS, R));
     if (L->ep) MOE_TRY(carve_host(L, T, R));
-    if (seq_aux_len(&L->cfg)) MOE_TRY(grow_seq_host(L, T / seq_aux_len(&L->cfg)));
     if (!backward) return MOE_OK;
     MOE_TRY(carve_block(L, BLOCK_DTOKENS, T));
     return carve_block(L, BLOCK_DROWS, R);

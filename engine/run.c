@@ -1828,10 +1828,7 @@ static moe_status resolve_latest(moe_run_options *out, bool *done, char *path, c
     moe_train_state state;
     st = moe_checkpoint_read_state(&state, path);
     if (st != MOE_OK) return moe_error_prefix(st, "--resume " MOE_RUN_RESUME_LATEST ": ");
-    if (state.step > o->steps)
-        return moe_error(MOE_ERR_CONFIG, "--resume " MOE_RUN_RESUME_LATEST ": %s is at step %lld, past --steps %lld",
-                         path, (long long)state.step, (long long)o->steps);
-    *done = state.step == o->steps;
+    *done = state.step == o->steps; /* past --steps, the run refuses it as an explicit --resume */
     if (o->config) {
         moe_model_config given, saved;
         st = moe_model_config_load(&given, o->config, NULL, NULL);

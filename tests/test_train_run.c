@@ -1574,7 +1574,8 @@ Test(train_run, resume_latest_restarts_from_the_newest, .init = make_tmp, .fini 
     o.config = cfg;
     o.steps = 5;
     cr_expect_eq(moe_run(&o, &cb), MOE_ERR_CONFIG);
-    cr_expect(strstr(moe_last_error(), "past --steps 5"), "message: %s", moe_last_error());
+    cr_expect(strstr(moe_last_error(), "step-000006: the checkpoint is at step 6, --steps 5 leaves nothing to do"),
+              "message: %s", moe_last_error());
 
     /* Restarted after it finished: nothing to do, and said so. */
     o.config = cfg;
