@@ -795,6 +795,10 @@ void moe_json_number(moe_json_writer *w, double v) {
     }
     leave_c_locale(old);
     put_str(w, text);
+    /* %g drops the point of a whole number, and Python's json reads "0" as
+     * an int, which a reader that declares the field float (transformers
+     * v5's strict configs) refuses. An exponent already reads as float. */
+    if (strpbrk(text, ".e") == NULL) put_str(w, ".0");
 }
 
 void moe_json_int(moe_json_writer *w, int64_t v) {

@@ -132,8 +132,10 @@ void moe_json_string_n(moe_json_writer *w, const char *s, size_t len);
  * valid UTF-8 sequence is written as U+FFFD instead of failing. The bytes of
  * a truncated or overlong sequence are each such a byte. */
 void moe_json_string_lossy(moe_json_writer *w, const char *s);
-/* The shortest decimal text that reads back to the same double; NaN and
- * infinities have no JSON form and set an error. */
+/* The shortest decimal text that reads back to the same double, always with
+ * a decimal point or an exponent ("1000000.0", "0.0", "1e-05") so that a
+ * reader that tells integers from reals (Python's json) reads a real; NaN
+ * and infinities have no JSON form and set an error. */
 void moe_json_number(moe_json_writer *w, double v);
 void moe_json_int(moe_json_writer *w, int64_t v);
 void moe_json_uint(moe_json_writer *w, uint64_t v);

@@ -266,7 +266,9 @@ Test(json, writer_pretty_parses_back) {
     moe_json_writer_free(&w);
 }
 
-/* Every double written comes back bit for bit, in the fewest digits that do. */
+/* Every double written comes back bit for bit, in the fewest digits that do,
+ * and reads as a real, not an integer, in a reader that tells them apart
+ * (Python's json): a whole number keeps its ".0". */
 Test(json, writer_numbers_round_trip) {
     uint64_t state = 0x9E3779B97F4A7C15ull;
     for (int i = 0; i < 20000; i++) {
@@ -283,13 +285,16 @@ Test(json, writer_numbers_round_trip) {
         moe_json_doc *doc = parse_ok(w.buf);
         double back = moe_json_root(doc)->number.value;
         cr_assert(memcmp(&back, &v, sizeof v) == 0, "%.17g written as %s read back as %.17g", v, w.buf, back);
+        cr_assert(strpbrk(w.buf, ".e") != NULL, "%.17g written as %s, an integer to Python", v, w.buf);
         moe_json_free(doc);
         moe_json_writer_free(&w);
     }
     const struct {
         double v;
         const char *text;
-    } short_forms[] = {{0.1, "0.1"}, {0.02, "0.02"}, {1e6, "1000000"}, {-0.0, "-0"}, {1.0 / 3.0, "0.3333333333333333"}};
+    } short_forms[] = {{0.1, "0.1"},         {0.02, "0.02"},   {1e6, "1000000.0"},   {0.0, "0.0"},
+                       {-0.0, "-0.0"},       {-3.0, "-3.0"},   {1e-5, "1e-05"},      {1e16, "1e+16"},
+                       {123456789012345.0, "123456789012345.0"}, {1.0 / 3.0, "0.3333333333333333"}};
     for (size_t i = 0; i < sizeof short_forms / sizeof *short_forms; i++) {
         moe_json_writer w;
         moe_json_writer_init(&w, 0);
