@@ -564,6 +564,10 @@ const moe_json *moe_json_get(const moe_json *obj, const char *key) {
     return NULL;
 }
 
+/* 2^53 - 1: past it a double no longer holds every integer, so a literal
+ * with a fraction or exponent, read through strtod, may have been rounded. */
+#define EXACT_INT_MAX ((int64_t)9007199254740991)
+
 moe_status moe_json_int64(const moe_json *v, int64_t *out) {
     if (v == NULL || v->type != MOE_JSON_NUMBER) return MOE_ERR_FORMAT;
     const char *t = v->number.text;
@@ -581,9 +585,15 @@ moe_status moe_json_int64(const moe_json *v, int64_t *out) {
         return MOE_OK;
     }
     double x = v->number.value;
-    if (x != floor(x) || fabs(x) >= 9007199254740992.0) return MOE_ERR_FORMAT;
+    if (x != floor(x) || fabs(x) > (double)EXACT_INT_MAX) return MOE_ERR_FORMAT;
     *out = (int64_t)x;
     return MOE_OK;
+}
+
+void moe_json_int64_range(const moe_json *v, int64_t *lo, int64_t *hi) {
+    const bool plain = v != NULL && v->type == MOE_JSON_NUMBER && strpbrk(v->number.text, ".eE") == NULL;
+    *lo = plain ? INT64_MIN : -EXACT_INT_MAX;
+    *hi = plain ? INT64_MAX : EXACT_INT_MAX;
 }
 
 const char *moe_json_text(const moe_json *v) {

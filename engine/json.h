@@ -88,6 +88,12 @@ const moe_json *moe_json_get(const moe_json *obj, const char *key);
  * set when v is not such a number: the caller knows the key to name. */
 moe_status moe_json_int64(const moe_json *v, int64_t *out);
 
+/* The integers moe_json_int64 reads from a literal of v's form: [INT64_MIN,
+ * INT64_MAX] for a plain integer, [-(2^53 - 1), 2^53 - 1] for one with a
+ * fraction or exponent. A whole number it refuses lies outside this range:
+ * a caller can say "out of range" rather than "not an integer". */
+void moe_json_int64_range(const moe_json *v, int64_t *lo, int64_t *hi);
+
 /* The text of a string value, or NULL when v is not a string or holds a NUL
  * character (a \u0000 escape): C string functions would stop at the NUL, so
  * "F32\u0000junk" would compare equal to "F32". Readers that compare, print

@@ -32,6 +32,11 @@ typedef enum field_kind { F_INT, F_REAL, F_BOOL, F_GATE, F_WINDOW } field_kind;
 /* Defaults that depend on other fields. */
 #define DERIVED (-1.0)
 
+/* What config.json said of a field: fill_defaults tells absent from null
+ * where transformers does (num_key_value_heads), and a required key given
+ * as null from one left out. */
+typedef enum given { ABSENT, GIVEN_NULL, GIVEN } given;
+
 /* One config.json key stored in the struct; this table drives parsing,
  * defaults and writing, so the three cannot disagree. */
 typedef struct field {
@@ -50,7 +55,8 @@ static const field fields[] = {
     FIELD(intermediate_size, F_INT, true, 0),
     FIELD(num_hidden_layers, F_INT, true, 0),
     FIELD(num_attention_heads, F_INT, true, 0),
-    FIELD(num_key_value_heads, F_INT, false, DERIVED),
+    /* transformers' default when absent; null: num_attention_heads. */
+    FIELD(num_key_value_heads, F_INT, false, 8),
     FIELD(head_dim, F_INT, false, DERIVED),
     FIELD(num_local_experts, F_INT, true, 0),
     FIELD(num_experts_per_tok, F_INT, true, 0),
@@ -78,6 +84,13 @@ static const char *const ignored_keys[] = {
     "architectures", "bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype", "dtype",
     "initializer_range", "output_router_logits", "use_cache", "transformers_version", "_name_or_path",
     "return_dict", "output_attentions", "output_hidden_states",
+};
+
+/* Keys outside the struct that read_other checks; null there is absent, as
+ * everywhere in transformers, so it is accepted before any check. */
+static const char *const checked_keys[] = {
+    "rope_parameters", "rope_scaling", "tie_word_embeddings", "hidden_act", "model_type", "attention_dropout",
+    "num_experts",
 };
 
 static const char *const gate_names[] = {
@@ -131,14 +144,32 @@ static moe_status string_text(const char **text, const char *name, const char *k
     return MOE_OK;
 }
 
+/* An integer into *out; want ("an integer") names what v should be when it
+ * is no whole number. A whole number that moe_json_int64 cannot hold is out
+ * of range instead, and the message gives the bound its form allows. */
+static moe_status read_int(int64_t *out, const char *name, const char *key, const char *want, const moe_json *v) {
+    if (moe_json_int64(v, out) == MOE_OK) return MOE_OK;
+    if (v->type != MOE_JSON_NUMBER || v->number.value != floor(v->number.value)) return wrong_type(name, key, want, v);
+    int64_t lo, hi;
+    moe_json_int64_range(v, &lo, &hi);
+    /* The literal while it is no longer than an int64's, else its value. */
+    char text[40];
+    if (v->number.text_len <= 20)
+        snprintf(text, sizeof text, "%s", v->number.text);
+    else
+        snprintf(text, sizeof text, "%g", v->number.value);
+    const bool neg = v->number.value < 0.0;
+    return moe_error(MOE_ERR_CONFIG, "%s: %s=%s is out of range (at %s %lld%s)", name, key, text,
+                     neg ? "least" : "most", (long long)(neg ? lo : hi),
+                     hi == INT64_MAX ? "" : " written with a fraction or exponent");
+}
+
 static moe_status read_field(moe_model_config *cfg, const field *f, const moe_json *v, const char *name) {
     switch (f->kind) {
-    case F_INT:
-        if (moe_json_int64(v, (int64_t *)field_ptr(cfg, f)) != MOE_OK) return wrong_type(name, f->key, "an integer", v);
-        return MOE_OK;
+    case F_INT: return read_int(field_ptr(cfg, f), name, f->key, "an integer", v);
     case F_WINDOW: {
         int64_t *w = field_ptr(cfg, f);
-        if (moe_json_int64(v, w) != MOE_OK) return wrong_type(name, f->key, "an integer or null", v);
+        MOE_TRY(read_int(w, name, f->key, "an integer or null", v));
         /* 0 would be a window of no key; transformers reads null as none. */
         if (*w < 1)
             return moe_error(MOE_ERR_CONFIG, "%s: %s=%lld must be positive, or null for none", name, f->key,
@@ -219,15 +250,35 @@ static moe_status read_rope_parameters(double *theta, const moe_json *v, const c
     return MOE_OK;
 }
 
+/* What keys outside the table said, for fill_defaults to reconcile. */
+typedef struct other_values {
+    double rope_params_theta; /* rope_parameters.rope_theta; NaN: not given */
+    bool has_num_experts;
+    int64_t num_experts; /* transformers' alias of num_local_experts */
+} other_values;
+
+static bool listed(const char *key, const char *const *list, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (strcmp(key, list[i]) == 0) return true;
+    return false;
+}
+
 /* Keys outside the struct: checked, then dropped. */
-static moe_status read_other(const moe_json_member *m, double *rope_params_theta, const char *name,
-                             moe_warn_fn wfn, void *wctx) {
+static moe_status read_other(const moe_json_member *m, other_values *o, const char *name, moe_warn_fn wfn,
+                             void *wctx) {
     const char *key = m->key;
     const moe_json *v = &m->value;
     char got[80];
-    if (strcmp(key, "rope_parameters") == 0) {
-        if (v->type == MOE_JSON_NULL) return MOE_OK;
-        return read_rope_parameters(rope_params_theta, v, name, wfn, wctx);
+    if (listed(key, ignored_keys, sizeof ignored_keys / sizeof *ignored_keys)) return MOE_OK;
+    if (!listed(key, checked_keys, sizeof checked_keys / sizeof *checked_keys)) {
+        warn(wfn, wctx, "%s: unknown key '%.100s' ignored", name, key);
+        return MOE_OK;
+    }
+    if (v->type == MOE_JSON_NULL) return MOE_OK;
+    if (strcmp(key, "rope_parameters") == 0) return read_rope_parameters(&o->rope_params_theta, v, name, wfn, wctx);
+    if (strcmp(key, "num_experts") == 0) {
+        o->has_num_experts = true;
+        return read_int(&o->num_experts, name, key, "an integer", v);
     }
     if (strcmp(key, "tie_word_embeddings") == 0) {
         if (v->type != MOE_JSON_BOOL) return wrong_type(name, key, "true or false", v);
@@ -238,11 +289,9 @@ static moe_status read_other(const moe_json_member *m, double *rope_params_theta
     }
     if (strcmp(key, "hidden_act") == 0) return require_string(name, key, v, "silu");
     if (strcmp(key, "model_type") == 0) return require_string(name, key, v, "mixtral");
-    if (strcmp(key, "rope_scaling") == 0) {
-        if (v->type == MOE_JSON_NULL) return MOE_OK;
+    if (strcmp(key, "rope_scaling") == 0)
         return moe_error(MOE_ERR_CONFIG, "%s: rope_scaling is not supported (only plain RoPE); remove it or set null",
                          name);
-    }
     if (strcmp(key, "attention_dropout") == 0) {
         if (v->type != MOE_JSON_NUMBER) return wrong_type(name, key, "a number", v);
         if (v->number.value != 0.0)
@@ -250,10 +299,7 @@ static moe_status read_other(const moe_json_member *m, double *rope_params_theta
                  describe(got, sizeof got, v));
         return MOE_OK;
     }
-    for (size_t i = 0; i < sizeof ignored_keys / sizeof *ignored_keys; i++)
-        if (strcmp(key, ignored_keys[i]) == 0) return MOE_OK;
-    warn(wfn, wctx, "%s: unknown key '%.100s' ignored", name, key);
-    return MOE_OK;
+    return moe_error(MOE_ERR_INTERNAL, "%s: key %s is listed as checked but has no check", name, key);
 }
 
 static size_t field_index(const char *key) {
@@ -272,8 +318,9 @@ static void set_default(moe_model_config *cfg, const field *f) {
     }
 }
 
-/* The root object's keys into cfg; seen [N_FIELDS] marks the fields given. */
-static moe_status read_keys(moe_model_config *cfg, bool *seen, double *rope_params_theta, const moe_json *root,
+/* The root object's keys into cfg and o; state [N_FIELDS] says what each
+ * field was given. */
+static moe_status read_keys(moe_model_config *cfg, given *state, other_values *o, const moe_json *root,
                             const char *name, moe_warn_fn wfn, void *wctx) {
     if (root->type != MOE_JSON_OBJECT)
         return moe_error(MOE_ERR_CONFIG, "%s: top level is a JSON %s, not an object", name,
@@ -284,31 +331,60 @@ static moe_status read_keys(moe_model_config *cfg, bool *seen, double *rope_para
             return moe_error(MOE_ERR_CONFIG, "%s: key \"%s...\" contains a NUL character", name, m->key);
         size_t f = field_index(m->key);
         if (f == N_FIELDS) {
-            MOE_TRY(read_other(m, rope_params_theta, name, wfn, wctx));
-        } else if (m->value.type != MOE_JSON_NULL || fields[f].required) {
+            MOE_TRY(read_other(m, o, name, wfn, wctx));
+        } else if (m->value.type == MOE_JSON_NULL) {
+            state[f] = GIVEN_NULL;
+        } else {
             MOE_TRY(read_field(cfg, &fields[f], &m->value, name));
-            seen[f] = true;
+            state[f] = GIVEN;
         }
     }
     return MOE_OK;
 }
 
-/* Defaults for the fields not given, including those computed from others. */
-static moe_status fill_defaults(moe_model_config *cfg, const bool *seen, double rope_params_theta,
-                                const char *name) {
+/* num_key_value_heads divides num_attention_heads (grouped-query
+ * attention); note follows the message. */
+static moe_status check_kv_heads(const char *name, int64_t heads, int64_t kv_heads, const char *note) {
+    if (heads % kv_heads == 0) return MOE_OK;
+    return moe_error(MOE_ERR_CONFIG, "%s: num_attention_heads=%lld is not a multiple of num_key_value_heads=%lld%s",
+                     name, (long long)heads, (long long)kv_heads, note);
+}
+
+/* Defaults for the fields not given, including those computed from others,
+ * as transformers' MixtralConfig fills them. */
+static moe_status fill_defaults(moe_model_config *cfg, given *state, const other_values *o, const char *name) {
+    const size_t experts = field_index("num_local_experts");
+    if (o->has_num_experts) {
+        /* transformers' attribute_map reads num_experts as num_local_experts. */
+        if (state[experts] == GIVEN && cfg->num_local_experts != o->num_experts)
+            return moe_error(MOE_ERR_CONFIG,
+                             "%s: num_experts=%lld disagrees with num_local_experts=%lld (transformers reads "
+                             "num_experts as num_local_experts)",
+                             name, (long long)o->num_experts, (long long)cfg->num_local_experts);
+        cfg->num_local_experts = o->num_experts;
+        state[experts] = GIVEN;
+    }
     for (size_t f = 0; f < N_FIELDS; f++) {
-        if (seen[f]) continue;
+        if (state[f] == GIVEN) continue;
+        /* Every required field is an integer. */
+        if (fields[f].required && state[f] == GIVEN_NULL)
+            return moe_error(MOE_ERR_CONFIG, "%s: %s must be an integer, got null", name, fields[f].key);
         if (fields[f].required) return moe_error(MOE_ERR_CONFIG, "%s: missing required key '%s'", name, fields[f].key);
         if (fields[f].def != DERIVED) set_default(cfg, &fields[f]);
     }
-    if (!isnan(rope_params_theta)) {
-        if (seen[field_index("rope_theta")] && cfg->rope_theta != rope_params_theta)
+    if (!isnan(o->rope_params_theta)) {
+        if (state[field_index("rope_theta")] == GIVEN && cfg->rope_theta != o->rope_params_theta)
             return moe_error(MOE_ERR_CONFIG, "%s: rope_theta=%g disagrees with rope_parameters.rope_theta=%g", name,
-                             cfg->rope_theta, rope_params_theta);
-        cfg->rope_theta = rope_params_theta;
+                             cfg->rope_theta, o->rope_params_theta);
+        cfg->rope_theta = o->rope_params_theta;
     }
-    if (!seen[field_index("num_key_value_heads")]) cfg->num_key_value_heads = cfg->num_attention_heads;
-    if (!seen[field_index("head_dim")] && cfg->num_attention_heads > 0) {
+    /* MixtralConfig: 8 when absent, num_attention_heads when null. */
+    const given kv = state[field_index("num_key_value_heads")];
+    if (kv == GIVEN_NULL) cfg->num_key_value_heads = cfg->num_attention_heads;
+    if (kv == ABSENT && cfg->num_attention_heads > 0)
+        MOE_TRY(check_kv_heads(name, cfg->num_attention_heads, cfg->num_key_value_heads,
+                               " (absent: transformers' default)"));
+    if (state[field_index("head_dim")] != GIVEN && cfg->num_attention_heads > 0) {
         if (cfg->hidden_size % cfg->num_attention_heads != 0)
             return moe_error(MOE_ERR_CONFIG,
                              "%s: hidden_size=%lld is not divisible by num_attention_heads=%lld (and head_dim is "
@@ -325,11 +401,11 @@ moe_status moe_model_config_parse(moe_model_config *cfg, const char *text, size_
     moe_json_doc *doc;
     MOE_TRY(moe_json_parse(&doc, text, len, name));
     memset(cfg, 0, sizeof *cfg);
-    bool seen[N_FIELDS] = {false};
-    double rope_params_theta = NAN;
-    moe_status st = read_keys(cfg, seen, &rope_params_theta, moe_json_root(doc), name, wfn, wctx);
+    given state[N_FIELDS] = {ABSENT};
+    other_values o = {.rope_params_theta = NAN};
+    moe_status st = read_keys(cfg, state, &o, moe_json_root(doc), name, wfn, wctx);
     moe_json_free(doc);
-    if (st == MOE_OK) st = fill_defaults(cfg, seen, rope_params_theta, name);
+    if (st == MOE_OK) st = fill_defaults(cfg, state, &o, name);
     if (st == MOE_OK) st = moe_model_config_validate(cfg, name);
     return st;
 }
@@ -400,9 +476,7 @@ moe_status moe_model_config_validate(const moe_model_config *c, const char *name
     if (c->sliding_window < 0 || c->sliding_window > MAX_DIM)
         return moe_error(MOE_ERR_CONFIG, "%s: sliding_window=%lld must be in [1, %lld], or null (0 here) for none",
                          name, (long long)c->sliding_window, (long long)MAX_DIM);
-    if (c->num_attention_heads % c->num_key_value_heads != 0)
-        return moe_error(MOE_ERR_CONFIG, "%s: num_attention_heads=%lld is not a multiple of num_key_value_heads=%lld",
-                         name, (long long)c->num_attention_heads, (long long)c->num_key_value_heads);
+    MOE_TRY(check_kv_heads(name, c->num_attention_heads, c->num_key_value_heads, ""));
     if (c->head_dim % 2 != 0)
         return moe_error(MOE_ERR_CONFIG, "%s: head_dim=%lld must be even (RoPE rotates pairs)", name,
                          (long long)c->head_dim);

@@ -1,6 +1,7 @@
 /* model_config.h: the model's shape and routing policy, read from and written
  * to a Hugging Face Mixtral config.json (DESIGN.md 6) plus our own "moe_*"
- * keys for what Mixtral lacks.
+ * keys for what Mixtral lacks. Every key means what transformers'
+ * MixtralConfig makes of it.
  *
  * Reading: a key we know but do not use (architectures, bos_token_id,
  * torch_dtype, initializer_range, use_cache, ...) is accepted silently; an
@@ -10,9 +11,12 @@
  * "silu", model_type other than "mixtral", rope_scaling, a rope_type other
  * than "default"). A wrong type or an impossible value is an error naming the
  * file, the key and the value, and so is a string holding a NUL character
- * (\u0000). JSON null counts as absent, as in transformers. Limits that the
- * MoE layer imposes (moe_layer_config_validate) are checked here under the
- * config.json key. */
+ * (\u0000); an integer past int64 is out of range. JSON null counts as
+ * absent for every key, as in transformers, with transformers' one
+ * exception: num_key_value_heads absent is 8, null is num_attention_heads.
+ * "num_experts" stands for num_local_experts (transformers' attribute_map);
+ * given both, they must agree. Limits that the MoE layer imposes
+ * (moe_layer_config_validate) are checked here under the config.json key. */
 #ifndef MOE_ENGINE_MODEL_CONFIG_H
 #define MOE_ENGINE_MODEL_CONFIG_H
 
@@ -24,8 +28,8 @@
 
 typedef struct moe_model_config {
     /* Hugging Face MixtralConfig fields. Required in config.json: the sizes
-     * down to num_experts_per_tok, except num_key_value_heads (default
-     * num_attention_heads) and head_dim (default hidden_size /
+     * down to num_experts_per_tok, except num_key_value_heads (default 8;
+     * null: num_attention_heads) and head_dim (default hidden_size /
      * num_attention_heads). */
     int64_t vocab_size;
     int64_t hidden_size;       /* d */

@@ -119,6 +119,34 @@ Test(json, int64_exact) {
     int64_t v;
     cr_expect_neq(moe_json_int64(moe_json_root(doc), &v), MOE_OK, "a string is not an integer");
     moe_json_free(doc);
+
+    /* The range a literal's form allows, which tells a whole number out of
+     * range from no integer; at its ends int64 reads, one past them not. */
+    const struct {
+        const char *text, *inside, *outside;
+        int64_t lo, hi;
+    } ranges[] = {
+        {"99999999999999999999", "9223372036854775807", "9223372036854775808", INT64_MIN, INT64_MAX},
+        {"-99999999999999999999", "-9223372036854775808", "-9223372036854775809", INT64_MIN, INT64_MAX},
+        {"1e20", "9007199254740991.0", "9007199254740992.0", -9007199254740991LL, 9007199254740991LL},
+        {"-1.5e300", "-9.007199254740991e15", "-9.007199254740992e15", -9007199254740991LL, 9007199254740991LL},
+    };
+    for (size_t i = 0; i < sizeof ranges / sizeof *ranges; i++) {
+        int64_t lo = 0, hi = 0;
+        doc = parse_ok(ranges[i].text);
+        moe_json_int64_range(moe_json_root(doc), &lo, &hi);
+        cr_expect(lo == ranges[i].lo && hi == ranges[i].hi, "%s: range [%lld, %lld]", ranges[i].text, (long long)lo,
+                  (long long)hi);
+        moe_json_free(doc);
+        doc = parse_ok(ranges[i].inside);
+        cr_expect_eq(moe_json_int64(moe_json_root(doc), &v), MOE_OK, "%s is in range", ranges[i].inside);
+        cr_expect_eq(v, ranges[i].text[0] == '-' ? ranges[i].lo : ranges[i].hi, "%s read as %lld", ranges[i].inside,
+                     (long long)v);
+        moe_json_free(doc);
+        doc = parse_ok(ranges[i].outside);
+        cr_expect_neq(moe_json_int64(moe_json_root(doc), &v), MOE_OK, "%s is out of range", ranges[i].outside);
+        moe_json_free(doc);
+    }
 }
 
 Test(json, invalid_inputs_name_line_and_column) {

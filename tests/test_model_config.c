@@ -1,5 +1,5 @@
-/* config.json: the real Mixtral-8x7B file, defaults, every bad field, and
- * save -> load round trips. */
+/* config.json: the real Mixtral-8x7B file, defaults as transformers' MixtralConfig
+ * fills them, every bad field, and save -> load round trips. */
 #define _XOPEN_SOURCE 700
 
 #include <criterion/criterion.h>
@@ -106,11 +106,12 @@ Test(model_config, mixtral_8x7b) {
     cr_expect_eq(l.seed, 77);
 }
 
-/* The keys every test config has; one case replaces, removes or adds one. */
+/* The keys every test config has; one case replaces, removes or adds one.
+ * num_key_value_heads is given: absent, transformers' default is 8. */
 static const char *const base_keys[][2] = {
-    {"vocab_size", "100"},        {"hidden_size", "64"},      {"intermediate_size", "128"},
-    {"num_hidden_layers", "2"},   {"num_attention_heads", "4"}, {"num_local_experts", "8"},
-    {"num_experts_per_tok", "2"},
+    {"vocab_size", "100"},          {"hidden_size", "64"},       {"intermediate_size", "128"},
+    {"num_hidden_layers", "2"},     {"num_attention_heads", "4"}, {"num_key_value_heads", "4"},
+    {"num_local_experts", "8"},     {"num_experts_per_tok", "2"},
 };
 #define N_BASE (sizeof base_keys / sizeof *base_keys)
 
@@ -138,7 +139,6 @@ Test(model_config, defaults) {
     warnings w = {0};
     cr_assert_eq(parse(&c, config_with(NULL, NULL), &w), MOE_OK, "%s", moe_last_error());
     cr_expect_eq(w.count, 0);
-    cr_expect_eq(c.num_key_value_heads, 4, "defaults to num_attention_heads");
     cr_expect_eq(c.head_dim, 16);
     cr_expect_eq(c.max_position_embeddings, 131072);
     cr_expect_eq(c.rope_theta, 1e6);
@@ -154,8 +154,8 @@ Test(model_config, defaults) {
     /* an explicit head_dim frees hidden_size from divisibility */
     cr_assert_eq(parse(&c, config_with("hidden_size", "66"), &w), MOE_ERR_CONFIG);
     const char *text = "{\"vocab_size\": 100, \"hidden_size\": 66, \"head_dim\": 24, \"intermediate_size\": 128, "
-                       "\"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"num_local_experts\": 8, "
-                       "\"num_experts_per_tok\": 8, \"hidden_size_note\": 1}";
+                       "\"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"num_key_value_heads\": 4, "
+                       "\"num_local_experts\": 8, \"num_experts_per_tok\": 8, \"hidden_size_note\": 1}";
     cr_assert_eq(parse(&c, text, &w), MOE_OK, "%s", moe_last_error());
     cr_expect_eq(c.head_dim, 24);
     cr_expect_eq(c.num_experts_per_tok, 8, "k = E is allowed");
@@ -175,7 +175,8 @@ Test(model_config, rope_parameters_and_warnings) {
 
     w.count = 0;
     const char *both = "{\"vocab_size\": 100, \"hidden_size\": 64, \"intermediate_size\": 128, "
-                       "\"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"num_local_experts\": 8, "
+                       "\"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"num_key_value_heads\": 4, "
+                       "\"num_local_experts\": 8, "
                        "\"num_experts_per_tok\": 2, \"rope_theta\": 10000, \"rope_parameters\": {\"rope_theta\": %s}, "
                        "\"attention_dropout\": 0.1, \"sliding_window\": 4096}";
     char text[1024];
@@ -207,10 +208,25 @@ Test(model_config, every_bad_field_is_named) {
         {"hidden_size", "66",
          "t/config.json: hidden_size=66 is not divisible by num_attention_heads=4 (and head_dim is not given)"},
         {"num_key_value_heads", "3", "num_attention_heads=4 is not a multiple of num_key_value_heads=3"},
+        {"num_key_value_heads", NULL,
+         "t/config.json: num_attention_heads=4 is not a multiple of num_key_value_heads=8 (absent: transformers' "
+         "default)"},
         {"hidden_size", "0", "t/config.json: hidden_size=0 must be positive"},
         {"vocab_size", "-5", "t/config.json: vocab_size=-5 must be positive"},
         {"vocab_size", "3000000000", "vocab_size=3000000000 exceeds 2147483647"},
-        {"vocab_size", "99999999999999999999", "vocab_size must be an integer, got 99999999999999999999"},
+        {"vocab_size", "99999999999999999999",
+         "t/config.json: vocab_size=99999999999999999999 is out of range (at most 9223372036854775807)"},
+        {"vocab_size", "1000000000000000000000000000000",
+         "t/config.json: vocab_size=1e+30 is out of range (at most 9223372036854775807)"},
+        {"vocab_size", "9223372036854775808", "vocab_size=9223372036854775808 is out of range (at most"},
+        {"num_hidden_layers", "-9223372036854775809",
+         "t/config.json: num_hidden_layers=-9223372036854775809 is out of range (at least -9223372036854775808)"},
+        {"vocab_size", "1e20",
+         "t/config.json: vocab_size=1e20 is out of range (at most 9007199254740991 written with a fraction or "
+         "exponent)"},
+        {"sliding_window", "123456789012345678901234567890",
+         "t/config.json: sliding_window=1.23457e+29 is out of range (at most 9223372036854775807)"},
+        {"num_experts", "99999999999999999999", "t/config.json: num_experts=99999999999999999999 is out of range"},
         {"num_hidden_layers", "\"2\"", "t/config.json: num_hidden_layers must be an integer, got \"2\""},
         {"intermediate_size", "128.5", "intermediate_size must be an integer, got 128.5"},
         {"hidden_size", "null", "hidden_size must be an integer, got null"},
@@ -250,6 +266,9 @@ Test(model_config, every_bad_field_is_named) {
         {"moe_routed_scaling_factor", "-2.5", "moe_routed_scaling_factor=-2.5 must be in [1.17549e-38, 1e+06]"},
         {"moe_routed_scaling_factor", "1e-50", "moe_routed_scaling_factor=1e-50 must be in [1.17549e-38, 1e+06]"},
         {"moe_routed_scaling_factor", "1e7", "moe_routed_scaling_factor=1e+07 must be in [1.17549e-38, 1e+06]"},
+        {"num_experts", "4", "t/config.json: num_experts=4 disagrees with num_local_experts=8"},
+        {"num_experts", "\"8\"", "t/config.json: num_experts must be an integer, got \"8\""},
+        {"num_experts", "8.5", "t/config.json: num_experts must be an integer, got 8.5"},
         {"moe_n_group", "3", "t/config.json: moe_n_group=3 must divide num_local_experts=8 and be at most 64"},
         {"moe_n_group", "-1", "t/config.json: moe_n_group=-1 must divide num_local_experts=8"},
         {"moe_n_group", "16", "t/config.json: moe_n_group=16 must divide num_local_experts=8"},
@@ -581,9 +600,15 @@ Test(model_config, save_then_load_is_identical, .init = make_tmpdir, .fini = rem
     cr_assert_eq(moe_model_config_save(&m, path), MOE_OK, "%s", moe_last_error());
     cr_assert_eq(moe_model_config_load(&m2, path, NULL, NULL), MOE_OK, "%s", moe_last_error());
     expect_same(&m, &m2);
-    /* No window is written as transformers writes it: null. */
+    /* No window is written as transformers writes it: null; reals as
+     * reals, whole or not (transformers v5 refuses an int for a float). */
     cr_assert_eq(moe_file_read_all(&text, &n, path, 1 << 20), MOE_OK);
-    cr_expect(strstr(text, "\"sliding_window\": null") != NULL, "%s", text);
+    const char *written[] = {"\"sliding_window\": null", "\"model_type\": \"mixtral\"",
+                             "\"MixtralForCausalLM\"", "\"rope_theta\": 1000000.0", "\"router_jitter_noise\": 0.0",
+                             "\"moe_capacity_factor\": 0.0",
+                             "\"moe_routed_scaling_factor\": 1.0", "\"num_key_value_heads\": 8"};
+    for (size_t i = 0; i < sizeof written / sizeof *written; i++)
+        cr_expect(strstr(text, written[i]) != NULL, "lacks %s:\n%s", written[i], text);
     free(text);
 
     /* An invalid config is refused before anything is written. */
@@ -599,4 +624,108 @@ Test(model_config, save_then_load_is_identical, .init = make_tmpdir, .fini = rem
     snprintf(missing, sizeof missing, "%s/none.json", tmpdir);
     cr_expect_eq(moe_model_config_load(&m2, missing, NULL, NULL), MOE_ERR_IO);
     cr_expect(strstr(moe_last_error(), "none.json: cannot open") != NULL, "%s", moe_last_error());
+}
+
+/* The base config without the keys in drop (a NULL-terminated list), with
+ * extra (a JSON member list, or "") appended, into buf [size]. */
+static const char *config_without(char *buf, size_t size, const char *const *drop, const char *extra) {
+    size_t n = (size_t)snprintf(buf, size, "{");
+    for (size_t i = 0; i < N_BASE; i++) {
+        bool dropped = false;
+        for (const char *const *d = drop; *d != NULL; d++) dropped |= strcmp(*d, base_keys[i][0]) == 0;
+        if (!dropped)
+            n += (size_t)snprintf(buf + n, size - n, "%s\"%s\": %s", n > 1 ? ", " : "", base_keys[i][0],
+                                  base_keys[i][1]);
+    }
+    snprintf(buf + n, size - n, "%s%s}", extra[0] != '\0' ? ", " : "", extra);
+    return buf;
+}
+
+/* transformers' MixtralConfig: num_key_value_heads=8 in the signature, and
+ * num_attention_heads only when it is given as None (null). */
+Test(model_config, num_key_value_heads_as_transformers) {
+    const char *const drop[] = {"num_key_value_heads", "num_attention_heads", NULL};
+    char buf[1024];
+    moe_model_config c;
+    cr_assert_eq(parse(&c, config_without(buf, sizeof buf, drop, "\"num_attention_heads\": 16"), NULL), MOE_OK,
+                 "%s", moe_last_error());
+    cr_expect_eq(c.num_key_value_heads, 8, "absent: transformers' default 8, not num_attention_heads");
+    cr_assert_eq(parse(&c, config_without(buf, sizeof buf, drop,
+                                          "\"num_attention_heads\": 16, \"num_key_value_heads\": null"),
+                       NULL),
+                 MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(c.num_key_value_heads, 16, "null: num_attention_heads");
+    cr_assert_eq(parse(&c, config_with("num_key_value_heads", "null"), NULL), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(c.num_key_value_heads, 4, "null: num_attention_heads");
+    cr_assert_eq(parse(&c, config_with("num_key_value_heads", "2"), NULL), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(c.num_key_value_heads, 2);
+    /* Only the default is called the default. */
+    cr_expect_eq(parse(&c, config_with("num_key_value_heads", "8"), NULL), MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "t/config.json: num_attention_heads=4 is not a multiple of "
+                                       "num_key_value_heads=8") != NULL &&
+                  strstr(moe_last_error(), "default") == NULL,
+              "%s", moe_last_error());
+}
+
+/* transformers' attribute_map: "num_experts" sets num_local_experts. */
+Test(model_config, num_experts_is_num_local_experts) {
+    const char *const drop[] = {"num_local_experts", NULL};
+    const struct {
+        const char *extra;
+        int64_t experts; /* 0: refused */
+        const char *want;
+    } cases[] = {
+        {"\"num_experts\": 4", 4, NULL},
+        {"\"num_experts\": 4, \"num_local_experts\": 4", 4, NULL},
+        {"\"num_local_experts\": 4, \"num_experts\": 4", 4, NULL},
+        {"\"num_local_experts\": null, \"num_experts\": 4", 4, NULL},
+        {"\"num_experts\": null, \"num_local_experts\": 6", 6, NULL},
+        {"\"num_experts\": 4, \"num_local_experts\": 6", 0,
+         "t/config.json: num_experts=4 disagrees with num_local_experts=6"},
+        {"\"num_local_experts\": 6, \"num_experts\": 4", 0,
+         "t/config.json: num_experts=4 disagrees with num_local_experts=6"},
+        {"\"num_experts\": null", 0, "t/config.json: missing required key 'num_local_experts'"},
+        {"\"num_local_experts\": null", 0, "t/config.json: num_local_experts must be an integer, got null"},
+        {"\"num_experts\": 1", 0, "t/config.json: num_experts_per_tok=2 exceeds num_local_experts=1"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        char buf[1024];
+        const char *text = config_without(buf, sizeof buf, drop, cases[i].extra);
+        moe_model_config c;
+        warnings w = {0};
+        const moe_status st = parse(&c, text, &w);
+        if (cases[i].experts == 0) {
+            cr_expect_eq(st, MOE_ERR_CONFIG, "accepted %s", text);
+            cr_expect(strstr(moe_last_error(), cases[i].want) != NULL, "%s:\n  \"%s\"\n  lacks \"%s\"", text,
+                      moe_last_error(), cases[i].want);
+            continue;
+        }
+        cr_expect_eq(st, MOE_OK, "%s: %s", text, moe_last_error());
+        cr_expect_eq(c.num_local_experts, cases[i].experts, "%s: %lld experts", text, (long long)c.num_local_experts);
+        cr_expect_eq(w.count, 0, "%s warned: %s", text, w.text[0]);
+    }
+}
+
+/* null is absent for every key, as in transformers: the config reads as if
+ * the key were not there (num_key_value_heads null is num_attention_heads,
+ * which the base config gives it anyway), with no warning. */
+Test(model_config, null_is_absent_for_every_key) {
+    const char *const keys[] = {
+        "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window", "rope_theta",
+        "rms_norm_eps", "router_aux_loss_coef", "router_jitter_noise", "initializer_range", "moe_gate",
+        "moe_renormalize", "moe_capacity_factor", "moe_z_loss_coef", "moe_seq_aux_loss_coef",
+        "moe_n_shared_experts", "moe_bias_update_rate", "moe_n_group", "moe_topk_group",
+        "moe_routed_scaling_factor", "rope_parameters", "rope_scaling", "tie_word_embeddings", "hidden_act",
+        "model_type", "attention_dropout", "num_experts", "architectures", "torch_dtype", "use_cache",
+    };
+    moe_model_config base;
+    cr_assert_eq(parse(&base, config_with(NULL, NULL), NULL), MOE_OK, "%s", moe_last_error());
+    for (size_t i = 0; i < sizeof keys / sizeof *keys; i++) {
+        moe_model_config c;
+        warnings w = {0};
+        const char *text = config_with(keys[i], "null");
+        cr_expect_eq(parse(&c, text, &w), MOE_OK, "%s: %s", text, moe_last_error());
+        cr_expect_eq(w.count, 0, "%s warned: %s", text, w.text[0]);
+        cr_expect(memcmp(&c, &base, sizeof c) == 0, "%s does not read as the base config", text);
+    }
 }
