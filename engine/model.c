@@ -16,7 +16,6 @@
 #include "kernels/ops.h"
 
 #define MOE_ALIGN_BYTES 64
-#define MOE_INIT_STD 0.02f /* Hugging Face's initializer_range */
 
 typedef struct moe_layer_offsets {
     int64_t router, experts, shared; /* into the parameter (and gradient) arrays */
@@ -575,6 +574,7 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_model_config *cf
         return st;
     }
     /* alloc zero-fills, so the padding and the gradients start at zero. */
+    const float init_std = (float)cfg->initializer_range; /* 0.02f by default, as Mixtral */
     for (int64_t i = 0; st == MOE_OK && i < m->n_tensors; i++) {
         const moe_model_tensor *t = &m->tensors[i];
         float *p = m->staging; /* [numel] */
@@ -582,7 +582,7 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_model_config *cf
             for (int64_t j = 0; j < t->numel; j++) p[j] = 1.0f;
         } else {
 #pragma omp parallel for schedule(static)
-            for (int64_t j = 0; j < t->numel; j++) p[j] = MOE_INIT_STD * moe_rng_normal(seed, (uint64_t)t->init_stream, (uint64_t)j);
+            for (int64_t j = 0; j < t->numel; j++) p[j] = init_std * moe_rng_normal(seed, (uint64_t)t->init_stream, (uint64_t)j);
         }
         st = m->ops->upload(m->params + t->offset, p, (size_t)t->numel * sizeof(float));
     }

@@ -33,8 +33,8 @@ typedef struct moe_model_tensor {
 typedef struct moe_model moe_model;
 
 /* Builds the model for batches of B sequences of T tokens and initialises
- * the parameters as Hugging Face does: N(0, 0.02) for every matrix, 1 for
- * every norm, from seed. */
+ * the parameters as Hugging Face does: N(0, initializer_range^2) for every
+ * matrix, 1 for every norm, from seed. */
 moe_status moe_model_create(moe_model **model, const moe_model_config *cfg, int64_t B, int64_t T, uint64_t seed);
 
 /* The ranks a model is spread over. world: the data-parallel ranks (of

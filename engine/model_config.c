@@ -24,6 +24,11 @@
  * finite and in [0, MAX_COEF]. */
 #define MAX_GEMM_DIM (INT_MAX / 2)
 #define MAX_COEF 1e6
+/* initializer_range's bound is a guard against slips, not a numerical
+ * limit: published models use 0.006 to 0.02, and an expert's output grows as
+ * the cube of the weights' std (three matrices), so 1 is already extreme;
+ * 1e3 leaves experiments room and refuses 2e4 typed for 2e-2. */
+#define MAX_INIT_STD 1e3
 #define MAX_CONFIG_BYTES ((size_t)16 << 20)
 
 /* F_WINDOW: a positive integer, or null (0 in the struct) for none. */
@@ -66,6 +71,7 @@ static const field fields[] = {
     FIELD(rms_norm_eps, F_REAL, false, 1e-5),
     FIELD(router_aux_loss_coef, F_REAL, false, 0.001),
     FIELD(router_jitter_noise, F_REAL, false, 0.0),
+    FIELD(initializer_range, F_REAL, false, 0.02),
     FIELD(moe_gate, F_GATE, false, MOE_GATE_SOFTMAX_TOPK),
     FIELD(moe_renormalize, F_BOOL, false, 1),
     FIELD(moe_capacity_factor, F_REAL, false, 0.0),
@@ -82,7 +88,7 @@ static const field fields[] = {
 /* Hugging Face keys that do not change the model we build. */
 static const char *const ignored_keys[] = {
     "architectures", "bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype", "dtype",
-    "initializer_range", "output_router_logits", "use_cache", "transformers_version", "_name_or_path",
+    "output_router_logits", "use_cache", "transformers_version", "_name_or_path",
     "return_dict", "output_attentions", "output_hidden_states",
 };
 
@@ -224,6 +230,12 @@ static moe_status check_float(const char *name, const char *key, double v) {
     if (v <= 0.0) return moe_error(MOE_ERR_CONFIG, "%s: %s=%g must be > 0", name, key, v);
     return moe_error(MOE_ERR_CONFIG, "%s: %s=%g must be in [%g, %g], a normal float (it is used in single precision)",
                      name, key, v, (double)FLT_MIN, (double)FLT_MAX);
+}
+
+/* A value used in single precision, as check_float, and at most hi. */
+static moe_status check_float_upto(const char *name, const char *key, double v, double hi) {
+    if (v >= FLT_MIN && v <= hi) return MOE_OK;
+    return moe_error(MOE_ERR_CONFIG, "%s: %s=%g must be in [%g, %g]", name, key, v, (double)FLT_MIN, hi);
 }
 
 /* rope_parameters (transformers v5): {"rope_type": "default", "rope_theta": x}. */
@@ -517,14 +529,13 @@ moe_status moe_model_config_validate(const moe_model_config *c, const char *name
     MOE_TRY(check_float(name, "rms_norm_eps", c->rms_norm_eps));
     MOE_TRY(check_coef(name, "router_aux_loss_coef", c->router_aux_loss_coef));
     MOE_TRY(check_real(name, "router_jitter_noise", c->router_jitter_noise, 0.0, 1.0));
+    MOE_TRY(check_float_upto(name, "initializer_range", c->initializer_range, MAX_INIT_STD));
     MOE_TRY(check_coef(name, "moe_capacity_factor", c->moe_capacity_factor));
     MOE_TRY(check_coef(name, "moe_z_loss_coef", c->moe_z_loss_coef));
     MOE_TRY(check_coef(name, "moe_seq_aux_loss_coef", c->moe_seq_aux_loss_coef));
     MOE_TRY(check_coef(name, "moe_bias_update_rate", c->moe_bias_update_rate));
     /* Used in single precision, and divided by in the gate's backward. */
-    if (!(c->moe_routed_scaling_factor >= FLT_MIN && c->moe_routed_scaling_factor <= MAX_COEF))
-        return moe_error(MOE_ERR_CONFIG, "%s: moe_routed_scaling_factor=%g must be in [%g, %g]", name,
-                         c->moe_routed_scaling_factor, (double)FLT_MIN, MAX_COEF);
+    MOE_TRY(check_float_upto(name, "moe_routed_scaling_factor", c->moe_routed_scaling_factor, MAX_COEF));
     const int64_t E = c->num_local_experts, groups = c->moe_n_group;
     if (groups < 0 || groups > MOE_GROUPS_MAX || groups > E || (groups > 1 && E % groups))
         return moe_error(MOE_ERR_CONFIG, "%s: moe_n_group=%lld must divide num_local_experts=%lld and be at most %d "

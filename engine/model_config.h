@@ -4,12 +4,12 @@
  * MixtralConfig makes of it.
  *
  * Reading: a key we know but do not use (architectures, bos_token_id,
- * torch_dtype, initializer_range, use_cache, ...) is accepted silently; an
- * unknown key is ignored with a warning passed to the caller's callback (the
- * library never prints). Keys that would change the model in ways we do not
- * implement are errors (tie_word_embeddings true, hidden_act other than
- * "silu", model_type other than "mixtral", rope_scaling, a rope_type other
- * than "default"). A wrong type or an impossible value is an error naming the
+ * torch_dtype, use_cache, ...) is accepted silently; an unknown key is
+ * ignored with a warning passed to the caller's callback (the library never
+ * prints). Keys that would change the model in ways we do not implement are
+ * errors (tie_word_embeddings true, hidden_act other than "silu", model_type
+ * other than "mixtral", rope_scaling, a rope_type other than
+ * "default"). A wrong type or an impossible value is an error naming the
  * file, the key and the value, and so is a string holding a NUL character
  * (\u0000); an integer past int64 is out of range. JSON null counts as
  * absent for every key, as in transformers, with transformers' one
@@ -49,6 +49,7 @@ typedef struct moe_model_config {
     double rms_norm_eps;             /* default 1e-5 */
     double router_aux_loss_coef;     /* default 0.001 */
     double router_jitter_noise;      /* in [0, 1), default 0 */
+    double initializer_range;        /* the initial weights' std, in [FLT_MIN, 1e3], default 0.02 */
     /* Ours (moe_layer_config in moe.h says what each does). */
     moe_gate_kind moe_gate;       /* "softmax_topk" (default), "topk_softmax", "sigmoid" */
     bool moe_renormalize;         /* default true */
@@ -88,7 +89,7 @@ moe_status moe_model_config_save(const moe_model_config *cfg, const char *path);
 
 /* A small model for tests and first runs: d 128, ff 256, 4 layers, 4 heads
  * (2 KV), 8 experts, top-2, rope_theta 1e4, eps 1e-5, aux coef 0.01, the
- * rest Mixtral's defaults. */
+ * rest Mixtral's defaults (initializer_range 0.02). */
 void moe_model_config_default_small(moe_model_config *cfg, int64_t vocab_size);
 
 /* The (query, key) pairs of a sequence of T that causal attention with

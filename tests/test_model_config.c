@@ -1,5 +1,6 @@
 /* config.json: the real Mixtral-8x7B file, defaults as transformers' MixtralConfig
- * fills them, every bad field, and save -> load round trips. */
+ * fills them, every bad field, save -> load round trips, and the model's
+ * initial weights from initializer_range. */
 #define _XOPEN_SOURCE 700
 
 #include <criterion/criterion.h>
@@ -9,9 +10,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/rng.h"
 #include "common/status.h"
 #include "engine/fileio.h"
 #include "engine/json.h"
+#include "engine/model.h"
 #include "engine/model_config.h"
 
 /* mistralai/Mixtral-8x7B-v0.1 config.json, verbatim. */
@@ -86,6 +89,7 @@ Test(model_config, mixtral_8x7b) {
     cr_expect_eq(c.rms_norm_eps, 1e-5);
     cr_expect_eq(c.router_aux_loss_coef, 0.02);
     cr_expect_eq(c.router_jitter_noise, 0.0);
+    cr_expect_eq(c.initializer_range, 0.02);
     cr_expect_eq(c.moe_gate, MOE_GATE_SOFTMAX_TOPK);
     cr_expect(c.moe_renormalize);
     cr_expect_eq(c.moe_capacity_factor, 0.0);
@@ -147,6 +151,7 @@ Test(model_config, defaults) {
     cr_expect(c.moe_renormalize);
     cr_expect_eq(c.moe_routed_scaling_factor, 1.0);
     cr_expect_eq(c.moe_seq_aux_loss_coef, 0.0);
+    cr_expect_eq(c.initializer_range, 0.02);
 
     /* null means absent, as in transformers */
     cr_assert_eq(parse(&c, config_with("head_dim", "null"), &w), MOE_OK, "%s", moe_last_error());
@@ -266,6 +271,11 @@ Test(model_config, every_bad_field_is_named) {
         {"moe_routed_scaling_factor", "-2.5", "moe_routed_scaling_factor=-2.5 must be in [1.17549e-38, 1e+06]"},
         {"moe_routed_scaling_factor", "1e-50", "moe_routed_scaling_factor=1e-50 must be in [1.17549e-38, 1e+06]"},
         {"moe_routed_scaling_factor", "1e7", "moe_routed_scaling_factor=1e+07 must be in [1.17549e-38, 1e+06]"},
+        {"initializer_range", "0", "t/config.json: initializer_range=0 must be in [1.17549e-38, 1000]"},
+        {"initializer_range", "-0.02", "t/config.json: initializer_range=-0.02 must be in [1.17549e-38, 1000]"},
+        {"initializer_range", "1e-40", "t/config.json: initializer_range=1e-40 must be in [1.17549e-38, 1000]"},
+        {"initializer_range", "2e4", "t/config.json: initializer_range=20000 must be in [1.17549e-38, 1000]"},
+        {"initializer_range", "\"0.02\"", "t/config.json: initializer_range must be a number, got \"0.02\""},
         {"num_experts", "4", "t/config.json: num_experts=4 disagrees with num_local_experts=8"},
         {"num_experts", "\"8\"", "t/config.json: num_experts must be an integer, got \"8\""},
         {"num_experts", "8.5", "t/config.json: num_experts must be an integer, got 8.5"},
@@ -535,6 +545,7 @@ static void expect_same(const moe_model_config *a, const moe_model_config *b) {
     SAME(rms_norm_eps);
     SAME(router_aux_loss_coef);
     SAME(router_jitter_noise);
+    SAME(initializer_range);
     SAME(moe_gate);
     SAME(moe_renormalize);
     SAME(moe_capacity_factor);
@@ -559,6 +570,7 @@ Test(model_config, save_then_load_is_identical, .init = make_tmpdir, .fini = rem
     c.rms_norm_eps = 1e-6;
     c.router_aux_loss_coef = 1.0 / 3.0;
     c.router_jitter_noise = 0.01;
+    c.initializer_range = 0.5;
     c.moe_gate = MOE_GATE_SIGMOID;
     c.moe_renormalize = false;
     c.moe_capacity_factor = 1.25;
@@ -586,6 +598,7 @@ Test(model_config, save_then_load_is_identical, .init = make_tmpdir, .fini = rem
     const moe_json *r = moe_json_root(doc);
     cr_expect_str_eq(moe_json_get(r, "model_type")->string.data, "mixtral");
     cr_expect_str_eq(moe_json_get(r, "architectures")->array.items[0].string.data, "MixtralForCausalLM");
+    cr_expect_eq(moe_json_get(r, "initializer_range")->number.value, 0.5);
     cr_expect_str_eq(moe_json_get(r, "hidden_act")->string.data, "silu");
     cr_expect_eq(moe_json_get(r, "tie_word_embeddings")->boolean, false);
     cr_expect_str_eq(moe_json_get(r, "moe_gate")->string.data, "sigmoid");
@@ -605,7 +618,7 @@ Test(model_config, save_then_load_is_identical, .init = make_tmpdir, .fini = rem
     cr_assert_eq(moe_file_read_all(&text, &n, path, 1 << 20), MOE_OK);
     const char *written[] = {"\"sliding_window\": null", "\"model_type\": \"mixtral\"",
                              "\"MixtralForCausalLM\"", "\"rope_theta\": 1000000.0", "\"router_jitter_noise\": 0.0",
-                             "\"moe_capacity_factor\": 0.0",
+                             "\"initializer_range\": 0.02", "\"moe_capacity_factor\": 0.0",
                              "\"moe_routed_scaling_factor\": 1.0", "\"num_key_value_heads\": 8"};
     for (size_t i = 0; i < sizeof written / sizeof *written; i++)
         cr_expect(strstr(text, written[i]) != NULL, "lacks %s:\n%s", written[i], text);
@@ -727,5 +740,65 @@ Test(model_config, null_is_absent_for_every_key) {
         cr_expect_eq(parse(&c, text, &w), MOE_OK, "%s: %s", text, moe_last_error());
         cr_expect_eq(w.count, 0, "%s warned: %s", text, w.text[0]);
         cr_expect(memcmp(&c, &base, sizeof c) == 0, "%s does not read as the base config", text);
+    }
+}
+
+/* The population std of the model's matrices (every 2-D tensor), from its
+ * host parameters; *ones: whether every norm weight is 1. */
+static double matrix_std(moe_model *m, bool *ones) {
+    const float *p = moe_model_host_params(m);
+    double sum = 0.0, sumsq = 0.0;
+    int64_t n = 0;
+    *ones = true;
+    for (int64_t i = 0; i < moe_model_tensor_count(m); i++) {
+        const moe_model_tensor *t = moe_model_tensor_at(m, i);
+        for (int64_t j = 0; j < t->numel; j++) {
+            const double x = p[t->offset + j];
+            if (t->ndim == 1) {
+                *ones &= x == 1.0;
+                continue;
+            }
+            sum += x, sumsq += x * x, n++;
+        }
+    }
+    const double mean = sum / (double)n;
+    return sqrt(sumsq / (double)n - mean * mean);
+}
+
+/* initializer_range is the std of the initial weights, as in transformers;
+ * the default, 0.02, gives bit for bit the weights the fixed 0.02f gave. */
+Test(model_config, initializer_range_sets_the_initial_std) {
+    moe_model_config c;
+    moe_model_config_default_small(&c, 256);
+    c.hidden_size = 64, c.intermediate_size = 64, c.num_hidden_layers = 2, c.head_dim = 16;
+    const uint64_t seed = 7;
+    /* About 200k weights: the sample std is within 0.3% of the true one
+     * (relative standard error 1 / sqrt(2 n)), so 2% cannot fail by chance. */
+    const double stds[] = {0.02, 0.5, 1e-3};
+    for (size_t k = 0; k < sizeof stds / sizeof *stds; k++) {
+        c.initializer_range = stds[k];
+        moe_model *m = NULL;
+        cr_assert_eq(moe_model_create(&m, &c, 1, 8, seed), MOE_OK, "%s", moe_last_error());
+        cr_assert_not_null(moe_model_host_params(m), "the CPU model's parameters are on the host");
+        bool ones;
+        const double got = matrix_std(m, &ones);
+        cr_expect(fabs(got / stds[k] - 1.0) < 0.02, "initializer_range %g: the weights' std is %g", stds[k], got);
+        cr_expect(ones, "initializer_range %g: a norm weight is not 1", stds[k]);
+        cr_expect_eq(moe_model_get_config(m)->initializer_range, stds[k]);
+        if (k == 0) {
+            /* The default's weights are 0.02f x the seeded normal draws. */
+            const float *p = moe_model_host_params(m);
+            int64_t wrong = 0, first = -1;
+            for (int64_t i = 0; i < moe_model_tensor_count(m); i++) {
+                const moe_model_tensor *t = moe_model_tensor_at(m, i);
+                for (int64_t j = 0; t->ndim == 2 && j < t->numel; j++) {
+                    const float want = 0.02f * moe_rng_normal(seed, (uint64_t)t->init_stream, (uint64_t)j);
+                    if (p[t->offset + j] != want && wrong++ == 0) first = t->offset + j;
+                }
+            }
+            cr_expect_eq(wrong, 0, "%lld weights differ from 0.02f x N(0, 1), the first at %lld", (long long)wrong,
+                         (long long)first);
+        }
+        moe_model_destroy(m);
     }
 }
