@@ -99,6 +99,14 @@ static const char *const checked_keys[] = {
     "num_experts",
 };
 
+/* model_type and architectures: transformers' Mixtral when it computes what
+ * our model computes, else a type transformers refuses rather than load as
+ * Mixtral and give other outputs (moe_model_config_save). */
+#define MODEL_TYPE_MIXTRAL "mixtral"
+#define ARCH_MIXTRAL "MixtralForCausalLM"
+#define MODEL_TYPE_OURS "moe"
+#define ARCH_OURS "MoeForCausalLM"
+
 static const char *const gate_names[] = {
     [MOE_GATE_SOFTMAX_TOPK] = "softmax_topk",
     [MOE_GATE_TOPK_SOFTMAX] = "topk_softmax",
@@ -205,13 +213,16 @@ static moe_status read_field(moe_model_config *cfg, const field *f, const moe_js
     return moe_error(MOE_ERR_INTERNAL, "%s: field %s has no kind", name, f->key);
 }
 
-static moe_status require_string(const char *name, const char *key, const moe_json *v, const char *want) {
+/* v is the string want or, when alt is not NULL, alt. */
+static moe_status require_string(const char *name, const char *key, const moe_json *v, const char *want,
+                                 const char *alt) {
     const char *text;
     MOE_TRY(string_text(&text, name, key, v));
-    if (text != NULL && strcmp(text, want) == 0) return MOE_OK;
+    if (text != NULL && (strcmp(text, want) == 0 || (alt != NULL && strcmp(text, alt) == 0))) return MOE_OK;
     char got[80];
-    return moe_error(MOE_ERR_CONFIG, "%s: %s=%s is not supported (only \"%s\")", name, key,
-                     describe(got, sizeof got, v), want);
+    return moe_error(MOE_ERR_CONFIG, "%s: %s=%s is not supported (only \"%s\"%s%s%s)", name, key,
+                     describe(got, sizeof got, v), want, alt != NULL ? " or \"" : "", alt != NULL ? alt : "",
+                     alt != NULL ? "\"" : "");
 }
 
 /* lo <= v < hi, and not NaN. */
@@ -248,7 +259,7 @@ static moe_status read_rope_parameters(double *theta, const moe_json *v, const c
             return moe_error(MOE_ERR_CONFIG, "%s: key \"rope_parameters.%s...\" contains a NUL character", name,
                              m->key);
         if (strcmp(m->key, "rope_type") == 0) {
-            MOE_TRY(require_string(name, "rope_parameters.rope_type", &m->value, "default"));
+            MOE_TRY(require_string(name, "rope_parameters.rope_type", &m->value, "default", NULL));
         } else if (strcmp(m->key, "rope_theta") == 0) {
             if (m->value.type != MOE_JSON_NUMBER)
                 return wrong_type(name, "rope_parameters.rope_theta", "a number", &m->value);
@@ -299,8 +310,8 @@ static moe_status read_other(const moe_json_member *m, other_values *o, const ch
                              name);
         return MOE_OK;
     }
-    if (strcmp(key, "hidden_act") == 0) return require_string(name, key, v, "silu");
-    if (strcmp(key, "model_type") == 0) return require_string(name, key, v, "mixtral");
+    if (strcmp(key, "hidden_act") == 0) return require_string(name, key, v, "silu", NULL);
+    if (strcmp(key, "model_type") == 0) return require_string(name, key, v, MODEL_TYPE_MIXTRAL, MODEL_TYPE_OURS);
     if (strcmp(key, "rope_scaling") == 0)
         return moe_error(MOE_ERR_CONFIG, "%s: rope_scaling is not supported (only plain RoPE); remove it or set null",
                          name);
@@ -559,17 +570,30 @@ static moe_status write_text_line(void *ctx, FILE *file) {
     return moe_file_write_bytes(file, "\n", 1);
 }
 
+/* Whether transformers' Mixtral computes what this model computes: every
+ * moe_* key that changes the outputs at the value that makes the layer
+ * Mixtral's. The loss-only keys (router_aux_loss_coef, moe_z_loss_coef,
+ * moe_seq_aux_loss_coef, and router_jitter_noise, which perturbs training
+ * only) leave it Mixtral; moe_bias_update_rate > 0 does not, as the saved
+ * selection bias moves the routing. */
+static bool is_mixtral(const moe_model_config *c) {
+    return c->moe_gate == MOE_GATE_SOFTMAX_TOPK && c->moe_renormalize && c->moe_capacity_factor == 0.0 &&
+           c->moe_n_shared_experts == 0 && c->moe_bias_update_rate == 0.0 && c->moe_n_group <= 1 &&
+           c->moe_routed_scaling_factor == 1.0;
+}
+
 moe_status moe_model_config_save(const moe_model_config *cfg, const char *path) {
     MOE_TRY(moe_model_config_validate(cfg, path));
+    const bool mixtral = is_mixtral(cfg);
     moe_json_writer w;
     moe_json_writer_init(&w, 2);
     moe_json_begin_object(&w);
     moe_json_key(&w, "architectures");
     moe_json_begin_array(&w);
-    moe_json_string(&w, "MixtralForCausalLM");
+    moe_json_string(&w, mixtral ? ARCH_MIXTRAL : ARCH_OURS);
     moe_json_end_array(&w);
     moe_json_key(&w, "model_type");
-    moe_json_string(&w, "mixtral");
+    moe_json_string(&w, mixtral ? MODEL_TYPE_MIXTRAL : MODEL_TYPE_OURS);
     moe_json_key(&w, "hidden_act");
     moe_json_string(&w, "silu");
     moe_json_key(&w, "tie_word_embeddings");

@@ -8,7 +8,7 @@
  * ignored with a warning passed to the caller's callback (the library never
  * prints). Keys that would change the model in ways we do not implement are
  * errors (tie_word_embeddings true, hidden_act other than "silu", model_type
- * other than "mixtral", rope_scaling, a rope_type other than
+ * other than "mixtral" or "moe", rope_scaling, a rope_type other than
  * "default"). A wrong type or an impossible value is an error naming the
  * file, the key and the value, and so is a string holding a NUL character
  * (\u0000); an integer past int64 is out of range. JSON null counts as
@@ -16,7 +16,17 @@
  * exception: num_key_value_heads absent is 8, null is num_attention_heads.
  * "num_experts" stands for num_local_experts (transformers' attribute_map);
  * given both, they must agree. Limits that the MoE layer imposes
- * (moe_layer_config_validate) are checked here under the config.json key. */
+ * (moe_layer_config_validate) are checked here under the config.json key.
+ *
+ * Writing: "model_type": "mixtral" and "architectures":
+ * ["MixtralForCausalLM"] only when transformers' Mixtral computes what this
+ * model computes: moe_gate "softmax_topk", moe_renormalize true, and
+ * moe_capacity_factor, moe_n_shared_experts, moe_bias_update_rate 0,
+ * moe_n_group 0 or 1, moe_routed_scaling_factor 1 (the loss-only keys
+ * router_aux_loss_coef, moe_z_loss_coef, moe_seq_aux_loss_coef and
+ * router_jitter_noise may take any value). Otherwise "model_type": "moe" and
+ * ["MoeForCausalLM"], which transformers refuses rather than load as
+ * Mixtral and give other outputs; this library reads both. */
 #ifndef MOE_ENGINE_MODEL_CONFIG_H
 #define MOE_ENGINE_MODEL_CONFIG_H
 

@@ -248,7 +248,7 @@ Test(model_config, every_bad_field_is_named) {
         {"tie_word_embeddings", "true", "tie_word_embeddings=true is not supported"},
         {"tie_word_embeddings", "\"no\"", "tie_word_embeddings must be true or false, got \"no\""},
         {"hidden_act", "\"gelu\"", "hidden_act=\"gelu\" is not supported (only \"silu\")"},
-        {"model_type", "\"qwen2_moe\"", "model_type=\"qwen2_moe\" is not supported (only \"mixtral\")"},
+        {"model_type", "\"qwen2_moe\"", "model_type=\"qwen2_moe\" is not supported (only \"mixtral\" or \"moe\")"},
         {"rope_scaling", "{\"type\": \"linear\", \"factor\": 2}", "rope_scaling is not supported"},
         {"rope_parameters", "{\"rope_type\": \"yarn\"}", "rope_parameters.rope_type=\"yarn\" is not supported"},
         {"rope_parameters", "5", "rope_parameters must be an object, got 5"},
@@ -589,15 +589,16 @@ Test(model_config, save_then_load_is_identical, .init = make_tmpdir, .fini = rem
     cr_expect_eq(w.count, 0, "saved file warns: %s", w.text[0]);
     expect_same(&c, &back);
 
-    /* The file reads as a Hugging Face Mixtral config. */
+    /* The file reads as a Hugging Face config, of a type transformers does
+     * not load as Mixtral: the sigmoid gate and the rest are not Mixtral's. */
     char *text;
     size_t n;
     cr_assert_eq(moe_file_read_all(&text, &n, path, 1 << 20), MOE_OK);
     moe_json_doc *doc;
     cr_assert_eq(moe_json_parse(&doc, text, n, path), MOE_OK, "%s", moe_last_error());
     const moe_json *r = moe_json_root(doc);
-    cr_expect_str_eq(moe_json_get(r, "model_type")->string.data, "mixtral");
-    cr_expect_str_eq(moe_json_get(r, "architectures")->array.items[0].string.data, "MixtralForCausalLM");
+    cr_expect_str_eq(moe_json_get(r, "model_type")->string.data, "moe");
+    cr_expect_str_eq(moe_json_get(r, "architectures")->array.items[0].string.data, "MoeForCausalLM");
     cr_expect_eq(moe_json_get(r, "initializer_range")->number.value, 0.5);
     cr_expect_str_eq(moe_json_get(r, "hidden_act")->string.data, "silu");
     cr_expect_eq(moe_json_get(r, "tie_word_embeddings")->boolean, false);
@@ -740,6 +741,62 @@ Test(model_config, null_is_absent_for_every_key) {
         cr_expect_eq(parse(&c, text, &w), MOE_OK, "%s: %s", text, moe_last_error());
         cr_expect_eq(w.count, 0, "%s warned: %s", text, w.text[0]);
         cr_expect(memcmp(&c, &base, sizeof c) == 0, "%s does not read as the base config", text);
+    }
+}
+
+/* The written model_type is "mixtral" exactly when transformers' Mixtral
+ * computes what the model computes: each key that changes the outputs makes
+ * it "moe", each loss-only key leaves it "mixtral"; either reads back equal. */
+Test(model_config, model_type_says_whether_transformers_computes_the_same, .init = make_tmpdir,
+     .fini = remove_tmpdir) {
+    const struct {
+        const char *key, *value; /* key NULL: the base config */
+        bool mixtral;
+    } cases[] = {
+        {NULL, NULL, true},
+        {"moe_gate", "\"topk_softmax\"", false},
+        {"moe_gate", "\"sigmoid\"", false},
+        {"moe_renormalize", "false", false},
+        {"moe_capacity_factor", "1.25", false},
+        {"moe_n_shared_experts", "1", false},
+        {"moe_bias_update_rate", "0.001", false},
+        {"moe_n_group", "4, \"moe_topk_group\": 2", false},
+        {"moe_routed_scaling_factor", "2.5", false},
+        {"moe_routed_scaling_factor", "1.0000001", false},
+        /* One group is no groups. */
+        {"moe_n_group", "1", true},
+        {"router_aux_loss_coef", "0.1", true},
+        {"moe_z_loss_coef", "0.001", true},
+        {"moe_seq_aux_loss_coef", "0.0001", true},
+        {"router_jitter_noise", "0.01", true},
+        {"initializer_range", "0.5", true},
+        {"sliding_window", "16", true},
+        /* The type read does not decide the type written; the model does. */
+        {"model_type", "\"moe\"", true},
+        {"model_type", "\"mixtral\", \"moe_gate\": \"sigmoid\"", false},
+    };
+    char path[512];
+    snprintf(path, sizeof path, "%s/config.json", tmpdir);
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        const char *text = config_with(cases[i].key, cases[i].value);
+        moe_model_config c, back;
+        cr_assert_eq(parse(&c, text, NULL), MOE_OK, "%s: %s", text, moe_last_error());
+        cr_assert_eq(moe_model_config_save(&c, path), MOE_OK, "%s", moe_last_error());
+        moe_json_doc *doc;
+        cr_assert_eq(moe_json_parse_file(&doc, path, 1 << 20), MOE_OK, "%s", moe_last_error());
+        const moe_json *r = moe_json_root(doc);
+        const char *type = moe_json_text(moe_json_get(r, "model_type"));
+        const moe_json *arch = moe_json_get(r, "architectures");
+        cr_assert(type != NULL && arch != NULL && arch->type == MOE_JSON_ARRAY && arch->array.count == 1, "%s",
+                  text);
+        cr_expect_str_eq(type, cases[i].mixtral ? "mixtral" : "moe", "%s", text);
+        cr_expect_str_eq(moe_json_text(&arch->array.items[0]),
+                         cases[i].mixtral ? "MixtralForCausalLM" : "MoeForCausalLM", "%s", text);
+        moe_json_free(doc);
+        warnings w = {0};
+        cr_assert_eq(moe_model_config_load(&back, path, collect, &w), MOE_OK, "%s: %s", text, moe_last_error());
+        cr_expect_eq(w.count, 0, "%s: the saved file warns: %s", text, w.text[0]);
+        expect_same(&c, &back);
     }
 }
 
