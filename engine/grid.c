@@ -187,6 +187,17 @@ moe_status moe_grid_agree(moe_comm *world, const moe_agree_field *fields, int co
     return st;
 }
 
+/* sliding_window as config.json writes it: null for none. Two buffers in
+ * turn, as a message names two values. */
+static const char *window_name(int value) {
+    static _Thread_local char text[2][24];
+    static _Thread_local int turn;
+    if (value == 0) return "null";
+    turn ^= 1;
+    snprintf(text[turn], sizeof text[turn], "%d", value);
+    return text[turn];
+}
+
 int moe_config_agree_fields(moe_agree_field *f, const moe_model_config *c) {
     int n = 0;
 #define FIELD(x) f[n++] = (moe_agree_field){.name = #x, .value = (double)c->x}
@@ -200,7 +211,7 @@ int moe_config_agree_fields(moe_agree_field *f, const moe_model_config *c) {
     FIELD(num_local_experts);
     FIELD(num_experts_per_tok);
     FIELD(max_position_embeddings);
-    FIELD(sliding_window);
+    f[n++] = (moe_agree_field){"sliding_window", (double)c->sliding_window, window_name};
     FIELD(rope_theta);
     FIELD(rms_norm_eps);
     FIELD(router_aux_loss_coef);

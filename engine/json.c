@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/shortest.h"
 #include "common/status.h"
 #include "engine/fileio.h"
 
@@ -799,10 +800,7 @@ void moe_json_number(moe_json_writer *w, double v) {
     if (!before_value(w)) return;
     char text[32];
     locale_t old = enter_c_locale();
-    for (int digits = 15; digits <= 17; digits++) {
-        snprintf(text, sizeof text, "%.*g", digits, v);
-        if (strtod(text, NULL) == v) break;
-    }
+    moe_shortest(text, sizeof text, v);
     leave_c_locale(old);
     put_str(w, text);
     /* %g drops the point of a whole number, and Python's json reads "0" as

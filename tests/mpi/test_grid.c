@@ -35,6 +35,14 @@ int main(void) {
     if (bad) printf("  rank %d got: %s\n", rank, moe_last_error());
     mpi_report(bad, "an enum is named by its value's name");
     cfg.moe_gate = MOE_GATE_SOFTMAX_TOPK;
+    /* No sliding window as config.json writes it, and a window as a number. */
+    if (rank == size - 1) cfg.sliding_window = 4096;
+    n = moe_config_agree_fields(fields, &cfg);
+    st = moe_grid_agree(world, fields, n);
+    bad = st != MOE_ERR_CONFIG || !strstr(moe_last_error(), "sliding_window: 4096, rank 0 has null");
+    if (bad) printf("  rank %d got: %s\n", rank, moe_last_error());
+    mpi_report(bad, "no sliding window is null, a window its size");
+    cfg.sliding_window = 0;
     if (rank == size - 1) cfg.router_aux_loss_coef = 0.03;
     n = moe_config_agree_fields(fields, &cfg);
     st = moe_grid_agree(world, fields, n);
