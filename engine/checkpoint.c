@@ -31,6 +31,9 @@
 #define EXPERT_FMT "model.layers.%lld.block_sparse_moe.experts.%lld.w%d.weight"
 #define FUSED_ROUTER_FMT "model.layers.%lld.mlp.gate.weight"
 #define FUSED_EXPERTS_FMT "model.layers.%lld.mlp.experts.%s"
+/* A dense model's MLP (Mistral's, Llama's): gate_proj, up_proj, down_proj. */
+#define DENSE_MLP_FMT "model.layers.%lld.mlp.%s_proj.weight"
+#define MOE_BLOCK ".block_sparse_moe."
 #define LAYER_FMT "model.layers.%lld."
 /* The tensors outside the layers: the first pipeline stage's, the last's. */
 #define EMBED_NAME "model.embed_tokens.weight"
@@ -629,6 +632,7 @@ typedef struct weights_reader {
     const char *where; /* the file to name when a tensor is missing */
     bool *used;        /* [tensor count of dir] */
     int64_t E, d, ff;
+    bool upcycle;      /* dir holds a dense model (moe_checkpoint_upcycle_weights) */
 } weights_reader;
 
 /* Index of name among the dir's tensors (sorted by name), or -1. */
@@ -671,12 +675,22 @@ static moe_status take(source *s, weights_reader *r, const char *name, int64_t n
  * gate_up_proj [E, 2ff, d] holding w1 in rows [0, ff) and w3 in [ff, 2ff) of
  * e's slice, and mlp.experts.down_proj [E, d, ff] holding w2. */
 static moe_status resolve_weight(source *s, weights_reader *r, const moe_model_tensor *t) {
-    MOE_TRY(take(s, r, t->name, t->ndim, t->shape));
-    if (s->src != NULL) return MOE_OK;
     char alt[NAME_BYTES];
     long long l, e;
     int w, end = 0;
-    if (sscanf(t->name, EXPERT_FMT "%n", &l, &e, &w, &end) == 3 && end > 0 && t->name[end] == '\0') {
+    const bool expert = sscanf(t->name, EXPERT_FMT "%n", &l, &e, &w, &end) == 3 && end > 0 && t->name[end] == '\0';
+    if (r->upcycle && expert) { /* every expert from its layer's MLP */
+        snprintf(alt, sizeof alt, DENSE_MLP_FMT, l, w == 1 ? "gate" : w == 3 ? "up" : "down");
+        MOE_TRY(take(s, r, alt, t->ndim, t->shape));
+        if (s->src == NULL)
+            return moe_error(MOE_ERR_FORMAT, "%s: no tensor '%s' (the dense MLP that --upcycle copies into each of "
+                                             "layer %lld's experts)",
+                             r->where, alt, l);
+        return MOE_OK;
+    }
+    MOE_TRY(take(s, r, t->name, t->ndim, t->shape));
+    if (s->src != NULL) return MOE_OK;
+    if (expert) {
         const bool down = w == 2;
         const int64_t shape[3] = {r->E, down ? r->d : 2 * r->ff, down ? r->ff : r->d};
         snprintf(alt, sizeof alt, FUSED_EXPERTS_FMT, l, down ? "down_proj" : "gate_up_proj");
@@ -710,17 +724,22 @@ static moe_status check_unused(const weights_reader *r, const moe_model_stage *s
     return MOE_OK;
 }
 
-/* Fills s [*count]: the model's tensors, then the biases it has. */
+/* Fills s [*count]: the model's tensors, then the biases it has. Upcycled,
+ * the MoE blocks' other tensors (routers, shared experts, biases), which a
+ * dense model lacks, keep the model's values. */
 static moe_status resolve_weights(source *s, int64_t *count, weights_reader *r, moe_model *model) {
     const int64_t L = moe_model_get_config(model)->num_hidden_layers;
     float *params = moe_model_host_params(model);
     int64_t n = 0;
-    for (int64_t i = 0; i < moe_model_tensor_count(model); i++, n++) {
+    for (int64_t i = 0; i < moe_model_tensor_count(model); i++) {
         const moe_model_tensor *t = moe_model_tensor_at(model, i);
+        long long l, e;
+        int w;
+        if (r->upcycle && strstr(t->name, MOE_BLOCK) && sscanf(t->name, EXPERT_FMT, &l, &e, &w) != 3) continue;
         s[n] = (source){.dst = params + t->offset, .numel = t->numel};
-        MOE_TRY(resolve_weight(&s[n], r, t));
+        MOE_TRY(resolve_weight(&s[n++], r, t));
     }
-    for (int64_t l = 0; l < L; l++) {
+    for (int64_t l = 0; l < L && !r->upcycle; l++) {
         float *bias = moe_model_router_bias(model, l); /* [E] */
         if (bias == NULL) continue;
         char name[NAME_BYTES];
@@ -733,12 +752,13 @@ static moe_status resolve_weights(source *s, int64_t *count, weights_reader *r, 
     return check_unused(r, &stage, L);
 }
 
-moe_status moe_checkpoint_load_weights(moe_model *model, const char *dir) {
+static moe_status load_weights(moe_model *model, const char *dir, bool upcycle) {
     if (!model || !dir) return moe_error(MOE_ERR_INVALID_ARG, "moe_checkpoint_load_weights: NULL argument");
     moe_st_dir *d = NULL;
     const moe_model_config *c = moe_model_get_config(model);
     const int64_t n = moe_model_tensor_count(model) + c->num_hidden_layers;
-    weights_reader r = {.E = c->num_local_experts, .d = c->hidden_size, .ff = c->intermediate_size};
+    weights_reader r = {.E = c->num_local_experts, .d = c->hidden_size, .ff = c->intermediate_size,
+                        .upcycle = upcycle};
     source *s = NULL;
     int64_t count = 0;
     moe_status st = moe_st_dir_open(&d, dir);
@@ -763,6 +783,10 @@ moe_status moe_checkpoint_load_weights(moe_model *model, const char *dir) {
     if (d) moe_st_dir_close(d);
     return st;
 }
+
+moe_status moe_checkpoint_load_weights(moe_model *model, const char *dir) { return load_weights(model, dir, false); }
+
+moe_status moe_checkpoint_upcycle_weights(moe_model *model, const char *dir) { return load_weights(model, dir, true); }
 
 /* A __metadata__ value of digits only, at most max. */
 static moe_status meta_uint(uint64_t *out, const moe_st_file *f, const char *key, uint64_t max) {

@@ -117,6 +117,18 @@ moe_status moe_checkpoint_save(char *path, size_t path_bytes, const char *out_di
  * Errors name the file and the tensor; on error the model is unchanged. */
 moe_status moe_checkpoint_load_weights(moe_model *model, const char *dir);
 
+/* Sparse upcycling (Komatsuzaki et al., 2022): loads a dense model of the
+ * same sizes (Mistral's or Llama's names, each layer's MLP as
+ * mlp.gate_proj, up_proj and down_proj [intermediate_size x hidden_size,
+ * ..., hidden_size x intermediate_size]) into model, every expert of a
+ * layer a copy of that layer's MLP (w1 gate_proj, w3 up_proj, w2
+ * down_proj); the routers, shared experts and selection biases, which the
+ * dense model lacks, keep the model's values. Everything else as
+ * moe_checkpoint_load_weights, whose errors a missing MLP gives too. With
+ * renormalised top-k weights the upcycled model computes what the dense one
+ * does, whatever its routers choose. */
+moe_status moe_checkpoint_upcycle_weights(moe_model *model, const char *dir);
+
 /* Loads AdamW moments and the state written by moe_checkpoint_save from
  * dir/train_state.safetensors: sets the trainer's steps done, its moments,
  * the model's jitter counter, and *state (the caller moves its data source

@@ -257,6 +257,12 @@ moe_status moe_run_options_validate(const moe_run_options *o) {
         return moe_error(MOE_ERR_CONFIG, "--comm-timeout %g must be a positive number of seconds", o->comm_timeout);
     if (o->eval_only && !o->init_from)
         return moe_error(MOE_ERR_CONFIG, "--eval-only needs --init-from DIR: the weights to evaluate");
+    if (o->upcycle && (!o->init_from || !o->config))
+        return moe_error(MOE_ERR_CONFIG, "--upcycle needs --init-from DIR, the dense model, and --config FILE, the "
+                                         "MoE to start from it");
+    if (o->upcycle && o->eval_only)
+        return moe_error(MOE_ERR_CONFIG, "--upcycle starts a MoE from a dense model for training, and --eval-only "
+                                         "trains none (its routers would be untrained)");
     if (o->eval_only && o->profile)
         return moe_error(MOE_ERR_CONFIG, "--profile times training steps, and --eval-only runs none");
     if (o->eval_only && o->save_every)
@@ -819,6 +825,7 @@ static moe_status build_model(run *r) {
             {"validation data (tokens)", (double)moe_data_token_count(r->val.data), NULL},
             /* Ranks that loaded other weights would train a mixture. */
             {"--init-from (name hash)", o->init_from ? moe_grid_text_hash(o->init_from) : -1.0, NULL},
+            {"--upcycle", (double)o->upcycle, NULL},
             {"--resume (name hash)", o->resume ? moe_grid_text_hash(o->resume) : -1.0, NULL},
         };
         moe_agree_field fields[MOE_CONFIG_AGREE_FIELDS + sizeof options / sizeof options[0]];
@@ -843,7 +850,8 @@ static moe_status build_model(run *r) {
     moe_model_set_logit_z_loss(r->model, o->logit_z_loss);
     const char *weights = o->init_from ? o->init_from : o->resume;
     if (weights) {
-        moe_status st = moe_checkpoint_load_weights(r->model, weights);
+        moe_status st = o->upcycle && o->init_from ? moe_checkpoint_upcycle_weights(r->model, weights)
+                                                   : moe_checkpoint_load_weights(r->model, weights);
         if (st != MOE_OK) return moe_error_prefix(st, "%s %s: ", o->init_from ? "--init-from" : "--resume", weights);
     }
     moe_optim_config oc = optim_config_of(o);
@@ -909,6 +917,8 @@ static void write_options(moe_json_writer *w, const moe_run_options *o) {
     moe_json_begin_object(w);
     json_opt_string(w, "config", o->config);
     json_opt_string(w, "init_from", o->init_from);
+    moe_json_key(w, "upcycle");
+    moe_json_bool(w, o->upcycle);
     json_opt_string(w, "data", o->data);
     json_opt_string(w, "val_data", o->val_data);
     moe_json_key(w, "shuffle");

@@ -76,6 +76,8 @@ typedef struct moe_run_options {
     /* Model */
     const char *config;    /* --config FILE; NULL: --init-from's or --resume's config.json, else the default */
     const char *init_from; /* --init-from DIR: start from these weights */
+    bool upcycle;          /* --upcycle: --init-from holds a dense model whose MLPs start every expert
+                              (moe_checkpoint_upcycle_weights); --config gives the MoE */
     /* Data */
     const char *data;      /* --data: "synthetic", a file, or a shard glob */
     const char *val_data;  /* --val-data; NULL: see the top of this file */

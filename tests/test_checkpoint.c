@@ -477,6 +477,130 @@ Test(checkpoint, fused_layout_loads_like_per_expert, .init = make_tmpdir, .fini 
     free_run(&c);
 }
 
+/* A model of the test's sizes with experts experts, top-k, batches of 2 x 8. */
+static moe_model *model_of(int64_t experts, int64_t k, uint64_t seed) {
+    moe_model_config c;
+    moe_model_config_default_small(&c, VOCAB);
+    c.hidden_size = D;
+    c.intermediate_size = FF;
+    c.num_hidden_layers = LAYERS;
+    c.num_attention_heads = 2;
+    c.num_key_value_heads = 1;
+    c.head_dim = 8;
+    c.num_local_experts = experts;
+    c.num_experts_per_tok = k;
+    moe_model *m;
+    cr_assert_eq(moe_model_create(&m, &c, 2, 8, seed), MOE_OK, "%s", moe_last_error());
+    return m;
+}
+
+/* A dense model in Mistral's names: a MoE of one expert, top-1 (its one
+ * routing weight is 1), with each layer's expert written as its MLP and
+ * no router. */
+static int64_t dense_tts(tt *ts, moe_model *dense) {
+    int64_t n = 0;
+    const float *p = moe_model_params(dense);
+    static const char *const proj[4] = {[1] = "gate", [2] = "down", [3] = "up"};
+    for (int64_t i = 0; i < moe_model_tensor_count(dense); i++) {
+        const moe_model_tensor *t = moe_model_tensor_at(dense, i);
+        long long l, e;
+        int w;
+        char name[160];
+        if (sscanf(t->name, "model.layers.%lld.block_sparse_moe.experts.%lld.w%d.weight", &l, &e, &w) == 3)
+            snprintf(name, sizeof name, "model.layers.%lld.mlp.%s_proj.weight", l, proj[w]);
+        else if (strstr(t->name, ".block_sparse_moe."))
+            continue;
+        else
+            snprintf(name, sizeof name, "%s", t->name);
+        ts[n++] = make_tt(name, t->ndim, t->shape, p + t->offset);
+    }
+    return n;
+}
+
+/* Sparse upcycling: every expert of a 4-expert top-2 model is a copy of
+ * the dense model's MLP, the routers keep their initial values, and with
+ * renormalised routing weights (which sum to 1) the upcycled model's loss
+ * is the dense model's, whatever the routers choose. A dense file without
+ * a layer's MLP, of other sizes, with a router, or a MoE checkpoint, is
+ * refused, naming the tensor, and the model is left as it was. */
+Test(checkpoint, upcycled_experts_copy_the_dense_mlp, .init = make_tmpdir, .fini = remove_tmpdir) {
+    moe_model *dense = model_of(1, 1, 5), *moe = model_of(EXPERTS, 2, 6), *fresh = model_of(EXPERTS, 2, 6);
+    float *p = moe_model_params(dense);
+    for (int64_t i = 0; i < moe_model_param_count(dense); i++) p[i] *= 10.0f; /* logits far from uniform */
+    tt ts[MAX_TENSORS];
+    const int64_t n = dense_tts(ts, dense);
+    const char *dir = fresh_dir("dense");
+    write_tts(in_dir(dir, "model.safetensors"), ts, n, "F32");
+    cr_assert_eq(moe_checkpoint_upcycle_weights(moe, dir), MOE_OK, "%s", moe_last_error());
+
+    for (int64_t i = 0; i < moe_model_tensor_count(moe); i++) {
+        const moe_model_tensor *t = moe_model_tensor_at(moe, i);
+        const float *got = moe_model_params(moe) + t->offset;
+        long long l, e;
+        int w;
+        const float *want = NULL;
+        if (sscanf(t->name, "model.layers.%lld.block_sparse_moe.experts.%lld.w%d.weight", &l, &e, &w) == 3) {
+            char name[160];
+            snprintf(name, sizeof name, "model.layers.%lld.block_sparse_moe.experts.0.w%d.weight", l, w);
+            for (int64_t j = 0; j < moe_model_tensor_count(dense); j++)
+                if (strcmp(moe_model_tensor_at(dense, j)->name, name) == 0)
+                    want = moe_model_params(dense) + moe_model_tensor_at(dense, j)->offset;
+        } else if (strstr(t->name, ".block_sparse_moe.")) {
+            want = moe_model_params(fresh) + t->offset; /* the router, as initialised */
+        } else {
+            for (int64_t j = 0; j < moe_model_tensor_count(dense); j++)
+                if (strcmp(moe_model_tensor_at(dense, j)->name, t->name) == 0)
+                    want = moe_model_params(dense) + moe_model_tensor_at(dense, j)->offset;
+        }
+        cr_assert_not_null(want, "%s: no counterpart", t->name);
+        expect_bits(got, want, t->numel, t->name);
+    }
+
+    int32_t inputs[16], targets[16];
+    for (int i = 0; i < 16; i++) inputs[i] = (i * 7 + 3) % VOCAB, targets[i] = (i * 5 + 1) % VOCAB;
+    moe_model_stats a, b;
+    cr_assert_eq(moe_model_forward(dense, inputs, targets, &a), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(moe_model_forward(moe, inputs, targets, &b), MOE_OK, "%s", moe_last_error());
+    cr_expect(fabs(a.ce_loss - b.ce_loss) <= 1e-6 * a.ce_loss, "dense loss %.9g, upcycled %.9g", a.ce_loss,
+              b.ce_loss);
+    cr_expect(a.ce_loss > 3.0, "dense loss %g: the test's logits are too tame to tell", a.ce_loss);
+
+    /* Refusals name the tensor; the model keeps its values. */
+    const size_t bytes = (size_t)moe_model_param_count(moe) * sizeof(float);
+    float *before = malloc(bytes);
+    cr_assert_not_null(before);
+    memcpy(before, moe_model_params(moe), bytes);
+    tt bad[MAX_TENSORS];
+    int64_t m = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (strcmp(ts[i].name, "model.layers.1.mlp.up_proj.weight") != 0) bad[m++] = ts[i];
+    write_tts(in_dir(dir, "model.safetensors"), bad, m, "F32");
+    expect_error(moe_checkpoint_upcycle_weights(moe, dir), "no tensor 'model.layers.1.mlp.up_proj.weight'",
+                 "--upcycle");
+    memcpy(bad, ts, (size_t)n * sizeof *ts);
+    for (int64_t i = 0; i < n; i++)
+        if (strcmp(bad[i].name, "model.layers.0.mlp.down_proj.weight") == 0) bad[i].shape[1] = FF / 2;
+    write_tts(in_dir(dir, "model.safetensors"), bad, n, "F32");
+    expect_error(moe_checkpoint_upcycle_weights(moe, dir), "model.layers.0.mlp.down_proj.weight", NULL);
+    memcpy(bad, ts, (size_t)n * sizeof *ts);
+    const float router[EXPERTS * D] = {0};
+    bad[n] = make_tt("model.layers.0.block_sparse_moe.gate.weight", 2, (int64_t[]){EXPERTS, D}, router);
+    write_tts(in_dir(dir, "model.safetensors"), bad, n + 1, "F32");
+    expect_error(moe_checkpoint_upcycle_weights(moe, dir), "model.layers.0.block_sparse_moe.gate.weight",
+                 "not part of this model");
+    run r = make_run(7, 0, 0);
+    moe_train_state st = scramble(&r, 3, 0);
+    char saved[512];
+    save(saved, sizeof saved, tmpdir, &r, &st);
+    expect_error(moe_checkpoint_upcycle_weights(moe, saved), "no tensor 'model.layers.0.mlp.gate_proj.weight'", NULL);
+    expect_bits(moe_model_params(moe), before, moe_model_param_count(moe), "a refused upcycling");
+    free(before);
+    free_run(&r);
+    moe_model_destroy(dense);
+    moe_model_destroy(moe);
+    moe_model_destroy(fresh);
+}
+
 /* ts [n] as two shards (the first `half` tensors, then the rest) and an
  * index whose weight_map lists listed [n_listed], each in the shard that
  * holds it by position in ts, or in the second one when ts lacks it. */

@@ -1330,6 +1330,16 @@ static void negative_save_every(moe_run_options *o) { o->save_every = -5; }
 static void negative_keep_last(moe_run_options *o) { o->keep_last = -1; }
 static void nan_logit_z(moe_run_options *o) { o->logit_z_loss = NAN; }
 static void min_lr_constant(moe_run_options *o) { o->lr_schedule = MOE_LR_CONSTANT; }
+static void upcycle_alone(moe_run_options *o) { o->upcycle = true; }
+static void upcycle_without_config(moe_run_options *o) {
+    o->upcycle = true;
+    o->init_from = "dense";
+    o->config = NULL;
+}
+static void upcycle_eval_only(moe_run_options *o) {
+    o->upcycle = o->eval_only = true;
+    o->init_from = "dense";
+}
 static void decay_frac_cosine(moe_run_options *o) { o->decay_frac = 0.3; }
 static void decay_flips_weights(moe_run_options *o) { o->weight_decay = 1.0 / o->lr; }
 static void save_eval_only(moe_run_options *o) {
@@ -1397,6 +1407,8 @@ Test(train_run, bad_options_name_the_flag) {
         {"--logit-z-loss", nan_logit_z},  {"--shuffle", shuffle_eval_only},
         {"--save-every", save_eval_only}, {"--min-lr", min_lr_constant},
         {"--decay-frac", decay_frac_cosine}, {"--weight-decay", decay_flips_weights},
+        {"--upcycle", upcycle_alone},     {"--config", upcycle_without_config},
+        {"--eval-only", upcycle_eval_only},
         {"--steps", huge_steps},          {"--batch-size", huge_batch},
         {"--grad-accum", huge_accum},     {"--eval-batches", huge_eval_batches},
     };

@@ -41,7 +41,10 @@ static void print_help(void) {
            "                       --init-from's config.json, else the built-in model: d_model %lld,\n"
            "                       %lld layers, %lld heads (%lld KV), %lld experts of width %lld, top-%lld\n"
            "  --init-from DIR      start from DIR/model.safetensors (or its sharded index) and\n"
-           "                       DIR/config.json, e.g. a checkpoint out/step-000600\n\n",
+           "                       DIR/config.json, e.g. a checkpoint out/step-000600\n"
+           "  --upcycle            --init-from DIR holds a dense model (Mistral's or Llama's tensor\n"
+           "                       names) of --config's sizes: each expert starts as a copy of its\n"
+           "                       layer's MLP, the routers from scratch (sparse upcycling)\n\n",
            (long long)m.hidden_size, (long long)m.num_hidden_layers, (long long)m.num_attention_heads,
            (long long)m.num_key_value_heads, (long long)m.num_local_experts, (long long)m.intermediate_size,
            (long long)m.num_experts_per_tok);
@@ -154,6 +157,7 @@ static moe_status validate(const void *options) { return moe_run_options_validat
 #define OPT(field) offsetof(moe_run_options, field)
 static const cli_flag flags[] = {
     {"--config", CLI_STRING, OPT(config), NULL},         {"--init-from", CLI_STRING, OPT(init_from), NULL},
+    {"--upcycle", CLI_SWITCH, OPT(upcycle), NULL},
     {"--data", CLI_STRING, OPT(data), NULL},             {"--val-data", CLI_STRING, OPT(val_data), NULL},
     {"--batch-size", CLI_INT, OPT(batch_size), NULL},    {"--seq-len", CLI_INT, OPT(seq_len), NULL},
     {"--steps", CLI_INT, OPT(steps), NULL},              {"--lr", CLI_REAL, OPT(lr), NULL},
