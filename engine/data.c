@@ -31,8 +31,9 @@ typedef struct data_file {
 struct moe_data {
     char *name; /* path, pattern or the caller's name, for messages */
     int64_t vocab_size;
-    int64_t n_tokens;
-    int32_t *memory;  /* [n_tokens] for a source in memory, else NULL */
+    int64_t n_tokens; /* of the stream: the sources' tokens [base, base + n_tokens) */
+    int64_t base;     /* moe_data_restrict's */
+    int32_t *memory;  /* the sources' tokens, for a source in memory, else NULL */
     data_file *files; /* [n_files] in stream order, for a source on disk */
     int64_t n_files;
     FILE *open_file; /* files[open_index]: kept open between batches */
@@ -230,6 +231,18 @@ void moe_data_set_shuffle(moe_data *data, int shuffle, uint64_t seed) {
     data->order_epoch = -1;
 }
 
+moe_status moe_data_restrict(moe_data *data, int64_t begin, int64_t end) {
+    if (begin < 0 || begin >= end || end > data->n_tokens)
+        return moe_error(MOE_ERR_INVALID_ARG, "%s: tokens [%lld, %lld) of %lld: need 0 <= begin < end <= %lld",
+                         data->name, (long long)begin, (long long)end, (long long)data->n_tokens,
+                         (long long)data->n_tokens);
+    data->base += begin;
+    data->n_tokens = end - begin;
+    data->pos = (moe_data_position){0, 0};
+    data->order_epoch = -1;
+    return MOE_OK;
+}
+
 moe_data_position moe_data_get_position(const moe_data *data) { return data->pos; }
 
 moe_status moe_data_set_position(moe_data *data, moe_data_position position) {
@@ -282,6 +295,7 @@ static moe_status read_file(moe_data *d, int32_t *out, int64_t fi, int64_t first
 
 /* Stream tokens [start, start + n), which the caller keeps inside [0, n_tokens). */
 static moe_status read_tokens(moe_data *d, int32_t *out, int64_t start, int64_t n) {
+    start += d->base;
     if (d->memory != NULL) {
         memcpy(out, d->memory + start, (size_t)n * sizeof *out);
         return MOE_OK;

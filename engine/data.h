@@ -81,6 +81,12 @@ void moe_data_close(moe_data *data);
 int64_t moe_data_vocab_size(const moe_data *data);
 int64_t moe_data_token_count(const moe_data *data);
 
+/* Narrows the stream to its tokens [begin, end) (a held-out split: the
+ * training reader before it, the evaluation one after): positions, epochs
+ * and shuffling then count within them, and moe_data_token_count is end -
+ * begin. The position goes back to the start of epoch 0. */
+moe_status moe_data_restrict(moe_data *data, int64_t begin, int64_t end);
+
 /* Turns shuffling on (with seed) or off. Either way the position goes back
  * to the start of epoch 0; moe_data_set_position can move it after. */
 void moe_data_set_shuffle(moe_data *data, int shuffle, uint64_t seed);

@@ -219,6 +219,14 @@ moe_status moe_run_options_validate(const moe_run_options *o) {
     if (!o) return moe_error(MOE_ERR_INVALID_ARG, "moe_run_options_validate: NULL options");
     if (empty(o->data)) return moe_error(MOE_ERR_CONFIG, "--data must not be empty");
     if (o->val_data && o->val_data[0] == '\0') return moe_error(MOE_ERR_CONFIG, "--val-data must not be empty");
+    if (o->val_tokens < 0)
+        return moe_error(MOE_ERR_CONFIG, "--val-tokens %lld must not be negative", (long long)o->val_tokens);
+    if (o->val_tokens > 0 && o->val_data)
+        return moe_error(MOE_ERR_CONFIG, "--val-tokens holds out --data's last tokens for validation, and --val-data "
+                                         "%s is the validation data: give one of them", o->val_data);
+    if (o->val_tokens > 0 && is_synthetic(o->data))
+        return moe_error(MOE_ERR_CONFIG, "--val-tokens holds out file data's last tokens; the synthetic corpus "
+                                         "validates on a stream of its own");
     if (o->config && o->config[0] == '\0') return moe_error(MOE_ERR_CONFIG, "--config must not be empty");
     if (o->init_from && o->init_from[0] == '\0') return moe_error(MOE_ERR_CONFIG, "--init-from must not be empty");
     if (o->resume && o->resume[0] == '\0') return moe_error(MOE_ERR_CONFIG, "--resume must not be empty");
@@ -392,6 +400,26 @@ static moe_status open_source(run_source *s, const char *spec, const char *flag,
     snprintf(s->desc + len, sizeof s->desc - len, " (%lld tokens, vocab %lld)",
              (long long)moe_data_token_count(s->data), (long long)moe_data_vocab_size(s->data));
     return MOE_OK;
+}
+
+/* Narrows a source of n tokens to its tokens [begin, end), said in its
+ * description. */
+static moe_status narrow_source(run_source *s, int64_t begin, int64_t end, const char *what) {
+    MOE_TRY(moe_data_restrict(s->data, begin, end));
+    const size_t len = strlen(s->desc);
+    snprintf(s->desc + len, sizeof s->desc - len, ", %s: %lld tokens", what, (long long)(end - begin));
+    return MOE_OK;
+}
+
+/* --val-tokens of --data's n tokens held out: the training reader's
+ * stream ends before them. */
+static moe_status hold_out(run_source *train, const moe_run_options *o) {
+    const int64_t n = moe_data_token_count(train->data), held = o->val_tokens;
+    if (held >= n)
+        return moe_error(MOE_ERR_CONFIG, "--val-tokens %lld holds out every token of --data %s (%lld): none would "
+                                         "train",
+                         (long long)held, o->data, (long long)n);
+    return narrow_source(train, 0, n - held, "less the --val-tokens held out");
 }
 
 static void close_source(run_source *s) {
@@ -671,6 +699,7 @@ static moe_status open_data(run *r) {
         if (is_synthetic(o->data)) MOE_TRY(synthetic_train_tokens(r, &n_synth));
         MOE_TRY(open_source(&r->train, o->data, "--data", moe_rng_bits(o->seed, RUN_SYNTH_TRAIN_STREAM, 0),
                             n_synth, known ? r->cfg.vocab_size : MOE_GPT2_VOCAB_SIZE));
+        if (o->val_tokens) MOE_TRY(hold_out(&r->train, o));
         if (!known) moe_run_default_config(&r->cfg, moe_data_vocab_size(r->train.data));
         MOE_TRY(check_vocab(r, &r->train, "--data"));
         char reader[256];
@@ -687,9 +716,16 @@ static moe_status open_data(run *r) {
     /* A second handle even on the same file: evaluation reads from the
      * start, unshuffled, whatever the training reader does. */
     const char *val_spec = o->val_data ? o->val_data : o->data;
-    const char *val_flag = o->val_data ? "--val-data" : "validation data (--data)";
+    const char *val_flag = o->val_data ? "--val-data" : o->val_tokens ? "--val-tokens of --data" : "validation data (--data)";
     MOE_TRY(open_source(&r->val, val_spec, val_flag, moe_rng_bits(o->seed, RUN_SYNTH_VAL_STREAM, 0), n->eval + 1,
                         r->cfg.vocab_size));
+    if (o->val_tokens) {
+        const int64_t all = moe_data_token_count(r->val.data);
+        if (o->val_tokens > all)
+            return moe_error(MOE_ERR_CONFIG, "--val-tokens %lld exceeds the %lld tokens of --data %s",
+                             (long long)o->val_tokens, (long long)all, o->data);
+        MOE_TRY(narrow_source(&r->val, all - o->val_tokens, all, "its last"));
+    }
     MOE_TRY(check_vocab(r, &r->val, val_flag));
     char reader[256];
     snprintf(reader, sizeof reader, "--eval-batches %lld of %s (plus the last target)", (long long)o->eval_batches,
@@ -699,8 +735,9 @@ static moe_status open_data(run *r) {
         const moe_status st = scan_validation(r);
         if (st != MOE_OK) return moe_error_prefix(st, "%s: ", val_flag);
     }
-    if (!o->val_data && !is_synthetic(o->data))
-        warn(r, "no --val-data: evaluating on --data %s from its start, which the model also trains on", o->data);
+    if (!o->val_data && !o->val_tokens && !is_synthetic(o->data))
+        warn(r, "no --val-data: evaluating on --data %s from its start, which the model also trains on "
+                "(--val-tokens N holds out its last N tokens instead)", o->data);
     r->entropy_floor = NAN;
     if (r->val.synth.tokens) {
         MOE_TRY(moe_synth_floor_of(&r->floor, &r->val.synth, o->eval_batches, r->dp_size * o->batch_size,
@@ -819,6 +856,7 @@ static moe_status build_model(run *r) {
             {"--logit-z-loss", o->logit_z_loss, NULL},
             {"--data (name hash)", moe_grid_text_hash(o->data), NULL},
             {"--val-data (name hash)", o->val_data ? moe_grid_text_hash(o->val_data) : -1.0, NULL},
+            {"--val-tokens", (double)o->val_tokens, NULL},
             /* One name may open other files on other nodes (a shard missing
              * from a local copy): a global batch of unrelated rows. */
             {"--data (tokens)", r->train.data ? (double)moe_data_token_count(r->train.data) : -1.0, NULL},
@@ -921,6 +959,8 @@ static void write_options(moe_json_writer *w, const moe_run_options *o) {
     moe_json_bool(w, o->upcycle);
     json_opt_string(w, "data", o->data);
     json_opt_string(w, "val_data", o->val_data);
+    moe_json_key(w, "val_tokens");
+    moe_json_int(w, o->val_tokens);
     moe_json_key(w, "shuffle");
     moe_json_bool(w, o->shuffle);
     moe_json_key(w, "batch_size");

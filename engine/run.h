@@ -30,8 +30,10 @@
  * regular file of that very name comes first (a byte file
  * "notes[v2].txt", one shard "x[1].bin"), what else the glob matches does
  * not count.
- * Without val_data a non-synthetic run validates on the training data itself,
- * read from its start, and says so through on_warning.
+ * Without val_data a non-synthetic run validates on the last val_tokens
+ * tokens of its data, which the training reader then stops before (a
+ * held-out split), or with val_tokens 0 on the training data itself, read
+ * from its start, and says so through on_warning.
  *
  * Under mpirun (or with ep, pp or zero set) every rank runs moe_run with the
  * same options: the ranks form pp pipeline stages (engine/grid.h: rank r is
@@ -81,6 +83,8 @@ typedef struct moe_run_options {
     /* Data */
     const char *data;      /* --data: "synthetic", a file, or a shard glob */
     const char *val_data;  /* --val-data; NULL: see the top of this file */
+    int64_t val_tokens;    /* --val-tokens N: without val_data, --data's last N tokens validate and
+                              do not train; 0: none held out */
     bool shuffle;          /* --shuffle the training batches (seeded by --seed) */
     int64_t batch_size;    /* --batch-size B, sequences per micro-batch */
     int64_t seq_len;       /* --seq-len T */

@@ -526,6 +526,51 @@ Test(data_shards, glob_of_shards_is_one_stream) {
     remove_dir(dir);
 }
 
+/* A narrowed stream reads only its tokens: in order it wraps at its own
+ * end; across shard boundaries; shuffled, its chunks are its own; a range
+ * outside the stream is refused, and a second narrowing is within the
+ * first. */
+Test(data_shards, restrict_reads_a_part_of_the_stream) {
+    int64_t total;
+    char *dir = write_three_shards(&total), pattern[512];
+    path_in(pattern, sizeof pattern, dir, "train_*.bin");
+    moe_data *d;
+    cr_assert_eq(moe_data_open_shards(&d, pattern, 50257), MOE_OK, "%s", moe_last_error());
+    enum { B = 2, T = 50, FROM = 650, TO = 1400 }; /* across the boundary at 700 */
+    cr_assert_eq(moe_data_restrict(d, FROM, TO), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(moe_data_token_count(d), TO - FROM);
+    int32_t in[B * T], tg[B * T];
+    ref_reader ref = {TO - FROM, 0, 0};
+    for (int b = 0; b < 12; b++) {
+        cr_assert_eq(moe_data_next_batch(d, in, tg, B, 0, B, T), MOE_OK, "%s", moe_last_error());
+        const int64_t start = FROM + ref_next_start(&ref, B * T);
+        for (int i = 0; i < B * T; i++) {
+            cr_assert_eq(in[i], shard_token(start + i), "batch %d input %d", b, i);
+            cr_assert_eq(tg[i], shard_token(start + i + 1), "batch %d target %d", b, i);
+        }
+    }
+    cr_assert_eq(moe_data_get_position(d).epoch, 1, "12 batches of 100 pass the end of 750");
+    moe_data_set_shuffle(d, 1, 5);
+    for (int b = 0; b < 7; b++) { /* an epoch: 7 chunks of 100 in 749 */
+        cr_assert_eq(moe_data_next_batch(d, in, tg, B, 0, B, T), MOE_OK, "%s", moe_last_error());
+        int64_t chunk = 0;
+        while (chunk < 7 && in[0] != shard_token(FROM + chunk * B * T)) chunk++;
+        cr_assert(chunk < 7, "shuffled batch %d starts at no chunk of the part", b);
+        for (int i = 0; i < B * T; i++)
+            cr_assert_eq(tg[i], shard_token(FROM + chunk * B * T + i + 1), "shuffled batch %d target %d", b, i);
+    }
+    cr_assert_eq(moe_data_restrict(d, 100, 200), MOE_OK);
+    cr_assert_eq(moe_data_token_count(d), 100);
+    moe_data_set_shuffle(d, 0, 0);
+    cr_assert_eq(moe_data_next_batch(d, in, tg, 1, 0, 1, T), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(in[0], shard_token(FROM + 100), "a second narrowing is within the first");
+    expect_error_names(moe_data_restrict(d, 0, 101), MOE_ERR_INVALID_ARG, pattern);
+    expect_error_names(moe_data_restrict(d, 5, 5), MOE_ERR_INVALID_ARG, pattern);
+    expect_error_names(moe_data_restrict(d, -1, 5), MOE_ERR_INVALID_ARG, pattern);
+    moe_data_close(d);
+    remove_dir(dir);
+}
+
 /* A valid one-shard stream of 100 tokens, then `corrupt` applied to it. */
 static char *bad_shard(char *path, size_t size, void (*corrupt)(const char *path)) {
     char *dir = make_dir();

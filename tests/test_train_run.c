@@ -605,6 +605,56 @@ static const char *write_text(char *path, const char *name, const char *text, in
     return path;
 }
 
+/* --val-tokens N holds out --data's last N tokens: a run on one file with
+ * it trains and validates as a run on the file's head with --val-data its
+ * tail, bit for bit (same weights, same validation loss); too many held
+ * out, or too few for the evaluation, are refused naming the flag. */
+Test(train_run, val_tokens_hold_out_the_tail, .init = make_tmp, .fini = remove_tmp) {
+    enum { ALL = 3000, HELD = 600 };
+    char text[ALL + 1];
+    uint64_t x = 7;
+    for (int i = 0; i < ALL; i++) {
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        text[i] = (char)('a' + (x >> 59));
+    }
+    char all[512], head[512], tail[512], cfg[512], out[2][512], a[512], b[512];
+    text[ALL] = '\0';
+    write_text(all, "all.txt", text, 1);
+    write_text(tail, "tail.txt", text + ALL - HELD, 1);
+    text[ALL - HELD] = '\0';
+    write_text(head, "head.txt", text, 1);
+
+    moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_BYTE_VOCAB_SIZE), tmp_path(out[0], "held"));
+    o.data = all;
+    o.val_tokens = HELD;
+    o.steps = 4;
+    seen held, split;
+    run_ok(&o, &held);
+    cr_expect_eq(held.warnings, 0, "warned: %s", held.warning);
+    o.out_dir = tmp_path(out[1], "split");
+    o.data = head;
+    o.val_data = tail;
+    o.val_tokens = 0;
+    run_ok(&o, &split);
+    cr_expect(held.end_val == split.end_val, "validation loss %.17g held out, %.17g from the tail's file",
+              held.end_val, split.end_val);
+    cr_expect(same_file(tmp_path(a, "held/step-000004/model.safetensors"),
+                        tmp_path(b, "split/step-000004/model.safetensors")),
+              "the held-out run trained on other tokens than the head's");
+
+    o.val_data = NULL;
+    o.data = all;
+    o.overwrite = true;
+    o.val_tokens = ALL;
+    moe_run_callbacks cb = callbacks(&held);
+    cr_expect_eq(moe_run(&o, &cb), MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "--val-tokens 3000 holds out every token"), "message: %s", moe_last_error());
+    o.val_tokens = 100; /* the evaluation reads 2 x 4 x 32 + 1 */
+    cr_expect_eq(moe_run(&o, &cb), MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "--val-tokens of --data") && strstr(moe_last_error(), "holds 100 tokens"),
+              "message: %s", moe_last_error());
+}
+
 /* The files of an earlier run in an --out directory, which a refused run
  * must leave as they were (DESIGN.md 7). */
 static const char *const earlier_files[] = {"run.json", "config.json", "metrics.jsonl"};
@@ -1331,6 +1381,12 @@ static void negative_keep_last(moe_run_options *o) { o->keep_last = -1; }
 static void nan_logit_z(moe_run_options *o) { o->logit_z_loss = NAN; }
 static void min_lr_constant(moe_run_options *o) { o->lr_schedule = MOE_LR_CONSTANT; }
 static void upcycle_alone(moe_run_options *o) { o->upcycle = true; }
+static void negative_val_tokens(moe_run_options *o) { o->val_tokens = -1; }
+static void val_tokens_and_data(moe_run_options *o) {
+    o->val_tokens = 10;
+    o->data = o->val_data = "corpus.txt";
+}
+static void val_tokens_synthetic(moe_run_options *o) { o->val_tokens = 10; }
 static void upcycle_without_config(moe_run_options *o) {
     o->upcycle = true;
     o->init_from = "dense";
@@ -1408,7 +1464,8 @@ Test(train_run, bad_options_name_the_flag) {
         {"--save-every", save_eval_only}, {"--min-lr", min_lr_constant},
         {"--decay-frac", decay_frac_cosine}, {"--weight-decay", decay_flips_weights},
         {"--upcycle", upcycle_alone},     {"--config", upcycle_without_config},
-        {"--eval-only", upcycle_eval_only},
+        {"--eval-only", upcycle_eval_only}, {"--val-tokens", negative_val_tokens},
+        {"--val-data", val_tokens_and_data}, {"synthetic", val_tokens_synthetic},
         {"--steps", huge_steps},          {"--batch-size", huge_batch},
         {"--grad-accum", huge_accum},     {"--eval-batches", huge_eval_batches},
     };

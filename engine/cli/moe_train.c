@@ -55,6 +55,8 @@ static void print_help(void) {
            "                       file is read at byte level (vocab 256)\n"
            "  --val-data SRC       validation data, the same forms (default: a second synthetic\n"
            "                       stream; for file data, --data itself read from its start)\n"
+           "  --val-tokens N       validate on --data's last N tokens, which training then never\n"
+           "                       reads (a held-out split of file data; default 0: none)\n"
            "  --batch-size B       sequences per micro-batch (default %lld)\n"
            "  --seq-len T          tokens per sequence (default %lld)\n"
            "  --shuffle            read training batches in a seeded random order (default: in order)\n\n",
@@ -159,6 +161,7 @@ static const cli_flag flags[] = {
     {"--config", CLI_STRING, OPT(config), NULL},         {"--init-from", CLI_STRING, OPT(init_from), NULL},
     {"--upcycle", CLI_SWITCH, OPT(upcycle), NULL},
     {"--data", CLI_STRING, OPT(data), NULL},             {"--val-data", CLI_STRING, OPT(val_data), NULL},
+    {"--val-tokens", CLI_INT, OPT(val_tokens), NULL},
     {"--batch-size", CLI_INT, OPT(batch_size), NULL},    {"--seq-len", CLI_INT, OPT(seq_len), NULL},
     {"--steps", CLI_INT, OPT(steps), NULL},              {"--lr", CLI_REAL, OPT(lr), NULL},
     {"--min-lr", CLI_REAL, OPT(min_lr), NULL},           {"--warmup", CLI_INT, OPT(warmup), NULL},
