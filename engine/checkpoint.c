@@ -16,6 +16,7 @@
 #include "comm/comm.h"
 #include "common/status.h"
 #include "engine/fileio.h"
+#include "engine/json.h"
 #include "engine/safetensors.h"
 
 #define MODEL_FILE "model.safetensors"
@@ -194,8 +195,9 @@ static moe_status write_state(const char *path, moe_model *model, const float *m
     snprintf(epoch, sizeof epoch, "%" PRId64, s->data.epoch);
     snprintf(tokens, sizeof tokens, "%" PRId64, s->data_tokens);
     snprintf(chunk, sizeof chunk, "%" PRId64, s->data_chunk);
-    snprintf(layer, sizeof layer, "%.17g", s->pipe_layer_seconds);
-    snprintf(head, sizeof head, "%.17g", s->pipe_head_seconds);
+    /* As JSON numbers: no decimal comma under a host's locale. */
+    moe_json_format_number(layer, sizeof layer, s->pipe_layer_seconds);
+    moe_json_format_number(head, sizeof head, s->pipe_head_seconds);
     moe_st_meta meta[11] = {
         {"format_version", FORMAT_VERSION}, {"step", step},        {"seed", seed},
         {"jitter_counter", jitter},         {"data_token", token}, {"data_epoch", epoch},
@@ -809,10 +811,8 @@ static moe_status meta_uint(uint64_t *out, const moe_st_file *f, const char *key
 /* A duration in seconds: finite, positive (or zero where zero_ok). */
 static moe_status meta_seconds(double *out, const moe_st_file *f, const char *key, bool zero_ok) {
     const char *text = moe_st_metadata(f, key);
-    char *end = (char *)text; /* unparsed, when strtod does not run */
-    errno = 0;
-    const double v = text && !isspace((unsigned char)text[0]) ? strtod(text, &end) : NAN;
-    if (!text || end == text || *end || errno || !isfinite(v) || v < 0.0 || (v == 0.0 && !zero_ok))
+    double v = NAN;
+    if (!moe_json_read_number(text, &v) || v < 0.0 || (v == 0.0 && !zero_ok))
         return moe_error(MOE_ERR_FORMAT, "%s: __metadata__ \"%s\" is %s%.64s%s, not a %s number of seconds",
                          moe_st_path(f), key, text ? "\"" : "", text ? text : "missing", text ? "\"" : "",
                          zero_ok ? "finite non-negative" : "finite positive");

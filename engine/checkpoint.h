@@ -80,7 +80,8 @@ typedef struct moe_train_state {
  * __metadata__ strings format_version "1", step, seed, jitter_counter,
  * data_token and data_epoch, data_tokens and data_chunk when
  * state->data_tokens > 0, data_kind when it is set, and pipe_layer_seconds
- * and pipe_head_seconds (%.17g) when state->pipe_layer_seconds > 0 (older
+ * and pipe_head_seconds (JSON numbers, whatever the locale) when
+ * state->pipe_layer_seconds > 0 (older
  * readers ignore these).
  *
  * The files go to OUT/.step-NNNNNN.tmp-<pid>, which is renamed into place

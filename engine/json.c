@@ -126,8 +126,8 @@ typedef struct parser {
     size_t stack_len, stack_cap;
     char *sbuf; /* decoded string being built */
     size_t sbuf_len, sbuf_cap;
-    size_t *table; /* open-addressing set of item indices + 1, for duplicates */
-    size_t table_cap;
+    const pending **keys; /* an object's items, sorted by key: duplicates sit together */
+    size_t keys_cap;
 } parser;
 
 static moe_status parse_error(parser *p, size_t pos, const char *fmt, ...) MOE_PRINTF(3, 4);
@@ -366,37 +366,37 @@ static moe_status push_item(parser *p, pending **item) {
     return MOE_OK;
 }
 
-static uint64_t hash_key(const char *s, size_t n) {
-    uint64_t h = 1469598103934665603ull; /* FNV-1a */
-    for (size_t i = 0; i < n; i++) h = (h ^ (unsigned char)s[i]) * 1099511628211ull;
-    return h;
+/* Items by key (length, then bytes), then by position. */
+static int compare_keys(const void *a, const void *b) {
+    const pending *x = *(const pending *const *)a, *y = *(const pending *const *)b;
+    if (x->m.key_len != y->m.key_len) return x->m.key_len < y->m.key_len ? -1 : 1;
+    const int c = memcmp(x->m.key, y->m.key, x->m.key_len);
+    if (c) return c;
+    return (x->key_pos > y->key_pos) - (x->key_pos < y->key_pos);
 }
 
 /* Rejects the first key of stack [base, stack_len) that repeats an earlier
- * one, pointing at the repeat. */
+ * one, pointing at the repeat. By sorting, O(n log n) whatever the keys (a
+ * hash table of an unseeded hash let a file of colliding keys take hours). */
 static moe_status check_duplicates(parser *p, size_t base) {
     size_t count = p->stack_len - base;
     if (count < 2) return MOE_OK;
-    size_t cap = 16;
-    while (cap < 2 * count) cap *= 2;
-    if (cap > p->table_cap) {
-        size_t *t = realloc(p->table, cap * sizeof *t);
-        if (t == NULL) return oom(p);
-        p->table = t;
-        p->table_cap = cap;
+    if (count > p->keys_cap) {
+        const pending **k = realloc(p->keys, count * sizeof *k);
+        if (k == NULL) return oom(p);
+        p->keys = k;
+        p->keys_cap = count;
     }
-    memset(p->table, 0, cap * sizeof *p->table);
-    for (size_t i = base; i < p->stack_len; i++) {
-        const moe_json_member *m = &p->stack[i].m;
-        size_t slot = (size_t)hash_key(m->key, m->key_len) & (cap - 1);
-        while (p->table[slot] != 0) {
-            const moe_json_member *o = &p->stack[p->table[slot] - 1].m;
-            if (o->key_len == m->key_len && memcmp(o->key, m->key, m->key_len) == 0)
-                return parse_error(p, p->stack[i].key_pos, "duplicate key \"%.200s\"", m->key);
-            slot = (slot + 1) & (cap - 1);
-        }
-        p->table[slot] = i + 1;
+    for (size_t i = 0; i < count; i++) p->keys[i] = &p->stack[base + i];
+    qsort(p->keys, count, sizeof *p->keys, compare_keys);
+    const pending *repeat = NULL; /* the repeat earliest in the text */
+    for (size_t i = 1; i < count; i++) {
+        const pending *a = p->keys[i - 1], *b = p->keys[i];
+        if (a->m.key_len == b->m.key_len && memcmp(a->m.key, b->m.key, a->m.key_len) == 0 &&
+            (!repeat || b->key_pos < repeat->key_pos))
+            repeat = b;
     }
+    if (repeat) return parse_error(p, repeat->key_pos, "duplicate key \"%.200s\"", repeat->m.key);
     return MOE_OK;
 }
 
@@ -537,7 +537,7 @@ moe_status moe_json_parse(moe_json_doc **doc, const char *text, size_t len, cons
     }
     free(p.stack);
     free(p.sbuf);
-    free(p.table);
+    free(p.keys);
     if (st != MOE_OK) {
         moe_json_free(p.doc);
         return st;
@@ -791,6 +791,25 @@ void moe_json_string_lossy(moe_json_writer *w, const char *s) {
     if (before_value(w)) write_escaped(w, s, strlen(s), true);
 }
 
+void moe_json_format_number(char *buf, size_t size, double v) {
+    locale_t old = enter_c_locale();
+    moe_shortest(buf, size, v);
+    leave_c_locale(old);
+}
+
+bool moe_json_read_number(const char *text, double *v) {
+    moe_json_doc *doc;
+    const size_t n = text ? strlen(text) : 0;
+    /* The grammar's digits alone: JSON would also take spaces around them. */
+    if (n == 0 || strchr(" \t\r\n", text[0]) || strchr(" \t\r\n", text[n - 1])) return false;
+    if (moe_json_parse(&doc, text, n, "number") != MOE_OK) return false;
+    const moe_json *root = moe_json_root(doc);
+    const bool number = root->type == MOE_JSON_NUMBER;
+    if (number) *v = root->number.value;
+    moe_json_free(doc);
+    return number;
+}
+
 void moe_json_number(moe_json_writer *w, double v) {
     if (w->status != MOE_OK) return;
     if (!isfinite(v)) {
@@ -799,9 +818,7 @@ void moe_json_number(moe_json_writer *w, double v) {
     }
     if (!before_value(w)) return;
     char text[32];
-    locale_t old = enter_c_locale();
-    moe_shortest(text, sizeof text, v);
-    leave_c_locale(old);
+    moe_json_format_number(text, sizeof text, v);
     put_str(w, text);
     /* %g drops the point of a whole number, and Python's json reads "0" as
      * an int, which a reader that declares the field float (transformers

@@ -138,6 +138,14 @@ void moe_json_string_n(moe_json_writer *w, const char *s, size_t len);
  * valid UTF-8 sequence is written as U+FFFD instead of failing. The bytes of
  * a truncated or overlong sequence are each such a byte. */
 void moe_json_string_lossy(moe_json_writer *w, const char *s);
+/* v's shortest decimal text that reads back as v, into buf [size >= 32],
+ * in the "C" locale whatever the process's (no decimal comma). */
+void moe_json_format_number(char *buf, size_t size, double v);
+
+/* Whether text is one JSON number (no hex, no '+', no spaces around it,
+ * finite), and then its value in *v, read in the "C" locale. */
+bool moe_json_read_number(const char *text, double *v);
+
 /* The shortest decimal text that reads back to the same double, always with
  * a decimal point or an exponent ("1000000.0", "0.0", "1e-05") so that a
  * reader that tells integers from reals (Python's json) reads a real; NaN

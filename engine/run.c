@@ -1829,16 +1829,15 @@ static moe_status last_logged_step(const char *out_dir, int64_t *step) {
         free(tail);
         return moe_error(MOE_ERR_IO, "%s: cannot read its end", path);
     }
-    tail[n] = '\0';
     static const char key[] = "{\"step\":";
-    /* Whole lines only: each starts after a newline (or at the file's start). */
-    for (char *line = size > RUN_LOG_TAIL ? strchr(tail, '\n') : tail; line && *line;) {
-        if (*line == '\n') line++;
-        char *end = strchr(line, '\n');
-        if (!end) break;
-        if (strncmp(line, key, sizeof key - 1) == 0) *step = strtoll(line + sizeof key - 1, NULL, 10);
-        line = end;
-    }
+    /* Whole lines only: each starts after a newline (or at the file's
+     * start), and ends at one; a NUL byte inside one ends nothing. */
+    const char *stop = tail + n;
+    const char *line = tail;
+    if (size > RUN_LOG_TAIL && (line = memchr(tail, '\n', n)) != NULL) line++;
+    for (const char *end; line && (end = memchr(line, '\n', (size_t)(stop - line))) != NULL; line = end + 1)
+        if ((size_t)(end - line) > sizeof key && memcmp(line, key, sizeof key - 1) == 0)
+            *step = strtoll(line + sizeof key - 1, NULL, 10);
     free(tail);
     return MOE_OK;
 }

@@ -955,6 +955,10 @@ Test(checkpoint, corrupt_state_is_refused, .init = make_tmpdir, .fini = remove_t
         {"pipe_head_seconds", "-0.5", "\"pipe_head_seconds\""},
         {"pipe_head_seconds", "2ms", "\"pipe_head_seconds\""},
         {"pipe_layer_seconds", " 0.5", "\"pipe_layer_seconds\""},
+        {"pipe_layer_seconds", "0.5 ", "\"pipe_layer_seconds\""},
+        {"pipe_layer_seconds", "0x1p-4", "\"pipe_layer_seconds\" is \"0x1p-4\""},
+        {"pipe_head_seconds", "+0.5", "\"pipe_head_seconds\" is \"+0.5\""},
+        {"pipe_head_seconds", "[0.5]", "\"pipe_head_seconds\""},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         write_state(file, &a, &cases[i], NULL, NULL, 0);

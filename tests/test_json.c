@@ -224,7 +224,8 @@ Test(json, depth_limit) {
     free(deep);
 }
 
-/* Many keys take the hash path of the duplicate check. */
+/* Many keys: the duplicate check sorts them, and names the repeat that
+ * comes first in the text when several keys repeat. */
 Test(json, duplicate_among_many_keys) {
     enum { N = 3000 };
     size_t cap = (size_t)N * 24 + 64;
@@ -237,7 +238,9 @@ Test(json, duplicate_among_many_keys) {
     cr_expect_eq(r->object.count, N);
     cr_expect_eq(moe_json_get(r, "k2999")->number.value, 2999.0);
     moe_json_free(doc);
-    snprintf(text + n, cap - n, ",\"k1234\":0}");
+    snprintf(text + n, cap - n, ",\"k2000\":0,\"k1234\":0,\"k1234\":1}");
+    parse_bad(text, "duplicate key \"k2000\"");
+    snprintf(text + n, cap - n, ",\"k1234\":0,\"k2\":0}");
     parse_bad(text, "duplicate key \"k1234\"");
     /* Keys differing only after an embedded NUL are distinct. */
     moe_json_free(parse_ok("{\"a\\u0000b\":1,\"a\\u0000c\":2,\"a\":3}"));

@@ -966,6 +966,29 @@ Test(train_run, dead_saves_are_cleared_at_the_next_start, .init = make_tmp, .fin
     cr_expect(stat(path, &sb) != 0, "--overwrite left %s", kept[0]);
 }
 
+/* --resume latest reads metrics.jsonl's last whole line with a step as
+ * bytes: a NUL inside an earlier line does not end the file there (it
+ * resumed from that line's step, throwing away the later checkpoints). */
+Test(train_run, resume_latest_reads_past_a_nul_byte, .init = make_tmp, .fini = remove_tmp) {
+    char cfg[512], out[512], log[600];
+    moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE), tmp_path(out, "out"));
+    o.steps = 3;
+    o.save_every = 1;
+    o.resume = MOE_RUN_RESUME_LATEST;
+    seen v;
+    run_ok(&o, &v);
+    snprintf(log, sizeof log, "%s/metrics.jsonl", out);
+    size_t size;
+    char *text = read_file(log, &size);
+    char *second = strchr(text, '\n') + 1;
+    second[2] = '\0'; /* inside the key "step" of step 2's line */
+    cr_assert_eq(moe_file_write_atomic_buffer(log, text, size), MOE_OK, "%s", moe_last_error());
+    free(text);
+    o.steps = 4;
+    run_ok(&o, &v);
+    cr_expect_eq(v.steps, 1, "resumed for %d steps, not from step 3's checkpoint", v.steps);
+}
+
 /* After a crash past the checkpoint of step 5, the resumed run's
  * metrics.jsonl holds each step once: the records after step 5 (and a
  * half-written last line) are dropped before the steps are logged again. */
