@@ -422,7 +422,13 @@ moe_status moe_model_config_parse(moe_model_config *cfg, const char *text, size_
                                   moe_warn_fn wfn, void *wctx) {
     if (name == NULL) name = "config.json";
     moe_json_doc *doc;
-    MOE_TRY(moe_json_parse(&doc, text, len, name));
+    moe_status parsed = moe_json_parse(&doc, text, len, name);
+    if (parsed == MOE_ERR_FORMAT) { /* a config that can never be read, as one with a bad value */
+        char message[512];
+        snprintf(message, sizeof message, "%s", moe_last_error());
+        return moe_error(MOE_ERR_CONFIG, "%s", message);
+    }
+    MOE_TRY(parsed);
     memset(cfg, 0, sizeof *cfg);
     given state[N_FIELDS] = {ABSENT};
     other_values o = {.rope_params_theta = NAN};

@@ -482,6 +482,59 @@ static moe_status path_join(char *out, const char *dir, const char *name) {
     return MOE_OK;
 }
 
+/* A config field's value as a message gives it. */
+static void field_text(char *buf, size_t size, const moe_agree_field *f, double value) {
+    if (f->name_of) {
+        snprintf(buf, size, "%s", f->name_of((int)value));
+        return;
+    }
+    moe_shortest(buf, size, value); /* two that differ print apart */
+}
+
+/* --upcycle's dense model against --config's MoE: the fields its
+ * config.json (when DIR has one) shares with the MoE's must agree, or the
+ * MoE would not start from the function the dense model computes (shapes
+ * alone let 32 heads of 128 pass for 64 of 64, or another rope_theta). Its
+ * model_type is the dense one's (mistral, llama), so it is read key by key
+ * as plain JSON; keys it lacks are not compared (each model type has its
+ * own defaults). */
+static moe_status check_dense_config(const moe_model_config *moe, const moe_run_options *o) {
+    char path[RUN_PATH_BYTES];
+    MOE_TRY(path_join(path, o->init_from, "config.json"));
+    struct stat sb;
+    if (stat(path, &sb) != 0) return MOE_OK;
+    moe_json_doc *doc;
+    MOE_TRY(moe_json_parse_file(&doc, path, RUN_CONFIG_MAX_BYTES));
+    static const char *const shared[] = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                         "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta",
+                                         "rms_norm_eps", "sliding_window"};
+    moe_agree_field fields[MOE_CONFIG_AGREE_FIELDS];
+    const int n = moe_config_agree_fields(fields, moe);
+    const moe_json *root = moe_json_root(doc);
+    moe_status st = root->type == MOE_JSON_OBJECT ? MOE_OK
+                                                  : moe_error(MOE_ERR_CONFIG, "--upcycle: %s is not a JSON object", path);
+    for (size_t k = 0; st == MOE_OK && k < sizeof shared / sizeof *shared; k++) {
+        const moe_json *v = moe_json_get(root, shared[k]);
+        if (!v || (v->type == MOE_JSON_NULL && strcmp(shared[k], "sliding_window") != 0)) continue;
+        int i = 0;
+        while (i < n && strcmp(fields[i].name, shared[k]) != 0) i++;
+        const double dense = v->type == MOE_JSON_NULL ? 0.0 : v->type == MOE_JSON_NUMBER ? v->number.value : NAN;
+        if (i == n || dense == fields[i].value) continue; /* every name of shared is one of fields' */
+        char mine[64];
+        field_text(mine, sizeof mine, &fields[i], fields[i].value);
+        st = moe_error(MOE_ERR_CONFIG, "--upcycle: %s has %s=%.60s, and --config %s has %s: the MoE would not start "
+                                       "from the dense model's function",
+                       path, shared[k], v->type == MOE_JSON_NUMBER ? v->number.text : moe_json_type_name(v->type),
+                       o->config, mine);
+    }
+    const moe_json *tied = st == MOE_OK ? moe_json_get(root, "tie_word_embeddings") : NULL;
+    if (tied && tied->type == MOE_JSON_BOOL && tied->boolean)
+        st = moe_error(MOE_ERR_CONFIG, "--upcycle: %s ties the embedding and the head (tie_word_embeddings true), "
+                                       "which the MoE keeps apart", path);
+    moe_json_free(doc);
+    return st;
+}
+
 /* The model config: --config, else the checkpoint's, else the default one
  * (whose vocabulary comes from the training data, so *known says whether
  * cfg is final yet). */
@@ -491,7 +544,8 @@ static moe_status load_config(run *r, bool *known) {
     *known = true;
     if (o->config) {
         moe_status st = moe_model_config_load(&r->cfg, o->config, on_warn, r->cb->ctx);
-        return st == MOE_OK ? MOE_OK : moe_error_prefix(st, "--config: ");
+        if (st != MOE_OK) return moe_error_prefix(st, "--config: ");
+        return o->upcycle ? check_dense_config(&r->cfg, o) : MOE_OK;
     }
     if (o->init_from || o->resume) {
         const char *dir = o->init_from ? o->init_from : o->resume;
@@ -1188,11 +1242,12 @@ static moe_status log_step(run *r, const moe_run_step *s) {
         {"tokens_per_s", s->tokens_per_s}, {"mfu", s->mfu},     {"load_imbalance", m->load_imbalance},
         {"dropped_frac", m->dropped_frac}, {"pipeline_idle", m->pipeline_idle},
         {"busy_s", m->busy_s},             {"busy_max_s", m->busy_max_s}, {"busy_median_s", m->busy_median_s},
-        {"slowest_rank", (double)m->slowest_rank}, {"exchange_bytes", m->exchange_bytes},
-        {"rank_imbalance", m->rank_imbalance},
+        {"exchange_bytes", m->exchange_bytes}, {"rank_imbalance", m->rank_imbalance},
     };
     moe_json_key(&w, "step");
     moe_json_int(&w, m->step);
+    moe_json_key(&w, "slowest_rank"); /* a rank, an index */
+    moe_json_int(&w, m->slowest_rank);
     for (size_t i = 0; i < sizeof fields / sizeof *fields; i++) {
         moe_json_key(&w, fields[i].key);
         moe_json_number(&w, fields[i].value);
@@ -1606,11 +1661,11 @@ static dead_save dead_save_of(const char *name, char *step, size_t step_size) {
 }
 
 /* Clears what saves and prunings that died left in --out, once this run
- * owns it (its start, on the rank that writes): each is as large as a
- * checkpoint, and no later save of another pid would ever remove it. A
- * half-written or half-removed checkpoint goes; a set-aside copy goes when
- * its checkpoint stands or --overwrite replaces the run, and otherwise is
- * that step's only copy: kept, and said. */
+ * owns it (its start, on the rank that writes, before later checkpoints
+ * are cut): each is as large as a checkpoint, and no later save of another
+ * pid would ever remove it. A half-written or half-removed checkpoint goes
+ * (unless --resume reads it); a set-aside copy goes when its checkpoint
+ * stands, and otherwise is that step's only copy: kept, and said. */
 static moe_status clear_dead_saves(const run *r) {
     const moe_run_options *o = r->o;
     DIR *dir = opendir(o->out_dir);
@@ -1625,8 +1680,9 @@ static moe_status clear_dead_saves(const run *r) {
         if (st == MOE_OK) st = path_join(final, o->out_dir, step);
         if (st != MOE_OK) break;
         struct stat sb;
-        if (kind == SAVE_OLD && !o->overwrite && stat(final, &sb) != 0) {
-            warn(r, "%s is the only copy of %s, set aside by a save that did not finish: rename it to %s to keep it",
+        if (same_path(path, o->resume)) continue;
+        if (kind == SAVE_OLD && stat(final, &sb) != 0) {
+            warn(r, "%s is the only copy of %s, set aside by a save that did not finish: rename it to %s to use it",
                  path, step, final);
             continue;
         }
@@ -1647,9 +1703,9 @@ static moe_status run_body(run *r, double start) {
                 "stage there are none: it changes nothing");
     if (!o->eval_only && o->warmup >= o->steps) {
         const moe_optim_config c = optim_config_of(o);
-        warn(r, "--warmup %lld >= --steps %lld: every step is in the warm-up, which ends at lr %g (--lr %g), and the "
-                "learning rate never decays toward --min-lr",
-             (long long)o->warmup, (long long)o->steps, moe_lr_at(&c, o->steps - 1), o->lr);
+        warn(r, "--warmup %lld >= --steps %lld: every step is in the warm-up, which ends at lr %g (--lr %g)%s",
+             (long long)o->warmup, (long long)o->steps, moe_lr_at(&c, o->steps - 1), o->lr,
+             o->lr_schedule == MOE_LR_CONSTANT ? "" : ", and the learning rate never decays toward --min-lr");
     }
     MOE_TRY(open_data(r));
     MOE_TRY(moe_device_open(&r->device, o->device, r->ranks));
@@ -1720,9 +1776,9 @@ static moe_status run_body(run *r, double start) {
         .val_data = r->val.desc,
     };
     if (!o->eval_only && r->rank == 0) {
+        MOE_TRY(clear_dead_saves(r));
         /* Without --overwrite it removes only what an in-place resume cuts. */
         MOE_TRY(clear_out_dir(o, true));
-        MOE_TRY(clear_dead_saves(r));
         MOE_TRY(write_run_files(r, &summary));
     }
     if (r->cb->on_start) r->cb->on_start(r->cb->ctx, &summary);
@@ -1795,14 +1851,6 @@ static bool launched_by_mpi(void) {
     return getenv("OMPI_COMM_WORLD_SIZE") || getenv("PMI_SIZE") || getenv("PMIX_RANK");
 }
 
-/* A config field's value as a message gives it. */
-static void field_text(char *buf, size_t size, const moe_agree_field *f, double value) {
-    if (f->name_of) {
-        snprintf(buf, size, "%s", f->name_of((int)value));
-        return;
-    }
-    moe_shortest(buf, size, value); /* two that differ print apart */
-}
 
 /* Bytes of metrics.jsonl's end that last_logged_step reads: dozens of
  * lines, each with a large model's expert load. */
@@ -1899,6 +1947,7 @@ static moe_status resolve_latest(moe_run_options *out, bool *done, char *path, c
     out->resume = path;
     out->config = NULL;
     out->init_from = NULL;
+    out->upcycle = false; /* the checkpoint is the MoE */
     return MOE_OK;
 }
 

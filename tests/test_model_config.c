@@ -197,7 +197,7 @@ Test(model_config, rope_parameters_and_warnings) {
               "%s", moe_last_error());
 
     /* Without a callback the warnings go nowhere, and parsing still works. */
-    cr_expect_eq(moe_model_config_parse(&c, text, 0, NULL, NULL, NULL), MOE_ERR_FORMAT);
+    cr_expect_eq(moe_model_config_parse(&c, text, 0, NULL, NULL, NULL), MOE_ERR_CONFIG);
     cr_expect(strstr(moe_last_error(), "config.json:1:1: unexpected end of input") != NULL, "%s", moe_last_error());
     const char *unknown = config_with("zzz", "[1]");
     cr_expect_eq(moe_model_config_parse(&c, unknown, strlen(unknown), NULL, NULL, NULL), MOE_OK);
@@ -311,7 +311,7 @@ Test(model_config, every_bad_field_is_named) {
     cr_expect_eq(parse(&c, "[]", NULL), MOE_ERR_CONFIG);
     cr_expect(strstr(moe_last_error(), "t/config.json: top level is a JSON array, not an object") != NULL, "%s",
               moe_last_error());
-    cr_expect_eq(parse(&c, "{\"vocab_size\": 1, \"vocab_size\": 2}", NULL), MOE_ERR_FORMAT);
+    cr_expect_eq(parse(&c, "{\"vocab_size\": 1, \"vocab_size\": 2}", NULL), MOE_ERR_CONFIG);
     cr_expect(strstr(moe_last_error(), "t/config.json:1:19: duplicate key \"vocab_size\"") != NULL, "%s",
               moe_last_error());
 }

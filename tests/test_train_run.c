@@ -255,6 +255,10 @@ Test(train_run, synthetic_loss_falls, .init = make_tmp, .fini = remove_tmp) {
             step_lines++;
             for (size_t k = 0; k < sizeof step_keys / sizeof *step_keys; k++)
                 cr_expect(moe_json_get(root, step_keys[k]) != NULL, "no %s in %s", step_keys[k], line);
+            /* A rank is an index: an integer, not a real. */
+            const moe_json *slowest = moe_json_get(root, "slowest_rank");
+            cr_expect(slowest && slowest->type == MOE_JSON_NUMBER && strcmp(slowest->number.text, "0") == 0,
+                      "slowest_rank in %s", line);
             /* A row per layer of every expert's kept pairs: with no
              * capacity limit, the step's batch times top_k each. */
             const moe_json *load = moe_json_get(root, "expert_load");
@@ -655,6 +659,42 @@ Test(train_run, val_tokens_hold_out_the_tail, .init = make_tmp, .fini = remove_t
               "message: %s", moe_last_error());
 }
 
+/* --upcycle reads the dense model's config.json key by key (its
+ * model_type is the dense one's): a field it shares with --config that
+ * differs, or tied embeddings, is refused before any weight is read; keys
+ * it lacks are not compared, and a matching one goes on to the weights. */
+Test(train_run, upcycle_checks_the_dense_config, .init = make_tmp, .fini = remove_tmp) {
+    char cfg[512], out[512], dense[512], path[600];
+    moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE), tmp_path(out, "out"));
+    o.upcycle = true;
+    o.init_from = tmp_path(dense, "dense");
+    cr_assert_eq(moe_mkdir_p(dense), MOE_OK, "%s", moe_last_error());
+    snprintf(path, sizeof path, "%s/config.json", dense);
+    static const struct {
+        const char *extra, *want;
+    } cases[] = {
+        {", \"rope_theta\": 500000.0", "config.json has rope_theta=500000.0, and --config"},
+        {", \"num_attention_heads\": 8, \"head_dim\": 4", "config.json has num_attention_heads=8"},
+        {", \"sliding_window\": 4096", "config.json has sliding_window=4096, and --config"},
+        {", \"tie_word_embeddings\": true", "ties the embedding and the head"},
+        /* The config matches (null: no window): on to the missing weights. */
+        {", \"rope_theta\": 10000.0, \"sliding_window\": null", "model.safetensors"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        char text[512];
+        const int n = snprintf(text, sizeof text,
+                               "{\"model_type\": \"mistral\", \"hidden_size\": 32, \"num_hidden_layers\": 2, "
+                               "\"num_key_value_heads\": 2%s}",
+                               cases[i].extra);
+        cr_assert_eq(moe_file_write_atomic_buffer(path, text, (size_t)n), MOE_OK, "%s", moe_last_error());
+        seen v;
+        moe_run_callbacks cb = callbacks(&v);
+        cr_expect_neq(moe_run(&o, &cb), MOE_OK, "case %zu ran", i);
+        cr_expect(strstr(moe_last_error(), cases[i].want), "case %zu: %s", i, moe_last_error());
+        cr_expect_eq(v.steps, 0);
+    }
+}
+
 /* The files of an earlier run in an --out directory, which a refused run
  * must leave as they were (DESIGN.md 7). */
 static const char *const earlier_files[] = {"run.json", "config.json", "metrics.jsonl"};
@@ -928,8 +968,8 @@ Test(train_run, evaluation_precedes_its_steps_checkpoint, .init = make_tmp, .fin
  * a checkpoint) goes at the next start that owns --out: a half-written
  * checkpoint, a half-removed one, a set-aside copy whose checkpoint
  * stands. A set-aside copy without its checkpoint is that step's only
- * copy: it stays, and the run says so; --overwrite replaces it with the
- * rest of the run. Files only named like them stay. */
+ * copy: it stays, and the run says so, under --overwrite too. Files only
+ * named like them stay, and so does a leftover that --resume reads. */
 Test(train_run, dead_saves_are_cleared_at_the_next_start, .init = make_tmp, .fini = remove_tmp) {
     char cfg[512], out[512], path[600];
     write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE);
@@ -963,7 +1003,22 @@ Test(train_run, dead_saves_are_cleared_at_the_next_start, .init = make_tmp, .fin
     o.overwrite = true;
     run_ok(&o, &v);
     snprintf(path, sizeof path, "%s/%s", out, kept[0]);
-    cr_expect(stat(path, &sb) != 0, "--overwrite left %s", kept[0]);
+    cr_expect(stat(path, &sb) == 0 && v.warnings == 1, "--overwrite removed %s, the only copy of its step", kept[0]);
+    /* A set-aside copy of a checkpoint that stands, cut by an in-place
+     * resume of an earlier one: removed as a copy, not named as the
+     * only one. */
+    o.overwrite = false;
+    char at4[600];
+    snprintf(at4, sizeof at4, "%s/step-000004", out);
+    snprintf(path, sizeof path, "%s/.step-000004.old-31", out);
+    cr_assert_eq(rename(at4, path), 0);
+    cr_assert_eq(mkdir(at4, 0777), 0);
+    snprintf(at4, sizeof at4, "%s/step-000002", out);
+    o.resume = at4;
+    o.config = NULL;
+    run_ok(&o, &v);
+    cr_expect(stat(path, &sb) != 0, "the set-aside copy of a standing checkpoint stayed");
+    cr_expect(v.warnings == 1 && strstr(v.warning, "step-000006"), "%d warnings: %s", v.warnings, v.warning);
 }
 
 /* --resume latest reads metrics.jsonl's last whole line with a step as

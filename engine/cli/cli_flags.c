@@ -103,11 +103,13 @@ int cli_parse_args(void *options, const cli_flag *flags, size_t n_flags, int arg
         const cli_flag *f = NULL;
         for (size_t i = 0; i < n_flags; i++)
             if (strlen(flags[i].name) == name_len && strncmp(flags[i].name, arg, name_len) == 0) f = &flags[i];
-        /* A word after a flag's value is most often more of a glob that
-         * the shell expanded into its matches. */
+        /* A word after a flag's value is most often more of that value:
+         * words the shell split, or the matches of a glob it expanded. */
         if (!f && after && arg[0] != '-')
-            return cli_usage_error("unexpected '%s' after %s %s: a glob the shell expanded? quote it (%s 'dir/*.bin')",
-                                   arg, after, argv[a - 1], after);
+            return cli_usage_error("unexpected '%s' after %s %s: quote a value that has spaces%s", arg, after,
+                                   argv[a - 1],
+                                   strstr(after, "data") ? ", and a glob, for the shell expands it (--data 'dir/*.bin')"
+                                                         : "");
         if (!f) return cli_usage_error("unknown option '%s'", arg);
         const char *value;
         if (f->kind == CLI_SWITCH) {
