@@ -263,6 +263,10 @@ moe_status moe_run_options_validate(const moe_run_options *o) {
     if (o->zero != 0 && o->zero != 1) return moe_error(MOE_ERR_CONFIG, "--zero %d: only 0 and 1 exist", o->zero);
     if (!isfinite(o->comm_timeout) || o->comm_timeout <= 0.0)
         return moe_error(MOE_ERR_CONFIG, "--comm-timeout %g must be a positive number of seconds", o->comm_timeout);
+    if (!isfinite(o->max_time) || o->max_time < 0.0)
+        return moe_error(MOE_ERR_CONFIG, "--max-time %g must be a number of seconds (0: none)", o->max_time);
+    if (o->max_time > 0.0 && o->eval_only)
+        return moe_error(MOE_ERR_CONFIG, "--max-time stops a training run, and --eval-only trains none");
     if (o->eval_only && !o->init_from)
         return moe_error(MOE_ERR_CONFIG, "--eval-only needs --init-from DIR: the weights to evaluate");
     if (o->upcycle && (!o->init_from || !o->config))
@@ -918,6 +922,7 @@ static moe_status build_model(run *r) {
             /* Ranks that loaded other weights would train a mixture. */
             {"--init-from (name hash)", o->init_from ? moe_grid_text_hash(o->init_from) : -1.0, NULL},
             {"--upcycle", (double)o->upcycle, NULL},
+            {"--max-time", o->max_time, NULL},
             {"--resume (name hash)", o->resume ? moe_grid_text_hash(o->resume) : -1.0, NULL},
         };
         moe_agree_field fields[MOE_CONFIG_AGREE_FIELDS + sizeof options / sizeof options[0]];
@@ -1069,6 +1074,8 @@ static void write_options(moe_json_writer *w, const moe_run_options *o) {
     moe_json_int(w, o->zero);
     moe_json_key(w, "comm_timeout");
     moe_json_number(w, o->comm_timeout);
+    moe_json_key(w, "max_time");
+    moe_json_number(w, o->max_time);
     moe_json_key(w, "overlap");
     moe_json_bool(w, o->overlap);
     moe_json_key(w, "overwrite");
@@ -1692,6 +1699,18 @@ static moe_status clear_dead_saves(const run *r) {
     return st;
 }
 
+/* Why the run stops after this step, or NULL: a stop request
+ * (moe_run_callbacks.stop) or --max-time, seen by any rank (one
+ * all-reduce a step under mpirun, so that every rank stops at the same
+ * step). */
+static moe_status stop_reason(const run *r, double start, const char **reason) {
+    int seen[2] = {r->cb->stop && *r->cb->stop,
+                   r->o->max_time > 0.0 && moe_monotonic_seconds() - start >= r->o->max_time};
+    if (r->world) MOE_TRY(moe_comm_allreduce_sum(r->world, seen, 2, MOE_COMM_I32));
+    *reason = seen[0] ? "a stop request" : seen[1] ? "--max-time" : NULL;
+    return MOE_OK;
+}
+
 static moe_status run_body(run *r, double start) {
     const moe_run_options *o = r->o;
     MOE_TRY(clear_out_dir(o, false));
@@ -1817,18 +1836,24 @@ static moe_status run_body(run *r, double start) {
              * checkpoint before, so every checkpoint's step has its
              * evaluation in metrics.jsonl, the last one's included. */
             if (due(step, o->eval_every, o->steps)) MOE_TRY(evaluate(r, step, &val_loss));
-            if (due(step, o->save_every, o->steps)) {
+            const char *stop = NULL;
+            if (step < o->steps) MOE_TRY(stop_reason(r, start, &stop));
+            if (due(step, o->save_every, o->steps) || stop) {
                 MOE_TRY(save_checkpoint(r));
                 if (r->rank == 0) prune_checkpoints(r, step);
             }
             if (o->profile) moe_profile_pause(false);
+            if (stop) {
+                end.stopped_by = stop;
+                break;
+            }
         }
     }
     if (o->profile) {
         MOE_TRY(moe_profile_read(r->profile, moe_profile_op_count(), &end.profile_ops));
         if (r->metrics_path[0]) MOE_TRY(log_profile(r, &end));
     }
-    if (r->val.synth.tokens) MOE_TRY(solve_tasks(r));
+    if (r->val.synth.tokens && !end.stopped_by) MOE_TRY(solve_tasks(r));
     end.steps_done = moe_trainer_steps_done(r->trainer);
     for (int q = 0; q < r->ranks; q++) {
         end.straggler_steps += r->slowest[q];

@@ -47,6 +47,7 @@
 #ifndef MOE_ENGINE_RUN_H
 #define MOE_ENGINE_RUN_H
 
+#include <signal.h>
 #include <stdbool.h>
 #include <stdint.h>
 
@@ -126,6 +127,10 @@ typedef struct moe_run_options {
     int ep;                /* --ep P: experts split over groups of P consecutive data-parallel ranks */
     int zero;              /* --zero 1: AdamW state sharded over each parameter's replicas */
     double comm_timeout;   /* --comm-timeout seconds a collective may wait for a peer */
+    /* --max-time: the run stops after the first step that ends this many
+     * seconds or more after moe_run began, as when moe_run_callbacks.stop
+     * is set (a job under a wall-time limit); 0: none */
+    double max_time;
     bool overlap;          /* --overlap: experts start on half the sources' tokens */
     bool recompute;        /* --recompute: layers keep their inputs only; backwards recompute the rest */
     moe_device device;     /* --device */
@@ -234,6 +239,9 @@ typedef struct moe_run_kind_report {
 
 typedef struct moe_run_end {
     int64_t steps_done;
+    /* Why the run stopped before --steps (moe_run_callbacks.stop, --max-time),
+     * its last step checkpointed; NULL when it ran them all. */
+    const char *stopped_by;
     double val_loss;
     double entropy_floor;               /* NAN unless synthetic */
     double seconds;                     /* the whole call */
@@ -267,6 +275,11 @@ typedef struct moe_run_callbacks {
     void (*on_checkpoint)(void *ctx, int64_t step, const char *path);
     void (*on_end)(void *ctx, const moe_run_end *end);
     void (*on_warning)(void *ctx, const char *message);
+    /* Set (from a signal handler, say) to a non-zero value to stop the run
+     * after the step in progress: its checkpoint is written, and on_end
+     * says so (stopped_by) instead of evaluating; under mpirun the ranks
+     * stop at the same step whichever of them saw it. NULL: none. */
+    const volatile sig_atomic_t *stop;
 } moe_run_callbacks;
 
 /* The whole run. callbacks may be NULL. */

@@ -119,4 +119,35 @@ if "${launcher[0]}" --version 2>/dev/null | grep -Eq "Open MPI|OpenRTE"; then
 else
     echo "SKIP: a stopped rank under a launcher that keeps the job alive: not Open MPI's mpirun"
 fi
+
+# SIGUSR1 to one rank (as Slurm's --signal sends before a time limit)
+# stops every rank after the same step, checkpointed, with exit 3, and
+# --resume latest finishes the run.
+timeout 120 "${launcher[@]}" -np 2 "$bin/moe-train" --steps 100000 --eval-every 0 --out "$out/sig" \
+    >"$out/sig.log" 2>&1 &
+job=$!
+for _ in $(seq 300); do
+    [ -s "$out/sig/metrics.jsonl" ] && break
+    sleep 0.1
+done
+rank_pid=$(pgrep -n -f -- "moe-train --steps 100000 --eval-every 0 --out $out/sig")
+kill -USR1 "$rank_pid" 2>/dev/null
+wait "$job"
+rc=$?
+check "SIGUSR1 to a rank ends the job with exit 3 (exit $rc)" "$([ "$rc" -eq 3 ]; echo $?)"
+last=$(ls -d "$out"/sig/step-* 2>/dev/null | tail -n 1)
+check "every rank stopped after the step checkpointed ($last)" \
+    "$([ -f "$last/model.safetensors" ] && grep -q "stopped after step $((10#${last##*-}))" "$out/sig.log"; echo $?)"
+if [ -n "$last" ]; then
+    steps=$((10#${last##*-} + 2))
+    timeout 120 "${launcher[@]}" -np 2 "$bin/moe-train" --steps "$steps" --eval-every 0 --out "$out/sig" \
+        --resume latest >"$out/sig2.log" 2>&1
+    rc=$?
+    check "--resume latest finishes it (exit $rc)" \
+        "$([ "$rc" -eq 0 ] && [ -f "$out/sig/step-$(printf %06d "$steps")/model.safetensors" ]; echo $?)"
+fi
+if [ "$failed" -ne 0 ]; then
+    echo "--- log of the signalled run:"
+    grep -v '^step' "$out/sig.log" | tail -n 20
+fi
 summary

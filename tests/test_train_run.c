@@ -1044,6 +1044,55 @@ Test(train_run, resume_latest_reads_past_a_nul_byte, .init = make_tmp, .fini = r
     cr_expect_eq(v.steps, 1, "resumed for %d steps, not from step 3's checkpoint", v.steps);
 }
 
+/* A stop request (a signal, in moe-train) ends the run after the step in
+ * progress, checkpointed, without the final evaluation; --resume latest
+ * then continues it to the same bits as a run never stopped. --max-time
+ * stops after the first step past it. */
+static volatile sig_atomic_t stop_flag;
+static int64_t stop_after;
+
+static void stop_at_step(void *ctx, const moe_run_step *s) {
+    on_step(ctx, s);
+    if (s->metrics.step == stop_after) stop_flag = 1;
+}
+
+Test(train_run, stop_request_checkpoints_and_resumes, .init = make_tmp, .fini = remove_tmp) {
+    char cfg[512], out[2][512], a[512], b[512];
+    moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE), tmp_path(out[0], "stopped"));
+    o.steps = 6;
+    o.save_every = 4;
+    o.eval_every = 2;
+    o.resume = MOE_RUN_RESUME_LATEST;
+    seen v;
+    moe_run_callbacks cb = callbacks(&v);
+    cb.on_step = stop_at_step;
+    cb.stop = &stop_flag;
+    stop_flag = 0;
+    stop_after = 3;
+    cr_assert_eq(moe_run(&o, &cb), MOE_OK, "%s", moe_last_error());
+    cr_expect(v.steps == 3 && v.saved_step == 3 && v.evals == 1 && v.ends == 1, "%d steps, saved %lld, %d evals",
+              v.steps, (long long)v.saved_step, v.evals);
+    stop_flag = 0;
+    stop_after = -1;
+    cb = callbacks(&v);
+    cb.stop = &stop_flag;
+    cr_assert_eq(moe_run(&o, &cb), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(v.steps, 3, "the resumed run took %d steps", v.steps);
+    o.out_dir = tmp_path(out[1], "whole");
+    run_ok(&o, &v);
+    cr_expect(same_file(tmp_path(a, "stopped/step-000006/model.safetensors"),
+                        tmp_path(b, "whole/step-000006/model.safetensors")),
+              "stopped and resumed differs from a run never stopped");
+
+    o.out_dir = out[0];
+    o.resume = NULL;
+    o.overwrite = true;
+    o.max_time = 1e-9;
+    run_ok(&o, &v);
+    cr_expect(v.steps == 1 && v.saved_step == 1, "--max-time 1e-9: %d steps, saved %lld", v.steps,
+              (long long)v.saved_step);
+}
+
 /* After a crash past the checkpoint of step 5, the resumed run's
  * metrics.jsonl holds each step once: the records after step 5 (and a
  * half-written last line) are dropped before the steps are logged again. */
@@ -1459,6 +1508,13 @@ static void negative_keep_last(moe_run_options *o) { o->keep_last = -1; }
 static void nan_logit_z(moe_run_options *o) { o->logit_z_loss = NAN; }
 static void min_lr_constant(moe_run_options *o) { o->lr_schedule = MOE_LR_CONSTANT; }
 static void upcycle_alone(moe_run_options *o) { o->upcycle = true; }
+static void negative_max_time(moe_run_options *o) { o->max_time = -1.0; }
+static void max_time_eval_only(moe_run_options *o) {
+    o->max_time = 60.0;
+    o->eval_only = true;
+    o->init_from = "somewhere";
+    o->config = NULL;
+}
 static void negative_val_tokens(moe_run_options *o) { o->val_tokens = -1; }
 static void val_tokens_and_data(moe_run_options *o) {
     o->val_tokens = 10;
@@ -1543,6 +1599,7 @@ Test(train_run, bad_options_name_the_flag) {
         {"--decay-frac", decay_frac_cosine}, {"--weight-decay", decay_flips_weights},
         {"--upcycle", upcycle_alone},     {"--config", upcycle_without_config},
         {"--eval-only", upcycle_eval_only}, {"--val-tokens", negative_val_tokens},
+        {"--max-time", negative_max_time}, {"--max-time", max_time_eval_only},
         {"--val-data", val_tokens_and_data}, {"synthetic", val_tokens_synthetic},
         {"--steps", huge_steps},          {"--batch-size", huge_batch},
         {"--grad-accum", huge_accum},     {"--eval-batches", huge_eval_batches},

@@ -2,8 +2,9 @@
 /* moe-train: trains a Mixtral-style MoE transformer (engine/run.h does the
  * work); this file parses the flags and prints what the run reports.
  * Exit status: 0 done, 1 the run failed, 2 bad flags or settings the run
- * refuses (cli_run_failed). A failure on one rank of several ends the
- * whole MPI job. */
+ * refuses (cli_run_failed), 3 stopped before --steps by a signal or
+ * --max-time, its last step checkpointed. A failure on one rank of
+ * several ends the whole MPI job. */
 #include <ctype.h>
 #include <errno.h>
 #include <signal.h>
@@ -138,10 +139,16 @@ static void print_help(void) {
            "  --zero 1             shard AdamW's state over each parameter's replicas (default 0)\n"
            "  --comm-timeout S     seconds a collective waits for a peer before the job ends with\n"
            "                       an error naming the ranks missing from it (default 300)\n"
+           "  --max-time S         stop after the first step that ends S seconds or more into the\n"
+           "                       run, checkpointed (exit 3; under a wall-time limit); 0 = none\n"
            "  --overlap            run the experts on their own half of the --ep group's tokens\n"
            "                       as soon as they arrive, overlapping the other half's messages\n"
            "                       (default off)\n\n"
            "  -h, --help           this text\n\n"
+           "Signals: SIGUSR1 (mpirun forwards it to every rank; Slurm's --signal sends it before\n"
+           "the time limit), SIGTERM or SIGINT stops the run after its step in progress, which\n"
+           "is checkpointed; the exit status is then 3, and --resume latest continues. A second\n"
+           "signal ends it at once.\n\n"
            "Environment: OMP_NUM_THREADS sets the thread count when --threads is not given;\n"
            "MOE_FAULT_KILL=RANK:STEP kills that rank in STEP, before its checkpoint (a fault-\n"
            "injection test).\n");
@@ -180,6 +187,7 @@ static const cli_flag flags[] = {
     {"--pp-balance", CLI_PARSED, OPT(pp_balance), parse_balance},
     {"--ep", CLI_SMALL, OPT(ep), NULL},                  {"--zero", CLI_SMALL, OPT(zero), NULL},
     {"--comm-timeout", CLI_REAL, OPT(comm_timeout), NULL}, {"--overlap", CLI_SWITCH, OPT(overlap), NULL},
+    {"--max-time", CLI_REAL, OPT(max_time), NULL},
     {"--overwrite", CLI_SWITCH, OPT(overwrite), NULL},
     {"--device", CLI_PARSED, OPT(device), parse_device}, {"--gemm-math", CLI_PARSED, OPT(gemm_math), parse_math},
     {"--profile", CLI_SWITCH, OPT(profile), NULL},       {"--recompute", CLI_SWITCH, OPT(recompute), NULL},
@@ -217,7 +225,31 @@ typedef struct printer {
     bool grid;     /* several ranks: each step names the slowest */
     bool quiet;
     int kill_rank, kill_step; /* MOE_FAULT_KILL=RANK:STEP, or -1 */
+    bool stopped;             /* before --steps: a signal or --max-time */
 } printer;
+
+/* The signal that asked the run to stop (moe_run_callbacks.stop), or 0. */
+static volatile sig_atomic_t stop_signal;
+
+static void on_stop_signal(int signo) { stop_signal = signo; }
+
+/* SIGUSR1 (which mpirun forwards to every rank, and Slurm's --signal
+ * sends before a job's time is up), SIGTERM and SIGINT stop the run after
+ * its step in progress, checkpointed; the handler is reset by its first
+ * signal, so that a second one ends the process at once. */
+static void catch_stop_signals(void) {
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_stop_signal;
+    sa.sa_flags = SA_RESETHAND;
+    sigemptyset(&sa.sa_mask);
+    const int signals[] = {SIGUSR1, SIGTERM, SIGINT};
+    for (size_t i = 0; i < sizeof signals / sizeof *signals; i++) sigaction(signals[i], &sa, NULL);
+}
+
+static const char *signal_name(int signo) {
+    return signo == SIGUSR1 ? "SIGUSR1" : signo == SIGTERM ? "SIGTERM" : signo == SIGINT ? "SIGINT" : "a signal";
+}
 
 static void clear_bar(printer *p) {
     if (p->bar_on) printf("\r\033[K");
@@ -484,6 +516,7 @@ static void print_profile(const moe_run_end *e) {
 
 static void on_end(void *ctx, const moe_run_end *e) {
     printer *p = ctx;
+    p->stopped = e->stopped_by != NULL;
     if (p->quiet) return;
     clear_bar(p);
     if (e->kinds) print_kinds(e->kinds);
@@ -505,6 +538,14 @@ static void on_end(void *ctx, const moe_run_end *e) {
                100.0 * e->straggler_excess);
     }
     if (e->profile) print_profile(e);
+    if (e->stopped_by) {
+        /* The rank that saw no signal stops for the one that did. */
+        printf("stopped after step %lld by %s: the same command with --resume latest continues the run\n",
+               (long long)e->steps_done, strcmp(e->stopped_by, "--max-time") == 0 ? "--max-time"
+                                         : stop_signal                        ? signal_name(stop_signal)
+                                                                              : "another rank's signal");
+        return;
+    }
     if (!isnan(e->entropy_floor))
         printf("val_loss %.4f vs floor %.4f: %.1f%% above the floor\n", e->val_loss, e->entropy_floor,
                100.0 * (e->val_loss / e->entropy_floor - 1.0));
@@ -560,7 +601,9 @@ int main(int argc, char **argv) {
         .on_checkpoint = on_checkpoint,
         .on_end = on_end,
         .on_warning = on_warning,
+        .stop = &stop_signal,
     };
+    catch_stop_signals();
     moe_status st = moe_run(&o, &cb);
     if (st != MOE_OK) {
         clear_bar(&p);
@@ -571,5 +614,6 @@ int main(int argc, char **argv) {
         if (rank) moe_comm_mpi_abort_job(rc);
         return rc;
     }
-    return cli_stdout_written();
+    const int written = cli_stdout_written();
+    return written ? written : p.stopped ? 3 : 0;
 }
