@@ -396,8 +396,17 @@ static moe_status check_duplicates(parser *p, size_t base) {
             (!repeat || b->key_pos < repeat->key_pos))
             repeat = b;
     }
-    if (repeat) return parse_error(p, repeat->key_pos, "duplicate key \"%.200s\"", repeat->m.key);
-    return MOE_OK;
+    if (!repeat) return MOE_OK;
+    char shown[256]; /* the key's first bytes, a NUL among them as its escape */
+    size_t n = 0;
+    for (size_t i = 0; i < repeat->m.key_len && n + 7 < sizeof shown && i < 200; i++) {
+        if (repeat->m.key[i] == '\0')
+            n += (size_t)snprintf(shown + n, sizeof shown - n, "\\u0000");
+        else
+            shown[n++] = repeat->m.key[i];
+    }
+    shown[n] = '\0';
+    return parse_error(p, repeat->key_pos, "duplicate key \"%s\"", shown);
 }
 
 static moe_status parse_value(parser *p, moe_json *v);

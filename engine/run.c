@@ -702,11 +702,13 @@ static moe_status synthetic_train_tokens(const run *r, int64_t *n_synth) {
 static moe_status check_resumed_stream(const run *r) {
     const moe_run_options *o = r->o;
     const int64_t was = r->resumed.data_tokens, now = moe_data_token_count(r->train.data);
+    char held[64] = "";
+    if (o->val_tokens) snprintf(held, sizeof held, " less --val-tokens %lld", (long long)o->val_tokens);
     if (was > 0 && was != now && !o->shuffle && !is_synthetic(o->data))
-        return moe_error(MOE_ERR_CONFIG, "--resume %s: the checkpoint's training stream held %lld tokens, --data %s "
-                                         "holds %lld: the data changed since, and the position it records would "
-                                         "read other tokens",
-                         o->resume, (long long)was, o->data, (long long)now);
+        return moe_error(MOE_ERR_CONFIG, "--resume %s: the checkpoint's training stream held %lld tokens, --data %s%s "
+                                         "holds %lld: the data (or the tokens held out) changed since, and the "
+                                         "position it records would read other tokens",
+                         o->resume, (long long)was, o->data, held, (long long)now);
     if (!o->shuffle) return MOE_OK;
     if (was == 0) {
         if (is_synthetic(o->data))
@@ -721,9 +723,9 @@ static moe_status check_resumed_stream(const run *r) {
         return MOE_OK;
     }
     if (was != now)
-        return moe_error(MOE_ERR_CONFIG, "--resume %s: the checkpoint's shuffled stream held %lld tokens, --data %s "
+        return moe_error(MOE_ERR_CONFIG, "--resume %s: the checkpoint's shuffled stream held %lld tokens, --data %s%s "
                                          "holds %lld: a shuffled order depends on the length",
-                         o->resume, (long long)was, o->data, (long long)now);
+                         o->resume, (long long)was, o->data, held, (long long)now);
     return MOE_OK;
 }
 
@@ -762,7 +764,8 @@ static moe_status open_data(run *r) {
         MOE_TRY(check_vocab(r, &r->train, "--data"));
         char reader[256];
         snprintf(reader, sizeof reader, "one batch of %s (plus the last target)", shape);
-        MOE_TRY(check_length(&r->train, "--data", o->data, n->batch + 1, reader));
+        MOE_TRY(check_length(&r->train, o->val_tokens ? "--data (less --val-tokens)" : "--data", o->data,
+                             n->batch + 1, reader));
         if (o->resume) MOE_TRY(check_resumed_stream(r));
         if (o->shuffle) moe_data_set_shuffle(r->train.data, 1, o->seed);
         const moe_data_position start = o->resume ? r->resumed.data : (moe_data_position){0, 0};
@@ -1862,10 +1865,10 @@ static moe_status run_body(run *r, double start) {
     end.straggler_count = r->slowest[end.straggler_rank];
     for (int q = end.straggler_rank + 1; q < r->ranks; q++) end.straggler_ties += r->slowest[q] == end.straggler_count;
     if (end.straggler_steps) end.straggler_excess /= (double)end.straggler_steps;
-    end.val_loss = val_loss;
+    end.val_loss = end.stopped_by ? NAN : val_loss;
     end.entropy_floor = r->entropy_floor;
     end.seconds = moe_monotonic_seconds() - start;
-    end.kinds = r->val.synth.tokens ? &r->kinds : NULL;
+    end.kinds = r->val.synth.tokens && !end.stopped_by ? &r->kinds : NULL;
     end.last_checkpoint = r->last_checkpoint;
     if (r->cb->on_end) r->cb->on_end(r->cb->ctx, &end);
     return MOE_OK;

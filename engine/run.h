@@ -240,7 +240,8 @@ typedef struct moe_run_kind_report {
 typedef struct moe_run_end {
     int64_t steps_done;
     /* Why the run stopped before --steps (moe_run_callbacks.stop, --max-time),
-     * its last step checkpointed; NULL when it ran them all. */
+     * its last step checkpointed, val_loss NaN and kinds NULL (no final
+     * evaluation); NULL when it ran them all. */
     const char *stopped_by;
     double val_loss;
     double entropy_floor;               /* NAN unless synthetic */

@@ -242,8 +242,10 @@ Test(json, duplicate_among_many_keys) {
     parse_bad(text, "duplicate key \"k2000\"");
     snprintf(text + n, cap - n, ",\"k1234\":0,\"k2\":0}");
     parse_bad(text, "duplicate key \"k1234\"");
-    /* Keys differing only after an embedded NUL are distinct. */
+    /* Keys differing only after an embedded NUL are distinct; a repeat of
+     * one is named whole. */
     moe_json_free(parse_ok("{\"a\\u0000b\":1,\"a\\u0000c\":2,\"a\":3}"));
+    parse_bad("{\"a\":0,\"a\\u0000b\":1,\"a\\u0000b\":2}", "duplicate key \"a\\u0000b\"");
     free(text);
 }
 

@@ -653,6 +653,10 @@ Test(train_run, val_tokens_hold_out_the_tail, .init = make_tmp, .fini = remove_t
     moe_run_callbacks cb = callbacks(&held);
     cr_expect_eq(moe_run(&o, &cb), MOE_ERR_CONFIG);
     cr_expect(strstr(moe_last_error(), "--val-tokens 3000 holds out every token"), "message: %s", moe_last_error());
+    o.val_tokens = ALL - 100; /* a batch reads 4 x 32 + 1 */
+    cr_expect_eq(moe_run(&o, &cb), MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "--data (less --val-tokens)") && strstr(moe_last_error(), "holds 100 tokens"),
+              "message: %s", moe_last_error());
     o.val_tokens = 100; /* the evaluation reads 2 x 4 x 32 + 1 */
     cr_expect_eq(moe_run(&o, &cb), MOE_ERR_CONFIG);
     cr_expect(strstr(moe_last_error(), "--val-tokens of --data") && strstr(moe_last_error(), "holds 100 tokens"),
@@ -1072,6 +1076,8 @@ Test(train_run, stop_request_checkpoints_and_resumes, .init = make_tmp, .fini = 
     cr_assert_eq(moe_run(&o, &cb), MOE_OK, "%s", moe_last_error());
     cr_expect(v.steps == 3 && v.saved_step == 3 && v.evals == 1 && v.ends == 1, "%d steps, saved %lld, %d evals",
               v.steps, (long long)v.saved_step, v.evals);
+    cr_expect(isnan(v.end_val) && !v.kinds_ok, "a stopped run reports the last evaluation (%g) as its end's",
+              v.end_val);
     stop_flag = 0;
     stop_after = -1;
     cb = callbacks(&v);

@@ -152,8 +152,12 @@ void cli_warning(const char *message) {
 }
 
 int cli_stdout_written(void) {
-    if (fflush(stdout) == 0 && !ferror(stdout)) return 0;
-    fprintf(stderr, "%s: writing to stdout failed: %s\n", cli_program, strerror(errno));
+    errno = 0;
+    const bool flushed = fflush(stdout) == 0;
+    if (flushed && !ferror(stdout)) return 0;
+    /* errno is the flush's; an earlier failed write left only the flag. */
+    fprintf(stderr, "%s: writing to stdout failed%s%s\n", cli_program, flushed ? "" : ": ",
+            flushed ? " (some output was lost)" : strerror(errno));
     return 1;
 }
 

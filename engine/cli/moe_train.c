@@ -146,9 +146,10 @@ static void print_help(void) {
            "                       (default off)\n\n"
            "  -h, --help           this text\n\n"
            "Signals: SIGUSR1 (mpirun forwards it to every rank; Slurm's --signal sends it before\n"
-           "the time limit), SIGTERM or SIGINT stops the run after its step in progress, which\n"
-           "is checkpointed; the exit status is then 3, and --resume latest continues. A second\n"
-           "signal ends it at once.\n\n"
+           "the time limit), SIGTERM or SIGINT stops a training run after its step in progress,\n"
+           "which is checkpointed; the exit status is then 3, and --resume latest continues (under\n"
+           "mpirun send SIGUSR1: mpirun takes SIGTERM and SIGINT itself and exits 1, though the\n"
+           "ranks stop as well). A second signal ends the process at once.\n\n"
            "Environment: OMP_NUM_THREADS sets the thread count when --threads is not given;\n"
            "MOE_FAULT_KILL=RANK:STEP kills that rank in STEP, before its checkpoint (a fault-\n"
            "injection test).\n");
@@ -231,20 +232,31 @@ typedef struct printer {
 /* The signal that asked the run to stop (moe_run_callbacks.stop), or 0. */
 static volatile sig_atomic_t stop_signal;
 
-static void on_stop_signal(int signo) { stop_signal = signo; }
+static const int stop_signals[] = {SIGUSR1, SIGTERM, SIGINT};
+
+/* The first of them asks for the stop and gives all three back their
+ * default action, so that a second one, of any of them, ends the process
+ * at once (sigaction is async-signal-safe). */
+static void on_stop_signal(int signo) {
+    stop_signal = signo;
+    struct sigaction dfl;
+    memset(&dfl, 0, sizeof dfl);
+    dfl.sa_handler = SIG_DFL;
+    for (size_t i = 0; i < sizeof stop_signals / sizeof *stop_signals; i++) sigaction(stop_signals[i], &dfl, NULL);
+}
 
 /* SIGUSR1 (which mpirun forwards to every rank, and Slurm's --signal
- * sends before a job's time is up), SIGTERM and SIGINT stop the run after
- * its step in progress, checkpointed; the handler is reset by its first
- * signal, so that a second one ends the process at once. */
+ * sends before a job's time is up), SIGTERM and SIGINT stop a training run
+ * after its step in progress, checkpointed. SA_RESTART: a write to a
+ * stdout pipe that is full when the signal comes goes on rather than fail
+ * (and lose its line). */
 static void catch_stop_signals(void) {
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = on_stop_signal;
-    sa.sa_flags = SA_RESETHAND;
+    sa.sa_flags = SA_RESTART;
     sigemptyset(&sa.sa_mask);
-    const int signals[] = {SIGUSR1, SIGTERM, SIGINT};
-    for (size_t i = 0; i < sizeof signals / sizeof *signals; i++) sigaction(signals[i], &sa, NULL);
+    for (size_t i = 0; i < sizeof stop_signals / sizeof *stop_signals; i++) sigaction(stop_signals[i], &sa, NULL);
 }
 
 static const char *signal_name(int signo) {
@@ -603,7 +615,7 @@ int main(int argc, char **argv) {
         .on_warning = on_warning,
         .stop = &stop_signal,
     };
-    catch_stop_signals();
+    if (!o.eval_only) catch_stop_signals(); /* an evaluation has no step to stop after */
     moe_status st = moe_run(&o, &cb);
     if (st != MOE_OK) {
         clear_bar(&p);
