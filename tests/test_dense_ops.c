@@ -491,6 +491,9 @@ Test(dense, attention_window) {
     check_attention(2, 13, 4, 2, 8, 12, 15);
     check_attention(1, 11, 3, 1, 5, 40, 16);
     check_attention(1, 9, 2, 1, 264, 4, 17);
+    /* hd 128: tiles of 32 keys, so T 40 spans two, and a window of 7 skips
+     * the first tile's rows past it and the blocks before each row's. */
+    check_attention(1, 40, 1, 1, 128, 7, 18);
 }
 
 /* ------------------------------------------------------ cross-entropy */

@@ -18,8 +18,9 @@
  * threads, where the loops here take 11 ms forward and backward together.
  *
  * A sliding window masks the keys before it (probability zero, so every
- * gradient through them is zero too) and still computes their scores: the
- * window saves nothing here, where sequences are short. */
+ * gradient through them is zero too); on the key-vectorised layout the
+ * passes skip the key tiles and blocks wholly before a row block's window,
+ * so their work grows with T x window rather than T^2 / 2. */
 #include <math.h>
 #include <stdbool.h>
 
@@ -79,6 +80,16 @@ static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 /* The first key query t sees: window keys end at t (0: every key). */
 static inline int64_t window_start(int64_t t, int64_t window) {
     return window > 0 && t >= window ? t - window + 1 : 0;
+}
+
+/* The first key of the vector blocks a row block from t0 on reads: its
+ * first row's window start, rounded down to a block of LANES. */
+static inline int64_t block_start(int64_t t0, int64_t window) { return window_start(t0, window) / LANES * LANES; }
+
+/* The end of the rows that see any of keys .. last: a window's rows stop
+ * window - 1 past it. */
+static inline int64_t rows_end(int64_t last, int64_t window, int64_t T) {
+    return window > 0 ? min64(T, last + window) : T;
 }
 
 /* The keys of row t that its vector blocks cover: t + 1 rounded up to
@@ -182,15 +193,15 @@ static inline void combine_rows(float *restrict y, int64_t ldy, const float *res
  * are written last. */
 static inline void softmax_rows(float *restrict p, int64_t t0, int64_t nr, int64_t T, int64_t window,
                                 float scale) {
-    const int64_t n = row_span(t0 + nr - 1, T);
+    const int64_t n = row_span(t0 + nr - 1, T), j0 = block_start(t0, window);
     for (int64_t r = 0; r < nr; r++) {
-        for (int64_t j = 0; j < window_start(t0 + r, window); j++) p[r * T + j] = -INFINITY;
+        for (int64_t j = j0; j < window_start(t0 + r, window); j++) p[r * T + j] = -INFINITY;
         for (int64_t j = t0 + r + 1; j < n; j++) p[r * T + j] = -INFINITY;
     }
     float mxl[ROWS][LANES];
     for (int64_t r = 0; r < ROWS; r++)
         for (int64_t l = 0; l < LANES; l++) mxl[r][l] = -INFINITY;
-    int64_t j = 0;
+    int64_t j = j0;
     for (; j + LANES <= n; j += LANES)
         for (int64_t r = 0; r < nr; r++)
 #pragma omp simd
@@ -209,12 +220,12 @@ static inline void softmax_rows(float *restrict p, int64_t t0, int64_t nr, int64
         float mx = mxl[r][0], *pr = p + r * T;
         for (int64_t l = 1; l < LANES; l++) mx = mxl[r][l] > mx ? mxl[r][l] : mx;
 #pragma omp simd
-        for (j = 0; j < n; j++) pr[j] = moe_expf(pr[j] - mx);
+        for (j = j0; j < n; j++) pr[j] = moe_expf(pr[j] - mx);
     }
     /* The sum in a pass of its own: inside the exp loop its double lanes
      * spilled registers (12% slower at hd 8). */
     double suml[ROWS][LANES] = {{0}};
-    for (j = 0; j + LANES <= n; j += LANES)
+    for (j = j0; j + LANES <= n; j += LANES)
         for (int64_t r = 0; r < nr; r++)
 #pragma omp simd
             for (int64_t l = 0; l < LANES; l++) suml[r][l] += p[r * T + j + l];
@@ -226,21 +237,22 @@ static inline void softmax_rows(float *restrict p, int64_t t0, int64_t nr, int64
         const float inv = (float)(1.0 / sum);
         float *pr = p + r * T;
 #pragma omp simd
-        for (j = 0; j < n; j++) pr[j] *= inv;
+        for (j = j0; j < n; j++) pr[j] *= inv;
         for (j = 0; j < window_start(t0 + r, window); j++) pr[j] = 0.0f;
         for (j = t0 + r + 1; j < T; j++) pr[j] = 0.0f;
     }
 }
 
-/* Rows t0 + r (r < nr) of d [T, T] hold dP = dO V^T over [0, n), n =
- * row_span(t0 + nr - 1), and those of p the probabilities (zero outside
- * the window): d becomes scale * P * (dP - rowsum(P * dP)) over [0, n), so
- * zero outside the window too. d past n is left as it was. */
+/* Rows t0 + r (r < nr) of d [T, T] hold dP = dO V^T over [j0, n), j0 =
+ * block_start(t0), n = row_span(t0 + nr - 1), and those of p the
+ * probabilities (zero outside the window): d becomes scale * P * (dP -
+ * rowsum(P * dP)) over [j0, n), so zero outside the window too. d outside
+ * [j0, n) is left as it was. */
 static inline void dsoftmax_rows(float *restrict d, const float *restrict p, int64_t t0, int64_t nr, int64_t T,
-                                 float scale) {
-    const int64_t n = row_span(t0 + nr - 1, T);
+                                 int64_t window, float scale) {
+    const int64_t n = row_span(t0 + nr - 1, T), j0 = block_start(t0, window);
     double suml[ROWS][LANES] = {{0}};
-    int64_t j = 0;
+    int64_t j = j0;
     for (; j + LANES <= n; j += LANES)
         for (int64_t r = 0; r < nr; r++)
 #pragma omp simd
@@ -253,20 +265,20 @@ static inline void dsoftmax_rows(float *restrict d, const float *restrict p, int
         const float pdf = (float)pd, *pr = p + r * T;
         float *dr = d + r * T;
 #pragma omp simd
-        for (j = 0; j < n; j++) dr[j] = scale * (pr[j] * (dr[j] - pdf));
+        for (j = j0; j < n; j++) dr[j] = scale * (pr[j] * (dr[j] - pdf));
     }
 }
 
-/* y_j += sum_{t0 <= t < T} s[t][j] x_t over ni <= LANES channels, for
+/* y_j += sum_{t0 <= t < t1} s[t][j] x_t over ni <= LANES channels, for
  * nl <= LANES keys j (y_j = y + j * ldy), with s [T, T] from the keys'
  * column on and x_t = x + t * ldx: the channels in the lanes, one
  * accumulator per key, four terms summed before they join it. */
 static inline void accumulate_chunk(float *restrict y, int64_t ldy, const float *restrict s,
-                                    const float *restrict x, int64_t ldx, int64_t t0, int64_t T, int64_t ni,
-                                    int64_t nl) {
+                                    const float *restrict x, int64_t ldx, int64_t t0, int64_t t1, int64_t T,
+                                    int64_t ni, int64_t nl) {
     float acc[LANES][LANES] = {{0}}; /* [key][channel] */
     int64_t t = t0;
-    for (; t + 4 <= T; t += 4) {
+    for (; t + 4 <= t1; t += 4) {
         const float *s0 = s + t * T, *s1 = s0 + T, *s2 = s1 + T, *s3 = s2 + T;
         const float *x0 = x + t * ldx, *x1 = x0 + ldx, *x2 = x1 + ldx, *x3 = x2 + ldx;
         /* Unrolled, GCC keeps the accumulators in registers (7% faster
@@ -278,7 +290,7 @@ static inline void accumulate_chunk(float *restrict y, int64_t ldy, const float 
             for (int64_t i = 0; i < ni; i++) acc[l][i] += c0 * x0[i] + c1 * x1[i] + c2 * x2[i] + c3 * x3[i];
         }
     }
-    for (; t < T; t++) {
+    for (; t < t1; t++) {
         const float *st = s + t * T, *xt = x + t * ldx;
         for (int64_t l = 0; l < nl; l++) {
             const float c = st[l];
@@ -293,26 +305,30 @@ static inline void accumulate_chunk(float *restrict y, int64_t ldy, const float 
 
 /* accumulate_chunk over all hd channels, LANES at a time. */
 static inline void accumulate_keys(float *restrict y, int64_t ldy, const float *restrict s,
-                                   const float *restrict x, int64_t ldx, int64_t t0, int64_t T, int64_t hd,
-                                   int64_t nl) {
+                                   const float *restrict x, int64_t ldx, int64_t t0, int64_t t1, int64_t T,
+                                   int64_t hd, int64_t nl) {
     int64_t i0 = 0;
-    for (; i0 + LANES <= hd; i0 += LANES) accumulate_chunk(y + i0, ldy, s, x + i0, ldx, t0, T, LANES, nl);
-    if (i0 < hd) accumulate_chunk(y + i0, ldy, s, x + i0, ldx, t0, T, hd - i0, nl);
+    for (; i0 + LANES <= hd; i0 += LANES) accumulate_chunk(y + i0, ldy, s, x + i0, ldx, t0, t1, T, LANES, nl);
+    if (i0 < hd) accumulate_chunk(y + i0, ldy, s, x + i0, ldx, t0, t1, T, hd - i0, nl);
 }
 
 /* s[t][j] = a_t . x_j (rows of stride lda and ldx) for every t and the
- * keys j of t's span, x read transposed a tile of keys at a time. */
+ * keys j of t's span, x read transposed a tile of keys at a time. Under a
+ * window a tile's rows end past the last that sees one of its keys by a
+ * row block and a vector block: the passes over a row block read its keys
+ * from block_start on, which may lie in the tile, and the backward's
+ * products with P's zeros there must not meet unwritten (NaN) scores. */
 static inline void causal_dots(float *restrict s, /* [T, T] */
                                const float *restrict a, int64_t lda, const float *restrict x, int64_t ldx,
-                               int64_t T, int64_t hd) {
+                               int64_t T, int64_t hd, int64_t window) {
     float xt[TILE_FLOATS];
     const int64_t tk = TILE_FLOATS / hd / LANES * LANES; /* keys per tile */
     for (int64_t j0 = 0; j0 < T; j0 += tk) {
-        const int64_t nk = min64(tk, T - j0);
+        const int64_t nk = min64(tk, T - j0), t1 = rows_end(j0 + nk - 1 + ROWS + LANES, window, T);
         transpose_tile(xt, tk, x + j0 * ldx, ldx, nk, hd);
         int64_t t = j0;
-        for (; t + ROWS <= T; t += ROWS) dots_block(s, a, lda, xt, tk, t, ROWS, j0, nk, T, hd);
-        if (t < T) dots_block(s, a, lda, xt, tk, t, T - t, j0, nk, T, hd);
+        for (; t + ROWS <= t1; t += ROWS) dots_block(s, a, lda, xt, tk, t, ROWS, j0, nk, T, hd);
+        if (t < t1) dots_block(s, a, lda, xt, tk, t, t1 - t, j0, nk, T, hd);
     }
 }
 
@@ -323,15 +339,11 @@ static inline void forward_head(float *restrict out,     /* [T, hd], stride qs *
                                 const float *restrict k, /* [T, hd], stride ks */
                                 const float *restrict v, /* [T, hd], stride ks */
                                 int64_t T, int64_t qs, int64_t ks, int64_t hd, int64_t window, float scale) {
-    causal_dots(att, q, qs, k, ks, T, hd);
-    int64_t t = 0;
-    for (; t + ROWS <= T; t += ROWS) {
-        softmax_rows(att + t * T, t, ROWS, T, window, scale);
-        combine_rows(out + t * qs, qs, att + t * T, T, v, ks, t + ROWS, hd, ROWS, false);
-    }
-    if (t < T) {
-        softmax_rows(att + t * T, t, T - t, T, window, scale);
-        combine_rows(out + t * qs, qs, att + t * T, T, v, ks, T, hd, T - t, false);
+    causal_dots(att, q, qs, k, ks, T, hd, window);
+    for (int64_t t = 0; t < T; t += ROWS) {
+        const int64_t nr = min64(ROWS, T - t), j0 = block_start(t, window);
+        softmax_rows(att + t * T, t, nr, T, window, scale);
+        combine_rows(out + t * qs, qs, att + t * T + j0, T, v + j0 * ks, ks, t + nr - j0, hd, nr, false);
     }
 }
 
@@ -343,37 +355,30 @@ static inline void backward_q_head(float *restrict dq,         /* [T, hd], strid
                                    const float *restrict k,    /* [T, hd], stride ks */
                                    const float *restrict v,    /* [T, hd], stride ks */
                                    const float *restrict att,  /* [T, T] */
-                                   int64_t T, int64_t qs, int64_t ks, int64_t hd, float scale) {
-    causal_dots(ds, dout, qs, v, ks, T, hd);
-    int64_t t = 0;
-    for (; t + ROWS <= T; t += ROWS) {
-        dsoftmax_rows(ds + t * T, att + t * T, t, ROWS, T, scale);
-        combine_rows(dq + t * qs, qs, ds + t * T, T, k, ks, t + ROWS, hd, ROWS, true);
-    }
-    if (t < T) {
-        dsoftmax_rows(ds + t * T, att + t * T, t, T - t, T, scale);
-        combine_rows(dq + t * qs, qs, ds + t * T, T, k, ks, T, hd, T - t, true);
+                                   int64_t T, int64_t qs, int64_t ks, int64_t hd, int64_t window, float scale) {
+    causal_dots(ds, dout, qs, v, ks, T, hd, window);
+    for (int64_t t = 0; t < T; t += ROWS) {
+        const int64_t nr = min64(ROWS, T - t), j0 = block_start(t, window);
+        dsoftmax_rows(ds + t * T, att + t * T, t, nr, T, window, scale);
+        combine_rows(dq + t * qs, qs, ds + t * T + j0, T, k + j0 * ks, ks, t + nr - j0, hd, nr, true);
     }
 }
 
 /* One query head's share of dk and dv. Key block j0 reads the rows of dS
- * and P from j0 down, all inside their spans, where both are zero outside
- * the window. */
+ * and P from j0 down to the last that sees one of its keys, all inside
+ * the columns their passes wrote (their blocks start at or before j0),
+ * where both are zero outside the window. */
 static inline void backward_kv_head(float *restrict dk,         /* [T, hd], stride ks */
                                     float *restrict dv,         /* [T, hd], stride ks */
                                     const float *restrict ds,   /* [T, T] */
                                     const float *restrict att,  /* [T, T] */
                                     const float *restrict q,    /* [T, hd], stride qs */
                                     const float *restrict dout, /* [T, hd], stride qs */
-                                    int64_t T, int64_t qs, int64_t ks, int64_t hd) {
-    int64_t j0 = 0;
-    for (; j0 + LANES <= T; j0 += LANES) {
-        accumulate_keys(dk + j0 * ks, ks, ds + j0, q, qs, j0, T, hd, LANES);
-        accumulate_keys(dv + j0 * ks, ks, att + j0, dout, qs, j0, T, hd, LANES);
-    }
-    if (j0 < T) {
-        accumulate_keys(dk + j0 * ks, ks, ds + j0, q, qs, j0, T, hd, T - j0);
-        accumulate_keys(dv + j0 * ks, ks, att + j0, dout, qs, j0, T, hd, T - j0);
+                                    int64_t T, int64_t qs, int64_t ks, int64_t hd, int64_t window) {
+    for (int64_t j0 = 0; j0 < T; j0 += LANES) {
+        const int64_t nl = min64(LANES, T - j0), t1 = rows_end(j0 + nl - 1, window, T);
+        accumulate_keys(dk + j0 * ks, ks, ds + j0, q, qs, j0, t1, T, hd, nl);
+        accumulate_keys(dv + j0 * ks, ks, att + j0, dout, qs, j0, t1, T, hd, nl);
     }
 }
 
@@ -391,24 +396,25 @@ static void forward_keys(float *out, float *att, const float *q, const float *k,
 }
 
 static void backward_q_keys(float *dq, float *ds, const float *dout, const float *k, const float *v,
-                            const float *att, int64_t T, int64_t qs, int64_t ks, int64_t hd, float scale) {
+                            const float *att, int64_t T, int64_t qs, int64_t ks, int64_t hd, int64_t window,
+                            float scale) {
     switch (hd) {
-    case 8: backward_q_head(dq, ds, dout, k, v, att, T, qs, ks, 8, scale); break;
-    case 16: backward_q_head(dq, ds, dout, k, v, att, T, qs, ks, 16, scale); break;
-    case 32: backward_q_head(dq, ds, dout, k, v, att, T, qs, ks, 32, scale); break;
-    case 64: backward_q_head(dq, ds, dout, k, v, att, T, qs, ks, 64, scale); break;
-    default: backward_q_head(dq, ds, dout, k, v, att, T, qs, ks, hd, scale);
+    case 8: backward_q_head(dq, ds, dout, k, v, att, T, qs, ks, 8, window, scale); break;
+    case 16: backward_q_head(dq, ds, dout, k, v, att, T, qs, ks, 16, window, scale); break;
+    case 32: backward_q_head(dq, ds, dout, k, v, att, T, qs, ks, 32, window, scale); break;
+    case 64: backward_q_head(dq, ds, dout, k, v, att, T, qs, ks, 64, window, scale); break;
+    default: backward_q_head(dq, ds, dout, k, v, att, T, qs, ks, hd, window, scale);
     }
 }
 
 static void backward_kv_keys(float *dk, float *dv, const float *ds, const float *att, const float *q,
-                             const float *dout, int64_t T, int64_t qs, int64_t ks, int64_t hd) {
+                             const float *dout, int64_t T, int64_t qs, int64_t ks, int64_t hd, int64_t window) {
     switch (hd) {
-    case 8: backward_kv_head(dk, dv, ds, att, q, dout, T, qs, ks, 8); break;
-    case 16: backward_kv_head(dk, dv, ds, att, q, dout, T, qs, ks, 16); break;
-    case 32: backward_kv_head(dk, dv, ds, att, q, dout, T, qs, ks, 32); break;
-    case 64: backward_kv_head(dk, dv, ds, att, q, dout, T, qs, ks, 64); break;
-    default: backward_kv_head(dk, dv, ds, att, q, dout, T, qs, ks, hd);
+    case 8: backward_kv_head(dk, dv, ds, att, q, dout, T, qs, ks, 8, window); break;
+    case 16: backward_kv_head(dk, dv, ds, att, q, dout, T, qs, ks, 16, window); break;
+    case 32: backward_kv_head(dk, dv, ds, att, q, dout, T, qs, ks, 32, window); break;
+    case 64: backward_kv_head(dk, dv, ds, att, q, dout, T, qs, ks, 64, window); break;
+    default: backward_kv_head(dk, dv, ds, att, q, dout, T, qs, ks, hd, window);
     }
 }
 
@@ -486,7 +492,7 @@ void moe_cpu_attention_decode(float *out, float *att, const float *q, const floa
  * above the diagonal, like P, as far as the second pass reads it); the
  * second runs per kv head, so the query heads that share one add into dk
  * and dv in a fixed order, without races. P is zero outside the window, so
- * dS is: the window only shortens the loops of large heads. */
+ * dS is: the window only shortens the loops. */
 void moe_cpu_attention_backward(float *dq, float *dk, float *dv, float *datt, const float *dout,
                                 const float *q, const float *k, const float *v, const float *att,
                                 int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t hd, int64_t window) {
@@ -500,7 +506,7 @@ void moe_cpu_attention_backward(float *dq, float *dk, float *dv, float *datt, co
             if (hd <= KEYS_MAX_HD) {
                 backward_q_keys(dq + (b * T * Hq + h) * hd, datt + (b * Hq + h) * T * T,
                                 dout + (b * T * Hq + h) * hd, kb, vb, att + (b * Hq + h) * T * T, T, qs, ks, hd,
-                                scale);
+                                window, scale);
                 continue;
             }
             for (int64_t t = 0; t < T; t++) {
@@ -533,7 +539,7 @@ void moe_cpu_attention_backward(float *dq, float *dk, float *dv, float *datt, co
                 const float *qb = q + (b * T * Hq + h) * hd;   /* [T, hd], stride qs */
                 const float *dyb = dout + (b * T * Hq + h) * hd; /* [T, hd], stride qs */
                 if (hd <= KEYS_MAX_HD) {
-                    backward_kv_keys(dkb, dvb, dS, P, qb, dyb, T, qs, ks, hd);
+                    backward_kv_keys(dkb, dvb, dS, P, qb, dyb, T, qs, ks, hd, window);
                     continue;
                 }
                 /* Four query rows t..t+3 at a time; the zeros of P and dS
