@@ -332,6 +332,18 @@ static inline void causal_dots(float *restrict s, /* [T, T] */
     }
 }
 
+/* Rows t .. t + nr - 1 of the forward: their softmax, then out = P V over
+ * the keys from their window's block on. Called with nr = ROWS, a
+ * constant, for every whole block (and the tail apart), so that the row
+ * loops unroll. */
+static inline void forward_rows(float *restrict out, float *restrict att, const float *restrict v, int64_t T,
+                                int64_t qs, int64_t ks, int64_t hd, int64_t window, float scale, int64_t t,
+                                int64_t nr) {
+    const int64_t j0 = block_start(t, window);
+    softmax_rows(att + t * T, t, nr, T, window, scale);
+    combine_rows(out + t * qs, qs, att + t * T + j0, T, v + j0 * ks, ks, t + nr - j0, hd, nr, false);
+}
+
 /* One (batch, query head) of the forward. */
 static inline void forward_head(float *restrict out,     /* [T, hd], stride qs */
                                 float *restrict att,     /* [T, T] */
@@ -340,11 +352,19 @@ static inline void forward_head(float *restrict out,     /* [T, hd], stride qs *
                                 const float *restrict v, /* [T, hd], stride ks */
                                 int64_t T, int64_t qs, int64_t ks, int64_t hd, int64_t window, float scale) {
     causal_dots(att, q, qs, k, ks, T, hd, window);
-    for (int64_t t = 0; t < T; t += ROWS) {
-        const int64_t nr = min64(ROWS, T - t), j0 = block_start(t, window);
-        softmax_rows(att + t * T, t, nr, T, window, scale);
-        combine_rows(out + t * qs, qs, att + t * T + j0, T, v + j0 * ks, ks, t + nr - j0, hd, nr, false);
-    }
+    int64_t t = 0;
+    for (; t + ROWS <= T; t += ROWS) forward_rows(out, att, v, T, qs, ks, hd, window, scale, t, ROWS);
+    if (t < T) forward_rows(out, att, v, T, qs, ks, hd, window, scale, t, T - t);
+}
+
+/* Rows t .. t + nr - 1 of the backward's first pass (forward_rows' way):
+ * dS into ds, dq += scale dS K. */
+static inline void backward_q_rows(float *restrict dq, float *restrict ds, const float *restrict k,
+                                   const float *restrict att, int64_t T, int64_t qs, int64_t ks, int64_t hd,
+                                   int64_t window, float scale, int64_t t, int64_t nr) {
+    const int64_t j0 = block_start(t, window);
+    dsoftmax_rows(ds + t * T, att + t * T, t, nr, T, window, scale);
+    combine_rows(dq + t * qs, qs, ds + t * T + j0, T, k + j0 * ks, ks, t + nr - j0, hd, nr, true);
 }
 
 /* One (batch, query head) of the backward's first pass: dS (times scale)
@@ -357,11 +377,9 @@ static inline void backward_q_head(float *restrict dq,         /* [T, hd], strid
                                    const float *restrict att,  /* [T, T] */
                                    int64_t T, int64_t qs, int64_t ks, int64_t hd, int64_t window, float scale) {
     causal_dots(ds, dout, qs, v, ks, T, hd, window);
-    for (int64_t t = 0; t < T; t += ROWS) {
-        const int64_t nr = min64(ROWS, T - t), j0 = block_start(t, window);
-        dsoftmax_rows(ds + t * T, att + t * T, t, nr, T, window, scale);
-        combine_rows(dq + t * qs, qs, ds + t * T + j0, T, k + j0 * ks, ks, t + nr - j0, hd, nr, true);
-    }
+    int64_t t = 0;
+    for (; t + ROWS <= T; t += ROWS) backward_q_rows(dq, ds, k, att, T, qs, ks, hd, window, scale, t, ROWS);
+    if (t < T) backward_q_rows(dq, ds, k, att, T, qs, ks, hd, window, scale, t, T - t);
 }
 
 /* One query head's share of dk and dv. Key block j0 reads the rows of dS
@@ -375,10 +393,15 @@ static inline void backward_kv_head(float *restrict dk,         /* [T, hd], stri
                                     const float *restrict q,    /* [T, hd], stride qs */
                                     const float *restrict dout, /* [T, hd], stride qs */
                                     int64_t T, int64_t qs, int64_t ks, int64_t hd, int64_t window) {
-    for (int64_t j0 = 0; j0 < T; j0 += LANES) {
-        const int64_t nl = min64(LANES, T - j0), t1 = rows_end(j0 + nl - 1, window, T);
-        accumulate_keys(dk + j0 * ks, ks, ds + j0, q, qs, j0, t1, T, hd, nl);
-        accumulate_keys(dv + j0 * ks, ks, att + j0, dout, qs, j0, t1, T, hd, nl);
+    int64_t j0 = 0;
+    for (; j0 + LANES <= T; j0 += LANES) { /* LANES keys, a constant: the accumulators stay in registers */
+        const int64_t t1 = rows_end(j0 + LANES - 1, window, T);
+        accumulate_keys(dk + j0 * ks, ks, ds + j0, q, qs, j0, t1, T, hd, LANES);
+        accumulate_keys(dv + j0 * ks, ks, att + j0, dout, qs, j0, t1, T, hd, LANES);
+    }
+    if (j0 < T) {
+        accumulate_keys(dk + j0 * ks, ks, ds + j0, q, qs, j0, T, T, hd, T - j0);
+        accumulate_keys(dv + j0 * ks, ks, att + j0, dout, qs, j0, T, T, hd, T - j0);
     }
 }
 
