@@ -2,8 +2,9 @@
 # moe-generate's flags and output, on the checkpoint that two steps of
 # moe-train leave: every bad flag, and every setting the generation refuses
 # (a prompt outside the vocabulary, too many positions), exits 2 naming
-# itself, a failing generation (a missing checkpoint) exits 1, both with
-# 'moe-generate: ' on stderr and nothing on stdout; a good run prints the
+# itself, a generation that cannot start (a missing checkpoint) exits 1,
+# both with 'moe-generate: ' on stderr and nothing on stdout (one that
+# fails once started has printed its header line); a good run prints the
 # header line and one line per sample, and exits 1 when stdout cannot take
 # them.
 # Usage: generate_cli.sh BINDIR (holding moe-train and moe-generate)
