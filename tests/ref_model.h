@@ -72,9 +72,10 @@ static inline void ref_rope(double *x, int64_t B, int64_t T, int64_t H, int64_t 
 /* Causal grouped-query attention: out [B, T, Hq, hd] from q [B, T, Hq, hd]
  * and k, v [B, T, Hkv, hd]; query head h reads kv head h / (Hq / Hkv);
  * scores scaled by 1/sqrt(hd), softmax over positions s <= t, and s > t -
- * window when window > 0 (a sliding window). */
-static inline void ref_attention(double *out, const double *q, const double *k, const double *v, int64_t B,
-                                 int64_t T, int64_t Hq, int64_t Hkv, int64_t hd, int64_t window) {
+ * window when window > 0 (a sliding window). probs [B, Hq, T, T], unless
+ * NULL, gets the probabilities, zeros outside each row's keys. */
+static inline void ref_attention(double *out, double *probs, const double *q, const double *k, const double *v,
+                                 int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t hd, int64_t window) {
     const int64_t group = Hq / Hkv;
     const double scale = 1.0 / sqrt((double)hd);
     double *p = ref_alloc((size_t)T * sizeof *p);
@@ -94,6 +95,8 @@ static inline void ref_attention(double *out, const double *q, const double *k, 
                 }
                 for (int64_t s = lo; s <= t; s++) sum += (p[s] = exp(p[s] - mx));
                 double *o = out + ((b * T + t) * Hq + h) * hd;
+                for (int64_t s = 0; probs && s < T; s++)
+                    probs[((b * Hq + h) * T + t) * T + s] = s >= lo && s <= t ? p[s] / sum : 0.0;
                 for (int64_t i = 0; i < hd; i++) o[i] = 0.0;
                 for (int64_t s = lo; s <= t; s++) {
                     const double *vs = v + ((b * T + s) * Hkv + g) * hd;
@@ -327,7 +330,7 @@ static inline double ref_model_forward(ref_model *r, ref_model_loss *out, double
         ref_linear(v, h, p + ly->wv, N, C, kvdim);
         ref_rope(q, B, T, Hq, hd, c->rope_theta);
         ref_rope(k, B, T, Hkv, hd, c->rope_theta);
-        ref_attention(att, q, k, v, B, T, Hq, Hkv, hd, c->sliding_window);
+        ref_attention(att, NULL, q, k, v, B, T, Hq, Hkv, hd, c->sliding_window);
         ref_linear(y, att, p + ly->wo, N, qdim, C);
         for (int64_t i = 0; i < N * C; i++) x[i] += y[i];
         ref_rmsnorm(h, x, p + ly->ln2, c->rms_norm_eps, N, C);

@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "kernels/cpu/dense.h"
+#include "ref_model.h"
 
 #define GRAD_RTOL 1e-4
 #define FD_STEP 1e-5
@@ -130,29 +131,9 @@ static double dot_d(const double *a, const double *b, int64_t n) {
 
 /* ------------------------------------------------- double references */
 
-static void ref_rmsnorm(double *y, const double *x, const double *w, double eps, int64_t N,
-                        int64_t C) {
-    for (int64_t n = 0; n < N; n++) {
-        double ms = 0.0;
-        for (int64_t c = 0; c < C; c++) ms += x[n * C + c] * x[n * C + c];
-        const double r = 1.0 / sqrt(ms / (double)C + eps);
-        for (int64_t c = 0; c < C; c++) y[n * C + c] = w[c] * x[n * C + c] * r;
-    }
-}
-
-static void ref_matmul(double *y, const double *x, const double *w, int64_t N, int64_t C,
-                       int64_t OC) {
-    for (int64_t n = 0; n < N; n++)
-        for (int64_t o = 0; o < OC; o++) {
-            double s = 0.0;
-            for (int64_t c = 0; c < C; c++) s += x[n * C + c] * w[o * C + c];
-            y[n * OC + o] = s;
-        }
-}
-
 /* HF apply_rotary_pos_emb: q * cos + rotate_half(q) * sin, with the angle
  * table given as cos/sin [T, hd/2] (the halves of HF's cat(freqs, freqs)). */
-static void ref_rope(double *y, const double *x, const double *cs, const double *sn, int64_t B,
+static void ref_rope_tables(double *y, const double *x, const double *cs, const double *sn, int64_t B,
                      int64_t T, int64_t H, int64_t hd) {
     const int64_t half = hd / 2;
     for (int64_t b = 0; b < B; b++)
@@ -165,42 +146,6 @@ static void ref_rope(double *y, const double *x, const double *cs, const double 
                     y[o + i] = x[o + i] * cs[f] + rot * sn[f];
                 }
             }
-}
-
-/* Keys t - window + 1 .. t (0 .. t when window is 0); att [B, Hq, T, T]
- * gets the probabilities, zeros elsewhere. */
-static void ref_attention(double *out, double *att, const double *q, const double *k,
-                          const double *v, int64_t B, int64_t T, int64_t Hq, int64_t Hkv,
-                          int64_t hd, int64_t window) {
-    const double scale = 1.0 / sqrt((double)hd);
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t h = 0; h < Hq; h++) {
-            const int64_t kvh = h / (Hq / Hkv);
-            for (int64_t t = 0; t < T; t++) {
-                double *p = att + ((b * Hq + h) * T + t) * T;
-                const int64_t lo = window > 0 && t >= window ? t - window + 1 : 0;
-                double mx = -INFINITY;
-                for (int64_t j = 0; j < T; j++) {
-                    if (j > t || j < lo) {
-                        p[j] = 0.0;
-                        continue;
-                    }
-                    double s = 0.0;
-                    for (int64_t i = 0; i < hd; i++)
-                        s += q[((b * T + t) * Hq + h) * hd + i] * k[((b * T + j) * Hkv + kvh) * hd + i];
-                    p[j] = s * scale;
-                    mx = fmax(mx, p[j]);
-                }
-                double sum = 0.0;
-                for (int64_t j = lo; j <= t; j++) sum += (p[j] = exp(p[j] - mx));
-                for (int64_t j = lo; j <= t; j++) p[j] /= sum;
-                for (int64_t i = 0; i < hd; i++) {
-                    double o = 0.0;
-                    for (int64_t j = lo; j <= t; j++) o += p[j] * v[((b * T + j) * Hkv + kvh) * hd + i];
-                    out[((b * T + t) * Hq + h) * hd + i] = o;
-                }
-            }
-        }
 }
 
 static double ref_xent_row(const double *z, int64_t V, int32_t target, double *lse) {
@@ -304,7 +249,7 @@ typedef struct mm_ctx {
 
 static double mm_loss(const void *vctx) {
     const mm_ctx *c = vctx;
-    ref_matmul(c->y, c->x, c->w, c->N, c->C, c->OC);
+    ref_linear(c->y, c->x, c->w, c->N, c->C, c->OC);
     return dot_d(c->dout, c->y, c->N * c->OC);
 }
 
@@ -315,7 +260,7 @@ Test(dense, matmul) {
     float *y = xcalloc(N * OC, sizeof(float));
     moe_cpu_matmul_forward(y, x, w, N, C, OC);
     double *xd = to_double(x, N * C), *wd = to_double(w, OC * C), *yd = xcalloc(N * OC, sizeof(double));
-    ref_matmul(yd, xd, wd, N, C, OC);
+    ref_linear(yd, xd, wd, N, C, OC);
     expect_close("matmul out", y, yd, N * OC, 1e-6, 1e-5);
 
     float *dout = rand_floats(N * OC, &r, -1, 1);
@@ -370,7 +315,7 @@ typedef struct rope_ctx {
 
 static double rope_loss(const void *vctx) {
     const rope_ctx *c = vctx;
-    ref_rope(c->y, c->x, c->cs, c->sn, c->B, c->T, c->H, c->hd);
+    ref_rope_tables(c->y, c->x, c->cs, c->sn, c->B, c->T, c->H, c->hd);
     return dot_d(c->dout, c->y, c->B * c->T * c->H * c->hd);
 }
 
@@ -392,7 +337,7 @@ Test(dense, rope) {
             const double a = (double)t * pow((double)theta, -2.0 * (double)i / (double)hd);
             csx[t * half + i] = cos(a), snx[t * half + i] = sin(a);
         }
-    ref_rope(yd, xd, csx, snx, B, T, H, hd);
+    ref_rope_tables(yd, xd, csx, snx, B, T, H, hd);
     expect_close("rope forward", y, yd, n, 5e-6, 1e-6);
 
     /* Backward: the transpose of the very rotation the tables define. */
