@@ -253,6 +253,8 @@ int64_t moe_layer_config_param_count(const moe_layer_config *cfg, int ep_size) {
     return E * d + E / ep_size * 3 * ff * d + 3 * S * d;
 }
 
+moe_layer_config moe_layer_config_defaults(void) { return (moe_layer_config)MOE_LAYER_CONFIG_INIT; }
+
 moe_status moe_layer_config_validate(const moe_layer_config *cfg) {
     if (!cfg) return moe_error(MOE_ERR_INVALID_ARG, "moe layer config: NULL");
     /* GEMM sizes reach OpenBLAS as int; so must every row and column count. */

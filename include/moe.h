@@ -125,6 +125,10 @@ typedef struct moe_layer_config {
         .routed_scale = 1.0, .seed = 0                                           \
     }
 
+/* The same as a function, for C++ before C++20, which has no designated
+ * initialisers. */
+moe_layer_config moe_layer_config_defaults(void);
+
 /* Checks a config without creating anything; the error names the field. */
 moe_status moe_layer_config_validate(const moe_layer_config *cfg);
 
@@ -227,7 +231,8 @@ moe_status moe_layer_set_training(moe_layer *layer, int training);
 /* y = MoE(x). x [T, d] and y [T, d] are the caller's. The layer keeps what
  * backward needs (and a copy of nothing larger than its own activations) in a
  * workspace that grows only when T exceeds every earlier T; the same or a
- * smaller T allocates nothing (across ranks, the expert rows a rank receives
+ * smaller T allocates nothing of the layer's (the CPU's OpenBLAS may take
+ * small buffers of its own; across ranks, the expert rows a rank receives
  * follow its peers' T too, so a peer's larger T may grow them). A forward
  * that fails leaves no forward for backward to differentiate. stats may be
  * NULL. */

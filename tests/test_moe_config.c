@@ -36,6 +36,19 @@ static void expect_bad(const moe_layer_config *cfg, const char *field, const cha
     if (s == MOE_OK) moe_layer_destroy(l);
 }
 
+/* The function gives the macro's defaults, field for field. */
+Test(config, defaults_function_is_the_macro) {
+    const moe_layer_config a = MOE_LAYER_CONFIG_INIT, b = moe_layer_config_defaults();
+    cr_expect(a.gate == b.gate && a.renormalize == b.renormalize && a.capacity_factor == b.capacity_factor &&
+                  a.aux_loss_coef == b.aux_loss_coef && a.seq_aux_loss_coef == b.seq_aux_loss_coef &&
+                  a.seq_len == b.seq_len && a.z_loss_coef == b.z_loss_coef &&
+                  a.bias_update_rate == b.bias_update_rate && a.n_shared_experts == b.n_shared_experts &&
+                  a.jitter_eps == b.jitter_eps && a.n_groups == b.n_groups && a.top_groups == b.top_groups &&
+                  a.routed_scale == b.routed_scale && a.seed == b.seed && a.d_model == b.d_model &&
+                  a.d_ff == b.d_ff && a.n_experts == b.n_experts && a.top_k == b.top_k,
+              "moe_layer_config_defaults differs from MOE_LAYER_CONFIG_INIT");
+}
+
 Test(config, good_config_passes) {
     moe_layer_config c = good_cfg();
     cr_expect(moe_layer_config_validate(&c) == MOE_OK, "%s", moe_last_error());
