@@ -556,9 +556,10 @@ int bench_gemm_run(int argc, char **argv) {
     }
     if (o.device == DEVICE_CPU) snprintf(why, sizeof why, "--device cpu");
     if (!use_cuda && o.algos_set) {
-        fprintf(stderr, "moe-bench %s: --algos names GPU algorithms, and this run is on the CPU (%s)\n",
-                CMD, why);
-        return BENCH_EXIT_FAILURE;
+        fprintf(stderr, "moe-bench %s: --algos names GPU algorithms, and this run is on the CPU (%s)%s\n",
+                CMD, why, o.device == DEVICE_CPU ? " (see --help)" : "");
+        /* Asked for the CPU, the flags conflict; on auto, the machine lacks a GPU. */
+        return o.device == DEVICE_CPU ? BENCH_EXIT_USAGE : BENCH_EXIT_FAILURE;
     }
 
     bench_column cols[N_COLUMNS];

@@ -88,7 +88,8 @@ int bench_option(int argc, char **argv, int *i, const char *cmd, const char *nam
         return 1;
     }
     if (arg[2 + len] != '\0') return 0;
-    if (*i + 1 >= argc) {
+    /* The next option is not this one's value (a negative number is). */
+    if (*i + 1 >= argc || strncmp(argv[*i + 1], "--", 2) == 0) {
         fprintf(stderr, "moe-bench %s: --%s needs a value\n", cmd, name);
         return -1;
     }
@@ -100,7 +101,7 @@ int bench_option(int argc, char **argv, int *i, const char *cmd, const char *nam
 int bench_option_or_short(int argc, char **argv, int *i, const char *cmd, const char *short_name,
                           const char *name, const char **value) {
     if (short_name && strcmp(argv[*i], short_name) == 0) {
-        if (*i + 1 >= argc) {
+        if (*i + 1 >= argc || strncmp(argv[*i + 1], "--", 2) == 0) {
             fprintf(stderr, "moe-bench %s: %s needs a value\n", cmd, short_name);
             return -1;
         }
