@@ -53,7 +53,8 @@ typedef struct run {
     moe_trainer *trainer;
 } run;
 
-static run make_run(uint64_t seed, double bias_rate, int64_t shared) {
+/* The test's model: its sizes, experts experts, top-k. */
+static moe_model_config small_config(int64_t experts, int64_t k) {
     moe_model_config c;
     moe_model_config_default_small(&c, VOCAB);
     c.hidden_size = D;
@@ -62,8 +63,13 @@ static run make_run(uint64_t seed, double bias_rate, int64_t shared) {
     c.num_attention_heads = 2;
     c.num_key_value_heads = 1;
     c.head_dim = 8;
-    c.num_local_experts = EXPERTS;
-    c.num_experts_per_tok = 2;
+    c.num_local_experts = experts;
+    c.num_experts_per_tok = k;
+    return c;
+}
+
+static run make_run(uint64_t seed, double bias_rate, int64_t shared) {
+    moe_model_config c = small_config(EXPERTS, 2);
     c.moe_bias_update_rate = bias_rate;
     c.moe_n_shared_experts = shared;
     run r;
@@ -479,16 +485,7 @@ Test(checkpoint, fused_layout_loads_like_per_expert, .init = make_tmpdir, .fini 
 
 /* A model of the test's sizes with experts experts, top-k, batches of 2 x 8. */
 static moe_model *model_of(int64_t experts, int64_t k, uint64_t seed) {
-    moe_model_config c;
-    moe_model_config_default_small(&c, VOCAB);
-    c.hidden_size = D;
-    c.intermediate_size = FF;
-    c.num_hidden_layers = LAYERS;
-    c.num_attention_heads = 2;
-    c.num_key_value_heads = 1;
-    c.head_dim = 8;
-    c.num_local_experts = experts;
-    c.num_experts_per_tok = k;
+    const moe_model_config c = small_config(experts, k);
     moe_model *m;
     cr_assert_eq(moe_model_create(&m, &c, 2, 8, seed), MOE_OK, "%s", moe_last_error());
     return m;

@@ -442,6 +442,15 @@ Test(data_bytes, fifo_refused_without_waiting, .timeout = 20) {
 
 static int32_t shard_token(int64_t i) { return (int32_t)((i * 2654435761u) % 50000); }
 
+/* A batch of n inputs and targets read from stream offset start of the
+ * three shards below. */
+static void expect_shard_batch(const int32_t *in, const int32_t *tg, int64_t start, int n, int b) {
+    for (int i = 0; i < n; i++) {
+        cr_assert_eq(in[i], shard_token(start + i), "batch %d input %d", b, i);
+        cr_assert_eq(tg[i], shard_token(start + i + 1), "batch %d target %d", b, i);
+    }
+}
+
 /* Three shards of 700, 0 and 1301 tokens (an empty one between), written
  * with moe_data_write_shard, named so that glob order is stream order. */
 static char *write_three_shards(int64_t *total) {
@@ -515,11 +524,7 @@ Test(data_shards, glob_of_shards_is_one_stream) {
     ref_reader ref = {total, 0, 0};
     for (int b = 0; b < 20; b++) {
         cr_assert_eq(moe_data_next_batch(d, in, tg, B, 0, B, T), MOE_OK, "%s", moe_last_error());
-        int64_t start = ref_next_start(&ref, B * T);
-        for (int i = 0; i < B * T; i++) {
-            cr_assert_eq(in[i], shard_token(start + i), "batch %d input %d", b, i);
-            cr_assert_eq(tg[i], shard_token(start + i + 1), "batch %d target %d", b, i);
-        }
+        expect_shard_batch(in, tg, ref_next_start(&ref, B * T), B * T, b);
     }
     cr_assert_eq(moe_data_get_position(d).epoch, 1, "20 batches of 150 pass the end of 2001");
     moe_data_close(d);
@@ -543,11 +548,7 @@ Test(data_shards, restrict_reads_a_part_of_the_stream) {
     ref_reader ref = {TO - FROM, 0, 0};
     for (int b = 0; b < 12; b++) {
         cr_assert_eq(moe_data_next_batch(d, in, tg, B, 0, B, T), MOE_OK, "%s", moe_last_error());
-        const int64_t start = FROM + ref_next_start(&ref, B * T);
-        for (int i = 0; i < B * T; i++) {
-            cr_assert_eq(in[i], shard_token(start + i), "batch %d input %d", b, i);
-            cr_assert_eq(tg[i], shard_token(start + i + 1), "batch %d target %d", b, i);
-        }
+        expect_shard_batch(in, tg, FROM + ref_next_start(&ref, B * T), B * T, b);
     }
     cr_assert_eq(moe_data_get_position(d).epoch, 1, "12 batches of 100 pass the end of 750");
     moe_data_set_shuffle(d, 1, 5);
@@ -556,8 +557,7 @@ Test(data_shards, restrict_reads_a_part_of_the_stream) {
         int64_t chunk = 0;
         while (chunk < 7 && in[0] != shard_token(FROM + chunk * B * T)) chunk++;
         cr_assert(chunk < 7, "shuffled batch %d starts at no chunk of the part", b);
-        for (int i = 0; i < B * T; i++)
-            cr_assert_eq(tg[i], shard_token(FROM + chunk * B * T + i + 1), "shuffled batch %d target %d", b, i);
+        expect_shard_batch(in, tg, FROM + chunk * B * T, B * T, b);
     }
     cr_assert_eq(moe_data_restrict(d, 100, 200), MOE_OK);
     cr_assert_eq(moe_data_token_count(d), 100);

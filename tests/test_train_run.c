@@ -1498,6 +1498,13 @@ typedef struct bad_option {
     void (*spoil)(moe_run_options *o);
 } bad_option;
 
+/* An otherwise valid --eval-only run: a checkpoint's weights and config. */
+static void eval_only_of(moe_run_options *o) {
+    o->eval_only = true;
+    o->init_from = "somewhere";
+    o->config = NULL;
+}
+
 static void zero_batch(moe_run_options *o) { o->batch_size = 0; }
 static void negative_seq(moe_run_options *o) { o->seq_len = -3; }
 static void zero_steps(moe_run_options *o) { o->steps = 0; }
@@ -1516,10 +1523,8 @@ static void min_lr_constant(moe_run_options *o) { o->lr_schedule = MOE_LR_CONSTA
 static void upcycle_alone(moe_run_options *o) { o->upcycle = true; }
 static void negative_max_time(moe_run_options *o) { o->max_time = -1.0; }
 static void max_time_eval_only(moe_run_options *o) {
+    eval_only_of(o);
     o->max_time = 60.0;
-    o->eval_only = true;
-    o->init_from = "somewhere";
-    o->config = NULL;
 }
 static void negative_val_tokens(moe_run_options *o) { o->val_tokens = -1; }
 static void val_tokens_and_data(moe_run_options *o) {
@@ -1539,25 +1544,20 @@ static void upcycle_eval_only(moe_run_options *o) {
 static void decay_frac_cosine(moe_run_options *o) { o->decay_frac = 0.3; }
 static void decay_flips_weights(moe_run_options *o) { o->weight_decay = 1.0 / o->lr; }
 static void save_eval_only(moe_run_options *o) {
-    o->eval_only = true;
+    eval_only_of(o);
     o->save_every = 5;
-    o->init_from = "somewhere";
-    o->config = NULL;
 }
 static void shuffle_eval_only(moe_run_options *o) {
-    o->eval_only = o->shuffle = true;
-    o->init_from = "somewhere";
-    o->config = NULL;
+    eval_only_of(o);
+    o->shuffle = true;
 }
 static void latest_overwrite(moe_run_options *o) {
     o->resume = MOE_RUN_RESUME_LATEST;
     o->overwrite = true;
 }
 static void keep_last_eval_only(moe_run_options *o) {
-    o->eval_only = true;
+    eval_only_of(o);
     o->keep_last = 2;
-    o->init_from = "somewhere";
-    o->config = NULL;
 }
 static void negative_threads(moe_run_options *o) { o->threads = -2; }
 static void too_many_threads(moe_run_options *o) { o->threads = MOE_RUN_THREADS_MAX + 1; }
@@ -1575,14 +1575,12 @@ static void huge_batch(moe_run_options *o) {
 static void huge_accum(moe_run_options *o) { o->grad_accum = (int64_t)1 << 60; }
 static void huge_eval_batches(moe_run_options *o) { o->eval_batches = 100000000000; }
 static void overwrite_eval_only(moe_run_options *o) {
-    o->eval_only = o->overwrite = true;
-    o->init_from = "somewhere";
-    o->config = NULL;
+    eval_only_of(o);
+    o->overwrite = true;
 }
 static void profile_eval_only(moe_run_options *o) {
-    o->eval_only = o->profile = true;
-    o->init_from = "somewhere";
-    o->config = NULL;
+    eval_only_of(o);
+    o->profile = true;
 }
 
 Test(train_run, bad_options_name_the_flag) {
