@@ -106,17 +106,22 @@ static bool is_bias(const char *name, int64_t layers) {
  * outside ours (in any layout), the embedding when we are not the first
  * stage, the final norm or the head when we are not the last. The stage
  * that holds it checks it, so a tensor no stage has is refused there. */
-static bool of_other_stage(const moe_model_stage *stage, const char *name, int64_t layers) {
+static bool of_other_stage(const moe_model *model, const char *name, int64_t layers) {
+    const moe_model_stage stage = moe_model_get_stage(model);
     long long l;
     int end = 0;
     char prefix[NAME_BYTES];
     if (sscanf(name, LAYER_FMT "%n", &l, &end) == 1 && end > 0) {
         snprintf(prefix, sizeof prefix, LAYER_FMT, l);
-        return strncmp(name, prefix, strlen(prefix)) == 0 && l >= 0 && l < layers &&
-               (l < stage->layer_begin || l >= stage->layer_end);
+        if (strncmp(name, prefix, strlen(prefix)) != 0 || l < 0 || l >= layers) return false;
+        int64_t n;
+        const int64_t *ours = moe_model_layer_ids(model, &n);
+        for (int64_t i = 0; i < n; i++)
+            if (ours[i] == l) return false;
+        return true;
     }
-    if (!stage->first && strcmp(name, EMBED_NAME) == 0) return true;
-    return !stage->last && (strcmp(name, FINAL_NORM_NAME) == 0 || strcmp(name, HEAD_NAME) == 0);
+    if (!stage.first && strcmp(name, EMBED_NAME) == 0) return true;
+    return !stage.last && (strcmp(name, FINAL_NORM_NAME) == 0 || strcmp(name, HEAD_NAME) == 0);
 }
 
 /* ------------------------------------------------------------------ paths */
@@ -328,8 +333,9 @@ static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
  * many. */
 static int64_t collect_parts(part *parts, moe_model *model, moe_trainer *trainer) {
     const float *params = moe_model_host_params(model);
-    const moe_model_stage stage = moe_model_get_stage(model);
     const int64_t E = moe_model_get_config(model)->num_local_experts;
+    int64_t layers;
+    const int64_t *layer = moe_model_layer_ids(model, &layers);
     int64_t n = 0;
     for (int64_t i = 0; i < moe_model_tensor_count(model); i++) {
         const moe_model_tensor *t = moe_model_tensor_at(model, i);
@@ -342,9 +348,9 @@ static int64_t collect_parts(part *parts, moe_model *model, moe_trainer *trainer
         parts[n++] = (part){PART_EXP_AVG, t->init_stream, a - t->offset, b - a, t->numel, sh.m + (a - sh.begin)};
         parts[n++] = (part){PART_EXP_AVG_SQ, t->init_stream, a - t->offset, b - a, t->numel, sh.v + (a - sh.begin)};
     }
-    for (int64_t l = stage.layer_begin; l < stage.layer_end; l++) {
-        const float *bias = moe_model_router_bias(model, l); /* [E] */
-        if (bias && leads(moe_model_world(model))) parts[n++] = (part){PART_BIAS, l, 0, E, E, bias};
+    for (int64_t i = 0; i < layers; i++) {
+        const float *bias = moe_model_router_bias(model, layer[i]); /* [E] */
+        if (bias && leads(moe_model_world(model))) parts[n++] = (part){PART_BIAS, layer[i], 0, E, E, bias};
     }
     return n;
 }
@@ -474,8 +480,9 @@ static moe_status exchange_values(const gathered *g, moe_comm *job, const part *
  * hold each value. Collective over the model's job. */
 static moe_status gather(gathered *g, moe_model *model, moe_trainer *trainer) {
     moe_comm *job = moe_model_job(model);
-    const moe_model_stage stage = moe_model_get_stage(model);
-    const int64_t nt = moe_model_tensor_count(model), most = 3 * nt + stage.layer_end - stage.layer_begin;
+    int64_t layers;
+    moe_model_layer_ids(model, &layers);
+    const int64_t nt = moe_model_tensor_count(model), most = 3 * nt + layers;
     part *parts = malloc((size_t)most * sizeof *parts);
     int64_t *meta = malloc((size_t)(most * PART_FIELDS) * sizeof *meta);
     int64_t *counts = malloc((size_t)moe_comm_size(job) * sizeof *counts), *all_meta = NULL, n = 0;
@@ -712,14 +719,14 @@ static moe_status resolve_weight(source *s, weights_reader *r, const moe_model_t
  * the selection bias of one of our layers (kept by a run with it on), an
  * expert of our layers that another expert-parallel rank holds, or a tensor
  * of another pipeline stage. */
-static moe_status check_unused(const weights_reader *r, const moe_model_stage *stage, int64_t layers) {
+static moe_status check_unused(const weights_reader *r, const moe_model *model, int64_t layers) {
     for (int64_t i = 0; i < moe_st_dir_tensor_count(r->dir); i++) {
         if (r->used[i]) continue;
         const char *name = moe_st_dir_tensor_at(r->dir, i)->name;
         if (strncmp(name, OPTIMIZER_PREFIX, strlen(OPTIMIZER_PREFIX)) == 0) continue;
         if (is_expert_weight(name, layers, r->E)) continue;
         if (is_bias(name, layers)) continue;
-        if (of_other_stage(stage, name, layers)) continue;
+        if (of_other_stage(model, name, layers)) continue;
         return moe_error(MOE_ERR_FORMAT, "%s: tensor '%s' is not part of this model (a checkpoint of another model?)",
                          file_of(r->dir, name), name);
     }
@@ -750,8 +757,7 @@ static moe_status resolve_weights(source *s, int64_t *count, weights_reader *r, 
         MOE_TRY(take(&s[n++], r, name, 1, &r->E));
     }
     *count = n;
-    const moe_model_stage stage = moe_model_get_stage(model);
-    return check_unused(r, &stage, L);
+    return check_unused(r, model, L);
 }
 
 static moe_status load_weights(moe_model *model, const char *dir, bool upcycle) {
@@ -881,7 +887,6 @@ static int cmp_name_ptr(const void *a, const void *b) {
  * none. */
 static moe_status check_unknown(const moe_st_file *f, moe_model *model) {
     const moe_model_config *c = moe_model_get_config(model);
-    const moe_model_stage stage = moe_model_get_stage(model);
     const int64_t n = moe_model_tensor_count(model);
     const char **names = malloc((size_t)n * sizeof *names);
     if (!names) return moe_error(MOE_ERR_OUT_OF_MEMORY, "%s: out of memory", moe_st_path(f));
@@ -894,7 +899,7 @@ static moe_status check_unknown(const moe_st_file *f, moe_model *model) {
         if (strncmp(name, EXP_AVG_SQ, strlen(EXP_AVG_SQ)) == 0) rest = name + strlen(EXP_AVG_SQ);
         if (rest && (bsearch(&rest, names, (size_t)n, sizeof *names, cmp_name_ptr) ||
                      is_expert_weight(rest, c->num_hidden_layers, c->num_local_experts) ||
-                     of_other_stage(&stage, rest, c->num_hidden_layers)))
+                     of_other_stage(model, rest, c->num_hidden_layers)))
             continue;
         st = moe_error(MOE_ERR_FORMAT, "%s: tensor '%s' is not an optimizer moment of this model's tensors",
                        moe_st_path(f), name);

@@ -67,23 +67,28 @@ moe_status moe_grid_coords_of(moe_grid_coords *at, int rank, int size, int pp) {
     return MOE_OK;
 }
 
-moe_status moe_grid_create(moe_grid *g, moe_comm *world, int ep_size, int pp_size, int64_t layers,
+moe_status moe_grid_create(moe_grid *g, moe_comm *world, int ep_size, int pp_size, int chunks, int64_t layers,
                            moe_stage_costs costs) {
     *g = (moe_grid){.world = world, .dp = world, .rank = moe_comm_rank(world), .size = moe_comm_size(world),
-                    .ep_size = ep_size, .layer_end = layers};
+                    .ep_size = ep_size, .chunks = chunks};
     MOE_TRY(moe_grid_coords_of(&g->at, g->rank, g->size, pp_size));
+    if (chunks < 1 || chunks > 64 || (chunks > 1 && pp_size < 2))
+        return moe_error(MOE_ERR_CONFIG, "--pp-chunks %d: 1 to 64, and more than 1 only on a pipeline (--pp > 1)",
+                         chunks);
+    if (chunks > 1 && layers < (int64_t)pp_size * chunks)
+        return moe_error(MOE_ERR_CONFIG, "--pp %d x --pp-chunks %d: each chunk needs a layer, and the model has %lld",
+                         pp_size, chunks, (long long)layers);
     if (ep_size <= 0 || g->at.dp_size % ep_size != 0)
         return pp_size == 1 ? moe_error(MOE_ERR_CONFIG, "--ep %d must divide the number of ranks, %d", ep_size, g->size)
                             : moe_error(MOE_ERR_CONFIG, "--ep %d must divide the data-parallel ranks, %d (%d ranks / "
                                                         "--pp %d)",
                                         ep_size, g->at.dp_size, g->size, pp_size);
     if (pp_size > 1) {
-        g->stage_layers = malloc((size_t)(pp_size + 1) * sizeof *g->stage_layers);
-        moe_status st = g->stage_layers ? moe_grid_partition(g->stage_layers, layers, pp_size, costs)
+        const int virtual_stages = pp_size * chunks;
+        g->stage_layers = malloc((size_t)(virtual_stages + 1) * sizeof *g->stage_layers);
+        moe_status st = g->stage_layers ? moe_grid_partition(g->stage_layers, layers, virtual_stages, costs)
                                         : moe_error(MOE_ERR_OUT_OF_MEMORY, "pipeline stages");
         if (st == MOE_OK) {
-            g->layer_begin = g->stage_layers[g->at.stage];
-            g->layer_end = g->stage_layers[g->at.stage + 1];
             moe_comm *dp = NULL;
             st = moe_comm_split(&dp, world, g->at.stage, g->rank);
             if (st == MOE_OK) g->dp = dp;
@@ -111,7 +116,7 @@ void moe_grid_destroy(moe_grid *g) {
 
 moe_model_parallel moe_grid_model_parallel(const moe_grid *g) {
     return (moe_model_parallel){.world = g->dp, .ep = g->ep, .pipe = g->pipe, .job = g->world,
-                                .layer_begin = g->layer_begin, .layer_end = g->layer_end};
+                                .chunks = g->chunks, .stage_layers = g->stage_layers};
 }
 
 double moe_grid_text_hash(const char *s) {

@@ -28,8 +28,10 @@ typedef struct moe_grid {
     moe_comm *pipe;  /* this rank's pipeline: the rank of each stage with its data-parallel rank; NULL when PP = 1 */
     int rank, size, ep_size;
     moe_grid_coords at; /* this rank's stage and data-parallel rank */
-    int64_t layer_begin, layer_end; /* this stage's layers */
-    int64_t *stage_layers; /* [stages + 1] each stage's first layer, then the layer count; NULL on one stage */
+    int chunks;         /* each stage's runs of layers: 1, or more on an interleaved pipeline */
+    /* [stages x chunks + 1] each virtual stage's first layer (c * stages + s:
+     * stage s's chunk c), then the layer count; NULL on one stage */
+    int64_t *stage_layers;
 } moe_grid;
 
 /* What the pipeline partition balances: every layer costs the same, and
@@ -43,12 +45,15 @@ typedef struct moe_stage_costs {
  * (which, with a large vocabulary, outweighs a layer). */
 moe_stage_costs moe_grid_flop_costs(const moe_model_config *cfg, int64_t seq_len);
 
-/* Splits world into pp_size pipeline stages (a balanced partition of the
- * layers under costs, moe_grid_partition) of world / pp_size data-parallel
- * ranks each, and each stage into expert-parallel groups of ep_size; world
- * stays the caller's. pp_size must divide the world size, ep_size the
- * data-parallel size, and the layers must be at least pp_size. */
-moe_status moe_grid_create(moe_grid *grid, moe_comm *world, int ep_size, int pp_size, int64_t layers,
+/* Splits world into pp_size pipeline stages of world / pp_size
+ * data-parallel ranks each, and each stage into expert-parallel groups of
+ * ep_size; world stays the caller's. The layers are cut into pp_size x
+ * chunks virtual stages (a balanced partition under costs,
+ * moe_grid_partition), and stage s holds virtual stages s, s + pp_size, ...
+ * (interleaved, Megatron-LM's virtual pipeline, when chunks > 1). pp_size
+ * must divide the world size, ep_size the data-parallel size, and the
+ * layers must be at least pp_size x chunks. */
+moe_status moe_grid_create(moe_grid *grid, moe_comm *world, int ep_size, int pp_size, int chunks, int64_t layers,
                            moe_stage_costs costs);
 void moe_grid_destroy(moe_grid *grid);
 

@@ -45,8 +45,11 @@ struct moe_model {
     int64_t B, T, N; /* N = B * T */
     int64_t n_tensors;
     moe_model_tensor *tensors; /* [n_tensors] */
-    int64_t l0, nl;            /* this stage's layers: l0 .. l0 + nl - 1; arrays [nl] below are by l - l0 */
-    bool first, last;          /* the stage holds the embedding; the final norm and the head */
+    int64_t nl;                /* this stage's layers; arrays [nl] below are by local index */
+    int64_t *layer_id;         /* [nl] each local layer's number in the model, ascending */
+    int chunks;                /* the stage's model chunks (interleaved pipelines), each a run of layers */
+    int64_t *chunk_at;         /* [chunks + 1] chunk c is the local layers chunk_at[c] .. chunk_at[c + 1] - 1 */
+    bool first, last;          /* the stage holds the embedding (chunk 0's); the final norm and the head (the last chunk's) */
     int64_t *layer_first;      /* [nl] first tensor of each layer */
     int64_t n_params;          /* length of the arrays: the dense run, then this rank's experts, each padded */
     int64_t n_dense;           /* parameters of the first run: what every rank holds */
@@ -89,7 +92,8 @@ struct moe_model {
     const struct moe_model *holder; /* base: the instance, and its layer, whose activations the set holds */
     int64_t holder_layer;
     layer_acts *acts; /* [nl] */
-    float *x_final;   /* [N, C] output of the last layer */
+    float *x_final;   /* [N, C] output of the last layer; before the last stage, of each chunk */
+    float *x_send;    /* [N, C] on the last stage of an interleaved pipeline: the other chunks' outputs */
     float *lnf;       /* [N, C] */
     float *rstdf;     /* [N] */
     float *logits;    /* [N, V], then dlogits */
@@ -111,7 +115,8 @@ struct moe_model {
     float *dmoe;  /* [N, C] */
     float *dq, *dk, *dv, *datty; /* like q, k, v, atty */
     float *datt;  /* [B, Hq, T, T] */
-    bool forward_done, has_targets;
+    uint64_t pending; /* bit c: chunk c's forward waits for its backward */
+    bool has_targets;
     bool training;  /* moe_model_set_training */
     bool keys_kept; /* every layer's k and v hold a forward's (moe_model_decode's cache) */
     bool logits_valid; /* logits hold the last forward's (its backward reuses them for dlogits) */
@@ -165,9 +170,9 @@ static moe_status build_tensors(moe_model *m, const moe_layer_config *lc) {
         add_tensor(m, 2, V, C, true, "model.embed_tokens.weight");
     else
         m->n_init_streams++;
-    m->n_init_streams += m->l0 * layer_streams;
     for (int64_t i = 0; i < L; i++) {
-        const int64_t l = m->l0 + i;
+        const int64_t l = m->layer_id[i];
+        m->n_init_streams = 1 + l * layer_streams;
         m->layer_first[i] = m->n_tensors;
         add_tensor(m, 1, C, 1, false, "model.layers.%lld.input_layernorm.weight", (long long)l);
         add_tensor(m, 2, qdim, C, true, "model.layers.%lld.self_attn.q_proj.weight", (long long)l);
@@ -183,6 +188,7 @@ static moe_status build_tensors(moe_model *m, const moe_layer_config *lc) {
         /* The one-rank table has every expert here. */
         m->n_init_streams += 3 * (lc->n_experts - n_local);
     }
+    m->n_init_streams = 1 + m->cfg.num_hidden_layers * layer_streams;
     if (m->last) {
         add_tensor(m, 1, C, 1, false, "model.norm.weight");
         add_tensor(m, 2, V, C, true, "lm_head.weight");
@@ -214,7 +220,7 @@ static void name_moe_tensors(moe_model *m, int64_t layer) {
     for (int64_t i = 0; i < moe_layer_tensor_count(m->moe[layer]); i++, t++) {
         moe_tensor_view v;
         moe_layer_tensor(m->moe[layer], i, &v);
-        snprintf(t->name, sizeof t->name, "model.layers.%lld.block_sparse_moe.%s", (long long)(m->l0 + layer), v.name);
+        snprintf(t->name, sizeof t->name, "model.layers.%lld.block_sparse_moe.%s", (long long)m->layer_id[layer], v.name);
         t->ndim = 2;
         t->shape[0] = v.rows;
         t->shape[1] = v.cols;
@@ -307,6 +313,9 @@ static moe_status build_arena(moe_model *m) {
         if (!m->recompute) n += layer_entries(m, table + n, &m->acts[l], true);
     }
     table[n++] = (arena_entry){(void **)&m->x_final, N * C * f};
+    /* The last stage's other chunks send their outputs on from here, while
+     * x_final keeps the last chunk's for the head's backward. */
+    table[n++] = (arena_entry){(void **)&m->x_send, m->last && m->chunks > 1 ? N * C * f : 0};
     table[n++] = (arena_entry){(void **)&m->lnf, N * C * f};
     table[n++] = (arena_entry){(void **)&m->rstdf, N * f};
     table[n++] = (arena_entry){(void **)&m->logits, N * V * f};
@@ -373,50 +382,76 @@ moe_status moe_model_check_shape(const moe_model_config *c, int64_t B, int64_t T
     return MOE_OK;
 }
 
-/* The stage's layer range, checked against the other stages': together
- * they cover every layer once, in stage order, and the stage's
- * data-parallel ranks hold the same layers; job holds every rank, and
- * every rank of it leaves with an error when any found one. Collective
- * over world, pipe and job. */
+/* A stage holds at most this many chunks: a bit each in moe_model.pending. */
+#define MAX_CHUNKS 64
+
+/* The pipeline's partition, checked: its stages x chunks virtual stages
+ * hold the layers in order, each at least one, and every rank of job was
+ * given the same partition; every rank of job leaves with an error when
+ * any found one. Collective over job. */
 static moe_status check_stages(const moe_model_config *cfg, const moe_model_parallel *par) {
     const int64_t L = cfg->num_hidden_layers;
-    const int n = moe_comm_size(par->pipe), stage = moe_comm_rank(par->pipe);
+    const int n = moe_comm_size(par->pipe), chunks = par->chunks;
     const int dp = par->world ? moe_comm_size(par->world) : 1;
     if (!par->job || moe_comm_size(par->job) != n * dp)
         return moe_error(MOE_ERR_CONFIG, "model: a pipeline of %d stages x %d data-parallel ranks needs job, a "
                                          "communicator of all %d ranks (%d given)",
                          n, dp, n * dp, par->job ? moe_comm_size(par->job) : 0);
-    int64_t *stages = malloc((size_t)(2 * n) * sizeof *stages), *replicas = malloc((size_t)(2 * dp) * sizeof *replicas);
-    const int64_t mine[2] = {par->layer_begin, par->layer_end};
-    moe_status st = stages && replicas ? MOE_OK : moe_error(MOE_ERR_OUT_OF_MEMORY, "model: pipeline stages");
-    if (st == MOE_OK) st = moe_comm_allgather(par->pipe, stages, mine, 2, MOE_COMM_I64);
-    if (st == MOE_OK && dp > 1) st = moe_comm_allgather(par->world, replicas, mine, 2, MOE_COMM_I64);
-    if (st != MOE_OK) { /* a communicator failed: it refuses everything from now on */
-        free(stages), free(replicas);
-        return st;
-    }
+    const int64_t *bounds = par->stage_layers, virtual_stages = (int64_t)n * chunks;
     moe_status layout = MOE_OK;
-    for (int r = 0; layout == MOE_OK && dp > 1 && r < dp; r++)
-        if (replicas[2 * r] != mine[0] || replicas[2 * r + 1] != mine[1])
+    if (chunks < 1 || chunks > MAX_CHUNKS)
+        layout = moe_error(MOE_ERR_CONFIG, "model: %d chunks per pipeline stage: 1 to %d", chunks, MAX_CHUNKS);
+    else if (!bounds)
+        layout = moe_error(MOE_ERR_CONFIG, "model: a pipeline of %d stages without its partition of the layers", n);
+    for (int64_t v = 0; layout == MOE_OK && v < virtual_stages; v++) {
+        const int64_t begin = bounds[v], end = bounds[v + 1];
+        if ((v == 0 && begin != 0) || end <= begin || end > L || (v == virtual_stages - 1 && end != L))
             layout = moe_error(MOE_ERR_CONFIG,
-                               "pipeline stage %d: data-parallel rank %d holds layers [%lld, %lld), rank %d [%lld, "
-                               "%lld): a stage's ranks hold the same layers",
-                               stage, r, (long long)replicas[2 * r], (long long)replicas[2 * r + 1],
-                               moe_comm_rank(par->world), (long long)mine[0], (long long)mine[1]);
-    for (int s = 0; layout == MOE_OK && s < n; s++) {
-        const int64_t begin = stages[2 * s], end = stages[2 * s + 1], want = s ? stages[2 * s - 1] : 0;
-        if (begin != want || end <= begin || end > L || (s == n - 1 && end != L))
-            layout = moe_error(MOE_ERR_CONFIG,
-                               "pipeline stage %d holds layers [%lld, %lld) (seen from stage %d): the %d stages must "
-                               "hold the %lld layers in order, each at least one, from layer %lld",
-                               s, (long long)begin, (long long)end, stage, n, (long long)L, (long long)want);
+                               "pipeline stage %d, chunk %d holds layers [%lld, %lld): the %d stages x %d chunks must "
+                               "hold the %lld layers in order, each at least one",
+                               (int)(v % n), (int)(v / n), (long long)begin, (long long)end, n, chunks, (long long)L);
     }
-    free(stages), free(replicas);
+    /* Every rank's partition as one number, to compare. */
+    uint64_t hash = 14695981039346656037ull;
+    for (int64_t v = 0; layout == MOE_OK && v <= virtual_stages; v++)
+        hash = (hash ^ (uint64_t)bounds[v]) * 1099511628211ull;
+    const int ranks = moe_comm_size(par->job), me = moe_comm_rank(par->job);
+    int64_t *all = malloc((size_t)ranks * sizeof *all);
+    if (!all) return moe_error(MOE_ERR_OUT_OF_MEMORY, "model: pipeline partitions");
+    const int64_t mine = layout == MOE_OK ? (int64_t)(hash >> 1) : -1;
+    moe_status st = moe_comm_allgather(par->job, all, &mine, 1, MOE_COMM_I64);
+    for (int r = 0; st == MOE_OK && layout == MOE_OK && r < ranks; r++)
+        if (all[r] >= 0 && all[r] != mine)
+            layout = moe_error(MOE_ERR_CONFIG,
+                               "model: rank %d and rank %d split the layers into pipeline stages differently: every "
+                               "rank needs the same partition",
+                               r, me);
+    free(all);
+    MOE_TRY(st); /* a communicator failed: it refuses everything from now on */
     int32_t refused = layout != MOE_OK;
     MOE_TRY(moe_comm_allreduce_sum(par->job, &refused, 1, MOE_COMM_I32));
     if (layout == MOE_OK && refused)
         layout = moe_error(MOE_ERR_CONFIG, "model: %d other ranks refused the pipeline's layer ranges", (int)refused);
     return layout;
+}
+
+/* This rank's layers, in chunk order (ascending), and where each chunk
+ * starts among them. */
+static moe_status place_layers(moe_model *m, const moe_model_parallel *par) {
+    const int P = m->n_stages;
+    m->chunks = m->pipe ? par->chunks : 1;
+    m->chunk_at = calloc((size_t)m->chunks + 1, sizeof *m->chunk_at);
+    m->layer_id = calloc((size_t)m->cfg.num_hidden_layers, sizeof *m->layer_id);
+    if (!m->chunk_at || !m->layer_id) return moe_error(MOE_ERR_OUT_OF_MEMORY, "model: layer tables");
+    m->nl = 0;
+    for (int c = 0; c < m->chunks; c++) {
+        const int64_t begin = m->pipe ? par->stage_layers[c * P + m->stage] : 0;
+        const int64_t end = m->pipe ? par->stage_layers[c * P + m->stage + 1] : m->cfg.num_hidden_layers;
+        m->chunk_at[c] = m->nl;
+        for (int64_t l = begin; l < end; l++) m->layer_id[m->nl++] = l;
+    }
+    m->chunk_at[m->chunks] = m->nl;
+    return MOE_OK;
 }
 
 /* What every instance of the model keeps for itself, a twin's too: its MoE
@@ -431,7 +466,7 @@ static moe_status build_instance(moe_model *m) {
     for (int64_t i = 0; i < m->nl; i++) {
         /* Each layer's jitter noise is its own stream. */
         moe_layer_config layer_cfg = lc;
-        layer_cfg.seed = moe_splitmix64(m->seed + (uint64_t)(m->l0 + i));
+        layer_cfg.seed = moe_splitmix64(m->seed + (uint64_t)m->layer_id[i]);
         const moe_layer_memory mem = moe_memory(m, i);
         MOE_TRY(moe_layer_create_in(&m->moe[i], &layer_cfg, &mem, m->ep, m->world));
         if (m->base)
@@ -487,7 +522,8 @@ moe_status moe_model_create_twin(moe_model **out, moe_model *base) {
     m->sync_reqs = NULL;
     m->jitter_at = NULL;
     m->n_sync_reqs = 0;
-    m->sync_grads = m->forward_done = m->has_targets = m->logits_valid = m->keys_kept = false;
+    m->sync_grads = m->has_targets = m->logits_valid = m->keys_kept = false;
+    m->pending = 0;
     m->training = true; /* as its new layers start */
     m->dloss_value = 0.0f;
     moe_status st = build_instance(m);
@@ -524,8 +560,6 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_model_config *cf
     m->device_pipe = staged && par->device_pipe ? par->device_pipe : m->pipe;
     m->stage = staged ? moe_comm_rank(par->pipe) : 0;
     m->n_stages = staged ? moe_comm_size(par->pipe) : 1;
-    m->l0 = staged ? par->layer_begin : 0;
-    m->nl = staged ? par->layer_end - par->layer_begin : cfg->num_hidden_layers;
     m->first = m->stage == 0;
     m->last = m->stage == m->n_stages - 1;
     m->world = par && par->world && moe_comm_size(par->world) > 1 ? par->world : NULL;
@@ -551,6 +585,10 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_model_config *cf
         return split;
     }
     m->cfg = *cfg;
+    if ((split = place_layers(m, par)) != MOE_OK) {
+        moe_model_destroy(m);
+        return split;
+    }
     m->ops = par && par->ops ? par->ops : moe_cpu_ops();
     m->B = B;
     m->T = T;
@@ -608,6 +646,8 @@ void moe_model_destroy(moe_model *m) {
     free(m->staging);
     if (!m->base) { /* a twin's tables and arrays are its base's */
         free(m->moe_off);
+        free(m->layer_id);
+        free(m->chunk_at);
         free(m->expert_load);
         if (m->own_device_replicas) moe_comm_free(m->device_replicas);
         if (m->replicas) moe_comm_free(m->replicas);
@@ -643,9 +683,12 @@ int moe_model_world_rank(const moe_model *m) { return m->world_rank; }
 moe_comm *moe_model_world(const moe_model *m) { return m->world; }
 moe_comm *moe_model_job(const moe_model *m) { return m->job; }
 moe_model_stage moe_model_get_stage(const moe_model *m) {
-    return (moe_model_stage){.index = m->stage, .count = m->n_stages, .layer_begin = m->l0,
-                             .layer_end = m->l0 + m->nl, .first = m->first, .last = m->last,
-                             .pipe = m->pipe, .device_pipe = m->device_pipe};
+    return (moe_model_stage){.index = m->stage, .count = m->n_stages, .chunks = m->chunks, .first = m->first,
+                             .last = m->last, .pipe = m->pipe, .device_pipe = m->device_pipe};
+}
+const int64_t *moe_model_layer_ids(const moe_model *m, int64_t *count) {
+    *count = m->nl;
+    return m->layer_id;
 }
 int64_t moe_model_seq_len(const moe_model *m) { return m->T; }
 int64_t moe_model_tensor_count(const moe_model *m) { return m->n_tensors; }
@@ -667,8 +710,15 @@ moe_model_run moe_model_get_run(const moe_model *m, moe_model_run_id run) {
                            .group = m->replicas, .device_group = m->device_replicas};
 }
 float *moe_model_params(moe_model *m) { return m->params; }
-float *moe_model_stage_output(moe_model *m) { return m->last ? NULL : m->x_final; }
-float *moe_model_stage_input_grad(moe_model *m) { return m->first ? NULL : m->dres; }
+/* Whether chunk c starts from the embedding; ends with the head. */
+static bool entry_chunk(const moe_model *m, int c) { return m->first && c == 0; }
+static bool exit_chunk(const moe_model *m, int c) { return m->last && c == m->chunks - 1; }
+
+/* Where chunk c's last layer writes its output. */
+static float *chunk_output(moe_model *m, int c) { return m->last && !exit_chunk(m, c) ? m->x_send : m->x_final; }
+
+float *moe_model_stage_output(moe_model *m, int chunk) { return exit_chunk(m, chunk) ? NULL : chunk_output(m, chunk); }
+float *moe_model_stage_input_grad(moe_model *m, int chunk) { return entry_chunk(m, chunk) ? NULL : m->dres; }
 float *moe_model_grads(moe_model *m) { return m->grads; }
 
 void moe_model_zero_grad(moe_model *m) {
@@ -705,16 +755,21 @@ moe_status moe_model_update_router_bias(moe_model *m) {
     for (int64_t i = 0; i < m->nl; i++)
         if (moe_layer_selection_bias(m->moe[i])) {
             moe_status st = moe_layer_update_bias(m->moe[i]);
-            if (st != MOE_OK) return moe_error_prefix(st, "layer %lld: ", (long long)(m->l0 + i));
+            if (st != MOE_OK) return moe_error_prefix(st, "layer %lld: ", (long long)m->layer_id[i]);
         }
     return MOE_OK;
 }
 
-/* Whether this stage holds layer l of the model. */
-static bool has_layer(const moe_model *m, int64_t l) { return m && l >= m->l0 && l < m->l0 + m->nl; }
+/* Layer l of the model's local index on this stage, or -1 when another stage holds it. */
+static int64_t local_layer(const moe_model *m, int64_t l) {
+    for (int64_t i = 0; m && i < m->nl; i++)
+        if (m->layer_id[i] == l) return i;
+    return -1;
+}
 
 float *moe_model_router_bias(moe_model *m, int64_t l) {
-    return has_layer(m, l) ? moe_layer_selection_bias(m->moe[l - m->l0]) : NULL;
+    const int64_t i = local_layer(m, l);
+    return i >= 0 ? moe_layer_selection_bias(m->moe[i]) : NULL;
 }
 
 uint64_t moe_model_jitter_counter(const moe_model *m) { return moe_layer_jitter_counter(m->moe[0]); }
@@ -734,11 +789,11 @@ void moe_model_set_jitter_counter(moe_model *m, uint64_t counter) {
 
 const float *moe_model_last_losses(const moe_model *m) { return m->losses_host; }
 moe_status moe_model_last_topk(moe_model *m, int64_t l, const int32_t **topk) {
-    if (!has_layer(m, l) || !topk)
-        return moe_error(MOE_ERR_INVALID_ARG, "moe_model_last_topk: layer %lld not among this stage's [%lld, %lld), topk %p",
-                         (long long)l, m ? (long long)m->l0 : 0LL, m ? (long long)(m->l0 + m->nl) : 0LL,
-                         (const void *)topk);
-    return moe_layer_last_topk(m->moe[l - m->l0], topk);
+    const int64_t i = local_layer(m, l);
+    if (i < 0 || !topk)
+        return moe_error(MOE_ERR_INVALID_ARG, "moe_model_last_topk: layer %lld not among this stage's, topk %p",
+                         (long long)l, (const void *)topk);
+    return moe_layer_last_topk(m->moe[i], topk);
 }
 
 moe_status moe_model_last_logits(moe_model *m, int64_t row, int64_t pos, float *out) {
@@ -799,7 +854,7 @@ void moe_model_stats_div(moe_model_stats *s, double d) {
 moe_status moe_model_forward(moe_model *m, const int32_t *inputs, const int32_t *targets, moe_model_stats *stats) {
     if (m && m->n_stages > 1)
         return moe_error(MOE_ERR_STATE, "moe_model_forward: a pipeline stage runs moe_model_stage_forward");
-    return moe_model_stage_forward(m, inputs, NULL, targets, false, stats);
+    return moe_model_stage_forward(m, 0, inputs, NULL, targets, false, stats);
 }
 
 moe_status moe_model_check_batch(const moe_model *m, const int32_t *inputs, const int32_t *targets) {
@@ -842,10 +897,10 @@ static moe_status moe_half(moe_model *m, int64_t l, int64_t n, const float *x, c
     return MOE_OK;
 }
 
-/* Layer l's forward, from acts[l].x into the next layer's input (or
- * x_final) unless this is a recomputation (output false), which needs only
- * what the layer's backward reads. */
-static moe_status layer_forward(moe_model *m, int64_t l, bool output, moe_layer_stats *ls) {
+/* Layer l's forward, from acts[l].x into out (the next layer's input, or
+ * its chunk's output), unless this is a recomputation (out NULL), which
+ * needs only what the layer's backward reads. */
+static moe_status layer_forward(moe_model *m, int64_t l, float *out, moe_layer_stats *ls) {
     const moe_model_config *c = &m->cfg;
     const int64_t B = m->B, T = m->T, N = m->N, hd = c->head_dim;
     const int64_t Hq = c->num_attention_heads, Hkv = c->num_key_value_heads;
@@ -857,7 +912,6 @@ static moe_status layer_forward(moe_model *m, int64_t l, bool output, moe_layer_
     m->ops->rope_forward(a->q, m->cos_t, m->sin_t, B, T, Hq, hd);
     m->ops->rope_forward(a->k, m->cos_t, m->sin_t, B, T, Hkv, hd);
     m->ops->attention_forward(a->atty, a->att, a->q, a->k, a->v, B, T, Hq, Hkv, hd, c->sliding_window);
-    float *out = !output ? NULL : l + 1 < m->nl ? m->acts[l + 1].x : m->x_final;
     return moe_half(m, l, N, a->x, a->atty, a->x_mid, a->ln2, a->rstd2, a->moe_y, out, ls);
 }
 
@@ -871,50 +925,62 @@ static moe_status recompute_layer(moe_model *m, int64_t l) {
     const uint64_t latest = moe_layer_jitter_counter(layer);
     moe_layer_set_jitter_counter(layer, m->jitter_at[l]);
     moe_layer_set_replay(layer, true);
-    moe_status st = layer_forward(m, l, false, NULL);
+    moe_status st = layer_forward(m, l, NULL, NULL);
     moe_layer_set_replay(layer, false);
     moe_layer_set_jitter_counter(layer, latest);
-    return st == MOE_OK ? MOE_OK : moe_error_prefix(st, "layer %lld recomputed: ", (long long)(m->l0 + l));
+    return st == MOE_OK ? MOE_OK : moe_error_prefix(st, "layer %lld recomputed: ", (long long)m->layer_id[l]);
 }
 
-/* Every layer of the stage replays (or not) its forward. */
-static void set_replay(moe_model *m, bool replay) {
-    for (int64_t i = 0; i < m->nl; i++) moe_layer_set_replay(m->moe[i], replay);
+/* Every layer of chunk c replays (or not) its forward. */
+static void set_replay(moe_model *m, int c, bool replay) {
+    for (int64_t i = m->chunk_at[c]; i < m->chunk_at[c + 1]; i++) moe_layer_set_replay(m->moe[i], replay);
 }
 
-moe_status moe_model_stage_forward(moe_model *m, const int32_t *inputs, const float *x, const int32_t *targets,
-                                   bool replay, moe_model_stats *stats) {
+/* Whether chunk is one of the model's; the error names op. */
+static moe_status check_chunk(const moe_model *m, int chunk, const char *op) {
+    if (chunk < 0 || chunk >= m->chunks)
+        return moe_error(MOE_ERR_INVALID_ARG, "%s: chunk %d of a stage of %d", op, chunk, m->chunks);
+    return MOE_OK;
+}
+
+moe_status moe_model_stage_forward(moe_model *m, int chunk, const int32_t *inputs, const float *x,
+                                   const int32_t *targets, bool replay, moe_model_stats *stats) {
     MOE_NOT_NULL("moe_model_stage_forward", "model", m);
-    if (m->first) MOE_NOT_NULL("moe_model_stage_forward", "inputs", inputs);
-    if (!m->first) MOE_NOT_NULL("moe_model_stage_forward", "x", x);
+    MOE_TRY(check_chunk(m, chunk, "moe_model_stage_forward"));
+    const bool entry = entry_chunk(m, chunk), exit = exit_chunk(m, chunk);
+    if (entry) MOE_NOT_NULL("moe_model_stage_forward", "inputs", inputs);
+    if (!entry) MOE_NOT_NULL("moe_model_stage_forward", "x", x);
     const moe_model_config *c = &m->cfg;
     const moe_ops *ops = m->ops;
-    const int64_t N = m->N, C = c->hidden_size, V = c->vocab_size, L = m->nl;
+    const int64_t N = m->N, C = c->hidden_size, V = c->vocab_size;
+    const int64_t lo = m->chunk_at[chunk], hi = m->chunk_at[chunk + 1];
     const double model_layers = (double)c->num_hidden_layers;
     const float eps = (float)c->rms_norm_eps;
     MOE_TRY(moe_model_check_batch(m, inputs, targets));
-    if (!m->last) targets = NULL;
+    /* Only the head reads the targets; another chunk's forward leaves the
+     * uploaded ones to the head's backward still to come. */
+    if (!exit) targets = NULL;
     int64_t counted = 0; /* targets that count: not negative */
     for (int64_t i = 0; targets && i < N; i++) counted += targets[i] >= 0;
-    m->forward_done = false;
-    m->logits_valid = false;
+    m->pending &= ~(UINT64_C(1) << chunk);
+    if (exit) m->logits_valid = false;
     double aux = 0.0, seq_aux = 0.0, z = 0.0, imbalance = 0.0, rank_imbalance = 0.0, dropped = 0.0, pairs = 0.0;
 
     /* Both token arrays go up before any op is queued: an upload waits for
      * the device, which has nothing to finish yet. */
-    if (m->first) MOE_TRY(ops->upload(m->inputs, inputs, (size_t)N * sizeof(int32_t)));
+    if (entry) MOE_TRY(ops->upload(m->inputs, inputs, (size_t)N * sizeof(int32_t)));
     if (targets) MOE_TRY(ops->upload(m->targets, targets, (size_t)N * sizeof(int32_t)));
-    if (m->first)
-        ops->embedding_forward(m->acts[0].x, m->inputs, param(m, 0), N, C);
+    if (entry)
+        ops->embedding_forward(m->acts[lo].x, m->inputs, param(m, 0), N, C);
     else
-        ops->copy(m->acts[0].x, x, (size_t)(N * C) * sizeof(float));
-    set_replay(m, replay);
+        ops->copy(m->acts[lo].x, x, (size_t)(N * C) * sizeof(float));
+    set_replay(m, chunk, replay);
     moe_status st = MOE_OK;
     const int64_t E = c->num_local_experts;
-    int64_t *load = base_of(m)->expert_load, *one = load + L * E;
-    for (int64_t l = 0; l < L && st == MOE_OK; l++) {
+    int64_t *load = base_of(m)->expert_load, *one = load + m->nl * E;
+    for (int64_t l = lo; l < hi && st == MOE_OK; l++) {
         moe_layer_stats ls = {.tokens_per_expert = m->training && !replay ? one : NULL};
-        st = layer_forward(m, l, true, &ls);
+        st = layer_forward(m, l, l + 1 < hi ? m->acts[l + 1].x : chunk_output(m, chunk), &ls);
         if (st != MOE_OK) break;
         for (int64_t e = 0; ls.tokens_per_expert && e < E; e++) load[l * E + e] += one[e];
         aux += ls.aux_loss;
@@ -925,16 +991,18 @@ moe_status moe_model_stage_forward(moe_model *m, const int32_t *inputs, const fl
         dropped += (double)ls.dropped;
         pairs += (double)ls.pairs;
     }
-    set_replay(m, false);
+    set_replay(m, chunk, false);
     MOE_TRY(st);
     const int64_t tf = m->n_tensors - 2;
-    if (m->last) {
+    if (exit) {
         ops->rmsnorm_forward(m->lnf, m->rstdf, m->x_final, param(m, tf), eps, N, C);
         ops->matmul_forward(m->logits, m->lnf, param(m, tf + 1), N, C, V);
     }
 
-    m->has_targets = targets != NULL;
-    m->counted = counted;
+    if (exit) {
+        m->has_targets = targets != NULL;
+        m->counted = counted;
+    }
     const double logit_z_coef = base_of(m)->logit_z_coef;
     if (targets) {
         ops->crossentropy_forward(m->losses, m->lse, m->logits, m->targets, N, V);
@@ -958,11 +1026,11 @@ moe_status moe_model_stage_forward(moe_model *m, const int32_t *inputs, const fl
         stats->load_imbalance = imbalance / model_layers;
         stats->rank_imbalance = rank_imbalance / model_layers;
         /* Both over the global batch; every layer routes as many pairs. */
-        stats->dropped_frac = dropped / pairs * (double)L / model_layers;
+        stats->dropped_frac = dropped / pairs * (double)(hi - lo) / model_layers;
     }
     MOE_TRY(ops->sync());
-    m->forward_done = true;
-    m->logits_valid = m->last;
+    m->pending |= UINT64_C(1) << chunk;
+    if (exit) m->logits_valid = true;
     m->keys_kept = !m->recompute;
     return MOE_OK;
 }
@@ -1013,7 +1081,8 @@ moe_status moe_model_decode(moe_model *m, int64_t n, const int64_t *row, const i
     const float eps = (float)c->rms_norm_eps;
     float *x = m->dres, *ln = m->dln, *q = m->dq, *k = m->dk, *v = m->dv, *atty = m->datty, *y = m->dmoe;
     float *x_mid = m->acts[0].x; /* [n, C] each */
-    m->forward_done = m->logits_valid = false;
+    m->pending = 0;
+    m->logits_valid = false;
     MOE_TRY(ops->upload(m->inputs, token, (size_t)n * sizeof(int32_t)));
     ops->embedding_forward(x, m->inputs, param(m, 0), n, C);
     for (int64_t l = 0; l < m->nl; l++) {
@@ -1058,7 +1127,7 @@ static moe_status sync_range(moe_model *m, moe_comm *comm, int64_t begin, int64_
 moe_status moe_model_backward(moe_model *m, float grad_scale) {
     if (m && m->n_stages > 1)
         return moe_error(MOE_ERR_STATE, "moe_model_backward: a pipeline stage runs moe_model_stage_backward");
-    return moe_model_stage_backward(m, NULL, grad_scale);
+    return moe_model_stage_backward(m, 0, NULL, grad_scale);
 }
 
 /* The head's backward, from the loss to d(x_final) in dres. */
@@ -1094,29 +1163,33 @@ static moe_status head_backward(moe_model *m, float grad_scale) {
     return sync_range(m, m->device_world, m->tensors[tf].offset, m->n_dense);
 }
 
-moe_status moe_model_stage_backward(moe_model *m, const float *dy, float grad_scale) {
+moe_status moe_model_stage_backward(moe_model *m, int chunk, const float *dy, float grad_scale) {
     MOE_NOT_NULL("moe_model_stage_backward", "model", m);
     if (m->inference)
         return moe_error(MOE_ERR_STATE, "moe_model_stage_backward: an inference model (moe_model_parallel.inference) "
                                         "keeps nothing to differentiate");
-    if (!m->last) MOE_NOT_NULL("moe_model_stage_backward", "dy", dy);
-    if (!m->forward_done || (m->last && !m->has_targets))
-        return moe_error(MOE_ERR_STATE, "moe_model_stage_backward: no forward %s", m->last ? "with targets to differentiate" : "since the last backward");
+    MOE_TRY(check_chunk(m, chunk, "moe_model_stage_backward"));
+    const bool entry = entry_chunk(m, chunk), exit = exit_chunk(m, chunk);
+    if (!exit) MOE_NOT_NULL("moe_model_stage_backward", "dy", dy);
+    if (!(m->pending & (UINT64_C(1) << chunk)) || (exit && !m->has_targets))
+        return moe_error(MOE_ERR_STATE, "moe_model_stage_backward: no forward %s",
+                         exit ? "with targets to differentiate" : "since the last backward");
     const moe_model_config *c = &m->cfg;
     const moe_ops *ops = m->ops;
     const int64_t B = m->B, T = m->T, N = m->N, C = c->hidden_size, hd = c->head_dim;
-    const int64_t Hq = c->num_attention_heads, Hkv = c->num_key_value_heads, L = m->nl;
-    for (int64_t l = 0; l < L; l++)
+    const int64_t Hq = c->num_attention_heads, Hkv = c->num_key_value_heads;
+    const int64_t lo = m->chunk_at[chunk], hi = m->chunk_at[chunk + 1];
+    for (int64_t l = lo; l < hi; l++)
         moe_layer_set_loss_scale(m->moe[l], (double)grad_scale / (double)c->num_hidden_layers);
-    if (m->last)
+    if (exit)
         MOE_TRY(head_backward(m, grad_scale));
     else
         ops->copy(m->dres, dy, (size_t)(N * C) * sizeof(float));
-    m->forward_done = false; /* the logits, or the layers' state, are spent */
+    m->pending &= ~(UINT64_C(1) << chunk); /* the logits, or the layers' state, are spent */
     /* Where the dense parameters after layer l's start: the next layer's, the head's, or the run's end. */
     const int64_t dense_end = m->last ? m->tensors[m->n_tensors - 2].offset : m->n_dense;
 
-    for (int64_t l = L - 1; l >= 0; l--) {
+    for (int64_t l = hi - 1; l >= lo; l--) {
         layer_acts *a = &m->acts[l];
         const int64_t t0 = m->layer_first[l];
         MOE_TRY(recompute_layer(m, l));
@@ -1144,12 +1217,12 @@ moe_status moe_model_stage_backward(moe_model *m, const float *dy, float grad_sc
         ops->rmsnorm_backward(m->dres, grad(m, t0 + LN1), m->dln, a->x, param(m, t0 + LN1), a->rstd1,
                               m->norm_scratch, N, C);
         /* Layer l's gradients are final: its replicated run and its experts. */
-        const int64_t next = l + 1 < L ? m->tensors[m->layer_first[l + 1]].offset : dense_end;
+        const int64_t next = l + 1 < m->nl ? m->tensors[m->layer_first[l + 1]].offset : dense_end;
         const int64_t experts = m->moe_off[l].experts, n_experts = c->num_local_experts / m->ep_size * 3 * c->intermediate_size * C;
         MOE_TRY(sync_range(m, m->device_world, m->tensors[t0].offset, next));
         MOE_TRY(sync_range(m, m->device_replicas, experts, experts + n_experts));
     }
-    if (m->first) {
+    if (entry) {
         ops->embedding_backward(grad(m, 0), m->dres, m->inputs, N, C);
         MOE_TRY(sync_range(m, m->device_world, 0, m->tensors[m->layer_first[0]].offset));
     }

@@ -53,19 +53,23 @@ typedef struct moe_model_parallel {
     moe_comm *device_world;
     moe_comm *device_ep;
     /* Pipeline parallelism. pipe: the stages of this rank's pipeline,
-     * ranked by stage (the same data-parallel rank in every stage); this
-     * rank's stage holds layers [layer_begin, layer_end), the first stage
-     * the embedding too, the last the final norm and the head. NULL: one
-     * stage holding every layer (layer_begin and layer_end unused).
-     * device_pipe: the same ranks for backend memory (the activations and
-     * their gradients between stages); NULL: pipe. job: every rank of the
-     * grid, every stage and every data-parallel rank, over which
-     * checkpoints gather and agree; a pipeline needs it, and without one
-     * NULL means world. */
+     * ranked by stage (the same data-parallel rank in every stage). The
+     * layers are cut into pipe's size x chunks runs, virtual stages
+     * v = c * stages + s, virtual stage v holding layers [stage_layers[v],
+     * stage_layers[v + 1]): stage s holds chunks 0 .. chunks - 1, runs
+     * s, s + stages, ... of the layers (one run, chunks = 1, unless the
+     * pipeline interleaves), the first stage the embedding too, the last
+     * the final norm and the head. NULL: one stage holding every layer
+     * (chunks and stage_layers unused). device_pipe: the same ranks for
+     * backend memory (the activations and their gradients between
+     * stages); NULL: pipe. job: every rank of the grid, every stage and
+     * every data-parallel rank, over which checkpoints gather and agree; a
+     * pipeline needs it, and without one NULL means world. */
     moe_comm *pipe;
     moe_comm *device_pipe;
     moe_comm *job;
-    int64_t layer_begin, layer_end;
+    int chunks;                  /* 1 to 64 */
+    const int64_t *stage_layers; /* [stages * chunks + 1], the same on every rank; the model keeps no pointer */
     /* Activation recomputation: between its forward and its backward a
      * layer keeps only its input; the backward runs the layer's forward
      * again first. The layers' other activations, and their MoE
@@ -168,17 +172,18 @@ int64_t moe_model_active_param_count(const moe_model *model);
 double moe_model_step_flops(const moe_model *model);
 
 /* This rank's pipeline stage: stage index of count (0 of 1 without a
- * pipeline), its layers [layer_begin, layer_end) in the model's numbering,
- * and whether it holds the embedding (first) and the head (last). */
+ * pipeline), its chunks (moe_model_parallel), and whether it holds the
+ * embedding (first, chunk 0's) and the head (last, the last chunk's). */
 typedef struct moe_model_stage {
-    int index, count;
-    int64_t layer_begin, layer_end;
+    int index, count, chunks;
     bool first, last;
     moe_comm *pipe;        /* NULL: one stage */
     moe_comm *device_pipe; /* pipe, for backend memory */
 } moe_model_stage;
 
 moe_model_stage moe_model_get_stage(const moe_model *model);
+/* This stage's layers in the model's numbering, ascending: *count of them. */
+const int64_t *moe_model_layer_ids(const moe_model *model, int64_t *count);
 /* Every rank of the grid (checkpoints gather over it); NULL on one rank. */
 moe_comm *moe_model_job(const moe_model *model);
 
@@ -230,23 +235,29 @@ moe_status moe_model_backward(moe_model *model, float grad_scale);
  * once rather than one, with the others left waiting for it. */
 moe_status moe_model_check_batch(const moe_model *model, const int32_t *inputs, const int32_t *targets);
 
-/* One pipeline stage's forward and backward; moe_model_forward and
- * moe_model_backward are these on a model of one stage. A stage after the
- * first starts from x [N, C] (backend memory: the previous stage's output)
- * and does not read inputs; one before the last ends at
- * moe_model_stage_output and does not read targets; but every stage checks
- * whichever it is given (moe_model_check_batch), or either may be NULL. A backward before the last stage starts from dy
- * [N, C] (backend memory: the gradient of this stage's output, from the
- * next stage); one after the first ends with the gradient of its input in
+/* The forward and backward of one chunk of a pipeline stage (chunk 0 of
+ * a stage that does not interleave); moe_model_forward and
+ * moe_model_backward are these on a model of one stage. Each chunk holds
+ * one forward until its backward, its own micro-batch's. A chunk but the
+ * first stage's chunk 0 starts from x [N, C] (backend memory: the previous
+ * virtual stage's output) and does not read inputs; one but the last
+ * stage's last chunk ends at moe_model_stage_output and does not read
+ * targets; but every chunk checks whichever it is given
+ * (moe_model_check_batch), or either may be NULL. A backward but the last
+ * stage's last chunk's starts from dy [N, C] (backend memory: the gradient
+ * of the chunk's output, from the next virtual stage); one but the first
+ * stage's chunk 0's ends with the gradient of its input in
  * moe_model_stage_input_grad. replay: this forward recomputes one of the
  * same step whose activations were overwritten since (its jitter counter
  * set back to that forward's), so that its backward can run: it counts no
  * load toward the bias step. */
-moe_status moe_model_stage_forward(moe_model *model, const int32_t *inputs, const float *x, const int32_t *targets,
-                                   bool replay, moe_model_stats *stats);
-moe_status moe_model_stage_backward(moe_model *model, const float *dy, float grad_scale);
-float *moe_model_stage_output(moe_model *model);     /* [N, C] backend memory; NULL on the last stage */
-float *moe_model_stage_input_grad(moe_model *model); /* [N, C] backend memory; NULL on the first stage */
+moe_status moe_model_stage_forward(moe_model *model, int chunk, const int32_t *inputs, const float *x,
+                                   const int32_t *targets, bool replay, moe_model_stats *stats);
+moe_status moe_model_stage_backward(moe_model *model, int chunk, const float *dy, float grad_scale);
+/* [N, C] backend memory, until the next forward of any chunk; NULL for the last stage's last chunk */
+float *moe_model_stage_output(moe_model *model, int chunk);
+/* [N, C] backend memory, until the next backward; NULL for the first stage's chunk 0 */
+float *moe_model_stage_input_grad(moe_model *model, int chunk);
 
 void moe_model_zero_grad(moe_model *model);
 

@@ -88,6 +88,7 @@ void moe_run_options_init(moe_run_options *o) {
         .eval_every = 500,
         .eval_batches = 16,
         .pp = 1,
+        .pp_chunks = 1,
         .pp_schedule = MOE_PIPE_1F1B,
         .ep = 1,
         .comm_timeout = MOE_COMM_DEFAULT_TIMEOUT_SECONDS,
@@ -255,6 +256,18 @@ moe_status moe_run_options_validate(const moe_run_options *o) {
     /* One stage has no pipeline to fill: GPipe would only recompute. */
     if (o->pp == 1 && o->pp_schedule != MOE_PIPE_1F1B)
         return moe_error(MOE_ERR_CONFIG, "--pp-schedule %s needs --pp > 1", moe_pipe_schedule_name(o->pp_schedule));
+    if (o->pp_chunks < 1 || o->pp_chunks > 64)
+        return moe_error(MOE_ERR_CONFIG, "--pp-chunks %d: 1 to 64", o->pp_chunks);
+    if (o->pp_chunks > 1 && o->pp == 1)
+        return moe_error(MOE_ERR_CONFIG, "--pp-chunks %d needs --pp > 1", o->pp_chunks);
+    if (o->pp_chunks > 1 && o->pp_schedule != MOE_PIPE_1F1B)
+        return moe_error(MOE_ERR_CONFIG, "--pp-chunks %d interleaves 1F1B: not with --pp-schedule %s", o->pp_chunks,
+                         moe_pipe_schedule_name(o->pp_schedule));
+    if (o->pp_chunks > 1 && o->grad_accum % o->pp != 0)
+        return moe_error(MOE_ERR_CONFIG,
+                         "--grad-accum %lld: an interleaved pipeline (--pp-chunks %d) takes its micro-batches in "
+                         "groups of --pp %d: a multiple of it",
+                         (long long)o->grad_accum, o->pp_chunks, o->pp);
     if (o->pp_balance != MOE_PP_BALANCE_FLOPS && o->pp_balance != MOE_PP_BALANCE_MEASURED)
         return moe_error(MOE_ERR_CONFIG, "--pp-balance %d unknown: expected flops or measured", (int)o->pp_balance);
     if (o->pp == 1 && o->pp_balance != MOE_PP_BALANCE_FLOPS)
@@ -878,7 +891,8 @@ static moe_status stage_costs(run *r, moe_stage_costs *costs) {
 static moe_status make_grid(run *r) {
     const moe_run_options *o = r->o;
     MOE_TRY(stage_costs(r, &r->stage_costs));
-    MOE_TRY(moe_grid_create(&r->grid, r->world, o->ep, o->pp, r->cfg.num_hidden_layers, r->stage_costs));
+    MOE_TRY(moe_grid_create(&r->grid, r->world, o->ep, o->pp, o->pp_chunks, r->cfg.num_hidden_layers,
+                            r->stage_costs));
     moe_comm *const made[] = {r->grid.dp, r->grid.pipe, r->grid.ep};
     for (size_t i = 0; i < sizeof made / sizeof *made; i++)
         if (made[i]) MOE_TRY(moe_comm_set_timeout(made[i], o->comm_timeout));
@@ -899,6 +913,7 @@ static moe_status build_model(run *r) {
             {"--seed (low 32 bits)", (double)(o->seed & 0xFFFFFFFFu), NULL},
             {"--ep", (double)o->ep, NULL},                 {"--pp", (double)o->pp, NULL},
             {"--pp-schedule", (double)o->pp_schedule, pipe_schedule_name},
+            {"--pp-chunks", (double)o->pp_chunks, NULL},
             {"--pp-balance", (double)o->pp_balance, pp_balance_name},
             {"--zero", (double)o->zero, NULL},             {"--lr", o->lr, NULL},
             /* A rank that recomputes runs its expert-parallel exchanges
@@ -1070,6 +1085,8 @@ static void write_options(moe_json_writer *w, const moe_run_options *o) {
     moe_json_key(w, "pp");
     moe_json_int(w, o->pp);
     json_opt_string(w, "pp_schedule", moe_pipe_schedule_name(o->pp_schedule));
+    moe_json_key(w, "pp_chunks");
+    moe_json_int(w, o->pp_chunks);
     json_opt_string(w, "pp_balance", moe_pp_balance_name(o->pp_balance));
     moe_json_key(w, "ep");
     moe_json_int(w, o->ep);
@@ -1332,6 +1349,8 @@ static moe_status accumulate_kinds(void *ctx, moe_model *model, const int32_t *t
     const int64_t BT = moe_model_batch_size(model) * moe_model_seq_len(model);
     const int64_t E = r->kinds.n_experts, k = r->kinds.top_k;
     const moe_model_stage stage = moe_model_get_stage(model);
+    int64_t layers;
+    const int64_t *layer = moe_model_layer_ids(model, &layers);
     const uint8_t *kinds = r->val.synth.kinds + (batch * r->dp_size + r->dp_rank) * BT + 1;
     if (stage.last) {
         const float *losses = moe_model_last_losses(model);
@@ -1341,7 +1360,8 @@ static moe_status accumulate_kinds(void *ctx, moe_model *model, const int32_t *t
             r->kind_tokens[kinds[i]]++;
         }
     }
-    for (int64_t l = stage.layer_begin; l < stage.layer_end; l++) {
+    for (int64_t li = 0; li < layers; li++) {
+        const int64_t l = layer[li];
         const int32_t *topk; /* [BT, k] */
         MOE_TRY(moe_model_last_topk(model, l, &topk));
         int64_t *counts = r->route_counts + l * N_KINDS * E;

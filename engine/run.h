@@ -122,6 +122,7 @@ typedef struct moe_run_options {
     double peak_gflops;    /* --peak-gflops for MFU; 0: measure sgemm at start-up */
     /* Parallelism (under mpirun: every rank runs the same command) */
     int pp;                /* --pp S: pipeline stages, each a contiguous range of layers; divides the ranks */
+    int pp_chunks;         /* --pp-chunks V: each stage V ranges of layers, interleaved (1F1B); 1: one range */
     moe_pipe_schedule pp_schedule; /* --pp-schedule: the stages' order of micro-batches */
     moe_pp_balance pp_balance;     /* --pp-balance: what the layer partition balances */
     int ep;                /* --ep P: experts split over groups of P consecutive data-parallel ranks */
@@ -188,8 +189,8 @@ typedef struct moe_run_summary {
     const char *device_note; /* why --device auto chose the CPU, or NULL */
     const char *placement;   /* where this rank's GPU sits and what was bound, or NULL */
     int rank, ranks, ep, pp; /* this process in the grid; 0, 1, 1, 1 on one process */
-    /* [pp + 1]: stage s holds layers [stage_layers[s], stage_layers[s + 1]);
-     * NULL without a pipeline. */
+    /* [pp x pp_chunks + 1]: stage s's chunk c holds layers [stage_layers[v],
+     * stage_layers[v + 1]), v = c pp + s; NULL without a pipeline. */
     const int64_t *stage_layers;
     moe_stage_costs stage_costs; /* what the partition balanced: FLOPs per token, or seconds (--pp-balance) */
     bool stage_costs_resumed;    /* the seconds --resume's checkpoint measured, not this run */

@@ -48,17 +48,21 @@ struct moe_trainer {
     int32_t *tokens;     /* [grad_accum][2, B, T]: each micro-batch's inputs, then its targets */
     /* The pipeline, per micro-batch: */
     uint64_t *jitter;    /* [grad_accum] the jitter counter its forward started from */
+    /* The pipeline's messages, per (micro-batch m, chunk c) at m chunks + c
+     * (slot()): */
+    int chunks;          /* the stage's (moe_model_stage) */
     float *stage_in;     /* [in_slots][B*T, C] its input from the previous stage */
     int64_t in_slots;    /* GPipe: grad_accum, each input kept for its replay; 1F1B: 1, copied in by the forward */
-    float *stage_out;    /* [grad_accum][B*T, C] its output on its way to the next stage */
-    float *grad_in;      /* [grad_accum][B*T, C] the gradient of its input on its way back */
+    float *stage_out;    /* [grad_accum chunks][B*T, C] its output on its way to the next stage */
+    float *grad_in;      /* [grad_accum chunks][B*T, C] the gradient of its input on its way back */
     float *grad_out;     /* [B*T, C] the gradient of the output, from the next stage */
-    moe_comm_request *sends; /* [2 grad_accum]: micro-batch m's forward at 2m, its backward at 2m + 1 */
-    int64_t *send_order;     /* [2 grad_accum] the sends of this step, as posted */
+    moe_comm_request *sends; /* [2 grad_accum chunks]: (m, c)'s forward at 2 slot, its backward at 2 slot + 1 */
+    int64_t *send_order;     /* [2 grad_accum chunks] the sends of this step, as posted */
     int64_t sends_posted, sends_retired; /* the first sends_retired of them have completed */
+    moe_pipe_op *schedule;   /* [2 grad_accum chunks] this stage's order of ops */
     /* Where micro-batch m's forward runs: instances[m % n_instances], the
-     * model and its twins; held[i]: the micro-batch whose activations
-     * instance i holds, or -1. */
+     * model and its twins; held[i chunks + c]: the micro-batch whose
+     * activations instance i's chunk c holds, or -1. */
     moe_model **instances;
     int64_t n_instances;
     int64_t *held;
@@ -257,15 +261,20 @@ moe_status moe_trainer_create(moe_trainer **out, moe_model *model, const moe_opt
     t->jitter = calloc((size_t)M, sizeof *t->jitter);
     moe_comm *job = moe_model_job(model);
     t->busy = calloc((size_t)(3 * (job ? moe_comm_size(job) : 1)), sizeof *t->busy);
-    t->sends = calloc((size_t)(2 * M), sizeof *t->sends);
-    t->send_order = calloc((size_t)(2 * M), sizeof *t->send_order);
+    const moe_model_stage stage = moe_model_get_stage(model);
+    t->chunks = stage.chunks;
+    const int64_t n_ops = 2 * M * t->chunks;
+    t->sends = calloc((size_t)n_ops, sizeof *t->sends);
+    t->send_order = calloc((size_t)n_ops, sizeof *t->send_order);
+    t->schedule = calloc((size_t)n_ops, sizeof *t->schedule);
     const moe_model_config *mc = moe_model_get_config(model);
     t->expert_load = calloc((size_t)(mc->num_hidden_layers * mc->num_local_experts), sizeof *t->expert_load);
     t->stage_load = calloc((size_t)(mc->num_hidden_layers * mc->num_local_experts), sizeof *t->stage_load);
     if (st == MOE_OK &&
-        (!t->tokens || !t->jitter || !t->sends || !t->send_order || !t->busy || !t->expert_load || !t->stage_load))
+        (!t->tokens || !t->jitter || !t->sends || !t->send_order || !t->schedule || !t->busy || !t->expert_load ||
+         !t->stage_load))
         st = moe_error(MOE_ERR_OUT_OF_MEMORY, "trainer: %lld micro-batches of %lld tokens", (long long)M, (long long)BT);
-    const moe_model_stage stage = moe_model_get_stage(model);
+    if (st == MOE_OK) st = moe_pipe_schedule_ops(t->schedule, cfg->pipe_schedule, stage.index, stage.count, t->chunks, M);
     const int64_t act_elems = BT * moe_model_get_config(model)->hidden_size; /* one stage message */
     const size_t act_bytes = (size_t)act_elems * sizeof(float);
     /* A message is one MPI call, whose count is an int. */
@@ -273,19 +282,34 @@ moe_status moe_trainer_create(moe_trainer **out, moe_model *model, const moe_opt
         st = moe_error(MOE_ERR_CONFIG, "trainer: a pipeline message of B*T x hidden = %lld floats exceeds one "
                                        "message's %d: lower the batch",
                        (long long)act_elems, INT_MAX);
+    /* Every chunk of an interleaved stage has a neighbour on either side. */
+    const bool from_prev = !stage.first || t->chunks > 1, to_next = !stage.last || t->chunks > 1;
+    const int64_t messages = M * t->chunks;
     t->in_slots = cfg->pipe_schedule == MOE_PIPE_GPIPE ? M : 1;
-    if (st == MOE_OK && !stage.first) st = t->ops->alloc((void **)&t->stage_in, (size_t)t->in_slots * act_bytes);
-    if (st == MOE_OK && !stage.first) st = t->ops->alloc((void **)&t->grad_in, (size_t)M * act_bytes);
-    if (st == MOE_OK && !stage.last) st = t->ops->alloc((void **)&t->stage_out, (size_t)M * act_bytes);
-    if (st == MOE_OK && !stage.last) st = t->ops->alloc((void **)&t->grad_out, act_bytes);
+    if (st == MOE_OK && from_prev) st = t->ops->alloc((void **)&t->stage_in, (size_t)t->in_slots * act_bytes);
+    if (st == MOE_OK && from_prev) st = t->ops->alloc((void **)&t->grad_in, (size_t)messages * act_bytes);
+    if (st == MOE_OK && to_next) st = t->ops->alloc((void **)&t->stage_out, (size_t)messages * act_bytes);
+    if (st == MOE_OK && to_next) st = t->ops->alloc((void **)&t->grad_out, act_bytes);
     if (stage.pipe)
-        t->pipe_bytes = (int64_t)act_bytes * (stage.first ? 0 : t->in_slots + M) + (int64_t)act_bytes * (stage.last ? 0 : M + 1);
-    /* 1F1B: a stage has at most stages - stage forwards in flight, each
-     * kept on an instance of its own; GPipe recomputes them on one. */
-    const int64_t in_flight = cfg->pipe_schedule == MOE_PIPE_1F1B ? stage.count - stage.index : 1;
-    t->n_instances = in_flight < M ? in_flight : M;
+        t->pipe_bytes = (int64_t)act_bytes * (from_prev ? t->in_slots + messages : 0) +
+                        (int64_t)act_bytes * (to_next ? messages + 1 : 0);
+    /* 1F1B keeps each forward in flight on an instance of its own: chunk
+     * c's forwards and backwards both go in micro-batch order, so its
+     * micro-batches in flight are consecutive and m % n_instances tells
+     * them apart when n_instances is the most a chunk has in flight (at
+     * most stages - stage without interleaving). GPipe recomputes them on
+     * one. */
+    t->n_instances = 1;
+    for (int c = 0; st == MOE_OK && cfg->pipe_schedule == MOE_PIPE_1F1B && c < t->chunks; c++) {
+        int64_t in_flight = 0;
+        for (int64_t i = 0; i < n_ops; i++)
+            if (t->schedule[i].chunk == c) {
+                in_flight += t->schedule[i].backward ? -1 : 1;
+                if (in_flight > t->n_instances) t->n_instances = in_flight;
+            }
+    }
     t->instances = calloc((size_t)t->n_instances, sizeof *t->instances);
-    t->held = calloc((size_t)t->n_instances, sizeof *t->held);
+    t->held = calloc((size_t)(t->n_instances * t->chunks), sizeof *t->held);
     if (st == MOE_OK && (!t->instances || !t->held))
         st = moe_error(MOE_ERR_OUT_OF_MEMORY, "trainer: %lld model instances", (long long)t->n_instances);
     if (st == MOE_OK) t->instances[0] = model;
@@ -323,6 +347,7 @@ void moe_trainer_destroy(moe_trainer *t) {
     free(t->busy);
     free(t->sends);
     free(t->send_order);
+    free(t->schedule);
     free(t->expert_load);
     free(t->stage_load);
     free(t);
@@ -451,34 +476,51 @@ static void update(moe_trainer *t, float lr, float grad_scale) {
 
 enum { TAG_FORWARD = 1, TAG_BACKWARD = 2 };
 
-/* One forward or backward of micro-batch `micro` in a stage's schedule. */
-typedef struct pipe_op {
-    bool backward;
-    int64_t micro;
-} pipe_op;
-
-/* This stage's order of M forwards and M backwards into ops [2M]. */
-static void schedule(pipe_op *ops, moe_pipe_schedule kind, int stage, int stages, int64_t M) {
-    int64_t n = 0;
-    if (kind == MOE_PIPE_GPIPE) {
-        for (int64_t i = 0; i < M; i++) ops[n++] = (pipe_op){false, i};
-        /* The last forward's activations are still there for its backward. */
-        for (int64_t i = M - 1; i >= 0; i--) ops[n++] = (pipe_op){true, i};
-        return;
-    }
-    /* 1F1B: the forwards that fill the pipeline below this stage, then one
-     * forward and one backward in turn, then the backwards left. */
-    const int64_t warm = stages - 1 - stage < M ? stages - 1 - stage : M;
-    for (int64_t i = 0; i < warm; i++) ops[n++] = (pipe_op){false, i};
-    for (int64_t i = 0; i < M - warm; i++) {
-        ops[n++] = (pipe_op){false, warm + i};
-        ops[n++] = (pipe_op){true, i};
-    }
-    for (int64_t i = M - warm; i < M; i++) ops[n++] = (pipe_op){true, i};
+/* The k-th forward (backward) of a stage's chunks x M: under
+ * interleaving, the micro-batches go in groups of `stages`, chunk by chunk
+ * (the backwards from the last chunk), before the next group. */
+static moe_pipe_op nth_op(bool backward, int64_t k, int stages, int chunks) {
+    const int64_t group = k / stages, chunk = group % chunks;
+    return (moe_pipe_op){.backward = backward, .chunk = (int)(backward ? chunks - 1 - chunk : chunk),
+                         .micro = group / chunks * stages + k % stages};
 }
 
-/* A micro-batch's share of the pipeline buffers. */
-static float *slot(float *buffers, int64_t micro, int64_t count) { return buffers ? buffers + micro * count : NULL; }
+moe_status moe_pipe_schedule_ops(moe_pipe_op *ops, moe_pipe_schedule kind, int stage, int stages, int chunks,
+                                 int64_t M) {
+    if (chunks > 1 && kind != MOE_PIPE_1F1B)
+        return moe_error(MOE_ERR_CONFIG, "--pp-chunks %d interleaves 1F1B: not with --pp-schedule gpipe", chunks);
+    if (chunks > 1 && M % stages != 0)
+        return moe_error(MOE_ERR_CONFIG,
+                         "--grad-accum %lld: an interleaved pipeline (--pp-chunks %d) takes its micro-batches in "
+                         "groups of --pp %d: a multiple of it",
+                         (long long)M, chunks, stages);
+    int64_t n = 0;
+    if (kind == MOE_PIPE_GPIPE) {
+        for (int64_t i = 0; i < M; i++) ops[n++] = (moe_pipe_op){false, 0, i};
+        /* The last forward's activations are still there for its backward. */
+        for (int64_t i = M - 1; i >= 0; i--) ops[n++] = (moe_pipe_op){true, 0, i};
+        return MOE_OK;
+    }
+    /* 1F1B: the forwards that fill the pipeline below this stage, then one
+     * forward and one backward in turn, then the backwards left. Without
+     * interleaving the k-th op of either kind is micro-batch k's. */
+    const int64_t total = M * chunks;
+    int64_t warm = chunks > 1 ? 2 * (int64_t)(stages - stage - 1) + (int64_t)(chunks - 1) * stages : stages - 1 - stage;
+    if (warm > total) warm = total;
+    for (int64_t k = 0; k < warm; k++) ops[n++] = nth_op(false, k, stages, chunks);
+    for (int64_t k = 0; k < total - warm; k++) {
+        ops[n++] = nth_op(false, warm + k, stages, chunks);
+        ops[n++] = nth_op(true, k, stages, chunks);
+    }
+    for (int64_t k = total - warm; k < total; k++) ops[n++] = nth_op(true, k, stages, chunks);
+    return MOE_OK;
+}
+
+/* Where (micro, chunk)'s messages sit among a step's. */
+static int64_t message_at(const moe_trainer *t, int64_t micro, int chunk) { return micro * t->chunks + chunk; }
+
+/* A message's share of the pipeline buffers. */
+static float *slot(float *buffers, int64_t at, int64_t count) { return buffers ? buffers + at * count : NULL; }
 
 /* Reads micro-batch micro's tokens and checks them. Every stage reads every
  * micro-batch, so the data advance alike and a bad batch fails every stage
@@ -534,53 +576,74 @@ static moe_status send_stage(moe_trainer *t, const moe_model_stage *stage, moe_c
     return MOE_OK;
 }
 
-/* Whether op sends to another stage, or starts with a receive from one. */
-static bool sends(const pipe_op *op, const moe_model_stage *stage) { return op->backward ? !stage->first : !stage->last; }
-static bool receives(const pipe_op *op, const moe_model_stage *stage) { return op->backward ? !stage->last : !stage->first; }
+/* Whether op goes on to another virtual stage (its input's gradient to
+ * the one before, its output to the one after), or starts from one. The
+ * model's first takes tokens, its last the targets. */
+static bool is_entry(const moe_pipe_op *op, const moe_model_stage *stage) { return stage->first && op->chunk == 0; }
+static bool is_exit(const moe_pipe_op *op, const moe_model_stage *stage) {
+    return stage->last && op->chunk == stage->chunks - 1;
+}
+static bool sends(const moe_pipe_op *op, const moe_model_stage *stage) {
+    return op->backward ? !is_entry(op, stage) : !is_exit(op, stage);
+}
+static bool receives(const moe_pipe_op *op, const moe_model_stage *stage) {
+    return op->backward ? !is_exit(op, stage) : !is_entry(op, stage);
+}
 
-/* Micro-batch micro's forward on this stage (its tokens read): its input
- * from the previous stage, its output sent on to the next. */
-static moe_status stage_forward(moe_trainer *t, int64_t micro, bool replay, moe_model_stats *stats) {
+/* The stages before and after this one, around the ring an interleaved
+ * pipeline's chunks go through. */
+static int prev_stage(const moe_model_stage *stage) { return (stage->index + stage->count - 1) % stage->count; }
+static int next_stage(const moe_model_stage *stage) { return (stage->index + 1) % stage->count; }
+
+/* Micro-batch micro's forward through the stage's chunk (its tokens read):
+ * its input from the previous virtual stage, its output sent on to the
+ * next. */
+static moe_status stage_forward(moe_trainer *t, int chunk, int64_t micro, bool replay, moe_model_stats *stats) {
     moe_model *model = t->instances[micro % t->n_instances];
     const moe_model_stage stage = moe_model_get_stage(model);
+    const moe_pipe_op op = {.backward = false, .chunk = chunk, .micro = micro};
     const int64_t BT = moe_model_batch_size(model) * moe_model_seq_len(model), n = message_floats(model);
+    const int64_t at = message_at(t, micro, chunk);
     int32_t *inputs = t->tokens + 2 * BT * micro, *targets = inputs + BT;
     float *in = slot(t->stage_in, micro % t->in_slots, n);
     if (!replay) {
         t->jitter[micro] = moe_model_jitter_counter(model);
-        if (!stage.first) MOE_TRY(recv_stage(t, &stage, in, stage.index - 1, TAG_FORWARD));
+        if (receives(&op, &stage)) MOE_TRY(recv_stage(t, &stage, in, prev_stage(&stage), TAG_FORWARD));
     }
-    MOE_TRY(moe_model_stage_forward(model, inputs, in, targets, replay, stats));
-    t->held[micro % t->n_instances] = micro;
-    if (replay || stage.last) return MOE_OK;
-    return send_stage(t, &stage, &t->sends[2 * micro], slot(t->stage_out, micro, n), moe_model_stage_output(model),
-                      stage.index + 1, TAG_FORWARD);
+    MOE_TRY(moe_model_stage_forward(model, chunk, inputs, in, targets, replay, stats));
+    t->held[(micro % t->n_instances) * t->chunks + chunk] = micro;
+    if (replay || !sends(&op, &stage)) return MOE_OK;
+    return send_stage(t, &stage, &t->sends[2 * at], slot(t->stage_out, at, n), moe_model_stage_output(model, chunk),
+                      next_stage(&stage), TAG_FORWARD);
 }
 
-/* Micro-batch micro's backward on this stage, after a replay of its
- * forward when its instance holds another's activations by now; the step's
- * last (sync) sums the gradients over the ranks that share them. */
-static moe_status stage_backward(moe_trainer *t, int64_t micro, bool sync, float grad_scale) {
+/* Micro-batch micro's backward through the stage's chunk, after a replay
+ * of its forward when its instance holds another's activations by now;
+ * the chunk's last of the step (sync) sums the gradients over the ranks
+ * that share them. */
+static moe_status stage_backward(moe_trainer *t, int chunk, int64_t micro, bool sync, float grad_scale) {
     moe_model *model = t->instances[micro % t->n_instances];
     const moe_model_stage stage = moe_model_get_stage(model);
-    if (!stage.last) MOE_TRY(recv_stage(t, &stage, t->grad_out, stage.index + 1, TAG_BACKWARD));
-    if (t->held[micro % t->n_instances] != micro) {
+    const moe_pipe_op op = {.backward = true, .chunk = chunk, .micro = micro};
+    if (receives(&op, &stage)) MOE_TRY(recv_stage(t, &stage, t->grad_out, next_stage(&stage), TAG_BACKWARD));
+    if (t->held[(micro % t->n_instances) * t->chunks + chunk] != micro) {
         /* 1F1B keeps no inputs: its instances hold every forward in flight. */
         if (!stage.first && t->in_slots < t->cfg.grad_accum)
             return moe_error(MOE_ERR_INTERNAL, "trainer: micro-batch %lld's input is gone, its forward cannot be replayed",
                              (long long)micro);
         const uint64_t latest = moe_model_jitter_counter(model);
         moe_model_set_jitter_counter(model, t->jitter[micro]);
-        const moe_status st = stage_forward(t, micro, true, NULL);
+        const moe_status st = stage_forward(t, chunk, micro, true, NULL);
         moe_model_set_jitter_counter(model, latest);
         MOE_TRY(st);
     }
     moe_model_set_grad_sync(model, sync);
-    MOE_TRY(moe_model_stage_backward(model, t->grad_out, grad_scale));
-    t->held[micro % t->n_instances] = -1;
-    if (stage.first) return MOE_OK;
-    return send_stage(t, &stage, &t->sends[2 * micro + 1], slot(t->grad_in, micro, message_floats(model)),
-                      moe_model_stage_input_grad(model), stage.index - 1, TAG_BACKWARD);
+    MOE_TRY(moe_model_stage_backward(model, chunk, t->grad_out, grad_scale));
+    t->held[(micro % t->n_instances) * t->chunks + chunk] = -1;
+    if (!sends(&op, &stage)) return MOE_OK;
+    const int64_t at = message_at(t, micro, chunk);
+    return send_stage(t, &stage, &t->sends[2 * at + 1], slot(t->grad_in, at, message_floats(model)),
+                      moe_model_stage_input_grad(model, chunk), prev_stage(&stage), TAG_BACKWARD);
 }
 
 /* The stages' shares of the step's statistics add up to the model's;
@@ -604,9 +667,12 @@ static moe_status gather_load(moe_trainer *t) {
     const moe_model_stage stage = moe_model_get_stage(t->model);
     const moe_model_config *c = moe_model_get_config(t->model);
     const int64_t E = c->num_local_experts, n = c->num_hidden_layers * E;
-    const int64_t first = stage.pipe ? stage.layer_begin * E : 0, end = stage.pipe ? stage.layer_end * E : n;
+    int64_t layers;
+    const int64_t *layer = moe_model_layer_ids(t->model, &layers);
     moe_model_take_expert_load(t->model, t->stage_load);
-    for (int64_t i = 0; i < n; i++) t->expert_load[i] = i >= first && i < end ? (double)t->stage_load[i - first] : 0.0;
+    for (int64_t i = 0; i < n; i++) t->expert_load[i] = 0.0;
+    for (int64_t i = 0; i < layers; i++)
+        for (int64_t e = 0; e < E; e++) t->expert_load[layer[i] * E + e] = (double)t->stage_load[i * E + e];
     return stage.pipe ? moe_comm_allreduce_sum(stage.pipe, t->expert_load, n, MOE_COMM_F64) : MOE_OK;
 }
 
@@ -656,23 +722,25 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
 
     for (int64_t micro = 0; micro < M; micro++) MOE_TRY(read_batch(t, data, micro, "training data"));
     moe_model_take_expert_load(model, NULL); /* this step's forwards alone */
-    pipe_op *ops = malloc((size_t)(2 * M) * sizeof *ops);
-    if (!ops) return moe_error(MOE_ERR_OUT_OF_MEMORY, "trainer: a schedule of %lld micro-batches", (long long)M);
-    schedule(ops, c->pipe_schedule, stage.index, stage.count, M);
+    const moe_pipe_op *ops = t->schedule;
+    const int64_t n_ops = 2 * M * t->chunks;
     const double schedule_start = omp_get_wtime();
     t->waited = 0.0;
-    for (int64_t i = 0; i < 2 * M; i++) t->sends[i] = (moe_comm_request)MOE_COMM_REQUEST_INIT;
+    for (int64_t i = 0; i < n_ops; i++) t->sends[i] = (moe_comm_request)MOE_COMM_REQUEST_INIT;
     t->sends_posted = t->sends_retired = 0;
-    for (int64_t i = 0; i < t->n_instances; i++) {
-        moe_model_set_training(t->instances[i], true);
-        t->held[i] = -1;
-    }
+    for (int64_t i = 0; i < t->n_instances; i++) moe_model_set_training(t->instances[i], true);
+    for (int64_t i = 0; i < t->n_instances * t->chunks; i++) t->held[i] = -1;
+    /* Each chunk's last backward of the step sums its gradients. */
+    int64_t last_backward[64];
+    for (int64_t i = 0; i < n_ops; i++)
+        if (ops[i].backward) last_backward[ops[i].chunk] = i;
     moe_status st = MOE_OK;
-    for (int64_t i = 0; i < 2 * M && st == MOE_OK; i++) {
+    for (int64_t i = 0; i < n_ops && st == MOE_OK; i++) {
         const int64_t micro = ops[i].micro;
+        const int chunk = ops[i].chunk;
         if (!ops[i].backward) {
             moe_model_stats s;
-            st = stage_forward(t, micro, false, &s);
+            st = stage_forward(t, chunk, micro, false, &s);
             if (st != MOE_OK) break;
             /* Zeroed after the first forward, whose token uploads would
              * otherwise wait for the device to finish it. */
@@ -680,23 +748,22 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
             moe_model_stats_add(&sum, &s);
         } else {
             /* Sharded, every run with a group is reduce-scattered instead. */
-            st = stage_backward(t, micro, !t->sharded && i == 2 * M - 1, micro_scale);
+            st = stage_backward(t, chunk, micro, !t->sharded && i == last_backward[chunk], micro_scale);
         }
         /* On NCCL a send waits in its group for the backend's next call: a
          * receive that starts the next op joins it (which keeps two stages
          * that both send first from waiting on each other); with none, the
          * send is launched now, or its peer would wait for this stage's
          * later work. A test launches it without waiting. */
-        if (st == MOE_OK && sends(&ops[i], &stage) && (i + 1 == 2 * M || !receives(&ops[i + 1], &stage))) {
+        if (st == MOE_OK && sends(&ops[i], &stage) && (i + 1 == n_ops || !receives(&ops[i + 1], &stage))) {
             bool done = false;
-            st = moe_comm_test(&t->sends[2 * micro + ops[i].backward], &done);
+            st = moe_comm_test(&t->sends[2 * message_at(t, micro, chunk) + ops[i].backward], &done);
         }
     }
-    free(ops);
     /* Every send is done before its buffer is written again. */
     const double sends_start = omp_get_wtime();
     const double busy = sends_start - step_start - (moe_comm_wait_seconds() - waits_start);
-    st = moe_comm_wait_all(t->sends, (int)(2 * M), st);
+    st = moe_comm_wait_all(t->sends, (int)n_ops, st);
     MOE_TRY(st);
     /* Every stage's share over one span, to the moment the last stage is
      * done: a stage that finishes early waits for the others here. */
@@ -757,15 +824,18 @@ moe_status moe_trainer_eval(moe_trainer *t, moe_data *data, int64_t n_batches, d
     double total = 0.0;
     moe_status st = MOE_OK;
     for (int64_t b = 0; b < n_batches && st == MOE_OK; b++) {
-        /* Forwards only, through the first micro-batch's buffers: a send
-         * completes before the next batch reuses its buffer. */
-        moe_model_stats s;
-        t->sends[0] = (moe_comm_request)MOE_COMM_REQUEST_INIT;
+        /* Forwards only, chunk after chunk, through the first
+         * micro-batch's buffers: a send completes before the next batch
+         * reuses its buffer. */
+        for (int c = 0; c < t->chunks; c++) t->sends[2 * c] = (moe_comm_request)MOE_COMM_REQUEST_INIT;
         t->sends_posted = t->sends_retired = 0;
         st = read_batch(t, data, 0, "validation data");
-        if (st == MOE_OK) st = stage_forward(t, 0, false, &s);
-        st = moe_comm_wait_all(t->sends, 1, st);
-        if (st == MOE_OK) total += s.ce_loss;
+        for (int c = 0; c < t->chunks && st == MOE_OK; c++) {
+            moe_model_stats s;
+            st = stage_forward(t, c, 0, false, &s);
+            if (st == MOE_OK) total += s.ce_loss;
+        }
+        for (int c = 0; c < t->chunks; c++) st = moe_comm_wait_all(&t->sends[2 * c], 1, st);
         if (st == MOE_OK && on_batch) st = on_batch(ctx, model, t->tokens + BT, b);
     }
     moe_model_set_training(model, true);

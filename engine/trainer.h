@@ -31,6 +31,27 @@ typedef enum moe_pipe_schedule {
     MOE_PIPE_GPIPE,
 } moe_pipe_schedule;
 
+/* One op of a stage's schedule: micro-batch micro's forward or backward
+ * through the stage's chunk (moe_model_stage_forward). */
+typedef struct moe_pipe_op {
+    bool backward;
+    int chunk;
+    int64_t micro;
+} moe_pipe_op;
+
+/* Stage `stage` of `stages`' order of its 2 x chunks x M ops, into ops
+ * [2 chunks M]. With chunks > 1, 1F1B interleaves them as Megatron-LM's
+ * virtual pipeline does: the forwards go chunk by chunk in groups of
+ * `stages` micro-batches (the backwards the other way round), and each
+ * stage first runs the forwards that fill the pipeline below it, 2 (stages
+ * - stage - 1) + (chunks - 1) stages of them; the bubble is then about
+ * 1 / chunks of plain 1F1B's, for more forwards in flight. Every stage
+ * sends each of its neighbours its messages in the order that neighbour
+ * receives them, whatever their kind. Fails (MOE_ERR_CONFIG) when chunks >
+ * 1 with GPipe, or with M not a multiple of stages. */
+moe_status moe_pipe_schedule_ops(moe_pipe_op *ops, moe_pipe_schedule kind, int stage, int stages, int chunks,
+                                 int64_t M);
+
 typedef struct moe_optim_config {
     double lr;          /* peak learning rate */
     double min_lr;      /* reached at total_steps by cosine and linear */

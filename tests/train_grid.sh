@@ -100,6 +100,22 @@ run_ok "the resume on a pipeline" "$out/to_pp.log" "${launcher[@]}" -np 2 "$bin/
 same_curve "a 1-rank checkpoint resumed under --pp 2" <(values loss "$out/to_pp") \
     <(values loss "$out/one3" | tail -n +7)
 
+# Interleaved 1F1B: 2 stages of 2 chunks of a layer each, and its
+# checkpoint resumed on one rank.
+sed 's/"num_hidden_layers": *[0-9]*/"num_hidden_layers": 4/' "$out/one/config.json" >"$out/four_layers.json"
+four=(--config "$out/four_layers.json" --grad-accum 2)
+run_ok "one rank, 4 layers, 2 micro-batches" "$out/one4.log" "$bin/moe-train" "${common[@]}" "${four[@]}" \
+    --batch-size 8 --out "$out/one4"
+grid_matches "--pp 2 --pp-chunks 2 on 2 ranks" pp_chunks "$out/one4" 2 "${four[@]}" --batch-size 8 --pp 2 \
+    --pp-chunks 2 --save-every 6
+grep -q "interleaved 1f1b, 2 chunks, stages hold layers 0,2 | 1,3" "$out/pp_chunks.log"
+check "--pp-chunks 2 says which layers each stage holds" $?
+same_kinds "--pp 2 --pp-chunks 2: the per-kind report of 1 rank" "$out/pp_chunks.log" "$out/one4.log"
+run_ok "the resume of an interleaved pipeline" "$out/pp_chunks_resumed.log" "$bin/moe-train" "${common[@]}" \
+    --grad-accum 2 --batch-size 8 --resume "$out/pp_chunks/step-000006" --out "$out/pp_chunks_resumed"
+same_curve "a --pp 2 --pp-chunks 2 checkpoint resumed on 1 rank" <(values loss "$out/pp_chunks_resumed") \
+    <(values loss "$out/one4" | tail -n +7)
+
 # Refused before anything is written, naming the flag.
 refused() { # name, expected text, np, flags...
     local name=$1 text=$2 np=$3 dir="$out/bad$((++bad))"
@@ -123,5 +139,13 @@ refused "--pp 0" "--pp 0 must be positive" 1 --pp 0
 refused "--pp-schedule gpipe without --pp" "--pp-schedule gpipe needs --pp > 1" 1 --pp-schedule gpipe
 refused "--pp-balance measured without --pp" "--pp-balance measured needs --pp > 1" 1 --pp-balance measured
 refused "--pp-balance foo" "--pp-balance 'foo': expected flops or measured" 1 --pp-balance foo
+refused "--pp-chunks 2 without --pp" "--pp-chunks 2 needs --pp > 1" 1 --pp-chunks 2
+refused "--pp-chunks 2 under gpipe" "--pp-chunks 2 interleaves 1F1B: not with --pp-schedule gpipe" 2 --pp 2 \
+    --pp-chunks 2 --grad-accum 2 --pp-schedule gpipe
+refused "--pp-chunks 2 with 3 micro-batches on 2 stages" "--grad-accum 3: an interleaved pipeline (--pp-chunks 2) takes" \
+    2 --pp 2 --pp-chunks 2 --grad-accum 3
+refused "--pp 2 --pp-chunks 2 on a model of 2 layers" "--pp 2 x --pp-chunks 2: each chunk needs a layer, and the model has 2" \
+    2 --pp 2 --pp-chunks 2 --grad-accum 2
+refused "--pp-chunks 0" "--pp-chunks 0: 1 to 64" 1 --pp-chunks 0
 
 summary

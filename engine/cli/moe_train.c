@@ -128,6 +128,10 @@ static void print_help(void) {
            "                       activations of at most S - stage forwards; gpipe: every forward,\n"
            "                       then every backward, each forward but the last recomputed\n"
            "                       before its backward (default 1f1b)\n"
+           "  --pp-chunks V        interleaved 1F1B (Megatron-LM's virtual pipeline): the layers in\n"
+           "                       S x V runs, stage s holding runs s, s + S, ...; the bubble\n"
+           "                       shrinks about V-fold for more activations kept and V times\n"
+           "                       the messages; --grad-accum a multiple of S (default 1)\n"
            "  --pp-balance B       flops: the stages' layers balance each layer's and the head's\n"
            "                       training FLOPs (default); measured: their times, from a\n"
            "                       forward and backward of a 1- and a 2-layer model on each\n"
@@ -186,6 +190,7 @@ static const cli_flag flags[] = {
     {"--shuffle", CLI_SWITCH, OPT(shuffle), NULL},       {"--peak-gflops", CLI_REAL, OPT(peak_gflops), NULL},
     {"--pp", CLI_SMALL, OPT(pp), NULL},                  {"--pp-schedule", CLI_PARSED, OPT(pp_schedule), parse_pipe},
     {"--pp-balance", CLI_PARSED, OPT(pp_balance), parse_balance},
+    {"--pp-chunks", CLI_SMALL, OPT(pp_chunks), NULL},
     {"--ep", CLI_SMALL, OPT(ep), NULL},                  {"--zero", CLI_SMALL, OPT(zero), NULL},
     {"--comm-timeout", CLI_REAL, OPT(comm_timeout), NULL}, {"--overlap", CLI_SWITCH, OPT(overlap), NULL},
     {"--max-time", CLI_REAL, OPT(max_time), NULL},
@@ -301,14 +306,18 @@ static void print_grid(const moe_run_summary *s) {
     if (s->pp > 1) printf("PP %d x ", s->pp);
     printf("DP %d, EP %d", s->ranks / s->pp, s->ep);
     if (s->stage_layers) {
-        printf("; %s, stages hold layers ", moe_pipe_schedule_name(o->pp_schedule));
-        for (int stage = 0; stage < s->pp; stage++) {
-            const long long first = (long long)s->stage_layers[stage], last = (long long)s->stage_layers[stage + 1] - 1;
-            if (first == last)
-                printf("%s%lld", stage ? " | " : "", first);
-            else
-                printf("%s%lld-%lld", stage ? " | " : "", first, last);
-        }
+        if (o->pp_chunks > 1)
+            printf("; interleaved %s, %d chunks, stages hold layers ", moe_pipe_schedule_name(o->pp_schedule),
+                   o->pp_chunks);
+        else
+            printf("; %s, stages hold layers ", moe_pipe_schedule_name(o->pp_schedule));
+        for (int stage = 0; stage < s->pp; stage++)
+            for (int chunk = 0; chunk < o->pp_chunks; chunk++) {
+                const int v = chunk * s->pp + stage;
+                const long long first = (long long)s->stage_layers[v], last = (long long)s->stage_layers[v + 1] - 1;
+                printf("%s%lld", chunk ? "," : stage ? " | " : "", first);
+                if (last != first) printf("-%lld", last);
+            }
         if (o->pp_balance == MOE_PP_BALANCE_MEASURED)
             printf(" (measured%s: a layer %.2f ms, the head %.2f ms)",
                    s->stage_costs_resumed ? " by the run --resume continues" : "", 1e3 * s->stage_costs.layer,

@@ -48,13 +48,14 @@ static void tiny_config(moe_model_config *c) {
 }
 
 /* How a run spreads over its ranks: pipeline stages, each of ranks / pp
- * data-parallel ranks in EP groups of ep; ZeRO on or off. */
+ * data-parallel ranks in EP groups of ep; ZeRO on or off; chunks > 1: the
+ * stages interleaved, each holding that many runs of layers. */
 typedef struct grid {
-    int pp, ep, zero;
+    int pp, ep, zero, chunks;
 } grid;
 
 static void grid_name(char *out, size_t n, grid g) {
-    snprintf(out, n, "PP=%d EP=%d zero %d", g.pp, g.ep, g.zero);
+    snprintf(out, n, "PP=%d%s EP=%d zero %d", g.pp, g.chunks > 1 ? " interleaved" : "", g.ep, g.zero);
 }
 
 typedef struct run {
@@ -65,20 +66,27 @@ typedef struct run {
 } run;
 
 /* A model and trainer on the ranks of comm (NULL: this rank alone, g
- * ignored but for ZeRO) spread as g; rows per data-parallel rank. */
+ * ignored but for ZeRO) spread as g; rows per data-parallel rank and step,
+ * an even number, in two micro-batches: an interleaved pipeline of two
+ * stages takes its micro-batches in pairs, and every run splits its
+ * batches alike, since the balancing losses of two halves are not the
+ * whole's. */
 static moe_status make_run(run *r, moe_comm *comm, grid g, int64_t rows, uint64_t seed) {
     moe_model_config cfg;
     tiny_config(&cfg);
     *r = (run){0};
     moe_status st = MOE_OK;
+    const int chunks = comm ? g.chunks : 1;
     if (comm) {
-        st = moe_grid_create(&r->grid, comm, g.ep, g.pp, cfg.num_hidden_layers, moe_grid_flop_costs(&cfg, T));
+        st = moe_grid_create(&r->grid, comm, g.ep, g.pp, chunks, cfg.num_hidden_layers, moe_grid_flop_costs(&cfg, T));
         r->has_grid = st == MOE_OK;
     }
-    const moe_model_parallel par = r->has_grid ? moe_grid_model_parallel(&r->grid) : (moe_model_parallel){0};
-    if (st == MOE_OK) st = moe_model_create_parallel(&r->model, &cfg, rows, T, seed, comm ? &par : NULL);
     moe_optim_config oc = mpi_optim(STEPS);
     oc.zero = g.zero;
+    oc.grad_accum = 2;
+    rows /= 2;
+    const moe_model_parallel par = r->has_grid ? moe_grid_model_parallel(&r->grid) : (moe_model_parallel){0};
+    if (st == MOE_OK) st = moe_model_create_parallel(&r->model, &cfg, rows, T, seed, comm ? &par : NULL);
     if (st == MOE_OK) st = moe_trainer_create(&r->trainer, r->model, &oc);
     return st;
 }
@@ -148,7 +156,7 @@ static int save_one_rank(char *path, size_t path_bytes) {
         run one;
         char out[512];
         snprintf(out, sizeof out, "%s/one", tmp);
-        moe_status st = make_run(&one, NULL, (grid){1, 1, 0}, B, SEED);
+        moe_status st = make_run(&one, NULL, (grid){1, 1, 0, 1}, B, SEED);
         const moe_train_state state = st == MOE_OK ? fill_state(&one) : (moe_train_state){0};
         if (st == MOE_OK) st = moe_checkpoint_save(path, path_bytes, out, one.model, one.trainer, &state);
         bad = mpi_fail_status(st, "one-rank save");
@@ -193,7 +201,7 @@ static int expect_bits(const float *got, const float *want, int64_t n, const cha
 static int test_load(grid g, const char *one_path) {
     run r = {0}, one = {0};
     moe_status st = make_run(&r, world, g, B, SEED + 1);
-    if (st == MOE_OK) st = make_run(&one, NULL, (grid){1, 1, 0}, B, SEED);
+    if (st == MOE_OK) st = make_run(&one, NULL, (grid){1, 1, 0, 1}, B, SEED);
     if (st == MOE_OK) st = moe_checkpoint_load_weights(r.model, one_path);
     moe_train_state state;
     if (st == MOE_OK) st = moe_checkpoint_load_state(r.trainer, r.model, &state, one_path);
@@ -217,10 +225,11 @@ static int test_load(grid g, const char *one_path) {
     }
     moe_model_config c;
     tiny_config(&c);
-    const moe_model_stage stage = moe_model_get_stage(r.model);
-    for (int64_t l = stage.layer_begin; !bad && l < stage.layer_end; l++)
-        bad = expect_bits(moe_model_router_bias(r.model, l), moe_model_router_bias(one.model, l), c.num_local_experts,
-                          "bias");
+    int64_t layers;
+    const int64_t *layer = moe_model_layer_ids(r.model, &layers);
+    for (int64_t i = 0; !bad && i < layers; i++)
+        bad = expect_bits(moe_model_router_bias(r.model, layer[i]), moe_model_router_bias(one.model, layer[i]),
+                          c.num_local_experts, "bias");
     if (!bad && (moe_trainer_steps_done(r.trainer) != STATE_STEP || state.data.token != 123)) {
         printf("  rank %d: step %lld, data token %lld after load\n", rank, (long long)moe_trainer_steps_done(r.trainer),
                (long long)state.data.token);
@@ -298,19 +307,20 @@ static void test_resume(const double *want, moe_data *data) {
     const int half = size / 2;
     /* Data-parallel grids, pipelines of every rank and, with 4 ranks,
      * PP = 2 x DP = 2 with EP and ZeRO. */
-    const grid saved[] = {{1, size >= 4 ? 2 : 1, 1}, {size, 1, 0}, {2, 2, 1}};
-    const int n_saved = size >= 4 ? 3 : 2;
-    const target targets[] = {{half, {1, 1, 0}},    {half, {1, half, 1}}, {size, {1, size, 0}},
-                              {1, {1, 1, 0}},       {size, {size, 1, 1}}, {size, {2, 2, 1}},
-                              {half, {half, 1, 0}}};
-    const int n_targets = size >= 4 ? 7 : 5;
+    const grid saved[] = {{1, size >= 4 ? 2 : 1, 1, 1}, {size, 1, 0, 1}, {2, 1, 0, 2}, {2, 2, 1, 1}};
+    const int n_saved = size >= 4 ? 4 : 3;
+    const target targets[] = {{half, {1, 1, 0, 1}},    {half, {1, half, 1, 1}}, {size, {1, size, 0, 1}},
+                              {1, {1, 1, 0, 1}},       {size, {size, 1, 1, 1}}, {size, {2, 1, 1, 2}},
+                              {size, {2, 2, 1, 1}},    {half, {half, 1, 0, 1}}};
+    const int n_targets = size >= 4 ? 8 : 6;
     double got[STEPS];
     char out[512], path[512], from[80], name[32];
 
     /* The whole world saves; halves of it, single ranks and other grids
      * resume. */
     for (int i = 0; i < n_saved; i++) {
-        snprintf(out, sizeof out, "%s/resume-pp%d-ep%d-zero%d", tmp, saved[i].pp, saved[i].ep, saved[i].zero);
+        snprintf(out, sizeof out, "%s/resume-pp%d-ep%d-zero%d-chunks%d", tmp, saved[i].pp, saved[i].ep,
+                 saved[i].zero, saved[i].chunks);
         int bad = mpi_fail_status(train_and_save(got, path, sizeof path, out, world, saved[i], data), "save");
         bad = bad || mpi_compare_losses(got, want, 0, SAVE_AT, "before the save");
         grid_name(name, sizeof name, saved[i]);
@@ -320,13 +330,13 @@ static void test_resume(const double *want, moe_data *data) {
 
     /* One rank saves; the whole world resumes on its grids. */
     snprintf(out, sizeof out, "%s/resume-one", tmp);
-    int bad = rank == 0 ? mpi_fail_status(train_and_save(got, path, sizeof path, out, NULL, (grid){1, 1, 0}, data),
+    int bad = rank == 0 ? mpi_fail_status(train_and_save(got, path, sizeof path, out, NULL, (grid){1, 1, 0, 1}, data),
                                           "save")
                         : 0;
     bad = bad || (rank == 0 && mpi_compare_losses(got, want, 0, SAVE_AT, "before the save"));
     MPI_Bcast(path, sizeof path, MPI_CHAR, 0, MPI_COMM_WORLD);
-    const target into[] = {{size, {1, 2, 1}}, {size, {size, 1, 0}}, {size, {2, 2, 1}}};
-    resume_on(want, path, "on 1 rank", into, size >= 4 ? 3 : 2, bad, data);
+    const target into[] = {{size, {1, 2, 1, 1}}, {size, {size, 1, 0, 1}}, {size, {2, 1, 0, 2}}, {size, {2, 2, 1, 1}}};
+    resume_on(want, path, "on 1 rank", into, size >= 4 ? 4 : 3, bad, data);
 }
 
 /* ----------------------------------------------------------------- errors */
@@ -461,7 +471,7 @@ static void test_errors(const char *one_path) {
     const char *weight = "model.layers.1.block_sparse_moe.experts.3.w2.weight";
     const char *moment = "optimizer.exp_avg.model.layers.0.block_sparse_moe.experts.3.w1.weight";
     run r = {0};
-    int bad = broken_load_fails(&r, "missing", (grid){1, size, 1}, one_path, weight, NULL, moment, NULL, weight, moment);
+    int bad = broken_load_fails(&r, "missing", (grid){1, size, 1, 1}, one_path, weight, NULL, moment, NULL, weight, moment);
     report(bad, "a load failing on the last rank only fails everywhere and changes nothing");
 
     /* Layer 3 is the last stage's: the others take its tensors for another
@@ -471,7 +481,7 @@ static void test_errors(const char *one_path) {
     const char *extra = "model.layers.3.self_attn.q_proj.bias";
     const char *extra_moment = "optimizer.exp_avg.model.layers.3.self_attn.q_proj.bias";
     run pp = {0};
-    int b = broken_load_fails(&pp, "unknown", (grid){size, 1, 0}, one_path, q, extra, q_moment, extra_moment, extra,
+    int b = broken_load_fails(&pp, "unknown", (grid){size, 1, 0, 1}, one_path, q, extra, q_moment, extra_moment, extra,
                               extra_moment);
     free_run(&pp);
     report(b, "on a pipeline, a tensor of no stage fails the load on the stage of its layer, everywhere");
@@ -520,10 +530,12 @@ int main(void) {
     char one_path[512] = "", what[160], name[32];
 
     report(save_one_rank(one_path, sizeof one_path), "one-rank checkpoint written");
-    /* Data-parallel grids, a pipeline of every rank, and with 4 ranks
-     * EP = 4, a pipeline of two stages and PP = 2 x DP = 2 with EP and ZeRO. */
-    const grid grids[] = {{1, 1, 0}, {1, 1, 1}, {1, 2, 0}, {1, 2, 1}, {size, 1, 0}, {1, size, 1}, {2, 1, 0}, {2, 2, 1}};
-    const int n_grids = size > 2 ? 8 : 5;
+    /* Data-parallel grids, a pipeline of every rank, an interleaved one of
+     * two stages, and with 4 ranks EP = 4, a pipeline of two stages and
+     * PP = 2 x DP = 2 with EP and ZeRO, interleaved or not. */
+    const grid grids[] = {{1, 1, 0, 1}, {1, 1, 1, 1}, {1, 2, 0, 1},  {1, 2, 1, 1},    {size, 1, 0, 1},
+                          {2, 1, 0, 2}, {1, size, 1, 1}, {2, 1, 0, 1}, {2, 2, 1, 1}, {2, 2, 1, 2}};
+    const int n_grids = size > 2 ? 10 : 6;
     for (int g = 0; g < n_grids; g++) {
         grid_name(name, sizeof name, grids[g]);
         snprintf(what, sizeof what, "%s writes one rank's bytes", name);
@@ -535,7 +547,7 @@ int main(void) {
     /* The unbroken one-rank run, on every rank. */
     double want[STEPS];
     run one;
-    int bad = mpi_fail_status(make_run(&one, NULL, (grid){1, 1, 0}, (int64_t)size * B, SEED), "one rank");
+    int bad = mpi_fail_status(make_run(&one, NULL, (grid){1, 1, 0, 1}, (int64_t)size * B, SEED), "one rank");
     if (!bad) bad = mpi_fail_status(moe_data_set_position(data, (moe_data_position){0, 0}), "data");
     if (!bad) bad = mpi_fail_status(mpi_train_steps(want, NULL, one.trainer, data, 0, STEPS), "one rank");
     if (!bad) bad = mpi_loss_did_not_fall(want, STEPS);

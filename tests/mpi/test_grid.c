@@ -59,12 +59,26 @@ int main(void) {
     mpi_report(bad, "values that differ in their tenth digit print apart");
 
     moe_grid grid;
-    st = moe_grid_create(&grid, world, size, 1, cfg.num_hidden_layers, moe_grid_flop_costs(&cfg, 8));
+    st = moe_grid_create(&grid, world, size, 1, 1, cfg.num_hidden_layers, moe_grid_flop_costs(&cfg, 8));
     bad = st != MOE_OK || moe_comm_size(grid.ep) != size;
     if (st == MOE_OK) moe_grid_destroy(&grid);
     mpi_report(bad, "EP over all ranks");
-    st = moe_grid_create(&grid, world, size + 1, 1, cfg.num_hidden_layers, moe_grid_flop_costs(&cfg, 8));
+    st = moe_grid_create(&grid, world, size + 1, 1, 1, cfg.num_hidden_layers, moe_grid_flop_costs(&cfg, 8));
     mpi_report(st != MOE_ERR_CONFIG || !strstr(moe_last_error(), "--ep"),
                "an EP size that does not divide the ranks is refused");
+    /* Interleaved: every chunk a layer at least, and a pipeline to interleave. */
+    st = moe_grid_create(&grid, world, 1, size, (int)cfg.num_hidden_layers / size + 1, cfg.num_hidden_layers,
+                         moe_grid_flop_costs(&cfg, 8));
+    mpi_report(st != MOE_ERR_CONFIG || !strstr(moe_last_error(), "each chunk needs a layer"),
+               "more chunks than layers are refused");
+    st = moe_grid_create(&grid, world, 1, 1, 2, cfg.num_hidden_layers, moe_grid_flop_costs(&cfg, 8));
+    mpi_report(st != MOE_ERR_CONFIG || !strstr(moe_last_error(), "only on a pipeline"),
+               "chunks without a pipeline are refused");
+    st = moe_grid_create(&grid, world, 1, size, 2, 2 * size, moe_grid_flop_costs(&cfg, 8));
+    bad = st != MOE_OK;
+    /* Stage s holds virtual stages s and s + size, a layer each. */
+    for (int v = 0; !bad && v <= 2 * size; v++) bad = grid.stage_layers[v] != v;
+    if (st == MOE_OK) moe_grid_destroy(&grid);
+    mpi_report(bad, "2 chunks of %d stages hold a layer each", size);
     return mpi_check_finish();
 }

@@ -74,12 +74,13 @@ static int compare(const double *got, const double *want, const char *what) {
     return 0;
 }
 
-static int run_grid(int pp, int ep, int zero, int64_t M, moe_pipe_schedule schedule, bool recompute, moe_data *data) {
+static int run_grid(int pp, int chunks, int ep, int zero, int64_t M, moe_pipe_schedule schedule, bool recompute,
+                    moe_data *data) {
     moe_model_config cfg;
     tiny_config(&cfg);
     moe_grid grid;
     curve want, got;
-    moe_status st = moe_grid_create(&grid, world, ep, pp, cfg.num_hidden_layers, moe_grid_flop_costs(&cfg, T));
+    moe_status st = moe_grid_create(&grid, world, ep, pp, chunks, cfg.num_hidden_layers, moe_grid_flop_costs(&cfg, T));
     if (st != MOE_OK) return mpi_fail_status(st, "grid");
     st = train(&want, NULL, (int64_t)grid.at.dp_size * B, M, MOE_PIPE_1F1B, 0, false, data);
     if (st == MOE_OK) st = train(&got, &grid, B, M, schedule, zero, recompute, data);
@@ -107,29 +108,41 @@ static int run_grid(int pp, int ep, int zero, int64_t M, moe_pipe_schedule sched
 }
 
 /* The stages of a grid hold the layers in order, one each at least, and
- * the model refuses stages that do not. */
+ * the model refuses a partition that does not, or that another rank was
+ * not given. */
 static int check_stages(void) {
     moe_model_config cfg;
     tiny_config(&cfg);
     moe_grid grid;
-    moe_status st = moe_grid_create(&grid, world, 1, size, cfg.num_hidden_layers, moe_grid_flop_costs(&cfg, T));
+    moe_status st = moe_grid_create(&grid, world, 1, size, 1, cfg.num_hidden_layers, moe_grid_flop_costs(&cfg, T));
     if (st != MOE_OK) return mpi_fail_status(st, "grid");
-    int bad = grid.at.stage != rank || grid.layer_end <= grid.layer_begin || (rank == 0 && grid.layer_begin != 0) ||
-              (rank == size - 1 && grid.layer_end != LAYERS);
-    if (bad) printf("  rank %d: stage %d holds [%lld, %lld)\n", rank, grid.at.stage, (long long)grid.layer_begin,
-                    (long long)grid.layer_end);
-    /* The last stage claims one layer too many. */
+    int bad = grid.at.stage != rank || grid.stage_layers[0] != 0 || grid.stage_layers[size] != LAYERS;
+    for (int s = 0; !bad && s < size; s++) bad = grid.stage_layers[s + 1] <= grid.stage_layers[s];
+    if (bad) printf("  rank %d: stage %d holds [%lld, %lld)\n", rank, grid.at.stage,
+                    (long long)grid.stage_layers[rank], (long long)grid.stage_layers[rank + 1]);
+    int64_t bounds[LAYERS + 1];
     moe_model_parallel par = moe_grid_model_parallel(&grid);
-    if (rank == size - 1) par.layer_begin--;
-    moe_model *model = NULL;
-    st = moe_model_create_parallel(&model, &cfg, B, T, 7, &par);
-    if (st != MOE_ERR_CONFIG || !strstr(moe_last_error(), "must hold the 4 layers in order")) {
-        printf("  rank %d: overlapping stages gave %s: %s\n", rank, moe_status_string(st), moe_last_error());
-        bad = 1;
+    par.stage_layers = bounds;
+    static const char *const cases[] = {"the last stage claims a layer more, on its own", "the last stage holds no layer"};
+    for (int c = 0; c < 2; c++) {
+        memcpy(bounds, grid.stage_layers, (size_t)(size + 1) * sizeof *bounds);
+        /* On 2 stages the last one's claim is another partition; on 4 of
+         * a layer each, no partition, which the others hear of. */
+        const char *want = size == 2 ? "split the layers into pipeline stages differently"
+                           : rank == size - 1 ? "must hold the 4 layers in order"
+                                              : "1 other ranks refused";
+        if (c == 0 && rank == size - 1) bounds[size - 1]--;
+        if (c == 1) bounds[size - 1] = LAYERS, want = "must hold the 4 layers in order";
+        moe_model *model = NULL;
+        st = moe_model_create_parallel(&model, &cfg, B, T, 7, &par);
+        if (st != MOE_ERR_CONFIG || !strstr(moe_last_error(), want)) {
+            printf("  rank %d: %s gave %s: %s\n", rank, cases[c], moe_status_string(st), moe_last_error());
+            bad = 1;
+        }
+        moe_model_destroy(model);
     }
-    moe_model_destroy(model);
     moe_grid_destroy(&grid);
-    st = moe_grid_create(&grid, world, 1, 2 * size, cfg.num_hidden_layers, moe_grid_flop_costs(&cfg, T));
+    st = moe_grid_create(&grid, world, 1, 2 * size, 1, cfg.num_hidden_layers, moe_grid_flop_costs(&cfg, T));
     if (st != MOE_ERR_CONFIG || !strstr(moe_last_error(), "--pp")) {
         printf("  rank %d: --pp %d on %d ranks gave %s\n", rank, 2 * size, size, moe_status_string(st));
         bad = 1;
@@ -147,18 +160,21 @@ static int check_layouts(void) {
     moe_grid grid;
     int bad = 0;
     for (int c = 0; c < (size >= 4 ? 2 : 1); c++) {
-        moe_status st = moe_grid_create(&grid, world, 1, c ? 2 : size, cfg.num_hidden_layers, moe_grid_flop_costs(&cfg, T));
+        moe_status st =
+            moe_grid_create(&grid, world, 1, c ? 2 : size, 1, cfg.num_hidden_layers, moe_grid_flop_costs(&cfg, T));
         if (st != MOE_OK) return mpi_fail_status(st, "grid");
         moe_model_parallel par = moe_grid_model_parallel(&grid);
-        /* Layout 1: stage 0's second rank drops its last layer, which its
-         * stage's ranks see first and the second pipeline's last stage next. */
+        /* Layout 1: stage 0's second rank ends stage 0 a layer early, which
+         * every rank sees. */
+        int64_t bounds[3];
         const char *want = "needs job";
-        if (c == 0)
-            par.job = NULL;
-        else if (grid.at.dp_rank == 1 && grid.at.stage == 0)
-            par.layer_end--;
-        if (c == 1) want = grid.at.stage == 0 ? "a stage's ranks hold the same layers" : "refused the pipeline's layer ranges";
-        if (c == 1 && grid.at.stage == 1 && grid.at.dp_rank == 1) want = "must hold the 4 layers in order";
+        if (c == 0) par.job = NULL;
+        if (c == 1) {
+            memcpy(bounds, grid.stage_layers, sizeof bounds);
+            if (grid.at.dp_rank == 1 && grid.at.stage == 0) bounds[1]--;
+            par.stage_layers = bounds;
+            want = "split the layers into pipeline stages differently";
+        }
         moe_model *model = NULL;
         st = moe_model_create_parallel(&model, &cfg, B, T, 7, &par);
         if (st != MOE_ERR_CONFIG || !strstr(moe_last_error(), want)) {
@@ -186,7 +202,7 @@ static int check_bad_target(void) {
     moe_trainer *trainer = NULL;
     moe_optim_config oc = mpi_optim(STEPS);
     moe_status st = moe_data_from_tokens(&data, tokens, 64, 2 * VOCAB, "bad targets");
-    if (st == MOE_OK) st = moe_grid_create(&grid, world, 1, size, cfg.num_hidden_layers, moe_grid_flop_costs(&cfg, T));
+    if (st == MOE_OK) st = moe_grid_create(&grid, world, 1, size, 1, cfg.num_hidden_layers, moe_grid_flop_costs(&cfg, T));
     if (st != MOE_OK) {
         moe_data_close(data);
         return mpi_fail_status(st, "setup");
@@ -216,23 +232,33 @@ int main(void) {
     static const char *const names[] = {"1F1B", "GPipe"};
     for (int sched = 0; sched < 2; sched++)
         for (int64_t M = 1; M <= 2 * size; M += size + 1) /* fewer micro-batches than stages, then more */
-            mpi_report(run_grid(size, 1, 0, M, (moe_pipe_schedule)sched, false, data), "PP=%d, %s, %lld micro-batches",
+            mpi_report(run_grid(size, 1, 1, 0, M, (moe_pipe_schedule)sched, false, data), "PP=%d, %s, %lld micro-batches",
                        size, names[sched], (long long)M);
     /* Recomputation: every instance (1F1B's twins) and GPipe's replays
      * share one set of layer activations, each backward recomputing its
      * layer first. */
     for (int sched = 0; sched < 2; sched++)
-        mpi_report(run_grid(size, 1, 0, 2 * size + 1, (moe_pipe_schedule)sched, true, data),
+        mpi_report(run_grid(size, 1, 1, 0, 2 * size + 1, (moe_pipe_schedule)sched, true, data),
                    "PP=%d, %s, %d micro-batches, recomputed", size, names[sched], 2 * size + 1);
     if (size >= 4) {
         for (int sched = 0; sched < 2; sched++)
-            mpi_report(run_grid(2, 2, 1, 3, (moe_pipe_schedule)sched, false, data),
+            mpi_report(run_grid(2, 1, 2, 1, 3, (moe_pipe_schedule)sched, false, data),
                        "PP=2 x DP=2, EP=2, ZeRO, %s, 3 micro-batches", names[sched]);
         /* The gradients all-reduced layer by layer during the last backward. */
-        mpi_report(run_grid(2, 1, 0, 3, MOE_PIPE_1F1B, false, data), "PP=2 x DP=2, EP=1, 1F1B, 3 micro-batches");
+        mpi_report(run_grid(2, 1, 1, 0, 3, MOE_PIPE_1F1B, false, data), "PP=2 x DP=2, EP=1, 1F1B, 3 micro-batches");
         /* The recomputed forwards exchange their rows again. */
-        mpi_report(run_grid(2, 2, 0, 3, MOE_PIPE_1F1B, true, data), "PP=2 x DP=2, EP=2, 1F1B, 3 micro-batches, recomputed");
+        mpi_report(run_grid(2, 1, 2, 0, 3, MOE_PIPE_1F1B, true, data), "PP=2 x DP=2, EP=2, 1F1B, 3 micro-batches, recomputed");
     }
+    /* Interleaved 1F1B: 2 stages of 2 chunks of a layer each; the chunks
+     * of a stage send to and receive from both neighbours, one message
+     * stream each way, and keep their forwards on the instances apart. */
+    for (int64_t M = 2; M <= 6; M += 4)
+        mpi_report(run_grid(2, 2, 1, 0, M, MOE_PIPE_1F1B, false, data), "PP=2 interleaved (2 chunks)%s, %lld micro-batches",
+                   size >= 4 ? " x DP=2" : "", (long long)M);
+    mpi_report(run_grid(2, 2, 1, 0, 4, MOE_PIPE_1F1B, true, data), "PP=2 interleaved (2 chunks)%s, 4 micro-batches, recomputed",
+               size >= 4 ? " x DP=2" : "");
+    if (size >= 4)
+        mpi_report(run_grid(2, 2, 2, 1, 2, MOE_PIPE_1F1B, false, data), "PP=2 interleaved (2 chunks) x DP=2, EP=2, ZeRO, 2 micro-batches");
     moe_data_close(data);
     free(tokens);
     return mpi_check_finish();
