@@ -156,7 +156,9 @@ static moe_optim_config optim_config_of(const moe_run_options *o) {
     c.weight_decay = o->weight_decay;
     c.grad_clip = o->grad_clip;
     c.zero = o->zero;
-    c.grad_accum = o->grad_accum;
+    /* An evaluation takes no step: its trainer needs only a schedule an
+     * interleaved pipeline can run. */
+    c.grad_accum = o->eval_only && o->pp_chunks > 1 ? o->pp : o->grad_accum;
     c.pipe_schedule = o->pp_schedule;
     return c;
 }
@@ -263,7 +265,7 @@ moe_status moe_run_options_validate(const moe_run_options *o) {
     if (o->pp_chunks > 1 && o->pp_schedule != MOE_PIPE_1F1B)
         return moe_error(MOE_ERR_CONFIG, "--pp-chunks %d interleaves 1F1B: not with --pp-schedule %s", o->pp_chunks,
                          moe_pipe_schedule_name(o->pp_schedule));
-    if (o->pp_chunks > 1 && o->grad_accum % o->pp != 0)
+    if (o->pp_chunks > 1 && !o->eval_only && o->grad_accum % o->pp != 0)
         return moe_error(MOE_ERR_CONFIG,
                          "--grad-accum %lld: an interleaved pipeline (--pp-chunks %d) takes its micro-batches in "
                          "groups of --pp %d: a multiple of it",

@@ -275,6 +275,15 @@ moe_status moe_trainer_create(moe_trainer **out, moe_model *model, const moe_opt
          !t->stage_load))
         st = moe_error(MOE_ERR_OUT_OF_MEMORY, "trainer: %lld micro-batches of %lld tokens", (long long)M, (long long)BT);
     if (st == MOE_OK) st = moe_pipe_schedule_ops(t->schedule, cfg->pipe_schedule, stage.index, stage.count, t->chunks, M);
+    /* NCCL matches a stage's sends to its peer's receives in the order
+     * posted and a large send waits for its receive: the interleaved order
+     * sends while the peer waits on a receive behind another, which
+     * buffered MPI sends ride out and NCCL's would not. */
+    if (st == MOE_OK && t->chunks > 1 && stage.device_pipe != stage.pipe)
+        st = moe_error(MOE_ERR_CONFIG,
+                       "--pp-chunks %d: interleaved stages exchange their messages over MPI only; on the GPU's NCCL "
+                       "they could wait on each other for ever (use --pp-chunks 1 there)",
+                       t->chunks);
     const int64_t act_elems = BT * moe_model_get_config(model)->hidden_size; /* one stage message */
     const size_t act_bytes = (size_t)act_elems * sizeof(float);
     /* A message is one MPI call, whose count is an int. */

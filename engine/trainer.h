@@ -47,8 +47,10 @@ typedef struct moe_pipe_op {
  * - stage - 1) + (chunks - 1) stages of them; the bubble is then about
  * 1 / chunks of plain 1F1B's, for more forwards in flight. Every stage
  * sends each of its neighbours its messages in the order that neighbour
- * receives them, whatever their kind. Fails (MOE_ERR_CONFIG) when chunks >
- * 1 with GPipe, or with M not a multiple of stages. */
+ * receives them, whatever their kind; the interleaved order relies on
+ * sends that complete without their receive (MPI's, buffered), and a
+ * trainer refuses it over NCCL. Fails (MOE_ERR_CONFIG) when chunks > 1
+ * with GPipe, or with M not a multiple of stages. */
 moe_status moe_pipe_schedule_ops(moe_pipe_op *ops, moe_pipe_schedule kind, int stage, int stages, int chunks,
                                  int64_t M);
 

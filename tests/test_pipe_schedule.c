@@ -1,6 +1,8 @@
 /* test_pipe_schedule.c: every stage's schedule (moe_pipe_schedule_ops),
  * played out on a model of the ranks that run it as the trainer does (an
- * op first receives what it needs, blocking; a send never blocks; a
+ * op first receives what it needs, blocking; a send never blocks, as
+ * MPI's buffered ones do (NCCL's may, and the trainer refuses interleaving
+ * there); a
  * forward costs 1 / chunks and a backward 2 / chunks, a stage's share of a
  * micro-batch), runs each (chunk, micro-batch) forward and backward once,
  * never deadlocks, delivers each neighbour its messages in the order it

@@ -115,6 +115,15 @@ run_ok "the resume of an interleaved pipeline" "$out/pp_chunks_resumed.log" "$bi
     --grad-accum 2 --batch-size 8 --resume "$out/pp_chunks/step-000006" --out "$out/pp_chunks_resumed"
 same_curve "a --pp 2 --pp-chunks 2 checkpoint resumed on 1 rank" <(values loss "$out/pp_chunks_resumed") \
     <(values loss "$out/one4" | tail -n +7)
+# An evaluation takes no micro-batches: the default --grad-accum does.
+eval_of() { grep -o "val_loss [0-9.]*" "$1"; }
+run_ok "--eval-only on an interleaved pipeline" "$out/pp_chunks_eval.log" "${launcher[@]}" -np 2 "$bin/moe-train" \
+    --eval-only --init-from "$out/pp_chunks/step-000006" --eval-batches 2 --seq-len 32 --batch-size 8 --pp 2 \
+    --pp-chunks 2
+run_ok "--eval-only on 1 rank" "$out/one4_eval.log" "$bin/moe-train" --eval-only --init-from \
+    "$out/pp_chunks/step-000006" --eval-batches 2 --seq-len 32 --batch-size 8
+[ -n "$(eval_of "$out/one4_eval.log")" ] && [ "$(eval_of "$out/pp_chunks_eval.log")" = "$(eval_of "$out/one4_eval.log")" ]
+check "--eval-only on an interleaved pipeline gives one rank's val_loss" $?
 
 # Refused before anything is written, naming the flag.
 refused() { # name, expected text, np, flags...
