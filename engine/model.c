@@ -48,6 +48,7 @@ struct moe_model {
     int64_t nl;                /* this stage's layers; arrays [nl] below are by local index */
     int64_t *layer_id;         /* [nl] each local layer's number in the model, ascending */
     int chunks;                /* the stage's model chunks (interleaved pipelines), each a run of layers */
+    uint64_t serves;           /* bit c: this instance holds chunk c's layers (a twin may hold some only) */
     int64_t *chunk_at;         /* [chunks + 1] chunk c is the local layers chunk_at[c] .. chunk_at[c + 1] - 1 */
     bool first, last;          /* the stage holds the embedding (chunk 0's); the final norm and the head (the last chunk's) */
     int64_t *layer_first;      /* [nl] first tensor of each layer */
@@ -238,6 +239,14 @@ static void name_moe_tensors(moe_model *m, int64_t layer) {
 
 /* ----------------------------------------------------------------- arena */
 
+/* Whether the instance holds local layer i: its layers, activations and
+ * MoE state (a twin holds only the chunks it serves). */
+static bool holds(const moe_model *m, int64_t i) {
+    int c = 0;
+    while (m->chunk_at[c + 1] <= i) c++;
+    return m->serves >> c & 1;
+}
+
 /* Whose tables, arrays and layer state a twin uses: its base's. */
 static moe_model *base_of(moe_model *m) { return m->base ? m->base : m; }
 
@@ -304,6 +313,7 @@ static moe_status build_arena(moe_model *m) {
      * (recomputation), or its keys and values (inference: the cache). */
     int n = 0;
     for (int64_t l = 0; l < L; l++) {
+        if (!holds(m, l)) continue;
         if (m->inference) {
             table[n++] = (arena_entry){(void **)&m->acts[l].k, N * kvdim * f};
             table[n++] = (arena_entry){(void **)&m->acts[l].v, N * kvdim * f};
@@ -357,6 +367,7 @@ static moe_status build_arena(moe_model *m) {
         *table[i].ptr = *(void **)((char *)m->base + ((char *)table[i].ptr - (char *)m));
     const layer_acts set = m->base ? m->base->acts[0] : m->acts[0];
     for (int64_t l = 0; st == MOE_OK && (m->recompute || m->inference) && l < L; l++) {
+        if (!holds(m, l)) continue;
         const layer_acts own = m->acts[l];
         m->acts[l] = set;
         if (m->inference)
@@ -464,6 +475,7 @@ static moe_status build_instance(moe_model *m) {
     if (!(m->moe = calloc((size_t)m->nl, sizeof *m->moe)))
         return moe_error(MOE_ERR_OUT_OF_MEMORY, "model: %lld layers", (long long)m->nl);
     for (int64_t i = 0; i < m->nl; i++) {
+        if (!holds(m, i)) continue;
         /* Each layer's jitter noise is its own stream. */
         moe_layer_config layer_cfg = lc;
         layer_cfg.seed = moe_splitmix64(m->seed + (uint64_t)m->layer_id[i]);
@@ -500,17 +512,21 @@ static moe_status build_instance(moe_model *m) {
     return MOE_OK;
 }
 
-moe_status moe_model_create_twin(moe_model **out, moe_model *base) {
+moe_status moe_model_create_twin(moe_model **out, moe_model *base, uint64_t chunks) {
     MOE_NOT_NULL("moe_model_create_twin", "out", out);
     MOE_NOT_NULL("moe_model_create_twin", "base", base);
     *out = NULL;
     if (base->base) return moe_error(MOE_ERR_INVALID_ARG, "moe_model_create_twin: a twin of a twin");
+    if (!(chunks & base->serves))
+        return moe_error(MOE_ERR_INVALID_ARG, "moe_model_create_twin: chunks %#llx: none of the stage's %d",
+                         (unsigned long long)chunks, base->chunks);
     moe_model *m = malloc(sizeof *m);
     if (!m) return moe_error(MOE_ERR_OUT_OF_MEMORY, "model: twin");
     /* The base's shape, tables, arrays and communicators; nothing of its
      * forward state. */
     *m = *base;
     m->base = base;
+    m->serves = chunks & base->serves;
     m->host_params = NULL;
     m->own_device_replicas = false;
     m->moe = NULL;
@@ -589,6 +605,7 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_model_config *cf
         moe_model_destroy(m);
         return split;
     }
+    m->serves = m->chunks == MAX_CHUNKS ? UINT64_MAX : (UINT64_C(1) << m->chunks) - 1;
     m->ops = par && par->ops ? par->ops : moe_cpu_ops();
     m->B = B;
     m->T = T;
@@ -665,12 +682,14 @@ void moe_model_destroy(moe_model *m) {
 const moe_model_config *moe_model_get_config(const moe_model *m) { return &m->cfg; }
 int64_t moe_model_activation_bytes(const moe_model *m) {
     int64_t bytes = m->arena_bytes;
-    for (int64_t i = 0; i < m->nl; i++) bytes += moe_layer_workspace_bytes(m->moe[i]);
+    for (int64_t i = 0; i < m->nl; i++)
+        if (m->moe[i]) bytes += moe_layer_workspace_bytes(m->moe[i]);
     return bytes;
 }
 int64_t moe_model_exchange_bytes(const moe_model *m) {
     int64_t bytes = 0;
     for (int64_t i = 0; i < m->nl; i++) {
+        if (!m->moe[i]) continue;
         moe_layer_timing t;
         moe_layer_get_timing(m->moe[i], &t);
         bytes += t.exchange_bytes;
@@ -743,17 +762,19 @@ moe_status moe_model_push(moe_model *m) {
 
 void moe_model_set_training(moe_model *m, bool training) {
     m->training = training;
-    for (int64_t i = 0; i < m->nl; i++) moe_layer_set_training(m->moe[i], training);
+    for (int64_t i = 0; i < m->nl; i++)
+        if (m->moe[i]) moe_layer_set_training(m->moe[i], training);
 }
 
 void moe_model_set_overlap(moe_model *m, bool overlap) {
     m->overlap = overlap;
-    for (int64_t i = 0; i < m->nl; i++) moe_layer_set_overlap(m->moe[i], overlap);
+    for (int64_t i = 0; i < m->nl; i++)
+        if (m->moe[i]) moe_layer_set_overlap(m->moe[i], overlap);
 }
 
 moe_status moe_model_update_router_bias(moe_model *m) {
     for (int64_t i = 0; i < m->nl; i++)
-        if (moe_layer_selection_bias(m->moe[i])) {
+        if (m->moe[i] && moe_layer_selection_bias(m->moe[i])) {
             moe_status st = moe_layer_update_bias(m->moe[i]);
             if (st != MOE_OK) return moe_error_prefix(st, "layer %lld: ", (long long)m->layer_id[i]);
         }
@@ -769,10 +790,13 @@ static int64_t local_layer(const moe_model *m, int64_t l) {
 
 float *moe_model_router_bias(moe_model *m, int64_t l) {
     const int64_t i = local_layer(m, l);
-    return i >= 0 ? moe_layer_selection_bias(m->moe[i]) : NULL;
+    return i >= 0 && m->moe[i] ? moe_layer_selection_bias(m->moe[i]) : NULL;
 }
 
-uint64_t moe_model_jitter_counter(const moe_model *m) { return moe_layer_jitter_counter(m->moe[0]); }
+/* The base's first layer's: a twin's layers draw from the base's counters. */
+uint64_t moe_model_jitter_counter(const moe_model *m) {
+    return moe_layer_jitter_counter((m->base ? m->base : m)->moe[0]);
+}
 
 void moe_model_set_logit_z_loss(moe_model *m, double coef) { base_of(m)->logit_z_coef = coef; }
 
@@ -784,13 +808,14 @@ void moe_model_take_expert_load(moe_model *m, int64_t *load) {
 }
 
 void moe_model_set_jitter_counter(moe_model *m, uint64_t counter) {
-    for (int64_t i = 0; i < m->nl; i++) moe_layer_set_jitter_counter(m->moe[i], counter);
+    for (int64_t i = 0; i < m->nl; i++)
+        if (m->moe[i]) moe_layer_set_jitter_counter(m->moe[i], counter);
 }
 
 const float *moe_model_last_losses(const moe_model *m) { return m->losses_host; }
 moe_status moe_model_last_topk(moe_model *m, int64_t l, const int32_t **topk) {
     const int64_t i = local_layer(m, l);
-    if (i < 0 || !topk)
+    if (i < 0 || !m->moe[i] || !topk)
         return moe_error(MOE_ERR_INVALID_ARG, "moe_model_last_topk: layer %lld not among this stage's, topk %p",
                          (long long)l, (const void *)topk);
     return moe_layer_last_topk(m->moe[i], topk);
@@ -940,6 +965,8 @@ static void set_replay(moe_model *m, int c, bool replay) {
 static moe_status check_chunk(const moe_model *m, int chunk, const char *op) {
     if (chunk < 0 || chunk >= m->chunks)
         return moe_error(MOE_ERR_INVALID_ARG, "%s: chunk %d of a stage of %d", op, chunk, m->chunks);
+    if (!(m->serves >> chunk & 1))
+        return moe_error(MOE_ERR_INVALID_ARG, "%s: a twin that does not hold chunk %d", op, chunk);
     return MOE_OK;
 }
 

@@ -94,15 +94,18 @@ moe_status moe_model_create_parallel(moe_model **model, const moe_model_config *
 void moe_model_destroy(moe_model *model);
 
 /* A twin of base: the same parameters, gradients, tensor table and ranks,
- * with activations and MoE layer state of its own, so that a pipeline stage
- * keeps several micro-batches' forwards for their backwards. Its layers
+ * with activations and MoE layer state of its own for the chunks of the
+ * stage it serves (bit c of chunks: chunk c; a stage that does not
+ * interleave has chunk 0 alone), so that a pipeline stage keeps several
+ * micro-batches' forwards for their backwards; it runs only those
+ * chunks. Its layers
  * route with base's selection bias, add their load to base's, and draw
  * and advance base's jitter counters (moe_layer_share_state): forwards on
  * any twin are forwards of base. Checkpoints, the bias step and the host
  * view of the parameters are base's. Destroy twins before base.
  * Collective over the expert-parallel group, whose ranks make their twins
  * together (as a stage's ranks do). */
-moe_status moe_model_create_twin(moe_model **twin, moe_model *base);
+moe_status moe_model_create_twin(moe_model **twin, moe_model *base, uint64_t chunks);
 
 /* Whether a model of cfg can take batches of B sequences of T tokens (what
  * moe_model_create checks first): T within max_position_embeddings, and

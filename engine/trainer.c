@@ -60,11 +60,13 @@ struct moe_trainer {
     int64_t *send_order;     /* [2 grad_accum chunks] the sends of this step, as posted */
     int64_t sends_posted, sends_retired; /* the first sends_retired of them have completed */
     moe_pipe_op *schedule;   /* [2 grad_accum chunks] this stage's order of ops */
-    /* Where micro-batch m's forward runs: instances[m % n_instances], the
-     * model and its twins; held[i chunks + c]: the micro-batch whose
-     * activations instance i's chunk c holds, or -1. */
+    /* Where micro-batch m's forward through chunk c runs: instances[m %
+     * in_flight[c]], the model and its twins (twin i holding the chunks
+     * with more than i forwards in flight); held[i chunks + c]: the
+     * micro-batch whose activations instance i's chunk c holds, or -1. */
     moe_model **instances;
     int64_t n_instances;
+    int64_t in_flight[64];
     int64_t *held;
     int64_t pipe_bytes; /* stage_in, grad_in, stage_out and grad_out */
     /* The last step's expert load (moe_trainer_expert_load): [layers, E],
@@ -304,25 +306,33 @@ moe_status moe_trainer_create(moe_trainer **out, moe_model *model, const moe_opt
                         (int64_t)act_bytes * (to_next ? messages + 1 : 0);
     /* 1F1B keeps each forward in flight on an instance of its own: chunk
      * c's forwards and backwards both go in micro-batch order, so its
-     * micro-batches in flight are consecutive and m % n_instances tells
-     * them apart when n_instances is the most a chunk has in flight (at
-     * most stages - stage without interleaving). GPipe recomputes them on
-     * one. */
+     * micro-batches in flight are consecutive and m % in_flight[c] tells
+     * them apart when in_flight[c] is the most it has in flight (at most
+     * stages - stage without interleaving). The chunks' peaks differ, and
+     * a twin holds only the chunks that need it. GPipe recomputes the
+     * forwards on one instance. */
     t->n_instances = 1;
-    for (int c = 0; st == MOE_OK && cfg->pipe_schedule == MOE_PIPE_1F1B && c < t->chunks; c++) {
-        int64_t in_flight = 0;
-        for (int64_t i = 0; i < n_ops; i++)
+    for (int c = 0; c < t->chunks; c++) {
+        int64_t now = 0;
+        t->in_flight[c] = 1;
+        for (int64_t i = 0; st == MOE_OK && cfg->pipe_schedule == MOE_PIPE_1F1B && i < n_ops; i++)
             if (t->schedule[i].chunk == c) {
-                in_flight += t->schedule[i].backward ? -1 : 1;
-                if (in_flight > t->n_instances) t->n_instances = in_flight;
+                now += t->schedule[i].backward ? -1 : 1;
+                if (now > t->in_flight[c]) t->in_flight[c] = now;
             }
+        if (t->in_flight[c] > t->n_instances) t->n_instances = t->in_flight[c];
     }
     t->instances = calloc((size_t)t->n_instances, sizeof *t->instances);
     t->held = calloc((size_t)(t->n_instances * t->chunks), sizeof *t->held);
     if (st == MOE_OK && (!t->instances || !t->held))
         st = moe_error(MOE_ERR_OUT_OF_MEMORY, "trainer: %lld model instances", (long long)t->n_instances);
     if (st == MOE_OK) t->instances[0] = model;
-    for (int64_t i = 1; st == MOE_OK && i < t->n_instances; i++) st = moe_model_create_twin(&t->instances[i], model);
+    for (int64_t i = 1; st == MOE_OK && i < t->n_instances; i++) {
+        uint64_t chunks = 0;
+        for (int c = 0; c < t->chunks; c++)
+            if (t->in_flight[c] > i) chunks |= UINT64_C(1) << c;
+        st = moe_model_create_twin(&t->instances[i], model, chunks);
+    }
     if (st != MOE_OK) {
         moe_trainer_destroy(t);
         return st;
@@ -525,6 +535,9 @@ moe_status moe_pipe_schedule_ops(moe_pipe_op *ops, moe_pipe_schedule kind, int s
     return MOE_OK;
 }
 
+/* The instance that runs micro-batch micro through chunk, and its index. */
+static int64_t instance_at(const moe_trainer *t, int chunk, int64_t micro) { return micro % t->in_flight[chunk]; }
+
 /* Where (micro, chunk)'s messages sit among a step's. */
 static int64_t message_at(const moe_trainer *t, int64_t micro, int chunk) { return micro * t->chunks + chunk; }
 
@@ -608,7 +621,8 @@ static int next_stage(const moe_model_stage *stage) { return (stage->index + 1) 
  * its input from the previous virtual stage, its output sent on to the
  * next. */
 static moe_status stage_forward(moe_trainer *t, int chunk, int64_t micro, bool replay, moe_model_stats *stats) {
-    moe_model *model = t->instances[micro % t->n_instances];
+    const int64_t instance = instance_at(t, chunk, micro);
+    moe_model *model = t->instances[instance];
     const moe_model_stage stage = moe_model_get_stage(model);
     const moe_pipe_op op = {.backward = false, .chunk = chunk, .micro = micro};
     const int64_t BT = moe_model_batch_size(model) * moe_model_seq_len(model), n = message_floats(model);
@@ -620,7 +634,7 @@ static moe_status stage_forward(moe_trainer *t, int chunk, int64_t micro, bool r
         if (receives(&op, &stage)) MOE_TRY(recv_stage(t, &stage, in, prev_stage(&stage), TAG_FORWARD));
     }
     MOE_TRY(moe_model_stage_forward(model, chunk, inputs, in, targets, replay, stats));
-    t->held[(micro % t->n_instances) * t->chunks + chunk] = micro;
+    t->held[instance * t->chunks + chunk] = micro;
     if (replay || !sends(&op, &stage)) return MOE_OK;
     return send_stage(t, &stage, &t->sends[2 * at], slot(t->stage_out, at, n), moe_model_stage_output(model, chunk),
                       next_stage(&stage), TAG_FORWARD);
@@ -631,11 +645,12 @@ static moe_status stage_forward(moe_trainer *t, int chunk, int64_t micro, bool r
  * the chunk's last of the step (sync) sums the gradients over the ranks
  * that share them. */
 static moe_status stage_backward(moe_trainer *t, int chunk, int64_t micro, bool sync, float grad_scale) {
-    moe_model *model = t->instances[micro % t->n_instances];
+    const int64_t instance = instance_at(t, chunk, micro);
+    moe_model *model = t->instances[instance];
     const moe_model_stage stage = moe_model_get_stage(model);
     const moe_pipe_op op = {.backward = true, .chunk = chunk, .micro = micro};
     if (receives(&op, &stage)) MOE_TRY(recv_stage(t, &stage, t->grad_out, next_stage(&stage), TAG_BACKWARD));
-    if (t->held[(micro % t->n_instances) * t->chunks + chunk] != micro) {
+    if (t->held[instance * t->chunks + chunk] != micro) {
         /* 1F1B keeps no inputs: its instances hold every forward in flight. */
         if (!stage.first && t->in_slots < t->cfg.grad_accum)
             return moe_error(MOE_ERR_INTERNAL, "trainer: micro-batch %lld's input is gone, its forward cannot be replayed",
@@ -648,7 +663,7 @@ static moe_status stage_backward(moe_trainer *t, int chunk, int64_t micro, bool 
     }
     moe_model_set_grad_sync(model, sync);
     MOE_TRY(moe_model_stage_backward(model, chunk, t->grad_out, grad_scale));
-    t->held[(micro % t->n_instances) * t->chunks + chunk] = -1;
+    t->held[instance * t->chunks + chunk] = -1;
     if (!sends(&op, &stage)) return MOE_OK;
     const int64_t at = message_at(t, micro, chunk);
     return send_stage(t, &stage, &t->sends[2 * at + 1], slot(t->grad_in, at, message_floats(model)),
