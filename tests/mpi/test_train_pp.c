@@ -221,6 +221,43 @@ static int check_bad_target(void) {
     return bad;
 }
 
+/* An interleaved stage's twin holds the chunks it serves and no more:
+ * one of chunk 0 alone keeps about half the activations of one of both,
+ * and refuses chunk 1. */
+static int check_partial_twin(void) {
+    moe_model_config cfg;
+    tiny_config(&cfg);
+    moe_grid grid;
+    moe_status st = moe_grid_create(&grid, world, 1, 2, 2, cfg.num_hidden_layers, moe_grid_flop_costs(&cfg, T));
+    if (st != MOE_OK) return mpi_fail_status(st, "grid");
+    moe_model_parallel par = moe_grid_model_parallel(&grid);
+    moe_model *model = NULL, *both = NULL, *first = NULL;
+    st = moe_model_create_parallel(&model, &cfg, B, T, 7, &par);
+    if (st == MOE_OK) st = moe_model_create_twin(&both, model, 3);
+    if (st == MOE_OK) st = moe_model_create_twin(&first, model, 1);
+    int bad = mpi_fail_status(st, "twins");
+    if (!bad) {
+        const double all = (double)moe_model_activation_bytes(both), part = (double)moe_model_activation_bytes(first);
+        /* A layer each: the chunk's share, plus what every instance keeps (the head's on the last stage). */
+        if (!(part < all && part > 0.0)) {
+            printf("  rank %d: a twin of chunk 0 keeps %.0f bytes, one of both %.0f\n", rank, part, all);
+            bad = 1;
+        }
+        float x = 0.0f;
+        st = moe_model_stage_backward(first, 1, &x, 1.0f);
+        if (st != MOE_ERR_INVALID_ARG || !strstr(moe_last_error(), "does not hold chunk 1")) {
+            printf("  rank %d: chunk 1 on a twin of chunk 0 gave %s: %s\n", rank, moe_status_string(st),
+                   moe_last_error());
+            bad = 1;
+        }
+    }
+    moe_model_destroy(first);
+    moe_model_destroy(both);
+    moe_model_destroy(model);
+    moe_grid_destroy(&grid);
+    return bad;
+}
+
 int main(void) {
     int32_t *tokens = NULL;
     moe_data *data = mpi_training_start(&tokens, VOCAB);
@@ -229,6 +266,7 @@ int main(void) {
     mpi_report(check_layouts(), "a pipeline without the grid's communicator%s is refused on every rank",
                size >= 4 ? ", or with a stage's ranks on different layers," : "");
     mpi_report(check_bad_target(), "a bad target fails every stage at once");
+    mpi_report(check_partial_twin(), "a twin of an interleaved stage holds the chunks it serves");
     static const char *const names[] = {"1F1B", "GPipe"};
     for (int sched = 0; sched < 2; sched++)
         for (int64_t M = 1; M <= 2 * size; M += size + 1) /* fewer micro-batches than stages, then more */
