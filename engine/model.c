@@ -322,18 +322,23 @@ static moe_status build_arena(moe_model *m) {
         table[n++] = (arena_entry){(void **)&m->acts[l].x, N * C * f};
         if (!m->recompute) n += layer_entries(m, table + n, &m->acts[l], true);
     }
-    table[n++] = (arena_entry){(void **)&m->x_final, N * C * f};
-    /* The last stage's other chunks send their outputs on from here, while
-     * x_final keeps the last chunk's for the head's backward. */
-    table[n++] = (arena_entry){(void **)&m->x_send, m->last && m->chunks > 1 ? N * C * f : 0};
-    table[n++] = (arena_entry){(void **)&m->lnf, N * C * f};
-    table[n++] = (arena_entry){(void **)&m->rstdf, N * f};
-    table[n++] = (arena_entry){(void **)&m->logits, N * V * f};
-    table[n++] = (arena_entry){(void **)&m->lse, N * (int64_t)sizeof(double)};
-    table[n++] = (arena_entry){(void **)&m->losses, N * f};
-    table[n++] = (arena_entry){(void **)&m->dloss, N * f};
-    table[n++] = (arena_entry){(void **)&m->inputs, N * (int64_t)sizeof(int32_t)};
-    table[n++] = (arena_entry){(void **)&m->targets, N * (int64_t)sizeof(int32_t)};
+    /* The embedding's and the head's arrays, for an instance that runs
+     * their chunks (a twin may not); before the last stage x_final takes
+     * every chunk's output, on it the head's input, while the other chunks
+     * send theirs on from x_send. */
+    const uint64_t exit_chunk = UINT64_C(1) << (m->chunks - 1);
+    const bool entry = m->first && (m->serves & 1), exit = m->last && (m->serves & exit_chunk);
+    const int64_t head = exit ? N : 0;
+    table[n++] = (arena_entry){(void **)&m->x_final, !m->last || exit ? N * C * f : 0};
+    table[n++] = (arena_entry){(void **)&m->x_send, m->last && (m->serves & ~exit_chunk) ? N * C * f : 0};
+    table[n++] = (arena_entry){(void **)&m->lnf, head * C * f};
+    table[n++] = (arena_entry){(void **)&m->rstdf, head * f};
+    table[n++] = (arena_entry){(void **)&m->logits, head * V * f};
+    table[n++] = (arena_entry){(void **)&m->lse, head * (int64_t)sizeof(double)};
+    table[n++] = (arena_entry){(void **)&m->losses, head * f};
+    table[n++] = (arena_entry){(void **)&m->dloss, head * f};
+    table[n++] = (arena_entry){(void **)&m->inputs, entry ? N * (int64_t)sizeof(int32_t) : 0};
+    table[n++] = (arena_entry){(void **)&m->targets, head * (int64_t)sizeof(int32_t)};
     /* From here on: the tables every forward reads and the scratch a
      * backward uses while it runs (its input's gradient, dres, is copied out
      * before the next op), which a base and its twins share: they run one

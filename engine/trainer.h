@@ -146,9 +146,10 @@ typedef struct moe_step_metrics {
  * ends, so no stage waits on a send. (On NCCL a send joins a group that
  * the backend's next call launches: the stage's next receive when one
  * follows, else at once; the receives retire the sends done.) Under 1F1B a stage keeps the
- * activations of each forward in flight, at most stages - stage of them,
- * each on an instance of the model of its own (the model and its twins,
- * moe_model_create_twin), and recomputes nothing. GPipe keeps one
+ * activations of each forward in flight (at most stages - stage of them
+ * without interleaving), each on an instance of the model of its own (the
+ * model and its twins, moe_model_create_twin, a twin holding the chunks
+ * that keep that many in flight), and recomputes nothing. GPipe keeps one
  * micro-batch's activations, as the GPipe paper does: a backward whose
  * forward is not the last one run recomputes it first from the input it
  * kept (its jitter noise drawn again, no load counted twice), so every
