@@ -1195,10 +1195,7 @@ int bench_a2a_run(int argc, char **argv) {
     if (bench_failed(CMD, "the ranks' flags", agree_options(comm, &o))) return BENCH_EXIT_FAILURE;
     return o.mode == MODE_DISPATCH ? run_dispatch(&o, comm) : run_raw(&o, comm);
 #else
-    fprintf(stderr,
-            "moe-bench %s: this build has no MPI (configure with -DMOE_MPI=ON after apt-get "
-            "install libopenmpi-dev openmpi-bin)\n",
-            CMD);
+    fprintf(stderr, "moe-bench %s: %s\n", CMD, BENCH_NO_MPI);
     return BENCH_EXIT_FAILURE;
 #endif
 }

@@ -16,7 +16,6 @@
 #endif
 
 #define CMD "train"
-#define STREAM_TOKENS 2000000
 
 typedef struct train_shape {
     const char *name;
@@ -252,7 +251,7 @@ int bench_train_run(int argc, char **argv) {
         }
     moe_synth_params sp = moe_synth_default_params();
     moe_synth_stream stream = {0};
-    if (bench_failed(CMD, "synthetic corpus", moe_synth_generate(&stream, &sp, 1, STREAM_TOKENS))) {
+    if (bench_failed(CMD, "synthetic corpus", moe_synth_generate(&stream, &sp, 1, BENCH_SYNTH_TOKENS))) {
         moe_device_close(&dev);
         return BENCH_EXIT_FAILURE;
     }

@@ -18,6 +18,8 @@ static const bench_command commands[] = {
      bench_gemm_run},
     {"train", "whole training steps of the MoE transformer: tokens/s and MFU vs the device's GEMM",
      bench_train_run},
+    {"pipeline", "pipeline schedules (run under mpirun): GPipe and interleaved 1F1B vs plain 1F1B",
+     bench_pipeline_run},
     {"gate", "the fused gating pass as memory bandwidth vs a copy on the same device", bench_gate_run},
     {"attention", "causal attention forward and backward vs the device's GEMM (GPU: fused vs batched)",
      bench_attention_run},
@@ -379,7 +381,7 @@ int bench_parse_flags(const bench_flags *flags, const char *cmd, int argc, char 
         int found = 0;
         for (int s = 0; s < flags->n_switches && !found; s++)
             if (strcmp(argv[i], flags->switches[s].name) == 0) *flags->switches[s].on = true, found = 1;
-        if (found == 0) found = bench_device_option(argc, argv, &i, cmd, flags->device);
+        if (found == 0 && flags->device) found = bench_device_option(argc, argv, &i, cmd, flags->device);
         const char *v = NULL;
         if (found == 0 && flags->math && (found = bench_option(argc, argv, &i, cmd, "gemm-math", &v)) > 0 &&
             moe_gemm_math_parse(flags->math, v) != MOE_OK) {

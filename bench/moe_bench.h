@@ -27,12 +27,18 @@ int bench_a2a_run(int argc, char **argv);
 int bench_layer_run(int argc, char **argv);
 int bench_gemm_run(int argc, char **argv);
 int bench_train_run(int argc, char **argv);
+int bench_pipeline_run(int argc, char **argv);
 int bench_gate_run(int argc, char **argv);
 int bench_attention_run(int argc, char **argv);
 
 /* Exit statuses: 1 for a failure while running, 2 for a bad command line. */
 #define BENCH_EXIT_FAILURE 1
 #define BENCH_EXIT_USAGE 2
+
+/* Why a subcommand that runs under mpirun (a2a, pipeline) cannot run in a
+ * build without MPI, and how to get one. */
+#define BENCH_NO_MPI \
+    "this build has no MPI (configure with -DMOE_MPI=ON after apt-get install libopenmpi-dev openmpi-bin)"
 
 /* Prints "moe-bench <cmd>: <what>: <status string>: <last error>" to stderr
  * and returns true when status is not MOE_OK. */
@@ -80,8 +86,9 @@ int bench_usage_error(const char *cmd);
 int bench_unknown_argument(const char *cmd, const char *arg);
 
 /* The command line of a subcommand that times one device's ops (attention,
- * gate, train): one loop, so that they read -h/--help, switches, --device,
- * --gemm-math, text and integer flags alike and refuse a bad one alike. */
+ * gate, train) or a pipeline's steps (pipeline): one loop, so that they read
+ * -h/--help, switches, --device, --gemm-math, text and integer flags alike
+ * and refuse a bad one alike. */
 typedef struct bench_switch {
     const char *name; /* "--json": given alone */
     bool *on;
@@ -96,7 +103,7 @@ typedef struct bench_flags {
     void (*usage)(void); /* prints the help text on stdout */
     const bench_switch *switches;
     int n_switches;
-    moe_device *device;   /* --device */
+    moe_device *device;   /* --device; NULL where the subcommand has none */
     moe_gemm_math *math;  /* --gemm-math; NULL where the subcommand has none */
     const bench_text_flag *texts;
     int n_texts;
@@ -147,6 +154,11 @@ double bench_timed_calls(const moe_ops *ops, void (*fn)(const void *job), const 
  * so that a pass of microseconds on a GPU is not mostly its launch and wait;
  * 1 for a call that long already, at most 1000, and 0 on a backend failure. */
 int64_t bench_reps_for(const moe_ops *ops, void (*fn)(const void *job), const void *job);
+
+/* Tokens of the synthetic corpus that whole training steps read (train,
+ * pipeline): far more than a model's steps take, so none reads a batch
+ * twice. */
+#define BENCH_SYNTH_TOKENS 2000000
 
 /* ---------------------------------------------------------------- buffers */
 
