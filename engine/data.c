@@ -45,10 +45,6 @@ struct moe_data {
     int64_t order_len, order_epoch;
 };
 
-static uint32_t get_le32(const unsigned char *b) {
-    return (uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16 | (uint32_t)b[3] << 24;
-}
-
 static void put_le32(unsigned char *b, uint32_t v) {
     b[0] = (unsigned char)v;
     b[1] = (unsigned char)(v >> 8);
@@ -137,8 +133,8 @@ static moe_status add_shard(moe_data *d, const char *path) {
     fclose(file);
     MOE_TRY(st);
 
-    int32_t magic = (int32_t)get_le32(header), version = (int32_t)get_le32(header + 4);
-    int32_t count = (int32_t)get_le32(header + 8);
+    int32_t magic = (int32_t)moe_get_le32(header), version = (int32_t)moe_get_le32(header + 4);
+    int32_t count = (int32_t)moe_get_le32(header + 8);
     if (magic != MOE_SHARD_MAGIC)
         return moe_error(MOE_ERR_FORMAT, "%s: magic %d, expected %d (an llm.c uint16 token shard)",
                          path, magic, MOE_SHARD_MAGIC);

@@ -1,11 +1,13 @@
 /* fileio.h: whole-file reads with a size limit, directory creation, and the
  * atomic replacement of a file (temp file, fsync, rename, fsync of the
  * directory), so a crash or a failed write never leaves a half-written target
- * and never damages the file that was there before (DESIGN.md 7). */
+ * and never damages the file that was there before (DESIGN.md 7); and the
+ * little-endian fields of binary headers. */
 #ifndef MOE_ENGINE_FILEIO_H
 #define MOE_ENGINE_FILEIO_H
 
 #include <stddef.h>
+#include <stdint.h>
 #include <stdio.h>
 
 #include "moe.h"
@@ -59,5 +61,10 @@ moe_status moe_file_open_read(FILE **file, int64_t *size, const char *path);
  * file larger than max_bytes is refused with MOE_ERR_FORMAT before anything
  * is allocated. */
 moe_status moe_file_read_all(char **data, size_t *size, const char *path, size_t max_bytes);
+
+/* The little-endian uint32 at b, whatever the host's byte order. */
+static inline uint32_t moe_get_le32(const unsigned char *b) {
+    return (uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16 | (uint32_t)b[3] << 24;
+}
 
 #endif /* MOE_ENGINE_FILEIO_H */

@@ -16,6 +16,7 @@
 #include "engine/checkpoint.h"
 #include "engine/run.h"
 #include "engine/synthetic.h"
+#include "engine/tokenizer.h"
 
 moe_status moe_sampling_validate(const moe_sampling *s) {
     if (!s) return moe_error(MOE_ERR_INVALID_ARG, "sampling: NULL");
@@ -224,6 +225,9 @@ static const char *const token_kind_names[] = {"auto", "synthetic", "bytes", "id
  * "<arithmetic>" (12 bytes), "\xff", or an int32 id (10 digits) and its
  * comma. */
 #define TOKEN_TEXT_BYTES 24
+/* The same decoded by a tokenizer: its longest token, every byte written
+ * "\xNN" at worst (longer than "<id 2147483647>"). */
+#define DECODED_TEXT_BYTES (4 * MOE_TOKENIZER_TOKEN_BYTES_MAX + 1)
 
 const char *moe_token_kind_name(moe_token_kind kind) {
     return (unsigned)kind < N_TOKEN_KINDS ? token_kind_names[kind] : "?";
@@ -271,6 +275,10 @@ moe_status moe_generate_options_validate(const moe_generate_options *o) {
                          (long long)o->samples);
     if ((unsigned)o->tokens >= N_TOKEN_KINDS)
         return moe_error(MOE_ERR_CONFIG, "--tokens: no kind %d", (int)o->tokens);
+    if (o->tokenizer && o->tokens != MOE_TOKENS_AUTO && o->tokens != MOE_TOKENS_IDS)
+        return moe_error(MOE_ERR_CONFIG, "--tokenizer %s prints token ids as text, and --tokens %s writes the tokens "
+                         "its own way: leave --tokens out, or give --tokens ids",
+                         o->tokenizer, moe_token_kind_name(o->tokens));
     if (o->threads < 0 || o->threads > MOE_RUN_THREADS_MAX)
         return moe_error(MOE_ERR_CONFIG, "--threads %d must lie in [0, %d] (this machine has %d cores)", o->threads,
                          MOE_RUN_THREADS_MAX, omp_get_num_procs());
@@ -400,13 +408,22 @@ static moe_status parse_tokens(int32_t **tokens, int64_t *n, moe_token_kind kind
     return st == MOE_OK ? MOE_OK : moe_error_prefix(st, "%s: ", flag);
 }
 
-/* tokens [n] in kind's form into out [n * TOKEN_TEXT_BYTES + 1]. */
-static void render_tokens(char *out, moe_token_kind kind, const int32_t *tokens, int64_t n) {
+/* tokens [n] in kind's form into out [n * TOKEN_TEXT_BYTES + 1]; with a
+ * tokenizer (NULL: none) as their bytes, each written as the bytes form
+ * writes it, into out [n * DECODED_TEXT_BYTES + 1]. */
+static void render_tokens(char *out, moe_token_kind kind, const moe_tokenizer *tokenizer, const int32_t *tokens,
+                          int64_t n) {
     size_t at = 0;
     out[0] = '\0';
     for (int64_t i = 0; i < n; i++) {
         char *p = out + at;
-        if (kind == MOE_TOKENS_SYNTHETIC)
+        size_t len = 0;
+        const unsigned char *bytes = tokenizer ? moe_tokenizer_bytes(tokenizer, tokens[i], &len) : NULL;
+        if (bytes)
+            for (size_t j = 0; j < len; j++) escape_byte(p + strlen(p), bytes[j]);
+        else if (tokenizer)
+            snprintf(p, TOKEN_TEXT_BYTES, "<id %d>", (int)tokens[i]);
+        else if (kind == MOE_TOKENS_SYNTHETIC)
             snprintf(p, TOKEN_TEXT_BYTES, "%s", moe_synth_token_text(tokens[i]));
         else if (kind == MOE_TOKENS_BYTES)
             escape_byte(p, (unsigned char)tokens[i]);
@@ -421,6 +438,7 @@ static void render_tokens(char *out, moe_token_kind kind, const int32_t *tokens,
 typedef struct generation {
     moe_model_config cfg;
     moe_token_kind kind;
+    moe_tokenizer *tokenizer; /* NULL: none */
     int32_t *prompt; /* [n_prompt] */
     int64_t n_prompt;
     int32_t stop;    /* negative: none */
@@ -429,7 +447,7 @@ typedef struct generation {
     int32_t *rows;   /* [B, T] */
     int64_t *len;    /* [B] */
     int64_t *end;    /* [B] */
-    char *prompt_text, *new_text; /* [T * TOKEN_TEXT_BYTES + 1] each */
+    char *prompt_text, *new_text; /* [T * (DECODED_ or TOKEN_TEXT_BYTES) + 1] each */
 } generation;
 
 static void free_generation(generation *g) {
@@ -441,15 +459,21 @@ static void free_generation(generation *g) {
     free(g->new_text);
     moe_model_destroy(g->model);
     moe_device_close(&g->device);
+    moe_tokenizer_close(g->tokenizer);
 }
 
-/* The checkpoint's config, the token kind, the prompt and the stop token:
- * everything that can be refused before a model exists. */
+/* The checkpoint's config, the token kind, the tokenizer, the prompt and
+ * the stop token: everything that can be refused before a model exists. */
 static moe_status read_inputs(generation *g, const moe_generate_options *o, const moe_generate_callbacks *cb) {
     moe_status st = moe_checkpoint_load_config(&g->cfg, o->init_from, cb->on_warning, cb->ctx);
     if (st != MOE_OK) return moe_error_prefix(st, "--init-from %s: ", o->init_from);
     const int64_t V = g->cfg.vocab_size;
-    MOE_TRY(choose_tokens(&g->kind, o->tokens, V));
+    /* The tokenizer cannot encode text: with it, prompts are ids. */
+    MOE_TRY(choose_tokens(&g->kind, o->tokenizer ? MOE_TOKENS_IDS : o->tokens, V));
+    if (o->tokenizer) {
+        st = moe_tokenizer_open(&g->tokenizer, o->tokenizer);
+        if (st != MOE_OK) return moe_error_prefix(st, "--tokenizer: ");
+    }
     MOE_TRY(parse_tokens(&g->prompt, &g->n_prompt, g->kind, o->prompt, V, "--prompt"));
     if (g->n_prompt == 0)
         return moe_error(MOE_ERR_CONFIG, "--prompt holds no token, and generation needs one to start from%s",
@@ -461,14 +485,14 @@ static moe_status read_inputs(generation *g, const moe_generate_options *o, cons
                          "--init-from %s: generation needs dropless routing, and this model drops past a capacity "
                          "factor of %g (moe_capacity_factor in its config.json)",
                          o->init_from, g->cfg.moe_capacity_factor);
-    g->stop = -1;
+    g->stop = g->tokenizer && !o->stop ? moe_tokenizer_eot(g->tokenizer) : -1;
     if (o->stop) {
         int32_t *stop = NULL;
         int64_t n = 0;
         st = parse_tokens(&stop, &n, g->kind, o->stop, V, "--stop");
         if (st == MOE_OK && n != 1) {
             char shown[16 * TOKEN_TEXT_BYTES + 1]; /* its first 16, written as samples are */
-            render_tokens(shown, g->kind, stop, n < 16 ? n : 16);
+            render_tokens(shown, g->kind, NULL, stop, n < 16 ? n : 16);
             st = moe_error(MOE_ERR_CONFIG, "--stop '%s%s' holds %lld tokens; it takes one", shown, n > 16 ? "..." : "",
                            (long long)n);
         }
@@ -502,8 +526,9 @@ static moe_status generate_body(generation *g, const moe_generate_options *o, co
     g->rows = malloc((size_t)(B * T) * sizeof *g->rows);
     g->len = malloc((size_t)B * sizeof *g->len);
     g->end = malloc((size_t)B * sizeof *g->end);
-    g->prompt_text = malloc((size_t)T * TOKEN_TEXT_BYTES + 1);
-    g->new_text = malloc((size_t)T * TOKEN_TEXT_BYTES + 1);
+    const size_t text_bytes = (size_t)T * (g->tokenizer ? DECODED_TEXT_BYTES : TOKEN_TEXT_BYTES) + 1;
+    g->prompt_text = malloc(text_bytes);
+    g->new_text = malloc(text_bytes);
     if (!g->rows || !g->len || !g->end || !g->prompt_text || !g->new_text)
         return moe_error(MOE_ERR_OUT_OF_MEMORY, "generation: %lld rows of %lld tokens", (long long)B, (long long)T);
     for (int64_t b = 0; b < B; b++) {
@@ -518,7 +543,10 @@ static moe_status generate_body(generation *g, const moe_generate_options *o, co
         .device_note = g->device.note[0] ? g->device.note : NULL,
         .threads = omp_get_max_threads(),
         .tokens = g->kind,
-        .tokens_from_vocab = o->tokens == MOE_TOKENS_AUTO,
+        .tokens_from_vocab = o->tokens == MOE_TOKENS_AUTO && !g->tokenizer,
+        .tokenizer = o->tokenizer,
+        .tokenizer_tokens = g->tokenizer ? moe_tokenizer_count(g->tokenizer) : 0,
+        .eot_stop = o->stop ? -1 : g->stop,
         .prompt_tokens = g->n_prompt,
         .seq_len = T,
     };
@@ -528,8 +556,8 @@ static moe_status generate_body(generation *g, const moe_generate_options *o, co
 
     for (int64_t b = 0; b < B; b++) {
         const int32_t *row = g->rows + b * T;
-        render_tokens(g->prompt_text, g->kind, row, g->n_prompt);
-        render_tokens(g->new_text, g->kind, row + g->n_prompt, g->len[b] - g->n_prompt);
+        render_tokens(g->prompt_text, g->kind, g->tokenizer, row, g->n_prompt);
+        render_tokens(g->new_text, g->kind, g->tokenizer, row + g->n_prompt, g->len[b] - g->n_prompt);
         const moe_generate_sample sample = {
             .index = b,
             .tokens = row,

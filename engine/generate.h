@@ -76,8 +76,16 @@ typedef struct moe_generate_options {
     int64_t samples;       /* continuations of the prompt, generated together; > 0 */
     int64_t max_new_tokens; /* > 0; fewer when stop comes */
     moe_sampling sampling;
-    const char *stop;      /* one token in the prompt's form that ends a sample; NULL: none */
+    const char *stop;      /* one token in the prompt's form that ends a sample; NULL: none, or the
+                            * tokenizer's end-of-text */
     moe_token_kind tokens;
+    /* llm.c's tokenizer file (tokenizer.h); NULL: none. With it the prompt
+     * and --stop are ids (tokens AUTO or IDS; the file cannot encode text),
+     * the samples are printed as their bytes, escaped as MOE_TOKENS_BYTES
+     * prints them, an id the file does not know (a vocabulary padded past
+     * the tokenizer's, 50304 against GPT-2's 50257) as "<id 50300>"; and a
+     * version-2 file's end-of-text token ends a sample when stop is NULL. */
+    const char *tokenizer;
     moe_device device;
     int threads;           /* OpenMP (and OpenBLAS) threads; 0: OpenMP's default */
 } moe_generate_options;
@@ -97,7 +105,10 @@ typedef struct moe_generate_summary {
     const char *device_note;       /* why auto chose the CPU; NULL when it did not */
     int threads;
     moe_token_kind tokens;         /* never AUTO */
-    bool tokens_from_vocab;        /* AUTO chose it from config->vocab_size */
+    bool tokens_from_vocab;        /* AUTO chose it from config->vocab_size (not for a tokenizer) */
+    const char *tokenizer;         /* options->tokenizer */
+    int64_t tokenizer_tokens;      /* the ids it knows */
+    int32_t eot_stop;              /* the tokenizer's end-of-text when it ends samples (no --stop); else -1 */
     int64_t prompt_tokens;
     int64_t seq_len;               /* prompt_tokens + max_new_tokens: the model's T */
 } moe_generate_summary;
@@ -109,7 +120,7 @@ typedef struct moe_generate_sample {
     int64_t n;
     int64_t prompt_tokens;
     bool stopped;             /* the last token is the stop token */
-    const char *prompt_text;  /* tokens [0, prompt_tokens) in the tokens' form */
+    const char *prompt_text;  /* tokens [0, prompt_tokens) in the tokens' form, or decoded by the tokenizer */
     const char *new_text;     /* tokens [prompt_tokens, n) in the same form */
 } moe_generate_sample;
 
@@ -125,8 +136,9 @@ typedef struct moe_generate_callbacks {
  * max_new_tokens (at most the config's max_position_embeddings), puts the
  * prompt in every row and continues each (moe_generate): row b draws from
  * stream b, so a sample does not depend on how many run beside it.
- * Callbacks may be NULL. Errors name the flag or the checkpoint at fault;
- * a prompt's error names the byte or the id that is wrong. */
+ * Callbacks may be NULL. Errors name the flag, the checkpoint or the
+ * tokenizer file at fault; a prompt's error names the byte or the id that
+ * is wrong. */
 moe_status moe_generate_run(const moe_generate_options *options, const moe_generate_callbacks *callbacks);
 
 #endif /* MOE_ENGINE_GENERATE_H */

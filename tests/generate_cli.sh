@@ -6,7 +6,8 @@
 # both with 'moe-generate: ' on stderr and nothing on stdout (one that
 # fails once started has printed its header line); a good run prints the
 # header line and one line per sample, and exits 1 when stdout cannot take
-# them.
+# them. With --tokenizer a sample prints as the text of the ids it prints
+# without.
 # Usage: generate_cli.sh BINDIR (holding moe-train and moe-generate)
 set -u
 bin=$1
@@ -24,6 +25,32 @@ EOF
     --peak-gflops 1 --device cpu --out "$out/run" >"$out/train.log" 2>&1
 check "moe-train leaves a checkpoint" "$([ -f "$out/run/step-000002/model.safetensors" ]; echo $?)"
 ckpt=$out/run/step-000002
+
+# llm.c's tokenizer file for 40 of the model's 54 ids: 0 .. 37 the bytes
+# '0' .. 'U', 38 "\n\t", 39 "<|endoftext|>", its end-of-text (version 2);
+# texts holds what a sample prints for each.
+texts=()
+{
+    printf '\xc8\xd7\x34\x01\x02\x00\x00\x00\x28\x00\x00\x00\x27\x00\x00\x00' # magic, version, count, eot
+    head -c 1008 /dev/zero
+    for i in $(seq 0 37); do
+        texts[i]=$(printf "\\$(printf %03o $((48 + i)))")
+        printf '\x01%s' "${texts[i]}"
+    done
+    printf '\x02\n\t\x0d<|endoftext|>'
+} >"$out/tok.bin"
+texts[38]='\n\t'
+texts[39]='<\x7cendoftext\x7c>'
+head -c 1000 "$out/tok.bin" >"$out/cut.bin"
+
+# The text of comma-separated ids, as --tokenizer tok.bin prints it.
+decode() {
+    local id s=""
+    for id in ${1//,/ }; do
+        if [ "$id" -lt 40 ]; then s+=${texts[id]}; else s+="<id $id>"; fi
+    done
+    printf '%s' "$s"
+}
 
 # name, expected exit status, text stderr must hold, flags...
 expect_fail() {
@@ -67,12 +94,19 @@ expect_fail "a character outside the vocabulary" 2 "--prompt: byte 4: 'x'" "${p[
 expect_fail "an empty prompt" 2 "<arithmetic>" "${p[@]}" --prompt ''
 expect_fail "more positions than the model has" 2 "max_position_embeddings 64" "${p[@]}" --max-new-tokens 60
 expect_fail "a stop of two tokens" 2 "--stop ';;' holds 2 tokens" "${p[@]}" --stop ';;'
+expect_fail "--tokenizer with --tokens synthetic" 2 "--tokenizer $out/tok.bin prints .*--tokens synthetic" \
+    "${p[@]}" --tokenizer "$out/tok.bin" --tokens synthetic
+expect_fail "--tokenizer with --tokens bytes" 2 "--tokenizer .*--tokens bytes" "${p[@]}" --prompt 1 \
+    --tokenizer "$out/tok.bin" --tokens bytes
+expect_fail "--tokenizer takes ids" 2 "--prompt: byte 0: '<'" "${p[@]}" --tokenizer "$out/tok.bin"
+expect_fail "a tokenizer file cut short" 1 "--tokenizer: $out/cut.bin: 1000 bytes, shorter than" "${p[@]}" \
+    --prompt 1 --tokenizer "$out/cut.bin"
 
 "$bin/moe-generate" --help >"$out/help" 2>&1
 rc=$?
 missing=""
-for f in --init-from --prompt --samples --max-new-tokens --temperature --top-k --seed --stop --tokens --device \
-    --threads; do
+for f in --init-from --prompt --samples --max-new-tokens --temperature --top-k --seed --stop --tokens --tokenizer \
+    --device --threads; do
     grep -q -- "$f" "$out/help" || missing="$missing $f"
 done
 check "--help exits 0 and names every flag (missing:${missing:- none})" "$([ "$rc" -eq 0 ] && [ -z "$missing" ]; echo $?)"
@@ -94,8 +128,27 @@ if [ -w /dev/full ]; then
 fi
 check "ids are comma-separated (--tokens)" \
     "$(grep -qx 'sample 0: 4,15|[0-9]\{1,2\},[0-9]\{1,2\},[0-9]\{1,2\}' "$out/ids" && grep -q 'tokens ids (--tokens)' "$out/ids"; echo $?)"
+
+# The same draws without the tokenizer, told to stop where its end-of-text stops them.
+t=(--init-from "$ckpt" --prompt '4,38,45' --device cpu --samples 3 --max-new-tokens 12 --temperature 1 --seed 9
+    --threads 1)
+"$bin/moe-generate" "${t[@]}" --tokens ids --stop 39 >"$out/plain" 2>&1
+"$bin/moe-generate" "${t[@]}" --tokenizer "$out/tok.bin" >"$out/text" 2>"$out/text.err"
+rc=$?
+check "a run with --tokenizer exits 0 (exit $rc: $(head -c 200 "$out/text.err"))" "$rc"
+check "its header names the tokenizer and its end-of-text" \
+    "$(head -n 1 "$out/text" | grep -qxF "checkpoint $ckpt | device cpu, 1 threads | tokens ids, printed as text by \
+--tokenizer $out/tok.bin (40 tokens; its end-of-text 39 ends a sample)"; echo $?)"
+tail -n +2 "$out/plain" | while IFS= read -r line; do
+    ids=${line#*: }
+    printf '%s: %s|%s\n' "${line%%: *}" "$(decode "${ids%|*}")" "$(decode "${ids#*|}")"
+done >"$out/want"
+check "each sample is the text of the ids it prints without --tokenizer" \
+    "$([ "$(wc -l <"$out/want")" -eq 3 ] && tail -n +2 "$out/text" | cmp -s - "$out/want"; echo $?)"
+check "ids past the tokenizer print as <id N>" "$(grep -q '^sample 0: 4\\n\\t<id 45>|' "$out/text" && \
+    grep -q '|.*<id [0-9]*>' "$out/text"; echo $?)"
 if [ "$failed" -ne 0 ]; then
     echo "--- outputs:"
-    tail -n 5 "$out/train.log" "$out/gen" "$out/gen.err" "$out/ids"
+    tail -n 5 "$out/train.log" "$out/gen" "$out/gen.err" "$out/ids" "$out/plain" "$out/text" "$out/want"
 fi
 summary

@@ -1,7 +1,8 @@
 /* test_generate_run.c: moe_generate_run (engine/generate.h) on checkpoints
  * of tiny models with random weights, against moe_generate called directly
- * on a model holding the same weights; its errors; and moe_synth_parse,
- * the synthetic corpus's text-to-tokens inverse.
+ * on a model holding the same weights; its samples printed as text by a
+ * tokenizer file; its errors; and moe_synth_parse, the synthetic corpus's
+ * text-to-tokens inverse.
  *
  * Tokens must match exactly: both sides run the same shapes on the same
  * thread count (one: the test stays fast on a busy machine), so every
@@ -16,14 +17,16 @@
 #include "engine/checkpoint.h"
 #include "engine/generate.h"
 #include "engine/synthetic.h"
+#include "engine/tokenizer.h"
 
 #define TEST_TMPDIR_TEMPLATE "/tmp/moe_gen_XXXXXX"
 #include "test_files.h"
+#include "tokenizer_file.h"
 
 #define THREADS 1
 #define MAX_SAMPLES 4
 #define MAX_TOKENS 64
-#define TEXT_BYTES 1024
+#define TEXT_BYTES 8192
 
 /* ------------------------------------------------------------ the model */
 
@@ -241,7 +244,9 @@ Test(generate_run, sampled_ids_with_stop_match_moe_generate, .init = make_tmpdir
     free(w);
 }
 
-/* The byte-level text of tokens [n], written without generate.c's table. */
+/* The byte-level text of tokens [n], written without generate.c's table;
+ * '|', which separates a sample's prompt from its continuation, escaped
+ * too. */
 static void escape_bytes(char *out, const int32_t *tokens, int64_t n) {
     out[0] = '\0';
     for (int64_t i = 0; i < n; i++) {
@@ -251,7 +256,7 @@ static void escape_bytes(char *out, const int32_t *tokens, int64_t n) {
         else if (c == '\t') strcpy(p, "\\t");
         else if (c == '\r') strcpy(p, "\\r");
         else if (c == '\\') strcpy(p, "\\\\");
-        else if (c >= ' ' && c <= '~') p[0] = (char)c, p[1] = '\0';
+        else if (c >= ' ' && c <= '~' && c != '|') p[0] = (char)c, p[1] = '\0';
         else sprintf(p, "\\x%02x", c);
     }
 }
@@ -298,6 +303,133 @@ Test(generate_run, bytes_are_escaped, .init = make_tmpdir, .fini = remove_tmpdir
     o.prompt = "<copy>";
     expect_error(&o, "--tokens synthetic", "vocab_size is 256");
     free(w);
+}
+
+/* ------------------------------------------------------------ tokenizer files */
+
+/* A tokenizer file of count tokens (tokenizer_file.h) at path. */
+static void write_tokenizer(const char *path, uint32_t version, uint32_t count, uint32_t eot) {
+    size_t size;
+    unsigned char *buf = tok_file_new(&size, MOE_TOKENIZER_MAGIC, version, count, eot);
+    write_bytes(path, buf, size);
+    free(buf);
+}
+
+/* tokens [n] as a tokenizer of count tokens prints them, from the bytes
+ * tokenizer_file.h gives each id: an id past count as "<id N>". */
+static void decoded(char *out, const int32_t *tokens, int64_t n, int64_t count) {
+    out[0] = '\0';
+    for (int64_t i = 0; i < n; i++) {
+        char *p = out + strlen(out);
+        if (tokens[i] >= count) {
+            sprintf(p, "<id %d>", tokens[i]);
+            continue;
+        }
+        unsigned char bytes[255];
+        int32_t as_tokens[255];
+        const size_t len = tok_bytes_of(bytes, tokens[i]);
+        for (size_t j = 0; j < len; j++) as_tokens[j] = bytes[j];
+        escape_bytes(p, as_tokens, (int64_t)len);
+    }
+}
+
+Test(generate_run, a_tokenizer_prints_the_ids_as_text, .init = make_tmpdir, .fini = remove_tmpdir) {
+    /* A vocabulary padded past the tokenizer's 260 ids, as GPT-2's 50257
+     * are to 50304. */
+    const moe_model_config cfg = tiny_config(300, 4096);
+    char dir[768];
+    free(save_checkpoint(dir, &cfg, in_tmp("out"), 14));
+    write_tokenizer(in_tmp("tok.bin"), 2, 260, 259);
+    moe_generate_options o = options(dir, "1,127,256,270");
+    o.samples = 3;
+    o.max_new_tokens = 20;
+    o.sampling = (moe_sampling){.temperature = 1.5, .seed = 4};
+    /* Without the tokenizer, the same draws stop at its end-of-text only
+     * when told. */
+    o.stop = "259";
+    const collected ids = run_ok(&o);
+    o.stop = NULL;
+    o.tokenizer = in_tmp("tok.bin");
+    const collected text = run_ok(&o);
+    cr_expect_eq(text.summary.tokens, MOE_TOKENS_IDS);
+    cr_expect_not(text.summary.tokens_from_vocab, "the tokenizer chose ids, not the vocabulary");
+    cr_expect_str_eq(text.summary.tokenizer, in_tmp("tok.bin"));
+    cr_expect_eq(text.summary.tokenizer_tokens, 260);
+    cr_expect_eq(text.summary.eot_stop, 259);
+    int64_t unknown = 0;
+    for (int64_t b = 0; b < 3; b++) {
+        const got_sample *g = &text.samples[b], *r = &ids.samples[b];
+        cr_assert_eq(g->n, r->n, "sample %lld", (long long)b);
+        cr_expect_eq(memcmp(g->tokens, r->tokens, (size_t)g->n * sizeof *g->tokens), 0, "sample %lld's tokens",
+                     (long long)b);
+        cr_expect_eq(g->stopped, r->stopped);
+        /* Id 127's byte is '|' (127 * 7 + 3 = 0x37c), 256 the longest token,
+         * 270 past the tokenizer. */
+        char want[TEXT_BYTES];
+        decoded(want, g->tokens, 4, 260);
+        cr_expect_str_eq(g->prompt_text, want);
+        cr_expect(strstr(g->prompt_text, "\\x7c") && strstr(g->prompt_text, "<id 270>"), "%s", g->prompt_text);
+        decoded(want, r->tokens + 4, r->n - 4, 260);
+        cr_expect_str_eq(g->new_text, want);
+        for (int64_t p = 4; p < g->n; p++) unknown += g->tokens[p] >= 260;
+    }
+    cr_expect_gt(unknown, 0, "the seed was picked so that some sample draws an id past the tokenizer");
+}
+
+Test(generate_run, a_tokenizers_end_of_text_stops_a_sample, .init = make_tmpdir, .fini = remove_tmpdir) {
+    const moe_model_config cfg = tiny_config(300, 4096);
+    char dir[768];
+    free(save_checkpoint(dir, &cfg, in_tmp("out"), 15));
+    moe_generate_options o = options(dir, "5,6");
+    o.max_new_tokens = 6;
+    const collected ids = run_ok(&o);
+    const int32_t first = ids.samples[0].tokens[2];
+    cr_assert_lt(first, 260, "the seed was picked so that the first new token is one the tokenizer knows");
+    /* Greedy, so the first token drawn is the same again: as the
+     * end-of-text it ends the sample. */
+    write_tokenizer(in_tmp("tok.bin"), 2, 260, (uint32_t)first);
+    o.tokenizer = in_tmp("tok.bin");
+    collected text = run_ok(&o);
+    cr_expect_eq(text.summary.eot_stop, first);
+    cr_expect_eq(text.samples[0].n, 3);
+    cr_expect(text.samples[0].stopped);
+    /* --stop replaces it. */
+    o.stop = "299";
+    text = run_ok(&o);
+    cr_expect_eq(text.summary.eot_stop, -1);
+    cr_expect_eq(text.samples[0].n, ids.samples[0].n, "--stop 299 replaced the end-of-text");
+    /* A version 1 file names no end-of-text. */
+    write_tokenizer(in_tmp("v1.bin"), 1, 260, 0);
+    o.stop = NULL;
+    o.tokenizer = in_tmp("v1.bin");
+    text = run_ok(&o);
+    cr_expect_eq(text.summary.eot_stop, -1);
+    cr_expect_eq(text.samples[0].n, ids.samples[0].n);
+    cr_expect_not(text.samples[0].stopped);
+}
+
+Test(generate_run, a_tokenizer_refuses_other_token_forms_and_bad_files, .init = make_tmpdir,
+     .fini = remove_tmpdir) {
+    const moe_model_config cfg = tiny_config(256, 4096);
+    char dir[768];
+    free(save_checkpoint(dir, &cfg, in_tmp("out"), 16));
+    write_tokenizer(in_tmp("tok.bin"), 2, 256, 255);
+    moe_generate_options o = options(dir, "97,98");
+    o.tokenizer = in_tmp("tok.bin");
+    /* A vocabulary of 256 would be read as bytes; the tokenizer makes it ids. */
+    cr_expect_eq(run_ok(&o).summary.tokens, MOE_TOKENS_IDS);
+    o.tokens = MOE_TOKENS_IDS;
+    cr_expect_eq(run_ok(&o).summary.tokens, MOE_TOKENS_IDS);
+    o.tokens = MOE_TOKENS_BYTES;
+    expect_error(&o, "--tokenizer", "--tokens bytes");
+    o.tokens = MOE_TOKENS_SYNTHETIC;
+    expect_error(&o, "--tokenizer", "--tokens synthetic");
+    o.tokens = MOE_TOKENS_AUTO;
+    o.tokenizer = in_tmp("absent.bin");
+    expect_error(&o, "--tokenizer", in_tmp("absent.bin"));
+    write_bytes(in_tmp("cut.bin"), "abc", 3);
+    o.tokenizer = in_tmp("cut.bin");
+    expect_error(&o, in_tmp("cut.bin"), "shorter than the 1024-byte tokenizer header");
 }
 
 Test(generate_run, errors_name_what_is_wrong, .init = make_tmpdir, .fini = remove_tmpdir) {

@@ -33,7 +33,12 @@ static void print_help(void) {
            "                       between tokens are skipped), bytes (one token per byte;\n"
            "                       written and printed with \\n \\t \\r \\\\ and \\xNN escapes, '|' too) or ids\n"
            "                       (comma-separated token ids). Default: from the checkpoint's\n"
-           "                       vocab_size: %d synthetic, 256 bytes, else ids\n\n",
+           "                       vocab_size: %d synthetic, 256 bytes, else ids\n"
+           "  --tokenizer FILE     llm.c's tokenizer file (gpt2_tokenizer.bin): the prompt and --stop\n"
+           "                       stay token ids, and samples print as text, in the bytes form's\n"
+           "                       escapes; an id the file does not know prints as <id N>. A\n"
+           "                       version-2 file's end-of-text token ends a sample unless --stop\n"
+           "                       names another. Not with --tokens synthetic or bytes\n\n",
            MOE_SYNTH_VOCAB_SIZE);
     printf("Generation:\n"
            "  --samples N          continuations of the prompt, generated together (default %lld)\n"
@@ -46,7 +51,7 @@ static void print_help(void) {
            "                       sum to P of theirs (nucleus sampling); 0 or 1 = all (default %g)\n"
            "  --seed N             the draws; sample K's depend on (seed, K) only (default %llu)\n"
            "  --stop TEXT          one token, in the --tokens form, that ends a sample (e.g. ';');\n"
-           "                       default: none\n\n",
+           "                       default: none, or --tokenizer's end-of-text\n\n",
            (long long)d.samples, (long long)d.max_new_tokens, d.sampling.temperature,
            (long long)d.sampling.top_k, d.sampling.top_p, (unsigned long long)d.sampling.seed);
     printf("Performance:\n"
@@ -76,6 +81,7 @@ static const cli_flag flags[] = {
     {"--seed", CLI_SEED, OPT(sampling.seed), NULL},
     {"--stop", CLI_STRING, OPT(stop), NULL},
     {"--tokens", CLI_PARSED, OPT(tokens), parse_tokens},
+    {"--tokenizer", CLI_STRING, OPT(tokenizer), NULL},
     {"--device", CLI_PARSED, OPT(device), parse_device},
     {"--threads", CLI_THREADS, OPT(threads), NULL},
 };
@@ -88,7 +94,11 @@ static void on_start(void *ctx, const moe_generate_summary *s) {
     if (s->device_note) printf("%s\n", s->device_note);
     printf("checkpoint %s | device %s, %d threads | tokens %s", s->checkpoint, s->device, s->threads,
            moe_token_kind_name(s->tokens));
-    if (s->tokens_from_vocab)
+    if (s->tokenizer) {
+        printf(", printed as text by --tokenizer %s (%lld tokens", s->tokenizer, (long long)s->tokenizer_tokens);
+        if (s->eot_stop >= 0) printf("; its end-of-text %d ends a sample", (int)s->eot_stop);
+        printf(")\n");
+    } else if (s->tokens_from_vocab)
         printf(" (from vocab_size %lld)\n", (long long)s->config->vocab_size);
     else
         printf(" (--tokens)\n");

@@ -1,0 +1,145 @@
+/* test_tokenizer.c: llm.c's tokenizer file (engine/tokenizer.h): every id
+ * of version 1 and 2 files decoded to the bytes written, and every kind of
+ * malformed file refused, its error naming the file and the fault: a cut
+ * at every byte of a small file, the header's fields, a token of length 0,
+ * bytes past the last token. */
+#define _XOPEN_SOURCE 700
+#include <criterion/criterion.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine/tokenizer.h"
+
+#define TEST_TMPDIR_TEMPLATE "/tmp/moe_tok_XXXXXX"
+#include "test_files.h"
+#include "tokenizer_file.h"
+
+/* Opens path, which must be refused naming it and holding a and b. */
+static void expect_refused(const char *path, const char *a, const char *b) {
+    moe_tokenizer *t = (moe_tokenizer *)&t; /* not NULL: a refusal must clear it */
+    const moe_status st = moe_tokenizer_open(&t, path);
+    cr_assert_neq(st, MOE_OK, "%s should be refused for '%s'", path, a);
+    cr_expect_null(t, "a refused file leaves no tokenizer");
+    const char *e = moe_last_error();
+    cr_expect(strstr(e, path) && strstr(e, a) && (!b || strstr(e, b)), "error \"%s\" should name %s, '%s' and '%s'",
+              e, path, a, b ? b : "");
+}
+
+/* A file of count tokens, written to name, read back whole: every id's
+ * bytes, and the end-of-text. */
+static void expect_decodes(const char *name, uint32_t version, uint32_t count, uint32_t eot, int32_t want_eot) {
+    size_t size;
+    unsigned char *buf = tok_file_new(&size, MOE_TOKENIZER_MAGIC, version, count, eot);
+    write_bytes(in_tmp(name), buf, size);
+    free(buf);
+    moe_tokenizer *t = NULL;
+    cr_assert_eq(moe_tokenizer_open(&t, in_tmp(name)), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(moe_tokenizer_eot(t), want_eot);
+    cr_assert_eq(moe_tokenizer_count(t), count);
+    for (int64_t id = 0; id < count; id++) {
+        unsigned char want[255];
+        const size_t n = tok_bytes_of(want, id);
+        size_t got_n = 0;
+        const unsigned char *got = moe_tokenizer_bytes(t, id, &got_n);
+        cr_expect(got && got_n == n && memcmp(got, want, n) == 0, "token %lld: %zu bytes, expected %zu%s",
+                  (long long)id, got ? got_n : 0, n, got ? "" : " (NULL)");
+    }
+    size_t n;
+    cr_expect_null(moe_tokenizer_bytes(t, count, &n), "id %lld is past the file's tokens", (long long)count);
+    cr_expect_null(moe_tokenizer_bytes(t, -1, &n));
+    moe_tokenizer_close(t);
+}
+
+Test(tokenizer, version_2_decodes_every_id, .init = make_tmpdir, .fini = remove_tmpdir) {
+    expect_decodes("tok.bin", 2, 300, 299, 299);
+    expect_decodes("one.bin", 2, 1, 0, 0); /* one token, its own end-of-text */
+}
+
+Test(tokenizer, version_1_has_no_end_of_text, .init = make_tmpdir, .fini = remove_tmpdir) {
+    expect_decodes("tok.bin", 1, 260, 0, -1);
+    /* Its header's fourth field is not read. */
+    expect_decodes("odd.bin", 1, 260, 7777, -1);
+}
+
+Test(tokenizer, refuses_a_cut_at_every_byte, .init = make_tmpdir, .fini = remove_tmpdir) {
+    /* Ids 255 .. 258 include the 255-byte token. */
+    size_t size;
+    unsigned char *buf = tok_file_new(&size, MOE_TOKENIZER_MAGIC, 2, 259, 258);
+    const char *path = in_tmp("cut.bin");
+    write_bytes(path, buf, size);
+    moe_tokenizer *t = NULL;
+    cr_assert_eq(moe_tokenizer_open(&t, path), MOE_OK, "the whole file: %s", moe_last_error());
+    moe_tokenizer_close(t);
+    /* Where each token's length byte lies, walking the file independently. */
+    size_t at[260];
+    at[0] = TOK_HEADER_BYTES;
+    for (int id = 0; id < 259; id++) at[id + 1] = at[id] + 1 + buf[at[id]];
+    cr_assert_eq(at[259], size);
+    for (size_t cut = 0; cut < size; cut++) {
+        write_bytes(path, buf, cut);
+        char a[64], b[64] = "";
+        if (cut < TOK_HEADER_BYTES) {
+            snprintf(a, sizeof a, "%zu bytes, shorter than the 1024-byte", cut);
+        } else {
+            int id = 0;
+            while (at[id + 1] <= cut) id++;
+            if (at[id] == cut) {
+                snprintf(a, sizeof a, "ends at token %d's length (offset %zu)", id, cut);
+            } else {
+                snprintf(a, sizeof a, "token %d's %d bytes run past the end", id, buf[at[id]]);
+                snprintf(b, sizeof b, "offset %zu, %zu bytes", at[id] + 1, cut);
+            }
+        }
+        expect_refused(path, a, b);
+    }
+    free(buf);
+}
+
+/* buf [size] written to name must be refused naming a and b. */
+static void expect_file_refused(const char *name, const unsigned char *buf, size_t size, const char *a,
+                                const char *b) {
+    write_bytes(in_tmp(name), buf, size);
+    expect_refused(in_tmp(name), a, b);
+}
+
+Test(tokenizer, refuses_bad_headers_and_tokens, .init = make_tmpdir, .fini = remove_tmpdir) {
+    size_t size;
+    unsigned char *buf = tok_file_new(&size, 20240520, 2, 10, 9); /* a token shard's magic */
+    expect_file_refused("magic.bin", buf, size, "magic 20240520 at offset 0", "expected 20240328");
+    size = tok_file(buf, MOE_TOKENIZER_MAGIC, 3, 10, 9);
+    expect_file_refused("v3.bin", buf, size, "version 3 at offset 4", "expected 1 or 2");
+    size = tok_file(buf, MOE_TOKENIZER_MAGIC, 0, 10, 9);
+    expect_file_refused("v0.bin", buf, size, "version 0", NULL);
+    size = tok_file(buf, MOE_TOKENIZER_MAGIC, 2, 0, 0);
+    expect_file_refused("empty.bin", buf, size, "says 0 tokens (offset 8)", "expected 1 to 1048576");
+    /* An absurd count is refused from the header, whatever follows. */
+    size = tok_file(buf, MOE_TOKENIZER_MAGIC, 2, 10, 9);
+    tok_put_le32(buf + 8, 0xffffffffu);
+    expect_file_refused("huge.bin", buf, size, "says 4294967295 tokens", NULL);
+    tok_put_le32(buf + 8, MOE_TOKENIZER_TOKENS_MAX + 1);
+    expect_file_refused("past.bin", buf, size, "says 1048577 tokens", NULL);
+
+    size = tok_file(buf, MOE_TOKENIZER_MAGIC, 2, 10, 10);
+    expect_file_refused("eot.bin", buf, size, "end-of-text token 10 (offset 12)", "not below the 10 tokens");
+    size = tok_file(buf, MOE_TOKENIZER_MAGIC, 2, 10, 0xffffffffu);
+    expect_file_refused("eot_max.bin", buf, size, "end-of-text token 4294967295", NULL);
+
+    /* Token 4's length byte set to 0: its byte is then read as token 5's
+     * length, so the zero must be caught where it stands. */
+    size = tok_file(buf, MOE_TOKENIZER_MAGIC, 2, 10, 9);
+    buf[TOK_HEADER_BYTES + 4 * 2] = 0;
+    expect_file_refused("zero.bin", buf, size, "token 4 has length 0 (offset 1032)", NULL);
+
+    size = tok_file(buf, MOE_TOKENIZER_MAGIC, 2, 10, 9);
+    buf[size] = 'x';
+    expect_file_refused("trailing.bin", buf, size + 1, "1 byte left over after the 10 tokens (offset 1044)", NULL);
+    /* A count one short leaves the last token over. */
+    tok_put_le32(buf + 8, 9);
+    tok_put_le32(buf + 12, 8);
+    expect_file_refused("short.bin", buf, size, "2 bytes left over after the 9 tokens", NULL);
+    free(buf);
+
+    expect_refused(in_tmp("absent.bin"), "cannot open", NULL);
+    expect_refused(tmpdir, "not a regular file", NULL);
+}
