@@ -196,7 +196,7 @@ moe_comm *moe_model_job(const moe_model *model);
  * last stage alone), so that the stages' values add up to the model's. */
 typedef struct moe_model_stats {
     double loss;           /* CE + the coefficients times logit z, aux, seq aux and z */
-    double ce_loss;        /* mean cross-entropy over the B*T positions */
+    double ce_loss;        /* mean cross-entropy over this rank's counted targets (not negative) */
     double logit_z_loss;   /* mean over them of logsumexp(logits)^2, before its coefficient (with one or not) */
     double aux_loss;       /* mean over layers, before the coefficient */
     double seq_aux_loss;   /* the sequence-wise one's, the same way (0 outside training) */

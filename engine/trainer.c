@@ -126,10 +126,14 @@ double moe_lr_at(const moe_optim_config *c, int64_t step) {
     /* A single decay step is the last step, which gets min_lr; with none
      * (warmup >= total_steps) no step of the run comes here. */
     if (decay_steps <= 1) return c->min_lr;
-    double progress = (double)(step - first) / (double)(decay_steps - 1);
+    /* Cosine and linear start from lr, where the warm-up ends; WSD's
+     * decay is its last steps after a stable lr, each of them lower. */
+    double progress = c->schedule == MOE_LR_WSD ? (double)(step - first + 1) / (double)decay_steps
+                                                : (double)(step - first) / (double)(decay_steps - 1);
     if (progress > 1.0) progress = 1.0;
     double frac = c->schedule == MOE_LR_COSINE ? 0.5 * (1.0 + cos(3.14159265358979323846 * progress)) : 1.0 - progress;
-    return c->min_lr + (c->lr - c->min_lr) * frac;
+    /* Exact at both ends: min_lr + (lr - min_lr) can round above lr. */
+    return frac >= 1.0 ? c->lr : frac <= 0.0 ? c->min_lr : c->min_lr + (c->lr - c->min_lr) * frac;
 }
 
 /* Which parameters each run's state covers and where its moments go;

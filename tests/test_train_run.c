@@ -1410,8 +1410,8 @@ Test(train_run, lr_schedule_edges, .init = make_tmp, .fini = remove_tmp) {
         {MOE_LR_COSINE, 2, 6, 3, 0.1 + 0.9 * 0.75},  {MOE_LR_COSINE, 2, 6, 4, 0.1 + 0.9 * 0.25},
         {MOE_LR_LINEAR, 2, 6, 3, 0.1 + 0.9 * 2.0 / 3.0}, {MOE_LR_LINEAR, 2, 6, 4, 0.1 + 0.9 / 3.0},
         /* wsd (decay_frac 0.2): stable until the last 2 of the 10 steps
-         * after warm-up, which go from lr to min_lr; a decay of one step. */
-        {MOE_LR_WSD, 2, 12, 1, 1.0},     {MOE_LR_WSD, 2, 12, 9, 1.0},      {MOE_LR_WSD, 2, 12, 10, 1.0},
+         * after warm-up, each lower, the last at min_lr; a decay of one step. */
+        {MOE_LR_WSD, 2, 12, 1, 1.0},     {MOE_LR_WSD, 2, 12, 9, 1.0},      {MOE_LR_WSD, 2, 12, 10, 0.55},
         {MOE_LR_WSD, 2, 12, 11, 0.1},    {MOE_LR_WSD, 2, 3, 2, 0.1},       {MOE_LR_WSD, 0, 1, 0, 0.1},
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
@@ -1426,19 +1426,24 @@ Test(train_run, lr_schedule_edges, .init = make_tmp, .fini = remove_tmp) {
                   moe_lr_schedule_name(c.schedule), (long long)c.warmup, (long long)c.total_steps,
                   (long long)cases[i].step, got, cases[i].want);
     }
-    /* wsd decaying over half: the last 5 of 10 steps, linear. */
+    /* wsd decaying over half: the last 5 of 10 steps, linear, every one
+     * of them below lr (a first decay step at lr would decay over 4). */
     moe_optim_config wsd = MOE_OPTIM_CONFIG_INIT;
     wsd.lr = 1.0, wsd.min_lr = 0.1, wsd.schedule = MOE_LR_WSD, wsd.decay_frac = 0.5;
     wsd.warmup = 2, wsd.total_steps = 12;
-    const double wsd_want[12] = {0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.775, 0.55, 0.325, 0.1};
+    const double wsd_want[12] = {0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.82, 0.64, 0.46, 0.28, 0.1};
     for (int64_t s = 0; s < 12; s++)
         cr_expect(fabs(moe_lr_at(&wsd, s) - wsd_want[s]) <= 1e-12, "wsd over half: step %lld lr %.15g, want %.15g",
                   (long long)s, moe_lr_at(&wsd, s), wsd_want[s]);
     /* 0.07 of 100 steps is 7 (the product rounds to 7.000000000000001). */
     wsd.decay_frac = 0.07, wsd.warmup = 0, wsd.total_steps = 100;
-    cr_expect(moe_lr_at(&wsd, 93) == 1.0 && moe_lr_at(&wsd, 94) < 1.0 && moe_lr_at(&wsd, 99) == 0.1,
-              "wsd 0.07 of 100 steps: lr %.15g, %.15g, %.15g at steps 93, 94, 99; want the decay to start at 93",
-              moe_lr_at(&wsd, 93), moe_lr_at(&wsd, 94), moe_lr_at(&wsd, 99));
+    cr_expect(moe_lr_at(&wsd, 92) == 1.0 && moe_lr_at(&wsd, 93) < 1.0 && moe_lr_at(&wsd, 99) == 0.1,
+              "wsd 0.07 of 100 steps: lr %.15g, %.15g, %.15g at steps 92, 93, 99; want the decay to start at 93",
+              moe_lr_at(&wsd, 92), moe_lr_at(&wsd, 93), moe_lr_at(&wsd, 99));
+    /* A decay of 2 steps is not one of 1. */
+    wsd.decay_frac = 0.02;
+    cr_expect(fabs(moe_lr_at(&wsd, 98) - 0.55) <= 1e-12 && moe_lr_at(&wsd, 99) == 0.1, "wsd 2 of 100 steps: lr %.15g, %.15g",
+              moe_lr_at(&wsd, 98), moe_lr_at(&wsd, 99));
     wsd.decay_frac = 0.0;
     cr_expect_eq(moe_optim_config_validate(&wsd), MOE_ERR_CONFIG, "decay_frac 0 accepted");
     cr_expect(strstr(moe_last_error(), "--decay-frac") != NULL, "%s", moe_last_error());
