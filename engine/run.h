@@ -37,7 +37,8 @@
  *
  * Under mpirun (or with ep, pp or zero set) every rank runs moe_run with the
  * same options: the ranks form pp pipeline stages (engine/grid.h: rank r is
- * stage r / DP), each holding a contiguous range of the layers, of DP = ranks
+ * stage r / DP), each holding a contiguous range of the layers (pp_chunks
+ * of them, interleaved, under --pp-chunks), of DP = ranks
  * / pp data-parallel ranks each, whose global batch is DP x batch_size rows
  * (data-parallel rank d reads rows d*B .. d*B + B - 1, so N such ranks read
  * what one rank with batch N*B reads), and each stage's ranks are split into
@@ -121,7 +122,7 @@ typedef struct moe_run_options {
     bool eval_only;        /* --eval-only: evaluate --init-from and stop */
     double peak_gflops;    /* --peak-gflops for MFU; 0: measure sgemm at start-up */
     /* Parallelism (under mpirun: every rank runs the same command) */
-    int pp;                /* --pp S: pipeline stages, each a contiguous range of layers; divides the ranks */
+    int pp;                /* --pp S: pipeline stages, each a contiguous range of layers (or pp_chunks); divides the ranks */
     int pp_chunks;         /* --pp-chunks V: each stage V ranges of layers, interleaved (1F1B); 1: one range */
     moe_pipe_schedule pp_schedule; /* --pp-schedule: the stages' order of micro-batches */
     moe_pp_balance pp_balance;     /* --pp-balance: what the layer partition balances */
