@@ -422,7 +422,8 @@ static void render_tokens(char *out, moe_token_kind kind, const moe_tokenizer *t
         if (bytes)
             for (size_t j = 0; j < len; j++) escape_byte(p + strlen(p), bytes[j]);
         else if (tokenizer)
-            snprintf(p, TOKEN_TEXT_BYTES, "<id %d>", (int)tokens[i]);
+            /* A decoded backslash is written \\: no token's bytes print as this. */
+            snprintf(p, TOKEN_TEXT_BYTES, "\\<id %d>", (int)tokens[i]);
         else if (kind == MOE_TOKENS_SYNTHETIC)
             snprintf(p, TOKEN_TEXT_BYTES, "%s", moe_synth_token_text(tokens[i]));
         else if (kind == MOE_TOKENS_BYTES)
@@ -473,6 +474,23 @@ static moe_status read_inputs(generation *g, const moe_generate_options *o, cons
     if (o->tokenizer) {
         st = moe_tokenizer_open(&g->tokenizer, o->tokenizer);
         if (st != MOE_OK) return moe_error_prefix(st, "--tokenizer: ");
+        char warning[256];
+        const int64_t count = moe_tokenizer_count(g->tokenizer);
+        /* Fewer tokens than the vocabulary is a padded one; more is another model's. */
+        if (count > V && cb->on_warning) {
+            snprintf(warning, sizeof warning,
+                     "--tokenizer %s holds %lld tokens, more than the model's vocabulary of %lld: another "
+                     "model's tokenizer?",
+                     o->tokenizer, (long long)count, (long long)V);
+            cb->on_warning(cb->ctx, warning);
+        }
+        if (moe_tokenizer_eot(g->tokenizer) >= V && !o->stop && cb->on_warning) {
+            snprintf(warning, sizeof warning,
+                     "--tokenizer %s: its end-of-text %d lies outside the model's vocabulary of %lld, so no "
+                     "sample ends on it",
+                     o->tokenizer, (int)moe_tokenizer_eot(g->tokenizer), (long long)V);
+            cb->on_warning(cb->ctx, warning);
+        }
     }
     MOE_TRY(parse_tokens(&g->prompt, &g->n_prompt, g->kind, o->prompt, V, "--prompt"));
     if (g->n_prompt == 0)
@@ -485,7 +503,7 @@ static moe_status read_inputs(generation *g, const moe_generate_options *o, cons
                          "--init-from %s: generation needs dropless routing, and this model drops past a capacity "
                          "factor of %g (moe_capacity_factor in its config.json)",
                          o->init_from, g->cfg.moe_capacity_factor);
-    g->stop = g->tokenizer && !o->stop ? moe_tokenizer_eot(g->tokenizer) : -1;
+    g->stop = g->tokenizer && !o->stop && moe_tokenizer_eot(g->tokenizer) < V ? moe_tokenizer_eot(g->tokenizer) : -1;
     if (o->stop) {
         int32_t *stop = NULL;
         int64_t n = 0;

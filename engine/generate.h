@@ -83,8 +83,11 @@ typedef struct moe_generate_options {
      * and --stop are ids (tokens AUTO or IDS; the file cannot encode text),
      * the samples are printed as their bytes, escaped as MOE_TOKENS_BYTES
      * prints them, an id the file does not know (a vocabulary padded past
-     * the tokenizer's, 50304 against GPT-2's 50257) as "<id 50300>"; and a
-     * version-2 file's end-of-text token ends a sample when stop is NULL. */
+     * the tokenizer's, 50304 against GPT-2's 50257) as "\<id 50300>"
+     * (which no token's escaped bytes can spell); and the file's
+     * end-of-text token (version 2's, or GPT-2's in a version-1 file) ends a
+     * sample when stop is NULL and the model's vocabulary holds it. A
+     * tokenizer larger than the vocabulary is warned about. */
     const char *tokenizer;
     moe_device device;
     int threads;           /* OpenMP (and OpenBLAS) threads; 0: OpenMP's default */

@@ -30,12 +30,13 @@ static moe_status check_header(int64_t *count, int32_t *eot, const unsigned char
     if (n == 0 || n > MOE_TOKENIZER_TOKENS_MAX)
         return moe_error(MOE_ERR_FORMAT, "%s: the header says %u tokens (offset 8), expected 1 to %d", path, n,
                          MOE_TOKENIZER_TOKENS_MAX);
-    /* Version 1 files predate the field; their header holds 0 there. */
+    /* Version 1 files predate the field (their header holds 0 there), and
+     * were GPT-2's, whose end-of-text is its last token, as llm.c reads them. */
     if (version == 2 && end_of_text >= n)
         return moe_error(MOE_ERR_FORMAT, "%s: end-of-text token %u (offset 12) is not below the %u tokens", path,
                          end_of_text, n);
     *count = n;
-    *eot = version == 2 ? (int32_t)end_of_text : -1;
+    *eot = version == 2 ? (int32_t)end_of_text : n == MOE_TOKENIZER_GPT2_TOKENS ? (int32_t)n - 1 : -1;
     return MOE_OK;
 }
 

@@ -4,7 +4,7 @@
  *
  * The file: a header of 256 little-endian uint32 (magic 20240328; version
  * 1 or 2; the token count; in version 2 the end-of-text token's id, in
- * version 1 none), then for each token id in order one uint8 length (>= 1)
+ * version 1 none: GPT-2's last token when it has GPT-2's count), then for each token id in order one uint8 length (>= 1)
  * and that many bytes. A token's bytes need not be valid UTF-8 on their
  * own: GPT-2's byte-level BPE splits characters between tokens. The file
  * holds no merges, so it decodes ids and cannot encode text. */
@@ -17,6 +17,8 @@
 #include "moe.h"
 
 #define MOE_TOKENIZER_MAGIC 20240328
+/* GPT-2's tokens; the last, 50256, is its end-of-text. */
+#define MOE_TOKENIZER_GPT2_TOKENS 50257
 #define MOE_TOKENIZER_HEADER_BYTES 1024
 /* The longest token a uint8 length can give, in bytes. */
 #define MOE_TOKENIZER_TOKEN_BYTES_MAX 255
@@ -39,7 +41,8 @@ void moe_tokenizer_close(moe_tokenizer *tokenizer);
 /* The number of token ids it knows: 0 .. count - 1. */
 int64_t moe_tokenizer_count(const moe_tokenizer *tokenizer);
 
-/* The end-of-text token's id (version 2), or -1 (version 1 names none). */
+/* The end-of-text token's id (version 2's; version 1's GPT-2 file, 50257
+ * tokens, 50256), or -1 (any other version 1 file names none). */
 int32_t moe_tokenizer_eot(const moe_tokenizer *tokenizer);
 
 /* id's bytes [*n] (1 .. 255 of them, not NUL-terminated), which live until

@@ -47,7 +47,7 @@ head -c 1000 "$out/tok.bin" >"$out/cut.bin"
 decode() {
     local id s=""
     for id in ${1//,/ }; do
-        if [ "$id" -lt 40 ]; then s+=${texts[id]}; else s+="<id $id>"; fi
+        if [ "$id" -lt 40 ]; then s+=${texts[id]}; else s+="\\<id $id>"; fi
     done
     printf '%s' "$s"
 }
@@ -145,8 +145,8 @@ tail -n +2 "$out/plain" | while IFS= read -r line; do
 done >"$out/want"
 check "each sample is the text of the ids it prints without --tokenizer" \
     "$([ "$(wc -l <"$out/want")" -eq 3 ] && tail -n +2 "$out/text" | cmp -s - "$out/want"; echo $?)"
-check "ids past the tokenizer print as <id N>" "$(grep -q '^sample 0: 4\\n\\t<id 45>|' "$out/text" && \
-    grep -q '|.*<id [0-9]*>' "$out/text"; echo $?)"
+check "ids past the tokenizer print as \\<id N>" "$(grep -qF 'sample 0: 4\n\t\<id 45>|' "$out/text" && \
+    grep -q '|.*\\<id [0-9]*>' "$out/text"; echo $?)"
 if [ "$failed" -ne 0 ]; then
     echo "--- outputs:"
     tail -n 5 "$out/train.log" "$out/gen" "$out/gen.err" "$out/ids" "$out/plain" "$out/text" "$out/want"

@@ -98,6 +98,7 @@ typedef struct got_sample {
 
 typedef struct collected {
     bool started;
+    char warnings[1024]; /* every warning, one per line */
     moe_generate_summary summary; /* its pointers are dead after the run */
     int64_t count;
     got_sample samples[MAX_SAMPLES];
@@ -123,6 +124,12 @@ static void on_sample(void *ctx, const moe_generate_sample *s) {
     snprintf(g->new_text, TEXT_BYTES, "%s", s->new_text);
 }
 
+static void on_warning(void *ctx, const char *message) {
+    collected *c = ctx;
+    const size_t at = strlen(c->warnings);
+    snprintf(c->warnings + at, sizeof c->warnings - at, "%s\n", message);
+}
+
 static moe_generate_options options(const char *dir, const char *prompt) {
     moe_generate_options o;
     moe_generate_options_init(&o);
@@ -135,7 +142,8 @@ static moe_generate_options options(const char *dir, const char *prompt) {
 
 static collected run_ok(const moe_generate_options *o) {
     collected c = {0};
-    const moe_generate_callbacks cb = {.ctx = &c, .on_start = on_start, .on_sample = on_sample};
+    const moe_generate_callbacks cb = {.ctx = &c, .on_start = on_start, .on_sample = on_sample,
+                                       .on_warning = on_warning};
     cr_assert_eq(moe_generate_run(o, &cb), MOE_OK, "%s", moe_last_error());
     cr_assert(c.started);
     cr_assert_eq(c.count, o->samples);
@@ -316,13 +324,13 @@ static void write_tokenizer(const char *path, uint32_t version, uint32_t count, 
 }
 
 /* tokens [n] as a tokenizer of count tokens prints them, from the bytes
- * tokenizer_file.h gives each id: an id past count as "<id N>". */
+ * tokenizer_file.h gives each id: an id past count as "\\<id N>". */
 static void decoded(char *out, const int32_t *tokens, int64_t n, int64_t count) {
     out[0] = '\0';
     for (int64_t i = 0; i < n; i++) {
         char *p = out + strlen(out);
         if (tokens[i] >= count) {
-            sprintf(p, "<id %d>", tokens[i]);
+            sprintf(p, "\\<id %d>", tokens[i]);
             continue;
         }
         unsigned char bytes[255];
@@ -356,6 +364,7 @@ Test(generate_run, a_tokenizer_prints_the_ids_as_text, .init = make_tmpdir, .fin
     cr_expect_str_eq(text.summary.tokenizer, in_tmp("tok.bin"));
     cr_expect_eq(text.summary.tokenizer_tokens, 260);
     cr_expect_eq(text.summary.eot_stop, 259);
+    cr_expect_str_eq(text.warnings, "", "a tokenizer smaller than the vocabulary is a padded one");
     int64_t unknown = 0;
     for (int64_t b = 0; b < 3; b++) {
         const got_sample *g = &text.samples[b], *r = &ids.samples[b];
@@ -368,7 +377,7 @@ Test(generate_run, a_tokenizer_prints_the_ids_as_text, .init = make_tmpdir, .fin
         char want[TEXT_BYTES];
         decoded(want, g->tokens, 4, 260);
         cr_expect_str_eq(g->prompt_text, want);
-        cr_expect(strstr(g->prompt_text, "\\x7c") && strstr(g->prompt_text, "<id 270>"), "%s", g->prompt_text);
+        cr_expect(strstr(g->prompt_text, "\\x7c") && strstr(g->prompt_text, "\\<id 270>"), "%s", g->prompt_text);
         decoded(want, r->tokens + 4, r->n - 4, 260);
         cr_expect_str_eq(g->new_text, want);
         for (int64_t p = 4; p < g->n; p++) unknown += g->tokens[p] >= 260;
@@ -398,7 +407,7 @@ Test(generate_run, a_tokenizers_end_of_text_stops_a_sample, .init = make_tmpdir,
     text = run_ok(&o);
     cr_expect_eq(text.summary.eot_stop, -1);
     cr_expect_eq(text.samples[0].n, ids.samples[0].n, "--stop 299 replaced the end-of-text");
-    /* A version 1 file names no end-of-text. */
+    /* A version 1 file names no end-of-text unless it is GPT-2's. */
     write_tokenizer(in_tmp("v1.bin"), 1, 260, 0);
     o.stop = NULL;
     o.tokenizer = in_tmp("v1.bin");
@@ -406,6 +415,15 @@ Test(generate_run, a_tokenizers_end_of_text_stops_a_sample, .init = make_tmpdir,
     cr_expect_eq(text.summary.eot_stop, -1);
     cr_expect_eq(text.samples[0].n, ids.samples[0].n);
     cr_expect_not(text.samples[0].stopped);
+    /* GPT-2's, past this model's vocabulary of 300: no stop, and two warnings. */
+    write_tokenizer(in_tmp("gpt2.bin"), 1, MOE_TOKENIZER_GPT2_TOKENS, 0);
+    o.tokenizer = in_tmp("gpt2.bin");
+    text = run_ok(&o);
+    cr_expect_eq(text.summary.eot_stop, -1);
+    cr_expect_not(text.samples[0].stopped);
+    cr_expect(strstr(text.warnings, "holds 50257 tokens, more than the model's vocabulary of 300") &&
+                  strstr(text.warnings, "its end-of-text 50256 lies outside the model's vocabulary"),
+              "%s", text.warnings);
 }
 
 Test(generate_run, a_tokenizer_refuses_other_token_forms_and_bad_files, .init = make_tmpdir,

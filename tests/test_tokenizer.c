@@ -56,10 +56,12 @@ Test(tokenizer, version_2_decodes_every_id, .init = make_tmpdir, .fini = remove_
     expect_decodes("one.bin", 2, 1, 0, 0); /* one token, its own end-of-text */
 }
 
-Test(tokenizer, version_1_has_no_end_of_text, .init = make_tmpdir, .fini = remove_tmpdir) {
+Test(tokenizer, version_1_has_gpt2s_end_of_text_or_none, .init = make_tmpdir, .fini = remove_tmpdir) {
     expect_decodes("tok.bin", 1, 260, 0, -1);
     /* Its header's fourth field is not read. */
     expect_decodes("odd.bin", 1, 260, 7777, -1);
+    /* GPT-2's count: its last token, as llm.c reads version 1. */
+    expect_decodes("gpt2.bin", 1, MOE_TOKENIZER_GPT2_TOKENS, 0, MOE_TOKENIZER_GPT2_TOKENS - 1);
 }
 
 Test(tokenizer, refuses_a_cut_at_every_byte, .init = make_tmpdir, .fini = remove_tmpdir) {

@@ -36,9 +36,10 @@ static void print_help(void) {
            "                       vocab_size: %d synthetic, 256 bytes, else ids\n"
            "  --tokenizer FILE     llm.c's tokenizer file (gpt2_tokenizer.bin): the prompt and --stop\n"
            "                       stay token ids, and samples print as text, in the bytes form's\n"
-           "                       escapes; an id the file does not know prints as <id N>. A\n"
-           "                       version-2 file's end-of-text token ends a sample unless --stop\n"
-           "                       names another. Not with --tokens synthetic or bytes\n\n",
+           "                       escapes; an id the file does not know prints as \\<id N>. Its\n"
+           "                       end-of-text token (version 2's; GPT-2's 50256 in a version-1\n"
+           "                       file) ends a sample unless --stop names another. Not with\n"
+           "                       --tokens synthetic or bytes\n\n",
            MOE_SYNTH_VOCAB_SIZE);
     printf("Generation:\n"
            "  --samples N          continuations of the prompt, generated together (default %lld)\n"
