@@ -50,8 +50,8 @@ static void usage(void) {
            "batch:\n"
            "  --batch-size B  sequences per micro-batch and rank (default 8)\n"
            "  --seq-len T     tokens per sequence (default 64)\n"
-           "  --grad-accum M  micro-batches per step (default 2 S); a multiple of S when an\n"
-           "                  interleaved row runs\n\n"
+           "  --grad-accum M  micro-batches per step (default 2 S); the interleaved rows need a\n"
+           "                  multiple of S and are skipped otherwise\n\n"
            "timing:\n"
            "  --warmup N      untimed steps first, per row (default 2)\n"
            "  --steps N       timed steps per row (default 10)\n\n"
@@ -61,7 +61,8 @@ static void usage(void) {
 }
 
 /* --chunks "2,4": each V within [2, MAX_CHUNKS], at most MAX_CHUNK_ROWS
- * of them. Returns how many, or 0 after printing an error. */
+ * of them, none empty or repeated. Returns how many, or 0 after printing
+ * an error. */
 static int parse_chunks(int64_t *chunks, const char *text) {
     char list[128];
     if (strlen(text) >= sizeof list) {
@@ -70,14 +71,25 @@ static int parse_chunks(int64_t *chunks, const char *text) {
     }
     snprintf(list, sizeof list, "%s", text);
     int n = 0;
-    for (char *v = strtok(list, ","); v; v = strtok(NULL, ",")) {
+    for (char *v = list, *comma = list; comma; v = comma + 1) {
+        /* Split by hand: an empty item is an error, not skipped. */
+        if ((comma = strchr(v, ','))) *comma = '\0';
         if (n == MAX_CHUNK_ROWS) {
             fprintf(stderr, "moe-bench %s: --chunks=%s: at most %d values\n", CMD, text, MAX_CHUNK_ROWS);
             return 0;
         }
-        if (!bench_parse_i64(&chunks[n++], CMD, "--chunks", v, 2, MAX_CHUNKS)) return 0;
+        if (!*v) {
+            fprintf(stderr, "moe-bench %s: --chunks=%s: an empty value; expected a list such as 2,4\n", CMD, text);
+            return 0;
+        }
+        if (!bench_parse_i64(&chunks[n], CMD, "--chunks", v, 2, MAX_CHUNKS)) return 0;
+        for (int i = 0; i < n; i++)
+            if (chunks[i] == chunks[n]) {
+                fprintf(stderr, "moe-bench %s: --chunks=%s: %lld twice\n", CMD, text, (long long)chunks[n]);
+                return 0;
+            }
+        n++;
     }
-    if (n == 0) fprintf(stderr, "moe-bench %s: --chunks=%s: expected a list such as 2,4\n", CMD, text);
     return n;
 }
 
@@ -221,9 +233,12 @@ static double report_row(const pipe_run *r, pipe_row *row, double baseline_ms) {
 }
 
 /* Ranks given other flags would build other grids and wait in other
- * collectives: every rank compares them first. */
+ * collectives: every rank compares them first, --chunks value by value. */
 static moe_status agree_options(moe_comm *world, const pipe_options *o) {
-    const moe_agree_field fields[] = {
+    static const char *const chunk_names[MAX_CHUNK_ROWS] = {
+        "--chunks (1st)", "--chunks (2nd)", "--chunks (3rd)", "--chunks (4th)",
+        "--chunks (5th)", "--chunks (6th)", "--chunks (7th)", "--chunks (8th)"};
+    moe_agree_field fields[8 + MAX_CHUNK_ROWS] = {
         {"--pp", (double)o->pp, NULL},
         {"--layers", (double)o->layers, NULL},
         {"--batch-size", (double)o->batch_size, NULL},
@@ -231,15 +246,19 @@ static moe_status agree_options(moe_comm *world, const pipe_options *o) {
         {"--grad-accum", (double)o->grad_accum, NULL},
         {"--warmup", (double)o->warmup, NULL},
         {"--steps", (double)o->steps, NULL},
-        {"--chunks (text hash)", moe_grid_text_hash(o->chunks_text), NULL},
+        {"--chunks (values)", (double)o->n_chunks, NULL},
     };
-    return moe_grid_agree(world, fields, (int)(sizeof fields / sizeof *fields));
+    int n = 8;
+    for (int c = 0; c < MAX_CHUNK_ROWS; c++)
+        fields[n++] = (moe_agree_field){chunk_names[c], c < o->n_chunks ? (double)o->chunks[c] : 0.0, NULL};
+    return moe_grid_agree(world, fields, n);
 }
 
 /* Why interleaving V chunks cannot run on r's grid, or NULL when it can. */
 static const char *skip_reason(const pipe_run *r, int64_t V) {
     if (r->S < 2) return "one stage has nothing to interleave";
     if (r->S * V > r->L) return "S x V exceeds the layers, and each chunk needs one";
+    if (r->M % r->S != 0) return "--grad-accum is not a multiple of the stages, which interleaving takes in groups";
     return NULL;
 }
 
@@ -262,13 +281,6 @@ static bool plan_rows(pipe_row *rows, int *n_rows, const pipe_run *r, const pipe
     *n_rows = 2;
     for (int c = 0; c < o->n_chunks && !why[0]; c++) {
         if (skip_reason(r, o->chunks[c])) continue;
-        if (r->M % r->S != 0) {
-            snprintf(why, sizeof why,
-                     "--grad-accum %lld: interleaved 1F1B takes its micro-batches in groups of the %lld "
-                     "stages, so it needs a multiple of them",
-                     (long long)r->M, (long long)r->S);
-            break;
-        }
         pipe_row *row = &rows[(*n_rows)++];
         *row = (pipe_row){.kind = MOE_PIPE_1F1B, .chunks = (int)o->chunks[c]};
         snprintf(row->name, sizeof row->name, "1f1b-v%d", row->chunks);
@@ -314,8 +326,10 @@ static int run(const pipe_options *o, moe_comm *world) {
                          moe_version_string(), r.P, (long long)r.S, (long long)r.DP, (long long)r.L,
                          (long long)r.B, (long long)r.T, (long long)r.M, bench_omp_threads(),
                          (long long)r.warmup, (long long)r.steps);
+        /* Under --json the notes are not printed: a skipped row goes to stderr. */
         for (int c = 0; c < o->n_chunks; c++) {
             const char *why = skip_reason(&r, o->chunks[c]);
+            if (why && o->json) fprintf(stderr, "moe-bench %s: V=%lld skipped: %s\n", CMD, (long long)o->chunks[c], why);
             if (why) bench_table_note(&table, "V=%lld skipped: %s", (long long)o->chunks[c], why);
         }
         bench_table_header(&table);
