@@ -19,8 +19,6 @@
 #define CMD "pipeline"
 /* Interleaved rows one --chunks list may ask for. */
 #define MAX_CHUNK_ROWS 8
-/* moe_grid_create's most chunks per stage. */
-#define MAX_CHUNKS 64
 /* A row per interleaving, after the 1f1b baseline and gpipe. */
 #define MAX_ROWS (2 + MAX_CHUNK_ROWS)
 
@@ -60,7 +58,7 @@ static void usage(void) {
            "  -h, --help      this text\n");
 }
 
-/* --chunks "2,4": each V within [2, MAX_CHUNKS], at most MAX_CHUNK_ROWS
+/* --chunks "2,4": each V within [2, MOE_MODEL_CHUNKS_MAX], at most MAX_CHUNK_ROWS
  * of them, none empty or repeated. Returns how many, or 0 after printing
  * an error. */
 static int parse_chunks(int64_t *chunks, const char *text) {
@@ -82,7 +80,7 @@ static int parse_chunks(int64_t *chunks, const char *text) {
             fprintf(stderr, "moe-bench %s: --chunks=%s: an empty value; expected a list such as 2,4\n", CMD, text);
             return 0;
         }
-        if (!bench_parse_i64(&chunks[n], CMD, "--chunks", v, 2, MAX_CHUNKS)) return 0;
+        if (!bench_parse_i64(&chunks[n], CMD, "--chunks", v, 2, MOE_MODEL_CHUNKS_MAX)) return 0;
         for (int i = 0; i < n; i++)
             if (chunks[i] == chunks[n]) {
                 fprintf(stderr, "moe-bench %s: --chunks=%s: %lld twice\n", CMD, text, (long long)chunks[n]);
@@ -256,7 +254,6 @@ static moe_status agree_options(moe_comm *world, const pipe_options *o) {
 
 /* Why interleaving V chunks cannot run on r's grid, or NULL when it can. */
 static const char *skip_reason(const pipe_run *r, int64_t V) {
-    if (r->S < 2) return "one stage has nothing to interleave";
     if (r->S * V > r->L) return "S x V exceeds the layers, and each chunk needs one";
     if (r->M % r->S != 0) return "--grad-accum is not a multiple of the stages, which interleaving takes in groups";
     return NULL;
@@ -268,7 +265,10 @@ static const char *skip_reason(const pipe_run *r, int64_t V) {
  * grid; rank 0 says why. */
 static bool plan_rows(pipe_row *rows, int *n_rows, const pipe_run *r, const pipe_options *o) {
     char why[160] = "";
-    if (r->P % r->S != 0)
+    if (r->S < 2)
+        snprintf(why, sizeof why, "--pp %lld: one stage has no pipeline to time (run with more ranks, or --pp 2 or more)",
+                 (long long)r->S);
+    else if (r->P % r->S != 0)
         snprintf(why, sizeof why, "--pp %lld must divide the %d ranks", (long long)r->S, r->P);
     else if (r->L < r->S)
         snprintf(why, sizeof why, "--layers %lld: each of the %lld stages needs a layer", (long long)r->L,

@@ -113,12 +113,8 @@ static bool of_other_stage(const moe_model *model, const char *name, int64_t lay
     char prefix[NAME_BYTES];
     if (sscanf(name, LAYER_FMT "%n", &l, &end) == 1 && end > 0) {
         snprintf(prefix, sizeof prefix, LAYER_FMT, l);
-        if (strncmp(name, prefix, strlen(prefix)) != 0 || l < 0 || l >= layers) return false;
-        int64_t n;
-        const int64_t *ours = moe_model_layer_ids(model, &n);
-        for (int64_t i = 0; i < n; i++)
-            if (ours[i] == l) return false;
-        return true;
+        return strncmp(name, prefix, strlen(prefix)) == 0 && l >= 0 && l < layers &&
+               !moe_model_holds_layer(model, l);
     }
     if (!stage.first && strcmp(name, EMBED_NAME) == 0) return true;
     return !stage.last && (strcmp(name, FINAL_NORM_NAME) == 0 || strcmp(name, HEAD_NAME) == 0);

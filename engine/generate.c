@@ -492,7 +492,15 @@ static moe_status read_inputs(generation *g, const moe_generate_options *o, cons
             cb->on_warning(cb->ctx, warning);
         }
     }
-    MOE_TRY(parse_tokens(&g->prompt, &g->n_prompt, g->kind, o->prompt, V, "--prompt"));
+    /* A text prompt with a tokenizer is a natural slip: say why ids. */
+    st = parse_tokens(&g->prompt, &g->n_prompt, g->kind, o->prompt, V, "--prompt");
+    if (st != MOE_OK && g->tokenizer) {
+        char why[512];
+        snprintf(why, sizeof why, "%s", moe_last_error());
+        return moe_error(st, "%s (--tokenizer takes prompts and --stop as ids: its file has no merges to encode text)",
+                         why);
+    }
+    MOE_TRY(st);
     if (g->n_prompt == 0)
         return moe_error(MOE_ERR_CONFIG, "--prompt holds no token, and generation needs one to start from%s",
                          g->kind == MOE_TOKENS_SYNTHETIC

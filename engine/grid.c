@@ -72,9 +72,9 @@ moe_status moe_grid_create(moe_grid *g, moe_comm *world, int ep_size, int pp_siz
     *g = (moe_grid){.world = world, .dp = world, .rank = moe_comm_rank(world), .size = moe_comm_size(world),
                     .ep_size = ep_size, .chunks = chunks};
     MOE_TRY(moe_grid_coords_of(&g->at, g->rank, g->size, pp_size));
-    if (chunks < 1 || chunks > 64 || (chunks > 1 && pp_size < 2))
-        return moe_error(MOE_ERR_CONFIG, "--pp-chunks %d: 1 to 64, and more than 1 only on a pipeline (--pp > 1)",
-                         chunks);
+    if (chunks < 1 || chunks > MOE_MODEL_CHUNKS_MAX || (chunks > 1 && pp_size < 2))
+        return moe_error(MOE_ERR_CONFIG, "--pp-chunks %d: 1 to %d, and more than 1 only on a pipeline (--pp > 1)",
+                         chunks, MOE_MODEL_CHUNKS_MAX);
     if (chunks > 1 && layers < (int64_t)pp_size * chunks)
         return moe_error(MOE_ERR_CONFIG, "--pp %d x --pp-chunks %d: each chunk needs a layer, and the model has %lld",
                          pp_size, chunks, (long long)layers);

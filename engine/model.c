@@ -167,12 +167,11 @@ static moe_status build_tensors(moe_model *m, const moe_layer_config *lc) {
     m->layer_first = calloc((size_t)L, sizeof *m->layer_first);
     m->moe_off = calloc((size_t)L, sizeof *m->moe_off);
     if (!m->tensors || !m->layer_first || !m->moe_off) return moe_error(MOE_ERR_OUT_OF_MEMORY, "model: tensor table");
-    if (m->first)
-        add_tensor(m, 2, V, C, true, "model.embed_tokens.weight");
-    else
-        m->n_init_streams++;
+    if (m->first) add_tensor(m, 2, V, C, true, "model.embed_tokens.weight");
     for (int64_t i = 0; i < L; i++) {
         const int64_t l = m->layer_id[i];
+        /* The one-rank table's stream of layer l's first tensor: the
+         * embedding's, then layer_streams per layer, every expert's among them. */
         m->n_init_streams = 1 + l * layer_streams;
         m->layer_first[i] = m->n_tensors;
         add_tensor(m, 1, C, 1, false, "model.layers.%lld.input_layernorm.weight", (long long)l);
@@ -186,8 +185,6 @@ static moe_status build_tensors(moe_model *m, const moe_layer_config *lc) {
         m->moe_off[i].shared = m->n_params;
         m->n_params += 3 * S * C;
         for (int64_t j = 0; j < moe_tensors; j++) add_tensor(m, 2, 0, 0, true, "%s", "");
-        /* The one-rank table has every expert here. */
-        m->n_init_streams += 3 * (lc->n_experts - n_local);
     }
     m->n_init_streams = 1 + m->cfg.num_hidden_layers * layer_streams;
     if (m->last) {
@@ -398,8 +395,6 @@ moe_status moe_model_check_shape(const moe_model_config *c, int64_t B, int64_t T
     return MOE_OK;
 }
 
-/* A stage holds at most this many chunks: a bit each in moe_model.pending. */
-#define MAX_CHUNKS 64
 
 /* The pipeline's partition, checked: its stages x chunks virtual stages
  * hold the layers in order, each at least one, and every rank of job was
@@ -415,8 +410,9 @@ static moe_status check_stages(const moe_model_config *cfg, const moe_model_para
                          n, dp, n * dp, par->job ? moe_comm_size(par->job) : 0);
     const int64_t *bounds = par->stage_layers, virtual_stages = (int64_t)n * chunks;
     moe_status layout = MOE_OK;
-    if (chunks < 1 || chunks > MAX_CHUNKS)
-        layout = moe_error(MOE_ERR_CONFIG, "model: %d chunks per pipeline stage: 1 to %d", chunks, MAX_CHUNKS);
+    if (chunks < 1 || chunks > MOE_MODEL_CHUNKS_MAX)
+        layout = moe_error(MOE_ERR_CONFIG, "model: %d chunks per pipeline stage: 1 to %d", chunks,
+                           MOE_MODEL_CHUNKS_MAX);
     else if (!bounds)
         layout = moe_error(MOE_ERR_CONFIG, "model: a pipeline of %d stages without its partition of the layers", n);
     for (int64_t v = 0; layout == MOE_OK && v < virtual_stages; v++) {
@@ -610,7 +606,7 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_model_config *cf
         moe_model_destroy(m);
         return split;
     }
-    m->serves = m->chunks == MAX_CHUNKS ? UINT64_MAX : (UINT64_C(1) << m->chunks) - 1;
+    m->serves = m->chunks == MOE_MODEL_CHUNKS_MAX ? UINT64_MAX : (UINT64_C(1) << m->chunks) - 1;
     m->ops = par && par->ops ? par->ops : moe_cpu_ops();
     m->B = B;
     m->T = T;
@@ -735,8 +731,14 @@ moe_model_run moe_model_get_run(const moe_model *m, moe_model_run_id run) {
 }
 float *moe_model_params(moe_model *m) { return m->params; }
 /* Whether chunk c starts from the embedding; ends with the head. */
-static bool entry_chunk(const moe_model *m, int c) { return m->first && c == 0; }
-static bool exit_chunk(const moe_model *m, int c) { return m->last && c == m->chunks - 1; }
+static bool entry_chunk(const moe_model *m, int c) {
+    const moe_model_stage stage = moe_model_get_stage(m);
+    return moe_stage_entry(&stage, c);
+}
+static bool exit_chunk(const moe_model *m, int c) {
+    const moe_model_stage stage = moe_model_get_stage(m);
+    return moe_stage_exit(&stage, c);
+}
 
 /* Where chunk c's last layer writes its output. */
 static float *chunk_output(moe_model *m, int c) { return m->last && !exit_chunk(m, c) ? m->x_send : m->x_final; }
@@ -793,6 +795,8 @@ static int64_t local_layer(const moe_model *m, int64_t l) {
     return -1;
 }
 
+bool moe_model_holds_layer(const moe_model *m, int64_t l) { return local_layer(m, l) >= 0; }
+
 float *moe_model_router_bias(moe_model *m, int64_t l) {
     const int64_t i = local_layer(m, l);
     return i >= 0 && m->moe[i] ? moe_layer_selection_bias(m->moe[i]) : NULL;
@@ -821,8 +825,8 @@ const float *moe_model_last_losses(const moe_model *m) { return m->losses_host; 
 moe_status moe_model_last_topk(moe_model *m, int64_t l, const int32_t **topk) {
     const int64_t i = local_layer(m, l);
     if (i < 0 || !m->moe[i] || !topk)
-        return moe_error(MOE_ERR_INVALID_ARG, "moe_model_last_topk: layer %lld not among this stage's, topk %p",
-                         (long long)l, (const void *)topk);
+        return moe_error(MOE_ERR_INVALID_ARG, "moe_model_last_topk: layer %lld %s, topk %p", (long long)l,
+                         i < 0 ? "not among this stage's" : "of a chunk this twin does not hold", (const void *)topk);
     return moe_layer_last_topk(m->moe[i], topk);
 }
 

@@ -32,6 +32,10 @@ typedef struct moe_model_tensor {
 
 typedef struct moe_model moe_model;
 
+/* A pipeline stage holds at most this many chunks (moe_model_parallel): a
+ * bit each in a uint64_t. */
+#define MOE_MODEL_CHUNKS_MAX 64
+
 /* Builds the model for batches of B sequences of T tokens and initialises
  * the parameters as Hugging Face does: N(0, initializer_range^2) for every
  * matrix, 1 for every norm, from seed. */
@@ -68,7 +72,7 @@ typedef struct moe_model_parallel {
     moe_comm *pipe;
     moe_comm *device_pipe;
     moe_comm *job;
-    int chunks;                  /* 1 to 64 */
+    int chunks;                  /* 1 to MOE_MODEL_CHUNKS_MAX */
     const int64_t *stage_layers; /* [stages * chunks + 1], the same on every rank; the model keeps no pointer */
     /* Activation recomputation: between its forward and its backward a
      * layer keeps only its input; the backward runs the layer's forward
@@ -187,13 +191,24 @@ typedef struct moe_model_stage {
 moe_model_stage moe_model_get_stage(const moe_model *model);
 /* This stage's layers in the model's numbering, ascending: *count of them. */
 const int64_t *moe_model_layer_ids(const moe_model *model, int64_t *count);
+/* Whether this stage holds layer l of the model. */
+bool moe_model_holds_layer(const moe_model *model, int64_t l);
+
+/* Whether chunk of stage starts from the embedding (the first stage's
+ * chunk 0), or ends with the head (the last stage's last chunk): the
+ * pipeline's ends, which take tokens and targets instead of messages. */
+static inline bool moe_stage_entry(const moe_model_stage *stage, int chunk) { return stage->first && chunk == 0; }
+static inline bool moe_stage_exit(const moe_model_stage *stage, int chunk) {
+    return stage->last && chunk == stage->chunks - 1;
+}
 /* Every rank of the grid (checkpoints gather over it); NULL on one rank. */
 moe_comm *moe_model_job(const moe_model *model);
 
 /* Per-expert statistics of the last forward, summed over layers. On a
- * pipeline stage each is this stage's share of the whole model's value
+ * pipeline stage each is this chunk's share of the whole model's value
  * (its layers' sums over the model's layer count, the cross-entropy on the
- * last stage alone), so that the stages' values add up to the model's. */
+ * last stage's last chunk alone), so that the chunks' and stages' values
+ * add up to the model's. */
 typedef struct moe_model_stats {
     double loss;           /* CE + the coefficients times logit z, aux, seq aux and z */
     double ce_loss;        /* mean cross-entropy over this rank's counted targets (not negative) */

@@ -258,18 +258,8 @@ moe_status moe_run_options_validate(const moe_run_options *o) {
     /* One stage has no pipeline to fill: GPipe would only recompute. */
     if (o->pp == 1 && o->pp_schedule != MOE_PIPE_1F1B)
         return moe_error(MOE_ERR_CONFIG, "--pp-schedule %s needs --pp > 1", moe_pipe_schedule_name(o->pp_schedule));
-    if (o->pp_chunks < 1 || o->pp_chunks > 64)
-        return moe_error(MOE_ERR_CONFIG, "--pp-chunks %d: 1 to 64", o->pp_chunks);
-    if (o->pp_chunks > 1 && o->pp == 1)
-        return moe_error(MOE_ERR_CONFIG, "--pp-chunks %d needs --pp > 1", o->pp_chunks);
-    if (o->pp_chunks > 1 && o->pp_schedule != MOE_PIPE_1F1B)
-        return moe_error(MOE_ERR_CONFIG, "--pp-chunks %d interleaves 1F1B: not with --pp-schedule %s", o->pp_chunks,
-                         moe_pipe_schedule_name(o->pp_schedule));
-    if (o->pp_chunks > 1 && !o->eval_only && o->grad_accum % o->pp != 0)
-        return moe_error(MOE_ERR_CONFIG,
-                         "--grad-accum %lld: an interleaved pipeline (--pp-chunks %d) takes its micro-batches in "
-                         "groups of --pp %d: a multiple of it",
-                         (long long)o->grad_accum, o->pp_chunks, o->pp);
+    /* An evaluation runs no micro-batches (moe_run's optimizer config). */
+    MOE_TRY(moe_pipe_schedule_check(o->pp_schedule, o->pp, o->pp_chunks, o->eval_only ? o->pp : o->grad_accum));
     if (o->pp_balance != MOE_PP_BALANCE_FLOPS && o->pp_balance != MOE_PP_BALANCE_MEASURED)
         return moe_error(MOE_ERR_CONFIG, "--pp-balance %d unknown: expected flops or measured", (int)o->pp_balance);
     if (o->pp == 1 && o->pp_balance != MOE_PP_BALANCE_FLOPS)

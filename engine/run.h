@@ -122,7 +122,8 @@ typedef struct moe_run_options {
     bool eval_only;        /* --eval-only: evaluate --init-from and stop */
     double peak_gflops;    /* --peak-gflops for MFU; 0: measure sgemm at start-up */
     /* Parallelism (under mpirun: every rank runs the same command) */
-    int pp;                /* --pp S: pipeline stages, each a contiguous range of layers (or pp_chunks); divides the ranks */
+    int pp;                /* --pp S: pipeline stages, each a contiguous range of layers (pp_chunks of them under
+                              --pp-chunks); divides the ranks */
     int pp_chunks;         /* --pp-chunks V: each stage V ranges of layers, interleaved (1F1B); 1: one range */
     moe_pipe_schedule pp_schedule; /* --pp-schedule: the stages' order of micro-batches */
     moe_pp_balance pp_balance;     /* --pp-balance: what the layer partition balances */

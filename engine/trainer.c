@@ -49,7 +49,7 @@ struct moe_trainer {
     /* The pipeline, per micro-batch: */
     uint64_t *jitter;    /* [grad_accum] the jitter counter its forward started from */
     /* The pipeline's messages, per (micro-batch m, chunk c) at m chunks + c
-     * (slot()): */
+     * (message_at()): */
     int chunks;          /* the stage's (moe_model_stage) */
     float *stage_in;     /* [in_slots][B*T, C] its input from the previous stage */
     int64_t in_slots;    /* GPipe: grad_accum, each input kept for its replay; 1F1B: 1, copied in by the forward */
@@ -66,7 +66,7 @@ struct moe_trainer {
      * micro-batch whose activations instance i's chunk c holds, or -1. */
     moe_model **instances;
     int64_t n_instances;
-    int64_t in_flight[64];
+    int64_t in_flight[MOE_MODEL_CHUNKS_MAX];
     int64_t *held;
     int64_t pipe_bytes; /* stage_in, grad_in, stage_out and grad_out */
     /* The last step's expert load (moe_trainer_expert_load): [layers, E],
@@ -508,15 +508,24 @@ static moe_pipe_op nth_op(bool backward, int64_t k, int stages, int chunks) {
                          .micro = group / chunks * stages + k % stages};
 }
 
-moe_status moe_pipe_schedule_ops(moe_pipe_op *ops, moe_pipe_schedule kind, int stage, int stages, int chunks,
-                                 int64_t M) {
-    if (chunks > 1 && kind != MOE_PIPE_1F1B)
+moe_status moe_pipe_schedule_check(moe_pipe_schedule kind, int stages, int chunks, int64_t M) {
+    if (chunks < 1 || chunks > MOE_MODEL_CHUNKS_MAX)
+        return moe_error(MOE_ERR_CONFIG, "--pp-chunks %d: 1 to %d", chunks, MOE_MODEL_CHUNKS_MAX);
+    if (chunks == 1) return MOE_OK;
+    if (stages < 2) return moe_error(MOE_ERR_CONFIG, "--pp-chunks %d needs --pp > 1", chunks);
+    if (kind != MOE_PIPE_1F1B)
         return moe_error(MOE_ERR_CONFIG, "--pp-chunks %d interleaves 1F1B: not with --pp-schedule gpipe", chunks);
-    if (chunks > 1 && M % stages != 0)
+    if (M % stages != 0)
         return moe_error(MOE_ERR_CONFIG,
                          "--grad-accum %lld: an interleaved pipeline (--pp-chunks %d) takes its micro-batches in "
                          "groups of --pp %d: a multiple of it",
                          (long long)M, chunks, stages);
+    return MOE_OK;
+}
+
+moe_status moe_pipe_schedule_ops(moe_pipe_op *ops, moe_pipe_schedule kind, int stage, int stages, int chunks,
+                                 int64_t M) {
+    MOE_TRY(moe_pipe_schedule_check(kind, stages, chunks, M));
     int64_t n = 0;
     if (kind == MOE_PIPE_GPIPE) {
         for (int64_t i = 0; i < M; i++) ops[n++] = (moe_pipe_op){false, 0, i};
@@ -539,7 +548,7 @@ moe_status moe_pipe_schedule_ops(moe_pipe_op *ops, moe_pipe_schedule kind, int s
     return MOE_OK;
 }
 
-/* The instance that runs micro-batch micro through chunk, and its index. */
+/* The index of the instance that runs micro-batch micro through chunk. */
 static int64_t instance_at(const moe_trainer *t, int chunk, int64_t micro) { return micro % t->in_flight[chunk]; }
 
 /* Where (micro, chunk)'s messages sit among a step's. */
@@ -605,15 +614,11 @@ static moe_status send_stage(moe_trainer *t, const moe_model_stage *stage, moe_c
 /* Whether op goes on to another virtual stage (its input's gradient to
  * the one before, its output to the one after), or starts from one. The
  * model's first takes tokens, its last the targets. */
-static bool is_entry(const moe_pipe_op *op, const moe_model_stage *stage) { return stage->first && op->chunk == 0; }
-static bool is_exit(const moe_pipe_op *op, const moe_model_stage *stage) {
-    return stage->last && op->chunk == stage->chunks - 1;
-}
 static bool sends(const moe_pipe_op *op, const moe_model_stage *stage) {
-    return op->backward ? !is_entry(op, stage) : !is_exit(op, stage);
+    return op->backward ? !moe_stage_entry(stage, op->chunk) : !moe_stage_exit(stage, op->chunk);
 }
 static bool receives(const moe_pipe_op *op, const moe_model_stage *stage) {
-    return op->backward ? !is_exit(op, stage) : !is_entry(op, stage);
+    return op->backward ? !moe_stage_exit(stage, op->chunk) : !moe_stage_entry(stage, op->chunk);
 }
 
 /* The stages before and after this one, around the ring an interleaved
@@ -656,7 +661,8 @@ static moe_status stage_backward(moe_trainer *t, int chunk, int64_t micro, bool 
     if (receives(&op, &stage)) MOE_TRY(recv_stage(t, &stage, t->grad_out, next_stage(&stage), TAG_BACKWARD));
     if (t->held[instance * t->chunks + chunk] != micro) {
         /* 1F1B keeps no inputs: its instances hold every forward in flight. */
-        if (!stage.first && t->in_slots < t->cfg.grad_accum)
+        const moe_pipe_op forward = {.backward = false, .chunk = chunk, .micro = micro};
+        if (receives(&forward, &stage) && t->in_slots < t->cfg.grad_accum)
             return moe_error(MOE_ERR_INTERNAL, "trainer: micro-batch %lld's input is gone, its forward cannot be replayed",
                              (long long)micro);
         const uint64_t latest = moe_model_jitter_counter(model);
@@ -759,7 +765,7 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
     for (int64_t i = 0; i < t->n_instances; i++) moe_model_set_training(t->instances[i], true);
     for (int64_t i = 0; i < t->n_instances * t->chunks; i++) t->held[i] = -1;
     /* Each chunk's last backward of the step sums its gradients. */
-    int64_t last_backward[64];
+    int64_t last_backward[MOE_MODEL_CHUNKS_MAX];
     for (int64_t i = 0; i < n_ops; i++)
         if (ops[i].backward) last_backward[ops[i].chunk] = i;
     moe_status st = MOE_OK;
@@ -855,7 +861,7 @@ moe_status moe_trainer_eval(moe_trainer *t, moe_data *data, int64_t n_batches, d
         /* Forwards only, chunk after chunk, through the first
          * micro-batch's buffers: a send completes before the next batch
          * reuses its buffer. */
-        for (int c = 0; c < t->chunks; c++) t->sends[2 * c] = (moe_comm_request)MOE_COMM_REQUEST_INIT;
+        for (int c = 0; c < t->chunks; c++) t->sends[2 * message_at(t, 0, c)] = (moe_comm_request)MOE_COMM_REQUEST_INIT;
         t->sends_posted = t->sends_retired = 0;
         st = read_batch(t, data, 0, "validation data");
         for (int c = 0; c < t->chunks && st == MOE_OK; c++) {
@@ -863,7 +869,7 @@ moe_status moe_trainer_eval(moe_trainer *t, moe_data *data, int64_t n_batches, d
             st = stage_forward(t, c, 0, false, &s);
             if (st == MOE_OK) total += s.ce_loss;
         }
-        for (int c = 0; c < t->chunks; c++) st = moe_comm_wait_all(&t->sends[2 * c], 1, st);
+        for (int c = 0; c < t->chunks; c++) st = moe_comm_wait_all(&t->sends[2 * message_at(t, 0, c)], 1, st);
         if (st == MOE_OK && on_batch) st = on_batch(ctx, model, t->tokens + BT, b);
     }
     moe_model_set_training(model, true);

@@ -23,7 +23,8 @@ typedef enum moe_lr_schedule {
 /* The order of a pipeline's micro-batches (moe_model_stage): GPipe runs
  * every forward, then every backward, the last micro-batch's first; 1F1B
  * starts the backwards as soon as the last stage can, so a stage holds at
- * most (stages - stage) forwards in flight. On one stage 1F1B is the plain
+ * most (stages - stage) forwards in flight without interleaving (more with
+ * chunks: moe_pipe_schedule_ops). On one stage 1F1B is the plain
  * forward, backward, forward, ... and GPipe keeps every micro-batch's
  * forward until the end (recomputing their activations: moe_trainer_step). */
 typedef enum moe_pipe_schedule {
@@ -39,18 +40,23 @@ typedef struct moe_pipe_op {
     int64_t micro;
 } moe_pipe_op;
 
+/* Whether a pipeline of stages x chunks can run M micro-batches under
+ * kind: chunks 1 to MOE_MODEL_CHUNKS_MAX, more than 1 only interleaving
+ * 1F1B on several stages, with M a multiple of stages; the error names the
+ * flags (MOE_ERR_CONFIG). */
+moe_status moe_pipe_schedule_check(moe_pipe_schedule kind, int stages, int chunks, int64_t M);
+
 /* Stage `stage` of `stages`' order of its 2 x chunks x M ops, into ops
  * [2 chunks M]. With chunks > 1, 1F1B interleaves them as Megatron-LM's
  * virtual pipeline does: the forwards go chunk by chunk in groups of
  * `stages` micro-batches (the backwards the other way round), and each
- * stage first runs the forwards that fill the pipeline below it, 2 (stages
- * - stage - 1) + (chunks - 1) stages of them; the bubble is then about
+ * stage first runs the forwards that fill the pipeline below it,
+ * 2 (stages - stage - 1) + (chunks - 1) x stages of them; the bubble is then about
  * 1 / chunks of plain 1F1B's, for more forwards in flight. Every stage
  * sends each of its neighbours its messages in the order that neighbour
  * receives them, whatever their kind; the interleaved order relies on
  * sends that complete without their receive (MPI's, buffered), and a
- * trainer refuses it over NCCL. Fails (MOE_ERR_CONFIG) when chunks > 1
- * with GPipe, or with M not a multiple of stages. */
+ * trainer refuses it over NCCL. Fails as moe_pipe_schedule_check. */
 moe_status moe_pipe_schedule_ops(moe_pipe_op *ops, moe_pipe_schedule kind, int stage, int stages, int chunks,
                                  int64_t M);
 
@@ -139,9 +145,10 @@ typedef struct moe_step_metrics {
 
 /* One optimizer step over grad_accum micro-batches of data. On a pipeline
  * (moe_model_stage) every stage reads the same micro-batches, the first
- * stage's inputs and the last's targets, and runs the schedule: a stage
- * receives each forward's input from the one before, sends its output to
- * the one after, and the gradients flow back the same way; sends are
+ * stage's inputs and the last's targets, and runs the schedule: a chunk
+ * receives each forward's input from the virtual stage before, sends its
+ * output to the one after (round the ring of stages when they
+ * interleave), and the gradients flow back the same way; sends are
  * non-blocking, each from its own buffer, and complete before the step
  * ends, so no stage waits on a send. (On NCCL a send joins a group that
  * the backend's next call launches: the stage's next receive when one
@@ -155,7 +162,7 @@ typedef struct moe_step_metrics {
  * kept (its jitter noise drawn again, no load counted twice), so every
  * stage recomputes all forwards but the last (the backwards run last
  * micro-batch first). A stage also keeps, per micro-batch of the step,
- * its two messages (and under GPipe its input), B*T x hidden each. The
+ * 2 x chunks messages (and under GPipe its input), B*T x hidden each. The
  * metrics are the whole model's, on every stage. */
 /* The last step's expert load, [num_hidden_layers, E]: per layer, the
  * (token, slot) pairs each expert kept over the global batch, its
