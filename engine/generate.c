@@ -226,7 +226,7 @@ static const char *const token_kind_names[] = {"auto", "synthetic", "bytes", "id
  * comma. */
 #define TOKEN_TEXT_BYTES 24
 /* The same decoded by a tokenizer: its longest token, every byte written
- * "\xNN" at worst (longer than "<id 2147483647>"). */
+ * "\xNN" at worst (longer than "\<id 2147483647>"). */
 #define DECODED_TEXT_BYTES (4 * MOE_TOKENIZER_TOKEN_BYTES_MAX + 1)
 
 const char *moe_token_kind_name(moe_token_kind kind) {
@@ -463,12 +463,24 @@ static void free_generation(generation *g) {
     moe_tokenizer_close(g->tokenizer);
 }
 
+/* parse_tokens in g's form; under a tokenizer its error says why the
+ * text must be ids, a natural slip. */
+static moe_status read_tokens(int32_t **tokens, int64_t *n, const generation *g, const char *text, const char *flag) {
+    const moe_status st = parse_tokens(tokens, n, g->kind, text, g->cfg.vocab_size, flag);
+    if (st == MOE_OK || !g->tokenizer) return st;
+    char why[512];
+    snprintf(why, sizeof why, "%s", moe_last_error());
+    return moe_error(st, "%s (--tokenizer takes prompts and --stop as ids: its file has no merges to encode text)",
+                     why);
+}
+
 /* The checkpoint's config, the token kind, the tokenizer, the prompt and
  * the stop token: everything that can be refused before a model exists. */
 static moe_status read_inputs(generation *g, const moe_generate_options *o, const moe_generate_callbacks *cb) {
     moe_status st = moe_checkpoint_load_config(&g->cfg, o->init_from, cb->on_warning, cb->ctx);
     if (st != MOE_OK) return moe_error_prefix(st, "--init-from %s: ", o->init_from);
     const int64_t V = g->cfg.vocab_size;
+    g->stop = -1; /* none, unless the tokenizer's end-of-text or --stop */
     /* The tokenizer cannot encode text: with it, prompts are ids. */
     MOE_TRY(choose_tokens(&g->kind, o->tokenizer ? MOE_TOKENS_IDS : o->tokens, V));
     if (o->tokenizer) {
@@ -476,6 +488,7 @@ static moe_status read_inputs(generation *g, const moe_generate_options *o, cons
         if (st != MOE_OK) return moe_error_prefix(st, "--tokenizer: ");
         char warning[256];
         const int64_t count = moe_tokenizer_count(g->tokenizer);
+        const int32_t eot = moe_tokenizer_eot(g->tokenizer);
         /* Fewer tokens than the vocabulary is a padded one; more is another model's. */
         if (count > V && cb->on_warning) {
             snprintf(warning, sizeof warning,
@@ -484,23 +497,17 @@ static moe_status read_inputs(generation *g, const moe_generate_options *o, cons
                      o->tokenizer, (long long)count, (long long)V);
             cb->on_warning(cb->ctx, warning);
         }
-        if (moe_tokenizer_eot(g->tokenizer) >= V && !o->stop && cb->on_warning) {
+        if (eot >= V && !o->stop && cb->on_warning) {
             snprintf(warning, sizeof warning,
                      "--tokenizer %s: its end-of-text %d lies outside the model's vocabulary of %lld, so no "
                      "sample ends on it",
-                     o->tokenizer, (int)moe_tokenizer_eot(g->tokenizer), (long long)V);
+                     o->tokenizer, (int)eot, (long long)V);
             cb->on_warning(cb->ctx, warning);
         }
+        /* Its end-of-text ends a sample unless --stop (below) names another. */
+        g->stop = eot < V ? eot : -1;
     }
-    /* A text prompt with a tokenizer is a natural slip: say why ids. */
-    st = parse_tokens(&g->prompt, &g->n_prompt, g->kind, o->prompt, V, "--prompt");
-    if (st != MOE_OK && g->tokenizer) {
-        char why[512];
-        snprintf(why, sizeof why, "%s", moe_last_error());
-        return moe_error(st, "%s (--tokenizer takes prompts and --stop as ids: its file has no merges to encode text)",
-                         why);
-    }
-    MOE_TRY(st);
+    MOE_TRY(read_tokens(&g->prompt, &g->n_prompt, g, o->prompt, "--prompt"));
     if (g->n_prompt == 0)
         return moe_error(MOE_ERR_CONFIG, "--prompt holds no token, and generation needs one to start from%s",
                          g->kind == MOE_TOKENS_SYNTHETIC
@@ -511,11 +518,10 @@ static moe_status read_inputs(generation *g, const moe_generate_options *o, cons
                          "--init-from %s: generation needs dropless routing, and this model drops past a capacity "
                          "factor of %g (moe_capacity_factor in its config.json)",
                          o->init_from, g->cfg.moe_capacity_factor);
-    g->stop = g->tokenizer && !o->stop && moe_tokenizer_eot(g->tokenizer) < V ? moe_tokenizer_eot(g->tokenizer) : -1;
     if (o->stop) {
         int32_t *stop = NULL;
         int64_t n = 0;
-        st = parse_tokens(&stop, &n, g->kind, o->stop, V, "--stop");
+        st = read_tokens(&stop, &n, g, o->stop, "--stop");
         if (st == MOE_OK && n != 1) {
             char shown[16 * TOKEN_TEXT_BYTES + 1]; /* its first 16, written as samples are */
             render_tokens(shown, g->kind, NULL, stop, n < 16 ? n : 16);

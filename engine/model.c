@@ -395,7 +395,6 @@ moe_status moe_model_check_shape(const moe_model_config *c, int64_t B, int64_t T
     return MOE_OK;
 }
 
-
 /* The pipeline's partition, checked: its stages x chunks virtual stages
  * hold the layers in order, each at least one, and every rank of job was
  * given the same partition; every rank of job leaves with an error when
@@ -447,8 +446,8 @@ static moe_status check_stages(const moe_model_config *cfg, const moe_model_para
     return layout;
 }
 
-/* This rank's layers, in chunk order (ascending), and where each chunk
- * starts among them. */
+/* This rank's layers, in chunk order (ascending), where each chunk starts
+ * among them, and the base serving every chunk. */
 static moe_status place_layers(moe_model *m, const moe_model_parallel *par) {
     const int P = m->n_stages;
     m->chunks = m->pipe ? par->chunks : 1;
@@ -463,6 +462,7 @@ static moe_status place_layers(moe_model *m, const moe_model_parallel *par) {
         for (int64_t l = begin; l < end; l++) m->layer_id[m->nl++] = l;
     }
     m->chunk_at[m->chunks] = m->nl;
+    m->serves = m->chunks == MOE_MODEL_CHUNKS_MAX ? UINT64_MAX : (UINT64_C(1) << m->chunks) - 1;
     return MOE_OK;
 }
 
@@ -606,7 +606,6 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_model_config *cf
         moe_model_destroy(m);
         return split;
     }
-    m->serves = m->chunks == MOE_MODEL_CHUNKS_MAX ? UINT64_MAX : (UINT64_C(1) << m->chunks) - 1;
     m->ops = par && par->ops ? par->ops : moe_cpu_ops();
     m->B = B;
     m->T = T;
@@ -1033,12 +1032,10 @@ moe_status moe_model_stage_forward(moe_model *m, int chunk, const int32_t *input
     if (exit) {
         ops->rmsnorm_forward(m->lnf, m->rstdf, m->x_final, param(m, tf), eps, N, C);
         ops->matmul_forward(m->logits, m->lnf, param(m, tf + 1), N, C, V);
-    }
-
-    if (exit) {
         m->has_targets = targets != NULL;
         m->counted = counted;
     }
+
     const double logit_z_coef = base_of(m)->logit_z_coef;
     if (targets) {
         ops->crossentropy_forward(m->losses, m->lse, m->logits, m->targets, N, V);

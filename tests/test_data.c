@@ -469,6 +469,15 @@ static char *write_three_shards(int64_t *total) {
     return dir;
 }
 
+/* The three shards' glob, into pattern [512], opened as one stream. */
+static moe_data *open_three_shards(char **dir, char *pattern, int64_t *total) {
+    *dir = write_three_shards(total);
+    path_in(pattern, 512, *dir, "train_*.bin");
+    moe_data *d;
+    cr_assert_eq(moe_data_open_shards(&d, pattern, 50257), MOE_OK, "%s", moe_last_error());
+    return d;
+}
+
 /* A shard whose very name reads as a glob is that file, not what the glob
  * matches ("train[1].bin" would match "train1.bin"). */
 Test(data_shards, a_file_named_like_a_glob_is_itself) {
@@ -512,10 +521,8 @@ Test(data_shards, writer_bytes_follow_llmc) {
 
 Test(data_shards, glob_of_shards_is_one_stream) {
     int64_t total;
-    char *dir = write_three_shards(&total), pattern[512];
-    path_in(pattern, sizeof pattern, dir, "train_*.bin");
-    moe_data *d;
-    cr_assert_eq(moe_data_open_shards(&d, pattern, 50257), MOE_OK, "%s", moe_last_error());
+    char *dir, pattern[512];
+    moe_data *d = open_three_shards(&dir, pattern, &total);
     cr_assert_eq(moe_data_token_count(d), total);
     cr_assert_eq(moe_data_vocab_size(d), 50257);
     /* Batches of 3 x 50 rows cross the shard boundary at 700 mid-row. */
@@ -537,10 +544,8 @@ Test(data_shards, glob_of_shards_is_one_stream) {
  * first. */
 Test(data_shards, restrict_reads_a_part_of_the_stream) {
     int64_t total;
-    char *dir = write_three_shards(&total), pattern[512];
-    path_in(pattern, sizeof pattern, dir, "train_*.bin");
-    moe_data *d;
-    cr_assert_eq(moe_data_open_shards(&d, pattern, 50257), MOE_OK, "%s", moe_last_error());
+    char *dir, pattern[512];
+    moe_data *d = open_three_shards(&dir, pattern, &total);
     enum { B = 2, T = 50, FROM = 650, TO = 1400 }; /* across the boundary at 700 */
     cr_assert_eq(moe_data_restrict(d, FROM, TO), MOE_OK, "%s", moe_last_error());
     cr_assert_eq(moe_data_token_count(d), TO - FROM);
