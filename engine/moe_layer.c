@@ -589,10 +589,33 @@ moe_status moe_layer_create_cuda(moe_layer **out, const moe_layer_config *cfg, i
 moe_status moe_layer_create_mpi(moe_layer **out, const moe_layer_config *cfg, const void *mpi_comm) {
     MOE_NOT_NULL("moe_layer_create_mpi", "layer", out);
     *out = NULL;
-    MOE_TRY(moe_layer_config_validate(cfg));
+    const moe_status valid = moe_layer_config_validate(cfg);
+    char why[512];
+    snprintf(why, sizeof why, "%s", moe_last_error());
     moe_comm *ep = NULL;
     moe_status st = moe_comm_mpi_create_from(&ep, mpi_comm);
     if (st != MOE_OK) return moe_error_prefix(st, "moe_layer_create_mpi: ");
+    /* A rank whose config is invalid still joins the others, so that
+     * they fail at once, naming it, rather than wait for it until the
+     * timeout. */
+    const int size = moe_comm_size(ep);
+    double *invalid = calloc((size_t)size, sizeof *invalid);
+    const double mine = valid != MOE_OK;
+    st = invalid ? moe_comm_allgather(ep, invalid, &mine, 1, MOE_COMM_F64)
+                 : moe_error(MOE_ERR_OUT_OF_MEMORY, "moe_layer_create_mpi: %d ranks", size);
+    int first_invalid = -1;
+    for (int r = 0; st == MOE_OK && r < size && first_invalid < 0; r++)
+        if (invalid[r] != 0.0) first_invalid = r;
+    free(invalid);
+    if (st == MOE_OK && first_invalid >= 0)
+        st = valid != MOE_OK ? moe_error(valid, "%s", why)
+                             : moe_error(MOE_ERR_CONFIG,
+                                         "moe_layer_create_mpi: rank %d's config is invalid (its own error says why)",
+                                         first_invalid);
+    if (st != MOE_OK) {
+        moe_comm_free(ep);
+        return st;
+    }
     /* Ranks of other configs would exchange rows of other shapes. Settings
      * that mean the same compare alike: renormalize matters to softmax_topk
      * alone, and 0 or 1 groups are none. */
@@ -1724,6 +1747,19 @@ moe_status moe_layer_backward(moe_layer *L, float *dx, const float *dy, const fl
         MOE_NOT_NULL("moe_layer_backward", "dx", dx);
         MOE_NOT_NULL("moe_layer_backward", "dy", dy);
         MOE_NOT_NULL("moe_layer_backward", "x", x);
+        /* dx is written while dy and x are still read. */
+        const size_t bytes = (size_t)(L->last_T * L->cfg.d_model) * sizeof(float);
+        const uintptr_t out = (uintptr_t)dx;
+        const struct {
+            const char *name;
+            uintptr_t at;
+        } reads[] = {{"dy", (uintptr_t)dy}, {"x", (uintptr_t)x}};
+        for (size_t i = 0; i < sizeof reads / sizeof *reads; i++)
+            if (out < reads[i].at + bytes && reads[i].at < out + bytes)
+                return moe_error(MOE_ERR_INVALID_ARG,
+                                 "moe_layer_backward: dx overlaps %s (T %lld x d %lld floats each): give dx a buffer "
+                                 "of its own",
+                                 reads[i].name, (long long)L->last_T, (long long)L->cfg.d_model);
     }
     bind(L);
     if (!L->mem.router_grad)

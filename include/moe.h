@@ -27,8 +27,8 @@ extern "C" {
 
 typedef enum moe_status {
     MOE_OK = 0,
-    MOE_ERR_INVALID_ARG,   /* a NULL pointer, a negative size, a bad enum */
-    MOE_ERR_CONFIG,        /* a configuration value that cannot work */
+    MOE_ERR_INVALID_ARG,   /* a NULL pointer, a negative size, buffers that overlap */
+    MOE_ERR_CONFIG,        /* a configuration value that cannot work (an unknown gate kind too) */
     MOE_ERR_OUT_OF_MEMORY, /* an allocation failed */
     MOE_ERR_IO,            /* a file could not be opened, read or written */
     MOE_ERR_FORMAT,        /* a file's contents are malformed or inconsistent */
@@ -58,7 +58,7 @@ typedef enum moe_gate_kind {
     MOE_GATE_TOPK_SOFTMAX = 1,
     /* s = sigmoid(logits), the k largest, weights s / sum of the k chosen
      * (DeepSeek-V3). The weights are always normalised over the chosen k. */
-    MOE_GATE_SIGMOID = 2,
+    MOE_GATE_SIGMOID = 2
 } moe_gate_kind;
 
 typedef struct moe_layer_config {
@@ -242,7 +242,10 @@ moe_status moe_layer_forward(moe_layer *layer, float *y, const float *x, int64_t
 /* Backward of the most recent forward. dx [T, d] is written (not accumulated);
  * parameter gradients are accumulated into moe_layer_grads(). The aux and z
  * losses enter with their coefficients, as if added to the caller's loss. x
- * must be the same buffer contents as given to forward. */
+ * must be the same buffer contents as given to forward. dx may overlap
+ * neither dy nor x (MOE_ERR_INVALID_ARG): backward writes it while it
+ * still reads them. A second backward of the same forward adds its
+ * gradients again (the aux and z losses' too), as a second loss would. */
 moe_status moe_layer_backward(moe_layer *layer, float *dx, const float *dy, const float *x);
 
 moe_status moe_layer_zero_grad(moe_layer *layer);

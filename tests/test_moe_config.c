@@ -225,6 +225,14 @@ Test(config, null_arguments) {
     cr_expect(moe_layer_backward(l, dx, NULL, x) == MOE_ERR_INVALID_ARG);
     cr_expect(strstr(moe_last_error(), "moe_layer_backward: dy is NULL"), "%s", moe_last_error());
     cr_expect(moe_layer_backward(l, dx, y, NULL) == MOE_ERR_INVALID_ARG);
+    /* dx is written while dy and x are read: in place, or overlapping by
+     * one float, it would give wrong gradients. */
+    cr_expect(moe_layer_backward(l, y, y, x) == MOE_ERR_INVALID_ARG);
+    cr_expect(strstr(moe_last_error(), "dx overlaps dy"), "%s", moe_last_error());
+    float both[2 * 3 * 8] = {0};
+    cr_expect(moe_layer_backward(l, both + 3 * 8 - 1, y, both) == MOE_ERR_INVALID_ARG);
+    cr_expect(strstr(moe_last_error(), "dx overlaps x"), "%s", moe_last_error());
+    cr_expect(moe_layer_backward(l, dx, y, x) == MOE_OK, "%s", moe_last_error());
     moe_layer_destroy(l);
     moe_layer_destroy(NULL); /* like free(NULL) */
 }

@@ -298,6 +298,14 @@ int main(void) {
         snprintf(want, sizeof want, "rank %d disagrees with rank 0 on top_k", size - 1);
         mpi_report(mst != MOE_ERR_CONFIG || mixed != NULL || !strstr(moe_last_error(), want),
                    "moe_layer_create_mpi refuses ranks of other configs on every rank");
+        /* A config invalid on one rank fails every rank at once, naming
+         * it, instead of leaving the others waiting for it. */
+        moe_layer_config invalid = cfg;
+        if (rank == size - 1) invalid.top_k = 99;
+        mst = moe_layer_create_mpi(&mixed, &invalid, &all);
+        snprintf(want, sizeof want, rank == size - 1 ? "top_k=99" : "rank %d's config is invalid", size - 1);
+        mpi_report(mst != MOE_ERR_CONFIG || mixed != NULL || !strstr(moe_last_error(), want),
+                   "moe_layer_create_mpi fails every rank when one rank's config is invalid (%s)", moe_last_error());
         /* Settings that mean the same are no disagreement: 0 or 1 groups,
          * renormalize under the sigmoid gate, routed_scale 0 or 1. */
         moe_layer_config same = cfg;
