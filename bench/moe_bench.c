@@ -54,7 +54,7 @@ static void print_usage(FILE *f) {
             "  --version      the library version\n"
             "\n"
             "environment:\n"
-            "  OMP_NUM_THREADS, OPENBLAS_NUM_THREADS  thread counts when --threads is not given\n");
+            "  OMP_NUM_THREADS  OpenMP and OpenBLAS threads when --threads is not given\n");
 }
 
 int main(int argc, char **argv) {

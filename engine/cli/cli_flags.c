@@ -137,7 +137,7 @@ int cli_start(const char *program, void *options, const cli_flag *flags, size_t 
     const int rc = cli_parse_args(options, flags, n_flags, argc, argv);
     if (rc < 0) {
         print_help();
-        return 0;
+        return cli_stdout_written();
     }
     if (rc) return rc;
     if (validate(options) != MOE_OK) return cli_usage_error("%s", moe_last_error());
@@ -167,5 +167,6 @@ int cli_run_failed(moe_status status, const char *rank) {
         fprintf(stderr, "%s: rank %s: %s: %s\n", cli_program, rank, moe_status_string(status), moe_last_error());
     else
         fprintf(stderr, "%s: %s: %s\n", cli_program, moe_status_string(status), moe_last_error());
-    return status == MOE_ERR_CONFIG ? 2 : 1;
+    /* A setting this build or machine cannot run fails again on retry. */
+    return status == MOE_ERR_CONFIG || status == MOE_ERR_UNSUPPORTED ? 2 : 1;
 }

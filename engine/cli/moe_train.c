@@ -42,7 +42,8 @@ static void print_help(void) {
            "                       --init-from's config.json, else the built-in model: d_model %lld,\n"
            "                       %lld layers, %lld heads (%lld KV), %lld experts of width %lld, top-%lld\n"
            "  --init-from DIR      start from DIR/model.safetensors (or its sharded index) and\n"
-           "                       DIR/config.json, e.g. a checkpoint out/step-000600\n"
+           "                       DIR/config.json, e.g. a checkpoint out/step-000600 (with\n"
+           "                       another --out)\n"
            "  --upcycle            --init-from DIR holds a dense model (Mistral's or Llama's tensor\n"
            "                       names) of --config's sizes: each expert starts as a copy of its\n"
            "                       layer's MLP, the routers from scratch (sparse upcycling)\n\n",
@@ -234,6 +235,7 @@ typedef struct printer {
     bool quiet;
     int kill_rank, kill_step; /* MOE_FAULT_KILL=RANK:STEP, or -1 */
     bool stopped;             /* before --steps: a signal or --max-time */
+    int64_t start_step;       /* the checkpoint's step when resumed, else 0 */
 } printer;
 
 /* The signal that asked the run to stop (moe_run_callbacks.stop), or 0. */
@@ -353,6 +355,7 @@ static void on_start(void *ctx, const moe_run_summary *s) {
     printer *p = ctx;
     const moe_model_config *c = s->config;
     const moe_run_options *o = s->options;
+    p->start_step = s->start_step;
     /* The fault's step must come after a resumed run's first (main checked
      * the rest). Every rank reads the same variable, so all stop here. */
     if (p->kill_rank >= 0 && p->kill_step <= s->start_step) {
@@ -546,7 +549,12 @@ static void on_end(void *ctx, const moe_run_end *e) {
     if (!p->eval_only) {
         char took[32];
         format_duration(took, sizeof took, e->seconds);
-        printf("\n%lld steps in %s", (long long)e->steps_done, took);
+        /* A resumed run took only the steps after its checkpoint's. */
+        if (p->start_step > 0)
+            printf("\nsteps %lld..%lld (%lld) in %s", (long long)p->start_step + 1, (long long)e->steps_done,
+                   (long long)(e->steps_done - p->start_step), took);
+        else
+            printf("\n%lld steps in %s", (long long)e->steps_done, took);
         if (e->last_checkpoint[0]) printf(", last checkpoint %s", e->last_checkpoint);
         printf("\n");
     }
@@ -599,7 +607,9 @@ int main(int argc, char **argv) {
 
     /* Only rank 0 prints, also the warnings that come before on_start. */
     const char *rank = launcher_rank();
-    printer p = {.tty = isatty(STDOUT_FILENO), .eval_only = o.eval_only, .rank = rank ? atoi(rank) : 0,
+    /* A launcher gives each rank a terminal of its own that may end in a
+     * log, which a progress bar would fill with redraws. */
+    printer p = {.tty = isatty(STDOUT_FILENO) && !rank, .eval_only = o.eval_only, .rank = rank ? atoi(rank) : 0,
                  .pipeline = o.pp > 1, .quiet = rank && atoi(rank) != 0, .kill_rank = -1, .kill_step = -1};
     const char *fault = getenv("MOE_FAULT_KILL");
     if (fault && parse_fault(&p, fault) != 0)
