@@ -179,7 +179,10 @@ moe_status moe_device_comms(const moe_device_handle *h, const moe_grid *grid, mo
     void *stream = moe_cuda_stream(h->cuda);
     MOE_TRY(moe_comm_nccl_create(device_world, grid->dp, h->index, stream));
     moe_status st = moe_comm_split(device_ep, *device_world, grid->at.dp_rank / grid->ep_size, grid->at.dp_rank);
-    if (st == MOE_OK && grid->pipe) st = moe_comm_nccl_create(device_pipe, grid->pipe, h->index, stream);
+    /* The pipeline's messages go on a stream of their own: a receive
+     * posted for a later op must not hold up the compute before it (the
+     * trainer syncs the compute stream before it posts). */
+    if (st == MOE_OK && grid->pipe) st = moe_comm_nccl_create(device_pipe, grid->pipe, h->index, NULL);
     if (st != MOE_OK) {
         if (*device_ep) moe_comm_free(*device_ep);
         moe_comm_free(*device_world);

@@ -48,18 +48,21 @@ struct moe_trainer {
     int32_t *tokens;     /* [grad_accum][2, B, T]: each micro-batch's inputs, then its targets */
     /* The pipeline, per micro-batch: */
     uint64_t *jitter;    /* [grad_accum] the jitter counter its forward started from */
-    /* The pipeline's messages, per (micro-batch m, chunk c) at m chunks + c
-     * (message_at()): */
-    int chunks;          /* the stage's (moe_model_stage) */
-    float *stage_in;     /* [in_slots][B*T, C] its input from the previous stage */
-    int64_t in_slots;    /* GPipe: grad_accum, each input kept for its replay; 1F1B: 1, copied in by the forward */
-    float *stage_out;    /* [grad_accum chunks][B*T, C] its output on its way to the next stage */
+    /* The pipeline: */
+    int chunks;              /* the stage's (moe_model_stage) */
+    moe_pipe_plan *plan;     /* a step's ops and when their messages are posted */
+    moe_pipe_plan *eval_plan; /* an evaluation batch's */
+    const moe_pipe_plan *running; /* the one under way */
+    int64_t *forward_op;     /* [grad_accum chunks] where (m, c)'s forward is among plan's ops, at message_at */
+    float *stage_in;     /* [slots][B*T, C] forward inputs received (moe_pipe_post.slot) */
+    float *grad_out;     /* [slots][B*T, C] output gradients received */
+    /* Sends per (micro-batch m, chunk c) at m chunks + c (message_at()),
+     * each left alone until the step's end waits for it: */
+    float *stage_out;    /* [grad_accum chunks][B*T, C] its output on its way to the next virtual stage */
     float *grad_in;      /* [grad_accum chunks][B*T, C] the gradient of its input on its way back */
-    float *grad_out;     /* [B*T, C] the gradient of the output, from the next stage */
-    moe_comm_request *sends; /* [2 grad_accum chunks]: (m, c)'s forward at 2 slot, its backward at 2 slot + 1 */
-    int64_t *send_order;     /* [2 grad_accum chunks] the sends of this step, as posted */
-    int64_t sends_posted, sends_retired; /* the first sends_retired of them have completed */
-    moe_pipe_op *schedule;   /* [2 grad_accum chunks] this stage's order of ops */
+    moe_comm_request *requests; /* [the plans' posts] the running plan's, by post */
+    int64_t next_post;          /* the running plan's first post not yet made */
+    int64_t sends_retired;      /* its sends before this post are seen done */
     /* Where micro-batch m's forward through chunk c runs: instances[m %
      * in_flight[c]], the model and its twins (twin i holding the chunks
      * with more than i forwards in flight); held[i chunks + c]: the
@@ -68,7 +71,7 @@ struct moe_trainer {
     int64_t n_instances;
     int64_t in_flight[MOE_MODEL_CHUNKS_MAX];
     int64_t *held;
-    int64_t pipe_bytes; /* stage_in, grad_in, stage_out and grad_out */
+    int64_t pipe_bytes; /* stage_in, grad_out, stage_out and grad_in */
     /* The last step's expert load (moe_trainer_expert_load): [layers, E],
      * then this stage's counts [stage layers, E] as the model gives them. */
     double *expert_load;
@@ -270,26 +273,17 @@ moe_status moe_trainer_create(moe_trainer **out, moe_model *model, const moe_opt
     const moe_model_stage stage = moe_model_get_stage(model);
     t->chunks = stage.chunks;
     const int64_t n_ops = 2 * M * t->chunks;
-    t->sends = calloc((size_t)n_ops, sizeof *t->sends);
-    t->send_order = calloc((size_t)n_ops, sizeof *t->send_order);
-    t->schedule = calloc((size_t)n_ops, sizeof *t->schedule);
+    t->forward_op = calloc((size_t)(M * t->chunks), sizeof *t->forward_op);
     const moe_model_config *mc = moe_model_get_config(model);
     t->expert_load = calloc((size_t)(mc->num_hidden_layers * mc->num_local_experts), sizeof *t->expert_load);
     t->stage_load = calloc((size_t)(mc->num_hidden_layers * mc->num_local_experts), sizeof *t->stage_load);
     if (st == MOE_OK &&
-        (!t->tokens || !t->jitter || !t->sends || !t->send_order || !t->schedule || !t->busy || !t->expert_load ||
-         !t->stage_load))
+        (!t->tokens || !t->jitter || !t->forward_op || !t->busy || !t->expert_load || !t->stage_load))
         st = moe_error(MOE_ERR_OUT_OF_MEMORY, "trainer: %lld micro-batches of %lld tokens", (long long)M, (long long)BT);
-    if (st == MOE_OK) st = moe_pipe_schedule_ops(t->schedule, cfg->pipe_schedule, stage.index, stage.count, t->chunks, M);
-    /* NCCL matches a stage's sends to its peer's receives in the order
-     * posted and a large send waits for its receive: the interleaved order
-     * sends while the peer waits on a receive behind another, which
-     * buffered MPI sends ride out and NCCL's would not. */
-    if (st == MOE_OK && t->chunks > 1 && stage.device_pipe != stage.pipe)
-        st = moe_error(MOE_ERR_CONFIG,
-                       "--pp-chunks %d: interleaved stages exchange their messages over MPI only; on the GPU's NCCL "
-                       "they could wait on each other for ever (use --pp-chunks 1 there)",
-                       t->chunks);
+    if (st == MOE_OK)
+        st = moe_pipe_plan_create(&t->plan, cfg->pipe_schedule, false, stage.index, stage.count, t->chunks, M);
+    if (st == MOE_OK)
+        st = moe_pipe_plan_create(&t->eval_plan, cfg->pipe_schedule, true, stage.index, stage.count, t->chunks, 1);
     const int64_t act_elems = BT * moe_model_get_config(model)->hidden_size; /* one stage message */
     const size_t act_bytes = (size_t)act_elems * sizeof(float);
     /* A message is one MPI call, whose count is an int. */
@@ -300,14 +294,20 @@ moe_status moe_trainer_create(moe_trainer **out, moe_model *model, const moe_opt
     /* Every chunk of an interleaved stage has a neighbour on either side. */
     const bool from_prev = !stage.first || t->chunks > 1, to_next = !stage.last || t->chunks > 1;
     const int64_t messages = M * t->chunks;
-    t->in_slots = cfg->pipe_schedule == MOE_PIPE_GPIPE ? M : 1;
-    if (st == MOE_OK && from_prev) st = t->ops->alloc((void **)&t->stage_in, (size_t)t->in_slots * act_bytes);
+    int64_t slots[2] = {0, 0}, posts = 0;
+    for (int b = 0; st == MOE_OK && b < 2; b++)
+        slots[b] = t->plan->slots[b] > t->eval_plan->slots[b] ? t->plan->slots[b] : t->eval_plan->slots[b];
+    if (st == MOE_OK) posts = t->plan->n_posts > t->eval_plan->n_posts ? t->plan->n_posts : t->eval_plan->n_posts;
+    if (st == MOE_OK && posts && !(t->requests = calloc((size_t)posts, sizeof *t->requests)))
+        st = moe_error(MOE_ERR_OUT_OF_MEMORY, "trainer: %lld pipeline messages", (long long)posts);
+    if (st == MOE_OK && slots[0]) st = t->ops->alloc((void **)&t->stage_in, (size_t)slots[0] * act_bytes);
+    if (st == MOE_OK && slots[1]) st = t->ops->alloc((void **)&t->grad_out, (size_t)slots[1] * act_bytes);
     if (st == MOE_OK && from_prev) st = t->ops->alloc((void **)&t->grad_in, (size_t)messages * act_bytes);
     if (st == MOE_OK && to_next) st = t->ops->alloc((void **)&t->stage_out, (size_t)messages * act_bytes);
-    if (st == MOE_OK && to_next) st = t->ops->alloc((void **)&t->grad_out, act_bytes);
     if (stage.pipe)
-        t->pipe_bytes = (int64_t)act_bytes * (from_prev ? t->in_slots + messages : 0) +
-                        (int64_t)act_bytes * (to_next ? messages + 1 : 0);
+        t->pipe_bytes = (int64_t)act_bytes * (slots[0] + slots[1] + (from_prev ? messages : 0) + (to_next ? messages : 0));
+    for (int64_t i = 0; st == MOE_OK && i < n_ops; i++)
+        if (!t->plan->ops[i].backward) t->forward_op[t->plan->ops[i].micro * t->chunks + t->plan->ops[i].chunk] = i;
     /* 1F1B keeps each forward in flight on an instance of its own: chunk
      * c's forwards and backwards both go in micro-batch order, so its
      * micro-batches in flight are consecutive and m % in_flight[c] tells
@@ -320,8 +320,8 @@ moe_status moe_trainer_create(moe_trainer **out, moe_model *model, const moe_opt
         int64_t now = 0;
         t->in_flight[c] = 1;
         for (int64_t i = 0; st == MOE_OK && cfg->pipe_schedule == MOE_PIPE_1F1B && i < n_ops; i++)
-            if (t->schedule[i].chunk == c) {
-                now += t->schedule[i].backward ? -1 : 1;
+            if (t->plan->ops[i].chunk == c) {
+                now += t->plan->ops[i].backward ? -1 : 1;
                 if (now > t->in_flight[c]) t->in_flight[c] = now;
             }
         if (t->in_flight[c] > t->n_instances) t->n_instances = t->in_flight[c];
@@ -368,9 +368,10 @@ void moe_trainer_destroy(moe_trainer *t) {
     free(t->tokens);
     free(t->jitter);
     free(t->busy);
-    free(t->sends);
-    free(t->send_order);
-    free(t->schedule);
+    free(t->requests);
+    free(t->forward_op);
+    moe_pipe_plan_destroy(t->plan);
+    moe_pipe_plan_destroy(t->eval_plan);
     free(t->expert_load);
     free(t->stage_load);
     free(t);
@@ -548,6 +549,147 @@ moe_status moe_pipe_schedule_ops(moe_pipe_op *ops, moe_pipe_schedule kind, int s
     return MOE_OK;
 }
 
+/* Stage `stage`'s order of ops: the schedule's, or forward_only each
+ * micro-batch's forwards chunk by chunk. */
+static moe_status plan_ops(moe_pipe_op *ops, moe_pipe_schedule kind, bool forward_only, int stage, int stages,
+                           int chunks, int64_t M) {
+    if (!forward_only) return moe_pipe_schedule_ops(ops, kind, stage, stages, chunks, M);
+    for (int64_t m = 0, n = 0; m < M; m++)
+        for (int c = 0; c < chunks; c++) ops[n++] = (moe_pipe_op){false, c, m};
+    return MOE_OK;
+}
+
+/* Whether op of virtual stage v of `last` + 1 takes its input from a
+ * neighbour, or sends its result to one. */
+static bool op_receives(const moe_pipe_op *op, int v, int last) { return op->backward ? v < last : v > 0; }
+static bool op_sends(const moe_pipe_op *op, int v, int last) { return op->backward ? v > 0 : v < last; }
+
+/* A stage's posts go in order of time. Two messages of one time come
+ * from different virtual stages (a stage's ops end one at a time), which
+ * orders a pair's alike at both ends. */
+static int by_time(const void *a, const void *b) {
+    const moe_pipe_post *x = a, *y = b;
+    if (x->at != y->at) return (x->at > y->at) - (x->at < y->at);
+    return (x->from > y->from) - (x->from < y->from);
+}
+
+void moe_pipe_plan_destroy(moe_pipe_plan *plan) {
+    if (!plan) return;
+    free(plan->ops);
+    free(plan->posts);
+    free(plan->input);
+    free(plan);
+}
+
+moe_status moe_pipe_plan_create(moe_pipe_plan **out, moe_pipe_schedule kind, bool forward_only, int stage, int stages,
+                                int chunks, int64_t M) {
+    if (!out) return moe_error(MOE_ERR_INVALID_ARG, "moe_pipe_plan_create: NULL argument");
+    *out = NULL;
+    if (stages < 1 || stage < 0 || stage >= stages || chunks < 1 || chunks > MOE_MODEL_CHUNKS_MAX ||
+        (chunks > 1 && stages < 2) || M < 1)
+        return moe_error(MOE_ERR_INVALID_ARG, "moe_pipe_plan_create: stage %d of %d, %d chunks, %lld micro-batches",
+                         stage, stages, chunks, (long long)M);
+    const int64_t per = (forward_only ? 1 : 2) * chunks * M; /* each stage's ops */
+    const int last = stages * chunks - 1;
+    moe_pipe_plan *plan = calloc(1, sizeof *plan);
+    moe_pipe_op *all = malloc((size_t)(stages * per) * sizeof *all);
+    /* Where each op ends on the timeline, by (backward, virtual stage,
+     * micro-batch); -1 until it has run. */
+    int64_t *end = malloc((size_t)(2 * (last + 1) * M) * sizeof *end);
+    int64_t *done = calloc((size_t)stages, sizeof *done), *clock = calloc((size_t)stages, sizeof *clock);
+    int64_t *start = malloc((size_t)per * sizeof *start), *free_slots = malloc((size_t)(2 * per) * sizeof *free_slots);
+    int64_t *forward_at = malloc((size_t)(chunks * M) * sizeof *forward_at);
+    if (plan) {
+        plan->n_ops = per;
+        plan->ops = malloc((size_t)per * sizeof *plan->ops);
+        plan->posts = malloc((size_t)(2 * per) * sizeof *plan->posts);
+        plan->input = malloc((size_t)per * sizeof *plan->input);
+    }
+    moe_status st = MOE_OK;
+    if (!plan || !plan->ops || !plan->posts || !plan->input || !all || !end || !done || !clock || !start ||
+        !free_slots || !forward_at)
+        st = moe_error(MOE_ERR_OUT_OF_MEMORY, "pipeline plan: %d stages x %lld ops", stages, (long long)per);
+    for (int s = 0; s < stages && st == MOE_OK; s++) st = plan_ops(all + s * per, kind, forward_only, s, stages, chunks, M);
+    if (st != MOE_OK) goto out;
+    memcpy(plan->ops, all + stage * per, (size_t)per * sizeof *all);
+#define END_AT(backward, v, m) end[((int64_t)(backward) * (last + 1) + (v)) * M + (m)]
+    for (int64_t i = 0; i < 2 * (last + 1) * M; i++) end[i] = -1;
+    for (bool moved = true; moved;) {
+        moved = false;
+        for (int s = 0; s < stages; s++)
+            while (done[s] < per) {
+                const moe_pipe_op *op = &all[s * per + done[s]];
+                const int v = op->chunk * stages + s;
+                int64_t ready = clock[s];
+                if (op_receives(op, v, last)) {
+                    const int64_t sent = END_AT(op->backward, op->backward ? v + 1 : v - 1, op->micro);
+                    if (sent < 0) break;
+                    if (sent > ready) ready = sent;
+                }
+                if (s == stage) start[done[s]] = ready;
+                clock[s] = ready + (op->backward ? 2 : 1);
+                END_AT(op->backward, v, op->micro) = clock[s];
+                done[s]++;
+                moved = true;
+            }
+    }
+    for (int s = 0; s < stages && st == MOE_OK; s++)
+        if (done[s] < per)
+            st = moe_error(MOE_ERR_INTERNAL, "pipeline plan: stage %d of %d waits for ever at op %lld", s, stages,
+                           (long long)done[s]);
+    if (st != MOE_OK) goto out;
+    int64_t n = 0;
+    for (int64_t i = 0; i < per; i++) {
+        const moe_pipe_op *op = &plan->ops[i];
+        const int v = op->chunk * stages + stage, from = op->backward ? v + 1 : v - 1;
+        if (op_receives(op, v, last))
+            plan->posts[n++] = (moe_pipe_post){.op = i, .send = false, .from = from,
+                                               .at = END_AT(op->backward, from, op->micro), .slot = -1};
+        if (op_sends(op, v, last))
+            plan->posts[n++] = (moe_pipe_post){.op = i, .send = true, .from = v,
+                                               .at = END_AT(op->backward, v, op->micro), .slot = -1};
+    }
+#undef END_AT
+    plan->n_posts = n;
+    qsort(plan->posts, (size_t)n, sizeof *plan->posts, by_time);
+    /* Each post before the first op that starts at its time or later; a
+     * receive's buffer from those whose readers are done. GPipe replays a
+     * forward before its backward, from the input it keeps. */
+    const bool keeps = kind == MOE_PIPE_GPIPE && !forward_only;
+    int64_t n_free[2] = {0, 0};
+    for (int64_t i = 0; i < per; i++) plan->input[i] = -1;
+    for (int64_t i = 0, p = 0; i <= per; i++) {
+        for (; p < n && (i == per || plan->posts[p].at <= start[i]); p++) {
+            moe_pipe_post *post = &plan->posts[p];
+            post->before = i;
+            if (post->send) continue;
+            const int b = plan->ops[post->op].backward;
+            post->slot = n_free[b] ? free_slots[b * per + --n_free[b]] : plan->slots[b]++;
+            plan->input[post->op] = p;
+        }
+        if (i == per) break;
+        const moe_pipe_op *op = &plan->ops[i];
+        int64_t *forward = &forward_at[op->chunk * M + op->micro];
+        if (!op->backward) *forward = i;
+        const int64_t done_with[2] = {op->backward || !keeps ? plan->input[i] : -1,
+                                      op->backward && keeps ? plan->input[*forward] : -1};
+        for (int k = 0; k < 2; k++)
+            if (done_with[k] >= 0) {
+                const moe_pipe_post *post = &plan->posts[done_with[k]];
+                const int b = plan->ops[post->op].backward;
+                free_slots[b * per + n_free[b]++] = post->slot;
+            }
+    }
+out:
+    free(all), free(end), free(done), free(clock), free(start), free(free_slots), free(forward_at);
+    if (st != MOE_OK) {
+        moe_pipe_plan_destroy(plan);
+        return st;
+    }
+    *out = plan;
+    return MOE_OK;
+}
+
 /* The index of the instance that runs micro-batch micro through chunk. */
 static int64_t instance_at(const moe_trainer *t, int chunk, int64_t micro) { return micro % t->in_flight[chunk]; }
 
@@ -572,53 +714,9 @@ static moe_status read_batch(moe_trainer *t, moe_data *data, int64_t micro, cons
     return st == MOE_OK ? MOE_OK : moe_error_prefix(st, "%s: ", what);
 }
 
-/* Micro-batch micro's forward on this stage (its tokens read): its input
- * from the previous stage, its output sent on to the next. */
 /* A stage message: count floats of B*T x hidden. */
 static int64_t message_floats(const moe_model *model) {
     return moe_model_batch_size(model) * moe_model_seq_len(model) * moe_model_get_config(model)->hidden_size;
-}
-
-/* Receives a message from another stage into buf, its wait counted as the
- * step's idle time. The sync first ends the last op's time, so that a
- * profile gives the wait to no op. */
-static moe_status recv_stage(moe_trainer *t, const moe_model_stage *stage, float *buf, int peer, int tag) {
-    MOE_TRY(t->ops->sync());
-    const double start = omp_get_wtime();
-    MOE_TRY(moe_comm_recv(stage->device_pipe, buf, message_floats(t->model), MOE_COMM_F32, peer, tag));
-    t->waited += omp_get_wtime() - start;
-    /* Sends complete in the order posted; each that has holds backend
-     * resources (an NCCL event slot) until it is seen done, and a step has
-     * 2 grad_accum of them. */
-    while (t->sends_retired < t->sends_posted) {
-        bool done = false;
-        MOE_TRY(moe_comm_test(&t->sends[t->send_order[t->sends_retired]], &done));
-        if (!done) break;
-        t->sends_retired++;
-    }
-    return MOE_OK;
-}
-
-/* Sends what src holds to another stage from buf, a copy that stays put
- * until the step's end waits for req. */
-static moe_status send_stage(moe_trainer *t, const moe_model_stage *stage, moe_comm_request *req, float *buf,
-                             const float *src, int peer, int tag) {
-    const int64_t n = message_floats(t->model);
-    t->ops->copy(buf, src, (size_t)n * sizeof(float));
-    *req = (moe_comm_request)MOE_COMM_REQUEST_INIT;
-    MOE_TRY(moe_comm_isend(stage->device_pipe, req, buf, n, MOE_COMM_F32, peer, tag));
-    t->send_order[t->sends_posted++] = req - t->sends;
-    return MOE_OK;
-}
-
-/* Whether op goes on to another virtual stage (its input's gradient to
- * the one before, its output to the one after), or starts from one. The
- * model's first takes tokens, its last the targets. */
-static bool sends(const moe_pipe_op *op, const moe_model_stage *stage) {
-    return op->backward ? !moe_stage_entry(stage, op->chunk) : !moe_stage_exit(stage, op->chunk);
-}
-static bool receives(const moe_pipe_op *op, const moe_model_stage *stage) {
-    return op->backward ? !moe_stage_exit(stage, op->chunk) : !moe_stage_entry(stage, op->chunk);
 }
 
 /* The stages before and after this one, around the ring an interleaved
@@ -626,58 +724,130 @@ static bool receives(const moe_pipe_op *op, const moe_model_stage *stage) {
 static int prev_stage(const moe_model_stage *stage) { return (stage->index + stage->count - 1) % stage->count; }
 static int next_stage(const moe_model_stage *stage) { return (stage->index + 1) % stage->count; }
 
-/* Micro-batch micro's forward through the stage's chunk (its tokens read):
- * its input from the previous virtual stage, its output sent on to the
- * next. */
-static moe_status stage_forward(moe_trainer *t, int chunk, int64_t micro, bool replay, moe_model_stats *stats) {
-    const int64_t instance = instance_at(t, chunk, micro);
-    moe_model *model = t->instances[instance];
-    const moe_model_stage stage = moe_model_get_stage(model);
-    const moe_pipe_op op = {.backward = false, .chunk = chunk, .micro = micro};
-    const int64_t BT = moe_model_batch_size(model) * moe_model_seq_len(model), n = message_floats(model);
-    const int64_t at = message_at(t, micro, chunk);
-    int32_t *inputs = t->tokens + 2 * BT * micro, *targets = inputs + BT;
-    float *in = slot(t->stage_in, micro % t->in_slots, n);
-    if (!replay) {
-        t->jitter[micro] = moe_model_jitter_counter(model);
-        if (receives(&op, &stage)) MOE_TRY(recv_stage(t, &stage, in, prev_stage(&stage), TAG_FORWARD));
-    }
-    MOE_TRY(moe_model_stage_forward(model, chunk, inputs, in, targets, replay, stats));
-    t->held[instance * t->chunks + chunk] = micro;
-    if (replay || !sends(&op, &stage)) return MOE_OK;
-    return send_stage(t, &stage, &t->sends[2 * at], slot(t->stage_out, at, n), moe_model_stage_output(model, chunk),
-                      next_stage(&stage), TAG_FORWARD);
+/* A post's buffer: a receive's slot, or a send's own. */
+static float *post_buffer(const moe_trainer *t, const moe_pipe_post *post) {
+    const moe_pipe_op *op = &t->running->ops[post->op];
+    const int64_t n = message_floats(t->model);
+    if (!post->send) return slot(op->backward ? t->grad_out : t->stage_in, post->slot, n);
+    return slot(op->backward ? t->grad_in : t->stage_out, message_at(t, op->micro, op->chunk), n);
 }
 
-/* Micro-batch micro's backward through the stage's chunk, after a replay
- * of its forward when its instance holds another's activations by now;
- * the chunk's last of the step (sync) sums the gradients over the ranks
- * that share them. */
-static moe_status stage_backward(moe_trainer *t, int chunk, int64_t micro, bool sync, float grad_scale) {
-    const int64_t instance = instance_at(t, chunk, micro);
+/* Makes the running plan's posts due before op i (every one left, i its
+ * op count) and launches them, one group, without waiting. A send copies
+ * its op's result into its buffer first. On NCCL the messages go on the
+ * pipeline communicator's own stream, so the device finishes what the
+ * ops before wrote (the copies) and read (a receive's buffer before it is
+ * used again) first; the sync also ends the last op's time, so that a
+ * profile gives no op the waits. */
+static moe_status post_messages(moe_trainer *t, int64_t i) {
+    const moe_pipe_plan *plan = t->running;
+    const int64_t first = t->next_post;
+    int64_t end = first;
+    while (end < plan->n_posts && plan->posts[end].before <= i) end++;
+    if (end == first) return MOE_OK;
+    const moe_model_stage stage = moe_model_get_stage(t->model);
+    const int64_t n = message_floats(t->model);
+    for (int64_t p = first; p < end; p++) {
+        const moe_pipe_post *post = &plan->posts[p];
+        if (!post->send) continue;
+        const moe_pipe_op *op = &plan->ops[post->op];
+        moe_model *model = t->instances[instance_at(t, op->chunk, op->micro)];
+        t->ops->copy(post_buffer(t, post),
+                     op->backward ? moe_model_stage_input_grad(model, op->chunk) : moe_model_stage_output(model, op->chunk),
+                     (size_t)n * sizeof(float));
+    }
+    MOE_TRY(t->ops->sync());
+    for (int64_t p = first; p < end; p++) {
+        const moe_pipe_post *post = &plan->posts[p];
+        const moe_pipe_op *op = &plan->ops[post->op];
+        /* A forward's output and a backward's input go to the next stage. */
+        const int peer = post->send != op->backward ? next_stage(&stage) : prev_stage(&stage);
+        const int tag = op->backward ? TAG_BACKWARD : TAG_FORWARD;
+        moe_comm_request *req = &t->requests[p];
+        *req = (moe_comm_request)MOE_COMM_REQUEST_INIT;
+        MOE_TRY(post->send ? moe_comm_isend(stage.device_pipe, req, post_buffer(t, post), n, MOE_COMM_F32, peer, tag)
+                           : moe_comm_irecv(stage.device_pipe, req, post_buffer(t, post), n, MOE_COMM_F32, peer, tag));
+    }
+    t->next_post = end;
+    bool done = false;
+    return moe_comm_test(&t->requests[end - 1], &done);
+}
+
+/* Waits for the message op i of the running plan reads, its wait counted
+ * as idle time. */
+static moe_status wait_input(moe_trainer *t, int64_t i) {
+    const moe_pipe_plan *plan = t->running;
+    MOE_TRY(t->ops->sync());
+    const double start = omp_get_wtime();
+    MOE_TRY(moe_comm_wait(&t->requests[plan->input[i]]));
+    t->waited += omp_get_wtime() - start;
+    /* Sends complete in the order posted; each that has holds backend
+     * resources (an NCCL event slot) until it is seen done, and a step has
+     * 2 grad_accum chunks of them. */
+    for (; t->sends_retired < t->next_post; t->sends_retired++) {
+        if (!plan->posts[t->sends_retired].send) continue;
+        bool done = false;
+        MOE_TRY(moe_comm_test(&t->requests[t->sends_retired], &done));
+        if (!done) break;
+    }
+    return MOE_OK;
+}
+
+/* The running plan's op i, a forward (its tokens read): its input from
+ * the virtual stage before, if it takes one, its output for the one
+ * after (post_messages sends it). replay: again, before its backward, the
+ * input still at hand. */
+static moe_status stage_forward(moe_trainer *t, int64_t i, bool replay, moe_model_stats *stats) {
+    const moe_pipe_plan *plan = t->running;
+    const moe_pipe_op *op = &plan->ops[i];
+    const int64_t instance = instance_at(t, op->chunk, op->micro);
     moe_model *model = t->instances[instance];
-    const moe_model_stage stage = moe_model_get_stage(model);
-    const moe_pipe_op op = {.backward = true, .chunk = chunk, .micro = micro};
-    if (receives(&op, &stage)) MOE_TRY(recv_stage(t, &stage, t->grad_out, next_stage(&stage), TAG_BACKWARD));
-    if (t->held[instance * t->chunks + chunk] != micro) {
-        /* 1F1B keeps no inputs: its instances hold every forward in flight. */
-        const moe_pipe_op forward = {.backward = false, .chunk = chunk, .micro = micro};
-        if (receives(&forward, &stage) && t->in_slots < t->cfg.grad_accum)
-            return moe_error(MOE_ERR_INTERNAL, "trainer: micro-batch %lld's input is gone, its forward cannot be replayed",
-                             (long long)micro);
+    const int64_t BT = moe_model_batch_size(model) * moe_model_seq_len(model);
+    int32_t *inputs = t->tokens + 2 * BT * op->micro, *targets = inputs + BT;
+    const int64_t input = plan->input[i];
+    if (!replay) {
+        t->jitter[op->micro] = moe_model_jitter_counter(model);
+        if (input >= 0) MOE_TRY(wait_input(t, i));
+    }
+    const float *in = input >= 0 ? post_buffer(t, &plan->posts[input]) : NULL;
+    MOE_TRY(moe_model_stage_forward(model, op->chunk, inputs, in, targets, replay, stats));
+    t->held[instance * t->chunks + op->chunk] = op->micro;
+    return MOE_OK;
+}
+
+/* The running plan's op i, a backward, after a replay of its forward
+ * when its instance holds another's activations by now; the chunk's last
+ * of the step (sync) sums the gradients over the ranks that share them. */
+static moe_status stage_backward(moe_trainer *t, int64_t i, bool sync, float grad_scale) {
+    const moe_pipe_plan *plan = t->running;
+    const moe_pipe_op *op = &plan->ops[i];
+    const int64_t instance = instance_at(t, op->chunk, op->micro);
+    moe_model *model = t->instances[instance];
+    if (plan->input[i] >= 0) MOE_TRY(wait_input(t, i));
+    if (t->held[instance * t->chunks + op->chunk] != op->micro) {
+        /* GPipe's plan keeps each forward's input until its backward; 1F1B
+         * keeps every forward in flight on an instance of its own. */
+        if (t->cfg.pipe_schedule != MOE_PIPE_GPIPE)
+            return moe_error(MOE_ERR_INTERNAL, "trainer: micro-batch %lld's activations are gone, its forward "
+                                               "cannot be replayed",
+                             (long long)op->micro);
         const uint64_t latest = moe_model_jitter_counter(model);
-        moe_model_set_jitter_counter(model, t->jitter[micro]);
-        const moe_status st = stage_forward(t, chunk, micro, true, NULL);
+        moe_model_set_jitter_counter(model, t->jitter[op->micro]);
+        const moe_status st = stage_forward(t, t->forward_op[message_at(t, op->micro, op->chunk)], true, NULL);
         moe_model_set_jitter_counter(model, latest);
         MOE_TRY(st);
     }
     moe_model_set_grad_sync(model, sync);
-    MOE_TRY(moe_model_stage_backward(model, chunk, t->grad_out, grad_scale));
-    t->held[instance * t->chunks + chunk] = -1;
-    if (!sends(&op, &stage)) return MOE_OK;
-    const int64_t at = message_at(t, micro, chunk);
-    return send_stage(t, &stage, &t->sends[2 * at + 1], slot(t->grad_in, at, message_floats(model)),
-                      moe_model_stage_input_grad(model, chunk), prev_stage(&stage), TAG_BACKWARD);
+    const float *dy = plan->input[i] >= 0 ? post_buffer(t, &plan->posts[plan->input[i]]) : NULL;
+    MOE_TRY(moe_model_stage_backward(model, op->chunk, dy, grad_scale));
+    t->held[instance * t->chunks + op->chunk] = -1;
+    return MOE_OK;
+}
+
+/* Starts the running plan: no post made yet. */
+static void start_plan(moe_trainer *t, const moe_pipe_plan *plan) {
+    t->running = plan;
+    t->next_post = t->sends_retired = 0;
 }
 
 /* The stages' shares of the step's statistics add up to the model's;
@@ -756,12 +926,11 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
 
     for (int64_t micro = 0; micro < M; micro++) MOE_TRY(read_batch(t, data, micro, "training data"));
     moe_model_take_expert_load(model, NULL); /* this step's forwards alone */
-    const moe_pipe_op *ops = t->schedule;
-    const int64_t n_ops = 2 * M * t->chunks;
+    const moe_pipe_op *ops = t->plan->ops;
+    const int64_t n_ops = t->plan->n_ops;
     const double schedule_start = omp_get_wtime();
     t->waited = 0.0;
-    for (int64_t i = 0; i < n_ops; i++) t->sends[i] = (moe_comm_request)MOE_COMM_REQUEST_INIT;
-    t->sends_posted = t->sends_retired = 0;
+    start_plan(t, t->plan);
     for (int64_t i = 0; i < t->n_instances; i++) moe_model_set_training(t->instances[i], true);
     for (int64_t i = 0; i < t->n_instances * t->chunks; i++) t->held[i] = -1;
     /* Each chunk's last backward of the step sums its gradients. */
@@ -770,11 +939,12 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
         if (ops[i].backward) last_backward[ops[i].chunk] = i;
     moe_status st = MOE_OK;
     for (int64_t i = 0; i < n_ops && st == MOE_OK; i++) {
-        const int64_t micro = ops[i].micro;
         const int chunk = ops[i].chunk;
+        st = post_messages(t, i);
+        if (st != MOE_OK) break;
         if (!ops[i].backward) {
             moe_model_stats s;
-            st = stage_forward(t, chunk, micro, false, &s);
+            st = stage_forward(t, i, false, &s);
             if (st != MOE_OK) break;
             /* Zeroed after the first forward, whose token uploads would
              * otherwise wait for the device to finish it. */
@@ -782,22 +952,14 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
             moe_model_stats_add(&sum, &s);
         } else {
             /* Sharded, every run with a group is reduce-scattered instead. */
-            st = stage_backward(t, chunk, micro, !t->sharded && i == last_backward[chunk], micro_scale);
-        }
-        /* On NCCL a send waits in its group for the backend's next call: a
-         * receive that starts the next op joins it (which keeps two stages
-         * that both send first from waiting on each other); with none, the
-         * send is launched now, or its peer would wait for this stage's
-         * later work. A test launches it without waiting. */
-        if (st == MOE_OK && sends(&ops[i], &stage) && (i + 1 == n_ops || !receives(&ops[i + 1], &stage))) {
-            bool done = false;
-            st = moe_comm_test(&t->sends[2 * message_at(t, micro, chunk) + ops[i].backward], &done);
+            st = stage_backward(t, i, !t->sharded && i == last_backward[chunk], micro_scale);
         }
     }
+    if (st == MOE_OK) st = post_messages(t, n_ops);
     /* Every send is done before its buffer is written again. */
     const double sends_start = omp_get_wtime();
     const double busy = sends_start - step_start - (moe_comm_wait_seconds() - waits_start);
-    st = moe_comm_wait_all(t->sends, (int)n_ops, st);
+    st = moe_comm_wait_all(t->requests, (int)t->next_post, st);
     MOE_TRY(st);
     /* Every stage's share over one span, to the moment the last stage is
      * done: a stage that finishes early waits for the others here. */
@@ -861,15 +1023,16 @@ moe_status moe_trainer_eval(moe_trainer *t, moe_data *data, int64_t n_batches, d
         /* Forwards only, chunk after chunk, through the first
          * micro-batch's buffers: a send completes before the next batch
          * reuses its buffer. */
-        for (int c = 0; c < t->chunks; c++) t->sends[2 * message_at(t, 0, c)] = (moe_comm_request)MOE_COMM_REQUEST_INIT;
-        t->sends_posted = t->sends_retired = 0;
         st = read_batch(t, data, 0, "validation data");
-        for (int c = 0; c < t->chunks && st == MOE_OK; c++) {
+        start_plan(t, t->eval_plan);
+        for (int64_t i = 0; i < t->eval_plan->n_ops && st == MOE_OK; i++) {
             moe_model_stats s;
-            st = stage_forward(t, c, 0, false, &s);
+            st = post_messages(t, i);
+            if (st == MOE_OK) st = stage_forward(t, i, false, &s);
             if (st == MOE_OK) total += s.ce_loss;
         }
-        for (int c = 0; c < t->chunks; c++) st = moe_comm_wait_all(&t->sends[2 * message_at(t, 0, c)], 1, st);
+        if (st == MOE_OK) st = post_messages(t, t->eval_plan->n_ops);
+        st = moe_comm_wait_all(t->requests, (int)t->next_post, st);
         if (st == MOE_OK && on_batch) st = on_batch(ctx, model, t->tokens + BT, b);
     }
     moe_model_set_training(model, true);

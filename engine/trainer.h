@@ -52,13 +52,52 @@ moe_status moe_pipe_schedule_check(moe_pipe_schedule kind, int stages, int chunk
  * `stages` micro-batches (the backwards the other way round), and each
  * stage first runs the forwards that fill the pipeline below it,
  * 2 (stages - stage - 1) + (chunks - 1) x stages of them; the bubble is then about
- * 1 / chunks of plain 1F1B's, for more forwards in flight. Every stage
- * sends each of its neighbours its messages in the order that neighbour
- * receives them, whatever their kind; the interleaved order relies on
- * sends that complete without their receive (MPI's, buffered), and a
- * trainer refuses it over NCCL. Fails as moe_pipe_schedule_check. */
+ * 1 / chunks of plain 1F1B's, for more forwards in flight. Fails as
+ * moe_pipe_schedule_check. */
 moe_status moe_pipe_schedule_ops(moe_pipe_op *ops, moe_pipe_schedule kind, int stage, int stages, int chunks,
                                  int64_t M);
+
+/* A message between two virtual stages as one stage posts it: the output
+ * of one of its ops for a neighbour, or the input of one from a
+ * neighbour (a forward's activations, a backward's gradient). */
+typedef struct moe_pipe_post {
+    int64_t op;     /* the stage's op (moe_pipe_plan.ops) that sends it or receives it */
+    bool send;
+    int from;       /* the virtual stage that sends it, chunk x stages + stage */
+    int64_t at;     /* when the op that makes it ends on the plan's timeline */
+    int64_t before; /* posted before the stage's op `before` (n_ops: after the last) */
+    int64_t slot;   /* a receive's buffer: forward inputs and gradients are numbered apart */
+} moe_pipe_post;
+
+/* When a stage posts its messages, so that no backend's matching can make
+ * two stages wait on each other. NCCL pairs a sender's sends with its
+ * peer's receives in the order posted, without tags; a send (or receive)
+ * completes only once its peer's receive (send) is posted; and an NCCL
+ * group holds up what follows it on its stream until all of its messages
+ * are through. The plan takes every stage's schedule through one
+ * timeline (each op as soon as its input is there and the one before it
+ * done; a backward costing two forwards) and gives each message the time
+ * its op ends there. Before each op a stage posts, as one group, the
+ * messages due by that op's start there, in order of time: a message
+ * then waits for nothing but messages of earlier times, and the stages
+ * keep the timeline's order whatever their speeds. On a stream of their
+ * own the messages keep the timeline's bubble too; on the compute's
+ * stream a receive posted early would hold up the ops before it.
+ * Receive buffers are reused once the op that reads them is done (under
+ * GPipe a forward's input is kept for its replay). forward_only: chunks
+ * x M forwards, micro-batch by micro-batch, as an evaluation runs them. */
+typedef struct moe_pipe_plan {
+    int64_t n_ops;        /* 2 chunks M, or chunks M forward_only */
+    moe_pipe_op *ops;     /* [n_ops] the stage's order */
+    int64_t n_posts;
+    moe_pipe_post *posts; /* [n_posts] in the order posted */
+    int64_t *input;       /* [n_ops] the post that receives op i's input; -1: none */
+    int64_t slots[2];     /* receive buffers used: forward inputs, gradients */
+} moe_pipe_plan;
+
+moe_status moe_pipe_plan_create(moe_pipe_plan **plan, moe_pipe_schedule kind, bool forward_only, int stage, int stages,
+                                int chunks, int64_t M);
+void moe_pipe_plan_destroy(moe_pipe_plan *plan);
 
 typedef struct moe_optim_config {
     double lr;          /* peak learning rate */
@@ -148,11 +187,9 @@ typedef struct moe_step_metrics {
  * stage's inputs and the last's targets, and runs the schedule: a chunk
  * receives each forward's input from the virtual stage before, sends its
  * output to the one after (round the ring of stages when they
- * interleave), and the gradients flow back the same way; sends are
- * non-blocking, each from its own buffer, and complete before the step
- * ends, so no stage waits on a send. (On NCCL a send joins a group that
- * the backend's next call launches: the stage's next receive when one
- * follows, else at once; the receives retire the sends done.) Under 1F1B a stage keeps the
+ * interleave), and the gradients flow back the same way, posted as the
+ * plan says (moe_pipe_plan_create); sends are non-blocking, each from its
+ * own buffer, and complete before the step ends. Under 1F1B a stage keeps the
  * activations of each forward in flight (at most stages - stage of them
  * without interleaving), each on an instance of the model of its own (the
  * model and its twins, moe_model_create_twin, a twin holding the chunks
@@ -162,8 +199,8 @@ typedef struct moe_step_metrics {
  * kept (its jitter noise drawn again, no load counted twice), so every
  * stage recomputes all forwards but the last (the backwards run last
  * micro-batch first). A stage also keeps, per micro-batch of the step,
- * 2 x chunks messages (and under GPipe its input), B*T x hidden each. The
- * metrics are the whole model's, on every stage. */
+ * 2 x chunks messages to send, and the plan's receive buffers, B*T x
+ * hidden each. The metrics are the whole model's, on every stage. */
 /* The last step's expert load, [num_hidden_layers, E]: per layer, the
  * (token, slot) pairs each expert kept over the global batch, its
  * micro-batches summed; every stage's layers, on every rank. Zeros before
