@@ -75,6 +75,11 @@ expect_fail "--max-new-tokens negative" 2 "--max-new-tokens -1 must be positive"
 expect_fail "--max-new-tokens past int64" 2 "--max-new-tokens '99999999999999999999'" "${p[@]}" \
     --max-new-tokens 99999999999999999999
 expect_fail "--temperature not finite" 2 "--temperature 'nan'" "${p[@]}" --temperature nan
+# A value a double cannot hold is quoted as typed, not as the 0 it rounds to.
+expect_fail "--temperature rounding to 0" 2 "--temperature '1e-400': out of range: a double rounds it to 0" \
+    "${p[@]}" --temperature 1e-400
+expect_fail "--top-p past the largest double" 2 "--top-p '-2e308': out of range: a double rounds it to infinity" \
+    "${p[@]}" --top-p -2e308
 expect_fail "--temperature negative" 2 "--temperature -0.5 must be" "${p[@]}" --temperature -0.5
 # Integers and reals alike: no sign but '-', no leading space.
 expect_fail "--samples with a '+'" 2 "--samples '+2'" "${p[@]}" --samples +2

@@ -41,16 +41,19 @@ static int parse_int(int64_t *out, const char *flag, const char *s) {
     return 0;
 }
 
-/* Decimal only (strtod also reads hex: "0x10" is not a learning rate);
- * a value too small for a normal double is taken as strtod rounds it, one
- * too large for any double is refused. */
+/* Decimal only (strtod also reads hex: "0x10" is not a learning rate).
+ * A value too small for a normal double is taken as strtod rounds it; one
+ * that rounds to 0 or past the largest double is refused, quoting the text
+ * (a later check would quote the 0, or a --temperature turn greedy). */
 static int parse_real(double *out, const char *flag, const char *s) {
     char *end;
     errno = 0;
     double v = strtod(s, &end);
-    if ((errno && errno != ERANGE) || !starts_number(s, true, true) || *end || !isfinite(v) ||
-        strpbrk(s, "xX") != NULL)
+    if ((errno && errno != ERANGE) || !starts_number(s, true, true) || *end || strpbrk(s, "xX") != NULL)
         return cli_usage_error("%s '%s': expected a number", flag, s);
+    if (errno == ERANGE && (v == 0.0 || !isfinite(v)))
+        return cli_usage_error("%s '%s': out of range: a double rounds it to %s", flag, s,
+                               v == 0.0 ? "0" : "infinity");
     *out = v;
     return 0;
 }
