@@ -418,17 +418,20 @@ static moe_status fill_defaults(moe_model_config *cfg, given *state, const other
     return MOE_OK;
 }
 
+/* A config that can never be read (not JSON, or past the size limit) is
+ * refused as one with a bad value: MOE_ERR_CONFIG, whose detail is st's. */
+static moe_status as_config_error(moe_status st) {
+    if (st != MOE_ERR_FORMAT) return st;
+    char message[MOE_ERROR_BYTES];
+    snprintf(message, sizeof message, "%s", moe_last_error());
+    return moe_error(MOE_ERR_CONFIG, "%s", message);
+}
+
 moe_status moe_model_config_parse(moe_model_config *cfg, const char *text, size_t len, const char *name,
                                   moe_warn_fn wfn, void *wctx) {
     if (name == NULL) name = "config.json";
     moe_json_doc *doc;
-    moe_status parsed = moe_json_parse(&doc, text, len, name);
-    if (parsed == MOE_ERR_FORMAT) { /* a config that can never be read, as one with a bad value */
-        char message[512];
-        snprintf(message, sizeof message, "%s", moe_last_error());
-        return moe_error(MOE_ERR_CONFIG, "%s", message);
-    }
-    MOE_TRY(parsed);
+    MOE_TRY(as_config_error(moe_json_parse(&doc, text, len, name)));
     memset(cfg, 0, sizeof *cfg);
     given state[N_FIELDS] = {ABSENT};
     other_values o = {.rope_params_theta = NAN};
@@ -442,7 +445,7 @@ moe_status moe_model_config_parse(moe_model_config *cfg, const char *text, size_
 moe_status moe_model_config_load(moe_model_config *cfg, const char *path, moe_warn_fn wfn, void *wctx) {
     char *text;
     size_t len;
-    MOE_TRY(moe_file_read_all(&text, &len, path, MAX_CONFIG_BYTES));
+    MOE_TRY(as_config_error(moe_file_read_all(&text, &len, path, MAX_CONFIG_BYTES)));
     moe_status st = moe_model_config_parse(cfg, text, len, path, wfn, wctx);
     free(text);
     return st;

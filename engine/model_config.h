@@ -81,7 +81,9 @@ typedef void (*moe_warn_fn)(void *ctx, const char *message);
 const char *moe_gate_kind_name(int kind);
 
 /* Reads and validates a config.json; warn may be NULL. On failure *cfg is
- * unspecified. */
+ * unspecified. A file that cannot be opened or read is MOE_ERR_IO; one
+ * that can never be a config (not JSON, past 16 MiB, a bad value) is
+ * MOE_ERR_CONFIG. */
 moe_status moe_model_config_load(moe_model_config *cfg, const char *path, moe_warn_fn warn, void *warn_ctx);
 
 /* The same from text [len]; name (a file name) leads every message. */

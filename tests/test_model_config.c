@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common/rng.h"
 #include "common/status.h"
@@ -638,6 +639,11 @@ Test(model_config, save_then_load_is_identical, .init = make_tmpdir, .fini = rem
     snprintf(missing, sizeof missing, "%s/none.json", tmpdir);
     cr_expect_eq(moe_model_config_load(&m2, missing, NULL, NULL), MOE_ERR_IO);
     cr_expect(strstr(moe_last_error(), "none.json: cannot open") != NULL, "%s", moe_last_error());
+    /* Past the size limit it can never be read, as one that is not JSON: a
+     * config error (moe-train's exit 2), not one another try may fix. */
+    cr_assert_eq(truncate(path, ((off_t)16 << 20) + 1), 0);
+    cr_expect_eq(moe_model_config_load(&m2, path, NULL, NULL), MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "is 16777217 bytes, more than the limit") != NULL, "%s", moe_last_error());
 }
 
 /* The base config without the keys in drop (a NULL-terminated list), with
