@@ -838,7 +838,14 @@ moe_status moe_st_dir_open(moe_st_dir **dir, const char *path) {
     moe_status st = MOE_OK;
     if (index_path == NULL || single_path == NULL) st = moe_error(MOE_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
     if (st == MOE_OK) st = has_entry(&indexed, index_path);
-    if (st == MOE_OK && !indexed) st = has_entry(&single, single_path);
+    if (st == MOE_OK) st = has_entry(&single, single_path);
+    /* Either could be the model meant, and their weights may differ: no
+     * save here writes both, so one is left from something else (a copy,
+     * a download), and which one only the user knows. */
+    if (st == MOE_OK && indexed && single)
+        st = moe_error(MOE_ERR_FORMAT, "%s: holds both %s and %s, whose weights may differ: move out the one that "
+                                       "is not the model to load",
+                       path, INDEX_FILE, SINGLE_FILE);
     if (st == MOE_OK) {
         if (indexed)
             st = read_index(d, index_path);

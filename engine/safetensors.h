@@ -110,7 +110,8 @@ moe_status moe_st_write(const char *path, const moe_st_entry *tensors, int64_t c
 
 /* A directory holding either model.safetensors.index.json
  * ({"metadata": {...}, "weight_map": {tensor: shard file}}) and its shards,
- * or a single model.safetensors. Each shard is opened once; every tensor the
+ * or a single model.safetensors, not both (which one is the model is not
+ * known: refused, naming both). Each shard is opened once; every tensor the
  * index names must be in the shard it names, and every tensor of a shard
  * must be one the index puts there. Shard names must be plain file names in
  * the directory. A directory that is missing, unreadable or not a

@@ -505,6 +505,17 @@ Test(safetensors, single_file_directory, .init = make_tmpdir, .fini = remove_tmp
     cr_expect_not_null(moe_st_dir_find(d, "z", NULL));
     cr_expect_null(moe_st_dir_index_path(d), "no index was read");
     moe_st_dir_close(d);
+
+    /* With an index beside it, either may be the model: refused, naming
+     * both, rather than one of them read without a word. */
+    write_shard("one", "s1.safetensors", (const char *[]){"z", "y"}, 2);
+    write_index("one", "{\"weight_map\":{\"z\":\"s1.safetensors\",\"y\":\"s1.safetensors\"}}");
+    d = (moe_st_dir *)1;
+    cr_expect_eq(moe_st_dir_open(&d, in_tmp("one")), MOE_ERR_FORMAT);
+    cr_expect_null(d);
+    char want[1024];
+    snprintf(want, sizeof want, "%s: holds both model.safetensors.index.json and model.safetensors", in_tmp("one"));
+    cr_expect(strstr(moe_last_error(), want) != NULL, "\"%s\" lacks \"%s\"", moe_last_error(), want);
 }
 
 Test(safetensors, bad_directories, .init = make_tmpdir, .fini = remove_tmpdir) {
