@@ -1232,15 +1232,18 @@ static moe_status write_run_files(run *r, const moe_run_summary *s) {
 static moe_status open_metrics(run *r) {
     if (r->o->resume) MOE_TRY(trim_metrics(r->metrics_path, r->start_step));
     r->metrics = fopen(r->metrics_path, r->o->resume ? "a" : "w");
-    if (!r->metrics) return moe_error(MOE_ERR_IO, "%s: cannot open for writing", r->metrics_path);
+    if (!r->metrics)
+        return moe_error(MOE_ERR_IO, "%s: cannot open for writing: %s", r->metrics_path, strerror(errno));
     return MOE_OK;
 }
 
 static moe_status append_metrics(run *r, moe_json_writer *w) {
     moe_status st = moe_json_writer_finish(w);
     if (st == MOE_OK && !r->metrics) st = open_metrics(r);
+    errno = 0;
     if (st == MOE_OK && (fprintf(r->metrics, "%s\n", w->buf) < 0 || fflush(r->metrics) != 0))
-        st = moe_error(MOE_ERR_IO, "%s: write failed", r->metrics_path);
+        st = moe_error(MOE_ERR_IO, "%s: write failed: %s", r->metrics_path,
+                       errno != 0 ? strerror(errno) : "short write");
     moe_json_writer_free(w);
     return st;
 }

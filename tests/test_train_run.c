@@ -9,11 +9,14 @@
 #define _XOPEN_SOURCE 700
 #include <criterion/criterion.h>
 #include <dirent.h>
+#include <errno.h>
 #include <ftw.h>
 #include <math.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -1142,6 +1145,26 @@ Test(train_run, resume_logs_each_step_once, .init = make_tmp, .fini = remove_tmp
         cr_expect_eq(eval_lines[s], s == 5 || s == 10, "step %d evaluated %d times", s, eval_lines[s]);
     }
     cr_expect_eq(other, 0, "%d lines without a step", other);
+}
+
+/* A metrics.jsonl write that fails says why, as a checkpoint's does. The
+ * file size limit stands for a full disk: run.json fits under it, and the
+ * log passes it long before the run's one checkpoint. */
+Test(train_run, a_failed_metrics_write_says_why, .init = make_tmp, .fini = remove_tmp) {
+    char cfg[512], out[512];
+    moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE), tmp_path(out, "out"));
+    o.steps = 200;
+    o.warmup = 1;
+    signal(SIGXFSZ, SIG_IGN); /* the write fails with EFBIG instead */
+    const struct rlimit limit = {.rlim_cur = 16 << 10, .rlim_max = RLIM_INFINITY};
+    cr_assert_eq(setrlimit(RLIMIT_FSIZE, &limit), 0);
+    seen v;
+    moe_run_callbacks cb = callbacks(&v);
+    cr_expect_eq(moe_run(&o, &cb), MOE_ERR_IO);
+    char want[600];
+    snprintf(want, sizeof want, "%s/metrics.jsonl: write failed: %s", out, strerror(EFBIG));
+    cr_expect(strstr(moe_last_error(), want), "\"%s\" lacks \"%s\"", moe_last_error(), want);
+    cr_expect(v.steps > 0 && v.steps < o.steps, "failed after %d steps", v.steps);
 }
 
 /* A resumed run that fails before its first step leaves metrics.jsonl as
