@@ -1582,11 +1582,14 @@ static void prune_checkpoints(const run *r, int64_t saved) {
  * on failing, and leave its checkpoints among the new run's. It is
  * refused unless --overwrite, under which remove deletes them. --resume of
  * a checkpoint in --out continues that run, whose log it cuts back to the
- * checkpoint, and its checkpoints too: later ones that it will write again
- * go (with remove), any others are the same kind of leftover. An --out
- * holding a model (a checkpoint's or a download's), or --init-from's
- * checkpoint, is refused outright, as is an entry named like a checkpoint
- * that is not a directory: the run's save would fail at its end. */
+ * checkpoint; its later checkpoints are refused the same way, those it
+ * would write again too: removed at the start, they were lost to a run
+ * that died before their steps came, and kept, they stood among this
+ * run's for --resume latest to take. So nothing in --out goes without
+ * --overwrite. An --out holding a model (a checkpoint's or a download's),
+ * or --init-from's checkpoint, is refused outright, as is an entry named
+ * like a checkpoint that is not a directory: the run's save would fail at
+ * its end. */
 static moe_status clear_out_dir(const moe_run_options *o, bool remove) {
     if (o->eval_only) return MOE_OK; /* it writes nothing there */
     DIR *dir = opendir(o->out_dir);
@@ -1638,15 +1641,12 @@ static moe_status clear_out_dir(const moe_run_options *o, bool remove) {
                            path);
         if (st != MOE_OK) continue;
         /* In place, the run's own files stay and its checkpoints up to the
-         * one resumed. Later ones are of the trajectory the resume cuts (as
-         * it cuts the log): those the resumed run will write again go at its
-         * start, so that no other run's step stands among this one's (for
-         * --resume latest to take); any others are leftovers. */
+         * one resumed; later ones are of the trajectory the resume cuts (as
+         * it cuts the log). */
         const int64_t at = step ? strtoll(e->d_name + 5, NULL, 10) : -1;
         if (in_place && (!step || at <= resumed_step)) continue;
-        const bool again = in_place && at <= o->steps && due(at, o->save_every, o->steps);
-        if (!again && !found[0]) snprintf(found, sizeof found, "%s", e->d_name);
-        if (!remove || same_path(path, o->resume)) continue;
+        if (!found[0]) snprintf(found, sizeof found, "%s", e->d_name);
+        if (!remove || !o->overwrite || same_path(path, o->resume)) continue;
         st = step ? moe_remove_tree(path) : (unlink(path) == 0 ? MOE_OK : moe_error(MOE_ERR_IO, "cannot remove %s: %s",
                                                                                   path, strerror(errno)));
     }
@@ -1654,8 +1654,8 @@ static moe_status clear_out_dir(const moe_run_options *o, bool remove) {
     MOE_TRY(st);
     if (found[0] && !o->overwrite && in_place)
         return moe_error(MOE_ERR_CONFIG, "--out %s holds %s, later than the checkpoint --resume continues, which the "
-                         "resumed run would leave beside its own: resume the latest, or pass --overwrite to remove "
-                         "the later ones", o->out_dir, found);
+                         "resumed run would replace or leave beside its own: resume the latest, or pass --overwrite "
+                         "to remove the later ones", o->out_dir, found);
     if (found[0] && !o->overwrite)
         return moe_error(MOE_ERR_CONFIG, "--out %s holds another run (%s%s): continue it with --resume %s/step-NNNNNN, "
                          "write to another --out, or pass --overwrite to replace it",
@@ -1814,7 +1814,8 @@ static moe_status run_body(run *r, double start) {
     };
     if (!o->eval_only && r->rank == 0) {
         MOE_TRY(clear_dead_saves(r));
-        /* Without --overwrite it removes only what an in-place resume cuts. */
+        /* It removes only under --overwrite; without, the check at the
+         * start refused what stands in the way. */
         MOE_TRY(clear_out_dir(o, true));
         MOE_TRY(write_run_files(r, &summary));
     }
@@ -1934,9 +1935,9 @@ static moe_status last_logged_step(const char *out_dir, int64_t *step) {
 }
 
 /* --resume latest into *out (the options otherwise o's; path holds the
- * checkpoint's): the newest checkpoint in --out no later than the last
- * step its metrics.jsonl logged (an in-place resume from an earlier one
- * leaves later ones from before it, which this run's log has cut), whose
+ * checkpoint's): the newest checkpoint in --out, refused when it is later
+ * than the last step its metrics.jsonl logged (a step is logged before
+ * its checkpoint is saved), whose
  * config must be --config's when that is given, with --config and
  * --init-from then dropped; *done when it is at --steps already. With no
  * checkpoint in --out, a new run that replaces the files of a start that
@@ -1951,14 +1952,15 @@ static moe_status resolve_latest(moe_run_options *out, bool *done, char *path, c
     int64_t logged;
     MOE_TRY(list_checkpoints(&found, &n, o->out_dir));
     moe_status st = last_logged_step(o->out_dir, &logged);
-    size_t pick = 0;
-    while (pick < n && logged >= 0 && found[pick].step > logged) pick++;
-    if (st == MOE_OK && n > 0 && pick == n)
-        st = moe_error(MOE_ERR_CONFIG, "--resume " MOE_RUN_RESUME_LATEST ": the checkpoints in --out %s (the newest "
-                                       "%s) are later than the last step its metrics.jsonl logged, %lld: resume one "
-                                       "by name",
+    /* A checkpoint past the log is not the run the log tells, and the
+     * restart may not remove it (--overwrite would remove the run): the
+     * user picks. */
+    if (st == MOE_OK && n > 0 && logged >= 0 && found[0].step > logged)
+        st = moe_error(MOE_ERR_CONFIG, "--resume " MOE_RUN_RESUME_LATEST ": --out %s holds %s, later than the last "
+                                       "step its metrics.jsonl logged, %lld: resume a checkpoint by name (one "
+                                       "before it under --overwrite, which removes the later ones)",
                        o->out_dir, found[0].name, (long long)logged);
-    if (st == MOE_OK && pick < n) st = path_join(path, o->out_dir, found[pick].name);
+    if (st == MOE_OK && n > 0) st = path_join(path, o->out_dir, found[0].name);
     free(found);
     if (st != MOE_OK) return st;
     if (n == 0) {

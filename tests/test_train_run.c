@@ -814,7 +814,18 @@ Test(train_run, an_out_holding_another_run_is_refused, .init = make_tmp, .fini =
     o.resume = renamed;
     cr_expect_eq(moe_run(&o, &cb), MOE_ERR_IO, "a resume of a missing checkpoint");
     cr_expect(strstr(moe_last_error(), "step-000009: No such file"), "%s", moe_last_error());
+    /* A later checkpoint the resumed run would write again is refused too,
+     * and stays: removed at the start, it was lost when the run died
+     * before its step came. */
     o.resume = link;
+    o.steps = 5;
+    cr_expect_eq(moe_run(&o, &cb), MOE_ERR_CONFIG, "a resume in place that would write a later checkpoint again");
+    cr_expect(strstr(moe_last_error(), "step-000005, later than the checkpoint") &&
+                  strstr(moe_last_error(), "--overwrite"),
+              "%s", moe_last_error());
+    snprintf(path, sizeof path, "%s/step-000005", out);
+    cr_expect(access(path, F_OK) == 0, "the refused resume removed %s", path);
+    o.steps = 4;
     o.overwrite = true;
     run_ok(&o, &v);
     snprintf(path, sizeof path, "%s/step-000005", out);
@@ -1012,9 +1023,8 @@ Test(train_run, dead_saves_are_cleared_at_the_next_start, .init = make_tmp, .fin
     snprintf(path, sizeof path, "%s/%s", out, kept[0]);
     cr_expect(stat(path, &sb) == 0 && v.warnings == 1, "--overwrite removed %s, the only copy of its step", kept[0]);
     /* A set-aside copy of a checkpoint that stands, cut by an in-place
-     * resume of an earlier one: removed as a copy, not named as the
-     * only one. */
-    o.overwrite = false;
+     * resume of an earlier one (under --overwrite, which removes the later
+     * checkpoints): removed as a copy, not named as the only one. */
     char at4[600];
     snprintf(at4, sizeof at4, "%s/step-000004", out);
     snprintf(path, sizeof path, "%s/.step-000004.old-31", out);
@@ -1119,6 +1129,7 @@ Test(train_run, resume_logs_each_step_once, .init = make_tmp, .fini = remove_tmp
 
     o.config = NULL;
     o.resume = tmp_path(resume, "out/step-000005");
+    o.overwrite = true; /* step 10's checkpoint, which the resumed run writes again */
     run_ok(&o, &v);
     cr_assert_eq(v.steps, 5);
     size_t size;
@@ -1718,11 +1729,12 @@ Test(train_run, keep_last_removes_older_checkpoints, .init = make_tmp, .fini = r
     run_ok(&o, &v);
     cr_expect_str_eq(listing(names, sizeof names, out),
                      "config.json metrics.jsonl run.json step-000005 step-000007 step-000008");
-    /* Resumed in place from step 5 with 7 and 8 still there: they go at the
-     * start, being the trajectory the resume cuts (no other run's step may
-     * stand among this one's); keeping one, the save of step 6 keeps
-     * itself and the checkpoint resumed from. */
+    /* Resumed in place from step 5 with 7 and 8 still there: --overwrite
+     * removes them at the start, being the trajectory the resume cuts (no
+     * other run's step may stand among this one's); keeping one, the save
+     * of step 6 keeps itself and the checkpoint resumed from. */
     o.keep_last = 1;
+    o.overwrite = true;
     moe_run_callbacks cb = callbacks(&v);
     cb.on_checkpoint = list_at_step_7;
     listed_at_7[0] = '\0';
@@ -1820,12 +1832,24 @@ Test(train_run, resume_latest_restarts_from_the_newest, .init = make_tmp, .fini 
     cr_expect(v.starts == 0 && v.steps == 0 && strstr(v.warning, "nothing to do"), "a finished run: %d steps, '%s'",
               v.steps, v.warning);
 
-    /* The log ends at step 5 (an in-place resume from step 4 that died
-     * after step 5): step 6 is an older trajectory's, step 4 this one's. */
+    /* The log ends at step 5, and step 6's checkpoint stands: it is not
+     * the run the log tells, nor can the restart remove it (--overwrite
+     * is refused with latest): refused, naming it, and left; resumed by
+     * name under --overwrite, from step 4, the log's. */
     keep_lines(tmp_path(a, "out/metrics.jsonl"), 5);
+    cr_expect_eq(moe_run(&o, &cb), MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "step-000006, later than the last step its metrics.jsonl logged, 5"),
+              "message: %s", moe_last_error());
+    cr_expect(access(tmp_path(b, "out/step-000006"), F_OK) == 0, "the refused restart removed step 6");
+    o.resume = tmp_path(b, "out/step-000004");
+    o.config = NULL;
+    o.overwrite = true;
     run_ok(&o, &v);
     cr_expect(v.steps == 2 && v.last_step == 6, "after the log's step 5: %d steps, to %lld", v.steps,
               (long long)v.last_step);
+    o.resume = MOE_RUN_RESUME_LATEST;
+    o.config = cfg;
+    o.overwrite = false;
 
     /* A start that died before its first checkpoint left its run files: the
      * restart replaces them. */
