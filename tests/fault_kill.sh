@@ -13,9 +13,6 @@ set -u
 bin=$1
 shift
 launcher=("$@")
-out=$(mktemp -d)
-trap 'rm -rf "$out"' EXIT
-export OMP_NUM_THREADS=1
 . "$(dirname "${BASH_SOURCE[0]}")/check.sh"
 
 start=$(date +%s)

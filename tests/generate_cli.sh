@@ -6,21 +6,14 @@
 # both with 'moe-generate: ' on stderr and nothing on stdout (one that
 # fails once started has printed its header line); a good run prints the
 # header line and one line per sample, and exits 1 when stdout cannot take
-# them. With --tokenizer a sample prints as the text of the ids it prints
-# without.
+# them (a full disk, a pipe whose reader has gone). With --tokenizer a
+# sample prints as the text of the ids it prints without.
 # Usage: generate_cli.sh BINDIR (holding moe-train and moe-generate)
 set -u
 bin=$1
-out=$(mktemp -d)
-trap 'rm -rf "$out"' EXIT
-export OMP_NUM_THREADS=1
 . "$(dirname "${BASH_SOURCE[0]}")/check.sh"
 
-cat >"$out/tiny.json" <<'EOF'
-{"vocab_size": 54, "hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 1,
- "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8, "num_local_experts": 4,
- "num_experts_per_tok": 2, "max_position_embeddings": 64}
-EOF
+tiny_config "$out/tiny.json"
 "$bin/moe-train" --config "$out/tiny.json" --steps 2 --batch-size 2 --seq-len 16 --eval-batches 1 \
     --peak-gflops 1 --device cpu --out "$out/run" >"$out/train.log" 2>&1
 check "moe-train leaves a checkpoint" "$([ -f "$out/run/step-000002/model.safetensors" ]; echo $?)"
@@ -131,6 +124,18 @@ if [ -w /dev/full ]; then
     check "samples stdout cannot take exit 1 (exit $rc: $(head -c 200 "$out/full.err"))" \
         "$([ "$rc" -eq 1 ] && grep -q '^moe-generate: writing to stdout failed' "$out/full.err"; echo $?)"
 fi
+# A reader gone before the first line (| head): the writes fail, and the
+# program says so with exit 1 instead of dying of SIGPIPE without a word
+# (at its default action here, whatever the test's shell was given).
+dfl=()
+env --default-signal=PIPE true 2>/dev/null && dfl=(env --default-signal=PIPE)
+(
+    sleep 0.5
+    exec "${dfl[@]}" "$bin/moe-generate" "${p[@]}" --max-new-tokens 3 --threads 1 2>"$out/pipe.err"
+) | true
+rc=${PIPESTATUS[0]}
+check "samples into a closed pipe exit 1 (exit $rc: $(head -c 200 "$out/pipe.err"))" \
+    "$([ "$rc" -eq 1 ] && grep -q '^moe-generate: writing to stdout failed' "$out/pipe.err"; echo $?)"
 check "ids are comma-separated (--tokens)" \
     "$(grep -qx 'sample 0: 4,15|[0-9]\{1,2\},[0-9]\{1,2\},[0-9]\{1,2\}' "$out/ids" && grep -q 'tokens ids (--tokens)' "$out/ids"; echo $?)"
 

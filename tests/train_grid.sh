@@ -12,9 +12,6 @@ set -u
 bin=$1
 shift
 launcher=("$@")
-out=$(mktemp -d)
-trap 'rm -rf "$out"' EXIT
-export OMP_NUM_THREADS=1
 common=(--steps 12 --eval-every 6 --eval-batches 2 --seq-len 32)
 . "$(dirname "${BASH_SOURCE[0]}")/check.sh"
 

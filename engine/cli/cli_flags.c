@@ -1,3 +1,4 @@
+#define _POSIX_C_SOURCE 200809L
 /* cli_flags.c: see cli_flags.h. */
 #include "engine/cli/cli_flags.h"
 
@@ -5,6 +6,7 @@
 #include <errno.h>
 #include <limits.h>
 #include <math.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -136,6 +138,10 @@ int cli_start(const char *program, void *options, const cli_flag *flags, size_t 
               void (*print_help)(void), moe_status (*validate)(const void *options)) {
     /* Line by line into a pipe or a log too: a long run's lines show as they come. */
     setvbuf(stdout, NULL, _IOLBF, 0);
+    /* A pipe whose reader has gone (| head) fails the write (EPIPE) rather
+     * than end the program unseen, and with no checkpoint of a training
+     * run: the program goes on, and cli_stdout_written says so at its end. */
+    signal(SIGPIPE, SIG_IGN);
     cli_program = program;
     const int rc = cli_parse_args(options, flags, n_flags, argc, argv);
     if (rc < 0) {

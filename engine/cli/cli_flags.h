@@ -39,10 +39,12 @@ int cli_usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 int cli_parse_args(void *options, const cli_flag *flags, size_t n_flags, int argc, char **argv);
 
 /* The start of every program's main, so that all of them take flags, show
- * their help and refuse bad values alike: names the program, fills options
- * (at their defaults already) from argv and validates them. Returns -1 when
- * the program should go ahead, else its exit status: 0 after print_help, 2
- * for a bad flag or a combination validate refuses. */
+ * their help and refuse bad values alike: ignores SIGPIPE (a closed stdout
+ * is then a failed write, for cli_stdout_written), names the program,
+ * fills options (at their defaults already) from argv and validates them.
+ * Returns -1 when the program should go ahead, else its exit status: 0
+ * after print_help (1 when stdout could not take it), 2 for a bad flag or
+ * a combination validate refuses. */
 int cli_start(const char *program, void *options, const cli_flag *flags, size_t n_flags, int argc, char **argv,
               void (*print_help)(void), moe_status (*validate)(const void *options));
 

@@ -1,7 +1,8 @@
 /* moe-generate: continues a prompt with a trained checkpoint
  * (engine/generate.h does the work); this file parses the flags and prints
  * what the generation reports.
- * Exit status: 0 done, 1 the generation failed, 2 bad flags or settings it
+ * Exit status: 0 done, 1 the generation failed or its stdout lost output
+ * (a full disk, a pipe whose reader has gone), 2 bad flags or settings it
  * refuses (cli_run_failed). */
 #include <errno.h>
 #include <limits.h>

@@ -1,10 +1,10 @@
 #define _POSIX_C_SOURCE 200809L
 /* moe-train: trains a Mixtral-style MoE transformer (engine/run.h does the
  * work); this file parses the flags and prints what the run reports.
- * Exit status: 0 done, 1 the run failed, 2 bad flags or settings the run
- * refuses (cli_run_failed), 3 stopped before --steps by a signal or
- * --max-time, its last step checkpointed. A failure on one rank of
- * several ends the whole MPI job. */
+ * Exit status: 0 done, 1 the run failed or its stdout lost output, 2 bad
+ * flags or settings the run refuses (cli_run_failed), 3 stopped before
+ * --steps by a signal or --max-time, its last step checkpointed. A
+ * failure on one rank of several ends the whole MPI job. */
 #include <ctype.h>
 #include <errno.h>
 #include <signal.h>
@@ -153,10 +153,12 @@ static void print_help(void) {
            "                       (default off)\n\n"
            "  -h, --help           this text\n\n"
            "Signals: SIGUSR1 (mpirun forwards it to every rank; Slurm's --signal sends it before\n"
-           "the time limit), SIGTERM or SIGINT stops a training run after its step in progress,\n"
-           "which is checkpointed; the exit status is then 3, and --resume latest continues (under\n"
-           "mpirun send SIGUSR1: mpirun takes SIGTERM and SIGINT itself and exits 1, though the\n"
-           "ranks stop as well). A second signal ends the process at once.\n\n"
+           "the time limit), SIGTERM, SIGINT or SIGHUP (unless ignored, as under nohup) stops a\n"
+           "training run after its step in progress, which is checkpointed; the exit status is\n"
+           "then 3, and --resume latest continues (under mpirun send SIGUSR1: mpirun takes SIGTERM\n"
+           "and SIGINT itself and exits 1, though the ranks stop as well). A second signal ends\n"
+           "the process at once. SIGPIPE is ignored: a stdout whose reader has gone fails its\n"
+           "writes, and the run trains on to its end, checkpointed, then exits 1 saying so.\n\n"
            "Environment: OMP_NUM_THREADS sets the thread count when --threads is not given;\n"
            "MOE_FAULT_KILL=RANK:STEP kills that rank in STEP, before its checkpoint (a fault-\n"
            "injection test).\n");
@@ -241,35 +243,46 @@ typedef struct printer {
 /* The signal that asked the run to stop (moe_run_callbacks.stop), or 0. */
 static volatile sig_atomic_t stop_signal;
 
-static const int stop_signals[] = {SIGUSR1, SIGTERM, SIGINT};
+static const int stop_signals[] = {SIGUSR1, SIGTERM, SIGINT, SIGHUP};
 
-/* The first of them asks for the stop and gives all three back their
- * default action, so that a second one, of any of them, ends the process
- * at once (sigaction is async-signal-safe). */
+/* The first of them asks for the stop and gives those it catches back
+ * their default action, so that a second one, of any of them, ends the
+ * process at once (sigaction is async-signal-safe). */
 static void on_stop_signal(int signo) {
     stop_signal = signo;
-    struct sigaction dfl;
+    struct sigaction dfl, now;
     memset(&dfl, 0, sizeof dfl);
     dfl.sa_handler = SIG_DFL;
-    for (size_t i = 0; i < sizeof stop_signals / sizeof *stop_signals; i++) sigaction(stop_signals[i], &dfl, NULL);
+    for (size_t i = 0; i < sizeof stop_signals / sizeof *stop_signals; i++)
+        if (sigaction(stop_signals[i], NULL, &now) == 0 && now.sa_handler == on_stop_signal)
+            sigaction(stop_signals[i], &dfl, NULL);
 }
 
 /* SIGUSR1 (which mpirun forwards to every rank, and Slurm's --signal
- * sends before a job's time is up), SIGTERM and SIGINT stop a training run
- * after its step in progress, checkpointed. SA_RESTART: a write to a
- * stdout pipe that is full when the signal comes goes on rather than fail
- * (and lose its line). */
+ * sends before a job's time is up), SIGTERM, SIGINT and SIGHUP (the
+ * terminal or session gone) stop a training run after its step in
+ * progress, checkpointed. A SIGHUP ignored on entry stays so: nohup asked
+ * for the run to outlive its terminal. SA_RESTART: a write to a stdout
+ * pipe that is full when the signal comes goes on rather than fail (and
+ * lose its line). */
 static void catch_stop_signals(void) {
-    struct sigaction sa;
+    struct sigaction sa, was;
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = on_stop_signal;
     sa.sa_flags = SA_RESTART;
     sigemptyset(&sa.sa_mask);
-    for (size_t i = 0; i < sizeof stop_signals / sizeof *stop_signals; i++) sigaction(stop_signals[i], &sa, NULL);
+    for (size_t i = 0; i < sizeof stop_signals / sizeof *stop_signals; i++) {
+        if (stop_signals[i] == SIGHUP && sigaction(SIGHUP, NULL, &was) == 0 && was.sa_handler == SIG_IGN) continue;
+        sigaction(stop_signals[i], &sa, NULL);
+    }
 }
 
 static const char *signal_name(int signo) {
-    return signo == SIGUSR1 ? "SIGUSR1" : signo == SIGTERM ? "SIGTERM" : signo == SIGINT ? "SIGINT" : "a signal";
+    return signo == SIGUSR1   ? "SIGUSR1"
+           : signo == SIGTERM ? "SIGTERM"
+           : signo == SIGINT  ? "SIGINT"
+           : signo == SIGHUP  ? "SIGHUP"
+                              : "a signal";
 }
 
 static void clear_bar(printer *p) {
