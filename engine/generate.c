@@ -1,6 +1,6 @@
-/* generate.c: greedy and sampled continuation: one forward over the
- * prompts, then one decoding step per token against the keys and values
- * the layers keep (generate.h). */
+/* generate.c: greedy and sampled continuation: decoding steps through
+ * the prompts, then one per token, against the keys and values the layers
+ * keep (generate.h). */
 #include "engine/generate.h"
 
 #include <math.h>
@@ -171,16 +171,26 @@ moe_status moe_generate(moe_model *model, int32_t *rows, int64_t *len, const int
         growing[b] = len[b] < end[b];
         for (int64_t p = len[b]; p < T; p++) rows[b * T + p] = 0;
     }
-    /* One forward over the prompts fills every layer's keys and values;
-     * then each new token is one decoding step of the rows still growing.
-     * A model that keeps no keys (it recomputes its layers) runs a forward
-     * over the rows for each token instead. */
+    /* The prompts go through decoding steps, position by position, each
+     * step filling every layer's keys and values at its position, so that
+     * no forward over [B, T] (and its B x heads x T x T scores) is ever
+     * needed; then each new token is one decoding step of the rows still
+     * growing. A model that keeps no keys (it recomputes its layers) runs a
+     * forward over the rows for each token instead. */
     const bool decodes = moe_model_can_decode(model);
-    if (st == MOE_OK) {
-        moe_model_set_training(model, false);
-        st = moe_model_forward(model, rows, NULL, NULL);
+    if (st == MOE_OK) moe_model_set_training(model, false);
+    int64_t longest = 0;
+    for (int64_t b = 0; b < B; b++) longest = len[b] > longest ? len[b] : longest;
+    for (int64_t p = 0; decodes && p < longest && st == MOE_OK; p++) {
+        int64_t n = 0;
+        for (int64_t b = 0; b < B; b++)
+            if (p < len[b]) at[n] = b, at[B + n] = p, tokens[n++] = rows[b * T + p];
+        st = moe_model_decode(model, n, at, tokens, at + B, decoded);
+        for (int64_t i = 0; i < n && st == MOE_OK; i++)
+            if (p == len[at[i]] - 1) memcpy(logits + at[i] * V, decoded + i * V, (size_t)V * sizeof *logits);
     }
-    for (int64_t b = 0; b < B && st == MOE_OK; b++)
+    if (!decodes && st == MOE_OK) st = moe_model_forward(model, rows, NULL, NULL);
+    for (int64_t b = 0; !decodes && b < B && st == MOE_OK; b++)
         if (growing[b]) st = moe_model_last_logits(model, b, len[b] - 1, logits + b * V);
     while (st == MOE_OK) {
         int64_t n = 0;
@@ -549,7 +559,7 @@ static moe_status generate_body(generation *g, const moe_generate_options *o, co
     MOE_TRY(read_inputs(g, o, cb));
     const int64_t B = o->samples, T = g->n_prompt + o->max_new_tokens;
     MOE_TRY(moe_device_open(&g->device, o->device, 1));
-    const moe_model_parallel par = {.ops = g->device.ops, .inference = true};
+    const moe_model_parallel par = {.ops = g->device.ops, .inference = true, .decode_only = true};
     /* The seed draws initial values the checkpoint then replaces. */
     MOE_TRY(moe_model_create_parallel(&g->model, &g->cfg, B, T, 0, &par));
     moe_status st = moe_checkpoint_load_weights(g->model, o->init_from);

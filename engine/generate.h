@@ -1,12 +1,15 @@
 /* generate.h: continuing token sequences with a model, greedily or by
  * sampling.
  *
- * One forward over the model's whole [B, T] batch reads the prompts and
- * leaves every layer's keys and values; each new token is then one
- * decoding step (moe_model_decode) of the rows still growing, at their own
- * positions, against those keys and values (a model that recomputes its
- * layers keeps none, and runs one forward over the batch per token). Both
- * rest on attention being
+ * Decoding steps (moe_model_decode) read the prompts position by
+ * position, each leaving every layer's keys and values at its position;
+ * each new token is then one decoding step of the rows still growing, at
+ * their own positions, against those keys and values. No forward over the
+ * model's whole [B, T] batch runs, so a decode-only model
+ * (moe_model_parallel.decode_only) serves, whose memory grows with T
+ * through the cache alone (a model that recomputes its layers keeps no
+ * keys, and runs one forward over the batch per token). Both rest on
+ * attention being
  * causal: the logits at position p depend on tokens 0 .. p only, so
  * whatever the positions past a row's end hold changes nothing (but the
  * last bits of some sums, whose order follows how many rows there are).

@@ -84,6 +84,8 @@ struct moe_model {
      * forward again first unless the set still holds it. */
     bool recompute;
     bool inference; /* moe_model_parallel.inference: no backward, one set of activations, each layer's keys kept */
+    bool decode_only; /* moe_model_parallel.decode_only: no forward, arrays of one position per row */
+    int64_t *cached;  /* inference: [B] each row's positions whose keys and values the cache holds */
     uint64_t *jitter_at;    /* [nl] each layer's jitter counter before the last forward */
     /* [nl + 1, E] the base's: per layer, the pairs each expert kept over
      * the global batch in the training forwards (replays aside) since the
@@ -119,7 +121,6 @@ struct moe_model {
     uint64_t pending; /* bit c: chunk c's forward waits for its backward */
     bool has_targets;
     bool training;  /* moe_model_set_training */
-    bool keys_kept; /* every layer's k and v hold a forward's (moe_model_decode's cache) */
     bool logits_valid; /* logits hold the last forward's (its backward reuses them for dlogits) */
     int64_t counted; /* the last forward's targets that count (not negative), this rank's */
 };
@@ -252,13 +253,17 @@ typedef struct arena_entry {
     int64_t bytes;
 } arena_entry;
 
+/* Rows of the arrays a forward writes: a decode-only model's hold one
+ * position per row. */
+static int64_t forward_rows(const moe_model *m) { return m->decode_only ? m->B : m->N; }
+
 /* The arrays of a layer's forward but its input; with keys, its keys and
  * values too. */
 static int layer_entries(moe_model *m, arena_entry *table, layer_acts *a, bool keys) {
     const moe_model_config *c = &m->cfg;
-    const int64_t N = m->N, C = c->hidden_size, hd = c->head_dim, f = sizeof(float);
+    const int64_t N = forward_rows(m), C = c->hidden_size, hd = c->head_dim, f = sizeof(float);
     const int64_t qdim = c->num_attention_heads * hd, kvdim = c->num_key_value_heads * hd;
-    const int64_t attn = m->B * c->num_attention_heads * m->T * m->T;
+    const int64_t attn = m->decode_only ? 0 : m->B * c->num_attention_heads * m->T * m->T;
     int n = 0;
     table[n++] = (arena_entry){(void **)&a->ln1, N * C * f};
     table[n++] = (arena_entry){(void **)&a->rstd1, N * f};
@@ -294,7 +299,7 @@ static moe_status carve_arena(moe_model *m, const arena_entry *table, int n) {
 
 static moe_status build_arena(moe_model *m) {
     const moe_model_config *c = &m->cfg;
-    const int64_t N = m->N, C = c->hidden_size, hd = c->head_dim, L = m->nl;
+    const int64_t N = forward_rows(m), C = c->hidden_size, hd = c->head_dim, L = m->nl;
     const int64_t V = m->last ? c->vocab_size : 0; /* only the last stage has logits */
     const int64_t qdim = c->num_attention_heads * hd, kvdim = c->num_key_value_heads * hd;
     const int64_t attn = m->B * c->num_attention_heads * m->T * m->T;
@@ -312,8 +317,8 @@ static moe_status build_arena(moe_model *m) {
     for (int64_t l = 0; l < L; l++) {
         if (!holds(m, l)) continue;
         if (m->inference) {
-            table[n++] = (arena_entry){(void **)&m->acts[l].k, N * kvdim * f};
-            table[n++] = (arena_entry){(void **)&m->acts[l].v, N * kvdim * f};
+            table[n++] = (arena_entry){(void **)&m->acts[l].k, m->N * kvdim * f};
+            table[n++] = (arena_entry){(void **)&m->acts[l].v, m->N * kvdim * f};
             continue;
         }
         table[n++] = (arena_entry){(void **)&m->acts[l].x, N * C * f};
@@ -490,7 +495,7 @@ static moe_status build_instance(moe_model *m) {
          * scratch serves them all, and under recomputation one set of
          * activations. The arrays are sized here, not in the step loop. */
         MOE_TRY(moe_layer_share_workspace(m->moe[i], base_of(m)->moe[0], m->recompute || m->inference));
-        MOE_TRY(moe_layer_reserve(m->moe[i], m->N, !m->inference));
+        MOE_TRY(moe_layer_reserve(m->moe[i], forward_rows(m), !m->inference));
         /* The total loss averages aux and z over the model's layers. */
         moe_layer_set_loss_scale(m->moe[i], 1.0 / (double)cfg->num_hidden_layers);
         moe_layer_set_overlap(m->moe[i], m->overlap);
@@ -498,16 +503,18 @@ static moe_status build_instance(moe_model *m) {
     MOE_TRY(build_arena(m));
     /* Every tensor is named and sized now, the layers' included; only the
      * base writes initial values through staging. */
-    int64_t staging = m->N;
+    int64_t staging = forward_rows(m);
     for (int64_t i = 0; !m->base && i < m->n_tensors; i++)
         if (m->tensors[i].numel > staging) staging = m->tensors[i].numel;
-    m->losses_host = calloc((size_t)m->N, sizeof *m->losses_host);
-    m->lse_host = calloc((size_t)m->N, sizeof *m->lse_host);
+    m->losses_host = calloc((size_t)forward_rows(m), sizeof *m->losses_host);
+    m->lse_host = calloc((size_t)forward_rows(m), sizeof *m->lse_host);
+    m->cached = calloc((size_t)m->B, sizeof *m->cached);
     m->staging = malloc((size_t)staging * sizeof *m->staging);
     m->sync_reqs = calloc((size_t)(2 * m->nl + 2), sizeof *m->sync_reqs);
     m->jitter_at = calloc((size_t)m->nl, sizeof *m->jitter_at);
     if (!m->base) m->expert_load = calloc((size_t)((m->nl + 1) * cfg->num_local_experts), sizeof *m->expert_load);
-    if (!m->losses_host || !m->lse_host || !m->staging || !m->sync_reqs || !m->jitter_at || !m->expert_load)
+    if (!m->losses_host || !m->lse_host || !m->staging || !m->sync_reqs || !m->jitter_at || !m->expert_load ||
+        !m->cached)
         return moe_error(MOE_ERR_OUT_OF_MEMORY, "model: host arrays for %lld values", (long long)staging);
     if (!m->base) m->ops->rope_tables(m->cos_t, m->sin_t, m->T, cfg->head_dim, (float)cfg->rope_theta);
     return MOE_OK;
@@ -535,11 +542,12 @@ moe_status moe_model_create_twin(moe_model **out, moe_model *base, uint64_t chun
     m->acts = NULL;
     m->losses_host = NULL;
     m->lse_host = NULL;
+    m->cached = NULL;
     m->staging = NULL;
     m->sync_reqs = NULL;
     m->jitter_at = NULL;
     m->n_sync_reqs = 0;
-    m->sync_grads = m->has_targets = m->logits_valid = m->keys_kept = false;
+    m->sync_grads = m->has_targets = m->logits_valid = false;
     m->pending = 0;
     m->training = true; /* as its new layers start */
     m->dloss_value = 0.0f;
@@ -565,6 +573,8 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_model_config *cf
     MOE_TRY(moe_model_check_shape(cfg, B, T));
     if (par && par->inference && par->recompute)
         return moe_error(MOE_ERR_INVALID_ARG, "moe_model_create: inference runs no backward for recomputation to serve");
+    if (par && par->decode_only && !par->inference)
+        return moe_error(MOE_ERR_INVALID_ARG, "moe_model_create: decode_only is a kind of inference (set inference)");
     const int ep_size = par && par->ep ? moe_comm_size(par->ep) : 1;
     if (cfg->num_local_experts % ep_size != 0)
         return moe_error(MOE_ERR_CONFIG, "--ep %d does not divide num_local_experts=%lld", ep_size,
@@ -613,6 +623,7 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_model_config *cf
     m->seed = seed;
     m->recompute = par && par->recompute;
     m->inference = par && par->inference;
+    m->decode_only = par && par->decode_only;
     m->training = true; /* as the layers start */
     moe_layer_config lc;
     moe_model_config_layer(&lc, cfg, T, seed);
@@ -659,6 +670,7 @@ void moe_model_destroy(moe_model *m) {
     if (m->ops) m->ops->release(m->arena);
     free(m->acts);
     free(m->losses_host);
+    free(m->cached);
     free(m->lse_host);
     free(m->staging);
     if (!m->base) { /* a twin's tables and arrays are its base's */
@@ -982,7 +994,12 @@ moe_status moe_model_stage_forward(moe_model *m, int chunk, const int32_t *input
                                    const int32_t *targets, bool replay, moe_model_stats *stats) {
     MOE_NOT_NULL("moe_model_stage_forward", "model", m);
     MOE_TRY(check_chunk(m, chunk, "moe_model_stage_forward"));
+    if (m->decode_only)
+        return moe_error(MOE_ERR_STATE, "moe_model_stage_forward: a decode-only model (moe_model_parallel.decode_only) "
+                                        "runs moe_model_decode alone");
     const bool entry = entry_chunk(m, chunk), exit = exit_chunk(m, chunk);
+    /* Its keys replace the cache's, which a failure leaves half done. */
+    for (int64_t b = 0; b < m->B; b++) m->cached[b] = 0;
     if (entry) MOE_NOT_NULL("moe_model_stage_forward", "inputs", inputs);
     if (!entry) MOE_NOT_NULL("moe_model_stage_forward", "x", x);
     const moe_model_config *c = &m->cfg;
@@ -1064,7 +1081,7 @@ moe_status moe_model_stage_forward(moe_model *m, int chunk, const int32_t *input
     MOE_TRY(ops->sync());
     m->pending |= UINT64_C(1) << chunk;
     if (exit) m->logits_valid = true;
-    m->keys_kept = !m->recompute;
+    for (int64_t b = 0; b < m->B; b++) m->cached[b] = m->recompute ? 0 : m->T;
     return MOE_OK;
 }
 
@@ -1080,9 +1097,7 @@ static moe_status check_decode(const moe_model *m, int64_t n, const int64_t *row
     if (m->training) return moe_error(MOE_ERR_STATE, "%s: inference only (moe_model_set_training false)", op);
     if (m->n_stages > 1 || m->world || m->ep_size > 1)
         return moe_error(MOE_ERR_UNSUPPORTED, "%s: one rank and one stage, not a grid", op);
-    if (!m->keys_kept)
-        return moe_error(MOE_ERR_STATE, "%s: no forward has left the keys and values (none yet, or %s)", op,
-                         m->recompute ? "the model recomputes its layers" : "it failed");
+    if (m->recompute) return moe_error(MOE_ERR_STATE, "%s: the model recomputes its layers: it keeps no keys", op);
     if (n < 1 || n > m->B) return moe_error(MOE_ERR_INVALID_ARG, "%s: %lld tokens for %lld rows", op, (long long)n, (long long)m->B);
     for (int64_t i = 0; i < n; i++) {
         if (row[i] < 0 || row[i] >= m->B || pos[i] < 0 || pos[i] >= m->T || token[i] < 0 ||
@@ -1093,6 +1108,11 @@ static moe_status check_decode(const moe_model *m, int64_t n, const int64_t *row
                              (long long)m->cfg.vocab_size);
         for (int64_t j = 0; j < i; j++)
             if (row[j] == row[i]) return moe_error(MOE_ERR_INVALID_ARG, "%s: row %lld twice", op, (long long)row[i]);
+        /* The positions before it hold keys: a forward's, or decoded. */
+        if (pos[i] > m->cached[row[i]])
+            return moe_error(MOE_ERR_STATE, "%s: position %lld of row %lld: the cache holds its positions [0, %lld) "
+                                            "(a forward fills them all, a decoding step its own)",
+                             op, (long long)pos[i], (long long)row[i], (long long)m->cached[row[i]]);
     }
     return MOE_OK;
 }
@@ -1137,6 +1157,8 @@ moe_status moe_model_decode(moe_model *m, int64_t n, const int64_t *row, const i
         moe_status st = moe_half(m, l, n, x, atty, x_mid, ln, a->rstd2, y, x, NULL);
         if (st != MOE_OK) return moe_error_prefix(st, "moe_model_decode: layer %lld: ", (long long)l);
     }
+    for (int64_t i = 0; i < n; i++)
+        if (pos[i] + 1 > m->cached[row[i]]) m->cached[row[i]] = pos[i] + 1;
     const int64_t tf = m->n_tensors - 2;
     ops->rmsnorm_forward(ln, m->rstdf, x, param(m, tf), eps, n, C);
     ops->matmul_forward(m->logits, ln, param(m, tf + 1), n, C, V);

@@ -87,6 +87,12 @@ typedef struct moe_model_parallel {
      * trainer refuses such a model, and it holds no gradients
      * (moe_model_grads is NULL). Not with recompute. */
     bool inference;
+    /* Inference that only decodes (moe_model_decode, each row from its
+     * position 0): no forward over [B, T], so every array but the cache
+     * holds one position per row, and memory grows with T through the
+     * cache alone (a forward's attention scores are B x heads x T x T).
+     * Needs inference. */
+    bool decode_only;
 } moe_model_parallel;
 
 /* moe_model_create on a grid of ranks; collective over par->world (and,
@@ -302,15 +308,18 @@ moe_status moe_model_last_topk(moe_model *model, int64_t layer, const int32_t **
 moe_status moe_model_last_logits(moe_model *model, int64_t row, int64_t pos, float *out);
 
 /* Decoding with a key-value cache, which is the model's own keys and
- * values of the last forward: after a forward over rows [B, T], n tokens
- * (n <= B, on distinct rows) each go through the layers at one position:
- * token[i] at position pos[i] of row row[i], whose key and value replace
- * that position's, attending to positions 0 .. pos[i] of its row. Their
- * logits [n, V] come to the host. The logits are those a forward over rows
- * holding these tokens would give at pos[i], to rounding, while routing is
- * dropless. Inference only: eval mode (moe_model_set_training false), one
- * rank and stage, no recomputation (which keeps no keys); the last
- * forward's activations and logits are spent. */
+ * values: n tokens (n <= B, on distinct rows) each go through the layers
+ * at one position: token[i] at position pos[i] of row row[i], whose key
+ * and value replace that position's, attending to positions 0 .. pos[i]
+ * of its row. A row's positions before pos[i] must hold keys: a forward
+ * over rows [B, T] fills every position, a decoding step its own, so a
+ * row may also be decoded from position 0 up without any forward (a
+ * prompt, token by token). Their logits [n, V] come to the host. The
+ * logits are those a forward over rows holding these tokens would give at
+ * pos[i], to rounding, while routing is dropless. Eval mode
+ * (moe_model_set_training false), one rank and stage, no recomputation
+ * (which keeps no keys); the last forward's activations and logits are
+ * spent. */
 moe_status moe_model_decode(moe_model *model, int64_t n, const int64_t *row, const int32_t *token, const int64_t *pos,
                             float *logits);
 /* Whether moe_model_decode can serve the model at all: one rank and stage,

@@ -254,16 +254,34 @@ Test(generate, an_inference_model_generates_the_same_rows_in_less_memory) {
  * the largest logit, where a wrong position, rotation or cache row moves
  * them by percents of it. With a sliding window of 3, the rows pass it
  * (the steps must read only its keys). */
+/* A forward's logits at every position of both rows into want; returns
+ * the largest's size. */
+static double forward_logits(moe_model *m, const int32_t *tokens, float *want) {
+    cr_assert_eq(moe_model_forward(m, tokens, NULL, NULL), MOE_OK, "%s", moe_last_error());
+    all_logits(m, B, want);
+    double scale = 0.0;
+    for (int64_t i = 0; i < B * T * VOCAB; i++) scale = fmax(scale, fabs(want[i]));
+    return scale;
+}
+
+/* A decoding step's logits for (row, pos) within 1e-5 of the largest of
+ * the forward's. */
+static void expect_decoded(const float *got, const float *want, double scale, int64_t row, int64_t pos,
+                           int64_t sliding_window) {
+    const float *w = want + (row * T + pos) * VOCAB;
+    double worst = 0.0;
+    for (int64_t j = 0; j < VOCAB; j++) worst = fmax(worst, fabs(got[j] - w[j]));
+    cr_expect(worst <= 1e-5 * scale, "window %lld, row %lld, position %lld: logits off by %g (largest %g)",
+              (long long)sliding_window, (long long)row, (long long)pos, worst, scale);
+}
+
 static void check_decode(int64_t sliding_window) {
     moe_model *m = small_model_of(B, 0.0, sliding_window, (moe_model_parallel){0});
     int32_t tokens[B * T], prefix[B * T];
     static float want[B * T * VOCAB];
     float got[B * VOCAB];
     random_tokens(tokens, B * T, 8);
-    cr_assert_eq(moe_model_forward(m, tokens, NULL, NULL), MOE_OK, "%s", moe_last_error());
-    all_logits(m, B, want);
-    double scale = 0.0;
-    for (int64_t i = 0; i < B * T * VOCAB; i++) scale = fmax(scale, fabs(want[i]));
+    const double scale = forward_logits(m, tokens, want);
     const int64_t start[B] = {4, 9};
     random_tokens(prefix, B * T, 9);
     for (int64_t b = 0; b < B; b++) memcpy(prefix + b * T, tokens + b * T, (size_t)start[b] * sizeof *prefix);
@@ -280,11 +298,7 @@ static void check_decode(int64_t sliding_window) {
             }
         cr_assert_eq(moe_model_decode(m, n, row, tok, pos, got), MOE_OK, "%s", moe_last_error());
         for (int64_t i = 0; i < n; i++) {
-            const float *w = want + (row[i] * T + pos[i]) * VOCAB;
-            double worst = 0.0;
-            for (int64_t j = 0; j < VOCAB; j++) worst = fmax(worst, fabs(got[i * VOCAB + j] - w[j]));
-            cr_expect(worst <= 1e-5 * scale, "window %lld, row %lld, position %lld: logits off by %g (largest %g)",
-                      (long long)sliding_window, (long long)row[i], (long long)pos[i], worst, scale);
+            expect_decoded(got + i * VOCAB, want, scale, row[i], pos[i], sliding_window);
             steps++;
         }
     }
@@ -293,6 +307,40 @@ static void check_decode(int64_t sliding_window) {
 }
 
 Test(decode, steps_give_the_logits_of_a_full_forward) { check_decode(0); }
+
+/* A decode-only model reads whole rows by decoding steps from position 0,
+ * no forward at all (as moe_generate reads prompts), and gives a full
+ * forward's logits at every position, both rows in each step, within
+ * 1e-5 of the largest logit as above; it holds the cache and one
+ * position's activations per row, less than an inference model that can
+ * run a forward, and refuses a forward. */
+Test(decode, a_decode_only_model_reads_rows_from_position_0) {
+    moe_model *m = small_model(B, 0.0);
+    moe_model *d = small_model_of(B, 0.0, 0, (moe_model_parallel){.inference = true, .decode_only = true});
+    moe_model *full = small_model_of(B, 0.0, 0, (moe_model_parallel){.inference = true});
+    int32_t tokens[B * T];
+    static float want[B * T * VOCAB];
+    float got[B * VOCAB];
+    random_tokens(tokens, B * T, 11);
+    const double scale = forward_logits(m, tokens, want);
+    int64_t row[B] = {0, 1}, pos[B];
+    int32_t tok[B] = {1, 2};
+    int64_t skip[B] = {1, 1}; /* a row may not skip a position */
+    cr_expect_eq(moe_model_decode(d, 2, row, tok, skip, got), MOE_ERR_STATE);
+    for (int64_t p = 0; p < T; p++) {
+        for (int64_t b = 0; b < B; b++) pos[b] = p, tok[b] = tokens[b * T + p];
+        cr_assert_eq(moe_model_decode(d, B, row, tok, pos, got), MOE_OK, "%s", moe_last_error());
+        for (int64_t b = 0; b < B; b++) expect_decoded(got + b * VOCAB, want, scale, b, p, 0);
+    }
+    cr_expect_eq(moe_model_forward(d, tokens, NULL, NULL), MOE_ERR_STATE);
+    cr_expect(strstr(moe_last_error(), "decode-only"), "%s", moe_last_error());
+    cr_expect(moe_model_activation_bytes(d) < moe_model_activation_bytes(full),
+              "decode-only %lld bytes, an inference model %lld", (long long)moe_model_activation_bytes(d),
+              (long long)moe_model_activation_bytes(full));
+    moe_model_destroy(m);
+    moe_model_destroy(d);
+    moe_model_destroy(full);
+}
 Test(decode, steps_in_a_sliding_window_give_the_logits_of_a_full_forward) { check_decode(3); }
 
 Test(decode, refuses_training_grids_without_keys_and_bad_tokens) {
@@ -310,8 +358,9 @@ Test(decode, refuses_training_grids_without_keys_and_bad_tokens) {
     cr_assert_eq(moe_model_forward(fresh, tokens, NULL, NULL), MOE_OK, "%s", moe_last_error());
     cr_expect_eq(moe_model_decode(fresh, 2, row, tok, pos, logits), MOE_ERR_STATE, "a new model, in training mode");
     moe_model_destroy(fresh);
-    cr_expect_eq(moe_model_decode(m, 2, row, tok, pos, logits), MOE_ERR_STATE, "before any forward");
-    cr_expect(strstr(moe_last_error(), "no forward"), "%s", moe_last_error());
+    cr_expect_eq(moe_model_decode(m, 2, row, tok, pos, logits), MOE_ERR_STATE, "past the cache, before any forward");
+    cr_expect(strstr(moe_last_error(), "position 3 of row 0: the cache holds its positions [0, 0)"), "%s",
+              moe_last_error());
     cr_assert_eq(moe_model_forward(m, tokens, NULL, NULL), MOE_OK, "%s", moe_last_error());
     cr_expect_eq(moe_model_decode(m, 2, row, tok, pos, logits), MOE_OK, "%s", moe_last_error());
     int64_t same[B] = {1, 1}, past[B] = {0, T};
