@@ -247,6 +247,8 @@ static moe_status make_spans(moe_trainer *t) {
     return st;
 }
 
+static moe_status connect_stages(moe_trainer *t);
+
 moe_status moe_trainer_create(moe_trainer **out, moe_model *model, const moe_optim_config *cfg) {
     if (!out || !model) return moe_error(MOE_ERR_INVALID_ARG, "moe_trainer_create: NULL argument");
     *out = NULL;
@@ -343,6 +345,7 @@ moe_status moe_trainer_create(moe_trainer **out, moe_model *model, const moe_opt
     }
     carve_runs(t);
     st = make_spans(t);
+    if (st == MOE_OK && stage.pipe) st = connect_stages(t);
     if (st != MOE_OK) {
         moe_trainer_destroy(t);
         return st;
@@ -767,8 +770,8 @@ static moe_status post_messages(moe_trainer *t, int64_t i) {
         *req = (moe_comm_request)MOE_COMM_REQUEST_INIT;
         MOE_TRY(post->send ? moe_comm_isend(stage.device_pipe, req, post_buffer(t, post), n, MOE_COMM_F32, peer, tag)
                            : moe_comm_irecv(stage.device_pipe, req, post_buffer(t, post), n, MOE_COMM_F32, peer, tag));
+        t->next_post = p + 1; /* what the step's end waits for, should a later post fail */
     }
-    t->next_post = end;
     bool done = false;
     return moe_comm_test(&t->requests[end - 1], &done);
 }
@@ -842,6 +845,36 @@ static moe_status stage_backward(moe_trainer *t, int64_t i, bool sync, float gra
     MOE_TRY(moe_model_stage_backward(model, op->chunk, dy, grad_scale));
     t->held[instance * t->chunks + op->chunk] = -1;
     return MOE_OK;
+}
+
+/* One message each way with each neighbour stage, all in one group on
+ * every stage. NCCL connects a pair for each direction at its first
+ * message there, inside the call that launches that message's group, and
+ * the call waits until the peer launches the group with the other end: a
+ * plan's group that held a first message beside one its peer needs first
+ * could leave both waiting (GPipe on 2 stages, 1F1B on 3). Connected at
+ * the start, every pair's messages then only wait for their match. */
+static moe_status connect_stages(moe_trainer *t) {
+    const moe_model_stage stage = moe_model_get_stage(t->model);
+    const int peers[2] = {next_stage(&stage), prev_stage(&stage)};
+    const int n_peers = peers[0] == peers[1] ? 1 : 2;
+    float *buf = NULL;
+    MOE_TRY(t->ops->alloc((void **)&buf, 4 * sizeof(float)));
+    moe_comm_request reqs[4];
+    moe_status st = MOE_OK;
+    int n = 0;
+    for (int i = 0; i < n_peers && st == MOE_OK; i++) {
+        reqs[n] = (moe_comm_request)MOE_COMM_REQUEST_INIT;
+        st = moe_comm_isend(stage.device_pipe, &reqs[n], buf + 2 * i, 1, MOE_COMM_F32, peers[i], TAG_FORWARD);
+        if (st == MOE_OK) n++;
+        reqs[n] = (moe_comm_request)MOE_COMM_REQUEST_INIT;
+        if (st == MOE_OK)
+            st = moe_comm_irecv(stage.device_pipe, &reqs[n], buf + 2 * i + 1, 1, MOE_COMM_F32, peers[i], TAG_FORWARD);
+        if (st == MOE_OK) n++;
+    }
+    st = moe_comm_wait_all(reqs, n, st);
+    t->ops->release(buf);
+    return st == MOE_OK ? MOE_OK : moe_error_prefix(st, "pipeline: connecting the stages: ");
 }
 
 /* Starts the running plan: no post made yet. */

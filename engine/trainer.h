@@ -80,9 +80,12 @@ typedef struct moe_pipe_post {
  * its op ends there. Before each op a stage posts, as one group, the
  * messages due by that op's start there, in order of time: a message
  * then waits for nothing but messages of earlier times, and the stages
- * keep the timeline's order whatever their speeds. On a stream of their
- * own the messages keep the timeline's bubble too; on the compute's
- * stream a receive posted early would hold up the ops before it.
+ * keep the timeline's order whatever their speeds, once every pair of
+ * neighbours is connected (the trainer exchanges one message each way
+ * first: NCCL connects a pair at its first message, in a launch that
+ * waits for the peer). On a stream of their own the messages keep the
+ * timeline's bubble too; on the compute's stream a receive posted early
+ * would hold up the ops before it.
  * Receive buffers are reused once the op that reads them is done (under
  * GPipe a forward's input is kept for its replay). forward_only: chunks
  * x M forwards, micro-batch by micro-batch, as an evaluation runs them. */
