@@ -6,6 +6,7 @@
 # against the shared and the static library and runs.
 set -euo pipefail
 src=$1 build=$2
+extra=${EMBED_CFLAGS:-} # the library's sanitizers, when it has them
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
@@ -27,10 +28,10 @@ pc=$(find "$work/prefix" -name moe.pc)
 [ -n "$pc" ] && [ -f "$work/prefix/include/moe.h" ] || { echo "cmake --install gave no moe.pc or include/moe.h"; exit 1; }
 export PKG_CONFIG_PATH=$(dirname "$pc")
 libdir=$(pkg-config --variable=libdir moe)
-cc -std=c99 -Wall -Wextra -pedantic -Werror "$src/tests/embed/embed.c" -o "$work/embed_shared" \
+cc -std=c99 -Wall -Wextra -pedantic -Werror $extra "$src/tests/embed/embed.c" -o "$work/embed_shared" \
     $(pkg-config --cflags --libs moe) -Wl,-rpath,"$libdir" -lm
 readelf -d "$work/embed_shared" | grep -q 'NEEDED.*libmoe.so.0' || { echo "not linked to libmoe.so.0"; exit 1; }
 "$work/embed_shared"
-cc -std=c99 -Wall -Wextra -pedantic -Werror "$src/tests/embed/embed.c" -o "$work/embed_static" \
+cc -std=c99 -Wall -Wextra -pedantic -Werror $extra "$src/tests/embed/embed.c" -o "$work/embed_static" \
     $(pkg-config --cflags moe) "$libdir/libmoe.a" $(pkg-config --static --libs moe | sed 's/-lmoe\b//')
 "$work/embed_static"
