@@ -158,12 +158,14 @@ moe_status moe_generate(moe_model *model, int32_t *rows, int64_t *len, const int
     MOE_TRY(check_rows(model, len, end));
     const int64_t B = moe_model_batch_size(model), T = moe_model_seq_len(model);
     const int64_t V = moe_model_get_config(model)->vocab_size;
+    const bool decodes = moe_model_can_decode(model);
+    const int64_t S = decodes ? moe_model_decode_capacity(model) : B; /* tokens a decoding step takes */
     bool *growing = malloc((size_t)B * sizeof *growing);
     float *logits = malloc((size_t)(B * V) * sizeof *logits);    /* [B, V] each row's latest */
-    float *decoded = malloc((size_t)(B * V) * sizeof *decoded);  /* [n, V] a decoding step's */
+    float *decoded = malloc((size_t)(S * V) * sizeof *decoded);  /* [n, V] a decoding step's */
     int32_t *scratch = malloc((size_t)V * sizeof *scratch);
-    int64_t *at = malloc((size_t)(2 * B) * sizeof *at); /* rows, then positions, of a decoding step */
-    int32_t *tokens = malloc((size_t)B * sizeof *tokens);
+    int64_t *at = malloc((size_t)(2 * S) * sizeof *at); /* rows, then positions, of a decoding step */
+    int32_t *tokens = malloc((size_t)S * sizeof *tokens);
     moe_status st = MOE_OK;
     if (!growing || !logits || !decoded || !scratch || !at || !tokens)
         st = moe_error(MOE_ERR_OUT_OF_MEMORY, "generation: %lld rows of %lld logits", (long long)B, (long long)V);
@@ -171,23 +173,25 @@ moe_status moe_generate(moe_model *model, int32_t *rows, int64_t *len, const int
         growing[b] = len[b] < end[b];
         for (int64_t p = len[b]; p < T; p++) rows[b * T + p] = 0;
     }
-    /* The prompts go through decoding steps, position by position, each
-     * step filling every layer's keys and values at its position, so that
-     * no forward over [B, T] (and its B x heads x T x T scores) is ever
-     * needed; then each new token is one decoding step of the rows still
-     * growing. A model that keeps no keys (it recomputes its layers) runs a
-     * forward over the rows for each token instead. */
-    const bool decodes = moe_model_can_decode(model);
+    /* The prompts go through decoding steps, a chunk of positions of
+     * every row at a time (as many as a step takes), each filling every
+     * layer's keys and values at its positions, so that no forward over
+     * [B, T] (and its B x heads x T x T scores) is ever needed; then each
+     * new token is one decoding step of the rows still growing. A model
+     * that keeps no keys (it recomputes its layers) runs a forward over the
+     * rows for each token instead. */
     if (st == MOE_OK) moe_model_set_training(model, false);
     int64_t longest = 0;
     for (int64_t b = 0; b < B; b++) longest = len[b] > longest ? len[b] : longest;
-    for (int64_t p = 0; decodes && p < longest && st == MOE_OK; p++) {
+    const int64_t chunk = S / B;
+    for (int64_t p0 = 0; decodes && p0 < longest && st == MOE_OK; p0 += chunk) {
         int64_t n = 0;
         for (int64_t b = 0; b < B; b++)
-            if (p < len[b]) at[n] = b, at[B + n] = p, tokens[n++] = rows[b * T + p];
-        st = moe_model_decode(model, n, at, tokens, at + B, decoded);
+            for (int64_t p = p0; p < p0 + chunk && p < len[b]; p++)
+                at[n] = b, at[S + n] = p, tokens[n++] = rows[b * T + p];
+        st = moe_model_decode(model, n, at, tokens, at + S, decoded);
         for (int64_t i = 0; i < n && st == MOE_OK; i++)
-            if (p == len[at[i]] - 1) memcpy(logits + at[i] * V, decoded + i * V, (size_t)V * sizeof *logits);
+            if (at[S + i] == len[at[i]] - 1) memcpy(logits + at[i] * V, decoded + i * V, (size_t)V * sizeof *logits);
     }
     if (!decodes && st == MOE_OK) st = moe_model_forward(model, rows, NULL, NULL);
     for (int64_t b = 0; !decodes && b < B && st == MOE_OK; b++)
@@ -203,18 +207,18 @@ moe_status moe_generate(moe_model *model, int32_t *rows, int64_t *len, const int
             growing[b] = len[b] < end[b] && token != stop;
             if (!growing[b]) continue;
             at[n] = b;
-            at[B + n] = len[b] - 1;
+            at[S + n] = len[b] - 1;
             tokens[n++] = token;
         }
         if (st != MOE_OK || n == 0) break;
         if (decodes) {
-            st = moe_model_decode(model, n, at, tokens, at + B, decoded);
+            st = moe_model_decode(model, n, at, tokens, at + S, decoded);
             for (int64_t i = 0; i < n && st == MOE_OK; i++)
                 memcpy(logits + at[i] * V, decoded + i * V, (size_t)V * sizeof *logits);
         } else {
             st = moe_model_forward(model, rows, NULL, NULL);
             for (int64_t i = 0; i < n && st == MOE_OK; i++)
-                st = moe_model_last_logits(model, at[i], at[B + i], logits + at[i] * V);
+                st = moe_model_last_logits(model, at[i], at[S + i], logits + at[i] * V);
         }
     }
     free(growing);

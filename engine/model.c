@@ -253,9 +253,21 @@ typedef struct arena_entry {
     int64_t bytes;
 } arena_entry;
 
-/* Rows of the arrays a forward writes: a decode-only model's hold one
- * position per row. */
-static int64_t forward_rows(const moe_model *m) { return m->decode_only ? m->B : m->N; }
+/* Positions per row a decode-only model's arrays hold: a prompt is read
+ * this many positions of each row at a time. */
+#define DECODE_CHUNK 64
+
+/* Rows of the arrays a forward writes: a decode-only model's hold a
+ * chunk of positions per row. */
+static int64_t forward_rows(const moe_model *m) {
+    return m->decode_only ? m->B * (m->T < DECODE_CHUNK ? m->T : DECODE_CHUNK) : m->N;
+}
+
+/* Tokens one decoding step takes at most: the rows of its scratch, the
+ * backward's (an inference model keeps B of them, one position a row). */
+static int64_t decode_rows(const moe_model *m) {
+    return !m->inference ? m->N : m->decode_only ? forward_rows(m) : m->B;
+}
 
 /* The arrays of a layer's forward but its input; with keys, its keys and
  * values too. */
@@ -346,9 +358,9 @@ static moe_status build_arena(moe_model *m) {
      * before the next op), which a base and its twins share: they run one
      * op at a time. */
     const int shared = n;
-    /* Inference runs no backward: its scratch serves decoding alone, rows
-     * of one position each (moe_model_decode). */
-    const int64_t rows = m->inference ? m->B : N;
+    /* Inference runs no backward: its scratch serves decoding alone
+     * (moe_model_decode). */
+    const int64_t rows = decode_rows(m);
     table[n++] = (arena_entry){(void **)&m->cos_t, m->T * hd / 2 * f};
     table[n++] = (arena_entry){(void **)&m->sin_t, m->T * hd / 2 * f};
     table[n++] = (arena_entry){(void **)&m->dres, rows * C * f};
@@ -1087,6 +1099,8 @@ moe_status moe_model_stage_forward(moe_model *m, int chunk, const int32_t *input
 
 bool moe_model_inference(const moe_model *m) { return m->inference; }
 
+int64_t moe_model_decode_capacity(const moe_model *m) { return decode_rows(m); }
+
 bool moe_model_can_decode(const moe_model *m) {
     return m->n_stages == 1 && !m->world && m->ep_size == 1 && !m->recompute;
 }
@@ -1098,7 +1112,9 @@ static moe_status check_decode(const moe_model *m, int64_t n, const int64_t *row
     if (m->n_stages > 1 || m->world || m->ep_size > 1)
         return moe_error(MOE_ERR_UNSUPPORTED, "%s: one rank and one stage, not a grid", op);
     if (m->recompute) return moe_error(MOE_ERR_STATE, "%s: the model recomputes its layers: it keeps no keys", op);
-    if (n < 1 || n > m->B) return moe_error(MOE_ERR_INVALID_ARG, "%s: %lld tokens for %lld rows", op, (long long)n, (long long)m->B);
+    if (n < 1 || n > decode_rows(m))
+        return moe_error(MOE_ERR_INVALID_ARG, "%s: %lld tokens, 1 to %lld a step", op, (long long)n,
+                         (long long)decode_rows(m));
     for (int64_t i = 0; i < n; i++) {
         if (row[i] < 0 || row[i] >= m->B || pos[i] < 0 || pos[i] >= m->T || token[i] < 0 ||
             token[i] >= m->cfg.vocab_size)
@@ -1106,13 +1122,19 @@ static moe_status check_decode(const moe_model *m, int64_t n, const int64_t *row
                                                   "positions [0, %lld), vocabulary [0, %lld)",
                              op, token[i], (long long)row[i], (long long)pos[i], (long long)m->B, (long long)m->T,
                              (long long)m->cfg.vocab_size);
+        /* The positions before it hold keys: a forward's, decoded, or the
+         * step's earlier tokens of its row, which rise in position. */
+        int64_t have = m->cached[row[i]], last = -1;
         for (int64_t j = 0; j < i; j++)
-            if (row[j] == row[i]) return moe_error(MOE_ERR_INVALID_ARG, "%s: row %lld twice", op, (long long)row[i]);
-        /* The positions before it hold keys: a forward's, or decoded. */
-        if (pos[i] > m->cached[row[i]])
+            if (row[j] == row[i]) last = pos[j], have = pos[j] + 1 > have ? pos[j] + 1 : have;
+        if (last >= 0 && pos[i] <= last)
+            return moe_error(MOE_ERR_INVALID_ARG, "%s: row %lld at position %lld after its position %lld: a row's "
+                                                  "tokens in one step rise in position",
+                             op, (long long)row[i], (long long)pos[i], (long long)last);
+        if (pos[i] > have)
             return moe_error(MOE_ERR_STATE, "%s: position %lld of row %lld: the cache holds its positions [0, %lld) "
                                             "(a forward fills them all, a decoding step its own)",
-                             op, (long long)pos[i], (long long)row[i], (long long)m->cached[row[i]]);
+                             op, (long long)pos[i], (long long)row[i], (long long)have);
     }
     return MOE_OK;
 }

@@ -308,13 +308,14 @@ moe_status moe_model_last_topk(moe_model *model, int64_t layer, const int32_t **
 moe_status moe_model_last_logits(moe_model *model, int64_t row, int64_t pos, float *out);
 
 /* Decoding with a key-value cache, which is the model's own keys and
- * values: n tokens (n <= B, on distinct rows) each go through the layers
- * at one position: token[i] at position pos[i] of row row[i], whose key
- * and value replace that position's, attending to positions 0 .. pos[i]
- * of its row. A row's positions before pos[i] must hold keys: a forward
- * over rows [B, T] fills every position, a decoding step its own, so a
- * row may also be decoded from position 0 up without any forward (a
- * prompt, token by token). Their logits [n, V] come to the host. The
+ * values: n tokens (1 to moe_model_decode_capacity) each go through the
+ * layers at one position: token[i] at position pos[i] of row row[i],
+ * whose key and value replace that position's, attending to positions
+ * 0 .. pos[i] of its row. A row's positions before pos[i] must hold keys:
+ * a forward over rows [B, T] fills every position, a decoding step its
+ * own, so a row may also be decoded from position 0 up without any
+ * forward; a row may come more than once in a step, at rising positions
+ * (a prompt, a chunk at a time). Their logits [n, V] come to the host. The
  * logits are those a forward over rows holding these tokens would give at
  * pos[i], to rounding, while routing is dropless. Eval mode
  * (moe_model_set_training false), one rank and stage, no recomputation
@@ -325,6 +326,10 @@ moe_status moe_model_decode(moe_model *model, int64_t n, const int64_t *row, con
 /* Whether moe_model_decode can serve the model at all: one rank and stage,
  * and no recomputation. */
 bool moe_model_can_decode(const moe_model *model);
+/* Tokens one moe_model_decode step takes at most: B for an inference
+ * model, B x 64 (or B x T when shorter) for a decode-only one, B x T for
+ * a training one. */
+int64_t moe_model_decode_capacity(const moe_model *model);
 /* Whether the model was made for inference (moe_model_parallel.inference). */
 bool moe_model_inference(const moe_model *model);
 
