@@ -1461,6 +1461,21 @@ static moe_status save_checkpoint(run *r) {
 
 static bool due(int64_t step, int64_t every, int64_t last) { return step == last || (every > 0 && step % every == 0); }
 
+/* A step's failure st. When its batch failed the checks, the steps since
+ * the last checkpoint (saved_step) are saved before the run ends with the
+ * error: a bad token deep in the data costs no work, and the run resumes
+ * once the data are fixed. */
+static moe_status keep_steps(run *r, moe_status st, int64_t saved_step) {
+    const int64_t done = moe_trainer_steps_done(r->trainer);
+    if (!moe_trainer_batch_refused(r->trainer) || done <= saved_step) return st;
+    char why[1024];
+    snprintf(why, sizeof why, "%s", moe_last_error());
+    const moe_status saved = save_checkpoint(r);
+    if (saved != MOE_OK)
+        return moe_error(st, "%s (saving step %lld before it failed too: %s)", why, (long long)done, moe_last_error());
+    return moe_error(st, "%s (the steps before it are saved in %s)", why, r->last_checkpoint);
+}
+
 /* ------------------------------------------------------------------ --out */
 
 /* step- and six or more digits: a checkpoint's name. */
@@ -1827,11 +1842,12 @@ static moe_status run_body(run *r, double start) {
         MOE_TRY(evaluate(r, 0, &val_loss));
     } else {
         double elapsed = 0.0;
-        int64_t timed = 0;
+        int64_t timed = 0, saved_step = summary.start_step;
         for (int64_t step = summary.start_step + 1; step <= o->steps; step++) {
             moe_run_step s = {.rank = r->rank, .total_steps = o->steps};
             const double t0 = moe_monotonic_seconds();
-            MOE_TRY(moe_trainer_step(r->trainer, r->train.data, &s.metrics));
+            const moe_status stepped = moe_trainer_step(r->trainer, r->train.data, &s.metrics);
+            if (stepped != MOE_OK) return keep_steps(r, stepped, saved_step);
             s.seconds = moe_monotonic_seconds() - t0;
             elapsed += s.seconds;
             timed++;
@@ -1859,6 +1875,7 @@ static moe_status run_body(run *r, double start) {
             if (step < o->steps) MOE_TRY(stop_reason(r, start, &stop));
             if (due(step, o->save_every, o->steps) || stop) {
                 MOE_TRY(save_checkpoint(r));
+                saved_step = step;
                 if (r->rank == 0) prune_checkpoints(r, step);
             }
             if (o->profile) moe_profile_pause(false);

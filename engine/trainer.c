@@ -8,6 +8,7 @@
 #include <limits.h>
 #include <math.h>
 #include <omp.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -79,6 +80,7 @@ struct moe_trainer {
     double *busy;       /* [3, ranks of the job]: each rank's (busy seconds, exchange bytes) of the last step, then
                            the busy seconds sorted */
     double waited; /* seconds of this step spent waiting for other stages */
+    bool batch_refused; /* the last step failed on its batch's checks, having changed nothing */
 };
 
 moe_status moe_optim_config_validate(const moe_optim_config *c) {
@@ -717,6 +719,39 @@ static moe_status read_batch(moe_trainer *t, moe_data *data, int64_t micro, cons
     return st == MOE_OK ? MOE_OK : moe_error_prefix(st, "%s: ", what);
 }
 
+/* Reads the step's micro-batches. A rank whose batch fails its checks
+ * (a token outside the vocabulary, say) fails every rank before any of
+ * them starts the step: each learns of it here, puts the data back where
+ * the step found them and fails, the rank at fault with its own error, so
+ * that the state is the last step's for a checkpoint to save. */
+static moe_status read_step_batches(moe_trainer *t, moe_data *data) {
+    const moe_data_position before = moe_data_get_position(data);
+    moe_status st = MOE_OK;
+    for (int64_t micro = 0; micro < t->cfg.grad_accum && st == MOE_OK; micro++)
+        st = read_batch(t, data, micro, "training data");
+    char why[1024] = "";
+    if (st != MOE_OK) snprintf(why, sizeof why, "%s", moe_last_error());
+    int at_fault = st != MOE_OK ? moe_model_world_rank(t->model) : -1;
+    moe_comm *job = moe_model_job(t->model);
+    if (job) {
+        /* Every rank's verdict; t->busy is the step's scratch for one per rank until gather_ranks. */
+        const double mine = st != MOE_OK;
+        MOE_TRY(moe_comm_allgather(job, t->busy, &mine, 1, MOE_COMM_F64));
+        at_fault = -1;
+        for (int r = moe_comm_size(job) - 1; r >= 0; r--)
+            if (t->busy[r] != 0.0) at_fault = r;
+    }
+    if (at_fault < 0) return MOE_OK;
+    t->batch_refused = true;
+    MOE_TRY(moe_data_set_position(data, before));
+    if (st != MOE_OK) return moe_error(st, "%s", why);
+    return moe_error(MOE_ERR_FORMAT, "training data: rank %d's share of the batch for step %lld failed its checks "
+                                     "(that rank's error says why)",
+                     at_fault, (long long)t->steps_done + 1);
+}
+
+bool moe_trainer_batch_refused(const moe_trainer *t) { return t->batch_refused; }
+
 /* A stage message: count floats of B*T x hidden. */
 static int64_t message_floats(const moe_model *model) {
     return moe_model_batch_size(model) * moe_model_seq_len(model) * moe_model_get_config(model)->hidden_size;
@@ -948,6 +983,7 @@ static moe_status gather_ranks(moe_trainer *t, double busy, double bytes, moe_st
 
 moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *metrics) {
     if (!t || !data) return moe_error(MOE_ERR_INVALID_ARG, "moe_trainer_step: NULL argument");
+    t->batch_refused = false;
     moe_model *model = t->model;
     const moe_optim_config *c = &t->cfg;
     const moe_model_stage stage = moe_model_get_stage(model);
@@ -957,7 +993,7 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
     const double step_start = omp_get_wtime(), waits_start = moe_comm_wait_seconds();
     const int64_t bytes_start = exchange_bytes(t);
 
-    for (int64_t micro = 0; micro < M; micro++) MOE_TRY(read_batch(t, data, micro, "training data"));
+    MOE_TRY(read_step_batches(t, data));
     moe_model_take_expert_load(model, NULL); /* this step's forwards alone */
     const moe_pipe_op *ops = t->plan->ops;
     const int64_t n_ops = t->plan->n_ops;

@@ -212,6 +212,13 @@ const double *moe_trainer_expert_load(const moe_trainer *trainer);
 
 moe_status moe_trainer_step(moe_trainer *trainer, moe_data *data, moe_step_metrics *metrics);
 
+/* Whether the last step failed because a rank's share of its batch failed
+ * its checks (moe_model_check_batch, the data's own): then every rank
+ * failed before any work, the data position is back where the step found
+ * it, and the model and optimizer are the previous step's, for a
+ * checkpoint to save. */
+bool moe_trainer_batch_refused(const moe_trainer *trainer);
+
 /* Steps taken so far. */
 int64_t moe_trainer_steps_done(const moe_trainer *trainer);
 void moe_trainer_set_steps_done(moe_trainer *trainer, int64_t steps);

@@ -927,6 +927,50 @@ Test(train_run, bad_validation_data_is_refused_up_front, .init = make_tmp, .fini
                    (const char *const[]){"first step", "train_00.bin", NULL});
 }
 
+/* A token outside the vocabulary deep in the training data fails the run
+ * at the step that reads it, but the steps before it are saved first, with
+ * the data position before that step: once the data are fixed, the run
+ * resumes from that checkpoint and ends with the bits of a run that never
+ * met the bad token. */
+Test(train_run, a_bad_token_mid_run_keeps_the_steps_before_it, .init = make_tmp, .fini = remove_tmp) {
+    enum { VOCAB = 64, N = 3000 };
+    int32_t tokens[N];
+    char cfg[512], out[2][512], shard[512], val[512], resume[512], model[2][600];
+    fill_tokens(tokens, N, VOCAB, 5);
+    cr_assert_eq(moe_data_write_shard(tmp_path(val, "val_00.bin"), tokens, N), MOE_OK, "%s", moe_last_error());
+    /* A step reads 4 x 32 tokens: token 1000 is step 8's. */
+    tokens[1000] = VOCAB;
+    cr_assert_eq(moe_data_write_shard(tmp_path(shard, "train_00.bin"), tokens, N), MOE_OK, "%s", moe_last_error());
+    moe_run_options o = tiny_options(write_tiny_config(cfg, VOCAB), tmp_path(out[0], "cut"));
+    o.data = shard;
+    o.val_data = val;
+    o.save_every = 5;
+    seen v;
+    moe_run_callbacks cb = callbacks(&v);
+    cr_assert_neq(moe_run(&o, &cb), MOE_OK, "a token >= vocab_size at step 8 went through");
+    const char *msg = moe_last_error();
+    cr_expect(strstr(msg, "train_00.bin") && strstr(msg, "vocab_size") && strstr(msg, "step-000007"), "%s", msg);
+    cr_expect_eq(v.steps, 7);
+    tokens[1000] = 0;
+    cr_assert_eq(moe_data_write_shard(shard, tokens, N), MOE_OK, "%s", moe_last_error());
+    o.resume = tmp_path(resume, "cut/step-000007");
+    o.config = NULL; /* the checkpoint's */
+    run_ok_or_done(&o, &v);
+    o.resume = NULL;
+    o.config = cfg;
+    o.out_dir = tmp_path(out[1], "whole");
+    run_ok(&o, &v);
+    size_t sizes[2];
+    char *bytes[2];
+    for (int i = 0; i < 2; i++) {
+        snprintf(model[i], sizeof model[i], "%s/step-000010/model.safetensors", out[i]);
+        bytes[i] = read_file(model[i], &sizes[i]);
+    }
+    cr_expect(sizes[0] == sizes[1] && memcmp(bytes[0], bytes[1], sizes[0]) == 0,
+              "the resumed run ends elsewhere than the unbroken one");
+    free(bytes[0]), free(bytes[1]);
+}
+
 /* Training data that changed length since the checkpoint (in order too) is
  * another stream: the position the checkpoint records would read other
  * tokens. */
