@@ -1440,6 +1440,11 @@ static moe_status solve_tasks(run *r) {
 }
 
 static moe_status save_checkpoint(run *r) {
+    /* The log reaches the checkpoint's step on disk first, so that a crash
+     * of the machine cannot leave a checkpoint past it (which --resume
+     * latest refuses: the log would miss its last steps). */
+    if (r->metrics && fsync(fileno(r->metrics)) != 0)
+        return moe_error(MOE_ERR_IO, "%s: cannot sync it to disk: %s", r->metrics_path, strerror(errno));
     moe_train_state state = {
         .step = moe_trainer_steps_done(r->trainer),
         .seed = r->o->seed,
@@ -1640,6 +1645,7 @@ static moe_status clear_out_dir(const moe_run_options *o, bool remove) {
         return st;
     }
     char found[NAME_MAX + 1] = "", path[RUN_PATH_BYTES];
+    int64_t found_step = -1;
     for (struct dirent *e; st == MOE_OK && (e = readdir(dir));) {
         if (strcmp(e->d_name, "model.safetensors") == 0 || strcmp(e->d_name, "train_state.safetensors") == 0 ||
             strcmp(e->d_name, "model.safetensors.index.json") == 0) {
@@ -1660,7 +1666,11 @@ static moe_status clear_out_dir(const moe_run_options *o, bool remove) {
          * it cuts the log). */
         const int64_t at = step ? strtoll(e->d_name + 5, NULL, 10) : -1;
         if (in_place && (!step || at <= resumed_step)) continue;
-        if (!found[0]) snprintf(found, sizeof found, "%s", e->d_name);
+        /* The error names the earliest, whatever order the directory lists. */
+        if (!found[0] || (step && (found_step < 0 || at < found_step))) {
+            snprintf(found, sizeof found, "%s", e->d_name);
+            found_step = at;
+        }
         if (!remove || !o->overwrite || same_path(path, o->resume)) continue;
         st = step ? moe_remove_tree(path) : (unlink(path) == 0 ? MOE_OK : moe_error(MOE_ERR_IO, "cannot remove %s: %s",
                                                                                   path, strerror(errno)));
@@ -1700,6 +1710,18 @@ static dead_save dead_save_of(const char *name, char *step, size_t step_size) {
     return NOT_A_SAVE;
 }
 
+/* Whether name is what a write of run.json, metrics.jsonl or config.json that died
+ * left: moe_file_write_atomic's "<file>.tmp.PID". */
+static bool dead_write_of_run_file(const char *name) {
+    static const char *const files[] = {"run.json.tmp.", "metrics.jsonl.tmp.", "config.json.tmp."};
+    for (size_t i = 0; i < sizeof files / sizeof *files; i++) {
+        const size_t len = strlen(files[i]);
+        if (strncmp(name, files[i], len) == 0 && name[len] && name[len + strspn(name + len, "0123456789")] == '\0')
+            return true;
+    }
+    return false;
+}
+
 /* Clears what saves and prunings that died left in --out, once this run
  * owns it (its start, on the rank that writes, before later checkpoints
  * are cut): each is as large as a checkpoint, and no later save of another
@@ -1714,6 +1736,12 @@ static moe_status clear_dead_saves(const run *r) {
     moe_status st = MOE_OK;
     char step[NAME_MAX + 1], path[RUN_PATH_BYTES], final[RUN_PATH_BYTES];
     for (struct dirent *e; st == MOE_OK && (e = readdir(dir));) {
+        if (dead_write_of_run_file(e->d_name)) {
+            st = path_join(path, o->out_dir, e->d_name);
+            if (st == MOE_OK && unlink(path) != 0 && errno != ENOENT)
+                st = moe_error(MOE_ERR_IO, "cannot remove %s: %s", path, strerror(errno));
+            continue;
+        }
         const dead_save kind = dead_save_of(e->d_name, step, sizeof step);
         if (kind == NOT_A_SAVE) continue;
         st = path_join(path, o->out_dir, e->d_name);

@@ -843,7 +843,7 @@ moe_status moe_st_dir_open(moe_st_dir **dir, const char *path) {
      * save here writes both, so one is left from something else (a copy,
      * a download), and which one only the user knows. */
     if (st == MOE_OK && indexed && single)
-        st = moe_error(MOE_ERR_FORMAT, "%s: holds both %s and %s, whose weights may differ: move out the one that "
+        st = moe_error(MOE_ERR_CONFIG, "%s: holds both %s and %s, whose weights may differ: move out the one that "
                                        "is not the model to load",
                        path, INDEX_FILE, SINGLE_FILE);
     if (st == MOE_OK) {

@@ -511,7 +511,8 @@ Test(safetensors, single_file_directory, .init = make_tmpdir, .fini = remove_tmp
     write_shard("one", "s1.safetensors", (const char *[]){"z", "y"}, 2);
     write_index("one", "{\"weight_map\":{\"z\":\"s1.safetensors\",\"y\":\"s1.safetensors\"}}");
     d = (moe_st_dir *)1;
-    cr_expect_eq(moe_st_dir_open(&d, in_tmp("one")), MOE_ERR_FORMAT);
+    /* Only the user can tell which is the model: a config error, no retry. */
+    cr_expect_eq(moe_st_dir_open(&d, in_tmp("one")), MOE_ERR_CONFIG);
     cr_expect_null(d);
     char want[1024];
     snprintf(want, sizeof want, "%s: holds both model.safetensors.index.json and model.safetensors", in_tmp("one"));

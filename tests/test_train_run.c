@@ -1049,10 +1049,24 @@ Test(train_run, dead_saves_are_cleared_at_the_next_start, .init = make_tmp, .fin
             snprintf(path, sizeof path, "%s/%s/model.safetensors", out, (j ? kept : gone)[i]);
             cr_assert_eq(moe_file_write_atomic_buffer(path, "x", 1), MOE_OK, "%s", moe_last_error());
         }
+    /* What writes of the run's files that died left, and look-alikes. */
+    static const char *const dead_writes[] = {"metrics.jsonl.tmp.6300", "run.json.tmp.5396", "config.json.tmp.7"};
+    static const char *const not_dead[] = {"metrics.jsonl.tmp.63x", "notes.txt.tmp.5", "run.json.tmp."};
+    for (int i = 0; i < 3; i++)
+        for (int j = 0; j < 2; j++) {
+            snprintf(path, sizeof path, "%s/%s", out, (j ? not_dead : dead_writes)[i]);
+            cr_assert_eq(moe_file_write_atomic_buffer(path, "x", 1), MOE_OK, "%s", moe_last_error());
+        }
     o.steps = 4;
     o.resume = MOE_RUN_RESUME_LATEST;
     run_ok(&o, &v);
     struct stat sb;
+    for (int i = 0; i < 3; i++) {
+        snprintf(path, sizeof path, "%s/%s", out, dead_writes[i]);
+        cr_expect(stat(path, &sb) != 0, "%s is still there", dead_writes[i]);
+        snprintf(path, sizeof path, "%s/%s", out, not_dead[i]);
+        cr_expect(stat(path, &sb) == 0, "%s was removed", not_dead[i]);
+    }
     for (int i = 0; i < 3; i++) {
         snprintf(path, sizeof path, "%s/%s", out, gone[i]);
         cr_expect(stat(path, &sb) != 0, "%s is still there", gone[i]);

@@ -71,6 +71,14 @@ rc=${PIPESTATUS[0]}
 check "a closed stdout pipe exits 1, saying so (exit $rc: $(head -c 200 "$out/pipe.err"))" \
     "$([ "$rc" -eq 1 ] && grep -q '^moe-train: writing to stdout failed' "$out/pipe.err"; echo $?)"
 check "the run went on to its last checkpoint" "$([ -f "$out/pipe/step-000020/model.safetensors" ]; echo $?)"
+# Help read in part is no failure.
+(
+    sleep 0.5
+    exec "${dfl[@]}" "$bin/moe-train" --help 2>"$out/help.err"
+) | true
+rc=${PIPESTATUS[0]}
+check "--help into a closed pipe exits 0, silent (exit $rc: $(head -c 200 "$out/help.err"))" \
+    "$([ "$rc" -eq 0 ] && [ ! -s "$out/help.err" ]; echo $?)"
 if [ "$failed" -ne 0 ]; then
     echo "--- logs:"
     tail -n 5 "$out/hup.log" "$out/nohup.log" "$out/pipe.err"

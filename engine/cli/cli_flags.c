@@ -13,6 +13,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 const char *cli_program = "moe";
 
@@ -134,6 +136,15 @@ int cli_parse_args(void *options, const cli_flag *flags, size_t n_flags, int arg
     return 0;
 }
 
+/* Help into a pipe whose reader stopped early (| head) was read as far as
+ * wanted: no failure there, unlike a run's lines. */
+static int help_written(void) {
+    struct stat sb;
+    const bool piped = fstat(STDOUT_FILENO, &sb) == 0 && S_ISFIFO(sb.st_mode);
+    if (piped && (fflush(stdout) != 0 || ferror(stdout))) return 0;
+    return cli_stdout_written();
+}
+
 int cli_start(const char *program, void *options, const cli_flag *flags, size_t n_flags, int argc, char **argv,
               void (*print_help)(void), moe_status (*validate)(const void *options)) {
     /* Line by line into a pipe or a log too: a long run's lines show as they come. */
@@ -146,7 +157,7 @@ int cli_start(const char *program, void *options, const cli_flag *flags, size_t 
     const int rc = cli_parse_args(options, flags, n_flags, argc, argv);
     if (rc < 0) {
         print_help();
-        return cli_stdout_written();
+        return help_written();
     }
     if (rc) return rc;
     if (validate(options) != MOE_OK) return cli_usage_error("%s", moe_last_error());

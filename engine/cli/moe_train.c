@@ -95,7 +95,8 @@ static void print_help(void) {
            "                       (and one --resume or --init-from reads); 0 = keep all (default)\n"
            "  --resume DIR         continue from checkpoint DIR with the same flags otherwise;\n"
            "                       the result matches an uninterrupted run bit for bit; 'latest':\n"
-           "                       from --out's newest checkpoint that its metrics.jsonl reached\n"
+           "                       from --out's newest checkpoint (refused when metrics.jsonl stops\n"
+           "                       before it, which only a hand-edited log leaves)\n"
            "                       (--config, if given, must match its config), or a new run when\n"
            "                       --out has none (replacing a failed start's files), so that one\n"
            "                       command line starts a run and restarts it after a failure\n\n",
