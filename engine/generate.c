@@ -162,7 +162,7 @@ moe_status moe_generate(moe_model *model, int32_t *rows, int64_t *len, const int
     const int64_t S = decodes ? moe_model_decode_capacity(model) : B; /* tokens a decoding step takes */
     bool *growing = malloc((size_t)B * sizeof *growing);
     float *logits = malloc((size_t)(B * V) * sizeof *logits);    /* [B, V] each row's latest */
-    float *decoded = malloc((size_t)(S * V) * sizeof *decoded);  /* [n, V] a decoding step's */
+    float *decoded = malloc((size_t)(B * V) * sizeof *decoded);  /* [n, V] a decoding step's, n <= B */
     int32_t *scratch = malloc((size_t)V * sizeof *scratch);
     int64_t *at = malloc((size_t)(2 * S) * sizeof *at); /* rows, then positions, of a decoding step */
     int32_t *tokens = malloc((size_t)S * sizeof *tokens);
@@ -176,23 +176,25 @@ moe_status moe_generate(moe_model *model, int32_t *rows, int64_t *len, const int
     /* The prompts go through decoding steps, a chunk of positions of
      * every row at a time (as many as a step takes), each filling every
      * layer's keys and values at its positions, so that no forward over
-     * [B, T] (and its B x heads x T x T scores) is ever needed; then each
-     * new token is one decoding step of the rows still growing. A model
-     * that keeps no keys (it recomputes its layers) runs a forward over the
-     * rows for each token instead. */
+     * [B, T] (and its B x heads x T x T scores) is ever needed; only a
+     * row's last prompt position needs its logits, in a step of its own
+     * after the chunk's others. Then each new token is one decoding step
+     * of the rows still growing. A model that keeps no keys (it recomputes
+     * its layers) runs a forward over the rows for each token instead. */
     if (st == MOE_OK) moe_model_set_training(model, false);
     int64_t longest = 0;
     for (int64_t b = 0; b < B; b++) longest = len[b] > longest ? len[b] : longest;
     const int64_t chunk = S / B;
-    for (int64_t p0 = 0; decodes && p0 < longest && st == MOE_OK; p0 += chunk) {
-        int64_t n = 0;
-        for (int64_t b = 0; b < B; b++)
-            for (int64_t p = p0; p < p0 + chunk && p < len[b]; p++)
-                at[n] = b, at[S + n] = p, tokens[n++] = rows[b * T + p];
-        st = moe_model_decode(model, n, at, tokens, at + S, decoded);
-        for (int64_t i = 0; i < n && st == MOE_OK; i++)
-            if (at[S + i] == len[at[i]] - 1) memcpy(logits + at[i] * V, decoded + i * V, (size_t)V * sizeof *logits);
-    }
+    for (int64_t p0 = 0; decodes && p0 < longest && st == MOE_OK; p0 += chunk)
+        for (int last = 0; last < 2 && st == MOE_OK; last++) {
+            int64_t n = 0;
+            for (int64_t b = 0; b < B; b++)
+                for (int64_t p = p0; p < p0 + chunk && p < len[b]; p++)
+                    if ((p == len[b] - 1) == last) at[n] = b, at[S + n] = p, tokens[n++] = rows[b * T + p];
+            if (n > 0) st = moe_model_decode(model, n, at, tokens, at + S, last ? decoded : NULL);
+            for (int64_t i = 0; last && i < n && st == MOE_OK; i++)
+                memcpy(logits + at[i] * V, decoded + i * V, (size_t)V * sizeof *logits);
+        }
     if (!decodes && st == MOE_OK) st = moe_model_forward(model, rows, NULL, NULL);
     for (int64_t b = 0; !decodes && b < B && st == MOE_OK; b++)
         if (growing[b]) st = moe_model_last_logits(model, b, len[b] - 1, logits + b * V);

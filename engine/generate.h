@@ -1,8 +1,9 @@
 /* generate.h: continuing token sequences with a model, greedily or by
  * sampling.
  *
- * Decoding steps (moe_model_decode) read the prompts position by
- * position, each leaving every layer's keys and values at its position;
+ * Decoding steps (moe_model_decode) read the prompts a chunk of
+ * positions at a time, each leaving every layer's keys and values at its
+ * positions;
  * each new token is then one decoding step of the rows still growing, at
  * their own positions, against those keys and values. No forward over the
  * model's whole [B, T] batch runs, so a decode-only model

@@ -347,7 +347,8 @@ static moe_status build_arena(moe_model *m) {
     table[n++] = (arena_entry){(void **)&m->x_send, m->last && (m->serves & ~exit_chunk) ? N * C * f : 0};
     table[n++] = (arena_entry){(void **)&m->lnf, head * C * f};
     table[n++] = (arena_entry){(void **)&m->rstdf, head * f};
-    table[n++] = (arena_entry){(void **)&m->logits, head * V * f};
+    /* A decode-only model's steps with logits take a position per row. */
+    table[n++] = (arena_entry){(void **)&m->logits, (m->decode_only && exit ? m->B : head) * V * f};
     table[n++] = (arena_entry){(void **)&m->lse, head * (int64_t)sizeof(double)};
     table[n++] = (arena_entry){(void **)&m->losses, head * f};
     table[n++] = (arena_entry){(void **)&m->dloss, head * f};
@@ -1139,7 +1140,7 @@ static moe_status check_decode(const moe_model *m, int64_t n, const int64_t *row
     return MOE_OK;
 }
 
-/* The forward's op list for n rows of one position each; the backward's
+/* The forward's op list for n tokens of one position each; the backward's
  * scratch holds them, and each layer's k and v are the cache. */
 moe_status moe_model_decode(moe_model *m, int64_t n, const int64_t *row, const int32_t *token, const int64_t *pos,
                             float *logits) {
@@ -1147,8 +1148,11 @@ moe_status moe_model_decode(moe_model *m, int64_t n, const int64_t *row, const i
     MOE_NOT_NULL("moe_model_decode", "row", row);
     MOE_NOT_NULL("moe_model_decode", "token", token);
     MOE_NOT_NULL("moe_model_decode", "pos", pos);
-    MOE_NOT_NULL("moe_model_decode", "logits", logits);
     MOE_TRY(check_decode(m, n, row, token, pos));
+    if (logits && m->decode_only && n > m->B)
+        return moe_error(MOE_ERR_INVALID_ARG, "moe_model_decode: %lld tokens with logits: a decode-only model's steps "
+                                              "with logits take at most %lld (one a row)",
+                         (long long)n, (long long)m->B);
     const moe_model_config *c = &m->cfg;
     const moe_ops *ops = m->ops;
     const int64_t T = m->T, C = c->hidden_size, V = c->vocab_size, hd = c->head_dim;
@@ -1181,6 +1185,7 @@ moe_status moe_model_decode(moe_model *m, int64_t n, const int64_t *row, const i
     }
     for (int64_t i = 0; i < n; i++)
         if (pos[i] + 1 > m->cached[row[i]]) m->cached[row[i]] = pos[i] + 1;
+    if (!logits) return ops->sync(); /* the cache alone */
     const int64_t tf = m->n_tensors - 2;
     ops->rmsnorm_forward(ln, m->rstdf, x, param(m, tf), eps, n, C);
     ops->matmul_forward(m->logits, ln, param(m, tf + 1), n, C, V);

@@ -315,7 +315,10 @@ moe_status moe_model_last_logits(moe_model *model, int64_t row, int64_t pos, flo
  * a forward over rows [B, T] fills every position, a decoding step its
  * own, so a row may also be decoded from position 0 up without any
  * forward; a row may come more than once in a step, at rising positions
- * (a prompt, a chunk at a time). Their logits [n, V] come to the host. The
+ * (a prompt, a chunk at a time). Their logits [n, V] come to the host;
+ * logits NULL: the step only fills the cache (no head), which a
+ * decode-only model needs for a chunk, as its steps with logits take at
+ * most B tokens. The
  * logits are those a forward over rows holding these tokens would give at
  * pos[i], to rounding, while routing is dropless. Eval mode
  * (moe_model_set_training false), one rank and stage, no recomputation
@@ -327,8 +330,8 @@ moe_status moe_model_decode(moe_model *model, int64_t n, const int64_t *row, con
  * and no recomputation. */
 bool moe_model_can_decode(const moe_model *model);
 /* Tokens one moe_model_decode step takes at most: B for an inference
- * model, B x 64 (or B x T when shorter) for a decode-only one, B x T for
- * a training one. */
+ * model, B x 64 (or B x T when shorter) for a decode-only one (B when
+ * the step returns logits), B x T for a training one. */
 int64_t moe_model_decode_capacity(const moe_model *model);
 /* Whether the model was made for inference (moe_model_parallel.inference). */
 bool moe_model_inference(const moe_model *model);

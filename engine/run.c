@@ -1466,6 +1466,8 @@ static moe_status save_checkpoint(run *r) {
 
 static bool due(int64_t step, int64_t every, int64_t last) { return step == last || (every > 0 && step % every == 0); }
 
+static void prune_checkpoints(const run *r, int64_t saved);
+
 /* A step's failure st. When its batch failed the checks, the steps since
  * the last checkpoint (saved_step) are saved before the run ends with the
  * error: a bad token deep in the data costs no work, and the run resumes
@@ -1478,6 +1480,7 @@ static moe_status keep_steps(run *r, moe_status st, int64_t saved_step) {
     const moe_status saved = save_checkpoint(r);
     if (saved != MOE_OK)
         return moe_error(st, "%s (saving step %lld before it failed too: %s)", why, (long long)done, moe_last_error());
+    if (r->rank == 0) prune_checkpoints(r, done);
     return moe_error(st, "%s (the steps before it are saved in %s)", why, r->last_checkpoint);
 }
 

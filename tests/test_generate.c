@@ -309,10 +309,12 @@ static void check_decode(int64_t sliding_window) {
 Test(decode, steps_give_the_logits_of_a_full_forward) { check_decode(0); }
 
 /* A decode-only model reads whole rows by decoding steps from position 0,
- * no forward at all, a chunk of 5 positions of each row a step (as
- * moe_generate reads prompts), and gives a full forward's logits at every
- * position within 1e-5 of the largest logit as above; a row may not skip
- * a position nor go back in one step, and a forward is refused. */
+ * no forward at all, a chunk of 5 positions of each row at a time (as
+ * moe_generate reads prompts): the first 4 of each row in a step that
+ * only fills the cache, the 5th in one with logits, which are a full
+ * forward's within 1e-5 of the largest logit as above. A step with logits
+ * takes one token a row; a row may not skip a position nor go back in
+ * one step, and a forward is refused. */
 Test(decode, a_decode_only_model_reads_rows_from_position_0) {
     moe_model *m = small_model(B, 0.0);
     moe_model *d = small_model_of(B, 0.0, 0, (moe_model_parallel){.inference = true, .decode_only = true});
@@ -329,11 +331,17 @@ Test(decode, a_decode_only_model_reads_rows_from_position_0) {
     cr_expect(strstr(moe_last_error(), "row 0 at position 0 after its position 0"), "%s", moe_last_error());
     const int64_t chunk = 5;
     for (int64_t p0 = 0; p0 < T; p0 += chunk) {
+        const int64_t end = p0 + chunk < T ? p0 + chunk : T;
         int64_t n = 0;
         for (int64_t b = 0; b < B; b++)
-            for (int64_t p = p0; p < p0 + chunk && p < T; p++) row[n] = b, pos[n] = p, tok[n++] = tokens[b * T + p];
-        cr_assert_eq(moe_model_decode(d, n, row, tok, pos, got), MOE_OK, "%s", moe_last_error());
-        for (int64_t i = 0; i < n; i++) expect_decoded(got + i * VOCAB, want, scale, row[i], pos[i], 0);
+            for (int64_t p = p0; p < end - 1; p++) row[n] = b, pos[n] = p, tok[n++] = tokens[b * T + p];
+        if (n > 0) {
+            cr_expect_eq(moe_model_decode(d, n, row, tok, pos, got), MOE_ERR_INVALID_ARG, "%lld logits", (long long)n);
+            cr_assert_eq(moe_model_decode(d, n, row, tok, pos, NULL), MOE_OK, "%s", moe_last_error());
+        }
+        for (int64_t b = 0; b < B; b++) row[b] = b, pos[b] = end - 1, tok[b] = tokens[b * T + end - 1];
+        cr_assert_eq(moe_model_decode(d, B, row, tok, pos, got), MOE_OK, "%s", moe_last_error());
+        for (int64_t b = 0; b < B; b++) expect_decoded(got + b * VOCAB, want, scale, b, end - 1, 0);
     }
     cr_expect_eq(moe_model_forward(d, tokens, NULL, NULL), MOE_ERR_STATE);
     cr_expect(strstr(moe_last_error(), "decode-only"), "%s", moe_last_error());
@@ -360,6 +368,15 @@ Test(decode, a_decode_only_model_holds_the_cache_and_a_chunk) {
     }
     cr_expect(10 * bytes[1] < bytes[0], "decode-only %lld bytes, an inference model %lld", (long long)bytes[1],
               (long long)bytes[0]);
+    /* Its logits hold one position a row, not a chunk's: a larger
+     * vocabulary adds B rows of it. */
+    cfg.vocab_size = 8192;
+    moe_model *wide = NULL;
+    const moe_model_parallel only = {.inference = true, .decode_only = true};
+    cr_assert_eq(moe_model_create_parallel(&wide, &cfg, B, 1024, SEED, &only), MOE_OK, "%s", moe_last_error());
+    const int64_t more = moe_model_activation_bytes(wide) - bytes[1], rows = more / ((8192 - VOCAB) * 4);
+    cr_expect(rows <= B, "vocabulary 8192 adds %lld bytes: %lld rows of logits", (long long)more, (long long)rows);
+    moe_model_destroy(wide);
 }
 
 Test(decode, steps_in_a_sliding_window_give_the_logits_of_a_full_forward) { check_decode(3); }
