@@ -54,7 +54,6 @@ struct moe_trainer {
     moe_pipe_plan *plan;     /* a step's ops and when their messages are posted */
     moe_pipe_plan *eval_plan; /* an evaluation batch's */
     const moe_pipe_plan *running; /* the one under way */
-    int64_t *forward_op;     /* [grad_accum chunks] where (m, c)'s forward is among plan's ops, at message_at */
     float *stage_in;     /* [slots][B*T, C] forward inputs received (moe_pipe_post.slot) */
     float *grad_out;     /* [slots][B*T, C] output gradients received */
     /* Sends per (micro-batch m, chunk c) at m chunks + c (message_at()),
@@ -277,12 +276,11 @@ moe_status moe_trainer_create(moe_trainer **out, moe_model *model, const moe_opt
     const moe_model_stage stage = moe_model_get_stage(model);
     t->chunks = stage.chunks;
     const int64_t n_ops = 2 * M * t->chunks;
-    t->forward_op = calloc((size_t)(M * t->chunks), sizeof *t->forward_op);
     const moe_model_config *mc = moe_model_get_config(model);
     t->expert_load = calloc((size_t)(mc->num_hidden_layers * mc->num_local_experts), sizeof *t->expert_load);
     t->stage_load = calloc((size_t)(mc->num_hidden_layers * mc->num_local_experts), sizeof *t->stage_load);
     if (st == MOE_OK &&
-        (!t->tokens || !t->jitter || !t->forward_op || !t->busy || !t->expert_load || !t->stage_load))
+        (!t->tokens || !t->jitter || !t->busy || !t->expert_load || !t->stage_load))
         st = moe_error(MOE_ERR_OUT_OF_MEMORY, "trainer: %lld micro-batches of %lld tokens", (long long)M, (long long)BT);
     if (st == MOE_OK)
         st = moe_pipe_plan_create(&t->plan, cfg->pipe_schedule, false, stage.index, stage.count, t->chunks, M);
@@ -310,8 +308,6 @@ moe_status moe_trainer_create(moe_trainer **out, moe_model *model, const moe_opt
     if (st == MOE_OK && to_next) st = t->ops->alloc((void **)&t->stage_out, (size_t)messages * act_bytes);
     if (stage.pipe)
         t->pipe_bytes = (int64_t)act_bytes * (slots[0] + slots[1] + (from_prev ? messages : 0) + (to_next ? messages : 0));
-    for (int64_t i = 0; st == MOE_OK && i < n_ops; i++)
-        if (!t->plan->ops[i].backward) t->forward_op[t->plan->ops[i].micro * t->chunks + t->plan->ops[i].chunk] = i;
     /* 1F1B keeps each forward in flight on an instance of its own: chunk
      * c's forwards and backwards both go in micro-batch order, so its
      * micro-batches in flight are consecutive and m % in_flight[c] tells
@@ -374,7 +370,6 @@ void moe_trainer_destroy(moe_trainer *t) {
     free(t->jitter);
     free(t->busy);
     free(t->requests);
-    free(t->forward_op);
     moe_pipe_plan_destroy(t->plan);
     moe_pipe_plan_destroy(t->eval_plan);
     free(t->expert_load);
@@ -583,6 +578,7 @@ void moe_pipe_plan_destroy(moe_pipe_plan *plan) {
     free(plan->ops);
     free(plan->posts);
     free(plan->input);
+    free(plan->forward);
     free(plan);
 }
 
@@ -603,20 +599,22 @@ moe_status moe_pipe_plan_create(moe_pipe_plan **out, moe_pipe_schedule kind, boo
     int64_t *end = malloc((size_t)(2 * (last + 1) * M) * sizeof *end);
     int64_t *done = calloc((size_t)stages, sizeof *done), *clock = calloc((size_t)stages, sizeof *clock);
     int64_t *start = malloc((size_t)per * sizeof *start), *free_slots = malloc((size_t)(2 * per) * sizeof *free_slots);
-    int64_t *forward_at = malloc((size_t)(chunks * M) * sizeof *forward_at);
     if (plan) {
         plan->n_ops = per;
         plan->ops = malloc((size_t)per * sizeof *plan->ops);
         plan->posts = malloc((size_t)(2 * per) * sizeof *plan->posts);
         plan->input = malloc((size_t)per * sizeof *plan->input);
+        plan->forward = malloc((size_t)(chunks * M) * sizeof *plan->forward);
     }
     moe_status st = MOE_OK;
-    if (!plan || !plan->ops || !plan->posts || !plan->input || !all || !end || !done || !clock || !start ||
-        !free_slots || !forward_at)
+    if (!plan || !plan->ops || !plan->posts || !plan->input || !plan->forward || !all || !end || !done || !clock ||
+        !start || !free_slots)
         st = moe_error(MOE_ERR_OUT_OF_MEMORY, "pipeline plan: %d stages x %lld ops", stages, (long long)per);
     for (int s = 0; s < stages && st == MOE_OK; s++) st = plan_ops(all + s * per, kind, forward_only, s, stages, chunks, M);
     if (st != MOE_OK) goto out;
     memcpy(plan->ops, all + stage * per, (size_t)per * sizeof *all);
+    for (int64_t i = 0; i < per; i++)
+        if (!plan->ops[i].backward) plan->forward[plan->ops[i].micro * chunks + plan->ops[i].chunk] = i;
 #define END_AT(backward, v, m) end[((int64_t)(backward) * (last + 1) + (v)) * M + (m)]
     for (int64_t i = 0; i < 2 * (last + 1) * M; i++) end[i] = -1;
     for (bool moved = true; moved;) {
@@ -674,10 +672,9 @@ moe_status moe_pipe_plan_create(moe_pipe_plan **out, moe_pipe_schedule kind, boo
         }
         if (i == per) break;
         const moe_pipe_op *op = &plan->ops[i];
-        int64_t *forward = &forward_at[op->chunk * M + op->micro];
-        if (!op->backward) *forward = i;
+        const int64_t forward = plan->forward[op->micro * chunks + op->chunk];
         const int64_t done_with[2] = {op->backward || !keeps ? plan->input[i] : -1,
-                                      op->backward && keeps ? plan->input[*forward] : -1};
+                                      op->backward && keeps ? plan->input[forward] : -1};
         for (int k = 0; k < 2; k++)
             if (done_with[k] >= 0) {
                 const moe_pipe_post *post = &plan->posts[done_with[k]];
@@ -686,7 +683,7 @@ moe_status moe_pipe_plan_create(moe_pipe_plan **out, moe_pipe_schedule kind, boo
             }
     }
 out:
-    free(all), free(end), free(done), free(clock), free(start), free(free_slots), free(forward_at);
+    free(all), free(end), free(done), free(clock), free(start), free(free_slots);
     if (st != MOE_OK) {
         moe_pipe_plan_destroy(plan);
         return st;
@@ -871,7 +868,7 @@ static moe_status stage_backward(moe_trainer *t, int64_t i, bool sync, float gra
                              (long long)op->micro);
         const uint64_t latest = moe_model_jitter_counter(model);
         moe_model_set_jitter_counter(model, t->jitter[op->micro]);
-        const moe_status st = stage_forward(t, t->forward_op[message_at(t, op->micro, op->chunk)], true, NULL);
+        const moe_status st = stage_forward(t, plan->forward[message_at(t, op->micro, op->chunk)], true, NULL);
         moe_model_set_jitter_counter(model, latest);
         MOE_TRY(st);
     }

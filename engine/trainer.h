@@ -95,6 +95,7 @@ typedef struct moe_pipe_plan {
     int64_t n_posts;
     moe_pipe_post *posts; /* [n_posts] in the order posted */
     int64_t *input;       /* [n_ops] the post that receives op i's input; -1: none */
+    int64_t *forward;     /* [M chunks] where micro-batch m's forward through chunk c is among ops, at m chunks + c */
     int64_t slots[2];     /* receive buffers used: forward inputs, gradients */
 } moe_pipe_plan;
 
