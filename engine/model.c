@@ -85,7 +85,7 @@ struct moe_model {
     bool recompute;
     bool inference; /* moe_model_parallel.inference: no backward, one set of activations, each layer's keys kept */
     bool decode_only; /* moe_model_parallel.decode_only: no forward, arrays of one position per row */
-    int64_t *cached;  /* inference: [B] each row's positions whose keys and values the cache holds */
+    int64_t *cached;  /* [B] each row's positions whose keys and values the cache holds (moe_model_decode) */
     uint64_t *jitter_at;    /* [nl] each layer's jitter counter before the last forward */
     /* [nl + 1, E] the base's: per layer, the pairs each expert kept over
      * the global batch in the training forwards (replays aside) since the
