@@ -5,29 +5,17 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/host_memory.h"
 #include "common/status.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/dense.h"
 
 #define CPU_ALIGN_BYTES 256
 
-/* Memory the kernel could give now without swapping (MemAvailable), or -1
- * when it does not say. */
-static int64_t available_bytes(void) {
-    FILE *f = fopen("/proc/meminfo", "r");
-    if (!f) return -1;
-    char line[128];
-    long long kb = -1;
-    while (kb < 0 && fgets(line, sizeof line, f))
-        if (sscanf(line, "MemAvailable: %lld kB", &kb) != 1) kb = -1;
-    fclose(f);
-    return kb < 0 ? -1 : (int64_t)kb * 1024;
-}
-
 /* Blocks this large are checked against the memory available first: they
- * are zeroed, so every page is touched at once, and past the machine's
- * memory that would not fail here but bring the kernel's out-of-memory
- * killer, without a word. */
+ * are zeroed, so every page is touched at once, and past the memory the
+ * machine or the process's cgroup allows that would not fail here but bring
+ * the kernel's out-of-memory killer, without a word. */
 #define CPU_CHECKED_BYTES ((size_t)64 << 20)
 
 static moe_status cpu_alloc(void **out, size_t bytes) {
@@ -35,11 +23,10 @@ static moe_status cpu_alloc(void **out, size_t bytes) {
     if (bytes > SIZE_MAX - CPU_ALIGN_BYTES) return moe_error(MOE_ERR_OUT_OF_MEMORY, "cpu backend: %zu bytes", bytes);
     const size_t rounded = (bytes + CPU_ALIGN_BYTES - 1) / CPU_ALIGN_BYTES * CPU_ALIGN_BYTES;
     if (rounded >= CPU_CHECKED_BYTES) {
-        const int64_t available = available_bytes();
-        if (available >= 0 && (uint64_t)rounded > (uint64_t)available)
-            return moe_error(MOE_ERR_OUT_OF_MEMORY, "cpu backend: %zu bytes, more than the %.2f GB this machine has "
-                                                    "available",
-                             bytes, (double)available / 1e9);
+        const moe_host_memory m = moe_host_memory_available("");
+        if (m.available >= 0 && (uint64_t)rounded > (uint64_t)m.available)
+            return moe_error(MOE_ERR_OUT_OF_MEMORY, "cpu backend: %zu bytes, more than the %.2f GB %s", bytes,
+                             (double)m.available / 1e9, m.bound_by);
     }
     *out = aligned_alloc(CPU_ALIGN_BYTES, rounded ? rounded : CPU_ALIGN_BYTES);
     if (!*out) return moe_error(MOE_ERR_OUT_OF_MEMORY, "cpu backend: %zu bytes", bytes);

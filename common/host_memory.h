@@ -1,0 +1,23 @@
+/* host_memory.h: how much host memory this process may still take. */
+#ifndef MOE_COMMON_HOST_MEMORY_H
+#define MOE_COMMON_HOST_MEMORY_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* What bounds the memory available: bytes (-1 when nothing says) and, in
+ * words for an error message, whose bound it is. */
+typedef struct moe_host_memory {
+    int64_t available;
+    char bound_by[160];
+} moe_host_memory;
+
+/* The smaller of the kernel's MemAvailable and the room left under the
+ * memory limit of every cgroup holding this process (v2's memory.max or v1's
+ * memory.limit_in_bytes, each less the usage that cannot be reclaimed). A
+ * container sees the whole machine's MemAvailable; only its cgroup's limit
+ * says when the kernel would kill it. `root` is prepended to /proc and
+ * /sys/fs/cgroup: "" for this machine, a folder laid out alike in tests. */
+moe_host_memory moe_host_memory_available(const char *root);
+
+#endif /* MOE_COMMON_HOST_MEMORY_H */
