@@ -93,13 +93,13 @@ static void print_help(void) {
            "                       always saved; 0 = last only (default %lld)\n"
            "  --keep-last N        after each checkpoint, remove DIR's older ones but the newest N\n"
            "                       (and one --resume or --init-from reads); 0 = keep all (default)\n"
-           "  --resume DIR         continue from checkpoint DIR with the same flags otherwise;\n"
-           "                       the result matches an uninterrupted run bit for bit; 'latest':\n"
-           "                       from --out's newest checkpoint (refused when metrics.jsonl stops\n"
-           "                       before it, which only a hand-edited log leaves)\n"
-           "                       (--config, if given, must match its config), or a new run when\n"
-           "                       --out has none (replacing a failed start's files), so that one\n"
-           "                       command line starts a run and restarts it after a failure\n\n",
+           "  --resume DIR         continue from checkpoint DIR (--config, if given, must match\n"
+           "                       its config) with the same flags otherwise; the result matches\n"
+           "                       an uninterrupted run bit for bit. 'latest': from --out's newest\n"
+           "                       checkpoint, or a new run when --out has none (replacing a\n"
+           "                       failed start's files), so that one command line starts a run\n"
+           "                       and restarts it after a failure (refused when metrics.jsonl\n"
+           "                       stops before that checkpoint, which only a hand-edited log leaves)\n\n",
            (long long)d.eval_every, (long long)d.eval_batches, d.out_dir, (long long)d.save_every);
     printf("Performance:\n"
            "  --device D           auto: CUDA when a GPU answers, else the CPU (default); cpu;\n"
