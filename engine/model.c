@@ -643,9 +643,15 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_model_config *cf
     moe_status st = build_tensors(m, &lc);
     m->model_dense = m->n_dense;
     if (st == MOE_OK && m->pipe) st = moe_comm_allreduce_sum(m->pipe, &m->model_dense, 1, MOE_COMM_I64);
-    if (st == MOE_OK) st = m->ops->alloc((void **)&m->params, (size_t)m->n_params * sizeof(float));
+    if (st == MOE_OK) {
+        st = m->ops->alloc((void **)&m->params, (size_t)m->n_params * sizeof(float));
+        if (st != MOE_OK) st = moe_error_prefix(st, "model: %lld parameters: ", (long long)m->n_params);
+    }
     /* An inference model has no gradients. */
-    if (st == MOE_OK && !m->inference) st = m->ops->alloc((void **)&m->grads, (size_t)m->n_params * sizeof(float));
+    if (st == MOE_OK && !m->inference) {
+        st = m->ops->alloc((void **)&m->grads, (size_t)m->n_params * sizeof(float));
+        if (st != MOE_OK) st = moe_error_prefix(st, "model: gradients of %lld parameters: ", (long long)m->n_params);
+    }
     if (st == MOE_OK && m->ops->host_visible) m->host_params = m->params;
     if (st == MOE_OK) st = build_instance(m);
     if (st != MOE_OK) {
