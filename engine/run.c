@@ -1571,7 +1571,9 @@ static moe_status list_checkpoints(checkpoint_entry **found, size_t *n, const ch
 
 /* --keep-last after the checkpoint of step saved: removes this run's
  * checkpoints in --out but the newest keep_last up to that step. Later
- * ones and the one --resume reads are neither removed nor counted. Each is renamed aside
+ * ones are neither removed nor counted; the one --resume started from is
+ * counted when it is among the newest and kept when it is not, so that a
+ * command line that names it still finds it. Each is renamed aside
  * first, so that no half-removed checkpoint is left under a checkpoint's
  * name; a failure is a warning: the training goes on. */
 static void prune_checkpoints(const run *r, int64_t saved) {
@@ -1587,7 +1589,7 @@ static void prune_checkpoints(const run *r, int64_t saved) {
     int64_t kept = 0;
     for (size_t i = 0; i < n; i++) {
         if (found[i].step > saved || path_join(path, o->out_dir, found[i].name) != MOE_OK ||
-            same_path(path, o->resume) || kept++ < o->keep_last)
+            kept++ < o->keep_last || same_path(path, o->resume))
             continue;
         snprintf(hidden, sizeof hidden, ".%s.pruned-%ld", found[i].name, (long)getpid());
         if (path_join(aside, o->out_dir, hidden) != MOE_OK) continue;

@@ -1768,7 +1768,8 @@ static void list_at_step_7(void *ctx, int64_t step, const char *path) {
 }
 
 /* --keep-last keeps the newest checkpoints and leaves nothing aside; a
- * resumed run keeps the one it resumed from as well. */
+ * resumed run keeps the one it resumed from as well, counted when it is
+ * among the newest. */
 Test(train_run, keep_last_removes_older_checkpoints, .init = make_tmp, .fini = remove_tmp) {
     char cfg[512], out[512], resume[512], names[1024];
     moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE), tmp_path(out, "out"));
@@ -1799,6 +1800,16 @@ Test(train_run, keep_last_removes_older_checkpoints, .init = make_tmp, .fini = r
     cr_assert_eq(moe_run(&o, &cb), MOE_OK, "%s", moe_last_error());
     cr_expect_str_eq(listed_at_7, "config.json metrics.jsonl run.json step-000005 step-000006 step-000007");
     cr_expect_str_eq(listing(names, sizeof names, out), "config.json metrics.jsonl run.json step-000005 step-000008");
+    /* The checkpoint resumed from counts among the newest it is one of:
+     * resumed from 8 every 2 steps, keeping 2, the save of 10 leaves 8 and
+     * 10, not 5 as well. */
+    o.keep_last = 2;
+    o.overwrite = false;
+    o.save_every = 2;
+    o.resume = tmp_path(resume, "out/step-000008");
+    o.steps = 10;
+    run_ok(&o, &v);
+    cr_expect_str_eq(listing(names, sizeof names, out), "config.json metrics.jsonl run.json step-000008 step-000010");
 }
 
 /* --init-from a checkpoint in --out is refused, and the checkpoint kept:
