@@ -86,7 +86,7 @@ static bool cuda_usable(int ranks, char *why, size_t why_bytes) {
     return true;
 #else
     (void)ranks;
-    snprintf(why, why_bytes, "this build has no CUDA (nvcc was not found when it was configured)");
+    snprintf(why, why_bytes, "this build has no CUDA (%s)", MOE_NO_CUDA_WHY);
     return false;
 #endif
 }

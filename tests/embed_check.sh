@@ -2,8 +2,10 @@
 # embed_check.sh SOURCE BUILD: libmoe as an embedder takes it. libmoe.so
 # exports exactly moe.h's functions; moe.h compiles alone as C99, C11,
 # C++98 and C++11 under -pedantic -Werror; `cmake --install` gives the
-# library, the header and moe.pc, through which tests/embed/embed.c builds
-# against the shared and the static library and runs.
+# library, the header, moe.pc and moe-static.pc, through which
+# tests/embed/embed.c builds against the shared and the static library with
+# nothing but pkg-config's flags, runs, and loads the OpenBLAS the build
+# linked.
 set -euo pipefail
 src=$1 build=$2
 extra=${EMBED_CFLAGS:-} # the library's sanitizers, when it has them
@@ -27,11 +29,20 @@ cmake --install "$build" --prefix "$work/prefix" > /dev/null
 pc=$(find "$work/prefix" -name moe.pc)
 [ -n "$pc" ] && [ -f "$work/prefix/include/moe.h" ] || { echo "cmake --install gave no moe.pc or include/moe.h"; exit 1; }
 export PKG_CONFIG_PATH=$(dirname "$pc")
-libdir=$(pkg-config --variable=libdir moe)
+# The OpenBLAS a program loads: the one the build linked, not the one
+# update-alternatives selects.
+openblas_of() { ldd "$1" | awk '$1 ~ /^libopenblas/ {print $3}'; }
+want=$(openblas_of "$build/libmoe.so")
 cc -std=c99 -Wall -Wextra -pedantic -Werror $extra "$src/tests/embed/embed.c" -o "$work/embed_shared" \
-    $(pkg-config --cflags --libs moe) -Wl,-rpath,"$libdir" -lm
+    $(pkg-config --cflags --libs moe) -lm
 readelf -d "$work/embed_shared" | grep -q 'NEEDED.*libmoe.so.0' || { echo "not linked to libmoe.so.0"; exit 1; }
 "$work/embed_shared"
 cc -std=c99 -Wall -Wextra -pedantic -Werror $extra "$src/tests/embed/embed.c" -o "$work/embed_static" \
-    $(pkg-config --cflags moe) "$libdir/libmoe.a" $(pkg-config --static --libs moe | sed 's/-lmoe\b//')
+    $(pkg-config --cflags --libs moe-static)
+if readelf -d "$work/embed_static" | grep -q 'NEEDED.*libmoe'; then echo "moe-static linked a shared libmoe"; exit 1; fi
 "$work/embed_static"
+for program in embed_shared embed_static; do
+    got=$(openblas_of "$work/$program")
+    [ "$got" = "$want" ] || { echo "$program loads OpenBLAS from $got, the build from $want"; exit 1; }
+done
+echo "installed: both programs run, and load the build's OpenBLAS ($want)"
