@@ -67,7 +67,8 @@ static void usage(void) {
            "  --gemm-math M fp32 (default), tf32 or bf16, as moe-train's\n"
            "  --warmup N    untimed samples first (default %d)\n"
            "  --iters N     timed samples (default %d)\n"
-           "  --threads N   OpenMP and OpenBLAS threads on the CPU (default: every core)\n"
+           "  --threads N   OpenMP and OpenBLAS threads on the CPU (default: OMP_NUM_THREADS,\n"
+           "                else every core)\n"
            "  --json        one JSON object per row\n"
            "  -h, --help    this text\n",
            DEFAULT_WARMUP, DEFAULT_ITERS);

@@ -61,7 +61,8 @@ static void usage(void) {
            "  --device D    auto (default), cpu, cuda or cpu-strict\n"
            "  --warmup N    untimed iterations first (default %d)\n"
            "  --iters N     timed iterations (default %d)\n"
-           "  --threads N   OpenMP and OpenBLAS threads on the CPU (default: every core)\n"
+           "  --threads N   OpenMP and OpenBLAS threads on the CPU (default: OMP_NUM_THREADS,\n"
+           "                else every core)\n"
            "  --json        one JSON object per row\n"
            "  -h, --help    this text\n",
            DEFAULT_T, DEFAULT_E, DEFAULT_K, DEFAULT_WARMUP, DEFAULT_ITERS);

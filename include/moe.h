@@ -27,8 +27,8 @@ extern "C" {
 
 typedef enum moe_status {
     MOE_OK = 0,
-    MOE_ERR_INVALID_ARG,   /* a NULL pointer, a negative size, buffers that overlap */
-    MOE_ERR_CONFIG,        /* a configuration value that cannot work (an unknown gate kind too) */
+    MOE_ERR_INVALID_ARG,   /* a NULL pointer, a negative argument (T), buffers that overlap */
+    MOE_ERR_CONFIG,        /* a configuration value that cannot work (a size out of range, an unknown gate kind) */
     MOE_ERR_OUT_OF_MEMORY, /* an allocation failed */
     MOE_ERR_IO,            /* a file could not be opened, read or written */
     MOE_ERR_FORMAT,        /* a file's contents are malformed or inconsistent */
