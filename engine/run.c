@@ -250,8 +250,11 @@ moe_status moe_run_options_validate(const moe_run_options *o) {
         return moe_error(MOE_ERR_CONFIG, "--eval-every %lld must not be negative", (long long)o->eval_every);
     if (o->eval_batches <= 0)
         return moe_error(MOE_ERR_CONFIG, "--eval-batches %lld must be positive", (long long)o->eval_batches);
-    if (!isfinite(o->peak_gflops) || o->peak_gflops < 0.0)
-        return moe_error(MOE_ERR_CONFIG, "--peak-gflops %g must be positive (or 0 to measure)", o->peak_gflops);
+    /* Below a MFLOP/s or past an EFLOP/s per device no machine runs, and
+     * MFU, over a rate near 0, would overflow the log's numbers. */
+    if (!(o->peak_gflops == 0.0 || (o->peak_gflops >= 1e-3 && o->peak_gflops <= 1e9)))
+        return moe_error(MOE_ERR_CONFIG, "--peak-gflops %g must be in [0.001, 1e+09] (or 0 to measure)",
+                         o->peak_gflops);
     if (o->pp <= 0) return moe_error(MOE_ERR_CONFIG, "--pp %d must be positive", o->pp);
     if ((unsigned)o->pp_schedule >= N_PIPE_SCHEDULES)
         return moe_error(MOE_ERR_CONFIG, "--pp-schedule %d unknown: expected 1f1b or gpipe", (int)o->pp_schedule);
@@ -627,6 +630,28 @@ static moe_status scan_first_step(run *r, moe_data_position start) {
     return moe_data_set_position(r->train.data, start);
 }
 
+static bool checkpoint_name(const char *name);
+
+/* The training state of checkpoint dir (flag's), whose step must be the one
+ * its name says when it is named like a checkpoint: a state that
+ * disagrees was damaged or moved by hand, and resuming it would skip or
+ * repeat steps. */
+static moe_status read_checkpoint_state(moe_train_state *state, const char *flag, const char *dir) {
+    moe_status st = moe_checkpoint_read_state(state, dir);
+    if (st != MOE_OK) return moe_error_prefix(st, "%s %s: ", flag, dir);
+    size_t len = strlen(dir);
+    while (len > 1 && dir[len - 1] == '/') len--;
+    size_t start = len;
+    while (start > 0 && dir[start - 1] != '/') start--;
+    char name[NAME_MAX + 1];
+    snprintf(name, sizeof name, "%.*s", (int)(len - start), dir + start);
+    if (checkpoint_name(name) && strtoll(name + 5, NULL, 10) != state->step)
+        return moe_error(MOE_ERR_FORMAT, "%s %s: its train_state.safetensors says step %lld, its name another: "
+                                         "the state was damaged or the checkpoint renamed",
+                         flag, dir, (long long)state->step);
+    return MOE_OK;
+}
+
 /* --resume: the checkpoint's metadata, checked against the options before
  * anything is built from them. The seed chose the synthetic streams, the
  * shuffle order and the jitter noise; the shuffle and its chunk (one global
@@ -635,8 +660,7 @@ static moe_status scan_first_step(run *r, moe_data_position start) {
 static moe_status read_resume_state(run *r) {
     const moe_run_options *o = r->o;
     const moe_train_state *s = &r->resumed;
-    moe_status st = moe_checkpoint_read_state(&r->resumed, o->resume);
-    if (st != MOE_OK) return moe_error_prefix(st, "--resume %s: ", o->resume);
+    MOE_TRY(read_checkpoint_state(&r->resumed, "--resume", o->resume));
     if (s->seed != o->seed)
         return moe_error(MOE_ERR_CONFIG, "--resume %s: the checkpoint was trained with --seed %llu; pass the same "
                                          "--seed (got %llu)",
@@ -1515,8 +1539,8 @@ static moe_status lies_in_out(bool *inside, const char *flag, const char *dir, c
 }
 
 /* Whether --resume's checkpoint lies in --out (links resolved), the run it
- * continues; then *step: the step its training state records, whatever the
- * checkpoint's directory is called. */
+ * continues; then *step: the step its training state records (and its
+ * name, when it is named like a checkpoint). */
 static moe_status resumes_in_place(const moe_run_options *o, bool *in_place, int64_t *step) {
     *in_place = false;
     if (!o->resume) return MOE_OK;
@@ -1524,8 +1548,7 @@ static moe_status resumes_in_place(const moe_run_options *o, bool *in_place, int
     MOE_TRY(lies_in_out(&inside, "--resume", o->resume, o->out_dir));
     if (!inside) return MOE_OK;
     moe_train_state state;
-    moe_status st = moe_checkpoint_read_state(&state, o->resume);
-    if (st != MOE_OK) return moe_error_prefix(st, "--resume %s: ", o->resume);
+    MOE_TRY(read_checkpoint_state(&state, "--resume", o->resume));
     *in_place = true;
     *step = state.step;
     return MOE_OK;
@@ -2018,8 +2041,8 @@ static moe_status resolve_latest(moe_run_options *out, bool *done, char *path, c
         return MOE_OK;
     }
     moe_train_state state;
-    st = moe_checkpoint_read_state(&state, path);
-    if (st != MOE_OK) return moe_error_prefix(st, "--resume " MOE_RUN_RESUME_LATEST ": ");
+    st = read_checkpoint_state(&state, "--resume " MOE_RUN_RESUME_LATEST ":", path);
+    if (st != MOE_OK) return st;
     *done = state.step == o->steps; /* past --steps, the run refuses it as an explicit --resume */
     if (o->config) {
         moe_model_config given, saved;

@@ -1376,6 +1376,31 @@ Test(train_run, resume_names_a_bad_data_position, .init = make_tmp, .fini = remo
               moe_last_error());
 }
 
+/* A checkpoint whose state records another step than its name is refused,
+ * by name and as --resume latest: resumed, it would skip steps 4 to 7 (and
+ * the learning rate's schedule with them). */
+Test(train_run, resume_refuses_a_step_its_name_denies, .init = make_tmp, .fini = remove_tmp) {
+    char cfg[512], out[512], resume[512], path[512];
+    moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE), tmp_path(out, "a"));
+    o.steps = 3;
+    o.save_every = 1;
+    seen v;
+    run_ok(&o, &v);
+    cr_assert_eq(rewrite_state_metadata(tmp_path(path, "a/step-000003/train_state.safetensors"),
+                                        (const char *const[]){NULL}, "step", "7"),
+                 1);
+    o.config = NULL;
+    o.steps = 9;
+    moe_run_callbacks cb = callbacks(&v);
+    const char *resumes[] = {MOE_RUN_RESUME_LATEST, tmp_path(resume, "a/step-000003")};
+    for (int i = 0; i < 2; i++) {
+        o.resume = resumes[i];
+        cr_expect_eq(moe_run(&o, &cb), MOE_ERR_FORMAT, "--resume %s", resumes[i]);
+        cr_expect(strstr(moe_last_error(), "step-000003") && strstr(moe_last_error(), "says step 7"),
+                  "message: %s", moe_last_error());
+    }
+}
+
 /* Old checkpoints (without the stream's length) resume as they always did:
  * at the length of this run, right when --steps is the one they were
  * written with, which a warning says; one whose shuffled position falls
@@ -1659,6 +1684,7 @@ static void keep_last_eval_only(moe_run_options *o) {
 static void negative_threads(moe_run_options *o) { o->threads = -2; }
 static void too_many_threads(moe_run_options *o) { o->threads = MOE_RUN_THREADS_MAX + 1; }
 static void negative_peak(moe_run_options *o) { o->peak_gflops = -1.0; }
+static void denormal_peak(moe_run_options *o) { o->peak_gflops = 1e-320; } /* MFU would be inf */
 static void empty_out(moe_run_options *o) { o->out_dir = ""; }
 static void empty_data(moe_run_options *o) { o->data = ""; }
 static void eval_only_alone(moe_run_options *o) { o->eval_only = true; }
@@ -1689,7 +1715,7 @@ Test(train_run, bad_options_name_the_flag) {
         {"--weight-decay", negative_decay}, {"--eval-batches", zero_eval_batches},
         {"--eval-every", negative_eval_every}, {"--save-every", negative_save_every},
         {"--threads", negative_threads},  {"--threads", too_many_threads},
-        {"--peak-gflops", negative_peak},
+        {"--peak-gflops", negative_peak}, {"--peak-gflops", denormal_peak},
         {"--out", empty_out},             {"--data", empty_data},
         {"--init-from", eval_only_alone}, {"--resume", resume_and_init},
         {"--config", resume_and_config},  {"--profile", profile_eval_only},
