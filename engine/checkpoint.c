@@ -714,12 +714,17 @@ static moe_status resolve_weight(source *s, weights_reader *r, const moe_model_t
 /* A tensor the model does not use: an error, unless it is optimizer state,
  * the selection bias of one of our layers (kept by a run with it on), an
  * expert of our layers that another expert-parallel rank holds, or a tensor
- * of another pipeline stage. */
+ * of another pipeline stage. Upcycled, every expert is a copy of the dense
+ * MLP, so an expert in the file is a mistake: the file is no dense model. */
 static moe_status check_unused(const weights_reader *r, const moe_model *model, int64_t layers) {
     for (int64_t i = 0; i < moe_st_dir_tensor_count(r->dir); i++) {
         if (r->used[i]) continue;
         const char *name = moe_st_dir_tensor_at(r->dir, i)->name;
         if (strncmp(name, OPTIMIZER_PREFIX, strlen(OPTIMIZER_PREFIX)) == 0) continue;
+        if (r->upcycle && is_expert_weight(name, layers, r->E))
+            return moe_error(MOE_ERR_FORMAT, "%s: tensor '%s' is an expert's, and --upcycle starts from a dense "
+                                             "model (each expert a copy of its layer's MLP)",
+                             file_of(r->dir, name), name);
         if (is_expert_weight(name, layers, r->E)) continue;
         if (is_bias(name, layers)) continue;
         if (of_other_stage(model, name, layers)) continue;

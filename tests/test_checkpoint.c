@@ -585,6 +585,13 @@ Test(checkpoint, upcycled_experts_copy_the_dense_mlp, .init = make_tmpdir, .fini
     write_tts(in_dir(dir, "model.safetensors"), bad, n + 1, "F32");
     expect_error(moe_checkpoint_upcycle_weights(moe, dir), "model.layers.0.block_sparse_moe.gate.weight",
                  "not part of this model");
+    /* An expert beside the dense MLP: the file is no dense model, and the
+     * expert would be dropped for the MLP's copy. */
+    const float w1[FF * D] = {0};
+    bad[n] = make_tt("model.layers.0.block_sparse_moe.experts.0.w1.weight", 2, (int64_t[]){FF, D}, w1);
+    write_tts(in_dir(dir, "model.safetensors"), bad, n + 1, "F32");
+    expect_error(moe_checkpoint_upcycle_weights(moe, dir), "model.layers.0.block_sparse_moe.experts.0.w1.weight",
+                 "--upcycle starts from a dense model");
     run r = make_run(7, 0, 0);
     moe_train_state st = scramble(&r, 3, 0);
     char saved[512];
