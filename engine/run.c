@@ -1183,13 +1183,17 @@ static moe_status write_run_json(run *r, const moe_run_summary *s, const moe_jso
 }
 
 /* Whether a metrics.jsonl line [len] (without its newline) belongs to the
- * steps up to last_step: it parses as JSON with an integer "step" <= it. */
-static bool metrics_line_kept(const char *line, size_t len, int64_t last_step) {
+ * steps up to last_step: it parses as JSON with an integer "step" <= it,
+ * or, a record of no step of its own (the profile of a run's steps, written
+ * after its last), it follows a line that belongs (*after_kept, which the
+ * call updates: the log is in the order it was written). */
+static bool metrics_line_kept(const char *line, size_t len, int64_t last_step, bool *after_kept) {
     moe_json_doc *doc;
     if (moe_json_parse(&doc, line, len, "metrics.jsonl") != MOE_OK) return false;
     const moe_json *step = moe_json_get(moe_json_root(doc), "step");
     int64_t value;
-    const bool kept = step && moe_json_int64(step, &value) == MOE_OK && value <= last_step;
+    bool kept = *after_kept;
+    if (step) kept = *after_kept = moe_json_int64(step, &value) == MOE_OK && value <= last_step;
     moe_json_free(doc);
     return kept;
 }
@@ -1205,9 +1209,10 @@ static moe_status write_kept_metrics(void *ctx, FILE *out) {
     size_t cap = 0;
     ssize_t len;
     moe_status st = MOE_OK;
+    bool after_kept = true;
     while (st == MOE_OK && (len = getline(&line, &cap, t->in)) > 0) {
         const size_t n = line[len - 1] == '\n' ? (size_t)len - 1 : (size_t)len;
-        if (!metrics_line_kept(line, n, t->last_step)) continue;
+        if (!metrics_line_kept(line, n, t->last_step, &after_kept)) continue;
         st = moe_file_write_bytes(out, line, n);
         if (st == MOE_OK) st = moe_file_write_bytes(out, "\n", 1);
     }

@@ -493,6 +493,26 @@ Test(train_run, profile_times_the_steps_after_the_first, .init = make_tmp, .fini
     char *metrics = read_file(tmp_path(path, "profiled/metrics.jsonl"), &size);
     cr_expect(strstr(metrics, "{\"profile_steps\":3,") != NULL, "metrics.jsonl has no profile line");
     free(metrics);
+
+    /* A resume keeps a profile of steps up to its checkpoint's (here all 4),
+     * and drops one of steps it runs again (resumed from 2). */
+    o.config = NULL;
+    o.steps = 6;
+    o.resume = MOE_RUN_RESUME_LATEST;
+    cr_assert_eq(moe_run(&o, &cb), MOE_OK, "--resume latest: %s", moe_last_error());
+    metrics = read_file(path, &size);
+    char *first = strstr(metrics, "{\"profile_steps\":3,");
+    cr_expect(first && strstr(first + 1, "{\"profile_steps\":1,"), "the first run's profile went: %s", metrics);
+    free(metrics);
+    char resume[512];
+    o.resume = tmp_path(resume, "profiled/step-000002");
+    o.overwrite = true;
+    cr_assert_eq(moe_run(&o, &cb), MOE_OK, "--resume step 2: %s", moe_last_error());
+    metrics = read_file(path, &size);
+    first = strstr(metrics, "{\"profile_steps\"");
+    cr_expect(first && !strstr(first + 1, "{\"profile_steps\"") && strncmp(first, "{\"profile_steps\":3,", 18) == 0,
+              "a profile of steps 3 to 6 stayed: %s", metrics);
+    free(metrics);
 }
 
 Test(train_run, eval_only_matches_final_eval, .init = make_tmp, .fini = remove_tmp) {
