@@ -1450,6 +1450,16 @@ static moe_status evaluate(run *r, int64_t step, double *val_loss) {
     }
     MOE_TRY(moe_trainer_eval(r->trainer, r->val.data, r->o->eval_batches, val_loss,
                              synthetic ? accumulate_kinds : NULL, r));
+    /* Weights the loader took (finite, each of them) can still overflow the
+     * model: one flipped exponent bit makes a weight 1e38. Evaluated as
+     * loaded, the file is at fault; after steps, the training. */
+    if (!isfinite(*val_loss) && r->o->eval_only)
+        return moe_error(MOE_ERR_FORMAT, "--init-from %s: its weights give a validation loss of %g: a weight is "
+                                         "damaged (finite, but large enough to overflow the model)",
+                         r->o->init_from, *val_loss);
+    if (!isfinite(*val_loss))
+        return moe_error(MOE_ERR_INTERNAL, "step %lld: validation loss is %g (the loss diverged; lower --lr)",
+                         (long long)step, *val_loss);
     if (synthetic) MOE_TRY(finish_kinds(r));
     const moe_run_eval e = {.step = step, .val_loss = *val_loss, .entropy_floor = r->entropy_floor};
     if (r->metrics_path[0]) MOE_TRY(log_eval(r, &e));

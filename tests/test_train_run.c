@@ -1337,11 +1337,12 @@ Test(train_run, resume_with_more_steps_reads_the_checkpoints_stream, .init = mak
     cr_expect_str_eq(state_meta(value, "ten/step-000010/train_state.safetensors", "data_tokens"), "641");
 }
 
-/* Rewrites a train_state.safetensors without the metadata keys in drop
- * (NULL-terminated) and with set_key's value replaced by set_value (set_key
- * NULL: none). Returns how many keys it dropped or replaced. */
-static int64_t rewrite_state_metadata(const char *path, const char *const *drop, const char *set_key,
-                                      const char *set_value) {
+/* Rewrites a safetensors file without the metadata keys in drop
+ * (NULL-terminated), with set_key's value replaced by set_value (set_key
+ * NULL: none) and the first element of tensor set to value (tensor NULL:
+ * none). Returns how many keys and tensors it dropped or replaced. */
+static int64_t rewrite_safetensors(const char *path, const char *const *drop, const char *set_key,
+                                   const char *set_value, const char *tensor, float value) {
     moe_st_file *f;
     cr_assert_eq(moe_st_open(&f, path), MOE_OK, "%s", moe_last_error());
     const int64_t nt = moe_st_tensor_count(f), nm = moe_st_metadata_count(f);
@@ -1357,6 +1358,8 @@ static int64_t rewrite_state_metadata(const char *path, const char *const *drop,
         entries[i] = (moe_st_entry){t->name, values[i], t->ndim, t->shape};
     }
     int64_t kept = 0, changed = 0;
+    for (int64_t i = 0; tensor && i < nt; i++)
+        if (strcmp(entries[i].name, tensor) == 0) values[i][0] = value, changed++;
     for (int64_t i = 0; i < nm; i++) {
         moe_st_metadata_at(f, i, &meta[kept].key, &meta[kept].value);
         const char *key = meta[kept].key;
@@ -1384,8 +1387,8 @@ Test(train_run, resume_names_a_bad_data_position, .init = make_tmp, .fini = remo
     o.save_every = 1;
     seen v;
     run_ok(&o, &v);
-    cr_assert_eq(rewrite_state_metadata(tmp_path(path, "a/step-000001/train_state.safetensors"),
-                                        (const char *const[]){NULL}, "data_token", "9999999"),
+    cr_assert_eq(rewrite_safetensors(tmp_path(path, "a/step-000001/train_state.safetensors"),
+                                     (const char *const[]){NULL}, "data_token", "9999999", NULL, 0.0f),
                  1);
     o.config = NULL;
     o.resume = tmp_path(resume, "a/step-000001");
@@ -1406,8 +1409,8 @@ Test(train_run, resume_refuses_a_step_its_name_denies, .init = make_tmp, .fini =
     o.save_every = 1;
     seen v;
     run_ok(&o, &v);
-    cr_assert_eq(rewrite_state_metadata(tmp_path(path, "a/step-000003/train_state.safetensors"),
-                                        (const char *const[]){NULL}, "step", "7"),
+    cr_assert_eq(rewrite_safetensors(tmp_path(path, "a/step-000003/train_state.safetensors"),
+                                     (const char *const[]){NULL}, "step", "7", NULL, 0.0f),
                  1);
     o.config = NULL;
     o.steps = 9;
@@ -1419,6 +1422,26 @@ Test(train_run, resume_refuses_a_step_its_name_denies, .init = make_tmp, .fini =
         cr_expect(strstr(moe_last_error(), "step-000003") && strstr(moe_last_error(), "says step 7"),
                   "message: %s", moe_last_error());
     }
+}
+
+/* Weights that are finite but overflow the model (one flipped exponent bit
+ * makes a norm's weight 3e38) give a non-finite validation loss, which
+ * --eval-only blames on --init-from's file rather than printing it. */
+Test(train_run, eval_only_refuses_weights_that_overflow, .init = make_tmp, .fini = remove_tmp) {
+    char cfg[512], out[512], path[1024];
+    moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE), tmp_path(out, "out"));
+    o.steps = 2;
+    seen v, ev;
+    run_ok(&o, &v);
+    snprintf(path, sizeof path, "%s/model.safetensors", v.checkpoint);
+    cr_assert_eq(rewrite_safetensors(path, (const char *const[]){NULL}, NULL, NULL, "model.norm.weight", 3e38f), 1);
+    moe_run_options e = tiny_options(NULL, tmp_path(out, "unused"));
+    e.eval_only = true;
+    e.init_from = v.checkpoint;
+    moe_run_callbacks cb = callbacks(&ev);
+    cr_expect_eq(moe_run(&e, &cb), MOE_ERR_FORMAT);
+    cr_expect(strstr(moe_last_error(), v.checkpoint) && strstr(moe_last_error(), "overflow"), "message: %s",
+              moe_last_error());
 }
 
 /* Old checkpoints (without the stream's length) resume as they always did:
@@ -1434,8 +1457,9 @@ Test(train_run, resume_of_a_checkpoint_without_its_stream, .init = make_tmp, .fi
     run_ok(&o, &v);
 
     /* train_state.safetensors as an older version wrote it. */
-    cr_assert_eq(rewrite_state_metadata(tmp_path(path, "straight/step-000005/train_state.safetensors"),
-                                        (const char *const[]){"data_tokens", "data_chunk", NULL}, NULL, NULL),
+    cr_assert_eq(rewrite_safetensors(tmp_path(path, "straight/step-000005/train_state.safetensors"),
+                                     (const char *const[]){"data_tokens", "data_chunk", NULL}, NULL, NULL, NULL,
+                                     0.0f),
                  2, "the checkpoint should record its stream");
 
     o.config = NULL;
@@ -1512,8 +1536,8 @@ Test(train_run, resume_refuses_a_stream_shorter_than_a_batch, .init = make_tmp, 
     o.steps = 2;
     seen v;
     run_ok(&o, &v);
-    cr_assert_eq(rewrite_state_metadata(tmp_path(path, "first/step-000002/train_state.safetensors"),
-                                        (const char *const[]){NULL}, "data_tokens", "5"),
+    cr_assert_eq(rewrite_safetensors(tmp_path(path, "first/step-000002/train_state.safetensors"),
+                                     (const char *const[]){NULL}, "data_tokens", "5", NULL, 0.0f),
                  1, "the checkpoint should record its stream");
 
     o.config = NULL;
