@@ -36,15 +36,15 @@ static int64_t read_keyed(const char *path, const char *key) {
     return v;
 }
 
-static int64_t meminfo_available(const char *root) {
-    char path[PATH_BYTES];
+/* /proc/meminfo's field in bytes ("MemAvailable", "MemTotal"), or -1. */
+static int64_t meminfo(const char *root, const char *field) {
+    char path[PATH_BYTES], line[128], name[64];
     snprintf(path, sizeof path, "%s/proc/meminfo", root);
     FILE *f = fopen(path, "r");
     if (!f) return -1;
-    char line[128];
     long long kb = -1;
     while (kb < 0 && fgets(line, sizeof line, f))
-        if (sscanf(line, "MemAvailable: %lld kB", &kb) != 1) kb = -1;
+        if (sscanf(line, "%63[^:]: %lld kB", name, &kb) != 2 || strcmp(name, field) != 0) kb = -1;
     fclose(f);
     return kb < 0 ? -1 : (int64_t)kb * 1024;
 }
@@ -116,11 +116,15 @@ static void cgroup_room(moe_host_memory *m, const char *root) {
             if (used < 0) used = 0;
             if (inactive > 0 && inactive < used) used -= inactive;
             const int64_t room = limit > used ? limit - used : 0;
+            const char *name = len > base ? dir + base : "/";
             if (m->available < 0 || room < m->available) {
                 m->available = room;
-                snprintf(m->bound_by, sizeof m->bound_by,
-                         "the memory cgroup %s leaves under its %.2f GB limit", len > base ? dir + base : "/",
-                         (double)limit / 1e9);
+                snprintf(m->bound_by, sizeof m->bound_by, "the memory cgroup %s leaves under its %.2f GB limit",
+                         name, (double)limit / 1e9);
+            }
+            if (m->total < 0 || limit < m->total) {
+                m->total = limit;
+                snprintf(m->total_by, sizeof m->total_by, "the memory cgroup %s allows", name);
             }
         }
         if (len == base) break;
@@ -129,8 +133,9 @@ static void cgroup_room(moe_host_memory *m, const char *root) {
 }
 
 moe_host_memory moe_host_memory_available(const char *root) {
-    moe_host_memory m = {.available = meminfo_available(root)};
+    moe_host_memory m = {.available = meminfo(root, "MemAvailable"), .total = meminfo(root, "MemTotal")};
     snprintf(m.bound_by, sizeof m.bound_by, "%s", m.available >= 0 ? "the machine has available" : "");
+    snprintf(m.total_by, sizeof m.total_by, "%s", m.total >= 0 ? "the machine has" : "");
     cgroup_room(&m, root);
     return m;
 }

@@ -5,16 +5,20 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* What bounds the memory available: bytes (-1 when nothing says) and, in
- * words for an error message, whose bound it is. */
+/* The memory available now and the most there could ever be (bytes, -1
+ * when nothing says) and, in words for an error message ("more than the
+ * 2.00 GB <bound_by>"), whose bound each is. */
 typedef struct moe_host_memory {
     int64_t available;
     char bound_by[160];
+    int64_t total;
+    char total_by[160];
 } moe_host_memory;
 
-/* The smaller of the kernel's MemAvailable and the room left under the
- * memory limit of every cgroup holding this process (v2's memory.max or v1's
- * memory.limit_in_bytes, each less the usage that cannot be reclaimed). A
+/* available: the smaller of the kernel's MemAvailable and the room left
+ * under the memory limit of every cgroup holding this process (v2's
+ * memory.max or v1's memory.limit_in_bytes, each less the usage that
+ * cannot be reclaimed); total: the smaller of MemTotal and those limits. A
  * container sees the whole machine's MemAvailable; only its cgroup's limit
  * says when the kernel would kill it. `root` is prepended to /proc and
  * /sys/fs/cgroup: "" for this machine, a folder laid out alike in tests. */

@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/host_memory.h"
 #include "common/rng.h"
 #include "common/status.h"
 #include "engine/device.h"
@@ -162,6 +163,27 @@ static moe_status build_tensors(moe_model *m, const moe_layer_config *lc) {
     const int64_t n_local = lc->n_experts / m->ep_size, S = lc->n_shared_experts * lc->d_ff;
     const int64_t moe_tensors = 1 + 3 * n_local + (S ? 3 : 0);
     const int64_t L = m->nl;
+    /* On the CPU the parameters and gradients are host memory: sizes that
+     * cannot fit are told from the config before any of it is taken (the
+     * tensor table alone of a million layers is gigabytes). */
+    if (m->ops->host_visible) {
+        const double layer = 2.0 * C + 2.0 * (double)(qdim + kvdim) * C + (double)(lc->n_experts + 3 * S) * C +
+                             3.0 * (double)n_local * lc->d_ff * C;
+        const double params = (m->first ? (double)V * C : 0.0) + (double)L * layer +
+                              (m->last ? (double)C + (double)V * C : 0.0);
+        const double bytes = params * sizeof(float) * (m->inference ? 1 : 2) +
+                             (double)(3 + L * (LAYER_DENSE_TENSORS + moe_tensors)) * sizeof *m->tensors;
+        const moe_host_memory host = moe_host_memory_available("");
+        const bool never = host.total >= 0 && bytes > (double)host.total;
+        if (never || (host.available >= 0 && bytes > (double)host.available))
+            return moe_error(never ? MOE_ERR_CONFIG : MOE_ERR_OUT_OF_MEMORY,
+                             "model: %.4g parameters (vocab_size %lld, hidden_size %lld, %lld layers of %lld experts "
+                             "of intermediate_size %lld here) take %.3g GB%s, more than the %.2f GB %s",
+                             params, (long long)V, (long long)C, (long long)L, (long long)n_local,
+                             (long long)lc->d_ff, bytes / 1e9, m->inference ? "" : " with their gradients",
+                             (double)(never ? host.total : host.available) / 1e9,
+                             never ? host.total_by : host.bound_by);
+    }
     /* Tensors of one layer in the one-rank table, which the init streams count. */
     const int64_t layer_streams = LAYER_DENSE_TENSORS + 1 + 3 * lc->n_experts + (S ? 3 : 0);
     m->tensors = calloc((size_t)(3 + L * (LAYER_DENSE_TENSORS + moe_tensors)), sizeof *m->tensors);

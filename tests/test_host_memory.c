@@ -36,6 +36,8 @@ Test(host_memory, without_cgroups_it_is_mem_available) {
     const moe_host_memory m = available();
     cr_expect_eq(m.available, 16 * GB);
     cr_expect_str_eq(m.bound_by, "the machine has available");
+    cr_expect_eq(m.total, 32768000000);
+    cr_expect_str_eq(m.total_by, "the machine has");
 }
 
 Test(host_memory, nothing_to_read_is_minus_one) {
@@ -56,6 +58,8 @@ Test(host_memory, v2_takes_the_tightest_limit_above) {
     const moe_host_memory m = available();
     cr_expect_eq(m.available, 4 * GB - (1500000000 - 400000000));
     cr_expect(strstr(m.bound_by, "the memory cgroup /user.slice leaves under its 4.00 GB limit"), "%s", m.bound_by);
+    cr_expect_eq(m.total, 4 * GB);
+    cr_expect_str_eq(m.total_by, "the memory cgroup /user.slice allows");
 
     put("sys/fs/cgroup/user.slice/job/memory.max", "2500000000\n");
     cr_expect_eq(available().available, 1500000000, "the job's own limit is now the tighter");

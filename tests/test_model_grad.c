@@ -541,6 +541,24 @@ Test(model_backend, layer_indices_are_checked) {
     moe_model_destroy(m);
 }
 
+/* Sizes whose parameters no host could hold are refused from the config,
+ * before any of it (the tensor table of 1e7 layers alone is 10 GB) is
+ * allocated, as a configuration that cannot run: terabytes, on any machine
+ * this runs on. */
+Test(model_backend, sizes_past_the_host_are_refused_up_front) {
+    moe_model_config c = ref_tiny_config(VOCAB, 2, 0);
+    c.vocab_size = INT32_MAX;
+    c.hidden_size = 1024, c.head_dim = 256, c.intermediate_size = 64;
+    moe_model *m = NULL;
+    cr_expect_eq(moe_model_create(&m, &c, 1, 8, 3), MOE_ERR_CONFIG, "vocab_size 2^31 - 1: %s", moe_last_error());
+    cr_expect(strstr(moe_last_error(), "vocab_size 2147483647") && strstr(moe_last_error(), "GB"), "message: %s",
+              moe_last_error());
+    c = ref_tiny_config(VOCAB, 10000000, 0);
+    cr_expect_eq(moe_model_create(&m, &c, 1, 8, 3), MOE_ERR_CONFIG, "1e7 layers: %s", moe_last_error());
+    cr_expect(strstr(moe_last_error(), "10000000 layers"), "message: %s", moe_last_error());
+    cr_expect_null(m);
+}
+
 /* The host waits for the device once per MoE layer and step (the routing
  * totals, from which it decides capacity and the exchange), plus a fixed
  * few per step: the losses, the end of backward, the gradient norm. */
