@@ -542,7 +542,7 @@ Test(model_backend, layer_indices_are_checked) {
 }
 
 /* Sizes whose parameters no host could hold are refused from the config,
- * before any of it (the tensor table of 1e7 layers alone is 10 GB) is
+ * before any of it (the tensor table of 1e7 layers alone is tens of GB) is
  * allocated, as a configuration that cannot run: terabytes, on any machine
  * this runs on. */
 Test(model_backend, sizes_past_the_host_are_refused_up_front) {
