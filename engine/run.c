@@ -303,9 +303,6 @@ moe_status moe_run_options_validate(const moe_run_options *o) {
     if (o->resume && !latest && o->init_from)
         return moe_error(MOE_ERR_CONFIG, "--resume and --init-from exclude each other: --resume loads the "
                                          "checkpoint's own weights");
-    if (o->resume && !latest && o->config)
-        return moe_error(MOE_ERR_CONFIG, "--config cannot be combined with --resume: the checkpoint's "
-                                         "config.json is used");
     /* Flags a schedule would ignore are mistakes of the command line. */
     if (!isnan(o->min_lr) && o->lr_schedule == MOE_LR_CONSTANT)
         return moe_error(MOE_ERR_CONFIG, "--min-lr %g: --lr-schedule constant keeps --lr to the end", o->min_lr);
@@ -2022,48 +2019,55 @@ static moe_status last_logged_step(const char *out_dir, int64_t *step) {
     return MOE_OK;
 }
 
-/* --resume latest into *out (the options otherwise o's; path holds the
- * checkpoint's): the newest checkpoint in --out, refused when it is later
- * than the last step its metrics.jsonl logged (a step is logged before
- * its checkpoint is saved), whose
- * config must be --config's when that is given, with --config and
- * --init-from then dropped; *done when it is at --steps already. With no
- * checkpoint in --out, a new run that replaces the files of a start that
- * died before its first checkpoint. */
-static moe_status resolve_latest(moe_run_options *out, bool *done, char *path, const moe_run_options *o) {
+/* --resume into *out (the options otherwise o's; path [RUN_PATH_BYTES]
+ * holds the checkpoint's), whose config must be --config's when that is
+ * given (the command line that started the run, with --resume added),
+ * with --config and --init-from then dropped. latest: the newest
+ * checkpoint in --out, refused when it is later than the last step its
+ * metrics.jsonl logged (a step is logged before its checkpoint is saved);
+ * *done when it is at --steps already; with no checkpoint in --out, a new
+ * run that replaces the files of a start that died before its first
+ * checkpoint. */
+static moe_status resolve_resume(moe_run_options *out, bool *done, char *path, const moe_run_options *o) {
     *out = *o;
     *done = false;
-    if (!o->resume || strcmp(o->resume, MOE_RUN_RESUME_LATEST) != 0) return MOE_OK;
-    out->resume = NULL;
-    checkpoint_entry *found;
-    size_t n;
-    int64_t logged;
-    MOE_TRY(list_checkpoints(&found, &n, o->out_dir));
-    moe_status st = last_logged_step(o->out_dir, &logged);
-    /* A checkpoint past the log is not the run the log tells, and the
-     * restart may not remove it (--overwrite would remove the run): the
-     * user picks. */
-    if (st == MOE_OK && n > 0 && logged >= 0 && found[0].step > logged)
-        st = moe_error(MOE_ERR_CONFIG, "--resume " MOE_RUN_RESUME_LATEST ": --out %s holds %s, later than the last "
-                                       "step its metrics.jsonl logged, %lld: resume a checkpoint by name (one "
-                                       "before it under --overwrite, which removes the later ones)",
-                       o->out_dir, found[0].name, (long long)logged);
-    if (st == MOE_OK && n > 0) st = path_join(path, o->out_dir, found[0].name);
-    free(found);
-    if (st != MOE_OK) return st;
-    if (n == 0) {
-        out->overwrite = true;
-        return MOE_OK;
+    if (!o->resume) return MOE_OK;
+    const bool latest = strcmp(o->resume, MOE_RUN_RESUME_LATEST) == 0;
+    const char *flag = latest ? "--resume " MOE_RUN_RESUME_LATEST ":" : "--resume";
+    if (latest) {
+        out->resume = NULL;
+        checkpoint_entry *found;
+        size_t n;
+        int64_t logged;
+        MOE_TRY(list_checkpoints(&found, &n, o->out_dir));
+        moe_status st = last_logged_step(o->out_dir, &logged);
+        /* A checkpoint past the log is not the run the log tells, and the
+         * restart may not remove it (--overwrite would remove the run): the
+         * user picks. */
+        if (st == MOE_OK && n > 0 && logged >= 0 && found[0].step > logged)
+            st = moe_error(MOE_ERR_CONFIG, "%s --out %s holds %s, later than the last step its metrics.jsonl "
+                                           "logged, %lld: resume a checkpoint by name (one before it under "
+                                           "--overwrite, which removes the later ones)",
+                           flag, o->out_dir, found[0].name, (long long)logged);
+        if (st == MOE_OK && n > 0) st = path_join(path, o->out_dir, found[0].name);
+        free(found);
+        if (st != MOE_OK) return st;
+        if (n == 0) {
+            out->overwrite = true;
+            return MOE_OK;
+        }
+        moe_train_state state;
+        MOE_TRY(read_checkpoint_state(&state, flag, path));
+        *done = state.step == o->steps; /* past --steps, the run refuses it as an explicit --resume */
+    } else if (snprintf(path, RUN_PATH_BYTES, "%s", o->resume) >= RUN_PATH_BYTES) {
+        return moe_error(MOE_ERR_CONFIG, "--resume %s: the path is too long", o->resume);
     }
-    moe_train_state state;
-    st = read_checkpoint_state(&state, "--resume " MOE_RUN_RESUME_LATEST ":", path);
-    if (st != MOE_OK) return st;
-    *done = state.step == o->steps; /* past --steps, the run refuses it as an explicit --resume */
     if (o->config) {
         moe_model_config given, saved;
-        st = moe_model_config_load(&given, o->config, NULL, NULL);
+        moe_status st = moe_model_config_load(&given, o->config, NULL, NULL);
         if (st != MOE_OK) return moe_error_prefix(st, "--config: ");
-        MOE_TRY(moe_checkpoint_load_config(&saved, path, NULL, NULL));
+        st = moe_checkpoint_load_config(&saved, path, NULL, NULL);
+        if (st != MOE_OK) return moe_error_prefix(st, "%s %s: ", flag, path);
         moe_agree_field a[MOE_CONFIG_AGREE_FIELDS], b[MOE_CONFIG_AGREE_FIELDS];
         const int count = moe_config_agree_fields(a, &given);
         moe_config_agree_fields(b, &saved);
@@ -2072,9 +2076,8 @@ static moe_status resolve_latest(moe_run_options *out, bool *done, char *path, c
             char was[64], now[64];
             field_text(was, sizeof was, &a[i], b[i].value);
             field_text(now, sizeof now, &a[i], a[i].value);
-            return moe_error(MOE_ERR_CONFIG, "--resume " MOE_RUN_RESUME_LATEST ": %s was trained with %s=%s, --config %s "
-                                             "has %s",
-                             path, a[i].name, was, o->config, now);
+            return moe_error(MOE_ERR_CONFIG, "%s %s was trained with %s=%s, --config %s has %s", flag, path, a[i].name,
+                             was, o->config, now);
         }
     }
     out->resume = path;
@@ -2088,15 +2091,15 @@ moe_status moe_run(const moe_run_options *given, const moe_run_callbacks *callba
     const double start = moe_monotonic_seconds();
     MOE_TRY(moe_run_options_validate(given));
     moe_run_options resolved;
-    char latest[RUN_PATH_BYTES];
+    char resumed[RUN_PATH_BYTES];
     bool done;
-    MOE_TRY(resolve_latest(&resolved, &done, latest, given));
+    MOE_TRY(resolve_resume(&resolved, &done, resumed, given));
     const moe_run_options *opts = &resolved;
     if (done) { /* a job restarted after it had finished */
         if (callbacks && callbacks->on_warning) {
             char msg[RUN_PATH_BYTES + 128];
             snprintf(msg, sizeof msg, "--resume " MOE_RUN_RESUME_LATEST ": %s is at --steps %lld already: nothing to do",
-                     latest, (long long)given->steps);
+                     resumed, (long long)given->steps);
             callbacks->on_warning(callbacks->ctx, msg);
         }
         return MOE_OK;

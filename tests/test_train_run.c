@@ -1733,7 +1733,6 @@ static void empty_out(moe_run_options *o) { o->out_dir = ""; }
 static void empty_data(moe_run_options *o) { o->data = ""; }
 static void eval_only_alone(moe_run_options *o) { o->eval_only = true; }
 static void resume_and_init(moe_run_options *o) { o->resume = o->init_from = "somewhere"; }
-static void resume_and_config(moe_run_options *o) { o->resume = "somewhere"; }
 static void huge_steps(moe_run_options *o) { o->steps = INT64_MAX; }
 static void huge_batch(moe_run_options *o) {
     o->batch_size = (int64_t)1 << 62;
@@ -1762,7 +1761,7 @@ Test(train_run, bad_options_name_the_flag) {
         {"--peak-gflops", negative_peak}, {"--peak-gflops", denormal_peak},
         {"--out", empty_out},             {"--data", empty_data},
         {"--init-from", eval_only_alone}, {"--resume", resume_and_init},
-        {"--config", resume_and_config},  {"--profile", profile_eval_only},
+        {"--profile", profile_eval_only},
         {"--overwrite", overwrite_eval_only}, {"--keep-last", negative_keep_last},
         {"--keep-last", keep_last_eval_only}, {"--overwrite", latest_overwrite},
         {"--logit-z-loss", nan_logit_z},  {"--shuffle", shuffle_eval_only},
@@ -1980,9 +1979,16 @@ Test(train_run, resume_latest_restarts_from_the_newest, .init = make_tmp, .fini 
     cr_expect(strstr(moe_last_error(), "step-000006, later than the last step its metrics.jsonl logged, 5"),
               "message: %s", moe_last_error());
     cr_expect(access(tmp_path(b, "out/step-000006"), F_OK) == 0, "the refused restart removed step 6");
+    /* By name, --config is checked as with latest: another is refused,
+     * the run's own (the command line that started it) taken. */
     o.resume = tmp_path(b, "out/step-000004");
-    o.config = NULL;
+    o.config = other;
     o.overwrite = true;
+    cr_expect_eq(moe_run(&o, &cb), MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "--resume ") && strstr(moe_last_error(), "step-000004 was trained with "
+                                                                                "moe_z_loss_coef"),
+              "message: %s", moe_last_error());
+    o.config = cfg;
     run_ok(&o, &v);
     cr_expect(v.steps == 2 && v.last_step == 6, "after the log's step 5: %d steps, to %lld", v.steps,
               (long long)v.last_step);

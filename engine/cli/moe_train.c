@@ -94,14 +94,13 @@ static void print_help(void) {
            "  --keep-last N        after each checkpoint, remove DIR's older ones but the newest N\n"
            "                       (and, when older, the one --resume started from); 0 = keep all\n"
            "                       (default)\n"
-           "  --resume DIR         continue from checkpoint DIR, with its config and the same\n"
-           "                       flags otherwise (not --config); the result matches an\n"
-           "                       uninterrupted run bit for bit. 'latest': from --out's newest\n"
-           "                       checkpoint (--config, if given, must match its config), or a\n"
-           "                       new run when --out has none (replacing a failed start's files),\n"
-           "                       so that one command line starts a run and restarts it after a\n"
-           "                       failure; refused when metrics.jsonl stops before that\n"
-           "                       checkpoint, which only a hand-edited log leaves\n\n",
+           "  --resume DIR         continue from checkpoint DIR with the same flags otherwise\n"
+           "                       (--config, if given, must match its config); the result\n"
+           "                       matches an uninterrupted run bit for bit. 'latest': from --out's\n"
+           "                       newest checkpoint, or a new run when --out has none (replacing\n"
+           "                       a failed start's files), so that one command line starts a run\n"
+           "                       and restarts it after a failure; refused when metrics.jsonl\n"
+           "                       stops before that checkpoint, which only a hand-edited log leaves\n\n",
            (long long)d.eval_every, (long long)d.eval_batches, d.out_dir, (long long)d.save_every);
     printf("Performance:\n"
            "  --device D           auto: CUDA when a GPU answers, else the CPU (default); cpu;\n"
