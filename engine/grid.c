@@ -163,6 +163,37 @@ static moe_status disagree_number(int rank, const char *name, double got, double
     return moe_error(MOE_ERR_CONFIG, "rank %d disagrees with rank 0 on %s: %s, rank 0 has %s", rank, name, a, b);
 }
 
+/* Bytes of a text that a disagreement quotes. */
+#define AGREE_TEXT_BYTES 1024
+
+moe_status moe_grid_agree_texts(moe_comm *world, const char *const *names, const char *const *texts, int count) {
+    const int size = moe_comm_size(world);
+    double *mine = malloc(sizeof(double) * (size_t)(count ? count : 1)),
+           *all = malloc(sizeof(double) * (size_t)(count ? count : 1) * (size_t)size);
+    moe_status st = mine && all ? MOE_OK : moe_error(MOE_ERR_OUT_OF_MEMORY, "text agreement: %d texts", count);
+    for (int i = 0; st == MOE_OK && i < count; i++) mine[i] = texts[i][0] ? moe_grid_text_hash(texts[i]) : -1.0;
+    if (st == MOE_OK) st = moe_comm_allgather(world, all, mine, count, MOE_COMM_F64);
+    int differs = -1, at = 0;
+    for (int r = 0; st == MOE_OK && differs < 0 && r < size; r++)
+        for (int i = 0; differs < 0 && i < count; i++)
+            if (all[(size_t)r * (size_t)count + (size_t)i] != all[i]) differs = r, at = i;
+    free(mine);
+    free(all);
+    if (st != MOE_OK || differs < 0) return st;
+    /* Every rank found the same pair: the two send their texts to all. */
+    char quoted[2][AGREE_TEXT_BYTES + 2];
+    const int from[2] = {differs, 0};
+    for (int i = 0; i < 2; i++) {
+        char text[AGREE_TEXT_BYTES];
+        snprintf(text, sizeof text, "%s", texts[at]);
+        MOE_TRY(moe_comm_broadcast(world, text, sizeof text, MOE_COMM_BYTES, from[i]));
+        text[sizeof text - 1] = '\0';
+        snprintf(quoted[i], sizeof quoted[i], text[0] ? "\"%s\"" : "none", text);
+    }
+    return moe_error(MOE_ERR_CONFIG, "rank %d disagrees with rank 0 on %s: %s, rank 0 has %s", differs, names[at],
+                     quoted[0], quoted[1]);
+}
+
 moe_status moe_grid_agree(moe_comm *world, const moe_agree_field *fields, int count) {
     const int size = moe_comm_size(world), rank = moe_comm_rank(world), n = count + 1;
     double *mine = malloc(sizeof(double) * (size_t)n), *all = malloc(sizeof(double) * (size_t)n * (size_t)size);

@@ -79,6 +79,11 @@ typedef struct moe_agree_field {
  * build (library version, compiler, backends) is compared first. */
 moe_status moe_grid_agree(moe_comm *world, const moe_agree_field *fields, int count);
 
+/* Compares texts [count] (paths, say; "" for none), named names [count],
+ * across all ranks of world by their hashes; on a difference the error
+ * quotes both ranks' texts, which the two ranks send every rank. */
+moe_status moe_grid_agree_texts(moe_comm *world, const char *const *names, const char *const *texts, int count);
+
 /* A moe_agree_field value for text (a file name, say): FNV-1a of its
  * bytes, folded to 52 bits so a double holds it exactly. */
 double moe_grid_text_hash(const char *s);

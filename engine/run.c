@@ -912,6 +912,23 @@ static moe_status make_grid(run *r) {
     return MOE_OK;
 }
 
+/* name's real path into buf [PATH_MAX] when it resolves, else name ("" for
+ * NULL). */
+static const char *real_path_or_name(char *buf, const char *name) {
+    if (!name) return "";
+    return realpath(name, buf) ? buf : name;
+}
+
+/* name made absolute against the working directory into buf [PATH_MAX],
+ * without resolving it: a directory some ranks have not made yet (--out on
+ * node-local disks) compares alike. */
+static const char *absolute_name(char *buf, const char *name) {
+    char cwd[PATH_MAX];
+    if (name[0] == '/' || !getcwd(cwd, sizeof cwd) || snprintf(buf, PATH_MAX, "%s/%s", cwd, name) >= PATH_MAX)
+        return name;
+    return buf;
+}
+
 static moe_status build_model(run *r) {
     const moe_run_options *o = r->o;
     if (r->world) {
@@ -943,19 +960,25 @@ static moe_status build_model(run *r) {
             {"--weight-decay", o->weight_decay, NULL},
             {"--grad-clip", o->grad_clip, NULL},           {"--eval-only", (double)o->eval_only, NULL},
             {"--logit-z-loss", o->logit_z_loss, NULL},
-            {"--data (name hash)", moe_grid_text_hash(o->data), NULL},
-            {"--val-data (name hash)", o->val_data ? moe_grid_text_hash(o->val_data) : -1.0, NULL},
             {"--val-tokens", (double)o->val_tokens, NULL},
             /* One name may open other files on other nodes (a shard missing
              * from a local copy): a global batch of unrelated rows. */
             {"--data (tokens)", r->train.data ? (double)moe_data_token_count(r->train.data) : -1.0, NULL},
             {"validation data (tokens)", (double)moe_data_token_count(r->val.data), NULL},
-            /* Ranks that loaded other weights would train a mixture. */
-            {"--init-from (name hash)", o->init_from ? moe_grid_text_hash(o->init_from) : -1.0, NULL},
             {"--upcycle", (double)o->upcycle, NULL},
             {"--max-time", o->max_time, NULL},
-            {"--resume (name hash)", o->resume ? moe_grid_text_hash(o->resume) : -1.0, NULL},
         };
+        /* Where the weights come from and the run goes, first: a rank that
+         * found no checkpoint in its --out (node-local storage) differs in
+         * its config only as a consequence. Checkpoints by their real
+         * paths and --out made absolute, so that a relative and an
+         * absolute name of one agree; the data by the names given. Ranks
+         * that loaded other weights would train a mixture. */
+        char resume[PATH_MAX], init_from[PATH_MAX], out[PATH_MAX];
+        const char *const names[] = {"--resume", "--init-from", "--out", "--data", "--val-data"};
+        const char *const texts[] = {real_path_or_name(resume, o->resume), real_path_or_name(init_from, o->init_from),
+                                     absolute_name(out, o->out_dir), o->data, o->val_data ? o->val_data : ""};
+        MOE_TRY(moe_grid_agree_texts(r->world, names, texts, (int)(sizeof names / sizeof names[0])));
         moe_agree_field fields[MOE_CONFIG_AGREE_FIELDS + sizeof options / sizeof options[0]];
         int n = moe_config_agree_fields(fields, &r->cfg);
         for (size_t i = 0; i < sizeof options / sizeof options[0]; i++) fields[n++] = options[i];

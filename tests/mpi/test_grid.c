@@ -20,7 +20,7 @@ int main(void) {
     if (rank == size - 1) cfg.num_local_experts += 2;
     n = moe_config_agree_fields(fields, &cfg);
     moe_status st = moe_grid_agree(world, fields, n);
-    char want[64];
+    char want[160];
     snprintf(want, sizeof want, "rank %d disagrees", size - 1);
     int bad = st != MOE_ERR_CONFIG || !strstr(moe_last_error(), want) || !strstr(moe_last_error(), "num_local_experts");
     if (bad) printf("  rank %d got: %s\n", rank, moe_last_error());
@@ -57,6 +57,24 @@ int main(void) {
     bad = st != MOE_ERR_CONFIG || !strstr(moe_last_error(), "rms_norm_eps: 1.0000000001e-05, rank 0 has 1e-05");
     if (bad) printf("  rank %d got: %s\n", rank, moe_last_error());
     mpi_report(bad, "values that differ in their tenth digit print apart");
+
+    /* Texts agree by their bytes; a difference quotes both ranks' texts on
+     * every rank, and an empty text is none. */
+    const char *const names[] = {"--resume", "--out"};
+    const char *texts[] = {"/ckpt/step-000004", "/runs/a"};
+    mpi_report(moe_grid_agree_texts(world, names, texts, 2) != MOE_OK, "identical texts agree");
+    if (rank == size - 1) texts[1] = "/runs/b";
+    st = moe_grid_agree_texts(world, names, texts, 2);
+    snprintf(want, sizeof want, "rank %d disagrees with rank 0 on --out: \"/runs/b\", rank 0 has \"/runs/a\"",
+             size - 1);
+    bad = st != MOE_ERR_CONFIG || !strstr(moe_last_error(), want);
+    if (bad) printf("  rank %d got: %s\n", rank, moe_last_error());
+    mpi_report(bad, "a differing text is quoted from both ranks");
+    if (rank == size - 1) texts[0] = "";
+    st = moe_grid_agree_texts(world, names, texts, 2);
+    bad = st != MOE_ERR_CONFIG || !strstr(moe_last_error(), "on --resume: none, rank 0 has \"/ckpt/step-000004\"");
+    if (bad) printf("  rank %d got: %s\n", rank, moe_last_error());
+    mpi_report(bad, "the first differing text is named, an empty one as none");
 
     moe_grid grid;
     st = moe_grid_create(&grid, world, size, 1, 1, cfg.num_hidden_layers, moe_grid_flop_costs(&cfg, 8));
