@@ -31,8 +31,9 @@
 #define MAX_INIT_STD 1e3
 #define MAX_CONFIG_BYTES ((size_t)16 << 20)
 
-/* F_WINDOW: a positive integer, or null (0 in the struct) for none. */
-typedef enum field_kind { F_INT, F_REAL, F_BOOL, F_GATE, F_WINDOW } field_kind;
+/* F_WINDOW: a positive integer, or null (0 in the struct) for none.
+ * F_TOKEN_IDS: an integer, a list of integers, or null, kept as given. */
+typedef enum field_kind { F_INT, F_REAL, F_BOOL, F_GATE, F_WINDOW, F_TOKEN_IDS } field_kind;
 
 /* Defaults that depend on other fields. */
 #define DERIVED (-1.0)
@@ -72,6 +73,10 @@ static const field fields[] = {
     FIELD(router_aux_loss_coef, F_REAL, false, 0.001),
     FIELD(router_jitter_noise, F_REAL, false, 0.0),
     FIELD(initializer_range, F_REAL, false, 0.02),
+    /* Absent stays absent (transformers then takes MixtralConfig's default). */
+    FIELD(bos_token_id, F_TOKEN_IDS, false, 0),
+    FIELD(eos_token_id, F_TOKEN_IDS, false, 0),
+    FIELD(pad_token_id, F_TOKEN_IDS, false, 0),
     FIELD(moe_gate, F_GATE, false, MOE_GATE_SOFTMAX_TOPK),
     FIELD(moe_renormalize, F_BOOL, false, 1),
     FIELD(moe_capacity_factor, F_REAL, false, 0.0),
@@ -87,7 +92,7 @@ static const field fields[] = {
 
 /* Hugging Face keys that do not change the model we build. */
 static const char *const ignored_keys[] = {
-    "architectures", "bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype", "dtype",
+    "architectures", "torch_dtype", "dtype",
     "output_router_logits", "use_cache", "transformers_version", "_name_or_path",
     "return_dict", "output_attentions", "output_hidden_states",
 };
@@ -178,9 +183,36 @@ static moe_status read_int(int64_t *out, const char *name, const char *key, cons
                      hi == INT64_MAX ? "" : " written with a fraction or exponent");
 }
 
+/* A token id key as transformers types it, int | list[int] | None, into *t;
+ * a list longer than MOE_TOKEN_IDS_MAX is refused rather than cut. */
+static moe_status read_token_ids(moe_token_ids *t, const char *name, const char *key, const moe_json *v) {
+    memset(t, 0, sizeof *t);
+    if (v->type == MOE_JSON_NULL) {
+        t->form = MOE_TOKEN_ID_NULL;
+        return MOE_OK;
+    }
+    if (v->type != MOE_JSON_ARRAY) {
+        t->form = MOE_TOKEN_ID_INT;
+        t->n = 1;
+        return read_int(&t->ids[0], name, key, "an integer, a list of integers or null", v);
+    }
+    if (v->array.count > MOE_TOKEN_IDS_MAX)
+        return moe_error(MOE_ERR_CONFIG, "%s: %s lists %zu ids, more than the %d this reader keeps", name, key,
+                         v->array.count, MOE_TOKEN_IDS_MAX);
+    t->form = MOE_TOKEN_ID_LIST;
+    t->n = (int)v->array.count;
+    for (size_t i = 0; i < v->array.count; i++) {
+        char item[64];
+        snprintf(item, sizeof item, "%s[%zu]", key, i);
+        MOE_TRY(read_int(&t->ids[i], name, item, "an integer", &v->array.items[i]));
+    }
+    return MOE_OK;
+}
+
 static moe_status read_field(moe_model_config *cfg, const field *f, const moe_json *v, const char *name) {
     switch (f->kind) {
     case F_INT: return read_int(field_ptr(cfg, f), name, f->key, "an integer", v);
+    case F_TOKEN_IDS: return read_token_ids(field_ptr(cfg, f), name, f->key, v);
     case F_WINDOW: {
         int64_t *w = field_ptr(cfg, f);
         MOE_TRY(read_int(w, name, f->key, "an integer or null", v));
@@ -253,14 +285,17 @@ static moe_status check_float_upto(const char *name, const char *key, double v, 
 static moe_status read_rope_parameters(double *theta, const moe_json *v, const char *name, moe_warn_fn wfn,
                                        void *wctx) {
     if (v->type != MOE_JSON_OBJECT) return wrong_type(name, "rope_parameters", "an object", v);
+    /* The type first: a scaled RoPE's own keys (factor, ...) are not
+     * unknown, the scaling itself is refused. */
+    const moe_json *type = moe_json_get(v, "rope_type");
+    if (type != NULL) MOE_TRY(require_string(name, "rope_parameters.rope_type", type, "default", NULL));
     for (size_t i = 0; i < v->object.count; i++) {
         const moe_json_member *m = &v->object.members[i];
         if (strlen(m->key) != m->key_len)
             return moe_error(MOE_ERR_CONFIG, "%s: key \"rope_parameters.%s...\" contains a NUL character", name,
                              m->key);
-        if (strcmp(m->key, "rope_type") == 0) {
-            MOE_TRY(require_string(name, "rope_parameters.rope_type", &m->value, "default", NULL));
-        } else if (strcmp(m->key, "rope_theta") == 0) {
+        if (strcmp(m->key, "rope_type") == 0) continue; /* checked above */
+        if (strcmp(m->key, "rope_theta") == 0) {
             if (m->value.type != MOE_JSON_NUMBER)
                 return wrong_type(name, "rope_parameters.rope_theta", "a number", &m->value);
             /* Checked here, where the key it came from is known. */
@@ -310,7 +345,8 @@ static moe_status read_other(const moe_json_member *m, other_values *o, const ch
                              name);
         return MOE_OK;
     }
-    if (strcmp(key, "hidden_act") == 0) return require_string(name, key, v, "silu", NULL);
+    /* transformers' ACT2FN computes "swish" as nn.SiLU. */
+    if (strcmp(key, "hidden_act") == 0) return require_string(name, key, v, "silu", "swish");
     if (strcmp(key, "model_type") == 0) return require_string(name, key, v, MODEL_TYPE_MIXTRAL, MODEL_TYPE_OURS);
     if (strcmp(key, "rope_scaling") == 0)
         return moe_error(MOE_ERR_CONFIG, "%s: rope_scaling is not supported (only plain RoPE); remove it or set null",
@@ -325,6 +361,7 @@ static moe_status read_other(const moe_json_member *m, other_values *o, const ch
     return moe_error(MOE_ERR_INTERNAL, "%s: key %s is listed as checked but has no check", name, key);
 }
 
+
 static size_t field_index(const char *key) {
     size_t f = 0;
     while (f < N_FIELDS && strcmp(fields[f].key, key) != 0) f++;
@@ -338,6 +375,7 @@ static void set_default(moe_model_config *cfg, const field *f) {
     case F_REAL: *(double *)field_ptr(cfg, f) = f->def; break;
     case F_BOOL: *(bool *)field_ptr(cfg, f) = f->def != 0.0; break;
     case F_GATE: *(moe_gate_kind *)field_ptr(cfg, f) = (moe_gate_kind)f->def; break;
+    case F_TOKEN_IDS: memset(field_ptr(cfg, f), 0, sizeof(moe_token_ids)); break; /* absent */
     }
 }
 
@@ -355,7 +393,8 @@ static moe_status read_keys(moe_model_config *cfg, given *state, other_values *o
         size_t f = field_index(m->key);
         if (f == N_FIELDS) {
             MOE_TRY(read_other(m, o, name, wfn, wctx));
-        } else if (m->value.type == MOE_JSON_NULL) {
+        } else if (m->value.type == MOE_JSON_NULL && fields[f].kind != F_TOKEN_IDS) {
+            /* A token id's null is a value (no token), not its default. */
             state[f] = GIVEN_NULL;
         } else {
             MOE_TRY(read_field(cfg, &fields[f], &m->value, name));
@@ -407,13 +446,17 @@ static moe_status fill_defaults(moe_model_config *cfg, given *state, const other
     if (kv == ABSENT && cfg->num_attention_heads > 0)
         MOE_TRY(check_kv_heads(name, cfg->num_attention_heads, cfg->num_key_value_heads,
                                " (absent: transformers' default)"));
+    /* transformers' Mixtral: head_dim or hidden_size // num_attention_heads,
+     * rounded down; q and o are then heads x head_dim wide, narrower than
+     * hidden_size when it does not divide, which the model allows. */
     if (state[field_index("head_dim")] != GIVEN && cfg->num_attention_heads > 0) {
-        if (cfg->hidden_size % cfg->num_attention_heads != 0)
-            return moe_error(MOE_ERR_CONFIG,
-                             "%s: hidden_size=%lld is not divisible by num_attention_heads=%lld (and head_dim is "
-                             "not given)",
-                             name, (long long)cfg->hidden_size, (long long)cfg->num_attention_heads);
         cfg->head_dim = cfg->hidden_size / cfg->num_attention_heads;
+        if (cfg->hidden_size > 0 && (cfg->head_dim < 1 || cfg->head_dim % 2 != 0))
+            return moe_error(MOE_ERR_CONFIG,
+                             "%s: head_dim is not given, and hidden_size=%lld // num_attention_heads=%lld = %lld "
+                             "(transformers' default) is not a positive even number (RoPE rotates pairs)",
+                             name, (long long)cfg->hidden_size, (long long)cfg->num_attention_heads,
+                             (long long)cfg->head_dim);
     }
     return MOE_OK;
 }
@@ -425,6 +468,24 @@ static moe_status as_config_error(moe_status st) {
     char message[MOE_ERROR_BYTES];
     snprintf(message, sizeof message, "%s", moe_last_error());
     return moe_error(MOE_ERR_CONFIG, "%s", message);
+}
+
+/* Token ids outside the vocabulary name no token; transformers loads them
+ * with a warning (configs on the Hub hold pad_token_id -1), and so does
+ * this reader, keeping them as given. */
+static void warn_token_ids(const moe_model_config *cfg, const char *name, moe_warn_fn wfn, void *wctx) {
+    for (size_t f = 0; f < N_FIELDS; f++) {
+        if (fields[f].kind != F_TOKEN_IDS) continue;
+        const moe_token_ids *t = field_cptr(cfg, &fields[f]);
+        for (int i = 0; i < t->n; i++) {
+            if (t->ids[i] >= 0 && t->ids[i] < cfg->vocab_size) continue;
+            char item[16] = "";
+            if (t->form == MOE_TOKEN_ID_LIST) snprintf(item, sizeof item, "[%d]", i);
+            warn(wfn, wctx, "%s: %s%s=%lld is outside the vocabulary [0, %lld) and names no token; kept as given",
+                 name, fields[f].key, item, (long long)t->ids[i], (long long)cfg->vocab_size);
+            break;
+        }
+    }
 }
 
 moe_status moe_model_config_parse(moe_model_config *cfg, const char *text, size_t len, const char *name,
@@ -439,6 +500,7 @@ moe_status moe_model_config_parse(moe_model_config *cfg, const char *text, size_
     moe_json_free(doc);
     if (st == MOE_OK) st = fill_defaults(cfg, state, &o, name);
     if (st == MOE_OK) st = moe_model_config_validate(cfg, name);
+    if (st == MOE_OK) warn_token_ids(cfg, name, wfn, wctx);
     return st;
 }
 
@@ -493,6 +555,26 @@ static moe_status check_param_bytes(const moe_model_config *c, const char *name)
                      (long long)c->moe_n_shared_experts, (long long)ff, (long long)c->vocab_size);
 }
 
+/* A struct filled by hand may hold what no config.json reads as. */
+static moe_status check_token_ids(const char *name, const char *key, const moe_token_ids *t) {
+    switch (t->form) {
+    case MOE_TOKEN_ID_ABSENT:
+    case MOE_TOKEN_ID_NULL:
+        if (t->n == 0) return MOE_OK;
+        break;
+    case MOE_TOKEN_ID_INT:
+        if (t->n == 1) return MOE_OK;
+        break;
+    case MOE_TOKEN_ID_LIST:
+        if (t->n >= 0 && t->n <= MOE_TOKEN_IDS_MAX) return MOE_OK;
+        break;
+    default:
+        return moe_error(MOE_ERR_CONFIG, "%s: %s has form %d, not a token id form", name, key, (int)t->form);
+    }
+    return moe_error(MOE_ERR_CONFIG, "%s: %s holds %d ids in form %d (an integer holds 1, a list at most %d, null or "
+                     "absent none)", name, key, t->n, (int)t->form, MOE_TOKEN_IDS_MAX);
+}
+
 moe_status moe_model_config_validate(const moe_model_config *c, const char *name) {
     if (name == NULL) name = "config";
     MOE_TRY(check_size(name, "vocab_size", c->vocab_size, MAX_DIM));
@@ -543,6 +625,8 @@ moe_status moe_model_config_validate(const moe_model_config *c, const char *name
                          name, (long long)c->hidden_size, (long long)c->intermediate_size,
                          (long long)c->num_local_experts, (long long)c->moe_n_shared_experts);
     MOE_TRY(check_param_bytes(c, name));
+    for (size_t f = 0; f < N_FIELDS; f++)
+        if (fields[f].kind == F_TOKEN_IDS) MOE_TRY(check_token_ids(name, fields[f].key, field_cptr(c, &fields[f])));
     if ((int)c->moe_gate < 0 || (size_t)c->moe_gate >= sizeof gate_names / sizeof *gate_names)
         return moe_error(MOE_ERR_CONFIG, "%s: moe_gate=%d is not a gate kind", name, (int)c->moe_gate);
     MOE_TRY(check_float(name, "rope_theta", c->rope_theta));
@@ -591,6 +675,19 @@ static bool is_mixtral(const moe_model_config *c) {
            c->moe_routed_scaling_factor == 1.0;
 }
 
+/* A token id key's value as it was read: null, an integer or a list. */
+static void write_token_ids(moe_json_writer *w, const moe_token_ids *t) {
+    if (t->form == MOE_TOKEN_ID_NULL) {
+        moe_json_null(w);
+    } else if (t->form == MOE_TOKEN_ID_INT) {
+        moe_json_int(w, t->ids[0]);
+    } else {
+        moe_json_begin_array(w);
+        for (int i = 0; i < t->n; i++) moe_json_int(w, t->ids[i]);
+        moe_json_end_array(w);
+    }
+}
+
 moe_status moe_model_config_save(const moe_model_config *cfg, const char *path) {
     MOE_TRY(moe_model_config_validate(cfg, path));
     const bool mixtral = is_mixtral(cfg);
@@ -610,6 +707,9 @@ moe_status moe_model_config_save(const moe_model_config *cfg, const char *path) 
     moe_json_key(&w, "torch_dtype");
     moe_json_string(&w, "float32");
     for (size_t f = 0; f < N_FIELDS; f++) {
+        if (fields[f].kind == F_TOKEN_IDS &&
+            ((const moe_token_ids *)field_cptr(cfg, &fields[f]))->form == MOE_TOKEN_ID_ABSENT)
+            continue; /* as read: a reader takes its model type's default */
         moe_json_key(&w, fields[f].key);
         switch (fields[f].kind) {
         case F_INT: moe_json_int(&w, *(const int64_t *)field_cptr(cfg, &fields[f])); break;
@@ -624,6 +724,7 @@ moe_status moe_model_config_save(const moe_model_config *cfg, const char *path) 
                 moe_json_null(&w);
             break;
         }
+        case F_TOKEN_IDS: write_token_ids(&w, field_cptr(cfg, &fields[f])); break;
         }
     }
     moe_json_end_object(&w);

@@ -3,20 +3,23 @@
  * keys for what Mixtral lacks. Every key means what transformers'
  * MixtralConfig makes of it.
  *
- * Reading: a key we know but do not use (architectures, bos_token_id,
- * torch_dtype, use_cache, ...) is accepted silently; an unknown key is
- * ignored with a warning passed to the caller's callback (the library never
- * prints). Keys that would change the model in ways we do not implement are
- * errors (tie_word_embeddings true, hidden_act other than "silu", model_type
- * other than "mixtral" or "moe", rope_scaling, a rope_type other than
- * "default"). A wrong type or an impossible value is an error naming the
- * file, the key and the value, and so is a string holding a NUL character
- * (\u0000); an integer past int64 is out of range. JSON null counts as
- * absent for every key, as in transformers, with transformers' one
- * exception: num_key_value_heads absent is 8, null is num_attention_heads.
- * "num_experts" stands for num_local_experts (transformers' attribute_map);
- * given both, they must agree. Limits that the MoE layer imposes
- * (moe_layer_config_validate) are checked here under the config.json key.
+ * Reading: a key we know but do not use (architectures, torch_dtype,
+ * use_cache, ...) is accepted silently; an unknown key is ignored with a
+ * warning passed to the caller's callback (the library never prints). Keys
+ * that would change the model in ways we do not implement are errors
+ * (tie_word_embeddings true, hidden_act other than "silu" or "swish", which
+ * transformers computes as silu, model_type other than "mixtral" or "moe",
+ * rope_scaling, a rope_type other than "default"). A wrong type or an
+ * impossible value is an error naming the file, the key and the value, and
+ * so is a string holding a NUL character (\u0000); an integer past int64 is
+ * out of range. JSON null counts as absent for every key, as in
+ * transformers, with transformers' exceptions: num_key_value_heads absent
+ * is 8, null is num_attention_heads; and a token id null is no token, while
+ * absent it is MixtralConfig's default (bos 1, eos 2), so both are kept as
+ * given. "num_experts" stands for num_local_experts (transformers'
+ * attribute_map); given both, they must agree. Limits that the MoE layer
+ * imposes (moe_layer_config_validate) are checked here under the
+ * config.json key.
  *
  * Writing: "model_type": "mixtral" and "architectures":
  * ["MixtralForCausalLM"] only when transformers' Mixtral computes what this
@@ -36,11 +39,34 @@
 
 #include "moe.h"
 
+/* The most ids one token-id key may list (Llama 3's eos_token_id lists 3). */
+#define MOE_TOKEN_IDS_MAX 16
+
+/* How config.json gave a token id key; absent and null differ in
+ * transformers (absent: the model type's default; null: no token). */
+typedef enum moe_token_id_form {
+    MOE_TOKEN_ID_ABSENT = 0,
+    MOE_TOKEN_ID_NULL,
+    MOE_TOKEN_ID_INT,  /* one integer: ids[0] */
+    MOE_TOKEN_ID_LIST, /* a list of n integers, possibly empty */
+} moe_token_id_form;
+
+/* bos_token_id, eos_token_id or pad_token_id, kept as read so that a saved
+ * config gives transformers' generate the same ids (it stops at eos). They
+ * do not change the model. Any int64 is kept: transformers accepts ids
+ * outside the vocabulary (pad_token_id -1 is common) with a warning, and so
+ * does the reader. */
+typedef struct moe_token_ids {
+    moe_token_id_form form;
+    int n;                            /* ids held: 1 for INT, 0..MOE_TOKEN_IDS_MAX for LIST */
+    int64_t ids[MOE_TOKEN_IDS_MAX];
+} moe_token_ids;
+
 typedef struct moe_model_config {
     /* Hugging Face MixtralConfig fields. Required in config.json: the sizes
      * down to num_experts_per_tok, except num_key_value_heads (default 8;
-     * null: num_attention_heads) and head_dim (default hidden_size /
-     * num_attention_heads). */
+     * null: num_attention_heads) and head_dim (default, as transformers
+     * computes it, hidden_size // num_attention_heads, rounded down). */
     int64_t vocab_size;
     int64_t hidden_size;       /* d */
     int64_t intermediate_size; /* each routed expert's ff width */
@@ -60,6 +86,7 @@ typedef struct moe_model_config {
     double router_aux_loss_coef;     /* default 0.001 */
     double router_jitter_noise;      /* in [0, 1), default 0 */
     double initializer_range;        /* the initial weights' std, in [FLT_MIN, 1e3], default 0.02 */
+    moe_token_ids bos_token_id, eos_token_id, pad_token_id; /* as read; absent by default */
     /* Ours (moe_layer_config in moe.h says what each does). */
     moe_gate_kind moe_gate;       /* "softmax_topk" (default), "topk_softmax", "sigmoid" */
     bool moe_renormalize;         /* default true */
@@ -95,7 +122,9 @@ moe_status moe_model_config_parse(moe_model_config *cfg, const char *text, size_
 moe_status moe_model_config_validate(const moe_model_config *cfg, const char *name);
 
 /* Writes the config atomically as Hugging Face Mixtral JSON (every field
- * explicit, so the file means the same to any reader) plus the moe_* keys;
+ * explicit, so the file means the same to any reader) plus the moe_* keys,
+ * and the token ids as they were read (an integer, a list, null, or left
+ * out when absent, which a reader then takes as its model type's default);
  * loading it gives back an equal struct. */
 moe_status moe_model_config_save(const moe_model_config *cfg, const char *path);
 

@@ -157,8 +157,7 @@ Test(model_config, defaults) {
     /* null means absent, as in transformers */
     cr_assert_eq(parse(&c, config_with("head_dim", "null"), &w), MOE_OK, "%s", moe_last_error());
     cr_expect_eq(c.head_dim, 16);
-    /* an explicit head_dim frees hidden_size from divisibility */
-    cr_assert_eq(parse(&c, config_with("hidden_size", "66"), &w), MOE_ERR_CONFIG);
+    /* an explicit head_dim need not be hidden_size / num_attention_heads */
     const char *text = "{\"vocab_size\": 100, \"hidden_size\": 66, \"head_dim\": 24, \"intermediate_size\": 128, "
                        "\"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"num_key_value_heads\": 4, "
                        "\"num_local_experts\": 8, \"num_experts_per_tok\": 8, \"hidden_size_note\": 1}";
@@ -211,8 +210,12 @@ Test(model_config, every_bad_field_is_named) {
     } cases[] = {
         {"num_experts_per_tok", "9", "t/config.json: num_experts_per_tok=9 exceeds num_local_experts=8"},
         {"num_experts_per_tok", "0", "t/config.json: num_experts_per_tok=0 must be positive"},
-        {"hidden_size", "66",
-         "t/config.json: hidden_size=66 is not divisible by num_attention_heads=4 (and head_dim is not given)"},
+        /* head_dim absent: hidden_size // num_attention_heads, which must
+         * be positive and even. */
+        {"hidden_size", "60",
+         "t/config.json: head_dim is not given, and hidden_size=60 // num_attention_heads=4 = 15 (transformers' "
+         "default) is not a positive even number"},
+        {"hidden_size", "3", "hidden_size=3 // num_attention_heads=4 = 0 (transformers' default) is not a positive"},
         {"num_key_value_heads", "3", "num_attention_heads=4 is not a multiple of num_key_value_heads=3"},
         {"num_key_value_heads", NULL,
          "t/config.json: num_attention_heads=4 is not a multiple of num_key_value_heads=8 (absent: transformers' "
@@ -248,7 +251,15 @@ Test(model_config, every_bad_field_is_named) {
         {"router_jitter_noise", "1.0", "router_jitter_noise=1 must be in [0, 1)"},
         {"tie_word_embeddings", "true", "tie_word_embeddings=true is not supported"},
         {"tie_word_embeddings", "\"no\"", "tie_word_embeddings must be true or false, got \"no\""},
-        {"hidden_act", "\"gelu\"", "hidden_act=\"gelu\" is not supported (only \"silu\")"},
+        {"hidden_act", "\"gelu\"", "hidden_act=\"gelu\" is not supported (only \"silu\" or \"swish\")"},
+        {"hidden_act", "\"relu\"", "t/config.json: hidden_act=\"relu\" is not supported"},
+        {"eos_token_id", "\"2\"", "t/config.json: eos_token_id must be an integer, a list of integers or null, got "
+                                   "\"2\""},
+        {"bos_token_id", "true", "t/config.json: bos_token_id must be an integer, a list of integers or null, got true"},
+        {"eos_token_id", "[1, 2.5]", "t/config.json: eos_token_id[1] must be an integer, got 2.5"},
+        {"eos_token_id", "[1, null]", "t/config.json: eos_token_id[1] must be an integer, got null"},
+        {"pad_token_id", "{}", "pad_token_id must be an integer, a list of integers or null, got object"},
+        {"pad_token_id", "99999999999999999999", "t/config.json: pad_token_id=99999999999999999999 is out of range"},
         {"model_type", "\"qwen2_moe\"", "model_type=\"qwen2_moe\" is not supported (only \"mixtral\" or \"moe\")"},
         {"rope_scaling", "{\"type\": \"linear\", \"factor\": 2}", "rope_scaling is not supported"},
         {"rope_parameters", "{\"rope_type\": \"yarn\"}", "rope_parameters.rope_type=\"yarn\" is not supported"},
@@ -357,6 +368,61 @@ Test(model_config, rope_parameters_theta_is_named) {
         cr_expect_eq(parse(&c, text, NULL), MOE_ERR_CONFIG, "accepted %s", text);
         cr_expect(strstr(moe_last_error(), want) != NULL, "%s:\n  \"%s\"\n  lacks \"%s\"", text, moe_last_error(),
                   want);
+    }
+}
+
+/* transformers' ACT2FN computes "swish" as nn.SiLU: the same model as
+ * "silu", read with no warning (it was refused). */
+Test(model_config, swish_is_silu) {
+    moe_model_config base, c;
+    cr_assert_eq(parse(&base, config_with("hidden_act", "\"silu\""), NULL), MOE_OK, "%s", moe_last_error());
+    warnings w = {0};
+    cr_assert_eq(parse(&c, config_with("hidden_act", "\"swish\""), &w), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(w.count, 0, "warned: %s", w.text[0]);
+    cr_expect(memcmp(&c, &base, sizeof c) == 0, "swish does not read as silu");
+}
+
+/* head_dim absent or null: transformers' Mixtral takes hidden_size //
+ * num_attention_heads, rounded down (hidden_size 36 over 8 heads: 4), and
+ * the model is then 8 x 4 wide in q and o; it was refused as not
+ * divisible. */
+Test(model_config, head_dim_rounds_down_as_transformers) {
+    const char *const values[] = {NULL, "null"};
+    for (size_t i = 0; i < sizeof values / sizeof *values; i++) {
+        char text[512];
+        snprintf(text, sizeof text,
+                 "{\"vocab_size\": 100, \"hidden_size\": 36, \"intermediate_size\": 128, \"num_hidden_layers\": 2, "
+                 "\"num_attention_heads\": 8, \"num_key_value_heads\": 4, \"num_local_experts\": 8, "
+                 "\"num_experts_per_tok\": 2%s%s}",
+                 values[i] ? ", \"head_dim\": " : "", values[i] ? values[i] : "");
+        moe_model_config c;
+        cr_assert_eq(parse(&c, text, NULL), MOE_OK, "%s: %s", text, moe_last_error());
+        cr_expect_eq(c.head_dim, 4, "%s: head_dim %lld", text, (long long)c.head_dim);
+        cr_expect_eq(c.hidden_size, 36);
+    }
+    moe_model_config c;
+    cr_assert_eq(parse(&c, config_with("hidden_size", "66"), NULL), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(c.head_dim, 16, "66 // 4");
+}
+
+/* A scaled RoPE is refused by its rope_type alone: transformers v5 writes
+ * rope_parameters' keys sorted, so "factor" comes first, and was warned
+ * about as unknown before the refusal. */
+Test(model_config, rope_type_is_refused_before_any_warning) {
+    const char *const params[] = {
+        "{\"factor\": 2.0, \"rope_theta\": 10000.0, \"rope_type\": \"linear\"}",
+        "{\"factor\": 8.0, \"high_freq_factor\": 4.0, \"low_freq_factor\": 1.0, "
+        "\"original_max_position_embeddings\": 8192, \"rope_theta\": 500000.0, \"rope_type\": \"llama3\"}",
+    };
+    const char *const want[] = {"t/config.json: rope_parameters.rope_type=\"linear\" is not supported",
+                                "t/config.json: rope_parameters.rope_type=\"llama3\" is not supported"};
+    for (size_t i = 0; i < sizeof params / sizeof *params; i++) {
+        moe_model_config c;
+        warnings w = {0};
+        const char *text = config_with("rope_parameters", params[i]);
+        cr_expect_eq(parse(&c, text, &w), MOE_ERR_CONFIG, "accepted %s", text);
+        cr_expect(strstr(moe_last_error(), want[i]) != NULL, "%s: %s", text, moe_last_error());
+        cr_expect_eq(w.count, 0, "%s: warned before the refusal: %s", text, w.text[0]);
     }
 }
 
@@ -558,6 +624,13 @@ static void expect_same(const moe_model_config *a, const moe_model_config *b) {
     SAME(moe_topk_group);
     SAME(moe_routed_scaling_factor);
 #undef SAME
+    const moe_token_ids *ta[] = {&a->bos_token_id, &a->eos_token_id, &a->pad_token_id};
+    const moe_token_ids *tb[] = {&b->bos_token_id, &b->eos_token_id, &b->pad_token_id};
+    for (int i = 0; i < 3; i++) {
+        bool same = ta[i]->form == tb[i]->form && ta[i]->n == tb[i]->n;
+        for (int j = 0; same && j < ta[i]->n; j++) same = ta[i]->ids[j] == tb[i]->ids[j];
+        cr_expect(same, "token id key %d changed in the round trip", i);
+    }
 }
 
 Test(model_config, save_then_load_is_identical, .init = make_tmpdir, .fini = remove_tmpdir) {
@@ -863,5 +936,136 @@ Test(model_config, initializer_range_sets_the_initial_std) {
                          (long long)first);
         }
         moe_model_destroy(m);
+    }
+}
+
+/* One token id key as a test expects it: form, then the ids. */
+typedef struct token_ids_want {
+    moe_token_id_form form;
+    int n;
+    int64_t ids[4];
+} token_ids_want;
+
+static void expect_token_ids(const moe_token_ids *got, const token_ids_want *want, const char *key,
+                             const char *text) {
+    cr_expect_eq(got->form, want->form, "%s: %s read as form %d, not %d", text, key, (int)got->form, (int)want->form);
+    cr_expect_eq(got->n, want->n, "%s: %s holds %d ids, not %d", text, key, got->n, want->n);
+    for (int i = 0; i < want->n && i < got->n; i++)
+        cr_expect_eq(got->ids[i], want->ids[i], "%s: %s[%d] is %lld, not %lld", text, key, i, (long long)got->ids[i],
+                     (long long)want->ids[i]);
+}
+
+/* The written file's value of key as its form says: left out when absent,
+ * null, an integer literal, or a list of integer literals. */
+static void expect_written(const moe_json *root, const char *key, const token_ids_want *want, const char *text) {
+    const moe_json *v = moe_json_get(root, key);
+    if (want->form == MOE_TOKEN_ID_ABSENT) {
+        cr_expect_null(v, "%s: %s was absent and is written", text, key);
+        return;
+    }
+    cr_assert_not_null(v, "%s: %s is not written", text, key);
+    if (want->form == MOE_TOKEN_ID_NULL) {
+        cr_expect_eq(v->type, MOE_JSON_NULL, "%s: %s null is written as a %s", text, key, moe_json_type_name(v->type));
+        return;
+    }
+    const moe_json *items = v;
+    size_t count = 1;
+    if (want->form == MOE_TOKEN_ID_LIST) {
+        cr_assert_eq(v->type, MOE_JSON_ARRAY, "%s: %s, a list, is written as a %s", text, key,
+                     moe_json_type_name(v->type));
+        items = v->array.items;
+        count = v->array.count;
+    }
+    cr_assert_eq(count, (size_t)want->n, "%s: %s is written with %zu ids", text, key, count);
+    for (size_t i = 0; i < count; i++) {
+        char literal[32];
+        snprintf(literal, sizeof literal, "%lld", (long long)want->ids[i]);
+        cr_expect(items[i].type == MOE_JSON_NUMBER && strcmp(items[i].number.text, literal) == 0,
+                  "%s: %s's id %zu is written as %s, not %s", text, key, i,
+                  items[i].type == MOE_JSON_NUMBER ? items[i].number.text : moe_json_type_name(items[i].type),
+                  literal);
+    }
+}
+
+/* bos/eos/pad_token_id are kept as read and written back the same way (an
+ * integer as an integer, a list as a list, null as null, absent left out):
+ * transformers' generate stops at the config's eos, and they were dropped.
+ * Ids outside the vocabulary are kept with a warning, as transformers does;
+ * a list past MOE_TOKEN_IDS_MAX is refused naming the key. */
+Test(model_config, token_ids_round_trip, .init = make_tmpdir, .fini = remove_tmpdir) {
+    const token_ids_want absent = {MOE_TOKEN_ID_ABSENT, 0, {0}}, null = {MOE_TOKEN_ID_NULL, 0, {0}};
+    const struct {
+        const char *extra; /* members after vocab_size's value */
+        token_ids_want bos, eos, pad;
+        const char *warning; /* NULL: none */
+    } cases[] = {
+        /* Mixtral's */
+        {", \"bos_token_id\": 1, \"eos_token_id\": 2", {MOE_TOKEN_ID_INT, 1, {1}}, {MOE_TOKEN_ID_INT, 1, {2}}, absent,
+         NULL},
+        {", \"bos_token_id\": 10, \"eos_token_id\": 32, \"pad_token_id\": 0", {MOE_TOKEN_ID_INT, 1, {10}},
+         {MOE_TOKEN_ID_INT, 1, {32}}, {MOE_TOKEN_ID_INT, 1, {0}}, NULL},
+        /* Llama 3's list, in a vocabulary that holds it */
+        {"0000, \"bos_token_id\": 128000, \"eos_token_id\": [128001, 128008, 128009]", {MOE_TOKEN_ID_INT, 1, {128000}},
+         {MOE_TOKEN_ID_LIST, 3, {128001, 128008, 128009}}, absent, NULL},
+        {", \"eos_token_id\": [7]", absent, {MOE_TOKEN_ID_LIST, 1, {7}}, absent, NULL},
+        {", \"eos_token_id\": []", absent, {MOE_TOKEN_ID_LIST, 0, {0}}, absent, NULL},
+        {"", absent, absent, absent, NULL},
+        {", \"bos_token_id\": null, \"eos_token_id\": null, \"pad_token_id\": null", null, null, null, NULL},
+        {", \"pad_token_id\": -1", absent, absent, {MOE_TOKEN_ID_INT, 1, {-1}},
+         "t/config.json: pad_token_id=-1 is outside the vocabulary [0, 100)"},
+        {", \"eos_token_id\": [2, 100]", absent, {MOE_TOKEN_ID_LIST, 2, {2, 100}}, absent,
+         "t/config.json: eos_token_id[1]=100 is outside the vocabulary [0, 100)"},
+    };
+    char path[512];
+    snprintf(path, sizeof path, "%s/config.json", tmpdir);
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        char value[256];
+        snprintf(value, sizeof value, "100%s", cases[i].extra);
+        const char *text = config_with("vocab_size", value);
+        moe_model_config c, back;
+        warnings w = {0};
+        cr_assert_eq(parse(&c, text, &w), MOE_OK, "%s: %s", text, moe_last_error());
+        expect_token_ids(&c.bos_token_id, &cases[i].bos, "bos_token_id", text);
+        expect_token_ids(&c.eos_token_id, &cases[i].eos, "eos_token_id", text);
+        expect_token_ids(&c.pad_token_id, &cases[i].pad, "pad_token_id", text);
+        if (cases[i].warning) {
+            cr_expect_eq(w.count, 1, "%s: %d warnings", text, w.count);
+            cr_expect(warned(&w, cases[i].warning), "%s: %s", text, w.text[0]);
+        } else {
+            cr_expect_eq(w.count, 0, "%s warned: %s", text, w.text[0]);
+        }
+
+        cr_assert_eq(moe_model_config_save(&c, path), MOE_OK, "%s", moe_last_error());
+        moe_json_doc *doc;
+        cr_assert_eq(moe_json_parse_file(&doc, path, 1 << 20), MOE_OK, "%s", moe_last_error());
+        expect_written(moe_json_root(doc), "bos_token_id", &cases[i].bos, text);
+        expect_written(moe_json_root(doc), "eos_token_id", &cases[i].eos, text);
+        expect_written(moe_json_root(doc), "pad_token_id", &cases[i].pad, text);
+        moe_json_free(doc);
+        cr_assert_eq(moe_model_config_load(&back, path, NULL, NULL), MOE_OK, "%s", moe_last_error());
+        expect_same(&c, &back);
+        cr_expect(memcmp(&c, &back, sizeof c) == 0, "%s: the struct changed in the round trip", text);
+    }
+
+    /* At the bound, and one past it. */
+    for (int n = MOE_TOKEN_IDS_MAX; n <= MOE_TOKEN_IDS_MAX + 1; n++) {
+        char list[256] = "100";
+        size_t len = strlen(list);
+        len += (size_t)snprintf(list + len, sizeof list - len, ", \"eos_token_id\": [");
+        for (int j = 0; j < n; j++) len += (size_t)snprintf(list + len, sizeof list - len, "%s%d", j ? ", " : "", j);
+        snprintf(list + len, sizeof list - len, "]");
+        const char *text = config_with("vocab_size", list);
+        moe_model_config c;
+        const moe_status st = parse(&c, text, NULL);
+        if (n == MOE_TOKEN_IDS_MAX) {
+            cr_expect_eq(st, MOE_OK, "%s: %s", text, moe_last_error());
+            cr_expect_eq(c.eos_token_id.n, n);
+            cr_expect_eq(c.eos_token_id.ids[n - 1], n - 1);
+            continue;
+        }
+        cr_expect_eq(st, MOE_ERR_CONFIG, "accepted %s", text);
+        cr_expect(strstr(moe_last_error(), "t/config.json: eos_token_id lists 17 ids, more than the 16 this reader "
+                                           "keeps") != NULL,
+                  "%s", moe_last_error());
     }
 }
