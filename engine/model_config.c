@@ -321,17 +321,11 @@ static bool listed(const char *key, const char *const *list, size_t n) {
     return false;
 }
 
-/* Keys outside the struct: checked, then dropped. */
-static moe_status read_other(const moe_json_member *m, other_values *o, const char *name, moe_warn_fn wfn,
-                             void *wctx) {
-    const char *key = m->key;
-    const moe_json *v = &m->value;
+/* One of checked_keys, key, with value v: checked, what fill_defaults
+ * needs kept in o. */
+static moe_status check_other(const char *key, const moe_json *v, other_values *o, const char *name, moe_warn_fn wfn,
+                              void *wctx) {
     char got[80];
-    if (listed(key, ignored_keys, sizeof ignored_keys / sizeof *ignored_keys)) return MOE_OK;
-    if (!listed(key, checked_keys, sizeof checked_keys / sizeof *checked_keys)) {
-        warn(wfn, wctx, "%s: unknown key '%.100s' ignored", name, key);
-        return MOE_OK;
-    }
     if (v->type == MOE_JSON_NULL) return MOE_OK;
     if (strcmp(key, "rope_parameters") == 0) return read_rope_parameters(&o->rope_params_theta, v, name, wfn, wctx);
     if (strcmp(key, "num_experts") == 0) {
@@ -361,6 +355,24 @@ static moe_status read_other(const moe_json_member *m, other_values *o, const ch
     return moe_error(MOE_ERR_INTERNAL, "%s: key %s is listed as checked but has no check", name, key);
 }
 
+/* Keys outside the struct: checked, then dropped. */
+static moe_status read_other(const moe_json_member *m, other_values *o, const char *name, moe_warn_fn wfn,
+                             void *wctx) {
+    if (listed(m->key, ignored_keys, sizeof ignored_keys / sizeof *ignored_keys)) return MOE_OK;
+    if (!listed(m->key, checked_keys, sizeof checked_keys / sizeof *checked_keys)) {
+        warn(wfn, wctx, "%s: unknown key '%.100s' ignored", name, m->key);
+        return MOE_OK;
+    }
+    return check_other(m->key, &m->value, o, name, wfn, wctx);
+}
+
+/* rope_theta (top_given: in the file) and rope_parameters.rope_theta (NaN:
+ * not given) name one frequency base. */
+static moe_status check_rope_thetas(const char *name, bool top_given, double top, double params) {
+    if (!top_given || isnan(params) || top == params) return MOE_OK;
+    return moe_error(MOE_ERR_CONFIG, "%s: rope_theta=%g disagrees with rope_parameters.rope_theta=%g", name, top,
+                     params);
+}
 
 static size_t field_index(const char *key) {
     size_t f = 0;
@@ -434,12 +446,9 @@ static moe_status fill_defaults(moe_model_config *cfg, given *state, const other
         if (fields[f].required) return moe_error(MOE_ERR_CONFIG, "%s: missing required key '%s'", name, fields[f].key);
         if (fields[f].def != DERIVED) set_default(cfg, &fields[f]);
     }
-    if (!isnan(o->rope_params_theta)) {
-        if (state[field_index("rope_theta")] == GIVEN && cfg->rope_theta != o->rope_params_theta)
-            return moe_error(MOE_ERR_CONFIG, "%s: rope_theta=%g disagrees with rope_parameters.rope_theta=%g", name,
-                             cfg->rope_theta, o->rope_params_theta);
-        cfg->rope_theta = o->rope_params_theta;
-    }
+    MOE_TRY(check_rope_thetas(name, state[field_index("rope_theta")] == GIVEN, cfg->rope_theta,
+                              o->rope_params_theta));
+    if (!isnan(o->rope_params_theta)) cfg->rope_theta = o->rope_params_theta;
     /* MixtralConfig: 8 when absent, num_attention_heads when null. */
     const given kv = state[field_index("num_key_value_heads")];
     if (kv == GIVEN_NULL) cfg->num_key_value_heads = cfg->num_attention_heads;
@@ -468,6 +477,26 @@ static moe_status as_config_error(moe_status st) {
     char message[MOE_ERROR_BYTES];
     snprintf(message, sizeof message, "%s", moe_last_error());
     return moe_error(MOE_ERR_CONFIG, "%s", message);
+}
+
+moe_status moe_model_config_check_function_keys(const moe_json *root, const char *name, moe_warn_fn wfn,
+                                                void *wctx) {
+    if (root->type != MOE_JSON_OBJECT)
+        return moe_error(MOE_ERR_CONFIG, "%s: top level is a JSON %s, not an object", name,
+                         moe_json_type_name(root->type));
+    static const char *const keys[] = {"rope_parameters", "rope_scaling", "hidden_act"};
+    other_values o = {.rope_params_theta = NAN};
+    for (size_t k = 0; k < sizeof keys / sizeof *keys; k++) {
+        const moe_json *v = moe_json_get(root, keys[k]);
+        if (v != NULL) MOE_TRY(check_other(keys[k], v, &o, name, wfn, wctx));
+    }
+    const size_t f = field_index("rope_theta");
+    const moe_json *v = moe_json_get(root, fields[f].key);
+    if (v == NULL || v->type == MOE_JSON_NULL) return MOE_OK;
+    moe_model_config read;
+    MOE_TRY(read_field(&read, &fields[f], v, name));
+    MOE_TRY(check_float(name, fields[f].key, read.rope_theta));
+    return check_rope_thetas(name, true, read.rope_theta, o.rope_params_theta);
 }
 
 /* Token ids outside the vocabulary name no token; transformers loads them

@@ -39,6 +39,8 @@
 
 #include "moe.h"
 
+struct moe_json; /* engine/json.h */
+
 /* The most ids one token-id key may list (Llama 3's eos_token_id lists 3). */
 #define MOE_TOKEN_IDS_MAX 16
 
@@ -116,6 +118,17 @@ moe_status moe_model_config_load(moe_model_config *cfg, const char *path, moe_wa
 /* The same from text [len]; name (a file name) leads every message. */
 moe_status moe_model_config_parse(moe_model_config *cfg, const char *text, size_t len, const char *name,
                                   moe_warn_fn warn, void *warn_ctx);
+
+/* The keys of a Hugging Face config.json of any model_type (a dense
+ * Mistral's or Llama's too) that change the function beyond the sizes and
+ * that this reader checks outside the struct, checked as
+ * moe_model_config_parse checks them: rope_parameters (rope_type "default",
+ * its rope_theta a normal float that agrees with a top-level rope_theta),
+ * rope_scaling (null or absent) and hidden_act ("silu" or "swish"). root is
+ * the file's top-level object, name leads every message; the other keys
+ * are left to the caller. */
+moe_status moe_model_config_check_function_keys(const struct moe_json *root, const char *name, moe_warn_fn warn,
+                                                void *warn_ctx);
 
 /* Checks every field; the error names `name`, the field and its value:
  * "config.json: num_experts_per_tok=9 exceeds num_local_experts=8". */

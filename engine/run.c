@@ -506,7 +506,10 @@ static void field_text(char *buf, size_t size, const moe_agree_field *f, double 
  * alone let 32 heads of 128 pass for 64 of 64, or another rope_theta). Its
  * model_type is the dense one's (mistral, llama), so it is read key by key
  * as plain JSON; keys it lacks are not compared (each model type has its
- * own defaults). */
+ * own defaults). RoPE and the activation are checked by the Mixtral
+ * reader's own rules (moe_model_config_check_function_keys): scaled RoPE
+ * and an activation other than SiLU are refused; rope_theta is compared
+ * wherever it is written, top level or transformers v5's rope_parameters. */
 static moe_status check_dense_config(const moe_model_config *moe, const moe_run_options *o) {
     char path[RUN_PATH_BYTES];
     MOE_TRY(path_join(path, o->init_from, "config.json"));
@@ -514,27 +517,44 @@ static moe_status check_dense_config(const moe_model_config *moe, const moe_run_
     if (stat(path, &sb) != 0) return MOE_OK;
     moe_json_doc *doc;
     MOE_TRY(moe_json_parse_file(&doc, path, RUN_CONFIG_MAX_BYTES));
-    static const char *const shared[] = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                                         "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta",
-                                         "rms_norm_eps", "sliding_window"};
+    /* key, or key.sub when sub is set; field: the MoE's agree field. */
+    static const struct {
+        const char *key, *sub, *field;
+    } shared[] = {
+        {"vocab_size", NULL, "vocab_size"},
+        {"hidden_size", NULL, "hidden_size"},
+        {"intermediate_size", NULL, "intermediate_size"},
+        {"num_hidden_layers", NULL, "num_hidden_layers"},
+        {"num_attention_heads", NULL, "num_attention_heads"},
+        {"num_key_value_heads", NULL, "num_key_value_heads"},
+        {"head_dim", NULL, "head_dim"},
+        {"rope_theta", NULL, "rope_theta"},
+        {"rope_parameters", "rope_theta", "rope_theta"},
+        {"rms_norm_eps", NULL, "rms_norm_eps"},
+        {"sliding_window", NULL, "sliding_window"},
+    };
     moe_agree_field fields[MOE_CONFIG_AGREE_FIELDS];
     const int n = moe_config_agree_fields(fields, moe);
     const moe_json *root = moe_json_root(doc);
-    moe_status st = root->type == MOE_JSON_OBJECT ? MOE_OK
-                                                  : moe_error(MOE_ERR_CONFIG, "--upcycle: %s is not a JSON object", path);
+    /* Unknown rope_parameters keys are not warned about: a dense model's
+     * file is not the MoE's config, whose reading warns. */
+    moe_status st = moe_model_config_check_function_keys(root, path, NULL, NULL);
+    if (st != MOE_OK) st = moe_error_prefix(st, "--upcycle: ");
     for (size_t k = 0; st == MOE_OK && k < sizeof shared / sizeof *shared; k++) {
-        const moe_json *v = moe_json_get(root, shared[k]);
-        if (!v || (v->type == MOE_JSON_NULL && strcmp(shared[k], "sliding_window") != 0)) continue;
+        const moe_json *v = moe_json_get(root, shared[k].key);
+        if (v && shared[k].sub) v = moe_json_get(v, shared[k].sub); /* checked to be an object or null */
+        if (!v || (v->type == MOE_JSON_NULL && strcmp(shared[k].key, "sliding_window") != 0)) continue;
         int i = 0;
-        while (i < n && strcmp(fields[i].name, shared[k]) != 0) i++;
+        while (i < n && strcmp(fields[i].name, shared[k].field) != 0) i++;
         const double dense = v->type == MOE_JSON_NULL ? 0.0 : v->type == MOE_JSON_NUMBER ? v->number.value : NAN;
-        if (i == n || dense == fields[i].value) continue; /* every name of shared is one of fields' */
+        if (i == n || dense == fields[i].value) continue; /* every field of shared is one of fields' */
         char mine[64];
         field_text(mine, sizeof mine, &fields[i], fields[i].value);
-        st = moe_error(MOE_ERR_CONFIG, "--upcycle: %s has %s=%.60s, and --config %s has %s: the MoE would not start "
-                                       "from the dense model's function",
-                       path, shared[k], v->type == MOE_JSON_NUMBER ? v->number.text : moe_json_type_name(v->type),
-                       o->config, mine);
+        st = moe_error(MOE_ERR_CONFIG, "--upcycle: %s has %s%s%s=%.60s, and --config %s has %s=%s: the MoE would not "
+                                       "start from the dense model's function",
+                       path, shared[k].key, shared[k].sub ? "." : "", shared[k].sub ? shared[k].sub : "",
+                       v->type == MOE_JSON_NUMBER ? v->number.text : moe_json_type_name(v->type), o->config,
+                       shared[k].field, mine);
     }
     const moe_json *tied = st == MOE_OK ? moe_json_get(root, "tie_word_embeddings") : NULL;
     if (tied && tied->type == MOE_JSON_BOOL && tied->boolean)

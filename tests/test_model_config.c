@@ -426,6 +426,49 @@ Test(model_config, rope_type_is_refused_before_any_warning) {
     }
 }
 
+/* The RoPE and activation keys of any model type's config.json (--upcycle
+ * checks a dense Llama's or Mistral's with it) under the Mixtral reader's
+ * rules; keys it does not check, and sizes, are the caller's. */
+Test(model_config, function_keys_of_any_config) {
+    const struct {
+        const char *text, *want; /* want NULL: accepted */
+    } cases[] = {
+        {"{\"model_type\": \"llama\", \"hidden_act\": \"silu\", \"rope_theta\": 10000.0, \"rope_scaling\": null}", NULL},
+        {"{\"model_type\": \"mistral\", \"rope_parameters\": {\"rope_theta\": 1000000.0, \"rope_type\": \"default\"}}",
+         NULL},
+        {"{\"hidden_act\": \"swish\", \"mlp_bias\": false, \"rope_theta\": 5e5, \"rope_parameters\": "
+         "{\"rope_theta\": 500000}}",
+         NULL},
+        {"{}", NULL},
+        {"{\"hidden_act\": \"gelu\"}", "d/config.json: hidden_act=\"gelu\" is not supported"},
+        {"{\"rope_scaling\": {\"type\": \"linear\", \"factor\": 2.0}}", "d/config.json: rope_scaling is not supported"},
+        {"{\"rope_parameters\": {\"factor\": 8.0, \"rope_theta\": 10000.0, \"rope_type\": \"llama3\"}}",
+         "d/config.json: rope_parameters.rope_type=\"llama3\" is not supported"},
+        {"{\"rope_theta\": 10000.0, \"rope_parameters\": {\"rope_theta\": 20000.0}}",
+         "d/config.json: rope_theta=10000 disagrees with rope_parameters.rope_theta=20000"},
+        {"{\"rope_theta\": \"x\"}", "d/config.json: rope_theta must be a number, got \"x\""},
+        {"{\"rope_theta\": 0}", "d/config.json: rope_theta=0 must be > 0"},
+        {"{\"rope_parameters\": [1]}", "d/config.json: rope_parameters must be an object, got array"},
+        {"[]", "d/config.json: top level is a JSON array, not an object"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        moe_json_doc *doc;
+        cr_assert_eq(moe_json_parse(&doc, cases[i].text, strlen(cases[i].text), "d"), MOE_OK, "%s",
+                     moe_last_error());
+        warnings w = {0};
+        const moe_status st = moe_model_config_check_function_keys(moe_json_root(doc), "d/config.json", collect, &w);
+        moe_json_free(doc);
+        if (cases[i].want == NULL) {
+            cr_expect_eq(st, MOE_OK, "%s: %s", cases[i].text, moe_last_error());
+            cr_expect_eq(w.count, 0, "%s warned: %s", cases[i].text, w.text[0]);
+            continue;
+        }
+        cr_expect_eq(st, MOE_ERR_CONFIG, "accepted %s", cases[i].text);
+        cr_expect(strstr(moe_last_error(), cases[i].want) != NULL, "%s:\n  \"%s\"\n  lacks \"%s\"", cases[i].text,
+                  moe_last_error(), cases[i].want);
+    }
+}
+
 /* Whatever config.json accepts, the MoE layer built from it accepts too (the
  * reference is moe_layer_config_validate itself), and what the layer would
  * refuse is refused here under the config.json key. */

@@ -688,8 +688,11 @@ Test(train_run, val_tokens_hold_out_the_tail, .init = make_tmp, .fini = remove_t
 
 /* --upcycle reads the dense model's config.json key by key (its
  * model_type is the dense one's): a field it shares with --config that
- * differs, or tied embeddings, is refused before any weight is read; keys
- * it lacks are not compared, and a matching one goes on to the weights. */
+ * differs (rope_theta also where transformers v5 writes it, in
+ * rope_parameters), tied embeddings, scaled RoPE or an activation other
+ * than SiLU is refused before any weight is read, naming the file and the
+ * key; keys it lacks are not compared, and a matching one goes on to the
+ * weights. */
 Test(train_run, upcycle_checks_the_dense_config, .init = make_tmp, .fini = remove_tmp) {
     char cfg[512], out[512], dense[512], path[600];
     moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE), tmp_path(out, "out"));
@@ -704,8 +707,18 @@ Test(train_run, upcycle_checks_the_dense_config, .init = make_tmp, .fini = remov
         {", \"num_attention_heads\": 8, \"head_dim\": 4", "config.json has num_attention_heads=8"},
         {", \"sliding_window\": 4096", "config.json has sliding_window=4096, and --config"},
         {", \"tie_word_embeddings\": true", "ties the embedding and the head"},
+        {", \"rope_parameters\": {\"rope_theta\": 500000.0, \"rope_type\": \"default\"}",
+         "config.json has rope_parameters.rope_theta=500000.0, and --config"},
+        {", \"rope_parameters\": {\"factor\": 8.0, \"rope_theta\": 10000.0, \"rope_type\": \"llama3\"}",
+         "dense/config.json: rope_parameters.rope_type=\"llama3\" is not supported"},
+        {", \"rope_theta\": 10000.0, \"rope_scaling\": {\"type\": \"linear\", \"factor\": 2.0}",
+         "dense/config.json: rope_scaling is not supported"},
+        {", \"hidden_act\": \"gelu\"", "dense/config.json: hidden_act=\"gelu\" is not supported"},
         /* The config matches (null: no window): on to the missing weights. */
         {", \"rope_theta\": 10000.0, \"sliding_window\": null", "model.safetensors"},
+        {", \"rope_parameters\": {\"rope_theta\": 10000.0, \"rope_type\": \"default\"}, \"hidden_act\": \"silu\", "
+         "\"rope_scaling\": null",
+         "model.safetensors"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         char text[512];
