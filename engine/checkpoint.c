@@ -583,11 +583,32 @@ typedef struct source {
     bool second_moment; /* Adam's exp_avg_sq: its square root is taken */
 } source;
 
-/* Refuses a NaN or an infinity in any source, and a negative second moment:
- * loaded, they surface steps later as a NaN loss or gradient norm, far from
- * the file. Read-only, so that a refused load changes nothing; it reads the
- * stored bits, cheap next to the copy that follows. */
+/* The checksum of every tensor a source reads, checked whole and once
+ * (several sources may read parts of one), before any value: a flipped bit
+ * is as often a finite value (0.9998 -> 3.4e38) as a NaN, and the checksum
+ * names it as damage. */
+static moe_status check_sums(const source *s, int64_t n) {
+    const moe_st_tensor **t = calloc((size_t)(n > 0 ? n : 1), sizeof *t);
+    const char **file = calloc((size_t)(n > 0 ? n : 1), sizeof *file);
+    moe_status st = MOE_ERR_OUT_OF_MEMORY;
+    if (t && file) {
+        for (int64_t i = 0; i < n; i++) t[i] = s[i].src, file[i] = s[i].file;
+        st = moe_st_verify_all(t, file, n);
+    } else {
+        moe_error(st, "checkpoint: checksums of %lld tensors", (long long)n);
+    }
+    free(t);
+    free(file);
+    return st;
+}
+
+/* Refuses a damaged tensor (check_sums), a NaN or an infinity in any
+ * source, and a negative second moment: loaded, they surface steps later as
+ * a NaN loss or gradient norm, far from the file. Read-only, so that a
+ * refused load changes nothing; it reads the stored bits, cheap next to the
+ * copy that follows. */
 static moe_status check_values(const source *s, int64_t n) {
+    MOE_TRY(check_sums(s, n));
     int64_t *bad = malloc((size_t)(n > 0 ? n : 1) * sizeof *bad);
     float *value = malloc((size_t)(n > 0 ? n : 1) * sizeof *value);
     if (!bad || !value) {

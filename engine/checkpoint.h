@@ -112,7 +112,9 @@ moe_status moe_checkpoint_save(char *path, size_t path_bytes, const char *out_di
  * it; a model with it off ignores the
  * file's (it only steers which experts are chosen, never the weights they
  * are mixed with, and a run may turn balancing off when fine-tuning).
- * A NaN or an infinity in a tensor read is an error. With an index, every
+ * A NaN or an infinity in a tensor read is an error, and so is a tensor
+ * read whose bytes do not match the checksum its file records
+ * (safetensors.h; each such tensor checked whole, once). With an index, every
  * tensor of a shard must be in its weight_map, and a tensor missing from
  * both is reported against the index.
  * Errors name the file and the tensor; on error the model is unchanged. */
@@ -137,9 +139,9 @@ moe_status moe_checkpoint_upcycle_weights(moe_model *model, const char *dir);
  * trainer keeps (moe_trainer_shard) must be there with its model tensor's
  * shape, and no tensor but the moments of the model's tensors, of the
  * other ranks' experts and of the other pipeline stages' tensors may be; the metadata integers must be plain decimal
- * digits in range (data_epoch at most MOE_DATA_EPOCH_MAX). A NaN or an
- * infinity in a moment read, or a negative exp_avg_sq, is an error (the
- * element is named). A file without
+ * digits in range (data_epoch at most MOE_DATA_EPOCH_MAX). A moment read
+ * whose checksum does not match (safetensors.h), a NaN or an infinity in
+ * one, or a negative exp_avg_sq, is an error (the element is named). A file without
  * data_tokens (written before it existed) gives data_tokens = data_chunk =
  * 0; one with data_tokens must have data_chunk too; a data_kind, when
  * there, is one of the three state->data_kind names; pipe_layer_seconds

@@ -13,6 +13,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "common/crc32c.h"
 #include "common/status.h"
 #include "engine/fileio.h"
 #include "engine/json.h"
@@ -23,6 +24,11 @@
 
 #define INDEX_FILE "model.safetensors.index.json"
 #define SINGLE_FILE "model.safetensors"
+/* The writer's own __metadata__ keys (safetensors.h, "Checksums"). */
+#define FORMAT_KEY "format"
+#define CRC_KEY "moe_crc32c"
+#define META_CRC_KEY "moe_meta_crc32c"
+#define CRC_DIGITS 8 /* lowercase hex digits of one checksum in CRC_KEY's list */
 
 const char *moe_st_dtype_name(moe_st_dtype dtype) {
     switch (dtype) {
@@ -306,6 +312,106 @@ static moe_status check_tiling(moe_st_file *f, uint64_t header_bytes, int64_t bu
     return MOE_OK;
 }
 
+static int cmp_meta_key(const void *a, const void *b) {
+    return strcmp(((const moe_st_meta *)a)->key, ((const moe_st_meta *)b)->key);
+}
+
+/* What META_CRC_KEY records: the CRC of meta [n] (sorted here by key) as
+ * key, NUL, value, NUL each, then of names [count] (sorted) with a NUL
+ * each. Keys and names are unique and hold no NUL, so the text is the
+ * header's and nothing else's. */
+static uint32_t header_crc(moe_st_meta *meta, int64_t n, const char *const *names, int64_t count) {
+    qsort(meta, (size_t)n, sizeof *meta, cmp_meta_key);
+    uint32_t crc = 0;
+    for (int64_t i = 0; i < n; i++) {
+        crc = moe_crc32c(crc, meta[i].key, strlen(meta[i].key) + 1);
+        crc = moe_crc32c(crc, meta[i].value, strlen(meta[i].value) + 1);
+    }
+    for (int64_t i = 0; i < count; i++) crc = moe_crc32c(crc, names[i], strlen(names[i]) + 1);
+    return crc;
+}
+
+/* text's first CRC_DIGITS characters as lowercase hex: the form the writer
+ * gives, so any other (capitals, a sign, a space) is damage. */
+static bool parse_crc(uint32_t *out, const char *text) {
+    uint32_t v = 0;
+    for (int i = 0; i < CRC_DIGITS; i++) {
+        const char c = text[i];
+        if (c >= '0' && c <= '9')
+            v = v << 4 | (uint32_t)(c - '0');
+        else if (c >= 'a' && c <= 'f')
+            v = v << 4 | (uint32_t)(c - 'a' + 10);
+        else
+            return false;
+    }
+    *out = v;
+    return true;
+}
+
+/* CRC_KEY's list, one checksum per tensor in the order of f->by_name, into
+ * the tensors. */
+static moe_status parse_crc_list(moe_st_file *f, const char *list) {
+    int64_t listed = list[0] != '\0';
+    for (const char *c = list; *c != '\0'; c++) listed += *c == ',';
+    if (listed != f->count)
+        return moe_error(MOE_ERR_FORMAT, "%s: __metadata__ \"" CRC_KEY "\" lists %lld checksum%s for %lld tensors: "
+                                         "the header is damaged",
+                         f->path, (long long)listed, listed == 1 ? "" : "s", (long long)f->count);
+    /* Each entry is read only once the ones before it proved whole, so
+     * `at` never passes the end of list. */
+    for (int64_t i = 0; i < f->count; i++) {
+        const char *at = list + i * (CRC_DIGITS + 1);
+        uint32_t crc;
+        if (!parse_crc(&crc, at) || at[CRC_DIGITS] != (i + 1 < f->count ? ',' : '\0'))
+            return moe_error(MOE_ERR_FORMAT, "%s: __metadata__ \"" CRC_KEY "\" entry %lld, \"%.12s\", is not %d "
+                                             "lowercase hex digits: the header is damaged",
+                             f->path, (long long)i, at, CRC_DIGITS);
+        moe_st_tensor *t = &f->tensors[f->by_name[i] - f->tensors];
+        t->has_crc = true;
+        t->crc32c = crc;
+    }
+    return MOE_OK;
+}
+
+/* The writer's checksums, when the file has them: their form, and the
+ * header's against META_CRC_KEY. The tensors' data waits for moe_st_verify.
+ * Needs f->by_name. */
+static moe_status check_header_crc(moe_st_file *f) {
+    const char *list = moe_st_metadata(f, CRC_KEY), *recorded = moe_st_metadata(f, META_CRC_KEY);
+    if (list == NULL && recorded == NULL) return MOE_OK; /* another tool's file */
+    /* The writer puts both: one alone is a key whose name was damaged,
+     * which must not turn the checks off. */
+    if (list == NULL || recorded == NULL)
+        return moe_error(MOE_ERR_FORMAT, "%s: __metadata__ has \"%s\" but not \"%s\", which is written with it: "
+                                         "the header is damaged",
+                         f->path, list ? CRC_KEY : META_CRC_KEY, list ? META_CRC_KEY : CRC_KEY);
+    uint32_t want;
+    if (strlen(recorded) != CRC_DIGITS || !parse_crc(&want, recorded))
+        return moe_error(MOE_ERR_FORMAT, "%s: __metadata__ \"" META_CRC_KEY "\" is \"%.32s\", not %d lowercase hex "
+                                         "digits: the header is damaged",
+                         f->path, recorded, CRC_DIGITS);
+    MOE_TRY(parse_crc_list(f, list));
+    moe_st_meta *meta = malloc((size_t)(f->meta_count > 0 ? f->meta_count : 1) * sizeof *meta);
+    const char **names = malloc((size_t)(f->count > 0 ? f->count : 1) * sizeof *names);
+    if (meta == NULL || names == NULL) {
+        free(meta);
+        free(names);
+        return moe_error(MOE_ERR_OUT_OF_MEMORY, "%s: out of memory", f->path);
+    }
+    int64_t n = 0;
+    for (int64_t i = 0; i < f->meta_count; i++)
+        if (strcmp(f->meta[2 * i], META_CRC_KEY) != 0) meta[n++] = (moe_st_meta){f->meta[2 * i], f->meta[2 * i + 1]};
+    for (int64_t i = 0; i < f->count; i++) names[i] = f->by_name[i]->name;
+    const uint32_t got = header_crc(meta, n, names, f->count);
+    free(meta);
+    free(names);
+    if (got != want)
+        return moe_error(MOE_ERR_FORMAT, "%s: the header's checksum is 0x%08x, not the 0x%08x its \"" META_CRC_KEY
+                                         "\" records: its metadata or a tensor name is damaged",
+                         f->path, got, want);
+    return MOE_OK;
+}
+
 static moe_status parse_header(moe_st_file *f, uint64_t header_bytes) {
     const char *text = (const char *)f->map + 8;
     if (header_bytes == 0 || text[0] != '{')
@@ -353,7 +459,7 @@ static moe_status parse_header(moe_st_file *f, uint64_t header_bytes) {
         f->by_name[i] = &f->tensors[i];
     }
     qsort(f->by_name, (size_t)f->count, sizeof *f->by_name, cmp_name);
-    return MOE_OK;
+    return check_header_crc(f);
 }
 
 moe_status moe_st_open(moe_st_file **file, const char *path) {
@@ -440,6 +546,56 @@ int64_t moe_st_find_bad(float *value, const moe_st_tensor *t, int64_t first, int
     return -1;
 }
 
+/* The error for t, whose bytes' checksum is crc. */
+static moe_status crc_mismatch(const moe_st_tensor *t, const char *path, uint32_t crc) {
+    return moe_error(MOE_ERR_FORMAT, "%s: tensor '%s': its bytes' checksum is 0x%08x, not the 0x%08x its header "
+                                     "records: the file is damaged",
+                     path, t->name, crc, t->crc32c);
+}
+
+moe_status moe_st_verify(const moe_st_tensor *t, const char *path) {
+    if (!t->has_crc) return MOE_OK;
+    const uint32_t crc = moe_crc32c(0, t->data, (size_t)t->nbytes);
+    return crc == t->crc32c ? MOE_OK : crc_mismatch(t, path, crc);
+}
+
+static int cmp_ptr(const void *a, const void *b) {
+    const uintptr_t x = (uintptr_t)*(const void *const *)a;
+    const uintptr_t y = (uintptr_t)*(const void *const *)b;
+    return (x > y) - (x < y);
+}
+
+moe_status moe_st_verify_all(const moe_st_tensor *const *t, const char *const *path, int64_t n) {
+    /* Distinct tensors with a checksum, each once, in parallel: the
+     * messages are made after, on this thread, whose error they set. */
+    const moe_st_tensor **each = malloc((size_t)(n > 0 ? n : 1) * sizeof *each);
+    uint32_t *crc = malloc((size_t)(n > 0 ? n : 1) * sizeof *crc);
+    if (each == NULL || crc == NULL) {
+        free(each);
+        free(crc);
+        return moe_error(MOE_ERR_OUT_OF_MEMORY, "checksums of %lld tensors: out of memory", (long long)n);
+    }
+    int64_t m = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (t[i] != NULL && t[i]->has_crc) each[m++] = t[i];
+    qsort(each, (size_t)m, sizeof *each, cmp_ptr);
+    int64_t k = 0;
+    for (int64_t i = 0; i < m; i++)
+        if (k == 0 || each[i] != each[k - 1]) each[k++] = each[i];
+#pragma omp parallel for schedule(dynamic)
+    for (int64_t i = 0; i < k; i++) crc[i] = moe_crc32c(0, each[i]->data, (size_t)each[i]->nbytes);
+    moe_status st = MOE_OK;
+    for (int64_t i = 0; i < n && st == MOE_OK; i++) {
+        if (t[i] == NULL || !t[i]->has_crc) continue;
+        const moe_st_tensor **found = bsearch(&t[i], each, (size_t)k, sizeof *each, cmp_ptr);
+        const uint32_t got = crc[found - each];
+        if (got != t[i]->crc32c) st = crc_mismatch(t[i], path[i], got);
+    }
+    free(each);
+    free(crc);
+    return st;
+}
+
 /* "[a, b, c]" into buf. */
 static const char *shape_text(char *buf, size_t size, int64_t ndim, const int64_t *shape) {
     size_t n = (size_t)snprintf(buf, size, "[");
@@ -459,6 +615,7 @@ static moe_status load_checked(float *out, const moe_st_tensor *t, const char *w
         return moe_error(MOE_ERR_FORMAT, "%s: tensor '%s' has shape %s, expected %s", where, name,
                          shape_text(got, sizeof got, t->ndim, t->shape), shape_text(want, sizeof want, ndim, shape));
     }
+    MOE_TRY(moe_st_verify(t, where));
     moe_st_read_f32(out, t);
     return MOE_OK;
 }
@@ -533,8 +690,9 @@ static moe_status check_entries(int64_t *nbytes, const char *path, const moe_st_
         if (meta[i].key == NULL || meta[i].value == NULL)
             return moe_error(MOE_ERR_INVALID_ARG, "%s: metadata entry %lld has a NULL key or value", path,
                              (long long)i);
-        if (strcmp(meta[i].key, "format") == 0)
-            return moe_error(MOE_ERR_INVALID_ARG, "%s: metadata key \"format\" is reserved (always \"pt\")", path);
+        if (moe_st_reserved_key(meta[i].key))
+            return moe_error(MOE_ERR_INVALID_ARG, "%s: metadata key \"%s\" is reserved (the writer writes it)", path,
+                             meta[i].key);
     }
     int64_t most = count > meta_count ? count : meta_count;
     const char **names = malloc((size_t)(most > 0 ? most : 1) * sizeof *names);
@@ -553,17 +711,67 @@ static moe_status check_entries(int64_t *nbytes, const char *path, const moe_st_
     return st;
 }
 
+bool moe_st_reserved_key(const char *key) {
+    return strcmp(key, FORMAT_KEY) == 0 || strcmp(key, CRC_KEY) == 0 || strcmp(key, META_CRC_KEY) == 0;
+}
+
+static int cmp_entry_name(const void *a, const void *b) {
+    return strcmp((*(const moe_st_entry *const *)a)->name, (*(const moe_st_entry *const *)b)->name);
+}
+
+/* The writer's checksum keys (safetensors.h) for tensors [count] of nbytes
+ * [count] under meta [meta_count]: crc_list [9 * count + 1] receives
+ * CRC_KEY's value, meta_crc [9] META_CRC_KEY's (CRC_DIGITS digits each, and
+ * a comma or the NUL). */
+static moe_status make_checksums(char *crc_list, char *meta_crc, const char *path, const moe_st_entry *tensors,
+                                 const int64_t *nbytes, int64_t count, const moe_st_meta *meta, int64_t meta_count) {
+    uint32_t *crc = malloc((size_t)(count > 0 ? count : 1) * sizeof *crc);
+    const moe_st_entry **sorted = malloc((size_t)(count > 0 ? count : 1) * sizeof *sorted);
+    const char **names = malloc((size_t)(count > 0 ? count : 1) * sizeof *names);
+    moe_st_meta *all = malloc((size_t)(meta_count + 2) * sizeof *all);
+    moe_status st = MOE_OK;
+    if (crc == NULL || sorted == NULL || names == NULL || all == NULL) {
+        st = moe_error(MOE_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
+    } else {
+        /* The bytes written are the floats' own (a little-endian host). */
+#pragma omp parallel for schedule(dynamic)
+        for (int64_t i = 0; i < count; i++) crc[i] = moe_crc32c(0, tensors[i].data, (size_t)nbytes[i]);
+        for (int64_t i = 0; i < count; i++) sorted[i] = &tensors[i];
+        qsort(sorted, (size_t)count, sizeof *sorted, cmp_entry_name);
+        /* 8 digits a checksum, each after the first behind a comma. */
+        crc_list[0] = '\0';
+        for (int64_t i = 0; i < count; i++) {
+            names[i] = sorted[i]->name;
+            snprintf(crc_list + (i > 0 ? 9 * i - 1 : 0), 10, "%s%08x", i > 0 ? "," : "", crc[sorted[i] - tensors]);
+        }
+        all[0] = (moe_st_meta){FORMAT_KEY, "pt"};
+        if (meta_count > 0) memcpy(all + 1, meta, (size_t)meta_count * sizeof *meta);
+        all[meta_count + 1] = (moe_st_meta){CRC_KEY, crc_list};
+        snprintf(meta_crc, 9, "%08x", header_crc(all, meta_count + 2, names, count));
+    }
+    free(crc);
+    free(sorted);
+    free(names);
+    free(all);
+    return st;
+}
+
 static moe_status build_header(moe_json_writer *w, const char *path, const moe_st_entry *tensors,
-                               const int64_t *nbytes, int64_t count, const moe_st_meta *meta, int64_t meta_count) {
+                               const int64_t *nbytes, int64_t count, const moe_st_meta *meta, int64_t meta_count,
+                               const char *crc_list, const char *meta_crc) {
     moe_json_begin_object(w);
     moe_json_key(w, "__metadata__");
     moe_json_begin_object(w);
-    moe_json_key(w, "format");
+    moe_json_key(w, FORMAT_KEY);
     moe_json_string(w, "pt");
     for (int64_t i = 0; i < meta_count; i++) {
         moe_json_key(w, meta[i].key);
         moe_json_string(w, meta[i].value);
     }
+    moe_json_key(w, CRC_KEY);
+    moe_json_string(w, crc_list);
+    moe_json_key(w, META_CRC_KEY);
+    moe_json_string(w, meta_crc);
     moe_json_end_object(w);
     int64_t offset = 0;
     for (int64_t i = 0; i < count; i++) {
@@ -597,11 +805,17 @@ moe_status moe_st_write(const char *path, const moe_st_entry *tensors, int64_t c
         (meta_count > 0 && meta == NULL))
         return moe_error(MOE_ERR_INVALID_ARG, "moe_st_write: NULL path, or bad tensor or metadata list");
     int64_t *nbytes = malloc((size_t)(count > 0 ? count : 1) * sizeof *nbytes);
-    if (nbytes == NULL) return moe_error(MOE_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
+    char *crc_list = malloc((size_t)count * (CRC_DIGITS + 1) + 1), meta_crc[CRC_DIGITS + 1];
+    if (nbytes == NULL || crc_list == NULL) {
+        free(nbytes);
+        free(crc_list);
+        return moe_error(MOE_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
+    }
     moe_json_writer w;
     moe_json_writer_init(&w, 0);
     moe_status st = check_entries(nbytes, path, tensors, count, meta, meta_count);
-    if (st == MOE_OK) st = build_header(&w, path, tensors, nbytes, count, meta, meta_count);
+    if (st == MOE_OK) st = make_checksums(crc_list, meta_crc, path, tensors, nbytes, count, meta, meta_count);
+    if (st == MOE_OK) st = build_header(&w, path, tensors, nbytes, count, meta, meta_count, crc_list, meta_crc);
     if (st == MOE_OK && (w.len + 7) / 8 * 8 > MOE_ST_MAX_HEADER_BYTES)
         st = moe_error(MOE_ERR_INVALID_ARG, "%s: header of %zu bytes exceeds the limit of %llu", path, w.len,
                        (unsigned long long)MOE_ST_MAX_HEADER_BYTES);
@@ -611,6 +825,7 @@ moe_status moe_st_write(const char *path, const moe_st_entry *tensors, int64_t c
     }
     moe_json_writer_free(&w);
     free(nbytes);
+    free(crc_list);
     return st;
 }
 

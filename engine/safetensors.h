@@ -12,7 +12,36 @@
  * that are not non-negative integers or whose element count overflows,
  * data_offsets whose length disagrees with shape x dtype, and a byte buffer
  * that the tensors do not tile exactly (a gap, an overlap, or bytes after the
- * last tensor). */
+ * last tensor).
+ *
+ * Checksums. Those checks let through a flipped bit in a tensor's data (an
+ * fp32 0.9998 becomes 3.4e38, finite) and most in the metadata (a step, a
+ * seed, a data position), so every file moe_st_write writes records CRC-32Cs
+ * (common/crc32c.h) in two __metadata__ keys of its own:
+ *   "moe_crc32c"       each tensor's bytes' CRC, as 8 lowercase hex digits,
+ *                      joined by commas, in the byte order of the tensor
+ *                      names (strcmp), not the order the header lists them;
+ *   "moe_meta_crc32c"  the CRC of the rest of the header's text: every other
+ *                      __metadata__ entry ("format" and "moe_crc32c"
+ *                      included) as key, NUL, value, NUL in the byte order of
+ *                      the keys, then each tensor name and a NUL in the byte
+ *                      order of the names.
+ * Both orders are by name, not by position, because tools that rewrite a
+ * header keep the entries but not always their order (the safetensors
+ * library's writer orders tensors by dtype and name, and keeps __metadata__
+ * in a hash map): the checksums stay valid through any reordering. A tool
+ * that keeps this metadata but changes a tensor (renames it, converts it to
+ * BF16) makes a file refused as damaged: it should drop both keys. The
+ * tensors' fields other than the name need no checksum: a flipped bit in a
+ * dtype, a shape or data_offsets breaks the tiling or the dtype checks
+ * above.
+ * moe_st_open checks both keys' form and the header's checksum; a tensor's
+ * data is checked when it is read for use (moe_st_verify, and the loads
+ * below), once and whole, so that opening a file costs no pass over its
+ * data. A file with neither key (another tool's) loads as before; one with
+ * only one of them, a list of another length or form, or a checksum that
+ * differs is refused (MOE_ERR_FORMAT), naming the file and the tensor or the
+ * metadata. */
 #ifndef MOE_ENGINE_SAFETENSORS_H
 #define MOE_ENGINE_SAFETENSORS_H
 
@@ -43,6 +72,8 @@ typedef struct moe_st_tensor {
     int64_t nbytes;
     int64_t offset;   /* of the first byte, from the start of the file */
     const void *data; /* [nbytes] in the file's read-only mapping; not aligned */
+    bool has_crc;     /* the header records the CRC-32C of the data: */
+    uint32_t crc32c;  /* ... this one */
 } moe_st_tensor;
 
 typedef struct moe_st_file moe_st_file;
@@ -75,9 +106,19 @@ void moe_st_read_f32(float *out, const moe_st_tensor *t);
  * bits, converting none of the fine ones. */
 int64_t moe_st_find_bad(float *value, const moe_st_tensor *t, int64_t first, int64_t count, bool nonnegative);
 
-/* Finds `name`, checks that its shape is shape [ndim], and reads it as fp32
- * into out [product of shape]; the error names the file, tensor and both
- * shapes. */
+/* MOE_OK when t, a tensor as moe_st_open made it (whole, not a part of
+ * it), records no checksum or the one of its bytes; else MOE_ERR_FORMAT,
+ * naming path (its file), t and both checksums. One pass over t's bytes. */
+moe_status moe_st_verify(const moe_st_tensor *t, const char *path);
+
+/* moe_st_verify of every distinct tensor of t [n] (NULLs skipped, a tensor
+ * listed twice checked once), in parallel, path [i] naming t [i]'s file;
+ * the error is that of the first one listed that fails. */
+moe_status moe_st_verify_all(const moe_st_tensor *const *t, const char *const *path, int64_t n);
+
+/* Finds `name`, checks that its shape is shape [ndim] and its checksum
+ * (moe_st_verify), and reads it as fp32 into out [product of shape]; the
+ * error names the file, tensor and both shapes or checksums. */
 moe_status moe_st_load_f32(float *out, const moe_st_file *file, const char *name, int64_t ndim,
                            const int64_t *shape);
 
@@ -99,12 +140,18 @@ typedef struct moe_st_meta {
 } moe_st_meta;
 
 /* Writes F32 tensors [count] to path atomically (fileio.h): __metadata__ is
- * {"format": "pt"} followed by meta [meta_count] ("format" is reserved), the
- * header is space-padded to a multiple of 8 bytes so the data starts 8-byte
- * aligned, and the tensors are packed back to back in the order given. Names
- * must be unique, non-empty UTF-8 and not "__metadata__". */
+ * {"format": "pt"}, then meta [meta_count], then the checksums
+ * "moe_crc32c" and "moe_meta_crc32c" (above; these three keys are the
+ * writer's own: moe_st_reserved_key), the header is space-padded to a
+ * multiple of 8 bytes so the data starts 8-byte aligned, and the tensors
+ * are packed back to back in the order given. Names must be unique,
+ * non-empty UTF-8 and not "__metadata__". */
 moe_status moe_st_write(const char *path, const moe_st_entry *tensors, int64_t count,
                         const moe_st_meta *meta, int64_t meta_count);
+
+/* Whether moe_st_write writes key itself and refuses it in meta: leave
+ * these out when copying a file's metadata into a new one. */
+bool moe_st_reserved_key(const char *key);
 
 /* ------------------------------------------------ checkpoint directories */
 

@@ -1062,6 +1062,101 @@ Test(checkpoint, bad_moments_are_refused, .init = make_tmpdir, .fini = remove_tm
     free_run(&b);
 }
 
+/* Byte `byte` of path with `mask` xored into it, returning the byte as it
+ * was. */
+static unsigned char flip_byte(const char *path, int64_t byte, unsigned char mask) {
+    size_t size;
+    unsigned char *raw = read_bytes(path, &size);
+    cr_assert_lt((size_t)byte, size);
+    const unsigned char was = raw[byte];
+    raw[byte] ^= mask;
+    write_bytes(path, raw, size);
+    free(raw);
+    return was;
+}
+
+/* Where tensor name's element `element` starts in path. */
+static int64_t element_offset(const char *path, const char *name, int64_t element) {
+    moe_st_file *f;
+    cr_assert_eq(moe_st_open(&f, path), MOE_OK, "%s", moe_last_error());
+    const moe_st_tensor *t = moe_st_find(f, name);
+    cr_assert_not_null(t, "%s has no %s", path, name);
+    cr_assert(t->has_crc, "%s: '%s' has no checksum", path, name);
+    const int64_t at = t->offset + 4 * element;
+    moe_st_close(f);
+    return at;
+}
+
+/* One flipped bit in a saved checkpoint is refused at load, naming the file
+ * and the tensor or the metadata, and changes nothing: a weight 0.9998 that
+ * became 3.4e38 (finite, so no value check sees it, and the run would have
+ * died later of a NaN loss), a second moment's lowest bit, a digit of the
+ * seed. The file put back loads. */
+Test(checkpoint, flipped_bits_are_refused, .init = make_tmpdir, .fini = remove_tmpdir) {
+    run a = make_run(1, 0, 0), b = make_run(2, 0, 0);
+    const moe_train_state s = scramble(&a, 51, 3);
+    scramble(&b, 52, 1);
+    const moe_model_tensor *norm = NULL;
+    for (int64_t i = 0; i < moe_model_tensor_count(a.model); i++)
+        if (strcmp(moe_model_tensor_at(a.model, i)->name, "model.norm.weight") == 0) norm = moe_model_tensor_at(a.model, i);
+    cr_assert_not_null(norm);
+    moe_model_params(a.model)[norm->offset + 5] = 0.9998f;
+    char path[512], model[768], state[768];
+    save(path, sizeof path, tmpdir, &a, &s);
+    snprintf(model, sizeof model, "%s", in_dir(path, "model.safetensors"));
+    snprintf(state, sizeof state, "%s", in_dir(path, "train_state.safetensors"));
+    float *p_before = copy_floats(moe_model_params(b.model), n_params(&b));
+    float *v_before = copy_floats(moe_trainer_adam_v(b.trainer), n_params(&b));
+
+    /* Bit 30 of 0.9998f (0x3F7FF2E5) is in its last byte. */
+    const int64_t weight = element_offset(model, "model.norm.weight", 5);
+    flip_byte(model, weight + 3, 0x40);
+    size_t size;
+    unsigned char *raw = read_bytes(model, &size);
+    float damaged;
+    memcpy(&damaged, raw + weight, sizeof damaged);
+    free(raw);
+    cr_assert(isfinite(damaged) && damaged > 1e38f, "the flipped weight is %g", damaged);
+    expect_error(moe_checkpoint_load_weights(b.model, path), model,
+                 "tensor 'model.norm.weight': its bytes' checksum is 0x");
+    expect_bits(moe_model_params(b.model), p_before, n_params(&b), "params after a refused load");
+    flip_byte(model, weight + 3, 0x40);
+    load_weights(&b, path);
+    expect_bits(moe_model_params(b.model), moe_model_params(a.model), n_params(&a), "params of the file put back");
+
+    moe_train_state got = {0};
+    const char *moment = "optimizer.exp_avg_sq.lm_head.weight";
+    const int64_t at = element_offset(state, moment, 7);
+    flip_byte(state, at, 0x01);
+    char want[256];
+    snprintf(want, sizeof want, "tensor '%s': its bytes' checksum is 0x", moment);
+    expect_error(moe_checkpoint_load_state(b.trainer, b.model, &got, path), state, want);
+    flip_byte(state, at, 0x01);
+
+    /* The seed's first digit, one bit off, is still a digit: only the
+     * header's checksum sees it. */
+    raw = read_bytes(state, &size);
+    const char *key = "\"seed\":\"";
+    int64_t digit = -1;
+    for (size_t i = 8; digit < 0 && i + strlen(key) < size; i++)
+        if (memcmp(raw + i, key, strlen(key)) == 0) digit = (int64_t)(i + strlen(key));
+    free(raw);
+    cr_assert_geq(digit, 0, "no seed in %s", state);
+    flip_byte(state, digit, 0x01);
+    expect_error(moe_checkpoint_read_state(&got, path), state, "the header's checksum is 0x");
+    expect_error(moe_checkpoint_load_state(b.trainer, b.model, &got, path), state, "metadata or a tensor name");
+    cr_expect_eq(moe_trainer_steps_done(b.trainer), 1, "steps changed by a refused load");
+    expect_bits(moe_trainer_adam_v(b.trainer), v_before, n_params(&b), "exp_avg_sq after refused loads");
+    flip_byte(state, digit, 0x01);
+    cr_assert_eq(moe_checkpoint_load_state(b.trainer, b.model, &got, path), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(got.seed, s.seed);
+    expect_bits(moe_trainer_adam_v(b.trainer), moe_trainer_adam_v(a.trainer), n_params(&a), "exp_avg_sq put back");
+    free(p_before);
+    free(v_before);
+    free_run(&a);
+    free_run(&b);
+}
+
 /* ------------------------------------------------------------- atomicity */
 
 typedef struct snapshot {

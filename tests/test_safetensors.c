@@ -13,6 +13,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "common/crc32c.h"
 #include "common/status.h"
 #include "engine/fileio.h"
 #include "engine/json.h"
@@ -233,7 +234,18 @@ Test(safetensors, write_then_read_is_bitwise_equal, .init = make_tmpdir, .fini =
     cr_expect_str_eq(moe_st_metadata(f, "format"), "pt");
     cr_expect_str_eq(moe_st_metadata(f, "step"), "12");
     cr_expect_str_eq(moe_st_metadata(f, "note"), "line\nbreak \"q\"");
-    cr_expect_eq(moe_st_metadata_count(f), 3);
+    cr_expect_eq(moe_st_metadata_count(f), 5);
+    /* The checksums of the data, in the order of the names: c..., empty,
+     * model..., scalar (strcmp). */
+    char want[64];
+    snprintf(want, sizeof want, "%08x,00000000,%08x,%08x", moe_crc32c(0, c, sizeof c), moe_crc32c(0, a, sizeof a),
+             moe_crc32c(0, scalar, sizeof scalar));
+    cr_expect_str_eq(moe_st_metadata(f, "moe_crc32c"), want);
+    cr_expect_not_null(moe_st_metadata(f, "moe_meta_crc32c"));
+    for (int64_t i = 0; i < 4; i++) {
+        cr_expect(moe_st_tensor_at(f, i)->has_crc, "tensor %lld has no checksum", (long long)i);
+        cr_expect_eq(moe_st_verify(moe_st_tensor_at(f, i), path), MOE_OK, "%s", moe_last_error());
+    }
 
     float back[24];
     cr_assert_eq(moe_st_load_f32(back, f, entries[0].name, 2, (const int64_t[]){2, 3}), MOE_OK);
@@ -269,6 +281,8 @@ Test(safetensors, writer_rejects_bad_arguments, .init = make_tmpdir, .fini = rem
         {{{"a", NULL, 1, (const int64_t[]){2}}}, 1, {{0}}, 0, "'a': NULL data"},
         {{{"a", x, 3, (const int64_t[]){1LL << 40, 1LL << 40, 1LL << 40}}}, 1, {{0}}, 0, "overflows"},
         {{{"a", x, 1, (const int64_t[]){2}}}, 1, {{"format", "tf"}}, 1, "\"format\" is reserved"},
+        {{{"a", x, 1, (const int64_t[]){2}}}, 1, {{"k", "1"}, {"moe_crc32c", "0"}}, 2, "\"moe_crc32c\" is reserved"},
+        {{{"a", x, 1, (const int64_t[]){2}}}, 1, {{"moe_meta_crc32c", "0"}}, 1, "\"moe_meta_crc32c\" is reserved"},
         {{{"a", x, 1, (const int64_t[]){2}}}, 1, {{"k", "1"}, {"k", "2"}}, 2, "metadata key 'k' given twice"},
         {{{"a\xff", x, 1, (const int64_t[]){2}}}, 1, {{0}}, 0, "invalid UTF-8"},
     };
@@ -423,6 +437,273 @@ Test(safetensors, empty_and_padded, .init = make_tmpdir, .fini = remove_tmpdir) 
     cr_expect_eq(moe_st_tensor_count(f), 4);
     cr_expect_eq(moe_st_find(f, "e0")->numel, 0);
     moe_st_close(f);
+}
+
+/* -------------------------------------------------------------- checksums */
+
+static uint64_t header_length(const unsigned char *raw) {
+    uint64_t n = 0;
+    for (int i = 7; i >= 0; i--) n = n << 8 | raw[i];
+    return n;
+}
+
+/* path with bit `bit` of raw [size] flipped. */
+static void write_flipped(const char *path, unsigned char *raw, size_t size, size_t bit) {
+    raw[bit / 8] ^= (unsigned char)(1u << (bit % 8));
+    write_bytes(path, raw, size);
+    raw[bit / 8] ^= (unsigned char)(1u << (bit % 8));
+}
+
+static const float small_w[3 * 5] = {0.9998f, -1.0f, 2.0f, 0.5f, -0.25f, 3.0f, 1e-3f, 7.0f,
+                                     -8.0f,   9.5f,  0.0f, 1.0f, 2.0f,   3.0f, 4.0f};
+static const float small_b[4] = {0.1f, 0.2f, 0.3f, 0.4f}, small_s[1] = {42.0f};
+
+/* Three tensors and a metadata entry, written by moe_st_write to path:
+ * its bytes [*size] (free() them), the data from *data_start on. */
+static unsigned char *write_small(const char *path, size_t *size, size_t *data_start) {
+    const moe_st_entry e[] = {
+        {"w", small_w, 2, (const int64_t[]){3, 5}}, {"b", small_b, 1, (const int64_t[]){4}}, {"s", small_s, 0, NULL}};
+    const moe_st_meta meta[] = {{"step", "12"}};
+    cr_assert_eq(moe_st_write(path, e, 3, meta, 1), MOE_OK, "%s", moe_last_error());
+    unsigned char *raw = read_bytes(path, size);
+    *data_start = 8 + (size_t)header_length(raw);
+    return raw;
+}
+
+/* Every single-bit flip anywhere in a file we wrote is refused: in the
+ * header by moe_st_open (the structure checks or the header's checksum),
+ * in the data by the load of the tensor holding it, naming the file and
+ * that tensor, while the others still load. */
+Test(safetensors, every_single_bit_flip_is_refused, .init = make_tmpdir, .fini = remove_tmpdir) {
+    const char *bad = in_tmp("flipped.safetensors");
+    size_t size, data_start;
+    unsigned char *raw = write_small(in_tmp("small.safetensors"), &size, &data_start);
+    cr_assert_eq(size, data_start + sizeof small_w + sizeof small_b + sizeof small_s);
+    int header_flips = 0, data_flips = 0;
+    for (size_t bit = 0; bit < 8 * size; bit++) {
+        write_flipped(bad, raw, size, bit);
+        moe_st_file *f = NULL;
+        const moe_status st = moe_st_open(&f, bad);
+        if (bit / 8 < data_start) {
+            cr_assert_neq(st, MOE_OK, "bit %zu of %zu in the header was flipped and the file opened", bit % 8,
+                          bit / 8);
+            cr_assert(strstr(moe_last_error(), bad) != NULL, "bit %zu: \"%s\" does not name the file", bit,
+                      moe_last_error());
+            header_flips++;
+            continue;
+        }
+        cr_assert_eq(st, MOE_OK, "bit %zu of data byte %zu: %s", bit % 8, bit / 8 - data_start, moe_last_error());
+        int refused = 0;
+        for (int64_t i = 0; i < moe_st_tensor_count(f); i++) {
+            const moe_st_tensor *t = moe_st_tensor_at(f, i);
+            float out[15];
+            const bool holds = (int64_t)(bit / 8) >= t->offset && (int64_t)(bit / 8) < t->offset + t->nbytes;
+            const moe_status got = moe_st_load_f32(out, f, t->name, t->ndim, t->shape);
+            if (!holds) {
+                cr_assert_eq(got, MOE_OK, "bit %zu flipped outside '%s': %s", bit, t->name, moe_last_error());
+                continue;
+            }
+            refused++;
+            char want[640];
+            snprintf(want, sizeof want, "%s: tensor '%s': its bytes' checksum is 0x", bad, t->name);
+            cr_assert_eq(got, MOE_ERR_FORMAT, "bit %zu flipped in '%s' loaded", bit, t->name);
+            cr_assert(strstr(moe_last_error(), want) != NULL && strstr(moe_last_error(), "the file is damaged"),
+                      "bit %zu: \"%s\" lacks \"%s\"", bit, moe_last_error(), want);
+            cr_assert_eq(moe_st_verify(t, bad), MOE_ERR_FORMAT);
+        }
+        cr_assert_eq(refused, 1, "bit %zu: %d tensors refused", bit, refused);
+        data_flips++;
+        moe_st_close(f);
+    }
+    cr_expect_eq(data_flips, 8 * 80, "the data's last byte must be among the flips");
+    cr_expect_gt(header_flips, 8 * 100);
+    free(raw);
+}
+
+/* The header's checksum covers the metadata values, the checksum list and
+ * the tensor names, which no structure check would catch. */
+Test(safetensors, damaged_metadata_is_named, .init = make_tmpdir, .fini = remove_tmpdir) {
+    const char *bad = in_tmp("flipped.safetensors");
+    size_t size, header_end;
+    unsigned char *raw = write_small(in_tmp("small.safetensors"), &size, &header_end);
+    /* step "12" -> "13"; a decimal digit of the checksum list (the lowest
+     * bit keeps it a digit); the name "w" -> "v"; the list's key name
+     * ("moe_arc32c"), leaving the other key alone. */
+    const struct {
+        const char *find; /* in the header text */
+        size_t at;        /* the byte of it to flip, or from where to look for a digit */
+        int bit;
+        const char *want;
+    } cases[] = {
+        {"\"step\":\"12\"", 9, 0, "not the 0x"},
+        {"\"moe_crc32c\":\"", 14, 0, "not the 0x"},
+        {"\"w\":{", 1, 0, "not the 0x"},
+        {"\"moe_crc32c\"", 5, 1, "__metadata__ has \"moe_meta_crc32c\" but not \"moe_crc32c\""},
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
+        size_t at = 0;
+        for (size_t i = 8; at == 0 && i + strlen(cases[c].find) <= header_end; i++)
+            if (memcmp(raw + i, cases[c].find, strlen(cases[c].find)) == 0) at = i + cases[c].at;
+        cr_assert_neq(at, 0, "no %s in the header", cases[c].find);
+        if (c == 1)
+            while (raw[at] < '0' || raw[at] > '9') at++;
+        write_flipped(bad, raw, size, 8 * at + (size_t)cases[c].bit);
+        moe_st_file *f = (moe_st_file *)1;
+        cr_expect_eq(moe_st_open(&f, bad), MOE_ERR_FORMAT, "case %zu opened", c);
+        cr_expect_null(f);
+        cr_expect(strstr(moe_last_error(), bad) != NULL && strstr(moe_last_error(), cases[c].want) != NULL &&
+                      strstr(moe_last_error(), "damaged") != NULL,
+                  "case %zu: \"%s\" lacks \"%s\"", c, moe_last_error(), cases[c].want);
+    }
+    free(raw);
+}
+
+/* text [*n] += s and a NUL: safetensors.h's text under "moe_meta_crc32c". */
+static void append_z(char *text, size_t *n, const char *s) {
+    memcpy(text + *n, s, strlen(s) + 1);
+    *n += strlen(s) + 1;
+}
+
+/* A header rewritten by another tool, its tensors and metadata in another
+ * order, keeps its checksums (they go by name; computed here from the
+ * documented text, apart from the writer), and a flipped bit is still
+ * blamed on the tensor that holds it. */
+Test(safetensors, checksums_go_by_name_not_order, .init = make_tmpdir, .fini = remove_tmpdir) {
+    const float a[3] = {1.0f, 0.9998f, -2.5f}, b[2] = {3.0f, 4.0f};
+    char list[32], text[256], header[640];
+    snprintf(list, sizeof list, "%08x,%08x", moe_crc32c(0, a, sizeof a), moe_crc32c(0, b, sizeof b));
+    size_t n = 0;
+    const char *const parts[] = {"format", "pt", "moe_crc32c", list, "step", "7", "a", "b"};
+    for (size_t i = 0; i < sizeof parts / sizeof *parts; i++) append_z(text, &n, parts[i]);
+    snprintf(header, sizeof header,
+             "{\"b\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
+             "\"__metadata__\":{\"step\":\"7\",\"moe_meta_crc32c\":\"%08x\",\"moe_crc32c\":\"%s\",\"format\":\"pt\"},"
+             "\"a\":{\"dtype\":\"F32\",\"shape\":[3],\"data_offsets\":[8,20]}}",
+             moe_crc32c(0, text, n), list);
+    unsigned char data[20];
+    memcpy(data, b, sizeof b);
+    memcpy(data + sizeof b, a, sizeof a);
+    const char *path = in_tmp("reordered.safetensors");
+    write_st(path, header, data, sizeof data);
+    moe_st_file *f;
+    cr_assert_eq(moe_st_open(&f, path), MOE_OK, "%s", moe_last_error());
+    float out[3];
+    cr_expect_eq(moe_st_load_f32(out, f, "a", 1, (const int64_t[]){3}), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(moe_st_load_f32(out, f, "b", 1, (const int64_t[]){2}), MOE_OK, "%s", moe_last_error());
+    cr_expect(moe_st_find(f, "a")->has_crc && moe_st_find(f, "a")->crc32c == moe_crc32c(0, a, sizeof a));
+    moe_st_close(f);
+
+    data[sizeof b + 7] ^= 0x40; /* bit 30 of a's second element: 0.9998 -> 3.4e38 */
+    write_st(path, header, data, sizeof data);
+    cr_assert_eq(moe_st_open(&f, path), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(moe_st_load_f32(out, f, "b", 1, (const int64_t[]){2}), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(moe_st_load_f32(out, f, "a", 1, (const int64_t[]){3}), MOE_ERR_FORMAT);
+    cr_expect(strstr(moe_last_error(), "tensor 'a': its bytes' checksum is 0x") != NULL, "%s", moe_last_error());
+
+    /* moe_st_verify_all: NULLs skipped, repeats checked once, the error
+     * that of the first listed. */
+    const moe_st_tensor *ta = moe_st_find(f, "a"), *tb = moe_st_find(f, "b");
+    const char *paths[] = {"one", "two", "three", "four", "five"};
+    cr_expect_eq(moe_st_verify_all((const moe_st_tensor *[]){tb, NULL, tb, ta, ta}, paths, 5), MOE_ERR_FORMAT);
+    cr_expect(strstr(moe_last_error(), "four: tensor 'a'") != NULL, "%s", moe_last_error());
+    cr_expect_eq(moe_st_verify_all((const moe_st_tensor *[]){tb, NULL, tb}, paths, 3), MOE_OK, "%s",
+                 moe_last_error());
+    cr_expect_eq(moe_st_verify_all(NULL, NULL, 0), MOE_OK);
+    moe_st_close(f);
+}
+
+/* Another tool's file has no checksums: it loads as before, unchecked. */
+Test(safetensors, files_without_checksums_load, .init = make_tmpdir, .fini = remove_tmpdir) {
+    const float a[3] = {1.0f, 3.4e38f, -2.5f};
+    const char *path = in_tmp("theirs.safetensors");
+    write_st(path, "{\"__metadata__\":{\"format\":\"pt\"},\"a\":{\"dtype\":\"F32\",\"shape\":[3],\"data_offsets\":[0,12]}}",
+             a, sizeof a);
+    moe_st_file *f;
+    cr_assert_eq(moe_st_open(&f, path), MOE_OK, "%s", moe_last_error());
+    cr_expect_not(moe_st_find(f, "a")->has_crc);
+    cr_expect_eq(moe_st_verify(moe_st_find(f, "a"), path), MOE_OK);
+    float out[3];
+    cr_expect_eq(moe_st_load_f32(out, f, "a", 1, (const int64_t[]){3}), MOE_OK, "%s", moe_last_error());
+    cr_expect(memcmp(out, a, sizeof a) == 0);
+    moe_st_close(f);
+}
+
+/* Checksum keys of the wrong form, count or value are refused at open. */
+Test(safetensors, malformed_checksums_are_refused, .init = make_tmpdir, .fini = remove_tmpdir) {
+    const float data[2] = {1.0f, 2.0f};
+    char list[32], text[128], good[16];
+    snprintf(list, sizeof list, "%08x,%08x", moe_crc32c(0, &data[0], 4), moe_crc32c(0, &data[1], 4));
+    size_t n = 0;
+    const char *const parts[] = {"format", "pt", "moe_crc32c", list, "a", "b"};
+    for (size_t i = 0; i < sizeof parts / sizeof *parts; i++) append_z(text, &n, parts[i]);
+    snprintf(good, sizeof good, "%08x", moe_crc32c(0, text, n));
+    const struct {
+        const char *list, *meta; /* NULL: the key is left out */
+        const char *want;
+    } cases[] = {
+        {list, NULL, "__metadata__ has \"moe_crc32c\" but not \"moe_meta_crc32c\""},
+        {NULL, good, "__metadata__ has \"moe_meta_crc32c\" but not \"moe_crc32c\""},
+        {list, "0000000", "\"moe_meta_crc32c\" is \"0000000\", not 8 lowercase hex digits"},
+        {list, "0000000g", "\"moe_meta_crc32c\" is \"0000000g\", not 8 lowercase hex digits"},
+        {list, "000000000", "\"moe_meta_crc32c\" is \"000000000\", not 8 lowercase hex digits"},
+        {"", good, "\"moe_crc32c\" lists 0 checksums for 2 tensors"},
+        {"00000000", good, "\"moe_crc32c\" lists 1 checksum for 2 tensors"},
+        {"00000000,00000000,00000000", good, "\"moe_crc32c\" lists 3 checksums for 2 tensors"},
+        {"00000000;00000000", good, "\"moe_crc32c\" lists 1 checksum for 2 tensors"},
+        {"0000000A,00000000", good, "\"moe_crc32c\" entry 0, \"0000000A,000\", is not 8 lowercase hex digits"},
+        {"00000000,0000000x", good, "\"moe_crc32c\" entry 1, \"0000000x\", is not 8 lowercase hex digits"},
+        {"0000000,000000000", good, "\"moe_crc32c\" entry 0"},
+        {"00000000,000000001", good, "\"moe_crc32c\" entry 1, \"000000001\""},
+        {"00000000, 0000000", good, "\"moe_crc32c\" entry 1"},
+        {"-0000000,00000000", good, "\"moe_crc32c\" entry 0"},
+        {list, "00000000", "the header's checksum is 0x"},
+    };
+    const char *path = in_tmp("crc.safetensors");
+    for (size_t c = 0; c < sizeof cases / sizeof *cases + 1; c++) {
+        const bool last = c == sizeof cases / sizeof *cases; /* the good file */
+        char meta[160] = "", header[512];
+        const char *l = last ? list : cases[c].list, *m = last ? good : cases[c].meta;
+        size_t k = 0;
+        if (l) k += (size_t)snprintf(meta + k, sizeof meta - k, ",\"moe_crc32c\":\"%s\"", l);
+        if (m) k += (size_t)snprintf(meta + k, sizeof meta - k, ",\"moe_meta_crc32c\":\"%s\"", m);
+        snprintf(header, sizeof header,
+                 "{\"__metadata__\":{\"format\":\"pt\"%s},\"a\":{\"dtype\":\"F32\",\"shape\":[],\"data_offsets\":[0,4]},"
+                 "\"b\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[4,8]}}",
+                 meta);
+        write_st(path, header, data, sizeof data);
+        moe_st_file *f = (moe_st_file *)1;
+        const moe_status st = moe_st_open(&f, path);
+        if (last) {
+            cr_expect_eq(st, MOE_OK, "the well-formed file: %s", moe_last_error());
+            moe_st_close(f);
+            continue;
+        }
+        cr_expect_eq(st, MOE_ERR_FORMAT, "case %zu opened", c);
+        cr_expect_null(f);
+        cr_expect(strstr(moe_last_error(), path) != NULL && strstr(moe_last_error(), cases[c].want) != NULL,
+                  "case %zu: \"%s\" lacks \"%s\"", c, moe_last_error(), cases[c].want);
+    }
+}
+
+/* A damaged shard is named with the tensor, through the directory's load. */
+Test(safetensors, damaged_shard_is_named, .init = make_tmpdir, .fini = remove_tmpdir) {
+    cr_assert_eq(moe_mkdir_p(in_tmp("one")), MOE_OK);
+    const float z[3] = {1.0f, 2.0f, 0.9998f};
+    const moe_st_entry e = {"z", z, 1, (const int64_t[]){3}};
+    const char *path = in_tmp("one/model.safetensors");
+    cr_assert_eq(moe_st_write(path, &e, 1, NULL, 0), MOE_OK, "%s", moe_last_error());
+    size_t size;
+    unsigned char *raw = read_bytes(path, &size);
+    write_flipped(path, raw, size, 8 * size - 2); /* 0.9998 -> 3.4e38 */
+    free(raw);
+    moe_st_dir *d;
+    cr_assert_eq(moe_st_dir_open(&d, in_tmp("one")), MOE_OK, "%s", moe_last_error());
+    float out[3];
+    cr_expect_eq(moe_st_dir_load_f32(out, d, "z", 1, (const int64_t[]){3}), MOE_ERR_FORMAT);
+    char want[640];
+    snprintf(want, sizeof want, "%s: tensor 'z': its bytes' checksum is 0x", path);
+    cr_expect(strstr(moe_last_error(), want) != NULL, "\"%s\" lacks \"%s\"", moe_last_error(), want);
+    moe_st_dir_close(d);
 }
 
 /* ---------------------------------------------------- sharded directories */

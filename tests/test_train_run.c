@@ -1381,7 +1381,7 @@ static int64_t rewrite_safetensors(const char *path, const char *const *drop, co
         if (set_key && strcmp(key, set_key) == 0) meta[kept].value = set_value, changed++;
         if (dropped)
             changed++;
-        else if (strcmp(key, "format") != 0) /* moe_st_write writes its own */
+        else if (!moe_st_reserved_key(key)) /* moe_st_write writes its own */
             kept++;
     }
     cr_assert_eq(moe_st_write(path, entries, nt, meta, kept), MOE_OK, "%s", moe_last_error());

@@ -376,7 +376,7 @@ static int copy_tensors(const char *to, const char *from, const char *name, cons
     }
     for (int64_t j = 0; j < n_meta; j++) {
         moe_st_metadata_at(f, j, &meta[kept_meta].key, &meta[kept_meta].value);
-        if (strcmp(meta[kept_meta].key, "format") != 0) kept_meta++; /* the writer's own */
+        if (!moe_st_reserved_key(meta[kept_meta].key)) kept_meta++; /* the writer's own */
     }
     int bad = kept != (also ? n + 1 : n - 1) || moe_st_write(to, entries, kept, meta, kept_meta) != MOE_OK;
     for (int64_t j = 0; j < kept; j++) free((void *)entries[j].data);
