@@ -49,15 +49,18 @@ static int64_t meminfo(const char *root, const char *field) {
     return kb < 0 ? -1 : (int64_t)kb * 1024;
 }
 
-/* The files one cgroup version keeps its limit, usage and reclaimable page
- * cache in, and where it is mounted. */
+/* The files one cgroup version keeps its limit and usage in, where it is
+ * mounted, and memory.stat's keys of the page cache the kernel reclaims
+ * before it kills: the file pages, inactive and active alike (a file read
+ * twice is active, and still dropped when the cgroup needs the room). */
 typedef struct cgroup_files {
-    const char *mount, *limit, *usage, *inactive;
+    const char *mount, *limit, *usage, *file[2];
 } cgroup_files;
 
-static const cgroup_files CGROUP_V2 = {"/sys/fs/cgroup", "memory.max", "memory.current", "inactive_file"};
+static const cgroup_files CGROUP_V2 = {"/sys/fs/cgroup", "memory.max", "memory.current",
+                                       {"inactive_file", "active_file"}};
 static const cgroup_files CGROUP_V1 = {"/sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes",
-                                       "total_inactive_file"};
+                                       {"total_inactive_file", "total_active_file"}};
 
 /* This process's cgroup path under the hierarchy that holds the memory
  * controller, from /proc/self/cgroup: v1's "N:...,memory,...:/path" wins
@@ -74,9 +77,9 @@ static const cgroup_files *memory_cgroup(const char *root, char *cg, size_t cg_b
         if (!at) continue;
         *at++ = '\0';
         controllers++;
-        bool memory = false;
-        for (char *c = strtok(controllers, ","); c; c = strtok(NULL, ","))
-            memory |= strcmp(c, "memory") == 0;
+        char list[PATH_BYTES + 2];
+        snprintf(list, sizeof list, ",%s,", controllers);
+        const bool memory = strstr(list, ",memory,") != NULL;
         if (memory || (!*controllers && !found)) {
             snprintf(cg, cg_bytes, "%s", at);
             found = memory ? &CGROUP_V1 : &CGROUP_V2;
@@ -89,7 +92,7 @@ static const cgroup_files *memory_cgroup(const char *root, char *cg, size_t cg_b
 
 /* Walks from this process's cgroup up to the hierarchy's root, taking at
  * each limited level the room left: the limit less the usage the kernel
- * could not reclaim (usage less the inactive page cache). Inside a cgroup
+ * could not reclaim (usage less the file page cache). Inside a cgroup
  * namespace the mount's root is the process's own cgroup and the path that
  * /proc/self/cgroup gives is not found under it: the walk starts at the
  * root then. */
@@ -112,9 +115,13 @@ static void cgroup_room(moe_host_memory *m, const char *root) {
             snprintf(file, sizeof file, "%s/%s", dir, v->usage);
             int64_t used = read_number(file);
             snprintf(file, sizeof file, "%s/memory.stat", dir);
-            const int64_t inactive = read_keyed(file, v->inactive);
+            int64_t cache = 0;
+            for (int k = 0; k < 2; k++) {
+                const int64_t pages = read_keyed(file, v->file[k]);
+                if (pages > 0) cache += pages;
+            }
             if (used < 0) used = 0;
-            if (inactive > 0 && inactive < used) used -= inactive;
+            used = cache < used ? used - cache : 0;
             const int64_t room = limit > used ? limit - used : 0;
             const char *name = len > base ? dir + base : "/";
             if (m->available < 0 || room < m->available) {

@@ -76,7 +76,9 @@ typedef struct moe_agree_field {
 
 /* Compares fields [count] across all ranks of world; on a difference the
  * error names the first differing field, the rank and both values. The
- * build (library version, compiler, backends) is compared first. */
+ * build (library version, compiler, backends) is compared first; count 0
+ * compares it alone, in a collective of one shape whatever the build, which
+ * should come before any other whose shape a build may change. */
 moe_status moe_grid_agree(moe_comm *world, const moe_agree_field *fields, int count);
 
 /* Compares texts [count] (paths, say; "" for none), named names [count],

@@ -932,18 +932,13 @@ static moe_status make_grid(run *r) {
     return MOE_OK;
 }
 
-/* name's real path into buf [PATH_MAX] when it resolves, else name ("" for
- * NULL). */
-static const char *real_path_or_name(char *buf, const char *name) {
-    if (!name) return "";
-    return realpath(name, buf) ? buf : name;
-}
-
-/* name made absolute against the working directory into buf [PATH_MAX],
- * without resolving it: a directory some ranks have not made yet (--out on
- * node-local disks) compares alike. */
+/* name made absolute against the working directory into buf [PATH_MAX]
+ * ("" for NULL), without resolving links: the same path on every node
+ * compares alike though it leads to each node's own copy (node-local
+ * disks, a --out not made yet on some). */
 static const char *absolute_name(char *buf, const char *name) {
     char cwd[PATH_MAX];
+    if (!name) return "";
     if (name[0] == '/' || !getcwd(cwd, sizeof cwd) || snprintf(buf, PATH_MAX, "%s/%s", cwd, name) >= PATH_MAX)
         return name;
     return buf;
@@ -988,16 +983,17 @@ static moe_status build_model(run *r) {
             {"--upcycle", (double)o->upcycle, NULL},
             {"--max-time", o->max_time, NULL},
         };
-        /* Where the weights come from and the run goes, first: a rank that
-         * found no checkpoint in its --out (node-local storage) differs in
-         * its config only as a consequence. Checkpoints by their real
-         * paths and --out made absolute, so that a relative and an
+        /* Where the weights come from and the run goes, after the build
+         * and before the config: a rank that found no checkpoint in its
+         * --out (node-local storage) differs in its config only as a
+         * consequence. Paths made absolute, so that a relative and an
          * absolute name of one agree; the data by the names given. Ranks
          * that loaded other weights would train a mixture. */
         char resume[PATH_MAX], init_from[PATH_MAX], out[PATH_MAX];
         const char *const names[] = {"--resume", "--init-from", "--out", "--data", "--val-data"};
-        const char *const texts[] = {real_path_or_name(resume, o->resume), real_path_or_name(init_from, o->init_from),
+        const char *const texts[] = {absolute_name(resume, o->resume), absolute_name(init_from, o->init_from),
                                      absolute_name(out, o->out_dir), o->data, o->val_data ? o->val_data : ""};
+        MOE_TRY(moe_grid_agree(r->world, NULL, 0));
         MOE_TRY(moe_grid_agree_texts(r->world, names, texts, (int)(sizeof names / sizeof names[0])));
         moe_agree_field fields[MOE_CONFIG_AGREE_FIELDS + sizeof options / sizeof options[0]];
         int n = moe_config_agree_fields(fields, &r->cfg);
@@ -2122,6 +2118,16 @@ static moe_status resolve_resume(moe_run_options *out, bool *done, char *path, c
             return moe_error(MOE_ERR_CONFIG, "%s %s was trained with %s=%s, --config %s has %s", flag, path, a[i].name,
                              was, o->config, now);
         }
+        /* The token ids shape nothing the run computes, but the run writes
+         * the checkpoint's config again: another would be dropped unseen. */
+        const moe_token_ids *given_ids[] = {&given.bos_token_id, &given.eos_token_id, &given.pad_token_id};
+        const moe_token_ids *saved_ids[] = {&saved.bos_token_id, &saved.eos_token_id, &saved.pad_token_id};
+        static const char *const id_keys[] = {"bos_token_id", "eos_token_id", "pad_token_id"};
+        for (int i = 0; i < 3; i++)
+            if (memcmp(given_ids[i], saved_ids[i], sizeof *given_ids[i]) != 0)
+                return moe_error(MOE_ERR_CONFIG, "%s %s has another %s than --config %s (the run keeps the "
+                                                 "checkpoint's config)",
+                                 flag, path, id_keys[i], o->config);
     }
     out->resume = path;
     out->config = NULL;

@@ -47,16 +47,17 @@ Test(host_memory, nothing_to_read_is_minus_one) {
 }
 
 /* v2: the tightest limit on the way up counts, less the usage that is not
- * inactive page cache; "max" is no limit. */
+ * file page cache; "max" is no limit. */
 Test(host_memory, v2_takes_the_tightest_limit_above) {
     put("proc/self/cgroup", "0::/user.slice/job\n");
     put("sys/fs/cgroup/user.slice/memory.max", "4000000000\n");
     put("sys/fs/cgroup/user.slice/memory.current", "1500000000\n");
-    put("sys/fs/cgroup/user.slice/memory.stat", "anon 1000000000\nfile 500000000\ninactive_file 400000000\n");
+    put("sys/fs/cgroup/user.slice/memory.stat",
+        "anon 1000000000\nfile 500000000\nactive_anon 900000000\ninactive_file 400000000\nactive_file 100000000\n");
     put("sys/fs/cgroup/user.slice/job/memory.max", "max\n");
     put("sys/fs/cgroup/user.slice/job/memory.current", "1000000000\n");
     const moe_host_memory m = available();
-    cr_expect_eq(m.available, 4 * GB - (1500000000 - 400000000));
+    cr_expect_eq(m.available, 4 * GB - (1500000000 - 500000000), "the file pages, active and inactive, reclaim");
     cr_expect(strstr(m.bound_by, "the memory cgroup /user.slice leaves under its 4.00 GB limit"), "%s", m.bound_by);
     cr_expect_eq(m.total, 4 * GB);
     cr_expect_str_eq(m.total_by, "the memory cgroup /user.slice allows");
@@ -89,10 +90,11 @@ Test(host_memory, v1_memory_controller_line) {
     put("sys/fs/cgroup/memory/docker/abc/memory.limit_in_bytes", "3000000000\n");
     put("sys/fs/cgroup/memory/docker/abc/memory.usage_in_bytes", "1000000000\n");
     put("sys/fs/cgroup/memory/docker/abc/memory.stat",
-        "cache 300000000\ninactive_file 1\ntotal_inactive_file 250000000\n");
+        "cache 300000000\ninactive_file 1\nactive_file 2\ntotal_inactive_file 250000000\n"
+        "total_active_file 50000000\n");
     put("sys/fs/cgroup/memory.max", "1\n"); /* a v2 file where v1 is mounted: not read */
     const moe_host_memory m = available();
-    cr_expect_eq(m.available, 3 * GB - (1000000000 - 250000000));
+    cr_expect_eq(m.available, 3 * GB - (1000000000 - 300000000), "the hierarchy's file pages (total_*)");
     cr_expect(strstr(m.bound_by, "/docker/abc"), "%s", m.bound_by);
 }
 
