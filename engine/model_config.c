@@ -499,6 +499,16 @@ moe_status moe_model_config_check_function_keys(const moe_json *root, const char
     return check_rope_thetas(name, true, read.rope_theta, o.rope_params_theta);
 }
 
+moe_status moe_model_config_take_token_ids(moe_model_config *cfg, const moe_json *root, const char *name) {
+    for (size_t f = 0; f < N_FIELDS; f++) {
+        if (fields[f].kind != F_TOKEN_IDS || ((moe_token_ids *)field_ptr(cfg, &fields[f]))->form != MOE_TOKEN_ID_ABSENT)
+            continue;
+        const moe_json *v = root->type == MOE_JSON_OBJECT ? moe_json_get(root, fields[f].key) : NULL;
+        if (v) MOE_TRY(read_field(cfg, &fields[f], v, name));
+    }
+    return MOE_OK;
+}
+
 /* Token ids outside the vocabulary name no token; transformers loads them
  * with a warning (configs on the Hub hold pad_token_id -1), and so does
  * this reader, keeping them as given. */

@@ -130,6 +130,12 @@ moe_status moe_model_config_parse(moe_model_config *cfg, const char *text, size_
 moe_status moe_model_config_check_function_keys(const struct moe_json *root, const char *name, moe_warn_fn warn,
                                                 void *warn_ctx);
 
+/* The token id keys (bos_token_id, eos_token_id, pad_token_id) of a
+ * Hugging Face config.json of any model_type (root, its top-level object)
+ * into those of cfg that are absent: a model made from another (sparse
+ * upcycling) keeps its tokenizer's ids unless its own config says. */
+moe_status moe_model_config_take_token_ids(moe_model_config *cfg, const struct moe_json *root, const char *name);
+
 /* Checks every field; the error names `name`, the field and its value:
  * "config.json: num_experts_per_tok=9 exceeds num_local_experts=8". */
 moe_status moe_model_config_validate(const moe_model_config *cfg, const char *name);

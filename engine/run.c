@@ -509,8 +509,9 @@ static void field_text(char *buf, size_t size, const moe_agree_field *f, double 
  * own defaults). RoPE and the activation are checked by the Mixtral
  * reader's own rules (moe_model_config_check_function_keys): scaled RoPE
  * and an activation other than SiLU are refused; rope_theta is compared
- * wherever it is written, top level or transformers v5's rope_parameters. */
-static moe_status check_dense_config(const moe_model_config *moe, const moe_run_options *o) {
+ * wherever it is written, top level or transformers v5's rope_parameters.
+ * The token ids --config does not give are taken from the dense model's. */
+static moe_status check_dense_config(moe_model_config *moe, const moe_run_options *o) {
     char path[RUN_PATH_BYTES];
     MOE_TRY(path_join(path, o->init_from, "config.json"));
     struct stat sb;
@@ -560,6 +561,8 @@ static moe_status check_dense_config(const moe_model_config *moe, const moe_run_
     if (tied && tied->type == MOE_JSON_BOOL && tied->boolean)
         st = moe_error(MOE_ERR_CONFIG, "--upcycle: %s ties the embedding and the head (tie_word_embeddings true), "
                                        "which the MoE keeps apart", path);
+    /* The tokenizer stays the dense model's, and so do its ids. */
+    if (st == MOE_OK) st = moe_model_config_take_token_ids(moe, root, path);
     moe_json_free(doc);
     return st;
 }

@@ -1030,6 +1030,31 @@ static void expect_written(const moe_json *root, const char *key, const token_id
     }
 }
 
+/* A model made from a dense one (--upcycle) takes the dense config's token
+ * ids where its own config gives none: its tokenizer is the dense model's.
+ * Ids the MoE's config gives (null included) stay; a bad one is named. */
+Test(model_config, token_ids_taken_from_another_config) {
+    moe_model_config c;
+    moe_model_config_default_small(&c, 64);
+    c.pad_token_id = (moe_token_ids){.form = MOE_TOKEN_ID_NULL};
+    const char *text = "{\"model_type\": \"mistral\", \"bos_token_id\": 1, \"eos_token_id\": [2, 7], "
+                       "\"pad_token_id\": 0}";
+    moe_json_doc *doc;
+    cr_assert_eq(moe_json_parse(&doc, text, strlen(text), "d"), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(moe_model_config_take_token_ids(&c, moe_json_root(doc), "d/config.json"), MOE_OK, "%s",
+                 moe_last_error());
+    moe_json_free(doc);
+    cr_expect(c.bos_token_id.form == MOE_TOKEN_ID_INT && c.bos_token_id.ids[0] == 1);
+    cr_expect(c.eos_token_id.form == MOE_TOKEN_ID_LIST && c.eos_token_id.n == 2 && c.eos_token_id.ids[1] == 7);
+    cr_expect(c.pad_token_id.form == MOE_TOKEN_ID_NULL, "the MoE's own null pad_token_id was replaced");
+    moe_model_config_default_small(&c, 64);
+    text = "{\"eos_token_id\": \"two\"}";
+    cr_assert_eq(moe_json_parse(&doc, text, strlen(text), "d"), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(moe_model_config_take_token_ids(&c, moe_json_root(doc), "d/config.json"), MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "d/config.json: eos_token_id must be"), "message: %s", moe_last_error());
+    moe_json_free(doc);
+}
+
 /* bos/eos/pad_token_id are kept as read and written back the same way (an
  * integer as an integer, a list as a list, null as null, absent left out):
  * transformers' generate stops at the config's eos, and they were dropped.
