@@ -279,7 +279,7 @@ static moe_status read_file(moe_data *d, int32_t *out, int64_t fi, int64_t first
             int32_t t = f->token_bytes == 1 ? (int32_t)buf[i]
                                              : (int32_t)(buf[2 * i] | buf[2 * i + 1] << 8);
             if (t >= d->vocab_size)
-                return moe_error(MOE_ERR_FORMAT, "%s: token %lld is %d, not below vocab_size %lld",
+                return moe_error(MOE_ERR_FORMAT, "%s: the token at index %lld is %d, not below vocab_size %lld",
                                  f->path, (long long)(first + done + i), t,
                                  (long long)d->vocab_size);
             out[done + i] = t;

@@ -374,7 +374,17 @@ typedef struct run_source {
     moe_data *data;
     moe_synth_stream synth; /* tokens = NULL unless synthetic */
     char desc[RUN_DESC_BYTES];
+    bool shard_as_bytes; /* read at byte level, but it begins as an llm.c shard does */
 } run_source;
+
+/* Whether file path begins with llm.c's shard magic (little-endian). */
+static bool begins_as_shard(const char *path) {
+    unsigned char head[4];
+    FILE *f = fopen(path, "rb");
+    const bool read = f && fread(head, 1, sizeof head, f) == sizeof head;
+    if (f) fclose(f);
+    return read && (uint32_t)(head[0] | head[1] << 8 | head[2] << 16 | (uint32_t)head[3] << 24) == MOE_SHARD_MAGIC;
+}
 
 /* Shards: a .bin name, or a glob; a regular file of that very name,
  * wildcards and all, is read as what its name says. */
@@ -403,6 +413,7 @@ static moe_status open_source(run_source *s, const char *spec, const char *flag,
     } else {
         st = moe_data_open_bytes(&s->data, spec);
         snprintf(s->desc, sizeof s->desc, "bytes of %s", spec);
+        s->shard_as_bytes = st == MOE_OK && begins_as_shard(spec);
     }
     if (st != MOE_OK) return moe_error_prefix(st, "%s: ", flag); /* the reader names the file */
     const size_t len = strlen(s->desc);
@@ -755,8 +766,9 @@ static moe_status check_resumed_stream(const run *r) {
     if (o->val_tokens) snprintf(held, sizeof held, " less --val-tokens %lld", (long long)o->val_tokens);
     if (was > 0 && was != now && !o->shuffle && !is_synthetic(o->data))
         return moe_error(MOE_ERR_CONFIG, "--resume %s: the checkpoint's training stream held %lld tokens, --data %s%s "
-                                         "holds %lld: the data (or the tokens held out) changed since, and the "
-                                         "position it records would read other tokens",
+                                         "holds %lld: the data (or the tokens held out) changed since (a shard "
+                                         "added, removed or rewritten), so the position it records may read other "
+                                         "tokens, and its epoch ends elsewhere",
                          o->resume, (long long)was, o->data, held, (long long)now);
     if (!o->shuffle) return MOE_OK;
     if (was == 0) {
@@ -781,6 +793,15 @@ static moe_status check_resumed_stream(const run *r) {
 /* Opens the sources and checks, before anything is written, that they hold
  * what the run reads: one batch of training data (the reader goes around
  * it), and every evaluation token, each inside the vocabulary. */
+/* A file read at byte level that begins as a token shard does is most
+ * likely one whose name lacks .bin: its header would train as text. */
+static void warn_shard_as_bytes(const run *r, const run_source *s, const char *flag, const char *spec) {
+    if (s->shard_as_bytes)
+        warn(r, "%s %s begins with llm.c's shard magic %d but is read at byte level (vocab 256): name it *.bin, or "
+                "give a glob, to read it as token shards",
+             flag, spec, MOE_SHARD_MAGIC);
+}
+
 static moe_status open_data(run *r) {
     const moe_run_options *o = r->o;
     MOE_TRY(count_tokens(&r->tokens, o, r->dp_size));
@@ -808,6 +829,7 @@ static moe_status open_data(run *r) {
         if (is_synthetic(o->data)) MOE_TRY(synthetic_train_tokens(r, &n_synth));
         MOE_TRY(open_source(&r->train, o->data, "--data", moe_rng_bits(o->seed, RUN_SYNTH_TRAIN_STREAM, 0),
                             n_synth, known ? r->cfg.vocab_size : MOE_GPT2_VOCAB_SIZE));
+        warn_shard_as_bytes(r, &r->train, "--data", o->data);
         if (o->val_tokens) MOE_TRY(hold_out(&r->train, o));
         if (!known) moe_run_default_config(&r->cfg, moe_data_vocab_size(r->train.data));
         MOE_TRY(check_vocab(r, &r->train, "--data"));
@@ -815,6 +837,17 @@ static moe_status open_data(run *r) {
         snprintf(reader, sizeof reader, "one batch of %s (plus the last target)", shape);
         MOE_TRY(check_length(&r->train, o->val_tokens ? "--data (less --val-tokens)" : "--data", o->data,
                              n->batch + 1, reader));
+        /* An epoch reads whole batches, each taking one token past its last
+         * input (the last target), so the tokens after the last whole one
+         * are never trained on, in order or shuffled: said when they are a
+         * share worth knowing (a stream of exactly k batches loses one). */
+        const int64_t tokens = moe_data_token_count(r->train.data);
+        const int64_t unread = tokens - 1 - (tokens - 1) / n->batch * n->batch;
+        if (unread * 10 >= tokens)
+            warn(r, "--data %s: its last %lld of %lld tokens (%.0f%%) are never trained on: an epoch reads whole "
+                    "batches of %s (%lld tokens, plus one for the last target)",
+                 o->data, (long long)unread, (long long)tokens, 100.0 * (double)unread / (double)tokens, shape,
+                 (long long)n->batch);
         if (o->resume) MOE_TRY(check_resumed_stream(r));
         if (o->shuffle) moe_data_set_shuffle(r->train.data, 1, o->seed);
         const moe_data_position start = o->resume ? r->resumed.data : (moe_data_position){0, 0};
@@ -829,6 +862,7 @@ static moe_status open_data(run *r) {
     const char *val_flag = o->val_data ? "--val-data" : o->val_tokens ? "--val-tokens of --data" : "validation data (--data)";
     MOE_TRY(open_source(&r->val, val_spec, val_flag, moe_rng_bits(o->seed, RUN_SYNTH_VAL_STREAM, 0), n->eval + 1,
                         r->cfg.vocab_size));
+    if (o->val_data) warn_shard_as_bytes(r, &r->val, "--val-data", val_spec);
     if (o->val_tokens) {
         const int64_t all = moe_data_token_count(r->val.data);
         if (o->val_tokens > all)

@@ -741,7 +741,7 @@ static moe_status read_step_batches(moe_trainer *t, moe_data *data) {
     if (at_fault < 0) return MOE_OK;
     t->batch_refused = true;
     MOE_TRY(moe_data_set_position(data, before));
-    if (st != MOE_OK) return moe_error(st, "%s", why);
+    if (st != MOE_OK) return moe_error(st, "%s (for step %lld)", why, (long long)t->steps_done + 1);
     return moe_error(MOE_ERR_FORMAT, "training data: rank %d's share of the batch for step %lld failed its checks "
                                      "(that rank's error says why)",
                      at_fault, (long long)t->steps_done + 1);

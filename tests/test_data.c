@@ -646,7 +646,7 @@ Test(data_shards, token_at_or_above_vocab_refused_when_read) {
     int32_t in[40], tg[40];
     cr_assert_eq(moe_data_next_batch(d, in, tg, 2, 0, 2, 20), MOE_OK, "tokens 0..40 are fine");
     expect_error_names(moe_data_next_batch(d, in, tg, 2, 0, 2, 20), MOE_ERR_FORMAT, path);
-    cr_assert(strstr(moe_last_error(), "token 42 is 60000") != NULL, "%s", moe_last_error());
+    cr_assert(strstr(moe_last_error(), "the token at index 42 is 60000") != NULL, "%s", moe_last_error());
     cr_assert_eq(moe_data_get_position(d).token, 40, "a failed read must not move the position");
     moe_data_close(d);
     /* With a vocab that holds it, the same shard reads. */

@@ -912,6 +912,49 @@ Test(train_run, sequence_past_the_positions_is_refused_up_front, .init = make_tm
                    (const char *const[]){"--seq-len 32", cfg, "max_position_embeddings=16", NULL});
 }
 
+/* An epoch reads whole batches of 4 x 32 tokens plus one target, so 256
+ * tokens are one batch and a tail of 127 never trained on, which a warning
+ * says; 257 tokens are two whole batches, and nothing is said. */
+Test(train_run, an_unread_tail_is_warned_about, .init = make_tmp, .fini = remove_tmp) {
+    enum { VOCAB = 64, N = 257 };
+    int32_t tokens[N];
+    char cfg[512], out[512], shard[512];
+    fill_tokens(tokens, N, VOCAB, 3);
+    moe_run_options o = tiny_options(write_tiny_config(cfg, VOCAB), tmp_path(out, "out"));
+    o.data = o.val_data = tmp_path(shard, "train_00.bin"); /* given: no warning that --data validates */
+    o.steps = 2;
+    o.eval_batches = 1;
+    for (int n = N - 1; n <= N; n++) {
+        cr_assert_eq(moe_data_write_shard(shard, tokens, n), MOE_OK, "%s", moe_last_error());
+        o.overwrite = true;
+        seen v;
+        run_ok(&o, &v);
+        const char *said = strstr(v.warning, "never trained on");
+        if (n == N - 1)
+            cr_expect(said && strstr(v.warning, "its last 127 of 256 tokens (50%)"), "warning: '%s'", v.warning);
+        else
+            cr_expect(!said, "257 tokens, two whole batches: '%s'", v.warning);
+    }
+}
+
+/* A token shard named without .bin is read at byte level (its header
+ * trains as text): allowed, and warned about. */
+Test(train_run, a_shard_read_as_bytes_is_warned_about, .init = make_tmp, .fini = remove_tmp) {
+    enum { N = 1000 };
+    int32_t tokens[N];
+    char cfg[512], out[512], shard[512];
+    fill_tokens(tokens, N, 64, 5);
+    cr_assert_eq(moe_data_write_shard(tmp_path(shard, "train_00"), tokens, N), MOE_OK, "%s", moe_last_error());
+    moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_BYTE_VOCAB_SIZE), tmp_path(out, "out"));
+    o.data = o.val_data = shard;
+    o.steps = 1;
+    o.eval_batches = 1;
+    seen v;
+    run_ok(&o, &v);
+    cr_expect(strstr(v.warning, "begins with llm.c's shard magic 20240520 but is read at byte level"), "warning: '%s'",
+              v.warning);
+}
+
 /* Validation data too short for --eval-batches, or holding a token outside
  * the vocabulary where an evaluation reads, is refused before training (it
  * used to fail at the first evaluation, after every step, with the final
