@@ -43,45 +43,58 @@ static int32_t argmax(const float *logits, int64_t V) {
     return best;
 }
 
-/* The k best tokens into ids [k], best first: one pass keeping a sorted
- * list (k is small next to V where it matters). */
-static void top_tokens(int32_t *ids, int64_t k, const float *logits, int64_t V) {
-    int64_t n = 0;
-    for (int32_t i = 0; i < (int32_t)V; i++) {
-        if (n == k && !ranks_before(logits, i, ids[k - 1])) continue;
-        int64_t j = n < k ? n++ : k - 1;
-        for (; j > 0 && ranks_before(logits, i, ids[j - 1]); j--) ids[j] = ids[j - 1];
-        ids[j] = i;
-    }
-}
-
 /* A token's weight at the temperature, relative to the best logit top. */
 static double weight(const float *logits, int32_t id, float top, double temperature) {
     return exp(((double)logits[id] - top) / temperature);
 }
 
-/* Restores the max-heap order (ranks_before) below ids[at] of ids [n]. */
-static void sift_down(int32_t *ids, int64_t at, int64_t n, const float *logits) {
+/* Whether token a goes above token b in a heap with the best token
+ * (ranks_before) on top, or the worst when worst_on_top. */
+static bool heap_above(const float *logits, int32_t a, int32_t b, bool worst_on_top) {
+    return worst_on_top ? ranks_before(logits, b, a) : ranks_before(logits, a, b);
+}
+
+/* Restores the heap order (heap_above) below ids[at] of ids [n]. */
+static void sift_down(int32_t *ids, int64_t at, int64_t n, const float *logits, bool worst_on_top) {
     for (int64_t child; (child = 2 * at + 1) < n; at = child) {
-        if (child + 1 < n && ranks_before(logits, ids[child + 1], ids[child])) child++;
-        if (!ranks_before(logits, ids[child], ids[at])) return;
+        if (child + 1 < n && heap_above(logits, ids[child + 1], ids[child], worst_on_top)) child++;
+        if (!heap_above(logits, ids[child], ids[at], worst_on_top)) return;
         const int32_t t = ids[at];
         ids[at] = ids[child], ids[child] = t;
     }
 }
+
+/* The k best tokens into ids [k], best first, in O(V log k) whatever k:
+ * a heap of the best so far, the worst on top, then sorted by popping each
+ * worst to the end. */
+static void top_tokens(int32_t *ids, int64_t k, const float *logits, int64_t V) {
+    for (int32_t i = 0; i < (int32_t)k; i++) ids[i] = i;
+    for (int64_t i = k / 2 - 1; i >= 0; i--) sift_down(ids, i, k, logits, true);
+    for (int32_t i = (int32_t)k; i < (int32_t)V; i++)
+        if (ranks_before(logits, i, ids[0])) {
+            ids[0] = i;
+            sift_down(ids, 0, k, logits, true);
+        }
+    for (int64_t size = k; size > 1; size--) {
+        const int32_t worst = ids[0];
+        ids[0] = ids[size - 1], ids[size - 1] = worst;
+        sift_down(ids, 0, size - 1, logits, true);
+    }
+}
+
 
 /* The nucleus of the tokens ids [k]: the fewest likeliest whose weights sum
  * to at least mass, moved to the end of ids best first (a heap's pops);
  * returns how many, and *sum their weights, summed best first. */
 static int64_t nucleus(int32_t *ids, int64_t k, const float *logits, float top, double temperature, double mass,
                        double *sum) {
-    for (int64_t i = k / 2 - 1; i >= 0; i--) sift_down(ids, i, k, logits);
+    for (int64_t i = k / 2 - 1; i >= 0; i--) sift_down(ids, i, k, logits, false);
     int64_t size = k;
     for (*sum = 0.0; size > 0 && *sum < mass; size--) {
         const int32_t best = ids[0];
         *sum += weight(logits, best, top, temperature);
         ids[0] = ids[size - 1], ids[size - 1] = best;
-        sift_down(ids, 0, size - 1, logits);
+        sift_down(ids, 0, size - 1, logits, false);
     }
     for (int64_t a = size, b = k - 1; a < b; a++, b--) { /* popped last-first: best first */
         const int32_t t = ids[a];
@@ -286,9 +299,10 @@ moe_status moe_generate_options_validate(const moe_generate_options *o) {
                          moe_shortest(v, sizeof v, o->sampling.top_p));
     if (o->samples > 1 && (o->sampling.temperature == 0.0 || o->sampling.top_k == 1))
         return moe_error(MOE_ERR_CONFIG, "--samples %lld of greedy decoding (%s) would be %lld copies of one: give "
-                         "--temperature > 0 to sample",
+                         "%s to sample",
                          (long long)o->samples, o->sampling.temperature == 0.0 ? "--temperature 0" : "--top-k 1",
-                         (long long)o->samples);
+                         (long long)o->samples,
+                         o->sampling.temperature == 0.0 ? "--temperature > 0" : "--top-k 0 or above 1");
     if ((unsigned)o->tokens >= N_TOKEN_KINDS)
         return moe_error(MOE_ERR_CONFIG, "--tokens: no kind %d", (int)o->tokens);
     if (o->tokenizer && o->tokens != MOE_TOKENS_AUTO && o->tokens != MOE_TOKENS_IDS)
@@ -479,11 +493,11 @@ static void free_generation(generation *g) {
     moe_tokenizer_close(g->tokenizer);
 }
 
-/* parse_tokens in g's form; under a tokenizer its error says why the
- * text must be ids, a natural slip. */
+/* parse_tokens in g's form; under a tokenizer, text that is no list of
+ * ids gets an error that says why it must be, a natural slip. */
 static moe_status read_tokens(int32_t **tokens, int64_t *n, const generation *g, const char *text, const char *flag) {
     const moe_status st = parse_tokens(tokens, n, g->kind, text, g->cfg.vocab_size, flag);
-    if (st == MOE_OK || !g->tokenizer) return st;
+    if (st == MOE_OK || !g->tokenizer || strspn(text, "0123456789, +-") == strlen(text)) return st;
     char why[512];
     snprintf(why, sizeof why, "%s", moe_last_error());
     return moe_error(st, "%s (--tokenizer takes prompts and --stop as ids: its file has no merges to encode text)",

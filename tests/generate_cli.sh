@@ -80,8 +80,8 @@ expect_fail "--temperature with a '+'" 2 "--temperature '+0.5'" "${p[@]}" --temp
 expect_fail "--temperature with a leading space" 2 "--temperature ' 0.5'" "${p[@]}" --temperature ' 0.5'
 expect_fail "--samples of greedy decoding" 2 "--samples 3 of greedy decoding (--temperature 0) would be 3 copies" \
     "${p[@]}" --samples 3
-expect_fail "--samples at --top-k 1" 2 "(--top-k 1) would be 2 copies" "${p[@]}" --samples 2 --temperature 1 \
-    --top-k 1
+expect_fail "--samples at --top-k 1" 2 "(--top-k 1) would be 2 copies of one: give --top-k 0 or above 1" \
+    "${p[@]}" --samples 2 --temperature 1 --top-k 1
 expect_fail "--top-k negative" 2 "--top-k -3 must be" "${p[@]}" --top-k=-3
 expect_fail "--seed negative" 2 "--seed '-1'" "${p[@]}" --seed -1
 expect_fail "--threads negative" 2 "--threads -1" "${p[@]}" --threads -1
@@ -97,6 +97,9 @@ expect_fail "--tokenizer with --tokens synthetic" 2 "--tokenizer $out/tok.bin pr
 expect_fail "--tokenizer with --tokens bytes" 2 "--tokenizer .*--tokens bytes" "${p[@]}" --prompt 1 \
     --tokenizer "$out/tok.bin" --tokens bytes
 expect_fail "--tokenizer takes ids" 2 "--prompt: byte 0: '<'" "${p[@]}" --tokenizer "$out/tok.bin"
+# Ids that were given as ids get no word on ids: the message ends at the fault.
+expect_fail "--tokenizer and an id past the vocabulary" 2 "token id 999 is not below the checkpoint's vocab_size 54$" \
+    "${p[@]}" --prompt 1,999 --tokenizer "$out/tok.bin"
 expect_fail "a tokenizer file cut short" 1 "--tokenizer: $out/cut.bin: 1000 bytes, shorter than" "${p[@]}" \
     --prompt 1 --tokenizer "$out/cut.bin"
 

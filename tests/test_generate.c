@@ -507,3 +507,44 @@ Test(sample_token, top_k_breaks_ties_by_lower_id) {
     const float logits[SV] = {0.0f, 1.0f, 0.0f, 1.0f, 1.0f, 0.0f};
     expect_frequencies(logits, &(moe_sampling){.temperature = 1.0, .top_k = 2, .seed = 14});
 }
+
+/* The top k, for every k below V (k = V draws from every token in id
+ * order), are the k best by (logit, then lower id), in that order: the
+ * draws equal a reference that sorts all V tokens and sums the weights best
+ * first with the same uniform, bit for bit. The logits take 7 values over
+ * 300 tokens, so ties cross every cut. */
+static const float *ranked_logits;
+
+static int by_rank(const void *a, const void *b) {
+    const int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    const float lx = ranked_logits[x], ly = ranked_logits[y];
+    return lx > ly ? -1 : lx < ly ? 1 : (x > y) - (x < y);
+}
+
+Test(sample_token, top_k_of_any_size_draws_as_a_full_sort) {
+    enum { V = 300 };
+    float logits[V];
+    int32_t scratch[V], sorted[V];
+    for (int i = 0; i < V; i++) logits[i] = (float)((i * 37 + 11) % 7) * 0.5f, sorted[i] = i;
+    ranked_logits = logits;
+    qsort(sorted, V, sizeof *sorted, by_rank);
+    const float top = logits[sorted[0]];
+    static const int64_t ks[] = {2, 3, 43, 44, 150, 298, V - 1};
+    for (size_t c = 0; c < sizeof ks / sizeof *ks; c++) {
+        const moe_sampling s = {.temperature = 0.8, .top_k = ks[c], .seed = 21};
+        for (uint64_t d = 0; d < 200; d++) {
+            double total = 0.0, run = 0.0;
+            for (int64_t j = 0; j < ks[c]; j++) total += exp(((double)logits[sorted[j]] - top) / s.temperature);
+            const double u = (double)moe_rng_uniform(s.seed, 4, d) * total;
+            int32_t want = sorted[ks[c] - 1];
+            for (int64_t j = 0; j < ks[c]; j++)
+                if ((run += exp(((double)logits[sorted[j]] - top) / s.temperature)) > u) {
+                    want = sorted[j];
+                    break;
+                }
+            cr_assert_eq(moe_sample_token(scratch, logits, V, &s, 4, d), want, "top_k %lld, draw %llu",
+                         (long long)ks[c], (unsigned long long)d);
+        }
+    }
+}
+

@@ -51,7 +51,8 @@ static void print_help(void) {
            "  --top-k K            sample among the K most likely tokens only; 0 = all (default %lld)\n"
            "  --top-p P            then among the fewest likeliest of those whose probabilities\n"
            "                       sum to P of theirs (nucleus sampling); 0 or 1 = all (default %g)\n"
-           "  --seed N             the draws; sample K's depend on (seed, K) only (default %llu)\n"
+           "  --seed N             the draws; sample K's depend on (seed, K) only, but for logits that\n"
+           "                       tie to their last bits, which a step's row count can tip (default %llu)\n"
            "  --stop TEXT          one token, in the --tokens form, that ends a sample (e.g. ';');\n"
            "                       default: none, or --tokenizer's end-of-text\n\n",
            (long long)d.samples, (long long)d.max_new_tokens, d.sampling.temperature,
