@@ -163,22 +163,36 @@ static moe_status disagree_number(int rank, const char *name, double got, double
     return moe_error(MOE_ERR_CONFIG, "rank %d disagrees with rank 0 on %s: %s, rank 0 has %s", rank, name, a, b);
 }
 
+/* Gathers every rank's values mine [n] and finds the first rank (then the
+ * first value) that differs from rank 0's, NaN equal to NaN: *rank -1 when
+ * none does; else *at, and that rank's *got and rank 0's *want. Every rank
+ * finds the same. */
+static moe_status first_difference(moe_comm *world, const double *mine, int n, int *rank, int *at, double *got,
+                                   double *want) {
+    const int size = moe_comm_size(world);
+    *rank = -1;
+    double *all = malloc(sizeof(double) * (size_t)(n ? n : 1) * (size_t)size);
+    if (!all) return moe_error(MOE_ERR_OUT_OF_MEMORY, "rank agreement: %d values from %d ranks", n, size);
+    const moe_status st = moe_comm_allgather(world, all, mine, n, MOE_COMM_F64);
+    for (int r = 0; st == MOE_OK && *rank < 0 && r < size; r++)
+        for (int i = 0; *rank < 0 && i < n; i++) {
+            *want = all[i], *got = all[(size_t)r * (size_t)n + (size_t)i];
+            if (*got != *want && !(*got != *got && *want != *want)) *rank = r, *at = i;
+        }
+    free(all);
+    return st;
+}
+
 /* Bytes of a text that a disagreement quotes. */
 #define AGREE_TEXT_BYTES 1024
 
 moe_status moe_grid_agree_texts(moe_comm *world, const char *const *names, const char *const *texts, int count) {
-    const int size = moe_comm_size(world);
-    double *mine = malloc(sizeof(double) * (size_t)(count ? count : 1)),
-           *all = malloc(sizeof(double) * (size_t)(count ? count : 1) * (size_t)size);
-    moe_status st = mine && all ? MOE_OK : moe_error(MOE_ERR_OUT_OF_MEMORY, "text agreement: %d texts", count);
-    for (int i = 0; st == MOE_OK && i < count; i++) mine[i] = texts[i][0] ? moe_grid_text_hash(texts[i]) : -1.0;
-    if (st == MOE_OK) st = moe_comm_allgather(world, all, mine, count, MOE_COMM_F64);
-    int differs = -1, at = 0;
-    for (int r = 0; st == MOE_OK && differs < 0 && r < size; r++)
-        for (int i = 0; differs < 0 && i < count; i++)
-            if (all[(size_t)r * (size_t)count + (size_t)i] != all[i]) differs = r, at = i;
+    double *mine = malloc(sizeof(double) * (size_t)(count ? count : 1)), got, want;
+    if (!mine) return moe_error(MOE_ERR_OUT_OF_MEMORY, "text agreement: %d texts", count);
+    for (int i = 0; i < count; i++) mine[i] = texts[i][0] ? moe_grid_text_hash(texts[i]) : -1.0;
+    int differs, at = 0;
+    const moe_status st = first_difference(world, mine, count, &differs, &at, &got, &want);
     free(mine);
-    free(all);
     if (st != MOE_OK || differs < 0) return st;
     /* Every rank found the same pair: the two send their texts to all. */
     char quoted[2][AGREE_TEXT_BYTES + 2];
@@ -195,32 +209,23 @@ moe_status moe_grid_agree_texts(moe_comm *world, const char *const *names, const
 }
 
 moe_status moe_grid_agree(moe_comm *world, const moe_agree_field *fields, int count) {
-    const int size = moe_comm_size(world), rank = moe_comm_rank(world), n = count + 1;
-    double *mine = malloc(sizeof(double) * (size_t)n), *all = malloc(sizeof(double) * (size_t)n * (size_t)size);
-    if (!mine || !all) {
-        free(mine);
-        free(all);
-        return moe_error(MOE_ERR_OUT_OF_MEMORY, "config agreement: %d fields", count);
-    }
+    const int rank = moe_comm_rank(world), n = count + 1;
+    double *mine = malloc(sizeof(double) * (size_t)n), got, want;
+    if (!mine) return moe_error(MOE_ERR_OUT_OF_MEMORY, "config agreement: %d fields", count);
     mine[0] = moe_grid_text_hash(build_description());
     for (int i = 0; i < count; i++) mine[i + 1] = fields[i].value;
-    moe_status st = moe_comm_allgather(world, all, mine, n, MOE_COMM_F64);
-    for (int r = 0; st == MOE_OK && r < size; r++)
-        for (int i = 0; i < n; i++) {
-            const double want = all[i], got = all[(size_t)r * (size_t)n + (size_t)i];
-            if (got == want || (got != got && want != want)) continue;
-            st = i == 0 ? moe_error(MOE_ERR_CONFIG, "rank %d runs a different build of libmoe than rank 0 (this rank: %s)",
-                                    r, r == rank ? build_description() : "see that rank")
-                        : fields[i - 1].name_of
-                              ? moe_error(MOE_ERR_CONFIG, "rank %d disagrees with rank 0 on %s: %s, rank 0 has %s", r,
-                                          fields[i - 1].name, fields[i - 1].name_of((int)got),
-                                          fields[i - 1].name_of((int)want))
-                              : disagree_number(r, fields[i - 1].name, got, want);
-            break;
-        }
+    int r, i = 0;
+    moe_status st = first_difference(world, mine, n, &r, &i, &got, &want);
     free(mine);
-    free(all);
-    return st;
+    if (st != MOE_OK || r < 0) return st;
+    if (i == 0)
+        return moe_error(MOE_ERR_CONFIG, "rank %d runs a different build of libmoe than rank 0 (this rank: %s)", r,
+                         r == rank ? build_description() : "see that rank");
+    const moe_agree_field *f = &fields[i - 1];
+    if (f->name_of)
+        return moe_error(MOE_ERR_CONFIG, "rank %d disagrees with rank 0 on %s: %s, rank 0 has %s", r, f->name,
+                         f->name_of((int)got), f->name_of((int)want));
+    return disagree_number(r, f->name, got, want);
 }
 
 /* sliding_window as config.json writes it: null for none. Two buffers in
