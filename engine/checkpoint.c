@@ -3,8 +3,10 @@
 #include "engine/checkpoint.h"
 
 #include <ctype.h>
+#include <dirent.h>
 #include <errno.h>
 #include <inttypes.h>
+#include <limits.h>
 #include <math.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -518,6 +520,12 @@ static moe_status write_checkpoint(const char *out_dir, const char *final_dir, c
     return MOE_OK;
 }
 
+int64_t moe_checkpoint_step_of_name(const char *name) {
+    if (strncmp(name, "step-", 5) != 0) return -1;
+    const size_t digits = strspn(name + 5, "0123456789");
+    return digits >= 6 && name[5 + digits] == '\0' ? strtoll(name + 5, NULL, 10) : -1;
+}
+
 moe_status moe_checkpoint_save(char *path, size_t path_bytes, const char *out_dir, moe_model *model,
                                moe_trainer *trainer, const moe_train_state *state) {
     if (!path || path_bytes == 0 || !out_dir || !model || !trainer || !state)
@@ -742,11 +750,12 @@ static moe_status check_unused(const weights_reader *r, const moe_model *model, 
         if (r->used[i]) continue;
         const char *name = moe_st_dir_tensor_at(r->dir, i)->name;
         if (strncmp(name, OPTIMIZER_PREFIX, strlen(OPTIMIZER_PREFIX)) == 0) continue;
-        if (r->upcycle && is_expert_weight(name, layers, r->E))
+        if (is_expert_weight(name, layers, r->E)) {
+            if (!r->upcycle) continue;
             return moe_error(MOE_ERR_FORMAT, "%s: tensor '%s' is an expert's, and --upcycle starts from a dense "
                                              "model (each expert a copy of its layer's MLP)",
                              file_of(r->dir, name), name);
-        if (is_expert_weight(name, layers, r->E)) continue;
+        }
         if (is_bias(name, layers)) continue;
         if (of_other_stage(model, name, layers)) continue;
         return moe_error(MOE_ERR_FORMAT, "%s: tensor '%s' is not part of this model (a checkpoint of another model?)",
@@ -782,6 +791,27 @@ static moe_status resolve_weights(source *s, int64_t *count, weights_reader *r, 
     return check_unused(r, model, L);
 }
 
+/* A directory without weights that holds step-NNNNNN directories is a
+ * run's (moe-train --out), whose checkpoints those are: the error st gets
+ * the newest's name. */
+static moe_status name_runs_checkpoint(moe_status st, const char *dir) {
+    char newest[NAME_MAX + 1] = "";
+    int64_t newest_step = -1;
+    DIR *d = opendir(dir);
+    for (struct dirent *e; d && (e = readdir(d));) {
+        const int64_t step = moe_checkpoint_step_of_name(e->d_name);
+        if (step > newest_step) {
+            newest_step = step;
+            snprintf(newest, sizeof newest, "%s", e->d_name);
+        }
+    }
+    if (d) closedir(d);
+    if (newest_step < 0) return st;
+    char why[MOE_ERROR_BYTES];
+    snprintf(why, sizeof why, "%s", moe_last_error());
+    return moe_error(st, "%s, but checkpoints of a run: give one of them, e.g. the newest, %s/%s", why, dir, newest);
+}
+
 static moe_status load_weights(moe_model *model, const char *dir, bool upcycle) {
     if (!model || !dir) return moe_error(MOE_ERR_INVALID_ARG, "moe_checkpoint_load_weights: NULL argument");
     moe_st_dir *d = NULL;
@@ -792,6 +822,7 @@ static moe_status load_weights(moe_model *model, const char *dir, bool upcycle) 
     source *s = NULL;
     int64_t count = 0;
     moe_status st = moe_st_dir_open(&d, dir);
+    if (st != MOE_OK) st = name_runs_checkpoint(st, dir);
     if (st == MOE_OK) {
         r.dir = d;
         /* The index, when there is one, is the list of tensors. */

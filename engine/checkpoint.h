@@ -68,6 +68,10 @@ typedef struct moe_train_state {
     double pipe_layer_seconds, pipe_head_seconds;
 } moe_train_state;
 
+/* The step a checkpoint's directory name says ("step-" and six or more
+ * digits), or -1 when name is no checkpoint's. */
+int64_t moe_checkpoint_step_of_name(const char *name);
+
 /* Writes OUT/step-NNNNNN for state->step (six digits, more from 10^6 on),
  * creating OUT as needed, and puts its path in path [path_bytes] (on every
  * rank; rank 0 of the job writes). state->step must equal the trainer's steps done;

@@ -676,7 +676,8 @@ static moe_status read_checkpoint_state(moe_train_state *state, const char *flag
     while (start > 0 && dir[start - 1] != '/') start--;
     char name[NAME_MAX + 1];
     snprintf(name, sizeof name, "%.*s", (int)(len - start), dir + start);
-    if (checkpoint_name(name) && strtoll(name + 5, NULL, 10) != state->step)
+    const int64_t named = moe_checkpoint_step_of_name(name);
+    if (named >= 0 && named != state->step)
         return moe_error(MOE_ERR_FORMAT, "%s %s: its train_state.safetensors says step %lld, its name another: "
                                          "the state was damaged or the checkpoint renamed",
                          flag, dir, (long long)state->step);
@@ -1599,11 +1600,7 @@ static moe_status keep_steps(run *r, moe_status st, int64_t saved_step) {
 /* ------------------------------------------------------------------ --out */
 
 /* step- and six or more digits: a checkpoint's name. */
-static bool checkpoint_name(const char *name) {
-    if (strncmp(name, "step-", 5) != 0) return false;
-    const size_t digits = strspn(name + 5, "0123456789");
-    return digits >= 6 && name[5 + digits] == '\0';
-}
+static bool checkpoint_name(const char *name) { return moe_checkpoint_step_of_name(name) >= 0; }
 
 /* Whether a and b name one file (both exist). */
 static bool same_path(const char *a, const char *b) {
@@ -1671,7 +1668,7 @@ static moe_status list_checkpoints(checkpoint_entry **found, size_t *n, const ch
             }
             *found = more;
         }
-        (*found)[*n].step = strtoll(e->d_name + 5, NULL, 10);
+        (*found)[*n].step = moe_checkpoint_step_of_name(e->d_name);
         snprintf((*found)[*n].name, sizeof (*found)[*n].name, "%s", e->d_name);
         (*n)++;
     }
@@ -1769,7 +1766,8 @@ static moe_status clear_out_dir(const moe_run_options *o, bool remove) {
                            o->out_dir, e->d_name);
             break;
         }
-        const bool step = checkpoint_name(e->d_name);
+        const int64_t at = moe_checkpoint_step_of_name(e->d_name);
+        const bool step = at >= 0;
         if (!step && strcmp(e->d_name, "run.json") != 0 && strcmp(e->d_name, "metrics.jsonl") != 0) continue;
         st = path_join(path, o->out_dir, e->d_name);
         struct stat sb;
@@ -1780,7 +1778,6 @@ static moe_status clear_out_dir(const moe_run_options *o, bool remove) {
         /* In place, the run's own files stay and its checkpoints up to the
          * one resumed; later ones are of the trajectory the resume cuts (as
          * it cuts the log). */
-        const int64_t at = step ? strtoll(e->d_name + 5, NULL, 10) : -1;
         if (in_place && (!step || at <= resumed_step)) continue;
         /* The error names the earliest, whatever order the directory lists. */
         if (!found[0] || (step && (found_step < 0 || at < found_step))) {

@@ -2,7 +2,6 @@
 
 #include "engine/safetensors.h"
 
-#include <dirent.h>
 #include <errno.h>
 #include <limits.h>
 #include <math.h>
@@ -1020,29 +1019,6 @@ static moe_status read_index(moe_st_dir *d, const char *index_path) {
     return st;
 }
 
-/* A folder without weights; one that holds step-NNNNNN folders is a run's
- * (moe-train --out), whose checkpoints are those: the error names the
- * newest. */
-static moe_status no_weights_error(const char *path) {
-    char newest[NAME_MAX + 1] = "";
-    long long newest_step = -1;
-    DIR *dir = opendir(path);
-    for (struct dirent *e; dir && (e = readdir(dir));) {
-        const size_t digits = strncmp(e->d_name, "step-", 5) == 0 ? strspn(e->d_name + 5, "0123456789") : 0;
-        const long long step = digits >= 6 && e->d_name[5 + digits] == '\0' ? strtoll(e->d_name + 5, NULL, 10) : -1;
-        if (step > newest_step) {
-            newest_step = step;
-            snprintf(newest, sizeof newest, "%s", e->d_name);
-        }
-    }
-    if (dir) closedir(dir);
-    if (newest[0])
-        return moe_error(MOE_ERR_IO, "%s: holds neither %s nor %s, but checkpoints of a run: give one of them, "
-                                     "e.g. the newest, %s/%s",
-                         path, INDEX_FILE, SINGLE_FILE, path, newest);
-    return moe_error(MOE_ERR_IO, "%s: holds neither %s nor %s", path, INDEX_FILE, SINGLE_FILE);
-}
-
 /* Every tensor of every shard is one the weight_map puts in that shard:
  * the map is the list of the checkpoint's tensors, so one it leaves out
  * would be passed over unseen. d's entries are sorted. */
@@ -1091,7 +1067,7 @@ moe_status moe_st_dir_open(moe_st_dir **dir, const char *path) {
         else if (single)
             st = open_single(d);
         else
-            st = no_weights_error(path);
+            st = moe_error(MOE_ERR_IO, "%s: holds neither %s nor %s", path, INDEX_FILE, SINGLE_FILE);
     }
     if (indexed) {
         d->index_path = index_path;

@@ -853,6 +853,13 @@ Test(checkpoint, corrupt_weights_are_refused, .init = make_tmpdir, .fini = remov
 
     cr_assert_eq(remove(file), 0);
     expect_error(moe_checkpoint_load_weights(b.model, dir), dir, "holds neither");
+    cr_expect(strstr(moe_last_error(), "checkpoints of a run") == NULL, "%s", moe_last_error());
+    /* A run's folder: its checkpoints are named, the newest by its step
+     * (step-1000000 after step-999999, whatever their names' order). */
+    static const char *const steps[] = {"step-000100", "step-999999", "step-1000000", "step-12"};
+    for (size_t i = 0; i < sizeof steps / sizeof *steps; i++) cr_assert_eq(mkdir(in_dir(dir, steps[i]), 0755), 0);
+    expect_error(moe_checkpoint_load_weights(b.model, dir), "but checkpoints of a run: give one of them, e.g. the newest",
+                 "/step-1000000");
 
     /* A directory that is not there, or a weights file linked to nothing,
      * is reported as that. */
