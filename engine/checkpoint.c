@@ -190,7 +190,8 @@ static moe_status write_state(const char *path, moe_model *model, const float *m
         entries[i] = (moe_st_entry){names[i], m + t->offset, t->ndim, t->shape};
         entries[n + i] = (moe_st_entry){names[n + i], v + t->offset, t->ndim, t->shape};
     }
-    char step[24], seed[24], jitter[24], token[24], epoch[24], tokens[24], chunk[24], layer[32], head[32];
+    char step[24], seed[24], jitter[24], token[24], epoch[24], tokens[24], chunk[24], shuffle_seed[24], layer[32],
+        head[32];
     snprintf(step, sizeof step, "%" PRId64, s->step);
     snprintf(seed, sizeof seed, "%" PRIu64, s->seed);
     snprintf(jitter, sizeof jitter, "%" PRIu64, s->jitter_counter);
@@ -198,10 +199,11 @@ static moe_status write_state(const char *path, moe_model *model, const float *m
     snprintf(epoch, sizeof epoch, "%" PRId64, s->data.epoch);
     snprintf(tokens, sizeof tokens, "%" PRId64, s->data_tokens);
     snprintf(chunk, sizeof chunk, "%" PRId64, s->data_chunk);
+    snprintf(shuffle_seed, sizeof shuffle_seed, "%" PRIu64, s->data_shuffle_seed);
     /* As JSON numbers: no decimal comma under a host's locale. */
     moe_json_format_number(layer, sizeof layer, s->pipe_layer_seconds);
     moe_json_format_number(head, sizeof head, s->pipe_head_seconds);
-    moe_st_meta meta[11] = {
+    moe_st_meta meta[12] = {
         {"format_version", FORMAT_VERSION}, {"step", step},        {"seed", seed},
         {"jitter_counter", jitter},         {"data_token", token}, {"data_epoch", epoch},
     };
@@ -211,6 +213,7 @@ static moe_status write_state(const char *path, moe_model *model, const float *m
     if (s->data_tokens > 0) {
         meta[n_meta++] = (moe_st_meta){"data_tokens", tokens};
         meta[n_meta++] = (moe_st_meta){"data_chunk", chunk};
+        if (s->data_chunk > 0) meta[n_meta++] = (moe_st_meta){"data_shuffle_seed", shuffle_seed};
     }
     if (s->data_kind[0]) meta[n_meta++] = (moe_st_meta){"data_kind", s->data_kind};
     if (s->pipe_layer_seconds > 0.0) {
@@ -908,6 +911,9 @@ static moe_status read_meta(moe_train_state *s, const moe_st_file *f) {
                          moe_st_path(f), kind);
     s->data_tokens = (int64_t)tokens;
     s->data_chunk = (int64_t)chunk;
+    s->data_shuffle_seed = s->seed;
+    if (moe_st_metadata(f, "data_shuffle_seed") != NULL)
+        MOE_TRY(meta_uint(&s->data_shuffle_seed, f, "data_shuffle_seed", UINT64_MAX));
     snprintf(s->data_kind, sizeof s->data_kind, "%s", kind ? kind : "");
     s->pipe_layer_seconds = s->pipe_head_seconds = 0.0;
     if (moe_st_metadata(f, "pipe_layer_seconds") != NULL || moe_st_metadata(f, "pipe_head_seconds") != NULL) {

@@ -60,6 +60,11 @@ typedef struct moe_train_state {
      * order). A shuffled epoch's order depends on both (data.h). */
     int64_t data_tokens;
     int64_t data_chunk;
+    /* The seed of a shuffled epoch's order (data_chunk > 0): drawn from
+     * --seed on a stream of its own, so the order is no function of the
+     * bits that drew the initial weights. A checkpoint that never recorded
+     * it shuffled by the seed itself, which a reader gives instead. */
+    uint64_t data_shuffle_seed;
     /* What the stream was read from: "synthetic", "bytes" (a file at byte
      * level) or "shards" (llm.c token shards); "" when not recorded. */
     char data_kind[16];
@@ -83,7 +88,7 @@ int64_t moe_checkpoint_step_of_name(const char *name);
  * tensor (named per tensor, so the state can be re-sharded by name) and the
  * __metadata__ strings format_version "1", step, seed, jitter_counter,
  * data_token and data_epoch, data_tokens and data_chunk when
- * state->data_tokens > 0, data_kind when it is set, and pipe_layer_seconds
+ * state->data_tokens > 0, data_shuffle_seed when data_chunk is > 0 too, data_kind when it is set, and pipe_layer_seconds
  * and pipe_head_seconds (JSON numbers, whatever the locale) when
  * state->pipe_layer_seconds > 0 (older
  * readers ignore these).
@@ -147,7 +152,8 @@ moe_status moe_checkpoint_upcycle_weights(moe_model *model, const char *dir);
  * whose checksum does not match (safetensors.h), a NaN or an infinity in
  * one, or a negative exp_avg_sq, is an error (the element is named). A file without
  * data_tokens (written before it existed) gives data_tokens = data_chunk =
- * 0; one with data_tokens must have data_chunk too; a data_kind, when
+ * 0; one with data_tokens must have data_chunk too; a file without
+ * data_shuffle_seed gives data_shuffle_seed = seed; a data_kind, when
  * there, is one of the three state->data_kind names; pipe_layer_seconds
  * and pipe_head_seconds come together or not at all, finite decimal
  * numbers, the layer's positive and the head's not negative (absent: both

@@ -43,6 +43,9 @@
  * so no run's validation stream is another seed's training stream. */
 #define RUN_SYNTH_TRAIN_STREAM 0x747261696eull /* "train" */
 #define RUN_SYNTH_VAL_STREAM 0x76616c6964ull   /* "valid" */
+/* And the stream of the shuffle's seed: a shuffle by --seed itself would
+ * draw epoch e's order from the bits that drew tensor e's initial values. */
+#define RUN_SHUFFLE_STREAM 0x73687566666c65ull /* "shuffle" */
 #define RUN_CONFIG_MAX_BYTES ((size_t)1 << 20)
 /* sgemm peak: square products of this size for about this long. */
 /* The GEMM peak (MFU's denominator): square products from RUN_PEAK_N,
@@ -483,6 +486,7 @@ typedef struct run {
     int64_t *slowest;     /* [ranks] the steps each rank was the slowest */
     moe_stage_costs stage_costs; /* what the pipeline's partition balanced */
     bool stage_costs_resumed;    /* the measured costs --resume's checkpoint recorded */
+    uint64_t shuffle_seed;       /* of --shuffle's order: the checkpoint's when resumed */
 } run;
 
 static void warn(const run *r, const char *fmt, ...) MOE_PRINTF(2, 3);
@@ -850,7 +854,8 @@ static moe_status open_data(run *r) {
                  o->data, (long long)unread, (long long)tokens, 100.0 * (double)unread / (double)tokens, shape,
                  (long long)n->batch);
         if (o->resume) MOE_TRY(check_resumed_stream(r));
-        if (o->shuffle) moe_data_set_shuffle(r->train.data, 1, o->seed);
+        r->shuffle_seed = o->resume ? r->resumed.data_shuffle_seed : moe_rng_bits(o->seed, RUN_SHUFFLE_STREAM, 0);
+        if (o->shuffle) moe_data_set_shuffle(r->train.data, 1, r->shuffle_seed);
         const moe_data_position start = o->resume ? r->resumed.data : (moe_data_position){0, 0};
         moe_status st = moe_data_set_position(r->train.data, start);
         if (st != MOE_OK) return moe_error_prefix(st, "--resume %s: data position: ", o->resume);
@@ -1565,6 +1570,7 @@ static moe_status save_checkpoint(run *r) {
         .data = moe_data_get_position(r->train.data),
         .data_tokens = moe_data_token_count(r->train.data),
         .data_chunk = r->o->shuffle ? r->tokens.batch : 0,
+        .data_shuffle_seed = r->shuffle_seed,
     };
     snprintf(state.data_kind, sizeof state.data_kind, "%s", data_kind(r->o->data));
     if (r->o->pp_balance == MOE_PP_BALANCE_MEASURED) {

@@ -120,7 +120,8 @@ static moe_train_state scramble(run *r, uint64_t seed, int64_t step) {
     moe_model_set_jitter_counter(r->model, 1000 + seed);
     return (moe_train_state){.step = step, .seed = UINT64_MAX - seed, .jitter_counter = 1000 + seed,
                              .data = {.token = 4096 + (int64_t)seed, .epoch = 3},
-                             .data_tokens = 100000 + (int64_t)seed, .data_chunk = 512, .data_kind = "bytes",
+                             .data_tokens = 100000 + (int64_t)seed, .data_chunk = 512,
+                             .data_shuffle_seed = (uint64_t)1 << 63 | seed, .data_kind = "bytes",
                              .pipe_layer_seconds = 0.1 / 3.0 + (double)seed, .pipe_head_seconds = 1e-3 / 7.0};
 }
 
@@ -293,6 +294,7 @@ Test(checkpoint, save_then_load_is_bitwise, .init = make_tmpdir, .fini = remove_
     cr_expect_eq(got.data.epoch, 3);
     cr_expect_eq(got.data_tokens, 100007);
     cr_expect_eq(got.data_chunk, 512);
+    cr_expect_eq(got.data_shuffle_seed, (uint64_t)1 << 63 | 7);
     cr_expect_str_eq(got.data_kind, "bytes");
     cr_expect(got.pipe_layer_seconds == 0.1 / 3.0 + 7.0 && got.pipe_head_seconds == 1e-3 / 7.0,
               "pipeline costs %.17g, %.17g: not the bits written", got.pipe_layer_seconds, got.pipe_head_seconds);
@@ -363,7 +365,8 @@ Test(checkpoint, files_are_hf_safetensors, .init = make_tmpdir, .fini = remove_t
     }
     const char *meta[][2] = {{"format_version", "1"}, {"step", "12"}, {"seed", "18446744073709551612"},
                              {"jitter_counter", "1003"}, {"data_token", "4099"}, {"data_epoch", "3"},
-                             {"data_tokens", "100003"}, {"data_chunk", "512"}, {"data_kind", "bytes"}};
+                             {"data_tokens", "100003"}, {"data_chunk", "512"}, {"data_shuffle_seed", "9223372036854775811"},
+                             {"data_kind", "bytes"}};
     for (size_t i = 0; i < sizeof meta / sizeof meta[0]; i++) {
         const char *v = moe_st_metadata(f, meta[i][0]);
         cr_assert_not_null(v, "metadata %s missing", meta[i][0]);
@@ -886,7 +889,8 @@ static void write_state(const char *path, run *r, const meta_case *change, const
                         int64_t n_extra) {
     const moe_st_meta base[] = {{"format_version", "1"}, {"step", "9"},       {"seed", "18446744073709551615"},
                                 {"jitter_counter", "5"}, {"data_token", "64"}, {"data_epoch", "2"},
-                                {"data_tokens", "4097"}, {"data_chunk", "64"}, {"data_kind", "shards"},
+                                {"data_tokens", "4097"}, {"data_chunk", "64"}, {"data_shuffle_seed", "31"},
+                                {"data_kind", "shards"},
                                 {"pipe_layer_seconds", "0.0125"}, {"pipe_head_seconds", "0"}};
     enum { N_BASE = sizeof base / sizeof base[0] };
     moe_st_meta meta[N_BASE];
@@ -929,9 +933,15 @@ Test(checkpoint, corrupt_state_is_refused, .init = make_tmpdir, .fini = remove_t
     cr_assert_eq(moe_checkpoint_load_state(b.trainer, b.model, &got, dir), MOE_OK, "%s", moe_last_error());
     cr_expect_eq(got.seed, UINT64_MAX);
     cr_expect_eq(got.step, 9);
+    cr_expect_eq(got.data_shuffle_seed, 31);
     cr_expect(got.pipe_layer_seconds == 0.0125 && got.pipe_head_seconds == 0.0, "pipeline costs %g, %g",
               got.pipe_layer_seconds, got.pipe_head_seconds);
     expect_bits(moe_trainer_adam_m(b.trainer), moe_trainer_adam_m(a.trainer), n_params(&a), "exp_avg");
+    /* A writer that never recorded the shuffle's seed shuffled by the seed. */
+    const meta_case seed_shuffled = {"data_shuffle_seed", NULL, NULL};
+    write_state(file, &a, &seed_shuffled, NULL, NULL, 0);
+    cr_assert_eq(moe_checkpoint_load_state(b.trainer, b.model, &got, dir), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(got.data_shuffle_seed, UINT64_MAX);
     const meta_case last_epoch = {"data_epoch", "9223372036854775806", NULL};
     write_state(file, &a, &last_epoch, NULL, NULL, 0);
     cr_assert_eq(moe_checkpoint_load_state(b.trainer, b.model, &got, dir), MOE_OK, "%s", moe_last_error());
@@ -958,6 +968,8 @@ Test(checkpoint, corrupt_state_is_refused, .init = make_tmpdir, .fini = remove_t
         {"data_tokens", NULL, "\"data_tokens\""},
         {"data_tokens", "-1", "\"data_tokens\""},
         {"data_kind", "text", "\"data_kind\""},
+        {"data_shuffle_seed", "-3", "\"data_shuffle_seed\""},
+        {"data_shuffle_seed", "18446744073709551616", "\"data_shuffle_seed\""},
         /* The pipeline's measured costs come whole, as finite seconds. */
         {"pipe_head_seconds", NULL, "\"pipe_head_seconds\" is missing"},
         {"pipe_layer_seconds", "0", "\"pipe_layer_seconds\" is \"0\", not a finite positive number of seconds"},

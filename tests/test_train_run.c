@@ -1512,7 +1512,8 @@ Test(train_run, resume_of_a_checkpoint_without_its_stream, .init = make_tmp, .fi
     seen v;
     run_ok(&o, &v);
 
-    /* train_state.safetensors as an older version wrote it. */
+    /* train_state.safetensors as an older version wrote it (the shuffle's
+     * seed kept: a checkpoint without it is the next test's). */
     cr_assert_eq(rewrite_safetensors(tmp_path(path, "straight/step-000005/train_state.safetensors"),
                                      (const char *const[]){"data_tokens", "data_chunk", NULL}, NULL, NULL, NULL,
                                      0.0f),
@@ -1535,6 +1536,50 @@ Test(train_run, resume_of_a_checkpoint_without_its_stream, .init = make_tmp, .fi
     write_earlier_run(o.out_dir);
     expect_refused(&o, "an old shuffled checkpoint with another batch shape",
                    (const char *const[]){"--resume", "--batch-size", NULL});
+}
+
+/* A shuffled checkpoint resumes in the order of the seed it records, and
+ * one that records none (an older writer's) in the order of --seed itself,
+ * which is not the order of a fresh run: that would draw from the bits of
+ * the initial weights. */
+Test(train_run, resume_shuffles_by_the_recorded_seed, .init = make_tmp, .fini = remove_tmp) {
+    char cfg[512], out[512], resume[512], path[512], name[96], value[64], seed[24];
+    moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE), NULL);
+    o.shuffle = true;
+    o.save_every = 5;
+    seen v;
+    static const char *const runs[] = {"unrecorded", "recorded"};
+    for (int i = 0; i < 2; i++) {
+        o.out_dir = tmp_path(out, runs[i]);
+        run_ok(&o, &v);
+    }
+    snprintf(seed, sizeof seed, "%llu", (unsigned long long)o.seed);
+    cr_expect_str_neq(state_meta(value, "recorded/step-000005/train_state.safetensors", "data_shuffle_seed"), seed);
+    cr_assert_eq(rewrite_safetensors(tmp_path(path, "unrecorded/step-000005/train_state.safetensors"),
+                                     (const char *const[]){"data_shuffle_seed", NULL}, NULL, NULL, NULL, 0.0f),
+                 1);
+    cr_assert_eq(rewrite_safetensors(tmp_path(path, "recorded/step-000005/train_state.safetensors"),
+                                     (const char *const[]){NULL}, "data_shuffle_seed", seed, NULL, 0.0f),
+                 1);
+    o.config = NULL;
+    o.save_every = 0;
+    for (int i = 0; i < 2; i++) {
+        snprintf(name, sizeof name, "%s/step-000005", runs[i]);
+        o.resume = tmp_path(resume, name);
+        snprintf(name, sizeof name, "%s-resumed", runs[i]);
+        o.out_dir = tmp_path(out, name);
+        run_ok(&o, &v);
+        cr_assert_eq(v.steps, 5);
+        snprintf(name, sizeof name, "%s-resumed/step-000010/train_state.safetensors", runs[i]);
+        cr_expect_str_eq(state_meta(value, name, "data_shuffle_seed"), seed, "%s", name);
+    }
+    char a[512], b[512];
+    cr_expect(same_file(tmp_path(a, "unrecorded-resumed/step-000010/model.safetensors"),
+                        tmp_path(b, "recorded-resumed/step-000010/model.safetensors")),
+              "a checkpoint without data_shuffle_seed is not resumed in the order of --seed");
+    cr_expect(!same_file(tmp_path(a, "recorded/step-000010/model.safetensors"),
+                         tmp_path(b, "recorded-resumed/step-000010/model.safetensors")),
+              "the recorded seed changed nothing: the resume did not read it");
 }
 
 /* A resume under which the checkpoint's position would read another
