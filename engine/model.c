@@ -131,7 +131,14 @@ struct moe_model {
 static void add_tensor(moe_model *m, int ndim, int64_t rows, int64_t cols, bool decay, const char *fmt, ...)
     MOE_PRINTF(6, 7);
 
+/* Without a table (m->tensors NULL) it only counts the tensor. */
 static void add_tensor(moe_model *m, int ndim, int64_t rows, int64_t cols, bool decay, const char *fmt, ...) {
+    const int64_t numel = rows * (ndim == 2 ? cols : 1);
+    if (!m->tensors) {
+        m->n_tensors++;
+        m->n_params += numel;
+        return;
+    }
     moe_model_tensor *t = &m->tensors[m->n_tensors++];
     va_list ap;
     va_start(ap, fmt);
@@ -140,7 +147,7 @@ static void add_tensor(moe_model *m, int ndim, int64_t rows, int64_t cols, bool 
     t->ndim = ndim;
     t->shape[0] = rows;
     t->shape[1] = ndim == 2 ? cols : 1;
-    t->numel = rows * t->shape[1];
+    t->numel = numel;
     t->offset = m->n_params;
     t->decay = decay;
     t->init_stream = m->n_init_streams++;
@@ -155,57 +162,36 @@ static int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1)
  * so the data-parallel reduction is one call per run. Each run is padded
  * with zeros to a multiple of the ranks that share it, so that sharding the
  * optimizer state splits it into equal blocks. A layer's MoE tensors are
- * placeholders here; the layer names them once it exists. */
-static moe_status build_tensors(moe_model *m, const moe_layer_config *lc) {
+ * placeholders here; the layer names them once it exists. Without a table
+ * (m->tensors NULL) it only counts the tensors and parameters. */
+static void lay_out_tensors(moe_model *m, const moe_layer_config *lc) {
     const moe_model_config *c = &m->cfg;
     const int64_t C = c->hidden_size, V = c->vocab_size, hd = c->head_dim;
     const int64_t qdim = c->num_attention_heads * hd, kvdim = c->num_key_value_heads * hd;
     const int64_t n_local = lc->n_experts / m->ep_size, S = lc->n_shared_experts * lc->d_ff;
     const int64_t moe_tensors = 1 + 3 * n_local + (S ? 3 : 0);
     const int64_t L = m->nl;
-    /* On the CPU the parameters and gradients are host memory: sizes that
-     * cannot fit are told from the config before any of it is taken (the
-     * tensor table alone of a million layers is gigabytes). */
-    if (m->ops->host_visible) {
-        const double layer = 2.0 * C + 2.0 * (double)(qdim + kvdim) * C + (double)(lc->n_experts + 3 * S) * C +
-                             3.0 * (double)n_local * lc->d_ff * C;
-        const double params = (m->first ? (double)V * C : 0.0) + (double)L * layer +
-                              (m->last ? (double)C + (double)V * C : 0.0);
-        const double bytes = params * sizeof(float) * (m->inference ? 1 : 2) +
-                             (double)(3 + L * (LAYER_DENSE_TENSORS + moe_tensors)) * sizeof *m->tensors;
-        const moe_host_memory host = moe_host_memory_available("");
-        const bool never = host.total >= 0 && bytes > (double)host.total;
-        if (never || (host.available >= 0 && bytes > (double)host.available))
-            return moe_error(never ? MOE_ERR_CONFIG : MOE_ERR_OUT_OF_MEMORY,
-                             "model: %.4g parameters (vocab_size %lld, hidden_size %lld, %lld layers of %lld experts "
-                             "of intermediate_size %lld here) take %.3g GB%s, more than the %.2f GB %s",
-                             params, (long long)V, (long long)C, (long long)L, (long long)n_local,
-                             (long long)lc->d_ff, bytes / 1e9, m->inference ? "" : " with their gradients",
-                             (double)(never ? host.total : host.available) / 1e9,
-                             never ? host.total_by : host.bound_by);
-    }
     /* Tensors of one layer in the one-rank table, which the init streams count. */
     const int64_t layer_streams = LAYER_DENSE_TENSORS + 1 + 3 * lc->n_experts + (S ? 3 : 0);
-    m->tensors = calloc((size_t)(3 + L * (LAYER_DENSE_TENSORS + moe_tensors)), sizeof *m->tensors);
-    m->layer_first = calloc((size_t)L, sizeof *m->layer_first);
-    m->moe_off = calloc((size_t)L, sizeof *m->moe_off);
-    if (!m->tensors || !m->layer_first || !m->moe_off) return moe_error(MOE_ERR_OUT_OF_MEMORY, "model: tensor table");
+    const bool table = m->tensors != NULL;
+    m->n_tensors = m->n_params = 0;
+    m->n_init_streams = 0;
     if (m->first) add_tensor(m, 2, V, C, true, "model.embed_tokens.weight");
     for (int64_t i = 0; i < L; i++) {
         const int64_t l = m->layer_id[i];
         /* The one-rank table's stream of layer l's first tensor: the
          * embedding's, then layer_streams per layer, every expert's among them. */
         m->n_init_streams = 1 + l * layer_streams;
-        m->layer_first[i] = m->n_tensors;
+        if (table) m->layer_first[i] = m->n_tensors;
         add_tensor(m, 1, C, 1, false, "model.layers.%lld.input_layernorm.weight", (long long)l);
         add_tensor(m, 2, qdim, C, true, "model.layers.%lld.self_attn.q_proj.weight", (long long)l);
         add_tensor(m, 2, kvdim, C, true, "model.layers.%lld.self_attn.k_proj.weight", (long long)l);
         add_tensor(m, 2, kvdim, C, true, "model.layers.%lld.self_attn.v_proj.weight", (long long)l);
         add_tensor(m, 2, C, qdim, true, "model.layers.%lld.self_attn.o_proj.weight", (long long)l);
         add_tensor(m, 1, C, 1, false, "model.layers.%lld.post_attention_layernorm.weight", (long long)l);
-        m->moe_off[i].router = m->n_params;
+        if (table) m->moe_off[i].router = m->n_params;
         m->n_params += lc->n_experts * C;
-        m->moe_off[i].shared = m->n_params;
+        if (table) m->moe_off[i].shared = m->n_params;
         m->n_params += 3 * S * C;
         for (int64_t j = 0; j < moe_tensors; j++) add_tensor(m, 2, 0, 0, true, "%s", "");
     }
@@ -217,8 +203,36 @@ static moe_status build_tensors(moe_model *m, const moe_layer_config *lc) {
     m->n_dense = m->n_params;
     m->expert_offset = round_up(m->n_dense, m->world_size);
     m->n_expert = L * n_local * 3 * lc->d_ff * C;
-    for (int64_t l = 0; l < L; l++) m->moe_off[l].experts = m->expert_offset + l * n_local * 3 * lc->d_ff * C;
+    for (int64_t l = 0; table && l < L; l++)
+        m->moe_off[l].experts = m->expert_offset + l * n_local * 3 * lc->d_ff * C;
     m->n_params = m->expert_offset + round_up(m->n_expert, m->replicas ? moe_comm_size(m->replicas) : 1);
+}
+
+/* On the CPU the parameters and gradients are host memory: sizes that
+ * cannot fit are told from the count before any of it, or the table, is
+ * taken (the table alone of a million layers is gigabytes). */
+static moe_status build_tensors(moe_model *m, const moe_layer_config *lc) {
+    lay_out_tensors(m, lc);
+    if (m->ops->host_visible) {
+        const double params = (double)m->n_params;
+        const double bytes = params * sizeof(float) * (m->inference ? 1 : 2) + (double)m->n_tensors * sizeof *m->tensors;
+        const moe_host_memory host = moe_host_memory_available("");
+        const bool never = host.total >= 0 && bytes > (double)host.total;
+        if (never || (host.available >= 0 && bytes > (double)host.available))
+            return moe_error(never ? MOE_ERR_CONFIG : MOE_ERR_OUT_OF_MEMORY,
+                             "model: %.4g parameters (vocab_size %lld, hidden_size %lld, %lld layers of %lld experts "
+                             "of intermediate_size %lld here) take %.3g GB%s, more than the %.2f GB %s",
+                             params, (long long)m->cfg.vocab_size, (long long)m->cfg.hidden_size, (long long)m->nl,
+                             (long long)(lc->n_experts / m->ep_size), (long long)lc->d_ff, bytes / 1e9,
+                             m->inference ? "" : " with their gradients",
+                             (double)(never ? host.total : host.available) / 1e9,
+                             never ? host.total_by : host.bound_by);
+    }
+    m->tensors = calloc((size_t)m->n_tensors, sizeof *m->tensors);
+    m->layer_first = calloc((size_t)m->nl, sizeof *m->layer_first);
+    m->moe_off = calloc((size_t)m->nl, sizeof *m->moe_off);
+    if (!m->tensors || !m->layer_first || !m->moe_off) return moe_error(MOE_ERR_OUT_OF_MEMORY, "model: tensor table");
+    lay_out_tensors(m, lc);
     return MOE_OK;
 }
 
