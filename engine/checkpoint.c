@@ -737,21 +737,43 @@ static moe_status resolve_weight(source *s, weights_reader *r, const moe_model_t
         snprintf(alt, sizeof alt, FUSED_ROUTER_FMT, l);
         MOE_TRY(take(s, r, alt, t->ndim, t->shape));
     } else {
-        return moe_error(MOE_ERR_FORMAT, "%s: no tensor '%s'", r->where, t->name);
+        const bool tied_file = strcmp(t->name, HEAD_NAME) == 0 && dir_index(r->dir, EMBED_NAME) >= 0;
+        return moe_error(MOE_ERR_FORMAT, "%s: no tensor '%s'%s", r->where, t->name,
+                         tied_file ? " (a model that ties it to " EMBED_NAME " has none: tie_word_embeddings true in "
+                                     "its config.json)"
+                                   : "");
     }
     if (s->src == NULL) return moe_error(MOE_ERR_FORMAT, "%s: no tensor '%s' (nor '%s')", r->where, t->name, alt);
     return MOE_OK;
 }
 
+/* Whether the dir's tensor i, the head, holds the embedding's bytes, as in
+ * the file of a writer that saved a tied model's one tensor twice. */
+static bool head_is_embedding(const weights_reader *r, int64_t i) {
+    const int64_t e = dir_index(r->dir, EMBED_NAME);
+    const moe_st_tensor *head = moe_st_dir_tensor_at(r->dir, i), *embed = e >= 0 ? moe_st_dir_tensor_at(r->dir, e) : NULL;
+    return embed && head->dtype == embed->dtype && head->nbytes == embed->nbytes &&
+           memcmp(head->data, embed->data, (size_t)head->nbytes) == 0;
+}
+
 /* A tensor the model does not use: an error, unless it is optimizer state,
  * the selection bias of one of our layers (kept by a run with it on), an
- * expert of our layers that another expert-parallel rank holds, or a tensor
- * of another pipeline stage. Upcycled, every expert is a copy of the dense
- * MLP, so an expert in the file is a mistake: the file is no dense model. */
+ * expert of our layers that another expert-parallel rank holds, a tensor
+ * of another pipeline stage, or a tied model's head that is a copy of its
+ * embedding. Upcycled, every expert is a copy of the dense MLP, so an
+ * expert in the file is a mistake: the file is no dense model. */
 static moe_status check_unused(const weights_reader *r, const moe_model *model, int64_t layers) {
+    const bool tied = moe_model_get_config(model)->tie_word_embeddings;
     for (int64_t i = 0; i < moe_st_dir_tensor_count(r->dir); i++) {
         if (r->used[i]) continue;
         const char *name = moe_st_dir_tensor_at(r->dir, i)->name;
+        if (tied && strcmp(name, HEAD_NAME) == 0) {
+            if (head_is_embedding(r, i)) continue;
+            return moe_error(MOE_ERR_FORMAT, "%s: tensor '%s' is not " EMBED_NAME "'s copy, and the config ties the "
+                                             "head to the embedding (tie_word_embeddings true): the weights are an "
+                                             "untied model's",
+                             file_of(r->dir, name), name);
+        }
         if (strncmp(name, OPTIMIZER_PREFIX, strlen(OPTIMIZER_PREFIX)) == 0) continue;
         if (is_expert_weight(name, layers, r->E)) {
             if (!r->upcycle) continue;

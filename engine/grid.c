@@ -258,6 +258,7 @@ int moe_config_agree_fields(moe_agree_field *f, const moe_model_config *c) {
     FIELD(router_aux_loss_coef);
     FIELD(router_jitter_noise);
     FIELD(initializer_range);
+    FIELD(tie_word_embeddings);
     f[n++] = (moe_agree_field){"moe_gate", (double)c->moe_gate, moe_gate_kind_name};
     FIELD(moe_renormalize);
     FIELD(moe_capacity_factor);

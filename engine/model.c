@@ -53,6 +53,9 @@ struct moe_model {
     int64_t *chunk_at;         /* [chunks + 1] chunk c is the local layers chunk_at[c] .. chunk_at[c + 1] - 1 */
     bool first, last;          /* the stage holds the embedding (chunk 0's); the final norm and the head (the last chunk's) */
     int64_t *layer_first;      /* [nl] first tensor of each layer */
+    /* The last stage's final norm and head weight, in the table: the head's
+     * is the embedding's when tie_word_embeddings holds. */
+    int64_t final_norm, head;
     int64_t n_params;          /* length of the arrays: the dense run, then this rank's experts, each padded */
     int64_t n_dense;           /* parameters of the first run: what every rank holds */
     int64_t expert_offset;     /* where the second run starts */
@@ -197,8 +200,13 @@ static void lay_out_tensors(moe_model *m, const moe_layer_config *lc) {
     }
     m->n_init_streams = 1 + m->cfg.num_hidden_layers * layer_streams;
     if (m->last) {
+        m->final_norm = m->n_tensors;
         add_tensor(m, 1, C, 1, false, "model.norm.weight");
-        add_tensor(m, 2, V, C, true, "lm_head.weight");
+        m->head = 0; /* the embedding, tied; a tied model is one stage, first and last */
+        if (!c->tie_word_embeddings) {
+            m->head = m->n_tensors;
+            add_tensor(m, 2, V, C, true, "lm_head.weight");
+        }
     }
     m->n_dense = m->n_params;
     m->expert_offset = round_up(m->n_dense, m->world_size);
@@ -457,6 +465,13 @@ static moe_status check_stages(const moe_model_config *cfg, const moe_model_para
     const int64_t L = cfg->num_hidden_layers;
     const int n = moe_comm_size(par->pipe), chunks = par->chunks;
     const int dp = par->world ? moe_comm_size(par->world) : 1;
+    /* The head's gradient would have to travel to the first stage and the
+     * weight back every step: not implemented. */
+    if (cfg->tie_word_embeddings)
+        return moe_error(MOE_ERR_CONFIG, "model: tie_word_embeddings true shares one tensor between the embedding, on "
+                                         "the first pipeline stage, and the head, on the last: a pipeline of %d "
+                                         "stages cannot hold it (untie them, or use data or expert parallelism)",
+                         n);
     if (!par->job || moe_comm_size(par->job) != n * dp)
         return moe_error(MOE_ERR_CONFIG, "model: a pipeline of %d stages x %d data-parallel ranks needs job, a "
                                          "communicator of all %d ranks (%d given)",
@@ -1100,10 +1115,9 @@ moe_status moe_model_stage_forward(moe_model *m, int chunk, const int32_t *input
     }
     set_replay(m, chunk, false);
     MOE_TRY(st);
-    const int64_t tf = m->n_tensors - 2;
     if (exit) {
-        ops->rmsnorm_forward(m->lnf, m->rstdf, m->x_final, param(m, tf), eps, N, C);
-        ops->matmul_forward(m->logits, m->lnf, param(m, tf + 1), N, C, V);
+        ops->rmsnorm_forward(m->lnf, m->rstdf, m->x_final, param(m, m->final_norm), eps, N, C);
+        ops->matmul_forward(m->logits, m->lnf, param(m, m->head), N, C, V);
         m->has_targets = targets != NULL;
         m->counted = counted;
     }
@@ -1228,9 +1242,8 @@ moe_status moe_model_decode(moe_model *m, int64_t n, const int64_t *row, const i
     for (int64_t i = 0; i < n; i++)
         if (pos[i] + 1 > m->cached[row[i]]) m->cached[row[i]] = pos[i] + 1;
     if (!logits) return ops->sync(); /* the cache alone */
-    const int64_t tf = m->n_tensors - 2;
-    ops->rmsnorm_forward(ln, m->rstdf, x, param(m, tf), eps, n, C);
-    ops->matmul_forward(m->logits, ln, param(m, tf + 1), n, C, V);
+    ops->rmsnorm_forward(ln, m->rstdf, x, param(m, m->final_norm), eps, n, C);
+    ops->matmul_forward(m->logits, ln, param(m, m->head), n, C, V);
     return ops->download(logits, m->logits, (size_t)(n * V) * sizeof(float));
 }
 
@@ -1275,16 +1288,18 @@ static moe_status head_backward(moe_model *m, float grad_scale) {
     }
 
     /* The logits' memory takes their gradient: nothing else reads them. */
-    const int64_t tf = m->n_tensors - 2;
     float *dlogits = m->logits;
     m->logits_valid = false;
     ops->crossentropy_backward(dlogits, m->logits, m->lse, m->targets, m->dloss, (float)base_of(m)->logit_z_coef, N,
                                V);
     ops->zero(m->dln, (size_t)(N * C) * sizeof(float));
-    ops->matmul_backward(m->dln, grad(m, tf + 1), dlogits, m->lnf, param(m, tf + 1), N, C, V);
+    /* Tied, the head's gradient adds to the embedding's, which is summed
+     * over the ranks once the embedding's own backward has added to it. */
+    ops->matmul_backward(m->dln, grad(m, m->head), dlogits, m->lnf, param(m, m->head), N, C, V);
     ops->zero(m->dres, (size_t)(N * C) * sizeof(float));
-    ops->rmsnorm_backward(m->dres, grad(m, tf), m->dln, m->x_final, param(m, tf), m->rstdf, m->norm_scratch, N, C);
-    return sync_range(m, m->device_world, m->tensors[tf].offset, m->n_dense);
+    ops->rmsnorm_backward(m->dres, grad(m, m->final_norm), m->dln, m->x_final, param(m, m->final_norm), m->rstdf,
+                          m->norm_scratch, N, C);
+    return sync_range(m, m->device_world, m->tensors[m->final_norm].offset, m->n_dense);
 }
 
 moe_status moe_model_stage_backward(moe_model *m, int chunk, const float *dy, float grad_scale) {
@@ -1311,7 +1326,7 @@ moe_status moe_model_stage_backward(moe_model *m, int chunk, const float *dy, fl
         ops->copy(m->dres, dy, (size_t)(N * C) * sizeof(float));
     m->pending &= ~(UINT64_C(1) << chunk); /* the logits, or the layers' state, are spent */
     /* Where the dense parameters after layer l's start: the next layer's, the head's, or the run's end. */
-    const int64_t dense_end = m->last ? m->tensors[m->n_tensors - 2].offset : m->n_dense;
+    const int64_t dense_end = m->last ? m->tensors[m->final_norm].offset : m->n_dense;
 
     for (int64_t l = hi - 1; l >= lo; l--) {
         layer_acts *a = &m->acts[l];

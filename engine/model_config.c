@@ -73,6 +73,7 @@ static const field fields[] = {
     FIELD(router_aux_loss_coef, F_REAL, false, 0.001),
     FIELD(router_jitter_noise, F_REAL, false, 0.0),
     FIELD(initializer_range, F_REAL, false, 0.02),
+    FIELD(tie_word_embeddings, F_BOOL, false, 0),
     /* Absent stays absent (transformers then takes MixtralConfig's default). */
     FIELD(bos_token_id, F_TOKEN_IDS, false, 0),
     FIELD(eos_token_id, F_TOKEN_IDS, false, 0),
@@ -100,7 +101,7 @@ static const char *const ignored_keys[] = {
 /* Keys outside the struct that read_other checks; null there is absent, as
  * everywhere in transformers, so it is accepted before any check. */
 static const char *const checked_keys[] = {
-    "rope_parameters", "rope_scaling", "tie_word_embeddings", "hidden_act", "model_type", "attention_dropout",
+    "rope_parameters", "rope_scaling", "hidden_act", "model_type", "attention_dropout",
     "num_experts",
 };
 
@@ -331,13 +332,6 @@ static moe_status check_other(const char *key, const moe_json *v, other_values *
     if (strcmp(key, "num_experts") == 0) {
         o->has_num_experts = true;
         return read_int(&o->num_experts, name, key, "an integer", v);
-    }
-    if (strcmp(key, "tie_word_embeddings") == 0) {
-        if (v->type != MOE_JSON_BOOL) return wrong_type(name, key, "true or false", v);
-        if (v->boolean)
-            return moe_error(MOE_ERR_CONFIG, "%s: tie_word_embeddings=true is not supported (lm_head is separate)",
-                             name);
-        return MOE_OK;
     }
     /* transformers' ACT2FN computes "swish" as nn.SiLU. */
     if (strcmp(key, "hidden_act") == 0) return require_string(name, key, v, "silu", "swish");
@@ -741,8 +735,6 @@ moe_status moe_model_config_save(const moe_model_config *cfg, const char *path) 
     moe_json_string(&w, mixtral ? MODEL_TYPE_MIXTRAL : MODEL_TYPE_OURS);
     moe_json_key(&w, "hidden_act");
     moe_json_string(&w, "silu");
-    moe_json_key(&w, "tie_word_embeddings");
-    moe_json_bool(&w, false);
     moe_json_key(&w, "torch_dtype");
     moe_json_string(&w, "float32");
     for (size_t f = 0; f < N_FIELDS; f++) {

@@ -7,7 +7,7 @@
  * use_cache, ...) is accepted silently; an unknown key is ignored with a
  * warning passed to the caller's callback (the library never prints). Keys
  * that would change the model in ways we do not implement are errors
- * (tie_word_embeddings true, hidden_act other than "silu" or "swish", which
+ * (hidden_act other than "silu" or "swish", which
  * transformers computes as silu, model_type other than "mixtral" or "moe",
  * rope_scaling, a rope_type other than "default"). A wrong type or an
  * impossible value is an error naming the file, the key and the value, and
@@ -88,6 +88,9 @@ typedef struct moe_model_config {
     double router_aux_loss_coef;     /* default 0.001 */
     double router_jitter_noise;      /* in [0, 1), default 0 */
     double initializer_range;        /* the initial weights' std, in [FLT_MIN, 1e3], default 0.02 */
+    /* lm_head.weight is model.embed_tokens.weight (default false): one
+     * tensor, which a checkpoint holds once, as transformers saves it. */
+    bool tie_word_embeddings;
     moe_token_ids bos_token_id, eos_token_id, pad_token_id; /* as read; absent by default */
     /* Ours (moe_layer_config in moe.h says what each does). */
     moe_gate_kind moe_gate;       /* "softmax_topk" (default), "topk_softmax", "sigmoid" */

@@ -572,10 +572,17 @@ static moe_status check_dense_config(moe_model_config *moe, const moe_run_option
                        v->type == MOE_JSON_NUMBER ? v->number.text : moe_json_type_name(v->type), o->config,
                        shared[k].field, mine);
     }
+    /* The head is the dense model's: one tensor with the embedding or its own. */
     const moe_json *tied = st == MOE_OK ? moe_json_get(root, "tie_word_embeddings") : NULL;
-    if (tied && tied->type == MOE_JSON_BOOL && tied->boolean)
-        st = moe_error(MOE_ERR_CONFIG, "--upcycle: %s ties the embedding and the head (tie_word_embeddings true), "
-                                       "which the MoE keeps apart", path);
+    if (tied && tied->type != MOE_JSON_BOOL && tied->type != MOE_JSON_NULL)
+        st = moe_error(MOE_ERR_CONFIG, "--upcycle: %s: tie_word_embeddings must be true or false, not a %s", path,
+                       moe_json_type_name(tied->type));
+    const bool dense_tied = tied && tied->type == MOE_JSON_BOOL && tied->boolean;
+    if (st == MOE_OK && dense_tied != moe->tie_word_embeddings)
+        st = moe_error(MOE_ERR_CONFIG, "--upcycle: %s %s the embedding and the head (tie_word_embeddings %s), and "
+                                       "--config %s %s: set tie_word_embeddings %s in it",
+                       path, dense_tied ? "ties" : "keeps apart", dense_tied ? "true" : "false", o->config,
+                       dense_tied ? "does not" : "does", dense_tied ? "true" : "false");
     /* The tokenizer stays the dense model's, and so do its ids. */
     if (st == MOE_OK) st = moe_model_config_take_token_ids(moe, root, path);
     moe_json_free(doc);

@@ -207,7 +207,8 @@ static inline void ref_model_init(ref_model *r, moe_model *m) {
     cr_assert(E <= 64, "ref_moe.h supports E <= 64");
     r->embed = ref_model_offset(m, V, C, "model.embed_tokens.weight");
     r->final_norm = ref_model_offset(m, C, 1, "model.norm.weight");
-    r->lm_head = ref_model_offset(m, V, C, "lm_head.weight");
+    /* Tied, the head is the embedding: one tensor, both uses. */
+    r->lm_head = r->cfg.tie_word_embeddings ? r->embed : ref_model_offset(m, V, C, "lm_head.weight");
     r->layers = ref_alloc((size_t)L * sizeof *r->layers);
     for (int64_t l = 0; l < L; l++) {
         ref_model_layer *y = &r->layers[l];

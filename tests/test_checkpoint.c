@@ -68,15 +68,19 @@ static moe_model_config small_config(int64_t experts, int64_t k) {
     return c;
 }
 
+static run run_of(const moe_model_config *c, uint64_t seed) {
+    run r;
+    cr_assert_eq(moe_model_create(&r.model, c, 1, 4, seed), MOE_OK, "%s", moe_last_error());
+    moe_optim_config oc = MOE_OPTIM_CONFIG_INIT;
+    cr_assert_eq(moe_trainer_create(&r.trainer, r.model, &oc), MOE_OK, "%s", moe_last_error());
+    return r;
+}
+
 static run make_run(uint64_t seed, double bias_rate, int64_t shared) {
     moe_model_config c = small_config(EXPERTS, 2);
     c.moe_bias_update_rate = bias_rate;
     c.moe_n_shared_experts = shared;
-    run r;
-    cr_assert_eq(moe_model_create(&r.model, &c, 1, 4, seed), MOE_OK, "%s", moe_last_error());
-    moe_optim_config oc = MOE_OPTIM_CONFIG_INIT;
-    cr_assert_eq(moe_trainer_create(&r.trainer, r.model, &oc), MOE_OK, "%s", moe_last_error());
-    return r;
+    return run_of(&c, seed);
 }
 
 static void free_run(run *r) {
@@ -484,6 +488,53 @@ Test(checkpoint, fused_layout_loads_like_per_expert, .init = make_tmpdir, .fini 
     free_run(&a);
     free_run(&b);
     free_run(&c);
+}
+
+/* A tied model's head is its embedding: saved once, as transformers saves
+ * it. A file that also holds lm_head.weight loads when it is the
+ * embedding's copy and is refused when it differs (an untied model's);
+ * an untied model refuses a tied model's file, saying why. */
+Test(checkpoint, tied_head_is_the_embedding, .init = make_tmpdir, .fini = remove_tmpdir) {
+    moe_model_config c = small_config(EXPERTS, 2);
+    c.tie_word_embeddings = true;
+    run a = run_of(&c, 1), b = run_of(&c, 2), untied = make_run(3, 0, 0);
+    cr_assert_null(moe_model_find_tensor(a.model, "lm_head.weight"));
+    cr_assert_eq(moe_model_param_count(a.model) + VOCAB * D, moe_model_param_count(untied.model));
+    moe_train_state s = scramble(&a, 5, 0);
+    char path[512];
+    save(path, sizeof path, tmpdir, &a, &s);
+    moe_st_file *f;
+    cr_assert_eq(moe_st_open(&f, in_dir(path, "model.safetensors")), MOE_OK, "%s", moe_last_error());
+    cr_expect_null(moe_st_find(f, "lm_head.weight"));
+    cr_expect_not_null(moe_st_find(f, "model.embed_tokens.weight"));
+    moe_st_close(f);
+    load_weights(&b, path);
+    expect_bits(moe_model_params(b.model), moe_model_params(a.model), n_params(&a), "tied, saved and loaded");
+    expect_error(moe_checkpoint_load_weights(untied.model, path), "no tensor 'lm_head.weight'",
+                 "tie_word_embeddings true");
+
+    tt ts[MAX_TENSORS + 1];
+    int64_t n = model_tts(ts, &a);
+    const moe_model_tensor *embed = moe_model_find_tensor(a.model, "model.embed_tokens.weight");
+    float *head = malloc((size_t)embed->numel * sizeof *head);
+    cr_assert_not_null(head);
+    memcpy(head, moe_model_params(a.model) + embed->offset, (size_t)embed->numel * sizeof *head);
+    ts[n++] = make_tt("lm_head.weight", 2, embed->shape, head);
+    const char *dir = fresh_dir("both");
+    write_tts(in_dir(dir, "model.safetensors"), ts, n, "F32");
+    moe_model_zero_grad(b.model);
+    memset(moe_model_params(b.model), 0, (size_t)n_params(&b) * sizeof(float));
+    load_weights(&b, dir);
+    expect_bits(moe_model_params(b.model), moe_model_params(a.model), n_params(&a), "with the head's copy");
+    uint32_t last = f32_bits(head[VOCAB * D - 1]) ^ 1u; /* its lowest bit */
+    memcpy(&head[VOCAB * D - 1], &last, sizeof last);
+    write_tts(in_dir(dir, "model.safetensors"), ts, n, "F32");
+    expect_error(moe_checkpoint_load_weights(b.model, dir), "'lm_head.weight' is not model.embed_tokens.weight's copy",
+                 "tie_word_embeddings true");
+    free(head);
+    free_run(&a);
+    free_run(&b);
+    free_run(&untied);
 }
 
 /* A model of the test's sizes with experts experts, top-k, batches of 2 x 8. */

@@ -153,6 +153,9 @@ Test(model_config, defaults) {
     cr_expect_eq(c.moe_routed_scaling_factor, 1.0);
     cr_expect_eq(c.moe_seq_aux_loss_coef, 0.0);
     cr_expect_eq(c.initializer_range, 0.02);
+    cr_expect(!c.tie_word_embeddings);
+    cr_assert_eq(parse(&c, config_with("tie_word_embeddings", "true"), &w), MOE_OK, "%s", moe_last_error());
+    cr_expect(c.tie_word_embeddings);
 
     /* null means absent, as in transformers */
     cr_assert_eq(parse(&c, config_with("head_dim", "null"), &w), MOE_OK, "%s", moe_last_error());
@@ -249,7 +252,6 @@ Test(model_config, every_bad_field_is_named) {
         {"rope_theta", "0", "rope_theta=0 must be > 0"},
         {"router_aux_loss_coef", "-0.1", "router_aux_loss_coef=-0.1 must be finite and in [0, 1e+06]"},
         {"router_jitter_noise", "1.0", "router_jitter_noise=1 must be in [0, 1)"},
-        {"tie_word_embeddings", "true", "tie_word_embeddings=true is not supported"},
         {"tie_word_embeddings", "\"no\"", "tie_word_embeddings must be true or false, got \"no\""},
         {"hidden_act", "\"gelu\"", "hidden_act=\"gelu\" is not supported (only \"silu\" or \"swish\")"},
         {"hidden_act", "\"relu\"", "t/config.json: hidden_act=\"relu\" is not supported"},
@@ -656,6 +658,7 @@ static void expect_same(const moe_model_config *a, const moe_model_config *b) {
     SAME(router_aux_loss_coef);
     SAME(router_jitter_noise);
     SAME(initializer_range);
+    SAME(tie_word_embeddings);
     SAME(moe_gate);
     SAME(moe_renormalize);
     SAME(moe_capacity_factor);
@@ -688,6 +691,7 @@ Test(model_config, save_then_load_is_identical, .init = make_tmpdir, .fini = rem
     c.router_aux_loss_coef = 1.0 / 3.0;
     c.router_jitter_noise = 0.01;
     c.initializer_range = 0.5;
+    c.tie_word_embeddings = true;
     c.moe_gate = MOE_GATE_SIGMOID;
     c.moe_renormalize = false;
     c.moe_capacity_factor = 1.25;
@@ -718,7 +722,7 @@ Test(model_config, save_then_load_is_identical, .init = make_tmpdir, .fini = rem
     cr_expect_str_eq(moe_json_get(r, "architectures")->array.items[0].string.data, "MoeForCausalLM");
     cr_expect_eq(moe_json_get(r, "initializer_range")->number.value, 0.5);
     cr_expect_str_eq(moe_json_get(r, "hidden_act")->string.data, "silu");
-    cr_expect_eq(moe_json_get(r, "tie_word_embeddings")->boolean, false);
+    cr_expect_eq(moe_json_get(r, "tie_word_embeddings")->boolean, true);
     cr_expect_str_eq(moe_json_get(r, "moe_gate")->string.data, "sigmoid");
     cr_expect_eq(moe_json_get(r, "sliding_window")->number.value, 4096.0);
     cr_expect_eq(text[n - 1], '\n');

@@ -60,18 +60,20 @@ typedef struct grad_case {
     double seq_aux_coef; /* the sequence-wise balancing loss's coefficient */
     double logit_z_coef; /* the logits' z-loss coefficient */
     int64_t sliding_window;
+    bool tied; /* tie_word_embeddings */
 } grad_case;
 
 static const grad_case CASES[] = {
-    {"softmax_topk", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 0, 11, 0.0, 0.0, 0},
-    {"topk_softmax", MOE_GATE_TOPK_SOFTMAX, 0.0, 0, 0, 12, 0.0, 0.0, 0},
-    {"sigmoid", MOE_GATE_SIGMOID, 0.0, 0, 0, 13, 0.0, 0.0, 0},
-    {"capacity_1", MOE_GATE_SOFTMAX_TOPK, 1.0, 0, 0, 14, 0.0, 0.0, 0},
-    {"shared_experts", MOE_GATE_SOFTMAX_TOPK, 0.0, 1, 0, 15, 0.0, 0.0, 0},
-    {"ignored_targets", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 2, 16, 0.0, 0.0, 0},
-    {"sequence_wise_balancing", MOE_GATE_SIGMOID, 0.0, 0, 0, 17, 0.3, 0.0, 0},
-    {"logit_z_loss", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 1, 18, 0.0, 0.05, 0},
-    {"sliding_window", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 0, 19, 0.0, 0.0, 2},
+    {"softmax_topk", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 0, 11, 0.0, 0.0, 0, false},
+    {"topk_softmax", MOE_GATE_TOPK_SOFTMAX, 0.0, 0, 0, 12, 0.0, 0.0, 0, false},
+    {"sigmoid", MOE_GATE_SIGMOID, 0.0, 0, 0, 13, 0.0, 0.0, 0, false},
+    {"capacity_1", MOE_GATE_SOFTMAX_TOPK, 1.0, 0, 0, 14, 0.0, 0.0, 0, false},
+    {"shared_experts", MOE_GATE_SOFTMAX_TOPK, 0.0, 1, 0, 15, 0.0, 0.0, 0, false},
+    {"ignored_targets", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 2, 16, 0.0, 0.0, 0, false},
+    {"sequence_wise_balancing", MOE_GATE_SIGMOID, 0.0, 0, 0, 17, 0.3, 0.0, 0, false},
+    {"logit_z_loss", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 1, 18, 0.0, 0.05, 0, false},
+    {"sliding_window", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 0, 19, 0.0, 0.0, 2, false},
+    {"tied_embeddings", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 1, 20, 0.0, 0.0, 0, true},
 };
 #define N_CASES ((int)(sizeof CASES / sizeof *CASES))
 
@@ -92,6 +94,7 @@ static void fx_create(fx *f, const grad_case *gc) {
     cfg.moe_n_shared_experts = gc->n_shared_experts;
     cfg.moe_seq_aux_loss_coef = gc->seq_aux_coef;
     cfg.sliding_window = gc->sliding_window;
+    cfg.tie_word_embeddings = gc->tied;
     cr_assert(moe_model_create(&f->m, &cfg, BATCH, SEQ, gc->seed) == MOE_OK, "%s: moe_model_create: %s", gc->name,
               moe_last_error());
     ref_rng rng = {gc->seed};
@@ -295,6 +298,7 @@ Test(model_grad, ignored_targets) { check_gradients(&CASES[5]); }
 Test(model_grad, sequence_wise_balancing) { check_gradients(&CASES[6]); }
 Test(model_grad, logit_z_loss) { check_gradients(&CASES[7]); }
 Test(model_grad, sliding_window) { check_gradients(&CASES[8]); }
+Test(model_grad, tied_embeddings) { check_gradients(&CASES[9]); }
 
 /* ---------------------------------------------------------- grad_scale */
 

@@ -689,10 +689,10 @@ Test(train_run, val_tokens_hold_out_the_tail, .init = make_tmp, .fini = remove_t
 /* --upcycle reads the dense model's config.json key by key (its
  * model_type is the dense one's): a field it shares with --config that
  * differs (rope_theta also where transformers v5 writes it, in
- * rope_parameters), tied embeddings, scaled RoPE or an activation other
- * than SiLU is refused before any weight is read, naming the file and the
- * key; keys it lacks are not compared, and a matching one goes on to the
- * weights. */
+ * rope_parameters), a head tied where --config's is not, scaled RoPE or an
+ * activation other than SiLU is refused before any weight is read, naming
+ * the file and the key; keys it lacks are not compared, and a matching one
+ * goes on to the weights. */
 Test(train_run, upcycle_checks_the_dense_config, .init = make_tmp, .fini = remove_tmp) {
     char cfg[512], out[512], dense[512], path[600];
     moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE), tmp_path(out, "out"));
@@ -706,7 +706,8 @@ Test(train_run, upcycle_checks_the_dense_config, .init = make_tmp, .fini = remov
         {", \"rope_theta\": 500000.0", "config.json has rope_theta=500000.0, and --config"},
         {", \"num_attention_heads\": 8, \"head_dim\": 4", "config.json has num_attention_heads=8"},
         {", \"sliding_window\": 4096", "config.json has sliding_window=4096, and --config"},
-        {", \"tie_word_embeddings\": true", "ties the embedding and the head"},
+        {", \"tie_word_embeddings\": true", "ties the embedding and the head (tie_word_embeddings true), and --config"},
+        {", \"tie_word_embeddings\": \"yes\"", "tie_word_embeddings must be true or false, not a string"},
         {", \"rope_parameters\": {\"rope_theta\": 500000.0, \"rope_type\": \"default\"}",
          "config.json has rope_parameters.rope_theta=500000.0, and --config"},
         {", \"rope_parameters\": {\"factor\": 8.0, \"rope_theta\": 10000.0, \"rope_type\": \"llama3\"}",
@@ -1580,6 +1581,41 @@ Test(train_run, resume_shuffles_by_the_recorded_seed, .init = make_tmp, .fini = 
     cr_expect(!same_file(tmp_path(a, "recorded/step-000010/model.safetensors"),
                          tmp_path(b, "recorded-resumed/step-000010/model.safetensors")),
               "the recorded seed changed nothing: the resume did not read it");
+}
+
+/* A model whose head is its embedding trains, saves the one tensor once
+ * (as transformers saves a tied model) with a config that says so, and
+ * resumes bit for bit. */
+Test(train_run, tied_embeddings_train_save_and_resume, .init = make_tmp, .fini = remove_tmp) {
+    char cfg[512], out[512], resume[512], a[512];
+    moe_model_config c;
+    cr_assert_eq(moe_model_config_load(&c, write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE), NULL, NULL), MOE_OK);
+    c.tie_word_embeddings = true;
+    cr_assert_eq(moe_model_config_save(&c, tmp_path(cfg, "tied.json")), MOE_OK, "%s", moe_last_error());
+    moe_run_options o = tiny_options(cfg, tmp_path(out, "straight"));
+    o.save_every = 5;
+    o.eval_every = 5;
+    seen v;
+    run_ok(&o, &v);
+    cr_expect(v.end_val < v.first_val, "val_loss %g -> %g", v.first_val, v.end_val);
+    moe_st_file *f;
+    cr_assert_eq(moe_st_open(&f, tmp_path(a, "straight/step-000010/model.safetensors")), MOE_OK, "%s",
+                 moe_last_error());
+    cr_expect_null(moe_st_find(f, "lm_head.weight"));
+    cr_expect_not_null(moe_st_find(f, "model.embed_tokens.weight"));
+    moe_st_close(f);
+    moe_model_config saved;
+    cr_assert_eq(moe_model_config_load(&saved, tmp_path(a, "straight/step-000010/config.json"), NULL, NULL), MOE_OK,
+                 "%s", moe_last_error());
+    cr_expect(saved.tie_word_embeddings);
+
+    o.config = NULL;
+    o.save_every = 0;
+    o.resume = tmp_path(resume, "straight/step-000005");
+    o.out_dir = tmp_path(out, "resumed");
+    run_ok(&o, &v);
+    cr_assert_eq(v.steps, 5);
+    expect_same_checkpoints("straight/step-000010", "resumed/step-000010", "10 steps against 5 + 5");
 }
 
 /* A resume under which the checkpoint's position would read another

@@ -19,8 +19,9 @@
 #define T 8
 #define VOCAB 32
 
-static void tiny_config(moe_model_config *c, double capacity, int groups) {
+static void tiny_config(moe_model_config *c, double capacity, int groups, bool tied) {
     mpi_tiny_config(c, VOCAB, 16, 16, 2, 4);
+    c->tie_word_embeddings = tied;
     c->moe_z_loss_coef = 0.001;
     c->moe_capacity_factor = capacity;
     c->moe_n_group = groups;
@@ -72,9 +73,9 @@ static int compare_dropped(const double *got, const double *want, double capacit
     return 0;
 }
 
-static int run_grid(int ep_size, double capacity, int groups, moe_data *data) {
+static int run_grid(int ep_size, double capacity, int groups, bool tied, moe_data *data) {
     moe_model_config cfg;
-    tiny_config(&cfg, capacity, groups);
+    tiny_config(&cfg, capacity, groups, tied);
     double want[STEPS], got[STEPS], want_dropped[STEPS], got_dropped[STEPS], want_bytes[STEPS], got_bytes[STEPS];
     moe_comm *ep = NULL;
     moe_status st = train(want, want_dropped, want_bytes, &cfg, (int64_t)size * B, NULL, data);
@@ -105,7 +106,7 @@ static void slow_matmul_forward(float *out, const float *inp, const float *weigh
  * 8 steps (its sleeps alone outlast a step of the others). */
 static int check_straggler(moe_data *data) {
     moe_model_config cfg;
-    tiny_config(&cfg, 0.0, 0);
+    tiny_config(&cfg, 0.0, 0, false);
     slow_ops = *moe_cpu_ops();
     slow_ops.matmul_forward = slow_matmul_forward;
     const moe_model_parallel par = {.world = world, .ops = rank == size - 1 ? &slow_ops : NULL};
@@ -138,11 +139,16 @@ int main(void) {
     const int grids = size >= 4 ? 3 : 2;
     for (int g = 0; g < grids; g++)
         for (int cap = 0; cap < 2; cap++)
-            mpi_report(run_grid(ep_sizes[g], cap ? 1.0 : 0.0, 0, data), "%d ranks, EP=%d, %s, %d steps", size,
+            mpi_report(run_grid(ep_sizes[g], cap ? 1.0 : 0.0, 0, false, data), "%d ranks, EP=%d, %s, %d steps", size,
                        ep_sizes[g], cap ? "capacity 1.0" : "dropless", STEPS);
     for (int cap = 0; cap < 2; cap++)
-        mpi_report(run_grid(size, cap ? 1.0 : 0.0, size, data), "%d ranks, EP=%d, %d expert groups keeping %d, %s",
-                   size, size, size, size / 2, cap ? "capacity 1.0" : "dropless");
+        mpi_report(run_grid(size, cap ? 1.0 : 0.0, size, false, data),
+                   "%d ranks, EP=%d, %d expert groups keeping %d, %s", size, size, size, size / 2,
+                   cap ? "capacity 1.0" : "dropless");
+    /* The head's gradient adds to the embedding's before the ranks sum it. */
+    for (int g = 0; g < 2; g++)
+        mpi_report(run_grid(ep_sizes[g], 0.0, 0, true, data), "%d ranks, EP=%d, tied embedding and head", size,
+                   ep_sizes[g]);
     mpi_report(check_straggler(data), "a rank whose matmuls sleep is named the slowest");
     moe_data_close(data);
     free(tokens);

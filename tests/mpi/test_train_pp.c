@@ -152,14 +152,16 @@ static int check_stages(void) {
 }
 
 /* Refused on every rank: a pipeline without the grid's communicator (the
- * checkpoints' gather), and (4 ranks) data-parallel ranks of a stage that
- * hold different layers. */
+ * checkpoints' gather), (4 ranks) data-parallel ranks of a stage that
+ * hold different layers, and a tied embedding and head, which the first
+ * and the last stage would share. */
 static int check_layouts(void) {
     moe_model_config cfg;
     tiny_config(&cfg);
     moe_grid grid;
     int bad = 0;
-    for (int c = 0; c < (size >= 4 ? 2 : 1); c++) {
+    for (int c = 0; c < 3; c++) {
+        if (c == 1 && size < 4) continue;
         moe_status st =
             moe_grid_create(&grid, world, 1, c ? 2 : size, 1, cfg.num_hidden_layers, moe_grid_flop_costs(&cfg, T));
         if (st != MOE_OK) return mpi_fail_status(st, "grid");
@@ -174,6 +176,10 @@ static int check_layouts(void) {
             if (grid.at.dp_rank == 1 && grid.at.stage == 0) bounds[1]--;
             par.stage_layers = bounds;
             want = "split the layers into pipeline stages differently";
+        }
+        if (c == 2) {
+            cfg.tie_word_embeddings = true;
+            want = "tie_word_embeddings true shares one tensor";
         }
         moe_model *model = NULL;
         st = moe_model_create_parallel(&model, &cfg, B, T, 7, &par);
@@ -263,8 +269,8 @@ int main(void) {
     moe_data *data = mpi_training_start(&tokens, VOCAB);
     if (!data) return 1;
     mpi_report(check_stages(), "%d stages hold the layers in order; overlapping stages are refused", size);
-    mpi_report(check_layouts(), "a pipeline without the grid's communicator%s is refused on every rank",
-               size >= 4 ? ", or with a stage's ranks on different layers," : "");
+    mpi_report(check_layouts(), "a pipeline without the grid's communicator%s, or of a tied embedding and head, is "
+               "refused on every rank", size >= 4 ? ", with a stage's ranks on different layers" : "");
     mpi_report(check_bad_target(), "a bad target fails every stage at once");
     mpi_report(check_partial_twin(), "a twin of an interleaved stage holds the chunks it serves");
     static const char *const names[] = {"1F1B", "GPipe"};
