@@ -159,16 +159,17 @@ run() {
     missing=$(for b in "${BINARIES[@]}"; do ldd "$dir/$b" | grep "not found"; done | sort -u)
     [ -z "$missing" ] || die "shared libraries not found:"$'\n'"$missing"
 
-    # Nine files: the two test logs, five JSON files, the training log
-    # and every benchmark's messages in bench.err.
+    # Eight files: the tests' log (both suites, each after its "== NAME"
+    # line), five JSON files, the training log and every benchmark's
+    # messages in bench.err.
     : >"$results/bench.err"
 
     # 1. The CUDA tests, verbose so that every skip says why.
-    echo "== test_cuda_ops"
-    timeout -k 5 "$(limit 240)" "$dir/test_cuda_ops" --verbose -j4 2>&1 | tee "$results/test_cuda_ops.log"
+    echo "== test_cuda_ops" | tee "$results/tests.log"
+    timeout -k 5 "$(limit 240)" "$dir/test_cuda_ops" --verbose -j4 2>&1 | tee -a "$results/tests.log"
     local test_rc=${PIPESTATUS[0]}
-    echo "== test_comm_nccl"
-    timeout -k 5 "$(limit 90)" "$dir/test_comm_nccl" --verbose -j1 2>&1 | tee "$results/test_comm_nccl.log"
+    echo "== test_comm_nccl" | tee -a "$results/tests.log"
+    timeout -k 5 "$(limit 90)" "$dir/test_comm_nccl" --verbose -j1 2>&1 | tee -a "$results/tests.log"
     [ "${PIPESTATUS[0]}" = 0 ] || test_rc=1
 
     # bench_step NAME SECONDS OUTPUT ARGS...: one moe-bench run, its JSON
@@ -263,11 +264,12 @@ summary() {
     local results=$1 test_rc=$2 gemm_rc=$3 layer_rc=$4 train_rc=$5
     echo
     echo "==================== gpu_check summary ($(($(date +%s) - START)) s) ===================="
-    local synth skipped log
-    for log in test_cuda_ops test_comm_nccl; do
-        synth=$(grep -a "Synthesis" "$results/$log.log" | tail -1)
-        skipped=$(grep -ac "\[SKIP\]" "$results/$log.log")
-        printf "%-14s | %s | skipped %s\n" "$log" "${synth#*Synthesis: }" "$skipped"
+    local synth skipped suite section
+    for suite in test_cuda_ops test_comm_nccl; do
+        section=$(awk -v head="== $suite" '$0 == head { on = 1; next } /^== / { on = 0 } on' "$results/tests.log")
+        synth=$(grep -a "Synthesis" <<<"$section" | tail -1)
+        skipped=$(grep -ac "\[SKIP\]" <<<"$section")
+        printf "%-14s | %s | skipped %s\n" "$suite" "${synth#*Synthesis: }" "$skipped"
     done
     printf "tests   exit %s\n" "$test_rc"
     printf "gemm    exit %s   gate+layer+attention exit %s   train exit %s\n" "$gemm_rc" "$layer_rc" "$train_rc"
