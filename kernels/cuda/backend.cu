@@ -1,13 +1,14 @@
 /* backend.cu: the CUDA op table of kernels/ops.h over the launchers of
  * cuda_ops.h.
  *
- * The table's entries take no context and most return nothing, so two
- * pieces of per-thread state stand in: the bound context (moe_cuda_ops),
- * and the first failure of an entry, kept with its detail until the next
- * sync, upload or download reports it. While a failure is kept the op
- * entries do nothing: their inputs may be the failed op's unwritten
- * outputs, and an index read from those could fault the device, which
- * would turn one reported failure into a lost context. */
+ * The table's entries take no context and most return nothing, so the
+ * bound context (moe_cuda_ops) is per-thread state, and the first failure
+ * of an entry is kept with its detail, in the context it ran on, until the
+ * next sync, upload or download on that context reports it (one of a
+ * thread without a context is kept by the thread). While a failure is kept
+ * the context's op entries do nothing: their inputs may be the failed op's
+ * unwritten outputs, and an index read from those could fault the device,
+ * which would turn one reported failure into a lost context. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,19 +17,21 @@
 
 typedef struct bound_state {
     moe_cuda_ctx *ctx;
-    moe_kept_error kept; /* the first failure not yet reported */
+    moe_kept_error unbound; /* the first failure for want of a context, not yet reported */
 } bound_state;
 
 static thread_local bound_state bound;
 
+static moe_kept_error *kept(void) { return bound.ctx ? &bound.ctx->kept : &bound.unbound; }
+
 /* Keeps st, naming the entry, if it is the first failure. */
 static void keep(moe_status st, const char *entry) {
-    if (st == MOE_OK || bound.kept.status != MOE_OK) return;
-    moe_error_keep(&bound.kept, moe_error_prefix(st, "cuda op %s: ", entry));
+    if (st == MOE_OK || kept()->status != MOE_OK) return;
+    moe_error_keep(kept(), moe_error_prefix(st, "cuda op %s: ", entry));
 }
 
 /* The kept failure, which is cleared, or else st. */
-static moe_status report(moe_status st) { return moe_error_take(&bound.kept, st); }
+static moe_status report(moe_status st) { return moe_error_take(kept(), st); }
 
 static moe_status no_context(void) {
     return moe_error(MOE_ERR_STATE,
@@ -37,8 +40,7 @@ static moe_status no_context(void) {
 
 /* Whether an op entry may run: a context is bound and no failure is kept. */
 static bool ready(const char *entry) {
-    if (bound.kept.status != MOE_OK) return false;
-    if (bound.ctx) return true;
+    if (bound.ctx) return bound.ctx->kept.status == MOE_OK;
     keep(no_context(), entry);
     return false;
 }
@@ -423,9 +425,7 @@ static moe_status make_current(const moe_cuda_ctx *ctx) {
 }
 
 extern "C" void moe_cuda_unbind(moe_cuda_ctx *ctx) {
-    if (bound.ctx != ctx) return;
-    bound.ctx = NULL;
-    moe_error_take(&bound.kept, MOE_OK); /* its failure goes with it */
+    if (bound.ctx == ctx) bound.ctx = NULL; /* its failure goes with it */
 }
 
 extern "C" const moe_ops *moe_cuda_ops(moe_cuda_ctx *ctx) {

@@ -111,6 +111,7 @@ struct moe_cuda_ctx {
     int next_plan;        /* round-robin victim once every slot is used */
     moe_cuda_math math;   /* how fp32 GEMMs use the tensor cores (moe_cuda_set_math) */
     moe_cuda_attention_path attention_path; /* moe_cuda_set_attention_path */
+    moe_kept_error kept; /* the first failure of an op entry on it not yet reported (backend.cu) */
 };
 
 /* *out = the context's scratch for use, at least bytes long. It grows

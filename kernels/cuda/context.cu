@@ -16,11 +16,15 @@ static const char *short_path(const char *file) {
 }
 
 moe_status moe_cuda_report(cudaError_t err, const char *call, const char *file, int line) {
+    /* A failed call also leaves its error as the thread's last one, which
+     * the next launch's check would report again as its own. */
+    (void)cudaGetLastError();
     moe_status st = MOE_ERR_INTERNAL;
     if (err == cudaErrorMemoryAllocation)
         st = MOE_ERR_OUT_OF_MEMORY;
     else if (err == cudaErrorNoDevice || err == cudaErrorInsufficientDriver ||
-             err == cudaErrorNoKernelImageForDevice || err == cudaErrorUnsupportedPtxVersion)
+             err == cudaErrorNoKernelImageForDevice || err == cudaErrorUnsupportedPtxVersion ||
+             err == cudaErrorDevicesUnavailable)
         st = MOE_ERR_UNSUPPORTED;
     return moe_error(st, "%s failed at %s:%d: %s: %s", call, short_path(file), line,
                      cudaGetErrorName(err), cudaGetErrorString(err));

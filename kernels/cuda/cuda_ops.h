@@ -392,8 +392,8 @@ moe_status moe_cuda_sumsq(double *out, const float *x, int64_t n, moe_cuda_ctx *
  * never per step. upload and download wait; copy and zero are queued. */
 const moe_ops *moe_cuda_ops(moe_cuda_ctx *ctx);
 
-/* Unbinds ctx from the calling thread if it is the one bound there,
- * discarding a failure it kept: for a context about to be destroyed. */
+/* Unbinds ctx from the calling thread if it is the one bound there: for a
+ * context about to be destroyed, whose kept failure goes with it. */
 void moe_cuda_unbind(moe_cuda_ctx *ctx);
 
 #endif /* MOE_HAVE_CUDA */
