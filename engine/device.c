@@ -35,15 +35,29 @@ moe_status moe_device_parse(moe_device *d, const char *name) {
 }
 
 #if defined(MOE_HAVE_CUDA)
-/* The launcher's local rank of this process, or 0. */
-static int local_rank(void) {
-    static const char *const vars[] = {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"};
-    for (size_t i = 0; i < sizeof vars / sizeof *vars; i++) {
+/* The first of the launcher's variables that is set, as an integer, or 0. */
+static int launcher_int(const char *const *vars, size_t n) {
+    for (size_t i = 0; i < n; i++) {
         const char *v = getenv(vars[i]);
         if (v && *v) return atoi(v);
     }
     return 0;
 }
+
+/* This process's rank among its node's, or 0. */
+static int local_rank(void) {
+    static const char *const vars[] = {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"};
+    return launcher_int(vars, sizeof vars / sizeof *vars);
+}
+
+/* How many ranks run on this node, or 0 when the launcher does not say. */
+static int local_ranks(void) {
+    static const char *const vars[] = {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"};
+    return launcher_int(vars, sizeof vars / sizeof *vars);
+}
+
+/* Usable GPUs this process tells apart. */
+#define MAX_GPUS 64
 #endif
 
 static const char *const math_names[] = {"fp32", "tf32", "bf16"};
@@ -155,16 +169,47 @@ moe_status moe_device_open(moe_device_handle *h, moe_device want, int ranks) {
         return MOE_OK;
     }
 #if defined(MOE_HAVE_CUDA)
-    const int devices = moe_cuda_device_count();
-    h->index = devices > 0 ? local_rank() % devices : 0;
+    /* Each rank takes a usable GPU of its node by its local rank (an older
+     * GPU beside them is passed over); NCCL refuses two ranks on one GPU. */
+    int usable[MAX_GPUS];
+    int n_usable = moe_cuda_usable_devices(usable, MAX_GPUS);
+    n_usable = n_usable < MAX_GPUS ? n_usable : MAX_GPUS;
+    const int node_ranks = local_ranks();
+    if (ranks > 1 && node_ranks > n_usable) {
+        snprintf(why, sizeof why, "%d ranks on this node share %d usable GPU%s, and NCCL needs one a rank", node_ranks,
+                 n_usable, n_usable == 1 ? "" : "s");
+        if (want == MOE_DEVICE_CUDA) return moe_error(MOE_ERR_UNSUPPORTED, "--device cuda: %s", why);
+        snprintf(h->note, sizeof h->note, "--device auto: running on the CPU: %s", why);
+        return MOE_OK;
+    }
+    h->index = usable[local_rank() % n_usable];
     moe_cuda_ctx *ctx = NULL;
     moe_status st = moe_cuda_ctx_create(&ctx, h->index);
+    if (st != MOE_OK && want == MOE_DEVICE_AUTO) {
+        snprintf(h->note, sizeof h->note, "--device auto: running on the CPU: CUDA device %d: %.180s", h->index,
+                 moe_last_error());
+        return MOE_OK;
+    }
     if (st != MOE_OK) return moe_error_prefix(st, "--device %s: ", moe_device_name(want));
     h->cuda = ctx;
     h->ops = moe_cuda_ops(ctx);
     snprintf(h->desc, sizeof h->desc, "cuda: %s", moe_cuda_device_name(ctx));
     place_near(h, ctx);
 #endif
+    return MOE_OK;
+}
+
+moe_status moe_device_agree(moe_device_handle *h, moe_comm *world) {
+    if (!world) return MOE_OK;
+    int64_t on_gpu = h->cuda != NULL;
+    MOE_TRY(moe_comm_allreduce_sum(world, &on_gpu, 1, MOE_COMM_I64));
+    const int ranks = moe_comm_size(world);
+    if (on_gpu == 0 || on_gpu == ranks || !h->cuda) return MOE_OK;
+    moe_device_close(h);
+    *h = (moe_device_handle){.ops = moe_cpu_ops()};
+    snprintf(h->desc, sizeof h->desc, "cpu");
+    snprintf(h->note, sizeof h->note, "--device auto: running on the CPU: %lld of the %d ranks have no usable GPU",
+             (long long)(ranks - on_gpu), ranks);
     return MOE_OK;
 }
 

@@ -40,12 +40,21 @@ typedef struct moe_device_handle {
 } moe_device_handle;
 
 /* Opens want for a job of ranks processes. Several processes on CUDA need
- * NCCL for the arrays they exchange (moe_device_comms); without it AUTO
- * chooses the CPU and CUDA is an error, saying so. A process's device is
- * its local rank (Open MPI's, MPICH's, Slurm's) modulo the devices; with
- * hwloc the process is then bound to that GPU's local PUs, unless a
- * launcher bound it within them already (placement says what happened). */
+ * NCCL for the arrays they exchange (moe_device_comms), and a GPU each;
+ * without them AUTO chooses the CPU and CUDA is an error, saying so. A
+ * process's device is the usable GPU (sm_80 or newer) of its local rank
+ * (Open MPI's, MPICH's, Slurm's) modulo their count; with hwloc the
+ * process is then bound to that GPU's local PUs, unless a launcher bound it
+ * within them already (placement says what happened). A GPU that will not
+ * give a context (held by another process, say) is an error under CUDA and
+ * the CPU under AUTO, with the reason in note: ranks of one job then
+ * settle on one backend with moe_device_agree. */
 moe_status moe_device_open(moe_device_handle *device, moe_device want, int ranks);
+
+/* One backend for the job of world's ranks: when AUTO left some on the CPU
+ * (moe_device_open), the ranks on a GPU close it and join them, with a note
+ * that says how many had none. Collective; a no-op on one process. */
+moe_status moe_device_agree(moe_device_handle *device, moe_comm *world);
 
 /* Communicators for the device's memory over a grid's ranks: device_world
  * over grid->dp's, device_ep over grid->ep's, device_pipe over

@@ -1915,6 +1915,7 @@ static moe_status run_body(run *r, double start) {
     }
     MOE_TRY(open_data(r));
     MOE_TRY(moe_device_open(&r->device, o->device, r->ranks));
+    if (o->device == MOE_DEVICE_AUTO) MOE_TRY(moe_device_agree(&r->device, r->world));
     MOE_TRY(moe_device_set_gemm_math(&r->device, o->gemm_math));
     if (o->profile) {
         r->profile = calloc((size_t)moe_profile_op_count(), sizeof *r->profile);

@@ -45,25 +45,36 @@ moe_status moe_cuda_report(cublasStatus_t err, const char *call, const char *fil
 /* The mma.sync bf16 kernels and cuBLASLt's bf16 paths need sm_80. */
 #define MIN_CC_MAJOR 8
 
-/* The first of the n devices of sm_80 or newer, or -1; why says which
- * (its name) or why the last one checked is not. */
-static int first_usable_device(int n, char *why, size_t why_bytes) {
+/* How many of the n devices are of sm_80 or newer, the first max of them
+ * in list [max]; why names the first (its name) or, when there is none,
+ * says why the last one checked is not. */
+static int usable_devices(int n, int *list, int max, char *why, size_t why_bytes) {
+    int count = 0;
     for (int d = 0; d < n; d++) {
         cudaDeviceProp prop;
         if (cudaGetDeviceProperties(&prop, d) != cudaSuccess) {
-            snprintf(why, why_bytes, "device %d does not answer (%s)", d,
-                     cudaGetErrorString(cudaGetLastError()));
+            if (count == 0)
+                snprintf(why, why_bytes, "device %d does not answer (%s)", d,
+                         cudaGetErrorString(cudaGetLastError()));
+            (void)cudaGetLastError();
             continue;
         }
         if (prop.major < MIN_CC_MAJOR) {
-            snprintf(why, why_bytes, "device %d (%s) is sm_%d%d; these kernels need sm_%d0 or newer",
-                     d, prop.name, prop.major, prop.minor, MIN_CC_MAJOR);
+            if (count == 0)
+                snprintf(why, why_bytes, "device %d (%s) is sm_%d%d; these kernels need sm_%d0 or newer",
+                         d, prop.name, prop.major, prop.minor, MIN_CC_MAJOR);
             continue;
         }
-        snprintf(why, why_bytes, "%s", prop.name);
-        return d;
+        if (count == 0) snprintf(why, why_bytes, "%s", prop.name);
+        if (count < max) list[count] = d;
+        count++;
     }
-    return -1;
+    return count;
+}
+
+static int first_usable_device(int n, char *why, size_t why_bytes) {
+    int first = -1;
+    return usable_devices(n, &first, 1, why, why_bytes) > 0 ? first : -1;
 }
 
 extern "C" bool moe_cuda_available(char *why, size_t why_bytes) {
@@ -214,13 +225,14 @@ extern "C" moe_status moe_cuda_pci_bus_id(char *out, size_t out_bytes, const moe
     return MOE_OK;
 }
 
-extern "C" int moe_cuda_device_count(void) {
+extern "C" int moe_cuda_usable_devices(int *devices, int max) {
     int n = 0;
     if (cudaGetDeviceCount(&n) != cudaSuccess) {
         (void)cudaGetLastError();
         return 0;
     }
-    return n;
+    char why[256];
+    return usable_devices(n, devices, max, why, sizeof why);
 }
 
 extern "C" moe_status moe_cuda_sync(moe_cuda_ctx *ctx) {

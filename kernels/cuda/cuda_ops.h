@@ -72,8 +72,9 @@ void moe_cuda_set_math(moe_cuda_ctx *ctx, moe_cuda_math math);
 /* The context's cudaStream_t, for a library that queues on it (NCCL). */
 void *moe_cuda_stream(const moe_cuda_ctx *ctx);
 
-/* Devices this process sees; 0 when none answers. */
-int moe_cuda_device_count(void);
+/* The devices of sm_80 or newer this process sees, in order, the first max
+ * of them in devices [max]: how many there are (0 when none answers). */
+int moe_cuda_usable_devices(int *devices, int max);
 
 /* Waits for everything queued on the context's stream and reports the
  * first asynchronous error (a fault inside an earlier kernel). */
