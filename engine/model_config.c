@@ -534,6 +534,12 @@ moe_status moe_model_config_parse(moe_model_config *cfg, const char *text, size_
     if (st == MOE_OK) st = fill_defaults(cfg, state, &o, name);
     if (st == MOE_OK) st = moe_model_config_validate(cfg, name);
     if (st == MOE_OK) warn_token_ids(cfg, name, wfn, wctx);
+    /* Kept as computed, so that a saved config says what the model does. */
+    if (st == MOE_OK && !cfg->moe_renormalize && cfg->moe_gate != MOE_GATE_SOFTMAX_TOPK) {
+        warn(wfn, wctx, "%s: moe_renormalize=false ignored: the %s gate always normalises the k chosen weights", name,
+             gate_names[cfg->moe_gate]);
+        cfg->moe_renormalize = true;
+    }
     return st;
 }
 

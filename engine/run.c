@@ -1544,7 +1544,7 @@ static moe_status evaluate(run *r, int64_t step, double *val_loss) {
                                          "damaged (finite, but large enough to overflow the model)",
                          r->o->init_from, *val_loss);
     if (!isfinite(*val_loss))
-        return moe_error(MOE_ERR_INTERNAL, "step %lld: validation loss is %g (the loss diverged; lower --lr)",
+        return moe_error(MOE_ERR_CONFIG, "step %lld: validation loss is %g (the loss diverged; lower --lr)",
                          (long long)step, *val_loss);
     if (synthetic) MOE_TRY(finish_kinds(r));
     const moe_run_eval e = {.step = step, .val_loss = *val_loss, .entropy_floor = r->entropy_floor};

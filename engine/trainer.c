@@ -1050,8 +1050,9 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
     double sumsq;
     MOE_TRY(grad_sumsq(t, &sumsq));
     const double norm = sqrt(sumsq);
+    /* The same run diverges again, bit for bit: a setting at fault, no bug. */
     if (!isfinite(norm))
-        return moe_error(MOE_ERR_INTERNAL, "step %lld: gradient norm is %g (the loss diverged; lower --lr)",
+        return moe_error(MOE_ERR_CONFIG, "step %lld: gradient norm is %g (the loss diverged; lower --lr)",
                          (long long)t->steps_done + 1, norm);
     /* Clipping scales the gradient by clip / norm; AdamW is not scale-free
      * because of eps, so the scaling applies to the gradients themselves,

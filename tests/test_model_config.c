@@ -156,6 +156,18 @@ Test(model_config, defaults) {
     cr_expect(!c.tie_word_embeddings);
     cr_assert_eq(parse(&c, config_with("tie_word_embeddings", "true"), &w), MOE_OK, "%s", moe_last_error());
     cr_expect(c.tie_word_embeddings);
+    /* Gates that always normalise take moe_renormalize false as true, saying so. */
+    cr_assert_eq(parse(&c, config_with("moe_renormalize", "false"), &w), MOE_OK, "%s", moe_last_error());
+    cr_expect(!c.moe_renormalize && w.count == 0);
+    const char *sigmoid = "{\"vocab_size\": 100, \"hidden_size\": 64, \"intermediate_size\": 128, "
+                          "\"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"num_local_experts\": 8, "
+                          "\"num_experts_per_tok\": 2, \"num_key_value_heads\": 4, \"moe_gate\": \"sigmoid\", "
+                          "\"moe_renormalize\": false}";
+    cr_assert_eq(parse(&c, sigmoid, &w), MOE_OK, "%s", moe_last_error());
+    cr_expect(c.moe_renormalize);
+    cr_expect(w.count == 1 && warned(&w, "moe_renormalize=false ignored: the sigmoid gate always normalises"),
+              "%d warnings: %s", w.count, w.text[0]);
+    w.count = 0;
 
     /* null means absent, as in transformers */
     cr_assert_eq(parse(&c, config_with("head_dim", "null"), &w), MOE_OK, "%s", moe_last_error());
@@ -692,8 +704,7 @@ Test(model_config, save_then_load_is_identical, .init = make_tmpdir, .fini = rem
     c.router_jitter_noise = 0.01;
     c.initializer_range = 0.5;
     c.tie_word_embeddings = true;
-    c.moe_gate = MOE_GATE_SIGMOID;
-    c.moe_renormalize = false;
+    c.moe_gate = MOE_GATE_SIGMOID; /* which normalises: moe_renormalize stays true */
     c.moe_capacity_factor = 1.25;
     c.moe_z_loss_coef = 1e-3;
     c.moe_seq_aux_loss_coef = 1e-4;
