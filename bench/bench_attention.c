@@ -189,7 +189,7 @@ int bench_attention_run(int argc, char **argv) {
     const bench_int_flag int_flags[] = {
         {"B", &s.B, 1, 65535},          {"T", &s.T, 1, 1 << 20},        {"heads", &s.Hq, 1, 65535},
         {"kv-heads", &s.Hkv, 1, 65535}, {"head-dim", &s.hd, 1, 1 << 16}, {"window", &s.window, 0, 1 << 20},
-        {"warmup", &warmup, 0, 1000},   {"iters", &iters, 1, 100000},   {"threads", &threads, 0, 4096},
+        {"warmup", &warmup, 0, 1000},   {"iters", &iters, 1, 100000},   {"threads", &threads, 1, 4096},
     };
     const bench_switch switches[] = {{"--json", &json}};
     const bench_flags flags = {.usage = usage, .switches = switches, .n_switches = 1, .device = &device,

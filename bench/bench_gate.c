@@ -133,7 +133,7 @@ int bench_gate_run(int argc, char **argv) {
     bool json = false;
     const bench_int_flag int_flags[] = {
         {"T", &T, 1, INT32_MAX},         {"E", &E, 1, MOE_EXPERTS_MAX}, {"k", &k, 1, MOE_EXPERTS_MAX},
-        {"warmup", &warmup, 0, 1000},    {"iters", &iters, 1, 100000}, {"threads", &threads, 0, 4096},
+        {"warmup", &warmup, 0, 1000},    {"iters", &iters, 1, 100000}, {"threads", &threads, 1, 4096},
     };
     const bench_switch switches[] = {{"--json", &json}};
     const bench_flags flags = {.usage = usage, .switches = switches, .n_switches = 1, .device = &device,

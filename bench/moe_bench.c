@@ -2,6 +2,7 @@
 #include "bench/moe_bench.h"
 
 #include <cblas.h>
+#include <ctype.h>
 #include <errno.h>
 #include <math.h>
 #include <omp.h>
@@ -79,6 +80,12 @@ int main(int argc, char **argv) {
 
 /* ---------------------------------------------------------------- options */
 
+/* Whether an argument is a flag ("--x", "-x") rather than a value, which
+ * may be a negative number. */
+static bool is_flag(const char *arg) {
+    return arg[0] == '-' && (arg[1] == '-' || isalpha((unsigned char)arg[1]));
+}
+
 int bench_option(int argc, char **argv, int *i, const char *cmd, const char *name,
                  const char **value) {
     const char *arg = argv[*i];
@@ -91,7 +98,7 @@ int bench_option(int argc, char **argv, int *i, const char *cmd, const char *nam
     }
     if (arg[2 + len] != '\0') return 0;
     /* The next option is not this one's value (a negative number is). */
-    if (*i + 1 >= argc || strncmp(argv[*i + 1], "--", 2) == 0) {
+    if (*i + 1 >= argc || is_flag(argv[*i + 1])) {
         fprintf(stderr, "moe-bench %s: --%s needs a value\n", cmd, name);
         return -1;
     }
@@ -103,7 +110,7 @@ int bench_option(int argc, char **argv, int *i, const char *cmd, const char *nam
 int bench_option_or_short(int argc, char **argv, int *i, const char *cmd, const char *short_name,
                           const char *name, const char **value) {
     if (short_name && strcmp(argv[*i], short_name) == 0) {
-        if (*i + 1 >= argc || strncmp(argv[*i + 1], "--", 2) == 0) {
+        if (*i + 1 >= argc || is_flag(argv[*i + 1])) {
             fprintf(stderr, "moe-bench %s: %s needs a value\n", cmd, short_name);
             return -1;
         }
@@ -203,10 +210,18 @@ double bench_timed_calls(const moe_ops *ops, void (*fn)(const void *job), const 
 #define MAX_REPS 1000
 
 int64_t bench_reps_for(const moe_ops *ops, void (*fn)(const void *job), const void *job) {
-    const double once = bench_timed_calls(ops, fn, job, 1);
-    if (once < 0.0) return 0;
-    const double want = SAMPLE_SECONDS / (once > 1e-9 ? once : 1e-9);
-    return want <= 1.0 ? 1 : want >= MAX_REPS ? MAX_REPS : (int64_t)ceil(want);
+    if (bench_timed_calls(ops, fn, job, 1) < 0.0) return 0;
+    int64_t reps = 1;
+    for (;;) {
+        const double each = bench_timed_calls(ops, fn, job, reps);
+        if (each < 0.0) return 0;
+        if (each * (double)reps >= SAMPLE_SECONDS || reps >= MAX_REPS) return reps;
+        /* Toward the count this sample says, ten times this one at most,
+         * so that one short sample cannot make a sample of seconds. */
+        const double want = ceil(SAMPLE_SECONDS / (each > 1e-9 ? each : 1e-9));
+        const double next = want > 10.0 * (double)reps ? 10.0 * (double)reps : want;
+        reps = next >= MAX_REPS ? MAX_REPS : next > (double)reps ? (int64_t)next : 2 * reps;
+    }
 }
 
 /* ---------------------------------------------------------------- buffers */
@@ -392,10 +407,7 @@ int bench_parse_flags(const bench_flags *flags, const char *cmd, int argc, char 
             found = bench_option(argc, argv, &i, cmd, flags->texts[t].name, flags->texts[t].value);
         if (found == 0) found = bench_int_option(argc, argv, &i, cmd, flags->ints, flags->n_ints);
         if (found < 0) return BENCH_EXIT_USAGE;
-        if (found == 0) {
-            fprintf(stderr, "moe-bench %s: unknown option '%s' (see --help)\n", cmd, argv[i]);
-            return BENCH_EXIT_USAGE;
-        }
+        if (found == 0) return bench_unknown_argument(cmd, argv[i]);
     }
     return -1;
 }

@@ -150,9 +150,11 @@ double bench_median(double *v, int n);
  * over them); negative on a backend failure. */
 double bench_timed_calls(const moe_ops *ops, void (*fn)(const void *job), const void *job, int64_t reps);
 
-/* Calls of fn(job) per timed sample, from the time of one: enough for 1 ms,
- * so that a pass of microseconds on a GPU is not mostly its launch and wait;
- * 1 for a call that long already, at most 1000, and 0 on a backend failure. */
+/* Calls of fn(job) per timed sample: enough for 1 ms, so that a pass of
+ * microseconds on a GPU is not mostly its launch and wait; 1 for a call
+ * that long already, at most 1000, and 0 on a backend failure. Measured
+ * after an untimed call (a GPU's first loads the kernel's module, a CPU's
+ * faults its pages in), growing the count until a sample takes 1 ms. */
 int64_t bench_reps_for(const moe_ops *ops, void (*fn)(const void *job), const void *job);
 
 /* Tokens of the synthetic corpus that whole training steps read (train,
