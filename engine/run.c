@@ -740,6 +740,33 @@ static moe_status read_resume_state(run *r) {
                      o->resume, (long long)s->data_chunk, (long long)chunk);
 }
 
+/* Data of another tokenization than the model's reads as valid token ids
+ * and gives a loss, but a meaningless one: said when validation reads
+ * another kind of data than training, when an --init-from checkpoint
+ * recorded another kind than this run reads (--resume refuses it), and
+ * when the synthetic corpus meets a model of another vocabulary. */
+static void warn_other_tokens(const run *r) {
+    const moe_run_options *o = r->o;
+    const char *read = o->eval_only ? (o->val_data ? o->val_data : o->data) : o->data;
+    const char *flag = o->eval_only && o->val_data ? "--val-data" : "--data";
+    if (!o->eval_only && o->val_data && strcmp(data_kind(o->val_data), data_kind(o->data)) != 0)
+        warn(r, "--val-data %s is %s data and --data %s is %s data: the model is evaluated on other tokens than it "
+                "trains on",
+             o->val_data, data_kind(o->val_data), o->data, data_kind(o->data));
+    char state_path[RUN_PATH_BYTES];
+    moe_train_state s;
+    if (o->init_from && !o->upcycle &&
+        snprintf(state_path, sizeof state_path, "%s/train_state.safetensors", o->init_from) < (int)sizeof state_path &&
+        access(state_path, R_OK) == 0 && moe_checkpoint_read_state(&s, o->init_from) == MOE_OK && s.data_kind[0] &&
+        strcmp(s.data_kind, data_kind(read)) != 0)
+        warn(r, "--init-from %s was trained on %s data, and %s %s is %s data", o->init_from, s.data_kind, flag, read,
+             data_kind(read));
+    else if (is_synthetic(read) && r->cfg.vocab_size != MOE_SYNTH_VOCAB_SIZE)
+        warn(r, "%s synthetic: the corpus has %d token ids, the model's vocabulary %lld: the model was made for "
+                "other data (give it as %s)",
+             flag, MOE_SYNTH_VOCAB_SIZE, (long long)r->cfg.vocab_size, flag);
+}
+
 /* The synthetic training stream's length. A fresh run generates its whole
  * stream up to a cap (past it the reader goes around again), and at least
  * one batch. A resumed run reads the checkpoint's stream: shuffled, it is
@@ -895,6 +922,7 @@ static moe_status open_data(run *r) {
     if (!o->val_data && !o->val_tokens && !is_synthetic(o->data))
         warn(r, "no --val-data: evaluating on --data %s from its start, which the model also trains on "
                 "(--val-tokens N holds out its last N tokens instead)", o->data);
+    warn_other_tokens(r);
     r->entropy_floor = NAN;
     if (r->val.synth.tokens) {
         MOE_TRY(moe_synth_floor_of(&r->floor, &r->val.synth, o->eval_batches, r->dp_size * o->batch_size,

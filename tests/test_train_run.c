@@ -956,6 +956,36 @@ Test(train_run, a_shard_read_as_bytes_is_warned_about, .init = make_tmp, .fini =
               v.warning);
 }
 
+/* Tokens of another kind than the model's are valid ids and give a loss,
+ * a meaningless one: validation on another kind than training, an
+ * --init-from checkpoint's recorded kind against this run's, and the
+ * synthetic corpus for a model of another vocabulary, are warned about. */
+Test(train_run, data_of_other_tokens_is_warned_about, .init = make_tmp, .fini = remove_tmp) {
+    char cfg[512], out[512], text[512], from[512];
+    moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_BYTE_VOCAB_SIZE), tmp_path(out, "bytes"));
+    o.data = write_text(text, "text.txt", text_line, 100);
+    o.val_data = MOE_RUN_SYNTHETIC;
+    seen v;
+    run_ok(&o, &v);
+    cr_expect(strstr(v.warning, "--val-data synthetic is synthetic data and --data") &&
+                  strstr(v.warning, "is bytes data: the model is evaluated on other tokens than it trains on"),
+              "warning: '%s'", v.warning);
+
+    moe_run_options e = tiny_options(NULL, tmp_path(out, "eval"));
+    e.eval_only = true;
+    e.init_from = tmp_path(from, "bytes/step-000010");
+    run_ok(&e, &v);
+    cr_expect(strstr(v.warning, "bytes/step-000010 was trained on bytes data, and --data synthetic is synthetic data"),
+              "warning: '%s'", v.warning);
+
+    o.val_data = NULL;
+    o.data = MOE_RUN_SYNTHETIC;
+    o.out_dir = tmp_path(out, "synthetic");
+    run_ok(&o, &v);
+    cr_expect(strstr(v.warning, "--data synthetic: the corpus has 54 token ids, the model's vocabulary 256"),
+              "warning: '%s'", v.warning);
+}
+
 /* Validation data too short for --eval-batches, or holding a token outside
  * the vocabulary where an evaluation reads, is refused before training (it
  * used to fail at the first evaluation, after every step, with the final
