@@ -820,7 +820,7 @@ moe_status moe_layer_update_bias(moe_layer *L) {
     if (!L) return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_update_bias: layer is NULL");
     L = state_of(L);
     bind(L);
-    if (!L->bias) return moe_error(MOE_ERR_STATE, "moe_layer_update_bias: bias_update_rate is 0, there is no bias");
+    if (!L->bias) return moe_error(MOE_ERR_CONFIG, "moe_layer_update_bias: bias_update_rate is 0, there is no bias");
     if (L->bias_forwards == 0)
         return moe_error(MOE_ERR_STATE, "moe_layer_update_bias: no training forward since the last update");
     moe_bias_update(L->bias, L->bias_load, L->cfg.n_experts, L->cfg.bias_update_rate);
@@ -830,7 +830,9 @@ moe_status moe_layer_update_bias(moe_layer *L) {
 }
 
 double moe_layer_forward_flops(const moe_layer_config *cfg, int64_t T) {
-    if (!cfg || T <= 0) return 0.0;
+    if (!cfg || T <= 0 || cfg->d_model <= 0 || cfg->d_ff <= 0 || cfg->n_experts <= 0 || cfg->top_k <= 0 ||
+        cfg->n_shared_experts < 0)
+        return 0.0;
     double d = (double)cfg->d_model, ff = (double)cfg->d_ff, E = (double)cfg->n_experts;
     double k = (double)cfg->top_k, S = (double)cfg->n_shared_experts * ff;
     return 2.0 * T * d * E + 6.0 * T * k * d * ff + 6.0 * T * d * S;

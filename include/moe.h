@@ -253,12 +253,14 @@ moe_status moe_layer_zero_grad(moe_layer *layer);
 /* Nudges the selection bias against the load error of the training
  * forwards since the last update (an optimizer step's micro-batches,
  * summed): b_e += rate * sign(mean load - load_e). MOE_ERR_STATE when there
- * was no training forward since. */
+ * was no training forward since; MOE_ERR_CONFIG on a layer without a bias
+ * (bias_update_rate 0). */
 moe_status moe_layer_update_bias(moe_layer *layer);
 
 /* Floating-point operations of one forward at T, counting only the work done
  * by the experts that were active (2 per multiply-add) plus the router; 0
- * for a NULL config or T <= 0. */
+ * for a NULL config, a size in it that is not positive (a negative
+ * n_shared_experts), or T <= 0. */
 double moe_layer_forward_flops(const moe_layer_config *cfg, int64_t T);
 
 #ifdef __cplusplus

@@ -220,6 +220,7 @@ Test(config, null_arguments) {
     cr_expect(moe_layer_set_training(NULL, 1) == MOE_ERR_INVALID_ARG);
     cr_expect(moe_layer_zero_grad(NULL) == MOE_ERR_INVALID_ARG);
     cr_expect(moe_layer_update_bias(NULL) == MOE_ERR_INVALID_ARG);
+    cr_expect(moe_layer_update_bias(l) == MOE_ERR_CONFIG, "a layer without a bias: %s", moe_last_error());
     cr_expect(moe_layer_forward(l, y, x, 3, NULL) == MOE_OK, "%s", moe_last_error());
     cr_expect(moe_layer_backward(l, NULL, y, x) == MOE_ERR_INVALID_ARG);
     cr_expect(moe_layer_backward(l, dx, NULL, x) == MOE_ERR_INVALID_ARG);

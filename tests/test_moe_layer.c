@@ -1205,6 +1205,8 @@ Test(layer, forward_flops) {
     cr_expect(fabs(got - want) <= 1e-9 * want, "forward flops %.6g, want %.6g", got, want);
     cr_expect(moe_layer_forward_flops(NULL, 100) == 0.0 && moe_layer_forward_flops(&cfg, -3) == 0.0,
               "no config or no tokens: no FLOPs");
+    cfg.d_model = -4;
+    cr_expect(moe_layer_forward_flops(&cfg, 100) == 0.0, "a negative size: no FLOPs");
 }
 
 /* ------------------------------------------------------ backend memory */
