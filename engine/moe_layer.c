@@ -1004,15 +1004,20 @@ static moe_status carve_token_arrays(moe_layer *L, int64_t T) {
     return carve_block(L, BLOCK_TOKENS, T);
 }
 
-/* The forward's arrays for T tokens, its activations now this layer's. */
+/* The forward's arrays for T tokens, its activations now this layer's. A
+ * layer with gradients sizes its backward's scratch here too (and by rows
+ * in carve_rows), where the forward waits for the device anyway: growing
+ * it in backward would make backward wait (moe.h says it never does). */
 static moe_status carve_tokens(moe_layer *L, int64_t T) {
     MOE_TRY(carve_token_arrays(L, T));
+    if (L->mem.router_grad) MOE_TRY(carve_block(L, BLOCK_DTOKENS, T));
     L->blocks[BLOCK_TOKENS]->holder = L;
     return MOE_OK;
 }
 
 static moe_status carve_rows(moe_layer *L, int64_t R) {
     MOE_TRY(check_rows(L, R));
+    if (L->mem.router_grad) MOE_TRY(carve_block(L, BLOCK_DROWS, R));
     MOE_TRY(carve_block(L, BLOCK_ROWS, R));
     L->rows_sized = R;
     L->blocks[BLOCK_ROWS]->holder = L;

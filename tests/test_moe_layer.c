@@ -797,7 +797,11 @@ Test(layer, repeated_forward_at_smaller_and_same_T) {
     ref_rng rng = {22};
     ref_fill(dy, T * d, &rng, -1, 1);
     cr_assert(moe_layer_zero_grad(f.layer) == MOE_OK);
+    /* The forward sized the backward's scratch: the first backward takes
+     * nothing more (on a GPU, growing it would wait for the device). */
+    const int64_t workspace = moe_layer_workspace_bytes(f.layer);
     cr_assert(moe_layer_backward(f.layer, dx, dy, x + 2 * d) == MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(moe_layer_workspace_bytes(f.layer), workspace, "the first backward grew the workspace");
 
     moe_layer *fresh;
     cr_assert(moe_layer_create(&fresh, &cfg) == MOE_OK);
