@@ -1089,7 +1089,10 @@ static moe_status build_model(run *r) {
     par.device_world = r->device_world;
     par.device_ep = r->device_ep;
     par.device_pipe = r->device_pipe;
-    par.recompute = o->recompute;
+    /* Evaluation alone keeps no gradients, no AdamW state and one set of
+     * activations: what the forwards need, as generation does. */
+    par.inference = o->eval_only;
+    par.recompute = o->recompute && !o->eval_only;
     MOE_TRY(moe_model_create_parallel(&r->model, &r->cfg, o->batch_size, o->seq_len, o->seed, &par));
     moe_model_set_overlap(r->model, o->overlap);
     moe_model_set_logit_z_loss(r->model, o->logit_z_loss);

@@ -254,17 +254,16 @@ moe_status moe_trainer_create(moe_trainer **out, moe_model *model, const moe_opt
     if (!out || !model) return moe_error(MOE_ERR_INVALID_ARG, "moe_trainer_create: NULL argument");
     *out = NULL;
     MOE_TRY(moe_optim_config_validate(cfg));
-    if (moe_model_inference(model))
-        return moe_error(MOE_ERR_INVALID_ARG, "moe_trainer_create: an inference model (moe_model_parallel.inference) "
-                                              "cannot train");
+    const bool evaluates_only = moe_model_inference(model);
     moe_trainer *t = calloc(1, sizeof *t);
     if (!t) return moe_error(MOE_ERR_OUT_OF_MEMORY, "trainer: struct");
     t->model = model;
     t->cfg = *cfg;
     t->ops = moe_model_ops(model);
     const int64_t BT = moe_model_batch_size(model) * moe_model_seq_len(model), M = cfg->grad_accum;
-    const int64_t grad_blocks = plan_runs(t);
-    moe_status st = t->ops->alloc((void **)&t->state, (size_t)(2 * t->state_count) * sizeof(float));
+    const int64_t grad_blocks = evaluates_only ? 0 : plan_runs(t);
+    moe_status st = MOE_OK;
+    if (!evaluates_only) st = t->ops->alloc((void **)&t->state, (size_t)(2 * t->state_count) * sizeof(float));
     if (st == MOE_OK && grad_blocks) st = t->ops->alloc((void **)&t->grad_blocks, (size_t)grad_blocks * sizeof(float));
     if (st == MOE_OK) st = t->ops->alloc((void **)&t->sumsq, MOE_RUN_COUNT * sizeof(double));
     if (st != MOE_OK) st = moe_error_prefix(st, "trainer: AdamW state for %lld parameters: ", (long long)t->state_count);
@@ -319,7 +318,7 @@ moe_status moe_trainer_create(moe_trainer **out, moe_model *model, const moe_opt
     for (int c = 0; c < t->chunks; c++) {
         int64_t now = 0;
         t->in_flight[c] = 1;
-        for (int64_t i = 0; st == MOE_OK && cfg->pipe_schedule == MOE_PIPE_1F1B && i < n_ops; i++)
+        for (int64_t i = 0; st == MOE_OK && !evaluates_only && cfg->pipe_schedule == MOE_PIPE_1F1B && i < n_ops; i++)
             if (t->plan->ops[i].chunk == c) {
                 now += t->plan->ops[i].backward ? -1 : 1;
                 if (now > t->in_flight[c]) t->in_flight[c] = now;
@@ -341,8 +340,10 @@ moe_status moe_trainer_create(moe_trainer **out, moe_model *model, const moe_opt
         moe_trainer_destroy(t);
         return st;
     }
-    carve_runs(t);
-    st = make_spans(t);
+    if (!evaluates_only) {
+        carve_runs(t);
+        st = make_spans(t);
+    }
     if (st == MOE_OK && stage.pipe) st = connect_stages(t);
     if (st != MOE_OK) {
         moe_trainer_destroy(t);
@@ -979,6 +980,9 @@ static moe_status gather_ranks(moe_trainer *t, double busy, double bytes, moe_st
 }
 
 moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *metrics) {
+    if (t && moe_model_inference(t->model))
+        return moe_error(MOE_ERR_STATE, "moe_trainer_step: the model is an inference model "
+                                        "(moe_model_parallel.inference), which evaluates only");
     if (!t || !data) return moe_error(MOE_ERR_INVALID_ARG, "moe_trainer_step: NULL argument");
     t->batch_refused = false;
     moe_model *model = t->model;

@@ -150,7 +150,11 @@ typedef struct moe_trainer moe_trainer;
  * all-gather below move the bytes of the all-reduce they replace), takes
  * the global norm from the blocks, updates its block and all-gathers the
  * parameters. A run whose group is one rank stays whole. The loss curve is
- * that of zero = 0 up to float summation order. */
+ * that of zero = 0 up to float summation order.
+ *
+ * On an inference model (moe_model_parallel.inference), which has no
+ * gradients, the trainer evaluates only (moe_trainer_eval): it keeps no
+ * AdamW state, and moe_trainer_step refuses. */
 moe_status moe_trainer_create(moe_trainer **trainer, moe_model *model, const moe_optim_config *cfg);
 void moe_trainer_destroy(moe_trainer *trainer);
 

@@ -356,14 +356,18 @@ static void format_range(char *out, size_t size, int64_t least, int64_t most) {
         snprintf(out, size, "%s-%s", a, b);
 }
 
-/* "memory   AdamW state 0.80 MB, activations 3.10 MB (--recompute) per rank" */
+/* "memory   AdamW state 0.80 MB, activations 3.10 MB (--recompute) per rank";
+ * evaluation alone keeps no AdamW state. */
 static void print_memory(const moe_run_summary *s) {
     const moe_run_options *o = s->options;
     char state[80], acts[80];
     format_range(state, sizeof state, s->optimizer_bytes_least, s->optimizer_bytes_most);
     format_range(acts, sizeof acts, s->activation_bytes_least, s->activation_bytes_most);
-    printf("memory   AdamW state %s MB%s, activations %s MB%s per rank\n", state, o->zero ? " (--zero 1)" : "", acts,
-           o->recompute ? " (--recompute)" : "");
+    if (o->eval_only)
+        printf("memory   activations %s MB per rank\n", acts);
+    else
+        printf("memory   AdamW state %s MB%s, activations %s MB%s per rank\n", state, o->zero ? " (--zero 1)" : "",
+               acts, o->recompute ? " (--recompute)" : "");
 }
 
 static void on_start(void *ctx, const moe_run_summary *s) {
