@@ -288,6 +288,9 @@ moe_status moe_run_options_validate(const moe_run_options *o) {
                                          "trains none (its routers would be untrained)");
     if (o->eval_only && o->profile)
         return moe_error(MOE_ERR_CONFIG, "--profile times training steps, and --eval-only runs none");
+    if (o->eval_only && o->recompute)
+        return moe_error(MOE_ERR_CONFIG, "--recompute saves the activations a backward reads, and --eval-only runs "
+                                         "none (it keeps one layer's set already)");
     if (o->eval_only && o->save_every)
         return moe_error(MOE_ERR_CONFIG, "--save-every writes checkpoints, and --eval-only writes none");
     if (o->eval_only && o->shuffle)
@@ -1092,7 +1095,7 @@ static moe_status build_model(run *r) {
     /* Evaluation alone keeps no gradients, no AdamW state and one set of
      * activations: what the forwards need, as generation does. */
     par.inference = o->eval_only;
-    par.recompute = o->recompute && !o->eval_only;
+    par.recompute = o->recompute;
     MOE_TRY(moe_model_create_parallel(&r->model, &r->cfg, o->batch_size, o->seq_len, o->seed, &par));
     moe_model_set_overlap(r->model, o->overlap);
     moe_model_set_logit_z_loss(r->model, o->logit_z_loss);

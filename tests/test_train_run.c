@@ -1916,6 +1916,11 @@ static void profile_eval_only(moe_run_options *o) {
     o->profile = true;
 }
 
+static void recompute_eval_only(moe_run_options *o) {
+    eval_only_of(o);
+    o->recompute = true;
+}
+
 Test(train_run, bad_options_name_the_flag) {
     static const bad_option cases[] = {
         {"--batch-size", zero_batch},     {"--seq-len", negative_seq},
@@ -1928,7 +1933,7 @@ Test(train_run, bad_options_name_the_flag) {
         {"--peak-gflops", negative_peak}, {"--peak-gflops", denormal_peak},
         {"--out", empty_out},             {"--data", empty_data},
         {"--init-from", eval_only_alone}, {"--resume", resume_and_init},
-        {"--profile", profile_eval_only},
+        {"--profile", profile_eval_only}, {"--recompute", recompute_eval_only},
         {"--overwrite", overwrite_eval_only}, {"--keep-last", negative_keep_last},
         {"--keep-last", keep_last_eval_only}, {"--overwrite", latest_overwrite},
         {"--logit-z-loss", nan_logit_z},  {"--shuffle", shuffle_eval_only},
