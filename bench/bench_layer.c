@@ -20,6 +20,9 @@
 #define DEFAULT_WARMUP 1
 #define DEFAULT_ITERS 3
 #define ROUTING_SEED 0x6d6f652d6c617972ull
+/* A device layer's y may differ from the CPU layer's by summation order:
+ * within this share of the largest |y|. */
+#define CHECK_TOLERANCE 1e-4
 
 typedef struct layer_shape {
     const char *name;
@@ -70,6 +73,9 @@ static void print_help(FILE *f) {
             "N = 3*ff), measured just before each group of rows. GFLOP/s count active FLOPs: router\n"
             "2*T*d*E plus experts 6*T*k*d*ff forward; backward counts twice the forward.\n"
             "ratio = GFLOP/s / sgemm_GFLOP/s. Times are medians over the iterations.\n"
+            "On a device the first forward's y is checked against the CPU layer's on the\n"
+            "same parameters and x (within 1e-4 of max |y|, else exit 1): a wrong kernel\n"
+            "does not time as a fast one.\n"
             "\n"
             "shape (default: both shapes below; any of these flags selects one 'custom'\n"
             "shape whose other sizes are mixtral's):\n"
@@ -337,6 +343,35 @@ static int layer_bufs(bench_buffer *bufs, layer_buffers *b, const layer_shape *s
     return LAYER_BUFS;
 }
 
+/* On a device, the forward's y (on the backend) against the CPU layer's on
+ * the same parameters and x, as max |diff| / max |y| in *err: a wrong
+ * kernel must not time as a fast one. */
+static moe_status check_against_cpu(double *err, const moe_layer_config *cfg, const float *params, const moe_ops *ops,
+                                    const float *x, const float *y, int64_t T) {
+    const int64_t n_params = moe_layer_config_param_count(cfg, 1), router = cfg->n_experts * cfg->d_model;
+    const int64_t n = T * cfg->d_model;
+    float *host = malloc((size_t)(n_params + 2 * n) * sizeof *host);
+    if (!host) return moe_error(MOE_ERR_OUT_OF_MEMORY, "the CPU layer's check: %lld floats", (long long)n_params);
+    float *want = host + n_params, *got = want + n;
+    moe_layer *cpu = NULL;
+    const moe_layer_memory mem = {.ops = moe_cpu_ops(), .router = host, .experts = host + router};
+    moe_status st = moe_layer_create_in(&cpu, cfg, &mem, NULL, NULL);
+    /* After create, which draws initial values into the memory. */
+    if (st == MOE_OK) st = ops->download(host, params, (size_t)n_params * sizeof *host);
+    if (st == MOE_OK) st = ops->download(got, y, (size_t)n * sizeof *got);
+    if (st == MOE_OK) st = moe_layer_forward(cpu, want, x, T, NULL);
+    double diff = 0.0, scale = 0.0;
+    for (int64_t i = 0; st == MOE_OK && i < n; i++) {
+        const double e = fabs((double)got[i] - (double)want[i]);
+        diff = isnan(e) || e > diff ? (isnan(e) ? INFINITY : e) : diff;
+        scale = fmax(scale, fabs((double)want[i]));
+    }
+    *err = scale > 0.0 ? diff / scale : diff;
+    if (cpu) moe_layer_destroy(cpu);
+    free(host);
+    return st;
+}
+
 static int run_shape(const layer_shape *s, const layer_options *o, const moe_ops *ops, const bench_table *table) {
     const int64_t T = s->T, d = s->d, f = s->ff, E = s->E, rows = s->T * s->k;
     const int warmup = (int)o->warmup, iters = (int)o->iters;
@@ -420,6 +455,19 @@ static int run_shape(const layer_shape *s, const layer_options *o, const moe_ops
                     "T*k=%lld with no capacity limit\n",
                     CMD, s->name, routing->label, (long long)expert_rows, (long long)rows);
             goto done;
+        }
+        if (ops != moe_cpu_ops()) {
+            double err = 0.0;
+            if (bench_failed(CMD, "the CPU layer's check", check_against_cpu(&err, &cfg, params, ops, hb.x, b.y, T)))
+                goto done;
+            if (!(err <= CHECK_TOLERANCE)) {
+                fprintf(stderr, "moe-bench %s: %s %s: y is %.3g of max |y| from the CPU layer's, past %.0e: a kernel "
+                                "is wrong\n",
+                        CMD, s->name, routing->label, err, CHECK_TOLERANCE);
+                goto done;
+            }
+            bench_table_note(table, "%s %s: y within %.2g of max |y| of the CPU layer's", s->name, routing->label,
+                             err);
         }
         build_groups(groups, &b, counts, s);
 
