@@ -21,6 +21,8 @@
 #define DEFAULT_WARMUP 3
 #define DEFAULT_ITERS 20
 #define LOGIT_RANGE 4.0f
+/* A device's routing weights may differ from the CPU's by rounding. */
+#define CHECK_TOLERANCE 1e-5
 
 static const bench_column columns[] = {
     {"gate", "gate", BENCH_STR, -13, 0},
@@ -54,7 +56,9 @@ static void usage(void) {
            "GB/s counts the bytes the pass must move: logits read, probabilities, top-k\n"
            "indices and weights and logsumexp written; a copy moves its bytes twice (read\n"
            "and write). ratio = GB/s / copy_GB/s. Times are medians of samples of at\n"
-           "least 1 ms each (as many calls back to back as that takes, per call).\n\n"
+           "least 1 ms each (as many calls back to back as that takes, per call). On a\n"
+           "device each kind's choices and weights are then checked against the CPU's\n"
+           "gate (weights within 1e-5; a tie of logits may go either way), else exit 1.\n\n"
            "  --T N         tokens (default %d)\n"
            "  --E N         experts (default %d)\n"
            "  --k N         experts per token (default %d)\n"
@@ -126,6 +130,57 @@ static void run_copy(const void *arg) {
     j->ops->copy(j->b->copy, j->b->logits, j->copy_bytes);
 }
 
+static int by_value(const void *a, const void *b) {
+    const float x = *(const float *)a, y = *(const float *)b;
+    return (x > y) - (x < y);
+}
+
+/* On a device, the pass's choices (as the logits they chose, so that tied
+ * logits may go either way) and weights, each token's in value order,
+ * against the CPU's gate on the same logits: how many tokens differ. */
+static moe_status check_against_cpu(int64_t *wrong, const gate_job *j, const float *logits) {
+    const int64_t T = j->T, E = j->params.n_experts, k = j->params.top_k;
+    const int64_t chunks = (T + MOE_GATE_CHUNK_TOKENS - 1) / MOE_GATE_CHUNK_TOKENS;
+    const size_t floats = (size_t)(T * E + T + 4 * T * k), doubles = (size_t)(E + 1 + chunks * (2 * E + 1));
+    float *f = malloc(floats * sizeof *f);
+    double *d = malloc(doubles * sizeof *d);
+    int32_t *idx = malloc((size_t)(2 * T * k) * sizeof *idx);
+    int64_t *assigned = malloc((size_t)E * sizeof *assigned);
+    moe_status st = MOE_OK;
+    if (!f || !d || !idx || !assigned)
+        st = moe_error(MOE_ERR_OUT_OF_MEMORY, "the CPU gate's check: T=%lld x E=%lld", (long long)T, (long long)E);
+    if (st == MOE_OK) {
+        float *prob = f, *lse = prob + T * E, *w = lse + T, *got_w = w + T * k, *a = got_w + T * k, *b = a + T * k;
+        int32_t *got_idx = idx + T * k;
+        moe_gate_totals totals = {.assigned = assigned, .prob_sum = d, .z_sum = d + E, .chunk_scratch = d + E + 1};
+        moe_cpu_ops()->gate_forward(idx, w, prob, lse, &totals, logits, NULL, &j->params, T);
+        st = j->ops->download(got_idx, j->b->topk_idx, (size_t)(T * k) * sizeof *got_idx);
+        if (st == MOE_OK) st = j->ops->download(got_w, j->b->topk_w, (size_t)(T * k) * sizeof *got_w);
+        *wrong = 0;
+        for (int64_t t = 0; st == MOE_OK && t < T; t++) {
+            bool same = true;
+            for (int pass = 0; pass < 2; pass++) {
+                for (int64_t s = 0; s < k; s++) {
+                    const int32_t want_e = idx[t * k + s], got_e = got_idx[t * k + s];
+                    if (got_e < 0 || got_e >= E) same = false;
+                    a[s] = pass ? w[t * k + s] : logits[t * E + want_e];
+                    b[s] = pass ? got_w[t * k + s] : same ? logits[t * E + got_e] : NAN;
+                }
+                qsort(a, (size_t)k, sizeof *a, by_value);
+                qsort(b, (size_t)k, sizeof *b, by_value);
+                for (int64_t s = 0; s < k; s++)
+                    same = same && (pass ? fabsf(a[s] - b[s]) <= CHECK_TOLERANCE : a[s] == b[s]);
+            }
+            *wrong += !same;
+        }
+    }
+    free(f);
+    free(d);
+    free(idx);
+    free(assigned);
+    return st;
+}
+
 int bench_gate_run(int argc, char **argv) {
     int64_t T = DEFAULT_T, E = DEFAULT_E, k = DEFAULT_K, warmup = DEFAULT_WARMUP, iters = DEFAULT_ITERS;
     int64_t threads = 0;
@@ -195,6 +250,16 @@ int bench_gate_run(int argc, char **argv) {
             if (it >= warmup) {
                 times[it - warmup] = gate_s;
                 times[iters + it - warmup] = copy_s;
+            }
+        }
+        if (ops != moe_cpu_ops()) {
+            int64_t wrong = 0;
+            if (bench_failed(CMD, "the CPU gate's check", check_against_cpu(&wrong, &job, host))) goto done;
+            if (wrong) {
+                fprintf(stderr, "moe-bench %s: %s: %lld of %lld tokens chose other experts or weights (past %.0e) than "
+                                "the CPU's gate: a kernel is wrong\n",
+                        CMD, kinds[g].name, (long long)wrong, (long long)T, CHECK_TOLERANCE);
+                goto done;
             }
         }
         const double gate_s = bench_median(times, (int)iters), copy_s = bench_median(times + iters, (int)iters);
