@@ -217,6 +217,9 @@ struct moe_layer {
     moe_layer_stats last;   /* global statistics of the last forward */
     int64_t last_T;         /* T of the last forward (0: a rank with no tokens this time) */
     bool forward_done;      /* the last forward succeeded: backward may follow */
+    /* During a forward over batch ranks: the collective the peers wait in
+     * next, which a rank whose forward fails before it joins to tell them. */
+    enum { PEERS_IN_TOKEN_COUNTS, PEERS_IN_TOTALS, PEERS_TOLD } peers;
     int64_t global_T;       /* tokens over the EP group in the last forward */
     moe_layer_timing timing;
     int training;
@@ -1112,6 +1115,32 @@ int64_t moe_layer_workspace_bytes(moe_layer *L) {
 
 /* ---------------------------------------------------------------- routing */
 
+/* A forward that fails on one batch rank fails on every rank at once: the
+ * failing rank joins the collective its peers wait in next with a token
+ * count of -1 (tell_peers), and they stop there, naming it. */
+static moe_status peer_refused(int r) {
+    return moe_error(MOE_ERR_COMM, "moe_layer_forward: rank %d of the layer's ranks failed its forward (its own "
+                                   "error says why)",
+                     r);
+}
+
+static void tell_peers(moe_layer *L, moe_status st) {
+    moe_kept_error kept = {0};
+    moe_error_keep(&kept, st);
+    if (L->peers == PEERS_IN_TOKEN_COUNTS) {
+        const int64_t refused = -1;
+        (void)moe_comm_allgather(L->batch, L->rank_T, &refused, 1, MOE_COMM_I64);
+    } else if (L->peers == PEERS_IN_TOTALS) {
+        const int64_t E = L->cfg.n_experts, W = 2 * E + 3;
+        double *mine = L->rank_totals + (int64_t)L->batch_rank * W;
+        memset(mine, 0, (size_t)W * sizeof *mine);
+        mine[2 * E + 1] = -1.0;
+        (void)moe_comm_allgather(L->batch, L->rank_totals, mine, W, MOE_COMM_F64);
+    }
+    L->peers = PEERS_TOLD;
+    (void)moe_error_take(&kept, st); /* the cause, not the telling, is the message */
+}
+
 /* Shares every batch rank's router totals (one all-gather of 2E + 3 doubles
  * per rank; seq_sum: its sequences' sum of sum_e f_e P_e, seq_aux_sum),
  * then derives, identically on every rank: the global pairs per
@@ -1129,8 +1158,11 @@ static moe_status share_routing(moe_layer *L, int64_t T, double z_sum, double se
     mine[2 * E + 1] = (double)T;
     mine[2 * E + 2] = seq_sum;
     if (L->batch) {
+        L->peers = PEERS_TOLD;
         moe_status st = moe_comm_allgather(L->batch, L->rank_totals, mine, W, MOE_COMM_F64);
         if (st != MOE_OK) return moe_error_prefix(st, "moe layer dispatch (router totals): ");
+        for (int64_t r = 0; r < N; r++)
+            if (L->rank_totals[r * W + 2 * E + 1] < 0.0) return peer_refused((int)r);
     }
     double z = 0.0, aux = 0.0, seq_aux = 0.0;
     L->global_T = 0;
@@ -1629,11 +1661,20 @@ static int64_t setup_groups(moe_layer *L, int64_t T, const float *x_in, const fl
     return L->n_local + 1;
 }
 
+static moe_status forward(moe_layer *L, float *y, const float *x, int64_t T, moe_layer_stats *stats);
+
 moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, moe_layer_stats *stats) {
     MOE_NOT_NULL("moe_layer_forward", "layer", L);
     /* Until this forward succeeds, no backward may differentiate the last
      * one: carving may already replace its router choices. */
     L->forward_done = false;
+    L->peers = !L->batch ? PEERS_TOLD : L->cfg.jitter_eps > 0.0 ? PEERS_IN_TOKEN_COUNTS : PEERS_IN_TOTALS;
+    const moe_status st = forward(L, y, x, T, stats);
+    if (st != MOE_OK && L->peers != PEERS_TOLD) tell_peers(L, st);
+    return st;
+}
+
+static moe_status forward(moe_layer *L, float *y, const float *x, int64_t T, moe_layer_stats *stats) {
     if (T < 0) return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_forward: T=%lld must not be negative", (long long)T);
     if (T > 0) { /* a rank with no tokens may pass no buffers */
         MOE_NOT_NULL("moe_layer_forward", "y", y);
@@ -1676,8 +1717,12 @@ moe_status moe_layer_forward(moe_layer *L, float *y, const float *x, int64_t T, 
          * backend. */
         int64_t before = 0; /* tokens of the batch ranks before this one */
         if (L->batch) {
+            L->peers = PEERS_TOLD;
             moe_status st = moe_comm_allgather(L->batch, L->rank_T, &T, 1, MOE_COMM_I64);
             if (st != MOE_OK) return moe_error_prefix(st, "moe layer jitter (token counts): ");
+            for (int r = 0; r < L->batch_size; r++)
+                if (L->rank_T[r] < 0) return peer_refused(r);
+            L->peers = PEERS_IN_TOTALS;
             for (int r = 0; r < L->batch_rank; r++) before += L->rank_T[r];
         }
         const uint64_t stream = MOE_JITTER_STREAM + call, first = (uint64_t)(before * d);

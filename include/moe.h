@@ -171,10 +171,13 @@ moe_status moe_layer_create_cuda(moe_layer **layer, const moe_layer_config *cfg,
  * (0 on a rank that has none this time: it still serves its experts). A
  * peer that stops answering fails forward or backward with MOE_ERR_COMM
  * after 300 s, naming it (create says only that not every rank joined).
- * Arguments are checked on each rank alone: a rank whose forward or
- * backward fails its checks (a NULL buffer, a bad T) returns at once, and
- * its peers wait for it and fail so; after MOE_ERR_COMM the layer refuses
- * every call but destroy. Destroy the layer before MPI_Finalize (after it, only host memory is
+ * A forward that fails on one rank before the ranks exchange their routing
+ * (a NULL buffer, a bad T, memory) fails on every rank at once, the others
+ * with MOE_ERR_COMM naming it, and the layer goes on as if it had not
+ * been called; a backward's arguments are checked on each rank alone, and
+ * the peers of a rank that refuses them wait for it until the timeout. After
+ * a timeout the layer refuses every call but destroy. Destroy the layer
+ * before MPI_Finalize (after it, only host memory is
  * freed). MPI_COMM_NULL and intercommunicators are MOE_ERR_INVALID_ARG;
  * MOE_ERR_UNSUPPORTED when this libmoe was built without MPI. */
 moe_status moe_layer_create_mpi(moe_layer **layer, const moe_layer_config *cfg, const void *mpi_comm);

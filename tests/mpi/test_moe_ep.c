@@ -279,8 +279,51 @@ static void public_layer_case(bool rank1_idle) {
     free(x), free(dy), free(y_ref), free(dx_ref), free(y), free(dx);
 }
 
+/* A forward whose arguments the last rank refuses (x NULL) fails on every
+ * rank at once, the others naming it, in the collective they wait in first
+ * (the token counts under jitter, else the router totals), instead of after
+ * the 300 s timeout; the layer then runs the next forward as if it had not
+ * happened: the same y as a layer that never saw it. */
+static int refused_forward_case(double jitter) {
+    moe_layer_config cfg = MOE_LAYER_CONFIG_INIT;
+    cfg.d_model = D, cfg.d_ff = FF, cfg.n_experts = E, cfg.top_k = 2, cfg.seed = SEED, cfg.jitter_eps = jitter;
+    enum { T = 6 };
+    float x[T * D], y[T * D], y_fresh[T * D];
+    for (int64_t i = 0; i < T * D; i++) x[i] = moe_rng_normal(SEED, 5 + (uint64_t)rank, (uint64_t)i);
+    MPI_Comm comm = MPI_COMM_WORLD;
+    moe_layer *layer = NULL, *fresh = NULL;
+    if (moe_layer_create_mpi(&layer, &cfg, &comm) != MOE_OK || moe_layer_create_mpi(&fresh, &cfg, &comm) != MOE_OK) {
+        printf("  rank %d: create: %s\n", rank, moe_last_error());
+        return 1;
+    }
+    const bool refuses = rank == size - 1;
+    const double t0 = MPI_Wtime();
+    const moe_status st = moe_layer_forward(layer, y, refuses ? NULL : x, T, NULL);
+    const double seconds = MPI_Wtime() - t0;
+    char want[64];
+    snprintf(want, sizeof want, refuses ? "x is NULL" : "rank %d of the layer's ranks failed its forward", size - 1);
+    int bad = 0;
+    if (st != (refuses ? MOE_ERR_INVALID_ARG : MOE_ERR_COMM) || !strstr(moe_last_error(), want) || seconds > 30.0) {
+        printf("  rank %d: %s after %.1f s: %s (want \"%s\")\n", rank, moe_status_string(st), seconds, moe_last_error(),
+               want);
+        bad = 1;
+    }
+    if (moe_layer_forward(layer, y, x, T, NULL) != MOE_OK || moe_layer_forward(fresh, y_fresh, x, T, NULL) != MOE_OK) {
+        printf("  rank %d: the next forward: %s\n", rank, moe_last_error());
+        bad = 1;
+    } else if (memcmp(y, y_fresh, sizeof y) != 0) {
+        printf("  rank %d: the next forward's y differs from a fresh layer's\n", rank);
+        bad = 1;
+    }
+    moe_layer_destroy(layer);
+    moe_layer_destroy(fresh);
+    return bad;
+}
+
 int main(void) {
     if (!mpi_check_init()) return 1;
+    mpi_report(refused_forward_case(0.0), "a forward refused on one rank fails every rank at once, naming it");
+    mpi_report(refused_forward_case(0.1), "the same under jitter (refused in the token counts)");
     public_layer_case(false);
     mpi_report(failures, "moe_layer_create_mpi on MPI_COMM_WORLD (%d ranks)", size);
     public_layer_case(true);
