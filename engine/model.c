@@ -934,10 +934,12 @@ int64_t moe_model_active_param_count(const moe_model *m) {
 double moe_model_step_flops(const moe_model *m) {
     const moe_model_config *c = &m->cfg;
     /* 6 FLOPs per active parameter per token (2 forward, 4 backward), less
-     * the embedding, which is a lookup; plus attention's q k^T and att v:
+     * the embedding, which is a lookup (tied, its one tensor is the head's
+     * matmul too, and stays); plus attention's q k^T and att v:
      * 2 * 2 * T * hd * Hq per token forward, halved by the causal mask, x3
      * (T less a sliding window's masked keys). */
-    double matmul_params = (double)(moe_model_active_param_count(m) - c->vocab_size * c->hidden_size);
+    const int64_t lookup = c->tie_word_embeddings ? 0 : c->vocab_size * c->hidden_size;
+    double matmul_params = (double)(moe_model_active_param_count(m) - lookup);
     double attention = 6.0 * (double)c->num_hidden_layers * moe_model_config_attention_span(c, m->T) *
                        (double)(c->num_attention_heads * c->head_dim);
     return (double)m->N * (6.0 * matmul_params + attention);

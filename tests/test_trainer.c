@@ -368,7 +368,8 @@ Test(trainer, selection_bias_moves_once_per_step) {
  * layer's two norms, q k v o, router and shared experts) and top_k routed
  * experts of three [ff, C] matrices per layer. The config has shared
  * experts, GQA and head_dim * heads != hidden_size, so each term has its
- * own size; two batch shapes, so the T of attention shows. */
+ * own size; two batch shapes, so the T of attention shows. A tied head
+ * (the embedding's tensor) computes as much as an untied one. */
 static double flops_formula(const moe_model_config *c, int64_t B, int64_t T) {
     const double C = (double)c->hidden_size, V = (double)c->vocab_size, ff = (double)c->intermediate_size;
     const double L = (double)c->num_hidden_layers, E = (double)c->num_local_experts;
@@ -382,14 +383,16 @@ static double flops_formula(const moe_model_config *c, int64_t B, int64_t T) {
 }
 
 Test(trainer, step_flops_formula) {
-    const moe_model_config cfg = ref_tiny_config(VOCAB, 2, 1);
+    moe_model_config cfg = ref_tiny_config(VOCAB, 2, 1);
     static const int64_t shapes[][2] = {{BATCH, SEQ}, {3, 16}};
-    for (size_t i = 0; i < sizeof shapes / sizeof *shapes; i++) {
-        moe_model *m = NULL;
-        cr_assert(moe_model_create(&m, &cfg, shapes[i][0], shapes[i][1], 1) == MOE_OK, "%s", moe_last_error());
-        const double got = moe_model_step_flops(m), want = flops_formula(&cfg, shapes[i][0], shapes[i][1]);
-        cr_expect(fabs(got - want) <= 1e-12 * want, "B=%lld T=%lld: step FLOPs %.17g, formula %.17g",
-                  (long long)shapes[i][0], (long long)shapes[i][1], got, want);
-        moe_model_destroy(m);
-    }
+    for (int tied = 0; tied < 2; tied++)
+        for (size_t i = 0; i < sizeof shapes / sizeof *shapes; i++) {
+            cfg.tie_word_embeddings = tied;
+            moe_model *m = NULL;
+            cr_assert(moe_model_create(&m, &cfg, shapes[i][0], shapes[i][1], 1) == MOE_OK, "%s", moe_last_error());
+            const double got = moe_model_step_flops(m), want = flops_formula(&cfg, shapes[i][0], shapes[i][1]);
+            cr_expect(fabs(got - want) <= 1e-12 * want, "%s, B=%lld T=%lld: step FLOPs %.17g, formula %.17g",
+                      tied ? "tied" : "untied", (long long)shapes[i][0], (long long)shapes[i][1], got, want);
+            moe_model_destroy(m);
+        }
 }
