@@ -745,9 +745,11 @@ static moe_status read_resume_state(run *r) {
 
 /* Data of another tokenization than the model's reads as valid token ids
  * and gives a loss, but a meaningless one: said when validation reads
- * another kind of data than training, when an --init-from checkpoint
- * recorded another kind than this run reads (--resume refuses it), and
- * when the synthetic corpus meets a model of another vocabulary. */
+ * another kind of data than training, and for an --init-from model when
+ * its checkpoint recorded another kind than this run reads, or, from
+ * another trainer (no train state), when the data's ids are not its
+ * vocabulary (the synthetic corpus's 54, bytes' 256). A fresh model is
+ * made for its data, and --resume refuses another kind. */
 static void warn_other_tokens(const run *r) {
     const moe_run_options *o = r->o;
     const char *read = o->eval_only ? (o->val_data ? o->val_data : o->data) : o->data;
@@ -756,18 +758,21 @@ static void warn_other_tokens(const run *r) {
         warn(r, "--val-data %s is %s data and --data %s is %s data: the model is evaluated on other tokens than it "
                 "trains on",
              o->val_data, data_kind(o->val_data), o->data, data_kind(o->data));
+    if (!o->init_from) return;
     char state_path[RUN_PATH_BYTES];
     moe_train_state s;
-    if (o->init_from && !o->upcycle &&
-        snprintf(state_path, sizeof state_path, "%s/train_state.safetensors", o->init_from) < (int)sizeof state_path &&
-        access(state_path, R_OK) == 0 && moe_checkpoint_read_state(&s, o->init_from) == MOE_OK && s.data_kind[0] &&
-        strcmp(s.data_kind, data_kind(read)) != 0)
-        warn(r, "--init-from %s was trained on %s data, and %s %s is %s data", o->init_from, s.data_kind, flag, read,
-             data_kind(read));
-    else if (is_synthetic(read) && r->cfg.vocab_size != MOE_SYNTH_VOCAB_SIZE)
-        warn(r, "%s synthetic: the corpus has %d token ids, the model's vocabulary %lld: the model was made for "
-                "other data (give it as %s)",
-             flag, MOE_SYNTH_VOCAB_SIZE, (long long)r->cfg.vocab_size, flag);
+    if (snprintf(state_path, sizeof state_path, "%s/train_state.safetensors", o->init_from) < (int)sizeof state_path &&
+        access(state_path, R_OK) == 0 && moe_checkpoint_read_state(&s, o->init_from) == MOE_OK && s.data_kind[0]) {
+        if (strcmp(s.data_kind, data_kind(read)) != 0)
+            warn(r, "--init-from %s was trained on %s data, and %s %s is %s data", o->init_from, s.data_kind, flag,
+                 read, data_kind(read));
+        return;
+    }
+    const int64_t ids = is_synthetic(read) ? MOE_SYNTH_VOCAB_SIZE : is_shard_glob(read) ? 0 : MOE_BYTE_VOCAB_SIZE;
+    if (ids && r->cfg.vocab_size != ids)
+        warn(r, "%s %s is %s data of %lld token ids, and the vocabulary of --init-from %s has %lld: the model was made "
+                "for other data",
+             flag, read, data_kind(read), (long long)ids, o->init_from, (long long)r->cfg.vocab_size);
 }
 
 /* The synthetic training stream's length. A fresh run generates its whole
@@ -922,7 +927,7 @@ static moe_status open_data(run *r) {
         const moe_status st = scan_validation(r);
         if (st != MOE_OK) return moe_error_prefix(st, "%s: ", val_flag);
     }
-    if (!o->val_data && !o->val_tokens && !is_synthetic(o->data))
+    if (!o->eval_only && !o->val_data && !o->val_tokens && !is_synthetic(o->data))
         warn(r, "no --val-data: evaluating on --data %s from its start, which the model also trains on "
                 "(--val-tokens N holds out its last N tokens instead)", o->data);
     warn_other_tokens(r);

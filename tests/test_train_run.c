@@ -958,8 +958,9 @@ Test(train_run, a_shard_read_as_bytes_is_warned_about, .init = make_tmp, .fini =
 
 /* Tokens of another kind than the model's are valid ids and give a loss,
  * a meaningless one: validation on another kind than training, an
- * --init-from checkpoint's recorded kind against this run's, and the
- * synthetic corpus for a model of another vocabulary, are warned about. */
+ * --init-from checkpoint's recorded kind against this run's, and data
+ * whose ids are not the vocabulary of a model without a train state, are
+ * warned about; a fresh model of another vocabulary, or its resume, is not. */
 Test(train_run, data_of_other_tokens_is_warned_about, .init = make_tmp, .fini = remove_tmp) {
     char cfg[512], out[512], text[512], from[512];
     moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_BYTE_VOCAB_SIZE), tmp_path(out, "bytes"));
@@ -978,12 +979,29 @@ Test(train_run, data_of_other_tokens_is_warned_about, .init = make_tmp, .fini = 
     cr_expect(strstr(v.warning, "bytes/step-000010 was trained on bytes data, and --data synthetic is synthetic data"),
               "warning: '%s'", v.warning);
 
+    /* The same weights without their train state: another trainer's. */
+    char state[600];
+    snprintf(state, sizeof state, "%s/train_state.safetensors", from);
+    cr_assert_eq(remove(state), 0);
+    e.out_dir = tmp_path(out, "eval2");
+    run_ok(&e, &v);
+    cr_expect(strstr(v.warning, "--data synthetic is synthetic data of 54 token ids, and the vocabulary of "
+                                "--init-from") &&
+                  strstr(v.warning, "has 256: the model was made for other data"),
+              "warning: '%s'", v.warning);
+
     o.val_data = NULL;
     o.data = MOE_RUN_SYNTHETIC;
     o.out_dir = tmp_path(out, "synthetic");
+    o.save_every = 5;
     run_ok(&o, &v);
-    cr_expect(strstr(v.warning, "--data synthetic: the corpus has 54 token ids, the model's vocabulary 256"),
-              "warning: '%s'", v.warning);
+    cr_expect_eq(v.warnings, 0, "a fresh model of 256 ids on the synthetic corpus: '%s'", v.warning);
+    o.config = NULL;
+    o.save_every = 0;
+    o.resume = tmp_path(from, "synthetic/step-000005");
+    o.out_dir = tmp_path(out, "resumed");
+    run_ok(&o, &v);
+    cr_expect_eq(v.warnings, 0, "its resume: '%s'", v.warning);
 }
 
 /* Validation data too short for --eval-batches, or holding a token outside
