@@ -1,3 +1,4 @@
+#define _POSIX_C_SOURCE 200809L /* gethostname */
 /* host_memory.c: MemAvailable and the memory cgroup's limits. */
 #include "common/host_memory.h"
 
@@ -6,6 +7,7 @@
 #include <stdio.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #define PATH_BYTES 4096
 
@@ -137,6 +139,19 @@ static void cgroup_room(moe_host_memory *m, const char *root) {
         if (len == base) break;
         *strrchr(dir + base, '/') = '\0';
     }
+}
+
+uint64_t moe_host_memory_pool(const moe_host_memory *m) {
+    char name[256] = "";
+    if (gethostname(name, sizeof name - 1) != 0) name[0] = '\0';
+    uint64_t h = 14695981039346656037ull; /* FNV-1a over both, a NUL between */
+    const char *parts[] = {name, m->total_by};
+    for (int p = 0; p < 2; p++)
+        for (const char *c = parts[p];; c++) {
+            h = (h ^ (unsigned char)*c) * 1099511628211ull;
+            if (!*c) break;
+        }
+    return h;
 }
 
 moe_host_memory moe_host_memory_available(const char *root) {

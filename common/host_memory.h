@@ -24,4 +24,9 @@ typedef struct moe_host_memory {
  * /sys/fs/cgroup: "" for this machine, a folder laid out alike in tests. */
 moe_host_memory moe_host_memory_available(const char *root);
 
+/* Which pool of memory m is: a hash of this machine's host name and of
+ * what bounds m's total (the machine's, or a cgroup's, by its name).
+ * Processes that give the same key take from one pool. */
+uint64_t moe_host_memory_pool(const moe_host_memory *m);
+
 #endif /* MOE_COMMON_HOST_MEMORY_H */

@@ -216,26 +216,68 @@ static void lay_out_tensors(moe_model *m, const moe_layer_config *lc) {
     m->n_params = m->expert_offset + round_up(m->n_expert, m->replicas ? moe_comm_size(m->replicas) : 1);
 }
 
+/* Per rank of the job: its pool of host memory (moe_host_memory_pool), the
+ * bytes it will take, and its pool's total and available bytes. */
+enum { POOL_ID, POOL_NEED, POOL_TOTAL, POOL_AVAILABLE, POOL_FIELDS };
+
 /* On the CPU the parameters and gradients are host memory: sizes that
  * cannot fit are told from the count before any of it, or the table, is
- * taken (the table alone of a million layers is gigabytes). */
+ * taken (the table alone of a million layers is gigabytes). The ranks of a
+ * pool (pipeline stages on one machine) are held to it together, and every
+ * rank of the job learns every pool's verdict, so that all refuse at once. */
+static moe_status check_host_memory(moe_model *m, const moe_layer_config *lc) {
+    const double params = (double)m->n_params;
+    const double bytes = params * sizeof(float) * (m->inference ? 1 : 2) + (double)m->n_tensors * sizeof *m->tensors;
+    const moe_host_memory host = moe_host_memory_available("");
+    const int n = m->job ? moe_comm_size(m->job) : 1, me = m->job ? moe_comm_rank(m->job) : 0;
+    int64_t *pools = malloc((size_t)n * POOL_FIELDS * sizeof *pools);
+    if (!pools) return moe_error(MOE_ERR_OUT_OF_MEMORY, "model: the memory of %d ranks", n);
+    const int64_t mine[POOL_FIELDS] = {(int64_t)moe_host_memory_pool(&host), bytes < 9e18 ? (int64_t)bytes : INT64_MAX,
+                                       host.total, host.available};
+    memcpy(pools + (size_t)me * POOL_FIELDS, mine, sizeof mine);
+    moe_status st = m->job ? moe_comm_allgather(m->job, pools, mine, POOL_FIELDS, MOE_COMM_I64) : MOE_OK;
+    /* The first pool in rank order that cannot hold its ranks, ever or now. */
+    int worst = -1, sharing = 0;
+    bool never = false;
+    double need = 0.0;
+    for (int r = 0; st == MOE_OK && worst < 0 && r < n; r++) {
+        const int64_t *p = pools + (size_t)r * POOL_FIELDS;
+        double sum = 0.0;
+        int ranks = 0, first = r;
+        for (int q = 0; q < n; q++)
+            if (pools[(size_t)q * POOL_FIELDS + POOL_ID] == p[POOL_ID]) {
+                if (q < first) first = q;
+                sum += (double)pools[(size_t)q * POOL_FIELDS + POOL_NEED];
+                ranks++;
+            }
+        if (first != r) continue; /* the pool was judged at its first rank */
+        never = p[POOL_TOTAL] >= 0 && sum > (double)p[POOL_TOTAL];
+        if (never || (p[POOL_AVAILABLE] >= 0 && sum > (double)p[POOL_AVAILABLE])) worst = r, sharing = ranks, need = sum;
+    }
+    const bool ours = worst >= 0 && pools[(size_t)worst * POOL_FIELDS + POOL_ID] == mine[POOL_ID];
+    free(pools);
+    if (st != MOE_OK) return moe_error_prefix(st, "model: the ranks' memory: ");
+    if (worst < 0) return MOE_OK;
+    const moe_status status = never ? MOE_ERR_CONFIG : MOE_ERR_OUT_OF_MEMORY;
+    if (!ours)
+        return moe_error(status, "model: the ranks that share rank %d's memory need more than it %s (their errors say "
+                                 "how much)",
+                         worst, never ? "has" : "has available");
+    char together[96] = "";
+    if (sharing > 1) snprintf(together, sizeof together, ", and the %d ranks that share its memory %.3g GB together", sharing,
+                              need / 1e9);
+    return moe_error(status,
+                     "model: %.4g parameters (vocab_size %lld, hidden_size %lld, %lld layers of %lld experts of "
+                     "intermediate_size %lld here) take %.3g GB%s%s, more than the %.2f GB %s",
+                     params, (long long)m->cfg.vocab_size, (long long)m->cfg.hidden_size, (long long)m->nl,
+                     (long long)(lc->n_experts / m->ep_size), (long long)lc->d_ff, bytes / 1e9,
+                     m->inference ? "" : " with their gradients", together,
+                     (double)(never ? host.total : host.available) / 1e9, never ? host.total_by : host.bound_by);
+}
+
 static moe_status build_tensors(moe_model *m, const moe_layer_config *lc) {
     lay_out_tensors(m, lc);
-    if (m->ops->host_visible) {
-        const double params = (double)m->n_params;
-        const double bytes = params * sizeof(float) * (m->inference ? 1 : 2) + (double)m->n_tensors * sizeof *m->tensors;
-        const moe_host_memory host = moe_host_memory_available("");
-        const bool never = host.total >= 0 && bytes > (double)host.total;
-        if (never || (host.available >= 0 && bytes > (double)host.available))
-            return moe_error(never ? MOE_ERR_CONFIG : MOE_ERR_OUT_OF_MEMORY,
-                             "model: %.4g parameters (vocab_size %lld, hidden_size %lld, %lld layers of %lld experts "
-                             "of intermediate_size %lld here) take %.3g GB%s, more than the %.2f GB %s",
-                             params, (long long)m->cfg.vocab_size, (long long)m->cfg.hidden_size, (long long)m->nl,
-                             (long long)(lc->n_experts / m->ep_size), (long long)lc->d_ff, bytes / 1e9,
-                             m->inference ? "" : " with their gradients",
-                             (double)(never ? host.total : host.available) / 1e9,
-                             never ? host.total_by : host.bound_by);
-    }
+    if (m->ops->host_visible) MOE_TRY(check_host_memory(m, lc));
     m->tensors = calloc((size_t)m->n_tensors, sizeof *m->tensors);
     m->layer_first = calloc((size_t)m->nl, sizeof *m->layer_first);
     m->moe_off = calloc((size_t)m->nl, sizeof *m->moe_off);

@@ -14,7 +14,9 @@
  * A plain program (Criterion forks, which MPI does not survive); ends with
  * "N passed, M failed". */
 #include <string.h>
+#include <sys/resource.h>
 
+#include "common/host_memory.h"
 #include "engine/grid.h"
 #include "mpi_check.h"
 
@@ -194,6 +196,45 @@ static int check_layouts(void) {
     return bad;
 }
 
+/* Stages on one machine are held to its memory together: a vocabulary
+ * whose embedding (first stage) and head (last) each take 0.6 of the
+ * machine, with their gradients, is refused on every rank before any of it
+ * is allocated. The address space is capped at half the machine meanwhile,
+ * so that a check that let it through fails an allocation instead of the
+ * machine. */
+static int check_shared_memory(void) {
+    const moe_host_memory host = moe_host_memory_available("");
+    moe_model_config cfg;
+    tiny_config(&cfg);
+    const double vocab = 0.6 * (double)host.total / (double)(cfg.hidden_size * 2 * sizeof(float));
+    if (host.total < 0 || vocab > INT32_MAX) {
+        if (rank == 0) printf("  (skipped: MemTotal %lld bytes)\n", (long long)host.total);
+        return 0;
+    }
+    cfg.vocab_size = (int64_t)vocab;
+    moe_grid grid;
+    moe_status st = moe_grid_create(&grid, world, 1, size, 1, cfg.num_hidden_layers, moe_grid_flop_costs(&cfg, T));
+    if (st != MOE_OK) return mpi_fail_status(st, "grid");
+    struct rlimit was;
+    getrlimit(RLIMIT_AS, &was);
+    const struct rlimit capped = {(rlim_t)(host.total / 2), was.rlim_max};
+    setrlimit(RLIMIT_AS, &capped);
+    const moe_model_parallel par = moe_grid_model_parallel(&grid);
+    moe_model *model = NULL;
+    st = moe_model_create_parallel(&model, &cfg, B, T, 7, &par);
+    setrlimit(RLIMIT_AS, &was);
+    char want[64];
+    snprintf(want, sizeof want, "and the %d ranks that share its memory", size);
+    int bad = 0;
+    if (st != MOE_ERR_CONFIG || !strstr(moe_last_error(), want)) {
+        printf("  rank %d: %s: %s (want \"%s\")\n", rank, moe_status_string(st), moe_last_error(), want);
+        bad = 1;
+    }
+    moe_model_destroy(model);
+    moe_grid_destroy(&grid);
+    return bad;
+}
+
 /* A target outside the vocabulary fails every stage at once, not the last
  * stage alone with the others left waiting for it until the timeout. */
 static int check_bad_target(void) {
@@ -272,6 +313,7 @@ int main(void) {
     mpi_report(check_layouts(), "a pipeline without the grid's communicator%s, or of a tied embedding and head, is "
                "refused on every rank", size >= 4 ? ", with a stage's ranks on different layers" : "");
     mpi_report(check_bad_target(), "a bad target fails every stage at once");
+    mpi_report(check_shared_memory(), "stages that together exceed their machine's memory are refused on every rank");
     mpi_report(check_partial_twin(), "a twin of an interleaved stage holds the chunks it serves");
     static const char *const names[] = {"1F1B", "GPipe"};
     for (int sched = 0; sched < 2; sched++)
