@@ -219,7 +219,7 @@ struct moe_layer {
     bool forward_done;      /* the last forward succeeded: backward may follow */
     /* During a forward over batch ranks: the collective the peers wait in
      * next, which a rank whose forward fails before it joins to tell them. */
-    enum { PEERS_IN_TOKEN_COUNTS, PEERS_IN_TOTALS, PEERS_TOLD } peers;
+    enum { PEERS_IN_TOKEN_COUNTS, PEERS_IN_TOTALS, PEERS_IN_SEND_COUNTS, PEERS_TOLD } peers;
     int64_t global_T;       /* tokens over the EP group in the last forward */
     moe_layer_timing timing;
     int training;
@@ -1116,7 +1116,8 @@ int64_t moe_layer_workspace_bytes(moe_layer *L) {
 /* ---------------------------------------------------------------- routing */
 
 /* A forward that fails on one batch rank fails on every rank at once: the
- * failing rank joins the collective its peers wait in next with a token
+ * failing rank joins the collective its peers wait in next (the jitter's
+ * token counts, the router totals, the exchange's send counts) with a
  * count of -1 (tell_peers), and they stop there, naming it. */
 static moe_status peer_refused(int r) {
     return moe_error(MOE_ERR_COMM, "moe_layer_forward: rank %d of the layer's ranks failed its forward (its own "
@@ -1136,6 +1137,9 @@ static void tell_peers(moe_layer *L, moe_status st) {
         memset(mine, 0, (size_t)W * sizeof *mine);
         mine[2 * E + 1] = -1.0;
         (void)moe_comm_allgather(L->batch, L->rank_totals, mine, W, MOE_COMM_F64);
+    } else if (L->peers == PEERS_IN_SEND_COUNTS) {
+        for (int r = 0; r < L->ep_size; r++) L->send_n[r] = -1;
+        (void)moe_comm_alltoall(L->ep, L->recv_n, L->send_n, 1, MOE_COMM_I64);
     }
     L->peers = PEERS_TOLD;
     (void)moe_error_take(&kept, st); /* the cause, not the telling, is the message */
@@ -1163,6 +1167,7 @@ static moe_status share_routing(moe_layer *L, int64_t T, double z_sum, double se
         if (st != MOE_OK) return moe_error_prefix(st, "moe layer dispatch (router totals): ");
         for (int64_t r = 0; r < N; r++)
             if (L->rank_totals[r * W + 2 * E + 1] < 0.0) return peer_refused((int)r);
+        if (L->ep) L->peers = PEERS_IN_SEND_COUNTS; /* the exchange's plan (plan_sends) */
     }
     double z = 0.0, aux = 0.0, seq_aux = 0.0;
     L->global_T = 0;
@@ -1313,8 +1318,11 @@ static moe_status plan_sends(moe_layer *L, int64_t T) {
                 L->h_send_codes[u * k + i] = e >= 0 && e / nl == r ? (int32_t)(e % nl) : -1;
             }
         }
+    L->peers = PEERS_TOLD;
     moe_status st = moe_comm_alltoall(L->ep, L->recv_n, L->send_n, 1, MOE_COMM_I64);
     if (st != MOE_OK) return moe_error_prefix(st, "moe layer dispatch (token counts): ");
+    for (int64_t s = 0; s < P; s++)
+        if (L->recv_n[s] == -1) return peer_refused((int)s);
     int64_t received = 0;
     for (int64_t s = 0; s < P; s++) {
         L->recv_off[s] = received;

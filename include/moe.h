@@ -171,8 +171,8 @@ moe_status moe_layer_create_cuda(moe_layer **layer, const moe_layer_config *cfg,
  * (0 on a rank that has none this time: it still serves its experts). A
  * peer that stops answering fails forward or backward with MOE_ERR_COMM
  * after 300 s, naming it (create says only that not every rank joined).
- * A forward that fails on one rank before the ranks exchange their routing
- * (a NULL buffer, a bad T, memory) fails on every rank at once, the others
+ * A forward that fails on one rank before the ranks exchange their token
+ * rows (a NULL buffer, a bad T, memory) fails on every rank at once, the others
  * with MOE_ERR_COMM naming it, and the layer goes on as if it had not
  * been called; a backward's arguments are checked on each rank alone, and
  * the peers of a rank that refuses them wait for it until the timeout. After

@@ -12,6 +12,8 @@
  * are judged against their neighbours). A plain program, not Criterion:
  * Criterion forks, which MPI does not survive. Ends with "N passed, M failed". */
 #include <string.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include "engine/moe_layer.h"
 #include "moe.h"
@@ -320,8 +322,56 @@ static int refused_forward_case(double jitter) {
     return bad;
 }
 
+/* The same for a failure after the routing totals: after a forward of a
+ * few tokens (which sizes OpenBLAS's buffers), the last rank's address
+ * space is capped a little above what it uses, and rank 0 brings so many
+ * tokens that the expert rows every rank sizes by the global batch do not
+ * fit there; its peers hear of it in the exchange's send counts. */
+static int refused_rows_case(void) {
+    moe_layer_config cfg = MOE_LAYER_CONFIG_INIT;
+    cfg.d_model = D, cfg.d_ff = FF, cfg.n_experts = E, cfg.top_k = 2, cfg.seed = SEED;
+    const int64_t T = rank == 0 ? 1000000 : 6;
+    float *x = calloc((size_t)(T * D), sizeof *x), *y = malloc((size_t)(T * D) * sizeof *y);
+    MPI_Comm comm = MPI_COMM_WORLD;
+    moe_layer *layer = NULL;
+    if (!x || !y || moe_layer_create_mpi(&layer, &cfg, &comm) != MOE_OK ||
+        moe_layer_forward(layer, y, x, 6, NULL) != MOE_OK) {
+        printf("  rank %d: create and a first forward: %s\n", rank, moe_last_error());
+        return 1;
+    }
+    const bool refuses = rank == size - 1;
+    struct rlimit was;
+    getrlimit(RLIMIT_AS, &was);
+    long pages = 0;
+    FILE *statm = fopen("/proc/self/statm", "r");
+    if (!statm || fscanf(statm, "%ld", &pages) != 1) pages = 0;
+    if (statm) fclose(statm);
+    const struct rlimit capped = {(rlim_t)pages * (rlim_t)sysconf(_SC_PAGESIZE) + ((rlim_t)64 << 20), was.rlim_max};
+    if (refuses && pages > 0) setrlimit(RLIMIT_AS, &capped);
+    const double t0 = MPI_Wtime();
+    const moe_status st = moe_layer_forward(layer, y, x, T, NULL);
+    const double seconds = MPI_Wtime() - t0;
+    if (refuses) setrlimit(RLIMIT_AS, &was);
+    char want[64];
+    snprintf(want, sizeof want, refuses ? "expert-row" : "rank %d of the layer's ranks failed its forward", size - 1);
+    int bad = 0;
+    if (pages == 0) {
+        printf("  rank %d: /proc/self/statm unread: case skipped\n", rank);
+    } else if (st != (refuses ? MOE_ERR_OUT_OF_MEMORY : MOE_ERR_COMM) || !strstr(moe_last_error(), want) ||
+               seconds > 30.0) {
+        printf("  rank %d: %s after %.1f s: %s (want \"%s\")\n", rank, moe_status_string(st), seconds, moe_last_error(),
+               want);
+        bad = 1;
+    }
+    moe_layer_destroy(layer);
+    free(x);
+    free(y);
+    return bad;
+}
+
 int main(void) {
     if (!mpi_check_init()) return 1;
+    mpi_report(refused_rows_case(), "a forward short of memory for its expert rows fails every rank at once");
     mpi_report(refused_forward_case(0.0), "a forward refused on one rank fails every rank at once, naming it");
     mpi_report(refused_forward_case(0.1), "the same under jitter (refused in the token counts)");
     public_layer_case(false);
