@@ -160,8 +160,8 @@ static moe_optim_config optim_config_of(const moe_run_options *o) {
     c.grad_clip = o->grad_clip;
     c.zero = o->zero;
     /* An evaluation takes no step: its trainer needs only a schedule an
-     * interleaved pipeline can run. */
-    c.grad_accum = o->eval_only && o->pp_chunks > 1 ? o->pp : o->grad_accum;
+     * interleaved pipeline can run, whatever --grad-accum says. */
+    c.grad_accum = !o->eval_only ? o->grad_accum : o->pp_chunks > 1 ? o->pp : 1;
     c.pipe_schedule = o->pp_schedule;
     return c;
 }

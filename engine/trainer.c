@@ -294,19 +294,22 @@ moe_status moe_trainer_create(moe_trainer **out, moe_model *model, const moe_opt
                        (long long)act_elems, INT_MAX);
     /* Every chunk of an interleaved stage has a neighbour on either side. */
     const bool from_prev = !stage.first || t->chunks > 1, to_next = !stage.last || t->chunks > 1;
-    const int64_t messages = M * t->chunks;
+    /* An evaluating trainer sends one micro-batch's forwards and nothing back. */
+    const moe_pipe_plan *train = evaluates_only ? t->eval_plan : t->plan;
+    const int64_t messages = (evaluates_only ? 1 : M) * t->chunks;
     int64_t slots[2] = {0, 0}, posts = 0;
     for (int b = 0; st == MOE_OK && b < 2; b++)
-        slots[b] = t->plan->slots[b] > t->eval_plan->slots[b] ? t->plan->slots[b] : t->eval_plan->slots[b];
-    if (st == MOE_OK) posts = t->plan->n_posts > t->eval_plan->n_posts ? t->plan->n_posts : t->eval_plan->n_posts;
+        slots[b] = train->slots[b] > t->eval_plan->slots[b] ? train->slots[b] : t->eval_plan->slots[b];
+    if (st == MOE_OK) posts = train->n_posts > t->eval_plan->n_posts ? train->n_posts : t->eval_plan->n_posts;
     if (st == MOE_OK && posts && !(t->requests = calloc((size_t)posts, sizeof *t->requests)))
         st = moe_error(MOE_ERR_OUT_OF_MEMORY, "trainer: %lld pipeline messages", (long long)posts);
     if (st == MOE_OK && slots[0]) st = t->ops->alloc((void **)&t->stage_in, (size_t)slots[0] * act_bytes);
     if (st == MOE_OK && slots[1]) st = t->ops->alloc((void **)&t->grad_out, (size_t)slots[1] * act_bytes);
-    if (st == MOE_OK && from_prev) st = t->ops->alloc((void **)&t->grad_in, (size_t)messages * act_bytes);
+    const bool grads_in = from_prev && !evaluates_only;
+    if (st == MOE_OK && grads_in) st = t->ops->alloc((void **)&t->grad_in, (size_t)messages * act_bytes);
     if (st == MOE_OK && to_next) st = t->ops->alloc((void **)&t->stage_out, (size_t)messages * act_bytes);
     if (stage.pipe)
-        t->pipe_bytes = (int64_t)act_bytes * (slots[0] + slots[1] + (from_prev ? messages : 0) + (to_next ? messages : 0));
+        t->pipe_bytes = (int64_t)act_bytes * (slots[0] + slots[1] + (grads_in ? messages : 0) + (to_next ? messages : 0));
     /* 1F1B keeps each forward in flight on an instance of its own: chunk
      * c's forwards and backwards both go in micro-batch order, so its
      * micro-batches in flight are consecutive and m % in_flight[c] tells
