@@ -5,6 +5,11 @@
 
 #include "kernels/ops.h"
 
+/* Elements below which an elementwise or row loop runs on one thread: a
+ * parallel region's fork and join cost more than such work (decoding's
+ * rows of a few tokens), and far more when other processes hold cores. */
+#define MOE_CPU_PAR_MIN ((int64_t)1 << 14)
+
 void moe_cpu_gemm(float *c, const float *a, const float *b, int64_t m, int64_t n, int64_t k,
                   int64_t lda, int64_t ldb, int64_t ldc, bool trans_a, bool trans_b, float alpha,
                   float beta);

@@ -7,6 +7,7 @@
 #include <math.h>
 
 #include "common/rng.h"
+#include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/dense.h"
 #include "kernels/moe_math.h"
 
@@ -19,7 +20,7 @@
 
 void moe_cpu_embedding_forward(float *out, const int32_t *tokens, const float *wte, int64_t N,
                                int64_t C) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * C >= MOE_CPU_PAR_MIN)
     for (int64_t n = 0; n < N; n++) {
         const float *row = wte + (int64_t)tokens[n] * C; /* [C] */
         float *o = out + n * C;                          /* [C] */
@@ -33,7 +34,7 @@ void moe_cpu_embedding_forward(float *out, const int32_t *tokens, const float *w
 void moe_cpu_embedding_backward(float *dwte, const float *dout, const int32_t *tokens, int64_t N,
                                 int64_t C) {
     const int64_t n_blocks = (C + COL_BLOCK - 1) / COL_BLOCK;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * C >= MOE_CPU_PAR_MIN)
     for (int64_t cb = 0; cb < n_blocks; cb++) {
         const int64_t c0 = cb * COL_BLOCK;
         const int64_t c1 = c0 + COL_BLOCK < C ? c0 + COL_BLOCK : C;
@@ -49,7 +50,7 @@ void moe_cpu_embedding_backward(float *dwte, const float *dout, const int32_t *t
 
 void moe_cpu_rmsnorm_forward(float *out, float *rstd, const float *inp, const float *weight,
                              float eps, int64_t N, int64_t C) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * C >= MOE_CPU_PAR_MIN)
     for (int64_t n = 0; n < N; n++) {
         const float *x = inp + n * C; /* [C] */
         float *y = out + n * C;       /* [C] */
@@ -65,7 +66,7 @@ void moe_cpu_rmsnorm_forward(float *out, float *rstd, const float *inp, const fl
  *   dx = rstd * (g - xhat * mean(g * xhat)),  dweight += sum_n dout * xhat. */
 void moe_cpu_rmsnorm_backward(float *dinp, float *dweight, const float *dout, const float *inp,
                               const float *weight, const float *rstd, int64_t N, int64_t C) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * C >= MOE_CPU_PAR_MIN)
     for (int64_t n = 0; n < N; n++) {
         const float *x = inp + n * C;   /* [C] */
         const float *dy = dout + n * C; /* [C] */
@@ -78,7 +79,7 @@ void moe_cpu_rmsnorm_backward(float *dinp, float *dweight, const float *dout, co
             dx[c] += r * (dy[c] * weight[c] - (x[c] * r) * mean_gx);
     }
     const int64_t n_blocks = (C + COL_BLOCK - 1) / COL_BLOCK;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * C >= MOE_CPU_PAR_MIN)
     for (int64_t cb = 0; cb < n_blocks; cb++) {
         const int64_t c0 = cb * COL_BLOCK;
         const int64_t c1 = c0 + COL_BLOCK < C ? c0 + COL_BLOCK : C;
@@ -126,7 +127,7 @@ void moe_cpu_rope_tables(float *cos_t, float *sin_t, int64_t T, int64_t hd, floa
 static void rope_rotate(float *x, const float *cos_t, const float *sin_t, int64_t B, int64_t T,
                         int64_t H, int64_t hd, float sign) {
     const int64_t half = hd / 2;
-#pragma omp parallel for collapse(2) schedule(static)
+#pragma omp parallel for collapse(2) schedule(static) if (B * T * H * hd >= MOE_CPU_PAR_MIN)
     for (int64_t b = 0; b < B; b++)
         for (int64_t t = 0; t < T; t++) {
             const float *cs = cos_t + t * half, *sn = sin_t + t * half; /* [hd/2] */
@@ -157,7 +158,7 @@ void moe_cpu_rope_backward(float *dx, const float *cos_t, const float *sin_t, in
 
 void moe_cpu_crossentropy_forward(float *losses, double *lse, const float *logits,
                                   const int32_t *targets, int64_t N, int64_t V) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * V >= MOE_CPU_PAR_MIN)
     for (int64_t n = 0; n < N; n++) {
         const float *z = logits + n * V; /* [V] */
         float mx = -INFINITY;
@@ -181,7 +182,7 @@ void moe_cpu_crossentropy_forward(float *losses, double *lse, const float *logit
 void moe_cpu_crossentropy_backward(float *dlogits, const float *logits, const double *lse,
                                    const int32_t *targets, const float *dloss, float z_coef, int64_t N,
                                    int64_t V) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (N * V >= MOE_CPU_PAR_MIN)
     for (int64_t n = 0; n < N; n++) {
         const float *z = logits + n * V; /* [V] */
         float *dz = dlogits + n * V;     /* [V] */
@@ -197,12 +198,12 @@ void moe_cpu_crossentropy_backward(float *dlogits, const float *logits, const do
 /* ----------------------------------------------------------------- residual */
 
 void moe_cpu_residual_forward(float *out, const float *a, const float *b, int64_t n) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n >= MOE_CPU_PAR_MIN)
     for (int64_t i = 0; i < n; i++) out[i] = a[i] + b[i];
 }
 
 void moe_cpu_residual_backward(float *da, float *db, const float *dout, int64_t n) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n >= MOE_CPU_PAR_MIN)
     for (int64_t i = 0; i < n; i++) {
         da[i] += dout[i];
         db[i] += dout[i];
@@ -210,12 +211,12 @@ void moe_cpu_residual_backward(float *da, float *db, const float *dout, int64_t 
 }
 
 void moe_cpu_multiply(float *out, const float *a, const float *b, int64_t n) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n >= MOE_CPU_PAR_MIN)
     for (int64_t i = 0; i < n; i++) out[i] = a[i] * b[i];
 }
 
 void moe_cpu_uniform(float *out, uint64_t seed, uint64_t stream, uint64_t first, float lo, float span, int64_t n) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n >= MOE_CPU_PAR_MIN)
     for (int64_t i = 0; i < n; i++) out[i] = moe_rng_uniform_in(seed, stream, first + (uint64_t)i, lo, span);
 }
 
@@ -245,7 +246,7 @@ void moe_cpu_adamw(float *params, float *m, float *v, const float *grads, float 
 
 void moe_cpu_sumsq(double *out, const float *x, int64_t n) {
     double part[SUMSQ_PARTS];
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n >= MOE_CPU_PAR_MIN)
     for (int64_t p = 0; p < SUMSQ_PARTS; p++) {
         const int64_t i0 = n * p / SUMSQ_PARTS, i1 = n * (p + 1) / SUMSQ_PARTS;
         double s = 0.0;

@@ -36,14 +36,14 @@ void moe_cpu_plan_build(int64_t *pair_row, int64_t *row_token, int64_t *expert_o
 
 void moe_cpu_permute(float *xp, const float *x, const int64_t *row_token, int64_t n_rows,
                      int64_t d) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n_rows * d >= MOE_CPU_PAR_MIN)
     for (int64_t r = 0; r < n_rows; r++)
         memcpy(xp + r * d, x + row_token[r] * d, (size_t)d * sizeof(float));
 }
 
 void moe_cpu_combine(float *y, const float *yp, const float *topk_w, const int64_t *pair_row,
                      const float *shared, int64_t T, int64_t k, int64_t d) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (T * k * d >= MOE_CPU_PAR_MIN)
     for (int64_t t = 0; t < T; t++) {
         float *out = y + t * d;
         /* The first term is written, not added to zeros: one pass fewer. */
@@ -70,7 +70,7 @@ void moe_cpu_combine(float *y, const float *yp, const float *topk_w, const int64
 void moe_cpu_combine_backward(float *dyp, float *dweights, const float *dy, const float *yp,
                               const float *topk_w, const int64_t *pair_row, int64_t T, int64_t k,
                               int64_t d) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (T * k * d >= MOE_CPU_PAR_MIN)
     for (int64_t t = 0; t < T; t++) {
         const float *g = dy + t * d;
         for (int64_t j = 0; j < k; j++) {
@@ -95,7 +95,7 @@ void moe_cpu_combine_backward(float *dyp, float *dweights, const float *dy, cons
 
 void moe_cpu_unpermute_add(float *dx, const float *dxp, const int64_t *pair_row, int64_t T,
                            int64_t k, int64_t d) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (T * k * d >= MOE_CPU_PAR_MIN)
     for (int64_t t = 0; t < T; t++) {
         float *out = dx + t * d;
         for (int64_t j = 0; j < k; j++) {

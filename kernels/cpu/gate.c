@@ -15,7 +15,7 @@ void moe_cpu_gate_forward(int32_t *topk_idx, float *topk_w, float *prob, float *
     const int64_t n_chunks = (T + MOE_GATE_CHUNK_TOKENS - 1) / MOE_GATE_CHUNK_TOKENS;
     double *scratch = totals->chunk_scratch; /* [n_chunks, 2E + 1] */
 
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (T * E >= MOE_CPU_PAR_MIN)
     for (int64_t c = 0; c < n_chunks; c++) {
         double *c_prob = scratch + c * (2 * E + 1); /* [E] */
         double *c_assigned = c_prob + E;            /* [E] */
@@ -145,7 +145,7 @@ void moe_cpu_gate_backward(float *dlogits, const float *dweights, const int32_t 
                            const float *logits, const float *aux_grad, float z_coef_over_T,
                            const moe_gate_params *p, int64_t T) {
     const int64_t E = p->n_experts, k = p->top_k;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (T * E >= MOE_CPU_PAR_MIN)
     for (int64_t t = 0; t < T; t++) {
         const float *l = logits + t * E, *r = prob + t * E, *dw = dweights + t * k;
         const float *w = topk_w + t * k; /* the weights times s = routed_scale */
@@ -194,7 +194,7 @@ void moe_cpu_gate_backward(float *dlogits, const float *dweights, const int32_t 
 void moe_cpu_gate_seq_stats(float *stats, const int32_t *topk_idx, const float *prob, const moe_gate_params *p,
                             int64_t T) {
     const int64_t E = p->n_experts, k = p->top_k, n = p->aux_seq_len, S = T / n;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (T * E >= MOE_CPU_PAR_MIN)
     for (int64_t q = 0; q < S; q++) {
         float *assigned = stats + q * 2 * E, *prob_sum = assigned + E;
         /* Long sequences: float sums would stop short (counts at 2^24). */
