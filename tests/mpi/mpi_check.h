@@ -73,6 +73,18 @@ static inline void mpi_report(int bad, const char *fmt, ...) {
     fflush(stdout);
 }
 
+/* Whether a case that caps the address space (RLIMIT_AS) can run: not
+ * under AddressSanitizer, whose shadow memory and allocator reserve address
+ * space past any cap and abort when an allocation fails. Says so when not. */
+static inline bool mpi_can_cap_memory(void) {
+#if defined(__SANITIZE_ADDRESS__)
+    if (rank == 0) printf("  (skipped under AddressSanitizer: it reserves address space past any cap)\n");
+    return false;
+#else
+    return true;
+#endif
+}
+
 /* 1 after printing this rank's error when st is not MOE_OK, else 0. */
 static inline int mpi_fail_status(moe_status st, const char *what) {
     if (st == MOE_OK) return 0;

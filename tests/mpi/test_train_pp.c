@@ -203,6 +203,7 @@ static int check_layouts(void) {
  * so that a check that let it through fails an allocation instead of the
  * machine. */
 static int check_shared_memory(void) {
+    if (!mpi_can_cap_memory()) return 0;
     const moe_host_memory host = moe_host_memory_available("");
     moe_model_config cfg;
     tiny_config(&cfg);
