@@ -141,7 +141,7 @@ static int by_value(const void *a, const void *b) {
 static moe_status check_against_cpu(int64_t *wrong, const gate_job *j, const float *logits) {
     const int64_t T = j->T, E = j->params.n_experts, k = j->params.top_k;
     const int64_t chunks = (T + MOE_GATE_CHUNK_TOKENS - 1) / MOE_GATE_CHUNK_TOKENS;
-    const size_t floats = (size_t)(T * E + T + 4 * T * k), doubles = (size_t)(E + 1 + chunks * (2 * E + 1));
+    const size_t floats = (size_t)(T * E + T + 2 * T * k + 2 * k), doubles = (size_t)(E + 1 + chunks * (2 * E + 1));
     float *f = malloc(floats * sizeof *f);
     double *d = malloc(doubles * sizeof *d);
     int32_t *idx = malloc((size_t)(2 * T * k) * sizeof *idx);
@@ -150,7 +150,8 @@ static moe_status check_against_cpu(int64_t *wrong, const gate_job *j, const flo
     if (!f || !d || !idx || !assigned)
         st = moe_error(MOE_ERR_OUT_OF_MEMORY, "the CPU gate's check: T=%lld x E=%lld", (long long)T, (long long)E);
     if (st == MOE_OK) {
-        float *prob = f, *lse = prob + T * E, *w = lse + T, *got_w = w + T * k, *a = got_w + T * k, *b = a + T * k;
+        /* a and b: one token's k values of each side, sorted. */
+        float *prob = f, *lse = prob + T * E, *w = lse + T, *got_w = w + T * k, *a = got_w + T * k, *b = a + k;
         int32_t *got_idx = idx + T * k;
         moe_gate_totals totals = {.assigned = assigned, .prob_sum = d, .z_sum = d + E, .chunk_scratch = d + E + 1};
         moe_cpu_ops()->gate_forward(idx, w, prob, lse, &totals, logits, NULL, &j->params, T);

@@ -412,17 +412,15 @@ static moe_status max_error(double *err, const gpu_gemm *g, uint16_t *host, uint
     moe_status st = moe_cuda_download(host, g->c, n * 2, ctx);
     if (st == MOE_OK) st = moe_cuda_download(host_ref, g->c_ref, n * 2, ctx);
     if (st != MOE_OK) return st;
-    double diff = 0.0, scale = 0.0;
+    bench_error e = {0};
     for (size_t i = 0; i < n; i++) {
         union {
             uint32_t u;
             float f;
         } a = {.u = (uint32_t)host[i] << 16}, b = {.u = (uint32_t)host_ref[i] << 16};
-        const double dd = fabs((double)a.f - (double)b.f);
-        diff = dd > diff || isnan(dd) ? dd : diff;
-        scale = fabs((double)b.f) > scale ? fabs((double)b.f) : scale;
+        bench_error_add(&e, a.f, b.f);
     }
-    *err = scale > 0.0 ? diff / scale : diff;
+    *err = bench_error_relative(&e);
     return MOE_OK;
 }
 

@@ -360,13 +360,9 @@ static moe_status check_against_cpu(double *err, const moe_layer_config *cfg, co
     if (st == MOE_OK) st = ops->download(host, params, (size_t)n_params * sizeof *host);
     if (st == MOE_OK) st = ops->download(got, y, (size_t)n * sizeof *got);
     if (st == MOE_OK) st = moe_layer_forward(cpu, want, x, T, NULL);
-    double diff = 0.0, scale = 0.0;
-    for (int64_t i = 0; st == MOE_OK && i < n; i++) {
-        const double e = fabs((double)got[i] - (double)want[i]);
-        diff = isnan(e) || e > diff ? (isnan(e) ? INFINITY : e) : diff;
-        scale = fmax(scale, fabs((double)want[i]));
-    }
-    *err = scale > 0.0 ? diff / scale : diff;
+    bench_error e = {0};
+    for (int64_t i = 0; st == MOE_OK && i < n; i++) bench_error_add(&e, got[i], want[i]);
+    *err = bench_error_relative(&e);
     if (cpu) moe_layer_destroy(cpu);
     free(host);
     return st;

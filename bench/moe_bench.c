@@ -199,6 +199,14 @@ double bench_median(double *v, int n) {
     return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+void bench_error_add(bench_error *e, double got, double want) {
+    const double d = fabs(got - want);
+    if (d > e->diff || isnan(d)) e->diff = d;
+    if (fabs(want) > e->scale) e->scale = fabs(want);
+}
+
+double bench_error_relative(const bench_error *e) { return e->scale > 0.0 ? e->diff / e->scale : e->diff; }
+
 double bench_timed_calls(const moe_ops *ops, void (*fn)(const void *job), const void *job, int64_t reps) {
     const double t0 = bench_now_seconds();
     for (int64_t r = 0; r < reps; r++) fn(job);

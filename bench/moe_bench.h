@@ -145,6 +145,16 @@ double bench_now_seconds(void);
 /* Median of v[0..n) (n > 0); sorts v in place. */
 double bench_median(double *v, int n);
 
+/* A result checked against its reference element by element: the largest
+ * |got - want| (NaN once any is, so that no tolerance passes it) and the
+ * largest |want|. */
+typedef struct bench_error {
+    double diff, scale;
+} bench_error;
+void bench_error_add(bench_error *e, double got, double want);
+/* diff / scale, or diff when the reference is all zeros. */
+double bench_error_relative(const bench_error *e);
+
 /* Seconds per call of fn(job) over reps calls between two waits of ops (a
  * device queues them back to back, so one launch and one wait are spread
  * over them); negative on a backend failure. */
