@@ -759,10 +759,8 @@ static void warn_other_tokens(const run *r) {
                 "trains on",
              o->val_data, data_kind(o->val_data), o->data, data_kind(o->data));
     if (!o->init_from) return;
-    char state_path[RUN_PATH_BYTES];
-    moe_train_state s;
-    if (snprintf(state_path, sizeof state_path, "%s/train_state.safetensors", o->init_from) < (int)sizeof state_path &&
-        access(state_path, R_OK) == 0 && moe_checkpoint_read_state(&s, o->init_from) == MOE_OK && s.data_kind[0]) {
+    moe_train_state s; /* none (another trainer's model), or one that cannot be read: judged by the vocabulary */
+    if (moe_checkpoint_read_state(&s, o->init_from) == MOE_OK && s.data_kind[0]) {
         if (strcmp(s.data_kind, data_kind(read)) != 0)
             warn(r, "--init-from %s was trained on %s data, and %s %s is %s data", o->init_from, s.data_kind, flag,
                  read, data_kind(read));
