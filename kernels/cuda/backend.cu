@@ -172,11 +172,7 @@ static moe_status table_mark_seconds(double *seconds, const void *marks, int64_t
     const event_marks *m = (const event_marks *)marks;
     float ms = 0.0f;
     const cudaError_t err = cudaEventElapsedTime(&ms, m->events[from], m->events[to]);
-    if (err != cudaSuccess) {
-        const moe_status st = moe_cuda_report(err, "cudaEventElapsedTime", __FILE__, __LINE__);
-        (void)cudaGetLastError(); /* not sticky: the next op must not find it */
-        return st;
-    }
+    if (err != cudaSuccess) return moe_cuda_report(err, "cudaEventElapsedTime", __FILE__, __LINE__);
     *seconds = 1e-3 * (double)ms;
     return MOE_OK;
 }

@@ -53,10 +53,8 @@ static int usable_devices(int n, int *list, int max, char *why, size_t why_bytes
     for (int d = 0; d < n; d++) {
         cudaDeviceProp prop;
         if (cudaGetDeviceProperties(&prop, d) != cudaSuccess) {
-            if (count == 0)
-                snprintf(why, why_bytes, "device %d does not answer (%s)", d,
-                         cudaGetErrorString(cudaGetLastError()));
-            (void)cudaGetLastError();
+            const cudaError_t err = cudaGetLastError(); /* which clears it */
+            if (count == 0) snprintf(why, why_bytes, "device %d does not answer (%s)", d, cudaGetErrorString(err));
             continue;
         }
         if (prop.major < MIN_CC_MAJOR) {
