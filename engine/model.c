@@ -14,6 +14,7 @@
 #include "common/status.h"
 #include "engine/device.h"
 #include "engine/moe_layer.h"
+#include "engine/rope.h"
 #include "kernels/ops.h"
 
 #define MOE_ALIGN_BYTES 64
@@ -580,6 +581,23 @@ static moe_status place_layers(moe_model *m, const moe_model_parallel *par) {
 /* What every instance of the model keeps for itself, a twin's too: its MoE
  * layers over the parameters (a twin's following the base's), its
  * activations, host arrays and RoPE tables. */
+/* RoPE's tables for the model's T positions, made on the host (rope.h)
+ * and uploaded once: the step loop does no transcendental work. */
+static moe_status upload_rope_tables(moe_model *m) {
+    const moe_model_config *cfg = &m->cfg;
+    const size_t n = (size_t)(m->T * (cfg->head_dim / 2));
+    float *cos_t = malloc(n * sizeof *cos_t), *sin_t = malloc(n * sizeof *sin_t);
+    moe_status st = cos_t && sin_t ? MOE_OK
+                                   : moe_error(MOE_ERR_OUT_OF_MEMORY, "model: RoPE tables of %zu values", 2 * n);
+    if (st == MOE_OK) {
+        moe_rope_tables(cos_t, sin_t, m->T, cfg->head_dim, cfg->rope_theta, &cfg->rope_scaling);
+        st = m->ops->upload(m->cos_t, cos_t, n * sizeof *cos_t);
+    }
+    if (st == MOE_OK) st = m->ops->upload(m->sin_t, sin_t, n * sizeof *sin_t);
+    free(cos_t), free(sin_t);
+    return st;
+}
+
 static moe_status build_instance(moe_model *m) {
     const moe_model_config *cfg = &m->cfg;
     moe_layer_config lc;
@@ -622,8 +640,7 @@ static moe_status build_instance(moe_model *m) {
     if (!m->losses_host || !m->lse_host || !m->staging || !m->sync_reqs || !m->jitter_at || !m->expert_load ||
         !m->cached)
         return moe_error(MOE_ERR_OUT_OF_MEMORY, "model: host arrays for %lld values", (long long)staging);
-    if (!m->base) m->ops->rope_tables(m->cos_t, m->sin_t, m->T, cfg->head_dim, (float)cfg->rope_theta);
-    return MOE_OK;
+    return m->base ? MOE_OK : upload_rope_tables(m);
 }
 
 moe_status moe_model_create_twin(moe_model **out, moe_model *base, uint64_t chunks) {

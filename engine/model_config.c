@@ -10,9 +10,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/shortest.h"
 #include "common/status.h"
 #include "engine/fileio.h"
 #include "engine/json.h"
+#include "engine/rope.h"
 #include "kernels/ops.h"
 
 /* Sizes above this would let products such as vocab x hidden approach
@@ -102,7 +104,7 @@ static const char *const ignored_keys[] = {
  * everywhere in transformers, so it is accepted before any check. */
 static const char *const checked_keys[] = {
     "rope_parameters", "rope_scaling", "hidden_act", "model_type", "attention_dropout",
-    "num_experts",
+    "num_experts", "original_max_position_embeddings",
 };
 
 /* model_type and architectures: transformers' Mixtral when it computes what
@@ -282,39 +284,279 @@ static moe_status check_float_upto(const char *name, const char *key, double v, 
     return moe_error(MOE_ERR_CONFIG, "%s: %s=%g must be in [%g, %g]", name, key, v, (double)FLT_MIN, hi);
 }
 
-/* rope_parameters (transformers v5): {"rope_type": "default", "rope_theta": x}. */
-static moe_status read_rope_parameters(double *theta, const moe_json *v, const char *name, moe_warn_fn wfn,
-                                       void *wctx) {
-    if (v->type != MOE_JSON_OBJECT) return wrong_type(name, "rope_parameters", "an object", v);
-    /* The type first: a scaled RoPE's own keys (factor, ...) are not
-     * unknown, the scaling itself is refused. */
-    const moe_json *type = moe_json_get(v, "rope_type");
-    if (type != NULL) MOE_TRY(require_string(name, "rope_parameters.rope_type", type, "default", NULL));
+static const char *const rope_type_names[] = {
+    [MOE_ROPE_DEFAULT] = "default",
+    [MOE_ROPE_LINEAR] = "linear",
+    [MOE_ROPE_LLAMA3] = "llama3",
+    [MOE_ROPE_YARN] = "yarn",
+};
+#define N_ROPE_TYPES (sizeof rope_type_names / sizeof *rope_type_names)
+
+const char *moe_rope_type_name(int type) {
+    return type >= 0 && (size_t)type < N_ROPE_TYPES ? rope_type_names[type] : "?";
+}
+
+#define ROPE_TYPE_BIT(t) (1u << (t))
+#define ROPE_SCALED (ROPE_TYPE_BIT(MOE_ROPE_LINEAR) | ROPE_TYPE_BIT(MOE_ROPE_LLAMA3) | ROPE_TYPE_BIT(MOE_ROPE_YARN))
+
+/* The scaling keys of a RoPE object, the types that read each, and whether
+ * those types require it. */
+typedef struct rope_key {
+    const char *key;
+    field_kind kind; /* F_REAL (double), F_INT (int64_t) or F_BOOL */
+    size_t offset;
+    unsigned types, required;
+} rope_key;
+
+#define ROPE_KEY(name, kind, types, required) {#name, kind, offsetof(moe_rope_scaling, name), types, required}
+
+static const rope_key rope_keys[] = {
+    ROPE_KEY(factor, F_REAL, ROPE_SCALED, ROPE_SCALED),
+    ROPE_KEY(low_freq_factor, F_REAL, ROPE_TYPE_BIT(MOE_ROPE_LLAMA3), ROPE_TYPE_BIT(MOE_ROPE_LLAMA3)),
+    ROPE_KEY(high_freq_factor, F_REAL, ROPE_TYPE_BIT(MOE_ROPE_LLAMA3), ROPE_TYPE_BIT(MOE_ROPE_LLAMA3)),
+    ROPE_KEY(original_max_position_embeddings, F_INT, ROPE_TYPE_BIT(MOE_ROPE_LLAMA3) | ROPE_TYPE_BIT(MOE_ROPE_YARN),
+             0),
+    ROPE_KEY(attention_factor, F_REAL, ROPE_TYPE_BIT(MOE_ROPE_YARN), 0),
+    ROPE_KEY(beta_fast, F_REAL, ROPE_TYPE_BIT(MOE_ROPE_YARN), 0),
+    ROPE_KEY(beta_slow, F_REAL, ROPE_TYPE_BIT(MOE_ROPE_YARN), 0),
+    ROPE_KEY(mscale, F_REAL, ROPE_TYPE_BIT(MOE_ROPE_YARN), 0),
+    ROPE_KEY(mscale_all_dim, F_REAL, ROPE_TYPE_BIT(MOE_ROPE_YARN), 0),
+    ROPE_KEY(truncate, F_BOOL, ROPE_TYPE_BIT(MOE_ROPE_YARN), 0),
+};
+#define N_ROPE_KEYS (sizeof rope_keys / sizeof *rope_keys)
+
+static moe_status check_size(const char *name, const char *key, int64_t v, int64_t max);
+
+/* The values of a RoPE scaling, messages naming its keys as prefix.key
+ * (prefix: the object the file gave them in). A type's unused fields must
+ * be 0, so that two equal scalings compare equal field by field. */
+static moe_status check_rope(const char *name, const char *prefix, const moe_rope_scaling *s) {
+    char key[64];
+#define ROPE_NAME(k) (snprintf(key, sizeof key, "%s.%s", prefix, k), key)
+    if ((unsigned)s->type >= N_ROPE_TYPES)
+        return moe_error(MOE_ERR_CONFIG, "%s: %s=%d is no RoPE type", name, ROPE_NAME("rope_type"), (int)s->type);
+    const unsigned bit = ROPE_TYPE_BIT(s->type);
+    for (size_t k = 0; k < N_ROPE_KEYS; k++) {
+        const rope_key *r = &rope_keys[k];
+        const void *at = (const char *)s + r->offset;
+        const bool set = r->kind == F_REAL   ? *(const double *)at != 0.0
+                         : r->kind == F_INT  ? *(const int64_t *)at != 0
+                                             : *(const bool *)at;
+        if (!(r->types & bit) && set)
+            return moe_error(MOE_ERR_CONFIG, "%s: %s is set, but rope_type \"%s\" has no such parameter", name,
+                             ROPE_NAME(r->key), rope_type_names[s->type]);
+    }
+    if (s->type == MOE_ROPE_DEFAULT) return MOE_OK;
+    MOE_TRY(check_float(name, ROPE_NAME("factor"), s->factor));
+    if (s->type == MOE_ROPE_LINEAR) return MOE_OK;
+    MOE_TRY(check_size(name, ROPE_NAME("original_max_position_embeddings"), s->original_max_position_embeddings,
+                       MAX_DIM));
+    if (s->type == MOE_ROPE_LLAMA3) {
+        MOE_TRY(check_float(name, ROPE_NAME("low_freq_factor"), s->low_freq_factor));
+        MOE_TRY(check_float(name, ROPE_NAME("high_freq_factor"), s->high_freq_factor));
+        /* The blend divides by their difference. */
+        if (s->high_freq_factor <= s->low_freq_factor)
+            return moe_error(MOE_ERR_CONFIG, "%s: %s=%g must exceed low_freq_factor=%g", name,
+                             ROPE_NAME("high_freq_factor"), s->high_freq_factor, s->low_freq_factor);
+        return MOE_OK;
+    }
+    MOE_TRY(check_float(name, ROPE_NAME("beta_fast"), s->beta_fast));
+    MOE_TRY(check_float(name, ROPE_NAME("beta_slow"), s->beta_slow));
+    if (!isfinite(s->mscale) || !isfinite(s->mscale_all_dim))
+        return moe_error(MOE_ERR_CONFIG, "%s: %s=%g and mscale_all_dim=%g must be finite numbers", name,
+                         ROPE_NAME("mscale"), s->mscale, s->mscale_all_dim);
+    const double attention = moe_rope_attention_factor(s);
+    if (s->attention_factor != 0.0) return check_float(name, ROPE_NAME("attention_factor"), attention);
+    if (attention >= FLT_MIN && attention <= FLT_MAX) return MOE_OK;
+    return moe_error(MOE_ERR_CONFIG, "%s: %s comes to %g from factor=%g, mscale=%g and mscale_all_dim=%g: it must be "
+                                     "a positive normal float",
+                     name, ROPE_NAME("attention_factor"), attention, s->factor, s->mscale, s->mscale_all_dim);
+#undef ROPE_NAME
+}
+
+/* What a rope_parameters or rope_scaling object gave. */
+typedef struct rope_read {
+    bool given;   /* an object, not null */
+    double theta; /* its rope_theta; NaN: not given */
+    moe_rope_scaling s;
+} rope_read;
+
+/* rope_parameters (transformers v5) or rope_scaling (v4), key naming which:
+ * {"rope_type": "llama3", "factor": 8, ...}, "type" standing for
+ * rope_type, a type's missing optional parameters at transformers'
+ * defaults (original_max_position_embeddings is filled in later, from the
+ * whole config). A key of another type's is warned about and ignored, as
+ * transformers does. */
+static moe_status read_rope(rope_read *out, const char *key, const moe_json *v, const char *name, moe_warn_fn wfn,
+                            void *wctx) {
+    if (v->type != MOE_JSON_OBJECT) return wrong_type(name, key, "an object", v);
+    char sub[64];
+    *out = (rope_read){.given = true, .theta = NAN};
+    moe_rope_scaling *s = &out->s;
+    /* The type first: its keys are known only once it is. */
+    const char *type_name = NULL;
+    for (int alias = 0; alias < 2; alias++) {
+        const char *type_key = alias ? "type" : "rope_type";
+        const moe_json *t = moe_json_get(v, type_key);
+        if (t == NULL || t->type == MOE_JSON_NULL) continue;
+        snprintf(sub, sizeof sub, "%s.%s", key, type_key);
+        const char *text;
+        MOE_TRY(string_text(&text, name, sub, t));
+        if (text == NULL) return wrong_type(name, sub, "a string", t);
+        if (type_name != NULL && strcmp(type_name, text) != 0)
+            return moe_error(MOE_ERR_CONFIG, "%s: %s.rope_type=\"%s\" disagrees with %s.type=\"%s\"", name, key,
+                             type_name, key, text);
+        type_name = text;
+    }
+    if (type_name != NULL) {
+        size_t t = 0;
+        while (t < N_ROPE_TYPES && strcmp(type_name, rope_type_names[t]) != 0) t++;
+        if (t == N_ROPE_TYPES)
+            return moe_error(MOE_ERR_CONFIG,
+                             "%s: %s.rope_type=\"%.60s\" is not supported (only \"default\", \"linear\", \"llama3\" or "
+                             "\"yarn\")",
+                             name, key, type_name);
+        s->type = (moe_rope_type)t;
+    }
+    const unsigned bit = ROPE_TYPE_BIT(s->type);
+    unsigned required = 0;
+    for (size_t k = 0; k < N_ROPE_KEYS; k++)
+        if (rope_keys[k].required & bit) required |= 1u << k;
+    s->truncate = s->type == MOE_ROPE_YARN;
     for (size_t i = 0; i < v->object.count; i++) {
         const moe_json_member *m = &v->object.members[i];
         if (strlen(m->key) != m->key_len)
-            return moe_error(MOE_ERR_CONFIG, "%s: key \"rope_parameters.%s...\" contains a NUL character", name,
-                             m->key);
-        if (strcmp(m->key, "rope_type") == 0) continue; /* checked above */
+            return moe_error(MOE_ERR_CONFIG, "%s: key \"%s.%s...\" contains a NUL character", name, key, m->key);
+        snprintf(sub, sizeof sub, "%s.%.40s", key, m->key);
+        if (m->value.type == MOE_JSON_NULL || strcmp(m->key, "rope_type") == 0 || strcmp(m->key, "type") == 0)
+            continue; /* null is absent; the type is read */
         if (strcmp(m->key, "rope_theta") == 0) {
-            if (m->value.type != MOE_JSON_NUMBER)
-                return wrong_type(name, "rope_parameters.rope_theta", "a number", &m->value);
+            if (m->value.type != MOE_JSON_NUMBER) return wrong_type(name, sub, "a number", &m->value);
             /* Checked here, where the key it came from is known. */
-            MOE_TRY(check_float(name, "rope_parameters.rope_theta", m->value.number.value));
-            *theta = m->value.number.value;
-        } else {
-            warn(wfn, wctx, "%s: unknown key 'rope_parameters.%.100s' ignored", name, m->key);
+            MOE_TRY(check_float(name, sub, m->value.number.value));
+            out->theta = m->value.number.value;
+            continue;
         }
+        if (strcmp(m->key, "partial_rotary_factor") == 0) {
+            if (m->value.type != MOE_JSON_NUMBER) return wrong_type(name, sub, "a number", &m->value);
+            if (m->value.number.value != 1.0)
+                return moe_error(MOE_ERR_CONFIG, "%s: %s=%s is not supported (only 1: RoPE rotates the whole head)",
+                                 name, sub, m->value.number.text);
+            continue;
+        }
+        size_t k = 0;
+        while (k < N_ROPE_KEYS && strcmp(m->key, rope_keys[k].key) != 0) k++;
+        if (k == N_ROPE_KEYS || !(rope_keys[k].types & bit)) {
+            warn(wfn, wctx, "%s: unknown key '%.100s' ignored", name, sub);
+            continue;
+        }
+        void *at = (char *)s + rope_keys[k].offset;
+        if (rope_keys[k].kind == F_INT) {
+            MOE_TRY(read_int(at, name, sub, "an integer", &m->value));
+        } else if (rope_keys[k].kind == F_BOOL) {
+            if (m->value.type != MOE_JSON_BOOL) return wrong_type(name, sub, "true or false", &m->value);
+            *(bool *)at = m->value.boolean;
+        } else {
+            if (m->value.type != MOE_JSON_NUMBER) return wrong_type(name, sub, "a number", &m->value);
+            *(double *)at = m->value.number.value;
+        }
+        required &= ~(1u << k);
+    }
+    for (size_t k = 0; k < N_ROPE_KEYS; k++)
+        if (required & 1u << k)
+            return moe_error(MOE_ERR_CONFIG, "%s: %s.%s is missing: rope_type \"%s\" needs it", name, key,
+                             rope_keys[k].key, rope_type_names[s->type]);
+    if (s->type == MOE_ROPE_YARN) {
+        /* transformers' `or`: 0 (or absent) is the default. */
+        if (s->beta_fast == 0.0) s->beta_fast = 32.0;
+        if (s->beta_slow == 0.0) s->beta_slow = 1.0;
     }
     return MOE_OK;
 }
 
 /* What keys outside the table said, for fill_defaults to reconcile. */
 typedef struct other_values {
-    double rope_params_theta; /* rope_parameters.rope_theta; NaN: not given */
+    rope_read params, scaling; /* rope_parameters, rope_scaling */
+    int64_t original_max;      /* a top-level original_max_position_embeddings; 0: not given */
     bool has_num_experts;
     int64_t num_experts; /* transformers' alias of num_local_experts */
 } other_values;
+
+#define OTHER_VALUES_INIT {.params = {.theta = NAN}, .scaling = {.theta = NAN}}
+
+bool moe_rope_scaling_equal(const moe_rope_scaling *a, const moe_rope_scaling *b) {
+    return a->type == b->type && a->factor == b->factor && a->low_freq_factor == b->low_freq_factor &&
+           a->high_freq_factor == b->high_freq_factor &&
+           a->original_max_position_embeddings == b->original_max_position_embeddings &&
+           a->attention_factor == b->attention_factor && a->beta_fast == b->beta_fast &&
+           a->beta_slow == b->beta_slow && a->mscale == b->mscale && a->mscale_all_dim == b->mscale_all_dim &&
+           a->truncate == b->truncate;
+}
+
+void moe_rope_scaling_describe(char *buf, size_t size, const moe_rope_scaling *s) {
+    int n = snprintf(buf, size, "%s", moe_rope_type_name(s->type));
+    const char *sep = " (";
+    for (size_t k = 0; k < N_ROPE_KEYS && n >= 0 && (size_t)n < size; k++) {
+        const rope_key *r = &rope_keys[k];
+        if (!(r->types & ROPE_TYPE_BIT(s->type))) continue;
+        const void *at = (const char *)s + r->offset;
+        char value[32];
+        if (r->kind == F_INT)
+            snprintf(value, sizeof value, "%lld", (long long)*(const int64_t *)at);
+        else if (r->kind == F_BOOL)
+            snprintf(value, sizeof value, "%s", *(const bool *)at ? "true" : "false");
+        else
+            moe_shortest(value, sizeof value, *(const double *)at);
+        n += snprintf(buf + n, size - (size_t)n, "%s%s %s", sep, r->key, value);
+        sep = ", ";
+    }
+    if (n >= 0 && (size_t)n < size && s->type != MOE_ROPE_DEFAULT) snprintf(buf + n, size - (size_t)n, ")");
+}
+
+/* The RoPE a config's keys give (o: its rope objects and top-level
+ * original_max_position_embeddings; top_theta: its top-level rope_theta,
+ * NaN when not given; max_positions: its max_position_embeddings, 0 when
+ * unknown) into *theta (left alone when no key gives one) and *rope.
+ * rope_scaling and rope_parameters must agree where both are given, and
+ * so must every rope_theta. */
+static moe_status resolve_rope(double *theta, moe_rope_scaling *rope, const other_values *o, double top_theta,
+                               int64_t max_positions, const char *name, moe_warn_fn wfn, void *wctx) {
+    const struct {
+        const char *key;
+        double value;
+    } thetas[] = {{"rope_theta", top_theta},
+                  {"rope_parameters.rope_theta", o->params.theta},
+                  {"rope_scaling.rope_theta", o->scaling.theta}};
+    int first = -1;
+    for (int i = 0; i < 3; i++) {
+        if (isnan(thetas[i].value)) continue;
+        if (first < 0) first = i;
+        if (thetas[i].value != thetas[first].value)
+            return moe_error(MOE_ERR_CONFIG, "%s: %s=%g disagrees with %s=%g", name, thetas[first].key,
+                             thetas[first].value, thetas[i].key, thetas[i].value);
+    }
+    if (first >= 0) *theta = thetas[first].value;
+    if (o->params.given && o->scaling.given && !moe_rope_scaling_equal(&o->params.s, &o->scaling.s)) {
+        char a[256], b[256];
+        moe_rope_scaling_describe(a, sizeof a, &o->scaling.s);
+        moe_rope_scaling_describe(b, sizeof b, &o->params.s);
+        return moe_error(MOE_ERR_CONFIG, "%s: rope_scaling (%s) disagrees with rope_parameters (%s)", name, a, b);
+    }
+    *rope = o->scaling.given ? o->scaling.s : o->params.s;
+    const char *prefix = o->scaling.given ? "rope_scaling" : "rope_parameters";
+    const bool has_context = rope->type == MOE_ROPE_LLAMA3 || rope->type == MOE_ROPE_YARN;
+    if (o->original_max && !has_context)
+        warn(wfn, wctx, "%s: original_max_position_embeddings=%lld ignored: rope_type \"%s\" does not use it", name,
+             (long long)o->original_max, rope_type_names[rope->type]);
+    /* transformers takes the top-level key first, then the object's, then
+     * max_position_embeddings. */
+    if (has_context && o->original_max) rope->original_max_position_embeddings = o->original_max;
+    if (has_context && !rope->original_max_position_embeddings) {
+        rope->original_max_position_embeddings = max_positions;
+        if (!max_positions) return MOE_OK; /* unknown: the caller's to fill */
+    }
+    return check_rope(name, prefix, rope);
+}
 
 static bool listed(const char *key, const char *const *list, size_t n) {
     for (size_t i = 0; i < n; i++)
@@ -328,7 +570,12 @@ static moe_status check_other(const char *key, const moe_json *v, other_values *
                               void *wctx) {
     char got[80];
     if (v->type == MOE_JSON_NULL) return MOE_OK;
-    if (strcmp(key, "rope_parameters") == 0) return read_rope_parameters(&o->rope_params_theta, v, name, wfn, wctx);
+    if (strcmp(key, "rope_parameters") == 0) return read_rope(&o->params, key, v, name, wfn, wctx);
+    if (strcmp(key, "rope_scaling") == 0) return read_rope(&o->scaling, key, v, name, wfn, wctx);
+    if (strcmp(key, "original_max_position_embeddings") == 0) {
+        MOE_TRY(read_int(&o->original_max, name, key, "an integer", v));
+        return check_size(name, key, o->original_max, MAX_DIM);
+    }
     if (strcmp(key, "num_experts") == 0) {
         o->has_num_experts = true;
         return read_int(&o->num_experts, name, key, "an integer", v);
@@ -336,9 +583,6 @@ static moe_status check_other(const char *key, const moe_json *v, other_values *
     /* transformers' ACT2FN computes "swish" as nn.SiLU. */
     if (strcmp(key, "hidden_act") == 0) return require_string(name, key, v, "silu", "swish");
     if (strcmp(key, "model_type") == 0) return require_string(name, key, v, MODEL_TYPE_MIXTRAL, MODEL_TYPE_OURS);
-    if (strcmp(key, "rope_scaling") == 0)
-        return moe_error(MOE_ERR_CONFIG, "%s: rope_scaling is not supported (only plain RoPE); remove it or set null",
-                         name);
     if (strcmp(key, "attention_dropout") == 0) {
         if (v->type != MOE_JSON_NUMBER) return wrong_type(name, key, "a number", v);
         if (v->number.value != 0.0)
@@ -358,14 +602,6 @@ static moe_status read_other(const moe_json_member *m, other_values *o, const ch
         return MOE_OK;
     }
     return check_other(m->key, &m->value, o, name, wfn, wctx);
-}
-
-/* rope_theta (top_given: in the file) and rope_parameters.rope_theta (NaN:
- * not given) name one frequency base. */
-static moe_status check_rope_thetas(const char *name, bool top_given, double top, double params) {
-    if (!top_given || isnan(params) || top == params) return MOE_OK;
-    return moe_error(MOE_ERR_CONFIG, "%s: rope_theta=%g disagrees with rope_parameters.rope_theta=%g", name, top,
-                     params);
 }
 
 static size_t field_index(const char *key) {
@@ -420,7 +656,8 @@ static moe_status check_kv_heads(const char *name, int64_t heads, int64_t kv_hea
 
 /* Defaults for the fields not given, including those computed from others,
  * as transformers' MixtralConfig fills them. */
-static moe_status fill_defaults(moe_model_config *cfg, given *state, const other_values *o, const char *name) {
+static moe_status fill_defaults(moe_model_config *cfg, given *state, const other_values *o, const char *name,
+                                moe_warn_fn wfn, void *wctx) {
     const size_t experts = field_index("num_local_experts");
     if (o->has_num_experts) {
         /* transformers' attribute_map reads num_experts as num_local_experts. */
@@ -440,9 +677,9 @@ static moe_status fill_defaults(moe_model_config *cfg, given *state, const other
         if (fields[f].required) return moe_error(MOE_ERR_CONFIG, "%s: missing required key '%s'", name, fields[f].key);
         if (fields[f].def != DERIVED) set_default(cfg, &fields[f]);
     }
-    MOE_TRY(check_rope_thetas(name, state[field_index("rope_theta")] == GIVEN, cfg->rope_theta,
-                              o->rope_params_theta));
-    if (!isnan(o->rope_params_theta)) cfg->rope_theta = o->rope_params_theta;
+    const double top_theta = state[field_index("rope_theta")] == GIVEN ? cfg->rope_theta : NAN;
+    MOE_TRY(resolve_rope(&cfg->rope_theta, &cfg->rope_scaling, o, top_theta, cfg->max_position_embeddings, name, wfn,
+                         wctx));
     /* MixtralConfig: 8 when absent, num_attention_heads when null. */
     const given kv = state[field_index("num_key_value_heads")];
     if (kv == GIVEN_NULL) cfg->num_key_value_heads = cfg->num_attention_heads;
@@ -474,23 +711,30 @@ static moe_status as_config_error(moe_status st) {
 }
 
 moe_status moe_model_config_check_function_keys(const moe_json *root, const char *name, moe_warn_fn wfn,
-                                                void *wctx) {
+                                                void *wctx, moe_rope_scaling *rope) {
     if (root->type != MOE_JSON_OBJECT)
         return moe_error(MOE_ERR_CONFIG, "%s: top level is a JSON %s, not an object", name,
                          moe_json_type_name(root->type));
-    static const char *const keys[] = {"rope_parameters", "rope_scaling", "hidden_act"};
-    other_values o = {.rope_params_theta = NAN};
+    static const char *const keys[] = {"rope_parameters", "rope_scaling", "hidden_act",
+                                       "original_max_position_embeddings"};
+    other_values o = OTHER_VALUES_INIT;
     for (size_t k = 0; k < sizeof keys / sizeof *keys; k++) {
         const moe_json *v = moe_json_get(root, keys[k]);
         if (v != NULL) MOE_TRY(check_other(keys[k], v, &o, name, wfn, wctx));
     }
-    const size_t f = field_index("rope_theta");
-    const moe_json *v = moe_json_get(root, fields[f].key);
-    if (v == NULL || v->type == MOE_JSON_NULL) return MOE_OK;
-    moe_model_config read;
-    MOE_TRY(read_field(&read, &fields[f], v, name));
-    MOE_TRY(check_float(name, fields[f].key, read.rope_theta));
-    return check_rope_thetas(name, true, read.rope_theta, o.rope_params_theta);
+    /* The two fields RoPE reads, as the Mixtral reader reads them. */
+    moe_model_config read = {.rope_theta = NAN};
+    static const char *const read_keys[] = {"rope_theta", "max_position_embeddings"};
+    for (size_t k = 0; k < sizeof read_keys / sizeof *read_keys; k++) {
+        const size_t f = field_index(read_keys[k]);
+        const moe_json *v = moe_json_get(root, fields[f].key);
+        if (v != NULL && v->type != MOE_JSON_NULL) MOE_TRY(read_field(&read, &fields[f], v, name));
+    }
+    if (!isnan(read.rope_theta)) MOE_TRY(check_float(name, "rope_theta", read.rope_theta));
+    if (read.max_position_embeddings)
+        MOE_TRY(check_size(name, "max_position_embeddings", read.max_position_embeddings, MAX_DIM));
+    double theta = NAN;
+    return resolve_rope(&theta, rope, &o, read.rope_theta, read.max_position_embeddings, name, wfn, wctx);
 }
 
 moe_status moe_model_config_take_token_ids(moe_model_config *cfg, const moe_json *root, const char *name) {
@@ -528,10 +772,10 @@ moe_status moe_model_config_parse(moe_model_config *cfg, const char *text, size_
     MOE_TRY(as_config_error(moe_json_parse(&doc, text, len, name)));
     memset(cfg, 0, sizeof *cfg);
     given state[N_FIELDS] = {ABSENT};
-    other_values o = {.rope_params_theta = NAN};
+    other_values o = OTHER_VALUES_INIT;
     moe_status st = read_keys(cfg, state, &o, moe_json_root(doc), name, wfn, wctx);
     moe_json_free(doc);
-    if (st == MOE_OK) st = fill_defaults(cfg, state, &o, name);
+    if (st == MOE_OK) st = fill_defaults(cfg, state, &o, name, wfn, wctx);
     if (st == MOE_OK) st = moe_model_config_validate(cfg, name);
     if (st == MOE_OK) warn_token_ids(cfg, name, wfn, wctx);
     /* Kept as computed, so that a saved config says what the model does. */
@@ -669,6 +913,7 @@ moe_status moe_model_config_validate(const moe_model_config *c, const char *name
     if ((int)c->moe_gate < 0 || (size_t)c->moe_gate >= sizeof gate_names / sizeof *gate_names)
         return moe_error(MOE_ERR_CONFIG, "%s: moe_gate=%d is not a gate kind", name, (int)c->moe_gate);
     MOE_TRY(check_float(name, "rope_theta", c->rope_theta));
+    MOE_TRY(check_rope(name, "rope_scaling", &c->rope_scaling));
     MOE_TRY(check_float(name, "rms_norm_eps", c->rms_norm_eps));
     MOE_TRY(check_coef(name, "router_aux_loss_coef", c->router_aux_loss_coef));
     MOE_TRY(check_real(name, "router_jitter_noise", c->router_jitter_noise, 0.0, 1.0));
@@ -763,6 +1008,31 @@ moe_status moe_model_config_save(const moe_model_config *cfg, const char *path) 
         }
         case F_TOKEN_IDS: write_token_ids(&w, field_cptr(cfg, &fields[f])); break;
         }
+    }
+    /* As transformers v4 writes a scaled RoPE, which v5 reads as its
+     * rope_parameters; every parameter of the type explicit. */
+    const moe_rope_scaling *rope = &cfg->rope_scaling;
+    if (rope->type != MOE_ROPE_DEFAULT) {
+        moe_json_key(&w, "rope_scaling");
+        moe_json_begin_object(&w);
+        moe_json_key(&w, "rope_type");
+        moe_json_string(&w, rope_type_names[rope->type]);
+        for (size_t k = 0; k < N_ROPE_KEYS; k++) {
+            const rope_key *r = &rope_keys[k];
+            const void *at = (const char *)rope + r->offset;
+            /* yarn's optional factors stay absent when not set (0). */
+            if (!(r->types & ROPE_TYPE_BIT(rope->type)) || (r->kind == F_REAL && !(r->required & ROPE_TYPE_BIT(rope->type)) &&
+                                                             *(const double *)at == 0.0))
+                continue;
+            moe_json_key(&w, r->key);
+            if (r->kind == F_INT)
+                moe_json_int(&w, *(const int64_t *)at);
+            else if (r->kind == F_BOOL)
+                moe_json_bool(&w, *(const bool *)at);
+            else
+                moe_json_number(&w, *(const double *)at);
+        }
+        moe_json_end_object(&w);
     }
     moe_json_end_object(&w);
     moe_status st = moe_json_writer_finish(&w);

@@ -9,7 +9,8 @@
  * that would change the model in ways we do not implement are errors
  * (hidden_act other than "silu" or "swish", which
  * transformers computes as silu, model_type other than "mixtral" or "moe",
- * rope_scaling, a rope_type other than "default"). A wrong type or an
+ * a rope_type other than "default", "linear", "llama3" or "yarn", a
+ * partial_rotary_factor other than 1). A wrong type or an
  * impossible value is an error naming the file, the key and the value, and
  * so is a string holding a NUL character (\u0000); an integer past int64 is
  * out of range. JSON null counts as absent for every key, as in
@@ -64,6 +65,30 @@ typedef struct moe_token_ids {
     int64_t ids[MOE_TOKEN_IDS_MAX];
 } moe_token_ids;
 
+/* RoPE's frequency scaling, as transformers computes each rope_type
+ * (modeling_rope_utils): linear divides every inverse frequency by factor;
+ * llama3 divides the low frequencies (wavelength past
+ * original_max_position_embeddings / low_freq_factor) by factor, keeps the
+ * high ones (shorter than ... / high_freq_factor) and blends those between;
+ * yarn blends each frequency with itself divided by factor over a ramp set
+ * by beta_fast and beta_slow (rotations within the original context), and
+ * scales cos and sin by attention_factor. A type's unused fields are 0. */
+typedef enum moe_rope_type { MOE_ROPE_DEFAULT = 0, MOE_ROPE_LINEAR, MOE_ROPE_LLAMA3, MOE_ROPE_YARN } moe_rope_type;
+
+typedef struct moe_rope_scaling {
+    moe_rope_type type;
+    double factor;                            /* linear, llama3, yarn: a normal float */
+    double low_freq_factor, high_freq_factor; /* llama3: 0 < low < high */
+    /* llama3, yarn: the pretraining context; default max_position_embeddings
+     * (a top-level original_max_position_embeddings first, as transformers
+     * takes Phi-3's) */
+    int64_t original_max_position_embeddings;
+    double attention_factor;       /* yarn: on cos and sin; 0: from factor, mscale and mscale_all_dim */
+    double beta_fast, beta_slow;   /* yarn: default 32 and 1 (0 reads as the default, as in transformers) */
+    double mscale, mscale_all_dim; /* yarn: 0 when absent; used when both are set */
+    bool truncate;                 /* yarn: whole dimensions for the ramp's ends (default true) */
+} moe_rope_scaling;
+
 typedef struct moe_model_config {
     /* Hugging Face MixtralConfig fields. Required in config.json: the sizes
      * down to num_experts_per_tok, except num_key_value_heads (default 8;
@@ -84,6 +109,8 @@ typedef struct moe_model_config {
      * null in config.json (0 here, the default) for every position before. */
     int64_t sliding_window;
     double rope_theta;               /* default 1e6; also rope_parameters.rope_theta */
+    /* rope_scaling (transformers v4) or rope_parameters (v5); default none */
+    moe_rope_scaling rope_scaling;
     double rms_norm_eps;             /* default 1e-5 */
     double router_aux_loss_coef;     /* default 0.001 */
     double router_jitter_noise;      /* in [0, 1), default 0 */
@@ -125,13 +152,27 @@ moe_status moe_model_config_parse(moe_model_config *cfg, const char *text, size_
 /* The keys of a Hugging Face config.json of any model_type (a dense
  * Mistral's or Llama's too) that change the function beyond the sizes and
  * that this reader checks outside the struct, checked as
- * moe_model_config_parse checks them: rope_parameters (rope_type "default",
- * its rope_theta a normal float that agrees with a top-level rope_theta),
- * rope_scaling (null or absent) and hidden_act ("silu" or "swish"). root is
- * the file's top-level object, name leads every message; the other keys
- * are left to the caller. */
+ * moe_model_config_parse checks them: rope_parameters and rope_scaling (a
+ * rope_type this reader implements, their rope_theta a normal float that
+ * agrees with a top-level rope_theta) and hidden_act ("silu" or "swish");
+ * *rope gets the RoPE scaling they give, its
+ * original_max_position_embeddings 0 when the file gives neither it nor
+ * max_position_embeddings (the model type's default, unknown here). root
+ * is the file's top-level object, name leads every message; the other
+ * keys are left to the caller. */
 moe_status moe_model_config_check_function_keys(const struct moe_json *root, const char *name, moe_warn_fn warn,
-                                                void *warn_ctx);
+                                                void *warn_ctx, moe_rope_scaling *rope);
+
+/* A rope_type as config.json writes it ("default", "llama3", ...); "?"
+ * outside the enum. */
+const char *moe_rope_type_name(int type);
+
+/* Whether a and b scale alike, field by field. */
+bool moe_rope_scaling_equal(const moe_rope_scaling *a, const moe_rope_scaling *b);
+
+/* The scaling as a line for messages: "llama3 (factor 8, low_freq_factor 1,
+ * high_freq_factor 4, original_max_position_embeddings 8192)". */
+void moe_rope_scaling_describe(char *buf, size_t size, const moe_rope_scaling *rope);
 
 /* The token id keys (bos_token_id, eos_token_id, pad_token_id) of a
  * Hugging Face config.json of any model_type (root, its top-level object)

@@ -525,9 +525,10 @@ static void field_text(char *buf, size_t size, const moe_agree_field *f, double 
  * model_type is the dense one's (mistral, llama), so it is read key by key
  * as plain JSON; keys it lacks are not compared (each model type has its
  * own defaults). RoPE and the activation are checked by the Mixtral
- * reader's own rules (moe_model_config_check_function_keys): scaled RoPE
- * and an activation other than SiLU are refused; rope_theta is compared
- * wherever it is written, top level or transformers v5's rope_parameters.
+ * reader's own rules (moe_model_config_check_function_keys): a RoPE type
+ * it does not implement and an activation other than SiLU are refused;
+ * rope_theta is compared wherever it is written, top level or in
+ * rope_parameters, and so is the RoPE scaling.
  * The token ids --config does not give are taken from the dense model's. */
 static moe_status check_dense_config(moe_model_config *moe, const moe_run_options *o) {
     char path[RUN_PATH_BYTES];
@@ -557,8 +558,20 @@ static moe_status check_dense_config(moe_model_config *moe, const moe_run_option
     const moe_json *root = moe_json_root(doc);
     /* Unknown rope_parameters keys are not warned about: a dense model's
      * file is not the MoE's config, whose reading warns. */
-    moe_status st = moe_model_config_check_function_keys(root, path, NULL, NULL);
+    moe_rope_scaling rope;
+    moe_status st = moe_model_config_check_function_keys(root, path, NULL, NULL, &rope);
     if (st != MOE_OK) st = moe_error_prefix(st, "--upcycle: ");
+    /* A context the file leaves to its model type's default is not compared. */
+    if (st == MOE_OK && rope.type == moe->rope_scaling.type && rope.original_max_position_embeddings == 0)
+        rope.original_max_position_embeddings = moe->rope_scaling.original_max_position_embeddings;
+    if (st == MOE_OK && !moe_rope_scaling_equal(&rope, &moe->rope_scaling)) {
+        char dense[256], mine[256];
+        moe_rope_scaling_describe(dense, sizeof dense, &rope);
+        moe_rope_scaling_describe(mine, sizeof mine, &moe->rope_scaling);
+        st = moe_error(MOE_ERR_CONFIG, "--upcycle: %s scales RoPE as %s, and --config %s as %s: the MoE would not "
+                                       "start from the dense model's function",
+                       path, dense, o->config, mine);
+    }
     for (size_t k = 0; st == MOE_OK && k < sizeof shared / sizeof *shared; k++) {
         const moe_json *v = moe_json_get(root, shared[k].key);
         if (v && shared[k].sub) v = moe_json_get(v, shared[k].sub); /* checked to be an object or null */

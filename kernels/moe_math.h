@@ -116,19 +116,6 @@ MOE_HD uint64_t moe_top_groups(const float *gs, int n, int top) {
     return kept;
 }
 
-/* RoPE angle of pair i < hd/2 at position pos, with every fp32 rounding of
- * Hugging Face's rotary embedding: inv_freq = 1 / theta^(float(2i) / hd) in
- * fp32, angle = float(pos) * inv_freq in fp32. Reproducing those roundings
- * (rather than a more accurate angle in double) keeps a checkpoint trained
- * here identical to what transformers computes from it; the angle error they
- * carry grows with pos (about pos * 6e-8 rad). pow is taken in double, then
- * rounded, which is what a correctly rounded powf gives. */
-MOE_HD float moe_rope_angle(int64_t pos, int64_t i, int64_t hd, float theta) {
-    float expo = (float)(2 * i) / (float)hd;
-    float inv_freq = 1.0f / (float)pow((double)theta, (double)expo);
-    return (float)pos * inv_freq;
-}
-
 /* AdamW's per-step scalars, computed on the host in double as PyTorch does
  * in Python: decay = 1 - lr * wd (for the parameters weight decay applies
  * to; the others use 1), step_size = lr / (1 - beta1^t), bc2_sqrt =

@@ -48,8 +48,6 @@
         (out, inp, weight, N, C, OC))                                                                            \
     X(matmul_backward, (float *dinp, float *dweight, const float *dout, const float *inp, const float *weight,   \
         int64_t N, int64_t C, int64_t OC), (dinp, dweight, dout, inp, weight, N, C, OC))                         \
-    X(rope_tables, (float *cos_t, float *sin_t, int64_t T, int64_t hd, float theta), (cos_t, sin_t, T, hd,       \
-        theta))                                                                                                  \
     X(rope_forward, (float *x, const float *cos_t, const float *sin_t, int64_t B, int64_t T, int64_t H,          \
         int64_t hd), (x, cos_t, sin_t, B, T, H, hd))                                                             \
     X(rope_backward, (float *dx, const float *cos_t, const float *sin_t, int64_t B, int64_t T, int64_t H,        \

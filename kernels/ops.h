@@ -190,7 +190,6 @@ typedef struct moe_ops {
     void (*matmul_forward)(float *out, const float *inp, const float *weight, int64_t N, int64_t C, int64_t OC);
     void (*matmul_backward)(float *dinp, float *dweight, const float *dout, const float *inp, const float *weight,
                             int64_t N, int64_t C, int64_t OC);
-    void (*rope_tables)(float *cos_t, float *sin_t, int64_t T, int64_t hd, float theta);
     void (*rope_forward)(float *x, const float *cos_t, const float *sin_t, int64_t B, int64_t T, int64_t H,
                          int64_t hd);
     void (*rope_backward)(float *dx, const float *cos_t, const float *sin_t, int64_t B, int64_t T, int64_t H,

@@ -42,26 +42,65 @@ static inline void ref_linear(double *out, const double *x, const double *w, int
         }
 }
 
-/* Hugging Face's rotary angle, with its fp32 roundings: inv_freq = 1 /
- * theta^(float(2i) / hd) rounded to fp32, angle = float(pos) * inv_freq in
- * fp32. They are part of what a Mixtral checkpoint computes, so the
- * reference keeps them; everything after the angle is double. */
-static inline double ref_rope_angle(int64_t pos, int64_t i, int64_t hd, double theta) {
+/* Hugging Face's rotary angle, with its fp32 roundings of the unscaled
+ * inverse frequency (1 / theta^(float(2i) / hd) rounded to fp32) and of the
+ * angle (float(pos) * inv_freq in fp32) when RoPE is not scaled. They are
+ * part of what a Mixtral checkpoint computes, so the reference keeps them.
+ * A scaling applies transformers' formulas in double to that frequency
+ * (modeling_rope_utils: linear, llama3, yarn). */
+static inline double ref_rope_inv_freq(int64_t i, int64_t hd, double theta, const moe_rope_scaling *s) {
     const float expo = (float)(2 * i) / (float)hd;
-    const float inv_freq = 1.0f / (float)pow(theta, (double)expo);
-    return (double)((float)pos * inv_freq);
+    const double inv = (double)(1.0f / (float)pow(theta, (double)expo)), two_pi = 6.283185307179586;
+    const double context = (double)s->original_max_position_embeddings;
+    if (s->type == MOE_ROPE_LINEAR) return inv / s->factor;
+    if (s->type == MOE_ROPE_LLAMA3) {
+        const double wavelen = two_pi / inv;
+        if (wavelen < context / s->high_freq_factor) return inv;
+        if (wavelen > context / s->low_freq_factor) return inv / s->factor;
+        const double smooth = (context / wavelen - s->low_freq_factor) / (s->high_freq_factor - s->low_freq_factor);
+        return (1.0 - smooth) * inv / s->factor + smooth * inv;
+    }
+    if (s->type == MOE_ROPE_YARN) {
+        /* The pair dimension at which a frequency turns r times within the context. */
+        double low = (double)hd * log(context / (s->beta_fast * two_pi)) / (2.0 * log(theta));
+        double high = (double)hd * log(context / (s->beta_slow * two_pi)) / (2.0 * log(theta));
+        if (s->truncate) low = floor(low), high = ceil(high);
+        low = fmax(low, 0.0), high = fmin(high, (double)(hd - 1));
+        if (high == low) high += 0.001;
+        const double ramp = fmin(fmax(((double)i - low) / (high - low), 0.0), 1.0);
+        return inv / s->factor * ramp + inv * (1.0 - ramp);
+    }
+    return inv;
+}
+
+/* yarn's factor on cos and sin (transformers' get_mscale); 1 otherwise. */
+static inline double ref_rope_attention(const moe_rope_scaling *s) {
+    if (s->type != MOE_ROPE_YARN) return 1.0;
+    if (s->attention_factor != 0.0) return s->attention_factor;
+    const double l = s->factor > 1.0 ? log(s->factor) : 0.0;
+    if (s->mscale != 0.0 && s->mscale_all_dim != 0.0) return (0.1 * s->mscale * l + 1.0) / (0.1 * s->mscale_all_dim * l + 1.0);
+    return 0.1 * l + 1.0;
+}
+
+static inline double ref_rope_angle(int64_t pos, int64_t i, int64_t hd, double theta, const moe_rope_scaling *s) {
+    if (s->type == MOE_ROPE_DEFAULT) return (double)((float)pos * (float)ref_rope_inv_freq(i, hd, theta, s));
+    return (double)pos * ref_rope_inv_freq(i, hd, theta, s);
 }
 
 /* "rotate_half" RoPE in place on x [B, T, H, hd]: element i < hd/2 pairs
- * with i + hd/2, x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin; position t. */
-static inline void ref_rope(double *x, int64_t B, int64_t T, int64_t H, int64_t hd, double theta) {
+ * with i + hd/2, x1' = (x1 cos - x2 sin) a, x2' = (x2 cos + x1 sin) a,
+ * position t, a the scaling's attention factor. */
+static inline void ref_rope(double *x, int64_t B, int64_t T, int64_t H, int64_t hd, double theta,
+                            const moe_rope_scaling *scaling) {
     const int64_t half = hd / 2;
+    const double a = ref_rope_attention(scaling);
     for (int64_t b = 0; b < B; b++)
         for (int64_t t = 0; t < T; t++)
             for (int64_t h = 0; h < H; h++) {
                 double *v = x + ((b * T + t) * H + h) * hd;
                 for (int64_t i = 0; i < half; i++) {
-                    const double a = ref_rope_angle(t, i, hd, theta), c = cos(a), s = sin(a);
+                    const double angle = ref_rope_angle(t, i, hd, theta, scaling);
+                    const double c = a * cos(angle), s = a * sin(angle);
                     const double x1 = v[i], x2 = v[i + half];
                     v[i] = x1 * c - x2 * s;
                     v[i + half] = x2 * c + x1 * s;
@@ -329,8 +368,8 @@ static inline double ref_model_forward(ref_model *r, ref_model_loss *out, double
         ref_linear(q, h, p + ly->wq, N, C, qdim);
         ref_linear(k, h, p + ly->wk, N, C, kvdim);
         ref_linear(v, h, p + ly->wv, N, C, kvdim);
-        ref_rope(q, B, T, Hq, hd, c->rope_theta);
-        ref_rope(k, B, T, Hkv, hd, c->rope_theta);
+        ref_rope(q, B, T, Hq, hd, c->rope_theta, &c->rope_scaling);
+        ref_rope(k, B, T, Hkv, hd, c->rope_theta, &c->rope_scaling);
         ref_attention(att, NULL, q, k, v, B, T, Hq, Hkv, hd, c->sliding_window);
         ref_linear(y, att, p + ly->wo, N, qdim, C);
         for (int64_t i = 0; i < N * C; i++) x[i] += y[i];

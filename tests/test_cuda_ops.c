@@ -26,6 +26,7 @@
 #include <string.h>
 
 #include "engine/model.h"
+#include "engine/rope.h"
 #include "kernels/cuda/cuda_ops.h"
 #include "kernels/ops.h"
 #include "kernels/profile.h"
@@ -1202,15 +1203,9 @@ Test(cuda, rope_attention) {
 
     float *cos_t = ref_alloc((size_t)(T * half) * sizeof *cos_t),
           *sin_t = ref_alloc((size_t)(T * half) * sizeof *sin_t);
-    cpu->rope_tables(cos_t, sin_t, T, hd, theta);
-    float *d_cos = dpoison((size_t)(T * half) * sizeof(float), POISON_FLOAT);
-    float *d_sin = dpoison((size_t)(T * half) * sizeof(float), POISON_FLOAT);
-    CHECK(moe_cuda_rope_tables(d_cos, d_sin, T, hd, theta, ctx));
-    expect_dev("rope_tables cos", d_cos, cos_t, T * half, TOL_F32);
-    expect_dev("rope_tables sin", d_sin, sin_t, T * half, TOL_F32);
-    /* The rotations below use the CPU's tables on both sides. */
-    d_cos = dput(cos_t, (size_t)(T * half) * sizeof(float));
-    d_sin = dput(sin_t, (size_t)(T * half) * sizeof(float));
+    moe_rope_tables(cos_t, sin_t, T, hd, theta, &(moe_rope_scaling){0});
+    float *d_cos = dput(cos_t, (size_t)(T * half) * sizeof(float));
+    float *d_sin = dput(sin_t, (size_t)(T * half) * sizeof(float));
     const int64_t nq = B * T * Hq * hd, nk = B * T * Hkv * hd;
     float *q = rnd(nq, &rng, -1, 1);
     float *d_q = dput(q, (size_t)nq * sizeof(float));

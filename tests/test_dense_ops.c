@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "engine/rope.h"
 #include "kernels/cpu/dense.h"
 #include "ref_model.h"
 
@@ -287,7 +288,7 @@ Test(dense, rope_tables) {
     const int64_t T = 4096, hd = 64, half = hd / 2;
     const float theta = 1e6f;
     float *cs = xcalloc(T * half, sizeof(float)), *sn = xcalloc(T * half, sizeof(float));
-    moe_cpu_rope_tables(cs, sn, T, hd, theta);
+    moe_rope_tables(cs, sn, T, hd, theta, &(moe_rope_scaling){0});
     int64_t bad = 0, worst = 0;
     double worst_err = 0.0;
     for (int64_t t = 0; t < T; t++)
@@ -307,6 +308,76 @@ Test(dense, rope_tables) {
     free(cs), free(sn);
 }
 
+/* Scaled RoPE's tables against transformers' formulas in double
+ * (ref_model.h), and against the frequencies transformers 5.24 computes
+ * for Llama 3.1's llama3 scaling and Qwen2.5's yarn (hd 128): the tables
+ * round each step in fp32, as torch does, so they stay within a few ulps
+ * of the double formulas (2e-7 of the angle, plus the cosine's own
+ * rounding). Each scaling's landmarks hold exactly: llama3 keeps the high
+ * frequencies and divides the low ones by factor; yarn keeps the pairs
+ * below its ramp, divides those above, and multiplies cos and sin by
+ * 0.1 ln(factor) + 1. */
+Test(dense, rope_scaled_tables) {
+    const int64_t T = 2048, hd = 128, half = hd / 2;
+    const struct {
+        const char *name;
+        double theta;
+        moe_rope_scaling s;
+        int64_t pairs[3];  /* where transformers' inv_freq is given */
+        uint32_t want[3];  /* its fp32 bits there */
+    } cases[] = {
+        {"llama3", 5e5,
+         {.type = MOE_ROPE_LLAMA3, .factor = 8, .low_freq_factor = 1, .high_freq_factor = 4,
+          .original_max_position_embeddings = 8192},
+         {10, 44, 60}, {0x3e03c6a0, 0x377d45c3, 0x351864a7}},
+        {"yarn", 1e6,
+         {.type = MOE_ROPE_YARN, .factor = 4, .original_max_position_embeddings = 32768, .beta_fast = 32,
+          .beta_slow = 1, .truncate = true},
+         {10, 30, 60}, {0x3dec7fd6, 0x3a8b8207, 0x351f23e4}},
+        {"linear", 1e4, {.type = MOE_ROPE_LINEAR, .factor = 2}, {0, 20, 63}, {0x3f000000, 0x3ce655c2, 0x38722ce2}},
+    };
+    float *cs = xcalloc(T * half, sizeof(float)), *sn = xcalloc(T * half, sizeof(float));
+    for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
+        const moe_rope_scaling *s = &cases[k].s;
+        moe_rope_tables(cs, sn, T, hd, cases[k].theta, s);
+        const double att = ref_rope_attention(s);
+        double worst = 0.0;
+        int64_t bad = 0;
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t i = 0; i < half; i++) {
+                const double a = ref_rope_angle(t, i, hd, cases[k].theta, s);
+                const double err = fmax(fabs(cs[t * half + i] - att * cos(a)), fabs(sn[t * half + i] - att * sin(a)));
+                if (!(err <= att * (1e-7 + 2e-7 * a))) bad++;
+                worst = fmax(worst, err);
+            }
+        cr_expect(bad == 0, "%s: %lld entries off transformers' formulas; worst err %.3g", cases[k].name,
+                  (long long)bad, worst);
+        /* The frequency at t = 1 is sin's angle; transformers' within an ulp or two (its fp32 pow). */
+        for (int j = 0; j < 3; j++) {
+            const int64_t i = cases[k].pairs[j];
+            float want;
+            memcpy(&want, &cases[k].want[j], sizeof want);
+            const double got = asin(sn[half + i] / att);
+            cr_expect(fabs(got - (double)want) <= 3e-7 * want, "%s: pair %lld's frequency %.9g, transformers' %.9g",
+                      cases[k].name, (long long)i, got, (double)want);
+        }
+    }
+    /* Landmarks, bit for bit against the unscaled tables at t = 1. */
+    float *c0 = xcalloc(T * half, sizeof(float)), *s0 = xcalloc(T * half, sizeof(float));
+    moe_rope_tables(c0, s0, 2, hd, 5e5, &(moe_rope_scaling){0});
+    moe_rope_tables(cs, sn, 2, hd, 5e5, &cases[0].s);
+    cr_expect(sn[half + 0] == s0[half + 0] && sn[half + 5] == s0[half + 5], "llama3 changed a high frequency");
+    const float low = (float)(1.0 / pow(5e5, 2.0 * 63 / 128)) / 8.0f;
+    cr_expect(fabs(sn[half + 63] - sinf(low)) <= 1e-7 * low, "llama3's lowest frequency %.9g, want %.9g / 8",
+              (double)sn[half + 63], (double)low * 8);
+    moe_rope_tables(c0, s0, 2, hd, 1e6, &(moe_rope_scaling){0});
+    moe_rope_tables(cs, sn, 2, hd, 1e6, &cases[1].s);
+    const float yarn_att = (float)(0.1 * log(4.0) + 1.0);
+    cr_expect(cs[0] == yarn_att && sn[half] == s0[half] * yarn_att, "yarn: cos(0) %.9g, want %.9g", (double)cs[0],
+              (double)yarn_att);
+    free(cs), free(sn), free(c0), free(s0);
+}
+
 typedef struct rope_ctx {
     const double *x, *cs, *sn, *dout;
     double *y;
@@ -324,7 +395,7 @@ Test(dense, rope) {
     const float theta = 10000.0f;
     rng r = {4};
     float *cs = xcalloc(T * half, sizeof(float)), *sn = xcalloc(T * half, sizeof(float));
-    moe_cpu_rope_tables(cs, sn, T, hd, theta);
+    moe_rope_tables(cs, sn, T, hd, theta, &(moe_rope_scaling){0});
     float *x = rand_floats(n, &r, -1, 1), *y = copy_floats(x, n);
     moe_cpu_rope_forward(y, cs, sn, B, T, H, hd);
 

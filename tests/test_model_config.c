@@ -275,8 +275,31 @@ Test(model_config, every_bad_field_is_named) {
         {"pad_token_id", "{}", "pad_token_id must be an integer, a list of integers or null, got object"},
         {"pad_token_id", "99999999999999999999", "t/config.json: pad_token_id=99999999999999999999 is out of range"},
         {"model_type", "\"qwen2_moe\"", "model_type=\"qwen2_moe\" is not supported (only \"mixtral\" or \"moe\")"},
-        {"rope_scaling", "{\"type\": \"linear\", \"factor\": 2}", "rope_scaling is not supported"},
-        {"rope_parameters", "{\"rope_type\": \"yarn\"}", "rope_parameters.rope_type=\"yarn\" is not supported"},
+        {"rope_scaling", "{\"type\": \"dynamic\", \"factor\": 2}",
+         "t/config.json: rope_scaling.rope_type=\"dynamic\" is not supported (only \"default\", \"linear\", \"llama3\" or "
+         "\"yarn\")"},
+        {"rope_parameters", "{\"rope_type\": \"yarn\"}",
+         "t/config.json: rope_parameters.factor is missing: rope_type \"yarn\" needs it"},
+        {"rope_scaling", "{\"rope_type\": \"llama3\", \"factor\": 8, \"low_freq_factor\": 1}",
+         "t/config.json: rope_scaling.high_freq_factor is missing: rope_type \"llama3\" needs it"},
+        {"rope_scaling", "{\"rope_type\": \"llama3\", \"factor\": 8, \"low_freq_factor\": 4, \"high_freq_factor\": 4}",
+         "t/config.json: rope_scaling.high_freq_factor=4 must exceed low_freq_factor=4"},
+        {"rope_scaling", "{\"rope_type\": \"linear\", \"factor\": 0}", "t/config.json: rope_scaling.factor=0 must be > 0"},
+        {"rope_scaling", "{\"rope_type\": \"linear\", \"factor\": \"2\"}",
+         "t/config.json: rope_scaling.factor must be a number, got \"2\""},
+        {"rope_scaling", "{\"rope_type\": \"yarn\", \"factor\": 4, \"original_max_position_embeddings\": -1}",
+         "t/config.json: rope_scaling.original_max_position_embeddings=-1 must be positive"},
+        {"rope_scaling", "{\"rope_type\": \"yarn\", \"factor\": 4, \"truncate\": 1}",
+         "t/config.json: rope_scaling.truncate must be true or false, got 1"},
+        {"rope_scaling", "{\"rope_type\": \"yarn\", \"factor\": 4, \"mscale\": 1, \"mscale_all_dim\": -100}",
+         "t/config.json: rope_scaling.attention_factor comes to"},
+        {"rope_scaling", "{\"rope_type\": \"linear\", \"type\": \"yarn\", \"factor\": 2}",
+         "t/config.json: rope_scaling.rope_type=\"linear\" disagrees with rope_scaling.type=\"yarn\""},
+        {"rope_scaling", "{\"rope_type\": 3}", "t/config.json: rope_scaling.rope_type must be a string, got 3"},
+        {"rope_parameters", "{\"rope_type\": \"default\", \"partial_rotary_factor\": 0.5}",
+         "t/config.json: rope_parameters.partial_rotary_factor=0.5 is not supported (only 1: RoPE rotates the whole "
+         "head)"},
+        {"original_max_position_embeddings", "0", "t/config.json: original_max_position_embeddings=0 must be positive"},
         {"rope_parameters", "5", "rope_parameters must be an object, got 5"},
         {"rope_parameters", "{\"rope_theta\": \"x\"}", "rope_parameters.rope_theta must be a number, got \"x\""},
         {"attention_dropout", "\"x\"", "attention_dropout must be a number"},
@@ -419,17 +442,17 @@ Test(model_config, head_dim_rounds_down_as_transformers) {
     cr_expect_eq(c.head_dim, 16, "66 // 4");
 }
 
-/* A scaled RoPE is refused by its rope_type alone: transformers v5 writes
- * rope_parameters' keys sorted, so "factor" comes first, and was warned
- * about as unknown before the refusal. */
+/* A RoPE type moe does not implement is refused by its rope_type alone:
+ * transformers v5 writes rope_parameters' keys sorted, so "factor" comes
+ * first, and would be warned about as unknown before the refusal. */
 Test(model_config, rope_type_is_refused_before_any_warning) {
     const char *const params[] = {
-        "{\"factor\": 2.0, \"rope_theta\": 10000.0, \"rope_type\": \"linear\"}",
-        "{\"factor\": 8.0, \"high_freq_factor\": 4.0, \"low_freq_factor\": 1.0, "
-        "\"original_max_position_embeddings\": 8192, \"rope_theta\": 500000.0, \"rope_type\": \"llama3\"}",
+        "{\"factor\": 2.0, \"rope_theta\": 10000.0, \"rope_type\": \"dynamic\"}",
+        "{\"factor\": 8.0, \"long_factor\": [1.0], \"original_max_position_embeddings\": 4096, "
+        "\"rope_theta\": 10000.0, \"rope_type\": \"longrope\", \"short_factor\": [1.0]}",
     };
-    const char *const want[] = {"t/config.json: rope_parameters.rope_type=\"linear\" is not supported",
-                                "t/config.json: rope_parameters.rope_type=\"llama3\" is not supported"};
+    const char *const want[] = {"t/config.json: rope_parameters.rope_type=\"dynamic\" is not supported",
+                                "t/config.json: rope_parameters.rope_type=\"longrope\" is not supported"};
     for (size_t i = 0; i < sizeof params / sizeof *params; i++) {
         moe_model_config c;
         warnings w = {0};
@@ -455,9 +478,11 @@ Test(model_config, function_keys_of_any_config) {
          NULL},
         {"{}", NULL},
         {"{\"hidden_act\": \"gelu\"}", "d/config.json: hidden_act=\"gelu\" is not supported"},
-        {"{\"rope_scaling\": {\"type\": \"linear\", \"factor\": 2.0}}", "d/config.json: rope_scaling is not supported"},
+        {"{\"rope_scaling\": {\"type\": \"linear\", \"factor\": 2.0}}", NULL},
+        {"{\"rope_scaling\": {\"type\": \"dynamic\", \"factor\": 2.0}}",
+         "d/config.json: rope_scaling.rope_type=\"dynamic\" is not supported"},
         {"{\"rope_parameters\": {\"factor\": 8.0, \"rope_theta\": 10000.0, \"rope_type\": \"llama3\"}}",
-         "d/config.json: rope_parameters.rope_type=\"llama3\" is not supported"},
+         "d/config.json: rope_parameters.low_freq_factor is missing: rope_type \"llama3\" needs it"},
         {"{\"rope_theta\": 10000.0, \"rope_parameters\": {\"rope_theta\": 20000.0}}",
          "d/config.json: rope_theta=10000 disagrees with rope_parameters.rope_theta=20000"},
         {"{\"rope_theta\": \"x\"}", "d/config.json: rope_theta must be a number, got \"x\""},
@@ -470,7 +495,9 @@ Test(model_config, function_keys_of_any_config) {
         cr_assert_eq(moe_json_parse(&doc, cases[i].text, strlen(cases[i].text), "d"), MOE_OK, "%s",
                      moe_last_error());
         warnings w = {0};
-        const moe_status st = moe_model_config_check_function_keys(moe_json_root(doc), "d/config.json", collect, &w);
+        moe_rope_scaling rope;
+        const moe_status st =
+            moe_model_config_check_function_keys(moe_json_root(doc), "d/config.json", collect, &w, &rope);
         moe_json_free(doc);
         if (cases[i].want == NULL) {
             cr_expect_eq(st, MOE_OK, "%s: %s", cases[i].text, moe_last_error());
@@ -481,6 +508,95 @@ Test(model_config, function_keys_of_any_config) {
         cr_expect(strstr(moe_last_error(), cases[i].want) != NULL, "%s:\n  \"%s\"\n  lacks \"%s\"", cases[i].text,
                   moe_last_error(), cases[i].want);
     }
+}
+
+/* Scaled RoPE as transformers reads it: rope_scaling (v4, "type" or
+ * "rope_type") or rope_parameters (v5); original_max_position_embeddings
+ * from a top-level key first, then the object's, then
+ * max_position_embeddings; yarn's betas and truncate at their defaults; a
+ * parameter of another type's warned about and ignored; the two objects
+ * must agree where both are given. */
+Test(model_config, scaled_rope_as_transformers_reads_it) {
+    const struct {
+        const char *key, *value, *extra; /* extra: more top-level keys */
+        moe_rope_scaling want;
+        const char *warning; /* NULL: none */
+    } cases[] = {
+        {"rope_scaling",
+         "{\"factor\": 8.0, \"low_freq_factor\": 1.0, \"high_freq_factor\": 4.0, "
+         "\"original_max_position_embeddings\": 8192, \"rope_type\": \"llama3\"}",
+         "",
+         {.type = MOE_ROPE_LLAMA3, .factor = 8, .low_freq_factor = 1, .high_freq_factor = 4,
+          .original_max_position_embeddings = 8192},
+         NULL},
+        {"rope_parameters", "{\"rope_type\": \"yarn\", \"factor\": 4.0, \"rope_theta\": 1000000.0}",
+         "\"max_position_embeddings\": 131072",
+         {.type = MOE_ROPE_YARN, .factor = 4, .original_max_position_embeddings = 131072, .beta_fast = 32,
+          .beta_slow = 1, .truncate = true},
+         NULL},
+        {"rope_scaling",
+         "{\"type\": \"yarn\", \"factor\": 40, \"beta_fast\": 0, \"beta_slow\": 2, \"mscale\": 0.707, "
+         "\"mscale_all_dim\": 1.0, \"truncate\": false, \"attention_factor\": null, "
+         "\"original_max_position_embeddings\": 4096}",
+         "\"original_max_position_embeddings\": 2048",
+         {.type = MOE_ROPE_YARN, .factor = 40, .original_max_position_embeddings = 2048, .beta_fast = 32,
+          .beta_slow = 2, .mscale = 0.707, .mscale_all_dim = 1.0},
+         NULL},
+        {"rope_scaling", "{\"type\": \"linear\", \"factor\": 2.0, \"low_freq_factor\": 1.0}", "",
+         {.type = MOE_ROPE_LINEAR, .factor = 2}, "unknown key 'rope_scaling.low_freq_factor' ignored"},
+        {"rope_parameters", "{\"rope_type\": \"default\", \"partial_rotary_factor\": 1.0}",
+         "\"original_max_position_embeddings\": 4096", {.type = MOE_ROPE_DEFAULT},
+         "original_max_position_embeddings=4096 ignored: rope_type \"default\" does not use it"},
+        {"rope_scaling", "{\"type\": \"linear\", \"factor\": 2.0}",
+         "\"rope_parameters\": {\"rope_type\": \"linear\", \"factor\": 2, \"rope_theta\": 10000.0}",
+         {.type = MOE_ROPE_LINEAR, .factor = 2}, NULL},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        char text[2048];
+        snprintf(text, sizeof text, "%.*s%s%s}", (int)strlen(config_with(cases[i].key, cases[i].value)) - 1,
+                 config_with(cases[i].key, cases[i].value), cases[i].extra[0] ? ", " : "", cases[i].extra);
+        moe_model_config c;
+        warnings w = {0};
+        cr_assert_eq(parse(&c, text, &w), MOE_OK, "%s: %s", text, moe_last_error());
+        char got[256], want[256];
+        moe_rope_scaling_describe(got, sizeof got, &c.rope_scaling);
+        moe_rope_scaling_describe(want, sizeof want, &cases[i].want);
+        cr_expect(moe_rope_scaling_equal(&c.rope_scaling, &cases[i].want), "%s:\n  read %s\n  want %s", text, got,
+                  want);
+        if (cases[i].warning)
+            cr_expect(w.count == 1 && warned(&w, cases[i].warning), "%s: warned %d: %s", text, w.count, w.text[0]);
+        else
+            cr_expect_eq(w.count, 0, "%s warned: %s", text, w.text[0]);
+    }
+    /* Where both objects are given, they name one scaling and one theta. */
+    const char *const disagree[][2] = {
+        {"\"rope_scaling\": {\"type\": \"linear\", \"factor\": 2.0}, \"rope_parameters\": {\"rope_type\": \"default\"}",
+         "rope_scaling (linear (factor 2)) disagrees with rope_parameters (default)"},
+        {"\"rope_scaling\": {\"type\": \"linear\", \"factor\": 2.0, \"rope_theta\": 5.0}, \"rope_theta\": 10000.0",
+         "rope_theta=10000 disagrees with rope_scaling.rope_theta=5"},
+    };
+    for (size_t i = 0; i < sizeof disagree / sizeof *disagree; i++) {
+        char text[2048];
+        const char *base = config_with(NULL, NULL);
+        snprintf(text, sizeof text, "%.*s, %s}", (int)strlen(base) - 1, base, disagree[i][0]);
+        moe_model_config c;
+        cr_expect_eq(parse(&c, text, NULL), MOE_ERR_CONFIG, "accepted %s", text);
+        cr_expect(strstr(moe_last_error(), disagree[i][1]) != NULL, "%s: %s", text, moe_last_error());
+    }
+    /* A dense Llama 3.1's file gives its scaling to --upcycle's check. */
+    const char *llama = "{\"model_type\": \"llama\", \"max_position_embeddings\": 131072, \"rope_scaling\": "
+                        "{\"factor\": 8.0, \"high_freq_factor\": 4.0, \"low_freq_factor\": 1.0, "
+                        "\"original_max_position_embeddings\": 8192, \"rope_type\": \"llama3\"}, "
+                        "\"rope_theta\": 500000.0}";
+    moe_json_doc *doc;
+    cr_assert_eq(moe_json_parse(&doc, llama, strlen(llama), "d"), MOE_OK, "%s", moe_last_error());
+    moe_rope_scaling rope;
+    cr_expect_eq(moe_model_config_check_function_keys(moe_json_root(doc), "d/config.json", NULL, NULL, &rope), MOE_OK,
+                 "%s", moe_last_error());
+    moe_json_free(doc);
+    const moe_rope_scaling want = {.type = MOE_ROPE_LLAMA3, .factor = 8, .low_freq_factor = 1,
+                                   .high_freq_factor = 4, .original_max_position_embeddings = 8192};
+    cr_expect(moe_rope_scaling_equal(&rope, &want), "the dense file's llama3 scaling was not read");
 }
 
 /* Whatever config.json accepts, the MoE layer built from it accepts too (the
@@ -666,6 +782,7 @@ static void expect_same(const moe_model_config *a, const moe_model_config *b) {
     SAME(num_experts_per_tok);
     SAME(max_position_embeddings);
     SAME(rope_theta);
+    cr_expect(moe_rope_scaling_equal(&a->rope_scaling, &b->rope_scaling), "rope_scaling changed in the round trip");
     SAME(rms_norm_eps);
     SAME(router_aux_loss_coef);
     SAME(router_jitter_noise);
@@ -691,6 +808,16 @@ static void expect_same(const moe_model_config *a, const moe_model_config *b) {
     }
 }
 
+/* c saved to path loads back equal, with no warning. */
+static void expect_round_trip(const moe_model_config *c, const char *path) {
+    cr_assert_eq(moe_model_config_save(c, path), MOE_OK, "%s", moe_last_error());
+    moe_model_config back;
+    warnings w = {0};
+    cr_assert_eq(moe_model_config_load(&back, path, collect, &w), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(w.count, 0, "saved file warns: %s", w.text[0]);
+    expect_same(c, &back);
+}
+
 Test(model_config, save_then_load_is_identical, .init = make_tmpdir, .fini = remove_tmpdir) {
     char path[512];
     snprintf(path, sizeof path, "%s/config.json", tmpdir);
@@ -713,13 +840,7 @@ Test(model_config, save_then_load_is_identical, .init = make_tmpdir, .fini = rem
     c.moe_n_group = 4;
     c.moe_topk_group = 2;
     c.moe_routed_scaling_factor = 2.5;
-    cr_assert_eq(moe_model_config_save(&c, path), MOE_OK, "%s", moe_last_error());
-
-    moe_model_config back;
-    warnings w = {0};
-    cr_assert_eq(moe_model_config_load(&back, path, collect, &w), MOE_OK, "%s", moe_last_error());
-    cr_expect_eq(w.count, 0, "saved file warns: %s", w.text[0]);
-    expect_same(&c, &back);
+    expect_round_trip(&c, path);
 
     /* The file reads as a Hugging Face config, of a type transformers does
      * not load as Mixtral: the sigmoid gate and the rest are not Mixtral's. */
@@ -775,6 +896,47 @@ Test(model_config, save_then_load_is_identical, .init = make_tmpdir, .fini = rem
     cr_assert_eq(truncate(path, ((off_t)16 << 20) + 1), 0);
     cr_expect_eq(moe_model_config_load(&m2, path, NULL, NULL), MOE_ERR_CONFIG);
     cr_expect(strstr(moe_last_error(), "is 16777217 bytes, more than the limit") != NULL, "%s", moe_last_error());
+}
+
+/* A scaled RoPE saves as rope_scaling, every parameter of its type
+ * explicit, and loads back equal; validate refuses a parameter its type
+ * does not have. */
+Test(model_config, scaled_rope_round_trip, .init = make_tmpdir, .fini = remove_tmpdir) {
+    char path[512];
+    snprintf(path, sizeof path, "%s/config.json", tmpdir);
+    const moe_rope_scaling scalings[] = {
+        {.type = MOE_ROPE_LINEAR, .factor = 2.5},
+        {.type = MOE_ROPE_LLAMA3, .factor = 32, .low_freq_factor = 1, .high_freq_factor = 4,
+         .original_max_position_embeddings = 8192},
+        {.type = MOE_ROPE_YARN, .factor = 40, .original_max_position_embeddings = 4096, .beta_fast = 32,
+         .beta_slow = 1, .mscale = 0.707, .mscale_all_dim = 1, .truncate = false},
+        {.type = MOE_ROPE_YARN, .factor = 4, .original_max_position_embeddings = 32768, .attention_factor = 1.25,
+         .beta_fast = 16, .beta_slow = 2, .truncate = true},
+    };
+    const char *const written[] = {"\"rope_type\": \"linear\"", "\"high_freq_factor\": 4.0",
+                                   "\"mscale_all_dim\": 1.0", "\"attention_factor\": 1.25"};
+    for (size_t i = 0; i < sizeof scalings / sizeof *scalings; i++) {
+        moe_model_config c;
+        moe_model_config_default_small(&c, 256);
+        c.rope_scaling = scalings[i];
+        expect_round_trip(&c, path);
+        char *text;
+        size_t n;
+        cr_assert_eq(moe_file_read_all(&text, &n, path, 1 << 20), MOE_OK);
+        cr_expect(strstr(text, written[i]) != NULL, "lacks %s:\n%s", written[i], text);
+        free(text);
+    }
+    moe_model_config bad;
+    moe_model_config_default_small(&bad, 256);
+    bad.rope_scaling = (moe_rope_scaling){.type = MOE_ROPE_LINEAR, .factor = 2, .beta_fast = 32};
+    cr_expect_eq(moe_model_config_validate(&bad, "small"), MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "small: rope_scaling.beta_fast is set, but rope_type \"linear\" has no such "
+                                       "parameter") != NULL,
+              "%s", moe_last_error());
+    bad.rope_scaling = (moe_rope_scaling){.type = (moe_rope_type)9};
+    cr_expect_eq(moe_model_config_validate(&bad, "small"), MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "small: rope_scaling.rope_type=9 is no RoPE type") != NULL, "%s",
+              moe_last_error());
 }
 
 /* The base config without the keys in drop (a NULL-terminated list), with
@@ -868,6 +1030,7 @@ Test(model_config, null_is_absent_for_every_key) {
         "moe_n_shared_experts", "moe_bias_update_rate", "moe_n_group", "moe_topk_group",
         "moe_routed_scaling_factor", "rope_parameters", "rope_scaling", "tie_word_embeddings", "hidden_act",
         "model_type", "attention_dropout", "num_experts", "architectures", "torch_dtype", "use_cache",
+        "original_max_position_embeddings",
     };
     moe_model_config base;
     cr_assert_eq(parse(&base, config_with(NULL, NULL), NULL), MOE_OK, "%s", moe_last_error());

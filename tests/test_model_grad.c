@@ -61,19 +61,29 @@ typedef struct grad_case {
     double logit_z_coef; /* the logits' z-loss coefficient */
     int64_t sliding_window;
     bool tied; /* tie_word_embeddings */
+    /* A scaled RoPE, at theta 100, where head_dim 4's two pairs turn once
+     * in 6 and in 63 positions: the scalings change the second within the
+     * 5 positions. */
+    moe_rope_scaling rope;
 } grad_case;
 
 static const grad_case CASES[] = {
-    {"softmax_topk", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 0, 11, 0.0, 0.0, 0, false},
-    {"topk_softmax", MOE_GATE_TOPK_SOFTMAX, 0.0, 0, 0, 12, 0.0, 0.0, 0, false},
-    {"sigmoid", MOE_GATE_SIGMOID, 0.0, 0, 0, 13, 0.0, 0.0, 0, false},
-    {"capacity_1", MOE_GATE_SOFTMAX_TOPK, 1.0, 0, 0, 14, 0.0, 0.0, 0, false},
-    {"shared_experts", MOE_GATE_SOFTMAX_TOPK, 0.0, 1, 0, 15, 0.0, 0.0, 0, false},
-    {"ignored_targets", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 2, 16, 0.0, 0.0, 0, false},
-    {"sequence_wise_balancing", MOE_GATE_SIGMOID, 0.0, 0, 0, 17, 0.3, 0.0, 0, false},
-    {"logit_z_loss", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 1, 18, 0.0, 0.05, 0, false},
-    {"sliding_window", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 0, 19, 0.0, 0.0, 2, false},
-    {"tied_embeddings", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 1, 20, 0.0, 0.0, 0, true},
+    {"softmax_topk", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 0, 11, 0.0, 0.0, 0, false, {0}},
+    {"topk_softmax", MOE_GATE_TOPK_SOFTMAX, 0.0, 0, 0, 12, 0.0, 0.0, 0, false, {0}},
+    {"sigmoid", MOE_GATE_SIGMOID, 0.0, 0, 0, 13, 0.0, 0.0, 0, false, {0}},
+    {"capacity_1", MOE_GATE_SOFTMAX_TOPK, 1.0, 0, 0, 14, 0.0, 0.0, 0, false, {0}},
+    {"shared_experts", MOE_GATE_SOFTMAX_TOPK, 0.0, 1, 0, 15, 0.0, 0.0, 0, false, {0}},
+    {"ignored_targets", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 2, 16, 0.0, 0.0, 0, false, {0}},
+    {"sequence_wise_balancing", MOE_GATE_SIGMOID, 0.0, 0, 0, 17, 0.3, 0.0, 0, false, {0}},
+    {"logit_z_loss", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 1, 18, 0.0, 0.05, 0, false, {0}},
+    {"sliding_window", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 0, 19, 0.0, 0.0, 2, false, {0}},
+    {"tied_embeddings", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 1, 20, 0.0, 0.0, 0, true, {0}},
+    {"rope_llama3", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 0, 21, 0.0, 0.0, 0, false,
+     {.type = MOE_ROPE_LLAMA3, .factor = 8, .low_freq_factor = 1, .high_freq_factor = 4,
+      .original_max_position_embeddings = 64}},
+    {"rope_yarn", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 0, 22, 0.0, 0.0, 0, false,
+     {.type = MOE_ROPE_YARN, .factor = 4, .original_max_position_embeddings = 64, .beta_fast = 32, .beta_slow = 1,
+      .truncate = true}},
 };
 #define N_CASES ((int)(sizeof CASES / sizeof *CASES))
 
@@ -95,6 +105,7 @@ static void fx_create(fx *f, const grad_case *gc) {
     cfg.moe_seq_aux_loss_coef = gc->seq_aux_coef;
     cfg.sliding_window = gc->sliding_window;
     cfg.tie_word_embeddings = gc->tied;
+    if (gc->rope.type != MOE_ROPE_DEFAULT) cfg.rope_theta = 100.0, cfg.rope_scaling = gc->rope;
     cr_assert(moe_model_create(&f->m, &cfg, BATCH, SEQ, gc->seed) == MOE_OK, "%s: moe_model_create: %s", gc->name,
               moe_last_error());
     ref_rng rng = {gc->seed};
@@ -299,6 +310,8 @@ Test(model_grad, sequence_wise_balancing) { check_gradients(&CASES[6]); }
 Test(model_grad, logit_z_loss) { check_gradients(&CASES[7]); }
 Test(model_grad, sliding_window) { check_gradients(&CASES[8]); }
 Test(model_grad, tied_embeddings) { check_gradients(&CASES[9]); }
+Test(model_grad, rope_llama3) { check_gradients(&CASES[10]); }
+Test(model_grad, rope_yarn) { check_gradients(&CASES[11]); }
 
 /* ---------------------------------------------------------- grad_scale */
 

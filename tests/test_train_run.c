@@ -689,8 +689,9 @@ Test(train_run, val_tokens_hold_out_the_tail, .init = make_tmp, .fini = remove_t
 /* --upcycle reads the dense model's config.json key by key (its
  * model_type is the dense one's): a field it shares with --config that
  * differs (rope_theta also where transformers v5 writes it, in
- * rope_parameters), a head tied where --config's is not, scaled RoPE or an
- * activation other than SiLU is refused before any weight is read, naming
+ * rope_parameters), a head tied where --config's is not, a RoPE scaled
+ * otherwise, one of a type moe does not implement or an activation other
+ * than SiLU is refused before any weight is read, naming
  * the file and the key; keys it lacks are not compared, and a matching one
  * goes on to the weights. */
 Test(train_run, upcycle_checks_the_dense_config, .init = make_tmp, .fini = remove_tmp) {
@@ -710,10 +711,14 @@ Test(train_run, upcycle_checks_the_dense_config, .init = make_tmp, .fini = remov
         {", \"tie_word_embeddings\": \"yes\"", "tie_word_embeddings must be true or false, not a string"},
         {", \"rope_parameters\": {\"rope_theta\": 500000.0, \"rope_type\": \"default\"}",
          "config.json has rope_parameters.rope_theta=500000.0, and --config"},
-        {", \"rope_parameters\": {\"factor\": 8.0, \"rope_theta\": 10000.0, \"rope_type\": \"llama3\"}",
-         "dense/config.json: rope_parameters.rope_type=\"llama3\" is not supported"},
+        {", \"rope_parameters\": {\"factor\": 8.0, \"rope_theta\": 10000.0, \"rope_type\": \"llama3\", "
+         "\"low_freq_factor\": 1, \"high_freq_factor\": 4, \"original_max_position_embeddings\": 64}",
+         "dense/config.json scales RoPE as llama3 (factor 8, low_freq_factor 1, high_freq_factor 4, "
+         "original_max_position_embeddings 64), and --config"},
         {", \"rope_theta\": 10000.0, \"rope_scaling\": {\"type\": \"linear\", \"factor\": 2.0}",
-         "dense/config.json: rope_scaling is not supported"},
+         "dense/config.json scales RoPE as linear (factor 2), and --config"},
+        {", \"rope_scaling\": {\"type\": \"dynamic\", \"factor\": 2.0}",
+         "dense/config.json: rope_scaling.rope_type=\"dynamic\" is not supported"},
         {", \"hidden_act\": \"gelu\"", "dense/config.json: hidden_act=\"gelu\" is not supported"},
         /* The config matches (null: no window): on to the missing weights. */
         {", \"rope_theta\": 10000.0, \"sliding_window\": null", "model.safetensors"},

@@ -398,6 +398,11 @@ static void on_start(void *ctx, const moe_run_summary *s) {
            (long long)c->hidden_size, (long long)c->num_hidden_layers, (long long)c->num_attention_heads,
            (long long)c->num_key_value_heads, (long long)c->num_local_experts, (long long)c->intermediate_size,
            (long long)c->num_experts_per_tok, groups, (long long)c->vocab_size);
+    if (c->rope_scaling.type != MOE_ROPE_DEFAULT) {
+        char rope[256];
+        moe_rope_scaling_describe(rope, sizeof rope, &c->rope_scaling);
+        printf("rope     theta %g, scaled %s\n", c->rope_theta, rope);
+    }
     printf("params   %.3fM total, %.3fM active per token\n", (double)s->params * 1e-6,
            (double)s->active_params * 1e-6);
     if (s->train_data) printf("train    %s\n", s->train_data);

@@ -112,7 +112,6 @@ static const moe_ops cpu_ops = {
     .rmsnorm_backward = cpu_rmsnorm_backward,
     .matmul_forward = moe_cpu_matmul_forward,
     .matmul_backward = moe_cpu_matmul_backward,
-    .rope_tables = moe_cpu_rope_tables,
     .rope_forward = moe_cpu_rope_forward,
     .rope_backward = moe_cpu_rope_backward,
     .attention_forward = moe_cpu_attention_forward,

@@ -113,16 +113,6 @@ void moe_cpu_matmul_backward(float *dinp, float *dweight, const float *dout, con
 
 /* --------------------------------------------------------------------- RoPE */
 
-void moe_cpu_rope_tables(float *cos_t, float *sin_t, int64_t T, int64_t hd, float theta) {
-    const int64_t half = hd / 2;
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t i = 0; i < half; i++) {
-            const double a = (double)moe_rope_angle(t, i, hd, theta);
-            cos_t[t * half + i] = (float)cos(a);
-            sin_t[t * half + i] = (float)sin(a);
-        }
-}
-
 /* Rotates every (i, i + hd/2) pair by +angle (sign = 1) or -angle (-1). */
 static void rope_rotate(float *x, const float *cos_t, const float *sin_t, int64_t B, int64_t T,
                         int64_t H, int64_t hd, float sign) {

@@ -57,14 +57,6 @@ void moe_cpu_matmul_backward(float *dinp,         /* [N, C] */
                              const float *weight, /* [OC, C] */
                              int64_t N, int64_t C, int64_t OC);
 
-/* Rotary tables for positions 0..T-1: cos_t[t, i] = cos(angle(t, i)), with
- * angle(t, i) = moe_rope_angle(t, i, hd, theta) (moe_math.h: HF's fp32
- * rounding of inv_freq and of the angle), the cosine itself evaluated in
- * double and rounded once. Filled once at start-up, so the step loop does no
- * transcendental work. hd is even. */
-void moe_cpu_rope_tables(float *cos_t, /* [T, hd/2] */
-                         float *sin_t, /* [T, hd/2] */
-                         int64_t T, int64_t hd, float theta);
 /* In place, HF rotate_half: element i pairs with i + hd/2 (i < hd/2),
  * x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, position t of each sequence. */
 void moe_cpu_rope_forward(float *x,           /* [B, T, H, hd], in place */

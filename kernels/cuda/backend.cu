@@ -283,10 +283,6 @@ static void table_matmul_backward(float *dinp, float *dweight, const float *dout
         moe_cuda_matmul_backward(dinp, dweight, dout, inp, weight, N, C, OC, bound.ctx));
 }
 
-static void table_rope_tables(float *cos_t, float *sin_t, int64_t T, int64_t hd, float theta) {
-    RUN("rope_tables", moe_cuda_rope_tables(cos_t, sin_t, T, hd, theta, bound.ctx));
-}
-
 static void table_rope_forward(float *x, const float *cos_t, const float *sin_t, int64_t B,
                                int64_t T, int64_t H, int64_t hd) {
     RUN("rope_forward", moe_cuda_rope_forward(x, cos_t, sin_t, B, T, H, hd, bound.ctx));
@@ -398,7 +394,6 @@ static moe_ops make_table(void) {
     t.rmsnorm_backward = table_rmsnorm_backward;
     t.matmul_forward = table_matmul_forward;
     t.matmul_backward = table_matmul_backward;
-    t.rope_tables = table_rope_tables;
     t.rope_forward = table_rope_forward;
     t.rope_backward = table_rope_backward;
     t.attention_forward = table_attention_forward;

@@ -318,8 +318,6 @@ moe_status moe_cuda_matmul_forward(float *out, const float *inp, const float *we
 moe_status moe_cuda_matmul_backward(float *dinp, float *dweight, const float *dout,
                                     const float *inp, const float *weight, int64_t N, int64_t C,
                                     int64_t OC, moe_cuda_ctx *ctx);
-moe_status moe_cuda_rope_tables(float *cos_t, float *sin_t, int64_t T, int64_t hd, float theta,
-                                moe_cuda_ctx *ctx);
 moe_status moe_cuda_rope_forward(float *x, const float *cos_t, const float *sin_t, int64_t B,
                                  int64_t T, int64_t H, int64_t hd, moe_cuda_ctx *ctx);
 moe_status moe_cuda_rope_backward(float *dx, const float *cos_t, const float *sin_t, int64_t B,

@@ -208,25 +208,6 @@ extern "C" moe_status moe_cuda_matmul_backward(float *dinp, float *dweight, cons
 
 /* --------------------------------------------------------------------- RoPE */
 
-static __global__ void rope_tables_kernel(float *cos_t, float *sin_t, int64_t T, int64_t hd,
-                                          float theta) {
-    const int64_t half = hd / 2;
-    GRID_STRIDE(i, T * half) {
-        const double a = (double)moe_rope_angle(i / half, i % half, hd, theta);
-        cos_t[i] = (float)cos(a);
-        sin_t[i] = (float)sin(a);
-    }
-}
-
-extern "C" moe_status moe_cuda_rope_tables(float *cos_t, float *sin_t, int64_t T, int64_t hd,
-                                           float theta, moe_cuda_ctx *ctx) {
-    if (T * (hd / 2) <= 0) return MOE_OK;
-    rope_tables_kernel<<<grid_for(T * (hd / 2), ctx), MOE_CUDA_THREADS, 0, ctx->stream>>>(
-        cos_t, sin_t, T, hd, theta);
-    MOE_CUDA_CHECK(cudaGetLastError());
-    return MOE_OK;
-}
-
 /* Rotates every (i, i + hd/2) pair of x [B, T, H, hd] by +angle (sign 1)
  * or -angle (sign -1), in place. */
 static __global__ void rope_rotate_kernel(float *x, const float *cos_t, const float *sin_t,
