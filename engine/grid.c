@@ -20,40 +20,38 @@ moe_stage_costs moe_grid_flop_costs(const moe_model_config *c, int64_t T) {
         .head = 6.0 * C * (double)c->vocab_size};
 }
 
+static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+/* Every layer costs the same, so s + 1 stages without the head hold l
+ * layers at best ceil(l / (s + 1)) to the slowest; only the last stage,
+ * which adds the head, needs a search: O(L) over its first layer, then
+ * each earlier cut in closed form. */
 moe_status moe_grid_partition(int64_t *bounds, int64_t L, int stages, moe_stage_costs costs) {
     if (stages <= 0 || L < stages)
         return moe_error(MOE_ERR_CONFIG, "--pp %d: a pipeline needs a layer per stage, and the model has %lld layers",
                          stages, (long long)L);
+    bounds[0] = 0;
+    bounds[stages] = L;
+    if (stages == 1) return MOE_OK;
     /* Only their ratio cuts: scaled by a power of two to below 1, exactly
      * (ties stay ties), no product overflows. */
     int exponent = 0;
     frexp(costs.layer > costs.head ? costs.layer : costs.head, &exponent);
     const double layer = ldexp(costs.layer, -exponent), head = ldexp(costs.head, -exponent);
-    /* best[s][l]: the slowest stage's cost when stages 0..s hold layers
-     * 0..l-1; cut[s][l] where stage s starts in that split. */
-    double *best = malloc((size_t)(stages * (L + 1)) * sizeof *best);
-    int64_t *cut = malloc((size_t)(stages * (L + 1)) * sizeof *cut);
-    if (!best || !cut) {
-        free(best), free(cut);
-        return moe_error(MOE_ERR_OUT_OF_MEMORY, "pipeline partition of %lld layers", (long long)L);
+    const int64_t before = stages - 1; /* the stages before the last */
+    double best = INFINITY;
+    for (int64_t from = before; from < L; from++) {
+        const double others = layer * (double)ceil_div(from, before), last = layer * (double)(L - from) + head;
+        const double worst = others > last ? others : last;
+        /* Ties go to the later cut: the head's stage gets fewer layers. */
+        if (worst <= best) best = worst, bounds[before] = from;
     }
-    for (int64_t l = 0; l <= L; l++) best[l] = l >= 1 ? layer * (double)l : INFINITY, cut[l] = 0;
-    for (int s = 1; s < stages; s++)
-        for (int64_t l = 0; l <= L; l++) {
-            double *b = &best[s * (L + 1) + l];
-            *b = INFINITY;
-            for (int64_t from = s; from < l; from++) {
-                double cost = layer * (double)(l - from) + (s == stages - 1 && l == L ? head : 0.0);
-                double prev = best[(s - 1) * (L + 1) + from];
-                double worst = prev > cost ? prev : cost;
-                /* Ties go to the later cut: the head's stage gets fewer layers. */
-                if (worst <= *b) *b = worst, cut[s * (L + 1) + l] = from;
-            }
-        }
-    bounds[stages] = L;
-    for (int s = stages - 1; s > 0; s--) bounds[s] = cut[s * (L + 1) + bounds[s + 1]];
-    bounds[0] = 0;
-    free(best), free(cut);
+    /* Stages 0..s hold bounds[s + 1] layers, at most c each; the latest cut
+     * that keeps both sides within c gives stage s the fewest. */
+    for (int s = stages - 2; s > 0; s--) {
+        const int64_t l = bounds[s + 1], c = ceil_div(l, s + 1);
+        bounds[s] = (int64_t)s * c < l - 1 ? (int64_t)s * c : l - 1;
+    }
     return MOE_OK;
 }
 

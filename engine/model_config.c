@@ -25,6 +25,10 @@
  * row and column counts reach OpenBLAS as int, and its coefficients are
  * finite and in [0, MAX_COEF]. */
 #define MAX_GEMM_DIM (INT_MAX / 2)
+/* Past the deepest models by orders of magnitude. A model lays out tables
+ * per layer before it can check its memory (about 9 bytes a layer, and
+ * seconds per 10^8 layers): under a megabyte here, 19 GB at INT32_MAX. */
+#define MAX_LAYERS 65536
 #define MAX_COEF 1e6
 /* initializer_range's bound is a guard against slips, not a numerical
  * limit: published models use 0.006 to 0.02, and an expert's output grows as
@@ -863,7 +867,7 @@ moe_status moe_model_config_validate(const moe_model_config *c, const char *name
     MOE_TRY(check_size(name, "vocab_size", c->vocab_size, MAX_DIM));
     MOE_TRY(check_size(name, "hidden_size", c->hidden_size, MAX_GEMM_DIM));
     MOE_TRY(check_size(name, "intermediate_size", c->intermediate_size, MAX_GEMM_DIM));
-    MOE_TRY(check_size(name, "num_hidden_layers", c->num_hidden_layers, MAX_DIM));
+    MOE_TRY(check_size(name, "num_hidden_layers", c->num_hidden_layers, MAX_LAYERS));
     MOE_TRY(check_size(name, "num_attention_heads", c->num_attention_heads, MAX_DIM));
     MOE_TRY(check_size(name, "num_key_value_heads", c->num_key_value_heads, MAX_DIM));
     MOE_TRY(check_size(name, "head_dim", c->head_dim, MAX_DIM));

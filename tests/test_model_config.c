@@ -252,6 +252,7 @@ Test(model_config, every_bad_field_is_named) {
          "t/config.json: sliding_window=1.23457e+29 is out of range (at most 9223372036854775807)"},
         {"num_experts", "99999999999999999999", "t/config.json: num_experts=99999999999999999999 is out of range"},
         {"num_hidden_layers", "\"2\"", "t/config.json: num_hidden_layers must be an integer, got \"2\""},
+        {"num_hidden_layers", "65537", "t/config.json: num_hidden_layers=65537 exceeds 65536"},
         {"intermediate_size", "128.5", "intermediate_size must be an integer, got 128.5"},
         {"hidden_size", "null", "hidden_size must be an integer, got null"},
         {"num_local_experts", NULL, "t/config.json: missing required key 'num_local_experts'"},
@@ -700,7 +701,7 @@ Test(model_config, parameter_count_overflow_refused) {
     c.num_attention_heads = c.num_key_value_heads = 1;
     c.intermediate_size = 1;
     c.num_local_experts = c.num_experts_per_tok = 1;
-    const int64_t layers[2] = {1, (int64_t)1 << 20};
+    const int64_t layers[2] = {1, (int64_t)1 << 16};
     for (int i = 0; i < 2; i++) {
         c.num_hidden_layers = layers[i];
         const long double d = (long double)c.hidden_size;
@@ -715,7 +716,7 @@ Test(model_config, parameter_count_overflow_refused) {
         cr_expect_eq(st, fits ? MOE_OK : MOE_ERR_CONFIG, "%lld layers: %Lg parameters, got %s (%s)",
                      (long long)c.num_hidden_layers, params, moe_status_string(st), moe_last_error());
         if (!fits)
-            cr_expect(strstr(moe_last_error(), "deep: the parameter bytes of num_hidden_layers=1048576 layers of "
+            cr_expect(strstr(moe_last_error(), "deep: the parameter bytes of num_hidden_layers=65536 layers of "
                                                "hidden_size=536870912") != NULL,
                       "%s", moe_last_error());
     }
