@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "comm/comm.h"
+#include "common/crc32c.h"
 #include "common/status.h"
 #include "engine/fileio.h"
 #include "engine/json.h"
@@ -174,7 +175,7 @@ static moe_status write_weights(const char *path, moe_model *model) {
 
 /* m, v [param_count]: the moments, indexed like model's parameters. */
 static moe_status write_state(const char *path, moe_model *model, const float *m, const float *v,
-                              const moe_train_state *s) {
+                              const moe_train_state *s, uint32_t config_crc) {
     const int64_t n = moe_model_tensor_count(model);
     moe_st_entry *entries = malloc((size_t)(2 * n) * sizeof *entries);
     char(*names)[NAME_BYTES] = malloc((size_t)(2 * n) * sizeof *names);
@@ -203,13 +204,16 @@ static moe_status write_state(const char *path, moe_model *model, const float *m
     /* As JSON numbers: no decimal comma under a host's locale. */
     moe_json_format_number(layer, sizeof layer, s->pipe_layer_seconds);
     moe_json_format_number(head, sizeof head, s->pipe_head_seconds);
-    moe_st_meta meta[12] = {
+    char config[24];
+    snprintf(config, sizeof config, "%" PRIu32, config_crc);
+    moe_st_meta meta[13] = {
         {"format_version", FORMAT_VERSION}, {"step", step},        {"seed", seed},
         {"jitter_counter", jitter},         {"data_token", token}, {"data_epoch", epoch},
     };
     /* The stream's keys only when known: a reader takes their absence as a
      * checkpoint that never recorded them. */
     int64_t n_meta = 6;
+    meta[n_meta++] = (moe_st_meta){"config_crc32c", config};
     if (s->data_tokens > 0) {
         meta[n_meta++] = (moe_st_meta){"data_tokens", tokens};
         meta[n_meta++] = (moe_st_meta){"data_chunk", chunk};
@@ -226,9 +230,20 @@ static moe_status write_state(const char *path, moe_model *model, const float *m
     return st;
 }
 
+/* The CRC-32C of the config.json at path, as its bytes are on disk. */
+static moe_status config_crc(uint32_t *crc, const char *path) {
+    char *text;
+    size_t len;
+    MOE_TRY(moe_file_read_all(&text, &len, path, MOE_MODEL_CONFIG_MAX_BYTES));
+    *crc = moe_crc32c(0, text, len);
+    free(text);
+    return MOE_OK;
+}
+
 /* Each file goes through the atomic writers, which fsync the file and then
  * the directory holding it, so every entry of dir is durable when this
- * returns. */
+ * returns. The train state records config.json's checksum, as the
+ * safetensors files record their own. */
 static moe_status write_files(const char *dir, moe_model *model, const float *m, const float *v,
                               const moe_train_state *s) {
     char path[PATH_BYTES];
@@ -236,8 +251,10 @@ static moe_status write_files(const char *dir, moe_model *model, const float *m,
     MOE_TRY(write_weights(path, model));
     MOE_TRY(path_join(path, dir, CONFIG_FILE));
     MOE_TRY(moe_model_config_save(moe_model_get_config(model), path));
+    uint32_t crc;
+    MOE_TRY(config_crc(&crc, path));
     MOE_TRY(path_join(path, dir, STATE_FILE));
-    return write_state(path, model, m, v, s);
+    return write_state(path, model, m, v, s, crc);
 }
 
 /* Names with our pid can only be left over by a dead process that had the
@@ -1055,7 +1072,26 @@ moe_status moe_checkpoint_load_state(moe_trainer *trainer, moe_model *model, moe
 
 moe_status moe_checkpoint_load_config(moe_model_config *cfg, const char *dir, moe_warn_fn warn, void *warn_ctx) {
     if (!cfg || !dir) return moe_error(MOE_ERR_INVALID_ARG, "moe_checkpoint_load_config: NULL argument");
-    char path[PATH_BYTES];
+    char path[PATH_BYTES], state[PATH_BYTES];
     MOE_TRY(path_join(path, dir, CONFIG_FILE));
-    return moe_model_config_load(cfg, path, warn, warn_ctx);
+    MOE_TRY(path_join(state, dir, STATE_FILE));
+    /* A checkpoint of ours records the checksum (a model alone, another
+     * tool's or an older one's does not): one flipped digit would change
+     * the run, with nothing to say so. */
+    moe_st_file *f = NULL;
+    if (exists(state)) MOE_TRY(moe_st_open(&f, state));
+    moe_status st = MOE_OK;
+    if (f && moe_st_metadata(f, "config_crc32c")) {
+        uint64_t want = 0;
+        uint32_t got = 0;
+        st = meta_uint(&want, f, "config_crc32c", UINT32_MAX);
+        if (st == MOE_OK) st = config_crc(&got, path);
+        if (st == MOE_OK && got != want)
+            st = moe_error(MOE_ERR_FORMAT,
+                           "%s: CRC-32C %08" PRIx32 ", and %s recorded %08" PRIx64 " when the checkpoint was saved: "
+                           "the file was changed or damaged since (a changed config goes in --config)",
+                           path, got, state, want);
+    }
+    if (f) moe_st_close(f);
+    return st == MOE_OK ? moe_model_config_load(cfg, path, warn, warn_ctx) : st;
 }

@@ -168,8 +168,11 @@ moe_status moe_checkpoint_load_state(moe_trainer *trainer, moe_model *model, moe
  * Not collective. */
 moe_status moe_checkpoint_read_state(moe_train_state *state, const char *dir);
 
-/* Reads dir/config.json (model_config.h's rules). Not collective: each rank
- * reads it before its model exists (moe_grid_agree then compares them). */
+/* Reads dir/config.json (model_config.h's rules). When
+ * dir/train_state.safetensors records the file's CRC-32C (every
+ * checkpoint saved here does), a file whose bytes differ is MOE_ERR_FORMAT,
+ * naming both files. Not collective: each rank reads it before its model
+ * exists (moe_grid_agree then compares them). */
 moe_status moe_checkpoint_load_config(moe_model_config *cfg, const char *dir, moe_warn_fn warn, void *warn_ctx);
 
 #endif /* MOE_ENGINE_CHECKPOINT_H */

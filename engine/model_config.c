@@ -35,7 +35,6 @@
  * the cube of the weights' std (three matrices), so 1 is already extreme;
  * 1e3 leaves experiments room and refuses 2e4 typed for 2e-2. */
 #define MAX_INIT_STD 1e3
-#define MAX_CONFIG_BYTES ((size_t)16 << 20)
 
 /* F_WINDOW: a positive integer, or null (0 in the struct) for none.
  * F_TOKEN_IDS: an integer, a list of integers, or null, kept as given. */
@@ -794,7 +793,7 @@ moe_status moe_model_config_parse(moe_model_config *cfg, const char *text, size_
 moe_status moe_model_config_load(moe_model_config *cfg, const char *path, moe_warn_fn wfn, void *wctx) {
     char *text;
     size_t len;
-    MOE_TRY(as_config_error(moe_file_read_all(&text, &len, path, MAX_CONFIG_BYTES)));
+    MOE_TRY(as_config_error(moe_file_read_all(&text, &len, path, MOE_MODEL_CONFIG_MAX_BYTES)));
     moe_status st = moe_model_config_parse(cfg, text, len, path, wfn, wctx);
     free(text);
     return st;

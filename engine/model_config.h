@@ -139,6 +139,9 @@ typedef void (*moe_warn_fn)(void *ctx, const char *message);
  * outside the enum. */
 const char *moe_gate_kind_name(int kind);
 
+/* The largest config.json read. */
+#define MOE_MODEL_CONFIG_MAX_BYTES ((size_t)16 << 20)
+
 /* Reads and validates a config.json; warn may be NULL. On failure *cfg is
  * unspecified. A file that cannot be opened or read is MOE_ERR_IO; one
  * that can never be a config (not JSON, past 16 MiB, a bad value) is

@@ -1221,6 +1221,30 @@ Test(checkpoint, flipped_bits_are_refused, .init = make_tmpdir, .fini = remove_t
     cr_assert_eq(moe_checkpoint_load_state(b.trainer, b.model, &got, path), MOE_OK, "%s", moe_last_error());
     cr_expect_eq(got.seed, s.seed);
     expect_bits(moe_trainer_adam_v(b.trainer), moe_trainer_adam_v(a.trainer), n_params(&a), "exp_avg_sq put back");
+
+    /* config.json's checksum is the train state's: a digit one bit off
+     * (rms_norm_eps 1e-05 to 1e-04) is still a config, of another model. */
+    char config[768];
+    snprintf(config, sizeof config, "%s", in_dir(path, "config.json"));
+    raw = read_bytes(config, &size);
+    const char *eps = "1e-05";
+    int64_t e = -1;
+    for (size_t i = 0; e < 0 && i + strlen(eps) <= size; i++)
+        if (memcmp(raw + i, eps, strlen(eps)) == 0) e = (int64_t)(i + strlen(eps) - 1);
+    free(raw);
+    cr_assert_geq(e, 0, "no rms_norm_eps 1e-05 in %s", config);
+    moe_model_config cfg;
+    cr_assert_eq(moe_checkpoint_load_config(&cfg, path, NULL, NULL), MOE_OK, "%s", moe_last_error());
+    flip_byte(config, e, '5' ^ '4');
+    expect_error(moe_checkpoint_load_config(&cfg, path, NULL, NULL), config, "train_state.safetensors recorded");
+    cr_expect_eq(moe_model_config_load(&cfg, config, NULL, NULL), MOE_OK, "the damage is a valid config: %s",
+                 moe_last_error());
+    flip_byte(config, e, '5' ^ '4');
+    cr_expect_eq(moe_checkpoint_load_config(&cfg, path, NULL, NULL), MOE_OK, "%s", moe_last_error());
+    /* Without the state (a model alone) there is nothing to check against. */
+    flip_byte(config, e, '5' ^ '4');
+    cr_assert_eq(unlink(state), 0);
+    cr_expect_eq(moe_checkpoint_load_config(&cfg, path, NULL, NULL), MOE_OK, "%s", moe_last_error());
     free(p_before);
     free(v_before);
     free_run(&a);
