@@ -792,13 +792,13 @@ static moe_status check_unused(const weights_reader *r, const moe_model *model, 
                              file_of(r->dir, name), name);
         }
         if (strncmp(name, OPTIMIZER_PREFIX, strlen(OPTIMIZER_PREFIX)) == 0) continue;
-        if (is_expert_weight(name, layers, r->E)) {
-            if (!r->upcycle) continue;
-            return moe_error(MOE_ERR_FORMAT, "%s: tensor '%s' is an expert's, and --upcycle starts from a dense "
+        const bool expert = is_expert_weight(name, layers, r->E);
+        /* An MoE's own tensors (experts, router, shared experts, bias) in the dense model's file. */
+        if (r->upcycle && (expert || strstr(name, MOE_BLOCK) != NULL))
+            return moe_error(MOE_ERR_FORMAT, "%s: tensor '%s' is an MoE layer's, and --upcycle starts from a dense "
                                              "model (each expert a copy of its layer's MLP)",
                              file_of(r->dir, name), name);
-        }
-        if (is_bias(name, layers)) continue;
+        if (expert || is_bias(name, layers)) continue;
         if (of_other_stage(model, name, layers)) continue;
         return moe_error(MOE_ERR_FORMAT, "%s: tensor '%s' is not part of this model (a checkpoint of another model?)",
                          file_of(r->dir, name), name);

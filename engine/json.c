@@ -345,6 +345,10 @@ static moe_status parse_number(parser *p, moe_json *v) {
     double value = strtod(text, NULL);
     leave_c_locale(old);
     if (!isfinite(value)) return parse_error(p, start, "number %s is out of range for a double", text);
+    /* A non-zero literal read as 0 would be reported as a 0 it never said. */
+    bool nonzero = false;
+    for (size_t k = 0; k < n && text[k] != 'e' && text[k] != 'E'; k++) nonzero |= text[k] >= '1' && text[k] <= '9';
+    if (value == 0.0 && nonzero) return parse_error(p, start, "number %s is too small for a double (it reads as 0)", text);
     v->type = MOE_JSON_NUMBER;
     v->number.value = value;
     v->number.text = text;

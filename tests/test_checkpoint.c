@@ -638,7 +638,7 @@ Test(checkpoint, upcycled_experts_copy_the_dense_mlp, .init = make_tmpdir, .fini
     bad[n] = make_tt("model.layers.0.block_sparse_moe.gate.weight", 2, (int64_t[]){EXPERTS, D}, router);
     write_tts(in_dir(dir, "model.safetensors"), bad, n + 1, "F32");
     expect_error(moe_checkpoint_upcycle_weights(moe, dir), "model.layers.0.block_sparse_moe.gate.weight",
-                 "not part of this model");
+                 "is an MoE layer's, and --upcycle starts from a dense model");
     /* An expert beside the dense MLP: the file is no dense model, and the
      * expert would be dropped for the MLP's copy. */
     const float w1[FF * D] = {0};

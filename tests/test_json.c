@@ -76,6 +76,8 @@ Test(json, numbers) {
     } cases[] = {
         {"1e-5", 1e-5}, {"-0", -0.0}, {"0.5", 0.5}, {"-12.25e+2", -1225.0}, {"1E3", 1000.0},
         {"1000000.0", 1e6}, {"0.02", 0.02}, {"123456789012345678901234567890", 1.2345678901234568e29},
+        /* A zero written small is zero; a subnormal is not refused as one. */
+        {"0.000e-999", 0.0}, {"1e-310", 1e-310},
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         moe_json_doc *doc = parse_ok(cases[i].text);
@@ -171,6 +173,8 @@ Test(json, invalid_inputs_name_line_and_column) {
         {"1e", "t.json:1:1: invalid number: no digit in the exponent"},
         {"-", "t.json:1:1: invalid number"},
         {"1e400", "t.json:1:1: number 1e400 is out of range"},
+        {"[0, 1e-99999]", "t.json:1:5: number 1e-99999 is too small for a double (it reads as 0)"},
+        {"-2.5e-400", "t.json:1:1: number -2.5e-400 is too small"},
         {"NaN", "t.json:1:1:"},
         {"Infinity", "t.json:1:1:"},
         {"-Infinity", "t.json:1:1: invalid number"},
