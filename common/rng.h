@@ -25,6 +25,13 @@ MOE_HD float moe_rng_uniform(uint64_t seed, uint64_t stream, uint64_t index) {
     return (float)(moe_rng_bits(seed, stream, index) >> 40) * (1.0f / 16777216.0f);
 }
 
+/* Uniform in [0, 1) with 53 random bits, every double of the grid k 2^-53:
+ * sampling from a large vocabulary (10^5 tokens and more) reaches tokens
+ * whose probability is far below the 2^-24 steps of moe_rng_uniform. */
+MOE_HD double moe_rng_uniform_double(uint64_t seed, uint64_t stream, uint64_t index) {
+    return (double)(moe_rng_bits(seed, stream, index) >> 11) * (1.0 / 9007199254740992.0);
+}
+
 /* Standard normal by Box-Muller from two independent draws. */
 MOE_HD float moe_rng_normal(uint64_t seed, uint64_t stream, uint64_t index) {
     uint64_t bits = moe_rng_bits(seed, stream, index);

@@ -121,7 +121,7 @@ int32_t moe_sample_token(int32_t *ids, const float *logits, int64_t V, const moe
         ids += k - n;
         k = n;
     }
-    const double u = (double)moe_rng_uniform(s->seed, stream, draw) * total;
+    const double u = moe_rng_uniform_double(s->seed, stream, draw) * total;
     double run = 0.0;
     int32_t pick = ids[k - 1];
     for (int64_t j = 0; j < k; j++) {

@@ -538,7 +538,7 @@ Test(sample_token, top_k_of_any_size_draws_as_a_full_sort) {
         for (uint64_t d = 0; d < 200; d++) {
             double total = 0.0, run = 0.0;
             for (int64_t j = 0; j < ks[c]; j++) total += exp(((double)logits[sorted[j]] - top) / s.temperature);
-            const double u = (double)moe_rng_uniform(s.seed, 4, d) * total;
+            const double u = moe_rng_uniform_double(s.seed, 4, d) * total;
             int32_t want = sorted[ks[c] - 1];
             for (int64_t j = 0; j < ks[c]; j++)
                 if ((run += exp(((double)logits[sorted[j]] - top) / s.temperature)) > u) {
