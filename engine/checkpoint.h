@@ -169,10 +169,13 @@ moe_status moe_checkpoint_load_state(moe_trainer *trainer, moe_model *model, moe
 moe_status moe_checkpoint_read_state(moe_train_state *state, const char *dir);
 
 /* Reads dir/config.json (model_config.h's rules). When
- * dir/train_state.safetensors records the file's CRC-32C (every
- * checkpoint saved here does), a file whose bytes differ is MOE_ERR_FORMAT,
- * naming both files. Not collective: each rank reads it before its model
- * exists (moe_grid_agree then compares them). */
-moe_status moe_checkpoint_load_config(moe_model_config *cfg, const char *dir, moe_warn_fn warn, void *warn_ctx);
+ * dir/train_state.safetensors records the config's CRC-32C (every
+ * checkpoint saved here does), a config that reads otherwise (a value
+ * changed, not the file laid out anew: moe_model_config_crc32c) is
+ * MOE_ERR_FORMAT when resuming, naming both files, and a warning
+ * otherwise. Not collective: each rank reads it before its model exists
+ * (moe_grid_agree then compares them). */
+moe_status moe_checkpoint_load_config(moe_model_config *cfg, const char *dir, bool resuming, moe_warn_fn warn,
+                                      void *warn_ctx);
 
 #endif /* MOE_ENGINE_CHECKPOINT_H */

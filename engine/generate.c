@@ -507,7 +507,7 @@ static moe_status read_tokens(int32_t **tokens, int64_t *n, const generation *g,
 /* The checkpoint's config, the token kind, the tokenizer, the prompt and
  * the stop token: everything that can be refused before a model exists. */
 static moe_status read_inputs(generation *g, const moe_generate_options *o, const moe_generate_callbacks *cb) {
-    moe_status st = moe_checkpoint_load_config(&g->cfg, o->init_from, cb->on_warning, cb->ctx);
+    moe_status st = moe_checkpoint_load_config(&g->cfg, o->init_from, false, cb->on_warning, cb->ctx);
     if (st != MOE_OK) return moe_error_prefix(st, "--init-from %s: ", o->init_from);
     const int64_t V = g->cfg.vocab_size;
     g->stop = -1; /* none, unless the tokenizer's end-of-text or --stop */

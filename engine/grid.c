@@ -252,20 +252,12 @@ int moe_config_agree_fields(moe_agree_field *f, const moe_model_config *c) {
     FIELD(max_position_embeddings);
     f[n++] = (moe_agree_field){"sliding_window", (double)c->sliding_window, window_name};
     FIELD(rope_theta);
-    const moe_rope_scaling *r = &c->rope_scaling;
-    f[n++] = (moe_agree_field){"rope_scaling.rope_type", (double)r->type, moe_rope_type_name};
-#define ROPE(x) f[n++] = (moe_agree_field){.name = "rope_scaling." #x, .value = (double)r->x}
-    ROPE(factor);
-    ROPE(low_freq_factor);
-    ROPE(high_freq_factor);
-    ROPE(original_max_position_embeddings);
-    ROPE(attention_factor);
-    ROPE(beta_fast);
-    ROPE(beta_slow);
-    ROPE(mscale);
-    ROPE(mscale_all_dim);
-    ROPE(truncate);
-#undef ROPE
+    f[n++] = (moe_agree_field){"rope_scaling.rope_type", (double)c->rope_scaling.type, moe_rope_type_name};
+    for (int i = 0; i < MOE_ROPE_SCALING_FIELDS; i++) {
+        double value;
+        const char *name = moe_rope_scaling_field(&c->rope_scaling, i, &value);
+        f[n++] = (moe_agree_field){.name = name, .value = value};
+    }
     FIELD(rms_norm_eps);
     FIELD(router_aux_loss_coef);
     FIELD(router_jitter_noise);

@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/crc32c.h"
 #include "common/shortest.h"
 #include "common/status.h"
 #include "engine/fileio.h"
@@ -107,7 +108,7 @@ static const char *const ignored_keys[] = {
  * everywhere in transformers, so it is accepted before any check. */
 static const char *const checked_keys[] = {
     "rope_parameters", "rope_scaling", "hidden_act", "model_type", "attention_dropout",
-    "num_experts", "original_max_position_embeddings",
+    "num_experts", "original_max_position_embeddings", "partial_rotary_factor",
 };
 
 /* model_type and architectures: transformers' Mixtral when it computes what
@@ -303,15 +304,17 @@ const char *moe_rope_type_name(int type) {
 #define ROPE_SCALED (ROPE_TYPE_BIT(MOE_ROPE_LINEAR) | ROPE_TYPE_BIT(MOE_ROPE_LLAMA3) | ROPE_TYPE_BIT(MOE_ROPE_YARN))
 
 /* The scaling keys of a RoPE object, the types that read each, and whether
- * those types require it. */
+ * those types require it; this table drives reading, checking, comparing,
+ * describing and writing them. */
 typedef struct rope_key {
-    const char *key;
-    field_kind kind; /* F_REAL (double), F_INT (int64_t) or F_BOOL */
+    const char *key, *field; /* field: the key under rope_scaling, for messages */
+    field_kind kind;         /* F_REAL (double), F_INT (int64_t) or F_BOOL */
     size_t offset;
     unsigned types, required;
 } rope_key;
 
-#define ROPE_KEY(name, kind, types, required) {#name, kind, offsetof(moe_rope_scaling, name), types, required}
+#define ROPE_KEY(name, kind, types, required)                                                                          \
+    {#name, "rope_scaling." #name, kind, offsetof(moe_rope_scaling, name), types, required}
 
 static const rope_key rope_keys[] = {
     ROPE_KEY(factor, F_REAL, ROPE_SCALED, ROPE_SCALED),
@@ -327,6 +330,24 @@ static const rope_key rope_keys[] = {
     ROPE_KEY(truncate, F_BOOL, ROPE_TYPE_BIT(MOE_ROPE_YARN), 0),
 };
 #define N_ROPE_KEYS (sizeof rope_keys / sizeof *rope_keys)
+_Static_assert(N_ROPE_KEYS == MOE_ROPE_SCALING_FIELDS, "model_config.h counts rope_keys");
+
+static double rope_value(const moe_rope_scaling *s, const rope_key *r) {
+    const void *at = (const char *)s + r->offset;
+    return r->kind == F_REAL ? *(const double *)at : r->kind == F_INT ? (double)*(const int64_t *)at : *(const bool *)at;
+}
+
+/* Whether the file may leave key r out of a type that reads it, 0 standing
+ * for absent (yarn's attention_factor, mscale, mscale_all_dim). */
+static bool rope_optional_zero(const moe_rope_scaling *s, const rope_key *r) {
+    return r->kind == F_REAL && !(r->required & ROPE_TYPE_BIT(s->type)) && rope_value(s, r) == 0.0 &&
+           strcmp(r->key, "beta_fast") != 0 && strcmp(r->key, "beta_slow") != 0;
+}
+
+const char *moe_rope_scaling_field(const moe_rope_scaling *s, int i, double *value) {
+    *value = rope_value(s, &rope_keys[i]);
+    return rope_keys[i].field;
+}
 
 static moe_status check_size(const char *name, const char *key, int64_t v, int64_t max);
 
@@ -341,11 +362,7 @@ static moe_status check_rope(const char *name, const char *prefix, const moe_rop
     const unsigned bit = ROPE_TYPE_BIT(s->type);
     for (size_t k = 0; k < N_ROPE_KEYS; k++) {
         const rope_key *r = &rope_keys[k];
-        const void *at = (const char *)s + r->offset;
-        const bool set = r->kind == F_REAL   ? *(const double *)at != 0.0
-                         : r->kind == F_INT  ? *(const int64_t *)at != 0
-                                             : *(const bool *)at;
-        if (!(r->types & bit) && set)
+        if (!(r->types & bit) && rope_value(s, r) != 0.0)
             return moe_error(MOE_ERR_CONFIG, "%s: %s is set, but rope_type \"%s\" has no such parameter", name,
                              ROPE_NAME(r->key), rope_type_names[s->type]);
     }
@@ -379,10 +396,18 @@ static moe_status check_rope(const char *name, const char *prefix, const moe_rop
 
 /* What a rope_parameters or rope_scaling object gave. */
 typedef struct rope_read {
-    bool given;   /* an object, not null */
-    double theta; /* its rope_theta; NaN: not given */
+    bool given;       /* an object with a key: transformers reads {} as none */
+    double theta;     /* its rope_theta; NaN: not given */
+    double partial;   /* its partial_rotary_factor; NaN: not given */
+    bool factor_null; /* yarn's factor null, which transformers derives from the context */
     moe_rope_scaling s;
 } rope_read;
+
+static const rope_key *find_rope_key(const char *key) {
+    for (size_t k = 0; k < N_ROPE_KEYS; k++)
+        if (strcmp(key, rope_keys[k].key) == 0) return &rope_keys[k];
+    return NULL;
+}
 
 /* rope_parameters (transformers v5) or rope_scaling (v4), key naming which:
  * {"rope_type": "llama3", "factor": 8, ...}, "type" standing for
@@ -394,7 +419,7 @@ static moe_status read_rope(rope_read *out, const char *key, const moe_json *v, 
                             void *wctx) {
     if (v->type != MOE_JSON_OBJECT) return wrong_type(name, key, "an object", v);
     char sub[64];
-    *out = (rope_read){.given = true, .theta = NAN};
+    *out = (rope_read){.given = v->object.count > 0, .theta = NAN, .partial = NAN};
     moe_rope_scaling *s = &out->s;
     /* The type first: its keys are known only once it is. */
     const char *type_name = NULL;
@@ -422,54 +447,60 @@ static moe_status read_rope(rope_read *out, const char *key, const moe_json *v, 
         s->type = (moe_rope_type)t;
     }
     const unsigned bit = ROPE_TYPE_BIT(s->type);
+    const bool yarn = s->type == MOE_ROPE_YARN;
     unsigned required = 0;
     for (size_t k = 0; k < N_ROPE_KEYS; k++)
         if (rope_keys[k].required & bit) required |= 1u << k;
-    s->truncate = s->type == MOE_ROPE_YARN;
+    s->truncate = yarn;
     for (size_t i = 0; i < v->object.count; i++) {
         const moe_json_member *m = &v->object.members[i];
         if (strlen(m->key) != m->key_len)
             return moe_error(MOE_ERR_CONFIG, "%s: key \"%s.%s...\" contains a NUL character", name, key, m->key);
+        if (strcmp(m->key, "rope_type") == 0 || strcmp(m->key, "type") == 0) continue; /* read above */
         snprintf(sub, sizeof sub, "%s.%.40s", key, m->key);
-        if (m->value.type == MOE_JSON_NULL || strcmp(m->key, "rope_type") == 0 || strcmp(m->key, "type") == 0)
-            continue; /* null is absent; the type is read */
-        if (strcmp(m->key, "rope_theta") == 0) {
+        const rope_key *r = find_rope_key(m->key);
+        if (r != NULL && !(r->types & bit)) r = NULL; /* another type's */
+        if (m->value.type == MOE_JSON_NULL) {
+            /* Null is absent, but for two of yarn's keys transformers reads
+             * it as a value: truncate null is false, factor null is
+             * max_position_embeddings / original_max_position_embeddings. */
+            if (yarn && r && strcmp(r->key, "truncate") == 0) s->truncate = false;
+            if (yarn && r && strcmp(r->key, "factor") == 0) {
+                out->factor_null = true;
+                required &= ~(1u << (r - rope_keys));
+            }
+            continue;
+        }
+        if (strcmp(m->key, "rope_theta") == 0 || strcmp(m->key, "partial_rotary_factor") == 0) {
             if (m->value.type != MOE_JSON_NUMBER) return wrong_type(name, sub, "a number", &m->value);
             /* Checked here, where the key it came from is known. */
             MOE_TRY(check_float(name, sub, m->value.number.value));
-            out->theta = m->value.number.value;
+            *(m->key[0] == 'r' ? &out->theta : &out->partial) = m->value.number.value;
             continue;
         }
-        if (strcmp(m->key, "partial_rotary_factor") == 0) {
-            if (m->value.type != MOE_JSON_NUMBER) return wrong_type(name, sub, "a number", &m->value);
-            if (m->value.number.value != 1.0)
-                return moe_error(MOE_ERR_CONFIG, "%s: %s=%s is not supported (only 1: RoPE rotates the whole head)",
-                                 name, sub, m->value.number.text);
-            continue;
-        }
-        size_t k = 0;
-        while (k < N_ROPE_KEYS && strcmp(m->key, rope_keys[k].key) != 0) k++;
-        if (k == N_ROPE_KEYS || !(rope_keys[k].types & bit)) {
+        if (r == NULL) {
             warn(wfn, wctx, "%s: unknown key '%.100s' ignored", name, sub);
             continue;
         }
-        void *at = (char *)s + rope_keys[k].offset;
-        if (rope_keys[k].kind == F_INT) {
+        void *at = (char *)s + r->offset;
+        if (r->kind == F_INT) {
             MOE_TRY(read_int(at, name, sub, "an integer", &m->value));
-        } else if (rope_keys[k].kind == F_BOOL) {
+        } else if (r->kind == F_BOOL) {
             if (m->value.type != MOE_JSON_BOOL) return wrong_type(name, sub, "true or false", &m->value);
             *(bool *)at = m->value.boolean;
         } else {
             if (m->value.type != MOE_JSON_NUMBER) return wrong_type(name, sub, "a number", &m->value);
             *(double *)at = m->value.number.value;
+            /* 0 would read as not given; transformers would scale cos and sin by it. */
+            if (strcmp(r->key, "attention_factor") == 0) MOE_TRY(check_float(name, sub, m->value.number.value));
         }
-        required &= ~(1u << k);
+        required &= ~(1u << (r - rope_keys));
     }
     for (size_t k = 0; k < N_ROPE_KEYS; k++)
         if (required & 1u << k)
             return moe_error(MOE_ERR_CONFIG, "%s: %s.%s is missing: rope_type \"%s\" needs it", name, key,
                              rope_keys[k].key, rope_type_names[s->type]);
-    if (s->type == MOE_ROPE_YARN) {
+    if (yarn) {
         /* transformers' `or`: 0 (or absent) is the default. */
         if (s->beta_fast == 0.0) s->beta_fast = 32.0;
         if (s->beta_slow == 0.0) s->beta_slow = 1.0;
@@ -481,19 +512,19 @@ static moe_status read_rope(rope_read *out, const char *key, const moe_json *v, 
 typedef struct other_values {
     rope_read params, scaling; /* rope_parameters, rope_scaling */
     int64_t original_max;      /* a top-level original_max_position_embeddings; 0: not given */
+    double partial;            /* a top-level partial_rotary_factor; NaN: not given */
     bool has_num_experts;
     int64_t num_experts; /* transformers' alias of num_local_experts */
 } other_values;
 
-#define OTHER_VALUES_INIT {.params = {.theta = NAN}, .scaling = {.theta = NAN}}
+#define OTHER_VALUES_INIT                                                                                              \
+    {.params = {.theta = NAN, .partial = NAN}, .scaling = {.theta = NAN, .partial = NAN}, .partial = NAN}
 
 bool moe_rope_scaling_equal(const moe_rope_scaling *a, const moe_rope_scaling *b) {
-    return a->type == b->type && a->factor == b->factor && a->low_freq_factor == b->low_freq_factor &&
-           a->high_freq_factor == b->high_freq_factor &&
-           a->original_max_position_embeddings == b->original_max_position_embeddings &&
-           a->attention_factor == b->attention_factor && a->beta_fast == b->beta_fast &&
-           a->beta_slow == b->beta_slow && a->mscale == b->mscale && a->mscale_all_dim == b->mscale_all_dim &&
-           a->truncate == b->truncate;
+    if (a->type != b->type) return false;
+    for (size_t k = 0; k < N_ROPE_KEYS; k++)
+        if (rope_value(a, &rope_keys[k]) != rope_value(b, &rope_keys[k])) return false;
+    return true;
 }
 
 void moe_rope_scaling_describe(char *buf, size_t size, const moe_rope_scaling *s) {
@@ -501,15 +532,16 @@ void moe_rope_scaling_describe(char *buf, size_t size, const moe_rope_scaling *s
     const char *sep = " (";
     for (size_t k = 0; k < N_ROPE_KEYS && n >= 0 && (size_t)n < size; k++) {
         const rope_key *r = &rope_keys[k];
-        if (!(r->types & ROPE_TYPE_BIT(s->type))) continue;
-        const void *at = (const char *)s + r->offset;
-        char value[32];
-        if (r->kind == F_INT)
-            snprintf(value, sizeof value, "%lld", (long long)*(const int64_t *)at);
+        const bool attention = s->type == MOE_ROPE_YARN && strcmp(r->key, "attention_factor") == 0;
+        if (!(r->types & ROPE_TYPE_BIT(s->type)) || (rope_optional_zero(s, r) && !attention)) continue;
+        char value[48];
+        if (attention) /* what applies, derived or given */
+            snprintf(value, sizeof value, "%.6g%s", moe_rope_attention_factor(s),
+                     s->attention_factor == 0.0 ? " (from factor)" : "");
         else if (r->kind == F_BOOL)
-            snprintf(value, sizeof value, "%s", *(const bool *)at ? "true" : "false");
+            snprintf(value, sizeof value, "%s", rope_value(s, r) != 0.0 ? "true" : "false");
         else
-            moe_shortest(value, sizeof value, *(const double *)at);
+            moe_shortest(value, sizeof value, rope_value(s, r));
         n += snprintf(buf + n, size - (size_t)n, "%s%s %s", sep, r->key, value);
         sep = ", ";
     }
@@ -517,36 +549,38 @@ void moe_rope_scaling_describe(char *buf, size_t size, const moe_rope_scaling *s
 }
 
 /* The RoPE a config's keys give (o: its rope objects and top-level
- * original_max_position_embeddings; top_theta: its top-level rope_theta,
- * NaN when not given; max_positions: its max_position_embeddings, 0 when
- * unknown) into *theta (left alone when no key gives one) and *rope.
- * rope_scaling and rope_parameters must agree where both are given, and
- * so must every rope_theta. */
+ * original_max_position_embeddings and partial_rotary_factor; top_theta:
+ * its top-level rope_theta, NaN when not given; max_positions: its
+ * max_position_embeddings, 0 when unknown) into *theta (left alone when no
+ * key gives one) and *rope, as transformers v5 resolves them. */
 static moe_status resolve_rope(double *theta, moe_rope_scaling *rope, const other_values *o, double top_theta,
                                int64_t max_positions, const char *name, moe_warn_fn wfn, void *wctx) {
-    const struct {
-        const char *key;
-        double value;
-    } thetas[] = {{"rope_theta", top_theta},
-                  {"rope_parameters.rope_theta", o->params.theta},
-                  {"rope_scaling.rope_theta", o->scaling.theta}};
-    int first = -1;
-    for (int i = 0; i < 3; i++) {
-        if (isnan(thetas[i].value)) continue;
-        if (first < 0) first = i;
-        if (thetas[i].value != thetas[first].value)
-            return moe_error(MOE_ERR_CONFIG, "%s: %s=%g disagrees with %s=%g", name, thetas[first].key,
-                             thetas[first].value, thetas[i].key, thetas[i].value);
-    }
-    if (first >= 0) *theta = thetas[first].value;
-    if (o->params.given && o->scaling.given && !moe_rope_scaling_equal(&o->params.s, &o->scaling.s)) {
-        char a[256], b[256];
-        moe_rope_scaling_describe(a, sizeof a, &o->scaling.s);
-        moe_rope_scaling_describe(b, sizeof b, &o->params.s);
-        return moe_error(MOE_ERR_CONFIG, "%s: rope_scaling (%s) disagrees with rope_parameters (%s)", name, a, b);
-    }
-    *rope = o->scaling.given ? o->scaling.s : o->params.s;
+    /* transformers takes a non-empty rope_scaling as its rope_parameters
+     * and drops the file's own, rope_theta included: with both, which one
+     * the file meant cannot be known. */
+    if (o->scaling.given && o->params.given)
+        return moe_error(MOE_ERR_CONFIG, "%s: rope_scaling and rope_parameters are both given, and transformers reads "
+                                         "rope_scaling alone: keep one",
+                         name);
+    const rope_read *r = o->scaling.given ? &o->scaling : &o->params;
     const char *prefix = o->scaling.given ? "rope_scaling" : "rope_parameters";
+    if (!isnan(top_theta) && !isnan(r->theta) && top_theta != r->theta)
+        return moe_error(MOE_ERR_CONFIG, "%s: rope_theta=%g disagrees with %s.rope_theta=%g", name, top_theta, prefix,
+                         r->theta);
+    if (!isnan(r->theta) || !isnan(top_theta)) *theta = isnan(r->theta) ? top_theta : r->theta;
+    *rope = r->s;
+    /* The object's partial_rotary_factor, else the top level's, which
+     * transformers moves into it; its Mixtral's default RoPE ignores it. */
+    const double partial = isnan(r->partial) ? o->partial : r->partial;
+    if (!isnan(partial) && partial != 1.0) {
+        if (rope->type != MOE_ROPE_DEFAULT)
+            return moe_error(MOE_ERR_CONFIG, "%s: partial_rotary_factor=%g is not supported with rope_type \"%s\" (only "
+                                             "1: RoPE rotates the whole head)",
+                             name, partial, rope_type_names[rope->type]);
+        warn(wfn, wctx, "%s: partial_rotary_factor=%g ignored: transformers' Mixtral rotates the whole head with the "
+                        "default RoPE",
+             name, partial);
+    }
     const bool has_context = rope->type == MOE_ROPE_LLAMA3 || rope->type == MOE_ROPE_YARN;
     if (o->original_max && !has_context)
         warn(wfn, wctx, "%s: original_max_position_embeddings=%lld ignored: rope_type \"%s\" does not use it", name,
@@ -554,10 +588,18 @@ static moe_status resolve_rope(double *theta, moe_rope_scaling *rope, const othe
     /* transformers takes the top-level key first, then the object's, then
      * max_position_embeddings. */
     if (has_context && o->original_max) rope->original_max_position_embeddings = o->original_max;
-    if (has_context && !rope->original_max_position_embeddings) {
-        rope->original_max_position_embeddings = max_positions;
-        if (!max_positions) return MOE_OK; /* unknown: the caller's to fill */
-    }
+    if (has_context && !rope->original_max_position_embeddings) rope->original_max_position_embeddings = max_positions;
+    if (r->factor_null && !max_positions)
+        return moe_error(MOE_ERR_CONFIG, "%s: %s.factor is null, which transformers takes as max_position_embeddings / "
+                                         "original_max_position_embeddings, and max_position_embeddings is not given",
+                         name, prefix);
+    if (has_context && !rope->original_max_position_embeddings) return MOE_OK; /* unknown: the caller's to fill */
+    const double implicit = (double)max_positions / (double)rope->original_max_position_embeddings;
+    if (r->factor_null) rope->factor = implicit;
+    if (rope->type == MOE_ROPE_YARN && max_positions && implicit != 1.0 && implicit != rope->factor)
+        warn(wfn, wctx, "%s: %s.factor=%g differs from max_position_embeddings / original_max_position_embeddings = %g: "
+                        "factor applies, as in transformers",
+             name, prefix, rope->factor, implicit);
     return check_rope(name, prefix, rope);
 }
 
@@ -578,6 +620,11 @@ static moe_status check_other(const char *key, const moe_json *v, other_values *
     if (strcmp(key, "original_max_position_embeddings") == 0) {
         MOE_TRY(read_int(&o->original_max, name, key, "an integer", v));
         return check_size(name, key, o->original_max, MAX_DIM);
+    }
+    if (strcmp(key, "partial_rotary_factor") == 0) {
+        if (v->type != MOE_JSON_NUMBER) return wrong_type(name, key, "a number", v);
+        o->partial = v->number.value;
+        return check_float(name, key, o->partial);
     }
     if (strcmp(key, "num_experts") == 0) {
         o->has_num_experts = true;
@@ -714,12 +761,12 @@ static moe_status as_config_error(moe_status st) {
 }
 
 moe_status moe_model_config_check_function_keys(const moe_json *root, const char *name, moe_warn_fn wfn,
-                                                void *wctx, moe_rope_scaling *rope) {
+                                                void *wctx, double *theta, moe_rope_scaling *rope) {
     if (root->type != MOE_JSON_OBJECT)
         return moe_error(MOE_ERR_CONFIG, "%s: top level is a JSON %s, not an object", name,
                          moe_json_type_name(root->type));
     static const char *const keys[] = {"rope_parameters", "rope_scaling", "hidden_act",
-                                       "original_max_position_embeddings"};
+                                       "original_max_position_embeddings", "partial_rotary_factor"};
     other_values o = OTHER_VALUES_INIT;
     for (size_t k = 0; k < sizeof keys / sizeof *keys; k++) {
         const moe_json *v = moe_json_get(root, keys[k]);
@@ -736,8 +783,8 @@ moe_status moe_model_config_check_function_keys(const moe_json *root, const char
     if (!isnan(read.rope_theta)) MOE_TRY(check_float(name, "rope_theta", read.rope_theta));
     if (read.max_position_embeddings)
         MOE_TRY(check_size(name, "max_position_embeddings", read.max_position_embeddings, MAX_DIM));
-    double theta = NAN;
-    return resolve_rope(&theta, rope, &o, read.rope_theta, read.max_position_embeddings, name, wfn, wctx);
+    *theta = NAN;
+    return resolve_rope(theta, rope, &o, read.rope_theta, read.max_position_embeddings, name, wfn, wctx);
 }
 
 moe_status moe_model_config_take_token_ids(moe_model_config *cfg, const moe_json *root, const char *name) {
@@ -975,74 +1022,90 @@ static void write_token_ids(moe_json_writer *w, const moe_token_ids *t) {
     }
 }
 
-moe_status moe_model_config_save(const moe_model_config *cfg, const char *path) {
-    MOE_TRY(moe_model_config_validate(cfg, path));
+/* The config as moe_model_config_save writes it, into w (initialised). */
+static void render(const moe_model_config *cfg, moe_json_writer *w) {
     const bool mixtral = is_mixtral(cfg);
-    moe_json_writer w;
-    moe_json_writer_init(&w, 2);
-    moe_json_begin_object(&w);
-    moe_json_key(&w, "architectures");
-    moe_json_begin_array(&w);
-    moe_json_string(&w, mixtral ? ARCH_MIXTRAL : ARCH_OURS);
-    moe_json_end_array(&w);
-    moe_json_key(&w, "model_type");
-    moe_json_string(&w, mixtral ? MODEL_TYPE_MIXTRAL : MODEL_TYPE_OURS);
-    moe_json_key(&w, "hidden_act");
-    moe_json_string(&w, "silu");
-    moe_json_key(&w, "torch_dtype");
-    moe_json_string(&w, "float32");
+    moe_json_begin_object(w);
+    moe_json_key(w, "architectures");
+    moe_json_begin_array(w);
+    moe_json_string(w, mixtral ? ARCH_MIXTRAL : ARCH_OURS);
+    moe_json_end_array(w);
+    moe_json_key(w, "model_type");
+    moe_json_string(w, mixtral ? MODEL_TYPE_MIXTRAL : MODEL_TYPE_OURS);
+    moe_json_key(w, "hidden_act");
+    moe_json_string(w, "silu");
+    moe_json_key(w, "torch_dtype");
+    moe_json_string(w, "float32");
     for (size_t f = 0; f < N_FIELDS; f++) {
         if (fields[f].kind == F_TOKEN_IDS &&
             ((const moe_token_ids *)field_cptr(cfg, &fields[f]))->form == MOE_TOKEN_ID_ABSENT)
             continue; /* as read: a reader takes its model type's default */
-        moe_json_key(&w, fields[f].key);
+        moe_json_key(w, fields[f].key);
         switch (fields[f].kind) {
-        case F_INT: moe_json_int(&w, *(const int64_t *)field_cptr(cfg, &fields[f])); break;
-        case F_REAL: moe_json_number(&w, *(const double *)field_cptr(cfg, &fields[f])); break;
-        case F_BOOL: moe_json_bool(&w, *(const bool *)field_cptr(cfg, &fields[f])); break;
-        case F_GATE: moe_json_string(&w, gate_names[*(const moe_gate_kind *)field_cptr(cfg, &fields[f])]); break;
+        case F_INT: moe_json_int(w, *(const int64_t *)field_cptr(cfg, &fields[f])); break;
+        case F_REAL: moe_json_number(w, *(const double *)field_cptr(cfg, &fields[f])); break;
+        case F_BOOL: moe_json_bool(w, *(const bool *)field_cptr(cfg, &fields[f])); break;
+        case F_GATE: moe_json_string(w, gate_names[*(const moe_gate_kind *)field_cptr(cfg, &fields[f])]); break;
         case F_WINDOW: {
             const int64_t v = *(const int64_t *)field_cptr(cfg, &fields[f]);
             if (v > 0)
-                moe_json_int(&w, v);
+                moe_json_int(w, v);
             else
-                moe_json_null(&w);
+                moe_json_null(w);
             break;
         }
-        case F_TOKEN_IDS: write_token_ids(&w, field_cptr(cfg, &fields[f])); break;
+        case F_TOKEN_IDS: write_token_ids(w, field_cptr(cfg, &fields[f])); break;
         }
     }
     /* As transformers v4 writes a scaled RoPE, which v5 reads as its
      * rope_parameters; every parameter of the type explicit. */
     const moe_rope_scaling *rope = &cfg->rope_scaling;
     if (rope->type != MOE_ROPE_DEFAULT) {
-        moe_json_key(&w, "rope_scaling");
-        moe_json_begin_object(&w);
-        moe_json_key(&w, "rope_type");
-        moe_json_string(&w, rope_type_names[rope->type]);
+        moe_json_key(w, "rope_scaling");
+        moe_json_begin_object(w);
+        moe_json_key(w, "rope_type");
+        moe_json_string(w, rope_type_names[rope->type]);
         for (size_t k = 0; k < N_ROPE_KEYS; k++) {
             const rope_key *r = &rope_keys[k];
-            const void *at = (const char *)rope + r->offset;
-            /* yarn's optional factors stay absent when not set (0). */
-            if (!(r->types & ROPE_TYPE_BIT(rope->type)) || (r->kind == F_REAL && !(r->required & ROPE_TYPE_BIT(rope->type)) &&
-                                                             *(const double *)at == 0.0))
-                continue;
-            moe_json_key(&w, r->key);
+            /* yarn's context stays implicit when it is max_position_embeddings:
+             * transformers v4.5x then takes their ratio for factor. */
+            const bool implicit_context = rope->type == MOE_ROPE_YARN && r->kind == F_INT &&
+                                          rope->original_max_position_embeddings == cfg->max_position_embeddings;
+            if (!(r->types & ROPE_TYPE_BIT(rope->type)) || rope_optional_zero(rope, r) || implicit_context) continue;
+            moe_json_key(w, r->key);
             if (r->kind == F_INT)
-                moe_json_int(&w, *(const int64_t *)at);
+                moe_json_int(w, (int64_t)rope_value(rope, r));
             else if (r->kind == F_BOOL)
-                moe_json_bool(&w, *(const bool *)at);
+                moe_json_bool(w, rope_value(rope, r) != 0.0);
             else
-                moe_json_number(&w, *(const double *)at);
+                moe_json_number(w, rope_value(rope, r));
         }
-        moe_json_end_object(&w);
+        moe_json_end_object(w);
     }
-    moe_json_end_object(&w);
+    moe_json_end_object(w);
+}
+
+moe_status moe_model_config_save(const moe_model_config *cfg, const char *path) {
+    MOE_TRY(moe_model_config_validate(cfg, path));
+    moe_json_writer w;
+    moe_json_writer_init(&w, 2);
+    render(cfg, &w);
     moe_status st = moe_json_writer_finish(&w);
     if (st == MOE_OK)
         st = moe_file_write_atomic(path, write_text_line, &w);
     else
         st = moe_error_prefix(st, "%s: ", path);
+    moe_json_writer_free(&w);
+    return st;
+}
+
+moe_status moe_model_config_crc32c(const moe_model_config *cfg, uint32_t *crc) {
+    MOE_TRY(moe_model_config_validate(cfg, NULL));
+    moe_json_writer w;
+    moe_json_writer_init(&w, 2);
+    render(cfg, &w);
+    moe_status st = moe_json_writer_finish(&w);
+    if (st == MOE_OK) *crc = moe_crc32c(moe_crc32c(0, w.buf, w.len), "\n", 1);
     moe_json_writer_free(&w);
     return st;
 }

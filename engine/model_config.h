@@ -83,11 +83,15 @@ typedef struct moe_rope_scaling {
      * (a top-level original_max_position_embeddings first, as transformers
      * takes Phi-3's) */
     int64_t original_max_position_embeddings;
-    double attention_factor;       /* yarn: on cos and sin; 0: from factor, mscale and mscale_all_dim */
+    double attention_factor;       /* yarn: on cos and sin, > 0; 0: from factor, mscale and mscale_all_dim */
     double beta_fast, beta_slow;   /* yarn: default 32 and 1 (0 reads as the default, as in transformers) */
     double mscale, mscale_all_dim; /* yarn: 0 when absent; used when both are set */
     bool truncate;                 /* yarn: whole dimensions for the ramp's ends (default true) */
 } moe_rope_scaling;
+
+/* The parameters of moe_rope_scaling after its type, for comparing them
+ * one by one (moe_rope_scaling_field). */
+#define MOE_ROPE_SCALING_FIELDS 10
 
 typedef struct moe_model_config {
     /* Hugging Face MixtralConfig fields. Required in config.json: the sizes
@@ -157,18 +161,23 @@ moe_status moe_model_config_parse(moe_model_config *cfg, const char *text, size_
  * that this reader checks outside the struct, checked as
  * moe_model_config_parse checks them: rope_parameters and rope_scaling (a
  * rope_type this reader implements, their rope_theta a normal float that
- * agrees with a top-level rope_theta) and hidden_act ("silu" or "swish");
- * *rope gets the RoPE scaling they give, its
- * original_max_position_embeddings 0 when the file gives neither it nor
- * max_position_embeddings (the model type's default, unknown here). root
- * is the file's top-level object, name leads every message; the other
- * keys are left to the caller. */
+ * agrees with a top-level rope_theta), partial_rotary_factor and
+ * hidden_act ("silu" or "swish"); *theta gets the rope_theta they give
+ * (NaN when none: the model type's default) and *rope the RoPE scaling,
+ * its original_max_position_embeddings 0 when the file gives neither it
+ * nor max_position_embeddings (again the model type's default, unknown
+ * here). root is the file's top-level object, name leads every message;
+ * the other keys are left to the caller. */
 moe_status moe_model_config_check_function_keys(const struct moe_json *root, const char *name, moe_warn_fn warn,
-                                                void *warn_ctx, moe_rope_scaling *rope);
+                                                void *warn_ctx, double *theta, moe_rope_scaling *rope);
 
 /* A rope_type as config.json writes it ("default", "llama3", ...); "?"
  * outside the enum. */
 const char *moe_rope_type_name(int type);
+
+/* Parameter i < MOE_ROPE_SCALING_FIELDS of s: its name under rope_scaling
+ * ("rope_scaling.factor") and, in *value, its value. */
+const char *moe_rope_scaling_field(const moe_rope_scaling *s, int i, double *value);
 
 /* Whether a and b scale alike, field by field. */
 bool moe_rope_scaling_equal(const moe_rope_scaling *a, const moe_rope_scaling *b);
@@ -193,6 +202,10 @@ moe_status moe_model_config_validate(const moe_model_config *cfg, const char *na
  * out when absent, which a reader then takes as its model type's default);
  * loading it gives back an equal struct. */
 moe_status moe_model_config_save(const moe_model_config *cfg, const char *path);
+
+/* The CRC-32C of the bytes moe_model_config_save writes for cfg: two
+ * configs that read alike have the same, however their files were laid out. */
+moe_status moe_model_config_crc32c(const moe_model_config *cfg, uint32_t *crc);
 
 /* A small model for tests and first runs: d 128, ff 256, 4 layers, 4 heads
  * (2 KV), 8 experts, top-2, rope_theta 1e4, eps 1e-5, aux coef 0.01, the

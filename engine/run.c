@@ -548,8 +548,6 @@ static moe_status check_dense_config(moe_model_config *moe, const moe_run_option
         {"num_attention_heads", NULL, "num_attention_heads"},
         {"num_key_value_heads", NULL, "num_key_value_heads"},
         {"head_dim", NULL, "head_dim"},
-        {"rope_theta", NULL, "rope_theta"},
-        {"rope_parameters", "rope_theta", "rope_theta"},
         {"rms_norm_eps", NULL, "rms_norm_eps"},
         {"sliding_window", NULL, "sliding_window"},
     };
@@ -558,12 +556,21 @@ static moe_status check_dense_config(moe_model_config *moe, const moe_run_option
     const moe_json *root = moe_json_root(doc);
     /* Unknown rope_parameters keys are not warned about: a dense model's
      * file is not the MoE's config, whose reading warns. */
+    double theta;
     moe_rope_scaling rope;
-    moe_status st = moe_model_config_check_function_keys(root, path, NULL, NULL, &rope);
+    moe_status st = moe_model_config_check_function_keys(root, path, NULL, NULL, &theta, &rope);
     if (st != MOE_OK) st = moe_error_prefix(st, "--upcycle: ");
-    /* A context the file leaves to its model type's default is not compared. */
-    if (st == MOE_OK && rope.type == moe->rope_scaling.type && rope.original_max_position_embeddings == 0)
-        rope.original_max_position_embeddings = moe->rope_scaling.original_max_position_embeddings;
+    /* A theta the file leaves to its model type's default is not compared. */
+    if (st == MOE_OK && !isnan(theta) && theta != moe->rope_theta)
+        st = moe_error(MOE_ERR_CONFIG, "--upcycle: %s has rope_theta=%g, and --config %s has rope_theta=%g: the MoE "
+                                       "would not start from the dense model's function",
+                       path, theta, o->config, moe->rope_theta);
+    if (st == MOE_OK && rope.type != MOE_ROPE_DEFAULT && rope.type != MOE_ROPE_LINEAR &&
+        rope.original_max_position_embeddings == 0)
+        st = moe_error(MOE_ERR_CONFIG, "--upcycle: %s scales RoPE as %s and gives neither its "
+                                       "original_max_position_embeddings nor max_position_embeddings, whose default "
+                                       "is its model type's: add max_position_embeddings to it",
+                       path, moe_rope_type_name(rope.type));
     if (st == MOE_OK && !moe_rope_scaling_equal(&rope, &moe->rope_scaling)) {
         char dense[256], mine[256];
         moe_rope_scaling_describe(dense, sizeof dense, &rope);
@@ -619,7 +626,7 @@ static moe_status load_config(run *r, bool *known) {
     }
     if (o->init_from || o->resume) {
         const char *dir = o->init_from ? o->init_from : o->resume;
-        moe_status st = moe_checkpoint_load_config(&r->cfg, dir, on_warn, r->cb->ctx);
+        moe_status st = moe_checkpoint_load_config(&r->cfg, dir, o->resume != NULL, on_warn, r->cb->ctx);
         if (st != MOE_OK) return moe_error_prefix(st, "%s %s: ", o->init_from ? "--init-from" : "--resume", dir);
         return MOE_OK;
     }
@@ -2203,7 +2210,7 @@ static moe_status resolve_resume(moe_run_options *out, bool *done, char *path, c
         moe_model_config given, saved;
         moe_status st = moe_model_config_load(&given, o->config, NULL, NULL);
         if (st != MOE_OK) return moe_error_prefix(st, "--config: ");
-        st = moe_checkpoint_load_config(&saved, path, NULL, NULL);
+        st = moe_checkpoint_load_config(&saved, path, true, NULL, NULL);
         if (st != MOE_OK) return moe_error_prefix(st, "%s %s: ", flag, path);
         moe_agree_field a[MOE_CONFIG_AGREE_FIELDS], b[MOE_CONFIG_AGREE_FIELDS];
         const int count = moe_config_agree_fields(a, &given);

@@ -311,7 +311,7 @@ Test(checkpoint, save_then_load_is_bitwise, .init = make_tmpdir, .fini = remove_
               (long long)meta_only.data.token);
 
     moe_model_config cfg;
-    cr_assert_eq(moe_checkpoint_load_config(&cfg, path, NULL, NULL), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(moe_checkpoint_load_config(&cfg, path, true, NULL, NULL), MOE_OK, "%s", moe_last_error());
     const moe_model_config *want = moe_model_get_config(a.model);
     cr_expect_eq(cfg.hidden_size, want->hidden_size);
     cr_expect_eq(cfg.num_local_experts, want->num_local_experts);
@@ -1162,6 +1162,11 @@ static int64_t element_offset(const char *path, const char *name, int64_t elemen
  * became 3.4e38 (finite, so no value check sees it, and the run would have
  * died later of a NaN loss), a second moment's lowest bit, a digit of the
  * seed. The file put back loads. */
+static void count_warning(void *ctx, const char *message) {
+    (void)message;
+    ++*(int *)ctx;
+}
+
 Test(checkpoint, flipped_bits_are_refused, .init = make_tmpdir, .fini = remove_tmpdir) {
     run a = make_run(1, 0, 0), b = make_run(2, 0, 0);
     const moe_train_state s = scramble(&a, 51, 3);
@@ -1234,17 +1239,32 @@ Test(checkpoint, flipped_bits_are_refused, .init = make_tmpdir, .fini = remove_t
     free(raw);
     cr_assert_geq(e, 0, "no rms_norm_eps 1e-05 in %s", config);
     moe_model_config cfg;
-    cr_assert_eq(moe_checkpoint_load_config(&cfg, path, NULL, NULL), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(moe_checkpoint_load_config(&cfg, path, true, NULL, NULL), MOE_OK, "%s", moe_last_error());
     flip_byte(config, e, '5' ^ '4');
-    expect_error(moe_checkpoint_load_config(&cfg, path, NULL, NULL), config, "train_state.safetensors recorded");
+    expect_error(moe_checkpoint_load_config(&cfg, path, true, NULL, NULL), config, "train_state.safetensors recorded");
     cr_expect_eq(moe_model_config_load(&cfg, config, NULL, NULL), MOE_OK, "the damage is a valid config: %s",
                  moe_last_error());
+    /* Not resuming, the config is used as it is, with a warning. */
+    int warnings = 0;
+    cr_expect_eq(moe_checkpoint_load_config(&cfg, path, false, count_warning, &warnings), MOE_OK, "%s",
+                 moe_last_error());
+    cr_expect_eq(warnings, 1, "a changed config was not warned about");
+    cr_expect_eq(cfg.rms_norm_eps, 1e-4);
     flip_byte(config, e, '5' ^ '4');
-    cr_expect_eq(moe_checkpoint_load_config(&cfg, path, NULL, NULL), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(moe_checkpoint_load_config(&cfg, path, true, NULL, NULL), MOE_OK, "%s", moe_last_error());
+    /* The same config laid out anew (a tool's rewrite) reads alike. */
+    raw = read_bytes(config, &size);
+    for (size_t i = 0; i < size; i++)
+        if (raw[i] == '\n') raw[i] = ' ';
+    write_bytes(config, raw, size);
+    free(raw);
+    cr_expect_eq(moe_checkpoint_load_config(&cfg, path, true, count_warning, &warnings), MOE_OK, "%s",
+                 moe_last_error());
+    cr_expect_eq(warnings, 1, "a config laid out anew was warned about");
     /* Without the state (a model alone) there is nothing to check against. */
     flip_byte(config, e, '5' ^ '4');
     cr_assert_eq(unlink(state), 0);
-    cr_expect_eq(moe_checkpoint_load_config(&cfg, path, NULL, NULL), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(moe_checkpoint_load_config(&cfg, path, true, NULL, NULL), MOE_OK, "%s", moe_last_error());
     free(p_before);
     free(v_before);
     free_run(&a);

@@ -297,9 +297,11 @@ Test(model_config, every_bad_field_is_named) {
         {"rope_scaling", "{\"rope_type\": \"linear\", \"type\": \"yarn\", \"factor\": 2}",
          "t/config.json: rope_scaling.rope_type=\"linear\" disagrees with rope_scaling.type=\"yarn\""},
         {"rope_scaling", "{\"rope_type\": 3}", "t/config.json: rope_scaling.rope_type must be a string, got 3"},
-        {"rope_parameters", "{\"rope_type\": \"default\", \"partial_rotary_factor\": 0.5}",
-         "t/config.json: rope_parameters.partial_rotary_factor=0.5 is not supported (only 1: RoPE rotates the whole "
-         "head)"},
+        {"rope_parameters", "{\"rope_type\": \"linear\", \"factor\": 2, \"partial_rotary_factor\": 0.5}",
+         "t/config.json: partial_rotary_factor=0.5 is not supported with rope_type \"linear\" (only 1: RoPE rotates "
+         "the whole head)"},
+        {"rope_scaling", "{\"rope_type\": \"yarn\", \"factor\": 4, \"attention_factor\": 0}",
+         "t/config.json: rope_scaling.attention_factor=0 must be > 0"},
         {"original_max_position_embeddings", "0", "t/config.json: original_max_position_embeddings=0 must be positive"},
         {"rope_parameters", "5", "rope_parameters must be an object, got 5"},
         {"rope_parameters", "{\"rope_theta\": \"x\"}", "rope_parameters.rope_theta must be a number, got \"x\""},
@@ -496,9 +498,10 @@ Test(model_config, function_keys_of_any_config) {
         cr_assert_eq(moe_json_parse(&doc, cases[i].text, strlen(cases[i].text), "d"), MOE_OK, "%s",
                      moe_last_error());
         warnings w = {0};
+        double theta;
         moe_rope_scaling rope;
         const moe_status st =
-            moe_model_config_check_function_keys(moe_json_root(doc), "d/config.json", collect, &w, &rope);
+            moe_model_config_check_function_keys(moe_json_root(doc), "d/config.json", collect, &w, &theta, &rope);
         moe_json_free(doc);
         if (cases[i].want == NULL) {
             cr_expect_eq(st, MOE_OK, "%s: %s", cases[i].text, moe_last_error());
@@ -539,7 +542,7 @@ Test(model_config, scaled_rope_as_transformers_reads_it) {
          "{\"type\": \"yarn\", \"factor\": 40, \"beta_fast\": 0, \"beta_slow\": 2, \"mscale\": 0.707, "
          "\"mscale_all_dim\": 1.0, \"truncate\": false, \"attention_factor\": null, "
          "\"original_max_position_embeddings\": 4096}",
-         "\"original_max_position_embeddings\": 2048",
+         "\"original_max_position_embeddings\": 2048, \"max_position_embeddings\": 81920",
          {.type = MOE_ROPE_YARN, .factor = 40, .original_max_position_embeddings = 2048, .beta_fast = 32,
           .beta_slow = 2, .mscale = 0.707, .mscale_all_dim = 1.0},
          NULL},
@@ -548,9 +551,24 @@ Test(model_config, scaled_rope_as_transformers_reads_it) {
         {"rope_parameters", "{\"rope_type\": \"default\", \"partial_rotary_factor\": 1.0}",
          "\"original_max_position_embeddings\": 4096", {.type = MOE_ROPE_DEFAULT},
          "original_max_position_embeddings=4096 ignored: rope_type \"default\" does not use it"},
-        {"rope_scaling", "{\"type\": \"linear\", \"factor\": 2.0}",
-         "\"rope_parameters\": {\"rope_type\": \"linear\", \"factor\": 2, \"rope_theta\": 10000.0}",
+        /* transformers reads yarn's null truncate as false and derives a null factor from the context. */
+        {"rope_scaling",
+         "{\"type\": \"yarn\", \"factor\": null, \"truncate\": null, \"original_max_position_embeddings\": 1024}",
+         "\"max_position_embeddings\": 4096",
+         {.type = MOE_ROPE_YARN, .factor = 4, .original_max_position_embeddings = 1024, .beta_fast = 32,
+          .beta_slow = 1},
+         NULL},
+        {"rope_scaling", "{\"type\": \"yarn\", \"factor\": 8, \"original_max_position_embeddings\": 1024}",
+         "\"max_position_embeddings\": 4096",
+         {.type = MOE_ROPE_YARN, .factor = 8, .original_max_position_embeddings = 1024, .beta_fast = 32,
+          .beta_slow = 1, .truncate = true},
+         "rope_scaling.factor=8 differs from max_position_embeddings / original_max_position_embeddings = 4"},
+        /* {} is none, as in transformers; the top level's partial_rotary_factor is moved in. */
+        {"rope_scaling", "{}", "\"rope_parameters\": {\"rope_type\": \"linear\", \"factor\": 2}",
          {.type = MOE_ROPE_LINEAR, .factor = 2}, NULL},
+        {"rope_scaling", "null", "\"partial_rotary_factor\": 0.5",
+         {.type = MOE_ROPE_DEFAULT},
+         "partial_rotary_factor=0.5 ignored: transformers' Mixtral rotates the whole head with the default RoPE"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         char text[2048];
@@ -571,8 +589,11 @@ Test(model_config, scaled_rope_as_transformers_reads_it) {
     }
     /* Where both objects are given, they name one scaling and one theta. */
     const char *const disagree[][2] = {
-        {"\"rope_scaling\": {\"type\": \"linear\", \"factor\": 2.0}, \"rope_parameters\": {\"rope_type\": \"default\"}",
-         "rope_scaling (linear (factor 2)) disagrees with rope_parameters (default)"},
+        {"\"rope_scaling\": {\"type\": \"linear\", \"factor\": 2.0}, \"rope_parameters\": {\"rope_type\": \"linear\", "
+         "\"factor\": 2.0}",
+         "rope_scaling and rope_parameters are both given, and transformers reads rope_scaling alone: keep one"},
+        {"\"rope_scaling\": {\"type\": \"yarn\", \"factor\": 2.0}, \"partial_rotary_factor\": 0.5",
+         "partial_rotary_factor=0.5 is not supported with rope_type \"yarn\""},
         {"\"rope_scaling\": {\"type\": \"linear\", \"factor\": 2.0, \"rope_theta\": 5.0}, \"rope_theta\": 10000.0",
          "rope_theta=10000 disagrees with rope_scaling.rope_theta=5"},
     };
@@ -591,13 +612,15 @@ Test(model_config, scaled_rope_as_transformers_reads_it) {
                         "\"rope_theta\": 500000.0}";
     moe_json_doc *doc;
     cr_assert_eq(moe_json_parse(&doc, llama, strlen(llama), "d"), MOE_OK, "%s", moe_last_error());
+    double theta;
     moe_rope_scaling rope;
-    cr_expect_eq(moe_model_config_check_function_keys(moe_json_root(doc), "d/config.json", NULL, NULL, &rope), MOE_OK,
-                 "%s", moe_last_error());
+    cr_expect_eq(moe_model_config_check_function_keys(moe_json_root(doc), "d/config.json", NULL, NULL, &theta, &rope),
+                 MOE_OK, "%s", moe_last_error());
     moe_json_free(doc);
     const moe_rope_scaling want = {.type = MOE_ROPE_LLAMA3, .factor = 8, .low_freq_factor = 1,
                                    .high_freq_factor = 4, .original_max_position_embeddings = 8192};
     cr_expect(moe_rope_scaling_equal(&rope, &want), "the dense file's llama3 scaling was not read");
+    cr_expect_eq(theta, 5e5);
 }
 
 /* Whatever config.json accepts, the MoE layer built from it accepts too (the
@@ -909,13 +932,17 @@ Test(model_config, scaled_rope_round_trip, .init = make_tmpdir, .fini = remove_t
         {.type = MOE_ROPE_LINEAR, .factor = 2.5},
         {.type = MOE_ROPE_LLAMA3, .factor = 32, .low_freq_factor = 1, .high_freq_factor = 4,
          .original_max_position_embeddings = 8192},
-        {.type = MOE_ROPE_YARN, .factor = 40, .original_max_position_embeddings = 4096, .beta_fast = 32,
+        {.type = MOE_ROPE_YARN, .factor = 32, .original_max_position_embeddings = 4096, .beta_fast = 32,
          .beta_slow = 1, .mscale = 0.707, .mscale_all_dim = 1, .truncate = false},
+        /* The context of max_position_embeddings stays implicit (transformers v4.5x would read factor from it). */
+        {.type = MOE_ROPE_YARN, .factor = 1, .original_max_position_embeddings = 131072, .beta_fast = 32,
+         .beta_slow = 1, .truncate = true},
         {.type = MOE_ROPE_YARN, .factor = 4, .original_max_position_embeddings = 32768, .attention_factor = 1.25,
          .beta_fast = 16, .beta_slow = 2, .truncate = true},
     };
     const char *const written[] = {"\"rope_type\": \"linear\"", "\"high_freq_factor\": 4.0",
-                                   "\"mscale_all_dim\": 1.0", "\"attention_factor\": 1.25"};
+                                   "\"mscale_all_dim\": 1.0", "\"truncate\": true",
+                                   "\"attention_factor\": 1.25"};
     for (size_t i = 0; i < sizeof scalings / sizeof *scalings; i++) {
         moe_model_config c;
         moe_model_config_default_small(&c, 256);
@@ -925,6 +952,8 @@ Test(model_config, scaled_rope_round_trip, .init = make_tmpdir, .fini = remove_t
         size_t n;
         cr_assert_eq(moe_file_read_all(&text, &n, path, 1 << 20), MOE_OK);
         cr_expect(strstr(text, written[i]) != NULL, "lacks %s:\n%s", written[i], text);
+        if (scalings[i].original_max_position_embeddings == c.max_position_embeddings)
+            cr_expect(strstr(text, "original_max_position_embeddings") == NULL, "the context is written:\n%s", text);
         free(text);
     }
     moe_model_config bad;

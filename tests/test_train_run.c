@@ -704,13 +704,13 @@ Test(train_run, upcycle_checks_the_dense_config, .init = make_tmp, .fini = remov
     static const struct {
         const char *extra, *want;
     } cases[] = {
-        {", \"rope_theta\": 500000.0", "config.json has rope_theta=500000.0, and --config"},
+        {", \"rope_theta\": 500000.0", "config.json has rope_theta=500000, and --config"},
         {", \"num_attention_heads\": 8, \"head_dim\": 4", "config.json has num_attention_heads=8"},
         {", \"sliding_window\": 4096", "config.json has sliding_window=4096, and --config"},
         {", \"tie_word_embeddings\": true", "ties the embedding and the head (tie_word_embeddings true), and --config"},
         {", \"tie_word_embeddings\": \"yes\"", "tie_word_embeddings must be true or false, not a string"},
         {", \"rope_parameters\": {\"rope_theta\": 500000.0, \"rope_type\": \"default\"}",
-         "config.json has rope_parameters.rope_theta=500000.0, and --config"},
+         "config.json has rope_theta=500000, and --config"},
         {", \"rope_parameters\": {\"factor\": 8.0, \"rope_theta\": 10000.0, \"rope_type\": \"llama3\", "
          "\"low_freq_factor\": 1, \"high_freq_factor\": 4, \"original_max_position_embeddings\": 64}",
          "dense/config.json scales RoPE as llama3 (factor 8, low_freq_factor 1, high_freq_factor 4, "
@@ -719,6 +719,10 @@ Test(train_run, upcycle_checks_the_dense_config, .init = make_tmp, .fini = remov
          "dense/config.json scales RoPE as linear (factor 2), and --config"},
         {", \"rope_scaling\": {\"type\": \"dynamic\", \"factor\": 2.0}",
          "dense/config.json: rope_scaling.rope_type=\"dynamic\" is not supported"},
+        {", \"rope_scaling\": {\"type\": \"linear\", \"factor\": 2.0, \"rope_theta\": 500000.0}",
+         "config.json has rope_theta=500000, and --config"},
+        {", \"rope_scaling\": {\"type\": \"yarn\", \"factor\": 4.0}",
+         "scales RoPE as yarn and gives neither its original_max_position_embeddings nor max_position_embeddings"},
         {", \"hidden_act\": \"gelu\"", "dense/config.json: hidden_act=\"gelu\" is not supported"},
         /* The config matches (null: no window): on to the missing weights. */
         {", \"rope_theta\": 10000.0, \"sliding_window\": null", "model.safetensors"},
