@@ -293,6 +293,7 @@ static const char *const rope_type_names[] = {
     [MOE_ROPE_LINEAR] = "linear",
     [MOE_ROPE_LLAMA3] = "llama3",
     [MOE_ROPE_YARN] = "yarn",
+    [MOE_ROPE_DYNAMIC] = "dynamic",
 };
 #define N_ROPE_TYPES (sizeof rope_type_names / sizeof *rope_type_names)
 
@@ -301,7 +302,9 @@ const char *moe_rope_type_name(int type) {
 }
 
 #define ROPE_TYPE_BIT(t) (1u << (t))
-#define ROPE_SCALED (ROPE_TYPE_BIT(MOE_ROPE_LINEAR) | ROPE_TYPE_BIT(MOE_ROPE_LLAMA3) | ROPE_TYPE_BIT(MOE_ROPE_YARN))
+#define ROPE_SCALED                                                                                                    \
+    (ROPE_TYPE_BIT(MOE_ROPE_LINEAR) | ROPE_TYPE_BIT(MOE_ROPE_LLAMA3) | ROPE_TYPE_BIT(MOE_ROPE_YARN) |                  \
+     ROPE_TYPE_BIT(MOE_ROPE_DYNAMIC))
 
 /* The scaling keys of a RoPE object, the types that read each, and whether
  * those types require it; this table drives reading, checking, comparing,
@@ -368,7 +371,7 @@ static moe_status check_rope(const char *name, const char *prefix, const moe_rop
     }
     if (s->type == MOE_ROPE_DEFAULT) return MOE_OK;
     MOE_TRY(check_float(name, ROPE_NAME("factor"), s->factor));
-    if (s->type == MOE_ROPE_LINEAR) return MOE_OK;
+    if (s->type == MOE_ROPE_LINEAR || s->type == MOE_ROPE_DYNAMIC) return MOE_OK;
     MOE_TRY(check_size(name, ROPE_NAME("original_max_position_embeddings"), s->original_max_position_embeddings,
                        MAX_DIM));
     if (s->type == MOE_ROPE_LLAMA3) {
@@ -441,8 +444,8 @@ static moe_status read_rope(rope_read *out, const char *key, const moe_json *v, 
         while (t < N_ROPE_TYPES && strcmp(type_name, rope_type_names[t]) != 0) t++;
         if (t == N_ROPE_TYPES)
             return moe_error(MOE_ERR_CONFIG,
-                             "%s: %s.rope_type=\"%.60s\" is not supported (only \"default\", \"linear\", \"llama3\" or "
-                             "\"yarn\")",
+                             "%s: %s.rope_type=\"%.60s\" is not supported (only \"default\", \"linear\", \"llama3\", "
+                             "\"yarn\" or \"dynamic\")",
                              name, key, type_name);
         s->type = (moe_rope_type)t;
     }

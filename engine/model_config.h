@@ -9,7 +9,7 @@
  * that would change the model in ways we do not implement are errors
  * (hidden_act other than "silu" or "swish", which
  * transformers computes as silu, model_type other than "mixtral" or "moe",
- * a rope_type other than "default", "linear", "llama3" or "yarn", a
+ * a rope_type other than "default", "linear", "llama3", "yarn" or "dynamic", a
  * partial_rotary_factor other than 1). A wrong type or an
  * impossible value is an error naming the file, the key and the value, and
  * so is a string holding a NUL character (\u0000); an integer past int64 is
@@ -72,12 +72,21 @@ typedef struct moe_token_ids {
  * high ones (shorter than ... / high_freq_factor) and blends those between;
  * yarn blends each frequency with itself divided by factor over a ramp set
  * by beta_fast and beta_slow (rotations within the original context), and
- * scales cos and sin by attention_factor. A type's unused fields are 0. */
-typedef enum moe_rope_type { MOE_ROPE_DEFAULT = 0, MOE_ROPE_LINEAR, MOE_ROPE_LLAMA3, MOE_ROPE_YARN } moe_rope_type;
+ * scales cos and sin by attention_factor; dynamic (NTK) changes nothing
+ * within max_position_embeddings, which a model never passes
+ * (moe_model_create), and past it transformers raises the base call by
+ * call. A type's unused fields are 0. */
+typedef enum moe_rope_type {
+    MOE_ROPE_DEFAULT = 0,
+    MOE_ROPE_LINEAR,
+    MOE_ROPE_LLAMA3,
+    MOE_ROPE_YARN,
+    MOE_ROPE_DYNAMIC
+} moe_rope_type;
 
 typedef struct moe_rope_scaling {
     moe_rope_type type;
-    double factor;                            /* linear, llama3, yarn: a normal float */
+    double factor;                            /* linear, llama3, yarn, dynamic: a normal float */
     double low_freq_factor, high_freq_factor; /* llama3: 0 < low < high */
     /* llama3, yarn: the pretraining context; default max_position_embeddings
      * (a top-level original_max_position_embeddings first, as transformers

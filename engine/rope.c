@@ -74,6 +74,7 @@ static float inv_freq(int64_t i, int64_t hd, double theta, const moe_rope_scalin
     case MOE_ROPE_LINEAR: return inv / (float)s->factor;
     case MOE_ROPE_LLAMA3: return llama3_inv_freq(inv, s);
     case MOE_ROPE_YARN: return yarn_inv_freq(i, hd, theta, s);
+    case MOE_ROPE_DYNAMIC: /* unscaled within max_position_embeddings, which a model never passes */
     case MOE_ROPE_DEFAULT: break;
     }
     return inv;

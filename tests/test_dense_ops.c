@@ -375,6 +375,10 @@ Test(dense, rope_scaled_tables) {
     const float yarn_att = (float)(0.1 * log(4.0) + 1.0);
     cr_expect(cs[0] == yarn_att && sn[half] == s0[half] * yarn_att, "yarn: cos(0) %.9g, want %.9g", (double)cs[0],
               (double)yarn_att);
+    /* dynamic is unscaled within max_position_embeddings, all a model reaches. */
+    moe_rope_tables(cs, sn, 2, hd, 1e6, &(moe_rope_scaling){.type = MOE_ROPE_DYNAMIC, .factor = 4});
+    cr_expect(memcmp(cs, c0, 2 * half * sizeof *cs) == 0 && memcmp(sn, s0, 2 * half * sizeof *sn) == 0,
+              "dynamic's tables are not the unscaled ones");
     free(cs), free(sn), free(c0), free(s0);
 }
 

@@ -276,9 +276,10 @@ Test(model_config, every_bad_field_is_named) {
         {"pad_token_id", "{}", "pad_token_id must be an integer, a list of integers or null, got object"},
         {"pad_token_id", "99999999999999999999", "t/config.json: pad_token_id=99999999999999999999 is out of range"},
         {"model_type", "\"qwen2_moe\"", "model_type=\"qwen2_moe\" is not supported (only \"mixtral\" or \"moe\")"},
-        {"rope_scaling", "{\"type\": \"dynamic\", \"factor\": 2}",
-         "t/config.json: rope_scaling.rope_type=\"dynamic\" is not supported (only \"default\", \"linear\", \"llama3\" or "
-         "\"yarn\")"},
+        {"rope_scaling", "{\"type\": \"longrope\", \"factor\": 2}",
+         "t/config.json: rope_scaling.rope_type=\"longrope\" is not supported (only \"default\", \"linear\", \"llama3\", "
+         "\"yarn\" or \"dynamic\")"},
+        {"rope_scaling", "{\"type\": \"dynamic\"}", "t/config.json: rope_scaling.factor is missing: rope_type \"dynamic\" needs it"},
         {"rope_parameters", "{\"rope_type\": \"yarn\"}",
          "t/config.json: rope_parameters.factor is missing: rope_type \"yarn\" needs it"},
         {"rope_scaling", "{\"rope_type\": \"llama3\", \"factor\": 8, \"low_freq_factor\": 1}",
@@ -450,11 +451,11 @@ Test(model_config, head_dim_rounds_down_as_transformers) {
  * first, and would be warned about as unknown before the refusal. */
 Test(model_config, rope_type_is_refused_before_any_warning) {
     const char *const params[] = {
-        "{\"factor\": 2.0, \"rope_theta\": 10000.0, \"rope_type\": \"dynamic\"}",
+        "{\"factor\": 2.0, \"rope_theta\": 10000.0, \"rope_type\": \"proportional\"}",
         "{\"factor\": 8.0, \"long_factor\": [1.0], \"original_max_position_embeddings\": 4096, "
         "\"rope_theta\": 10000.0, \"rope_type\": \"longrope\", \"short_factor\": [1.0]}",
     };
-    const char *const want[] = {"t/config.json: rope_parameters.rope_type=\"dynamic\" is not supported",
+    const char *const want[] = {"t/config.json: rope_parameters.rope_type=\"proportional\" is not supported",
                                 "t/config.json: rope_parameters.rope_type=\"longrope\" is not supported"};
     for (size_t i = 0; i < sizeof params / sizeof *params; i++) {
         moe_model_config c;
@@ -482,8 +483,8 @@ Test(model_config, function_keys_of_any_config) {
         {"{}", NULL},
         {"{\"hidden_act\": \"gelu\"}", "d/config.json: hidden_act=\"gelu\" is not supported"},
         {"{\"rope_scaling\": {\"type\": \"linear\", \"factor\": 2.0}}", NULL},
-        {"{\"rope_scaling\": {\"type\": \"dynamic\", \"factor\": 2.0}}",
-         "d/config.json: rope_scaling.rope_type=\"dynamic\" is not supported"},
+        {"{\"rope_scaling\": {\"type\": \"longrope\", \"factor\": 2.0}}",
+         "d/config.json: rope_scaling.rope_type=\"longrope\" is not supported"},
         {"{\"rope_parameters\": {\"factor\": 8.0, \"rope_theta\": 10000.0, \"rope_type\": \"llama3\"}}",
          "d/config.json: rope_parameters.low_freq_factor is missing: rope_type \"llama3\" needs it"},
         {"{\"rope_theta\": 10000.0, \"rope_parameters\": {\"rope_theta\": 20000.0}}",
@@ -546,6 +547,7 @@ Test(model_config, scaled_rope_as_transformers_reads_it) {
          {.type = MOE_ROPE_YARN, .factor = 40, .original_max_position_embeddings = 2048, .beta_fast = 32,
           .beta_slow = 2, .mscale = 0.707, .mscale_all_dim = 1.0},
          NULL},
+        {"rope_scaling", "{\"type\": \"dynamic\", \"factor\": 2.0}", "", {.type = MOE_ROPE_DYNAMIC, .factor = 2}, NULL},
         {"rope_scaling", "{\"type\": \"linear\", \"factor\": 2.0, \"low_freq_factor\": 1.0}", "",
          {.type = MOE_ROPE_LINEAR, .factor = 2}, "unknown key 'rope_scaling.low_freq_factor' ignored"},
         {"rope_parameters", "{\"rope_type\": \"default\", \"partial_rotary_factor\": 1.0}",
@@ -939,10 +941,11 @@ Test(model_config, scaled_rope_round_trip, .init = make_tmpdir, .fini = remove_t
          .beta_slow = 1, .truncate = true},
         {.type = MOE_ROPE_YARN, .factor = 4, .original_max_position_embeddings = 32768, .attention_factor = 1.25,
          .beta_fast = 16, .beta_slow = 2, .truncate = true},
+        {.type = MOE_ROPE_DYNAMIC, .factor = 2},
     };
     const char *const written[] = {"\"rope_type\": \"linear\"", "\"high_freq_factor\": 4.0",
                                    "\"mscale_all_dim\": 1.0", "\"truncate\": true",
-                                   "\"attention_factor\": 1.25"};
+                                   "\"attention_factor\": 1.25", "\"rope_type\": \"dynamic\""};
     for (size_t i = 0; i < sizeof scalings / sizeof *scalings; i++) {
         moe_model_config c;
         moe_model_config_default_small(&c, 256);
