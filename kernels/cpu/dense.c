@@ -48,17 +48,32 @@ void moe_cpu_embedding_backward(float *dwte, const float *dout, const int32_t *t
 
 /* ------------------------------------------------------------------ RMSNorm */
 
+/* Rows go RMS_ROWS at a time so that their double sums, each one chain in
+ * column order as a row alone would have it (the same bits), run side by
+ * side instead of waiting on one add's latency per element. A last group
+ * short of RMS_ROWS repeats its last row rather than taking a second loop. */
+#define RMS_ROWS 8
+
+/* The row that lane r of the group starting at row n0 reads, of N rows. */
+static int64_t group_row(int64_t n0, int64_t r, int64_t N) { return n0 + r < N ? n0 + r : N - 1; }
+
 void moe_cpu_rmsnorm_forward(float *out, float *rstd, const float *inp, const float *weight,
                              float eps, int64_t N, int64_t C) {
+    const int64_t n_groups = (N + RMS_ROWS - 1) / RMS_ROWS;
 #pragma omp parallel for schedule(static) if (N * C >= MOE_CPU_PAR_MIN)
-    for (int64_t n = 0; n < N; n++) {
-        const float *x = inp + n * C; /* [C] */
-        float *y = out + n * C;       /* [C] */
-        double ss = 0.0;
-        for (int64_t c = 0; c < C; c++) ss += (double)x[c] * x[c];
-        const float r = (float)(1.0 / sqrt(ss / (double)C + (double)eps));
-        rstd[n] = r;
-        for (int64_t c = 0; c < C; c++) y[c] = weight[c] * (x[c] * r);
+    for (int64_t gi = 0; gi < n_groups; gi++) {
+        const int64_t n0 = gi * RMS_ROWS;
+        const float *x[RMS_ROWS]; /* [C] each */
+        for (int64_t r = 0; r < RMS_ROWS; r++) x[r] = inp + group_row(n0, r, N) * C;
+        double ss[RMS_ROWS] = {0};
+        for (int64_t c = 0; c < C; c++)
+            for (int64_t r = 0; r < RMS_ROWS; r++) ss[r] += (double)x[r][c] * x[r][c];
+        for (int64_t r = 0; r < RMS_ROWS && n0 + r < N; r++) {
+            float *y = out + (n0 + r) * C; /* [C] */
+            const float rs = (float)(1.0 / sqrt(ss[r] / (double)C + (double)eps));
+            rstd[n0 + r] = rs;
+            for (int64_t c = 0; c < C; c++) y[c] = weight[c] * (x[r][c] * rs);
+        }
     }
 }
 
@@ -66,17 +81,27 @@ void moe_cpu_rmsnorm_forward(float *out, float *rstd, const float *inp, const fl
  *   dx = rstd * (g - xhat * mean(g * xhat)),  dweight += sum_n dout * xhat. */
 void moe_cpu_rmsnorm_backward(float *dinp, float *dweight, const float *dout, const float *inp,
                               const float *weight, const float *rstd, int64_t N, int64_t C) {
+    const int64_t n_groups = (N + RMS_ROWS - 1) / RMS_ROWS;
 #pragma omp parallel for schedule(static) if (N * C >= MOE_CPU_PAR_MIN)
-    for (int64_t n = 0; n < N; n++) {
-        const float *x = inp + n * C;   /* [C] */
-        const float *dy = dout + n * C; /* [C] */
-        float *dx = dinp + n * C;       /* [C] */
-        const float r = rstd[n];
-        double dot = 0.0;
-        for (int64_t c = 0; c < C; c++) dot += (double)(dy[c] * weight[c]) * (x[c] * r);
-        const float mean_gx = (float)(dot / (double)C);
+    for (int64_t gi = 0; gi < n_groups; gi++) {
+        const int64_t n0 = gi * RMS_ROWS;
+        const float *x[RMS_ROWS], *dy[RMS_ROWS]; /* [C] each */
+        float rs[RMS_ROWS];
+        for (int64_t r = 0; r < RMS_ROWS; r++) {
+            const int64_t n = group_row(n0, r, N);
+            x[r] = inp + n * C;
+            dy[r] = dout + n * C;
+            rs[r] = rstd[n];
+        }
+        double dot[RMS_ROWS] = {0};
         for (int64_t c = 0; c < C; c++)
-            dx[c] += r * (dy[c] * weight[c] - (x[c] * r) * mean_gx);
+            for (int64_t r = 0; r < RMS_ROWS; r++) dot[r] += (double)(dy[r][c] * weight[c]) * (x[r][c] * rs[r]);
+        for (int64_t r = 0; r < RMS_ROWS && n0 + r < N; r++) {
+            float *dx = dinp + (n0 + r) * C; /* [C] */
+            const float mean_gx = (float)(dot[r] / (double)C);
+            for (int64_t c = 0; c < C; c++)
+                dx[c] += rs[r] * (dy[r][c] * weight[c] - (x[r][c] * rs[r]) * mean_gx);
+        }
     }
     const int64_t n_blocks = (C + COL_BLOCK - 1) / COL_BLOCK;
 #pragma omp parallel for schedule(static) if (N * C >= MOE_CPU_PAR_MIN)
