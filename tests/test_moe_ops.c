@@ -17,6 +17,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/host_memory.h"
+#include "common/status.h"
 #include "kernels/ops.h"
 #include "kernels/moe_math.h"
 #include "ref_moe.h"
@@ -293,6 +295,19 @@ Test(ops, alloc_refuses_sizes_near_size_max) {
         cr_expect(backends[b]->alloc(&p, 100) == MOE_OK && p != NULL, "%s: alloc of 100 bytes", backends[b]->name);
         backends[b]->release(p);
     }
+}
+
+/* A block past the machine's total memory can never be had: refused as a
+ * setting at fault (MOE_ERR_CONFIG, exit 2 in moe-train), naming that
+ * bound, not as a shortage another try may survive. */
+Test(ops, alloc_past_the_total_memory_is_a_config_error) {
+    const moe_host_memory m = moe_host_memory_available("");
+    if (m.total < 0) cr_skip_test("nothing says this machine's total memory");
+    void *p = (void *)1;
+    const moe_status st = moe_cpu_ops()->alloc(&p, (size_t)m.total + ((size_t)1 << 30));
+    cr_expect(st == MOE_ERR_CONFIG && p == NULL, "alloc of the total memory + 1 GiB: status %d: %s", (int)st,
+              moe_last_error());
+    cr_expect(strstr(moe_last_error(), m.total_by), "'%s' does not name '%s'", moe_last_error(), m.total_by);
 }
 
 /* Weights normalised over the chosen k are a softmax over the chosen

@@ -1,5 +1,6 @@
 /* backend.c: the CPU op table, on host memory. */
 #include <omp.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -15,7 +16,10 @@
 /* Blocks this large are checked against the memory available first: they
  * are zeroed, so every page is touched at once, and past the memory the
  * machine or the process's cgroup allows that would not fail here but bring
- * the kernel's out-of-memory killer, without a word. */
+ * the kernel's out-of-memory killer, without a word. A block past the total
+ * memory can never be had on this machine (a setting at fault, which no
+ * retry helps); one past what is available now may be once others free
+ * theirs (as check_host_memory in engine/model.c tells the two apart). */
 #define CPU_CHECKED_BYTES ((size_t)64 << 20)
 
 static moe_status cpu_alloc(void **out, size_t bytes) {
@@ -24,9 +28,11 @@ static moe_status cpu_alloc(void **out, size_t bytes) {
     const size_t rounded = (bytes + CPU_ALIGN_BYTES - 1) / CPU_ALIGN_BYTES * CPU_ALIGN_BYTES;
     if (rounded >= CPU_CHECKED_BYTES) {
         const moe_host_memory m = moe_host_memory_available("");
-        if (m.available >= 0 && (uint64_t)rounded > (uint64_t)m.available)
-            return moe_error(MOE_ERR_OUT_OF_MEMORY, "cpu backend: %zu bytes, more than the %.2f GB %s", bytes,
-                             (double)m.available / 1e9, m.bound_by);
+        const bool never = m.total >= 0 && (uint64_t)rounded > (uint64_t)m.total;
+        if (never || (m.available >= 0 && (uint64_t)rounded > (uint64_t)m.available))
+            return moe_error(never ? MOE_ERR_CONFIG : MOE_ERR_OUT_OF_MEMORY,
+                             "cpu backend: %zu bytes, more than the %.2f GB %s", bytes,
+                             (double)(never ? m.total : m.available) / 1e9, never ? m.total_by : m.bound_by);
     }
     *out = aligned_alloc(CPU_ALIGN_BYTES, rounded ? rounded : CPU_ALIGN_BYTES);
     if (!*out) return moe_error(MOE_ERR_OUT_OF_MEMORY, "cpu backend: %zu bytes", bytes);
