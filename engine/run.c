@@ -1048,6 +1048,13 @@ static const char *absolute_name(char *buf, const char *name) {
     return buf;
 }
 
+/* The file the run's weights come from, --init-from's or --resume's
+ * checkpoint, with its flag into *flag; NULL when the run draws them. */
+static const char *loaded_weights(const moe_run_options *o, const char **flag) {
+    *flag = o->init_from ? "--init-from" : "--resume";
+    return o->init_from ? o->init_from : o->resume;
+}
+
 static moe_status build_model(run *r) {
     const moe_run_options *o = r->o;
     if (r->world) {
@@ -1122,11 +1129,11 @@ static moe_status build_model(run *r) {
     MOE_TRY(moe_model_create_parallel(&r->model, &r->cfg, o->batch_size, o->seq_len, o->seed, &par));
     moe_model_set_overlap(r->model, o->overlap);
     moe_model_set_logit_z_loss(r->model, o->logit_z_loss);
-    const char *weights = o->init_from ? o->init_from : o->resume;
+    const char *flag, *weights = loaded_weights(o, &flag);
     if (weights) {
         moe_status st = o->upcycle && o->init_from ? moe_checkpoint_upcycle_weights(r->model, weights)
                                                    : moe_checkpoint_load_weights(r->model, weights);
-        if (st != MOE_OK) return moe_error_prefix(st, "%s %s: ", o->init_from ? "--init-from" : "--resume", weights);
+        if (st != MOE_OK) return moe_error_prefix(st, "%s %s: ", flag, weights);
     }
     moe_optim_config oc = optim_config_of(o);
     if (o->eval_only) oc.total_steps = 1;
@@ -1584,6 +1591,39 @@ static moe_status range_over_ranks(run *r, int64_t value, int64_t out[2]) {
     return st;
 }
 
+/* Weights the loader took (finite, each of them) can still overflow the
+ * model: one flipped exponent bit makes a weight 1e38. A loss on them as
+ * loaded that is not finite puts their file at fault. */
+static moe_status check_loaded_loss(const run *r, double loss) {
+    const char *flag, *weights = loaded_weights(r->o, &flag);
+    if (isfinite(loss) || !weights) return MOE_OK;
+    return moe_error(MOE_ERR_FORMAT, "%s %s: its weights give a validation loss of %g: a weight is damaged (finite, "
+                                     "but large enough to overflow the model)",
+                     flag, weights, loss);
+}
+
+/* Loaded weights, one forward of the first validation batch before the
+ * run writes anything in --out, where --overwrite would remove the run
+ * they were to replace; --eval-only's evaluation is the check itself. */
+static moe_status check_loaded_weights(run *r) {
+    const char *flag;
+    if (r->o->eval_only || !loaded_weights(r->o, &flag)) return MOE_OK;
+    double loss;
+    MOE_TRY(moe_trainer_eval(r->trainer, r->val.data, 1, &loss, NULL, NULL));
+    return check_loaded_loss(r, loss);
+}
+
+/* A first step on loaded weights that diverges may owe it to them, not to
+ * --lr: a weight that the check's forward took can still overflow a
+ * gradient. */
+static moe_status blame_loaded_weights(const run *r, moe_status st, bool first) {
+    const char *flag, *weights = loaded_weights(r->o, &flag);
+    if (!first || !weights || !moe_trainer_diverged(r->trainer)) return st;
+    return moe_error_prefix(st, "%s %s: the first step on its weights diverged, and they may be at fault (a weight "
+                                "large enough to overflow the gradients) rather than --lr: ",
+                            flag, weights);
+}
+
 static moe_status evaluate(run *r, int64_t step, double *val_loss) {
     const bool synthetic = r->val.synth.tokens != NULL;
     if (synthetic) {
@@ -1593,13 +1633,8 @@ static moe_status evaluate(run *r, int64_t step, double *val_loss) {
     }
     MOE_TRY(moe_trainer_eval(r->trainer, r->val.data, r->o->eval_batches, val_loss,
                              synthetic ? accumulate_kinds : NULL, r));
-    /* Weights the loader took (finite, each of them) can still overflow the
-     * model: one flipped exponent bit makes a weight 1e38. Evaluated as
-     * loaded, the file is at fault; after steps, the training. */
-    if (!isfinite(*val_loss) && r->o->eval_only)
-        return moe_error(MOE_ERR_FORMAT, "--init-from %s: its weights give a validation loss of %g: a weight is "
-                                         "damaged (finite, but large enough to overflow the model)",
-                         r->o->init_from, *val_loss);
+    /* Evaluated as loaded, the file is at fault; after steps, the training. */
+    if (r->o->eval_only) MOE_TRY(check_loaded_loss(r, *val_loss));
     if (!isfinite(*val_loss))
         return moe_error(MOE_ERR_CONFIG, "step %lld: validation loss is %g (the loss diverged; lower --lr)",
                          (long long)step, *val_loss);
@@ -1980,6 +2015,7 @@ static moe_status run_body(run *r, double start) {
         MOE_TRY(moe_profile_open(&r->device.ops, r->device.ops));
     }
     MOE_TRY(build_model(r));
+    MOE_TRY(check_loaded_weights(r));
     const int64_t L = r->cfg.num_hidden_layers, E = r->cfg.num_local_experts;
     r->kinds = (moe_run_kind_report){.n_layers = L, .n_experts = E, .top_k = r->cfg.num_experts_per_tok};
     r->route_counts = calloc((size_t)(L * N_KINDS * E), sizeof *r->route_counts);
@@ -2059,7 +2095,7 @@ static moe_status run_body(run *r, double start) {
             moe_run_step s = {.rank = r->rank, .total_steps = o->steps};
             const double t0 = moe_monotonic_seconds();
             const moe_status stepped = moe_trainer_step(r->trainer, r->train.data, &s.metrics);
-            if (stepped != MOE_OK) return keep_steps(r, stepped, saved_step);
+            if (stepped != MOE_OK) return keep_steps(r, blame_loaded_weights(r, stepped, timed == 0), saved_step);
             s.seconds = moe_monotonic_seconds() - t0;
             elapsed += s.seconds;
             timed++;

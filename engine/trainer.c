@@ -80,6 +80,7 @@ struct moe_trainer {
                            the busy seconds sorted */
     double waited; /* seconds of this step spent waiting for other stages */
     bool batch_refused; /* the last step failed on its batch's checks, having changed nothing */
+    bool diverged;      /* the last step failed on a gradient norm that is not finite */
 };
 
 moe_status moe_optim_config_validate(const moe_optim_config *c) {
@@ -753,6 +754,8 @@ static moe_status read_step_batches(moe_trainer *t, moe_data *data) {
 
 bool moe_trainer_batch_refused(const moe_trainer *t) { return t->batch_refused; }
 
+bool moe_trainer_diverged(const moe_trainer *t) { return t->diverged; }
+
 /* A stage message: count floats of B*T x hidden. */
 static int64_t message_floats(const moe_model *model) {
     return moe_model_batch_size(model) * moe_model_seq_len(model) * moe_model_get_config(model)->hidden_size;
@@ -987,7 +990,7 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
         return moe_error(MOE_ERR_STATE, "moe_trainer_step: the model is an inference model "
                                         "(moe_model_parallel.inference), which evaluates only");
     if (!t || !data) return moe_error(MOE_ERR_INVALID_ARG, "moe_trainer_step: NULL argument");
-    t->batch_refused = false;
+    t->batch_refused = t->diverged = false;
     moe_model *model = t->model;
     const moe_optim_config *c = &t->cfg;
     const moe_model_stage stage = moe_model_get_stage(model);
@@ -1058,7 +1061,8 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
     MOE_TRY(grad_sumsq(t, &sumsq));
     const double norm = sqrt(sumsq);
     /* The same run diverges again, bit for bit: a setting at fault, no bug. */
-    if (!isfinite(norm))
+    t->diverged = !isfinite(norm);
+    if (t->diverged)
         return moe_error(MOE_ERR_CONFIG, "step %lld: gradient norm is %g (the loss diverged; lower --lr)",
                          (long long)t->steps_done + 1, norm);
     /* Clipping scales the gradient by clip / norm; AdamW is not scale-free

@@ -224,6 +224,10 @@ moe_status moe_trainer_step(moe_trainer *trainer, moe_data *data, moe_step_metri
  * checkpoint to save. */
 bool moe_trainer_batch_refused(const moe_trainer *trainer);
 
+/* Whether the last step failed because its gradient norm was not finite
+ * (MOE_ERR_CONFIG: the loss diverged), having updated nothing. */
+bool moe_trainer_diverged(const moe_trainer *trainer);
+
 /* Steps taken so far. */
 int64_t moe_trainer_steps_done(const moe_trainer *trainer);
 void moe_trainer_set_steps_done(moe_trainer *trainer, int64_t steps);

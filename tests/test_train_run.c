@@ -2025,6 +2025,82 @@ Test(train_run, in_place_resume_checks_its_log_first, .init = make_tmp, .fini = 
                      "config.json metrics.jsonl run.json step-000002 step-000004");
 }
 
+/* A copy of checkpoint dir's weights and config in tmp's name, as other
+ * tools leave a model: without train_state. */
+static const char *copy_weights(char *to, const char *name, const char *dir) {
+    static const char *const files[] = {"model.safetensors", "config.json"};
+    cr_assert_eq(moe_mkdir_p(tmp_path(to, name)), MOE_OK, "%s", moe_last_error());
+    for (int i = 0; i < 2; i++) {
+        char from[1024], copy[1024];
+        size_t size;
+        snprintf(from, sizeof from, "%s/%s", dir, files[i]);
+        snprintf(copy, sizeof copy, "%s/%s", to, files[i]);
+        char *bytes = read_file(from, &size);
+        cr_assert_eq(moe_file_write_atomic_buffer(copy, bytes, size), MOE_OK, "%s", moe_last_error());
+        free(bytes);
+    }
+    return to;
+}
+
+/* Weights that overflow the model are refused before --overwrite removes
+ * the run they were to replace, naming their file: as --init-from, and as
+ * an in-place --resume, whose later checkpoint stays. The check is one
+ * forward, which a router weight that overflows only under the training's
+ * jitter passes: the divergence of the first step on it names the file
+ * beside --lr. */
+Test(train_run, overflowing_weights_are_refused_before_overwrite, .init = make_tmp, .fini = remove_tmp) {
+    char cfg[512], out[512], from[512], resume[512], fresh[512], path[1024], names[1024], before[1024];
+    moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE), tmp_path(out, "out"));
+    o.steps = 4;
+    o.save_every = 2;
+    seen v;
+    run_ok(&o, &v);
+    copy_weights(from, "from", v.checkpoint);
+    snprintf(path, sizeof path, "%s/model.safetensors", from);
+    cr_assert_eq(rewrite_safetensors(path, (const char *const[]){NULL}, NULL, NULL, "model.norm.weight", 3e38f), 1);
+    size_t log_size, log_after;
+    char *log = read_file(tmp_path(path, "out/metrics.jsonl"), &log_size);
+    listing(before, sizeof before, out);
+    moe_run_options e = o;
+    e.config = NULL;
+    e.init_from = from;
+    e.overwrite = true;
+    moe_run_callbacks cb = callbacks(&v);
+    cr_expect_eq(moe_run(&e, &cb), MOE_ERR_FORMAT);
+    cr_expect(strstr(moe_last_error(), from) && strstr(moe_last_error(), "overflow"), "message: %s", moe_last_error());
+    cr_expect_eq(v.starts, 0, "the refused run started");
+    cr_expect_str_eq(listing(names, sizeof names, out), before);
+    char *after = read_file(path, &log_after);
+    cr_expect(log_size == log_after && memcmp(log, after, log_size) == 0, "metrics.jsonl went from %zu to %zu bytes",
+              log_size, log_after);
+    free(after);
+    free(log);
+
+    snprintf(path, sizeof path, "%s/step-000002/model.safetensors", out);
+    cr_assert_eq(rewrite_safetensors(path, (const char *const[]){NULL}, NULL, NULL, "model.norm.weight", 3e38f), 1);
+    e.init_from = NULL;
+    e.resume = tmp_path(resume, "out/step-000002");
+    cr_expect_eq(moe_run(&e, &cb), MOE_ERR_FORMAT);
+    cr_expect(strstr(moe_last_error(), "--resume") && strstr(moe_last_error(), resume), "message: %s",
+              moe_last_error());
+    cr_expect_str_eq(listing(names, sizeof names, out), before);
+
+    /* Jitter scales the router's inputs by up to 1.01 in training only:
+     * this weight overflows the step's router logits, not the check's. */
+    copy_weights(from, "jitter", tmp_path(path, "out/step-000004"));
+    snprintf(path, sizeof path, "%s/model.safetensors", from);
+    cr_assert_eq(rewrite_safetensors(path, (const char *const[]){NULL}, NULL, NULL,
+                                     "model.layers.0.block_sparse_moe.gate.weight", -1.7e38f),
+                 1);
+    e.resume = NULL;
+    e.init_from = from;
+    e.out_dir = tmp_path(fresh, "fresh");
+    cr_expect_eq(moe_run(&e, &cb), MOE_ERR_CONFIG);
+    snprintf(path, sizeof path, "--init-from %s: the first step on its weights diverged", from);
+    cr_expect(strstr(moe_last_error(), path) && strstr(moe_last_error(), "step 1: gradient norm"), "message: %s",
+              moe_last_error());
+}
+
 /* What --out held when step 7's checkpoint was saved (before its pruning). */
 static char listed_at_7[1024];
 static void list_at_step_7(void *ctx, int64_t step, const char *path) {
@@ -2228,3 +2304,4 @@ Test(train_run, sgemm_peak_is_measured) {
     cr_assert_eq(moe_measure_gemm_gflops(moe_cpu_ops(), &gflops), MOE_OK, "%s", moe_last_error());
     cr_expect(gflops > 0.1 && gflops < 1e6, "sgemm peak %g GFLOP/s", gflops);
 }
+
