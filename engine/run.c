@@ -6,13 +6,16 @@
 
 #include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <math.h>
 #include <omp.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -475,6 +478,7 @@ typedef struct run {
     moe_trainer *trainer;
     double peak_gflops;
     double step_flops;     /* of one optimizer step */
+    int lock_fd;         /* rank 0's OUT/.lock (lock_out_dir) for the whole run; -1 when not held */
     FILE *metrics;       /* opened by the first line logged */
     int64_t start_step;  /* the checkpoint's step when resumed: metrics.jsonl keeps the lines up to it */
     char metrics_path[RUN_PATH_BYTES];
@@ -1906,38 +1910,93 @@ static moe_status clear_out_dir(const moe_run_options *o, bool remove) {
     return MOE_OK;
 }
 
+/* --out's lock file, which rank 0 holds (flock) from just before the run
+ * writes or removes anything there to its end (taken sooner, it would
+ * create --out for a run refused later): a second run into the same
+ * --out (a --resume latest while the first is still at work) would take
+ * the first's save in progress for a dead one's and remove it, and log
+ * beside it. The kernel drops the lock with its process, so a killed run
+ * holds nothing; the file stays, as removing it would let a third run
+ * lock a new file while a second holds the old one. */
+#define RUN_LOCK_NAME ".lock"
+
+/* Takes --out's lock into r->lock_fd, writing this pid there for a refused
+ * run to name; refused (touching nothing) while another process holds it. */
+static moe_status lock_out_dir(run *r) {
+    const char *out = r->o->out_dir;
+    char path[RUN_PATH_BYTES], holder[32] = "";
+    MOE_TRY(path_join(path, out, RUN_LOCK_NAME));
+    MOE_TRY(moe_mkdir_p(out));
+    const int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (fd < 0) return moe_error(MOE_ERR_IO, "%s: cannot open it: %s", path, strerror(errno));
+    if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+        const int err = errno;
+        const ssize_t n = err == EWOULDBLOCK ? pread(fd, holder, sizeof holder - 1, 0) : -1;
+        close(fd);
+        if (err != EWOULDBLOCK) return moe_error(MOE_ERR_IO, "%s: cannot lock it: %s", path, strerror(err));
+        holder[n > 0 ? n : 0] = '\0';
+        holder[strcspn(holder, "\n")] = '\0';
+        return moe_error(MOE_ERR_CONFIG, "--out %s is in use by another run (pid %s, which holds %s): wait for it to "
+                                         "end, or write to another --out",
+                         out, holder[0] ? holder : "not yet written", path);
+    }
+    char pid[32];
+    const int len = snprintf(pid, sizeof pid, "%ld\n", (long)getpid());
+    errno = 0;
+    if (ftruncate(fd, 0) != 0 || pwrite(fd, pid, (size_t)len, 0) != len) {
+        const moe_status st = moe_error(MOE_ERR_IO, "%s: cannot write this run's pid there: %s", path,
+                                        errno ? strerror(errno) : "short write");
+        close(fd);
+        return st;
+    }
+    r->lock_fd = fd;
+    return MOE_OK;
+}
+
+/* Whether process pid (decimal digits, the tail of a save's name) lives on
+ * this host: its save is under way, not dead. A dead save whose pid was
+ * reused since stays until a start after that process; one of a process
+ * on another host that shares --out is not seen (the lock is). */
+static bool pid_alive(const char *digits) {
+    errno = 0;
+    const long long pid = strtoll(digits, NULL, 10);
+    if (errno != 0 || pid <= 0 || pid > INT_MAX) return false;
+    return kill((pid_t)pid, 0) == 0 || errno == EPERM;
+}
+
 /* The kind of what a save or a pruning that died left in --out
  * (moe_checkpoint_save, prune_checkpoints): ".step-N.tmp-PID" a checkpoint
  * half written, ".step-N.pruned-PID" one half removed, ".step-N.old-PID"
  * the earlier copy a save set aside for its replacement; the checkpoint's
- * name, step-N, into step. */
+ * name, step-N, into step, and where PID begins in name into *pid. */
 typedef enum dead_save { NOT_A_SAVE, SAVE_TMP, SAVE_PRUNED, SAVE_OLD } dead_save;
 
-static dead_save dead_save_of(const char *name, char *step, size_t step_size) {
+static dead_save dead_save_of(const char *name, char *step, size_t step_size, const char **pid) {
     static const char *const tails[] = {[SAVE_TMP] = ".tmp-", [SAVE_PRUNED] = ".pruned-", [SAVE_OLD] = ".old-"};
     if (name[0] != '.' || strncmp(name + 1, "step-", 5) != 0) return NOT_A_SAVE;
     const size_t len = 6 + strspn(name + 6, "0123456789");
     for (int kind = SAVE_TMP; kind <= SAVE_OLD; kind++) {
         const size_t tail = strlen(tails[kind]);
         if (strncmp(name + len, tails[kind], tail) != 0) continue;
-        const char *pid = name + len + tail;
-        if (!*pid || pid[strspn(pid, "0123456789")] != '\0' || len - 1 >= step_size) return NOT_A_SAVE;
+        *pid = name + len + tail;
+        if (!**pid || (*pid)[strspn(*pid, "0123456789")] != '\0' || len - 1 >= step_size) return NOT_A_SAVE;
         snprintf(step, step_size, "%.*s", (int)(len - 1), name + 1);
         return checkpoint_name(step) ? (dead_save)kind : NOT_A_SAVE;
     }
     return NOT_A_SAVE;
 }
 
-/* Whether name is what a write of run.json, metrics.jsonl or config.json that died
- * left: moe_file_write_atomic's "<file>.tmp.PID". */
-static bool dead_write_of_run_file(const char *name) {
+/* Where PID begins in name when name is what a write of run.json,
+ * metrics.jsonl or config.json that died left, moe_file_write_atomic's
+ * "<file>.tmp.PID"; NULL otherwise. */
+static const char *dead_write_of_run_file(const char *name) {
     static const char *const files[] = {"run.json.tmp.", "metrics.jsonl.tmp.", "config.json.tmp."};
     for (size_t i = 0; i < sizeof files / sizeof *files; i++) {
         const size_t len = strlen(files[i]);
         if (strncmp(name, files[i], len) == 0 && name[len] && name[len + strspn(name + len, "0123456789")] == '\0')
-            return true;
+            return name + len;
     }
-    return false;
+    return NULL;
 }
 
 /* Clears what saves and prunings that died left in --out, once this run
@@ -1945,7 +2004,8 @@ static bool dead_write_of_run_file(const char *name) {
  * are cut): each is as large as a checkpoint, and no later save of another
  * pid would ever remove it. A half-written or half-removed checkpoint goes
  * (unless --resume reads it); a set-aside copy goes when its checkpoint
- * stands, and otherwise is that step's only copy: kept, and said. */
+ * stands, and otherwise is that step's only copy: kept, and said. What a
+ * process still alive is writing is no dead save: it stays. */
 static moe_status clear_dead_saves(const run *r) {
     const moe_run_options *o = r->o;
     DIR *dir = opendir(o->out_dir);
@@ -1954,14 +2014,16 @@ static moe_status clear_dead_saves(const run *r) {
     moe_status st = MOE_OK;
     char step[NAME_MAX + 1], path[RUN_PATH_BYTES], final[RUN_PATH_BYTES];
     for (struct dirent *e; st == MOE_OK && (e = readdir(dir));) {
-        if (dead_write_of_run_file(e->d_name)) {
+        const char *pid = dead_write_of_run_file(e->d_name);
+        if (pid) {
+            if (pid_alive(pid)) continue;
             st = path_join(path, o->out_dir, e->d_name);
             if (st == MOE_OK && unlink(path) != 0 && errno != ENOENT)
                 st = moe_error(MOE_ERR_IO, "cannot remove %s: %s", path, strerror(errno));
             continue;
         }
-        const dead_save kind = dead_save_of(e->d_name, step, sizeof step);
-        if (kind == NOT_A_SAVE) continue;
+        const dead_save kind = dead_save_of(e->d_name, step, sizeof step, &pid);
+        if (kind == NOT_A_SAVE || pid_alive(pid)) continue;
         st = path_join(path, o->out_dir, e->d_name);
         if (st == MOE_OK) st = path_join(final, o->out_dir, step);
         if (st != MOE_OK) break;
@@ -2076,6 +2138,7 @@ static moe_status run_body(run *r, double start) {
         .val_data = r->val.desc,
     };
     if (!o->eval_only && r->rank == 0) {
+        MOE_TRY(lock_out_dir(r));
         MOE_TRY(clear_dead_saves(r));
         /* It removes only under --overwrite; without, the check at the
          * start refused what stands in the way. */
@@ -2296,7 +2359,7 @@ moe_status moe_run(const moe_run_options *given, const moe_run_callbacks *callba
     }
     if (opts->threads > 0) omp_set_num_threads(opts->threads);
     const moe_run_callbacks none = {0};
-    run r = {.o = opts, .cb = callbacks ? callbacks : &none, .ranks = 1, .dp_size = 1};
+    run r = {.o = opts, .cb = callbacks ? callbacks : &none, .ranks = 1, .dp_size = 1, .lock_fd = -1};
     moe_status st = MOE_OK;
     if (launched_by_mpi() || opts->ep > 1 || opts->pp > 1 || opts->zero > 0) {
         st = moe_comm_mpi_create(&r.world);
@@ -2328,6 +2391,7 @@ moe_status moe_run(const moe_run_options *given, const moe_run_callbacks *callba
     moe_device_close(&r.device);
     close_source(&r.train);
     close_source(&r.val);
+    if (r.lock_fd >= 0) close(r.lock_fd); /* the lock goes last, once nothing more is written */
     if (r.world) {
         moe_grid_destroy(&r.grid);
         moe_comm_free(r.world);

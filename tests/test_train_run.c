@@ -10,14 +10,17 @@
 #include <criterion/criterion.h>
 #include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <ftw.h>
 #include <math.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "engine/data.h"
@@ -1160,12 +1163,23 @@ Test(train_run, evaluation_precedes_its_steps_checkpoint, .init = make_tmp, .fin
     }
 }
 
+/* A pid no process has: a child's, reaped. */
+static pid_t dead_pid(void) {
+    const pid_t child = fork();
+    cr_assert(child >= 0, "fork failed");
+    if (child == 0) _exit(0);
+    cr_assert_eq(waitpid(child, NULL, 0), child);
+    return child;
+}
+
 /* What a save or a pruning killed midway leaves in --out (each as large as
  * a checkpoint) goes at the next start that owns --out: a half-written
  * checkpoint, a half-removed one, a set-aside copy whose checkpoint
  * stands. A set-aside copy without its checkpoint is that step's only
  * copy: it stays, and the run says so, under --overwrite too. Files only
- * named like them stay, and so does a leftover that --resume reads. */
+ * named like them stay, and so does a leftover that --resume reads, and
+ * what a process alive on this host is writing (the test's parent stands
+ * for another run at work there). */
 Test(train_run, dead_saves_are_cleared_at_the_next_start, .init = make_tmp, .fini = remove_tmp) {
     char cfg[512], out[512], path[600];
     write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE);
@@ -1174,52 +1188,56 @@ Test(train_run, dead_saves_are_cleared_at_the_next_start, .init = make_tmp, .fin
     o.save_every = 2;
     seen v;
     run_ok(&o, &v);
-    static const char *const gone[] = {".step-000004.tmp-123", ".step-000002.pruned-77", ".step-000002.old-9"};
-    static const char *const kept[] = {".step-000006.old-5", ".step-000004.tmp-12x", ".step-04.tmp-3"};
-    for (int i = 0; i < 3; i++)
-        for (int j = 0; j < 2; j++) {
-            snprintf(path, sizeof path, "%s/%s", out, (j ? kept : gone)[i]);
+    /* Checkpoint directories a save or a pruning left, then what writes of
+     * the run's files left, each as its pid's (look-alikes take none). */
+    const int dead = (int)dead_pid(), live = (int)getppid();
+    const struct {
+        const char *format;
+        int pid;
+        bool dir, stays;
+    } entries[] = {
+        {".step-000004.tmp-%d", dead, true, false},  {".step-000002.pruned-%d", dead, true, false},
+        {".step-000002.old-%d", dead, true, false},  {".step-000006.old-%d", dead, true, true},
+        {".step-000004.tmp-12x", 0, true, true},     {".step-04.tmp-3", 0, true, true},
+        {".step-000004.tmp-%d", live, true, true},   {"metrics.jsonl.tmp.%d", dead, false, false},
+        {"run.json.tmp.%d", dead, false, false},     {"config.json.tmp.%d", dead, false, false},
+        {"metrics.jsonl.tmp.63x", 0, false, true},   {"notes.txt.tmp.5", 0, false, true},
+        {"run.json.tmp.", 0, false, true},           {"metrics.jsonl.tmp.%d", live, false, true},
+    };
+    enum { N_ENTRIES = sizeof entries / sizeof *entries, ONLY_COPY = 3 };
+    char names[N_ENTRIES][64], only_copy[128];
+    for (int i = 0; i < N_ENTRIES; i++) {
+        snprintf(names[i], sizeof names[i], entries[i].format, entries[i].pid);
+        snprintf(path, sizeof path, "%s/%.63s", out, names[i]);
+        if (entries[i].dir) {
             cr_assert_eq(mkdir(path, 0777), 0, "%s", path);
-            snprintf(path, sizeof path, "%s/%s/model.safetensors", out, (j ? kept : gone)[i]);
-            cr_assert_eq(moe_file_write_atomic_buffer(path, "x", 1), MOE_OK, "%s", moe_last_error());
+            snprintf(path, sizeof path, "%s/%.63s/model.safetensors", out, names[i]);
         }
-    /* What writes of the run's files that died left, and look-alikes. */
-    static const char *const dead_writes[] = {"metrics.jsonl.tmp.6300", "run.json.tmp.5396", "config.json.tmp.7"};
-    static const char *const not_dead[] = {"metrics.jsonl.tmp.63x", "notes.txt.tmp.5", "run.json.tmp."};
-    for (int i = 0; i < 3; i++)
-        for (int j = 0; j < 2; j++) {
-            snprintf(path, sizeof path, "%s/%s", out, (j ? not_dead : dead_writes)[i]);
-            cr_assert_eq(moe_file_write_atomic_buffer(path, "x", 1), MOE_OK, "%s", moe_last_error());
-        }
+        cr_assert_eq(moe_file_write_atomic_buffer(path, "x", 1), MOE_OK, "%s", moe_last_error());
+    }
     o.steps = 4;
     o.resume = MOE_RUN_RESUME_LATEST;
     run_ok(&o, &v);
     struct stat sb;
-    for (int i = 0; i < 3; i++) {
-        snprintf(path, sizeof path, "%s/%s", out, dead_writes[i]);
-        cr_expect(stat(path, &sb) != 0, "%s is still there", dead_writes[i]);
-        snprintf(path, sizeof path, "%s/%s", out, not_dead[i]);
-        cr_expect(stat(path, &sb) == 0, "%s was removed", not_dead[i]);
+    for (int i = 0; i < N_ENTRIES; i++) {
+        snprintf(path, sizeof path, "%s/%.63s", out, names[i]);
+        cr_expect_eq(stat(path, &sb) == 0, entries[i].stays, "%s %s", names[i],
+                     entries[i].stays ? "was removed" : "is still there");
     }
-    for (int i = 0; i < 3; i++) {
-        snprintf(path, sizeof path, "%s/%s", out, gone[i]);
-        cr_expect(stat(path, &sb) != 0, "%s is still there", gone[i]);
-        snprintf(path, sizeof path, "%s/%s", out, kept[i]);
-        cr_expect(stat(path, &sb) == 0, "%s was removed", kept[i]);
-    }
-    cr_expect(v.warnings == 1 && strstr(v.warning, ".step-000006.old-5 is the only copy of step-000006"), "%d: %s",
-              v.warnings, v.warning);
+    snprintf(only_copy, sizeof only_copy, "%s is the only copy of step-000006", names[ONLY_COPY]);
+    cr_expect(v.warnings == 1 && strstr(v.warning, only_copy), "%d: %s", v.warnings, v.warning);
     o.resume = NULL;
     o.overwrite = true;
     run_ok(&o, &v);
-    snprintf(path, sizeof path, "%s/%s", out, kept[0]);
-    cr_expect(stat(path, &sb) == 0 && v.warnings == 1, "--overwrite removed %s, the only copy of its step", kept[0]);
+    snprintf(path, sizeof path, "%s/%s", out, names[ONLY_COPY]);
+    cr_expect(stat(path, &sb) == 0 && v.warnings == 1, "--overwrite removed %s, the only copy of its step",
+              names[ONLY_COPY]);
     /* A set-aside copy of a checkpoint that stands, cut by an in-place
      * resume of an earlier one (under --overwrite, which removes the later
      * checkpoints): removed as a copy, not named as the only one. */
     char at4[600];
     snprintf(at4, sizeof at4, "%s/step-000004", out);
-    snprintf(path, sizeof path, "%s/.step-000004.old-31", out);
+    snprintf(path, sizeof path, "%s/.step-000004.old-%d", out, dead);
     cr_assert_eq(rename(at4, path), 0);
     cr_assert_eq(mkdir(at4, 0777), 0);
     snprintf(at4, sizeof at4, "%s/step-000002", out);
@@ -2022,7 +2040,7 @@ Test(train_run, in_place_resume_checks_its_log_first, .init = make_tmp, .fini = 
     cr_expect_eq(moe_run(&o, &cb), MOE_ERR_IO);
     cr_expect(strstr(moe_last_error(), "not a regular file"), "message: %s", moe_last_error());
     cr_expect_str_eq(listing(names, sizeof names, out),
-                     "config.json metrics.jsonl run.json step-000002 step-000004");
+                     ".lock config.json metrics.jsonl run.json step-000002 step-000004");
 }
 
 /* A copy of checkpoint dir's weights and config in tmp's name, as other
@@ -2101,6 +2119,50 @@ Test(train_run, overflowing_weights_are_refused_before_overwrite, .init = make_t
               moe_last_error());
 }
 
+/* Two runs never share an --out: a run holds OUT/.lock, its pid written
+ * there, and a second one, resumed or under --overwrite, is refused
+ * naming that pid and leaves --out as it was; once the first has ended,
+ * the same command runs. */
+Test(train_run, a_second_run_into_a_locked_out_is_refused, .init = make_tmp, .fini = remove_tmp) {
+    char cfg[512], out[512], lock[512], log[512], names[1024], before[1024], want[64];
+    moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE), tmp_path(out, "out"));
+    o.steps = 2;
+    o.save_every = 1;
+    seen v;
+    run_ok(&o, &v);
+    size_t size, log_size, log_after;
+    char *pid = read_file(tmp_path(lock, "out/.lock"), &size);
+    snprintf(want, sizeof want, "%ld\n", (long)getpid());
+    cr_expect_str_eq(pid, want, "the lock file holds '%s'", pid);
+    free(pid);
+    /* Another process at work in --out holds the lock as a run does. */
+    const int held = open(lock, O_RDWR);
+    cr_assert(held >= 0 && flock(held, LOCK_EX | LOCK_NB) == 0, "cannot lock %s", lock);
+    cr_assert(ftruncate(held, 0) == 0 && pwrite(held, "4242\n", 5, 0) == 5);
+    listing(before, sizeof before, out);
+    char *log_before = read_file(tmp_path(log, "out/metrics.jsonl"), &log_size);
+    moe_run_callbacks cb = callbacks(&v);
+    o.steps = 4;
+    for (int overwrite = 0; overwrite < 2; overwrite++) {
+        o.resume = overwrite ? NULL : MOE_RUN_RESUME_LATEST;
+        o.overwrite = overwrite;
+        cr_expect_eq(moe_run(&o, &cb), MOE_ERR_CONFIG, "overwrite %d", overwrite);
+        cr_expect(strstr(moe_last_error(), "in use by another run (pid 4242"), "message: %s", moe_last_error());
+        cr_expect_eq(v.starts, 0, "the refused run started");
+        cr_expect_str_eq(listing(names, sizeof names, out), before);
+        char *log_now = read_file(log, &log_after);
+        cr_expect(log_size == log_after && memcmp(log_before, log_now, log_size) == 0,
+                  "metrics.jsonl went from %zu to %zu bytes", log_size, log_after);
+        free(log_now);
+    }
+    free(log_before);
+    cr_assert_eq(close(held), 0);
+    o.resume = MOE_RUN_RESUME_LATEST;
+    o.overwrite = false;
+    run_ok(&o, &v);
+    cr_expect_eq(v.steps, 2, "resumed for %d steps", v.steps);
+}
+
 /* What --out held when step 7's checkpoint was saved (before its pruning). */
 static char listed_at_7[1024];
 static void list_at_step_7(void *ctx, int64_t step, const char *path) {
@@ -2113,7 +2175,7 @@ static void list_at_step_7(void *ctx, int64_t step, const char *path) {
 
 /* --keep-last keeps the newest checkpoints and leaves nothing aside; a
  * resumed run keeps the one it resumed from as well, counted when it is
- * among the newest. */
+ * among the newest. The lock file (.lock) stays through both. */
 Test(train_run, keep_last_removes_older_checkpoints, .init = make_tmp, .fini = remove_tmp) {
     char cfg[512], out[512], resume[512], names[1024];
     moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE), tmp_path(out, "out"));
@@ -2125,13 +2187,13 @@ Test(train_run, keep_last_removes_older_checkpoints, .init = make_tmp, .fini = r
     run_ok(&o, &v);
     cr_expect_eq(v.checkpoints, 5);
     cr_expect_str_eq(listing(names, sizeof names, out),
-                     "config.json metrics.jsonl run.json step-000004 step-000005");
+                     ".lock config.json metrics.jsonl run.json step-000004 step-000005");
     o.config = NULL;
     o.resume = tmp_path(resume, "out/step-000005");
     o.steps = 8;
     run_ok(&o, &v);
     cr_expect_str_eq(listing(names, sizeof names, out),
-                     "config.json metrics.jsonl run.json step-000005 step-000007 step-000008");
+                     ".lock config.json metrics.jsonl run.json step-000005 step-000007 step-000008");
     /* Resumed in place from step 5 with 7 and 8 still there: --overwrite
      * removes them at the start, being the trajectory the resume cuts (no
      * other run's step may stand among this one's); keeping one, the save
@@ -2142,8 +2204,9 @@ Test(train_run, keep_last_removes_older_checkpoints, .init = make_tmp, .fini = r
     cb.on_checkpoint = list_at_step_7;
     listed_at_7[0] = '\0';
     cr_assert_eq(moe_run(&o, &cb), MOE_OK, "%s", moe_last_error());
-    cr_expect_str_eq(listed_at_7, "config.json metrics.jsonl run.json step-000005 step-000006 step-000007");
-    cr_expect_str_eq(listing(names, sizeof names, out), "config.json metrics.jsonl run.json step-000005 step-000008");
+    cr_expect_str_eq(listed_at_7, ".lock config.json metrics.jsonl run.json step-000005 step-000006 step-000007");
+    cr_expect_str_eq(listing(names, sizeof names, out),
+                     ".lock config.json metrics.jsonl run.json step-000005 step-000008");
     /* The checkpoint resumed from counts among the newest it is one of:
      * resumed from 8 every 2 steps, keeping 2, the save of 10 leaves 8 and
      * 10, not 5 as well. */
@@ -2153,7 +2216,8 @@ Test(train_run, keep_last_removes_older_checkpoints, .init = make_tmp, .fini = r
     o.resume = tmp_path(resume, "out/step-000008");
     o.steps = 10;
     run_ok(&o, &v);
-    cr_expect_str_eq(listing(names, sizeof names, out), "config.json metrics.jsonl run.json step-000008 step-000010");
+    cr_expect_str_eq(listing(names, sizeof names, out),
+                     ".lock config.json metrics.jsonl run.json step-000008 step-000010");
 }
 
 /* --init-from a checkpoint in --out is refused, and the checkpoint kept:
