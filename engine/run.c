@@ -1336,43 +1336,63 @@ static moe_status write_run_json(run *r, const moe_run_summary *s, const moe_jso
     return st;
 }
 
-/* Whether a metrics.jsonl line [len] (without its newline) belongs to the
- * steps up to last_step: it parses as JSON with an integer "step" <= it,
- * or, a record of no step of its own (the profile of a run's steps, written
- * after its last), it follows a line that belongs (*after_kept, which the
- * call updates: the log is in the order it was written). */
-static bool metrics_line_kept(const char *line, size_t len, int64_t last_step, bool *after_kept) {
-    moe_json_doc *doc;
-    if (moe_json_parse(&doc, line, len, "metrics.jsonl") != MOE_OK) return false;
-    const moe_json *step = moe_json_get(moe_json_root(doc), "step");
-    int64_t value;
-    bool kept = *after_kept;
-    if (step) kept = *after_kept = moe_json_int64(step, &value) == MOE_OK && value <= last_step;
-    moe_json_free(doc);
-    return kept;
-}
+/* How many line numbers a warning about damaged metrics.jsonl lines names. */
+#define RUN_BAD_LINES_NAMED 8
 
-typedef struct metrics_trim {
-    FILE *in;          /* the old metrics.jsonl */
-    int64_t last_step; /* the checkpoint's */
-} metrics_trim;
+/* Where a resumed run cuts metrics.jsonl: after its last whole line of a
+ * step up to the checkpoint's, and after the records of no step (the
+ * profile of a run's steps, written after its last) right behind it. */
+typedef struct metrics_cut {
+    int64_t bytes;                   /* kept from the file's start */
+    int64_t bad_kept;                /* lines before the cut that do not parse */
+    int64_t bad[RUN_BAD_LINES_NAMED]; /* the numbers (from 1) of the first lines that do not parse */
+} metrics_cut;
 
-static moe_status write_kept_metrics(void *ctx, FILE *out) {
-    const metrics_trim *t = ctx;
+static moe_status find_metrics_cut(metrics_cut *cut, FILE *in, const char *path, int64_t last_step) {
+    *cut = (metrics_cut){0};
     char *line = NULL;
     size_t cap = 0;
     ssize_t len;
-    moe_status st = MOE_OK;
-    bool after_kept = true;
-    while (st == MOE_OK && (len = getline(&line, &cap, t->in)) > 0) {
-        const size_t n = line[len - 1] == '\n' ? (size_t)len - 1 : (size_t)len;
-        if (!metrics_line_kept(line, n, t->last_step, &after_kept)) continue;
-        st = moe_file_write_bytes(out, line, n);
-        if (st == MOE_OK) st = moe_file_write_bytes(out, "\n", 1);
+    int64_t offset = 0, number = 0, bad = 0;
+    bool at_cut = true; /* no line since the cut but records of no step */
+    while ((len = getline(&line, &cap, in)) > 0 && line[len - 1] == '\n') { /* a last line cut off goes */
+        offset += len;
+        number++;
+        moe_json_doc *doc;
+        if (moe_json_parse(&doc, line, (size_t)len - 1, path) != MOE_OK) {
+            if (bad < RUN_BAD_LINES_NAMED) cut->bad[bad] = number;
+            bad++;
+            at_cut = false;
+            continue;
+        }
+        const moe_json *step = moe_json_get(moe_json_root(doc), "step");
+        int64_t value;
+        if (step) at_cut = moe_json_int64(step, &value) == MOE_OK && value <= last_step;
+        moe_json_free(doc);
+        if (at_cut) cut->bytes = offset, cut->bad_kept = bad;
     }
-    if (st == MOE_OK && ferror(t->in)) st = moe_error(MOE_ERR_IO, "reading the old file failed");
+    const bool failed = ferror(in);
     free(line);
-    return st;
+    return failed ? moe_error(MOE_ERR_IO, "%s: reading it failed", path) : MOE_OK;
+}
+
+typedef struct metrics_head {
+    FILE *in;      /* the old metrics.jsonl */
+    int64_t bytes; /* of it to keep */
+} metrics_head;
+
+static moe_status write_metrics_head(void *ctx, FILE *out) {
+    const metrics_head *h = ctx;
+    char buf[1 << 16];
+    if (fseek(h->in, 0, SEEK_SET) != 0)
+        return moe_error(MOE_ERR_IO, "reading the old file failed: %s", strerror(errno));
+    for (int64_t left = h->bytes; left > 0;) {
+        const size_t n = fread(buf, 1, left < (int64_t)sizeof buf ? (size_t)left : sizeof buf, h->in);
+        if (n == 0) return moe_error(MOE_ERR_IO, "reading the old file failed: it ended early");
+        MOE_TRY(moe_file_write_bytes(out, buf, n));
+        left -= (int64_t)n;
+    }
+    return MOE_OK;
 }
 
 /* A run's metrics.jsonl for reading into *f, or NULL when there is none. */
@@ -1383,16 +1403,30 @@ static moe_status read_metrics(FILE **f, int64_t *size, const char *path) {
     return moe_file_open_read(f, size, path);
 }
 
-/* A resumed run's metrics.jsonl keeps the steps up to the checkpoint's and
- * no record of the steps after it, which the resumed run logs again. */
-static moe_status trim_metrics(const char *path, int64_t last_step) {
-    metrics_trim t = {.last_step = last_step};
+/* A resumed run's metrics.jsonl keeps the records up to the checkpoint's
+ * step and none after it, which the resumed run logs again: only that end
+ * is cut, and what comes before stays byte for byte, a line damaged there
+ * (which no step's record can replace) included, with a warning. */
+static moe_status trim_metrics(run *r) {
+    metrics_head h;
     int64_t size;
-    MOE_TRY(read_metrics(&t.in, &size, path));
-    if (!t.in) return MOE_OK;
-    const moe_status st = moe_file_write_atomic(path, write_kept_metrics, &t);
-    fclose(t.in);
-    return st;
+    MOE_TRY(read_metrics(&h.in, &size, r->metrics_path));
+    if (!h.in) return MOE_OK;
+    metrics_cut cut;
+    moe_status st = find_metrics_cut(&cut, h.in, r->metrics_path, r->start_step);
+    h.bytes = cut.bytes;
+    if (st == MOE_OK && cut.bytes < size) st = moe_file_write_atomic(r->metrics_path, write_metrics_head, &h);
+    fclose(h.in);
+    if (st != MOE_OK || cut.bad_kept == 0) return st;
+    char lines[RUN_BAD_LINES_NAMED * 24] = "";
+    const int64_t named = cut.bad_kept < RUN_BAD_LINES_NAMED ? cut.bad_kept : RUN_BAD_LINES_NAMED;
+    for (int64_t i = 0, used = 0; i < named; i++)
+        used += snprintf(lines + used, sizeof lines - (size_t)used, "%s%lld", i ? ", " : "", (long long)cut.bad[i]);
+    warn(r, "%s: %lld line%s before step %lld's checkpoint do%s not parse, kept as written (the resumed run logs "
+            "only the steps after it): line %s%s",
+         r->metrics_path, (long long)cut.bad_kept, cut.bad_kept > 1 ? "s" : "", (long long)r->start_step,
+         cut.bad_kept > 1 ? "" : "es", lines, cut.bad_kept > named ? ", ..." : "");
+    return MOE_OK;
 }
 
 /* OUT/config.json, then run.json with that file's contents as its config. */
@@ -1413,7 +1447,7 @@ static moe_status write_run_files(run *r, const moe_run_summary *s) {
 /* metrics.jsonl is opened (and, resumed, trimmed) for its first line, so a
  * run that fails before it has anything to log leaves the old file whole. */
 static moe_status open_metrics(run *r) {
-    if (r->o->resume) MOE_TRY(trim_metrics(r->metrics_path, r->start_step));
+    if (r->o->resume) MOE_TRY(trim_metrics(r));
     r->metrics = fopen(r->metrics_path, r->o->resume ? "a" : "w");
     if (!r->metrics)
         return moe_error(MOE_ERR_IO, "%s: cannot open for writing: %s", r->metrics_path, strerror(errno));
@@ -2229,14 +2263,16 @@ static bool launched_by_mpi(void) {
 #define RUN_LOG_TAIL (8 << 20)
 
 /* The step of metrics.jsonl's last whole line with one (a step's or an
- * evaluation's) in out_dir, into *step; -1 without such a line. */
-static moe_status last_logged_step(const char *out_dir, int64_t *step) {
+ * evaluation's) in out_dir, into *step; -1 without such a line; *exists:
+ * whether there is a metrics.jsonl. */
+static moe_status last_logged_step(const char *out_dir, int64_t *step, bool *exists) {
     *step = -1;
     char path[RUN_PATH_BYTES];
     MOE_TRY(path_join(path, out_dir, "metrics.jsonl"));
     FILE *f;
     int64_t size;
     MOE_TRY(read_metrics(&f, &size, path));
+    *exists = f != NULL;
     if (!f) return MOE_OK;
     char *tail = NULL;
     size_t n = 0;
@@ -2282,16 +2318,19 @@ static moe_status resolve_resume(moe_run_options *out, bool *done, char *path, c
         checkpoint_entry *found;
         size_t n;
         int64_t logged;
+        bool log_exists;
         MOE_TRY(list_checkpoints(&found, &n, o->out_dir));
-        moe_status st = last_logged_step(o->out_dir, &logged);
-        /* A checkpoint past the log is not the run the log tells, and the
-         * restart may not remove it (--overwrite would remove the run): the
-         * user picks. */
-        if (st == MOE_OK && n > 0 && logged >= 0 && found[0].step > logged)
+        moe_status st = last_logged_step(o->out_dir, &logged, &log_exists);
+        /* A checkpoint past the log (one cut off before any whole line
+         * included) is not the run the log tells, and the restart may not
+         * remove it (--overwrite would remove the run): the user picks. */
+        char last[64] = "none (no whole line holds a step)";
+        if (logged >= 0) snprintf(last, sizeof last, "%lld", (long long)logged);
+        if (st == MOE_OK && n > 0 && log_exists && found[0].step > logged)
             st = moe_error(MOE_ERR_CONFIG, "%s --out %s holds %s, later than the last step its metrics.jsonl "
-                                           "logged, %lld: resume a checkpoint by name (one before it under "
+                                           "logged, %s: resume a checkpoint by name (one before it under "
                                            "--overwrite, which removes the later ones)",
-                           flag, o->out_dir, found[0].name, (long long)logged);
+                           flag, o->out_dir, found[0].name, last);
         if (st == MOE_OK && n > 0) st = path_join(path, o->out_dir, found[0].name);
         free(found);
         if (st != MOE_OK) return st;

@@ -1248,17 +1248,23 @@ Test(train_run, dead_saves_are_cleared_at_the_next_start, .init = make_tmp, .fin
     cr_expect(v.warnings == 1 && strstr(v.warning, "step-000006"), "%d warnings: %s", v.warnings, v.warning);
 }
 
+/* A run of 3 steps into tmp's out by --resume latest, each checkpointed. */
+static moe_run_options three_steps_latest(char *cfg, char *out, seen *v) {
+    moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE), tmp_path(out, "out"));
+    o.steps = 3;
+    o.save_every = 1;
+    o.resume = MOE_RUN_RESUME_LATEST;
+    run_ok(&o, v);
+    return o;
+}
+
 /* --resume latest reads metrics.jsonl's last whole line with a step as
  * bytes: a NUL inside an earlier line does not end the file there (it
  * resumed from that line's step, throwing away the later checkpoints). */
 Test(train_run, resume_latest_reads_past_a_nul_byte, .init = make_tmp, .fini = remove_tmp) {
     char cfg[512], out[512], log[600];
-    moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE), tmp_path(out, "out"));
-    o.steps = 3;
-    o.save_every = 1;
-    o.resume = MOE_RUN_RESUME_LATEST;
     seen v;
-    run_ok(&o, &v);
+    moe_run_options o = three_steps_latest(cfg, out, &v);
     snprintf(log, sizeof log, "%s/metrics.jsonl", out);
     size_t size;
     char *text = read_file(log, &size);
@@ -1366,6 +1372,52 @@ Test(train_run, resume_logs_each_step_once, .init = make_tmp, .fini = remove_tmp
         cr_expect_eq(eval_lines[s], s == 5 || s == 10, "step %d evaluated %d times", s, eval_lines[s]);
     }
     cr_expect_eq(other, 0, "%d lines without a step", other);
+}
+
+/* A resume cuts metrics.jsonl at its end only, after the checkpoint's
+ * step: a damaged line before it stays byte for byte, named in a warning,
+ * and one after it goes with the rest. A log cut off before its first
+ * whole line stops before the checkpoint: --resume latest refuses it and
+ * leaves it as it was. */
+Test(train_run, resume_cuts_only_the_end_of_metrics, .init = make_tmp, .fini = remove_tmp) {
+    char cfg[512], out[512], log[512], at3[512];
+    seen v;
+    moe_run_options o = three_steps_latest(cfg, out, &v);
+    cr_assert_eq(moe_remove_tree(tmp_path(at3, "out/step-000003")), MOE_OK, "%s", moe_last_error());
+    size_t size;
+    char *text = read_file(tmp_path(log, "out/metrics.jsonl"), &size);
+    char *second = strchr(text, '\n') + 1, *third = strchr(second, '\n') + 1;
+    cr_assert(strstr(text, "\"loss\":") < second && strstr(third, "\"loss\":"), "%s", text);
+    strstr(text, "\"loss\":")[6] = 'x';  /* step 1's line, before the checkpoint */
+    strstr(third, "\"loss\":")[6] = 'x'; /* step 3's, after it */
+    cr_assert_eq(moe_file_write_atomic_buffer(log, text, size), MOE_OK, "%s", moe_last_error());
+    run_ok(&o, &v);
+    cr_expect_eq(v.steps, 1, "resumed for %d steps", v.steps);
+    cr_expect(strstr(v.warning, "1 line before step 2's checkpoint does not parse") &&
+                  strstr(v.warning, "line 1") && !strstr(v.warning, "line 3"),
+              "%d warnings: %s", v.warnings, v.warning);
+    size_t after_size;
+    char *after = read_file(log, &after_size);
+    const size_t head = (size_t)(third - text);
+    cr_expect(after_size > head && memcmp(after, text, head) == 0, "the lines up to step 2 changed:\n%.*s", (int)head,
+              after);
+    int lines = 0;
+    for (const char *c = after; (c = strchr(c, '\n')); c++) lines++;
+    cr_expect_eq(lines, 4, "%d lines, not steps 1 to 3 and step 3's evaluation:\n%s", lines, after);
+    free(after);
+    free(text);
+
+    static const char cut[] = "{\"step\":1,\"lo";
+    cr_assert_eq(moe_file_write_atomic_buffer(log, cut, sizeof cut - 1), MOE_OK, "%s", moe_last_error());
+    o.steps = 4;
+    moe_run_callbacks cb = callbacks(&v);
+    cr_expect_eq(moe_run(&o, &cb), MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "step-000003, later than the last step its metrics.jsonl logged, none"),
+              "message: %s", moe_last_error());
+    after = read_file(log, &after_size);
+    cr_expect(after_size == sizeof cut - 1 && memcmp(after, cut, after_size) == 0,
+              "the refused resume changed the log");
+    free(after);
 }
 
 /* A metrics.jsonl write that fails says why, as a checkpoint's does. The
