@@ -496,15 +496,15 @@ typedef struct run {
     uint64_t shuffle_seed;       /* of --shuffle's order: the checkpoint's when resumed */
 } run;
 
-static void warn(const run *r, const char *fmt, ...) MOE_PRINTF(2, 3);
-static void warn(const run *r, const char *fmt, ...) {
-    if (!r->cb->on_warning) return;
-    char msg[1024];
+static void warn(const moe_run_callbacks *cb, const char *fmt, ...) MOE_PRINTF(2, 3);
+static void warn(const moe_run_callbacks *cb, const char *fmt, ...) {
+    if (!cb->on_warning) return;
+    char msg[RUN_PATH_BYTES + 1024];
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
-    r->cb->on_warning(r->cb->ctx, msg);
+    cb->on_warning(cb->ctx, msg);
 }
 
 static moe_status path_join(char *out, const char *dir, const char *name) {
@@ -779,21 +779,21 @@ static void warn_other_tokens(const run *r) {
     const char *read = o->eval_only ? (o->val_data ? o->val_data : o->data) : o->data;
     const char *flag = o->eval_only && o->val_data ? "--val-data" : "--data";
     if (!o->eval_only && o->val_data && strcmp(data_kind(o->val_data), data_kind(o->data)) != 0)
-        warn(r, "--val-data %s is %s data and --data %s is %s data: the model is evaluated on other tokens than it "
-                "trains on",
+        warn(r->cb, "--val-data %s is %s data and --data %s is %s data: the model is evaluated on other tokens than it "
+                    "trains on",
              o->val_data, data_kind(o->val_data), o->data, data_kind(o->data));
     if (!o->init_from) return;
     moe_train_state s; /* none (another trainer's model), or one that cannot be read: judged by the vocabulary */
     if (moe_checkpoint_read_state(&s, o->init_from) == MOE_OK && s.data_kind[0]) {
         if (strcmp(s.data_kind, data_kind(read)) != 0)
-            warn(r, "--init-from %s was trained on %s data, and %s %s is %s data", o->init_from, s.data_kind, flag,
+            warn(r->cb, "--init-from %s was trained on %s data, and %s %s is %s data", o->init_from, s.data_kind, flag,
                  read, data_kind(read));
         return;
     }
     const int64_t ids = is_synthetic(read) ? MOE_SYNTH_VOCAB_SIZE : is_shard_glob(read) ? 0 : MOE_BYTE_VOCAB_SIZE;
     if (ids && r->cfg.vocab_size != ids)
-        warn(r, "%s %s is %s data of %lld token ids, and the vocabulary of --init-from %s has %lld: the model was made "
-                "for other data",
+        warn(r->cb, "%s %s is %s data of %lld token ids, and the vocabulary of --init-from %s has %lld: the model "
+                    "was made for other data",
              flag, read, data_kind(read), (long long)ids, o->init_from, (long long)r->cfg.vocab_size);
 }
 
@@ -842,13 +842,13 @@ static moe_status check_resumed_stream(const run *r) {
     if (!o->shuffle) return MOE_OK;
     if (was == 0) {
         if (is_synthetic(o->data))
-            warn(r, "--resume %s: the checkpoint does not record its training stream (an older version wrote it); "
-                    "its shuffled order goes on only if --steps (%lld here), --batch-size, --seq-len, "
-                    "--grad-accum and the data-parallel rank count are those it was written with",
+            warn(r->cb, "--resume %s: the checkpoint does not record its training stream (an older version wrote it); "
+                        "its shuffled order goes on only if --steps (%lld here), --batch-size, --seq-len, "
+                        "--grad-accum and the data-parallel rank count are those it was written with",
                  o->resume, (long long)o->steps);
         else
-            warn(r, "--resume %s: the checkpoint does not record its training stream (an older version wrote it); "
-                    "its shuffled order goes on only if --data %s has the length it had then",
+            warn(r->cb, "--resume %s: the checkpoint does not record its training stream (an older version wrote it); "
+                        "its shuffled order goes on only if --data %s has the length it had then",
                  o->resume, o->data);
         return MOE_OK;
     }
@@ -866,8 +866,8 @@ static moe_status check_resumed_stream(const run *r) {
  * likely one whose name lacks .bin: its header would train as text. */
 static void warn_shard_as_bytes(const run *r, const run_source *s, const char *flag, const char *spec) {
     if (s->shard_as_bytes)
-        warn(r, "%s %s begins with llm.c's shard magic %d but is read at byte level (vocab 256): name it *.bin, or "
-                "give a glob, to read it as token shards",
+        warn(r->cb, "%s %s begins with llm.c's shard magic %d but is read at byte level (vocab 256): name it *.bin, or "
+                    "give a glob, to read it as token shards",
              flag, spec, MOE_SHARD_MAGIC);
 }
 
@@ -913,8 +913,8 @@ static moe_status open_data(run *r) {
         const int64_t tokens = moe_data_token_count(r->train.data);
         const int64_t unread = tokens - 1 - (tokens - 1) / n->batch * n->batch;
         if (unread * 10 >= tokens)
-            warn(r, "--data %s: its last %lld of %lld tokens (%.0f%%) are never trained on: an epoch reads whole "
-                    "batches of %s (%lld tokens, plus one for the last target)",
+            warn(r->cb, "--data %s: its last %lld of %lld tokens (%.0f%%) are never trained on: an epoch reads whole "
+                        "batches of %s (%lld tokens, plus one for the last target)",
                  o->data, (long long)unread, (long long)tokens, 100.0 * (double)unread / (double)tokens, shape,
                  (long long)n->batch);
         if (o->resume) MOE_TRY(check_resumed_stream(r));
@@ -950,8 +950,8 @@ static moe_status open_data(run *r) {
         if (st != MOE_OK) return moe_error_prefix(st, "%s: ", val_flag);
     }
     if (!o->eval_only && !o->val_data && !o->val_tokens && !is_synthetic(o->data))
-        warn(r, "no --val-data: evaluating on --data %s from its start, which the model also trains on "
-                "(--val-tokens N holds out its last N tokens instead)", o->data);
+        warn(r->cb, "no --val-data: evaluating on --data %s from its start, which the model also trains on "
+                    "(--val-tokens N holds out its last N tokens instead)", o->data);
     warn_other_tokens(r);
     r->entropy_floor = NAN;
     if (r->val.synth.tokens) {
@@ -1422,8 +1422,8 @@ static moe_status trim_metrics(run *r) {
     const int64_t named = cut.bad_kept < RUN_BAD_LINES_NAMED ? cut.bad_kept : RUN_BAD_LINES_NAMED;
     for (int64_t i = 0, used = 0; i < named; i++)
         used += snprintf(lines + used, sizeof lines - (size_t)used, "%s%lld", i ? ", " : "", (long long)cut.bad[i]);
-    warn(r, "%s: %lld line%s before step %lld's checkpoint do%s not parse, kept as written (the resumed run logs "
-            "only the steps after it): line %s%s",
+    warn(r->cb, "%s: %lld line%s before step %lld's checkpoint do%s not parse, kept as written (the resumed run logs "
+                "only the steps after it): line %s%s",
          r->metrics_path, (long long)cut.bad_kept, cut.bad_kept > 1 ? "s" : "", (long long)r->start_step,
          cut.bad_kept > 1 ? "" : "es", lines, cut.bad_kept > named ? ", ..." : "");
     return MOE_OK;
@@ -1833,7 +1833,7 @@ static void prune_checkpoints(const run *r, int64_t saved) {
     checkpoint_entry *found;
     size_t n;
     if (list_checkpoints(&found, &n, o->out_dir) != MOE_OK) {
-        warn(r, "--keep-last: %s", moe_last_error());
+        warn(r->cb, "--keep-last: %s", moe_last_error());
         return;
     }
     char path[RUN_PATH_BYTES], aside[RUN_PATH_BYTES], hidden[NAME_MAX + 32];
@@ -1845,10 +1845,10 @@ static void prune_checkpoints(const run *r, int64_t saved) {
         snprintf(hidden, sizeof hidden, ".%s.pruned-%ld", found[i].name, (long)getpid());
         if (path_join(aside, o->out_dir, hidden) != MOE_OK) continue;
         if (rename(path, aside) != 0) {
-            warn(r, "--keep-last: cannot move %s aside: %s", path, strerror(errno));
+            warn(r->cb, "--keep-last: cannot move %s aside: %s", path, strerror(errno));
             continue;
         }
-        if (moe_remove_tree(aside) != MOE_OK) warn(r, "--keep-last: %s", moe_last_error());
+        if (moe_remove_tree(aside) != MOE_OK) warn(r->cb, "--keep-last: %s", moe_last_error());
     }
     free(found);
 }
@@ -2064,7 +2064,7 @@ static moe_status clear_dead_saves(const run *r) {
         struct stat sb;
         if (same_path(path, o->resume)) continue;
         if (kind == SAVE_OLD && stat(final, &sb) != 0) {
-            warn(r, "%s is the only copy of %s, set aside by a save that did not finish: rename it to %s to use it",
+            warn(r->cb, "%s is the only copy of %s, set aside by a save that did not finish: rename it to %s to use it",
                  path, step, final);
             continue;
         }
@@ -2090,14 +2090,14 @@ static moe_status run_body(run *r, double start) {
     const moe_run_options *o = r->o;
     MOE_TRY(clear_out_dir(o, false));
     if (o->overlap && o->ep == 1)
-        warn(r, "--overlap runs the experts on half the source ranks' tokens while the rest are in flight, and "
-                "under --ep 1 there are no other sources: it changes nothing");
+        warn(r->cb, "--overlap runs the experts on half the source ranks' tokens while the rest are in flight, and "
+                    "under --ep 1 there are no other sources: it changes nothing");
     if (o->zero && r->dp_size == 1)
-        warn(r, "--zero 1 shards AdamW's state over a parameter's data-parallel replicas, and with one rank a "
-                "stage there are none: it changes nothing");
+        warn(r->cb, "--zero 1 shards AdamW's state over a parameter's data-parallel replicas, and with one rank a "
+                    "stage there are none: it changes nothing");
     if (!o->eval_only && o->warmup >= o->steps) {
         const moe_optim_config c = optim_config_of(o);
-        warn(r, "--warmup %lld >= --steps %lld: every step is in the warm-up, which ends at lr %g (--lr %g)%s",
+        warn(r->cb, "--warmup %lld >= --steps %lld: every step is in the warm-up, which ends at lr %g (--lr %g)%s",
              (long long)o->warmup, (long long)o->steps, moe_lr_at(&c, o->steps - 1), o->lr,
              o->lr_schedule == MOE_LR_CONSTANT ? "" : ", and the learning rate never decays toward --min-lr");
     }
@@ -2307,7 +2307,8 @@ static moe_status last_logged_step(const char *out_dir, int64_t *step, bool *exi
  * *done when it is at --steps already; with no checkpoint in --out, a new
  * run that replaces the files of a start that died before its first
  * checkpoint. */
-static moe_status resolve_resume(moe_run_options *out, bool *done, char *path, const moe_run_options *o) {
+static moe_status resolve_resume(moe_run_options *out, bool *done, char *path, const moe_run_options *o,
+                                 const moe_run_callbacks *cb) {
     *out = *o;
     *done = false;
     if (!o->resume) return MOE_OK;
@@ -2335,6 +2336,10 @@ static moe_status resolve_resume(moe_run_options *out, bool *done, char *path, c
         free(found);
         if (st != MOE_OK) return st;
         if (n == 0) {
+            if (log_exists)
+                warn(cb, "%s --out %s holds no checkpoint: the run starts over, replacing its metrics.jsonl, which "
+                         "logged %lld steps",
+                     flag, o->out_dir, (long long)(logged < 0 ? 0 : logged));
             out->overwrite = true;
             return MOE_OK;
         }
@@ -2385,20 +2390,16 @@ moe_status moe_run(const moe_run_options *given, const moe_run_callbacks *callba
     moe_run_options resolved;
     char resumed[RUN_PATH_BYTES];
     bool done;
-    MOE_TRY(resolve_resume(&resolved, &done, resumed, given));
+    const moe_run_callbacks none = {0}, *cb = callbacks ? callbacks : &none;
+    MOE_TRY(resolve_resume(&resolved, &done, resumed, given, cb));
     const moe_run_options *opts = &resolved;
     if (done) { /* a job restarted after it had finished */
-        if (callbacks && callbacks->on_warning) {
-            char msg[RUN_PATH_BYTES + 128];
-            snprintf(msg, sizeof msg, "--resume " MOE_RUN_RESUME_LATEST ": %s is at --steps %lld already: nothing to do",
-                     resumed, (long long)given->steps);
-            callbacks->on_warning(callbacks->ctx, msg);
-        }
+        warn(cb, "--resume " MOE_RUN_RESUME_LATEST ": %s is at --steps %lld already: nothing to do", resumed,
+             (long long)given->steps);
         return MOE_OK;
     }
     if (opts->threads > 0) omp_set_num_threads(opts->threads);
-    const moe_run_callbacks none = {0};
-    run r = {.o = opts, .cb = callbacks ? callbacks : &none, .ranks = 1, .dp_size = 1, .lock_fd = -1};
+    run r = {.o = opts, .cb = cb, .ranks = 1, .dp_size = 1, .lock_fd = -1};
     moe_status st = MOE_OK;
     if (launched_by_mpi() || opts->ep > 1 || opts->pp > 1 || opts->zero > 0) {
         st = moe_comm_mpi_create(&r.world);

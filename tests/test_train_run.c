@@ -1420,6 +1420,24 @@ Test(train_run, resume_cuts_only_the_end_of_metrics, .init = make_tmp, .fini = r
     free(after);
 }
 
+/* --resume latest with no checkpoint in --out starts the run over,
+ * replacing the files of a start that died before its first checkpoint,
+ * and says how many logged steps that replaces. */
+Test(train_run, resume_latest_without_a_checkpoint_says_what_it_replaces, .init = make_tmp, .fini = remove_tmp) {
+    char cfg[512], out[512], path[600];
+    seen v;
+    moe_run_options o = three_steps_latest(cfg, out, &v);
+    for (int step = 1; step <= 3; step++) {
+        snprintf(path, sizeof path, "%s/step-%06d", out, step);
+        cr_assert_eq(moe_remove_tree(path), MOE_OK, "%s", moe_last_error());
+    }
+    run_ok(&o, &v);
+    cr_expect_eq(v.steps, 3, "started over for %d steps", v.steps);
+    cr_expect(v.warnings == 1 && strstr(v.warning, "holds no checkpoint: the run starts over, replacing its "
+                                                   "metrics.jsonl, which logged 3 steps"),
+              "%d warnings: %s", v.warnings, v.warning);
+}
+
 /* A metrics.jsonl write that fails says why, as a checkpoint's does. The
  * file size limit stands for a full disk: run.json fits under it, and the
  * log passes it long before the run's one checkpoint. */
