@@ -154,8 +154,22 @@ uint64_t moe_host_memory_pool(const moe_host_memory *m) {
     return h;
 }
 
+/* This process's resident pages (statm's second number) in bytes, or -1. */
+static int64_t resident(const char *root) {
+    char path[PATH_BYTES];
+    snprintf(path, sizeof path, "%s/proc/self/statm", root);
+    FILE *f = fopen(path, "r");
+    if (!f) return -1;
+    int64_t size, pages = -1;
+    if (fscanf(f, "%" SCNd64 " %" SCNd64, &size, &pages) != 2 || pages < 0) pages = -1;
+    fclose(f);
+    const long page = sysconf(_SC_PAGESIZE);
+    return pages >= 0 && page > 0 ? pages * page : -1;
+}
+
 moe_host_memory moe_host_memory_available(const char *root) {
-    moe_host_memory m = {.available = meminfo(root, "MemAvailable"), .total = meminfo(root, "MemTotal")};
+    moe_host_memory m = {.available = meminfo(root, "MemAvailable"), .total = meminfo(root, "MemTotal"),
+                         .resident = resident(root)};
     snprintf(m.bound_by, sizeof m.bound_by, "%s", m.available >= 0 ? "the machine has available" : "");
     snprintf(m.total_by, sizeof m.total_by, "%s", m.total >= 0 ? "the machine has" : "");
     cgroup_room(&m, root);

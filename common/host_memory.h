@@ -13,6 +13,7 @@ typedef struct moe_host_memory {
     char bound_by[160];
     int64_t total;
     char total_by[160];
+    int64_t resident; /* this process's resident bytes (proc/self/statm), -1 unknown */
 } moe_host_memory;
 
 /* available: the smaller of the kernel's MemAvailable and the room left

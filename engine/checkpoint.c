@@ -1083,8 +1083,8 @@ moe_status moe_checkpoint_load_config(moe_model_config *cfg, const char *dir, bo
     }
     moe_st_close(f);
     if (st != MOE_OK || got == want) return st;
-    if (resuming)
-        return moe_error(MOE_ERR_FORMAT,
+    if (resuming) /* a config that reads wrongly every time, as a malformed one does */
+        return moe_error(MOE_ERR_CONFIG,
                          "%s: the config reads otherwise than the one saved with the checkpoint (CRC-32C %08" PRIx32
                          ", %s recorded %08" PRIx64 "): it was changed or damaged since, and a resumed run must "
                          "be the run saved (start a new one from it with --init-from)",

@@ -4,6 +4,7 @@
  * run.json and metrics.jsonl. */
 #include "engine/run.h"
 
+#include <ctype.h>
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -1339,9 +1340,9 @@ static moe_status write_run_json(run *r, const moe_run_summary *s, const moe_jso
 /* How many line numbers a warning about damaged metrics.jsonl lines names. */
 #define RUN_BAD_LINES_NAMED 8
 
-/* Where a resumed run cuts metrics.jsonl: after its last whole line of a
- * step up to the checkpoint's, and after the records of no step (the
- * profile of a run's steps, written after its last) right behind it. */
+/* Where a resumed run cuts metrics.jsonl: before its first whole line of a
+ * step past the checkpoint's (or a last line cut off), which the resumed
+ * run logs again; every line before stays. */
 typedef struct metrics_cut {
     int64_t bytes;                   /* kept from the file's start */
     int64_t bad_kept;                /* lines before the cut that do not parse */
@@ -1353,23 +1354,28 @@ static moe_status find_metrics_cut(metrics_cut *cut, FILE *in, const char *path,
     char *line = NULL;
     size_t cap = 0;
     ssize_t len;
-    int64_t offset = 0, number = 0, bad = 0;
-    bool at_cut = true; /* no line since the cut but records of no step */
+    int64_t number = 0;
     while ((len = getline(&line, &cap, in)) > 0 && line[len - 1] == '\n') { /* a last line cut off goes */
-        offset += len;
         number++;
+        int64_t step = -1;
         moe_json_doc *doc;
-        if (moe_json_parse(&doc, line, (size_t)len - 1, path) != MOE_OK) {
-            if (bad < RUN_BAD_LINES_NAMED) cut->bad[bad] = number;
-            bad++;
-            at_cut = false;
-            continue;
+        const bool damaged = moe_json_parse(&doc, line, (size_t)len - 1, path) != MOE_OK;
+        if (!damaged) {
+            const moe_json *v = moe_json_get(moe_json_root(doc), "step");
+            if (v && moe_json_int64(v, &step) != MOE_OK) step = -1;
+            moe_json_free(doc);
+        } else {
+            /* A damaged line whose start is whole still says its step, as
+             * every record of a step begins with it; of one that does not,
+             * the step is unknown, and the line stays. */
+            static const char key[] = "{\"step\":";
+            if (strncmp(line, key, sizeof key - 1) == 0 && isdigit((unsigned char)line[sizeof key - 1]))
+                step = strtoll(line + sizeof key - 1, NULL, 10);
         }
-        const moe_json *step = moe_json_get(moe_json_root(doc), "step");
-        int64_t value;
-        if (step) at_cut = moe_json_int64(step, &value) == MOE_OK && value <= last_step;
-        moe_json_free(doc);
-        if (at_cut) cut->bytes = offset, cut->bad_kept = bad;
+        if (step > last_step) break;
+        cut->bytes += len;
+        if (damaged && cut->bad_kept < RUN_BAD_LINES_NAMED) cut->bad[cut->bad_kept] = number;
+        cut->bad_kept += damaged;
     }
     const bool failed = ferror(in);
     free(line);
@@ -1954,32 +1960,83 @@ static moe_status clear_out_dir(const moe_run_options *o, bool remove) {
  * lock a new file while a second holds the old one. */
 #define RUN_LOCK_NAME ".lock"
 
+/* Opens --out's lock file at path into *fd: flags add to O_NOFOLLOW and
+ * O_CLOEXEC, and anything but a regular file (a directory, a symbolic
+ * link, whose target a run would overwrite) is refused. *fd is -1 when
+ * there is none and flags do not create it. */
+static moe_status open_lock(int *fd, const char *path, int flags) {
+    *fd = open(path, flags | O_NOFOLLOW | O_CLOEXEC, 0644);
+    struct stat sb;
+    if (*fd < 0 && errno == ENOENT && !(flags & O_CREAT)) return MOE_OK;
+    if (*fd < 0 && errno != EISDIR && errno != ELOOP)
+        return moe_error(MOE_ERR_IO, "%s: cannot open it: %s", path, strerror(errno));
+    if (*fd >= 0 && fstat(*fd, &sb) == 0 && S_ISREG(sb.st_mode)) return MOE_OK;
+    if (*fd >= 0) close(*fd);
+    *fd = -1;
+    return moe_error(MOE_ERR_CONFIG, "%s is not a regular file (a directory or a symbolic link?): remove it", path);
+}
+
+/* Locks fd (shared or exclusive, never waiting). Held by another run: the
+ * refusal, naming the pid it wrote there. A file system without flock
+ * (Lustre without -o flock, some FUSE mounts) keeps no runs apart:
+ * *held false, with a warning once. */
+static moe_status take_lock(bool *held, int fd, int how, const char *path, const moe_run_options *o,
+                            const moe_run_callbacks *cb) {
+    *held = flock(fd, how | LOCK_NB) == 0;
+    if (*held) return MOE_OK;
+    const int err = errno;
+    if (err == ENOSYS || err == EOPNOTSUPP || err == ENOLCK) {
+        if (how == LOCK_EX)
+            warn(cb, "%s: the file system takes no lock (%s): nothing keeps a second run out of --out %s", path,
+                 strerror(err), o->out_dir);
+        return MOE_OK;
+    }
+    if (err != EWOULDBLOCK) return moe_error(MOE_ERR_IO, "%s: cannot lock it: %s", path, strerror(err));
+    char holder[32] = "";
+    const ssize_t n = pread(fd, holder, sizeof holder - 1, 0);
+    holder[n > 0 ? n : 0] = '\0';
+    holder[strcspn(holder, "\n")] = '\0';
+    return moe_error(MOE_ERR_CONFIG, "--out %s is in use by another run (pid %s, which holds %s): wait for it to end, "
+                                     "or write to another --out",
+                     o->out_dir, holder[0] ? holder : "not yet written", path);
+}
+
+/* Before a run reads --out (its checkpoints, its log), every rank checks
+ * that no other run holds the lock, by a shared lock taken and dropped:
+ * the ranks of one job do not exclude each other, and a live run's
+ * exclusive one refuses them all, before anything is read or written.
+ * Rank 0 locks after collectives that every rank joins, so after every
+ * rank's check. */
+static moe_status check_out_unlocked(const moe_run_options *o, const moe_run_callbacks *cb) {
+    char path[RUN_PATH_BYTES];
+    int fd;
+    if (o->eval_only) return MOE_OK;
+    MOE_TRY(path_join(path, o->out_dir, RUN_LOCK_NAME));
+    MOE_TRY(open_lock(&fd, path, O_RDONLY));
+    if (fd < 0) return MOE_OK; /* no run has locked this --out yet */
+    bool held;
+    const moe_status st = take_lock(&held, fd, LOCK_SH, path, o, cb);
+    close(fd);
+    return st;
+}
+
 /* Takes --out's lock into r->lock_fd, writing this pid there for a refused
  * run to name; refused (touching nothing) while another process holds it. */
 static moe_status lock_out_dir(run *r) {
     const char *out = r->o->out_dir;
-    char path[RUN_PATH_BYTES], holder[32] = "";
+    char path[RUN_PATH_BYTES];
     MOE_TRY(path_join(path, out, RUN_LOCK_NAME));
     MOE_TRY(moe_mkdir_p(out));
-    const int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-    if (fd < 0) return moe_error(MOE_ERR_IO, "%s: cannot open it: %s", path, strerror(errno));
-    if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
-        const int err = errno;
-        const ssize_t n = err == EWOULDBLOCK ? pread(fd, holder, sizeof holder - 1, 0) : -1;
-        close(fd);
-        if (err != EWOULDBLOCK) return moe_error(MOE_ERR_IO, "%s: cannot lock it: %s", path, strerror(err));
-        holder[n > 0 ? n : 0] = '\0';
-        holder[strcspn(holder, "\n")] = '\0';
-        return moe_error(MOE_ERR_CONFIG, "--out %s is in use by another run (pid %s, which holds %s): wait for it to "
-                                         "end, or write to another --out",
-                         out, holder[0] ? holder : "not yet written", path);
-    }
+    int fd;
+    MOE_TRY(open_lock(&fd, path, O_RDWR | O_CREAT));
+    bool held;
+    moe_status st = take_lock(&held, fd, LOCK_EX, path, r->o, r->cb);
     char pid[32];
     const int len = snprintf(pid, sizeof pid, "%ld\n", (long)getpid());
     errno = 0;
-    if (ftruncate(fd, 0) != 0 || pwrite(fd, pid, (size_t)len, 0) != len) {
-        const moe_status st = moe_error(MOE_ERR_IO, "%s: cannot write this run's pid there: %s", path,
-                                        errno ? strerror(errno) : "short write");
+    if (st == MOE_OK && (ftruncate(fd, 0) != 0 || pwrite(fd, pid, (size_t)len, 0) != len))
+        st = moe_error(MOE_ERR_IO, "%s: cannot write this run's pid there: %s", path, errno ? strerror(errno) : "short write");
+    if (st != MOE_OK) {
         close(fd);
         return st;
     }
@@ -1994,7 +2051,9 @@ static moe_status lock_out_dir(run *r) {
 static bool pid_alive(const char *digits) {
     errno = 0;
     const long long pid = strtoll(digits, NULL, 10);
-    if (errno != 0 || pid <= 0 || pid > INT_MAX) return false;
+    /* This process has saved nothing yet: its own pid is an earlier
+     * process's (a container's moe-train is pid 1 at every start). */
+    if (errno != 0 || pid <= 0 || pid > INT_MAX || pid == (long long)getpid()) return false;
     return kill((pid_t)pid, 0) == 0 || errno == EPERM;
 }
 
@@ -2262,9 +2321,9 @@ static bool launched_by_mpi(void) {
  * lines, each with a large model's expert load. */
 #define RUN_LOG_TAIL (8 << 20)
 
-/* The step of metrics.jsonl's last whole line with one (a step's or an
- * evaluation's) in out_dir, into *step; -1 without such a line; *exists:
- * whether there is a metrics.jsonl. */
+/* The latest step of metrics.jsonl's whole lines with one (a step's or an
+ * evaluation's) in its last RUN_LOG_TAIL bytes, in out_dir, into *step; -1
+ * without such a line; *exists: whether there is a metrics.jsonl. */
 static moe_status last_logged_step(const char *out_dir, int64_t *step, bool *exists) {
     *step = -1;
     char path[RUN_PATH_BYTES];
@@ -2292,8 +2351,11 @@ static moe_status last_logged_step(const char *out_dir, int64_t *step, bool *exi
     const char *line = tail;
     if (size > RUN_LOG_TAIL && (line = memchr(tail, '\n', n)) != NULL) line++;
     for (const char *end; line && (end = memchr(line, '\n', (size_t)(stop - line))) != NULL; line = end + 1)
-        if ((size_t)(end - line) > sizeof key && memcmp(line, key, sizeof key - 1) == 0)
-            *step = strtoll(line + sizeof key - 1, NULL, 10);
+        if ((size_t)(end - line) > sizeof key && memcmp(line, key, sizeof key - 1) == 0) {
+            /* The latest step logged, wherever a stray earlier line sits. */
+            const int64_t logged = strtoll(line + sizeof key - 1, NULL, 10);
+            if (logged > *step) *step = logged;
+        }
     free(tail);
     return MOE_OK;
 }
@@ -2391,6 +2453,7 @@ moe_status moe_run(const moe_run_options *given, const moe_run_callbacks *callba
     char resumed[RUN_PATH_BYTES];
     bool done;
     const moe_run_callbacks none = {0}, *cb = callbacks ? callbacks : &none;
+    MOE_TRY(check_out_unlocked(given, cb));
     MOE_TRY(resolve_resume(&resolved, &done, resumed, given, cb));
     const moe_run_options *opts = &resolved;
     if (done) { /* a job restarted after it had finished */

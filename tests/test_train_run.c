@@ -1190,7 +1190,8 @@ Test(train_run, dead_saves_are_cleared_at_the_next_start, .init = make_tmp, .fin
     run_ok(&o, &v);
     /* Checkpoint directories a save or a pruning left, then what writes of
      * the run's files left, each as its pid's (look-alikes take none). */
-    const int dead = (int)dead_pid(), live = (int)getppid();
+    /* This process's pid is an earlier process's: it has saved nothing yet. */
+    const int dead = (int)dead_pid(), live = (int)getppid(), self = (int)getpid();
     const struct {
         const char *format;
         int pid;
@@ -1203,6 +1204,7 @@ Test(train_run, dead_saves_are_cleared_at_the_next_start, .init = make_tmp, .fin
         {"run.json.tmp.%d", dead, false, false},     {"config.json.tmp.%d", dead, false, false},
         {"metrics.jsonl.tmp.63x", 0, false, true},   {"notes.txt.tmp.5", 0, false, true},
         {"run.json.tmp.", 0, false, true},           {"metrics.jsonl.tmp.%d", live, false, true},
+        {".step-000002.pruned-%d", self, true, false},
     };
     enum { N_ENTRIES = sizeof entries / sizeof *entries, ONLY_COPY = 3 };
     char names[N_ENTRIES][64], only_copy[128];
@@ -1389,8 +1391,14 @@ Test(train_run, resume_cuts_only_the_end_of_metrics, .init = make_tmp, .fini = r
     char *second = strchr(text, '\n') + 1, *third = strchr(second, '\n') + 1;
     cr_assert(strstr(text, "\"loss\":") < second && strstr(third, "\"loss\":"), "%s", text);
     strstr(text, "\"loss\":")[6] = 'x';  /* step 1's line, before the checkpoint */
-    strstr(third, "\"loss\":")[6] = 'x'; /* step 3's, after it */
-    cr_assert_eq(moe_file_write_atomic_buffer(log, text, size), MOE_OK, "%s", moe_last_error());
+    strstr(third, "\"loss\":")[6] = 'x'; /* step 3's, after it, whose start still says its step */
+    /* A stray copy of step 1's line at the end goes with what follows step 2. */
+    char *stray = malloc(size + (size_t)(second - text));
+    memcpy(stray, text, size);
+    memcpy(stray + size, text, (size_t)(second - text));
+    cr_assert_eq(moe_file_write_atomic_buffer(log, stray, size + (size_t)(second - text)), MOE_OK, "%s",
+                 moe_last_error());
+    free(stray);
     run_ok(&o, &v);
     cr_expect_eq(v.steps, 1, "resumed for %d steps", v.steps);
     cr_expect(strstr(v.warning, "1 line before step 2's checkpoint does not parse") &&
@@ -2225,8 +2233,27 @@ Test(train_run, a_second_run_into_a_locked_out_is_refused, .init = make_tmp, .fi
                   "metrics.jsonl went from %zu to %zu bytes", log_size, log_after);
         free(log_now);
     }
+    /* Refused before --out is read: a checkpoint that is not there is not looked for. */
+    char missing[600];
+    snprintf(missing, sizeof missing, "%s/step-000009", out);
+    o.resume = missing;
+    o.overwrite = false;
+    cr_expect_eq(moe_run(&o, &cb), MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "in use by another run (pid 4242"), "message: %s", moe_last_error());
     free(log_before);
     cr_assert_eq(close(held), 0);
+    /* A lock that is no regular file is refused; a link's target is not written. */
+    char victim[512];
+    cr_assert_eq(moe_file_write_atomic_buffer(tmp_path(victim, "victim"), "keep", 4), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(unlink(lock), 0);
+    cr_assert_eq(symlink(victim, lock), 0);
+    o.resume = MOE_RUN_RESUME_LATEST;
+    cr_expect_eq(moe_run(&o, &cb), MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "is not a regular file"), "message: %s", moe_last_error());
+    char *kept = read_file(victim, &size);
+    cr_expect(size == 4 && memcmp(kept, "keep", 4) == 0, "the link's target was written");
+    free(kept);
+    cr_assert_eq(unlink(lock), 0);
     o.resume = MOE_RUN_RESUME_LATEST;
     o.overwrite = false;
     run_ok(&o, &v);

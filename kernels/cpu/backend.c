@@ -17,9 +17,10 @@
  * are zeroed, so every page is touched at once, and past the memory the
  * machine or the process's cgroup allows that would not fail here but bring
  * the kernel's out-of-memory killer, without a word. A block past the total
- * memory can never be had on this machine (a setting at fault, which no
- * retry helps); one past what is available now may be once others free
- * theirs (as check_host_memory in engine/model.c tells the two apart). */
+ * memory less what this process holds already (its earlier blocks) can
+ * never be had on this machine (a setting at fault, which no retry helps);
+ * one past what is available now may be once others free theirs (as
+ * check_host_memory in engine/model.c tells the two apart). */
 #define CPU_CHECKED_BYTES ((size_t)64 << 20)
 
 static moe_status cpu_alloc(void **out, size_t bytes) {
@@ -28,11 +29,13 @@ static moe_status cpu_alloc(void **out, size_t bytes) {
     const size_t rounded = (bytes + CPU_ALIGN_BYTES - 1) / CPU_ALIGN_BYTES * CPU_ALIGN_BYTES;
     if (rounded >= CPU_CHECKED_BYTES) {
         const moe_host_memory m = moe_host_memory_available("");
-        const bool never = m.total >= 0 && (uint64_t)rounded > (uint64_t)m.total;
+        const int64_t held = m.resident > 0 ? m.resident : 0;
+        const bool never = m.total >= 0 && (uint64_t)rounded + (uint64_t)held > (uint64_t)m.total;
         if (never || (m.available >= 0 && (uint64_t)rounded > (uint64_t)m.available))
             return moe_error(never ? MOE_ERR_CONFIG : MOE_ERR_OUT_OF_MEMORY,
-                             "cpu backend: %zu bytes, more than the %.2f GB %s", bytes,
-                             (double)(never ? m.total : m.available) / 1e9, never ? m.total_by : m.bound_by);
+                             "cpu backend: %zu bytes, more than the %.2f GB %s%s", bytes,
+                             (double)(never ? m.total - held : m.available) / 1e9, never ? m.total_by : m.bound_by,
+                             never && held ? " less what this process holds already" : "");
     }
     *out = aligned_alloc(CPU_ALIGN_BYTES, rounded ? rounded : CPU_ALIGN_BYTES);
     if (!*out) return moe_error(MOE_ERR_OUT_OF_MEMORY, "cpu backend: %zu bytes", bytes);
