@@ -2398,10 +2398,14 @@ static moe_status resolve_resume(moe_run_options *out, bool *done, char *path, c
         free(found);
         if (st != MOE_OK) return st;
         if (n == 0) {
-            if (log_exists)
+            if (log_exists && logged >= 0)
                 warn(cb, "%s --out %s holds no checkpoint: the run starts over, replacing its metrics.jsonl, which "
-                         "logged %lld steps",
-                     flag, o->out_dir, (long long)(logged < 0 ? 0 : logged));
+                         "logged steps up to %lld",
+                     flag, o->out_dir, (long long)logged);
+            else if (log_exists)
+                warn(cb, "%s --out %s holds no checkpoint: the run starts over, replacing its metrics.jsonl, which "
+                         "holds no whole line of a step",
+                     flag, o->out_dir);
             out->overwrite = true;
             return MOE_OK;
         }

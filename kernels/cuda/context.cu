@@ -260,10 +260,14 @@ moe_status moe_cuda_malloc(void **out, size_t bytes, const char *what, const moe
     *out = NULL;
     size_t free_bytes = 0, total_bytes = 0;
     cudaMemGetInfo(&free_bytes, &total_bytes);
-    return moe_error(err == cudaErrorMemoryAllocation ? MOE_ERR_OUT_OF_MEMORY : MOE_ERR_INTERNAL,
-                     "%s of %.3f GiB on %s: cudaMalloc: %s (%.3f of %.3f GiB free)", what,
+    /* Past the device's whole memory no retry helps: a setting at fault, as
+     * the CPU backend tells it apart. */
+    const bool oom = err == cudaErrorMemoryAllocation, never = oom && total_bytes > 0 && bytes > total_bytes;
+    return moe_error(never ? MOE_ERR_CONFIG : oom ? MOE_ERR_OUT_OF_MEMORY : MOE_ERR_INTERNAL,
+                     "%s of %.3f GiB on %s: cudaMalloc: %s (%.3f of %.3f GiB free%s)", what,
                      (double)bytes / (1 << 30), ctx->name, cudaGetErrorString(err),
-                     (double)free_bytes / (1 << 30), (double)total_bytes / (1 << 30));
+                     (double)free_bytes / (1 << 30), (double)total_bytes / (1 << 30),
+                     never ? ": more than the device has" : "");
 }
 
 moe_status moe_cuda_scratch(void **out, size_t bytes, moe_cuda_scratch_use use, moe_cuda_ctx *ctx) {
