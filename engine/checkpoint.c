@@ -1083,17 +1083,16 @@ moe_status moe_checkpoint_load_config(moe_model_config *cfg, const char *dir, bo
     }
     moe_st_close(f);
     if (st != MOE_OK || got == want) return st;
-    if (resuming) /* a config that reads wrongly every time, as a malformed one does */
-        return moe_error(MOE_ERR_CONFIG,
-                         "%s: the config reads otherwise than the one saved with the checkpoint (CRC-32C %08" PRIx32
-                         ", %s recorded %08" PRIx64 "): it was changed or damaged since, and a resumed run must "
-                         "be the run saved (start a new one from it with --init-from)",
-                         path, got, state, want);
     char message[MOE_ERROR_BYTES];
     snprintf(message, sizeof message,
              "%.400s: the config reads otherwise than the one saved with the checkpoint (CRC-32C %08" PRIx32
-             ", %.400s recorded %08" PRIx64 "): it was changed since; using it as it is",
-             path, got, state, want);
+             ", %.400s recorded %08" PRIx64 "): it was changed %s",
+             path, got, state, want,
+             resuming ? "or damaged since, and a resumed run must be the run saved (start a new one from it with "
+                        "--init-from)"
+                      : "since; using it as it is");
+    /* Resuming, a config that reads wrongly every time, as a malformed one does. */
+    if (resuming) return moe_error(MOE_ERR_CONFIG, "%s", message);
     if (warn) warn(warn_ctx, message);
     return MOE_OK;
 }

@@ -314,23 +314,24 @@ typedef struct rope_key {
     field_kind kind;         /* F_REAL (double), F_INT (int64_t) or F_BOOL */
     size_t offset;
     unsigned types, required;
+    bool zero_absent; /* 0 stands for the key left out (yarn's derived attention_factor, unset mscales) */
 } rope_key;
 
-#define ROPE_KEY(name, kind, types, required)                                                                          \
-    {#name, "rope_scaling." #name, kind, offsetof(moe_rope_scaling, name), types, required}
+#define ROPE_KEY(name, kind, types, required, zero_absent)                                                             \
+    {#name, "rope_scaling." #name, kind, offsetof(moe_rope_scaling, name), types, required, zero_absent}
 
 static const rope_key rope_keys[] = {
-    ROPE_KEY(factor, F_REAL, ROPE_SCALED, ROPE_SCALED),
-    ROPE_KEY(low_freq_factor, F_REAL, ROPE_TYPE_BIT(MOE_ROPE_LLAMA3), ROPE_TYPE_BIT(MOE_ROPE_LLAMA3)),
-    ROPE_KEY(high_freq_factor, F_REAL, ROPE_TYPE_BIT(MOE_ROPE_LLAMA3), ROPE_TYPE_BIT(MOE_ROPE_LLAMA3)),
+    ROPE_KEY(factor, F_REAL, ROPE_SCALED, ROPE_SCALED, false),
+    ROPE_KEY(low_freq_factor, F_REAL, ROPE_TYPE_BIT(MOE_ROPE_LLAMA3), ROPE_TYPE_BIT(MOE_ROPE_LLAMA3), false),
+    ROPE_KEY(high_freq_factor, F_REAL, ROPE_TYPE_BIT(MOE_ROPE_LLAMA3), ROPE_TYPE_BIT(MOE_ROPE_LLAMA3), false),
     ROPE_KEY(original_max_position_embeddings, F_INT, ROPE_TYPE_BIT(MOE_ROPE_LLAMA3) | ROPE_TYPE_BIT(MOE_ROPE_YARN),
-             0),
-    ROPE_KEY(attention_factor, F_REAL, ROPE_TYPE_BIT(MOE_ROPE_YARN), 0),
-    ROPE_KEY(beta_fast, F_REAL, ROPE_TYPE_BIT(MOE_ROPE_YARN), 0),
-    ROPE_KEY(beta_slow, F_REAL, ROPE_TYPE_BIT(MOE_ROPE_YARN), 0),
-    ROPE_KEY(mscale, F_REAL, ROPE_TYPE_BIT(MOE_ROPE_YARN), 0),
-    ROPE_KEY(mscale_all_dim, F_REAL, ROPE_TYPE_BIT(MOE_ROPE_YARN), 0),
-    ROPE_KEY(truncate, F_BOOL, ROPE_TYPE_BIT(MOE_ROPE_YARN), 0),
+             0, false),
+    ROPE_KEY(attention_factor, F_REAL, ROPE_TYPE_BIT(MOE_ROPE_YARN), 0, true),
+    ROPE_KEY(beta_fast, F_REAL, ROPE_TYPE_BIT(MOE_ROPE_YARN), 0, false),
+    ROPE_KEY(beta_slow, F_REAL, ROPE_TYPE_BIT(MOE_ROPE_YARN), 0, false),
+    ROPE_KEY(mscale, F_REAL, ROPE_TYPE_BIT(MOE_ROPE_YARN), 0, true),
+    ROPE_KEY(mscale_all_dim, F_REAL, ROPE_TYPE_BIT(MOE_ROPE_YARN), 0, true),
+    ROPE_KEY(truncate, F_BOOL, ROPE_TYPE_BIT(MOE_ROPE_YARN), 0, false),
 };
 #define N_ROPE_KEYS (sizeof rope_keys / sizeof *rope_keys)
 _Static_assert(N_ROPE_KEYS == MOE_ROPE_SCALING_FIELDS, "model_config.h counts rope_keys");
@@ -340,11 +341,9 @@ static double rope_value(const moe_rope_scaling *s, const rope_key *r) {
     return r->kind == F_REAL ? *(const double *)at : r->kind == F_INT ? (double)*(const int64_t *)at : *(const bool *)at;
 }
 
-/* Whether the file may leave key r out of a type that reads it, 0 standing
- * for absent (yarn's attention_factor, mscale, mscale_all_dim). */
+/* Whether s leaves key r out (written so, or not written). */
 static bool rope_optional_zero(const moe_rope_scaling *s, const rope_key *r) {
-    return r->kind == F_REAL && !(r->required & ROPE_TYPE_BIT(s->type)) && rope_value(s, r) == 0.0 &&
-           strcmp(r->key, "beta_fast") != 0 && strcmp(r->key, "beta_slow") != 0;
+    return r->zero_absent && rope_value(s, r) == 0.0;
 }
 
 const char *moe_rope_scaling_field(const moe_rope_scaling *s, int i, double *value) {
@@ -1088,26 +1087,28 @@ static void render(const moe_model_config *cfg, moe_json_writer *w) {
     moe_json_end_object(w);
 }
 
+/* The text of the file moe_model_config_save writes, in w (initialised
+ * here; the caller frees it), but for its last newline; name leads the
+ * messages. */
+static moe_status render_text(moe_json_writer *w, const moe_model_config *cfg, const char *name) {
+    moe_json_writer_init(w, 2);
+    moe_status st = moe_model_config_validate(cfg, name);
+    if (st == MOE_OK) render(cfg, w);
+    if (st == MOE_OK && (st = moe_json_writer_finish(w)) != MOE_OK) st = moe_error_prefix(st, "%s: ", name);
+    return st;
+}
+
 moe_status moe_model_config_save(const moe_model_config *cfg, const char *path) {
-    MOE_TRY(moe_model_config_validate(cfg, path));
     moe_json_writer w;
-    moe_json_writer_init(&w, 2);
-    render(cfg, &w);
-    moe_status st = moe_json_writer_finish(&w);
-    if (st == MOE_OK)
-        st = moe_file_write_atomic(path, write_text_line, &w);
-    else
-        st = moe_error_prefix(st, "%s: ", path);
+    moe_status st = render_text(&w, cfg, path);
+    if (st == MOE_OK) st = moe_file_write_atomic(path, write_text_line, &w);
     moe_json_writer_free(&w);
     return st;
 }
 
 moe_status moe_model_config_crc32c(const moe_model_config *cfg, uint32_t *crc) {
-    MOE_TRY(moe_model_config_validate(cfg, NULL));
     moe_json_writer w;
-    moe_json_writer_init(&w, 2);
-    render(cfg, &w);
-    moe_status st = moe_json_writer_finish(&w);
+    const moe_status st = render_text(&w, cfg, "config");
     if (st == MOE_OK) *crc = moe_crc32c(moe_crc32c(0, w.buf, w.len), "\n", 1);
     moe_json_writer_free(&w);
     return st;
