@@ -1340,6 +1340,15 @@ static moe_status write_run_json(run *r, const moe_run_summary *s, const moe_jso
 /* How many line numbers a warning about damaged metrics.jsonl lines names. */
 #define RUN_BAD_LINES_NAMED 8
 
+/* The step a metrics.jsonl line [len] begins with, {"step":N, as every
+ * record of a step (or of its evaluation) does; -1 for any other line. */
+static int64_t record_step(const char *line, size_t len) {
+    static const char key[] = "{\"step\":";
+    if (len <= sizeof key - 1 || memcmp(line, key, sizeof key - 1) != 0 || !isdigit((unsigned char)line[sizeof key - 1]))
+        return -1;
+    return strtoll(line + sizeof key - 1, NULL, 10);
+}
+
 /* Where a resumed run cuts metrics.jsonl: before its first whole line of a
  * step past the checkpoint's (or a last line cut off), which the resumed
  * run logs again; every line before stays. */
@@ -1365,12 +1374,9 @@ static moe_status find_metrics_cut(metrics_cut *cut, FILE *in, const char *path,
             if (v && moe_json_int64(v, &step) != MOE_OK) step = -1;
             moe_json_free(doc);
         } else {
-            /* A damaged line whose start is whole still says its step, as
-             * every record of a step begins with it; of one that does not,
-             * the step is unknown, and the line stays. */
-            static const char key[] = "{\"step\":";
-            if (strncmp(line, key, sizeof key - 1) == 0 && isdigit((unsigned char)line[sizeof key - 1]))
-                step = strtoll(line + sizeof key - 1, NULL, 10);
+            /* A damaged line whose start is whole still says its step; of
+             * one that does not, the step is unknown, and the line stays. */
+            step = record_step(line, (size_t)len - 1);
         }
         if (step > last_step) break;
         cut->bytes += len;
@@ -1978,12 +1984,11 @@ static moe_status open_lock(int *fd, const char *path, int flags) {
 
 /* Locks fd (shared or exclusive, never waiting). Held by another run: the
  * refusal, naming the pid it wrote there. A file system without flock
- * (Lustre without -o flock, some FUSE mounts) keeps no runs apart:
- * *held false, with a warning once. */
-static moe_status take_lock(bool *held, int fd, int how, const char *path, const moe_run_options *o,
+ * (Lustre without -o flock, some FUSE mounts) keeps no runs apart: the run
+ * goes on unlocked, with a warning once. */
+static moe_status take_lock(int fd, int how, const char *path, const moe_run_options *o,
                             const moe_run_callbacks *cb) {
-    *held = flock(fd, how | LOCK_NB) == 0;
-    if (*held) return MOE_OK;
+    if (flock(fd, how | LOCK_NB) == 0) return MOE_OK;
     const int err = errno;
     if (err == ENOSYS || err == EOPNOTSUPP || err == ENOLCK) {
         if (how == LOCK_EX)
@@ -2014,8 +2019,7 @@ static moe_status check_out_unlocked(const moe_run_options *o, const moe_run_cal
     MOE_TRY(path_join(path, o->out_dir, RUN_LOCK_NAME));
     MOE_TRY(open_lock(&fd, path, O_RDONLY));
     if (fd < 0) return MOE_OK; /* no run has locked this --out yet */
-    bool held;
-    const moe_status st = take_lock(&held, fd, LOCK_SH, path, o, cb);
+    const moe_status st = take_lock(fd, LOCK_SH, path, o, cb);
     close(fd);
     return st;
 }
@@ -2029,8 +2033,7 @@ static moe_status lock_out_dir(run *r) {
     MOE_TRY(moe_mkdir_p(out));
     int fd;
     MOE_TRY(open_lock(&fd, path, O_RDWR | O_CREAT));
-    bool held;
-    moe_status st = take_lock(&held, fd, LOCK_EX, path, r->o, r->cb);
+    moe_status st = take_lock(fd, LOCK_EX, path, r->o, r->cb);
     char pid[32];
     const int len = snprintf(pid, sizeof pid, "%ld\n", (long)getpid());
     errno = 0;
@@ -2344,18 +2347,16 @@ static moe_status last_logged_step(const char *out_dir, int64_t *step, bool *exi
         free(tail);
         return moe_error(MOE_ERR_IO, "%s: cannot read its end", path);
     }
-    static const char key[] = "{\"step\":";
     /* Whole lines only: each starts after a newline (or at the file's
      * start), and ends at one; a NUL byte inside one ends nothing. */
     const char *stop = tail + n;
     const char *line = tail;
     if (size > RUN_LOG_TAIL && (line = memchr(tail, '\n', n)) != NULL) line++;
-    for (const char *end; line && (end = memchr(line, '\n', (size_t)(stop - line))) != NULL; line = end + 1)
-        if ((size_t)(end - line) > sizeof key && memcmp(line, key, sizeof key - 1) == 0) {
-            /* The latest step logged, wherever a stray earlier line sits. */
-            const int64_t logged = strtoll(line + sizeof key - 1, NULL, 10);
-            if (logged > *step) *step = logged;
-        }
+    /* The latest step logged, wherever a stray earlier line sits. */
+    for (const char *end; line && (end = memchr(line, '\n', (size_t)(stop - line))) != NULL; line = end + 1) {
+        const int64_t logged = record_step(line, (size_t)(end - line));
+        if (logged > *step) *step = logged;
+    }
     free(tail);
     return MOE_OK;
 }
