@@ -35,8 +35,11 @@
 #define EXPERT_FMT "model.layers.%lld.block_sparse_moe.experts.%lld.w%d.weight"
 #define FUSED_ROUTER_FMT "model.layers.%lld.mlp.gate.weight"
 #define FUSED_EXPERTS_FMT "model.layers.%lld.mlp.experts.%s"
-/* A dense model's MLP (Mistral's, Llama's): gate_proj, up_proj, down_proj. */
+/* A dense model's MLP (Mistral's, Llama's, Qwen3's): gate_proj, up_proj,
+ * down_proj, as w1, w3 and w2 (proj_of). */
 #define DENSE_MLP_FMT "model.layers.%lld.mlp.%s_proj.weight"
+/* Expert e's in a Qwen3-MoE file (the router's is FUSED_ROUTER_FMT). */
+#define QWEN_EXPERT_FMT "model.layers.%lld.mlp.experts.%lld.%s_proj.weight"
 #define MOE_BLOCK ".block_sparse_moe."
 #define LAYER_FMT "model.layers.%lld."
 /* The tensors outside the layers: the first pipeline stage's, the last's. */
@@ -84,15 +87,46 @@ static moe_status agree(moe_comm *job, moe_status st) {
  * would take "01", "+1" or " 1" too, which no tensor of ours is called. */
 static bool written_as(const char *name, const char *canonical) { return strcmp(name, canonical) == 0; }
 
+/* w1, w3, w2 as a SwiGLU MLP's projections are named. */
+static const char *proj_of(int w) { return w == 1 ? "gate" : w == 3 ? "up" : "down"; }
+
+/* Whether name is an expert's weight, layer *l, expert *e, w1, w2 or w3
+ * (*w), as we name it or as a Qwen3-MoE file does. */
+static bool parse_expert(const char *name, long long *l, long long *e, int *w) {
+    int end = 0;
+    char again[NAME_BYTES];
+    if (sscanf(name, EXPERT_FMT "%n", l, e, w, &end) == 3 && end > 0 && name[end] == '\0') {
+        snprintf(again, sizeof again, EXPERT_FMT, *l, *e, *w);
+        return written_as(name, again) && *w >= 1 && *w <= 3;
+    }
+    if (sscanf(name, "model.layers.%lld.mlp.experts.%lld.", l, e) != 2) return false;
+    for (*w = 1; *w <= 3; (*w)++) {
+        snprintf(again, sizeof again, QWEN_EXPERT_FMT, *l, *e, proj_of(*w));
+        if (written_as(name, again)) return true;
+    }
+    return false;
+}
+
 /* Expert e's w1, w2 or w3 in one of our layers: a tensor that some rank of
  * an expert-parallel group holds, not necessarily this one. */
 static bool is_expert_weight(const char *name, int64_t layers, int64_t experts) {
     long long l, e;
+    int w;
+    return parse_expert(name, &l, &e, &w) && l >= 0 && l < layers && e >= 0 && e < experts;
+}
+
+/* The name of the tensor called ours in the file of a model saved as
+ * qwen3 (moe_model_config_model_type): Qwen3-MoE's router and experts are
+ * mlp.gate and mlp.experts.E.{gate,up,down}_proj; the rest keep theirs. */
+static void file_name(char *out, const char *ours, bool qwen3) {
+    long long l, e;
     int w, end = 0;
-    char again[NAME_BYTES];
-    if (sscanf(name, EXPERT_FMT "%n", &l, &e, &w, &end) != 3 || end == 0 || name[end] != '\0') return false;
-    snprintf(again, sizeof again, EXPERT_FMT, l, e, w);
-    return written_as(name, again) && l >= 0 && l < layers && e >= 0 && e < experts && w >= 1 && w <= 3;
+    if (qwen3 && sscanf(ours, EXPERT_FMT "%n", &l, &e, &w, &end) == 3 && end > 0 && ours[end] == '\0')
+        snprintf(out, NAME_BYTES, QWEN_EXPERT_FMT, l, e, proj_of(w));
+    else if (qwen3 && sscanf(ours, ROUTER_FMT "%n", &l, &end) == 1 && end > 0 && ours[end] == '\0')
+        snprintf(out, NAME_BYTES, FUSED_ROUTER_FMT, l);
+    else
+        snprintf(out, NAME_BYTES, "%s", ours);
 }
 
 /* A selection bias of one of our layers. */
@@ -150,15 +184,19 @@ static moe_status write_weights(const char *path, moe_model *model) {
     const int64_t E = c->num_local_experts;
     moe_st_entry *entries = malloc((size_t)(n + L) * sizeof *entries);
     char(*bias_names)[NAME_BYTES] = malloc((size_t)L * sizeof *bias_names);
-    if (!entries || !bias_names) {
+    char(*names)[NAME_BYTES] = malloc((size_t)n * sizeof *names);
+    if (!entries || !bias_names || !names) {
         free(entries);
         free(bias_names);
+        free(names);
         return moe_error(MOE_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
     }
+    const bool qwen3 = strcmp(moe_model_config_model_type(c), "qwen3_moe") == 0;
     const float *params = moe_model_host_params(model);
     for (int64_t i = 0; i < n; i++) {
         const moe_model_tensor *t = moe_model_tensor_at(model, i);
-        entries[i] = (moe_st_entry){t->name, params + t->offset, t->ndim, t->shape};
+        file_name(names[i], t->name, qwen3);
+        entries[i] = (moe_st_entry){names[i], params + t->offset, t->ndim, t->shape};
     }
     int64_t count = n;
     for (int64_t l = 0; l < L; l++) {
@@ -170,6 +208,7 @@ static moe_status write_weights(const char *path, moe_model *model) {
     moe_status st = moe_st_write(path, entries, count, NULL, 0);
     free(entries);
     free(bias_names);
+    free(names);
     return st;
 }
 
@@ -715,8 +754,9 @@ static moe_status take(source *s, weights_reader *r, const char *name, int64_t n
     return MOE_OK;
 }
 
-/* The model tensor's own name, or else its place in transformers' fused
- * layout: mlp.gate.weight for the router; for expert e, mlp.experts.
+/* The model tensor's own name, or else Qwen3-MoE's (mlp.gate.weight for
+ * the router, mlp.experts.E.{gate,up,down}_proj.weight for expert E), or
+ * else its place in transformers' fused layout: for expert e, mlp.experts.
  * gate_up_proj [E, 2ff, d] holding w1 in rows [0, ff) and w3 in [ff, 2ff) of
  * e's slice, and mlp.experts.down_proj [E, d, ff] holding w2. */
 static moe_status resolve_weight(source *s, weights_reader *r, const moe_model_tensor *t) {
@@ -725,7 +765,7 @@ static moe_status resolve_weight(source *s, weights_reader *r, const moe_model_t
     int w, end = 0;
     const bool expert = sscanf(t->name, EXPERT_FMT "%n", &l, &e, &w, &end) == 3 && end > 0 && t->name[end] == '\0';
     if (r->upcycle && expert) { /* every expert from its layer's MLP */
-        snprintf(alt, sizeof alt, DENSE_MLP_FMT, l, w == 1 ? "gate" : w == 3 ? "up" : "down");
+        snprintf(alt, sizeof alt, DENSE_MLP_FMT, l, proj_of(w));
         MOE_TRY(take(s, r, alt, t->ndim, t->shape));
         if (s->src == NULL)
             return moe_error(MOE_ERR_FORMAT, "%s: no tensor '%s' (the dense MLP that --upcycle copies into each of "
@@ -736,6 +776,9 @@ static moe_status resolve_weight(source *s, weights_reader *r, const moe_model_t
     MOE_TRY(take(s, r, t->name, t->ndim, t->shape));
     if (s->src != NULL) return MOE_OK;
     if (expert) {
+        snprintf(alt, sizeof alt, QWEN_EXPERT_FMT, l, e, proj_of(w));
+        MOE_TRY(take(s, r, alt, t->ndim, t->shape));
+        if (s->src != NULL) return MOE_OK;
         const bool down = w == 2;
         const int64_t shape[3] = {r->E, down ? r->d : 2 * r->ff, down ? r->ff : r->d};
         snprintf(alt, sizeof alt, FUSED_EXPERTS_FMT, l, down ? "down_proj" : "gate_up_proj");

@@ -23,8 +23,9 @@ typedef struct moe_layer_offsets {
     int64_t router, experts, shared; /* into the parameter (and gradient) arrays */
 } moe_layer_offsets;
 
-/* Where layer l's tensors sit in the tensor table. */
-enum { LN1, WQ, WK, WV, WO, LN2, MOE_FIRST, LAYER_DENSE_TENSORS = MOE_FIRST };
+/* Where layer l's tensors sit in the tensor table: these, then with
+ * moe_qk_norm QNORM and KNORM, then the MoE layer's (moe_first). */
+enum { LN1, WQ, WK, WV, WO, LN2, QNORM, KNORM };
 
 typedef struct layer_acts {
     float *x;      /* [N, C] input of the layer (residual stream) */
@@ -32,6 +33,11 @@ typedef struct layer_acts {
     float *rstd1;  /* [N] */
     float *q;      /* [N, Hq*hd], after RoPE */
     float *k;      /* [N, Hkv*hd], after RoPE */
+    /* With moe_qk_norm: q and k before their norms, and each head's rstd. */
+    float *q_raw;  /* [N, Hq*hd] */
+    float *k_raw;  /* [N, Hkv*hd] */
+    float *rstd_q; /* [N*Hq] */
+    float *rstd_k; /* [N*Hkv] */
     float *v;      /* [N, Hkv*hd] */
     float *att;    /* [B, Hq, T, T] */
     float *atty;   /* [N, Hq*hd] */
@@ -122,6 +128,7 @@ struct moe_model {
     float *dln;   /* [N, C] */
     float *dmoe;  /* [N, C] */
     float *dq, *dk, *dv, *datty; /* like q, k, v, atty */
+    float *dqk_raw; /* with moe_qk_norm: the gradients of q_raw and k_raw, one array */
     float *datt;  /* [B, Hq, T, T] */
     uint64_t pending; /* bit c: chunk c's forward waits for its backward */
     bool has_targets;
@@ -131,6 +138,9 @@ struct moe_model {
 };
 
 /* ---------------------------------------------------------------- tensors */
+
+/* A layer's first MoE tensor, after its dense ones. */
+static int64_t moe_first(const moe_model_config *c) { return c->moe_qk_norm ? KNORM + 1 : LN2 + 1; }
 
 static void add_tensor(moe_model *m, int ndim, int64_t rows, int64_t cols, bool decay, const char *fmt, ...)
     MOE_PRINTF(6, 7);
@@ -176,7 +186,7 @@ static void lay_out_tensors(moe_model *m, const moe_layer_config *lc) {
     const int64_t moe_tensors = 1 + 3 * n_local + (S ? 3 : 0);
     const int64_t L = m->nl;
     /* Tensors of one layer in the one-rank table, which the init streams count. */
-    const int64_t layer_streams = LAYER_DENSE_TENSORS + 1 + 3 * lc->n_experts + (S ? 3 : 0);
+    const int64_t layer_streams = moe_first(c) + 1 + 3 * lc->n_experts + (S ? 3 : 0);
     const bool table = m->tensors != NULL;
     m->n_tensors = m->n_params = 0;
     m->n_init_streams = 0;
@@ -193,6 +203,10 @@ static void lay_out_tensors(moe_model *m, const moe_layer_config *lc) {
         add_tensor(m, 2, kvdim, C, true, "model.layers.%lld.self_attn.v_proj.weight", (long long)l);
         add_tensor(m, 2, C, qdim, true, "model.layers.%lld.self_attn.o_proj.weight", (long long)l);
         add_tensor(m, 1, C, 1, false, "model.layers.%lld.post_attention_layernorm.weight", (long long)l);
+        if (c->moe_qk_norm) {
+            add_tensor(m, 1, hd, 1, false, "model.layers.%lld.self_attn.q_norm.weight", (long long)l);
+            add_tensor(m, 1, hd, 1, false, "model.layers.%lld.self_attn.k_norm.weight", (long long)l);
+        }
         if (table) m->moe_off[i].router = m->n_params;
         m->n_params += lc->n_experts * C;
         if (table) m->moe_off[i].shared = m->n_params;
@@ -302,7 +316,7 @@ static moe_layer_memory moe_memory(moe_model *m, int64_t i) {
 /* Copies the MoE layer's own views into the table under the HF prefix;
  * layer is the stage's index of the layer. */
 static void name_moe_tensors(moe_model *m, int64_t layer) {
-    moe_model_tensor *t = &m->tensors[m->layer_first[layer] + MOE_FIRST];
+    moe_model_tensor *t = &m->tensors[m->layer_first[layer] + moe_first(&m->cfg)];
     for (int64_t i = 0; i < moe_layer_tensor_count(m->moe[layer]); i++, t++) {
         moe_tensor_view v;
         moe_layer_tensor(m->moe[layer], i, &v);
@@ -314,7 +328,7 @@ static void name_moe_tensors(moe_model *m, int64_t layer) {
         t->offset = v.param - m->params;
         t->decay = true;
         /* Router, then experts by global id, then shared, as in one rank's table. */
-        const int64_t base = m->tensors[m->layer_first[layer] + MOE_FIRST - 1].init_stream + 1;
+        const int64_t base = m->tensors[m->layer_first[layer] + moe_first(&m->cfg) - 1].init_stream + 1;
         const int64_t n_local = m->cfg.num_local_experts / m->ep_size, E = m->cfg.num_local_experts;
         t->init_stream = i == 0 ? base
                          : i <= 3 * n_local ? base + 1 + 3 * (m->ep_rank * n_local) + (i - 1)
@@ -371,6 +385,12 @@ static int layer_entries(moe_model *m, arena_entry *table, layer_acts *a, bool k
         table[n++] = (arena_entry){(void **)&a->k, N * kvdim * f};
         table[n++] = (arena_entry){(void **)&a->v, N * kvdim * f};
     }
+    if (c->moe_qk_norm) {
+        table[n++] = (arena_entry){(void **)&a->q_raw, N * qdim * f};
+        table[n++] = (arena_entry){(void **)&a->k_raw, N * kvdim * f};
+        table[n++] = (arena_entry){(void **)&a->rstd_q, N * c->num_attention_heads * f};
+        table[n++] = (arena_entry){(void **)&a->rstd_k, N * c->num_key_value_heads * f};
+    }
     table[n++] = (arena_entry){(void **)&a->att, attn * f};
     table[n++] = (arena_entry){(void **)&a->atty, N * qdim * f};
     table[n++] = (arena_entry){(void **)&a->x_mid, N * C * f};
@@ -404,7 +424,7 @@ static moe_status build_arena(moe_model *m) {
     const int64_t attn = m->B * c->num_attention_heads * m->T * m->T;
     const int64_t f = sizeof(float);
     m->acts = calloc((size_t)L, sizeof *m->acts);
-    int n_entries = 12 * (int)L + 32;
+    int n_entries = 16 * (int)L + 40;
     arena_entry *table = calloc((size_t)n_entries, sizeof *table);
     if (!m->acts || !table) {
         free(table);
@@ -459,8 +479,16 @@ static moe_status build_arena(moe_model *m) {
     table[n++] = (arena_entry){(void **)&m->dv, rows * kvdim * f};
     table[n++] = (arena_entry){(void **)&m->datty, rows * qdim * f};
     table[n++] = (arena_entry){(void **)&m->datt, m->inference ? c->num_attention_heads * m->T * f : attn * f};
+    table[n++] = (arena_entry){(void **)&m->dqk_raw, c->moe_qk_norm && !m->inference ? rows * (qdim + kvdim) * f : 0};
     table[n++] = (arena_entry){(void **)&m->sumsq, 2 * (int64_t)sizeof(double)};
-    table[n++] = (arena_entry){&m->norm_scratch, m->inference ? 0 : (int64_t)m->ops->rmsnorm_scratch_bytes(N, C)};
+    /* Every norm's backward: the layers', the head's, and q's and k's. */
+    int64_t norm_scratch = m->inference ? 0 : (int64_t)m->ops->rmsnorm_scratch_bytes(N, C);
+    for (int qk = 0; !m->inference && c->moe_qk_norm && qk < 2; qk++) {
+        const int64_t heads = qk ? c->num_key_value_heads : c->num_attention_heads;
+        const int64_t bytes = (int64_t)m->ops->rmsnorm_scratch_bytes(N * heads, hd);
+        norm_scratch = bytes > norm_scratch ? bytes : norm_scratch;
+    }
+    table[n++] = (arena_entry){&m->norm_scratch, norm_scratch};
     /* Under recomputation and inference the layers' one set is shared too
      * (it holds no instance's state between a forward and its backward, or
      * past the forward): inference's with the input, whose layers each read
@@ -1048,15 +1076,23 @@ moe_status moe_model_check_batch(const moe_model *m, const int32_t *inputs, cons
 
 /* Layer l's forward over n rows of the residual stream x, in two halves
  * around the attention, which differs between a batch (layer_forward) and
- * a decoding step (moe_model_decode): ln = norm(x) and its q, k, v ... */
+ * a decoding step (moe_model_decode): ln = norm(x) and its q, k, v, which
+ * under moe_qk_norm are the projections (into a's q_raw, k_raw) normalised
+ * head by head (their rstds into a's) ... */
 static void attention_inputs(moe_model *m, int64_t l, int64_t n, const float *x, float *ln, float *rstd, float *q,
-                             float *k, float *v) {
+                             float *k, float *v, const layer_acts *a) {
     const moe_model_config *c = &m->cfg;
     const int64_t t0 = m->layer_first[l], C = c->hidden_size, hd = c->head_dim;
-    m->ops->rmsnorm_forward(ln, rstd, x, param(m, t0 + LN1), (float)c->rms_norm_eps, n, C);
-    m->ops->matmul_forward(q, ln, param(m, t0 + WQ), n, C, c->num_attention_heads * hd);
-    m->ops->matmul_forward(k, ln, param(m, t0 + WK), n, C, c->num_key_value_heads * hd);
-    m->ops->matmul_forward(v, ln, param(m, t0 + WV), n, C, c->num_key_value_heads * hd);
+    const int64_t Hq = c->num_attention_heads, Hkv = c->num_key_value_heads;
+    const float eps = (float)c->rms_norm_eps;
+    const bool qk_norm = c->moe_qk_norm;
+    m->ops->rmsnorm_forward(ln, rstd, x, param(m, t0 + LN1), eps, n, C);
+    m->ops->matmul_forward(qk_norm ? a->q_raw : q, ln, param(m, t0 + WQ), n, C, Hq * hd);
+    m->ops->matmul_forward(qk_norm ? a->k_raw : k, ln, param(m, t0 + WK), n, C, Hkv * hd);
+    m->ops->matmul_forward(v, ln, param(m, t0 + WV), n, C, Hkv * hd);
+    if (!qk_norm) return;
+    m->ops->rmsnorm_forward(q, a->rstd_q, a->q_raw, param(m, t0 + QNORM), eps, n * Hq, hd);
+    m->ops->rmsnorm_forward(k, a->rstd_k, a->k_raw, param(m, t0 + KNORM), eps, n * Hkv, hd);
 }
 
 /* ... then x_mid = x + o(atty), ln = norm(x_mid), y = moe(ln), and unless
@@ -1084,7 +1120,7 @@ static moe_status layer_forward(moe_model *m, int64_t l, float *out, moe_layer_s
     m->jitter_at[l] = moe_layer_jitter_counter(m->moe[l]);
     base_of(m)->holder = m;
     base_of(m)->holder_layer = l;
-    attention_inputs(m, l, N, a->x, a->ln1, a->rstd1, a->q, a->k, a->v);
+    attention_inputs(m, l, N, a->x, a->ln1, a->rstd1, a->q, a->k, a->v, a);
     m->ops->rope_forward(a->q, m->cos_t, m->sin_t, B, T, Hq, hd);
     m->ops->rope_forward(a->k, m->cos_t, m->sin_t, B, T, Hkv, hd);
     m->ops->attention_forward(a->atty, a->att, a->q, a->k, a->v, B, T, Hq, Hkv, hd, c->sliding_window);
@@ -1283,7 +1319,7 @@ moe_status moe_model_decode(moe_model *m, int64_t n, const int64_t *row, const i
     ops->embedding_forward(x, m->inputs, param(m, 0), n, C);
     for (int64_t l = 0; l < m->nl; l++) {
         const layer_acts *a = &m->acts[l];
-        attention_inputs(m, l, n, x, ln, a->rstd1, q, k, v);
+        attention_inputs(m, l, n, x, ln, a->rstd1, q, k, v, a);
         for (int64_t i = 0; i < n; i++) {
             const int64_t at = row[i] * T, half = pos[i] * hd / 2; /* the row's cache; its position's rotation */
             ops->rope_forward(q + i * qdim, m->cos_t + half, m->sin_t + half, 1, 1, Hq, hd);
@@ -1410,9 +1446,19 @@ moe_status moe_model_stage_backward(moe_model *m, int chunk, const float *dy, fl
                                 c->sliding_window);
         ops->rope_backward(m->dq, m->cos_t, m->sin_t, B, T, Hq, hd);
         ops->rope_backward(m->dk, m->cos_t, m->sin_t, B, T, Hkv, hd);
+        float *dq = m->dq, *dk = m->dk; /* the projections' gradients */
+        if (c->moe_qk_norm) {
+            dq = m->dqk_raw;
+            dk = m->dqk_raw + N * Hq * hd;
+            ops->zero(m->dqk_raw, (size_t)(N * (Hq + Hkv) * hd) * sizeof(float));
+            ops->rmsnorm_backward(dq, grad(m, t0 + QNORM), m->dq, a->q_raw, param(m, t0 + QNORM), a->rstd_q,
+                                  m->norm_scratch, N * Hq, hd);
+            ops->rmsnorm_backward(dk, grad(m, t0 + KNORM), m->dk, a->k_raw, param(m, t0 + KNORM), a->rstd_k,
+                                  m->norm_scratch, N * Hkv, hd);
+        }
         ops->zero(m->dln, (size_t)(N * C) * sizeof(float));
-        ops->matmul_backward(m->dln, grad(m, t0 + WQ), m->dq, a->ln1, param(m, t0 + WQ), N, C, Hq * hd);
-        ops->matmul_backward(m->dln, grad(m, t0 + WK), m->dk, a->ln1, param(m, t0 + WK), N, C, Hkv * hd);
+        ops->matmul_backward(m->dln, grad(m, t0 + WQ), dq, a->ln1, param(m, t0 + WQ), N, C, Hq * hd);
+        ops->matmul_backward(m->dln, grad(m, t0 + WK), dk, a->ln1, param(m, t0 + WK), N, C, Hkv * hd);
         ops->matmul_backward(m->dln, grad(m, t0 + WV), m->dv, a->ln1, param(m, t0 + WV), N, C, Hkv * hd);
         ops->rmsnorm_backward(m->dres, grad(m, t0 + LN1), m->dln, a->x, param(m, t0 + LN1), a->rstd1,
                               m->norm_scratch, N, C);

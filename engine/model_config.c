@@ -84,6 +84,7 @@ static const field fields[] = {
     FIELD(bos_token_id, F_TOKEN_IDS, false, 0),
     FIELD(eos_token_id, F_TOKEN_IDS, false, 0),
     FIELD(pad_token_id, F_TOKEN_IDS, false, 0),
+    FIELD(moe_qk_norm, F_BOOL, false, 0),
     FIELD(moe_gate, F_GATE, false, MOE_GATE_SOFTMAX_TOPK),
     FIELD(moe_renormalize, F_BOOL, false, 1),
     FIELD(moe_capacity_factor, F_REAL, false, 0.0),
@@ -111,13 +112,44 @@ static const char *const checked_keys[] = {
     "num_experts", "original_max_position_embeddings", "partial_rotary_factor",
 };
 
+/* Qwen3MoeConfig's keys beyond Mixtral's, read in a qwen3_moe file only
+ * (in another an unknown key, as before); QWEN_KEY_BIT(k) marks one given. */
+enum {
+    QWEN_MOE_INTERMEDIATE, QWEN_NORM_TOPK, QWEN_SPARSE_STEP, QWEN_MLP_ONLY, QWEN_USE_WINDOW, QWEN_ATTENTION_BIAS,
+    QWEN_MAX_WINDOW_LAYERS, N_QWEN_KEYS
+};
+static const char *const qwen_keys[N_QWEN_KEYS] = {
+    [QWEN_MOE_INTERMEDIATE] = "moe_intermediate_size", [QWEN_NORM_TOPK] = "norm_topk_prob",
+    [QWEN_SPARSE_STEP] = "decoder_sparse_step",        [QWEN_MLP_ONLY] = "mlp_only_layers",
+    [QWEN_USE_WINDOW] = "use_sliding_window",          [QWEN_ATTENTION_BIAS] = "attention_bias",
+    [QWEN_MAX_WINDOW_LAYERS] = "max_window_layers",
+};
+#define QWEN_KEY_BIT(k) (1u << (k))
+
+/* Qwen3MoeConfig's defaults where they differ from MixtralConfig's. */
+static const struct {
+    const char *key;
+    double def;
+} qwen_defaults[] = {
+    {"num_key_value_heads", 4}, {"max_position_embeddings", 32768}, {"rope_theta", 1e4},
+    {"rms_norm_eps", 1e-6},     {"moe_renormalize", 0} /* norm_topk_prob */, {"moe_qk_norm", 1},
+};
+
 /* model_type and architectures: transformers' Mixtral when it computes what
  * our model computes, else a type transformers refuses rather than load as
  * Mixtral and give other outputs (moe_model_config_save). */
 #define MODEL_TYPE_MIXTRAL "mixtral"
 #define ARCH_MIXTRAL "MixtralForCausalLM"
+#define MODEL_TYPE_QWEN3 "qwen3_moe"
+#define ARCH_QWEN3 "Qwen3MoeForCausalLM"
 #define MODEL_TYPE_OURS "moe"
 #define ARCH_OURS "MoeForCausalLM"
+
+/* Which transformers model computes what this model computes, if any
+ * (family_of): the model_type and architecture a saved config names. */
+typedef enum family { FAMILY_MIXTRAL, FAMILY_QWEN3, FAMILY_OURS, N_FAMILIES } family;
+static const char *const family_types[N_FAMILIES] = {MODEL_TYPE_MIXTRAL, MODEL_TYPE_QWEN3, MODEL_TYPE_OURS};
+static const char *const family_archs[N_FAMILIES] = {ARCH_MIXTRAL, ARCH_QWEN3, ARCH_OURS};
 
 static const char *const gate_names[] = {
     [MOE_GATE_SOFTMAX_TOPK] = "softmax_topk",
@@ -517,6 +549,10 @@ typedef struct other_values {
     double partial;            /* a top-level partial_rotary_factor; NaN: not given */
     bool has_num_experts;
     int64_t num_experts; /* transformers' alias of num_local_experts */
+    bool qwen3;          /* model_type "qwen3_moe" */
+    unsigned qwen_given; /* QWEN_KEY_BIT of each of qwen_keys given (not null) */
+    int64_t qwen_int[N_QWEN_KEYS]; /* the integer keys' values */
+    bool qwen_bool[N_QWEN_KEYS];   /* the boolean keys'; mlp_only_layers: it lists a layer */
 } other_values;
 
 #define OTHER_VALUES_INIT                                                                                              \
@@ -634,7 +670,32 @@ static moe_status check_other(const char *key, const moe_json *v, other_values *
     }
     /* transformers' ACT2FN computes "swish" as nn.SiLU. */
     if (strcmp(key, "hidden_act") == 0) return require_string(name, key, v, "silu", "swish");
-    if (strcmp(key, "model_type") == 0) return require_string(name, key, v, MODEL_TYPE_MIXTRAL, MODEL_TYPE_OURS);
+    if (strcmp(key, "model_type") == 0) {
+        const char *text;
+        MOE_TRY(string_text(&text, name, key, v));
+        if (text && listed(text, family_types, N_FAMILIES)) return MOE_OK;
+        return moe_error(MOE_ERR_CONFIG, "%s: model_type=%s is not supported (only \"%s\", \"%s\" or \"%s\")", name,
+                         describe(got, sizeof got, v), family_types[0], family_types[1], family_types[2]);
+    }
+    for (int k = 0; k < N_QWEN_KEYS; k++) {
+        if (strcmp(key, qwen_keys[k]) != 0) continue;
+        o->qwen_given |= QWEN_KEY_BIT(k);
+        if (k == QWEN_MLP_ONLY) {
+            if (v->type != MOE_JSON_ARRAY) return wrong_type(name, key, "a list of layer numbers", v);
+            for (size_t i = 0; i < v->array.count; i++) {
+                char item[64];
+                snprintf(item, sizeof item, "%s[%zu]", key, i);
+                MOE_TRY(read_int(&o->qwen_int[k], name, item, "an integer", &v->array.items[i]));
+            }
+            o->qwen_bool[k] = v->array.count > 0;
+        } else if (k == QWEN_NORM_TOPK || k == QWEN_USE_WINDOW || k == QWEN_ATTENTION_BIAS) {
+            if (v->type != MOE_JSON_BOOL) return wrong_type(name, key, "true or false", v);
+            o->qwen_bool[k] = v->boolean;
+        } else {
+            MOE_TRY(read_int(&o->qwen_int[k], name, key, "an integer", v));
+        }
+        return MOE_OK;
+    }
     if (strcmp(key, "attention_dropout") == 0) {
         if (v->type != MOE_JSON_NUMBER) return wrong_type(name, key, "a number", v);
         if (v->number.value != 0.0)
@@ -649,7 +710,8 @@ static moe_status check_other(const char *key, const moe_json *v, other_values *
 static moe_status read_other(const moe_json_member *m, other_values *o, const char *name, moe_warn_fn wfn,
                              void *wctx) {
     if (listed(m->key, ignored_keys, sizeof ignored_keys / sizeof *ignored_keys)) return MOE_OK;
-    if (!listed(m->key, checked_keys, sizeof checked_keys / sizeof *checked_keys)) {
+    if (!listed(m->key, checked_keys, sizeof checked_keys / sizeof *checked_keys) &&
+        !(o->qwen3 && listed(m->key, qwen_keys, N_QWEN_KEYS))) {
         warn(wfn, wctx, "%s: unknown key '%.100s' ignored", name, m->key);
         return MOE_OK;
     }
@@ -680,6 +742,10 @@ static moe_status read_keys(moe_model_config *cfg, given *state, other_values *o
     if (root->type != MOE_JSON_OBJECT)
         return moe_error(MOE_ERR_CONFIG, "%s: top level is a JSON %s, not an object", name,
                          moe_json_type_name(root->type));
+    /* The type first: which keys a file may have depends on it. */
+    const moe_json *type = moe_json_get(root, "model_type");
+    const char *type_text = type ? moe_json_text(type) : NULL;
+    o->qwen3 = type_text && strcmp(type_text, MODEL_TYPE_QWEN3) == 0;
     for (size_t i = 0; i < root->object.count; i++) {
         const moe_json_member *m = &root->object.members[i];
         if (strlen(m->key) != m->key_len)
@@ -706,11 +772,67 @@ static moe_status check_kv_heads(const char *name, int64_t heads, int64_t kv_hea
                      name, (long long)heads, (long long)kv_heads, note);
 }
 
+/* A qwen3_moe file's own keys, before the defaults: the experts' width is
+ * moe_intermediate_size (intermediate_size is its dense MLP's, which a
+ * model of MoE layers only has not). */
+static moe_status read_qwen_sizes(moe_model_config *cfg, given *state, const other_values *o, const char *name) {
+    if (!o->qwen3) return MOE_OK;
+    if (!(o->qwen_given & QWEN_KEY_BIT(QWEN_MOE_INTERMEDIATE)))
+        return moe_error(MOE_ERR_CONFIG, "%s: missing required key 'moe_intermediate_size' (model_type qwen3_moe: "
+                                         "the experts' width)",
+                         name);
+    cfg->intermediate_size = o->qwen_int[QWEN_MOE_INTERMEDIATE];
+    state[field_index("intermediate_size")] = GIVEN;
+    return MOE_OK;
+}
+
+/* A qwen3_moe file's defaults and keys, after Mixtral's defaults: what
+ * transformers' Qwen3MoeConfig and Qwen3MoeForCausalLM make of them, or a
+ * refusal of what this model does not compute. */
+static moe_status read_qwen_function(moe_model_config *cfg, const given *state, const other_values *o,
+                                     const char *name) {
+    for (size_t d = 0; d < sizeof qwen_defaults / sizeof *qwen_defaults; d++) {
+        const size_t f = field_index(qwen_defaults[d].key);
+        if (state[f] == GIVEN) continue;
+        field def = fields[f];
+        def.def = qwen_defaults[d].def;
+        set_default(cfg, &def);
+    }
+    if (state[field_index("moe_qk_norm")] == GIVEN && !cfg->moe_qk_norm)
+        return moe_error(MOE_ERR_CONFIG, "%s: moe_qk_norm=false, and model_type qwen3_moe normalises q and k", name);
+    cfg->moe_qk_norm = true;
+    if (o->qwen_given & QWEN_KEY_BIT(QWEN_NORM_TOPK)) {
+        const bool norm = o->qwen_bool[QWEN_NORM_TOPK];
+        if (state[field_index("moe_renormalize")] == GIVEN && cfg->moe_renormalize != norm)
+            return moe_error(MOE_ERR_CONFIG, "%s: norm_topk_prob=%s disagrees with moe_renormalize=%s", name,
+                             norm ? "true" : "false", cfg->moe_renormalize ? "true" : "false");
+        cfg->moe_renormalize = norm;
+    }
+    /* Layer l is an MoE layer when (l + 1) % decoder_sparse_step == 0 and
+     * mlp_only_layers does not list it. */
+    const int64_t step = o->qwen_int[QWEN_SPARSE_STEP];
+    if ((o->qwen_given & QWEN_KEY_BIT(QWEN_SPARSE_STEP)) && step != 1)
+        return moe_error(MOE_ERR_CONFIG, "%s: decoder_sparse_step=%lld is not supported (only 1: dense MLP layers "
+                                         "between the MoE layers are not implemented)",
+                         name, (long long)step);
+    if (o->qwen_bool[QWEN_MLP_ONLY])
+        return moe_error(MOE_ERR_CONFIG, "%s: mlp_only_layers lists layers, which would be dense MLPs: not "
+                                         "implemented (only [])",
+                         name);
+    if (o->qwen_bool[QWEN_ATTENTION_BIAS])
+        return moe_error(MOE_ERR_CONFIG, "%s: attention_bias=true is not supported (q, k, v and o have no biases)",
+                         name);
+    /* Qwen3MoeConfig keeps sliding_window only under use_sliding_window. */
+    if (!o->qwen_bool[QWEN_USE_WINDOW]) cfg->sliding_window = 0;
+    return MOE_OK;
+}
+
 /* Defaults for the fields not given, including those computed from others,
- * as transformers' MixtralConfig fills them. */
+ * as transformers' MixtralConfig (or Qwen3MoeConfig) fills them. */
 static moe_status fill_defaults(moe_model_config *cfg, given *state, const other_values *o, const char *name,
                                 moe_warn_fn wfn, void *wctx) {
     const size_t experts = field_index("num_local_experts");
+    MOE_TRY(read_qwen_sizes(cfg, state, o, name));
     if (o->has_num_experts) {
         /* transformers' attribute_map reads num_experts as num_local_experts. */
         if (state[experts] == GIVEN && cfg->num_local_experts != o->num_experts)
@@ -729,6 +851,7 @@ static moe_status fill_defaults(moe_model_config *cfg, given *state, const other
         if (fields[f].required) return moe_error(MOE_ERR_CONFIG, "%s: missing required key '%s'", name, fields[f].key);
         if (fields[f].def != DERIVED) set_default(cfg, &fields[f]);
     }
+    if (o->qwen3) MOE_TRY(read_qwen_function(cfg, state, o, name));
     const double top_theta = state[field_index("rope_theta")] == GIVEN ? cfg->rope_theta : NAN;
     MOE_TRY(resolve_rope(&cfg->rope_theta, &cfg->rope_scaling, o, top_theta, cfg->max_position_embeddings, name, wfn,
                          wctx));
@@ -999,16 +1122,19 @@ static moe_status write_text_line(void *ctx, FILE *file) {
     return moe_file_write_bytes(file, "\n", 1);
 }
 
-/* Whether transformers' Mixtral computes what this model computes: every
- * moe_* key that changes the outputs at the value that makes the layer
- * Mixtral's. The loss-only keys (router_aux_loss_coef, moe_z_loss_coef,
- * moe_seq_aux_loss_coef, and router_jitter_noise, which perturbs training
- * only) leave it Mixtral; moe_bias_update_rate > 0 does not, as the saved
- * selection bias moves the routing. */
-static bool is_mixtral(const moe_model_config *c) {
-    return c->moe_gate == MOE_GATE_SOFTMAX_TOPK && c->moe_renormalize && c->moe_capacity_factor == 0.0 &&
-           c->moe_n_shared_experts == 0 && c->moe_bias_update_rate == 0.0 && c->moe_n_group <= 1 &&
-           c->moe_routed_scaling_factor == 1.0;
+/* Mixtral's and Qwen3-MoE's routing is every moe_* key that changes the
+ * outputs at the value that makes the layer theirs (Mixtral's renormalises
+ * the k weights; Qwen3-MoE's under norm_topk_prob). The loss-only keys
+ * (router_aux_loss_coef, moe_z_loss_coef, moe_seq_aux_loss_coef, and
+ * router_jitter_noise, which perturbs training only) leave it theirs;
+ * moe_bias_update_rate > 0 does not, as the saved selection bias moves
+ * the routing. */
+static family family_of(const moe_model_config *c) {
+    const bool routing = c->moe_gate == MOE_GATE_SOFTMAX_TOPK && c->moe_capacity_factor == 0.0 &&
+                         c->moe_n_shared_experts == 0 && c->moe_bias_update_rate == 0.0 && c->moe_n_group <= 1 &&
+                         c->moe_routed_scaling_factor == 1.0;
+    if (routing && c->moe_qk_norm) return FAMILY_QWEN3;
+    return routing && c->moe_renormalize ? FAMILY_MIXTRAL : FAMILY_OURS;
 }
 
 /* A token id key's value as it was read: null, an integer or a list. */
@@ -1025,15 +1151,18 @@ static void write_token_ids(moe_json_writer *w, const moe_token_ids *t) {
 }
 
 /* The config as moe_model_config_save writes it, into w (initialised). */
+const char *moe_model_config_model_type(const moe_model_config *cfg) { return family_types[family_of(cfg)]; }
+
 static void render(const moe_model_config *cfg, moe_json_writer *w) {
-    const bool mixtral = is_mixtral(cfg);
+    const family fam = family_of(cfg);
+    const bool qwen3 = fam == FAMILY_QWEN3;
     moe_json_begin_object(w);
     moe_json_key(w, "architectures");
     moe_json_begin_array(w);
-    moe_json_string(w, mixtral ? ARCH_MIXTRAL : ARCH_OURS);
+    moe_json_string(w, family_archs[fam]);
     moe_json_end_array(w);
     moe_json_key(w, "model_type");
-    moe_json_string(w, mixtral ? MODEL_TYPE_MIXTRAL : MODEL_TYPE_OURS);
+    moe_json_string(w, family_types[fam]);
     moe_json_key(w, "hidden_act");
     moe_json_string(w, "silu");
     moe_json_key(w, "torch_dtype");
@@ -1042,7 +1171,23 @@ static void render(const moe_model_config *cfg, moe_json_writer *w) {
         if (fields[f].kind == F_TOKEN_IDS &&
             ((const moe_token_ids *)field_cptr(cfg, &fields[f]))->form == MOE_TOKEN_ID_ABSENT)
             continue; /* as read: a reader takes its model type's default */
-        moe_json_key(w, fields[f].key);
+        /* Written where it says something a model type does not: a
+         * configuration without it renders as before it existed. */
+        if (fields[f].offset == offsetof(moe_model_config, moe_qk_norm) && (qwen3 || !cfg->moe_qk_norm)) continue;
+        const size_t offset = fields[f].offset;
+        /* transformers v4's Qwen3MoeConfig takes num_experts alone (v5 reads
+         * it as num_local_experts); its intermediate_size is a dense MLP's,
+         * unused, written as the experts' for a reader that wants one. */
+        if (qwen3 && offset == offsetof(moe_model_config, intermediate_size)) {
+            moe_json_key(w, qwen_keys[QWEN_MOE_INTERMEDIATE]);
+            moe_json_int(w, cfg->intermediate_size);
+        }
+        if (qwen3 && offset == offsetof(moe_model_config, sliding_window)) {
+            moe_json_key(w, qwen_keys[QWEN_USE_WINDOW]);
+            moe_json_bool(w, cfg->sliding_window > 0);
+        }
+        moe_json_key(w, qwen3 && offset == offsetof(moe_model_config, num_local_experts) ? "num_experts"
+                                                                                          : fields[f].key);
         switch (fields[f].kind) {
         case F_INT: moe_json_int(w, *(const int64_t *)field_cptr(cfg, &fields[f])); break;
         case F_REAL: moe_json_number(w, *(const double *)field_cptr(cfg, &fields[f])); break;
@@ -1058,6 +1203,17 @@ static void render(const moe_model_config *cfg, moe_json_writer *w) {
         }
         case F_TOKEN_IDS: write_token_ids(w, field_cptr(cfg, &fields[f])); break;
         }
+    }
+    if (qwen3) {
+        moe_json_key(w, qwen_keys[QWEN_NORM_TOPK]);
+        moe_json_bool(w, cfg->moe_renormalize);
+        moe_json_key(w, qwen_keys[QWEN_SPARSE_STEP]);
+        moe_json_int(w, 1);
+        moe_json_key(w, qwen_keys[QWEN_MLP_ONLY]);
+        moe_json_begin_array(w);
+        moe_json_end_array(w);
+        moe_json_key(w, qwen_keys[QWEN_ATTENTION_BIAS]);
+        moe_json_bool(w, false);
     }
     /* As transformers v4 writes a scaled RoPE, which v5 reads as its
      * rope_parameters; every parameter of the type explicit. */

@@ -1,14 +1,21 @@
 /* model_config.h: the model's shape and routing policy, read from and written
  * to a Hugging Face Mixtral config.json (DESIGN.md 6) plus our own "moe_*"
  * keys for what Mixtral lacks. Every key means what transformers'
- * MixtralConfig makes of it.
+ * MixtralConfig makes of it. A "qwen3_moe" file is read as transformers'
+ * Qwen3MoeConfig: its experts' width from moe_intermediate_size, its own
+ * defaults (num_key_value_heads 4, max_position_embeddings 32768,
+ * rope_theta 1e4, rms_norm_eps 1e-6, norm_topk_prob false), q and k
+ * normalised per head (moe_qk_norm), sliding_window only under
+ * use_sliding_window; every layer an MoE layer (decoder_sparse_step 1, no
+ * mlp_only_layers) and no attention biases, or it is refused.
  *
  * Reading: a key we know but do not use (architectures, torch_dtype,
  * use_cache, ...) is accepted silently; an unknown key is ignored with a
  * warning passed to the caller's callback (the library never prints). Keys
  * that would change the model in ways we do not implement are errors
  * (hidden_act other than "silu" or "swish", which
- * transformers computes as silu, model_type other than "mixtral" or "moe",
+ * transformers computes as silu, model_type other than "mixtral", "qwen3_moe"
+ * or "moe",
  * a rope_type other than "default", "linear", "llama3", "yarn" or "dynamic", a
  * partial_rotary_factor other than 1). A wrong type or an
  * impossible value is an error naming the file, the key and the value, and
@@ -28,9 +35,12 @@
  * moe_capacity_factor, moe_n_shared_experts, moe_bias_update_rate 0,
  * moe_n_group 0 or 1, moe_routed_scaling_factor 1 (the loss-only keys
  * router_aux_loss_coef, moe_z_loss_coef, moe_seq_aux_loss_coef and
- * router_jitter_noise may take any value). Otherwise "model_type": "moe" and
- * ["MoeForCausalLM"], which transformers refuses rather than load as
- * Mixtral and give other outputs; this library reads both. */
+ * router_jitter_noise may take any value) and moe_qk_norm false; with
+ * moe_qk_norm true and the same routing (moe_renormalize either way)
+ * "qwen3_moe" and ["Qwen3MoeForCausalLM"], with Qwen3's keys. Otherwise
+ * "model_type": "moe" and ["MoeForCausalLM"], which transformers refuses
+ * rather than load as a model that gives other outputs; this library reads
+ * all three. */
 #ifndef MOE_ENGINE_MODEL_CONFIG_H
 #define MOE_ENGINE_MODEL_CONFIG_H
 
@@ -132,6 +142,10 @@ typedef struct moe_model_config {
      * tensor, which a checkpoint holds once, as transformers saves it. */
     bool tie_word_embeddings;
     moe_token_ids bos_token_id, eos_token_id, pad_token_id; /* as read; absent by default */
+    /* Qwen3's q_norm and k_norm: RMSNorm over each head of q and of k (one
+     * head_dim weight each, shared by the heads), before RoPE (default
+     * false; true in a qwen3_moe file). */
+    bool moe_qk_norm;
     /* Ours (moe_layer_config in moe.h says what each does). */
     moe_gate_kind moe_gate;       /* "softmax_topk" (default), "topk_softmax", "sigmoid" */
     bool moe_renormalize;         /* default true */
@@ -211,6 +225,10 @@ moe_status moe_model_config_validate(const moe_model_config *cfg, const char *na
  * out when absent, which a reader then takes as its model type's default);
  * loading it gives back an equal struct. */
 moe_status moe_model_config_save(const moe_model_config *cfg, const char *path);
+
+/* The model_type moe_model_config_save writes for cfg: "mixtral",
+ * "qwen3_moe" or "moe"; a checkpoint's tensors take that type's names. */
+const char *moe_model_config_model_type(const moe_model_config *cfg);
 
 /* The CRC-32C of the bytes moe_model_config_save writes for cfg: two
  * configs that read alike have the same, however their files were laid out. */

@@ -533,7 +533,11 @@ static void field_text(char *buf, size_t size, const moe_agree_field *f, double 
  * reader's own rules (moe_model_config_check_function_keys): a RoPE type
  * it does not implement and an activation other than SiLU are refused;
  * rope_theta is compared wherever it is written, top level or in
- * rope_parameters, and so is the RoPE scaling.
+ * rope_parameters, and so is the RoPE scaling. A qwen3 model normalises
+ * q and k (the MoE must too: moe_qk_norm), its sliding_window counts only
+ * under use_sliding_window, as Qwen3's reader has it, and attention biases
+ * (attention_bias true) and layers of other attention than the rest
+ * (layer_types other than "full_attention") are refused, as moe has none.
  * The token ids --config does not give are taken from the dense model's. */
 static moe_status check_dense_config(moe_model_config *moe, const moe_run_options *o) {
     char path[RUN_PATH_BYTES];
@@ -584,10 +588,42 @@ static moe_status check_dense_config(moe_model_config *moe, const moe_run_option
                                        "start from the dense model's function",
                        path, dense, o->config, mine);
     }
+    const moe_json *type = moe_json_get(root, "model_type");
+    const bool qk_norm = type && moe_json_text(type) && strcmp(moe_json_text(type), "qwen3") == 0;
+    if (st == MOE_OK && qk_norm != moe->moe_qk_norm)
+        st = moe_error(MOE_ERR_CONFIG, "--upcycle: %s is %s, and --config %s %s: the MoE would not start from the "
+                                       "dense model's function",
+                       path, qk_norm ? "a qwen3 model, whose attention normalises q and k" : "no qwen3 model (its "
+                                                                                             "attention does not "
+                                                                                             "normalise q and k)",
+                       o->config, qk_norm ? "does not (model_type qwen3_moe does)" : "does");
+    const moe_json *bias = moe_json_get(root, "attention_bias");
+    if (st == MOE_OK && bias && bias->type == MOE_JSON_BOOL && bias->boolean)
+        st = moe_error(MOE_ERR_CONFIG, "--upcycle: %s has attention_bias true: q, k, v and o have no biases here",
+                       path);
+    const moe_json *kinds = moe_json_get(root, "layer_types");
+    for (size_t i = 0; st == MOE_OK && kinds && kinds->type == MOE_JSON_ARRAY && i < kinds->array.count; i++) {
+        const char *kind = moe_json_text(&kinds->array.items[i]);
+        if (!kind || strcmp(kind, "full_attention") != 0)
+            st = moe_error(MOE_ERR_CONFIG, "--upcycle: %s: layer_types[%zu] is not \"full_attention\": layers of "
+                                           "another attention than the rest are not implemented",
+                           path, i);
+    }
+    const moe_json *use_window = moe_json_get(root, "use_sliding_window");
+    const bool window_unused = use_window && use_window->type == MOE_JSON_BOOL && !use_window->boolean;
     for (size_t k = 0; st == MOE_OK && k < sizeof shared / sizeof *shared; k++) {
+        const bool window = strcmp(shared[k].key, "sliding_window") == 0;
+        if (window && window_unused) {
+            if (moe->sliding_window > 0)
+                st = moe_error(MOE_ERR_CONFIG, "--upcycle: %s has use_sliding_window false, and --config %s has "
+                                               "sliding_window=%lld: the MoE would not start from the dense model's "
+                                               "function",
+                               path, o->config, (long long)moe->sliding_window);
+            continue;
+        }
         const moe_json *v = moe_json_get(root, shared[k].key);
         if (v && shared[k].sub) v = moe_json_get(v, shared[k].sub); /* checked to be an object or null */
-        if (!v || (v->type == MOE_JSON_NULL && strcmp(shared[k].key, "sliding_window") != 0)) continue;
+        if (!v || (v->type == MOE_JSON_NULL && !window)) continue;
         int i = 0;
         while (i < n && strcmp(fields[i].name, shared[k].field) != 0) i++;
         const double dense = v->type == MOE_JSON_NULL ? 0.0 : v->type == MOE_JSON_NUMBER ? v->number.value : NAN;

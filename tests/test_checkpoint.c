@@ -490,6 +490,52 @@ Test(checkpoint, fused_layout_loads_like_per_expert, .init = make_tmpdir, .fini 
     free_run(&c);
 }
 
+/* A model that transformers' Qwen3-MoE computes (q and k normalised) is
+ * saved under that model's names: the router mlp.gate, expert E's w1, w3
+ * and w2 mlp.experts.E.gate_proj, up_proj and down_proj, the norms
+ * self_attn.q_norm and k_norm; and loads back bit for bit. Its file is no
+ * Mixtral's: a model without the norms refuses it, naming them. */
+Test(checkpoint, qwen3_moe_files_use_its_names, .init = make_tmpdir, .fini = remove_tmpdir) {
+    moe_model_config c = small_config(EXPERTS, 2);
+    c.moe_qk_norm = true;
+    run a = run_of(&c, 1), b = run_of(&c, 2);
+    moe_train_state s = scramble(&a, 5, 5);
+    char path[512];
+    save(path, sizeof path, tmpdir, &a, &s);
+    moe_st_file *f;
+    cr_assert_eq(moe_st_open(&f, in_dir(path, "model.safetensors")), MOE_OK, "%s", moe_last_error());
+    const float *p = moe_model_params(a.model);
+    const char *ours[][2] = {
+        {"model.layers.1.block_sparse_moe.gate.weight", "model.layers.1.mlp.gate.weight"},
+        {"model.layers.1.block_sparse_moe.experts.3.w1.weight", "model.layers.1.mlp.experts.3.gate_proj.weight"},
+        {"model.layers.1.block_sparse_moe.experts.3.w3.weight", "model.layers.1.mlp.experts.3.up_proj.weight"},
+        {"model.layers.0.block_sparse_moe.experts.0.w2.weight", "model.layers.0.mlp.experts.0.down_proj.weight"},
+        {"model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.q_norm.weight"},
+        {"model.layers.1.self_attn.k_norm.weight", "model.layers.1.self_attn.k_norm.weight"},
+    };
+    for (size_t i = 0; i < sizeof ours / sizeof *ours; i++) {
+        const moe_model_tensor *t = moe_model_find_tensor(a.model, ours[i][0]);
+        const moe_st_tensor *st = moe_st_find(f, ours[i][1]);
+        cr_assert(t != NULL && st != NULL, "%s as %s", ours[i][0], ours[i][1]);
+        cr_expect(st->nbytes == t->numel * (int64_t)sizeof(float) && memcmp(st->data, p + t->offset, (size_t)st->nbytes) == 0,
+                  "%s: not %s's bytes", ours[i][1], ours[i][0]);
+    }
+    for (int64_t i = 0; i < moe_st_tensor_count(f); i++)
+        cr_expect(strstr(moe_st_tensor_at(f, i)->name, "block_sparse_moe") == NULL, "%s",
+                  moe_st_tensor_at(f, i)->name);
+    cr_expect_eq(moe_st_tensor_count(f), moe_model_tensor_count(a.model));
+    moe_st_close(f);
+    load_weights(&b, path);
+    expect_bits(moe_model_params(b.model), moe_model_params(a.model), n_params(&a), "qwen3_moe names");
+
+    run mixtral = make_run(3, 0, 0);
+    expect_error(moe_checkpoint_load_weights(mixtral.model, path), "model.layers.0.self_attn.k_norm.weight",
+                 "not part of this model");
+    free_run(&mixtral);
+    free_run(&a);
+    free_run(&b);
+}
+
 /* A tied model's head is its embedding: saved once, as transformers saves
  * it. A file that also holds lm_head.weight loads when it is the
  * embedding's copy and is refused when it differs (an untied model's);

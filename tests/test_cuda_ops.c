@@ -1814,8 +1814,8 @@ Test(cuda, table_keeps_first_failure) {
     table_end();
 }
 
-/* The whole model (dense layers and MoE layers, capacity, shared experts
- * and router jitter on) on the CUDA table against the same model on the CPU table:
+/* The whole model (dense layers and MoE layers, q and k normalised per
+ * head, capacity, shared experts and router jitter on) on the CUDA table against the same model on the CPU table:
  * the engine's path to the device, not one op. Every op agrees to 1e-5 on
  * its own; composed over two layers, forward and backward, their different
  * summation orders add up, so the tolerance here is 1e-4 of each array's
@@ -1837,6 +1837,7 @@ Test(cuda, model_on_the_table) {
     cfg.router_aux_loss_coef = 0.01;
     cfg.moe_z_loss_coef = 0.001;
     cfg.router_jitter_noise = 0.01; /* the multiply op, both ways */
+    cfg.moe_qk_norm = true;          /* RMSNorm over rows of head_dim */
     enum { B = 2, T = 16, N = B * T };
     moe_model *host = NULL, *dev = NULL;
     CHECK(moe_model_create(&host, &cfg, B, T, 5));

@@ -22,8 +22,13 @@
 #define T 16
 #define SEED 7
 
-static moe_model *small_model_of(int64_t rows, double capacity_factor, int64_t sliding_window,
-                                  moe_model_parallel par) {
+/* What the attention of a test model does beyond plain causal attention. */
+typedef struct attention_kind {
+    int64_t sliding_window;
+    bool qk_norm; /* moe_qk_norm: q and k normalised per head (Qwen3-MoE's) */
+} attention_kind;
+
+static moe_model *small_model_of(int64_t rows, double capacity_factor, attention_kind attn, moe_model_parallel par) {
     moe_model_config cfg;
     moe_model_config_default_small(&cfg, VOCAB);
     cfg.hidden_size = 32;
@@ -31,7 +36,8 @@ static moe_model *small_model_of(int64_t rows, double capacity_factor, int64_t s
     cfg.intermediate_size = 48;
     cfg.num_hidden_layers = 2;
     cfg.moe_capacity_factor = capacity_factor;
-    cfg.sliding_window = sliding_window;
+    cfg.sliding_window = attn.sliding_window;
+    cfg.moe_qk_norm = attn.qk_norm;
     moe_model *m = NULL;
     cr_assert_eq(moe_model_create_parallel(&m, &cfg, rows, T, SEED, &par), MOE_OK, "%s", moe_last_error());
     /* Larger weights than the N(0, 0.02) start, so that the logits differ
@@ -43,7 +49,7 @@ static moe_model *small_model_of(int64_t rows, double capacity_factor, int64_t s
 }
 
 static moe_model *small_model(int64_t rows, double capacity_factor) {
-    return small_model_of(rows, capacity_factor, 0, (moe_model_parallel){0});
+    return small_model_of(rows, capacity_factor, (attention_kind){0}, (moe_model_parallel){0});
 }
 
 static void random_tokens(int32_t *tokens, int64_t n, uint64_t stream) {
@@ -196,7 +202,7 @@ Test(generate, last_logits_refused_after_a_backward) {
 Test(generate, a_recomputing_model_generates_the_same_rows) {
     int32_t rows[2][B * T];
     for (int recompute = 0; recompute < 2; recompute++) {
-        moe_model *m = small_model_of(B, 0.0, 0, (moe_model_parallel){.recompute = recompute});
+        moe_model *m = small_model_of(B, 0.0, (attention_kind){0}, (moe_model_parallel){.recompute = recompute});
         random_tokens(rows[recompute], B * T, 3);
         int64_t len[B] = {2, 6}, end[B] = {T, 11};
         const moe_sampling greedy = {.temperature = 0.0, .top_k = 0, .seed = 1};
@@ -214,7 +220,7 @@ Test(generate, an_inference_model_generates_the_same_rows_in_less_memory) {
     int32_t rows[2][B * T];
     int64_t bytes[2];
     for (int inference = 0; inference < 2; inference++) {
-        moe_model *m = small_model_of(B, 0.0, 0, (moe_model_parallel){.inference = inference});
+        moe_model *m = small_model_of(B, 0.0, (attention_kind){0}, (moe_model_parallel){.inference = inference});
         random_tokens(rows[inference], B * T, 4);
         int64_t len[B] = {3, 1}, end[B] = {T, 12};
         const moe_sampling sampled = {.temperature = 0.8, .top_k = 0, .seed = 5};
@@ -256,7 +262,8 @@ Test(generate, an_inference_model_generates_the_same_rows_in_less_memory) {
  * sum in another order for one row than for the batch): within 1e-5 of
  * the largest logit, where a wrong position, rotation or cache row moves
  * them by percents of it. With a sliding window of 3, the rows pass it
- * (the steps must read only its keys). */
+ * (the steps must read only its keys); with q and k normalised, the steps
+ * normalise theirs. */
 /* A forward's logits at every position of both rows into want; returns
  * the largest's size. */
 static double forward_logits(moe_model *m, const int32_t *tokens, float *want) {
@@ -270,16 +277,16 @@ static double forward_logits(moe_model *m, const int32_t *tokens, float *want) {
 /* A decoding step's logits for (row, pos) within 1e-5 of the largest of
  * the forward's. */
 static void expect_decoded(const float *got, const float *want, double scale, int64_t row, int64_t pos,
-                           int64_t sliding_window) {
+                           attention_kind attn) {
     const float *w = want + (row * T + pos) * VOCAB;
     double worst = 0.0;
     for (int64_t j = 0; j < VOCAB; j++) worst = fmax(worst, fabs(got[j] - w[j]));
-    cr_expect(worst <= 1e-5 * scale, "window %lld, row %lld, position %lld: logits off by %g (largest %g)",
-              (long long)sliding_window, (long long)row, (long long)pos, worst, scale);
+    cr_expect(worst <= 1e-5 * scale, "window %lld, qk_norm %d, row %lld, position %lld: logits off by %g (largest %g)",
+              (long long)attn.sliding_window, attn.qk_norm, (long long)row, (long long)pos, worst, scale);
 }
 
-static void check_decode(int64_t sliding_window) {
-    moe_model *m = small_model_of(B, 0.0, sliding_window, (moe_model_parallel){0});
+static void check_decode(attention_kind attn) {
+    moe_model *m = small_model_of(B, 0.0, attn, (moe_model_parallel){0});
     int32_t tokens[B * T], prefix[B * T];
     static float want[B * T * VOCAB];
     float got[B * VOCAB];
@@ -301,7 +308,7 @@ static void check_decode(int64_t sliding_window) {
             }
         cr_assert_eq(moe_model_decode(m, n, row, tok, pos, got), MOE_OK, "%s", moe_last_error());
         for (int64_t i = 0; i < n; i++) {
-            expect_decoded(got + i * VOCAB, want, scale, row[i], pos[i], sliding_window);
+            expect_decoded(got + i * VOCAB, want, scale, row[i], pos[i], attn);
             steps++;
         }
     }
@@ -309,7 +316,7 @@ static void check_decode(int64_t sliding_window) {
     moe_model_destroy(m);
 }
 
-Test(decode, steps_give_the_logits_of_a_full_forward) { check_decode(0); }
+Test(decode, steps_give_the_logits_of_a_full_forward) { check_decode((attention_kind){0}); }
 
 /* A decode-only model reads whole rows by decoding steps from position 0,
  * no forward at all, a chunk of 5 positions of each row at a time (as
@@ -318,9 +325,9 @@ Test(decode, steps_give_the_logits_of_a_full_forward) { check_decode(0); }
  * forward's within 1e-5 of the largest logit as above. A step with logits
  * takes one token a row; a row may not skip a position nor go back in
  * one step, and a forward is refused. */
-Test(decode, a_decode_only_model_reads_rows_from_position_0) {
-    moe_model *m = small_model(B, 0.0);
-    moe_model *d = small_model_of(B, 0.0, 0, (moe_model_parallel){.inference = true, .decode_only = true});
+static void check_decode_only(attention_kind attn) {
+    moe_model *m = small_model_of(B, 0.0, attn, (moe_model_parallel){0});
+    moe_model *d = small_model_of(B, 0.0, attn, (moe_model_parallel){.inference = true, .decode_only = true});
     int32_t tokens[B * T];
     static float want[B * T * VOCAB];
     static float got[B * T * VOCAB];
@@ -344,12 +351,17 @@ Test(decode, a_decode_only_model_reads_rows_from_position_0) {
         }
         for (int64_t b = 0; b < B; b++) row[b] = b, pos[b] = end - 1, tok[b] = tokens[b * T + end - 1];
         cr_assert_eq(moe_model_decode(d, B, row, tok, pos, got), MOE_OK, "%s", moe_last_error());
-        for (int64_t b = 0; b < B; b++) expect_decoded(got + b * VOCAB, want, scale, b, end - 1, 0);
+        for (int64_t b = 0; b < B; b++) expect_decoded(got + b * VOCAB, want, scale, b, end - 1, attn);
     }
     cr_expect_eq(moe_model_forward(d, tokens, NULL, NULL), MOE_ERR_STATE);
     cr_expect(strstr(moe_last_error(), "decode-only"), "%s", moe_last_error());
     moe_model_destroy(m);
     moe_model_destroy(d);
+}
+
+Test(decode, a_decode_only_model_reads_rows_from_position_0) { check_decode_only((attention_kind){0}); }
+Test(decode, a_decode_only_model_with_q_and_k_normalised_reads_rows_from_position_0) {
+    check_decode_only((attention_kind){.qk_norm = true});
 }
 
 /* Past a chunk of positions, a decode-only model's memory grows with T
@@ -382,7 +394,12 @@ Test(decode, a_decode_only_model_holds_the_cache_and_a_chunk) {
     moe_model_destroy(wide);
 }
 
-Test(decode, steps_in_a_sliding_window_give_the_logits_of_a_full_forward) { check_decode(3); }
+Test(decode, steps_in_a_sliding_window_give_the_logits_of_a_full_forward) {
+    check_decode((attention_kind){.sliding_window = 3});
+}
+Test(decode, steps_with_q_and_k_normalised_give_the_logits_of_a_full_forward) {
+    check_decode((attention_kind){.qk_norm = true});
+}
 
 Test(decode, refuses_training_grids_without_keys_and_bad_tokens) {
     moe_model *m = small_model(B, 0.0);

@@ -275,7 +275,7 @@ Test(model_config, every_bad_field_is_named) {
         {"eos_token_id", "[1, null]", "t/config.json: eos_token_id[1] must be an integer, got null"},
         {"pad_token_id", "{}", "pad_token_id must be an integer, a list of integers or null, got object"},
         {"pad_token_id", "99999999999999999999", "t/config.json: pad_token_id=99999999999999999999 is out of range"},
-        {"model_type", "\"qwen2_moe\"", "model_type=\"qwen2_moe\" is not supported (only \"mixtral\" or \"moe\")"},
+        {"model_type", "\"qwen2_moe\"", "model_type=\"qwen2_moe\" is not supported (only \"mixtral\", \"qwen3_moe\" or \"moe\")"},
         {"rope_scaling", "{\"type\": \"longrope\", \"factor\": 2}",
          "t/config.json: rope_scaling.rope_type=\"longrope\" is not supported (only \"default\", \"linear\", \"llama3\", "
          "\"yarn\" or \"dynamic\")"},
@@ -814,6 +814,7 @@ static void expect_same(const moe_model_config *a, const moe_model_config *b) {
     SAME(router_jitter_noise);
     SAME(initializer_range);
     SAME(tie_word_embeddings);
+    SAME(moe_qk_norm);
     SAME(moe_gate);
     SAME(moe_renormalize);
     SAME(moe_capacity_factor);
@@ -1084,29 +1085,36 @@ Test(model_config, model_type_says_whether_transformers_computes_the_same, .init
      .fini = remove_tmpdir) {
     const struct {
         const char *key, *value; /* key NULL: the base config */
-        bool mixtral;
+        const char *type; /* the type written */
     } cases[] = {
-        {NULL, NULL, true},
-        {"moe_gate", "\"topk_softmax\"", false},
-        {"moe_gate", "\"sigmoid\"", false},
-        {"moe_renormalize", "false", false},
-        {"moe_capacity_factor", "1.25", false},
-        {"moe_n_shared_experts", "1", false},
-        {"moe_bias_update_rate", "0.001", false},
-        {"moe_n_group", "4, \"moe_topk_group\": 2", false},
-        {"moe_routed_scaling_factor", "2.5", false},
-        {"moe_routed_scaling_factor", "1.0000001", false},
+        {NULL, NULL, "mixtral"},
+        {"moe_gate", "\"topk_softmax\"", "moe"},
+        {"moe_gate", "\"sigmoid\"", "moe"},
+        {"moe_renormalize", "false", "moe"},
+        {"moe_capacity_factor", "1.25", "moe"},
+        {"moe_n_shared_experts", "1", "moe"},
+        {"moe_bias_update_rate", "0.001", "moe"},
+        {"moe_n_group", "4, \"moe_topk_group\": 2", "moe"},
+        {"moe_routed_scaling_factor", "2.5", "moe"},
+        {"moe_routed_scaling_factor", "1.0000001", "moe"},
         /* One group is no groups. */
-        {"moe_n_group", "1", true},
-        {"router_aux_loss_coef", "0.1", true},
-        {"moe_z_loss_coef", "0.001", true},
-        {"moe_seq_aux_loss_coef", "0.0001", true},
-        {"router_jitter_noise", "0.01", true},
-        {"initializer_range", "0.5", true},
-        {"sliding_window", "16", true},
+        {"moe_n_group", "1", "mixtral"},
+        {"router_aux_loss_coef", "0.1", "mixtral"},
+        {"moe_z_loss_coef", "0.001", "mixtral"},
+        {"moe_seq_aux_loss_coef", "0.0001", "mixtral"},
+        {"router_jitter_noise", "0.01", "mixtral"},
+        {"initializer_range", "0.5", "mixtral"},
+        {"sliding_window", "16", "mixtral"},
         /* The type read does not decide the type written; the model does. */
-        {"model_type", "\"moe\"", true},
-        {"model_type", "\"mixtral\", \"moe_gate\": \"sigmoid\"", false},
+        {"model_type", "\"moe\"", "mixtral"},
+        {"model_type", "\"mixtral\", \"moe_gate\": \"sigmoid\"", "moe"},
+        /* q and k normalised: Qwen3-MoE's, with or without norm_topk_prob. */
+        {"moe_qk_norm", "true", "qwen3_moe"},
+        {"moe_qk_norm", "true, \"moe_renormalize\": false", "qwen3_moe"},
+        {"moe_qk_norm", "true, \"sliding_window\": 16", "qwen3_moe"},
+        {"moe_qk_norm", "true, \"moe_gate\": \"sigmoid\"", "moe"},
+        {"moe_qk_norm", "true, \"moe_capacity_factor\": 1.25", "moe"},
+        {"model_type", "\"qwen3_moe\", \"moe_intermediate_size\": 128", "qwen3_moe"},
     };
     char path[512];
     snprintf(path, sizeof path, "%s/config.json", tmpdir);
@@ -1122,15 +1130,135 @@ Test(model_config, model_type_says_whether_transformers_computes_the_same, .init
         const moe_json *arch = moe_json_get(r, "architectures");
         cr_assert(type != NULL && arch != NULL && arch->type == MOE_JSON_ARRAY && arch->array.count == 1, "%s",
                   text);
-        cr_expect_str_eq(type, cases[i].mixtral ? "mixtral" : "moe", "%s", text);
+        const bool qwen3 = strcmp(cases[i].type, "qwen3_moe") == 0;
+        cr_expect_str_eq(type, cases[i].type, "%s", text);
+        cr_expect_str_eq(moe_model_config_model_type(&c), cases[i].type, "%s", text);
         cr_expect_str_eq(moe_json_text(&arch->array.items[0]),
-                         cases[i].mixtral ? "MixtralForCausalLM" : "MoeForCausalLM", "%s", text);
+                         qwen3                                  ? "Qwen3MoeForCausalLM"
+                         : strcmp(cases[i].type, "mixtral") == 0 ? "MixtralForCausalLM"
+                                                                 : "MoeForCausalLM",
+                         "%s", text);
+        /* Written only where the type does not say it, so that a config of
+         * none renders (and checksums) as before the key existed. */
+        cr_expect((moe_json_get(r, "moe_qk_norm") != NULL) == (c.moe_qk_norm && !qwen3), "%s", text);
+        /* Qwen3MoeConfig's own keys, which transformers v4 reads too. */
+        const char *qwen_keys[] = {"num_experts", "moe_intermediate_size", "norm_topk_prob", "use_sliding_window",
+                                   "decoder_sparse_step", "mlp_only_layers", "attention_bias"};
+        for (size_t k = 0; k < sizeof qwen_keys / sizeof *qwen_keys; k++)
+            cr_expect((moe_json_get(r, qwen_keys[k]) != NULL) == qwen3, "%s: %s", text, qwen_keys[k]);
+        cr_expect((moe_json_get(r, "num_local_experts") != NULL) == !qwen3, "%s", text);
         moe_json_free(doc);
         warnings w = {0};
         cr_assert_eq(moe_model_config_load(&back, path, collect, &w), MOE_OK, "%s: %s", text, moe_last_error());
         cr_expect_eq(w.count, 0, "%s: the saved file warns: %s", text, w.text[0]);
         expect_same(&c, &back);
     }
+}
+
+/* Shaped like Qwen3-30B-A3B's published config.json (its keys, Qwen3's
+ * sizes): read as transformers' Qwen3MoeConfig reads it. */
+static const char qwen3_moe_config[] = "{\"architectures\": [\"Qwen3MoeForCausalLM\"], \"attention_bias\": false, "
+                                       "\"attention_dropout\": 0.0, \"bos_token_id\": 151643, "
+                                       "\"decoder_sparse_step\": 1, \"eos_token_id\": 151645, \"head_dim\": 128, "
+                                       "\"hidden_act\": \"silu\", \"hidden_size\": 2048, \"initializer_range\": 0.02, "
+                                       "\"intermediate_size\": 6144, \"max_position_embeddings\": 40960, "
+                                       "\"max_window_layers\": 48, \"mlp_only_layers\": [], "
+                                       "\"model_type\": \"qwen3_moe\", \"moe_intermediate_size\": 768, "
+                                       "\"norm_topk_prob\": true, \"num_attention_heads\": 32, "
+                                       "\"num_experts\": 128, \"num_experts_per_tok\": 8, "
+                                       "\"num_hidden_layers\": 48, \"num_key_value_heads\": 4, "
+                                       "\"output_router_logits\": false, \"rms_norm_eps\": 1e-06, "
+                                       "\"rope_scaling\": null, \"rope_theta\": 1000000.0, "
+                                       "\"router_aux_loss_coef\": 0.001, \"sliding_window\": null, "
+                                       "\"tie_word_embeddings\": false, \"torch_dtype\": \"bfloat16\", "
+                                       "\"transformers_version\": \"4.51.0\", \"use_cache\": true, "
+                                       "\"use_sliding_window\": false, \"vocab_size\": 151936}";
+
+/* The smallest qwen3_moe file: its sizes, then extra keys (a JSON tail). */
+static const char *qwen3_with(const char *extra) {
+    static char buf[1024];
+    snprintf(buf, sizeof buf,
+             "{\"model_type\": \"qwen3_moe\", \"vocab_size\": 100, \"hidden_size\": 64, \"intermediate_size\": 256, "
+             "\"moe_intermediate_size\": 32, \"num_hidden_layers\": 2, \"num_attention_heads\": 4, "
+             "\"num_experts\": 8, \"num_experts_per_tok\": 2%s}",
+             extra);
+    return buf;
+}
+
+Test(model_config, qwen3_moe_as_transformers_reads_it) {
+    moe_model_config c;
+    warnings w = {0};
+    cr_assert_eq(parse(&c, qwen3_moe_config, &w), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(w.count, 0, "warned: %s", w.text[0]);
+    cr_expect_eq(c.intermediate_size, 768, "the experts' width is moe_intermediate_size");
+    cr_expect_eq(c.num_local_experts, 128);
+    cr_expect_eq(c.num_experts_per_tok, 8);
+    cr_expect_eq(c.num_key_value_heads, 4);
+    cr_expect_eq(c.head_dim, 128);
+    cr_expect_eq(c.max_position_embeddings, 40960);
+    cr_expect_eq(c.rope_theta, 1e6);
+    cr_expect_eq(c.rms_norm_eps, 1e-6);
+    cr_expect_eq(c.sliding_window, 0);
+    cr_expect(c.moe_qk_norm && c.moe_renormalize && c.moe_gate == MOE_GATE_SOFTMAX_TOPK);
+    cr_expect_str_eq(moe_model_config_model_type(&c), "qwen3_moe");
+
+    /* Qwen3MoeConfig's defaults, not MixtralConfig's. */
+    cr_assert_eq(parse(&c, qwen3_with(""), &w), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(w.count, 0, "warned: %s", w.text[0]);
+    cr_expect_eq(c.num_key_value_heads, 4);
+    cr_expect_eq(c.max_position_embeddings, 32768);
+    cr_expect_eq(c.rope_theta, 1e4);
+    cr_expect_eq(c.rms_norm_eps, 1e-6);
+    cr_expect(!c.moe_renormalize, "norm_topk_prob defaults to false");
+    cr_expect(c.moe_qk_norm);
+    cr_expect_eq(c.head_dim, 16);
+    /* sliding_window counts only under use_sliding_window. */
+    cr_assert_eq(parse(&c, qwen3_with(", \"sliding_window\": 4096"), &w), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(c.sliding_window, 0);
+    cr_assert_eq(parse(&c, qwen3_with(", \"sliding_window\": 4096, \"use_sliding_window\": true"), &w), MOE_OK, "%s",
+                 moe_last_error());
+    cr_expect_eq(c.sliding_window, 4096);
+    cr_assert_eq(parse(&c, qwen3_with(", \"norm_topk_prob\": true, \"moe_renormalize\": true"), &w), MOE_OK, "%s",
+                 moe_last_error());
+    cr_expect(c.moe_renormalize);
+    cr_expect_eq(w.count, 0, "warned: %s", w.text[0]);
+
+    const struct {
+        const char *extra, *want;
+    } bad[] = {
+        {", \"decoder_sparse_step\": 2", "decoder_sparse_step=2 is not supported"},
+        {", \"decoder_sparse_step\": 0", "decoder_sparse_step=0 is not supported"},
+        {", \"mlp_only_layers\": [1]", "mlp_only_layers lists layers"},
+        {", \"mlp_only_layers\": [\"a\"]", "mlp_only_layers[0] must be an integer"},
+        {", \"mlp_only_layers\": 1", "mlp_only_layers must be a list of layer numbers"},
+        {", \"attention_bias\": true", "attention_bias=true is not supported"},
+        {", \"use_sliding_window\": 1", "use_sliding_window must be true or false"},
+        {", \"moe_qk_norm\": false", "moe_qk_norm=false, and model_type qwen3_moe normalises q and k"},
+        {", \"norm_topk_prob\": true, \"moe_renormalize\": false", "norm_topk_prob=true disagrees with moe_renormalize"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        const char *text = qwen3_with(bad[i].extra);
+        cr_expect_eq(parse(&c, text, NULL), MOE_ERR_CONFIG, "%s was accepted", text);
+        cr_expect(strstr(moe_last_error(), bad[i].want) != NULL, "%s:\n  %s\n  lacks %s", text, moe_last_error(),
+                  bad[i].want);
+    }
+    const char *no_width = "{\"model_type\": \"qwen3_moe\", \"vocab_size\": 100, \"hidden_size\": 64, "
+                           "\"intermediate_size\": 256, \"num_hidden_layers\": 2, \"num_attention_heads\": 4, "
+                           "\"num_experts\": 8, \"num_experts_per_tok\": 2}";
+    cr_expect_eq(parse(&c, no_width, NULL), MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "missing required key 'moe_intermediate_size'") != NULL, "%s",
+              moe_last_error());
+
+    /* In another model type's file they are no keys of its. */
+    w.count = 0;
+    cr_assert_eq(parse(&c, config_with("norm_topk_prob", "false"), &w), MOE_OK, "%s", moe_last_error());
+    cr_expect(c.moe_renormalize && !c.moe_qk_norm);
+    cr_expect(w.count == 1 && warned(&w, "unknown key 'norm_topk_prob' ignored"), "%d: %s", w.count, w.text[0]);
+    w.count = 0;
+    cr_assert_eq(parse(&c, config_with("moe_intermediate_size", "\"x\""), &w), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(c.intermediate_size, 128);
+    cr_expect(w.count == 1 && warned(&w, "unknown key 'moe_intermediate_size' ignored"), "%d: %s", w.count,
+              w.text[0]);
 }
 
 /* The population std of the model's matrices (every 2-D tensor), from its

@@ -696,7 +696,10 @@ Test(train_run, val_tokens_hold_out_the_tail, .init = make_tmp, .fini = remove_t
  * otherwise, one of a type moe does not implement or an activation other
  * than SiLU is refused before any weight is read, naming
  * the file and the key; keys it lacks are not compared, and a matching one
- * goes on to the weights. */
+ * goes on to the weights. A qwen3 model normalises q and k, which --config
+ * must do too (and not for another model), its sliding_window counts only
+ * under use_sliding_window, and attention biases or layers of another
+ * attention are refused. */
 Test(train_run, upcycle_checks_the_dense_config, .init = make_tmp, .fini = remove_tmp) {
     char cfg[512], out[512], dense[512], path[600];
     moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE), tmp_path(out, "out"));
@@ -727,6 +730,13 @@ Test(train_run, upcycle_checks_the_dense_config, .init = make_tmp, .fini = remov
         {", \"rope_scaling\": {\"type\": \"yarn\", \"factor\": 4.0}",
          "scales RoPE as yarn and gives neither its original_max_position_embeddings nor max_position_embeddings"},
         {", \"hidden_act\": \"gelu\"", "dense/config.json: hidden_act=\"gelu\" is not supported"},
+        {", \"attention_bias\": true", "dense/config.json has attention_bias true"},
+        {", \"layer_types\": [\"full_attention\", \"sliding_attention\"]",
+         "dense/config.json: layer_types[1] is not \"full_attention\""},
+        {", \"model_type\": \"qwen3\"", "dense/config.json is a qwen3 model, whose attention normalises q and k, and "
+                                     "--config"},
+        /* A window that is not used is none. */
+        {", \"rope_theta\": 10000.0, \"use_sliding_window\": false, \"sliding_window\": 4096", "model.safetensors"},
         /* The config matches (null: no window): on to the missing weights. */
         {", \"rope_theta\": 10000.0, \"sliding_window\": null", "model.safetensors"},
         {", \"rope_parameters\": {\"rope_theta\": 10000.0, \"rope_type\": \"default\"}, \"hidden_act\": \"silu\", "
@@ -735,10 +745,11 @@ Test(train_run, upcycle_checks_the_dense_config, .init = make_tmp, .fini = remov
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         char text[512];
+        /* The case's model_type, if it has one, else mistral. */
+        const char *type = strstr(cases[i].extra, "model_type") ? "" : "\"model_type\": \"mistral\", ";
         const int n = snprintf(text, sizeof text,
-                               "{\"model_type\": \"mistral\", \"hidden_size\": 32, \"num_hidden_layers\": 2, "
-                               "\"num_key_value_heads\": 2%s}",
-                               cases[i].extra);
+                               "{%s\"hidden_size\": 32, \"num_hidden_layers\": 2, \"num_key_value_heads\": 2%s}",
+                               type, cases[i].extra);
         cr_assert_eq(moe_file_write_atomic_buffer(path, text, (size_t)n), MOE_OK, "%s", moe_last_error());
         seen v;
         moe_run_callbacks cb = callbacks(&v);
@@ -746,6 +757,20 @@ Test(train_run, upcycle_checks_the_dense_config, .init = make_tmp, .fini = remov
         cr_expect(strstr(moe_last_error(), cases[i].want), "case %zu: %s", i, moe_last_error());
         cr_expect_eq(v.steps, 0);
     }
+    /* An MoE that normalises q and k from a model that does not. */
+    char qk_cfg[512];
+    moe_model_config c;
+    cr_assert_eq(moe_model_config_load(&c, cfg, NULL, NULL), MOE_OK, "%s", moe_last_error());
+    c.moe_qk_norm = true;
+    o.config = tmp_path(qk_cfg, "qk.json");
+    cr_assert_eq(moe_model_config_save(&c, qk_cfg), MOE_OK, "%s", moe_last_error());
+    static const char mistral[] = "{\"model_type\": \"mistral\", \"hidden_size\": 32}";
+    cr_assert_eq(moe_file_write_atomic_buffer(path, mistral, sizeof mistral - 1), MOE_OK, "%s", moe_last_error());
+    seen v;
+    moe_run_callbacks cb = callbacks(&v);
+    cr_expect_neq(moe_run(&o, &cb), MOE_OK, "a qk-normalising MoE upcycled from a mistral model");
+    cr_expect(strstr(moe_last_error(), "is no qwen3 model (its attention does not normalise q and k), and --config"),
+              "%s", moe_last_error());
 }
 
 /* The files of an earlier run in an --out directory, which a refused run

@@ -38,15 +38,16 @@ static void print_help(void) {
            "built-in synthetic corpus until its validation loss is near the corpus's entropy\n"
            "floor (the best loss any model can reach).\n\n");
     printf("Model:\n"
-           "  --config FILE        Hugging Face Mixtral config.json (plus moe_* keys). Default:\n"
-           "                       --init-from's config.json, else the built-in model: d_model %lld,\n"
-           "                       %lld layers, %lld heads (%lld KV), %lld experts of width %lld, top-%lld\n"
+           "  --config FILE        Hugging Face Mixtral or Qwen3-MoE config.json (plus moe_* keys).\n"
+           "                       Default: --init-from's config.json, else the built-in model:\n"
+           "                       d_model %lld, %lld layers, %lld heads (%lld KV), %lld experts of\n"
+           "                       width %lld, top-%lld\n"
            "  --init-from DIR      start from DIR/model.safetensors (or its sharded index) and\n"
            "                       DIR/config.json, e.g. a checkpoint out/step-000600 (with\n"
            "                       another --out)\n"
-           "  --upcycle            --init-from DIR holds a dense model (Mistral's or Llama's tensor\n"
-           "                       names) of --config's sizes: each expert starts as a copy of its\n"
-           "                       layer's MLP, the routers from scratch (sparse upcycling)\n\n",
+           "  --upcycle            --init-from DIR holds a dense model (Mistral's, Llama's or\n"
+           "                       Qwen3's tensor names) of --config's sizes: each expert starts as a\n"
+           "                       copy of its layer's MLP, the routers from scratch (sparse upcycling)\n\n",
            (long long)m.hidden_size, (long long)m.num_hidden_layers, (long long)m.num_attention_heads,
            (long long)m.num_key_value_heads, (long long)m.num_local_experts, (long long)m.intermediate_size,
            (long long)m.num_experts_per_tok);
@@ -393,10 +394,11 @@ static void on_start(void *ctx, const moe_run_summary *s) {
                      (long long)c->moe_n_group);
     if (c->moe_routed_scaling_factor != 1.0)
         snprintf(groups + n, sizeof groups - (size_t)n, " weighted x%g", c->moe_routed_scaling_factor);
-    printf("model    d_model %lld, %lld layers, %lld heads (%lld KV), %lld experts of width %lld, top-%lld%s, "
+    printf("model    d_model %lld, %lld layers, %lld heads (%lld KV%s), %lld experts of width %lld, top-%lld%s, "
            "vocab %lld\n",
            (long long)c->hidden_size, (long long)c->num_hidden_layers, (long long)c->num_attention_heads,
-           (long long)c->num_key_value_heads, (long long)c->num_local_experts, (long long)c->intermediate_size,
+           (long long)c->num_key_value_heads, c->moe_qk_norm ? ", q and k normalised" : "",
+           (long long)c->num_local_experts, (long long)c->intermediate_size,
            (long long)c->num_experts_per_tok, groups, (long long)c->vocab_size);
     if (c->rope_scaling.type != MOE_ROPE_DEFAULT) {
         char rope[256];
