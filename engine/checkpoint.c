@@ -38,8 +38,8 @@
 /* A dense model's MLP (Mistral's, Llama's, Qwen3's): gate_proj, up_proj,
  * down_proj, as w1, w3 and w2 (proj_of). */
 #define DENSE_MLP_FMT "model.layers.%lld.mlp.%s_proj.weight"
-/* Expert e's in a Qwen3-MoE file (the router's is FUSED_ROUTER_FMT). */
-#define QWEN_EXPERT_FMT "model.layers.%lld.mlp.experts.%lld.%s_proj.weight"
+/* Expert e's in a Qwen3-MoE or OLMoE file (the router's is FUSED_ROUTER_FMT). */
+#define MLP_EXPERT_FMT "model.layers.%lld.mlp.experts.%lld.%s_proj.weight"
 #define MOE_BLOCK ".block_sparse_moe."
 #define LAYER_FMT "model.layers.%lld."
 /* The tensors outside the layers: the first pipeline stage's, the last's. */
@@ -91,7 +91,7 @@ static bool written_as(const char *name, const char *canonical) { return strcmp(
 static const char *proj_of(int w) { return w == 1 ? "gate" : w == 3 ? "up" : "down"; }
 
 /* Whether name is an expert's weight, layer *l, expert *e, w1, w2 or w3
- * (*w), as we name it or as a Qwen3-MoE file does. */
+ * (*w), as we name it or as a Qwen3-MoE or OLMoE file does. */
 static bool parse_expert(const char *name, long long *l, long long *e, int *w) {
     int end = 0;
     char again[NAME_BYTES];
@@ -101,7 +101,7 @@ static bool parse_expert(const char *name, long long *l, long long *e, int *w) {
     }
     if (sscanf(name, "model.layers.%lld.mlp.experts.%lld.", l, e) != 2) return false;
     for (*w = 1; *w <= 3; (*w)++) {
-        snprintf(again, sizeof again, QWEN_EXPERT_FMT, *l, *e, proj_of(*w));
+        snprintf(again, sizeof again, MLP_EXPERT_FMT, *l, *e, proj_of(*w));
         if (written_as(name, again)) return true;
     }
     return false;
@@ -116,14 +116,15 @@ static bool is_expert_weight(const char *name, int64_t layers, int64_t experts) 
 }
 
 /* The name of the tensor called ours in the file of a model saved as
- * qwen3 (moe_model_config_model_type): Qwen3-MoE's router and experts are
- * mlp.gate and mlp.experts.E.{gate,up,down}_proj; the rest keep theirs. */
-static void file_name(char *out, const char *ours, bool qwen3) {
+ * qwen3_moe or olmoe (moe_model_config_model_type), hf_mlp: their router
+ * and experts are mlp.gate and mlp.experts.E.{gate,up,down}_proj; the rest
+ * keep theirs. */
+static void file_name(char *out, const char *ours, bool hf_mlp) {
     long long l, e;
     int w, end = 0;
-    if (qwen3 && sscanf(ours, EXPERT_FMT "%n", &l, &e, &w, &end) == 3 && end > 0 && ours[end] == '\0')
-        snprintf(out, NAME_BYTES, QWEN_EXPERT_FMT, l, e, proj_of(w));
-    else if (qwen3 && sscanf(ours, ROUTER_FMT "%n", &l, &end) == 1 && end > 0 && ours[end] == '\0')
+    if (hf_mlp && sscanf(ours, EXPERT_FMT "%n", &l, &e, &w, &end) == 3 && end > 0 && ours[end] == '\0')
+        snprintf(out, NAME_BYTES, MLP_EXPERT_FMT, l, e, proj_of(w));
+    else if (hf_mlp && sscanf(ours, ROUTER_FMT "%n", &l, &end) == 1 && end > 0 && ours[end] == '\0')
         snprintf(out, NAME_BYTES, FUSED_ROUTER_FMT, l);
     else
         snprintf(out, NAME_BYTES, "%s", ours);
@@ -191,11 +192,12 @@ static moe_status write_weights(const char *path, moe_model *model) {
         free(names);
         return moe_error(MOE_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
     }
-    const bool qwen3 = strcmp(moe_model_config_model_type(c), "qwen3_moe") == 0;
+    const char *type = moe_model_config_model_type(c);
+    const bool hf_mlp = strcmp(type, "qwen3_moe") == 0 || strcmp(type, "olmoe") == 0;
     const float *params = moe_model_host_params(model);
     for (int64_t i = 0; i < n; i++) {
         const moe_model_tensor *t = moe_model_tensor_at(model, i);
-        file_name(names[i], t->name, qwen3);
+        file_name(names[i], t->name, hf_mlp);
         entries[i] = (moe_st_entry){names[i], params + t->offset, t->ndim, t->shape};
     }
     int64_t count = n;
@@ -754,13 +756,14 @@ static moe_status take(source *s, weights_reader *r, const char *name, int64_t n
     return MOE_OK;
 }
 
-/* The model tensor's own name, or else Qwen3-MoE's (mlp.gate.weight for
- * the router, mlp.experts.E.{gate,up,down}_proj.weight for expert E), or
+/* The model tensor's own name, or else Qwen3-MoE's and OLMoE's
+ * (mlp.gate.weight for the router, mlp.experts.E.{gate,up,down}_proj.weight
+ * for expert E), or
  * else its place in transformers' fused layout: for expert e, mlp.experts.
  * gate_up_proj [E, 2ff, d] holding w1 in rows [0, ff) and w3 in [ff, 2ff) of
  * e's slice, and mlp.experts.down_proj [E, d, ff] holding w2. */
 static moe_status resolve_weight(source *s, weights_reader *r, const moe_model_tensor *t) {
-    char alt[NAME_BYTES];
+    char alt[NAME_BYTES], per_expert[NAME_BYTES] = "";
     long long l, e;
     int w, end = 0;
     const bool expert = sscanf(t->name, EXPERT_FMT "%n", &l, &e, &w, &end) == 3 && end > 0 && t->name[end] == '\0';
@@ -776,8 +779,8 @@ static moe_status resolve_weight(source *s, weights_reader *r, const moe_model_t
     MOE_TRY(take(s, r, t->name, t->ndim, t->shape));
     if (s->src != NULL) return MOE_OK;
     if (expert) {
-        snprintf(alt, sizeof alt, QWEN_EXPERT_FMT, l, e, proj_of(w));
-        MOE_TRY(take(s, r, alt, t->ndim, t->shape));
+        snprintf(per_expert, sizeof per_expert, MLP_EXPERT_FMT, l, e, proj_of(w));
+        MOE_TRY(take(s, r, per_expert, t->ndim, t->shape));
         if (s->src != NULL) return MOE_OK;
         const bool down = w == 2;
         const int64_t shape[3] = {r->E, down ? r->d : 2 * r->ff, down ? r->ff : r->d};
@@ -794,7 +797,9 @@ static moe_status resolve_weight(source *s, weights_reader *r, const moe_model_t
                                      "its config.json)"
                                    : "");
     }
-    if (s->src == NULL) return moe_error(MOE_ERR_FORMAT, "%s: no tensor '%s' (nor '%s')", r->where, t->name, alt);
+    if (s->src == NULL)
+        return moe_error(MOE_ERR_FORMAT, "%s: no tensor '%s' (nor '%s'%s%s%s)", r->where, t->name, alt,
+                         expert ? " nor '" : "", per_expert, expert ? "'" : "");
     return MOE_OK;
 }
 

@@ -263,7 +263,7 @@ int moe_config_agree_fields(moe_agree_field *f, const moe_model_config *c) {
     FIELD(router_jitter_noise);
     FIELD(initializer_range);
     FIELD(tie_word_embeddings);
-    FIELD(moe_qk_norm);
+    f[n++] = (moe_agree_field){"moe_qk_norm", (double)c->moe_qk_norm, moe_qk_norm_kind_name};
     f[n++] = (moe_agree_field){"moe_gate", (double)c->moe_gate, moe_gate_kind_name};
     FIELD(moe_renormalize);
     FIELD(moe_capacity_factor);

@@ -33,11 +33,12 @@ typedef struct layer_acts {
     float *rstd1;  /* [N] */
     float *q;      /* [N, Hq*hd], after RoPE */
     float *k;      /* [N, Hkv*hd], after RoPE */
-    /* With moe_qk_norm: q and k before their norms, and each head's rstd. */
+    /* With moe_qk_norm: q and k before their norms, and each norm's rstd,
+     * one a row of its width (moe_qk_norm_width). */
     float *q_raw;  /* [N, Hq*hd] */
     float *k_raw;  /* [N, Hkv*hd] */
-    float *rstd_q; /* [N*Hq] */
-    float *rstd_k; /* [N*Hkv] */
+    float *rstd_q; /* [N*Hq*hd / width] */
+    float *rstd_k; /* [N*Hkv*hd / width] */
     float *v;      /* [N, Hkv*hd] */
     float *att;    /* [B, Hq, T, T] */
     float *atty;   /* [N, Hq*hd] */
@@ -204,8 +205,10 @@ static void lay_out_tensors(moe_model *m, const moe_layer_config *lc) {
         add_tensor(m, 2, C, qdim, true, "model.layers.%lld.self_attn.o_proj.weight", (long long)l);
         add_tensor(m, 1, C, 1, false, "model.layers.%lld.post_attention_layernorm.weight", (long long)l);
         if (c->moe_qk_norm) {
-            add_tensor(m, 1, hd, 1, false, "model.layers.%lld.self_attn.q_norm.weight", (long long)l);
-            add_tensor(m, 1, hd, 1, false, "model.layers.%lld.self_attn.k_norm.weight", (long long)l);
+            add_tensor(m, 1, moe_qk_norm_width(c, false), 1, false, "model.layers.%lld.self_attn.q_norm.weight",
+                       (long long)l);
+            add_tensor(m, 1, moe_qk_norm_width(c, true), 1, false, "model.layers.%lld.self_attn.k_norm.weight",
+                       (long long)l);
         }
         if (table) m->moe_off[i].router = m->n_params;
         m->n_params += lc->n_experts * C;
@@ -388,8 +391,8 @@ static int layer_entries(moe_model *m, arena_entry *table, layer_acts *a, bool k
     if (c->moe_qk_norm) {
         table[n++] = (arena_entry){(void **)&a->q_raw, N * qdim * f};
         table[n++] = (arena_entry){(void **)&a->k_raw, N * kvdim * f};
-        table[n++] = (arena_entry){(void **)&a->rstd_q, N * c->num_attention_heads * f};
-        table[n++] = (arena_entry){(void **)&a->rstd_k, N * c->num_key_value_heads * f};
+        table[n++] = (arena_entry){(void **)&a->rstd_q, N * qdim / moe_qk_norm_width(c, false) * f};
+        table[n++] = (arena_entry){(void **)&a->rstd_k, N * kvdim / moe_qk_norm_width(c, true) * f};
     }
     table[n++] = (arena_entry){(void **)&a->att, attn * f};
     table[n++] = (arena_entry){(void **)&a->atty, N * qdim * f};
@@ -483,9 +486,9 @@ static moe_status build_arena(moe_model *m) {
     table[n++] = (arena_entry){(void **)&m->sumsq, 2 * (int64_t)sizeof(double)};
     /* Every norm's backward: the layers', the head's, and q's and k's. */
     int64_t norm_scratch = m->inference ? 0 : (int64_t)m->ops->rmsnorm_scratch_bytes(N, C);
-    for (int qk = 0; !m->inference && c->moe_qk_norm && qk < 2; qk++) {
-        const int64_t heads = qk ? c->num_key_value_heads : c->num_attention_heads;
-        const int64_t bytes = (int64_t)m->ops->rmsnorm_scratch_bytes(N * heads, hd);
+    for (int key = 0; !m->inference && c->moe_qk_norm && key < 2; key++) {
+        const int64_t width = moe_qk_norm_width(c, key), dim = key ? kvdim : qdim;
+        const int64_t bytes = (int64_t)m->ops->rmsnorm_scratch_bytes(N * dim / width, width);
         norm_scratch = bytes > norm_scratch ? bytes : norm_scratch;
     }
     table[n++] = (arena_entry){&m->norm_scratch, norm_scratch};
@@ -1078,21 +1081,22 @@ moe_status moe_model_check_batch(const moe_model *m, const int32_t *inputs, cons
  * around the attention, which differs between a batch (layer_forward) and
  * a decoding step (moe_model_decode): ln = norm(x) and its q, k, v, which
  * under moe_qk_norm are the projections (into a's q_raw, k_raw) normalised
- * head by head (their rstds into a's) ... */
+ * in rows of moe_qk_norm_width (their rstds into a's) ... */
 static void attention_inputs(moe_model *m, int64_t l, int64_t n, const float *x, float *ln, float *rstd, float *q,
                              float *k, float *v, const layer_acts *a) {
     const moe_model_config *c = &m->cfg;
     const int64_t t0 = m->layer_first[l], C = c->hidden_size, hd = c->head_dim;
     const int64_t Hq = c->num_attention_heads, Hkv = c->num_key_value_heads;
     const float eps = (float)c->rms_norm_eps;
-    const bool qk_norm = c->moe_qk_norm;
+    const bool qk_norm = c->moe_qk_norm != MOE_QK_NORM_NONE;
     m->ops->rmsnorm_forward(ln, rstd, x, param(m, t0 + LN1), eps, n, C);
     m->ops->matmul_forward(qk_norm ? a->q_raw : q, ln, param(m, t0 + WQ), n, C, Hq * hd);
     m->ops->matmul_forward(qk_norm ? a->k_raw : k, ln, param(m, t0 + WK), n, C, Hkv * hd);
     m->ops->matmul_forward(v, ln, param(m, t0 + WV), n, C, Hkv * hd);
     if (!qk_norm) return;
-    m->ops->rmsnorm_forward(q, a->rstd_q, a->q_raw, param(m, t0 + QNORM), eps, n * Hq, hd);
-    m->ops->rmsnorm_forward(k, a->rstd_k, a->k_raw, param(m, t0 + KNORM), eps, n * Hkv, hd);
+    const int64_t wq = moe_qk_norm_width(c, false), wk = moe_qk_norm_width(c, true);
+    m->ops->rmsnorm_forward(q, a->rstd_q, a->q_raw, param(m, t0 + QNORM), eps, n * Hq * hd / wq, wq);
+    m->ops->rmsnorm_forward(k, a->rstd_k, a->k_raw, param(m, t0 + KNORM), eps, n * Hkv * hd / wk, wk);
 }
 
 /* ... then x_mid = x + o(atty), ln = norm(x_mid), y = moe(ln), and unless
@@ -1451,10 +1455,11 @@ moe_status moe_model_stage_backward(moe_model *m, int chunk, const float *dy, fl
             dq = m->dqk_raw;
             dk = m->dqk_raw + N * Hq * hd;
             ops->zero(m->dqk_raw, (size_t)(N * (Hq + Hkv) * hd) * sizeof(float));
+            const int64_t wq = moe_qk_norm_width(c, false), wk = moe_qk_norm_width(c, true);
             ops->rmsnorm_backward(dq, grad(m, t0 + QNORM), m->dq, a->q_raw, param(m, t0 + QNORM), a->rstd_q,
-                                  m->norm_scratch, N * Hq, hd);
+                                  m->norm_scratch, N * Hq * hd / wq, wq);
             ops->rmsnorm_backward(dk, grad(m, t0 + KNORM), m->dk, a->k_raw, param(m, t0 + KNORM), a->rstd_k,
-                                  m->norm_scratch, N * Hkv, hd);
+                                  m->norm_scratch, N * Hkv * hd / wk, wk);
         }
         ops->zero(m->dln, (size_t)(N * C) * sizeof(float));
         ops->matmul_backward(m->dln, grad(m, t0 + WQ), dq, a->ln1, param(m, t0 + WQ), N, C, Hq * hd);

@@ -37,9 +37,10 @@
  * 1e3 leaves experiments room and refuses 2e4 typed for 2e-2. */
 #define MAX_INIT_STD 1e3
 
-/* F_WINDOW: a positive integer, or null (0 in the struct) for none.
+/* F_ENUM: one of the field's names, an enum of as many values.
+ * F_WINDOW: a positive integer, or null (0 in the struct) for none.
  * F_TOKEN_IDS: an integer, a list of integers, or null, kept as given. */
-typedef enum field_kind { F_INT, F_REAL, F_BOOL, F_GATE, F_WINDOW, F_TOKEN_IDS } field_kind;
+typedef enum field_kind { F_INT, F_REAL, F_BOOL, F_ENUM, F_WINDOW, F_TOKEN_IDS } field_kind;
 
 /* Defaults that depend on other fields. */
 #define DERIVED (-1.0)
@@ -57,9 +58,29 @@ typedef struct field {
     size_t offset;
     bool required;
     double def; /* when absent and not required; DERIVED: computed */
+    const char *const *names; /* F_ENUM: [n_names], each value's */
+    int n_names;
 } field;
 
-#define FIELD(name, kind, required, def) {#name, kind, offsetof(moe_model_config, name), required, def}
+#define FIELD(name, kind, required, def) {#name, kind, offsetof(moe_model_config, name), required, def, NULL, 0}
+#define ENUM_FIELD(name, def, names)                                                                                   \
+    {#name, F_ENUM, offsetof(moe_model_config, name), false, def, names, (int)(sizeof names / sizeof *names)}
+
+static const char *const gate_names[] = {
+    [MOE_GATE_SOFTMAX_TOPK] = "softmax_topk",
+    [MOE_GATE_TOPK_SOFTMAX] = "topk_softmax",
+    [MOE_GATE_SIGMOID] = "sigmoid",
+};
+
+static const char *const qk_norm_names[] = {
+    [MOE_QK_NORM_NONE] = "none",
+    [MOE_QK_NORM_PER_HEAD] = "per_head",
+    [MOE_QK_NORM_ACROSS_HEADS] = "across_heads",
+};
+
+/* F_ENUM fields are these enums, read and written as int. */
+_Static_assert(sizeof(moe_gate_kind) == sizeof(int) && sizeof(moe_qk_norm_kind) == sizeof(int),
+               "an F_ENUM field is an int's size");
 
 static const field fields[] = {
     FIELD(vocab_size, F_INT, true, 0),
@@ -84,8 +105,8 @@ static const field fields[] = {
     FIELD(bos_token_id, F_TOKEN_IDS, false, 0),
     FIELD(eos_token_id, F_TOKEN_IDS, false, 0),
     FIELD(pad_token_id, F_TOKEN_IDS, false, 0),
-    FIELD(moe_qk_norm, F_BOOL, false, 0),
-    FIELD(moe_gate, F_GATE, false, MOE_GATE_SOFTMAX_TOPK),
+    ENUM_FIELD(moe_qk_norm, MOE_QK_NORM_NONE, qk_norm_names),
+    ENUM_FIELD(moe_gate, MOE_GATE_SOFTMAX_TOPK, gate_names),
     FIELD(moe_renormalize, F_BOOL, false, 1),
     FIELD(moe_capacity_factor, F_REAL, false, 0.0),
     FIELD(moe_z_loss_coef, F_REAL, false, 0.0),
@@ -112,57 +133,94 @@ static const char *const checked_keys[] = {
     "num_experts", "original_max_position_embeddings", "partial_rotary_factor",
 };
 
-/* Qwen3MoeConfig's keys beyond Mixtral's, read in a qwen3_moe file only
- * (in another an unknown key, as before); QWEN_KEY_BIT(k) marks one given. */
-enum {
-    QWEN_MOE_INTERMEDIATE, QWEN_NORM_TOPK, QWEN_SPARSE_STEP, QWEN_MLP_ONLY, QWEN_USE_WINDOW, QWEN_ATTENTION_BIAS,
-    QWEN_MAX_WINDOW_LAYERS, N_QWEN_KEYS
-};
-static const char *const qwen_keys[N_QWEN_KEYS] = {
-    [QWEN_MOE_INTERMEDIATE] = "moe_intermediate_size", [QWEN_NORM_TOPK] = "norm_topk_prob",
-    [QWEN_SPARSE_STEP] = "decoder_sparse_step",        [QWEN_MLP_ONLY] = "mlp_only_layers",
-    [QWEN_USE_WINDOW] = "use_sliding_window",          [QWEN_ATTENTION_BIAS] = "attention_bias",
-    [QWEN_MAX_WINDOW_LAYERS] = "max_window_layers",
-};
-#define QWEN_KEY_BIT(k) (1u << (k))
-
-/* Qwen3MoeConfig's defaults where they differ from MixtralConfig's. */
-static const struct {
-    const char *key;
-    double def;
-} qwen_defaults[] = {
-    {"num_key_value_heads", 4}, {"max_position_embeddings", 32768}, {"rope_theta", 1e4},
-    {"rms_norm_eps", 1e-6},     {"moe_renormalize", 0} /* norm_topk_prob */, {"moe_qk_norm", 1},
-};
-
-/* model_type and architectures: transformers' Mixtral when it computes what
- * our model computes, else a type transformers refuses rather than load as
- * Mixtral and give other outputs (moe_model_config_save). */
+/* model_type and architectures: the transformers model that computes
+ * what our model computes (family_of), else a type transformers refuses
+ * rather than load as one and give other outputs (moe_model_config_save). */
 #define MODEL_TYPE_MIXTRAL "mixtral"
 #define ARCH_MIXTRAL "MixtralForCausalLM"
 #define MODEL_TYPE_QWEN3 "qwen3_moe"
 #define ARCH_QWEN3 "Qwen3MoeForCausalLM"
+#define MODEL_TYPE_OLMOE "olmoe"
+#define ARCH_OLMOE "OlmoeForCausalLM"
 #define MODEL_TYPE_OURS "moe"
 #define ARCH_OURS "MoeForCausalLM"
 
-/* Which transformers model computes what this model computes, if any
- * (family_of): the model_type and architecture a saved config names. */
-typedef enum family { FAMILY_MIXTRAL, FAMILY_QWEN3, FAMILY_OURS, N_FAMILIES } family;
-static const char *const family_types[N_FAMILIES] = {MODEL_TYPE_MIXTRAL, MODEL_TYPE_QWEN3, MODEL_TYPE_OURS};
-static const char *const family_archs[N_FAMILIES] = {ARCH_MIXTRAL, ARCH_QWEN3, ARCH_OURS};
+typedef enum family { FAMILY_MIXTRAL, FAMILY_QWEN3, FAMILY_OLMOE, FAMILY_OURS, N_FAMILIES } family;
+static const char *const family_types[N_FAMILIES] = {MODEL_TYPE_MIXTRAL, MODEL_TYPE_QWEN3, MODEL_TYPE_OLMOE,
+                                                     MODEL_TYPE_OURS};
+static const char *const family_archs[N_FAMILIES] = {ARCH_MIXTRAL, ARCH_QWEN3, ARCH_OLMOE, ARCH_OURS};
+#define FAMILY_BIT(f) (1u << (f))
 
-static const char *const gate_names[] = {
-    [MOE_GATE_SOFTMAX_TOPK] = "softmax_topk",
-    [MOE_GATE_TOPK_SOFTMAX] = "topk_softmax",
-    [MOE_GATE_SIGMOID] = "sigmoid",
+/* The keys of Qwen3MoeConfig and OlmoeConfig beyond Mixtral's, read in a
+ * file of a type that has them (families, a FAMILY_BIT mask) and in
+ * another an unknown key; FAMILY_KEY_BIT(k) marks one given. */
+enum {
+    KEY_MOE_INTERMEDIATE, KEY_NORM_TOPK, KEY_SPARSE_STEP, KEY_MLP_ONLY, KEY_USE_WINDOW, KEY_ATTENTION_BIAS,
+    KEY_MAX_WINDOW_LAYERS, KEY_CLIP_QKV, N_FAMILY_KEYS
+};
+static const struct {
+    const char *key;
+    unsigned families;
+} family_keys[N_FAMILY_KEYS] = {
+    [KEY_MOE_INTERMEDIATE] = {"moe_intermediate_size", FAMILY_BIT(FAMILY_QWEN3)},
+    [KEY_NORM_TOPK] = {"norm_topk_prob", FAMILY_BIT(FAMILY_QWEN3) | FAMILY_BIT(FAMILY_OLMOE)},
+    [KEY_SPARSE_STEP] = {"decoder_sparse_step", FAMILY_BIT(FAMILY_QWEN3)},
+    [KEY_MLP_ONLY] = {"mlp_only_layers", FAMILY_BIT(FAMILY_QWEN3)},
+    [KEY_USE_WINDOW] = {"use_sliding_window", FAMILY_BIT(FAMILY_QWEN3)},
+    [KEY_ATTENTION_BIAS] = {"attention_bias", FAMILY_BIT(FAMILY_QWEN3) | FAMILY_BIT(FAMILY_OLMOE)},
+    [KEY_MAX_WINDOW_LAYERS] = {"max_window_layers", FAMILY_BIT(FAMILY_QWEN3)},
+    [KEY_CLIP_QKV] = {"clip_qkv", FAMILY_BIT(FAMILY_OLMOE)},
+};
+#define FAMILY_KEY_BIT(k) (1u << (k))
+
+/* Qwen3MoeConfig's and OlmoeConfig's defaults where they differ from
+ * MixtralConfig's (OLMoE's absent num_key_value_heads is
+ * num_attention_heads, fill_defaults' to set), and their q and k norms. */
+static const struct {
+    family fam;
+    const char *key;
+    double def;
+} family_defaults[] = {
+    {FAMILY_QWEN3, "num_key_value_heads", 4},
+    {FAMILY_QWEN3, "max_position_embeddings", 32768},
+    {FAMILY_QWEN3, "rope_theta", 1e4},
+    {FAMILY_QWEN3, "rms_norm_eps", 1e-6},
+    {FAMILY_QWEN3, "moe_renormalize", 0}, /* norm_topk_prob */
+    {FAMILY_QWEN3, "moe_qk_norm", MOE_QK_NORM_PER_HEAD},
+    {FAMILY_OLMOE, "max_position_embeddings", 4096},
+    {FAMILY_OLMOE, "rope_theta", 1e4},
+    {FAMILY_OLMOE, "router_aux_loss_coef", 0.01},
+    {FAMILY_OLMOE, "moe_renormalize", 0},
+    {FAMILY_OLMOE, "moe_qk_norm", MOE_QK_NORM_ACROSS_HEADS},
 };
 
 const char *moe_gate_kind_name(int kind) {
     return kind >= 0 && (size_t)kind < sizeof gate_names / sizeof *gate_names ? gate_names[kind] : "?";
 }
 
+const char *moe_qk_norm_kind_name(int kind) {
+    return kind >= 0 && (size_t)kind < sizeof qk_norm_names / sizeof *qk_norm_names ? qk_norm_names[kind] : "?";
+}
+
+int64_t moe_qk_norm_width(const moe_model_config *cfg, bool key) {
+    const int64_t heads = key ? cfg->num_key_value_heads : cfg->num_attention_heads;
+    switch (cfg->moe_qk_norm) {
+    case MOE_QK_NORM_PER_HEAD: return cfg->head_dim;
+    case MOE_QK_NORM_ACROSS_HEADS: return heads * cfg->head_dim;
+    default: return 0;
+    }
+}
+
 static void *field_ptr(moe_model_config *cfg, const field *f) { return (char *)cfg + f->offset; }
 static const void *field_cptr(const moe_model_config *cfg, const field *f) { return (const char *)cfg + f->offset; }
+
+static int enum_value(const moe_model_config *cfg, const field *f) {
+    int v;
+    memcpy(&v, field_cptr(cfg, f), sizeof v);
+    return v;
+}
+
+static void set_enum(moe_model_config *cfg, const field *f, int v) { memcpy(field_ptr(cfg, f), &v, sizeof v); }
 
 /* A JSON value as it would appear in the file, shortened, for messages. */
 static const char *describe(char *buf, size_t size, const moe_json *v) {
@@ -269,16 +327,20 @@ static moe_status read_field(moe_model_config *cfg, const field *f, const moe_js
         if (v->type != MOE_JSON_BOOL) return wrong_type(name, f->key, "true or false", v);
         *(bool *)field_ptr(cfg, f) = v->boolean;
         return MOE_OK;
-    case F_GATE: {
+    case F_ENUM: {
         const char *text;
         MOE_TRY(string_text(&text, name, f->key, v));
-        if (text != NULL)
-            for (int g = 0; g < (int)(sizeof gate_names / sizeof *gate_names); g++)
-                if (strcmp(text, gate_names[g]) == 0) {
-                    *(moe_gate_kind *)field_ptr(cfg, f) = (moe_gate_kind)g;
-                    return MOE_OK;
-                }
-        return wrong_type(name, f->key, "\"softmax_topk\", \"topk_softmax\" or \"sigmoid\"", v);
+        for (int i = 0; text != NULL && i < f->n_names; i++)
+            if (strcmp(text, f->names[i]) == 0) {
+                set_enum(cfg, f, i);
+                return MOE_OK;
+            }
+        char want[160];
+        int at = 0;
+        for (int i = 0; i < f->n_names && at >= 0 && (size_t)at < sizeof want; i++)
+            at += snprintf(want + at, sizeof want - (size_t)at, "%s\"%s\"",
+                           i == 0 ? "" : i == f->n_names - 1 ? " or " : ", ", f->names[i]);
+        return wrong_type(name, f->key, want, v);
     }
     }
     return moe_error(MOE_ERR_INTERNAL, "%s: field %s has no kind", name, f->key);
@@ -549,10 +611,10 @@ typedef struct other_values {
     double partial;            /* a top-level partial_rotary_factor; NaN: not given */
     bool has_num_experts;
     int64_t num_experts; /* transformers' alias of num_local_experts */
-    bool qwen3;          /* model_type "qwen3_moe" */
-    unsigned qwen_given; /* QWEN_KEY_BIT of each of qwen_keys given (not null) */
-    int64_t qwen_int[N_QWEN_KEYS]; /* the integer keys' values */
-    bool qwen_bool[N_QWEN_KEYS];   /* the boolean keys'; mlp_only_layers: it lists a layer */
+    family type;                     /* model_type's (mixtral when absent) */
+    unsigned family_given;           /* FAMILY_KEY_BIT of each of family_keys given (not null) */
+    int64_t family_int[N_FAMILY_KEYS]; /* the integer keys' values; mlp_only_layers: its least layer >= 0 */
+    bool family_bool[N_FAMILY_KEYS];   /* the boolean keys' */
 } other_values;
 
 #define OTHER_VALUES_INIT                                                                                              \
@@ -674,25 +736,32 @@ static moe_status check_other(const char *key, const moe_json *v, other_values *
         const char *text;
         MOE_TRY(string_text(&text, name, key, v));
         if (text && listed(text, family_types, N_FAMILIES)) return MOE_OK;
-        return moe_error(MOE_ERR_CONFIG, "%s: model_type=%s is not supported (only \"%s\", \"%s\" or \"%s\")", name,
-                         describe(got, sizeof got, v), family_types[0], family_types[1], family_types[2]);
+        return moe_error(MOE_ERR_CONFIG, "%s: model_type=%s is not supported (only \"%s\", \"%s\", \"%s\" or \"%s\")",
+                         name, describe(got, sizeof got, v), family_types[0], family_types[1], family_types[2],
+                         family_types[3]);
     }
-    for (int k = 0; k < N_QWEN_KEYS; k++) {
-        if (strcmp(key, qwen_keys[k]) != 0) continue;
-        o->qwen_given |= QWEN_KEY_BIT(k);
-        if (k == QWEN_MLP_ONLY) {
+    for (int k = 0; k < N_FAMILY_KEYS; k++) {
+        if (strcmp(key, family_keys[k].key) != 0) continue;
+        o->family_given |= FAMILY_KEY_BIT(k);
+        if (k == KEY_MLP_ONLY) {
             if (v->type != MOE_JSON_ARRAY) return wrong_type(name, key, "a list of layer numbers", v);
+            o->family_int[k] = INT64_MAX;
             for (size_t i = 0; i < v->array.count; i++) {
                 char item[64];
+                int64_t layer;
                 snprintf(item, sizeof item, "%s[%zu]", key, i);
-                MOE_TRY(read_int(&o->qwen_int[k], name, item, "an integer", &v->array.items[i]));
+                MOE_TRY(read_int(&layer, name, item, "an integer", &v->array.items[i]));
+                if (layer >= 0 && layer < o->family_int[k]) o->family_int[k] = layer;
             }
-            o->qwen_bool[k] = v->array.count > 0;
-        } else if (k == QWEN_NORM_TOPK || k == QWEN_USE_WINDOW || k == QWEN_ATTENTION_BIAS) {
+        } else if (k == KEY_NORM_TOPK || k == KEY_USE_WINDOW || k == KEY_ATTENTION_BIAS) {
             if (v->type != MOE_JSON_BOOL) return wrong_type(name, key, "true or false", v);
-            o->qwen_bool[k] = v->boolean;
+            o->family_bool[k] = v->boolean;
+        } else if (k == KEY_CLIP_QKV) { /* null (no clipping) returned above */
+            return moe_error(MOE_ERR_CONFIG, "%s: clip_qkv=%s is not supported (only null: q, k and v are not "
+                                             "clipped)",
+                             name, describe(got, sizeof got, v));
         } else {
-            MOE_TRY(read_int(&o->qwen_int[k], name, key, "an integer", v));
+            MOE_TRY(read_int(&o->family_int[k], name, key, "an integer", v));
         }
         return MOE_OK;
     }
@@ -706,12 +775,19 @@ static moe_status check_other(const char *key, const moe_json *v, other_values *
     return moe_error(MOE_ERR_INTERNAL, "%s: key %s is listed as checked but has no check", name, key);
 }
 
+/* Whether key is one of family_keys that model type fam has. */
+static bool family_key(const char *key, family fam) {
+    for (int k = 0; k < N_FAMILY_KEYS; k++)
+        if (strcmp(key, family_keys[k].key) == 0) return (family_keys[k].families & FAMILY_BIT(fam)) != 0;
+    return false;
+}
+
 /* Keys outside the struct: checked, then dropped. */
 static moe_status read_other(const moe_json_member *m, other_values *o, const char *name, moe_warn_fn wfn,
                              void *wctx) {
     if (listed(m->key, ignored_keys, sizeof ignored_keys / sizeof *ignored_keys)) return MOE_OK;
     if (!listed(m->key, checked_keys, sizeof checked_keys / sizeof *checked_keys) &&
-        !(o->qwen3 && listed(m->key, qwen_keys, N_QWEN_KEYS))) {
+        !family_key(m->key, o->type)) {
         warn(wfn, wctx, "%s: unknown key '%.100s' ignored", name, m->key);
         return MOE_OK;
     }
@@ -730,7 +806,7 @@ static void set_default(moe_model_config *cfg, const field *f) {
     case F_WINDOW: *(int64_t *)field_ptr(cfg, f) = (int64_t)f->def; break;
     case F_REAL: *(double *)field_ptr(cfg, f) = f->def; break;
     case F_BOOL: *(bool *)field_ptr(cfg, f) = f->def != 0.0; break;
-    case F_GATE: *(moe_gate_kind *)field_ptr(cfg, f) = (moe_gate_kind)f->def; break;
+    case F_ENUM: set_enum(cfg, f, (int)f->def); break;
     case F_TOKEN_IDS: memset(field_ptr(cfg, f), 0, sizeof(moe_token_ids)); break; /* absent */
     }
 }
@@ -745,7 +821,9 @@ static moe_status read_keys(moe_model_config *cfg, given *state, other_values *o
     /* The type first: which keys a file may have depends on it. */
     const moe_json *type = moe_json_get(root, "model_type");
     const char *type_text = type ? moe_json_text(type) : NULL;
-    o->qwen3 = type_text && strcmp(type_text, MODEL_TYPE_QWEN3) == 0;
+    o->type = FAMILY_MIXTRAL;
+    for (int f = 0; type_text && f < N_FAMILIES; f++)
+        if (strcmp(type_text, family_types[f]) == 0) o->type = (family)f;
     for (size_t i = 0; i < root->object.count; i++) {
         const moe_json_member *m = &root->object.members[i];
         if (strlen(m->key) != m->key_len)
@@ -775,55 +853,69 @@ static moe_status check_kv_heads(const char *name, int64_t heads, int64_t kv_hea
 /* A qwen3_moe file's own keys, before the defaults: the experts' width is
  * moe_intermediate_size (intermediate_size is its dense MLP's, which a
  * model of MoE layers only has not). */
-static moe_status read_qwen_sizes(moe_model_config *cfg, given *state, const other_values *o, const char *name) {
-    if (!o->qwen3) return MOE_OK;
-    if (!(o->qwen_given & QWEN_KEY_BIT(QWEN_MOE_INTERMEDIATE)))
+static moe_status read_family_sizes(moe_model_config *cfg, given *state, const other_values *o, const char *name) {
+    if (o->type != FAMILY_QWEN3) return MOE_OK;
+    if (!(o->family_given & FAMILY_KEY_BIT(KEY_MOE_INTERMEDIATE)))
         return moe_error(MOE_ERR_CONFIG, "%s: missing required key 'moe_intermediate_size' (model_type qwen3_moe: "
                                          "the experts' width)",
                          name);
-    cfg->intermediate_size = o->qwen_int[QWEN_MOE_INTERMEDIATE];
+    cfg->intermediate_size = o->family_int[KEY_MOE_INTERMEDIATE];
     state[field_index("intermediate_size")] = GIVEN;
     return MOE_OK;
 }
 
-/* A qwen3_moe file's defaults and keys, after Mixtral's defaults: what
- * transformers' Qwen3MoeConfig and Qwen3MoeForCausalLM make of them, or a
- * refusal of what this model does not compute. */
-static moe_status read_qwen_function(moe_model_config *cfg, const given *state, const other_values *o,
-                                     const char *name) {
-    for (size_t d = 0; d < sizeof qwen_defaults / sizeof *qwen_defaults; d++) {
-        const size_t f = field_index(qwen_defaults[d].key);
-        if (state[f] == GIVEN) continue;
+/* A qwen3_moe or olmoe file's defaults and keys, after Mixtral's defaults:
+ * what transformers' Qwen3MoeConfig or OlmoeConfig and their models make of
+ * them, or a refusal of what this model does not compute. */
+static moe_status read_family_function(moe_model_config *cfg, const given *state, const other_values *o,
+                                       const char *name, moe_warn_fn wfn, void *wctx) {
+    const char *type = family_types[o->type];
+    for (size_t d = 0; d < sizeof family_defaults / sizeof *family_defaults; d++) {
+        const size_t f = field_index(family_defaults[d].key);
+        if (family_defaults[d].fam != o->type || state[f] == GIVEN) continue;
         field def = fields[f];
-        def.def = qwen_defaults[d].def;
+        def.def = family_defaults[d].def;
         set_default(cfg, &def);
     }
-    if (state[field_index("moe_qk_norm")] == GIVEN && !cfg->moe_qk_norm)
-        return moe_error(MOE_ERR_CONFIG, "%s: moe_qk_norm=false, and model_type qwen3_moe normalises q and k", name);
-    cfg->moe_qk_norm = true;
-    if (o->qwen_given & QWEN_KEY_BIT(QWEN_NORM_TOPK)) {
-        const bool norm = o->qwen_bool[QWEN_NORM_TOPK];
-        if (state[field_index("moe_renormalize")] == GIVEN && cfg->moe_renormalize != norm)
-            return moe_error(MOE_ERR_CONFIG, "%s: norm_topk_prob=%s disagrees with moe_renormalize=%s", name,
-                             norm ? "true" : "false", cfg->moe_renormalize ? "true" : "false");
-        cfg->moe_renormalize = norm;
+    const moe_qk_norm_kind qk = o->type == FAMILY_QWEN3 ? MOE_QK_NORM_PER_HEAD : MOE_QK_NORM_ACROSS_HEADS;
+    if (cfg->moe_qk_norm != qk)
+        return moe_error(MOE_ERR_CONFIG, "%s: moe_qk_norm=\"%s\", and model_type %s normalises q and k %s", name,
+                         qk_norm_names[cfg->moe_qk_norm], type, qk == MOE_QK_NORM_PER_HEAD ? "per head" : "across heads");
+    /* transformers reads norm_topk_prob alone, false when absent. */
+    const bool norm = o->family_bool[KEY_NORM_TOPK];
+    if (state[field_index("moe_renormalize")] == GIVEN && cfg->moe_renormalize != norm)
+        return moe_error(MOE_ERR_CONFIG, "%s: moe_renormalize=%s disagrees with norm_topk_prob=%s%s, which model_type %s "
+                                         "takes",
+                         name, cfg->moe_renormalize ? "true" : "false", norm ? "true" : "false",
+                         o->family_given & FAMILY_KEY_BIT(KEY_NORM_TOPK) ? "" : " (absent)", type);
+    cfg->moe_renormalize = norm;
+    if (o->family_bool[KEY_ATTENTION_BIAS])
+        return moe_error(MOE_ERR_CONFIG, "%s: attention_bias=true is not supported (q, k, v and o have no biases)",
+                         name);
+    if (o->type == FAMILY_OLMOE) {
+        /* OlmoeConfig has no window. */
+        if (cfg->sliding_window > 0)
+            warn(wfn, wctx, "%s: sliding_window=%lld ignored: model_type olmoe attends to every position before",
+                 name, (long long)cfg->sliding_window);
+        cfg->sliding_window = 0;
+        return MOE_OK;
     }
-    /* Layer l is an MoE layer when (l + 1) % decoder_sparse_step == 0 and
-     * mlp_only_layers does not list it. */
-    const int64_t step = o->qwen_int[QWEN_SPARSE_STEP];
-    if ((o->qwen_given & QWEN_KEY_BIT(QWEN_SPARSE_STEP)) && step != 1)
+    /* Qwen3-MoE: layer l is an MoE layer when (l + 1) % decoder_sparse_step
+     * == 0 and mlp_only_layers does not list it. */
+    const int64_t step = o->family_int[KEY_SPARSE_STEP];
+    if ((o->family_given & FAMILY_KEY_BIT(KEY_SPARSE_STEP)) && step != 1)
         return moe_error(MOE_ERR_CONFIG, "%s: decoder_sparse_step=%lld is not supported (only 1: dense MLP layers "
                                          "between the MoE layers are not implemented)",
                          name, (long long)step);
-    if (o->qwen_bool[QWEN_MLP_ONLY])
-        return moe_error(MOE_ERR_CONFIG, "%s: mlp_only_layers lists layers, which would be dense MLPs: not "
-                                         "implemented (only [])",
-                         name);
-    if (o->qwen_bool[QWEN_ATTENTION_BIAS])
-        return moe_error(MOE_ERR_CONFIG, "%s: attention_bias=true is not supported (q, k, v and o have no biases)",
-                         name);
-    /* Qwen3MoeConfig keeps sliding_window only under use_sliding_window. */
-    if (!o->qwen_bool[QWEN_USE_WINDOW]) cfg->sliding_window = 0;
+    /* A layer number past the model's names no layer. */
+    if ((o->family_given & FAMILY_KEY_BIT(KEY_MLP_ONLY)) && o->family_int[KEY_MLP_ONLY] < cfg->num_hidden_layers)
+        return moe_error(MOE_ERR_CONFIG, "%s: mlp_only_layers lists layer %lld, which would be a dense MLP: not "
+                                         "implemented",
+                         name, (long long)o->family_int[KEY_MLP_ONLY]);
+    /* Qwen3MoeConfig keeps sliding_window only under use_sliding_window,
+     * 4096 when absent (null: none). */
+    if (!o->family_bool[KEY_USE_WINDOW]) cfg->sliding_window = 0;
+    if (o->family_bool[KEY_USE_WINDOW] && state[field_index("sliding_window")] == ABSENT) cfg->sliding_window = 4096;
     return MOE_OK;
 }
 
@@ -832,7 +924,7 @@ static moe_status read_qwen_function(moe_model_config *cfg, const given *state, 
 static moe_status fill_defaults(moe_model_config *cfg, given *state, const other_values *o, const char *name,
                                 moe_warn_fn wfn, void *wctx) {
     const size_t experts = field_index("num_local_experts");
-    MOE_TRY(read_qwen_sizes(cfg, state, o, name));
+    MOE_TRY(read_family_sizes(cfg, state, o, name));
     if (o->has_num_experts) {
         /* transformers' attribute_map reads num_experts as num_local_experts. */
         if (state[experts] == GIVEN && cfg->num_local_experts != o->num_experts)
@@ -851,13 +943,16 @@ static moe_status fill_defaults(moe_model_config *cfg, given *state, const other
         if (fields[f].required) return moe_error(MOE_ERR_CONFIG, "%s: missing required key '%s'", name, fields[f].key);
         if (fields[f].def != DERIVED) set_default(cfg, &fields[f]);
     }
-    if (o->qwen3) MOE_TRY(read_qwen_function(cfg, state, o, name));
+    if (o->type == FAMILY_QWEN3 || o->type == FAMILY_OLMOE)
+        MOE_TRY(read_family_function(cfg, state, o, name, wfn, wctx));
     const double top_theta = state[field_index("rope_theta")] == GIVEN ? cfg->rope_theta : NAN;
     MOE_TRY(resolve_rope(&cfg->rope_theta, &cfg->rope_scaling, o, top_theta, cfg->max_position_embeddings, name, wfn,
                          wctx));
-    /* MixtralConfig: 8 when absent, num_attention_heads when null. */
+    /* MixtralConfig: 8 when absent, num_attention_heads when null;
+     * OlmoeConfig: num_attention_heads either way. */
     const given kv = state[field_index("num_key_value_heads")];
-    if (kv == GIVEN_NULL) cfg->num_key_value_heads = cfg->num_attention_heads;
+    if (kv == GIVEN_NULL || (kv == ABSENT && o->type == FAMILY_OLMOE))
+        cfg->num_key_value_heads = cfg->num_attention_heads;
     if (kv == ABSENT && cfg->num_attention_heads > 0)
         MOE_TRY(check_kv_heads(name, cfg->num_attention_heads, cfg->num_key_value_heads,
                                " (absent: transformers' default)"));
@@ -873,6 +968,12 @@ static moe_status fill_defaults(moe_model_config *cfg, given *state, const other
                              name, (long long)cfg->hidden_size, (long long)cfg->num_attention_heads,
                              (long long)cfg->head_dim);
     }
+    /* OLMoE's q_norm is hidden_size wide, over q's heads x head_dim. */
+    if (o->type == FAMILY_OLMOE && cfg->num_attention_heads * cfg->head_dim != cfg->hidden_size)
+        return moe_error(MOE_ERR_CONFIG, "%s: num_attention_heads=%lld x head_dim=%lld is not hidden_size=%lld, the "
+                                         "width of model_type olmoe's q_norm",
+                         name, (long long)cfg->num_attention_heads, (long long)cfg->head_dim,
+                         (long long)cfg->hidden_size);
     return MOE_OK;
 }
 
@@ -1085,8 +1186,12 @@ moe_status moe_model_config_validate(const moe_model_config *c, const char *name
     MOE_TRY(check_param_bytes(c, name));
     for (size_t f = 0; f < N_FIELDS; f++)
         if (fields[f].kind == F_TOKEN_IDS) MOE_TRY(check_token_ids(name, fields[f].key, field_cptr(c, &fields[f])));
-    if ((int)c->moe_gate < 0 || (size_t)c->moe_gate >= sizeof gate_names / sizeof *gate_names)
-        return moe_error(MOE_ERR_CONFIG, "%s: moe_gate=%d is not a gate kind", name, (int)c->moe_gate);
+    for (size_t f = 0; f < N_FIELDS; f++) {
+        const int v = fields[f].kind == F_ENUM ? enum_value(c, &fields[f]) : 0;
+        if (v < 0 || (fields[f].kind == F_ENUM && v >= fields[f].n_names))
+            return moe_error(MOE_ERR_CONFIG, "%s: %s=%d is not one of its %d values", name, fields[f].key, v,
+                             fields[f].n_names);
+    }
     MOE_TRY(check_float(name, "rope_theta", c->rope_theta));
     MOE_TRY(check_rope(name, "rope_scaling", &c->rope_scaling));
     MOE_TRY(check_float(name, "rms_norm_eps", c->rms_norm_eps));
@@ -1133,8 +1238,15 @@ static family family_of(const moe_model_config *c) {
     const bool routing = c->moe_gate == MOE_GATE_SOFTMAX_TOPK && c->moe_capacity_factor == 0.0 &&
                          c->moe_n_shared_experts == 0 && c->moe_bias_update_rate == 0.0 && c->moe_n_group <= 1 &&
                          c->moe_routed_scaling_factor == 1.0;
-    if (routing && c->moe_qk_norm) return FAMILY_QWEN3;
-    return routing && c->moe_renormalize ? FAMILY_MIXTRAL : FAMILY_OURS;
+    if (!routing) return FAMILY_OURS;
+    switch (c->moe_qk_norm) {
+    case MOE_QK_NORM_PER_HEAD: return FAMILY_QWEN3;
+    /* OLMoE's q_norm is hidden_size wide, and it has no window. */
+    case MOE_QK_NORM_ACROSS_HEADS:
+        return c->num_attention_heads * c->head_dim == c->hidden_size && c->sliding_window == 0 ? FAMILY_OLMOE
+                                                                                                : FAMILY_OURS;
+    default: return c->moe_renormalize ? FAMILY_MIXTRAL : FAMILY_OURS;
+    }
 }
 
 /* A token id key's value as it was read: null, an integer or a list. */
@@ -1150,12 +1262,12 @@ static void write_token_ids(moe_json_writer *w, const moe_token_ids *t) {
     }
 }
 
-/* The config as moe_model_config_save writes it, into w (initialised). */
 const char *moe_model_config_model_type(const moe_model_config *cfg) { return family_types[family_of(cfg)]; }
 
+/* The config as moe_model_config_save writes it, into w (initialised). */
 static void render(const moe_model_config *cfg, moe_json_writer *w) {
     const family fam = family_of(cfg);
-    const bool qwen3 = fam == FAMILY_QWEN3;
+    const bool qwen3 = fam == FAMILY_QWEN3, olmoe = fam == FAMILY_OLMOE;
     moe_json_begin_object(w);
     moe_json_key(w, "architectures");
     moe_json_begin_array(w);
@@ -1173,26 +1285,27 @@ static void render(const moe_model_config *cfg, moe_json_writer *w) {
             continue; /* as read: a reader takes its model type's default */
         /* Written where it says something a model type does not: a
          * configuration without it renders as before it existed. */
-        if (fields[f].offset == offsetof(moe_model_config, moe_qk_norm) && (qwen3 || !cfg->moe_qk_norm)) continue;
         const size_t offset = fields[f].offset;
+        if (offset == offsetof(moe_model_config, moe_qk_norm) && (fam != FAMILY_OURS || !cfg->moe_qk_norm)) continue;
         /* transformers v4's Qwen3MoeConfig takes num_experts alone (v5 reads
-         * it as num_local_experts); its intermediate_size is a dense MLP's,
-         * unused, written as the experts' for a reader that wants one. */
+         * it as num_local_experts), and OlmoeConfig does; Qwen3's
+         * intermediate_size is a dense MLP's, unused, written as the
+         * experts' for a reader that wants one. */
         if (qwen3 && offset == offsetof(moe_model_config, intermediate_size)) {
-            moe_json_key(w, qwen_keys[QWEN_MOE_INTERMEDIATE]);
+            moe_json_key(w, family_keys[KEY_MOE_INTERMEDIATE].key);
             moe_json_int(w, cfg->intermediate_size);
         }
         if (qwen3 && offset == offsetof(moe_model_config, sliding_window)) {
-            moe_json_key(w, qwen_keys[QWEN_USE_WINDOW]);
+            moe_json_key(w, family_keys[KEY_USE_WINDOW].key);
             moe_json_bool(w, cfg->sliding_window > 0);
         }
-        moe_json_key(w, qwen3 && offset == offsetof(moe_model_config, num_local_experts) ? "num_experts"
-                                                                                          : fields[f].key);
+        moe_json_key(w, (qwen3 || olmoe) && offset == offsetof(moe_model_config, num_local_experts) ? "num_experts"
+                                                                                                     : fields[f].key);
         switch (fields[f].kind) {
         case F_INT: moe_json_int(w, *(const int64_t *)field_cptr(cfg, &fields[f])); break;
         case F_REAL: moe_json_number(w, *(const double *)field_cptr(cfg, &fields[f])); break;
         case F_BOOL: moe_json_bool(w, *(const bool *)field_cptr(cfg, &fields[f])); break;
-        case F_GATE: moe_json_string(w, gate_names[*(const moe_gate_kind *)field_cptr(cfg, &fields[f])]); break;
+        case F_ENUM: moe_json_string(w, fields[f].names[enum_value(cfg, &fields[f])]); break;
         case F_WINDOW: {
             const int64_t v = *(const int64_t *)field_cptr(cfg, &fields[f]);
             if (v > 0)
@@ -1204,16 +1317,25 @@ static void render(const moe_model_config *cfg, moe_json_writer *w) {
         case F_TOKEN_IDS: write_token_ids(w, field_cptr(cfg, &fields[f])); break;
         }
     }
-    if (qwen3) {
-        moe_json_key(w, qwen_keys[QWEN_NORM_TOPK]);
+    if (qwen3 || olmoe) {
+        moe_json_key(w, family_keys[KEY_NORM_TOPK].key);
         moe_json_bool(w, cfg->moe_renormalize);
-        moe_json_key(w, qwen_keys[QWEN_SPARSE_STEP]);
+        moe_json_key(w, family_keys[KEY_ATTENTION_BIAS].key);
+        moe_json_bool(w, false);
+    }
+    if (qwen3) {
+        moe_json_key(w, family_keys[KEY_SPARSE_STEP].key);
         moe_json_int(w, 1);
-        moe_json_key(w, qwen_keys[QWEN_MLP_ONLY]);
+        moe_json_key(w, family_keys[KEY_MLP_ONLY].key);
         moe_json_begin_array(w);
         moe_json_end_array(w);
-        moe_json_key(w, qwen_keys[QWEN_ATTENTION_BIAS]);
-        moe_json_bool(w, false);
+        /* transformers v4 windows only the layers from it on. */
+        moe_json_key(w, family_keys[KEY_MAX_WINDOW_LAYERS].key);
+        moe_json_int(w, 0);
+    }
+    if (olmoe) {
+        moe_json_key(w, family_keys[KEY_CLIP_QKV].key);
+        moe_json_null(w);
     }
     /* As transformers v4 writes a scaled RoPE, which v5 reads as its
      * rope_parameters; every parameter of the type explicit. */

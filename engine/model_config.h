@@ -7,15 +7,19 @@
  * rope_theta 1e4, rms_norm_eps 1e-6, norm_topk_prob false), q and k
  * normalised per head (moe_qk_norm), sliding_window only under
  * use_sliding_window; every layer an MoE layer (decoder_sparse_step 1, no
- * mlp_only_layers) and no attention biases, or it is refused.
+ * mlp_only_layers) and no attention biases, or it is refused. An "olmoe"
+ * file is read as OlmoeConfig: its defaults (num_key_value_heads
+ * num_attention_heads, max_position_embeddings 4096, rope_theta 1e4,
+ * router_aux_loss_coef 0.01, norm_topk_prob false), q and k normalised
+ * across heads, no window, no clip_qkv and no attention biases.
  *
  * Reading: a key we know but do not use (architectures, torch_dtype,
  * use_cache, ...) is accepted silently; an unknown key is ignored with a
  * warning passed to the caller's callback (the library never prints). Keys
  * that would change the model in ways we do not implement are errors
  * (hidden_act other than "silu" or "swish", which
- * transformers computes as silu, model_type other than "mixtral", "qwen3_moe"
- * or "moe",
+ * transformers computes as silu, model_type other than "mixtral",
+ * "qwen3_moe", "olmoe" or "moe",
  * a rope_type other than "default", "linear", "llama3", "yarn" or "dynamic", a
  * partial_rotary_factor other than 1). A wrong type or an
  * impossible value is an error naming the file, the key and the value, and
@@ -35,9 +39,11 @@
  * moe_capacity_factor, moe_n_shared_experts, moe_bias_update_rate 0,
  * moe_n_group 0 or 1, moe_routed_scaling_factor 1 (the loss-only keys
  * router_aux_loss_coef, moe_z_loss_coef, moe_seq_aux_loss_coef and
- * router_jitter_noise may take any value) and moe_qk_norm false; with
- * moe_qk_norm true and the same routing (moe_renormalize either way)
- * "qwen3_moe" and ["Qwen3MoeForCausalLM"], with Qwen3's keys. Otherwise
+ * router_jitter_noise may take any value) and no moe_qk_norm; with the
+ * same routing (moe_renormalize either way) and moe_qk_norm "per_head"
+ * "qwen3_moe" and ["Qwen3MoeForCausalLM"], with Qwen3's keys, and with
+ * "across_heads", hidden_size num_attention_heads x head_dim wide and no
+ * window, "olmoe" and ["OlmoeForCausalLM"], with OLMoE's. Otherwise
  * "model_type": "moe" and ["MoeForCausalLM"], which transformers refuses
  * rather than load as a model that gives other outputs; this library reads
  * all three. */
@@ -112,6 +118,15 @@ typedef struct moe_rope_scaling {
  * one by one (moe_rope_scaling_field). */
 #define MOE_ROPE_SCALING_FIELDS 10
 
+/* How q and k are normalised before RoPE, if at all: Qwen3-MoE normalises
+ * each head on its own, one head_dim weight vector for all heads; OLMoE
+ * each token's whole projection, a weight per element. */
+typedef enum moe_qk_norm_kind {
+    MOE_QK_NORM_NONE = 0,
+    MOE_QK_NORM_PER_HEAD,     /* "per_head": Qwen3-MoE's */
+    MOE_QK_NORM_ACROSS_HEADS, /* "across_heads": OLMoE's */
+} moe_qk_norm_kind;
+
 typedef struct moe_model_config {
     /* Hugging Face MixtralConfig fields. Required in config.json: the sizes
      * down to num_experts_per_tok, except num_key_value_heads (default 8;
@@ -142,10 +157,8 @@ typedef struct moe_model_config {
      * tensor, which a checkpoint holds once, as transformers saves it. */
     bool tie_word_embeddings;
     moe_token_ids bos_token_id, eos_token_id, pad_token_id; /* as read; absent by default */
-    /* Qwen3's q_norm and k_norm: RMSNorm over each head of q and of k (one
-     * head_dim weight each, shared by the heads), before RoPE (default
-     * false; true in a qwen3_moe file). */
-    bool moe_qk_norm;
+    /* q_norm and k_norm, RMSNorm on q and k before RoPE (default none). */
+    moe_qk_norm_kind moe_qk_norm;
     /* Ours (moe_layer_config in moe.h says what each does). */
     moe_gate_kind moe_gate;       /* "softmax_topk" (default), "topk_softmax", "sigmoid" */
     bool moe_renormalize;         /* default true */
@@ -165,6 +178,15 @@ typedef void (*moe_warn_fn)(void *ctx, const char *message);
 /* A moe_gate value as config.json writes it ("softmax_topk", ...); "?"
  * outside the enum. */
 const char *moe_gate_kind_name(int kind);
+
+/* A moe_qk_norm value as config.json writes it ("none", "per_head",
+ * "across_heads"); "?" outside the enum. */
+const char *moe_qk_norm_kind_name(int kind);
+
+/* The width of the rows q's (k's when key) norm runs over: head_dim, or
+ * the whole projection's (num_attention_heads or num_key_value_heads x
+ * head_dim); 0 without one. Its weight has that many elements. */
+int64_t moe_qk_norm_width(const moe_model_config *cfg, bool key);
 
 /* The largest config.json read. */
 #define MOE_MODEL_CONFIG_MAX_BYTES ((size_t)16 << 20)

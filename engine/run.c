@@ -523,6 +523,51 @@ static void field_text(char *buf, size_t size, const moe_agree_field *f, double 
     moe_shortest(buf, size, value); /* two that differ print apart */
 }
 
+/* The window of every layer of a dense model's config.json (root, at
+ * path, of `layers` layers) into *window (0: none), as transformers
+ * reads it: Mistral's sliding_window in every layer; Qwen2's and Qwen3's
+ * only under use_sliding_window (a missing sliding_window is then 4096)
+ * and only in the layers from max_window_layers (default 28) on; with
+ * layer_types, in the layers it calls sliding_attention. Layers of
+ * different windows are refused: the MoE has one for all. */
+static moe_status dense_window(int64_t *window, const moe_json *root, const char *path, int64_t layers) {
+    const moe_json *type = moe_json_get(root, "model_type");
+    const char *type_text = type ? moe_json_text(type) : NULL;
+    const bool qwen = type_text && (strcmp(type_text, "qwen2") == 0 || strcmp(type_text, "qwen3") == 0);
+    const moe_json *sw = moe_json_get(root, "sliding_window"), *use = moe_json_get(root, "use_sliding_window");
+    const moe_json *kinds = moe_json_get(root, "layer_types"), *from = moe_json_get(root, "max_window_layers");
+    if (sw && sw->type != MOE_JSON_NULL && (sw->type != MOE_JSON_NUMBER || sw->number.value < 1))
+        return moe_error(MOE_ERR_CONFIG, "--upcycle: %s: sliding_window must be a positive integer or null", path);
+    if (kinds && kinds->type != MOE_JSON_NULL && (kinds->type != MOE_JSON_ARRAY || (int64_t)kinds->array.count != layers))
+        return moe_error(MOE_ERR_CONFIG, "--upcycle: %s: layer_types must list the %lld layers' attention", path,
+                         (long long)layers);
+    int64_t size = sw && sw->type == MOE_JSON_NUMBER ? (int64_t)sw->number.value : 0;
+    if (qwen) {
+        const bool used = use && use->type == MOE_JSON_BOOL && use->boolean;
+        size = !used ? 0 : sw ? size : 4096;
+    }
+    const int64_t first = qwen && from && from->type == MOE_JSON_NUMBER ? (int64_t)from->number.value : qwen ? 28 : 0;
+    for (int64_t l = 0; l < layers; l++) {
+        const char *kind = kinds && kinds->type == MOE_JSON_ARRAY ? moe_json_text(&kinds->array.items[l]) : NULL;
+        bool sliding = size > 0 && l >= first;
+        if (kinds && kinds->type == MOE_JSON_ARRAY) {
+            if (!kind || (strcmp(kind, "full_attention") != 0 && strcmp(kind, "sliding_attention") != 0))
+                return moe_error(MOE_ERR_CONFIG, "--upcycle: %s: layer_types[%lld] is neither \"full_attention\" nor "
+                                                 "\"sliding_attention\"",
+                                 path, (long long)l);
+            sliding = size > 0 && strcmp(kind, "sliding_attention") == 0;
+        }
+        const int64_t w = sliding ? size : 0;
+        if (l > 0 && w != *window)
+            return moe_error(MOE_ERR_CONFIG, "--upcycle: %s: layer %lld attends %s a window, layer %lld %s: an MoE "
+                                             "of layers of different windows is not implemented",
+                             path, (long long)(l - 1), *window ? "within" : "without", (long long)l,
+                             w ? "within one" : "without");
+        *window = w;
+    }
+    return MOE_OK;
+}
+
 /* --upcycle's dense model against --config's MoE: the fields its
  * config.json (when DIR has one) shares with the MoE's must agree, or the
  * MoE would not start from the function the dense model computes (shapes
@@ -534,10 +579,9 @@ static void field_text(char *buf, size_t size, const moe_agree_field *f, double 
  * it does not implement and an activation other than SiLU are refused;
  * rope_theta is compared wherever it is written, top level or in
  * rope_parameters, and so is the RoPE scaling. A qwen3 model normalises
- * q and k (the MoE must too: moe_qk_norm), its sliding_window counts only
- * under use_sliding_window, as Qwen3's reader has it, and attention biases
- * (attention_bias true) and layers of other attention than the rest
- * (layer_types other than "full_attention") are refused, as moe has none.
+ * q and k (the MoE must too: moe_qk_norm), the window is compared as
+ * dense_window finds it, and attention biases (attention_bias true) are
+ * refused, as moe has none.
  * The token ids --config does not give are taken from the dense model's. */
 static moe_status check_dense_config(moe_model_config *moe, const moe_run_options *o) {
     char path[RUN_PATH_BYTES];
@@ -558,7 +602,6 @@ static moe_status check_dense_config(moe_model_config *moe, const moe_run_option
         {"num_key_value_heads", NULL, "num_key_value_heads"},
         {"head_dim", NULL, "head_dim"},
         {"rms_norm_eps", NULL, "rms_norm_eps"},
-        {"sliding_window", NULL, "sliding_window"},
     };
     moe_agree_field fields[MOE_CONFIG_AGREE_FIELDS];
     const int n = moe_config_agree_fields(fields, moe);
@@ -589,44 +632,27 @@ static moe_status check_dense_config(moe_model_config *moe, const moe_run_option
                        path, dense, o->config, mine);
     }
     const moe_json *type = moe_json_get(root, "model_type");
-    const bool qk_norm = type && moe_json_text(type) && strcmp(moe_json_text(type), "qwen3") == 0;
+    const bool qwen3 = type && moe_json_text(type) && strcmp(moe_json_text(type), "qwen3") == 0;
+    const moe_qk_norm_kind qk_norm = qwen3 ? MOE_QK_NORM_PER_HEAD : MOE_QK_NORM_NONE;
     if (st == MOE_OK && qk_norm != moe->moe_qk_norm)
-        st = moe_error(MOE_ERR_CONFIG, "--upcycle: %s is %s, and --config %s %s: the MoE would not start from the "
-                                       "dense model's function",
-                       path, qk_norm ? "a qwen3 model, whose attention normalises q and k" : "no qwen3 model (its "
-                                                                                             "attention does not "
-                                                                                             "normalise q and k)",
-                       o->config, qk_norm ? "does not (model_type qwen3_moe does)" : "does");
+        st = moe_error(MOE_ERR_CONFIG, "--upcycle: %s is %s, and --config %s has moe_qk_norm \"%s\"%s: the MoE "
+                                       "would not start from the dense model's function",
+                       path, qwen3 ? "a qwen3 model, whose attention normalises q and k per head" : "no qwen3 model (its "
+                                                                                                  "attention does not "
+                                                                                                  "normalise q and k)",
+                       o->config, moe_qk_norm_kind_name(moe->moe_qk_norm),
+                       qwen3 ? " (model_type qwen3_moe normalises them per head)" : "");
     const moe_json *bias = moe_json_get(root, "attention_bias");
     if (st == MOE_OK && bias && bias->type == MOE_JSON_BOOL && bias->boolean)
         st = moe_error(MOE_ERR_CONFIG, "--upcycle: %s has attention_bias true: q, k, v and o have no biases here",
                        path);
-    const moe_json *kinds = moe_json_get(root, "layer_types");
-    for (size_t i = 0; st == MOE_OK && kinds && kinds->type == MOE_JSON_ARRAY && i < kinds->array.count; i++) {
-        const char *kind = moe_json_text(&kinds->array.items[i]);
-        if (!kind || strcmp(kind, "full_attention") != 0)
-            st = moe_error(MOE_ERR_CONFIG, "--upcycle: %s: layer_types[%zu] is not \"full_attention\": layers of "
-                                           "another attention than the rest are not implemented",
-                           path, i);
-    }
-    const moe_json *use_window = moe_json_get(root, "use_sliding_window");
-    const bool window_unused = use_window && use_window->type == MOE_JSON_BOOL && !use_window->boolean;
     for (size_t k = 0; st == MOE_OK && k < sizeof shared / sizeof *shared; k++) {
-        const bool window = strcmp(shared[k].key, "sliding_window") == 0;
-        if (window && window_unused) {
-            if (moe->sliding_window > 0)
-                st = moe_error(MOE_ERR_CONFIG, "--upcycle: %s has use_sliding_window false, and --config %s has "
-                                               "sliding_window=%lld: the MoE would not start from the dense model's "
-                                               "function",
-                               path, o->config, (long long)moe->sliding_window);
-            continue;
-        }
         const moe_json *v = moe_json_get(root, shared[k].key);
         if (v && shared[k].sub) v = moe_json_get(v, shared[k].sub); /* checked to be an object or null */
-        if (!v || (v->type == MOE_JSON_NULL && !window)) continue;
+        if (!v || v->type == MOE_JSON_NULL) continue;
         int i = 0;
         while (i < n && strcmp(fields[i].name, shared[k].field) != 0) i++;
-        const double dense = v->type == MOE_JSON_NULL ? 0.0 : v->type == MOE_JSON_NUMBER ? v->number.value : NAN;
+        const double dense = v->type == MOE_JSON_NUMBER ? v->number.value : NAN;
         if (i == n || dense == fields[i].value) continue; /* every field of shared is one of fields' */
         char mine[64];
         field_text(mine, sizeof mine, &fields[i], fields[i].value);
@@ -635,6 +661,17 @@ static moe_status check_dense_config(moe_model_config *moe, const moe_run_option
                        path, shared[k].key, shared[k].sub ? "." : "", shared[k].sub ? shared[k].sub : "",
                        v->type == MOE_JSON_NUMBER ? v->number.text : moe_json_type_name(v->type), o->config,
                        shared[k].field, mine);
+    }
+    /* The layers' count agrees: their windows are the dense model's. */
+    int64_t window = 0;
+    if (st == MOE_OK) st = dense_window(&window, root, path, moe->num_hidden_layers);
+    if (st == MOE_OK && window != moe->sliding_window) {
+        char dense[48] = "no window", mine[48] = "null";
+        if (window) snprintf(dense, sizeof dense, "a window of %lld positions", (long long)window);
+        if (moe->sliding_window) snprintf(mine, sizeof mine, "%lld", (long long)moe->sliding_window);
+        st = moe_error(MOE_ERR_CONFIG, "--upcycle: %s has %s in every layer, and --config %s has sliding_window=%s: "
+                                       "the MoE would not start from the dense model's function",
+                       path, dense, o->config, mine);
     }
     /* The head is the dense model's: one tensor with the embedding or its own. */
     const moe_json *tied = st == MOE_OK ? moe_json_get(root, "tie_word_embeddings") : NULL;

@@ -171,7 +171,7 @@ static inline moe_model_config ref_tiny_config(int64_t vocab, int64_t layers, in
 
 typedef struct ref_model_layer {
     int64_t ln1, wq, wk, wv, wo, ln2; /* attention half */
-    int64_t q_norm, k_norm;           /* [hd] each, -1 without moe_qk_norm */
+    int64_t q_norm, k_norm;           /* -1 without moe_qk_norm */
     int64_t gate;                     /* [E, C] */
     int64_t *w1, *w3, *w2;            /* [E] offsets of [ff, C], [ff, C], [C, ff] */
     int64_t sg, su, sd;               /* shared experts, -1 when none */
@@ -260,9 +260,11 @@ static inline void ref_model_init(ref_model *r, moe_model *m) {
         y->wo = ref_model_offset(m, C, qdim, "model.layers.%lld.self_attn.o_proj.weight", ll);
         y->ln2 = ref_model_offset(m, C, 1, "model.layers.%lld.post_attention_layernorm.weight", ll);
         y->q_norm = y->k_norm = -1;
-        if (c->moe_qk_norm) {
-            y->q_norm = ref_model_offset(m, hd, 1, "model.layers.%lld.self_attn.q_norm.weight", ll);
-            y->k_norm = ref_model_offset(m, hd, 1, "model.layers.%lld.self_attn.k_norm.weight", ll);
+        /* Qwen3's norms are head_dim wide, OLMoE's the projections' width. */
+        const bool per_head = c->moe_qk_norm == MOE_QK_NORM_PER_HEAD;
+        if (c->moe_qk_norm != MOE_QK_NORM_NONE) {
+            y->q_norm = ref_model_offset(m, per_head ? hd : qdim, 1, "model.layers.%lld.self_attn.q_norm.weight", ll);
+            y->k_norm = ref_model_offset(m, per_head ? hd : kvdim, 1, "model.layers.%lld.self_attn.k_norm.weight", ll);
         }
         y->gate = ref_model_offset(m, E, C, "model.layers.%lld.block_sparse_moe.gate.weight", ll);
         y->w1 = ref_alloc((size_t)E * sizeof *y->w1);
@@ -374,9 +376,12 @@ static inline double ref_model_forward(ref_model *r, ref_model_loss *out, double
         ref_linear(q, h, p + ly->wq, N, C, qdim);
         ref_linear(k, h, p + ly->wk, N, C, kvdim);
         ref_linear(v, h, p + ly->wv, N, C, kvdim);
-        if (c->moe_qk_norm) { /* Qwen3's: each head of q and k on its own */
+        if (c->moe_qk_norm == MOE_QK_NORM_PER_HEAD) { /* Qwen3's: each head on its own */
             ref_rmsnorm(q, q, p + ly->q_norm, c->rms_norm_eps, N * Hq, hd);
             ref_rmsnorm(k, k, p + ly->k_norm, c->rms_norm_eps, N * Hkv, hd);
+        } else if (c->moe_qk_norm == MOE_QK_NORM_ACROSS_HEADS) { /* OLMoE's: each token's whole q and k */
+            ref_rmsnorm(q, q, p + ly->q_norm, c->rms_norm_eps, N, qdim);
+            ref_rmsnorm(k, k, p + ly->k_norm, c->rms_norm_eps, N, kvdim);
         }
         ref_rope(q, B, T, Hq, hd, c->rope_theta, &c->rope_scaling);
         ref_rope(k, B, T, Hkv, hd, c->rope_theta, &c->rope_scaling);

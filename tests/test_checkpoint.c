@@ -497,7 +497,7 @@ Test(checkpoint, fused_layout_loads_like_per_expert, .init = make_tmpdir, .fini 
  * Mixtral's: a model without the norms refuses it, naming them. */
 Test(checkpoint, qwen3_moe_files_use_its_names, .init = make_tmpdir, .fini = remove_tmpdir) {
     moe_model_config c = small_config(EXPERTS, 2);
-    c.moe_qk_norm = true;
+    c.moe_qk_norm = MOE_QK_NORM_PER_HEAD;
     run a = run_of(&c, 1), b = run_of(&c, 2);
     moe_train_state s = scramble(&a, 5, 5);
     char path[512];
@@ -524,9 +524,29 @@ Test(checkpoint, qwen3_moe_files_use_its_names, .init = make_tmpdir, .fini = rem
         cr_expect(strstr(moe_st_tensor_at(f, i)->name, "block_sparse_moe") == NULL, "%s",
                   moe_st_tensor_at(f, i)->name);
     cr_expect_eq(moe_st_tensor_count(f), moe_model_tensor_count(a.model));
-    moe_st_close(f);
     load_weights(&b, path);
     expect_bits(moe_model_params(b.model), moe_model_params(a.model), n_params(&a), "qwen3_moe names");
+
+    /* An expert the file lacks is named by every name it may have. */
+    tt ts[MAX_TENSORS];
+    int64_t n = 0;
+    float *copy = malloc((size_t)n_params(&a) * sizeof *copy), *at = copy; /* aligned copies of the file's data */
+    cr_assert_not_null(copy);
+    for (int64_t i = 0; i < moe_st_tensor_count(f); i++) {
+        const moe_st_tensor *t = moe_st_tensor_at(f, i);
+        if (strcmp(t->name, "model.layers.1.mlp.experts.3.up_proj.weight") == 0) continue;
+        memcpy(at, t->data, (size_t)t->nbytes);
+        ts[n++] = make_tt(t->name, t->ndim, t->shape, at);
+        at += t->numel;
+    }
+    moe_st_close(f);
+    const char *missing = fresh_dir("qwen3-missing");
+    write_tts(in_dir(missing, "model.safetensors"), ts, n, "F32");
+    expect_error(moe_checkpoint_load_weights(b.model, missing),
+                 "no tensor 'model.layers.1.block_sparse_moe.experts.3.w3.weight' (nor "
+                 "'model.layers.1.mlp.experts.gate_up_proj' nor 'model.layers.1.mlp.experts.3.up_proj.weight')",
+                 NULL);
+    free(copy);
 
     run mixtral = make_run(3, 0, 0);
     expect_error(moe_checkpoint_load_weights(mixtral.model, path), "model.layers.0.self_attn.k_norm.weight",

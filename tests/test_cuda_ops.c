@@ -1837,7 +1837,7 @@ Test(cuda, model_on_the_table) {
     cfg.router_aux_loss_coef = 0.01;
     cfg.moe_z_loss_coef = 0.001;
     cfg.router_jitter_noise = 0.01; /* the multiply op, both ways */
-    cfg.moe_qk_norm = true;          /* RMSNorm over rows of head_dim */
+    cfg.moe_qk_norm = MOE_QK_NORM_PER_HEAD; /* RMSNorm over rows of head_dim */
     enum { B = 2, T = 16, N = B * T };
     moe_model *host = NULL, *dev = NULL;
     CHECK(moe_model_create(&host, &cfg, B, T, 5));

@@ -25,7 +25,7 @@
 /* What the attention of a test model does beyond plain causal attention. */
 typedef struct attention_kind {
     int64_t sliding_window;
-    bool qk_norm; /* moe_qk_norm: q and k normalised per head (Qwen3-MoE's) */
+    moe_qk_norm_kind qk_norm;
 } attention_kind;
 
 static moe_model *small_model_of(int64_t rows, double capacity_factor, attention_kind attn, moe_model_parallel par) {
@@ -281,8 +281,9 @@ static void expect_decoded(const float *got, const float *want, double scale, in
     const float *w = want + (row * T + pos) * VOCAB;
     double worst = 0.0;
     for (int64_t j = 0; j < VOCAB; j++) worst = fmax(worst, fabs(got[j] - w[j]));
-    cr_expect(worst <= 1e-5 * scale, "window %lld, qk_norm %d, row %lld, position %lld: logits off by %g (largest %g)",
-              (long long)attn.sliding_window, attn.qk_norm, (long long)row, (long long)pos, worst, scale);
+    cr_expect(worst <= 1e-5 * scale, "window %lld, qk_norm %s, row %lld, position %lld: logits off by %g (largest %g)",
+              (long long)attn.sliding_window, moe_qk_norm_kind_name(attn.qk_norm), (long long)row, (long long)pos,
+              worst, scale);
 }
 
 static void check_decode(attention_kind attn) {
@@ -361,7 +362,8 @@ static void check_decode_only(attention_kind attn) {
 
 Test(decode, a_decode_only_model_reads_rows_from_position_0) { check_decode_only((attention_kind){0}); }
 Test(decode, a_decode_only_model_with_q_and_k_normalised_reads_rows_from_position_0) {
-    check_decode_only((attention_kind){.qk_norm = true});
+    check_decode_only((attention_kind){.qk_norm = MOE_QK_NORM_PER_HEAD});
+    check_decode_only((attention_kind){.qk_norm = MOE_QK_NORM_ACROSS_HEADS});
 }
 
 /* Past a chunk of positions, a decode-only model's memory grows with T
@@ -398,7 +400,8 @@ Test(decode, steps_in_a_sliding_window_give_the_logits_of_a_full_forward) {
     check_decode((attention_kind){.sliding_window = 3});
 }
 Test(decode, steps_with_q_and_k_normalised_give_the_logits_of_a_full_forward) {
-    check_decode((attention_kind){.qk_norm = true});
+    check_decode((attention_kind){.qk_norm = MOE_QK_NORM_PER_HEAD});
+    check_decode((attention_kind){.qk_norm = MOE_QK_NORM_ACROSS_HEADS});
 }
 
 Test(decode, refuses_training_grids_without_keys_and_bad_tokens) {

@@ -275,7 +275,7 @@ Test(model_config, every_bad_field_is_named) {
         {"eos_token_id", "[1, null]", "t/config.json: eos_token_id[1] must be an integer, got null"},
         {"pad_token_id", "{}", "pad_token_id must be an integer, a list of integers or null, got object"},
         {"pad_token_id", "99999999999999999999", "t/config.json: pad_token_id=99999999999999999999 is out of range"},
-        {"model_type", "\"qwen2_moe\"", "model_type=\"qwen2_moe\" is not supported (only \"mixtral\", \"qwen3_moe\" or \"moe\")"},
+        {"model_type", "\"qwen2_moe\"", "model_type=\"qwen2_moe\" is not supported (only \"mixtral\", \"qwen3_moe\", \"olmoe\" or \"moe\")"},
         {"rope_scaling", "{\"type\": \"longrope\", \"factor\": 2}",
          "t/config.json: rope_scaling.rope_type=\"longrope\" is not supported (only \"default\", \"linear\", \"llama3\", "
          "\"yarn\" or \"dynamic\")"},
@@ -774,7 +774,7 @@ Test(model_config, validate_struct) {
     bad = c;
     bad.moe_gate = (moe_gate_kind)7;
     cr_expect_eq(moe_model_config_validate(&bad, "small"), MOE_ERR_CONFIG);
-    cr_expect(strstr(moe_last_error(), "moe_gate=7 is not a gate kind") != NULL, "%s", moe_last_error());
+    cr_expect(strstr(moe_last_error(), "moe_gate=7 is not one of its 3 values") != NULL, "%s", moe_last_error());
     bad = c;
     bad.router_aux_loss_coef = INFINITY;
     cr_expect_eq(moe_model_config_validate(&bad, "small"), MOE_ERR_CONFIG);
@@ -1108,13 +1108,20 @@ Test(model_config, model_type_says_whether_transformers_computes_the_same, .init
         /* The type read does not decide the type written; the model does. */
         {"model_type", "\"moe\"", "mixtral"},
         {"model_type", "\"mixtral\", \"moe_gate\": \"sigmoid\"", "moe"},
-        /* q and k normalised: Qwen3-MoE's, with or without norm_topk_prob. */
-        {"moe_qk_norm", "true", "qwen3_moe"},
-        {"moe_qk_norm", "true, \"moe_renormalize\": false", "qwen3_moe"},
-        {"moe_qk_norm", "true, \"sliding_window\": 16", "qwen3_moe"},
-        {"moe_qk_norm", "true, \"moe_gate\": \"sigmoid\"", "moe"},
-        {"moe_qk_norm", "true, \"moe_capacity_factor\": 1.25", "moe"},
+        /* q and k normalised per head: Qwen3-MoE's, with or without
+         * norm_topk_prob; across heads: OLMoE's, without a window. */
+        {"moe_qk_norm", "\"none\"", "mixtral"},
+        {"moe_qk_norm", "\"per_head\"", "qwen3_moe"},
+        {"moe_qk_norm", "\"per_head\", \"moe_renormalize\": false", "qwen3_moe"},
+        {"moe_qk_norm", "\"per_head\", \"sliding_window\": 16", "qwen3_moe"},
+        {"moe_qk_norm", "\"per_head\", \"moe_gate\": \"sigmoid\"", "moe"},
+        {"moe_qk_norm", "\"per_head\", \"moe_capacity_factor\": 1.25", "moe"},
         {"model_type", "\"qwen3_moe\", \"moe_intermediate_size\": 128", "qwen3_moe"},
+        {"moe_qk_norm", "\"across_heads\"", "olmoe"},
+        {"moe_qk_norm", "\"across_heads\", \"moe_renormalize\": false", "olmoe"},
+        {"moe_qk_norm", "\"across_heads\", \"sliding_window\": 16", "moe"},
+        {"moe_qk_norm", "\"across_heads\", \"head_dim\": 8", "moe"},
+        {"model_type", "\"olmoe\"", "olmoe"},
     };
     char path[512];
     snprintf(path, sizeof path, "%s/config.json", tmpdir);
@@ -1130,23 +1137,35 @@ Test(model_config, model_type_says_whether_transformers_computes_the_same, .init
         const moe_json *arch = moe_json_get(r, "architectures");
         cr_assert(type != NULL && arch != NULL && arch->type == MOE_JSON_ARRAY && arch->array.count == 1, "%s",
                   text);
-        const bool qwen3 = strcmp(cases[i].type, "qwen3_moe") == 0;
+        const bool qwen3 = strcmp(cases[i].type, "qwen3_moe") == 0, olmoe = strcmp(cases[i].type, "olmoe") == 0;
+        const bool ours = strcmp(cases[i].type, "moe") == 0;
         cr_expect_str_eq(type, cases[i].type, "%s", text);
         cr_expect_str_eq(moe_model_config_model_type(&c), cases[i].type, "%s", text);
         cr_expect_str_eq(moe_json_text(&arch->array.items[0]),
-                         qwen3                                  ? "Qwen3MoeForCausalLM"
-                         : strcmp(cases[i].type, "mixtral") == 0 ? "MixtralForCausalLM"
-                                                                 : "MoeForCausalLM",
+                         qwen3   ? "Qwen3MoeForCausalLM"
+                         : olmoe ? "OlmoeForCausalLM"
+                         : ours  ? "MoeForCausalLM"
+                                 : "MixtralForCausalLM",
                          "%s", text);
         /* Written only where the type does not say it, so that a config of
          * none renders (and checksums) as before the key existed. */
-        cr_expect((moe_json_get(r, "moe_qk_norm") != NULL) == (c.moe_qk_norm && !qwen3), "%s", text);
-        /* Qwen3MoeConfig's own keys, which transformers v4 reads too. */
-        const char *qwen_keys[] = {"num_experts", "moe_intermediate_size", "norm_topk_prob", "use_sliding_window",
-                                   "decoder_sparse_step", "mlp_only_layers", "attention_bias"};
-        for (size_t k = 0; k < sizeof qwen_keys / sizeof *qwen_keys; k++)
-            cr_expect((moe_json_get(r, qwen_keys[k]) != NULL) == qwen3, "%s: %s", text, qwen_keys[k]);
-        cr_expect((moe_json_get(r, "num_local_experts") != NULL) == !qwen3, "%s", text);
+        cr_expect((moe_json_get(r, "moe_qk_norm") != NULL) == (ours && c.moe_qk_norm != MOE_QK_NORM_NONE), "%s",
+                  text);
+        /* Qwen3MoeConfig's and OlmoeConfig's own keys, which transformers
+         * v4 reads too: num_experts, not num_local_experts. */
+        const struct {
+            const char *key;
+            bool qwen3, olmoe;
+        } own[] = {{"num_experts", true, true},         {"norm_topk_prob", true, true},
+                   {"attention_bias", true, true},      {"moe_intermediate_size", true, false},
+                   {"use_sliding_window", true, false}, {"decoder_sparse_step", true, false},
+                   {"mlp_only_layers", true, false},    {"clip_qkv", false, true},
+                   {"max_window_layers", true, false},
+                   {"num_local_experts", false, false}};
+        for (size_t k = 0; k < sizeof own / sizeof *own; k++) {
+            const bool want = qwen3 ? own[k].qwen3 : olmoe ? own[k].olmoe : strcmp(own[k].key, "num_local_experts") == 0;
+            cr_expect((moe_json_get(r, own[k].key) != NULL) == want, "%s: %s", text, own[k].key);
+        }
         moe_json_free(doc);
         warnings w = {0};
         cr_assert_eq(moe_model_config_load(&back, path, collect, &w), MOE_OK, "%s: %s", text, moe_last_error());
@@ -1174,15 +1193,33 @@ static const char qwen3_moe_config[] = "{\"architectures\": [\"Qwen3MoeForCausal
                                        "\"transformers_version\": \"4.51.0\", \"use_cache\": true, "
                                        "\"use_sliding_window\": false, \"vocab_size\": 151936}";
 
-/* The smallest qwen3_moe file: its sizes, then extra keys (a JSON tail). */
-static const char *qwen3_with(const char *extra) {
+/* The smallest file of a model type (qwen3_moe or olmoe): its sizes, the
+ * experts 32 wide, then extra keys (a JSON tail). */
+static const char *family_with(const char *type, const char *extra) {
     static char buf[1024];
+    const bool qwen3 = strcmp(type, "qwen3_moe") == 0;
     snprintf(buf, sizeof buf,
-             "{\"model_type\": \"qwen3_moe\", \"vocab_size\": 100, \"hidden_size\": 64, \"intermediate_size\": 256, "
-             "\"moe_intermediate_size\": 32, \"num_hidden_layers\": 2, \"num_attention_heads\": 4, "
-             "\"num_experts\": 8, \"num_experts_per_tok\": 2%s}",
-             extra);
+             "{\"model_type\": \"%s\", \"vocab_size\": 100, \"hidden_size\": 64, \"intermediate_size\": %s, "
+             "\"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"num_experts\": 8, \"num_experts_per_tok\": 2%s}",
+             type, qwen3 ? "256, \"moe_intermediate_size\": 32" : "32", extra);
     return buf;
+}
+
+static const char *qwen3_with(const char *extra) { return family_with("qwen3_moe", extra); }
+
+typedef struct refused_case {
+    const char *extra, *want; /* a JSON tail; what the message holds */
+} refused_case;
+
+/* Each case's file of the model type is refused, its message holding want. */
+static void expect_refused_configs(const char *type, const refused_case *bad, size_t n) {
+    moe_model_config c;
+    for (size_t i = 0; i < n; i++) {
+        const char *text = family_with(type, bad[i].extra);
+        cr_expect_eq(parse(&c, text, NULL), MOE_ERR_CONFIG, "%s was accepted", text);
+        cr_expect(strstr(moe_last_error(), bad[i].want) != NULL, "%s:\n  %s\n  lacks %s", text, moe_last_error(),
+                  bad[i].want);
+    }
 }
 
 Test(model_config, qwen3_moe_as_transformers_reads_it) {
@@ -1199,7 +1236,7 @@ Test(model_config, qwen3_moe_as_transformers_reads_it) {
     cr_expect_eq(c.rope_theta, 1e6);
     cr_expect_eq(c.rms_norm_eps, 1e-6);
     cr_expect_eq(c.sliding_window, 0);
-    cr_expect(c.moe_qk_norm && c.moe_renormalize && c.moe_gate == MOE_GATE_SOFTMAX_TOPK);
+    cr_expect(c.moe_qk_norm == MOE_QK_NORM_PER_HEAD && c.moe_renormalize && c.moe_gate == MOE_GATE_SOFTMAX_TOPK);
     cr_expect_str_eq(moe_model_config_model_type(&c), "qwen3_moe");
 
     /* Qwen3MoeConfig's defaults, not MixtralConfig's. */
@@ -1210,38 +1247,42 @@ Test(model_config, qwen3_moe_as_transformers_reads_it) {
     cr_expect_eq(c.rope_theta, 1e4);
     cr_expect_eq(c.rms_norm_eps, 1e-6);
     cr_expect(!c.moe_renormalize, "norm_topk_prob defaults to false");
-    cr_expect(c.moe_qk_norm);
+    cr_expect_eq(c.moe_qk_norm, MOE_QK_NORM_PER_HEAD);
     cr_expect_eq(c.head_dim, 16);
     /* sliding_window counts only under use_sliding_window. */
     cr_assert_eq(parse(&c, qwen3_with(", \"sliding_window\": 4096"), &w), MOE_OK, "%s", moe_last_error());
     cr_expect_eq(c.sliding_window, 0);
-    cr_assert_eq(parse(&c, qwen3_with(", \"sliding_window\": 4096, \"use_sliding_window\": true"), &w), MOE_OK, "%s",
+    cr_assert_eq(parse(&c, qwen3_with(", \"sliding_window\": 64, \"use_sliding_window\": true"), &w), MOE_OK, "%s",
                  moe_last_error());
-    cr_expect_eq(c.sliding_window, 4096);
+    cr_expect_eq(c.sliding_window, 64);
+    cr_assert_eq(parse(&c, qwen3_with(", \"use_sliding_window\": true"), &w), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(c.sliding_window, 4096, "Qwen3MoeConfig's default window");
+    cr_assert_eq(parse(&c, qwen3_with(", \"use_sliding_window\": true, \"sliding_window\": null"), &w), MOE_OK, "%s",
+                 moe_last_error());
+    cr_expect_eq(c.sliding_window, 0);
+    /* Layers past the model's are no layers of it, as in transformers. */
+    cr_assert_eq(parse(&c, qwen3_with(", \"mlp_only_layers\": [2, 99, -1]"), &w), MOE_OK, "%s", moe_last_error());
     cr_assert_eq(parse(&c, qwen3_with(", \"norm_topk_prob\": true, \"moe_renormalize\": true"), &w), MOE_OK, "%s",
                  moe_last_error());
     cr_expect(c.moe_renormalize);
     cr_expect_eq(w.count, 0, "warned: %s", w.text[0]);
 
-    const struct {
-        const char *extra, *want;
-    } bad[] = {
+    const refused_case bad[] = {
         {", \"decoder_sparse_step\": 2", "decoder_sparse_step=2 is not supported"},
         {", \"decoder_sparse_step\": 0", "decoder_sparse_step=0 is not supported"},
-        {", \"mlp_only_layers\": [1]", "mlp_only_layers lists layers"},
+        {", \"mlp_only_layers\": [7, 1]", "mlp_only_layers lists layer 1, which would be a dense MLP"},
         {", \"mlp_only_layers\": [\"a\"]", "mlp_only_layers[0] must be an integer"},
         {", \"mlp_only_layers\": 1", "mlp_only_layers must be a list of layer numbers"},
         {", \"attention_bias\": true", "attention_bias=true is not supported"},
         {", \"use_sliding_window\": 1", "use_sliding_window must be true or false"},
-        {", \"moe_qk_norm\": false", "moe_qk_norm=false, and model_type qwen3_moe normalises q and k"},
-        {", \"norm_topk_prob\": true, \"moe_renormalize\": false", "norm_topk_prob=true disagrees with moe_renormalize"},
+        {", \"moe_qk_norm\": \"across_heads\"",
+         "moe_qk_norm=\"across_heads\", and model_type qwen3_moe normalises q and k per head"},
+        {", \"moe_qk_norm\": true", "moe_qk_norm must be \"none\", \"per_head\" or \"across_heads\", got true"},
+        {", \"norm_topk_prob\": true, \"moe_renormalize\": false",
+         "moe_renormalize=false disagrees with norm_topk_prob=true, which model_type qwen3_moe takes"},
+        {", \"moe_renormalize\": true", "moe_renormalize=true disagrees with norm_topk_prob=false (absent)"},
     };
-    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
-        const char *text = qwen3_with(bad[i].extra);
-        cr_expect_eq(parse(&c, text, NULL), MOE_ERR_CONFIG, "%s was accepted", text);
-        cr_expect(strstr(moe_last_error(), bad[i].want) != NULL, "%s:\n  %s\n  lacks %s", text, moe_last_error(),
-                  bad[i].want);
-    }
+    expect_refused_configs("qwen3_moe", bad, sizeof bad / sizeof *bad);
     const char *no_width = "{\"model_type\": \"qwen3_moe\", \"vocab_size\": 100, \"hidden_size\": 64, "
                            "\"intermediate_size\": 256, \"num_hidden_layers\": 2, \"num_attention_heads\": 4, "
                            "\"num_experts\": 8, \"num_experts_per_tok\": 2}";
@@ -1252,13 +1293,92 @@ Test(model_config, qwen3_moe_as_transformers_reads_it) {
     /* In another model type's file they are no keys of its. */
     w.count = 0;
     cr_assert_eq(parse(&c, config_with("norm_topk_prob", "false"), &w), MOE_OK, "%s", moe_last_error());
-    cr_expect(c.moe_renormalize && !c.moe_qk_norm);
+    cr_expect(c.moe_renormalize && c.moe_qk_norm == MOE_QK_NORM_NONE);
     cr_expect(w.count == 1 && warned(&w, "unknown key 'norm_topk_prob' ignored"), "%d: %s", w.count, w.text[0]);
     w.count = 0;
     cr_assert_eq(parse(&c, config_with("moe_intermediate_size", "\"x\""), &w), MOE_OK, "%s", moe_last_error());
     cr_expect_eq(c.intermediate_size, 128);
     cr_expect(w.count == 1 && warned(&w, "unknown key 'moe_intermediate_size' ignored"), "%d: %s", w.count,
               w.text[0]);
+}
+
+/* Shaped like OLMoE-1B-7B's published config.json: read as transformers'
+ * OlmoeConfig reads it. */
+static const char olmoe_config[] = "{\"architectures\": [\"OlmoeForCausalLM\"], \"attention_bias\": false, "
+                                   "\"attention_dropout\": 0.0, \"clip_qkv\": null, \"eos_token_id\": 50279, "
+                                   "\"hidden_act\": \"silu\", \"hidden_size\": 2048, \"initializer_range\": 0.02, "
+                                   "\"intermediate_size\": 1024, \"max_position_embeddings\": 4096, "
+                                   "\"model_type\": \"olmoe\", \"norm_topk_prob\": false, "
+                                   "\"num_attention_heads\": 16, \"num_experts\": 64, \"num_experts_per_tok\": 8, "
+                                   "\"num_hidden_layers\": 16, \"num_key_value_heads\": 16, "
+                                   "\"output_router_logits\": false, \"pad_token_id\": 1, \"rms_norm_eps\": 1e-05, "
+                                   "\"rope_scaling\": null, \"rope_theta\": 10000.0, \"router_aux_loss_coef\": 0.01, "
+                                   "\"tie_word_embeddings\": false, \"torch_dtype\": \"bfloat16\", "
+                                   "\"transformers_version\": \"4.43.0.dev0\", \"use_cache\": true, "
+                                   "\"vocab_size\": 50304}";
+
+static const char *olmoe_with(const char *extra) { return family_with("olmoe", extra); }
+
+Test(model_config, olmoe_as_transformers_reads_it) {
+    moe_model_config c;
+    warnings w = {0};
+    cr_assert_eq(parse(&c, olmoe_config, &w), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(w.count, 0, "warned: %s", w.text[0]);
+    cr_expect_eq(c.intermediate_size, 1024);
+    cr_expect_eq(c.num_local_experts, 64);
+    cr_expect_eq(c.num_experts_per_tok, 8);
+    cr_expect_eq(c.num_key_value_heads, 16);
+    cr_expect_eq(c.head_dim, 128);
+    cr_expect_eq(c.max_position_embeddings, 4096);
+    cr_expect_eq(c.rope_theta, 1e4);
+    cr_expect_eq(c.router_aux_loss_coef, 0.01);
+    cr_expect(c.moe_qk_norm == MOE_QK_NORM_ACROSS_HEADS && !c.moe_renormalize);
+    cr_expect_eq(moe_qk_norm_width(&c, false), 2048);
+    cr_expect_eq(moe_qk_norm_width(&c, true), 2048);
+    cr_expect_str_eq(moe_model_config_model_type(&c), "olmoe");
+
+    /* OlmoeConfig's defaults, not MixtralConfig's. */
+    cr_assert_eq(parse(&c, olmoe_with(""), &w), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(w.count, 0, "warned: %s", w.text[0]);
+    cr_expect_eq(c.num_key_value_heads, 4, "absent: num_attention_heads");
+    cr_expect_eq(c.max_position_embeddings, 4096);
+    cr_expect_eq(c.rope_theta, 1e4);
+    cr_expect_eq(c.rms_norm_eps, 1e-5);
+    cr_expect_eq(c.router_aux_loss_coef, 0.01);
+    cr_expect(!c.moe_renormalize && c.moe_qk_norm == MOE_QK_NORM_ACROSS_HEADS);
+    cr_assert_eq(parse(&c, olmoe_with(", \"num_key_value_heads\": 2, \"norm_topk_prob\": true"), &w), MOE_OK, "%s",
+                 moe_last_error());
+    cr_expect(c.moe_renormalize);
+    cr_expect_eq(moe_qk_norm_width(&c, true), 32, "k_norm: num_key_value_heads x head_dim");
+    /* OlmoeConfig has no window. */
+    cr_assert_eq(parse(&c, olmoe_with(", \"sliding_window\": 16"), &w), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(c.sliding_window, 0);
+    cr_expect(w.count == 1 && warned(&w, "sliding_window=16 ignored: model_type olmoe attends to every position"),
+              "%d: %s", w.count, w.text[0]);
+
+    const refused_case bad[] = {
+        {", \"clip_qkv\": 8.0", "clip_qkv=8.0 is not supported"},
+        {", \"attention_bias\": true", "attention_bias=true is not supported"},
+        {", \"head_dim\": 8", "num_attention_heads=4 x head_dim=8 is not hidden_size=64"},
+        {", \"moe_qk_norm\": \"per_head\"",
+         "moe_qk_norm=\"per_head\", and model_type olmoe normalises q and k across heads"},
+    };
+    expect_refused_configs("olmoe", bad, sizeof bad / sizeof *bad);
+    const char *uneven = "{\"model_type\": \"olmoe\", \"vocab_size\": 100, \"hidden_size\": 66, \"intermediate_size\": "
+                         "32, \"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"num_experts\": 8, "
+                         "\"num_experts_per_tok\": 2}";
+    cr_expect_eq(parse(&c, uneven, NULL), MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "num_attention_heads=4 x head_dim=16 is not hidden_size=66"), "%s",
+              moe_last_error());
+
+    /* Its keys are no other model type's: a qwen3_moe file's clip_qkv and
+     * a Mixtral's are unknown. */
+    w.count = 0;
+    cr_assert_eq(parse(&c, qwen3_with(", \"clip_qkv\": 8.0"), &w), MOE_OK, "%s", moe_last_error());
+    cr_expect(w.count == 1 && warned(&w, "unknown key 'clip_qkv' ignored"), "%d: %s", w.count, w.text[0]);
+    w.count = 0;
+    cr_assert_eq(parse(&c, config_with("clip_qkv", "8.0"), &w), MOE_OK, "%s", moe_last_error());
+    cr_expect(w.count == 1 && warned(&w, "unknown key 'clip_qkv' ignored"), "%d: %s", w.count, w.text[0]);
 }
 
 /* The population std of the model's matrices (every 2-D tensor), from its

@@ -65,29 +65,30 @@ typedef struct grad_case {
      * in 6 and in 63 positions: the scalings change the second within the
      * 5 positions. */
     moe_rope_scaling rope;
-    /* Qwen3-MoE's layer: q and k normalised per head (moe_qk_norm), and
-     * its default norm_topk_prob false (moe_renormalize off). */
-    bool qwen3;
+    /* q and k normalised (Qwen3-MoE's per head, OLMoE's across heads),
+     * with their default norm_topk_prob false (moe_renormalize off). */
+    moe_qk_norm_kind qk_norm;
 } grad_case;
 
 static const grad_case CASES[] = {
-    {"softmax_topk", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 0, 11, 0.0, 0.0, 0, false, {0}, false},
-    {"topk_softmax", MOE_GATE_TOPK_SOFTMAX, 0.0, 0, 0, 12, 0.0, 0.0, 0, false, {0}, false},
-    {"sigmoid", MOE_GATE_SIGMOID, 0.0, 0, 0, 13, 0.0, 0.0, 0, false, {0}, false},
-    {"capacity_1", MOE_GATE_SOFTMAX_TOPK, 1.0, 0, 0, 14, 0.0, 0.0, 0, false, {0}, false},
-    {"shared_experts", MOE_GATE_SOFTMAX_TOPK, 0.0, 1, 0, 15, 0.0, 0.0, 0, false, {0}, false},
-    {"ignored_targets", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 2, 16, 0.0, 0.0, 0, false, {0}, false},
-    {"sequence_wise_balancing", MOE_GATE_SIGMOID, 0.0, 0, 0, 17, 0.3, 0.0, 0, false, {0}, false},
-    {"logit_z_loss", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 1, 18, 0.0, 0.05, 0, false, {0}, false},
-    {"sliding_window", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 0, 19, 0.0, 0.0, 2, false, {0}, false},
-    {"tied_embeddings", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 1, 20, 0.0, 0.0, 0, true, {0}, false},
+    {"softmax_topk", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 0, 11, 0.0, 0.0, 0, false, {0}, MOE_QK_NORM_NONE},
+    {"topk_softmax", MOE_GATE_TOPK_SOFTMAX, 0.0, 0, 0, 12, 0.0, 0.0, 0, false, {0}, MOE_QK_NORM_NONE},
+    {"sigmoid", MOE_GATE_SIGMOID, 0.0, 0, 0, 13, 0.0, 0.0, 0, false, {0}, MOE_QK_NORM_NONE},
+    {"capacity_1", MOE_GATE_SOFTMAX_TOPK, 1.0, 0, 0, 14, 0.0, 0.0, 0, false, {0}, MOE_QK_NORM_NONE},
+    {"shared_experts", MOE_GATE_SOFTMAX_TOPK, 0.0, 1, 0, 15, 0.0, 0.0, 0, false, {0}, MOE_QK_NORM_NONE},
+    {"ignored_targets", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 2, 16, 0.0, 0.0, 0, false, {0}, MOE_QK_NORM_NONE},
+    {"sequence_wise_balancing", MOE_GATE_SIGMOID, 0.0, 0, 0, 17, 0.3, 0.0, 0, false, {0}, MOE_QK_NORM_NONE},
+    {"logit_z_loss", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 1, 18, 0.0, 0.05, 0, false, {0}, MOE_QK_NORM_NONE},
+    {"sliding_window", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 0, 19, 0.0, 0.0, 2, false, {0}, MOE_QK_NORM_NONE},
+    {"tied_embeddings", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 1, 20, 0.0, 0.0, 0, true, {0}, MOE_QK_NORM_NONE},
     {"rope_llama3", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 0, 21, 0.0, 0.0, 0, false,
      {.type = MOE_ROPE_LLAMA3, .factor = 8, .low_freq_factor = 1, .high_freq_factor = 4,
-      .original_max_position_embeddings = 64}, false},
+      .original_max_position_embeddings = 64}, MOE_QK_NORM_NONE},
     {"rope_yarn", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 0, 22, 0.0, 0.0, 0, false,
      {.type = MOE_ROPE_YARN, .factor = 4, .original_max_position_embeddings = 64, .beta_fast = 32, .beta_slow = 1,
-      .truncate = true}, false},
-    {"qwen3", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 1, 23, 0.0, 0.0, 0, false, {0}, true},
+      .truncate = true}, MOE_QK_NORM_NONE},
+    {"qwen3", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 1, 23, 0.0, 0.0, 0, false, {0}, MOE_QK_NORM_PER_HEAD},
+    {"olmoe", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 0, 24, 0.0, 0.0, 0, false, {0}, MOE_QK_NORM_ACROSS_HEADS},
 };
 #define N_CASES ((int)(sizeof CASES / sizeof *CASES))
 
@@ -109,8 +110,8 @@ static void fx_create(fx *f, const grad_case *gc) {
     cfg.moe_seq_aux_loss_coef = gc->seq_aux_coef;
     cfg.sliding_window = gc->sliding_window;
     cfg.tie_word_embeddings = gc->tied;
-    cfg.moe_qk_norm = gc->qwen3;
-    cfg.moe_renormalize = !gc->qwen3;
+    cfg.moe_qk_norm = gc->qk_norm;
+    cfg.moe_renormalize = gc->qk_norm == MOE_QK_NORM_NONE;
     if (gc->rope.type != MOE_ROPE_DEFAULT) cfg.rope_theta = 100.0, cfg.rope_scaling = gc->rope;
     cr_assert(moe_model_create(&f->m, &cfg, BATCH, SEQ, gc->seed) == MOE_OK, "%s: moe_model_create: %s", gc->name,
               moe_last_error());
@@ -319,6 +320,7 @@ Test(model_grad, tied_embeddings) { check_gradients(&CASES[9]); }
 Test(model_grad, rope_llama3) { check_gradients(&CASES[10]); }
 Test(model_grad, rope_yarn) { check_gradients(&CASES[11]); }
 Test(model_grad, qwen3_qk_norm) { check_gradients(&CASES[12]); }
+Test(model_grad, olmoe_qk_norm) { check_gradients(&CASES[13]); }
 
 /* ---------------------------------------------------------- grad_scale */
 
@@ -480,9 +482,11 @@ Test(model_recompute, same_bits_as_keeping_the_activations) {
     expect_same_bits(&cfg, NULL, &(moe_model_parallel){.recompute = true}, f.inputs, f.targets);
     expect_same_bits(&cfg, NULL, &(moe_model_parallel){.recompute = true, .ops = moe_strict_ops()}, f.inputs,
                      f.targets);
-    cfg.moe_qk_norm = true; /* its arrays are recomputed too */
-    expect_same_bits(&cfg, NULL, &(moe_model_parallel){.recompute = true, .ops = moe_strict_ops()}, f.inputs,
-                     f.targets);
+    for (int qk = MOE_QK_NORM_PER_HEAD; qk <= MOE_QK_NORM_ACROSS_HEADS; qk++) { /* its arrays are recomputed too */
+        cfg.moe_qk_norm = (moe_qk_norm_kind)qk;
+        expect_same_bits(&cfg, NULL, &(moe_model_parallel){.recompute = true, .ops = moe_strict_ops()}, f.inputs,
+                         f.targets);
+    }
     fx_destroy(&f);
 }
 

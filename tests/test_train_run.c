@@ -697,9 +697,10 @@ Test(train_run, val_tokens_hold_out_the_tail, .init = make_tmp, .fini = remove_t
  * than SiLU is refused before any weight is read, naming
  * the file and the key; keys it lacks are not compared, and a matching one
  * goes on to the weights. A qwen3 model normalises q and k, which --config
- * must do too (and not for another model), its sliding_window counts only
- * under use_sliding_window, and attention biases or layers of another
- * attention are refused. */
+ * must do too (and not for another model); the windows are compared as
+ * transformers reads them (Qwen2's and Qwen3's under use_sliding_window
+ * from layer max_window_layers on, or as layer_types says), and attention
+ * biases or layers of different windows are refused. */
 Test(train_run, upcycle_checks_the_dense_config, .init = make_tmp, .fini = remove_tmp) {
     char cfg[512], out[512], dense[512], path[600];
     moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE), tmp_path(out, "out"));
@@ -712,7 +713,7 @@ Test(train_run, upcycle_checks_the_dense_config, .init = make_tmp, .fini = remov
     } cases[] = {
         {", \"rope_theta\": 500000.0", "config.json has rope_theta=500000, and --config"},
         {", \"num_attention_heads\": 8, \"head_dim\": 4", "config.json has num_attention_heads=8"},
-        {", \"sliding_window\": 4096", "config.json has sliding_window=4096, and --config"},
+        {", \"sliding_window\": 4096", "config.json has a window of 4096 positions in every layer, and --config"},
         {", \"tie_word_embeddings\": true", "ties the embedding and the head (tie_word_embeddings true), and --config"},
         {", \"tie_word_embeddings\": \"yes\"", "tie_word_embeddings must be true or false, not a string"},
         {", \"rope_parameters\": {\"rope_theta\": 500000.0, \"rope_type\": \"default\"}",
@@ -731,12 +732,24 @@ Test(train_run, upcycle_checks_the_dense_config, .init = make_tmp, .fini = remov
          "scales RoPE as yarn and gives neither its original_max_position_embeddings nor max_position_embeddings"},
         {", \"hidden_act\": \"gelu\"", "dense/config.json: hidden_act=\"gelu\" is not supported"},
         {", \"attention_bias\": true", "dense/config.json has attention_bias true"},
-        {", \"layer_types\": [\"full_attention\", \"sliding_attention\"]",
-         "dense/config.json: layer_types[1] is not \"full_attention\""},
-        {", \"model_type\": \"qwen3\"", "dense/config.json is a qwen3 model, whose attention normalises q and k, and "
-                                     "--config"},
-        /* A window that is not used is none. */
-        {", \"rope_theta\": 10000.0, \"use_sliding_window\": false, \"sliding_window\": 4096", "model.safetensors"},
+        {", \"sliding_window\": 16, \"layer_types\": [\"full_attention\", \"sliding_attention\"]",
+         "layer 0 attends without a window, layer 1 within one"},
+        {", \"layer_types\": [\"full_attention\", \"chunked_attention\"]",
+         "layer_types[1] is neither \"full_attention\" nor \"sliding_attention\""},
+        {", \"layer_types\": [\"full_attention\"]", "layer_types must list the 2 layers' attention"},
+        /* Qwen2's and Qwen3's window: under use_sliding_window, from layer
+         * max_window_layers (28) on, 4096 positions unless sliding_window
+         * says. */
+        {", \"model_type\": \"qwen2\", \"use_sliding_window\": true, \"max_window_layers\": 0",
+         "has a window of 4096 positions in every layer"},
+        {", \"model_type\": \"qwen2\", \"use_sliding_window\": true, \"sliding_window\": 16, \"max_window_layers\": 1",
+         "layer 0 attends without a window, layer 1 within one"},
+        {", \"model_type\": \"qwen3\"", "dense/config.json is a qwen3 model, whose attention normalises q and k per head, "
+                                     "and --config"},
+        /* Windows that are not used are none. */
+        {", \"model_type\": \"qwen2\", \"rope_theta\": 10000.0, \"sliding_window\": 16", "model.safetensors"},
+        {", \"model_type\": \"qwen2\", \"rope_theta\": 10000.0, \"use_sliding_window\": true, \"sliding_window\": 16",
+         "model.safetensors"},
         /* The config matches (null: no window): on to the missing weights. */
         {", \"rope_theta\": 10000.0, \"sliding_window\": null", "model.safetensors"},
         {", \"rope_parameters\": {\"rope_theta\": 10000.0, \"rope_type\": \"default\"}, \"hidden_act\": \"silu\", "
@@ -761,7 +774,7 @@ Test(train_run, upcycle_checks_the_dense_config, .init = make_tmp, .fini = remov
     char qk_cfg[512];
     moe_model_config c;
     cr_assert_eq(moe_model_config_load(&c, cfg, NULL, NULL), MOE_OK, "%s", moe_last_error());
-    c.moe_qk_norm = true;
+    c.moe_qk_norm = MOE_QK_NORM_PER_HEAD;
     o.config = tmp_path(qk_cfg, "qk.json");
     cr_assert_eq(moe_model_config_save(&c, qk_cfg), MOE_OK, "%s", moe_last_error());
     static const char mistral[] = "{\"model_type\": \"mistral\", \"hidden_size\": 32}";
@@ -769,7 +782,8 @@ Test(train_run, upcycle_checks_the_dense_config, .init = make_tmp, .fini = remov
     seen v;
     moe_run_callbacks cb = callbacks(&v);
     cr_expect_neq(moe_run(&o, &cb), MOE_OK, "a qk-normalising MoE upcycled from a mistral model");
-    cr_expect(strstr(moe_last_error(), "is no qwen3 model (its attention does not normalise q and k), and --config"),
+    cr_expect(strstr(moe_last_error(), "is no qwen3 model (its attention does not normalise q and k), and --config") &&
+                  strstr(moe_last_error(), "has moe_qk_norm \"per_head\""),
               "%s", moe_last_error());
 }
 

@@ -38,7 +38,7 @@ static void print_help(void) {
            "built-in synthetic corpus until its validation loss is near the corpus's entropy\n"
            "floor (the best loss any model can reach).\n\n");
     printf("Model:\n"
-           "  --config FILE        Hugging Face Mixtral or Qwen3-MoE config.json (plus moe_* keys).\n"
+           "  --config FILE        Hugging Face Mixtral, Qwen3-MoE or OLMoE config.json (plus moe_* keys).\n"
            "                       Default: --init-from's config.json, else the built-in model:\n"
            "                       d_model %lld, %lld layers, %lld heads (%lld KV), %lld experts of\n"
            "                       width %lld, top-%lld\n"
@@ -397,7 +397,9 @@ static void on_start(void *ctx, const moe_run_summary *s) {
     printf("model    d_model %lld, %lld layers, %lld heads (%lld KV%s), %lld experts of width %lld, top-%lld%s, "
            "vocab %lld\n",
            (long long)c->hidden_size, (long long)c->num_hidden_layers, (long long)c->num_attention_heads,
-           (long long)c->num_key_value_heads, c->moe_qk_norm ? ", q and k normalised" : "",
+           (long long)c->num_key_value_heads, c->moe_qk_norm == MOE_QK_NORM_PER_HEAD       ? ", q and k normalised per head"
+           : c->moe_qk_norm == MOE_QK_NORM_ACROSS_HEADS ? ", q and k normalised across heads"
+                                                        : "",
            (long long)c->num_local_experts, (long long)c->intermediate_size,
            (long long)c->num_experts_per_tok, groups, (long long)c->vocab_size);
     if (c->rope_scaling.type != MOE_ROPE_DEFAULT) {

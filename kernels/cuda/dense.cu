@@ -143,17 +143,20 @@ static __global__ void rmsnorm_dx_kernel(float *dinp, const float *dout, const f
     }
 }
 
-/* parts [n_parts, C]: part p of column c, rows in order. */
+/* parts [n_parts, C]: part p of column c, rows in order; the grid's y
+ * strides over the parts (a norm over each head of q has many rows). */
 static __global__ void rmsnorm_dw_parts_kernel(double *parts, const float *dout, const float *inp,
                                                const float *rstd, int64_t N, int64_t C) {
-    const int64_t p = blockIdx.y;
-    const int64_t n0 = p * RMS_ROWS_PER_PART, n1 = min(n0 + RMS_ROWS_PER_PART, N);
-    for (int64_t c = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; c < C;
-         c += (int64_t)gridDim.x * blockDim.x) {
-        double acc = 0.0;
-        for (int64_t n = n0; n < n1; n++)
-            acc += (double)(dout[n * C + c] * (inp[n * C + c] * rstd[n]));
-        parts[p * C + c] = acc;
+    const int64_t n_parts = (N + RMS_ROWS_PER_PART - 1) / RMS_ROWS_PER_PART;
+    for (int64_t p = blockIdx.y; p < n_parts; p += gridDim.y) {
+        const int64_t n0 = p * RMS_ROWS_PER_PART, n1 = min(n0 + RMS_ROWS_PER_PART, N);
+        for (int64_t c = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; c < C;
+             c += (int64_t)gridDim.x * blockDim.x) {
+            double acc = 0.0;
+            for (int64_t n = n0; n < n1; n++)
+                acc += (double)(dout[n * C + c] * (inp[n * C + c] * rstd[n]));
+            parts[p * C + c] = acc;
+        }
     }
 }
 
@@ -172,13 +175,11 @@ extern "C" moe_status moe_cuda_rmsnorm_backward(float *dinp, float *dweight, con
                                                 int64_t C, moe_cuda_ctx *ctx) {
     if (N <= 0 || C <= 0) return MOE_OK;
     const int64_t n_parts = (N + RMS_ROWS_PER_PART - 1) / RMS_ROWS_PER_PART;
-    if (n_parts > 65535)
-        return moe_error(MOE_ERR_UNSUPPORTED, "moe_cuda_rmsnorm_backward: N=%lld rows is too many",
-                         (long long)N);
     rmsnorm_dx_kernel<<<moe_cuda_grid(N, 1, ctx), MOE_CUDA_THREADS, 0, ctx->stream>>>(
         dinp, dout, inp, weight, rstd, N, C);
     MOE_CUDA_CHECK(cudaGetLastError());
-    const dim3 grid((unsigned)((C + MOE_CUDA_THREADS - 1) / MOE_CUDA_THREADS), (unsigned)n_parts);
+    const dim3 grid((unsigned)((C + MOE_CUDA_THREADS - 1) / MOE_CUDA_THREADS),
+                    (unsigned)(n_parts < 65535 ? n_parts : 65535));
     rmsnorm_dw_parts_kernel<<<grid, MOE_CUDA_THREADS, 0, ctx->stream>>>((double *)scratch, dout,
                                                                         inp, rstd, N, C);
     MOE_CUDA_CHECK(cudaGetLastError());
