@@ -25,7 +25,7 @@ typedef struct data_file {
     int64_t first;        /* stream offset of its first token */
     int64_t count;        /* tokens it holds */
     int64_t header_bytes; /* before the first token */
-    int64_t token_bytes;  /* 1: raw bytes, 2: little-endian uint16 */
+    int64_t token_bytes;  /* 1: raw bytes, 2 or 4: little-endian uint16 or uint32 */
 } data_file;
 
 struct moe_data {
@@ -116,6 +116,26 @@ moe_status moe_data_open_bytes(moe_data **data, const char *path) {
     return MOE_OK;
 }
 
+/* The shard formats: llm.c's GPT-2 and Llama 3 ones. */
+static const struct {
+    int32_t magic, version;
+    int token_bytes;
+    const char *tokens;
+} shard_formats[] = {
+    {MOE_SHARD_MAGIC, MOE_SHARD_VERSION, 2, "uint16"},
+    {MOE_SHARD32_MAGIC, MOE_SHARD32_VERSION, 4, "uint32"},
+};
+#define N_SHARD_FORMATS (sizeof shard_formats / sizeof *shard_formats)
+
+/* The shard format of a header's magic, or N_SHARD_FORMATS. */
+static size_t shard_format(int32_t magic) {
+    size_t f = 0;
+    while (f < N_SHARD_FORMATS && shard_formats[f].magic != magic) f++;
+    return f;
+}
+
+bool moe_data_is_shard_magic(int32_t magic) { return shard_format(magic) < N_SHARD_FORMATS; }
+
 /* Checks one shard's header against its size and appends it. */
 static moe_status add_shard(moe_data *d, const char *path) {
     FILE *file;
@@ -135,23 +155,26 @@ static moe_status add_shard(moe_data *d, const char *path) {
 
     int32_t magic = (int32_t)moe_get_le32(header), version = (int32_t)moe_get_le32(header + 4);
     int32_t count = (int32_t)moe_get_le32(header + 8);
-    if (magic != MOE_SHARD_MAGIC)
-        return moe_error(MOE_ERR_FORMAT, "%s: magic %d, expected %d (an llm.c uint16 token shard)",
-                         path, magic, MOE_SHARD_MAGIC);
-    if (version != MOE_SHARD_VERSION)
-        return moe_error(MOE_ERR_FORMAT, "%s: version %d, expected %d (uint16 tokens)", path,
-                         version, MOE_SHARD_VERSION);
+    const size_t f = shard_format(magic);
+    if (f == N_SHARD_FORMATS)
+        return moe_error(MOE_ERR_FORMAT,
+                         "%s: magic %d, expected %d or %d (an llm.c token shard of uint16 or uint32 tokens)",
+                         path, magic, MOE_SHARD_MAGIC, MOE_SHARD32_MAGIC);
+    if (version != shard_formats[f].version)
+        return moe_error(MOE_ERR_FORMAT, "%s: version %d, expected %d (magic %d: %s tokens)", path,
+                         version, shard_formats[f].version, magic, shard_formats[f].tokens);
     if (count < 0)
         return moe_error(MOE_ERR_FORMAT, "%s: header says %d tokens, a negative count", path,
                          count);
-    int64_t expect = MOE_SHARD_HEADER_BYTES + 2 * (int64_t)count;
+    const int64_t token_bytes = shard_formats[f].token_bytes;
+    int64_t expect = MOE_SHARD_HEADER_BYTES + token_bytes * (int64_t)count;
     if (size != expect)
         return moe_error(MOE_ERR_FORMAT,
                          "%s: header says %d tokens (%lld bytes with the header), the file has "
                          "%lld bytes (%s)",
                          path, count, (long long)expect, (long long)size,
                          size < expect ? "truncated" : "trailing bytes or a wrong count");
-    return add_file(d, path, count, MOE_SHARD_HEADER_BYTES, 2);
+    return add_file(d, path, count, MOE_SHARD_HEADER_BYTES, token_bytes);
 }
 
 moe_status moe_data_open_shards(moe_data **data, const char *pattern, int64_t vocab_size) {
@@ -276,13 +299,15 @@ static moe_status read_file(moe_data *d, int32_t *out, int64_t fi, int64_t first
                              (long long)(first + done), (long long)(first + done + m - 1),
                              ferror(d->open_file) ? strerror(errno) : "file shrank");
         for (int64_t i = 0; i < m; i++) {
-            int32_t t = f->token_bytes == 1 ? (int32_t)buf[i]
-                                             : (int32_t)(buf[2 * i] | buf[2 * i + 1] << 8);
+            const unsigned char *b = buf + i * f->token_bytes;
+            const int64_t t = f->token_bytes == 1   ? b[0]
+                              : f->token_bytes == 2 ? (int64_t)(b[0] | b[1] << 8)
+                                                    : (int64_t)moe_get_le32(b);
             if (t >= d->vocab_size)
-                return moe_error(MOE_ERR_FORMAT, "%s: the token at index %lld is %d, not below vocab_size %lld",
-                                 f->path, (long long)(first + done + i), t,
+                return moe_error(MOE_ERR_FORMAT, "%s: the token at index %lld is %lld, not below vocab_size %lld",
+                                 f->path, (long long)(first + done + i), (long long)t,
                                  (long long)d->vocab_size);
-            out[done + i] = t;
+            out[done + i] = (int32_t)t; /* below vocab_size, an int32 */
         }
         done += m;
     }
@@ -386,41 +411,47 @@ moe_status moe_data_next_batch(moe_data *data, int32_t *inputs, int32_t *targets
 }
 
 typedef struct shard_ctx {
-    const int32_t *tokens; /* [n], each checked to fit uint16 */
+    const int32_t *tokens; /* [n], each checked to fit its format's tokens */
     int64_t n;
+    size_t format; /* of shard_formats */
 } shard_ctx;
 
 static moe_status write_shard(void *ctx, FILE *file) {
     const shard_ctx *s = ctx;
+    const int bytes = shard_formats[s->format].token_bytes;
     unsigned char buf[IO_CHUNK_BYTES];
     memset(buf, 0, MOE_SHARD_HEADER_BYTES);
-    put_le32(buf, MOE_SHARD_MAGIC);
-    put_le32(buf + 4, MOE_SHARD_VERSION);
+    put_le32(buf, (uint32_t)shard_formats[s->format].magic);
+    put_le32(buf + 4, (uint32_t)shard_formats[s->format].version);
     put_le32(buf + 8, (uint32_t)s->n);
     MOE_TRY(moe_file_write_bytes(file, buf, MOE_SHARD_HEADER_BYTES));
     for (int64_t done = 0; done < s->n;) {
-        int64_t m = s->n - done < IO_CHUNK_BYTES / 2 ? s->n - done : IO_CHUNK_BYTES / 2;
-        for (int64_t i = 0; i < m; i++) {
-            buf[2 * i] = (unsigned char)s->tokens[done + i];
-            buf[2 * i + 1] = (unsigned char)(s->tokens[done + i] >> 8);
-        }
-        MOE_TRY(moe_file_write_bytes(file, buf, (size_t)(2 * m)));
+        int64_t m = s->n - done < IO_CHUNK_BYTES / bytes ? s->n - done : IO_CHUNK_BYTES / bytes;
+        for (int64_t i = 0; i < m; i++)
+            for (int k = 0; k < bytes; k++) buf[i * bytes + k] = (unsigned char)((uint32_t)s->tokens[done + i] >> (8 * k));
+        MOE_TRY(moe_file_write_bytes(file, buf, (size_t)(bytes * m)));
         done += m;
     }
     return MOE_OK;
 }
 
-moe_status moe_data_write_shard(const char *path, const int32_t *tokens, int64_t n) {
+moe_status moe_data_write_shard(const char *path, const int32_t *tokens, int64_t n, int token_bytes) {
     if (path == NULL || (tokens == NULL && n > 0))
         return moe_error(MOE_ERR_INVALID_ARG, "moe_data_write_shard: NULL argument");
+    size_t format = 0;
+    while (format < N_SHARD_FORMATS && shard_formats[format].token_bytes != token_bytes) format++;
+    if (format == N_SHARD_FORMATS)
+        return moe_error(MOE_ERR_INVALID_ARG, "%s: %d-byte tokens, a shard holds 2 (uint16) or 4 (uint32)", path,
+                         token_bytes);
     if (n < 0 || n > INT32_MAX)
         return moe_error(MOE_ERR_INVALID_ARG,
                          "%s: %lld tokens, a shard holds 0 to 2^31 - 1 (an int32 count)", path,
                          (long long)n);
+    const int64_t max = token_bytes == 2 ? UINT16_MAX : INT32_MAX;
     for (int64_t i = 0; i < n; i++)
-        if (tokens[i] < 0 || tokens[i] > UINT16_MAX)
-            return moe_error(MOE_ERR_INVALID_ARG, "%s: token %lld is %d, outside uint16 [0, 65535]",
-                             path, (long long)i, tokens[i]);
-    shard_ctx ctx = {tokens, n};
+        if (tokens[i] < 0 || tokens[i] > max)
+            return moe_error(MOE_ERR_INVALID_ARG, "%s: token %lld is %d, outside %s [0, %lld]", path,
+                             (long long)i, tokens[i], shard_formats[format].tokens, (long long)max);
+    shard_ctx ctx = {tokens, n, format};
     return moe_file_write_atomic(path, write_shard, &ctx);
 }

@@ -2,7 +2,8 @@
  *
  * A source is one stream of n tokens, from one of:
  *  - a raw file read at byte level (vocab 256, each byte a token),
- *  - a glob of llm.c uint16 token shards, concatenated in sorted name order,
+ *  - a glob of llm.c token shards (uint16 or uint32 tokens), concatenated in
+ *    sorted name order,
  *  - tokens in memory (the synthetic corpus, tests).
  *
  * Batches follow llm.c: a batch of R rows of T reads R*T + 1 consecutive
@@ -35,17 +36,24 @@
 #ifndef MOE_ENGINE_DATA_H
 #define MOE_ENGINE_DATA_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "moe.h"
 
-/* llm.c's GPT-2 token shard (data_common.py write_datafile): a header of 256
+/* llm.c's token shards (data_common.py write_datafile): a header of 256
  * little-endian int32 (magic, version, token count, zeros), then the tokens
- * as little-endian uint16. */
+ * little-endian, as GPT-2's uint16 (magic and version below) or, for a
+ * vocabulary past 65536 (Llama 3's, Qwen's), as uint32 (the 32 ones). */
 #define MOE_SHARD_MAGIC 20240520
 #define MOE_SHARD_VERSION 1
+#define MOE_SHARD32_MAGIC 20240801
+#define MOE_SHARD32_VERSION 7
 #define MOE_SHARD_HEADER_BYTES 1024
 #define MOE_BYTE_VOCAB_SIZE 256
+
+/* Whether a little-endian int32 at a file's start is a shard's magic. */
+bool moe_data_is_shard_magic(int32_t magic);
 
 typedef struct moe_data moe_data;
 
@@ -105,9 +113,11 @@ moe_status moe_data_set_position(moe_data *data, moe_data_position position);
 moe_status moe_data_next_batch(moe_data *data, int32_t *inputs, int32_t *targets,
                                int64_t global_rows, int64_t first_row, int64_t n_rows, int64_t T);
 
-/* Writes tokens [n] as an llm.c uint16 shard at path, atomically (the file
- * that was there survives any failure). Refuses a token outside [0, 65535]
- * and n >= 2^31 (the header's count is an int32), before touching path. */
-moe_status moe_data_write_shard(const char *path, const int32_t *tokens, int64_t n);
+/* Writes tokens [n] as an llm.c shard of token_bytes-byte tokens (2:
+ * uint16, 4: uint32) at path, atomically (the file that was there survives
+ * any failure). Refuses a token outside [0, 65535] in a uint16 shard, a
+ * negative one, and n >= 2^31 (the header's count is an int32), before
+ * touching path. */
+moe_status moe_data_write_shard(const char *path, const int32_t *tokens, int64_t n, int token_bytes);
 
 #endif /* MOE_ENGINE_DATA_H */

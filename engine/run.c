@@ -384,16 +384,17 @@ typedef struct run_source {
     moe_data *data;
     moe_synth_stream synth; /* tokens = NULL unless synthetic */
     char desc[RUN_DESC_BYTES];
-    bool shard_as_bytes; /* read at byte level, but it begins as an llm.c shard does */
+    int32_t shard_magic; /* read at byte level, but it begins with this llm.c shard's magic; 0: not */
 } run_source;
 
-/* Whether file path begins with llm.c's shard magic (little-endian). */
-static bool begins_as_shard(const char *path) {
+/* The llm.c shard magic (little-endian) file path begins with; 0: none. */
+static int32_t shard_magic_of(const char *path) {
     unsigned char head[4];
     FILE *f = fopen(path, "rb");
     const bool read = f && fread(head, 1, sizeof head, f) == sizeof head;
     if (f) fclose(f);
-    return read && (uint32_t)(head[0] | head[1] << 8 | head[2] << 16 | (uint32_t)head[3] << 24) == MOE_SHARD_MAGIC;
+    const int32_t magic = read ? (int32_t)moe_get_le32(head) : 0;
+    return moe_data_is_shard_magic(magic) ? magic : 0;
 }
 
 /* Shards: a .bin name, or a glob; a regular file of that very name,
@@ -423,7 +424,7 @@ static moe_status open_source(run_source *s, const char *spec, const char *flag,
     } else {
         st = moe_data_open_bytes(&s->data, spec);
         snprintf(s->desc, sizeof s->desc, "bytes of %s", spec);
-        s->shard_as_bytes = st == MOE_OK && begins_as_shard(spec);
+        s->shard_magic = st == MOE_OK ? shard_magic_of(spec) : 0;
     }
     if (st != MOE_OK) return moe_error_prefix(st, "%s: ", flag); /* the reader names the file */
     const size_t len = strlen(s->desc);
@@ -939,10 +940,10 @@ static moe_status check_resumed_stream(const run *r) {
 /* A file read at byte level that begins as a token shard does is most
  * likely one whose name lacks .bin: its header would train as text. */
 static void warn_shard_as_bytes(const run *r, const run_source *s, const char *flag, const char *spec) {
-    if (s->shard_as_bytes)
+    if (s->shard_magic)
         warn(r->cb, "%s %s begins with llm.c's shard magic %d but is read at byte level (vocab 256): name it *.bin, or "
                     "give a glob, to read it as token shards",
-             flag, spec, MOE_SHARD_MAGIC);
+             flag, spec, s->shard_magic);
 }
 
 static moe_status open_data(run *r) {

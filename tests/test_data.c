@@ -461,7 +461,7 @@ static char *write_three_shards(int64_t *total) {
     for (int s = 0; s < 3; s++) {
         for (int64_t i = 0; i < counts[s]; i++) buf[i] = shard_token(at + i);
         snprintf(path, sizeof path, "%s/train_%06d.bin", dir, s);
-        cr_assert_eq(moe_data_write_shard(path, buf, counts[s]), MOE_OK, "%s", moe_last_error());
+        cr_assert_eq(moe_data_write_shard(path, buf, counts[s], 2), MOE_OK, "%s", moe_last_error());
         at += counts[s];
     }
     free(buf);
@@ -485,8 +485,8 @@ Test(data_shards, a_file_named_like_a_glob_is_itself) {
     int32_t tokens[7] = {1, 2, 3, 4, 5, 6, 7};
     path_in(literal, sizeof literal, dir, "train[1].bin");
     path_in(other, sizeof other, dir, "train1.bin");
-    cr_assert_eq(moe_data_write_shard(literal, tokens, 7), MOE_OK, "%s", moe_last_error());
-    cr_assert_eq(moe_data_write_shard(other, tokens, 5), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(moe_data_write_shard(literal, tokens, 7, 2), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(moe_data_write_shard(other, tokens, 5, 2), MOE_OK, "%s", moe_last_error());
     moe_data *d = NULL;
     cr_assert_eq(moe_data_open_shards(&d, literal, 100), MOE_OK, "%s", moe_last_error());
     cr_expect_eq(moe_data_token_count(d), 7);
@@ -505,7 +505,7 @@ Test(data_shards, writer_bytes_follow_llmc) {
     char *dir = make_dir(), path[512];
     path_in(path, sizeof path, dir, "one.bin");
     const int32_t tokens[5] = {0, 1, 258, 65535, 50256};
-    cr_assert_eq(moe_data_write_shard(path, tokens, 5), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(moe_data_write_shard(path, tokens, 5, 2), MOE_OK, "%s", moe_last_error());
     size_t n;
     unsigned char *b = read_whole(path, &n);
     cr_assert_eq(n, 1024 + 2 * 5);
@@ -582,7 +582,7 @@ static char *bad_shard(char *path, size_t size, void (*corrupt)(const char *path
     path_in(path, size, dir, "bad_000.bin");
     int32_t tokens[100];
     for (int i = 0; i < 100; i++) tokens[i] = i;
-    cr_assert_eq(moe_data_write_shard(path, tokens, 100), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(moe_data_write_shard(path, tokens, 100, 2), MOE_OK, "%s", moe_last_error());
     corrupt(path);
     return dir;
 }
@@ -596,6 +596,67 @@ static void patch_le(const char *path, long offset, int32_t value, size_t bytes)
     fseek(f, offset, SEEK_SET);
     cr_assert(fwrite(b, 1, bytes, f) == bytes);
     fclose(f);
+}
+
+/* Shards of uint32 tokens (llm.c's Llama 3 format: magic 20240801,
+ * version 7) hold ids past 65535, as Qwen's 151936-token vocabulary needs;
+ * a glob may mix them with uint16 shards into one stream. Their header,
+ * size and ids are checked as a uint16 shard's are. */
+Test(data_shards, uint32_shards_hold_large_vocabularies) {
+    enum { N16 = 300, N32 = 500, V = 151936 };
+    char *dir = make_dir(), a[512], b[512], pattern[512];
+    int32_t all[N16 + N32], largest = 0;
+    for (int64_t i = 0; i < N16 + N32; i++) {
+        all[i] = (int32_t)((i * 2654435761u) % (i < N16 ? 65536u : (unsigned)V));
+        if (i >= N16 && all[i] > largest) largest = all[i];
+    }
+    cr_assert(largest > 65535, "the uint32 shard holds no id past uint16");
+    path_in(a, sizeof a, dir, "mix_000.bin");
+    path_in(b, sizeof b, dir, "mix_001.bin");
+    cr_assert_eq(moe_data_write_shard(a, all, N16, 2), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(moe_data_write_shard(b, all + N16, N32, 4), MOE_OK, "%s", moe_last_error());
+    size_t n;
+    unsigned char *raw = read_whole(b, &n);
+    cr_assert_eq(n, 1024 + 4 * N32);
+    cr_expect(le32(raw) == 20240801 && le32(raw + 4) == 7 && le32(raw + 8) == N32, "header %d %d %d", le32(raw),
+              le32(raw + 4), le32(raw + 8));
+    for (int i = 0; i < N32; i++) cr_assert_eq(le32(raw + 1024 + 4 * i), all[N16 + i], "token %d", i);
+    free(raw);
+
+    moe_data *d;
+    path_in(pattern, sizeof pattern, dir, "mix_*.bin");
+    cr_assert_eq(moe_data_open_shards(&d, pattern, V), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(moe_data_token_count(d), N16 + N32);
+    static int32_t in[N16 + N32 - 1], tg[N16 + N32 - 1];
+    cr_assert_eq(moe_data_next_batch(d, in, tg, 1, 0, 1, N16 + N32 - 1), MOE_OK, "%s", moe_last_error());
+    for (int i = 0; i < N16 + N32 - 1; i++) {
+        cr_assert_eq(in[i], all[i], "input %d", i);
+        cr_assert_eq(tg[i], all[i + 1], "target %d", i);
+    }
+    moe_data_close(d);
+    /* An id at vocab_size is refused as it is read. */
+    cr_assert_eq(moe_data_open_shards(&d, b, largest), MOE_OK, "%s", moe_last_error());
+    expect_error_names(moe_data_next_batch(d, in, tg, 1, 0, 1, N32 - 1), MOE_ERR_FORMAT, b);
+    char want[64];
+    snprintf(want, sizeof want, "is %d, not below vocab_size %d", largest, largest);
+    cr_expect(strstr(moe_last_error(), want) != NULL, "%s", moe_last_error());
+    moe_data_close(d);
+
+    /* A uint32 shard's version and size are its own. */
+    patch_le(b, 4, 1, 4);
+    expect_error_names(moe_data_open_shards(&d, b, V), MOE_ERR_FORMAT, b);
+    cr_expect(strstr(moe_last_error(), "version 1, expected 7 (magic 20240801: uint32 tokens)"), "%s",
+              moe_last_error());
+    patch_le(b, 4, 7, 4);
+    cr_assert(truncate(b, 1024 + 4 * N32 - 2) == 0);
+    expect_error_names(moe_data_open_shards(&d, b, V), MOE_ERR_FORMAT, b);
+    cr_expect(strstr(moe_last_error(), "truncated"), "%s", moe_last_error());
+    /* The writer takes 2- and 4-byte tokens only, and no negative id. */
+    const int32_t negative[2] = {5, -1};
+    expect_error_names(moe_data_write_shard(b, all, 4, 3), MOE_ERR_INVALID_ARG, b);
+    expect_error_names(moe_data_write_shard(b, negative, 2, 4), MOE_ERR_INVALID_ARG, b);
+    cr_expect(strstr(moe_last_error(), "token 1 is -1, outside uint32"), "%s", moe_last_error());
+    remove_dir(dir);
 }
 
 static void cut_body(const char *path) { cr_assert(truncate(path, 1024 + 2 * 99) == 0); }
@@ -664,7 +725,7 @@ Test(data_shards, empty_glob_and_empty_stream_refused) {
     moe_data *d;
     expect_error_names(moe_data_open_shards(&d, pattern, 100), MOE_ERR_IO, pattern);
     path_in(path, sizeof path, dir, "nothing_0.bin");
-    cr_assert_eq(moe_data_write_shard(path, NULL, 0), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(moe_data_write_shard(path, NULL, 0, 2), MOE_OK, "%s", moe_last_error());
     expect_error_names(moe_data_open_shards(&d, pattern, 100), MOE_ERR_FORMAT, pattern);
     remove_dir(dir);
 }
@@ -673,12 +734,12 @@ Test(data_shards, writer_refuses_non_uint16_and_keeps_old_file) {
     char *dir = make_dir(), path[512];
     path_in(path, sizeof path, dir, "keep.bin");
     const int32_t good[3] = {1, 2, 3}, high[3] = {1, 65536, 3}, low[3] = {-1, 2, 3};
-    cr_assert_eq(moe_data_write_shard(path, good, 3), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(moe_data_write_shard(path, good, 3, 2), MOE_OK, "%s", moe_last_error());
     size_t n0, n1;
     unsigned char *before = read_whole(path, &n0);
-    expect_error_names(moe_data_write_shard(path, high, 3), MOE_ERR_INVALID_ARG, path);
+    expect_error_names(moe_data_write_shard(path, high, 3, 2), MOE_ERR_INVALID_ARG, path);
     cr_assert(strstr(moe_last_error(), "65536") != NULL, "%s", moe_last_error());
-    expect_error_names(moe_data_write_shard(path, low, 3), MOE_ERR_INVALID_ARG, path);
+    expect_error_names(moe_data_write_shard(path, low, 3, 2), MOE_ERR_INVALID_ARG, path);
     unsigned char *after = read_whole(path, &n1);
     cr_assert(n0 == n1 && memcmp(before, after, n0) == 0, "a refused write changed the file");
     free(before);

@@ -553,10 +553,10 @@ Test(train_run, llmc_shards_train, .init = make_tmp, .fini = remove_tmp) {
         char name[32];
         snprintf(name, sizeof name, "train_%02d.bin", s);
         fill_tokens(tokens, N, VOCAB, (uint32_t)s + 1);
-        cr_assert_eq(moe_data_write_shard(tmp_path(path, name), tokens, N), MOE_OK, "%s", moe_last_error());
+        cr_assert_eq(moe_data_write_shard(tmp_path(path, name), tokens, N, 2), MOE_OK, "%s", moe_last_error());
     }
     fill_tokens(tokens, N, VOCAB, 99);
-    cr_assert_eq(moe_data_write_shard(tmp_path(val, "val_00.bin"), tokens, N), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(moe_data_write_shard(tmp_path(val, "val_00.bin"), tokens, N, 2), MOE_OK, "%s", moe_last_error());
 
     moe_run_options o = tiny_options(write_tiny_config(cfg, VOCAB), tmp_path(out, "out"));
     o.data = tmp_path(glob, "train_*.bin");
@@ -583,7 +583,7 @@ Test(train_run, llmc_shards_train, .init = make_tmp, .fini = remove_tmp) {
         char name[32];
         snprintf(name, sizeof name, "train_%02d.bin", s);
         fill_tokens(tokens, N, VOCAB / 2, (uint32_t)s + 1);
-        cr_assert_eq(moe_data_write_shard(tmp_path(path, name), tokens, N), MOE_OK, "%s", moe_last_error());
+        cr_assert_eq(moe_data_write_shard(tmp_path(path, name), tokens, N, 2), MOE_OK, "%s", moe_last_error());
     }
     cr_assert_neq(moe_run(&o, &cb), MOE_OK);
     cr_expect(strstr(moe_last_error(), "--val-data") && strstr(moe_last_error(), "val_00.bin"), "message: %s",
@@ -977,7 +977,7 @@ Test(train_run, an_unread_tail_is_warned_about, .init = make_tmp, .fini = remove
     o.steps = 2;
     o.eval_batches = 1;
     for (int n = N - 1; n <= N; n++) {
-        cr_assert_eq(moe_data_write_shard(shard, tokens, n), MOE_OK, "%s", moe_last_error());
+        cr_assert_eq(moe_data_write_shard(shard, tokens, n, 2), MOE_OK, "%s", moe_last_error());
         o.overwrite = true;
         seen v;
         run_ok(&o, &v);
@@ -996,7 +996,7 @@ Test(train_run, a_shard_read_as_bytes_is_warned_about, .init = make_tmp, .fini =
     int32_t tokens[N];
     char cfg[512], out[512], shard[512];
     fill_tokens(tokens, N, 64, 5);
-    cr_assert_eq(moe_data_write_shard(tmp_path(shard, "train_00"), tokens, N), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(moe_data_write_shard(tmp_path(shard, "train_00"), tokens, N, 2), MOE_OK, "%s", moe_last_error());
     moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_BYTE_VOCAB_SIZE), tmp_path(out, "out"));
     o.data = o.val_data = shard;
     o.steps = 1;
@@ -1076,18 +1076,18 @@ Test(train_run, bad_validation_data_is_refused_up_front, .init = make_tmp, .fini
     int32_t tokens[N];
     char shard[512], val[512];
     fill_tokens(tokens, N, VOCAB, 1);
-    cr_assert_eq(moe_data_write_shard(tmp_path(shard, "train_00.bin"), tokens, N), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(moe_data_write_shard(tmp_path(shard, "train_00.bin"), tokens, N, 2), MOE_OK, "%s", moe_last_error());
     o = tiny_options(write_tiny_config(cfg, VOCAB), out);
     o.data = shard;
     o.val_data = tmp_path(val, "val_00.bin");
     o.steps = 2;
     tokens[200] = VOCAB; /* read by the second evaluation batch */
-    cr_assert_eq(moe_data_write_shard(val, tokens, N), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(moe_data_write_shard(val, tokens, N, 2), MOE_OK, "%s", moe_last_error());
     expect_refused(&o, "a token >= vocab_size in --val-data", (const char *const[]){"--val-data", "val_00.bin", NULL});
 
     tokens[200] = 0;
     tokens[N - 1] = VOCAB; /* past the 2 x 4 x 32 + 1 tokens an evaluation reads */
-    cr_assert_eq(moe_data_write_shard(val, tokens, N), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(moe_data_write_shard(val, tokens, N, 2), MOE_OK, "%s", moe_last_error());
     seen v;
     o.overwrite = true; /* the earlier run is still there */
     run_ok(&o, &v);
@@ -1097,7 +1097,7 @@ Test(train_run, bad_validation_data_is_refused_up_front, .init = make_tmp, .fini
      * before --overwrite removes the run already in --out. */
     tokens[N - 1] = 0;
     tokens[5] = VOCAB;
-    cr_assert_eq(moe_data_write_shard(shard, tokens, N), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(moe_data_write_shard(shard, tokens, N, 2), MOE_OK, "%s", moe_last_error());
     write_earlier_run(out);
     expect_refused(&o, "a token >= vocab_size in the first step's --data",
                    (const char *const[]){"first step", "train_00.bin", NULL});
@@ -1113,10 +1113,10 @@ Test(train_run, a_bad_token_mid_run_keeps_the_steps_before_it, .init = make_tmp,
     int32_t tokens[N];
     char cfg[512], out[2][512], shard[512], val[512], resume[512], model[2][600];
     fill_tokens(tokens, N, VOCAB, 5);
-    cr_assert_eq(moe_data_write_shard(tmp_path(val, "val_00.bin"), tokens, N), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(moe_data_write_shard(tmp_path(val, "val_00.bin"), tokens, N, 2), MOE_OK, "%s", moe_last_error());
     /* A step reads 4 x 32 tokens: token 1000 is step 8's. */
     tokens[1000] = VOCAB;
-    cr_assert_eq(moe_data_write_shard(tmp_path(shard, "train_00.bin"), tokens, N), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(moe_data_write_shard(tmp_path(shard, "train_00.bin"), tokens, N, 2), MOE_OK, "%s", moe_last_error());
     moe_run_options o = tiny_options(write_tiny_config(cfg, VOCAB), tmp_path(out[0], "cut"));
     o.data = shard;
     o.val_data = val;
@@ -1128,7 +1128,7 @@ Test(train_run, a_bad_token_mid_run_keeps_the_steps_before_it, .init = make_tmp,
     cr_expect(strstr(msg, "train_00.bin") && strstr(msg, "vocab_size") && strstr(msg, "step-000007"), "%s", msg);
     cr_expect_eq(v.steps, 7);
     tokens[1000] = 0;
-    cr_assert_eq(moe_data_write_shard(shard, tokens, N), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(moe_data_write_shard(shard, tokens, N, 2), MOE_OK, "%s", moe_last_error());
     o.resume = tmp_path(resume, "cut/step-000007");
     o.config = NULL; /* the checkpoint's */
     run_ok_or_done(&o, &v);
