@@ -256,7 +256,7 @@ static const char *const token_kind_names[] = {"auto", "synthetic", "bytes", "id
 #define TOKEN_TEXT_BYTES 24
 /* The same decoded by a tokenizer: its longest token, every byte written
  * "\xNN" at worst (longer than "\<id 2147483647>"). */
-#define DECODED_TEXT_BYTES (4 * MOE_TOKENIZER_TOKEN_BYTES_MAX + 1)
+#define DECODED_TEXT_BYTES (4 * MOE_TOKENIZER_DECODED_BYTES_MAX + 1)
 
 const char *moe_token_kind_name(moe_token_kind kind) {
     return (unsigned)kind < N_TOKEN_KINDS ? token_kind_names[kind] : "?";
@@ -500,7 +500,7 @@ static moe_status read_tokens(int32_t **tokens, int64_t *n, const generation *g,
     if (st == MOE_OK || !g->tokenizer || strspn(text, "0123456789, +-") == strlen(text)) return st;
     char why[512];
     snprintf(why, sizeof why, "%s", moe_last_error());
-    return moe_error(st, "%s (--tokenizer takes prompts and --stop as ids: its file has no merges to encode text)",
+    return moe_error(st, "%s (--tokenizer takes prompts and --stop as ids: it decodes ids, and encodes no text)",
                      why);
 }
 

@@ -526,27 +526,33 @@ static void field_text(char *buf, size_t size, const moe_agree_field *f, double 
 
 /* The window of every layer of a dense model's config.json (root, at
  * path, of `layers` layers) into *window (0: none), as transformers
- * reads it: Mistral's sliding_window in every layer; Qwen2's and Qwen3's
- * only under use_sliding_window (a missing sliding_window is then 4096)
- * and only in the layers from max_window_layers (default 28) on; with
- * layer_types, in the layers it calls sliding_attention. Layers of
- * different windows are refused: the MoE has one for all. */
+ * reads it: Mistral's sliding_window in every layer (4096 when absent,
+ * MistralConfig's default); none in Llama's, whose attention has none;
+ * Qwen2's and Qwen3's only under use_sliding_window (a missing
+ * sliding_window is then 4096) and only in the layers from
+ * max_window_layers (default 28) on, or with layer_types in the layers it
+ * calls sliding_attention; another model type's sliding_window, when it
+ * gives one, in every layer. Layers of different windows are refused: the
+ * MoE has one for all. */
 static moe_status dense_window(int64_t *window, const moe_json *root, const char *path, int64_t layers) {
     const moe_json *type = moe_json_get(root, "model_type");
     const char *type_text = type ? moe_json_text(type) : NULL;
     const bool qwen = type_text && (strcmp(type_text, "qwen2") == 0 || strcmp(type_text, "qwen3") == 0);
+    const bool mistral = type_text && strcmp(type_text, "mistral") == 0;
+    const bool llama = type_text && strcmp(type_text, "llama") == 0;
     const moe_json *sw = moe_json_get(root, "sliding_window"), *use = moe_json_get(root, "use_sliding_window");
     const moe_json *kinds = moe_json_get(root, "layer_types"), *from = moe_json_get(root, "max_window_layers");
     if (sw && sw->type != MOE_JSON_NULL && (sw->type != MOE_JSON_NUMBER || sw->number.value < 1))
         return moe_error(MOE_ERR_CONFIG, "--upcycle: %s: sliding_window must be a positive integer or null", path);
+    if (!qwen) kinds = NULL; /* Qwen's alone: MistralConfig warns about it and windows every layer */
     if (kinds && kinds->type != MOE_JSON_NULL && (kinds->type != MOE_JSON_ARRAY || (int64_t)kinds->array.count != layers))
         return moe_error(MOE_ERR_CONFIG, "--upcycle: %s: layer_types must list the %lld layers' attention", path,
                          (long long)layers);
+    /* The window's size in the layers that have one. */
     int64_t size = sw && sw->type == MOE_JSON_NUMBER ? (int64_t)sw->number.value : 0;
-    if (qwen) {
-        const bool used = use && use->type == MOE_JSON_BOOL && use->boolean;
-        size = !used ? 0 : sw ? size : 4096;
-    }
+    if (mistral && !sw) size = 4096;
+    if (llama) size = 0;
+    if (qwen) size = !(use && use->type == MOE_JSON_BOOL && use->boolean) ? 0 : sw ? size : 4096;
     const int64_t first = qwen && from && from->type == MOE_JSON_NUMBER ? (int64_t)from->number.value : qwen ? 28 : 0;
     for (int64_t l = 0; l < layers; l++) {
         const char *kind = kinds && kinds->type == MOE_JSON_ARRAY ? moe_json_text(&kinds->array.items[l]) : NULL;

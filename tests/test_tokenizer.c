@@ -2,7 +2,10 @@
  * of version 1 and 2 files decoded to the bytes written, and every kind of
  * malformed file refused, its error naming the file and the fault: a cut
  * at every byte of a small file, the header's fields, a token of length 0,
- * bytes past the last token. */
+ * bytes past the last token. Hugging Face tokenizer.json files (ByteLevel
+ * and SentencePiece-style, made by tests/data/make_tokenizers.py with
+ * transformers' tokenizers): every id decoded to the bytes tokenizers
+ * spells for it, and malformed ones refused. */
 #define _XOPEN_SOURCE 700
 #include <criterion/criterion.h>
 #include <stdio.h>
@@ -10,6 +13,10 @@
 #include <string.h>
 
 #include "engine/tokenizer.h"
+
+#ifndef MOE_TEST_DATA_DIR
+#error "CMakeLists.txt defines MOE_TEST_DATA_DIR for test_tokenizer"
+#endif
 
 #define TEST_TMPDIR_TEMPLATE "/tmp/moe_tok_XXXXXX"
 #include "test_files.h"
@@ -144,4 +151,107 @@ Test(tokenizer, refuses_bad_headers_and_tokens, .init = make_tmpdir, .fini = rem
 
     expect_refused(in_tmp("absent.bin"), "cannot open", NULL);
     expect_refused(tmpdir, "not a regular file", NULL);
+}
+
+/* ---------------------------------------------------------- tokenizer.json */
+
+/* tests/data/NAME.json read, every id's bytes against NAME.ids ("ID HEX"
+ * per line, HEX empty where no token has the id). */
+static void expect_json_decodes(const char *name) {
+    char path[512], ids[512];
+    snprintf(path, sizeof path, "%s/%s.json", MOE_TEST_DATA_DIR, name);
+    snprintf(ids, sizeof ids, "%s/%s.ids", MOE_TEST_DATA_DIR, name);
+    moe_tokenizer *t = NULL;
+    cr_assert_eq(moe_tokenizer_open(&t, path), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(moe_tokenizer_eot(t), -1, "a tokenizer.json names no end-of-text");
+    FILE *f = fopen(ids, "r");
+    cr_assert_not_null(f, "%s", ids);
+    char line[4 * MOE_TOKENIZER_DECODED_BYTES_MAX];
+    int64_t count = 0, spelled = 0;
+    while (fgets(line, sizeof line, f)) {
+        long long id;
+        char hex[sizeof line] = "";
+        cr_assert(sscanf(line, "%lld %s", &id, hex) >= 1, "%s: '%s'", ids, line);
+        unsigned char want[MOE_TOKENIZER_DECODED_BYTES_MAX];
+        const size_t n = strlen(hex) / 2;
+        for (size_t i = 0; i < n; i++) {
+            unsigned v;
+            sscanf(hex + 2 * i, "%2x", &v);
+            want[i] = (unsigned char)v;
+        }
+        size_t got_n = 0;
+        const unsigned char *got = moe_tokenizer_bytes(t, id, &got_n);
+        if (n == 0)
+            cr_expect_null(got, "%s: id %lld has no token", name, id);
+        else
+            cr_expect(got && got_n == n && memcmp(got, want, n) == 0, "%s: id %lld: %zu bytes, expected %zu (%s)", name,
+                      id, got ? got_n : 0, n, hex);
+        spelled += n > 0;
+        count = id + 1;
+    }
+    fclose(f);
+    cr_expect_eq(moe_tokenizer_count(t), count);
+    cr_expect(spelled > 300, "%s: %lld tokens checked", name, (long long)spelled);
+    moe_tokenizer_close(t);
+}
+
+Test(tokenizer_json, byte_level_decodes_every_id) { expect_json_decodes("tokenizer_byte_level"); }
+Test(tokenizer_json, sentencepiece_style_decodes_every_id) { expect_json_decodes("tokenizer_metaspace"); }
+
+/* A tokenizer.json written to name from text. */
+static const char *json_file(const char *name, const char *text) {
+    write_bytes(in_tmp(name), text, strlen(text));
+    return in_tmp(name);
+}
+
+Test(tokenizer_json, malformed_files_are_refused, .init = make_tmpdir, .fini = remove_tmpdir) {
+    static const char byte_level[] = "\"decoder\": {\"type\": \"ByteLevel\"}";
+    char text[1024];
+    const struct {
+        const char *model, *rest, *want;
+    } bad[] = {
+        {"{}", byte_level, "no model.vocab"},
+        {"{\"vocab\": {\"a\": 0, \"b\": 0}}", byte_level, "id 0 is given to two tokens"},
+        {"{\"vocab\": {\"a\": -1}}", byte_level, "a has id -1, not an integer in [0, 1048576)"},
+        {"{\"vocab\": {\"a\": 1.5}}", byte_level, "a has id 1.5"},
+        {"{\"vocab\": {\"a\": 0}}", "\"decoder\": {\"type\": \"WordPiece\"}", "decoder WordPiece is not read"},
+        {"{\"vocab\": {\"a\": 0}}", "\"decoder\": null", "decoder (none) is not read"},
+        {"{\"vocab\": {\"a\": 0}}", "\"decoder\": {\"type\": \"Sequence\", \"decoders\": [{\"type\": \"CTC\"}]}",
+         "decoder Sequence's part 0 is CTC"},
+        {"{\"vocab\": [[\"a\", 0.0], 7]}", "\"decoder\": {\"type\": \"Metaspace\"}", "model.vocab[1] is no [token, score] pair"},
+        {"{\"vocab\": {\"a\": 0}}", "\"decoder\": {\"type\": \"ByteLevel\"}, \"added_tokens\": [{\"id\": 3}]",
+         "added token 3 has no content string"},
+        {"{\"vocab\": {\"a\": 0}}", "\"decoder\": {\"type\": \"ByteLevel\"}, \"added_tokens\": [{\"id\": 1, \"content\": "
+                                     "\"x\"}, {\"id\": 1, \"content\": \"y\"}]",
+         "id 1 is given to two added tokens"},
+        {"{\"vocab\": {\"a\": 0, \"\": 1}}", byte_level, "token 1 spells 0 bytes"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        snprintf(text, sizeof text, "{\"model\": %s, %s}", bad[i].model, bad[i].rest);
+        expect_refused(json_file("bad.json", text), bad[i].want, NULL);
+    }
+    expect_refused(json_file("cut.json", "{\"model\": {\"vocab\": {\"a\": 0}"), "unexpected end of input", NULL);
+}
+
+/* Ids the file gives no token print as unknown; an added token's content
+ * replaces what the vocabulary spells for its id, and goes through the
+ * decoder, as in transformers' tokenizers. */
+Test(tokenizer_json, holes_and_added_tokens, .init = make_tmpdir, .fini = remove_tmpdir) {
+    const char *path = json_file("t.json", "{\"model\": {\"vocab\": {\"\\u0120a\": 0, \"b\": 4}}, "
+                                           "\"added_tokens\": [{\"id\": 4, \"content\": \"<|x|>\"}, "
+                                           "{\"id\": 2, \"content\": \"\\u0120\\u6f22\"}], "
+                                           "\"decoder\": {\"type\": \"ByteLevel\"}}");
+    moe_tokenizer *t = NULL;
+    cr_assert_eq(moe_tokenizer_open(&t, path), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(moe_tokenizer_count(t), 5);
+    size_t n = 0;
+    const unsigned char *b = moe_tokenizer_bytes(t, 0, &n);
+    cr_expect(b && n == 2 && memcmp(b, " a", 2) == 0, "id 0: U+0120 is the space byte");
+    cr_expect_null(moe_tokenizer_bytes(t, 1, &n));
+    cr_expect_null(moe_tokenizer_bytes(t, 3, &n));
+    b = moe_tokenizer_bytes(t, 2, &n);
+    cr_expect(b && n == 4 && memcmp(b, " \xE6\xBC\xA2", 4) == 0, "id 2: a space and U+6F22 as it is");
+    b = moe_tokenizer_bytes(t, 4, &n);
+    cr_expect(b && n == 5 && memcmp(b, "<|x|>", 5) == 0, "id 4: the added token's content");
+    moe_tokenizer_close(t);
 }

@@ -713,7 +713,14 @@ Test(train_run, upcycle_checks_the_dense_config, .init = make_tmp, .fini = remov
     } cases[] = {
         {", \"rope_theta\": 500000.0", "config.json has rope_theta=500000, and --config"},
         {", \"num_attention_heads\": 8, \"head_dim\": 4", "config.json has num_attention_heads=8"},
-        {", \"sliding_window\": 4096", "config.json has a window of 4096 positions in every layer, and --config"},
+        /* Mistral's window is every layer's, 4096 when absent; Llama has none. */
+        {", \"model_type\": \"mistral\", \"sliding_window\": 4096",
+         "config.json has a window of 4096 positions in every layer, and --config"},
+        {", \"model_type\": \"mistral\"", "config.json has a window of 4096 positions in every layer, and --config"},
+        {", \"model_type\": \"mistral\", \"sliding_window\": 8, \"layer_types\": [\"full_attention\", \"full_attention\"]",
+         "config.json has a window of 8 positions in every layer, and --config"},
+        {", \"model_type\": \"mistral\", \"rope_theta\": 10000.0, \"sliding_window\": null", "model.safetensors"},
+        {", \"rope_theta\": 10000.0, \"sliding_window\": 8", "model.safetensors"},
         {", \"tie_word_embeddings\": true", "ties the embedding and the head (tie_word_embeddings true), and --config"},
         {", \"tie_word_embeddings\": \"yes\"", "tie_word_embeddings must be true or false, not a string"},
         {", \"rope_parameters\": {\"rope_theta\": 500000.0, \"rope_type\": \"default\"}",
@@ -732,11 +739,13 @@ Test(train_run, upcycle_checks_the_dense_config, .init = make_tmp, .fini = remov
          "scales RoPE as yarn and gives neither its original_max_position_embeddings nor max_position_embeddings"},
         {", \"hidden_act\": \"gelu\"", "dense/config.json: hidden_act=\"gelu\" is not supported"},
         {", \"attention_bias\": true", "dense/config.json has attention_bias true"},
-        {", \"sliding_window\": 16, \"layer_types\": [\"full_attention\", \"sliding_attention\"]",
+        {", \"model_type\": \"qwen2\", \"use_sliding_window\": true, \"sliding_window\": 16, "
+         "\"layer_types\": [\"full_attention\", \"sliding_attention\"]",
          "layer 0 attends without a window, layer 1 within one"},
-        {", \"layer_types\": [\"full_attention\", \"chunked_attention\"]",
+        {", \"model_type\": \"qwen2\", \"layer_types\": [\"full_attention\", \"chunked_attention\"]",
          "layer_types[1] is neither \"full_attention\" nor \"sliding_attention\""},
-        {", \"layer_types\": [\"full_attention\"]", "layer_types must list the 2 layers' attention"},
+        {", \"model_type\": \"qwen2\", \"layer_types\": [\"full_attention\"]",
+         "layer_types must list the 2 layers' attention"},
         /* Qwen2's and Qwen3's window: under use_sliding_window, from layer
          * max_window_layers (28) on, 4096 positions unless sliding_window
          * says. */
@@ -758,8 +767,8 @@ Test(train_run, upcycle_checks_the_dense_config, .init = make_tmp, .fini = remov
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         char text[512];
-        /* The case's model_type, if it has one, else mistral. */
-        const char *type = strstr(cases[i].extra, "model_type") ? "" : "\"model_type\": \"mistral\", ";
+        /* The case's model_type, if it has one, else llama. */
+        const char *type = strstr(cases[i].extra, "model_type") ? "" : "\"model_type\": \"llama\", ";
         const int n = snprintf(text, sizeof text,
                                "{%s\"hidden_size\": 32, \"num_hidden_layers\": 2, \"num_key_value_heads\": 2%s}",
                                type, cases[i].extra);

@@ -35,12 +35,13 @@ static void print_help(void) {
            "                       written and printed with \\n \\t \\r \\\\ and \\xNN escapes, '|' too), ids\n"
            "                       (comma-separated token ids) or auto (default): from the\n"
            "                       checkpoint's vocab_size, %d synthetic, 256 bytes, else ids\n"
-           "  --tokenizer FILE     llm.c's tokenizer file (gpt2_tokenizer.bin): the prompt and --stop\n"
-           "                       stay token ids, and samples print as text, in the bytes form's\n"
-           "                       escapes; an id the file does not know prints as \\<id N>. Its\n"
-           "                       end-of-text token (version 2's; GPT-2's 50256 in a version-1\n"
-           "                       file) ends a sample unless --stop names another. Not with\n"
-           "                       --tokens synthetic or bytes\n\n",
+           "  --tokenizer FILE     llm.c's tokenizer file (gpt2_tokenizer.bin) or a Hugging Face\n"
+           "                       tokenizer.json (ByteLevel or SentencePiece-style decoders): the\n"
+           "                       prompt and --stop stay token ids, and samples print as text, in\n"
+           "                       the bytes form's escapes; an id the file does not know prints as\n"
+           "                       \\<id N>. llm.c's end-of-text token (version 2's; GPT-2's 50256 in\n"
+           "                       a version-1 file) ends a sample unless --stop names another. Not\n"
+           "                       with --tokens synthetic or bytes\n\n",
            MOE_SYNTH_VOCAB_SIZE);
     printf("Generation:\n"
            "  --samples N          continuations of the prompt, generated together (default %lld)\n"

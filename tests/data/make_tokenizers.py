@@ -1,0 +1,55 @@
+"""Writes the tokenizer.json fixtures of test_tokenizer.c and, beside each,
+NAME.ids: one line per id, "ID HEX" with the bytes transformers' tokenizers
+spell for it (empty HEX: no token has the id). Needs the tokenizers and
+transformers packages: python3 make_tokenizers.py (in tests/data)."""
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers, AddedToken
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+TEXT = ["moe trains Mixture-of-Experts transformers from C: routers, experts, all-to-all.",
+        "Ünïcödé täkes twö bytes, 漢字 three, and 🙂 four.\nTabs\tand new lines too.",
+        "def f(x):\n    return x * 2  # a comment\n"] * 40
+SPECIALS = ["<|endoftext|>", "<|im_end|>"]
+
+
+def byte_level():
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(TEXT, trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                      special_tokens=SPECIALS))
+    tok.add_special_tokens([AddedToken("<|pad|>", special=True)])
+    tok.add_tokens(["漢字", "\u0120x"])  # outside the byte alphabet, and in it
+    decode = {c: b for b, c in bytes_to_unicode().items()}
+    ids = {}
+    for token, i in tok.get_vocab(with_added_tokens=True).items():
+        ids[i] = b"".join(bytes([decode[c]]) if c in decode else c.encode() for c in token)
+        try:  # where the bytes are text, the decoder's own reading agrees
+            assert decoders.ByteLevel().decode([token]) == ids[i].decode()
+        except UnicodeDecodeError:
+            pass
+    return tok, ids
+
+
+def metaspace():
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    alphabet = [f"<0x{b:02X}>" for b in range(256)]
+    tok.train_from_iterator(TEXT, trainers.BpeTrainer(vocab_size=500, special_tokens=["<unk>", "<s>", "</s>"] + alphabet))
+    ids = {}
+    for token, i in tok.get_vocab(with_added_tokens=True).items():
+        if token in alphabet:  # ByteFallback's bytes, which a lone one cannot show as text
+            ids[i] = bytes([int(token[3:5], 16)])
+        else:  # the decoder without its Strip, one token at a time
+            ids[i] = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                        decoders.Fuse()]).decode([token]).encode()
+    return tok, ids
+
+
+for name, make in [("tokenizer_byte_level", byte_level), ("tokenizer_metaspace", metaspace)]:
+    tok, ids = make()
+    tok.save(f"{name}.json")
+    with open(f"{name}.ids", "w") as f:
+        for i in range(max(ids) + 1):
+            f.write(f"{i} {ids.get(i, b'').hex()}\n")
