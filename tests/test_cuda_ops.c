@@ -1089,6 +1089,25 @@ Test(cuda, embedding_rmsnorm_matmul_residual) {
                                     C, ctx));
     expect_dev("rmsnorm_backward dinp", d_dx, dx, N * C, TOL_F32);
     expect_dev("rmsnorm_backward dweight", d_dw, dw, C, TOL_F32);
+    {
+        /* More rows than the weight gradient's grid has parts in y (65535
+         * of 256 rows), as a norm over each head of q has: narrow rows. */
+        const int64_t N2 = 65535 * 256 + 300, C2 = 2;
+        float *x2 = rnd(N2 * C2, &rng, -2, 2), *w2 = rnd(C2, &rng, 0.5, 1.5), *dout2 = rnd(N2 * C2, &rng, -1, 1);
+        float *y2 = ref_alloc((size_t)(N2 * C2) * sizeof *y2), *rstd2 = ref_alloc((size_t)N2 * sizeof *rstd2);
+        float *dx2 = rnd(N2 * C2, &rng, -1, 1), dw2[2] = {0.25f, -0.5f};
+        cpu->rmsnorm_forward(y2, rstd2, x2, w2, 1e-5f, N2, C2);
+        float *d_dx2 = dput(dx2, (size_t)(N2 * C2) * sizeof(float)), *d_dw2 = dput(dw2, sizeof dw2);
+        void *scratch2 = ref_alloc(cpu->rmsnorm_scratch_bytes(N2, C2));
+        CHECK(moe_cuda_rmsnorm_backward(d_dx2, d_dw2, dput(dout2, (size_t)(N2 * C2) * sizeof(float)),
+                                        dput(x2, (size_t)(N2 * C2) * sizeof(float)), dput(w2, sizeof(float) * C2),
+                                        dput(rstd2, (size_t)N2 * sizeof(float)),
+                                        dpoison(moe_cuda_rmsnorm_scratch_bytes(N2, C2), POISON_FLOAT), N2, C2, ctx));
+        cpu->rmsnorm_backward(dx2, dw2, dout2, x2, w2, rstd2, scratch2, N2, C2);
+        expect_dev("rmsnorm_backward dinp, many rows", d_dx2, dx2, N2 * C2, TOL_F32);
+        expect_dev("rmsnorm_backward dweight, many rows", d_dw2, dw2, C2, TOL_F32);
+        free(x2), free(w2), free(dout2), free(y2), free(rstd2), free(dx2), free(scratch2);
+    }
 
     float *wm = rnd(OC * C, &rng, -1, 1), *out = ref_alloc((size_t)(N * OC) * sizeof *out);
     cpu->matmul_forward(out, x, wm, N, C, OC);
@@ -1815,7 +1834,8 @@ Test(cuda, table_keeps_first_failure) {
 }
 
 /* The whole model (dense layers and MoE layers, q and k normalised per
- * head, capacity, shared experts and router jitter on) on the CUDA table against the same model on the CPU table:
+ * head and across heads, capacity, shared experts and router jitter on)
+ * on the CUDA table against the same model on the CPU table:
  * the engine's path to the device, not one op. Every op agrees to 1e-5 on
  * its own; composed over two layers, forward and backward, their different
  * summation orders add up, so the tolerance here is 1e-4 of each array's
@@ -1837,36 +1857,40 @@ Test(cuda, model_on_the_table) {
     cfg.router_aux_loss_coef = 0.01;
     cfg.moe_z_loss_coef = 0.001;
     cfg.router_jitter_noise = 0.01; /* the multiply op, both ways */
-    cfg.moe_qk_norm = MOE_QK_NORM_PER_HEAD; /* RMSNorm over rows of head_dim */
     enum { B = 2, T = 16, N = B * T };
-    moe_model *host = NULL, *dev = NULL;
-    CHECK(moe_model_create(&host, &cfg, B, T, 5));
-    const moe_model_parallel on_gpu = {.ops = gpu};
-    CHECK(moe_model_create_parallel(&dev, &cfg, B, T, 5, &on_gpu));
-    int32_t inputs[N], targets[N];
-    ref_rng rng = {77};
-    for (int i = 0; i < N; i++) {
-        inputs[i] = (int32_t)(ref_next(&rng) % 64);
-        targets[i] = (int32_t)(ref_next(&rng) % 64);
+    /* RMSNorm over rows of head_dim, then of the whole projection. */
+    for (int qk = MOE_QK_NORM_PER_HEAD; qk <= MOE_QK_NORM_ACROSS_HEADS; qk++) {
+        cfg.moe_qk_norm = (moe_qk_norm_kind)qk;
+        moe_model *host = NULL, *dev = NULL;
+        CHECK(moe_model_create(&host, &cfg, B, T, 5));
+        const moe_model_parallel on_gpu = {.ops = gpu};
+        CHECK(moe_model_create_parallel(&dev, &cfg, B, T, 5, &on_gpu));
+        int32_t inputs[N], targets[N];
+        ref_rng rng = {77};
+        for (int i = 0; i < N; i++) {
+            inputs[i] = (int32_t)(ref_next(&rng) % 64);
+            targets[i] = (int32_t)(ref_next(&rng) % 64);
+        }
+        moe_model_stats hs, ds;
+        CHECK(moe_model_forward(host, inputs, targets, &hs));
+        CHECK(moe_model_backward(host, 1.0f));
+        CHECK(moe_model_forward(dev, inputs, targets, &ds));
+        CHECK(moe_model_backward(dev, 1.0f));
+        cr_expect(fabs(ds.loss - hs.loss) <= 1e-5 * fabs(hs.loss), "qk norm %s: loss %.9g, cpu %.9g",
+                  moe_qk_norm_kind_name(qk), ds.loss, hs.loss);
+        expect_close("per-token losses", moe_model_last_losses(dev), moe_model_last_losses(host), N, 1e-4);
+        const int64_t n = moe_model_param_count(host);
+        float *got = ref_alloc((size_t)n * sizeof *got);
+        tget(got, moe_model_grads(dev), (size_t)n * sizeof *got);
+        expect_close("gradients", got, moe_model_grads(host), n, 1e-4);
+        double hsq, dsq;
+        CHECK(moe_model_grad_sumsq(host, &hsq));
+        CHECK(moe_model_grad_sumsq(dev, &dsq));
+        cr_expect(fabs(dsq - hsq) <= 1e-4 * hsq, "gradient sum of squares %.9g, cpu %.9g", dsq, hsq);
+        free(got);
+        moe_model_destroy(dev);
+        moe_model_destroy(host);
     }
-    moe_model_stats hs, ds;
-    CHECK(moe_model_forward(host, inputs, targets, &hs));
-    CHECK(moe_model_backward(host, 1.0f));
-    CHECK(moe_model_forward(dev, inputs, targets, &ds));
-    CHECK(moe_model_backward(dev, 1.0f));
-    cr_expect(fabs(ds.loss - hs.loss) <= 1e-5 * fabs(hs.loss), "loss %.9g, cpu %.9g", ds.loss, hs.loss);
-    expect_close("per-token losses", moe_model_last_losses(dev), moe_model_last_losses(host), N, 1e-4);
-    const int64_t n = moe_model_param_count(host);
-    float *got = ref_alloc((size_t)n * sizeof *got);
-    tget(got, moe_model_grads(dev), (size_t)n * sizeof *got);
-    expect_close("gradients", got, moe_model_grads(host), n, 1e-4);
-    double hsq, dsq;
-    CHECK(moe_model_grad_sumsq(host, &hsq));
-    CHECK(moe_model_grad_sumsq(dev, &dsq));
-    cr_expect(fabs(dsq - hsq) <= 1e-4 * hsq, "gradient sum of squares %.9g, cpu %.9g", dsq, hsq);
-    free(got);
-    moe_model_destroy(dev);
-    moe_model_destroy(host);
     table_end();
 }
 
