@@ -920,7 +920,7 @@ static moe_status read_family_function(moe_model_config *cfg, const given *state
 }
 
 /* Defaults for the fields not given, including those computed from others,
- * as transformers' MixtralConfig (or Qwen3MoeConfig) fills them. */
+ * as transformers' MixtralConfig (or Qwen3MoeConfig, or OlmoeConfig) fills them. */
 static moe_status fill_defaults(moe_model_config *cfg, given *state, const other_values *o, const char *name,
                                 moe_warn_fn wfn, void *wctx) {
     const size_t experts = field_index("num_local_experts");
