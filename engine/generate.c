@@ -164,9 +164,17 @@ static moe_status check_finite(const float *logits, int64_t V, int64_t row, int6
     return MOE_OK;
 }
 
-moe_status moe_generate(moe_model *model, int32_t *rows, int64_t *len, const int64_t *end, int32_t stop,
-                        const moe_sampling *sampling) {
-    if (!model || !rows || !len || !end) return moe_error(MOE_ERR_INVALID_ARG, "moe_generate: NULL argument");
+/* Whether token is one of stops [n]. */
+static bool stops_at(const int32_t *stops, int n, int32_t token) {
+    for (int i = 0; i < n; i++)
+        if (stops[i] == token) return true;
+    return false;
+}
+
+moe_status moe_generate(moe_model *model, int32_t *rows, int64_t *len, const int64_t *end, const int32_t *stops,
+                        int n_stops, const moe_sampling *sampling) {
+    if (!model || !rows || !len || !end || (n_stops > 0 && !stops))
+        return moe_error(MOE_ERR_INVALID_ARG, "moe_generate: NULL argument");
     MOE_TRY(moe_sampling_validate(sampling));
     MOE_TRY(check_rows(model, len, end));
     const int64_t B = moe_model_batch_size(model), T = moe_model_seq_len(model);
@@ -219,7 +227,7 @@ moe_status moe_generate(moe_model *model, int32_t *rows, int64_t *len, const int
             if (st != MOE_OK) break;
             const int32_t token = moe_sample_token(scratch, logits + b * V, V, sampling, (uint64_t)b, (uint64_t)len[b]);
             rows[b * T + len[b]++] = token;
-            growing[b] = len[b] < end[b] && token != stop;
+            growing[b] = len[b] < end[b] && !stops_at(stops, n_stops, token);
             if (!growing[b]) continue;
             at[n] = b;
             at[S + n] = len[b] - 1;
@@ -472,7 +480,9 @@ typedef struct generation {
     moe_tokenizer *tokenizer; /* NULL: none */
     int32_t *prompt; /* [n_prompt] */
     int64_t n_prompt;
-    int32_t stop;    /* negative: none */
+    int32_t stops[MOE_TOKEN_IDS_MAX]; /* [n_stops] the ids that end a sample */
+    int n_stops;
+    moe_stop_source stop_source;
     moe_device_handle device;
     moe_model *model;
     int32_t *rows;   /* [B, T] */
@@ -510,7 +520,7 @@ static moe_status read_inputs(generation *g, const moe_generate_options *o, cons
     moe_status st = moe_checkpoint_load_config(&g->cfg, o->init_from, false, cb->on_warning, cb->ctx);
     if (st != MOE_OK) return moe_error_prefix(st, "--init-from %s: ", o->init_from);
     const int64_t V = g->cfg.vocab_size;
-    g->stop = -1; /* none, unless the tokenizer's end-of-text or --stop */
+    g->n_stops = 0; /* none, unless --stop, the tokenizer's end-of-text or the config's eos */
     /* The tokenizer cannot encode text: with it, prompts are ids. */
     MOE_TRY(choose_tokens(&g->kind, o->tokenizer ? MOE_TOKENS_IDS : o->tokens, V));
     if (o->tokenizer) {
@@ -535,8 +545,13 @@ static moe_status read_inputs(generation *g, const moe_generate_options *o, cons
             cb->on_warning(cb->ctx, warning);
         }
         /* Its end-of-text ends a sample unless --stop (below) names another. */
-        g->stop = eot < V ? eot : -1;
+        if (eot >= 0 && eot < V) g->stops[g->n_stops++] = eot, g->stop_source = MOE_STOP_TOKENIZER;
     }
+    /* Else the config's eos, as transformers' generate stops there. */
+    const moe_token_ids *eos = &g->cfg.eos_token_id;
+    for (int i = 0; g->stop_source == MOE_STOP_NONE && i < eos->n; i++)
+        if (eos->ids[i] >= 0 && eos->ids[i] < V) g->stops[g->n_stops++] = (int32_t)eos->ids[i];
+    if (g->stop_source == MOE_STOP_NONE && g->n_stops > 0) g->stop_source = MOE_STOP_CONFIG;
     MOE_TRY(read_tokens(&g->prompt, &g->n_prompt, g, o->prompt, "--prompt"));
     if (g->n_prompt == 0)
         return moe_error(MOE_ERR_CONFIG, "--prompt holds no token, and generation needs one to start from%s",
@@ -558,7 +573,7 @@ static moe_status read_inputs(generation *g, const moe_generate_options *o, cons
             st = moe_error(MOE_ERR_CONFIG, "--stop '%s%s' holds %lld tokens; it takes one", shown, n > 16 ? "..." : "",
                            (long long)n);
         }
-        if (st == MOE_OK) g->stop = stop[0];
+        if (st == MOE_OK) g->stops[0] = stop[0], g->n_stops = 1, g->stop_source = MOE_STOP_FLAG;
         free(stop);
         MOE_TRY(st);
     }
@@ -608,12 +623,14 @@ static moe_status generate_body(generation *g, const moe_generate_options *o, co
         .tokens_from_vocab = o->tokens == MOE_TOKENS_AUTO && !g->tokenizer,
         .tokenizer = o->tokenizer,
         .tokenizer_tokens = g->tokenizer ? moe_tokenizer_count(g->tokenizer) : 0,
-        .eot_stop = o->stop ? -1 : g->stop,
+        .stops = g->stops,
+        .n_stops = g->n_stops,
+        .stop_source = g->stop_source,
         .prompt_tokens = g->n_prompt,
         .seq_len = T,
     };
     if (cb->on_start) cb->on_start(cb->ctx, &summary);
-    st = moe_generate(g->model, g->rows, g->len, g->end, g->stop, &o->sampling);
+    st = moe_generate(g->model, g->rows, g->len, g->end, g->stops, g->n_stops, &o->sampling);
     if (st != MOE_OK) return moe_error_prefix(st, "--init-from %s: ", o->init_from);
 
     for (int64_t b = 0; b < B; b++) {
@@ -625,7 +642,7 @@ static moe_status generate_body(generation *g, const moe_generate_options *o, co
             .tokens = row,
             .n = g->len[b],
             .prompt_tokens = g->n_prompt,
-            .stopped = g->stop >= 0 && g->len[b] > g->n_prompt && row[g->len[b] - 1] == g->stop,
+            .stopped = g->len[b] > g->n_prompt && stops_at(g->stops, g->n_stops, row[g->len[b] - 1]),
             .prompt_text = g->prompt_text,
             .new_text = g->new_text,
         };

@@ -52,12 +52,21 @@ int32_t moe_sample_token(int32_t *scratch, const float *logits, int64_t V, const
 
 /* rows [B, T] in the model's shape: row b starts with len[b] >= 1 tokens
  * (its prompt) and grows until it holds end[b] tokens (len[b] <= end[b] <=
- * T), or until it has just received stop (a token id; negative: none).
+ * T), or until it has just received one of stops [n_stops] (token ids;
+ * n_stops 0: none).
  * On return len[b] says how long each row became, and the positions past
  * it hold token 0 (any token would do). The model runs on one rank, and is
  * left in eval mode (moe_model_set_training false: no jitter). */
-moe_status moe_generate(moe_model *model, int32_t *rows, int64_t *len, const int64_t *end, int32_t stop,
-                        const moe_sampling *sampling);
+moe_status moe_generate(moe_model *model, int32_t *rows, int64_t *len, const int64_t *end, const int32_t *stops,
+                        int n_stops, const moe_sampling *sampling);
+
+/* What ends a sample of moe_generate_run, unless max_new_tokens does. */
+typedef enum moe_stop_source {
+    MOE_STOP_NONE = 0,
+    MOE_STOP_FLAG,      /* options->stop */
+    MOE_STOP_TOKENIZER, /* llm.c's tokenizer file's end-of-text */
+    MOE_STOP_CONFIG,    /* the checkpoint's eos_token_id (each id in the vocabulary), as transformers' generate */
+} moe_stop_source;
 
 /* ------------------------------------------- continuing a checkpoint's prompts */
 
@@ -80,8 +89,8 @@ typedef struct moe_generate_options {
     int64_t samples;       /* continuations of the prompt, generated together; > 0 */
     int64_t max_new_tokens; /* > 0; fewer when stop comes */
     moe_sampling sampling;
-    const char *stop;      /* one token in the prompt's form that ends a sample; NULL: none, or the
-                            * tokenizer's end-of-text */
+    const char *stop;      /* one token in the prompt's form that ends a sample; NULL: the
+                            * tokenizer's end-of-text, else the config's eos_token_id, else none */
     moe_token_kind tokens;
     /* llm.c's tokenizer file (tokenizer.h); NULL: none. With it the prompt
      * and --stop are ids (tokens AUTO or IDS; the file cannot encode text),
@@ -115,7 +124,9 @@ typedef struct moe_generate_summary {
     bool tokens_from_vocab;        /* AUTO chose it from config->vocab_size (not for a tokenizer) */
     const char *tokenizer;         /* options->tokenizer */
     int64_t tokenizer_tokens;      /* the ids it knows */
-    int32_t eot_stop;              /* the tokenizer's end-of-text when it ends samples (no --stop); else -1 */
+    const int32_t *stops;          /* [n_stops] the ids that end a sample */
+    int n_stops;
+    moe_stop_source stop_source;   /* where they come from */
     int64_t prompt_tokens;
     int64_t seq_len;               /* prompt_tokens + max_new_tokens: the model's T */
 } moe_generate_summary;

@@ -63,7 +63,7 @@ moe_status moe_synth_tasks_solve(moe_synth_task_score *score, moe_model *model, 
                 len[b] = end[b] = 1;
                 rows[b * T] = 0;
             }
-            st = moe_generate(model, rows, len, end, -1, &greedy);
+            st = moe_generate(model, rows, len, end, NULL, 0, &greedy);
             /* Each row grew to T tokens: solved when it is the stream's
              * row, the prompt it was given and the answer after it. */
             for (int64_t b = 0; b < n && st == MOE_OK; b++)

@@ -99,7 +99,7 @@ Test(generate, greedy_rows_are_the_argmax_of_a_full_forward) {
     random_tokens(rows, B * T, 2);
     int64_t len[B] = {3, 5}, end[B] = {12, T};
     const moe_sampling greedy = {.temperature = 0.0, .top_k = 0, .seed = 1};
-    cr_assert_eq(moe_generate(m, rows, len, end, -1, &greedy), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(moe_generate(m, rows, len, end, NULL, 0, &greedy), MOE_OK, "%s", moe_last_error());
     cr_assert(len[0] == 12 && len[1] == T, "lengths %lld %lld", (long long)len[0], (long long)len[1]);
     for (int64_t p = 12; p < T; p++) cr_expect_eq(rows[p], 0, "row 0 position %lld past its end", (long long)p);
 
@@ -130,9 +130,9 @@ Test(generate, sampled_rows_depend_on_seed_row_and_position_only) {
     memcpy(single, a, sizeof single);
     int64_t len_a[2] = {4, 2}, len_again[2] = {4, 2}, len_single[1] = {4};
     const int64_t end[2] = {T, T};
-    cr_assert_eq(moe_generate(two, a, len_a, end, -1, &s), MOE_OK, "%s", moe_last_error());
-    cr_assert_eq(moe_generate(two, again, len_again, end, -1, &s), MOE_OK, "%s", moe_last_error());
-    cr_assert_eq(moe_generate(one, single, len_single, end, -1, &s), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(moe_generate(two, a, len_a, end, NULL, 0, &s), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(moe_generate(two, again, len_again, end, NULL, 0, &s), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(moe_generate(one, single, len_single, end, NULL, 0, &s), MOE_OK, "%s", moe_last_error());
     cr_expect_eq(memcmp(a, again, sizeof a), 0, "the same call gave other rows");
     cr_expect_eq(memcmp(a, single, sizeof single), 0, "row 0 depends on the batch it is in");
     moe_model_destroy(two);
@@ -145,14 +145,14 @@ Test(generate, a_row_stops_after_the_stop_token) {
     random_tokens(rows, B * T, 4);
     int64_t len[B] = {2, 2}, end[B] = {T, T};
     const moe_sampling greedy = {0};
-    cr_assert_eq(moe_generate(m, rows, len, end, -1, &greedy), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(moe_generate(m, rows, len, end, NULL, 0, &greedy), MOE_OK, "%s", moe_last_error());
     /* Stop at the token greedy wrote at position 4 of row 0. */
     const int32_t stop = rows[4];
     int64_t first = 2;
     while (rows[first] != stop) first++;
     random_tokens(rows, B * T, 4);
     int64_t len2[B] = {2, 2};
-    cr_assert_eq(moe_generate(m, rows, len2, end, stop, &greedy), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(moe_generate(m, rows, len2, end, &stop, 1, &greedy), MOE_OK, "%s", moe_last_error());
     cr_expect_eq(len2[0], first + 1, "row 0 ended at %lld, the stop token first comes at %lld", (long long)len2[0],
                  (long long)first);
     cr_expect_eq(rows[first], stop);
@@ -164,20 +164,20 @@ Test(generate, refuses_capacity_bad_lengths_and_bad_sampling) {
     int64_t len[B] = {1, 1}, end[B] = {T, T};
     const moe_sampling greedy = {0};
     moe_model *dropping = small_model(B, 1.25);
-    cr_expect_eq(moe_generate(dropping, rows, len, end, -1, &greedy), MOE_ERR_UNSUPPORTED);
+    cr_expect_eq(moe_generate(dropping, rows, len, end, NULL, 0, &greedy), MOE_ERR_UNSUPPORTED);
     cr_expect(strstr(moe_last_error(), "capacity factor of 1.25"), "%s", moe_last_error());
     moe_model_destroy(dropping);
 
     moe_model *m = small_model(B, 0.0);
     int64_t empty[B] = {1, 0};
-    cr_expect_eq(moe_generate(m, rows, empty, end, -1, &greedy), MOE_ERR_INVALID_ARG);
+    cr_expect_eq(moe_generate(m, rows, empty, end, NULL, 0, &greedy), MOE_ERR_INVALID_ARG);
     cr_expect(strstr(moe_last_error(), "row 1 holds 0 tokens"), "%s", moe_last_error());
     int64_t too_far[B] = {T, T + 1};
-    cr_expect_eq(moe_generate(m, rows, len, too_far, -1, &greedy), MOE_ERR_INVALID_ARG);
+    cr_expect_eq(moe_generate(m, rows, len, too_far, NULL, 0, &greedy), MOE_ERR_INVALID_ARG);
     const moe_sampling cold = {.temperature = -1.0}, nan_t = {.temperature = NAN}, neg_k = {.top_k = -2};
-    cr_expect_eq(moe_generate(m, rows, len, end, -1, &cold), MOE_ERR_CONFIG);
-    cr_expect_eq(moe_generate(m, rows, len, end, -1, &nan_t), MOE_ERR_CONFIG);
-    cr_expect_eq(moe_generate(m, rows, len, end, -1, &neg_k), MOE_ERR_CONFIG);
+    cr_expect_eq(moe_generate(m, rows, len, end, NULL, 0, &cold), MOE_ERR_CONFIG);
+    cr_expect_eq(moe_generate(m, rows, len, end, NULL, 0, &nan_t), MOE_ERR_CONFIG);
+    cr_expect_eq(moe_generate(m, rows, len, end, NULL, 0, &neg_k), MOE_ERR_CONFIG);
     cr_expect(strstr(moe_last_error(), "--top-k -2"), "%s", moe_last_error());
     moe_model_destroy(m);
 }
@@ -206,7 +206,7 @@ Test(generate, a_recomputing_model_generates_the_same_rows) {
         random_tokens(rows[recompute], B * T, 3);
         int64_t len[B] = {2, 6}, end[B] = {T, 11};
         const moe_sampling greedy = {.temperature = 0.0, .top_k = 0, .seed = 1};
-        cr_assert_eq(moe_generate(m, rows[recompute], len, end, -1, &greedy), MOE_OK, "%s", moe_last_error());
+        cr_assert_eq(moe_generate(m, rows[recompute], len, end, NULL, 0, &greedy), MOE_OK, "%s", moe_last_error());
         cr_expect(moe_model_can_decode(m) == !recompute);
         moe_model_destroy(m);
     }
@@ -224,7 +224,7 @@ Test(generate, an_inference_model_generates_the_same_rows_in_less_memory) {
         random_tokens(rows[inference], B * T, 4);
         int64_t len[B] = {3, 1}, end[B] = {T, 12};
         const moe_sampling sampled = {.temperature = 0.8, .top_k = 0, .seed = 5};
-        cr_assert_eq(moe_generate(m, rows[inference], len, end, -1, &sampled), MOE_OK, "%s", moe_last_error());
+        cr_assert_eq(moe_generate(m, rows[inference], len, end, NULL, 0, &sampled), MOE_OK, "%s", moe_last_error());
         bytes[inference] = moe_model_activation_bytes(m);
         if (inference) {
             cr_expect(moe_model_grads(m) == NULL, "an inference model holds gradients");

@@ -73,6 +73,7 @@ static float *save_checkpoint(char *dir, const moe_model_config *cfg, const char
 static void reference(int32_t *rows, int64_t *len, const moe_model_config *cfg, const float *weights,
                       const int32_t *prompt, int64_t n_prompt, int64_t samples, int64_t new_tokens, int32_t stop,
                       const moe_sampling *s) {
+    /* stop negative: none. */
     const int64_t T = n_prompt + new_tokens;
     moe_model *m = NULL;
     cr_assert_eq(moe_model_create(&m, cfg, samples, T, 99), MOE_OK, "%s", moe_last_error());
@@ -83,7 +84,7 @@ static void reference(int32_t *rows, int64_t *len, const moe_model_config *cfg, 
         len[b] = n_prompt;
         end[b] = T;
     }
-    cr_assert_eq(moe_generate(m, rows, len, end, stop, s), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(moe_generate(m, rows, len, end, &stop, stop >= 0, s), MOE_OK, "%s", moe_last_error());
     moe_model_destroy(m);
 }
 
@@ -100,6 +101,7 @@ typedef struct collected {
     bool started;
     char warnings[1024]; /* every warning, one per line */
     moe_generate_summary summary; /* its pointers are dead after the run */
+    int32_t stops[MOE_TOKEN_IDS_MAX]; /* summary.stops, copied */
     int64_t count;
     got_sample samples[MAX_SAMPLES];
 } collected;
@@ -108,6 +110,8 @@ static void on_start(void *ctx, const moe_generate_summary *s) {
     collected *c = ctx;
     c->started = true;
     c->summary = *s;
+    cr_assert_leq(s->n_stops, MOE_TOKEN_IDS_MAX);
+    memcpy(c->stops, s->stops, (size_t)s->n_stops * sizeof *s->stops);
 }
 
 static void on_sample(void *ctx, const moe_generate_sample *s) {
@@ -363,7 +367,7 @@ Test(generate_run, a_tokenizer_prints_the_ids_as_text, .init = make_tmpdir, .fin
     cr_expect_not(text.summary.tokens_from_vocab, "the tokenizer chose ids, not the vocabulary");
     cr_expect_str_eq(text.summary.tokenizer, in_tmp("tok.bin"));
     cr_expect_eq(text.summary.tokenizer_tokens, 260);
-    cr_expect_eq(text.summary.eot_stop, 259);
+    cr_expect(text.summary.stop_source == MOE_STOP_TOKENIZER && text.summary.n_stops == 1);
     cr_expect_str_eq(text.warnings, "", "a tokenizer smaller than the vocabulary is a padded one");
     int64_t unknown = 0;
     for (int64_t b = 0; b < 3; b++) {
@@ -399,31 +403,63 @@ Test(generate_run, a_tokenizers_end_of_text_stops_a_sample, .init = make_tmpdir,
     write_tokenizer(in_tmp("tok.bin"), 2, 260, (uint32_t)first);
     o.tokenizer = in_tmp("tok.bin");
     collected text = run_ok(&o);
-    cr_expect_eq(text.summary.eot_stop, first);
+    cr_expect(text.summary.stop_source == MOE_STOP_TOKENIZER && text.summary.n_stops == 1);
     cr_expect_eq(text.samples[0].n, 3);
     cr_expect(text.samples[0].stopped);
     /* --stop replaces it. */
     o.stop = "299";
     text = run_ok(&o);
-    cr_expect_eq(text.summary.eot_stop, -1);
+    cr_expect(text.summary.stop_source == MOE_STOP_FLAG && text.summary.n_stops == 1);
     cr_expect_eq(text.samples[0].n, ids.samples[0].n, "--stop 299 replaced the end-of-text");
     /* A version 1 file names no end-of-text unless it is GPT-2's. */
     write_tokenizer(in_tmp("v1.bin"), 1, 260, 0);
     o.stop = NULL;
     o.tokenizer = in_tmp("v1.bin");
     text = run_ok(&o);
-    cr_expect_eq(text.summary.eot_stop, -1);
+    cr_expect_eq(text.summary.stop_source, MOE_STOP_NONE);
     cr_expect_eq(text.samples[0].n, ids.samples[0].n);
     cr_expect_not(text.samples[0].stopped);
     /* GPT-2's, past this model's vocabulary of 300: no stop, and two warnings. */
     write_tokenizer(in_tmp("gpt2.bin"), 1, MOE_TOKENIZER_GPT2_TOKENS, 0);
     o.tokenizer = in_tmp("gpt2.bin");
     text = run_ok(&o);
-    cr_expect_eq(text.summary.eot_stop, -1);
+    cr_expect_eq(text.summary.stop_source, MOE_STOP_NONE);
     cr_expect_not(text.samples[0].stopped);
     cr_expect(strstr(text.warnings, "holds 50257 tokens, more than the model's vocabulary of 300") &&
                   strstr(text.warnings, "its end-of-text 50256 lies outside the model's vocabulary"),
               "%s", text.warnings);
+}
+
+/* Without --stop or an llm.c end-of-text, the checkpoint's eos_token_id
+ * ends a sample, as transformers' generate has it: any id of a list
+ * (Llama 3 lists three), those outside the vocabulary left out; --stop
+ * replaces them, and a config without one stops nowhere. */
+Test(generate_run, the_configs_eos_stops_a_sample, .init = make_tmpdir, .fini = remove_tmpdir) {
+    moe_model_config cfg = tiny_config(300, 4096);
+    char dir[768];
+    free(save_checkpoint(dir, &cfg, in_tmp("none"), 15));
+    moe_generate_options o = options(dir, "5,6");
+    o.max_new_tokens = 6;
+    const collected ids = run_ok(&o);
+    cr_expect_eq(ids.summary.stop_source, MOE_STOP_NONE);
+    const int32_t second = ids.samples[0].tokens[3];
+    cr_assert(second != ids.samples[0].tokens[2] && ids.samples[0].tokens[2] != 299,
+              "the seed was picked so that the first new token is neither the second nor 299");
+    /* Greedy: the same draws, ended by the second token drawn, a list's
+     * second id; 300 and -1 name no token of this vocabulary. */
+    cfg.eos_token_id = (moe_token_ids){.form = MOE_TOKEN_ID_LIST, .n = 4, .ids = {300, second, 299, -1}};
+    free(save_checkpoint(dir, &cfg, in_tmp("eos"), 15));
+    o.init_from = dir;
+    collected c = run_ok(&o);
+    cr_expect(c.summary.stop_source == MOE_STOP_CONFIG && c.summary.n_stops == 2 && c.stops[0] == second &&
+                  c.stops[1] == 299,
+              "source %d, %d stops", (int)c.summary.stop_source, c.summary.n_stops);
+    cr_expect_eq(c.samples[0].n, 4);
+    cr_expect(c.samples[0].stopped);
+    o.stop = "299";
+    c = run_ok(&o);
+    cr_expect_eq(c.summary.stop_source, MOE_STOP_FLAG);
+    cr_expect_eq(c.samples[0].n, ids.samples[0].n, "--stop 299 replaced the eos");
 }
 
 Test(generate_run, a_tokenizer_refuses_other_token_forms_and_bad_files, .init = make_tmpdir,

@@ -55,7 +55,8 @@ static void print_help(void) {
            "  --seed N             the draws; sample K's depend on (seed, K) only, but for logits that\n"
            "                       tie to their last bits, which a step's row count can tip (default %llu)\n"
            "  --stop TEXT          one token, in the --tokens form, that ends a sample (e.g. ';');\n"
-           "                       default: none, or --tokenizer's end-of-text\n\n",
+           "                       default: llm.c --tokenizer's end-of-text, else the checkpoint's\n"
+           "                       eos_token_id (any of a list), as transformers' generate, else none\n\n",
            (long long)d.samples, (long long)d.max_new_tokens, d.sampling.temperature,
            (long long)d.sampling.top_k, d.sampling.top_p, (unsigned long long)d.sampling.seed);
     printf("Performance:\n"
@@ -100,12 +101,17 @@ static void on_start(void *ctx, const moe_generate_summary *s) {
            moe_token_kind_name(s->tokens));
     if (s->tokenizer) {
         printf(", printed as text by --tokenizer %s (%lld tokens", s->tokenizer, (long long)s->tokenizer_tokens);
-        if (s->eot_stop >= 0) printf("; its end-of-text %d ends a sample", (int)s->eot_stop);
-        printf(")\n");
-    } else if (s->tokens_from_vocab)
-        printf(" (from vocab_size %lld)\n", (long long)s->config->vocab_size);
-    else
-        printf(" (--tokens)\n");
+        if (s->stop_source == MOE_STOP_TOKENIZER) printf("; its end-of-text %d ends a sample", (int)s->stops[0]);
+        printf(")");
+    } else if (s->tokens_from_vocab) {
+        printf(" (from vocab_size %lld)", (long long)s->config->vocab_size);
+    } else {
+        printf(" (--tokens)");
+    }
+    for (int i = 0; s->stop_source == MOE_STOP_CONFIG && i < s->n_stops; i++)
+        printf("%s%d", i ? " or " : " | config.json's eos ", (int)s->stops[i]);
+    if (s->stop_source == MOE_STOP_CONFIG) printf(" ends a sample");
+    printf("\n");
 }
 
 static void on_sample(void *ctx, const moe_generate_sample *s) {
