@@ -122,7 +122,9 @@ static moe_status append(json_reader *r, const void *bytes, size_t n) {
     return MOE_OK;
 }
 
-static bool hex_digit(unsigned char c) { return (c >= '0' && c <= '9') || (c >= 'A' && c <= 'F'); }
+static bool hex_digit(unsigned char c) {
+    return (c >= '0' && c <= '9') || (c >= 'A' && c <= 'F') || (c >= 'a' && c <= 'f');
+}
 
 /* Appends the bytes token text [n] spells under the decoder, as
  * transformers' tokenizers decodes it, an added token's content too. */
@@ -140,13 +142,15 @@ static moe_status spell(json_reader *r, const char *text, size_t n) {
         }
         return MOE_OK;
     }
-    /* A character outside the alphabet (an added token's) stays itself. */
-    for (size_t i = 0; i < n;) {
-        size_t len;
+    /* A token with a character outside the alphabet (an added token's)
+     * stays as it is, all of it, as tokenizers' ByteLevel keeps it. */
+    for (size_t i = 0, len; i < n; i += len) {
         const uint32_t c = code_point(s + i, &len);
-        const unsigned char b = c < 0x144 && r->byte_of[c] >= 0 ? (unsigned char)r->byte_of[c] : 0;
-        MOE_TRY(c < 0x144 && r->byte_of[c] >= 0 ? append(r, &b, 1) : append(r, s + i, len));
-        i += len;
+        if (c >= 0x144 || r->byte_of[c] < 0) return append(r, s, n);
+    }
+    for (size_t i = 0, len; i < n; i += len) {
+        const unsigned char b = (unsigned char)r->byte_of[code_point(s + i, &len)];
+        MOE_TRY(append(r, &b, 1));
     }
     return MOE_OK;
 }
@@ -289,13 +293,17 @@ static moe_status open_json(moe_tokenizer *t, const char *path) {
     return st;
 }
 
-/* Whether path's first byte past white space is '{': a tokenizer.json. */
+/* Whether path, a regular file (else the llm.c reader names the fault),
+ * begins past white space with '{' or a UTF-8 byte order mark: a
+ * tokenizer.json (whose reader refuses the mark, as tokenizers does). */
 static bool is_json(const char *path) {
-    FILE *f = fopen(path, "rb");
+    FILE *f = NULL;
+    int64_t size;
     int c = ' ';
-    while (f && (c == ' ' || c == '\t' || c == '\n' || c == '\r')) c = fgetc(f);
-    if (f) fclose(f);
-    return c == '{';
+    if (moe_file_open_read(&f, &size, path) != MOE_OK) return false;
+    while (c == ' ' || c == '\t' || c == '\n' || c == '\r') c = fgetc(f);
+    fclose(f);
+    return c == '{' || c == 0xEF;
 }
 
 static moe_status open_llmc(moe_tokenizer *t, const char *path) {

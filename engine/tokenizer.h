@@ -10,7 +10,8 @@
  * the decoder says how a token spells bytes, as transformers' tokenizers
  * decodes it one token at a time: ByteLevel (GPT-2's, Qwen's, Llama 3's)
  * maps each character back to the byte GPT-2's bytes_to_unicode gave it,
- * and keeps one outside that alphabet (in an added token) as it is;
+ * and keeps a token with a character outside that alphabet (an added
+ * token's) as it is, whole;
  * SentencePiece's Metaspace, or a Sequence that replaces U+2581 with a
  * space (Mistral's, Llama 2's), writes that character as a space and,
  * with ByteFallback, a token <0xNN> as that byte (the space a whole

@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "engine/tokenizer.h"
 
@@ -231,11 +232,19 @@ Test(tokenizer_json, malformed_files_are_refused, .init = make_tmpdir, .fini = r
         expect_refused(json_file("bad.json", text), bad[i].want, NULL);
     }
     expect_refused(json_file("cut.json", "{\"model\": {\"vocab\": {\"a\": 0}"), "unexpected end of input", NULL);
+    /* A byte order mark is read as the JSON it begins, and refused there,
+     * as tokenizers refuses it; a FIFO is no regular file (never waited on). */
+    snprintf(text, sizeof text, "\xEF\xBB\xBF{\"model\": {\"vocab\": {\"a\": 0}}, %s}", byte_level);
+    expect_refused(json_file("bom.json", text), "bom.json:1:1", NULL);
+    const char *fifo = in_tmp("fifo");
+    cr_assert_eq(mkfifo(fifo, 0600), 0);
+    expect_refused(fifo, "not a regular file", NULL);
 }
 
 /* Ids the file gives no token print as unknown; an added token's content
  * replaces what the vocabulary spells for its id, and goes through the
- * decoder, as in transformers' tokenizers. */
+ * decoder, as in transformers' tokenizers: a token with a character
+ * outside ByteLevel's alphabet stays as it is. */
 Test(tokenizer_json, holes_and_added_tokens, .init = make_tmpdir, .fini = remove_tmpdir) {
     const char *path = json_file("t.json", "{\"model\": {\"vocab\": {\"\\u0120a\": 0, \"b\": 4}}, "
                                            "\"added_tokens\": [{\"id\": 4, \"content\": \"<|x|>\"}, "
@@ -250,8 +259,20 @@ Test(tokenizer_json, holes_and_added_tokens, .init = make_tmpdir, .fini = remove
     cr_expect_null(moe_tokenizer_bytes(t, 1, &n));
     cr_expect_null(moe_tokenizer_bytes(t, 3, &n));
     b = moe_tokenizer_bytes(t, 2, &n);
-    cr_expect(b && n == 4 && memcmp(b, " \xE6\xBC\xA2", 4) == 0, "id 2: a space and U+6F22 as it is");
+    cr_expect(b && n == 5 && memcmp(b, "\xC4\xA0\xE6\xBC\xA2", 5) == 0,
+              "id 2: with U+6F22, outside the alphabet, the whole token stays as it is, its U+0120 too");
     b = moe_tokenizer_bytes(t, 4, &n);
     cr_expect(b && n == 5 && memcmp(b, "<|x|>", 5) == 0, "id 4: the added token's content");
+    moe_tokenizer_close(t);
+    /* ByteFallback reads hex digits of either case, as tokenizers does. */
+    path = json_file("f.json", "{\"model\": {\"vocab\": {\"<0x6a>\": 0, \"<0x4A>\": 1, \"\\u2581b\": 2}}, "
+                               "\"decoder\": {\"type\": \"Sequence\", \"decoders\": [{\"type\": \"Replace\", "
+                               "\"pattern\": {\"String\": \"\\u2581\"}, \"content\": \" \"}, {\"type\": \"ByteFallback\"}]}}");
+    cr_assert_eq(moe_tokenizer_open(&t, path), MOE_OK, "%s", moe_last_error());
+    const char *want[3] = {"j", "J", " b"};
+    for (int id = 0; id < 3; id++) {
+        b = moe_tokenizer_bytes(t, id, &n);
+        cr_expect(b && n == strlen(want[id]) && memcmp(b, want[id], n) == 0, "id %d", id);
+    }
     moe_tokenizer_close(t);
 }

@@ -18,13 +18,15 @@ def byte_level():
     tok.train_from_iterator(TEXT, trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                                       special_tokens=SPECIALS))
     tok.add_special_tokens([AddedToken("<|pad|>", special=True)])
-    tok.add_tokens(["漢字", "\u0120x"])  # outside the byte alphabet, and in it
+    # Added tokens outside the byte alphabet, in it, and mixing both.
+    tok.add_tokens(["漢字", "\u0120x", "é中", "\u0120日本", "café "])
     decode = {c: b for b, c in bytes_to_unicode().items()}
     ids = {}
     for token, i in tok.get_vocab(with_added_tokens=True).items():
-        ids[i] = b"".join(bytes([decode[c]]) if c in decode else c.encode() for c in token)
+        # A token with a character outside the alphabet stays as it is.
+        ids[i] = bytes(decode[c] for c in token) if all(c in decode for c in token) else token.encode()
         try:  # where the bytes are text, the decoder's own reading agrees
-            assert decoders.ByteLevel().decode([token]) == ids[i].decode()
+            assert decoders.ByteLevel().decode([token]) == ids[i].decode(), token
         except UnicodeDecodeError:
             pass
     return tok, ids
