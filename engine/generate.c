@@ -9,11 +9,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "common/rng.h"
 #include "common/shortest.h"
 #include "common/status.h"
 #include "engine/checkpoint.h"
+#include "engine/json.h"
 #include "engine/run.h"
 #include "engine/synthetic.h"
 #include "engine/tokenizer.h"
@@ -514,6 +516,26 @@ static moe_status read_tokens(int32_t **tokens, int64_t *n, const generation *g,
                      why);
 }
 
+/* A Hugging Face model directory's generation_config.json, when it gives
+ * an eos_token_id (an integer, a list, or null: none), into *eos, and
+ * *source says so; else both stay as they are. */
+static moe_status read_generation_eos(moe_token_ids *eos, moe_stop_source *source, const char *dir) {
+    char path[4096];
+    struct stat sb;
+    if (snprintf(path, sizeof path, "%s/generation_config.json", dir) >= (int)sizeof path || stat(path, &sb) != 0)
+        return MOE_OK;
+    moe_json_doc *doc;
+    moe_status st = moe_json_parse_file(&doc, path, MOE_MODEL_CONFIG_MAX_BYTES);
+    moe_model_config read = {0}; /* its token ids absent, to take the file's */
+    if (st == MOE_OK) {
+        st = moe_model_config_take_token_ids(&read, moe_json_root(doc), path);
+        moe_json_free(doc);
+    }
+    if (st != MOE_OK) return moe_error_prefix(st, "--init-from %s: ", dir);
+    if (read.eos_token_id.form != MOE_TOKEN_ID_ABSENT) *eos = read.eos_token_id, *source = MOE_STOP_GENERATION_CONFIG;
+    return MOE_OK;
+}
+
 /* The checkpoint's config, the token kind, the tokenizer, the prompt and
  * the stop token: everything that can be refused before a model exists. */
 static moe_status read_inputs(generation *g, const moe_generate_options *o, const moe_generate_callbacks *cb) {
@@ -547,11 +569,13 @@ static moe_status read_inputs(generation *g, const moe_generate_options *o, cons
         /* Its end-of-text ends a sample unless --stop (below) names another. */
         if (eot >= 0 && eot < V) g->stops[g->n_stops++] = eot, g->stop_source = MOE_STOP_TOKENIZER;
     }
-    /* Else the config's eos, as transformers' generate stops there. */
-    const moe_token_ids *eos = &g->cfg.eos_token_id;
-    for (int i = 0; g->stop_source == MOE_STOP_NONE && i < eos->n; i++)
-        if (eos->ids[i] >= 0 && eos->ids[i] < V) g->stops[g->n_stops++] = (int32_t)eos->ids[i];
-    if (g->stop_source == MOE_STOP_NONE && g->n_stops > 0) g->stop_source = MOE_STOP_CONFIG;
+    /* Else the checkpoint's eos, as transformers' generate stops there. */
+    moe_token_ids eos = g->cfg.eos_token_id;
+    moe_stop_source source = MOE_STOP_CONFIG;
+    if (g->stop_source == MOE_STOP_NONE) MOE_TRY(read_generation_eos(&eos, &source, o->init_from));
+    for (int i = 0; g->stop_source == MOE_STOP_NONE && i < eos.n; i++)
+        if (eos.ids[i] >= 0 && eos.ids[i] < V) g->stops[g->n_stops++] = (int32_t)eos.ids[i];
+    if (g->stop_source == MOE_STOP_NONE && g->n_stops > 0) g->stop_source = source;
     MOE_TRY(read_tokens(&g->prompt, &g->n_prompt, g, o->prompt, "--prompt"));
     if (g->n_prompt == 0)
         return moe_error(MOE_ERR_CONFIG, "--prompt holds no token, and generation needs one to start from%s",

@@ -65,7 +65,11 @@ typedef enum moe_stop_source {
     MOE_STOP_NONE = 0,
     MOE_STOP_FLAG,      /* options->stop */
     MOE_STOP_TOKENIZER, /* llm.c's tokenizer file's end-of-text */
-    MOE_STOP_CONFIG,    /* the checkpoint's eos_token_id (each id in the vocabulary), as transformers' generate */
+    /* The checkpoint's eos_token_id (each id in the vocabulary), as
+     * transformers' generate has it: its generation_config.json's when that
+     * file gives one (a Hugging Face model's directory), else config.json's. */
+    MOE_STOP_CONFIG,
+    MOE_STOP_GENERATION_CONFIG,
 } moe_stop_source;
 
 /* ------------------------------------------- continuing a checkpoint's prompts */
@@ -90,7 +94,7 @@ typedef struct moe_generate_options {
     int64_t max_new_tokens; /* > 0; fewer when stop comes */
     moe_sampling sampling;
     const char *stop;      /* one token in the prompt's form that ends a sample; NULL: the
-                            * tokenizer's end-of-text, else the config's eos_token_id, else none */
+                            * tokenizer's end-of-text, else the checkpoint's eos_token_id, else none */
     moe_token_kind tokens;
     /* llm.c's tokenizer file (tokenizer.h); NULL: none. With it the prompt
      * and --stop are ids (tokens AUTO or IDS; the file cannot encode text),

@@ -460,6 +460,24 @@ Test(generate_run, the_configs_eos_stops_a_sample, .init = make_tmpdir, .fini = 
     c = run_ok(&o);
     cr_expect_eq(c.summary.stop_source, MOE_STOP_FLAG);
     cr_expect_eq(c.samples[0].n, ids.samples[0].n, "--stop 299 replaced the eos");
+    /* A Hugging Face directory's generation_config.json says first, as
+     * transformers' generate reads it: its eos (the first token drawn),
+     * or null, none; a malformed one is refused, naming it. */
+    o.stop = NULL;
+    char path[1024], text[128];
+    snprintf(path, sizeof path, "%s/generation_config.json", dir);
+    const int n = snprintf(text, sizeof text, "{\"eos_token_id\": %d}", ids.samples[0].tokens[2]);
+    write_bytes(path, text, (size_t)n);
+    c = run_ok(&o);
+    cr_expect(c.summary.stop_source == MOE_STOP_GENERATION_CONFIG && c.summary.n_stops == 1);
+    cr_expect(c.samples[0].n == 3 && c.samples[0].stopped, "%lld tokens", (long long)c.samples[0].n);
+    const char *none = "{\"eos_token_id\": null}", *bad = "{\"eos_token_id\": \"x\"}";
+    write_bytes(path, none, strlen(none));
+    c = run_ok(&o);
+    cr_expect_eq(c.summary.stop_source, MOE_STOP_NONE);
+    cr_expect_eq(c.samples[0].n, ids.samples[0].n);
+    write_bytes(path, bad, strlen(bad));
+    expect_error(&o, "generation_config.json", "eos_token_id");
 }
 
 Test(generate_run, a_tokenizer_refuses_other_token_forms_and_bad_files, .init = make_tmpdir,

@@ -56,7 +56,8 @@ static void print_help(void) {
            "                       tie to their last bits, which a step's row count can tip (default %llu)\n"
            "  --stop TEXT          one token, in the --tokens form, that ends a sample (e.g. ';');\n"
            "                       default: llm.c --tokenizer's end-of-text, else the checkpoint's\n"
-           "                       eos_token_id (any of a list), as transformers' generate, else none\n\n",
+           "                       eos_token_id (any of a list; generation_config.json's, else\n"
+           "                       config.json's), as transformers' generate, else none\n\n",
            (long long)d.samples, (long long)d.max_new_tokens, d.sampling.temperature,
            (long long)d.sampling.top_k, d.sampling.top_p, (unsigned long long)d.sampling.seed);
     printf("Performance:\n"
@@ -108,9 +109,11 @@ static void on_start(void *ctx, const moe_generate_summary *s) {
     } else {
         printf(" (--tokens)");
     }
-    for (int i = 0; s->stop_source == MOE_STOP_CONFIG && i < s->n_stops; i++)
-        printf("%s%d", i ? " or " : " | config.json's eos ", (int)s->stops[i]);
-    if (s->stop_source == MOE_STOP_CONFIG) printf(" ends a sample");
+    const bool eos = s->stop_source == MOE_STOP_CONFIG || s->stop_source == MOE_STOP_GENERATION_CONFIG;
+    for (int i = 0; eos && i < s->n_stops; i++)
+        printf("%s%d", i ? " or " : s->stop_source == MOE_STOP_CONFIG ? " | config.json's eos " : " | generation_config.json's eos ",
+               (int)s->stops[i]);
+    if (eos) printf(" ends a sample");
     printf("\n");
 }
 

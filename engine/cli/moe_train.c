@@ -395,9 +395,9 @@ static void on_start(void *ctx, const moe_run_summary *s) {
                      (long long)c->moe_n_group);
     if (c->moe_routed_scaling_factor != 1.0)
         snprintf(groups + n, sizeof groups - (size_t)n, " weighted x%g", c->moe_routed_scaling_factor);
-    printf("model    d_model %lld, %lld layers, %lld heads (%lld KV%s), %lld experts of width %lld, top-%lld%s, "
+    printf("model    %s: d_model %lld, %lld layers, %lld heads (%lld KV%s), %lld experts of width %lld, top-%lld%s, "
            "vocab %lld\n",
-           (long long)c->hidden_size, (long long)c->num_hidden_layers, (long long)c->num_attention_heads,
+           moe_model_config_model_type(c), (long long)c->hidden_size, (long long)c->num_hidden_layers, (long long)c->num_attention_heads,
            (long long)c->num_key_value_heads, c->moe_qk_norm == MOE_QK_NORM_PER_HEAD       ? ", q and k normalised per head"
            : c->moe_qk_norm == MOE_QK_NORM_ACROSS_HEADS ? ", q and k normalised across heads"
                                                         : "",
