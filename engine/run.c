@@ -30,6 +30,7 @@
 #include "engine/fileio.h"
 #include "engine/grid.h"
 #include "engine/json.h"
+#include "engine/mc_eval.h"
 #include "engine/model.h"
 
 #define RUN_PATH_BYTES 4096
@@ -229,6 +230,7 @@ moe_status moe_run_options_validate(const moe_run_options *o) {
     if (!o) return moe_error(MOE_ERR_INVALID_ARG, "moe_run_options_validate: NULL options");
     if (empty(o->data)) return moe_error(MOE_ERR_CONFIG, "--data must not be empty");
     if (o->val_data && o->val_data[0] == '\0') return moe_error(MOE_ERR_CONFIG, "--val-data must not be empty");
+    if (o->eval_mc && o->eval_mc[0] == '\0') return moe_error(MOE_ERR_CONFIG, "--eval-mc must not be empty");
     if (o->val_tokens < 0)
         return moe_error(MOE_ERR_CONFIG, "--val-tokens %lld must not be negative", (long long)o->val_tokens);
     if (o->val_tokens > 0 && o->val_data)
@@ -282,6 +284,9 @@ moe_status moe_run_options_validate(const moe_run_options *o) {
         return moe_error(MOE_ERR_CONFIG, "--max-time %g must be a number of seconds (0: none)", o->max_time);
     if (o->max_time > 0.0 && o->eval_only)
         return moe_error(MOE_ERR_CONFIG, "--max-time stops a training run, and --eval-only trains none");
+    if (o->eval_mc && o->pp > 1)
+        return moe_error(MOE_ERR_CONFIG, "--eval-mc scores on one pipeline stage, and --pp %d splits the model",
+                         o->pp);
     if (o->eval_only && !o->init_from)
         return moe_error(MOE_ERR_CONFIG, "--eval-only needs --init-from DIR: the weights to evaluate");
     if (o->upcycle && (!o->init_from || !o->config))
@@ -465,6 +470,7 @@ typedef struct run {
     const moe_run_callbacks *cb;
     moe_model_config cfg;
     run_source train, val;
+    moe_mc_eval *mc;       /* --eval-mc's examples; NULL: none */
     moe_synth_floor floor; /* of the validation targets, when synthetic */
     double entropy_floor;  /* floor.nats or NAN */
     moe_comm *world;       /* every rank; NULL on one process */
@@ -1030,6 +1036,10 @@ static moe_status open_data(run *r) {
         const moe_status st = scan_validation(r);
         if (st != MOE_OK) return moe_error_prefix(st, "%s: ", val_flag);
     }
+    if (o->eval_mc) {
+        const moe_status st = moe_mc_eval_open(&r->mc, o->eval_mc, r->cfg.vocab_size, o->seq_len, o->batch_size);
+        if (st != MOE_OK) return moe_error_prefix(st, "--eval-mc: ");
+    }
     if (!o->eval_only && !o->val_data && !o->val_tokens && !is_synthetic(o->data))
         warn(r->cb, "no --val-data: evaluating on --data %s from its start, which the model also trains on "
                     "(--val-tokens N holds out its last N tokens instead)", o->data);
@@ -1186,9 +1196,10 @@ static moe_status build_model(run *r) {
          * absolute name of one agree; the data by the names given. Ranks
          * that loaded other weights would train a mixture. */
         char resume[PATH_MAX], init_from[PATH_MAX], out[PATH_MAX];
-        const char *const names[] = {"--resume", "--init-from", "--out", "--data", "--val-data"};
+        const char *const names[] = {"--resume", "--init-from", "--out", "--data", "--val-data", "--eval-mc"};
         const char *const texts[] = {absolute_name(resume, o->resume), absolute_name(init_from, o->init_from),
-                                     absolute_name(out, o->out_dir), o->data, o->val_data ? o->val_data : ""};
+                                     absolute_name(out, o->out_dir), o->data, o->val_data ? o->val_data : "",
+                                     o->eval_mc ? o->eval_mc : ""};
         MOE_TRY(moe_grid_agree(r->world, NULL, 0));
         MOE_TRY(moe_grid_agree_texts(r->world, names, texts, (int)(sizeof names / sizeof names[0])));
         moe_agree_field fields[MOE_CONFIG_AGREE_FIELDS + sizeof options / sizeof options[0]];
@@ -1287,6 +1298,7 @@ static void write_options(moe_json_writer *w, const moe_run_options *o) {
     moe_json_bool(w, o->upcycle);
     json_opt_string(w, "data", o->data);
     json_opt_string(w, "val_data", o->val_data);
+    json_opt_string(w, "eval_mc", o->eval_mc);
     moe_json_key(w, "val_tokens");
     moe_json_int(w, o->val_tokens);
     moe_json_key(w, "shuffle");
@@ -1611,6 +1623,14 @@ static moe_status log_eval(run *r, const moe_run_eval *e) {
         moe_json_key(&w, "entropy_floor");
         moe_json_number(&w, e->entropy_floor);
     }
+    if (e->mc_examples) {
+        moe_json_key(&w, "mc_correct");
+        moe_json_int(&w, e->mc_correct);
+        moe_json_key(&w, "mc_examples");
+        moe_json_int(&w, e->mc_examples);
+        moe_json_key(&w, "mc_accuracy");
+        moe_json_number(&w, (double)e->mc_correct / (double)e->mc_examples);
+    }
     moe_json_end_object(&w);
     return append_metrics(r, &w);
 }
@@ -1754,6 +1774,27 @@ static moe_status blame_loaded_weights(const run *r, moe_status st, bool first) 
                             flag, weights);
 }
 
+/* --eval-mc's examples, split over the ranks as llm.c splits them (a
+ * share each, ceil(count / ranks)); every rank runs as many forwards as
+ * the busiest (an expert-parallel group exchanges in each). */
+static moe_status score_mc(run *r, moe_run_eval *e) {
+    const int64_t n = moe_mc_eval_count(r->mc), share = (n + r->ranks - 1) / r->ranks, B = r->o->batch_size;
+    int64_t batches = 0;
+    for (int rank = 0; rank < r->ranks; rank++) {
+        const int64_t first = rank * share < n ? rank * share : n, end = first + share < n ? first + share : n;
+        const int64_t b = moe_mc_eval_batches(r->mc, first, end, B);
+        batches = b > batches ? b : batches;
+    }
+    const int64_t first = r->rank * share < n ? r->rank * share : n, end = first + share < n ? first + share : n;
+    int64_t correct = 0;
+    moe_status st = moe_mc_eval_run(r->mc, r->model, first, end, batches, &correct);
+    if (st == MOE_OK && r->world) st = moe_comm_allreduce_sum(r->world, &correct, 1, MOE_COMM_I64);
+    if (st != MOE_OK) return moe_error_prefix(st, "--eval-mc %s: ", r->o->eval_mc);
+    e->mc_examples = n;
+    e->mc_correct = correct;
+    return MOE_OK;
+}
+
 static moe_status evaluate(run *r, int64_t step, double *val_loss) {
     const bool synthetic = r->val.synth.tokens != NULL;
     if (synthetic) {
@@ -1769,7 +1810,8 @@ static moe_status evaluate(run *r, int64_t step, double *val_loss) {
         return moe_error(MOE_ERR_CONFIG, "step %lld: validation loss is %g (the loss diverged; lower --lr)",
                          (long long)step, *val_loss);
     if (synthetic) MOE_TRY(finish_kinds(r));
-    const moe_run_eval e = {.step = step, .val_loss = *val_loss, .entropy_floor = r->entropy_floor};
+    moe_run_eval e = {.step = step, .val_loss = *val_loss, .entropy_floor = r->entropy_floor};
+    if (r->mc) MOE_TRY(score_mc(r, &e));
     if (r->metrics_path[0]) MOE_TRY(log_eval(r, &e));
     if (r->cb->on_eval) r->cb->on_eval(r->cb->ctx, &e);
     return MOE_OK;
@@ -2579,6 +2621,7 @@ moe_status moe_run(const moe_run_options *given, const moe_run_callbacks *callba
     moe_device_close(&r.device);
     close_source(&r.train);
     close_source(&r.val);
+    moe_mc_eval_close(r.mc);
     if (r.lock_fd >= 0) close(r.lock_fd); /* the lock goes last, once nothing more is written */
     if (r.world) {
         moe_grid_destroy(&r.grid);

@@ -87,6 +87,8 @@ typedef struct moe_run_options {
     const char *val_data;  /* --val-data; NULL: see the top of this file */
     int64_t val_tokens;    /* --val-tokens N: without val_data, --data's last N tokens validate and
                               do not train; 0: none held out */
+    const char *eval_mc;   /* --eval-mc FILE: llm.c's multiple-choice eval file (mc_eval.h), scored
+                              at every evaluation; NULL: none */
     bool shuffle;          /* --shuffle the training batches (seeded by --seed) */
     int64_t batch_size;    /* --batch-size B, sequences per micro-batch */
     int64_t seq_len;       /* --seq-len T */
@@ -218,6 +220,8 @@ typedef struct moe_run_eval {
     int64_t step;
     double val_loss;
     double entropy_floor; /* NAN unless the validation data is synthetic */
+    /* --eval-mc: the examples scored and those chosen right (0 and 0 without it) */
+    int64_t mc_examples, mc_correct;
 } moe_run_eval;
 
 /* Per kind of the synthetic corpus, over the validation targets of the last

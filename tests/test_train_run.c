@@ -104,6 +104,7 @@ typedef struct seen {
     double routing_sum_err; /* worst |row sum - 1| of the routing tables */
     double routing_uniform_err; /* worst |share - 1/n_experts| of the routing tables */
     int64_t uniform_worst[3];   /* where: layer, kind, expert */
+    int64_t mc_examples, mc_correct; /* the last evaluation's --eval-mc */
 } seen;
 
 static void on_start(void *ctx, const moe_run_summary *s) {
@@ -133,6 +134,8 @@ static void on_eval(void *ctx, const moe_run_eval *e) {
     if (v->evals++ == 0) v->first_val = e->val_loss;
     v->last_val = e->val_loss;
     v->saved_at_last_eval = v->saved_step;
+    v->mc_examples = e->mc_examples;
+    v->mc_correct = e->mc_correct;
 }
 
 static void on_checkpoint(void *ctx, int64_t step, const char *path) {
@@ -996,6 +999,48 @@ Test(train_run, an_unread_tail_is_warned_about, .init = make_tmp, .fini = remove
         else
             cr_expect(!said, "257 tokens, two whole batches: '%s'", v.warning);
     }
+}
+
+/* --eval-mc scores llm.c's multiple-choice file at every evaluation, all
+ * of its examples, and logs the count beside val_loss. */
+Test(train_run, eval_mc_is_scored_and_logged, .init = make_tmp, .fini = remove_tmp) {
+    enum { N = 9 };
+    /* Each example a context of 3 tokens and completions of 1 and 2. */
+    unsigned char buf[1024 + N * 2 * 14] = {0};
+    const int32_t header[4] = {20240522, 1, N, 2 * 14};
+    for (int i = 0; i < 4; i++)
+        for (int k = 0; k < 4; k++) buf[4 * i + k] = (unsigned char)((uint32_t)header[i] >> (8 * k));
+    for (int e = 0; e < N; e++) {
+        const uint16_t words[14] = {65535, 28, (uint16_t)e, (uint16_t)(e % 2), 2, 3, (uint16_t)(e + 1), 7, 8, 1,
+                                    (uint16_t)(e + 10), 2, 5, 6};
+        for (int w = 0; w < 14; w++) {
+            buf[1024 + e * 28 + 2 * w] = (unsigned char)words[w];
+            buf[1024 + e * 28 + 2 * w + 1] = (unsigned char)(words[w] >> 8);
+        }
+    }
+    char cfg[512], out[512], mc[512], path[600];
+    cr_assert_eq(moe_file_write_atomic_buffer(tmp_path(mc, "mc.bin"), buf, sizeof buf), MOE_OK, "%s",
+                 moe_last_error());
+    moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE), tmp_path(out, "out"));
+    o.steps = 2;
+    o.eval_mc = mc;
+    seen v;
+    run_ok(&o, &v);
+    cr_expect_eq(v.mc_examples, N);
+    cr_expect(v.mc_correct >= 0 && v.mc_correct <= N, "%lld right", (long long)v.mc_correct);
+    snprintf(path, sizeof path, "%s/metrics.jsonl", out);
+    size_t size;
+    char *log = read_file(path, &size);
+    cr_expect(strstr(log, "\"mc_examples\":9"), "%s", log);
+    free(log);
+    /* A token outside the model's vocabulary is refused before any step. */
+    buf[1024 + 2 * 6] = 200;
+    cr_assert_eq(moe_file_write_atomic_buffer(mc, buf, sizeof buf), MOE_OK, "%s", moe_last_error());
+    o.overwrite = true;
+    moe_run_callbacks cb = callbacks(&v);
+    cr_expect_eq(moe_run(&o, &cb), MOE_ERR_FORMAT);
+    cr_expect(strstr(moe_last_error(), "--eval-mc: ") && strstr(moe_last_error(), "example 0 holds token 200"), "%s",
+              moe_last_error());
 }
 
 /* A token shard named without .bin is read at byte level (its header
@@ -2025,6 +2070,12 @@ static void negative_keep_last(moe_run_options *o) { o->keep_last = -1; }
 static void nan_logit_z(moe_run_options *o) { o->logit_z_loss = NAN; }
 static void min_lr_constant(moe_run_options *o) { o->lr_schedule = MOE_LR_CONSTANT; }
 static void upcycle_alone(moe_run_options *o) { o->upcycle = true; }
+static void eval_mc_empty(moe_run_options *o) { o->eval_mc = ""; }
+static void eval_mc_pipeline(moe_run_options *o) {
+    o->eval_mc = "hellaswag_val.bin";
+    o->pp = 2;
+    o->grad_accum = 4;
+}
 static void negative_max_time(moe_run_options *o) { o->max_time = -1.0; }
 static void max_time_eval_only(moe_run_options *o) {
     eval_only_of(o);
@@ -2116,6 +2167,7 @@ Test(train_run, bad_options_name_the_flag) {
         {"--val-data", val_tokens_and_data}, {"synthetic", val_tokens_synthetic},
         {"--steps", huge_steps},          {"--batch-size", huge_batch},
         {"--grad-accum", huge_accum},     {"--eval-batches", huge_eval_batches},
+        {"--eval-mc", eval_mc_empty},     {"--eval-mc", eval_mc_pipeline},
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         moe_run_options o = tiny_options("tiny.json", "/nonexistent/out");

@@ -61,6 +61,9 @@ static void print_help(void) {
            "                       stream; for file data, --data itself read from its start)\n"
            "  --val-tokens N       validate on --data's last N tokens, which training then never\n"
            "                       reads (a held-out split of file data; default 0: none)\n"
+           "  --eval-mc FILE       at every evaluation, score llm.c's multiple-choice eval file\n"
+           "                       (hellaswag_val.bin, MMLU): each example's completion of least\n"
+           "                       mean loss is its choice (acc_norm); one pipeline stage\n"
            "  --batch-size B       sequences per micro-batch (default %lld)\n"
            "  --seq-len T          tokens per sequence (default %lld)\n"
            "  --shuffle            read training batches in a seeded random order (default: in order)\n\n",
@@ -183,6 +186,7 @@ static const cli_flag flags[] = {
     {"--upcycle", CLI_SWITCH, OPT(upcycle), NULL},
     {"--data", CLI_STRING, OPT(data), NULL},             {"--val-data", CLI_STRING, OPT(val_data), NULL},
     {"--val-tokens", CLI_INT, OPT(val_tokens), NULL},
+    {"--eval-mc", CLI_STRING, OPT(eval_mc), NULL},
     {"--batch-size", CLI_INT, OPT(batch_size), NULL},    {"--seq-len", CLI_INT, OPT(seq_len), NULL},
     {"--steps", CLI_INT, OPT(steps), NULL},              {"--lr", CLI_REAL, OPT(lr), NULL},
     {"--min-lr", CLI_REAL, OPT(min_lr), NULL},           {"--warmup", CLI_INT, OPT(warmup), NULL},
@@ -480,12 +484,20 @@ static void on_eval(void *ctx, const moe_run_eval *e) {
     printer *p = ctx;
     if (p->quiet) return;
     clear_bar(p);
-    if (p->eval_only) return; /* the result line comes last, from on_end */
+    char mc[96] = "";
+    if (e->mc_examples)
+        snprintf(mc, sizeof mc, "mc %lld/%lld = %.4f", (long long)e->mc_correct, (long long)e->mc_examples,
+                 (double)e->mc_correct / (double)e->mc_examples);
+    /* The result line comes last, from on_end. */
+    if (p->eval_only) {
+        if (mc[0]) printf("%s\n", mc);
+        return;
+    }
     if (isnan(e->entropy_floor))
-        printf("eval step %lld | val_loss %.4f\n", (long long)e->step, e->val_loss);
+        printf("eval step %lld | val_loss %.4f%s%s\n", (long long)e->step, e->val_loss, mc[0] ? " | " : "", mc);
     else
-        printf("eval step %lld | val_loss %.4f | floor %.4f | ratio %.3f\n", (long long)e->step, e->val_loss,
-               e->entropy_floor, e->val_loss / e->entropy_floor);
+        printf("eval step %lld | val_loss %.4f | floor %.4f | ratio %.3f%s%s\n", (long long)e->step, e->val_loss,
+               e->entropy_floor, e->val_loss / e->entropy_floor, mc[0] ? " | " : "", mc);
 }
 
 static void on_checkpoint(void *ctx, int64_t step, const char *path) {
