@@ -276,6 +276,28 @@ static moe_status write_state(const char *path, moe_model *model, const float *m
  * returns. The train state records config.json's checksum, as the
  * safetensors files record their own: of the config as written, so that
  * a file laid out anew (another indent, keys reordered) still matches. */
+/* The largest tokenizer or generation file a checkpoint copies. */
+#define COMPANION_MAX_BYTES ((size_t)256 << 20)
+
+/* The companion files that from holds, copied into dir (a checkpoint's
+ * temporary directory, renamed whole once written). */
+static moe_status copy_companions(const char *dir, const char *from) {
+    static const char *const names[] = MOE_CHECKPOINT_COMPANIONS;
+    for (size_t i = 0; from && i < sizeof names / sizeof *names; i++) {
+        char src[PATH_BYTES], dst[PATH_BYTES];
+        MOE_TRY(path_join(src, from, names[i]));
+        MOE_TRY(path_join(dst, dir, names[i]));
+        if (!exists(src)) continue;
+        char *data;
+        size_t size;
+        MOE_TRY(moe_file_read_all(&data, &size, src, COMPANION_MAX_BYTES));
+        const moe_status st = moe_file_write_atomic_buffer(dst, data, size);
+        free(data);
+        MOE_TRY(st);
+    }
+    return MOE_OK;
+}
+
 static moe_status write_files(const char *dir, moe_model *model, const float *m, const float *v,
                               const moe_train_state *s) {
     char path[PATH_BYTES];
@@ -286,7 +308,8 @@ static moe_status write_files(const char *dir, moe_model *model, const float *m,
     uint32_t crc;
     MOE_TRY(moe_model_config_crc32c(moe_model_get_config(model), &crc));
     MOE_TRY(path_join(path, dir, STATE_FILE));
-    return write_state(path, model, m, v, s, crc);
+    MOE_TRY(write_state(path, model, m, v, s, crc));
+    return copy_companions(dir, s->files_from);
 }
 
 /* Names with our pid can only be left over by a dead process that had the

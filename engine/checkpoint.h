@@ -71,7 +71,17 @@ typedef struct moe_train_state {
     /* The seconds of a layer and of the head that --pp-balance measured
      * cut the pipeline by, so that a resume cuts alike; 0: none measured. */
     double pipe_layer_seconds, pipe_head_seconds;
+    /* Saving only: a directory (the Hugging Face model or checkpoint the
+     * run started from) whose tokenizer and generation files
+     * (MOE_CHECKPOINT_COMPANIONS) the checkpoint copies, each that it has,
+     * so that it reads as that model with its tokenizer; NULL: none. */
+    const char *files_from;
 } moe_train_state;
+
+/* The files moe_train_state.files_from gives a checkpoint. */
+#define MOE_CHECKPOINT_COMPANIONS                                                                                      \
+    {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",                  \
+     "tokenizer.model", "vocab.json", "merges.txt"}
 
 /* The step a checkpoint's directory name says ("step-" and six or more
  * digits), or -1 when name is no checkpoint's. */

@@ -480,6 +480,7 @@ typedef struct generation {
     moe_model_config cfg;
     moe_token_kind kind;
     moe_tokenizer *tokenizer; /* NULL: none */
+    char tokenizer_path[4096]; /* its file: --tokenizer, or the checkpoint's tokenizer.json; "" */
     int32_t *prompt; /* [n_prompt] */
     int64_t n_prompt;
     int32_t stops[MOE_TOKEN_IDS_MAX]; /* [n_stops] the ids that end a sample */
@@ -545,8 +546,18 @@ static moe_status read_inputs(generation *g, const moe_generate_options *o, cons
     g->n_stops = 0; /* none, unless --stop, the tokenizer's end-of-text or the config's eos */
     /* The tokenizer cannot encode text: with it, prompts are ids. */
     MOE_TRY(choose_tokens(&g->kind, o->tokenizer ? MOE_TOKENS_IDS : o->tokens, V));
+    /* Without --tokenizer, a checkpoint's own tokenizer.json (a Hugging
+     * Face model's, or one a run started from it kept) prints ids as text. */
+    g->tokenizer_path[0] = '\0';
     if (o->tokenizer) {
-        st = moe_tokenizer_open(&g->tokenizer, o->tokenizer);
+        snprintf(g->tokenizer_path, sizeof g->tokenizer_path, "%s", o->tokenizer);
+    } else if (g->kind == MOE_TOKENS_IDS) {
+        struct stat sb;
+        const int n = snprintf(g->tokenizer_path, sizeof g->tokenizer_path, "%s/tokenizer.json", o->init_from);
+        if (n < 0 || n >= (int)sizeof g->tokenizer_path || stat(g->tokenizer_path, &sb) != 0) g->tokenizer_path[0] = '\0';
+    }
+    if (g->tokenizer_path[0]) {
+        st = moe_tokenizer_open(&g->tokenizer, g->tokenizer_path);
         if (st != MOE_OK) return moe_error_prefix(st, "--tokenizer: ");
         char warning[256];
         const int64_t count = moe_tokenizer_count(g->tokenizer);
@@ -556,14 +567,14 @@ static moe_status read_inputs(generation *g, const moe_generate_options *o, cons
             snprintf(warning, sizeof warning,
                      "--tokenizer %s holds %lld tokens, more than the model's vocabulary of %lld: another "
                      "model's tokenizer?",
-                     o->tokenizer, (long long)count, (long long)V);
+                     g->tokenizer_path, (long long)count, (long long)V);
             cb->on_warning(cb->ctx, warning);
         }
         if (eot >= V && !o->stop && cb->on_warning) {
             snprintf(warning, sizeof warning,
                      "--tokenizer %s: its end-of-text %d lies outside the model's vocabulary of %lld, so no "
                      "sample ends on it",
-                     o->tokenizer, (int)eot, (long long)V);
+                     g->tokenizer_path, (int)eot, (long long)V);
             cb->on_warning(cb->ctx, warning);
         }
         /* Its end-of-text ends a sample unless --stop (below) names another. */
@@ -645,7 +656,7 @@ static moe_status generate_body(generation *g, const moe_generate_options *o, co
         .threads = omp_get_max_threads(),
         .tokens = g->kind,
         .tokens_from_vocab = o->tokens == MOE_TOKENS_AUTO && !g->tokenizer,
-        .tokenizer = o->tokenizer,
+        .tokenizer = o->tokenizer ? o->tokenizer : g->tokenizer_path[0] ? g->tokenizer_path : NULL,
         .tokenizer_tokens = g->tokenizer ? moe_tokenizer_count(g->tokenizer) : 0,
         .stops = g->stops,
         .n_stops = g->n_stops,

@@ -96,8 +96,10 @@ typedef struct moe_generate_options {
     const char *stop;      /* one token in the prompt's form that ends a sample; NULL: the
                             * tokenizer's end-of-text, else the checkpoint's eos_token_id, else none */
     moe_token_kind tokens;
-    /* llm.c's tokenizer file (tokenizer.h); NULL: none. With it the prompt
-     * and --stop are ids (tokens AUTO or IDS; the file cannot encode text),
+    /* llm.c's tokenizer file or a tokenizer.json (tokenizer.h); NULL: the
+     * checkpoint's tokenizer.json when it has one and the prompt is ids,
+     * else none. With it the prompt and --stop are ids (tokens AUTO or
+     * IDS; it encodes no text),
      * the samples are printed as their bytes, escaped as MOE_TOKENS_BYTES
      * prints them, an id the file does not know (a vocabulary padded past
      * the tokenizer's, 50304 against GPT-2's 50257) as "\<id 50300>"
@@ -126,7 +128,8 @@ typedef struct moe_generate_summary {
     int threads;
     moe_token_kind tokens;         /* never AUTO */
     bool tokens_from_vocab;        /* AUTO chose it from config->vocab_size (not for a tokenizer) */
-    const char *tokenizer;         /* options->tokenizer */
+    const char *tokenizer;         /* options->tokenizer, else the checkpoint's tokenizer.json it
+                                    * prints with (ids only); NULL: none */
     int64_t tokenizer_tokens;      /* the ids it knows */
     const int32_t *stops;          /* [n_stops] the ids that end a sample */
     int n_stops;

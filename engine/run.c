@@ -1844,6 +1844,7 @@ static moe_status save_checkpoint(run *r) {
         .data_shuffle_seed = r->shuffle_seed,
     };
     snprintf(state.data_kind, sizeof state.data_kind, "%s", data_kind(r->o->data));
+    state.files_from = r->o->resume ? r->o->resume : r->o->init_from;
     if (r->o->pp_balance == MOE_PP_BALANCE_MEASURED) {
         state.pipe_layer_seconds = r->stage_costs.layer;
         state.pipe_head_seconds = r->stage_costs.head;

@@ -556,6 +556,35 @@ Test(checkpoint, qwen3_moe_files_use_its_names, .init = make_tmpdir, .fini = rem
     free_run(&b);
 }
 
+/* A checkpoint of a run started from a Hugging Face directory keeps the
+ * tokenizer and generation files that directory has, byte for byte, so
+ * that it reads as that model with its tokenizer; the others are not
+ * made up, and a save from nowhere copies none. */
+Test(checkpoint, companions_are_copied, .init = make_tmpdir, .fini = remove_tmpdir) {
+    run a = make_run(1, 0, 0);
+    moe_train_state s = scramble(&a, 3, 3);
+    const char *from = fresh_dir("hf");
+    const char tok[] = "{\"model\": {\"vocab\": {\"a\": 0}}, \"decoder\": {\"type\": \"ByteLevel\"}}";
+    const char gen[] = "{\"eos_token_id\": [1, 2]}";
+    write_bytes(in_dir(from, "tokenizer.json"), tok, sizeof tok - 1);
+    write_bytes(in_dir(from, "generation_config.json"), gen, sizeof gen - 1);
+    s.files_from = from;
+    char path[512];
+    save(path, sizeof path, in_tmp("out"), &a, &s);
+    size_t n;
+    unsigned char *got = read_bytes(in_dir(path, "tokenizer.json"), &n);
+    cr_expect(n == sizeof tok - 1 && memcmp(got, tok, n) == 0, "tokenizer.json is not the source's");
+    free(got);
+    got = read_bytes(in_dir(path, "generation_config.json"), &n);
+    cr_expect(n == sizeof gen - 1 && memcmp(got, gen, n) == 0, "generation_config.json is not the source's");
+    free(got);
+    cr_expect_neq(access(in_dir(path, "tokenizer_config.json"), F_OK), 0, "a file the source lacks was made");
+    s = scramble(&a, 4, 4);
+    save(path, sizeof path, in_tmp("out"), &a, &s);
+    cr_expect_neq(access(in_dir(path, "tokenizer.json"), F_OK), 0, "a save from no directory copied one");
+    free_run(&a);
+}
+
 /* A tied model's head is its embedding: saved once, as transformers saves
  * it. A file that also holds lm_head.weight loads when it is the
  * embedding's copy and is refused when it differs (an untied model's);

@@ -102,6 +102,7 @@ typedef struct collected {
     char warnings[1024]; /* every warning, one per line */
     moe_generate_summary summary; /* its pointers are dead after the run */
     int32_t stops[MOE_TOKEN_IDS_MAX]; /* summary.stops, copied */
+    char tokenizer[1024];             /* summary.tokenizer, copied; "" for NULL */
     int64_t count;
     got_sample samples[MAX_SAMPLES];
 } collected;
@@ -112,6 +113,7 @@ static void on_start(void *ctx, const moe_generate_summary *s) {
     c->summary = *s;
     cr_assert_leq(s->n_stops, MOE_TOKEN_IDS_MAX);
     memcpy(c->stops, s->stops, (size_t)s->n_stops * sizeof *s->stops);
+    snprintf(c->tokenizer, sizeof c->tokenizer, "%s", s->tokenizer ? s->tokenizer : "");
 }
 
 static void on_sample(void *ctx, const moe_generate_sample *s) {
@@ -365,7 +367,7 @@ Test(generate_run, a_tokenizer_prints_the_ids_as_text, .init = make_tmpdir, .fin
     const collected text = run_ok(&o);
     cr_expect_eq(text.summary.tokens, MOE_TOKENS_IDS);
     cr_expect_not(text.summary.tokens_from_vocab, "the tokenizer chose ids, not the vocabulary");
-    cr_expect_str_eq(text.summary.tokenizer, in_tmp("tok.bin"));
+    cr_expect_str_eq(text.tokenizer, in_tmp("tok.bin"));
     cr_expect_eq(text.summary.tokenizer_tokens, 260);
     cr_expect(text.summary.stop_source == MOE_STOP_TOKENIZER && text.summary.n_stops == 1);
     cr_expect_str_eq(text.warnings, "", "a tokenizer smaller than the vocabulary is a padded one");
@@ -478,6 +480,36 @@ Test(generate_run, the_configs_eos_stops_a_sample, .init = make_tmpdir, .fini = 
     cr_expect_eq(c.samples[0].n, ids.samples[0].n);
     write_bytes(path, bad, strlen(bad));
     expect_error(&o, "generation_config.json", "eos_token_id");
+}
+
+/* A checkpoint with its own tokenizer.json (a Hugging Face model's, or
+ * one a run from it kept) prints ids through it without --tokenizer; a
+ * vocabulary of synthetic tokens or bytes keeps its own form. */
+Test(generate_run, a_checkpoints_tokenizer_json_prints_its_samples, .init = make_tmpdir, .fini = remove_tmpdir) {
+    const moe_model_config cfg = tiny_config(300, 4096);
+    char dir[768], path[1024];
+    free(save_checkpoint(dir, &cfg, in_tmp("out"), 15));
+    moe_generate_options o = options(dir, "5,6");
+    o.max_new_tokens = 4;
+    const collected ids = run_ok(&o);
+    cr_expect_str_eq(ids.tokenizer, "");
+    /* Every id a one-letter token: "a" + id % 26, so that the text is the ids'. */
+    char json[16384];
+    int n = snprintf(json, sizeof json, "{\"model\": {\"vocab\": {");
+    for (int id = 0; id < 300; id++)
+        n += snprintf(json + n, sizeof json - (size_t)n, "%s\"%c%d\": %d", id ? ", " : "", 'a' + id % 26, id / 26, id);
+    snprintf(json + n, sizeof json - (size_t)n, "}}, \"decoder\": {\"type\": \"ByteLevel\"}}");
+    snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+    write_bytes(path, json, strlen(json));
+    const collected text = run_ok(&o);
+    cr_expect_str_eq(text.tokenizer, path);
+    cr_expect_eq(text.samples[0].n, ids.samples[0].n);
+    char want[64] = "";
+    for (int64_t p = 2; p < text.samples[0].n; p++) {
+        const int32_t id = ids.samples[0].tokens[p];
+        snprintf(want + strlen(want), sizeof want - strlen(want), "%c%d", 'a' + id % 26, id / 26);
+    }
+    cr_expect_str_eq(text.samples[0].new_text, want);
 }
 
 Test(generate_run, a_tokenizer_refuses_other_token_forms_and_bad_files, .init = make_tmpdir,

@@ -41,7 +41,8 @@ static void print_help(void) {
            "                       the bytes form's escapes; an id the file does not know prints as\n"
            "                       \\<id N>. llm.c's end-of-text token (version 2's; GPT-2's 50256 in\n"
            "                       a version-1 file) ends a sample unless --stop names another. Not\n"
-           "                       with --tokens synthetic or bytes\n\n",
+           "                       with --tokens synthetic or bytes. Default: --init-from's\n"
+           "                       tokenizer.json when it has one and the prompt is ids\n\n",
            MOE_SYNTH_VOCAB_SIZE);
     printf("Generation:\n"
            "  --samples N          continuations of the prompt, generated together (default %lld)\n"
