@@ -517,9 +517,10 @@ static moe_status read_tokens(int32_t **tokens, int64_t *n, const generation *g,
                      why);
 }
 
-/* A Hugging Face model directory's generation_config.json, when it gives
- * an eos_token_id (an integer, a list, or null: none), into *eos, and
- * *source says so; else both stay as they are. */
+/* A Hugging Face model directory's generation_config.json, when it has
+ * one, gives the eos (an integer, a list; null or no key: none, as
+ * transformers reads it) into *eos, and *source says so; else both stay
+ * as they are. */
 static moe_status read_generation_eos(moe_token_ids *eos, moe_stop_source *source, const char *dir) {
     char path[4096];
     struct stat sb;
@@ -533,7 +534,8 @@ static moe_status read_generation_eos(moe_token_ids *eos, moe_stop_source *sourc
         moe_json_free(doc);
     }
     if (st != MOE_OK) return moe_error_prefix(st, "--init-from %s: ", dir);
-    if (read.eos_token_id.form != MOE_TOKEN_ID_ABSENT) *eos = read.eos_token_id, *source = MOE_STOP_GENERATION_CONFIG;
+    *eos = read.eos_token_id;
+    *source = MOE_STOP_GENERATION_CONFIG;
     return MOE_OK;
 }
 
@@ -583,7 +585,7 @@ static moe_status read_inputs(generation *g, const moe_generate_options *o, cons
     /* Else the checkpoint's eos, as transformers' generate stops there. */
     moe_token_ids eos = g->cfg.eos_token_id;
     moe_stop_source source = MOE_STOP_CONFIG;
-    if (g->stop_source == MOE_STOP_NONE) MOE_TRY(read_generation_eos(&eos, &source, o->init_from));
+    if (g->stop_source == MOE_STOP_NONE && !o->stop) MOE_TRY(read_generation_eos(&eos, &source, o->init_from));
     for (int i = 0; g->stop_source == MOE_STOP_NONE && i < eos.n; i++)
         if (eos.ids[i] >= 0 && eos.ids[i] < V) g->stops[g->n_stops++] = (int32_t)eos.ids[i];
     if (g->stop_source == MOE_STOP_NONE && g->n_stops > 0) g->stop_source = source;

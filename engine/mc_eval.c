@@ -1,6 +1,7 @@
 /* mc_eval.c: multiple-choice evaluation on llm.c's eval files (mc_eval.h). */
 #include "engine/mc_eval.h"
 
+#include <math.h>
 #include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
@@ -170,7 +171,10 @@ static void place(const moe_mc_eval *mc, int64_t i, int32_t *inputs, int32_t *ta
 }
 
 /* Whether example i, from row r, chose its label: the completion of least
- * mean loss over its tokens (the first of equal ones). */
+ * mean loss over its tokens, the first of equal ones; equal within
+ * TIE_RTOL, as two rows of the same tokens differ in their last bits by
+ * where in the batch they sit. */
+#define TIE_RTOL 1e-6
 static bool chose_right(const moe_mc_eval *mc, int64_t i, const float *losses, int64_t r, int64_t T) {
     const unsigned char *d = mc->data;
     size_t p = mc->at[i];
@@ -184,7 +188,7 @@ static bool chose_right(const moe_mc_eval *mc, int64_t i, const float *losses, i
         double sum = 0.0;
         for (unsigned t = 0; t < len; t++) sum += losses[r * T + context + t - 1];
         const double mean = sum / len;
-        if (c == 0 || mean < best) best = mean, choice = c;
+        if (c == 0 || mean < best - TIE_RTOL * fabs(best)) best = mean, choice = c;
     }
     return choice == label;
 }

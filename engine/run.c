@@ -1039,6 +1039,10 @@ static moe_status open_data(run *r) {
     if (o->eval_mc) {
         const moe_status st = moe_mc_eval_open(&r->mc, o->eval_mc, r->cfg.vocab_size, o->seq_len, o->batch_size);
         if (st != MOE_OK) return moe_error_prefix(st, "--eval-mc: ");
+        if (r->cfg.moe_capacity_factor > 0.0)
+            warn(r->cb, "--eval-mc %s: moe_capacity_factor %g drops tokens by what else a batch holds, its "
+                        "padding included, so the scores depend on --batch-size and --seq-len",
+                 o->eval_mc, r->cfg.moe_capacity_factor);
     }
     if (!o->eval_only && !o->val_data && !o->val_tokens && !is_synthetic(o->data))
         warn(r->cb, "no --val-data: evaluating on --data %s from its start, which the model also trains on "

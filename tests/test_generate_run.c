@@ -480,6 +480,16 @@ Test(generate_run, the_configs_eos_stops_a_sample, .init = make_tmpdir, .fini = 
     cr_expect_eq(c.samples[0].n, ids.samples[0].n);
     write_bytes(path, bad, strlen(bad));
     expect_error(&o, "generation_config.json", "eos_token_id");
+    /* --stop says first: the file is not read. */
+    o.stop = "299";
+    c = run_ok(&o);
+    cr_expect_eq(c.summary.stop_source, MOE_STOP_FLAG);
+    /* A file without the key has none, as transformers reads it. */
+    o.stop = NULL;
+    write_bytes(path, "{}", 2);
+    c = run_ok(&o);
+    cr_expect_eq(c.summary.stop_source, MOE_STOP_NONE);
+    cr_expect_eq(c.samples[0].n, ids.samples[0].n);
 }
 
 /* A checkpoint with its own tokenizer.json (a Hugging Face model's, or

@@ -160,6 +160,37 @@ Test(mc_eval, scores_as_each_rows_own_forward, .init = make_tmpdir, .fini = remo
     moe_mc_eval_close(mc);
 }
 
+/* Completions of the same tokens tie, and the first wins, as in llm.c:
+ * wherever their rows sit in a batch (which moves their losses by the
+ * last bits), every example of four copies of one completion, its label
+ * 0, is right. */
+Test(mc_eval, ties_go_to_the_first_completion, .init = make_tmpdir, .fini = remove_tmpdir) {
+    static eval_file f;
+    memset(&f, 0, sizeof f);
+    f.header[0] = 20240522;
+    f.header[1] = 1;
+    for (int e = 0; e < EXAMPLES; e++) {
+        int ctx[8], comp[4][8], len[4];
+        const int n_ctx = 2 + e % 7;
+        for (int i = 0; i < n_ctx; i++) ctx[i] = (int)(moe_rng_bits(5, 1, (uint64_t)(e * 8 + i)) % VOCAB);
+        for (int c = 0; c < 4; c++) {
+            len[c] = 1 + e % 5;
+            for (int i = 0; i < len[c]; i++) comp[c][i] = (int)(moe_rng_bits(5, 2, (uint64_t)(e * 8 + i)) % VOCAB);
+        }
+        add_example(&f, e, 0, ctx, n_ctx, 4, (const int (*)[8])comp, len);
+    }
+    write_eval(in_tmp("ties.bin"), &f);
+    moe_mc_eval *mc = NULL;
+    cr_assert_eq(moe_mc_eval_open(&mc, in_tmp("ties.bin"), VOCAB, T, B), MOE_OK, "%s", moe_last_error());
+    moe_model *m = small_model();
+    int64_t right = 0;
+    cr_assert_eq(moe_mc_eval_run(mc, m, 0, EXAMPLES, moe_mc_eval_batches(mc, 0, EXAMPLES, B), &right), MOE_OK, "%s",
+                 moe_last_error());
+    cr_expect_eq(right, EXAMPLES, "%lld of %d ties went to the first completion", (long long)right, EXAMPLES);
+    moe_model_destroy(m);
+    moe_mc_eval_close(mc);
+}
+
 /* f changed by one fault, which opening must refuse naming want. */
 static void expect_refused(const eval_file *good, void (*fault)(eval_file *), moe_status status, const char *want) {
     static eval_file f;
