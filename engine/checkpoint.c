@@ -276,28 +276,6 @@ static moe_status write_state(const char *path, moe_model *model, const float *m
  * returns. The train state records config.json's checksum, as the
  * safetensors files record their own: of the config as written, so that
  * a file laid out anew (another indent, keys reordered) still matches. */
-/* The largest tokenizer or generation file a checkpoint copies. */
-#define COMPANION_MAX_BYTES ((size_t)256 << 20)
-
-/* The companion files that from holds, copied into dir (a checkpoint's
- * temporary directory, renamed whole once written). */
-static moe_status copy_companions(const char *dir, const char *from) {
-    static const char *const names[] = MOE_CHECKPOINT_COMPANIONS;
-    for (size_t i = 0; from && i < sizeof names / sizeof *names; i++) {
-        char src[PATH_BYTES], dst[PATH_BYTES];
-        MOE_TRY(path_join(src, from, names[i]));
-        MOE_TRY(path_join(dst, dir, names[i]));
-        if (!exists(src)) continue;
-        char *data;
-        size_t size;
-        MOE_TRY(moe_file_read_all(&data, &size, src, COMPANION_MAX_BYTES));
-        const moe_status st = moe_file_write_atomic_buffer(dst, data, size);
-        free(data);
-        MOE_TRY(st);
-    }
-    return MOE_OK;
-}
-
 static moe_status write_files(const char *dir, moe_model *model, const float *m, const float *v,
                               const moe_train_state *s) {
     char path[PATH_BYTES];
@@ -309,7 +287,48 @@ static moe_status write_files(const char *dir, moe_model *model, const float *m,
     MOE_TRY(moe_model_config_crc32c(moe_model_get_config(model), &crc));
     MOE_TRY(path_join(path, dir, STATE_FILE));
     MOE_TRY(write_state(path, model, m, v, s, crc));
-    return copy_companions(dir, s->files_from);
+    for (int i = 0; s->companions && i < s->companions->count; i++) {
+        MOE_TRY(path_join(path, dir, s->companions->name[i]));
+        MOE_TRY(moe_file_write_atomic_buffer(path, s->companions->data[i], s->companions->size[i]));
+    }
+    return MOE_OK;
+}
+
+/* The largest tokenizer or generation file a checkpoint holds. */
+#define COMPANION_MAX_BYTES ((size_t)256 << 20)
+
+moe_status moe_checkpoint_read_companions(moe_checkpoint_files *files, const char *dir, moe_warn_fn warn,
+                                          void *warn_ctx) {
+    static const char *const names[] = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                                        "generation_config.json", "tokenizer.model", "vocab.json", "merges.txt"};
+    _Static_assert(sizeof names / sizeof *names <= sizeof files->name / sizeof *files->name, "room for every file");
+    memset(files, 0, sizeof *files);
+    for (size_t i = 0; dir && i < sizeof names / sizeof *names; i++) {
+        char path[PATH_BYTES];
+        MOE_TRY(path_join(path, dir, names[i]));
+        if (!exists(path)) continue;
+        const int n = files->count;
+        const moe_status st = moe_file_read_all(&files->data[n], &files->size[n], path, COMPANION_MAX_BYTES);
+        if (st == MOE_ERR_OUT_OF_MEMORY) {
+            moe_checkpoint_files_free(files);
+            return st;
+        }
+        if (st != MOE_OK) {
+            if (warn) {
+                char message[MOE_ERROR_BYTES + 128];
+                snprintf(message, sizeof message, "%s (it is not kept with the checkpoints)", moe_last_error());
+                warn(warn_ctx, message);
+            }
+            continue;
+        }
+        files->name[files->count++] = names[i];
+    }
+    return MOE_OK;
+}
+
+void moe_checkpoint_files_free(moe_checkpoint_files *files) {
+    for (int i = 0; i < files->count; i++) free(files->data[i]);
+    memset(files, 0, sizeof *files);
 }
 
 /* Names with our pid can only be left over by a dead process that had the

@@ -71,17 +71,33 @@ typedef struct moe_train_state {
     /* The seconds of a layer and of the head that --pp-balance measured
      * cut the pipeline by, so that a resume cuts alike; 0: none measured. */
     double pipe_layer_seconds, pipe_head_seconds;
-    /* Saving only: a directory (the Hugging Face model or checkpoint the
-     * run started from) whose tokenizer and generation files
-     * (MOE_CHECKPOINT_COMPANIONS) the checkpoint copies, each that it has,
-     * so that it reads as that model with its tokenizer; NULL: none. */
-    const char *files_from;
+    /* Saving only: files the checkpoint holds beside its own (the
+     * tokenizer and generation files of the model the run started from,
+     * moe_checkpoint_read_companions); NULL: none. */
+    const struct moe_checkpoint_files *companions;
 } moe_train_state;
 
-/* The files moe_train_state.files_from gives a checkpoint. */
-#define MOE_CHECKPOINT_COMPANIONS                                                                                      \
-    {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",                  \
-     "tokenizer.model", "vocab.json", "merges.txt"}
+/* A Hugging Face model directory's tokenizer and generation files
+ * (tokenizer.json, tokenizer_config.json, special_tokens_map.json,
+ * generation_config.json, tokenizer.model, vocab.json, merges.txt), read
+ * once, for every checkpoint of a run from it to hold, so that each reads
+ * as that model with its tokenizer. */
+typedef struct moe_checkpoint_files {
+    int count;
+    const char *name[8];
+    char *data[8];
+    size_t size[8];
+} moe_checkpoint_files;
+
+/* Those of the files dir has into *files (free with
+ * moe_checkpoint_files_free). They shape no training, so one that cannot
+ * be read (a dangling link, no regular file, past 256 MiB) is left out,
+ * and warn (may be NULL) says so, naming it; only running out of memory
+ * fails. */
+moe_status moe_checkpoint_read_companions(moe_checkpoint_files *files, const char *dir, moe_warn_fn warn,
+                                          void *warn_ctx);
+
+void moe_checkpoint_files_free(moe_checkpoint_files *files);
 
 /* The step a checkpoint's directory name says ("step-" and six or more
  * digits), or -1 when name is no checkpoint's. */

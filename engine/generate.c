@@ -296,6 +296,7 @@ moe_status moe_generate_options_validate(const moe_generate_options *o) {
     if (!o->init_from || !o->init_from[0])
         return moe_error(MOE_ERR_CONFIG, "--init-from DIR is required: the checkpoint to continue prompts with");
     if (!o->prompt) return moe_error(MOE_ERR_CONFIG, "--prompt TEXT is required: the tokens to continue");
+    if (o->tokenizer && !o->tokenizer[0]) return moe_error(MOE_ERR_CONFIG, "--tokenizer must not be empty");
     if (o->samples <= 0) return moe_error(MOE_ERR_CONFIG, "--samples %lld must be positive", (long long)o->samples);
     if (o->max_new_tokens <= 0)
         return moe_error(MOE_ERR_CONFIG, "--max-new-tokens %lld must be positive", (long long)o->max_new_tokens);
@@ -480,7 +481,8 @@ typedef struct generation {
     moe_model_config cfg;
     moe_token_kind kind;
     moe_tokenizer *tokenizer; /* NULL: none */
-    char tokenizer_path[4096]; /* its file: --tokenizer, or the checkpoint's tokenizer.json; "" */
+    char tokenizer_path[4096]; /* the checkpoint's tokenizer.json when it is the tokenizer; "" */
+    char tokenizer_name[4160]; /* the tokenizer as messages name it: "--tokenizer FILE", or the file */
     int32_t *prompt; /* [n_prompt] */
     int64_t n_prompt;
     int32_t stops[MOE_TOKEN_IDS_MAX]; /* [n_stops] the ids that end a sample */
@@ -539,6 +541,26 @@ static moe_status read_generation_eos(moe_token_ids *eos, moe_stop_source *sourc
     return MOE_OK;
 }
 
+/* Without --tokenizer, the checkpoint's own tokenizer.json (a Hugging Face
+ * model's, or one a run from it kept), when it has one, prints ids as
+ * text; one that cannot be read is warned about and the samples stay ids,
+ * as nobody asked for it. */
+static moe_status find_tokenizer(generation *g, const char *dir, const moe_generate_callbacks *cb) {
+    struct stat sb;
+    const int n = snprintf(g->tokenizer_path, sizeof g->tokenizer_path, "%s/tokenizer.json", dir);
+    if (n < 0 || n >= (int)sizeof g->tokenizer_path || stat(g->tokenizer_path, &sb) != 0) return MOE_OK;
+    const moe_status st = moe_tokenizer_open(&g->tokenizer, g->tokenizer_path);
+    if (st == MOE_ERR_OUT_OF_MEMORY) return st;
+    if (st != MOE_OK && cb->on_warning) {
+        char warning[MOE_ERROR_BYTES + 64];
+        snprintf(warning, sizeof warning, "%s, so the samples print as ids (--tokenizer names another)",
+                 moe_last_error());
+        cb->on_warning(cb->ctx, warning);
+    }
+    snprintf(g->tokenizer_name, sizeof g->tokenizer_name, "%s", g->tokenizer_path);
+    return MOE_OK;
+}
+
 /* The checkpoint's config, the token kind, the tokenizer, the prompt and
  * the stop token: everything that can be refused before a model exists. */
 static moe_status read_inputs(generation *g, const moe_generate_options *o, const moe_generate_callbacks *cb) {
@@ -548,35 +570,28 @@ static moe_status read_inputs(generation *g, const moe_generate_options *o, cons
     g->n_stops = 0; /* none, unless --stop, the tokenizer's end-of-text or the config's eos */
     /* The tokenizer cannot encode text: with it, prompts are ids. */
     MOE_TRY(choose_tokens(&g->kind, o->tokenizer ? MOE_TOKENS_IDS : o->tokens, V));
-    /* Without --tokenizer, a checkpoint's own tokenizer.json (a Hugging
-     * Face model's, or one a run started from it kept) prints ids as text. */
-    g->tokenizer_path[0] = '\0';
     if (o->tokenizer) {
-        snprintf(g->tokenizer_path, sizeof g->tokenizer_path, "%s", o->tokenizer);
-    } else if (g->kind == MOE_TOKENS_IDS) {
-        struct stat sb;
-        const int n = snprintf(g->tokenizer_path, sizeof g->tokenizer_path, "%s/tokenizer.json", o->init_from);
-        if (n < 0 || n >= (int)sizeof g->tokenizer_path || stat(g->tokenizer_path, &sb) != 0) g->tokenizer_path[0] = '\0';
-    }
-    if (g->tokenizer_path[0]) {
-        st = moe_tokenizer_open(&g->tokenizer, g->tokenizer_path);
+        st = moe_tokenizer_open(&g->tokenizer, o->tokenizer);
         if (st != MOE_OK) return moe_error_prefix(st, "--tokenizer: ");
-        char warning[256];
+        snprintf(g->tokenizer_name, sizeof g->tokenizer_name, "--tokenizer %s", o->tokenizer);
+    } else if (o->tokens == MOE_TOKENS_AUTO && g->kind == MOE_TOKENS_IDS) {
+        MOE_TRY(find_tokenizer(g, o->init_from, cb));
+    }
+    if (g->tokenizer) {
+        char warning[MOE_ERROR_BYTES];
         const int64_t count = moe_tokenizer_count(g->tokenizer);
         const int32_t eot = moe_tokenizer_eot(g->tokenizer);
         /* Fewer tokens than the vocabulary is a padded one; more is another model's. */
         if (count > V && cb->on_warning) {
             snprintf(warning, sizeof warning,
-                     "--tokenizer %s holds %lld tokens, more than the model's vocabulary of %lld: another "
-                     "model's tokenizer?",
-                     g->tokenizer_path, (long long)count, (long long)V);
+                     "%.900s holds %lld tokens, more than the model's vocabulary of %lld: another model's tokenizer?",
+                     g->tokenizer_name, (long long)count, (long long)V);
             cb->on_warning(cb->ctx, warning);
         }
         if (eot >= V && !o->stop && cb->on_warning) {
             snprintf(warning, sizeof warning,
-                     "--tokenizer %s: its end-of-text %d lies outside the model's vocabulary of %lld, so no "
-                     "sample ends on it",
-                     g->tokenizer_path, (int)eot, (long long)V);
+                     "%.900s: its end-of-text %d lies outside the model's vocabulary of %lld, so no sample ends on it",
+                     g->tokenizer_name, (int)eot, (long long)V);
             cb->on_warning(cb->ctx, warning);
         }
         /* Its end-of-text ends a sample unless --stop (below) names another. */
@@ -658,7 +673,8 @@ static moe_status generate_body(generation *g, const moe_generate_options *o, co
         .threads = omp_get_max_threads(),
         .tokens = g->kind,
         .tokens_from_vocab = o->tokens == MOE_TOKENS_AUTO && !g->tokenizer,
-        .tokenizer = o->tokenizer ? o->tokenizer : g->tokenizer_path[0] ? g->tokenizer_path : NULL,
+        .tokenizer = o->tokenizer ? o->tokenizer : g->tokenizer ? g->tokenizer_path : NULL,
+        .tokenizer_found = g->tokenizer && !o->tokenizer,
         .tokenizer_tokens = g->tokenizer ? moe_tokenizer_count(g->tokenizer) : 0,
         .stops = g->stops,
         .n_stops = g->n_stops,

@@ -130,6 +130,7 @@ typedef struct moe_generate_summary {
     bool tokens_from_vocab;        /* AUTO chose it from config->vocab_size (not for a tokenizer) */
     const char *tokenizer;         /* options->tokenizer, else the checkpoint's tokenizer.json it
                                     * prints with (ids only); NULL: none */
+    bool tokenizer_found;          /* it is the checkpoint's, not options->tokenizer */
     int64_t tokenizer_tokens;      /* the ids it knows */
     const int32_t *stops;          /* [n_stops] the ids that end a sample */
     int n_stops;

@@ -471,6 +471,7 @@ typedef struct run {
     moe_model_config cfg;
     run_source train, val;
     moe_mc_eval *mc;       /* --eval-mc's examples; NULL: none */
+    moe_checkpoint_files companions; /* the source's tokenizer and generation files, for every checkpoint */
     moe_synth_floor floor; /* of the validation targets, when synthetic */
     double entropy_floor;  /* floor.nats or NAN */
     moe_comm *world;       /* every rank; NULL on one process */
@@ -1848,7 +1849,7 @@ static moe_status save_checkpoint(run *r) {
         .data_shuffle_seed = r->shuffle_seed,
     };
     snprintf(state.data_kind, sizeof state.data_kind, "%s", data_kind(r->o->data));
-    state.files_from = r->o->resume ? r->o->resume : r->o->init_from;
+    state.companions = &r->companions;
     if (r->o->pp_balance == MOE_PP_BALANCE_MEASURED) {
         state.pipe_layer_seconds = r->stage_costs.layer;
         state.pipe_head_seconds = r->stage_costs.head;
@@ -2291,6 +2292,11 @@ static moe_status run_body(run *r, double start) {
              o->lr_schedule == MOE_LR_CONSTANT ? "" : ", and the learning rate never decays toward --min-lr");
     }
     MOE_TRY(open_data(r));
+    /* Read once, before any step: a file that cannot be read is left out
+     * of the checkpoints with a warning, never found missing at a save. */
+    if (!o->eval_only)
+        MOE_TRY(moe_checkpoint_read_companions(&r->companions, o->resume ? o->resume : o->init_from,
+                                               r->cb->on_warning, r->cb->ctx));
     MOE_TRY(moe_device_open(&r->device, o->device, r->ranks));
     if (o->device == MOE_DEVICE_AUTO) MOE_TRY(moe_device_agree(&r->device, r->world));
     MOE_TRY(moe_device_set_gemm_math(&r->device, o->gemm_math));
@@ -2627,6 +2633,7 @@ moe_status moe_run(const moe_run_options *given, const moe_run_callbacks *callba
     close_source(&r.train);
     close_source(&r.val);
     moe_mc_eval_close(r.mc);
+    moe_checkpoint_files_free(&r.companions);
     if (r.lock_fd >= 0) close(r.lock_fd); /* the lock goes last, once nothing more is written */
     if (r.world) {
         moe_grid_destroy(&r.grid);

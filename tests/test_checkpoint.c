@@ -556,10 +556,19 @@ Test(checkpoint, qwen3_moe_files_use_its_names, .init = make_tmpdir, .fini = rem
     free_run(&b);
 }
 
+static int warned;
+
+/* A warning callback counting into ctx, an int. */
+static void count_warning(void *ctx, const char *message) {
+    (void)message;
+    ++*(int *)ctx;
+}
+
 /* A checkpoint of a run started from a Hugging Face directory keeps the
  * tokenizer and generation files that directory has, byte for byte, so
  * that it reads as that model with its tokenizer; the others are not
- * made up, and a save from nowhere copies none. */
+ * made up, a save without them holds none, and one that cannot be read is
+ * left out with a warning. */
 Test(checkpoint, companions_are_copied, .init = make_tmpdir, .fini = remove_tmpdir) {
     run a = make_run(1, 0, 0);
     moe_train_state s = scramble(&a, 3, 3);
@@ -568,7 +577,10 @@ Test(checkpoint, companions_are_copied, .init = make_tmpdir, .fini = remove_tmpd
     const char gen[] = "{\"eos_token_id\": [1, 2]}";
     write_bytes(in_dir(from, "tokenizer.json"), tok, sizeof tok - 1);
     write_bytes(in_dir(from, "generation_config.json"), gen, sizeof gen - 1);
-    s.files_from = from;
+    moe_checkpoint_files files;
+    cr_assert_eq(moe_checkpoint_read_companions(&files, from, NULL, NULL), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(files.count, 2);
+    s.companions = &files;
     char path[512];
     save(path, sizeof path, in_tmp("out"), &a, &s);
     size_t n;
@@ -582,6 +594,15 @@ Test(checkpoint, companions_are_copied, .init = make_tmpdir, .fini = remove_tmpd
     s = scramble(&a, 4, 4);
     save(path, sizeof path, in_tmp("out"), &a, &s);
     cr_expect_neq(access(in_dir(path, "tokenizer.json"), F_OK), 0, "a save from no directory copied one");
+    moe_checkpoint_files_free(&files);
+    /* One that cannot be read (a dangling link here) is left out with a
+     * warning, the others kept. */
+    cr_assert_eq(symlink("/nonexistent/tokenizer.model", in_dir(from, "tokenizer.model")), 0);
+    warned = 0;
+    cr_assert_eq(moe_checkpoint_read_companions(&files, from, count_warning, &warned), MOE_OK, "%s",
+                 moe_last_error());
+    cr_expect(files.count == 2 && warned == 1, "%d files, %d warnings", files.count, warned);
+    moe_checkpoint_files_free(&files);
     free_run(&a);
 }
 
@@ -1257,11 +1278,6 @@ static int64_t element_offset(const char *path, const char *name, int64_t elemen
  * became 3.4e38 (finite, so no value check sees it, and the run would have
  * died later of a NaN loss), a second moment's lowest bit, a digit of the
  * seed. The file put back loads. */
-static void count_warning(void *ctx, const char *message) {
-    (void)message;
-    ++*(int *)ctx;
-}
-
 Test(checkpoint, flipped_bits_are_refused, .init = make_tmpdir, .fini = remove_tmpdir) {
     run a = make_run(1, 0, 0), b = make_run(2, 0, 0);
     const moe_train_state s = scramble(&a, 51, 3);

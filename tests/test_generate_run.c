@@ -520,6 +520,23 @@ Test(generate_run, a_checkpoints_tokenizer_json_prints_its_samples, .init = make
         snprintf(want + strlen(want), sizeof want - strlen(want), "%c%d", 'a' + id % 26, id / 26);
     }
     cr_expect_str_eq(text.samples[0].new_text, want);
+    cr_expect(text.summary.tokenizer_found);
+    /* --tokens ids asks for ids: they stay ids. */
+    o.tokens = MOE_TOKENS_IDS;
+    collected asked = run_ok(&o);
+    cr_expect_str_eq(asked.tokenizer, "");
+    cr_expect_str_eq(asked.samples[0].new_text, ids.samples[0].new_text);
+    /* One it cannot read is warned about, and the samples stay ids: nobody
+     * asked for it. An empty --tokenizer is no file. */
+    o.tokens = MOE_TOKENS_AUTO;
+    write_bytes(path, "{\"model\": {", 11);
+    asked = run_ok(&o);
+    cr_expect_str_eq(asked.tokenizer, "");
+    cr_expect_str_eq(asked.samples[0].new_text, ids.samples[0].new_text);
+    cr_expect(strstr(asked.warnings, "tokenizer.json") && strstr(asked.warnings, "the samples print as ids"), "%s",
+              asked.warnings);
+    o.tokenizer = "";
+    expect_error(&o, "--tokenizer must not be empty", NULL);
 }
 
 Test(generate_run, a_tokenizer_refuses_other_token_forms_and_bad_files, .init = make_tmpdir,

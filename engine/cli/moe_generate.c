@@ -102,7 +102,8 @@ static void on_start(void *ctx, const moe_generate_summary *s) {
     printf("checkpoint %s | device %s, %d threads | tokens %s", s->checkpoint, s->device, s->threads,
            moe_token_kind_name(s->tokens));
     if (s->tokenizer) {
-        printf(", printed as text by --tokenizer %s (%lld tokens", s->tokenizer, (long long)s->tokenizer_tokens);
+        printf(", printed as text by %s%s (%lld tokens", s->tokenizer_found ? "" : "--tokenizer ", s->tokenizer,
+               (long long)s->tokenizer_tokens);
         if (s->stop_source == MOE_STOP_TOKENIZER) printf("; its end-of-text %d ends a sample", (int)s->stops[0]);
         printf(")");
     } else if (s->tokens_from_vocab) {
