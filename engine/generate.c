@@ -483,6 +483,7 @@ typedef struct generation {
     moe_tokenizer *tokenizer; /* NULL: none */
     char tokenizer_path[4096]; /* the checkpoint's tokenizer.json when it is the tokenizer; "" */
     char tokenizer_name[4160]; /* the tokenizer as messages name it: "--tokenizer FILE", or the file */
+    bool encodes;              /* the prompt and --stop are text it encodes (not --tokens ids) */
     int32_t *prompt; /* [n_prompt] */
     int64_t n_prompt;
     int32_t stops[MOE_TOKEN_IDS_MAX]; /* [n_stops] the ids that end a sample */
@@ -511,12 +512,26 @@ static void free_generation(generation *g) {
 /* parse_tokens in g's form; under a tokenizer, text that is no list of
  * ids gets an error that says why it must be, a natural slip. */
 static moe_status read_tokens(int32_t **tokens, int64_t *n, const generation *g, const char *text, const char *flag) {
+    if (g->encodes) {
+        /* The prompt as transformers' tokenizer gives it (Llama 3's
+         * begin-of-text too); --stop alone. */
+        const moe_status st = moe_tokenizer_encode(g->tokenizer, text, strcmp(flag, "--prompt") == 0, tokens, n);
+        if (st != MOE_OK) return moe_error_prefix(st, "%s: %s: ", flag, g->tokenizer_name);
+        for (int64_t i = 0; i < *n; i++)
+            if ((*tokens)[i] >= g->cfg.vocab_size)
+                return moe_error(MOE_ERR_CONFIG, "%s: %s encodes it with token %d, outside the model's vocabulary of "
+                                                 "%lld",
+                                 flag, g->tokenizer_name, (*tokens)[i], (long long)g->cfg.vocab_size);
+        return MOE_OK;
+    }
     const moe_status st = parse_tokens(tokens, n, g->kind, text, g->cfg.vocab_size, flag);
     if (st == MOE_OK || !g->tokenizer || strspn(text, "0123456789, +-") == strlen(text)) return st;
     char why[512];
+    const char *cannot = "";
+    moe_tokenizer_can_encode(g->tokenizer, &cannot);
     snprintf(why, sizeof why, "%s", moe_last_error());
-    return moe_error(st, "%s (--tokenizer takes prompts and --stop as ids: it decodes ids, and encodes no text)",
-                     why);
+    return moe_error(st, "%s (%.600s encodes no text, %s: prompts and --stop are ids)", why, g->tokenizer_name,
+                     cannot);
 }
 
 /* A Hugging Face model directory's generation_config.json, when it has
@@ -604,6 +619,8 @@ static moe_status read_inputs(generation *g, const moe_generate_options *o, cons
     for (int i = 0; g->stop_source == MOE_STOP_NONE && i < eos.n; i++)
         if (eos.ids[i] >= 0 && eos.ids[i] < V) g->stops[g->n_stops++] = (int32_t)eos.ids[i];
     if (g->stop_source == MOE_STOP_NONE && g->n_stops > 0) g->stop_source = source;
+    /* A tokenizer that encodes reads the prompt as text, unless --tokens ids says. */
+    g->encodes = g->tokenizer && o->tokens != MOE_TOKENS_IDS && moe_tokenizer_can_encode(g->tokenizer, NULL);
     MOE_TRY(read_tokens(&g->prompt, &g->n_prompt, g, o->prompt, "--prompt"));
     if (g->n_prompt == 0)
         return moe_error(MOE_ERR_CONFIG, "--prompt holds no token, and generation needs one to start from%s",
@@ -675,6 +692,7 @@ static moe_status generate_body(generation *g, const moe_generate_options *o, co
         .tokens_from_vocab = o->tokens == MOE_TOKENS_AUTO && !g->tokenizer,
         .tokenizer = o->tokenizer ? o->tokenizer : g->tokenizer ? g->tokenizer_path : NULL,
         .tokenizer_found = g->tokenizer && !o->tokenizer,
+        .encodes = g->encodes,
         .tokenizer_tokens = g->tokenizer ? moe_tokenizer_count(g->tokenizer) : 0,
         .stops = g->stops,
         .n_stops = g->n_stops,

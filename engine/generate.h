@@ -97,10 +97,11 @@ typedef struct moe_generate_options {
                             * tokenizer's end-of-text, else the checkpoint's eos_token_id, else none */
     moe_token_kind tokens;
     /* llm.c's tokenizer file or a tokenizer.json (tokenizer.h); NULL: the
-     * checkpoint's tokenizer.json when it has one and the prompt is ids,
-     * else none. With it the prompt and --stop are ids (tokens AUTO or
-     * IDS; it encodes no text),
-     * the samples are printed as their bytes, escaped as MOE_TOKENS_BYTES
+     * checkpoint's tokenizer.json when it has one and the vocabulary takes
+     * ids (tokens AUTO), else none. With it the prompt and --stop are text
+     * it encodes when it can (moe_tokenizer_can_encode) and tokens is not
+     * IDS, else ids (tokens AUTO or IDS); the samples are printed as their
+     * bytes, escaped as MOE_TOKENS_BYTES
      * prints them, an id the file does not know (a vocabulary padded past
      * the tokenizer's, 50304 against GPT-2's 50257) as "\<id 50300>"
      * (which no token's escaped bytes can spell); and the file's
@@ -131,6 +132,7 @@ typedef struct moe_generate_summary {
     const char *tokenizer;         /* options->tokenizer, else the checkpoint's tokenizer.json it
                                     * prints with (ids only); NULL: none */
     bool tokenizer_found;          /* it is the checkpoint's, not options->tokenizer */
+    bool encodes;                  /* it encoded the prompt and --stop, given as text */
     int64_t tokenizer_tokens;      /* the ids it knows */
     const int32_t *stops;          /* [n_stops] the ids that end a sample */
     int n_stops;

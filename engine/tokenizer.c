@@ -11,12 +11,40 @@
 #include "engine/fileio.h"
 #include "engine/json.h"
 
+/* A tokenizer.json's byte-level BPE pre-tokenizers that encoding
+ * implements, by their patterns: GPT-2's (ByteLevel's use_regex), Llama
+ * 3's and Qwen2's (a Split before a ByteLevel). */
+typedef enum pretokenizer { PRE_NONE, PRE_GPT2, PRE_LLAMA3, PRE_QWEN2 } pretokenizer;
+
+/* An open-addressing table from 64-bit keys to two int32 values. */
+typedef struct table {
+    uint64_t *keys; /* 0: empty; keys are stored + 1 */
+    int32_t *a, *b;
+    size_t cap; /* a power of two */
+} table;
+
+/* What encoding text needs, for a tokenizer.json that can: see
+ * moe_tokenizer_can_encode. */
+typedef struct encoder {
+    pretokenizer pre;
+    bool prefix_space;   /* ByteLevel's add_prefix_space */
+    bool ignore_merges;  /* a word in the vocabulary is its token, merges or not */
+    table vocab;         /* a hash of a token's bytes -> its id, chained by probing */
+    table merges;        /* (left id, right id) -> (rank, merged id) */
+    int32_t *added;      /* [n_added] the added tokens, matched in the text first */
+    int n_added;
+    int32_t before[4], after[4]; /* the post-processor's special tokens around the text */
+    int n_before, n_after;
+} encoder;
+
 struct moe_tokenizer {
     unsigned char *data; /* every token's bytes: llm.c's whole file, or a tokenizer.json's tokens decoded */
     int64_t *at;         /* [count] where in data each token's bytes begin */
     int32_t *len;        /* [count] how many; 0: no token has the id */
     int64_t count;
     int32_t eot;         /* -1: none */
+    encoder enc;         /* enc.pre PRE_NONE: it encodes no text, why_not says why */
+    char why_not[256];
 };
 
 /* The file's header checked, and *count and *eot from it; size is the
@@ -230,6 +258,208 @@ static moe_status put_token(moe_tokenizer *t, json_reader *r, unsigned char *tak
     return MOE_OK;
 }
 
+/* ------------------------------------------------------------------ encoding */
+
+static uint64_t mix(uint64_t x) {
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33;
+    x *= 0xc4ceb9fe1a85ec53ULL;
+    return x ^ (x >> 33);
+}
+
+static bool table_init(table *h, size_t n) {
+    h->cap = 16;
+    while (h->cap < 2 * n) h->cap *= 2;
+    h->keys = calloc(h->cap, sizeof *h->keys);
+    h->a = malloc(h->cap * sizeof *h->a);
+    h->b = malloc(h->cap * sizeof *h->b);
+    return h->keys && h->a && h->b;
+}
+
+/* Adds (key, a, b) at key's first free slot: keys may repeat (a hash of
+ * bytes), and a lookup walks them all. */
+static void table_add(table *h, uint64_t key, int32_t a, int32_t b) {
+    size_t i = mix(key) & (h->cap - 1);
+    while (h->keys[i]) i = (i + 1) & (h->cap - 1);
+    h->keys[i] = key + 1;
+    h->a[i] = a;
+    h->b[i] = b;
+}
+
+/* The slot of key's first entry at or after probe step *i (start at
+ * SIZE_MAX), or false when none is left. */
+static bool table_next(const table *h, uint64_t key, size_t *i) {
+    *i = *i == SIZE_MAX ? mix(key) & (h->cap - 1) : (*i + 1) & (h->cap - 1);
+    for (; h->keys[*i]; *i = (*i + 1) & (h->cap - 1))
+        if (h->keys[*i] == key + 1) return true;
+    return false;
+}
+
+static uint64_t hash_bytes(const unsigned char *p, size_t n) {
+    uint64_t x = 0xcbf29ce484222325ULL;
+    for (size_t i = 0; i < n; i++) x = (x ^ p[i]) * 0x100000001b3ULL;
+    return x >> 1; /* + 1 never wraps to the empty key */
+}
+
+/* The vocabulary token (no added one) whose bytes are p [n]; -1: none. */
+static int32_t vocab_id(const moe_tokenizer *t, const unsigned char *p, size_t n) {
+    const uint64_t key = hash_bytes(p, n);
+    for (size_t i = SIZE_MAX; table_next(&t->enc.vocab, key, &i);) {
+        const int32_t id = t->enc.vocab.a[i];
+        if ((size_t)t->len[id] == n && memcmp(t->data + t->at[id], p, n) == 0) return id;
+    }
+    return -1;
+}
+
+static uint64_t pair_key(int32_t left, int32_t right) { return (uint64_t)(uint32_t)left << 31 | (uint32_t)right; }
+
+/* Llama 3's and Qwen2's Split patterns, as their tokenizer.json files hold them. */
+static const char LLAMA3_PATTERN[] = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+"
+                                     "[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+static const char QWEN2_PATTERN[] = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+"
+                                    "[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+
+static bool is_true(const moe_json *v) { return v && v->type == MOE_JSON_BOOL && v->boolean; }
+static bool is_set(const moe_json *v) {
+    return v && v->type != MOE_JSON_NULL && !(v->type == MOE_JSON_STRING && v->string.len == 0) &&
+           !(v->type == MOE_JSON_BOOL && !v->boolean);
+}
+
+/* The pre-tokenizer p, when encoding implements it. */
+static pretokenizer read_pretokenizer(const moe_json *p, bool *prefix_space) {
+    if (type_is(p, "ByteLevel")) {
+        const moe_json *regex = moe_json_get(p, "use_regex");
+        *prefix_space = is_true(moe_json_get(p, "add_prefix_space"));
+        return !regex || is_true(regex) ? PRE_GPT2 : PRE_NONE;
+    }
+    const moe_json *parts = type_is(p, "Sequence") ? moe_json_get(p, "pretokenizers") : NULL;
+    if (!parts || parts->type != MOE_JSON_ARRAY || parts->array.count != 2) return PRE_NONE;
+    const moe_json *split = &parts->array.items[0], *bytes = &parts->array.items[1];
+    const char *pattern = moe_json_text(moe_json_get(moe_json_get(split, "pattern"), "Regex"));
+    const char *behavior = moe_json_text(moe_json_get(split, "behavior"));
+    if (!type_is(split, "Split") || !pattern || !behavior || strcmp(behavior, "Isolated") != 0 ||
+        is_true(moe_json_get(split, "invert")) || !type_is(bytes, "ByteLevel") ||
+        is_true(moe_json_get(bytes, "use_regex")))
+        return PRE_NONE;
+    *prefix_space = is_true(moe_json_get(bytes, "add_prefix_space"));
+    return strcmp(pattern, LLAMA3_PATTERN) == 0 ? PRE_LLAMA3 : strcmp(pattern, QWEN2_PATTERN) == 0 ? PRE_QWEN2 : PRE_NONE;
+}
+
+/* The special tokens a TemplateProcessing's single template puts around
+ * the text, into before and after. */
+static bool read_template(encoder *e, const moe_json *p) {
+    const moe_json *single = moe_json_get(p, "single"), *specials = moe_json_get(p, "special_tokens");
+    if (!single || single->type != MOE_JSON_ARRAY) return false;
+    bool text = false;
+    for (size_t i = 0; i < single->array.count; i++) {
+        const moe_json *item = &single->array.items[i], *special = moe_json_get(item, "SpecialToken");
+        if (moe_json_get(item, "Sequence")) {
+            text = true;
+            continue;
+        }
+        const moe_json *ids = moe_json_get(moe_json_get(specials, moe_json_text(moe_json_get(special, "id"))), "ids");
+        for (size_t k = 0; ids && ids->type == MOE_JSON_ARRAY && k < ids->array.count; k++) {
+            int64_t id;
+            int *n = text ? &e->n_after : &e->n_before;
+            if (moe_json_int64(&ids->array.items[k], &id) != MOE_OK || id < 0 || id > INT32_MAX || *n == 4) return false;
+            (text ? e->after : e->before)[(*n)++] = (int32_t)id;
+        }
+        if (!ids) return false;
+    }
+    return text;
+}
+
+/* Whether the post-processor (null, ByteLevel, TemplateProcessing or a
+ * Sequence of them) is one encoding implements, its tokens into e. */
+static bool read_post(encoder *e, const moe_json *p) {
+    if (!p || p->type == MOE_JSON_NULL || type_is(p, "ByteLevel")) return true;
+    if (type_is(p, "TemplateProcessing")) return read_template(e, p);
+    const moe_json *parts = type_is(p, "Sequence") ? moe_json_get(p, "processors") : NULL;
+    for (size_t i = 0; parts && parts->type == MOE_JSON_ARRAY && i < parts->array.count; i++)
+        if (!read_post(e, &parts->array.items[i])) return false;
+    return parts != NULL;
+}
+
+/* The bytes a ByteLevel-spelled merge part spells, into out [*n]; false
+ * when a character is outside the alphabet. */
+static bool merge_part(const json_reader *r, const char *text, size_t len, unsigned char *out, size_t *n) {
+    *n = 0;
+    for (size_t i = 0, k; i < len; i += k) {
+        const uint32_t c = code_point((const unsigned char *)text + i, &k);
+        if (c >= 0x144 || r->byte_of[c] < 0 || *n == MOE_TOKENIZER_DECODED_BYTES_MAX) return false;
+        out[(*n)++] = (unsigned char)r->byte_of[c];
+    }
+    return true;
+}
+
+/* The encoder of a byte-level BPE tokenizer.json (root; added [count] and
+ * in_vocab [count] mark the ids of its added tokens and of model.vocab's,
+ * which may share one), or a reason in t->why_not that it encodes no
+ * text; only running out of memory fails. */
+static moe_status build_encoder(moe_tokenizer *t, const json_reader *r, const moe_json *root, const unsigned char *added,
+                                const unsigned char *in_vocab) {
+    encoder *e = &t->enc;
+    const moe_json *model = moe_json_get(root, "model"), *merges = moe_json_get(model, "merges");
+    const char *type = moe_json_text(moe_json_get(model, "type")), *norm = moe_json_text(moe_json_get(moe_json_get(root, "normalizer"), "type"));
+    const moe_json *normalizer = moe_json_get(root, "normalizer");
+    bool prefix = false;
+    const pretokenizer pre = read_pretokenizer(moe_json_get(root, "pre_tokenizer"), &prefix);
+    const char *why = !type || strcmp(type, "BPE") != 0 || r->spell != BYTE_LEVEL ? "it is no byte-level BPE"
+                      : !merges || merges->type != MOE_JSON_ARRAY                 ? "it has no merges"
+                      : is_set(moe_json_get(model, "continuing_subword_prefix")) ||
+                              is_set(moe_json_get(model, "end_of_word_suffix")) || is_set(moe_json_get(model, "dropout")) ||
+                              is_true(moe_json_get(model, "byte_fallback"))
+                          ? "its BPE model has options encoding does not implement"
+                      : normalizer && normalizer->type != MOE_JSON_NULL && !(norm && strcmp(norm, "NFC") == 0)
+                          ? "its normalizer is not one encoding implements (none, or NFC)"
+                      : pre == PRE_NONE ? "its pre-tokenizer is not GPT-2's, Llama 3's or Qwen2's"
+                      : prefix           ? "its pre-tokenizer adds a prefix space"
+                      : !read_post(e, moe_json_get(root, "post_processor"))
+                          ? "its post-processor is not one encoding implements"
+                          : NULL;
+    if (why) {
+        snprintf(t->why_not, sizeof t->why_not, "%s", why);
+        return MOE_OK;
+    }
+    e->ignore_merges = is_true(moe_json_get(model, "ignore_merges"));
+    if (!table_init(&e->vocab, (size_t)t->count) || !table_init(&e->merges, merges->array.count) ||
+        !(e->added = malloc((size_t)t->count * sizeof *e->added)))
+        return moe_error(MOE_ERR_OUT_OF_MEMORY, "%s: the encoding tables", r->path);
+    for (int64_t id = 0; id < t->count; id++) {
+        if (t->len[id] && in_vocab[id]) table_add(&e->vocab, hash_bytes(t->data + t->at[id], (size_t)t->len[id]), (int32_t)id, 0);
+        if (t->len[id] && added[id]) e->added[e->n_added++] = (int32_t)id;
+    }
+    for (size_t i = 0; i < merges->array.count; i++) {
+        const moe_json *m = &merges->array.items[i];
+        const char *left = NULL, *right = NULL;
+        size_t left_len = 0, right_len = 0;
+        if (m->type == MOE_JSON_STRING) {
+            const char *space = memchr(m->string.data, ' ', m->string.len);
+            if (space) left = m->string.data, left_len = (size_t)(space - left), right = space + 1,
+                       right_len = m->string.len - left_len - 1;
+        } else if (m->type == MOE_JSON_ARRAY && m->array.count == 2 && m->array.items[0].type == MOE_JSON_STRING &&
+                   m->array.items[1].type == MOE_JSON_STRING) {
+            left = m->array.items[0].string.data, left_len = m->array.items[0].string.len;
+            right = m->array.items[1].string.data, right_len = m->array.items[1].string.len;
+        }
+        unsigned char both[2 * MOE_TOKENIZER_DECODED_BYTES_MAX];
+        size_t n_left = 0, n_right = 0;
+        const bool spelled = left && merge_part(r, left, left_len, both, &n_left) &&
+                             merge_part(r, right, right_len, both + n_left, &n_right);
+        const int32_t a = spelled ? vocab_id(t, both, n_left) : -1, b = spelled ? vocab_id(t, both + n_left, n_right) : -1;
+        const int32_t ab = spelled ? vocab_id(t, both, n_left + n_right) : -1;
+        if (a < 0 || b < 0 || ab < 0) {
+            snprintf(t->why_not, sizeof t->why_not, "its merge %zu names a token that is not in the vocabulary", i);
+            return MOE_OK;
+        }
+        size_t slot = SIZE_MAX; /* the first merge of a pair ranks it */
+        if (!table_next(&e->merges, pair_key(a, b), &slot)) table_add(&e->merges, pair_key(a, b), (int32_t)i, ab);
+    }
+    e->pre = pre;
+    return MOE_OK;
+}
+
 static moe_status open_json(moe_tokenizer *t, const char *path) {
     json_reader r = {.path = path};
     byte_level_table(r.byte_of);
@@ -263,7 +493,9 @@ static moe_status open_json(moe_tokenizer *t, const char *path) {
         (!(t->at = calloc((size_t)count, sizeof *t->at)) || !(t->len = calloc((size_t)count, sizeof *t->len))))
         st = moe_error(MOE_ERR_OUT_OF_MEMORY, "%s: %lld tokens", path, (long long)count);
     unsigned char *added_ids = st == MOE_OK ? calloc((size_t)count, 1) : NULL;
-    if (st == MOE_OK && !added_ids) st = moe_error(MOE_ERR_OUT_OF_MEMORY, "%s: %lld tokens", path, (long long)count);
+    unsigned char *in_vocab = st == MOE_OK ? calloc((size_t)count, 1) : NULL;
+    if (st == MOE_OK && (!added_ids || !in_vocab))
+        st = moe_error(MOE_ERR_OUT_OF_MEMORY, "%s: %lld tokens", path, (long long)count);
     for (size_t i = 0; st == MOE_OK && i < (listed ? vocab->array.count : vocab->object.count); i++) {
         const moe_json *piece = listed ? &vocab->array.items[i] : NULL;
         const moe_json *text =
@@ -276,6 +508,7 @@ static moe_status open_json(moe_tokenizer *t, const char *path) {
         if (st == MOE_OK)
             st = listed ? put_token(t, &r, added_ids, id, text->string.data, text->string.len, false)
                         : put_token(t, &r, added_ids, id, m->key, m->key_len, false);
+        if (st == MOE_OK) in_vocab[id] = 1;
     }
     for (size_t i = 0; st == MOE_OK && added && i < added->array.count; i++) {
         const moe_json *a = &added->array.items[i], *content = moe_json_get(a, "content");
@@ -285,11 +518,13 @@ static moe_status open_json(moe_tokenizer *t, const char *path) {
             st = moe_error(MOE_ERR_FORMAT, "%s: added token %lld has no content string", path, (long long)id);
         if (st == MOE_OK) st = put_token(t, &r, added_ids, id, content->string.data, content->string.len, true);
     }
-    free(added_ids);
-    moe_json_free(doc);
     t->data = r.data;
     t->count = count;
     t->eot = -1;
+    if (st == MOE_OK) st = build_encoder(t, &r, root, added_ids, in_vocab);
+    free(added_ids);
+    free(in_vocab);
+    moe_json_free(doc);
     return st;
 }
 
@@ -336,11 +571,20 @@ moe_status moe_tokenizer_open(moe_tokenizer **tokenizer, const char *path) {
     return MOE_OK;
 }
 
+static void table_free(table *h) {
+    free(h->keys);
+    free(h->a);
+    free(h->b);
+}
+
 void moe_tokenizer_close(moe_tokenizer *t) {
     if (!t) return;
     free(t->data);
     free(t->at);
     free(t->len);
+    table_free(&t->enc.vocab);
+    table_free(&t->enc.merges);
+    free(t->enc.added);
     free(t);
 }
 
@@ -352,4 +596,181 @@ const unsigned char *moe_tokenizer_bytes(const moe_tokenizer *t, int64_t id, siz
     if (id < 0 || id >= t->count || t->len[id] == 0) return NULL;
     *n = (size_t)t->len[id];
     return t->data + t->at[id];
+}
+
+/* --------------------------------------------------------------- encoding */
+
+bool moe_tokenizer_can_encode(const moe_tokenizer *t, const char **why) {
+    if (why) *why = t->enc.pre != PRE_NONE ? NULL : t->why_not[0] ? t->why_not : "llm.c's file holds no merges";
+    return t->enc.pre != PRE_NONE;
+}
+
+/* ASCII classes as the patterns' \p{L}, \p{N} and \s read them. */
+static bool letter(unsigned char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z'); }
+static bool digit(unsigned char c) { return c >= '0' && c <= '9'; }
+static bool space(unsigned char c) { return c == ' ' || (c >= '\t' && c <= '\r'); }
+static bool other(unsigned char c) { return !letter(c) && !digit(c) && !space(c); }
+
+/* The length of the contraction ('s, 't, 're, 've, 'm, 'll, 'd) at s [n],
+ * in any case when fold; 0: none. */
+static size_t contraction(const unsigned char *s, size_t n, bool fold) {
+    static const char *const tails[] = {"s", "t", "re", "ve", "m", "ll", "d"};
+    if (n < 2 || s[0] != '\'') return 0;
+    for (size_t k = 0; k < sizeof tails / sizeof *tails; k++) {
+        const size_t len = strlen(tails[k]);
+        bool same = len < n;
+        for (size_t i = 0; same && i < len; i++)
+            same = (fold && s[1 + i] >= 'A' && s[1 + i] <= 'Z' ? s[1 + i] + 32 : s[1 + i]) == tails[k][i];
+        if (same) return 1 + len;
+    }
+    return 0;
+}
+
+/* The run of s [n] from i whose bytes pass test. */
+static size_t run(const unsigned char *s, size_t n, size_t i, bool (*test)(unsigned char)) {
+    while (i < n && test(s[i])) i++;
+    return i;
+}
+
+/* \s+(?!\S) then \s+, at a run of white space: the run, but for its last
+ * byte when a non-space follows and the run is longer than one. */
+static size_t spaces(const unsigned char *s, size_t n, size_t i) {
+    const size_t end = run(s, n, i, space);
+    return end < n && end - i > 1 ? end - 1 : end;
+}
+
+/* The length of the pre-token at s [n] (n > 0) under the pattern. */
+static size_t pretoken(pretokenizer pre, const unsigned char *s, size_t n) {
+    size_t k = contraction(s, n, pre != PRE_GPT2);
+    if (k) return k;
+    const size_t past_space = s[0] == ' ' && n > 1 ? 1 : 0;
+    if (pre == PRE_GPT2) {
+        /* ' ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+' */
+        const unsigned char c = s[past_space];
+        if (letter(c)) return run(s, n, past_space, letter);
+        if (digit(c)) return run(s, n, past_space, digit);
+        if (other(c)) return run(s, n, past_space, other);
+        return spaces(s, n, 0);
+    }
+    /* '[^\r\n\p{L}\p{N}]?\p{L}+' */
+    if (letter(s[0])) return run(s, n, 0, letter);
+    if (n > 1 && s[0] != '\r' && s[0] != '\n' && !digit(s[0]) && letter(s[1])) return run(s, n, 1, letter);
+    /* '\p{N}{1,3}' (Llama 3) or '\p{N}' (Qwen2) */
+    if (digit(s[0])) {
+        const size_t most = pre == PRE_LLAMA3 ? 3 : 1;
+        for (k = 1; k < most && k < n && digit(s[k]);) k++;
+        return k;
+    }
+    /* ' ?[^\s\p{L}\p{N}]+[\r\n]*' */
+    if (other(s[past_space])) {
+        k = run(s, n, past_space, other);
+        while (k < n && (s[k] == '\r' || s[k] == '\n')) k++;
+        return k;
+    }
+    /* '\s*[\r\n]+': the white space up to its last line break */
+    const size_t end = run(s, n, 0, space);
+    for (k = end; k > 0; k--)
+        if (s[k - 1] == '\r' || s[k - 1] == '\n') return k;
+    return spaces(s, n, 0);
+}
+
+/* Appends id to ids [*n, *cap]. */
+static moe_status push(int32_t **ids, int64_t *n, int64_t *cap, int32_t id) {
+    if (*n == *cap) {
+        const int64_t more = *cap ? 2 * *cap : 64;
+        int32_t *grown = realloc(*ids, (size_t)more * sizeof *grown);
+        if (!grown) return moe_error(MOE_ERR_OUT_OF_MEMORY, "encoding: %lld tokens", (long long)more);
+        *ids = grown, *cap = more;
+    }
+    (*ids)[(*n)++] = id;
+    return MOE_OK;
+}
+
+/* A pre-token's ids, by BPE: its bytes, then the lowest-ranked merge of
+ * two neighbours, the leftmost of equal ones, until none applies. */
+static moe_status bpe(const moe_tokenizer *t, const unsigned char *w, size_t len, int32_t **ids, int64_t *n,
+                      int64_t *cap) {
+    const encoder *e = &t->enc;
+    const int32_t whole = e->ignore_merges ? vocab_id(t, w, len) : -1;
+    if (whole >= 0) return push(ids, n, cap, whole);
+    int32_t *sym = malloc(len * sizeof *sym);
+    if (!sym) return moe_error(MOE_ERR_OUT_OF_MEMORY, "encoding: a piece of %zu bytes", len);
+    size_t m = len;
+    for (size_t i = 0; i < len; i++)
+        if ((sym[i] = vocab_id(t, w + i, 1)) < 0) {
+            free(sym);
+            return moe_error(MOE_ERR_FORMAT, "encoding: byte 0x%02x has no token", w[i]);
+        }
+    for (;;) {
+        int32_t best = INT32_MAX, merged = -1;
+        size_t at = 0;
+        for (size_t i = 0; i + 1 < m; i++) {
+            size_t slot = SIZE_MAX;
+            if (table_next(&e->merges, pair_key(sym[i], sym[i + 1]), &slot) && e->merges.a[slot] < best)
+                best = e->merges.a[slot], merged = e->merges.b[slot], at = i;
+        }
+        if (merged < 0) break;
+        sym[at] = merged;
+        memmove(&sym[at + 1], &sym[at + 2], (m - at - 2) * sizeof *sym);
+        m--;
+    }
+    moe_status st = MOE_OK;
+    for (size_t k = 0; st == MOE_OK && k < m; k++) st = push(ids, n, cap, sym[k]);
+    free(sym);
+    return st;
+}
+
+/* The added token that matches text [n] at its start, the longest; -1. */
+static int32_t added_at(const moe_tokenizer *t, const unsigned char *text, size_t n) {
+    int32_t found = -1;
+    for (int i = 0; i < t->enc.n_added; i++) {
+        const int32_t id = t->enc.added[i];
+        const size_t len = (size_t)t->len[id];
+        if (len <= n && memcmp(text, t->data + t->at[id], len) == 0 && (found < 0 || t->len[found] < t->len[id]))
+            found = id;
+    }
+    return found;
+}
+
+moe_status moe_tokenizer_encode(const moe_tokenizer *t, const char *text, bool special, int32_t **ids_out,
+                                int64_t *n_out) {
+    const char *why;
+    if (!moe_tokenizer_can_encode(t, &why)) return moe_error(MOE_ERR_CONFIG, "the tokenizer encodes no text: %s", why);
+    const unsigned char *s = (const unsigned char *)text;
+    const size_t len = strlen(text);
+    for (size_t i = 0; i < len; i++)
+        if (s[i] >= 0x80)
+            return moe_error(MOE_ERR_CONFIG, "byte %zu of the text is 0x%02x: encoding reads ASCII text (give "
+                                             "other text as ids)",
+                             i, s[i]);
+    int32_t *ids = NULL;
+    int64_t n = 0, cap = 0;
+    moe_status st = MOE_OK;
+    for (int i = 0; special && st == MOE_OK && i < t->enc.n_before; i++) st = push(&ids, &n, &cap, t->enc.before[i]);
+    /* The added tokens first, wherever they stand; the text between them
+     * pre-tokenized, each piece by BPE. */
+    for (size_t i = 0, plain = 0; st == MOE_OK && i <= len;) {
+        const int32_t special = i < len ? added_at(t, s + i, len - i) : -1;
+        if (special < 0 && i < len) {
+            i++;
+            continue;
+        }
+        for (size_t k = plain; st == MOE_OK && k < i;) {
+            const size_t piece = pretoken(t->enc.pre, s + k, i - k);
+            st = bpe(t, s + k, piece, &ids, &n, &cap);
+            k += piece;
+        }
+        if (special < 0) break;
+        if (st == MOE_OK) st = push(&ids, &n, &cap, special);
+        i += (size_t)t->len[special];
+        plain = i;
+    }
+    for (int i = 0; special && st == MOE_OK && i < t->enc.n_after; i++) st = push(&ids, &n, &cap, t->enc.after[i]);
+    if (st != MOE_OK) {
+        free(ids);
+        return st;
+    }
+    *ids_out = ids;
+    *n_out = n;
+    return MOE_OK;
 }

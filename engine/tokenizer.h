@@ -28,6 +28,7 @@
 #ifndef MOE_ENGINE_TOKENIZER_H
 #define MOE_ENGINE_TOKENIZER_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -76,5 +77,19 @@ int32_t moe_tokenizer_eot(const moe_tokenizer *tokenizer);
  * tokenizer does not know id (as a model's vocabulary padded past it,
  * 50304 against GPT-2's 50257, holds). */
 const unsigned char *moe_tokenizer_bytes(const moe_tokenizer *tokenizer, int64_t id, size_t *n);
+
+/* Whether it encodes text: a tokenizer.json of a byte-level BPE model
+ * (Qwen's, Llama 3's, OLMoE's, GPT-2's) whose pre-tokenizer is GPT-2's,
+ * Llama 3's or Qwen2's split, with no normalizer or NFC; else *why (may be
+ * NULL) says why not. */
+bool moe_tokenizer_can_encode(const moe_tokenizer *tokenizer, const char **why);
+
+/* text, ASCII (other text is refused, naming its first such byte), into
+ * ids [*n] (free() them), as transformers' tokenizers encodes it: with
+ * special, the post-processor's special tokens (Llama 3's
+ * begin-of-text); added tokens wherever they stand; the text between them
+ * pre-tokenized and each piece merged by BPE. */
+moe_status moe_tokenizer_encode(const moe_tokenizer *tokenizer, const char *text, bool special, int32_t **ids,
+                                int64_t *n);
 
 #endif /* MOE_ENGINE_TOKENIZER_H */

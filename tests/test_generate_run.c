@@ -19,6 +19,10 @@
 #include "engine/synthetic.h"
 #include "engine/tokenizer.h"
 
+#ifndef MOE_TEST_DATA_DIR
+#error "CMakeLists.txt defines MOE_TEST_DATA_DIR for test_generate_run"
+#endif
+
 #define TEST_TMPDIR_TEMPLATE "/tmp/moe_gen_XXXXXX"
 #include "test_files.h"
 #include "tokenizer_file.h"
@@ -537,6 +541,38 @@ Test(generate_run, a_checkpoints_tokenizer_json_prints_its_samples, .init = make
               asked.warnings);
     o.tokenizer = "";
     expect_error(&o, "--tokenizer must not be empty", NULL);
+}
+
+/* A tokenizer.json that encodes (Llama 3's kind, its begin-of-text
+ * template) reads the prompt as text: the samples begin with the ids it
+ * gives (test_tokenizer checks those against transformers' tokenizers);
+ * --tokens ids keeps the prompt ids. */
+Test(generate_run, a_tokenizer_that_encodes_reads_the_prompt_as_text, .init = make_tmpdir, .fini = remove_tmpdir) {
+    const moe_model_config cfg = tiny_config(448, 4096);
+    char dir[768], src[1024], dst[1024];
+    free(save_checkpoint(dir, &cfg, in_tmp("out"), 15));
+    snprintf(src, sizeof src, "%s/tokenizer_llama3.json", MOE_TEST_DATA_DIR);
+    snprintf(dst, sizeof dst, "%s/tokenizer.json", dir);
+    size_t size;
+    unsigned char *json = read_bytes(src, &size);
+    write_bytes(dst, json, size);
+    free(json);
+    moe_tokenizer *t = NULL;
+    cr_assert_eq(moe_tokenizer_open(&t, src), MOE_OK, "%s", moe_last_error());
+    int32_t *want = NULL;
+    int64_t n = 0;
+    cr_assert_eq(moe_tokenizer_encode(t, "Hello world! It's 2026.", true, &want, &n), MOE_OK, "%s", moe_last_error());
+    moe_tokenizer_close(t);
+    moe_generate_options o = options(dir, "Hello world! It's 2026.");
+    o.max_new_tokens = 3;
+    const collected c = run_ok(&o);
+    cr_expect(c.summary.encodes);
+    cr_assert_eq(c.samples[0].prompt_tokens, n);
+    for (int64_t i = 0; i < n; i++) cr_expect_eq(c.samples[0].tokens[i], want[i], "prompt token %lld", (long long)i);
+    cr_expect_eq(c.samples[0].tokens[0], 2, "the template's begin-of-text");
+    free(want);
+    o.tokens = MOE_TOKENS_IDS;
+    expect_error(&o, "--prompt", "token id");
 }
 
 Test(generate_run, a_tokenizer_refuses_other_token_forms_and_bad_files, .init = make_tmpdir,

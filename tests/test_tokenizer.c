@@ -156,23 +156,31 @@ Test(tokenizer, refuses_bad_headers_and_tokens, .init = make_tmpdir, .fini = rem
 
 /* ---------------------------------------------------------- tokenizer.json */
 
+/* tests/data/NAME.json, opened, and NAME.SUFFIX, the expectations of it,
+ * opened into *f. */
+static moe_tokenizer *open_fixture(const char *name, const char *suffix, FILE **f) {
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s.json", MOE_TEST_DATA_DIR, name);
+    moe_tokenizer *t = NULL;
+    cr_assert_eq(moe_tokenizer_open(&t, path), MOE_OK, "%s", moe_last_error());
+    snprintf(path, sizeof path, "%s/%s.%s", MOE_TEST_DATA_DIR, name, suffix);
+    *f = fopen(path, "r");
+    cr_assert_not_null(*f, "%s", path);
+    return t;
+}
+
 /* tests/data/NAME.json read, every id's bytes against NAME.ids ("ID HEX"
  * per line, HEX empty where no token has the id). */
 static void expect_json_decodes(const char *name) {
-    char path[512], ids[512];
-    snprintf(path, sizeof path, "%s/%s.json", MOE_TEST_DATA_DIR, name);
-    snprintf(ids, sizeof ids, "%s/%s.ids", MOE_TEST_DATA_DIR, name);
-    moe_tokenizer *t = NULL;
-    cr_assert_eq(moe_tokenizer_open(&t, path), MOE_OK, "%s", moe_last_error());
+    FILE *f;
+    moe_tokenizer *t = open_fixture(name, "ids", &f);
     cr_expect_eq(moe_tokenizer_eot(t), -1, "a tokenizer.json names no end-of-text");
-    FILE *f = fopen(ids, "r");
-    cr_assert_not_null(f, "%s", ids);
     char line[4 * MOE_TOKENIZER_DECODED_BYTES_MAX];
     int64_t count = 0, spelled = 0;
     while (fgets(line, sizeof line, f)) {
         long long id;
         char hex[sizeof line] = "";
-        cr_assert(sscanf(line, "%lld %s", &id, hex) >= 1, "%s: '%s'", ids, line);
+        cr_assert(sscanf(line, "%lld %s", &id, hex) >= 1, "%s.ids: '%s'", name, line);
         unsigned char want[MOE_TOKENIZER_DECODED_BYTES_MAX];
         const size_t n = strlen(hex) / 2;
         for (size_t i = 0; i < n; i++) {
@@ -274,5 +282,80 @@ Test(tokenizer_json, holes_and_added_tokens, .init = make_tmpdir, .fini = remove
         b = moe_tokenizer_bytes(t, id, &n);
         cr_expect(b && n == strlen(want[id]) && memcmp(b, want[id], n) == 0, "id %d", id);
     }
+    moe_tokenizer_close(t);
+}
+
+/* ---------------------------------------------------------------- encoding */
+
+Test(tokenizer_json, split_tokenizers_decode_every_id) {
+    expect_json_decodes("tokenizer_llama3");
+    expect_json_decodes("tokenizer_qwen2");
+}
+
+/* tests/data/NAME.json encodes each text of NAME.enc ("HEX IDS" per line)
+ * to the ids transformers' tokenizers gave it; a text that is not ASCII
+ * is refused, naming its first such byte. */
+static void expect_encodes(const char *name) {
+    FILE *f;
+    moe_tokenizer *t = open_fixture(name, "enc", &f);
+    const char *why = NULL;
+    cr_assert(moe_tokenizer_can_encode(t, &why), "%s: %s", name, why);
+    static char line[1 << 16], text[1 << 15];
+    int checked = 0, refused = 0;
+    while (fgets(line, sizeof line, f)) {
+        char *ids = strchr(line, ' ');
+        cr_assert_not_null(ids, "%s.enc: '%s'", name, line);
+        const size_t n = (size_t)(ids - line) / 2;
+        bool ascii = true;
+        for (size_t i = 0; i < n; i++) {
+            unsigned v;
+            sscanf(line + 2 * i, "%2x", &v);
+            text[i] = (char)v;
+            ascii &= v < 0x80;
+        }
+        text[n] = '\0';
+        int32_t *got = NULL;
+        int64_t count = 0;
+        const moe_status st = moe_tokenizer_encode(t, text, true, &got, &count);
+        if (!ascii) {
+            cr_expect_eq(st, MOE_ERR_CONFIG, "%s: a text that is not ASCII was encoded", name);
+            refused++;
+            continue;
+        }
+        cr_assert_eq(st, MOE_OK, "%s: %s", name, moe_last_error());
+        int64_t k = 0;
+        for (char *p = ids + 1; *p && *p != '\n'; k++) {
+            const long want = strtol(p, &p, 10);
+            cr_expect(k < count && got[k] == want, "%s: '%s': token %lld is %d, transformers' %ld", name, text,
+                      (long long)k, k < count ? got[k] : -1, want);
+            if (*p == ',') p++;
+        }
+        cr_expect_eq(count, k, "%s: '%s': %lld tokens, transformers' %lld", name, text, (long long)count, (long long)k);
+        free(got);
+        checked++;
+    }
+    fclose(f);
+    cr_expect(checked >= 5 && refused >= 1, "%s: %d texts encoded, %d refused", name, checked, refused);
+    moe_tokenizer_close(t);
+}
+
+Test(tokenizer_json, byte_level_bpe_encodes_as_tokenizers) {
+    expect_encodes("tokenizer_byte_level");
+    expect_encodes("tokenizer_llama3");
+    expect_encodes("tokenizer_qwen2");
+}
+
+/* A SentencePiece-style tokenizer and llm.c's file encode nothing, saying why. */
+Test(tokenizer_json, other_tokenizers_say_why_they_do_not_encode, .init = make_tmpdir, .fini = remove_tmpdir) {
+    char path[512];
+    snprintf(path, sizeof path, "%s/tokenizer_metaspace.json", MOE_TEST_DATA_DIR);
+    moe_tokenizer *t = NULL;
+    cr_assert_eq(moe_tokenizer_open(&t, path), MOE_OK, "%s", moe_last_error());
+    const char *why = NULL;
+    cr_expect_not(moe_tokenizer_can_encode(t, &why));
+    cr_expect(why && strstr(why, "no byte-level BPE"), "%s", why ? why : "(null)");
+    int32_t *ids = NULL;
+    int64_t n = 0;
+    cr_expect_eq(moe_tokenizer_encode(t, "a", true, &ids, &n), MOE_ERR_CONFIG);
     moe_tokenizer_close(t);
 }

@@ -36,13 +36,16 @@ static void print_help(void) {
            "                       (comma-separated token ids) or auto (default): from the\n"
            "                       checkpoint's vocab_size, %d synthetic, 256 bytes, else ids\n"
            "  --tokenizer FILE     llm.c's tokenizer file (gpt2_tokenizer.bin) or a Hugging Face\n"
-           "                       tokenizer.json (ByteLevel or SentencePiece-style decoders): the\n"
-           "                       prompt and --stop stay token ids, and samples print as text, in\n"
-           "                       the bytes form's escapes; an id the file does not know prints as\n"
-           "                       \\<id N>. llm.c's end-of-text token (version 2's; GPT-2's 50256 in\n"
-           "                       a version-1 file) ends a sample unless --stop names another. Not\n"
-           "                       with --tokens synthetic or bytes. Default: --init-from's\n"
-           "                       tokenizer.json when it has one and the prompt is ids\n\n",
+           "                       tokenizer.json (ByteLevel or SentencePiece-style decoders):\n"
+           "                       samples print as text, in the bytes form's escapes (an id the\n"
+           "                       file does not know as \\<id N>); a byte-level BPE tokenizer.json\n"
+           "                       (Qwen's, Llama 3's, OLMoE's, GPT-2's) encodes an ASCII prompt and\n"
+           "                       --stop given as text, as transformers does, unless --tokens ids;\n"
+           "                       with another, they are ids. llm.c's end-of-text token (version\n"
+           "                       2's; GPT-2's 50256 in a version-1 file) ends a sample unless\n"
+           "                       --stop names another. Not with --tokens synthetic or bytes.\n"
+           "                       Default: --init-from's tokenizer.json, when it has one and the\n"
+           "                       vocabulary takes ids\n\n",
            MOE_SYNTH_VOCAB_SIZE);
     printf("Generation:\n"
            "  --samples N          continuations of the prompt, generated together (default %lld)\n"
@@ -104,6 +107,7 @@ static void on_start(void *ctx, const moe_generate_summary *s) {
     if (s->tokenizer) {
         printf(", printed as text by %s%s (%lld tokens", s->tokenizer_found ? "" : "--tokenizer ", s->tokenizer,
                (long long)s->tokenizer_tokens);
+        if (s->encodes) printf("; it encoded the prompt, %lld tokens", (long long)s->prompt_tokens);
         if (s->stop_source == MOE_STOP_TOKENIZER) printf("; its end-of-text %d ends a sample", (int)s->stops[0]);
         printf(")");
     } else if (s->tokens_from_vocab) {

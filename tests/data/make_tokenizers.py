@@ -55,3 +55,60 @@ for name, make in [("tokenizer_byte_level", byte_level), ("tokenizer_metaspace",
     with open(f"{name}.ids", "w") as f:
         for i in range(max(ids) + 1):
             f.write(f"{i} {ids.get(i, b'').hex()}\n")
+
+
+# Encoding: Llama 3's and Qwen2's split patterns (with Llama 3's
+# begin-of-text template and Qwen's NFC), beside GPT-2's byte-level one;
+# NAME.enc holds texts (hex) and the ids transformers' tokenizers gives them.
+from tokenizers import normalizers, processors, Regex
+
+LLAMA3 = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+QWEN2 = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+ASCII = [t for t in TEXT[:3]] + [
+    "Hello world!  It's 2026; they'll say \"42,195 km\" -- isn't it?\n\n\tdone...",
+    "def f(x):\n    return x * 2  # a comment\n\n\n   ",
+    "<|im_end|>mixed<|endoftext|> text, THEY'RE SHOUTING'LL  \r\n\r\n end",
+    "1234567 + 89 = 1234656;;; ~~~ @@@@ ####\t\t\t x",
+    "   leading spaces and trailing   ",
+]
+# And 200 random strings over the classes the patterns tell apart.
+_rng = __import__("random").Random(7)
+_ALPHABET = "aAzZ09 \t\n\r\x0b\x0c'sStTrRvVmMlLdD.,;!?-_#@~\"(){}<>|"
+ASCII += ["".join(_rng.choice(_ALPHABET) for _ in range(_rng.randint(1, 60))) for _ in range(200)]
+
+
+def split_tokenizer(pattern, nfc, bos):
+    tok = Tokenizer(models.BPE(ignore_merges=bos))
+    if nfc:
+        tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(TEXT, trainers.BpeTrainer(vocab_size=420, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                      special_tokens=SPECIALS + ["<|begin_of_text|>"]))
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
+                                                           special_tokens=[("<|begin_of_text|>", 2)])
+    return tok
+
+
+def byte_level_of(tok):
+    decode = {c: b for b, c in bytes_to_unicode().items()}
+    ids = {}
+    for token, i in tok.get_vocab(with_added_tokens=True).items():
+        ids[i] = bytes(decode[c] for c in token) if all(c in decode for c in token) else token.encode()
+    return ids
+
+
+for name, tok in [("tokenizer_llama3", split_tokenizer(LLAMA3, False, True)),
+                  ("tokenizer_qwen2", split_tokenizer(QWEN2, True, False))]:
+    tok.save(f"{name}.json")
+    ids = byte_level_of(tok)
+    with open(f"{name}.ids", "w") as f:
+        for i in range(max(ids) + 1):
+            f.write(f"{i} {ids.get(i, b'').hex()}\n")
+for name in ["tokenizer_byte_level", "tokenizer_llama3", "tokenizer_qwen2"]:
+    tok = Tokenizer.from_file(f"{name}.json")
+    with open(f"{name}.enc", "w") as f:
+        for text in ASCII:
+            f.write(f"{text.encode().hex()} {','.join(map(str, tok.encode(text).ids))}\n")
