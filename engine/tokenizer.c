@@ -32,6 +32,7 @@ typedef struct encoder {
     table vocab;         /* a hash of a token's bytes -> its id, chained by probing */
     table merges;        /* (left id, right id) -> (rank, merged id) */
     int32_t *added;      /* [n_added] the added tokens, matched in the text first */
+    bool *normalized;    /* [n_added] matched second, in the text between the others */
     int n_added;
     int32_t before[4], after[4]; /* the post-processor's special tokens around the text */
     int n_before, n_after;
@@ -339,9 +340,11 @@ static pretokenizer read_pretokenizer(const moe_json *p, bool *prefix_space) {
     const char *pattern = moe_json_text(moe_json_get(moe_json_get(split, "pattern"), "Regex"));
     const char *behavior = moe_json_text(moe_json_get(split, "behavior"));
     if (!type_is(split, "Split") || !pattern || !behavior || strcmp(behavior, "Isolated") != 0 ||
-        is_true(moe_json_get(split, "invert")) || !type_is(bytes, "ByteLevel") ||
-        is_true(moe_json_get(bytes, "use_regex")))
+        is_true(moe_json_get(split, "invert")) || !type_is(bytes, "ByteLevel"))
         return PRE_NONE;
+    /* ByteLevel's use_regex is true unless it says false. */
+    const moe_json *regex = moe_json_get(bytes, "use_regex");
+    if (!regex || regex->type != MOE_JSON_BOOL || regex->boolean) return PRE_NONE;
     *prefix_space = is_true(moe_json_get(bytes, "add_prefix_space"));
     return strcmp(pattern, LLAMA3_PATTERN) == 0 ? PRE_LLAMA3 : strcmp(pattern, QWEN2_PATTERN) == 0 ? PRE_QWEN2 : PRE_NONE;
 }
@@ -355,10 +358,12 @@ static bool read_template(encoder *e, const moe_json *p) {
     for (size_t i = 0; i < single->array.count; i++) {
         const moe_json *item = &single->array.items[i], *special = moe_json_get(item, "SpecialToken");
         if (moe_json_get(item, "Sequence")) {
+            if (text) return false; /* the text twice */
             text = true;
             continue;
         }
-        const moe_json *ids = moe_json_get(moe_json_get(specials, moe_json_text(moe_json_get(special, "id"))), "ids");
+        const char *name = moe_json_text(moe_json_get(special, "id"));
+        const moe_json *ids = name ? moe_json_get(moe_json_get(specials, name), "ids") : NULL;
         for (size_t k = 0; ids && ids->type == MOE_JSON_ARRAY && k < ids->array.count; k++) {
             int64_t id;
             int *n = text ? &e->n_after : &e->n_before;
@@ -423,12 +428,33 @@ static moe_status build_encoder(moe_tokenizer *t, const json_reader *r, const mo
         return MOE_OK;
     }
     e->ignore_merges = is_true(moe_json_get(model, "ignore_merges"));
+    const moe_json *list = moe_json_get(root, "added_tokens");
+    const size_t n_list = list && list->type == MOE_JSON_ARRAY ? list->array.count : 0;
     if (!table_init(&e->vocab, (size_t)t->count) || !table_init(&e->merges, merges->array.count) ||
-        !(e->added = malloc((size_t)t->count * sizeof *e->added)))
+        !(e->added = malloc((n_list + 1) * sizeof *e->added)) ||
+        !(e->normalized = malloc((n_list + 1) * sizeof *e->normalized)))
         return moe_error(MOE_ERR_OUT_OF_MEMORY, "%s: the encoding tables", r->path);
-    for (int64_t id = 0; id < t->count; id++) {
+    for (int64_t id = 0; id < t->count; id++)
         if (t->len[id] && in_vocab[id]) table_add(&e->vocab, hash_bytes(t->data + t->at[id], (size_t)t->len[id]), (int32_t)id, 0);
-        if (t->len[id] && added[id]) e->added[e->n_added++] = (int32_t)id;
+    /* Added tokens, checked at open: an id and a content each. One that
+     * strips spaces or matches whole words only is matched otherwise than
+     * here. Unless it says, a special token is matched before normalizing,
+     * another after. */
+    for (size_t i = 0; i < n_list; i++) {
+        const moe_json *a = &list->array.items[i];
+        int64_t id;
+        moe_json_int64(moe_json_get(a, "id"), &id);
+        if (is_true(moe_json_get(a, "lstrip")) || is_true(moe_json_get(a, "rstrip")) ||
+            is_true(moe_json_get(a, "single_word"))) {
+            snprintf(t->why_not, sizeof t->why_not, "added token %lld strips spaces or matches whole words only",
+                     (long long)id);
+            return MOE_OK;
+        }
+        const moe_json *normalized = moe_json_get(a, "normalized");
+        e->normalized[e->n_added] = normalized && normalized->type == MOE_JSON_BOOL
+                                        ? normalized->boolean
+                                        : !is_true(moe_json_get(a, "special"));
+        if (added[id]) e->added[e->n_added++] = (int32_t)id;
     }
     for (size_t i = 0; i < merges->array.count; i++) {
         const moe_json *m = &merges->array.items[i];
@@ -453,8 +479,11 @@ static moe_status build_encoder(moe_tokenizer *t, const json_reader *r, const mo
             snprintf(t->why_not, sizeof t->why_not, "its merge %zu names a token that is not in the vocabulary", i);
             return MOE_OK;
         }
-        size_t slot = SIZE_MAX; /* the first merge of a pair ranks it */
-        if (!table_next(&e->merges, pair_key(a, b), &slot)) table_add(&e->merges, pair_key(a, b), (int32_t)i, ab);
+        size_t slot = SIZE_MAX; /* the last merge of a pair ranks it, as in tokenizers */
+        if (table_next(&e->merges, pair_key(a, b), &slot))
+            e->merges.a[slot] = (int32_t)i, e->merges.b[slot] = ab;
+        else
+            table_add(&e->merges, pair_key(a, b), (int32_t)i, ab);
     }
     e->pre = pre;
     return MOE_OK;
@@ -585,6 +614,7 @@ void moe_tokenizer_close(moe_tokenizer *t) {
     table_free(&t->enc.vocab);
     table_free(&t->enc.merges);
     free(t->enc.added);
+    free(t->enc.normalized);
     free(t);
 }
 
@@ -695,12 +725,11 @@ static moe_status bpe(const moe_tokenizer *t, const unsigned char *w, size_t len
     if (whole >= 0) return push(ids, n, cap, whole);
     int32_t *sym = malloc(len * sizeof *sym);
     if (!sym) return moe_error(MOE_ERR_OUT_OF_MEMORY, "encoding: a piece of %zu bytes", len);
-    size_t m = len;
+    /* A byte with no token is dropped, as tokenizers' BPE without an
+     * unknown token drops it. */
+    size_t m = 0;
     for (size_t i = 0; i < len; i++)
-        if ((sym[i] = vocab_id(t, w + i, 1)) < 0) {
-            free(sym);
-            return moe_error(MOE_ERR_FORMAT, "encoding: byte 0x%02x has no token", w[i]);
-        }
+        if ((sym[m] = vocab_id(t, w + i, 1)) >= 0) m++;
     for (;;) {
         int32_t best = INT32_MAX, merged = -1;
         size_t at = 0;
@@ -720,16 +749,45 @@ static moe_status bpe(const moe_tokenizer *t, const unsigned char *w, size_t len
     return st;
 }
 
-/* The added token that matches text [n] at its start, the longest; -1. */
-static int32_t added_at(const moe_tokenizer *t, const unsigned char *text, size_t n) {
+/* The added token of the kind (normalized or not) that matches text [n]
+ * at its start, the longest; -1. */
+static int32_t added_at(const moe_tokenizer *t, const unsigned char *text, size_t n, bool normalized) {
     int32_t found = -1;
     for (int i = 0; i < t->enc.n_added; i++) {
+        if (t->enc.normalized[i] != normalized) continue;
         const int32_t id = t->enc.added[i];
         const size_t len = (size_t)t->len[id];
         if (len <= n && memcmp(text, t->data + t->at[id], len) == 0 && (found < 0 || t->len[found] < t->len[id]))
             found = id;
     }
     return found;
+}
+
+/* text [len]: the added tokens of one kind, leftmost and longest, as
+ * tokens, and between them the text, pre-tokenized and each piece by BPE;
+ * as tokenizers splits on the added tokens not normalized first, then, in
+ * the text between, on the normalized ones. */
+static moe_status encode_part(const moe_tokenizer *t, const unsigned char *s, size_t len, bool normalized,
+                              int32_t **ids, int64_t *n, int64_t *cap) {
+    moe_status st = MOE_OK;
+    for (size_t i = 0, plain = 0; st == MOE_OK && i <= len;) {
+        const int32_t special = i < len ? added_at(t, s + i, len - i, normalized) : -1;
+        if (special < 0 && i < len) {
+            i++;
+            continue;
+        }
+        if (!normalized) st = encode_part(t, s + plain, i - plain, true, ids, n, cap);
+        for (size_t k = plain; normalized && st == MOE_OK && k < i;) {
+            const size_t piece = pretoken(t->enc.pre, s + k, i - k);
+            st = bpe(t, s + k, piece, ids, n, cap);
+            k += piece;
+        }
+        if (special < 0) break;
+        if (st == MOE_OK) st = push(ids, n, cap, special);
+        i += (size_t)t->len[special];
+        plain = i;
+    }
+    return st;
 }
 
 moe_status moe_tokenizer_encode(const moe_tokenizer *t, const char *text, bool special, int32_t **ids_out,
@@ -747,24 +805,7 @@ moe_status moe_tokenizer_encode(const moe_tokenizer *t, const char *text, bool s
     int64_t n = 0, cap = 0;
     moe_status st = MOE_OK;
     for (int i = 0; special && st == MOE_OK && i < t->enc.n_before; i++) st = push(&ids, &n, &cap, t->enc.before[i]);
-    /* The added tokens first, wherever they stand; the text between them
-     * pre-tokenized, each piece by BPE. */
-    for (size_t i = 0, plain = 0; st == MOE_OK && i <= len;) {
-        const int32_t special = i < len ? added_at(t, s + i, len - i) : -1;
-        if (special < 0 && i < len) {
-            i++;
-            continue;
-        }
-        for (size_t k = plain; st == MOE_OK && k < i;) {
-            const size_t piece = pretoken(t->enc.pre, s + k, i - k);
-            st = bpe(t, s + k, piece, &ids, &n, &cap);
-            k += piece;
-        }
-        if (special < 0) break;
-        if (st == MOE_OK) st = push(&ids, &n, &cap, special);
-        i += (size_t)t->len[special];
-        plain = i;
-    }
+    if (st == MOE_OK) st = encode_part(t, s, len, false, &ids, &n, &cap);
     for (int i = 0; special && st == MOE_OK && i < t->enc.n_after; i++) st = push(&ids, &n, &cap, t->enc.after[i]);
     if (st != MOE_OK) {
         free(ids);

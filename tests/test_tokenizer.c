@@ -359,3 +359,63 @@ Test(tokenizer_json, other_tokenizers_say_why_they_do_not_encode, .init = make_t
     cr_expect_eq(moe_tokenizer_encode(t, "a", true, &ids, &n), MOE_ERR_CONFIG);
     moe_tokenizer_close(t);
 }
+
+/* ids of text under the tokenizer at path equal want [n], as
+ * transformers' tokenizers 0.22 gave them. */
+static void expect_ids(const char *path, const char *text, const int32_t *want, int64_t n) {
+    moe_tokenizer *t = NULL;
+    cr_assert_eq(moe_tokenizer_open(&t, path), MOE_OK, "%s", moe_last_error());
+    int32_t *got = NULL;
+    int64_t count = 0;
+    cr_assert_eq(moe_tokenizer_encode(t, text, true, &got, &count), MOE_OK, "'%s': %s", text, moe_last_error());
+    cr_expect_eq(count, n, "'%s': %lld tokens, tokenizers' %lld", text, (long long)count, (long long)n);
+    for (int64_t i = 0; i < n && i < count; i++)
+        cr_expect_eq(got[i], want[i], "'%s': token %lld is %d, tokenizers' %d", text, (long long)i, got[i], want[i]);
+    free(got);
+    moe_tokenizer_close(t);
+}
+
+/* The last of two equal merges ranks the pair; a byte with no token is
+ * dropped; added tokens not normalized split the text first, the
+ * normalized ones the text between them. */
+Test(tokenizer_json, merges_bytes_and_added_tokens_as_tokenizers, .init = make_tmpdir, .fini = remove_tmpdir) {
+    const char *path = json_file(
+        "t.json", "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0, \"b\": 1, \"c\": 2, \"ab\": 3, \"bc\": 4, "
+                  "\">\": 5}, \"merges\": [\"a b\", \"b c\", \"a b\"]}, \"added_tokens\": ["
+                  "{\"id\": 6, \"content\": \"<x>\", \"special\": true, \"normalized\": false}, "
+                  "{\"id\": 7, \"content\": \"b<x\", \"special\": false, \"normalized\": true}], "
+                  "\"pre_tokenizer\": {\"type\": \"ByteLevel\"}, \"decoder\": {\"type\": \"ByteLevel\"}}");
+    expect_ids(path, "abc", (const int32_t[]){0, 4}, 2);
+    expect_ids(path, "abcxab", (const int32_t[]){0, 4, 3}, 3);
+    expect_ids(path, "ab<x>", (const int32_t[]){3, 6}, 2);
+    expect_ids(path, "ab<x>>b<xa", (const int32_t[]){3, 6, 5, 7, 0}, 5);
+}
+
+/* Added tokens matched with spaces stripped or as whole words, and
+ * templates with the text twice or an item of no kind, are not encoded. */
+Test(tokenizer_json, unimplemented_options_say_why, .init = make_tmpdir, .fini = remove_tmpdir) {
+    static const char model[] = "\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0, \"<s>\": 1}, \"merges\": []}, "
+                                "\"pre_tokenizer\": {\"type\": \"ByteLevel\"}, \"decoder\": {\"type\": \"ByteLevel\"}";
+    const struct {
+        const char *rest, *why;
+    } cases[] = {
+        {"\"added_tokens\": [{\"id\": 1, \"content\": \"<s>\", \"lstrip\": true}]", "strips spaces"},
+        {"\"added_tokens\": [{\"id\": 1, \"content\": \"<s>\", \"single_word\": true}]", "whole words"},
+        {"\"post_processor\": {\"type\": \"TemplateProcessing\", \"single\": [{\"Sequence\": {\"id\": \"A\"}}, "
+         "{\"Sequence\": {\"id\": \"A\"}}], \"special_tokens\": {}}",
+         "post-processor"},
+        {"\"post_processor\": {\"type\": \"TemplateProcessing\", \"single\": [{}, {\"Sequence\": {\"id\": \"A\"}}], "
+         "\"special_tokens\": {}}",
+         "post-processor"},
+    };
+    char text[1024];
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        snprintf(text, sizeof text, "{%s, %s}", model, cases[i].rest);
+        moe_tokenizer *t = NULL;
+        cr_assert_eq(moe_tokenizer_open(&t, json_file("t.json", text)), MOE_OK, "%s", moe_last_error());
+        const char *why = NULL;
+        cr_expect_not(moe_tokenizer_can_encode(t, &why), "case %zu", i);
+        cr_expect(why && strstr(why, cases[i].why), "case %zu: %s", i, why ? why : "(null)");
+        moe_tokenizer_close(t);
+    }
+}
