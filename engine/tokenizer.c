@@ -716,36 +716,80 @@ static moe_status push(int32_t **ids, int64_t *n, int64_t *cap, int32_t id) {
     return MOE_OK;
 }
 
+/* The rank of the merge of left and right, its token into *merged; -1
+ * when none. */
+static int32_t merge_rank(const encoder *e, int32_t left, int32_t right, int32_t *merged) {
+    size_t slot = SIZE_MAX;
+    if (!table_next(&e->merges, pair_key(left, right), &slot)) return -1;
+    *merged = e->merges.b[slot];
+    return e->merges.a[slot];
+}
+
+/* A min-heap of candidate merges, each (rank << 32 | position of its left
+ * symbol): the lowest rank first, the leftmost of equal ones. */
+static void heap_push(uint64_t *heap, size_t *n, uint64_t key) {
+    size_t i = (*n)++;
+    for (; i > 0 && heap[(i - 1) / 2] > key; i = (i - 1) / 2) heap[i] = heap[(i - 1) / 2];
+    heap[i] = key;
+}
+
+static uint64_t heap_pop(uint64_t *heap, size_t *n) {
+    const uint64_t top = heap[0], last = heap[--*n];
+    size_t i = 0;
+    for (size_t c; (c = 2 * i + 1) < *n; i = c) {
+        if (c + 1 < *n && heap[c + 1] < heap[c]) c++;
+        if (heap[c] >= last) break;
+        heap[i] = heap[c];
+    }
+    heap[i] = last;
+    return top;
+}
+
 /* A pre-token's ids, by BPE: its bytes, then the lowest-ranked merge of
- * two neighbours, the leftmost of equal ones, until none applies. */
+ * two neighbours, the leftmost of equal ones, until none applies. The
+ * symbols form a list and the candidate merges a heap, so a long piece
+ * costs n log n, not n^2; a candidate whose symbols have changed since it
+ * was pushed is skipped when it comes up. */
 static moe_status bpe(const moe_tokenizer *t, const unsigned char *w, size_t len, int32_t **ids, int64_t *n,
                       int64_t *cap) {
     const encoder *e = &t->enc;
     const int32_t whole = e->ignore_merges ? vocab_id(t, w, len) : -1;
     if (whole >= 0) return push(ids, n, cap, whole);
-    int32_t *sym = malloc(len * sizeof *sym);
-    if (!sym) return moe_error(MOE_ERR_OUT_OF_MEMORY, "encoding: a piece of %zu bytes", len);
+    if (len > INT32_MAX) return moe_error(MOE_ERR_CONFIG, "encoding: a piece of %zu bytes, over 2^31", len);
+    /* Each merge pushes at most two candidates onto the len - 1 first. */
+    int32_t *sym = malloc(3 * len * sizeof *sym);
+    uint64_t *heap = malloc(3 * len * sizeof *heap);
+    if (!sym || !heap) {
+        free(sym), free(heap);
+        return moe_error(MOE_ERR_OUT_OF_MEMORY, "encoding: a piece of %zu bytes", len);
+    }
+    int32_t *prev = sym + len, *next = prev + len;
     /* A byte with no token is dropped, as tokenizers' BPE without an
      * unknown token drops it. */
-    size_t m = 0;
+    int32_t m = 0;
     for (size_t i = 0; i < len; i++)
-        if ((sym[m] = vocab_id(t, w + i, 1)) >= 0) m++;
-    for (;;) {
-        int32_t best = INT32_MAX, merged = -1;
-        size_t at = 0;
-        for (size_t i = 0; i + 1 < m; i++) {
-            size_t slot = SIZE_MAX;
-            if (table_next(&e->merges, pair_key(sym[i], sym[i + 1]), &slot) && e->merges.a[slot] < best)
-                best = e->merges.a[slot], merged = e->merges.b[slot], at = i;
-        }
-        if (merged < 0) break;
-        sym[at] = merged;
-        memmove(&sym[at + 1], &sym[at + 2], (m - at - 2) * sizeof *sym);
-        m--;
+        if ((sym[m] = vocab_id(t, w + i, 1)) >= 0) prev[m] = m - 1, next[m] = m + 1, m++;
+    if (m) next[m - 1] = -1;
+    size_t queued = 0;
+    int32_t merged, rank;
+    for (int32_t i = 0; i + 1 < m; i++)
+        if ((rank = merge_rank(e, sym[i], sym[i + 1], &merged)) >= 0)
+            heap_push(heap, &queued, (uint64_t)rank << 32 | (uint32_t)i);
+    while (queued) {
+        const uint64_t key = heap_pop(heap, &queued);
+        const int32_t at = (int32_t)(uint32_t)key, right = next[at];
+        if (sym[at] < 0 || right < 0 || merge_rank(e, sym[at], sym[right], &merged) != (int32_t)(key >> 32)) continue;
+        sym[at] = merged, sym[right] = -1;
+        next[at] = next[right];
+        if (next[at] >= 0) prev[next[at]] = at;
+        if (prev[at] >= 0 && (rank = merge_rank(e, sym[prev[at]], sym[at], &merged)) >= 0)
+            heap_push(heap, &queued, (uint64_t)rank << 32 | (uint32_t)prev[at]);
+        if (next[at] >= 0 && (rank = merge_rank(e, sym[at], sym[next[at]], &merged)) >= 0)
+            heap_push(heap, &queued, (uint64_t)rank << 32 | (uint32_t)at);
     }
     moe_status st = MOE_OK;
-    for (size_t k = 0; st == MOE_OK && k < m; k++) st = push(ids, n, cap, sym[k]);
-    free(sym);
+    for (int32_t k = m ? 0 : -1; st == MOE_OK && k >= 0; k = next[k]) st = push(ids, n, cap, sym[k]);
+    free(sym), free(heap);
     return st;
 }
 
