@@ -222,6 +222,17 @@ typedef struct moe_ops {
     void (*residual_backward)(float *da, float *db, const float *dout, int64_t n);
     /* out[i] = a[i] * b[i]; out may be a or b. */
     void (*multiply)(float *out, const float *a, const float *b, int64_t n);
+    /* Qwen2-MoE's gated shared expert, sigmoid(x . w) * shared(x) per
+     * token: gate [T] = sigmoid(logits [T]) (kernels/moe_math.h's, fp32)
+     * and out [T, d] = gate[t] * in[t, :]; out may be in. */
+    void (*sigmoid_gate_forward)(float *out, float *gate, const float *in, const float *logits, int64_t T,
+                                 int64_t d);
+    /* The gradients of sum out * dout, WRITTEN (not accumulated): din [T, d]
+     * = gate[t] * dout[t, :] and dlogits [T] = gate (1 - gate) <dout[t],
+     * in[t]>, in being the forward's input; din may be dout. The dot is
+     * summed in a fixed order: the same bits on every run. */
+    void (*sigmoid_gate_backward)(float *din, float *dlogits, const float *dout, const float *in,
+                                  const float *gate, int64_t T, int64_t d);
     /* out[i] = moe_rng_uniform_in(seed, stream, first + i, lo, span)
      * (common/rng.h): the same bits on every backend, drawn where they are
      * used. */

@@ -44,6 +44,7 @@
     X(grouped_gemm_bf16_all_algos)                                                                 \
     X(experts_bf16)                                                                                \
     X(embedding_rmsnorm_matmul_residual)                                                           \
+    X(sigmoid_gate)                                                                                \
     X(rope_attention)                                                                              \
     X(crossentropy_adamw_sumsq)                                                                    \
     X(table_fills_every_entry)                                                                     \
@@ -1143,6 +1144,62 @@ Test(cuda, embedding_rmsnorm_matmul_residual) {
     free(wte), free(emb), free(dout), free(dwte), free(x), free(w), free(y), free(rstd), free(dx),
         free(dw);
     free(wm), free(out), free(dmo), free(dwm), free(dinp), free(ra), free(rb), free(rs);
+    gpu_end();
+}
+
+/* The shared expert's sigmoid gate, with logits where exp overflows
+ * float; a row shorter than a block, one longer, and more tokens than a
+ * grid's y could hold. The backward gets the CPU's gate, so it alone is
+ * compared. Then in place: out over in, din over dout. */
+Test(cuda, sigmoid_gate) {
+    gpu_begin();
+    ref_rng rng = {1010};
+    const moe_ops *cpu = moe_cpu_ops();
+    static const int64_t shapes[][2] = {{45, 70}, {37, 1000}, {70000, 3}};
+    char what[96];
+    CHECK(moe_cuda_sigmoid_gate_forward(NULL, NULL, NULL, NULL, 0, 5, ctx)); /* T = 0: nothing */
+    CHECK(moe_cuda_sigmoid_gate_backward(NULL, NULL, NULL, NULL, NULL, 0, 5, ctx));
+    for (int s = 0; s < 3; s++) {
+        const int64_t T = shapes[s][0], d = shapes[s][1], n = T * d;
+        const size_t rows_bytes = (size_t)n * sizeof(float), gate_bytes = (size_t)T * sizeof(float);
+        float *logits = rnd(T, &rng, -6, 6), *in = rnd(n, &rng, -2, 2), *dout = rnd(n, &rng, -1, 1);
+        logits[0] = 30.0f, logits[1] = -30.0f, logits[2] = -100.0f;
+        float *out = ref_alloc(rows_bytes), *gate = ref_alloc(gate_bytes);
+        float *din = ref_alloc(rows_bytes), *dlogits = ref_alloc(gate_bytes);
+        cpu->sigmoid_gate_forward(out, gate, in, logits, T, d);
+        cpu->sigmoid_gate_backward(din, dlogits, dout, in, gate, T, d);
+
+        float *d_in = dput(in, rows_bytes), *d_logits = dput(logits, gate_bytes);
+        float *d_dout = dput(dout, rows_bytes), *d_gate_cpu = dput(gate, gate_bytes);
+        float *d_out = dpoison(rows_bytes, POISON_FLOAT), *d_gate = dpoison(gate_bytes, POISON_FLOAT);
+        CHECK(moe_cuda_sigmoid_gate_forward(d_out, d_gate, d_in, d_logits, T, d, ctx));
+        snprintf(what, sizeof what, "sigmoid_gate_forward gate, T %lld d %lld", (long long)T, (long long)d);
+        expect_dev(what, d_gate, gate, T, TOL_F32);
+        snprintf(what, sizeof what, "sigmoid_gate_forward out, T %lld d %lld", (long long)T, (long long)d);
+        expect_dev(what, d_out, out, n, TOL_F32);
+        float *d_din = dpoison(rows_bytes, POISON_FLOAT), *d_dlogits = dpoison(gate_bytes, POISON_FLOAT);
+        CHECK(moe_cuda_sigmoid_gate_backward(d_din, d_dlogits, d_dout, d_in, d_gate_cpu, T, d, ctx));
+        snprintf(what, sizeof what, "sigmoid_gate_backward din, T %lld d %lld", (long long)T, (long long)d);
+        expect_dev(what, d_din, din, n, TOL_F32);
+        snprintf(what, sizeof what, "sigmoid_gate_backward dlogits, T %lld d %lld", (long long)T, (long long)d);
+        expect_dev(what, d_dlogits, dlogits, T, TOL_F32);
+
+        float *d_buf = dput(in, rows_bytes);
+        CHECK(moe_cuda_sigmoid_gate_forward(d_buf, dpoison(gate_bytes, POISON_FLOAT), d_buf, d_logits, T, d,
+                                            ctx));
+        snprintf(what, sizeof what, "sigmoid_gate_forward out == in, T %lld d %lld", (long long)T, (long long)d);
+        expect_dev(what, d_buf, out, n, TOL_F32);
+        d_buf = dput(dout, rows_bytes);
+        d_dlogits = dpoison(gate_bytes, POISON_FLOAT);
+        CHECK(moe_cuda_sigmoid_gate_backward(d_buf, d_dlogits, d_buf, d_in, d_gate_cpu, T, d, ctx));
+        snprintf(what, sizeof what, "sigmoid_gate_backward din == dout, T %lld d %lld", (long long)T,
+                 (long long)d);
+        expect_dev(what, d_buf, din, n, TOL_F32);
+        snprintf(what, sizeof what, "sigmoid_gate_backward dlogits, din == dout, T %lld d %lld", (long long)T,
+                 (long long)d);
+        expect_dev(what, d_dlogits, dlogits, T, TOL_F32);
+        free(logits), free(in), free(dout), free(out), free(gate), free(din), free(dlogits);
+    }
     gpu_end();
 }
 

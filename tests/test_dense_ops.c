@@ -621,6 +621,84 @@ Test(dense, residual) {
     free(a), free(b), free(out), free(d), free(da), free(db);
 }
 
+/* ------------------------------------------------- shared expert gate */
+
+typedef struct sgate_ctx {
+    const double *logits, *in, *dout;
+    int64_t T, d;
+} sgate_ctx;
+
+/* sum out * dout with out[t] = sigmoid(logits[t]) in[t], ref_moe.h's
+ * sigmoid in double (exp(100) is finite there). */
+static double sgate_loss(const void *vctx) {
+    const sgate_ctx *c = vctx;
+    double s = 0.0;
+    for (int64_t t = 0; t < c->T; t++)
+        s += ref_sigmoid(c->logits[t]) * dot_d(c->in + t * c->d, c->dout + t * c->d, c->d);
+    return s;
+}
+
+/* Qwen2-MoE's gated shared expert. Rows 0-3 hold logits of 30, -30, -100
+ * and 100, where exp(-x) or exp(x) overflows float: every output must stay
+ * finite. The gate is moe_sigmoidf, a few ulp from the exact one (rtol
+ * 1e-6); below -88 it is 6e-39 where the exact one is 4e-44 (atol 1e-37).
+ * dlogits is made from the float gate, as torch's sigmoid backward is, so
+ * 1 - gate carries the gate's rounding relative to itself: 1e-5 at a
+ * logit of 4 (rtol 1e-4), and is 0 at a logit of 30 where the exact one is
+ * 9e-14 times the dot (atol 1e-11). Both are written, not accumulated: they
+ * start as NaN. */
+Test(dense, sigmoid_gate) {
+    const int64_t T = 11, d = 13;
+    rng r = {15};
+    float *logits = rand_floats(T, &r, -4, 4), *in = rand_floats(T * d, &r, -2, 2);
+    logits[0] = 30.0f, logits[1] = -30.0f, logits[2] = -100.0f, logits[3] = 100.0f;
+    float *out = xcalloc(T * d, sizeof(float)), *gate = xcalloc(T, sizeof(float));
+    moe_cpu_sigmoid_gate_forward(out, gate, in, logits, T, d);
+    double *ld = to_double(logits, T), *ind = to_double(in, T * d);
+    double *gate_ref = xcalloc(T, sizeof(double)), *out_ref = xcalloc(T * d, sizeof(double));
+    for (int64_t t = 0; t < T; t++) {
+        gate_ref[t] = ref_sigmoid(ld[t]);
+        for (int64_t j = 0; j < d; j++) out_ref[t * d + j] = gate_ref[t] * ind[t * d + j];
+    }
+    expect_close("sigmoid_gate gate", gate, gate_ref, T, 1e-37, 1e-6);
+    expect_close("sigmoid_gate out", out, out_ref, T * d, 1e-37, 1e-6);
+
+    float *dout = rand_floats(T * d, &r, -1, 1), *din = xcalloc(T * d, sizeof(float));
+    float *dlogits = xcalloc(T, sizeof(float));
+    for (int64_t i = 0; i < T * d; i++) din[i] = NAN;
+    for (int64_t t = 0; t < T; t++) dlogits[t] = NAN;
+    moe_cpu_sigmoid_gate_backward(din, dlogits, dout, in, gate, T, d);
+    double *doutd = to_double(dout, T * d), *din_ref = xcalloc(T * d, sizeof(double));
+    double *dl_ref = xcalloc(T, sizeof(double));
+    for (int64_t t = 0; t < T; t++) {
+        dl_ref[t] = gate_ref[t] * (1.0 - gate_ref[t]) * dot_d(doutd + t * d, ind + t * d, d);
+        for (int64_t j = 0; j < d; j++) din_ref[t * d + j] = gate_ref[t] * doutd[t * d + j];
+    }
+    expect_close("sigmoid_gate din", din, din_ref, T * d, 1e-37, 1e-6);
+    expect_close("sigmoid_gate dlogits", dlogits, dl_ref, T, 1e-11, 1e-4);
+    sgate_ctx ctx = {ld, ind, doutd, T, d};
+    double *fdl = fd_grad(ld, T, sgate_loss, &ctx), *fdx = fd_grad(ind, T * d, sgate_loss, &ctx);
+    double *gl = to_double(dlogits, T), *gx = to_double(din, T * d);
+    expect_grad("sigmoid_gate dlogits", gl, fdl, T);
+    expect_grad("sigmoid_gate din", gx, fdx, T * d);
+
+    /* In place: out over in, din over dout; the same bits. */
+    float *buf = copy_floats(in, T * d), *gate2 = xcalloc(T, sizeof(float));
+    moe_cpu_sigmoid_gate_forward(buf, gate2, buf, logits, T, d);
+    cr_expect(memcmp(buf, out, (size_t)(T * d) * sizeof(float)) == 0 &&
+                  memcmp(gate2, gate, (size_t)T * sizeof(float)) == 0,
+              "sigmoid_gate forward with out == in differs from out-of-place");
+    memcpy(buf, dout, (size_t)(T * d) * sizeof(float));
+    float *dlogits2 = xcalloc(T, sizeof(float));
+    moe_cpu_sigmoid_gate_backward(buf, dlogits2, buf, in, gate, T, d);
+    cr_expect(memcmp(buf, din, (size_t)(T * d) * sizeof(float)) == 0 &&
+                  memcmp(dlogits2, dlogits, (size_t)T * sizeof(float)) == 0,
+              "sigmoid_gate backward with din == dout differs from out-of-place");
+    free(logits), free(in), free(out), free(gate), free(ld), free(ind), free(gate_ref), free(out_ref),
+        free(dout), free(din), free(dlogits), free(doutd), free(din_ref), free(dl_ref), free(fdl), free(fdx),
+        free(gl), free(gx), free(buf), free(gate2), free(dlogits2);
+}
+
 /* -------------------------------------------------------------- AdamW */
 
 /* torch.optim.AdamW, in double, three steps with fresh gradients, over
@@ -702,7 +780,8 @@ Test(dense, sumsq_thread_independent) {
 }
 
 /* The row reductions of the backwards (dwte, dweight) give the same bits on
- * one thread and two, with many rows colliding on few tokens. */
+ * one thread and two, with many rows colliding on few tokens; so do the
+ * sigmoid gate's per-row dots. */
 Test(dense, reductions_thread_independent) {
     const int64_t N = 3000, C = 37, V = 5;
     rng r = {14};
@@ -711,19 +790,25 @@ Test(dense, reductions_thread_independent) {
     float *dout = rand_floats(N * C, &r, -1, 1), *x = rand_floats(N * C, &r, -1, 1);
     float *w = rand_floats(C, &r, 0.5, 1.5), *y = xcalloc(N * C, sizeof(float));
     float *rstd = xcalloc(N, sizeof(float)), *dx = xcalloc(N * C, sizeof(float));
-    float *dwte[2], *dw[2];
+    float *logits = rand_floats(N, &r, -4, 4), *gate = xcalloc(N, sizeof(float));
+    float *dwte[2], *dw[2], *dlogits[2];
     for (int th = 0; th < 2; th++) {
         omp_set_num_threads(th + 1);
         dwte[th] = xcalloc(V * C, sizeof(float));
         dw[th] = xcalloc(C, sizeof(float));
+        dlogits[th] = xcalloc(N, sizeof(float));
         moe_cpu_embedding_backward(dwte[th], dout, tokens, N, C);
         moe_cpu_rmsnorm_forward(y, rstd, x, w, 1e-5f, N, C);
         moe_cpu_rmsnorm_backward(dx, dw[th], dout, x, w, rstd, N, C);
+        moe_cpu_sigmoid_gate_forward(y, gate, x, logits, N, C);
+        moe_cpu_sigmoid_gate_backward(dx, dlogits[th], dout, x, gate, N, C);
     }
     cr_expect(memcmp(dwte[0], dwte[1], (size_t)(V * C) * sizeof(float)) == 0,
               "embedding dwte differs between 1 and 2 threads");
     cr_expect(memcmp(dw[0], dw[1], (size_t)C * sizeof(float)) == 0,
               "rmsnorm dweight differs between 1 and 2 threads");
-    free(tokens), free(dout), free(x), free(w), free(y), free(rstd), free(dx);
-    for (int th = 0; th < 2; th++) free(dwte[th]), free(dw[th]);
+    cr_expect(memcmp(dlogits[0], dlogits[1], (size_t)N * sizeof(float)) == 0,
+              "sigmoid_gate dlogits differs between 1 and 2 threads");
+    free(tokens), free(dout), free(x), free(w), free(y), free(rstd), free(dx), free(logits), free(gate);
+    for (int th = 0; th < 2; th++) free(dwte[th]), free(dw[th]), free(dlogits[th]);
 }

@@ -1,6 +1,7 @@
 /* dense.c: the dense ops of the transformer around the MoE layers:
  * embedding, RMSNorm, bias-free linear layers, RoPE, cross-entropy,
- * residual adds, AdamW and the gradient norm (attention is in attention.c).
+ * residual adds, the shared expert's sigmoid gate, AdamW and the gradient
+ * norm (attention is in attention.c).
  * Reductions over rows run column-parallel or in fixed parts, never as
  * per-thread partials, so the bits do not depend on the thread count. */
 #include <cblas.h>
@@ -233,6 +234,36 @@ void moe_cpu_multiply(float *out, const float *a, const float *b, int64_t n) {
 void moe_cpu_uniform(float *out, uint64_t seed, uint64_t stream, uint64_t first, float lo, float span, int64_t n) {
 #pragma omp parallel for schedule(static) if (n >= MOE_CPU_PAR_MIN)
     for (int64_t i = 0; i < n; i++) out[i] = moe_rng_uniform_in(seed, stream, first + (uint64_t)i, lo, span);
+}
+
+/* ------------------------------------------------------ shared expert gate */
+
+/* Over rows only: each row's dot is one chain in column order, so the bits
+ * do not depend on the thread count. No restrict: out may be in, din dout,
+ * and each element is read just before it is written. */
+void moe_cpu_sigmoid_gate_forward(float *out, float *gate, const float *in, const float *logits, int64_t T,
+                                  int64_t d) {
+#pragma omp parallel for schedule(static) if (T * d >= MOE_CPU_PAR_MIN)
+    for (int64_t t = 0; t < T; t++) {
+        const float g = moe_sigmoidf(logits[t]);
+        gate[t] = g;
+        for (int64_t j = 0; j < d; j++) out[t * d + j] = g * in[t * d + j];
+    }
+}
+
+void moe_cpu_sigmoid_gate_backward(float *din, float *dlogits, const float *dout, const float *in,
+                                   const float *gate, int64_t T, int64_t d) {
+#pragma omp parallel for schedule(static) if (T * d >= MOE_CPU_PAR_MIN)
+    for (int64_t t = 0; t < T; t++) {
+        const float g = gate[t];
+        double dot = 0.0;
+        for (int64_t j = 0; j < d; j++) {
+            const float dy = dout[t * d + j];
+            dot += (double)dy * in[t * d + j];
+            din[t * d + j] = g * dy;
+        }
+        dlogits[t] = (float)((double)g * (1.0 - (double)g) * dot);
+    }
 }
 
 /* ---------------------------------------------------------------- optimizer */

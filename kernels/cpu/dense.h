@@ -5,12 +5,14 @@
  * X_backward(dinp, dweight, ..., dout, inp, ..., sizes). Every backward
  * ACCUMULATES (+=) into its dinp and dweight, so the two branches of a
  * residual sum without a copy; the caller zeroes gradients once per step.
- * Two exceptions, each said again below: cross-entropy writes dlogits, and
- * RoPE's backward rotates its gradient in place.
+ * Three exceptions, each said again below: cross-entropy writes dlogits,
+ * RoPE's backward rotates its gradient in place, and the shared expert's
+ * sigmoid gate writes its two gradients.
  * Activations are row-major; N = B * T rows. The reductions written here
- * (embedding, RMSNorm, attention, sum of squares) give the same bits for any
- * OpenMP thread count; the matmuls are OpenBLAS's. OpenBLAS takes 32-bit
- * ints: each single dimension (not a product) must fit in an int. */
+ * (embedding, RMSNorm, attention, the sigmoid gate's dot, sum of squares)
+ * give the same bits for any OpenMP thread count; the matmuls are
+ * OpenBLAS's. OpenBLAS takes 32-bit ints: each single dimension (not a
+ * product) must fit in an int. */
 #ifndef MOE_KERNELS_CPU_DENSE_H
 #define MOE_KERNELS_CPU_DENSE_H
 
@@ -137,6 +139,27 @@ void moe_cpu_multiply(float *out, const float *a, const float *b, int64_t n);
 /* out [n] = lo + span * U[0, 1) from (seed, stream, first + i) (the router's
  * jitter factors), common/rng.h's moe_rng_uniform_in. */
 void moe_cpu_uniform(float *out, uint64_t seed, uint64_t stream, uint64_t first, float lo, float span, int64_t n);
+
+/* Qwen2-MoE's gated shared expert: gate[t] = sigmoid(logits[t]) and
+ * out[t] = gate[t] * in[t]; out may alias in. The sigmoid is moe_math.h's
+ * moe_sigmoidf, a few ulp from torch's fp32 one, both backends alike; its
+ * exponential clamps at 88, so a logit below -88 gives a gate of 6e-39
+ * where the exact one is smaller still. */
+void moe_cpu_sigmoid_gate_forward(float *out,          /* [T, d] */
+                                  float *gate,         /* [T], saved for backward */
+                                  const float *in,     /* [T, d], the shared expert's output */
+                                  const float *logits, /* [T] */
+                                  int64_t T, int64_t d);
+/* din = gate * dout and dlogits = gate (1 - gate) <dout[t], in[t]>, the dot
+ * in double in column order. WRITES both, not accumulating: the shared
+ * expert's output and the gate's logits have no other consumer. din may
+ * alias dout. */
+void moe_cpu_sigmoid_gate_backward(float *din,         /* [T, d] */
+                                   float *dlogits,     /* [T] */
+                                   const float *dout,  /* [T, d] */
+                                   const float *in,    /* [T, d], the forward's input */
+                                   const float *gate,  /* [T] */
+                                   int64_t T, int64_t d);
 
 /* One AdamW step t >= 1 over n parameters, PyTorch's torch.optim.AdamW,
  * with g = grads * grad_scale (fl(g * s), as scaling the gradients in

@@ -338,6 +338,17 @@ static void table_multiply(float *out, const float *a, const float *b, int64_t n
     RUN("multiply", moe_cuda_multiply(out, a, b, n, bound.ctx));
 }
 
+static void table_sigmoid_gate_forward(float *out, float *gate, const float *in,
+                                       const float *logits, int64_t T, int64_t d) {
+    RUN("sigmoid_gate_forward", moe_cuda_sigmoid_gate_forward(out, gate, in, logits, T, d, bound.ctx));
+}
+
+static void table_sigmoid_gate_backward(float *din, float *dlogits, const float *dout,
+                                        const float *in, const float *gate, int64_t T, int64_t d) {
+    RUN("sigmoid_gate_backward",
+        moe_cuda_sigmoid_gate_backward(din, dlogits, dout, in, gate, T, d, bound.ctx));
+}
+
 static void table_uniform(float *out, uint64_t seed, uint64_t stream, uint64_t first, float lo,
                           float span, int64_t n) {
     RUN("uniform", moe_cuda_uniform(out, seed, stream, first, lo, span, n, bound.ctx));
@@ -404,6 +415,8 @@ static moe_ops make_table(void) {
     t.residual_forward = table_residual_forward;
     t.residual_backward = table_residual_backward;
     t.multiply = table_multiply;
+    t.sigmoid_gate_forward = table_sigmoid_gate_forward;
+    t.sigmoid_gate_backward = table_sigmoid_gate_backward;
     t.uniform = table_uniform;
     t.adamw = table_adamw;
     t.sumsq = table_sumsq;

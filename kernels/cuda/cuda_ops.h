@@ -297,7 +297,7 @@ moe_status moe_cuda_expert_groups_backward(const moe_expert_group *groups, int64
 /* ------------------------------------------------------------------ dense */
 
 /* kernels/cpu/dense.h says what each computes; backward ops accumulate
- * there and here alike. */
+ * there and here alike, and its exceptions are exceptions here too. */
 moe_status moe_cuda_embedding_forward(float *out, const int32_t *tokens, const float *wte,
                                       int64_t N, int64_t C, moe_cuda_ctx *ctx);
 /* The CPU's bits (each token's rows added in row order). Sorts the rows by
@@ -361,6 +361,15 @@ moe_status moe_cuda_uniform(float *out, uint64_t seed, uint64_t stream, uint64_t
                             float span, int64_t n, moe_cuda_ctx *ctx);
 moe_status moe_cuda_multiply(float *out, const float *a, const float *b, int64_t n,
                              moe_cuda_ctx *ctx);
+/* A block per token, rows over the grid's x (any T); the backward's dot in
+ * double, in a fixed tree: the same bits on every run. The backward writes
+ * din and dlogits, as the CPU's does. */
+moe_status moe_cuda_sigmoid_gate_forward(float *out, float *gate, const float *in,
+                                         const float *logits, int64_t T, int64_t d,
+                                         moe_cuda_ctx *ctx);
+moe_status moe_cuda_sigmoid_gate_backward(float *din, float *dlogits, const float *dout,
+                                          const float *in, const float *gate, int64_t T, int64_t d,
+                                          moe_cuda_ctx *ctx);
 /* One launch for every tensor: spans [n_spans] on the device (ops.h). */
 moe_status moe_cuda_adamw(float *params, float *m, float *v, const float *grads,
                           float grad_scale, int64_t n, const moe_adamw_span *spans,

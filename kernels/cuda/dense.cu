@@ -1,8 +1,9 @@
 /* dense.cu: the dense ops around the MoE layers (kernels/cpu/dense.c is
  * the reference, kernels/cpu/dense.h the contract): embedding, RMSNorm,
- * linear layers, RoPE, cross-entropy, residual adds, AdamW and the sum of
- * squares. Every reduction has a fixed order (block trees, or parts summed
- * in order), never atomics on floats: the same bits on every run. */
+ * linear layers, RoPE, cross-entropy, residual adds, the shared expert's
+ * sigmoid gate, AdamW and the sum of squares. Every reduction has a fixed
+ * order (block trees, or parts summed in order), never atomics on floats:
+ * the same bits on every run. */
 #include <cub/device/device_radix_sort.cuh>
 #include <limits.h>
 
@@ -371,6 +372,62 @@ extern "C" moe_status moe_cuda_uniform(float *out, uint64_t seed, uint64_t strea
     if (n <= 0) return MOE_OK;
     uniform_kernel<<<grid_for(n, ctx), MOE_CUDA_THREADS, 0, ctx->stream>>>(out, seed, stream,
                                                                              first, lo, span, n);
+    MOE_CUDA_CHECK(cudaGetLastError());
+    return MOE_OK;
+}
+
+/* ------------------------------------------------------ shared expert gate */
+
+/* A block per token, so no element divides its index by d; every thread
+ * makes the gate (one exponential), so no barrier waits for it. out may be
+ * in: each element is read, then written, by one thread. */
+static __global__ void sigmoid_gate_forward_kernel(float *out, float *gate, const float *in,
+                                                   const float *logits, int64_t T, int64_t d) {
+    for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
+        const float g = moe_sigmoidf(logits[t]);
+        for (int64_t j = threadIdx.x; j < d; j += blockDim.x) out[t * d + j] = g * in[t * d + j];
+        if (threadIdx.x == 0) gate[t] = g;
+    }
+}
+
+extern "C" moe_status moe_cuda_sigmoid_gate_forward(float *out, float *gate, const float *in,
+                                                    const float *logits, int64_t T, int64_t d,
+                                                    moe_cuda_ctx *ctx) {
+    if (T <= 0) return MOE_OK;
+    sigmoid_gate_forward_kernel<<<moe_cuda_grid(T, 1, ctx), MOE_CUDA_THREADS, 0, ctx->stream>>>(
+        out, gate, in, logits, T, d);
+    MOE_CUDA_CHECK(cudaGetLastError());
+    return MOE_OK;
+}
+
+/* The dot sums in double, as the CPU's does: the two add in different
+ * orders, and in double that shows far below the float result's rounding.
+ * The kernel reads two floats per product and is bound by memory, so the
+ * double adds cost nothing that shows. din may be dout: each element is
+ * read, then written, by one thread, and the gate is known before the sum. */
+static __global__ void sigmoid_gate_backward_kernel(float *din, float *dlogits, const float *dout,
+                                                    const float *in, const float *gate, int64_t T,
+                                                    int64_t d) {
+    __shared__ double partial[32];
+    for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
+        const float g = gate[t];
+        double dot = 0.0;
+        for (int64_t j = threadIdx.x; j < d; j += blockDim.x) {
+            const float dy = dout[t * d + j];
+            dot += (double)dy * in[t * d + j];
+            din[t * d + j] = g * dy;
+        }
+        dot = moe_block_sum(dot, partial);
+        if (threadIdx.x == 0) dlogits[t] = (float)((double)g * (1.0 - (double)g) * dot);
+    }
+}
+
+extern "C" moe_status moe_cuda_sigmoid_gate_backward(float *din, float *dlogits, const float *dout,
+                                                     const float *in, const float *gate, int64_t T,
+                                                     int64_t d, moe_cuda_ctx *ctx) {
+    if (T <= 0) return MOE_OK;
+    sigmoid_gate_backward_kernel<<<moe_cuda_grid(T, 1, ctx), MOE_CUDA_THREADS, 0, ctx->stream>>>(
+        din, dlogits, dout, in, gate, T, d);
     MOE_CUDA_CHECK(cudaGetLastError());
     return MOE_OK;
 }
