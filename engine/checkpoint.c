@@ -31,14 +31,12 @@
 /* Optimizer tensors tolerated (and skipped) in a weights file. */
 #define OPTIMIZER_PREFIX "optimizer."
 #define BIAS_FMT "model.layers.%lld.block_sparse_moe.gate.e_score_correction_bias"
-#define ROUTER_FMT "model.layers.%lld.block_sparse_moe.gate.weight"
 #define EXPERT_FMT "model.layers.%lld.block_sparse_moe.experts.%lld.w%d.weight"
-#define FUSED_ROUTER_FMT "model.layers.%lld.mlp.gate.weight"
 #define FUSED_EXPERTS_FMT "model.layers.%lld.mlp.experts.%s"
 /* A dense model's MLP (Mistral's, Llama's, Qwen3's): gate_proj, up_proj,
  * down_proj, as w1, w3 and w2 (proj_of). */
 #define DENSE_MLP_FMT "model.layers.%lld.mlp.%s_proj.weight"
-/* Expert e's in a Qwen3-MoE or OLMoE file (the router's is FUSED_ROUTER_FMT). */
+/* Expert e's in a Qwen3-MoE, OLMoE or Qwen2-MoE file. */
 #define MLP_EXPERT_FMT "model.layers.%lld.mlp.experts.%lld.%s_proj.weight"
 #define MOE_BLOCK ".block_sparse_moe."
 #define LAYER_FMT "model.layers.%lld."
@@ -116,18 +114,24 @@ static bool is_expert_weight(const char *name, int64_t layers, int64_t experts) 
 }
 
 /* The name of the tensor called ours in the file of a model saved as
- * qwen3_moe or olmoe (moe_model_config_model_type), hf_mlp: their router
- * and experts are mlp.gate and mlp.experts.E.{gate,up,down}_proj; the rest
- * keep theirs. */
+ * qwen3_moe, olmoe or qwen2_moe (moe_model_config_model_type), hf_mlp:
+ * their MoE blocks are mlp, not block_sparse_moe, with experts
+ * mlp.experts.E.{gate,up,down}_proj and Qwen2-MoE's one shared expert
+ * mlp.shared_expert.{gate,up,down}_proj; the rest keep theirs. */
 static void file_name(char *out, const char *ours, bool hf_mlp) {
+    static const char shared[] = "shared_experts.";
     long long l, e;
     int w, end = 0;
-    if (hf_mlp && sscanf(ours, EXPERT_FMT "%n", &l, &e, &w, &end) == 3 && end > 0 && ours[end] == '\0')
+    if (hf_mlp && sscanf(ours, EXPERT_FMT "%n", &l, &e, &w, &end) == 3 && end > 0 && ours[end] == '\0') {
         snprintf(out, NAME_BYTES, MLP_EXPERT_FMT, l, e, proj_of(w));
-    else if (hf_mlp && sscanf(ours, ROUTER_FMT "%n", &l, &end) == 1 && end > 0 && ours[end] == '\0')
-        snprintf(out, NAME_BYTES, FUSED_ROUTER_FMT, l);
-    else
+    } else if (hf_mlp && sscanf(ours, LAYER_FMT "block_sparse_moe.%n", &l, &end) == 1 && end > 0) {
+        const char *rest = ours + end;
+        const bool one_shared = strncmp(rest, shared, strlen(shared)) == 0;
+        snprintf(out, NAME_BYTES, LAYER_FMT "mlp.%s%s", l, one_shared ? "shared_expert." : "",
+                 one_shared ? rest + strlen(shared) : rest);
+    } else {
         snprintf(out, NAME_BYTES, "%s", ours);
+    }
 }
 
 /* A selection bias of one of our layers. */
@@ -193,7 +197,7 @@ static moe_status write_weights(const char *path, moe_model *model) {
         return moe_error(MOE_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
     }
     const char *type = moe_model_config_model_type(c);
-    const bool hf_mlp = strcmp(type, "qwen3_moe") == 0 || strcmp(type, "olmoe") == 0;
+    const bool hf_mlp = strcmp(type, "mixtral") != 0 && strcmp(type, "moe") != 0;
     const float *params = moe_model_host_params(model);
     for (int64_t i = 0; i < n; i++) {
         const moe_model_tensor *t = moe_model_tensor_at(model, i);
@@ -798,14 +802,13 @@ static moe_status take(source *s, weights_reader *r, const char *name, int64_t n
     return MOE_OK;
 }
 
-/* The model tensor's own name, or else Qwen3-MoE's and OLMoE's
- * (mlp.gate.weight for the router, mlp.experts.E.{gate,up,down}_proj.weight
- * for expert E), or
- * else its place in transformers' fused layout: for expert e, mlp.experts.
- * gate_up_proj [E, 2ff, d] holding w1 in rows [0, ff) and w3 in [ff, 2ff) of
- * e's slice, and mlp.experts.down_proj [E, d, ff] holding w2. */
+/* The model tensor's own name, or else Qwen3-MoE's, OLMoE's and
+ * Qwen2-MoE's (file_name), or else, for an expert, its place in
+ * transformers' fused layout: for expert e, mlp.experts.gate_up_proj
+ * [E, 2ff, d] holding w1 in rows [0, ff) and w3 in [ff, 2ff) of e's slice,
+ * and mlp.experts.down_proj [E, d, ff] holding w2. */
 static moe_status resolve_weight(source *s, weights_reader *r, const moe_model_tensor *t) {
-    char alt[NAME_BYTES], per_expert[NAME_BYTES] = "";
+    char alt[NAME_BYTES] = "", hf[NAME_BYTES];
     long long l, e;
     int w, end = 0;
     const bool expert = sscanf(t->name, EXPERT_FMT "%n", &l, &e, &w, &end) == 3 && end > 0 && t->name[end] == '\0';
@@ -820,29 +823,28 @@ static moe_status resolve_weight(source *s, weights_reader *r, const moe_model_t
     }
     MOE_TRY(take(s, r, t->name, t->ndim, t->shape));
     if (s->src != NULL) return MOE_OK;
-    if (expert) {
-        snprintf(per_expert, sizeof per_expert, MLP_EXPERT_FMT, l, e, proj_of(w));
-        MOE_TRY(take(s, r, per_expert, t->ndim, t->shape));
+    file_name(hf, t->name, true);
+    const bool renamed = strcmp(hf, t->name) != 0;
+    if (renamed) {
+        MOE_TRY(take(s, r, hf, t->ndim, t->shape));
         if (s->src != NULL) return MOE_OK;
+    }
+    if (expert) {
         const bool down = w == 2;
         const int64_t shape[3] = {r->E, down ? r->d : 2 * r->ff, down ? r->ff : r->d};
         snprintf(alt, sizeof alt, FUSED_EXPERTS_FMT, l, down ? "down_proj" : "gate_up_proj");
         MOE_TRY(take(s, r, alt, 3, shape));
         s->first = e * shape[1] * shape[2] + (w == 3 ? r->ff * r->d : 0);
-    } else if (sscanf(t->name, ROUTER_FMT "%n", &l, &end) == 1 && end > 0 && t->name[end] == '\0') {
-        snprintf(alt, sizeof alt, FUSED_ROUTER_FMT, l);
-        MOE_TRY(take(s, r, alt, t->ndim, t->shape));
-    } else {
-        const bool tied_file = strcmp(t->name, HEAD_NAME) == 0 && dir_index(r->dir, EMBED_NAME) >= 0;
-        return moe_error(MOE_ERR_FORMAT, "%s: no tensor '%s'%s", r->where, t->name,
-                         tied_file ? " (a model that ties it to " EMBED_NAME " has none: tie_word_embeddings true in "
-                                     "its config.json)"
-                                   : "");
+        if (s->src != NULL) return MOE_OK;
     }
-    if (s->src == NULL)
-        return moe_error(MOE_ERR_FORMAT, "%s: no tensor '%s' (nor '%s'%s%s%s)", r->where, t->name, alt,
-                         expert ? " nor '" : "", per_expert, expert ? "'" : "");
-    return MOE_OK;
+    if (expert)
+        return moe_error(MOE_ERR_FORMAT, "%s: no tensor '%s' (nor '%s' nor '%s')", r->where, t->name, alt, hf);
+    if (renamed) return moe_error(MOE_ERR_FORMAT, "%s: no tensor '%s' (nor '%s')", r->where, t->name, hf);
+    const bool tied_file = strcmp(t->name, HEAD_NAME) == 0 && dir_index(r->dir, EMBED_NAME) >= 0;
+    return moe_error(MOE_ERR_FORMAT, "%s: no tensor '%s'%s", r->where, t->name,
+                     tied_file ? " (a model that ties it to " EMBED_NAME " has none: tie_word_embeddings true in "
+                                 "its config.json)"
+                               : "");
 }
 
 /* Whether the dir's tensor i, the head, holds the embedding's bytes, as in

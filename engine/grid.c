@@ -7,15 +7,20 @@
 
 #include "common/shortest.h"
 #include "common/status.h"
+#include "engine/moe_layer.h"
 
 /* 6 training FLOPs per matmul weight and token, plus attention's two
  * causal T x T products (less a sliding window's masked keys). */
 moe_stage_costs moe_grid_flop_costs(const moe_model_config *c, int64_t T) {
     const double C = (double)c->hidden_size, hd = (double)c->head_dim;
     const double q = (double)c->num_attention_heads * hd, kv = (double)c->num_key_value_heads * hd;
-    const double experts = (double)(c->num_experts_per_tok + c->moe_n_shared_experts) * 3.0 * C * (double)c->intermediate_size;
+    moe_layer_config lc;
+    moe_model_config_layer(&lc, c, T, 0);
+    const double experts = 3.0 * C * ((double)c->num_experts_per_tok * (double)c->intermediate_size +
+                                      (double)moe_layer_shared_width(&lc));
+    const double gate = lc.shared_gate ? C : 0.0;
     return (moe_stage_costs){
-        .layer = 6.0 * (C * (2.0 * q + 2.0 * kv) + C * (double)c->num_local_experts + experts) +
+        .layer = 6.0 * (C * (2.0 * q + 2.0 * kv) + C * (double)c->num_local_experts + gate + experts) +
                  6.0 * moe_model_config_attention_span(c, T) * q,
         .head = 6.0 * C * (double)c->vocab_size};
 }

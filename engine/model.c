@@ -24,7 +24,8 @@ typedef struct moe_layer_offsets {
 } moe_layer_offsets;
 
 /* Where layer l's tensors sit in the tensor table: these, then with
- * moe_qk_norm QNORM and KNORM, then the MoE layer's (moe_first). */
+ * moe_qk_norm QNORM and KNORM, with moe_qkv_bias q's, k's and v's biases
+ * (bias_first), then the MoE layer's (moe_first). */
 enum { LN1, WQ, WK, WV, WO, LN2, QNORM, KNORM };
 
 typedef struct layer_acts {
@@ -117,6 +118,7 @@ struct moe_model {
     float *dloss;     /* [N] */
     float dloss_value; /* what every element of dloss holds */
     float *cos_t, *sin_t; /* [T, hd/2] */
+    float *ones;          /* [rows] 1s, with moe_qkv_bias: the biases reach their rows through GEMMs */
     int32_t *inputs, *targets; /* [N] the batch's tokens, uploaded */
     double *sumsq;        /* [2] the gradient's squares: dense run, experts */
     void *norm_scratch;   /* ops->rmsnorm_scratch_bytes(N, C) */
@@ -140,8 +142,11 @@ struct moe_model {
 
 /* ---------------------------------------------------------------- tensors */
 
+/* A layer's first bias (q's, then k's and v's), after its norms. */
+static int64_t bias_first(const moe_model_config *c) { return c->moe_qk_norm ? KNORM + 1 : LN2 + 1; }
+
 /* A layer's first MoE tensor, after its dense ones. */
-static int64_t moe_first(const moe_model_config *c) { return c->moe_qk_norm ? KNORM + 1 : LN2 + 1; }
+static int64_t moe_first(const moe_model_config *c) { return bias_first(c) + (c->moe_qkv_bias ? 3 : 0); }
 
 static void add_tensor(moe_model *m, int ndim, int64_t rows, int64_t cols, bool decay, const char *fmt, ...)
     MOE_PRINTF(6, 7);
@@ -183,11 +188,12 @@ static void lay_out_tensors(moe_model *m, const moe_layer_config *lc) {
     const moe_model_config *c = &m->cfg;
     const int64_t C = c->hidden_size, V = c->vocab_size, hd = c->head_dim;
     const int64_t qdim = c->num_attention_heads * hd, kvdim = c->num_key_value_heads * hd;
-    const int64_t n_local = lc->n_experts / m->ep_size, S = lc->n_shared_experts * lc->d_ff;
-    const int64_t moe_tensors = 1 + 3 * n_local + (S ? 3 : 0);
+    const int64_t n_local = lc->n_experts / m->ep_size;
+    const int64_t shared = moe_layer_shared_width(lc) ? 3 + (lc->shared_gate ? 1 : 0) : 0;
+    const int64_t moe_tensors = 1 + 3 * n_local + shared;
     const int64_t L = m->nl;
     /* Tensors of one layer in the one-rank table, which the init streams count. */
-    const int64_t layer_streams = moe_first(c) + 1 + 3 * lc->n_experts + (S ? 3 : 0);
+    const int64_t layer_streams = moe_first(c) + 1 + 3 * lc->n_experts + shared;
     const bool table = m->tensors != NULL;
     m->n_tensors = m->n_params = 0;
     m->n_init_streams = 0;
@@ -210,10 +216,15 @@ static void lay_out_tensors(moe_model *m, const moe_layer_config *lc) {
             add_tensor(m, 1, moe_qk_norm_width(c, true), 1, false, "model.layers.%lld.self_attn.k_norm.weight",
                        (long long)l);
         }
+        for (int b = 0; c->moe_qkv_bias && b < 3; b++) {
+            add_tensor(m, 1, b ? kvdim : qdim, 1, false, "model.layers.%lld.self_attn.%c_proj.bias", (long long)l,
+                       "qkv"[b]);
+            if (table) m->tensors[m->n_tensors - 1].bias = true;
+        }
         if (table) m->moe_off[i].router = m->n_params;
         m->n_params += lc->n_experts * C;
         if (table) m->moe_off[i].shared = m->n_params;
-        m->n_params += 3 * S * C;
+        m->n_params += moe_layer_shared_params(lc);
         for (int64_t j = 0; j < moe_tensors; j++) add_tensor(m, 2, 0, 0, true, "%s", "");
     }
     m->n_init_streams = 1 + m->cfg.num_hidden_layers * layer_streams;
@@ -373,6 +384,13 @@ static int64_t decode_rows(const moe_model *m) {
     return !m->inference ? m->N : m->decode_only ? forward_rows(m) : m->B;
 }
 
+/* The rows attention_inputs runs on at most: a forward's or a decoding
+ * step's. */
+static int64_t ones_rows(const moe_model *m) {
+    const int64_t a = forward_rows(m), b = decode_rows(m);
+    return a > b ? a : b;
+}
+
 /* The arrays of a layer's forward but its input; with keys, its keys and
  * values too. */
 static int layer_entries(moe_model *m, arena_entry *table, layer_acts *a, bool keys) {
@@ -474,6 +492,7 @@ static moe_status build_arena(moe_model *m) {
     const int64_t rows = decode_rows(m);
     table[n++] = (arena_entry){(void **)&m->cos_t, m->T * hd / 2 * f};
     table[n++] = (arena_entry){(void **)&m->sin_t, m->T * hd / 2 * f};
+    table[n++] = (arena_entry){(void **)&m->ones, c->moe_qkv_bias ? ones_rows(m) * f : 0};
     table[n++] = (arena_entry){(void **)&m->dres, rows * C * f};
     table[n++] = (arena_entry){(void **)&m->dln, rows * C * f};
     table[n++] = (arena_entry){(void **)&m->dmoe, rows * C * f};
@@ -613,8 +632,9 @@ static moe_status place_layers(moe_model *m, const moe_model_parallel *par) {
  * layers over the parameters (a twin's following the base's), its
  * activations, host arrays and RoPE tables. */
 /* RoPE's tables for the model's T positions, made on the host (rope.h)
- * and uploaded once: the step loop does no transcendental work. */
-static moe_status upload_rope_tables(moe_model *m) {
+ * and uploaded once: the step loop does no transcendental work; and the
+ * biases' 1s. */
+static moe_status upload_tables(moe_model *m) {
     const moe_model_config *cfg = &m->cfg;
     const size_t n = (size_t)(m->T * (cfg->head_dim / 2));
     float *cos_t = malloc(n * sizeof *cos_t), *sin_t = malloc(n * sizeof *sin_t);
@@ -626,6 +646,7 @@ static moe_status upload_rope_tables(moe_model *m) {
     }
     if (st == MOE_OK) st = m->ops->upload(m->sin_t, sin_t, n * sizeof *sin_t);
     free(cos_t), free(sin_t);
+    if (cfg->moe_qkv_bias) m->ops->uniform(m->ones, 0, 0, 0, 1.0f, 0.0f, ones_rows(m));
     return st;
 }
 
@@ -671,7 +692,7 @@ static moe_status build_instance(moe_model *m) {
     if (!m->losses_host || !m->lse_host || !m->staging || !m->sync_reqs || !m->jitter_at || !m->expert_load ||
         !m->cached)
         return moe_error(MOE_ERR_OUT_OF_MEMORY, "model: host arrays for %lld values", (long long)staging);
-    return m->base ? MOE_OK : upload_rope_tables(m);
+    return m->base ? MOE_OK : upload_tables(m);
 }
 
 moe_status moe_model_create_twin(moe_model **out, moe_model *base, uint64_t chunks) {
@@ -805,7 +826,7 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_model_config *cf
         const moe_model_tensor *t = &m->tensors[i];
         float *p = m->staging; /* [numel] */
         if (t->ndim == 1) {
-            for (int64_t j = 0; j < t->numel; j++) p[j] = 1.0f;
+            for (int64_t j = 0; j < t->numel; j++) p[j] = t->bias ? 0.0f : 1.0f;
         } else {
 #pragma omp parallel for schedule(static)
             for (int64_t j = 0; j < t->numel; j++) p[j] = init_std * moe_rng_normal(seed, (uint64_t)t->init_stream, (uint64_t)j);
@@ -1093,6 +1114,15 @@ static void attention_inputs(moe_model *m, int64_t l, int64_t n, const float *x,
     m->ops->matmul_forward(qk_norm ? a->q_raw : q, ln, param(m, t0 + WQ), n, C, Hq * hd);
     m->ops->matmul_forward(qk_norm ? a->k_raw : k, ln, param(m, t0 + WK), n, C, Hkv * hd);
     m->ops->matmul_forward(v, ln, param(m, t0 + WV), n, C, Hkv * hd);
+    if (c->moe_qkv_bias) {
+        /* out [n, width] += 1s [n, 1] x bias [1, width] */
+        float *out[3] = {qk_norm ? a->q_raw : q, qk_norm ? a->k_raw : k, v};
+        for (int b = 0; b < 3; b++) {
+            const int64_t width = (b ? Hkv : Hq) * hd;
+            m->ops->gemm(out[b], m->ones, param(m, t0 + bias_first(c) + b), n, width, 1, 1, width, width, false, false,
+                         1.0f, 1.0f);
+        }
+    }
     if (!qk_norm) return;
     const int64_t wq = moe_qk_norm_width(c, false), wk = moe_qk_norm_width(c, true);
     m->ops->rmsnorm_forward(q, a->rstd_q, a->q_raw, param(m, t0 + QNORM), eps, n * Hq * hd / wq, wq);
@@ -1460,6 +1490,15 @@ moe_status moe_model_stage_backward(moe_model *m, int chunk, const float *dy, fl
                                   m->norm_scratch, N * Hq * hd / wq, wq);
             ops->rmsnorm_backward(dk, grad(m, t0 + KNORM), m->dk, a->k_raw, param(m, t0 + KNORM), a->rstd_k,
                                   m->norm_scratch, N * Hkv * hd / wk, wk);
+        }
+        if (c->moe_qkv_bias) {
+            /* dbias [1, width] += 1s [N, 1]^T x dout [N, width] */
+            const float *dout[3] = {dq, dk, m->dv};
+            for (int b = 0; b < 3; b++) {
+                const int64_t width = (b ? Hkv : Hq) * hd;
+                ops->gemm(grad(m, t0 + bias_first(c) + b), m->ones, dout[b], 1, width, N, 1, width, width, true, false,
+                          1.0f, 1.0f);
+            }
         }
         ops->zero(m->dln, (size_t)(N * C) * sizeof(float));
         ops->matmul_backward(m->dln, grad(m, t0 + WQ), dq, a->ln1, param(m, t0 + WQ), N, C, Hq * hd);

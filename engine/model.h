@@ -26,7 +26,8 @@ typedef struct moe_model_tensor {
     int64_t shape[2];                 /* [rows, cols]; shape[1] = 1 when ndim = 1 */
     int64_t offset;                   /* into the parameter (and gradient) array */
     int64_t numel;
-    bool decay;                       /* AdamW weight decay: every matrix, no norm */
+    bool decay;                       /* AdamW weight decay: every matrix, no norm or bias */
+    bool bias;                        /* a projection's bias: starts at 0, where a norm's weight starts at 1 */
     int64_t init_stream;              /* its index in the one-rank table: seeds its initial values */
 } moe_model_tensor;
 

@@ -106,12 +106,15 @@ static const field fields[] = {
     FIELD(eos_token_id, F_TOKEN_IDS, false, 0),
     FIELD(pad_token_id, F_TOKEN_IDS, false, 0),
     ENUM_FIELD(moe_qk_norm, MOE_QK_NORM_NONE, qk_norm_names),
+    FIELD(moe_qkv_bias, F_BOOL, false, 0),
     ENUM_FIELD(moe_gate, MOE_GATE_SOFTMAX_TOPK, gate_names),
     FIELD(moe_renormalize, F_BOOL, false, 1),
     FIELD(moe_capacity_factor, F_REAL, false, 0.0),
     FIELD(moe_z_loss_coef, F_REAL, false, 0.0),
     FIELD(moe_seq_aux_loss_coef, F_REAL, false, 0.0),
     FIELD(moe_n_shared_experts, F_INT, false, 0),
+    FIELD(moe_shared_intermediate_size, F_INT, false, 0),
+    FIELD(moe_shared_expert_gate, F_BOOL, false, 0),
     FIELD(moe_bias_update_rate, F_REAL, false, 0.0),
     FIELD(moe_n_group, F_INT, false, 0),
     FIELD(moe_topk_group, F_INT, false, 0),
@@ -142,39 +145,47 @@ static const char *const checked_keys[] = {
 #define ARCH_QWEN3 "Qwen3MoeForCausalLM"
 #define MODEL_TYPE_OLMOE "olmoe"
 #define ARCH_OLMOE "OlmoeForCausalLM"
+#define MODEL_TYPE_QWEN2 "qwen2_moe"
+#define ARCH_QWEN2 "Qwen2MoeForCausalLM"
 #define MODEL_TYPE_OURS "moe"
 #define ARCH_OURS "MoeForCausalLM"
 
-typedef enum family { FAMILY_MIXTRAL, FAMILY_QWEN3, FAMILY_OLMOE, FAMILY_OURS, N_FAMILIES } family;
+typedef enum family { FAMILY_MIXTRAL, FAMILY_QWEN3, FAMILY_OLMOE, FAMILY_QWEN2, FAMILY_OURS, N_FAMILIES } family;
 static const char *const family_types[N_FAMILIES] = {MODEL_TYPE_MIXTRAL, MODEL_TYPE_QWEN3, MODEL_TYPE_OLMOE,
-                                                     MODEL_TYPE_OURS};
-static const char *const family_archs[N_FAMILIES] = {ARCH_MIXTRAL, ARCH_QWEN3, ARCH_OLMOE, ARCH_OURS};
+                                                     MODEL_TYPE_QWEN2, MODEL_TYPE_OURS};
+static const char *const family_archs[N_FAMILIES] = {ARCH_MIXTRAL, ARCH_QWEN3, ARCH_OLMOE, ARCH_QWEN2, ARCH_OURS};
 #define FAMILY_BIT(f) (1u << (f))
 
-/* The keys of Qwen3MoeConfig and OlmoeConfig beyond Mixtral's, read in a
- * file of a type that has them (families, a FAMILY_BIT mask) and in
- * another an unknown key; FAMILY_KEY_BIT(k) marks one given. */
+/* The keys of Qwen3MoeConfig, OlmoeConfig and Qwen2MoeConfig beyond
+ * Mixtral's, read in a file of a type that has them (families, a
+ * FAMILY_BIT mask) and in another an unknown key; FAMILY_KEY_BIT(k) marks
+ * one given. */
 enum {
     KEY_MOE_INTERMEDIATE, KEY_NORM_TOPK, KEY_SPARSE_STEP, KEY_MLP_ONLY, KEY_USE_WINDOW, KEY_ATTENTION_BIAS,
-    KEY_MAX_WINDOW_LAYERS, KEY_CLIP_QKV, N_FAMILY_KEYS
+    KEY_MAX_WINDOW_LAYERS, KEY_CLIP_QKV, KEY_SHARED_INTERMEDIATE, KEY_QKV_BIAS, KEY_LAYER_TYPES, N_FAMILY_KEYS
 };
+#define QWENS (FAMILY_BIT(FAMILY_QWEN3) | FAMILY_BIT(FAMILY_QWEN2))
 static const struct {
     const char *key;
     unsigned families;
 } family_keys[N_FAMILY_KEYS] = {
-    [KEY_MOE_INTERMEDIATE] = {"moe_intermediate_size", FAMILY_BIT(FAMILY_QWEN3)},
-    [KEY_NORM_TOPK] = {"norm_topk_prob", FAMILY_BIT(FAMILY_QWEN3) | FAMILY_BIT(FAMILY_OLMOE)},
-    [KEY_SPARSE_STEP] = {"decoder_sparse_step", FAMILY_BIT(FAMILY_QWEN3)},
-    [KEY_MLP_ONLY] = {"mlp_only_layers", FAMILY_BIT(FAMILY_QWEN3)},
-    [KEY_USE_WINDOW] = {"use_sliding_window", FAMILY_BIT(FAMILY_QWEN3)},
+    [KEY_MOE_INTERMEDIATE] = {"moe_intermediate_size", QWENS},
+    [KEY_NORM_TOPK] = {"norm_topk_prob", QWENS | FAMILY_BIT(FAMILY_OLMOE)},
+    [KEY_SPARSE_STEP] = {"decoder_sparse_step", QWENS},
+    [KEY_MLP_ONLY] = {"mlp_only_layers", QWENS},
+    [KEY_USE_WINDOW] = {"use_sliding_window", QWENS},
     [KEY_ATTENTION_BIAS] = {"attention_bias", FAMILY_BIT(FAMILY_QWEN3) | FAMILY_BIT(FAMILY_OLMOE)},
-    [KEY_MAX_WINDOW_LAYERS] = {"max_window_layers", FAMILY_BIT(FAMILY_QWEN3)},
+    [KEY_MAX_WINDOW_LAYERS] = {"max_window_layers", QWENS},
     [KEY_CLIP_QKV] = {"clip_qkv", FAMILY_BIT(FAMILY_OLMOE)},
+    [KEY_SHARED_INTERMEDIATE] = {"shared_expert_intermediate_size", FAMILY_BIT(FAMILY_QWEN2)},
+    [KEY_QKV_BIAS] = {"qkv_bias", FAMILY_BIT(FAMILY_QWEN2)},
+    /* family_bool: a layer other than "full_attention" */
+    [KEY_LAYER_TYPES] = {"layer_types", FAMILY_BIT(FAMILY_QWEN2)},
 };
 #define FAMILY_KEY_BIT(k) (1u << (k))
 
-/* Qwen3MoeConfig's and OlmoeConfig's defaults where they differ from
- * MixtralConfig's (OLMoE's absent num_key_value_heads is
+/* Qwen3MoeConfig's, OlmoeConfig's and Qwen2MoeConfig's defaults where they
+ * differ from MixtralConfig's (OLMoE's absent num_key_value_heads is
  * num_attention_heads, fill_defaults' to set), and their q and k norms. */
 static const struct {
     family fam;
@@ -192,6 +203,11 @@ static const struct {
     {FAMILY_OLMOE, "router_aux_loss_coef", 0.01},
     {FAMILY_OLMOE, "moe_renormalize", 0},
     {FAMILY_OLMOE, "moe_qk_norm", MOE_QK_NORM_ACROSS_HEADS},
+    {FAMILY_QWEN2, "num_key_value_heads", 16},
+    {FAMILY_QWEN2, "max_position_embeddings", 32768},
+    {FAMILY_QWEN2, "rope_theta", 1e4},
+    {FAMILY_QWEN2, "rms_norm_eps", 1e-6},
+    {FAMILY_QWEN2, "moe_renormalize", 0},
 };
 
 const char *moe_gate_kind_name(int kind) {
@@ -736,9 +752,10 @@ static moe_status check_other(const char *key, const moe_json *v, other_values *
         const char *text;
         MOE_TRY(string_text(&text, name, key, v));
         if (text && listed(text, family_types, N_FAMILIES)) return MOE_OK;
-        return moe_error(MOE_ERR_CONFIG, "%s: model_type=%s is not supported (only \"%s\", \"%s\", \"%s\" or \"%s\")",
-                         name, describe(got, sizeof got, v), family_types[0], family_types[1], family_types[2],
-                         family_types[3]);
+        return moe_error(MOE_ERR_CONFIG,
+                         "%s: model_type=%s is not supported (only \"%s\", \"%s\", \"%s\", \"%s\" or \"%s\")", name,
+                         describe(got, sizeof got, v), family_types[0], family_types[1], family_types[2],
+                         family_types[3], family_types[4]);
     }
     for (int k = 0; k < N_FAMILY_KEYS; k++) {
         if (strcmp(key, family_keys[k].key) != 0) continue;
@@ -753,7 +770,14 @@ static moe_status check_other(const char *key, const moe_json *v, other_values *
                 MOE_TRY(read_int(&layer, name, item, "an integer", &v->array.items[i]));
                 if (layer >= 0 && layer < o->family_int[k]) o->family_int[k] = layer;
             }
-        } else if (k == KEY_NORM_TOPK || k == KEY_USE_WINDOW || k == KEY_ATTENTION_BIAS) {
+        } else if (k == KEY_LAYER_TYPES) {
+            if (v->type != MOE_JSON_ARRAY) return wrong_type(name, key, "a list of attention kinds", v);
+            for (size_t i = 0; i < v->array.count; i++) {
+                const char *kind = moe_json_text(&v->array.items[i]);
+                if (!kind) return wrong_type(name, key, "a list of strings", &v->array.items[i]);
+                o->family_bool[k] |= strcmp(kind, "full_attention") != 0;
+            }
+        } else if (k == KEY_NORM_TOPK || k == KEY_USE_WINDOW || k == KEY_ATTENTION_BIAS || k == KEY_QKV_BIAS) {
             if (v->type != MOE_JSON_BOOL) return wrong_type(name, key, "true or false", v);
             o->family_bool[k] = v->boolean;
         } else if (k == KEY_CLIP_QKV) { /* null (no clipping) returned above */
@@ -831,8 +855,11 @@ static moe_status read_keys(moe_model_config *cfg, given *state, other_values *o
         size_t f = field_index(m->key);
         if (f == N_FIELDS) {
             MOE_TRY(read_other(m, o, name, wfn, wctx));
-        } else if (m->value.type == MOE_JSON_NULL && fields[f].kind != F_TOKEN_IDS) {
-            /* A token id's null is a value (no token), not its default. */
+        } else if ((m->value.type == MOE_JSON_NULL && fields[f].kind != F_TOKEN_IDS) ||
+                   (o->type == FAMILY_QWEN2 && fields[f].kind == F_WINDOW && m->value.type == MOE_JSON_NUMBER &&
+                    m->value.number.value == 0.0)) {
+            /* A token id's null is a value (no token), not its default;
+             * Qwen2MoeConfig writes no window as 0. */
             state[f] = GIVEN_NULL;
         } else {
             MOE_TRY(read_field(cfg, &fields[f], &m->value, name));
@@ -850,23 +877,62 @@ static moe_status check_kv_heads(const char *name, int64_t heads, int64_t kv_hea
                      name, (long long)heads, (long long)kv_heads, note);
 }
 
-/* A qwen3_moe file's own keys, before the defaults: the experts' width is
- * moe_intermediate_size (intermediate_size is its dense MLP's, which a
- * model of MoE layers only has not). */
-static moe_status read_family_sizes(moe_model_config *cfg, given *state, const other_values *o, const char *name) {
-    if (o->type != FAMILY_QWEN3) return MOE_OK;
-    if (!(o->family_given & FAMILY_KEY_BIT(KEY_MOE_INTERMEDIATE)))
-        return moe_error(MOE_ERR_CONFIG, "%s: missing required key 'moe_intermediate_size' (model_type qwen3_moe: "
-                                         "the experts' width)",
-                         name);
-    cfg->intermediate_size = o->family_int[KEY_MOE_INTERMEDIATE];
-    state[field_index("intermediate_size")] = GIVEN;
+/* A Qwen family's value v of moe_* field key, read from its own key
+ * (family_key) into cfg unless the file gives the moe_* key too, which
+ * must then agree. */
+static moe_status take_family_value(moe_model_config *cfg, given *state, const char *key, double v,
+                                    const char *family_key, const char *name) {
+    const size_t f = field_index(key);
+    void *at = field_ptr(cfg, &fields[f]);
+    const double given_value = fields[f].kind == F_BOOL ? *(bool *)at : (double)*(int64_t *)at;
+    if (state[f] == GIVEN && given_value != v)
+        return moe_error(MOE_ERR_CONFIG, "%s: %s=%g disagrees with %s, which means %g", name, key, given_value,
+                         family_key, v);
+    if (fields[f].kind == F_BOOL)
+        *(bool *)at = v != 0.0;
+    else
+        *(int64_t *)at = (int64_t)v;
+    state[f] = GIVEN;
     return MOE_OK;
 }
 
-/* A qwen3_moe or olmoe file's defaults and keys, after Mixtral's defaults:
- * what transformers' Qwen3MoeConfig or OlmoeConfig and their models make of
- * them, or a refusal of what this model does not compute. */
+/* A qwen3_moe or qwen2_moe file's own keys, before the defaults: the
+ * experts' width is moe_intermediate_size (intermediate_size is its dense
+ * MLP's, which a model of MoE layers only has not); Qwen2-MoE's one shared
+ * expert is shared_expert_intermediate_size wide, behind its gate, and q,
+ * k and v have biases unless qkv_bias says false. */
+static moe_status read_family_sizes(moe_model_config *cfg, given *state, const other_values *o, const char *name) {
+    if (o->type != FAMILY_QWEN3 && o->type != FAMILY_QWEN2) return MOE_OK;
+    const char *type = family_types[o->type];
+    if (!(o->family_given & FAMILY_KEY_BIT(KEY_MOE_INTERMEDIATE)))
+        return moe_error(MOE_ERR_CONFIG, "%s: missing required key 'moe_intermediate_size' (model_type %s: the "
+                                         "experts' width)",
+                         name, type);
+    cfg->intermediate_size = o->family_int[KEY_MOE_INTERMEDIATE];
+    state[field_index("intermediate_size")] = GIVEN;
+    if (o->type != FAMILY_QWEN2) return MOE_OK;
+    const int64_t shared = o->family_int[KEY_SHARED_INTERMEDIATE];
+    if (!(o->family_given & FAMILY_KEY_BIT(KEY_SHARED_INTERMEDIATE)))
+        return moe_error(MOE_ERR_CONFIG, "%s: missing required key 'shared_expert_intermediate_size' (model_type %s: "
+                                         "the shared expert's width)",
+                         name, type);
+    if (shared <= 0)
+        return moe_error(MOE_ERR_CONFIG, "%s: shared_expert_intermediate_size=%lld is not supported (a shared expert "
+                                         "of no width: only positive widths)",
+                         name, (long long)shared);
+    const char *const shared_key = family_keys[KEY_SHARED_INTERMEDIATE].key;
+    MOE_TRY(take_family_value(cfg, state, "moe_n_shared_experts", 1, shared_key, name));
+    MOE_TRY(take_family_value(cfg, state, "moe_shared_intermediate_size", (double)shared, shared_key, name));
+    MOE_TRY(take_family_value(cfg, state, "moe_shared_expert_gate", 1, shared_key, name));
+    /* transformers v4 gives q, k and v biases always; v5 reads qkv_bias, true when absent. */
+    const bool bias = !(o->family_given & FAMILY_KEY_BIT(KEY_QKV_BIAS)) || o->family_bool[KEY_QKV_BIAS];
+    return take_family_value(cfg, state, "moe_qkv_bias", bias, family_keys[KEY_QKV_BIAS].key, name);
+}
+
+/* A qwen3_moe, olmoe or qwen2_moe file's defaults and keys, after
+ * Mixtral's defaults: what transformers' Qwen3MoeConfig, OlmoeConfig or
+ * Qwen2MoeConfig and their models make of them, or a refusal of what this
+ * model does not compute. */
 static moe_status read_family_function(moe_model_config *cfg, const given *state, const other_values *o,
                                        const char *name, moe_warn_fn wfn, void *wctx) {
     const char *type = family_types[o->type];
@@ -877,10 +943,18 @@ static moe_status read_family_function(moe_model_config *cfg, const given *state
         def.def = family_defaults[d].def;
         set_default(cfg, &def);
     }
-    const moe_qk_norm_kind qk = o->type == FAMILY_QWEN3 ? MOE_QK_NORM_PER_HEAD : MOE_QK_NORM_ACROSS_HEADS;
+    const moe_qk_norm_kind qk = o->type == FAMILY_QWEN3   ? MOE_QK_NORM_PER_HEAD
+                                : o->type == FAMILY_OLMOE ? MOE_QK_NORM_ACROSS_HEADS
+                                                          : MOE_QK_NORM_NONE;
     if (cfg->moe_qk_norm != qk)
-        return moe_error(MOE_ERR_CONFIG, "%s: moe_qk_norm=\"%s\", and model_type %s normalises q and k %s", name,
-                         qk_norm_names[cfg->moe_qk_norm], type, qk == MOE_QK_NORM_PER_HEAD ? "per head" : "across heads");
+        return moe_error(MOE_ERR_CONFIG, "%s: moe_qk_norm=\"%s\", and model_type %s %s", name,
+                         qk_norm_names[cfg->moe_qk_norm], type,
+                         qk == MOE_QK_NORM_PER_HEAD      ? "normalises q and k per head"
+                         : qk == MOE_QK_NORM_ACROSS_HEADS ? "normalises q and k across heads"
+                                                          : "does not normalise q and k");
+    if (o->type != FAMILY_QWEN2 && (cfg->moe_qkv_bias || cfg->moe_shared_expert_gate))
+        return moe_error(MOE_ERR_CONFIG, "%s: moe_%s=true, and model_type %s has none", name,
+                         cfg->moe_qkv_bias ? "qkv_bias" : "shared_expert_gate", type);
     /* transformers reads norm_topk_prob alone, false when absent. */
     const bool norm = o->family_bool[KEY_NORM_TOPK];
     if (state[field_index("moe_renormalize")] == GIVEN && cfg->moe_renormalize != norm)
@@ -900,8 +974,8 @@ static moe_status read_family_function(moe_model_config *cfg, const given *state
         cfg->sliding_window = 0;
         return MOE_OK;
     }
-    /* Qwen3-MoE: layer l is an MoE layer when (l + 1) % decoder_sparse_step
-     * == 0 and mlp_only_layers does not list it. */
+    /* Qwen3-MoE and Qwen2-MoE: layer l is an MoE layer when (l + 1) %
+     * decoder_sparse_step == 0 and mlp_only_layers does not list it. */
     const int64_t step = o->family_int[KEY_SPARSE_STEP];
     if ((o->family_given & FAMILY_KEY_BIT(KEY_SPARSE_STEP)) && step != 1)
         return moe_error(MOE_ERR_CONFIG, "%s: decoder_sparse_step=%lld is not supported (only 1: dense MLP layers "
@@ -912,6 +986,13 @@ static moe_status read_family_function(moe_model_config *cfg, const given *state
         return moe_error(MOE_ERR_CONFIG, "%s: mlp_only_layers lists layer %lld, which would be a dense MLP: not "
                                          "implemented",
                          name, (long long)o->family_int[KEY_MLP_ONLY]);
+    /* Qwen2MoeConfig windows only some layers (layer_types, or under
+     * use_sliding_window those below max_window_layers). */
+    if (o->type == FAMILY_QWEN2 && (o->family_bool[KEY_USE_WINDOW] || o->family_bool[KEY_LAYER_TYPES]))
+        return moe_error(MOE_ERR_CONFIG, "%s: %s is not supported for model_type qwen2_moe (a window on some layers "
+                                         "only: every layer attends to every position before here)",
+                         name, o->family_bool[KEY_USE_WINDOW] ? "use_sliding_window=true" : "a layer_types entry other "
+                                                                                           "than \"full_attention\"");
     /* Qwen3MoeConfig keeps sliding_window only under use_sliding_window,
      * 4096 when absent (null: none). */
     if (!o->family_bool[KEY_USE_WINDOW]) cfg->sliding_window = 0;
@@ -943,8 +1024,10 @@ static moe_status fill_defaults(moe_model_config *cfg, given *state, const other
         if (fields[f].required) return moe_error(MOE_ERR_CONFIG, "%s: missing required key '%s'", name, fields[f].key);
         if (fields[f].def != DERIVED) set_default(cfg, &fields[f]);
     }
-    if (o->type == FAMILY_QWEN3 || o->type == FAMILY_OLMOE)
+    if (o->type != FAMILY_MIXTRAL && o->type != FAMILY_OURS)
         MOE_TRY(read_family_function(cfg, state, o, name, wfn, wctx));
+    /* The shared experts' width in one form: the routed experts' is 0. */
+    if (cfg->moe_shared_intermediate_size == cfg->intermediate_size) cfg->moe_shared_intermediate_size = 0;
     const double top_theta = state[field_index("rope_theta")] == GIVEN ? cfg->rope_theta : NAN;
     MOE_TRY(resolve_rope(&cfg->rope_theta, &cfg->rope_scaling, o, top_theta, cfg->max_position_embeddings, name, wfn,
                          wctx));
@@ -1090,6 +1173,12 @@ static bool add_product(int64_t *acc, int64_t a, int64_t b) {
     return !__builtin_mul_overflow(a, b, &p) && !__builtin_add_overflow(*acc, p, acc);
 }
 
+/* The shared experts' MLP width (moe_layer_shared_width); validated first. */
+static int64_t shared_width(const moe_model_config *c) {
+    return c->moe_n_shared_experts *
+           (c->moe_shared_intermediate_size > 0 ? c->moe_shared_intermediate_size : c->intermediate_size);
+}
+
 /* The model's parameters as it lays them out, in fp32 bytes, fit int64, so
  * that no size or offset computed from them overflows: the embedding and the
  * head (vocab x d each) and the final norm; per layer two norms, q and o
@@ -1099,19 +1188,19 @@ static bool add_product(int64_t *acc, int64_t a, int64_t b) {
 static moe_status check_param_bytes(const moe_model_config *c, const char *name) {
     const int64_t d = c->hidden_size, ff = c->intermediate_size, E = c->num_local_experts;
     const int64_t qdim = c->num_attention_heads * c->head_dim, kvdim = c->num_key_value_heads * c->head_dim;
-    int64_t layer = 0, total = 0, bytes;
-    bool ok = add_product(&layer, 2 + 2 * qdim + 2 * kvdim + E, d) &&
-              add_product(&layer, 3 * (E + c->moe_n_shared_experts) * ff, d) &&
+    int64_t layer = qdim + 2 * kvdim, total = 0, bytes; /* the norms' and biases' room, at most */
+    bool ok = add_product(&layer, 2 + 2 * qdim + 2 * kvdim + E + 1, d) && add_product(&layer, 3 * E * ff, d) &&
+              add_product(&layer, 3 * shared_width(c), d) &&
               add_product(&total, layer, c->num_hidden_layers) && add_product(&total, 2 * c->vocab_size + 1, d) &&
               !__builtin_mul_overflow(total, (int64_t)sizeof(float), &bytes);
     if (ok) return MOE_OK;
     return moe_error(MOE_ERR_CONFIG,
                      "%s: the parameter bytes of num_hidden_layers=%lld layers of hidden_size=%lld, "
                      "num_attention_heads=%lld and num_key_value_heads=%lld x head_dim=%lld, num_local_experts=%lld "
-                     "+ moe_n_shared_experts=%lld x intermediate_size=%lld, and vocab_size=%lld overflow int64",
+                     "x intermediate_size=%lld + the shared experts' width %lld, and vocab_size=%lld overflow int64",
                      name, (long long)c->num_hidden_layers, (long long)d, (long long)c->num_attention_heads,
-                     (long long)c->num_key_value_heads, (long long)c->head_dim, (long long)E,
-                     (long long)c->moe_n_shared_experts, (long long)ff, (long long)c->vocab_size);
+                     (long long)c->num_key_value_heads, (long long)c->head_dim, (long long)E, (long long)ff,
+                     (long long)shared_width(c), (long long)c->vocab_size);
 }
 
 /* A struct filled by hand may hold what no config.json reads as. */
@@ -1164,25 +1253,37 @@ moe_status moe_model_config_validate(const moe_model_config *c, const char *name
         return moe_error(MOE_ERR_CONFIG, "%s: num_experts_per_tok=%lld exceeds num_local_experts=%lld", name,
                          (long long)c->num_experts_per_tok, (long long)c->num_local_experts);
     /* The shared experts run as one MLP of moe_n_shared_experts x
-     * intermediate_size columns, a GEMM size too. */
-    const int64_t max_shared = MAX_GEMM_DIM / c->intermediate_size;
+     * moe_shared_intermediate_size (or intermediate_size) columns, a GEMM
+     * size too. */
+    if (c->moe_shared_intermediate_size < 0 || c->moe_shared_intermediate_size > MAX_GEMM_DIM)
+        return moe_error(MOE_ERR_CONFIG, "%s: moe_shared_intermediate_size=%lld must be in [0, %lld] (0: "
+                                         "intermediate_size)",
+                         name, (long long)c->moe_shared_intermediate_size, (long long)MAX_GEMM_DIM);
+    const bool own_width = c->moe_shared_intermediate_size > 0;
+    const int64_t width = own_width ? c->moe_shared_intermediate_size : c->intermediate_size;
+    const int64_t max_shared = MAX_GEMM_DIM / width;
     if (c->moe_n_shared_experts < 0 || c->moe_n_shared_experts > max_shared)
         return moe_error(MOE_ERR_CONFIG,
-                         "%s: moe_n_shared_experts=%lld must be in [0, %lld] (times intermediate_size=%lld, at "
-                         "most %lld)",
-                         name, (long long)c->moe_n_shared_experts, (long long)max_shared,
-                         (long long)c->intermediate_size, (long long)MAX_GEMM_DIM);
+                         "%s: moe_n_shared_experts=%lld must be in [0, %lld] (times %s=%lld, at most %lld)", name,
+                         (long long)c->moe_n_shared_experts, (long long)max_shared,
+                         own_width ? "moe_shared_intermediate_size" : "intermediate_size", (long long)width,
+                         (long long)MAX_GEMM_DIM);
+    if (c->moe_n_shared_experts == 0 && (own_width || c->moe_shared_expert_gate))
+        return moe_error(MOE_ERR_CONFIG, "%s: %s needs shared experts (moe_n_shared_experts=0)", name,
+                         own_width ? "moe_shared_intermediate_size" : "moe_shared_expert_gate=true");
     /* The layer counts its parameter and gradient bytes, three d x ff
      * matrices per routed and shared expert plus the router, in int64. */
     int64_t dff, bytes;
+    int64_t shared;
     if (__builtin_mul_overflow(c->hidden_size, c->intermediate_size, &dff) ||
-        __builtin_mul_overflow(dff, 3 * (c->num_local_experts + c->moe_n_shared_experts) + 1, &bytes) ||
-        __builtin_mul_overflow(bytes, 2 * (int64_t)sizeof(float), &bytes))
+        __builtin_mul_overflow(dff, 3 * c->num_local_experts + 1, &bytes) ||
+        __builtin_mul_overflow(c->hidden_size, 3 * shared_width(c) + 1, &shared) ||
+        __builtin_add_overflow(bytes, shared, &bytes) || __builtin_mul_overflow(bytes, 2 * (int64_t)sizeof(float), &bytes))
         return moe_error(MOE_ERR_CONFIG,
-                         "%s: hidden_size=%lld x intermediate_size=%lld x (num_local_experts=%lld + "
-                         "moe_n_shared_experts=%lld) overflows the layer's byte count",
+                         "%s: hidden_size=%lld x (intermediate_size=%lld x num_local_experts=%lld + the shared "
+                         "experts' width %lld) overflows the layer's byte count",
                          name, (long long)c->hidden_size, (long long)c->intermediate_size,
-                         (long long)c->num_local_experts, (long long)c->moe_n_shared_experts);
+                         (long long)c->num_local_experts, (long long)shared_width(c));
     MOE_TRY(check_param_bytes(c, name));
     for (size_t f = 0; f < N_FIELDS; f++)
         if (fields[f].kind == F_TOKEN_IDS) MOE_TRY(check_token_ids(name, fields[f].key, field_cptr(c, &fields[f])));
@@ -1233,12 +1334,16 @@ static moe_status write_text_line(void *ctx, FILE *file) {
  * (router_aux_loss_coef, moe_z_loss_coef, moe_seq_aux_loss_coef, and
  * router_jitter_noise, which perturbs training only) leave it theirs;
  * moe_bias_update_rate > 0 does not, as the saved selection bias moves
- * the routing. */
+ * the routing. Qwen2-MoE's adds one gated shared expert and q, k and v
+ * biases (transformers v4 has them always); the others have neither. */
 static family family_of(const moe_model_config *c) {
     const bool routing = c->moe_gate == MOE_GATE_SOFTMAX_TOPK && c->moe_capacity_factor == 0.0 &&
-                         c->moe_n_shared_experts == 0 && c->moe_bias_update_rate == 0.0 && c->moe_n_group <= 1 &&
-                         c->moe_routed_scaling_factor == 1.0;
+                         c->moe_bias_update_rate == 0.0 && c->moe_n_group <= 1 && c->moe_routed_scaling_factor == 1.0;
     if (!routing) return FAMILY_OURS;
+    if (c->moe_n_shared_experts == 1 && c->moe_shared_expert_gate)
+        return c->moe_qkv_bias && c->moe_qk_norm == MOE_QK_NORM_NONE && c->sliding_window == 0 ? FAMILY_QWEN2
+                                                                                             : FAMILY_OURS;
+    if (c->moe_n_shared_experts != 0 || c->moe_qkv_bias) return FAMILY_OURS;
     switch (c->moe_qk_norm) {
     case MOE_QK_NORM_PER_HEAD: return FAMILY_QWEN3;
     /* OLMoE's q_norm is hidden_size wide, and it has no window. */
@@ -1265,9 +1370,31 @@ static void write_token_ids(moe_json_writer *w, const moe_token_ids *t) {
 const char *moe_model_config_model_type(const moe_model_config *cfg) { return family_types[family_of(cfg)]; }
 
 /* The config as moe_model_config_save writes it, into w (initialised). */
+/* Whether field f is written: the moe_* keys that a model type says in
+ * its own keys (model_config.h) only in our type, and there only when
+ * set, so that a configuration without them renders as before they
+ * existed. */
+static bool written(const moe_model_config *cfg, family fam, const field *f) {
+    static const size_t ours_when_set[] = {offsetof(moe_model_config, moe_qk_norm),
+                                           offsetof(moe_model_config, moe_qkv_bias),
+                                           offsetof(moe_model_config, moe_shared_intermediate_size),
+                                           offsetof(moe_model_config, moe_shared_expert_gate)};
+    if (f->kind == F_TOKEN_IDS) /* as read: a reader takes its model type's default */
+        return ((const moe_token_ids *)field_cptr(cfg, f))->form != MOE_TOKEN_ID_ABSENT;
+    for (size_t i = 0; i < sizeof ours_when_set / sizeof *ours_when_set; i++) {
+        if (f->offset != ours_when_set[i]) continue;
+        const void *at = field_cptr(cfg, f);
+        const bool set = f->kind == F_BOOL ? *(const bool *)at : f->kind == F_INT ? *(const int64_t *)at != 0
+                                                                                  : enum_value(cfg, f) != 0;
+        return fam == FAMILY_OURS && set;
+    }
+    return true;
+}
+
 static void render(const moe_model_config *cfg, moe_json_writer *w) {
     const family fam = family_of(cfg);
-    const bool qwen3 = fam == FAMILY_QWEN3, olmoe = fam == FAMILY_OLMOE;
+    const bool qwen3 = fam == FAMILY_QWEN3, olmoe = fam == FAMILY_OLMOE, qwen2 = fam == FAMILY_QWEN2;
+    const bool qwen = qwen3 || qwen2;
     moe_json_begin_object(w);
     moe_json_key(w, "architectures");
     moe_json_begin_array(w);
@@ -1280,27 +1407,22 @@ static void render(const moe_model_config *cfg, moe_json_writer *w) {
     moe_json_key(w, "torch_dtype");
     moe_json_string(w, "float32");
     for (size_t f = 0; f < N_FIELDS; f++) {
-        if (fields[f].kind == F_TOKEN_IDS &&
-            ((const moe_token_ids *)field_cptr(cfg, &fields[f]))->form == MOE_TOKEN_ID_ABSENT)
-            continue; /* as read: a reader takes its model type's default */
-        /* Written where it says something a model type does not: a
-         * configuration without it renders as before it existed. */
+        if (!written(cfg, fam, &fields[f])) continue;
         const size_t offset = fields[f].offset;
-        if (offset == offsetof(moe_model_config, moe_qk_norm) && (fam != FAMILY_OURS || !cfg->moe_qk_norm)) continue;
         /* transformers v4's Qwen3MoeConfig takes num_experts alone (v5 reads
-         * it as num_local_experts), and OlmoeConfig does; Qwen3's
-         * intermediate_size is a dense MLP's, unused, written as the
-         * experts' for a reader that wants one. */
-        if (qwen3 && offset == offsetof(moe_model_config, intermediate_size)) {
+         * it as num_local_experts), and OlmoeConfig and Qwen2MoeConfig do;
+         * the Qwens' intermediate_size is a dense MLP's, unused, written as
+         * the experts' for a reader that wants one. */
+        if (qwen && offset == offsetof(moe_model_config, intermediate_size)) {
             moe_json_key(w, family_keys[KEY_MOE_INTERMEDIATE].key);
             moe_json_int(w, cfg->intermediate_size);
         }
-        if (qwen3 && offset == offsetof(moe_model_config, sliding_window)) {
+        if (qwen && offset == offsetof(moe_model_config, sliding_window)) {
             moe_json_key(w, family_keys[KEY_USE_WINDOW].key);
             moe_json_bool(w, cfg->sliding_window > 0);
         }
-        moe_json_key(w, (qwen3 || olmoe) && offset == offsetof(moe_model_config, num_local_experts) ? "num_experts"
-                                                                                                     : fields[f].key);
+        moe_json_key(w, (qwen || olmoe) && offset == offsetof(moe_model_config, num_local_experts) ? "num_experts"
+                                                                                                    : fields[f].key);
         switch (fields[f].kind) {
         case F_INT: moe_json_int(w, *(const int64_t *)field_cptr(cfg, &fields[f])); break;
         case F_REAL: moe_json_number(w, *(const double *)field_cptr(cfg, &fields[f])); break;
@@ -1317,13 +1439,21 @@ static void render(const moe_model_config *cfg, moe_json_writer *w) {
         case F_TOKEN_IDS: write_token_ids(w, field_cptr(cfg, &fields[f])); break;
         }
     }
-    if (qwen3 || olmoe) {
+    if (qwen || olmoe) {
         moe_json_key(w, family_keys[KEY_NORM_TOPK].key);
         moe_json_bool(w, cfg->moe_renormalize);
+    }
+    if (qwen3 || olmoe) {
         moe_json_key(w, family_keys[KEY_ATTENTION_BIAS].key);
         moe_json_bool(w, false);
     }
-    if (qwen3) {
+    if (qwen2) {
+        moe_json_key(w, family_keys[KEY_SHARED_INTERMEDIATE].key);
+        moe_json_int(w, shared_width(cfg));
+        moe_json_key(w, family_keys[KEY_QKV_BIAS].key);
+        moe_json_bool(w, true);
+    }
+    if (qwen) {
         moe_json_key(w, family_keys[KEY_SPARSE_STEP].key);
         moe_json_int(w, 1);
         moe_json_key(w, family_keys[KEY_MLP_ONLY].key);
@@ -1436,6 +1566,8 @@ void moe_model_config_layer(moe_layer_config *layer, const moe_model_config *cfg
     layer->z_loss_coef = cfg->moe_z_loss_coef;
     layer->bias_update_rate = cfg->moe_bias_update_rate;
     layer->n_shared_experts = cfg->moe_n_shared_experts;
+    layer->shared_d_ff = cfg->moe_shared_intermediate_size;
+    layer->shared_gate = cfg->moe_shared_expert_gate;
     layer->jitter_eps = cfg->router_jitter_noise;
     layer->n_groups = cfg->moe_n_group;
     layer->top_groups = cfg->moe_topk_group;

@@ -11,7 +11,14 @@
  * file is read as OlmoeConfig: its defaults (num_key_value_heads
  * num_attention_heads, max_position_embeddings 4096, rope_theta 1e4,
  * router_aux_loss_coef 0.01, norm_topk_prob false), q and k normalised
- * across heads, no window, no clip_qkv and no attention biases.
+ * across heads, no window, no clip_qkv and no attention biases. A
+ * "qwen2_moe" file is read as Qwen2MoeConfig: the experts' width from
+ * moe_intermediate_size, one shared expert shared_expert_intermediate_size
+ * wide behind its sigmoid gate, q, k and v biases unless qkv_bias is false,
+ * its defaults (num_key_value_heads 16, max_position_embeddings 32768,
+ * rope_theta 1e4, rms_norm_eps 1e-6, norm_topk_prob false), every layer an
+ * MoE layer and no window (use_sliding_window false, layer_types all
+ * "full_attention"), or it is refused.
  *
  * Reading: a key we know but do not use (architectures, torch_dtype,
  * use_cache, ...) is accepted silently; an unknown key is ignored with a
@@ -19,7 +26,7 @@
  * that would change the model in ways we do not implement are errors
  * (hidden_act other than "silu" or "swish", which
  * transformers computes as silu, model_type other than "mixtral",
- * "qwen3_moe", "olmoe" or "moe",
+ * "qwen3_moe", "olmoe", "qwen2_moe" or "moe",
  * a rope_type other than "default", "linear", "llama3", "yarn" or "dynamic", a
  * partial_rotary_factor other than 1). A wrong type or an
  * impossible value is an error naming the file, the key and the value, and
@@ -39,14 +46,17 @@
  * moe_capacity_factor, moe_n_shared_experts, moe_bias_update_rate 0,
  * moe_n_group 0 or 1, moe_routed_scaling_factor 1 (the loss-only keys
  * router_aux_loss_coef, moe_z_loss_coef, moe_seq_aux_loss_coef and
- * router_jitter_noise may take any value) and no moe_qk_norm; with the
+ * router_jitter_noise may take any value), no moe_qk_norm and no
+ * moe_qkv_bias; with the
  * same routing (moe_renormalize either way) and moe_qk_norm "per_head"
  * "qwen3_moe" and ["Qwen3MoeForCausalLM"], with Qwen3's keys, and with
  * "across_heads", hidden_size num_attention_heads x head_dim wide and no
- * window, "olmoe" and ["OlmoeForCausalLM"], with OLMoE's. Otherwise
+ * window, "olmoe" and ["OlmoeForCausalLM"], with OLMoE's; with one gated
+ * shared expert, q, k and v biases and no q/k norm, "qwen2_moe" and
+ * ["Qwen2MoeForCausalLM"], with Qwen2-MoE's. Otherwise
  * "model_type": "moe" and ["MoeForCausalLM"], which transformers refuses
  * rather than load as a model that gives other outputs; this library reads
- * all three. */
+ * them all. */
 #ifndef MOE_ENGINE_MODEL_CONFIG_H
 #define MOE_ENGINE_MODEL_CONFIG_H
 
@@ -159,6 +169,8 @@ typedef struct moe_model_config {
     moe_token_ids bos_token_id, eos_token_id, pad_token_id; /* as read; absent by default */
     /* q_norm and k_norm, RMSNorm on q and k before RoPE (default none). */
     moe_qk_norm_kind moe_qk_norm;
+    /* q, k and v projections with biases, o's without (Qwen2's; default false). */
+    bool moe_qkv_bias;
     /* Ours (moe_layer_config in moe.h says what each does). */
     moe_gate_kind moe_gate;       /* "softmax_topk" (default), "topk_softmax", "sigmoid" */
     bool moe_renormalize;         /* default true */
@@ -166,6 +178,8 @@ typedef struct moe_model_config {
     double moe_z_loss_coef;       /* default 0 */
     double moe_seq_aux_loss_coef; /* default 0 (DeepSeek-V3's aux_loss_alpha with seq_aux) */
     int64_t moe_n_shared_experts; /* default 0 */
+    int64_t moe_shared_intermediate_size; /* each shared expert's width; default 0: intermediate_size */
+    bool moe_shared_expert_gate;  /* Qwen2-MoE's sigmoid gate on the shared experts; default false */
     double moe_bias_update_rate;  /* default 0 */
     int64_t moe_n_group;          /* default 0: no groups (DeepSeek-V3's n_group) */
     int64_t moe_topk_group;       /* groups a token's experts come from (topk_group) */
@@ -249,7 +263,8 @@ moe_status moe_model_config_validate(const moe_model_config *cfg, const char *na
 moe_status moe_model_config_save(const moe_model_config *cfg, const char *path);
 
 /* The model_type moe_model_config_save writes for cfg: "mixtral",
- * "qwen3_moe" or "moe"; a checkpoint's tensors take that type's names. */
+ * "qwen3_moe", "olmoe", "qwen2_moe" or "moe"; a checkpoint's tensors take
+ * that type's names. */
 const char *moe_model_config_model_type(const moe_model_config *cfg);
 
 /* The CRC-32C of the bytes moe_model_config_save writes for cfg: two

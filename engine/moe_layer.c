@@ -136,6 +136,9 @@ struct moe_layer {
     float *sh_h;         /* [T, 2S] shared experts */
     float *sh_g;         /* [T, S] */
     float *sh_y;         /* [T, d] */
+    float *sh_logit;     /* [T] the shared experts' gate (shared_gate only): x . w, */
+    float *sh_gate;      /* [T] its sigmoid, */
+    float *sh_out;       /* [T, d] and sh_y times it */
     /* The exchange (EP; m = min(top_k, P) ranks a token reaches at most): */
     float *seq_stats;    /* [T / seq_len, 2E] per sequence: pairs chosen, probability sums (seq aux only) */
     float *seq_aux_grad; /* [T / seq_len, E] aux_grad per sequence, the batch-wide one included (seq aux only) */
@@ -149,6 +152,8 @@ struct moe_layer {
     float *dyp;          /* as xp */
     float *dxp;          /* as yp */
     float *sh_dh;        /* [T, 2S] */
+    float *sh_dy;        /* [T, d] the shared experts' output gradient (shared_gate only) */
+    float *sh_dlogit;    /* [T] */
     float *dw_back;      /* [T*m, k] the exchange's weight gradients per token and rank */
 
     /* Rows this rank's experts work on, sized for rows_sized rows. With one
@@ -250,10 +255,17 @@ static int64_t seq_aux_len(const moe_layer_config *c) { return c->seq_aux_loss_c
 /* a * b into *out, or false when it overflows int64. */
 static bool mul_ok(int64_t a, int64_t b, int64_t *out) { return !__builtin_mul_overflow(a, b, out); }
 
+int64_t moe_layer_shared_width(const moe_layer_config *cfg) {
+    return cfg->n_shared_experts * (cfg->shared_d_ff > 0 ? cfg->shared_d_ff : cfg->d_ff);
+}
+
+int64_t moe_layer_shared_params(const moe_layer_config *cfg) {
+    return 3 * moe_layer_shared_width(cfg) * cfg->d_model + (cfg->shared_gate ? cfg->d_model : 0);
+}
+
 int64_t moe_layer_config_param_count(const moe_layer_config *cfg, int ep_size) {
-    int64_t d = cfg->d_model, ff = cfg->d_ff, E = cfg->n_experts;
-    int64_t S = cfg->n_shared_experts * ff;
-    return E * d + E / ep_size * 3 * ff * d + 3 * S * d;
+    const int64_t d = cfg->d_model, ff = cfg->d_ff, E = cfg->n_experts;
+    return E * d + E / ep_size * 3 * ff * d + moe_layer_shared_params(cfg);
 }
 
 moe_layer_config moe_layer_config_defaults(void) { return (moe_layer_config)MOE_LAYER_CONFIG_INIT; }
@@ -299,15 +311,24 @@ moe_status moe_layer_config_validate(const moe_layer_config *cfg) {
     if (cfg->n_shared_experts < 0)
         return moe_error(MOE_ERR_CONFIG, "moe layer config: n_shared_experts=%lld must not be negative",
                          (long long)cfg->n_shared_experts);
-    int64_t S, dff, n;
-    if (!mul_ok(cfg->n_shared_experts, cfg->d_ff, &S) || S > INT_MAX / 2)
-        return moe_error(MOE_ERR_CONFIG, "moe layer config: n_shared_experts=%lld x d_ff=%lld exceeds %d, the widest "
-                         "shared-expert GEMM", (long long)cfg->n_shared_experts, (long long)cfg->d_ff, INT_MAX / 2);
-    if (!mul_ok(cfg->d_model, cfg->d_ff, &dff) || !mul_ok(dff, 3 * (cfg->n_experts + cfg->n_shared_experts) + 1, &n) ||
+    if (cfg->shared_d_ff < 0 || cfg->shared_d_ff > INT_MAX / 2)
+        return moe_error(MOE_ERR_CONFIG, "moe layer config: shared_d_ff=%lld must be in [0, %d] (0: d_ff)",
+                         (long long)cfg->shared_d_ff, INT_MAX / 2);
+    const int64_t width = cfg->shared_d_ff > 0 ? cfg->shared_d_ff : cfg->d_ff;
+    int64_t S, dff, n, shared;
+    if (!mul_ok(cfg->n_shared_experts, width, &S) || S > INT_MAX / 2)
+        return moe_error(MOE_ERR_CONFIG, "moe layer config: n_shared_experts=%lld x %s=%lld exceeds %d, the widest "
+                         "shared-expert GEMM", (long long)cfg->n_shared_experts,
+                         cfg->shared_d_ff > 0 ? "shared_d_ff" : "d_ff", (long long)width, INT_MAX / 2);
+    if (cfg->shared_gate && S == 0)
+        return moe_error(MOE_ERR_CONFIG, "moe layer config: shared_gate needs shared experts (n_shared_experts=%lld)",
+                         (long long)cfg->n_shared_experts);
+    if (!mul_ok(cfg->d_model, cfg->d_ff, &dff) || !mul_ok(dff, 3 * cfg->n_experts + 1, &n) ||
+        !mul_ok(cfg->d_model, 3 * S + 1, &shared) || __builtin_add_overflow(n, shared, &n) ||
         !mul_ok(n, 2 * (int64_t)sizeof(float), &n))
-        return moe_error(MOE_ERR_CONFIG, "moe layer config: d_model=%lld x d_ff=%lld x (n_experts=%lld + "
-                         "n_shared_experts=%lld) overflows", (long long)cfg->d_model, (long long)cfg->d_ff,
-                         (long long)cfg->n_experts, (long long)cfg->n_shared_experts);
+        return moe_error(MOE_ERR_CONFIG, "moe layer config: d_model=%lld x (d_ff=%lld x n_experts=%lld + the shared "
+                         "experts' width %lld) overflows", (long long)cfg->d_model, (long long)cfg->d_ff,
+                         (long long)cfg->n_experts, (long long)S);
     return MOE_OK;
 }
 
@@ -344,6 +365,7 @@ static void build_views(moe_layer *L) {
         add_view(L, &p, &g, S, d, "shared_experts.gate_proj.weight", 0);
         add_view(L, &p, &g, S, d, "shared_experts.up_proj.weight", 0);
         add_view(L, &p, &g, d, S, "shared_experts.down_proj.weight", 0);
+        if (L->cfg.shared_gate) add_view(L, &p, &g, 1, d, "shared_expert_gate.weight", 0);
     }
 }
 
@@ -377,11 +399,11 @@ moe_status moe_layer_create_in(moe_layer **out, const moe_layer_config *cfg, con
     MOE_NOT_NULL(op, "mem", mem);
     MOE_NOT_NULL(op, "mem->router", mem->router);
     MOE_NOT_NULL(op, "mem->experts", mem->experts);
-    if (cfg && cfg->n_shared_experts > 0) MOE_NOT_NULL(op, "mem->shared (the config has shared experts)", mem->shared);
+    const bool shared = cfg && moe_layer_shared_width(cfg) > 0;
+    if (shared) MOE_NOT_NULL(op, "mem->shared (the config has shared experts)", mem->shared);
     /* Gradients all or none: a layer without them runs forwards only. */
     const bool grads = mem->router_grad != NULL;
-    if ((mem->experts_grad != NULL) != grads ||
-        (cfg && cfg->n_shared_experts > 0 && (mem->shared_grad != NULL) != grads))
+    if ((mem->experts_grad != NULL) != grads || (shared && (mem->shared_grad != NULL) != grads))
         return moe_error(MOE_ERR_INVALID_ARG, "%s: mem's gradients must all be given or all be NULL (forwards only)",
                          op);
     *out = NULL;
@@ -395,7 +417,7 @@ moe_status moe_layer_create_in(moe_layer **out, const moe_layer_config *cfg, con
     if (!L) return moe_error(MOE_ERR_OUT_OF_MEMORY, "moe_layer_create: layer struct");
     L->cfg = *cfg;
     L->ops = mem->ops ? mem->ops : moe_cpu_ops();
-    L->shared_ff = cfg->n_shared_experts * cfg->d_ff;
+    L->shared_ff = moe_layer_shared_width(cfg);
     L->ep = P > 1 ? ep : NULL;
     L->ep_rows = L->ep && mem->ep_rows ? mem->ep_rows : L->ep;
     L->ep_size = P;
@@ -411,7 +433,7 @@ moe_status moe_layer_create_in(moe_layer **out, const moe_layer_config *cfg, con
     L->n_params = moe_layer_config_param_count(cfg, P);
     L->training = 1;
     L->loss_scale = 1.0;
-    const int64_t max_tensors = 1 + 3 * L->n_local + 3;
+    const int64_t max_tensors = 1 + 3 * L->n_local + 4; /* the router, the experts, the shared experts and their gate */
     L->views = calloc((size_t)max_tensors, sizeof *L->views);
     L->names = calloc((size_t)max_tensors, sizeof *L->names);
     L->expert_rank = calloc((size_t)E, sizeof *L->expert_rank);
@@ -523,7 +545,7 @@ static moe_status create_owning(moe_layer **out, const moe_layer_config *cfg, co
     moe_status st = ops->alloc((void **)&mem, (size_t)(grad_off + n) * sizeof(float));
     if (st != MOE_OK) return moe_error_prefix(st, "%s: %lld parameters and gradients: ", op, (long long)n);
     /* One contiguous run each for parameters and gradients, in view order. */
-    const int64_t router = cfg->n_experts * cfg->d_model, experts = n - router - 3 * cfg->n_shared_experts * cfg->d_ff * cfg->d_model;
+    const int64_t router = cfg->n_experts * cfg->d_model, experts = n - router - moe_layer_shared_params(cfg);
     const moe_layer_memory layout = {
         .ops = ops,
         .router = mem, .router_grad = mem + grad_off,
@@ -637,6 +659,8 @@ moe_status moe_layer_create_mpi(moe_layer **out, const moe_layer_config *cfg, co
         {"z_loss_coef", cfg->z_loss_coef, NULL},
         {"bias_update_rate", cfg->bias_update_rate, NULL},
         {"n_shared_experts", (double)cfg->n_shared_experts, NULL},
+        {"shared experts' width", (double)moe_layer_shared_width(cfg), NULL},
+        {"shared_gate", (double)(cfg->shared_gate != 0), NULL},
         {"jitter_eps", cfg->jitter_eps, NULL},
         {"n_groups", groups ? (double)cfg->n_groups : 0.0, NULL},
         {"top_groups", groups ? (double)cfg->top_groups : 0.0, NULL},
@@ -834,11 +858,11 @@ moe_status moe_layer_update_bias(moe_layer *L) {
 
 double moe_layer_forward_flops(const moe_layer_config *cfg, int64_t T) {
     if (!cfg || T <= 0 || cfg->d_model <= 0 || cfg->d_ff <= 0 || cfg->n_experts <= 0 || cfg->top_k <= 0 ||
-        cfg->n_shared_experts < 0)
+        cfg->n_shared_experts < 0 || cfg->shared_d_ff < 0)
         return 0.0;
     double d = (double)cfg->d_model, ff = (double)cfg->d_ff, E = (double)cfg->n_experts;
-    double k = (double)cfg->top_k, S = (double)cfg->n_shared_experts * ff;
-    return 2.0 * T * d * E + 6.0 * T * k * d * ff + 6.0 * T * d * S;
+    double k = (double)cfg->top_k, S = (double)moe_layer_shared_width(cfg), gate = cfg->shared_gate ? 1.0 : 0.0;
+    return 2.0 * T * d * (E + gate) + 6.0 * T * k * d * ff + 6.0 * T * d * S;
 }
 
 /* --------------------------------------------------------------- workspace */
@@ -887,6 +911,7 @@ static int block_arrays(moe_layer *L, block_kind kind, int64_t n, ws_entry *t) {
     const moe_layer_config *c = &L->cfg;
     const int64_t d = c->d_model, E = c->n_experts, k = c->top_k, S = L->shared_ff, ff = c->d_ff;
     const int64_t jitter = c->jitter_eps > 0.0 ? n * d : 0, ep_rows = L->ep ? n * d : 0;
+    const bool gate = c->shared_gate != 0;
     /* The exchange's: m = min(k, P) ranks per token at most; with one
      * rank the plan's rows are the expert rows, k per token. */
     const int64_t P = L->ep ? L->ep_size : 0, m = k < P ? k : P, plan = L->ep ? n * m * d : n * k * d;
@@ -914,6 +939,9 @@ static int block_arrays(moe_layer *L, block_kind kind, int64_t n, ws_entry *t) {
         t[i++] = (ws_entry){(void **)&L->sh_h, n * 2 * S, f};
         t[i++] = (ws_entry){(void **)&L->sh_g, n * S, f};
         t[i++] = (ws_entry){(void **)&L->sh_y, S > 0 ? n * d : 0, f};
+        t[i++] = (ws_entry){(void **)&L->sh_logit, gate ? n : 0, f};
+        t[i++] = (ws_entry){(void **)&L->sh_gate, gate ? n : 0, f};
+        t[i++] = (ws_entry){(void **)&L->sh_out, gate ? n * d : 0, f};
         t[i++] = (ws_entry){(void **)&L->seq_stats, seqs * 2 * E, f};
         t[i++] = (ws_entry){(void **)&L->seq_aux_grad, seqs * E, f};
         t[i++] = (ws_entry){(void **)&L->send_tok, n * m, i64};
@@ -927,6 +955,8 @@ static int block_arrays(moe_layer *L, block_kind kind, int64_t n, ws_entry *t) {
         t[i++] = (ws_entry){(void **)&L->dyp, plan, f};
         t[i++] = (ws_entry){(void **)&L->dxp, plan, f};
         t[i++] = (ws_entry){(void **)&L->sh_dh, n * 2 * S, f};
+        t[i++] = (ws_entry){(void **)&L->sh_dy, gate ? n * d : 0, f};
+        t[i++] = (ws_entry){(void **)&L->sh_dlogit, gate ? n : 0, f};
         t[i++] = (ws_entry){(void **)&L->dw_back, n * m * k, f};
         break;
     case BLOCK_ROWS:
@@ -1088,7 +1118,8 @@ moe_status moe_layer_share_workspace(moe_layer *L, moe_layer *with, bool activat
     if (L == with) return MOE_OK;
     if (L->cuda || with->cuda || L->ops != with->ops || L->ep_size != with->ep_size || a->d_model != b->d_model ||
         a->d_ff != b->d_ff || a->n_experts != b->n_experts || a->top_k != b->top_k ||
-        a->n_shared_experts != b->n_shared_experts || (a->jitter_eps > 0.0) != (b->jitter_eps > 0.0) ||
+        moe_layer_shared_width(a) != moe_layer_shared_width(b) || (a->shared_gate != 0) != (b->shared_gate != 0) ||
+        (a->jitter_eps > 0.0) != (b->jitter_eps > 0.0) ||
         seq_aux_len(a) != seq_aux_len(b))
         return moe_error(MOE_ERR_INVALID_ARG, "moe_layer_share_workspace: the layers differ in d_model, d_ff, experts, "
                                               "top_k, shared experts, jitter, the sequence-wise loss or its seq_len, "
@@ -1500,6 +1531,39 @@ static int source_batches(const moe_layer *L, source_batch *b) {
     return 2;
 }
 
+/* The views of the shared experts: gate_proj, up_proj, down_proj, then
+ * the gate's weight under shared_gate. */
+static const moe_tensor_view *shared_views(const moe_layer *L) { return &L->views[1 + 3 * L->n_local]; }
+
+/* The shared experts' output as the layer adds it: sh_y, or sh_out. */
+static const float *shared_output(const moe_layer *L) { return L->cfg.shared_gate ? L->sh_out : L->sh_y; }
+
+/* Under shared_gate, after the shared experts' forward: sh_out = sh_y times
+ * sigmoid(x_in . w) per token. */
+static void gate_shared(moe_layer *L, const float *x_in, int64_t T) {
+    if (!L->cfg.shared_gate || T == 0) return;
+    const int64_t d = L->cfg.d_model;
+    L->ops->gemm(L->sh_logit, x_in, shared_views(L)[3].param, T, 1, d, d, d, 1, false, true, 1.0f, 0.0f);
+    L->ops->sigmoid_gate_forward(L->sh_out, L->sh_gate, L->sh_y, L->sh_logit, T, d);
+}
+
+/* Under shared_gate, the gate's backward in two parts: before the shared
+ * experts' backward, their output gradient sh_dy and the gate logits'
+ * sh_dlogit from dy; after it (dx_in written), the gate weight's gradient
+ * and its share of dx_in. */
+static void gate_shared_backward(moe_layer *L, const float *dy, int64_t T) {
+    if (!L->cfg.shared_gate || T == 0) return;
+    L->ops->sigmoid_gate_backward(L->sh_dy, L->sh_dlogit, dy, L->sh_y, L->sh_gate, T, L->cfg.d_model);
+}
+
+static void gate_shared_finish(moe_layer *L, float *dx_in, const float *x_in, int64_t T) {
+    if (!L->cfg.shared_gate || T == 0) return;
+    const int64_t d = L->cfg.d_model;
+    const moe_tensor_view *w = &shared_views(L)[3];
+    L->ops->gemm(w->grad, L->sh_dlogit, x_in, 1, d, T, 1, d, d, true, false, 1.0f, 1.0f);
+    L->ops->gemm(dx_in, L->sh_dlogit, w->param, T, d, 1, 1, d, d, false, false, 1.0f, 1.0f);
+}
+
 /* The exchange's forward: y [T, d] from this rank's tokens x_in, the
  * shared experts' group (when n_groups > n_local) set up. */
 static moe_status forward_exchange(moe_layer *L, float *y, const float *x_in, int64_t T, int64_t n_groups,
@@ -1521,6 +1585,7 @@ static moe_status forward_exchange(moe_layer *L, float *y, const float *x_in, in
     moe_status st = early_returns ? post_parts(L, &back, 1, false, false, true, 0, P, NULL) : MOE_OK;
     if (st == MOE_OK) st = post_parts(L, out, 3, true, true, true, 0, P, first);
     run_groups(L, false, nl, n_groups, compute_seconds); /* the shared experts fill the wait */
+    gate_shared(L, x_in, T);
     source_batch batches[2];
     const int n_batches = source_batches(L, batches);
     for (int b = 0; st == MOE_OK && b < n_batches; b++) {
@@ -1543,7 +1608,7 @@ static moe_status forward_exchange(moe_layer *L, float *y, const float *x_in, in
     if (st != MOE_OK) return moe_error_prefix(st, "moe layer exchange of rows: ");
     if (T == 0) return MOE_OK;
     if (L->shared_ff)
-        ops->copy(y, L->sh_y, (size_t)(T * d) * sizeof(float));
+        ops->copy(y, shared_output(L), (size_t)(T * d) * sizeof(float));
     else
         ops->zero(y, (size_t)(T * d) * sizeof(float));
     ops->unpermute_add(y, L->yp, L->tok_slot, T, P, d);
@@ -1660,10 +1725,10 @@ static moe_status seq_aux_stats(moe_layer *L, int64_t T) {
 static int64_t setup_groups(moe_layer *L, int64_t T, const float *x_in, const float *dy) {
     point_groups(L, 0, L->ep_size);
     if (L->shared_ff == 0) return L->n_local;
-    const moe_tensor_view *sv = &L->views[1 + 3 * L->n_local];
+    const moe_tensor_view *sv = shared_views(L);
     L->groups[L->n_local] = (moe_expert_group){
         .rows = T, .d_ff = L->shared_ff, .x = x_in, .w13 = sv[0].param, .w2 = sv[2].param,
-        .h = L->sh_h, .g = L->sh_g, .y = L->sh_y, .dy = dy, .dh = L->sh_dh,
+        .h = L->sh_h, .g = L->sh_g, .y = L->sh_y, .dy = dy && L->cfg.shared_gate ? L->sh_dy : dy, .dh = L->sh_dh,
         .dx = NULL, /* set by backward */
         .dw13 = sv[0].grad, .dw2 = sv[2].grad};
     return L->n_local + 1;
@@ -1781,7 +1846,8 @@ static moe_status forward(moe_layer *L, float *y, const float *x, int64_t T, moe
     } else {
         ops->permute(L->xp, x_in, L->row_token, L->expert_offsets[E], d);
         run_groups(L, false, 0, n_groups, &compute);
-        ops->combine(y, L->yp, L->topk_w, L->pair_row, L->shared_ff ? L->sh_y : NULL, T, k, d);
+        gate_shared(L, x_in, T);
+        ops->combine(y, L->yp, L->topk_w, L->pair_row, L->shared_ff ? shared_output(L) : NULL, T, k, d);
     }
     L->timing.exchange_seconds += omp_get_wtime() - t0 - compute;
     L->timing.experts_seconds += compute;
@@ -1841,6 +1907,7 @@ moe_status moe_layer_backward(moe_layer *L, float *dx, const float *dy, const fl
     float *dx_in = jitter ? L->dx_in : dx; /* [T, d] */
 
     const double t0 = omp_get_wtime();
+    gate_shared_backward(L, dy, T);
     const int64_t n_groups = setup_groups(L, T, x_in, dy);
     if (L->shared_ff)
         L->groups[L->n_local].dx = dx_in; /* written: the shared experts start the sum */
@@ -1869,6 +1936,7 @@ moe_status moe_layer_backward(moe_layer *L, float *dx, const float *dy, const fl
     const moe_tensor_view *gate = &L->views[0];
     ops->gemm(gate->grad, L->dlogits, x_in, E, d, T, E, d, d, true, false, 1.0f, 1.0f);
     ops->gemm(dx_in, L->dlogits, gate->param, T, d, E, E, d, d, false, false, 1.0f, 1.0f);
+    gate_shared_finish(L, dx_in, x_in, T);
 
     if (jitter) ops->multiply(dx, dx_in, L->noise, T * d);
     return MOE_OK;

@@ -12,6 +12,13 @@
  * experts, and the shared experts. */
 int64_t moe_layer_config_param_count(const moe_layer_config *cfg, int ep_size);
 
+/* The shared experts' MLP width, n_shared_experts x (shared_d_ff or d_ff);
+ * 0 without them. */
+int64_t moe_layer_shared_width(const moe_layer_config *cfg);
+
+/* Floats of the shared experts' parameters, the gate's included. */
+int64_t moe_layer_shared_params(const moe_layer_config *cfg);
+
 /* Where a layer's parameters and gradients live: three runs, so that a model
  * can keep what every rank holds (router, shared experts) apart from what
  * each rank holds alone (its experts) and reduce each run with one call. */

@@ -593,9 +593,10 @@ static moe_status dense_window(int64_t *window, const moe_json *root, const char
  * it does not implement and an activation other than SiLU are refused;
  * rope_theta is compared wherever it is written, top level or in
  * rope_parameters, and so is the RoPE scaling. A qwen3 model normalises
- * q and k (the MoE must too: moe_qk_norm), the window is compared as
- * dense_window finds it, and attention biases (attention_bias true) are
- * refused, as moe has none.
+ * q and k (the MoE must too: moe_qk_norm), a qwen2 model has q, k and v
+ * biases (the MoE must too: moe_qkv_bias), the window is compared as
+ * dense_window finds it, and attention_bias true (o's bias too) is
+ * refused, as moe has none there.
  * The token ids --config does not give are taken from the dense model's. */
 static moe_status check_dense_config(moe_model_config *moe, const moe_run_options *o) {
     char path[RUN_PATH_BYTES];
@@ -658,7 +659,7 @@ static moe_status check_dense_config(moe_model_config *moe, const moe_run_option
                        qwen3 ? " (model_type qwen3_moe normalises them per head)" : "");
     const moe_json *bias = moe_json_get(root, "attention_bias");
     if (st == MOE_OK && bias && bias->type == MOE_JSON_BOOL && bias->boolean)
-        st = moe_error(MOE_ERR_CONFIG, "--upcycle: %s has attention_bias true: q, k, v and o have no biases here",
+        st = moe_error(MOE_ERR_CONFIG, "--upcycle: %s has attention_bias true (biases on q, k, v and o): o has none here",
                        path);
     for (size_t k = 0; st == MOE_OK && k < sizeof shared / sizeof *shared; k++) {
         const moe_json *v = moe_json_get(root, shared[k].key);
@@ -698,6 +699,15 @@ static moe_status check_dense_config(moe_model_config *moe, const moe_run_option
                                        "--config %s %s: set tie_word_embeddings %s in it",
                        path, dense_tied ? "ties" : "keeps apart", dense_tied ? "true" : "false", o->config,
                        dense_tied ? "does not" : "does", dense_tied ? "true" : "false");
+    /* A Qwen2's q, k and v have biases, which its config does not say. */
+    const bool qwen2 = type && moe_json_text(type) && strcmp(moe_json_text(type), "qwen2") == 0;
+    if (st == MOE_OK && qwen2 != moe->moe_qkv_bias)
+        st = moe_error(MOE_ERR_CONFIG, "--upcycle: %s is %s, and --config %s has moe_qkv_bias %s: the MoE would not "
+                                       "start from the dense model's function",
+                       path, qwen2 ? "a qwen2 model, whose q, k and v projections have biases" : "no qwen2 model (its "
+                                                                                               "q, k and v have no "
+                                                                                               "biases)",
+                       o->config, moe->moe_qkv_bias ? "true" : "false");
     /* The tokenizer stays the dense model's, and so do its ids. */
     if (st == MOE_OK) st = moe_model_config_take_token_ids(moe, root, path);
     moe_json_free(doc);

@@ -88,8 +88,14 @@ typedef struct moe_layer_config {
      * error by moe_layer_update_bias(). 0 disables the bias. */
     double bias_update_rate;
     /* Shared experts every token passes (DeepSeek style): one SwiGLU MLP of
-     * width n_shared_experts * d_ff, added to the routed output. */
+     * width n_shared_experts * shared_d_ff (0: d_ff), added to the routed
+     * output. */
     int64_t n_shared_experts;
+    int64_t shared_d_ff;
+    /* Qwen2-MoE's gate on the shared experts: their output times
+     * sigmoid(x . w) per token, w [1, d] one more parameter of the layer.
+     * Needs shared experts. */
+    int shared_gate;
     /* Training-time jitter: the layer's input is multiplied elementwise by
      * U(1 - eps, 1 + eps) before the router and the experts see it, as in
      * Hugging Face Mixtral. 0 disables it. */
@@ -121,7 +127,8 @@ typedef struct moe_layer_config {
         .gate = MOE_GATE_SOFTMAX_TOPK, .renormalize = 1, .capacity_factor = 0.0, \
         .aux_loss_coef = 0.0, .seq_aux_loss_coef = 0.0, .seq_len = 0,            \
         .z_loss_coef = 0.0, .bias_update_rate = 0.0,                             \
-        .n_shared_experts = 0, .jitter_eps = 0.0, .n_groups = 0, .top_groups = 0, \
+        .n_shared_experts = 0, .shared_d_ff = 0, .shared_gate = 0,              \
+        .jitter_eps = 0.0, .n_groups = 0, .top_groups = 0,                       \
         .routed_scale = 1.0, .seed = 0                                           \
     }
 
@@ -190,9 +197,11 @@ moe_status moe_layer_sync(moe_layer *layer);
  * Names follow Hugging Face Mixtral's block_sparse_moe:
  *   gate.weight [E, d], experts.{e}.w1.weight [ff, d],
  *   experts.{e}.w3.weight [ff, d], experts.{e}.w2.weight [d, ff],
- * and with shared experts (width S = n_shared_experts * ff):
+ * and with shared experts (width S = n_shared_experts * (shared_d_ff or
+ * ff)):
  *   shared_experts.gate_proj.weight [S, d], shared_experts.up_proj.weight
- *   [S, d], shared_experts.down_proj.weight [d, S].
+ *   [S, d], shared_experts.down_proj.weight [d, S], and under shared_gate
+ *   shared_expert_gate.weight [1, d].
  * Views point into one allocation each for parameters and gradients, valid
  * until moe_layer_destroy. */
 typedef struct moe_tensor_view {

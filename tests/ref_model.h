@@ -172,9 +172,11 @@ static inline moe_model_config ref_tiny_config(int64_t vocab, int64_t layers, in
 typedef struct ref_model_layer {
     int64_t ln1, wq, wk, wv, wo, ln2; /* attention half */
     int64_t q_norm, k_norm;           /* -1 without moe_qk_norm */
+    int64_t bq, bk, bv;               /* -1 without moe_qkv_bias */
     int64_t gate;                     /* [E, C] */
     int64_t *w1, *w3, *w2;            /* [E] offsets of [ff, C], [ff, C], [C, ff] */
     int64_t sg, su, sd;               /* shared experts, -1 when none */
+    int64_t sgate;                    /* their gate, -1 when none */
     /* The MoE block as ref_moe.h sees it: its weight arrays are copies
      * gathered from p before every forward. */
     ref_layer moe;
@@ -243,7 +245,8 @@ static inline void ref_model_init(ref_model *r, moe_model *m) {
     const int64_t C = c->hidden_size, V = c->vocab_size, hd = c->head_dim, ff = c->intermediate_size;
     const int64_t E = c->num_local_experts, k = c->num_experts_per_tok, L = c->num_hidden_layers;
     const int64_t qdim = c->num_attention_heads * hd, kvdim = c->num_key_value_heads * hd;
-    const int64_t S = c->moe_n_shared_experts * ff;
+    const int64_t S =
+        c->moe_n_shared_experts * (c->moe_shared_intermediate_size ? c->moe_shared_intermediate_size : ff);
     cr_assert(E <= 64, "ref_moe.h supports E <= 64");
     r->embed = ref_model_offset(m, V, C, "model.embed_tokens.weight");
     r->final_norm = ref_model_offset(m, C, 1, "model.norm.weight");
@@ -266,6 +269,12 @@ static inline void ref_model_init(ref_model *r, moe_model *m) {
             y->q_norm = ref_model_offset(m, per_head ? hd : qdim, 1, "model.layers.%lld.self_attn.q_norm.weight", ll);
             y->k_norm = ref_model_offset(m, per_head ? hd : kvdim, 1, "model.layers.%lld.self_attn.k_norm.weight", ll);
         }
+        y->bq = y->bk = y->bv = -1;
+        if (c->moe_qkv_bias) {
+            y->bq = ref_model_offset(m, qdim, 1, "model.layers.%lld.self_attn.q_proj.bias", ll);
+            y->bk = ref_model_offset(m, kvdim, 1, "model.layers.%lld.self_attn.k_proj.bias", ll);
+            y->bv = ref_model_offset(m, kvdim, 1, "model.layers.%lld.self_attn.v_proj.bias", ll);
+        }
         y->gate = ref_model_offset(m, E, C, "model.layers.%lld.block_sparse_moe.gate.weight", ll);
         y->w1 = ref_alloc((size_t)E * sizeof *y->w1);
         y->w3 = ref_alloc((size_t)E * sizeof *y->w3);
@@ -276,7 +285,9 @@ static inline void ref_model_init(ref_model *r, moe_model *m) {
             y->w3[e] = ref_model_offset(m, ff, C, "model.layers.%lld.block_sparse_moe.experts.%lld.w3.weight", ll, ee);
             y->w2[e] = ref_model_offset(m, C, ff, "model.layers.%lld.block_sparse_moe.experts.%lld.w2.weight", ll, ee);
         }
-        y->sg = y->su = y->sd = -1;
+        y->sg = y->su = y->sd = y->sgate = -1;
+        if (c->moe_shared_expert_gate)
+            y->sgate = ref_model_offset(m, 1, C, "model.layers.%lld.block_sparse_moe.shared_expert_gate.weight", ll);
         if (S > 0) {
             y->sg = ref_model_offset(m, S, C, "model.layers.%lld.block_sparse_moe.shared_experts.gate_proj.weight", ll);
             y->su = ref_model_offset(m, S, C, "model.layers.%lld.block_sparse_moe.shared_experts.up_proj.weight", ll);
@@ -286,7 +297,7 @@ static inline void ref_model_init(ref_model *r, moe_model *m) {
                              .ff = ff,
                              .E = E,
                              .k = k,
-                             .n_shared = c->moe_n_shared_experts,
+                             .shared_ff = S,
                              .gate = c->moe_gate,
                              .renormalize = c->moe_renormalize,
                              .routed_scale = c->moe_routed_scaling_factor,
@@ -303,6 +314,7 @@ static inline void ref_model_init(ref_model *r, moe_model *m) {
         y->moe.sg = ref_alloc((size_t)(S * C) * sizeof(double));
         y->moe.su = ref_alloc((size_t)(S * C) * sizeof(double));
         y->moe.sd = ref_alloc((size_t)(C * S) * sizeof(double));
+        if (y->sgate >= 0) y->moe.sgate = ref_alloc((size_t)C * sizeof(double));
         y->route = ref_out_alloc(r->N, E, k);
         y->saved_route = ref_out_alloc(r->N, E, k);
     }
@@ -322,6 +334,7 @@ static inline void ref_model_free(ref_model *r) {
         free(y->moe.sg);
         free(y->moe.su);
         free(y->moe.sd);
+        free(y->moe.sgate);
         ref_out_free(&y->route);
         ref_out_free(&y->saved_route);
     }
@@ -334,7 +347,7 @@ static inline void ref_model_free(ref_model *r) {
  * expects. */
 static inline void ref_model_gather_moe(ref_model_layer *y, const double *p) {
     const ref_layer *M = &y->moe;
-    const int64_t C = M->d, ff = M->ff, S = M->n_shared * M->ff;
+    const int64_t C = M->d, ff = M->ff, S = M->shared_ff;
     memcpy(M->wg, p + y->gate, (size_t)(M->E * C) * sizeof(double));
     for (int64_t e = 0; e < M->E; e++) {
         memcpy(M->w1 + e * ff * C, p + y->w1[e], (size_t)(ff * C) * sizeof(double));
@@ -346,6 +359,7 @@ static inline void ref_model_gather_moe(ref_model_layer *y, const double *p) {
         memcpy(M->su, p + y->su, (size_t)(S * C) * sizeof(double));
         memcpy(M->sd, p + y->sd, (size_t)(C * S) * sizeof(double));
     }
+    if (M->sgate) memcpy(M->sgate, p + y->sgate, (size_t)C * sizeof(double));
 }
 
 /* The model's forward at the parameters in r->p, over inputs [B, T] with
@@ -376,6 +390,10 @@ static inline double ref_model_forward(ref_model *r, ref_model_loss *out, double
         ref_linear(q, h, p + ly->wq, N, C, qdim);
         ref_linear(k, h, p + ly->wk, N, C, kvdim);
         ref_linear(v, h, p + ly->wv, N, C, kvdim);
+        for (int64_t n = 0; c->moe_qkv_bias && n < N; n++) {
+            for (int64_t i = 0; i < qdim; i++) q[n * qdim + i] += p[ly->bq + i];
+            for (int64_t i = 0; i < kvdim; i++) k[n * kvdim + i] += p[ly->bk + i], v[n * kvdim + i] += p[ly->bv + i];
+        }
         if (c->moe_qk_norm == MOE_QK_NORM_PER_HEAD) { /* Qwen3's: each head on its own */
             ref_rmsnorm(q, q, p + ly->q_norm, c->rms_norm_eps, N * Hq, hd);
             ref_rmsnorm(k, k, p + ly->k_norm, c->rms_norm_eps, N * Hkv, hd);

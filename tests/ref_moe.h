@@ -228,7 +228,8 @@ static inline void ref_swiglu_mlp(double *out, const double *x, const double *ga
 }
 
 typedef struct ref_layer {
-    int64_t d, ff, E, k, n_shared;
+    int64_t d, ff, E, k;
+    int64_t shared_ff; /* S, the shared experts' width; 0: none */
     int64_t n_groups, top_groups; /* group-limited routing when n_groups > 1 */
     moe_gate_kind gate;
     int renormalize;
@@ -239,8 +240,9 @@ typedef struct ref_layer {
     double *wg;         /* [E, d] */
     double *w1, *w3;    /* [E, ff, d] */
     double *w2;         /* [E, d, ff] */
-    double *sg, *su;    /* [S, d], S = n_shared * ff */
+    double *sg, *su;    /* [S, d] */
     double *sd;         /* [d, S] */
+    double *sgate;      /* [d] the shared experts' sigmoid gate (Qwen2-MoE's); NULL: none */
     const double *bias; /* [E] or NULL */
 } ref_layer;
 
@@ -288,7 +290,7 @@ static inline int64_t ref_capacity(double cf, int64_t T, int64_t k, int64_t E) {
 /* y [T, d] = MoE(x [T, d]) and everything about the routing in o. */
 static inline void ref_layer_forward(double *y, ref_out *o, const ref_layer *L, const double *x,
                                      int64_t T) {
-    const int64_t d = L->d, E = L->E, k = L->k, ff = L->ff, S = L->n_shared * L->ff;
+    const int64_t d = L->d, E = L->E, k = L->k, ff = L->ff, S = L->shared_ff;
     double logits[64], *ye = ref_alloc((size_t)d * sizeof *ye);
     memset(o->assigned, 0, (size_t)E * sizeof *o->assigned);
     memset(o->kept_count, 0, (size_t)E * sizeof *o->kept_count);
@@ -325,7 +327,10 @@ static inline void ref_layer_forward(double *y, ref_out *o, const ref_layer *L, 
         }
         if (S > 0) {
             ref_swiglu_mlp(ye, x + t * d, L->sg, L->su, L->sd, d, S);
-            for (int64_t c = 0; c < d; c++) y[t * d + c] += ye[c];
+            double g = 1.0, s = 0.0;
+            for (int64_t c = 0; L->sgate && c < d; c++) s += L->sgate[c] * x[t * d + c];
+            if (L->sgate) g = 1.0 / (1.0 + exp(-s));
+            for (int64_t c = 0; c < d; c++) y[t * d + c] += g * ye[c];
         }
     }
     o->aux = 0.0;

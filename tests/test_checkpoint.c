@@ -490,6 +490,34 @@ Test(checkpoint, fused_layout_loads_like_per_expert, .init = make_tmpdir, .fini 
     free_run(&c);
 }
 
+/* a, its state scrambled, saved in tmpdir (its checkpoint into path): the
+ * checkpoint's model.safetensors, open. */
+static moe_st_file *save_and_open(char *path, size_t size, run *a) {
+    moe_train_state s = scramble(a, 5, 5);
+    save(path, size, tmpdir, a, &s);
+    moe_st_file *f;
+    cr_assert_eq(moe_st_open(&f, in_dir(path, "model.safetensors")), MOE_OK, "%s", moe_last_error());
+    return f;
+}
+
+/* The file f holds each tensor ours[i][0] of the model as ours[i][1], with
+ * its bytes; every tensor under a name of transformers' (none of
+ * block_sparse_moe), and no other. */
+static void expect_file_names(moe_st_file *f, const run *a, const char *const (*ours)[2], size_t n) {
+    const float *p = moe_model_params(a->model);
+    for (size_t i = 0; i < n; i++) {
+        const moe_model_tensor *t = moe_model_find_tensor(a->model, ours[i][0]);
+        const moe_st_tensor *st = moe_st_find(f, ours[i][1]);
+        cr_assert(t != NULL && st != NULL, "%s as %s", ours[i][0], ours[i][1]);
+        cr_expect(st->nbytes == t->numel * (int64_t)sizeof(float) && memcmp(st->data, p + t->offset, (size_t)st->nbytes) == 0,
+                  "%s: not %s's bytes", ours[i][1], ours[i][0]);
+    }
+    for (int64_t i = 0; i < moe_st_tensor_count(f); i++)
+        cr_expect(strstr(moe_st_tensor_at(f, i)->name, "block_sparse_moe") == NULL, "%s",
+                  moe_st_tensor_at(f, i)->name);
+    cr_expect_eq(moe_st_tensor_count(f), moe_model_tensor_count(a->model));
+}
+
 /* A model that transformers' Qwen3-MoE computes (q and k normalised) is
  * saved under that model's names: the router mlp.gate, expert E's w1, w3
  * and w2 mlp.experts.E.gate_proj, up_proj and down_proj, the norms
@@ -499,13 +527,9 @@ Test(checkpoint, qwen3_moe_files_use_its_names, .init = make_tmpdir, .fini = rem
     moe_model_config c = small_config(EXPERTS, 2);
     c.moe_qk_norm = MOE_QK_NORM_PER_HEAD;
     run a = run_of(&c, 1), b = run_of(&c, 2);
-    moe_train_state s = scramble(&a, 5, 5);
     char path[512];
-    save(path, sizeof path, tmpdir, &a, &s);
-    moe_st_file *f;
-    cr_assert_eq(moe_st_open(&f, in_dir(path, "model.safetensors")), MOE_OK, "%s", moe_last_error());
-    const float *p = moe_model_params(a.model);
-    const char *ours[][2] = {
+    moe_st_file *f = save_and_open(path, sizeof path, &a);
+    static const char *const ours[][2] = {
         {"model.layers.1.block_sparse_moe.gate.weight", "model.layers.1.mlp.gate.weight"},
         {"model.layers.1.block_sparse_moe.experts.3.w1.weight", "model.layers.1.mlp.experts.3.gate_proj.weight"},
         {"model.layers.1.block_sparse_moe.experts.3.w3.weight", "model.layers.1.mlp.experts.3.up_proj.weight"},
@@ -513,17 +537,7 @@ Test(checkpoint, qwen3_moe_files_use_its_names, .init = make_tmpdir, .fini = rem
         {"model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.q_norm.weight"},
         {"model.layers.1.self_attn.k_norm.weight", "model.layers.1.self_attn.k_norm.weight"},
     };
-    for (size_t i = 0; i < sizeof ours / sizeof *ours; i++) {
-        const moe_model_tensor *t = moe_model_find_tensor(a.model, ours[i][0]);
-        const moe_st_tensor *st = moe_st_find(f, ours[i][1]);
-        cr_assert(t != NULL && st != NULL, "%s as %s", ours[i][0], ours[i][1]);
-        cr_expect(st->nbytes == t->numel * (int64_t)sizeof(float) && memcmp(st->data, p + t->offset, (size_t)st->nbytes) == 0,
-                  "%s: not %s's bytes", ours[i][1], ours[i][0]);
-    }
-    for (int64_t i = 0; i < moe_st_tensor_count(f); i++)
-        cr_expect(strstr(moe_st_tensor_at(f, i)->name, "block_sparse_moe") == NULL, "%s",
-                  moe_st_tensor_at(f, i)->name);
-    cr_expect_eq(moe_st_tensor_count(f), moe_model_tensor_count(a.model));
+    expect_file_names(f, &a, ours, sizeof ours / sizeof *ours);
     load_weights(&b, path);
     expect_bits(moe_model_params(b.model), moe_model_params(a.model), n_params(&a), "qwen3_moe names");
 
@@ -552,6 +566,50 @@ Test(checkpoint, qwen3_moe_files_use_its_names, .init = make_tmpdir, .fini = rem
     expect_error(moe_checkpoint_load_weights(mixtral.model, path), "model.layers.0.self_attn.k_norm.weight",
                  "not part of this model");
     free_run(&mixtral);
+    free_run(&a);
+    free_run(&b);
+}
+
+/* A model that transformers' Qwen2-MoE computes (one gated shared expert,
+ * q, k and v biases) is saved under its names: the shared expert
+ * mlp.shared_expert.{gate,up,down}_proj, its gate mlp.shared_expert_gate,
+ * the biases self_attn.{q,k,v}_proj.bias; and loads back bit for bit. A
+ * model without the biases refuses the file, naming one. */
+Test(checkpoint, qwen2_moe_files_use_its_names, .init = make_tmpdir, .fini = remove_tmpdir) {
+    moe_model_config c = small_config(EXPERTS, 2);
+    c.moe_n_shared_experts = 1;
+    c.moe_shared_intermediate_size = 12;
+    c.moe_shared_expert_gate = true;
+    c.moe_qkv_bias = true;
+    c.moe_renormalize = false;
+    cr_assert_str_eq(moe_model_config_model_type(&c), "qwen2_moe");
+    run a = run_of(&c, 1), b = run_of(&c, 2);
+    char path[512];
+    moe_st_file *f = save_and_open(path, sizeof path, &a);
+    static const char *const ours[][2] = {
+        {"model.layers.1.block_sparse_moe.gate.weight", "model.layers.1.mlp.gate.weight"},
+        {"model.layers.1.block_sparse_moe.experts.3.w3.weight", "model.layers.1.mlp.experts.3.up_proj.weight"},
+        {"model.layers.0.block_sparse_moe.shared_experts.gate_proj.weight",
+         "model.layers.0.mlp.shared_expert.gate_proj.weight"},
+        {"model.layers.1.block_sparse_moe.shared_experts.down_proj.weight",
+         "model.layers.1.mlp.shared_expert.down_proj.weight"},
+        {"model.layers.1.block_sparse_moe.shared_expert_gate.weight", "model.layers.1.mlp.shared_expert_gate.weight"},
+        {"model.layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.q_proj.bias"},
+        {"model.layers.1.self_attn.v_proj.bias", "model.layers.1.self_attn.v_proj.bias"},
+    };
+    expect_file_names(f, &a, ours, sizeof ours / sizeof *ours);
+    const moe_st_tensor *gate = moe_st_find(f, "model.layers.0.mlp.shared_expert_gate.weight");
+    cr_expect(gate && gate->ndim == 2 && gate->shape[0] == 1 && gate->shape[1] == c.hidden_size,
+              "the gate is transformers' Linear(hidden_size, 1) weight, [1, hidden_size]");
+    moe_st_close(f);
+    load_weights(&b, path);
+    expect_bits(moe_model_params(b.model), moe_model_params(a.model), n_params(&a), "qwen2_moe names");
+
+    c.moe_qkv_bias = false;
+    run plain = run_of(&c, 3);
+    expect_error(moe_checkpoint_load_weights(plain.model, path), "model.layers.0.self_attn.k_proj.bias",
+                 "not part of this model");
+    free_run(&plain);
     free_run(&a);
     free_run(&b);
 }

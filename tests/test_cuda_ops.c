@@ -1915,9 +1915,14 @@ Test(cuda, model_on_the_table) {
     cfg.moe_z_loss_coef = 0.001;
     cfg.router_jitter_noise = 0.01; /* the multiply op, both ways */
     enum { B = 2, T = 16, N = B * T };
-    /* RMSNorm over rows of head_dim, then of the whole projection. */
-    for (int qk = MOE_QK_NORM_PER_HEAD; qk <= MOE_QK_NORM_ACROSS_HEADS; qk++) {
+    /* RMSNorm over rows of head_dim, then of the whole projection; then
+     * none, with Qwen2-MoE's q, k and v biases and its gated shared expert
+     * of its own width. */
+    for (int variant = 0; variant < 3; variant++) {
+        const int qk = variant == 0 ? MOE_QK_NORM_PER_HEAD : variant == 1 ? MOE_QK_NORM_ACROSS_HEADS : MOE_QK_NORM_NONE;
         cfg.moe_qk_norm = (moe_qk_norm_kind)qk;
+        cfg.moe_qkv_bias = cfg.moe_shared_expert_gate = variant == 2;
+        cfg.moe_shared_intermediate_size = variant == 2 ? 20 : 0;
         moe_model *host = NULL, *dev = NULL;
         CHECK(moe_model_create(&host, &cfg, B, T, 5));
         const moe_model_parallel on_gpu = {.ops = gpu};
@@ -1933,8 +1938,8 @@ Test(cuda, model_on_the_table) {
         CHECK(moe_model_backward(host, 1.0f));
         CHECK(moe_model_forward(dev, inputs, targets, &ds));
         CHECK(moe_model_backward(dev, 1.0f));
-        cr_expect(fabs(ds.loss - hs.loss) <= 1e-5 * fabs(hs.loss), "qk norm %s: loss %.9g, cpu %.9g",
-                  moe_qk_norm_kind_name(qk), ds.loss, hs.loss);
+        cr_expect(fabs(ds.loss - hs.loss) <= 1e-5 * fabs(hs.loss), "qk norm %s, qkv bias %d: loss %.9g, cpu %.9g",
+                  moe_qk_norm_kind_name(qk), cfg.moe_qkv_bias, ds.loss, hs.loss);
         expect_close("per-token losses", moe_model_last_losses(dev), moe_model_last_losses(host), N, 1e-4);
         const int64_t n = moe_model_param_count(host);
         float *got = ref_alloc((size_t)n * sizeof *got);

@@ -275,7 +275,8 @@ Test(model_config, every_bad_field_is_named) {
         {"eos_token_id", "[1, null]", "t/config.json: eos_token_id[1] must be an integer, got null"},
         {"pad_token_id", "{}", "pad_token_id must be an integer, a list of integers or null, got object"},
         {"pad_token_id", "99999999999999999999", "t/config.json: pad_token_id=99999999999999999999 is out of range"},
-        {"model_type", "\"qwen2_moe\"", "model_type=\"qwen2_moe\" is not supported (only \"mixtral\", \"qwen3_moe\", \"olmoe\" or \"moe\")"},
+        {"model_type", "\"deepseek_v3\"", "model_type=\"deepseek_v3\" is not supported (only \"mixtral\", \"qwen3_moe\", "
+                                         "\"olmoe\", \"qwen2_moe\" or \"moe\")"},
         {"rope_scaling", "{\"type\": \"longrope\", \"factor\": 2}",
          "t/config.json: rope_scaling.rope_type=\"longrope\" is not supported (only \"default\", \"linear\", \"llama3\", "
          "\"yarn\" or \"dynamic\")"},
@@ -648,8 +649,8 @@ Test(model_config, limits_match_the_moe_layer) {
          * are more than 2^63 parameters. */
         {"hidden_size", "1073741816",
          "t/config.json: the parameter bytes of num_hidden_layers=2 layers of hidden_size=1073741816, "
-         "num_attention_heads=4 and num_key_value_heads=4 x head_dim=268435454, num_local_experts=8 + "
-         "moe_n_shared_experts=0 x intermediate_size=128, and vocab_size=100 overflow int64"},
+         "num_attention_heads=4 and num_key_value_heads=4 x head_dim=268435454, num_local_experts=8 x "
+         "intermediate_size=128 + the shared experts' width 0, and vocab_size=100 overflow int64"},
         {"hidden_size", "500000000", NULL},
         {"hidden_size", "1073741824", "t/config.json: hidden_size=1073741824 exceeds 1073741823"},
         {"intermediate_size", "1073741823", NULL},
@@ -684,8 +685,8 @@ Test(model_config, limits_match_the_moe_layer) {
     c.num_attention_heads = c.num_key_value_heads = 2;
     c.num_local_experts = 1024;
     cr_expect_eq(moe_model_config_validate(&c, "big"), MOE_ERR_CONFIG);
-    cr_expect(strstr(moe_last_error(), "big: hidden_size=1073741823 x intermediate_size=1073741823 x "
-                                       "(num_local_experts=1024 + moe_n_shared_experts=0) overflows") != NULL,
+    cr_expect(strstr(moe_last_error(), "big: hidden_size=1073741823 x (intermediate_size=1073741823 x "
+                                       "num_local_experts=1024 + the shared experts' width 0) overflows") != NULL,
               "%s", moe_last_error());
     moe_layer_config layer;
     moe_model_config_layer(&layer, &c, 64, 1);
@@ -821,6 +822,9 @@ static void expect_same(const moe_model_config *a, const moe_model_config *b) {
     SAME(moe_z_loss_coef);
     SAME(moe_seq_aux_loss_coef);
     SAME(moe_n_shared_experts);
+    SAME(moe_shared_intermediate_size);
+    SAME(moe_shared_expert_gate);
+    SAME(moe_qkv_bias);
     SAME(moe_bias_update_rate);
     SAME(moe_n_group);
     SAME(moe_topk_group);
@@ -1122,6 +1126,22 @@ Test(model_config, model_type_says_whether_transformers_computes_the_same, .init
         {"moe_qk_norm", "\"across_heads\", \"sliding_window\": 16", "moe"},
         {"moe_qk_norm", "\"across_heads\", \"head_dim\": 8", "moe"},
         {"model_type", "\"olmoe\"", "olmoe"},
+        /* One shared expert behind its gate, with q, k and v biases:
+         * Qwen2-MoE's, of any width; without one of them, ours. */
+        {"moe_n_shared_experts", "1, \"moe_shared_expert_gate\": true, \"moe_qkv_bias\": true", "qwen2_moe"},
+        {"moe_n_shared_experts", "1, \"moe_shared_expert_gate\": true, \"moe_qkv_bias\": true, "
+                                 "\"moe_shared_intermediate_size\": 48, \"moe_renormalize\": false", "qwen2_moe"},
+        {"moe_n_shared_experts", "1, \"moe_shared_expert_gate\": true", "moe"},
+        {"moe_n_shared_experts", "2, \"moe_shared_expert_gate\": true, \"moe_qkv_bias\": true", "moe"},
+        {"moe_n_shared_experts", "1, \"moe_shared_intermediate_size\": 48", "moe"},
+        {"moe_qkv_bias", "true", "moe"},
+        {"moe_qkv_bias", "false", "mixtral"},
+        {"moe_n_shared_experts", "1, \"moe_shared_expert_gate\": true, \"moe_qkv_bias\": true, \"sliding_window\": 16",
+         "moe"},
+        {"moe_n_shared_experts", "1, \"moe_shared_expert_gate\": true, \"moe_qkv_bias\": true, "
+                                 "\"moe_qk_norm\": \"per_head\"", "moe"},
+        {"model_type", "\"qwen2_moe\", \"moe_intermediate_size\": 128, \"shared_expert_intermediate_size\": 64",
+         "qwen2_moe"},
     };
     char path[512];
     snprintf(path, sizeof path, "%s/config.json", tmpdir);
@@ -1138,32 +1158,51 @@ Test(model_config, model_type_says_whether_transformers_computes_the_same, .init
         cr_assert(type != NULL && arch != NULL && arch->type == MOE_JSON_ARRAY && arch->array.count == 1, "%s",
                   text);
         const bool qwen3 = strcmp(cases[i].type, "qwen3_moe") == 0, olmoe = strcmp(cases[i].type, "olmoe") == 0;
-        const bool ours = strcmp(cases[i].type, "moe") == 0;
+        const bool qwen2 = strcmp(cases[i].type, "qwen2_moe") == 0, ours = strcmp(cases[i].type, "moe") == 0;
         cr_expect_str_eq(type, cases[i].type, "%s", text);
         cr_expect_str_eq(moe_model_config_model_type(&c), cases[i].type, "%s", text);
         cr_expect_str_eq(moe_json_text(&arch->array.items[0]),
                          qwen3   ? "Qwen3MoeForCausalLM"
                          : olmoe ? "OlmoeForCausalLM"
+                         : qwen2 ? "Qwen2MoeForCausalLM"
                          : ours  ? "MoeForCausalLM"
                                  : "MixtralForCausalLM",
                          "%s", text);
         /* Written only where the type does not say it, so that a config of
          * none renders (and checksums) as before the key existed. */
-        cr_expect((moe_json_get(r, "moe_qk_norm") != NULL) == (ours && c.moe_qk_norm != MOE_QK_NORM_NONE), "%s",
-                  text);
-        /* Qwen3MoeConfig's and OlmoeConfig's own keys, which transformers
-         * v4 reads too: num_experts, not num_local_experts. */
         const struct {
             const char *key;
-            bool qwen3, olmoe;
-        } own[] = {{"num_experts", true, true},         {"norm_topk_prob", true, true},
-                   {"attention_bias", true, true},      {"moe_intermediate_size", true, false},
-                   {"use_sliding_window", true, false}, {"decoder_sparse_step", true, false},
-                   {"mlp_only_layers", true, false},    {"clip_qkv", false, true},
-                   {"max_window_layers", true, false},
-                   {"num_local_experts", false, false}};
+            bool set;
+        } ours_when_set[] = {{"moe_qk_norm", c.moe_qk_norm != MOE_QK_NORM_NONE},
+                             {"moe_qkv_bias", c.moe_qkv_bias},
+                             {"moe_shared_intermediate_size", c.moe_shared_intermediate_size != 0},
+                             {"moe_shared_expert_gate", c.moe_shared_expert_gate}};
+        for (size_t k = 0; k < sizeof ours_when_set / sizeof *ours_when_set; k++)
+            cr_expect((moe_json_get(r, ours_when_set[k].key) != NULL) == (ours && ours_when_set[k].set), "%s: %s",
+                      text, ours_when_set[k].key);
+        /* Qwen3MoeConfig's, OlmoeConfig's and Qwen2MoeConfig's own keys,
+         * which transformers v4 reads too: num_experts, not
+         * num_local_experts. */
+        const struct {
+            const char *key;
+            bool qwen3, olmoe, qwen2;
+        } own[] = {{"num_experts", true, true, true},
+                   {"norm_topk_prob", true, true, true},
+                   {"attention_bias", true, true, false},
+                   {"moe_intermediate_size", true, false, true},
+                   {"use_sliding_window", true, false, true},
+                   {"decoder_sparse_step", true, false, true},
+                   {"mlp_only_layers", true, false, true},
+                   {"clip_qkv", false, true, false},
+                   {"max_window_layers", true, false, true},
+                   {"shared_expert_intermediate_size", false, false, true},
+                   {"qkv_bias", false, false, true},
+                   {"num_local_experts", false, false, false}};
         for (size_t k = 0; k < sizeof own / sizeof *own; k++) {
-            const bool want = qwen3 ? own[k].qwen3 : olmoe ? own[k].olmoe : strcmp(own[k].key, "num_local_experts") == 0;
+            const bool want = qwen3   ? own[k].qwen3
+                              : olmoe ? own[k].olmoe
+                              : qwen2 ? own[k].qwen2
+                                      : strcmp(own[k].key, "num_local_experts") == 0;
             cr_expect((moe_json_get(r, own[k].key) != NULL) == want, "%s: %s", text, own[k].key);
         }
         moe_json_free(doc);
@@ -1193,15 +1232,21 @@ static const char qwen3_moe_config[] = "{\"architectures\": [\"Qwen3MoeForCausal
                                        "\"transformers_version\": \"4.51.0\", \"use_cache\": true, "
                                        "\"use_sliding_window\": false, \"vocab_size\": 151936}";
 
-/* The smallest file of a model type (qwen3_moe or olmoe): its sizes, the
- * experts 32 wide, then extra keys (a JSON tail). */
+/* The smallest file of a model type (qwen3_moe, olmoe or qwen2_moe): its
+ * sizes, the experts 32 wide (qwen2_moe's shared expert 48), then extra
+ * keys (a JSON tail); 16 heads for qwen2_moe, whose absent
+ * num_key_value_heads is 16. */
 static const char *family_with(const char *type, const char *extra) {
     static char buf[1024];
-    const bool qwen3 = strcmp(type, "qwen3_moe") == 0;
+    const bool qwen3 = strcmp(type, "qwen3_moe") == 0, qwen2 = strcmp(type, "qwen2_moe") == 0;
     snprintf(buf, sizeof buf,
              "{\"model_type\": \"%s\", \"vocab_size\": 100, \"hidden_size\": 64, \"intermediate_size\": %s, "
-             "\"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"num_experts\": 8, \"num_experts_per_tok\": 2%s}",
-             type, qwen3 ? "256, \"moe_intermediate_size\": 32" : "32", extra);
+             "\"num_hidden_layers\": 2, \"num_attention_heads\": %d, \"num_experts\": 8, \"num_experts_per_tok\": 2%s}",
+             type,
+             qwen3   ? "256, \"moe_intermediate_size\": 32"
+             : qwen2 ? "256, \"moe_intermediate_size\": 32, \"shared_expert_intermediate_size\": 48"
+                     : "32",
+             qwen2 ? 16 : 4, extra);
     return buf;
 }
 
@@ -1379,6 +1424,106 @@ Test(model_config, olmoe_as_transformers_reads_it) {
     w.count = 0;
     cr_assert_eq(parse(&c, config_with("clip_qkv", "8.0"), &w), MOE_OK, "%s", moe_last_error());
     cr_expect(w.count == 1 && warned(&w, "unknown key 'clip_qkv' ignored"), "%d: %s", w.count, w.text[0]);
+}
+
+/* As transformers 5.24 writes a Qwen2MoeConfig (save_pretrained), the
+ * sizes of Qwen1.5-MoE-A2.7B's: read as Qwen2MoeConfig reads it. */
+static const char qwen2_moe_config[] =
+    "{\"architectures\": [\"Qwen2MoeForCausalLM\"], \"attention_dropout\": 0.0, \"bos_token_id\": 151643, "
+    "\"decoder_sparse_step\": 1, \"dtype\": \"bfloat16\", \"eos_token_id\": 151643, \"hidden_act\": \"silu\", "
+    "\"hidden_size\": 2048, \"initializer_range\": 0.02, \"intermediate_size\": 5632, "
+    "\"layer_types\": [\"full_attention\", \"full_attention\"], \"max_position_embeddings\": 8192, "
+    "\"max_window_layers\": 21, \"mlp_only_layers\": [], \"model_type\": \"qwen2_moe\", "
+    "\"moe_intermediate_size\": 1408, \"norm_topk_prob\": false, \"num_attention_heads\": 16, "
+    "\"num_experts\": 60, \"num_experts_per_tok\": 4, \"num_hidden_layers\": 2, \"num_key_value_heads\": 16, "
+    "\"output_router_logits\": false, \"pad_token_id\": null, \"qkv_bias\": true, \"rms_norm_eps\": 1e-06, "
+    "\"rope_parameters\": {\"rope_theta\": 1000000.0, \"rope_type\": \"default\"}, "
+    "\"router_aux_loss_coef\": 0.001, \"shared_expert_intermediate_size\": 5632, \"sliding_window\": 0, "
+    "\"tie_word_embeddings\": false, \"transformers_version\": \"5.24.0\", \"use_cache\": true, "
+    "\"use_sliding_window\": false, \"vocab_size\": 151936}";
+
+static const char *qwen2_with(const char *extra) { return family_with("qwen2_moe", extra); }
+
+Test(model_config, qwen2_moe_as_transformers_reads_it) {
+    moe_model_config c;
+    warnings w = {0};
+    cr_assert_eq(parse(&c, qwen2_moe_config, &w), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(w.count, 0, "warned: %s", w.text[0]);
+    cr_expect_eq(c.intermediate_size, 1408, "the experts' width is moe_intermediate_size");
+    cr_expect(c.moe_n_shared_experts == 1 && c.moe_shared_intermediate_size == 5632 && c.moe_shared_expert_gate,
+              "one gated shared expert shared_expert_intermediate_size wide");
+    cr_expect(c.moe_qkv_bias && c.moe_qk_norm == MOE_QK_NORM_NONE && !c.moe_renormalize);
+    cr_expect_eq(c.num_local_experts, 60);
+    cr_expect_eq(c.num_experts_per_tok, 4);
+    cr_expect_eq(c.rope_theta, 1e6);
+    cr_expect_eq(c.sliding_window, 0);
+    cr_expect_str_eq(moe_model_config_model_type(&c), "qwen2_moe");
+    moe_layer_config lc;
+    moe_model_config_layer(&lc, &c, 16, 1);
+    cr_expect(lc.n_shared_experts == 1 && lc.shared_d_ff == 5632 && lc.shared_gate);
+
+    /* Qwen2MoeConfig's defaults, not MixtralConfig's. */
+    cr_assert_eq(parse(&c, qwen2_with(""), &w), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(w.count, 0, "warned: %s", w.text[0]);
+    cr_expect_eq(c.num_key_value_heads, 16);
+    cr_expect_eq(c.max_position_embeddings, 32768);
+    cr_expect_eq(c.rope_theta, 1e4);
+    cr_expect_eq(c.rms_norm_eps, 1e-6);
+    cr_expect(!c.moe_renormalize && c.moe_qkv_bias, "norm_topk_prob false, qkv_bias true");
+    /* transformers v5's qkv_bias false: no biases, which no transformers
+     * Qwen2-MoE writes back (v4 has them always). */
+    cr_assert_eq(parse(&c, qwen2_with(", \"qkv_bias\": false, \"norm_topk_prob\": true"), &w), MOE_OK, "%s",
+                 moe_last_error());
+    cr_expect(!c.moe_qkv_bias && c.moe_renormalize);
+    cr_expect_str_eq(moe_model_config_model_type(&c), "moe");
+    cr_assert_eq(parse(&c, qwen2_with(", \"moe_n_shared_experts\": 1, \"moe_qkv_bias\": true"), &w), MOE_OK, "%s",
+                 moe_last_error());
+    cr_assert_eq(parse(&c, qwen2_with(", \"sliding_window\": 64, \"max_window_layers\": 1"), &w), MOE_OK, "%s",
+                 moe_last_error());
+    cr_expect_eq(c.sliding_window, 0, "a window only under use_sliding_window");
+
+    const refused_case bad[] = {
+        {", \"use_sliding_window\": true", "use_sliding_window=true is not supported for model_type qwen2_moe"},
+        {", \"layer_types\": [\"full_attention\", \"sliding_attention\"]",
+         "a layer_types entry other than \"full_attention\" is not supported"},
+        {", \"layer_types\": [1]", "layer_types must be a list of strings"},
+        {", \"moe_n_shared_experts\": 2", "moe_n_shared_experts=2 disagrees with shared_expert_intermediate_size"},
+        {", \"moe_shared_expert_gate\": false", "moe_shared_expert_gate=0 disagrees with"},
+        {", \"qkv_bias\": false, \"moe_qkv_bias\": true", "moe_qkv_bias=1 disagrees with qkv_bias"},
+        {", \"qkv_bias\": 1", "qkv_bias must be true or false"},
+        {", \"decoder_sparse_step\": 2", "decoder_sparse_step=2 is not supported"},
+        {", \"mlp_only_layers\": [0]", "mlp_only_layers lists layer 0"},
+        {", \"moe_qk_norm\": \"per_head\"", "model_type qwen2_moe does not normalise q and k"},
+    };
+    expect_refused_configs("qwen2_moe", bad, sizeof bad / sizeof *bad);
+    const char *no_shared = "{\"model_type\": \"qwen2_moe\", \"vocab_size\": 100, \"hidden_size\": 64, "
+                            "\"intermediate_size\": 256, \"moe_intermediate_size\": 32, \"num_hidden_layers\": 2, "
+                            "\"num_attention_heads\": 4, \"num_experts\": 8, \"num_experts_per_tok\": 2}";
+    cr_expect_eq(parse(&c, no_shared, NULL), MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "missing required key 'shared_expert_intermediate_size'") != NULL, "%s",
+              moe_last_error());
+    char no_width[512];
+    snprintf(no_width, sizeof no_width, "%.*s, \"shared_expert_intermediate_size\": 0}", (int)strlen(no_shared) - 1,
+             no_shared);
+    cr_expect_eq(parse(&c, no_width, NULL), MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "shared_expert_intermediate_size=0 is not supported") != NULL, "%s",
+              moe_last_error());
+    /* Its keys are no other type's; a Qwen3-MoE has no gate nor biases. */
+    w.count = 0;
+    cr_assert_eq(parse(&c, qwen3_with(", \"qkv_bias\": true, \"shared_expert_intermediate_size\": 8"), &w), MOE_OK,
+                 "%s", moe_last_error());
+    cr_expect(!c.moe_qkv_bias && c.moe_n_shared_experts == 0);
+    cr_expect_eq(w.count, 2, "%d warnings", w.count);
+    cr_expect_eq(parse(&c, qwen3_with(", \"moe_qkv_bias\": true"), NULL), MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "moe_qkv_bias=true, and model_type qwen3_moe has none") != NULL, "%s",
+              moe_last_error());
+    /* Our own keys: a width or a gate without shared experts is refused. */
+    cr_expect_eq(parse(&c, config_with("moe_shared_expert_gate", "true"), NULL), MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "moe_shared_expert_gate=true needs shared experts") != NULL, "%s",
+              moe_last_error());
+    cr_expect_eq(parse(&c, config_with("moe_shared_intermediate_size", "16"), NULL), MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "moe_shared_intermediate_size needs shared experts") != NULL, "%s",
+              moe_last_error());
 }
 
 /* The population std of the model's matrices (every 2-D tensor), from its

@@ -68,27 +68,31 @@ typedef struct grad_case {
     /* q and k normalised (Qwen3-MoE's per head, OLMoE's across heads),
      * with their default norm_topk_prob false (moe_renormalize off). */
     moe_qk_norm_kind qk_norm;
+    /* Qwen2-MoE's: one shared expert 5 wide (the routed ones are 6) behind
+     * its sigmoid gate, q, k and v biases, norm_topk_prob false. */
+    bool qwen2;
 } grad_case;
 
 static const grad_case CASES[] = {
-    {"softmax_topk", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 0, 11, 0.0, 0.0, 0, false, {0}, MOE_QK_NORM_NONE},
-    {"topk_softmax", MOE_GATE_TOPK_SOFTMAX, 0.0, 0, 0, 12, 0.0, 0.0, 0, false, {0}, MOE_QK_NORM_NONE},
-    {"sigmoid", MOE_GATE_SIGMOID, 0.0, 0, 0, 13, 0.0, 0.0, 0, false, {0}, MOE_QK_NORM_NONE},
-    {"capacity_1", MOE_GATE_SOFTMAX_TOPK, 1.0, 0, 0, 14, 0.0, 0.0, 0, false, {0}, MOE_QK_NORM_NONE},
-    {"shared_experts", MOE_GATE_SOFTMAX_TOPK, 0.0, 1, 0, 15, 0.0, 0.0, 0, false, {0}, MOE_QK_NORM_NONE},
-    {"ignored_targets", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 2, 16, 0.0, 0.0, 0, false, {0}, MOE_QK_NORM_NONE},
-    {"sequence_wise_balancing", MOE_GATE_SIGMOID, 0.0, 0, 0, 17, 0.3, 0.0, 0, false, {0}, MOE_QK_NORM_NONE},
-    {"logit_z_loss", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 1, 18, 0.0, 0.05, 0, false, {0}, MOE_QK_NORM_NONE},
-    {"sliding_window", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 0, 19, 0.0, 0.0, 2, false, {0}, MOE_QK_NORM_NONE},
-    {"tied_embeddings", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 1, 20, 0.0, 0.0, 0, true, {0}, MOE_QK_NORM_NONE},
+    {"softmax_topk", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 0, 11, 0.0, 0.0, 0, false, {0}, MOE_QK_NORM_NONE, false},
+    {"topk_softmax", MOE_GATE_TOPK_SOFTMAX, 0.0, 0, 0, 12, 0.0, 0.0, 0, false, {0}, MOE_QK_NORM_NONE, false},
+    {"sigmoid", MOE_GATE_SIGMOID, 0.0, 0, 0, 13, 0.0, 0.0, 0, false, {0}, MOE_QK_NORM_NONE, false},
+    {"capacity_1", MOE_GATE_SOFTMAX_TOPK, 1.0, 0, 0, 14, 0.0, 0.0, 0, false, {0}, MOE_QK_NORM_NONE, false},
+    {"shared_experts", MOE_GATE_SOFTMAX_TOPK, 0.0, 1, 0, 15, 0.0, 0.0, 0, false, {0}, MOE_QK_NORM_NONE, false},
+    {"ignored_targets", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 2, 16, 0.0, 0.0, 0, false, {0}, MOE_QK_NORM_NONE, false},
+    {"sequence_wise_balancing", MOE_GATE_SIGMOID, 0.0, 0, 0, 17, 0.3, 0.0, 0, false, {0}, MOE_QK_NORM_NONE, false},
+    {"logit_z_loss", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 1, 18, 0.0, 0.05, 0, false, {0}, MOE_QK_NORM_NONE, false},
+    {"sliding_window", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 0, 19, 0.0, 0.0, 2, false, {0}, MOE_QK_NORM_NONE, false},
+    {"tied_embeddings", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 1, 20, 0.0, 0.0, 0, true, {0}, MOE_QK_NORM_NONE, false},
     {"rope_llama3", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 0, 21, 0.0, 0.0, 0, false,
      {.type = MOE_ROPE_LLAMA3, .factor = 8, .low_freq_factor = 1, .high_freq_factor = 4,
-      .original_max_position_embeddings = 64}, MOE_QK_NORM_NONE},
+      .original_max_position_embeddings = 64}, MOE_QK_NORM_NONE, false},
     {"rope_yarn", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 0, 22, 0.0, 0.0, 0, false,
      {.type = MOE_ROPE_YARN, .factor = 4, .original_max_position_embeddings = 64, .beta_fast = 32, .beta_slow = 1,
-      .truncate = true}, MOE_QK_NORM_NONE},
-    {"qwen3", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 1, 23, 0.0, 0.0, 0, false, {0}, MOE_QK_NORM_PER_HEAD},
-    {"olmoe", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 0, 24, 0.0, 0.0, 0, false, {0}, MOE_QK_NORM_ACROSS_HEADS},
+      .truncate = true}, MOE_QK_NORM_NONE, false},
+    {"qwen3", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 1, 23, 0.0, 0.0, 0, false, {0}, MOE_QK_NORM_PER_HEAD, false},
+    {"olmoe", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 0, 24, 0.0, 0.0, 0, false, {0}, MOE_QK_NORM_ACROSS_HEADS, false},
+    {"qwen2", MOE_GATE_SOFTMAX_TOPK, 0.0, 1, 1, 25, 0.0, 0.0, 0, false, {0}, MOE_QK_NORM_NONE, true},
 };
 #define N_CASES ((int)(sizeof CASES / sizeof *CASES))
 
@@ -111,7 +115,8 @@ static void fx_create(fx *f, const grad_case *gc) {
     cfg.sliding_window = gc->sliding_window;
     cfg.tie_word_embeddings = gc->tied;
     cfg.moe_qk_norm = gc->qk_norm;
-    cfg.moe_renormalize = gc->qk_norm == MOE_QK_NORM_NONE;
+    cfg.moe_renormalize = gc->qk_norm == MOE_QK_NORM_NONE && !gc->qwen2;
+    if (gc->qwen2) cfg.moe_shared_intermediate_size = 5, cfg.moe_shared_expert_gate = true, cfg.moe_qkv_bias = true;
     if (gc->rope.type != MOE_ROPE_DEFAULT) cfg.rope_theta = 100.0, cfg.rope_scaling = gc->rope;
     cr_assert(moe_model_create(&f->m, &cfg, BATCH, SEQ, gc->seed) == MOE_OK, "%s: moe_model_create: %s", gc->name,
               moe_last_error());
@@ -321,6 +326,7 @@ Test(model_grad, rope_llama3) { check_gradients(&CASES[10]); }
 Test(model_grad, rope_yarn) { check_gradients(&CASES[11]); }
 Test(model_grad, qwen3_qk_norm) { check_gradients(&CASES[12]); }
 Test(model_grad, olmoe_qk_norm) { check_gradients(&CASES[13]); }
+Test(model_grad, qwen2_shared_gate_and_qkv_bias) { check_gradients(&CASES[14]); }
 
 /* ---------------------------------------------------------- grad_scale */
 

@@ -85,14 +85,14 @@ static void fx_create(fx *f, const moe_layer_config *cfg, uint64_t seed) {
     f->cfg = *cfg;
     cr_assert(moe_layer_create(&f->layer, cfg) == MOE_OK, "moe_layer_create: %s", moe_last_error());
     const int64_t d = cfg->d_model, ff = cfg->d_ff, E = cfg->n_experts,
-                  S = cfg->n_shared_experts * cfg->d_ff;
+                  S = cfg->n_shared_experts * (cfg->shared_d_ff ? cfg->shared_d_ff : cfg->d_ff);
     cr_assert(E <= 64);
     ref_layer *r = &f->ref;
     *r = (ref_layer){.d = d,
                      .ff = ff,
                      .E = E,
                      .k = cfg->top_k,
-                     .n_shared = cfg->n_shared_experts,
+                     .shared_ff = S,
                      .n_groups = cfg->n_groups,
                      .top_groups = cfg->top_groups,
                      .gate = cfg->gate,
@@ -110,6 +110,7 @@ static void fx_create(fx *f, const moe_layer_config *cfg, uint64_t seed) {
     r->sg = ref_alloc((size_t)(S * d) * sizeof(double));
     r->su = ref_alloc((size_t)(S * d) * sizeof(double));
     r->sd = ref_alloc((size_t)(d * S) * sizeof(double));
+    if (cfg->shared_gate) r->sgate = ref_alloc((size_t)d * sizeof(double));
     char name[64];
     fx_add(f, "gate.weight", E, d, r->wg);
     for (int64_t e = 0; e < E; e++) {
@@ -124,6 +125,7 @@ static void fx_create(fx *f, const moe_layer_config *cfg, uint64_t seed) {
         fx_add(f, "shared_experts.gate_proj.weight", S, d, r->sg);
         fx_add(f, "shared_experts.up_proj.weight", S, d, r->su);
         fx_add(f, "shared_experts.down_proj.weight", d, S, r->sd);
+        if (cfg->shared_gate) fx_add(f, "shared_expert_gate.weight", 1, d, r->sgate);
     }
     ref_rng rng = {seed};
     for (int64_t i = 0; i < f->n_tensors; i++) {
@@ -146,6 +148,7 @@ static void fx_destroy(fx *f) {
     free(f->ref.sg);
     free(f->ref.su);
     free(f->ref.sd);
+    free(f->ref.sgate);
 }
 
 /* Draws x [T, d] until the reference's routing is MIN_GAP away from a tie
@@ -359,6 +362,8 @@ typedef struct grad_case {
     int64_t n_groups, top_groups; /* group-limited routing when n_groups > 1 */
     double routed_scale;          /* 0: none */
     int64_t seq_len;              /* > 0: the sequence-wise balancing loss too, over sequences this long */
+    int64_t shared_d_ff;          /* the shared experts' own width; 0: d_ff */
+    int shared_gate;              /* Qwen2-MoE's sigmoid gate on them */
 } grad_case;
 
 static double ref_loss_at(const fx *f, const double *xd, int64_t T, const double *dy, double *y,
@@ -404,6 +409,8 @@ static void check_grad(const grad_case *gc, uint64_t seed) {
     cfg.routed_scale = gc->routed_scale;
     cfg.seq_aux_loss_coef = gc->seq_len ? 0.9 : 0.0;
     cfg.seq_len = gc->seq_len;
+    cfg.shared_d_ff = gc->shared_d_ff;
+    cfg.shared_gate = gc->shared_gate;
     fx f;
     fx_create(&f, &cfg, seed);
     if (gc->set_bias) {
@@ -434,10 +441,11 @@ static void check_grad(const grad_case *gc, uint64_t seed) {
 
     char what[256];
     int n = snprintf(what, sizeof what,
-                     "grad %s E=%lld k=%lld T=%lld renorm=%d cf=%g shared=%lld dy_zero=%d bias=%d seq_len=%lld",
+                     "grad %s E=%lld k=%lld T=%lld renorm=%d cf=%g shared=%lld (ff %lld, gate %d) dy_zero=%d "
+                     "bias=%d seq_len=%lld",
                      kind_name(gc->kind), (long long)gc->E, (long long)gc->k, (long long)T,
-                     gc->renormalize, gc->cf, (long long)gc->n_shared, gc->dy_zero, gc->set_bias,
-                     (long long)gc->seq_len);
+                     gc->renormalize, gc->cf, (long long)gc->n_shared, (long long)gc->shared_d_ff,
+                     gc->shared_gate, gc->dy_zero, gc->set_bias, (long long)gc->seq_len);
     int64_t checked = 0, skipped = 0;
     for (int64_t i = 0; i <= f.n_tensors; i++) {
         /* i == n_tensors: the input x */
@@ -553,6 +561,22 @@ Test(layer, backward_with_routed_scale) {
         {.E = 5, .k = 2, .T = 8, .kind = MOE_GATE_SOFTMAX_TOPK, .renormalize = 0, .cf = 0.75, .routed_scale = 2.5},
     };
     uint64_t seed = 3700;
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) check_grad(&cases[i], seed++);
+}
+
+/* Qwen2-MoE's shared expert: its own width, behind a sigmoid gate of the
+ * input, with each gate kind, capacity and unnormalised weights; and two
+ * shared experts of their own width. */
+Test(layer, backward_with_gated_shared_expert) {
+    const grad_case cases[] = {
+        {.E = 5, .k = 2, .T = 8, .kind = MOE_GATE_SOFTMAX_TOPK, .renormalize = 0, .n_shared = 1, .shared_d_ff = 3,
+         .shared_gate = 1},
+        {.E = 4, .k = 2, .T = 9, .kind = MOE_GATE_SIGMOID, .renormalize = 1, .cf = 0.75, .n_shared = 1,
+         .shared_d_ff = 8, .shared_gate = 1},
+        {.E = 4, .k = 1, .T = 6, .kind = MOE_GATE_TOPK_SOFTMAX, .renormalize = 1, .n_shared = 1, .shared_gate = 1},
+        {.E = 4, .k = 2, .T = 6, .kind = MOE_GATE_SOFTMAX_TOPK, .renormalize = 1, .n_shared = 2, .shared_d_ff = 3},
+    };
+    uint64_t seed = 3900;
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) check_grad(&cases[i], seed++);
 }
 
@@ -832,7 +856,7 @@ Test(layer, a_layer_without_gradients_runs_forwards_only) {
     const int64_t n = moe_layer_param_count(f.layer), T = 5, d = cfg.d_model, E = cfg.n_experts;
     float *params = ref_alloc((size_t)n * sizeof *params), *grads = ref_alloc((size_t)n * sizeof *grads);
     memcpy(params, moe_layer_params(f.layer), (size_t)n * sizeof *params);
-    const int64_t shared = n - 3 * cfg.n_shared_experts * cfg.d_ff * d;
+    const int64_t shared = n - moe_layer_shared_params(&cfg);
     moe_layer_memory mem = {.router = params, .experts = params + E * d, .shared = params + shared};
     moe_layer *bare = NULL;
     cr_assert_eq(moe_layer_create_in(&bare, &cfg, &mem, NULL, NULL), MOE_OK, "%s", moe_last_error());

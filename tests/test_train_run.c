@@ -699,11 +699,14 @@ Test(train_run, val_tokens_hold_out_the_tail, .init = make_tmp, .fini = remove_t
  * otherwise, one of a type moe does not implement or an activation other
  * than SiLU is refused before any weight is read, naming
  * the file and the key; keys it lacks are not compared, and a matching one
- * goes on to the weights. A qwen3 model normalises q and k, which --config
- * must do too (and not for another model); the windows are compared as
+ * goes on to the weights. A qwen3 model normalises q and k, and a qwen2
+ * model's q, k and v have biases, which --config must have too (and not
+ * for another model); the windows are compared as
  * transformers reads them (Qwen2's and Qwen3's under use_sliding_window
  * from layer max_window_layers on, or as layer_types says), and attention
  * biases or layers of different windows are refused. */
+#define QWEN2_BIASES "dense/config.json is a qwen2 model, whose q, k and v projections have biases, and --config"
+
 Test(train_run, upcycle_checks_the_dense_config, .init = make_tmp, .fini = remove_tmp) {
     char cfg[512], out[512], dense[512], path[600];
     moe_run_options o = tiny_options(write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE), tmp_path(out, "out"));
@@ -759,9 +762,9 @@ Test(train_run, upcycle_checks_the_dense_config, .init = make_tmp, .fini = remov
         {", \"model_type\": \"qwen3\"", "dense/config.json is a qwen3 model, whose attention normalises q and k per head, "
                                      "and --config"},
         /* Windows that are not used are none. */
-        {", \"model_type\": \"qwen2\", \"rope_theta\": 10000.0, \"sliding_window\": 16", "model.safetensors"},
+        {", \"model_type\": \"qwen2\", \"rope_theta\": 10000.0, \"sliding_window\": 16", QWEN2_BIASES},
         {", \"model_type\": \"qwen2\", \"rope_theta\": 10000.0, \"use_sliding_window\": true, \"sliding_window\": 16",
-         "model.safetensors"},
+         QWEN2_BIASES},
         /* The config matches (null: no window): on to the missing weights. */
         {", \"rope_theta\": 10000.0, \"sliding_window\": null", "model.safetensors"},
         {", \"rope_parameters\": {\"rope_theta\": 10000.0, \"rope_type\": \"default\"}, \"hidden_act\": \"silu\", "
@@ -797,6 +800,21 @@ Test(train_run, upcycle_checks_the_dense_config, .init = make_tmp, .fini = remov
     cr_expect(strstr(moe_last_error(), "is no qwen3 model (its attention does not normalise q and k), and --config") &&
                   strstr(moe_last_error(), "has moe_qk_norm \"per_head\""),
               "%s", moe_last_error());
+    /* An MoE with q, k and v biases from a model without them, and from a
+     * qwen2 model, whose config matches: on to the weights. */
+    c.moe_qk_norm = MOE_QK_NORM_NONE;
+    c.moe_qkv_bias = true;
+    cr_assert_eq(moe_model_config_save(&c, qk_cfg), MOE_OK, "%s", moe_last_error());
+    static const char llama[] = "{\"model_type\": \"llama\", \"hidden_size\": 32, \"rope_theta\": 10000.0}";
+    cr_assert_eq(moe_file_write_atomic_buffer(path, llama, sizeof llama - 1), MOE_OK, "%s", moe_last_error());
+    cr_expect_neq(moe_run(&o, &cb), MOE_OK, "an MoE with biases upcycled from a llama model");
+    cr_expect(strstr(moe_last_error(), "is no qwen2 model (its q, k and v have no biases), and --config") &&
+                  strstr(moe_last_error(), "has moe_qkv_bias true"),
+              "%s", moe_last_error());
+    static const char qwen2[] = "{\"model_type\": \"qwen2\", \"hidden_size\": 32, \"rope_theta\": 10000.0}";
+    cr_assert_eq(moe_file_write_atomic_buffer(path, qwen2, sizeof qwen2 - 1), MOE_OK, "%s", moe_last_error());
+    cr_expect_neq(moe_run(&o, &cb), MOE_OK, "upcycled without weights");
+    cr_expect(strstr(moe_last_error(), "model.safetensors"), "%s", moe_last_error());
 }
 
 /* The files of an earlier run in an --out directory, which a refused run

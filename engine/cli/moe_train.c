@@ -38,7 +38,8 @@ static void print_help(void) {
            "built-in synthetic corpus until its validation loss is near the corpus's entropy\n"
            "floor (the best loss any model can reach).\n\n");
     printf("Model:\n"
-           "  --config FILE        Hugging Face Mixtral, Qwen3-MoE or OLMoE config.json (plus moe_* keys).\n"
+           "  --config FILE        Hugging Face Mixtral, Qwen3-MoE, OLMoE or Qwen2-MoE config.json\n"
+           "                       (plus moe_* keys).\n"
            "                       Default: --init-from's config.json, else the built-in model:\n"
            "                       d_model %lld, %lld layers, %lld heads (%lld KV), %lld experts of\n"
            "                       width %lld, top-%lld\n"
