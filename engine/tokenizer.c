@@ -10,6 +10,7 @@
 #include "common/status.h"
 #include "engine/fileio.h"
 #include "engine/json.h"
+#include "engine/unicode.h"
 
 /* A tokenizer.json's byte-level BPE pre-tokenizers that encoding
  * implements, by their patterns: GPT-2's (ByteLevel's use_regex), Llama
@@ -29,6 +30,7 @@ typedef struct encoder {
     pretokenizer pre;
     bool prefix_space;   /* ByteLevel's add_prefix_space */
     bool ignore_merges;  /* a word in the vocabulary is its token, merges or not */
+    bool nfc;            /* its normalizer is NFC, which must leave the text as it is */
     table vocab;         /* a hash of a token's bytes -> its id, chained by probing */
     table merges;        /* (left id, right id) -> (rank, merged id) */
     int32_t *added;      /* [n_added] the added tokens, matched in the text first */
@@ -428,6 +430,7 @@ static moe_status build_encoder(moe_tokenizer *t, const json_reader *r, const mo
         return MOE_OK;
     }
     e->ignore_merges = is_true(moe_json_get(model, "ignore_merges"));
+    e->nfc = norm != NULL;
     const moe_json *list = moe_json_get(root, "added_tokens");
     const size_t n_list = list && list->type == MOE_JSON_ARRAY ? list->array.count : 0;
     if (!table_init(&e->vocab, (size_t)t->count) || !table_init(&e->merges, merges->array.count) ||
@@ -635,70 +638,93 @@ bool moe_tokenizer_can_encode(const moe_tokenizer *t, const char **why) {
     return t->enc.pre != PRE_NONE;
 }
 
-/* ASCII classes as the patterns' \p{L}, \p{N} and \s read them. */
-static bool letter(unsigned char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z'); }
-static bool digit(unsigned char c) { return c >= '0' && c <= '9'; }
-static bool space(unsigned char c) { return c == ' ' || (c >= '\t' && c <= '\r'); }
-static bool other(unsigned char c) { return !letter(c) && !digit(c) && !space(c); }
+/* The class of the code point at s [n] (valid UTF-8: checked before
+ * encoding), as the patterns' \p{L}, \p{N} and \s read it; its bytes in
+ * *len. */
+static moe_unicode_class class_at(const unsigned char *s, size_t n, size_t *len) {
+    return moe_unicode_class_of((uint32_t)moe_utf8_decode(s, n, len));
+}
+
+static bool is_letter(moe_unicode_class c) { return c == MOE_UNICODE_LETTER; }
+static bool is_number(moe_unicode_class c) { return c == MOE_UNICODE_NUMBER; }
+static bool is_space(moe_unicode_class c) { return c == MOE_UNICODE_SPACE; }
+static bool is_other(moe_unicode_class c) { return c == MOE_UNICODE_OTHER; }
 
 /* The length of the contraction ('s, 't, 're, 've, 'm, 'll, 'd) at s [n],
- * in any case when fold; 0: none. */
+ * under (?i:...) when fold (its letters in any case, and those that fold
+ * onto them); 0: none. */
 static size_t contraction(const unsigned char *s, size_t n, bool fold) {
     static const char *const tails[] = {"s", "t", "re", "ve", "m", "ll", "d"};
     if (n < 2 || s[0] != '\'') return 0;
     for (size_t k = 0; k < sizeof tails / sizeof *tails; k++) {
-        const size_t len = strlen(tails[k]);
-        bool same = len < n;
-        for (size_t i = 0; same && i < len; i++)
-            same = (fold && s[1 + i] >= 'A' && s[1 + i] <= 'Z' ? s[1 + i] + 32 : s[1 + i]) == tails[k][i];
-        if (same) return 1 + len;
+        size_t at = 1, len;
+        bool same = true;
+        for (const char *letter = tails[k]; same && *letter; letter++, at += len) {
+            const int32_t c = at < n ? moe_utf8_decode(s + at, n - at, &len) : -1;
+            same = c >= 0 && (fold ? moe_unicode_fold_letter((uint32_t)c) == *letter : c == *letter);
+        }
+        if (same) return at;
     }
     return 0;
 }
 
-/* The run of s [n] from i whose bytes pass test. */
-static size_t run(const unsigned char *s, size_t n, size_t i, bool (*test)(unsigned char)) {
-    while (i < n && test(s[i])) i++;
+/* The end of the run of s [n] from i whose code points pass test; the
+ * start of its last one in *last (i when the run is empty), and how many
+ * it holds in *count. */
+static size_t run_of(const unsigned char *s, size_t n, size_t i, bool (*test)(moe_unicode_class), size_t *last,
+                     size_t *count) {
+    size_t len;
+    *last = i, *count = 0;
+    while (i < n && test(class_at(s + i, n - i, &len))) *last = i, i += len, ++*count;
     return i;
 }
 
+static size_t run(const unsigned char *s, size_t n, size_t i, bool (*test)(moe_unicode_class)) {
+    size_t last, count;
+    return run_of(s, n, i, test, &last, &count);
+}
+
 /* \s+(?!\S) then \s+, at a run of white space: the run, but for its last
- * byte when a non-space follows and the run is longer than one. */
+ * code point when a non-space follows and the run holds more than one. */
 static size_t spaces(const unsigned char *s, size_t n, size_t i) {
-    const size_t end = run(s, n, i, space);
-    return end < n && end - i > 1 ? end - 1 : end;
+    size_t last, count;
+    const size_t end = run_of(s, n, i, is_space, &last, &count);
+    return end < n && count > 1 ? last : end;
 }
 
 /* The length of the pre-token at s [n] (n > 0) under the pattern. */
 static size_t pretoken(pretokenizer pre, const unsigned char *s, size_t n) {
-    size_t k = contraction(s, n, pre != PRE_GPT2);
+    size_t k = contraction(s, n, pre != PRE_GPT2), len, next;
     if (k) return k;
     const size_t past_space = s[0] == ' ' && n > 1 ? 1 : 0;
+    const moe_unicode_class first = class_at(s, n, &len);
     if (pre == PRE_GPT2) {
         /* ' ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+' */
-        const unsigned char c = s[past_space];
-        if (letter(c)) return run(s, n, past_space, letter);
-        if (digit(c)) return run(s, n, past_space, digit);
-        if (other(c)) return run(s, n, past_space, other);
+        const moe_unicode_class c = class_at(s + past_space, n - past_space, &next);
+        if (is_letter(c)) return run(s, n, past_space, is_letter);
+        if (is_number(c)) return run(s, n, past_space, is_number);
+        if (is_other(c)) return run(s, n, past_space, is_other);
         return spaces(s, n, 0);
     }
     /* '[^\r\n\p{L}\p{N}]?\p{L}+' */
-    if (letter(s[0])) return run(s, n, 0, letter);
-    if (n > 1 && s[0] != '\r' && s[0] != '\n' && !digit(s[0]) && letter(s[1])) return run(s, n, 1, letter);
+    if (is_letter(first)) return run(s, n, 0, is_letter);
+    if (len < n && s[0] != '\r' && s[0] != '\n' && !is_number(first) && is_letter(class_at(s + len, n - len, &next)))
+        return run(s, n, len, is_letter);
     /* '\p{N}{1,3}' (Llama 3) or '\p{N}' (Qwen2) */
-    if (digit(s[0])) {
-        const size_t most = pre == PRE_LLAMA3 ? 3 : 1;
-        for (k = 1; k < most && k < n && digit(s[k]);) k++;
+    if (is_number(first)) {
+        const int most = pre == PRE_LLAMA3 ? 3 : 1;
+        k = len;
+        for (int digits = 1; digits < most && k < n && is_number(class_at(s + k, n - k, &next)); digits++) k += next;
         return k;
     }
     /* ' ?[^\s\p{L}\p{N}]+[\r\n]*' */
-    if (other(s[past_space])) {
-        k = run(s, n, past_space, other);
+    if (is_other(class_at(s + past_space, n - past_space, &next))) {
+        k = run(s, n, past_space, is_other);
         while (k < n && (s[k] == '\r' || s[k] == '\n')) k++;
         return k;
     }
     /* '\s*[\r\n]+': the white space up to its last line break */
-    const size_t end = run(s, n, 0, space);
+    const size_t end = run(s, n, 0, is_space);
     for (k = end; k > 0; k--)
         if (s[k - 1] == '\r' || s[k - 1] == '\n') return k;
     return spaces(s, n, 0);
@@ -834,17 +860,37 @@ static moe_status encode_part(const moe_tokenizer *t, const unsigned char *s, si
     return st;
 }
 
+/* Whether the text is UTF-8 and, under an NFC normalizer, already NFC:
+ * every code point one that NFC keeps (quick check), the combining marks
+ * in canonical order. Encoding does not normalise. */
+static moe_status check_text(const moe_tokenizer *t, const unsigned char *s, size_t n) {
+    int previous = 0; /* the last code point's canonical combining class */
+    for (size_t i = 0, len; i < n; i += len) {
+        const int32_t c = moe_utf8_decode(s + i, n - i, &len);
+        if (c < 0)
+            return moe_error(MOE_ERR_CONFIG, "byte %zu of the text (0x%02x) is not UTF-8: encoding reads UTF-8 text "
+                                             "(give other text as ids)",
+                             i, s[i]);
+        if (!t->enc.nfc) continue;
+        const int ccc = moe_unicode_combining_class((uint32_t)c);
+        if (!moe_unicode_nfc_sure((uint32_t)c) || (ccc && previous > ccc))
+            return moe_error(MOE_ERR_CONFIG, "U+%04X at byte %zu of the text %s, and the tokenizer normalises to "
+                                             "NFC, which encoding does not do: give the text in NFC (composed), or "
+                                             "as ids",
+                             (unsigned)c, i, ccc && previous > ccc ? "follows a mark it goes before in NFC"
+                                                                   : "may change under NFC");
+        previous = ccc;
+    }
+    return MOE_OK;
+}
+
 moe_status moe_tokenizer_encode(const moe_tokenizer *t, const char *text, bool special, int32_t **ids_out,
                                 int64_t *n_out) {
     const char *why;
     if (!moe_tokenizer_can_encode(t, &why)) return moe_error(MOE_ERR_CONFIG, "the tokenizer encodes no text: %s", why);
     const unsigned char *s = (const unsigned char *)text;
     const size_t len = strlen(text);
-    for (size_t i = 0; i < len; i++)
-        if (s[i] >= 0x80)
-            return moe_error(MOE_ERR_CONFIG, "byte %zu of the text is 0x%02x: encoding reads ASCII text (give "
-                                             "other text as ids)",
-                             i, s[i]);
+    MOE_TRY(check_text(t, s, len));
     int32_t *ids = NULL;
     int64_t n = 0, cap = 0;
     moe_status st = MOE_OK;

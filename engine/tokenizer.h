@@ -84,11 +84,16 @@ const unsigned char *moe_tokenizer_bytes(const moe_tokenizer *tokenizer, int64_t
  * NULL) says why not. */
 bool moe_tokenizer_can_encode(const moe_tokenizer *tokenizer, const char **why);
 
-/* text, ASCII (other text is refused, naming its first such byte), into
- * ids [*n] (free() them), as transformers' tokenizers encodes it: with
- * special, the post-processor's special tokens (Llama 3's
+/* text, UTF-8, into ids [*n] (free() them), as transformers' tokenizers
+ * encodes it: with special, the post-processor's special tokens (Llama 3's
  * begin-of-text); added tokens wherever they stand; the text between them
- * pre-tokenized and each piece merged by BPE. */
+ * pre-tokenized (the patterns' classes of every code point as tokenizers
+ * reads them: unicode.h) and each piece merged by BPE. Refused, naming
+ * the byte or the code point: text that is not UTF-8, and under an NFC
+ * normalizer text that NFC might change (a code point whose quick check
+ * is not Yes, as a mark NFC may compose with what precedes it, Tamil's
+ * vowel sign aa or a combining acute, or marks out of canonical order),
+ * which encoding does not normalise. */
 moe_status moe_tokenizer_encode(const moe_tokenizer *tokenizer, const char *text, bool special, int32_t **ids,
                                 int64_t *n);
 

@@ -39,7 +39,7 @@ static void print_help(void) {
            "                       tokenizer.json (ByteLevel or SentencePiece-style decoders):\n"
            "                       samples print as text, in the bytes form's escapes (an id the\n"
            "                       file does not know as \\<id N>); a byte-level BPE tokenizer.json\n"
-           "                       (Qwen's, Llama 3's, OLMoE's, GPT-2's) encodes an ASCII prompt and\n"
+           "                       (Qwen's, Llama 3's, OLMoE's, GPT-2's) encodes a UTF-8 prompt and\n"
            "                       --stop given as text, as transformers does, unless --tokens ids;\n"
            "                       with another, they are ids. llm.c's end-of-text token (version\n"
            "                       2's; GPT-2's 50256 in a version-1 file) ends a sample unless\n"

@@ -75,6 +75,21 @@ ASCII = [t for t in TEXT[:3]] + [
 _rng = __import__("random").Random(7)
 _ALPHABET = "aAzZ09 \t\n\r\x0b\x0c'sStTrRvVmMlLdD.,;!?-_#@~\"(){}<>|"
 ASCII += ["".join(_rng.choice(_ALPHABET) for _ in range(_rng.randint(1, 60))) for _ in range(200)]
+# Beyond ASCII: letters, numbers and spaces of other scripts and planes (a
+# long s, which (?i:'s) takes), symbols, emoji, a byte order mark; all of
+# them NFC's own, for Qwen2's normalizer (UNICODE_NFC_ONLY is for the two
+# without one).
+_UNICODE = ("éÉßſ\u00c6øŁ漢字かなカナ한국어\u03a9ωжщ\u05d0\u05d1\u0627\u0628\u0e01\u0905\U0001d400\U00020000"
+            "٣۴५৬໗①½Ⅻ²\U0001d7ce\u00a0\u2003\u3000\u2028\u0085\u1680"
+            "\u2019\u201c\u201d\u2014\u2026€£¥©®™°±§¶•\U0001f642\U0001f680\u200d\ufeff")
+# Marks NFC composes (acute, dot below, Tamil aa, kana voicing) or reorders
+# (Hebrew hiriq before sheva), and Kelvin's K, which NFC maps to K.
+UNICODE_NFC_ONLY = "\u0301\u0323\u0bbe\u3099\u05b4\u05b0\u212a"
+TEXTS = ASCII + ["Ünïcödé it\u2019s \u201cquoted\u201d \u2014 \u017fo '\u017f 'S '\uff33 \uff15 apples ½ Ⅻ², 漢字かな 한국어 "
+                 "\U0001f600\u00a0ok\u3000done",
+                 "Tab\u2003and\u2028line\u0085next  \u00a0 \u00a0x\n\u2029end",
+                 "١٢٣٤٥٦٧ ۱۲۳ 12345 Ⅳ ⅷ ① 𝟎𝟏𝟐"]
+TEXTS += ["".join(_rng.choice(_ALPHABET + _UNICODE) for _ in range(_rng.randint(1, 60))) for _ in range(200)]
 
 
 def split_tokenizer(pattern, nfc, bos):
@@ -107,8 +122,13 @@ for name, tok in [("tokenizer_llama3", split_tokenizer(LLAMA3, False, True)),
     with open(f"{name}.ids", "w") as f:
         for i in range(max(ids) + 1):
             f.write(f"{i} {ids.get(i, b'').hex()}\n")
+# Texts with the marks NFC composes or reorders, and Kelvin's K: for the
+# two tokenizers without a normalizer only (under Qwen2's NFC, encoding
+# refuses them).
+_MARKED = ["".join(_rng.choice(_ALPHABET + _UNICODE + UNICODE_NFC_ONLY) for _ in range(_rng.randint(1, 40)))
+           for _ in range(100)]
 for name in ["tokenizer_byte_level", "tokenizer_llama3", "tokenizer_qwen2"]:
     tok = Tokenizer.from_file(f"{name}.json")
     with open(f"{name}.enc", "w") as f:
-        for text in ASCII:
+        for text in TEXTS + ([] if name == "tokenizer_qwen2" else _MARKED):
             f.write(f"{text.encode().hex()} {','.join(map(str, tok.encode(text).ids))}\n")
