@@ -117,7 +117,8 @@ static bool is_expert_weight(const char *name, int64_t layers, int64_t experts) 
  * qwen3_moe, olmoe or qwen2_moe (moe_model_config_model_type), hf_mlp:
  * their MoE blocks are mlp, not block_sparse_moe, with experts
  * mlp.experts.E.{gate,up,down}_proj and Qwen2-MoE's one shared expert
- * mlp.shared_expert.{gate,up,down}_proj; the rest keep theirs. */
+ * mlp.shared_expert.{gate,up,down}_proj (a model of these types has one
+ * at most, so our shared_experts is that one); the rest keep theirs. */
 static void file_name(char *out, const char *ours, bool hf_mlp) {
     static const char shared[] = "shared_experts.";
     long long l, e;

@@ -269,12 +269,15 @@ int moe_config_agree_fields(moe_agree_field *f, const moe_model_config *c) {
     FIELD(initializer_range);
     FIELD(tie_word_embeddings);
     f[n++] = (moe_agree_field){"moe_qk_norm", (double)c->moe_qk_norm, moe_qk_norm_kind_name};
+    FIELD(moe_qkv_bias);
     f[n++] = (moe_agree_field){"moe_gate", (double)c->moe_gate, moe_gate_kind_name};
     FIELD(moe_renormalize);
     FIELD(moe_capacity_factor);
     FIELD(moe_z_loss_coef);
     FIELD(moe_seq_aux_loss_coef);
     FIELD(moe_n_shared_experts);
+    FIELD(moe_shared_intermediate_size);
+    FIELD(moe_shared_expert_gate);
     FIELD(moe_bias_update_rate);
     FIELD(moe_n_group);
     FIELD(moe_topk_group);

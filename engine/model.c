@@ -628,9 +628,6 @@ static moe_status place_layers(moe_model *m, const moe_model_parallel *par) {
     return MOE_OK;
 }
 
-/* What every instance of the model keeps for itself, a twin's too: its MoE
- * layers over the parameters (a twin's following the base's), its
- * activations, host arrays and RoPE tables. */
 /* RoPE's tables for the model's T positions, made on the host (rope.h)
  * and uploaded once: the step loop does no transcendental work; and the
  * biases' 1s. */
@@ -646,10 +643,14 @@ static moe_status upload_tables(moe_model *m) {
     }
     if (st == MOE_OK) st = m->ops->upload(m->sin_t, sin_t, n * sizeof *sin_t);
     free(cos_t), free(sin_t);
+    /* 1 + 0 x u: exact 1s on every backend, with no fill op. */
     if (cfg->moe_qkv_bias) m->ops->uniform(m->ones, 0, 0, 0, 1.0f, 0.0f, ones_rows(m));
     return st;
 }
 
+/* What every instance of the model keeps for itself, a twin's too: its MoE
+ * layers over the parameters (a twin's following the base's), its
+ * activations, host arrays and RoPE tables. */
 static moe_status build_instance(moe_model *m) {
     const moe_model_config *cfg = &m->cfg;
     moe_layer_config lc;

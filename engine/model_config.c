@@ -877,17 +877,26 @@ static moe_status check_kv_heads(const char *name, int64_t heads, int64_t kv_hea
                      name, (long long)heads, (long long)kv_heads, note);
 }
 
-/* A Qwen family's value v of moe_* field key, read from its own key
- * (family_key) into cfg unless the file gives the moe_* key too, which
- * must then agree. */
-static moe_status take_family_value(moe_model_config *cfg, given *state, const char *key, double v,
-                                    const char *family_key, const char *name) {
+/* A Qwen family's value v of moe_* field key, which its own keys say
+ * (said, for messages), into cfg; a file that gives the moe_* key too
+ * must agree. moe_shared_intermediate_size's canonical form: 0 for the
+ * routed experts' width (intermediate_size, set before). */
+static moe_status take_family_value(moe_model_config *cfg, given *state, const char *key, double v, const char *said,
+                                    const char *name) {
     const size_t f = field_index(key);
     void *at = field_ptr(cfg, &fields[f]);
-    const double given_value = fields[f].kind == F_BOOL ? *(bool *)at : (double)*(int64_t *)at;
-    if (state[f] == GIVEN && given_value != v)
-        return moe_error(MOE_ERR_CONFIG, "%s: %s=%g disagrees with %s, which means %g", name, key, given_value,
-                         family_key, v);
+    const bool flag = fields[f].kind == F_BOOL;
+    double given_value = flag ? *(bool *)at : (double)*(int64_t *)at;
+    if (strcmp(key, "moe_shared_intermediate_size") == 0 && given_value == (double)cfg->intermediate_size)
+        given_value = 0.0;
+    if (state[f] == GIVEN && given_value != v) {
+        char text[32];
+        if (flag)
+            snprintf(text, sizeof text, "%s", given_value != 0.0 ? "true" : "false");
+        else
+            snprintf(text, sizeof text, "%lld", (long long)given_value);
+        return moe_error(MOE_ERR_CONFIG, "%s: %s=%s disagrees with %s", name, key, text, said);
+    }
     if (fields[f].kind == F_BOOL)
         *(bool *)at = v != 0.0;
     else
@@ -920,13 +929,17 @@ static moe_status read_family_sizes(moe_model_config *cfg, given *state, const o
         return moe_error(MOE_ERR_CONFIG, "%s: shared_expert_intermediate_size=%lld is not supported (a shared expert "
                                          "of no width: only positive widths)",
                          name, (long long)shared);
-    const char *const shared_key = family_keys[KEY_SHARED_INTERMEDIATE].key;
-    MOE_TRY(take_family_value(cfg, state, "moe_n_shared_experts", 1, shared_key, name));
-    MOE_TRY(take_family_value(cfg, state, "moe_shared_intermediate_size", (double)shared, shared_key, name));
-    MOE_TRY(take_family_value(cfg, state, "moe_shared_expert_gate", 1, shared_key, name));
+    char said[96];
+    snprintf(said, sizeof said, "shared_expert_intermediate_size=%lld", (long long)shared);
+    MOE_TRY(take_family_value(cfg, state, "moe_n_shared_experts", 1, "model_type qwen2_moe's one shared expert", name));
+    MOE_TRY(take_family_value(cfg, state, "moe_shared_intermediate_size",
+                              shared == cfg->intermediate_size ? 0.0 : (double)shared, said, name));
+    MOE_TRY(take_family_value(cfg, state, "moe_shared_expert_gate", 1, "model_type qwen2_moe's gated shared expert",
+                              name));
     /* transformers v4 gives q, k and v biases always; v5 reads qkv_bias, true when absent. */
-    const bool bias = !(o->family_given & FAMILY_KEY_BIT(KEY_QKV_BIAS)) || o->family_bool[KEY_QKV_BIAS];
-    return take_family_value(cfg, state, "moe_qkv_bias", bias, family_keys[KEY_QKV_BIAS].key, name);
+    const bool given = o->family_given & FAMILY_KEY_BIT(KEY_QKV_BIAS), bias = !given || o->family_bool[KEY_QKV_BIAS];
+    return take_family_value(cfg, state, "moe_qkv_bias", bias,
+                             !given ? "qkv_bias (absent: true)" : bias ? "qkv_bias=true" : "qkv_bias=false", name);
 }
 
 /* A qwen3_moe, olmoe or qwen2_moe file's defaults and keys, after
@@ -1268,6 +1281,10 @@ moe_status moe_model_config_validate(const moe_model_config *c, const char *name
                          (long long)c->moe_n_shared_experts, (long long)max_shared,
                          own_width ? "moe_shared_intermediate_size" : "intermediate_size", (long long)width,
                          (long long)MAX_GEMM_DIM);
+    if (c->moe_shared_intermediate_size == c->intermediate_size)
+        return moe_error(MOE_ERR_CONFIG, "%s: moe_shared_intermediate_size=%lld is intermediate_size: give 0, its one "
+                                         "form",
+                         name, (long long)c->moe_shared_intermediate_size);
     if (c->moe_n_shared_experts == 0 && (own_width || c->moe_shared_expert_gate))
         return moe_error(MOE_ERR_CONFIG, "%s: %s needs shared experts (moe_n_shared_experts=0)", name,
                          own_width ? "moe_shared_intermediate_size" : "moe_shared_expert_gate=true");

@@ -64,7 +64,7 @@ typedef struct moe_layer_block {
 struct moe_layer {
     moe_layer_config cfg;
     const moe_ops *ops;
-    int64_t shared_ff; /* S = n_shared_experts * d_ff, 0 without shared experts */
+    int64_t shared_ff; /* S = n_shared_experts * (shared_d_ff or d_ff), 0 without shared experts */
 
     /* Expert parallelism: this rank holds experts first_local ..
      * first_local + n_local - 1 of E. expert_rank is the placement; the
@@ -135,10 +135,9 @@ struct moe_layer {
     float *yp;
     float *sh_h;         /* [T, 2S] shared experts */
     float *sh_g;         /* [T, S] */
-    float *sh_y;         /* [T, d] */
-    float *sh_logit;     /* [T] the shared experts' gate (shared_gate only): x . w, */
-    float *sh_gate;      /* [T] its sigmoid, */
-    float *sh_out;       /* [T, d] and sh_y times it */
+    float *sh_y;         /* [T, d], times sh_gate under shared_gate */
+    float *sh_logit;     /* [T] the shared experts' gate (shared_gate only): x . w */
+    float *sh_gate;      /* [T] its sigmoid */
     /* The exchange (EP; m = min(top_k, P) ranks a token reaches at most): */
     float *seq_stats;    /* [T / seq_len, 2E] per sequence: pairs chosen, probability sums (seq aux only) */
     float *seq_aux_grad; /* [T / seq_len, E] aux_grad per sequence, the batch-wide one included (seq aux only) */
@@ -941,7 +940,6 @@ static int block_arrays(moe_layer *L, block_kind kind, int64_t n, ws_entry *t) {
         t[i++] = (ws_entry){(void **)&L->sh_y, S > 0 ? n * d : 0, f};
         t[i++] = (ws_entry){(void **)&L->sh_logit, gate ? n : 0, f};
         t[i++] = (ws_entry){(void **)&L->sh_gate, gate ? n : 0, f};
-        t[i++] = (ws_entry){(void **)&L->sh_out, gate ? n * d : 0, f};
         t[i++] = (ws_entry){(void **)&L->seq_stats, seqs * 2 * E, f};
         t[i++] = (ws_entry){(void **)&L->seq_aux_grad, seqs * E, f};
         t[i++] = (ws_entry){(void **)&L->send_tok, n * m, i64};
@@ -1535,16 +1533,17 @@ static int source_batches(const moe_layer *L, source_batch *b) {
  * the gate's weight under shared_gate. */
 static const moe_tensor_view *shared_views(const moe_layer *L) { return &L->views[1 + 3 * L->n_local]; }
 
-/* The shared experts' output as the layer adds it: sh_y, or sh_out. */
-static const float *shared_output(const moe_layer *L) { return L->cfg.shared_gate ? L->sh_out : L->sh_y; }
-
-/* Under shared_gate, after the shared experts' forward: sh_out = sh_y times
- * sigmoid(x_in . w) per token. */
-static void gate_shared(moe_layer *L, const float *x_in, int64_t T) {
+/* Under shared_gate, after the shared experts' forward: sh_y times
+ * sigmoid(x_in . w) per token, in place (their backward does not read
+ * their output, and the gate's reads only the product); its time counts
+ * as the experts'. */
+static void gate_shared(moe_layer *L, const float *x_in, int64_t T, double *compute_seconds) {
     if (!L->cfg.shared_gate || T == 0) return;
+    const double t0 = omp_get_wtime();
     const int64_t d = L->cfg.d_model;
     L->ops->gemm(L->sh_logit, x_in, shared_views(L)[3].param, T, 1, d, d, d, 1, false, true, 1.0f, 0.0f);
-    L->ops->sigmoid_gate_forward(L->sh_out, L->sh_gate, L->sh_y, L->sh_logit, T, d);
+    L->ops->sigmoid_gate_forward(L->sh_y, L->sh_gate, L->sh_y, L->sh_logit, T, d);
+    *compute_seconds += omp_get_wtime() - t0;
 }
 
 /* Under shared_gate, the gate's backward in two parts: before the shared
@@ -1585,7 +1584,7 @@ static moe_status forward_exchange(moe_layer *L, float *y, const float *x_in, in
     moe_status st = early_returns ? post_parts(L, &back, 1, false, false, true, 0, P, NULL) : MOE_OK;
     if (st == MOE_OK) st = post_parts(L, out, 3, true, true, true, 0, P, first);
     run_groups(L, false, nl, n_groups, compute_seconds); /* the shared experts fill the wait */
-    gate_shared(L, x_in, T);
+    gate_shared(L, x_in, T, compute_seconds);
     source_batch batches[2];
     const int n_batches = source_batches(L, batches);
     for (int b = 0; st == MOE_OK && b < n_batches; b++) {
@@ -1608,7 +1607,7 @@ static moe_status forward_exchange(moe_layer *L, float *y, const float *x_in, in
     if (st != MOE_OK) return moe_error_prefix(st, "moe layer exchange of rows: ");
     if (T == 0) return MOE_OK;
     if (L->shared_ff)
-        ops->copy(y, shared_output(L), (size_t)(T * d) * sizeof(float));
+        ops->copy(y, L->sh_y, (size_t)(T * d) * sizeof(float));
     else
         ops->zero(y, (size_t)(T * d) * sizeof(float));
     ops->unpermute_add(y, L->yp, L->tok_slot, T, P, d);
@@ -1846,8 +1845,8 @@ static moe_status forward(moe_layer *L, float *y, const float *x, int64_t T, moe
     } else {
         ops->permute(L->xp, x_in, L->row_token, L->expert_offsets[E], d);
         run_groups(L, false, 0, n_groups, &compute);
-        gate_shared(L, x_in, T);
-        ops->combine(y, L->yp, L->topk_w, L->pair_row, L->shared_ff ? shared_output(L) : NULL, T, k, d);
+        gate_shared(L, x_in, T, &compute);
+        ops->combine(y, L->yp, L->topk_w, L->pair_row, L->shared_ff ? L->sh_y : NULL, T, k, d);
     }
     L->timing.exchange_seconds += omp_get_wtime() - t0 - compute;
     L->timing.experts_seconds += compute;

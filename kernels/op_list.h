@@ -70,8 +70,8 @@
     X(multiply, (float *out, const float *a, const float *b, int64_t n), (out, a, b, n))                         \
     X(sigmoid_gate_forward, (float *out, float *gate, const float *in, const float *logits, int64_t T,           \
         int64_t d), (out, gate, in, logits, T, d))                                                               \
-    X(sigmoid_gate_backward, (float *din, float *dlogits, const float *dout, const float *in, const float *gate, \
-        int64_t T, int64_t d), (din, dlogits, dout, in, gate, T, d))                                             \
+    X(sigmoid_gate_backward, (float *din, float *dlogits, const float *dout, const float *out,                   \
+        const float *gate, int64_t T, int64_t d), (din, dlogits, dout, out, gate, T, d))                         \
     X(uniform, (float *out, uint64_t seed, uint64_t stream, uint64_t first, float lo, float span, int64_t n),    \
         (out, seed, stream, first, lo, span, n))                                                                 \
     X(adamw, (float *params, float *m, float *v, const float *grads, float grad_scale, int64_t n,                \

@@ -228,10 +228,11 @@ typedef struct moe_ops {
     void (*sigmoid_gate_forward)(float *out, float *gate, const float *in, const float *logits, int64_t T,
                                  int64_t d);
     /* The gradients of sum out * dout, WRITTEN (not accumulated): din [T, d]
-     * = gate[t] * dout[t, :] and dlogits [T] = gate (1 - gate) <dout[t],
-     * in[t]>, in being the forward's input; din may be dout. The dot is
-     * summed in a fixed order: the same bits on every run. */
-    void (*sigmoid_gate_backward)(float *din, float *dlogits, const float *dout, const float *in,
+     * = gate[t] * dout[t, :] and dlogits [T] = (1 - gate) <dout[t], out[t]>
+     * (= gate (1 - gate) <dout[t], in[t]>), out being the forward's output,
+     * so that the forward may write it over its input; din may be dout. The
+     * dot is summed in a fixed order: the same bits on every run. */
+    void (*sigmoid_gate_backward)(float *din, float *dlogits, const float *dout, const float *out,
                                   const float *gate, int64_t T, int64_t d);
     /* out[i] = moe_rng_uniform_in(seed, stream, first + i, lo, span)
      * (common/rng.h): the same bits on every backend, drawn where they are

@@ -1149,8 +1149,8 @@ Test(cuda, embedding_rmsnorm_matmul_residual) {
 
 /* The shared expert's sigmoid gate, with logits where exp overflows
  * float; a row shorter than a block, one longer, and more tokens than a
- * grid's y could hold. The backward gets the CPU's gate, so it alone is
- * compared. Then in place: out over in, din over dout. */
+ * grid's y could hold. The backward gets the CPU's gate and output, so it
+ * alone is compared. Then in place: out over in, din over dout. */
 Test(cuda, sigmoid_gate) {
     gpu_begin();
     ref_rng rng = {1010};
@@ -1167,10 +1167,11 @@ Test(cuda, sigmoid_gate) {
         float *out = ref_alloc(rows_bytes), *gate = ref_alloc(gate_bytes);
         float *din = ref_alloc(rows_bytes), *dlogits = ref_alloc(gate_bytes);
         cpu->sigmoid_gate_forward(out, gate, in, logits, T, d);
-        cpu->sigmoid_gate_backward(din, dlogits, dout, in, gate, T, d);
+        cpu->sigmoid_gate_backward(din, dlogits, dout, out, gate, T, d);
 
         float *d_in = dput(in, rows_bytes), *d_logits = dput(logits, gate_bytes);
         float *d_dout = dput(dout, rows_bytes), *d_gate_cpu = dput(gate, gate_bytes);
+        float *d_out_cpu = dput(out, rows_bytes);
         float *d_out = dpoison(rows_bytes, POISON_FLOAT), *d_gate = dpoison(gate_bytes, POISON_FLOAT);
         CHECK(moe_cuda_sigmoid_gate_forward(d_out, d_gate, d_in, d_logits, T, d, ctx));
         snprintf(what, sizeof what, "sigmoid_gate_forward gate, T %lld d %lld", (long long)T, (long long)d);
@@ -1178,7 +1179,7 @@ Test(cuda, sigmoid_gate) {
         snprintf(what, sizeof what, "sigmoid_gate_forward out, T %lld d %lld", (long long)T, (long long)d);
         expect_dev(what, d_out, out, n, TOL_F32);
         float *d_din = dpoison(rows_bytes, POISON_FLOAT), *d_dlogits = dpoison(gate_bytes, POISON_FLOAT);
-        CHECK(moe_cuda_sigmoid_gate_backward(d_din, d_dlogits, d_dout, d_in, d_gate_cpu, T, d, ctx));
+        CHECK(moe_cuda_sigmoid_gate_backward(d_din, d_dlogits, d_dout, d_out_cpu, d_gate_cpu, T, d, ctx));
         snprintf(what, sizeof what, "sigmoid_gate_backward din, T %lld d %lld", (long long)T, (long long)d);
         expect_dev(what, d_din, din, n, TOL_F32);
         snprintf(what, sizeof what, "sigmoid_gate_backward dlogits, T %lld d %lld", (long long)T, (long long)d);
@@ -1191,7 +1192,7 @@ Test(cuda, sigmoid_gate) {
         expect_dev(what, d_buf, out, n, TOL_F32);
         d_buf = dput(dout, rows_bytes);
         d_dlogits = dpoison(gate_bytes, POISON_FLOAT);
-        CHECK(moe_cuda_sigmoid_gate_backward(d_buf, d_dlogits, d_buf, d_in, d_gate_cpu, T, d, ctx));
+        CHECK(moe_cuda_sigmoid_gate_backward(d_buf, d_dlogits, d_buf, d_out_cpu, d_gate_cpu, T, d, ctx));
         snprintf(what, sizeof what, "sigmoid_gate_backward din == dout, T %lld d %lld", (long long)T,
                  (long long)d);
         expect_dev(what, d_buf, din, n, TOL_F32);

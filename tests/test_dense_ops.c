@@ -640,7 +640,8 @@ static double sgate_loss(const void *vctx) {
 
 /* Qwen2-MoE's gated shared expert. Rows 0-3 hold logits of 30, -30, -100
  * and 100, where exp(-x) or exp(x) overflows float: every output must stay
- * finite. The gate is moe_sigmoidf, a few ulp from the exact one (rtol
+ * finite. The backward reads the forward's output (gate times the input),
+ * its reference the input itself. The gate is moe_sigmoidf, a few ulp from the exact one (rtol
  * 1e-6); below -88 it is 6e-39 where the exact one is 4e-44 (atol 1e-37).
  * dlogits is made from the float gate, as torch's sigmoid backward is, so
  * 1 - gate carries the gate's rounding relative to itself: 1e-5 at a
@@ -667,7 +668,7 @@ Test(dense, sigmoid_gate) {
     float *dlogits = xcalloc(T, sizeof(float));
     for (int64_t i = 0; i < T * d; i++) din[i] = NAN;
     for (int64_t t = 0; t < T; t++) dlogits[t] = NAN;
-    moe_cpu_sigmoid_gate_backward(din, dlogits, dout, in, gate, T, d);
+    moe_cpu_sigmoid_gate_backward(din, dlogits, dout, out, gate, T, d);
     double *doutd = to_double(dout, T * d), *din_ref = xcalloc(T * d, sizeof(double));
     double *dl_ref = xcalloc(T, sizeof(double));
     for (int64_t t = 0; t < T; t++) {
@@ -690,7 +691,7 @@ Test(dense, sigmoid_gate) {
               "sigmoid_gate forward with out == in differs from out-of-place");
     memcpy(buf, dout, (size_t)(T * d) * sizeof(float));
     float *dlogits2 = xcalloc(T, sizeof(float));
-    moe_cpu_sigmoid_gate_backward(buf, dlogits2, buf, in, gate, T, d);
+    moe_cpu_sigmoid_gate_backward(buf, dlogits2, buf, out, gate, T, d);
     cr_expect(memcmp(buf, din, (size_t)(T * d) * sizeof(float)) == 0 &&
                   memcmp(dlogits2, dlogits, (size_t)T * sizeof(float)) == 0,
               "sigmoid_gate backward with din == dout differs from out-of-place");
@@ -801,7 +802,7 @@ Test(dense, reductions_thread_independent) {
         moe_cpu_rmsnorm_forward(y, rstd, x, w, 1e-5f, N, C);
         moe_cpu_rmsnorm_backward(dx, dw[th], dout, x, w, rstd, N, C);
         moe_cpu_sigmoid_gate_forward(y, gate, x, logits, N, C);
-        moe_cpu_sigmoid_gate_backward(dx, dlogits[th], dout, x, gate, N, C);
+        moe_cpu_sigmoid_gate_backward(dx, dlogits[th], dout, y, gate, N, C);
     }
     cr_expect(memcmp(dwte[0], dwte[1], (size_t)(V * C) * sizeof(float)) == 0,
               "embedding dwte differs between 1 and 2 threads");

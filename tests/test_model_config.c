@@ -1487,9 +1487,15 @@ Test(model_config, qwen2_moe_as_transformers_reads_it) {
         {", \"layer_types\": [\"full_attention\", \"sliding_attention\"]",
          "a layer_types entry other than \"full_attention\" is not supported"},
         {", \"layer_types\": [1]", "layer_types must be a list of strings"},
-        {", \"moe_n_shared_experts\": 2", "moe_n_shared_experts=2 disagrees with shared_expert_intermediate_size"},
-        {", \"moe_shared_expert_gate\": false", "moe_shared_expert_gate=0 disagrees with"},
-        {", \"qkv_bias\": false, \"moe_qkv_bias\": true", "moe_qkv_bias=1 disagrees with qkv_bias"},
+        {", \"moe_n_shared_experts\": 2", "moe_n_shared_experts=2 disagrees with model_type qwen2_moe's one shared expert"},
+        {", \"moe_shared_expert_gate\": false",
+         "moe_shared_expert_gate=false disagrees with model_type qwen2_moe's gated shared expert"},
+        {", \"moe_shared_intermediate_size\": 40",
+         "moe_shared_intermediate_size=40 disagrees with shared_expert_intermediate_size=48"},
+        {", \"moe_shared_intermediate_size\": 0",
+         "moe_shared_intermediate_size=0 disagrees with shared_expert_intermediate_size=48"},
+        {", \"qkv_bias\": false, \"moe_qkv_bias\": true", "moe_qkv_bias=true disagrees with qkv_bias=false"},
+        {", \"moe_qkv_bias\": false", "moe_qkv_bias=false disagrees with qkv_bias (absent: true)"},
         {", \"qkv_bias\": 1", "qkv_bias must be true or false"},
         {", \"decoder_sparse_step\": 2", "decoder_sparse_step=2 is not supported"},
         {", \"mlp_only_layers\": [0]", "mlp_only_layers lists layer 0"},
@@ -1524,6 +1530,15 @@ Test(model_config, qwen2_moe_as_transformers_reads_it) {
     cr_expect_eq(parse(&c, config_with("moe_shared_intermediate_size", "16"), NULL), MOE_ERR_CONFIG);
     cr_expect(strstr(moe_last_error(), "moe_shared_intermediate_size needs shared experts") != NULL, "%s",
               moe_last_error());
+    /* One width, one form: the routed experts' width is 0, read so from a
+     * file, refused in a struct, which would save as another config. */
+    cr_assert_eq(parse(&c, config_with("moe_n_shared_experts", "1, \"moe_shared_intermediate_size\": 128"), NULL),
+                 MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(c.moe_shared_intermediate_size, 0);
+    c.moe_shared_intermediate_size = c.intermediate_size;
+    cr_expect_eq(moe_model_config_validate(&c, "api"), MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "api: moe_shared_intermediate_size=128 is intermediate_size: give 0") != NULL,
+              "%s", moe_last_error());
 }
 
 /* The population std of the model's matrices (every 2-D tensor), from its

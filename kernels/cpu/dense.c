@@ -251,7 +251,7 @@ void moe_cpu_sigmoid_gate_forward(float *out, float *gate, const float *in, cons
     }
 }
 
-void moe_cpu_sigmoid_gate_backward(float *din, float *dlogits, const float *dout, const float *in,
+void moe_cpu_sigmoid_gate_backward(float *din, float *dlogits, const float *dout, const float *out,
                                    const float *gate, int64_t T, int64_t d) {
 #pragma omp parallel for schedule(static) if (T * d >= MOE_CPU_PAR_MIN)
     for (int64_t t = 0; t < T; t++) {
@@ -259,10 +259,10 @@ void moe_cpu_sigmoid_gate_backward(float *din, float *dlogits, const float *dout
         double dot = 0.0;
         for (int64_t j = 0; j < d; j++) {
             const float dy = dout[t * d + j];
-            dot += (double)dy * in[t * d + j];
+            dot += (double)dy * out[t * d + j];
             din[t * d + j] = g * dy;
         }
-        dlogits[t] = (float)((double)g * (1.0 - (double)g) * dot);
+        dlogits[t] = (float)((1.0 - (double)g) * dot);
     }
 }
 

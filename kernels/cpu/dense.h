@@ -150,14 +150,15 @@ void moe_cpu_sigmoid_gate_forward(float *out,          /* [T, d] */
                                   const float *in,     /* [T, d], the shared expert's output */
                                   const float *logits, /* [T] */
                                   int64_t T, int64_t d);
-/* din = gate * dout and dlogits = gate (1 - gate) <dout[t], in[t]>, the dot
- * in double in column order. WRITES both, not accumulating: the shared
- * expert's output and the gate's logits have no other consumer. din may
- * alias dout. */
+/* din = gate * dout and dlogits = (1 - gate) <dout[t], out[t]>, which is
+ * gate (1 - gate) <dout[t], in[t]> without the input (the forward may have
+ * written over it), the dot in double in column order. WRITES both, not
+ * accumulating: the shared expert's output and the gate's logits have no
+ * other consumer. din may alias dout. */
 void moe_cpu_sigmoid_gate_backward(float *din,         /* [T, d] */
                                    float *dlogits,     /* [T] */
                                    const float *dout,  /* [T, d] */
-                                   const float *in,    /* [T, d], the forward's input */
+                                   const float *out,   /* [T, d], the forward's output */
                                    const float *gate,  /* [T] */
                                    int64_t T, int64_t d);
 

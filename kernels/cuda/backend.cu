@@ -344,9 +344,9 @@ static void table_sigmoid_gate_forward(float *out, float *gate, const float *in,
 }
 
 static void table_sigmoid_gate_backward(float *din, float *dlogits, const float *dout,
-                                        const float *in, const float *gate, int64_t T, int64_t d) {
+                                        const float *out, const float *gate, int64_t T, int64_t d) {
     RUN("sigmoid_gate_backward",
-        moe_cuda_sigmoid_gate_backward(din, dlogits, dout, in, gate, T, d, bound.ctx));
+        moe_cuda_sigmoid_gate_backward(din, dlogits, dout, out, gate, T, d, bound.ctx));
 }
 
 static void table_uniform(float *out, uint64_t seed, uint64_t stream, uint64_t first, float lo,

@@ -368,7 +368,7 @@ moe_status moe_cuda_sigmoid_gate_forward(float *out, float *gate, const float *i
                                          const float *logits, int64_t T, int64_t d,
                                          moe_cuda_ctx *ctx);
 moe_status moe_cuda_sigmoid_gate_backward(float *din, float *dlogits, const float *dout,
-                                          const float *in, const float *gate, int64_t T, int64_t d,
+                                          const float *out, const float *gate, int64_t T, int64_t d,
                                           moe_cuda_ctx *ctx);
 /* One launch for every tensor: spans [n_spans] on the device (ops.h). */
 moe_status moe_cuda_adamw(float *params, float *m, float *v, const float *grads,

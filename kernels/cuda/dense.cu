@@ -406,7 +406,7 @@ extern "C" moe_status moe_cuda_sigmoid_gate_forward(float *out, float *gate, con
  * double adds cost nothing that shows. din may be dout: each element is
  * read, then written, by one thread, and the gate is known before the sum. */
 static __global__ void sigmoid_gate_backward_kernel(float *din, float *dlogits, const float *dout,
-                                                    const float *in, const float *gate, int64_t T,
+                                                    const float *out, const float *gate, int64_t T,
                                                     int64_t d) {
     __shared__ double partial[32];
     for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
@@ -414,20 +414,20 @@ static __global__ void sigmoid_gate_backward_kernel(float *din, float *dlogits, 
         double dot = 0.0;
         for (int64_t j = threadIdx.x; j < d; j += blockDim.x) {
             const float dy = dout[t * d + j];
-            dot += (double)dy * in[t * d + j];
+            dot += (double)dy * out[t * d + j];
             din[t * d + j] = g * dy;
         }
         dot = moe_block_sum(dot, partial);
-        if (threadIdx.x == 0) dlogits[t] = (float)((double)g * (1.0 - (double)g) * dot);
+        if (threadIdx.x == 0) dlogits[t] = (float)((1.0 - (double)g) * dot);
     }
 }
 
 extern "C" moe_status moe_cuda_sigmoid_gate_backward(float *din, float *dlogits, const float *dout,
-                                                     const float *in, const float *gate, int64_t T,
+                                                     const float *out, const float *gate, int64_t T,
                                                      int64_t d, moe_cuda_ctx *ctx) {
     if (T <= 0) return MOE_OK;
     sigmoid_gate_backward_kernel<<<moe_cuda_grid(T, 1, ctx), MOE_CUDA_THREADS, 0, ctx->stream>>>(
-        din, dlogits, dout, in, gate, T, d);
+        din, dlogits, dout, out, gate, T, d);
     MOE_CUDA_CHECK(cudaGetLastError());
     return MOE_OK;
 }
