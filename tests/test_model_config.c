@@ -14,6 +14,7 @@
 #include "common/rng.h"
 #include "common/status.h"
 #include "engine/fileio.h"
+#include "engine/grid.h"
 #include "engine/json.h"
 #include "engine/model.h"
 #include "engine/model_config.h"
@@ -1539,6 +1540,28 @@ Test(model_config, qwen2_moe_as_transformers_reads_it) {
     cr_expect_eq(moe_model_config_validate(&c, "api"), MOE_ERR_CONFIG);
     cr_expect(strstr(moe_last_error(), "api: moe_shared_intermediate_size=128 is intermediate_size: give 0") != NULL,
               "%s", moe_last_error());
+}
+
+/* Ranks and --resume compare the configs field by field
+ * (moe_config_agree_fields): each field that makes another model is one. */
+Test(model_config, every_model_field_is_compared) {
+    moe_model_config a;
+    moe_model_config_default_small(&a, 64);
+    a.moe_n_shared_experts = 1;
+    for (int i = 0; i < 3; i++) {
+        moe_model_config b = a;
+        if (i == 0) b.moe_qkv_bias = true;
+        if (i == 1) b.moe_shared_expert_gate = true;
+        if (i == 2) b.moe_shared_intermediate_size = 7;
+        cr_assert_eq(moe_model_config_validate(&b, "b"), MOE_OK, "%s", moe_last_error());
+        moe_agree_field fa[MOE_CONFIG_AGREE_FIELDS], fb[MOE_CONFIG_AGREE_FIELDS];
+        const int n = moe_config_agree_fields(fa, &a);
+        cr_assert_eq(moe_config_agree_fields(fb, &b), n);
+        cr_assert(n <= MOE_CONFIG_AGREE_FIELDS);
+        int differ = 0;
+        for (int k = 0; k < n; k++) differ += fa[k].value != fb[k].value;
+        cr_expect_eq(differ, 1, "case %d: %d fields differ", i, differ);
+    }
 }
 
 /* The population std of the model's matrices (every 2-D tensor), from its

@@ -2548,6 +2548,12 @@ Test(train_run, resume_latest_restarts_from_the_newest, .init = make_tmp, .fini 
     cr_assert_eq(moe_model_config_save(&c, tmp_path(other, "ids.json")), MOE_OK, "%s", moe_last_error());
     cr_expect_eq(moe_run(&o, &cb), MOE_ERR_CONFIG);
     cr_expect(strstr(moe_last_error(), "another eos_token_id than --config"), "message: %s", moe_last_error());
+    /* Nor do q, k and v biases go unseen. */
+    cr_assert_eq(moe_model_config_load(&c, cfg, NULL, NULL), MOE_OK, "%s", moe_last_error());
+    c.moe_qkv_bias = true;
+    cr_assert_eq(moe_model_config_save(&c, tmp_path(other, "bias.json")), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(moe_run(&o, &cb), MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "step-000004 was trained with moe_qkv_bias"), "message: %s", moe_last_error());
     o.config = cfg;
     run_ok(&o, &v);
     cr_expect(v.steps == 2 && v.last_step == 6, "after the log's step 5: %d steps, to %lld", v.steps,
