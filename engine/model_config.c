@@ -881,26 +881,25 @@ static moe_status check_kv_heads(const char *name, int64_t heads, int64_t kv_hea
  * (said, for messages), into cfg; a file that gives the moe_* key too
  * must agree. moe_shared_intermediate_size's canonical form: 0 for the
  * routed experts' width (intermediate_size, set before). */
-static moe_status take_family_value(moe_model_config *cfg, given *state, const char *key, double v, const char *said,
+static moe_status take_family_value(moe_model_config *cfg, given *state, const char *key, int64_t v, const char *said,
                                     const char *name) {
     const size_t f = field_index(key);
     void *at = field_ptr(cfg, &fields[f]);
     const bool flag = fields[f].kind == F_BOOL;
-    double given_value = flag ? *(bool *)at : (double)*(int64_t *)at;
-    if (strcmp(key, "moe_shared_intermediate_size") == 0 && given_value == (double)cfg->intermediate_size)
-        given_value = 0.0;
+    int64_t given_value = flag ? *(bool *)at : *(int64_t *)at;
+    if (strcmp(key, "moe_shared_intermediate_size") == 0 && given_value == cfg->intermediate_size) given_value = 0;
     if (state[f] == GIVEN && given_value != v) {
         char text[32];
         if (flag)
-            snprintf(text, sizeof text, "%s", given_value != 0.0 ? "true" : "false");
+            snprintf(text, sizeof text, "%s", given_value ? "true" : "false");
         else
             snprintf(text, sizeof text, "%lld", (long long)given_value);
         return moe_error(MOE_ERR_CONFIG, "%s: %s=%s disagrees with %s", name, key, text, said);
     }
-    if (fields[f].kind == F_BOOL)
-        *(bool *)at = v != 0.0;
+    if (flag)
+        *(bool *)at = v != 0;
     else
-        *(int64_t *)at = (int64_t)v;
+        *(int64_t *)at = v;
     state[f] = GIVEN;
     return MOE_OK;
 }
@@ -929,11 +928,14 @@ static moe_status read_family_sizes(moe_model_config *cfg, given *state, const o
         return moe_error(MOE_ERR_CONFIG, "%s: shared_expert_intermediate_size=%lld is not supported (a shared expert "
                                          "of no width: only positive widths)",
                          name, (long long)shared);
+    if (shared > MAX_GEMM_DIM)
+        return moe_error(MOE_ERR_CONFIG, "%s: shared_expert_intermediate_size=%lld exceeds %lld", name,
+                         (long long)shared, (long long)MAX_GEMM_DIM);
     char said[96];
     snprintf(said, sizeof said, "shared_expert_intermediate_size=%lld", (long long)shared);
     MOE_TRY(take_family_value(cfg, state, "moe_n_shared_experts", 1, "model_type qwen2_moe's one shared expert", name));
-    MOE_TRY(take_family_value(cfg, state, "moe_shared_intermediate_size",
-                              shared == cfg->intermediate_size ? 0.0 : (double)shared, said, name));
+    MOE_TRY(take_family_value(cfg, state, "moe_shared_intermediate_size", shared == cfg->intermediate_size ? 0 : shared,
+                              said, name));
     MOE_TRY(take_family_value(cfg, state, "moe_shared_expert_gate", 1, "model_type qwen2_moe's gated shared expert",
                               name));
     /* transformers v4 gives q, k and v biases always; v5 reads qkv_bias, true when absent. */
@@ -1351,15 +1353,16 @@ static moe_status write_text_line(void *ctx, FILE *file) {
  * (router_aux_loss_coef, moe_z_loss_coef, moe_seq_aux_loss_coef, and
  * router_jitter_noise, which perturbs training only) leave it theirs;
  * moe_bias_update_rate > 0 does not, as the saved selection bias moves
- * the routing. Qwen2-MoE's adds one gated shared expert and q, k and v
- * biases (transformers v4 has them always); the others have neither. */
+ * the routing. Qwen2-MoE's adds one gated shared expert, and q, k and v
+ * biases unless qkv_bias is false (transformers v4, which has them always,
+ * loads such a file with the biases it lacks at 0, the same function); the
+ * others have neither. */
 static family family_of(const moe_model_config *c) {
     const bool routing = c->moe_gate == MOE_GATE_SOFTMAX_TOPK && c->moe_capacity_factor == 0.0 &&
                          c->moe_bias_update_rate == 0.0 && c->moe_n_group <= 1 && c->moe_routed_scaling_factor == 1.0;
     if (!routing) return FAMILY_OURS;
     if (c->moe_n_shared_experts == 1 && c->moe_shared_expert_gate)
-        return c->moe_qkv_bias && c->moe_qk_norm == MOE_QK_NORM_NONE && c->sliding_window == 0 ? FAMILY_QWEN2
-                                                                                             : FAMILY_OURS;
+        return c->moe_qk_norm == MOE_QK_NORM_NONE && c->sliding_window == 0 ? FAMILY_QWEN2 : FAMILY_OURS;
     if (c->moe_n_shared_experts != 0 || c->moe_qkv_bias) return FAMILY_OURS;
     switch (c->moe_qk_norm) {
     case MOE_QK_NORM_PER_HEAD: return FAMILY_QWEN3;
@@ -1468,7 +1471,7 @@ static void render(const moe_model_config *cfg, moe_json_writer *w) {
         moe_json_key(w, family_keys[KEY_SHARED_INTERMEDIATE].key);
         moe_json_int(w, shared_width(cfg));
         moe_json_key(w, family_keys[KEY_QKV_BIAS].key);
-        moe_json_bool(w, true);
+        moe_json_bool(w, cfg->moe_qkv_bias);
     }
     if (qwen) {
         moe_json_key(w, family_keys[KEY_SPARSE_STEP].key);

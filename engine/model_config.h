@@ -52,8 +52,9 @@
  * "qwen3_moe" and ["Qwen3MoeForCausalLM"], with Qwen3's keys, and with
  * "across_heads", hidden_size num_attention_heads x head_dim wide and no
  * window, "olmoe" and ["OlmoeForCausalLM"], with OLMoE's; with one gated
- * shared expert, q, k and v biases and no q/k norm, "qwen2_moe" and
- * ["Qwen2MoeForCausalLM"], with Qwen2-MoE's. Otherwise
+ * shared expert, no q/k norm and no window, "qwen2_moe" and
+ * ["Qwen2MoeForCausalLM"], with Qwen2-MoE's (qkv_bias as moe_qkv_bias
+ * says). Otherwise
  * "model_type": "moe" and ["MoeForCausalLM"], which transformers refuses
  * rather than load as a model that gives other outputs; this library reads
  * them all. */

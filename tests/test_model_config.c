@@ -1127,12 +1127,12 @@ Test(model_config, model_type_says_whether_transformers_computes_the_same, .init
         {"moe_qk_norm", "\"across_heads\", \"sliding_window\": 16", "moe"},
         {"moe_qk_norm", "\"across_heads\", \"head_dim\": 8", "moe"},
         {"model_type", "\"olmoe\"", "olmoe"},
-        /* One shared expert behind its gate, with q, k and v biases:
-         * Qwen2-MoE's, of any width; without one of them, ours. */
+        /* One shared expert behind its gate, with or without q, k and v
+         * biases: Qwen2-MoE's, of any width; without the gate, ours. */
         {"moe_n_shared_experts", "1, \"moe_shared_expert_gate\": true, \"moe_qkv_bias\": true", "qwen2_moe"},
         {"moe_n_shared_experts", "1, \"moe_shared_expert_gate\": true, \"moe_qkv_bias\": true, "
                                  "\"moe_shared_intermediate_size\": 48, \"moe_renormalize\": false", "qwen2_moe"},
-        {"moe_n_shared_experts", "1, \"moe_shared_expert_gate\": true", "moe"},
+        {"moe_n_shared_experts", "1, \"moe_shared_expert_gate\": true", "qwen2_moe"},
         {"moe_n_shared_experts", "2, \"moe_shared_expert_gate\": true, \"moe_qkv_bias\": true", "moe"},
         {"moe_n_shared_experts", "1, \"moe_shared_intermediate_size\": 48", "moe"},
         {"moe_qkv_bias", "true", "moe"},
@@ -1471,12 +1471,12 @@ Test(model_config, qwen2_moe_as_transformers_reads_it) {
     cr_expect_eq(c.rope_theta, 1e4);
     cr_expect_eq(c.rms_norm_eps, 1e-6);
     cr_expect(!c.moe_renormalize && c.moe_qkv_bias, "norm_topk_prob false, qkv_bias true");
-    /* transformers v5's qkv_bias false: no biases, which no transformers
-     * Qwen2-MoE writes back (v4 has them always). */
+    /* transformers v5's qkv_bias false: no biases; still a Qwen2-MoE (v4,
+     * which has them always, loads it with the biases at 0). */
     cr_assert_eq(parse(&c, qwen2_with(", \"qkv_bias\": false, \"norm_topk_prob\": true"), &w), MOE_OK, "%s",
                  moe_last_error());
     cr_expect(!c.moe_qkv_bias && c.moe_renormalize);
-    cr_expect_str_eq(moe_model_config_model_type(&c), "moe");
+    cr_expect_str_eq(moe_model_config_model_type(&c), "qwen2_moe");
     cr_assert_eq(parse(&c, qwen2_with(", \"moe_n_shared_experts\": 1, \"moe_qkv_bias\": true"), &w), MOE_OK, "%s",
                  moe_last_error());
     cr_assert_eq(parse(&c, qwen2_with(", \"sliding_window\": 64, \"max_window_layers\": 1"), &w), MOE_OK, "%s",
@@ -1515,6 +1515,12 @@ Test(model_config, qwen2_moe_as_transformers_reads_it) {
     cr_expect_eq(parse(&c, no_width, NULL), MOE_ERR_CONFIG);
     cr_expect(strstr(moe_last_error(), "shared_expert_intermediate_size=0 is not supported") != NULL, "%s",
               moe_last_error());
+    snprintf(no_width, sizeof no_width, "%.*s, \"shared_expert_intermediate_size\": 9223372036854775806}",
+             (int)strlen(no_shared) - 1, no_shared);
+    cr_expect_eq(parse(&c, no_width, NULL), MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "shared_expert_intermediate_size=9223372036854775806 exceeds 1073741823") !=
+                  NULL,
+              "%s", moe_last_error());
     /* Its keys are no other type's; a Qwen3-MoE has no gate nor biases. */
     w.count = 0;
     cr_assert_eq(parse(&c, qwen3_with(", \"qkv_bias\": true, \"shared_expert_intermediate_size\": 8"), &w), MOE_OK,
