@@ -1,6 +1,7 @@
 #define _POSIX_C_SOURCE 200809L
 
 #include "engine/json.h"
+#include "engine/unicode.h"
 
 #include <locale.h>
 #include <math.h>
@@ -208,28 +209,8 @@ static moe_status read_hex4(parser *p, unsigned *out) {
 }
 
 static moe_status put_code_point(parser *p, unsigned cp) {
-    char u[4];
-    size_t n;
-    if (cp < 0x80) {
-        u[0] = (char)cp;
-        n = 1;
-    } else if (cp < 0x800) {
-        u[0] = (char)(0xC0 | (cp >> 6));
-        u[1] = (char)(0x80 | (cp & 0x3F));
-        n = 2;
-    } else if (cp < 0x10000) {
-        u[0] = (char)(0xE0 | (cp >> 12));
-        u[1] = (char)(0x80 | ((cp >> 6) & 0x3F));
-        u[2] = (char)(0x80 | (cp & 0x3F));
-        n = 3;
-    } else {
-        u[0] = (char)(0xF0 | (cp >> 18));
-        u[1] = (char)(0x80 | ((cp >> 12) & 0x3F));
-        u[2] = (char)(0x80 | ((cp >> 6) & 0x3F));
-        u[3] = (char)(0x80 | (cp & 0x3F));
-        n = 4;
-    }
-    return sbuf_put(p, u, n);
+    unsigned char u[4];
+    return sbuf_put(p, (const char *)u, moe_utf8_encode(cp, u));
 }
 
 /* An escape; p->pos is just past the backslash. */

@@ -5,15 +5,17 @@ transformers' tokenizers' split patterns see, and what an NFC check needs.
   code point) matches them, and the letters that (?i:...) folds onto the
   contractions' s, t, r, e, v, m, l, d; probed, not taken from a Unicode
   database, so that they are tokenizers' own.
-- NFC: the code points after which NFC may change a text (quick check not
-  Yes: those NFC maps elsewhere, the second halves of canonical
-  compositions, Hangul vowels and trailing consonants) or that this
-  database does not know, and every combining mark's canonical class, for
-  the ordering check; from Python's unicodedata.
+- NFC: each code point's full canonical decomposition, the canonical
+  compositions NFC makes (primary composites, the exclusions left out) and
+  every combining mark's canonical class, from Python's unicodedata, less
+  what tokenizers' NFC does not know: its Unicode version is older, and
+  it takes the marks added since for starters that nothing decomposes
+  into or composes with (probed, and checked against its NFC on every
+  code point). Hangul is algorithmic and in none of them.
 
 Needs the tokenizers package: python3 make_unicode_tables.py (in engine)."""
 import unicodedata
-from tokenizers import pre_tokenizers, Regex
+from tokenizers import normalizers, pre_tokenizers, Regex
 
 CODE_POINTS = [c for c in range(0x110000) if not 0xD800 <= c <= 0xDFFF]
 
@@ -50,19 +52,53 @@ for name, pattern in [("MOE_UNICODE_LETTER", r"\p{L}"), ("MOE_UNICODE_NUMBER", r
         classes[c] = name
 folds = {ch: [c for c in matched(f"(?i:{ch})") if c >= 0x80] for ch in "strevmld"}
 
-unsure = {}
-for c in CODE_POINTS:
+HANGUL = range(0xAC00, 0xD7A4)
+PROBED = [c for c in CODE_POINTS if c != 0x0A]  # one text per line
+
+
+def normalized(form, texts):
+    """tokenizers' NFD or NFC of each text."""
+    out = getattr(normalizers, form)().normalize_str("\n".join(texts)).split("\n")
+    assert len(out) == len(texts)
+    return out
+
+
+def disagree(form, texts):
+    return {i for i, (a, b) in enumerate(zip(normalized(form, texts), texts))
+            if a != unicodedata.normalize(form, b)}
+
+
+# A mark after a starter, then one of class 1 (which it goes after if its
+# class is above 1), or after one of class 230 (which it goes before if
+# its class is below): where tokenizers orders a code point other than
+# Python does, or decomposes it otherwise, its database lacks the point,
+# which it then leaves in place.
+unknown = {PROBED[i] for form, make in [("NFD", lambda c: "a" + chr(c) + "\u0334"),
+                                        ("NFD", lambda c: "a\u0301" + chr(c)),
+                                        ("NFD", chr), ("NFC", chr)]
+           for i in disagree(form, [make(c) for c in PROBED])}
+for c in unknown:
     ch = chr(c)
-    if unicodedata.category(ch) == "Cn" or unicodedata.normalize("NFC", ch) != ch:
-        unsure[c] = 1
-    decomposition = unicodedata.decomposition(ch).split()
-    if len(decomposition) == 2 and not decomposition[0].startswith("<"):
-        first, second = (int(x, 16) for x in decomposition)
+    assert normalized("NFD", ["a" + ch + "\u0334", "a\u0301" + ch, ch]) == ["a" + ch + "\u0334", "a\u0301" + ch, ch], hex(c)
+
+combining = {c: unicodedata.combining(chr(c)) for c in CODE_POINTS
+             if unicodedata.combining(chr(c)) and c not in unknown}
+decompositions, compositions = [], []
+for c in CODE_POINTS:
+    if c in HANGUL or c in unknown:
+        continue
+    ch = chr(c)
+    full = unicodedata.normalize("NFD", ch)
+    if full != ch:
+        decompositions.append((c, [ord(x) for x in full]))
+    parts = unicodedata.decomposition(ch).split()
+    if len(parts) == 2 and not parts[0].startswith("<"):
+        first, second = (int(x, 16) for x in parts)
         if unicodedata.normalize("NFC", chr(first) + chr(second)) == ch:
-            unsure[second] = 1
-for c in list(range(0x1161, 0x1176)) + list(range(0x11A8, 0x11C3)):
-    unsure[c] = 1
-combining = {c: unicodedata.combining(chr(c)) for c in CODE_POINTS if unicodedata.combining(chr(c))}
+            compositions.append((first, second, c))
+compositions.sort()
+assert normalized("NFC", [chr(a) + chr(b) for a, b, _ in compositions]) == [chr(c) for _, _, c in compositions]
+assert sum(len(parts) for _, parts in decompositions) < 1 << 16 and max(len(p) for _, p in decompositions) <= 4
 
 with open("unicode_tables.c", "w") as f:
     f.write("/* unicode_tables.c: written by make_unicode_tables.py (tokenizers %s, Unicode %s); do not edit. */\n"
@@ -72,10 +108,21 @@ with open("unicode_tables.c", "w") as f:
     for a, b, v in ranges(classes):
         f.write(f"    {{0x{a:X}, 0x{b:X}, {v}}},\n")
     f.write("};\nconst size_t moe_unicode_class_count = sizeof moe_unicode_classes / sizeof *moe_unicode_classes;\n\n")
-    f.write("const moe_unicode_range moe_unicode_nfc_unsure[] = {\n")
-    for a, b, v in ranges(unsure):
-        f.write(f"    {{0x{a:X}, 0x{b:X}, {v}}},\n")
-    f.write("};\nconst size_t moe_unicode_nfc_unsure_count = sizeof moe_unicode_nfc_unsure / sizeof *moe_unicode_nfc_unsure;\n\n")
+    f.write("const uint32_t moe_unicode_decomposed[] = {\n")
+    offset = 0
+    for c, parts in decompositions:
+        f.write("    " + ", ".join(f"0x{x:X}" for x in parts) + ",\n")
+    f.write("};\n\nconst moe_unicode_decomposition moe_unicode_decompositions[] = {\n")
+    for c, parts in decompositions:
+        f.write(f"    {{0x{c:X}, {offset}, {len(parts)}}},\n")
+        offset += len(parts)
+    f.write("};\nconst size_t moe_unicode_decomposition_count =\n"
+            "    sizeof moe_unicode_decompositions / sizeof *moe_unicode_decompositions;\n\n")
+    f.write("const moe_unicode_composition moe_unicode_compositions[] = {\n")
+    for a, b, c in compositions:
+        f.write(f"    {{0x{a:X}, 0x{b:X}, 0x{c:X}}},\n")
+    f.write("};\nconst size_t moe_unicode_composition_count =\n"
+            "    sizeof moe_unicode_compositions / sizeof *moe_unicode_compositions;\n\n")
     f.write("const moe_unicode_range moe_unicode_combining[] = {\n")
     for a, b, v in ranges(combining):
         f.write(f"    {{0x{a:X}, 0x{b:X}, {v}}},\n")

@@ -24,17 +24,26 @@ typedef struct table {
     size_t cap; /* a power of two */
 } table;
 
+/* An added token as encoding matches it: by its content as the JSON
+ * spells it (not as the decoder does), a normalized one (matched in
+ * normalized text) normalized too. */
+typedef struct added_token {
+    int32_t id;
+    bool normalized;
+    unsigned char *form; /* [len] */
+    size_t len;
+} added_token;
+
 /* What encoding text needs, for a tokenizer.json that can: see
  * moe_tokenizer_can_encode. */
 typedef struct encoder {
     pretokenizer pre;
     bool prefix_space;   /* ByteLevel's add_prefix_space */
     bool ignore_merges;  /* a word in the vocabulary is its token, merges or not */
-    bool nfc;            /* its normalizer is NFC, which must leave the text as it is */
+    bool nfc;            /* its normalizer is NFC */
     table vocab;         /* a hash of a token's bytes -> its id, chained by probing */
     table merges;        /* (left id, right id) -> (rank, merged id) */
-    int32_t *added;      /* [n_added] the added tokens, matched in the text first */
-    bool *normalized;    /* [n_added] matched second, in the text between the others */
+    added_token *added;  /* [n_added] matched in the text first; the normalized ones second, in the text between */
     int n_added;
     int32_t before[4], after[4]; /* the post-processor's special tokens around the text */
     int n_before, n_after;
@@ -400,6 +409,32 @@ static bool merge_part(const json_reader *r, const char *text, size_t len, unsig
     return true;
 }
 
+/* How many bytes s [n] begins with that are UTF-8 (n: all). */
+static size_t utf8_length(const char *s, size_t n) {
+    size_t i = 0;
+    for (size_t len; i < n && moe_utf8_decode((const unsigned char *)s + i, n - i, &len) >= 0;) i += len;
+    return i;
+}
+
+/* The UTF-8 of the NFC of s [n] (valid UTF-8) into *out [*m] (free() it). */
+static moe_status to_nfc(const unsigned char *s, size_t n, unsigned char **out, size_t *m) {
+    uint32_t *in = malloc(n * sizeof *in), *nfc = malloc(8 * n * sizeof *nfc);
+    unsigned char *bytes = malloc(16 * n);
+    if (!in || !nfc || !bytes) {
+        free(in), free(nfc), free(bytes);
+        return moe_error(MOE_ERR_OUT_OF_MEMORY, "encoding: the NFC of %zu bytes", n);
+    }
+    size_t count = 0;
+    for (size_t i = 0, len; i < n; i += len) in[count++] = (uint32_t)moe_utf8_decode(s + i, n - i, &len);
+    const size_t k = moe_unicode_nfc(in, count, nfc, nfc + 4 * n);
+    size_t b = 0;
+    for (size_t i = 0; i < k; i++) b += moe_utf8_encode(nfc[i], bytes + b);
+    free(in), free(nfc);
+    *out = bytes;
+    *m = b;
+    return MOE_OK;
+}
+
 /* The encoder of a byte-level BPE tokenizer.json (root; added [count] and
  * in_vocab [count] mark the ids of its added tokens and of model.vocab's,
  * which may share one), or a reason in t->why_not that it encodes no
@@ -434,8 +469,7 @@ static moe_status build_encoder(moe_tokenizer *t, const json_reader *r, const mo
     const moe_json *list = moe_json_get(root, "added_tokens");
     const size_t n_list = list && list->type == MOE_JSON_ARRAY ? list->array.count : 0;
     if (!table_init(&e->vocab, (size_t)t->count) || !table_init(&e->merges, merges->array.count) ||
-        !(e->added = malloc((n_list + 1) * sizeof *e->added)) ||
-        !(e->normalized = malloc((n_list + 1) * sizeof *e->normalized)))
+        !(e->added = calloc(n_list + 1, sizeof *e->added)))
         return moe_error(MOE_ERR_OUT_OF_MEMORY, "%s: the encoding tables", r->path);
     for (int64_t id = 0; id < t->count; id++)
         if (t->len[id] && in_vocab[id]) table_add(&e->vocab, hash_bytes(t->data + t->at[id], (size_t)t->len[id]), (int32_t)id, 0);
@@ -453,11 +487,21 @@ static moe_status build_encoder(moe_tokenizer *t, const json_reader *r, const mo
                      (long long)id);
             return MOE_OK;
         }
+        if (!added[id] || t->len[id] == 0) continue;
         const moe_json *normalized = moe_json_get(a, "normalized");
-        e->normalized[e->n_added] = normalized && normalized->type == MOE_JSON_BOOL
-                                        ? normalized->boolean
-                                        : !is_true(moe_json_get(a, "special"));
-        if (added[id]) e->added[e->n_added++] = (int32_t)id;
+        added_token *token = &e->added[e->n_added];
+        token->id = (int32_t)id;
+        token->normalized = normalized && normalized->type == MOE_JSON_BOOL ? normalized->boolean
+                                                                            : !is_true(moe_json_get(a, "special"));
+        const moe_json *content = moe_json_get(a, "content");
+        token->len = content->string.len;
+        if (token->normalized && e->nfc && utf8_length(content->string.data, token->len) == token->len) {
+            MOE_TRY(to_nfc((const unsigned char *)content->string.data, token->len, &token->form, &token->len));
+        } else {
+            if (!(token->form = malloc(token->len))) return moe_error(MOE_ERR_OUT_OF_MEMORY, "%s: added tokens", r->path);
+            memcpy(token->form, content->string.data, token->len);
+        }
+        e->n_added++;
     }
     for (size_t i = 0; i < merges->array.count; i++) {
         const moe_json *m = &merges->array.items[i];
@@ -616,8 +660,8 @@ void moe_tokenizer_close(moe_tokenizer *t) {
     free(t->len);
     table_free(&t->enc.vocab);
     table_free(&t->enc.merges);
+    for (int i = 0; i < t->enc.n_added; i++) free(t->enc.added[i].form);
     free(t->enc.added);
-    free(t->enc.normalized);
     free(t);
 }
 
@@ -820,15 +864,14 @@ static moe_status bpe(const moe_tokenizer *t, const unsigned char *w, size_t len
 }
 
 /* The added token of the kind (normalized or not) that matches text [n]
- * at its start, the longest; -1. */
-static int32_t added_at(const moe_tokenizer *t, const unsigned char *text, size_t n, bool normalized) {
-    int32_t found = -1;
+ * at its start, the longest; NULL: none. */
+static const added_token *added_at(const moe_tokenizer *t, const unsigned char *text, size_t n, bool normalized) {
+    const added_token *found = NULL;
     for (int i = 0; i < t->enc.n_added; i++) {
-        if (t->enc.normalized[i] != normalized) continue;
-        const int32_t id = t->enc.added[i];
-        const size_t len = (size_t)t->len[id];
-        if (len <= n && memcmp(text, t->data + t->at[id], len) == 0 && (found < 0 || t->len[found] < t->len[id]))
-            found = id;
+        const added_token *a = &t->enc.added[i];
+        if (a->normalized == normalized && a->len <= n && memcmp(text, a->form, a->len) == 0 &&
+            (!found || found->len < a->len))
+            found = a;
     }
     return found;
 }
@@ -839,10 +882,15 @@ static int32_t added_at(const moe_tokenizer *t, const unsigned char *text, size_
  * the text between, on the normalized ones. */
 static moe_status encode_part(const moe_tokenizer *t, const unsigned char *s, size_t len, bool normalized,
                               int32_t **ids, int64_t *n, int64_t *cap) {
+    unsigned char *nfc = NULL; /* under an NFC normalizer, the text between the tokens not normalized, in NFC */
+    if (normalized && t->enc.nfc && len) {
+        MOE_TRY(to_nfc(s, len, &nfc, &len));
+        s = nfc;
+    }
     moe_status st = MOE_OK;
     for (size_t i = 0, plain = 0; st == MOE_OK && i <= len;) {
-        const int32_t special = i < len ? added_at(t, s + i, len - i, normalized) : -1;
-        if (special < 0 && i < len) {
+        const added_token *token = i < len ? added_at(t, s + i, len - i, normalized) : NULL;
+        if (!token && i < len) {
             i++;
             continue;
         }
@@ -852,35 +900,22 @@ static moe_status encode_part(const moe_tokenizer *t, const unsigned char *s, si
             st = bpe(t, s + k, piece, ids, n, cap);
             k += piece;
         }
-        if (special < 0) break;
-        if (st == MOE_OK) st = push(ids, n, cap, special);
-        i += (size_t)t->len[special];
+        if (!token) break;
+        if (st == MOE_OK) st = push(ids, n, cap, token->id);
+        i += token->len;
         plain = i;
     }
+    free(nfc);
     return st;
 }
 
-/* Whether the text is UTF-8 and, under an NFC normalizer, already NFC:
- * every code point one that NFC keeps (quick check), the combining marks
- * in canonical order. Encoding does not normalise. */
-static moe_status check_text(const moe_tokenizer *t, const unsigned char *s, size_t n) {
-    int previous = 0; /* the last code point's canonical combining class */
-    for (size_t i = 0, len; i < n; i += len) {
-        const int32_t c = moe_utf8_decode(s + i, n - i, &len);
-        if (c < 0)
-            return moe_error(MOE_ERR_CONFIG, "byte %zu of the text (0x%02x) is not UTF-8: encoding reads UTF-8 text "
-                                             "(give other text as ids)",
-                             i, s[i]);
-        if (!t->enc.nfc) continue;
-        const int ccc = moe_unicode_combining_class((uint32_t)c);
-        if (!moe_unicode_nfc_sure((uint32_t)c) || (ccc && previous > ccc))
-            return moe_error(MOE_ERR_CONFIG, "U+%04X at byte %zu of the text %s, and the tokenizer normalises to "
-                                             "NFC, which encoding does not do: give the text in NFC (composed), or "
-                                             "as ids",
-                             (unsigned)c, i, ccc && previous > ccc ? "follows a mark it goes before in NFC"
-                                                                   : "may change under NFC");
-        previous = ccc;
-    }
+/* Whether the text is UTF-8. */
+static moe_status check_utf8(const unsigned char *s, size_t n) {
+    const size_t i = utf8_length((const char *)s, n);
+    if (i < n)
+        return moe_error(MOE_ERR_CONFIG, "byte %zu of the text (0x%02x) is not UTF-8: encoding reads UTF-8 text "
+                                         "(give other text as ids)",
+                         i, s[i]);
     return MOE_OK;
 }
 
@@ -890,7 +925,7 @@ moe_status moe_tokenizer_encode(const moe_tokenizer *t, const char *text, bool s
     if (!moe_tokenizer_can_encode(t, &why)) return moe_error(MOE_ERR_CONFIG, "the tokenizer encodes no text: %s", why);
     const unsigned char *s = (const unsigned char *)text;
     const size_t len = strlen(text);
-    MOE_TRY(check_text(t, s, len));
+    MOE_TRY(check_utf8(s, len));
     int32_t *ids = NULL;
     int64_t n = 0, cap = 0;
     moe_status st = MOE_OK;

@@ -86,14 +86,13 @@ bool moe_tokenizer_can_encode(const moe_tokenizer *tokenizer, const char **why);
 
 /* text, UTF-8, into ids [*n] (free() them), as transformers' tokenizers
  * encodes it: with special, the post-processor's special tokens (Llama 3's
- * begin-of-text); added tokens wherever they stand; the text between them
+ * begin-of-text); added tokens wherever they stand, each by its content
+ * as the JSON spells it; under an NFC normalizer, the text between the
+ * added tokens not normalized in NFC (of the Unicode version tokenizers
+ * knows: unicode.h), and in it the normalized ones by their NFC; the rest
  * pre-tokenized (the patterns' classes of every code point as tokenizers
- * reads them: unicode.h) and each piece merged by BPE. Refused, naming
- * the byte or the code point: text that is not UTF-8, and under an NFC
- * normalizer text that NFC might change (a code point whose quick check
- * is not Yes, as a mark NFC may compose with what precedes it, Tamil's
- * vowel sign aa or a combining acute, or marks out of canonical order),
- * which encoding does not normalise. */
+ * reads them) and each piece merged by BPE. Text that is not UTF-8 is
+ * refused, naming the byte. */
 moe_status moe_tokenizer_encode(const moe_tokenizer *tokenizer, const char *text, bool special, int32_t **ids,
                                 int64_t *n);
 

@@ -77,14 +77,13 @@ _ALPHABET = "aAzZ09 \t\n\r\x0b\x0c'sStTrRvVmMlLdD.,;!?-_#@~\"(){}<>|"
 ASCII += ["".join(_rng.choice(_ALPHABET) for _ in range(_rng.randint(1, 60))) for _ in range(200)]
 # Beyond ASCII: letters, numbers and spaces of other scripts and planes (a
 # long s, which (?i:'s) takes), symbols, emoji, a byte order mark; all of
-# them NFC's own, for Qwen2's normalizer (UNICODE_NFC_ONLY is for the two
-# without one).
+# them NFC's own (UNICODE_NFC_CHANGES is what NFC changes).
 _UNICODE = ("éÉßſ\u00c6øŁ漢字かなカナ한국어\u03a9ωжщ\u05d0\u05d1\u0627\u0628\u0e01\u0905\U0001d400\U00020000"
             "٣۴५৬໗①½Ⅻ²\U0001d7ce\u00a0\u2003\u3000\u2028\u0085\u1680"
             "\u2019\u201c\u201d\u2014\u2026€£¥©®™°±§¶•\U0001f642\U0001f680\u200d\ufeff")
 # Marks NFC composes (acute, dot below, Tamil aa, kana voicing) or reorders
 # (Hebrew hiriq before sheva), and Kelvin's K, which NFC maps to K.
-UNICODE_NFC_ONLY = "\u0301\u0323\u0bbe\u3099\u05b4\u05b0\u212a"
+UNICODE_NFC_CHANGES = "\u0301\u0323\u0bbe\u3099\u05b4\u05b0\u212a"
 TEXTS = ASCII + ["Ünïcödé it\u2019s \u201cquoted\u201d \u2014 \u017fo '\u017f 'S '\uff33 \uff15 apples ½ Ⅻ², 漢字かな 한국어 "
                  "\U0001f600\u00a0ok\u3000done",
                  "Tab\u2003and\u2028line\u0085next  \u00a0 \u00a0x\n\u2029end",
@@ -101,6 +100,8 @@ def split_tokenizer(pattern, nfc, bos):
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(TEXT, trainers.BpeTrainer(vocab_size=420, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                                       special_tokens=SPECIALS + ["<|begin_of_text|>"]))
+    if nfc:  # normalized added tokens, which match as their NFC: "K9" and "\u00e9x"
+        tok.add_tokens(["\u212a9", "e\u0301x"])
     if bos:
         tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
                                                            special_tokens=[("<|begin_of_text|>", 2)])
@@ -122,13 +123,22 @@ for name, tok in [("tokenizer_llama3", split_tokenizer(LLAMA3, False, True)),
     with open(f"{name}.ids", "w") as f:
         for i in range(max(ids) + 1):
             f.write(f"{i} {ids.get(i, b'').hex()}\n")
-# Texts with the marks NFC composes or reorders, and Kelvin's K: for the
-# two tokenizers without a normalizer only (under Qwen2's NFC, encoding
-# refuses them).
-_MARKED = ["".join(_rng.choice(_ALPHABET + _UNICODE + UNICODE_NFC_ONLY) for _ in range(_rng.randint(1, 40)))
+# Texts with the marks NFC composes or reorders, and Kelvin's K, and
+# some that NFC takes apart and puts together again otherwise: Hangul
+# jamo into a syllable, a mark tokenizers' Unicode version does not know
+# (U+089F, which it leaves before a mark of class 9), a composite that
+# keeps a mark of a lower class after it, a singleton (Ohm's sign); and
+# Qwen2's normalized added tokens, as written and in other forms.
+_MARKED = ["".join(_rng.choice(_ALPHABET + _UNICODE + UNICODE_NFC_CHANGES) for _ in range(_rng.randint(1, 40)))
            for _ in range(100)]
+_MARKED += ["\u1100\u1161\u11a8 \u1112\u1161\u11ab\u1100\u1173\u11af", "\u089f\u0b4d x\u0b4d\u089f",
+            "a\u0323\u0302 \u1ea5\u0323 e\u0301\u0301 \u2126 \u0958 \u00c5\u030a", "\u212aelvin \u212b \u1e0a\u0323",
+            "K9 \u212a9 \u00e9x e\u0301x e\u0301\u0301x"]
+# Added tokens' contents as the JSON spells them, not as the decoder does:
+# GPT-2's "\u0120x" matches U+0120 x, not " x" (which BPE takes).
+_MARKED += ["a\u0120x b \u0120\u65e5\u672c \u65e5\u672c x", "\u0120\u0120x"]
 for name in ["tokenizer_byte_level", "tokenizer_llama3", "tokenizer_qwen2"]:
     tok = Tokenizer.from_file(f"{name}.json")
     with open(f"{name}.enc", "w") as f:
-        for text in TEXTS + ([] if name == "tokenizer_qwen2" else _MARKED):
+        for text in TEXTS + _MARKED:
             f.write(f"{text.encode().hex()} {','.join(map(str, tok.encode(text).ids))}\n")
