@@ -259,11 +259,12 @@ Test(generate, an_inference_model_generates_the_same_rows_in_less_memory) {
  * grow (so they sit at different positions), the cache past each row's
  * start holding other tokens of the first forward until the steps
  * overwrite them. Not bit for bit (the attention and the experts' GEMMs
- * sum in another order for one row than for the batch): within 1e-5 of
- * the largest logit, where a wrong position, rotation or cache row moves
- * them by percents of it. With a sliding window of 3, the rows pass it
- * (the steps must read only its keys); with q and k normalised, the steps
- * normalise theirs. */
+ * sum in another order for one row than for the batch): within 1e-4 of
+ * the largest logit (seen: 2.5e-6 with OpenBLAS's SkylakeX kernels, 1.7e-5
+ * with the Haswell ones it runs on AMD's Zen), where a wrong position,
+ * rotation or cache row moves them by percents of it. With a sliding
+ * window of 3, the rows pass it (the steps must read only its keys); with
+ * q and k normalised, the steps normalise theirs. */
 /* A forward's logits at every position of both rows into want; returns
  * the largest's size. */
 static double forward_logits(moe_model *m, const int32_t *tokens, float *want) {
@@ -274,14 +275,14 @@ static double forward_logits(moe_model *m, const int32_t *tokens, float *want) {
     return scale;
 }
 
-/* A decoding step's logits for (row, pos) within 1e-5 of the largest of
+/* A decoding step's logits for (row, pos) within 1e-4 of the largest of
  * the forward's. */
 static void expect_decoded(const float *got, const float *want, double scale, int64_t row, int64_t pos,
                            attention_kind attn) {
     const float *w = want + (row * T + pos) * VOCAB;
     double worst = 0.0;
     for (int64_t j = 0; j < VOCAB; j++) worst = fmax(worst, fabs(got[j] - w[j]));
-    cr_expect(worst <= 1e-5 * scale, "window %lld, qk_norm %s, row %lld, position %lld: logits off by %g (largest %g)",
+    cr_expect(worst <= 1e-4 * scale, "window %lld, qk_norm %s, row %lld, position %lld: logits off by %g (largest %g)",
               (long long)attn.sliding_window, moe_qk_norm_kind_name(attn.qk_norm), (long long)row, (long long)pos,
               worst, scale);
 }
@@ -323,7 +324,7 @@ Test(decode, steps_give_the_logits_of_a_full_forward) { check_decode((attention_
  * no forward at all, a chunk of 5 positions of each row at a time (as
  * moe_generate reads prompts): the first 4 of each row in a step that
  * only fills the cache, the 5th in one with logits, which are a full
- * forward's within 1e-5 of the largest logit as above. A step with logits
+ * forward's within 1e-4 of the largest logit as above. A step with logits
  * takes one token a row; a row may not skip a position nor go back in
  * one step, and a forward is refused. */
 static void check_decode_only(attention_kind attn) {
