@@ -2,6 +2,7 @@
  * tokenizer.json (tokenizer.h). */
 #include "engine/tokenizer.h"
 
+#include <stdarg.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -12,10 +13,20 @@
 #include "engine/json.h"
 #include "engine/unicode.h"
 
-/* A tokenizer.json's byte-level BPE pre-tokenizers that encoding
- * implements, by their patterns: GPT-2's (ByteLevel's use_regex), Llama
- * 3's and Qwen2's (a Split before a ByteLevel). */
-typedef enum pretokenizer { PRE_NONE, PRE_GPT2, PRE_LLAMA3, PRE_QWEN2 } pretokenizer;
+/* A tokenizer.json's pre-tokenizers that encoding implements: of a
+ * byte-level BPE, by their patterns, GPT-2's (ByteLevel's use_regex),
+ * Llama 3's and Qwen2's (a Split before a ByteLevel); of a
+ * SentencePiece-style one (Mistral's, Mixtral's, Llama 2's), none (the
+ * text between added tokens is one word) or Metaspace. PRE_NONE: it
+ * encodes no text. */
+typedef enum pretokenizer { PRE_NONE, PRE_GPT2, PRE_LLAMA3, PRE_QWEN2, PRE_WORD, PRE_METASPACE } pretokenizer;
+
+/* Where Metaspace puts U+2581 before a word: never, at the start of the
+ * text only, or before every piece of text (unless there already). */
+typedef enum prepend_scheme { PREPEND_NEVER, PREPEND_FIRST, PREPEND_ALWAYS } prepend_scheme;
+
+/* U+2581, which SentencePiece-style vocabularies spell a space with. */
+static const char MARK[] = "\xE2\x96\x81";
 
 /* An open-addressing table from 64-bit keys to two int32 values. */
 typedef struct table {
@@ -38,11 +49,21 @@ typedef struct added_token {
  * moe_tokenizer_can_encode. */
 typedef struct encoder {
     pretokenizer pre;
-    bool prefix_space;   /* ByteLevel's add_prefix_space */
-    bool ignore_merges;  /* a word in the vocabulary is its token, merges or not */
-    bool nfc;            /* its normalizer is NFC */
-    table vocab;         /* a hash of a token's bytes -> its id, chained by probing */
-    table merges;        /* (left id, right id) -> (rank, merged id) */
+    prepend_scheme prepend; /* Metaspace's */
+    bool split;             /* Metaspace's: a word begins at each U+2581 */
+    bool ignore_merges;     /* a word in the vocabulary is its token, merges or not */
+    bool nfc;               /* the normalizer: NFC, */
+    bool spaces_to_marks;   /* Replace ' ' by U+2581, */
+    bool prepend_mark;      /* Prepend U+2581 (to text between added tokens) */
+    bool fuse_unk;          /* unknown characters in a row are one unk */
+    int32_t unk;            /* model.unk_token's id; -1: none, an unknown character is dropped */
+    int32_t byte_token[256]; /* byte_fallback's <0xNN>; -1: none */
+    uint32_t byte_char[256]; /* ByteLevel's character of each byte */
+    unsigned char *spelling; /* model.vocab's tokens as the JSON spells them, which BPE reads */
+    int64_t *spelling_at;    /* [count] where each begins */
+    int32_t *spelling_len;   /* [count] how many bytes; 0: not in model.vocab */
+    table vocab;             /* a hash of a token's spelling -> its id, chained by probing */
+    table merges;            /* (left id, right id) -> (rank, merged id) */
     added_token *added;  /* [n_added] matched in the text first; the normalized ones second, in the text between */
     int n_added;
     int32_t before[4], after[4]; /* the post-processor's special tokens around the text */
@@ -308,20 +329,34 @@ static bool table_next(const table *h, uint64_t key, size_t *i) {
     return false;
 }
 
-static uint64_t hash_bytes(const unsigned char *p, size_t n) {
-    uint64_t x = 0xcbf29ce484222325ULL;
+/* FNV-1a of n more bytes onto x. */
+static uint64_t fnv(uint64_t x, const void *bytes, size_t n) {
+    const unsigned char *p = bytes;
     for (size_t i = 0; i < n; i++) x = (x ^ p[i]) * 0x100000001b3ULL;
-    return x >> 1; /* + 1 never wraps to the empty key */
+    return x;
 }
 
-/* The vocabulary token (no added one) whose bytes are p [n]; -1: none. */
-static int32_t vocab_id(const moe_tokenizer *t, const unsigned char *p, size_t n) {
-    const uint64_t key = hash_bytes(p, n);
-    for (size_t i = SIZE_MAX; table_next(&t->enc.vocab, key, &i);) {
-        const int32_t id = t->enc.vocab.a[i];
-        if ((size_t)t->len[id] == n && memcmp(t->data + t->at[id], p, n) == 0) return id;
+static const uint64_t FNV_BASIS = 0xcbf29ce484222325ULL;
+
+/* The token of model.vocab (no added one) spelled p [n] then q [m]; -1:
+ * none. */
+static int32_t spelled_id(const encoder *e, const void *p, size_t n, const void *q, size_t m) {
+    const uint64_t key = fnv(fnv(FNV_BASIS, p, n), q, m) >> 1; /* + 1 never wraps to the empty key */
+    for (size_t i = SIZE_MAX; table_next(&e->vocab, key, &i);) {
+        const int32_t id = e->vocab.a[i];
+        const unsigned char *s = e->spelling + e->spelling_at[id];
+        if ((size_t)e->spelling_len[id] == n + m && memcmp(s, p, n) == 0 && (m == 0 || memcmp(s + n, q, m) == 0))
+            return id;
     }
     return -1;
+}
+
+static int32_t vocab_id(const encoder *e, const void *p, size_t n) { return spelled_id(e, p, n, NULL, 0); }
+
+/* The token spelled as a's then b's spelling; -1: none. */
+static int32_t merged_id(const encoder *e, int32_t a, int32_t b) {
+    return spelled_id(e, e->spelling + e->spelling_at[a], (size_t)e->spelling_len[a], e->spelling + e->spelling_at[b],
+                      (size_t)e->spelling_len[b]);
 }
 
 static uint64_t pair_key(int32_t left, int32_t right) { return (uint64_t)(uint32_t)left << 31 | (uint32_t)right; }
@@ -338,26 +373,79 @@ static bool is_set(const moe_json *v) {
            !(v->type == MOE_JSON_BOOL && !v->boolean);
 }
 
-/* The pre-tokenizer p, when encoding implements it. */
-static pretokenizer read_pretokenizer(const moe_json *p, bool *prefix_space) {
+/* The pre-tokenizer p into e (e->pre PRE_NONE: one encoding does not
+ * implement); *prefix_space: ByteLevel's add_prefix_space. */
+static void read_pretokenizer(encoder *e, const moe_json *p, bool *prefix_space) {
+    e->pre = PRE_NONE;
+    if (!p || p->type == MOE_JSON_NULL) {
+        e->pre = PRE_WORD;
+        return;
+    }
+    if (type_is(p, "Metaspace")) {
+        /* As tokenizers reads it: add_prefix_space false is the scheme
+         * never, else prepend_scheme (always when absent); split true
+         * when absent. */
+        const char *with = moe_json_text(moe_json_get(p, "replacement"));
+        const char *scheme = moe_json_text(moe_json_get(p, "prepend_scheme"));
+        const moe_json *add = moe_json_get(p, "add_prefix_space"), *split = moe_json_get(p, "split");
+        const bool never = add && add->type == MOE_JSON_BOOL && !add->boolean;
+        if (!with || strcmp(with, MARK) != 0 || (split && split->type != MOE_JSON_BOOL)) return;
+        if (!scheme || strcmp(scheme, "always") == 0) e->prepend = never ? PREPEND_NEVER : PREPEND_ALWAYS;
+        else if (strcmp(scheme, "first") == 0) e->prepend = PREPEND_FIRST;
+        else if (strcmp(scheme, "never") == 0) e->prepend = PREPEND_NEVER;
+        else return;
+        if (never && e->prepend != PREPEND_NEVER) return; /* tokenizers refuses the file */
+        e->split = !split || split->boolean;
+        e->pre = PRE_METASPACE;
+        return;
+    }
     if (type_is(p, "ByteLevel")) {
         const moe_json *regex = moe_json_get(p, "use_regex");
         *prefix_space = is_true(moe_json_get(p, "add_prefix_space"));
-        return !regex || is_true(regex) ? PRE_GPT2 : PRE_NONE;
+        e->pre = !regex || is_true(regex) ? PRE_GPT2 : PRE_NONE;
+        return;
     }
     const moe_json *parts = type_is(p, "Sequence") ? moe_json_get(p, "pretokenizers") : NULL;
-    if (!parts || parts->type != MOE_JSON_ARRAY || parts->array.count != 2) return PRE_NONE;
+    if (!parts || parts->type != MOE_JSON_ARRAY || parts->array.count != 2) return;
     const moe_json *split = &parts->array.items[0], *bytes = &parts->array.items[1];
     const char *pattern = moe_json_text(moe_json_get(moe_json_get(split, "pattern"), "Regex"));
     const char *behavior = moe_json_text(moe_json_get(split, "behavior"));
     if (!type_is(split, "Split") || !pattern || !behavior || strcmp(behavior, "Isolated") != 0 ||
         is_true(moe_json_get(split, "invert")) || !type_is(bytes, "ByteLevel"))
-        return PRE_NONE;
+        return;
     /* ByteLevel's use_regex is true unless it says false. */
     const moe_json *regex = moe_json_get(bytes, "use_regex");
-    if (!regex || regex->type != MOE_JSON_BOOL || regex->boolean) return PRE_NONE;
+    if (!regex || regex->type != MOE_JSON_BOOL || regex->boolean) return;
     *prefix_space = is_true(moe_json_get(bytes, "add_prefix_space"));
-    return strcmp(pattern, LLAMA3_PATTERN) == 0 ? PRE_LLAMA3 : strcmp(pattern, QWEN2_PATTERN) == 0 ? PRE_QWEN2 : PRE_NONE;
+    e->pre = strcmp(pattern, LLAMA3_PATTERN) == 0 ? PRE_LLAMA3 : strcmp(pattern, QWEN2_PATTERN) == 0 ? PRE_QWEN2 : PRE_NONE;
+}
+
+/* Sets *flag, and whether it was clear. */
+static bool set_once(bool *flag) {
+    const bool was = *flag;
+    *flag = true;
+    return !was;
+}
+
+/* The normalizer n into e: none, NFC, Prepend U+2581, Replace ' ' by
+ * U+2581, or a Sequence of them, each at most once (in any order, which
+ * changes nothing); false: another. */
+static bool read_normalizer(encoder *e, const moe_json *n) {
+    if (!n || n->type == MOE_JSON_NULL) return true;
+    if (type_is(n, "NFC")) return set_once(&e->nfc);
+    if (type_is(n, "Prepend")) {
+        const char *with = moe_json_text(moe_json_get(n, "prepend"));
+        return with && strcmp(with, MARK) == 0 && set_once(&e->prepend_mark);
+    }
+    if (type_is(n, "Replace")) {
+        const char *from = moe_json_text(moe_json_get(moe_json_get(n, "pattern"), "String"));
+        const char *to = moe_json_text(moe_json_get(n, "content"));
+        return from && to && strcmp(from, " ") == 0 && strcmp(to, MARK) == 0 && set_once(&e->spaces_to_marks);
+    }
+    const moe_json *parts = type_is(n, "Sequence") ? moe_json_get(n, "normalizers") : NULL;
+    for (size_t i = 0; parts && parts->type == MOE_JSON_ARRAY && i < parts->array.count; i++)
+        if (!read_normalizer(e, &parts->array.items[i])) return false;
+    return parts && parts->type == MOE_JSON_ARRAY;
 }
 
 /* The special tokens a TemplateProcessing's single template puts around
@@ -397,18 +485,6 @@ static bool read_post(encoder *e, const moe_json *p) {
     return parts != NULL;
 }
 
-/* The bytes a ByteLevel-spelled merge part spells, into out [*n]; false
- * when a character is outside the alphabet. */
-static bool merge_part(const json_reader *r, const char *text, size_t len, unsigned char *out, size_t *n) {
-    *n = 0;
-    for (size_t i = 0, k; i < len; i += k) {
-        const uint32_t c = code_point((const unsigned char *)text + i, &k);
-        if (c >= 0x144 || r->byte_of[c] < 0 || *n == MOE_TOKENIZER_DECODED_BYTES_MAX) return false;
-        out[(*n)++] = (unsigned char)r->byte_of[c];
-    }
-    return true;
-}
-
 /* How many bytes s [n] begins with that are UTF-8 (n: all). */
 static size_t utf8_length(const char *s, size_t n) {
     size_t i = 0;
@@ -435,69 +511,130 @@ static moe_status to_nfc(const unsigned char *s, size_t n, unsigned char **out, 
     return MOE_OK;
 }
 
-/* The encoder of a byte-level BPE tokenizer.json (root; added [count] and
- * in_vocab [count] mark the ids of its added tokens and of model.vocab's,
- * which may share one), or a reason in t->why_not that it encodes no
- * text; only running out of memory fails. */
-static moe_status build_encoder(moe_tokenizer *t, const json_reader *r, const moe_json *root, const unsigned char *added,
-                                const unsigned char *in_vocab) {
+/* s [n] with each space as U+2581 (when spaces), after a U+2581 (when
+ * mark_first), into out (3 n + 3 bytes); its length. */
+static size_t mark_spaces(const unsigned char *s, size_t n, bool mark_first, bool spaces, unsigned char *out) {
+    size_t k = 0;
+    if (mark_first) memcpy(out, MARK, 3), k = 3;
+    for (size_t i = 0; i < n; i++) {
+        if (spaces && s[i] == ' ')
+            memcpy(out + k, MARK, 3), k += 3;
+        else
+            out[k++] = s[i];
+    }
+    return k;
+}
+
+/* s [n] (valid UTF-8, n > 0) as e's normalizer gives it, into *out [*m]
+ * (free() it); *out NULL, and s as it is, when it has none. */
+static moe_status normalize(const encoder *e, const unsigned char *s, size_t n, unsigned char **out, size_t *m) {
+    *out = NULL, *m = n;
+    if (e->nfc) {
+        MOE_TRY(to_nfc(s, n, out, m));
+        s = *out, n = *m;
+    }
+    if (!e->spaces_to_marks && !e->prepend_mark) return MOE_OK;
+    unsigned char *marked = malloc(3 * n + 3);
+    if (!marked) {
+        free(*out), *out = NULL;
+        return moe_error(MOE_ERR_OUT_OF_MEMORY, "encoding: %zu bytes", n);
+    }
+    *m = mark_spaces(s, n, e->prepend_mark, e->spaces_to_marks, marked);
+    free(*out);
+    *out = marked;
+    return MOE_OK;
+}
+
+/* t encodes no text, for the reason fmt gives. */
+static moe_status cannot_encode(moe_tokenizer *t, const char *fmt, ...) {
+    va_list args;
+    va_start(args, fmt);
+    vsnprintf(t->why_not, sizeof t->why_not, fmt, args);
+    va_end(args);
+    t->enc.pre = PRE_NONE;
+    return MOE_OK;
+}
+
+/* The encoder of a BPE tokenizer.json (root) with a byte-level or a
+ * SentencePiece-style vocabulary (spelled by r's decoder; added [count]
+ * marks the ids of its added tokens), or a reason in t->why_not that it
+ * encodes no text; only running out of memory fails. */
+static moe_status build_encoder(moe_tokenizer *t, const json_reader *r, const moe_json *root, const unsigned char *added) {
     encoder *e = &t->enc;
     const moe_json *model = moe_json_get(root, "model"), *merges = moe_json_get(model, "merges");
-    const char *type = moe_json_text(moe_json_get(model, "type")), *norm = moe_json_text(moe_json_get(moe_json_get(root, "normalizer"), "type"));
-    const moe_json *normalizer = moe_json_get(root, "normalizer");
+    const moe_json *vocab = moe_json_get(model, "vocab");
+    const char *type = moe_json_text(moe_json_get(model, "type")), *unk = moe_json_text(moe_json_get(model, "unk_token"));
     bool prefix = false;
-    const pretokenizer pre = read_pretokenizer(moe_json_get(root, "pre_tokenizer"), &prefix);
-    const char *why = !type || strcmp(type, "BPE") != 0 || r->spell != BYTE_LEVEL ? "it is no byte-level BPE"
-                      : !merges || merges->type != MOE_JSON_ARRAY                 ? "it has no merges"
-                      : is_set(moe_json_get(model, "continuing_subword_prefix")) ||
-                              is_set(moe_json_get(model, "end_of_word_suffix")) || is_set(moe_json_get(model, "dropout")) ||
-                              is_true(moe_json_get(model, "byte_fallback"))
-                          ? "its BPE model has options encoding does not implement"
-                      : normalizer && normalizer->type != MOE_JSON_NULL && !(norm && strcmp(norm, "NFC") == 0)
-                          ? "its normalizer is not one encoding implements (none, or NFC)"
-                      : pre == PRE_NONE ? "its pre-tokenizer is not GPT-2's, Llama 3's or Qwen2's"
-                      : prefix           ? "its pre-tokenizer adds a prefix space"
-                      : !read_post(e, moe_json_get(root, "post_processor"))
-                          ? "its post-processor is not one encoding implements"
-                          : NULL;
-    if (why) {
-        snprintf(t->why_not, sizeof t->why_not, "%s", why);
-        return MOE_OK;
-    }
+    read_pretokenizer(e, moe_json_get(root, "pre_tokenizer"), &prefix);
+    const bool byte_level = r->spell == BYTE_LEVEL, normalizer = read_normalizer(e, moe_json_get(root, "normalizer"));
+    if (!type || strcmp(type, "BPE") != 0 || vocab->type != MOE_JSON_OBJECT)
+        return cannot_encode(t, "its model is %s, not BPE", type ? type : "of no type");
+    if (!merges || merges->type != MOE_JSON_ARRAY) return cannot_encode(t, "it has no merges");
+    if (is_set(moe_json_get(model, "continuing_subword_prefix")) || is_set(moe_json_get(model, "end_of_word_suffix")) ||
+        is_set(moe_json_get(model, "dropout")))
+        return cannot_encode(t, "its BPE model has options encoding does not implement");
+    if (!normalizer || (byte_level && (e->spaces_to_marks || e->prepend_mark)))
+        return cannot_encode(t, "its normalizer is not one encoding implements (none or NFC; with a "
+                                "SentencePiece-style vocabulary also Prepend and Replace of spaces by U+2581)");
+    if (e->pre == PRE_NONE || byte_level != (e->pre < PRE_WORD))
+        return cannot_encode(t, "its pre-tokenizer is not one encoding implements (GPT-2's, Llama 3's or Qwen2's "
+                                "with a byte-level vocabulary, none or Metaspace with a SentencePiece-style one)");
+    if (prefix) return cannot_encode(t, "its pre-tokenizer adds a prefix space");
+    if (!read_post(e, moe_json_get(root, "post_processor")))
+        return cannot_encode(t, "its post-processor is not one encoding implements");
     e->ignore_merges = is_true(moe_json_get(model, "ignore_merges"));
-    e->nfc = norm != NULL;
+    e->fuse_unk = is_true(moe_json_get(model, "fuse_unk"));
+    /* model.vocab as the JSON spells it, which BPE reads (and a decoded
+     * token may not tell apart: ByteFallback's <0x41> and A). */
+    size_t bytes = 1;
+    for (size_t i = 0; i < vocab->object.count; i++) bytes += vocab->object.members[i].key_len;
     const moe_json *list = moe_json_get(root, "added_tokens");
     const size_t n_list = list && list->type == MOE_JSON_ARRAY ? list->array.count : 0;
-    if (!table_init(&e->vocab, (size_t)t->count) || !table_init(&e->merges, merges->array.count) ||
+    if (!(e->spelling = malloc(bytes)) || !(e->spelling_at = calloc((size_t)t->count, sizeof *e->spelling_at)) ||
+        !(e->spelling_len = calloc((size_t)t->count, sizeof *e->spelling_len)) ||
+        !table_init(&e->vocab, vocab->object.count) || !table_init(&e->merges, merges->array.count) ||
         !(e->added = calloc(n_list + 1, sizeof *e->added)))
         return moe_error(MOE_ERR_OUT_OF_MEMORY, "%s: the encoding tables", r->path);
-    for (int64_t id = 0; id < t->count; id++)
-        if (t->len[id] && in_vocab[id]) table_add(&e->vocab, hash_bytes(t->data + t->at[id], (size_t)t->len[id]), (int32_t)id, 0);
+    size_t used = 0;
+    for (size_t i = 0; i < vocab->object.count; i++) {
+        const moe_json_member *m = &vocab->object.members[i];
+        int64_t id;
+        moe_json_int64(&m->value, &id); /* checked at open */
+        memcpy(e->spelling + used, m->key, m->key_len);
+        e->spelling_at[id] = (int64_t)used, e->spelling_len[id] = (int32_t)m->key_len;
+        used += m->key_len;
+        table_add(&e->vocab, fnv(FNV_BASIS, m->key, m->key_len) >> 1, (int32_t)id, 0);
+    }
+    e->unk = unk ? vocab_id(e, unk, strlen(unk)) : -1;
+    if (unk && e->unk < 0) return cannot_encode(t, "its unk_token \"%s\" is not in model.vocab", unk);
+    for (int b = 0; b < 256; b++) {
+        char name[8];
+        snprintf(name, sizeof name, "<0x%02X>", b); /* tokenizers' spelling: upper case */
+        e->byte_token[b] = is_true(moe_json_get(model, "byte_fallback")) ? vocab_id(e, name, 6) : -1;
+    }
+    for (int c = 0; c < 0x144; c++)
+        if (r->byte_of[c] >= 0) e->byte_char[r->byte_of[c]] = (uint32_t)c;
     /* Added tokens, checked at open: an id and a content each. One that
      * strips spaces or matches whole words only is matched otherwise than
      * here. Unless it says, a special token is matched before normalizing,
-     * another after. */
+     * another after, by its content normalized. */
     for (size_t i = 0; i < n_list; i++) {
         const moe_json *a = &list->array.items[i];
         int64_t id;
         moe_json_int64(moe_json_get(a, "id"), &id);
         if (is_true(moe_json_get(a, "lstrip")) || is_true(moe_json_get(a, "rstrip")) ||
-            is_true(moe_json_get(a, "single_word"))) {
-            snprintf(t->why_not, sizeof t->why_not, "added token %lld strips spaces or matches whole words only",
-                     (long long)id);
-            return MOE_OK;
-        }
+            is_true(moe_json_get(a, "single_word")))
+            return cannot_encode(t, "added token %lld strips spaces or matches whole words only", (long long)id);
         if (!added[id] || t->len[id] == 0) continue;
-        const moe_json *normalized = moe_json_get(a, "normalized");
+        const moe_json *normalized = moe_json_get(a, "normalized"), *content = moe_json_get(a, "content");
         added_token *token = &e->added[e->n_added];
         token->id = (int32_t)id;
         token->normalized = normalized && normalized->type == MOE_JSON_BOOL ? normalized->boolean
                                                                             : !is_true(moe_json_get(a, "special"));
-        const moe_json *content = moe_json_get(a, "content");
         token->len = content->string.len;
-        if (token->normalized && e->nfc && utf8_length(content->string.data, token->len) == token->len) {
-            MOE_TRY(to_nfc((const unsigned char *)content->string.data, token->len, &token->form, &token->len));
-        } else {
+        if (token->normalized && utf8_length(content->string.data, token->len) == token->len)
+            MOE_TRY(normalize(e, (const unsigned char *)content->string.data, token->len, &token->form, &token->len));
+        if (!token->form) {
             if (!(token->form = malloc(token->len))) return moe_error(MOE_ERR_OUT_OF_MEMORY, "%s: added tokens", r->path);
             memcpy(token->form, content->string.data, token->len);
         }
@@ -516,23 +653,15 @@ static moe_status build_encoder(moe_tokenizer *t, const json_reader *r, const mo
             left = m->array.items[0].string.data, left_len = m->array.items[0].string.len;
             right = m->array.items[1].string.data, right_len = m->array.items[1].string.len;
         }
-        unsigned char both[2 * MOE_TOKENIZER_DECODED_BYTES_MAX];
-        size_t n_left = 0, n_right = 0;
-        const bool spelled = left && merge_part(r, left, left_len, both, &n_left) &&
-                             merge_part(r, right, right_len, both + n_left, &n_right);
-        const int32_t a = spelled ? vocab_id(t, both, n_left) : -1, b = spelled ? vocab_id(t, both + n_left, n_right) : -1;
-        const int32_t ab = spelled ? vocab_id(t, both, n_left + n_right) : -1;
-        if (a < 0 || b < 0 || ab < 0) {
-            snprintf(t->why_not, sizeof t->why_not, "its merge %zu names a token that is not in the vocabulary", i);
-            return MOE_OK;
-        }
+        const int32_t a = left ? vocab_id(e, left, left_len) : -1, b = left ? vocab_id(e, right, right_len) : -1;
+        const int32_t ab = a >= 0 && b >= 0 ? merged_id(e, a, b) : -1;
+        if (ab < 0) return cannot_encode(t, "its merge %zu names a token that is not in the vocabulary", i);
         size_t slot = SIZE_MAX; /* the last merge of a pair ranks it, as in tokenizers */
         if (table_next(&e->merges, pair_key(a, b), &slot))
             e->merges.a[slot] = (int32_t)i, e->merges.b[slot] = ab;
         else
             table_add(&e->merges, pair_key(a, b), (int32_t)i, ab);
     }
-    e->pre = pre;
     return MOE_OK;
 }
 
@@ -569,8 +698,7 @@ static moe_status open_json(moe_tokenizer *t, const char *path) {
         (!(t->at = calloc((size_t)count, sizeof *t->at)) || !(t->len = calloc((size_t)count, sizeof *t->len))))
         st = moe_error(MOE_ERR_OUT_OF_MEMORY, "%s: %lld tokens", path, (long long)count);
     unsigned char *added_ids = st == MOE_OK ? calloc((size_t)count, 1) : NULL;
-    unsigned char *in_vocab = st == MOE_OK ? calloc((size_t)count, 1) : NULL;
-    if (st == MOE_OK && (!added_ids || !in_vocab))
+    if (st == MOE_OK && !added_ids)
         st = moe_error(MOE_ERR_OUT_OF_MEMORY, "%s: %lld tokens", path, (long long)count);
     for (size_t i = 0; st == MOE_OK && i < (listed ? vocab->array.count : vocab->object.count); i++) {
         const moe_json *piece = listed ? &vocab->array.items[i] : NULL;
@@ -584,7 +712,6 @@ static moe_status open_json(moe_tokenizer *t, const char *path) {
         if (st == MOE_OK)
             st = listed ? put_token(t, &r, added_ids, id, text->string.data, text->string.len, false)
                         : put_token(t, &r, added_ids, id, m->key, m->key_len, false);
-        if (st == MOE_OK) in_vocab[id] = 1;
     }
     for (size_t i = 0; st == MOE_OK && added && i < added->array.count; i++) {
         const moe_json *a = &added->array.items[i], *content = moe_json_get(a, "content");
@@ -597,9 +724,8 @@ static moe_status open_json(moe_tokenizer *t, const char *path) {
     t->data = r.data;
     t->count = count;
     t->eot = -1;
-    if (st == MOE_OK) st = build_encoder(t, &r, root, added_ids, in_vocab);
+    if (st == MOE_OK) st = build_encoder(t, &r, root, added_ids);
     free(added_ids);
-    free(in_vocab);
     moe_json_free(doc);
     return st;
 }
@@ -658,6 +784,9 @@ void moe_tokenizer_close(moe_tokenizer *t) {
     free(t->data);
     free(t->at);
     free(t->len);
+    free(t->enc.spelling);
+    free(t->enc.spelling_at);
+    free(t->enc.spelling_len);
     table_free(&t->enc.vocab);
     table_free(&t->enc.merges);
     for (int i = 0; i < t->enc.n_added; i++) free(t->enc.added[i].form);
@@ -815,31 +944,43 @@ static uint64_t heap_pop(uint64_t *heap, size_t *n) {
     return top;
 }
 
-/* A pre-token's ids, by BPE: its bytes, then the lowest-ranked merge of
- * two neighbours, the leftmost of equal ones, until none applies. The
- * symbols form a list and the candidate merges a heap, so a long piece
- * costs n log n, not n^2; a candidate whose symbols have changed since it
- * was pushed is skipped when it comes up. */
-static moe_status bpe(const moe_tokenizer *t, const unsigned char *w, size_t len, int32_t **ids, int64_t *n,
-                      int64_t *cap) {
-    const encoder *e = &t->enc;
-    const int32_t whole = e->ignore_merges ? vocab_id(t, w, len) : -1;
+/* A word's ids, by BPE: a symbol for each of its characters (the token
+ * spelled so; else, under byte_fallback, a <0xNN> for each of its bytes;
+ * else the unknown token, one for a run under fuse_unk; else none, as
+ * tokenizers drops it), then the lowest-ranked merge of two neighbours,
+ * the leftmost of equal ones, until none applies. The symbols form a list
+ * and the candidate merges a heap, so a long word costs n log n, not n^2;
+ * a candidate whose symbols have changed since it was pushed is skipped
+ * when it comes up. */
+static moe_status bpe(const encoder *e, const unsigned char *w, size_t len, int32_t **ids, int64_t *n, int64_t *cap) {
+    const int32_t whole = e->ignore_merges ? vocab_id(e, w, len) : -1;
     if (whole >= 0) return push(ids, n, cap, whole);
-    if (len > INT32_MAX) return moe_error(MOE_ERR_CONFIG, "encoding: a piece of %zu bytes, over 2^31", len);
-    /* Each merge pushes at most two candidates onto the len - 1 first. */
+    if (len > INT32_MAX) return moe_error(MOE_ERR_CONFIG, "encoding: a word of %zu bytes, over 2^31", len);
+    /* At most a symbol a byte; each merge pushes at most two candidates
+     * onto the len - 1 first. */
     int32_t *sym = malloc(3 * len * sizeof *sym);
     uint64_t *heap = malloc(3 * len * sizeof *heap);
     if (!sym || !heap) {
         free(sym), free(heap);
-        return moe_error(MOE_ERR_OUT_OF_MEMORY, "encoding: a piece of %zu bytes", len);
+        return moe_error(MOE_ERR_OUT_OF_MEMORY, "encoding: a word of %zu bytes", len);
     }
     int32_t *prev = sym + len, *next = prev + len;
-    /* A byte with no token is dropped, as tokenizers' BPE without an
-     * unknown token drops it. */
     int32_t m = 0;
-    for (size_t i = 0; i < len; i++)
-        if ((sym[m] = vocab_id(t, w + i, 1)) >= 0) prev[m] = m - 1, next[m] = m + 1, m++;
-    if (m) next[m - 1] = -1;
+    bool unknown = false; /* an unknown token waits: tokenizers adds it before the next known character */
+    for (size_t i = 0, k; i < len; i += k) {
+        moe_utf8_decode(w + i, len - i, &k);
+        const int32_t id = vocab_id(e, w + i, k);
+        bool bytes = id < 0;
+        for (size_t j = 0; bytes && j < k; j++) bytes = e->byte_token[w[i + j]] >= 0;
+        if (id >= 0 && unknown) sym[m++] = e->unk, unknown = false;
+        if (id >= 0) sym[m++] = id;
+        for (size_t j = 0; bytes && j < k; j++) sym[m++] = e->byte_token[w[i + j]];
+        if (id >= 0 || bytes || e->unk < 0) continue;
+        if (unknown && !e->fuse_unk) sym[m++] = e->unk;
+        unknown = true;
+    }
+    if (unknown) sym[m++] = e->unk;
+    for (int32_t i = 0; i < m; i++) prev[i] = i - 1, next[i] = i + 1 < m ? i + 1 : -1;
     size_t queued = 0;
     int32_t merged, rank;
     for (int32_t i = 0; i + 1 < m; i++)
@@ -863,6 +1004,38 @@ static moe_status bpe(const moe_tokenizer *t, const unsigned char *w, size_t len
     return st;
 }
 
+/* The ids of s [n], normalized text between added tokens, its words each
+ * by BPE: the pre-tokenizer's pieces of a byte-level vocabulary, their
+ * bytes as ByteLevel's characters; Metaspace's, its spaces as U+2581
+ * (and one before, by its scheme: first, only where s begins the text,
+ * at_start), split before each U+2581 under split; or s whole. */
+static moe_status encode_words(const encoder *e, const unsigned char *s, size_t n, bool at_start, int32_t **ids,
+                               int64_t *count, int64_t *cap) {
+    if (e->pre == PRE_WORD) return bpe(e, s, n, ids, count, cap);
+    unsigned char *w = malloc(3 * n + 3);
+    if (!w) return moe_error(MOE_ERR_OUT_OF_MEMORY, "encoding: %zu bytes", n);
+    moe_status st = MOE_OK;
+    if (e->pre == PRE_METASPACE) {
+        const bool marked = s[0] == ' ' || (n >= 3 && memcmp(s, MARK, 3) == 0);
+        const bool mark_first = !marked && (e->prepend == PREPEND_ALWAYS || (e->prepend == PREPEND_FIRST && at_start));
+        const size_t m = mark_spaces(s, n, mark_first, true, w);
+        for (size_t i = 0, end; st == MOE_OK && i < m; i = end) {
+            for (end = i + 1; e->split && end < m && !(m - end >= 3 && memcmp(w + end, MARK, 3) == 0);) end++;
+            if (!e->split) end = m;
+            st = bpe(e, w + i, end - i, ids, count, cap);
+        }
+    }
+    for (size_t k = 0; e->pre != PRE_METASPACE && st == MOE_OK && k < n;) {
+        const size_t piece = pretoken(e->pre, s + k, n - k);
+        size_t m = 0;
+        for (size_t i = k; i < k + piece; i++) m += moe_utf8_encode(e->byte_char[s[i]], w + m);
+        st = bpe(e, w, m, ids, count, cap);
+        k += piece;
+    }
+    free(w);
+    return st;
+}
+
 /* The added token of the kind (normalized or not) that matches text [n]
  * at its start, the longest; NULL: none. */
 static const added_token *added_at(const moe_tokenizer *t, const unsigned char *text, size_t n, bool normalized) {
@@ -877,15 +1050,16 @@ static const added_token *added_at(const moe_tokenizer *t, const unsigned char *
 }
 
 /* text [len]: the added tokens of one kind, leftmost and longest, as
- * tokens, and between them the text, pre-tokenized and each piece by BPE;
- * as tokenizers splits on the added tokens not normalized first, then, in
- * the text between, on the normalized ones. */
+ * tokens, and the text between them; as tokenizers splits on the added
+ * tokens not normalized first, then normalizes the text between, then
+ * splits it on the normalized ones (matched by their normalized content),
+ * then pre-tokenizes what is left. at_start: s begins the text. */
 static moe_status encode_part(const moe_tokenizer *t, const unsigned char *s, size_t len, bool normalized,
-                              int32_t **ids, int64_t *n, int64_t *cap) {
-    unsigned char *nfc = NULL; /* under an NFC normalizer, the text between the tokens not normalized, in NFC */
-    if (normalized && t->enc.nfc && len) {
-        MOE_TRY(to_nfc(s, len, &nfc, &len));
-        s = nfc;
+                              bool at_start, int32_t **ids, int64_t *n, int64_t *cap) {
+    unsigned char *form = NULL; /* the normalized text between the tokens not normalized */
+    if (normalized) {
+        MOE_TRY(normalize(&t->enc, s, len, &form, &len));
+        if (form) s = form;
     }
     moe_status st = MOE_OK;
     for (size_t i = 0, plain = 0; st == MOE_OK && i <= len;) {
@@ -894,18 +1068,15 @@ static moe_status encode_part(const moe_tokenizer *t, const unsigned char *s, si
             i++;
             continue;
         }
-        if (!normalized) st = encode_part(t, s + plain, i - plain, true, ids, n, cap);
-        for (size_t k = plain; normalized && st == MOE_OK && k < i;) {
-            const size_t piece = pretoken(t->enc.pre, s + k, i - k);
-            st = bpe(t, s + k, piece, ids, n, cap);
-            k += piece;
-        }
+        if (plain < i)
+            st = normalized ? encode_words(&t->enc, s + plain, i - plain, at_start && plain == 0, ids, n, cap)
+                            : encode_part(t, s + plain, i - plain, true, at_start && plain == 0, ids, n, cap);
         if (!token) break;
         if (st == MOE_OK) st = push(ids, n, cap, token->id);
         i += token->len;
         plain = i;
     }
-    free(nfc);
+    free(form);
     return st;
 }
 
@@ -930,7 +1101,7 @@ moe_status moe_tokenizer_encode(const moe_tokenizer *t, const char *text, bool s
     int64_t n = 0, cap = 0;
     moe_status st = MOE_OK;
     for (int i = 0; special && st == MOE_OK && i < t->enc.n_before; i++) st = push(&ids, &n, &cap, t->enc.before[i]);
-    if (st == MOE_OK) st = encode_part(t, s, len, false, &ids, &n, &cap);
+    if (st == MOE_OK) st = encode_part(t, s, len, false, true, &ids, &n, &cap);
     for (int i = 0; special && st == MOE_OK && i < t->enc.n_after; i++) st = push(&ids, &n, &cap, t->enc.after[i]);
     if (st != MOE_OK) {
         free(ids);

@@ -78,21 +78,25 @@ int32_t moe_tokenizer_eot(const moe_tokenizer *tokenizer);
  * 50304 against GPT-2's 50257, holds). */
 const unsigned char *moe_tokenizer_bytes(const moe_tokenizer *tokenizer, int64_t id, size_t *n);
 
-/* Whether it encodes text: a tokenizer.json of a byte-level BPE model
- * (Qwen's, Llama 3's, OLMoE's, GPT-2's) whose pre-tokenizer is GPT-2's,
- * Llama 3's or Qwen2's split, with no normalizer or NFC; else *why (may be
+/* Whether it encodes text: a tokenizer.json of a BPE model, byte-level
+ * (Qwen's, Llama 3's, OLMoE's, GPT-2's: GPT-2's, Llama 3's or Qwen2's
+ * pre-tokenizer, no normalizer or NFC) or SentencePiece-style (Mixtral's,
+ * Mistral's, Llama 2's: a Prepend of U+2581 and a Replace of spaces by it
+ * as the normalizer, or a Metaspace pre-tokenizer); else *why (may be
  * NULL) says why not. */
 bool moe_tokenizer_can_encode(const moe_tokenizer *tokenizer, const char **why);
 
 /* text, UTF-8, into ids [*n] (free() them), as transformers' tokenizers
  * encodes it: with special, the post-processor's special tokens (Llama 3's
- * begin-of-text); added tokens wherever they stand, each by its content
- * as the JSON spells it; under an NFC normalizer, the text between the
- * added tokens not normalized in NFC (of the Unicode version tokenizers
- * knows: unicode.h), and in it the normalized ones by their NFC; the rest
- * pre-tokenized (the patterns' classes of every code point as tokenizers
- * reads them) and each piece merged by BPE. Text that is not UTF-8 is
- * refused, naming the byte. */
+ * begin-of-text, Llama's <s>); added tokens wherever they stand, each by
+ * its content as the JSON spells it; the text between the added tokens
+ * not normalized normalized (NFC, of the Unicode version tokenizers knows:
+ * unicode.h; spaces as U+2581, one before), and in it the normalized ones
+ * by their normalized content; the rest pre-tokenized (the patterns'
+ * classes of every code point as tokenizers reads them; Metaspace's
+ * U+2581) and each word merged by BPE, characters outside the vocabulary
+ * as ByteFallback's <0xNN> tokens, else the unknown token. Text that is
+ * not UTF-8 is refused, naming the byte. */
 moe_status moe_tokenizer_encode(const moe_tokenizer *tokenizer, const char *text, bool special, int32_t **ids,
                                 int64_t *n);
 

@@ -543,15 +543,15 @@ Test(generate_run, a_checkpoints_tokenizer_json_prints_its_samples, .init = make
     expect_error(&o, "--tokenizer must not be empty", NULL);
 }
 
-/* A tokenizer.json that encodes (Llama 3's kind, its begin-of-text
- * template) reads the prompt as text: the samples begin with the ids it
- * gives (test_tokenizer checks those against transformers' tokenizers);
- * --tokens ids keeps the prompt ids. */
-Test(generate_run, a_tokenizer_that_encodes_reads_the_prompt_as_text, .init = make_tmpdir, .fini = remove_tmpdir) {
+/* A checkpoint with tests/data/NAME.json as its tokenizer.json reads the
+ * prompt as text: the samples begin with the ids it gives (test_tokenizer
+ * checks those against transformers' tokenizers), the template's
+ * begin-of-text bos first; --tokens ids keeps the prompt ids. */
+static void expect_prompt_as_text(const char *name, const char *prompt, int32_t bos, uint64_t seed) {
     const moe_model_config cfg = tiny_config(448, 4096);
     char dir[768], src[1024], dst[1024];
-    free(save_checkpoint(dir, &cfg, in_tmp("out"), 15));
-    snprintf(src, sizeof src, "%s/tokenizer_llama3.json", MOE_TEST_DATA_DIR);
+    free(save_checkpoint(dir, &cfg, in_tmp(name), seed));
+    snprintf(src, sizeof src, "%s/%s.json", MOE_TEST_DATA_DIR, name);
     snprintf(dst, sizeof dst, "%s/tokenizer.json", dir);
     size_t size;
     unsigned char *json = read_bytes(src, &size);
@@ -561,18 +561,25 @@ Test(generate_run, a_tokenizer_that_encodes_reads_the_prompt_as_text, .init = ma
     cr_assert_eq(moe_tokenizer_open(&t, src), MOE_OK, "%s", moe_last_error());
     int32_t *want = NULL;
     int64_t n = 0;
-    cr_assert_eq(moe_tokenizer_encode(t, "Hello world! It's 2026.", true, &want, &n), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(moe_tokenizer_encode(t, prompt, true, &want, &n), MOE_OK, "%s", moe_last_error());
     moe_tokenizer_close(t);
-    moe_generate_options o = options(dir, "Hello world! It's 2026.");
+    moe_generate_options o = options(dir, prompt);
     o.max_new_tokens = 3;
     const collected c = run_ok(&o);
-    cr_expect(c.summary.encodes);
-    cr_assert_eq(c.samples[0].prompt_tokens, n);
-    for (int64_t i = 0; i < n; i++) cr_expect_eq(c.samples[0].tokens[i], want[i], "prompt token %lld", (long long)i);
-    cr_expect_eq(c.samples[0].tokens[0], 2, "the template's begin-of-text");
+    cr_expect(c.summary.encodes, "%s", name);
+    cr_assert_eq(c.samples[0].prompt_tokens, n, "%s", name);
+    for (int64_t i = 0; i < n; i++) cr_expect_eq(c.samples[0].tokens[i], want[i], "%s: prompt token %lld", name, (long long)i);
+    cr_expect_eq(c.samples[0].tokens[0], bos, "%s: the template's begin-of-text", name);
     free(want);
     o.tokens = MOE_TOKENS_IDS;
     expect_error(&o, "--prompt", "token id");
+}
+
+/* Llama 3's kind (byte-level) and Mixtral's (SentencePiece-style, its
+ * [INST] an added token). */
+Test(generate_run, a_tokenizer_that_encodes_reads_the_prompt_as_text, .init = make_tmpdir, .fini = remove_tmpdir) {
+    expect_prompt_as_text("tokenizer_llama3", "Hello world! It's 2026.", 2, 15);
+    expect_prompt_as_text("tokenizer_mixtral", "[INST] Hello world! It's 2026. [/INST]", 1, 17);
 }
 
 Test(generate_run, a_tokenizer_refuses_other_token_forms_and_bad_files, .init = make_tmpdir,

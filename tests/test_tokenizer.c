@@ -428,18 +428,71 @@ Test(tokenizer_json, text_that_is_not_utf8_is_refused) {
     }
 }
 
-/* A SentencePiece-style tokenizer and llm.c's file encode nothing, saying why. */
+/* SentencePiece-style vocabularies: Mixtral's Prepend and Replace
+ * normalizer, Metaspace (scheme always and split; first and whole),
+ * ByteFallback and the unknown token, fused or not; special tokens, and
+ * normalized added tokens by their normalized content. */
+Test(tokenizer_json, sentencepiece_bpe_encodes_as_tokenizers) {
+    expect_encodes("tokenizer_metaspace");
+    expect_encodes("tokenizer_mixtral");
+    expect_encodes("tokenizer_llama_first");
+}
+
+/* llm.c's file, and tokenizer.json files of another model or of parts
+ * encoding does not implement, encode nothing, saying why. */
 Test(tokenizer_json, other_tokenizers_say_why_they_do_not_encode, .init = make_tmpdir, .fini = remove_tmpdir) {
-    char path[512];
-    snprintf(path, sizeof path, "%s/tokenizer_metaspace.json", MOE_TEST_DATA_DIR);
+    static const char sentencepiece[] = "\"decoder\": {\"type\": \"Metaspace\", \"replacement\": \"\\u2581\"}";
+    static const char byte_level[] = "\"decoder\": {\"type\": \"ByteLevel\"}";
+    const struct {
+        const char *model, *rest, *decoder, *why;
+    } cases[] = {
+        {"\"type\": \"Unigram\", \"vocab\": [[\"a\", 0.0]]", "", sentencepiece, "its model is Unigram, not BPE"},
+        {"\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": []",
+         "\"normalizer\": {\"type\": \"NFKC\"}, ", sentencepiece, "normalizer"},
+        {"\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": []",
+         "\"normalizer\": {\"type\": \"Sequence\", \"normalizers\": [{\"type\": \"Prepend\", \"prepend\": "
+         "\"\\u2581\"}, {\"type\": \"Prepend\", \"prepend\": \"\\u2581\"}]}, ",
+         sentencepiece, "normalizer"},
+        {"\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": []",
+         "\"normalizer\": {\"type\": \"Replace\", \"pattern\": {\"String\": \" \"}, \"content\": \"\\u2581\"}, "
+         "\"pre_tokenizer\": {\"type\": \"ByteLevel\"}, ",
+         byte_level, "normalizer"},
+        {"\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": []", "\"pre_tokenizer\": {\"type\": \"ByteLevel\"}, ",
+         sentencepiece, "pre-tokenizer"},
+        {"\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": []",
+         "\"pre_tokenizer\": {\"type\": \"Metaspace\", \"replacement\": \"_\"}, ", sentencepiece, "pre-tokenizer"},
+        {"\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": []",
+         "\"pre_tokenizer\": {\"type\": \"Metaspace\", \"replacement\": \"\\u2581\", \"prepend_scheme\": \"first\", "
+         "\"add_prefix_space\": false}, ",
+         sentencepiece, "pre-tokenizer"},
+        {"\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": []", "", byte_level, "pre-tokenizer"},
+        {"\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": [], \"unk_token\": \"<unk>\"", "", sentencepiece,
+         "its unk_token \"<unk>\" is not in model.vocab"},
+        {"\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": [\"a b\"]", "", sentencepiece,
+         "its merge 0 names a token that is not in the vocabulary"},
+    };
+    char text[1024];
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        snprintf(text, sizeof text, "{\"model\": {%s}, %s%s}", cases[i].model, cases[i].rest, cases[i].decoder);
+        moe_tokenizer *t = NULL;
+        cr_assert_eq(moe_tokenizer_open(&t, json_file("t.json", text)), MOE_OK, "case %zu: %s", i, moe_last_error());
+        const char *why = NULL;
+        cr_expect_not(moe_tokenizer_can_encode(t, &why), "case %zu", i);
+        cr_expect(why && strstr(why, cases[i].why), "case %zu: %s", i, why ? why : "(null)");
+        int32_t *ids = NULL;
+        int64_t n = 0;
+        cr_expect_eq(moe_tokenizer_encode(t, "a", true, &ids, &n), MOE_ERR_CONFIG, "case %zu", i);
+        moe_tokenizer_close(t);
+    }
+    size_t size;
+    unsigned char *buf = tok_file_new(&size, MOE_TOKENIZER_MAGIC, 2, 300, 299);
+    write_bytes(in_tmp("tok.bin"), buf, size);
+    free(buf);
     moe_tokenizer *t = NULL;
-    cr_assert_eq(moe_tokenizer_open(&t, path), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(moe_tokenizer_open(&t, in_tmp("tok.bin")), MOE_OK, "%s", moe_last_error());
     const char *why = NULL;
     cr_expect_not(moe_tokenizer_can_encode(t, &why));
-    cr_expect(why && strstr(why, "no byte-level BPE"), "%s", why ? why : "(null)");
-    int32_t *ids = NULL;
-    int64_t n = 0;
-    cr_expect_eq(moe_tokenizer_encode(t, "a", true, &ids, &n), MOE_ERR_CONFIG);
+    cr_expect(why && strstr(why, "llm.c's file holds no merges"), "%s", why ? why : "(null)");
     moe_tokenizer_close(t);
 }
 
@@ -472,6 +525,23 @@ Test(tokenizer_json, merges_bytes_and_added_tokens_as_tokenizers, .init = make_t
     expect_ids(path, "abcxab", (const int32_t[]){0, 4, 3}, 3);
     expect_ids(path, "ab<x>", (const int32_t[]){3, 6}, 2);
     expect_ids(path, "ab<x>>b<xa", (const int32_t[]){3, 6, 5, 7, 0}, 5);
+}
+
+/* A character outside the vocabulary: ByteFallback's tokens where each
+ * of its bytes has one, else the unknown token, one for a run under
+ * fuse_unk; as tokenizers, an unknown token waiting when byte tokens come
+ * goes after them. */
+Test(tokenizer_json, unknown_characters_as_tokenizers, .init = make_tmpdir, .fini = remove_tmpdir) {
+    static const char format[] =
+        "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"<unk>\": 0, \"a\": 1, \"b\": 2, \"<0xC3>\": 3, "
+        "\"<0xA9>\": 4, \"\\u2581\": 5}, \"merges\": [], \"unk_token\": \"<unk>\", \"byte_fallback\": true, "
+        "\"fuse_unk\": %s}, \"decoder\": {\"type\": \"Metaspace\", \"replacement\": \"\\u2581\"}}";
+    char text[1024];
+    const char *chars = "a\u6f22\u5b57\u00e9b\U0001F642\U0001F642a"; /* a, two unknowns, e-acute, b, two emoji, a */
+    snprintf(text, sizeof text, format, "true");
+    expect_ids(json_file("fused.json", text), chars, (const int32_t[]){1, 3, 4, 0, 2, 0, 1}, 7);
+    snprintf(text, sizeof text, format, "false");
+    expect_ids(json_file("apart.json", text), chars, (const int32_t[]){1, 0, 3, 4, 0, 2, 0, 0, 1}, 9);
 }
 
 /* Added tokens matched with spaces stripped or as whole words, and

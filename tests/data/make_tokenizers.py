@@ -142,3 +142,50 @@ for name in ["tokenizer_byte_level", "tokenizer_llama3", "tokenizer_qwen2"]:
     with open(f"{name}.enc", "w") as f:
         for text in TEXTS + _MARKED:
             f.write(f"{text.encode().hex()} {','.join(map(str, tok.encode(text).ids))}\n")
+
+
+# SentencePiece-style encoding, as Mistral's, Mixtral's and Llama 2's
+# tokenizer.json files hold it: spaces spelled U+2581 by a Prepend and a
+# Replace normalizer (Mixtral's, its text between added tokens one word)
+# or a Metaspace pre-tokenizer (scheme always and split, or first and
+# whole); characters outside the vocabulary as ByteFallback's <0xNN>
+# tokens, or (where a byte has none) as the unknown token, fused or not.
+MARK = "\u2581"
+
+
+def sentencepiece(name, byte_tokens, fuse_unk, template):
+    alphabet = [f"<0x{b:02X}>" for b in byte_tokens]
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=fuse_unk))
+    # Mixtral's pieces stop at spaces; the other's merges cross them ("▁▁", "e▁t").
+    mixtral = name == "tokenizer_mixtral"
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=mixtral)
+    tok.train_from_iterator(TEXT, trainers.BpeTrainer(vocab_size=len(alphabet) + 240, limit_alphabet=40,
+                                                      special_tokens=["<unk>", "<s>", "</s>"] + alphabet))
+    if mixtral:
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend(MARK), normalizers.Replace(" ", MARK)])
+        tok.pre_tokenizer = None
+    tok.decoder = decoders.Sequence([decoders.Replace(MARK, " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.post_processor = processors.TemplateProcessing(single=template, special_tokens=[("<s>", 1), ("</s>", 2)])
+    # Special tokens matched as written, and normalized ones by their
+    # normalized content (with a space, and one that begins a word).
+    tok.add_special_tokens(["[INST]", "[/INST]"])
+    tok.add_tokens([AddedToken("moe trains", normalized=True), AddedToken(MARK + "all", normalized=True)])
+    return tok
+
+
+SPACED = ["", " ", "  ", "a", " a", "a ", "  two  spaces  ", "\u2581x \u2581 y\u2581", "<s>start", "</s> end",
+          "[INST] What is moe? [/INST] moe trains experts.[INST]again[/INST]", "moe trains moe trainsmoe trains",
+          "all of them, all\u2581all", "x [INST]", "\u2581\u2581lead", "\t tab\n\nnew  line "]
+for name, bytes_, fuse, template in [("tokenizer_mixtral", range(256), True, "<s> $A"),
+                                     ("tokenizer_llama_first", list(range(128)) + [0xC3, 0xE6, 0xBC, 0xA2], True,
+                                      "<s> $A </s>")]:
+    tok = sentencepiece(name, bytes_, fuse, template)
+    tok.save(f"{name}.json")
+with_texts = [("tokenizer_metaspace", TEXTS + _MARKED + SPACED), ("tokenizer_mixtral", TEXTS + _MARKED + SPACED),
+              ("tokenizer_llama_first", TEXTS + _MARKED + SPACED)]
+for name, texts in with_texts:
+    tok = Tokenizer.from_file(f"{name}.json")
+    with open(f"{name}.enc", "w") as f:
+        for text in texts:
+            f.write(f"{text.encode().hex()} {','.join(map(str, tok.encode(text).ids))}\n")
