@@ -572,8 +572,8 @@ int bench_gemm_run(int argc, char **argv) {
     bench_table_note(&table, "moe-bench gemm, libmoe %s, on the %s", moe_version_string(),
                      use_cuda ? "GPU" : "CPU");
     if (!use_cuda)
-        bench_table_note(&table, "%d OpenMP / %d OpenBLAS threads", bench_omp_threads(),
-                         bench_blas_threads());
+        bench_table_note(&table, "%d OpenMP / %d OpenBLAS threads, %s", bench_omp_threads(), bench_blas_threads(),
+                         bench_blas_kernels());
     bench_table_header(&table);
 
     if (!use_cuda) {

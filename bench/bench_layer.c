@@ -549,9 +549,9 @@ int bench_layer_run(int argc, char **argv) {
     if (dev.note[0]) fprintf(stderr, "moe-bench %s: %s\n", CMD, dev.note);
     const bench_table table = {.bench = CMD, .cols = columns, .n_cols = N_COLUMNS, .json = o.json};
     bench_table_note(&table,
-                     "moe-bench layer, libmoe %s on %s: %d OpenMP / %d OpenBLAS threads, %lld warmup + "
+                     "moe-bench layer, libmoe %s on %s: %d OpenMP / %d OpenBLAS threads, %s, %lld warmup + "
                      "%lld timed iterations, medians",
-                     moe_version_string(), dev.desc, bench_omp_threads(), bench_blas_threads(),
+                     moe_version_string(), dev.desc, bench_omp_threads(), bench_blas_threads(), bench_blas_kernels(),
                      (long long)o.warmup, (long long)o.iters);
     bench_table_header(&table);
     rc = 0;

@@ -257,8 +257,9 @@ int bench_train_run(int argc, char **argv) {
     }
     const bench_table table = {.bench = "train", .cols = columns,
                                .n_cols = (int)(sizeof columns / sizeof columns[0]), .json = json};
-    bench_table_note(&table, "moe-bench train: %s, %s GEMMs, %d threads, %lld warm-up + %lld timed steps per model%s",
-                     dev.desc, moe_gemm_math_name(math), bench_omp_threads(), (long long)warmup, (long long)steps,
+    bench_table_note(&table, "moe-bench train: %s, %s GEMMs, %d threads%s%s, %lld warm-up + %lld timed steps per model%s",
+                     dev.desc, moe_gemm_math_name(math), bench_omp_threads(), dev.cuda ? "" : ", ",
+                     dev.cuda ? "" : bench_blas_kernels(), (long long)warmup, (long long)steps,
                      recompute ? ", layers recomputed" : "");
     bench_table_header(&table);
     int rc = 0;

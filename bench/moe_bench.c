@@ -1,5 +1,6 @@
 /* moe_bench.c: `moe-bench`, its subcommand dispatch and the shared harness. */
 #include "bench/moe_bench.h"
+#include "kernels/cpu/blas.h"
 
 #include <cblas.h>
 #include <ctype.h>
@@ -59,6 +60,7 @@ static void print_usage(FILE *f) {
 }
 
 int main(int argc, char **argv) {
+    moe_blas_refit(argv);
     if (argc < 2) {
         print_usage(stderr);
         return BENCH_EXIT_USAGE;
@@ -184,6 +186,12 @@ void bench_set_threads(int n) {
 int bench_omp_threads(void) { return omp_get_max_threads(); }
 
 int bench_blas_threads(void) { return openblas_get_num_threads(); }
+
+const char *bench_blas_kernels(void) {
+    static char kernels[160];
+    moe_blas_describe(kernels, sizeof kernels);
+    return kernels;
+}
 
 /* ----------------------------------------------------------------- timing */
 

@@ -137,6 +137,8 @@ int bench_parse_routing(bench_routing *routings, const char *cmd, const char *te
 void bench_set_threads(int n);
 int bench_omp_threads(void);
 int bench_blas_threads(void);
+/* The OpenBLAS kernels the CPU runs, and who chose them (blas.h). */
+const char *bench_blas_kernels(void);
 
 /* ----------------------------------------------------------------- timing */
 

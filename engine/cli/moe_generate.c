@@ -16,6 +16,7 @@
 #include "engine/cli/cli_flags.h"
 #include "engine/generate.h"
 #include "engine/synthetic.h"
+#include "kernels/cpu/blas.h"
 
 #define PROGRAM "moe-generate"
 
@@ -135,6 +136,7 @@ static void on_warning(void *ctx, const char *message) {
 }
 
 int main(int argc, char **argv) {
+    moe_blas_refit(argv);
     moe_generate_options o;
     moe_generate_options_init(&o);
     const int rc = cli_start(PROGRAM, &o, flags, sizeof flags / sizeof *flags, argc, argv, print_help, validate);

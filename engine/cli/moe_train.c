@@ -20,6 +20,7 @@
 #include "comm/comm.h"
 #include "engine/cli/cli_flags.h"
 #include "engine/run.h"
+#include "kernels/cpu/blas.h"
 
 #define PROGRAM "moe-train"
 #define BAR_WIDTH 30
@@ -421,6 +422,11 @@ static void on_start(void *ctx, const moe_run_summary *s) {
     if (s->device_note) printf("%s\n", s->device_note);
     if (s->placement) printf("place    %s\n", s->placement);
     printf("device   %s, %s GEMMs, %d threads", s->device, moe_gemm_math_name(o->gemm_math), s->threads);
+    if (strncmp(s->device, "cpu", 3) == 0) {
+        char kernels[160];
+        moe_blas_describe(kernels, sizeof kernels);
+        printf(", %s", kernels);
+    }
     if (!isnan(s->peak_gflops))
         printf(", GEMM peak %.1f GFLOP/s%s (%s)", s->peak_gflops, s->ranks > 1 ? " summed over the ranks" : "",
                s->peak_measured ? "measured" : "--peak-gflops per rank");
@@ -639,6 +645,7 @@ static const char *launcher_rank(void) {
 }
 
 int main(int argc, char **argv) {
+    moe_blas_refit(argv);
     moe_run_options o;
     moe_run_options_init(&o);
     const int rc = cli_start(PROGRAM, &o, flags, sizeof flags / sizeof *flags, argc, argv, print_help, validate);
