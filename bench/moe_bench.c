@@ -56,7 +56,9 @@ static void print_usage(FILE *f) {
             "  --version      the library version\n"
             "\n"
             "environment:\n"
-            "  OMP_NUM_THREADS  OpenMP and OpenBLAS threads when --threads is not given\n");
+            "  OMP_NUM_THREADS    OpenMP and OpenBLAS threads when --threads is not given\n"
+            "  OPENBLAS_CORETYPE  OpenBLAS's kernels; unset, where OpenBLAS takes the CPU for a\n"
+            "                     Prescott, moe-bench sets it by the CPU's instructions and runs again\n");
 }
 
 int main(int argc, char **argv) {

@@ -72,7 +72,9 @@ static void print_help(void) {
            "  --threads N          OpenMP (and OpenBLAS) threads; 0 = OpenMP's default:\n"
            "                       OMP_NUM_THREADS, else every core (default)\n\n"
            "  -h, --help           this text\n\n"
-           "Environment: OMP_NUM_THREADS sets the thread count when --threads is not given.\n");
+           "Environment: OMP_NUM_THREADS sets the thread count when --threads is not given;\n"
+           "OPENBLAS_CORETYPE chooses OpenBLAS's kernels (unset, where OpenBLAS takes the CPU for\n"
+           "a Prescott, moe-generate sets it by the CPU's instructions and runs again).\n");
 }
 
 /* ------------------------------------------------------------------ flags */

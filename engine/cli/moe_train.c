@@ -170,7 +170,9 @@ static void print_help(void) {
            "writes, and the run trains on to its end, checkpointed, then exits 1 saying so.\n\n"
            "Environment: OMP_NUM_THREADS sets the thread count when --threads is not given;\n"
            "MOE_FAULT_KILL=RANK:STEP kills that rank in STEP, before its checkpoint (a fault-\n"
-           "injection test).\n");
+           "injection test); OPENBLAS_CORETYPE chooses OpenBLAS's kernels (unset, where OpenBLAS\n"
+           "takes the CPU for a Prescott, moe-train sets it by the CPU's instructions and runs\n"
+           "again).\n");
 }
 
 /* ------------------------------------------------------------------ flags */
