@@ -7,7 +7,8 @@
  *
  * What a kernel may use: threadIdx, blockIdx, blockDim, gridDim,
  * __syncthreads, __syncwarp, __shfl_sync and __shfl_xor_sync (with every
- * lane of the warp taking part), moe_warp_sum, moe_warp_max, atomicAdd on
+ * lane of the warp taking part), kernels/cuda/reduce.cuh's moe_warp_sum,
+ * moe_warp_max and moe_block_sum, atomicAdd on
  * ints, MOE_DYNAMIC_SHARED, moe_cp_async16 and its commit and wait (copies
  * land only when a wait covers them), moe_ldmatrix_x4 and moe_mma_bf16
  * (their fragment layouts are those of the PTX ISA, rebuilt here from the
@@ -264,15 +265,7 @@ template <typename T> T __shfl_xor_sync(unsigned mask, T x, int lane_mask) {
     return __shfl_sync(mask, x, emu_lane() ^ lane_mask);
 }
 
-template <typename T, int G = 32> T moe_warp_sum(T v) {
-    for (int o = G / 2; o > 0; o >>= 1) v += __shfl_xor_sync(MOE_FULL_MASK, v, o);
-    return v;
-}
-
-template <int G = 32> float moe_warp_max(float v) {
-    for (int o = G / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(MOE_FULL_MASK, v, o));
-    return v;
-}
+#include "kernels/cuda/reduce.cuh"
 
 inline int atomicAdd(int *p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
 

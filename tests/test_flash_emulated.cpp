@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "simt_emu.h"
+#include "test_lcg.h"
 
 #include "kernels/cuda/flash_attention_kernels.cuh"
 
@@ -31,14 +32,6 @@ struct shape {
 };
 
 /* Small uniform values from a fixed linear congruential stream. */
-struct lcg {
-    uint64_t s;
-    float next() {
-        s = s * 6364136223846793005ull + 1442695040888963407ull;
-        return (float)((s >> 40) * (1.0 / 16777216.0)) * 2.0f - 1.0f;
-    }
-};
-
 std::vector<float> random_vec(size_t n, lcg *r) {
     std::vector<float> v(n);
     for (float &x : v) x = r->next();

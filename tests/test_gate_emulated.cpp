@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "simt_emu.h"
+#include "test_lcg.h"
 
 extern "C" {
 #include "kernels/moe_math.h"
@@ -32,14 +33,6 @@ struct gate_case {
     int n_groups = 0, top_groups = 0; /* group-limited routing when n_groups > 1 */
     float scale = 1.0f;               /* routed_scale */
     int64_t seq_len = 0;              /* backward: an aux gradient row per sequence of this many tokens */
-};
-
-struct lcg {
-    uint64_t s;
-    float next() { /* uniform in [-1, 1) */
-        s = s * 6364136223846793005ull + 1442695040888963407ull;
-        return (float)((s >> 40) * (1.0 / 16777216.0)) * 2.0f - 1.0f;
-    }
 };
 
 const char *kind_name(moe_gate_kind kind) {

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "simt_emu.h"
+#include "test_lcg.h"
 
 extern "C" {
 #include "kernels/ops.h"
@@ -19,14 +20,6 @@ extern "C" {
 #include "kernels/cuda/grouped_mma_kernels.cuh"
 
 namespace {
-
-struct lcg {
-    uint64_t s;
-    float next() { /* uniform in [-1, 1) */
-        s = s * 6364136223846793005ull + 1442695040888963407ull;
-        return (float)((s >> 40) * (1.0 / 16777216.0)) * 2.0f - 1.0f;
-    }
-};
 
 float as_float(float v) { return v; }
 float as_float(__nv_bfloat16 v) { return emu_from_bf16(v.bits); }

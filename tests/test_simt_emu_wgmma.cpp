@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "simt_emu.h"
+#include "test_lcg.h"
 
 namespace {
 
@@ -115,14 +116,6 @@ void wgmma_kernel(float *out, const __nv_bfloat16 *a, const __nv_bfloat16 *a2, c
         out[(size_t)row * o.n + col] = d[i];
     }
 }
-
-struct lcg {
-    uint64_t s;
-    float next() { /* uniform in [-1, 1) */
-        s = s * 6364136223846793005ull + 1442695040888963407ull;
-        return (float)((s >> 40) * (1.0 / 16777216.0)) * 2.0f - 1.0f;
-    }
-};
 
 std::vector<__nv_bfloat16> random_bf16(size_t count, uint64_t seed) {
     lcg g{seed};

@@ -135,17 +135,7 @@ static inline unsigned moe_cuda_grid(int64_t n, int threads, const moe_cuda_ctx 
 
 #define MOE_FULL_MASK 0xffffffffu
 
-/* Over each aligned group of G lanes (the whole warp by default); every
- * lane of the warp takes part. */
-template <typename T, int G = 32> __device__ __forceinline__ T moe_warp_sum(T v) {
-    for (int o = G / 2; o > 0; o >>= 1) v += __shfl_xor_sync(MOE_FULL_MASK, v, o);
-    return v;
-}
-
-template <int G = 32> __device__ __forceinline__ float moe_warp_max(float v) {
-    for (int o = G / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(MOE_FULL_MASK, v, o));
-    return v;
-}
+#include "kernels/cuda/reduce.cuh"
 
 /* c [16x8] += a [16x16] b [16x8] on the tensor cores: bf16 in, fp32 sums
  * (sm_80 and up). With g = lane / 4 and c = 2 (lane % 4), a lane holds
@@ -313,21 +303,6 @@ template <int N> __device__ __forceinline__ void moe_setmaxnreg_dec() {
 }
 template <int N> __device__ __forceinline__ void moe_setmaxnreg_inc() {
     MOE_SM90A_ASM("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
-}
-
-/* Sum over a block whose size is a multiple of 32 (at most 1024), in a
- * fixed tree order: the same bits on every run. Every thread gets the
- * result. shared holds 32 values; the call ends with a barrier so shared can
- * be reused at once. */
-template <typename T> __device__ T moe_block_sum(T v, T *shared) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
-    v = moe_warp_sum(v);
-    if (lane == 0) shared[warp] = v;
-    __syncthreads();
-    T total = lane < n_warps ? shared[lane] : T(0);
-    total = moe_warp_sum(total);
-    __syncthreads();
-    return total;
 }
 
 /* Exclusive prefix sum over a block (size a multiple of 32) of one value
