@@ -5,7 +5,8 @@
  * bytes past the last token. Hugging Face tokenizer.json files (ByteLevel
  * and SentencePiece-style, made by tests/data/make_tokenizers.py with
  * transformers' tokenizers): every id decoded to the bytes tokenizers
- * spells for it, and malformed ones refused. */
+ * spells for it, text encoded to the ids tokenizers gives it, and
+ * malformed ones refused. */
 #define _XOPEN_SOURCE 700
 #include <criterion/criterion.h>
 #include <stdio.h>
