@@ -66,6 +66,7 @@ typedef struct encoder {
     table merges;            /* (left id, right id) -> (rank, merged id) */
     added_token *added;  /* [n_added] matched in the text first; the normalized ones second, in the text between */
     int n_added;
+    int added_from[257]; /* added [added_from[b], added_from[b + 1]): those whose form begins with byte b */
     int32_t before[4], after[4]; /* the post-processor's special tokens around the text */
     int n_before, n_after;
 } encoder;
@@ -382,20 +383,23 @@ static void read_pretokenizer(encoder *e, const moe_json *p, bool *prefix_space)
         return;
     }
     if (type_is(p, "Metaspace")) {
-        /* As tokenizers reads it: add_prefix_space false is the scheme
-         * never, else prepend_scheme (always when absent); split true
-         * when absent. */
+        /* As tokenizers 0.23 reads it: prepend_scheme, always when absent,
+         * add_prefix_space false only beside never; split true when absent
+         * or null. */
         const char *with = moe_json_text(moe_json_get(p, "replacement"));
-        const char *scheme = moe_json_text(moe_json_get(p, "prepend_scheme"));
-        const moe_json *add = moe_json_get(p, "add_prefix_space"), *split = moe_json_get(p, "split");
-        const bool never = add && add->type == MOE_JSON_BOOL && !add->boolean;
-        if (!with || strcmp(with, MARK) != 0 || (split && split->type != MOE_JSON_BOOL)) return;
-        if (!scheme || strcmp(scheme, "always") == 0) e->prepend = never ? PREPEND_NEVER : PREPEND_ALWAYS;
+        const moe_json *scheme_value = moe_json_get(p, "prepend_scheme"), *add = moe_json_get(p, "add_prefix_space");
+        const moe_json *split = moe_json_get(p, "split");
+        const char *scheme = moe_json_text(scheme_value);
+        const bool no_split = split && split->type == MOE_JSON_BOOL && !split->boolean;
+        if (!with || strcmp(with, MARK) != 0 || (scheme_value && !scheme) || (add && add->type != MOE_JSON_BOOL) ||
+            (split && split->type != MOE_JSON_BOOL && split->type != MOE_JSON_NULL))
+            return;
+        if (!scheme || strcmp(scheme, "always") == 0) e->prepend = PREPEND_ALWAYS;
         else if (strcmp(scheme, "first") == 0) e->prepend = PREPEND_FIRST;
         else if (strcmp(scheme, "never") == 0) e->prepend = PREPEND_NEVER;
         else return;
-        if (never && e->prepend != PREPEND_NEVER) return; /* tokenizers refuses the file */
-        e->split = !split || split->boolean;
+        if (add && !add->boolean && e->prepend != PREPEND_NEVER) return; /* tokenizers refuses the file */
+        e->split = !no_split;
         e->pre = PRE_METASPACE;
         return;
     }
@@ -482,7 +486,7 @@ static bool read_post(encoder *e, const moe_json *p) {
     const moe_json *parts = type_is(p, "Sequence") ? moe_json_get(p, "processors") : NULL;
     for (size_t i = 0; parts && parts->type == MOE_JSON_ARRAY && i < parts->array.count; i++)
         if (!read_post(e, &parts->array.items[i])) return false;
-    return parts != NULL;
+    return parts && parts->type == MOE_JSON_ARRAY;
 }
 
 /* How many bytes s [n] begins with that are UTF-8 (n: all). */
@@ -545,6 +549,25 @@ static moe_status normalize(const encoder *e, const unsigned char *s, size_t n, 
     return MOE_OK;
 }
 
+/* e->added ordered by the first byte of their forms (in JSON order among
+ * those of one byte) and added_from set, so that a place in the text
+ * looks only at those that begin with its byte: tokenizers matches
+ * hundreds of added tokens (Llama 3's 256, Mistral's 771) at no cost a
+ * byte. */
+static moe_status index_added(encoder *e) {
+    added_token *ordered = malloc(((size_t)e->n_added + 1) * sizeof *ordered);
+    if (!ordered) return moe_error(MOE_ERR_OUT_OF_MEMORY, "encoding: %d added tokens", e->n_added);
+    memset(e->added_from, 0, sizeof e->added_from);
+    for (int i = 0; i < e->n_added; i++) e->added_from[e->added[i].form[0] + 1]++;
+    for (int b = 0; b < 256; b++) e->added_from[b + 1] += e->added_from[b];
+    int next[256];
+    memcpy(next, e->added_from, sizeof next);
+    for (int i = 0; i < e->n_added; i++) ordered[next[e->added[i].form[0]]++] = e->added[i];
+    free(e->added);
+    e->added = ordered;
+    return MOE_OK;
+}
+
 /* t encodes no text, for the reason fmt gives. */
 static moe_status cannot_encode(moe_tokenizer *t, const char *fmt, ...) {
     va_list args;
@@ -567,8 +590,8 @@ static moe_status build_encoder(moe_tokenizer *t, const json_reader *r, const mo
     bool prefix = false;
     read_pretokenizer(e, moe_json_get(root, "pre_tokenizer"), &prefix);
     const bool byte_level = r->spell == BYTE_LEVEL, normalizer = read_normalizer(e, moe_json_get(root, "normalizer"));
-    if (!type || strcmp(type, "BPE") != 0 || vocab->type != MOE_JSON_OBJECT)
-        return cannot_encode(t, "its model is %s, not BPE", type ? type : "of no type");
+    if (!type || strcmp(type, "BPE") != 0) return cannot_encode(t, "its model is %s, not BPE", type ? type : "of no type");
+    if (vocab->type != MOE_JSON_OBJECT) return cannot_encode(t, "its BPE model's vocab is a list, not an object");
     if (!merges || merges->type != MOE_JSON_ARRAY) return cannot_encode(t, "it has no merges");
     if (is_set(moe_json_get(model, "continuing_subword_prefix")) || is_set(moe_json_get(model, "end_of_word_suffix")) ||
         is_set(moe_json_get(model, "dropout")))
@@ -640,6 +663,7 @@ static moe_status build_encoder(moe_tokenizer *t, const json_reader *r, const mo
         }
         e->n_added++;
     }
+    MOE_TRY(index_added(e));
     for (size_t i = 0; i < merges->array.count; i++) {
         const moe_json *m = &merges->array.items[i];
         const char *left = NULL, *right = NULL;
@@ -1040,7 +1064,7 @@ static moe_status encode_words(const encoder *e, const unsigned char *s, size_t 
  * at its start, the longest; NULL: none. */
 static const added_token *added_at(const moe_tokenizer *t, const unsigned char *text, size_t n, bool normalized) {
     const added_token *found = NULL;
-    for (int i = 0; i < t->enc.n_added; i++) {
+    for (int i = t->enc.added_from[text[0]]; i < t->enc.added_from[text[0] + 1]; i++) {
         const added_token *a = &t->enc.added[i];
         if (a->normalized == normalized && a->len <= n && memcmp(text, a->form, a->len) == 0 &&
             (!found || found->len < a->len))
