@@ -29,9 +29,23 @@ if [ -n "$loader" ]; then
     env -u OPENBLAS_CORETYPE -u MOE_OPENBLAS_FALLBACK "$loader" "${run[@]}" --out "$out/loader" >"$out/loader.log" 2>&1
     rc=$?
     check "run by its loader ($loader), a run exits 0 (exit $rc: $(grep -o 'OpenBLAS [A-Za-z0-9]* kernels[^,]*' "$out/loader.log"))" "$rc"
+    check "and it is not run again" "$(grep '^device ' "$out/loader.log" | grep -q 'OpenBLAS [A-Za-z0-9]* kernels, GEMM'; echo $?)"
 else
     echo "SKIP: no interpreter named in moe-train (readelf missing, or a static program)"
 fi
+# Run again or not, the process keeps its name (pkill moe-train finds it).
+env -u OPENBLAS_CORETYPE -u MOE_OPENBLAS_FALLBACK "$bin/moe-train" --config "$out/tiny.json" --steps 1000000 \
+    --batch-size 2 --seq-len 16 --eval-every 0 --eval-batches 1 --device cpu --threads 1 --out "$out/name" \
+    >"$out/name.log" 2>&1 &
+pid=$!
+for _ in $(seq 300); do
+    grep -q '^step' "$out/name.log" && break
+    sleep 0.1
+done
+name=$(cat "/proc/$pid/comm" 2>/dev/null)
+kill "$pid"
+wait "$pid" 2>/dev/null
+check "the process is named moe-train ($name)" "$([ "$name" = moe-train ]; echo $?)"
 OPENBLAS_CORETYPE=Prescott env -u MOE_OPENBLAS_FALLBACK "${run[@]}" --out "$out/asked" >"$out/asked.log" 2>&1
 rc=$?
 check "a run with OPENBLAS_CORETYPE=Prescott exits 0 (exit $rc)" "$rc"

@@ -38,6 +38,10 @@ Test(blas, the_description_names_the_kernels_and_who_chose_them) {
     setenv("OPENBLAS_CORETYPE", "SkylakeX", 1);
     moe_blas_describe(text, sizeof text);
     cr_expect(strstr(text, " kernels (OPENBLAS_CORETYPE set: OpenBLAS took this CPU for a Prescott)"), "%s", text);
+    setenv("MOE_OPENBLAS_FALLBACK", "Zen", 1);
+    moe_blas_describe(text, sizeof text);
+    cr_expect(!strchr(text, '('), "a mark naming no fallback moe replaces says nothing: %s", text);
+    setenv("MOE_OPENBLAS_FALLBACK", "Prescott", 1);
     char cut[12];
     moe_blas_describe(cut, sizeof cut);
     cr_expect_eq(strlen(cut), sizeof cut - 1, "cut to its buffer: %s", cut);

@@ -46,11 +46,15 @@ template <typename T> std::vector<T> poisoned(size_t n) { return std::vector<T>(
 
 } // namespace
 
-/* Rows wider than a block, a grid of 5 blocks over 37 rows. */
+/* Rows wider than a block, a grid of 5 blocks over 37 rows; every fifth
+ * row so small that eps weighs. */
 Test(dense_emulated, rmsnorm_forward) {
     const int64_t N = 37, C = 300;
     lcg r{1};
-    const std::vector<float> x = r.fill((size_t)(N * C), 2.0f), w = r.fill((size_t)C, 1.0f);
+    std::vector<float> x = r.fill((size_t)(N * C), 2.0f);
+    const std::vector<float> w = r.fill((size_t)C, 1.0f);
+    for (int64_t n = 0; n < N; n += 5)
+        for (int64_t c = 0; c < C; c++) x[(size_t)(n * C + c)] *= 1e-3f;
     std::vector<float> out((size_t)(N * C)), rstd((size_t)N);
     std::vector<float> e_out = poisoned<float>(out.size()), e_rstd = poisoned<float>(rstd.size());
     moe_cpu_ops()->rmsnorm_forward(out.data(), rstd.data(), x.data(), w.data(), 1e-5f, N, C);
@@ -62,10 +66,10 @@ Test(dense_emulated, rmsnorm_forward) {
 
 /* Four parts of RMS_ROWS_PER_PART rows for the weight's gradient, the
  * last short, over a grid of 2 in y (a norm over each head of q has more
- * parts than a grid's y holds); both gradients accumulate into what they
- * held. */
+ * parts than a grid's y holds) and of 1 in x over rows wider than a block;
+ * both gradients accumulate into what they held. */
 Test(dense_emulated, rmsnorm_backward) {
-    const int64_t N = 3 * RMS_ROWS_PER_PART + 5, C = 40;
+    const int64_t N = 3 * RMS_ROWS_PER_PART + 5, C = 300;
     const int64_t parts = (N + RMS_ROWS_PER_PART - 1) / RMS_ROWS_PER_PART;
     lcg r{2};
     const std::vector<float> x = r.fill((size_t)(N * C), 2.0f), w = r.fill((size_t)C, 1.0f);
@@ -106,12 +110,15 @@ Test(dense_emulated, rope_forward_and_backward) {
     }
 }
 
-/* Rows wider than a block, an ignored target, a grid of 4 over 9 rows;
- * the backward with the z-loss term, and in place over the logits. */
+/* Rows wider than a block, an ignored target, a row of logits near 100
+ * (whose exponentials overflow but for the row's maximum), a grid of 4 over
+ * 9 rows; the backward with the z-loss term, and in place over the logits. */
 Test(dense_emulated, crossentropy) {
     const int64_t N = 9, V = 300;
     lcg r{4};
-    const std::vector<float> logits = r.fill((size_t)(N * V), 4.0f), dloss = r.fill((size_t)N, 1.0f);
+    std::vector<float> logits = r.fill((size_t)(N * V), 4.0f);
+    const std::vector<float> dloss = r.fill((size_t)N, 1.0f);
+    for (int64_t j = 0; j < V; j++) logits[(size_t)(5 * V + j)] += 100.0f;
     std::vector<int32_t> targets((size_t)N);
     for (int64_t n = 0; n < N; n++) targets[(size_t)n] = n == 3 ? -1 : (int32_t)((n * 37) % V);
     std::vector<float> losses((size_t)N);

@@ -3,6 +3,7 @@
 #include "kernels/cpu/blas.h"
 
 #include <cblas.h>
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -31,7 +32,17 @@ void moe_blas_refit(char **argv) {
     /* No interpreter: the dynamic loader itself was run, naming the
      * program, and /proc/self/exe is the loader (or the program is static). */
     if (!core || (asked && *asked) || getenv(REFIT_FROM) || getauxval(AT_BASE) == 0) return;
-    if (setenv("OPENBLAS_CORETYPE", core, 1) == 0 && setenv(REFIT_FROM, from, 1) == 0) execv("/proc/self/exe", argv);
+    /* The program's own path, so that it keeps its name (ps, pkill), which
+     * /proc/self/exe would make "exe". */
+    char self[4096];
+    const ssize_t len = readlink("/proc/self/exe", self, sizeof self - 1);
+    if (len > 0 && (size_t)len < sizeof self - 1) {
+        self[len] = '\0';
+        if (setenv("OPENBLAS_CORETYPE", core, 1) == 0 && setenv(REFIT_FROM, from, 1) == 0) execv(self, argv);
+    }
+    fprintf(stderr, "%s: OpenBLAS took this CPU for a %s, and running again with OPENBLAS_CORETYPE=%s failed (%s): "
+                    "its %s kernels run\n",
+            argv[0], from, core, strerror(errno), from);
     unsetenv("OPENBLAS_CORETYPE");
     unsetenv(REFIT_FROM);
 #else
@@ -40,7 +51,10 @@ void moe_blas_refit(char **argv) {
 }
 
 void moe_blas_describe(char *buf, size_t n) {
-    const char *from = getenv("OPENBLAS_CORETYPE") ? getenv(REFIT_FROM) : NULL;
-    snprintf(buf, n, "OpenBLAS %s kernels%s%s%s", openblas_get_corename(),
-             from ? " (OPENBLAS_CORETYPE set: OpenBLAS took this CPU for a " : "", from ? from : "", from ? ")" : "");
+    /* The mark counts beside OPENBLAS_CORETYPE, naming the one fallback
+     * moe_blas_refit replaces. */
+    const char *from = getenv(REFIT_FROM);
+    const bool refit = getenv("OPENBLAS_CORETYPE") && from && strcmp(from, "Prescott") == 0;
+    snprintf(buf, n, "OpenBLAS %s kernels%s", openblas_get_corename(),
+             refit ? " (OPENBLAS_CORETYPE set: OpenBLAS took this CPU for a Prescott)" : "");
 }
