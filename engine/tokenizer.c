@@ -630,10 +630,11 @@ static moe_status build_encoder(moe_tokenizer *t, const json_reader *r, const mo
     }
     e->unk = unk ? vocab_id(e, unk, strlen(unk)) : -1;
     if (unk && e->unk < 0) return cannot_encode(t, "its unk_token \"%s\" is not in model.vocab", unk);
+    const bool byte_fallback = is_true(moe_json_get(model, "byte_fallback"));
     for (int b = 0; b < 256; b++) {
         char name[8];
         snprintf(name, sizeof name, "<0x%02X>", b); /* tokenizers' spelling: upper case */
-        e->byte_token[b] = is_true(moe_json_get(model, "byte_fallback")) ? vocab_id(e, name, 6) : -1;
+        e->byte_token[b] = byte_fallback ? vocab_id(e, name, 6) : -1;
     }
     for (int c = 0; c < 0x144; c++)
         if (r->byte_of[c] >= 0) e->byte_char[r->byte_of[c]] = (uint32_t)c;
@@ -1043,18 +1044,19 @@ static moe_status encode_words(const encoder *e, const unsigned char *s, size_t 
         const bool marked = s[0] == ' ' || (n >= 3 && memcmp(s, MARK, 3) == 0);
         const bool mark_first = !marked && (e->prepend == PREPEND_ALWAYS || (e->prepend == PREPEND_FIRST && at_start));
         const size_t m = mark_spaces(s, n, mark_first, true, w);
-        for (size_t i = 0, end; st == MOE_OK && i < m; i = end) {
-            for (end = i + 1; e->split && end < m && !(m - end >= 3 && memcmp(w + end, MARK, 3) == 0);) end++;
-            if (!e->split) end = m;
+        for (size_t i = 0, end = m; st == MOE_OK && i < m; i = end) {
+            if (e->split)
+                for (end = i + 1; end < m && !(m - end >= 3 && memcmp(w + end, MARK, 3) == 0);) end++;
             st = bpe(e, w + i, end - i, ids, count, cap);
         }
-    }
-    for (size_t k = 0; e->pre != PRE_METASPACE && st == MOE_OK && k < n;) {
-        const size_t piece = pretoken(e->pre, s + k, n - k);
-        size_t m = 0;
-        for (size_t i = k; i < k + piece; i++) m += moe_utf8_encode(e->byte_char[s[i]], w + m);
-        st = bpe(e, w, m, ids, count, cap);
-        k += piece;
+    } else {
+        for (size_t k = 0; st == MOE_OK && k < n;) {
+            const size_t piece = pretoken(e->pre, s + k, n - k);
+            size_t m = 0;
+            for (size_t i = k; i < k + piece; i++) m += moe_utf8_encode(e->byte_char[s[i]], w + m);
+            st = bpe(e, w, m, ids, count, cap);
+            k += piece;
+        }
     }
     free(w);
     return st;

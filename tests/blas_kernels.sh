@@ -38,10 +38,7 @@ env -u OPENBLAS_CORETYPE -u MOE_OPENBLAS_FALLBACK "$bin/moe-train" --config "$ou
     --batch-size 2 --seq-len 16 --eval-every 0 --eval-batches 1 --device cpu --threads 1 --out "$out/name" \
     >"$out/name.log" 2>&1 &
 pid=$!
-for _ in $(seq 300); do
-    grep -q '^step' "$out/name.log" && break
-    sleep 0.1
-done
+logged "$out/name/metrics.jsonl"
 name=$(cat "/proc/$pid/comm" 2>/dev/null)
 kill "$pid"
 wait "$pid" 2>/dev/null

@@ -12,6 +12,14 @@ check() { # name, condition status (0: pass)
     if [ "$2" -eq 0 ]; then echo "PASS: $1"; passed=$((passed + 1)); else echo "FAIL: $1"; failed=$((failed + 1)); fi
 }
 
+# Waits (at most 30 s) for file $1 to be written: a run has logged a step.
+logged() {
+    for _ in $(seq 300); do
+        [ -s "$1" ] && return
+        sleep 0.1
+    done
+}
+
 summary() {
     echo "$passed passed, $failed failed"
     [ "$failed" -eq 0 ]

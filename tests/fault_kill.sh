@@ -123,10 +123,7 @@ fi
 timeout 120 "${launcher[@]}" -np 2 "$bin/moe-train" --steps 100000 --eval-every 0 --out "$out/sig" \
     >"$out/sig.log" 2>&1 &
 job=$!
-for _ in $(seq 300); do
-    [ -s "$out/sig/metrics.jsonl" ] && break
-    sleep 0.1
-done
+logged "$out/sig/metrics.jsonl"
 rank_pid=$(pgrep -n -f -- "moe-train --steps 100000 --eval-every 0 --out $out/sig")
 kill -USR1 "$rank_pid" 2>/dev/null
 wait "$job"

@@ -17,14 +17,6 @@ run=(--config "$out/tiny.json" --batch-size 2 --seq-len 16 --warmup 1 --eval-eve
 dfl=()
 env --default-signal=PIPE,HUP true 2>/dev/null && dfl=(env --default-signal=PIPE,HUP)
 
-# Waits (at most 30 s) for file $1 to be written: the run has logged a step.
-logged() {
-    for _ in $(seq 300); do
-        [ -s "$1" ] && return
-        sleep 0.1
-    done
-}
-
 # The exit status of the run in the background as pid $1, killed when it
 # has not ended within 30 s.
 ended() {

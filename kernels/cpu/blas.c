@@ -14,8 +14,11 @@
  * core OpenBLAS had fallen back to. */
 static const char REFIT_FROM[] = "MOE_OPENBLAS_FALLBACK";
 
+/* The core DYNAMIC_ARCH OpenBLAS takes a CPU it does not know for. */
+static const char FALLBACK[] = "Prescott";
+
 const char *moe_blas_fitting_core(const char *core, const char *config, bool avx512, bool avx2_fma, bool avx) {
-    if (!core || !config || strcmp(core, "Prescott") != 0 || !strstr(config, "DYNAMIC_ARCH")) return NULL;
+    if (!core || !config || strcmp(core, FALLBACK) != 0 || !strstr(config, "DYNAMIC_ARCH")) return NULL;
     return avx512 ? "SkylakeX" : avx2_fma ? "Haswell" : avx ? "Sandybridge" : NULL;
 }
 
@@ -54,7 +57,7 @@ void moe_blas_describe(char *buf, size_t n) {
     /* The mark counts beside OPENBLAS_CORETYPE, naming the one fallback
      * moe_blas_refit replaces. */
     const char *from = getenv(REFIT_FROM);
-    const bool refit = getenv("OPENBLAS_CORETYPE") && from && strcmp(from, "Prescott") == 0;
-    snprintf(buf, n, "OpenBLAS %s kernels%s", openblas_get_corename(),
-             refit ? " (OPENBLAS_CORETYPE set: OpenBLAS took this CPU for a Prescott)" : "");
+    const bool refit = getenv("OPENBLAS_CORETYPE") && from && strcmp(from, FALLBACK) == 0;
+    snprintf(buf, n, "OpenBLAS %s kernels%s%s%s", openblas_get_corename(),
+             refit ? " (OPENBLAS_CORETYPE set: OpenBLAS took this CPU for a " : "", refit ? FALLBACK : "", refit ? ")" : "");
 }
