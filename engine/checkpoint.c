@@ -488,7 +488,8 @@ static moe_status check_parts(const gathered *g, const int64_t *meta, int64_t n)
     const moe_model_config *c = moe_model_get_config(g->model);
     int64_t covered[PART_KINDS] = {0}, values = 0;
     for (int64_t i = 0; i < moe_model_tensor_count(g->model); i++) values += moe_model_tensor_at(g->model, i)->numel;
-    const int64_t biases = moe_model_router_bias(g->model, 0) ? c->num_hidden_layers * c->num_local_experts : 0;
+    int64_t biases = 0; /* the MoE layers' selection biases (a dense layer has none) */
+    for (int64_t l = 0; l < c->num_hidden_layers; l++) biases += moe_model_router_bias(g->model, l) ? c->num_local_experts : 0;
     const int64_t want[PART_KINDS] = {values, values, values, biases};
     for (int64_t i = 0; i < n; i++) {
         const int64_t *p = meta + PART_FIELDS * i;

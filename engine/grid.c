@@ -10,7 +10,8 @@
 #include "engine/moe_layer.h"
 
 /* 6 training FLOPs per matmul weight and token, plus attention's two
- * causal T x T products (less a sliding window's masked keys). */
+ * causal T x T products (less a sliding window's masked keys); a layer's
+ * the mean over the model's MoE and dense MLP layers. */
 moe_stage_costs moe_grid_flop_costs(const moe_model_config *c, int64_t T) {
     const double C = (double)c->hidden_size, hd = (double)c->head_dim;
     const double q = (double)c->num_attention_heads * hd, kv = (double)c->num_key_value_heads * hd;
@@ -19,10 +20,11 @@ moe_stage_costs moe_grid_flop_costs(const moe_model_config *c, int64_t T) {
     const double experts = 3.0 * C * ((double)c->num_experts_per_tok * (double)c->intermediate_size +
                                       (double)moe_layer_shared_width(&lc));
     const double gate = lc.shared_gate ? C : 0.0;
-    return (moe_stage_costs){
-        .layer = 6.0 * (C * (2.0 * q + 2.0 * kv) + C * (double)c->num_local_experts + gate + experts) +
-                 6.0 * moe_model_config_attention_span(c, T) * q,
-        .head = 6.0 * C * (double)c->vocab_size};
+    const double dense = (double)moe_model_config_dense_layer_count(c) / (double)c->num_hidden_layers;
+    const double mlp = (1.0 - dense) * (C * (double)c->num_local_experts + gate + experts) +
+                       dense * 3.0 * C * (double)moe_model_config_dense_width(c);
+    return (moe_stage_costs){.layer = 6.0 * (C * (2.0 * q + 2.0 * kv) + mlp) + 6.0 * moe_model_config_attention_span(c, T) * q,
+                             .head = 6.0 * C * (double)c->vocab_size};
 }
 
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -242,6 +244,14 @@ static const char *window_name(int value) {
     return text[turn];
 }
 
+/* The dense layers' numbers, FNV-1a'd and folded as moe_grid_text_hash does. */
+static double dense_layers_hash(const moe_model_config *c) {
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (int64_t l = 0; l < c->num_hidden_layers; l++)
+        if (moe_model_config_layer_is_dense(c, l)) h = (h ^ (uint64_t)l) * 0x100000001b3ull;
+    return (double)(h >> 12);
+}
+
 int moe_config_agree_fields(moe_agree_field *f, const moe_model_config *c) {
     int n = 0;
 #define FIELD(x) f[n++] = (moe_agree_field){.name = #x, .value = (double)c->x}
@@ -282,6 +292,9 @@ int moe_config_agree_fields(moe_agree_field *f, const moe_model_config *c) {
     FIELD(moe_n_group);
     FIELD(moe_topk_group);
     FIELD(moe_routed_scaling_factor);
+    f[n++] = (moe_agree_field){"the number of moe_dense_layers", (double)moe_model_config_dense_layer_count(c), NULL};
+    f[n++] = (moe_agree_field){"moe_dense_layers (a hash of the set)", dense_layers_hash(c), NULL};
+    FIELD(moe_dense_intermediate_size);
 #undef FIELD
     return n;
 }

@@ -92,7 +92,7 @@ double moe_grid_text_hash(const char *s);
 
 /* The model config's fields, for moe_grid_agree: fields has room for
  * MOE_CONFIG_AGREE_FIELDS entries; returns how many it filled. */
-#define MOE_CONFIG_AGREE_FIELDS (33 + MOE_ROPE_SCALING_FIELDS)
+#define MOE_CONFIG_AGREE_FIELDS (36 + MOE_ROPE_SCALING_FIELDS)
 int moe_config_agree_fields(moe_agree_field *fields, const moe_model_config *cfg);
 
 #endif /* MOE_ENGINE_GRID_H */

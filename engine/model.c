@@ -47,6 +47,10 @@ typedef struct layer_acts {
     float *ln2;    /* [N, C] */
     float *rstd2;  /* [N] */
     float *moe_y;  /* [N, C] */
+    /* A dense layer's MLP (moe_model_config_layer_is_dense), F its width:
+     * the gate and up projections, and silu(gate) * up. */
+    float *mlp_h;  /* [N, 2F] */
+    float *mlp_g;  /* [N, F] */
 } layer_acts;
 
 struct moe_model {
@@ -56,6 +60,7 @@ struct moe_model {
     int64_t n_tensors;
     moe_model_tensor *tensors; /* [n_tensors] */
     int64_t nl;                /* this stage's layers; arrays [nl] below are by local index */
+    int64_t moe_layers;        /* the model's MoE layers, every stage's: what the routing losses average over */
     int64_t *layer_id;         /* [nl] each local layer's number in the model, ascending */
     int chunks;                /* the stage's model chunks (interleaved pipelines), each a run of layers */
     uint64_t serves;           /* bit c: this instance holds chunk c's layers (a twin may hold some only) */
@@ -76,7 +81,7 @@ struct moe_model {
     uint64_t seed;             /* of the initial values and the jitter streams */
     bool overlap;              /* moe_model_set_overlap */
     struct moe_model *base;    /* a twin's (moe_model_create_twin): whose tables and arrays these are; NULL */
-    moe_layer **moe;           /* [nl] */
+    moe_layer **moe;           /* [nl] NULL for a dense layer, and a layer a twin does not hold */
     moe_layer_offsets *moe_off; /* [nl] where each layer's MoE parameters start */
     moe_comm *world, *ep;      /* NULL: one rank */
     moe_comm *replicas;        /* the ranks holding this rank's experts (same EP rank); NULL: none */
@@ -130,6 +135,7 @@ struct moe_model {
     float *dres;  /* [N, C] gradient of the residual stream */
     float *dln;   /* [N, C] */
     float *dmoe;  /* [N, C] */
+    float *dmlp_h; /* [N, 2F] a dense layer's d(mlp_h) */
     float *dq, *dk, *dv, *datty; /* like q, k, v, atty */
     float *dqk_raw; /* with moe_qk_norm: the gradients of q_raw and k_raw, one array */
     float *datt;  /* [B, Hq, T, T] */
@@ -176,9 +182,13 @@ static void add_tensor(moe_model *m, int ndim, int64_t rows, int64_t cols, bool 
 
 static int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
 
+/* Whether local layer i is a dense MLP layer, which has no MoE layer. */
+static bool dense_layer(const moe_model *m, int64_t i) { return moe_model_config_layer_is_dense(&m->cfg, m->layer_id[i]); }
+
 /* The tensor table, and where each tensor lives. Parameters (and gradients)
  * are two runs: first everything every rank holds (embedding, attention,
- * norms, routers, shared experts, head), then the experts this rank holds,
+ * norms, routers, shared experts, dense layers' MLPs, head), then the
+ * experts this rank holds,
  * so the data-parallel reduction is one call per run. Each run is padded
  * with zeros to a multiple of the ranks that share it, so that sharding the
  * optimizer state splits it into equal blocks. A layer's MoE tensors are
@@ -192,8 +202,11 @@ static void lay_out_tensors(moe_model *m, const moe_layer_config *lc) {
     const int64_t shared = moe_layer_shared_width(lc) ? 3 + (lc->shared_gate ? 1 : 0) : 0;
     const int64_t moe_tensors = 1 + 3 * n_local + shared;
     const int64_t L = m->nl;
-    /* Tensors of one layer in the one-rank table, which the init streams count. */
+    /* Tensors of one layer in the one-rank table, which the init streams
+     * count: an MoE layer's, a dense layer's (its MLP's three). */
     const int64_t layer_streams = moe_first(c) + 1 + 3 * lc->n_experts + shared;
+    const int64_t fewer = layer_streams - (moe_first(c) + 3); /* a dense layer's fewer */
+    int64_t dense_before = 0, counted = 0; /* dense layers among the model's first `counted` */
     const bool table = m->tensors != NULL;
     m->n_tensors = m->n_params = 0;
     m->n_init_streams = 0;
@@ -201,8 +214,9 @@ static void lay_out_tensors(moe_model *m, const moe_layer_config *lc) {
     for (int64_t i = 0; i < L; i++) {
         const int64_t l = m->layer_id[i];
         /* The one-rank table's stream of layer l's first tensor: the
-         * embedding's, then layer_streams per layer, every expert's among them. */
-        m->n_init_streams = 1 + l * layer_streams;
+         * embedding's, then each layer's, every expert's among them. */
+        while (counted < l) dense_before += moe_model_config_layer_is_dense(c, counted++);
+        m->n_init_streams = 1 + l * layer_streams - dense_before * fewer;
         if (table) m->layer_first[i] = m->n_tensors;
         add_tensor(m, 1, C, 1, false, "model.layers.%lld.input_layernorm.weight", (long long)l);
         add_tensor(m, 2, qdim, C, true, "model.layers.%lld.self_attn.q_proj.weight", (long long)l);
@@ -221,13 +235,20 @@ static void lay_out_tensors(moe_model *m, const moe_layer_config *lc) {
                        "qkv"[b]);
             if (table) m->tensors[m->n_tensors - 1].bias = true;
         }
+        if (dense_layer(m, i)) { /* its MLP in the MoE tensors' place */
+            const int64_t F = moe_model_config_dense_width(c);
+            add_tensor(m, 2, F, C, true, "model.layers.%lld.mlp.gate_proj.weight", (long long)l);
+            add_tensor(m, 2, F, C, true, "model.layers.%lld.mlp.up_proj.weight", (long long)l);
+            add_tensor(m, 2, C, F, true, "model.layers.%lld.mlp.down_proj.weight", (long long)l);
+            continue;
+        }
         if (table) m->moe_off[i].router = m->n_params;
         m->n_params += lc->n_experts * C;
         if (table) m->moe_off[i].shared = m->n_params;
         m->n_params += moe_layer_shared_params(lc);
         for (int64_t j = 0; j < moe_tensors; j++) add_tensor(m, 2, 0, 0, true, "%s", "");
     }
-    m->n_init_streams = 1 + m->cfg.num_hidden_layers * layer_streams;
+    m->n_init_streams = 1 + c->num_hidden_layers * layer_streams - moe_model_config_dense_layer_count(c) * fewer;
     if (m->last) {
         m->final_norm = m->n_tensors;
         add_tensor(m, 1, C, 1, false, "model.norm.weight");
@@ -239,9 +260,12 @@ static void lay_out_tensors(moe_model *m, const moe_layer_config *lc) {
     }
     m->n_dense = m->n_params;
     m->expert_offset = round_up(m->n_dense, m->world_size);
-    m->n_expert = L * n_local * 3 * lc->d_ff * C;
-    for (int64_t l = 0; table && l < L; l++)
-        m->moe_off[l].experts = m->expert_offset + l * n_local * 3 * lc->d_ff * C;
+    const int64_t layer_experts = n_local * 3 * lc->d_ff * C;
+    m->n_expert = 0;
+    for (int64_t l = 0; l < L; l++) {
+        if (table) m->moe_off[l].experts = m->expert_offset + m->n_expert;
+        if (!dense_layer(m, l)) m->n_expert += layer_experts;
+    }
     m->n_params = m->expert_offset + round_up(m->n_expert, m->replicas ? moe_comm_size(m->replicas) : 1);
 }
 
@@ -392,8 +416,8 @@ static int64_t ones_rows(const moe_model *m) {
 }
 
 /* The arrays of a layer's forward but its input; with keys, its keys and
- * values too. */
-static int layer_entries(moe_model *m, arena_entry *table, layer_acts *a, bool keys) {
+ * values too; with mlp, a dense layer's MLP arrays. */
+static int layer_entries(moe_model *m, arena_entry *table, layer_acts *a, bool keys, bool mlp) {
     const moe_model_config *c = &m->cfg;
     const int64_t N = forward_rows(m), C = c->hidden_size, hd = c->head_dim, f = sizeof(float);
     const int64_t qdim = c->num_attention_heads * hd, kvdim = c->num_key_value_heads * hd;
@@ -418,6 +442,10 @@ static int layer_entries(moe_model *m, arena_entry *table, layer_acts *a, bool k
     table[n++] = (arena_entry){(void **)&a->ln2, N * C * f};
     table[n++] = (arena_entry){(void **)&a->rstd2, N * f};
     table[n++] = (arena_entry){(void **)&a->moe_y, N * C * f};
+    if (mlp) {
+        table[n++] = (arena_entry){(void **)&a->mlp_h, N * 2 * moe_model_config_dense_width(c) * f};
+        table[n++] = (arena_entry){(void **)&a->mlp_g, N * moe_model_config_dense_width(c) * f};
+    }
     return n;
 }
 
@@ -445,7 +473,9 @@ static moe_status build_arena(moe_model *m) {
     const int64_t attn = m->B * c->num_attention_heads * m->T * m->T;
     const int64_t f = sizeof(float);
     m->acts = calloc((size_t)L, sizeof *m->acts);
-    int n_entries = 16 * (int)L + 40;
+    int n_entries = 18 * (int)L + 42;
+    bool any_dense = false; /* among the layers this instance holds */
+    for (int64_t l = 0; l < L; l++) any_dense |= holds(m, l) && dense_layer(m, l);
     arena_entry *table = calloc((size_t)n_entries, sizeof *table);
     if (!m->acts || !table) {
         free(table);
@@ -462,7 +492,7 @@ static moe_status build_arena(moe_model *m) {
             continue;
         }
         table[n++] = (arena_entry){(void **)&m->acts[l].x, N * C * f};
-        if (!m->recompute) n += layer_entries(m, table + n, &m->acts[l], true);
+        if (!m->recompute) n += layer_entries(m, table + n, &m->acts[l], true, dense_layer(m, l));
     }
     /* The embedding's and the head's arrays, for an instance that runs
      * their chunks (a twin may not); before the last stage x_final takes
@@ -496,6 +526,8 @@ static moe_status build_arena(moe_model *m) {
     table[n++] = (arena_entry){(void **)&m->dres, rows * C * f};
     table[n++] = (arena_entry){(void **)&m->dln, rows * C * f};
     table[n++] = (arena_entry){(void **)&m->dmoe, rows * C * f};
+    table[n++] = (arena_entry){(void **)&m->dmlp_h,
+                               any_dense && !m->inference ? rows * 2 * moe_model_config_dense_width(c) * f : 0};
     table[n++] = (arena_entry){(void **)&m->dq, rows * qdim * f};
     table[n++] = (arena_entry){(void **)&m->dk, rows * kvdim * f};
     table[n++] = (arena_entry){(void **)&m->dv, rows * kvdim * f};
@@ -517,7 +549,8 @@ static moe_status build_arena(moe_model *m) {
      * it before they write the next layer's in its place. */
     const int in_struct = n;
     if (m->inference) table[n++] = (arena_entry){(void **)&m->acts[0].x, N * C * f};
-    if ((m->recompute || m->inference) && !m->base) n += layer_entries(m, table + n, &m->acts[0], !m->inference);
+    if ((m->recompute || m->inference) && !m->base)
+        n += layer_entries(m, table + n, &m->acts[0], !m->inference, any_dense);
     moe_status st = carve_arena(m, table, m->base ? shared : n);
     /* A twin's shared entries are its base's: the same fields of base. */
     for (int i = shared; st == MOE_OK && m->base && i < in_struct; i++)
@@ -584,6 +617,18 @@ static moe_status check_stages(const moe_model_config *cfg, const moe_model_para
                                "hold the %lld layers in order, each at least one",
                                (int)(v % n), (int)(v / n), (long long)begin, (long long)end, n, chunks, (long long)L);
     }
+    /* The jitter noise's counter travels in checkpoints from the MoE
+     * layers of the stage that saves; a stage of dense layers only has none. */
+    for (int s = 0; layout == MOE_OK && cfg->router_jitter_noise > 0.0 && s < n; s++) {
+        int64_t moe_layers = 0;
+        for (int c = 0; c < chunks; c++)
+            for (int64_t l = bounds[c * n + s]; l < bounds[c * n + s + 1]; l++)
+                moe_layers += !moe_model_config_layer_is_dense(cfg, l);
+        if (moe_layers == 0)
+            layout = moe_error(MOE_ERR_CONFIG, "pipeline stage %d holds dense MLP layers only: router_jitter_noise=%g "
+                                               "needs an MoE layer on every stage (cut the stages elsewhere)",
+                               s, cfg->router_jitter_noise);
+    }
     /* Every rank's partition as one number, to compare. */
     uint64_t hash = 14695981039346656037ull;
     for (int64_t v = 0; layout == MOE_OK && v <= virtual_stages; v++)
@@ -648,6 +693,13 @@ static moe_status upload_tables(moe_model *m) {
     return st;
 }
 
+/* The instance's first MoE layer; NULL when it holds none (dense layers only). */
+static moe_layer *first_moe_layer(const moe_model *m) {
+    for (int64_t i = 0; m->moe && i < m->nl; i++)
+        if (m->moe[i]) return m->moe[i];
+    return NULL;
+}
+
 /* What every instance of the model keeps for itself, a twin's too: its MoE
  * layers over the parameters (a twin's following the base's), its
  * activations, host arrays and RoPE tables. */
@@ -657,8 +709,9 @@ static moe_status build_instance(moe_model *m) {
     moe_model_config_layer(&lc, cfg, m->T, m->seed);
     if (!(m->moe = calloc((size_t)m->nl, sizeof *m->moe)))
         return moe_error(MOE_ERR_OUT_OF_MEMORY, "model: %lld layers", (long long)m->nl);
+    moe_layer *workspace = NULL; /* the base's first MoE layer, whose workspace the others share */
     for (int64_t i = 0; i < m->nl; i++) {
-        if (!holds(m, i)) continue;
+        if (!holds(m, i) || dense_layer(m, i)) continue;
         /* Each layer's jitter noise is its own stream. */
         moe_layer_config layer_cfg = lc;
         layer_cfg.seed = moe_splitmix64(m->seed + (uint64_t)m->layer_id[i]);
@@ -671,10 +724,11 @@ static moe_status build_instance(moe_model *m) {
         /* One layer runs at a time, on the base or a twin: one backward
          * scratch serves them all, and under recomputation one set of
          * activations. The arrays are sized here, not in the step loop. */
-        MOE_TRY(moe_layer_share_workspace(m->moe[i], base_of(m)->moe[0], m->recompute || m->inference));
+        if (!workspace) workspace = first_moe_layer(base_of(m));
+        MOE_TRY(moe_layer_share_workspace(m->moe[i], workspace, m->recompute || m->inference));
         MOE_TRY(moe_layer_reserve(m->moe[i], forward_rows(m), !m->inference));
-        /* The total loss averages aux and z over the model's layers. */
-        moe_layer_set_loss_scale(m->moe[i], 1.0 / (double)cfg->num_hidden_layers);
+        /* The total loss averages aux and z over the model's MoE layers. */
+        moe_layer_set_loss_scale(m->moe[i], 1.0 / (double)m->moe_layers);
         moe_layer_set_overlap(m->moe[i], m->overlap);
     }
     MOE_TRY(build_arena(m));
@@ -788,6 +842,7 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_model_config *cf
         return split;
     }
     m->cfg = *cfg;
+    m->moe_layers = cfg->num_hidden_layers - moe_model_config_dense_layer_count(cfg);
     if ((split = place_layers(m, par)) != MOE_OK) {
         moe_model_destroy(m);
         return split;
@@ -997,7 +1052,8 @@ float *moe_model_router_bias(moe_model *m, int64_t l) {
 
 /* The base's first layer's: a twin's layers draw from the base's counters. */
 uint64_t moe_model_jitter_counter(const moe_model *m) {
-    return moe_layer_jitter_counter((m->base ? m->base : m)->moe[0]);
+    const moe_layer *layer = first_moe_layer(m->base ? m->base : m);
+    return layer ? moe_layer_jitter_counter(layer) : 0;
 }
 
 void moe_model_set_logit_z_loss(moe_model *m, double coef) { base_of(m)->logit_z_coef = coef; }
@@ -1019,7 +1075,10 @@ moe_status moe_model_last_topk(moe_model *m, int64_t l, const int32_t **topk) {
     const int64_t i = local_layer(m, l);
     if (i < 0 || !m->moe[i] || !topk)
         return moe_error(MOE_ERR_INVALID_ARG, "moe_model_last_topk: layer %lld %s, topk %p", (long long)l,
-                         i < 0 ? "not among this stage's" : "of a chunk this twin does not hold", (const void *)topk);
+                         i < 0                ? "not among this stage's"
+                         : dense_layer(m, i) ? "a dense MLP layer, which routes nothing"
+                                             : "of a chunk this twin does not hold",
+                         (const void *)topk);
     return moe_layer_last_topk(m->moe[i], topk);
 }
 
@@ -1038,9 +1097,9 @@ moe_status moe_model_last_logits(moe_model *m, int64_t row, int64_t pos, float *
 
 int64_t moe_model_active_param_count(const moe_model *m) {
     const moe_model_config *c = &m->cfg;
-    /* The dense run and top_k experts per layer, whichever rank or stage holds them. */
+    /* The dense run and top_k experts per MoE layer, whichever rank or stage holds them. */
     int64_t per_expert = 3 * c->hidden_size * c->intermediate_size;
-    return m->model_dense + c->num_hidden_layers * c->num_experts_per_tok * per_expert;
+    return m->model_dense + m->moe_layers * c->num_experts_per_tok * per_expert;
 }
 
 double moe_model_step_flops(const moe_model *m) {
@@ -1130,16 +1189,30 @@ static void attention_inputs(moe_model *m, int64_t l, int64_t n, const float *x,
     m->ops->rmsnorm_forward(k, a->rstd_k, a->k_raw, param(m, t0 + KNORM), eps, n * Hkv * hd / wk, wk);
 }
 
-/* ... then x_mid = x + o(atty), ln = norm(x_mid), y = moe(ln), and unless
- * out is NULL out = x_mid + y (out may be x). */
+/* A dense layer's MLP over n rows, as one group of the experts' op: its
+ * gate and up projections are consecutive, the [2F, C] matrix it takes. */
+static moe_expert_group dense_mlp(moe_model *m, int64_t l, int64_t n, const float *ln, const layer_acts *a, float *y) {
+    const int64_t w = m->layer_first[l] + moe_first(&m->cfg);
+    return (moe_expert_group){.rows = n, .d_ff = moe_model_config_dense_width(&m->cfg), .x = ln, .w13 = param(m, w),
+                              .w2 = param(m, w + 2), .h = a->mlp_h, .g = a->mlp_g, .y = y};
+}
+
+/* ... then x_mid = x + o(atty), ln = norm(x_mid), y = moe(ln) (a dense
+ * layer's MLP, its arrays a's), and unless out is NULL out = x_mid + y
+ * (out may be x). */
 static moe_status moe_half(moe_model *m, int64_t l, int64_t n, const float *x, const float *atty, float *x_mid,
-                           float *ln, float *rstd, float *y, float *out, moe_layer_stats *ls) {
+                           float *ln, float *rstd, float *y, float *out, const layer_acts *a, moe_layer_stats *ls) {
     const moe_model_config *c = &m->cfg;
     const int64_t t0 = m->layer_first[l], C = c->hidden_size;
     m->ops->matmul_forward(x_mid, atty, param(m, t0 + WO), n, c->num_attention_heads * c->head_dim, C);
     m->ops->residual_forward(x_mid, x_mid, x, n * C);
     m->ops->rmsnorm_forward(ln, rstd, x_mid, param(m, t0 + LN2), (float)c->rms_norm_eps, n, C);
-    MOE_TRY(moe_layer_forward(m->moe[l], y, ln, n, ls));
+    if (m->moe[l]) {
+        MOE_TRY(moe_layer_forward(m->moe[l], y, ln, n, ls));
+    } else {
+        moe_expert_group mlp = dense_mlp(m, l, n, ln, a, y);
+        m->ops->experts_forward(&mlp, 1, C);
+    }
     if (out) m->ops->residual_forward(out, x_mid, y, n * C);
     return MOE_OK;
 }
@@ -1152,14 +1225,14 @@ static moe_status layer_forward(moe_model *m, int64_t l, float *out, moe_layer_s
     const int64_t B = m->B, T = m->T, N = m->N, hd = c->head_dim;
     const int64_t Hq = c->num_attention_heads, Hkv = c->num_key_value_heads;
     layer_acts *a = &m->acts[l];
-    m->jitter_at[l] = moe_layer_jitter_counter(m->moe[l]);
+    if (m->moe[l]) m->jitter_at[l] = moe_layer_jitter_counter(m->moe[l]);
     base_of(m)->holder = m;
     base_of(m)->holder_layer = l;
     attention_inputs(m, l, N, a->x, a->ln1, a->rstd1, a->q, a->k, a->v, a);
     m->ops->rope_forward(a->q, m->cos_t, m->sin_t, B, T, Hq, hd);
     m->ops->rope_forward(a->k, m->cos_t, m->sin_t, B, T, Hkv, hd);
     m->ops->attention_forward(a->atty, a->att, a->q, a->k, a->v, B, T, Hq, Hkv, hd, c->sliding_window);
-    return moe_half(m, l, N, a->x, a->atty, a->x_mid, a->ln2, a->rstd2, a->moe_y, out, ls);
+    return moe_half(m, l, N, a->x, a->atty, a->x_mid, a->ln2, a->rstd2, a->moe_y, out, a, ls);
 }
 
 /* Runs layer l's forward again for its backward, when the shared set of
@@ -1168,19 +1241,24 @@ static moe_status layer_forward(moe_model *m, int64_t l, float *out, moe_layer_s
 static moe_status recompute_layer(moe_model *m, int64_t l) {
     const moe_model *base = base_of(m);
     if (!m->recompute || (base->holder == m && base->holder_layer == l)) return MOE_OK;
-    moe_layer *layer = m->moe[l];
-    const uint64_t latest = moe_layer_jitter_counter(layer);
-    moe_layer_set_jitter_counter(layer, m->jitter_at[l]);
-    moe_layer_set_replay(layer, true);
+    moe_layer *layer = m->moe[l]; /* NULL: a dense layer, which draws no noise */
+    const uint64_t latest = layer ? moe_layer_jitter_counter(layer) : 0;
+    if (layer) {
+        moe_layer_set_jitter_counter(layer, m->jitter_at[l]);
+        moe_layer_set_replay(layer, true);
+    }
     moe_status st = layer_forward(m, l, NULL, NULL);
-    moe_layer_set_replay(layer, false);
-    moe_layer_set_jitter_counter(layer, latest);
+    if (layer) {
+        moe_layer_set_replay(layer, false);
+        moe_layer_set_jitter_counter(layer, latest);
+    }
     return st == MOE_OK ? MOE_OK : moe_error_prefix(st, "layer %lld recomputed: ", (long long)m->layer_id[l]);
 }
 
 /* Every layer of chunk c replays (or not) its forward. */
 static void set_replay(moe_model *m, int c, bool replay) {
-    for (int64_t i = m->chunk_at[c]; i < m->chunk_at[c + 1]; i++) moe_layer_set_replay(m->moe[i], replay);
+    for (int64_t i = m->chunk_at[c]; i < m->chunk_at[c + 1]; i++)
+        if (m->moe[i]) moe_layer_set_replay(m->moe[i], replay);
 }
 
 /* Whether chunk is one of the model's; the error names op. */
@@ -1208,7 +1286,7 @@ moe_status moe_model_stage_forward(moe_model *m, int chunk, const int32_t *input
     const moe_ops *ops = m->ops;
     const int64_t N = m->N, C = c->hidden_size, V = c->vocab_size;
     const int64_t lo = m->chunk_at[chunk], hi = m->chunk_at[chunk + 1];
-    const double model_layers = (double)c->num_hidden_layers;
+    const double model_layers = (double)m->moe_layers; /* what the routing statistics average over */
     const float eps = (float)c->rms_norm_eps;
     MOE_TRY(moe_model_check_batch(m, inputs, targets));
     /* Only the head reads the targets; another chunk's forward leaves the
@@ -1233,7 +1311,7 @@ moe_status moe_model_stage_forward(moe_model *m, int chunk, const int32_t *input
     const int64_t E = c->num_local_experts;
     int64_t *load = base_of(m)->expert_load, *one = load + m->nl * E;
     for (int64_t l = lo; l < hi && st == MOE_OK; l++) {
-        moe_layer_stats ls = {.tokens_per_expert = m->training && !replay ? one : NULL};
+        moe_layer_stats ls = {.tokens_per_expert = m->training && !replay && m->moe[l] ? one : NULL};
         st = layer_forward(m, l, l + 1 < hi ? m->acts[l + 1].x : chunk_output(m, chunk), &ls);
         if (st != MOE_OK) break;
         for (int64_t e = 0; ls.tokens_per_expert && e < E; e++) load[l * E + e] += one[e];
@@ -1276,8 +1354,10 @@ moe_status moe_model_stage_forward(moe_model *m, int chunk, const int32_t *input
                       c->moe_seq_aux_loss_coef * stats->seq_aux_loss + c->moe_z_loss_coef * stats->z_loss;
         stats->load_imbalance = imbalance / model_layers;
         stats->rank_imbalance = rank_imbalance / model_layers;
-        /* Both over the global batch; every layer routes as many pairs. */
-        stats->dropped_frac = dropped / pairs * (double)(hi - lo) / model_layers;
+        /* Both over the global batch; every MoE layer routes as many pairs. */
+        int64_t chunk_moe_layers = 0;
+        for (int64_t l = lo; l < hi; l++) chunk_moe_layers += m->moe[l] != NULL;
+        stats->dropped_frac = pairs > 0.0 ? dropped / pairs * (double)chunk_moe_layers / model_layers : 0.0;
     }
     MOE_TRY(ops->sync());
     m->pending |= UINT64_C(1) << chunk;
@@ -1368,7 +1448,7 @@ moe_status moe_model_decode(moe_model *m, int64_t n, const int64_t *row, const i
             ops->attention_decode(atty + i * qdim, m->datt, q + i * qdim, a->k + (at + first) * kvdim,
                                   a->v + (at + first) * kvdim, pos[i] + 1 - first, Hq, Hkv, hd);
         }
-        moe_status st = moe_half(m, l, n, x, atty, x_mid, ln, a->rstd2, y, x, NULL);
+        moe_status st = moe_half(m, l, n, x, atty, x_mid, ln, a->rstd2, y, x, a, NULL);
         if (st != MOE_OK) return moe_error_prefix(st, "moe_model_decode: layer %lld: ", (long long)l);
     }
     for (int64_t i = 0; i < n; i++)
@@ -1451,7 +1531,7 @@ moe_status moe_model_stage_backward(moe_model *m, int chunk, const float *dy, fl
     const int64_t Hq = c->num_attention_heads, Hkv = c->num_key_value_heads;
     const int64_t lo = m->chunk_at[chunk], hi = m->chunk_at[chunk + 1];
     for (int64_t l = lo; l < hi; l++)
-        moe_layer_set_loss_scale(m->moe[l], (double)grad_scale / (double)c->num_hidden_layers);
+        if (m->moe[l]) moe_layer_set_loss_scale(m->moe[l], (double)grad_scale / (double)m->moe_layers);
     if (exit)
         MOE_TRY(head_backward(m, grad_scale));
     else
@@ -1468,7 +1548,18 @@ moe_status moe_model_stage_backward(moe_model *m, int chunk, const float *dy, fl
          * their gradient): the set holds no forward after it. */
         base_of(m)->holder = NULL;
         /* dres holds d(x_out); x_out = x_mid + moe(ln2(x_mid)). */
-        MOE_TRY(moe_layer_backward(m->moe[l], m->dmoe, m->dres, a->ln2));
+        if (m->moe[l]) {
+            MOE_TRY(moe_layer_backward(m->moe[l], m->dmoe, m->dres, a->ln2));
+        } else {
+            moe_expert_group mlp = dense_mlp(m, l, N, a->ln2, a, a->moe_y);
+            const int64_t w = t0 + moe_first(c);
+            mlp.dy = m->dres;
+            mlp.dh = m->dmlp_h;
+            mlp.dx = m->dmoe;
+            mlp.dw13 = grad(m, w);
+            mlp.dw2 = grad(m, w + 2);
+            ops->experts_backward(&mlp, 1, C);
+        }
         ops->rmsnorm_backward(m->dres, grad(m, t0 + LN2), m->dmoe, a->x_mid, param(m, t0 + LN2), a->rstd2,
                               m->norm_scratch, N, C);
         /* dres now holds d(x_mid); x_mid = x + o(attention(ln1(x))). */
@@ -1509,7 +1600,8 @@ moe_status moe_model_stage_backward(moe_model *m, int chunk, const float *dy, fl
                               m->norm_scratch, N, C);
         /* Layer l's gradients are final: its replicated run and its experts. */
         const int64_t next = l + 1 < m->nl ? m->tensors[m->layer_first[l + 1]].offset : dense_end;
-        const int64_t experts = m->moe_off[l].experts, n_experts = c->num_local_experts / m->ep_size * 3 * c->intermediate_size * C;
+        const int64_t experts = m->moe_off[l].experts;
+        const int64_t n_experts = m->moe[l] ? c->num_local_experts / m->ep_size * 3 * c->intermediate_size * C : 0;
         MOE_TRY(sync_range(m, m->device_world, m->tensors[t0].offset, next));
         MOE_TRY(sync_range(m, m->device_replicas, experts, experts + n_experts));
     }

@@ -158,7 +158,8 @@ moe_status moe_model_pull(moe_model *model);
 moe_status moe_model_push(moe_model *model);
 
 /* The arrays hold two runs: the dense one (embedding, attention, norms,
- * routers, shared experts, head: those of this rank's stage), the same on
+ * routers, shared experts, dense layers' MLPs, head: those of this rank's
+ * stage), the same on
  * every data-parallel rank of the stage (the world), then this rank's
  * experts, the same on the ranks of its replica group. Each run is padded
  * with zeros to a multiple of its group's size, so a reduce-scatter or an
@@ -177,8 +178,8 @@ typedef struct moe_model_run {
 
 moe_model_run moe_model_get_run(const moe_model *model, moe_model_run_id run);
 
-/* Parameters touched by one token: the dense run and top_k experts per
- * layer, on any grid. */
+/* Parameters touched by one token: the dense run (dense layers' MLPs
+ * included) and top_k experts per MoE layer, on any grid. */
 int64_t moe_model_active_param_count(const moe_model *model);
 /* Training FLOPs of one forward + backward over B*T tokens, for MFU: 6 per
  * active parameter but the embedding (the norms' few weights counted as if

@@ -29,7 +29,7 @@
 /* Past the deepest models by orders of magnitude. A model lays out tables
  * per layer before it can check its memory (about 9 bytes a layer, and
  * seconds per 10^8 layers): under a megabyte here, 19 GB at INT32_MAX. */
-#define MAX_LAYERS 65536
+#define MAX_LAYERS MOE_MODEL_LAYERS_MAX
 #define MAX_COEF 1e6
 /* initializer_range's bound is a guard against slips, not a numerical
  * limit: published models use 0.006 to 0.02, and an expert's output grows as
@@ -39,8 +39,14 @@
 
 /* F_ENUM: one of the field's names, an enum of as many values.
  * F_WINDOW: a positive integer, or null (0 in the struct) for none.
- * F_TOKEN_IDS: an integer, a list of integers, or null, kept as given. */
-typedef enum field_kind { F_INT, F_REAL, F_BOOL, F_ENUM, F_WINDOW, F_TOKEN_IDS } field_kind;
+ * F_TOKEN_IDS: an integer, a list of integers, or null, kept as given.
+ * F_LAYERS: a list of distinct layer numbers, a set of MAX_LAYERS bits. */
+typedef enum field_kind { F_INT, F_REAL, F_BOOL, F_ENUM, F_WINDOW, F_TOKEN_IDS, F_LAYERS } field_kind;
+
+/* A set of layers: bit l % 64 of word l / 64 is layer l. */
+#define LAYER_SET_WORDS (MAX_LAYERS / 64)
+_Static_assert(sizeof ((moe_model_config *)0)->moe_dense_layers == LAYER_SET_WORDS * sizeof(uint64_t),
+               "moe_dense_layers holds a bit per layer");
 
 /* Defaults that depend on other fields. */
 #define DERIVED (-1.0)
@@ -119,6 +125,8 @@ static const field fields[] = {
     FIELD(moe_n_group, F_INT, false, 0),
     FIELD(moe_topk_group, F_INT, false, 0),
     FIELD(moe_routed_scaling_factor, F_REAL, false, 1.0),
+    FIELD(moe_dense_layers, F_LAYERS, false, 0),
+    FIELD(moe_dense_intermediate_size, F_INT, false, 0),
 };
 #define N_FIELDS (sizeof fields / sizeof *fields)
 
@@ -209,6 +217,11 @@ static const struct {
     {FAMILY_QWEN2, "rms_norm_eps", 1e-6},
     {FAMILY_QWEN2, "moe_renormalize", 0},
 };
+
+/* Qwen3MoeConfig's and Qwen2MoeConfig's intermediate_size when absent: their
+ * dense MLP layers' width (read_family_layers). */
+#define QWEN3_DENSE_WIDTH_DEFAULT 6144
+#define QWEN2_DENSE_WIDTH_DEFAULT 5632
 
 const char *moe_gate_kind_name(int kind) {
     return kind >= 0 && (size_t)kind < sizeof gate_names / sizeof *gate_names ? gate_names[kind] : "?";
@@ -322,10 +335,47 @@ static moe_status read_token_ids(moe_token_ids *t, const char *name, const char 
     return MOE_OK;
 }
 
+static bool layer_in(const uint64_t *set, int64_t layer) { return set[layer / 64] >> (layer % 64) & 1; }
+
+static void add_layer(uint64_t *set, int64_t layer) { set[layer / 64] |= (uint64_t)1 << (layer % 64); }
+
+static bool layer_set_empty(const uint64_t *set) {
+    for (int i = 0; i < LAYER_SET_WORDS; i++)
+        if (set[i] != 0) return false;
+    return true;
+}
+
+/* A list of layer numbers into set [LAYER_SET_WORDS]. strict (our
+ * moe_dense_layers): each in [0, MAX_LAYERS) and listed once; otherwise
+ * (Qwen's mlp_only_layers, which transformers only tests with `in`) a
+ * number that names no layer is ignored and a repeat is harmless. The
+ * bound num_hidden_layers may come later in the file: validate checks the
+ * set against it, read_family_layers ignores what lies past it. */
+static moe_status read_layers(uint64_t *set, const char *name, const char *key, const moe_json *v, bool strict) {
+    memset(set, 0, LAYER_SET_WORDS * sizeof *set);
+    if (v->type != MOE_JSON_ARRAY) return wrong_type(name, key, "a list of layer numbers", v);
+    for (size_t i = 0; i < v->array.count; i++) {
+        char item[64];
+        int64_t layer;
+        snprintf(item, sizeof item, "%s[%zu]", key, i);
+        MOE_TRY(read_int(&layer, name, item, "an integer", &v->array.items[i]));
+        if (layer < 0 || layer >= MAX_LAYERS) {
+            if (!strict) continue;
+            return moe_error(MOE_ERR_CONFIG, "%s: %s=%lld is no layer number (0 to %d)", name, item, (long long)layer,
+                             MAX_LAYERS - 1);
+        }
+        if (strict && layer_in(set, layer))
+            return moe_error(MOE_ERR_CONFIG, "%s: %s=%lld repeats an earlier entry", name, item, (long long)layer);
+        add_layer(set, layer);
+    }
+    return MOE_OK;
+}
+
 static moe_status read_field(moe_model_config *cfg, const field *f, const moe_json *v, const char *name) {
     switch (f->kind) {
     case F_INT: return read_int(field_ptr(cfg, f), name, f->key, "an integer", v);
     case F_TOKEN_IDS: return read_token_ids(field_ptr(cfg, f), name, f->key, v);
+    case F_LAYERS: return read_layers(field_ptr(cfg, f), name, f->key, v, true);
     case F_WINDOW: {
         int64_t *w = field_ptr(cfg, f);
         MOE_TRY(read_int(w, name, f->key, "an integer or null", v));
@@ -629,8 +679,9 @@ typedef struct other_values {
     int64_t num_experts; /* transformers' alias of num_local_experts */
     family type;                     /* model_type's (mixtral when absent) */
     unsigned family_given;           /* FAMILY_KEY_BIT of each of family_keys given (not null) */
-    int64_t family_int[N_FAMILY_KEYS]; /* the integer keys' values; mlp_only_layers: its least layer >= 0 */
+    int64_t family_int[N_FAMILY_KEYS]; /* the integer keys' values */
     bool family_bool[N_FAMILY_KEYS];   /* the boolean keys' */
+    uint64_t mlp_only[LAYER_SET_WORDS]; /* the layers mlp_only_layers lists, below MAX_LAYERS */
 } other_values;
 
 #define OTHER_VALUES_INIT                                                                                              \
@@ -761,15 +812,7 @@ static moe_status check_other(const char *key, const moe_json *v, other_values *
         if (strcmp(key, family_keys[k].key) != 0) continue;
         o->family_given |= FAMILY_KEY_BIT(k);
         if (k == KEY_MLP_ONLY) {
-            if (v->type != MOE_JSON_ARRAY) return wrong_type(name, key, "a list of layer numbers", v);
-            o->family_int[k] = INT64_MAX;
-            for (size_t i = 0; i < v->array.count; i++) {
-                char item[64];
-                int64_t layer;
-                snprintf(item, sizeof item, "%s[%zu]", key, i);
-                MOE_TRY(read_int(&layer, name, item, "an integer", &v->array.items[i]));
-                if (layer >= 0 && layer < o->family_int[k]) o->family_int[k] = layer;
-            }
+            MOE_TRY(read_layers(o->mlp_only, name, key, v, false));
         } else if (k == KEY_LAYER_TYPES) {
             if (v->type != MOE_JSON_ARRAY) return wrong_type(name, key, "a list of attention kinds", v);
             for (size_t i = 0; i < v->array.count; i++) {
@@ -832,6 +875,7 @@ static void set_default(moe_model_config *cfg, const field *f) {
     case F_BOOL: *(bool *)field_ptr(cfg, f) = f->def != 0.0; break;
     case F_ENUM: set_enum(cfg, f, (int)f->def); break;
     case F_TOKEN_IDS: memset(field_ptr(cfg, f), 0, sizeof(moe_token_ids)); break; /* absent */
+    case F_LAYERS: memset(field_ptr(cfg, f), 0, LAYER_SET_WORDS * sizeof(uint64_t)); break; /* none */
     }
 }
 
@@ -879,16 +923,19 @@ static moe_status check_kv_heads(const char *name, int64_t heads, int64_t kv_hea
 
 /* A Qwen family's value v of moe_* field key, which its own keys say
  * (said, for messages), into cfg; a file that gives the moe_* key too
- * must agree. moe_shared_intermediate_size's canonical form: 0 for the
- * routed experts' width (intermediate_size, set before). */
+ * must agree. The canonical form of moe_shared_intermediate_size and
+ * moe_dense_intermediate_size: 0 for the routed experts' width
+ * (intermediate_size, set before). */
 static moe_status take_family_value(moe_model_config *cfg, given *state, const char *key, int64_t v, const char *said,
                                     const char *name) {
     const size_t f = field_index(key);
     void *at = field_ptr(cfg, &fields[f]);
     const bool flag = fields[f].kind == F_BOOL;
-    int64_t given_value = flag ? *(bool *)at : *(int64_t *)at;
-    if (strcmp(key, "moe_shared_intermediate_size") == 0 && given_value == cfg->intermediate_size) given_value = 0;
-    if (state[f] == GIVEN && given_value != v) {
+    const int64_t given_value = flag ? *(bool *)at : *(int64_t *)at;
+    const bool width =
+        strcmp(key, "moe_shared_intermediate_size") == 0 || strcmp(key, "moe_dense_intermediate_size") == 0;
+    const int64_t canonical = width && given_value == cfg->intermediate_size ? 0 : given_value;
+    if (state[f] == GIVEN && canonical != v) {
         char text[32];
         if (flag)
             snprintf(text, sizeof text, "%s", given_value ? "true" : "false");
@@ -904,11 +951,64 @@ static moe_status take_family_value(moe_model_config *cfg, given *state, const c
     return MOE_OK;
 }
 
+/* Qwen3-MoE's and Qwen2-MoE's layers as their decoder layers choose them:
+ * layer l is an MoE layer when mlp_only_layers does not list it and
+ * (l + 1) % decoder_sparse_step == 0 (num_experts > 0 is checked
+ * elsewhere), else a dense MLP width wide (the file's intermediate_size,
+ * or when width_given is false the config class's default). A file that
+ * gives moe_dense_layers or moe_dense_intermediate_size too must agree. */
+static moe_status read_family_layers(moe_model_config *cfg, given *state, const other_values *o, int64_t width,
+                                     bool width_given, const char *name) {
+    const int64_t step = o->family_given & FAMILY_KEY_BIT(KEY_SPARSE_STEP) ? o->family_int[KEY_SPARSE_STEP] : 1;
+    /* transformers divides by it: 0 raises there, and a negative step is no frequency. */
+    if (step < 1)
+        return moe_error(MOE_ERR_CONFIG,
+                         "%s: decoder_sparse_step=%lld must be at least 1 (layer l is an MoE layer when (l + 1) %% "
+                         "decoder_sparse_step == 0)",
+                         name, (long long)step);
+    if (state[field_index("num_hidden_layers")] != GIVEN) return MOE_OK; /* fill_defaults says it is missing */
+    const char *type = family_types[o->type];
+    uint64_t dense[LAYER_SET_WORDS] = {0};
+    int64_t n_dense = 0;
+    for (int64_t l = 0; l < cfg->num_hidden_layers && l < MAX_LAYERS; l++) {
+        if ((l + 1) % step == 0 && !layer_in(o->mlp_only, l)) continue;
+        add_layer(dense, l);
+        n_dense++;
+    }
+    /* Said here, in the file's keys: validate would name moe_dense_layers. */
+    if (n_dense > 0 && n_dense == cfg->num_hidden_layers)
+        return moe_error(MOE_ERR_CONFIG, "%s: decoder_sparse_step=%lld and mlp_only_layers make all "
+                                         "num_hidden_layers=%lld layers of model_type %s dense MLPs: no MoE layer",
+                         name, (long long)step, (long long)n_dense, type);
+    const size_t f = field_index("moe_dense_layers");
+    for (int64_t l = 0; state[f] == GIVEN && l < MAX_LAYERS; l++) {
+        const bool qwen = layer_in(dense, l);
+        if (layer_in(cfg->moe_dense_layers, l) == qwen) continue;
+        if (l >= cfg->num_hidden_layers)
+            return moe_error(MOE_ERR_CONFIG, "%s: moe_dense_layers lists layer %lld, past num_hidden_layers=%lld", name,
+                             (long long)l, (long long)cfg->num_hidden_layers);
+        return moe_error(MOE_ERR_CONFIG, "%s: moe_dense_layers %s layer %lld, which model_type %s's "
+                                         "decoder_sparse_step=%lld and mlp_only_layers make %s",
+                         name, qwen ? "does not list" : "lists", (long long)l, type, (long long)step,
+                         qwen ? "a dense MLP" : "an MoE layer");
+    }
+    memcpy(cfg->moe_dense_layers, dense, sizeof dense);
+    state[f] = GIVEN;
+    /* Without a dense layer intermediate_size is unused, and read as before. */
+    if (n_dense == 0) return MOE_OK;
+    MOE_TRY(check_size(name, "intermediate_size", width, MAX_GEMM_DIM));
+    char said[96];
+    snprintf(said, sizeof said, "intermediate_size=%lld%s", (long long)width,
+             width_given ? "" : " (absent: the dense layers' default width)");
+    return take_family_value(cfg, state, "moe_dense_intermediate_size", width == cfg->intermediate_size ? 0 : width,
+                             said, name);
+}
+
 /* A qwen3_moe or qwen2_moe file's own keys, before the defaults: the
  * experts' width is moe_intermediate_size (intermediate_size is its dense
- * MLP's, which a model of MoE layers only has not); Qwen2-MoE's one shared
- * expert is shared_expert_intermediate_size wide, behind its gate, and q,
- * k and v have biases unless qkv_bias says false. */
+ * MLP layers', read_family_layers); Qwen2-MoE's one shared expert is
+ * shared_expert_intermediate_size wide, behind its gate, and q, k and v
+ * have biases unless qkv_bias says false. */
 static moe_status read_family_sizes(moe_model_config *cfg, given *state, const other_values *o, const char *name) {
     if (o->type != FAMILY_QWEN3 && o->type != FAMILY_QWEN2) return MOE_OK;
     const char *type = family_types[o->type];
@@ -916,8 +1016,14 @@ static moe_status read_family_sizes(moe_model_config *cfg, given *state, const o
         return moe_error(MOE_ERR_CONFIG, "%s: missing required key 'moe_intermediate_size' (model_type %s: the "
                                          "experts' width)",
                          name, type);
+    const size_t inter = field_index("intermediate_size");
+    const bool width_given = state[inter] == GIVEN;
+    const int64_t width = width_given              ? cfg->intermediate_size
+                          : o->type == FAMILY_QWEN3 ? QWEN3_DENSE_WIDTH_DEFAULT
+                                                    : QWEN2_DENSE_WIDTH_DEFAULT;
     cfg->intermediate_size = o->family_int[KEY_MOE_INTERMEDIATE];
-    state[field_index("intermediate_size")] = GIVEN;
+    state[inter] = GIVEN;
+    MOE_TRY(read_family_layers(cfg, state, o, width, width_given, name));
     if (o->type != FAMILY_QWEN2) return MOE_OK;
     const int64_t shared = o->family_int[KEY_SHARED_INTERMEDIATE];
     if (!(o->family_given & FAMILY_KEY_BIT(KEY_SHARED_INTERMEDIATE)))
@@ -989,18 +1095,6 @@ static moe_status read_family_function(moe_model_config *cfg, const given *state
         cfg->sliding_window = 0;
         return MOE_OK;
     }
-    /* Qwen3-MoE and Qwen2-MoE: layer l is an MoE layer when (l + 1) %
-     * decoder_sparse_step == 0 and mlp_only_layers does not list it. */
-    const int64_t step = o->family_int[KEY_SPARSE_STEP];
-    if ((o->family_given & FAMILY_KEY_BIT(KEY_SPARSE_STEP)) && step != 1)
-        return moe_error(MOE_ERR_CONFIG, "%s: decoder_sparse_step=%lld is not supported (only 1: dense MLP layers "
-                                         "between the MoE layers are not implemented)",
-                         name, (long long)step);
-    /* A layer number past the model's names no layer. */
-    if ((o->family_given & FAMILY_KEY_BIT(KEY_MLP_ONLY)) && o->family_int[KEY_MLP_ONLY] < cfg->num_hidden_layers)
-        return moe_error(MOE_ERR_CONFIG, "%s: mlp_only_layers lists layer %lld, which would be a dense MLP: not "
-                                         "implemented",
-                         name, (long long)o->family_int[KEY_MLP_ONLY]);
     /* Qwen2MoeConfig windows only some layers (layer_types, or under
      * use_sliding_window those below max_window_layers). */
     if (o->type == FAMILY_QWEN2 && (o->family_bool[KEY_USE_WINDOW] || o->family_bool[KEY_LAYER_TYPES]))
@@ -1041,8 +1135,9 @@ static moe_status fill_defaults(moe_model_config *cfg, given *state, const other
     }
     if (o->type != FAMILY_MIXTRAL && o->type != FAMILY_OURS)
         MOE_TRY(read_family_function(cfg, state, o, name, wfn, wctx));
-    /* The shared experts' width in one form: the routed experts' is 0. */
+    /* The shared experts' and dense layers' widths in one form: the routed experts' is 0. */
     if (cfg->moe_shared_intermediate_size == cfg->intermediate_size) cfg->moe_shared_intermediate_size = 0;
+    if (cfg->moe_dense_intermediate_size == cfg->intermediate_size) cfg->moe_dense_intermediate_size = 0;
     const double top_theta = state[field_index("rope_theta")] == GIVEN ? cfg->rope_theta : NAN;
     MOE_TRY(resolve_rope(&cfg->rope_theta, &cfg->rope_scaling, o, top_theta, cfg->max_position_embeddings, name, wfn,
                          wctx));
@@ -1194,28 +1289,41 @@ static int64_t shared_width(const moe_model_config *c) {
            (c->moe_shared_intermediate_size > 0 ? c->moe_shared_intermediate_size : c->intermediate_size);
 }
 
+/* The dense MLP layers' width; 0 when the model has none. */
+static int64_t used_dense_width(const moe_model_config *c) {
+    return moe_model_config_dense_layer_count(c) > 0 ? moe_model_config_dense_width(c) : 0;
+}
+
 /* The model's parameters as it lays them out, in fp32 bytes, fit int64, so
  * that no size or offset computed from them overflows: the embedding and the
  * head (vocab x d each) and the final norm; per layer two norms, q and o
- * (d x heads x head_dim each), k and v (d x kv_heads x head_dim each), the
- * router (E x d), the routed and shared experts (three d x ff each). Each
- * factor is already bounded by its own limit. */
+ * (d x heads x head_dim each), k and v (d x kv_heads x head_dim each), and
+ * per MoE layer the router (E x d), the routed and shared experts (three
+ * d x ff each), per dense layer its MLP (three d x width). Each factor is
+ * already bounded by its own limit. */
 static moe_status check_param_bytes(const moe_model_config *c, const char *name) {
     const int64_t d = c->hidden_size, ff = c->intermediate_size, E = c->num_local_experts;
     const int64_t qdim = c->num_attention_heads * c->head_dim, kvdim = c->num_key_value_heads * c->head_dim;
-    int64_t layer = qdim + 2 * kvdim, total = 0, bytes; /* the norms' and biases' room, at most */
-    bool ok = add_product(&layer, 2 + 2 * qdim + 2 * kvdim + E + 1, d) && add_product(&layer, 3 * E * ff, d) &&
-              add_product(&layer, 3 * shared_width(c), d) &&
-              add_product(&total, layer, c->num_hidden_layers) && add_product(&total, 2 * c->vocab_size + 1, d) &&
+    const int64_t n_dense = moe_model_config_dense_layer_count(c);
+    int64_t layer = qdim + 2 * kvdim, moe = 0, dense = 0, total = 0, bytes; /* the norms' and biases' room, at most */
+    bool ok = add_product(&layer, 2 + 2 * qdim + 2 * kvdim, d) && add_product(&moe, E + 1, d) &&
+              add_product(&moe, 3 * E * ff, d) && add_product(&moe, 3 * shared_width(c), d) &&
+              add_product(&dense, 3 * used_dense_width(c), d) && add_product(&total, layer, c->num_hidden_layers) &&
+              add_product(&total, moe, c->num_hidden_layers - n_dense) && add_product(&total, dense, n_dense) &&
+              add_product(&total, 2 * c->vocab_size + 1, d) &&
               !__builtin_mul_overflow(total, (int64_t)sizeof(float), &bytes);
     if (ok) return MOE_OK;
+    char dense_text[80] = "";
+    if (n_dense > 0)
+        snprintf(dense_text, sizeof dense_text, ", %lld dense layers x the width %lld", (long long)n_dense,
+                 (long long)used_dense_width(c));
     return moe_error(MOE_ERR_CONFIG,
                      "%s: the parameter bytes of num_hidden_layers=%lld layers of hidden_size=%lld, "
                      "num_attention_heads=%lld and num_key_value_heads=%lld x head_dim=%lld, num_local_experts=%lld "
-                     "x intermediate_size=%lld + the shared experts' width %lld, and vocab_size=%lld overflow int64",
+                     "x intermediate_size=%lld + the shared experts' width %lld%s, and vocab_size=%lld overflow int64",
                      name, (long long)c->num_hidden_layers, (long long)d, (long long)c->num_attention_heads,
                      (long long)c->num_key_value_heads, (long long)c->head_dim, (long long)E, (long long)ff,
-                     (long long)shared_width(c), (long long)c->vocab_size);
+                     (long long)shared_width(c), dense_text, (long long)c->vocab_size);
 }
 
 /* A struct filled by hand may hold what no config.json reads as. */
@@ -1290,6 +1398,29 @@ moe_status moe_model_config_validate(const moe_model_config *c, const char *name
     if (c->moe_n_shared_experts == 0 && (own_width || c->moe_shared_expert_gate))
         return moe_error(MOE_ERR_CONFIG, "%s: %s needs shared experts (moe_n_shared_experts=0)", name,
                          own_width ? "moe_shared_intermediate_size" : "moe_shared_expert_gate=true");
+    /* A struct filled by hand may mark layers the model does not have. */
+    for (int64_t l = c->num_hidden_layers; l < MAX_LAYERS; l++)
+        if (moe_model_config_layer_is_dense(c, l))
+            return moe_error(MOE_ERR_CONFIG, "%s: moe_dense_layers lists layer %lld, past num_hidden_layers=%lld", name,
+                             (long long)l, (long long)c->num_hidden_layers);
+    const int64_t n_dense = moe_model_config_dense_layer_count(c);
+    /* The model is an MoE: the router's losses and the experts' parallelism need an MoE layer. */
+    if (n_dense == c->num_hidden_layers)
+        return moe_error(MOE_ERR_CONFIG, "%s: moe_dense_layers lists all num_hidden_layers=%lld layers: no MoE layer",
+                         name, (long long)n_dense);
+    /* The dense MLP is a GEMM its width wide, as an expert is. */
+    if (c->moe_dense_intermediate_size < 0 || c->moe_dense_intermediate_size > MAX_GEMM_DIM)
+        return moe_error(MOE_ERR_CONFIG, "%s: moe_dense_intermediate_size=%lld must be in [0, %lld] (0: "
+                                         "intermediate_size)",
+                         name, (long long)c->moe_dense_intermediate_size, (long long)MAX_GEMM_DIM);
+    if (c->moe_dense_intermediate_size == c->intermediate_size)
+        return moe_error(MOE_ERR_CONFIG, "%s: moe_dense_intermediate_size=%lld is intermediate_size: give 0, its one "
+                                         "form",
+                         name, (long long)c->moe_dense_intermediate_size);
+    if (n_dense == 0 && c->moe_dense_intermediate_size > 0)
+        return moe_error(MOE_ERR_CONFIG, "%s: moe_dense_intermediate_size=%lld needs dense layers (moe_dense_layers "
+                                         "lists none)",
+                         name, (long long)c->moe_dense_intermediate_size);
     /* The layer counts its parameter and gradient bytes, three d x ff
      * matrices per routed and shared expert plus the router, in int64. */
     int64_t dff, bytes;
@@ -1303,6 +1434,13 @@ moe_status moe_model_config_validate(const moe_model_config *c, const char *name
                          "experts' width %lld) overflows the layer's byte count",
                          name, (long long)c->hidden_size, (long long)c->intermediate_size,
                          (long long)c->num_local_experts, (long long)shared_width(c));
+    /* A dense layer's MLP, three d x width matrices, counted alike. */
+    int64_t dense;
+    if (__builtin_mul_overflow(c->hidden_size, 3 * used_dense_width(c), &dense) ||
+        __builtin_mul_overflow(dense, 2 * (int64_t)sizeof(float), &dense))
+        return moe_error(MOE_ERR_CONFIG, "%s: hidden_size=%lld x the dense layers' width %lld overflows their byte "
+                                         "count",
+                         name, (long long)c->hidden_size, (long long)used_dense_width(c));
     MOE_TRY(check_param_bytes(c, name));
     for (size_t f = 0; f < N_FIELDS; f++)
         if (fields[f].kind == F_TOKEN_IDS) MOE_TRY(check_token_ids(name, fields[f].key, field_cptr(c, &fields[f])));
@@ -1356,10 +1494,12 @@ static moe_status write_text_line(void *ctx, FILE *file) {
  * the routing. Qwen2-MoE's adds one gated shared expert, and q, k and v
  * biases unless qkv_bias is false (transformers v4, which has them always,
  * loads such a file with the biases it lacks at 0, the same function); the
- * others have neither. */
+ * others have neither. The Qwens say which layers are dense MLPs
+ * (decoder_sparse_step, mlp_only_layers); Mixtral and OLMoE have none. */
 static family family_of(const moe_model_config *c) {
     const bool routing = c->moe_gate == MOE_GATE_SOFTMAX_TOPK && c->moe_capacity_factor == 0.0 &&
                          c->moe_bias_update_rate == 0.0 && c->moe_n_group <= 1 && c->moe_routed_scaling_factor == 1.0;
+    const bool dense = moe_model_config_dense_layer_count(c) > 0;
     if (!routing) return FAMILY_OURS;
     if (c->moe_n_shared_experts == 1 && c->moe_shared_expert_gate)
         return c->moe_qk_norm == MOE_QK_NORM_NONE && c->sliding_window == 0 ? FAMILY_QWEN2 : FAMILY_OURS;
@@ -1368,10 +1508,19 @@ static family family_of(const moe_model_config *c) {
     case MOE_QK_NORM_PER_HEAD: return FAMILY_QWEN3;
     /* OLMoE's q_norm is hidden_size wide, and it has no window. */
     case MOE_QK_NORM_ACROSS_HEADS:
-        return c->num_attention_heads * c->head_dim == c->hidden_size && c->sliding_window == 0 ? FAMILY_OLMOE
-                                                                                                : FAMILY_OURS;
-    default: return c->moe_renormalize ? FAMILY_MIXTRAL : FAMILY_OURS;
+        return c->num_attention_heads * c->head_dim == c->hidden_size && c->sliding_window == 0 && !dense
+                   ? FAMILY_OLMOE
+                   : FAMILY_OURS;
+    default: return c->moe_renormalize && !dense ? FAMILY_MIXTRAL : FAMILY_OURS;
     }
+}
+
+/* A layer set as a list of its layers, ascending. */
+static void write_layers(moe_json_writer *w, const uint64_t *set) {
+    moe_json_begin_array(w);
+    for (int64_t l = 0; l < MAX_LAYERS; l++)
+        if (layer_in(set, l)) moe_json_int(w, l);
+    moe_json_end_array(w);
 }
 
 /* A token id key's value as it was read: null, an integer or a list. */
@@ -1398,14 +1547,18 @@ static bool written(const moe_model_config *cfg, family fam, const field *f) {
     static const size_t ours_when_set[] = {offsetof(moe_model_config, moe_qk_norm),
                                            offsetof(moe_model_config, moe_qkv_bias),
                                            offsetof(moe_model_config, moe_shared_intermediate_size),
-                                           offsetof(moe_model_config, moe_shared_expert_gate)};
+                                           offsetof(moe_model_config, moe_shared_expert_gate),
+                                           offsetof(moe_model_config, moe_dense_layers),
+                                           offsetof(moe_model_config, moe_dense_intermediate_size)};
     if (f->kind == F_TOKEN_IDS) /* as read: a reader takes its model type's default */
         return ((const moe_token_ids *)field_cptr(cfg, f))->form != MOE_TOKEN_ID_ABSENT;
     for (size_t i = 0; i < sizeof ours_when_set / sizeof *ours_when_set; i++) {
         if (f->offset != ours_when_set[i]) continue;
         const void *at = field_cptr(cfg, f);
-        const bool set = f->kind == F_BOOL ? *(const bool *)at : f->kind == F_INT ? *(const int64_t *)at != 0
-                                                                                  : enum_value(cfg, f) != 0;
+        const bool set = f->kind == F_BOOL     ? *(const bool *)at
+                         : f->kind == F_INT    ? *(const int64_t *)at != 0
+                         : f->kind == F_LAYERS ? !layer_set_empty(at)
+                                               : enum_value(cfg, f) != 0;
         return fam == FAMILY_OURS && set;
     }
     return true;
@@ -1431,11 +1584,14 @@ static void render(const moe_model_config *cfg, moe_json_writer *w) {
         const size_t offset = fields[f].offset;
         /* transformers v4's Qwen3MoeConfig takes num_experts alone (v5 reads
          * it as num_local_experts), and OlmoeConfig and Qwen2MoeConfig do;
-         * the Qwens' intermediate_size is a dense MLP's, unused, written as
-         * the experts' for a reader that wants one. */
+         * the Qwens' intermediate_size is their dense MLP layers' width,
+         * the experts' when there are none (for a reader that wants one). */
         if (qwen && offset == offsetof(moe_model_config, intermediate_size)) {
             moe_json_key(w, family_keys[KEY_MOE_INTERMEDIATE].key);
             moe_json_int(w, cfg->intermediate_size);
+            moe_json_key(w, fields[f].key);
+            moe_json_int(w, moe_model_config_dense_width(cfg));
+            continue;
         }
         if (qwen && offset == offsetof(moe_model_config, sliding_window)) {
             moe_json_key(w, family_keys[KEY_USE_WINDOW].key);
@@ -1457,6 +1613,7 @@ static void render(const moe_model_config *cfg, moe_json_writer *w) {
             break;
         }
         case F_TOKEN_IDS: write_token_ids(w, field_cptr(cfg, &fields[f])); break;
+        case F_LAYERS: write_layers(w, field_cptr(cfg, &fields[f])); break;
         }
     }
     if (qwen || olmoe) {
@@ -1477,8 +1634,7 @@ static void render(const moe_model_config *cfg, moe_json_writer *w) {
         moe_json_key(w, family_keys[KEY_SPARSE_STEP].key);
         moe_json_int(w, 1);
         moe_json_key(w, family_keys[KEY_MLP_ONLY].key);
-        moe_json_begin_array(w);
-        moe_json_end_array(w);
+        write_layers(w, cfg->moe_dense_layers);
         /* transformers v4 windows only the layers from it on. */
         moe_json_key(w, family_keys[KEY_MAX_WINDOW_LAYERS].key);
         moe_json_int(w, 0);
@@ -1593,4 +1749,18 @@ void moe_model_config_layer(moe_layer_config *layer, const moe_model_config *cfg
     layer->top_groups = cfg->moe_topk_group;
     layer->routed_scale = cfg->moe_routed_scaling_factor;
     layer->seed = seed;
+}
+
+bool moe_model_config_layer_is_dense(const moe_model_config *cfg, int64_t layer) {
+    return layer >= 0 && layer < MAX_LAYERS && layer_in(cfg->moe_dense_layers, layer);
+}
+
+int64_t moe_model_config_dense_layer_count(const moe_model_config *cfg) {
+    int64_t n = 0;
+    for (int64_t l = 0; l < cfg->num_hidden_layers && l < MAX_LAYERS; l++) n += moe_model_config_layer_is_dense(cfg, l);
+    return n;
+}
+
+int64_t moe_model_config_dense_width(const moe_model_config *cfg) {
+    return cfg->moe_dense_intermediate_size > 0 ? cfg->moe_dense_intermediate_size : cfg->intermediate_size;
 }

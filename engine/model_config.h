@@ -6,8 +6,11 @@
  * defaults (num_key_value_heads 4, max_position_embeddings 32768,
  * rope_theta 1e4, rms_norm_eps 1e-6, norm_topk_prob false), q and k
  * normalised per head (moe_qk_norm), sliding_window only under
- * use_sliding_window; every layer an MoE layer (decoder_sparse_step 1, no
- * mlp_only_layers) and no attention biases, or it is refused. An "olmoe"
+ * use_sliding_window; layer l an MoE layer when mlp_only_layers does not
+ * list it and (l + 1) % decoder_sparse_step == 0, as Qwen3MoeDecoderLayer
+ * chooses, else a dense MLP intermediate_size wide (default 6144; kept
+ * as moe_dense_layers and moe_dense_intermediate_size); no attention
+ * biases, or it is refused. An "olmoe"
  * file is read as OlmoeConfig: its defaults (num_key_value_heads
  * num_attention_heads, max_position_embeddings 4096, rope_theta 1e4,
  * router_aux_loss_coef 0.01, norm_topk_prob false), q and k normalised
@@ -16,9 +19,12 @@
  * moe_intermediate_size, one shared expert shared_expert_intermediate_size
  * wide behind its sigmoid gate, q, k and v biases unless qkv_bias is false,
  * its defaults (num_key_value_heads 16, max_position_embeddings 32768,
- * rope_theta 1e4, rms_norm_eps 1e-6, norm_topk_prob false), every layer an
- * MoE layer and no window (use_sliding_window false, layer_types all
- * "full_attention"), or it is refused.
+ * rope_theta 1e4, rms_norm_eps 1e-6, norm_topk_prob false), its dense MLP
+ * layers chosen as Qwen3-MoE's (intermediate_size default 5632), and no
+ * window (use_sliding_window false, layer_types all "full_attention"), or
+ * it is refused. Our "moe_dense_layers" (a list of distinct layers) and
+ * "moe_dense_intermediate_size" say the same in a file of any type; a
+ * Qwen file that gives them too must agree with its own keys.
  *
  * Reading: a key we know but do not use (architectures, torch_dtype,
  * use_cache, ...) is accepted silently; an unknown key is ignored with a
@@ -46,15 +52,17 @@
  * moe_capacity_factor, moe_n_shared_experts, moe_bias_update_rate 0,
  * moe_n_group 0 or 1, moe_routed_scaling_factor 1 (the loss-only keys
  * router_aux_loss_coef, moe_z_loss_coef, moe_seq_aux_loss_coef and
- * router_jitter_noise may take any value), no moe_qk_norm and no
- * moe_qkv_bias; with the
+ * router_jitter_noise may take any value), no moe_qk_norm, no
+ * moe_qkv_bias and no dense layer; with the
  * same routing (moe_renormalize either way) and moe_qk_norm "per_head"
  * "qwen3_moe" and ["Qwen3MoeForCausalLM"], with Qwen3's keys, and with
  * "across_heads", hidden_size num_attention_heads x head_dim wide and no
  * window, "olmoe" and ["OlmoeForCausalLM"], with OLMoE's; with one gated
  * shared expert, no q/k norm and no window, "qwen2_moe" and
  * ["Qwen2MoeForCausalLM"], with Qwen2-MoE's (qkv_bias as moe_qkv_bias
- * says). Otherwise
+ * says). "olmoe" too only without dense layers; the Qwens write theirs
+ * as decoder_sparse_step 1, mlp_only_layers and intermediate_size (the
+ * experts' width when there are none). Otherwise
  * "model_type": "moe" and ["MoeForCausalLM"], which transformers refuses
  * rather than load as a model that gives other outputs; this library reads
  * them all. */
@@ -68,6 +76,9 @@
 #include "moe.h"
 
 struct moe_json; /* engine/json.h */
+
+/* The most layers a model has (num_hidden_layers). */
+#define MOE_MODEL_LAYERS_MAX 65536
 
 /* The most ids one token-id key may list (Llama 3's eos_token_id lists 3). */
 #define MOE_TOKEN_IDS_MAX 16
@@ -185,6 +196,14 @@ typedef struct moe_model_config {
     int64_t moe_n_group;          /* default 0: no groups (DeepSeek-V3's n_group) */
     int64_t moe_topk_group;       /* groups a token's experts come from (topk_group) */
     double moe_routed_scaling_factor; /* default 1 (DeepSeek-V3's routed_scaling_factor) */
+    /* Dense MLP layers among the MoE layers (Qwen2-MoE's and Qwen3-MoE's
+     * decoder_sparse_step and mlp_only_layers, DeepSeek's first dense
+     * layers, Switch's every other layer): bit l of the set marks layer l
+     * a SwiGLU MLP moe_dense_intermediate_size wide (0: intermediate_size)
+     * in place of the router and the experts (moe_model_config_layer_is_dense).
+     * Default none; at least one layer stays an MoE layer. */
+    uint64_t moe_dense_layers[MOE_MODEL_LAYERS_MAX / 64];
+    int64_t moe_dense_intermediate_size;
 } moe_model_config;
 
 /* Receives each warning, e.g. "config.json: unknown key 'foo' ignored". */
@@ -285,6 +304,12 @@ double moe_attention_pairs(int64_t T, int64_t window);
  * a token and layer for the causal products): T, scaled by the share of
  * the causal pairs that the model's sliding window keeps. */
 double moe_model_config_attention_span(const moe_model_config *cfg, int64_t T);
+
+/* Whether layer (0 .. num_hidden_layers - 1) is a dense MLP layer, not an
+ * MoE layer; how many of the model's layers are; their MLP's width. */
+bool moe_model_config_layer_is_dense(const moe_model_config *cfg, int64_t layer);
+int64_t moe_model_config_dense_layer_count(const moe_model_config *cfg);
+int64_t moe_model_config_dense_width(const moe_model_config *cfg);
 
 /* The per-layer MoE settings of this model, whose sequences are seq_len
  * tokens (the sequence-wise balancing loss's); seed seeds the router jitter. */

@@ -1702,6 +1702,7 @@ static moe_status accumulate_kinds(void *ctx, moe_model *model, const int32_t *t
     for (int64_t li = 0; li < layers; li++) {
         const int64_t l = layer[li];
         const int32_t *topk; /* [BT, k] */
+        if (moe_model_config_layer_is_dense(&r->cfg, l)) continue;
         MOE_TRY(moe_model_last_topk(model, l, &topk));
         int64_t *counts = r->route_counts + l * N_KINDS * E;
         for (int64_t i = 0; i < BT; i++) {
@@ -2318,7 +2319,9 @@ static moe_status run_body(run *r, double start) {
     MOE_TRY(build_model(r));
     MOE_TRY(check_loaded_weights(r));
     const int64_t L = r->cfg.num_hidden_layers, E = r->cfg.num_local_experts;
-    r->kinds = (moe_run_kind_report){.n_layers = L, .n_experts = E, .top_k = r->cfg.num_experts_per_tok};
+    r->kinds = (moe_run_kind_report){.n_layers = L, .n_experts = E, .top_k = r->cfg.num_experts_per_tok,
+                                     .last_moe_layer = L - 1};
+    while (moe_model_config_layer_is_dense(&r->cfg, r->kinds.last_moe_layer)) r->kinds.last_moe_layer--;
     r->route_counts = calloc((size_t)(L * N_KINDS * E), sizeof *r->route_counts);
     r->routing = calloc((size_t)((L + 1) * N_KINDS * E), sizeof *r->routing);
     r->slowest = calloc((size_t)r->ranks, sizeof *r->slowest);

@@ -229,12 +229,13 @@ typedef struct moe_run_eval {
  * router sent that kind's tokens. */
 typedef struct moe_run_kind_report {
     int64_t n_layers, n_experts, top_k;
+    int64_t last_moe_layer; /* the model's last layer that routes (not a dense MLP layer) */
     int64_t tokens[MOE_SYNTH_KIND_COUNT];
     double loss[MOE_SYNTH_KIND_COUNT];
     double floor[MOE_SYNTH_KIND_COUNT];
     /* [n_layers + 1, MOE_SYNTH_KIND_COUNT, n_experts]: block l < n_layers is
      * layer l's share of the kind's (token, slot) assignments going to each
-     * expert (each row sums to 1); block n_layers is the same summed over
+     * expert (each row sums to 1; 0s for a dense MLP layer); block n_layers is the same summed over
      * all layers' assignments. */
     const double *routing;
     /* Greedy sums and copies from the start of the validation stream

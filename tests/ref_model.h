@@ -177,6 +177,10 @@ typedef struct ref_model_layer {
     int64_t *w1, *w3, *w2;            /* [E] offsets of [ff, C], [ff, C], [C, ff] */
     int64_t sg, su, sd;               /* shared experts, -1 when none */
     int64_t sgate;                    /* their gate, -1 when none */
+    /* A dense layer (moe_model_config_layer_is_dense): its MLP's gate, up
+     * and down projections in place of everything from gate on. */
+    bool dense;
+    int64_t mg, mu, md;
     /* The MoE block as ref_moe.h sees it: its weight arrays are copies
      * gathered from p before every forward. */
     ref_layer moe;
@@ -200,9 +204,9 @@ typedef struct ref_model_loss {
     double loss;    /* ce + the coefficients times logit_z, aux, seq_aux and z */
     double ce;      /* mean over positions whose target is >= 0 */
     double logit_z; /* mean over them of logsumexp(logits)^2 */
-    double aux;     /* mean over layers of E * sum_e f_e P_e */
+    double aux;     /* mean over the MoE layers of E * sum_e f_e P_e */
     double seq_aux; /* the same of the per-sequence sums' mean */
-    double z;       /* mean over layers of mean_t lse_t^2 */
+    double z;       /* mean over the MoE layers of mean_t lse_t^2 */
 } ref_model_loss;
 
 /* The offset of the tensor named by fmt, asserting it exists with the
@@ -274,6 +278,14 @@ static inline void ref_model_init(ref_model *r, moe_model *m) {
             y->bq = ref_model_offset(m, qdim, 1, "model.layers.%lld.self_attn.q_proj.bias", ll);
             y->bk = ref_model_offset(m, kvdim, 1, "model.layers.%lld.self_attn.k_proj.bias", ll);
             y->bv = ref_model_offset(m, kvdim, 1, "model.layers.%lld.self_attn.v_proj.bias", ll);
+        }
+        y->dense = moe_model_config_layer_is_dense(c, l);
+        if (y->dense) {
+            const int64_t F = c->moe_dense_intermediate_size ? c->moe_dense_intermediate_size : ff;
+            y->mg = ref_model_offset(m, F, C, "model.layers.%lld.mlp.gate_proj.weight", ll);
+            y->mu = ref_model_offset(m, F, C, "model.layers.%lld.mlp.up_proj.weight", ll);
+            y->md = ref_model_offset(m, C, F, "model.layers.%lld.mlp.down_proj.weight", ll);
+            continue;
         }
         y->gate = ref_model_offset(m, E, C, "model.layers.%lld.block_sparse_moe.gate.weight", ll);
         y->w1 = ref_alloc((size_t)E * sizeof *y->w1);
@@ -384,6 +396,8 @@ static inline double ref_model_forward(ref_model *r, ref_model_loss *out, double
     for (int64_t n = 0; n < N; n++)
         for (int64_t i = 0; i < C; i++) x[n * C + i] = p[r->embed + inputs[n] * C + i];
     double aux = 0.0, seq_aux = 0.0, z = 0.0;
+    int64_t moe_layers = 0;
+    for (int64_t l = 0; l < L; l++) moe_layers += !r->layers[l].dense;
     for (int64_t l = 0; l < L; l++) {
         ref_model_layer *ly = &r->layers[l];
         ref_rmsnorm(h, x, p + ly->ln1, c->rms_norm_eps, N, C);
@@ -407,13 +421,27 @@ static inline double ref_model_forward(ref_model *r, ref_model_loss *out, double
         ref_linear(y, att, p + ly->wo, N, qdim, C);
         for (int64_t i = 0; i < N * C; i++) x[i] += y[i];
         ref_rmsnorm(h, x, p + ly->ln2, c->rms_norm_eps, N, C);
+        if (ly->dense) { /* down(silu(gate h) * up h), a row at a time */
+            const int64_t F = c->moe_dense_intermediate_size ? c->moe_dense_intermediate_size : c->intermediate_size;
+            double *a = ref_alloc((size_t)F * sizeof *a), *b = ref_alloc((size_t)F * sizeof *b);
+            for (int64_t n = 0; n < N; n++) {
+                ref_linear(a, h + n * C, p + ly->mg, 1, C, F);
+                ref_linear(b, h + n * C, p + ly->mu, 1, C, F);
+                for (int64_t i = 0; i < F; i++) a[i] = a[i] / (1.0 + exp(-a[i])) * b[i];
+                ref_linear(y + n * C, a, p + ly->md, 1, F, C);
+            }
+            free(a);
+            free(b);
+            for (int64_t i = 0; i < N * C; i++) x[i] += y[i];
+            continue;
+        }
         ref_model_gather_moe(ly, p);
         /* The MoE block routes all B*T tokens as one batch (capacity too). */
         ref_layer_forward(y, &ly->route, &ly->moe, h, N);
         for (int64_t i = 0; i < N * C; i++) x[i] += y[i];
-        aux += ly->route.aux / (double)L;
-        seq_aux += ly->route.seq_aux / (double)L;
-        z += ly->route.z / (double)L;
+        aux += ly->route.aux / (double)moe_layers;
+        seq_aux += ly->route.seq_aux / (double)moe_layers;
+        z += ly->route.z / (double)moe_layers;
     }
     ref_rmsnorm(h, x, p + r->final_norm, c->rms_norm_eps, N, C);
     double ce = 0.0, logit_z = 0.0;
@@ -454,6 +482,7 @@ static inline void ref_model_save_routing(ref_model *r) {
     const int64_t k = r->cfg.num_experts_per_tok;
     for (int64_t l = 0; l < r->cfg.num_hidden_layers; l++) {
         ref_model_layer *y = &r->layers[l];
+        if (y->dense) continue;
         memcpy(y->saved_route.idx, y->route.idx, (size_t)(r->N * k) * sizeof *y->route.idx);
         memcpy(y->saved_route.kept, y->route.kept, (size_t)(r->N * k) * sizeof *y->route.kept);
     }
@@ -463,7 +492,7 @@ static inline void ref_model_save_routing(ref_model *r) {
  * not, the loss is not differentiable between the two parameter points. */
 static inline int ref_model_same_routing(const ref_model *r) {
     for (int64_t l = 0; l < r->cfg.num_hidden_layers; l++)
-        if (!ref_same_routing(&r->layers[l].route, &r->layers[l].saved_route, r->N, r->cfg.num_experts_per_tok))
+        if (!r->layers[l].dense && !ref_same_routing(&r->layers[l].route, &r->layers[l].saved_route, r->N, r->cfg.num_experts_per_tok))
             return 0;
     return 1;
 }

@@ -570,6 +570,65 @@ Test(checkpoint, qwen3_moe_files_use_its_names, .init = make_tmpdir, .fini = rem
     free_run(&b);
 }
 
+/* A dense MLP layer among the MoE layers is saved as transformers names a
+ * Qwen3-MoE's mlp_only_layers (mlp.gate_proj, up_proj, down_proj), with no
+ * router or experts; and loads back bit for bit with its moments and the
+ * MoE layers' selection biases (ours: the bias takes the "moe" type). A
+ * model whose layer is an MoE layer refuses the file, naming its router. */
+Test(checkpoint, dense_layers_are_saved_as_mlps, .init = make_tmpdir, .fini = remove_tmpdir) {
+    moe_model_config c = small_config(EXPERTS, 2);
+    c.moe_qk_norm = MOE_QK_NORM_PER_HEAD;
+    c.moe_dense_layers[0] = 0x1;
+    c.moe_dense_intermediate_size = 3 * FF;
+    run a = run_of(&c, 1), b = run_of(&c, 2);
+    char path[512];
+    moe_st_file *f = save_and_open(path, sizeof path, &a);
+    static const char *const ours[][2] = {
+        {"model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.gate_proj.weight"},
+        {"model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.up_proj.weight"},
+        {"model.layers.0.mlp.down_proj.weight", "model.layers.0.mlp.down_proj.weight"},
+        {"model.layers.1.block_sparse_moe.gate.weight", "model.layers.1.mlp.gate.weight"},
+        {"model.layers.1.block_sparse_moe.experts.3.w2.weight", "model.layers.1.mlp.experts.3.down_proj.weight"},
+    };
+    expect_file_names(f, &a, ours, sizeof ours / sizeof *ours);
+    const moe_st_tensor *down = moe_st_find(f, "model.layers.0.mlp.down_proj.weight");
+    cr_expect(down->shape[0] == D && down->shape[1] == 3 * FF, "down_proj [%lld, %lld]", (long long)down->shape[0],
+              (long long)down->shape[1]);
+    moe_st_close(f);
+    load_weights(&b, path);
+    expect_bits(moe_model_params(b.model), moe_model_params(a.model), n_params(&a), "a dense layer's MLP");
+    free_run(&b);
+    c.moe_dense_layers[0] = 0;
+    c.moe_dense_intermediate_size = 0;
+    b = run_of(&c, 2);
+    expect_error(moe_checkpoint_load_weights(b.model, path), "no tensor 'model.layers.0.block_sparse_moe.gate.weight'",
+                 "'model.layers.0.mlp.gate.weight'");
+    free_run(&a);
+    free_run(&b);
+
+    c = small_config(EXPERTS, 2);
+    c.moe_bias_update_rate = 0.01;
+    c.moe_dense_layers[0] = 0x2;
+    a = run_of(&c, 3), b = run_of(&c, 4);
+    moe_train_state s = scramble(&a, 9, 9);
+    save(path, sizeof path, tmpdir, &a, &s);
+    cr_expect(moe_model_router_bias(a.model, 0) != NULL && moe_model_router_bias(a.model, 1) == NULL,
+              "a selection bias for the MoE layer 0 only");
+    load_weights(&b, path);
+    moe_train_state got;
+    cr_assert_eq(moe_checkpoint_load_state(b.trainer, b.model, &got, path), MOE_OK, "%s", moe_last_error());
+    expect_bits(moe_model_params(b.model), moe_model_params(a.model), n_params(&a), "params");
+    expect_bits(moe_trainer_adam_m(b.trainer), moe_trainer_adam_m(a.trainer), n_params(&a), "exp_avg");
+    expect_bits(moe_trainer_adam_v(b.trainer), moe_trainer_adam_v(a.trainer), n_params(&a), "exp_avg_sq");
+    expect_bits(moe_model_router_bias(b.model, 0), moe_model_router_bias(a.model, 0), EXPERTS, "bias");
+    moe_model_config cfg;
+    cr_assert_eq(moe_checkpoint_load_config(&cfg, path, true, NULL, NULL), MOE_OK, "%s", moe_last_error());
+    cr_expect(!moe_model_config_layer_is_dense(&cfg, 0) && moe_model_config_layer_is_dense(&cfg, 1),
+              "the saved config's dense layers");
+    free_run(&a);
+    free_run(&b);
+}
+
 /* A model that transformers' Qwen2-MoE computes (one gated shared expert,
  * q, k and v biases) is saved under its names: the shared expert
  * mlp.shared_expert.{gate,up,down}_proj, its gate mlp.shared_expert_gate,
@@ -789,6 +848,21 @@ Test(checkpoint, upcycled_experts_copy_the_dense_mlp, .init = make_tmpdir, .fini
     cr_expect(fabs(a.ce_loss - b.ce_loss) <= 1e-6 * a.ce_loss, "dense loss %.9g, upcycled %.9g", a.ce_loss,
               b.ce_loss);
     cr_expect(a.ce_loss > 3.0, "dense loss %g: the test's logits are too tame to tell", a.ce_loss);
+    /* A dense MLP layer of the MoE takes its layer's MLP as it is. */
+    moe_model_config mixed_cfg = small_config(EXPERTS, 2);
+    mixed_cfg.moe_dense_layers[0] = 0x2;
+    moe_model *mixed;
+    cr_assert_eq(moe_model_create(&mixed, &mixed_cfg, 2, 8, 6), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(moe_checkpoint_upcycle_weights(mixed, dir), MOE_OK, "%s", moe_last_error());
+    const moe_model_tensor *mlp = moe_model_find_tensor(mixed, "model.layers.1.mlp.down_proj.weight");
+    const moe_model_tensor *expert = moe_model_find_tensor(dense, "model.layers.1.block_sparse_moe.experts.0.w2.weight");
+    cr_assert(mlp && expert);
+    expect_bits(moe_model_params(mixed) + mlp->offset, moe_model_params(dense) + expert->offset, mlp->numel,
+                "a dense layer's MLP");
+    cr_assert_eq(moe_model_forward(mixed, inputs, targets, &b), MOE_OK, "%s", moe_last_error());
+    cr_expect(fabs(a.ce_loss - b.ce_loss) <= 1e-6 * a.ce_loss, "dense loss %.9g, upcycled with a dense layer %.9g",
+              a.ce_loss, b.ce_loss);
+    moe_model_destroy(mixed);
 
     /* Refusals name the tensor; the model keeps its values. */
     const size_t bytes = (size_t)moe_model_param_count(moe) * sizeof(float);

@@ -1918,12 +1918,14 @@ Test(cuda, model_on_the_table) {
     enum { B = 2, T = 16, N = B * T };
     /* RMSNorm over rows of head_dim, then of the whole projection; then
      * none, with Qwen2-MoE's q, k and v biases and its gated shared expert
-     * of its own width. */
-    for (int variant = 0; variant < 3; variant++) {
+     * of its own width; then a dense MLP layer 40 wide first. */
+    for (int variant = 0; variant < 4; variant++) {
         const int qk = variant == 0 ? MOE_QK_NORM_PER_HEAD : variant == 1 ? MOE_QK_NORM_ACROSS_HEADS : MOE_QK_NORM_NONE;
         cfg.moe_qk_norm = (moe_qk_norm_kind)qk;
         cfg.moe_qkv_bias = cfg.moe_shared_expert_gate = variant == 2;
         cfg.moe_shared_intermediate_size = variant == 2 ? 20 : 0;
+        cfg.moe_dense_layers[0] = variant == 3 ? 0x1 : 0;
+        cfg.moe_dense_intermediate_size = variant == 3 ? 40 : 0;
         moe_model *host = NULL, *dev = NULL;
         CHECK(moe_model_create(&host, &cfg, B, T, 5));
         const moe_model_parallel on_gpu = {.ops = gpu};
@@ -1939,8 +1941,9 @@ Test(cuda, model_on_the_table) {
         CHECK(moe_model_backward(host, 1.0f));
         CHECK(moe_model_forward(dev, inputs, targets, &ds));
         CHECK(moe_model_backward(dev, 1.0f));
-        cr_expect(fabs(ds.loss - hs.loss) <= 1e-5 * fabs(hs.loss), "qk norm %s, qkv bias %d: loss %.9g, cpu %.9g",
-                  moe_qk_norm_kind_name(qk), cfg.moe_qkv_bias, ds.loss, hs.loss);
+        cr_expect(fabs(ds.loss - hs.loss) <= 1e-5 * fabs(hs.loss),
+                  "qk norm %s, qkv bias %d, dense layers %#llx: loss %.9g, cpu %.9g", moe_qk_norm_kind_name(qk),
+                  cfg.moe_qkv_bias, (unsigned long long)cfg.moe_dense_layers[0], ds.loss, hs.loss);
         expect_close("per-token losses", moe_model_last_losses(dev), moe_model_last_losses(host), N, 1e-4);
         const int64_t n = moe_model_param_count(host);
         float *got = ref_alloc((size_t)n * sizeof *got);

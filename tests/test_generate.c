@@ -26,6 +26,7 @@
 typedef struct attention_kind {
     int64_t sliding_window;
     moe_qk_norm_kind qk_norm;
+    uint64_t dense; /* bit l: layer l a dense MLP layer, 40 wide */
 } attention_kind;
 
 static moe_model *small_model_of(int64_t rows, double capacity_factor, attention_kind attn, moe_model_parallel par) {
@@ -38,6 +39,8 @@ static moe_model *small_model_of(int64_t rows, double capacity_factor, attention
     cfg.moe_capacity_factor = capacity_factor;
     cfg.sliding_window = attn.sliding_window;
     cfg.moe_qk_norm = attn.qk_norm;
+    cfg.moe_dense_layers[0] = attn.dense;
+    cfg.moe_dense_intermediate_size = attn.dense ? 40 : 0;
     moe_model *m = NULL;
     cr_assert_eq(moe_model_create_parallel(&m, &cfg, rows, T, SEED, &par), MOE_OK, "%s", moe_last_error());
     /* Larger weights than the N(0, 0.02) start, so that the logits differ
@@ -403,6 +406,10 @@ Test(decode, steps_in_a_sliding_window_give_the_logits_of_a_full_forward) {
 Test(decode, steps_with_q_and_k_normalised_give_the_logits_of_a_full_forward) {
     check_decode((attention_kind){.qk_norm = MOE_QK_NORM_PER_HEAD});
     check_decode((attention_kind){.qk_norm = MOE_QK_NORM_ACROSS_HEADS});
+}
+Test(decode, steps_through_a_dense_mlp_layer_give_the_logits_of_a_full_forward) {
+    check_decode((attention_kind){.dense = 0x1});
+    check_decode_only((attention_kind){.dense = 0x2});
 }
 
 Test(decode, refuses_training_grids_without_keys_and_bad_tokens) {

@@ -830,7 +830,10 @@ static void expect_same(const moe_model_config *a, const moe_model_config *b) {
     SAME(moe_n_group);
     SAME(moe_topk_group);
     SAME(moe_routed_scaling_factor);
+    SAME(moe_dense_intermediate_size);
 #undef SAME
+    cr_expect(memcmp(a->moe_dense_layers, b->moe_dense_layers, sizeof a->moe_dense_layers) == 0,
+              "moe_dense_layers changed in the round trip");
     const moe_token_ids *ta[] = {&a->bos_token_id, &a->eos_token_id, &a->pad_token_id};
     const moe_token_ids *tb[] = {&b->bos_token_id, &b->eos_token_id, &b->pad_token_id};
     for (int i = 0; i < 3; i++) {
@@ -1143,6 +1146,15 @@ Test(model_config, model_type_says_whether_transformers_computes_the_same, .init
                                  "\"moe_qk_norm\": \"per_head\"", "moe"},
         {"model_type", "\"qwen2_moe\", \"moe_intermediate_size\": 128, \"shared_expert_intermediate_size\": 64",
          "qwen2_moe"},
+        /* Dense MLP layers: the Qwens say them (mlp_only_layers), Mixtral
+         * and OLMoE cannot. */
+        {"moe_dense_layers", "[1]", "moe"},
+        {"moe_dense_layers", "[0], \"moe_dense_intermediate_size\": 96", "moe"},
+        {"moe_dense_layers", "[]", "mixtral"},
+        {"moe_dense_layers", "null", "mixtral"},
+        {"moe_qk_norm", "\"across_heads\", \"moe_dense_layers\": [0]", "moe"},
+        {"moe_qk_norm", "\"per_head\", \"moe_dense_layers\": [0], \"moe_dense_intermediate_size\": 96", "qwen3_moe"},
+        {"moe_n_shared_experts", "1, \"moe_shared_expert_gate\": true, \"moe_dense_layers\": [1]", "qwen2_moe"},
     };
     char path[512];
     snprintf(path, sizeof path, "%s/config.json", tmpdir);
@@ -1177,7 +1189,9 @@ Test(model_config, model_type_says_whether_transformers_computes_the_same, .init
         } ours_when_set[] = {{"moe_qk_norm", c.moe_qk_norm != MOE_QK_NORM_NONE},
                              {"moe_qkv_bias", c.moe_qkv_bias},
                              {"moe_shared_intermediate_size", c.moe_shared_intermediate_size != 0},
-                             {"moe_shared_expert_gate", c.moe_shared_expert_gate}};
+                             {"moe_shared_expert_gate", c.moe_shared_expert_gate},
+                             {"moe_dense_layers", moe_model_config_dense_layer_count(&c) > 0},
+                             {"moe_dense_intermediate_size", c.moe_dense_intermediate_size != 0}};
         for (size_t k = 0; k < sizeof ours_when_set / sizeof *ours_when_set; k++)
             cr_expect((moe_json_get(r, ours_when_set[k].key) != NULL) == (ours && ours_when_set[k].set), "%s: %s",
                       text, ours_when_set[k].key);
@@ -1233,23 +1247,26 @@ static const char qwen3_moe_config[] = "{\"architectures\": [\"Qwen3MoeForCausal
                                        "\"transformers_version\": \"4.51.0\", \"use_cache\": true, "
                                        "\"use_sliding_window\": false, \"vocab_size\": 151936}";
 
-/* The smallest file of a model type (qwen3_moe, olmoe or qwen2_moe): its
- * sizes, the experts 32 wide (qwen2_moe's shared expert 48), then extra
- * keys (a JSON tail); 16 heads for qwen2_moe, whose absent
- * num_key_value_heads is 16. */
-static const char *family_with(const char *type, const char *extra) {
+/* The smallest file of a model type (qwen3_moe, olmoe or qwen2_moe) of
+ * that many layers: its sizes, the experts 32 wide (qwen2_moe's shared
+ * expert 48, the Qwens' dense MLP layers 256), then extra keys (a JSON
+ * tail); 16 heads for qwen2_moe, whose absent num_key_value_heads is 16. */
+static const char *family_layers_with(const char *type, int layers, const char *extra) {
     static char buf[1024];
     const bool qwen3 = strcmp(type, "qwen3_moe") == 0, qwen2 = strcmp(type, "qwen2_moe") == 0;
     snprintf(buf, sizeof buf,
              "{\"model_type\": \"%s\", \"vocab_size\": 100, \"hidden_size\": 64, \"intermediate_size\": %s, "
-             "\"num_hidden_layers\": 2, \"num_attention_heads\": %d, \"num_experts\": 8, \"num_experts_per_tok\": 2%s}",
+             "\"num_hidden_layers\": %d, \"num_attention_heads\": %d, \"num_experts\": 8, "
+             "\"num_experts_per_tok\": 2%s}",
              type,
              qwen3   ? "256, \"moe_intermediate_size\": 32"
              : qwen2 ? "256, \"moe_intermediate_size\": 32, \"shared_expert_intermediate_size\": 48"
                      : "32",
-             qwen2 ? 16 : 4, extra);
+             layers, qwen2 ? 16 : 4, extra);
     return buf;
 }
+
+static const char *family_with(const char *type, const char *extra) { return family_layers_with(type, 2, extra); }
 
 static const char *qwen3_with(const char *extra) { return family_with("qwen3_moe", extra); }
 
@@ -1308,15 +1325,15 @@ Test(model_config, qwen3_moe_as_transformers_reads_it) {
     cr_expect_eq(c.sliding_window, 0);
     /* Layers past the model's are no layers of it, as in transformers. */
     cr_assert_eq(parse(&c, qwen3_with(", \"mlp_only_layers\": [2, 99, -1]"), &w), MOE_OK, "%s", moe_last_error());
+    cr_expect(moe_model_config_dense_layer_count(&c) == 0 && c.moe_dense_intermediate_size == 0,
+              "%lld dense layers %lld wide", (long long)moe_model_config_dense_layer_count(&c),
+              (long long)c.moe_dense_intermediate_size);
     cr_assert_eq(parse(&c, qwen3_with(", \"norm_topk_prob\": true, \"moe_renormalize\": true"), &w), MOE_OK, "%s",
                  moe_last_error());
     cr_expect(c.moe_renormalize);
     cr_expect_eq(w.count, 0, "warned: %s", w.text[0]);
 
     const refused_case bad[] = {
-        {", \"decoder_sparse_step\": 2", "decoder_sparse_step=2 is not supported"},
-        {", \"decoder_sparse_step\": 0", "decoder_sparse_step=0 is not supported"},
-        {", \"mlp_only_layers\": [7, 1]", "mlp_only_layers lists layer 1, which would be a dense MLP"},
         {", \"mlp_only_layers\": [\"a\"]", "mlp_only_layers[0] must be an integer"},
         {", \"mlp_only_layers\": 1", "mlp_only_layers must be a list of layer numbers"},
         {", \"attention_bias\": true", "attention_bias=true is not supported"},
@@ -1498,8 +1515,6 @@ Test(model_config, qwen2_moe_as_transformers_reads_it) {
         {", \"qkv_bias\": false, \"moe_qkv_bias\": true", "moe_qkv_bias=true disagrees with qkv_bias=false"},
         {", \"moe_qkv_bias\": false", "moe_qkv_bias=false disagrees with qkv_bias (absent: true)"},
         {", \"qkv_bias\": 1", "qkv_bias must be true or false"},
-        {", \"decoder_sparse_step\": 2", "decoder_sparse_step=2 is not supported"},
-        {", \"mlp_only_layers\": [0]", "mlp_only_layers lists layer 0"},
         {", \"moe_qk_norm\": \"per_head\"", "model_type qwen2_moe does not normalise q and k"},
     };
     expect_refused_configs("qwen2_moe", bad, sizeof bad / sizeof *bad);
@@ -1546,6 +1561,468 @@ Test(model_config, qwen2_moe_as_transformers_reads_it) {
     cr_expect_eq(moe_model_config_validate(&c, "api"), MOE_ERR_CONFIG);
     cr_expect(strstr(moe_last_error(), "api: moe_shared_intermediate_size=128 is intermediate_size: give 0") != NULL,
               "%s", moe_last_error());
+}
+
+/* Shaped like Qwen3-30B-A3B's config.json, but six layers, every other one
+ * a dense MLP (decoder_sparse_step 2) and layer 0 one by mlp_only_layers
+ * too: read as transformers' Qwen3MoeDecoderLayer builds the layers. */
+static const char qwen3_moe_dense_config[] =
+    "{\"architectures\": [\"Qwen3MoeForCausalLM\"], \"attention_bias\": false, \"attention_dropout\": 0.0, "
+    "\"bos_token_id\": 151643, \"decoder_sparse_step\": 2, \"eos_token_id\": 151645, \"head_dim\": 128, "
+    "\"hidden_act\": \"silu\", \"hidden_size\": 2048, \"initializer_range\": 0.02, \"intermediate_size\": 6144, "
+    "\"max_position_embeddings\": 40960, \"max_window_layers\": 6, \"mlp_only_layers\": [0], "
+    "\"model_type\": \"qwen3_moe\", \"moe_intermediate_size\": 768, \"norm_topk_prob\": true, "
+    "\"num_attention_heads\": 32, \"num_experts\": 128, \"num_experts_per_tok\": 8, \"num_hidden_layers\": 6, "
+    "\"num_key_value_heads\": 4, \"output_router_logits\": false, \"rms_norm_eps\": 1e-06, \"rope_scaling\": null, "
+    "\"rope_theta\": 1000000.0, \"router_aux_loss_coef\": 0.001, \"sliding_window\": null, "
+    "\"tie_word_embeddings\": false, \"torch_dtype\": \"bfloat16\", \"transformers_version\": \"4.51.0\", "
+    "\"use_cache\": true, \"use_sliding_window\": false, \"vocab_size\": 151936}";
+
+/* transformers' Qwen3MoeDecoderLayer and Qwen2MoeDecoderLayer: layer l is
+ * an MoE layer iff l not in mlp_only_layers and (l + 1) %
+ * decoder_sparse_step == 0 (num_experts > 0 in every file here). */
+static bool qwen_moe_layer(int64_t l, int64_t step, const int64_t *mlp_only, int n_mlp_only) {
+    for (int i = 0; i < n_mlp_only; i++)
+        if (mlp_only[i] == l) return false;
+    return (l + 1) % step == 0;
+}
+
+/* c's layers are dense MLPs exactly where that rule says they are not MoE
+ * layers, and none is past num_hidden_layers. */
+static void expect_qwen_layers(const moe_model_config *c, int64_t step, const int64_t *mlp_only, int n_mlp_only,
+                               const char *text) {
+    int64_t dense = 0;
+    for (int64_t l = 0; l < c->num_hidden_layers; l++) {
+        const bool moe = qwen_moe_layer(l, step, mlp_only, n_mlp_only);
+        dense += !moe;
+        cr_expect_eq(moe_model_config_layer_is_dense(c, l), !moe, "%s: layer %lld", text, (long long)l);
+    }
+    cr_expect_eq(moe_model_config_dense_layer_count(c), dense, "%s", text);
+    cr_expect(!moe_model_config_layer_is_dense(c, c->num_hidden_layers), "%s: a layer past the model's", text);
+}
+
+Test(model_config, qwen_dense_layers_as_transformers_reads_them) {
+    moe_model_config c;
+    warnings w = {0};
+    cr_assert_eq(parse(&c, qwen3_moe_dense_config, &w), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(w.count, 0, "warned: %s", w.text[0]);
+    const int64_t first[] = {0};
+    expect_qwen_layers(&c, 2, first, 1, "Qwen3 dense");
+    cr_expect(moe_model_config_layer_is_dense(&c, 0) && !moe_model_config_layer_is_dense(&c, 1) &&
+                  moe_model_config_layer_is_dense(&c, 4) && !moe_model_config_layer_is_dense(&c, 5),
+              "layers 0, 2 and 4 dense, 1, 3 and 5 MoE");
+    cr_expect_eq(c.intermediate_size, 768, "the experts' width is moe_intermediate_size");
+    cr_expect_eq(c.moe_dense_intermediate_size, 6144, "the dense layers' width is intermediate_size");
+    cr_expect_eq(moe_model_config_dense_width(&c), 6144);
+    cr_expect_eq(c.num_local_experts, 128);
+    cr_expect_str_eq(moe_model_config_model_type(&c), "qwen3_moe");
+    moe_layer_config lc;
+    moe_model_config_layer(&lc, &c, 16, 1);
+    cr_expect_eq(lc.d_ff, 768, "the MoE layers' experts");
+
+    /* The whole of mlp_only_layers counts (entries that name no layer
+     * ignored, a repeat harmless), with decoder_sparse_step; Qwen2-MoE's
+     * dense layers replace the shared expert too, its MoE layers keep it. */
+    const struct {
+        const char *type, *extra;
+        int64_t step, mlp_only[2];
+        int n_mlp_only;
+    } cases[] = {
+        {"qwen3_moe", ", \"mlp_only_layers\": [5, 3, 99, -1, 3]", 1, {5, 3}, 2},
+        {"qwen3_moe", ", \"decoder_sparse_step\": 2, \"mlp_only_layers\": [0, 3]", 2, {0, 3}, 2},
+        {"qwen3_moe", ", \"decoder_sparse_step\": 3", 3, {0}, 0},
+        {"qwen3_moe", ", \"decoder_sparse_step\": 1, \"mlp_only_layers\": []", 1, {0}, 0},
+        {"qwen3_moe", ", \"decoder_sparse_step\": null, \"mlp_only_layers\": null", 1, {0}, 0},
+        {"qwen2_moe", ", \"decoder_sparse_step\": 3, \"mlp_only_layers\": [0]", 3, {0}, 1},
+        {"qwen2_moe", ", \"mlp_only_layers\": [1, 4]", 1, {1, 4}, 2},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        const char *text = family_layers_with(cases[i].type, 6, cases[i].extra);
+        w.count = 0;
+        cr_assert_eq(parse(&c, text, &w), MOE_OK, "%s: %s", text, moe_last_error());
+        cr_expect_eq(w.count, 0, "%s warned: %s", text, w.text[0]);
+        expect_qwen_layers(&c, cases[i].step, cases[i].mlp_only, cases[i].n_mlp_only, text);
+        const bool dense = moe_model_config_dense_layer_count(&c) > 0;
+        cr_expect_eq(c.intermediate_size, 32, "%s", text);
+        cr_expect_eq(c.moe_dense_intermediate_size, dense ? 256 : 0, "%s: the file's intermediate_size when used",
+                     text);
+        cr_expect_str_eq(moe_model_config_model_type(&c), cases[i].type, "%s", text);
+        if (strcmp(cases[i].type, "qwen2_moe") == 0)
+            cr_expect(c.moe_n_shared_experts == 1 && c.moe_shared_intermediate_size == 48, "%s", text);
+    }
+
+    /* intermediate_size absent or null: Qwen3MoeConfig's default 6144,
+     * Qwen2MoeConfig's 5632; the experts' width: 0, its one form. */
+    const struct {
+        const char *type, *width; /* width NULL: absent */
+        int64_t stored, dense_width;
+    } widths[] = {
+        {"qwen3_moe", NULL, 6144, 6144}, {"qwen3_moe", "null", 6144, 6144}, {"qwen2_moe", NULL, 5632, 5632},
+        {"qwen2_moe", "null", 5632, 5632}, {"qwen3_moe", "32", 0, 32},      {"qwen2_moe", "96", 96, 96},
+    };
+    for (size_t i = 0; i < sizeof widths / sizeof *widths; i++) {
+        const bool qwen2 = strcmp(widths[i].type, "qwen2_moe") == 0;
+        char text[512], width[48] = "";
+        if (widths[i].width != NULL) snprintf(width, sizeof width, "\"intermediate_size\": %s, ", widths[i].width);
+        snprintf(text, sizeof text,
+                 "{\"model_type\": \"%s\", \"vocab_size\": 100, \"hidden_size\": 64, %s\"moe_intermediate_size\": 32, "
+                 "%s\"num_hidden_layers\": 2, \"num_attention_heads\": %d, \"num_experts\": 8, "
+                 "\"num_experts_per_tok\": 2, \"mlp_only_layers\": [1]}",
+                 widths[i].type, width, qwen2 ? "\"shared_expert_intermediate_size\": 48, " : "", qwen2 ? 16 : 4);
+        cr_assert_eq(parse(&c, text, NULL), MOE_OK, "%s: %s", text, moe_last_error());
+        cr_expect(!moe_model_config_layer_is_dense(&c, 0) && moe_model_config_layer_is_dense(&c, 1), "%s", text);
+        cr_expect_eq(c.moe_dense_intermediate_size, widths[i].stored, "%s", text);
+        cr_expect_eq(moe_model_config_dense_width(&c), widths[i].dense_width, "%s", text);
+    }
+    /* Without a dense layer intermediate_size is unused, as before; with one
+     * it is a width. */
+    const char *no_width = "{\"model_type\": \"qwen3_moe\", \"vocab_size\": 100, \"hidden_size\": 64, "
+                           "\"intermediate_size\": 0, \"moe_intermediate_size\": 32, \"num_hidden_layers\": 2, "
+                           "\"num_attention_heads\": 4, \"num_experts\": 8, \"num_experts_per_tok\": 2%s}";
+    char text[512];
+    snprintf(text, sizeof text, no_width, "");
+    cr_assert_eq(parse(&c, text, NULL), MOE_OK, "%s: %s", text, moe_last_error());
+    cr_expect(moe_model_config_dense_layer_count(&c) == 0 && c.moe_dense_intermediate_size == 0);
+    snprintf(text, sizeof text, no_width, ", \"mlp_only_layers\": [0]");
+    cr_expect_eq(parse(&c, text, NULL), MOE_ERR_CONFIG, "%s was accepted", text);
+    cr_expect(strstr(moe_last_error(), "t/config.json: intermediate_size=0 must be positive") != NULL, "%s",
+              moe_last_error());
+
+    /* Our keys beside the Qwen ones: accepted when they agree. */
+    const char *agree[] = {
+        ", \"mlp_only_layers\": [0], \"moe_dense_layers\": [0], \"moe_dense_intermediate_size\": 256",
+        ", \"moe_dense_layers\": []",
+        ", \"moe_dense_layers\": null",
+        ", \"decoder_sparse_step\": 2, \"moe_dense_layers\": [0], \"moe_dense_intermediate_size\": 256",
+    };
+    for (size_t i = 0; i < sizeof agree / sizeof *agree; i++)
+        cr_expect_eq(parse(&c, qwen3_with(agree[i]), NULL), MOE_OK, "%s: %s", agree[i], moe_last_error());
+    cr_expect(moe_model_config_layer_is_dense(&c, 0) && c.moe_dense_intermediate_size == 256,
+              "the dense layers stay intermediate_size=256 wide");
+
+    const refused_case bad[] = {
+        {", \"decoder_sparse_step\": 0", "t/config.json: decoder_sparse_step=0 must be at least 1"},
+        {", \"decoder_sparse_step\": -2", "t/config.json: decoder_sparse_step=-2 must be at least 1"},
+        {", \"decoder_sparse_step\": 1.5", "t/config.json: decoder_sparse_step must be an integer, got 1.5"},
+        {", \"mlp_only_layers\": [0, 1.5]", "t/config.json: mlp_only_layers[1] must be an integer, got 1.5"},
+        {", \"mlp_only_layers\": [0, 1]",
+         "t/config.json: decoder_sparse_step=1 and mlp_only_layers make all num_hidden_layers=2 layers of model_type "
+         "qwen3_moe dense MLPs: no MoE layer"},
+        {", \"decoder_sparse_step\": 3",
+         "t/config.json: decoder_sparse_step=3 and mlp_only_layers make all num_hidden_layers=2 layers"},
+        {", \"moe_dense_layers\": [1]",
+         "t/config.json: moe_dense_layers lists layer 1, which model_type qwen3_moe's decoder_sparse_step=1 and "
+         "mlp_only_layers make an MoE layer"},
+        {", \"mlp_only_layers\": [0], \"moe_dense_layers\": []",
+         "t/config.json: moe_dense_layers does not list layer 0, which model_type qwen3_moe's decoder_sparse_step=1 "
+         "and mlp_only_layers make a dense MLP"},
+        {", \"mlp_only_layers\": [0], \"moe_dense_layers\": [0, 5]",
+         "t/config.json: moe_dense_layers lists layer 5, past num_hidden_layers=2"},
+        {", \"mlp_only_layers\": [0], \"moe_dense_intermediate_size\": 100",
+         "t/config.json: moe_dense_intermediate_size=100 disagrees with intermediate_size=256"},
+        {", \"mlp_only_layers\": [0], \"moe_dense_intermediate_size\": 32",
+         "t/config.json: moe_dense_intermediate_size=32 disagrees with intermediate_size=256"},
+        {", \"moe_dense_intermediate_size\": 100",
+         "t/config.json: moe_dense_intermediate_size=100 needs dense layers (moe_dense_layers lists none)"},
+    };
+    expect_refused_configs("qwen3_moe", bad, sizeof bad / sizeof *bad);
+    const refused_case bad2[] = {
+        {", \"decoder_sparse_step\": 0", "t/config.json: decoder_sparse_step=0 must be at least 1"},
+        {", \"decoder_sparse_step\": 2, \"moe_dense_layers\": [1]",
+         "t/config.json: moe_dense_layers does not list layer 0, which model_type qwen2_moe's decoder_sparse_step=2 "
+         "and mlp_only_layers make a dense MLP"},
+    };
+    expect_refused_configs("qwen2_moe", bad2, sizeof bad2 / sizeof *bad2);
+}
+
+/* moe_dense_layers and moe_dense_intermediate_size in a file of any type. */
+Test(model_config, dense_layers_of_our_keys) {
+    moe_model_config c;
+    warnings w = {0};
+    cr_assert_eq(parse(&c, config_with("moe_dense_layers", "[1]"), &w), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(w.count, 0, "warned: %s", w.text[0]);
+    cr_expect(!moe_model_config_layer_is_dense(&c, 0) && moe_model_config_layer_is_dense(&c, 1));
+    cr_expect_eq(moe_model_config_dense_layer_count(&c), 1);
+    cr_expect_eq(c.moe_dense_intermediate_size, 0);
+    cr_expect_eq(moe_model_config_dense_width(&c), 128, "0: intermediate_size");
+    cr_expect_str_eq(moe_model_config_model_type(&c), "moe", "Mixtral has no dense layers");
+    cr_assert_eq(parse(&c, config_with("num_hidden_layers", "6, \"moe_dense_layers\": [5, 0, 3]"), &w), MOE_OK, "%s",
+                 moe_last_error());
+    for (int64_t l = 0; l < 6; l++)
+        cr_expect_eq(moe_model_config_layer_is_dense(&c, l), l == 0 || l == 3 || l == 5, "layer %lld", (long long)l);
+    const struct {
+        const char *width;
+        int64_t stored;
+    } widths[] = {{"96", 96}, {"128", 0}, {"0", 0}};
+    for (size_t i = 0; i < sizeof widths / sizeof *widths; i++) {
+        char value[64];
+        snprintf(value, sizeof value, "[0], \"moe_dense_intermediate_size\": %s", widths[i].width);
+        cr_assert_eq(parse(&c, config_with("moe_dense_layers", value), &w), MOE_OK, "%s", moe_last_error());
+        cr_expect_eq(c.moe_dense_intermediate_size, widths[i].stored, "%s", value);
+    }
+    cr_assert_eq(parse(&c, config_with("moe_dense_layers", "null"), &w), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(moe_model_config_dense_layer_count(&c), 0);
+
+    const struct {
+        const char *key, *value, *want;
+    } bad[] = {
+        {"moe_dense_layers", "[0, 0]", "t/config.json: moe_dense_layers[1]=0 repeats an earlier entry"},
+        {"moe_dense_layers", "[2]", "t/config.json: moe_dense_layers lists layer 2, past num_hidden_layers=2"},
+        {"moe_dense_layers", "[-1]", "t/config.json: moe_dense_layers[0]=-1 is no layer number (0 to 65535)"},
+        {"moe_dense_layers", "[0, 65536]", "t/config.json: moe_dense_layers[1]=65536 is no layer number (0 to 65535)"},
+        {"moe_dense_layers", "[0.5]", "t/config.json: moe_dense_layers[0] must be an integer, got 0.5"},
+        {"moe_dense_layers", "[\"0\"]", "t/config.json: moe_dense_layers[0] must be an integer, got \"0\""},
+        {"moe_dense_layers", "1", "t/config.json: moe_dense_layers must be a list of layer numbers, got 1"},
+        {"moe_dense_layers", "[1, 0]", "t/config.json: moe_dense_layers lists all num_hidden_layers=2 layers: no MoE "
+                                       "layer"},
+        {"moe_dense_intermediate_size", "96",
+         "t/config.json: moe_dense_intermediate_size=96 needs dense layers (moe_dense_layers lists none)"},
+        {"moe_dense_layers", "[0], \"moe_dense_intermediate_size\": -1",
+         "t/config.json: moe_dense_intermediate_size=-1 must be in [0, 1073741823] (0: intermediate_size)"},
+        {"moe_dense_layers", "[0], \"moe_dense_intermediate_size\": 1073741824",
+         "t/config.json: moe_dense_intermediate_size=1073741824 must be in [0, 1073741823]"},
+        {"moe_dense_intermediate_size", "\"96\"",
+         "t/config.json: moe_dense_intermediate_size must be an integer, got \"96\""},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        const char *text = config_with(bad[i].key, bad[i].value);
+        cr_expect_eq(parse(&c, text, NULL), MOE_ERR_CONFIG, "accepted %s", text);
+        cr_expect(strstr(moe_last_error(), bad[i].want) != NULL, "%s:\n  \"%s\"\n  lacks \"%s\"", text,
+                  moe_last_error(), bad[i].want);
+    }
+}
+
+/* A struct filled by hand is checked as a file is, and the dense layers'
+ * bytes count against int64 as the experts' do. */
+Test(model_config, dense_layers_validated_in_the_struct) {
+    moe_model_config c;
+    moe_model_config_default_small(&c, 256);
+    cr_assert_eq(moe_model_config_dense_layer_count(&c), 0);
+    const struct {
+        int word;
+        uint64_t bits;
+        int64_t width;
+        const char *want; /* NULL: valid */
+    } cases[] = {
+        {0, 0x5, 0, NULL},
+        {0, 0x5, 96, NULL},
+        {0, 0x10, 0, "small: moe_dense_layers lists layer 4, past num_hidden_layers=4"},
+        {1023, (uint64_t)1 << 63, 0, "small: moe_dense_layers lists layer 65535, past num_hidden_layers=4"},
+        {0, 0xf, 0, "small: moe_dense_layers lists all num_hidden_layers=4 layers: no MoE layer"},
+        {0, 0x5, 256, "small: moe_dense_intermediate_size=256 is intermediate_size: give 0, its one form"},
+        {0, 0x0, 96, "small: moe_dense_intermediate_size=96 needs dense layers (moe_dense_layers lists none)"},
+        {0, 0x5, -1, "small: moe_dense_intermediate_size=-1 must be in [0, 1073741823]"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        moe_model_config b = c;
+        b.moe_dense_layers[cases[i].word] = cases[i].bits;
+        b.moe_dense_intermediate_size = cases[i].width;
+        const moe_status st = moe_model_config_validate(&b, "small");
+        cr_expect_eq(st, cases[i].want ? MOE_ERR_CONFIG : MOE_OK, "case %zu: %s", i, moe_last_error());
+        if (cases[i].want)
+            cr_expect(strstr(moe_last_error(), cases[i].want) != NULL, "case %zu: %s\n  lacks %s", i, moe_last_error(),
+                      cases[i].want);
+    }
+
+    /* One dense layer 2^30 - 1 wide on a d of 2^30 - 1: the MoE layers'
+     * bytes fit, the dense layer's three matrices do not. */
+    moe_model_config big = c;
+    big.hidden_size = 1073741823;
+    big.head_dim = 2;
+    big.num_attention_heads = big.num_key_value_heads = 1;
+    big.intermediate_size = 1;
+    big.num_local_experts = big.num_experts_per_tok = 1;
+    cr_expect_eq(moe_model_config_validate(&big, "big"), MOE_OK, "without the dense layer: %s", moe_last_error());
+    big.moe_dense_layers[0] = 0x1;
+    big.moe_dense_intermediate_size = 1073741823;
+    cr_expect_eq(moe_model_config_validate(&big, "big"), MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "big: hidden_size=1073741823 x the dense layers' width 1073741823 overflows "
+                                       "their byte count") != NULL,
+              "%s", moe_last_error());
+
+    /* 17 layers of d 2^28: one dense MLP 2^30 - 1 wide fits, sixteen are
+     * more than 2^63 bytes. The reference count, in long double, counts
+     * each layer as what it is. */
+    moe_model_config deep = big;
+    deep.hidden_size = (int64_t)1 << 28;
+    deep.num_hidden_layers = 17;
+    const int dense_layers[2] = {1, 16};
+    for (int i = 0; i < 2; i++) {
+        deep.moe_dense_layers[0] = ((uint64_t)1 << dense_layers[i]) - 1;
+        const long double d = (long double)deep.hidden_size, n_dense = dense_layers[i];
+        const long double attention = 2 * d + 4 * 2 * d + 4;
+        const long double params = 17 * attention + (17 - n_dense) * (2 * d + 3 * d) +
+                                   n_dense * 3 * d * (long double)deep.moe_dense_intermediate_size + (2 * 256 + 1) * d;
+        const bool fits = params * 4 <= (long double)INT64_MAX;
+        cr_expect_eq(fits, i == 0, "the reference count: %Lg parameters", params);
+        const moe_status st = moe_model_config_validate(&deep, "deep");
+        cr_expect_eq(st, fits ? MOE_OK : MOE_ERR_CONFIG, "%d dense layers: %Lg parameters, got %s (%s)",
+                     dense_layers[i], params, moe_status_string(st), moe_last_error());
+        if (!fits)
+            cr_expect(strstr(moe_last_error(), "deep: the parameter bytes of num_hidden_layers=17 layers of "
+                                               "hidden_size=268435456") != NULL &&
+                          strstr(moe_last_error(), "16 dense layers x the width 1073741823, and vocab_size=256 "
+                                                   "overflow int64") != NULL,
+                      "%s", moe_last_error());
+    }
+}
+
+/* The integers of list key in the saved file's root r are want [n]. */
+static void expect_int_list(const moe_json *r, const char *key, const int64_t *want, size_t n, const char *what) {
+    const moe_json *v = moe_json_get(r, key);
+    cr_assert(v != NULL && v->type == MOE_JSON_ARRAY, "%s: %s is no list", what, key);
+    cr_expect_eq(v->array.count, n, "%s: %s holds %zu entries", what, key, v->array.count);
+    for (size_t i = 0; i < n && i < v->array.count; i++) {
+        int64_t got = -1;
+        cr_expect(moe_json_int64(&v->array.items[i], &got) == MOE_OK && got == want[i], "%s: %s[%zu] is %lld, not %lld",
+                  what, key, i, (long long)got, (long long)want[i]);
+    }
+}
+
+/* The saved file's key is the integer want; want -1: absent. */
+static void expect_int_key(const moe_json *r, const char *key, int64_t want, const char *what) {
+    const moe_json *v = moe_json_get(r, key);
+    int64_t got = -1;
+    if (v != NULL) cr_expect_eq(moe_json_int64(v, &got), MOE_OK, "%s: %s is no integer", what, key);
+    cr_expect_eq(got, want, "%s: %s is %lld, not %lld", what, key, (long long)got, (long long)want);
+}
+
+/* Dense layers save as their model type says them and load back equal: a
+ * Qwen's as decoder_sparse_step 1, mlp_only_layers and intermediate_size,
+ * ours (Mixtral's and OLMoE's cannot) as moe_dense_layers. */
+Test(model_config, dense_layers_round_trip, .init = make_tmpdir, .fini = remove_tmpdir) {
+    char path[512];
+    snprintf(path, sizeof path, "%s/config.json", tmpdir);
+    moe_model_config qwen3, qwen2, qwen3_narrow, ours, mixtral, olmoe;
+    cr_assert_eq(parse(&qwen3, qwen3_moe_dense_config, NULL), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(parse(&qwen2, family_layers_with("qwen2_moe", 6, ", \"decoder_sparse_step\": 3"), NULL), MOE_OK, "%s",
+                 moe_last_error());
+    moe_model_config_default_small(&qwen3_narrow, 256);
+    qwen3_narrow.moe_qk_norm = MOE_QK_NORM_PER_HEAD;
+    qwen3_narrow.moe_dense_layers[0] = 0x2;
+    moe_model_config_default_small(&ours, 256);
+    ours.moe_dense_layers[0] = 0x5;
+    ours.moe_dense_intermediate_size = 96;
+    cr_assert_eq(parse(&mixtral, config_with("moe_dense_layers", "[1]"), NULL), MOE_OK, "%s", moe_last_error());
+    moe_model_config_default_small(&olmoe, 256);
+    olmoe.moe_qk_norm = MOE_QK_NORM_ACROSS_HEADS;
+    olmoe.moe_dense_layers[0] = 0x8;
+    const int64_t qwen3_layers[] = {0, 2, 4}, qwen2_layers[] = {0, 1, 3, 4}, one[] = {1}, two[] = {0, 2}, three[] = {3};
+    const struct {
+        const char *what;
+        const moe_model_config *c;
+        const char *type;
+        const int64_t *layers;
+        size_t n;
+        int64_t width, experts; /* intermediate_size and moe_intermediate_size, or moe_dense_intermediate_size and -1 */
+    } cases[] = {
+        {"qwen3_moe", &qwen3, "qwen3_moe", qwen3_layers, 3, 6144, 768},
+        {"qwen2_moe", &qwen2, "qwen2_moe", qwen2_layers, 4, 256, 32},
+        {"qwen3_moe of the experts' width", &qwen3_narrow, "qwen3_moe", one, 1, 256, 256},
+        {"ours", &ours, "moe", two, 2, 96, -1},
+        {"mixtral's file", &mixtral, "moe", one, 1, -1, -1},
+        {"olmoe's", &olmoe, "moe", three, 1, -1, -1},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        const char *what = cases[i].what;
+        expect_round_trip(cases[i].c, path);
+        moe_json_doc *doc;
+        cr_assert_eq(moe_json_parse_file(&doc, path, 1 << 20), MOE_OK, "%s", moe_last_error());
+        const moe_json *r = moe_json_root(doc);
+        cr_expect_str_eq(moe_json_text(moe_json_get(r, "model_type")), cases[i].type, "%s", what);
+        const bool qwen = cases[i].experts >= 0;
+        if (qwen) {
+            expect_int_key(r, "decoder_sparse_step", 1, what);
+            expect_int_list(r, "mlp_only_layers", cases[i].layers, cases[i].n, what);
+            expect_int_key(r, "intermediate_size", cases[i].width, what);
+            expect_int_key(r, "moe_intermediate_size", cases[i].experts, what);
+            expect_int_key(r, "moe_dense_intermediate_size", -1, what);
+            cr_expect_null(moe_json_get(r, "moe_dense_layers"), "%s", what);
+        } else {
+            expect_int_list(r, "moe_dense_layers", cases[i].layers, cases[i].n, what);
+            expect_int_key(r, "moe_dense_intermediate_size", cases[i].width, what);
+            cr_expect_null(moe_json_get(r, "mlp_only_layers"), "%s", what);
+        }
+        moe_json_free(doc);
+    }
+}
+
+/* What moe_model_config_save wrote for moe_model_config_default_small(256)
+ * before dense layers existed. */
+static const char small_config_text[] = "{\n"
+                                        "  \"architectures\": [\n"
+                                        "    \"MixtralForCausalLM\"\n"
+                                        "  ],\n"
+                                        "  \"model_type\": \"mixtral\",\n"
+                                        "  \"hidden_act\": \"silu\",\n"
+                                        "  \"torch_dtype\": \"float32\",\n"
+                                        "  \"vocab_size\": 256,\n"
+                                        "  \"hidden_size\": 128,\n"
+                                        "  \"intermediate_size\": 256,\n"
+                                        "  \"num_hidden_layers\": 4,\n"
+                                        "  \"num_attention_heads\": 4,\n"
+                                        "  \"num_key_value_heads\": 2,\n"
+                                        "  \"head_dim\": 32,\n"
+                                        "  \"num_local_experts\": 8,\n"
+                                        "  \"num_experts_per_tok\": 2,\n"
+                                        "  \"max_position_embeddings\": 131072,\n"
+                                        "  \"sliding_window\": null,\n"
+                                        "  \"rope_theta\": 10000.0,\n"
+                                        "  \"rms_norm_eps\": 1e-05,\n"
+                                        "  \"router_aux_loss_coef\": 0.01,\n"
+                                        "  \"router_jitter_noise\": 0.0,\n"
+                                        "  \"initializer_range\": 0.02,\n"
+                                        "  \"tie_word_embeddings\": false,\n"
+                                        "  \"moe_gate\": \"softmax_topk\",\n"
+                                        "  \"moe_renormalize\": true,\n"
+                                        "  \"moe_capacity_factor\": 0.0,\n"
+                                        "  \"moe_z_loss_coef\": 0.0,\n"
+                                        "  \"moe_seq_aux_loss_coef\": 0.0,\n"
+                                        "  \"moe_n_shared_experts\": 0,\n"
+                                        "  \"moe_bias_update_rate\": 0.0,\n"
+                                        "  \"moe_n_group\": 0,\n"
+                                        "  \"moe_topk_group\": 0,\n"
+                                        "  \"moe_routed_scaling_factor\": 1.0\n"
+                                        "}\n";
+
+/* A config without dense layers saves byte for byte as before they
+ * existed, so that a checkpoint keeps its config's checksum: the small
+ * config's text, and the CRC-32C of one config of each model type as the
+ * writer without dense layers computed them. */
+Test(model_config, configs_without_dense_layers_render_as_before, .init = make_tmpdir, .fini = remove_tmpdir) {
+    char path[512];
+    snprintf(path, sizeof path, "%s/config.json", tmpdir);
+    moe_model_config c;
+    moe_model_config_default_small(&c, 256);
+    cr_assert_eq(moe_model_config_save(&c, path), MOE_OK, "%s", moe_last_error());
+    char *text;
+    size_t n;
+    cr_assert_eq(moe_file_read_all(&text, &n, path, 1 << 20), MOE_OK);
+    cr_expect(n == strlen(small_config_text) && memcmp(text, small_config_text, n) == 0, "wrote:\n%.*s", (int)n, text);
+    free(text);
+    const struct {
+        const char *type;
+        uint32_t crc;
+    } before[] = {{"mixtral", 0xe6ba2e7d}, {"qwen3_moe", 0xc0f29545}, {"qwen2_moe", 0x97968a35},
+                  {"olmoe", 0xa17e9443},   {"moe", 0xb0505b28}};
+    for (size_t i = 0; i < sizeof before / sizeof *before; i++) {
+        moe_model_config_default_small(&c, 256);
+        if (i == 1) c.moe_qk_norm = MOE_QK_NORM_PER_HEAD;
+        if (i == 2) {
+            c.moe_n_shared_experts = 1;
+            c.moe_shared_expert_gate = c.moe_qkv_bias = true;
+            c.moe_shared_intermediate_size = 96;
+        }
+        if (i == 3) c.moe_qk_norm = MOE_QK_NORM_ACROSS_HEADS;
+        if (i == 4) {
+            c.moe_gate = MOE_GATE_SIGMOID;
+            c.moe_n_shared_experts = 2;
+        }
+        uint32_t crc = 0;
+        cr_assert_eq(moe_model_config_crc32c(&c, &crc), MOE_OK, "%s", moe_last_error());
+        cr_expect_str_eq(moe_model_config_model_type(&c), before[i].type);
+        cr_expect_eq(crc, before[i].crc, "%s: crc32c 0x%08x, before 0x%08x", before[i].type, crc, before[i].crc);
+    }
 }
 
 /* Ranks and --resume compare the configs field by field

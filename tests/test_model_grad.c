@@ -71,28 +71,40 @@ typedef struct grad_case {
     /* Qwen2-MoE's: one shared expert 5 wide (the routed ones are 6) behind
      * its sigmoid gate, q, k and v biases, norm_topk_prob false. */
     bool qwen2;
+    /* Dense MLP layers among the MoE layers: bit l makes layer l one, of
+     * dense_width (0: intermediate_size, 6); layers, the model's (0: 2). */
+    uint64_t dense;
+    int64_t dense_width;
+    int64_t layers;
 } grad_case;
 
 static const grad_case CASES[] = {
-    {"softmax_topk", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 0, 11, 0.0, 0.0, 0, false, {0}, MOE_QK_NORM_NONE, false},
-    {"topk_softmax", MOE_GATE_TOPK_SOFTMAX, 0.0, 0, 0, 12, 0.0, 0.0, 0, false, {0}, MOE_QK_NORM_NONE, false},
-    {"sigmoid", MOE_GATE_SIGMOID, 0.0, 0, 0, 13, 0.0, 0.0, 0, false, {0}, MOE_QK_NORM_NONE, false},
-    {"capacity_1", MOE_GATE_SOFTMAX_TOPK, 1.0, 0, 0, 14, 0.0, 0.0, 0, false, {0}, MOE_QK_NORM_NONE, false},
-    {"shared_experts", MOE_GATE_SOFTMAX_TOPK, 0.0, 1, 0, 15, 0.0, 0.0, 0, false, {0}, MOE_QK_NORM_NONE, false},
-    {"ignored_targets", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 2, 16, 0.0, 0.0, 0, false, {0}, MOE_QK_NORM_NONE, false},
-    {"sequence_wise_balancing", MOE_GATE_SIGMOID, 0.0, 0, 0, 17, 0.3, 0.0, 0, false, {0}, MOE_QK_NORM_NONE, false},
-    {"logit_z_loss", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 1, 18, 0.0, 0.05, 0, false, {0}, MOE_QK_NORM_NONE, false},
-    {"sliding_window", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 0, 19, 0.0, 0.0, 2, false, {0}, MOE_QK_NORM_NONE, false},
-    {"tied_embeddings", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 1, 20, 0.0, 0.0, 0, true, {0}, MOE_QK_NORM_NONE, false},
+    {"softmax_topk", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 0, 11, 0.0, 0.0, 0, false, {0}, MOE_QK_NORM_NONE, false, 0, 0, 0},
+    {"topk_softmax", MOE_GATE_TOPK_SOFTMAX, 0.0, 0, 0, 12, 0.0, 0.0, 0, false, {0}, MOE_QK_NORM_NONE, false, 0, 0, 0},
+    {"sigmoid", MOE_GATE_SIGMOID, 0.0, 0, 0, 13, 0.0, 0.0, 0, false, {0}, MOE_QK_NORM_NONE, false, 0, 0, 0},
+    {"capacity_1", MOE_GATE_SOFTMAX_TOPK, 1.0, 0, 0, 14, 0.0, 0.0, 0, false, {0}, MOE_QK_NORM_NONE, false, 0, 0, 0},
+    {"shared_experts", MOE_GATE_SOFTMAX_TOPK, 0.0, 1, 0, 15, 0.0, 0.0, 0, false, {0}, MOE_QK_NORM_NONE, false, 0, 0, 0},
+    {"ignored_targets", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 2, 16, 0.0, 0.0, 0, false, {0}, MOE_QK_NORM_NONE, false, 0, 0, 0},
+    {"sequence_wise_balancing", MOE_GATE_SIGMOID, 0.0, 0, 0, 17, 0.3, 0.0, 0, false, {0}, MOE_QK_NORM_NONE, false, 0, 0, 0},
+    {"logit_z_loss", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 1, 18, 0.0, 0.05, 0, false, {0}, MOE_QK_NORM_NONE, false, 0, 0, 0},
+    {"sliding_window", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 0, 19, 0.0, 0.0, 2, false, {0}, MOE_QK_NORM_NONE, false, 0, 0, 0},
+    {"tied_embeddings", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 1, 20, 0.0, 0.0, 0, true, {0}, MOE_QK_NORM_NONE, false, 0, 0, 0},
     {"rope_llama3", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 0, 21, 0.0, 0.0, 0, false,
      {.type = MOE_ROPE_LLAMA3, .factor = 8, .low_freq_factor = 1, .high_freq_factor = 4,
-      .original_max_position_embeddings = 64}, MOE_QK_NORM_NONE, false},
+      .original_max_position_embeddings = 64}, MOE_QK_NORM_NONE, false, 0, 0, 0},
     {"rope_yarn", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 0, 22, 0.0, 0.0, 0, false,
      {.type = MOE_ROPE_YARN, .factor = 4, .original_max_position_embeddings = 64, .beta_fast = 32, .beta_slow = 1,
-      .truncate = true}, MOE_QK_NORM_NONE, false},
-    {"qwen3", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 1, 23, 0.0, 0.0, 0, false, {0}, MOE_QK_NORM_PER_HEAD, false},
-    {"olmoe", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 0, 24, 0.0, 0.0, 0, false, {0}, MOE_QK_NORM_ACROSS_HEADS, false},
-    {"qwen2", MOE_GATE_SOFTMAX_TOPK, 0.0, 1, 1, 25, 0.0, 0.0, 0, false, {0}, MOE_QK_NORM_NONE, true},
+      .truncate = true}, MOE_QK_NORM_NONE, false, 0, 0, 0},
+    {"qwen3", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 1, 23, 0.0, 0.0, 0, false, {0}, MOE_QK_NORM_PER_HEAD, false, 0, 0, 0},
+    {"olmoe", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 0, 24, 0.0, 0.0, 0, false, {0}, MOE_QK_NORM_ACROSS_HEADS, false, 0, 0, 0},
+    {"qwen2", MOE_GATE_SOFTMAX_TOPK, 0.0, 1, 1, 25, 0.0, 0.0, 0, false, {0}, MOE_QK_NORM_NONE, true, 0, 0, 0},
+    /* A dense layer between two MoE layers, 7 wide; and Qwen3-MoE's
+     * mlp_only_layers [0] in the experts' width, with the MoE layer's
+     * losses and a capacity that drops pairs. */
+    {"dense_middle", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 1, 26, 0.3, 0.0, 0, false, {0}, MOE_QK_NORM_NONE, false, 0x2, 7,
+     3},
+    {"dense_first_qwen3", MOE_GATE_SOFTMAX_TOPK, 1.0, 0, 0, 27, 0.0, 0.0, 0, false, {0}, MOE_QK_NORM_PER_HEAD, false,
+     0x1, 0, 2},
 };
 #define N_CASES ((int)(sizeof CASES / sizeof *CASES))
 
@@ -107,7 +119,9 @@ typedef struct fx {
 static void fx_create(fx *f, const grad_case *gc) {
     memset(f, 0, sizeof *f);
     f->gc = gc;
-    moe_model_config cfg = ref_tiny_config(VOCAB, 2, 0);
+    moe_model_config cfg = ref_tiny_config(VOCAB, gc->layers ? gc->layers : 2, 0);
+    cfg.moe_dense_layers[0] = gc->dense;
+    cfg.moe_dense_intermediate_size = gc->dense_width;
     cfg.moe_gate = gc->gate;
     cfg.moe_capacity_factor = gc->capacity_factor;
     cfg.moe_n_shared_experts = gc->n_shared_experts;
@@ -149,7 +163,7 @@ static double rel_err(double got, double ref) { return fabs(got - ref) / fmax(fa
  * model may legitimately choose otherwise. */
 static void expect_clear_routing(const fx *f) {
     for (int64_t l = 0; l < f->ref.cfg.num_hidden_layers; l++)
-        cr_assert(f->ref.layers[l].route.min_gap >= MIN_GAP,
+        cr_assert(f->ref.layers[l].dense || f->ref.layers[l].route.min_gap >= MIN_GAP,
                   "%s: layer %lld's top-(k+1) scores are %.3g apart, below %.1g: pick another seed", f->gc->name,
                   (long long)l, f->ref.layers[l].route.min_gap, MIN_GAP);
 }
@@ -181,9 +195,15 @@ static void check_forward(const grad_case *gc) {
                   "%s: position %lld (target %d) loss %.9g, reference %.9g", gc->name, (long long)n, f.targets[n],
                   losses[n], ref_losses[n]);
     const int64_t k = f.ref.cfg.num_experts_per_tok;
-    int64_t dropped = 0;
+    int64_t dropped = 0, moe_layers = 0;
     for (int64_t l = 0; l < f.ref.cfg.num_hidden_layers; l++) {
         const int32_t *got;
+        if (f.ref.layers[l].dense) {
+            cr_expect(moe_model_last_topk(f.m, l, &got) == MOE_ERR_INVALID_ARG, "%s: dense layer %lld routed",
+                      gc->name, (long long)l);
+            continue;
+        }
+        moe_layers++;
         cr_assert(moe_model_last_topk(f.m, l, &got) == MOE_OK, "%s", moe_last_error());
         const ref_out *ro = &f.ref.layers[l].route;
         for (int64_t i = 0; i < N_POS * k; i++)
@@ -191,7 +211,7 @@ static void check_forward(const grad_case *gc) {
                       gc->name, (long long)l, (long long)(i / k), (long long)(i % k), got[i], ro->idx[i]);
         dropped += ro->dropped;
     }
-    const double ref_dropped_frac = (double)dropped / (double)(f.ref.cfg.num_hidden_layers * N_POS * k);
+    const double ref_dropped_frac = (double)dropped / (double)(moe_layers * N_POS * k);
     cr_expect(fabs(st.dropped_frac - ref_dropped_frac) < 1e-12, "%s: dropped fraction %.6g, reference %.6g", gc->name,
               st.dropped_frac, ref_dropped_frac);
     if (gc->capacity_factor > 0.0)
@@ -327,6 +347,8 @@ Test(model_grad, rope_yarn) { check_gradients(&CASES[11]); }
 Test(model_grad, qwen3_qk_norm) { check_gradients(&CASES[12]); }
 Test(model_grad, olmoe_qk_norm) { check_gradients(&CASES[13]); }
 Test(model_grad, qwen2_shared_gate_and_qkv_bias) { check_gradients(&CASES[14]); }
+Test(model_grad, dense_layer_between_moe_layers) { check_gradients(&CASES[15]); }
+Test(model_grad, qwen3_dense_first_layer) { check_gradients(&CASES[16]); }
 
 /* ---------------------------------------------------------- grad_scale */
 
@@ -426,6 +448,7 @@ static void expect_same_bits(const moe_model_config *cfg, const moe_model_parall
                   "step %d: per-token losses differ", step);
         for (int64_t l = 0; l < cfg->num_hidden_layers; l++) {
             const int32_t *topk[2];
+            if (moe_model_config_layer_is_dense(cfg, l)) continue;
             for (int i = 0; i < 2; i++)
                 cr_assert(moe_model_last_topk(models[i], l, &topk[i]) == MOE_OK, "%s", moe_last_error());
             cr_expect(memcmp(topk[1], topk[0], (size_t)(N_POS * cfg->num_experts_per_tok) * sizeof(int32_t)) == 0,
@@ -438,6 +461,7 @@ static void expect_same_bits(const moe_model_config *cfg, const moe_model_parall
     }
     /* The bias moved (so later steps' gating used it) and agrees. */
     for (int64_t l = 0; l < cfg->num_hidden_layers; l++) {
+        if (moe_model_config_layer_is_dense(cfg, l)) continue;
         for (int i = 0; i < 2; i++)
             memcpy(bias[i], moe_model_router_bias(models[i], l), (size_t)cfg->num_local_experts * sizeof(float));
         int64_t e = 0;
@@ -471,7 +495,9 @@ static moe_model_config every_path_config(const fx *f, int64_t layers) {
 Test(model_backend, same_bits_when_the_host_cannot_touch_its_memory) {
     fx f;
     fx_create(&f, &CASES[3]);
-    const moe_model_config cfg = every_path_config(&f, 2);
+    moe_model_config cfg = every_path_config(&f, 2);
+    expect_same_bits(&cfg, NULL, &(moe_model_parallel){.ops = moe_strict_ops()}, f.inputs, f.targets);
+    cfg.moe_dense_layers[0] = 0x1; /* a dense layer's MLP keeps to the op table too */
     expect_same_bits(&cfg, NULL, &(moe_model_parallel){.ops = moe_strict_ops()}, f.inputs, f.targets);
     fx_destroy(&f);
 }
@@ -493,6 +519,10 @@ Test(model_recompute, same_bits_as_keeping_the_activations) {
         expect_same_bits(&cfg, NULL, &(moe_model_parallel){.recompute = true, .ops = moe_strict_ops()}, f.inputs,
                          f.targets);
     }
+    /* A dense layer between MoE layers: its MLP's arrays are recomputed too. */
+    cfg.moe_dense_layers[0] = 0x2;
+    cfg.moe_dense_intermediate_size = 5;
+    expect_same_bits(&cfg, NULL, &(moe_model_parallel){.recompute = true}, f.inputs, f.targets);
     fx_destroy(&f);
 }
 

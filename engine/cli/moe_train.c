@@ -416,6 +416,13 @@ static void on_start(void *ctx, const moe_run_summary *s) {
         moe_rope_scaling_describe(rope, sizeof rope, &c->rope_scaling);
         printf("rope     theta %g, scaled %s\n", c->rope_theta, rope);
     }
+    if (moe_model_config_dense_layer_count(c) > 0) {
+        printf("dense    %lld of the layers are dense MLPs of width %lld:", (long long)moe_model_config_dense_layer_count(c),
+               (long long)moe_model_config_dense_width(c));
+        for (int64_t l = 0; l < c->num_hidden_layers; l++)
+            if (moe_model_config_layer_is_dense(c, l)) printf(" %lld", (long long)l);
+        printf("\n");
+    }
     printf("params   %.3fM total, %.3fM active per token\n", (double)s->params * 1e-6,
            (double)s->active_params * 1e-6);
     if (s->train_data) printf("train    %s\n", s->train_data);
@@ -566,8 +573,9 @@ static void print_kinds(const moe_run_kind_report *r) {
         printf("\n");
     }
     char title[64];
-    snprintf(title, sizeof title, "routing, layer %lld (the last)", (long long)r->n_layers - 1);
-    print_routing(r, r->n_layers - 1, title);
+    snprintf(title, sizeof title, "routing, layer %lld (the last%s)", (long long)r->last_moe_layer,
+             r->last_moe_layer < r->n_layers - 1 ? " MoE layer" : "");
+    print_routing(r, r->last_moe_layer, title);
     print_routing(r, r->n_layers, "routing, all layers");
     printf("(shade: share against the uniform 1/E: ' ' < 0.5x, \u2591 < 1x, \u2592 < 2x, \u2593 < 3x, \u2588 >= 3x)\n");
 }
