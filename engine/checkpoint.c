@@ -238,7 +238,7 @@ static moe_status write_state(const char *path, moe_model *model, const float *m
         entries[n + i] = (moe_st_entry){names[n + i], v + t->offset, t->ndim, t->shape};
     }
     char step[24], seed[24], jitter[24], token[24], epoch[24], tokens[24], chunk[24], shuffle_seed[24], layer[32],
-        head[32];
+        dense[32], head[32];
     snprintf(step, sizeof step, "%" PRId64, s->step);
     snprintf(seed, sizeof seed, "%" PRIu64, s->seed);
     snprintf(jitter, sizeof jitter, "%" PRIu64, s->jitter_counter);
@@ -249,10 +249,11 @@ static moe_status write_state(const char *path, moe_model *model, const float *m
     snprintf(shuffle_seed, sizeof shuffle_seed, "%" PRIu64, s->data_shuffle_seed);
     /* As JSON numbers: no decimal comma under a host's locale. */
     moe_json_format_number(layer, sizeof layer, s->pipe_layer_seconds);
+    moe_json_format_number(dense, sizeof dense, s->pipe_dense_layer_seconds);
     moe_json_format_number(head, sizeof head, s->pipe_head_seconds);
     char config[24];
     snprintf(config, sizeof config, "%" PRIu32, config_crc);
-    moe_st_meta meta[13] = {
+    moe_st_meta meta[14] = {
         {"format_version", FORMAT_VERSION}, {"step", step},        {"seed", seed},
         {"jitter_counter", jitter},         {"data_token", token}, {"data_epoch", epoch},
     };
@@ -269,6 +270,7 @@ static moe_status write_state(const char *path, moe_model *model, const float *m
     if (s->pipe_layer_seconds > 0.0) {
         meta[n_meta++] = (moe_st_meta){"pipe_layer_seconds", layer};
         meta[n_meta++] = (moe_st_meta){"pipe_head_seconds", head};
+        if (s->pipe_dense_layer_seconds > 0.0) meta[n_meta++] = (moe_st_meta){"pipe_dense_layer_seconds", dense};
     }
     moe_status st = moe_st_write(path, entries, 2 * n, meta, n_meta);
     free(entries);
@@ -1039,10 +1041,16 @@ static moe_status read_meta(moe_train_state *s, const moe_st_file *f) {
     if (moe_st_metadata(f, "data_shuffle_seed") != NULL)
         MOE_TRY(meta_uint(&s->data_shuffle_seed, f, "data_shuffle_seed", UINT64_MAX));
     snprintf(s->data_kind, sizeof s->data_kind, "%s", kind ? kind : "");
-    s->pipe_layer_seconds = s->pipe_head_seconds = 0.0;
+    s->pipe_layer_seconds = s->pipe_dense_layer_seconds = s->pipe_head_seconds = 0.0;
     if (moe_st_metadata(f, "pipe_layer_seconds") != NULL || moe_st_metadata(f, "pipe_head_seconds") != NULL) {
         MOE_TRY(meta_seconds(&s->pipe_layer_seconds, f, "pipe_layer_seconds", false));
         MOE_TRY(meta_seconds(&s->pipe_head_seconds, f, "pipe_head_seconds", true));
+    }
+    if (moe_st_metadata(f, "pipe_dense_layer_seconds") != NULL) {
+        if (s->pipe_layer_seconds == 0.0)
+            return moe_error(MOE_ERR_FORMAT, "%s: __metadata__ \"pipe_dense_layer_seconds\" without \"pipe_layer_seconds\"",
+                             moe_st_path(f));
+        MOE_TRY(meta_seconds(&s->pipe_dense_layer_seconds, f, "pipe_dense_layer_seconds", false));
     }
     return MOE_OK;
 }

@@ -68,9 +68,10 @@ typedef struct moe_train_state {
     /* What the stream was read from: "synthetic", "bytes" (a file at byte
      * level) or "shards" (llm.c token shards); "" when not recorded. */
     char data_kind[16];
-    /* The seconds of a layer and of the head that --pp-balance measured
-     * cut the pipeline by, so that a resume cuts alike; 0: none measured. */
-    double pipe_layer_seconds, pipe_head_seconds;
+    /* The seconds of an MoE layer, of a dense MLP layer (when the model
+     * has any) and of the head that --pp-balance measured cut the pipeline
+     * by, so that a resume cuts alike; 0: none measured. */
+    double pipe_layer_seconds, pipe_dense_layer_seconds, pipe_head_seconds;
     /* Saving only: files the checkpoint holds beside its own (the
      * tokenizer and generation files of the model the run started from,
      * moe_checkpoint_read_companions); NULL: none. */
@@ -116,8 +117,8 @@ int64_t moe_checkpoint_step_of_name(const char *name);
  * data_token and data_epoch, data_tokens and data_chunk when
  * state->data_tokens > 0, data_shuffle_seed when data_chunk is > 0 too, data_kind when it is set, and pipe_layer_seconds
  * and pipe_head_seconds (JSON numbers, whatever the locale) when
- * state->pipe_layer_seconds > 0 (older
- * readers ignore these).
+ * state->pipe_layer_seconds > 0, with pipe_dense_layer_seconds when that
+ * is > 0 too (older readers ignore these).
  *
  * The files go to OUT/.step-NNNNNN.tmp-<pid>, which is renamed into place
  * once all of them are fsynced. A checkpoint of the same step already there
@@ -183,7 +184,8 @@ moe_status moe_checkpoint_upcycle_weights(moe_model *model, const char *dir);
  * there, is one of the three state->data_kind names; pipe_layer_seconds
  * and pipe_head_seconds come together or not at all, finite decimal
  * numbers, the layer's positive and the head's not negative (absent: both
- * 0). Errors name the file
+ * 0), and pipe_dense_layer_seconds, positive, only with them (absent: 0).
+ * Errors name the file
  * and the tensor or key; on error nothing is changed. */
 moe_status moe_checkpoint_load_state(moe_trainer *trainer, moe_model *model, moe_train_state *state,
                                      const char *dir);

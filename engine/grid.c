@@ -10,8 +10,7 @@
 #include "engine/moe_layer.h"
 
 /* 6 training FLOPs per matmul weight and token, plus attention's two
- * causal T x T products (less a sliding window's masked keys); a layer's
- * the mean over the model's MoE and dense MLP layers. */
+ * causal T x T products (less a sliding window's masked keys). */
 moe_stage_costs moe_grid_flop_costs(const moe_model_config *c, int64_t T) {
     const double C = (double)c->hidden_size, hd = (double)c->head_dim;
     const double q = (double)c->num_attention_heads * hd, kv = (double)c->num_key_value_heads * hd;
@@ -20,19 +19,79 @@ moe_stage_costs moe_grid_flop_costs(const moe_model_config *c, int64_t T) {
     const double experts = 3.0 * C * ((double)c->num_experts_per_tok * (double)c->intermediate_size +
                                       (double)moe_layer_shared_width(&lc));
     const double gate = lc.shared_gate ? C : 0.0;
-    const double dense = (double)moe_model_config_dense_layer_count(c) / (double)c->num_hidden_layers;
-    const double mlp = (1.0 - dense) * (C * (double)c->num_local_experts + gate + experts) +
-                       dense * 3.0 * C * (double)moe_model_config_dense_width(c);
-    return (moe_stage_costs){.layer = 6.0 * (C * (2.0 * q + 2.0 * kv) + mlp) + 6.0 * moe_model_config_attention_span(c, T) * q,
-                             .head = 6.0 * C * (double)c->vocab_size};
+    const double attention = 6.0 * C * (2.0 * q + 2.0 * kv) + 6.0 * moe_model_config_attention_span(c, T) * q;
+    return (moe_stage_costs){
+        .layer = attention + 6.0 * (C * (double)c->num_local_experts + gate + experts),
+        .dense_layer = attention + 6.0 * 3.0 * C * (double)moe_model_config_dense_width(c),
+        .head = 6.0 * C * (double)c->vocab_size,
+        .dense_layers = moe_model_config_dense_layer_count(c) > 0 ? c->moe_dense_layers : NULL};
 }
 
-static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+static bool is_dense(const moe_stage_costs *c, int64_t l) {
+    return c->dense_layers && (c->dense_layers[l / 64] >> (l % 64) & 1);
+}
 
-/* Every layer costs the same, so s + 1 stages without the head hold l
- * layers at best ceil(l / (s + 1)) to the slowest; only the last stage,
- * which adds the head, needs a search: O(L) over its first layer, then
- * each earlier cut in closed form. */
+/* The fewest stages that hold layers [0, n) within limit each, the stages
+ * taken from the back as long as they fit (at[i]: the first i layers'
+ * cost); INT64_MAX when a layer alone exceeds it. */
+static int64_t stages_needed(const double *at, int64_t n, double limit) {
+    int64_t stages = 0;
+    for (int64_t end = n; end > 0; stages++) {
+        if (at[end] - at[end - 1] > limit) return INT64_MAX;
+        int64_t begin = end - 1;
+        while (begin > 0 && at[end] - at[begin - 1] <= limit) begin--;
+        end = begin;
+    }
+    return stages;
+}
+
+/* Whether limit holds the layers in `stages` stages, the last paying head
+ * too: its longest tail within limit, the rest in stages - 1. */
+static bool fits(const double *at, int64_t L, int stages, double head, double limit) {
+    int64_t from = stages - 1;
+    while (from < L && at[L] - at[from] + head > limit) from++;
+    return from < L && stages_needed(at, from, limit) <= stages - 1;
+}
+
+/* The least limit at which fits() (head >= 0) or, head < 0, stages_needed
+ * <= stages over [0, L): bisection over doubles, down to the one where it
+ * turns, which is exactly a sum the test computes. */
+static double least_limit(const double *at, int64_t L, int stages, double head) {
+    double lo = 0.0, hi = at[L] + (head > 0.0 ? head : 0.0);
+    for (;;) {
+        const double mid = lo + (hi - lo) / 2.0;
+        if (mid <= lo || mid >= hi) return hi;
+        const bool ok = head >= 0.0 ? fits(at, L, stages, head, mid) : stages_needed(at, L, mid) <= stages;
+        if (ok)
+            hi = mid;
+        else
+            lo = mid;
+    }
+}
+
+/* The stage that ends at layer `end` under limit, with `before` stages
+ * before it: its first layer, the latest cut whose prefix those stages
+ * hold within limit, so that it holds the fewest layers. The cuts from
+ * which its own share (plus tail, the head's) fits start at `from`; the
+ * stages a prefix needs only grow with it, so the cuts that fit the
+ * prefix end where a bisection finds. limit fits, so `from` does. */
+static int64_t latest_cut(const double *at, int64_t end, int before, double tail, double limit) {
+    int64_t from = before;
+    while (at[end] - at[from] + tail > limit) from++;
+    int64_t lo = from, hi = end; /* stages_needed(lo) <= before; hi: past the last cut */
+    while (hi - lo > 1) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        if (stages_needed(at, mid, limit) <= before)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+/* The least limit of the slowest stage leaves the last stage a range of
+ * cuts; the latest gives it the fewest layers. Then stage by stage from
+ * the back, the same over the stages before it, without the head. */
 moe_status moe_grid_partition(int64_t *bounds, int64_t L, int stages, moe_stage_costs costs) {
     if (stages <= 0 || L < stages)
         return moe_error(MOE_ERR_CONFIG, "--pp %d: a pipeline needs a layer per stage, and the model has %lld layers",
@@ -40,25 +99,20 @@ moe_status moe_grid_partition(int64_t *bounds, int64_t L, int stages, moe_stage_
     bounds[0] = 0;
     bounds[stages] = L;
     if (stages == 1) return MOE_OK;
-    /* Only their ratio cuts: scaled by a power of two to below 1, exactly
-     * (ties stay ties), no product overflows. */
+    /* Only their ratios cut: scaled by a power of two to at most 1, exactly
+     * (ties stay ties), so that no sum of them overflows. */
     int exponent = 0;
-    frexp(costs.layer > costs.head ? costs.layer : costs.head, &exponent);
-    const double layer = ldexp(costs.layer, -exponent), head = ldexp(costs.head, -exponent);
-    const int64_t before = stages - 1; /* the stages before the last */
-    double best = INFINITY;
-    for (int64_t from = before; from < L; from++) {
-        const double others = layer * (double)ceil_div(from, before), last = layer * (double)(L - from) + head;
-        const double worst = others > last ? others : last;
-        /* Ties go to the later cut: the head's stage gets fewer layers. */
-        if (worst <= best) best = worst, bounds[before] = from;
-    }
-    /* Stages 0..s hold bounds[s + 1] layers, at most c each; the latest cut
-     * that keeps both sides within c gives stage s the fewest. */
-    for (int s = stages - 2; s > 0; s--) {
-        const int64_t l = bounds[s + 1], c = ceil_div(l, s + 1);
-        bounds[s] = (int64_t)s * c < l - 1 ? (int64_t)s * c : l - 1;
-    }
+    const double most = fmax(fmax(costs.layer, costs.dense_layer), costs.head);
+    frexp(most, &exponent);
+    double *at = malloc((size_t)(L + 1) * sizeof *at); /* at[i]: the first i layers' cost */
+    if (!at) return moe_error(MOE_ERR_OUT_OF_MEMORY, "pipeline partition of %lld layers", (long long)L);
+    at[0] = 0.0;
+    for (int64_t l = 0; l < L; l++) at[l + 1] = at[l] + ldexp(is_dense(&costs, l) ? costs.dense_layer : costs.layer, -exponent);
+    const double head = ldexp(costs.head, -exponent);
+    bounds[stages - 1] = latest_cut(at, L, stages - 1, head, least_limit(at, L, stages, head));
+    for (int s = stages - 2; s > 0; s--)
+        bounds[s] = latest_cut(at, bounds[s + 1], s, 0.0, least_limit(at, bounds[s + 1], s + 1, -1.0));
+    free(at);
     return MOE_OK;
 }
 

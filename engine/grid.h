@@ -34,15 +34,19 @@ typedef struct moe_grid {
     int64_t *stage_layers;
 } moe_grid;
 
-/* What the pipeline partition balances: every layer costs the same, and
- * the last stage pays for the head on top (the embedding costs nothing). */
+/* What the pipeline partition balances: an MoE layer costs layer, a dense
+ * MLP layer (bit l of dense_layers, a model config's moe_dense_layers;
+ * NULL: none) dense_layer, and the last stage pays for the head on top
+ * (the embedding costs nothing). */
 typedef struct moe_stage_costs {
-    double layer, head;
+    double layer, dense_layer, head;
+    const uint64_t *dense_layers;
 } moe_stage_costs;
 
-/* The costs as training FLOPs per token at sequence length seq_len: a
- * layer's attention, router, top_k experts and shared ones; the head's
- * (which, with a large vocabulary, outweighs a layer). */
+/* The costs as training FLOPs per token at sequence length seq_len: an MoE
+ * layer's attention, router, top_k experts and shared ones; a dense
+ * layer's attention and MLP; the head's (which, with a large vocabulary,
+ * outweighs a layer). dense_layers is cfg's. */
 moe_stage_costs moe_grid_flop_costs(const moe_model_config *cfg, int64_t seq_len);
 
 /* Splits world into pp_size pipeline stages of world / pp_size
@@ -60,7 +64,9 @@ void moe_grid_destroy(moe_grid *grid);
 /* Layers [bounds[s], bounds[s+1]) for each of stages stages (bounds
  * [stages + 1]), contiguous, at least one each, chosen to make the slowest
  * stage under costs as fast as it can be; of equal splits, the one whose
- * last stage holds fewest layers. Fails when there are fewer layers than
+ * last stage holds fewest layers, and before it, stage by stage from the
+ * back, the one that balances the stages before it best and of those
+ * gives the stage the fewest. Fails when there are fewer layers than
  * stages. */
 moe_status moe_grid_partition(int64_t *bounds, int64_t layers, int stages, moe_stage_costs costs);
 

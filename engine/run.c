@@ -1079,12 +1079,18 @@ static const char *pp_balance_name(int v) { return moe_pp_balance_name((moe_pp_b
 #define RUN_COST_REPS 3
 
 /* The median seconds of one forward and backward of a one-rank model of
- * the run's config cut to `layers` layers, at the run's batch shape on the
- * run's device, after one untimed. */
-static moe_status time_layers(run *r, int64_t layers, double *seconds) {
+ * the run's config cut to `layers` MoE layers, the last one a dense MLP
+ * layer when dense_last, at the run's batch shape on the run's device,
+ * after one untimed. */
+static moe_status time_layers(run *r, int64_t layers, bool dense_last, double *seconds) {
     const moe_run_options *o = r->o;
     moe_model_config c = r->cfg;
     c.num_hidden_layers = layers;
+    memset(c.moe_dense_layers, 0, sizeof c.moe_dense_layers);
+    if (dense_last)
+        c.moe_dense_layers[(layers - 1) / 64] |= UINT64_C(1) << ((layers - 1) % 64);
+    else
+        c.moe_dense_intermediate_size = 0;
     const int64_t N = o->batch_size * o->seq_len;
     int32_t *tokens = malloc((size_t)(2 * N) * sizeof *tokens); /* inputs, then targets */
     if (!tokens) return moe_error(MOE_ERR_OUT_OF_MEMORY, "--pp-balance measured: %lld tokens", (long long)N);
@@ -1108,28 +1114,36 @@ static moe_status time_layers(run *r, int64_t layers, double *seconds) {
 }
 
 /* The partition's costs: FLOPs, or times measured on every rank's device
- * and averaged over the ranks (so all cut the layers alike): a layer is
- * the difference between models of two layers and of one, the head and
- * embedding the rest of the one-layer model. A resume takes the times its
- * checkpoint's run measured, when it did, and so cuts as that run did:
- * timings vary, and another cut would round apart. */
+ * and averaged over the ranks (so all cut the layers alike): an MoE layer
+ * is the difference between models of two MoE layers and of one, a dense
+ * layer (when the model has any) between one of an MoE and a dense layer
+ * and the one, the head and embedding the rest of the one-layer model. A
+ * resume takes the times its checkpoint's run measured, when it did, and
+ * so cuts as that run did: timings vary, and another cut would round apart. */
 static moe_status stage_costs(run *r, moe_stage_costs *costs) {
     const moe_run_options *o = r->o;
     *costs = moe_grid_flop_costs(&r->cfg, o->seq_len);
     if (o->pp_balance != MOE_PP_BALANCE_MEASURED) return MOE_OK;
+    const bool dense = costs->dense_layers != NULL;
     if (o->resume && r->resumed.pipe_layer_seconds > 0.0) {
-        *costs = (moe_stage_costs){.layer = r->resumed.pipe_layer_seconds, .head = r->resumed.pipe_head_seconds};
+        costs->layer = r->resumed.pipe_layer_seconds;
+        costs->dense_layer = r->resumed.pipe_dense_layer_seconds;
+        costs->head = r->resumed.pipe_head_seconds;
         r->stage_costs_resumed = true;
-        return MOE_OK;
+        if (!dense || costs->dense_layer > 0.0) return MOE_OK;
+        r->stage_costs_resumed = false; /* a checkpoint of before the model had dense layers: measured again */
     }
-    double one, two;
-    MOE_TRY(time_layers(r, 1, &one));
-    MOE_TRY(time_layers(r, 2, &two));
-    double v[2] = {two - one, 0.0};
-    if (v[0] < 1e-3 * one) v[0] = 1e-3 * one; /* noise can make two layers look no slower than one */
-    v[1] = one - v[0] > 0.0 ? one - v[0] : 0.0;
-    if (r->world) MOE_TRY(moe_comm_allreduce_sum(r->world, v, 2, MOE_COMM_F64));
-    *costs = (moe_stage_costs){.layer = v[0] / r->ranks, .head = v[1] / r->ranks};
+    double one, two, mixed = 0.0;
+    MOE_TRY(time_layers(r, 1, false, &one));
+    MOE_TRY(time_layers(r, 2, false, &two));
+    if (dense) MOE_TRY(time_layers(r, 2, true, &mixed));
+    /* Noise can make two layers look no slower than one. */
+    double v[3] = {fmax(two - one, 1e-3 * one), dense ? fmax(mixed - one, 1e-3 * one) : 0.0, 0.0};
+    v[2] = one - v[0] > 0.0 ? one - v[0] : 0.0;
+    if (r->world) MOE_TRY(moe_comm_allreduce_sum(r->world, v, 3, MOE_COMM_F64));
+    costs->layer = v[0] / r->ranks;
+    costs->dense_layer = v[1] / r->ranks;
+    costs->head = v[2] / r->ranks;
     return MOE_OK;
 }
 
@@ -1863,6 +1877,7 @@ static moe_status save_checkpoint(run *r) {
     state.companions = &r->companions;
     if (r->o->pp_balance == MOE_PP_BALANCE_MEASURED) {
         state.pipe_layer_seconds = r->stage_costs.layer;
+        state.pipe_dense_layer_seconds = r->stage_costs.dense_layer;
         state.pipe_head_seconds = r->stage_costs.head;
     }
     MOE_TRY(moe_checkpoint_save(r->last_checkpoint, sizeof r->last_checkpoint, r->o->out_dir, r->model, r->trainer,

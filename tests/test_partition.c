@@ -1,8 +1,9 @@
 /* test_partition.c: moe_grid_partition splits the layers into contiguous
  * stages of at least one layer whose slowest stage is as fast as any split
  * can make it, checked against every split of small models (the cost model
- * rebuilt here from its definition: a layer's training FLOPs per token, the
- * head's on the last stage), and under costs measured rather than counted. */
+ * rebuilt here from its definition: a layer's training FLOPs per token, an
+ * MoE layer's or a dense MLP layer's, the head's on the last stage), and
+ * under costs measured rather than counted. */
 #include <criterion/criterion.h>
 #include <math.h>
 #include <string.h>
@@ -10,12 +11,15 @@
 #include "engine/grid.h"
 #include "engine/model_config.h"
 
-static double layer_cost(const moe_model_config *c, int64_t T) {
+/* Layer l's: a dense one's MLP is three hidden x width matrices. */
+static double layer_cost(const moe_model_config *c, int64_t T, int64_t l) {
     const double C = (double)c->hidden_size, hd = (double)c->head_dim;
     const double q = (double)c->num_attention_heads * hd, kv = (double)c->num_key_value_heads * hd;
     const double attn_proj = C * (q + kv + kv) + q * C;
     const double router = C * (double)c->num_local_experts;
     const double ffn = (double)(c->num_experts_per_tok + c->moe_n_shared_experts) * 3.0 * C * (double)c->intermediate_size;
+    const double width = (double)(c->moe_dense_intermediate_size ? c->moe_dense_intermediate_size : c->intermediate_size);
+    if (c->moe_dense_layers[l / 64] >> (l % 64) & 1) return 6.0 * (attn_proj + 3.0 * C * width) + 6.0 * (double)T * q;
     return 6.0 * (attn_proj + router + ffn) + 6.0 * (double)T * q;
 }
 
@@ -23,7 +27,8 @@ static double layer_cost(const moe_model_config *c, int64_t T) {
 static double slowest(const int64_t *bounds, int stages, const moe_model_config *c, int64_t T) {
     double worst = 0.0;
     for (int s = 0; s < stages; s++) {
-        double cost = layer_cost(c, T) * (double)(bounds[s + 1] - bounds[s]);
+        double cost = 0.0;
+        for (int64_t l = bounds[s]; l < bounds[s + 1]; l++) cost += layer_cost(c, T, l);
         if (s == stages - 1) cost += 6.0 * (double)c->hidden_size * (double)c->vocab_size;
         if (cost > worst) worst = cost;
     }
@@ -74,6 +79,23 @@ Test(partition, the_slowest_stage_is_as_fast_as_any_split_makes_it) {
             }
 }
 
+/* Dense MLP layers among the MoE layers, cheaper or dearer than those
+ * (widths 32 and 2048 against the experts' 2 x 256): every mixture of 2
+ * to 8 layers, at least one an MoE layer, into 2 to 5 stages. */
+Test(partition, dense_layers_weigh_their_own_cost) {
+    static const int64_t widths[2] = {32, 2048};
+    for (int w = 0; w < 2; w++)
+        for (int64_t L = 2; L <= 8; L++)
+            for (uint64_t dense = 1; dense < (UINT64_C(1) << L) - 1; dense++)
+                for (int stages = 2; stages <= L && stages <= 5; stages++) {
+                    moe_model_config c;
+                    config(&c, L, 32000);
+                    c.moe_dense_layers[0] = dense;
+                    c.moe_dense_intermediate_size = widths[w];
+                    check(&c, 64, stages);
+                }
+}
+
 /* A head that costs more than a layer leaves the last stage fewer layers. */
 Test(partition, a_heavy_head_shortens_the_last_stage) {
     moe_model_config c;
@@ -111,6 +133,25 @@ Test(partition, measured_costs_move_the_cuts) {
               moe_last_error());
     cr_expect(bounds[1] == 5, "8 layers of 4e307, a head of 2.5 of them: stages [0, %lld), want 5",
               (long long)bounds[1]);
+    /* Four dense layers of a quarter first: 0-5 | 6-7 and 0-4 | 5-7 both
+     * cost 3 at most, and the last stage takes the fewer layers. */
+    const uint64_t first_four = 0xF;
+    cr_assert(moe_grid_partition(bounds, 8, 2,
+                                 (moe_stage_costs){.layer = 1.0, .dense_layer = 0.25, .dense_layers = &first_four}) ==
+                  MOE_OK,
+              "%s", moe_last_error());
+    cr_expect(bounds[1] == 6, "8 layers, the first 4 a quarter of the others: stages [0, %lld), want [0, 6)",
+              (long long)bounds[1]);
+    /* Of 3 stages over 1 1 1 1 1 4 with a head of 1: the slowest is the
+     * last (4 + 1), the first two balance 5 layers as 3 | 2. */
+    const uint64_t dear_last = 0x20;
+    int64_t three[4];
+    cr_assert(moe_grid_partition(three, 6, 3,
+                                 (moe_stage_costs){.layer = 1.0, .dense_layer = 4.0, .head = 1.0,
+                                                   .dense_layers = &dear_last}) == MOE_OK,
+              "%s", moe_last_error());
+    cr_expect(three[1] == 3 && three[2] == 5, "stages [0, %lld), [%lld, %lld), want [0, 3), [3, 5), [5, 6)",
+              (long long)three[1], (long long)three[1], (long long)three[2]);
 }
 
 Test(partition, fewer_layers_than_stages_is_refused) {

@@ -74,19 +74,36 @@ grid_matches "--pp 2 --ep 2 --recompute on 4 ranks, 1f1b" pp_ep_recompute "$out/
     --ep 2 --recompute
 grid_matches "--pp 2 --pp-balance measured on 2 ranks" pp_measured "$out/one3" 2 --batch-size 8 "${pp[@]}" \
     --pp-balance measured --save-every 6
-grep -q "stages hold layers 0 | 1 (measured: a layer [0-9.]* ms, the head [0-9.]* ms)" "$out/pp_measured.log"
+grep -q "stages hold layers 0 | 1 (measured: an MoE layer [0-9.]* ms, the head [0-9.]* ms)" "$out/pp_measured.log"
 check "--pp-balance measured says the costs it measured" $?
 # Its resume cuts by the costs the checkpoint recorded, and so continues it
 # bit for bit.
 run_ok "the resume of a measured pipeline" "$out/pp_measured_resumed.log" "${launcher[@]}" -np 2 "$bin/moe-train" \
     "${common[@]}" --batch-size 8 "${pp[@]}" --pp-balance measured --resume "$out/pp_measured/step-000006" \
     --out "$out/pp_measured_resumed"
-costs() { grep -o "a layer [0-9.]* ms, the head [0-9.]* ms" "$1"; }
+costs() { grep -o "an MoE layer [0-9.]* ms, .*the head [0-9.]* ms" "$1"; }
 [ -n "$(costs "$out/pp_measured.log")" ] && [ "$(costs "$out/pp_measured.log")" = "$(costs "$out/pp_measured_resumed.log")" ] &&
     grep -q "(measured by the run --resume continues: " "$out/pp_measured_resumed.log"
 check "the resume of a measured pipeline takes the checkpoint's costs" $?
 cmp -s <(values loss "$out/pp_measured_resumed") <(values loss "$out/pp_measured" | tail -n +7)
 check "the resume of a measured pipeline continues it bit for bit" $?
+# Layer 0 a dense MLP layer: timed apart from the MoE layer, and its time
+# travels in the checkpoint too.
+sed '1s/{/{"moe_dense_layers": [0],/' "$out/one/config.json" >"$out/dense.json"
+run_ok "one rank, a dense layer" "$out/one_dense.log" "$bin/moe-train" "${common[@]}" --config "$out/dense.json" \
+    --batch-size 8 --grad-accum 3 --out "$out/one_dense"
+grid_matches "--pp 2 --pp-balance measured, a dense layer" pp_dense "$out/one_dense" 2 --config "$out/dense.json" \
+    --batch-size 8 "${pp[@]}" --pp-balance measured --save-every 6
+grep -q "stages hold layers 0 | 1 (measured: an MoE layer [0-9.]* ms, a dense MLP layer [0-9.]* ms, the head" \
+    "$out/pp_dense.log"
+check "--pp-balance measured times a dense MLP layer apart" $?
+run_ok "the resume of a measured pipeline with a dense layer" "$out/pp_dense_resumed.log" "${launcher[@]}" -np 2 \
+    "$bin/moe-train" "${common[@]}" --config "$out/dense.json" --batch-size 8 "${pp[@]}" --pp-balance measured \
+    --resume "$out/pp_dense/step-000006" --out "$out/pp_dense_resumed"
+[ "$(costs "$out/pp_dense.log")" = "$(costs "$out/pp_dense_resumed.log")" ] &&
+    grep -q "(measured by the run --resume continues: an MoE layer [0-9.]* ms, a dense MLP layer" \
+        "$out/pp_dense_resumed.log"
+check "the resume takes the dense layer's measured cost from the checkpoint" $?
 
 run_ok "the resume of a pipeline" "$out/pp_resumed.log" "$bin/moe-train" "${common[@]}" --batch-size 8 \
     --grad-accum 3 --resume "$out/pp/step-000006" --out "$out/pp_resumed"

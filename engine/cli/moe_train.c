@@ -347,10 +347,14 @@ static void print_grid(const moe_run_summary *s) {
                 printf("%s%lld", chunk ? "," : stage ? " | " : "", first);
                 if (last != first) printf("-%lld", last);
             }
-        if (o->pp_balance == MOE_PP_BALANCE_MEASURED)
-            printf(" (measured%s: a layer %.2f ms, the head %.2f ms)",
-                   s->stage_costs_resumed ? " by the run --resume continues" : "", 1e3 * s->stage_costs.layer,
+        if (o->pp_balance == MOE_PP_BALANCE_MEASURED) {
+            char dense[48] = "";
+            if (s->stage_costs.dense_layers)
+                snprintf(dense, sizeof dense, ", a dense MLP layer %.2f ms", 1e3 * s->stage_costs.dense_layer);
+            printf(" (measured%s: an MoE layer %.2f ms%s, the head %.2f ms)",
+                   s->stage_costs_resumed ? " by the run --resume continues" : "", 1e3 * s->stage_costs.layer, dense,
                    1e3 * s->stage_costs.head);
+        }
     }
     printf("\n");
 }
