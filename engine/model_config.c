@@ -358,7 +358,12 @@ static moe_status read_layers(uint64_t *set, const char *name, const char *key, 
         char item[64];
         int64_t layer;
         snprintf(item, sizeof item, "%s[%zu]", key, i);
-        MOE_TRY(read_int(&layer, name, item, "an integer", &v->array.items[i]));
+        const moe_json *at = &v->array.items[i];
+        /* An integer past int64 names no layer either. */
+        if (!strict && at->type == MOE_JSON_NUMBER && fabs(at->number.value) >= 0x1p63 &&
+            at->number.value == floor(at->number.value))
+            continue;
+        MOE_TRY(read_int(&layer, name, item, "an integer", at));
         if (layer < 0 || layer >= MAX_LAYERS) {
             if (!strict) continue;
             return moe_error(MOE_ERR_CONFIG, "%s: %s=%lld is no layer number (0 to %d)", name, item, (long long)layer,
@@ -781,6 +786,12 @@ static bool listed(const char *key, const char *const *list, size_t n) {
 static moe_status check_other(const char *key, const moe_json *v, other_values *o, const char *name, moe_warn_fn wfn,
                               void *wctx) {
     char got[80];
+    /* The Qwens' layer keys: transformers divides by the step and looks
+     * layers up in the list, which null makes raise. */
+    if (v->type == MOE_JSON_NULL &&
+        (strcmp(key, family_keys[KEY_SPARSE_STEP].key) == 0 || strcmp(key, family_keys[KEY_MLP_ONLY].key) == 0))
+        return moe_error(MOE_ERR_CONFIG, "%s: %s=null is no %s", name, key,
+                         strcmp(key, family_keys[KEY_SPARSE_STEP].key) == 0 ? "step" : "list of layers");
     if (v->type == MOE_JSON_NULL) return MOE_OK;
     if (strcmp(key, "rope_parameters") == 0) return read_rope(&o->params, key, v, name, wfn, wctx);
     if (strcmp(key, "rope_scaling") == 0) return read_rope(&o->scaling, key, v, name, wfn, wctx);
@@ -955,23 +966,25 @@ static moe_status take_family_value(moe_model_config *cfg, given *state, const c
  * layer l is an MoE layer when mlp_only_layers does not list it and
  * (l + 1) % decoder_sparse_step == 0 (num_experts > 0 is checked
  * elsewhere), else a dense MLP width wide (the file's intermediate_size,
- * or when width_given is false the config class's default). A file that
- * gives moe_dense_layers or moe_dense_intermediate_size too must agree. */
+ * or when it is absent the config class's default; null builds no MLP in
+ * transformers). A file that gives moe_dense_layers or
+ * moe_dense_intermediate_size too must agree. */
 static moe_status read_family_layers(moe_model_config *cfg, given *state, const other_values *o, int64_t width,
-                                     bool width_given, const char *name) {
+                                     given width_given, const char *name) {
     const int64_t step = o->family_given & FAMILY_KEY_BIT(KEY_SPARSE_STEP) ? o->family_int[KEY_SPARSE_STEP] : 1;
-    /* transformers divides by it: 0 raises there, and a negative step is no frequency. */
-    if (step < 1)
+    /* transformers divides by it: 0 raises there; Python's remainder of a
+     * negative step is 0 where its magnitude's is. */
+    if (step == 0)
         return moe_error(MOE_ERR_CONFIG,
-                         "%s: decoder_sparse_step=%lld must be at least 1 (layer l is an MoE layer when (l + 1) %% "
+                         "%s: decoder_sparse_step=0 is no step (layer l is an MoE layer when (l + 1) %% "
                          "decoder_sparse_step == 0)",
-                         name, (long long)step);
+                         name);
     if (state[field_index("num_hidden_layers")] != GIVEN) return MOE_OK; /* fill_defaults says it is missing */
     const char *type = family_types[o->type];
     uint64_t dense[LAYER_SET_WORDS] = {0};
     int64_t n_dense = 0;
     for (int64_t l = 0; l < cfg->num_hidden_layers && l < MAX_LAYERS; l++) {
-        if ((l + 1) % step == 0 && !layer_in(o->mlp_only, l)) continue;
+        if ((l + 1) % step == 0 && !layer_in(o->mlp_only, l)) continue; /* C's remainder is 0 where Python's is */
         add_layer(dense, l);
         n_dense++;
     }
@@ -996,10 +1009,13 @@ static moe_status read_family_layers(moe_model_config *cfg, given *state, const 
     state[f] = GIVEN;
     /* Without a dense layer intermediate_size is unused, and read as before. */
     if (n_dense == 0) return MOE_OK;
+    if (width_given == GIVEN_NULL)
+        return moe_error(MOE_ERR_CONFIG, "%s: intermediate_size=null gives model_type %s's dense MLP layers no width",
+                         name, type);
     MOE_TRY(check_size(name, "intermediate_size", width, MAX_GEMM_DIM));
     char said[96];
     snprintf(said, sizeof said, "intermediate_size=%lld%s", (long long)width,
-             width_given ? "" : " (absent: the dense layers' default width)");
+             width_given == GIVEN ? "" : " (absent: the dense layers' default width)");
     return take_family_value(cfg, state, "moe_dense_intermediate_size", width == cfg->intermediate_size ? 0 : width,
                              said, name);
 }
@@ -1017,8 +1033,8 @@ static moe_status read_family_sizes(moe_model_config *cfg, given *state, const o
                                          "experts' width)",
                          name, type);
     const size_t inter = field_index("intermediate_size");
-    const bool width_given = state[inter] == GIVEN;
-    const int64_t width = width_given              ? cfg->intermediate_size
+    const given width_given = state[inter];
+    const int64_t width = width_given == GIVEN      ? cfg->intermediate_size
                           : o->type == FAMILY_QWEN3 ? QWEN3_DENSE_WIDTH_DEFAULT
                                                     : QWEN2_DENSE_WIDTH_DEFAULT;
     cfg->intermediate_size = o->family_int[KEY_MOE_INTERMEDIATE];

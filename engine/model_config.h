@@ -41,7 +41,9 @@
  * transformers, with transformers' exceptions: num_key_value_heads absent
  * is 8, null is num_attention_heads; and a token id null is no token, while
  * absent it is MixtralConfig's default (bos 1, eos 2), so both are kept as
- * given. "num_experts" stands for num_local_experts (transformers'
+ * given; the Qwens' decoder_sparse_step, mlp_only_layers and (with dense
+ * layers) intermediate_size null, which their models cannot be built of,
+ * are refused. "num_experts" stands for num_local_experts (transformers'
  * attribute_map); given both, they must agree. Limits that the MoE layer
  * imposes (moe_layer_config_validate) are checked here under the
  * config.json key.

@@ -1628,11 +1628,11 @@ Test(model_config, qwen_dense_layers_as_transformers_reads_them) {
         int64_t step, mlp_only[2];
         int n_mlp_only;
     } cases[] = {
-        {"qwen3_moe", ", \"mlp_only_layers\": [5, 3, 99, -1, 3]", 1, {5, 3}, 2},
+        {"qwen3_moe", ", \"mlp_only_layers\": [5, 3, 99, -1, 3, 1180591620717411303424]", 1, {5, 3}, 2},
         {"qwen3_moe", ", \"decoder_sparse_step\": 2, \"mlp_only_layers\": [0, 3]", 2, {0, 3}, 2},
         {"qwen3_moe", ", \"decoder_sparse_step\": 3", 3, {0}, 0},
         {"qwen3_moe", ", \"decoder_sparse_step\": 1, \"mlp_only_layers\": []", 1, {0}, 0},
-        {"qwen3_moe", ", \"decoder_sparse_step\": null, \"mlp_only_layers\": null", 1, {0}, 0},
+        {"qwen3_moe", ", \"decoder_sparse_step\": -2", 2, {0}, 0}, /* Python's (l + 1) % -2 is 0 where % 2 is */
         {"qwen2_moe", ", \"decoder_sparse_step\": 3, \"mlp_only_layers\": [0]", 3, {0}, 1},
         {"qwen2_moe", ", \"mlp_only_layers\": [1, 4]", 1, {1, 4}, 2},
     };
@@ -1651,14 +1651,14 @@ Test(model_config, qwen_dense_layers_as_transformers_reads_them) {
             cr_expect(c.moe_n_shared_experts == 1 && c.moe_shared_intermediate_size == 48, "%s", text);
     }
 
-    /* intermediate_size absent or null: Qwen3MoeConfig's default 6144,
+    /* intermediate_size absent: Qwen3MoeConfig's default 6144,
      * Qwen2MoeConfig's 5632; the experts' width: 0, its one form. */
     const struct {
         const char *type, *width; /* width NULL: absent */
         int64_t stored, dense_width;
     } widths[] = {
-        {"qwen3_moe", NULL, 6144, 6144}, {"qwen3_moe", "null", 6144, 6144}, {"qwen2_moe", NULL, 5632, 5632},
-        {"qwen2_moe", "null", 5632, 5632}, {"qwen3_moe", "32", 0, 32},      {"qwen2_moe", "96", 96, 96},
+        {"qwen3_moe", NULL, 6144, 6144}, {"qwen2_moe", NULL, 5632, 5632},
+        {"qwen3_moe", "32", 0, 32},      {"qwen2_moe", "96", 96, 96},
     };
     for (size_t i = 0; i < sizeof widths / sizeof *widths; i++) {
         const bool qwen2 = strcmp(widths[i].type, "qwen2_moe") == 0;
@@ -1701,8 +1701,9 @@ Test(model_config, qwen_dense_layers_as_transformers_reads_them) {
               "the dense layers stay intermediate_size=256 wide");
 
     const refused_case bad[] = {
-        {", \"decoder_sparse_step\": 0", "t/config.json: decoder_sparse_step=0 must be at least 1"},
-        {", \"decoder_sparse_step\": -2", "t/config.json: decoder_sparse_step=-2 must be at least 1"},
+        {", \"decoder_sparse_step\": 0", "t/config.json: decoder_sparse_step=0 is no step"},
+        {", \"decoder_sparse_step\": null", "t/config.json: decoder_sparse_step=null is no step"},
+        {", \"mlp_only_layers\": null", "t/config.json: mlp_only_layers=null is no list of layers"},
         {", \"decoder_sparse_step\": 1.5", "t/config.json: decoder_sparse_step must be an integer, got 1.5"},
         {", \"mlp_only_layers\": [0, 1.5]", "t/config.json: mlp_only_layers[1] must be an integer, got 1.5"},
         {", \"mlp_only_layers\": [0, 1]",
@@ -1727,12 +1728,22 @@ Test(model_config, qwen_dense_layers_as_transformers_reads_them) {
     };
     expect_refused_configs("qwen3_moe", bad, sizeof bad / sizeof *bad);
     const refused_case bad2[] = {
-        {", \"decoder_sparse_step\": 0", "t/config.json: decoder_sparse_step=0 must be at least 1"},
+        {", \"decoder_sparse_step\": 0", "t/config.json: decoder_sparse_step=0 is no step"},
         {", \"decoder_sparse_step\": 2, \"moe_dense_layers\": [1]",
          "t/config.json: moe_dense_layers does not list layer 0, which model_type qwen2_moe's decoder_sparse_step=2 "
          "and mlp_only_layers make a dense MLP"},
     };
     expect_refused_configs("qwen2_moe", bad2, sizeof bad2 / sizeof *bad2);
+    /* intermediate_size null: absent would be the default width, but
+     * transformers builds no MLP of null. */
+    static const char null_width[] =
+        "{\"model_type\": \"qwen3_moe\", \"vocab_size\": 100, \"hidden_size\": 64, \"intermediate_size\": null, "
+        "\"moe_intermediate_size\": 32, \"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"num_experts\": 8, "
+        "\"num_experts_per_tok\": 2, \"mlp_only_layers\": [1]}";
+    cr_expect_eq(parse(&c, null_width, NULL), MOE_ERR_CONFIG, "intermediate_size null with a dense layer accepted");
+    cr_expect(strstr(moe_last_error(),
+                     "t/config.json: intermediate_size=null gives model_type qwen3_moe's dense MLP layers no width"),
+              "%s", moe_last_error());
 }
 
 /* moe_dense_layers and moe_dense_intermediate_size in a file of any type. */
