@@ -617,18 +617,6 @@ static moe_status check_stages(const moe_model_config *cfg, const moe_model_para
                                "hold the %lld layers in order, each at least one",
                                (int)(v % n), (int)(v / n), (long long)begin, (long long)end, n, chunks, (long long)L);
     }
-    /* The jitter noise's counter travels in checkpoints from the MoE
-     * layers of the stage that saves; a stage of dense layers only has none. */
-    for (int s = 0; layout == MOE_OK && cfg->router_jitter_noise > 0.0 && s < n; s++) {
-        int64_t moe_layers = 0;
-        for (int c = 0; c < chunks; c++)
-            for (int64_t l = bounds[c * n + s]; l < bounds[c * n + s + 1]; l++)
-                moe_layers += !moe_model_config_layer_is_dense(cfg, l);
-        if (moe_layers == 0)
-            layout = moe_error(MOE_ERR_CONFIG, "pipeline stage %d holds dense MLP layers only: router_jitter_noise=%g "
-                                               "needs an MoE layer on every stage (cut the stages elsewhere)",
-                               s, cfg->router_jitter_noise);
-    }
     /* Every rank's partition as one number, to compare. */
     uint64_t hash = 14695981039346656037ull;
     for (int64_t v = 0; layout == MOE_OK && v <= virtual_stages; v++)

@@ -344,7 +344,9 @@ bool moe_model_inference(const moe_model *model);
  * model.layers.N.block_sparse_moe.gate.e_score_correction_bias. */
 float *moe_model_router_bias(moe_model *model, int64_t layer);
 
-/* Training forwards so far, which pick the jitter noise; restored on resume. */
+/* Training forwards so far, which pick the jitter noise; restored on
+ * resume. A pipeline stage of dense MLP layers only draws none and counts
+ * none: 0 (the stages that route agree). */
 uint64_t moe_model_jitter_counter(const moe_model *model);
 
 /* The logits' z-loss (PaLM's): coef times the mean over the counted

@@ -1858,6 +1858,22 @@ static moe_status solve_tasks(run *r) {
     return MOE_OK;
 }
 
+/* The jitter noise's counter of the stages that route: a stage of dense
+ * MLP layers only counts none (moe_model_jitter_counter). Collective over
+ * the pipeline. */
+static moe_status jitter_counter(run *r, uint64_t *counter) {
+    const moe_model_stage stage = moe_model_get_stage(r->model);
+    *counter = moe_model_jitter_counter(r->model);
+    if (!stage.pipe) return MOE_OK;
+    uint64_t *all = malloc((size_t)stage.count * sizeof *all);
+    if (!all) return moe_error(MOE_ERR_OUT_OF_MEMORY, "the jitter counters of %d stages", stage.count);
+    const moe_status st = moe_comm_allgather(stage.pipe, all, counter, 1, MOE_COMM_I64);
+    for (int s = 0; st == MOE_OK && s < stage.count; s++)
+        if (all[s] > *counter) *counter = all[s];
+    free(all);
+    return st;
+}
+
 static moe_status save_checkpoint(run *r) {
     /* The log reaches the checkpoint's step on disk first, so that a crash
      * of the machine cannot leave a checkpoint past it (which --resume
@@ -1867,12 +1883,12 @@ static moe_status save_checkpoint(run *r) {
     moe_train_state state = {
         .step = moe_trainer_steps_done(r->trainer),
         .seed = r->o->seed,
-        .jitter_counter = moe_model_jitter_counter(r->model),
         .data = moe_data_get_position(r->train.data),
         .data_tokens = moe_data_token_count(r->train.data),
         .data_chunk = r->o->shuffle ? r->tokens.batch : 0,
         .data_shuffle_seed = r->shuffle_seed,
     };
+    MOE_TRY(jitter_counter(r, &state.jitter_counter));
     snprintf(state.data_kind, sizeof state.data_kind, "%s", data_kind(r->o->data));
     state.companions = &r->companions;
     if (r->o->pp_balance == MOE_PP_BALANCE_MEASURED) {

@@ -87,9 +87,11 @@ costs() { grep -o "an MoE layer [0-9.]* ms, .*the head [0-9.]* ms" "$1"; }
 check "the resume of a measured pipeline takes the checkpoint's costs" $?
 cmp -s <(values loss "$out/pp_measured_resumed") <(values loss "$out/pp_measured" | tail -n +7)
 check "the resume of a measured pipeline continues it bit for bit" $?
-# Layer 0 a dense MLP layer: timed apart from the MoE layer, and its time
-# travels in the checkpoint too.
-sed '1s/{/{"moe_dense_layers": [0],/' "$out/one/config.json" >"$out/dense.json"
+# Layer 0 a dense MLP layer, under jitter noise: timed apart from the MoE
+# layer, and its time travels in the checkpoint too; stage 0, of the dense
+# layer alone, counts no noise, and the checkpoint takes stage 1's count.
+sed -e '1s/{/{"moe_dense_layers": [0],/' -e 's/"router_jitter_noise": [0-9.e-]*/"router_jitter_noise": 0.05/' \
+    "$out/one/config.json" >"$out/dense.json"
 run_ok "one rank, a dense layer" "$out/one_dense.log" "$bin/moe-train" "${common[@]}" --config "$out/dense.json" \
     --batch-size 8 --grad-accum 3 --out "$out/one_dense"
 grid_matches "--pp 2 --pp-balance measured, a dense layer" pp_dense "$out/one_dense" 2 --config "$out/dense.json" \
@@ -104,6 +106,8 @@ run_ok "the resume of a measured pipeline with a dense layer" "$out/pp_dense_res
     grep -q "(measured by the run --resume continues: an MoE layer [0-9.]* ms, a dense MLP layer" \
         "$out/pp_dense_resumed.log"
 check "the resume takes the dense layer's measured cost from the checkpoint" $?
+cmp -s <(values loss "$out/pp_dense_resumed") <(values loss "$out/pp_dense" | tail -n +7)
+check "the resume of a pipeline whose first stage is a dense layer continues its jitter noise bit for bit" $?
 
 run_ok "the resume of a pipeline" "$out/pp_resumed.log" "$bin/moe-train" "${common[@]}" --batch-size 8 \
     --grad-accum 3 --resume "$out/pp/step-000006" --out "$out/pp_resumed"
