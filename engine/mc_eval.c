@@ -194,33 +194,48 @@ static bool chose_right(const moe_mc_eval *mc, int64_t i, const float *losses, i
     return choice == label;
 }
 
-moe_status moe_mc_eval_run(const moe_mc_eval *mc, moe_model *model, int64_t first, int64_t end, int64_t n_batches,
-                           int64_t *correct) {
-    const int64_t B = moe_model_batch_size(model), T = moe_model_seq_len(model);
-    int32_t *inputs = malloc((size_t)(B * T) * sizeof *inputs), *targets = malloc((size_t)(B * T) * sizeof *targets);
-    moe_status st = inputs && targets ? MOE_OK : moe_error(MOE_ERR_OUT_OF_MEMORY, "multiple-choice batches");
-    moe_model_set_training(model, false);
-    int64_t next = first;
-    for (int64_t b = 0; b < n_batches && st == MOE_OK; b++) {
-        memset(inputs, 0, (size_t)(B * T) * sizeof *inputs);
-        for (int64_t j = 0; j < B * T; j++) targets[j] = -1;
-        const int64_t batch_first = next;
-        int64_t used = 0;
-        for (; next < end && used + completions(mc, next) <= B; next++) {
-            place(mc, next, inputs, targets, used, T);
-            used += completions(mc, next);
-        }
-        /* A batch with no example still runs: the expert-parallel group's
-         * exchanges need every rank. */
-        st = moe_model_forward(model, inputs, used ? targets : NULL, NULL);
-        for (int64_t i = batch_first, r = 0; st == MOE_OK && i < next; r += completions(mc, i), i++)
-            *correct += chose_right(mc, i, moe_model_last_losses(model), r, T);
+/* Where a moe_mc_eval_run stands: its examples [first, end), the batch's
+ * [batch_first, next). */
+typedef struct mc_run {
+    const moe_mc_eval *mc;
+    int64_t first, end, batch_first, next, rows, T;
+    int64_t *correct;
+} mc_run;
+
+/* The examples that fit the batch's rows whole, in order. A batch with no
+ * example still runs: the expert-parallel group's exchanges and the
+ * pipeline's stages need every rank. */
+static moe_status fill_examples(void *ctx, int64_t batch, int32_t *inputs, int32_t *targets) {
+    mc_run *r = ctx;
+    (void)batch;
+    memset(inputs, 0, (size_t)(r->rows * r->T) * sizeof *inputs);
+    for (int64_t j = 0; j < r->rows * r->T; j++) targets[j] = -1;
+    r->batch_first = r->next;
+    for (int64_t used = 0; r->next < r->end && used + completions(r->mc, r->next) <= r->rows; r->next++) {
+        place(r->mc, r->next, inputs, targets, used, r->T);
+        used += completions(r->mc, r->next);
     }
-    moe_model_set_training(model, true);
-    if (st == MOE_OK && next < end)
-        st = moe_error(MOE_ERR_INTERNAL, "multiple-choice evaluation: %lld batches hold examples %lld..%lld only",
-                       (long long)n_batches, (long long)first, (long long)next);
-    free(inputs);
-    free(targets);
-    return st;
+    return MOE_OK;
+}
+
+/* The last stage holds the batch's losses; the others count nothing. */
+static moe_status score_examples(void *ctx, moe_model *model, const int32_t *targets, int64_t batch) {
+    mc_run *r = ctx;
+    (void)targets, (void)batch;
+    if (!moe_model_get_stage(model).last) return MOE_OK;
+    for (int64_t i = r->batch_first, row = 0; i < r->next; row += completions(r->mc, i), i++)
+        *r->correct += chose_right(r->mc, i, moe_model_last_losses(model), row, r->T);
+    return MOE_OK;
+}
+
+moe_status moe_mc_eval_run(const moe_mc_eval *mc, moe_trainer *trainer, int64_t first, int64_t end, int64_t n_batches,
+                           int64_t *correct) {
+    const moe_model *model = moe_trainer_model(trainer);
+    mc_run r = {.mc = mc, .first = first, .end = end, .next = first, .rows = moe_model_batch_size(model),
+                .T = moe_model_seq_len(model), .correct = correct};
+    MOE_TRY(moe_trainer_forward_batches(trainer, n_batches, fill_examples, score_examples, &r));
+    if (r.next < end)
+        return moe_error(MOE_ERR_INTERNAL, "multiple-choice evaluation: %lld batches hold examples %lld..%lld only",
+                         (long long)n_batches, (long long)first, (long long)r.next);
+    return MOE_OK;
 }

@@ -20,6 +20,7 @@
 #include <stdint.h>
 
 #include "engine/model.h"
+#include "engine/trainer.h"
 #include "moe.h"
 
 #define MOE_MC_EVAL_MAGIC 20240522
@@ -42,12 +43,13 @@ int64_t moe_mc_eval_count(const moe_mc_eval *mc);
  * batch holding whole examples. */
 int64_t moe_mc_eval_batches(const moe_mc_eval *mc, int64_t first, int64_t end, int64_t rows);
 
-/* Scores examples [first, end) on model (one pipeline stage) in n_batches
- * forwards (at least moe_mc_eval_batches of them: the ranks of an
- * expert-parallel group run the same number, the extra ones empty) and
- * adds the examples it chose right to *correct. The model is left in
- * training mode. */
-moe_status moe_mc_eval_run(const moe_mc_eval *mc, moe_model *model, int64_t first, int64_t end, int64_t n_batches,
+/* Scores examples [first, end) on the trainer's model in n_batches
+ * forwards (moe_trainer_forward_batches; at least moe_mc_eval_batches of
+ * them: the ranks of an expert-parallel group, and a pipeline's stages,
+ * run the same number, the extra ones empty) and adds the examples it
+ * chose right to *correct, on a pipeline's last stage (the others add
+ * none). The model is left in training mode. Collective over the grid. */
+moe_status moe_mc_eval_run(const moe_mc_eval *mc, moe_trainer *trainer, int64_t first, int64_t end, int64_t n_batches,
                            int64_t *correct);
 
 #endif /* MOE_ENGINE_MC_EVAL_H */

@@ -284,9 +284,6 @@ moe_status moe_run_options_validate(const moe_run_options *o) {
         return moe_error(MOE_ERR_CONFIG, "--max-time %g must be a number of seconds (0: none)", o->max_time);
     if (o->max_time > 0.0 && o->eval_only)
         return moe_error(MOE_ERR_CONFIG, "--max-time stops a training run, and --eval-only trains none");
-    if (o->eval_mc && o->pp > 1)
-        return moe_error(MOE_ERR_CONFIG, "--eval-mc scores on one pipeline stage, and --pp %d splits the model",
-                         o->pp);
     if (o->eval_only && !o->init_from)
         return moe_error(MOE_ERR_CONFIG, "--eval-only needs --init-from DIR: the weights to evaluate");
     if (o->upcycle && (!o->init_from || !o->config))
@@ -1804,20 +1801,22 @@ static moe_status blame_loaded_weights(const run *r, moe_status st, bool first) 
                             flag, weights);
 }
 
-/* --eval-mc's examples, split over the ranks as llm.c splits them (a
- * share each, ceil(count / ranks)); every rank runs as many forwards as
- * the busiest (an expert-parallel group exchanges in each). */
+/* --eval-mc's examples, split over the data-parallel ranks as llm.c
+ * splits them over its ranks (a share each, ceil(count / ranks)), each
+ * share through its rank's pipeline; every rank runs as many forwards as
+ * the busiest (an expert-parallel group exchanges in each). The last
+ * stages count, and the job sums. */
 static moe_status score_mc(run *r, moe_run_eval *e) {
-    const int64_t n = moe_mc_eval_count(r->mc), share = (n + r->ranks - 1) / r->ranks, B = r->o->batch_size;
+    const int64_t n = moe_mc_eval_count(r->mc), share = (n + r->dp_size - 1) / r->dp_size, B = r->o->batch_size;
     int64_t batches = 0;
-    for (int rank = 0; rank < r->ranks; rank++) {
+    for (int rank = 0; rank < r->dp_size; rank++) {
         const int64_t first = rank * share < n ? rank * share : n, end = first + share < n ? first + share : n;
         const int64_t b = moe_mc_eval_batches(r->mc, first, end, B);
         batches = b > batches ? b : batches;
     }
-    const int64_t first = r->rank * share < n ? r->rank * share : n, end = first + share < n ? first + share : n;
+    const int64_t first = r->dp_rank * share < n ? r->dp_rank * share : n, end = first + share < n ? first + share : n;
     int64_t correct = 0;
-    moe_status st = moe_mc_eval_run(r->mc, r->model, first, end, batches, &correct);
+    moe_status st = moe_mc_eval_run(r->mc, r->trainer, first, end, batches, &correct);
     if (st == MOE_OK && r->world) st = moe_comm_allreduce_sum(r->world, &correct, 1, MOE_COMM_I64);
     if (st != MOE_OK) return moe_error_prefix(st, "--eval-mc %s: ", r->o->eval_mc);
     e->mc_examples = n;

@@ -383,6 +383,7 @@ void moe_trainer_destroy(moe_trainer *t) {
 }
 
 int64_t moe_trainer_steps_done(const moe_trainer *t) { return t->steps_done; }
+moe_model *moe_trainer_model(const moe_trainer *t) { return t->model; }
 const double *moe_trainer_expert_load(const moe_trainer *t) { return t->expert_load; }
 void moe_trainer_set_steps_done(moe_trainer *t, int64_t steps) { t->steps_done = steps; }
 float *moe_trainer_adam_m(moe_trainer *t) { return t->sharded ? NULL : t->host_state; }
@@ -1086,34 +1087,51 @@ moe_status moe_trainer_step(moe_trainer *t, moe_data *data, moe_step_metrics *me
     return MOE_OK;
 }
 
-moe_status moe_trainer_eval(moe_trainer *t, moe_data *data, int64_t n_batches, double *val_loss, moe_eval_fn on_batch,
-                            void *ctx) {
-    if (!t || !data || !val_loss) return moe_error(MOE_ERR_INVALID_ARG, "moe_trainer_eval: NULL argument");
-    if (n_batches <= 0) return moe_error(MOE_ERR_CONFIG, "--eval-batches %lld must be positive", (long long)n_batches);
+/* Forwards only of n_batches batches, which fill writes (NULL: read from
+ * data, from its start), chunk after chunk, in eval mode, through the
+ * first micro-batch's buffers: a send completes before the next batch
+ * reuses its buffer. *total: the sum of this stage's cross-entropies. */
+static moe_status forward_batches(moe_trainer *t, int64_t n_batches, moe_fill_fn fill, moe_data *data,
+                                  moe_eval_fn on_batch, void *ctx, double *total) {
     moe_model *model = t->model;
     const int64_t BT = moe_model_batch_size(model) * moe_model_seq_len(model);
-    const moe_data_position saved = moe_data_get_position(data);
-    MOE_TRY(moe_data_set_position(data, (moe_data_position){0, 0}));
     moe_model_set_training(model, false);
-    double total = 0.0;
+    *total = 0.0;
     moe_status st = MOE_OK;
     for (int64_t b = 0; b < n_batches && st == MOE_OK; b++) {
-        /* Forwards only, chunk after chunk, through the first
-         * micro-batch's buffers: a send completes before the next batch
-         * reuses its buffer. */
-        st = read_batch(t, data, 0, "validation data");
+        st = fill ? fill(ctx, b, t->tokens, t->tokens + BT) : read_batch(t, data, 0, "validation data");
+        if (st != MOE_OK) break;
         start_plan(t, t->eval_plan);
         for (int64_t i = 0; i < t->eval_plan->n_ops && st == MOE_OK; i++) {
             moe_model_stats s;
             st = post_messages(t, i);
             if (st == MOE_OK) st = stage_forward(t, i, false, &s);
-            if (st == MOE_OK) total += s.ce_loss;
+            if (st == MOE_OK) *total += s.ce_loss;
         }
         if (st == MOE_OK) st = post_messages(t, t->eval_plan->n_ops);
         st = moe_comm_wait_all(t->requests, (int)t->next_post, st);
         if (st == MOE_OK && on_batch) st = on_batch(ctx, model, t->tokens + BT, b);
     }
     moe_model_set_training(model, true);
+    return st;
+}
+
+moe_status moe_trainer_forward_batches(moe_trainer *t, int64_t n_batches, moe_fill_fn fill, moe_eval_fn on_batch,
+                                       void *ctx) {
+    if (!t || !fill) return moe_error(MOE_ERR_INVALID_ARG, "moe_trainer_forward_batches: NULL argument");
+    double total;
+    return forward_batches(t, n_batches, fill, NULL, on_batch, ctx, &total);
+}
+
+moe_status moe_trainer_eval(moe_trainer *t, moe_data *data, int64_t n_batches, double *val_loss, moe_eval_fn on_batch,
+                            void *ctx) {
+    if (!t || !data || !val_loss) return moe_error(MOE_ERR_INVALID_ARG, "moe_trainer_eval: NULL argument");
+    if (n_batches <= 0) return moe_error(MOE_ERR_CONFIG, "--eval-batches %lld must be positive", (long long)n_batches);
+    moe_model *model = t->model;
+    const moe_data_position saved = moe_data_get_position(data);
+    MOE_TRY(moe_data_set_position(data, (moe_data_position){0, 0}));
+    double total;
+    const moe_status st = forward_batches(t, n_batches, NULL, data, on_batch, ctx, &total);
     moe_status restore = moe_data_set_position(data, saved);
     if (st != MOE_OK) return st;
     MOE_TRY(restore);

@@ -230,6 +230,8 @@ bool moe_trainer_diverged(const moe_trainer *trainer);
 
 /* Steps taken so far. */
 int64_t moe_trainer_steps_done(const moe_trainer *trainer);
+/* The model it trains (moe_trainer_create's). */
+moe_model *moe_trainer_model(const moe_trainer *trainer);
 void moe_trainer_set_steps_done(moe_trainer *trainer, int64_t steps);
 
 /* AdamW's moments [param_count] each, indexed like the parameters, when no
@@ -276,5 +278,18 @@ typedef moe_status (*moe_eval_fn)(void *ctx, moe_model *model, const int32_t *ta
  * eval mode (no jitter). data's position is restored afterwards. */
 moe_status moe_trainer_eval(moe_trainer *trainer, moe_data *data, int64_t n_batches, double *val_loss,
                             moe_eval_fn on_batch, void *ctx);
+
+/* Writes batch `batch` of a moe_trainer_forward_batches into this rank's
+ * inputs and targets [B*T] (targets < 0 count for nothing); every rank of
+ * a pipeline fills it (the first stage reads the inputs, the last the
+ * targets). A failure ends the forwards. */
+typedef moe_status (*moe_fill_fn)(void *ctx, int64_t batch, int32_t *inputs, int32_t *targets);
+
+/* The forwards of n_batches batches that fill writes, as moe_trainer_eval
+ * runs them (through the pipeline, in eval mode), on_batch (may be NULL)
+ * after each: on the last stage the model's last per-token losses are the
+ * batch's. Collective over the grid. */
+moe_status moe_trainer_forward_batches(moe_trainer *trainer, int64_t n_batches, moe_fill_fn fill, moe_eval_fn on_batch,
+                                       void *ctx);
 
 #endif /* MOE_ENGINE_TRAINER_H */

@@ -95,6 +95,14 @@ static moe_model *small_model(void) {
     return m;
 }
 
+/* The trainer whose forwards moe_mc_eval_run runs. */
+static moe_trainer *trainer_of(moe_model *m) {
+    moe_trainer *t = NULL;
+    const moe_optim_config oc = MOE_OPTIM_CONFIG_INIT;
+    cr_assert_eq(moe_trainer_create(&t, m, &oc), MOE_OK, "%s", moe_last_error());
+    return t;
+}
+
 /* Completion c's mean loss from a forward of its row alone (row 0 of the
  * batch, the other rows ignored). */
 static double row_loss(moe_model *m, const eval_file *f, size_t at, int c) {
@@ -121,6 +129,7 @@ Test(mc_eval, scores_as_each_rows_own_forward, .init = make_tmpdir, .fini = remo
     cr_assert_eq(moe_mc_eval_open(&mc, in_tmp("ev.bin"), VOCAB, T, B), MOE_OK, "%s", moe_last_error());
     cr_assert_eq(moe_mc_eval_count(mc), EXAMPLES);
     moe_model *m = small_model();
+    moe_trainer *t = trainer_of(m);
     /* The reference: each example's choice from its rows' own forwards,
      * decided by a clear margin (a row's losses in another batch sum in
      * another order, within rounding). */
@@ -143,19 +152,20 @@ Test(mc_eval, scores_as_each_rows_own_forward, .init = make_tmpdir, .fini = remo
     const int64_t batches = moe_mc_eval_batches(mc, 0, EXAMPLES, B);
     cr_expect_eq(batches, 15, "examples of 4, 4, 4, 4, 2 rows packed whole into batches of 8");
     int64_t got = 0;
-    cr_assert_eq(moe_mc_eval_run(mc, m, 0, EXAMPLES, batches, &got), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(moe_mc_eval_run(mc, t, 0, EXAMPLES, batches, &got), MOE_OK, "%s", moe_last_error());
     cr_expect_eq(got, want, "%lld right, the rows' own forwards %lld", (long long)got, (long long)want);
     cr_expect(got > 0 && got < EXAMPLES, "%lld right: the test tells nothing apart", (long long)got);
     /* Extra batches run empty (an expert-parallel group's ranks run as
      * many); a part of the examples scores that part; too few batches is
      * the caller's fault. */
     int64_t again = 0, parts = 0;
-    cr_assert_eq(moe_mc_eval_run(mc, m, 0, EXAMPLES, batches + 2, &again), MOE_OK, "%s", moe_last_error());
+    cr_assert_eq(moe_mc_eval_run(mc, t, 0, EXAMPLES, batches + 2, &again), MOE_OK, "%s", moe_last_error());
     cr_expect_eq(again, got);
-    cr_assert_eq(moe_mc_eval_run(mc, m, 0, 11, moe_mc_eval_batches(mc, 0, 11, B), &parts), MOE_OK);
-    cr_assert_eq(moe_mc_eval_run(mc, m, 11, EXAMPLES, moe_mc_eval_batches(mc, 11, EXAMPLES, B), &parts), MOE_OK);
+    cr_assert_eq(moe_mc_eval_run(mc, t, 0, 11, moe_mc_eval_batches(mc, 0, 11, B), &parts), MOE_OK);
+    cr_assert_eq(moe_mc_eval_run(mc, t, 11, EXAMPLES, moe_mc_eval_batches(mc, 11, EXAMPLES, B), &parts), MOE_OK);
     cr_expect_eq(parts, got, "two parts score as the whole");
-    cr_expect_eq(moe_mc_eval_run(mc, m, 0, EXAMPLES, batches - 1, &again), MOE_ERR_INTERNAL);
+    cr_expect_eq(moe_mc_eval_run(mc, t, 0, EXAMPLES, batches - 1, &again), MOE_ERR_INTERNAL);
+    moe_trainer_destroy(t);
     moe_model_destroy(m);
     moe_mc_eval_close(mc);
 }
@@ -183,10 +193,12 @@ Test(mc_eval, ties_go_to_the_first_completion, .init = make_tmpdir, .fini = remo
     moe_mc_eval *mc = NULL;
     cr_assert_eq(moe_mc_eval_open(&mc, in_tmp("ties.bin"), VOCAB, T, B), MOE_OK, "%s", moe_last_error());
     moe_model *m = small_model();
+    moe_trainer *t = trainer_of(m);
     int64_t right = 0;
-    cr_assert_eq(moe_mc_eval_run(mc, m, 0, EXAMPLES, moe_mc_eval_batches(mc, 0, EXAMPLES, B), &right), MOE_OK, "%s",
+    cr_assert_eq(moe_mc_eval_run(mc, t, 0, EXAMPLES, moe_mc_eval_batches(mc, 0, EXAMPLES, B), &right), MOE_OK, "%s",
                  moe_last_error());
     cr_expect_eq(right, EXAMPLES, "%lld of %d ties went to the first completion", (long long)right, EXAMPLES);
+    moe_trainer_destroy(t);
     moe_model_destroy(m);
     moe_mc_eval_close(mc);
 }

@@ -2089,11 +2089,6 @@ static void nan_logit_z(moe_run_options *o) { o->logit_z_loss = NAN; }
 static void min_lr_constant(moe_run_options *o) { o->lr_schedule = MOE_LR_CONSTANT; }
 static void upcycle_alone(moe_run_options *o) { o->upcycle = true; }
 static void eval_mc_empty(moe_run_options *o) { o->eval_mc = ""; }
-static void eval_mc_pipeline(moe_run_options *o) {
-    o->eval_mc = "hellaswag_val.bin";
-    o->pp = 2;
-    o->grad_accum = 4;
-}
 static void negative_max_time(moe_run_options *o) { o->max_time = -1.0; }
 static void max_time_eval_only(moe_run_options *o) {
     eval_only_of(o);
@@ -2185,7 +2180,7 @@ Test(train_run, bad_options_name_the_flag) {
         {"--val-data", val_tokens_and_data}, {"synthetic", val_tokens_synthetic},
         {"--steps", huge_steps},          {"--batch-size", huge_batch},
         {"--grad-accum", huge_accum},     {"--eval-batches", huge_eval_batches},
-        {"--eval-mc", eval_mc_empty},     {"--eval-mc", eval_mc_pipeline},
+        {"--eval-mc", eval_mc_empty},
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         moe_run_options o = tiny_options("tiny.json", "/nonexistent/out");

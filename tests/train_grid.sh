@@ -51,8 +51,24 @@ grid_matches() { # name, dir, one-rank run, np, flags...
 }
 
 run_ok "one rank" "$out/one.log" "$bin/moe-train" "${common[@]}" --batch-size 8 --save-every 6 --out "$out/one"
+# An eval file in llm.c's format (mc_eval.h): 40 examples, each a context
+# of 3 tokens and completions of 1 and 2, written little-endian.
+le16() { printf "\\$(printf %03o $(($1 & 255)))\\$(printf %03o $(($1 >> 8 & 255)))"; }
+le32() { le16 $(($1 & 65535)); le16 $(($1 >> 16)); }
+{
+    le32 20240522; le32 1; le32 40; le32 28
+    for _ in $(seq 4 255); do le32 0; done
+    for e in $(seq 0 39); do
+        for w in 65535 28 "$e" $((e % 2)) 2 3 $((e % 50 + 1)) 7 8 1 $((e % 30 + 10)) 2 5 $((e % 40 + 6)); do le16 "$w"; done
+    done
+} >"$out/mc.bin"
 run_ok "one rank, 3 micro-batches" "$out/one3.log" "$bin/moe-train" "${common[@]}" --batch-size 8 --grad-accum 3 \
-    --save-every 6 --out "$out/one3"
+    --save-every 6 --eval-mc "$out/mc.bin" --out "$out/one3"
+# The multiple-choice scores of a grid: those of 1 rank.
+same_mc() { # name, run
+    [ -n "$(values mc_correct "$2")" ] && cmp -s <(values mc_correct "$2") <(values mc_correct "$out/one3")
+    check "$1: the --eval-mc scores of 1 rank" $?
+}
 
 grid_matches "2 ranks, --ep 2 --zero 1" ep "$out/one" 2 --batch-size 4 --ep 2 --zero 1 --save-every 6
 run_ok "the resume" "$out/resumed.log" "$bin/moe-train" "${common[@]}" --batch-size 8 \
@@ -62,14 +78,18 @@ same_curve "a 2-rank checkpoint resumed on 1 rank" <(values loss "$out/resumed")
 
 # Three micro-batches, more than the stages: the schedules differ.
 pp=(--grad-accum 3 --pp 2)
-grid_matches "--pp 2 on 2 ranks, 1f1b" pp "$out/one3" 2 --batch-size 8 "${pp[@]}" --save-every 6
+grid_matches "--pp 2 on 2 ranks, 1f1b" pp "$out/one3" 2 --batch-size 8 "${pp[@]}" --save-every 6 \
+    --eval-mc "$out/mc.bin"
+same_mc "--pp 2 on 2 ranks" "$out/pp"
 same_kinds "--pp 2 on 2 ranks: the per-kind report of 1 rank" "$out/pp.log" "$out/one3.log"
 grid_matches "--pp 2 on 2 ranks, gpipe" pp_gpipe "$out/one3" 2 --batch-size 8 "${pp[@]}" --pp-schedule gpipe
 grid_matches "--pp 2 --ep 1 on 4 ranks (PP 2 x DP 2), 1f1b" pp_dp "$out/one3" 4 --batch-size 4 "${pp[@]}" --ep 1
 same_kinds "PP 2 x DP 2: the per-kind report of 1 rank" "$out/pp_dp.log" "$out/one3.log"
 grid_matches "--pp 2 --ep 1 on 4 ranks (PP 2 x DP 2), gpipe" pp_dp_gpipe "$out/one3" 4 --batch-size 4 "${pp[@]}" \
     --ep 1 --pp-schedule gpipe
-grid_matches "--pp 2 --ep 2 --zero 1 on 4 ranks, 1f1b" pp_ep "$out/one3" 4 --batch-size 4 "${pp[@]}" --ep 2 --zero 1
+grid_matches "--pp 2 --ep 2 --zero 1 on 4 ranks, 1f1b" pp_ep "$out/one3" 4 --batch-size 4 "${pp[@]}" --ep 2 --zero 1 \
+    --eval-mc "$out/mc.bin"
+same_mc "--pp 2 --ep 2 on 4 ranks" "$out/pp_ep"
 grid_matches "--pp 2 --ep 2 --recompute on 4 ranks, 1f1b" pp_ep_recompute "$out/one3" 4 --batch-size 4 "${pp[@]}" \
     --ep 2 --recompute
 grid_matches "--pp 2 --pp-balance measured on 2 ranks" pp_measured "$out/one3" 2 --batch-size 8 "${pp[@]}" \

@@ -65,7 +65,7 @@ static void print_help(void) {
            "                       reads (a held-out split of file data; default 0: none)\n"
            "  --eval-mc FILE       at every evaluation, score llm.c's multiple-choice eval file\n"
            "                       (hellaswag_val.bin, MMLU): each example's completion of least\n"
-           "                       mean loss is its choice (acc_norm); one pipeline stage\n"
+           "                       mean loss is its choice (acc_norm)\n"
            "  --batch-size B       sequences per micro-batch (default %lld)\n"
            "  --seq-len T          tokens per sequence (default %lld)\n"
            "  --shuffle            read training batches in a seeded random order (default: in order)\n\n",
