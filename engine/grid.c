@@ -27,19 +27,29 @@ moe_stage_costs moe_grid_flop_costs(const moe_model_config *c, int64_t T) {
         .dense_layers = moe_model_config_dense_layer_count(c) > 0 ? c->moe_dense_layers : NULL};
 }
 
-static bool is_dense(const moe_stage_costs *c, int64_t l) {
-    return c->dense_layers && (c->dense_layers[l / 64] >> (l % 64) & 1);
+/* The layers' costs: an MoE layer's, a dense one's, and how many of the
+ * first i layers are dense (dense_at[i]). A run's cost is counted, not
+ * summed, so that runs of the same mix of layers cost the same bits and
+ * tie as they should. */
+typedef struct layer_costs {
+    double layer, dense;
+    const int64_t *dense_at; /* [L + 1] */
+} layer_costs;
+
+static double cost(const layer_costs *c, int64_t begin, int64_t end) {
+    const int64_t dense = c->dense_at[end] - c->dense_at[begin];
+    return (double)(end - begin - dense) * c->layer + (double)dense * c->dense;
 }
 
 /* The fewest stages that hold layers [0, n) within limit each, the stages
- * taken from the back as long as they fit (at[i]: the first i layers'
- * cost); INT64_MAX when a layer alone exceeds it. */
-static int64_t stages_needed(const double *at, int64_t n, double limit) {
+ * taken from the back as long as they fit; INT64_MAX when a layer alone
+ * exceeds it. */
+static int64_t stages_needed(const layer_costs *c, int64_t n, double limit) {
     int64_t stages = 0;
     for (int64_t end = n; end > 0; stages++) {
-        if (at[end] - at[end - 1] > limit) return INT64_MAX;
+        if (cost(c, end - 1, end) > limit) return INT64_MAX;
         int64_t begin = end - 1;
-        while (begin > 0 && at[end] - at[begin - 1] <= limit) begin--;
+        while (begin > 0 && cost(c, begin - 1, end) <= limit) begin--;
         end = begin;
     }
     return stages;
@@ -47,21 +57,21 @@ static int64_t stages_needed(const double *at, int64_t n, double limit) {
 
 /* Whether limit holds the layers in `stages` stages, the last paying head
  * too: its longest tail within limit, the rest in stages - 1. */
-static bool fits(const double *at, int64_t L, int stages, double head, double limit) {
+static bool fits(const layer_costs *c, int64_t L, int stages, double head, double limit) {
     int64_t from = stages - 1;
-    while (from < L && at[L] - at[from] + head > limit) from++;
-    return from < L && stages_needed(at, from, limit) <= stages - 1;
+    while (from < L && cost(c, from, L) + head > limit) from++;
+    return from < L && stages_needed(c, from, limit) <= stages - 1;
 }
 
 /* The least limit at which fits() (head >= 0) or, head < 0, stages_needed
  * <= stages over [0, L): bisection over doubles, down to the one where it
- * turns, which is exactly a sum the test computes. */
-static double least_limit(const double *at, int64_t L, int stages, double head) {
-    double lo = 0.0, hi = at[L] + (head > 0.0 ? head : 0.0);
+ * turns, which is exactly a cost the test computes. */
+static double least_limit(const layer_costs *c, int64_t L, int stages, double head) {
+    double lo = 0.0, hi = cost(c, 0, L) + (head > 0.0 ? head : 0.0);
     for (;;) {
         const double mid = lo + (hi - lo) / 2.0;
         if (mid <= lo || mid >= hi) return hi;
-        const bool ok = head >= 0.0 ? fits(at, L, stages, head, mid) : stages_needed(at, L, mid) <= stages;
+        const bool ok = head >= 0.0 ? fits(c, L, stages, head, mid) : stages_needed(c, L, mid) <= stages;
         if (ok)
             hi = mid;
         else
@@ -75,13 +85,13 @@ static double least_limit(const double *at, int64_t L, int stages, double head) 
  * which its own share (plus tail, the head's) fits start at `from`; the
  * stages a prefix needs only grow with it, so the cuts that fit the
  * prefix end where a bisection finds. limit fits, so `from` does. */
-static int64_t latest_cut(const double *at, int64_t end, int before, double tail, double limit) {
+static int64_t latest_cut(const layer_costs *c, int64_t end, int before, double tail, double limit) {
     int64_t from = before;
-    while (at[end] - at[from] + tail > limit) from++;
+    while (cost(c, from, end) + tail > limit) from++;
     int64_t lo = from, hi = end; /* stages_needed(lo) <= before; hi: past the last cut */
     while (hi - lo > 1) {
         const int64_t mid = lo + (hi - lo) / 2;
-        if (stages_needed(at, mid, limit) <= before)
+        if (stages_needed(c, mid, limit) <= before)
             lo = mid;
         else
             hi = mid;
@@ -96,23 +106,29 @@ moe_status moe_grid_partition(int64_t *bounds, int64_t L, int stages, moe_stage_
     if (stages <= 0 || L < stages)
         return moe_error(MOE_ERR_CONFIG, "--pp %d: a pipeline needs a layer per stage, and the model has %lld layers",
                          stages, (long long)L);
-    bounds[0] = 0;
-    bounds[stages] = L;
-    if (stages == 1) return MOE_OK;
+    const double given[3] = {costs.layer, costs.dense_layer, costs.head};
+    for (int i = 0; i < 3; i++)
+        if (!isfinite(given[i]) || given[i] < 0.0)
+            return moe_error(MOE_ERR_INVALID_ARG, "pipeline partition: costs %g (a layer), %g (a dense layer), %g "
+                                                  "(the head) must be finite and not negative",
+                             costs.layer, costs.dense_layer, costs.head);
+    for (int s = 0; s <= stages; s++) bounds[s] = s == stages ? L : s; /* a layer a stage: the one split */
+    if (stages == 1 || stages == L) return MOE_OK;
     /* Only their ratios cut: scaled by a power of two to at most 1, exactly
-     * (ties stay ties), so that no sum of them overflows. */
+     * (ties stay ties), so that no cost of a run overflows. */
     int exponent = 0;
-    const double most = fmax(fmax(costs.layer, costs.dense_layer), costs.head);
-    frexp(most, &exponent);
-    double *at = malloc((size_t)(L + 1) * sizeof *at); /* at[i]: the first i layers' cost */
-    if (!at) return moe_error(MOE_ERR_OUT_OF_MEMORY, "pipeline partition of %lld layers", (long long)L);
-    at[0] = 0.0;
-    for (int64_t l = 0; l < L; l++) at[l + 1] = at[l] + ldexp(is_dense(&costs, l) ? costs.dense_layer : costs.layer, -exponent);
+    frexp(fmax(fmax(costs.layer, costs.dense_layer), costs.head), &exponent);
+    int64_t *dense_at = malloc((size_t)(L + 1) * sizeof *dense_at);
+    if (!dense_at) return moe_error(MOE_ERR_OUT_OF_MEMORY, "pipeline partition of %lld layers", (long long)L);
+    dense_at[0] = 0;
+    for (int64_t l = 0; l < L; l++)
+        dense_at[l + 1] = dense_at[l] + (costs.dense_layers && (costs.dense_layers[l / 64] >> (l % 64) & 1));
+    const layer_costs c = {ldexp(costs.layer, -exponent), ldexp(costs.dense_layer, -exponent), dense_at};
     const double head = ldexp(costs.head, -exponent);
-    bounds[stages - 1] = latest_cut(at, L, stages - 1, head, least_limit(at, L, stages, head));
+    bounds[stages - 1] = latest_cut(&c, L, stages - 1, head, least_limit(&c, L, stages, head));
     for (int s = stages - 2; s > 0; s--)
-        bounds[s] = latest_cut(at, bounds[s + 1], s, 0.0, least_limit(at, bounds[s + 1], s + 1, -1.0));
-    free(at);
+        bounds[s] = latest_cut(&c, bounds[s + 1], s, 0.0, least_limit(&c, bounds[s + 1], s + 1, -1.0));
+    free(dense_at);
     return MOE_OK;
 }
 

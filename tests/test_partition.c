@@ -154,6 +154,26 @@ Test(partition, measured_costs_move_the_cuts) {
               (long long)three[1], (long long)three[1], (long long)three[2]);
 }
 
+/* Costs of any mantissa (measured seconds) tie as whole layers do: of the
+ * splits whose slowest stage is 8 layers, the last stage takes one, the
+ * stages before it 9 each but the last of them. */
+Test(partition, ties_of_measured_costs_go_as_the_layer_counts_say) {
+    int64_t bounds[9];
+    cr_assert(moe_grid_partition(bounds, 62, 8,
+                                 (moe_stage_costs){.layer = 0.90730383220286892, .head = 4.5211126454711916}) == MOE_OK,
+              "%s", moe_last_error());
+    const int64_t want[9] = {0, 9, 18, 27, 36, 45, 54, 61, 62};
+    for (int s = 0; s <= 8; s++)
+        cr_expect_eq(bounds[s], want[s], "62 layers, 8 stages: bound %d is %lld, want %lld", s, (long long)bounds[s],
+                     (long long)want[s]);
+    /* A layer a stage is the one split; costs that are no costs are refused. */
+    cr_assert(moe_grid_partition(bounds, 8, 8, (moe_stage_costs){.layer = 1.0, .head = 1.0}) == MOE_OK);
+    for (int s = 0; s <= 8; s++) cr_expect_eq(bounds[s], s);
+    cr_expect(moe_grid_partition(bounds, 8, 3, (moe_stage_costs){.layer = NAN, .head = 1.0}) == MOE_ERR_INVALID_ARG);
+    cr_expect(strstr(moe_last_error(), "must be finite and not negative"), "%s", moe_last_error());
+    cr_expect(moe_grid_partition(bounds, 8, 3, (moe_stage_costs){.layer = 1.0, .head = -1.0}) == MOE_ERR_INVALID_ARG);
+}
+
 Test(partition, fewer_layers_than_stages_is_refused) {
     moe_model_config c;
     config(&c, 3, 256);
