@@ -122,7 +122,7 @@ moe_status moe_grid_partition(int64_t *bounds, int64_t L, int stages, moe_stage_
     if (!dense_at) return moe_error(MOE_ERR_OUT_OF_MEMORY, "pipeline partition of %lld layers", (long long)L);
     dense_at[0] = 0;
     for (int64_t l = 0; l < L; l++)
-        dense_at[l + 1] = dense_at[l] + (costs.dense_layers && (costs.dense_layers[l / 64] >> (l % 64) & 1));
+        dense_at[l + 1] = dense_at[l] + (costs.dense_layers && moe_layer_set_has(costs.dense_layers, l));
     const layer_costs c = {ldexp(costs.layer, -exponent), ldexp(costs.dense_layer, -exponent), dense_at};
     const double head = ldexp(costs.head, -exponent);
     bounds[stages - 1] = latest_cut(&c, L, stages - 1, head, least_limit(&c, L, stages, head));

@@ -194,11 +194,11 @@ static bool chose_right(const moe_mc_eval *mc, int64_t i, const float *losses, i
     return choice == label;
 }
 
-/* Where a moe_mc_eval_run stands: its examples [first, end), the batch's
+/* Where a moe_mc_eval_run stands: its examples up to end, the batch's
  * [batch_first, next). */
 typedef struct mc_run {
     const moe_mc_eval *mc;
-    int64_t first, end, batch_first, next, rows, T;
+    int64_t end, batch_first, next, rows, T;
     int64_t *correct;
 } mc_run;
 
@@ -231,7 +231,7 @@ static moe_status score_examples(void *ctx, moe_model *model, const int32_t *tar
 moe_status moe_mc_eval_run(const moe_mc_eval *mc, moe_trainer *trainer, int64_t first, int64_t end, int64_t n_batches,
                            int64_t *correct) {
     const moe_model *model = moe_trainer_model(trainer);
-    mc_run r = {.mc = mc, .first = first, .end = end, .next = first, .rows = moe_model_batch_size(model),
+    mc_run r = {.mc = mc, .end = end, .next = first, .rows = moe_model_batch_size(model),
                 .T = moe_model_seq_len(model), .correct = correct};
     MOE_TRY(moe_trainer_forward_batches(trainer, n_batches, fill_examples, score_examples, &r));
     if (r.next < end)

@@ -1178,11 +1178,13 @@ static void attention_inputs(moe_model *m, int64_t l, int64_t n, const float *x,
 }
 
 /* A dense layer's MLP over n rows, as one group of the experts' op: its
- * gate and up projections are consecutive, the [2F, C] matrix it takes. */
+ * gate and up projections are consecutive, the [2F, C] matrix it takes;
+ * their gradients too, when the model has them. */
 static moe_expert_group dense_mlp(moe_model *m, int64_t l, int64_t n, const float *ln, const layer_acts *a, float *y) {
     const int64_t w = m->layer_first[l] + moe_first(&m->cfg);
     return (moe_expert_group){.rows = n, .d_ff = moe_model_config_dense_width(&m->cfg), .x = ln, .w13 = param(m, w),
-                              .w2 = param(m, w + 2), .h = a->mlp_h, .g = a->mlp_g, .y = y};
+                              .w2 = param(m, w + 2), .h = a->mlp_h, .g = a->mlp_g, .y = y,
+                              .dw13 = m->grads ? grad(m, w) : NULL, .dw2 = m->grads ? grad(m, w + 2) : NULL};
 }
 
 /* ... then x_mid = x + o(atty), ln = norm(x_mid), y = moe(ln) (a dense
@@ -1540,12 +1542,9 @@ moe_status moe_model_stage_backward(moe_model *m, int chunk, const float *dy, fl
             MOE_TRY(moe_layer_backward(m->moe[l], m->dmoe, m->dres, a->ln2));
         } else {
             moe_expert_group mlp = dense_mlp(m, l, N, a->ln2, a, a->moe_y);
-            const int64_t w = t0 + moe_first(c);
             mlp.dy = m->dres;
             mlp.dh = m->dmlp_h;
             mlp.dx = m->dmoe;
-            mlp.dw13 = grad(m, w);
-            mlp.dw2 = grad(m, w + 2);
             ops->experts_backward(&mlp, 1, C);
         }
         ops->rmsnorm_backward(m->dres, grad(m, t0 + LN2), m->dmoe, a->x_mid, param(m, t0 + LN2), a->rstd2,

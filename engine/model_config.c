@@ -335,9 +335,9 @@ static moe_status read_token_ids(moe_token_ids *t, const char *name, const char 
     return MOE_OK;
 }
 
-static bool layer_in(const uint64_t *set, int64_t layer) { return set[layer / 64] >> (layer % 64) & 1; }
+bool moe_layer_set_has(const uint64_t *set, int64_t layer) { return set[layer / 64] >> (layer % 64) & 1; }
 
-static void add_layer(uint64_t *set, int64_t layer) { set[layer / 64] |= (uint64_t)1 << (layer % 64); }
+void moe_layer_set_add(uint64_t *set, int64_t layer) { set[layer / 64] |= (uint64_t)1 << (layer % 64); }
 
 static bool layer_set_empty(const uint64_t *set) {
     for (int i = 0; i < LAYER_SET_WORDS; i++)
@@ -369,9 +369,9 @@ static moe_status read_layers(uint64_t *set, const char *name, const char *key, 
             return moe_error(MOE_ERR_CONFIG, "%s: %s=%lld is no layer number (0 to %d)", name, item, (long long)layer,
                              MAX_LAYERS - 1);
         }
-        if (strict && layer_in(set, layer))
+        if (strict && moe_layer_set_has(set, layer))
             return moe_error(MOE_ERR_CONFIG, "%s: %s=%lld repeats an earlier entry", name, item, (long long)layer);
-        add_layer(set, layer);
+        moe_layer_set_add(set, layer);
     }
     return MOE_OK;
 }
@@ -984,8 +984,8 @@ static moe_status read_family_layers(moe_model_config *cfg, given *state, const 
     uint64_t dense[LAYER_SET_WORDS] = {0};
     int64_t n_dense = 0;
     for (int64_t l = 0; l < cfg->num_hidden_layers && l < MAX_LAYERS; l++) {
-        if ((l + 1) % step == 0 && !layer_in(o->mlp_only, l)) continue; /* C's remainder is 0 where Python's is */
-        add_layer(dense, l);
+        if ((l + 1) % step == 0 && !moe_layer_set_has(o->mlp_only, l)) continue; /* C's remainder is 0 where Python's is */
+        moe_layer_set_add(dense, l);
         n_dense++;
     }
     /* Said here, in the file's keys: validate would name moe_dense_layers. */
@@ -995,8 +995,8 @@ static moe_status read_family_layers(moe_model_config *cfg, given *state, const 
                          name, (long long)step, (long long)n_dense, type);
     const size_t f = field_index("moe_dense_layers");
     for (int64_t l = 0; state[f] == GIVEN && l < MAX_LAYERS; l++) {
-        const bool qwen = layer_in(dense, l);
-        if (layer_in(cfg->moe_dense_layers, l) == qwen) continue;
+        const bool qwen = moe_layer_set_has(dense, l);
+        if (moe_layer_set_has(cfg->moe_dense_layers, l) == qwen) continue;
         if (l >= cfg->num_hidden_layers)
             return moe_error(MOE_ERR_CONFIG, "%s: moe_dense_layers lists layer %lld, past num_hidden_layers=%lld", name,
                              (long long)l, (long long)cfg->num_hidden_layers);
@@ -1535,7 +1535,7 @@ static family family_of(const moe_model_config *c) {
 static void write_layers(moe_json_writer *w, const uint64_t *set) {
     moe_json_begin_array(w);
     for (int64_t l = 0; l < MAX_LAYERS; l++)
-        if (layer_in(set, l)) moe_json_int(w, l);
+        if (moe_layer_set_has(set, l)) moe_json_int(w, l);
     moe_json_end_array(w);
 }
 
@@ -1768,7 +1768,7 @@ void moe_model_config_layer(moe_layer_config *layer, const moe_model_config *cfg
 }
 
 bool moe_model_config_layer_is_dense(const moe_model_config *cfg, int64_t layer) {
-    return layer >= 0 && layer < MAX_LAYERS && layer_in(cfg->moe_dense_layers, layer);
+    return layer >= 0 && layer < MAX_LAYERS && moe_layer_set_has(cfg->moe_dense_layers, layer);
 }
 
 int64_t moe_model_config_dense_layer_count(const moe_model_config *cfg) {

@@ -307,6 +307,12 @@ double moe_attention_pairs(int64_t T, int64_t window);
  * the causal pairs that the model's sliding window keeps. */
 double moe_model_config_attention_span(const moe_model_config *cfg, int64_t T);
 
+/* A set of layers as moe_dense_layers holds them, bit l % 64 of word
+ * l / 64 for layer l (0 .. MOE_MODEL_LAYERS_MAX - 1): whether it has
+ * layer, and layer added. */
+bool moe_layer_set_has(const uint64_t *set, int64_t layer);
+void moe_layer_set_add(uint64_t *set, int64_t layer);
+
 /* Whether layer (0 .. num_hidden_layers - 1) is a dense MLP layer, not an
  * MoE layer; how many of the model's layers are; their MLP's width. */
 bool moe_model_config_layer_is_dense(const moe_model_config *cfg, int64_t layer);

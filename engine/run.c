@@ -1085,7 +1085,7 @@ static moe_status time_layers(run *r, int64_t layers, bool dense_last, double *s
     c.num_hidden_layers = layers;
     memset(c.moe_dense_layers, 0, sizeof c.moe_dense_layers);
     if (dense_last)
-        c.moe_dense_layers[(layers - 1) / 64] |= UINT64_C(1) << ((layers - 1) % 64);
+        moe_layer_set_add(c.moe_dense_layers, layers - 1);
     else
         c.moe_dense_intermediate_size = 0;
     const int64_t N = o->batch_size * o->seq_len;

@@ -420,8 +420,9 @@ static void on_start(void *ctx, const moe_run_summary *s) {
         moe_rope_scaling_describe(rope, sizeof rope, &c->rope_scaling);
         printf("rope     theta %g, scaled %s\n", c->rope_theta, rope);
     }
-    if (moe_model_config_dense_layer_count(c) > 0) {
-        printf("dense    %lld of the layers are dense MLPs of width %lld:", (long long)moe_model_config_dense_layer_count(c),
+    const int64_t dense = moe_model_config_dense_layer_count(c);
+    if (dense > 0) {
+        printf("dense    %lld of the layers are dense MLPs of width %lld:", (long long)dense,
                (long long)moe_model_config_dense_width(c));
         for (int64_t l = 0; l < c->num_hidden_layers; l++)
             if (moe_model_config_layer_is_dense(c, l)) printf(" %lld", (long long)l);
