@@ -10,13 +10,40 @@
 
 #include "common/host_device.h"
 
+/* x clamped to [lo, hi] (lo <= hi, neither NaN), NaN kept, by integer
+ * minimum and maximum on a key that orders floats as numbers: a float
+ * comparison's branches would give the clamped values their own paths,
+ * along which the compiler folds what follows into constants and then
+ * computes those products in every vector lane (for x * sigmoid(x), x
+ * times sigmoid(-88), a subnormal that costs a microcode assist per vector:
+ * SwiGLU ran 12 times slower). */
+MOE_HD uint32_t moe_float_order_key(float x) {
+    union {
+        float f;
+        uint32_t u;
+    } v = {.f = x};
+    return v.u ^ ((0u - (v.u >> 31)) | 0x80000000u); /* negatives reversed below the positives */
+}
+
+MOE_HD float moe_clampf(float x, float lo, float hi) {
+    const uint32_t lo_key = moe_float_order_key(lo), hi_key = moe_float_order_key(hi);
+    uint32_t key = moe_float_order_key(x);
+    key = key < lo_key ? lo_key : key;
+    key = key > hi_key ? hi_key : key;
+    union {
+        float f;
+        uint32_t u;
+    } v = {.u = key ^ (((key >> 31) - 1u) | 0x80000000u)};
+    return x != x ? x : v.f;
+}
+
 /* exp(x) to within 2 ulp on [-87, 88] (clamped outside, where float's
  * normal range ends; NaN stays NaN), in plain arithmetic so that compilers
  * vectorise the loops that call it: Cody-Waite reduction x = n ln2 + r,
  * |r| <= ln2 / 2, a degree-7 polynomial for exp(r), and 2^n built in the
  * exponent bits. */
 MOE_HD float moe_expf(float x) {
-    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
+    x = moe_clampf(x, -87.0f, 88.0f);
     /* Adding 1.5 * 2^23 rounds to the nearest integer in round-to-nearest,
      * which then sits in the low bits of t: n's int is read from there, by
      * unsigned arithmetic, so a NaN x (which passes the clamp and makes p

@@ -389,6 +389,40 @@ Test(ops, expf_keeps_nan_and_clamps) {
     }
 }
 
+/* moe_clampf, the integer clamp under moe_expf, gives what the float
+ * comparisons x < lo ? lo : x > hi ? hi : x give, bit for bit (NaN kept
+ * with its payload, signed zeros, subnormals, the bounds' neighbours), over
+ * a stride through every bit pattern and the patterns near the bounds. */
+static uint32_t float_bits(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    return u;
+}
+
+static float bits_float(uint32_t u) {
+    float x;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
+static void expect_clamp_as_comparisons(uint32_t u) {
+    const float x = bits_float(u), lo = -87.0f, hi = 88.0f;
+    const float want = x < lo ? lo : x > hi ? hi : x, got = moe_clampf(x, lo, hi);
+    cr_expect(float_bits(got) == float_bits(want), "clamp of bits %08x (%g): %08x, want %08x", (unsigned)u, x,
+              (unsigned)float_bits(got), (unsigned)float_bits(want));
+}
+
+Test(ops, clampf_is_the_float_comparisons) {
+    for (uint64_t u = 0; u < (1ull << 32); u += 65521) expect_clamp_as_comparisons((uint32_t)u);
+    const float edges[] = {-87.0f, 88.0f, 0.0f, -0.0f, INFINITY, -INFINITY, 1.17549435e-38f, -1.17549435e-38f};
+    for (size_t e = 0; e < sizeof edges / sizeof edges[0]; e++)
+        for (int64_t d = -300; d <= 300; d++) expect_clamp_as_comparisons(float_bits(edges[e]) + (uint32_t)d);
+    const uint32_t nans[] = {0x7fc00000u, 0xffc00000u, 0x7f800001u, 0xff800001u, 0x7fffffffu, 0xffffffffu};
+    for (size_t n = 0; n < sizeof nans / sizeof nans[0]; n++)
+        cr_expect(float_bits(moe_clampf(bits_float(nans[n]), -87.0f, 88.0f)) == nans[n], "NaN %08x changed",
+                  (unsigned)nans[n]);
+}
+
 /* NaN scores rank below every number, ties among them to the lower index,
  * on every backend (moe_score_outranks): a NaN logit makes its own score
  * NaN for topk_softmax and sigmoid, and every softmax probability NaN. */
