@@ -278,6 +278,46 @@ Test(dense, matmul) {
         free(dx), free(dw), free(doutd), free(fdx), free(fdw), free(gx), free(gw);
 }
 
+/* Shapes moe_cpu_gemm_split cuts into row blocks (a last one short, for
+ * dinp's 200 rows and dweight's 70): each block lands on its rows, against
+ * the products in double, and the bits are the same on 1 and 2 threads. */
+Test(dense, matmul_row_blocks) {
+    const int64_t N = 200, C = 13, OC = 70;
+    rng r = {31};
+    float *x = rand_floats(N * C, &r, -1, 1), *w = rand_floats(OC * C, &r, -1, 1);
+    float *dout = rand_floats(N * OC, &r, -1, 1), *dx0 = rand_floats(N * C, &r, -1, 1);
+    float *dw0 = rand_floats(OC * C, &r, -1, 1);
+    double *y_ref = xcalloc(N * OC, sizeof(double)), *dx_ref = xcalloc(N * C, sizeof(double));
+    double *dw_ref = xcalloc(OC * C, sizeof(double));
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t o = 0; o < OC; o++)
+            for (int64_t c = 0; c < C; c++) {
+                y_ref[n * OC + o] += (double)x[n * C + c] * w[o * C + c];
+                dx_ref[n * C + c] += (double)dout[n * OC + o] * w[o * C + c];
+                dw_ref[o * C + c] += (double)dout[n * OC + o] * x[n * C + c];
+            }
+    for (int64_t i = 0; i < N * C; i++) dx_ref[i] += dx0[i];
+    for (int64_t i = 0; i < OC * C; i++) dw_ref[i] += dw0[i];
+    float *y[2], *dx[2], *dw[2];
+    for (int th = 0; th < 2; th++) {
+        omp_set_num_threads(th + 1);
+        y[th] = xcalloc(N * OC, sizeof(float));
+        dx[th] = copy_floats(dx0, N * C);
+        dw[th] = copy_floats(dw0, OC * C);
+        moe_cpu_matmul_forward(y[th], x, w, N, C, OC);
+        moe_cpu_matmul_backward(dx[th], dw[th], dout, x, w, N, C, OC);
+    }
+    expect_close("row-block matmul out", y[1], y_ref, N * OC, 1e-5, 1e-5);
+    expect_close("row-block matmul dinp", dx[1], dx_ref, N * C, 1e-5, 1e-5);
+    expect_close("row-block matmul dweight", dw[1], dw_ref, OC * C, 1e-4, 1e-5);
+    cr_expect(memcmp(y[0], y[1], (size_t)(N * OC) * sizeof(float)) == 0 &&
+                  memcmp(dx[0], dx[1], (size_t)(N * C) * sizeof(float)) == 0 &&
+                  memcmp(dw[0], dw[1], (size_t)(OC * C) * sizeof(float)) == 0,
+              "row-block matmul differs between 1 and 2 threads");
+    free(x), free(w), free(dout), free(dx0), free(dw0), free(y_ref), free(dx_ref), free(dw_ref);
+    for (int th = 0; th < 2; th++) free(y[th]), free(dx[th]), free(dw[th]);
+}
+
 /* --------------------------------------------------------------- RoPE */
 
 /* The tables against the exact angle t * theta^(-2i/hd) in double. The

@@ -10,9 +10,14 @@
  * rows of a few tokens), and far more when other processes hold cores. */
 #define MOE_CPU_PAR_MIN ((int64_t)1 << 14)
 
+/* One OpenBLAS call: inside a parallel region, one thread's. */
 void moe_cpu_gemm(float *c, const float *a, const float *b, int64_t m, int64_t n, int64_t k,
                   int64_t lda, int64_t ldb, int64_t ldc, bool trans_a, bool trans_b, float alpha,
                   float beta);
+/* The op table's GEMM: small ones cut into row blocks the threads share
+ * (gemm.c), the result the same bits for any number of threads. */
+void moe_cpu_gemm_split(float *c, const float *a, const float *b, int64_t m, int64_t n, int64_t k, int64_t lda,
+                        int64_t ldb, int64_t ldc, bool trans_a, bool trans_b, float alpha, float beta);
 void moe_cpu_gate_forward(int32_t *topk_idx, float *topk_w, float *prob, float *lse,
                           moe_gate_totals *totals, const float *logits, const float *bias,
                           const moe_gate_params *p, int64_t T);

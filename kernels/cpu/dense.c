@@ -4,7 +4,6 @@
  * norm (attention is in attention.c).
  * Reductions over rows run column-parallel or in fixed parts, never as
  * per-thread partials, so the bits do not depend on the thread count. */
-#include <cblas.h>
 #include <math.h>
 
 #include "common/rng.h"
@@ -123,18 +122,13 @@ void moe_cpu_rmsnorm_backward(float *dinp, float *dweight, const float *dout, co
 
 void moe_cpu_matmul_forward(float *out, const float *inp, const float *weight, int64_t N,
                             int64_t C, int64_t OC) {
-    if (N == 0 || OC == 0) return;
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)N, (int)OC, (int)C, 1.0f, inp,
-                (int)C, weight, (int)C, 0.0f, out, (int)OC);
+    moe_cpu_gemm_split(out, inp, weight, N, OC, C, C, C, OC, false, true, 1.0f, 0.0f);
 }
 
 void moe_cpu_matmul_backward(float *dinp, float *dweight, const float *dout, const float *inp,
                              const float *weight, int64_t N, int64_t C, int64_t OC) {
-    if (N == 0 || OC == 0 || C == 0) return; /* nothing to add */
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)N, (int)C, (int)OC, 1.0f, dout,
-                (int)OC, weight, (int)C, 1.0f, dinp, (int)C);
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)OC, (int)C, (int)N, 1.0f, dout,
-                (int)OC, inp, (int)C, 1.0f, dweight, (int)C);
+    moe_cpu_gemm_split(dinp, dout, weight, N, C, OC, OC, C, C, false, false, 1.0f, 1.0f);
+    moe_cpu_gemm_split(dweight, dout, inp, OC, C, N, OC, C, C, true, false, 1.0f, 1.0f);
 }
 
 /* --------------------------------------------------------------------- RoPE */
