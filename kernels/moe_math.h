@@ -10,9 +10,10 @@
 
 #include "common/host_device.h"
 
-/* x clamped to [lo, hi] (lo <= hi, neither NaN), NaN kept, by integer
- * minimum and maximum on a key that orders floats as numbers: a float
- * comparison's branches would give the clamped values their own paths,
+/* x clamped to [lo, hi] (lo <= hi, neither NaN), NaN kept: the bits of
+ * x < lo ? lo : x > hi ? hi : x, which the GPU computes so. The CPU takes
+ * integer minimum and maximum on a key that orders floats as numbers: the
+ * float comparisons' branches would give the clamped values their own paths,
  * along which the compiler folds what follows into constants and then
  * computes those products in every vector lane (for x * sigmoid(x), x
  * times sigmoid(-88), a subnormal that costs a microcode assist per vector:
@@ -26,6 +27,10 @@ MOE_HD uint32_t moe_float_order_key(float x) {
 }
 
 MOE_HD float moe_clampf(float x, float lo, float hi) {
+#ifdef __CUDA_ARCH__
+    /* A GPU takes subnormals at full speed, and min and max instructions. */
+    return x < lo ? lo : x > hi ? hi : x;
+#else
     const uint32_t lo_key = moe_float_order_key(lo), hi_key = moe_float_order_key(hi);
     uint32_t key = moe_float_order_key(x);
     key = key < lo_key ? lo_key : key;
@@ -35,6 +40,7 @@ MOE_HD float moe_clampf(float x, float lo, float hi) {
         uint32_t u;
     } v = {.u = key ^ (((key >> 31) - 1u) | 0x80000000u)};
     return x != x ? x : v.f;
+#endif
 }
 
 /* exp(x) to within 2 ulp on [-87, 88] (clamped outside, where float's
