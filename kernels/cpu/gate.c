@@ -87,8 +87,10 @@ void moe_cpu_gate_forward(int32_t *topk_idx, float *topk_w, float *prob, float *
             }
             float score[MOE_TOPK_MAX];
             int n = 0;
-            for (int64_t e = 0; e < E; e++)
-                if (kept >> (e / per_group) & 1u) moe_topk_insert(idx, score, &n, (int)k, (int32_t)e, ranked[e]);
+            for (int64_t g = 0; g * per_group < E; g++) /* group by group: no division per expert */
+                if (kept >> g & 1u)
+                    for (int64_t e = g * per_group; e < (g + 1) * per_group; e++)
+                        moe_topk_insert(idx, score, &n, (int)k, (int32_t)e, ranked[e]);
             /* Weights from the unbiased values: the bias steers selection
              * only. Weights normalised over the chosen k (every kind but
              * softmax_topk without renormalize) come from the chosen logits,
