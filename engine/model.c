@@ -1276,7 +1276,9 @@ moe_status moe_model_stage_forward(moe_model *m, int chunk, const int32_t *input
     const moe_ops *ops = m->ops;
     const int64_t N = m->N, C = c->hidden_size, V = c->vocab_size;
     const int64_t lo = m->chunk_at[chunk], hi = m->chunk_at[chunk + 1];
-    const double model_layers = (double)m->moe_layers; /* what the routing statistics average over */
+    /* What the routing statistics average over; a model of dense MLP layers
+     * only has none, and its statistics stay 0. */
+    const double model_layers = m->moe_layers ? (double)m->moe_layers : 1.0;
     const float eps = (float)c->rms_norm_eps;
     MOE_TRY(moe_model_check_batch(m, inputs, targets));
     /* Only the head reads the targets; another chunk's forward leaves the

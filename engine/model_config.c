@@ -988,11 +988,6 @@ static moe_status read_family_layers(moe_model_config *cfg, given *state, const 
         moe_layer_set_add(dense, l);
         n_dense++;
     }
-    /* Said here, in the file's keys: validate would name moe_dense_layers. */
-    if (n_dense > 0 && n_dense == cfg->num_hidden_layers)
-        return moe_error(MOE_ERR_CONFIG, "%s: decoder_sparse_step=%lld and mlp_only_layers make all "
-                                         "num_hidden_layers=%lld layers of model_type %s dense MLPs: no MoE layer",
-                         name, (long long)step, (long long)n_dense, type);
     const size_t f = field_index("moe_dense_layers");
     for (int64_t l = 0; state[f] == GIVEN && l < MAX_LAYERS; l++) {
         const bool qwen = moe_layer_set_has(dense, l);
@@ -1420,10 +1415,6 @@ moe_status moe_model_config_validate(const moe_model_config *c, const char *name
             return moe_error(MOE_ERR_CONFIG, "%s: moe_dense_layers lists layer %lld, past num_hidden_layers=%lld", name,
                              (long long)l, (long long)c->num_hidden_layers);
     const int64_t n_dense = moe_model_config_dense_layer_count(c);
-    /* The model is an MoE: the router's losses and the experts' parallelism need an MoE layer. */
-    if (n_dense == c->num_hidden_layers)
-        return moe_error(MOE_ERR_CONFIG, "%s: moe_dense_layers lists all num_hidden_layers=%lld layers: no MoE layer",
-                         name, (long long)n_dense);
     /* The dense MLP is a GEMM its width wide, as an expert is. */
     if (c->moe_dense_intermediate_size < 0 || c->moe_dense_intermediate_size > MAX_GEMM_DIM)
         return moe_error(MOE_ERR_CONFIG, "%s: moe_dense_intermediate_size=%lld must be in [0, %lld] (0: "

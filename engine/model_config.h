@@ -203,7 +203,7 @@ typedef struct moe_model_config {
      * layers, Switch's every other layer): bit l of the set marks layer l
      * a SwiGLU MLP moe_dense_intermediate_size wide (0: intermediate_size)
      * in place of the router and the experts (moe_model_config_layer_is_dense).
-     * Default none; at least one layer stays an MoE layer. */
+     * Default none; all of them make a dense baseline. */
     uint64_t moe_dense_layers[MOE_MODEL_LAYERS_MAX / 64];
     int64_t moe_dense_intermediate_size;
 } moe_model_config;

@@ -229,7 +229,7 @@ typedef struct moe_run_eval {
  * router sent that kind's tokens. */
 typedef struct moe_run_kind_report {
     int64_t n_layers, n_experts, top_k;
-    int64_t last_moe_layer; /* the model's last layer that routes (not a dense MLP layer) */
+    int64_t last_moe_layer; /* the model's last layer that routes (not a dense MLP layer); -1: none */
     int64_t tokens[MOE_SYNTH_KIND_COUNT];
     double loss[MOE_SYNTH_KIND_COUNT];
     double floor[MOE_SYNTH_KIND_COUNT];

@@ -159,6 +159,19 @@ static void load_weights(run *r, const char *dir) {
     cr_assert_eq(moe_checkpoint_load_weights(r->model, dir), MOE_OK, "%s", moe_last_error());
 }
 
+/* b takes the checkpoint at dir, weights and state, and then holds a's
+ * parameters and moments bit for bit; the state read is returned. */
+static moe_train_state resume_bits(run *b, const run *a, const char *dir) {
+    load_weights(b, dir);
+    moe_train_state got;
+    cr_assert_eq(moe_checkpoint_load_state(b->trainer, b->model, &got, dir), MOE_OK, "%s", moe_last_error());
+    const int64_t n = n_params(a);
+    expect_bits(moe_model_params(b->model), moe_model_params(a->model), n, "params");
+    expect_bits(moe_trainer_adam_m(b->trainer), moe_trainer_adam_m(a->trainer), n, "exp_avg");
+    expect_bits(moe_trainer_adam_v(b->trainer), moe_trainer_adam_v(a->trainer), n, "exp_avg_sq");
+    return got;
+}
+
 /* ------------------------------------------- safetensors written by hand */
 
 typedef struct tt {
@@ -281,12 +294,7 @@ Test(checkpoint, save_then_load_is_bitwise, .init = make_tmpdir, .fini = remove_
     cr_assert_str_eq(path, in_tmp("out/nested/step-000007"));
 
     scramble(&b, 8, 1);
-    load_weights(&b, path);
-    moe_train_state got;
-    cr_assert_eq(moe_checkpoint_load_state(b.trainer, b.model, &got, path), MOE_OK, "%s", moe_last_error());
-    expect_bits(moe_model_params(b.model), moe_model_params(a.model), n_params(&a), "params");
-    expect_bits(moe_trainer_adam_m(b.trainer), moe_trainer_adam_m(a.trainer), n_params(&a), "exp_avg");
-    expect_bits(moe_trainer_adam_v(b.trainer), moe_trainer_adam_v(a.trainer), n_params(&a), "exp_avg_sq");
+    const moe_train_state got = resume_bits(&b, &a, path);
     for (int64_t l = 0; l < LAYERS; l++)
         expect_bits(moe_model_router_bias(b.model, l), moe_model_router_bias(a.model, l), EXPERTS, "bias");
     cr_expect_eq(moe_trainer_steps_done(b.trainer), 7);
@@ -614,17 +622,37 @@ Test(checkpoint, dense_layers_are_saved_as_mlps, .init = make_tmpdir, .fini = re
     save(path, sizeof path, tmpdir, &a, &s);
     cr_expect(moe_model_router_bias(a.model, 0) != NULL && moe_model_router_bias(a.model, 1) == NULL,
               "a selection bias for the MoE layer 0 only");
-    load_weights(&b, path);
-    moe_train_state got;
-    cr_assert_eq(moe_checkpoint_load_state(b.trainer, b.model, &got, path), MOE_OK, "%s", moe_last_error());
-    expect_bits(moe_model_params(b.model), moe_model_params(a.model), n_params(&a), "params");
-    expect_bits(moe_trainer_adam_m(b.trainer), moe_trainer_adam_m(a.trainer), n_params(&a), "exp_avg");
-    expect_bits(moe_trainer_adam_v(b.trainer), moe_trainer_adam_v(a.trainer), n_params(&a), "exp_avg_sq");
+    resume_bits(&b, &a, path);
     expect_bits(moe_model_router_bias(b.model, 0), moe_model_router_bias(a.model, 0), EXPERTS, "bias");
     moe_model_config cfg;
     cr_assert_eq(moe_checkpoint_load_config(&cfg, path, true, NULL, NULL), MOE_OK, "%s", moe_last_error());
     cr_expect(!moe_model_config_layer_is_dense(&cfg, 0) && moe_model_config_layer_is_dense(&cfg, 1),
               "the saved config's dense layers");
+    free_run(&a);
+    free_run(&b);
+}
+
+/* A model of dense MLP layers only (a dense baseline) has no router or
+ * expert tensor, saves as Qwen3-MoE with every layer in mlp_only_layers,
+ * which transformers builds as such, and resumes bit for bit. */
+Test(checkpoint, dense_layers_only, .init = make_tmpdir, .fini = remove_tmpdir) {
+    moe_model_config c = small_config(EXPERTS, 2);
+    c.moe_qk_norm = MOE_QK_NORM_PER_HEAD;
+    c.moe_dense_layers[0] = 0x3;
+    c.moe_dense_intermediate_size = 2 * FF;
+    run a = run_of(&c, 5), b = run_of(&c, 6);
+    for (int64_t i = 0; i < moe_model_tensor_count(a.model); i++) {
+        const char *name = moe_model_tensor_at(a.model, i)->name;
+        cr_expect(!strstr(name, "block_sparse_moe") && !strstr(name, "experts"), "tensor %s in a dense model", name);
+    }
+    char path[512];
+    moe_train_state s = scramble(&a, 11, 11);
+    save(path, sizeof path, tmpdir, &a, &s);
+    resume_bits(&b, &a, path);
+    moe_model_config cfg;
+    cr_assert_eq(moe_checkpoint_load_config(&cfg, path, true, NULL, NULL), MOE_OK, "%s", moe_last_error());
+    cr_expect_str_eq(moe_model_config_model_type(&cfg), "qwen3_moe");
+    cr_expect_eq(moe_model_config_dense_layer_count(&cfg), 2, "the saved config's dense layers");
     free_run(&a);
     free_run(&b);
 }

@@ -1700,17 +1700,19 @@ Test(model_config, qwen_dense_layers_as_transformers_reads_them) {
     cr_expect(moe_model_config_layer_is_dense(&c, 0) && c.moe_dense_intermediate_size == 256,
               "the dense layers stay intermediate_size=256 wide");
 
+    /* Every layer dense: a dense baseline, as transformers builds it. */
+    const char *all_dense[] = {", \"mlp_only_layers\": [0, 1]", ", \"decoder_sparse_step\": 3"};
+    for (size_t i = 0; i < sizeof all_dense / sizeof *all_dense; i++) {
+        cr_expect_eq(parse(&c, qwen3_with(all_dense[i]), NULL), MOE_OK, "%s: %s", all_dense[i], moe_last_error());
+        cr_expect_eq(moe_model_config_dense_layer_count(&c), 2, "%s: every layer dense", all_dense[i]);
+    }
+
     const refused_case bad[] = {
         {", \"decoder_sparse_step\": 0", "t/config.json: decoder_sparse_step=0 is no step"},
         {", \"decoder_sparse_step\": null", "t/config.json: decoder_sparse_step=null is no step"},
         {", \"mlp_only_layers\": null", "t/config.json: mlp_only_layers=null is no list of layers"},
         {", \"decoder_sparse_step\": 1.5", "t/config.json: decoder_sparse_step must be an integer, got 1.5"},
         {", \"mlp_only_layers\": [0, 1.5]", "t/config.json: mlp_only_layers[1] must be an integer, got 1.5"},
-        {", \"mlp_only_layers\": [0, 1]",
-         "t/config.json: decoder_sparse_step=1 and mlp_only_layers make all num_hidden_layers=2 layers of model_type "
-         "qwen3_moe dense MLPs: no MoE layer"},
-        {", \"decoder_sparse_step\": 3",
-         "t/config.json: decoder_sparse_step=3 and mlp_only_layers make all num_hidden_layers=2 layers"},
         {", \"moe_dense_layers\": [1]",
          "t/config.json: moe_dense_layers lists layer 1, which model_type qwen3_moe's decoder_sparse_step=1 and "
          "mlp_only_layers make an MoE layer"},
@@ -1773,6 +1775,9 @@ Test(model_config, dense_layers_of_our_keys) {
     }
     cr_assert_eq(parse(&c, config_with("moe_dense_layers", "null"), &w), MOE_OK, "%s", moe_last_error());
     cr_expect_eq(moe_model_config_dense_layer_count(&c), 0);
+    cr_assert_eq(parse(&c, config_with("moe_dense_layers", "[1, 0]"), &w), MOE_OK, "every layer: %s",
+                 moe_last_error());
+    cr_expect_eq(moe_model_config_dense_layer_count(&c), 2);
 
     const struct {
         const char *key, *value, *want;
@@ -1784,8 +1789,6 @@ Test(model_config, dense_layers_of_our_keys) {
         {"moe_dense_layers", "[0.5]", "t/config.json: moe_dense_layers[0] must be an integer, got 0.5"},
         {"moe_dense_layers", "[\"0\"]", "t/config.json: moe_dense_layers[0] must be an integer, got \"0\""},
         {"moe_dense_layers", "1", "t/config.json: moe_dense_layers must be a list of layer numbers, got 1"},
-        {"moe_dense_layers", "[1, 0]", "t/config.json: moe_dense_layers lists all num_hidden_layers=2 layers: no MoE "
-                                       "layer"},
         {"moe_dense_intermediate_size", "96",
          "t/config.json: moe_dense_intermediate_size=96 needs dense layers (moe_dense_layers lists none)"},
         {"moe_dense_layers", "[0], \"moe_dense_intermediate_size\": -1",
@@ -1819,7 +1822,7 @@ Test(model_config, dense_layers_validated_in_the_struct) {
         {0, 0x5, 96, NULL},
         {0, 0x10, 0, "small: moe_dense_layers lists layer 4, past num_hidden_layers=4"},
         {1023, (uint64_t)1 << 63, 0, "small: moe_dense_layers lists layer 65535, past num_hidden_layers=4"},
-        {0, 0xf, 0, "small: moe_dense_layers lists all num_hidden_layers=4 layers: no MoE layer"},
+        {0, 0xf, 0, NULL}, /* every layer: a dense baseline */
         {0, 0x5, 256, "small: moe_dense_intermediate_size=256 is intermediate_size: give 0, its one form"},
         {0, 0x0, 96, "small: moe_dense_intermediate_size=96 needs dense layers (moe_dense_layers lists none)"},
         {0, 0x5, -1, "small: moe_dense_intermediate_size=-1 must be in [0, 1073741823]"},

@@ -105,6 +105,9 @@ static const grad_case CASES[] = {
      3},
     {"dense_first_qwen3", MOE_GATE_SOFTMAX_TOPK, 1.0, 0, 0, 27, 0.0, 0.0, 0, false, {0}, MOE_QK_NORM_PER_HEAD, false,
      0x1, 0, 2},
+    /* Every layer dense, 9 wide: a dense baseline, with the aux loss's
+     * coefficient set, which has no MoE layer to average over. */
+    {"dense_only", MOE_GATE_SOFTMAX_TOPK, 0.0, 0, 1, 28, 0.3, 0.0, 0, false, {0}, MOE_QK_NORM_NONE, false, 0x3, 9, 2},
 };
 #define N_CASES ((int)(sizeof CASES / sizeof *CASES))
 
@@ -211,7 +214,8 @@ static void check_forward(const grad_case *gc) {
                       gc->name, (long long)l, (long long)(i / k), (long long)(i % k), got[i], ro->idx[i]);
         dropped += ro->dropped;
     }
-    const double ref_dropped_frac = (double)dropped / (double)(moe_layers * N_POS * k);
+    /* No MoE layer drops nothing. */
+    const double ref_dropped_frac = moe_layers ? (double)dropped / (double)(moe_layers * N_POS * k) : 0.0;
     cr_expect(fabs(st.dropped_frac - ref_dropped_frac) < 1e-12, "%s: dropped fraction %.6g, reference %.6g", gc->name,
               st.dropped_frac, ref_dropped_frac);
     if (gc->capacity_factor > 0.0)
@@ -349,6 +353,7 @@ Test(model_grad, olmoe_qk_norm) { check_gradients(&CASES[13]); }
 Test(model_grad, qwen2_shared_gate_and_qkv_bias) { check_gradients(&CASES[14]); }
 Test(model_grad, dense_layer_between_moe_layers) { check_gradients(&CASES[15]); }
 Test(model_grad, qwen3_dense_first_layer) { check_gradients(&CASES[16]); }
+Test(model_grad, dense_layers_only) { check_gradients(&CASES[17]); }
 
 /* ---------------------------------------------------------- grad_scale */
 

@@ -407,20 +407,22 @@ static void on_start(void *ctx, const moe_run_summary *s) {
                      (long long)c->moe_n_group);
     if (c->moe_routed_scaling_factor != 1.0)
         snprintf(groups + n, sizeof groups - (size_t)n, " weighted x%g", c->moe_routed_scaling_factor);
-    printf("model    %s: d_model %lld, %lld layers, %lld heads (%lld KV%s), %lld experts of width %lld, top-%lld%s, "
-           "vocab %lld\n",
+    const int64_t dense = moe_model_config_dense_layer_count(c);
+    char experts[192] = "no MoE layer";
+    if (dense < c->num_hidden_layers)
+        snprintf(experts, sizeof experts, "%lld experts of width %lld, top-%lld%s", (long long)c->num_local_experts,
+                 (long long)c->intermediate_size, (long long)c->num_experts_per_tok, groups);
+    printf("model    %s: d_model %lld, %lld layers, %lld heads (%lld KV%s), %s, vocab %lld\n",
            moe_model_config_model_type(c), (long long)c->hidden_size, (long long)c->num_hidden_layers, (long long)c->num_attention_heads,
            (long long)c->num_key_value_heads, c->moe_qk_norm == MOE_QK_NORM_PER_HEAD       ? ", q and k normalised per head"
            : c->moe_qk_norm == MOE_QK_NORM_ACROSS_HEADS ? ", q and k normalised across heads"
                                                         : "",
-           (long long)c->num_local_experts, (long long)c->intermediate_size,
-           (long long)c->num_experts_per_tok, groups, (long long)c->vocab_size);
+           experts, (long long)c->vocab_size);
     if (c->rope_scaling.type != MOE_ROPE_DEFAULT) {
         char rope[256];
         moe_rope_scaling_describe(rope, sizeof rope, &c->rope_scaling);
         printf("rope     theta %g, scaled %s\n", c->rope_theta, rope);
     }
-    const int64_t dense = moe_model_config_dense_layer_count(c);
     if (dense > 0) {
         printf("dense    %lld of the layers are dense MLPs of width %lld:", (long long)dense,
                (long long)moe_model_config_dense_width(c));
@@ -576,6 +578,10 @@ static void print_kinds(const moe_run_kind_report *r) {
             printf("%s%s %lld/%lld right (%.1f%%)", k ? ", " : "", what[k], (long long)t->solved[k],
                    (long long)t->tried[k], t->tried[k] ? 100.0 * (double)t->solved[k] / (double)t->tried[k] : 0.0);
         printf("\n");
+    }
+    if (r->last_moe_layer < 0) {
+        printf("\nrouting: none (every layer is a dense MLP)\n");
+        return;
     }
     char title[64];
     snprintf(title, sizeof title, "routing, layer %lld (the last%s)", (long long)r->last_moe_layer,
