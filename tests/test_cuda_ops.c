@@ -1918,14 +1918,15 @@ Test(cuda, model_on_the_table) {
     enum { B = 2, T = 16, N = B * T };
     /* RMSNorm over rows of head_dim, then of the whole projection; then
      * none, with Qwen2-MoE's q, k and v biases and its gated shared expert
-     * of its own width; then a dense MLP layer 40 wide first. */
-    for (int variant = 0; variant < 4; variant++) {
+     * of its own width; then a dense MLP layer 40 wide first; then both
+     * layers dense (a dense baseline). */
+    for (int variant = 0; variant < 5; variant++) {
         const int qk = variant == 0 ? MOE_QK_NORM_PER_HEAD : variant == 1 ? MOE_QK_NORM_ACROSS_HEADS : MOE_QK_NORM_NONE;
         cfg.moe_qk_norm = (moe_qk_norm_kind)qk;
         cfg.moe_qkv_bias = cfg.moe_shared_expert_gate = variant == 2;
         cfg.moe_shared_intermediate_size = variant == 2 ? 20 : 0;
-        cfg.moe_dense_layers[0] = variant == 3 ? 0x1 : 0;
-        cfg.moe_dense_intermediate_size = variant == 3 ? 40 : 0;
+        cfg.moe_dense_layers[0] = variant == 3 ? 0x1 : variant == 4 ? 0x3 : 0;
+        cfg.moe_dense_intermediate_size = variant >= 3 ? 40 : 0;
         moe_model *host = NULL, *dev = NULL;
         CHECK(moe_model_create(&host, &cfg, B, T, 5));
         const moe_model_parallel on_gpu = {.ops = gpu};
