@@ -10,7 +10,8 @@
 
 #include "common/host_device.h"
 
-/* x clamped to [lo, hi] (lo <= hi, neither NaN), NaN kept: the bits of
+/* x clamped to [lo, hi] (lo <= hi, neither NaN nor a zero, which the key
+ * below orders as -0 < +0), NaN kept: the bits of
  * x < lo ? lo : x > hi ? hi : x, which the GPU computes so. The CPU takes
  * integer minimum and maximum on a key that orders floats as numbers: the
  * float comparisons' branches would give the clamped values their own paths,

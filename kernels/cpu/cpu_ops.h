@@ -15,7 +15,8 @@ void moe_cpu_gemm(float *c, const float *a, const float *b, int64_t m, int64_t n
                   int64_t lda, int64_t ldb, int64_t ldc, bool trans_a, bool trans_b, float alpha,
                   float beta);
 /* The op table's GEMM: small ones cut into row blocks the threads share
- * (gemm.c), the result the same bits for any number of threads. */
+ * (gemm.c), whose bits do not depend on the number of threads (OpenBLAS's
+ * own threads, for the rest, may round some shapes otherwise). */
 void moe_cpu_gemm_split(float *c, const float *a, const float *b, int64_t m, int64_t n, int64_t k, int64_t lda,
                         int64_t ldb, int64_t ldc, bool trans_a, bool trans_b, float alpha, float beta);
 void moe_cpu_gate_forward(int32_t *topk_idx, float *topk_w, float *prob, float *lse,

@@ -5,7 +5,8 @@
 
 /* Up to this many multiply-adds moe_cpu_gemm_split cuts a GEMM into blocks
  * of C's rows, each a single-threaded OpenBLAS call (the OpenMP build runs
- * on the calling thread inside a parallel region), taken by the cores in
+ * on the calling thread inside a parallel region; the pthread build would
+ * start its own threads in each, and is left whole), taken by the cores in
  * turn: OpenBLAS's own threads cost more than they split at these
  * sizes. Measured on two cores: [1024, 64] x [64, 64] forward and backward
  * run in 0.6-0.7 of the time, [16384, 64] x [64, 64] in 0.7-0.8, while at
@@ -39,7 +40,7 @@ void moe_cpu_gemm(float *c, const float *a, const float *b, int64_t m, int64_t n
 void moe_cpu_gemm_split(float *c, const float *a, const float *b, int64_t m, int64_t n, int64_t k, int64_t lda,
                         int64_t ldb, int64_t ldc, bool trans_a, bool trans_b, float alpha, float beta) {
     const int64_t rows = split_rows(m), blocks = (m + rows - 1) / rows;
-    if (blocks < 2 || k == 0 || m * n * k > GEMM_SPLIT_MAX_MACS) {
+    if (blocks < 2 || k == 0 || m * n * k > GEMM_SPLIT_MAX_MACS || openblas_get_parallel() == OPENBLAS_THREAD) {
         moe_cpu_gemm(c, a, b, m, n, k, lda, ldb, ldc, trans_a, trans_b, alpha, beta);
         return;
     }
