@@ -141,7 +141,7 @@ static moe_status check_rows(const moe_model *model, const int64_t *len, const i
     const int64_t B = moe_model_batch_size(model), T = moe_model_seq_len(model);
     if (moe_model_world_size(model) != 1)
         return moe_error(MOE_ERR_UNSUPPORTED, "generation runs on one rank, not %d", moe_model_world_size(model));
-    if (c->moe_capacity_factor > 0.0)
+    if (moe_model_config_drops_pairs(c))
         return moe_error(MOE_ERR_UNSUPPORTED,
                          "generation needs dropless routing, and this model drops past a capacity factor of %g: "
                          "the padding past each row's end would compete for the experts' slots",
@@ -627,7 +627,7 @@ static moe_status read_inputs(generation *g, const moe_generate_options *o, cons
                          g->kind == MOE_TOKENS_SYNTHETIC
                              ? ": begin with a document's kind, <arithmetic>, <copy>, <brackets> or <markov>"
                              : "");
-    if (g->cfg.moe_capacity_factor > 0.0)
+    if (moe_model_config_drops_pairs(&g->cfg))
         return moe_error(MOE_ERR_UNSUPPORTED,
                          "--init-from %s: generation needs dropless routing, and this model drops past a capacity "
                          "factor of %g (moe_capacity_factor in its config.json)",

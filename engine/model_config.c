@@ -1762,6 +1762,10 @@ bool moe_model_config_layer_is_dense(const moe_model_config *cfg, int64_t layer)
     return layer >= 0 && layer < MAX_LAYERS && moe_layer_set_has(cfg->moe_dense_layers, layer);
 }
 
+bool moe_model_config_drops_pairs(const moe_model_config *cfg) {
+    return cfg->moe_capacity_factor > 0.0 && moe_model_config_dense_layer_count(cfg) < cfg->num_hidden_layers;
+}
+
 int64_t moe_model_config_dense_layer_count(const moe_model_config *cfg) {
     int64_t n = 0;
     for (int64_t l = 0; l < cfg->num_hidden_layers && l < MAX_LAYERS; l++) n += moe_model_config_layer_is_dense(cfg, l);

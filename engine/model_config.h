@@ -319,6 +319,11 @@ bool moe_model_config_layer_is_dense(const moe_model_config *cfg, int64_t layer)
 int64_t moe_model_config_dense_layer_count(const moe_model_config *cfg);
 int64_t moe_model_config_dense_width(const moe_model_config *cfg);
 
+/* Whether the model drops (token, slot) pairs past a capacity, so that a
+ * token's output depends on the rest of its batch: a capacity factor and
+ * an MoE layer to apply it. */
+bool moe_model_config_drops_pairs(const moe_model_config *cfg);
+
 /* The per-layer MoE settings of this model, whose sequences are seq_len
  * tokens (the sequence-wise balancing loss's); seed seeds the router jitter. */
 void moe_model_config_layer(moe_layer_config *layer, const moe_model_config *cfg, int64_t seq_len, uint64_t seed);

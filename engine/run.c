@@ -644,6 +644,15 @@ static moe_status check_dense_config(moe_model_config *moe, const moe_run_option
                        path, dense, o->config, mine);
     }
     const moe_json *type = moe_json_get(root, "model_type");
+    /* The MoE families' files say their widths and biases in keys of their
+     * own, which the rules below would misread. */
+    static const char *const moe_types[] = {"mixtral", "qwen3_moe", "qwen2_moe", "olmoe"};
+    for (size_t i = 0; st == MOE_OK && type && moe_json_text(type) && i < sizeof moe_types / sizeof *moe_types; i++)
+        if (strcmp(moe_json_text(type), moe_types[i]) == 0)
+            st = moe_error(MOE_ERR_CONFIG, "--upcycle: %s is model_type %s, an MoE family's, whose keys --upcycle "
+                                           "does not read (even with every layer dense): it starts from a dense "
+                                           "model's config.json (mistral, llama, qwen2, qwen3, or moe's \"moe\")",
+                           path, moe_types[i]);
     const bool qwen3 = type && moe_json_text(type) && strcmp(moe_json_text(type), "qwen3") == 0;
     const moe_qk_norm_kind qk_norm = qwen3 ? MOE_QK_NORM_PER_HEAD : MOE_QK_NORM_NONE;
     if (st == MOE_OK && qk_norm != moe->moe_qk_norm)
@@ -721,6 +730,10 @@ static moe_status load_config(run *r, bool *known) {
     if (o->config) {
         moe_status st = moe_model_config_load(&r->cfg, o->config, on_warn, r->cb->ctx);
         if (st != MOE_OK) return moe_error_prefix(st, "--config: ");
+        if (o->upcycle && moe_model_config_dense_layer_count(&r->cfg) == r->cfg.num_hidden_layers)
+            return moe_error(MOE_ERR_CONFIG, "--upcycle: --config %s has no MoE layer (every layer a dense MLP): "
+                                             "nothing to upcycle; --init-from alone loads the dense model",
+                             o->config);
         return o->upcycle ? check_dense_config(&r->cfg, o) : MOE_OK;
     }
     if (o->init_from || o->resume) {
@@ -1047,7 +1060,7 @@ static moe_status open_data(run *r) {
     if (o->eval_mc) {
         const moe_status st = moe_mc_eval_open(&r->mc, o->eval_mc, r->cfg.vocab_size, o->seq_len, o->batch_size);
         if (st != MOE_OK) return moe_error_prefix(st, "--eval-mc: ");
-        if (r->cfg.moe_capacity_factor > 0.0)
+        if (moe_model_config_drops_pairs(&r->cfg))
             warn(r->cb, "--eval-mc %s: moe_capacity_factor %g drops tokens by what else a batch holds, its "
                         "padding included, so the scores depend on --batch-size and --seq-len",
                  o->eval_mc, r->cfg.moe_capacity_factor);
@@ -1076,18 +1089,16 @@ static const char *pp_balance_name(int v) { return moe_pp_balance_name((moe_pp_b
 #define RUN_COST_REPS 3
 
 /* The median seconds of one forward and backward of a one-rank model of
- * the run's config cut to `layers` MoE layers, the last one a dense MLP
- * layer when dense_last, at the run's batch shape on the run's device,
- * after one untimed. */
-static moe_status time_layers(run *r, int64_t layers, bool dense_last, double *seconds) {
+ * the run's config cut to `layers` layers, MoE layers up to dense_from and
+ * dense MLP layers from there, at the run's batch shape on the run's
+ * device, after one untimed. */
+static moe_status time_layers(run *r, int64_t layers, int64_t dense_from, double *seconds) {
     const moe_run_options *o = r->o;
     moe_model_config c = r->cfg;
     c.num_hidden_layers = layers;
     memset(c.moe_dense_layers, 0, sizeof c.moe_dense_layers);
-    if (dense_last)
-        moe_layer_set_add(c.moe_dense_layers, layers - 1);
-    else
-        c.moe_dense_intermediate_size = 0;
+    for (int64_t l = dense_from; l < layers; l++) moe_layer_set_add(c.moe_dense_layers, l);
+    if (dense_from >= layers) c.moe_dense_intermediate_size = 0;
     const int64_t N = o->batch_size * o->seq_len;
     int32_t *tokens = malloc((size_t)(2 * N) * sizeof *tokens); /* inputs, then targets */
     if (!tokens) return moe_error(MOE_ERR_OUT_OF_MEMORY, "--pp-balance measured: %lld tokens", (long long)N);
@@ -1115,6 +1126,8 @@ static moe_status time_layers(run *r, int64_t layers, bool dense_last, double *s
  * is the difference between models of two MoE layers and of one, a dense
  * layer (when the model has any) between one of an MoE and a dense layer
  * and the one, the head and embedding the rest of the one-layer model. A
+ * model of dense layers only times dense layers alone, and its MoE layer
+ * (which none is) costs a dense one, so that a resume finds it measured. A
  * resume takes the times its checkpoint's run measured, when it did, and
  * so cuts as that run did: timings vary, and another cut would round apart. */
 static moe_status stage_costs(run *r, moe_stage_costs *costs) {
@@ -1130,12 +1143,15 @@ static moe_status stage_costs(run *r, moe_stage_costs *costs) {
         if (!dense || costs->dense_layer > 0.0) return MOE_OK;
         r->stage_costs_resumed = false; /* a checkpoint of before the model had dense layers: measured again */
     }
+    const bool dense_only = moe_model_config_dense_layer_count(&r->cfg) == r->cfg.num_hidden_layers;
+    const int64_t dense_from = dense_only ? 0 : 2;
     double one, two, mixed = 0.0;
-    MOE_TRY(time_layers(r, 1, false, &one));
-    MOE_TRY(time_layers(r, 2, false, &two));
-    if (dense) MOE_TRY(time_layers(r, 2, true, &mixed));
+    MOE_TRY(time_layers(r, 1, dense_from, &one));
+    MOE_TRY(time_layers(r, 2, dense_from, &two));
+    if (dense && !dense_only) MOE_TRY(time_layers(r, 2, 1, &mixed));
     /* Noise can make two layers look no slower than one. */
-    double v[3] = {fmax(two - one, 1e-3 * one), dense ? fmax(mixed - one, 1e-3 * one) : 0.0, 0.0};
+    const double layer = fmax(two - one, 1e-3 * one);
+    double v[3] = {layer, dense_only ? layer : dense ? fmax(mixed - one, 1e-3 * one) : 0.0, 0.0};
     v[2] = one - v[0] > 0.0 ? one - v[0] : 0.0;
     if (r->world) MOE_TRY(moe_comm_allreduce_sum(r->world, v, 3, MOE_COMM_F64));
     costs->layer = v[0] / r->ranks;
@@ -1850,7 +1866,7 @@ static moe_status evaluate(run *r, int64_t step, double *val_loss) {
 #define RUN_TASK_EXAMPLES 32
 
 static moe_status solve_tasks(run *r) {
-    if (r->ranks > 1 || r->cfg.moe_capacity_factor > 0.0) return MOE_OK;
+    if (r->ranks > 1 || moe_model_config_drops_pairs(&r->cfg)) return MOE_OK;
     const moe_status st = moe_synth_tasks_solve(&r->kinds.tasks, r->model, &r->val.synth, RUN_TASK_EXAMPLES);
     if (st != MOE_OK) return moe_error_prefix(st, "the trained model's greedy answers: ");
     r->kinds.tasks_measured = true;

@@ -1806,6 +1806,20 @@ Test(model_config, dense_layers_of_our_keys) {
     }
 }
 
+/* A capacity factor drops pairs only where a layer routes: a model of
+ * dense layers only generates and scores alone whatever its factor. */
+Test(model_config, capacity_drops_only_in_moe_layers) {
+    moe_model_config c;
+    moe_model_config_default_small(&c, 256);
+    cr_expect(!moe_model_config_drops_pairs(&c), "dropless by default");
+    c.moe_capacity_factor = 1.25;
+    cr_expect(moe_model_config_drops_pairs(&c), "a factor on MoE layers");
+    c.moe_dense_layers[0] = 0x7;
+    cr_expect(moe_model_config_drops_pairs(&c), "one MoE layer left");
+    c.moe_dense_layers[0] = 0xf;
+    cr_expect(!moe_model_config_drops_pairs(&c), "every layer dense");
+}
+
 /* A struct filled by hand is checked as a file is, and the dense layers'
  * bytes count against int64 as the experts' do. */
 Test(model_config, dense_layers_validated_in_the_struct) {

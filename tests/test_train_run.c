@@ -761,6 +761,11 @@ Test(train_run, upcycle_checks_the_dense_config, .init = make_tmp, .fini = remov
          "layer 0 attends without a window, layer 1 within one"},
         {", \"model_type\": \"qwen3\"", "dense/config.json is a qwen3 model, whose attention normalises q and k per head, "
                                      "and --config"},
+        /* An MoE family's file, even one of dense layers only, is read
+         * by keys of its own. */
+        {", \"model_type\": \"qwen3_moe\", \"mlp_only_layers\": [0, 1]",
+         "dense/config.json is model_type qwen3_moe, an MoE family's, whose keys --upcycle does not read"},
+        {", \"model_type\": \"mixtral\"", "dense/config.json is model_type mixtral, an MoE family's"},
         /* Windows that are not used are none. */
         {", \"model_type\": \"qwen2\", \"rope_theta\": 10000.0, \"sliding_window\": 16", QWEN2_BIASES},
         {", \"model_type\": \"qwen2\", \"rope_theta\": 10000.0, \"use_sliding_window\": true, \"sliding_window\": 16",
@@ -815,6 +820,14 @@ Test(train_run, upcycle_checks_the_dense_config, .init = make_tmp, .fini = remov
     cr_assert_eq(moe_file_write_atomic_buffer(path, qwen2, sizeof qwen2 - 1), MOE_OK, "%s", moe_last_error());
     cr_expect_neq(moe_run(&o, &cb), MOE_OK, "upcycled without weights");
     cr_expect(strstr(moe_last_error(), "model.safetensors"), "%s", moe_last_error());
+    /* Into a model of dense layers only: nothing to upcycle. */
+    c.moe_qkv_bias = false;
+    c.moe_dense_layers[0] = 0x3;
+    cr_assert_eq(moe_model_config_save(&c, qk_cfg), MOE_OK, "%s", moe_last_error());
+    cr_expect_neq(moe_run(&o, &cb), MOE_OK, "upcycled into dense layers only");
+    cr_expect(strstr(moe_last_error(), "qk.json has no MoE layer (every layer a dense MLP): nothing to upcycle"), "%s",
+              moe_last_error());
+    cr_expect_eq(v.steps, 0);
 }
 
 /* The files of an earlier run in an --out directory, which a refused run

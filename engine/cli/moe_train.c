@@ -348,12 +348,16 @@ static void print_grid(const moe_run_summary *s) {
                 if (last != first) printf("-%lld", last);
             }
         if (o->pp_balance == MOE_PP_BALANCE_MEASURED) {
-            char dense[48] = "";
+            const moe_model_config *c = s->config;
+            char layers[96];
+            const int n = moe_model_config_dense_layer_count(c) < c->num_hidden_layers
+                              ? snprintf(layers, sizeof layers, "an MoE layer %.2f ms", 1e3 * s->stage_costs.layer)
+                              : 0;
             if (s->stage_costs.dense_layers)
-                snprintf(dense, sizeof dense, ", a dense MLP layer %.2f ms", 1e3 * s->stage_costs.dense_layer);
-            printf(" (measured%s: an MoE layer %.2f ms%s, the head %.2f ms)",
-                   s->stage_costs_resumed ? " by the run --resume continues" : "", 1e3 * s->stage_costs.layer, dense,
-                   1e3 * s->stage_costs.head);
+                snprintf(layers + n, sizeof layers - (size_t)n, "%sa dense MLP layer %.2f ms", n ? ", " : "",
+                         1e3 * s->stage_costs.dense_layer);
+            printf(" (measured%s: %s, the head %.2f ms)", s->stage_costs_resumed ? " by the run --resume continues" : "",
+                   layers, 1e3 * s->stage_costs.head);
         }
     }
     printf("\n");
