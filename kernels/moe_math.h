@@ -76,9 +76,25 @@ MOE_HD float moe_expf(float x) {
 
 MOE_HD float moe_sigmoidf(float x) { return 1.0f / (1.0f + moe_expf(-x)); }
 
+/* log(1 + u) for u in [0, 1], within 2 ulp, in plain arithmetic so that
+ * the loops calling it vectorise (libm's log1pf is a call per element):
+ * 2 atanh(y) with y = u / (2 + u) <= 1/3, which keeps a small u's bits, as
+ * its odd series through y^15. */
+MOE_HD float moe_log1p_unit(float u) {
+    const float y = u / (2.0f + u), y2 = y * y;
+    float p = 1.0f / 15.0f;
+    p = p * y2 + 1.0f / 13.0f;
+    p = p * y2 + 1.0f / 11.0f;
+    p = p * y2 + 1.0f / 9.0f;
+    p = p * y2 + 1.0f / 7.0f;
+    p = p * y2 + 1.0f / 5.0f;
+    p = p * y2 + 1.0f / 3.0f;
+    return 2.0f * (y + y * y2 * p);
+}
+
 /* log(sigmoid(x)) = min(x, 0) - log(1 + e^-|x|): exact where sigmoid(x)
  * itself leaves float's range (x far below zero, where it is x). */
-MOE_HD float moe_log_sigmoidf(float x) { return fminf(x, 0.0f) - log1pf(moe_expf(-fabsf(x))); }
+MOE_HD float moe_log_sigmoidf(float x) { return (x < 0.0f ? x : 0.0f) - moe_log1p_unit(moe_expf(-fabsf(x))); }
 
 /* silu(a) = a * sigmoid(a); silu'(a) = s * (1 + a * (1 - s)). */
 MOE_HD float moe_siluf(float a) { return a * moe_sigmoidf(a); }

@@ -389,6 +389,34 @@ Test(ops, expf_keeps_nan_and_clamps) {
     }
 }
 
+/* moe_log1p_unit within 2 ulp of log1p in double over [0, 1] (every
+ * 31st float, small ones included, where u / (2 + u) keeps their bits), and
+ * moe_log_sigmoidf within 3 ulp where moe_expf is within its range. */
+static double ulps_off(float got, double want) {
+    const float w = (float)want;
+    const double ulp = (double)nextafterf(fabsf(w), INFINITY) - fabs((double)w);
+    return fabs((double)got - want) / ulp;
+}
+
+Test(ops, log1p_unit_and_log_sigmoid_within_ulps) {
+    double worst = 0.0;
+    float at = 0.0f;
+    for (uint32_t b = 0; b <= 0x3f800000u; b += 31) {
+        float u;
+        memcpy(&u, &b, sizeof u);
+        const double off = ulps_off(moe_log1p_unit(u), log1p((double)u));
+        if (off > worst) worst = off, at = u;
+    }
+    cr_expect(worst <= 2.0, "log1p_unit: %.3f ulp at %a", worst, at);
+    worst = 0.0;
+    for (float x = -86.0f; x <= 86.0f; x += 0.00731f) {
+        const double want = x < 0.0f ? x - log1p(exp((double)x)) : -log1p(exp(-(double)x));
+        const double off = ulps_off(moe_log_sigmoidf(x), want);
+        if (off > worst) worst = off, at = x;
+    }
+    cr_expect(worst <= 3.0, "log_sigmoid: %.3f ulp at %g", worst, at);
+}
+
 /* moe_clampf, the integer clamp under moe_expf, gives what the float
  * comparisons x < lo ? lo : x > hi ? hi : x give, bit for bit (NaN kept
  * with its payload, signed zeros, subnormals, the bounds' neighbours), over
