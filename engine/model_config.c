@@ -1762,8 +1762,12 @@ bool moe_model_config_layer_is_dense(const moe_model_config *cfg, int64_t layer)
     return layer >= 0 && layer < MAX_LAYERS && moe_layer_set_has(cfg->moe_dense_layers, layer);
 }
 
+bool moe_model_config_has_moe_layer(const moe_model_config *cfg) {
+    return moe_model_config_dense_layer_count(cfg) < cfg->num_hidden_layers;
+}
+
 bool moe_model_config_drops_pairs(const moe_model_config *cfg) {
-    return cfg->moe_capacity_factor > 0.0 && moe_model_config_dense_layer_count(cfg) < cfg->num_hidden_layers;
+    return cfg->moe_capacity_factor > 0.0 && moe_model_config_has_moe_layer(cfg);
 }
 
 int64_t moe_model_config_dense_layer_count(const moe_model_config *cfg) {

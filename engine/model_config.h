@@ -319,6 +319,9 @@ bool moe_model_config_layer_is_dense(const moe_model_config *cfg, int64_t layer)
 int64_t moe_model_config_dense_layer_count(const moe_model_config *cfg);
 int64_t moe_model_config_dense_width(const moe_model_config *cfg);
 
+/* Whether any layer is an MoE layer (not every one a dense MLP). */
+bool moe_model_config_has_moe_layer(const moe_model_config *cfg);
+
 /* Whether the model drops (token, slot) pairs past a capacity, so that a
  * token's output depends on the rest of its batch: a capacity factor and
  * an MoE layer to apply it. */

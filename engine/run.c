@@ -730,7 +730,7 @@ static moe_status load_config(run *r, bool *known) {
     if (o->config) {
         moe_status st = moe_model_config_load(&r->cfg, o->config, on_warn, r->cb->ctx);
         if (st != MOE_OK) return moe_error_prefix(st, "--config: ");
-        if (o->upcycle && moe_model_config_dense_layer_count(&r->cfg) == r->cfg.num_hidden_layers)
+        if (o->upcycle && !moe_model_config_has_moe_layer(&r->cfg))
             return moe_error(MOE_ERR_CONFIG, "--upcycle: --config %s has no MoE layer (every layer a dense MLP): "
                                              "nothing to upcycle; --init-from alone loads the dense model",
                              o->config);
@@ -1143,7 +1143,7 @@ static moe_status stage_costs(run *r, moe_stage_costs *costs) {
         if (!dense || costs->dense_layer > 0.0) return MOE_OK;
         r->stage_costs_resumed = false; /* a checkpoint of before the model had dense layers: measured again */
     }
-    const bool dense_only = moe_model_config_dense_layer_count(&r->cfg) == r->cfg.num_hidden_layers;
+    const bool dense_only = !moe_model_config_has_moe_layer(&r->cfg);
     const int64_t dense_from = dense_only ? 0 : 2;
     double one, two, mixed = 0.0;
     MOE_TRY(time_layers(r, 1, dense_from, &one));

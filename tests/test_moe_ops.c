@@ -389,6 +389,19 @@ Test(ops, expf_keeps_nan_and_clamps) {
     }
 }
 
+/* A float's bits, and back. */
+static uint32_t float_bits(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    return u;
+}
+
+static float bits_float(uint32_t u) {
+    float x;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
 /* moe_log1p_unit within 2 ulp of log1p in double over [0, 1] (every
  * 31st float, small ones included, where u / (2 + u) keeps their bits), and
  * moe_log_sigmoidf within 3 ulp where moe_expf is within its range. */
@@ -402,8 +415,7 @@ Test(ops, log1p_unit_and_log_sigmoid_within_ulps) {
     double worst = 0.0;
     float at = 0.0f;
     for (uint32_t b = 0; b <= 0x3f800000u; b += 31) {
-        float u;
-        memcpy(&u, &b, sizeof u);
+        const float u = bits_float(b);
         const double off = ulps_off(moe_log1p_unit(u), log1p((double)u));
         if (off > worst) worst = off, at = u;
     }
@@ -421,18 +433,6 @@ Test(ops, log1p_unit_and_log_sigmoid_within_ulps) {
  * comparisons x < lo ? lo : x > hi ? hi : x give, bit for bit (NaN kept
  * with its payload, signed zeros, subnormals, the bounds' neighbours), over
  * a stride through every bit pattern and the patterns near the bounds. */
-static uint32_t float_bits(float x) {
-    uint32_t u;
-    memcpy(&u, &x, sizeof u);
-    return u;
-}
-
-static float bits_float(uint32_t u) {
-    float x;
-    memcpy(&x, &u, sizeof x);
-    return x;
-}
-
 static void expect_clamp_as_comparisons(uint32_t u) {
     const float x = bits_float(u), lo = -87.0f, hi = 88.0f;
     const float want = x < lo ? lo : x > hi ? hi : x, got = moe_clampf(x, lo, hi);

@@ -348,9 +348,8 @@ static void print_grid(const moe_run_summary *s) {
                 if (last != first) printf("-%lld", last);
             }
         if (o->pp_balance == MOE_PP_BALANCE_MEASURED) {
-            const moe_model_config *c = s->config;
             char layers[96];
-            const int n = moe_model_config_dense_layer_count(c) < c->num_hidden_layers
+            const int n = moe_model_config_has_moe_layer(s->config)
                               ? snprintf(layers, sizeof layers, "an MoE layer %.2f ms", 1e3 * s->stage_costs.layer)
                               : 0;
             if (s->stage_costs.dense_layers)
@@ -413,7 +412,7 @@ static void on_start(void *ctx, const moe_run_summary *s) {
         snprintf(groups + n, sizeof groups - (size_t)n, " weighted x%g", c->moe_routed_scaling_factor);
     const int64_t dense = moe_model_config_dense_layer_count(c);
     char experts[192] = "no MoE layer";
-    if (dense < c->num_hidden_layers)
+    if (moe_model_config_has_moe_layer(c))
         snprintf(experts, sizeof experts, "%lld experts of width %lld, top-%lld%s", (long long)c->num_local_experts,
                  (long long)c->intermediate_size, (long long)c->num_experts_per_tok, groups);
     printf("model    %s: d_model %lld, %lld layers, %lld heads (%lld KV%s), %s, vocab %lld\n",
