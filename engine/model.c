@@ -794,7 +794,7 @@ moe_status moe_model_create_parallel(moe_model **out, const moe_model_config *cf
     if (par && par->decode_only && !par->inference)
         return moe_error(MOE_ERR_INVALID_ARG, "moe_model_create: decode_only is a kind of inference (set inference)");
     const int ep_size = par && par->ep ? moe_comm_size(par->ep) : 1;
-    if (cfg->num_local_experts % ep_size != 0)
+    if (moe_model_config_has_moe_layer(cfg) && cfg->num_local_experts % ep_size != 0)
         return moe_error(MOE_ERR_CONFIG, "--ep %d does not divide num_local_experts=%lld", ep_size,
                          (long long)cfg->num_local_experts);
     const bool staged = par && par->pipe && moe_comm_size(par->pipe) > 1;

@@ -130,11 +130,42 @@ static const field fields[] = {
 };
 #define N_FIELDS (sizeof fields / sizeof *fields)
 
+/* Whether only an MoE layer reads field f: a model without one keeps them
+ * at their defaults (canonical_dense), and a dense model type's file does
+ * not have them. */
+static bool moe_only(const field *f) {
+    static const size_t offsets[] = {
+        offsetof(moe_model_config, num_local_experts),
+        offsetof(moe_model_config, num_experts_per_tok),
+        offsetof(moe_model_config, router_aux_loss_coef),
+        offsetof(moe_model_config, router_jitter_noise),
+        offsetof(moe_model_config, moe_gate),
+        offsetof(moe_model_config, moe_renormalize),
+        offsetof(moe_model_config, moe_capacity_factor),
+        offsetof(moe_model_config, moe_z_loss_coef),
+        offsetof(moe_model_config, moe_seq_aux_loss_coef),
+        offsetof(moe_model_config, moe_n_shared_experts),
+        offsetof(moe_model_config, moe_shared_intermediate_size),
+        offsetof(moe_model_config, moe_shared_expert_gate),
+        offsetof(moe_model_config, moe_bias_update_rate),
+        offsetof(moe_model_config, moe_n_group),
+        offsetof(moe_model_config, moe_topk_group),
+        offsetof(moe_model_config, moe_routed_scaling_factor),
+        offsetof(moe_model_config, moe_dense_layers),
+        offsetof(moe_model_config, moe_dense_intermediate_size),
+    };
+    for (size_t i = 0; i < sizeof offsets / sizeof *offsets; i++)
+        if (f->offset == offsets[i]) return true;
+    return false;
+}
+
 /* Hugging Face keys that do not change the model we build. */
 static const char *const ignored_keys[] = {
     "architectures", "torch_dtype", "dtype",
     "output_router_logits", "use_cache", "transformers_version", "_name_or_path",
     "return_dict", "output_attentions", "output_hidden_states",
+    /* transformers v4's Llama split its GEMMs in as many slices, the same sums */
+    "pretraining_tp",
 };
 
 /* Keys outside the struct that read_other checks; null there is absent, as
@@ -146,23 +177,22 @@ static const char *const checked_keys[] = {
 
 /* model_type and architectures: the transformers model that computes
  * what our model computes (family_of), else a type transformers refuses
- * rather than load as one and give other outputs (moe_model_config_save). */
-#define MODEL_TYPE_MIXTRAL "mixtral"
-#define ARCH_MIXTRAL "MixtralForCausalLM"
-#define MODEL_TYPE_QWEN3 "qwen3_moe"
-#define ARCH_QWEN3 "Qwen3MoeForCausalLM"
-#define MODEL_TYPE_OLMOE "olmoe"
-#define ARCH_OLMOE "OlmoeForCausalLM"
-#define MODEL_TYPE_QWEN2 "qwen2_moe"
-#define ARCH_QWEN2 "Qwen2MoeForCausalLM"
-#define MODEL_TYPE_OURS "moe"
-#define ARCH_OURS "MoeForCausalLM"
-
-typedef enum family { FAMILY_MIXTRAL, FAMILY_QWEN3, FAMILY_OLMOE, FAMILY_QWEN2, FAMILY_OURS, N_FAMILIES } family;
-static const char *const family_types[N_FAMILIES] = {MODEL_TYPE_MIXTRAL, MODEL_TYPE_QWEN3, MODEL_TYPE_OLMOE,
-                                                     MODEL_TYPE_QWEN2, MODEL_TYPE_OURS};
-static const char *const family_archs[N_FAMILIES] = {ARCH_MIXTRAL, ARCH_QWEN3, ARCH_OLMOE, ARCH_QWEN2, ARCH_OURS};
+ * rather than load as one and give other outputs (moe_model_config_save).
+ * The last four are dense models, of dense MLP layers only. */
+typedef enum family {
+    FAMILY_MIXTRAL, FAMILY_QWEN3, FAMILY_OLMOE, FAMILY_QWEN2, FAMILY_OURS,
+    FAMILY_LLAMA, FAMILY_MISTRAL, FAMILY_QWEN3_DENSE, FAMILY_QWEN2_DENSE, N_FAMILIES
+} family;
+static const char *const family_types[N_FAMILIES] = {"mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "moe",
+                                                     "llama",   "mistral",   "qwen3", "qwen2"};
+static const char *const family_archs[N_FAMILIES] = {
+    "MixtralForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM", "Qwen2MoeForCausalLM", "MoeForCausalLM",
+    "LlamaForCausalLM",   "MistralForCausalLM",  "Qwen3ForCausalLM", "Qwen2ForCausalLM"};
 #define FAMILY_BIT(f) (1u << (f))
+#define DENSE_FAMILIES                                                                                                 \
+    (FAMILY_BIT(FAMILY_LLAMA) | FAMILY_BIT(FAMILY_MISTRAL) | FAMILY_BIT(FAMILY_QWEN3_DENSE) |                          \
+     FAMILY_BIT(FAMILY_QWEN2_DENSE))
+static bool dense_family(family f) { return (DENSE_FAMILIES & FAMILY_BIT(f)) != 0; }
 
 /* The keys of Qwen3MoeConfig, OlmoeConfig and Qwen2MoeConfig beyond
  * Mixtral's, read in a file of a type that has them (families, a
@@ -170,9 +200,11 @@ static const char *const family_archs[N_FAMILIES] = {ARCH_MIXTRAL, ARCH_QWEN3, A
  * one given. */
 enum {
     KEY_MOE_INTERMEDIATE, KEY_NORM_TOPK, KEY_SPARSE_STEP, KEY_MLP_ONLY, KEY_USE_WINDOW, KEY_ATTENTION_BIAS,
-    KEY_MAX_WINDOW_LAYERS, KEY_CLIP_QKV, KEY_SHARED_INTERMEDIATE, KEY_QKV_BIAS, KEY_LAYER_TYPES, N_FAMILY_KEYS
+    KEY_MAX_WINDOW_LAYERS, KEY_CLIP_QKV, KEY_SHARED_INTERMEDIATE, KEY_QKV_BIAS, KEY_LAYER_TYPES, KEY_MLP_BIAS,
+    N_FAMILY_KEYS
 };
 #define QWENS (FAMILY_BIT(FAMILY_QWEN3) | FAMILY_BIT(FAMILY_QWEN2))
+#define DENSE_QWENS (FAMILY_BIT(FAMILY_QWEN3_DENSE) | FAMILY_BIT(FAMILY_QWEN2_DENSE))
 static const struct {
     const char *key;
     unsigned families;
@@ -181,14 +213,16 @@ static const struct {
     [KEY_NORM_TOPK] = {"norm_topk_prob", QWENS | FAMILY_BIT(FAMILY_OLMOE)},
     [KEY_SPARSE_STEP] = {"decoder_sparse_step", QWENS},
     [KEY_MLP_ONLY] = {"mlp_only_layers", QWENS},
-    [KEY_USE_WINDOW] = {"use_sliding_window", QWENS},
-    [KEY_ATTENTION_BIAS] = {"attention_bias", FAMILY_BIT(FAMILY_QWEN3) | FAMILY_BIT(FAMILY_OLMOE)},
-    [KEY_MAX_WINDOW_LAYERS] = {"max_window_layers", QWENS},
+    [KEY_USE_WINDOW] = {"use_sliding_window", QWENS | DENSE_QWENS},
+    [KEY_ATTENTION_BIAS] = {"attention_bias", FAMILY_BIT(FAMILY_QWEN3) | FAMILY_BIT(FAMILY_OLMOE) |
+                                                  FAMILY_BIT(FAMILY_LLAMA) | FAMILY_BIT(FAMILY_QWEN3_DENSE)},
+    [KEY_MAX_WINDOW_LAYERS] = {"max_window_layers", QWENS | DENSE_QWENS},
     [KEY_CLIP_QKV] = {"clip_qkv", FAMILY_BIT(FAMILY_OLMOE)},
     [KEY_SHARED_INTERMEDIATE] = {"shared_expert_intermediate_size", FAMILY_BIT(FAMILY_QWEN2)},
     [KEY_QKV_BIAS] = {"qkv_bias", FAMILY_BIT(FAMILY_QWEN2)},
-    /* family_bool: a layer other than "full_attention" */
-    [KEY_LAYER_TYPES] = {"layer_types", FAMILY_BIT(FAMILY_QWEN2)},
+    /* family_bool: a layer other than "full_attention"; family_int: the count */
+    [KEY_LAYER_TYPES] = {"layer_types", FAMILY_BIT(FAMILY_QWEN2) | DENSE_QWENS},
+    [KEY_MLP_BIAS] = {"mlp_bias", FAMILY_BIT(FAMILY_LLAMA)},
 };
 #define FAMILY_KEY_BIT(k) (1u << (k))
 
@@ -216,7 +250,24 @@ static const struct {
     {FAMILY_QWEN2, "rope_theta", 1e4},
     {FAMILY_QWEN2, "rms_norm_eps", 1e-6},
     {FAMILY_QWEN2, "moe_renormalize", 0},
+    {FAMILY_LLAMA, "max_position_embeddings", 2048},
+    {FAMILY_LLAMA, "rope_theta", 1e4},
+    {FAMILY_LLAMA, "rms_norm_eps", 1e-6},
+    {FAMILY_MISTRAL, "rope_theta", 1e4},
+    {FAMILY_MISTRAL, "rms_norm_eps", 1e-6},
+    {FAMILY_QWEN3_DENSE, "num_key_value_heads", 32},
+    {FAMILY_QWEN3_DENSE, "max_position_embeddings", 32768},
+    {FAMILY_QWEN3_DENSE, "rope_theta", 1e4},
+    {FAMILY_QWEN3_DENSE, "rms_norm_eps", 1e-6},
+    {FAMILY_QWEN3_DENSE, "moe_qk_norm", MOE_QK_NORM_PER_HEAD},
+    {FAMILY_QWEN2_DENSE, "num_key_value_heads", 32},
+    {FAMILY_QWEN2_DENSE, "max_position_embeddings", 32768},
+    {FAMILY_QWEN2_DENSE, "rope_theta", 1e4},
+    {FAMILY_QWEN2_DENSE, "rms_norm_eps", 1e-6},
 };
+
+/* Qwen3Config's head_dim when absent (not hidden_size // num_attention_heads). */
+#define QWEN3_HEAD_DIM_DEFAULT 128
 
 /* Qwen3MoeConfig's and Qwen2MoeConfig's intermediate_size when absent: their
  * dense MLP layers' width (read_family_layers). */
@@ -687,6 +738,7 @@ typedef struct other_values {
     int64_t family_int[N_FAMILY_KEYS]; /* the integer keys' values */
     bool family_bool[N_FAMILY_KEYS];   /* the boolean keys' */
     uint64_t mlp_only[LAYER_SET_WORDS]; /* the layers mlp_only_layers lists, below MAX_LAYERS */
+    uint64_t sliding[LAYER_SET_WORDS];  /* the layers layer_types calls sliding_attention, below MAX_LAYERS */
 } other_values;
 
 #define OTHER_VALUES_INIT                                                                                              \
@@ -814,10 +866,12 @@ static moe_status check_other(const char *key, const moe_json *v, other_values *
         const char *text;
         MOE_TRY(string_text(&text, name, key, v));
         if (text && listed(text, family_types, N_FAMILIES)) return MOE_OK;
-        return moe_error(MOE_ERR_CONFIG,
-                         "%s: model_type=%s is not supported (only \"%s\", \"%s\", \"%s\", \"%s\" or \"%s\")", name,
-                         describe(got, sizeof got, v), family_types[0], family_types[1], family_types[2],
-                         family_types[3], family_types[4]);
+        char types[160] = "";
+        for (int f = 0, n = 0; f < N_FAMILIES && n >= 0 && (size_t)n < sizeof types; f++)
+            n += snprintf(types + n, sizeof types - (size_t)n, "%s\"%s\"", f == 0 ? "" : f + 1 < N_FAMILIES ? ", " : " or ",
+                          family_types[f]);
+        return moe_error(MOE_ERR_CONFIG, "%s: model_type=%s is not supported (only %s)", name,
+                         describe(got, sizeof got, v), types);
     }
     for (int k = 0; k < N_FAMILY_KEYS; k++) {
         if (strcmp(key, family_keys[k].key) != 0) continue;
@@ -828,10 +882,17 @@ static moe_status check_other(const char *key, const moe_json *v, other_values *
             if (v->type != MOE_JSON_ARRAY) return wrong_type(name, key, "a list of attention kinds", v);
             for (size_t i = 0; i < v->array.count; i++) {
                 const char *kind = moe_json_text(&v->array.items[i]);
-                if (!kind) return wrong_type(name, key, "a list of strings", &v->array.items[i]);
-                o->family_bool[k] |= strcmp(kind, "full_attention") != 0;
+                const bool sliding = kind && strcmp(kind, "sliding_attention") == 0;
+                if (!kind || (!sliding && strcmp(kind, "full_attention") != 0))
+                    return moe_error(MOE_ERR_CONFIG, "%s: layer_types[%zu]=%s is neither \"full_attention\" nor "
+                                                     "\"sliding_attention\"",
+                                     name, i, describe(got, sizeof got, &v->array.items[i]));
+                o->family_bool[k] |= sliding;
+                if (sliding && i < MAX_LAYERS) moe_layer_set_add(o->sliding, (int64_t)i);
             }
-        } else if (k == KEY_NORM_TOPK || k == KEY_USE_WINDOW || k == KEY_ATTENTION_BIAS || k == KEY_QKV_BIAS) {
+            o->family_int[k] = (int64_t)v->array.count;
+        } else if (k == KEY_NORM_TOPK || k == KEY_USE_WINDOW || k == KEY_ATTENTION_BIAS || k == KEY_QKV_BIAS ||
+                   k == KEY_MLP_BIAS) {
             if (v->type != MOE_JSON_BOOL) return wrong_type(name, key, "true or false", v);
             o->family_bool[k] = v->boolean;
         } else if (k == KEY_CLIP_QKV) { /* null (no clipping) returned above */
@@ -908,6 +969,7 @@ static moe_status read_keys(moe_model_config *cfg, given *state, other_values *o
         if (strlen(m->key) != m->key_len)
             return moe_error(MOE_ERR_CONFIG, "%s: key \"%s...\" contains a NUL character", name, m->key);
         size_t f = field_index(m->key);
+        if (f < N_FIELDS && dense_family(o->type) && moe_only(&fields[f])) f = N_FIELDS; /* not its key */
         if (f == N_FIELDS) {
             MOE_TRY(read_other(m, o, name, wfn, wctx));
         } else if ((m->value.type == MOE_JSON_NULL && fields[f].kind != F_TOKEN_IDS) ||
@@ -1061,12 +1123,60 @@ static moe_status read_family_sizes(moe_model_config *cfg, given *state, const o
                              !given ? "qkv_bias (absent: true)" : bias ? "qkv_bias=true" : "qkv_bias=false", name);
 }
 
-/* A qwen3_moe, olmoe or qwen2_moe file's defaults and keys, after
- * Mixtral's defaults: what transformers' Qwen3MoeConfig, OlmoeConfig or
- * Qwen2MoeConfig and their models make of them, or a refusal of what this
- * model does not compute. */
-static moe_status read_family_function(moe_model_config *cfg, const given *state, const other_values *o,
-                                       const char *name, moe_warn_fn wfn, void *wctx) {
+/* A dense model type's file: every layer a dense MLP intermediate_size
+ * wide, and one expert of top-1 for the MoE layers it has none of
+ * (canonical_dense's form). */
+static void read_dense_family(moe_model_config *cfg, given *state, const other_values *o) {
+    if (!dense_family(o->type)) return;
+    const size_t experts = field_index("num_local_experts"), top_k = field_index("num_experts_per_tok");
+    cfg->num_local_experts = cfg->num_experts_per_tok = 1;
+    state[experts] = state[top_k] = GIVEN;
+    const size_t f = field_index("moe_dense_layers");
+    for (int64_t l = 0; state[field_index("num_hidden_layers")] == GIVEN && l < cfg->num_hidden_layers && l < MAX_LAYERS;
+         l++)
+        moe_layer_set_add(cfg->moe_dense_layers, l);
+    state[f] = GIVEN;
+}
+
+/* Qwen2Config's and Qwen3Config's windows: under use_sliding_window,
+ * sliding_window (4096 when absent, null none) in the layers layer_types
+ * calls sliding_attention, or without layer_types in those from
+ * max_window_layers on (28 when absent); the other layers, and every
+ * layer without use_sliding_window, attend to every position before.
+ * This model has one window for all its layers. */
+static moe_status read_qwen_windows(moe_model_config *cfg, const given *state, const other_values *o,
+                                    const char *name) {
+    const int64_t L = cfg->num_hidden_layers;
+    const bool use = o->family_bool[KEY_USE_WINDOW];
+    const int64_t size = !use ? 0 : state[field_index("sliding_window")] == ABSENT ? 4096 : cfg->sliding_window;
+    const bool typed = o->family_given & FAMILY_KEY_BIT(KEY_LAYER_TYPES);
+    if (typed && o->family_int[KEY_LAYER_TYPES] != L)
+        return moe_error(MOE_ERR_CONFIG, "%s: layer_types lists %lld layers' attention, and num_hidden_layers=%lld",
+                         name, (long long)o->family_int[KEY_LAYER_TYPES], (long long)L);
+    const int64_t first =
+        o->family_given & FAMILY_KEY_BIT(KEY_MAX_WINDOW_LAYERS) ? o->family_int[KEY_MAX_WINDOW_LAYERS] : 28;
+    int64_t window = 0;
+    for (int64_t l = 0; l < L && l < MAX_LAYERS; l++) {
+        const bool sliding = typed ? moe_layer_set_has(o->sliding, l) : l >= first;
+        const int64_t w = sliding ? size : 0;
+        if (l > 0 && w != window)
+            return moe_error(MOE_ERR_CONFIG, "%s: layer %lld attends %s a window, layer %lld %s (model_type %s's "
+                                             "use_sliding_window, max_window_layers and layer_types): layers of "
+                                             "different windows are not implemented",
+                             name, (long long)(l - 1), window ? "within" : "without", (long long)l,
+                             w ? "within one" : "without", family_types[o->type]);
+        window = w;
+    }
+    cfg->sliding_window = window;
+    return MOE_OK;
+}
+
+/* A file's defaults and keys, after Mixtral's defaults, for a model type
+ * other than mixtral and ours: what transformers' config class of that
+ * type and its model make of them, or a refusal of what this model does
+ * not compute. */
+static moe_status read_family_function(moe_model_config *cfg, given *state, const other_values *o, const char *name,
+                                       moe_warn_fn wfn, void *wctx) {
     const char *type = family_types[o->type];
     for (size_t d = 0; d < sizeof family_defaults / sizeof *family_defaults; d++) {
         const size_t f = field_index(family_defaults[d].key);
@@ -1075,37 +1185,50 @@ static moe_status read_family_function(moe_model_config *cfg, const given *state
         def.def = family_defaults[d].def;
         set_default(cfg, &def);
     }
-    const moe_qk_norm_kind qk = o->type == FAMILY_QWEN3   ? MOE_QK_NORM_PER_HEAD
-                                : o->type == FAMILY_OLMOE ? MOE_QK_NORM_ACROSS_HEADS
-                                                          : MOE_QK_NORM_NONE;
+    const size_t head_dim = field_index("head_dim");
+    if (o->type == FAMILY_QWEN3_DENSE && state[head_dim] == ABSENT) {
+        cfg->head_dim = QWEN3_HEAD_DIM_DEFAULT;
+        state[head_dim] = GIVEN;
+    }
+    const moe_qk_norm_kind qk = o->type == FAMILY_QWEN3 || o->type == FAMILY_QWEN3_DENSE ? MOE_QK_NORM_PER_HEAD
+                                : o->type == FAMILY_OLMOE                                ? MOE_QK_NORM_ACROSS_HEADS
+                                                                                         : MOE_QK_NORM_NONE;
     if (cfg->moe_qk_norm != qk)
         return moe_error(MOE_ERR_CONFIG, "%s: moe_qk_norm=\"%s\", and model_type %s %s", name,
                          qk_norm_names[cfg->moe_qk_norm], type,
                          qk == MOE_QK_NORM_PER_HEAD      ? "normalises q and k per head"
                          : qk == MOE_QK_NORM_ACROSS_HEADS ? "normalises q and k across heads"
                                                           : "does not normalise q and k");
-    if (o->type != FAMILY_QWEN2 && (cfg->moe_qkv_bias || cfg->moe_shared_expert_gate))
+    if (o->type == FAMILY_QWEN2_DENSE)
+        MOE_TRY(take_family_value(cfg, state, "moe_qkv_bias", 1, "model_type qwen2's q, k and v biases", name));
+    if (o->type != FAMILY_QWEN2 && o->type != FAMILY_QWEN2_DENSE && (cfg->moe_qkv_bias || cfg->moe_shared_expert_gate))
         return moe_error(MOE_ERR_CONFIG, "%s: moe_%s=true, and model_type %s has none", name,
                          cfg->moe_qkv_bias ? "qkv_bias" : "shared_expert_gate", type);
     /* transformers reads norm_topk_prob alone, false when absent. */
     const bool norm = o->family_bool[KEY_NORM_TOPK];
-    if (state[field_index("moe_renormalize")] == GIVEN && cfg->moe_renormalize != norm)
+    if (!dense_family(o->type) && state[field_index("moe_renormalize")] == GIVEN && cfg->moe_renormalize != norm)
         return moe_error(MOE_ERR_CONFIG, "%s: moe_renormalize=%s disagrees with norm_topk_prob=%s%s, which model_type %s "
                                          "takes",
                          name, cfg->moe_renormalize ? "true" : "false", norm ? "true" : "false",
                          o->family_given & FAMILY_KEY_BIT(KEY_NORM_TOPK) ? "" : " (absent)", type);
-    cfg->moe_renormalize = norm;
+    if (!dense_family(o->type)) cfg->moe_renormalize = norm;
     if (o->family_bool[KEY_ATTENTION_BIAS])
         return moe_error(MOE_ERR_CONFIG, "%s: attention_bias=true is not supported (q, k, v and o have no biases)",
                          name);
-    if (o->type == FAMILY_OLMOE) {
-        /* OlmoeConfig has no window. */
+    if (o->family_bool[KEY_MLP_BIAS])
+        return moe_error(MOE_ERR_CONFIG, "%s: mlp_bias=true is not supported (the MLPs have no biases)", name);
+    if (o->type == FAMILY_OLMOE || o->type == FAMILY_LLAMA) {
+        /* OlmoeConfig and LlamaConfig have no window. */
         if (cfg->sliding_window > 0)
-            warn(wfn, wctx, "%s: sliding_window=%lld ignored: model_type olmoe attends to every position before",
-                 name, (long long)cfg->sliding_window);
+            warn(wfn, wctx, "%s: sliding_window=%lld ignored: model_type %s attends to every position before", name,
+                 (long long)cfg->sliding_window, type);
         cfg->sliding_window = 0;
         return MOE_OK;
     }
+    /* MistralConfig's window is 4096 when absent (null: none). */
+    if (o->type == FAMILY_MISTRAL && state[field_index("sliding_window")] == ABSENT) cfg->sliding_window = 4096;
+    if (o->type == FAMILY_MISTRAL) return MOE_OK;
+    if (o->type == FAMILY_QWEN3_DENSE || o->type == FAMILY_QWEN2_DENSE) return read_qwen_windows(cfg, state, o, name);
     /* Qwen2MoeConfig windows only some layers (layer_types, or under
      * use_sliding_window those below max_window_layers). */
     if (o->type == FAMILY_QWEN2 && (o->family_bool[KEY_USE_WINDOW] || o->family_bool[KEY_LAYER_TYPES]))
@@ -1125,6 +1248,7 @@ static moe_status read_family_function(moe_model_config *cfg, const given *state
 static moe_status fill_defaults(moe_model_config *cfg, given *state, const other_values *o, const char *name,
                                 moe_warn_fn wfn, void *wctx) {
     const size_t experts = field_index("num_local_experts");
+    read_dense_family(cfg, state, o);
     MOE_TRY(read_family_sizes(cfg, state, o, name));
     if (o->has_num_experts) {
         /* transformers' attribute_map reads num_experts as num_local_experts. */
@@ -1153,9 +1277,9 @@ static moe_status fill_defaults(moe_model_config *cfg, given *state, const other
     MOE_TRY(resolve_rope(&cfg->rope_theta, &cfg->rope_scaling, o, top_theta, cfg->max_position_embeddings, name, wfn,
                          wctx));
     /* MixtralConfig: 8 when absent, num_attention_heads when null;
-     * OlmoeConfig: num_attention_heads either way. */
+     * OlmoeConfig and LlamaConfig: num_attention_heads either way. */
     const given kv = state[field_index("num_key_value_heads")];
-    if (kv == GIVEN_NULL || (kv == ABSENT && o->type == FAMILY_OLMOE))
+    if (kv == GIVEN_NULL || (kv == ABSENT && (o->type == FAMILY_OLMOE || o->type == FAMILY_LLAMA)))
         cfg->num_key_value_heads = cfg->num_attention_heads;
     if (kv == ABSENT && cfg->num_attention_heads > 0)
         MOE_TRY(check_kv_heads(name, cfg->num_attention_heads, cfg->num_key_value_heads,
@@ -1190,33 +1314,6 @@ static moe_status as_config_error(moe_status st) {
     return moe_error(MOE_ERR_CONFIG, "%s", message);
 }
 
-moe_status moe_model_config_check_function_keys(const moe_json *root, const char *name, moe_warn_fn wfn,
-                                                void *wctx, double *theta, moe_rope_scaling *rope) {
-    if (root->type != MOE_JSON_OBJECT)
-        return moe_error(MOE_ERR_CONFIG, "%s: top level is a JSON %s, not an object", name,
-                         moe_json_type_name(root->type));
-    static const char *const keys[] = {"rope_parameters", "rope_scaling", "hidden_act",
-                                       "original_max_position_embeddings", "partial_rotary_factor"};
-    other_values o = OTHER_VALUES_INIT;
-    for (size_t k = 0; k < sizeof keys / sizeof *keys; k++) {
-        const moe_json *v = moe_json_get(root, keys[k]);
-        if (v != NULL) MOE_TRY(check_other(keys[k], v, &o, name, wfn, wctx));
-    }
-    /* The two fields RoPE reads, as the Mixtral reader reads them. */
-    moe_model_config read = {.rope_theta = NAN};
-    static const char *const read_keys[] = {"rope_theta", "max_position_embeddings"};
-    for (size_t k = 0; k < sizeof read_keys / sizeof *read_keys; k++) {
-        const size_t f = field_index(read_keys[k]);
-        const moe_json *v = moe_json_get(root, fields[f].key);
-        if (v != NULL && v->type != MOE_JSON_NULL) MOE_TRY(read_field(&read, &fields[f], v, name));
-    }
-    if (!isnan(read.rope_theta)) MOE_TRY(check_float(name, "rope_theta", read.rope_theta));
-    if (read.max_position_embeddings)
-        MOE_TRY(check_size(name, "max_position_embeddings", read.max_position_embeddings, MAX_DIM));
-    *theta = NAN;
-    return resolve_rope(theta, rope, &o, read.rope_theta, read.max_position_embeddings, name, wfn, wctx);
-}
-
 moe_status moe_model_config_take_token_ids(moe_model_config *cfg, const moe_json *root, const char *name) {
     for (size_t f = 0; f < N_FIELDS; f++) {
         if (fields[f].kind != F_TOKEN_IDS || ((moe_token_ids *)field_ptr(cfg, &fields[f]))->form != MOE_TOKEN_ID_ABSENT)
@@ -1245,6 +1342,21 @@ static void warn_token_ids(const moe_model_config *cfg, const char *name, moe_wa
     }
 }
 
+/* A model without an MoE layer in one form, whichever model type its file
+ * is (family_of): the fields only an MoE layer reads at their defaults,
+ * one expert of top-1, and intermediate_size the dense layers' width. */
+static void canonical_dense(moe_model_config *cfg) {
+    if (moe_model_config_has_moe_layer(cfg)) return;
+    const int64_t width = moe_model_config_dense_width(cfg);
+    uint64_t layers[LAYER_SET_WORDS];
+    memcpy(layers, cfg->moe_dense_layers, sizeof layers);
+    for (size_t f = 0; f < N_FIELDS; f++)
+        if (moe_only(&fields[f])) set_default(cfg, &fields[f]);
+    memcpy(cfg->moe_dense_layers, layers, sizeof layers);
+    cfg->num_local_experts = cfg->num_experts_per_tok = 1;
+    cfg->intermediate_size = width;
+}
+
 moe_status moe_model_config_parse(moe_model_config *cfg, const char *text, size_t len, const char *name,
                                   moe_warn_fn wfn, void *wctx) {
     if (name == NULL) name = "config.json";
@@ -1258,6 +1370,7 @@ moe_status moe_model_config_parse(moe_model_config *cfg, const char *text, size_
     if (st == MOE_OK) st = fill_defaults(cfg, state, &o, name, wfn, wctx);
     if (st == MOE_OK) st = moe_model_config_validate(cfg, name);
     if (st == MOE_OK) warn_token_ids(cfg, name, wfn, wctx);
+    if (st == MOE_OK) canonical_dense(cfg);
     /* Kept as computed, so that a saved config says what the model does. */
     if (st == MOE_OK && !cfg->moe_renormalize && cfg->moe_gate != MOE_GATE_SOFTMAX_TOPK) {
         warn(wfn, wctx, "%s: moe_renormalize=false ignored: the %s gate always normalises the k chosen weights", name,
@@ -1502,8 +1615,17 @@ static moe_status write_text_line(void *ctx, FILE *file) {
  * biases unless qkv_bias is false (transformers v4, which has them always,
  * loads such a file with the biases it lacks at 0, the same function); the
  * others have neither. The Qwens say which layers are dense MLPs
- * (decoder_sparse_step, mlp_only_layers); Mixtral and OLMoE have none. */
+ * (decoder_sparse_step, mlp_only_layers); Mixtral and OLMoE have none.
+ * A model of dense layers only is a dense one, told by its attention:
+ * Llama's (no window), Mistral's (a window), Qwen3's (q and k normalised
+ * per head) or Qwen2's (q, k and v biases). */
 static family family_of(const moe_model_config *c) {
+    if (!moe_model_config_has_moe_layer(c)) {
+        if (c->moe_qk_norm == MOE_QK_NORM_NONE && !c->moe_qkv_bias)
+            return c->sliding_window > 0 ? FAMILY_MISTRAL : FAMILY_LLAMA;
+        if (c->moe_qk_norm == MOE_QK_NORM_PER_HEAD && !c->moe_qkv_bias) return FAMILY_QWEN3_DENSE;
+        return c->moe_qk_norm == MOE_QK_NORM_NONE ? FAMILY_QWEN2_DENSE : FAMILY_OURS;
+    }
     const bool routing = c->moe_gate == MOE_GATE_SOFTMAX_TOPK && c->moe_capacity_factor == 0.0 &&
                          c->moe_bias_update_rate == 0.0 && c->moe_n_group <= 1 && c->moe_routed_scaling_factor == 1.0;
     const bool dense = moe_model_config_dense_layer_count(c) > 0;
@@ -1574,7 +1696,8 @@ static bool written(const moe_model_config *cfg, family fam, const field *f) {
 static void render(const moe_model_config *cfg, moe_json_writer *w) {
     const family fam = family_of(cfg);
     const bool qwen3 = fam == FAMILY_QWEN3, olmoe = fam == FAMILY_OLMOE, qwen2 = fam == FAMILY_QWEN2;
-    const bool qwen = qwen3 || qwen2;
+    const bool qwen = qwen3 || qwen2, llama = fam == FAMILY_LLAMA;
+    const bool dense = dense_family(fam), qwen_window = qwen || fam == FAMILY_QWEN3_DENSE || fam == FAMILY_QWEN2_DENSE;
     moe_json_begin_object(w);
     moe_json_key(w, "architectures");
     moe_json_begin_array(w);
@@ -1587,8 +1710,9 @@ static void render(const moe_model_config *cfg, moe_json_writer *w) {
     moe_json_key(w, "torch_dtype");
     moe_json_string(w, "float32");
     for (size_t f = 0; f < N_FIELDS; f++) {
-        if (!written(cfg, fam, &fields[f])) continue;
+        if (!written(cfg, fam, &fields[f]) || (dense && moe_only(&fields[f]))) continue;
         const size_t offset = fields[f].offset;
+        if (llama && offset == offsetof(moe_model_config, sliding_window)) continue; /* LlamaConfig has none */
         /* transformers v4's Qwen3MoeConfig takes num_experts alone (v5 reads
          * it as num_local_experts), and OlmoeConfig and Qwen2MoeConfig do;
          * the Qwens' intermediate_size is their dense MLP layers' width,
@@ -1600,7 +1724,7 @@ static void render(const moe_model_config *cfg, moe_json_writer *w) {
             moe_json_int(w, moe_model_config_dense_width(cfg));
             continue;
         }
-        if (qwen && offset == offsetof(moe_model_config, sliding_window)) {
+        if (qwen_window && offset == offsetof(moe_model_config, sliding_window)) {
             moe_json_key(w, family_keys[KEY_USE_WINDOW].key);
             moe_json_bool(w, cfg->sliding_window > 0);
         }
@@ -1627,8 +1751,12 @@ static void render(const moe_model_config *cfg, moe_json_writer *w) {
         moe_json_key(w, family_keys[KEY_NORM_TOPK].key);
         moe_json_bool(w, cfg->moe_renormalize);
     }
-    if (qwen3 || olmoe) {
+    if (family_keys[KEY_ATTENTION_BIAS].families & FAMILY_BIT(fam)) {
         moe_json_key(w, family_keys[KEY_ATTENTION_BIAS].key);
+        moe_json_bool(w, false);
+    }
+    if (llama) {
+        moe_json_key(w, family_keys[KEY_MLP_BIAS].key);
         moe_json_bool(w, false);
     }
     if (qwen2) {
@@ -1642,6 +1770,8 @@ static void render(const moe_model_config *cfg, moe_json_writer *w) {
         moe_json_int(w, 1);
         moe_json_key(w, family_keys[KEY_MLP_ONLY].key);
         write_layers(w, cfg->moe_dense_layers);
+    }
+    if (qwen_window) {
         /* transformers v4 windows only the layers from it on. */
         moe_json_key(w, family_keys[KEY_MAX_WINDOW_LAYERS].key);
         moe_json_int(w, 0);
@@ -1684,7 +1814,9 @@ static void render(const moe_model_config *cfg, moe_json_writer *w) {
 static moe_status render_text(moe_json_writer *w, const moe_model_config *cfg, const char *name) {
     moe_json_writer_init(w, 2);
     moe_status st = moe_model_config_validate(cfg, name);
-    if (st == MOE_OK) render(cfg, w);
+    moe_model_config one = *cfg; /* what a reader of the file gets */
+    canonical_dense(&one);
+    if (st == MOE_OK) render(&one, w);
     if (st == MOE_OK && (st = moe_json_writer_finish(w)) != MOE_OK) st = moe_error_prefix(st, "%s: ", name);
     return st;
 }

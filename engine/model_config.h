@@ -237,21 +237,6 @@ moe_status moe_model_config_load(moe_model_config *cfg, const char *path, moe_wa
 moe_status moe_model_config_parse(moe_model_config *cfg, const char *text, size_t len, const char *name,
                                   moe_warn_fn warn, void *warn_ctx);
 
-/* The keys of a Hugging Face config.json of any model_type (a dense
- * Mistral's or Llama's too) that change the function beyond the sizes and
- * that this reader checks outside the struct, checked as
- * moe_model_config_parse checks them: rope_parameters and rope_scaling (a
- * rope_type this reader implements, their rope_theta a normal float that
- * agrees with a top-level rope_theta), partial_rotary_factor and
- * hidden_act ("silu" or "swish"); *theta gets the rope_theta they give
- * (NaN when none: the model type's default) and *rope the RoPE scaling,
- * its original_max_position_embeddings 0 when the file gives neither it
- * nor max_position_embeddings (again the model type's default, unknown
- * here). root is the file's top-level object, name leads every message;
- * the other keys are left to the caller. */
-moe_status moe_model_config_check_function_keys(const struct moe_json *root, const char *name, moe_warn_fn warn,
-                                                void *warn_ctx, double *theta, moe_rope_scaling *rope);
-
 /* A rope_type as config.json writes it ("default", "llama3", ...); "?"
  * outside the enum. */
 const char *moe_rope_type_name(int type);

@@ -528,196 +528,82 @@ static void field_text(char *buf, size_t size, const moe_agree_field *f, double 
     moe_shortest(buf, size, value); /* two that differ print apart */
 }
 
-/* The window of every layer of a dense model's config.json (root, at
- * path, of `layers` layers) into *window (0: none), as transformers
- * reads it: Mistral's sliding_window in every layer (4096 when absent,
- * MistralConfig's default); none in Llama's, whose attention has none;
- * Qwen2's and Qwen3's only under use_sliding_window (a missing
- * sliding_window is then 4096) and only in the layers from
- * max_window_layers (default 28) on, or with layer_types in the layers it
- * calls sliding_attention; another model type's sliding_window, when it
- * gives one, in every layer. Layers of different windows are refused: the
- * MoE has one for all. */
-static moe_status dense_window(int64_t *window, const moe_json *root, const char *path, int64_t layers) {
-    const moe_json *type = moe_json_get(root, "model_type");
-    const char *type_text = type ? moe_json_text(type) : NULL;
-    const bool qwen = type_text && (strcmp(type_text, "qwen2") == 0 || strcmp(type_text, "qwen3") == 0);
-    const bool mistral = type_text && strcmp(type_text, "mistral") == 0;
-    const bool llama = type_text && strcmp(type_text, "llama") == 0;
-    const moe_json *sw = moe_json_get(root, "sliding_window"), *use = moe_json_get(root, "use_sliding_window");
-    const moe_json *kinds = moe_json_get(root, "layer_types"), *from = moe_json_get(root, "max_window_layers");
-    if (sw && sw->type != MOE_JSON_NULL && (sw->type != MOE_JSON_NUMBER || sw->number.value < 1))
-        return moe_error(MOE_ERR_CONFIG, "--upcycle: %s: sliding_window must be a positive integer or null", path);
-    if (!qwen) kinds = NULL; /* Qwen's alone: MistralConfig warns about it and windows every layer */
-    if (kinds && kinds->type != MOE_JSON_NULL && (kinds->type != MOE_JSON_ARRAY || (int64_t)kinds->array.count != layers))
-        return moe_error(MOE_ERR_CONFIG, "--upcycle: %s: layer_types must list the %lld layers' attention", path,
-                         (long long)layers);
-    /* The window's size in the layers that have one. */
-    int64_t size = sw && sw->type == MOE_JSON_NUMBER ? (int64_t)sw->number.value : 0;
-    if (mistral && !sw) size = 4096;
-    if (llama) size = 0;
-    if (qwen) size = !(use && use->type == MOE_JSON_BOOL && use->boolean) ? 0 : sw ? size : 4096;
-    const int64_t first = qwen && from && from->type == MOE_JSON_NUMBER ? (int64_t)from->number.value : qwen ? 28 : 0;
-    for (int64_t l = 0; l < layers; l++) {
-        const char *kind = kinds && kinds->type == MOE_JSON_ARRAY ? moe_json_text(&kinds->array.items[l]) : NULL;
-        bool sliding = size > 0 && l >= first;
-        if (kinds && kinds->type == MOE_JSON_ARRAY) {
-            if (!kind || (strcmp(kind, "full_attention") != 0 && strcmp(kind, "sliding_attention") != 0))
-                return moe_error(MOE_ERR_CONFIG, "--upcycle: %s: layer_types[%lld] is neither \"full_attention\" nor "
-                                                 "\"sliding_attention\"",
-                                 path, (long long)l);
-            sliding = size > 0 && strcmp(kind, "sliding_attention") == 0;
-        }
-        const int64_t w = sliding ? size : 0;
-        if (l > 0 && w != *window)
-            return moe_error(MOE_ERR_CONFIG, "--upcycle: %s: layer %lld attends %s a window, layer %lld %s: an MoE "
-                                             "of layers of different windows is not implemented",
-                             path, (long long)(l - 1), *window ? "within" : "without", (long long)l,
-                             w ? "within one" : "without");
-        *window = w;
-    }
-    return MOE_OK;
-}
-
-/* --upcycle's dense model against --config's MoE: the fields its
- * config.json (when DIR has one) shares with the MoE's must agree, or the
- * MoE would not start from the function the dense model computes (shapes
- * alone let 32 heads of 128 pass for 64 of 64, or another rope_theta). Its
- * model_type is the dense one's (mistral, llama), so it is read key by key
- * as plain JSON; keys it lacks are not compared (each model type has its
- * own defaults). RoPE and the activation are checked by the Mixtral
- * reader's own rules (moe_model_config_check_function_keys): a RoPE type
- * it does not implement and an activation other than SiLU are refused;
- * rope_theta is compared wherever it is written, top level or in
- * rope_parameters, and so is the RoPE scaling. A qwen3 model normalises
- * q and k (the MoE must too: moe_qk_norm), a qwen2 model has q, k and v
- * biases (the MoE must too: moe_qkv_bias), the window is compared as
- * dense_window finds it, and attention_bias true (o's bias too) is
- * refused, as moe has none there.
- * The token ids --config does not give are taken from the dense model's. */
-static moe_status check_dense_config(moe_model_config *moe, const moe_run_options *o) {
+/* --upcycle's dense model against --config's MoE: the dense model's
+ * config.json (when DIR has one), read as its model type's config class
+ * reads it (a llama, mistral, qwen2 or qwen3 one, or any type's model of
+ * dense MLP layers only), must give the function the MoE starts from: its
+ * sizes (its MLPs' width the experts'), RoPE, rms_norm_eps, window, head
+ * tying, q and k norm (a qwen3's, which the MoE must have too:
+ * moe_qk_norm) and q, k and v biases (a qwen2's: moe_qkv_bias), or shapes
+ * alone would let 32 heads of 128 pass for 64 of 64, or another
+ * rope_theta. The token ids --config does not give are taken from the
+ * dense model's, whose tokenizer the MoE keeps. */
+static moe_status check_dense_config(moe_model_config *moe, const moe_run_options *o, moe_warn_fn on_warn,
+                                     void *warn_ctx) {
     char path[RUN_PATH_BYTES];
     MOE_TRY(path_join(path, o->init_from, "config.json"));
     struct stat sb;
     if (stat(path, &sb) != 0) return MOE_OK;
-    moe_json_doc *doc;
-    MOE_TRY(moe_json_parse_file(&doc, path, RUN_CONFIG_MAX_BYTES));
-    /* key, or key.sub when sub is set; field: the MoE's agree field. */
-    static const struct {
-        const char *key, *sub, *field;
-    } shared[] = {
-        {"vocab_size", NULL, "vocab_size"},
-        {"hidden_size", NULL, "hidden_size"},
-        {"intermediate_size", NULL, "intermediate_size"},
-        {"num_hidden_layers", NULL, "num_hidden_layers"},
-        {"num_attention_heads", NULL, "num_attention_heads"},
-        {"num_key_value_heads", NULL, "num_key_value_heads"},
-        {"head_dim", NULL, "head_dim"},
-        {"rms_norm_eps", NULL, "rms_norm_eps"},
-    };
-    moe_agree_field fields[MOE_CONFIG_AGREE_FIELDS];
-    const int n = moe_config_agree_fields(fields, moe);
-    const moe_json *root = moe_json_root(doc);
-    /* Unknown rope_parameters keys are not warned about: a dense model's
-     * file is not the MoE's config, whose reading warns. */
-    double theta;
-    moe_rope_scaling rope;
-    moe_status st = moe_model_config_check_function_keys(root, path, NULL, NULL, &theta, &rope);
-    if (st != MOE_OK) st = moe_error_prefix(st, "--upcycle: ");
-    /* A theta the file leaves to its model type's default is not compared. */
-    if (st == MOE_OK && !isnan(theta) && theta != moe->rope_theta)
-        st = moe_error(MOE_ERR_CONFIG, "--upcycle: %s has rope_theta=%g, and --config %s has rope_theta=%g: the MoE "
-                                       "would not start from the dense model's function",
-                       path, theta, o->config, moe->rope_theta);
-    if (st == MOE_OK && rope.type != MOE_ROPE_DEFAULT && rope.type != MOE_ROPE_LINEAR &&
-        rope.original_max_position_embeddings == 0)
-        st = moe_error(MOE_ERR_CONFIG, "--upcycle: %s scales RoPE as %s and gives neither its "
-                                       "original_max_position_embeddings nor max_position_embeddings, whose default "
-                                       "is its model type's: add max_position_embeddings to it",
-                       path, moe_rope_type_name(rope.type));
-    if (st == MOE_OK && !moe_rope_scaling_equal(&rope, &moe->rope_scaling)) {
-        char dense[256], mine[256];
-        moe_rope_scaling_describe(dense, sizeof dense, &rope);
+    moe_model_config dense;
+    moe_status st = moe_model_config_load(&dense, path, on_warn, warn_ctx);
+    if (st != MOE_OK) return moe_error_prefix(st, "--upcycle: ");
+    if (moe_model_config_has_moe_layer(&dense))
+        return moe_error(MOE_ERR_CONFIG, "--upcycle: %s is an MoE (model_type %s, %lld of its %lld layers MoE layers): "
+                                         "--upcycle starts from a dense model",
+                         path, moe_model_config_model_type(&dense),
+                         (long long)(dense.num_hidden_layers - moe_model_config_dense_layer_count(&dense)),
+                         (long long)dense.num_hidden_layers);
+    const char *const fn = "the MoE would not start from the dense model's function";
+    static const char *const shared[] = {"vocab_size",  "hidden_size",    "intermediate_size",
+                                         "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                                         "head_dim",    "rope_theta",     "rms_norm_eps", "sliding_window"};
+    moe_agree_field theirs[MOE_CONFIG_AGREE_FIELDS], mine[MOE_CONFIG_AGREE_FIELDS];
+    const int n = moe_config_agree_fields(theirs, &dense);
+    moe_config_agree_fields(mine, moe);
+    for (int i = 0; i < n; i++) {
+        size_t k = 0;
+        while (k < sizeof shared / sizeof *shared && strcmp(theirs[i].name, shared[k]) != 0) k++;
+        if (k == sizeof shared / sizeof *shared || theirs[i].value == mine[i].value) continue;
+        char a[64], b[64];
+        field_text(a, sizeof a, &theirs[i], theirs[i].value);
+        field_text(b, sizeof b, &mine[i], mine[i].value);
+        return moe_error(MOE_ERR_CONFIG, "--upcycle: %s has %s=%s, and --config %s has %s=%s: %s", path,
+                         theirs[i].name, a, o->config, mine[i].name, b, fn);
+    }
+    if (!moe_rope_scaling_equal(&dense.rope_scaling, &moe->rope_scaling)) {
+        char theirs[256], mine[256];
+        moe_rope_scaling_describe(theirs, sizeof theirs, &dense.rope_scaling);
         moe_rope_scaling_describe(mine, sizeof mine, &moe->rope_scaling);
-        st = moe_error(MOE_ERR_CONFIG, "--upcycle: %s scales RoPE as %s, and --config %s as %s: the MoE would not "
-                                       "start from the dense model's function",
-                       path, dense, o->config, mine);
+        return moe_error(MOE_ERR_CONFIG, "--upcycle: %s scales RoPE as %s, and --config %s as %s: %s", path, theirs,
+                         o->config, mine, fn);
     }
-    const moe_json *type = moe_json_get(root, "model_type");
-    /* The MoE families' files say their widths and biases in keys of their
-     * own, which the rules below would misread. */
-    static const char *const moe_types[] = {"mixtral", "qwen3_moe", "qwen2_moe", "olmoe"};
-    for (size_t i = 0; st == MOE_OK && type && moe_json_text(type) && i < sizeof moe_types / sizeof *moe_types; i++)
-        if (strcmp(moe_json_text(type), moe_types[i]) == 0)
-            st = moe_error(MOE_ERR_CONFIG, "--upcycle: %s is model_type %s, an MoE family's, whose keys --upcycle "
-                                           "does not read (even with every layer dense): it starts from a dense "
-                                           "model's config.json (mistral, llama, qwen2, qwen3, or moe's \"moe\")",
-                           path, moe_types[i]);
-    const bool qwen3 = type && moe_json_text(type) && strcmp(moe_json_text(type), "qwen3") == 0;
-    const moe_qk_norm_kind qk_norm = qwen3 ? MOE_QK_NORM_PER_HEAD : MOE_QK_NORM_NONE;
-    if (st == MOE_OK && qk_norm != moe->moe_qk_norm)
-        st = moe_error(MOE_ERR_CONFIG, "--upcycle: %s is %s, and --config %s has moe_qk_norm \"%s\"%s: the MoE "
-                                       "would not start from the dense model's function",
-                       path, qwen3 ? "a qwen3 model, whose attention normalises q and k per head" : "no qwen3 model (its "
-                                                                                                  "attention does not "
-                                                                                                  "normalise q and k)",
-                       o->config, moe_qk_norm_kind_name(moe->moe_qk_norm),
-                       qwen3 ? " (model_type qwen3_moe normalises them per head)" : "");
-    const moe_json *bias = moe_json_get(root, "attention_bias");
-    if (st == MOE_OK && bias && bias->type == MOE_JSON_BOOL && bias->boolean)
-        st = moe_error(MOE_ERR_CONFIG, "--upcycle: %s has attention_bias true (biases on q, k, v and o): o has none here",
-                       path);
-    for (size_t k = 0; st == MOE_OK && k < sizeof shared / sizeof *shared; k++) {
-        const moe_json *v = moe_json_get(root, shared[k].key);
-        if (v && shared[k].sub) v = moe_json_get(v, shared[k].sub); /* checked to be an object or null */
-        if (!v || v->type == MOE_JSON_NULL) continue;
-        int i = 0;
-        while (i < n && strcmp(fields[i].name, shared[k].field) != 0) i++;
-        const double dense = v->type == MOE_JSON_NUMBER ? v->number.value : NAN;
-        if (i == n || dense == fields[i].value) continue; /* every field of shared is one of fields' */
-        char mine[64];
-        field_text(mine, sizeof mine, &fields[i], fields[i].value);
-        st = moe_error(MOE_ERR_CONFIG, "--upcycle: %s has %s%s%s=%.60s, and --config %s has %s=%s: the MoE would not "
-                                       "start from the dense model's function",
-                       path, shared[k].key, shared[k].sub ? "." : "", shared[k].sub ? shared[k].sub : "",
-                       v->type == MOE_JSON_NUMBER ? v->number.text : moe_json_type_name(v->type), o->config,
-                       shared[k].field, mine);
-    }
-    /* The layers' count agrees: their windows are the dense model's. */
-    int64_t window = 0;
-    if (st == MOE_OK) st = dense_window(&window, root, path, moe->num_hidden_layers);
-    if (st == MOE_OK && window != moe->sliding_window) {
-        char dense[48] = "no window", mine[48] = "null";
-        if (window) snprintf(dense, sizeof dense, "a window of %lld positions", (long long)window);
-        if (moe->sliding_window) snprintf(mine, sizeof mine, "%lld", (long long)moe->sliding_window);
-        st = moe_error(MOE_ERR_CONFIG, "--upcycle: %s has %s in every layer, and --config %s has sliding_window=%s: "
-                                       "the MoE would not start from the dense model's function",
-                       path, dense, o->config, mine);
-    }
-    /* The head is the dense model's: one tensor with the embedding or its own. */
-    const moe_json *tied = st == MOE_OK ? moe_json_get(root, "tie_word_embeddings") : NULL;
-    if (tied && tied->type != MOE_JSON_BOOL && tied->type != MOE_JSON_NULL)
-        st = moe_error(MOE_ERR_CONFIG, "--upcycle: %s: tie_word_embeddings must be true or false, not a %s", path,
-                       moe_json_type_name(tied->type));
-    const bool dense_tied = tied && tied->type == MOE_JSON_BOOL && tied->boolean;
-    if (st == MOE_OK && dense_tied != moe->tie_word_embeddings)
-        st = moe_error(MOE_ERR_CONFIG, "--upcycle: %s %s the embedding and the head (tie_word_embeddings %s), and "
-                                       "--config %s %s: set tie_word_embeddings %s in it",
-                       path, dense_tied ? "ties" : "keeps apart", dense_tied ? "true" : "false", o->config,
-                       dense_tied ? "does not" : "does", dense_tied ? "true" : "false");
-    /* A Qwen2's q, k and v have biases, which its config does not say. */
-    const bool qwen2 = type && moe_json_text(type) && strcmp(moe_json_text(type), "qwen2") == 0;
-    if (st == MOE_OK && qwen2 != moe->moe_qkv_bias)
-        st = moe_error(MOE_ERR_CONFIG, "--upcycle: %s is %s, and --config %s has moe_qkv_bias %s: the MoE would not "
-                                       "start from the dense model's function",
-                       path, qwen2 ? "a qwen2 model, whose q, k and v projections have biases" : "no qwen2 model (its "
-                                                                                               "q, k and v have no "
-                                                                                               "biases)",
-                       o->config, moe->moe_qkv_bias ? "true" : "false");
+    if (dense.tie_word_embeddings != moe->tie_word_embeddings)
+        return moe_error(MOE_ERR_CONFIG, "--upcycle: %s %s the embedding and the head (tie_word_embeddings %s), and "
+                                         "--config %s %s: set tie_word_embeddings %s in it",
+                         path, dense.tie_word_embeddings ? "ties" : "keeps apart",
+                         dense.tie_word_embeddings ? "true" : "false", o->config,
+                         dense.tie_word_embeddings ? "does not" : "does", dense.tie_word_embeddings ? "true" : "false");
+    if (dense.moe_qk_norm != moe->moe_qk_norm)
+        return moe_error(MOE_ERR_CONFIG, "--upcycle: %s's attention %s, and --config %s has moe_qk_norm \"%s\"%s: %s",
+                         path,
+                         dense.moe_qk_norm == MOE_QK_NORM_PER_HEAD     ? "normalises q and k per head (a qwen3's)"
+                         : dense.moe_qk_norm == MOE_QK_NORM_ACROSS_HEADS ? "normalises q and k across heads"
+                                                                         : "does not normalise q and k",
+                         o->config, moe_qk_norm_kind_name(moe->moe_qk_norm),
+                         dense.moe_qk_norm == MOE_QK_NORM_PER_HEAD ? " (model_type qwen3_moe normalises them per head)"
+                                                                   : "",
+                         fn);
+    if (dense.moe_qkv_bias != moe->moe_qkv_bias)
+        return moe_error(MOE_ERR_CONFIG, "--upcycle: %s's q, k and v projections %s, and --config %s has moe_qkv_bias "
+                                         "%s: %s",
+                         path, dense.moe_qkv_bias ? "have biases (a qwen2's)" : "have no biases", o->config,
+                         moe->moe_qkv_bias ? "true" : "false", fn);
     /* The tokenizer stays the dense model's, and so do its ids. */
-    if (st == MOE_OK) st = moe_model_config_take_token_ids(moe, root, path);
-    moe_json_free(doc);
-    return st;
+    moe_token_ids *const ids[] = {&moe->bos_token_id, &moe->eos_token_id, &moe->pad_token_id};
+    const moe_token_ids *const dense_ids[] = {&dense.bos_token_id, &dense.eos_token_id, &dense.pad_token_id};
+    for (int i = 0; i < 3; i++)
+        if (ids[i]->form == MOE_TOKEN_ID_ABSENT) *ids[i] = *dense_ids[i];
+    return MOE_OK;
 }
 
 /* The model config: --config, else the checkpoint's, else the default one
@@ -734,7 +620,7 @@ static moe_status load_config(run *r, bool *known) {
             return moe_error(MOE_ERR_CONFIG, "--upcycle: --config %s has no MoE layer (every layer a dense MLP): "
                                              "nothing to upcycle; --init-from alone loads the dense model",
                              o->config);
-        return o->upcycle ? check_dense_config(&r->cfg, o) : MOE_OK;
+        return o->upcycle ? check_dense_config(&r->cfg, o, on_warn, r->cb->ctx) : MOE_OK;
     }
     if (o->init_from || o->resume) {
         const char *dir = o->init_from ? o->init_from : o->resume;

@@ -633,28 +633,55 @@ Test(checkpoint, dense_layers_are_saved_as_mlps, .init = make_tmpdir, .fini = re
 }
 
 /* A model of dense MLP layers only (a dense baseline) has no router or
- * expert tensor, saves as Qwen3-MoE with every layer in mlp_only_layers,
- * which transformers builds as such, and resumes bit for bit. */
+ * expert tensor, saves as the dense model type its attention makes it
+ * (Llama, Mistral with a window, Qwen3 with q and k normalised per head,
+ * Qwen2 with q, k and v biases; ours otherwise), whose reader builds it
+ * with the dense layers' width as intermediate_size and no MoE field set,
+ * and resumes bit for bit. */
 Test(checkpoint, dense_layers_only, .init = make_tmpdir, .fini = remove_tmpdir) {
-    moe_model_config c = small_config(EXPERTS, 2);
-    c.moe_qk_norm = MOE_QK_NORM_PER_HEAD;
-    c.moe_dense_layers[0] = 0x3;
-    c.moe_dense_intermediate_size = 2 * FF;
-    run a = run_of(&c, 5), b = run_of(&c, 6);
-    for (int64_t i = 0; i < moe_model_tensor_count(a.model); i++) {
-        const char *name = moe_model_tensor_at(a.model, i)->name;
-        cr_expect(!strstr(name, "block_sparse_moe") && !strstr(name, "experts"), "tensor %s in a dense model", name);
+    static const struct {
+        moe_qk_norm_kind qk_norm;
+        bool qkv_bias;
+        int64_t window;
+        const char *type;
+    } kinds[] = {
+        {MOE_QK_NORM_NONE, false, 0, "llama"},         {MOE_QK_NORM_NONE, false, 3, "mistral"},
+        {MOE_QK_NORM_PER_HEAD, false, 0, "qwen3"},     {MOE_QK_NORM_NONE, true, 0, "qwen2"},
+        {MOE_QK_NORM_PER_HEAD, true, 0, "moe"},        {MOE_QK_NORM_ACROSS_HEADS, false, 0, "moe"},
+    };
+    for (size_t k = 0; k < sizeof kinds / sizeof *kinds; k++) {
+        moe_model_config c = small_config(EXPERTS, 2);
+        c.moe_qk_norm = kinds[k].qk_norm;
+        c.moe_qkv_bias = kinds[k].qkv_bias;
+        c.sliding_window = kinds[k].window;
+        c.moe_dense_layers[0] = 0x3;
+        c.moe_dense_intermediate_size = 2 * FF;
+        cr_expect_str_eq(moe_model_config_model_type(&c), kinds[k].type);
+        run a = run_of(&c, 5), b = run_of(&c, 6);
+        for (int64_t i = 0; i < moe_model_tensor_count(a.model); i++) {
+            const char *name = moe_model_tensor_at(a.model, i)->name;
+            cr_expect(!strstr(name, "block_sparse_moe") && !strstr(name, "experts"), "tensor %s in a dense model",
+                      name);
+        }
+        char path[512];
+        moe_train_state s = scramble(&a, 11, 11);
+        save(path, sizeof path, tmpdir, &a, &s);
+        resume_bits(&b, &a, path);
+        moe_model_config cfg;
+        cr_assert_eq(moe_checkpoint_load_config(&cfg, path, true, NULL, NULL), MOE_OK, "%s", moe_last_error());
+        cr_expect_str_eq(moe_model_config_model_type(&cfg), kinds[k].type);
+        cr_expect_eq(moe_model_config_dense_layer_count(&cfg), 2, "the saved config's dense layers");
+        cr_expect(cfg.intermediate_size == 2 * FF && cfg.moe_dense_intermediate_size == 0 &&
+                      cfg.num_local_experts == 1 && cfg.num_experts_per_tok == 1,
+                  "%s: intermediate_size %lld, moe_dense_intermediate_size %lld, %lld experts of top-%lld", kinds[k].type,
+                  (long long)cfg.intermediate_size, (long long)cfg.moe_dense_intermediate_size,
+                  (long long)cfg.num_local_experts, (long long)cfg.num_experts_per_tok);
+        cr_expect(cfg.sliding_window == kinds[k].window && cfg.moe_qk_norm == kinds[k].qk_norm &&
+                      cfg.moe_qkv_bias == kinds[k].qkv_bias,
+                  "%s: the attention read back", kinds[k].type);
+        free_run(&a);
+        free_run(&b);
     }
-    char path[512];
-    moe_train_state s = scramble(&a, 11, 11);
-    save(path, sizeof path, tmpdir, &a, &s);
-    resume_bits(&b, &a, path);
-    moe_model_config cfg;
-    cr_assert_eq(moe_checkpoint_load_config(&cfg, path, true, NULL, NULL), MOE_OK, "%s", moe_last_error());
-    cr_expect_str_eq(moe_model_config_model_type(&cfg), "qwen3_moe");
-    cr_expect_eq(moe_model_config_dense_layer_count(&cfg), 2, "the saved config's dense layers");
-    free_run(&a);
-    free_run(&b);
 }
 
 /* A model that transformers' Qwen2-MoE computes (one gated shared expert,

@@ -277,7 +277,7 @@ Test(model_config, every_bad_field_is_named) {
         {"pad_token_id", "{}", "pad_token_id must be an integer, a list of integers or null, got object"},
         {"pad_token_id", "99999999999999999999", "t/config.json: pad_token_id=99999999999999999999 is out of range"},
         {"model_type", "\"deepseek_v3\"", "model_type=\"deepseek_v3\" is not supported (only \"mixtral\", \"qwen3_moe\", "
-                                         "\"olmoe\", \"qwen2_moe\" or \"moe\")"},
+                                           "\"olmoe\", \"qwen2_moe\", \"moe\", \"llama\", \"mistral\", \"qwen3\" or \"qwen2\")"},
         {"rope_scaling", "{\"type\": \"longrope\", \"factor\": 2}",
          "t/config.json: rope_scaling.rope_type=\"longrope\" is not supported (only \"default\", \"linear\", \"llama3\", "
          "\"yarn\" or \"dynamic\")"},
@@ -469,54 +469,6 @@ Test(model_config, rope_type_is_refused_before_any_warning) {
     }
 }
 
-/* The RoPE and activation keys of any model type's config.json (--upcycle
- * checks a dense Llama's or Mistral's with it) under the Mixtral reader's
- * rules; keys it does not check, and sizes, are the caller's. */
-Test(model_config, function_keys_of_any_config) {
-    const struct {
-        const char *text, *want; /* want NULL: accepted */
-    } cases[] = {
-        {"{\"model_type\": \"llama\", \"hidden_act\": \"silu\", \"rope_theta\": 10000.0, \"rope_scaling\": null}", NULL},
-        {"{\"model_type\": \"mistral\", \"rope_parameters\": {\"rope_theta\": 1000000.0, \"rope_type\": \"default\"}}",
-         NULL},
-        {"{\"hidden_act\": \"swish\", \"mlp_bias\": false, \"rope_theta\": 5e5, \"rope_parameters\": "
-         "{\"rope_theta\": 500000}}",
-         NULL},
-        {"{}", NULL},
-        {"{\"hidden_act\": \"gelu\"}", "d/config.json: hidden_act=\"gelu\" is not supported"},
-        {"{\"rope_scaling\": {\"type\": \"linear\", \"factor\": 2.0}}", NULL},
-        {"{\"rope_scaling\": {\"type\": \"longrope\", \"factor\": 2.0}}",
-         "d/config.json: rope_scaling.rope_type=\"longrope\" is not supported"},
-        {"{\"rope_parameters\": {\"factor\": 8.0, \"rope_theta\": 10000.0, \"rope_type\": \"llama3\"}}",
-         "d/config.json: rope_parameters.low_freq_factor is missing: rope_type \"llama3\" needs it"},
-        {"{\"rope_theta\": 10000.0, \"rope_parameters\": {\"rope_theta\": 20000.0}}",
-         "d/config.json: rope_theta=10000 disagrees with rope_parameters.rope_theta=20000"},
-        {"{\"rope_theta\": \"x\"}", "d/config.json: rope_theta must be a number, got \"x\""},
-        {"{\"rope_theta\": 0}", "d/config.json: rope_theta=0 must be > 0"},
-        {"{\"rope_parameters\": [1]}", "d/config.json: rope_parameters must be an object, got array"},
-        {"[]", "d/config.json: top level is a JSON array, not an object"},
-    };
-    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
-        moe_json_doc *doc;
-        cr_assert_eq(moe_json_parse(&doc, cases[i].text, strlen(cases[i].text), "d"), MOE_OK, "%s",
-                     moe_last_error());
-        warnings w = {0};
-        double theta;
-        moe_rope_scaling rope;
-        const moe_status st =
-            moe_model_config_check_function_keys(moe_json_root(doc), "d/config.json", collect, &w, &theta, &rope);
-        moe_json_free(doc);
-        if (cases[i].want == NULL) {
-            cr_expect_eq(st, MOE_OK, "%s: %s", cases[i].text, moe_last_error());
-            cr_expect_eq(w.count, 0, "%s warned: %s", cases[i].text, w.text[0]);
-            continue;
-        }
-        cr_expect_eq(st, MOE_ERR_CONFIG, "accepted %s", cases[i].text);
-        cr_expect(strstr(moe_last_error(), cases[i].want) != NULL, "%s:\n  \"%s\"\n  lacks \"%s\"", cases[i].text,
-                  moe_last_error(), cases[i].want);
-    }
-}
-
 /* Scaled RoPE as transformers reads it: rope_scaling (v4, "type" or
  * "rope_type") or rope_parameters (v5); original_max_position_embeddings
  * from a top-level key first, then the object's, then
@@ -609,22 +561,18 @@ Test(model_config, scaled_rope_as_transformers_reads_it) {
         cr_expect_eq(parse(&c, text, NULL), MOE_ERR_CONFIG, "accepted %s", text);
         cr_expect(strstr(moe_last_error(), disagree[i][1]) != NULL, "%s: %s", text, moe_last_error());
     }
-    /* A dense Llama 3.1's file gives its scaling to --upcycle's check. */
-    const char *llama = "{\"model_type\": \"llama\", \"max_position_embeddings\": 131072, \"rope_scaling\": "
-                        "{\"factor\": 8.0, \"high_freq_factor\": 4.0, \"low_freq_factor\": 1.0, "
-                        "\"original_max_position_embeddings\": 8192, \"rope_type\": \"llama3\"}, "
-                        "\"rope_theta\": 500000.0}";
-    moe_json_doc *doc;
-    cr_assert_eq(moe_json_parse(&doc, llama, strlen(llama), "d"), MOE_OK, "%s", moe_last_error());
-    double theta;
-    moe_rope_scaling rope;
-    cr_expect_eq(moe_model_config_check_function_keys(moe_json_root(doc), "d/config.json", NULL, NULL, &theta, &rope),
-                 MOE_OK, "%s", moe_last_error());
-    moe_json_free(doc);
+    /* A dense Llama 3.1's file, as --upcycle reads it. */
+    const char *llama = "{\"model_type\": \"llama\", \"vocab_size\": 100, \"hidden_size\": 64, "
+                        "\"intermediate_size\": 96, \"num_hidden_layers\": 2, \"num_attention_heads\": 4, "
+                        "\"max_position_embeddings\": 131072, \"rope_scaling\": {\"factor\": 8.0, "
+                        "\"high_freq_factor\": 4.0, \"low_freq_factor\": 1.0, \"original_max_position_embeddings\": "
+                        "8192, \"rope_type\": \"llama3\"}, \"rope_theta\": 500000.0}";
+    moe_model_config c;
+    cr_assert_eq(parse(&c, llama, NULL), MOE_OK, "%s", moe_last_error());
     const moe_rope_scaling want = {.type = MOE_ROPE_LLAMA3, .factor = 8, .low_freq_factor = 1,
                                    .high_freq_factor = 4, .original_max_position_embeddings = 8192};
-    cr_expect(moe_rope_scaling_equal(&rope, &want), "the dense file's llama3 scaling was not read");
-    cr_expect_eq(theta, 5e5);
+    cr_expect(moe_rope_scaling_equal(&c.rope_scaling, &want), "the dense file's llama3 scaling was not read");
+    cr_expect_eq(c.rope_theta, 5e5);
 }
 
 /* Whatever config.json accepts, the MoE layer built from it accepts too (the
@@ -1444,6 +1392,195 @@ Test(model_config, olmoe_as_transformers_reads_it) {
     cr_expect(w.count == 1 && warned(&w, "unknown key 'clip_qkv' ignored"), "%d: %s", w.count, w.text[0]);
 }
 
+/* As transformers 5.24 writes a LlamaConfig, MistralConfig, Qwen2Config and
+ * Qwen3Config (save_pretrained; 64 wide, an MLP 96 wide, 4 heads of 16, 2
+ * of k and v, 2 layers; Mistral's window 16): dense models, every layer a
+ * dense MLP, read as those classes read them. */
+static const char llama_config[] =
+    "{\"attention_bias\": false, \"attention_dropout\": 0.0, \"bos_token_id\": 1, \"eos_token_id\": 2, \""
+    "head_dim\": 16, \"hidden_act\": \"silu\", \"hidden_size\": 64, \"initializer_range\": 0.02, \"interm"
+    "ediate_size\": 96, \"max_position_embeddings\": 2048, \"mlp_bias\": false, \"model_type\": \"llama\""
+    ", \"num_attention_heads\": 4, \"num_hidden_layers\": 2, \"num_key_value_heads\": 2, \"pad_token_id\""
+    ": null, \"pretraining_tp\": 1, \"rms_norm_eps\": 1e-06, \"rope_parameters\": {\"rope_theta\": 10000."
+    "0, \"rope_type\": \"default\"}, \"tie_word_embeddings\": false, \"transformers_version\": \"5.24.0\""
+    ", \"use_cache\": true, \"vocab_size\": 100}";
+
+static const char mistral_config[] =
+    "{\"attention_dropout\": 0.0, \"bos_token_id\": 1, \"eos_token_id\": 2, \"head_dim\": 16, \"hidden_ac"
+    "t\": \"silu\", \"hidden_size\": 64, \"initializer_range\": 0.02, \"intermediate_size\": 96, \"max_po"
+    "sition_embeddings\": 131072, \"model_type\": \"mistral\", \"num_attention_heads\": 4, \"num_hidden_l"
+    "ayers\": 2, \"num_key_value_heads\": 2, \"pad_token_id\": null, \"rms_norm_eps\": 1e-06, \"rope_para"
+    "meters\": {\"rope_theta\": 10000.0, \"rope_type\": \"default\"}, \"sliding_window\": 16, \"tie_word_"
+    "embeddings\": false, \"transformers_version\": \"5.24.0\", \"use_cache\": true, \"vocab_size\": 100}";
+
+static const char qwen2_config[] =
+    "{\"attention_dropout\": 0.0, \"bos_token_id\": null, \"eos_token_id\": null, \"hidden_act\": \"silu"
+    "\", \"hidden_size\": 64, \"initializer_range\": 0.02, \"intermediate_size\": 96, \"layer_types\": ["
+    "\"full_attention\", \"full_attention\"], \"max_position_embeddings\": 32768, \"max_window_layers\": "
+    "28, \"model_type\": \"qwen2\", \"num_attention_heads\": 4, \"num_hidden_layers\": 2, \"num_key_value"
+    "_heads\": 2, \"pad_token_id\": null, \"rms_norm_eps\": 1e-06, \"rope_parameters\": {\"rope_theta\": "
+    "10000.0, \"rope_type\": \"default\"}, \"sliding_window\": null, \"tie_word_embeddings\": false, \"tr"
+    "ansformers_version\": \"5.24.0\", \"use_cache\": true, \"use_sliding_window\": false, \"vocab_size\""
+    ": 100}";
+
+static const char qwen3_config[] =
+    "{\"attention_bias\": false, \"attention_dropout\": 0.0, \"bos_token_id\": null, \"eos_token_id\": nu"
+    "ll, \"head_dim\": 16, \"hidden_act\": \"silu\", \"hidden_size\": 64, \"initializer_range\": 0.02, \""
+    "intermediate_size\": 96, \"layer_types\": [\"full_attention\", \"full_attention\"], \"max_position_e"
+    "mbeddings\": 32768, \"max_window_layers\": 28, \"model_type\": \"qwen3\", \"num_attention_heads\": 4"
+    ", \"num_hidden_layers\": 2, \"num_key_value_heads\": 2, \"pad_token_id\": null, \"rms_norm_eps\": 1e"
+    "-06, \"rope_parameters\": {\"rope_theta\": 10000.0, \"rope_type\": \"default\"}, \"sliding_window\":"
+    " null, \"tie_word_embeddings\": false, \"transformers_version\": \"5.24.0\", \"use_cache\": true, \""
+    "use_sliding_window\": false, \"vocab_size\": 100}";
+
+/* A dense model type's file of 2 layers, an MLP 96 wide, heads of
+ * hidden / heads when head_dim is not given (but Qwen3's). */
+static const char *dense_sized(const char *type, int hidden, int heads, const char *extra) {
+    static char buf[512];
+    snprintf(buf, sizeof buf,
+             "{\"model_type\": \"%s\", \"vocab_size\": 100, \"hidden_size\": %d, \"intermediate_size\": 96, "
+             "\"num_hidden_layers\": 2, \"num_attention_heads\": %d%s}",
+             type, hidden, heads, extra);
+    return buf;
+}
+
+static const char *dense_with(const char *type, const char *extra) { return dense_sized(type, 4096, 32, extra); }
+
+/* A dense config's model: every layer a dense MLP intermediate_size wide,
+ * one expert of top-1 and no other MoE field set (the form of every model
+ * without an MoE layer), attention as given. */
+static void expect_dense(const moe_model_config *c, const char *type, int64_t width, int64_t window,
+                         moe_qk_norm_kind qk_norm, bool qkv_bias) {
+    cr_expect(!moe_model_config_has_moe_layer(c) && moe_model_config_dense_layer_count(c) == c->num_hidden_layers,
+              "%s: every layer dense", type);
+    cr_expect(c->intermediate_size == width && moe_model_config_dense_width(c) == width &&
+                  c->moe_dense_intermediate_size == 0,
+              "%s: dense width %lld", type, (long long)c->intermediate_size);
+    cr_expect(c->num_local_experts == 1 && c->num_experts_per_tok == 1 && c->router_aux_loss_coef == 0.001 &&
+                  c->moe_gate == MOE_GATE_SOFTMAX_TOPK && c->moe_renormalize && c->moe_n_shared_experts == 0,
+              "%s: the MoE fields at their defaults", type);
+    cr_expect_eq(c->sliding_window, window, "%s: window %lld", type, (long long)c->sliding_window);
+    cr_expect(c->moe_qk_norm == qk_norm && c->moe_qkv_bias == qkv_bias, "%s: q/k norm and biases", type);
+    cr_expect_str_eq(moe_model_config_model_type(c), type);
+}
+
+Test(model_config, dense_model_types_as_transformers_read_them, .init = make_tmpdir, .fini = remove_tmpdir) {
+    static const struct {
+        const char *type, *text;
+        int64_t window;
+        moe_qk_norm_kind qk_norm;
+        bool qkv_bias;
+    } files[] = {
+        {"llama", llama_config, 0, MOE_QK_NORM_NONE, false},
+        {"mistral", mistral_config, 16, MOE_QK_NORM_NONE, false},
+        {"qwen2", qwen2_config, 0, MOE_QK_NORM_NONE, true},
+        {"qwen3", qwen3_config, 0, MOE_QK_NORM_PER_HEAD, false},
+    };
+    char path[512];
+    snprintf(path, sizeof path, "%s/config.json", tmpdir);
+    moe_model_config c;
+    warnings w = {0};
+    for (size_t i = 0; i < sizeof files / sizeof *files; i++) {
+        w.count = 0;
+        cr_assert_eq(parse(&c, files[i].text, &w), MOE_OK, "%s: %s", files[i].type, moe_last_error());
+        cr_expect_eq(w.count, 0, "%s warned: %s", files[i].type, w.text[0]);
+        expect_dense(&c, files[i].type, 96, files[i].window, files[i].qk_norm, files[i].qkv_bias);
+        cr_expect(c.hidden_size == 64 && c.num_attention_heads == 4 && c.num_key_value_heads == 2 && c.head_dim == 16 &&
+                      c.rope_theta == 1e4 && c.rms_norm_eps == 1e-6,
+                  "%s: the attention's sizes", files[i].type);
+        expect_round_trip(&c, path);
+    }
+
+    /* Their classes' defaults. */
+    cr_assert_eq(parse(&c, dense_with("llama", ""), &w), MOE_OK, "%s", moe_last_error());
+    cr_expect(c.num_key_value_heads == 32 && c.max_position_embeddings == 2048 && c.head_dim == 128 &&
+                  c.rope_theta == 1e4 && c.rms_norm_eps == 1e-6 && c.sliding_window == 0,
+              "LlamaConfig's defaults");
+    cr_assert_eq(parse(&c, dense_with("mistral", ""), &w), MOE_OK, "%s", moe_last_error());
+    cr_expect(c.num_key_value_heads == 8 && c.max_position_embeddings == 131072 && c.sliding_window == 4096,
+              "MistralConfig's defaults");
+    cr_assert_eq(parse(&c, dense_with("mistral", ", \"sliding_window\": null"), &w), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(c.sliding_window, 0, "null: no window");
+    cr_expect_str_eq(moe_model_config_model_type(&c), "llama");
+    cr_assert_eq(parse(&c, dense_sized("qwen3", 64, 32, ""), &w), MOE_OK, "%s", moe_last_error());
+    cr_expect(c.num_key_value_heads == 32 && c.max_position_embeddings == 32768 && c.head_dim == 128,
+              "Qwen3Config's defaults: head_dim 128, not hidden_size // num_attention_heads");
+    cr_assert_eq(parse(&c, dense_sized("qwen2", 64, 4, ", \"num_key_value_heads\": null"), &w), MOE_OK, "%s",
+                 moe_last_error());
+    cr_expect(c.num_key_value_heads == 4 && c.head_dim == 16, "null: num_attention_heads; head_dim derived");
+
+    /* The Qwens' windows: under use_sliding_window, in the layers from
+     * max_window_layers (28 when absent) on, or those layer_types says. */
+    static const struct {
+        const char *extra;
+        int64_t window;
+    } windows[] = {
+        {", \"use_sliding_window\": true", 0},
+        {", \"use_sliding_window\": true, \"max_window_layers\": 0", 4096},
+        {", \"use_sliding_window\": true, \"max_window_layers\": 0, \"sliding_window\": 64", 64},
+        {", \"use_sliding_window\": true, \"max_window_layers\": 0, \"sliding_window\": null", 0},
+        {", \"use_sliding_window\": false, \"max_window_layers\": 0, \"sliding_window\": 64", 0},
+        {", \"use_sliding_window\": true, \"sliding_window\": 64, \"layer_types\": [\"sliding_attention\", "
+         "\"sliding_attention\"]",
+         64},
+    };
+    for (size_t i = 0; i < sizeof windows / sizeof *windows; i++) {
+        for (int q = 0; q < 2; q++) {
+            const char *text = dense_with(q ? "qwen3" : "qwen2", windows[i].extra);
+            cr_assert_eq(parse(&c, text, &w), MOE_OK, "%s: %s", text, moe_last_error());
+            cr_expect_eq(c.sliding_window, windows[i].window, "%s: window %lld", text, (long long)c.sliding_window);
+        }
+    }
+
+    /* Keys of an MoE are not a dense type's; Llama has no window. */
+    w.count = 0;
+    cr_assert_eq(parse(&c, dense_with("llama", ", \"num_local_experts\": 8, \"sliding_window\": 64"), &w), MOE_OK,
+                 "%s", moe_last_error());
+    cr_expect(w.count == 2 && warned(&w, "unknown key 'num_local_experts' ignored") &&
+                  warned(&w, "sliding_window=64 ignored: model_type llama attends to every position before"),
+              "%d: %s", w.count, w.text[0]);
+    cr_expect(c.num_local_experts == 1 && c.sliding_window == 0);
+
+    const struct {
+        const char *type;
+        refused_case refused;
+    } bad[] = {
+        {"llama", {", \"attention_bias\": true", "attention_bias=true is not supported"}},
+        {"llama", {", \"mlp_bias\": true", "mlp_bias=true is not supported"}},
+        {"qwen3", {", \"attention_bias\": true", "attention_bias=true is not supported"}},
+        {"qwen3", {", \"moe_qk_norm\": \"none\"", "model_type qwen3 normalises q and k per head"}},
+        {"qwen2", {", \"moe_qkv_bias\": false", "moe_qkv_bias=false disagrees with model_type qwen2's q, k and v "
+                                                 "biases"}},
+        {"mistral", {", \"moe_qk_norm\": \"per_head\"", "model_type mistral does not normalise q and k"}},
+        {"qwen2", {", \"use_sliding_window\": true, \"max_window_layers\": 1",
+                   "layer 0 attends without a window, layer 1 within one"}},
+        {"qwen3", {", \"layer_types\": [\"full_attention\"]",
+                   "layer_types lists 1 layers' attention, and num_hidden_layers=2"}},
+        {"qwen3", {", \"layer_types\": [\"full_attention\", \"chunked_attention\"]",
+                   "layer_types[1]=\"chunked_attention\" is neither"}},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        const char *text = dense_with(bad[i].type, bad[i].refused.extra);
+        cr_expect_eq(parse(&c, text, NULL), MOE_ERR_CONFIG, "%s was accepted", text);
+        cr_expect(strstr(moe_last_error(), bad[i].refused.want) != NULL, "%s:\n  %s\n  lacks %s", text,
+                  moe_last_error(), bad[i].refused.want);
+    }
+
+    /* Our own file of dense layers only reads as the Llama it is: the MoE
+     * fields it gives change nothing the model computes. */
+    moe_model_config llama;
+    cr_assert_eq(parse(&llama, llama_config, NULL), MOE_OK, "%s", moe_last_error());
+    const char *ours = "{\"model_type\": \"moe\", \"vocab_size\": 100, \"hidden_size\": 64, "
+                       "\"intermediate_size\": 32, \"moe_dense_intermediate_size\": 96, \"num_hidden_layers\": 2, "
+                       "\"moe_dense_layers\": [0, 1], \"num_attention_heads\": 4, \"num_key_value_heads\": 2, "
+                       "\"num_local_experts\": 16, \"num_experts_per_tok\": 4, \"moe_gate\": \"sigmoid\", "
+                       "\"moe_n_shared_experts\": 2, \"router_aux_loss_coef\": 0.5, \"max_position_embeddings\": "
+                       "2048, \"rope_theta\": 10000.0, \"rms_norm_eps\": 1e-06, \"bos_token_id\": 1, "
+                       "\"eos_token_id\": 2, \"pad_token_id\": null}";
+    cr_assert_eq(parse(&c, ours, NULL), MOE_OK, "%s", moe_last_error());
+    expect_same(&c, &llama);
+}
+
 /* As transformers 5.24 writes a Qwen2MoeConfig (save_pretrained), the
  * sizes of Qwen1.5-MoE-A2.7B's: read as Qwen2MoeConfig reads it. */
 static const char qwen2_moe_config[] =
@@ -1504,7 +1641,7 @@ Test(model_config, qwen2_moe_as_transformers_reads_it) {
         {", \"use_sliding_window\": true", "use_sliding_window=true is not supported for model_type qwen2_moe"},
         {", \"layer_types\": [\"full_attention\", \"sliding_attention\"]",
          "a layer_types entry other than \"full_attention\" is not supported"},
-        {", \"layer_types\": [1]", "layer_types must be a list of strings"},
+        {", \"layer_types\": [1]", "layer_types[0]=1 is neither \"full_attention\" nor \"sliding_attention\""},
         {", \"moe_n_shared_experts\": 2", "moe_n_shared_experts=2 disagrees with model_type qwen2_moe's one shared expert"},
         {", \"moe_shared_expert_gate\": false",
          "moe_shared_expert_gate=false disagrees with model_type qwen2_moe's gated shared expert"},

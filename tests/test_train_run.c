@@ -692,20 +692,44 @@ Test(train_run, val_tokens_hold_out_the_tail, .init = make_tmp, .fini = remove_t
               "message: %s", moe_last_error());
 }
 
-/* --upcycle reads the dense model's config.json key by key (its
- * model_type is the dense one's): a field it shares with --config that
- * differs (rope_theta also where transformers v5 writes it, in
- * rope_parameters), a head tied where --config's is not, a RoPE scaled
- * otherwise, one of a type moe does not implement or an activation other
- * than SiLU is refused before any weight is read, naming
- * the file and the key; keys it lacks are not compared, and a matching one
- * goes on to the weights. A qwen3 model normalises q and k, and a qwen2
- * model's q, k and v have biases, which --config must have too (and not
- * for another model); the windows are compared as
- * transformers reads them (Qwen2's and Qwen3's under use_sliding_window
- * from layer max_window_layers on, or as layer_types says), and attention
- * biases or layers of different windows are refused. */
-#define QWEN2_BIASES "dense/config.json is a qwen2 model, whose q, k and v projections have biases, and --config"
+/* --upcycle reads the dense model's config.json as its model type's
+ * config class reads it (defaults included): a field it shares with
+ * --config that differs (rope_theta also where transformers v5 writes it,
+ * in rope_parameters), a head tied where --config's is not, a RoPE scaled
+ * otherwise, or what the reader refuses (a RoPE type moe does not
+ * implement, an activation other than SiLU, attention biases, layers of
+ * different windows) is refused before any weight is read, naming the
+ * file and the key, and so is an MoE; a matching one goes on to the
+ * weights. A qwen3 model normalises q and k, and a qwen2 model's q, k and
+ * v have biases, which --config must have too (and not for another
+ * model); the windows are compared as transformers reads them (Mistral's
+ * 4096 when absent, Llama's none, Qwen2's and Qwen3's under
+ * use_sliding_window from layer max_window_layers on, or as layer_types
+ * says). */
+#define QWEN2_BIASES "dense/config.json's q, k and v projections have biases (a qwen2's), and --config"
+
+/* A dense model's config.json of the tiny config's sizes (llama unless
+ * extra gives a model_type), without the keys extra gives. */
+static int dense_config_text(char *text, size_t size, const char *extra) {
+    char vocab[16];
+    snprintf(vocab, sizeof vocab, "%d", MOE_SYNTH_VOCAB_SIZE);
+    const char *const base[][2] = {
+        {"model_type", "\"llama\""},  {"vocab_size", vocab},        {"hidden_size", "32"},
+        {"intermediate_size", "32"},  {"num_hidden_layers", "2"},   {"num_attention_heads", "4"},
+        {"num_key_value_heads", "2"}, {"head_dim", "8"},            {"rope_theta", "10000.0"},
+        {"rms_norm_eps", "1e-05"},    {"tie_word_embeddings", "false"}, {"hidden_act", "\"silu\""},
+    };
+    int n = snprintf(text, size, "{");
+    const char *sep = "";
+    for (size_t k = 0; k < sizeof base / sizeof *base; k++) {
+        char quoted[48];
+        snprintf(quoted, sizeof quoted, "\"%s\"", base[k][0]);
+        if (strstr(extra, quoted)) continue;
+        n += snprintf(text + n, size - (size_t)n, "%s%s: %s", sep, quoted, base[k][1]);
+        sep = ", ";
+    }
+    return n + snprintf(text + n, size - (size_t)n, "%s}", extra);
+}
 
 Test(train_run, upcycle_checks_the_dense_config, .init = make_tmp, .fini = remove_tmp) {
     char cfg[512], out[512], dense[512], path[600];
@@ -719,90 +743,95 @@ Test(train_run, upcycle_checks_the_dense_config, .init = make_tmp, .fini = remov
     } cases[] = {
         {", \"rope_theta\": 500000.0", "config.json has rope_theta=500000, and --config"},
         {", \"num_attention_heads\": 8, \"head_dim\": 4", "config.json has num_attention_heads=8"},
+        {", \"rms_norm_eps\": 1e-06", "config.json has rms_norm_eps=1e-06, and --config"},
+        /* LlamaConfig's rms_norm_eps when absent, not the MoE's. */
+        {", \"model_type\": \"llama\", \"rms_norm_eps\": null", "config.json has rms_norm_eps=1e-06"},
+        {", \"intermediate_size\": 64", "config.json has intermediate_size=64, and --config"},
         /* Mistral's window is every layer's, 4096 when absent; Llama has none. */
-        {", \"model_type\": \"mistral\", \"sliding_window\": 4096",
-         "config.json has a window of 4096 positions in every layer, and --config"},
-        {", \"model_type\": \"mistral\"", "config.json has a window of 4096 positions in every layer, and --config"},
-        {", \"model_type\": \"mistral\", \"sliding_window\": 8, \"layer_types\": [\"full_attention\", \"full_attention\"]",
-         "config.json has a window of 8 positions in every layer, and --config"},
-        {", \"model_type\": \"mistral\", \"rope_theta\": 10000.0, \"sliding_window\": null", "model.safetensors"},
-        {", \"rope_theta\": 10000.0, \"sliding_window\": 8", "model.safetensors"},
+        {", \"model_type\": \"mistral\", \"sliding_window\": 4096", "config.json has sliding_window=4096, and --config"},
+        {", \"model_type\": \"mistral\"", "config.json has sliding_window=4096, and --config"},
+        {", \"model_type\": \"mistral\", \"sliding_window\": 8", "config.json has sliding_window=8, and --config"},
+        {", \"model_type\": \"mistral\", \"sliding_window\": null", "model.safetensors"},
+        {", \"sliding_window\": 8", "model.safetensors"},
         {", \"tie_word_embeddings\": true", "ties the embedding and the head (tie_word_embeddings true), and --config"},
-        {", \"tie_word_embeddings\": \"yes\"", "tie_word_embeddings must be true or false, not a string"},
+        {", \"tie_word_embeddings\": \"yes\"", "tie_word_embeddings must be true or false, got \"yes\""},
         {", \"rope_parameters\": {\"rope_theta\": 500000.0, \"rope_type\": \"default\"}",
          "config.json has rope_theta=500000, and --config"},
         {", \"rope_parameters\": {\"factor\": 8.0, \"rope_theta\": 10000.0, \"rope_type\": \"llama3\", "
          "\"low_freq_factor\": 1, \"high_freq_factor\": 4, \"original_max_position_embeddings\": 64}",
          "dense/config.json scales RoPE as llama3 (factor 8, low_freq_factor 1, high_freq_factor 4, "
          "original_max_position_embeddings 64), and --config"},
-        {", \"rope_theta\": 10000.0, \"rope_scaling\": {\"type\": \"linear\", \"factor\": 2.0}",
+        {", \"rope_scaling\": {\"type\": \"linear\", \"factor\": 2.0}",
          "dense/config.json scales RoPE as linear (factor 2), and --config"},
         {", \"rope_scaling\": {\"type\": \"longrope\", \"factor\": 2.0}",
          "dense/config.json: rope_scaling.rope_type=\"longrope\" is not supported"},
         {", \"rope_scaling\": {\"type\": \"linear\", \"factor\": 2.0, \"rope_theta\": 500000.0}",
          "config.json has rope_theta=500000, and --config"},
+        /* Its context LlamaConfig's max_position_embeddings, 2048. */
         {", \"rope_scaling\": {\"type\": \"yarn\", \"factor\": 4.0}",
-         "scales RoPE as yarn and gives neither its original_max_position_embeddings nor max_position_embeddings"},
+         "scales RoPE as yarn (factor 4, original_max_position_embeddings 2048"},
         {", \"hidden_act\": \"gelu\"", "dense/config.json: hidden_act=\"gelu\" is not supported"},
-        {", \"attention_bias\": true", "dense/config.json has attention_bias true"},
+        {", \"attention_bias\": true", "dense/config.json: attention_bias=true is not supported"},
         {", \"model_type\": \"qwen2\", \"use_sliding_window\": true, \"sliding_window\": 16, "
          "\"layer_types\": [\"full_attention\", \"sliding_attention\"]",
          "layer 0 attends without a window, layer 1 within one"},
         {", \"model_type\": \"qwen2\", \"layer_types\": [\"full_attention\", \"chunked_attention\"]",
-         "layer_types[1] is neither \"full_attention\" nor \"sliding_attention\""},
+         "layer_types[1]=\"chunked_attention\" is neither \"full_attention\" nor \"sliding_attention\""},
         {", \"model_type\": \"qwen2\", \"layer_types\": [\"full_attention\"]",
-         "layer_types must list the 2 layers' attention"},
+         "layer_types lists 1 layers' attention, and num_hidden_layers=2"},
         /* Qwen2's and Qwen3's window: under use_sliding_window, from layer
          * max_window_layers (28) on, 4096 positions unless sliding_window
          * says. */
         {", \"model_type\": \"qwen2\", \"use_sliding_window\": true, \"max_window_layers\": 0",
-         "has a window of 4096 positions in every layer"},
+         "config.json has sliding_window=4096, and --config"},
         {", \"model_type\": \"qwen2\", \"use_sliding_window\": true, \"sliding_window\": 16, \"max_window_layers\": 1",
          "layer 0 attends without a window, layer 1 within one"},
-        {", \"model_type\": \"qwen3\"", "dense/config.json is a qwen3 model, whose attention normalises q and k per head, "
-                                     "and --config"},
-        /* An MoE family's file, even one of dense layers only, is read
-         * by keys of its own. */
-        {", \"model_type\": \"qwen3_moe\", \"mlp_only_layers\": [0, 1]",
-         "dense/config.json is model_type qwen3_moe, an MoE family's, whose keys --upcycle does not read"},
-        {", \"model_type\": \"mixtral\"", "dense/config.json is model_type mixtral, an MoE family's"},
+        {", \"model_type\": \"qwen3\"",
+         "dense/config.json's attention normalises q and k per head (a qwen3's), and --config"},
+        /* An MoE is no dense model, whatever its type; an MoE family's
+         * file of dense layers only is one. */
+        {", \"model_type\": \"qwen3_moe\", \"moe_intermediate_size\": 16, \"num_experts\": 4, "
+         "\"num_experts_per_tok\": 2, \"mlp_only_layers\": [0]",
+         "dense/config.json is an MoE (model_type qwen3_moe, 1 of its 2 layers MoE layers): --upcycle starts from a "
+         "dense model"},
+        {", \"model_type\": \"mixtral\", \"num_local_experts\": 4, \"num_experts_per_tok\": 2",
+         "dense/config.json is an MoE (model_type mixtral, 2 of its 2 layers MoE layers)"},
+        {", \"model_type\": \"qwen3_moe\", \"moe_intermediate_size\": 16, \"num_experts\": 4, "
+         "\"num_experts_per_tok\": 2, \"mlp_only_layers\": [0, 1]",
+         "dense/config.json's attention normalises q and k per head (a qwen3's), and --config"},
         /* Windows that are not used are none. */
-        {", \"model_type\": \"qwen2\", \"rope_theta\": 10000.0, \"sliding_window\": 16", QWEN2_BIASES},
-        {", \"model_type\": \"qwen2\", \"rope_theta\": 10000.0, \"use_sliding_window\": true, \"sliding_window\": 16",
-         QWEN2_BIASES},
+        {", \"model_type\": \"qwen2\", \"sliding_window\": 16", QWEN2_BIASES},
+        {", \"model_type\": \"qwen2\", \"use_sliding_window\": true, \"sliding_window\": 16", QWEN2_BIASES},
         /* The config matches (null: no window): on to the missing weights. */
-        {", \"rope_theta\": 10000.0, \"sliding_window\": null", "model.safetensors"},
+        {", \"sliding_window\": null", "model.safetensors"},
         {", \"rope_parameters\": {\"rope_theta\": 10000.0, \"rope_type\": \"default\"}, \"hidden_act\": \"silu\", "
          "\"rope_scaling\": null",
          "model.safetensors"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
-        char text[512];
-        /* The case's model_type, if it has one, else llama. */
-        const char *type = strstr(cases[i].extra, "model_type") ? "" : "\"model_type\": \"llama\", ";
-        const int n = snprintf(text, sizeof text,
-                               "{%s\"hidden_size\": 32, \"num_hidden_layers\": 2, \"num_key_value_heads\": 2%s}",
-                               type, cases[i].extra);
+        char text[1024];
+        const int n = dense_config_text(text, sizeof text, cases[i].extra);
         cr_assert_eq(moe_file_write_atomic_buffer(path, text, (size_t)n), MOE_OK, "%s", moe_last_error());
         seen v;
         moe_run_callbacks cb = callbacks(&v);
         cr_expect_neq(moe_run(&o, &cb), MOE_OK, "case %zu ran", i);
-        cr_expect(strstr(moe_last_error(), cases[i].want), "case %zu: %s", i, moe_last_error());
+        cr_expect(strstr(moe_last_error(), cases[i].want), "case %zu: %s\n  lacks %s", i, moe_last_error(),
+                  cases[i].want);
         cr_expect_eq(v.steps, 0);
     }
     /* An MoE that normalises q and k from a model that does not. */
-    char qk_cfg[512];
+    char qk_cfg[512], text[1024];
     moe_model_config c;
     cr_assert_eq(moe_model_config_load(&c, cfg, NULL, NULL), MOE_OK, "%s", moe_last_error());
     c.moe_qk_norm = MOE_QK_NORM_PER_HEAD;
     o.config = tmp_path(qk_cfg, "qk.json");
     cr_assert_eq(moe_model_config_save(&c, qk_cfg), MOE_OK, "%s", moe_last_error());
-    static const char mistral[] = "{\"model_type\": \"mistral\", \"hidden_size\": 32}";
-    cr_assert_eq(moe_file_write_atomic_buffer(path, mistral, sizeof mistral - 1), MOE_OK, "%s", moe_last_error());
+    int n = dense_config_text(text, sizeof text, ", \"model_type\": \"mistral\", \"sliding_window\": null");
+    cr_assert_eq(moe_file_write_atomic_buffer(path, text, (size_t)n), MOE_OK, "%s", moe_last_error());
     seen v;
     moe_run_callbacks cb = callbacks(&v);
     cr_expect_neq(moe_run(&o, &cb), MOE_OK, "a qk-normalising MoE upcycled from a mistral model");
-    cr_expect(strstr(moe_last_error(), "is no qwen3 model (its attention does not normalise q and k), and --config") &&
+    cr_expect(strstr(moe_last_error(), "'s attention does not normalise q and k, and --config") &&
                   strstr(moe_last_error(), "has moe_qk_norm \"per_head\""),
               "%s", moe_last_error());
     /* An MoE with q, k and v biases from a model without them, and from a
@@ -810,14 +839,14 @@ Test(train_run, upcycle_checks_the_dense_config, .init = make_tmp, .fini = remov
     c.moe_qk_norm = MOE_QK_NORM_NONE;
     c.moe_qkv_bias = true;
     cr_assert_eq(moe_model_config_save(&c, qk_cfg), MOE_OK, "%s", moe_last_error());
-    static const char llama[] = "{\"model_type\": \"llama\", \"hidden_size\": 32, \"rope_theta\": 10000.0}";
-    cr_assert_eq(moe_file_write_atomic_buffer(path, llama, sizeof llama - 1), MOE_OK, "%s", moe_last_error());
+    n = dense_config_text(text, sizeof text, "");
+    cr_assert_eq(moe_file_write_atomic_buffer(path, text, (size_t)n), MOE_OK, "%s", moe_last_error());
     cr_expect_neq(moe_run(&o, &cb), MOE_OK, "an MoE with biases upcycled from a llama model");
-    cr_expect(strstr(moe_last_error(), "is no qwen2 model (its q, k and v have no biases), and --config") &&
+    cr_expect(strstr(moe_last_error(), "'s q, k and v projections have no biases, and --config") &&
                   strstr(moe_last_error(), "has moe_qkv_bias true"),
               "%s", moe_last_error());
-    static const char qwen2[] = "{\"model_type\": \"qwen2\", \"hidden_size\": 32, \"rope_theta\": 10000.0}";
-    cr_assert_eq(moe_file_write_atomic_buffer(path, qwen2, sizeof qwen2 - 1), MOE_OK, "%s", moe_last_error());
+    n = dense_config_text(text, sizeof text, ", \"model_type\": \"qwen2\"");
+    cr_assert_eq(moe_file_write_atomic_buffer(path, text, (size_t)n), MOE_OK, "%s", moe_last_error());
     cr_expect_neq(moe_run(&o, &cb), MOE_OK, "upcycled without weights");
     cr_expect(strstr(moe_last_error(), "model.safetensors"), "%s", moe_last_error());
     /* Into a model of dense layers only: nothing to upcycle. */

@@ -128,6 +128,13 @@ run_ok "the resume of a measured pipeline with a dense layer" "$out/pp_dense_res
 check "the resume takes the dense layer's measured cost from the checkpoint" $?
 cmp -s <(values loss "$out/pp_dense_resumed") <(values loss "$out/pp_dense" | tail -n +7)
 check "the resume of a pipeline whose first stage is a dense layer continues its jitter noise bit for bit" $?
+# A model of dense layers only: its --ep ranks are data-parallel ones,
+# whose count need divide no number of experts.
+sed -e '1s/{/{"moe_dense_layers": [0, 1],/' "$out/one/config.json" >"$out/all_dense.json"
+run_ok "one rank, dense layers only" "$out/one_all_dense.log" "$bin/moe-train" "${common[@]}" \
+    --config "$out/all_dense.json" --batch-size 6 --out "$out/one_all_dense"
+grid_matches "--ep 3 --zero 1 on 3 ranks, dense layers only" ep_all_dense "$out/one_all_dense" 3 \
+    --config "$out/all_dense.json" --batch-size 2 --ep 3 --zero 1
 
 run_ok "the resume of a pipeline" "$out/pp_resumed.log" "$bin/moe-train" "${common[@]}" --batch-size 8 \
     --grad-accum 3 --resume "$out/pp/step-000006" --out "$out/pp_resumed"
