@@ -1502,33 +1502,53 @@ static moe_status log_step(run *r, const moe_run_step *s) {
     moe_json_writer w;
     moe_json_writer_init(&w, 0);
     moe_json_begin_object(&w);
+    /* routing: a value of the MoE layers, null in a model without one. */
     const struct {
         const char *key;
         double value;
+        bool routing;
     } fields[] = {
-        {"loss", m->loss},         {"ce_loss", m->ce_loss},     {"logit_z_loss", m->logit_z_loss},
-        {"aux_loss", m->aux_loss},
-        {"seq_aux_loss", m->seq_aux_loss},
-        {"z_loss", m->z_loss},     {"lr", m->lr},               {"grad_norm", m->grad_norm},
-        {"tokens_per_s", s->tokens_per_s}, {"mfu", s->mfu},     {"load_imbalance", m->load_imbalance},
-        {"dropped_frac", m->dropped_frac}, {"pipeline_idle", m->pipeline_idle},
-        {"busy_s", m->busy_s},             {"busy_max_s", m->busy_max_s}, {"busy_median_s", m->busy_median_s},
-        {"exchange_bytes", m->exchange_bytes}, {"rank_imbalance", m->rank_imbalance},
+        {"loss", m->loss, false},
+        {"ce_loss", m->ce_loss, false},
+        {"logit_z_loss", m->logit_z_loss, false},
+        {"aux_loss", m->aux_loss, true},
+        {"seq_aux_loss", m->seq_aux_loss, true},
+        {"z_loss", m->z_loss, true},
+        {"lr", m->lr, false},
+        {"grad_norm", m->grad_norm, false},
+        {"tokens_per_s", s->tokens_per_s, false},
+        {"mfu", s->mfu, false},
+        {"load_imbalance", m->load_imbalance, true},
+        {"dropped_frac", m->dropped_frac, true},
+        {"pipeline_idle", m->pipeline_idle, false},
+        {"busy_s", m->busy_s, false},
+        {"busy_max_s", m->busy_max_s, false},
+        {"busy_median_s", m->busy_median_s, false},
+        {"exchange_bytes", m->exchange_bytes, true},
+        {"rank_imbalance", m->rank_imbalance, true},
     };
+    const bool routes = moe_model_config_has_moe_layer(&r->cfg);
     moe_json_key(&w, "step");
     moe_json_int(&w, m->step);
     moe_json_key(&w, "slowest_rank"); /* a rank, an index */
     moe_json_int(&w, m->slowest_rank);
     for (size_t i = 0; i < sizeof fields / sizeof *fields; i++) {
         moe_json_key(&w, fields[i].key);
-        moe_json_number(&w, fields[i].value);
+        if (fields[i].routing && !routes)
+            moe_json_null(&w);
+        else
+            moe_json_number(&w, fields[i].value);
     }
-    /* Per layer, the pairs each expert kept in the step. */
+    /* Per MoE layer, the pairs each expert kept in the step; null for a dense one. */
     const moe_model_config *c = &r->cfg;
     const double *load = moe_trainer_expert_load(r->trainer);
     moe_json_key(&w, "expert_load");
     moe_json_begin_array(&w);
     for (int64_t l = 0; l < c->num_hidden_layers; l++) {
+        if (moe_model_config_layer_is_dense(c, l)) { /* it has no experts */
+            moe_json_null(&w);
+            continue;
+        }
         moe_json_begin_array(&w);
         for (int64_t e = 0; e < c->num_local_experts; e++)
             moe_json_int(&w, (int64_t)load[l * c->num_local_experts + e]);

@@ -112,8 +112,10 @@ static void on_start(void *ctx, const moe_run_summary *s) {
     v->starts++;
     v->floor = s->entropy_floor;
     v->last_step = s->start_step;
-    cr_expect(s->params > s->active_params && s->active_params > 0, "params %lld, active %lld",
-              (long long)s->params, (long long)s->active_params);
+    /* Every parameter is active in a model without an MoE layer. */
+    const bool routes = moe_model_config_has_moe_layer(s->config);
+    cr_expect((routes ? s->params > s->active_params : s->params == s->active_params) && s->active_params > 0,
+              "params %lld, active %lld", (long long)s->params, (long long)s->active_params);
     cr_expect(s->step_flops > 0.0 && s->peak_gflops == 10.0, "step_flops %g, peak %g", s->step_flops,
               s->peak_gflops);
 }
@@ -690,6 +692,43 @@ Test(train_run, val_tokens_hold_out_the_tail, .init = make_tmp, .fini = remove_t
     cr_expect_eq(moe_run(&o, &cb), MOE_ERR_CONFIG);
     cr_expect(strstr(moe_last_error(), "--val-tokens of --data") && strstr(moe_last_error(), "holds 100 tokens"),
               "message: %s", moe_last_error());
+}
+
+/* metrics.jsonl's expert_load has a null row for a dense MLP layer, and a
+ * model without an MoE layer logs its routing values as null. */
+Test(train_run, dense_layers_log_no_routing, .init = make_tmp, .fini = remove_tmp) {
+    char cfg[512], out[512], dense_cfg[512], path[600];
+    moe_model_config c;
+    cr_assert_eq(moe_model_config_load(&c, write_tiny_config(cfg, MOE_SYNTH_VOCAB_SIZE), NULL, NULL), MOE_OK, "%s",
+                 moe_last_error());
+    static const char *const routing[] = {"aux_loss", "seq_aux_loss", "z_loss", "load_imbalance",
+                                          "dropped_frac", "exchange_bytes", "rank_imbalance"};
+    for (uint64_t dense = 1; dense <= 3; dense += 2) { /* layer 0 dense; both */
+        c.moe_dense_layers[0] = dense;
+        cr_assert_eq(moe_model_config_save(&c, tmp_path(dense_cfg, "dense.json")), MOE_OK, "%s", moe_last_error());
+        moe_run_options o = tiny_options(dense_cfg, tmp_path(out, dense == 3 ? "out_dense" : "out_mixed"));
+        o.steps = 2;
+        seen v;
+        run_ok(&o, &v);
+        snprintf(path, sizeof path, "%s/metrics.jsonl", out);
+        size_t size;
+        char *text = read_file(path, &size);
+        char *line = strtok(text, "\n"); /* step 1 */
+        moe_json_doc *doc;
+        cr_assert_eq(moe_json_parse(&doc, line, strlen(line), "metrics.jsonl"), MOE_OK, "%s", moe_last_error());
+        const moe_json *root = moe_json_root(doc), *load = moe_json_get(root, "expert_load");
+        cr_assert(load && load->type == MOE_JSON_ARRAY && load->array.count == 2, "expert_load in %s", line);
+        cr_expect(load->array.items[0].type == MOE_JSON_NULL, "a dense layer's row in %s", line);
+        cr_expect(load->array.items[1].type == (dense == 3 ? MOE_JSON_NULL : MOE_JSON_ARRAY), "layer 1's row in %s",
+                  line);
+        for (size_t k = 0; k < sizeof routing / sizeof *routing; k++) {
+            const moe_json *value = moe_json_get(root, routing[k]);
+            cr_expect(value && value->type == (dense == 3 ? MOE_JSON_NULL : MOE_JSON_NUMBER), "%s in %s", routing[k],
+                      line);
+        }
+        moe_json_free(doc);
+        free(text);
+    }
 }
 
 /* --upcycle reads the dense model's config.json as its model type's

@@ -246,6 +246,7 @@ typedef struct printer {
     int rank;     /* under mpirun; only rank 0 prints */
     bool pipeline; /* --pp > 1: each step says how long the stages waited */
     bool grid;     /* several ranks: each step names the slowest */
+    bool routes;   /* the model has an MoE layer: each step says how it routed */
     bool quiet;
     int kill_rank, kill_step; /* MOE_FAULT_KILL=RANK:STEP, or -1 */
     bool stopped;             /* before --steps: a signal or --max-time */
@@ -401,6 +402,7 @@ static void on_start(void *ctx, const moe_run_summary *s) {
     }
     p->rank = s->rank;
     p->grid = s->ranks > 1;
+    p->routes = moe_model_config_has_moe_layer(c);
     p->quiet = s->rank != 0;
     if (p->quiet) return;
     char groups[96] = "";
@@ -489,10 +491,12 @@ static void on_step(void *ctx, const moe_run_step *s) {
     }
     if (p->quiet) return;
     clear_bar(p);
-    printf("step %5lld/%lld | loss %.4f | aux %.4f | lr %.2e | norm %6.3f | %7.0f tok/s | MFU %5.1f%% | "
-           "imbalance %.2f | dropped %.1f%%\n",
-           (long long)m->step, (long long)s->total_steps, m->loss, m->aux_loss, m->lr, m->grad_norm,
-           s->tokens_per_s, 100.0 * s->mfu, m->load_imbalance, 100.0 * m->dropped_frac);
+    printf("step %5lld/%lld | loss %.4f", (long long)m->step, (long long)s->total_steps, m->loss);
+    if (p->routes) printf(" | aux %.4f", m->aux_loss);
+    printf(" | lr %.2e | norm %6.3f | %7.0f tok/s | MFU %5.1f%%", m->lr, m->grad_norm, s->tokens_per_s,
+           100.0 * s->mfu);
+    if (p->routes) printf(" | imbalance %.2f | dropped %.1f%%", m->load_imbalance, 100.0 * m->dropped_frac);
+    printf("\n");
     if (p->grid) {
         printf("         slowest rank %d, busy %.1f%% over the ranks' median", m->slowest_rank,
                100.0 * (m->busy_median_s > 0.0 ? m->busy_max_s / m->busy_median_s - 1.0 : 0.0));
