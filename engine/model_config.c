@@ -194,8 +194,8 @@ static const char *const family_archs[N_FAMILIES] = {
      FAMILY_BIT(FAMILY_QWEN2_DENSE))
 static bool dense_family(family f) { return (DENSE_FAMILIES & FAMILY_BIT(f)) != 0; }
 
-/* The keys of Qwen3MoeConfig, OlmoeConfig and Qwen2MoeConfig beyond
- * Mixtral's, read in a file of a type that has them (families, a
+/* The keys of Qwen3MoeConfig, OlmoeConfig, Qwen2MoeConfig and the dense
+ * classes beyond Mixtral's, read in a file of a type that has them (families, a
  * FAMILY_BIT mask) and in another an unknown key; FAMILY_KEY_BIT(k) marks
  * one given. */
 enum {
@@ -226,8 +226,8 @@ static const struct {
 };
 #define FAMILY_KEY_BIT(k) (1u << (k))
 
-/* Qwen3MoeConfig's, OlmoeConfig's and Qwen2MoeConfig's defaults where they
- * differ from MixtralConfig's (OLMoE's absent num_key_value_heads is
+/* The other config classes' defaults where they differ from
+ * MixtralConfig's (OLMoE's and Llama's absent num_key_value_heads is
  * num_attention_heads, fill_defaults' to set), and their q and k norms. */
 static const struct {
     family fam;
@@ -925,8 +925,10 @@ static bool family_key(const char *key, family fam) {
 static moe_status read_other(const moe_json_member *m, other_values *o, const char *name, moe_warn_fn wfn,
                              void *wctx) {
     if (listed(m->key, ignored_keys, sizeof ignored_keys / sizeof *ignored_keys)) return MOE_OK;
-    if (!listed(m->key, checked_keys, sizeof checked_keys / sizeof *checked_keys) &&
-        !family_key(m->key, o->type)) {
+    /* num_experts is an MoE's key, as the fields moe_only marks are. */
+    const bool moe_key = dense_family(o->type) && strcmp(m->key, "num_experts") == 0;
+    if (moe_key || (!listed(m->key, checked_keys, sizeof checked_keys / sizeof *checked_keys) &&
+                    !family_key(m->key, o->type))) {
         warn(wfn, wctx, "%s: unknown key '%.100s' ignored", name, m->key);
         return MOE_OK;
     }
@@ -973,10 +975,11 @@ static moe_status read_keys(moe_model_config *cfg, given *state, other_values *o
         if (f == N_FIELDS) {
             MOE_TRY(read_other(m, o, name, wfn, wctx));
         } else if ((m->value.type == MOE_JSON_NULL && fields[f].kind != F_TOKEN_IDS) ||
-                   (o->type == FAMILY_QWEN2 && fields[f].kind == F_WINDOW && m->value.type == MOE_JSON_NUMBER &&
-                    m->value.number.value == 0.0)) {
+                   (FAMILY_BIT(o->type) & (FAMILY_BIT(FAMILY_QWEN2) | DENSE_QWENS) && fields[f].kind == F_WINDOW &&
+                    m->value.type == MOE_JSON_NUMBER && m->value.number.value == 0.0)) {
             /* A token id's null is a value (no token), not its default;
-             * Qwen2MoeConfig writes no window as 0. */
+             * Qwen2MoeConfig writes no window as 0, which Qwen2Config and
+             * Qwen3Config take too. */
             state[f] = GIVEN_NULL;
         } else {
             MOE_TRY(read_field(cfg, &fields[f], &m->value, name));
@@ -1153,6 +1156,11 @@ static moe_status read_qwen_windows(moe_model_config *cfg, const given *state, c
     if (typed && o->family_int[KEY_LAYER_TYPES] != L)
         return moe_error(MOE_ERR_CONFIG, "%s: layer_types lists %lld layers' attention, and num_hidden_layers=%lld",
                          name, (long long)o->family_int[KEY_LAYER_TYPES], (long long)L);
+    /* transformers' masks refuse a sliding_attention layer without a window. */
+    if (typed && o->family_bool[KEY_LAYER_TYPES] && size == 0)
+        return moe_error(MOE_ERR_CONFIG, "%s: layer_types calls a layer sliding_attention, and there is no window "
+                                         "(use_sliding_window false, or sliding_window null)",
+                         name);
     const int64_t first =
         o->family_given & FAMILY_KEY_BIT(KEY_MAX_WINDOW_LAYERS) ? o->family_int[KEY_MAX_WINDOW_LAYERS] : 28;
     int64_t window = 0;
@@ -1617,12 +1625,16 @@ static moe_status write_text_line(void *ctx, FILE *file) {
  * others have neither. The Qwens say which layers are dense MLPs
  * (decoder_sparse_step, mlp_only_layers); Mixtral and OLMoE have none.
  * A model of dense layers only is a dense one, told by its attention:
- * Llama's (no window), Mistral's (a window), Qwen3's (q and k normalised
- * per head) or Qwen2's (q, k and v biases). */
+ * Llama's (no window; LlamaConfig refuses a hidden_size that is no
+ * multiple of num_attention_heads, which MistralConfig takes, its window
+ * null), Mistral's (a window), Qwen3's (q and k normalised per head) or
+ * Qwen2's (q, k and v biases). */
 static family family_of(const moe_model_config *c) {
     if (!moe_model_config_has_moe_layer(c)) {
         if (c->moe_qk_norm == MOE_QK_NORM_NONE && !c->moe_qkv_bias)
-            return c->sliding_window > 0 ? FAMILY_MISTRAL : FAMILY_LLAMA;
+            return c->sliding_window > 0 || (c->num_attention_heads > 0 && c->hidden_size % c->num_attention_heads)
+                       ? FAMILY_MISTRAL
+                       : FAMILY_LLAMA;
         if (c->moe_qk_norm == MOE_QK_NORM_PER_HEAD && !c->moe_qkv_bias) return FAMILY_QWEN3_DENSE;
         return c->moe_qk_norm == MOE_QK_NORM_NONE ? FAMILY_QWEN2_DENSE : FAMILY_OURS;
     }

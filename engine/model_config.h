@@ -32,7 +32,8 @@
  * that would change the model in ways we do not implement are errors
  * (hidden_act other than "silu" or "swish", which
  * transformers computes as silu, model_type other than "mixtral",
- * "qwen3_moe", "olmoe", "qwen2_moe" or "moe",
+ * "qwen3_moe", "olmoe", "qwen2_moe", "moe" or the dense "llama",
+ * "mistral", "qwen2" and "qwen3", whose every layer is a dense MLP,
  * a rope_type other than "default", "linear", "llama3", "yarn" or "dynamic", a
  * partial_rotary_factor other than 1). A wrong type or an
  * impossible value is an error naming the file, the key and the value, and
@@ -64,7 +65,12 @@
  * ["Qwen2MoeForCausalLM"], with Qwen2-MoE's (qkv_bias as moe_qkv_bias
  * says). "olmoe" too only without dense layers; the Qwens write theirs
  * as decoder_sparse_step 1, mlp_only_layers and intermediate_size (the
- * experts' width when there are none). Otherwise
+ * experts' width when there are none). A model of dense layers only
+ * (which has one form whatever file says it: its MoE fields at their
+ * defaults, one expert of top-1, intermediate_size its MLPs' width) is
+ * "llama", "mistral" (a window, or heads that do not divide hidden_size),
+ * "qwen3" (q and k normalised per head) or "qwen2" (q, k and v biases),
+ * with that class's keys. Otherwise
  * "model_type": "moe" and ["MoeForCausalLM"], which transformers refuses
  * rather than load as a model that gives other outputs; this library reads
  * them all. */
@@ -266,12 +272,13 @@ moe_status moe_model_config_validate(const moe_model_config *cfg, const char *na
  * explicit, so the file means the same to any reader) plus the moe_* keys,
  * and the token ids as they were read (an integer, a list, null, or left
  * out when absent, which a reader then takes as its model type's default);
- * loading it gives back an equal struct. */
+ * loading it gives back an equal struct (for a model of dense layers only,
+ * its one form). */
 moe_status moe_model_config_save(const moe_model_config *cfg, const char *path);
 
 /* The model_type moe_model_config_save writes for cfg: "mixtral",
- * "qwen3_moe", "olmoe", "qwen2_moe" or "moe"; a checkpoint's tensors take
- * that type's names. */
+ * "qwen3_moe", "olmoe", "qwen2_moe", "llama", "mistral", "qwen3", "qwen2"
+ * or "moe"; a checkpoint's tensors take that type's names. */
 const char *moe_model_config_model_type(const moe_model_config *cfg);
 
 /* The CRC-32C of the bytes moe_model_config_save writes for cfg: two

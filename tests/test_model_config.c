@@ -1540,6 +1540,18 @@ Test(model_config, dense_model_types_as_transformers_read_them, .init = make_tmp
                   warned(&w, "sliding_window=64 ignored: model_type llama attends to every position before"),
               "%d: %s", w.count, w.text[0]);
     cr_expect(c.num_local_experts == 1 && c.sliding_window == 0);
+    w.count = 0;
+    cr_assert_eq(parse(&c, dense_with("llama", ", \"num_experts\": 8"), &w), MOE_OK, "%s", moe_last_error());
+    cr_expect(w.count == 1 && warned(&w, "unknown key 'num_experts' ignored") && c.num_local_experts == 1, "%d: %s",
+              w.count, w.text[0]);
+    /* Qwen2Config and Qwen3Config take a window of 0 as none. */
+    cr_assert_eq(parse(&c, dense_with("qwen2", ", \"sliding_window\": 0"), &w), MOE_OK, "%s", moe_last_error());
+    cr_expect_eq(c.sliding_window, 0);
+    /* LlamaConfig refuses heads that do not divide hidden_size: such a
+     * model is saved as a Mistral without a window. */
+    cr_assert_eq(parse(&c, dense_sized("llama", 66, 4, ", \"head_dim\": 16"), &w), MOE_OK, "%s", moe_last_error());
+    cr_expect_str_eq(moe_model_config_model_type(&c), "mistral");
+    expect_round_trip(&c, path);
 
     const struct {
         const char *type;
@@ -1558,6 +1570,8 @@ Test(model_config, dense_model_types_as_transformers_read_them, .init = make_tmp
                    "layer_types lists 1 layers' attention, and num_hidden_layers=2"}},
         {"qwen3", {", \"layer_types\": [\"full_attention\", \"chunked_attention\"]",
                    "layer_types[1]=\"chunked_attention\" is neither"}},
+        {"qwen3", {", \"layer_types\": [\"sliding_attention\", \"sliding_attention\"]",
+                   "layer_types calls a layer sliding_attention, and there is no window"}},
     };
     for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
         const char *text = dense_with(bad[i].type, bad[i].refused.extra);

@@ -40,14 +40,14 @@ static void print_help(void) {
            "floor (the best loss any model can reach).\n\n");
     printf("Model:\n"
            "  --config FILE        Hugging Face Mixtral, Qwen3-MoE, OLMoE or Qwen2-MoE config.json\n"
-           "                       (plus moe_* keys).\n"
+           "                       (plus moe_* keys), or a dense Llama, Mistral, Qwen2 or Qwen3 one.\n"
            "                       Default: --init-from's config.json, else the built-in model:\n"
            "                       d_model %lld, %lld layers, %lld heads (%lld KV), %lld experts of\n"
            "                       width %lld, top-%lld\n"
            "  --init-from DIR      start from DIR/model.safetensors (or its sharded index) and\n"
            "                       DIR/config.json, e.g. a checkpoint out/step-000600 (with\n"
            "                       another --out)\n"
-           "  --upcycle            --init-from DIR holds a dense model (Mistral's, Llama's or\n"
+           "  --upcycle            --init-from DIR holds a dense model (Llama's, Mistral's, Qwen2's or\n"
            "                       Qwen3's tensor names) of --config's sizes: each expert starts as a\n"
            "                       copy of its layer's MLP, the routers from scratch (sparse upcycling)\n\n",
            (long long)m.hidden_size, (long long)m.num_hidden_layers, (long long)m.num_attention_heads,
