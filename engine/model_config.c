@@ -268,6 +268,10 @@ static const struct {
 
 /* Qwen3Config's head_dim when absent (not hidden_size // num_attention_heads). */
 #define QWEN3_HEAD_DIM_DEFAULT 128
+/* MistralConfig's and the Qwens' sliding_window when absent (null: none),
+ * and the Qwens' max_window_layers. */
+#define WINDOW_DEFAULT 4096
+#define MAX_WINDOW_LAYERS_DEFAULT 28
 
 /* Qwen3MoeConfig's and Qwen2MoeConfig's intermediate_size when absent: their
  * dense MLP layers' width (read_family_layers). */
@@ -1151,7 +1155,9 @@ static moe_status read_qwen_windows(moe_model_config *cfg, const given *state, c
                                     const char *name) {
     const int64_t L = cfg->num_hidden_layers;
     const bool use = o->family_bool[KEY_USE_WINDOW];
-    const int64_t size = !use ? 0 : state[field_index("sliding_window")] == ABSENT ? 4096 : cfg->sliding_window;
+    const int64_t size = !use                                             ? 0
+                         : state[field_index("sliding_window")] == ABSENT ? WINDOW_DEFAULT
+                                                                          : cfg->sliding_window;
     const bool typed = o->family_given & FAMILY_KEY_BIT(KEY_LAYER_TYPES);
     if (typed && o->family_int[KEY_LAYER_TYPES] != L)
         return moe_error(MOE_ERR_CONFIG, "%s: layer_types lists %lld layers' attention, and num_hidden_layers=%lld",
@@ -1162,7 +1168,8 @@ static moe_status read_qwen_windows(moe_model_config *cfg, const given *state, c
                                          "(use_sliding_window false, or sliding_window null)",
                          name);
     const int64_t first =
-        o->family_given & FAMILY_KEY_BIT(KEY_MAX_WINDOW_LAYERS) ? o->family_int[KEY_MAX_WINDOW_LAYERS] : 28;
+        o->family_given & FAMILY_KEY_BIT(KEY_MAX_WINDOW_LAYERS) ? o->family_int[KEY_MAX_WINDOW_LAYERS]
+                                                                : MAX_WINDOW_LAYERS_DEFAULT;
     int64_t window = 0;
     for (int64_t l = 0; l < L && l < MAX_LAYERS; l++) {
         const bool sliding = typed ? moe_layer_set_has(o->sliding, l) : l >= first;
@@ -1233,9 +1240,10 @@ static moe_status read_family_function(moe_model_config *cfg, given *state, cons
         cfg->sliding_window = 0;
         return MOE_OK;
     }
-    /* MistralConfig's window is 4096 when absent (null: none). */
-    if (o->type == FAMILY_MISTRAL && state[field_index("sliding_window")] == ABSENT) cfg->sliding_window = 4096;
-    if (o->type == FAMILY_MISTRAL) return MOE_OK;
+    if (o->type == FAMILY_MISTRAL) { /* its window in every layer */
+        if (state[field_index("sliding_window")] == ABSENT) cfg->sliding_window = WINDOW_DEFAULT;
+        return MOE_OK;
+    }
     if (o->type == FAMILY_QWEN3_DENSE || o->type == FAMILY_QWEN2_DENSE) return read_qwen_windows(cfg, state, o, name);
     /* Qwen2MoeConfig windows only some layers (layer_types, or under
      * use_sliding_window those below max_window_layers). */
@@ -1247,7 +1255,8 @@ static moe_status read_family_function(moe_model_config *cfg, given *state, cons
     /* Qwen3MoeConfig keeps sliding_window only under use_sliding_window,
      * 4096 when absent (null: none). */
     if (!o->family_bool[KEY_USE_WINDOW]) cfg->sliding_window = 0;
-    if (o->family_bool[KEY_USE_WINDOW] && state[field_index("sliding_window")] == ABSENT) cfg->sliding_window = 4096;
+    if (o->family_bool[KEY_USE_WINDOW] && state[field_index("sliding_window")] == ABSENT)
+        cfg->sliding_window = WINDOW_DEFAULT;
     return MOE_OK;
 }
 
@@ -1356,11 +1365,8 @@ static void warn_token_ids(const moe_model_config *cfg, const char *name, moe_wa
 static void canonical_dense(moe_model_config *cfg) {
     if (moe_model_config_has_moe_layer(cfg)) return;
     const int64_t width = moe_model_config_dense_width(cfg);
-    uint64_t layers[LAYER_SET_WORDS];
-    memcpy(layers, cfg->moe_dense_layers, sizeof layers);
-    for (size_t f = 0; f < N_FIELDS; f++)
-        if (moe_only(&fields[f])) set_default(cfg, &fields[f]);
-    memcpy(cfg->moe_dense_layers, layers, sizeof layers);
+    for (size_t f = 0; f < N_FIELDS; f++) /* the dense layers, all of them, stay */
+        if (moe_only(&fields[f]) && fields[f].kind != F_LAYERS) set_default(cfg, &fields[f]);
     cfg->num_local_experts = cfg->num_experts_per_tok = 1;
     cfg->intermediate_size = width;
 }
@@ -1708,8 +1714,8 @@ static bool written(const moe_model_config *cfg, family fam, const field *f) {
 static void render(const moe_model_config *cfg, moe_json_writer *w) {
     const family fam = family_of(cfg);
     const bool qwen3 = fam == FAMILY_QWEN3, olmoe = fam == FAMILY_OLMOE, qwen2 = fam == FAMILY_QWEN2;
-    const bool qwen = qwen3 || qwen2, llama = fam == FAMILY_LLAMA;
-    const bool dense = dense_family(fam), qwen_window = qwen || fam == FAMILY_QWEN3_DENSE || fam == FAMILY_QWEN2_DENSE;
+    const bool qwen = qwen3 || qwen2, llama = fam == FAMILY_LLAMA, dense = dense_family(fam);
+    const bool qwen_window = family_keys[KEY_USE_WINDOW].families & FAMILY_BIT(fam); /* use_sliding_window's */
     moe_json_begin_object(w);
     moe_json_key(w, "architectures");
     moe_json_begin_array(w);
@@ -1767,7 +1773,7 @@ static void render(const moe_model_config *cfg, moe_json_writer *w) {
         moe_json_key(w, family_keys[KEY_ATTENTION_BIAS].key);
         moe_json_bool(w, false);
     }
-    if (llama) {
+    if (family_keys[KEY_MLP_BIAS].families & FAMILY_BIT(fam)) {
         moe_json_key(w, family_keys[KEY_MLP_BIAS].key);
         moe_json_bool(w, false);
     }

@@ -1222,15 +1222,16 @@ typedef struct refused_case {
     const char *extra, *want; /* a JSON tail; what the message holds */
 } refused_case;
 
+/* text is refused, its message holding want. */
+static void expect_refused(const char *text, const char *want) {
+    moe_model_config c;
+    cr_expect_eq(parse(&c, text, NULL), MOE_ERR_CONFIG, "%s was accepted", text);
+    cr_expect(strstr(moe_last_error(), want) != NULL, "%s:\n  %s\n  lacks %s", text, moe_last_error(), want);
+}
+
 /* Each case's file of the model type is refused, its message holding want. */
 static void expect_refused_configs(const char *type, const refused_case *bad, size_t n) {
-    moe_model_config c;
-    for (size_t i = 0; i < n; i++) {
-        const char *text = family_with(type, bad[i].extra);
-        cr_expect_eq(parse(&c, text, NULL), MOE_ERR_CONFIG, "%s was accepted", text);
-        cr_expect(strstr(moe_last_error(), bad[i].want) != NULL, "%s:\n  %s\n  lacks %s", text, moe_last_error(),
-                  bad[i].want);
-    }
+    for (size_t i = 0; i < n; i++) expect_refused(family_with(type, bad[i].extra), bad[i].want);
 }
 
 Test(model_config, qwen3_moe_as_transformers_reads_it) {
@@ -1573,12 +1574,8 @@ Test(model_config, dense_model_types_as_transformers_read_them, .init = make_tmp
         {"qwen3", {", \"layer_types\": [\"sliding_attention\", \"sliding_attention\"]",
                    "layer_types calls a layer sliding_attention, and there is no window"}},
     };
-    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
-        const char *text = dense_with(bad[i].type, bad[i].refused.extra);
-        cr_expect_eq(parse(&c, text, NULL), MOE_ERR_CONFIG, "%s was accepted", text);
-        cr_expect(strstr(moe_last_error(), bad[i].refused.want) != NULL, "%s:\n  %s\n  lacks %s", text,
-                  moe_last_error(), bad[i].refused.want);
-    }
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++)
+        expect_refused(dense_with(bad[i].type, bad[i].refused.extra), bad[i].refused.want);
 
     /* Our own file of dense layers only reads as the Llama it is: the MoE
      * fields it gives change nothing the model computes. */
