@@ -20,6 +20,21 @@ logged() {
     done
 }
 
+# Runs program (a path) with flags and passes when it exits with status
+# want and its stderr holds 'NAME: ' (the program's file name) and then
+# text (a grep pattern), and, where quiet is 1, nothing reached stdout.
+expect_exit() { # program, quiet (1 or 0), check's name, want, text, flags...
+    local program=$1 quiet=$2 name=$3 want=$4 text=$5
+    shift 5
+    "$program" "$@" >"$out/stdout" 2>"$out/stderr"
+    local rc=$?
+    local ok=0
+    [ "$rc" -eq "$want" ] || ok=1
+    grep -q "^$(basename "$program"): .*$text" "$out/stderr" || ok=1
+    [ "$quiet" -eq 1 ] && [ -s "$out/stdout" ] && ok=1
+    check "$name (exit $rc: $(head -c 200 "$out/stderr"))" "$ok"
+}
+
 summary() {
     echo "$passed passed, $failed failed"
     [ "$failed" -eq 0 ]

@@ -1,0 +1,522 @@
+/* corpus.c: text into token shards (corpus.h). Documents are read a batch
+ * at a time on one thread, encoded in parallel (the tokenizer is read-only
+ * once open), and appended in their order, so the shards do not depend on
+ * the thread count. */
+#define _GNU_SOURCE /* mkdtemp, getline */
+#include "engine/corpus.h"
+
+#include <errno.h>
+#include <glob.h>
+#include <limits.h>
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "common/clock.h"
+#include "common/status.h"
+#include "engine/data.h"
+#include "engine/fileio.h"
+#include "engine/json.h"
+#include "engine/tokenizer.h"
+
+/* A batch ends at this much text or this many documents, whichever comes
+ * first: enough work for every thread, little memory. */
+#define BATCH_TEXT_BYTES ((int64_t)64 << 20)
+#define BATCH_DOCUMENTS 16384
+#define PATH_BYTES 4096
+#define ERROR_BYTES 512
+/* glob(3) of a prefix's shards: six digits, as the names are written. */
+#define SHARD_DIGITS "[0-9][0-9][0-9][0-9][0-9][0-9]"
+#define ENDOFTEXT "<|endoftext|>"
+
+static const char *const split_names[2] = {"val", "train"};
+
+void moe_corpus_options_init(moe_corpus_options *o) {
+    memset(o, 0, sizeof *o);
+    o->text_key = "text";
+    o->out = "data/tokens";
+    o->shard_tokens = MOE_CORPUS_SHARD_TOKENS_DEFAULT;
+}
+
+moe_status moe_corpus_options_validate(const moe_corpus_options *o) {
+    if (!o) return moe_error(MOE_ERR_INVALID_ARG, "moe_corpus_options_validate: NULL");
+    if (!o->tokenizer) return moe_error(MOE_ERR_CONFIG, "--tokenizer is required: the tokenizer.json that encodes the text");
+    if (!o->input) return moe_error(MOE_ERR_CONFIG, "--input is required: the text files (a glob)");
+    if (!o->text_key || !*o->text_key) return moe_error(MOE_ERR_CONFIG, "--text-key must not be empty");
+    if (!o->out || !*o->out) return moe_error(MOE_ERR_CONFIG, "--out must not be empty");
+    /* The prefix is globbed to find its shards: a bracket or star in it
+     * would match other files. */
+    if (strpbrk(o->out, "*?[\\"))
+        return moe_error(MOE_ERR_CONFIG, "--out %s: a prefix without the glob characters * ? [ and \\", o->out);
+    const char *base = strrchr(o->out, '/');
+    base = base ? base + 1 : o->out;
+    if (!*base || strcmp(base, ".") == 0 || strcmp(base, "..") == 0)
+        return moe_error(MOE_ERR_CONFIG, "--out %s: a prefix ends in a file name part (data/tokens: "
+                                         "data/tokens_train_000001.bin, ...)",
+                         o->out);
+    if (strlen(o->out) > PATH_BYTES - 64) return moe_error(MOE_ERR_CONFIG, "--out %s: the path is too long", o->out);
+    if (o->shard_tokens < 1 || o->shard_tokens > INT32_MAX)
+        return moe_error(MOE_ERR_CONFIG, "--shard-tokens %lld: a shard holds 1 to %d tokens (an int32 count)",
+                         (long long)o->shard_tokens, INT32_MAX);
+    if (o->val_tokens < 0)
+        return moe_error(MOE_ERR_CONFIG, "--val-tokens %lld must not be negative", (long long)o->val_tokens);
+    if (o->threads < 0) return moe_error(MOE_ERR_CONFIG, "--threads %d must not be negative", o->threads);
+    return MOE_OK;
+}
+
+/* ------------------------------------------------------------- separator */
+
+typedef enum separator_kind { SEPARATOR_NONE, SEPARATOR_SPECIAL, SEPARATOR_TOKEN } separator_kind;
+
+/* How documents are told apart (corpus.h), into plan. */
+static moe_status choose_separator(separator_kind *kind, moe_corpus_plan *plan, const moe_tokenizer *t,
+                                   const moe_corpus_options *o) {
+    int32_t *ids = NULL;
+    int64_t n = 0;
+    *kind = SEPARATOR_NONE;
+    plan->n_separator = 0;
+    plan->separator_from_tokenizer = false;
+    if (o->separator && !*o->separator) return MOE_OK;
+    if (!o->separator) {
+        MOE_TRY(moe_tokenizer_encode(t, "", true, &ids, &n));
+        if (n > 0 && n <= (int64_t)(sizeof plan->separator / sizeof *plan->separator)) {
+            memcpy(plan->separator, ids, (size_t)n * sizeof *ids);
+            plan->n_separator = (int)n;
+            plan->separator_from_tokenizer = true;
+            *kind = SEPARATOR_SPECIAL;
+            free(ids);
+            return MOE_OK;
+        }
+        free(ids);
+        if (n > 0)
+            return moe_error(MOE_ERR_CONFIG, "--tokenizer %s adds %lld special tokens to every text, more than "
+                                             "the %zu taken: name one that separates documents, --separator TEXT",
+                             o->tokenizer, (long long)n, sizeof plan->separator / sizeof *plan->separator);
+    }
+    const char *text = o->separator ? o->separator : ENDOFTEXT;
+    moe_status st = moe_tokenizer_encode(t, text, false, &ids, &n);
+    if (st != MOE_OK) return moe_error_prefix(st, "--separator: ");
+    if (n == 1) {
+        plan->separator[0] = ids[0];
+        plan->n_separator = 1;
+        *kind = SEPARATOR_TOKEN;
+    }
+    free(ids);
+    if (n == 1) return MOE_OK;
+    if (o->separator)
+        return moe_error(MOE_ERR_CONFIG, "--separator '%s' encodes to %lld tokens with --tokenizer %s, not one",
+                         o->separator, (long long)n, o->tokenizer);
+    return moe_error(MOE_ERR_CONFIG, "--tokenizer %s adds no special token to a text and has no " ENDOFTEXT
+                                     " token: name the one that separates documents, --separator TEXT ('' for none)",
+                     o->tokenizer);
+}
+
+/* ------------------------------------------------------------- documents */
+
+typedef struct document {
+    char *text; /* NUL-terminated, [len] */
+    int64_t len;
+    int64_t file; /* index into the input's matches */
+    int64_t line; /* a .jsonl file's, from 1; 0: the whole file */
+    int32_t *ids; /* [n], after encoding */
+    int64_t n;
+    moe_status st;
+    char error[ERROR_BYTES];
+} document;
+
+typedef struct reader {
+    glob_t matches;
+    const char *const *files; /* [n_files]: the matches, or the one file named */
+    size_t n_files;
+    size_t file;       /* the one being read */
+    FILE *jsonl;       /* open while a .jsonl file is read */
+    int64_t line;      /* its last line read */
+    char *line_buf;    /* getline's */
+    size_t line_cap;
+    const char *key;
+    const char *input;
+} reader;
+
+/* The files input names, as --data takes a glob: a regular file of that
+ * very name is the one file, though it may also read as a glob
+ * ("notes[v2].txt" would match "notes2.txt"). */
+static moe_status find_inputs(reader *r, const char *input) {
+    struct stat sb;
+    r->input = input;
+    if (stat(input, &sb) == 0 && S_ISREG(sb.st_mode)) {
+        r->files = &r->input;
+        r->n_files = 1;
+        return MOE_OK;
+    }
+    const int rc = glob(input, 0, NULL, &r->matches); /* sorted: no GLOB_NOSORT */
+    if (rc == GLOB_NOMATCH) return moe_error(MOE_ERR_IO, "--input %s: no file matches", input);
+    if (rc != 0)
+        return moe_error(MOE_ERR_IO, "--input %s: glob failed (%s)", input,
+                         rc == GLOB_NOSPACE ? "out of memory" : "read error");
+    r->files = (const char *const *)r->matches.gl_pathv;
+    r->n_files = r->matches.gl_pathc;
+    return MOE_OK;
+}
+
+static bool is_jsonl(const char *path) {
+    const size_t n = strlen(path);
+    return n >= 6 && strcmp(path + n - 6, ".jsonl") == 0;
+}
+
+static moe_status check_no_nul(const char *text, int64_t len, const char *where) {
+    const size_t at = strlen(text);
+    if ((int64_t)at < len)
+        return moe_error(MOE_ERR_CONFIG, "%s: byte %zu is NUL, which no text holds (a binary file?)", where, at);
+    return MOE_OK;
+}
+
+/* The document of one .jsonl line, or *skip for a blank one. */
+static moe_status parse_line(document *d, bool *skip, reader *r, const char *path, int64_t len) {
+    char where[PATH_BYTES + 32];
+    snprintf(where, sizeof where, "%s:%lld", path, (long long)r->line);
+    char *s = r->line_buf;
+    while (len > 0 && (s[len - 1] == '\n' || s[len - 1] == '\r')) s[--len] = '\0';
+    int64_t i = 0;
+    while (i < len && (s[i] == ' ' || s[i] == '\t')) i++;
+    *skip = i == len;
+    if (*skip) return MOE_OK;
+    if (len > MOE_CORPUS_DOCUMENT_MAX_BYTES)
+        return moe_error(MOE_ERR_CONFIG, "%s: a line of %lld bytes, over the %lld read", where, (long long)len,
+                         (long long)MOE_CORPUS_DOCUMENT_MAX_BYTES);
+    moe_json_doc *doc;
+    moe_status st = moe_json_parse(&doc, s, (size_t)len, path);
+    if (st != MOE_OK) {
+        /* The parser counts lines in the one it was given: path:1:COLUMN
+         * becomes path:LINE:COLUMN. */
+        const char *e = moe_last_error();
+        const size_t k = strlen(path);
+        if (strncmp(e, path, k) == 0 && strncmp(e + k, ":1:", 3) == 0) {
+            char rest[ERROR_BYTES];
+            snprintf(rest, sizeof rest, "%s", e + k + 3);
+            return moe_error(st, "%s:%s", where, rest);
+        }
+        return moe_error_prefix(st, "%s: ", where);
+    }
+    const moe_json *root = moe_json_root(doc), *v = NULL;
+    if (root->type != MOE_JSON_OBJECT)
+        st = moe_error(MOE_ERR_CONFIG, "%s: a line is a JSON object, this one a %s", where, moe_json_type_name(root->type));
+    else if (!(v = moe_json_get(root, r->key)))
+        st = moe_error(MOE_ERR_CONFIG, "%s: no \"%s\" (--text-key)", where, r->key);
+    else if (v->type != MOE_JSON_STRING)
+        st = moe_error(MOE_ERR_CONFIG, "%s: \"%s\" is a %s, not a string", where, r->key, moe_json_type_name(v->type));
+    else if (!moe_json_text(v))
+        st = moe_error(MOE_ERR_CONFIG, "%s: \"%s\" holds a NUL (\\u0000), which no text holds", where, r->key);
+    else if (!(d->text = strdup(moe_json_text(v))))
+        st = moe_error(MOE_ERR_OUT_OF_MEMORY, "%s: a copy of the text", where);
+    moe_json_free(doc);
+    if (st != MOE_OK) return st;
+    d->len = (int64_t)strlen(d->text);
+    d->line = r->line;
+    return MOE_OK;
+}
+
+/* The next document into d, or *end after the last. */
+static moe_status next_document(document *d, bool *end, reader *r) {
+    memset(d, 0, sizeof *d);
+    *end = false;
+    for (;;) {
+        if (r->file >= r->n_files) {
+            *end = true;
+            return MOE_OK;
+        }
+        const char *path = r->files[r->file];
+        d->file = (int64_t)r->file;
+        if (!is_jsonl(path)) {
+            int64_t size;
+            FILE *f;
+            MOE_TRY(moe_file_open_read(&f, &size, path)); /* a directory or a FIFO is refused, named */
+            fclose(f);
+            if (size > MOE_CORPUS_DOCUMENT_MAX_BYTES)
+                return moe_error(MOE_ERR_CONFIG, "%s: %lld bytes, over the %lld a document may hold (split it, or "
+                                                 "make it a .jsonl of documents)",
+                                 path, (long long)size, (long long)MOE_CORPUS_DOCUMENT_MAX_BYTES);
+            size_t n;
+            MOE_TRY(moe_file_read_all(&d->text, &n, path, (size_t)MOE_CORPUS_DOCUMENT_MAX_BYTES));
+            d->len = (int64_t)n;
+            r->file++;
+            const moe_status st = check_no_nul(d->text, d->len, path);
+            if (st != MOE_OK) free(d->text);
+            return st;
+        }
+        if (!r->jsonl) {
+            int64_t size;
+            MOE_TRY(moe_file_open_read(&r->jsonl, &size, path));
+            r->line = 0;
+        }
+        errno = 0;
+        const ssize_t len = getline(&r->line_buf, &r->line_cap, r->jsonl);
+        if (len < 0) {
+            const int err = errno;
+            const bool failed = ferror(r->jsonl);
+            fclose(r->jsonl);
+            r->jsonl = NULL;
+            if (failed) return moe_error(MOE_ERR_IO, "%s: read after line %lld: %s", path, (long long)r->line, strerror(err));
+            r->file++;
+            continue;
+        }
+        r->line++;
+        char where[PATH_BYTES + 32];
+        snprintf(where, sizeof where, "%s:%lld", path, (long long)r->line);
+        MOE_TRY(check_no_nul(r->line_buf, len, where));
+        bool skip;
+        MOE_TRY(parse_line(d, &skip, r, path, len));
+        if (!skip) return MOE_OK;
+    }
+}
+
+static void reader_close(reader *r) {
+    if (r->jsonl) fclose(r->jsonl);
+    free(r->line_buf);
+    globfree(&r->matches);
+}
+
+/* ---------------------------------------------------------------- shards */
+
+typedef struct writer {
+    const moe_corpus_options *o;
+    const moe_corpus_callbacks *cb;
+    char staging[PATH_BYTES]; /* the folder they are written into */
+    const char *base;         /* the prefix's file name part */
+    int token_bytes;
+    int32_t *buf; /* [cap] the shard being filled, [n] of it so far */
+    int64_t n, cap;
+    int split;     /* 0 val, 1 train */
+    int64_t index; /* the next shard's */
+    int64_t split_tokens[2], split_shards[2];
+} writer;
+
+/* A shard's name [PATH_BYTES], in dir (the staging folder) or, dir NULL,
+ * in place. */
+static moe_status shard_path(char *path, const writer *w, const char *dir, int split, int64_t index) {
+    const int n = dir ? snprintf(path, PATH_BYTES, "%s/%s_%s_%06lld.bin", dir, w->base, split_names[split],
+                                 (long long)index)
+                      : snprintf(path, PATH_BYTES, "%s_%s_%06lld.bin", w->o->out, split_names[split], (long long)index);
+    if (n < 0 || n >= PATH_BYTES) return moe_error(MOE_ERR_CONFIG, "--out %s: a shard's path is too long", w->o->out);
+    return MOE_OK;
+}
+
+static moe_status flush_shard(writer *w) {
+    if (w->n == 0) return MOE_OK;
+    char staged[PATH_BYTES], final[PATH_BYTES];
+    MOE_TRY(shard_path(staged, w, w->staging, w->split, w->index));
+    MOE_TRY(shard_path(final, w, NULL, w->split, w->index));
+    MOE_TRY(moe_data_write_shard(staged, w->buf, w->n, w->token_bytes));
+    if (w->cb->on_shard) w->cb->on_shard(w->cb->ctx, final, w->n);
+    w->split_tokens[w->split] += w->n;
+    w->split_shards[w->split]++;
+    w->index++;
+    w->n = 0;
+    return MOE_OK;
+}
+
+static moe_status append(writer *w, const int32_t *ids, int64_t n) {
+    while (n > 0) {
+        if (w->n == w->cap) {
+            /* Grown as tokens come: a small corpus never holds a whole
+             * shard's 400 MB. */
+            const int64_t cap = w->cap == 0 ? (int64_t)1 << 16 : w->cap * 2;
+            const int64_t want = cap < w->o->shard_tokens ? cap : w->o->shard_tokens;
+            int32_t *buf = realloc(w->buf, (size_t)want * sizeof *buf);
+            if (!buf) return moe_error(MOE_ERR_OUT_OF_MEMORY, "a shard of %lld tokens", (long long)want);
+            w->buf = buf;
+            w->cap = want;
+        }
+        const int64_t room = w->cap - w->n, m = n < room ? n : room;
+        memcpy(w->buf + w->n, ids, (size_t)m * sizeof *ids);
+        w->n += m;
+        ids += m;
+        n -= m;
+        if (w->n == w->o->shard_tokens) MOE_TRY(flush_shard(w));
+    }
+    return MOE_OK;
+}
+
+/* The shards of prefix out already on disk, into *found (globfree it). */
+static moe_status find_shards(glob_t *found, const char *out) {
+    char pattern[PATH_BYTES];
+    memset(found, 0, sizeof *found);
+    for (int split = 0; split < 2; split++) {
+        snprintf(pattern, sizeof pattern, "%s_%s_" SHARD_DIGITS ".bin", out, split_names[split]);
+        const int rc = glob(pattern, split ? GLOB_APPEND : 0, NULL, found);
+        if (rc != 0 && rc != GLOB_NOMATCH)
+            return moe_error(MOE_ERR_IO, "--out %s: listing its shards failed (%s)", out,
+                             rc == GLOB_NOSPACE ? "out of memory" : "read error");
+    }
+    return MOE_OK;
+}
+
+/* The staged shards renamed into place, then (overwrite) the old ones
+ * that none replaced removed. */
+static moe_status publish(const writer *w, const glob_t *old) {
+    char staged[PATH_BYTES], final[PATH_BYTES];
+    for (int64_t i = 0; i < w->index; i++) {
+        const int split = i < w->split_shards[0] ? 0 : 1;
+        MOE_TRY(shard_path(staged, w, w->staging, split, i));
+        MOE_TRY(shard_path(final, w, NULL, split, i));
+        if (rename(staged, final) != 0)
+            return moe_error(MOE_ERR_IO, "renaming %s to %s: %s", staged, final, strerror(errno));
+    }
+    for (size_t i = 0; i < old->gl_pathc; i++) {
+        struct stat sb;
+        char name[PATH_BYTES];
+        const char *path = old->gl_pathv[i];
+        bool replaced = false;
+        for (int64_t k = 0; k < w->index && !replaced; k++) {
+            MOE_TRY(shard_path(name, w, NULL, k < w->split_shards[0] ? 0 : 1, k));
+            replaced = strcmp(name, path) == 0;
+        }
+        if (!replaced && lstat(path, &sb) == 0 && unlink(path) != 0)
+            return moe_error(MOE_ERR_IO, "removing the old shard %s: %s", path, strerror(errno));
+    }
+    return MOE_OK;
+}
+
+/* --------------------------------------------------------------- encoding */
+
+static void encode_batch(document *docs, int64_t n, const moe_tokenizer *t, separator_kind kind) {
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n; i++) {
+        document *d = &docs[i];
+        if (d->len == 0) continue;
+        d->st = moe_tokenizer_encode(t, d->text, kind == SEPARATOR_SPECIAL, &d->ids, &d->n);
+        if (d->st != MOE_OK) snprintf(d->error, sizeof d->error, "%s", moe_last_error());
+    }
+}
+
+/* Appends the batch's documents in order; the first that failed stops it. */
+static moe_status write_batch(writer *w, moe_corpus_totals *totals, const document *docs, int64_t n,
+                              const reader *r, const moe_corpus_plan *plan, separator_kind kind) {
+    for (int64_t i = 0; i < n; i++) {
+        const document *d = &docs[i];
+        const char *path = r->files[d->file];
+        if (d->st != MOE_OK) {
+            if (d->line) return moe_error(d->st, "%s:%lld: %s", path, (long long)d->line, d->error);
+            return moe_error(d->st, "%s: %s", path, d->error);
+        }
+        totals->documents++;
+        totals->text_bytes += d->len;
+        if (d->len == 0) {
+            totals->empty_documents++;
+            continue;
+        }
+        if (w->split == 0 && w->split_tokens[0] + w->n >= w->o->val_tokens) {
+            MOE_TRY(flush_shard(w));
+            w->split = 1;
+        }
+        if (kind == SEPARATOR_TOKEN) MOE_TRY(append(w, plan->separator, 1));
+        MOE_TRY(append(w, d->ids, d->n));
+    }
+    return MOE_OK;
+}
+
+static void free_batch(document *docs, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        free(docs[i].text);
+        free(docs[i].ids);
+    }
+}
+
+/* Reads, encodes and writes every document into the staging folder. */
+static moe_status encode_all(writer *w, moe_corpus_totals *totals, reader *r, const moe_tokenizer *t,
+                             const moe_corpus_plan *plan, separator_kind kind) {
+    document *docs = calloc(BATCH_DOCUMENTS, sizeof *docs);
+    if (!docs) return moe_error(MOE_ERR_OUT_OF_MEMORY, "a batch of %d documents", BATCH_DOCUMENTS);
+    moe_status st = MOE_OK;
+    for (bool end = false; st == MOE_OK && !end;) {
+        int64_t n = 0, bytes = 0;
+        while (n < BATCH_DOCUMENTS && bytes < BATCH_TEXT_BYTES) {
+            st = next_document(&docs[n], &end, r);
+            if (st != MOE_OK || end) break;
+            bytes += docs[n++].len;
+        }
+        if (st == MOE_OK) encode_batch(docs, n, t, kind);
+        if (st == MOE_OK) st = write_batch(w, totals, docs, n, r, plan, kind);
+        free_batch(docs, n);
+    }
+    free(docs);
+    if (st == MOE_OK) st = flush_shard(w);
+    return st;
+}
+
+moe_status moe_corpus_tokenize(const moe_corpus_options *o, const moe_corpus_callbacks *callbacks,
+                               moe_corpus_totals *totals) {
+    const double start = moe_monotonic_seconds();
+    MOE_TRY(moe_corpus_options_validate(o));
+    const moe_corpus_callbacks none = {0}, *cb = callbacks ? callbacks : &none;
+    memset(totals, 0, sizeof *totals);
+    if (o->threads > 0) omp_set_num_threads(o->threads);
+
+    glob_t old;
+    MOE_TRY(find_shards(&old, o->out));
+    if (old.gl_pathc > 0 && !o->overwrite) {
+        const moe_status st = moe_error(MOE_ERR_CONFIG, "--out %s: %s is there (a corpus written before): "
+                                                        "--overwrite replaces its shards",
+                                        o->out, old.gl_pathv[0]);
+        globfree(&old);
+        return st;
+    }
+    moe_tokenizer *t = NULL;
+    reader r = {.key = o->text_key};
+    moe_corpus_plan plan = {.threads = omp_get_max_threads()};
+    separator_kind kind;
+    moe_status st = moe_tokenizer_open(&t, o->tokenizer);
+    const char *why;
+    if (st == MOE_OK && !moe_tokenizer_can_encode(t, &why))
+        st = moe_error(MOE_ERR_CONFIG, "--tokenizer %s encodes no text: %s", o->tokenizer, why);
+    if (st == MOE_OK) st = choose_separator(&kind, &plan, t, o);
+    if (st == MOE_OK) st = find_inputs(&r, o->input);
+    writer w = {.o = o, .cb = cb, .split = o->val_tokens > 0 ? 0 : 1};
+    w.base = strrchr(o->out, '/') ? strrchr(o->out, '/') + 1 : o->out;
+    const int64_t *tokens = w.split_tokens;
+    if (st == MOE_OK) {
+        plan.tokenizer_tokens = moe_tokenizer_count(t);
+        plan.token_bytes = plan.tokenizer_tokens <= (int64_t)UINT16_MAX + 1 ? 2 : 4;
+        plan.files = (int64_t)r.n_files;
+        w.token_bytes = plan.token_bytes;
+        if (cb->on_start) cb->on_start(cb->ctx, &plan);
+        char dir[PATH_BYTES];
+        snprintf(dir, sizeof dir, "%.*s", (int)(w.base - o->out), o->out);
+        if (*dir) st = moe_mkdir_p(dir);
+    }
+    bool staged = false;
+    if (st == MOE_OK) {
+        snprintf(w.staging, sizeof w.staging, "%s.partial-XXXXXX", o->out);
+        staged = mkdtemp(w.staging) != NULL;
+        if (!staged) st = moe_error(MOE_ERR_IO, "creating %s: %s", w.staging, strerror(errno));
+    }
+    if (st == MOE_OK) st = encode_all(&w, totals, &r, t, &plan, kind);
+    if (st == MOE_OK && tokens[0] + tokens[1] == 0)
+        st = moe_error(MOE_ERR_CONFIG, "--input %s: no document holds text", o->input);
+    else if (st == MOE_OK && tokens[1] == 0)
+        st = moe_error(MOE_ERR_CONFIG, "--val-tokens %lld: the validation split took all %lld tokens, none is left "
+                                       "to train on",
+                       (long long)o->val_tokens, (long long)tokens[0]);
+    if (st == MOE_OK) st = publish(&w, &old);
+    if (st == MOE_OK) {
+        char dir[PATH_BYTES];
+        snprintf(dir, sizeof dir, "%.*s", (int)(w.base - o->out), o->out);
+        st = moe_fsync_dir(*dir ? dir : ".");
+    }
+    if (staged) {
+        const moe_status removed = moe_remove_tree(w.staging);
+        if (st == MOE_OK) st = removed;
+    }
+    free(w.buf);
+    reader_close(&r);
+    moe_tokenizer_close(t);
+    globfree(&old);
+    totals->val_tokens = tokens[0];
+    totals->train_tokens = tokens[1];
+    totals->val_shards = w.split_shards[0];
+    totals->train_shards = w.split_shards[1];
+    totals->seconds = moe_monotonic_seconds() - start;
+    return st;
+}
