@@ -1201,6 +1201,10 @@ static moe_status read_family_function(moe_model_config *cfg, given *state, cons
         set_default(cfg, &def);
     }
     const size_t head_dim = field_index("head_dim");
+    if (o->type == FAMILY_QWEN3_DENSE && state[head_dim] == GIVEN_NULL)
+        return moe_error(MOE_ERR_CONFIG, "%s: head_dim is null, and model_type qwen3 takes an integer (Qwen3Config "
+                                         "refuses null)",
+                         name);
     if (o->type == FAMILY_QWEN3_DENSE && state[head_dim] == ABSENT) {
         cfg->head_dim = QWEN3_HEAD_DIM_DEFAULT;
         state[head_dim] = GIVEN;

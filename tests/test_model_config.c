@@ -1573,6 +1573,7 @@ Test(model_config, dense_model_types_as_transformers_read_them, .init = make_tmp
                    "layer_types[1]=\"chunked_attention\" is neither"}},
         {"qwen3", {", \"layer_types\": [\"sliding_attention\", \"sliding_attention\"]",
                    "layer_types calls a layer sliding_attention, and there is no window"}},
+        {"qwen3", {", \"head_dim\": null", "head_dim is null, and model_type qwen3 takes an integer"}},
     };
     for (size_t i = 0; i < sizeof bad / sizeof *bad; i++)
         expect_refused(dense_with(bad[i].type, bad[i].refused.extra), bad[i].refused.want);
