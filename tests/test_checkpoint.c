@@ -17,6 +17,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "common/crc32c.h"
 #include "engine/checkpoint.h"
 #include "engine/fileio.h"
 #include "engine/safetensors.h"
@@ -1567,6 +1568,46 @@ Test(checkpoint, flipped_bits_are_refused, .init = make_tmpdir, .fini = remove_t
     free(v_before);
     free_run(&a);
     free_run(&b);
+}
+
+/* A config.json that an earlier moe wrote otherwise than this one writes
+ * the model it reads (a model of dense layers only, saved as type moe,
+ * is a Llama now): the file is the one saved, so a resume reads it, with
+ * a note; once changed it is refused as before. */
+Test(checkpoint, config_written_by_an_earlier_moe_resumes, .init = make_tmpdir, .fini = remove_tmpdir) {
+    const char *dir = fresh_dir("earlier");
+    char config[768], state[768];
+    snprintf(config, sizeof config, "%s", in_dir(dir, "config.json"));
+    snprintf(state, sizeof state, "%s", in_dir(dir, "train_state.safetensors"));
+    const char text[] = "{\n  \"model_type\": \"moe\",\n  \"vocab_size\": 100,\n  \"hidden_size\": 64,\n"
+                        "  \"intermediate_size\": 32,\n  \"moe_dense_intermediate_size\": 96,\n"
+                        "  \"num_hidden_layers\": 2,\n  \"moe_dense_layers\": [0, 1],\n"
+                        "  \"num_attention_heads\": 4,\n  \"num_key_value_heads\": 2,\n"
+                        "  \"num_local_experts\": 8,\n  \"num_experts_per_tok\": 2,\n"
+                        "  \"max_position_embeddings\": 2048,\n  \"rms_norm_eps\": 1e-05\n}\n";
+    write_bytes(config, text, strlen(text));
+    char crc[16];
+    snprintf(crc, sizeof crc, "%" PRIu32, moe_crc32c(0, text, strlen(text)));
+    const moe_st_meta meta[] = {{"config_crc32c", crc}};
+    cr_assert_eq(moe_st_write(state, NULL, 0, meta, 1), MOE_OK, "%s", moe_last_error());
+
+    moe_model_config cfg, plain;
+    cr_assert_eq(moe_model_config_load(&plain, config, NULL, NULL), MOE_OK, "%s", moe_last_error());
+    uint32_t now, read;
+    cr_assert_eq(moe_model_config_crc32c(&plain, &now), MOE_OK);
+    cr_assert_neq(now, moe_crc32c(0, text, strlen(text)), "this moe writes the model as the file has it");
+    int warnings = 0;
+    cr_assert_eq(moe_checkpoint_load_config(&cfg, dir, true, count_warning, &warnings), MOE_OK, "%s",
+                 moe_last_error());
+    cr_expect_eq(warnings, 1, "the other form goes unsaid");
+    cr_assert_eq(moe_model_config_crc32c(&cfg, &read), MOE_OK);
+    cr_expect_eq(read, now, "read otherwise than moe_model_config_load reads it");
+    cr_expect_str_eq(moe_model_config_model_type(&cfg), "llama");
+
+    /* rms_norm_eps 1e-05 to 1e-04: changed since. */
+    const char *eps = strstr(text, "1e-05");
+    flip_byte(config, (int64_t)(eps - text) + 4, '5' ^ '4');
+    expect_error(moe_checkpoint_load_config(&cfg, dir, true, NULL, NULL), config, "train_state.safetensors recorded");
 }
 
 /* ------------------------------------------------------------- atomicity */
