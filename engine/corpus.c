@@ -138,15 +138,18 @@ typedef struct reader {
     size_t line_cap;
     const char *key;
     const char *input;
+    bool from_stdin; /* input "-": standard input, as a .jsonl file */
 } reader;
 
 /* The files input names, as --data takes a glob: a regular file of that
  * very name is the one file, though it may also read as a glob
- * ("notes[v2].txt" would match "notes2.txt"). */
+ * ("notes[v2].txt" would match "notes2.txt"); "-" is standard input. */
 static moe_status find_inputs(reader *r, const char *input) {
     struct stat sb;
     r->input = input;
-    if (stat(input, &sb) == 0 && S_ISREG(sb.st_mode)) {
+    r->from_stdin = strcmp(input, "-") == 0;
+    if (r->from_stdin) r->input = "stdin";
+    if (r->from_stdin || (stat(input, &sb) == 0 && S_ISREG(sb.st_mode))) {
         r->files = &r->input;
         r->n_files = 1;
         return MOE_OK;
@@ -229,7 +232,7 @@ static moe_status next_document(document *d, bool *end, reader *r) {
         }
         const char *path = r->files[r->file];
         d->file = (int64_t)r->file;
-        if (!is_jsonl(path)) {
+        if (!r->from_stdin && !is_jsonl(path)) {
             int64_t size;
             FILE *f;
             MOE_TRY(moe_file_open_read(&f, &size, path)); /* a directory or a FIFO is refused, named */
@@ -248,7 +251,8 @@ static moe_status next_document(document *d, bool *end, reader *r) {
         }
         if (!r->jsonl) {
             int64_t size;
-            MOE_TRY(moe_file_open_read(&r->jsonl, &size, path));
+            if (r->from_stdin) r->jsonl = stdin;
+            else MOE_TRY(moe_file_open_read(&r->jsonl, &size, path));
             r->line = 0;
         }
         errno = 0;
@@ -256,7 +260,7 @@ static moe_status next_document(document *d, bool *end, reader *r) {
         if (len < 0) {
             const int err = errno;
             const bool failed = ferror(r->jsonl);
-            fclose(r->jsonl);
+            if (r->jsonl != stdin) fclose(r->jsonl);
             r->jsonl = NULL;
             if (failed) return moe_error(MOE_ERR_IO, "%s: read after line %lld: %s", path, (long long)r->line, strerror(err));
             r->file++;
@@ -273,7 +277,7 @@ static moe_status next_document(document *d, bool *end, reader *r) {
 }
 
 static void reader_close(reader *r) {
-    if (r->jsonl) fclose(r->jsonl);
+    if (r->jsonl && r->jsonl != stdin) fclose(r->jsonl);
     free(r->line_buf);
     globfree(&r->matches);
 }

@@ -4,7 +4,9 @@
  *
  * Documents: a .jsonl file holds one per line, the string under a key
  * ("text" by default: FineWeb's, The Pile's, most corpora's); any other
- * file is one document. Empty documents (and blank lines) add nothing. Files are read in glob's sorted order, lines in
+ * file is one document; "-" is standard input, read as a .jsonl file (a
+ * decompressor's output, say). Empty documents (and blank lines) add
+ * nothing. Files are read in glob's sorted order, lines in
  * file order, and the shards hold the documents in that order, each
  * document's tokens after its separator: the tokenizer's own special tokens
  * (its post-processor's, as transformers' tokenizer(text) adds them: Llama
@@ -43,7 +45,7 @@
 
 typedef struct moe_corpus_options {
     const char *tokenizer; /* a tokenizer.json that encodes text (required) */
-    const char *input;     /* glob(3) pattern of the text files (required) */
+    const char *input;     /* glob(3) pattern of the text files, or "-" (required) */
     const char *text_key;  /* the key of a .jsonl line's document */
     /* The text of the one token before every document; NULL: the default
      * above; "": none. */

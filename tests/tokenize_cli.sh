@@ -4,7 +4,7 @@
 # tokenizer.json; a bad flag or input that can never encode exits 2, a file
 # that cannot be read exits 1, each with 'moe-tokenize: ' on stderr naming
 # the flag or file, and shards already there stay as they were; a closed
-# stdout is a failure (exit 1).
+# stdout is a failure (exit 1); --input - reads standard input.
 # Usage: tokenize_cli.sh BINDIR (holding moe-tokenize, moe-train, moe-generate) DATADIR (tests/data)
 set -u
 bin=$1
@@ -59,6 +59,13 @@ rm "$out/text/c.jsonl"
 check "the shards stay as they were" "$([ "$(cat "$out"/shards/* | md5sum)" = "$before" ]; echo $?)"
 check "no staging folder stays" "$(ls -d "$out"/shards/*partial* >/dev/null 2>&1; [ $? -ne 0 ]; echo $?)"
 
+"$bin/moe-tokenize" --tokenizer "$tok" --input "$out/text/a.jsonl" --out "$out/file/tok" >/dev/null 2>&1
+"$bin/moe-tokenize" --tokenizer "$tok" --input - --out "$out/stdin/tok" <"$out/text/a.jsonl" >"$out/stdin.log" 2>&1
+check "--input - reads standard input as a .jsonl file" \
+    "$(cmp -s "$out/file/tok_train_000000.bin" "$out/stdin/tok_train_000000.bin"; echo $?)"
+printf '{"text": "fine"}\n{"txt": "x"}\n' | "$bin/moe-tokenize" --tokenizer "$tok" --input - --out "$out/stdin/bad" \
+    >/dev/null 2>"$out/stderr"
+check "a bad line of standard input names it" "$(grep -qF 'stdin:2: no "text"' "$out/stderr"; echo $?)"
 "$bin/moe-tokenize" "${p[@]}" --overwrite --shard-tokens 100000 >"$out/again.log" 2>&1
 check "--overwrite replaces the shards with one" "$([ "$(ls "$out/shards")" = tok_train_000000.bin ]; echo $?)"
 "$bin/moe-tokenize" --help | head -1 >/dev/null

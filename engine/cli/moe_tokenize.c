@@ -6,6 +6,7 @@
  * (cli_run_failed). */
 #include <stddef.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "engine/cli/cli_flags.h"
 #include "engine/corpus.h"
@@ -25,7 +26,8 @@ static void print_help(void) {
            "                       (required)\n"
            "  --input GLOB         the text files, in sorted order (required): a .jsonl file holds\n"
            "                       one document per line (a JSON object, the document its string\n"
-           "                       under --text-key), any other file is one document (UTF-8)\n"
+           "                       under --text-key), any other file is one document (UTF-8);\n"
+           "                       - reads standard input as a .jsonl file (zstd -dc x.jsonl.zst |)\n"
            "  --text-key K         the key of a .jsonl line's text (default %s)\n"
            "  --separator TEXT     the token before every document ('' for none). Default: the\n"
            "                       special tokens the tokenizer adds to a text (Llama 3's\n"
@@ -76,7 +78,10 @@ static void on_start(void *ctx, const moe_corpus_plan *plan) {
     p->tokenizer_tokens = plan->tokenizer_tokens;
     printf("tokenizer %s: %lld tokens, shards of uint%d tokens, %d threads\n", o->tokenizer,
            (long long)plan->tokenizer_tokens, 8 * plan->token_bytes, plan->threads);
-    printf("input     %s: %lld file%s\n", o->input, (long long)plan->files, plan->files == 1 ? "" : "s");
+    if (strcmp(o->input, "-") == 0)
+        printf("input     standard input, as a .jsonl file\n");
+    else
+        printf("input     %s: %lld file%s\n", o->input, (long long)plan->files, plan->files == 1 ? "" : "s");
     if (plan->n_separator == 0) {
         printf("documents run together (--separator '')\n");
         return;
