@@ -306,7 +306,7 @@ static moe_status write_files(const char *dir, moe_model *model, const float *m,
 
 moe_status moe_checkpoint_read_companions(moe_checkpoint_files *files, const char *dir, moe_warn_fn warn,
                                           void *warn_ctx) {
-    static const char *const names[] = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    static const char *const names[] = {MOE_CHECKPOINT_TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json",
                                         "generation_config.json", "tokenizer.model", "vocab.json", "merges.txt"};
     _Static_assert(sizeof names / sizeof *names <= sizeof files->name / sizeof *files->name, "room for every file");
     memset(files, 0, sizeof *files);

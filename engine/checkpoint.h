@@ -78,6 +78,9 @@ typedef struct moe_train_state {
     const struct moe_checkpoint_files *companions;
 } moe_train_state;
 
+/* The tokenizer a Hugging Face model directory, and so a checkpoint, holds. */
+#define MOE_CHECKPOINT_TOKENIZER_FILE "tokenizer.json"
+
 /* A Hugging Face model directory's tokenizer and generation files
  * (tokenizer.json, tokenizer_config.json, special_tokens_map.json,
  * generation_config.json, tokenizer.model, vocab.json, merges.txt), read

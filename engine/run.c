@@ -32,6 +32,7 @@
 #include "engine/json.h"
 #include "engine/mc_eval.h"
 #include "engine/model.h"
+#include "engine/tokenizer.h"
 
 #define RUN_PATH_BYTES 4096
 #define RUN_DESC_BYTES 512
@@ -231,6 +232,7 @@ moe_status moe_run_options_validate(const moe_run_options *o) {
     if (empty(o->data)) return moe_error(MOE_ERR_CONFIG, "--data must not be empty");
     if (o->val_data && o->val_data[0] == '\0') return moe_error(MOE_ERR_CONFIG, "--val-data must not be empty");
     if (o->eval_mc && o->eval_mc[0] == '\0') return moe_error(MOE_ERR_CONFIG, "--eval-mc must not be empty");
+    if (o->tokenizer && o->tokenizer[0] == '\0') return moe_error(MOE_ERR_CONFIG, "--tokenizer must not be empty");
     if (o->val_tokens < 0)
         return moe_error(MOE_ERR_CONFIG, "--val-tokens %lld must not be negative", (long long)o->val_tokens);
     if (o->val_tokens > 0 && o->val_data)
@@ -305,6 +307,9 @@ moe_status moe_run_options_validate(const moe_run_options *o) {
         return moe_error(MOE_ERR_CONFIG, "--keep-last prunes a run's checkpoints, and --eval-only writes none");
     if (o->eval_only && o->overwrite)
         return moe_error(MOE_ERR_CONFIG, "--overwrite replaces a run in --out, and --eval-only writes none");
+    if (o->eval_only && o->tokenizer)
+        return moe_error(MOE_ERR_CONFIG, "--tokenizer is kept with a run's checkpoints, and --eval-only writes "
+                                         "none");
     if (o->eval_only && o->resume)
         return moe_error(MOE_ERR_CONFIG, "--eval-only and --resume exclude each other; evaluate a checkpoint "
                                          "with --eval-only --init-from DIR");
@@ -469,6 +474,9 @@ typedef struct run {
     run_source train, val;
     moe_mc_eval *mc;       /* --eval-mc's examples; NULL: none */
     moe_checkpoint_files companions; /* the source's tokenizer and generation files, for every checkpoint */
+    char *tokenizer_text;             /* --tokenizer's bytes [tokenizer_bytes] until companions take them */
+    size_t tokenizer_bytes;
+    int64_t tokenizer_tokens;         /* its ids; 0 without it */
     moe_synth_floor floor; /* of the validation targets, when synthetic */
     double entropy_floor;  /* floor.nats or NAN */
     moe_comm *world;       /* every rank; NULL on one process */
@@ -865,6 +873,53 @@ static void warn_shard_as_bytes(const run *r, const run_source *s, const char *f
              flag, spec, s->shard_magic);
 }
 
+/* --tokenizer, read whole for the checkpoints to keep, and opened to check
+ * it and count its ids: the model's vocabulary must hold them, and
+ * without a config they are the default model's. It is the shards'
+ * tokenizer: the synthetic corpus and bytes have tokens of their own. */
+static moe_status read_tokenizer(run *r, bool known) {
+    const moe_run_options *o = r->o;
+    if (!is_shard_glob(o->data))
+        return moe_error(MOE_ERR_CONFIG, "--tokenizer %s is the tokenizer of token shards, and --data %s is %s",
+                         o->tokenizer, o->data,
+                         is_synthetic(o->data) ? "the synthetic corpus, of tokens of its own" : "read at byte level");
+    MOE_TRY(moe_file_read_all(&r->tokenizer_text, &r->tokenizer_bytes, o->tokenizer, MOE_TOKENIZER_JSON_MAX_BYTES));
+    if (r->tokenizer_bytes == 0 || r->tokenizer_text[0] != '{')
+        return moe_error(MOE_ERR_CONFIG, "--tokenizer %s is no tokenizer.json (llm.c's tokenizer file, which "
+                                         "checkpoints do not keep, is one for moe-generate --tokenizer)",
+                         o->tokenizer);
+    moe_tokenizer *t;
+    MOE_TRY(moe_tokenizer_open(&t, o->tokenizer));
+    r->tokenizer_tokens = moe_tokenizer_count(t);
+    moe_tokenizer_close(t);
+    if (known && r->tokenizer_tokens > r->cfg.vocab_size)
+        return moe_error(MOE_ERR_CONFIG, "--tokenizer %s knows ids up to %lld, and the model's vocab_size is %lld",
+                         o->tokenizer, (long long)r->tokenizer_tokens - 1, (long long)r->cfg.vocab_size);
+    return MOE_OK;
+}
+
+/* --tokenizer among the files every checkpoint keeps, where the model's
+ * source has no tokenizer.json, or the same one (a resume of a run with
+ * it); another would leave the model beside a tokenizer it was not
+ * trained with. */
+static moe_status keep_tokenizer(run *r) {
+    moe_checkpoint_files *f = &r->companions;
+    for (int i = 0; i < f->count; i++) {
+        if (strcmp(f->name[i], MOE_CHECKPOINT_TOKENIZER_FILE) != 0) continue;
+        if (f->size[i] == r->tokenizer_bytes && memcmp(f->data[i], r->tokenizer_text, f->size[i]) == 0)
+            return MOE_OK;
+        const char *dir = r->o->resume ? r->o->resume : r->o->init_from;
+        return moe_error(MOE_ERR_CONFIG, "--tokenizer %s is not %s/%s, the tokenizer of the model in %s (its "
+                                         "checkpoints keep that one)",
+                         r->o->tokenizer, dir, MOE_CHECKPOINT_TOKENIZER_FILE, dir);
+    }
+    f->name[f->count] = MOE_CHECKPOINT_TOKENIZER_FILE;
+    f->data[f->count] = r->tokenizer_text;
+    f->size[f->count++] = r->tokenizer_bytes;
+    r->tokenizer_text = NULL;
+    return MOE_OK;
+}
+
 static moe_status open_data(run *r) {
     const moe_run_options *o = r->o;
     MOE_TRY(count_tokens(&r->tokens, o, r->dp_size));
@@ -886,12 +941,16 @@ static moe_status open_data(run *r) {
                                     o->config ? o->config : o->init_from ? o->init_from : o->resume,
                                     o->config ? "" : "/config.json");
     }
+    if (o->tokenizer) MOE_TRY(read_tokenizer(r, known));
     if (!o->eval_only) {
         if (o->resume) MOE_TRY(read_resume_state(r));
         int64_t n_synth = 0;
         if (is_synthetic(o->data)) MOE_TRY(synthetic_train_tokens(r, &n_synth));
+        const int64_t shard_vocab = known ? r->cfg.vocab_size
+                                    : r->tokenizer_tokens ? r->tokenizer_tokens
+                                                          : MOE_GPT2_VOCAB_SIZE;
         MOE_TRY(open_source(&r->train, o->data, "--data", moe_rng_bits(o->seed, RUN_SYNTH_TRAIN_STREAM, 0),
-                            n_synth, known ? r->cfg.vocab_size : MOE_GPT2_VOCAB_SIZE));
+                            n_synth, shard_vocab));
         warn_shard_as_bytes(r, &r->train, "--data", o->data);
         if (o->val_tokens) MOE_TRY(hold_out(&r->train, o));
         if (!known) moe_run_default_config(&r->cfg, moe_data_vocab_size(r->train.data));
@@ -1124,10 +1183,11 @@ static moe_status build_model(run *r) {
          * absolute name of one agree; the data by the names given. Ranks
          * that loaded other weights would train a mixture. */
         char resume[PATH_MAX], init_from[PATH_MAX], out[PATH_MAX];
-        const char *const names[] = {"--resume", "--init-from", "--out", "--data", "--val-data", "--eval-mc"};
+        const char *const names[] = {"--resume", "--init-from", "--out",      "--data",
+                                     "--val-data", "--eval-mc",   "--tokenizer"};
         const char *const texts[] = {absolute_name(resume, o->resume), absolute_name(init_from, o->init_from),
                                      absolute_name(out, o->out_dir), o->data, o->val_data ? o->val_data : "",
-                                     o->eval_mc ? o->eval_mc : ""};
+                                     o->eval_mc ? o->eval_mc : "", o->tokenizer ? o->tokenizer : ""};
         MOE_TRY(moe_grid_agree(r->world, NULL, 0));
         MOE_TRY(moe_grid_agree_texts(r->world, names, texts, (int)(sizeof names / sizeof names[0])));
         moe_agree_field fields[MOE_CONFIG_AGREE_FIELDS + sizeof options / sizeof options[0]];
@@ -1227,6 +1287,7 @@ static void write_options(moe_json_writer *w, const moe_run_options *o) {
     json_opt_string(w, "data", o->data);
     json_opt_string(w, "val_data", o->val_data);
     json_opt_string(w, "eval_mc", o->eval_mc);
+    json_opt_string(w, "tokenizer", o->tokenizer);
     moe_json_key(w, "val_tokens");
     moe_json_int(w, o->val_tokens);
     moe_json_key(w, "shuffle");
@@ -2260,6 +2321,7 @@ static moe_status run_body(run *r, double start) {
     if (!o->eval_only)
         MOE_TRY(moe_checkpoint_read_companions(&r->companions, o->resume ? o->resume : o->init_from,
                                                r->cb->on_warning, r->cb->ctx));
+    if (r->tokenizer_text) MOE_TRY(keep_tokenizer(r));
     MOE_TRY(moe_device_open(&r->device, o->device, r->ranks));
     if (o->device == MOE_DEVICE_AUTO) MOE_TRY(moe_device_agree(&r->device, r->world));
     MOE_TRY(moe_device_set_gemm_math(&r->device, o->gemm_math));
@@ -2330,6 +2392,7 @@ static moe_status run_body(run *r, double start) {
         .activation_bytes_most = activation_bytes[1],
         .train_data = o->eval_only ? NULL : r->train.desc,
         .val_data = r->val.desc,
+        .tokenizer_tokens = r->tokenizer_tokens,
     };
     if (!o->eval_only && r->rank == 0) {
         MOE_TRY(lock_out_dir(r));
@@ -2599,6 +2662,7 @@ moe_status moe_run(const moe_run_options *given, const moe_run_callbacks *callba
     close_source(&r.val);
     moe_mc_eval_close(r.mc);
     moe_checkpoint_files_free(&r.companions);
+    free(r.tokenizer_text);
     if (r.lock_fd >= 0) close(r.lock_fd); /* the lock goes last, once nothing more is written */
     if (r.world) {
         moe_grid_destroy(&r.grid);

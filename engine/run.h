@@ -89,6 +89,8 @@ typedef struct moe_run_options {
                               do not train; 0: none held out */
     const char *eval_mc;   /* --eval-mc FILE: llm.c's multiple-choice eval file (mc_eval.h), scored
                               at every evaluation; NULL: none */
+    const char *tokenizer; /* --tokenizer FILE: the tokenizer.json of data's token shards, kept with
+                              every checkpoint; without a config its ids size the default model */
     bool shuffle;          /* --shuffle the training batches (seeded by --seed) */
     int64_t batch_size;    /* --batch-size B, sequences per micro-batch */
     int64_t seq_len;       /* --seq-len T */
@@ -203,6 +205,7 @@ typedef struct moe_run_summary {
     int64_t activation_bytes_least, activation_bytes_most; /* moe_trainer_activation_bytes over the ranks */
     const char *train_data;  /* what was opened */
     const char *val_data;
+    int64_t tokenizer_tokens; /* ids options->tokenizer knows; 0 without it */
 } moe_run_summary;
 
 typedef struct moe_run_step {

@@ -105,6 +105,7 @@ typedef struct seen {
     double routing_uniform_err; /* worst |share - 1/n_experts| of the routing tables */
     int64_t uniform_worst[3];   /* where: layer, kind, expert */
     int64_t mc_examples, mc_correct; /* the last evaluation's --eval-mc */
+    int64_t vocab_size, tokenizer_tokens; /* the start's */
 } seen;
 
 static void on_start(void *ctx, const moe_run_summary *s) {
@@ -112,6 +113,8 @@ static void on_start(void *ctx, const moe_run_summary *s) {
     v->starts++;
     v->floor = s->entropy_floor;
     v->last_step = s->start_step;
+    v->vocab_size = s->config->vocab_size;
+    v->tokenizer_tokens = s->tokenizer_tokens;
     /* Every parameter is active in a model without an MoE layer. */
     const bool routes = moe_model_config_has_moe_layer(s->config);
     cr_expect((routes ? s->params > s->active_params : s->params == s->active_params) && s->active_params > 0,
@@ -594,6 +597,88 @@ Test(train_run, llmc_shards_train, .init = make_tmp, .fini = remove_tmp) {
     cr_expect(strstr(moe_last_error(), "--val-data") && strstr(moe_last_error(), "val_00.bin"), "message: %s",
               moe_last_error());
     cr_expect_eq(v.steps, 0);
+}
+
+/* A tokenizer.json of n ids, token i spelling "t" and i's digits (with
+ * prefix before each, for another tokenizer of as many ids), into path. */
+static const char *write_tokenizer(char *path, const char *name, int n, const char *prefix) {
+    tmp_path(path, name);
+    FILE *f = fopen(path, "w");
+    cr_assert_not_null(f);
+    fprintf(f, "{\"model\": {\"type\": \"BPE\", \"vocab\": {");
+    for (int i = 0; i < n; i++) fprintf(f, "%s\"%st%d\": %d", i ? ", " : "", prefix, i, i);
+    fprintf(f, "}, \"merges\": []}, \"decoder\": {\"type\": \"ByteLevel\"}}\n");
+    cr_assert_eq(fclose(f), 0);
+    return path;
+}
+
+/* --tokenizer: every checkpoint keeps it as tokenizer.json; without a
+ * config its ids are the built-in model's vocabulary; a resume takes the
+ * same one only; it must fit a config's vocabulary, and be the shards'. */
+Test(train_run, tokenizer_kept_with_every_checkpoint, .init = make_tmp, .fini = remove_tmp) {
+    char out[512], shard[512], tok[512], other[512], cfg[512], path[600], step1[600];
+    enum { VOCAB = 64, N = 3000 };
+    int32_t tokens[N];
+    fill_tokens(tokens, N, VOCAB, 7);
+    cr_assert_eq(moe_data_write_shard(tmp_path(shard, "train_00.bin"), tokens, N, 2), MOE_OK, "%s", moe_last_error());
+    write_tokenizer(tok, "tokenizer.json", VOCAB, "");
+    moe_run_options o = tiny_options(NULL, tmp_path(out, "out"));
+    o.data = shard;
+    o.tokenizer = tok;
+    o.steps = 2;
+    o.save_every = 1;
+    seen v;
+    run_ok(&o, &v);
+    cr_expect(v.vocab_size == VOCAB && v.tokenizer_tokens == VOCAB, "vocab_size %lld, tokenizer %lld",
+              (long long)v.vocab_size, (long long)v.tokenizer_tokens);
+    size_t want_n, got_n;
+    char *want = read_file(tok, &want_n);
+    for (int step = 1; step <= 2; step++) {
+        snprintf(path, sizeof path, "%s/step-%06d/tokenizer.json", out, step);
+        char *got = read_file(path, &got_n);
+        cr_expect(got_n == want_n && memcmp(got, want, want_n) == 0, "%s is not --tokenizer's", path);
+        free(got);
+    }
+    free(want);
+
+    /* A resume with the same tokenizer goes on; with another is refused. */
+    snprintf(step1, sizeof step1, "%s/step-000001", out);
+    o.resume = step1;
+    o.overwrite = true;
+    run_ok(&o, &v);
+    cr_expect_eq(v.steps, 1);
+    o.tokenizer = write_tokenizer(other, "other.json", VOCAB, "x");
+    moe_run_callbacks cb = callbacks(&v);
+    cr_expect_eq(moe_run(&o, &cb), MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "--tokenizer") && strstr(moe_last_error(), "step-000001/tokenizer.json, the "
+                                                                                   "tokenizer of the model"),
+              "%s", moe_last_error());
+    cr_expect_eq(v.steps, 0);
+
+    /* More ids than a config's vocabulary; data without shards; no JSON. */
+    o = tiny_options(write_tiny_config(cfg, VOCAB / 2), tmp_path(out, "out2"));
+    o.data = shard;
+    o.tokenizer = tok;
+    cr_expect_eq(moe_run(&o, &cb), MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "knows ids up to 63, and the model's vocab_size is 32"), "%s", moe_last_error());
+    o.data = MOE_RUN_SYNTHETIC;
+    o.config = NULL;
+    cr_expect_eq(moe_run(&o, &cb), MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "the synthetic corpus, of tokens of its own"), "%s", moe_last_error());
+    o.data = shard;
+    tmp_path(other, "tokenizer.bin");
+    FILE *f = fopen(other, "w");
+    cr_assert_not_null(f);
+    fputs("\x28\x22\x34\x01", f);
+    cr_assert_eq(fclose(f), 0);
+    o.tokenizer = other;
+    cr_expect_eq(moe_run(&o, &cb), MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "is no tokenizer.json"), "%s", moe_last_error());
+    o.tokenizer = tok;
+    o.eval_only = true;
+    o.init_from = step1;
+    cr_expect_eq(moe_run_options_validate(&o), MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "--tokenizer is kept with a run's checkpoints"), "%s", moe_last_error());
 }
 
 /* The file's name is not UTF-8 (Latin-1 e-acute): run.json records it with

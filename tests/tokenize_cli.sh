@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # moe-tokenize from text to training: its shards train moe-train (--data
-# and --val-data) and the checkpoint generates text through the same
-# tokenizer.json; a bad flag or input that can never encode exits 2, a file
+# and --val-data, --tokenizer) and the checkpoint, which keeps the
+# tokenizer.json, generates text through it; a bad flag or input that can never encode exits 2, a file
 # that cannot be read exits 1, each with 'moe-tokenize: ' on stderr naming
 # the flag or file, and shards already there stay as they were; a closed
 # stdout is a failure (exit 1); --input - reads standard input.
@@ -25,7 +25,8 @@ check "moe-tokenize encodes the corpus (exit $?)" "$(grep -q '^done .* 81 docume
 check "a validation shard, then training shards" \
     "$([ -f "$out/shards/tok_val_000000.bin" ] && [ -f "$out/shards/tok_train_000001.bin" ]; echo $?)"
 check "it prints the moe-train command" \
-    "$(grep -qF "moe-train --data '$out/shards/tok_train_*.bin' --val-data '$out/shards/tok_val_*.bin'" "$out/tokenize.log"; echo $?)"
+    "$(grep -qF "moe-train --data '$out/shards/tok_train_*.bin' --val-data '$out/shards/tok_val_*.bin' --tokenizer $tok" \
+        "$out/tokenize.log"; echo $?)"
 
 cat >"$out/config.json" <<'EOF'
 {"model_type": "qwen3_moe", "vocab_size": 384, "hidden_size": 16, "intermediate_size": 32,
@@ -33,10 +34,10 @@ cat >"$out/config.json" <<'EOF'
  "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 64}
 EOF
 "$bin/moe-train" --config "$out/config.json" --data "$out/shards/tok_train_*.bin" \
-    --val-data "$out/shards/tok_val_*.bin" --steps 3 --batch-size 2 --seq-len 32 --eval-batches 1 \
-    --peak-gflops 1 --device cpu --out "$out/run" >"$out/train.log" 2>&1
+    --val-data "$out/shards/tok_val_*.bin" --tokenizer "$tok" --steps 3 --batch-size 2 --seq-len 32 \
+    --eval-batches 1 --peak-gflops 1 --device cpu --out "$out/run" >"$out/train.log" 2>&1
 check "moe-train trains on the shards (exit $?)" "$(grep -q '^val_loss ' "$out/train.log"; echo $?)"
-cp "$tok" "$out/run/step-000003/tokenizer.json"
+check "the checkpoint keeps the tokenizer" "$(cmp -s "$tok" "$out/run/step-000003/tokenizer.json"; echo $?)"
 "$bin/moe-generate" --init-from "$out/run/step-000003" --prompt 'moe trains' --max-new-tokens 4 --device cpu \
     >"$out/generate.log" 2>&1
 check "moe-generate encodes the prompt with the same tokenizer (exit $?)" \

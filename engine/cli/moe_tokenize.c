@@ -116,8 +116,9 @@ int main(int argc, char **argv) {
            (double)t.text_bytes / (double)tokens, (long long)t.val_tokens, (long long)t.val_shards,
            t.val_shards == 1 ? "" : "s", (long long)t.train_tokens, (long long)t.train_shards,
            t.train_shards == 1 ? "" : "s", t.seconds, t.text_bytes / 1e6 / (t.seconds > 0 ? t.seconds : 1e-9));
-    printf("train     moe-train --data '%s_train_*.bin'%s%s%s --config CONFIG (its vocab_size at least %lld)\n", o.out,
-           t.val_tokens ? " --val-data '" : "", t.val_tokens ? o.out : "", t.val_tokens ? "_val_*.bin'" : "",
-           (long long)p.tokenizer_tokens);
+    printf("train     moe-train --data '%s_train_*.bin'%s%s%s --tokenizer %s (a --config's vocab_size at least "
+           "%lld)\n",
+           o.out, t.val_tokens ? " --val-data '" : "", t.val_tokens ? o.out : "", t.val_tokens ? "_val_*.bin'" : "",
+           o.tokenizer, (long long)p.tokenizer_tokens);
     return cli_stdout_written();
 }

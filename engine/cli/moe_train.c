@@ -63,6 +63,10 @@ static void print_help(void) {
            "                       stream; for file data, --data itself read from its start)\n"
            "  --val-tokens N       validate on --data's last N tokens, which training then never\n"
            "                       reads (a held-out split of file data; default 0: none)\n"
+           "  --tokenizer FILE     the tokenizer.json of --data's token shards (moe-tokenize's): every\n"
+           "                       checkpoint keeps it, so that moe-generate reads and writes text\n"
+           "                       by it; without --config, --init-from or --resume, its ids are\n"
+           "                       the built-in model's vocabulary (else GPT-2's 50257)\n"
            "  --eval-mc FILE       at every evaluation, score llm.c's multiple-choice eval file\n"
            "                       (hellaswag_val.bin, MMLU): each example's completion of least\n"
            "                       mean loss is its choice (acc_norm)\n"
@@ -191,6 +195,7 @@ static const cli_flag flags[] = {
     {"--data", CLI_STRING, OPT(data), NULL},             {"--val-data", CLI_STRING, OPT(val_data), NULL},
     {"--val-tokens", CLI_INT, OPT(val_tokens), NULL},
     {"--eval-mc", CLI_STRING, OPT(eval_mc), NULL},
+    {"--tokenizer", CLI_STRING, OPT(tokenizer), NULL},
     {"--batch-size", CLI_INT, OPT(batch_size), NULL},    {"--seq-len", CLI_INT, OPT(seq_len), NULL},
     {"--steps", CLI_INT, OPT(steps), NULL},              {"--lr", CLI_REAL, OPT(lr), NULL},
     {"--min-lr", CLI_REAL, OPT(min_lr), NULL},           {"--warmup", CLI_INT, OPT(warmup), NULL},
@@ -439,6 +444,8 @@ static void on_start(void *ctx, const moe_run_summary *s) {
            (double)s->active_params * 1e-6);
     if (s->train_data) printf("train    %s\n", s->train_data);
     printf("val      %s, %lld batches\n", s->val_data, (long long)o->eval_batches);
+    if (o->tokenizer)
+        printf("tokenizer %s: %lld tokens, kept with every checkpoint\n", o->tokenizer, (long long)s->tokenizer_tokens);
     if (!isnan(s->entropy_floor)) printf("floor    %.4f nats per token (the best achievable val loss)\n", s->entropy_floor);
     if (s->device_note) printf("%s\n", s->device_note);
     if (s->placement) printf("place    %s\n", s->placement);
