@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -58,6 +59,9 @@ moe_status moe_corpus_options_validate(const moe_corpus_options *o) {
                                          "data/tokens_train_000001.bin, ...)",
                          o->out);
     if (strlen(o->out) > PATH_BYTES - 64) return moe_error(MOE_ERR_CONFIG, "--out %s: the path is too long", o->out);
+    /* Its names: PREFIX_train_NNNNNN.bin, and PREFIX.partial-XXXXXX. */
+    if (strlen(base) + strlen("_train_000000.bin") > NAME_MAX)
+        return moe_error(MOE_ERR_CONFIG, "--out %s: a shard's file name would pass %d bytes", o->out, NAME_MAX);
     if (o->shard_tokens < 1 || o->shard_tokens > INT32_MAX)
         return moe_error(MOE_ERR_CONFIG, "--shard-tokens %lld: a shard holds 1 to %d tokens (an int32 count)",
                          (long long)o->shard_tokens, INT32_MAX);
@@ -161,13 +165,19 @@ static moe_status find_inputs(reader *r, const char *input) {
                          rc == GLOB_NOSPACE ? "out of memory" : "read error");
     r->files = (const char *const *)r->matches.gl_pathv;
     r->n_files = r->matches.gl_pathc;
+    /* Refused before any is read: no retry makes a folder a document. */
+    for (size_t i = 0; i < r->n_files; i++)
+        if (stat(r->files[i], &sb) == 0 && !S_ISREG(sb.st_mode))
+            return moe_error(MOE_ERR_CONFIG, "--input %s matches %s, which is no file", input, r->files[i]);
     return MOE_OK;
 }
 
-static bool is_jsonl(const char *path) {
-    const size_t n = strlen(path);
-    return n >= 6 && strcmp(path + n - 6, ".jsonl") == 0;
+static bool ends_with(const char *s, const char *suffix) {
+    const size_t n = strlen(s), k = strlen(suffix);
+    return n >= k && strcasecmp(s + n - k, suffix) == 0;
 }
+
+static bool is_jsonl(const char *path) { return ends_with(path, ".jsonl") || ends_with(path, ".ndjson"); }
 
 static moe_status check_no_nul(const char *text, int64_t len, const char *where) {
     const size_t at = strlen(text);
@@ -191,6 +201,9 @@ static moe_status parse_line(document *d, bool *skip, reader *r, const char *pat
                          (long long)MOE_CORPUS_DOCUMENT_MAX_BYTES);
     moe_json_doc *doc;
     moe_status st = moe_json_parse(&doc, s, (size_t)len, path);
+    /* A line that is no JSON is bad input, as the other faults below: the
+     * same file fails the same way on every try. */
+    if (st == MOE_ERR_FORMAT) st = MOE_ERR_CONFIG;
     if (st != MOE_OK) {
         /* The parser counts lines in the one it was given: path:1:COLUMN
          * becomes path:LINE:COLUMN. */
@@ -295,6 +308,7 @@ typedef struct writer {
     int split;     /* 0 val, 1 train */
     int64_t index; /* the next shard's */
     int64_t split_tokens[2], split_shards[2];
+    bool keep_staging; /* it holds old shards a failed publish could not move back */
 } writer;
 
 /* A shard's name [PATH_BYTES], in dir (the staging folder) or, dir NULL,
@@ -343,44 +357,84 @@ static moe_status append(writer *w, const int32_t *ids, int64_t n) {
     return MOE_OK;
 }
 
-/* The shards of prefix out already on disk, into *found (globfree it). */
+/* glob's: a folder that cannot be listed might hide shards (a missing one
+ * holds none). */
+static int unlistable(const char *path, int err) {
+    (void)path;
+    return err != ENOENT && err != ENOTDIR;
+}
+
+/* The shards of prefix out already on disk, into *found (globfree it);
+ * anything of a shard's name but a file (or a link) is refused. */
 static moe_status find_shards(glob_t *found, const char *out) {
     char pattern[PATH_BYTES];
     memset(found, 0, sizeof *found);
     for (int split = 0; split < 2; split++) {
         snprintf(pattern, sizeof pattern, "%s_%s_" SHARD_DIGITS ".bin", out, split_names[split]);
-        const int rc = glob(pattern, split ? GLOB_APPEND : 0, NULL, found);
+        const int rc = glob(pattern, split ? GLOB_APPEND : 0, unlistable, found);
         if (rc != 0 && rc != GLOB_NOMATCH)
             return moe_error(MOE_ERR_IO, "--out %s: listing its shards failed (%s)", out,
-                             rc == GLOB_NOSPACE ? "out of memory" : "read error");
+                             rc == GLOB_NOSPACE ? "out of memory" : "a folder cannot be read");
+    }
+    for (size_t i = 0; i < found->gl_pathc; i++) {
+        struct stat sb;
+        if (lstat(found->gl_pathv[i], &sb) == 0 && !S_ISREG(sb.st_mode) && !S_ISLNK(sb.st_mode))
+            return moe_error(MOE_ERR_CONFIG, "--out %s: %s has a shard's name and is no file", out,
+                             found->gl_pathv[i]);
     }
     return MOE_OK;
 }
 
-/* The staged shards renamed into place, then (overwrite) the old ones
- * that none replaced removed. */
-static moe_status publish(const writer *w, const glob_t *old) {
-    char staged[PATH_BYTES], final[PATH_BYTES];
-    for (int64_t i = 0; i < w->index; i++) {
-        const int split = i < w->split_shards[0] ? 0 : 1;
-        MOE_TRY(shard_path(staged, w, w->staging, split, i));
-        MOE_TRY(shard_path(final, w, NULL, split, i));
-        if (rename(staged, final) != 0)
-            return moe_error(MOE_ERR_IO, "renaming %s to %s: %s", staged, final, strerror(errno));
-    }
-    for (size_t i = 0; i < old->gl_pathc; i++) {
-        struct stat sb;
-        char name[PATH_BYTES];
-        const char *path = old->gl_pathv[i];
-        bool replaced = false;
-        for (int64_t k = 0; k < w->index && !replaced; k++) {
-            MOE_TRY(shard_path(name, w, NULL, k < w->split_shards[0] ? 0 : 1, k));
-            replaced = strcmp(name, path) == 0;
-        }
-        if (!replaced && lstat(path, &sb) == 0 && unlink(path) != 0)
-            return moe_error(MOE_ERR_IO, "removing the old shard %s: %s", path, strerror(errno));
-    }
+/* Where old shard path waits in the staging folder [PATH_BYTES]. */
+static moe_status aside_path(char *aside, const writer *w, const char *path) {
+    const char *base = strrchr(path, '/');
+    const int n = snprintf(aside, PATH_BYTES, "%s/old-%s", w->staging, base ? base + 1 : path);
+    if (n < 0 || n >= PATH_BYTES) return moe_error(MOE_ERR_CONFIG, "--out %s: a shard's path is too long", w->o->out);
     return MOE_OK;
+}
+
+/* The new shard i's staged and final names [PATH_BYTES]. */
+static moe_status new_paths(char *staged, char *final, const writer *w, int64_t i) {
+    const int split = i < w->split_shards[0] ? 0 : 1;
+    MOE_TRY(shard_path(staged, w, w->staging, split, i));
+    return shard_path(final, w, NULL, split, i);
+}
+
+static moe_status move(const char *from, const char *to, const char *what) {
+    if (rename(from, to) == 0) return MOE_OK;
+    return moe_error(MOE_ERR_IO, "moving %s %s to %s: %s", what, from, to, strerror(errno));
+}
+
+/* All or nothing: the old shards move into the staging folder (removed
+ * with it), then the new ones into place; a failure moves back what
+ * moved, the new shards out and the old ones in. */
+static moe_status publish(writer *w, const glob_t *old) {
+    char a[PATH_BYTES], b[PATH_BYTES];
+    moe_status st = MOE_OK;
+    size_t aside = 0;
+    int64_t placed = 0;
+    while (st == MOE_OK && aside < old->gl_pathc) {
+        st = aside_path(a, w, old->gl_pathv[aside]);
+        if (st == MOE_OK) st = move(old->gl_pathv[aside], a, "the old shard");
+        if (st == MOE_OK) aside++;
+    }
+    while (st == MOE_OK && placed < w->index) {
+        st = new_paths(a, b, w, placed);
+        if (st == MOE_OK) st = move(a, b, "the shard");
+        if (st == MOE_OK) placed++;
+    }
+    if (st == MOE_OK) return MOE_OK;
+    char why[ERROR_BYTES];
+    snprintf(why, sizeof why, "%s", moe_last_error());
+    bool restored = true;
+    for (int64_t i = 0; i < placed; i++)
+        restored &= new_paths(a, b, w, i) == MOE_OK && rename(b, a) == 0;
+    for (size_t i = 0; i < aside; i++)
+        restored &= aside_path(a, w, old->gl_pathv[i]) == MOE_OK && rename(a, old->gl_pathv[i]) == 0;
+    w->keep_staging = !restored;
+    return moe_error(st, "%s (%s)", why,
+                     restored ? "the shards there stay as they were"
+                              : "and moving them back failed: the old ones left out wait in the staging folder");
 }
 
 /* --------------------------------------------------------------- encoding */
@@ -436,13 +490,17 @@ static moe_status encode_all(writer *w, moe_corpus_totals *totals, reader *r, co
     moe_status st = MOE_OK;
     for (bool end = false; st == MOE_OK && !end;) {
         int64_t n = 0, bytes = 0;
+        moe_status read = MOE_OK;
         while (n < BATCH_DOCUMENTS && bytes < BATCH_TEXT_BYTES) {
-            st = next_document(&docs[n], &end, r);
-            if (st != MOE_OK || end) break;
+            read = next_document(&docs[n], &end, r);
+            if (read != MOE_OK || end) break;
             bytes += docs[n++].len;
         }
-        if (st == MOE_OK) encode_batch(docs, n, t, kind);
-        if (st == MOE_OK) st = write_batch(w, totals, docs, n, r, plan, kind);
+        /* The documents read before a fault come first: an error of
+         * theirs is the first in the input's order. */
+        encode_batch(docs, n, t, kind);
+        st = write_batch(w, totals, docs, n, r, plan, kind);
+        if (st == MOE_OK) st = read;
         free_batch(docs, n);
     }
     free(docs);
@@ -509,7 +567,7 @@ moe_status moe_corpus_tokenize(const moe_corpus_options *o, const moe_corpus_cal
         snprintf(dir, sizeof dir, "%.*s", (int)(w.base - o->out), o->out);
         st = moe_fsync_dir(*dir ? dir : ".");
     }
-    if (staged) {
+    if (staged && !w.keep_staging) {
         const moe_status removed = moe_remove_tree(w.staging);
         if (st == MOE_OK) st = removed;
     }

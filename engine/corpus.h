@@ -2,7 +2,7 @@
  * tokenizer.json (tokenizer.h), the step before moe-train --data on a
  * corpus of one's own, as llm.c's dev/data scripts take it with tiktoken.
  *
- * Documents: a .jsonl file holds one per line, the string under a key
+ * Documents: a .jsonl (or .ndjson) file holds one per line, the string under a key
  * ("text" by default: FineWeb's, The Pile's, most corpora's); any other
  * file is one document; "-" is standard input, read as a .jsonl file (a
  * decompressor's output, say). Empty documents (and blank lines) add
@@ -12,7 +12,8 @@
  * (its post-processor's, as transformers' tokenizer(text) adds them: Llama
  * 3's <|begin_of_text|>, Llama's and Mixtral's <s>) when it adds any, else
  * <|endoftext|> when that is one token (GPT-2's, Qwen's, OLMoE's, as llm.c
- * puts GPT-2's before each document), else what the caller names. Each
+ * puts GPT-2's before each document), unless the caller names a separator
+ * (or none), which replaces them. Each
  * document is encoded as moe_tokenizer_encode encodes text: added tokens
  * wherever they stand in it.
  *
@@ -24,11 +25,11 @@
  * until it holds val_tokens or more.
  *
  * Nothing that was there is lost or half-replaced: the shards are written
- * into a folder PREFIX.partial-XXXXXX beside them and renamed into place
- * only once every one is written; a prefix that has shards already is
- * refused unless overwrite, which then removes those the new corpus does
- * not replace, after the renames. A failure removes the folder; a process
- * killed leaves it, holding no shard that is in place. */
+ * into a folder PREFIX.partial-XXXXXX beside them, and once every one is
+ * written the old shards (a prefix that has any is refused unless
+ * overwrite) move into it and the new ones into place, all or none: a
+ * failure moves back what moved. The folder is removed at the end, old
+ * shards and all; a process killed leaves it. */
 #ifndef MOE_ENGINE_CORPUS_H
 #define MOE_ENGINE_CORPUS_H
 
@@ -78,7 +79,7 @@ typedef struct moe_corpus_plan {
 } moe_corpus_plan;
 
 typedef struct moe_corpus_totals {
-    int64_t documents, empty_documents; /* empty ones hold their separator only */
+    int64_t documents, empty_documents; /* empty ones add nothing */
     int64_t text_bytes;
     int64_t val_tokens, train_tokens;
     int64_t val_shards, train_shards;
@@ -95,7 +96,8 @@ typedef struct moe_corpus_callbacks {
 /* Encodes options' input into shards, as above. Errors name the file (and
  * the .jsonl line) at fault; MOE_ERR_CONFIG for what no retry mends (text
  * that is not UTF-8, a line that is no JSON object with a string under the
- * key, shards already there, a split that leaves no training tokens). */
+ * key or no JSON at all, shards already there, a split that leaves no
+ * training tokens). */
 moe_status moe_corpus_tokenize(const moe_corpus_options *options, const moe_corpus_callbacks *callbacks,
                                moe_corpus_totals *totals);
 

@@ -5,11 +5,14 @@
  * fails leaves the shards already on disk as they were. */
 #define _XOPEN_SOURCE 700
 #include <criterion/criterion.h>
+#include <errno.h>
+#include <fcntl.h>
 #include <glob.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "engine/corpus.h"
 #include "engine/data.h"
@@ -25,8 +28,8 @@
 #define FIXTURE(name) MOE_TEST_DATA_DIR "/" name ".json"
 
 /* Documents of every kind a file gives: Unicode, escapes, extra keys, a
- * blank line, an empty text, a CRLF line, a last line without its newline,
- * a whole file. */
+ * blank line, an empty text, a CRLF line, a last line without its newline
+ * (of an .NDJSON file), a whole file. */
 static const char *const texts[] = {
     "moe trains Mixture-of-Experts transformers from C.",
     "Ünïcödé, 漢字 and 🙂\n\ttabbed",
@@ -45,8 +48,8 @@ static void write_inputs(void) {
                      "{\"text\": \"routers, experts, all-to-all\"}\n";
     write_bytes(in_tmp("in_a.jsonl"), a, strlen(a));
     write_bytes(in_tmp("in_b.txt"), texts[4], strlen(texts[4]));
-    const char c[] = "{\"text\": \"the last line\"}";
-    write_bytes(in_tmp("in_c.jsonl"), c, strlen(c));
+    const char c[] = "{\"text\": \"the last line\"}"; /* .ndjson, in any case, is .jsonl */
+    write_bytes(in_tmp("in_c.NDJSON"), c, strlen(c));
 }
 
 /* The ids of every document in order, each after sep [n_sep] (special:
@@ -62,7 +65,7 @@ static int32_t *reference(const char *tokenizer, bool special, const int32_t *se
         cr_assert_eq(moe_tokenizer_encode(t, texts[d], special, &ids, &m), MOE_OK, "%s", moe_last_error());
         all = realloc(all, (size_t)(*n + n_sep + m) * sizeof *all);
         cr_assert_not_null(all);
-        memcpy(all + *n, sep, (size_t)n_sep * sizeof *sep);
+        if (n_sep) memcpy(all + *n, sep, (size_t)n_sep * sizeof *sep);
         memcpy(all + *n + n_sep, ids, (size_t)m * sizeof *ids);
         *n += n_sep + m;
         free(ids);
@@ -266,6 +269,20 @@ Test(corpus, wide_ids_take_uint32_shards, .init = make_tmpdir, .fini = remove_tm
     for (int i = 0; i < 6; i++) cr_expect_eq(got[i], want[i], "token %d", i);
 }
 
+/* The library's rename(2) calls come here: the first move to a path
+ * ending in fail_rename_to, outside the staging folder, fails (EIO). */
+static const char *fail_rename_to;
+
+int rename(const char *from, const char *to) {
+    const size_t n = strlen(to), k = fail_rename_to ? strlen(fail_rename_to) : 0;
+    if (fail_rename_to && n >= k && strcmp(to + n - k, fail_rename_to) == 0 && !strstr(to, ".partial-")) {
+        fail_rename_to = NULL; /* once: the moves back go through */
+        errno = EIO;
+        return -1;
+    }
+    return renameat(AT_FDCWD, from, AT_FDCWD, to);
+}
+
 /* Shards made before, byte for byte. */
 typedef struct snapshot {
     size_t n;
@@ -314,6 +331,7 @@ static void expect_refused(const moe_corpus_options *o, moe_status status, const
 Test(corpus, bad_input_leaves_the_shards_there, .init = make_tmpdir, .fini = remove_tmpdir) {
     write_inputs();
     moe_corpus_options o = options(FIXTURE("tokenizer_qwen2"), in_tmp("tok"));
+    const char *inputs = o.input; /* kept: in_tmp's buffers move on */
     o.shard_tokens = 9;
     moe_corpus_totals t;
     cr_assert_eq(moe_corpus_tokenize(&o, NULL, &t), MOE_OK, "%s", moe_last_error());
@@ -329,8 +347,8 @@ Test(corpus, bad_input_leaves_the_shards_there, .init = make_tmpdir, .fini = rem
         moe_status status;
         const char *a, *b;
     } bad[] = {
-        {"{\"text\": \"caf\xe9\"}\n", MOE_ERR_FORMAT, "in_d.jsonl:2:14: invalid UTF-8 byte 0xE9", NULL},
-        {"{\"text\": \"cut\n", MOE_ERR_FORMAT, "in_d.jsonl:2:", NULL},
+        {"{\"text\": \"caf\xe9\"}\n", MOE_ERR_CONFIG, "in_d.jsonl:2:14: invalid UTF-8 byte 0xE9", NULL},
+        {"{\"text\": \"cut\n", MOE_ERR_CONFIG, "in_d.jsonl:2:", NULL},
         {"[\"text\"]\n", MOE_ERR_CONFIG, "in_d.jsonl:2: a line is a JSON object, this one a array", NULL},
         {"{\"body\": \"x\"}\n", MOE_ERR_CONFIG, "in_d.jsonl:2: no \"text\" (--text-key)", NULL},
         {"{\"text\": 5}\n", MOE_ERR_CONFIG, "in_d.jsonl:2: \"text\" is a number, not a string", NULL},
@@ -361,10 +379,32 @@ Test(corpus, bad_input_leaves_the_shards_there, .init = make_tmpdir, .fini = rem
     o.input = in_tmp("empty.jsonl");
     expect_refused(&o, MOE_ERR_CONFIG, "no document holds text", NULL);
     expect_unchanged(&s, in_tmp("tok"), "no text");
-    o.input = in_tmp("in_*");
+    o.input = inputs;
     o.tokenizer = in_tmp("missing.json");
     expect_refused(&o, MOE_ERR_IO, "missing.json", NULL);
     expect_unchanged(&s, in_tmp("tok"), "no tokenizer");
+
+    o.tokenizer = FIXTURE("tokenizer_qwen2");
+    /* The first fault in the input's order is the one named: a.txt's,
+     * though b.jsonl's line fails as it is read, before any encoding. */
+    write_bytes(in_tmp("in_a0.txt"), "caf\xe9", 4);
+    write_bytes(in_tmp("in_a1.jsonl"), "{\"text\": \"x\"}\n{\"text\": 5}\n", 27);
+    expect_refused(&o, MOE_ERR_CONFIG, "in_a0.txt: byte 3", NULL);
+    remove(in_tmp("in_a0.txt"));
+    remove(in_tmp("in_a1.jsonl"));
+    /* A folder the input's glob matches, or one of a shard's name. */
+    cr_assert_eq(mkdir(in_tmp("in_z"), 0700), 0);
+    expect_refused(&o, MOE_ERR_CONFIG, "in_z, which is no file", NULL);
+    cr_assert_eq(rmdir(in_tmp("in_z")), 0);
+    cr_assert_eq(mkdir(in_tmp("tok_val_000000.bin"), 0700), 0);
+    expect_refused(&o, MOE_ERR_CONFIG, "tok_val_000000.bin has a shard's name and is no file", NULL);
+    cr_assert_eq(rmdir(in_tmp("tok_val_000000.bin")), 0);
+    expect_unchanged(&s, in_tmp("tok"), "folders");
+    /* A move into place that fails moves back every one before it. */
+    fail_rename_to = "tok_train_000002.bin";
+    expect_refused(&o, MOE_ERR_IO, "moving the shard", "the shards there stay as they were");
+    cr_expect_null(fail_rename_to, "no move failed");
+    expect_unchanged(&s, in_tmp("tok"), "a failed move");
 
     /* Replaced by fewer, larger shards: the old ones past them go. */
     o.tokenizer = FIXTURE("tokenizer_qwen2");
@@ -389,6 +429,10 @@ Test(corpus, options_name_the_flag) {
         {"shard_tokens", NULL, 0, "--shard-tokens 0: a shard holds 1 to"},
         {"shard_tokens", NULL, (int64_t)1 << 31, "--shard-tokens 2147483648"},
         {"val_tokens", NULL, -1, "--val-tokens -1 must not be negative"},
+        {"out", "data/t234567890123456789012345678901234567890123456789012345678901234567890123456789012345678901"
+                "23456789012345678901234567890123456789012345678901234567890123456789012345678901234567890123456789"
+                "0123456789012345678901234567890123456789012345678901234567890",
+         0, "a shard's file name would pass 255 bytes"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
         moe_corpus_options o;

@@ -24,10 +24,11 @@ static void print_help(void) {
            "                       Llama 3's, OLMoE's, GPT-2's) or SentencePiece-style (Mixtral's,\n"
            "                       Mistral's, Llama 2's), which encodes as transformers does\n"
            "                       (required)\n"
-           "  --input GLOB         the text files, in sorted order (required): a .jsonl file holds\n"
-           "                       one document per line (a JSON object, the document its string\n"
-           "                       under --text-key), any other file is one document (UTF-8);\n"
-           "                       - reads standard input as a .jsonl file (zstd -dc x.jsonl.zst |)\n"
+           "  --input GLOB         the text files, in sorted order (required): a .jsonl (.ndjson)\n"
+           "                       file holds one document per line (a JSON object, the document\n"
+           "                       its string under --text-key), any other file is one document\n"
+           "                       (UTF-8); - reads standard input as a .jsonl file\n"
+           "                       (zstd -dc x.jsonl.zst | " PROGRAM " --input - ...)\n"
            "  --text-key K         the key of a .jsonl line's text (default %s)\n"
            "  --separator TEXT     the token before every document ('' for none). Default: the\n"
            "                       special tokens the tokenizer adds to a text (Llama 3's\n"
@@ -45,9 +46,9 @@ static void print_help(void) {
            "  --threads N          encoding threads; 0 = OpenMP's default: OMP_NUM_THREADS, else\n"
            "                       every core (default)\n\n"
            "  -h, --help           this text\n\n"
-           "The shards are written into PREFIX.partial-XXXXXX and renamed into place once all are\n"
-           "written (a run killed leaves that folder: remove it); the old shards --overwrite\n"
-           "replaces stay until then.\n",
+           "The shards are written into PREFIX.partial-XXXXXX; once all are, the old ones move into\n"
+           "it and the new ones into place, all or none (a run killed leaves that folder, with the\n"
+           "old shards if it had moved them: move those back, then remove it).\n",
            d.out, (long long)d.shard_tokens);
 }
 
