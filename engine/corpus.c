@@ -372,15 +372,20 @@ static moe_status find_shards(glob_t *found, const char *out) {
     for (int split = 0; split < 2; split++) {
         snprintf(pattern, sizeof pattern, "%s_%s_" SHARD_DIGITS ".bin", out, split_names[split]);
         const int rc = glob(pattern, split ? GLOB_APPEND : 0, unlistable, found);
-        if (rc != 0 && rc != GLOB_NOMATCH)
+        if (rc != 0 && rc != GLOB_NOMATCH) {
+            globfree(found);
             return moe_error(MOE_ERR_IO, "--out %s: listing its shards failed (%s)", out,
                              rc == GLOB_NOSPACE ? "out of memory" : "a folder cannot be read");
+        }
     }
     for (size_t i = 0; i < found->gl_pathc; i++) {
         struct stat sb;
-        if (lstat(found->gl_pathv[i], &sb) == 0 && !S_ISREG(sb.st_mode) && !S_ISLNK(sb.st_mode))
-            return moe_error(MOE_ERR_CONFIG, "--out %s: %s has a shard's name and is no file", out,
-                             found->gl_pathv[i]);
+        if (lstat(found->gl_pathv[i], &sb) == 0 && !S_ISREG(sb.st_mode) && !S_ISLNK(sb.st_mode)) {
+            const moe_status st = moe_error(MOE_ERR_CONFIG, "--out %s: %s has a shard's name and is no file", out,
+                                            found->gl_pathv[i]);
+            globfree(found);
+            return st;
+        }
     }
     return MOE_OK;
 }
