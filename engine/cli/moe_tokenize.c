@@ -10,7 +10,6 @@
 
 #include "engine/cli/cli_flags.h"
 #include "engine/corpus.h"
-#include "kernels/cpu/blas.h"
 
 #define PROGRAM "moe-tokenize"
 
@@ -100,7 +99,6 @@ static void on_shard(void *ctx, const char *path, int64_t tokens) {
 }
 
 int main(int argc, char **argv) {
-    moe_blas_refit(argv);
     moe_corpus_options o;
     moe_corpus_options_init(&o);
     const int rc = cli_start(PROGRAM, &o, flags, sizeof flags / sizeof *flags, argc, argv, print_help, validate);
