@@ -546,6 +546,16 @@ static void field_text(char *buf, size_t size, const moe_agree_field *f, double 
  * alone would let 32 heads of 128 pass for 64 of 64, or another
  * rope_theta. The token ids --config does not give are taken from the
  * dense model's, whose tokenizer the MoE keeps. */
+/* Whether the JSON object in path has a model_type key. */
+static bool names_model_type(const char *path) {
+    moe_json_doc *doc;
+    if (moe_json_parse_file(&doc, path, MOE_MODEL_CONFIG_MAX_BYTES) != MOE_OK) return true; /* said otherwise */
+    const moe_json *root = moe_json_root(doc);
+    const bool named = root->type != MOE_JSON_OBJECT || moe_json_get(root, "model_type") != NULL;
+    moe_json_free(doc);
+    return named;
+}
+
 static moe_status check_dense_config(moe_model_config *moe, const moe_run_options *o, moe_warn_fn on_warn,
                                      void *warn_ctx) {
     char path[RUN_PATH_BYTES];
@@ -554,6 +564,10 @@ static moe_status check_dense_config(moe_model_config *moe, const moe_run_option
     if (stat(path, &sb) != 0) return MOE_OK;
     moe_model_config dense;
     moe_status st = moe_model_config_load(&dense, path, on_warn, warn_ctx);
+    if (st != MOE_OK && !names_model_type(path))
+        return moe_error(st, "--upcycle: %s (%s has no model_type, which makes it a Mixtral's: a dense model's "
+                             "names its type, llama, mistral, qwen2 or qwen3)",
+                         moe_last_error(), path);
     if (st != MOE_OK) return moe_error_prefix(st, "--upcycle: ");
     if (moe_model_config_has_moe_layer(&dense))
         return moe_error(MOE_ERR_CONFIG, "--upcycle: %s is an MoE (model_type %s, %lld of its %lld layers MoE layers): "

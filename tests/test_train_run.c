@@ -943,6 +943,23 @@ Test(train_run, upcycle_checks_the_dense_config, .init = make_tmp, .fini = remov
                   cases[i].want);
         cr_expect_eq(v.steps, 0);
     }
+    /* Without a model_type the file reads as a Mixtral's, which lacks its
+     * experts: the message says why. */
+    {
+        static const char named[] = "\"model_type\": \"llama\", ";
+        char text[1024];
+        dense_config_text(text, sizeof text, "");
+        char *type = strstr(text, named);
+        cr_assert_not_null(type);
+        memmove(type, type + strlen(named), strlen(type + strlen(named)) + 1);
+        cr_assert_eq(moe_file_write_atomic_buffer(path, text, strlen(text)), MOE_OK, "%s", moe_last_error());
+        seen v;
+        moe_run_callbacks cb = callbacks(&v);
+        cr_expect_eq(moe_run(&o, &cb), MOE_ERR_CONFIG);
+        cr_expect(strstr(moe_last_error(), "missing required key 'num_local_experts'") &&
+                      strstr(moe_last_error(), "config.json has no model_type, which makes it a Mixtral's"),
+                  "%s", moe_last_error());
+    }
     /* An MoE that normalises q and k from a model that does not. */
     char qk_cfg[512], text[1024];
     moe_model_config c;
