@@ -307,7 +307,7 @@ static moe_status write_files(const char *dir, moe_model *model, const float *m,
 moe_status moe_checkpoint_read_companions(moe_checkpoint_files *files, const char *dir, moe_warn_fn warn,
                                           void *warn_ctx) {
     static const char *const names[] = {MOE_CHECKPOINT_TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json",
-                                        "generation_config.json", "tokenizer.model", "vocab.json", "merges.txt"};
+                                        MOE_CHECKPOINT_GENERATION_FILE, "tokenizer.model", "vocab.json", "merges.txt"};
     _Static_assert(sizeof names / sizeof *names <= sizeof files->name / sizeof *files->name, "room for every file");
     memset(files, 0, sizeof *files);
     for (size_t i = 0; dir && i < sizeof names / sizeof *names; i++) {
@@ -1199,9 +1199,10 @@ moe_status moe_checkpoint_load_config(moe_model_config *cfg, const char *dir, bo
     if (as_saved == want) {
         char note[MOE_ERROR_BYTES];
         snprintf(note, sizeof note,
-                 "%.400s is the file saved with the checkpoint, which the moe that saved it wrote otherwise than "
-                 "this one writes the model it reads (CRC-32C %08" PRIx32 "): it is read as this moe reads it",
-                 path, got);
+                 "%.400s is the file saved with the checkpoint (CRC-32C %08" PRIx32 ", as recorded), which the "
+                 "moe that saved it wrote otherwise than this one writes the model it reads (%08" PRIx32 "): it "
+                 "is read as this moe reads it, which may differ from the model saved",
+                 path, as_saved, got);
         if (warn) warn(warn_ctx, note);
         return MOE_OK;
     }

@@ -80,6 +80,8 @@ typedef struct moe_train_state {
 
 /* The tokenizer a Hugging Face model directory, and so a checkpoint, holds. */
 #define MOE_CHECKPOINT_TOKENIZER_FILE "tokenizer.json"
+/* The generation settings it holds, which are no tokenizer's. */
+#define MOE_CHECKPOINT_GENERATION_FILE "generation_config.json"
 
 /* A Hugging Face model directory's tokenizer and generation files
  * (tokenizer.json, tokenizer_config.json, special_tokens_map.json,

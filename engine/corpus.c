@@ -390,6 +390,25 @@ static moe_status find_shards(glob_t *found, const char *out) {
     return MOE_OK;
 }
 
+/* The staging folders of runs into the prefix that did not finish (or
+ * still run): one killed while moving shards left a mix in place. */
+static void warn_leftovers(const moe_corpus_options *o, const moe_corpus_callbacks *cb) {
+    char pattern[PATH_BYTES];
+    glob_t g;
+    snprintf(pattern, sizeof pattern, "%s.partial-*", o->out);
+    if (!cb->on_warning || glob(pattern, GLOB_ONLYDIR, NULL, &g) != 0) return;
+    for (size_t i = 0; i < g.gl_pathc; i++) {
+        char message[PATH_BYTES + 512];
+        snprintf(message, sizeof message,
+                 "%s is left by a run into --out %s that did not finish, or that runs still: if it holds old-* "
+                 "shards, that run was killed while moving shards into place, and those in place may mix two "
+                 "corpora (--overwrite puts one whole in place); remove it once no run uses it",
+                 g.gl_pathv[i], o->out);
+        cb->on_warning(cb->ctx, message);
+    }
+    globfree(&g);
+}
+
 /* Where old shard path waits in the staging folder [PATH_BYTES]. */
 static moe_status aside_path(char *aside, const writer *w, const char *path) {
     const char *base = strrchr(path, '/');
@@ -437,9 +456,10 @@ static moe_status publish(writer *w, const glob_t *old) {
     for (size_t i = 0; i < aside; i++)
         restored &= aside_path(a, w, old->gl_pathv[i]) == MOE_OK && rename(a, old->gl_pathv[i]) == 0;
     w->keep_staging = !restored;
-    return moe_error(st, "%s (%s)", why,
+    return moe_error(st, "%s (%s%s%s)", why,
                      restored ? "the shards there stay as they were"
-                              : "and moving them back failed: the old ones left out wait in the staging folder");
+                              : "and moving them back failed: the old ones left out wait in ",
+                     restored ? "" : w->staging, restored ? "" : " as old-NAME");
 }
 
 /* --------------------------------------------------------------- encoding */
@@ -530,6 +550,7 @@ moe_status moe_corpus_tokenize(const moe_corpus_options *o, const moe_corpus_cal
         globfree(&old);
         return st;
     }
+    warn_leftovers(o, cb);
     moe_tokenizer *t = NULL;
     reader r = {.key = o->text_key};
     moe_corpus_plan plan = {.threads = omp_get_max_threads()};

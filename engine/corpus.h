@@ -24,12 +24,14 @@
  * Llama 3 shards). The validation split is the first documents, whole,
  * until it holds val_tokens or more.
  *
- * Nothing that was there is lost or half-replaced: the shards are written
- * into a folder PREFIX.partial-XXXXXX beside them, and once every one is
- * written the old shards (a prefix that has any is refused unless
- * overwrite) move into it and the new ones into place, all or none: a
- * failure moves back what moved. The folder is removed at the end, old
- * shards and all; a process killed leaves it. */
+ * Nothing that was there is lost or half-replaced by a run that fails: the
+ * shards are written into a folder PREFIX.partial-XXXXXX beside them, and
+ * once every one is written the old shards (a prefix that has any is
+ * refused unless overwrite) move into it, as old-NAME, and the new ones
+ * into place, all or none: a failure moves back what moved. The folder is
+ * removed at the end, old shards and all. A process killed leaves it, and
+ * when killed while the shards move, a mix of both corpora in place: the
+ * next run into the prefix warns of such a folder. */
 #ifndef MOE_ENGINE_CORPUS_H
 #define MOE_ENGINE_CORPUS_H
 
@@ -91,6 +93,7 @@ typedef struct moe_corpus_callbacks {
     void (*on_start)(void *ctx, const moe_corpus_plan *plan);
     /* A shard written (into the staging folder; path is its final name). */
     void (*on_shard)(void *ctx, const char *path, int64_t tokens);
+    void (*on_warning)(void *ctx, const char *message);
 } moe_corpus_callbacks;
 
 /* Encodes options' input into shards, as above. Errors name the file (and

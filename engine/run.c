@@ -898,7 +898,7 @@ static moe_status read_tokenizer(run *r, bool known) {
                          o->tokenizer, o->data,
                          is_synthetic(o->data) ? "the synthetic corpus, of tokens of its own" : "read at byte level");
     MOE_TRY(moe_file_read_all(&r->tokenizer_text, &r->tokenizer_bytes, o->tokenizer, MOE_TOKENIZER_JSON_MAX_BYTES));
-    if (r->tokenizer_bytes == 0 || r->tokenizer_text[0] != '{')
+    if (!moe_tokenizer_file_is_json(o->tokenizer))
         return moe_error(MOE_ERR_CONFIG, "--tokenizer %s is no tokenizer.json (llm.c's tokenizer file, which "
                                          "checkpoints do not keep, is one for moe-generate --tokenizer)",
                          o->tokenizer);
@@ -913,20 +913,27 @@ static moe_status read_tokenizer(run *r, bool known) {
 }
 
 /* --tokenizer among the files every checkpoint keeps, where the model's
- * source has no tokenizer.json, or the same one (a resume of a run with
- * it); another would leave the model beside a tokenizer it was not
- * trained with. */
+ * source has no tokenizer of its own, or the same tokenizer.json (a resume
+ * of a run with it); another would leave the model beside a tokenizer it
+ * was not trained with, or beside two. */
 static moe_status keep_tokenizer(run *r) {
     moe_checkpoint_files *f = &r->companions;
+    const char *dir = r->o->resume ? r->o->resume : r->o->init_from;
+    const char *own = NULL;
     for (int i = 0; i < f->count; i++) {
-        if (strcmp(f->name[i], MOE_CHECKPOINT_TOKENIZER_FILE) != 0) continue;
-        if (f->size[i] == r->tokenizer_bytes && memcmp(f->data[i], r->tokenizer_text, f->size[i]) == 0)
-            return MOE_OK;
-        const char *dir = r->o->resume ? r->o->resume : r->o->init_from;
-        return moe_error(MOE_ERR_CONFIG, "--tokenizer %s is not %s/%s, the tokenizer of the model in %s (its "
-                                         "checkpoints keep that one)",
-                         r->o->tokenizer, dir, MOE_CHECKPOINT_TOKENIZER_FILE, dir);
+        if (strcmp(f->name[i], MOE_CHECKPOINT_TOKENIZER_FILE) == 0) {
+            if (f->size[i] == r->tokenizer_bytes && memcmp(f->data[i], r->tokenizer_text, f->size[i]) == 0)
+                return MOE_OK;
+            return moe_error(MOE_ERR_CONFIG, "--tokenizer %s differs (byte for byte) from %s/%s, the tokenizer of "
+                                             "the model in %s, which its checkpoints keep",
+                             r->o->tokenizer, dir, MOE_CHECKPOINT_TOKENIZER_FILE, dir);
+        }
+        if (strcmp(f->name[i], MOE_CHECKPOINT_GENERATION_FILE) != 0) own = f->name[i];
     }
+    if (own)
+        return moe_error(MOE_ERR_CONFIG, "--tokenizer %s: %s holds a tokenizer of its own (%s), which its "
+                                         "checkpoints keep",
+                         r->o->tokenizer, dir, own);
     f->name[f->count] = MOE_CHECKPOINT_TOKENIZER_FILE;
     f->data[f->count] = r->tokenizer_text;
     f->size[f->count++] = r->tokenizer_bytes;

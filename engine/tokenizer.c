@@ -758,7 +758,7 @@ static moe_status open_json(moe_tokenizer *t, const char *path) {
 /* Whether path, a regular file (else the llm.c reader names the fault),
  * begins past white space with '{' or a UTF-8 byte order mark: a
  * tokenizer.json (whose reader refuses the mark, as tokenizers does). */
-static bool is_json(const char *path) {
+bool moe_tokenizer_file_is_json(const char *path) {
     FILE *f = NULL;
     int64_t size;
     int c = ' ';
@@ -789,7 +789,7 @@ moe_status moe_tokenizer_open(moe_tokenizer **tokenizer, const char *path) {
     *tokenizer = NULL;
     moe_tokenizer *t = calloc(1, sizeof *t);
     if (!t) return moe_error(MOE_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
-    const moe_status st = is_json(path) ? open_json(t, path) : open_llmc(t, path);
+    const moe_status st = moe_tokenizer_file_is_json(path) ? open_json(t, path) : open_llmc(t, path);
     if (st != MOE_OK) {
         moe_tokenizer_close(t);
         return st;

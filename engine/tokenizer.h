@@ -62,6 +62,11 @@ typedef struct moe_tokenizer moe_tokenizer;
  * tokenizer.json. */
 moe_status moe_tokenizer_open(moe_tokenizer **tokenizer, const char *path);
 
+/* Whether path reads as a tokenizer.json to moe_tokenizer_open: its first
+ * byte after any spaces, tabs and line ends '{' (or a UTF-8 byte order
+ * mark's). */
+bool moe_tokenizer_file_is_json(const char *path);
+
 void moe_tokenizer_close(moe_tokenizer *tokenizer);
 
 /* The number of token ids it knows: 0 .. count - 1. */

@@ -318,6 +318,8 @@ static void expect_unchanged(const snapshot *s, const char *prefix, const char *
     cr_expect_eq(count_matches(in_tmp("*partial*")), 0, "%s: the staging folder is gone", why);
 }
 
+static void keep_warning(void *ctx, const char *message) { snprintf(ctx, 1024, "%s", message); }
+
 static void expect_refused(const moe_corpus_options *o, moe_status status, const char *a, const char *b) {
     moe_corpus_totals t;
     cr_expect_eq(moe_corpus_tokenize(o, NULL, &t), status, "%s: status", a);
@@ -405,6 +407,16 @@ Test(corpus, bad_input_leaves_the_shards_there, .init = make_tmpdir, .fini = rem
     expect_refused(&o, MOE_ERR_IO, "moving the shard", "the shards there stay as they were");
     cr_expect_null(fail_rename_to, "no move failed");
     expect_unchanged(&s, in_tmp("tok"), "a failed move");
+
+    /* The staging folder of a run that did not finish is warned of. */
+    cr_assert_eq(mkdir(in_tmp("tok.partial-left"), 0700), 0);
+    char warned[1024] = "";
+    const moe_corpus_callbacks cb = {.ctx = warned, .on_warning = keep_warning};
+    cr_assert_eq(moe_corpus_tokenize(&o, &cb, &t), MOE_OK, "%s", moe_last_error());
+    cr_expect(strstr(warned, "tok.partial-left is left by a run into --out") && strstr(warned, "old-*"), "%s",
+              warned);
+    cr_assert_eq(rmdir(in_tmp("tok.partial-left")), 0);
+    expect_unchanged(&s, in_tmp("tok"), "the same corpus again");
 
     /* Replaced by fewer, larger shards: the old ones past them go. */
     o.tokenizer = FIXTURE("tokenizer_qwen2");

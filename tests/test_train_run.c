@@ -650,10 +650,40 @@ Test(train_run, tokenizer_kept_with_every_checkpoint, .init = make_tmp, .fini = 
     o.tokenizer = write_tokenizer(other, "other.json", VOCAB, "x");
     moe_run_callbacks cb = callbacks(&v);
     cr_expect_eq(moe_run(&o, &cb), MOE_ERR_CONFIG);
-    cr_expect(strstr(moe_last_error(), "--tokenizer") && strstr(moe_last_error(), "step-000001/tokenizer.json, the "
-                                                                                   "tokenizer of the model"),
+    cr_expect(strstr(moe_last_error(), "differs (byte for byte) from") &&
+                  strstr(moe_last_error(), "step-000001/tokenizer.json, the tokenizer of the model"),
               "%s", moe_last_error());
     cr_expect_eq(v.steps, 0);
+
+    /* A source with a tokenizer of its own but no tokenizer.json. */
+    char hf[600], file[700], out3[512];
+    snprintf(hf, sizeof hf, "%s/step-000002", out);
+    snprintf(file, sizeof file, "%s/tokenizer.json", hf);
+    cr_assert_eq(unlink(file), 0);
+    snprintf(file, sizeof file, "%s/vocab.json", hf);
+    cr_assert_eq(moe_file_write_atomic_buffer(file, "{}", 2), MOE_OK);
+    o.resume = NULL;
+    o.init_from = hf;
+    o.tokenizer = tok;
+    o.out_dir = tmp_path(out3, "out3");
+    cr_expect_eq(moe_run(&o, &cb), MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "step-000002 holds a tokenizer of its own (vocab.json)"), "%s",
+              moe_last_error());
+    /* Spaces before the JSON's brace, as the tokenizer reader takes them. */
+    size_t plain_n;
+    char *plain = read_file(tok, &plain_n), spaced[600];
+    tmp_path(spaced, "spaced.json");
+    FILE *sf = fopen(spaced, "w");
+    cr_assert_not_null(sf);
+    fprintf(sf, " \n%s", plain);
+    cr_assert_eq(fclose(sf), 0);
+    free(plain);
+    o = tiny_options(NULL, tmp_path(out, "spaced"));
+    o.data = shard;
+    o.tokenizer = spaced;
+    o.steps = 1;
+    run_ok(&o, &v);
+    cr_expect_eq(v.vocab_size, VOCAB);
 
     /* More ids than a config's vocabulary; data without shards; no JSON. */
     o = tiny_options(write_tiny_config(cfg, VOCAB / 2), tmp_path(out, "out2"));

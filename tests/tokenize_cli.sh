@@ -25,7 +25,7 @@ check "moe-tokenize encodes the corpus (exit $?)" "$(grep -q '^done .* 81 docume
 check "a validation shard, then training shards" \
     "$([ -f "$out/shards/tok_val_000000.bin" ] && [ -f "$out/shards/tok_train_000001.bin" ]; echo $?)"
 check "it prints the moe-train command" \
-    "$(grep -qF "moe-train --data '$out/shards/tok_train_*.bin' --val-data '$out/shards/tok_val_*.bin' --tokenizer $tok" \
+    "$(grep -qF "moe-train --data '$out/shards/tok_train_*.bin' --val-data '$out/shards/tok_val_*.bin' --tokenizer '$tok'" \
         "$out/tokenize.log"; echo $?)"
 
 cat >"$out/config.json" <<'EOF'

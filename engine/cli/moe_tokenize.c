@@ -46,8 +46,9 @@ static void print_help(void) {
            "                       every core (default)\n\n"
            "  -h, --help           this text\n\n"
            "The shards are written into PREFIX.partial-XXXXXX; once all are, the old ones move into\n"
-           "it and the new ones into place, all or none (a run killed leaves that folder, with the\n"
-           "old shards if it had moved them: move those back, then remove it).\n",
+           "it (as old-NAME) and the new ones into place, all or none on any failure the run sees.\n"
+           "A run killed while they move leaves the folder and both corpora's shards in place: run\n"
+           "it again with --overwrite, then remove the folder (the next run warns of it).\n",
            d.out, (long long)d.shard_tokens);
 }
 
@@ -92,6 +93,11 @@ static void on_start(void *ctx, const moe_corpus_plan *plan) {
     printf("\n");
 }
 
+static void on_warning(void *ctx, const char *message) {
+    (void)ctx;
+    cli_warning(message);
+}
+
 static void on_shard(void *ctx, const char *path, int64_t tokens) {
     (void)ctx;
     printf("shard     %s: %lld tokens\n", path, (long long)tokens);
@@ -104,7 +110,8 @@ int main(int argc, char **argv) {
     const int rc = cli_start(PROGRAM, &o, flags, sizeof flags / sizeof *flags, argc, argv, print_help, validate);
     if (rc >= 0) return rc;
     printer p = {.o = &o};
-    const moe_corpus_callbacks cb = {.ctx = &p, .on_start = on_start, .on_shard = on_shard};
+    const moe_corpus_callbacks cb = {.ctx = &p, .on_start = on_start, .on_shard = on_shard,
+                                     .on_warning = on_warning};
     moe_corpus_totals t;
     const moe_status st = moe_corpus_tokenize(&o, &cb, &t);
     if (st != MOE_OK) return cli_run_failed(st, NULL);
@@ -115,7 +122,7 @@ int main(int argc, char **argv) {
            (double)t.text_bytes / (double)tokens, (long long)t.val_tokens, (long long)t.val_shards,
            t.val_shards == 1 ? "" : "s", (long long)t.train_tokens, (long long)t.train_shards,
            t.train_shards == 1 ? "" : "s", t.seconds, t.text_bytes / 1e6 / (t.seconds > 0 ? t.seconds : 1e-9));
-    printf("train     moe-train --data '%s_train_*.bin'%s%s%s --tokenizer %s (a --config's vocab_size at least "
+    printf("train     moe-train --data '%s_train_*.bin'%s%s%s --tokenizer '%s' (a --config's vocab_size at least "
            "%lld)\n",
            o.out, t.val_tokens ? " --val-data '" : "", t.val_tokens ? o.out : "", t.val_tokens ? "_val_*.bin'" : "",
            o.tokenizer, (long long)p.tokenizer_tokens);
