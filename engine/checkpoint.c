@@ -1029,11 +1029,11 @@ static moe_status read_meta(moe_train_state *s, const moe_st_file *f) {
     s->step = (int64_t)step;
     s->data = (moe_data_position){(int64_t)token, (int64_t)epoch};
     const char *kind = moe_st_metadata(f, "data_kind");
-    static const char *const kinds[] = {"synthetic", "bytes", "shards"};
+    static const char *const kinds[] = {"synthetic", "bytes", "shards", "text"};
     bool known = kind == NULL;
     for (size_t i = 0; !known && i < sizeof kinds / sizeof kinds[0]; i++) known = strcmp(kind, kinds[i]) == 0;
     if (!known)
-        return moe_error(MOE_ERR_FORMAT, "%s: __metadata__ \"data_kind\" is \"%.32s\", not synthetic, bytes or shards",
+        return moe_error(MOE_ERR_FORMAT, "%s: __metadata__ \"data_kind\" is \"%.32s\", not synthetic, bytes, shards or text",
                          moe_st_path(f), kind);
     s->data_tokens = (int64_t)tokens;
     s->data_chunk = (int64_t)chunk;

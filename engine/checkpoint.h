@@ -66,7 +66,8 @@ typedef struct moe_train_state {
      * it shuffled by the seed itself, which a reader gives instead. */
     uint64_t data_shuffle_seed;
     /* What the stream was read from: "synthetic", "bytes" (a file at byte
-     * level) or "shards" (llm.c token shards); "" when not recorded. */
+     * level), "shards" (llm.c token shards) or "text" (files a tokenizer
+     * encoded); "" when not recorded. */
     char data_kind[16];
     /* The seconds of an MoE layer, of a dense MLP layer (when the model
      * has any) and of the head that --pp-balance measured cut the pipeline

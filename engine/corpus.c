@@ -309,6 +309,7 @@ typedef struct writer {
     int64_t index; /* the next shard's */
     int64_t split_tokens[2], split_shards[2];
     bool keep_staging; /* it holds old shards a failed publish could not move back */
+    bool in_memory;    /* one stream in buf, no shard written */
 } writer;
 
 /* A shard's name [PATH_BYTES], in dir (the staging folder) or, dir NULL,
@@ -322,7 +323,7 @@ static moe_status shard_path(char *path, const writer *w, const char *dir, int s
 }
 
 static moe_status flush_shard(writer *w) {
-    if (w->n == 0) return MOE_OK;
+    if (w->n == 0 || w->in_memory) return MOE_OK;
     char staged[PATH_BYTES], final[PATH_BYTES];
     MOE_TRY(shard_path(staged, w, w->staging, w->split, w->index));
     MOE_TRY(shard_path(final, w, NULL, w->split, w->index));
@@ -341,9 +342,9 @@ static moe_status append(writer *w, const int32_t *ids, int64_t n) {
             /* Grown as tokens come: a small corpus never holds a whole
              * shard's 400 MB. */
             const int64_t cap = w->cap == 0 ? (int64_t)1 << 16 : w->cap * 2;
-            const int64_t want = cap < w->o->shard_tokens ? cap : w->o->shard_tokens;
-            int32_t *buf = realloc(w->buf, (size_t)want * sizeof *buf);
-            if (!buf) return moe_error(MOE_ERR_OUT_OF_MEMORY, "a shard of %lld tokens", (long long)want);
+            const int64_t want = w->in_memory || cap < w->o->shard_tokens ? cap : w->o->shard_tokens;
+            int32_t *buf = (size_t)want <= SIZE_MAX / sizeof *buf ? realloc(w->buf, (size_t)want * sizeof *buf) : NULL;
+            if (!buf) return moe_error(MOE_ERR_OUT_OF_MEMORY, "%lld tokens of %s", (long long)want, w->o->input);
             w->buf = buf;
             w->cap = want;
         }
@@ -352,7 +353,7 @@ static moe_status append(writer *w, const int32_t *ids, int64_t n) {
         w->n += m;
         ids += m;
         n -= m;
-        if (w->n == w->o->shard_tokens) MOE_TRY(flush_shard(w));
+        if (!w->in_memory && w->n == w->o->shard_tokens) MOE_TRY(flush_shard(w));
     }
     return MOE_OK;
 }
@@ -533,6 +534,58 @@ static moe_status encode_all(writer *w, moe_corpus_totals *totals, reader *r, co
     return st;
 }
 
+/* What both entry points open: the tokenizer, how documents are told
+ * apart, the input's files. */
+typedef struct encoder {
+    moe_tokenizer *t;
+    reader r;
+    moe_corpus_plan plan;
+    separator_kind kind;
+} encoder;
+
+static moe_status encoder_open(encoder *e, const moe_corpus_options *o) {
+    *e = (encoder){.r = {.key = o->text_key}, .plan = {.threads = omp_get_max_threads()}};
+    MOE_TRY(moe_tokenizer_open(&e->t, o->tokenizer));
+    const char *why;
+    if (!moe_tokenizer_can_encode(e->t, &why))
+        return moe_error(MOE_ERR_CONFIG, "--tokenizer %s encodes no text: %s", o->tokenizer, why);
+    MOE_TRY(choose_separator(&e->kind, &e->plan, e->t, o));
+    MOE_TRY(find_inputs(&e->r, o->input));
+    e->plan.tokenizer_tokens = moe_tokenizer_count(e->t);
+    e->plan.token_bytes = e->plan.tokenizer_tokens <= (int64_t)UINT16_MAX + 1 ? 2 : 4;
+    e->plan.files = (int64_t)e->r.n_files;
+    return MOE_OK;
+}
+
+static void encoder_close(encoder *e) {
+    reader_close(&e->r);
+    moe_tokenizer_close(e->t);
+}
+
+moe_status moe_corpus_encode(int32_t **tokens, int64_t *n, int64_t *tokenizer_tokens, const char *tokenizer,
+                             const char *input) {
+    moe_corpus_options o;
+    moe_corpus_options_init(&o);
+    o.tokenizer = tokenizer;
+    o.input = input;
+    moe_corpus_totals totals = {0};
+    const moe_corpus_callbacks none = {0};
+    writer w = {.o = &o, .cb = &none, .split = 1, .in_memory = true};
+    encoder e;
+    moe_status st = encoder_open(&e, &o);
+    if (st == MOE_OK) st = encode_all(&w, &totals, &e.r, e.t, &e.plan, e.kind);
+    if (st == MOE_OK && w.n == 0) st = moe_error(MOE_ERR_CONFIG, "%s: no document holds text", input);
+    *tokenizer_tokens = e.plan.tokenizer_tokens;
+    encoder_close(&e);
+    if (st != MOE_OK) {
+        free(w.buf);
+        return st;
+    }
+    *tokens = w.buf;
+    *n = w.n;
+    return MOE_OK;
+}
+
 moe_status moe_corpus_tokenize(const moe_corpus_options *o, const moe_corpus_callbacks *callbacks,
                                moe_corpus_totals *totals) {
     const double start = moe_monotonic_seconds();
@@ -551,25 +604,13 @@ moe_status moe_corpus_tokenize(const moe_corpus_options *o, const moe_corpus_cal
         return st;
     }
     warn_leftovers(o, cb);
-    moe_tokenizer *t = NULL;
-    reader r = {.key = o->text_key};
-    moe_corpus_plan plan = {.threads = omp_get_max_threads()};
-    separator_kind kind;
-    moe_status st = moe_tokenizer_open(&t, o->tokenizer);
-    const char *why;
-    if (st == MOE_OK && !moe_tokenizer_can_encode(t, &why))
-        st = moe_error(MOE_ERR_CONFIG, "--tokenizer %s encodes no text: %s", o->tokenizer, why);
-    if (st == MOE_OK) st = choose_separator(&kind, &plan, t, o);
-    if (st == MOE_OK) st = find_inputs(&r, o->input);
-    writer w = {.o = o, .cb = cb, .split = o->val_tokens > 0 ? 0 : 1};
+    encoder e;
+    moe_status st = encoder_open(&e, o);
+    writer w = {.o = o, .cb = cb, .split = o->val_tokens > 0 ? 0 : 1, .token_bytes = e.plan.token_bytes};
     w.base = strrchr(o->out, '/') ? strrchr(o->out, '/') + 1 : o->out;
     const int64_t *tokens = w.split_tokens;
     if (st == MOE_OK) {
-        plan.tokenizer_tokens = moe_tokenizer_count(t);
-        plan.token_bytes = plan.tokenizer_tokens <= (int64_t)UINT16_MAX + 1 ? 2 : 4;
-        plan.files = (int64_t)r.n_files;
-        w.token_bytes = plan.token_bytes;
-        if (cb->on_start) cb->on_start(cb->ctx, &plan);
+        if (cb->on_start) cb->on_start(cb->ctx, &e.plan);
         char dir[PATH_BYTES];
         snprintf(dir, sizeof dir, "%.*s", (int)(w.base - o->out), o->out);
         if (*dir) st = moe_mkdir_p(dir);
@@ -580,7 +621,7 @@ moe_status moe_corpus_tokenize(const moe_corpus_options *o, const moe_corpus_cal
         staged = mkdtemp(w.staging) != NULL;
         if (!staged) st = moe_error(MOE_ERR_IO, "creating %s: %s", w.staging, strerror(errno));
     }
-    if (st == MOE_OK) st = encode_all(&w, totals, &r, t, &plan, kind);
+    if (st == MOE_OK) st = encode_all(&w, totals, &e.r, e.t, &e.plan, e.kind);
     if (st == MOE_OK && tokens[0] + tokens[1] == 0)
         st = moe_error(MOE_ERR_CONFIG, "--input %s: no document holds text", o->input);
     else if (st == MOE_OK && tokens[1] == 0)
@@ -598,8 +639,7 @@ moe_status moe_corpus_tokenize(const moe_corpus_options *o, const moe_corpus_cal
         if (st == MOE_OK) st = removed;
     }
     free(w.buf);
-    reader_close(&r);
-    moe_tokenizer_close(t);
+    encoder_close(&e);
     globfree(&old);
     totals->val_tokens = tokens[0];
     totals->train_tokens = tokens[1];

@@ -7,6 +7,7 @@
 #include <ctype.h>
 #include <dirent.h>
 #include <errno.h>
+#include <glob.h>
 #include <fcntl.h>
 #include <limits.h>
 #include <math.h>
@@ -26,6 +27,7 @@
 #include "common/shortest.h"
 #include "common/status.h"
 #include "engine/checkpoint.h"
+#include "engine/corpus.h"
 #include "engine/data.h"
 #include "engine/fileio.h"
 #include "engine/grid.h"
@@ -176,11 +178,14 @@ static bool empty(const char *s) { return s == NULL || s[0] == '\0'; }
 
 static bool is_synthetic(const char *spec) { return strcmp(spec, MOE_RUN_SYNTHETIC) == 0; }
 
-static bool is_shard_glob(const char *spec);
+typedef enum source_kind { SOURCE_SYNTHETIC, SOURCE_SHARDS, SOURCE_TEXT, SOURCE_BYTES } source_kind;
+
+static source_kind kind_of(const moe_run_options *o, const char *spec);
 
 /* moe_train_state's name for what spec reads. */
-static const char *data_kind(const char *spec) {
-    return is_synthetic(spec) ? "synthetic" : is_shard_glob(spec) ? "shards" : "bytes";
+static const char *data_kind(const moe_run_options *o, const char *spec) {
+    static const char *const names[] = {"synthetic", "shards", "text", "bytes"};
+    return names[kind_of(o, spec)];
 }
 
 /* Whether the validation stream is a synthetic one (run.h's rules). */
@@ -307,9 +312,6 @@ moe_status moe_run_options_validate(const moe_run_options *o) {
         return moe_error(MOE_ERR_CONFIG, "--keep-last prunes a run's checkpoints, and --eval-only writes none");
     if (o->eval_only && o->overwrite)
         return moe_error(MOE_ERR_CONFIG, "--overwrite replaces a run in --out, and --eval-only writes none");
-    if (o->eval_only && o->tokenizer)
-        return moe_error(MOE_ERR_CONFIG, "--tokenizer is kept with a run's checkpoints, and --eval-only writes "
-                                         "none");
     if (o->eval_only && o->resume)
         return moe_error(MOE_ERR_CONFIG, "--eval-only and --resume exclude each other; evaluate a checkpoint "
                                          "with --eval-only --init-from DIR");
@@ -413,11 +415,32 @@ static bool is_shard_glob(const char *spec) {
            (strpbrk(spec, "*?[") != NULL && !(stat(spec, &sb) == 0 && S_ISREG(sb.st_mode)));
 }
 
+/* Whether the first file glob spec matches begins as a shard does. */
+static bool first_match_is_shard(const char *spec) {
+    glob_t g;
+    if (glob(spec, 0, NULL, &g) != 0) return false;
+    const bool shard = g.gl_pathc > 0 && shard_magic_of(g.gl_pathv[0]) != 0;
+    globfree(&g);
+    return shard;
+}
+
+/* What spec reads (run.h's rules). Under --tokenizer, a file or glob that
+ * is neither synthetic nor shards (a .bin name, or a glob whose first file
+ * begins as a shard does) is text it encodes. */
+static source_kind kind_of(const moe_run_options *o, const char *spec) {
+    if (is_synthetic(spec)) return SOURCE_SYNTHETIC;
+    const size_t n = strlen(spec);
+    const bool bin = n >= 4 && strcmp(spec + n - 4, ".bin") == 0, shards = is_shard_glob(spec);
+    if (o->tokenizer && !bin && !(shards && first_match_is_shard(spec))) return SOURCE_TEXT;
+    return shards ? SOURCE_SHARDS : SOURCE_BYTES;
+}
+
 /* Opens spec (run.h's rules) for the flag named in errors. A synthetic
- * source is n_synth tokens from synth_seed; shards are checked against
- * shard_vocab. */
+ * source is n_synth tokens from synth_seed; shards, and text (spec is
+ * text that tokenizer encodes when tokenizer is not NULL), are checked
+ * against vocab. */
 static moe_status open_source(run_source *s, const char *spec, const char *flag, uint64_t synth_seed,
-                              int64_t n_synth, int64_t shard_vocab) {
+                              int64_t n_synth, int64_t vocab, const char *tokenizer) {
     moe_status st;
     if (is_synthetic(spec)) {
         const moe_synth_params params = moe_synth_default_params();
@@ -425,8 +448,17 @@ static moe_status open_source(run_source *s, const char *spec, const char *flag,
         if (st == MOE_OK)
             st = moe_data_from_tokens(&s->data, s->synth.tokens, s->synth.n, MOE_SYNTH_VOCAB_SIZE, spec);
         snprintf(s->desc, sizeof s->desc, "synthetic corpus");
+    } else if (tokenizer) {
+        int32_t *tokens;
+        int64_t n, known;
+        st = moe_corpus_encode(&tokens, &n, &known, tokenizer, spec);
+        if (st == MOE_OK) {
+            st = moe_data_from_tokens(&s->data, tokens, n, vocab, spec);
+            free(tokens);
+        }
+        snprintf(s->desc, sizeof s->desc, "text %s encoded by %s", spec, tokenizer);
     } else if (is_shard_glob(spec)) {
-        st = moe_data_open_shards(&s->data, spec, shard_vocab);
+        st = moe_data_open_shards(&s->data, spec, vocab);
         snprintf(s->desc, sizeof s->desc, "llm.c shards %s", spec);
     } else {
         st = moe_data_open_bytes(&s->data, spec);
@@ -755,9 +787,9 @@ static moe_status read_resume_state(run *r) {
         return moe_error(MOE_ERR_CONFIG, "--resume %s: the checkpoint is at step %lld, --steps %lld leaves nothing "
                                          "to do",
                          o->resume, (long long)s->step, (long long)o->steps);
-    if (s->data_kind[0] && strcmp(s->data_kind, data_kind(o->data)) != 0)
+    if (s->data_kind[0] && strcmp(s->data_kind, data_kind(o, o->data)) != 0)
         return moe_error(MOE_ERR_CONFIG, "--resume %s: the checkpoint read %s data; --data %s is %s data", o->resume,
-                         s->data_kind, o->data, data_kind(o->data));
+                         s->data_kind, o->data, data_kind(o, o->data));
     const int64_t chunk = o->shuffle ? r->tokens.batch : 0;
     /* A shuffled epoch is read in whole chunks: a position between two is
      * another batch shape's, and the reader would refuse it only at the
@@ -794,23 +826,25 @@ static void warn_other_tokens(const run *r) {
     const moe_run_options *o = r->o;
     const char *read = o->eval_only ? (o->val_data ? o->val_data : o->data) : o->data;
     const char *flag = o->eval_only && o->val_data ? "--val-data" : "--data";
-    if (!o->eval_only && o->val_data && strcmp(data_kind(o->val_data), data_kind(o->data)) != 0)
+    if (!o->eval_only && o->val_data && strcmp(data_kind(o, o->val_data), data_kind(o, o->data)) != 0)
         warn(r->cb, "--val-data %s is %s data and --data %s is %s data: the model is evaluated on other tokens than it "
                     "trains on",
-             o->val_data, data_kind(o->val_data), o->data, data_kind(o->data));
+             o->val_data, data_kind(o, o->val_data), o->data, data_kind(o, o->data));
     if (!o->init_from) return;
     moe_train_state s; /* none (another trainer's model), or one that cannot be read: judged by the vocabulary */
     if (moe_checkpoint_read_state(&s, o->init_from) == MOE_OK && s.data_kind[0]) {
-        if (strcmp(s.data_kind, data_kind(read)) != 0)
+        if (strcmp(s.data_kind, data_kind(o, read)) != 0)
             warn(r->cb, "--init-from %s was trained on %s data, and %s %s is %s data", o->init_from, s.data_kind, flag,
-                 read, data_kind(read));
+                 read, data_kind(o, read));
         return;
     }
-    const int64_t ids = is_synthetic(read) ? MOE_SYNTH_VOCAB_SIZE : is_shard_glob(read) ? 0 : MOE_BYTE_VOCAB_SIZE;
+    const int64_t ids = is_synthetic(read)                       ? MOE_SYNTH_VOCAB_SIZE
+                        : kind_of(o, read) != SOURCE_BYTES    ? 0
+                                                              : MOE_BYTE_VOCAB_SIZE;
     if (ids && r->cfg.vocab_size != ids)
         warn(r->cb, "%s %s is %s data of %lld token ids, and the vocabulary of --init-from %s has %lld: the model "
                     "was made for other data",
-             flag, read, data_kind(read), (long long)ids, o->init_from, (long long)r->cfg.vocab_size);
+             flag, read, data_kind(o, read), (long long)ids, o->init_from, (long long)r->cfg.vocab_size);
 }
 
 /* The synthetic training stream's length. A fresh run generates its whole
@@ -890,13 +924,14 @@ static void warn_shard_as_bytes(const run *r, const run_source *s, const char *f
 /* --tokenizer, read whole for the checkpoints to keep, and opened to check
  * it and count its ids: the model's vocabulary must hold them, and
  * without a config they are the default model's. It is the shards'
- * tokenizer: the synthetic corpus and bytes have tokens of their own. */
+ * tokenizer, or encodes data given as text; the synthetic corpus has
+ * tokens of its own. */
 static moe_status read_tokenizer(run *r, bool known) {
     const moe_run_options *o = r->o;
-    if (!is_shard_glob(o->data))
-        return moe_error(MOE_ERR_CONFIG, "--tokenizer %s is the tokenizer of token shards, and --data %s is %s",
-                         o->tokenizer, o->data,
-                         is_synthetic(o->data) ? "the synthetic corpus, of tokens of its own" : "read at byte level");
+    if (is_synthetic(o->data))
+        return moe_error(MOE_ERR_CONFIG, "--tokenizer %s encodes text, or names the tokens of shards, and --data %s "
+                                         "is the synthetic corpus, of tokens of its own",
+                         o->tokenizer, o->data);
     MOE_TRY(moe_file_read_all(&r->tokenizer_text, &r->tokenizer_bytes, o->tokenizer, MOE_TOKENIZER_JSON_MAX_BYTES));
     if (!moe_tokenizer_file_is_json(o->tokenizer))
         return moe_error(MOE_ERR_CONFIG, "--tokenizer %s is no tokenizer.json (llm.c's tokenizer file, which "
@@ -971,7 +1006,7 @@ static moe_status open_data(run *r) {
                                     : r->tokenizer_tokens ? r->tokenizer_tokens
                                                           : MOE_GPT2_VOCAB_SIZE;
         MOE_TRY(open_source(&r->train, o->data, "--data", moe_rng_bits(o->seed, RUN_SYNTH_TRAIN_STREAM, 0),
-                            n_synth, shard_vocab));
+                            n_synth, shard_vocab, kind_of(o, o->data) == SOURCE_TEXT ? o->tokenizer : NULL));
         warn_shard_as_bytes(r, &r->train, "--data", o->data);
         if (o->val_tokens) MOE_TRY(hold_out(&r->train, o));
         if (!known) moe_run_default_config(&r->cfg, moe_data_vocab_size(r->train.data));
@@ -1005,7 +1040,7 @@ static moe_status open_data(run *r) {
     const char *val_spec = o->val_data ? o->val_data : o->data;
     const char *val_flag = o->val_data ? "--val-data" : o->val_tokens ? "--val-tokens of --data" : "validation data (--data)";
     MOE_TRY(open_source(&r->val, val_spec, val_flag, moe_rng_bits(o->seed, RUN_SYNTH_VAL_STREAM, 0), n->eval + 1,
-                        r->cfg.vocab_size));
+                        r->cfg.vocab_size, kind_of(o, val_spec) == SOURCE_TEXT ? o->tokenizer : NULL));
     if (o->val_data) warn_shard_as_bytes(r, &r->val, "--val-data", val_spec);
     if (o->val_tokens) {
         const int64_t all = moe_data_token_count(r->val.data);
@@ -1019,7 +1054,7 @@ static moe_status open_data(run *r) {
     snprintf(reader, sizeof reader, "--eval-batches %lld of %s (plus the last target)", (long long)o->eval_batches,
              shape);
     MOE_TRY(check_length(&r->val, val_flag, val_spec, n->eval + 1, reader));
-    if (is_shard_glob(val_spec)) {
+    if (kind_of(o, val_spec) == SOURCE_SHARDS) {
         const moe_status st = scan_validation(r);
         if (st != MOE_OK) return moe_error_prefix(st, "%s: ", val_flag);
     }
@@ -1892,7 +1927,7 @@ static moe_status save_checkpoint(run *r) {
         .data_shuffle_seed = r->shuffle_seed,
     };
     MOE_TRY(jitter_counter(r, &state.jitter_counter));
-    snprintf(state.data_kind, sizeof state.data_kind, "%s", data_kind(r->o->data));
+    snprintf(state.data_kind, sizeof state.data_kind, "%s", data_kind(r->o, r->o->data));
     state.companions = &r->companions;
     if (r->o->pp_balance == MOE_PP_BALANCE_MEASURED) {
         state.pipe_layer_seconds = r->stage_costs.layer;

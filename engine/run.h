@@ -29,7 +29,10 @@
  * or holds a glob character (* ? [), a glob of llm.c token shards; a
  * regular file of that very name comes first (a byte file
  * "notes[v2].txt", one shard "x[1].bin"), what else the glob matches does
- * not count.
+ * not count. Under a tokenizer, a file or glob that is not shards (a .bin
+ * name, or a glob whose first file begins as a shard does) is text it
+ * encodes at the start (corpus.h's moe_corpus_encode: the stream
+ * moe-tokenize's shards of it hold).
  * Without val_data a non-synthetic run validates on the last val_tokens
  * tokens of its data, which the training reader then stops before (a
  * held-out split), or with val_tokens 0 on the training data itself, read

@@ -1322,7 +1322,7 @@ Test(checkpoint, corrupt_state_is_refused, .init = make_tmpdir, .fini = remove_t
         {"data_chunk", NULL, "\"data_chunk\""},
         {"data_tokens", NULL, "\"data_tokens\""},
         {"data_tokens", "-1", "\"data_tokens\""},
-        {"data_kind", "text", "\"data_kind\""},
+        {"data_kind", "tokens", "\"data_kind\""},
         {"data_shuffle_seed", "-3", "\"data_shuffle_seed\""},
         {"data_shuffle_seed", "18446744073709551616", "\"data_shuffle_seed\""},
         /* The pipeline's measured costs come whole, as finite seconds. */

@@ -23,6 +23,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "engine/corpus.h"
 #include "engine/data.h"
 #include "engine/fileio.h"
 #include "engine/json.h"
@@ -631,15 +632,10 @@ Test(train_run, tokenizer_kept_with_every_checkpoint, .init = make_tmp, .fini = 
     run_ok(&o, &v);
     cr_expect(v.vocab_size == VOCAB && v.tokenizer_tokens == VOCAB, "vocab_size %lld, tokenizer %lld",
               (long long)v.vocab_size, (long long)v.tokenizer_tokens);
-    size_t want_n, got_n;
-    char *want = read_file(tok, &want_n);
     for (int step = 1; step <= 2; step++) {
         snprintf(path, sizeof path, "%s/step-%06d/tokenizer.json", out, step);
-        char *got = read_file(path, &got_n);
-        cr_expect(got_n == want_n && memcmp(got, want, want_n) == 0, "%s is not --tokenizer's", path);
-        free(got);
+        cr_expect(same_file(path, tok), "%s is not --tokenizer's", path);
     }
-    free(want);
 
     /* A resume with the same tokenizer goes on; with another is refused. */
     snprintf(step1, sizeof step1, "%s/step-000001", out);
@@ -704,11 +700,66 @@ Test(train_run, tokenizer_kept_with_every_checkpoint, .init = make_tmp, .fini = 
     o.tokenizer = other;
     cr_expect_eq(moe_run(&o, &cb), MOE_ERR_CONFIG);
     cr_expect(strstr(moe_last_error(), "is no tokenizer.json"), "%s", moe_last_error());
+}
+
+/* Text under --tokenizer (a glob of files) is encoded at the start as
+ * moe-tokenize encodes it: a run on it is a run on moe-tokenize's shards
+ * of it, bit for bit, and resumes as one; the shards, globbed without
+ * their .bin, are still shards. */
+Test(train_run, text_under_a_tokenizer_trains_as_its_shards, .init = make_tmp, .fini = remove_tmp) {
+    char text[512], shards[512], glob[600], out_a[512], out_b[512], path[600], path_b[600];
+    const char *tok = MOE_TEST_DATA_DIR "/tokenizer_qwen2.json";
+    FILE *f = fopen(tmp_path(text, "corpus_a.jsonl"), "w");
+    cr_assert_not_null(f);
+    for (int i = 0; i < 60; i++)
+        fprintf(f, "{\"text\": \"moe trains Mixture-of-Experts transformers from C, line %d: routers, experts, "
+                   "all-to-all.\"}\n",
+                i);
+    cr_assert_eq(fclose(f), 0);
+    f = fopen(tmp_path(text, "corpus_b.txt"), "w");
+    cr_assert_not_null(f);
+    fputs("A whole file is one document,\nof lines of Ünïcödé and 漢字 too.\n", f);
+    cr_assert_eq(fclose(f), 0);
+    tmp_path(text, "corpus_*"); /* a glob of text, as one of shards */
+    moe_corpus_options c;
+    moe_corpus_options_init(&c);
+    c.tokenizer = tok;
+    c.input = text;
+    c.out = tmp_path(shards, "tok");
+    moe_corpus_totals totals;
+    cr_assert_eq(moe_corpus_tokenize(&c, NULL, &totals), MOE_OK, "%s", moe_last_error());
+
+    moe_run_options o = tiny_options(NULL, tmp_path(out_a, "a"));
+    snprintf(glob, sizeof glob, "%s_train_*.bin", shards);
+    o.data = glob;
+    o.val_tokens = 300;
     o.tokenizer = tok;
-    o.eval_only = true;
-    o.init_from = step1;
-    cr_expect_eq(moe_run_options_validate(&o), MOE_ERR_CONFIG);
-    cr_expect(strstr(moe_last_error(), "--tokenizer is kept with a run's checkpoints"), "%s", moe_last_error());
+    o.steps = 4;
+    o.save_every = 2;
+    seen v;
+    run_ok(&o, &v);
+    const double shards_val = v.end_val;
+    o.data = text;
+    o.out_dir = tmp_path(out_b, "b");
+    run_ok(&o, &v);
+    cr_expect_eq(v.end_val, shards_val, "text %.9g, its shards %.9g", v.end_val, shards_val);
+    snprintf(path, sizeof path, "%s/step-000004/model.safetensors", out_a);
+    snprintf(path_b, sizeof path_b, "%s/step-000004/model.safetensors", out_b);
+    cr_expect(same_file(path, path_b), "the weights after text and after its shards differ");
+
+    /* A resume of the text run, and one that reads the shards instead. */
+    snprintf(path, sizeof path, "%s/step-000002", out_b);
+    o.resume = path;
+    o.overwrite = true;
+    run_ok(&o, &v);
+    cr_expect_eq(v.end_val, shards_val, "resumed %.9g, uninterrupted %.9g", v.end_val, shards_val);
+    snprintf(glob, sizeof glob, "%s_train_*", shards);
+    o.data = glob;
+    moe_run_callbacks cb = callbacks(&v);
+    cr_expect_eq(moe_run(&o, &cb), MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "the checkpoint read text data; --data") &&
+                  strstr(moe_last_error(), "is shards data"),
+              "%s", moe_last_error());
 }
 
 /* The file's name is not UTF-8 (Latin-1 e-acute): run.json records it with
