@@ -2374,7 +2374,7 @@ static moe_status run_body(run *r, double start) {
     MOE_TRY(open_data(r));
     /* Read once, before any step: a file that cannot be read is left out
      * of the checkpoints with a warning, never found missing at a save. */
-    if (!o->eval_only)
+    if (!o->eval_only || r->tokenizer_text) /* under --eval-only, only to hold --tokenizer to the model's */
         MOE_TRY(moe_checkpoint_read_companions(&r->companions, o->resume ? o->resume : o->init_from,
                                                r->cb->on_warning, r->cb->ctx));
     if (r->tokenizer_text) MOE_TRY(keep_tokenizer(r));

@@ -651,6 +651,19 @@ Test(train_run, tokenizer_kept_with_every_checkpoint, .init = make_tmp, .fini = 
               "%s", moe_last_error());
     cr_expect_eq(v.steps, 0);
 
+    /* --eval-only evaluates by the model's tokenizer only. */
+    moe_run_options e = o;
+    e.resume = NULL;
+    e.overwrite = false;
+    e.eval_only = true;
+    e.init_from = step1;
+    e.save_every = 0;
+    cr_expect_eq(moe_run(&e, &cb), MOE_ERR_CONFIG);
+    cr_expect(strstr(moe_last_error(), "differs (byte for byte) from"), "%s", moe_last_error());
+    e.tokenizer = tok;
+    run_ok_or_done(&e, &v);
+    cr_expect(isfinite(v.end_val), "--eval-only gave %g", v.end_val);
+
     /* A source with a tokenizer of its own but no tokenizer.json. */
     char hf[600], file[700], out3[512];
     snprintf(hf, sizeof hf, "%s/step-000002", out);
