@@ -186,10 +186,9 @@ static moe_status check_no_nul(const char *text, int64_t len, const char *where)
     return MOE_OK;
 }
 
-/* The document of one .jsonl line, or *skip for a blank one. */
-static moe_status parse_line(document *d, bool *skip, reader *r, const char *path, int64_t len) {
-    char where[PATH_BYTES + 32];
-    snprintf(where, sizeof where, "%s:%lld", path, (long long)r->line);
+/* The document of one .jsonl line (where: PATH:LINE), or *skip for a blank
+ * one. */
+static moe_status parse_line(document *d, bool *skip, reader *r, const char *path, const char *where, int64_t len) {
     char *s = r->line_buf;
     while (len > 0 && (s[len - 1] == '\n' || s[len - 1] == '\r')) s[--len] = '\0';
     int64_t i = 0;
@@ -284,7 +283,7 @@ static moe_status next_document(document *d, bool *end, reader *r) {
         snprintf(where, sizeof where, "%s:%lld", path, (long long)r->line);
         MOE_TRY(check_no_nul(r->line_buf, len, where));
         bool skip;
-        MOE_TRY(parse_line(d, &skip, r, path, len));
+        MOE_TRY(parse_line(d, &skip, r, path, where, len));
         if (!skip) return MOE_OK;
     }
 }
@@ -562,8 +561,7 @@ static void encoder_close(encoder *e) {
     moe_tokenizer_close(e->t);
 }
 
-moe_status moe_corpus_encode(int32_t **tokens, int64_t *n, int64_t *tokenizer_tokens, const char *tokenizer,
-                             const char *input) {
+moe_status moe_corpus_encode(int32_t **tokens, int64_t *n, const char *tokenizer, const char *input) {
     moe_corpus_options o;
     moe_corpus_options_init(&o);
     o.tokenizer = tokenizer;
@@ -575,7 +573,6 @@ moe_status moe_corpus_encode(int32_t **tokens, int64_t *n, int64_t *tokenizer_to
     moe_status st = encoder_open(&e, &o);
     if (st == MOE_OK) st = encode_all(&w, &totals, &e.r, e.t, &e.plan, e.kind);
     if (st == MOE_OK && w.n == 0) st = moe_error(MOE_ERR_CONFIG, "%s: no document holds text", input);
-    *tokenizer_tokens = e.plan.tokenizer_tokens;
     encoder_close(&e);
     if (st != MOE_OK) {
         free(w.buf);
@@ -609,10 +606,10 @@ moe_status moe_corpus_tokenize(const moe_corpus_options *o, const moe_corpus_cal
     writer w = {.o = o, .cb = cb, .split = o->val_tokens > 0 ? 0 : 1, .token_bytes = e.plan.token_bytes};
     w.base = strrchr(o->out, '/') ? strrchr(o->out, '/') + 1 : o->out;
     const int64_t *tokens = w.split_tokens;
+    char dir[PATH_BYTES]; /* the prefix's folder; "" for the working one */
+    snprintf(dir, sizeof dir, "%.*s", (int)(w.base - o->out), o->out);
     if (st == MOE_OK) {
         if (cb->on_start) cb->on_start(cb->ctx, &e.plan);
-        char dir[PATH_BYTES];
-        snprintf(dir, sizeof dir, "%.*s", (int)(w.base - o->out), o->out);
         if (*dir) st = moe_mkdir_p(dir);
     }
     bool staged = false;
@@ -629,11 +626,7 @@ moe_status moe_corpus_tokenize(const moe_corpus_options *o, const moe_corpus_cal
                                        "to train on",
                        (long long)o->val_tokens, (long long)tokens[0]);
     if (st == MOE_OK) st = publish(&w, &old);
-    if (st == MOE_OK) {
-        char dir[PATH_BYTES];
-        snprintf(dir, sizeof dir, "%.*s", (int)(w.base - o->out), o->out);
-        st = moe_fsync_dir(*dir ? dir : ".");
-    }
+    if (st == MOE_OK) st = moe_fsync_dir(*dir ? dir : ".");
     if (staged && !w.keep_staging) {
         const moe_status removed = moe_remove_tree(w.staging);
         if (st == MOE_OK) st = removed;

@@ -107,9 +107,7 @@ moe_status moe_corpus_tokenize(const moe_corpus_options *options, const moe_corp
 /* The documents input names (a file or a glob, as --input; the text key
  * "text", the default separator) encoded by tokenizer into one stream of
  * ids [*n] in memory (free() it): the tokens moe_corpus_tokenize's shards
- * hold without a validation split. *tokenizer_tokens: the ids tokenizer
- * knows. */
-moe_status moe_corpus_encode(int32_t **tokens, int64_t *n, int64_t *tokenizer_tokens, const char *tokenizer,
-                             const char *input);
+ * hold without a validation split. */
+moe_status moe_corpus_encode(int32_t **tokens, int64_t *n, const char *tokenizer, const char *input);
 
 #endif /* MOE_ENGINE_CORPUS_H */

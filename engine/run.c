@@ -182,11 +182,14 @@ typedef enum source_kind { SOURCE_SYNTHETIC, SOURCE_SHARDS, SOURCE_TEXT, SOURCE_
 
 static source_kind kind_of(const moe_run_options *o, const char *spec);
 
-/* moe_train_state's name for what spec reads. */
-static const char *data_kind(const moe_run_options *o, const char *spec) {
+/* moe_train_state's name for a kind. */
+static const char *kind_name(source_kind kind) {
     static const char *const names[] = {"synthetic", "shards", "text", "bytes"};
-    return names[kind_of(o, spec)];
+    return names[kind];
 }
+
+/* moe_train_state's name for what spec reads. */
+static const char *data_kind(const moe_run_options *o, const char *spec) { return kind_name(kind_of(o, spec)); }
 
 /* Whether the validation stream is a synthetic one (run.h's rules). */
 static bool synthetic_validation(const moe_run_options *o) {
@@ -406,13 +409,16 @@ static int32_t shard_magic_of(const char *path) {
     return moe_data_is_shard_magic(magic) ? magic : 0;
 }
 
+static bool is_bin_name(const char *spec) {
+    const size_t n = strlen(spec);
+    return n >= 4 && strcmp(spec + n - 4, ".bin") == 0;
+}
+
 /* Shards: a .bin name, or a glob; a regular file of that very name,
  * wildcards and all, is read as what its name says. */
 static bool is_shard_glob(const char *spec) {
-    const size_t n = strlen(spec);
     struct stat sb;
-    return (n >= 4 && strcmp(spec + n - 4, ".bin") == 0) ||
-           (strpbrk(spec, "*?[") != NULL && !(stat(spec, &sb) == 0 && S_ISREG(sb.st_mode)));
+    return is_bin_name(spec) || (strpbrk(spec, "*?[") != NULL && !(stat(spec, &sb) == 0 && S_ISREG(sb.st_mode)));
 }
 
 /* Whether the first file glob spec matches begins as a shard does. */
@@ -429,9 +435,8 @@ static bool first_match_is_shard(const char *spec) {
  * begins as a shard does) is text it encodes. */
 static source_kind kind_of(const moe_run_options *o, const char *spec) {
     if (is_synthetic(spec)) return SOURCE_SYNTHETIC;
-    const size_t n = strlen(spec);
-    const bool bin = n >= 4 && strcmp(spec + n - 4, ".bin") == 0, shards = is_shard_glob(spec);
-    if (o->tokenizer && !bin && !(shards && first_match_is_shard(spec))) return SOURCE_TEXT;
+    const bool shards = is_shard_glob(spec);
+    if (o->tokenizer && !is_bin_name(spec) && !(shards && first_match_is_shard(spec))) return SOURCE_TEXT;
     return shards ? SOURCE_SHARDS : SOURCE_BYTES;
 }
 
@@ -450,8 +455,8 @@ static moe_status open_source(run_source *s, const char *spec, const char *flag,
         snprintf(s->desc, sizeof s->desc, "synthetic corpus");
     } else if (tokenizer) {
         int32_t *tokens;
-        int64_t n, known;
-        st = moe_corpus_encode(&tokens, &n, &known, tokenizer, spec);
+        int64_t n;
+        st = moe_corpus_encode(&tokens, &n, tokenizer, spec);
         if (st == MOE_OK) {
             st = moe_data_from_tokens(&s->data, tokens, n, vocab, spec);
             free(tokens);
@@ -506,6 +511,7 @@ typedef struct run {
     run_source train, val;
     moe_mc_eval *mc;       /* --eval-mc's examples; NULL: none */
     moe_checkpoint_files companions; /* the source's tokenizer and generation files, for every checkpoint */
+    source_kind data_source;          /* what --data reads, decided once (open_data) */
     char *tokenizer_text;             /* --tokenizer's bytes [tokenizer_bytes] until companions take them */
     size_t tokenizer_bytes;
     int64_t tokenizer_tokens;         /* its ids; 0 without it */
@@ -568,16 +574,6 @@ static void field_text(char *buf, size_t size, const moe_agree_field *f, double 
     moe_shortest(buf, size, value); /* two that differ print apart */
 }
 
-/* --upcycle's dense model against --config's MoE: the dense model's
- * config.json (when DIR has one), read as its model type's config class
- * reads it (a llama, mistral, qwen2 or qwen3 one, or any type's model of
- * dense MLP layers only), must give the function the MoE starts from: its
- * sizes (its MLPs' width the experts'), RoPE, rms_norm_eps, window, head
- * tying, q and k norm (a qwen3's, which the MoE must have too:
- * moe_qk_norm) and q, k and v biases (a qwen2's: moe_qkv_bias), or shapes
- * alone would let 32 heads of 128 pass for 64 of 64, or another
- * rope_theta. The token ids --config does not give are taken from the
- * dense model's, whose tokenizer the MoE keeps. */
 /* Whether the JSON object in path has a model_type key. */
 static bool names_model_type(const char *path) {
     moe_json_doc *doc;
@@ -588,6 +584,16 @@ static bool names_model_type(const char *path) {
     return named;
 }
 
+/* --upcycle's dense model against --config's MoE: the dense model's
+ * config.json (when DIR has one), read as its model type's config class
+ * reads it (a llama, mistral, qwen2 or qwen3 one, or any type's model of
+ * dense MLP layers only), must give the function the MoE starts from: its
+ * sizes (its MLPs' width the experts'), RoPE, rms_norm_eps, window, head
+ * tying, q and k norm (a qwen3's, which the MoE must have too:
+ * moe_qk_norm) and q, k and v biases (a qwen2's: moe_qkv_bias), or shapes
+ * alone would let 32 heads of 128 pass for 64 of 64, or another
+ * rope_theta. The token ids --config does not give are taken from the
+ * dense model's, whose tokenizer the MoE keeps. */
 static moe_status check_dense_config(moe_model_config *moe, const moe_run_options *o, moe_warn_fn on_warn,
                                      void *warn_ctx) {
     char path[RUN_PATH_BYTES];
@@ -787,9 +793,9 @@ static moe_status read_resume_state(run *r) {
         return moe_error(MOE_ERR_CONFIG, "--resume %s: the checkpoint is at step %lld, --steps %lld leaves nothing "
                                          "to do",
                          o->resume, (long long)s->step, (long long)o->steps);
-    if (s->data_kind[0] && strcmp(s->data_kind, data_kind(o, o->data)) != 0)
+    if (s->data_kind[0] && strcmp(s->data_kind, kind_name(r->data_source)) != 0)
         return moe_error(MOE_ERR_CONFIG, "--resume %s: the checkpoint read %s data; --data %s is %s data", o->resume,
-                         s->data_kind, o->data, data_kind(o, o->data));
+                         s->data_kind, o->data, kind_name(r->data_source));
     const int64_t chunk = o->shuffle ? r->tokens.batch : 0;
     /* A shuffled epoch is read in whole chunks: a position between two is
      * another batch shape's, and the reader would refuse it only at the
@@ -998,6 +1004,7 @@ static moe_status open_data(run *r) {
                                     o->config ? "" : "/config.json");
     }
     if (o->tokenizer) MOE_TRY(read_tokenizer(r, known));
+    r->data_source = kind_of(o, o->data);
     if (!o->eval_only) {
         if (o->resume) MOE_TRY(read_resume_state(r));
         int64_t n_synth = 0;
@@ -1006,7 +1013,7 @@ static moe_status open_data(run *r) {
                                     : r->tokenizer_tokens ? r->tokenizer_tokens
                                                           : MOE_GPT2_VOCAB_SIZE;
         MOE_TRY(open_source(&r->train, o->data, "--data", moe_rng_bits(o->seed, RUN_SYNTH_TRAIN_STREAM, 0),
-                            n_synth, shard_vocab, kind_of(o, o->data) == SOURCE_TEXT ? o->tokenizer : NULL));
+                            n_synth, shard_vocab, r->data_source == SOURCE_TEXT ? o->tokenizer : NULL));
         warn_shard_as_bytes(r, &r->train, "--data", o->data);
         if (o->val_tokens) MOE_TRY(hold_out(&r->train, o));
         if (!known) moe_run_default_config(&r->cfg, moe_data_vocab_size(r->train.data));
@@ -1927,7 +1934,7 @@ static moe_status save_checkpoint(run *r) {
         .data_shuffle_seed = r->shuffle_seed,
     };
     MOE_TRY(jitter_counter(r, &state.jitter_counter));
-    snprintf(state.data_kind, sizeof state.data_kind, "%s", data_kind(r->o, r->o->data));
+    snprintf(state.data_kind, sizeof state.data_kind, "%s", kind_name(r->data_source));
     state.companions = &r->companions;
     if (r->o->pp_balance == MOE_PP_BALANCE_MEASURED) {
         state.pipe_layer_seconds = r->stage_costs.layer;
